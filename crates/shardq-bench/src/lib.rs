@@ -1,0 +1,1 @@
+//! shardq-bench (placeholder until its capability lands).

@@ -1,0 +1,1 @@
+//! shardq-core (placeholder until its capability lands).

@@ -1,0 +1,1 @@
+//! shardq-fs (placeholder until its capability lands).

@@ -1,0 +1,1 @@
+//! shardq-redis (placeholder until its capability lands).

@@ -1,0 +1,100 @@
+//! Rendezvous (highest random weight) hashing.
+//!
+//! Unweighted: owner = argmax over active shards of `h("{name}:{key}")`,
+//! ties to the earliest shard in map order (Python's `max`).
+//!
+//! Weighted (used only when the active shards' weights differ; equal weights
+//! take the unweighted path, so they give exactly its answer): the
+//! logarithmic method. For each shard, with `x = h("{name}:{key}")`:
+//!
+//! ```text
+//! u     = ((x >> 11) + 0.5) / 2^53        # IEEE-754 double, in (0, 1)
+//! score = weight / -ln(u)                 # ln is the natural logarithm
+//! ```
+//!
+//! owner = argmax of score, ties to the earliest shard in map order. Every
+//! step is a correctly rounded IEEE operation except `ln`, which comes from
+//! the platform's libm; across platforms a one-ulp difference could flip a
+//! near-exact tie, which the shared vectors would reveal.
+
+use crate::hash::HashFn;
+use crate::keybuf::with_joined;
+
+/// Rendezvous over a list of `(prefix, weight)` where prefix is `"{name}:"`.
+#[derive(Debug, Clone)]
+pub struct Rendezvous {
+    prefixes: Vec<Box<[u8]>>,
+    weights: Vec<f64>,
+    weighted: bool,
+}
+
+impl Rendezvous {
+    /// Builds the scorer over `(name, weight)` pairs in map order.
+    pub fn build<'a>(shards: impl Iterator<Item = (&'a str, u32)>) -> Rendezvous {
+        let mut prefixes = Vec::new();
+        let mut weights = Vec::new();
+        for (name, weight) in shards {
+            let mut p = name.as_bytes().to_vec();
+            p.push(b':');
+            prefixes.push(p.into_boxed_slice());
+            weights.push(f64::from(weight));
+        }
+        let weighted = weights.windows(2).any(|w| w[0] != w[1]);
+        Rendezvous {
+            prefixes,
+            weights,
+            weighted,
+        }
+    }
+
+    /// Position (in the active list) of the owner of `key`.
+    #[inline]
+    pub fn lookup(&self, hash: HashFn, key: &[u8]) -> u32 {
+        if self.weighted {
+            let mut best = 0u32;
+            let mut best_score = f64::NEG_INFINITY;
+            for (i, prefix) in self.prefixes.iter().enumerate() {
+                let x = with_joined(prefix, key, |b| hash.hash(b));
+                let score = weighted_score(self.weights[i], x);
+                if score > best_score {
+                    best_score = score;
+                    best = i as u32;
+                }
+            }
+            best
+        } else {
+            let mut best = 0u32;
+            let mut best_x = 0u64;
+            for (i, prefix) in self.prefixes.iter().enumerate() {
+                let x = with_joined(prefix, key, |b| hash.hash(b));
+                if i == 0 || x > best_x {
+                    best_x = x;
+                    best = i as u32;
+                }
+            }
+            best
+        }
+    }
+}
+
+/// The logarithmic-method score of a shard of `weight` whose hash is `x`.
+#[inline]
+pub fn weighted_score(weight: f64, x: u64) -> f64 {
+    const TWO_POW_53: f64 = 9_007_199_254_740_992.0;
+    let u = ((x >> 11) as f64 + 0.5) / TWO_POW_53;
+    weight / -u.ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn score_is_finite_at_extremes() {
+        for x in [0, 1, u64::MAX, u64::MAX >> 1] {
+            let s = weighted_score(1.0, x);
+            assert!(s.is_finite() && s > 0.0, "x={x} score={s}");
+        }
+        assert!(weighted_score(1.0, u64::MAX) > weighted_score(1.0, 0));
+    }
+}

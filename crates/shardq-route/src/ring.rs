@@ -1,0 +1,168 @@
+//! The hash ring with virtual nodes.
+//!
+//! Shard `name` with weight `w` owns the points `h("{name}#{i}")` for
+//! `i in 0..vnodes*w`. A key belongs to the owner of the first point strictly
+//! greater than `h(key)`, wrapping to the first point: Python's
+//! `bisect.bisect(points, h(key)) % len(points)`.
+//!
+//! Tie rule: when several points share one value, the point belongs to the
+//! shard that comes *last* in map order (among active shards). This is what
+//! the specification's Python reference does, since its `owner` dict is
+//! overwritten in insertion order.
+//!
+//! Lookup is a sorted `u64` array plus an index on the top bits of the hash:
+//! `index[b]` counts the points whose top bits are below `b`, so a lookup is
+//! one index load and a scan of the (usually empty or one-point) bucket.
+
+use crate::hash::HashFn;
+
+/// Target points per index bucket (about one), bounded by [`INDEX_BITS_MAX`].
+const INDEX_BITS_MAX: u32 = 22;
+
+/// An immutable, built ring.
+#[derive(Debug, Clone)]
+pub struct Ring {
+    points: Vec<u64>,
+    /// `owners[i]` is the position (in the router's active list) of `points[i]`'s shard.
+    owners: Vec<u32>,
+    index: Vec<u32>,
+    shift: u32,
+}
+
+impl Ring {
+    /// Builds the ring over `(name, weight)` pairs in map order.
+    pub fn build<'a>(hash: HashFn, vnodes: u32, shards: impl Iterator<Item = (&'a str, u32)>) -> Ring {
+        let mut pairs: Vec<(u64, u32)> = Vec::new();
+        let mut buf: Vec<u8> = Vec::with_capacity(96);
+        let mut digits = itoa_buf();
+        for (pos, (name, weight)) in shards.enumerate() {
+            let count = u64::from(vnodes) * u64::from(weight);
+            pairs.reserve(count as usize);
+            buf.clear();
+            buf.extend_from_slice(name.as_bytes());
+            buf.push(b'#');
+            let prefix_len = buf.len();
+            for i in 0..count {
+                buf.truncate(prefix_len);
+                buf.extend_from_slice(format_u64(&mut digits, i));
+                pairs.push((hash.hash(&buf), pos as u32));
+            }
+        }
+        // Sort by value then by shard position, and keep the last of equal
+        // values: the later shard in map order wins a tie.
+        pairs.sort_unstable();
+        let mut points = Vec::with_capacity(pairs.len());
+        let mut owners = Vec::with_capacity(pairs.len());
+        for (i, &(p, o)) in pairs.iter().enumerate() {
+            if pairs.get(i + 1).is_some_and(|next| next.0 == p) {
+                continue;
+            }
+            points.push(p);
+            owners.push(o);
+        }
+        let bits = (usize::BITS - points.len().max(2).leading_zeros()).clamp(1, INDEX_BITS_MAX);
+        let shift = 64 - bits;
+        let buckets = 1usize << bits;
+        let mut index = vec![0u32; buckets + 1];
+        let mut i = 0usize;
+        for (b, slot) in index.iter_mut().enumerate().take(buckets) {
+            while i < points.len() && ((points[i] >> shift) as usize) < b {
+                i += 1;
+            }
+            *slot = i as u32;
+        }
+        index[buckets] = points.len() as u32;
+        Ring {
+            points,
+            owners,
+            index,
+            shift,
+        }
+    }
+
+    /// Position (in the active list) of the owner of hash `h`.
+    #[inline]
+    pub fn lookup(&self, h: u64) -> u32 {
+        let b = (h >> self.shift) as usize;
+        let mut i = self.index[b] as usize;
+        let end = self.index[b + 1] as usize;
+        while i < end && self.points[i] <= h {
+            i += 1;
+        }
+        if i == self.points.len() {
+            i = 0;
+        }
+        self.owners[i]
+    }
+
+    /// Number of distinct points.
+    pub fn len(&self) -> usize {
+        self.points.len()
+    }
+
+    /// True when the ring has no points (never for a built map).
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// The same answer by plain binary search: the reference the fast path is tested against.
+    pub fn lookup_bisect(&self, h: u64) -> u32 {
+        let i = self.points.partition_point(|&p| p <= h);
+        self.owners[if i == self.points.len() { 0 } else { i }]
+    }
+}
+
+type DigitBuf = [u8; 20];
+
+fn itoa_buf() -> DigitBuf {
+    [0u8; 20]
+}
+
+/// Decimal digits of `n` without allocating.
+fn format_u64(buf: &mut DigitBuf, mut n: u64) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_lookup_matches_bisect() {
+        let names = ["a", "b", "c"];
+        let ring = Ring::build(HashFn::Xxh3, 64, names.iter().map(|n| (*n, 1)));
+        let mut h = 0u64;
+        for i in 0..100_000u64 {
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15 ^ i);
+            assert_eq!(ring.lookup(h), ring.lookup_bisect(h));
+        }
+        for p in [0, u64::MAX, ring.points[0], ring.points[ring.len() - 1]] {
+            assert_eq!(ring.lookup(p), ring.lookup_bisect(p));
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_later_shard() {
+        // crc16 collides easily: find two names whose first points collide.
+        let ring = Ring::build(HashFn::Crc16, 4096, [("x", 1), ("y", 1)].into_iter());
+        // 8192 points in a 65536 space collide often; the distinct count proves dedup ran.
+        assert!(ring.len() < 8192);
+    }
+
+    #[test]
+    fn formats_numbers() {
+        let mut b = itoa_buf();
+        assert_eq!(format_u64(&mut b, 0), b"0");
+        assert_eq!(format_u64(&mut b, 1234567), b"1234567");
+        assert_eq!(format_u64(&mut b, u64::MAX), u64::MAX.to_string().as_bytes());
+    }
+}
