@@ -1,1 +1,54 @@
-fn main() {}
+//! The `shardq` binary: thin glue over the library crates. Each command group
+//! lives in its own module; this file only parses arguments and dispatches.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench_chx;
+mod bench_route;
+mod cmd_bench;
+mod cmd_engine;
+mod cmd_route;
+
+/// shardq: a sharded job queue that routes each key to a shard with
+/// consistent hashing, keeps each key's jobs in order, and reshards live.
+#[derive(Debug, Parser)]
+#[command(name = "shardq", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Route keys to shards with a shard map (KEY<TAB>SHARD per key).
+    Route(cmd_route::RouteArgs),
+    /// Print the Redis Cluster slot of keys (KEY<TAB>SLOT per key).
+    Slot(cmd_route::SlotArgs),
+    /// Show how many keys move, and where, between two shard maps.
+    Plan(cmd_route::PlanArgs),
+    /// Benchmarks: routing speed, and the consistent-hash harness.
+    #[command(subcommand)]
+    Bench(cmd_bench::BenchCommand),
+    #[command(flatten)]
+    Engine(cmd_engine::EngineCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Route(args) => cmd_route::route(args),
+        Command::Slot(args) => cmd_route::slot(args),
+        Command::Plan(args) => cmd_route::plan(args),
+        Command::Bench(cmd) => cmd_bench::run(cmd),
+        Command::Engine(cmd) => cmd_engine::run(cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("shardq: error: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}
