@@ -62,7 +62,11 @@ pub enum MapError {
 }
 
 impl MapError {
-    pub(crate) fn invalid(field: impl Into<String>, value: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn invalid(
+        field: impl Into<String>,
+        value: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
         MapError::Invalid {
             field: field.into(),
             value: value.into(),

@@ -133,7 +133,9 @@ impl FromStr for ShardState {
             "active" => Ok(ShardState::Active),
             "warming" => Ok(ShardState::Warming),
             "draining" => Ok(ShardState::Draining),
-            _ => Err(format!("unknown state {s:?}; expected active, warming or draining")),
+            _ => Err(format!(
+                "unknown state {s:?}; expected active, warming or draining"
+            )),
         }
     }
 }
@@ -296,11 +298,23 @@ impl ShardMap {
 
     /// Parses and validates a YAML shard map.
     pub fn from_yaml(text: &str) -> Result<Self, MapError> {
-        let doc: Value = serde_yaml_ng::from_str(text).map_err(|e| MapError::Yaml(e.to_string()))?;
+        let doc: Value =
+            serde_yaml_ng::from_str(text).map_err(|e| MapError::Yaml(e.to_string()))?;
         let top = doc.as_mapping().ok_or_else(|| {
-            MapError::invalid("(document)", render(&doc), "the shard map must be a YAML mapping")
+            MapError::invalid(
+                "(document)",
+                render(&doc),
+                "the shard map must be a YAML mapping",
+            )
         })?;
-        let known = ["version", "algorithm", "hash", "vnodes", "shards", "overrides"];
+        let known = [
+            "version",
+            "algorithm",
+            "hash",
+            "vnodes",
+            "shards",
+            "overrides",
+        ];
         for k in top.keys() {
             let name = k.as_str().unwrap_or("");
             if !known.contains(&name) {
@@ -312,21 +326,27 @@ impl ShardMap {
             }
         }
         let version = match top.get("version") {
-            None | Some(Value::Null) => return Err(MapError::Missing { field: "version".into() }),
+            None | Some(Value::Null) => {
+                return Err(MapError::Missing {
+                    field: "version".into(),
+                })
+            }
             Some(v) => as_u64(v, "version", "version must be a non-negative integer")?,
         };
         let algorithm = match top.get("algorithm") {
             None | Some(Value::Null) => Algorithm::default(),
             Some(v) => {
                 let s = as_str(v, "algorithm", "expected a string")?;
-                s.parse().map_err(|reason: String| MapError::invalid("algorithm", render(v), reason))?
+                s.parse()
+                    .map_err(|reason: String| MapError::invalid("algorithm", render(v), reason))?
             }
         };
         let hash = match top.get("hash") {
             None | Some(Value::Null) => HashFn::default(),
             Some(v) => {
                 let s = as_str(v, "hash", "expected a string")?;
-                s.parse().map_err(|reason: String| MapError::invalid("hash", render(v), reason))?
+                s.parse()
+                    .map_err(|reason: String| MapError::invalid("hash", render(v), reason))?
             }
         };
         let vnodes = match top.get("vnodes") {
@@ -341,9 +361,19 @@ impl ShardMap {
             }
         };
         let shard_values = match top.get("shards") {
-            None | Some(Value::Null) => return Err(MapError::Missing { field: "shards".into() }),
+            None | Some(Value::Null) => {
+                return Err(MapError::Missing {
+                    field: "shards".into(),
+                })
+            }
             Some(Value::Sequence(seq)) => seq,
-            Some(v) => return Err(MapError::invalid("shards", render(v), "shards must be a list")),
+            Some(v) => {
+                return Err(MapError::invalid(
+                    "shards",
+                    render(v),
+                    "shards must be a list",
+                ))
+            }
         };
         let mut shards = Vec::with_capacity(shard_values.len());
         for (i, sv) in shard_values.iter().enumerate() {
@@ -394,7 +424,11 @@ impl ShardMap {
     fn parse_shard(i: usize, sv: &Value) -> Result<Shard, MapError> {
         let at = |f: &str| format!("shards[{i}].{f}");
         let m = sv.as_mapping().ok_or_else(|| {
-            MapError::invalid(format!("shards[{i}]"), render(sv), "each shard must be a mapping with at least a name")
+            MapError::invalid(
+                format!("shards[{i}]"),
+                render(sv),
+                "each shard must be a mapping with at least a name",
+            )
         })?;
         for k in m.keys() {
             let name = k.as_str().unwrap_or("");
@@ -429,7 +463,8 @@ impl ShardMap {
             None | Some(Value::Null) => ShardState::Active,
             Some(v) => {
                 let s = as_str(v, &at("state"), "expected a string")?;
-                s.parse().map_err(|reason: String| MapError::invalid(at("state"), render(v), reason))?
+                s.parse()
+                    .map_err(|reason: String| MapError::invalid(at("state"), render(v), reason))?
             }
         };
         let slots = match m.get("slots") {
@@ -461,7 +496,11 @@ impl ShardMap {
             ));
         }
         if self.shards.is_empty() {
-            return Err(MapError::invalid("shards", "[]", "the map must list at least one shard"));
+            return Err(MapError::invalid(
+                "shards",
+                "[]",
+                "the map must list at least one shard",
+            ));
         }
         if self.shards.len() > SHARDS_MAX {
             return Err(MapError::invalid(
@@ -474,8 +513,9 @@ impl ShardMap {
         let mut total_weight: u64 = 0;
         let mut slot_owner: Vec<Option<usize>> = Vec::new();
         for (i, s) in self.shards.iter().enumerate() {
-            validate_shard_name(&s.name)
-                .map_err(|reason| MapError::invalid(format!("shards[{i}].name"), format!("{:?}", s.name), reason))?;
+            validate_shard_name(&s.name).map_err(|reason| {
+                MapError::invalid(format!("shards[{i}].name"), format!("{:?}", s.name), reason)
+            })?;
             if let Some(first) = seen.insert(&s.name, i) {
                 return Err(MapError::DuplicateShard {
                     name: s.name.clone(),
@@ -516,7 +556,9 @@ impl ShardMap {
         if total_weight == 0 {
             return Err(MapError::NoActiveShard);
         }
-        if self.algorithm == Algorithm::Ring && total_weight * u64::from(self.vnodes) > RING_POINTS_MAX {
+        if self.algorithm == Algorithm::Ring
+            && total_weight * u64::from(self.vnodes) > RING_POINTS_MAX
+        {
             return Err(MapError::invalid(
                 "vnodes",
                 self.vnodes.to_string(),
@@ -622,7 +664,7 @@ mod tests {
             ("version: 1\nshards: [{name: \"\"}]", "must not be empty"),
             ("version: 1\nshards: [{name: ../x}]", "`shards[0].name` has invalid value \"../x\""),
             ("version: 1\nshards: [{name: ..}]", "must not be `.` or `..`"),
-            (&"version: 1\nshards: [{name: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa}]", "65 bytes"),
+            ("version: 1\nshards: [{name: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa}]", "65 bytes"),
             ("version: 1\nshards: [{name: a}, {name: a}]", "duplicate shard name \"a\""),
             ("version: 1\nshards: [{name: a, weight: 0}]", "`shards[0].weight` has invalid value 0"),
             ("version: 1\nshards: [{name: a, weight: -2}]", "`shards[0].weight` has invalid value -2"),
@@ -641,7 +683,10 @@ mod tests {
         ];
         for (yaml, want) in cases {
             let err = ShardMap::from_yaml(yaml).expect_err(yaml).to_string();
-            assert!(err.contains(want), "map {yaml:?}: error {err:?} lacks {want:?}");
+            assert!(
+                err.contains(want),
+                "map {yaml:?}: error {err:?} lacks {want:?}"
+            );
         }
     }
 }

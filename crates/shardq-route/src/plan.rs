@@ -32,7 +32,11 @@ pub struct Plan {
 
 impl Plan {
     /// Computes the plan for `keys` going from `from` to `to`.
-    pub fn compute<'k>(from: &Router, to: &Router, keys: impl IntoIterator<Item = &'k str>) -> Plan {
+    pub fn compute<'k>(
+        from: &Router,
+        to: &Router,
+        keys: impl IntoIterator<Item = &'k str>,
+    ) -> Plan {
         let fm = from.map();
         let tm = to.map();
         let mut before_n = vec![0u64; fm.shards.len()];
@@ -56,9 +60,23 @@ impl Plan {
                 .or_default()
                 .insert(tm.shards[b].name.clone(), n);
         }
-        plan.before = fm.shards.iter().zip(&before_n).map(|(s, &n)| (s.name.clone(), n)).collect();
-        plan.after = tm.shards.iter().zip(&after_n).map(|(s, &n)| (s.name.clone(), n)).collect();
-        plan.moved_fraction = if plan.keys == 0 { 0.0 } else { plan.moved as f64 / plan.keys as f64 };
+        plan.before = fm
+            .shards
+            .iter()
+            .zip(&before_n)
+            .map(|(s, &n)| (s.name.clone(), n))
+            .collect();
+        plan.after = tm
+            .shards
+            .iter()
+            .zip(&after_n)
+            .map(|(s, &n)| (s.name.clone(), n))
+            .collect();
+        plan.moved_fraction = if plan.keys == 0 {
+            0.0
+        } else {
+            plan.moved as f64 / plan.keys as f64
+        };
         plan.before_max_min = max_min(routable_counts(from, &before_n));
         plan.after_max_min = max_min(routable_counts(to, &after_n));
         plan

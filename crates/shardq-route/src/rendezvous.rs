@@ -8,10 +8,12 @@
 //! logarithmic method. For each shard, with `x = h("{name}:{key}")`:
 //!
 //! ```text
-//! u     = ((x >> 11) + 0.5) / 2^53        # IEEE-754 double, in (0, 1)
+//! u     = ((x >> 12) + 0.5) / 2^52        # IEEE-754 double, exactly, in (0, 1)
 //! score = weight / -ln(u)                 # ln is the natural logarithm
 //! ```
 //!
+//! `x >> 12` keeps 52 bits so that `(x >> 12) + 0.5` is exact in a double
+//! and `u` never rounds up to 1 (where `ln` would be 0 and the score infinite).
 //! owner = argmax of score, ties to the earliest shard in map order. Every
 //! step is a correctly rounded IEEE operation except `ln`, which comes from
 //! the platform's libm; across platforms a one-ulp difference could flip a
@@ -80,8 +82,8 @@ impl Rendezvous {
 /// The logarithmic-method score of a shard of `weight` whose hash is `x`.
 #[inline]
 pub fn weighted_score(weight: f64, x: u64) -> f64 {
-    const TWO_POW_53: f64 = 9_007_199_254_740_992.0;
-    let u = ((x >> 11) as f64 + 0.5) / TWO_POW_53;
+    const TWO_POW_52: f64 = 4_503_599_627_370_496.0;
+    let u = ((x >> 12) as f64 + 0.5) / TWO_POW_52;
     weight / -u.ln()
 }
 

@@ -31,7 +31,11 @@ pub struct Ring {
 
 impl Ring {
     /// Builds the ring over `(name, weight)` pairs in map order.
-    pub fn build<'a>(hash: HashFn, vnodes: u32, shards: impl Iterator<Item = (&'a str, u32)>) -> Ring {
+    pub fn build<'a>(
+        hash: HashFn,
+        vnodes: u32,
+        shards: impl Iterator<Item = (&'a str, u32)>,
+    ) -> Ring {
         let mut pairs: Vec<(u64, u32)> = Vec::new();
         let mut buf: Vec<u8> = Vec::with_capacity(96);
         let mut digits = itoa_buf();
@@ -163,6 +167,9 @@ mod tests {
         let mut b = itoa_buf();
         assert_eq!(format_u64(&mut b, 0), b"0");
         assert_eq!(format_u64(&mut b, 1234567), b"1234567");
-        assert_eq!(format_u64(&mut b, u64::MAX), u64::MAX.to_string().as_bytes());
+        assert_eq!(
+            format_u64(&mut b, u64::MAX),
+            u64::MAX.to_string().as_bytes()
+        );
     }
 }

@@ -47,10 +47,12 @@ impl Router {
             .filter(|(_, s)| s.state == ShardState::Active)
             .map(|(i, _)| i as u32)
             .collect();
-        let pairs = || active.iter().map(|&i| {
-            let s = &map.shards[i as usize];
-            (s.name.as_str(), s.weight)
-        });
+        let pairs = || {
+            active.iter().map(|&i| {
+                let s = &map.shards[i as usize];
+                (s.name.as_str(), s.weight)
+            })
+        };
         let compiled = match map.algorithm {
             Algorithm::Modulo => Compiled::Modulo,
             Algorithm::Jump => Compiled::Jump,
@@ -68,7 +70,8 @@ impl Router {
                 Compiled::Slots(SlotTable::build(map.hash, pairs(), &explicit))
             }
         };
-        let mut overrides = HashMap::with_capacity_and_hasher(map.overrides.len(), Xxh3Builder::new());
+        let mut overrides =
+            HashMap::with_capacity_and_hasher(map.overrides.len(), Xxh3Builder::new());
         for (key, shard) in &map.overrides {
             // validate() guarantees the shard exists.
             if let Some(i) = map.shard_index(shard) {

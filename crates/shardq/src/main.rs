@@ -46,9 +46,19 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // A closed pipe (`shardq route ... | head`) is the reader's choice, not a failure.
+        Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("shardq: error: {err:#}");
             ExitCode::from(2)
         }
     }
+}
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
