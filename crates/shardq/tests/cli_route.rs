@@ -1,0 +1,158 @@
+//! The routing commands as a user runs them: `shardq route`, `slot`, `plan`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+fn shardq() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shardq"))
+}
+
+fn example(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/maps")
+        .join(name)
+}
+
+fn run_with_stdin(cmd: &mut Command, input: &[u8]) -> std::process::Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    out
+}
+
+#[test]
+fn route_from_stdin_keeps_input_order_and_matches_args() {
+    let keys: Vec<String> = (0..5000).map(|i| format!("t-{i}")).collect();
+    let input = keys.join("\n") + "\n";
+    let out = run_with_stdin(
+        shardq()
+            .arg("route")
+            .arg("--map")
+            .arg(example("ring-4.yaml")),
+        input.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), keys.len());
+    for (line, key) in lines.iter().zip(&keys) {
+        let (k, shard) = line.split_once('\t').unwrap();
+        assert_eq!(k, key);
+        assert!(shard.starts_with("redis-") && shard != "redis-4");
+    }
+    // The same keys as arguments give the same shards.
+    let args_out = shardq()
+        .arg("route")
+        .arg("--map")
+        .arg(example("ring-4.yaml"))
+        .args(&keys[..50])
+        .output()
+        .unwrap();
+    let args_text = String::from_utf8(args_out.stdout).unwrap();
+    assert_eq!(args_text.lines().collect::<Vec<_>>(), lines[..50]);
+}
+
+#[test]
+fn slot_prints_redis_cluster_slots() {
+    let out = shardq()
+        .args(["slot", "123456789", "{user1000}.following", "foo{hash_tag}"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        "123456789\t12739\n{user1000}.following\t3443\nfoo{hash_tag}\t2515\n"
+    );
+}
+
+/// (algorithm, lowest and highest moved fraction, all moves to the new shard?)
+#[test]
+fn plan_reproduces_the_seed_numbers() {
+    let cases = [
+        ("modulo", 0.79, 0.81, false),
+        ("ring", 0.19, 0.225, true),
+        ("rendezvous", 0.19, 0.21, true),
+    ];
+    for (alg, lo, hi, all_to_new) in cases {
+        let out = shardq()
+            .arg("plan")
+            .arg("--from")
+            .arg(example(&format!("{alg}-4.yaml")))
+            .arg("--to")
+            .arg(example(&format!("{alg}-5.yaml")))
+            .args(["--generate", "100000", "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["keys"], 100_000);
+        let f = v["moved_fraction"].as_f64().unwrap();
+        assert!((lo..=hi).contains(&f), "{alg}: moved {f}");
+        let moves = v["moves"].as_object().unwrap();
+        let to_new: u64 = moves.values().filter_map(|m| m["redis-4"].as_u64()).sum();
+        if all_to_new {
+            assert_eq!(to_new, v["moved"].as_u64().unwrap(), "{alg}: {moves:?}");
+        }
+        let after: u64 = v["after"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        assert_eq!(after, 100_000);
+    }
+}
+
+#[test]
+fn bad_map_is_a_clear_error_not_a_panic() {
+    let dir = std::env::temp_dir().join(format!("shardq-cli-route-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        (
+            "version: 1\nshards: [{name: a, weight: 0}]\n",
+            "shards[0].weight",
+        ),
+        (
+            "version: 1\nshards: [{name: a}]\noverrides: {t: zz}\n",
+            "unknown shard \"zz\"",
+        ),
+        ("{{{", "not valid YAML"),
+    ];
+    for (i, (yaml, want)) in cases.iter().enumerate() {
+        let path = dir.join(format!("map{i}.yaml"));
+        std::fs::write(&path, yaml).unwrap();
+        let out = shardq()
+            .arg("route")
+            .arg("--map")
+            .arg(&path)
+            .arg("k")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(want) && err.contains("map"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let out = shardq()
+        .args(["route", "--map", "/nonexistent/map.yaml", "k"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read shard map"));
+    std::fs::remove_dir_all(&dir).ok();
+}
