@@ -1,1 +1,23 @@
-//! shardq-core (placeholder until its capability lands).
+//! shardq-core: what a job queue backend must do, independent of where jobs live.
+//!
+//! This crate holds the [`QueueBackend`] trait (enqueue, claim, ack, fail,
+//! per-key counts, fencing by map version), the job types, the [`Clock`]
+//! trait and the worker pool that runs jobs from any backend. It must never do
+//! I/O of its own: the file engine (`shardq-fs`) and the Redis backend
+//! implement the trait, and the pool, the CLI and resharding only see the trait.
+
+pub mod backend;
+pub mod clock;
+pub mod error;
+pub mod job;
+pub mod pool;
+
+pub use backend::{Coordinator, Ownership, QueueBackend};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::QueueError;
+pub use job::{
+    validate_key, Backoff, ClaimedJob, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts,
+    NewJob, ShardStats, KEY_BYTES_MAX, MAX_ATTEMPTS_DEFAULT, MAX_ATTEMPTS_LIMIT,
+    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+};
+pub use pool::{Handler, PoolEvent, PoolOptions, PoolReport, WorkerPool};

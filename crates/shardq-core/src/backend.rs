@@ -1,0 +1,144 @@
+//! The backend trait: the queue semantics every storage engine implements.
+//!
+//! The worker pool, the CLI and resharding talk only to [`QueueBackend`] and
+//! [`Coordinator`], so the embedded file engine and the Redis backend are
+//! interchangeable. This module defines behaviour, never storage: it must not
+//! assume files, sockets or any particular process layout.
+//!
+//! # Contract, for every implementation
+//!
+//! * **Per-key order.** Within a shard, a key's jobs start in the order their
+//!   enqueues completed (their [`JobId`]s grow in that order), and at most one
+//!   job per key is in flight. A failed job is retried before any later job of
+//!   its key; other keys keep flowing meanwhile.
+//! * **At-least-once.** A job is finished only by [`QueueBackend::ack`] (or by
+//!   being dead-lettered and then purged). A claimed job whose owner vanishes
+//!   is claimed again, with its attempt count raised, by the next owner after
+//!   [`QueueBackend::adopt`].
+//! * **Fencing.** Every enqueue carries the shard-map version the producer
+//!   routed with. A shard refuses it with [`QueueError::Fenced`] if the
+//!   version is older than its [`Fence::map_version_min`], and with
+//!   [`QueueError::Paused`] if the key is paused; the check and the append
+//!   are atomic with respect to [`QueueBackend::set_fence`], so once
+//!   `set_fence` returns, no refused enqueue can land afterwards.
+//! * **Drain.** [`QueueBackend::key_counts`] reports a key's depth and
+//!   in-flight count as the shard sees it now; drain-then-switch pauses the
+//!   key, waits until both are zero, then switches the route.
+//! * **Ownership.** Any process may enqueue to any shard. Only a process that
+//!   has adopted a shard ([`QueueBackend::adopt`]) claims, acks and fails its
+//!   jobs; others get [`QueueError::NotOwner`]. Who may adopt is decided by a
+//!   [`Coordinator`] (leases), not by the backend.
+
+use crate::error::QueueError;
+use crate::job::{ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob, ShardStats};
+
+/// The queue operations of one storage engine, over all shards it holds.
+///
+/// Implementations are shared between threads (`Send + Sync`); every method
+/// takes `&self`. Shard names are those of the shard map.
+pub trait QueueBackend: Send + Sync {
+    /// Names of the shards this backend holds, in map order.
+    fn shard_names(&self) -> Vec<String>;
+
+    /// Appends `jobs`, in order, to `shard`, as one batch.
+    ///
+    /// `map_version` is the version of the shard map the caller routed with;
+    /// the shard may refuse the batch with [`QueueError::Fenced`] or
+    /// [`QueueError::Paused`] (nothing of the batch is appended then). On
+    /// success every job is stored (as durably as the backend's durability
+    /// setting promises) and the returned ids are in the order of `jobs`.
+    fn enqueue(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+    ) -> Result<Vec<JobId>, QueueError>;
+
+    /// Makes this process the runner of `shard`: loads its backlog, and puts
+    /// jobs left in flight by a previous owner back at the head of their keys
+    /// (they run again with attempt + 1). Call only after the
+    /// [`Coordinator`] granted the shard.
+    fn adopt(&self, shard: &str) -> Result<(), QueueError>;
+
+    /// Stops running `shard` in this process. Jobs still in flight stay in
+    /// flight for the next owner to retry; call after draining.
+    fn release(&self, shard: &str) -> Result<(), QueueError>;
+
+    /// Claims up to `max` jobs that may start now: the head job of keys that
+    /// have nothing in flight and whose head's start time has come. Raises
+    /// each job's attempt count. Needs ownership ([`QueueError::NotOwner`]).
+    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError>;
+
+    /// Finishes in-flight jobs. Needs ownership.
+    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError>;
+
+    /// Records a failed attempt: the job is retried after a backoff, ahead of
+    /// its key's later jobs, or dead-lettered once out of attempts. Needs
+    /// ownership.
+    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError>;
+
+    /// The earliest time (ms since the epoch) a pending job of `shard`
+    /// becomes claimable, if any is pending and none is claimable now; `None`
+    /// when nothing is waiting. Lets a pool sleep instead of polling.
+    fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError>;
+
+    /// A key's depth, in-flight and dead counts on `shard`, as of now
+    /// (including enqueues made by other processes).
+    fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError>;
+
+    /// Counts for `status`.
+    fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError>;
+
+    /// The shard's current fence.
+    fn fence(&self, shard: &str) -> Result<Fence, QueueError>;
+
+    /// Replaces the shard's fence, atomically with respect to enqueues.
+    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError>;
+
+    /// Up to `limit` dead-lettered jobs of `shard`, oldest first.
+    fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError>;
+
+    /// Puts dead jobs back in their keys (at their original place in key
+    /// order, attempts reset). `None` means all. Returns how many moved.
+    fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError>;
+
+    /// Deletes dead jobs for good. `None` means all. Returns how many.
+    fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError>;
+}
+
+/// Decides which shards this process may run: leases, renewal, takeover.
+///
+/// The pool calls [`Coordinator::tick`] regularly; the coordinator claims free
+/// or lapsed shards, renews its leases and reports the shards it owns. It
+/// must never run jobs itself.
+pub trait Coordinator: Send {
+    /// Claims and renews; returns the shards owned after this tick, with the
+    /// ones newly gained (to be adopted) and lost (to be dropped at once,
+    /// e.g. a lease that lapsed and was taken over).
+    fn tick(&mut self) -> Result<Ownership, QueueError>;
+
+    /// Stops claiming; further ticks only renew.
+    fn stop_claiming(&mut self);
+
+    /// Gives up every claim so others can take over without waiting for the
+    /// lease to lapse.
+    fn release_all(&mut self) -> Result<(), QueueError>;
+
+    /// How often [`Coordinator::tick`] must run to keep leases alive, in ms.
+    fn tick_interval_ms(&self) -> u64;
+
+    /// A human-readable reason when nothing is owned (who owns what), for
+    /// the standby message.
+    fn standby_reason(&self) -> String;
+}
+
+/// Result of a [`Coordinator::tick`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ownership {
+    /// All shards owned now.
+    pub owned: Vec<String>,
+    /// Shards gained in this tick.
+    pub gained: Vec<String>,
+    /// Shards lost in this tick (someone else holds them now).
+    pub lost: Vec<String>,
+}

@@ -1,0 +1,152 @@
+//! The queue layer's one error type, returned by every [`crate::QueueBackend`].
+//!
+//! Messages name the shard, key, segment or value involved and say what to do;
+//! this module must never hide an I/O error's cause.
+
+use thiserror::Error;
+
+/// Errors of the queue layer (any backend).
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum QueueError {
+    /// The key is empty or too long.
+    #[error("invalid key {key:?}: {reason}")]
+    InvalidKey {
+        /// The key (cut if long).
+        key: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The payload is larger than the configured limit.
+    #[error("payload of key {key:?} is {bytes} bytes, over the limit of {max} bytes (raise payload_bytes_max or send a reference to the data)")]
+    PayloadTooLarge {
+        /// The job's key.
+        key: String,
+        /// Payload size.
+        bytes: usize,
+        /// Configured limit.
+        max: usize,
+    },
+    /// `max_attempts` is zero or over the limit.
+    #[error("invalid max attempts {value}: must be 1..={max}")]
+    InvalidMaxAttempts {
+        /// Requested value.
+        value: u32,
+        /// Upper bound.
+        max: u32,
+    },
+    /// The delay is over the limit.
+    #[error("invalid delay {delay_ms} ms: at most {max} ms")]
+    InvalidDelay {
+        /// Requested delay.
+        delay_ms: u64,
+        /// Upper bound.
+        max: u64,
+    },
+    /// A batch has more jobs than the backend accepts in one call.
+    #[error("batch of {jobs} jobs is over the limit of {max} per call")]
+    BatchTooLarge {
+        /// Jobs in the batch.
+        jobs: usize,
+        /// Upper bound.
+        max: usize,
+    },
+    /// The producer routed with a map older than the shard accepts: reload the
+    /// shard map, route again and retry.
+    #[error("shard {shard:?} refused key {key:?}: routed with map version {map_version}, shard requires version {map_version_min} or newer (reload the shard map and retry)")]
+    Fenced {
+        /// Refusing shard.
+        shard: String,
+        /// Key of the refused job.
+        key: String,
+        /// Version the producer routed with.
+        map_version: u64,
+        /// Oldest version the shard accepts.
+        map_version_min: u64,
+    },
+    /// The key's enqueues are paused (it is being moved): retry later.
+    #[error("shard {shard:?} has paused enqueues for key {key:?} (the key is being moved; retry shortly)")]
+    Paused {
+        /// Refusing shard.
+        shard: String,
+        /// Paused key.
+        key: String,
+    },
+    /// No shard of that name.
+    #[error("unknown shard {shard:?}")]
+    UnknownShard {
+        /// The name asked for.
+        shard: String,
+    },
+    /// Running jobs of a shard needs ownership of it.
+    #[error(
+        "this process does not own shard {shard:?}: only the owner claims, acks and fails its jobs"
+    )]
+    NotOwner {
+        /// The shard.
+        shard: String,
+    },
+    /// Ack or fail for a job that is not in flight.
+    #[error("job {id} of shard {shard:?} is not in flight (already finished, or claimed by another owner)")]
+    NotInFlight {
+        /// The shard.
+        shard: String,
+        /// The job.
+        id: u64,
+    },
+    /// A checksum or framing failure that is not a torn tail. The shard does
+    /// not serve until repaired.
+    #[error("shard {shard:?} is corrupt: segment {segment} offset {offset}: {reason}; it refuses to serve until `shardq repair --data DIR {shard}` is run")]
+    Corrupt {
+        /// The shard.
+        shard: String,
+        /// Segment file name.
+        segment: String,
+        /// Byte offset of the bad record in the segment.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A write or fsync failed earlier; the shard refuses work until reopened.
+    #[error("shard {shard:?} refuses work after a failed write or fsync ({cause}); reopen it")]
+    Poisoned {
+        /// The shard.
+        shard: String,
+        /// The first failure.
+        cause: String,
+    },
+    /// The shard's state contradicts itself (a bug, or an edited log).
+    #[error("shard {shard:?} log is inconsistent at {segment} offset {offset}: {reason}")]
+    Inconsistent {
+        /// The shard.
+        shard: String,
+        /// Segment file name.
+        segment: String,
+        /// Byte offset of the record.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, naming the file.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend could not do what was asked, for a reason of its own.
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl QueueError {
+    /// Wraps an I/O error with a description of what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> QueueError {
+        QueueError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Jobs and the values that describe them, shared by every backend.
+//!
+//! Plain data with validation of caller input; it must never decide where a
+//! job lives or touch storage.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::QueueError;
+
+/// Longest routing key, in bytes. Keys are kept in memory per pending job and
+/// in every enqueue record, so they stay short.
+pub const KEY_BYTES_MAX: usize = 1024;
+/// Default largest payload, in bytes (1 MiB). Configurable per data dir or
+/// queue up to [`PAYLOAD_BYTES_LIMIT`].
+pub const PAYLOAD_BYTES_MAX_DEFAULT: usize = 1 << 20;
+/// Hard upper bound for a configured payload limit (64 MiB): one record must
+/// fit comfortably in memory when it is read back.
+pub const PAYLOAD_BYTES_LIMIT: usize = 64 << 20;
+/// Default attempts before a job goes to the dead-letter list.
+pub const MAX_ATTEMPTS_DEFAULT: u32 = 5;
+/// Largest `max_attempts` a job may ask for.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 1000;
+/// Longest failure reason kept with a failed attempt, in bytes; longer reasons
+/// are cut (on a character boundary), never rejected.
+pub const FAIL_REASON_BYTES_MAX: usize = 1024;
+/// Longest delay a job may ask for (one year), so `now + delay` never overflows
+/// and a typo does not park a job forever.
+pub const DELAY_MS_MAX: u64 = 365 * 24 * 3600 * 1000;
+
+/// A job's identity, unique within its shard. Ids of one shard grow in the
+/// order their enqueues completed, which is what per-key order is built on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct JobId(pub u64);
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A job as a producer hands it in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewJob {
+    /// Routing key: picks the shard and orders the key's jobs.
+    pub key: String,
+    /// Opaque bytes given to the handler.
+    pub payload: Vec<u8>,
+    /// Earliest start, as a delay from the moment of enqueue.
+    pub delay_ms: u64,
+    /// Attempts before the job is dead-lettered (1..=[`MAX_ATTEMPTS_LIMIT`]).
+    pub max_attempts: u32,
+}
+
+impl NewJob {
+    /// A job to run now, with the default attempt limit.
+    pub fn new(key: impl Into<String>, payload: impl Into<Vec<u8>>) -> NewJob {
+        NewJob {
+            key: key.into(),
+            payload: payload.into(),
+            delay_ms: 0,
+            max_attempts: MAX_ATTEMPTS_DEFAULT,
+        }
+    }
+
+    /// Checks the job against the limits; `payload_bytes_max` is the queue's
+    /// configured payload limit.
+    pub fn validate(&self, payload_bytes_max: usize) -> Result<(), QueueError> {
+        validate_key(&self.key)?;
+        if self.payload.len() > payload_bytes_max {
+            return Err(QueueError::PayloadTooLarge {
+                key: self.key.clone(),
+                bytes: self.payload.len(),
+                max: payload_bytes_max,
+            });
+        }
+        if self.max_attempts == 0 || self.max_attempts > MAX_ATTEMPTS_LIMIT {
+            return Err(QueueError::InvalidMaxAttempts {
+                value: self.max_attempts,
+                max: MAX_ATTEMPTS_LIMIT,
+            });
+        }
+        if self.delay_ms > DELAY_MS_MAX {
+            return Err(QueueError::InvalidDelay {
+                delay_ms: self.delay_ms,
+                max: DELAY_MS_MAX,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Checks a routing key: not empty, at most [`KEY_BYTES_MAX`] bytes.
+pub fn validate_key(key: &str) -> Result<(), QueueError> {
+    if key.is_empty() {
+        return Err(QueueError::InvalidKey {
+            key: String::new(),
+            reason: "a key must not be empty".into(),
+        });
+    }
+    if key.len() > KEY_BYTES_MAX {
+        return Err(QueueError::InvalidKey {
+            key: format!("{}...", cut_at_char(key, 32)),
+            reason: format!(
+                "a key is at most {KEY_BYTES_MAX} bytes, this one has {}",
+                key.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character
+/// boundary.
+pub fn cut_at_char(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// A job handed to a worker by [`crate::QueueBackend::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedJob {
+    /// Shard the job lives on.
+    pub shard: String,
+    /// The job's id within the shard.
+    pub id: JobId,
+    /// Routing key.
+    pub key: String,
+    /// Payload bytes.
+    pub payload: Vec<u8>,
+    /// Which attempt this is, from 1.
+    pub attempt: u32,
+    /// Attempts allowed before dead-lettering.
+    pub max_attempts: u32,
+    /// When the job was enqueued (ms since the Unix epoch).
+    pub created_ms: u64,
+    /// Earliest start the job asked for (ms since the Unix epoch).
+    pub not_before_ms: u64,
+}
+
+/// What happened to a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailOutcome {
+    /// The job runs again, before any later job of its key, not before `at_ms`.
+    Retry {
+        /// Earliest start of the next attempt.
+        at_ms: u64,
+    },
+    /// Out of attempts: the job is on the dead-letter list.
+    Dead,
+}
+
+/// What a key does after one of its jobs is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadPolicy {
+    /// Later jobs of the key keep running (the default).
+    #[default]
+    Continue,
+    /// The key stops until its dead jobs are retried or purged.
+    Halt,
+}
+
+/// Per-key counts; drain-then-switch waits until both are zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KeyCounts {
+    /// Jobs of the key not yet started or waiting for a retry (ready or delayed).
+    pub depth: u64,
+    /// Jobs of the key claimed by a worker and not yet acked or failed (0 or 1).
+    pub in_flight: u64,
+    /// Dead-lettered jobs of the key.
+    pub dead: u64,
+}
+
+/// Per-shard counts for `status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardStats {
+    /// Shard name.
+    pub name: String,
+    /// Pending jobs whose start time has come.
+    pub ready: u64,
+    /// Pending jobs waiting for their start time (delayed jobs and retries).
+    pub delayed: u64,
+    /// Claimed jobs without an ack or failure yet.
+    pub in_flight: u64,
+    /// Dead-lettered jobs.
+    pub dead: u64,
+    /// Distinct keys with pending, in-flight or dead jobs.
+    pub keys: u64,
+}
+
+/// A job on the dead-letter list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadJob {
+    /// Shard the job lives on.
+    pub shard: String,
+    /// The job's id.
+    pub id: JobId,
+    /// Routing key.
+    pub key: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Reason given by the last failed attempt.
+    pub reason: String,
+}
+
+/// What a shard accepts, set by resharding (drain-then-switch).
+///
+/// An enqueue carries the map version it routed with. A shard refuses it with
+/// [`QueueError::Fenced`] when that version is older than
+/// `map_version_min` (the producer must reload the map and route again), and
+/// with [`QueueError::Paused`] when the key is paused (the producer retries
+/// later; the key is being moved).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fence {
+    /// Oldest map version whose routing this shard still trusts.
+    pub map_version_min: u64,
+    /// Keys whose enqueues are paused on this shard.
+    #[serde(default)]
+    pub paused_keys: BTreeSet<String>,
+}
+
+impl Fence {
+    /// Checks one enqueue against the fence.
+    pub fn check(&self, shard: &str, map_version: u64, key: &str) -> Result<(), QueueError> {
+        if map_version < self.map_version_min {
+            return Err(QueueError::Fenced {
+                shard: shard.to_string(),
+                key: key.to_string(),
+                map_version,
+                map_version_min: self.map_version_min,
+            });
+        }
+        if self.paused_keys.contains(key) {
+            return Err(QueueError::Paused {
+                shard: shard.to_string(),
+                key: key.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(job: NewJob, max: usize, expect_err: Option<&str>) {
+        match (job.validate(max), expect_err) {
+            (Ok(()), None) => {}
+            (Err(e), Some(needle)) => {
+                assert!(e.to_string().contains(needle), "{e} lacks {needle}")
+            }
+            (got, want) => panic!("got {got:?}, want error containing {want:?}"),
+        }
+    }
+
+    #[test]
+    fn validation_names_the_value() {
+        check(NewJob::new("k", "p"), 10, None);
+        check(NewJob::new("", "p"), 10, Some("must not be empty"));
+        check(NewJob::new("x".repeat(1025), "p"), 10, Some("1025"));
+        check(NewJob::new("x".repeat(1024), "p"), 10, None);
+        check(NewJob::new("k", vec![0; 11]), 10, Some("11 bytes"));
+        let mut j = NewJob::new("k", "p");
+        j.max_attempts = 0;
+        check(j, 10, Some("max attempts 0"));
+        let mut j = NewJob::new("k", "p");
+        j.delay_ms = u64::MAX;
+        check(j, 10, Some("delay"));
+    }
+
+    #[test]
+    fn fence_refuses_old_versions_and_paused_keys() {
+        let mut f = Fence {
+            map_version_min: 3,
+            ..Fence::default()
+        };
+        f.paused_keys.insert("t-42".into());
+        assert!(f.check("s", 3, "a").is_ok());
+        assert!(matches!(
+            f.check("s", 2, "a"),
+            Err(QueueError::Fenced { .. })
+        ));
+        assert!(matches!(
+            f.check("s", 3, "t-42"),
+            Err(QueueError::Paused { .. })
+        ));
+    }
+}
+
+/// Retry backoff: `base_ms * 2^(attempt-1)`, capped at `max_ms`. No jitter,
+/// so retries are reproducible in tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Backoff {
+    /// Delay after the first failed attempt.
+    pub base_ms: u64,
+    /// Longest delay.
+    pub max_ms: u64,
+}
+
+/// Default first retry delay (100 ms).
+pub const BACKOFF_BASE_MS_DEFAULT: u64 = 100;
+/// Default longest retry delay (60 s).
+pub const BACKOFF_MAX_MS_DEFAULT: u64 = 60_000;
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            base_ms: BACKOFF_BASE_MS_DEFAULT,
+            max_ms: BACKOFF_MAX_MS_DEFAULT,
+        }
+    }
+}
+
+impl Backoff {
+    /// Delay before the attempt after `failed_attempt` (from 1).
+    pub fn delay_ms(&self, failed_attempt: u32) -> u64 {
+        let shift = failed_attempt.saturating_sub(1).min(40);
+        self.base_ms.saturating_mul(1u64 << shift).min(self.max_ms)
+    }
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::Backoff;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let b = Backoff {
+            base_ms: 10,
+            max_ms: 100,
+        };
+        let got: Vec<u64> = (1..=6).map(|a| b.delay_ms(a)).collect();
+        assert_eq!(got, [10, 20, 40, 80, 100, 100]);
+        assert_eq!(b.delay_ms(u32::MAX), 100);
+    }
+}
