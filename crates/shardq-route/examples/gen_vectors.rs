@@ -342,7 +342,7 @@ pub fn generate() -> String {
         "  \"about\": {},",
         json(&"Routing vectors every shardq client must reproduce. u64 values are decimal strings. \
                maps[].owners lists [key, shard] as routed (overrides first). \
-               weighted_scores[].score_bits is the IEEE-754 double of weight / -ln(((x >> 11) + 0.5) / 2^53) in hex.")
+               weighted_scores[].score_bits is the IEEE-754 double of weight / -ln(((x >> 12) + 0.5) / 2^52) in hex.")
     );
     array(&mut out, "hashes", &hash_rows, false);
     array(&mut out, "slots", &slot_rows, false);
