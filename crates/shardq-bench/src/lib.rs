@@ -1,1 +1,15 @@
-//! shardq-bench (placeholder until its capability lands).
+//! shardq-bench: benchmark harnesses that measure routing behaviour, as
+//! opposed to routing speed (that is `shardq bench route`).
+//!
+//! [`chx`] runs the consistent-hash experiments (A evenness, B rebalance cost,
+//! C affinity) against shardq's own routers and, through a real AMQP client,
+//! against RabbitMQ's `x-consistent-hash` exchange, and writes the results as
+//! CSV, a text summary, JSON headlines and SVG charts.
+//!
+//! The library never prints and never draws progress bars: callers pass an
+//! [`chx::Observer`]. It talks to nothing but the broker URL it is given.
+
+pub mod chx;
+pub mod error;
+
+pub use error::ChxError;
