@@ -10,7 +10,10 @@ pub mod backend;
 pub mod clock;
 pub mod error;
 pub mod job;
+pub mod memory;
 pub mod pool;
+pub mod producer;
+pub mod reshard;
 
 pub use backend::{Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock};

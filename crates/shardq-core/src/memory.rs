@@ -1,0 +1,553 @@
+//! An in-memory backend: the [`QueueBackend`] contract in its simplest form.
+//!
+//! It exists to test what is written against the traits (the worker pool,
+//! resharding) without disks or servers, and as a readable reference of the
+//! contract. It keeps nothing across restarts and must never be used where
+//! durability is expected. A [`MemoryMapStore`] keeps the shard map beside it.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use shardq_route::ShardMap;
+
+use crate::backend::QueueBackend;
+use crate::clock::Clock;
+use crate::error::QueueError;
+use crate::job::{
+    Backoff, ClaimedJob, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
+    ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
+};
+use crate::reshard::{KeyInventory, MapStore, ReshardError};
+
+#[derive(Debug, Clone)]
+struct StoredJob {
+    key: String,
+    payload: Vec<u8>,
+    attempt: u32,
+    max_attempts: u32,
+    created_ms: u64,
+    not_before_ms: u64,
+    reason: String,
+}
+
+#[derive(Debug, Default)]
+struct ShardState {
+    jobs: BTreeMap<JobId, StoredJob>,
+    /// Pending job ids per key, in key order (a retried job stays at the head).
+    keys: BTreeMap<String, VecDeque<JobId>>,
+    in_flight: BTreeSet<JobId>,
+    busy_keys: BTreeSet<String>,
+    dead: BTreeSet<JobId>,
+    halted_keys: BTreeSet<String>,
+    fence: Fence,
+    next_id: u64,
+    owned: bool,
+}
+
+/// An in-memory [`QueueBackend`] over a fixed set of shard names.
+#[derive(Debug, Clone)]
+pub struct MemoryBackend {
+    shards: Arc<Mutex<BTreeMap<String, ShardState>>>,
+    clock: Arc<dyn Clock>,
+    backoff: Backoff,
+    dead_policy: DeadPolicy,
+}
+
+impl MemoryBackend {
+    /// A backend holding `shards`, every one adopted by this process.
+    pub fn new(shards: &[&str], clock: Arc<dyn Clock>) -> MemoryBackend {
+        let map = shards
+            .iter()
+            .map(|s| {
+                (
+                    s.to_string(),
+                    ShardState {
+                        owned: true,
+                        next_id: 1,
+                        ..ShardState::default()
+                    },
+                )
+            })
+            .collect();
+        MemoryBackend {
+            shards: Arc::new(Mutex::new(map)),
+            clock,
+            backoff: Backoff {
+                base_ms: 1,
+                max_ms: 10,
+            },
+            dead_policy: DeadPolicy::Continue,
+        }
+    }
+
+    /// Adds a shard (as `add-shard` deploys one).
+    pub fn add_shard(&self, name: &str) {
+        self.lock().entry(name.to_string()).or_insert(ShardState {
+            owned: true,
+            next_id: 1,
+            ..ShardState::default()
+        });
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, ShardState>> {
+        // A panic while holding the lock is a test failure already.
+        self.shards.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn with_shard<R>(
+        &self,
+        shard: &str,
+        f: impl FnOnce(&mut ShardState) -> Result<R, QueueError>,
+    ) -> Result<R, QueueError> {
+        let mut all = self.lock();
+        let s = all.get_mut(shard).ok_or_else(|| QueueError::UnknownShard {
+            shard: shard.to_string(),
+        })?;
+        f(s)
+    }
+
+    fn owned<R>(
+        &self,
+        shard: &str,
+        f: impl FnOnce(&mut ShardState) -> Result<R, QueueError>,
+    ) -> Result<R, QueueError> {
+        self.with_shard(shard, |s| {
+            if !s.owned {
+                return Err(QueueError::NotOwner {
+                    shard: shard.to_string(),
+                });
+            }
+            f(s)
+        })
+    }
+}
+
+fn counts(s: &ShardState, key: &str) -> KeyCounts {
+    let depth = s.keys.get(key).map_or(0, |q| q.len() as u64);
+    let in_flight = u64::from(s.busy_keys.contains(key));
+    let dead = s
+        .dead
+        .iter()
+        .filter(|id| s.jobs.get(id).is_some_and(|j| j.key == key))
+        .count() as u64;
+    KeyCounts {
+        depth,
+        in_flight,
+        dead,
+    }
+}
+
+impl QueueBackend for MemoryBackend {
+    fn shard_names(&self) -> Vec<String> {
+        self.lock().keys().cloned().collect()
+    }
+
+    fn enqueue(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+    ) -> Result<Vec<JobId>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            for j in jobs {
+                j.validate(PAYLOAD_BYTES_MAX_DEFAULT)?;
+                s.fence.check(shard, map_version, &j.key)?;
+            }
+            let mut ids = Vec::with_capacity(jobs.len());
+            for j in jobs {
+                let id = JobId(s.next_id);
+                s.next_id += 1;
+                s.jobs.insert(
+                    id,
+                    StoredJob {
+                        key: j.key.clone(),
+                        payload: j.payload.clone(),
+                        attempt: 0,
+                        max_attempts: j.max_attempts,
+                        created_ms: now,
+                        not_before_ms: now + j.delay_ms,
+                        reason: String::new(),
+                    },
+                );
+                s.keys.entry(j.key.clone()).or_default().push_back(id);
+                ids.push(id);
+            }
+            Ok(ids)
+        })
+    }
+
+    fn adopt(&self, shard: &str) -> Result<(), QueueError> {
+        self.with_shard(shard, |s| {
+            s.owned = true;
+            // Jobs left in flight go back to the head of their keys.
+            let ids: Vec<JobId> = std::mem::take(&mut s.in_flight).into_iter().collect();
+            for id in ids.into_iter().rev() {
+                if let Some(j) = s.jobs.get(&id) {
+                    let key = j.key.clone();
+                    s.busy_keys.remove(&key);
+                    s.keys.entry(key).or_default().push_front(id);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn release(&self, shard: &str) -> Result<(), QueueError> {
+        self.with_shard(shard, |s| {
+            s.owned = false;
+            Ok(())
+        })
+    }
+
+    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+        let now = self.clock.now_ms();
+        self.owned(shard, |s| {
+            let mut out = Vec::new();
+            let keys: Vec<String> = s.keys.keys().cloned().collect();
+            for key in keys {
+                if out.len() >= max {
+                    break;
+                }
+                if s.busy_keys.contains(&key) || s.halted_keys.contains(&key) {
+                    continue;
+                }
+                let Some(&id) = s.keys.get(&key).and_then(|q| q.front()) else {
+                    continue;
+                };
+                let Some(j) = s.jobs.get_mut(&id) else {
+                    continue;
+                };
+                if j.not_before_ms > now {
+                    continue;
+                }
+                j.attempt += 1;
+                out.push(ClaimedJob {
+                    shard: shard.to_string(),
+                    id,
+                    key: key.clone(),
+                    payload: j.payload.clone(),
+                    attempt: j.attempt,
+                    max_attempts: j.max_attempts,
+                    created_ms: j.created_ms,
+                    not_before_ms: j.not_before_ms,
+                });
+                if let Some(q) = s.keys.get_mut(&key) {
+                    q.pop_front();
+                    if q.is_empty() {
+                        s.keys.remove(&key);
+                    }
+                }
+                s.in_flight.insert(id);
+                s.busy_keys.insert(key);
+            }
+            Ok(out)
+        })
+    }
+
+    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError> {
+        self.owned(shard, |s| {
+            for id in ids {
+                if !s.in_flight.remove(id) {
+                    return Err(QueueError::NotInFlight {
+                        shard: shard.to_string(),
+                        id: id.0,
+                    });
+                }
+                if let Some(j) = s.jobs.remove(id) {
+                    s.busy_keys.remove(&j.key);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+        let now = self.clock.now_ms();
+        let backoff = self.backoff;
+        let policy = self.dead_policy;
+        self.owned(shard, |s| {
+            if !s.in_flight.remove(&id) {
+                return Err(QueueError::NotInFlight {
+                    shard: shard.to_string(),
+                    id: id.0,
+                });
+            }
+            let Some(j) = s.jobs.get_mut(&id) else {
+                return Err(QueueError::NotInFlight {
+                    shard: shard.to_string(),
+                    id: id.0,
+                });
+            };
+            j.reason = reason.to_string();
+            let key = j.key.clone();
+            s.busy_keys.remove(&key);
+            if j.attempt >= j.max_attempts {
+                s.dead.insert(id);
+                if policy == DeadPolicy::Halt {
+                    s.halted_keys.insert(key);
+                }
+                return Ok(FailOutcome::Dead);
+            }
+            let at_ms = now + backoff.delay_ms(j.attempt);
+            j.not_before_ms = at_ms;
+            s.keys.entry(key).or_default().push_front(id);
+            Ok(FailOutcome::Retry { at_ms })
+        })
+    }
+
+    fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok(s.keys
+                .iter()
+                .filter(|(k, _)| !s.busy_keys.contains(*k))
+                .filter_map(|(_, q)| {
+                    q.front()
+                        .and_then(|id| s.jobs.get(id))
+                        .map(|j| j.not_before_ms)
+                })
+                .min())
+        })
+    }
+
+    fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.with_shard(shard, |s| Ok(counts(s, key)))
+    }
+
+    fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            let mut stats = ShardStats {
+                name: shard.to_string(),
+                in_flight: s.in_flight.len() as u64,
+                dead: s.dead.len() as u64,
+                ..ShardStats::default()
+            };
+            let mut keys = BTreeSet::new();
+            for (k, q) in &s.keys {
+                keys.insert(k.clone());
+                for id in q {
+                    match s.jobs.get(id) {
+                        Some(j) if j.not_before_ms > now => stats.delayed += 1,
+                        Some(_) => stats.ready += 1,
+                        None => {}
+                    }
+                }
+            }
+            keys.extend(s.busy_keys.iter().cloned());
+            stats.keys = keys.len() as u64;
+            Ok(stats)
+        })
+    }
+
+    fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
+        self.with_shard(shard, |s| Ok(s.fence.clone()))
+    }
+
+    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
+        self.with_shard(shard, |s| {
+            s.fence = fence.clone();
+            Ok(())
+        })
+    }
+
+    fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok(s.dead
+                .iter()
+                .take(limit)
+                .filter_map(|id| {
+                    s.jobs.get(id).map(|j| DeadJob {
+                        shard: shard.to_string(),
+                        id: *id,
+                        key: j.key.clone(),
+                        attempts: j.attempt,
+                        reason: j.reason.clone(),
+                    })
+                })
+                .collect())
+        })
+    }
+
+    fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.with_shard(shard, |s| {
+            let chosen: Vec<JobId> = match ids {
+                Some(ids) => ids
+                    .iter()
+                    .copied()
+                    .filter(|id| s.dead.contains(id))
+                    .collect(),
+                None => s.dead.iter().copied().collect(),
+            };
+            for id in chosen.iter().rev() {
+                s.dead.remove(id);
+                if let Some(j) = s.jobs.get_mut(id) {
+                    j.attempt = 0;
+                    let key = j.key.clone();
+                    s.halted_keys.remove(&key);
+                    // Back at its place in key order: before every later id.
+                    let q = s.keys.entry(key).or_default();
+                    let pos = q.iter().position(|x| x > id).unwrap_or(q.len());
+                    q.insert(pos, *id);
+                }
+            }
+            Ok(chosen.len())
+        })
+    }
+
+    fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.with_shard(shard, |s| {
+            let chosen: Vec<JobId> = match ids {
+                Some(ids) => ids
+                    .iter()
+                    .copied()
+                    .filter(|id| s.dead.contains(id))
+                    .collect(),
+                None => s.dead.iter().copied().collect(),
+            };
+            for id in &chosen {
+                s.dead.remove(id);
+                if let Some(j) = s.jobs.remove(id) {
+                    s.halted_keys.remove(&j.key);
+                }
+            }
+            Ok(chosen.len())
+        })
+    }
+}
+
+impl KeyInventory for MemoryBackend {
+    fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
+        self.with_shard(shard, |s| {
+            let keys: BTreeSet<&String> = s.keys.keys().chain(s.busy_keys.iter()).collect();
+            Ok(keys
+                .into_iter()
+                .map(|k| (k.clone(), counts(s, k)))
+                .collect())
+        })
+    }
+}
+
+/// A [`MapStore`] in memory, with a real rebalance lock.
+#[derive(Debug, Clone)]
+pub struct MemoryMapStore {
+    inner: Arc<Mutex<(ShardMap, Option<ShardMap>)>>,
+    lock: Arc<Mutex<bool>>,
+}
+
+impl MemoryMapStore {
+    /// A store publishing `map`.
+    pub fn new(map: ShardMap) -> MemoryMapStore {
+        MemoryMapStore {
+            inner: Arc::new(Mutex::new((map, None))),
+            lock: Arc::new(Mutex::new(false)),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, (ShardMap, Option<ShardMap>)> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+struct MemoryLockGuard(Arc<Mutex<bool>>);
+
+impl Drop for MemoryLockGuard {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+}
+
+impl MapStore for MemoryMapStore {
+    fn load(&self) -> Result<ShardMap, ReshardError> {
+        Ok(self.state().0.clone())
+    }
+
+    fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
+        let mut st = self.state();
+        if st.0.version != expected_version {
+            return Err(ReshardError::Conflict {
+                expected: expected_version,
+                found: st.0.version,
+            });
+        }
+        if map.version <= expected_version {
+            return Err(ReshardError::Invalid(format!(
+                "new map version {} must be greater than {expected_version}",
+                map.version
+            )));
+        }
+        map.validate()?;
+        st.0 = map.clone();
+        Ok(())
+    }
+
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+        Ok(self.state().1.clone())
+    }
+
+    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+        self.state().1 = target.cloned();
+        Ok(())
+    }
+
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+        let mut held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        if *held {
+            return Err(ReshardError::Busy {
+                holder: "this process".into(),
+            });
+        }
+        *held = true;
+        Ok(Box::new(MemoryLockGuard(self.lock.clone())))
+    }
+}
+
+/// A [`crate::Coordinator`] that owns every shard of a [`MemoryBackend`],
+/// including shards added later: one process, no leases.
+#[derive(Debug)]
+pub struct MemoryCoordinator {
+    backend: MemoryBackend,
+    owned: Vec<String>,
+}
+
+impl MemoryCoordinator {
+    /// A coordinator over `backend`.
+    pub fn new(backend: MemoryBackend) -> MemoryCoordinator {
+        MemoryCoordinator {
+            backend,
+            owned: Vec::new(),
+        }
+    }
+}
+
+impl crate::Coordinator for MemoryCoordinator {
+    fn tick(&mut self) -> Result<crate::Ownership, QueueError> {
+        let all = self.backend.shard_names();
+        let gained: Vec<String> = all
+            .iter()
+            .filter(|s| !self.owned.contains(s))
+            .cloned()
+            .collect();
+        self.owned = all.clone();
+        Ok(crate::Ownership {
+            owned: all,
+            gained,
+            lost: Vec::new(),
+        })
+    }
+
+    fn stop_claiming(&mut self) {}
+
+    fn release_all(&mut self) -> Result<(), QueueError> {
+        self.owned.clear();
+        Ok(())
+    }
+
+    fn tick_interval_ms(&self) -> u64 {
+        5
+    }
+
+    fn standby_reason(&self) -> String {
+        "the memory backend has no shards".into()
+    }
+}

@@ -1,0 +1,197 @@
+//! The producer: routes each job with the published shard map and enqueues
+//! it, following map changes safely.
+//!
+//! A producer caches a [`Router`] and re-reads the map at most every
+//! `refresh_ms` (the bound on how stale its routing may be when nothing
+//! forces a reload). Staleness never misplaces a job: every enqueue carries
+//! the map version it routed with, and a shard that no longer trusts that
+//! version refuses it ([`QueueError::Fenced`]); the producer then reloads,
+//! routes again and retries, waiting (bounded) for the new version to be
+//! published. A key paused for a move ([`QueueError::Paused`]) is retried
+//! until `pause_wait_ms`; past that the caller gets [`ProduceError::PausedTooLong`],
+//! never a silent drop.
+
+use std::time::{Duration, Instant};
+
+use shardq_route::Router;
+use thiserror::Error;
+
+use crate::backend::QueueBackend;
+use crate::error::QueueError;
+use crate::job::{JobId, NewJob};
+use crate::reshard::{MapStore, ReshardError};
+
+/// Default longest wait for a paused key (30 s): the specification's
+/// migrations pause a key for about as long as its backlog takes to drain.
+pub const PAUSE_WAIT_MS_DEFAULT: u64 = 30_000;
+/// Default longest wait for a newer map after being fenced.
+pub const FENCE_WAIT_MS_DEFAULT: u64 = 30_000;
+/// Default interval between map freshness checks.
+pub const REFRESH_MS_DEFAULT: u64 = 100;
+/// Sleep between retries of a refused enqueue.
+pub const RETRY_SLEEP_MS: u64 = 1;
+
+/// Options of a [`Producer`].
+#[derive(Debug, Clone)]
+pub struct ProducerOptions {
+    /// Longest wait for a paused key, in ms.
+    pub pause_wait_ms: u64,
+    /// Longest wait for a newer map after a fence, in ms.
+    pub fence_wait_ms: u64,
+    /// Re-read the map when the cached one is older than this, in ms.
+    pub refresh_ms: u64,
+}
+
+impl Default for ProducerOptions {
+    fn default() -> Self {
+        ProducerOptions {
+            pause_wait_ms: PAUSE_WAIT_MS_DEFAULT,
+            fence_wait_ms: FENCE_WAIT_MS_DEFAULT,
+            refresh_ms: REFRESH_MS_DEFAULT,
+        }
+    }
+}
+
+/// Errors of a [`Producer`].
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ProduceError {
+    /// The backend refused the job for a reason retrying cannot fix.
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// The map could not be loaded.
+    #[error(transparent)]
+    Map(#[from] ReshardError),
+    /// The key stayed paused longer than the bound.
+    #[error("key {key:?} stayed paused on shard {shard:?} for {waited_ms} ms (limit {limit_ms} ms): it is being moved and its old shard has not drained; the job was NOT enqueued, retry later")]
+    PausedTooLong {
+        /// The key.
+        key: String,
+        /// Shard that paused it.
+        shard: String,
+        /// How long we waited.
+        waited_ms: u64,
+        /// The bound.
+        limit_ms: u64,
+    },
+    /// No newer map appeared after a fence.
+    #[error("shard {shard:?} refuses map version {map_version} and no newer map was published within {waited_ms} ms; the job was NOT enqueued (is a rebalance stuck? rerun `shardq rebalance`)")]
+    FencedTooLong {
+        /// Refusing shard.
+        shard: String,
+        /// Our version.
+        map_version: u64,
+        /// How long we waited.
+        waited_ms: u64,
+    },
+}
+
+/// Where an enqueued job landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    /// Shard name.
+    pub shard: String,
+    /// Job id within the shard.
+    pub id: JobId,
+    /// Map version it was routed with.
+    pub map_version: u64,
+}
+
+/// Routes and enqueues jobs; see the module docs.
+pub struct Producer<'a, B: QueueBackend + ?Sized> {
+    backend: &'a B,
+    store: &'a dyn MapStore,
+    router: Router,
+    loaded_at: Instant,
+    options: ProducerOptions,
+}
+
+impl<'a, B: QueueBackend + ?Sized> Producer<'a, B> {
+    /// A producer over `backend`, routing with the map in `store`.
+    pub fn new(
+        backend: &'a B,
+        store: &'a dyn MapStore,
+        options: ProducerOptions,
+    ) -> Result<Self, ProduceError> {
+        let router = Router::new(store.load()?).map_err(ReshardError::from)?;
+        Ok(Producer {
+            backend,
+            store,
+            router,
+            loaded_at: Instant::now(),
+            options,
+        })
+    }
+
+    /// The map version routing uses now.
+    pub fn map_version(&self) -> u64 {
+        self.router.version()
+    }
+
+    /// Re-reads the map; true if the version changed.
+    pub fn reload(&mut self) -> Result<bool, ProduceError> {
+        let map = self.store.load()?;
+        self.loaded_at = Instant::now();
+        if map.version == self.router.version() {
+            return Ok(false);
+        }
+        self.router = Router::new(map).map_err(ReshardError::from)?;
+        Ok(true)
+    }
+
+    /// Routes `job` and enqueues it; returns where it landed.
+    pub fn enqueue(&mut self, job: &NewJob) -> Result<Placed, ProduceError> {
+        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
+            self.reload()?;
+        }
+        let started = Instant::now();
+        loop {
+            let shard = self.router.route(&job.key).to_string();
+            let version = self.router.version();
+            match self
+                .backend
+                .enqueue(&shard, version, std::slice::from_ref(job))
+            {
+                Ok(ids) => {
+                    let id = ids.first().copied().ok_or_else(|| {
+                        QueueError::Backend(format!(
+                            "shard {shard:?} returned no id for an enqueue"
+                        ))
+                    })?;
+                    return Ok(Placed {
+                        shard,
+                        id,
+                        map_version: version,
+                    });
+                }
+                Err(QueueError::Fenced { .. }) => {
+                    if !self.reload()? {
+                        let waited_ms = started.elapsed().as_millis() as u64;
+                        if waited_ms >= self.options.fence_wait_ms {
+                            return Err(ProduceError::FencedTooLong {
+                                shard,
+                                map_version: version,
+                                waited_ms,
+                            });
+                        }
+                        std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                    }
+                }
+                Err(QueueError::Paused { .. }) => {
+                    let waited_ms = started.elapsed().as_millis() as u64;
+                    if waited_ms >= self.options.pause_wait_ms {
+                        return Err(ProduceError::PausedTooLong {
+                            key: job.key.clone(),
+                            shard,
+                            waited_ms,
+                            limit_ms: self.options.pause_wait_ms,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                    self.reload()?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}

@@ -1,0 +1,645 @@
+//! Live resharding: add, remove and reweight shards, and pin keys, without
+//! ever breaking a key's order, on any backend.
+//!
+//! Routing changes only through [`rebalance`]. The operations
+//! ([`add_shard`], [`remove_shard`], [`set_weight`], [`pin`], [`unpin`])
+//! only record a *target* map in the [`MapStore`] (and, for a new shard,
+//! publish it as `warming`, visible but receiving nothing); [`rebalance`]
+//! then walks the published map to the target:
+//!
+//! 1. **Pin.** Scan every shard for keys with queued or in-flight work whose
+//!    owner differs between the current map and the target. Fence every shard
+//!    at the next version (from then on no enqueue routed with the current map
+//!    lands anywhere; producers wait for the new map), scan again (catching
+//!    enqueues that raced the first scan), and publish the *intermediate* map:
+//!    the target's shards and weights, with each moving key pinned (an
+//!    override) to its current shard and removed shards kept as `draining`.
+//!    Keys without work follow the target at once: nothing of theirs is
+//!    queued anywhere, so nothing can be overtaken.
+//! 2. **Drain, then switch**, in batches: pause the batch's enqueues on their
+//!    old shards, wait until each key's depth and in-flight count there are
+//!    zero, publish a version whose overrides send the batch to the target
+//!    owner, fence the old shards at that version, and lift the pause.
+//! 3. **Finish.** Publish the target itself (removed shards gone, overrides
+//!    equal to the computed owner dropped) and clear the stored target.
+//!
+//! Every step is idempotent and the phase is derived from (published map,
+//! target), never from memory, so a coordinator killed anywhere can be rerun
+//! and finishes the work. One rebalance runs at a time
+//! ([`MapStore::try_lock_rebalance`]).
+//!
+//! This module does no I/O of its own: maps and locks go through
+//! [`MapStore`], queue state through [`QueueBackend`] and [`KeyInventory`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use shardq_route::{MapError, Router, Shard, ShardMap, ShardState};
+use thiserror::Error;
+
+use crate::backend::QueueBackend;
+use crate::error::QueueError;
+use crate::job::KeyCounts;
+
+/// Default keys moved per drain-then-switch batch.
+pub const BATCH_DEFAULT: usize = 64;
+/// Largest batch.
+pub const BATCH_MAX: usize = 4096;
+/// Default longest wait for one batch to drain (5 minutes, as in the specification).
+pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 300_000;
+/// Default interval between drain checks.
+pub const DRAIN_POLL_MS_DEFAULT: u64 = 2;
+
+/// Where the shard map lives: a file in a data directory, a key in Redis.
+pub trait MapStore: Send + Sync {
+    /// The published map.
+    fn load(&self) -> Result<ShardMap, ReshardError>;
+    /// Publishes `map` if the published version is still `expected_version`
+    /// (compare-and-set); `map.version` must be greater.
+    fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError>;
+    /// The map a rebalance should reach, if one is pending.
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError>;
+    /// Records (or, with `None`, clears) the pending target.
+    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError>;
+    /// Takes the rebalance lock; the guard releases it on drop. A second
+    /// holder gets [`ReshardError::Busy`].
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError>;
+}
+
+/// Which keys have work on a shard: what a rebalance must drain.
+pub trait KeyInventory {
+    /// Every key with queued, delayed or in-flight jobs on `shard`, with its counts.
+    fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError>;
+}
+
+/// Errors of resharding.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ReshardError {
+    /// The queue backend failed.
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// A map is invalid.
+    #[error(transparent)]
+    Map(#[from] MapError),
+    /// Another rebalance holds the lock.
+    #[error(
+        "another rebalance is running ({holder}); wait for it to finish, or rerun after it dies"
+    )]
+    Busy {
+        /// Who holds the lock, as far as known.
+        holder: String,
+    },
+    /// The published map changed under us.
+    #[error("the shard map changed while rebalancing (expected version {expected}, found {found}); rerun the rebalance")]
+    Conflict {
+        /// Version we built on.
+        expected: u64,
+        /// Version found.
+        found: u64,
+    },
+    /// Keys did not drain in time; they were un-paused and stay pinned to their old shard.
+    #[error("keys {keys:?} still have work on their old shards after {waited_ms} ms; they stay pinned there, rerun `rebalance` once they drain (a key halted by a dead letter never drains: retry or purge it)")]
+    DrainTimeout {
+        /// Keys still busy (first few).
+        keys: Vec<String>,
+        /// How long we waited.
+        waited_ms: u64,
+    },
+    /// An operation that makes no sense for this map.
+    #[error("{0}")]
+    Invalid(String),
+    /// A store-specific failure (I/O on the map file, a Redis error...).
+    #[error("{0}")]
+    Store(String),
+}
+
+/// Options of [`rebalance`].
+#[derive(Debug, Clone)]
+pub struct RebalanceOptions {
+    /// Keys per drain-then-switch batch (1..=[`BATCH_MAX`]).
+    pub batch: usize,
+    /// Longest wait for one batch to drain, in ms.
+    pub drain_timeout_ms: u64,
+    /// Interval between drain checks, in ms.
+    pub poll_ms: u64,
+}
+
+impl Default for RebalanceOptions {
+    fn default() -> Self {
+        RebalanceOptions {
+            batch: BATCH_DEFAULT,
+            drain_timeout_ms: DRAIN_TIMEOUT_MS_DEFAULT,
+            poll_ms: DRAIN_POLL_MS_DEFAULT,
+        }
+    }
+}
+
+/// A key that moved with drain-then-switch.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct MovedKey {
+    /// The key.
+    pub key: String,
+    /// Old shard.
+    pub from: String,
+    /// New shard.
+    pub to: String,
+    /// How long its enqueues were paused, in ms.
+    pub pause_ms: f64,
+}
+
+/// Something a rebalance reports while it runs.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum RebalanceEvent {
+    /// Phase 1 done: `pinned` keys with work will move, map published at `version`.
+    Pinned {
+        /// Keys to drain and switch.
+        pinned: usize,
+        /// Version of the intermediate map.
+        version: u64,
+    },
+    /// A batch switched; `done` of `total` keys moved.
+    Switched {
+        /// Keys moved so far.
+        done: usize,
+        /// Keys to move in all.
+        total: usize,
+    },
+    /// The target map is published at `version`.
+    Finished {
+        /// Final version.
+        version: u64,
+    },
+}
+
+/// What a rebalance did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RebalanceReport {
+    /// Published version before.
+    pub from_version: u64,
+    /// Published version after.
+    pub to_version: u64,
+    /// Keys with work that were drained and switched.
+    pub moved: Vec<MovedKey>,
+    /// Wall time, in ms.
+    pub elapsed_ms: f64,
+    /// True when there was nothing to do.
+    pub nothing_to_do: bool,
+}
+
+impl RebalanceReport {
+    /// Pause percentile `p` (0..=100) over moved keys, in ms.
+    pub fn pause_percentile_ms(&self, p: f64) -> f64 {
+        let mut v: Vec<f64> = self.moved.iter().map(|m| m.pause_ms).collect();
+        percentile(&mut v, p)
+    }
+}
+
+/// Nearest-rank percentile of `values` (sorted in place); 0 when empty.
+pub fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
+// ---------------------------------------------------------------------------
+// Operations: they only record intent (and publish warming shards).
+// ---------------------------------------------------------------------------
+
+/// The pending target, or what the published map implies (warming shards
+/// become active, draining shards leave).
+pub fn current_target(store: &dyn MapStore) -> Result<ShardMap, ReshardError> {
+    match store.load_target()? {
+        Some(t) => Ok(t),
+        None => Ok(implied_target(&store.load()?)),
+    }
+}
+
+/// The map `map` is heading to when no target was recorded.
+pub fn implied_target(map: &ShardMap) -> ShardMap {
+    let mut t = map.clone();
+    t.shards.retain(|s| s.state != ShardState::Draining);
+    for s in &mut t.shards {
+        s.state = ShardState::Active;
+    }
+    t.overrides
+        .retain(|_, shard| t.shards.iter().any(|s| &s.name == shard));
+    t
+}
+
+fn save_target(store: &dyn MapStore, target: &ShardMap) -> Result<(), ReshardError> {
+    let mut checked = target.clone();
+    // Validation needs an active shard; the version is irrelevant for a target.
+    checked.validate()?;
+    checked.version = 0;
+    store.store_target(Some(&checked))
+}
+
+/// Deploys shard `name` as `warming` (visible, receiving nothing) and makes
+/// it active in the target. Returns the published version.
+pub fn add_shard(
+    store: &dyn MapStore,
+    name: &str,
+    weight: u32,
+    url: Option<String>,
+) -> Result<u64, ReshardError> {
+    let _lock = store.try_lock_rebalance()?;
+    let cur = store.load()?;
+    let mut target = current_target(store)?;
+    if cur.shard(name).is_some() || target.shard(name).is_some() {
+        return Err(ReshardError::Invalid(format!(
+            "shard {name:?} already exists in the map"
+        )));
+    }
+    let mut shard = Shard::new(name);
+    shard.weight = weight;
+    shard.url = url;
+    let mut next = cur.clone();
+    next.version = cur.version + 1;
+    next.shards.push(Shard {
+        state: ShardState::Warming,
+        ..shard.clone()
+    });
+    next.validate()?;
+    target.shards.push(shard);
+    save_target(store, &target)?;
+    store.publish(&next, cur.version)?;
+    Ok(next.version)
+}
+
+/// Records that shard `name` leaves the map; [`rebalance`] drains it.
+pub fn remove_shard(store: &dyn MapStore, name: &str) -> Result<(), ReshardError> {
+    let _lock = store.try_lock_rebalance()?;
+    let mut target = current_target(store)?;
+    let before = target.shards.len();
+    target.shards.retain(|s| s.name != name);
+    if target.shards.len() == before {
+        return Err(ReshardError::Invalid(format!(
+            "no shard {name:?} in the target map"
+        )));
+    }
+    if let Some((key, _)) = target.overrides.iter().find(|(_, s)| *s == name) {
+        return Err(ReshardError::Invalid(format!(
+            "key {key:?} is pinned to shard {name:?}; unpin it (or pin it elsewhere) before removing the shard"
+        )));
+    }
+    save_target(store, &target)
+}
+
+/// Records a new weight for shard `name`; [`rebalance`] moves the keys.
+pub fn set_weight(store: &dyn MapStore, name: &str, weight: u32) -> Result<(), ReshardError> {
+    let _lock = store.try_lock_rebalance()?;
+    let mut target = current_target(store)?;
+    let shard = target
+        .shards
+        .iter_mut()
+        .find(|s| s.name == name)
+        .ok_or_else(|| ReshardError::Invalid(format!("no shard {name:?} in the target map")))?;
+    shard.weight = weight;
+    save_target(store, &target)
+}
+
+/// Records a pin of `key` to `shard`; [`rebalance`] moves it with drain-then-switch.
+pub fn pin(store: &dyn MapStore, key: &str, shard: &str) -> Result<(), ReshardError> {
+    let _lock = store.try_lock_rebalance()?;
+    let mut target = current_target(store)?;
+    if target.shard(shard).is_none() {
+        return Err(ReshardError::Invalid(format!(
+            "no shard {shard:?} in the target map"
+        )));
+    }
+    target.overrides.insert(key.to_string(), shard.to_string());
+    save_target(store, &target)
+}
+
+/// Records the removal of `key`'s pin; [`rebalance`] moves it back.
+pub fn unpin(store: &dyn MapStore, key: &str) -> Result<(), ReshardError> {
+    let _lock = store.try_lock_rebalance()?;
+    let mut target = current_target(store)?;
+    if target.overrides.remove(key).is_none() {
+        return Err(ReshardError::Invalid(format!("key {key:?} is not pinned")));
+    }
+    save_target(store, &target)
+}
+
+// ---------------------------------------------------------------------------
+// The plan and the rebalance.
+// ---------------------------------------------------------------------------
+
+/// A key with work whose owner changes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlannedMove {
+    /// The key.
+    pub key: String,
+    /// Shard it is on now.
+    pub from: String,
+    /// Shard it will be on.
+    pub to: String,
+    /// Its queued plus in-flight jobs on `from` when scanned.
+    pub jobs: u64,
+}
+
+/// Every key with work whose owner differs between `cur` and `target`.
+pub fn plan_moves<B: KeyInventory + ?Sized>(
+    backend: &B,
+    cur: &ShardMap,
+    target: &ShardMap,
+) -> Result<Vec<PlannedMove>, ReshardError> {
+    let to = Router::new(with_version(target, cur.version))?;
+    let mut moves = Vec::new();
+    for shard in &cur.shards {
+        for (key, counts) in backend.keys_with_work(&shard.name)? {
+            if counts.depth + counts.in_flight == 0 {
+                continue;
+            }
+            // The key moves from where its work is to where the target routes it.
+            let to_shard = to.route(&key);
+            if to_shard != shard.name {
+                moves.push(PlannedMove {
+                    key,
+                    from: shard.name.clone(),
+                    to: to_shard.to_string(),
+                    jobs: counts.depth + counts.in_flight,
+                });
+            }
+        }
+    }
+    moves.sort_by(|x, y| x.key.cmp(&y.key));
+    Ok(moves)
+}
+
+fn with_version(map: &ShardMap, version: u64) -> ShardMap {
+    let mut m = map.clone();
+    m.version = version;
+    m
+}
+
+/// The intermediate map: the target's shards, removed shards as draining,
+/// and `pins` (key -> current shard) on top of the target's overrides.
+fn intermediate(cur: &ShardMap, target: &ShardMap, pins: &BTreeMap<String, String>) -> ShardMap {
+    let mut next = target.clone();
+    next.version = cur.version + 1;
+    for s in &cur.shards {
+        if next.shard(&s.name).is_none() {
+            next.shards.push(Shard {
+                state: ShardState::Draining,
+                ..s.clone()
+            });
+        }
+    }
+    for (k, shard) in pins {
+        next.overrides.insert(k.clone(), shard.clone());
+    }
+    next
+}
+
+/// True when `cur` already has the target's routing shape (phase 1 done).
+fn is_intermediate(cur: &ShardMap, target: &ShardMap) -> bool {
+    let same_shape =
+        cur.algorithm == target.algorithm && cur.hash == target.hash && cur.vnodes == target.vnodes;
+    let targets_present = target.shards.iter().all(|t| {
+        cur.shard(&t.name)
+            .is_some_and(|c| c.weight == t.weight && c.state == t.state && c.slots == t.slots)
+    });
+    let extras_draining = cur
+        .shards
+        .iter()
+        .all(|c| target.shard(&c.name).is_some() || c.state == ShardState::Draining);
+    same_shape && targets_present && extras_draining
+}
+
+/// Keys pinned in `cur` away from where the target routes them.
+fn pending_switches(cur: &ShardMap, target_router: &Router) -> Vec<(String, String, String)> {
+    cur.overrides
+        .iter()
+        .filter_map(|(k, shard)| {
+            let to = target_router.route(k);
+            (to != shard).then(|| (k.clone(), shard.clone(), to.to_string()))
+        })
+        .collect()
+}
+
+fn publish_next(store: &dyn MapStore, cur: &ShardMap, next: &ShardMap) -> Result<(), ReshardError> {
+    next.validate()?;
+    store.publish(next, cur.version)
+}
+
+/// Walks the published map to the target, moving keys with drain-then-switch.
+/// Resumable: rerun after any failure or kill.
+pub fn rebalance<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+) -> Result<RebalanceReport, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    if options.batch == 0 || options.batch > BATCH_MAX {
+        return Err(ReshardError::Invalid(format!(
+            "batch {} is out of range: 1..={BATCH_MAX}",
+            options.batch
+        )));
+    }
+    let started = Instant::now();
+    let _lock = store.try_lock_rebalance()?;
+    let mut cur = store.load()?;
+    let mut report = RebalanceReport {
+        from_version: cur.version,
+        ..RebalanceReport::default()
+    };
+    let target = current_target(store)?;
+    let target_router = Router::new(with_version(&target, cur.version))?;
+
+    // Phase 1: pin the keys with work, fence, publish the intermediate map.
+    if !is_intermediate(&cur, &target) {
+        let next_version = cur.version + 1;
+        let first = plan_moves(backend, &cur, &target)?;
+        for shard in &cur.shards {
+            let mut fence = backend.fence(&shard.name)?;
+            fence.map_version_min = fence.map_version_min.max(next_version);
+            backend.set_fence(&shard.name, &fence)?;
+        }
+        // Enqueues that landed between the scan and the fence.
+        let second = plan_moves(backend, &cur, &target)?;
+        let pins: BTreeMap<String, String> = first
+            .into_iter()
+            .chain(second)
+            .map(|m| (m.key, m.from))
+            .collect();
+        let next = intermediate(&cur, &target, &pins);
+        publish_next(store, &cur, &next)?;
+        cur = next;
+    }
+    // A run killed between a switch and its un-pause leaves keys paused and
+    // old shards unfenced: fence every shard at the published version (stale
+    // producers reload) and lift every pause; the batches re-pause what they move.
+    for shard in &cur.shards {
+        let mut fence = backend.fence(&shard.name)?;
+        if fence.map_version_min < cur.version || !fence.paused_keys.is_empty() {
+            fence.map_version_min = fence.map_version_min.max(cur.version);
+            fence.paused_keys.clear();
+            backend.set_fence(&shard.name, &fence)?;
+        }
+    }
+    let switches = pending_switches(&cur, &target_router);
+    on_event(RebalanceEvent::Pinned {
+        pinned: switches.len(),
+        version: cur.version,
+    });
+
+    // Phase 2: drain, then switch, in batches.
+    let total = switches.len();
+    let mut done = 0usize;
+    for batch in switches.chunks(options.batch) {
+        let pause_started = Instant::now();
+        set_paused(backend, batch, true, None)?;
+        if let Err(e) = wait_drained(backend, batch, options) {
+            // Do not leave producers stalled: lift the pause, keep the pins.
+            set_paused(backend, batch, false, None)?;
+            return Err(e);
+        }
+        let mut next = cur.clone();
+        next.version = cur.version + 1;
+        for (key, _, _) in batch {
+            match target.overrides.get(key) {
+                Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
+                None => next.overrides.remove(key),
+            };
+        }
+        // Other pins stay; the switched keys now follow the target.
+        publish_next(store, &cur, &next)?;
+        set_paused(backend, batch, false, Some(next.version))?;
+        let pause_ms = pause_started.elapsed().as_secs_f64() * 1000.0;
+        for (key, from, to) in batch {
+            report.moved.push(MovedKey {
+                key: key.clone(),
+                from: from.clone(),
+                to: to.clone(),
+                pause_ms,
+            });
+        }
+        done += batch.len();
+        on_event(RebalanceEvent::Switched { done, total });
+        cur = next;
+    }
+
+    // Phase 3: publish the target itself.
+    let mut fin = target.clone();
+    fin.version = cur.version + 1;
+    let fin_router = Router::new(fin.clone())?;
+    fin.overrides
+        .retain(|k, shard| fin_router.computed(k) != shard);
+    let leaving: Vec<&Shard> = cur
+        .shards
+        .iter()
+        .filter(|s| fin.shard(&s.name).is_none())
+        .collect();
+    for s in &leaving {
+        let mut fence = backend.fence(&s.name)?;
+        fence.map_version_min = fence.map_version_min.max(fin.version);
+        backend.set_fence(&s.name, &fence)?;
+        let left = backend.keys_with_work(&s.name)?;
+        if let Some((key, counts)) = left.into_iter().find(|(_, c)| c.depth + c.in_flight > 0) {
+            return Err(ReshardError::Invalid(format!(
+                "shard {:?} still holds work for key {key:?} ({} queued, {} in flight) after its keys moved; rerun rebalance",
+                s.name, counts.depth, counts.in_flight
+            )));
+        }
+    }
+    if fin.shards != cur.shards || fin.overrides != cur.overrides {
+        publish_next(store, &cur, &fin)?;
+        cur = fin;
+    } else {
+        report.nothing_to_do = report.moved.is_empty() && report.from_version == cur.version;
+    }
+    store.store_target(None)?;
+    on_event(RebalanceEvent::Finished {
+        version: cur.version,
+    });
+    report.to_version = cur.version;
+    report.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    Ok(report)
+}
+
+/// Pauses or resumes a batch's keys on their old shards; when resuming,
+/// `fence_at` raises the old shards' minimum map version first, so that a
+/// producer still routing with the old pin is refused and reloads.
+fn set_paused<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    pause: bool,
+    fence_at: Option<u64>,
+) -> Result<(), ReshardError> {
+    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (key, from, _) in batch {
+        by_shard
+            .entry(from.as_str())
+            .or_default()
+            .push(key.as_str());
+    }
+    for (shard, keys) in by_shard {
+        let mut fence = backend.fence(shard)?;
+        if let Some(v) = fence_at {
+            fence.map_version_min = fence.map_version_min.max(v);
+        }
+        for k in keys {
+            if pause {
+                fence.paused_keys.insert(k.to_string());
+            } else {
+                fence.paused_keys.remove(k);
+            }
+        }
+        backend.set_fence(shard, &fence)?;
+    }
+    Ok(())
+}
+
+fn wait_drained<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    options: &RebalanceOptions,
+) -> Result<(), ReshardError> {
+    let started = Instant::now();
+    let mut busy: BTreeSet<(String, String)> = batch
+        .iter()
+        .map(|(k, from, _)| (k.clone(), from.clone()))
+        .collect();
+    loop {
+        let mut still = BTreeSet::new();
+        for (key, shard) in busy {
+            let c = backend.key_counts(&shard, &key)?;
+            if c.depth + c.in_flight > 0 {
+                still.insert((key, shard));
+            }
+        }
+        busy = still;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        let waited_ms = started.elapsed().as_millis() as u64;
+        if waited_ms >= options.drain_timeout_ms {
+            return Err(ReshardError::DrainTimeout {
+                keys: busy.into_iter().take(8).map(|(k, _)| k).collect(),
+                waited_ms,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(options.poll_ms.max(1)));
+    }
+}
+
+impl fmt::Display for PlannedMove {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}\t{} -> {}\t{} jobs",
+            self.key, self.from, self.to, self.jobs
+        )
+    }
+}

@@ -1,0 +1,376 @@
+//! Resharding under continuous load on the in-memory backend: producers keep
+//! enqueueing numbered jobs per key, a worker pool keeps running them, and a
+//! shard is added, removed or reweighted meanwhile. Every key's jobs must run
+//! exactly in enqueue order, none may be lost, and only the keys that must
+//! move may move.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use shardq_core::memory::{MemoryBackend, MemoryCoordinator, MemoryMapStore};
+use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
+use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
+use shardq_core::{
+    ClaimedJob, Fence, NewJob, PoolOptions, QueueBackend, QueueError, SystemClock, WorkerPool,
+};
+use shardq_route::{Algorithm, Router, ShardMap};
+
+const KEYS: usize = 10_000;
+
+fn keys() -> Vec<String> {
+    (0..KEYS).map(|i| format!("t-{i}")).collect()
+}
+
+struct Outcome {
+    moved_fraction: f64,
+    moved_to: BTreeMap<String, usize>,
+    from_counts: BTreeMap<String, usize>,
+    report: reshard::RebalanceReport,
+}
+
+/// Runs load, applies `change` then rebalances, and checks order and loss.
+fn under_load(
+    shards: &[&str],
+    algorithm: Algorithm,
+    change: impl FnOnce(&MemoryMapStore, &MemoryBackend),
+) -> Outcome {
+    let clock = Arc::new(SystemClock);
+    let backend = MemoryBackend::new(shards, clock.clone());
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(algorithm, shards.iter().copied()).unwrap());
+    let before = Router::new(store.load().unwrap()).unwrap();
+
+    let ran: Arc<Mutex<BTreeMap<String, Vec<u64>>>> = Arc::default();
+    let stop_pool = Arc::new(AtomicBool::new(false));
+    let pool = {
+        let backend = backend.clone();
+        let ran = ran.clone();
+        let stop = stop_pool.clone();
+        let clock = clock.clone();
+        thread::spawn(move || {
+            let handler = move |job: &ClaimedJob| {
+                let seq: u64 = std::str::from_utf8(&job.payload).unwrap().parse().unwrap();
+                ran.lock()
+                    .unwrap()
+                    .entry(job.key.clone())
+                    .or_default()
+                    .push(seq);
+                Ok(())
+            };
+            let mut coordinator = MemoryCoordinator::new(backend.clone());
+            let opts = PoolOptions {
+                concurrency: 4,
+                ..PoolOptions::default()
+            };
+            WorkerPool::run(
+                Arc::new(backend),
+                &mut coordinator,
+                Arc::new(handler),
+                clock,
+                opts,
+                &stop,
+            )
+            .unwrap()
+        })
+    };
+
+    // Two producers, each cycling over half of the keys, numbering each key's jobs.
+    let stop_producers = Arc::new(AtomicBool::new(false));
+    let mut producers = Vec::new();
+    for half in 0..2usize {
+        let backend = backend.clone();
+        let store = store.clone();
+        let stop = stop_producers.clone();
+        producers.push(thread::spawn(move || {
+            let mine: Vec<String> = keys().into_iter().skip(half).step_by(2).collect();
+            let mut next: BTreeMap<String, u64> = BTreeMap::new();
+            let mut producer = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+            'outer: loop {
+                for key in mine.iter().take(500) {
+                    if stop.load(Ordering::SeqCst) {
+                        break 'outer;
+                    }
+                    let seq = next.entry(key.clone()).or_insert(0);
+                    producer
+                        .enqueue(&NewJob::new(key.clone(), seq.to_string()))
+                        .unwrap();
+                    *seq += 1;
+                }
+            }
+            next
+        }));
+    }
+
+    thread::sleep(Duration::from_millis(150));
+    change(&store, &backend);
+    let report = reshard::rebalance(
+        &backend,
+        &store,
+        &RebalanceOptions {
+            batch: 16,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    thread::sleep(Duration::from_millis(150));
+    stop_producers.store(true, Ordering::SeqCst);
+    let mut enqueued: BTreeMap<String, u64> = BTreeMap::new();
+    for p in producers {
+        enqueued.extend(p.join().unwrap());
+    }
+    // Let the pool finish every job, then stop it.
+    let total: u64 = enqueued.values().sum();
+    for _ in 0..2000 {
+        let done: usize = ran.lock().unwrap().values().map(Vec::len).sum();
+        if done as u64 >= total {
+            break;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    stop_pool.store(true, Ordering::SeqCst);
+    pool.join().unwrap();
+
+    let ran = ran.lock().unwrap();
+    let mut violations = 0;
+    let mut lost = 0;
+    for (key, n) in &enqueued {
+        let got = ran.get(key).cloned().unwrap_or_default();
+        violations += got.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        lost += (*n as usize).saturating_sub(got.len());
+        assert_eq!(
+            got,
+            (0..*n).collect::<Vec<_>>(),
+            "key {key}: jobs ran out of order or were lost"
+        );
+    }
+    assert_eq!((violations, lost), (0, 0));
+    assert!(total > 1000, "the load must be real: only {total} jobs");
+
+    let after = Router::new(store.load().unwrap()).unwrap();
+    assert!(
+        store.load_target().unwrap().is_none(),
+        "the target must be cleared"
+    );
+    let mut moved_to = BTreeMap::new();
+    let mut from_counts = BTreeMap::new();
+    let mut moved = 0;
+    for k in keys() {
+        let (a, b) = (before.route(&k), after.route(&k));
+        if a != b {
+            moved += 1;
+            *moved_to.entry(b.to_string()).or_insert(0) += 1;
+            *from_counts.entry(a.to_string()).or_insert(0) += 1;
+        }
+    }
+    // No key is left paused and every shard trusts the final map.
+    for shard in backend.shard_names() {
+        let fence: Fence = backend.fence(&shard).unwrap();
+        assert!(
+            fence.paused_keys.is_empty(),
+            "{shard}: {:?}",
+            fence.paused_keys
+        );
+    }
+    Outcome {
+        moved_fraction: moved as f64 / KEYS as f64,
+        moved_to,
+        from_counts,
+        report,
+    }
+}
+
+#[test]
+fn adding_a_fifth_shard_under_load_moves_a_fifth_to_it_in_order() {
+    let out = under_load(
+        &["s0", "s1", "s2", "s3"],
+        Algorithm::Rendezvous,
+        |store, backend| {
+            backend.add_shard("s4");
+            reshard::add_shard(store, "s4", 1, None).unwrap();
+        },
+    );
+    assert!(
+        (out.moved_fraction - 0.2).abs() < 0.01,
+        "moved {}",
+        out.moved_fraction
+    );
+    assert_eq!(out.moved_to.keys().collect::<Vec<_>>(), ["s4"]);
+    assert!(
+        !out.report.moved.is_empty(),
+        "keys with work must have been drained and switched"
+    );
+}
+
+#[test]
+fn removing_a_shard_under_load_moves_only_its_keys() {
+    let out = under_load(
+        &["s0", "s1", "s2", "s3", "s4"],
+        Algorithm::Rendezvous,
+        |store, _| {
+            reshard::remove_shard(store, "s2").unwrap();
+        },
+    );
+    assert_eq!(out.from_counts.keys().collect::<Vec<_>>(), ["s2"]);
+    assert!(
+        (out.moved_fraction - 0.2).abs() < 0.01,
+        "moved {}",
+        out.moved_fraction
+    );
+    assert!(!out.moved_to.contains_key("s2"));
+}
+
+#[test]
+fn raising_a_weight_under_load_moves_keys_only_to_that_shard() {
+    let out = under_load(&["s0", "s1", "s2", "s3"], Algorithm::Ring, |store, _| {
+        reshard::set_weight(store, "s1", 2).unwrap();
+    });
+    assert_eq!(out.moved_to.keys().collect::<Vec<_>>(), ["s1"]);
+    // s1 goes from 1/4 to 2/5 of the keys: 15% of all keys move to it.
+    assert!(
+        (out.moved_fraction - 0.15).abs() < 0.03,
+        "moved {}",
+        out.moved_fraction
+    );
+}
+
+#[test]
+fn pinning_a_hot_key_moves_it_after_its_backlog() {
+    let out = under_load(
+        &["s0", "s1", "s2", "s3"],
+        Algorithm::Rendezvous,
+        |store, _| {
+            let map = store.load().unwrap();
+            let r = Router::new(map).unwrap();
+            let target = if r.route("t-0") == "s3" { "s2" } else { "s3" };
+            reshard::pin(store, "t-0", target).unwrap();
+        },
+    );
+    assert_eq!(out.moved_fraction, 1.0 / KEYS as f64);
+}
+
+#[test]
+fn a_stale_producer_is_fenced_and_its_job_lands_on_the_right_shard() {
+    let clock = Arc::new(SystemClock);
+    let backend = MemoryBackend::new(&["s0", "s1", "s2", "s3"], clock);
+    let store = MemoryMapStore::new(
+        ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"]).unwrap(),
+    );
+    // A producer that loaded version 1 and never refreshes on its own.
+    let opts = ProducerOptions {
+        refresh_ms: u64::MAX,
+        ..ProducerOptions::default()
+    };
+    let mut stale = Producer::new(&backend, &store, opts).unwrap();
+    assert_eq!(stale.map_version(), 1);
+    backend.add_shard("s4");
+    reshard::add_shard(&store, "s4", 1, None).unwrap();
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let fresh = Router::new(store.load().unwrap()).unwrap();
+    // A key whose owner changed: the stale router still points at the old shard.
+    let key = (0..)
+        .map(|i| format!("t-{i}"))
+        .find(|k| fresh.route(k) == "s4")
+        .unwrap();
+    let placed = stale.enqueue(&NewJob::new(key.clone(), "x")).unwrap();
+    assert_eq!(placed.shard, "s4");
+    assert!(placed.map_version > 1, "the producer must have reloaded");
+    // And the backend itself refuses the stale version outright.
+    let old_shard = ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"])
+        .map(|m| Router::new(m).unwrap().route(&key).to_string())
+        .unwrap();
+    let err = backend
+        .enqueue(&old_shard, 1, &[NewJob::new(key, "y")])
+        .unwrap_err();
+    assert!(matches!(err, QueueError::Fenced { .. }), "{err}");
+}
+
+#[test]
+fn a_key_paused_too_long_is_a_clear_error_not_a_drop() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap());
+    let mut fence = backend.fence("s0").unwrap();
+    fence.paused_keys.insert("t-1".into());
+    backend.set_fence("s0", &fence).unwrap();
+    let opts = ProducerOptions {
+        pause_wait_ms: 50,
+        ..ProducerOptions::default()
+    };
+    let mut p = Producer::new(&backend, &store, opts).unwrap();
+    let err = p.enqueue(&NewJob::new("t-1", "x")).unwrap_err();
+    assert!(matches!(err, ProduceError::PausedTooLong { .. }), "{err}");
+    assert!(
+        err.to_string().contains("t-1") && err.to_string().contains("NOT enqueued"),
+        "{err}"
+    );
+    assert_eq!(backend.key_counts("s0", "t-1").unwrap().depth, 0);
+    // Other keys flow.
+    p.enqueue(&NewJob::new("t-2", "x")).unwrap();
+}
+
+#[test]
+fn only_one_rebalance_at_a_time() {
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap());
+    let _held = store.try_lock_rebalance().unwrap();
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let err = reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
+        .unwrap_err();
+    assert!(matches!(err, ReshardError::Busy { .. }), "{err}");
+}
+
+#[test]
+fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
+    // Simulate a coordinator killed after phase 1 and after one switch: the
+    // published map carries pins, some keys paused. A rerun must finish.
+    let clock = Arc::new(SystemClock);
+    let backend = MemoryBackend::new(&["s0", "s1", "s2", "s3"], clock);
+    let store = MemoryMapStore::new(
+        ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"]).unwrap(),
+    );
+    let mut p = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+    for k in keys().iter().take(2000) {
+        p.enqueue(&NewJob::new(k.clone(), "a")).unwrap();
+    }
+    backend.add_shard("s4");
+    reshard::add_shard(&store, "s4", 1, None).unwrap();
+    // A drain timeout of zero makes the first run stop right after pinning.
+    let quick = RebalanceOptions {
+        drain_timeout_ms: 0,
+        ..RebalanceOptions::default()
+    };
+    let err = reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, ReshardError::DrainTimeout { .. }), "{err}");
+    let pinned = store.load().unwrap();
+    assert!(
+        !pinned.overrides.is_empty(),
+        "phase 1 must have pinned keys with work"
+    );
+    // Jobs still on their old shards: enqueue more while pinned, they stay in order there.
+    let mut p = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+    for k in keys().iter().take(2000) {
+        p.enqueue(&NewJob::new(k.clone(), "b")).unwrap();
+    }
+    // Drain everything by hand, checking per-key order, then rerun.
+    for shard in backend.shard_names() {
+        loop {
+            let jobs = backend.claim(&shard, 1024).unwrap();
+            if jobs.is_empty() {
+                break;
+            }
+            let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
+            backend.ack(&shard, &ids).unwrap();
+        }
+    }
+    let report =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(report.moved.len(), pinned.overrides.len());
+    let fin = store.load().unwrap();
+    assert!(fin.overrides.is_empty());
+    assert!(fin
+        .shards
+        .iter()
+        .all(|s| s.state == shardq_route::ShardState::Active));
+}
