@@ -1,23 +1,67 @@
-//! Joins a prefix and a key into one byte string without allocating for
-//! short keys. Rendezvous hashes `"{name}:{key}"` once per shard per lookup,
-//! so an allocation here would dominate the cost of routing.
+//! Joins prefixes and one key into byte strings without allocating for short
+//! keys and without copying the key again for each prefix. Rendezvous hashes
+//! `"{name}:{key}"` once per shard per lookup, so an allocation or a fresh
+//! buffer per shard would dominate the cost of routing.
 
-/// Keys plus prefix up to this many bytes are joined on the stack.
-const STACK_BYTES: usize = 256;
+/// Room before the key plus the key up to this many bytes live on the stack.
+const STACK_BYTES: usize = 320;
 
-/// Calls `f` with `prefix ++ key`.
+/// A key stored after `room` spare bytes, so any prefix of at most `room`
+/// bytes is joined in front of it by copying only the prefix.
+pub(crate) struct KeyBuf<'a> {
+    buf: &'a mut [u8],
+    room: usize,
+}
+
+impl KeyBuf<'_> {
+    /// `prefix ++ key`. `prefix` must fit the room given to [`with_key`].
+    #[inline]
+    pub(crate) fn joined(&mut self, prefix: &[u8]) -> &[u8] {
+        let start = self.room - prefix.len();
+        self.buf[start..self.room].copy_from_slice(prefix);
+        &self.buf[start..]
+    }
+}
+
+/// Calls `f` with `key` placed after `room` spare bytes.
 #[inline]
-pub(crate) fn with_joined<R>(prefix: &[u8], key: &[u8], f: impl FnOnce(&[u8]) -> R) -> R {
-    let len = prefix.len() + key.len();
+pub(crate) fn with_key<R>(room: usize, key: &[u8], f: impl FnOnce(&mut KeyBuf<'_>) -> R) -> R {
+    let len = room + key.len();
     if len <= STACK_BYTES {
-        let mut buf = [0u8; STACK_BYTES];
-        buf[..prefix.len()].copy_from_slice(prefix);
-        buf[prefix.len()..len].copy_from_slice(key);
-        f(&buf[..len])
+        let mut stack = [0u8; STACK_BYTES];
+        stack[room..len].copy_from_slice(key);
+        f(&mut KeyBuf {
+            buf: &mut stack[..len],
+            room,
+        })
     } else {
-        let mut buf = Vec::with_capacity(len);
-        buf.extend_from_slice(prefix);
-        buf.extend_from_slice(key);
-        f(&buf)
+        let mut heap = vec![0u8; len];
+        heap[room..].copy_from_slice(key);
+        f(&mut KeyBuf {
+            buf: &mut heap,
+            room,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joins_short_and_long_keys() {
+        for key_len in [0, 1, 200, 319, 320, 1000] {
+            let key: Vec<u8> = (0..key_len).map(|i| i as u8).collect();
+            with_key(5, &key, |kb| {
+                for prefix in [&b""[..], b"a:", b"abcd:"] {
+                    let want: Vec<u8> = prefix.iter().chain(&key).copied().collect();
+                    assert_eq!(
+                        kb.joined(prefix),
+                        &want[..],
+                        "key_len={key_len} prefix={prefix:?}"
+                    );
+                }
+            });
+        }
     }
 }

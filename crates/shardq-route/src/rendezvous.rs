@@ -20,7 +20,7 @@
 //! near-exact tie, which the shared vectors would reveal.
 
 use crate::hash::HashFn;
-use crate::keybuf::with_joined;
+use crate::keybuf::{with_key, KeyBuf};
 
 /// Rendezvous over a list of `(prefix, weight)` where prefix is `"{name}:"`.
 #[derive(Debug, Clone)]
@@ -28,6 +28,8 @@ pub struct Rendezvous {
     prefixes: Vec<Box<[u8]>>,
     weights: Vec<f64>,
     weighted: bool,
+    /// Longest prefix: the room left before the key in the join buffer.
+    prefix_max: usize,
 }
 
 impl Rendezvous {
@@ -42,40 +44,53 @@ impl Rendezvous {
             weights.push(f64::from(weight));
         }
         let weighted = weights.windows(2).any(|w| w[0] != w[1]);
+        let prefix_max = prefixes.iter().map(|p| p.len()).max().unwrap_or(0);
         Rendezvous {
             prefixes,
             weights,
             weighted,
+            prefix_max,
         }
     }
 
     /// Position (in the active list) of the owner of `key`.
     #[inline]
     pub fn lookup(&self, hash: HashFn, key: &[u8]) -> u32 {
+        // Dispatch on the hash once per lookup rather than once per shard,
+        // so each loop below is compiled with its hash inlined.
+        with_key(self.prefix_max, key, |kb| match hash {
+            HashFn::Blake2b64 => self.best(kb, |b| HashFn::Blake2b64.hash(b)),
+            HashFn::Xxh64 => self.best(kb, |b| HashFn::Xxh64.hash(b)),
+            HashFn::Xxh3 => self.best(kb, |b| HashFn::Xxh3.hash(b)),
+            HashFn::Murmur3 => self.best(kb, |b| HashFn::Murmur3.hash(b)),
+            HashFn::Fnv1a64 => self.best(kb, |b| HashFn::Fnv1a64.hash(b)),
+            HashFn::Crc16 => self.best(kb, |b| HashFn::Crc16.hash(b)),
+        })
+    }
+
+    #[inline(always)]
+    fn best(&self, kb: &mut KeyBuf<'_>, h: impl Fn(&[u8]) -> u64) -> u32 {
+        let mut best = 0u32;
         if self.weighted {
-            let mut best = 0u32;
             let mut best_score = f64::NEG_INFINITY;
-            for (i, prefix) in self.prefixes.iter().enumerate() {
-                let x = with_joined(prefix, key, |b| hash.hash(b));
-                let score = weighted_score(self.weights[i], x);
+            for (i, (prefix, &weight)) in self.prefixes.iter().zip(&self.weights).enumerate() {
+                let score = weighted_score(weight, h(kb.joined(prefix)));
                 if score > best_score {
                     best_score = score;
                     best = i as u32;
                 }
             }
-            best
         } else {
-            let mut best = 0u32;
             let mut best_x = 0u64;
             for (i, prefix) in self.prefixes.iter().enumerate() {
-                let x = with_joined(prefix, key, |b| hash.hash(b));
+                let x = h(kb.joined(prefix));
                 if i == 0 || x > best_x {
                     best_x = x;
                     best = i as u32;
                 }
             }
-            best
         }
+        best
     }
 }
 

@@ -13,6 +13,10 @@
 //! Lookup is a sorted `u64` array plus an index on the top bits of the hash:
 //! `index[b]` counts the points whose top bits are below `b`, so a lookup is
 //! one index load and a scan of the (usually empty or one-point) bucket.
+//! The index covers `0..=max point`, not the whole `u64` range, so a narrow
+//! hash (crc16 puts every point below 2^16) still gets about one point per
+//! bucket instead of one bucket holding the whole ring; a hash above the
+//! last bucket is above every point and wraps to the first.
 
 use crate::hash::HashFn;
 
@@ -27,6 +31,8 @@ pub struct Ring {
     owners: Vec<u32>,
     index: Vec<u32>,
     shift: u32,
+    /// Number of index buckets (`index.len() - 1`).
+    buckets: u64,
 }
 
 impl Ring {
@@ -65,7 +71,8 @@ impl Ring {
             owners.push(o);
         }
         let bits = (usize::BITS - points.len().max(2).leading_zeros()).clamp(1, INDEX_BITS_MAX);
-        let shift = 64 - bits;
+        let span_bits = 64 - points.last().copied().unwrap_or(0).leading_zeros();
+        let shift = span_bits.saturating_sub(bits);
         let buckets = 1usize << bits;
         let mut index = vec![0u32; buckets + 1];
         let mut i = 0usize;
@@ -81,13 +88,19 @@ impl Ring {
             owners,
             index,
             shift,
+            buckets: buckets as u64,
         }
     }
 
     /// Position (in the active list) of the owner of hash `h`.
     #[inline]
     pub fn lookup(&self, h: u64) -> u32 {
-        let b = (h >> self.shift) as usize;
+        let b = h >> self.shift;
+        if b >= self.buckets {
+            // Above the last point: wrap to the first.
+            return self.owners[0];
+        }
+        let b = b as usize;
         let mut i = self.index[b] as usize;
         let end = self.index[b + 1] as usize;
         while i < end && self.points[i] <= h {
@@ -151,6 +164,20 @@ mod tests {
         }
         for p in [0, u64::MAX, ring.points[0], ring.points[ring.len() - 1]] {
             assert_eq!(ring.lookup(p), ring.lookup_bisect(p));
+        }
+    }
+
+    #[test]
+    fn narrow_hash_index_matches_bisect() {
+        // crc16 points all sit below 2^16: the index must still agree with
+        // bisect everywhere, including above the last point.
+        let ring = Ring::build(HashFn::Crc16, 256, [("a", 1), ("bb", 2)].into_iter());
+        assert!(
+            ring.shift < 16,
+            "the index must span the points, not all of u64"
+        );
+        for h in (0..70_000u64).chain([u64::MAX, 1 << 40]) {
+            assert_eq!(ring.lookup(h), ring.lookup_bisect(h), "h={h}");
         }
     }
 
