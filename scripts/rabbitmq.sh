@@ -64,8 +64,8 @@ install_if_missing() {
     chmod +x /usr/sbin/policy-rc.d
     made_policy=1
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server
+  DEBIAN_FRONTEND=noninteractive apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server >&2
   if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
 }
 

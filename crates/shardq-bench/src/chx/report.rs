@@ -10,7 +10,9 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde_json::{json, Value};
 
 use super::{Params, Rebalance, SystemReport};
@@ -418,6 +420,28 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(127, 127, 127),
 ];
 
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Writes `labels[i]` under the centre of slot `i` of `chart`'s x axis.
+/// plotters places numeric ticks at "nice" values, which skips slots, so the
+/// labels are drawn in pixel space on `root` instead.
+fn label_slots(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    chart: &Chart<'_, '_>,
+    labels: &[String],
+) -> Result<(), String> {
+    let style = ("sans-serif", 13)
+        .into_font()
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Center, VPos::Top));
+    for (i, label) in labels.iter().enumerate() {
+        let (x, y) = chart.backend_coord(&(i as f64 + 0.5, 0.0));
+        root.draw(&Text::new(label.clone(), (x, y + 6), style.clone()))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 fn chart_err(path: &Path) -> impl Fn(String) -> ChxError + '_ {
     move |reason| ChxError::Chart {
         path: path.to_path_buf(),
@@ -459,17 +483,13 @@ pub fn distribution_chart(path: &Path, reports: &[SystemReport]) -> Result<(), C
             .y_label_area_size(56)
             .build_cartesian_2d(0f64..n as f64, 0f64..max * 1.15)
             .map_err(|e| err(e.to_string()))?;
-        let labels = d.queues.clone();
         chart
             .configure_mesh()
             .disable_x_mesh()
-            .x_labels(n)
-            .x_label_formatter(&|x| {
-                let idx = x.floor() as usize;
-                labels.get(idx).cloned().unwrap_or_default()
-            })
+            .x_label_formatter(&|_| String::new())
             .draw()
             .map_err(|e| err(e.to_string()))?;
+        label_slots(&root, &chart, &d.queues).map_err(&err)?;
         let colour = PALETTE[i % PALETTE.len()];
         chart
             .draw_series(d.counts.iter().enumerate().map(|(q, &c)| {
@@ -518,11 +538,11 @@ pub fn rebalance_chart(path: &Path, reports: &[SystemReport]) -> Result<(), ChxE
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&|x| names.get(x.floor() as usize).cloned().unwrap_or_default())
+        .x_label_formatter(&|_| String::new())
         .y_desc("% of keys")
         .draw()
         .map_err(|e| err(e.to_string()))?;
+    label_slots(&root, &chart, &names).map_err(&err)?;
     for (i, r) in measured.iter().enumerate() {
         let x = i as f64;
         for (b, (lo, hi), colour) in [
@@ -531,13 +551,16 @@ pub fn rebalance_chart(path: &Path, reports: &[SystemReport]) -> Result<(), ChxE
         ] {
             if let Some(b) = b {
                 chart
-                    .draw_series([
-                        Rectangle::new([(x + lo, 0.0), (x + hi, b.moved_pct())], colour.filled()),
-                        Rectangle::new(
-                            [(x + lo, b.ideal_pct()), (x + hi, b.ideal_pct())],
-                            BLACK.stroke_width(3),
-                        ),
-                    ])
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(x + lo, 0.0), (x + hi, b.moved_pct())],
+                        colour.filled(),
+                    )))
+                    .map_err(|e| err(e.to_string()))?;
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        vec![(x + lo, b.ideal_pct()), (x + hi, b.ideal_pct())],
+                        BLACK.stroke_width(3),
+                    )))
                     .map_err(|e| err(e.to_string()))?;
             }
         }
