@@ -643,3 +643,10 @@ impl fmt::Display for PlannedMove {
         )
     }
 }
+
+/// A backend resharding can drive: queue operations plus the key inventory.
+/// Every type with both has it, so `Arc<dyn ReshardBackend>` works for any
+/// backend and upcasts to `Arc<dyn QueueBackend>` for the worker pool.
+pub trait ReshardBackend: QueueBackend + KeyInventory {}
+
+impl<T: QueueBackend + KeyInventory + ?Sized> ReshardBackend for T {}

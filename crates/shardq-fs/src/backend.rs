@@ -1,0 +1,706 @@
+//! [`FsBackend`]: the [`QueueBackend`] of the embedded engine, over the shard
+//! logs of one data directory.
+//!
+//! Each shard has one in-process handle (a mutex around its log and its
+//! replayed state) plus a group-commit syncer outside that mutex, so threads
+//! keep appending while one of them fsyncs. This module must never route keys
+//! (callers pass the shard) nor decide ownership (the coordinator does).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use shardq_core::{
+    Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
+    QueueBackend, QueueError, ShardStats, SystemClock, PAYLOAD_BYTES_LIMIT,
+    PAYLOAD_BYTES_MAX_DEFAULT,
+};
+use shardq_route::validate_shard_name;
+
+use crate::log::{ShardLog, Tail, SEGMENT_BYTES_DEFAULT};
+use crate::record::{self, decode, Record};
+use crate::state::{Pick, ShardState};
+use crate::storage::{LogFile, OsStorage, Storage};
+
+/// Most jobs in one enqueue batch.
+pub const ENQUEUE_BATCH_JOBS_MAX: usize = 65_536;
+/// Most bytes of records in one enqueue batch (256 MiB).
+pub const ENQUEUE_BATCH_BYTES_MAX: usize = 256 << 20;
+/// Fence file in each shard directory.
+pub const FENCE_FILE: &str = "fence.json";
+/// Default `interval` durability period.
+pub const SYNC_INTERVAL_MS_DEFAULT: u64 = 100;
+
+/// When appended records are made durable, and what a crash can lose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// fsync before an enqueue (or claim/ack batch) returns; concurrent
+    /// appenders of one process share fsyncs (group commit). A power loss
+    /// loses nothing that returned success.
+    Fsync,
+    /// fsync when `ms` have passed since the last one, checked on each
+    /// append, and on close. A power loss can lose the last `ms` of appends
+    /// (more if appends stop without a close); a process crash loses nothing
+    /// written.
+    Interval {
+        /// Period.
+        ms: u64,
+    },
+    /// Never fsync; the OS writes back when it likes. A process crash loses
+    /// nothing written; a power loss can lose anything not yet written back.
+    None,
+}
+
+/// Options of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Largest payload accepted (default 1 MiB, at most 64 MiB).
+    pub payload_bytes_max: usize,
+    /// See [`Durability`].
+    pub durability: Durability,
+    /// Segment size before rolling (default 64 MiB).
+    pub segment_bytes_max: u64,
+    /// What a key does after a dead job.
+    pub dead_policy: DeadPolicy,
+    /// Retry backoff.
+    pub backoff: Backoff,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+    /// Disk access.
+    pub storage: Arc<dyn Storage>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            payload_bytes_max: PAYLOAD_BYTES_MAX_DEFAULT,
+            durability: Durability::Fsync,
+            segment_bytes_max: SEGMENT_BYTES_DEFAULT,
+            dead_policy: DeadPolicy::Continue,
+            backoff: Backoff::default(),
+            clock: Arc::new(SystemClock),
+            storage: Arc::new(OsStorage),
+        }
+    }
+}
+
+struct Inner {
+    log: ShardLog,
+    /// Replayed state; `None` for a process that only appends.
+    replica: Option<ShardState>,
+    owned: bool,
+    fence: Option<(FenceStamp, Fence)>,
+}
+
+/// Builds the records of an append, given the caught-up shard and the
+/// position they will start at.
+type BuildRecords<'a> = dyn FnMut(&mut Inner, u64) -> Result<Vec<u8>, QueueError> + 'a;
+
+type FenceStamp = (u64, i64, i64, u64);
+
+struct Syncer {
+    synced_to: Mutex<u64>,
+    latest: Mutex<Option<(u64, Arc<dyn LogFile>)>>,
+    last_sync_ms: Mutex<u64>,
+}
+
+struct Shard {
+    name: String,
+    dir: PathBuf,
+    inner: Mutex<Inner>,
+    sync: Syncer,
+}
+
+/// The embedded engine's backend. See the module docs.
+pub struct FsBackend {
+    dir: PathBuf,
+    opts: EngineOptions,
+    shards: RwLock<BTreeMap<String, Arc<Shard>>>,
+}
+
+impl std::fmt::Debug for FsBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsBackend").field("dir", &self.dir).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a shard mutex leaves the state as it was at the
+    // last whole record; carrying on is no worse than restarting.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl FsBackend {
+    /// A backend over the shard directories of data dir `dir`.
+    pub fn new(dir: &Path, opts: EngineOptions) -> Result<FsBackend, QueueError> {
+        if opts.payload_bytes_max > PAYLOAD_BYTES_LIMIT {
+            return Err(QueueError::Backend(format!(
+                "payload_bytes_max {} is over the hard limit of {PAYLOAD_BYTES_LIMIT} bytes",
+                opts.payload_bytes_max
+            )));
+        }
+        Ok(FsBackend {
+            dir: dir.to_path_buf(),
+            opts,
+            shards: RwLock::new(BTreeMap::new()),
+        })
+    }
+
+    /// The engine options.
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    fn shard(&self, name: &str) -> Result<Arc<Shard>, QueueError> {
+        if let Some(s) = self
+            .shards
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
+            return Ok(Arc::clone(s));
+        }
+        validate_shard_name(name).map_err(|_| QueueError::UnknownShard {
+            shard: name.to_string(),
+        })?;
+        let dir = self.dir.join(name);
+        if !dir.is_dir() {
+            return Err(QueueError::UnknownShard {
+                shard: name.to_string(),
+            });
+        }
+        let mut map = self.shards.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(name) {
+            return Ok(Arc::clone(s));
+        }
+        let log = ShardLog::open(
+            name,
+            &dir,
+            Arc::clone(&self.opts.storage),
+            self.opts.segment_bytes_max,
+            false,
+        )?;
+        let shard = Arc::new(Shard {
+            name: name.to_string(),
+            dir,
+            inner: Mutex::new(Inner {
+                log,
+                replica: None,
+                owned: false,
+                fence: None,
+            }),
+            sync: Syncer {
+                synced_to: Mutex::new(0),
+                latest: Mutex::new(None),
+                last_sync_ms: Mutex::new(self.opts.clock.now_ms()),
+            },
+        });
+        map.insert(name.to_string(), Arc::clone(&shard));
+        Ok(shard)
+    }
+
+    /// Drops this process's handle of `shard` (after a failed write, or to
+    /// re-read it from scratch). The next use reopens it.
+    pub fn reopen_shard(&self, name: &str) {
+        self.shards
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+    }
+
+    /// Makes everything appended so far durable (for `interval` and `none`
+    /// before exit).
+    pub fn flush(&self) -> Result<(), QueueError> {
+        let shards: Vec<Arc<Shard>> = self
+            .shards
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for s in shards {
+            let end = lock(&s.sync.latest).as_ref().map(|(e, _)| *e).unwrap_or(0);
+            self.sync_to(&s, end)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes cut off as torn tails by this process, per shard.
+    pub fn torn_bytes_truncated(&self, name: &str) -> Result<u64, QueueError> {
+        let shard = self.shard(name)?;
+        let inner = lock(&shard.inner);
+        Ok(inner.log.torn_bytes_truncated)
+    }
+
+    fn sync_to(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
+        let mut synced = lock(&shard.sync.synced_to);
+        if *synced >= end {
+            return Ok(());
+        }
+        let Some((target, file)) = lock(&shard.sync.latest).clone() else {
+            return Ok(());
+        };
+        if let Err(e) = file.sync() {
+            let err = QueueError::io(format!("fsync of shard {:?}", shard.name), e);
+            drop(synced);
+            return Err(lock(&shard.inner).log.poison(err));
+        }
+        *synced = target;
+        *lock(&shard.sync.last_sync_ms) = self.opts.clock.now_ms();
+        Ok(())
+    }
+
+    fn after_append(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
+        match self.opts.durability {
+            Durability::None => Ok(()),
+            Durability::Fsync => self.sync_to(shard, end),
+            Durability::Interval { ms } => {
+                let last = *lock(&shard.sync.last_sync_ms);
+                if self.opts.clock.now_ms().saturating_sub(last) >= ms {
+                    self.sync_to(shard, end)
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Brings this process's replica of the shard up to date, building it
+    /// from the first segment if needed.
+    fn refresh(&self, inner: &mut Inner) -> Result<(), QueueError> {
+        if inner.replica.is_none() {
+            let log = ShardLog::open(
+                &inner.log.name,
+                &self.dir.join(&inner.log.name),
+                Arc::clone(&self.opts.storage),
+                self.opts.segment_bytes_max,
+                true,
+            )?;
+            let replica = ShardState::new(log.first_base(), self.opts.dead_policy);
+            inner.log = log;
+            inner.replica = Some(replica);
+        }
+        let Inner { log, replica, .. } = inner;
+        let replica = replica.as_mut().expect("built above");
+        let mut apply = |pos, base, rec: &Record<'_>| replica.apply(pos, base, rec);
+        if log.catch_up(false, &mut apply)? == Tail::NeedsLock {
+            let _guard = log.lock()?;
+            log.catch_up(true, &mut apply)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the append lock, catches up, asks `build` for the records to
+    /// append (given the replica and the position they will start at),
+    /// appends them and applies them. Returns the start and end positions.
+    fn append_with(
+        &self,
+        shard: &Shard,
+        inner: &mut Inner,
+        build: &mut BuildRecords<'_>,
+    ) -> Result<(u64, u64), QueueError> {
+        let guard = inner.log.lock()?;
+        {
+            let Inner { log, replica, .. } = &mut *inner;
+            match replica {
+                Some(r) => log.catch_up(true, &mut |p, b, rec| r.apply(p, b, rec))?,
+                None => log.catch_up(true, &mut |_, _, _| Ok(()))?,
+            };
+        }
+        let start = inner.log.end_pos();
+        let bytes = build(inner, start)?;
+        if bytes.is_empty() {
+            return Ok((start, start));
+        }
+        let file = inner.log.append_locked(&bytes)?;
+        drop(guard);
+        let start = inner.log.end_pos() - bytes.len() as u64;
+        let end = inner.log.end_pos();
+        let seg_base = inner.log.end_pos() - inner.log.cur_off();
+        if let Some(r) = inner.replica.as_mut() {
+            let mut p = 0usize;
+            while p < bytes.len() {
+                // Assert the data right after writing: we built it.
+                let (rec, n) = decode(&bytes[p..]).expect("own records decode");
+                r.apply(start + p as u64, seg_base, &rec)
+                    .map_err(|reason| QueueError::Inconsistent {
+                        shard: shard.name.clone(),
+                        segment: crate::storage::segment_name(seg_base),
+                        offset: start - seg_base + p as u64,
+                        reason,
+                    })?;
+                p += n;
+            }
+        }
+        *lock(&shard.sync.latest) = Some((end, file));
+        Ok((start, end))
+    }
+
+    fn owned_inner<'a>(&self, shard: &'a Shard) -> Result<MutexGuard<'a, Inner>, QueueError> {
+        let inner = lock(&shard.inner);
+        if !inner.owned {
+            return Err(QueueError::NotOwner {
+                shard: shard.name.clone(),
+            });
+        }
+        Ok(inner)
+    }
+
+    fn read_fence(&self, shard: &Shard, inner: &mut Inner) -> Result<Fence, QueueError> {
+        let path = shard.dir.join(FENCE_FILE);
+        let meta = match fs::metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Fence::default()),
+            Err(e) => return Err(QueueError::io(format!("reading {}", path.display()), e)),
+        };
+        let stamp = (meta.ino(), meta.mtime(), meta.mtime_nsec(), meta.len());
+        if let Some((s, f)) = &inner.fence {
+            if *s == stamp {
+                return Ok(f.clone());
+            }
+        }
+        let text = fs::read_to_string(&path)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
+        let fence: Fence = serde_json::from_str(&text).map_err(|e| {
+            QueueError::Backend(format!("fence file {} is not valid: {e}", path.display()))
+        })?;
+        inner.fence = Some((stamp, fence.clone()));
+        Ok(fence)
+    }
+
+    fn compact(&self, inner: &mut Inner) -> Result<(), QueueError> {
+        let Inner { log, replica, .. } = inner;
+        let Some(r) = replica.as_mut() else {
+            return Ok(());
+        };
+        for base in log.sealed_bases() {
+            if r.live_in_segment(base) > 0 {
+                break;
+            }
+            let first = log.delete_first(base)?;
+            r.set_base(first);
+        }
+        Ok(())
+    }
+}
+
+impl QueueBackend for FsBackend {
+    fn shard_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = match fs::read_dir(&self.dir) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok())
+                .filter(|e| e.path().is_dir())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| validate_shard_name(n).is_ok())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        names.sort_by_key(|n| natural_key(n));
+        names
+    }
+
+    fn enqueue(
+        &self,
+        shard_name: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+    ) -> Result<Vec<JobId>, QueueError> {
+        if jobs.len() > ENQUEUE_BATCH_JOBS_MAX {
+            return Err(QueueError::BatchTooLarge {
+                jobs: jobs.len(),
+                max: ENQUEUE_BATCH_JOBS_MAX,
+            });
+        }
+        for job in jobs {
+            job.validate(self.opts.payload_bytes_max)?;
+        }
+        let shard = self.shard(shard_name)?;
+        let now = self.opts.clock.now_ms();
+        let mut bytes = Vec::with_capacity(
+            jobs.iter()
+                .map(|j| j.payload.len() + j.key.len() + 40)
+                .sum(),
+        );
+        let mut offsets = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            offsets.push(bytes.len() as u64);
+            record::encode(
+                &mut bytes,
+                &Record::Enqueue {
+                    created_ms: now,
+                    not_before_ms: now + job.delay_ms,
+                    max_attempts: job.max_attempts,
+                    key: &job.key,
+                    payload: &job.payload,
+                },
+            );
+        }
+        if bytes.len() > ENQUEUE_BATCH_BYTES_MAX {
+            return Err(QueueError::BatchTooLarge {
+                jobs: jobs.len(),
+                max: ENQUEUE_BATCH_JOBS_MAX,
+            });
+        }
+        let mut inner = lock(&shard.inner);
+        let mut bytes = Some(bytes);
+        let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _start| {
+            // The fence is read under the append lock, so a fence set before
+            // this point is honoured and one set after sees this batch.
+            let fence = self.read_fence(&shard, inner)?;
+            for job in jobs {
+                fence.check(shard_name, map_version, &job.key)?;
+            }
+            Ok(bytes.take().unwrap_or_default())
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(offsets.into_iter().map(|o| JobId(start + o)).collect())
+    }
+
+    fn adopt(&self, name: &str) -> Result<(), QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        inner.owned = true;
+        inner.replica.as_mut().expect("refreshed").reset_in_flight();
+        Ok(())
+    }
+
+    fn release(&self, name: &str) -> Result<(), QueueError> {
+        let shard = self.shard(name)?;
+        lock(&shard.inner).owned = false;
+        Ok(())
+    }
+
+    fn claim(&self, name: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let now = self.opts.clock.now_ms();
+        let mut picks: Vec<Pick> = Vec::new();
+        let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_mut().expect("owner has a replica");
+            picks = r.pick(now, max);
+            let mut bytes = Vec::with_capacity(picks.len() * 32);
+            for p in &picks {
+                record::encode(
+                    &mut bytes,
+                    &Record::Claim {
+                        job: p.id,
+                        attempt: p.attempt,
+                        key: &p.key,
+                    },
+                );
+            }
+            Ok(bytes)
+        });
+        let end = match res {
+            Ok((_, end)) => end,
+            Err(e) => {
+                if let Some(r) = inner.replica.as_mut() {
+                    r.unpick(&picks);
+                }
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(picks.len());
+        for p in &picks {
+            let bytes = inner.log.read_record_at(p.id)?;
+            let (rec, _) = decode(&bytes).map_err(|e| QueueError::Backend(format!("{e:?}")))?;
+            let Record::Enqueue {
+                created_ms,
+                key,
+                payload,
+                ..
+            } = rec
+            else {
+                return Err(QueueError::Inconsistent {
+                    shard: name.to_string(),
+                    segment: "-".into(),
+                    offset: p.id,
+                    reason: "a claimed job's position does not hold an enqueue record".into(),
+                });
+            };
+            assert_eq!(key, &*p.key, "claimed job's key changed on disk");
+            out.push(ClaimedJob {
+                shard: name.to_string(),
+                id: JobId(p.id),
+                key: key.to_string(),
+                payload: payload.to_vec(),
+                attempt: p.attempt,
+                max_attempts: p.max_attempts,
+                created_ms,
+                not_before_ms: p.not_before_ms,
+            });
+        }
+        drop(inner);
+        if !out.is_empty() {
+            self.after_append(&shard, end)?;
+        }
+        Ok(out)
+    }
+
+    fn ack(&self, name: &str, ids: &[JobId]) -> Result<(), QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_ref().expect("owner has a replica");
+            let mut bytes = Vec::with_capacity(ids.len() * 24);
+            for id in ids {
+                let Some((key, _, _)) = r.in_flight(id.0) else {
+                    return Err(QueueError::NotInFlight {
+                        shard: name.to_string(),
+                        id: id.0,
+                    });
+                };
+                record::encode(&mut bytes, &Record::Ack { job: id.0, key });
+            }
+            Ok(bytes)
+        })?;
+        self.compact(&mut inner)?;
+        drop(inner);
+        self.after_append(&shard, end)
+    }
+
+    fn fail(&self, name: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let now = self.opts.clock.now_ms();
+        let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
+        let mut outcome = FailOutcome::Dead;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_ref().expect("owner has a replica");
+            let Some((key, attempt, max_attempts)) = r.in_flight(id.0) else {
+                return Err(QueueError::NotInFlight {
+                    shard: name.to_string(),
+                    id: id.0,
+                });
+            };
+            let dead = attempt >= max_attempts;
+            let retry_at_ms = now + self.opts.backoff.delay_ms(attempt);
+            outcome = if dead {
+                FailOutcome::Dead
+            } else {
+                FailOutcome::Retry { at_ms: retry_at_ms }
+            };
+            let mut bytes = Vec::new();
+            record::encode(
+                &mut bytes,
+                &Record::Fail {
+                    job: id.0,
+                    retry_at_ms,
+                    dead,
+                    key,
+                    reason,
+                },
+            );
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(outcome)
+    }
+
+    fn next_due_ms(&self, name: &str) -> Result<Option<u64>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        Ok(inner.replica.as_ref().and_then(|r| r.next_due_ms()))
+    }
+
+    fn key_counts(&self, name: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        Ok(inner.replica.as_ref().expect("refreshed").key_counts(key))
+    }
+
+    fn shard_stats(&self, name: &str) -> Result<ShardStats, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let now = self.opts.clock.now_ms();
+        Ok(inner.replica.as_ref().expect("refreshed").stats(name, now))
+    }
+
+    fn fence(&self, name: &str) -> Result<Fence, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.read_fence(&shard, &mut inner)
+    }
+
+    fn set_fence(&self, name: &str, fence: &Fence) -> Result<(), QueueError> {
+        let shard = self.shard(name)?;
+        let inner = lock(&shard.inner);
+        // Written under the append lock: no enqueue is between its fence
+        // check and its append while the fence changes.
+        let _guard = inner.log.lock()?;
+        let path = shard.dir.join(FENCE_FILE);
+        let text = serde_json::to_string_pretty(fence)
+            .map_err(|e| QueueError::Backend(format!("encoding the fence: {e}")))?;
+        crate::layout::write_atomic(&path, text.as_bytes())
+            .map_err(|e| QueueError::io(format!("writing {}", path.display()), e))
+    }
+
+    fn dead_list(&self, name: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        Ok(inner
+            .replica
+            .as_ref()
+            .expect("refreshed")
+            .dead_list(name, limit))
+    }
+
+    fn dead_retry(&self, name: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.dead_change(name, ids, true)
+    }
+
+    fn dead_purge(&self, name: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.dead_change(name, ids, false)
+    }
+}
+
+impl FsBackend {
+    fn dead_change(
+        &self,
+        name: &str,
+        ids: Option<&[JobId]>,
+        retry: bool,
+    ) -> Result<usize, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut count = 0usize;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_ref().expect("refreshed");
+            let chosen: Vec<u64> = match ids {
+                None => r.dead_ids(),
+                Some(ids) => ids.iter().map(|i| i.0).filter(|&i| r.is_dead(i)).collect(),
+            };
+            count = chosen.len();
+            let mut bytes = Vec::new();
+            for job in chosen {
+                let rec = if retry {
+                    Record::DeadRetry { job }
+                } else {
+                    Record::DeadPurge { job }
+                };
+                record::encode(&mut bytes, &rec);
+            }
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(count)
+    }
+}
+
+/// Sorts `shard-10` after `shard-9`.
+fn natural_key(name: &str) -> (String, u64) {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, num) = name.split_at(name.len() - digits);
+    (stem.to_string(), num.parse().unwrap_or(0))
+}

@@ -1,0 +1,246 @@
+//! The data directory's layout: creating it, checking it, and reading and
+//! writing `membership.json` under `.membership.lock`.
+//!
+//! ```text
+//! DIR/
+//!   .membership.lock     flock held while membership.json is read-modify-written
+//!   membership.json      owners and leases (format "shardq-membership", version 1)
+//!   shardmap.yaml        the shard map (shardq-route format)
+//!   shard-0/
+//!     .lock              flock held by the process that owns (runs) this shard
+//!     .append.lock       flock held by any process while it appends
+//!     fence.json         optional: map_version_min and paused keys
+//!     00000000000000000000.seg   log segments, named by base position
+//! ```
+//!
+//! This module never touches segment contents.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{flock, FlockOperation};
+use serde::{Deserialize, Serialize};
+use shardq_route::ShardMap;
+
+use crate::error::FsError;
+use crate::storage::segment_name;
+
+/// Membership file name.
+pub const MEMBERSHIP_FILE: &str = "membership.json";
+/// Lock guarding the membership file.
+pub const MEMBERSHIP_LOCK_FILE: &str = ".membership.lock";
+/// Shard map file name.
+pub const SHARD_MAP_FILE: &str = "shardmap.yaml";
+/// Owner lock in each shard directory.
+pub const SHARD_LOCK_FILE: &str = ".lock";
+/// Value of the `format` field of membership.json.
+pub const MEMBERSHIP_FORMAT: &str = "shardq-membership";
+/// Current membership format version.
+pub const MEMBERSHIP_VERSION: u32 = 1;
+/// Largest membership.json read (1 MiB): bounds a corrupt or hostile file.
+const MEMBERSHIP_BYTES_MAX: u64 = 1 << 20;
+
+/// One shard's entry in membership.json.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberEntry {
+    /// `host@pid` of the owner, if any.
+    pub owner: Option<String>,
+    /// When the owner's lease ends (ms since the epoch); 0 when unowned.
+    pub lease_expires_ms: u64,
+    /// Bumped at every change of owner.
+    pub epoch: u64,
+}
+
+/// The contents of membership.json.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Membership {
+    /// Always [`MEMBERSHIP_FORMAT`].
+    pub format: String,
+    /// Always [`MEMBERSHIP_VERSION`].
+    pub version: u32,
+    /// Per shard.
+    pub shards: BTreeMap<String, MemberEntry>,
+}
+
+/// Writes `bytes` to `path` atomically: temp file, fsync, rename, fsync dir.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
+/// Creates a data directory for `map` (all shards unowned, empty logs).
+pub fn init(dir: &Path, map: &ShardMap) -> Result<(), FsError> {
+    if dir.exists() {
+        let mut entries =
+            fs::read_dir(dir).map_err(|e| FsError::io(format!("reading {}", dir.display()), e))?;
+        if entries.next().is_some() {
+            return Err(FsError::InitRefused {
+                dir: dir.to_path_buf(),
+                reason: if dir.join(MEMBERSHIP_FILE).exists() {
+                    "it is already a shardq data dir".into()
+                } else {
+                    "the directory is not empty".into()
+                },
+            });
+        }
+    }
+    fs::create_dir_all(dir).map_err(|e| FsError::io(format!("creating {}", dir.display()), e))?;
+    let mut shards = BTreeMap::new();
+    for shard in &map.shards {
+        let sdir = dir.join(&shard.name);
+        fs::create_dir(&sdir)
+            .map_err(|e| FsError::io(format!("creating {}", sdir.display()), e))?;
+        for f in [SHARD_LOCK_FILE, crate::log::APPEND_LOCK_FILE] {
+            File::create(sdir.join(f))
+                .map_err(|e| FsError::io(format!("creating {}", sdir.join(f).display()), e))?;
+        }
+        let seg = sdir.join(segment_name(0));
+        File::create(&seg)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))?;
+        shards.insert(shard.name.clone(), MemberEntry::default());
+    }
+    write_atomic(&dir.join(SHARD_MAP_FILE), map.to_yaml().as_bytes())
+        .map_err(|e| FsError::io(format!("writing {}", dir.join(SHARD_MAP_FILE).display()), e))?;
+    File::create(dir.join(MEMBERSHIP_LOCK_FILE)).map_err(|e| {
+        FsError::io(
+            format!("creating {}", dir.join(MEMBERSHIP_LOCK_FILE).display()),
+            e,
+        )
+    })?;
+    // membership.json last: its presence marks a complete data dir.
+    let m = Membership {
+        format: MEMBERSHIP_FORMAT.into(),
+        version: MEMBERSHIP_VERSION,
+        shards,
+    };
+    write_membership(dir, &m)
+}
+
+/// Checks that `dir` is a shardq data dir.
+pub fn check(dir: &Path) -> Result<(), FsError> {
+    if !dir.exists() {
+        return Err(FsError::Missing {
+            dir: dir.to_path_buf(),
+        });
+    }
+    if !dir.is_dir() {
+        return Err(FsError::Foreign {
+            dir: dir.to_path_buf(),
+            reason: "it is not a directory".into(),
+        });
+    }
+    for f in [MEMBERSHIP_FILE, SHARD_MAP_FILE] {
+        if !dir.join(f).is_file() {
+            return Err(FsError::Foreign {
+                dir: dir.to_path_buf(),
+                reason: format!("{f} is missing (was it created with `shardq init`?)"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reads and checks the shard map.
+pub fn read_map(dir: &Path) -> Result<ShardMap, FsError> {
+    let path = dir.join(SHARD_MAP_FILE);
+    let text = fs::read_to_string(&path)
+        .map_err(|e| FsError::io(format!("reading {}", path.display()), e))?;
+    ShardMap::from_yaml(&text).map_err(|e| FsError::MapInvalid {
+        path,
+        reason: e.to_string(),
+    })
+}
+
+/// Reads membership.json (the caller holds the lock when it will write).
+pub fn read_membership(dir: &Path) -> Result<Membership, FsError> {
+    let path = dir.join(MEMBERSHIP_FILE);
+    let f = File::open(&path).map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if len > MEMBERSHIP_BYTES_MAX {
+        return Err(FsError::MembershipCorrupt {
+            path,
+            reason: format!("{len} bytes, over the limit of {MEMBERSHIP_BYTES_MAX}"),
+        });
+    }
+    let m: Membership =
+        serde_json::from_reader(io::BufReader::new(f)).map_err(|e| FsError::MembershipCorrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+    if m.format != MEMBERSHIP_FORMAT || m.version != MEMBERSHIP_VERSION {
+        return Err(FsError::MembershipCorrupt {
+            path,
+            reason: format!(
+                "format {:?} version {}, expected {MEMBERSHIP_FORMAT:?} version {MEMBERSHIP_VERSION}",
+                m.format, m.version
+            ),
+        });
+    }
+    Ok(m)
+}
+
+/// Writes membership.json atomically.
+pub fn write_membership(dir: &Path, m: &Membership) -> Result<(), FsError> {
+    let path = dir.join(MEMBERSHIP_FILE);
+    let text = serde_json::to_string_pretty(m).expect("membership serialises");
+    write_atomic(&path, text.as_bytes())
+        .map_err(|e| FsError::io(format!("writing {}", path.display()), e))
+}
+
+/// Holds `.membership.lock` until dropped.
+pub struct MembershipLock(File);
+
+impl MembershipLock {
+    /// Takes the lock (blocks while another process holds it; holders keep
+    /// it only for a read-modify-write).
+    pub fn acquire(dir: &Path) -> Result<MembershipLock, FsError> {
+        let path = dir.join(MEMBERSHIP_LOCK_FILE);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
+        flock(&f, FlockOperation::LockExclusive)
+            .map_err(|e| FsError::io(format!("locking {}", path.display()), e.into()))?;
+        Ok(MembershipLock(f))
+    }
+}
+
+impl Drop for MembershipLock {
+    fn drop(&mut self) {
+        let _ = flock(&self.0, FlockOperation::Unlock);
+    }
+}
+
+/// Tries to take a shard's owner lock without blocking.
+pub fn try_lock_shard(dir: &Path, shard: &str) -> Result<Option<File>, FsError> {
+    let path: PathBuf = dir.join(shard).join(SHARD_LOCK_FILE);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
+    match flock(&f, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(Some(f)),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+        Err(e) => Err(FsError::io(format!("locking {}", path.display()), e.into())),
+    }
+}

@@ -1,0 +1,549 @@
+//! One shard's append-only log: segment files, the cross-process append lock,
+//! tailing, torn-tail truncation, corruption detection, rolling and the
+//! deletion of finished segments.
+//!
+//! Rules this module keeps (argued in `docs/design.md`):
+//! * bytes are appended only while holding the shard's `.append.lock` flock,
+//!   after reading everything up to the end of the log, so the appender knows
+//!   the end is a record boundary;
+//! * bad bytes are judged only while holding that lock (no writer can be
+//!   half-way): a torn tail is truncated, anything else is corruption and the
+//!   shard stops serving; records are never skipped;
+//! * after a failed write or fsync the log refuses all further work.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustix::fs::{flock, FlockOperation};
+use shardq_core::QueueError;
+
+use crate::record::{self, decode, DecodeError, Record, HEADER_BYTES};
+use crate::storage::{list_segments, segment_name, LogFile, Storage};
+
+/// Name of the lock file every appender holds while appending.
+pub const APPEND_LOCK_FILE: &str = ".append.lock";
+/// Default segment size before rolling to a new one (64 MiB).
+pub const SEGMENT_BYTES_DEFAULT: u64 = 64 << 20;
+/// Bytes read from a segment at a time while tailing.
+const READ_CHUNK_BYTES: usize = 4 << 20;
+/// Attempts to list and open segments while compaction deletes some.
+const LIST_RETRIES_MAX: usize = 16;
+
+/// Where tailing stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tail {
+    /// At a record boundary at the end of the log.
+    Clean,
+    /// On bytes that are incomplete or invalid; without the append lock a
+    /// writer may be half-way, so only a locked pass can judge them.
+    NeedsLock,
+}
+
+/// Holds the append flock until dropped.
+pub(crate) struct AppendGuard(Arc<File>);
+
+impl Drop for AppendGuard {
+    fn drop(&mut self) {
+        let _ = flock(&*self.0, FlockOperation::Unlock);
+    }
+}
+
+/// See the module docs.
+pub(crate) struct ShardLog {
+    pub name: String,
+    dir: PathBuf,
+    storage: Arc<dyn Storage>,
+    append_lock: Arc<File>,
+    segments: BTreeMap<u64, Arc<dyn LogFile>>,
+    cur_base: u64,
+    cur_off: u64,
+    segment_bytes_max: u64,
+    buf: Vec<u8>,
+    /// Set after a failed write or fsync, or on corruption: all work stops.
+    pub broken: Option<QueueError>,
+    /// Bytes cut off as a torn tail since open (reported by status/repair).
+    pub torn_bytes_truncated: u64,
+}
+
+fn io_err(ctx: String) -> impl FnOnce(io::Error) -> QueueError {
+    move |e| QueueError::io(ctx, e)
+}
+
+impl ShardLog {
+    /// Opens the shard in `dir`; reading starts at the first segment when
+    /// `from_start`, else at the last (appenders need only validate the
+    /// tail).
+    pub fn open(
+        name: &str,
+        dir: &Path,
+        storage: Arc<dyn Storage>,
+        segment_bytes_max: u64,
+        from_start: bool,
+    ) -> Result<ShardLog, QueueError> {
+        let lock_path = dir.join(APPEND_LOCK_FILE);
+        let append_lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io_err(format!("opening {}", lock_path.display())))?;
+        let mut log = ShardLog {
+            name: name.to_string(),
+            dir: dir.to_path_buf(),
+            storage,
+            append_lock: Arc::new(append_lock),
+            segments: BTreeMap::new(),
+            cur_base: 0,
+            cur_off: 0,
+            segment_bytes_max,
+            buf: Vec::new(),
+            broken: None,
+            torn_bytes_truncated: 0,
+        };
+        log.open_segments(from_start)?;
+        Ok(log)
+    }
+
+    fn open_segments(&mut self, from_start: bool) -> Result<(), QueueError> {
+        for _ in 0..LIST_RETRIES_MAX {
+            let bases = list_segments(&self.dir).map_err(io_err(format!(
+                "listing segments of {}",
+                self.dir.display()
+            )))?;
+            let Some(&first) = bases.first() else {
+                return Err(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment: "-".into(),
+                    offset: 0,
+                    reason: format!("no segment files in {}", self.dir.display()),
+                });
+            };
+            let wanted: Vec<u64> = if from_start {
+                bases.clone()
+            } else {
+                vec![*bases.last().expect("non-empty")]
+            };
+            let mut opened = BTreeMap::new();
+            let mut vanished = false;
+            for base in wanted {
+                match self.storage.open(&self.segment_path(base), false) {
+                    Ok(f) => {
+                        opened.insert(base, f);
+                    }
+                    // Compaction deleted it between listing and opening.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        vanished = true;
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(QueueError::io(
+                            format!("opening {}", self.segment_path(base).display()),
+                            e,
+                        ))
+                    }
+                }
+            }
+            if vanished {
+                continue;
+            }
+            self.segments = opened;
+            self.cur_base = if from_start {
+                first
+            } else {
+                *bases.last().expect("non-empty")
+            };
+            self.cur_off = 0;
+            return Ok(());
+        }
+        Err(QueueError::Backend(format!(
+            "shard {:?}: segments kept vanishing while opening them",
+            self.name
+        )))
+    }
+
+    /// Position of the first segment still kept.
+    pub fn first_base(&self) -> u64 {
+        self.segments
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(self.cur_base)
+    }
+
+    /// Offset of the read position within the current segment.
+    pub fn cur_off(&self) -> u64 {
+        self.cur_off
+    }
+
+    /// Global position of the end of what has been read.
+    pub fn end_pos(&self) -> u64 {
+        self.cur_base + self.cur_off
+    }
+
+    fn segment_path(&self, base: u64) -> PathBuf {
+        self.dir.join(segment_name(base))
+    }
+
+    fn check_usable(&self) -> Result<(), QueueError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(QueueError::Corrupt {
+                shard,
+                segment,
+                offset,
+                reason,
+            }) => Err(QueueError::Corrupt {
+                shard: shard.clone(),
+                segment: segment.clone(),
+                offset: *offset,
+                reason: reason.clone(),
+            }),
+            Some(other) => Err(QueueError::Poisoned {
+                shard: self.name.clone(),
+                cause: other.to_string(),
+            }),
+        }
+    }
+
+    /// Marks the log broken after a failed write or fsync.
+    pub fn poison(&mut self, err: QueueError) -> QueueError {
+        let msg = err.to_string();
+        if self.broken.is_none() {
+            self.broken = Some(QueueError::Backend(msg.clone()));
+        }
+        QueueError::Poisoned {
+            shard: self.name.clone(),
+            cause: msg,
+        }
+    }
+
+    /// Takes the append lock (blocks while another process appends).
+    pub fn lock(&self) -> Result<AppendGuard, QueueError> {
+        flock(&*self.append_lock, FlockOperation::LockExclusive).map_err(|e| {
+            QueueError::io(
+                format!("locking {}", self.dir.join(APPEND_LOCK_FILE).display()),
+                e.into(),
+            )
+        })?;
+        Ok(AppendGuard(Arc::clone(&self.append_lock)))
+    }
+
+    fn current_file(&mut self) -> Result<Arc<dyn LogFile>, QueueError> {
+        if let Some(f) = self.segments.get(&self.cur_base) {
+            return Ok(Arc::clone(f));
+        }
+        let path = self.segment_path(self.cur_base);
+        let f = self
+            .storage
+            .open(&path, false)
+            .map_err(io_err(format!("opening {}", path.display())))?;
+        self.segments.insert(self.cur_base, Arc::clone(&f));
+        Ok(f)
+    }
+
+    /// Reads from the current position to the end of the log, calling
+    /// `apply(position, segment_base, record)` for each record. `locked`
+    /// says the caller holds the append lock, which allows judging bad
+    /// bytes (truncate a torn tail, report corruption) and creating the
+    /// segment after a seal.
+    pub fn catch_up(
+        &mut self,
+        locked: bool,
+        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
+    ) -> Result<Tail, QueueError> {
+        self.check_usable()?;
+        loop {
+            let file = self.current_file()?;
+            let len = file.len().map_err(io_err(format!(
+                "reading the length of {}",
+                self.segment_path(self.cur_base).display()
+            )))?;
+            match self.read_segment(&*file, len, locked, apply)? {
+                SegmentEnd::Sealed => {
+                    let next = self.cur_base + self.cur_off;
+                    let path = self.segment_path(next);
+                    match self.storage.open(&path, locked) {
+                        Ok(f) => {
+                            if locked {
+                                self.storage.sync_dir(&self.dir).map_err(|e| {
+                                    self.poison(QueueError::io(
+                                        format!("syncing {}", self.dir.display()),
+                                        e,
+                                    ))
+                                })?;
+                            }
+                            self.segments.insert(next, f);
+                            self.cur_base = next;
+                            self.cur_off = 0;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                            // The roller has not created it yet.
+                            return Ok(Tail::NeedsLock);
+                        }
+                        Err(e) => {
+                            return Err(QueueError::io(format!("opening {}", path.display()), e))
+                        }
+                    }
+                }
+                SegmentEnd::Clean => return Ok(Tail::Clean),
+                SegmentEnd::Stuck => return Ok(Tail::NeedsLock),
+            }
+        }
+    }
+
+    fn read_segment(
+        &mut self,
+        file: &dyn LogFile,
+        len: u64,
+        locked: bool,
+        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
+    ) -> Result<SegmentEnd, QueueError> {
+        let mut buf = std::mem::take(&mut self.buf);
+        let result = self.read_segment_inner(file, len, locked, apply, &mut buf);
+        buf.clear();
+        if buf.capacity() > READ_CHUNK_BYTES * 2 {
+            buf.shrink_to(READ_CHUNK_BYTES);
+        }
+        self.buf = buf;
+        result
+    }
+
+    fn read_segment_inner(
+        &mut self,
+        file: &dyn LogFile,
+        len: u64,
+        locked: bool,
+        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
+        buf: &mut Vec<u8>,
+    ) -> Result<SegmentEnd, QueueError> {
+        let mut need = HEADER_BYTES;
+        while self.cur_off < len {
+            let want = (len - self.cur_off).min(READ_CHUNK_BYTES.max(need) as u64) as usize;
+            buf.resize(want, 0);
+            read_full(file, buf, self.cur_off).map_err(io_err(format!(
+                "reading {} at offset {}",
+                self.segment_path(self.cur_base).display(),
+                self.cur_off
+            )))?;
+            let mut p = 0usize;
+            let mut consumed_any = false;
+            while p < buf.len() {
+                match decode(&buf[p..]) {
+                    Ok((rec, n)) => {
+                        let pos = self.cur_base + self.cur_off + p as u64;
+                        apply(pos, self.cur_base, &rec).map_err(|reason| {
+                            QueueError::Inconsistent {
+                                shard: self.name.clone(),
+                                segment: segment_name(self.cur_base),
+                                offset: self.cur_off + p as u64,
+                                reason,
+                            }
+                        })?;
+                        p += n;
+                        consumed_any = true;
+                        if rec == Record::Seal {
+                            self.cur_off += p as u64;
+                            return Ok(SegmentEnd::Sealed);
+                        }
+                    }
+                    Err(DecodeError::Incomplete) => {
+                        need = record_total(&buf[p..]).unwrap_or(HEADER_BYTES);
+                        break;
+                    }
+                    Err(DecodeError::Invalid(reason)) => {
+                        self.cur_off += p as u64;
+                        return self.judge_bad(file, len, locked, buf, p, reason);
+                    }
+                }
+            }
+            self.cur_off += p as u64;
+            if !consumed_any && self.cur_off + (buf.len() as u64) >= len {
+                // An incomplete record at the end of the file.
+                let at = p;
+                return self.judge_bad(file, len, locked, buf, at, "record is cut short".into());
+            }
+        }
+        Ok(SegmentEnd::Clean)
+    }
+
+    /// Bad bytes at `self.cur_off` (`buf[p..]` holds them): torn tail or
+    /// corruption. Without the lock nothing is decided.
+    fn judge_bad(
+        &mut self,
+        file: &dyn LogFile,
+        len: u64,
+        locked: bool,
+        buf: &[u8],
+        p: usize,
+        reason: String,
+    ) -> Result<SegmentEnd, QueueError> {
+        if !locked {
+            return Ok(SegmentEnd::Stuck);
+        }
+        let rest = &buf[p..];
+        let rest_is_whole_tail = self.cur_off + rest.len() as u64 >= len;
+        let declared_end = record_total(rest).map(|t| self.cur_off + t as u64);
+        // Torn: the last write of a crashed appender. Either its record runs
+        // past the end of the file, or ends exactly there but its bytes did
+        // not all reach the disk, or the file system left zeros.
+        let torn = rest_is_whole_tail
+            && (declared_end.is_some_and(|end| end >= len) || rest.iter().all(|&b| b == 0));
+        if torn {
+            let path = self.segment_path(self.cur_base);
+            file.truncate(self.cur_off)
+                .and_then(|()| file.sync())
+                .map_err(|e| {
+                    self.poison(QueueError::io(format!("truncating {}", path.display()), e))
+                })?;
+            self.torn_bytes_truncated += len - self.cur_off;
+            return Ok(SegmentEnd::Clean);
+        }
+        let err = QueueError::Corrupt {
+            shard: self.name.clone(),
+            segment: segment_name(self.cur_base),
+            offset: self.cur_off,
+            reason,
+        };
+        self.broken = Some(QueueError::Corrupt {
+            shard: self.name.clone(),
+            segment: segment_name(self.cur_base),
+            offset: self.cur_off,
+            reason: err.to_string(),
+        });
+        Err(err)
+    }
+
+    /// Appends `bytes` (whole records) at the end; the caller holds the lock
+    /// and has caught up. On failure the log is poisoned.
+    pub fn append_locked(&mut self, bytes: &[u8]) -> Result<Arc<dyn LogFile>, QueueError> {
+        self.check_usable()?;
+        if self.cur_off >= self.segment_bytes_max {
+            self.roll()?;
+        }
+        let file = self.current_file()?;
+        if let Err(e) = file.append(bytes) {
+            let path = self.segment_path(self.cur_base);
+            // Best effort: cut what may have been written, so other
+            // appenders do not have to; they would truncate it anyway.
+            let _ = file.truncate(self.cur_off);
+            return Err(self.poison(QueueError::io(
+                format!("appending to {}", path.display()),
+                e,
+            )));
+        }
+        self.cur_off += bytes.len() as u64;
+        Ok(file)
+    }
+
+    /// Seals the current segment and starts the next. Holds the lock.
+    fn roll(&mut self) -> Result<(), QueueError> {
+        let mut seal = Vec::new();
+        record::encode(&mut seal, &Record::Seal);
+        let file = self.current_file()?;
+        let path = self.segment_path(self.cur_base);
+        file.append(&seal)
+            .and_then(|()| file.sync())
+            .map_err(|e| self.poison(QueueError::io(format!("sealing {}", path.display()), e)))?;
+        let next = self.cur_base + self.cur_off + seal.len() as u64;
+        let next_path = self.segment_path(next);
+        let f = self
+            .storage
+            .open(&next_path, true)
+            .and_then(|f| self.storage.sync_dir(&self.dir).map(|()| f))
+            .map_err(|e| {
+                self.poison(QueueError::io(
+                    format!("creating {}", next_path.display()),
+                    e,
+                ))
+            })?;
+        self.segments.insert(next, f);
+        self.cur_base = next;
+        self.cur_off = 0;
+        Ok(())
+    }
+
+    /// Reads the record at global position `pos` (an enqueue, for a claim)
+    /// and checks it right after reading it back.
+    pub fn read_record_at(&mut self, pos: u64) -> Result<Vec<u8>, QueueError> {
+        let (&base, file) = self
+            .segments
+            .range(..=pos)
+            .next_back()
+            .ok_or_else(|| QueueError::Backend(format!("no segment holds position {pos}")))?;
+        let file = Arc::clone(file);
+        let off = pos - base;
+        let mut head = [0u8; HEADER_BYTES];
+        let ctx = || format!("reading {} at offset {off}", segment_name(base));
+        read_full(&*file, &mut head, off).map_err(io_err(ctx()))?;
+        let total = record_total(&head).unwrap_or(HEADER_BYTES);
+        let mut rec = vec![0u8; total];
+        read_full(&*file, &mut rec, off).map_err(io_err(ctx()))?;
+        if let Err(e) = decode(&rec) {
+            return Err(QueueError::Corrupt {
+                shard: self.name.clone(),
+                segment: segment_name(base),
+                offset: off,
+                reason: format!("record changed after it was read: {e:?}"),
+            });
+        }
+        Ok(rec)
+    }
+
+    /// Sealed segments before the current one, oldest first.
+    pub fn sealed_bases(&self) -> Vec<u64> {
+        self.segments
+            .keys()
+            .copied()
+            .filter(|&b| b < self.cur_base)
+            .collect()
+    }
+
+    /// Deletes the oldest segment (all its jobs are finished). Returns the
+    /// new first base.
+    pub fn delete_first(&mut self, base: u64) -> Result<u64, QueueError> {
+        assert!(base < self.cur_base, "the current segment is never deleted");
+        let path = self.segment_path(base);
+        match self.storage.remove(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(QueueError::io(format!("deleting {}", path.display()), e)),
+        }
+        self.segments.remove(&base);
+        Ok(self.first_base())
+    }
+}
+
+enum SegmentEnd {
+    Clean,
+    Sealed,
+    Stuck,
+}
+
+/// Total size of the record whose header starts `buf`, if the length is in
+/// bounds.
+fn record_total(buf: &[u8]) -> Option<usize> {
+    let len = u32::from_le_bytes(buf.get(0..4)?.try_into().ok()?) as usize;
+    (1..=record::RECORD_BODY_BYTES_MAX)
+        .contains(&len)
+        .then_some(HEADER_BYTES + len)
+}
+
+fn read_full(file: &dyn LogFile, buf: &mut [u8], mut off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = file.read_at(&mut buf[done..], off)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "file ended early (truncated by another process?)",
+            ));
+        }
+        done += n;
+        off += n as u64;
+    }
+    Ok(())
+}

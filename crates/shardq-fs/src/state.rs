@@ -1,0 +1,429 @@
+//! The in-memory view of one shard, rebuilt by replaying its log: per-key
+//! queues, in-flight heads, dead jobs, a scheduler of claimable keys, and
+//! per-segment counts of unfinished jobs (for compaction).
+//!
+//! Every process that reads a shard keeps one; only the owner claims from it.
+//! It must never do I/O: the log feeds it records and writes what it picks.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+
+use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
+
+use crate::record::Record;
+
+/// A pending job: 24 bytes. The key and payload stay on disk and are read
+/// back by position when the job is claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub id: u64,
+    pub not_before_ms: u64,
+    pub attempt: u32,
+    pub max_attempts: u32,
+}
+
+#[derive(Debug, Default)]
+struct KeyState {
+    key: Box<str>,
+    /// Pending jobs in id order; when `in_flight`, the head is running.
+    queue: VecDeque<Slot>,
+    in_flight: bool,
+    dead: u32,
+    /// In `ready` or `timers` (at most once).
+    scheduled: bool,
+}
+
+#[derive(Debug)]
+struct DeadEntry {
+    key: u32,
+    slot: Slot,
+    reason: Box<str>,
+}
+
+/// A job picked for claiming.
+#[derive(Debug, Clone)]
+pub(crate) struct Pick {
+    pub id: u64,
+    pub key: Box<str>,
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub not_before_ms: u64,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub(crate) struct ShardState {
+    keys: Vec<KeyState>,
+    index: HashMap<Box<str>, u32>,
+    free_keys: Vec<u32>,
+    dead: BTreeMap<u64, DeadEntry>,
+    ready: VecDeque<u32>,
+    timers: BinaryHeap<Reverse<(u64, u32)>>,
+    /// Unfinished jobs per segment base.
+    seg_live: BTreeMap<u64, u64>,
+    /// Ids below this were in deleted (fully finished) segments.
+    base: u64,
+    /// Ranges cut out by repair: references into them are to lost jobs.
+    holes: Vec<(u64, u64)>,
+    in_flight_ids: HashMap<u64, u32>,
+    policy: DeadPolicy,
+}
+
+impl ShardState {
+    pub fn new(base: u64, policy: DeadPolicy) -> ShardState {
+        ShardState {
+            keys: Vec::new(),
+            index: HashMap::new(),
+            free_keys: Vec::new(),
+            dead: BTreeMap::new(),
+            ready: VecDeque::new(),
+            timers: BinaryHeap::new(),
+            seg_live: BTreeMap::new(),
+            base,
+            holes: Vec::new(),
+            in_flight_ids: HashMap::new(),
+            policy,
+        }
+    }
+
+    fn key_index(&mut self, key: &str) -> u32 {
+        if let Some(&k) = self.index.get(key) {
+            return k;
+        }
+        let ks = KeyState {
+            key: key.into(),
+            ..KeyState::default()
+        };
+        let k = match self.free_keys.pop() {
+            Some(k) => {
+                self.keys[k as usize] = ks;
+                k
+            }
+            None => {
+                self.keys.push(ks);
+                (self.keys.len() - 1) as u32
+            }
+        };
+        self.index.insert(key.into(), k);
+        k
+    }
+
+    /// Forgets a key that has nothing left, so distinct keys do not pile up.
+    fn maybe_drop_key(&mut self, k: u32) {
+        let ks = &self.keys[k as usize];
+        if ks.queue.is_empty() && !ks.in_flight && ks.dead == 0 && !ks.scheduled {
+            let key = std::mem::take(&mut self.keys[k as usize].key);
+            self.index.remove(&key);
+            self.free_keys.push(k);
+        }
+    }
+
+    fn schedule(&mut self, k: u32) {
+        let halt = self.policy == DeadPolicy::Halt;
+        let ks = &mut self.keys[k as usize];
+        if ks.scheduled || ks.in_flight || (halt && ks.dead > 0) {
+            return;
+        }
+        let Some(head) = ks.queue.front() else { return };
+        ks.scheduled = true;
+        // Every key waits in `timers` until its head is due, then in `ready`.
+        self.timers.push(Reverse((head.not_before_ms, k)));
+    }
+
+    fn lookup(&self, key: &str) -> Option<u32> {
+        self.index.get(key).copied()
+    }
+
+    fn in_hole(&self, id: u64) -> bool {
+        self.holes.iter().any(|&(a, b)| (a..b).contains(&id))
+    }
+
+    /// A reference to a job the state does not know: fine if the job was in a
+    /// deleted segment or a repaired hole, an inconsistency otherwise.
+    fn unknown(&self, id: u64, what: &str) -> Result<(), String> {
+        if id < self.base || self.in_hole(id) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} refers to job {id}, which is not at the head of its key"
+            ))
+        }
+    }
+
+    fn head_of(&self, key: &str, job: u64) -> Option<u32> {
+        let k = self.lookup(key)?;
+        match self.keys[k as usize].queue.front() {
+            Some(h) if h.id == job => Some(k),
+            _ => None,
+        }
+    }
+
+    fn finish(&mut self, id: u64) {
+        if let Some((_, live)) = self.seg_live.range_mut(..=id).next_back() {
+            *live = live.saturating_sub(1);
+        }
+    }
+
+    /// Applies one record at log position `pos` of the segment at `seg_base`.
+    pub fn apply(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
+        match *rec {
+            Record::Enqueue {
+                not_before_ms,
+                max_attempts,
+                key,
+                ..
+            } => {
+                let k = self.key_index(key);
+                self.keys[k as usize].queue.push_back(Slot {
+                    id: pos,
+                    not_before_ms,
+                    attempt: 0,
+                    max_attempts,
+                });
+                *self.seg_live.entry(seg_base).or_insert(0) += 1;
+                self.schedule(k);
+            }
+            Record::Claim { job, attempt, key } => {
+                let Some(k) = self.head_of(key, job) else {
+                    return self.unknown(job, "claim");
+                };
+                let ks = &mut self.keys[k as usize];
+                ks.in_flight = true;
+                if let Some(h) = ks.queue.front_mut() {
+                    h.attempt = attempt;
+                }
+                self.in_flight_ids.insert(job, k);
+            }
+            Record::Ack { job, key } => {
+                let Some(k) = self.head_of(key, job) else {
+                    return self.unknown(job, "ack");
+                };
+                let ks = &mut self.keys[k as usize];
+                ks.queue.pop_front();
+                ks.in_flight = false;
+                self.in_flight_ids.remove(&job);
+                self.finish(job);
+                self.schedule(k);
+                self.maybe_drop_key(k);
+            }
+            Record::Fail {
+                job,
+                retry_at_ms,
+                dead,
+                key,
+                reason,
+            } => {
+                let Some(k) = self.head_of(key, job) else {
+                    return self.unknown(job, "fail");
+                };
+                self.in_flight_ids.remove(&job);
+                let ks = &mut self.keys[k as usize];
+                ks.in_flight = false;
+                if dead {
+                    let slot = ks.queue.pop_front().expect("head exists");
+                    ks.dead += 1;
+                    self.dead.insert(
+                        job,
+                        DeadEntry {
+                            key: k,
+                            slot,
+                            reason: reason.into(),
+                        },
+                    );
+                } else if let Some(h) = ks.queue.front_mut() {
+                    h.not_before_ms = retry_at_ms;
+                }
+                self.schedule(k);
+            }
+            Record::DeadRetry { job } => {
+                let Some(entry) = self.dead.remove(&job) else {
+                    return self.unknown(job, "dead retry");
+                };
+                let ks = &mut self.keys[entry.key as usize];
+                ks.dead -= 1;
+                let slot = Slot {
+                    attempt: 0,
+                    not_before_ms: 0,
+                    ..entry.slot
+                };
+                // Back at its place in key order, but never ahead of a
+                // running head.
+                let from = usize::from(ks.in_flight);
+                let at = ks
+                    .queue
+                    .iter()
+                    .skip(from)
+                    .position(|s| s.id > job)
+                    .map_or(ks.queue.len(), |p| p + from);
+                ks.queue.insert(at, slot);
+                if at == 0 {
+                    // The head changed: drop a stale timer by rescheduling.
+                    ks.scheduled = false;
+                }
+                self.schedule(entry.key);
+            }
+            Record::DeadPurge { job } => {
+                let Some(entry) = self.dead.remove(&job) else {
+                    return self.unknown(job, "dead purge");
+                };
+                self.keys[entry.key as usize].dead -= 1;
+                self.finish(job);
+                self.schedule(entry.key);
+                self.maybe_drop_key(entry.key);
+            }
+            Record::Seal => {}
+            Record::Hole { bytes } => self.holes.push((pos, pos + bytes)),
+        }
+        Ok(())
+    }
+
+    /// A new owner: jobs left in flight by the previous one go back to the
+    /// head of their keys (they already count the attempt).
+    pub fn reset_in_flight(&mut self) {
+        self.in_flight_ids.clear();
+        for k in 0..self.keys.len() as u32 {
+            let ks = &mut self.keys[k as usize];
+            if ks.in_flight {
+                ks.in_flight = false;
+                if let Some(h) = ks.queue.front_mut() {
+                    h.not_before_ms = 0;
+                }
+                ks.scheduled = false;
+            }
+            self.schedule(k);
+        }
+    }
+
+    /// Picks up to `max` claimable heads (at most one per key). The caller
+    /// writes a claim record for each and applies it; picks not written must
+    /// be handed back with [`ShardState::unpick`].
+    pub fn pick(&mut self, now_ms: u64, max: usize) -> Vec<Pick> {
+        while let Some(Reverse((at, k))) = self.timers.peek().copied() {
+            if at > now_ms {
+                break;
+            }
+            self.timers.pop();
+            self.ready.push_back(k);
+        }
+        let halt = self.policy == DeadPolicy::Halt;
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(k) = self.ready.pop_front() else {
+                break;
+            };
+            let ks = &mut self.keys[k as usize];
+            ks.scheduled = false;
+            if ks.in_flight || (halt && ks.dead > 0) {
+                continue;
+            }
+            let Some(head) = ks.queue.front().copied() else {
+                continue;
+            };
+            if head.not_before_ms > now_ms {
+                self.schedule(k);
+                continue;
+            }
+            out.push(Pick {
+                id: head.id,
+                key: ks.key.clone(),
+                attempt: head.attempt + 1,
+                max_attempts: head.max_attempts,
+                not_before_ms: head.not_before_ms,
+            });
+        }
+        out
+    }
+
+    /// Hands back picks whose claim was not written.
+    pub fn unpick(&mut self, picks: &[Pick]) {
+        for p in picks {
+            if let Some(k) = self.lookup(&p.key) {
+                self.schedule(k);
+            }
+        }
+    }
+
+    /// The key and attempt of an in-flight job.
+    pub fn in_flight(&self, id: u64) -> Option<(&str, u32, u32)> {
+        let k = *self.in_flight_ids.get(&id)?;
+        let ks = &self.keys[k as usize];
+        let h = ks.queue.front()?;
+        (ks.in_flight && h.id == id).then_some((&*ks.key, h.attempt, h.max_attempts))
+    }
+
+    /// Earliest time a scheduled key becomes claimable: `Some(0)` if one is
+    /// claimable now.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        if !self.ready.is_empty() {
+            return Some(0);
+        }
+        self.timers.peek().map(|Reverse((at, _))| *at)
+    }
+
+    pub fn key_counts(&self, key: &str) -> KeyCounts {
+        let Some(k) = self.lookup(key) else {
+            return KeyCounts::default();
+        };
+        let ks = &self.keys[k as usize];
+        let in_flight = u64::from(ks.in_flight);
+        KeyCounts {
+            depth: ks.queue.len() as u64 - in_flight,
+            in_flight,
+            dead: u64::from(ks.dead),
+        }
+    }
+
+    pub fn stats(&self, name: &str, now_ms: u64) -> ShardStats {
+        let mut s = ShardStats {
+            name: name.to_string(),
+            dead: self.dead.len() as u64,
+            keys: self.index.len() as u64,
+            ..ShardStats::default()
+        };
+        for ks in &self.keys {
+            let skip = usize::from(ks.in_flight);
+            s.in_flight += skip as u64;
+            for slot in ks.queue.iter().skip(skip) {
+                if slot.not_before_ms > now_ms {
+                    s.delayed += 1;
+                } else {
+                    s.ready += 1;
+                }
+            }
+        }
+        s
+    }
+
+    pub fn dead_list(&self, shard: &str, limit: usize) -> Vec<DeadJob> {
+        self.dead
+            .iter()
+            .take(limit)
+            .map(|(&id, e)| DeadJob {
+                shard: shard.to_string(),
+                id: JobId(id),
+                key: self.keys[e.key as usize].key.to_string(),
+                attempts: e.slot.attempt,
+                reason: e.reason.to_string(),
+            })
+            .collect()
+    }
+
+    pub fn dead_ids(&self) -> Vec<u64> {
+        self.dead.keys().copied().collect()
+    }
+
+    pub fn is_dead(&self, id: u64) -> bool {
+        self.dead.contains_key(&id)
+    }
+
+    /// Unfinished jobs enqueued in the segment at `base`.
+    pub fn live_in_segment(&self, base: u64) -> u64 {
+        self.seg_live.get(&base).copied().unwrap_or(0)
+    }
+
+    /// The segments before `base` were deleted.
+    pub fn set_base(&mut self, base: u64) {
+        self.base = base;
+        self.seg_live = self.seg_live.split_off(&base);
+    }
+}

@@ -1,0 +1,177 @@
+//! All disk access to segment files goes through [`Storage`] and [`LogFile`],
+//! so tests can inject failed writes and fsyncs ([`FaultyStorage`]).
+//!
+//! This module moves bytes; it must never interpret them.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Suffix of segment files; the stem is the segment's base position,
+/// zero-padded to 20 digits.
+pub const SEGMENT_SUFFIX: &str = ".seg";
+
+/// File name of the segment that starts at `base`.
+pub fn segment_name(base: u64) -> String {
+    format!("{base:020}{SEGMENT_SUFFIX}")
+}
+
+/// One open segment file.
+#[allow(clippy::len_without_is_empty)] // a file length, not a collection
+pub trait LogFile: Send + Sync {
+    /// Reads at `offset`; returns bytes read (0 at end of file).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+    /// Appends all of `data` at the end of the file.
+    fn append(&self, data: &[u8]) -> io::Result<()>;
+    /// Overwrites bytes at `offset` (repair only).
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes written data durable (fdatasync).
+    fn sync(&self) -> io::Result<()>;
+    /// Current file length.
+    fn len(&self) -> io::Result<u64>;
+    /// Cuts the file to `len` bytes.
+    fn truncate(&self, len: u64) -> io::Result<()>;
+}
+
+/// Opens, lists and removes segment files.
+pub trait Storage: Send + Sync + std::fmt::Debug {
+    /// Opens a segment for reading and appending; creates it if `create`.
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>>;
+    /// Deletes a segment.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Makes a directory's entries (created or removed files) durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+}
+
+/// Base positions of the segments in `dir`, ascending. Other files are ignored.
+pub fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
+    let mut bases = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(stem) = name.strip_suffix(SEGMENT_SUFFIX) {
+            if stem.len() == 20 {
+                if let Ok(base) = stem.parse::<u64>() {
+                    bases.push(base);
+                }
+            }
+        }
+    }
+    bases.sort_unstable();
+    Ok(bases)
+}
+
+/// The real file system.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct OsStorage;
+
+struct OsFile(File);
+
+impl LogFile for OsFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.0.read_at(buf, offset)
+    }
+    fn append(&self, data: &[u8]) -> io::Result<()> {
+        // The file is opened O_APPEND, and appends happen under the shard's
+        // append lock, so the bytes land contiguously at the end.
+        (&self.0).write_all(data)
+    }
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        // O_APPEND ignores pwrite's offset on Linux; repair reopens without it.
+        let f = OpenOptions::new().write(true).open(proc_path(&self.0)?)?;
+        f.write_all_at(data, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+}
+
+fn proc_path(f: &File) -> io::Result<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
+}
+
+impl Storage for OsStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        let f = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(create)
+            .open(path)?;
+        Ok(Arc::new(OsFile(f)))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+}
+
+/// Test storage: the real file system, with switches that make appends or
+/// fsyncs fail (as a full disk or a failing device would).
+#[derive(Debug, Default, Clone)]
+pub struct FaultyStorage {
+    /// When set, every append fails (after writing half the bytes).
+    pub fail_appends: Arc<AtomicBool>,
+    /// When set, every fsync fails.
+    pub fail_syncs: Arc<AtomicBool>,
+}
+
+struct FaultyFile {
+    inner: Arc<dyn LogFile>,
+    owner: FaultyStorage,
+}
+
+impl LogFile for FaultyFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn append(&self, data: &[u8]) -> io::Result<()> {
+        if self.owner.fail_appends.load(Ordering::SeqCst) {
+            // A failing write may leave part of the data behind.
+            self.inner.append(&data[..data.len() / 2])?;
+            return Err(io::Error::other("injected write failure"));
+        }
+        self.inner.append(data)
+    }
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.inner.write_at(data, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        if self.owner.fail_syncs.load(Ordering::SeqCst) {
+            return Err(io::Error::other("injected fsync failure"));
+        }
+        self.inner.sync()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.inner.truncate(len)
+    }
+}
+
+impl Storage for FaultyStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        Ok(Arc::new(FaultyFile {
+            inner: OsStorage.open(path, create)?,
+            owner: self.clone(),
+        }))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        OsStorage.remove(path)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        OsStorage.sync_dir(dir)
+    }
+}
