@@ -46,6 +46,7 @@ pub mod engine;
 pub mod error;
 pub mod layout;
 mod log;
+pub mod map_store;
 pub mod membership;
 pub mod record;
 pub mod repair;

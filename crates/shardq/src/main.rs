@@ -8,8 +8,10 @@ use clap::{Parser, Subcommand};
 mod bench_chx;
 mod bench_route;
 mod cmd_bench;
+mod cmd_demo;
 mod cmd_engine;
 mod cmd_route;
+mod demo;
 
 /// shardq: a sharded job queue that routes each key to a shard with
 /// consistent hashing, keeps each key's jobs in order, and reshards live.
@@ -31,6 +33,8 @@ enum Command {
     /// Benchmarks: routing speed, and the consistent-hash harness.
     #[command(subcommand)]
     Bench(cmd_bench::BenchCommand),
+    /// Run the whole story: load, add a shard, rebalance live, and report.
+    Demo(cmd_demo::DemoArgs),
     #[command(flatten)]
     Engine(cmd_engine::EngineCommand),
 }
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
         Command::Slot(args) => cmd_route::slot(args),
         Command::Plan(args) => cmd_route::plan(args),
         Command::Bench(cmd) => cmd_bench::run(cmd),
+        Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
     };
     match result {

@@ -1,0 +1,214 @@
+//! The shard map of a data directory as a [`MapStore`], and the deployment
+//! of a new shard directory, for live resharding.
+//!
+//! Files (beside `shardmap.yaml`):
+//! - `.shardmap.lock`: flock held for each compare-and-set publish, so two
+//!   writers can never both publish version N+1.
+//! - `shardmap.target.yaml`: the map a pending rebalance must reach (absent
+//!   when none is pending).
+//! - `.rebalance.lock`: flock held by the one running rebalance; it holds the
+//!   holder's `host@pid` for the error a second one gets. The kernel drops a
+//!   flock when its holder dies, so a killed coordinator never blocks a rerun.
+//!
+//! Publishing writes a whole new file and renames it over the old one
+//! (`write_atomic`), so a reader sees either version, never a mix.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{flock, FlockOperation};
+use shardq_core::reshard::{MapStore, ReshardError};
+use shardq_route::{validate_shard_name, ShardMap};
+
+use crate::error::FsError;
+use crate::layout::{
+    self, write_atomic, MemberEntry, MembershipLock, SHARD_LOCK_FILE, SHARD_MAP_FILE,
+};
+use crate::storage::{segment_name, SEGMENT_SUFFIX};
+
+/// Lock file guarding publishes of the shard map.
+pub const MAP_LOCK_FILE: &str = ".shardmap.lock";
+/// The pending rebalance target.
+pub const TARGET_FILE: &str = "shardmap.target.yaml";
+/// Lock file held by the running rebalance.
+pub const REBALANCE_LOCK_FILE: &str = ".rebalance.lock";
+
+/// The shard map of a data directory.
+#[derive(Debug, Clone)]
+pub struct FileMapStore {
+    dir: PathBuf,
+}
+
+impl FileMapStore {
+    /// The store of data dir `dir` (which must exist).
+    pub fn open(dir: &Path) -> Result<FileMapStore, FsError> {
+        layout::check(dir)?;
+        Ok(FileMapStore {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn open_lock(&self, name: &str) -> Result<File, ReshardError> {
+        let path = self.dir.join(name);
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| ReshardError::Store(format!("opening {}: {e}", path.display())))
+    }
+}
+
+fn store_err(e: FsError) -> ReshardError {
+    ReshardError::Store(e.to_string())
+}
+
+struct FlockGuard(File);
+
+impl Drop for FlockGuard {
+    fn drop(&mut self) {
+        let _ = flock(&self.0, FlockOperation::Unlock);
+    }
+}
+
+impl MapStore for FileMapStore {
+    fn load(&self) -> Result<ShardMap, ReshardError> {
+        layout::read_map(&self.dir).map_err(store_err)
+    }
+
+    fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
+        map.validate()?;
+        let lock = self.open_lock(MAP_LOCK_FILE)?;
+        flock(&lock, FlockOperation::LockExclusive).map_err(|e| {
+            ReshardError::Store(format!(
+                "locking {}: {e}",
+                self.dir.join(MAP_LOCK_FILE).display()
+            ))
+        })?;
+        let _guard = FlockGuard(lock);
+        let current = self.load()?;
+        if current.version != expected_version {
+            return Err(ReshardError::Conflict {
+                expected: expected_version,
+                found: current.version,
+            });
+        }
+        if map.version <= expected_version {
+            return Err(ReshardError::Invalid(format!(
+                "new map version {} must be greater than {expected_version}",
+                map.version
+            )));
+        }
+        let path = self.dir.join(SHARD_MAP_FILE);
+        write_atomic(&path, map.to_yaml().as_bytes())
+            .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display())))
+    }
+
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+        let path = self.dir.join(TARGET_FILE);
+        match fs::read_to_string(&path) {
+            Ok(text) => ShardMap::from_yaml(&text)
+                .map(Some)
+                .map_err(|e| ReshardError::Store(format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ReshardError::Store(format!(
+                "reading {}: {e}",
+                path.display()
+            ))),
+        }
+    }
+
+    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+        let path = self.dir.join(TARGET_FILE);
+        match target {
+            Some(t) => write_atomic(&path, t.to_yaml().as_bytes())
+                .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display()))),
+            None => match fs::remove_file(&path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(ReshardError::Store(format!(
+                    "removing {}: {e}",
+                    path.display()
+                ))),
+            },
+        }
+    }
+
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+        let mut f = self.open_lock(REBALANCE_LOCK_FILE)?;
+        match flock(&f, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {
+                let me = format!("{}@{}", host_name(), std::process::id());
+                let _ = f
+                    .set_len(0)
+                    .and_then(|_| f.rewind())
+                    .and_then(|_| f.write_all(me.as_bytes()));
+                Ok(Box::new(FlockGuard(f)))
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let mut holder = String::new();
+                let _ = f.read_to_string(&mut holder);
+                Err(ReshardError::Busy {
+                    holder: if holder.is_empty() {
+                        "unknown holder".into()
+                    } else {
+                        holder
+                    },
+                })
+            }
+            Err(e) => Err(ReshardError::Store(format!(
+                "locking {}: {e}",
+                self.dir.join(REBALANCE_LOCK_FILE).display()
+            ))),
+        }
+    }
+}
+
+fn host_name() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Creates the directory of a new shard (empty log, lock files) and its
+/// membership entry, so that it can join the map. Idempotent: an existing,
+/// complete shard directory is left as it is.
+pub fn deploy_shard(dir: &Path, name: &str) -> Result<(), FsError> {
+    validate_shard_name(name).map_err(|reason| FsError::Foreign {
+        dir: dir.join(name),
+        reason: format!("invalid shard name {name:?}: {reason}"),
+    })?;
+    layout::check(dir)?;
+    let sdir = dir.join(name);
+    fs::create_dir_all(&sdir)
+        .map_err(|e| FsError::io(format!("creating {}", sdir.display()), e))?;
+    for f in [SHARD_LOCK_FILE, crate::log::APPEND_LOCK_FILE] {
+        let p = sdir.join(f);
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&p)
+            .map_err(|e| FsError::io(format!("creating {}", p.display()), e))?;
+    }
+    let has_segment = fs::read_dir(&sdir)
+        .map_err(|e| FsError::io(format!("reading {}", sdir.display()), e))?
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().ends_with(SEGMENT_SUFFIX));
+    if !has_segment {
+        let seg = sdir.join(segment_name(0));
+        File::create(&seg)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))?;
+    }
+    let _lock = MembershipLock::acquire(dir)?;
+    let mut m = layout::read_membership(dir)?;
+    if !m.shards.contains_key(name) {
+        m.shards.insert(name.to_string(), MemberEntry::default());
+        layout::write_membership(dir, &m)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,575 @@
+//! `shardq demo`: the specification's story end to end, measured.
+//!
+//! Producers enqueue numbered jobs for every tenant at a steady rate, a worker
+//! pool runs them and checks each tenant's order as it goes, and after a
+//! warm-up a new shard is added and the queue rebalanced while everything
+//! keeps running. The report says how many keys moved and where, whether any
+//! job ran out of order, twice, or never, how long moving keys were paused,
+//! and the throughput before, during and after.
+//!
+//! The demo is generic over a [`DemoEnv`], so the same story runs on the
+//! embedded engine, on Redis and in memory; it holds no queue logic itself.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::reshard::{self, MapStore, RebalanceEvent, RebalanceOptions, ReshardBackend};
+use shardq_core::{ClaimedJob, Clock, Coordinator, NewJob, PoolOptions, QueueBackend, WorkerPool};
+use shardq_route::Router;
+
+/// Most tenants a demo may simulate.
+pub const TENANTS_MAX: usize = 1_000_000;
+/// Longest wait for the backlog to run after producers stop.
+const FINAL_DRAIN_MS: u64 = 120_000;
+/// Producers enqueue in slices of this many jobs between rate checks.
+const RATE_SLICE: u64 = 50;
+/// Stripes of the order-check table (less lock contention between workers).
+const STRIPES: usize = 64;
+
+/// What the demo runs on.
+pub trait DemoEnv: Send + Sync {
+    /// The queue backend.
+    fn backend(&self) -> Arc<dyn ReshardBackend>;
+    /// Where the shard map lives.
+    fn store(&self) -> Arc<dyn MapStore>;
+    /// A coordinator that claims every shard, including shards added later.
+    fn coordinator(&self) -> anyhow::Result<Box<dyn Coordinator>>;
+    /// The clock the pool uses.
+    fn clock(&self) -> Arc<dyn Clock>;
+    /// Makes storage for a new shard exist before it joins the map.
+    fn deploy_shard(&self, name: &str) -> anyhow::Result<()>;
+    /// Where the data is, for the report.
+    fn location(&self) -> String;
+}
+
+/// Demo parameters.
+#[derive(Debug, Clone)]
+pub struct DemoParams {
+    /// Tenants (keys).
+    pub tenants: usize,
+    /// Jobs enqueued back to back for one tenant before moving to the next,
+    /// so tenants carry a backlog (what drain-then-switch must wait out).
+    pub burst: u64,
+    /// Simulated work per job, in microseconds.
+    pub work_us: u64,
+    /// Seconds of load before the rebalance, and again after it.
+    pub phase_s: f64,
+    /// Jobs per second over all producers.
+    pub rate: u64,
+    /// Producer threads.
+    pub producers: usize,
+    /// Worker pool concurrency.
+    pub concurrency: usize,
+    /// Keys per drain-then-switch batch.
+    pub batch: usize,
+    /// Print progress on stderr.
+    pub progress: bool,
+}
+
+/// Per-shard figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ShardLoad {
+    /// Tenants routed to the shard by the map before the change.
+    pub tenants_before: u64,
+    /// Tenants routed to the shard by the map after the change.
+    pub tenants_after: u64,
+    /// Jobs the shard ran during the "before" phase.
+    pub jobs_before: u64,
+    /// Jobs the shard ran during the "after" phase.
+    pub jobs_after: u64,
+}
+
+/// The final report (`--json` prints it).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DemoReport {
+    /// Where the data lived.
+    pub location: String,
+    /// Tenants simulated.
+    pub tenants: usize,
+    /// Shards before.
+    pub shards_before: usize,
+    /// The shard added.
+    pub new_shard: String,
+    /// Fraction of tenants whose shard changed.
+    pub moved_fraction: f64,
+    /// Fraction of moved tenants that went to the new shard.
+    pub moved_to_new_fraction: f64,
+    /// Tenants with work that were drained and switched.
+    pub keys_drained: usize,
+    /// Jobs that started before an earlier job of their key.
+    pub order_violations: u64,
+    /// Jobs enqueued successfully that never ran.
+    pub lost_jobs: u64,
+    /// Job runs beyond the first (at-least-once re-runs).
+    pub duplicate_runs: u64,
+    /// Jobs enqueued.
+    pub jobs_enqueued: u64,
+    /// Jobs run (first runs).
+    pub jobs_run: u64,
+    /// Enqueues that failed (a paused key past its bound, say).
+    pub enqueue_errors: u64,
+    /// Per-key pause while moving, median, ms.
+    pub pause_ms_p50: f64,
+    /// Per-key pause, 99th percentile, ms.
+    pub pause_ms_p99: f64,
+    /// Longest per-key pause, ms.
+    pub pause_ms_max: f64,
+    /// Wall time of the rebalance, ms.
+    pub rebalance_ms: f64,
+    /// Jobs run per second before the change.
+    pub jobs_per_s_before: f64,
+    /// Jobs run per second while rebalancing.
+    pub jobs_per_s_during: f64,
+    /// Jobs run per second after.
+    pub jobs_per_s_after: f64,
+    /// Map version before and after.
+    pub map_version_before: u64,
+    /// Map version after.
+    pub map_version_after: u64,
+    /// Per-shard load.
+    pub shards: BTreeMap<String, ShardLoad>,
+}
+
+#[derive(Default)]
+struct KeyTrack {
+    /// Next sequence number expected to run.
+    next: u64,
+    runs: u64,
+}
+
+/// Per-key order checking, striped to keep workers from queueing on one lock.
+struct Tracker {
+    stripes: Vec<Mutex<BTreeMap<String, KeyTrack>>>,
+    violations: AtomicU64,
+    duplicates: AtomicU64,
+    first_runs: AtomicU64,
+    per_shard: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Tracker {
+    fn new() -> Tracker {
+        Tracker {
+            stripes: (0..STRIPES).map(|_| Mutex::new(BTreeMap::new())).collect(),
+            violations: AtomicU64::new(0),
+            duplicates: AtomicU64::new(0),
+            first_runs: AtomicU64::new(0),
+            per_shard: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn stripe(&self, key: &str) -> &Mutex<BTreeMap<String, KeyTrack>> {
+        let h = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+        &self.stripes[(h % STRIPES as u64) as usize]
+    }
+
+    fn record(&self, job: &ClaimedJob) -> Result<(), String> {
+        let seq: u64 = std::str::from_utf8(&job.payload)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "job {} of key {:?} has a payload that is not a sequence number",
+                    job.id, job.key
+                )
+            })?;
+        {
+            let mut stripe = self
+                .stripe(&job.key)
+                .lock()
+                .map_err(|_| "tracker lock poisoned".to_string())?;
+            let t = stripe.entry(job.key.clone()).or_default();
+            t.runs += 1;
+            if seq < t.next {
+                self.duplicates.fetch_add(1, Ordering::Relaxed);
+            } else {
+                if seq > t.next {
+                    self.violations.fetch_add(1, Ordering::Relaxed);
+                }
+                t.next = seq + 1;
+                self.first_runs.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Ok(mut m) = self.per_shard.lock() {
+            *m.entry(job.shard.clone()).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    fn shard_counts(&self) -> BTreeMap<String, u64> {
+        self.per_shard.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+}
+
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    reshard::percentile(values, p)
+}
+
+/// Runs the demo on `env`.
+pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> {
+    if p.tenants == 0 || p.tenants > TENANTS_MAX {
+        bail!("--tenants {}: must be 1..={TENANTS_MAX}", p.tenants);
+    }
+    if p.producers == 0 || p.producers > 64 {
+        bail!("--producers {}: must be 1..=64", p.producers);
+    }
+    if p.burst == 0 || p.burst > RATE_SLICE {
+        bail!("--burst {}: must be 1..={RATE_SLICE}", p.burst);
+    }
+    if p.rate == 0 {
+        bail!("--rate must be at least 1 job/s");
+    }
+    if !(p.phase_s > 0.0 && p.phase_s <= 3600.0) {
+        bail!("--phase-s {}: must be in (0, 3600]", p.phase_s);
+    }
+    let backend = env.backend();
+    let store = env.store();
+    let before_map = store.load().context("loading the shard map")?;
+    let before = Router::new(before_map.clone())?;
+    let new_shard = format!("shard-{}", before_map.shards.len());
+
+    let bar = if p.progress {
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(100));
+
+    let tracker = Arc::new(Tracker::new());
+    let stop_pool = Arc::new(AtomicBool::new(false));
+    let pool = {
+        let backend: Arc<dyn QueueBackend> = backend.clone();
+        let tracker = tracker.clone();
+        let stop = stop_pool.clone();
+        let mut coordinator = env.coordinator()?;
+        let clock = env.clock();
+        let work_us = p.work_us;
+        let opts = PoolOptions {
+            concurrency: p.concurrency,
+            idle_poll_ms: 1,
+            ..PoolOptions::default()
+        };
+        thread::Builder::new()
+            .name("demo-pool".into())
+            .spawn(move || {
+                let handler = move |job: &ClaimedJob| {
+                    if work_us > 0 {
+                        thread::sleep(Duration::from_micros(work_us));
+                    }
+                    tracker.record(job)
+                };
+                WorkerPool::run(
+                    backend,
+                    &mut *coordinator,
+                    Arc::new(handler),
+                    clock,
+                    opts,
+                    &stop,
+                )
+            })?
+    };
+
+    let stop_producers = Arc::new(AtomicBool::new(false));
+    let enqueued = Arc::new(AtomicU64::new(0));
+    let enqueue_errors = Arc::new(AtomicU64::new(0));
+    let last_error: Arc<Mutex<Option<String>>> = Arc::default();
+    let mut producers = Vec::new();
+    for i in 0..p.producers {
+        let backend = backend.clone();
+        let store = store.clone();
+        let stop = stop_producers.clone();
+        let enqueued = enqueued.clone();
+        let errors = enqueue_errors.clone();
+        let last_error = last_error.clone();
+        let burst = p.burst.max(1);
+        let per_producer_rate = (p.rate as f64 / p.producers as f64).max(1.0);
+        let mine: Vec<String> = (i..p.tenants)
+            .step_by(p.producers)
+            .map(|t| format!("t-{t}"))
+            .collect();
+        producers.push(
+            thread::Builder::new()
+                .name(format!("demo-producer-{i}"))
+                .spawn(move || -> anyhow::Result<BTreeMap<String, u64>> {
+                    let mut next: BTreeMap<String, u64> = BTreeMap::new();
+                    if mine.is_empty() {
+                        return Ok(next);
+                    }
+                    let mut producer =
+                        Producer::new(&*backend, &*store, ProducerOptions::default())?;
+                    let started = Instant::now();
+                    let mut sent = 0u64;
+                    let mut cursor = 0usize;
+                    while !stop.load(Ordering::SeqCst) {
+                        for n in 0..RATE_SLICE {
+                            let key = &mine[cursor % mine.len()];
+                            if (n + 1) % burst == 0 {
+                                cursor += 1;
+                            }
+                            let seq = next.get(key).copied().unwrap_or(0);
+                            match producer.enqueue(&NewJob::new(key.clone(), seq.to_string())) {
+                                Ok(_) => {
+                                    next.insert(key.clone(), seq + 1);
+                                    enqueued.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(e) => {
+                                    // The job was not enqueued; the key's numbering stays.
+                                    errors.fetch_add(1, Ordering::Relaxed);
+                                    if let Ok(mut l) = last_error.lock() {
+                                        *l = Some(e.to_string());
+                                    }
+                                }
+                            }
+                            sent += 1;
+                        }
+                        let due = Duration::from_secs_f64(sent as f64 / per_producer_rate);
+                        if let Some(wait) = due.checked_sub(started.elapsed()) {
+                            thread::sleep(wait);
+                        }
+                    }
+                    Ok(next)
+                })?,
+        );
+    }
+
+    let show = |phase: &str, extra: &str| {
+        let e = enqueued.load(Ordering::Relaxed);
+        let r = tracker.first_runs.load(Ordering::Relaxed);
+        bar.set_message(format!(
+            "{phase:<10} enqueued {e:>9}  ran {r:>9}  backlog {:>7}  violations {}{extra}",
+            e.saturating_sub(r),
+            tracker.violations.load(Ordering::Relaxed)
+        ));
+    };
+    let watch = |phase: &str, secs: f64| {
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        while Instant::now() < end {
+            show(phase, "");
+            thread::sleep(Duration::from_millis(100));
+        }
+    };
+
+    // Before.
+    let t0 = Instant::now();
+    let ran0 = tracker.first_runs.load(Ordering::Relaxed);
+    watch("before", p.phase_s);
+    let ran1 = tracker.first_runs.load(Ordering::Relaxed);
+    let t1 = Instant::now();
+    let shard_jobs_before = tracker.shard_counts();
+
+    // During: add a shard and rebalance while producers and workers run.
+    env.deploy_shard(&new_shard)?;
+    reshard::add_shard(&*store, &new_shard, 1, None)?;
+    let moved_so_far = AtomicU64::new(0);
+    let to_move = AtomicU64::new(0);
+    let opts = RebalanceOptions {
+        batch: p.batch,
+        ..RebalanceOptions::default()
+    };
+    let report = reshard::rebalance(&*backend, &*store, &opts, &mut |ev| {
+        match ev {
+            RebalanceEvent::Pinned { pinned, .. } => {
+                to_move.store(pinned as u64, Ordering::Relaxed)
+            }
+            RebalanceEvent::Switched { done, .. } => {
+                moved_so_far.store(done as u64, Ordering::Relaxed)
+            }
+            _ => {}
+        }
+        show(
+            "rebalance",
+            &format!(
+                "  moved {}/{}",
+                moved_so_far.load(Ordering::Relaxed),
+                to_move.load(Ordering::Relaxed)
+            ),
+        );
+    })?;
+    let t2 = Instant::now();
+    let ran2 = tracker.first_runs.load(Ordering::Relaxed);
+    let shard_jobs_mid = tracker.shard_counts();
+
+    // After.
+    watch("after", p.phase_s);
+    let t3 = Instant::now();
+    let ran3 = tracker.first_runs.load(Ordering::Relaxed);
+    let shard_jobs_end = tracker.shard_counts();
+
+    stop_producers.store(true, Ordering::SeqCst);
+    let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+    for h in producers {
+        let next = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("a producer thread panicked"))??;
+        expected.extend(next);
+    }
+    let total: u64 = expected.values().sum();
+    let drain_started = Instant::now();
+    while tracker.first_runs.load(Ordering::Relaxed) < total
+        && drain_started.elapsed() < Duration::from_millis(FINAL_DRAIN_MS)
+        && !pool.is_finished()
+    {
+        show("draining", "");
+        thread::sleep(Duration::from_millis(20));
+    }
+    stop_pool.store(true, Ordering::SeqCst);
+    let pool_result = pool
+        .join()
+        .map_err(|_| anyhow::anyhow!("the worker pool panicked"))?;
+    pool_result.context("worker pool")?;
+    bar.finish_and_clear();
+
+    // Loss: every enqueued sequence number below `next` must have run.
+    let mut lost = 0u64;
+    for (key, n) in &expected {
+        let stripe = tracker
+            .stripe(key)
+            .lock()
+            .map_err(|_| anyhow::anyhow!("tracker lock poisoned"))?;
+        let ran_next = stripe.get(key).map_or(0, |t| t.next);
+        lost += n.saturating_sub(ran_next);
+    }
+
+    let after_map = store.load()?;
+    let after = Router::new(after_map.clone())?;
+    let mut out = DemoReport {
+        location: env.location(),
+        tenants: p.tenants,
+        shards_before: before_map.shards.len(),
+        new_shard: new_shard.clone(),
+        order_violations: tracker.violations.load(Ordering::Relaxed),
+        duplicate_runs: tracker.duplicates.load(Ordering::Relaxed),
+        lost_jobs: lost,
+        jobs_enqueued: total,
+        jobs_run: tracker.first_runs.load(Ordering::Relaxed),
+        enqueue_errors: enqueue_errors.load(Ordering::Relaxed),
+        keys_drained: report.moved.len(),
+        rebalance_ms: report.elapsed_ms,
+        jobs_per_s_before: (ran1 - ran0) as f64 / (t1 - t0).as_secs_f64(),
+        jobs_per_s_during: (ran2 - ran1) as f64 / (t2 - t1).as_secs_f64().max(1e-3),
+        jobs_per_s_after: (ran3 - ran2) as f64 / (t3 - t2).as_secs_f64(),
+        map_version_before: before_map.version,
+        map_version_after: after_map.version,
+        ..DemoReport::default()
+    };
+    let mut pauses: Vec<f64> = report.moved.iter().map(|m| m.pause_ms).collect();
+    out.pause_ms_p50 = percentile(&mut pauses, 50.0);
+    out.pause_ms_p99 = percentile(&mut pauses, 99.0);
+    out.pause_ms_max = pauses.iter().copied().fold(0.0, f64::max);
+    let mut moved = 0u64;
+    let mut moved_to_new = 0u64;
+    for t in 0..p.tenants {
+        let k = format!("t-{t}");
+        let (a, b) = (before.route(&k), after.route(&k));
+        out.shards.entry(a.to_string()).or_default().tenants_before += 1;
+        out.shards.entry(b.to_string()).or_default().tenants_after += 1;
+        if a != b {
+            moved += 1;
+            moved_to_new += u64::from(b == new_shard);
+        }
+    }
+    out.moved_fraction = moved as f64 / p.tenants as f64;
+    out.moved_to_new_fraction = if moved == 0 {
+        0.0
+    } else {
+        moved_to_new as f64 / moved as f64
+    };
+    for (shard, n) in &shard_jobs_before {
+        out.shards.entry(shard.clone()).or_default().jobs_before = *n;
+    }
+    for (shard, n) in &shard_jobs_end {
+        let mid = shard_jobs_mid.get(shard).copied().unwrap_or(0);
+        out.shards.entry(shard.clone()).or_default().jobs_after = n - mid;
+    }
+    if out.enqueue_errors > 0 {
+        if let Ok(Some(e)) = last_error.lock().map(|l| l.clone()) {
+            eprintln!(
+                "shardq demo: {} enqueues failed; the last: {e}",
+                out.enqueue_errors
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Prints the report for people.
+pub fn print(r: &DemoReport) {
+    let ok = |b: bool| if b { "ok" } else { "FAILED" };
+    println!("shardq demo on {}", r.location);
+    println!(
+        "  {} tenants, {} shards -> {} shards (added {}), map v{} -> v{}",
+        r.tenants,
+        r.shards_before,
+        r.shards_before + 1,
+        r.new_shard,
+        r.map_version_before,
+        r.map_version_after
+    );
+    println!();
+    println!(
+        "  keys moved            {:>8.2}%   (ideal 1/{} = {:.2}%)",
+        r.moved_fraction * 100.0,
+        r.shards_before + 1,
+        100.0 / (r.shards_before + 1) as f64
+    );
+    println!(
+        "  moved to the new shard {:>7.2}%",
+        r.moved_to_new_fraction * 100.0
+    );
+    println!("  keys drained+switched {:>8}", r.keys_drained);
+    println!(
+        "  order violations      {:>8}   {}",
+        r.order_violations,
+        ok(r.order_violations == 0)
+    );
+    println!(
+        "  lost jobs             {:>8}   {}",
+        r.lost_jobs,
+        ok(r.lost_jobs == 0)
+    );
+    println!("  duplicate runs        {:>8}", r.duplicate_runs);
+    println!(
+        "  jobs enqueued / run   {:>8} / {}",
+        r.jobs_enqueued, r.jobs_run
+    );
+    if r.enqueue_errors > 0 {
+        println!("  enqueue errors        {:>8}", r.enqueue_errors);
+    }
+    println!(
+        "  pause per moved key   p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        r.pause_ms_p50, r.pause_ms_p99, r.pause_ms_max
+    );
+    println!("  rebalance took        {:>8.0} ms", r.rebalance_ms);
+    println!(
+        "  jobs/s                before {:.0}, during {:.0} ({:.0}%), after {:.0}",
+        r.jobs_per_s_before,
+        r.jobs_per_s_during,
+        if r.jobs_per_s_before > 0.0 {
+            100.0 * r.jobs_per_s_during / r.jobs_per_s_before
+        } else {
+            0.0
+        },
+        r.jobs_per_s_after
+    );
+    println!();
+    println!(
+        "  {:<12} {:>14} {:>14} {:>12} {:>12}",
+        "shard", "tenants before", "tenants after", "jobs before", "jobs after"
+    );
+    for (name, s) in &r.shards {
+        println!(
+            "  {:<12} {:>14} {:>14} {:>12} {:>12}",
+            name, s.tenants_before, s.tenants_after, s.jobs_before, s.jobs_after
+        );
+    }
+}
