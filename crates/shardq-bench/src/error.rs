@@ -44,6 +44,14 @@ pub enum ChxError {
         /// Which messages are missing or duplicated.
         detail: String,
     },
+    /// The embedded engine refused an operation or reported inconsistent depths.
+    #[error("embedded engine, {doing}: {reason}")]
+    Engine {
+        /// The operation ("enqueueing", "reading status").
+        doing: String,
+        /// The engine's error or the inconsistency.
+        reason: String,
+    },
     /// A shard map the harness built was rejected.
     #[error("building a shard map: {0}")]
     Route(#[from] shardq_route::MapError),

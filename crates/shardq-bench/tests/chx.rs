@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use shardq_bench::chx::{self, report, Params, Quiet, RouterTarget, SystemReport};
+use shardq_bench::chx::{self, report, EmbeddedTarget, Params, Quiet, RouterTarget, SystemReport};
 use shardq_route::Algorithm;
 
 /// Small enough for debug builds, large enough that sampling noise stays
@@ -176,6 +176,31 @@ fn jump() {
 #[test]
 fn modulo() {
     check(&CASES[4]);
+}
+
+/// The embedded engine routes with a rendezvous map, so enqueuing real jobs
+/// and reading shard depths back must give exactly the router's numbers.
+#[test]
+fn embedded_engine_matches_its_router() {
+    let params = Params {
+        messages: 8_000,
+        keys: 4_000,
+        rebalance_keys: 2_000,
+        affinity_keys: 500,
+        ..params()
+    };
+    let engine = chx::run_system(&mut EmbeddedTarget::new(), &params, &mut Quiet);
+    assert!(engine.complete(), "{:?}", engine.note);
+    let router = chx::run_system(
+        &mut RouterTarget::new(Algorithm::Rendezvous),
+        &params,
+        &mut Quiet,
+    );
+    assert_eq!(engine.distribution, router.distribution);
+    assert_eq!(engine.add, router.add);
+    assert_eq!(engine.remove, router.remove);
+    assert_eq!(engine.affinity, router.affinity);
+    assert_eq!(engine.remove.unwrap().needless, 0);
 }
 
 /// A fresh directory under the system temp dir, removed before use.

@@ -21,6 +21,7 @@ pub mod rabbitmq;
 pub mod report;
 pub mod router;
 
+pub use embedded::EmbeddedTarget;
 pub use rabbitmq::RabbitTarget;
 pub use router::RouterTarget;
 
