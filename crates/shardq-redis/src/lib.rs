@@ -1,1 +1,41 @@
-//! shardq-redis (placeholder until its capability lands).
+//! shardq-redis: the Redis backend of shardq.
+//!
+//! Shards live on standalone Redis instances (`redis://host:port/db`, one
+//! instance per shard or several shards per instance) or in one Redis
+//! Cluster (`redis+cluster://host:port,host:port`), where each shard's keys
+//! share one hashtag and so one slot ([`keys`] documents the key grammar).
+//! Every transition of a job (enqueue, claim, ack, fail, reclaim,
+//! dead-letter) is one Lua script, so it is atomic on the server; claims,
+//! leases, fencing tokens and the fence itself live in Redis, so worker
+//! processes on several hosts share the shards safely.
+//!
+//! * [`RedisBackend`] implements [`shardq_core::QueueBackend`].
+//! * [`RedisCoordinator`] implements [`shardq_core::Coordinator`] with a
+//!   lease per shard (owner `host@pid`, a fencing token, expiry, takeover).
+//! * [`RedisMapStore`] keeps the shard map YAML and its version in Redis,
+//!   published by compare-and-set.
+//! * [`testing`] starts real `redis-server` processes for tests.
+//!
+//! This crate must never decide routing (that is `shardq-route`) and never
+//! talk to any server but those the shard map or the caller names.
+
+pub mod backend;
+mod conn;
+pub mod coord;
+pub mod error;
+pub mod keys;
+pub mod mapstore;
+mod scripts;
+pub mod testing;
+
+pub use backend::{
+    is_redis_url, RedisBackend, RedisOptions, ACK_BATCH_MAX, CLAIM_BATCH_MAX, ENQUEUE_BATCH_MAX,
+    JOB_LEASE_MS_DEFAULT,
+};
+pub use conn::{
+    CONNECT_TIMEOUT_MS, RESPONSE_TIMEOUT_MS, RETRY_ATTEMPTS_DEFAULT, RETRY_WAIT_MS_MAX,
+    SCHEME_CLUSTER, SCHEME_INSTANCE,
+};
+pub use coord::{default_owner, CoordinatorOptions, RedisCoordinator, LEASE_MS_DEFAULT};
+pub use error::RedisError;
+pub use mapstore::RedisMapStore;

@@ -1,0 +1,103 @@
+//! The Redis backend's one error type.
+//!
+//! Every message names the shard (or map store) and the URL involved and
+//! says what to do. This module must never hide the Redis client's cause.
+
+use shardq_core::QueueError;
+use thiserror::Error;
+
+/// Errors of the Redis backend, the coordinator and the map store.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum RedisError {
+    /// The server did not answer within the bounded retries.
+    #[error("shard {shard:?} at {url}: Redis unreachable after {attempts} attempts ({cause}); check that the server runs and the URL is right")]
+    Unreachable {
+        /// Shard (or `map store`).
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// Attempts made.
+        attempts: u32,
+        /// Last error from the client.
+        cause: String,
+    },
+    /// The server refused a command for a reason retrying does not cure.
+    #[error("shard {shard:?} at {url}: Redis refused the command: {cause}")]
+    Command {
+        /// Shard (or `map store`).
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// The server's error.
+        cause: String,
+    },
+    /// A script answered something this client does not understand (a
+    /// different shardq version wrote the keys, or the keys were edited).
+    #[error("shard {shard:?} at {url}: unexpected reply: {reason}")]
+    Protocol {
+        /// Shard (or `map store`).
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A shard URL that is not `redis://host:port/db` or
+    /// `redis+cluster://host:port,host:port`.
+    #[error("shard {shard:?}: invalid Redis URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// Shard.
+        shard: String,
+        /// The URL as given.
+        url: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A queue or shard name that cannot be part of a key.
+    #[error("invalid {what} name {name:?}: {reason}")]
+    InvalidName {
+        /// `queue` or `shard`.
+        what: &'static str,
+        /// The name as given.
+        name: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The shard map names no shard with a Redis URL.
+    #[error("the shard map (version {version}) has no shard with a redis:// or redis+cluster:// url; give shards a url such as redis://127.0.0.1:6379/0")]
+    NoRedisShards {
+        /// Map version.
+        version: u64,
+    },
+    /// The stored shard map could not be used.
+    #[error("shard map in Redis at {url}: {reason}")]
+    Map {
+        /// URL of the map store.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Compare-and-set publish lost: someone published another version first.
+    #[error("shard map in Redis at {url} is at version {found}, not the expected {expected}: reload the map, reapply the change and publish again")]
+    VersionConflict {
+        /// URL of the map store.
+        url: String,
+        /// Version the caller expected.
+        expected: u64,
+        /// Version stored.
+        found: u64,
+    },
+    /// A queue-level refusal (fencing, ownership, limits).
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+}
+
+impl From<RedisError> for QueueError {
+    fn from(e: RedisError) -> QueueError {
+        match e {
+            RedisError::Queue(q) => q,
+            other => QueueError::Backend(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The key grammar: every Redis key shardq writes, and the names allowed in it.
+//!
+//! ```text
+//! sq:{<queue>:<shard>}:<part>     one shard of one queue (parts below)
+//! sq:{=map}:current               the published shard map (hash: version, yaml)
+//! ```
+//!
+//! The braces are the Redis Cluster hashtag: all keys of one shard hash to
+//! one slot, so one Lua script can move a job between them atomically, in
+//! cluster mode as on a single instance. Queue and shard names use only
+//! ASCII letters, digits, `-`, `_` and `.`; a hashtag starting with `=` is
+//! reserved for shardq's own keys, and no queue name can start with `=`.
+//!
+//! A shard uses a fixed set of keys ([`SHARD_PARTS`]), never one key per job
+//! or per routing key: every script declares every key it touches, which is
+//! what keeps scripts correct while Redis Cluster migrates the slot (a
+//! script either sees all of the shard's keys on one node or gets
+//! `TRYAGAIN`/`ASK` before it runs). This module builds names only; it must
+//! never talk to Redis.
+
+/// Prefix of every shardq key.
+pub const NAMESPACE: &str = "sq";
+/// Longest queue name, in bytes.
+pub const QUEUE_NAME_BYTES_MAX: usize = 64;
+/// Queue used when none is configured.
+pub const QUEUE_DEFAULT: &str = "default";
+/// Key of the published shard map (a hash with `version` and `yaml`).
+pub const MAP_KEY: &str = "sq:{=map}:current";
+
+/// The parts of one shard, in the order scripts receive them as `KEYS`.
+///
+/// * `meta` hash: `seq` (last job id), `fmin` (fence: oldest map version).
+/// * `pending` zset, all scores 0, members `<len:4 hex><key><id:16 hex>`:
+///   lexicographic order is per-key FIFO, the head of a key is one
+///   `ZRANGEBYLEX` away. Jobs waiting to start or to be retried.
+/// * `ready` zset: routing keys whose head may start, score = head's
+///   not-before (ms). A key is here iff it has pending jobs, nothing in
+///   flight and is not halted by a dead job.
+/// * `inflight` zset: job id -> lease deadline (ms).
+/// * `hdr` hash: job id -> `attempts|max_attempts|created_ms|not_before_ms|key`.
+/// * `pay` hash: job id -> payload bytes.
+/// * `busy` hash: routing key -> id of its job in flight (at most one).
+/// * `dead` zset: dead job id -> id (oldest first).
+/// * `deadn` hash: routing key -> number of its dead jobs.
+/// * `delayed` zset: job id -> not-before, for jobs enqueued or retried with
+///   a delay (counts only; stale entries are harmless).
+/// * `paused` set: routing keys whose enqueues are paused (the fence).
+/// * `lease` hash: `owner` (`host@pid`), `token` (fencing token, only
+///   grows), `until` (ms).
+/// * `reason` hash: job id -> last failure reason.
+pub const SHARD_PARTS: [&str; 13] = [
+    "meta", "pending", "ready", "inflight", "hdr", "pay", "busy", "dead", "deadn", "delayed",
+    "paused", "lease", "reason",
+];
+
+/// Index of the `lease` part in [`SHARD_PARTS`].
+pub const LEASE_PART: usize = 11;
+
+/// Checks a queue name: 1 to [`QUEUE_NAME_BYTES_MAX`] bytes of ASCII
+/// letters, digits, `-`, `_` and `.`. `{`, `}` and `:` are excluded so the
+/// hashtag `{queue:shard}` splits one way only, and `=` so no queue can
+/// reach the reserved namespace.
+pub fn validate_queue_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a queue name must not be empty".into());
+    }
+    if name.len() > QUEUE_NAME_BYTES_MAX {
+        return Err(format!(
+            "a queue name is at most {QUEUE_NAME_BYTES_MAX} bytes, this one has {}",
+            name.len()
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(format!(
+            "a queue name contains {c:?}; only ASCII letters, digits, `-`, `_` and `.` are allowed"
+        ));
+    }
+    Ok(())
+}
+
+/// The hashtag of a shard's keys: `<queue>:<shard>`.
+pub fn shard_tag(queue: &str, shard: &str) -> String {
+    format!("{queue}:{shard}")
+}
+
+/// All keys of one shard, in [`SHARD_PARTS`] order.
+pub fn shard_keys(queue: &str, shard: &str) -> Vec<String> {
+    let tag = shard_tag(queue, shard);
+    SHARD_PARTS
+        .iter()
+        .map(|part| format!("{NAMESPACE}:{{{tag}}}:{part}"))
+        .collect()
+}
+
+/// The Redis Cluster slot of every key of the shard, computed here (the
+/// same CRC16 the server uses) so callers can place shards on nodes.
+pub fn shard_slot(queue: &str, shard: &str) -> u16 {
+    shardq_route::slot(shard_tag(queue, shard).as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(name: &str, ok: bool) {
+        assert_eq!(validate_queue_name(name).is_ok(), ok, "{name:?}");
+    }
+
+    #[test]
+    fn queue_names() {
+        check("default", true);
+        check("orders.v2-eu_1", true);
+        check("", false);
+        check("=map", false);
+        check("a:b", false);
+        check("a{b}", false);
+        check(&"q".repeat(65), false);
+    }
+
+    #[test]
+    fn keys_share_one_slot() {
+        let keys = shard_keys("default", "redis-0");
+        assert_eq!(keys[0], "sq:{default:redis-0}:meta");
+        let slot = shard_slot("default", "redis-0");
+        for k in &keys {
+            assert_eq!(shardq_route::slot(k.as_bytes()), slot, "{k}");
+        }
+        assert_eq!(SHARD_PARTS[LEASE_PART], "lease");
+    }
+}
