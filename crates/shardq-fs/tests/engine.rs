@@ -1,0 +1,483 @@
+//! Engine tests in one process: per-key order, retries, dead letters, torn
+//! tails, corruption and repair, failed fsyncs, fencing, compaction, leases
+//! with a manual clock, and the shared pool limit.
+
+use std::collections::BTreeSet;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use shardq_core::{
+    Backoff, Coordinator, DeadPolicy, FailOutcome, Fence, JobId, ManualClock, NewJob, PoolOptions,
+    QueueBackend, QueueError,
+};
+use shardq_fs::storage::{list_segments, FaultyStorage};
+use shardq_fs::{Engine, EngineOptions, FsCoordinator, FsError, MemberOptions};
+use shardq_route::{Algorithm, ShardMap};
+
+fn data_dir(name: &str, shards: usize) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardq-fs-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let names: Vec<String> = (0..shards).map(|i| format!("shard-{i}")).collect();
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, names).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    dir
+}
+
+fn opts(clock: &ManualClock) -> EngineOptions {
+    EngineOptions {
+        clock: Arc::new(clock.clone()),
+        backoff: Backoff {
+            base_ms: 100,
+            max_ms: 1000,
+        },
+        ..EngineOptions::default()
+    }
+}
+
+fn job(key: &str, payload: &str, max_attempts: u32) -> NewJob {
+    NewJob {
+        max_attempts,
+        ..NewJob::new(key, payload)
+    }
+}
+
+fn ids(jobs: &[shardq_core::ClaimedJob]) -> Vec<String> {
+    jobs.iter()
+        .map(|j| String::from_utf8_lossy(&j.payload).into_owned())
+        .collect()
+}
+
+#[test]
+fn key_order_retries_first_and_no_head_of_line_blocking() {
+    let dir = data_dir("order", 1);
+    let clock = ManualClock::new(1_000_000);
+    let engine = Engine::open(&dir, opts(&clock)).unwrap();
+    let b = engine.backend();
+    b.enqueue(
+        "shard-0",
+        1,
+        &[job("a", "a1", 3), job("a", "a2", 3), job("b", "b1", 3)],
+    )
+    .unwrap();
+    assert!(matches!(
+        b.claim("shard-0", 10),
+        Err(QueueError::NotOwner { .. })
+    ));
+    b.adopt("shard-0").unwrap();
+
+    let first = b.claim("shard-0", 10).unwrap();
+    assert_eq!(ids(&first), ["a1", "b1"], "one job per key in flight");
+    assert_eq!(b.key_counts("shard-0", "a").unwrap().depth, 1);
+    assert_eq!(b.key_counts("shard-0", "a").unwrap().in_flight, 1);
+    let out = b.fail("shard-0", first[0].id, "boom").unwrap();
+    assert_eq!(out, FailOutcome::Retry { at_ms: 1_000_100 });
+    b.ack("shard-0", &[first[1].id]).unwrap();
+    // a2 waits behind the failed a1; b keeps flowing.
+    b.enqueue("shard-0", 1, &[job("b", "b2", 3)]).unwrap();
+    assert_eq!(ids(&b.claim("shard-0", 10).unwrap()), ["b2"]);
+    clock.advance(100);
+    let retry = b.claim("shard-0", 10).unwrap();
+    assert_eq!(ids(&retry), ["a1"]);
+    assert_eq!(retry[0].attempt, 2);
+    b.ack("shard-0", &[retry[0].id]).unwrap();
+    assert_eq!(ids(&b.claim("shard-0", 10).unwrap()), ["a2"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn dead_letter_continue_and_halt() {
+    for policy in [DeadPolicy::Continue, DeadPolicy::Halt] {
+        let dir = data_dir(&format!("dead-{policy:?}"), 1);
+        let clock = ManualClock::new(1_000_000);
+        let engine = Engine::open(
+            &dir,
+            EngineOptions {
+                dead_policy: policy,
+                ..opts(&clock)
+            },
+        )
+        .unwrap();
+        let b = engine.backend();
+        b.enqueue("shard-0", 1, &[job("k", "k1", 1), job("k", "k2", 1)])
+            .unwrap();
+        b.adopt("shard-0").unwrap();
+        let c = b.claim("shard-0", 10).unwrap();
+        assert_eq!(
+            b.fail("shard-0", c[0].id, "bad").unwrap(),
+            FailOutcome::Dead
+        );
+        let next = b.claim("shard-0", 10).unwrap();
+        let dead = b.dead_list("shard-0", 10).unwrap();
+        assert_eq!(dead.len(), 1);
+        assert_eq!(
+            (dead[0].key.as_str(), dead[0].reason.as_str()),
+            ("k", "bad")
+        );
+        match policy {
+            DeadPolicy::Continue => assert_eq!(ids(&next), ["k2"]),
+            _ => {
+                assert!(next.is_empty(), "a halted key must not run");
+                assert_eq!(b.dead_retry("shard-0", None).unwrap(), 1);
+                let again = b.claim("shard-0", 10).unwrap();
+                assert_eq!(ids(&again), ["k1"]);
+                assert_eq!(again[0].attempt, 1, "retry resets attempts");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+fn only_segment(dir: &Path, shard: &str) -> PathBuf {
+    let sdir = dir.join(shard);
+    let bases = list_segments(&sdir).unwrap();
+    sdir.join(shardq_fs::storage::segment_name(*bases.last().unwrap()))
+}
+
+#[test]
+fn torn_tail_is_truncated_and_appends_continue() {
+    let dir = data_dir("torn", 1);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    for i in 0..3 {
+        engine.enqueue(NewJob::new("k", format!("p{i}"))).unwrap();
+    }
+    drop(engine);
+    let seg = only_segment(&dir, "shard-0");
+    let len = std::fs::metadata(&seg).unwrap().len();
+    // Half a record: a length that runs past the end, then some bytes.
+    let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
+    f.write_all(&[40, 0, 0, 0, 1, 2, 3, 4, 1, 9, 9]).unwrap();
+    drop(f);
+
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 3);
+    engine.enqueue(NewJob::new("k", "p3")).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 4);
+    assert!(engine.backend().torn_bytes_truncated("shard-0").unwrap() > 0);
+    assert!(std::fs::metadata(&seg).unwrap().len() > len);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mid_file_corruption_is_reported_until_repaired() {
+    let dir = data_dir("corrupt", 1);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let (_, second) = {
+        engine.enqueue(NewJob::new("k", "first")).unwrap();
+        let s = engine.enqueue(NewJob::new("k", "second")).unwrap();
+        engine.enqueue(NewJob::new("k", "third")).unwrap();
+        s
+    };
+    drop(engine);
+    let seg = only_segment(&dir, "shard-0");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[second.0 as usize + 20] ^= 0xff;
+    std::fs::write(&seg, &bytes).unwrap();
+
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let err = engine.status().unwrap_err().to_string();
+    assert!(
+        err.contains("shard-0") && err.contains(&format!("offset {}", second.0)),
+        "{err}"
+    );
+    assert!(
+        err.contains("checksum") && err.contains("shardq repair"),
+        "{err}"
+    );
+    let err = engine.enqueue(NewJob::new("k", "more")).unwrap_err();
+    assert!(
+        matches!(err, FsError::Queue(QueueError::Corrupt { .. })),
+        "{err}"
+    );
+    drop(engine);
+
+    let report = shardq_fs::repair::repair(&dir, "shard-0").unwrap();
+    assert_eq!(report.cuts.len(), 1);
+    assert_eq!(report.cuts[0].offset, second.0);
+    assert!(report.cuts[0].saved_to.exists());
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(
+        engine.status().unwrap().totals.ready,
+        2,
+        "only the cut job is lost"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn failed_fsync_refuses_work_until_reopened() {
+    let dir = data_dir("fsync", 1);
+    let faulty = FaultyStorage::default();
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            storage: Arc::new(faulty.clone()),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    engine.enqueue(NewJob::new("k", "ok")).unwrap();
+    faulty.fail_syncs.store(true, Ordering::SeqCst);
+    assert!(engine.enqueue(NewJob::new("k", "lost?")).is_err());
+    faulty.fail_syncs.store(false, Ordering::SeqCst);
+    let err = engine.enqueue(NewJob::new("k", "after")).unwrap_err();
+    assert!(
+        matches!(err, FsError::Queue(QueueError::Poisoned { .. })),
+        "{err}"
+    );
+    drop(engine);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    engine.enqueue(NewJob::new("k", "reopened")).unwrap();
+
+    faulty.fail_appends.store(true, Ordering::SeqCst);
+    let engine2 = Engine::open(
+        &dir,
+        EngineOptions {
+            storage: Arc::new(faulty.clone()),
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(engine2.enqueue(NewJob::new("k", "half")).is_err());
+    faulty.fail_appends.store(false, Ordering::SeqCst);
+    assert!(
+        engine2.enqueue(NewJob::new("k", "x")).is_err(),
+        "still poisoned"
+    );
+    // The half-written record never became visible.
+    assert_eq!(engine.status().unwrap().totals.ready, 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fence_refuses_stale_versions_and_paused_keys() {
+    let dir = data_dir("fence", 1);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let b = engine.backend();
+    let mut fence = Fence {
+        map_version_min: 2,
+        ..Fence::default()
+    };
+    b.set_fence("shard-0", &fence).unwrap();
+    assert!(matches!(
+        b.enqueue("shard-0", 1, &[NewJob::new("k", "")]),
+        Err(QueueError::Fenced { .. })
+    ));
+    // The engine reloads the map and retries, then reports the fence.
+    let err = engine
+        .enqueue(NewJob::new("k", ""))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("map version 1") && err.contains("version 2"),
+        "{err}"
+    );
+    fence.paused_keys.insert("moving".into());
+    b.set_fence("shard-0", &fence).unwrap();
+    assert!(matches!(
+        b.enqueue("shard-0", 2, &[NewJob::new("moving", "")]),
+        Err(QueueError::Paused { .. })
+    ));
+    b.enqueue("shard-0", 2, &[NewJob::new("other", "")])
+        .unwrap();
+    assert_eq!(b.fence("shard-0").unwrap(), fence);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn finished_segments_are_deleted() {
+    let dir = data_dir("compact", 1);
+    let clock = ManualClock::new(1_000_000);
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            segment_bytes_max: 4096,
+            durability: shardq_fs::Durability::None,
+            ..opts(&clock)
+        },
+    )
+    .unwrap();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    let mut max_segments = 0;
+    for round in 0..200 {
+        let jobs: Vec<NewJob> = (0..10)
+            .map(|i| NewJob::new(format!("k{i}"), vec![round as u8; 100]))
+            .collect();
+        b.enqueue("shard-0", 1, &jobs).unwrap();
+        let claimed = b.claim("shard-0", 100).unwrap();
+        let ids: Vec<JobId> = claimed.iter().map(|c| c.id).collect();
+        b.ack("shard-0", &ids).unwrap();
+        max_segments = max_segments.max(list_segments(&dir.join("shard-0")).unwrap().len());
+    }
+    // 200 rounds wrote ~70 segments' worth; finished ones are gone.
+    assert!(max_segments <= 3, "{max_segments} segments kept");
+    drop(engine);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let st = engine.status().unwrap();
+    assert_eq!((st.totals.ready, st.totals.in_flight), (0, 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn concurrent_appenders_with_separate_locks_lose_nothing() {
+    let dir = data_dir("appenders", 1);
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                // A separate Engine has its own lock file descriptions, as a
+                // separate process would.
+                let e = Engine::open(
+                    &dir,
+                    EngineOptions {
+                        segment_bytes_max: 8192,
+                        durability: shardq_fs::Durability::None,
+                        ..EngineOptions::default()
+                    },
+                )
+                .unwrap();
+                (0..500)
+                    .map(|i| {
+                        e.enqueue(NewJob::new(format!("t{t}"), format!("{i}")))
+                            .unwrap()
+                            .1
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut all = BTreeSet::new();
+    for h in handles {
+        for id in h.join().unwrap() {
+            assert!(all.insert(id), "duplicate id {id}");
+        }
+    }
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 2000);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn member(id: &str) -> MemberOptions {
+    MemberOptions {
+        member_id: id.into(),
+        lease_ms: 30_000,
+        clock_skew_ms: 1_000,
+        max_local_shards: 1,
+    }
+}
+
+#[test]
+fn lease_takeover_standby_and_graceful_release() {
+    let dir = data_dir("lease", 2);
+    let clock = ManualClock::new(1_000_000);
+    let c: Arc<dyn shardq_core::Clock> = Arc::new(clock.clone());
+    let mut a = FsCoordinator::new(&dir, member("a@1"), Arc::clone(&c)).unwrap();
+    let mut b = FsCoordinator::new(&dir, member("b@2"), Arc::clone(&c)).unwrap();
+    let mut s = FsCoordinator::new(&dir, member("s@3"), Arc::clone(&c)).unwrap();
+    assert_eq!(a.tick().unwrap().gained, ["shard-0"]);
+    assert_eq!(b.tick().unwrap().gained, ["shard-1"]);
+    assert!(s.tick().unwrap().owned.is_empty(), "standby");
+    assert!(
+        s.standby_reason().contains("owns no shards"),
+        "{}",
+        s.standby_reason()
+    );
+    assert_eq!(a.tick_interval_ms(), 10_000);
+
+    // a renews; its lease never lapses while it ticks.
+    clock.advance(20_000);
+    a.tick().unwrap();
+    b.tick().unwrap();
+    clock.advance(20_000);
+    assert!(s.tick().unwrap().owned.is_empty());
+
+    // b dies: its flock goes, its lease stays until it lapses plus skew.
+    b.abandon();
+    clock.advance(30_000 - 20_000 + 1_000);
+    a.tick().unwrap();
+    assert!(
+        s.tick().unwrap().owned.is_empty(),
+        "not before lease + skew"
+    );
+    clock.advance(1);
+    assert_eq!(s.tick().unwrap().gained, ["shard-1"]);
+
+    // a live owner whose lease lapsed (stalled) keeps its flock: no takeover.
+    let mut t = FsCoordinator::new(&dir, member("t@4"), Arc::clone(&c)).unwrap();
+    clock.advance(40_000);
+    s.tick().unwrap();
+    assert!(t.tick().unwrap().owned.is_empty(), "flock still held by a");
+    // a finds it lost nothing (still listed as owner) and renews.
+    assert_eq!(a.tick().unwrap().owned, ["shard-0"]);
+
+    // graceful release: t takes over at once.
+    a.release_all().unwrap();
+    assert_eq!(t.tick().unwrap().gained, ["shard-0"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn corrupt_membership_is_reported_and_left_alone() {
+    let dir = data_dir("membership", 1);
+    std::fs::write(dir.join("membership.json"), "{not json").unwrap();
+    let err = Engine::open(&dir, EngineOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("membership.json") && err.contains("corrupt"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("membership.json")).unwrap(),
+        "{not json"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pool_limit_is_shared_by_all_owned_shards() {
+    let dir = data_dir("pool", 3);
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            durability: shardq_fs::Durability::None,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let jobs: Vec<NewJob> = (0..300).map(|i| NewJob::new(format!("k{i}"), "")).collect();
+    engine.enqueue_batch(jobs).unwrap();
+    let running = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let shards = Arc::new(Mutex::new(BTreeSet::new()));
+    let (r, p, s) = (Arc::clone(&running), Arc::clone(&peak), Arc::clone(&shards));
+    let report = engine
+        .run_workers(
+            MemberOptions {
+                max_local_shards: usize::MAX,
+                ..member("p@1")
+            },
+            PoolOptions {
+                concurrency: 2,
+                exit_when_idle: true,
+                ..PoolOptions::default()
+            },
+            Arc::new(move |job| {
+                let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(now, Ordering::SeqCst);
+                s.lock().unwrap().insert(job.shard.clone());
+                std::thread::sleep(std::time::Duration::from_micros(200));
+                r.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }),
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+    assert_eq!(report.acked, 300);
+    assert_eq!(peak.load(Ordering::SeqCst), 2, "limit shared, and reached");
+    assert_eq!(shards.lock().unwrap().len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
