@@ -84,10 +84,11 @@ impl Rendezvous {
             let mut best_x = 0u64;
             for (i, prefix) in self.prefixes.iter().enumerate() {
                 let x = h(kb.joined(prefix));
-                if i == 0 || x > best_x {
-                    best_x = x;
-                    best = i as u32;
-                }
+                // Selects rather than a branch: which shard wins is random,
+                // so a branch here would be mispredicted often.
+                let better = (i == 0) | (x > best_x);
+                best_x = if better { x } else { best_x };
+                best = if better { i as u32 } else { best };
             }
         }
         best
