@@ -1,0 +1,217 @@
+//! Cluster mode against a real 3-master Redis Cluster: client-side slots
+//! agree with `CLUSTER KEYSLOT`, shards spread over the masters, and a live
+//! `redis-cli --cluster reshard` of a busy shard's slot loses nothing and
+//! reorders no key.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use shardq_core::{JobId, QueueBackend};
+use shardq_redis::keys::{shard_keys, shard_slot, MAP_KEY, QUEUE_DEFAULT};
+use shardq_redis::testing::{slot_ranges, RedisCluster};
+use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
+
+use crate::common::{check_order, job, map_of, owner, payloads, tick_adopt};
+
+const KEYS: u64 = 20;
+const WAIT_MS_MAX: u64 = 60_000;
+const NAME_SEARCH_MAX: u32 = 2_000_000;
+
+/// A shard name (from `prefix-<n>`) whose slot satisfies `want`.
+fn name_where(prefix: &str, want: impl Fn(u16) -> bool) -> String {
+    (0..NAME_SEARCH_MAX)
+        .map(|i| format!("{prefix}-{i}"))
+        .find(|n| want(shard_slot(QUEUE_DEFAULT, n)))
+        .expect("a shard name with the wanted slot")
+}
+
+#[test]
+fn cluster_mode_spreads_shards_and_slots_match_the_server() {
+    let cluster = RedisCluster::start(3);
+    // Client-side slots agree with the server's, for shard keys and the
+    // reserved namespace.
+    for (q, s) in [
+        ("default", "c-0"),
+        ("orders.v2", "redis-7"),
+        ("q_1", "a.b-c"),
+    ] {
+        let mut keys = shard_keys(q, s);
+        keys.push(MAP_KEY.to_string());
+        for k in keys {
+            let server: u16 = cluster.nodes[0]
+                .cli(&["cluster", "keyslot", &k])
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(shardq_route::slot(k.as_bytes()), server, "{k}");
+        }
+        assert_eq!(
+            shard_slot(q, s),
+            shardq_route::slot(shard_keys(q, s)[0].as_bytes())
+        );
+    }
+
+    // One shard on each master.
+    let names: Vec<String> = (0..3)
+        .map(|m| name_where("c", |slot| cluster.node_for_slot(slot) == m))
+        .collect();
+    let shards: Vec<(&str, String)> = names.iter().map(|n| (n.as_str(), cluster.url())).collect();
+    let map = map_of(&shards);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    assert!(b.is_cluster(&names[0]));
+    let _c = owner(&b, "w@1", 10_000);
+    for n in &names {
+        let jobs: Vec<_> = (0..30)
+            .map(|i| job(&format!("k{}", i % 3), &format!("{n}/{i}")))
+            .collect();
+        b.enqueue(n, 1, &jobs).unwrap();
+    }
+    for (m, n) in names.iter().enumerate() {
+        // The shard's keys physically live on the master that serves its slot.
+        let mut con = cluster.nodes[m].connection();
+        let exists: u64 = redis::cmd("EXISTS")
+            .arg(&shard_keys(QUEUE_DEFAULT, n)[1])
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(exists, 1, "{n} on node {m}");
+        let mut seen = Vec::new();
+        loop {
+            let got = b.claim(n, 100).unwrap();
+            if got.is_empty() {
+                break;
+            }
+            assert!(got.len() <= 3, "one in flight per key");
+            seen.extend(payloads(&got));
+            let ids: Vec<JobId> = got.iter().map(|j| j.id).collect();
+            b.ack(n, &ids).unwrap();
+        }
+        assert_eq!(seen.len(), 30);
+    }
+    let store = RedisMapStore::open(&cluster.url()).unwrap();
+    store.publish_map(&map, 0).unwrap();
+    assert_eq!(store.load_map().unwrap(), Some(map));
+}
+
+#[test]
+fn reshard_of_a_busy_slot_under_load_loses_nothing_and_keeps_key_order() {
+    let cluster = RedisCluster::start(3);
+    // redis-cli moves a source's lowest slots first: put the busy shard there.
+    let ranges = slot_ranges(cluster.nodes[0].port());
+    let port0 = cluster.nodes[0].port();
+    let first0 = ranges.iter().find(|r| r.2 == port0).unwrap().0;
+    let busy = name_where("busy", |slot| slot == first0);
+    let slot = shard_slot(QUEUE_DEFAULT, &busy);
+    assert_eq!(cluster.node_for_slot(slot), 0);
+    let map = map_of(&[(busy.as_str(), cluster.url())]);
+
+    let acked: Arc<Mutex<Vec<String>>> = Arc::default();
+    let runs: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+        let (acked, stop, busy) = (Arc::clone(&acked), Arc::clone(&stop), busy.clone());
+        thread::spawn(move || {
+            let mut seq = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let jobs: Vec<_> = (0..5)
+                    .map(|_| {
+                        seq += 1;
+                        let key = format!("k{}", seq % KEYS);
+                        job(&key, &format!("{key}/{seq}"))
+                    })
+                    .collect();
+                b.enqueue(&busy, 1, &jobs).expect("enqueue during reshard");
+                acked.lock().unwrap().extend(
+                    jobs.iter()
+                        .map(|j| String::from_utf8_lossy(&j.payload).into_owned()),
+                );
+                thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let worker = {
+        let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+        let (runs, stop, busy) = (Arc::clone(&runs), Arc::clone(&stop), busy.clone());
+        thread::spawn(move || {
+            let mut c = owner(&b, "w@1", 5_000);
+            let deadline = Instant::now() + Duration::from_millis(WAIT_MS_MAX);
+            let mut idle = 0;
+            let mut next_tick = Instant::now();
+            while Instant::now() < deadline {
+                if Instant::now() >= next_tick {
+                    tick_adopt(&b, &mut c);
+                    next_tick = Instant::now() + Duration::from_millis(500);
+                }
+                let jobs = b.claim(&busy, 64).expect("claim during reshard");
+                if jobs.is_empty() {
+                    if stop.load(Ordering::SeqCst) {
+                        idle += 1;
+                        if idle > 50 {
+                            return;
+                        }
+                    }
+                    thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
+                idle = 0;
+                runs.lock().unwrap().extend(
+                    jobs.iter()
+                        .map(|j| String::from_utf8_lossy(&j.payload).into_owned()),
+                );
+                let ids: Vec<JobId> = jobs.iter().map(|j| j.id).collect();
+                b.ack(&busy, &ids).expect("ack during reshard");
+            }
+        })
+    };
+
+    while acked.lock().unwrap().len() < 500 {
+        thread::sleep(Duration::from_millis(5));
+    }
+    let from = cluster.node_id(0);
+    let to = cluster.node_id(1);
+    let out = cluster.nodes[0].cli(&[
+        "--cluster",
+        "reshard",
+        &format!("127.0.0.1:{port0}"),
+        "--cluster-from",
+        &from,
+        "--cluster-to",
+        &to,
+        "--cluster-slots",
+        "1",
+        "--cluster-yes",
+        "--cluster-pipeline",
+        "1",
+    ]);
+    assert!(
+        out.contains(&format!("Moving slot {slot} from")),
+        "reshard output:\n{out}"
+    );
+    cluster.wait_consistent();
+    assert_eq!(cluster.node_for_slot(slot), 1, "slot moved");
+    let before = acked.lock().unwrap().len();
+    while acked.lock().unwrap().len() < before + 500 {
+        thread::sleep(Duration::from_millis(5));
+    }
+    stop.store(true, Ordering::SeqCst);
+    producer.join().unwrap();
+    worker.join().unwrap();
+
+    let mut con = cluster.nodes[1].connection();
+    let exists: u64 = redis::cmd("EXISTS")
+        .arg(&shard_keys(QUEUE_DEFAULT, &busy)[0])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(exists, 1, "the shard's keys live on the new master");
+
+    let acked = acked.lock().unwrap().clone();
+    let runs = runs.lock().unwrap().clone();
+    let repeats = check_order(&runs, &BTreeMap::new());
+    let ran: BTreeSet<&String> = runs.iter().collect();
+    let lost: Vec<&String> = acked.iter().filter(|p| !ran.contains(p)).collect();
+    assert!(lost.is_empty(), "{} acknowledged jobs lost", lost.len());
+    assert_eq!(repeats, 0, "nothing ran twice");
+}

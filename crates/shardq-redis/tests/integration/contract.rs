@@ -1,0 +1,288 @@
+//! The backend contract on one standalone instance, on a manual clock.
+
+use std::sync::Arc;
+
+use shardq_core::{
+    Coordinator, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, ManualClock, QueueBackend,
+    QueueError,
+};
+use shardq_redis::testing::RedisServer;
+use shardq_redis::{RedisBackend, RedisError, RedisMapStore, RedisOptions};
+
+use crate::common::{job, map_of, opts_manual, owner, payloads, tick_adopt};
+
+const T0: u64 = 1_700_000_000_000;
+
+fn setup(server: &RedisServer, policy: DeadPolicy) -> (RedisBackend, ManualClock) {
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    let mut opts = opts_manual(&clock);
+    opts.dead_policy = policy;
+    opts.backoff = shardq_core::Backoff {
+        base_ms: 100,
+        max_ms: 1_000,
+    };
+    (RedisBackend::open(&map, opts).expect("open"), clock)
+}
+
+#[test]
+fn per_key_fifo_one_in_flight_and_retry_first() {
+    let server = RedisServer::start();
+    let (b, clock) = setup(&server, DeadPolicy::Continue);
+    assert!(matches!(
+        b.claim("r0", 10),
+        Err(QueueError::NotOwner { .. })
+    ));
+    let _c = owner(&b, "w1", 10_000);
+    let ids = b
+        .enqueue(
+            "r0",
+            1,
+            &[
+                job("a", "a1"),
+                job("b", "b1"),
+                job("a", "a2"),
+                job("b", "b2"),
+                job("a", "a3"),
+            ],
+        )
+        .unwrap();
+    assert_eq!(ids, (1..=5).map(JobId).collect::<Vec<_>>());
+
+    let first = b.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&first), ["a1", "b1"]);
+    assert!(first.iter().all(|j| j.attempt == 1));
+    assert!(
+        b.claim("r0", 10).unwrap().is_empty(),
+        "one in flight per key"
+    );
+    assert_eq!(
+        b.key_counts("r0", "a").unwrap(),
+        KeyCounts {
+            depth: 2,
+            in_flight: 1,
+            dead: 0
+        }
+    );
+
+    let a1 = first.iter().find(|j| j.key == "a").unwrap().id;
+    let b1 = first.iter().find(|j| j.key == "b").unwrap().id;
+    b.ack("r0", &[a1]).unwrap();
+    assert!(matches!(
+        b.ack("r0", &[a1]),
+        Err(QueueError::NotInFlight { .. })
+    ));
+    assert_eq!(
+        b.fail("r0", b1, "boom").unwrap(),
+        FailOutcome::Retry { at_ms: T0 + 100 }
+    );
+    // The retry waits for its backoff and holds back b2 meanwhile.
+    assert_eq!(payloads(&b.claim("r0", 10).unwrap()), ["a2"]);
+    assert_eq!(b.next_due_ms("r0").unwrap(), Some(T0 + 100));
+    clock.advance(100);
+    let again = b.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&again), ["b1"]);
+    assert_eq!(again[0].attempt, 2);
+    assert_eq!(again[0].id, b1);
+    b.ack("r0", &[again[0].id]).unwrap();
+    assert_eq!(payloads(&b.claim("r0", 10).unwrap()), ["b2"]);
+
+    let stats = b.shard_stats("r0").unwrap();
+    assert_eq!((stats.ready, stats.in_flight, stats.keys), (1, 2, 2));
+}
+
+#[test]
+fn dead_letter_after_max_attempts_then_retry_and_purge() {
+    let server = RedisServer::start();
+    for policy in [DeadPolicy::Continue, DeadPolicy::Halt] {
+        let (b, clock) = setup(&server, policy);
+        server.cli(&["flushall"]);
+        let _c = owner(&b, "w1", 10_000);
+        let mut j = job("k", "k1");
+        j.max_attempts = 2;
+        b.enqueue("r0", 1, &[j, job("k", "k2")]).unwrap();
+        for attempt in 1..=2 {
+            let got = b.claim("r0", 10).unwrap();
+            assert_eq!(payloads(&got), ["k1"]);
+            assert_eq!(got[0].attempt, attempt);
+            let out = b.fail("r0", got[0].id, &format!("bad {attempt}")).unwrap();
+            clock.advance(10_000);
+            assert_eq!(out == FailOutcome::Dead, attempt == 2, "{policy:?}");
+        }
+        let dead = b.dead_list("r0", 10).unwrap();
+        assert_eq!(dead.len(), 1);
+        assert_eq!((dead[0].attempts, dead[0].reason.as_str()), (2, "bad 2"));
+        assert_eq!(b.key_counts("r0", "k").unwrap().dead, 1);
+        let next = b.claim("r0", 10).unwrap();
+        match policy {
+            DeadPolicy::Halt => {
+                assert!(next.is_empty(), "a dead job halts its key");
+                assert_eq!(b.next_due_ms("r0").unwrap(), None);
+                assert_eq!(b.dead_retry("r0", None).unwrap(), 1);
+                let got = b.claim("r0", 10).unwrap();
+                assert_eq!(payloads(&got), ["k1"], "retried dead job keeps its place");
+                assert_eq!(got[0].attempt, 1);
+                b.ack("r0", &[got[0].id]).unwrap();
+                assert_eq!(payloads(&b.claim("r0", 10).unwrap()), ["k2"]);
+            }
+            _ => {
+                assert_eq!(payloads(&next), ["k2"]);
+                assert_eq!(b.dead_purge("r0", Some(&[dead[0].id])).unwrap(), 1);
+                assert!(b.dead_list("r0", 10).unwrap().is_empty());
+                assert_eq!(b.key_counts("r0", "k").unwrap().dead, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn fence_refuses_old_maps_and_paused_keys_atomically() {
+    let server = RedisServer::start();
+    let (b, _clock) = setup(&server, DeadPolicy::Continue);
+    let mut fence = Fence {
+        map_version_min: 5,
+        ..Fence::default()
+    };
+    fence.paused_keys.insert("t-42".into());
+    b.set_fence("r0", &fence).unwrap();
+    assert_eq!(b.fence("r0").unwrap(), fence);
+    match b.enqueue("r0", 4, &[job("a", "x")]) {
+        Err(QueueError::Fenced {
+            map_version: 4,
+            map_version_min: 5,
+            ..
+        }) => {}
+        other => panic!("expected Fenced, got {other:?}"),
+    }
+    let err = b
+        .enqueue("r0", 5, &[job("a", "x"), job("t-42", "y")])
+        .unwrap_err();
+    assert!(matches!(err, QueueError::Paused { ref key, .. } if key == "t-42"));
+    assert!(err.to_string().contains("r0"));
+    assert_eq!(
+        b.key_counts("r0", "a").unwrap().depth,
+        0,
+        "nothing of a refused batch lands"
+    );
+    b.enqueue("r0", 6, &[job("a", "x")]).unwrap();
+    b.set_fence("r0", &Fence::default()).unwrap();
+    b.enqueue("r0", 1, &[job("t-42", "y")]).unwrap();
+    assert_eq!(b.key_counts("r0", "t-42").unwrap().depth, 1);
+}
+
+#[test]
+fn killed_worker_is_taken_over_with_attempt_plus_one_in_order() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    let a = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let mut ca = owner(&a, "host-a@1", 300);
+    a.enqueue("r0", 1, &[job("k", "k1"), job("k", "k2")])
+        .unwrap();
+    let got = a.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&got), ["k1"]);
+
+    // Process A stops ticking (it died mid-job). B waits for the lease.
+    let mut cb = owner(&b, "host-b@2", 300);
+    assert!(tick_adopt(&b, &mut cb).is_empty());
+    assert!(
+        cb.standby_reason().contains("host-a@1"),
+        "{}",
+        cb.standby_reason()
+    );
+    clock.advance(301);
+    assert_eq!(tick_adopt(&b, &mut cb), ["r0"]);
+    let again = b.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&again), ["k1"]);
+    assert_eq!(again[0].attempt, 2);
+
+    // A's late ack carries a stale token and is refused.
+    assert!(matches!(
+        a.ack("r0", &[got[0].id]),
+        Err(QueueError::NotOwner { .. })
+    ));
+    let own = ca.tick().unwrap();
+    assert_eq!(own.lost, ["r0"]);
+
+    b.ack("r0", &[again[0].id]).unwrap();
+    let k2 = b.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&k2), ["k2"]);
+    assert_eq!(k2[0].attempt, 1);
+    // Giving the lease up lets A take over at once.
+    cb.release_all().unwrap();
+    assert_eq!(tick_adopt(&a, &mut ca), ["r0"]);
+    let k2b = a.claim("r0", 10).unwrap();
+    assert_eq!((payloads(&k2b)[0].as_str(), k2b[0].attempt), ("k2", 2));
+}
+
+#[test]
+fn unreachable_server_names_shard_and_url() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let map = map_of(&[("gone-0", url.clone())]);
+    let opts = RedisOptions {
+        retry_attempts: 3,
+        ..RedisOptions::default()
+    };
+    let err = RedisBackend::open(&map, opts).unwrap_err();
+    assert!(matches!(err, RedisError::Unreachable { attempts: 3, .. }));
+    let text = err.to_string();
+    assert!(text.contains("gone-0") && text.contains(&url), "{text}");
+}
+
+#[test]
+fn map_store_publishes_by_compare_and_set() {
+    let server = RedisServer::start();
+    let store = RedisMapStore::open(&server.url()).unwrap();
+    assert!(store.load_map().unwrap().is_none());
+    let mut map = map_of(&[("r0", server.url()), ("r1", server.url())]);
+    store.publish_map(&map, 0).unwrap();
+    assert_eq!(store.load_map().unwrap().as_ref(), Some(&map));
+    map.version = 2;
+    assert!(matches!(
+        store.publish_map(&map, 0),
+        Err(RedisError::VersionConflict { found: 1, .. })
+    ));
+    store.publish_map(&map, 1).unwrap();
+    assert_eq!(store.load_map().unwrap().unwrap().version, 2);
+    let stale = map.clone();
+    assert!(store.publish_map(&stale, 2).is_err(), "version must grow");
+}
+
+#[test]
+fn batches_and_shared_instances() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    // Two shards on one instance keep separate keys.
+    let map = map_of(&[("r0", server.url()), ("r1", server.url())]);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let _c = owner(&b, "w", 10_000);
+    let jobs: Vec<_> = (0..1000)
+        .map(|i| job(&format!("k{}", i % 100), &format!("{i}")))
+        .collect();
+    b.enqueue("r0", 1, &jobs).unwrap();
+    assert!(matches!(
+        b.enqueue("r0", 1, &vec![job("k", "x"); 1025]),
+        Err(QueueError::BatchTooLarge { .. })
+    ));
+    assert_eq!(b.shard_stats("r1").unwrap().ready, 0);
+    let mut total = 0;
+    loop {
+        let got = b.claim("r0", 1024).unwrap();
+        if got.is_empty() {
+            break;
+        }
+        assert!(got.len() <= 100);
+        total += got.len();
+        let ids: Vec<JobId> = got.iter().map(|j| j.id).collect();
+        b.ack("r0", &ids).unwrap();
+    }
+    assert_eq!(total, 1000);
+    let stats = b.shard_stats("r0").unwrap();
+    assert_eq!((stats.ready, stats.in_flight, stats.keys), (0, 0, 0));
+    let _ = Arc::new(b);
+}

@@ -1,0 +1,8 @@
+//! Integration tests of the Redis backend against real `redis-server`
+//! processes that the tests start on free loopback ports.
+
+mod cluster;
+mod common;
+mod contract;
+mod crash;
+mod sharing;
