@@ -29,6 +29,8 @@ pub const APPEND_LOCK_FILE: &str = ".append.lock";
 pub const SEGMENT_BYTES_DEFAULT: u64 = 64 << 20;
 /// Bytes read from a segment at a time while tailing.
 const READ_CHUNK_BYTES: usize = 4 << 20;
+/// Bytes read at once when fetching a claimed job's record.
+const CLAIM_READ_BYTES: usize = 512;
 /// Attempts to list and open segments while compaction deletes some.
 const LIST_RETRIES_MAX: usize = 16;
 
@@ -476,12 +478,17 @@ impl ShardLog {
             .ok_or_else(|| QueueError::Backend(format!("no segment holds position {pos}")))?;
         let file = Arc::clone(file);
         let off = pos - base;
-        let mut head = [0u8; HEADER_BYTES];
         let ctx = || format!("reading {} at offset {off}", segment_name(base));
-        read_full(&*file, &mut head, off).map_err(io_err(ctx()))?;
-        let total = record_total(&head).unwrap_or(HEADER_BYTES);
-        let mut rec = vec![0u8; total];
-        read_full(&*file, &mut rec, off).map_err(io_err(ctx()))?;
+        // One read serves the common small record; a larger one takes two.
+        let mut rec = vec![0u8; CLAIM_READ_BYTES];
+        let got = file.read_at(&mut rec, off).map_err(io_err(ctx()))?;
+        rec.truncate(got);
+        let total = record_total(&rec).unwrap_or(HEADER_BYTES);
+        if rec.len() < total {
+            rec.resize(total, 0);
+            read_full(&*file, &mut rec, off).map_err(io_err(ctx()))?;
+        }
+        rec.truncate(total);
         if let Err(e) = decode(&rec) {
             return Err(QueueError::Corrupt {
                 shard: self.name.clone(),
