@@ -1,1 +1,323 @@
-fn main() {}
+//! Full life cycle (enqueue, claim, ack) throughput and enqueue-to-start
+//! latency of shardq on Redis, against a plain Redis list queue
+//! (LPUSH + LMOVE + LREM) measured in the same run as the floor.
+//!
+//! Starts its own `redis-server` processes on loopback ports. Run with
+//! `cargo bench -p shardq-redis --bench redis_lifecycle`; set
+//! `SHARDQ_BENCH_JOBS` to change the job count. This bench must never talk
+//! to a server it did not start.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use shardq_core::{Coordinator, JobId, NewJob, QueueBackend};
+use shardq_redis::testing::{RedisCluster, RedisServer};
+use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
+use shardq_route::{Algorithm, Router, Shard, ShardMap};
+
+/// Jobs per scenario unless `SHARDQ_BENCH_JOBS` says otherwise.
+const JOBS_DEFAULT: u64 = 200_000;
+/// Distinct routing keys.
+const KEYS: u64 = 1_000;
+/// Jobs per enqueue call (and per LPUSH).
+const ENQUEUE_BATCH: usize = 200;
+/// Most jobs claimed per call (and LMOVEs per pipeline).
+const CLAIM_BATCH: usize = 256;
+/// Shards in every shardq scenario; consumers per scenario.
+const SHARDS: usize = 4;
+/// Jobs enqueued but not yet acked before producers wait: keeps latency a
+/// measure of the system, not of an ever-growing backlog.
+const OUTSTANDING_MAX: u64 = 20_000;
+/// Idle sleep of a consumer that found nothing, in µs.
+const IDLE_US: u64 = 200;
+/// Longest run of one scenario.
+const SCENARIO_TIMEOUT_S: u64 = 120;
+
+struct Result {
+    name: String,
+    jobs: u64,
+    secs: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+/// Counters shared by producers and consumers of one scenario.
+struct Shared {
+    epoch: Instant,
+    acked: AtomicU64,
+    enqueued: AtomicU64,
+    lat_us: Mutex<Vec<u64>>,
+    done: AtomicBool,
+}
+
+impl Shared {
+    fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            epoch: Instant::now(),
+            acked: AtomicU64::new(0),
+            enqueued: AtomicU64::new(0),
+            lat_us: Mutex::new(Vec::new()),
+            done: AtomicBool::new(false),
+        })
+    }
+
+    fn stamp(&self) -> [u8; 8] {
+        (self.epoch.elapsed().as_micros() as u64).to_le_bytes()
+    }
+
+    fn started(&self, payloads: &mut dyn Iterator<Item = &[u8]>, lat: &mut Vec<u64>) {
+        let now = self.epoch.elapsed().as_micros() as u64;
+        for p in payloads {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&p[..8]);
+            lat.push(now.saturating_sub(u64::from_le_bytes(b)));
+        }
+    }
+
+    fn wait_room(&self) {
+        while self.enqueued.load(Ordering::Relaxed) - self.acked.load(Ordering::Relaxed)
+            > OUTSTANDING_MAX
+        {
+            thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+fn finish(name: &str, jobs: u64, shared: &Shared, t0: Instant) -> Result {
+    let secs = t0.elapsed().as_secs_f64();
+    let mut lat = shared.lat_us.lock().unwrap().clone();
+    lat.sort_unstable();
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0)
+    };
+    Result {
+        name: name.to_string(),
+        jobs,
+        secs,
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+    }
+}
+
+fn plain_list(url: &str, jobs: u64) -> Result {
+    let shared = Shared::new();
+    let client = redis::Client::open(url).unwrap();
+    let t0 = Instant::now();
+    let producer = {
+        let shared = Arc::clone(&shared);
+        let mut con = client.get_connection().unwrap();
+        thread::spawn(move || {
+            let mut sent = 0u64;
+            while sent < jobs {
+                shared.wait_room();
+                let n = (jobs - sent).min(ENQUEUE_BATCH as u64);
+                let mut cmd = redis::cmd("LPUSH");
+                cmd.arg("plain:q");
+                for i in 0..n {
+                    let mut p = shared.stamp().to_vec();
+                    p.extend_from_slice(&(sent + i).to_le_bytes());
+                    cmd.arg(p);
+                }
+                let _: u64 = cmd.query(&mut con).unwrap();
+                sent += n;
+                shared.enqueued.fetch_add(n, Ordering::Relaxed);
+            }
+        })
+    };
+    let consumers: Vec<_> = (0..SHARDS)
+        .map(|c| {
+            let shared = Arc::clone(&shared);
+            let mut con = client.get_connection().unwrap();
+            thread::spawn(move || {
+                let processing = format!("plain:processing:{c}");
+                let mut lat = Vec::new();
+                while !shared.done.load(Ordering::Relaxed) {
+                    let mut pipe = redis::pipe();
+                    for _ in 0..CLAIM_BATCH {
+                        pipe.cmd("LMOVE")
+                            .arg("plain:q")
+                            .arg(&processing)
+                            .arg("RIGHT")
+                            .arg("LEFT");
+                    }
+                    let got: Vec<Option<Vec<u8>>> = pipe.query(&mut con).unwrap();
+                    let got: Vec<Vec<u8>> = got.into_iter().flatten().collect();
+                    if got.is_empty() {
+                        thread::sleep(Duration::from_micros(IDLE_US));
+                        continue;
+                    }
+                    shared.started(&mut got.iter().map(|p| &p[..]), &mut lat);
+                    let mut pipe = redis::pipe();
+                    for p in &got {
+                        pipe.cmd("LREM").arg(&processing).arg(1).arg(p).ignore();
+                    }
+                    let _: () = pipe.query(&mut con).unwrap();
+                    if shared.acked.fetch_add(got.len() as u64, Ordering::Relaxed)
+                        + got.len() as u64
+                        >= jobs
+                    {
+                        shared.done.store(true, Ordering::Relaxed);
+                    }
+                }
+                shared.lat_us.lock().unwrap().extend(lat);
+            })
+        })
+        .collect();
+    producer.join().unwrap();
+    for c in consumers {
+        c.join().unwrap();
+    }
+    finish("plain list (LPUSH+LMOVE+LREM)", jobs, &shared, t0)
+}
+
+fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
+    let names: Vec<String> = (0..SHARDS).map(|i| format!("b-{i}")).collect();
+    let mut map = ShardMap::with_shards(Algorithm::Rendezvous, names.clone()).unwrap();
+    for (i, s) in map.shards.iter_mut().enumerate() {
+        *s = Shard {
+            url: Some(urls[i % urls.len()].clone()),
+            ..s.clone()
+        };
+    }
+    let router = Router::new(map.clone()).unwrap();
+    let backend = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut coord = RedisCoordinator::new(
+        &backend,
+        CoordinatorOptions {
+            owner: Some("bench@1".into()),
+            lease_ms: 60_000,
+            shards: None,
+        },
+    )
+    .unwrap();
+    for s in coord.tick().unwrap().gained {
+        backend.adopt(&s).unwrap();
+    }
+    let shared = Shared::new();
+    let t0 = Instant::now();
+    let producer = {
+        let (shared, backend) = (Arc::clone(&shared), backend.clone());
+        thread::spawn(move || {
+            let mut sent = 0u64;
+            let mut per: Vec<Vec<NewJob>> = vec![Vec::new(); SHARDS];
+            while sent < jobs {
+                shared.wait_room();
+                let n = (jobs - sent).min((ENQUEUE_BATCH * SHARDS) as u64);
+                for i in 0..n {
+                    let key = format!("key-{}", (sent + i) % KEYS);
+                    let shard = router.route_index(key.as_bytes());
+                    per[shard].push(NewJob::new(key, shared.stamp().to_vec()));
+                }
+                for (s, batch) in per.iter_mut().enumerate() {
+                    if !batch.is_empty() {
+                        backend.enqueue(&format!("b-{s}"), 1, batch).unwrap();
+                        shared
+                            .enqueued
+                            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        batch.clear();
+                    }
+                }
+                sent += n;
+            }
+        })
+    };
+    let consumers: Vec<_> = names
+        .iter()
+        .map(|shard| {
+            let (shared, backend, shard) = (Arc::clone(&shared), backend.clone(), shard.clone());
+            thread::spawn(move || {
+                let mut lat = Vec::new();
+                while !shared.done.load(Ordering::Relaxed) {
+                    let got = backend.claim(&shard, CLAIM_BATCH).unwrap();
+                    if got.is_empty() {
+                        thread::sleep(Duration::from_micros(IDLE_US));
+                        continue;
+                    }
+                    shared.started(&mut got.iter().map(|j| &j.payload[..]), &mut lat);
+                    let ids: Vec<JobId> = got.iter().map(|j| j.id).collect();
+                    backend.ack(&shard, &ids).unwrap();
+                    if shared.acked.fetch_add(ids.len() as u64, Ordering::Relaxed)
+                        + ids.len() as u64
+                        >= jobs
+                    {
+                        shared.done.store(true, Ordering::Relaxed);
+                    }
+                }
+                shared.lat_us.lock().unwrap().extend(lat);
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(SCENARIO_TIMEOUT_S);
+    while !shared.done.load(Ordering::Relaxed) {
+        assert!(Instant::now() < deadline, "{name} timed out");
+        thread::sleep(Duration::from_millis(10));
+    }
+    producer.join().unwrap();
+    for c in consumers {
+        c.join().unwrap();
+    }
+    coord.release_all().unwrap();
+    finish(name, jobs, &shared, t0)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` would too, but
+    // this bench is only built, never run, by the test suite.
+    let jobs = std::env::var("SHARDQ_BENCH_JOBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(JOBS_DEFAULT);
+    let mut results = Vec::new();
+    {
+        let server = RedisServer::start();
+        results.push(plain_list(&server.url(), jobs));
+    }
+    {
+        let server = RedisServer::start();
+        results.push(shardq(
+            "shardq, 1 instance (4 shards)",
+            &[server.url()],
+            jobs,
+        ));
+        if std::env::var_os("SHARDQ_BENCH_STATS").is_some() {
+            // Server-side cost per script call, to see where time goes.
+            let stats = server.cli(&["info", "commandstats"]);
+            for line in stats.lines().filter(|l| l.contains("eval")) {
+                eprintln!("{line}");
+            }
+            eprintln!("{}", server.cli(&["info", "cpu"]));
+        }
+    }
+    {
+        let servers: Vec<RedisServer> = (0..SHARDS).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+        results.push(shardq("shardq, 4 instances (1 shard each)", &urls, jobs));
+    }
+    {
+        let cluster = RedisCluster::start(3);
+        results.push(shardq(
+            "shardq, 3-master cluster (4 shards)",
+            &[cluster.url()],
+            jobs,
+        ));
+    }
+    let floor = results[0].jobs as f64 / results[0].secs;
+    println!("| system | jobs | jobs/s | vs plain list | enqueue-to-start p50 | p99 |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &results {
+        let rate = r.jobs as f64 / r.secs;
+        println!(
+            "| {} | {} | {:.0} | {:.2}x | {:.2} ms | {:.2} ms |",
+            r.name,
+            r.jobs,
+            rate,
+            rate / floor,
+            r.p50_us as f64 / 1000.0,
+            r.p99_us as f64 / 1000.0
+        );
+    }
+}

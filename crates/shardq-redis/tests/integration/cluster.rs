@@ -19,6 +19,8 @@ use crate::common::{check_order, job, map_of, owner, payloads, tick_adopt};
 const KEYS: u64 = 20;
 const WAIT_MS_MAX: u64 = 60_000;
 const NAME_SEARCH_MAX: u32 = 2_000_000;
+/// Pause after each key moved by hand, in ms: keeps the slot split.
+const MIGRATE_PAUSE_MS: u64 = 40;
 
 /// A shard name (from `prefix-<n>`) whose slot satisfies `want`.
 fn name_where(prefix: &str, want: impl Fn(u16) -> bool) -> String {
@@ -97,6 +99,77 @@ fn cluster_mode_spreads_shards_and_slots_match_the_server() {
 
 #[test]
 fn reshard_of_a_busy_slot_under_load_loses_nothing_and_keeps_key_order() {
+    busy_slot_moves_under_load(|cluster, slot| {
+        let port0 = cluster.nodes[0].port();
+        let (from, to) = (cluster.node_id(0), cluster.node_id(1));
+        let out = cluster.nodes[0].cli(&[
+            "--cluster",
+            "reshard",
+            &format!("127.0.0.1:{port0}"),
+            "--cluster-from",
+            &from,
+            "--cluster-to",
+            &to,
+            "--cluster-slots",
+            "1",
+            "--cluster-yes",
+            "--cluster-pipeline",
+            "1",
+        ]);
+        assert!(
+            out.contains(&format!("Moving slot {slot} from")),
+            "reshard output:\n{out}"
+        );
+    });
+}
+
+/// Moves the slot by hand, one key at a time with a pause after each, so
+/// the shard's keys stay split between two masters while load runs: every
+/// script must see `TRYAGAIN`/`ASK`, never half a shard.
+#[test]
+fn manual_slot_migration_key_by_key_under_load_keeps_every_job() {
+    busy_slot_moves_under_load(|cluster, slot| {
+        let s = slot.to_string();
+        let (from, to) = (cluster.node_id(0), cluster.node_id(1));
+        let target_port = cluster.nodes[1].port().to_string();
+        let ok = |out: String| assert!(out.trim() == "OK", "{out}");
+        ok(cluster.nodes[1].cli(&["cluster", "setslot", &s, "importing", &from]));
+        ok(cluster.nodes[0].cli(&["cluster", "setslot", &s, "migrating", &to]));
+        let mut moved = 0;
+        loop {
+            let keys = cluster.nodes[0].cli(&["cluster", "getkeysinslot", &s, "1"]);
+            let Some(key) = keys.lines().map(str::trim).find(|k| !k.is_empty()) else {
+                break;
+            };
+            let out = cluster.nodes[0].cli(&[
+                "migrate",
+                "127.0.0.1",
+                &target_port,
+                "",
+                "0",
+                "5000",
+                "keys",
+                key,
+            ]);
+            assert!(
+                out.trim() == "OK" || out.contains("NOKEY"),
+                "MIGRATE {key}: {out}"
+            );
+            moved += 1;
+            assert!(moved < 100, "slot {slot} never empties");
+            thread::sleep(Duration::from_millis(MIGRATE_PAUSE_MS));
+        }
+        assert!(moved >= 2, "only {moved} keys moved");
+        for node in [1, 0, 2] {
+            ok(cluster.nodes[node].cli(&["cluster", "setslot", &s, "node", &to]));
+        }
+    });
+}
+
+/// Runs a producer and a worker on a busy shard whose slot is node 0's
+/// lowest, calls `mover` to move that slot to node 1 mid-load, and checks
+/// that every acknowledged job ran once, in key order.
+fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
     let cluster = RedisCluster::start(3);
     // redis-cli moves a source's lowest slots first: put the busy shard there.
     let ranges = slot_ranges(cluster.nodes[0].port());
@@ -145,7 +218,8 @@ fn reshard_of_a_busy_slot_under_load_loses_nothing_and_keeps_key_order() {
                     tick_adopt(&b, &mut c);
                     next_tick = Instant::now() + Duration::from_millis(500);
                 }
-                let jobs = b.claim(&busy, 64).expect("claim during reshard");
+                // Small claims keep a backlog, so the shard has many keys to move.
+                let jobs = b.claim(&busy, 4).expect("claim during reshard");
                 if jobs.is_empty() {
                     if stop.load(Ordering::SeqCst) {
                         idle += 1;
@@ -170,26 +244,7 @@ fn reshard_of_a_busy_slot_under_load_loses_nothing_and_keeps_key_order() {
     while acked.lock().unwrap().len() < 500 {
         thread::sleep(Duration::from_millis(5));
     }
-    let from = cluster.node_id(0);
-    let to = cluster.node_id(1);
-    let out = cluster.nodes[0].cli(&[
-        "--cluster",
-        "reshard",
-        &format!("127.0.0.1:{port0}"),
-        "--cluster-from",
-        &from,
-        "--cluster-to",
-        &to,
-        "--cluster-slots",
-        "1",
-        "--cluster-yes",
-        "--cluster-pipeline",
-        "1",
-    ]);
-    assert!(
-        out.contains(&format!("Moving slot {slot} from")),
-        "reshard output:\n{out}"
-    );
+    mover(&cluster, slot);
     cluster.wait_consistent();
     assert_eq!(cluster.node_for_slot(slot), 1, "slot moved");
     let before = acked.lock().unwrap().len();

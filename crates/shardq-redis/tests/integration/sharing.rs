@@ -93,13 +93,18 @@ fn two_processes_share_shards_and_take_over() {
         Arc::clone(&runs),
         Arc::clone(&stop_a),
     );
+    let deadline = Instant::now() + Duration::from_millis(WAIT_MS_MAX);
+    // B starts once A holds the shards, so B waits in standby.
+    while runs.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "A never started");
+        thread::sleep(Duration::from_millis(1));
+    }
     let b = pool(
         RedisBackend::open(&map, RedisOptions::default()).unwrap(),
         "host-b@2",
         Arc::clone(&runs),
         Arc::clone(&stop_b),
     );
-    let deadline = Instant::now() + Duration::from_millis(WAIT_MS_MAX);
     // Stop A part-way: it releases its leases and B takes them over.
     while runs.lock().unwrap().len() < (JOBS / 4) as usize {
         assert!(Instant::now() < deadline, "no progress");
