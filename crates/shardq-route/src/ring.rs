@@ -10,13 +10,11 @@
 //! the specification's Python reference does, since its `owner` dict is
 //! overwritten in insertion order.
 //!
-//! Lookup is a sorted `u64` array plus an index on the top bits of the hash:
-//! `index[b]` counts the points whose top bits are below `b`, so a lookup is
-//! one index load and a scan of the (usually empty or one-point) bucket.
-//! The index covers `0..=max point`, not the whole `u64` range, so a narrow
-//! hash (crc16 puts every point below 2^16) still gets about one point per
-//! bucket instead of one bucket holding the whole ring; a hash above the
-//! last bucket is above every point and wraps to the first.
+//! Lookup is a sorted `u64` array plus a table on the top bits of the hash,
+//! about two buckets per point. A bucket with no point or one point stores
+//! its whole answer (the point, the owner below it, the owner above it) in
+//! 16 bytes, so most lookups cost one hash and one load; a bucket with
+//! several points falls back to a short scan of the sorted array.
 
 use crate::hash::HashFn;
 
@@ -30,10 +28,26 @@ pub struct Ring {
     /// `owners[i]` is the position (in the router's active list) of `points[i]`'s shard.
     owners: Vec<u32>,
     index: Vec<u32>,
+    /// One entry per index bucket that answers the lookup with one load
+    /// when the bucket holds at most one point (most do).
+    table: Vec<Bucket>,
     shift: u32,
     /// Number of index buckets (`index.len() - 1`).
     buckets: u64,
 }
+
+/// A bucket's answer: keys below `point` go to `below`, others to `above`.
+/// `above == CROWDED` marks a bucket with several points, answered by a
+/// scan of `points` from `index[b]`.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(16))]
+struct Bucket {
+    point: u64,
+    below: u32,
+    above: u32,
+}
+
+const CROWDED: u32 = u32::MAX;
 
 impl Ring {
     /// Builds the ring over `(name, weight)` pairs in map order.
@@ -70,7 +84,9 @@ impl Ring {
             points.push(p);
             owners.push(o);
         }
-        let bits = (usize::BITS - points.len().max(2).leading_zeros()).clamp(1, INDEX_BITS_MAX);
+        // About two buckets per point: most buckets then hold at most one
+        // point and are answered from the table alone.
+        let bits = (usize::BITS - points.len().max(2).leading_zeros() + 1).clamp(1, INDEX_BITS_MAX);
         let span_bits = 64 - points.last().copied().unwrap_or(0).leading_zeros();
         let shift = span_bits.saturating_sub(bits);
         let buckets = 1usize << bits;
@@ -83,10 +99,36 @@ impl Ring {
             *slot = i as u32;
         }
         index[buckets] = points.len() as u32;
+        let n = points.len();
+        let owner_at = |i: usize| owners[if i >= n { 0 } else { i }];
+        let table = (0..buckets)
+            .map(|b| {
+                let (s, e) = (index[b] as usize, index[b + 1] as usize);
+                match e - s {
+                    // Every key of the bucket goes to the next point after it.
+                    0 => Bucket {
+                        point: 0,
+                        below: owner_at(e),
+                        above: owner_at(e),
+                    },
+                    1 => Bucket {
+                        point: points[s],
+                        below: owner_at(s),
+                        above: owner_at(s + 1),
+                    },
+                    _ => Bucket {
+                        point: 0,
+                        below: s as u32,
+                        above: CROWDED,
+                    },
+                }
+            })
+            .collect();
         Ring {
             points,
             owners,
             index,
+            table,
             shift,
             buckets: buckets as u64,
         }
@@ -101,13 +143,12 @@ impl Ring {
             return self.owners[0];
         }
         let b = b as usize;
-        let mut i = self.index[b] as usize;
+        let e = self.table[b];
+        if e.above != CROWDED {
+            return if h < e.point { e.below } else { e.above };
+        }
+        let mut i = e.below as usize;
         let end = self.index[b + 1] as usize;
-        // A bucket holds about one point and whether the key lies past it is
-        // a coin flip, so step over the first point without a branch (a
-        // mispredicted one costs more than the rest of the lookup).
-        let first = self.points[i.min(self.points.len().saturating_sub(1))];
-        i += usize::from((i < end) & (first <= h));
         while i < end && self.points[i] <= h {
             i += 1;
         }
