@@ -33,9 +33,10 @@ pub const MAP_KEY: &str = "sq:{=map}:current";
 /// * `pending` zset, all scores 0, members `<len:4 hex><key><id:16 hex>`:
 ///   lexicographic order is per-key FIFO, the head of a key is one
 ///   `ZRANGEBYLEX` away. Jobs waiting to start or to be retried.
-/// * `ready` zset: routing keys whose head may start, score = head's
-///   not-before (ms). A key is here iff it has pending jobs, nothing in
-///   flight and is not halted by a dead job.
+/// * `ready` zset: routing keys that may start, score = not-before (ms) of
+///   the head or the time the key was freed. Every key with pending jobs,
+///   nothing in flight and no halt is here; an ack adds its key without
+///   looking at the next head, and claim drops keys whose head is gone.
 /// * `inflight` zset: job id -> lease deadline (ms).
 /// * `hdr` hash: job id -> `attempts|max_attempts|created_ms|not_before_ms|key`.
 /// * `pay` hash: job id -> payload bytes.

@@ -153,25 +153,43 @@ local keys = redis.call('ZRANGEBYSCORE', K_READY, '-inf', now, 'LIMIT', 0, tonum
 if #keys == 0 then return {'OK'} end
 redis.call('ZREM', K_READY, unpack(keys))
 local deadline = now + tonumber(ARGV[5])
-local mems, ids, inf, busy = {}, {}, {}, {}
+-- A key in ready may have no head left (ack marks keys lazily) or a head
+-- whose start time has not come: the first is dropped, the second waits.
+local cand, cmem = {}, {}
 for _, k in ipairs(keys) do
   local mem = head(k)
   if mem then
-    local id = idstr(member_id(mem))
-    mems[#mems + 1] = mem
+    cand[#cand + 1] = k
+    cmem[#cmem + 1] = mem
+  end
+end
+if #cand == 0 then return {'OK'} end
+local cids = {}
+for i, mem in ipairs(cmem) do cids[i] = idstr(member_id(mem)) end
+local chs = redis.call('HMGET', K_HDR, unpack(cids))
+local mems, ids, hs, inf, busy, later = {}, {}, {}, {}, {}, {}
+for i, k in ipairs(cand) do
+  local _, _, _, n = parse(chs[i])
+  if n > now then
+    later[#later + 1] = n
+    later[#later + 1] = k
+  else
+    local id = cids[i]
+    mems[#mems + 1] = cmem[i]
     ids[#ids + 1] = id
+    hs[#hs + 1] = chs[i]
     inf[#inf + 1] = deadline
     inf[#inf + 1] = id
     busy[#busy + 1] = k
     busy[#busy + 1] = id
   end
 end
+if #later > 0 then redis.call('ZADD', K_READY, unpack(later)) end
 if #ids == 0 then return {'OK'} end
 redis.call('ZREM', K_PEND, unpack(mems))
 redis.call('ZADD', K_INF, unpack(inf))
 redis.call('HSET', K_BUSY, unpack(busy))
 if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpack(ids)) end
-local hs = redis.call('HMGET', K_HDR, unpack(ids))
 local ps = redis.call('HMGET', K_PAY, unpack(ids))
 local nh, out = {}, {'OK'}
 for i, id in ipairs(ids) do
@@ -214,7 +232,16 @@ if #done > 0 then
   redis.call('HDEL', K_PAY, unpack(done))
   redis.call('HDEL', K_BUSY, unpack(keys))
   if redis.call('EXISTS', K_REASON) == 1 then redis.call('HDEL', K_REASON, unpack(done)) end
-  for _, k in ipairs(keys) do refresh(k, true) end
+  -- Freed keys go back to ready lazily, stamped now (fair among keys);
+  -- claim finds their next head, or drops them if none is left.
+  local rz, now = {}, now_ms()
+  for _, k in ipairs(keys) do
+    if not halted(k) then
+      rz[#rz + 1] = now
+      rz[#rz + 1] = k
+    end
+  end
+  if #rz > 0 then redis.call('ZADD', K_READY, unpack(rz)) end
 end
 if missing then return {'NOTINFLIGHT', missing} end
 return {'OK'}
