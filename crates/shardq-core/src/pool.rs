@@ -249,8 +249,11 @@ impl Dispatch<'_> {
                 next_tick_ms = now.saturating_add(tick_interval_ms);
             }
 
-            while let Ok(out) = out_rx.try_recv() {
-                self.record(vec![out]);
+            // Record every finished job at once: acks are grouped per shard,
+            // so a durable backend fsyncs once per shard, not once per job.
+            let finished: Vec<Outcome> = out_rx.try_iter().collect();
+            if !finished.is_empty() {
+                self.record(finished);
             }
 
             if let Some(deadline) = drain_deadline_ms {

@@ -11,6 +11,7 @@
 //! until `pause_wait_ms`; past that the caller gets [`ProduceError::PausedTooLong`],
 //! never a silent drop.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use shardq_route::Router;
@@ -192,6 +193,98 @@ impl<'a, B: QueueBackend + ?Sized> Producer<'a, B> {
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+    }
+
+    /// Routes and enqueues `jobs`: one append per shard, so a durable
+    /// backend fsyncs once per shard per call. Jobs of one key keep their
+    /// order. A paused key's jobs are held back and retried (bounded) while
+    /// the rest go ahead; on [`ProduceError::PausedTooLong`] every job of
+    /// the other keys was enqueued and none of the named key's.
+    pub fn enqueue_batch(&mut self, jobs: &[NewJob]) -> Result<Vec<Placed>, ProduceError> {
+        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
+            self.reload()?;
+        }
+        let started = Instant::now();
+        let mut placed: Vec<Option<Placed>> = vec![None; jobs.len()];
+        let mut pending: Vec<usize> = (0..jobs.len()).collect();
+        let mut paused: BTreeSet<String> = BTreeSet::new();
+        let mut paused_since: HashMap<String, Instant> = HashMap::new();
+        let mut gave_up: Option<ProduceError> = None;
+        while !pending.is_empty() {
+            let version = self.router.version();
+            // One group per shard; a paused key gets a group of its own so
+            // that its refusal does not hold back the others.
+            let mut groups: BTreeMap<(String, Option<&str>), Vec<usize>> = BTreeMap::new();
+            for &i in &pending {
+                let key = jobs[i].key.as_str();
+                let shard = self.router.route(key).to_string();
+                let own = paused.contains(key).then_some(key);
+                groups.entry((shard, own)).or_default().push(i);
+            }
+            let mut retry: Vec<usize> = Vec::new();
+            let mut fenced: Option<String> = None;
+            for ((shard, _), idxs) in groups {
+                let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
+                match self.backend.enqueue(&shard, version, &batch) {
+                    Ok(ids) => {
+                        for (&i, id) in idxs.iter().zip(ids) {
+                            placed[i] = Some(Placed {
+                                shard: shard.clone(),
+                                id,
+                                map_version: version,
+                            });
+                            paused.remove(&jobs[i].key);
+                        }
+                    }
+                    Err(QueueError::Fenced { .. }) => {
+                        fenced = Some(shard);
+                        retry.extend(idxs);
+                    }
+                    Err(QueueError::Paused { key, .. }) => {
+                        let since = *paused_since.entry(key.clone()).or_insert_with(Instant::now);
+                        let waited_ms = since.elapsed().as_millis() as u64;
+                        if waited_ms >= self.options.pause_wait_ms {
+                            // Give up on this key only; the others still go in.
+                            gave_up = Some(ProduceError::PausedTooLong {
+                                key,
+                                shard,
+                                waited_ms,
+                                limit_ms: self.options.pause_wait_ms,
+                            });
+                            continue;
+                        }
+                        paused.insert(key);
+                        retry.extend(idxs);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            retry.sort_unstable();
+            pending = retry;
+            if pending.is_empty() {
+                break;
+            }
+            if let Some(shard) = fenced {
+                if !self.reload()? {
+                    let waited_ms = started.elapsed().as_millis() as u64;
+                    if waited_ms >= self.options.fence_wait_ms {
+                        return Err(ProduceError::FencedTooLong {
+                            shard,
+                            map_version: version,
+                            waited_ms,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                }
+            } else if pending.iter().all(|&i| paused.contains(&jobs[i].key)) {
+                std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                self.reload()?;
+            }
+        }
+        match gave_up {
+            Some(e) => Err(e),
+            None => Ok(placed.into_iter().flatten().collect()),
         }
     }
 }

@@ -704,3 +704,12 @@ fn natural_key(name: &str) -> (String, u64) {
     let (stem, num) = name.split_at(name.len() - digits);
     (stem.to_string(), num.parse().unwrap_or(0))
 }
+
+impl shardq_core::reshard::KeyInventory for FsBackend {
+    fn keys_with_work(&self, name: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        Ok(inner.replica.as_ref().expect("refreshed").keys_with_work())
+    }
+}

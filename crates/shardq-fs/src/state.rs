@@ -373,6 +373,18 @@ impl ShardState {
         }
     }
 
+    /// Every key with pending or in-flight jobs, with its counts (what a
+    /// rebalance must drain, and what `shardq hot` ranks).
+    pub fn keys_with_work(&self) -> Vec<(String, KeyCounts)> {
+        self.index
+            .values()
+            .filter_map(|&k| {
+                let ks = &self.keys[k as usize];
+                (!ks.queue.is_empty()).then(|| (ks.key.to_string(), self.key_counts(&ks.key)))
+            })
+            .collect()
+    }
+
     pub fn stats(&self, name: &str, now_ms: u64) -> ShardStats {
         let mut s = ShardStats {
             name: name.to_string(),

@@ -4,10 +4,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use shardq_core::memory::{MemoryBackend, MemoryCoordinator, MemoryMapStore};
 use shardq_core::reshard::{MapStore, ReshardBackend};
 use shardq_core::{Clock, Coordinator, SystemClock};
+use shardq_fs::map_store::{deploy_shard, FileMapStore};
+use shardq_fs::{Durability, EngineOptions, FsBackend, FsCoordinator, MemberOptions};
 use shardq_route::{Algorithm, ShardMap};
 
 use crate::demo::{self, DemoEnv, DemoParams};
@@ -41,13 +43,13 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 5)]
     burst: u64,
     /// Simulated work per job, in microseconds.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 1000)]
     work_us: u64,
     /// Producer threads.
     #[arg(long, default_value_t = 2)]
     producers: usize,
     /// Worker pool concurrency.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 64)]
     concurrency: usize,
     /// Keys per drain-then-switch batch.
     #[arg(long, default_value_t = 64)]
@@ -90,6 +92,98 @@ impl DemoEnv for MemoryEnv {
     }
 }
 
+/// Lease of the demo's worker pool; it ticks every third of it.
+const DEMO_LEASE_MS: u64 = 1_500;
+
+/// The embedded engine in a data directory (temporary unless `--keep`).
+struct FsEnv {
+    dir: PathBuf,
+    backend: Arc<FsBackend>,
+    store: FileMapStore,
+    /// Removed on drop when the data is not kept.
+    temp: bool,
+}
+
+impl FsEnv {
+    fn create(keep: Option<PathBuf>, names: &[String]) -> anyhow::Result<FsEnv> {
+        let (dir, temp) = match keep {
+            Some(d) => (d, false),
+            None => {
+                let d = std::env::temp_dir().join(format!(
+                    "shardq-demo-{}-{}",
+                    std::process::id(),
+                    SystemClock.now_ms()
+                ));
+                (d, true)
+            }
+        };
+        let map = ShardMap::with_shards(Algorithm::Rendezvous, names.iter().cloned())?;
+        shardq_fs::Engine::init(&dir, &map)
+            .with_context(|| format!("creating data dir {}", dir.display()))?;
+        // Group commit: producers' appends are fsynced in shared batches.
+        let opts = EngineOptions {
+            durability: Durability::Fsync,
+            ..EngineOptions::default()
+        };
+        let backend = Arc::new(FsBackend::new(&dir, opts)?);
+        let store = FileMapStore::open(&dir)?;
+        Ok(FsEnv {
+            dir,
+            backend,
+            store,
+            temp,
+        })
+    }
+}
+
+impl Drop for FsEnv {
+    fn drop(&mut self) {
+        if self.temp {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl DemoEnv for FsEnv {
+    fn backend(&self) -> Arc<dyn ReshardBackend> {
+        self.backend.clone()
+    }
+    fn store(&self) -> Arc<dyn MapStore> {
+        Arc::new(self.store.clone())
+    }
+    fn coordinator(&self) -> anyhow::Result<Box<dyn Coordinator>> {
+        let opts = MemberOptions {
+            max_local_shards: usize::MAX,
+            // A short lease makes the pool look at membership often, so it
+            // starts running the new shard within half a second.
+            lease_ms: DEMO_LEASE_MS,
+            ..MemberOptions::default()
+        };
+        Ok(Box::new(FsCoordinator::new(
+            &self.dir,
+            opts,
+            Arc::new(SystemClock),
+        )?))
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SystemClock)
+    }
+    fn deploy_shard(&self, name: &str) -> anyhow::Result<()> {
+        deploy_shard(&self.dir, name)?;
+        Ok(())
+    }
+    fn location(&self) -> String {
+        if self.temp {
+            "the embedded engine (temporary data dir, fsync durability)".into()
+        } else {
+            format!(
+                "the embedded engine in {} (fsync durability)",
+                self.dir.display()
+            )
+        }
+    }
+}
+
 fn shard_names(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("shard-{i}")).collect()
 }
@@ -124,10 +218,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
                 )?),
             })
         }
-        DemoBackend::Fs => bail!("the embedded backend for the demo is not wired yet"),
+        DemoBackend::Fs => Arc::new(FsEnv::create(args.keep.clone(), &names)?),
         DemoBackend::Redis => bail!("the Redis backend for the demo is not wired yet"),
     };
-    let _ = &args.keep;
     let report = demo::run(env, &params)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

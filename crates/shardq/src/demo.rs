@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
-use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::{self, MapStore, RebalanceEvent, RebalanceOptions, ReshardBackend};
 use shardq_core::{ClaimedJob, Clock, Coordinator, NewJob, PoolOptions, QueueBackend, WorkerPool};
 use shardq_route::Router;
@@ -311,26 +311,49 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
                     let mut sent = 0u64;
                     let mut cursor = 0usize;
                     while !stop.load(Ordering::SeqCst) {
+                        // One slice is one batch: one append (and fsync) per shard.
+                        let mut batch = Vec::with_capacity(RATE_SLICE as usize);
+                        let mut tentative: BTreeMap<String, u64> = BTreeMap::new();
                         for n in 0..RATE_SLICE {
                             let key = &mine[cursor % mine.len()];
                             if (n + 1) % burst == 0 {
                                 cursor += 1;
                             }
-                            let seq = next.get(key).copied().unwrap_or(0);
-                            match producer.enqueue(&NewJob::new(key.clone(), seq.to_string())) {
-                                Ok(_) => {
-                                    next.insert(key.clone(), seq + 1);
-                                    enqueued.fetch_add(1, Ordering::Relaxed);
+                            let seq = tentative
+                                .get(key)
+                                .copied()
+                                .unwrap_or_else(|| next.get(key).copied().unwrap_or(0));
+                            batch.push(NewJob::new(key.clone(), seq.to_string()));
+                            tentative.insert(key.clone(), seq + 1);
+                        }
+                        sent += batch.len() as u64;
+                        match producer.enqueue_batch(&batch) {
+                            Ok(placed) => {
+                                enqueued.fetch_add(placed.len() as u64, Ordering::Relaxed);
+                                next.extend(tentative);
+                            }
+                            Err(e) => {
+                                // A key paused past its bound: its jobs were not
+                                // enqueued (its numbering stays), the others were.
+                                let failed_key = match &e {
+                                    ProduceError::PausedTooLong { key, .. } => Some(key.clone()),
+                                    _ => None,
+                                };
+                                let failed = batch
+                                    .iter()
+                                    .filter(|j| failed_key.as_ref().is_none_or(|k| *k == j.key))
+                                    .count() as u64;
+                                errors.fetch_add(failed, Ordering::Relaxed);
+                                if let Some(k) = &failed_key {
+                                    tentative.remove(k);
+                                    enqueued
+                                        .fetch_add(batch.len() as u64 - failed, Ordering::Relaxed);
+                                    next.extend(tentative);
                                 }
-                                Err(e) => {
-                                    // The job was not enqueued; the key's numbering stays.
-                                    errors.fetch_add(1, Ordering::Relaxed);
-                                    if let Ok(mut l) = last_error.lock() {
-                                        *l = Some(e.to_string());
-                                    }
+                                if let Ok(mut l) = last_error.lock() {
+                                    *l = Some(e.to_string());
                                 }
                             }
-                            sent += 1;
                         }
                         let due = Duration::from_secs_f64(sent as f64 / per_producer_rate);
                         if let Some(wait) = due.checked_sub(started.elapsed()) {

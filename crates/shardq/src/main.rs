@@ -10,6 +10,7 @@ mod bench_route;
 mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine;
+mod cmd_reshard;
 mod cmd_route;
 mod demo;
 
@@ -37,6 +38,8 @@ enum Command {
     Demo(cmd_demo::DemoArgs),
     #[command(flatten)]
     Engine(cmd_engine::EngineCommand),
+    #[command(flatten)]
+    Reshard(cmd_reshard::ReshardCommand),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => cmd_bench::run(cmd),
         Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
+        Command::Reshard(cmd) => cmd_reshard::run(cmd),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,390 @@
+//! Live resharding commands: add-shard, remove-shard, set-weight, pin, unpin,
+//! rebalance, hot.
+//!
+//! Glue over `shardq_core::reshard`: the operations record a target map, and
+//! `rebalance` (run by remove-shard, set-weight, pin and unpin too) moves the
+//! keys with drain-then-switch. Nothing here changes routing by itself.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use shardq_core::reshard::{
+    self, MapStore, RebalanceEvent, RebalanceOptions, RebalanceReport, ReshardBackend,
+    BATCH_DEFAULT, DRAIN_TIMEOUT_MS_DEFAULT,
+};
+use shardq_fs::map_store::{deploy_shard, FileMapStore};
+use shardq_fs::{EngineOptions, FsBackend};
+
+/// Most keys `hot` lists per shard.
+const HOT_TOP_MAX: usize = 10_000;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct MoveOpts {
+    /// Keys moved per drain-then-switch batch.
+    #[arg(long, default_value_t = BATCH_DEFAULT)]
+    batch: usize,
+    /// Longest wait for one batch to drain, in ms.
+    #[arg(long, default_value_t = DRAIN_TIMEOUT_MS_DEFAULT)]
+    drain_timeout_ms: u64,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReshardCommand {
+    /// Deploy a new shard as `warming`: visible in status, receiving nothing
+    /// until `rebalance` makes it active and moves its keys to it.
+    AddShard {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// Name of the new shard.
+        name: String,
+        /// Relative capacity.
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Where the shard lives (`file:` or none for the embedded engine).
+        #[arg(long)]
+        url: Option<String>,
+    },
+    /// Move every key whose owner changes to the pending target, without
+    /// breaking any key's order (pin, pause, drain, switch).
+    Rebalance {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// Print the plan (keys with work that would move) and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        opts: MoveOpts,
+    },
+    /// Drain a shard's keys to their new owners, then drop it from the map.
+    RemoveShard {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The shard to remove.
+        name: String,
+        #[command(flatten)]
+        opts: MoveOpts,
+    },
+    /// Change a shard's weight and move the keys that change owner.
+    SetWeight {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The shard.
+        name: String,
+        /// New weight.
+        weight: u32,
+        #[command(flatten)]
+        opts: MoveOpts,
+    },
+    /// Pin a key (a hot tenant) to a shard, moving it after its backlog.
+    Pin {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The key.
+        key: String,
+        /// The shard it should live on.
+        shard: String,
+        #[command(flatten)]
+        opts: MoveOpts,
+    },
+    /// Remove a key's pin, moving it back to its computed owner.
+    Unpin {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The key.
+        key: String,
+        #[command(flatten)]
+        opts: MoveOpts,
+    },
+    /// The keys with the most queued and in-flight jobs, per shard.
+    Hot {
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// Keys listed per shard.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Everything a reshard command needs for one data dir.
+struct Env {
+    store: FileMapStore,
+    backend: Arc<dyn ReshardBackend>,
+}
+
+fn open(dir: &Path) -> anyhow::Result<Env> {
+    let store = FileMapStore::open(dir).with_context(|| format!("data dir {}", dir.display()))?;
+    let backend = FsBackend::new(dir, EngineOptions::default())?;
+    Ok(Env {
+        store,
+        backend: Arc::new(backend),
+    })
+}
+
+pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ReshardCommand::AddShard {
+            data,
+            name,
+            weight,
+            url,
+        } => {
+            if let Some(u) = &url {
+                if !(u.starts_with("file:")) {
+                    bail!("--url {u:?}: this data dir's shards live in the embedded engine; use `file:` or no --url");
+                }
+            }
+            let env = open(&data)?;
+            deploy_shard(&data, &name).with_context(|| format!("deploying shard {name:?}"))?;
+            let version = reshard::add_shard(&env.store, &name, weight, url)?;
+            println!(
+                "shard {name} deployed as warming (map version {version}); run `shardq rebalance --data {}` to move its keys to it",
+                data.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        ReshardCommand::Rebalance {
+            data,
+            dry_run,
+            opts,
+        } => {
+            let env = open(&data)?;
+            if dry_run {
+                return dry_run_plan(&env, opts.json);
+            }
+            rebalance(&env, &opts)
+        }
+        ReshardCommand::RemoveShard { data, name, opts } => {
+            let env = open(&data)?;
+            reshard::remove_shard(&env.store, &name)?;
+            rebalance(&env, &opts)
+        }
+        ReshardCommand::SetWeight {
+            data,
+            name,
+            weight,
+            opts,
+        } => {
+            let env = open(&data)?;
+            reshard::set_weight(&env.store, &name, weight)?;
+            rebalance(&env, &opts)
+        }
+        ReshardCommand::Pin {
+            data,
+            key,
+            shard,
+            opts,
+        } => {
+            let env = open(&data)?;
+            shardq_core::validate_key(&key)?;
+            reshard::pin(&env.store, &key, &shard)?;
+            rebalance(&env, &opts)
+        }
+        ReshardCommand::Unpin { data, key, opts } => {
+            let env = open(&data)?;
+            reshard::unpin(&env.store, &key)?;
+            rebalance(&env, &opts)
+        }
+        ReshardCommand::Hot { data, top, json } => {
+            if top == 0 || top > HOT_TOP_MAX {
+                bail!("--top {top}: must be 1..={HOT_TOP_MAX}");
+            }
+            let env = open(&data)?;
+            hot(&env, top, json)
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct RebalanceJson<'a> {
+    from_version: u64,
+    to_version: u64,
+    nothing_to_do: bool,
+    keys_moved: usize,
+    moves: BTreeMap<String, BTreeMap<String, u64>>,
+    pause_ms_p50: f64,
+    pause_ms_p99: f64,
+    pause_ms_max: f64,
+    elapsed_ms: f64,
+    #[serde(skip)]
+    _report: &'a RebalanceReport,
+}
+
+fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
+    let options = RebalanceOptions {
+        batch: opts.batch,
+        drain_timeout_ms: opts.drain_timeout_ms,
+        ..RebalanceOptions::default()
+    };
+    let bar = if opts.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr())
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} keys ({elapsed})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message("pinning keys with work");
+    let report = reshard::rebalance(&*env.backend, &env.store, &options, &mut |ev| match ev {
+        RebalanceEvent::Pinned { pinned, .. } => {
+            bar.set_length(pinned as u64);
+            bar.set_message("drain, then switch");
+        }
+        RebalanceEvent::Switched { done, .. } => bar.set_position(done as u64),
+        _ => {}
+    })?;
+    bar.finish_and_clear();
+    let mut moves: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for m in &report.moved {
+        *moves
+            .entry(m.from.clone())
+            .or_default()
+            .entry(m.to.clone())
+            .or_default() += 1;
+    }
+    let max = report.moved.iter().map(|m| m.pause_ms).fold(0.0, f64::max);
+    let out = RebalanceJson {
+        from_version: report.from_version,
+        to_version: report.to_version,
+        nothing_to_do: report.nothing_to_do,
+        keys_moved: report.moved.len(),
+        moves,
+        pause_ms_p50: report.pause_percentile_ms(50.0),
+        pause_ms_p99: report.pause_percentile_ms(99.0),
+        pause_ms_max: max,
+        elapsed_ms: report.elapsed_ms,
+        _report: &report,
+    };
+    if opts.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else if out.nothing_to_do {
+        println!(
+            "nothing to do: the published map (version {}) is the target",
+            out.to_version
+        );
+    } else {
+        println!(
+            "map version {} -> {}: {} keys with work drained and switched in {:.0} ms",
+            out.from_version, out.to_version, out.keys_moved, out.elapsed_ms
+        );
+        for (from, tos) in &out.moves {
+            for (to, n) in tos {
+                println!("  {from} -> {to}: {n} keys");
+            }
+        }
+        if out.keys_moved > 0 {
+            println!(
+                "  pause per key: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                out.pause_ms_p50, out.pause_ms_p99, out.pause_ms_max
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct DryRun {
+    from_version: u64,
+    keys_with_work: u64,
+    moved: u64,
+    moves: BTreeMap<String, BTreeMap<String, u64>>,
+    jobs_to_drain: u64,
+}
+
+fn dry_run_plan(env: &Env, json: bool) -> anyhow::Result<ExitCode> {
+    let cur = env.store.load()?;
+    let target = reshard::current_target(&env.store)?;
+    let moves = reshard::plan_moves(&*env.backend, &cur, &target)?;
+    let mut keys_with_work = 0u64;
+    for s in &cur.shards {
+        keys_with_work += env.backend.keys_with_work(&s.name)?.len() as u64;
+    }
+    let mut out = DryRun {
+        from_version: cur.version,
+        keys_with_work,
+        moved: moves.len() as u64,
+        moves: BTreeMap::new(),
+        jobs_to_drain: moves.iter().map(|m| m.jobs).sum(),
+    };
+    for m in &moves {
+        *out.moves
+            .entry(m.from.clone())
+            .or_default()
+            .entry(m.to.clone())
+            .or_default() += 1;
+    }
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "map version {}: {} of {} keys with work would move ({} jobs to drain first)",
+        out.from_version, out.moved, out.keys_with_work, out.jobs_to_drain
+    );
+    for (from, tos) in &out.moves {
+        for (to, n) in tos {
+            println!("  {from} -> {to}: {n} keys");
+        }
+    }
+    println!("keys without work follow the new map at once; nothing was changed (dry run)");
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct HotKey {
+    key: String,
+    depth: u64,
+    in_flight: u64,
+}
+
+fn hot(env: &Env, top: usize, json: bool) -> anyhow::Result<ExitCode> {
+    let map = env.store.load()?;
+    let mut out: BTreeMap<String, Vec<HotKey>> = BTreeMap::new();
+    for s in &map.shards {
+        let mut keys = env.backend.keys_with_work(&s.name)?;
+        keys.sort_by(|a, b| {
+            (b.1.depth + b.1.in_flight)
+                .cmp(&(a.1.depth + a.1.in_flight))
+                .then(a.0.cmp(&b.0))
+        });
+        keys.truncate(top);
+        let total = env.backend.shard_stats(&s.name)?;
+        let list = keys
+            .into_iter()
+            .map(|(key, c)| HotKey {
+                key,
+                depth: c.depth,
+                in_flight: c.in_flight,
+            })
+            .collect::<Vec<_>>();
+        if !json {
+            println!(
+                "{} ({} ready, {} delayed, {} in flight)",
+                s.name, total.ready, total.delayed, total.in_flight
+            );
+            for k in &list {
+                println!(
+                    "  {:<32} {:>8} queued {:>3} in flight",
+                    k.key, k.depth, k.in_flight
+                );
+            }
+        }
+        out.insert(s.name.clone(), list);
+    }
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
