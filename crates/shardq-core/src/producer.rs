@@ -12,6 +12,7 @@
 //! never a silent drop.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shardq_route::Router;
@@ -99,19 +100,19 @@ pub struct Placed {
 }
 
 /// Routes and enqueues jobs; see the module docs.
-pub struct Producer<'a, B: QueueBackend + ?Sized> {
-    backend: &'a B,
-    store: &'a dyn MapStore,
+pub struct Producer<B: QueueBackend + ?Sized> {
+    backend: Arc<B>,
+    store: Arc<dyn MapStore>,
     router: Router,
     loaded_at: Instant,
     options: ProducerOptions,
 }
 
-impl<'a, B: QueueBackend + ?Sized> Producer<'a, B> {
+impl<B: QueueBackend + ?Sized> Producer<B> {
     /// A producer over `backend`, routing with the map in `store`.
     pub fn new(
-        backend: &'a B,
-        store: &'a dyn MapStore,
+        backend: Arc<B>,
+        store: Arc<dyn MapStore>,
         options: ProducerOptions,
     ) -> Result<Self, ProduceError> {
         let router = Router::new(store.load()?).map_err(ReshardError::from)?;

@@ -87,7 +87,12 @@ fn under_load(
         producers.push(thread::spawn(move || {
             let mine: Vec<String> = keys().into_iter().skip(half).step_by(2).collect();
             let mut next: BTreeMap<String, u64> = BTreeMap::new();
-            let mut producer = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+            let mut producer = Producer::new(
+                Arc::new(backend.clone()),
+                Arc::new(store.clone()),
+                ProducerOptions::default(),
+            )
+            .unwrap();
             'outer: loop {
                 for key in mine.iter().take(500) {
                     if stop.load(Ordering::SeqCst) {
@@ -264,7 +269,8 @@ fn a_stale_producer_is_fenced_and_its_job_lands_on_the_right_shard() {
         refresh_ms: u64::MAX,
         ..ProducerOptions::default()
     };
-    let mut stale = Producer::new(&backend, &store, opts).unwrap();
+    let mut stale =
+        Producer::new(Arc::new(backend.clone()), Arc::new(store.clone()), opts).unwrap();
     assert_eq!(stale.map_version(), 1);
     backend.add_shard("s4");
     reshard::add_shard(&store, "s4", 1, None).unwrap();
@@ -299,7 +305,7 @@ fn a_key_paused_too_long_is_a_clear_error_not_a_drop() {
         pause_wait_ms: 50,
         ..ProducerOptions::default()
     };
-    let mut p = Producer::new(&backend, &store, opts).unwrap();
+    let mut p = Producer::new(Arc::new(backend.clone()), Arc::new(store.clone()), opts).unwrap();
     let err = p.enqueue(&NewJob::new("t-1", "x")).unwrap_err();
     assert!(matches!(err, ProduceError::PausedTooLong { .. }), "{err}");
     assert!(
@@ -330,7 +336,12 @@ fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
     let store = MemoryMapStore::new(
         ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"]).unwrap(),
     );
-    let mut p = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
     for k in keys().iter().take(2000) {
         p.enqueue(&NewJob::new(k.clone(), "a")).unwrap();
     }
@@ -349,7 +360,12 @@ fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
         "phase 1 must have pinned keys with work"
     );
     // Jobs still on their old shards: enqueue more while pinned, they stay in order there.
-    let mut p = Producer::new(&backend, &store, ProducerOptions::default()).unwrap();
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
     for k in keys().iter().take(2000) {
         p.enqueue(&NewJob::new(k.clone(), "b")).unwrap();
     }

@@ -4,13 +4,13 @@
 //! Glue only: storage is in the backend, leases in the coordinator; this
 //! module must never write a log record itself.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
 
 use serde::Serialize;
+use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
+use shardq_core::reshard::MapStore;
 use shardq_core::{
     Handler, JobId, NewJob, PoolOptions, PoolReport, QueueBackend, QueueError, ShardStats,
     WorkerPool,
@@ -20,14 +20,11 @@ use shardq_route::{Router, ShardMap};
 use crate::backend::{EngineOptions, FsBackend};
 use crate::error::FsError;
 use crate::layout;
+use crate::map_store::FileMapStore;
 use crate::membership::{FsCoordinator, MemberOptions};
 
-/// Times an enqueue reloads the map and retries after [`QueueError::Fenced`].
-pub const FENCE_RETRIES_MAX: u32 = 8;
-/// Longest an enqueue waits, retrying, for a paused key (10 s).
-pub const PAUSE_WAIT_MS_MAX: u64 = 10_000;
-/// Pause between retries of a paused key.
-const PAUSE_RETRY_MS: u64 = 20;
+/// Longest an enqueue waits, retrying, for a paused key.
+pub const PAUSE_WAIT_MS_MAX: u64 = shardq_core::producer::PAUSE_WAIT_MS_DEFAULT;
 
 /// A shard's line in [`Status`].
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -75,6 +72,9 @@ pub struct Engine {
     dir: PathBuf,
     backend: Arc<FsBackend>,
     router: RwLock<Arc<Router>>,
+    /// Routes enqueues and follows map changes (fences, pauses); see
+    /// `shardq_core::producer`.
+    producer: Mutex<Producer<FsBackend>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -99,11 +99,18 @@ impl Engine {
             path: dir.join(layout::SHARD_MAP_FILE),
             reason: e.to_string(),
         })?;
-        let backend = FsBackend::new(dir, opts)?;
+        let backend = Arc::new(FsBackend::new(dir, opts)?);
+        let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?);
+        let producer = Producer::new(Arc::clone(&backend), store, ProducerOptions::default())
+            .map_err(|e| FsError::MapInvalid {
+                path: dir.join(layout::SHARD_MAP_FILE),
+                reason: e.to_string(),
+            })?;
         Ok(Engine {
             dir: dir.to_path_buf(),
-            backend: Arc::new(backend),
+            backend,
             router: RwLock::new(Arc::new(router)),
+            producer: Mutex::new(producer),
         })
     }
 
@@ -139,68 +146,30 @@ impl Engine {
         Ok(out.pop().expect("one job in, one id out"))
     }
 
+    /// Changes how long enqueues wait for a paused key or a newer map.
+    pub fn set_producer_options(&self, options: ProducerOptions) -> Result<(), FsError> {
+        let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(&self.dir)?);
+        let producer = Producer::new(Arc::clone(&self.backend), store, options)
+            .map_err(|e| FsError::Queue(QueueError::Backend(e.to_string())))?;
+        *self.producer.lock().unwrap_or_else(|e| e.into_inner()) = producer;
+        Ok(())
+    }
+
     /// Enqueues jobs in order (each key's jobs keep their order); returns
-    /// shard and id per job, in input order. A fenced shard makes the map
-    /// reload and the refused jobs route again; a paused key is retried for
-    /// up to [`PAUSE_WAIT_MS_MAX`].
+    /// shard and id per job, in input order. Routing follows the published
+    /// map: a fenced shard makes the map reload and the refused jobs route
+    /// again (waiting, bounded, for a newer version); a paused key is
+    /// retried for up to [`PAUSE_WAIT_MS_MAX`] while the other keys go in.
     pub fn enqueue_batch(&self, jobs: Vec<NewJob>) -> Result<Vec<(String, JobId)>, FsError> {
         for job in &jobs {
             job.validate(self.backend.options().payload_bytes_max)?;
         }
-        let mut fence_retries = 0;
-        let mut paused_waited_ms = 0;
-        loop {
-            let router = self.router();
-            let map = router.map();
-            let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-            for (i, job) in jobs.iter().enumerate() {
-                groups
-                    .entry(router.route_index(job.key.as_bytes()))
-                    .or_default()
-                    .push(i);
-            }
-            let mut out: Vec<Option<(String, JobId)>> = vec![None; jobs.len()];
-            let mut retry = None;
-            // Shards are independent: a refusal of one group leaves the
-            // others appended, and only the refused group is sent again.
-            let mut remaining: Vec<NewJob> = Vec::new();
-            for (idx, members) in &groups {
-                let shard = &map.shards[*idx].name;
-                let batch: Vec<NewJob> = members.iter().map(|&i| jobs[i].clone()).collect();
-                match self.backend.enqueue(shard, router.version(), &batch) {
-                    Ok(ids) => {
-                        for (&i, id) in members.iter().zip(ids) {
-                            out[i] = Some((shard.clone(), id));
-                        }
-                    }
-                    Err(e @ (QueueError::Fenced { .. } | QueueError::Paused { .. })) => {
-                        retry = Some(e);
-                        remaining.extend(batch);
-                    }
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            match retry {
-                None => return Ok(out.into_iter().map(|o| o.expect("all placed")).collect()),
-                Some(QueueError::Fenced { .. }) if fence_retries < FENCE_RETRIES_MAX => {
-                    fence_retries += 1;
-                    self.reload_map()?;
-                }
-                Some(QueueError::Paused { .. }) if paused_waited_ms < PAUSE_WAIT_MS_MAX => {
-                    std::thread::sleep(Duration::from_millis(PAUSE_RETRY_MS));
-                    paused_waited_ms += PAUSE_RETRY_MS;
-                }
-                Some(e) => return Err(e.into()),
-            }
-            if out.iter().any(|o| o.is_some()) {
-                // Partial success: report it rather than re-append what landed.
-                let placed: Vec<(String, JobId)> = out.into_iter().flatten().collect();
-                let mut rest = self.enqueue_batch(remaining)?;
-                let mut all = placed;
-                all.append(&mut rest);
-                return Ok(all);
-            }
-        }
+        let mut producer = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let placed = producer.enqueue_batch(&jobs).map_err(|e| match e {
+            ProduceError::Queue(q) => FsError::Queue(q),
+            other => FsError::Queue(QueueError::Backend(other.to_string())),
+        })?;
+        Ok(placed.into_iter().map(|p| (p.shard, p.id)).collect())
     }
 
     /// Per-shard counts, owners and leases.

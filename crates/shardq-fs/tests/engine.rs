@@ -265,13 +265,20 @@ fn fence_refuses_stale_versions_and_paused_keys() {
         b.enqueue("shard-0", 1, &[NewJob::new("k", "")]),
         Err(QueueError::Fenced { .. })
     ));
-    // The engine reloads the map and retries, then reports the fence.
+    // The engine reloads the map and waits (bounded) for a newer one, then
+    // reports the fence.
+    engine
+        .set_producer_options(shardq_core::producer::ProducerOptions {
+            fence_wait_ms: 50,
+            ..Default::default()
+        })
+        .unwrap();
     let err = engine
         .enqueue(NewJob::new("k", ""))
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("map version 1") && err.contains("version 2"),
+        err.contains("refuses map version 1") && err.contains("NOT enqueued"),
         "{err}"
     );
     fence.paused_keys.insert("moving".into());

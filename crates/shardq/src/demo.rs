@@ -306,7 +306,7 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
                         return Ok(next);
                     }
                     let mut producer =
-                        Producer::new(&*backend, &*store, ProducerOptions::default())?;
+                        Producer::new(backend.clone(), store.clone(), ProducerOptions::default())?;
                     let started = Instant::now();
                     let mut sent = 0u64;
                     let mut cursor = 0usize;
