@@ -11,7 +11,7 @@
 //! until `pause_wait_ms`; past that the caller gets [`ProduceError::PausedTooLong`],
 //! never a silent drop.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -210,7 +210,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let mut placed: Vec<Option<Placed>> = vec![None; jobs.len()];
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
         let mut paused: BTreeSet<String> = BTreeSet::new();
-        let mut paused_since: HashMap<String, Instant> = HashMap::new();
+        let mut paused_since: BTreeMap<String, Instant> = BTreeMap::new();
         let mut gave_up: Option<ProduceError> = None;
         while !pending.is_empty() {
             let version = self.router.version();

@@ -9,6 +9,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 
 use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
+use xxhash_rust::xxh3::Xxh3Builder;
 
 use crate::record::Record;
 
@@ -54,7 +55,9 @@ pub(crate) struct Pick {
 #[derive(Debug)]
 pub(crate) struct ShardState {
     keys: Vec<KeyState>,
-    index: HashMap<Box<str>, u32>,
+    /// Key -> slot in `keys`; hashed with XXH3 (fast on short keys, and the
+    /// project never uses `DefaultHasher`).
+    index: HashMap<Box<str>, u32, Xxh3Builder>,
     free_keys: Vec<u32>,
     dead: BTreeMap<u64, DeadEntry>,
     ready: VecDeque<u32>,
@@ -65,7 +68,7 @@ pub(crate) struct ShardState {
     base: u64,
     /// Ranges cut out by repair: references into them are to lost jobs.
     holes: Vec<(u64, u64)>,
-    in_flight_ids: HashMap<u64, u32>,
+    in_flight_ids: HashMap<u64, u32, Xxh3Builder>,
     policy: DeadPolicy,
 }
 
@@ -73,7 +76,7 @@ impl ShardState {
     pub fn new(base: u64, policy: DeadPolicy) -> ShardState {
         ShardState {
             keys: Vec::new(),
-            index: HashMap::new(),
+            index: HashMap::with_hasher(Xxh3Builder::new()),
             free_keys: Vec::new(),
             dead: BTreeMap::new(),
             ready: VecDeque::new(),
@@ -81,7 +84,7 @@ impl ShardState {
             seg_live: BTreeMap::new(),
             base,
             holes: Vec::new(),
-            in_flight_ids: HashMap::new(),
+            in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
             policy,
         }
     }
