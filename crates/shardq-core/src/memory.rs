@@ -122,6 +122,18 @@ impl MemoryBackend {
     }
 }
 
+/// The dead jobs an operator named (`None`: all of them), in id order.
+fn chosen_dead(s: &ShardState, ids: Option<&[JobId]>) -> Vec<JobId> {
+    match ids {
+        Some(ids) => ids
+            .iter()
+            .copied()
+            .filter(|id| s.dead.contains(id))
+            .collect(),
+        None => s.dead.iter().copied().collect(),
+    }
+}
+
 fn counts(s: &ShardState, key: &str) -> KeyCounts {
     let depth = s.keys.get(key).map_or(0, |q| q.len() as u64);
     let in_flight = u64::from(s.busy_keys.contains(key));
@@ -371,14 +383,7 @@ impl QueueBackend for MemoryBackend {
 
     fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.with_shard(shard, |s| {
-            let chosen: Vec<JobId> = match ids {
-                Some(ids) => ids
-                    .iter()
-                    .copied()
-                    .filter(|id| s.dead.contains(id))
-                    .collect(),
-                None => s.dead.iter().copied().collect(),
-            };
+            let chosen = chosen_dead(s, ids);
             for id in chosen.iter().rev() {
                 s.dead.remove(id);
                 if let Some(j) = s.jobs.get_mut(id) {
@@ -397,14 +402,7 @@ impl QueueBackend for MemoryBackend {
 
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.with_shard(shard, |s| {
-            let chosen: Vec<JobId> = match ids {
-                Some(ids) => ids
-                    .iter()
-                    .copied()
-                    .filter(|id| s.dead.contains(id))
-                    .collect(),
-                None => s.dead.iter().copied().collect(),
-            };
+            let chosen = chosen_dead(s, ids);
             for id in &chosen {
                 s.dead.remove(id);
                 if let Some(j) = s.jobs.remove(id) {

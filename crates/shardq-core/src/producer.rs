@@ -143,58 +143,13 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
 
     /// Routes `job` and enqueues it; returns where it landed.
     pub fn enqueue(&mut self, job: &NewJob) -> Result<Placed, ProduceError> {
-        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
-            self.reload()?;
-        }
-        let started = Instant::now();
-        loop {
-            let shard = self.router.route(&job.key).to_string();
-            let version = self.router.version();
-            match self
-                .backend
-                .enqueue(&shard, version, std::slice::from_ref(job))
-            {
-                Ok(ids) => {
-                    let id = ids.first().copied().ok_or_else(|| {
-                        QueueError::Backend(format!(
-                            "shard {shard:?} returned no id for an enqueue"
-                        ))
-                    })?;
-                    return Ok(Placed {
-                        shard,
-                        id,
-                        map_version: version,
-                    });
-                }
-                Err(QueueError::Fenced { .. }) => {
-                    if !self.reload()? {
-                        let waited_ms = started.elapsed().as_millis() as u64;
-                        if waited_ms >= self.options.fence_wait_ms {
-                            return Err(ProduceError::FencedTooLong {
-                                shard,
-                                map_version: version,
-                                waited_ms,
-                            });
-                        }
-                        std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
-                    }
-                }
-                Err(QueueError::Paused { .. }) => {
-                    let waited_ms = started.elapsed().as_millis() as u64;
-                    if waited_ms >= self.options.pause_wait_ms {
-                        return Err(ProduceError::PausedTooLong {
-                            key: job.key.clone(),
-                            shard,
-                            waited_ms,
-                            limit_ms: self.options.pause_wait_ms,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
-                    self.reload()?;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+        let mut placed = self.enqueue_batch(std::slice::from_ref(job))?;
+        placed.pop().ok_or_else(|| {
+            ProduceError::Queue(QueueError::Backend(format!(
+                "enqueue of key {:?} returned no placement",
+                job.key
+            )))
+        })
     }
 
     /// Routes and enqueues `jobs`: one append per shard, so a durable

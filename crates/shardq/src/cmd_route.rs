@@ -105,15 +105,20 @@ pub fn route(args: RouteArgs) -> anyhow::Result<ExitCode> {
         out.write_all(b"\n")?;
         Ok(())
     };
-    if args.keys.is_empty() {
-        for_each_line(io::stdin().lock(), &mut emit)?;
-    } else {
-        for key in &args.keys {
-            emit(key.as_bytes())?;
-        }
-    }
+    for_each_key(&args.keys, &mut emit)?;
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Calls `emit` for each key argument, or for each stdin line when there are none.
+fn for_each_key(
+    keys: &[String],
+    emit: &mut impl FnMut(&[u8]) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    if keys.is_empty() {
+        return for_each_line(io::stdin().lock(), emit);
+    }
+    keys.iter().try_for_each(|key| emit(key.as_bytes()))
 }
 
 pub fn slot(args: SlotArgs) -> anyhow::Result<ExitCode> {
@@ -124,13 +129,7 @@ pub fn slot(args: SlotArgs) -> anyhow::Result<ExitCode> {
         writeln!(out, "\t{}", shardq_route::slot(key))?;
         Ok(())
     };
-    if args.keys.is_empty() {
-        for_each_line(io::stdin().lock(), &mut emit)?;
-    } else {
-        for key in &args.keys {
-            emit(key.as_bytes())?;
-        }
-    }
+    for_each_key(&args.keys, &mut emit)?;
     out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
