@@ -191,6 +191,7 @@ fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
             owner: Some("bench@1".into()),
             lease_ms: 60_000,
             shards: None,
+            max_shards: 0,
         },
     )
     .unwrap();

@@ -10,7 +10,7 @@
 //! lease still carries.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
 use shardq_core::{
@@ -114,10 +114,19 @@ impl ShardRef {
     }
 }
 
+/// The shards this backend knows, and the nodes they live on. Grows when
+/// a newer map adds shards ([`RedisBackend::sync_shards`]); never shrinks, so
+/// a shard a rebalance removed stays reachable for its last drain.
+#[derive(Default)]
+struct Registry {
+    shards: Vec<Arc<ShardRef>>,
+    index: HashMap<String, usize>,
+    nodes: HashMap<String, Arc<Node>>,
+}
+
 pub(crate) struct Inner {
     pub(crate) opts: RedisOptions,
-    pub(crate) shards: Vec<ShardRef>,
-    index: HashMap<String, usize>,
+    registry: RwLock<Registry>,
     /// Fencing tokens granted by a [`crate::RedisCoordinator`].
     tokens: Mutex<HashMap<String, u64>>,
     pub(crate) scripts: Scripts,
@@ -153,13 +162,36 @@ impl RedisBackend {
             name: options.queue.clone(),
             reason,
         })?;
-        let mut nodes: HashMap<String, Arc<Node>> = HashMap::new();
-        let mut shards = Vec::new();
-        let mut index = HashMap::new();
+        let backend = RedisBackend {
+            inner: Arc::new(Inner {
+                opts: options,
+                registry: RwLock::new(Registry::default()),
+                tokens: Mutex::new(HashMap::new()),
+                scripts: Scripts::new(),
+            }),
+        };
+        backend.sync_shards(map)?;
+        if backend.registry().shards.is_empty() {
+            return Err(RedisError::NoRedisShards {
+                version: map.version,
+            });
+        }
+        Ok(backend)
+    }
+
+    /// Adds the Redis shards of `map` this backend does not know yet (a map
+    /// published after it was opened, e.g. by `add-shard`), checking that
+    /// each new server answers. Returns the names added. Known shards keep
+    /// their URL: a shard never moves between servers under one name.
+    pub fn sync_shards(&self, map: &ShardMap) -> Result<Vec<String>, RedisError> {
+        let mut added = Vec::new();
         for shard in &map.shards {
             let Some(url) = shard.url.as_deref().filter(|u| is_redis_url(u)) else {
                 continue;
             };
+            if self.registry().index.contains_key(&shard.name) {
+                continue;
+            }
             shardq_route::validate_shard_name(&shard.name).map_err(|reason| {
                 RedisError::InvalidName {
                     what: "shard",
@@ -167,40 +199,47 @@ impl RedisBackend {
                     reason,
                 }
             })?;
-            let node = match nodes.get(url) {
-                Some(n) => Arc::clone(n),
+            let known = self.registry().nodes.get(url).cloned();
+            let node = match known {
+                Some(n) => n,
                 None => {
-                    let n = Arc::new(Node::new(&shard.name, url, options.retry_attempts)?);
+                    // Connect outside the lock: an unreachable server takes
+                    // seconds to be reported and must not stall other shards.
+                    let n = Arc::new(Node::new(&shard.name, url, self.inner.opts.retry_attempts)?);
                     n.run(&shard.name, |con, _| {
                         redis::cmd("PING").query::<String>(con)
                     })?;
-                    nodes.insert(url.to_string(), Arc::clone(&n));
                     n
                 }
             };
-            index.insert(shard.name.clone(), shards.len());
-            shards.push(ShardRef {
+            let mut reg = self
+                .inner
+                .registry
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            if reg.index.contains_key(&shard.name) {
+                continue;
+            }
+            let node = Arc::clone(reg.nodes.entry(url.to_string()).or_insert(node));
+            let i = reg.shards.len();
+            reg.index.insert(shard.name.clone(), i);
+            reg.shards.push(Arc::new(ShardRef {
                 name: shard.name.clone(),
                 url: url.to_string(),
                 node,
-                keys: keys::shard_keys(&options.queue, &shard.name),
+                keys: keys::shard_keys(&self.inner.opts.queue, &shard.name),
                 held: Mutex::new(None),
-            });
+            }));
+            added.push(shard.name.clone());
         }
-        if shards.is_empty() {
-            return Err(RedisError::NoRedisShards {
-                version: map.version,
-            });
-        }
-        Ok(RedisBackend {
-            inner: Arc::new(Inner {
-                opts: options,
-                shards,
-                index,
-                tokens: Mutex::new(HashMap::new()),
-                scripts: Scripts::new(),
-            }),
-        })
+        Ok(added)
+    }
+
+    fn registry(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
+        self.inner
+            .registry
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// The queue name this backend serves.
@@ -209,27 +248,23 @@ impl RedisBackend {
     }
 
     /// The URL a shard lives at.
-    pub fn shard_url(&self, shard: &str) -> Option<&str> {
-        self.inner
-            .index
-            .get(shard)
-            .map(|&i| self.inner.shards[i].url.as_str())
+    pub fn shard_url(&self, shard: &str) -> Option<String> {
+        let reg = self.registry();
+        reg.index.get(shard).map(|&i| reg.shards[i].url.clone())
     }
 
     /// Whether the shard lives in a Redis Cluster.
     pub fn is_cluster(&self, shard: &str) -> bool {
-        self.inner
-            .index
+        let reg = self.registry();
+        reg.index
             .get(shard)
-            .is_some_and(|&i| self.inner.shards[i].node.cluster)
+            .is_some_and(|&i| reg.shards[i].node.cluster)
     }
 
     /// Every Redis key of a shard (for operators and tests).
     pub fn shard_keys(&self, shard: &str) -> Option<Vec<String>> {
-        self.inner
-            .index
-            .get(shard)
-            .map(|&i| self.inner.shards[i].keys.clone())
+        let reg = self.registry();
+        reg.index.get(shard).map(|&i| reg.shards[i].keys.clone())
     }
 
     pub(crate) fn grant(&self, shard: &str, token: u64) {
@@ -247,11 +282,11 @@ impl RedisBackend {
         self.inner.tokens.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn shard(&self, shard: &str) -> Result<&ShardRef, QueueError> {
-        self.inner
-            .index
+    pub(crate) fn shard(&self, shard: &str) -> Result<Arc<ShardRef>, QueueError> {
+        let reg = self.registry();
+        reg.index
             .get(shard)
-            .map(|&i| &self.inner.shards[i])
+            .map(|&i| Arc::clone(&reg.shards[i]))
             .ok_or_else(|| QueueError::UnknownShard {
                 shard: shard.to_string(),
             })
@@ -315,6 +350,7 @@ impl RedisBackend {
         ids: Option<&[JobId]>,
     ) -> Result<usize, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let lua = &self.inner.scripts.dead_move;
         let mut total = 0usize;
         match ids {
@@ -346,7 +382,11 @@ impl RedisBackend {
 
 impl QueueBackend for RedisBackend {
     fn shard_names(&self) -> Vec<String> {
-        self.inner.shards.iter().map(|s| s.name.clone()).collect()
+        self.registry()
+            .shards
+            .iter()
+            .map(|s| s.name.clone())
+            .collect()
     }
 
     fn enqueue(
@@ -356,6 +396,7 @@ impl QueueBackend for RedisBackend {
         jobs: &[NewJob],
     ) -> Result<Vec<JobId>, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
@@ -404,6 +445,7 @@ impl QueueBackend for RedisBackend {
 
     fn adopt(&self, shard: &str) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let token = self
             .tokens()
             .get(shard)
@@ -422,12 +464,14 @@ impl QueueBackend for RedisBackend {
 
     fn release(&self, shard: &str) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         *s.held() = None;
         Ok(())
     }
 
     fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         // Held for the whole call: a retried claim puts back in-flight jobs
         // this process does not know, so no other claim may be half done.
         let mut guard = s.held();
@@ -479,6 +523,7 @@ impl QueueBackend for RedisBackend {
 
     fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let token = held.token;
@@ -519,6 +564,7 @@ impl QueueBackend for RedisBackend {
 
     fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
@@ -549,6 +595,7 @@ impl QueueBackend for RedisBackend {
 
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let ready = &s.keys[2];
         let v: Vec<(String, f64)> = s.node.run(&s.name, |con, _| {
             redis::cmd("ZRANGE")
@@ -563,6 +610,7 @@ impl QueueBackend for RedisBackend {
 
     fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let v = self.script(s, &self.inner.scripts.key_counts, 0, &|c, _| {
             c.arg(key);
         })?;
@@ -577,6 +625,7 @@ impl QueueBackend for RedisBackend {
 
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let v = self.script(s, &self.inner.scripts.stats, 0, &|_, _| {})?;
         let it = reply::items(&v);
         let n = |i: usize| it.get(i).and_then(reply::u64).unwrap_or(0);
@@ -592,6 +641,7 @@ impl QueueBackend for RedisBackend {
 
     fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let v = self.script(s, &self.inner.scripts.fence_get, 0, &|_, _| {})?;
         let it = reply::items(&v);
         Ok(Fence {
@@ -608,6 +658,7 @@ impl QueueBackend for RedisBackend {
 
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let keys: Vec<&String> = fence.paused_keys.iter().collect();
         self.script(s, &self.inner.scripts.fence_set, 0, &|c, _| {
             c.arg(fence.map_version_min).arg(&keys);
@@ -617,6 +668,7 @@ impl QueueBackend for RedisBackend {
 
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
         let s = self.shard(shard)?;
+        let s = &*s;
         let limit = limit.min(DEAD_LIST_MAX);
         if limit == 0 {
             return Ok(Vec::new());
@@ -647,5 +699,112 @@ impl QueueBackend for RedisBackend {
 
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.dead_move(shard, "purge", ids)
+    }
+}
+
+/// Routing keys one inventory script call looks at (each costs two lookups).
+pub const INVENTORY_KEYS_PER_CALL: usize = 1024;
+/// Most keys with work one inventory reports per shard; a shard with more
+/// is refused with an error rather than scanned without end.
+pub const INVENTORY_KEYS_MAX: usize = 4_000_000;
+
+impl RedisBackend {
+    /// Who holds `shard`'s lease and until when (ms, server clock), if
+    /// anyone does and it has not lapsed.
+    pub fn lease_holder(&self, shard: &str) -> Result<Option<(String, u64)>, QueueError> {
+        let s = self.shard(shard)?;
+        let key = &s.keys[keys::LEASE_PART];
+        let (owner, until): (Option<String>, Option<u64>) = s.node.run(&s.name, |con, _| {
+            redis::cmd("HMGET")
+                .arg(key)
+                .arg("owner")
+                .arg("until")
+                .query(con)
+        })?;
+        Ok(match (owner, until) {
+            (Some(o), Some(u)) if !o.is_empty() && u > 0 => Some((o, u)),
+            _ => None,
+        })
+    }
+
+    fn too_many_keys(s: &ShardRef) -> QueueError {
+        QueueError::Backend(format!(
+            "shard {:?} at {}: more than {INVENTORY_KEYS_MAX} keys with work; the inventory stops there",
+            s.name, s.url
+        ))
+    }
+}
+
+impl shardq_core::reshard::KeyInventory for RedisBackend {
+    /// Two bounded walks: `pending` key by key (cursor in lex order, so
+    /// concurrent enqueues never make it loop), then `busy` by `HSCAN` for
+    /// keys whose only work is in flight. Not one atomic snapshot: a
+    /// rebalance scans again after fencing, which catches what raced.
+    fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut found: std::collections::BTreeMap<String, KeyCounts> = Default::default();
+        let mut cursor = "-".to_string();
+        loop {
+            let v = self.script(s, &self.inner.scripts.inventory_pending, 0, &|c, _| {
+                c.arg(&cursor).arg(INVENTORY_KEYS_PER_CALL);
+            })?;
+            let it = reply::items(&v);
+            let bad = || self.protocol(s, "inventory reply is malformed");
+            let next = it.first().and_then(reply::string).ok_or_else(bad)?;
+            for k in it[1..].chunks(4) {
+                if k.len() != 4 {
+                    return Err(bad());
+                }
+                let n = |i: usize| reply::u64(&k[i]).ok_or_else(bad);
+                found.insert(
+                    reply::string(&k[0]).ok_or_else(bad)?,
+                    KeyCounts {
+                        depth: n(1)?,
+                        in_flight: n(2)?,
+                        dead: n(3)?,
+                    },
+                );
+            }
+            if found.len() > INVENTORY_KEYS_MAX {
+                return Err(Self::too_many_keys(s));
+            }
+            if next.is_empty() {
+                break;
+            }
+            cursor = next;
+        }
+        let mut cursor = "0".to_string();
+        loop {
+            let v = self.script(s, &self.inner.scripts.inventory_busy, 0, &|c, _| {
+                c.arg(&cursor).arg(INVENTORY_KEYS_PER_CALL);
+            })?;
+            let it = reply::items(&v);
+            let bad = || self.protocol(s, "inventory reply is malformed");
+            let next = it.first().and_then(reply::string).ok_or_else(bad)?;
+            for k in it[1..].chunks(3) {
+                if k.len() != 3 {
+                    return Err(bad());
+                }
+                let n = |i: usize| reply::u64(&k[i]).ok_or_else(bad);
+                // The later look wins: it is the fresher one.
+                found.insert(
+                    reply::string(&k[0]).ok_or_else(bad)?,
+                    KeyCounts {
+                        depth: n(1)?,
+                        in_flight: 1,
+                        dead: n(2)?,
+                    },
+                );
+            }
+            if found.len() > INVENTORY_KEYS_MAX {
+                return Err(Self::too_many_keys(s));
+            }
+            if next == "0" {
+                break;
+            }
+            cursor = next;
+        }
+        Ok(found.into_iter().collect())
     }
 }

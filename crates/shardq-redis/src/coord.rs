@@ -31,8 +31,11 @@ pub struct CoordinatorOptions {
     pub owner: Option<String>,
     /// Lease length in ms; 0 means [`LEASE_MS_DEFAULT`].
     pub lease_ms: u64,
-    /// Shards to take part in; `None` means all of the backend's.
+    /// Shards to take part in; `None` means all of the backend's, including
+    /// shards it learns later ([`RedisBackend::sync_shards`]).
     pub shards: Option<Vec<String>>,
+    /// Most shards to hold at once; 0 means no limit.
+    pub max_shards: usize,
 }
 
 /// Leases per shard, in Redis. See the module docs.
@@ -40,7 +43,9 @@ pub struct RedisCoordinator {
     backend: RedisBackend,
     owner: String,
     lease_ms: u64,
-    shards: Vec<String>,
+    /// A fixed list, or `None` to follow the backend's shards.
+    shards: Option<Vec<String>>,
+    max_shards: usize,
     claiming: bool,
     /// Shard -> fencing token, for the leases held.
     held: BTreeMap<String, u64>,
@@ -74,17 +79,13 @@ impl RedisCoordinator {
         options: CoordinatorOptions,
     ) -> Result<RedisCoordinator, RedisError> {
         let all = shardq_core::QueueBackend::shard_names(backend);
-        let shards = match options.shards {
-            Some(list) => {
-                for s in &list {
-                    if !all.contains(s) {
-                        return Err(QueueError::UnknownShard { shard: s.clone() }.into());
-                    }
+        if let Some(list) = &options.shards {
+            for s in list {
+                if !all.contains(s) {
+                    return Err(QueueError::UnknownShard { shard: s.clone() }.into());
                 }
-                list
             }
-            None => all,
-        };
+        }
         let lease_ms = if options.lease_ms == 0 {
             LEASE_MS_DEFAULT
         } else {
@@ -94,7 +95,12 @@ impl RedisCoordinator {
             backend: backend.clone(),
             owner: options.owner.unwrap_or_else(default_owner),
             lease_ms,
-            shards,
+            shards: options.shards,
+            max_shards: if options.max_shards == 0 {
+                usize::MAX
+            } else {
+                options.max_shards
+            },
             claiming: true,
             held: BTreeMap::new(),
             others: BTreeMap::new(),
@@ -114,7 +120,12 @@ impl RedisCoordinator {
     fn lease_once(&self, shard: &str) -> Result<Lease, RedisError> {
         let s = self.backend.shard(shard)?;
         let mine = self.held.get(shard).copied().unwrap_or(0).to_string();
-        let claiming = if self.claiming { "1" } else { "0" };
+        // Past the limit this only renews what it holds and reports the rest.
+        let claiming = if self.claiming && self.held.len() < self.max_shards {
+            "1"
+        } else {
+            "0"
+        };
         let v = s.node.run(&s.name, |con, _| {
             let now = self.backend.now_arg();
             self.backend
@@ -145,7 +156,12 @@ impl Coordinator for RedisCoordinator {
         let mut own = Ownership::default();
         let mut first_err = None;
         let mut failures = 0;
-        for shard in self.shards.clone() {
+        let shards = match &self.shards {
+            Some(list) => list.clone(),
+            None => shardq_core::QueueBackend::shard_names(&self.backend),
+        };
+        let total = shards.len();
+        for shard in shards {
             match self.lease_once(&shard) {
                 Ok(Lease::Held) => {}
                 Ok(Lease::Gained(token)) => {
@@ -167,8 +183,10 @@ impl Coordinator for RedisCoordinator {
                         self.backend.revoke(&shard);
                         own.lost.push(shard.clone());
                     }
-                    self.others
-                        .insert(shard.clone(), "free (this process stopped claiming)".into());
+                    self.others.insert(
+                        shard.clone(),
+                        "free (this process stopped claiming or holds its limit)".into(),
+                    );
                 }
                 Err(e) => {
                     // A lease that cannot be renewed is given up at once:
@@ -184,7 +202,7 @@ impl Coordinator for RedisCoordinator {
                 }
             }
         }
-        if failures == self.shards.len() && failures > 0 {
+        if failures == total && failures > 0 {
             if let Some(e) = first_err {
                 return Err(e.into());
             }

@@ -3,6 +3,8 @@
 //! ```text
 //! sq:{<queue>:<shard>}:<part>     one shard of one queue (parts below)
 //! sq:{=map}:current               the published shard map (hash: version, yaml)
+//! sq:{=map}:target                the pending rebalance target (string: yaml)
+//! sq:{=map}:rebalance             the rebalance lock (string: holder token, TTL)
 //! ```
 //!
 //! The braces are the Redis Cluster hashtag: all keys of one shard hash to
@@ -26,6 +28,10 @@ pub const QUEUE_NAME_BYTES_MAX: usize = 64;
 pub const QUEUE_DEFAULT: &str = "default";
 /// Key of the published shard map (a hash with `version` and `yaml`).
 pub const MAP_KEY: &str = "sq:{=map}:current";
+/// Key of the pending rebalance target (a string: the map's YAML).
+pub const TARGET_KEY: &str = "sq:{=map}:target";
+/// Key of the rebalance lock (a string: the holder's token, with a TTL).
+pub const REBALANCE_LOCK_KEY: &str = "sq:{=map}:rebalance";
 
 /// The parts of one shard, in the order scripts receive them as `KEYS`.
 ///

@@ -1,35 +1,66 @@
 //! [`RedisMapStore`]: the shard map kept in Redis, so producers and workers
-//! on other hosts read the same map and its version.
+//! on other hosts read the same map and its version; it is the
+//! [`MapStore`] live resharding drives when shards live on Redis.
 //!
-//! The map lives under the reserved key [`crate::keys::MAP_KEY`] as a hash
-//! (`version`, `yaml`). Publishing is compare-and-set on the version: two
-//! operators cannot overwrite each other's change. This module must never
-//! publish a map it has not validated.
+//! Reserved keys, all in the `{=map}` hashtag (one slot in a cluster):
+//!
+//! * [`MAP_KEY`] hash (`version`, `yaml`): the published map. Publishing is
+//!   compare-and-set on the version: two operators cannot overwrite each
+//!   other's change.
+//! * [`TARGET_KEY`] string: the YAML of the map a pending rebalance must
+//!   reach; absent when none is pending.
+//! * [`REBALANCE_LOCK_KEY`] string: the running rebalance's token
+//!   (`host@pid#nonce`), taken with `SET NX PX` and renewed by a thread
+//!   while held; a holder that dies frees it within [`REBALANCE_LOCK_MS`].
+//!
+//! This module must never publish a map it has not validated, and never
+//! release or extend a lock whose token is not its own.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_route::ShardMap;
 
 use crate::conn::{Node, RETRY_ATTEMPTS_DEFAULT};
 use crate::error::RedisError;
-use crate::keys::MAP_KEY;
-use crate::scripts::{reply, Lua, Scripts};
+use crate::keys::{MAP_KEY, REBALANCE_LOCK_KEY, TARGET_KEY};
+use crate::scripts::{reply, Scripts};
 
 const STORE: &str = "map store";
 
+/// Lifetime of the rebalance lock without renewal, in ms (30 s): how long a
+/// killed coordinator blocks the next `rebalance`.
+pub const REBALANCE_LOCK_MS: u64 = 30_000;
+/// Renewals per lock lifetime: a lock survives two missed renewals.
+pub const REBALANCE_LOCK_RENEWALS: u64 = 3;
+
+static LOCK_NONCE: AtomicU64 = AtomicU64::new(0);
+
 /// The shard map stored in one Redis instance or cluster.
 pub struct RedisMapStore {
-    node: Node,
-    publish: Lua,
+    node: Arc<Node>,
+    scripts: Arc<Scripts>,
 }
 
 impl RedisMapStore {
     /// A store at `url` (`redis://host:port/db` or
     /// `redis+cluster://host:port,...`). Checks that the server answers.
     pub fn open(url: &str) -> Result<RedisMapStore, RedisError> {
-        let node = Node::new(STORE, url, RETRY_ATTEMPTS_DEFAULT)?;
+        RedisMapStore::open_with(url, RETRY_ATTEMPTS_DEFAULT)
+    }
+
+    /// [`RedisMapStore::open`] with `retry_attempts` per operation before
+    /// the server is reported unreachable.
+    pub fn open_with(url: &str, retry_attempts: u32) -> Result<RedisMapStore, RedisError> {
+        let node = Node::new(STORE, url, retry_attempts)?;
         node.run(STORE, |con, _| redis::cmd("PING").query::<String>(con))?;
         Ok(RedisMapStore {
-            node,
-            publish: Scripts::new().map_publish,
+            node: Arc::new(node),
+            scripts: Arc::new(Scripts::new()),
         })
     }
 
@@ -76,7 +107,7 @@ impl RedisMapStore {
         let yaml = map.to_yaml();
         let keys = [MAP_KEY.to_string()];
         let v = self.node.run(STORE, |con, _| {
-            self.publish.call(con, &keys, &|c| {
+            self.scripts.map_publish.call(con, &keys, &|c| {
                 c.arg(expected_version).arg(map.version).arg(&yaml);
             })
         })?;
@@ -100,5 +131,157 @@ impl RedisMapStore {
                 reason: format!("publish answered {other:?}"),
             }),
         }
+    }
+}
+
+fn store_err(e: RedisError) -> ReshardError {
+    match e {
+        RedisError::VersionConflict {
+            expected, found, ..
+        } => ReshardError::Conflict { expected, found },
+        other => ReshardError::Store(other.to_string()),
+    }
+}
+
+/// The held rebalance lock: a thread renews it; drop stops the thread and
+/// releases the lock if it is still ours.
+struct LockGuard {
+    stop: Option<mpsc::Sender<()>>,
+    renewer: Option<thread::JoinHandle<()>>,
+    node: Arc<Node>,
+    scripts: Arc<Scripts>,
+    token: String,
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(h) = self.renewer.take() {
+            let _ = h.join();
+        }
+        let keys = [REBALANCE_LOCK_KEY.to_string()];
+        // Best effort: a lock we fail to release lapses on its own.
+        let _ = self.node.run(STORE, |con, _| {
+            self.scripts.lock_release.call(con, &keys, &|c| {
+                c.arg(&self.token);
+            })
+        });
+    }
+}
+
+impl MapStore for RedisMapStore {
+    fn load(&self) -> Result<ShardMap, ReshardError> {
+        self.load_map().map_err(store_err)?.ok_or_else(|| {
+            ReshardError::Store(format!(
+                "no shard map is published in Redis at {}; create one with `shardq init --redis ...`",
+                self.node.url
+            ))
+        })
+    }
+
+    fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
+        map.validate()?;
+        self.publish_map(map, expected_version).map_err(store_err)
+    }
+
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+        let yaml: Option<String> = self
+            .node
+            .run(STORE, |con, _| redis::cmd("GET").arg(TARGET_KEY).query(con))
+            .map_err(store_err)?;
+        match yaml {
+            None => Ok(None),
+            Some(y) => ShardMap::from_yaml(&y).map(Some).map_err(|e| {
+                ReshardError::Store(format!(
+                    "target map in Redis at {} ({TARGET_KEY}) does not parse: {e}",
+                    self.node.url
+                ))
+            }),
+        }
+    }
+
+    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+        match target {
+            Some(t) => {
+                let yaml = t.to_yaml();
+                self.node
+                    .run(STORE, |con, _| {
+                        redis::cmd("SET")
+                            .arg(TARGET_KEY)
+                            .arg(&yaml)
+                            .query::<()>(con)
+                    })
+                    .map_err(store_err)
+            }
+            None => self
+                .node
+                .run(STORE, |con, _| {
+                    redis::cmd("DEL").arg(TARGET_KEY).query::<()>(con)
+                })
+                .map_err(store_err),
+        }
+    }
+
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+        let token = format!(
+            "{}#{}",
+            crate::coord::default_owner(),
+            LOCK_NONCE.fetch_add(1, Ordering::SeqCst)
+        );
+        // A retried SET after a lost reply finds our own token: that is ours.
+        let got: Option<String> = self
+            .node
+            .run(STORE, |con, _| {
+                redis::cmd("SET")
+                    .arg(REBALANCE_LOCK_KEY)
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(REBALANCE_LOCK_MS)
+                    .arg("GET")
+                    .query(con)
+            })
+            .map_err(store_err)?;
+        if let Some(holder) = got.filter(|h| *h != token) {
+            let ttl: i64 = self
+                .node
+                .run(STORE, |con, _| {
+                    redis::cmd("PTTL").arg(REBALANCE_LOCK_KEY).query(con)
+                })
+                .unwrap_or(-1);
+            let holder = if ttl > 0 {
+                format!("{holder}, lock lapses in {ttl} ms unless renewed")
+            } else {
+                holder
+            };
+            return Err(ReshardError::Busy { holder });
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let node = Arc::clone(&self.node);
+        let scripts = Arc::clone(&self.scripts);
+        let renew_token = token.clone();
+        let every = Duration::from_millis(REBALANCE_LOCK_MS / REBALANCE_LOCK_RENEWALS);
+        let renewer = thread::Builder::new()
+            .name("shardq-rebalance-lock".into())
+            .spawn(move || {
+                let keys = [REBALANCE_LOCK_KEY.to_string()];
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    // A failed renewal is retried next period; the lock
+                    // lapses only after two more misses.
+                    let _ = node.run(STORE, |con, _| {
+                        scripts.lock_renew.call(con, &keys, &|c| {
+                            c.arg(&renew_token).arg(REBALANCE_LOCK_MS);
+                        })
+                    });
+                }
+            })
+            .map_err(|e| ReshardError::Store(format!("starting the lock renewal thread: {e}")))?;
+        Ok(Box::new(LockGuard {
+            stop: Some(stop),
+            renewer: Some(renewer),
+            node: Arc::clone(&self.node),
+            scripts: Arc::clone(&self.scripts),
+            token,
+        }))
     }
 }

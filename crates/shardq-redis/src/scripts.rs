@@ -411,6 +411,63 @@ redis.call('HSET', KEYS[1], 'version', ARGV[2], 'yaml', ARGV[3])
 return {'OK'}
 "#;
 
+/// ARGV[4] lex cursor (`-` to start, else `(member`), ARGV[5] most keys.
+/// Walks `pending` one routing key at a time (a key's members are one lex
+/// range, so each key costs two lookups however deep its backlog): returns
+/// {next cursor or '', key, depth, busy, dead, ...}.
+const INVENTORY_PENDING: &str = r#"
+local cursor, limit = ARGV[4], tonumber(ARGV[5])
+local out = {''}
+for _ = 1, limit do
+  local r = redis.call('ZRANGEBYLEX', K_PEND, cursor, '+', 'LIMIT', 0, 1)
+  local mem = r[1]
+  if not mem then return out end
+  local len = tonumber(string.sub(mem, 1, 4), 16)
+  local k = string.sub(mem, 5, 4 + len)
+  local p = kprefix(k)
+  out[#out + 1] = k
+  out[#out + 1] = redis.call('ZLEXCOUNT', K_PEND, '[' .. p, '(' .. p .. 'g')
+  out[#out + 1] = redis.call('HEXISTS', K_BUSY, k)
+  out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+  -- Every member of this key sorts below p .. 'g' (ids are hex digits).
+  cursor = '[' .. p .. 'g'
+end
+out[1] = cursor
+return out
+"#;
+
+/// ARGV[4] HSCAN cursor, ARGV[5] COUNT hint. Keys with a job in flight:
+/// {next cursor ('0' when done), key, depth, dead, ...}.
+const INVENTORY_BUSY: &str = r#"
+local r = redis.call('HSCAN', K_BUSY, ARGV[4], 'COUNT', tonumber(ARGV[5]))
+local out = {r[1]}
+local kv = r[2]
+for i = 1, #kv, 2 do
+  local k = kv[i]
+  local p = kprefix(k)
+  out[#out + 1] = k
+  out[#out + 1] = redis.call('ZLEXCOUNT', K_PEND, '[' .. p, '(' .. p .. 'g')
+  out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+end
+return out
+"#;
+
+/// KEYS[1] the rebalance lock, ARGV[1] the holder's token, ARGV[2] ms:
+/// extends the lock only while the caller still holds it.
+const LOCK_RENEW: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+/// KEYS[1] the rebalance lock, ARGV[1] the holder's token: releases it only
+/// if the caller still holds it (never a successor's lock).
+const LOCK_RELEASE: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"#;
+
 /// One script: its source and SHA1.
 pub(crate) struct Lua {
     src: String,
@@ -467,6 +524,10 @@ pub(crate) struct Scripts {
     pub(crate) lease: Lua,
     pub(crate) lease_release: Lua,
     pub(crate) map_publish: Lua,
+    pub(crate) inventory_pending: Lua,
+    pub(crate) inventory_busy: Lua,
+    pub(crate) lock_renew: Lua,
+    pub(crate) lock_release: Lua,
 }
 
 impl Scripts {
@@ -486,6 +547,10 @@ impl Scripts {
             lease: Lua::new(LEASE, true),
             lease_release: Lua::new(LEASE_RELEASE, false),
             map_publish: Lua::new(MAP_PUBLISH, false),
+            inventory_pending: Lua::new(INVENTORY_PENDING, true),
+            inventory_busy: Lua::new(INVENTORY_BUSY, true),
+            lock_renew: Lua::new(LOCK_RENEW, false),
+            lock_release: Lua::new(LOCK_RELEASE, false),
         }
     }
 }

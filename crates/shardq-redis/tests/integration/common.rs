@@ -37,6 +37,7 @@ pub fn owner(backend: &RedisBackend, name: &str, lease_ms: u64) -> RedisCoordina
             owner: Some(name.to_string()),
             lease_ms,
             shards: None,
+            max_shards: 0,
         },
     )
     .expect("coordinator");

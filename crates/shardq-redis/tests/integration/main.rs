@@ -5,4 +5,5 @@ mod cluster;
 mod common;
 mod contract;
 mod crash;
+mod reshard;
 mod sharing;

@@ -33,6 +33,7 @@ fn pool(
                 owner: Some(name),
                 lease_ms: 600,
                 shards: None,
+                max_shards: 0,
             },
         )
         .unwrap();
