@@ -1,7 +1,8 @@
 //! Criterion benchmarks of routing, each read against a bare hash of the same
 //! key measured in the same run:
 //!
-//! - `bare_hash/{xxh3,blake2b64}`: the baseline, one hash of a 20-byte key;
+//! - `bare_hash/{xxh3,blake2b64}`: the baseline, one hash of a 20-byte key
+//!   (and `blake2b64-crate`: the `blake2` crate's path, for comparison);
 //! - `lookup/{algorithm}-{hash}/{shards}`: `Router::route_index` for every
 //!   algorithm with xxh3 and blake2b64 at 4, 16, 64 and 256 shards;
 //! - `ring_build/{hash}/256x256`: compiling a 256-shard ring of 256 vnodes
@@ -67,6 +68,15 @@ fn bare_hash(c: &mut Criterion) {
     for hash in HASHES {
         group.bench_function(hash.name(), |b| bench_keys(b, &keys, |k| hash.hash(k)));
     }
+    // The `blake2` crate's own path, against which the written-out
+    // one-block BLAKE2b-64 in `blake2b_short.rs` must win to stay.
+    group.bench_function("blake2b64-crate", |b| {
+        bench_keys(b, &keys, |k| {
+            use blake2::digest::consts::U8;
+            use blake2::{Blake2b, Digest};
+            u64::from_be_bytes(Blake2b::<U8>::digest(k).into())
+        })
+    });
     group.finish();
 }
 

@@ -100,8 +100,13 @@ impl FromStr for HashFn {
     }
 }
 
-/// BLAKE2b-64, big-endian.
+/// BLAKE2b-64, big-endian. Inputs of one block take a written-out path
+/// (pinned to the `blake2` crate by its tests); longer ones use the crate.
+#[inline]
 pub fn blake2b64(bytes: &[u8]) -> u64 {
+    if bytes.len() <= crate::blake2b_short::BLOCK_BYTES {
+        return crate::blake2b_short::blake2b64_one_block(bytes);
+    }
     let digest = Blake2b::<U8>::digest(bytes);
     u64::from_be_bytes(digest.into())
 }

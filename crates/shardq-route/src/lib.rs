@@ -15,6 +15,7 @@
 //! assert!(shard == "redis-0" || shard == "redis-1");
 //! ```
 
+mod blake2b_short;
 pub mod error;
 pub mod hash;
 pub mod jump;
