@@ -1,7 +1,9 @@
-//! `shardq demo`: argument parsing and the backends the demo can run on.
+//! `shardq demo`: argument parsing and the backends the demo can run on:
+//! the embedded engine, local redis-server processes it starts and stops
+//! itself (loopback only), or memory.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -10,8 +12,11 @@ use shardq_core::reshard::{MapStore, ReshardBackend};
 use shardq_core::{Clock, Coordinator, SystemClock};
 use shardq_fs::map_store::{deploy_shard, FileMapStore};
 use shardq_fs::{Durability, EngineOptions, FsBackend, FsCoordinator, MemberOptions};
+use shardq_redis::testing::RedisServer;
+use shardq_redis::{RedisMapStore, RedisOptions};
 use shardq_route::{Algorithm, ShardMap};
 
+use crate::backends;
 use crate::demo::{self, DemoEnv, DemoParams};
 
 /// Where the demo's shards live.
@@ -184,6 +189,95 @@ impl DemoEnv for FsEnv {
     }
 }
 
+/// Local `redis-server` processes the demo starts (one per shard plus one
+/// for the added shard) on free loopback ports, stopped when dropped, with a
+/// temporary data dir holding `remote.json` and the map cache.
+struct RedisDemoEnv {
+    env: backends::RedisEnv,
+    dir: PathBuf,
+    temp: bool,
+    /// Kept alive for the demo; dropping one stops its server.
+    servers: Vec<RedisServer>,
+}
+
+impl RedisDemoEnv {
+    fn create(keep: Option<PathBuf>, names: &[String]) -> anyhow::Result<RedisDemoEnv> {
+        // The harness panics when the binary is missing; say it as an error.
+        Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .context("--backend redis starts local redis-server processes, but redis-server was not found on PATH (Debian package redis-server)")?;
+        let servers: Vec<RedisServer> = (0..=names.len()).map(|_| RedisServer::start()).collect();
+        let (dir, temp) = match keep {
+            Some(d) => (d, false),
+            None => (
+                std::env::temp_dir().join(format!(
+                    "shardq-demo-redis-{}-{}",
+                    std::process::id(),
+                    SystemClock.now_ms()
+                )),
+                true,
+            ),
+        };
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut map = ShardMap::with_shards(Algorithm::Rendezvous, names.iter().cloned())?;
+        for (s, server) in map.shards.iter_mut().zip(&servers) {
+            s.url = Some(server.url());
+        }
+        let remote = backends::Remote::new(&servers[0].url());
+        RedisMapStore::open(&remote.map_url)?.publish_map(&map, 0)?;
+        remote.write(&dir)?;
+        let env = backends::open_redis(&dir, &remote, RedisOptions::default())?;
+        Ok(RedisDemoEnv {
+            env,
+            dir,
+            temp,
+            servers,
+        })
+    }
+}
+
+impl Drop for RedisDemoEnv {
+    fn drop(&mut self) {
+        if self.temp {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl DemoEnv for RedisDemoEnv {
+    fn backend(&self) -> Arc<dyn ReshardBackend> {
+        Arc::new(self.env.backend.clone())
+    }
+    fn store(&self) -> Arc<dyn MapStore> {
+        self.env.maps.clone()
+    }
+    fn coordinator(&self) -> anyhow::Result<Box<dyn Coordinator>> {
+        Ok(Box::new(backends::FollowMap::new(
+            &self.env,
+            DEMO_LEASE_MS,
+            0,
+        )?))
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SystemClock)
+    }
+    fn deploy_shard(&self, name: &str) -> anyhow::Result<()> {
+        // The demo adds the shard by name; it lives on the spare server.
+        let spare = self.servers.last().context("no spare server")?;
+        backends::check_reachable(name, &spare.url())?;
+        self.env.maps.assign_url(name, &spare.url());
+        Ok(())
+    }
+    fn location(&self) -> String {
+        format!(
+            "{} local redis-server instances (one per shard, one for the added shard; no persistence)",
+            self.servers.len()
+        )
+    }
+}
+
 fn shard_names(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("shard-{i}")).collect()
 }
@@ -219,7 +313,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             })
         }
         DemoBackend::Fs => Arc::new(FsEnv::create(args.keep.clone(), &names)?),
-        DemoBackend::Redis => bail!("the Redis backend for the demo is not wired yet"),
+        DemoBackend::Redis => Arc::new(RedisDemoEnv::create(args.keep.clone(), &names)?),
     };
     let report = demo::run(env, &params)?;
     if args.json {

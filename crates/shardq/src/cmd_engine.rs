@@ -1,8 +1,10 @@
-//! The embedded engine's commands: init, enqueue, work, status, dead, repair.
+//! The queue's commands: init, enqueue, work, status, dead, repair.
 //!
-//! Glue over `shardq-fs`: parse, check input, call the engine, print. Bad
-//! input gets an error naming the option and value; nothing here writes a
-//! log record itself.
+//! Glue over `shardq-fs` or `shardq-redis`, whichever the data dir's shards
+//! live on (`backends` decides): parse, check input, call the library,
+//! print, with the same output either way. Bad input gets an error naming
+//! the option and value; nothing here writes a log record or a Redis key
+//! itself.
 
 use std::fs::OpenOptions;
 use std::io::{self, BufRead, Read, Write};
@@ -13,9 +15,19 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use shardq_core::{ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, QueueBackend};
-use shardq_fs::{Durability, Engine, EngineOptions, MemberOptions};
+use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::reshard::MapStore;
+use shardq_core::{
+    ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, QueueBackend, SystemClock,
+    WorkerPool,
+};
+use shardq_fs::{
+    Durability, Engine, EngineOptions, MemberOptions, ShardStatus, Status, StatusTotals,
+};
+use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 use shardq_route::{Algorithm, HashFn, ShardMap};
+
+use crate::backends;
 
 /// Most shards `init` creates.
 const INIT_SHARDS_MAX: usize = 4096;
@@ -39,6 +51,21 @@ pub enum EngineCommand {
         /// Hash function (blake2b64, xxh64, xxh3, murmur3).
         #[arg(long)]
         hash: Option<String>,
+        /// Put the shards on Redis instances: a comma-separated list of
+        /// redis://host:port/db; shard i goes to the i-th (round-robin). The
+        /// map is published on the first; the data dir keeps remote.json and
+        /// a cached shardmap.yaml.
+        #[arg(long, value_name = "URLS", conflicts_with = "redis_cluster")]
+        redis: Option<String>,
+        /// Put every shard on one Redis Cluster, named by seed nodes
+        /// (redis://host:port,...).
+        #[arg(long, value_name = "SEEDS")]
+        redis_cluster: Option<String>,
+        /// With --redis/--redis-cluster: use the map already published there
+        /// (another data dir's) whatever its shards, instead of refusing one
+        /// that differs from the one this init would create.
+        #[arg(long)]
+        join: bool,
     },
     /// Enqueue a job, or `KEY<TAB>PAYLOAD` lines from stdin with --stdin.
     Enqueue(EnqueueArgs),
@@ -177,7 +204,21 @@ pub fn run(cmd: EngineCommand) -> anyhow::Result<ExitCode> {
             shards,
             algorithm,
             hash,
-        } => init(&data, shards, &algorithm, hash.as_deref()),
+            redis,
+            redis_cluster,
+            join,
+        } => {
+            let urls = match (redis, redis_cluster) {
+                (Some(r), _) => Some(backends::instance_urls(&r)?),
+                (None, Some(c)) => Some(vec![backends::cluster_url(&c)?]),
+                (None, None) => None,
+            };
+            match urls {
+                None if join => bail!("--join needs --redis or --redis-cluster"),
+                None => init(&data, shards, &algorithm, hash.as_deref()),
+                Some(urls) => init_redis(&data, shards, &algorithm, hash.as_deref(), &urls, join),
+            }
+        }
         EngineCommand::Enqueue(args) => enqueue(args),
         EngineCommand::Work(args) => work(args),
         EngineCommand::Status { data, json } => status(&data, json),
@@ -222,6 +263,18 @@ fn init(
     algorithm: &str,
     hash: Option<&str>,
 ) -> anyhow::Result<ExitCode> {
+    let map = init_map(shards, algorithm, hash)?;
+    Engine::init(dir, &map)?;
+    println!(
+        "initialised {} with {shards} shards (map version {})",
+        dir.display(),
+        map.version
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The version-1 map `init` creates: shard-0..shard-(N-1).
+fn init_map(shards: usize, algorithm: &str, hash: Option<&str>) -> anyhow::Result<ShardMap> {
     if shards == 0 || shards > INIT_SHARDS_MAX {
         bail!("invalid --shards {shards}: must be 1..={INIT_SHARDS_MAX}");
     }
@@ -236,27 +289,139 @@ fn init(
             .map_err(|e| anyhow::anyhow!("invalid --hash {h:?}: {e}"))?;
         map.validate().context("checking the shard map")?;
     }
-    Engine::init(dir, &map)?;
+    Ok(map)
+}
+
+/// `init --redis`/`--redis-cluster`: publishes the map in Redis (or joins
+/// the one there) and makes `dir` a Redis data dir (remote.json + cache).
+fn init_redis(
+    dir: &Path,
+    shards: usize,
+    algorithm: &str,
+    hash: Option<&str>,
+    urls: &[String],
+    join: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut map = init_map(shards, algorithm, hash)?;
+    for (i, s) in map.shards.iter_mut().enumerate() {
+        s.url = Some(urls[i % urls.len()].clone());
+    }
+    map.validate().context("checking the shard map")?;
+    if dir.exists() {
+        let mut entries =
+            std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+        if entries.next().is_some() {
+            bail!(
+                "cannot initialise {}: the directory is not empty",
+                dir.display()
+            );
+        }
+    }
+    // Every shard's server must answer before anything is written.
+    RedisBackend::open(&map, RedisOptions::default())?;
+    let remote = backends::Remote::new(&urls[0]);
+    let store = RedisMapStore::open(&remote.map_url)?;
+    let (map, joined) = match store.load_map()? {
+        None => match store.publish_map(&map, 0) {
+            Ok(()) => (map, false),
+            // Another init won the race: join its map like any later one.
+            Err(shardq_redis::RedisError::VersionConflict { .. }) => {
+                (store.load_map()?.context("the shard map vanished")?, true)
+            }
+            Err(e) => return Err(e.into()),
+        },
+        Some(existing) => (existing, true),
+    };
+    if joined && !join {
+        let same = |m: &ShardMap| -> Vec<(String, Option<String>)> {
+            m.shards
+                .iter()
+                .map(|s| (s.name.clone(), s.url.clone()))
+                .collect()
+        };
+        let mine = init_map(shards, algorithm, hash)?;
+        let wanted: Vec<(String, Option<String>)> = mine
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), Some(urls[i % urls.len()].clone())))
+            .collect();
+        if same(&map) != wanted || map.algorithm != mine.algorithm || map.hash != mine.hash {
+            bail!(
+                "Redis at {} already holds a different shard map (version {}, {} shards); pass --join to use it from this data dir",
+                remote.map_url,
+                map.version,
+                map.shards.len()
+            );
+        }
+    }
+    backends::check_all(&map, true)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    shardq_fs::layout::write_atomic(
+        &dir.join(backends::MAP_CACHE_FILE),
+        map.to_yaml().as_bytes(),
+    )
+    .with_context(|| format!("writing {}", dir.join(backends::MAP_CACHE_FILE).display()))?;
+    remote.write(dir)?;
+    let verb = if joined { "joined" } else { "initialised" };
     println!(
-        "initialised {} with {shards} shards (map version {})",
+        "{verb} {} with {} shards on Redis (map version {}, published at {})",
         dir.display(),
-        map.version
+        map.shards.len(),
+        map.version,
+        remote.map_url
     );
     Ok(ExitCode::SUCCESS)
 }
 
+/// Places a batch of jobs (routing, fencing, retries) and returns shard and
+/// id per job, in order, once they are stored.
+type Place<'a> = dyn FnMut(Vec<NewJob>) -> anyhow::Result<Vec<(String, JobId)>> + 'a;
+
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
-    let engine = Engine::open(&args.data, engine_options(&args.common)?)?;
+    match backends::kind(&args.data)? {
+        backends::Kind::Embedded => {
+            let engine = Engine::open(&args.data, engine_options(&args.common)?)?;
+            enqueue_with(&args, &mut |jobs| {
+                let placed = engine.enqueue_batch(jobs)?;
+                engine.backend().flush()?;
+                Ok(placed)
+            })
+        }
+        backends::Kind::Redis(remote) => {
+            let env = backends::open_redis(&args.data, &remote, redis_options(&args.common)?)?;
+            let mut producer = Producer::new(
+                Arc::new(env.backend.clone()),
+                env.maps.clone() as Arc<dyn MapStore>,
+                ProducerOptions::default(),
+            )?;
+            enqueue_with(&args, &mut |jobs| {
+                let mut out = Vec::with_capacity(jobs.len());
+                // One script per shard per call is bounded; chunks keep each
+                // key's order since they go in one after another.
+                for chunk in jobs.chunks(shardq_redis::ENQUEUE_BATCH_MAX) {
+                    for p in producer.enqueue_batch(chunk)? {
+                        out.push((p.shard, p.id));
+                    }
+                }
+                Ok(out)
+            })
+        }
+    }
+}
+
+fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<ExitCode> {
     if !args.stdin {
-        let key = args.key.unwrap_or_default();
+        let key = args.key.clone().unwrap_or_default();
         let job = NewJob {
             key,
-            payload: args.payload.unwrap_or_default().into_bytes(),
+            payload: args.payload.clone().unwrap_or_default().into_bytes(),
             delay_ms: args.delay_ms,
             max_attempts: args.max_attempts,
         };
-        let (shard, id) = engine.enqueue(job)?;
-        engine.backend().flush()?;
+        let (shard, id) = place(vec![job])?
+            .pop()
+            .context("an enqueue returned no id")?;
         println!("{shard}\t{id}");
         return Ok(ExitCode::SUCCESS);
     }
@@ -300,8 +465,7 @@ fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
         if flush && !batch.is_empty() {
             let jobs = std::mem::take(&mut batch);
             let keys: Vec<String> = jobs.iter().map(|j| j.key.clone()).collect();
-            let placed = engine.enqueue_batch(jobs)?;
-            engine.backend().flush()?;
+            let placed = place(jobs)?;
             for (key, (shard, id)) in keys.iter().zip(placed) {
                 writeln!(out, "{key}\t{shard}\t{id}")?;
             }
@@ -342,23 +506,63 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         ),
         (None, false) => command_handler(args.cmd.clone()),
     };
-    let mut opts = engine_options(&args.common)?;
-    opts.dead_policy = dead_policy;
-    let engine = Engine::open(&args.data, opts)?;
-    let member = MemberOptions {
-        lease_ms: args.lease_ms,
-        clock_skew_ms: args
-            .clock_skew_ms
-            .unwrap_or(shardq_fs::membership::CLOCK_SKEW_MS_DEFAULT.min(args.lease_ms / 2)),
-        max_local_shards,
-        ..MemberOptions::default()
+    let redis = match backends::kind(&args.data)? {
+        backends::Kind::Embedded => None,
+        backends::Kind::Redis(remote) => Some(remote),
     };
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .context("installing signal handlers")?;
     }
-    let pool = PoolOptions {
+    let pool = pool_options(&args);
+    let report = match redis {
+        None => {
+            let mut opts = engine_options(&args.common)?;
+            opts.dead_policy = dead_policy;
+            let engine = Engine::open(&args.data, opts)?;
+            let member = MemberOptions {
+                lease_ms: args.lease_ms,
+                clock_skew_ms: args
+                    .clock_skew_ms
+                    .unwrap_or(shardq_fs::membership::CLOCK_SKEW_MS_DEFAULT.min(args.lease_ms / 2)),
+                max_local_shards,
+                ..MemberOptions::default()
+            };
+            engine.run_workers(member, pool, handler, &stop)?
+        }
+        Some(remote) => {
+            // Leases use the Redis server's clock, so --clock-skew-ms has
+            // nothing to correct.
+            let mut opts = redis_options(&args.common)?;
+            opts.dead_policy = dead_policy;
+            let env = backends::open_redis(&args.data, &remote, opts)?;
+            let max_shards = if max_local_shards == usize::MAX {
+                0
+            } else {
+                max_local_shards
+            };
+            let mut coordinator = backends::FollowMap::new(&env, args.lease_ms, max_shards)?;
+            let backend: Arc<dyn QueueBackend> = Arc::new(env.backend.clone());
+            WorkerPool::run(
+                backend,
+                &mut coordinator,
+                handler,
+                Arc::new(SystemClock),
+                pool,
+                &stop,
+            )?
+        }
+    };
+    eprintln!(
+        "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
+        report.acked, report.retried, report.dead, report.abandoned
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pool_options(args: &WorkArgs) -> PoolOptions {
+    PoolOptions {
         concurrency: args.concurrency,
         drain_timeout_ms: args.drain_timeout_ms,
         exit_when_idle: args.exit_when_idle,
@@ -373,13 +577,23 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             other => eprintln!("shardq: {other:?}"),
         }),
         ..PoolOptions::default()
-    };
-    let report = engine.run_workers(member, pool, handler, &stop)?;
-    eprintln!(
-        "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
-        report.acked, report.retried, report.dead, report.abandoned
-    );
-    Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// Redis options from the common flags; durability is Redis's own
+/// configuration (appendonly, appendfsync), so `--durability` is not used.
+fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
+    if common.payload_bytes_max > shardq_core::PAYLOAD_BYTES_LIMIT {
+        bail!(
+            "invalid --payload-bytes-max {}: at most {}",
+            common.payload_bytes_max,
+            shardq_core::PAYLOAD_BYTES_LIMIT
+        );
+    }
+    Ok(RedisOptions {
+        payload_bytes_max: common.payload_bytes_max,
+        ..RedisOptions::default()
+    })
 }
 
 fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
@@ -427,8 +641,14 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
 }
 
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let engine = Engine::open(dir, EngineOptions::default())?;
-    let st = engine.status()?;
+    let st = match backends::kind(dir)? {
+        backends::Kind::Embedded => Engine::open(dir, EngineOptions::default())?.status()?,
+        backends::Kind::Redis(remote) => redis_status(&backends::open_redis(
+            dir,
+            &remote,
+            RedisOptions::default(),
+        )?)?,
+    };
     if json {
         println!("{}", serde_json::to_string(&st)?);
         return Ok(ExitCode::SUCCESS);
@@ -458,16 +678,57 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The embedded engine's status, from Redis: counts per shard of the
+/// published map, owners and lease ends (server clock) from the leases.
+fn redis_status(env: &backends::RedisEnv) -> anyhow::Result<Status> {
+    let map = env.maps.load()?;
+    let mut shards = Vec::new();
+    let mut totals = StatusTotals::default();
+    for s in &map.shards {
+        let st = env.backend.shard_stats(&s.name)?;
+        let lease = env.backend.lease_holder(&s.name)?;
+        totals.ready += st.ready;
+        totals.delayed += st.delayed;
+        totals.in_flight += st.in_flight;
+        totals.dead += st.dead;
+        shards.push(ShardStatus {
+            name: s.name.clone(),
+            ready: st.ready,
+            delayed: st.delayed,
+            in_flight: st.in_flight,
+            dead: st.dead,
+            owner: lease.as_ref().map(|l| l.0.clone()),
+            lease_expires_ms: lease.map(|l| l.1),
+        });
+    }
+    Ok(Status { shards, totals })
+}
+
 fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {
-    let engine = Engine::open(dir, EngineOptions::default())?;
-    let backend = engine.backend();
-    let all: Vec<String> = engine
-        .router()
-        .map()
-        .shards
-        .iter()
-        .map(|s| s.name.clone())
-        .collect();
+    let (backend, all): (Arc<dyn QueueBackend>, Vec<String>) = match backends::kind(dir)? {
+        backends::Kind::Embedded => {
+            let engine = Engine::open(dir, EngineOptions::default())?;
+            let all = engine
+                .router()
+                .map()
+                .shards
+                .iter()
+                .map(|s| s.name.clone())
+                .collect();
+            (engine.backend(), all)
+        }
+        backends::Kind::Redis(remote) => {
+            let env = backends::open_redis(dir, &remote, RedisOptions::default())?;
+            let all = env
+                .maps
+                .load()?
+                .shards
+                .iter()
+                .map(|s| s.name.clone())
+                .collect();
+            (Arc::new(env.backend), all)
+        }
+    };
     let pick = |shard: &Option<String>| -> anyhow::Result<Vec<String>> {
         match shard {
             None => Ok(all.clone()),
@@ -507,6 +768,13 @@ fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {
 }
 
 fn repair(dir: &Path, shard: &str) -> anyhow::Result<ExitCode> {
+    if let backends::Kind::Redis(remote) = backends::kind(dir)? {
+        bail!(
+            "repair cuts corrupt records out of the embedded engine's logs; the shards of {} live on Redis ({}), which has no such log: check the server's own persistence instead",
+            dir.display(),
+            remote.map_url
+        );
+    }
     let report = shardq_fs::repair::repair(dir, shard)?;
     if report.cuts.is_empty() {
         println!("shard {shard}: no corruption found");

@@ -4,22 +4,24 @@
 //! Glue over `shardq_core::reshard`: the operations record a target map, and
 //! `rebalance` (run by remove-shard, set-weight, pin and unpin too) moves the
 //! keys with drain-then-switch. Nothing here changes routing by itself.
+//! Works on embedded and Redis data dirs alike (`backends` opens either).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use shardq_core::reshard::{
-    self, MapStore, RebalanceEvent, RebalanceOptions, RebalanceReport, ReshardBackend,
-    BATCH_DEFAULT, DRAIN_TIMEOUT_MS_DEFAULT,
+    self, RebalanceEvent, RebalanceOptions, RebalanceReport, BATCH_DEFAULT,
+    DRAIN_TIMEOUT_MS_DEFAULT,
 };
-use shardq_fs::map_store::{deploy_shard, FileMapStore};
-use shardq_fs::{EngineOptions, FsBackend};
+use shardq_fs::map_store::deploy_shard;
+use shardq_redis::is_redis_url;
+
+use crate::backends::{check_reachable, open_reshard, ReshardEnv};
 
 /// Most keys `hot` lists per shard.
 const HOT_TOP_MAX: usize = 10_000;
@@ -49,7 +51,9 @@ pub enum ReshardCommand {
         /// Relative capacity.
         #[arg(long, default_value_t = 1)]
         weight: u32,
-        /// Where the shard lives (`file:` or none for the embedded engine).
+        /// Where the shard lives: `file:` or none in an embedded data dir,
+        /// `redis://host:port/db` or `redis+cluster://host:port,...` (required)
+        /// in a Redis one.
         #[arg(long)]
         url: Option<String>,
     },
@@ -117,19 +121,12 @@ pub enum ReshardCommand {
     },
 }
 
-/// Everything a reshard command needs for one data dir.
-struct Env {
-    store: FileMapStore,
-    backend: Arc<dyn ReshardBackend>,
-}
+/// Everything a reshard command needs for one data dir, of either kind
+/// (see `backends`).
+type Env = ReshardEnv;
 
 fn open(dir: &Path) -> anyhow::Result<Env> {
-    let store = FileMapStore::open(dir).with_context(|| format!("data dir {}", dir.display()))?;
-    let backend = FsBackend::new(dir, EngineOptions::default())?;
-    Ok(Env {
-        store,
-        backend: Arc::new(backend),
-    })
+    open_reshard(dir)
 }
 
 pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
@@ -140,14 +137,22 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
             weight,
             url,
         } => {
-            if let Some(u) = &url {
-                if !(u.starts_with("file:")) {
-                    bail!("--url {u:?}: this data dir's shards live in the embedded engine; use `file:` or no --url");
-                }
-            }
             let env = open(&data)?;
-            deploy_shard(&data, &name).with_context(|| format!("deploying shard {name:?}"))?;
-            let version = reshard::add_shard(&env.store, &name, weight, url)?;
+            match (&url, env.redis) {
+                (Some(u), false) if !u.starts_with("file:") => {
+                    bail!("--url {u:?}: this data dir's shards live in the embedded engine; use `file:` or no --url (a map mixing the embedded engine and Redis is not supported)")
+                }
+                (None, true) => bail!(
+                    "--url is required: this data dir's shards live on Redis; give the new shard's server, e.g. --url redis://127.0.0.1:6379/0"
+                ),
+                (Some(u), true) if !is_redis_url(u) => bail!(
+                    "--url {u:?}: this data dir's shards live on Redis; expected redis://host:port/db or redis+cluster://host:port,... (a map mixing the embedded engine and Redis is not supported)"
+                ),
+                (Some(u), true) => check_reachable(&name, u)?,
+                _ => deploy_shard(&data, &name)
+                    .with_context(|| format!("deploying shard {name:?}"))?,
+            }
+            let version = reshard::add_shard(&*env.store, &name, weight, url)?;
             println!(
                 "shard {name} deployed as warming (map version {version}); run `shardq rebalance --data {}` to move its keys to it",
                 data.display()
@@ -167,7 +172,7 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
         }
         ReshardCommand::RemoveShard { data, name, opts } => {
             let env = open(&data)?;
-            reshard::remove_shard(&env.store, &name)?;
+            reshard::remove_shard(&*env.store, &name)?;
             rebalance(&env, &opts)
         }
         ReshardCommand::SetWeight {
@@ -177,7 +182,7 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
             opts,
         } => {
             let env = open(&data)?;
-            reshard::set_weight(&env.store, &name, weight)?;
+            reshard::set_weight(&*env.store, &name, weight)?;
             rebalance(&env, &opts)
         }
         ReshardCommand::Pin {
@@ -188,12 +193,12 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
         } => {
             let env = open(&data)?;
             shardq_core::validate_key(&key)?;
-            reshard::pin(&env.store, &key, &shard)?;
+            reshard::pin(&*env.store, &key, &shard)?;
             rebalance(&env, &opts)
         }
         ReshardCommand::Unpin { data, key, opts } => {
             let env = open(&data)?;
-            reshard::unpin(&env.store, &key)?;
+            reshard::unpin(&*env.store, &key)?;
             rebalance(&env, &opts)
         }
         ReshardCommand::Hot { data, top, json } => {
@@ -237,7 +242,7 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_message("pinning keys with work");
-    let report = reshard::rebalance(&*env.backend, &env.store, &options, &mut |ev| match ev {
+    let report = reshard::rebalance(&*env.backend, &*env.store, &options, &mut |ev| match ev {
         RebalanceEvent::Pinned { pinned, .. } => {
             bar.set_length(pinned as u64);
             bar.set_message("drain, then switch");
@@ -305,7 +310,7 @@ struct DryRun {
 
 fn dry_run_plan(env: &Env, json: bool) -> anyhow::Result<ExitCode> {
     let cur = env.store.load()?;
-    let target = reshard::current_target(&env.store)?;
+    let target = reshard::current_target(&*env.store)?;
     let moves = reshard::plan_moves(&*env.backend, &cur, &target)?;
     let mut keys_with_work = 0u64;
     for s in &cur.shards {

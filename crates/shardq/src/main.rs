@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod backends;
 mod bench_chx;
 mod bench_route;
 mod cmd_bench;
