@@ -1,0 +1,553 @@
+//! The command line on Redis shards, with real `redis-server` processes the
+//! tests start on free loopback ports (`shardq_redis::testing`; a missing
+//! `redis-server` fails the tests with a message saying what to install):
+//! init over four instances, enqueue, work, status; two workers with
+//! different data dirs sharing the shards, one of them SIGKILLed; a live
+//! rebalance from four instances to five under a producer and a worker
+//! process; an unreachable server named with its shard and URL.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use shardq_redis::testing::RedisServer;
+use shardq_route::{Router, ShardMap};
+
+const BIN: &str = env!("CARGO_BIN_EXE_shardq");
+/// Bound on every wait in these tests.
+const WAIT_MAX: Duration = Duration::from_secs(60);
+/// Worker lease: short, so a killed worker's shards are taken over quickly
+/// and a new shard is noticed within a third of it.
+const LEASE_MS: &str = "1000";
+/// Producer rounds (one job per tenant each) after the rebalance returned.
+const ROUNDS_AFTER: usize = 5;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardq-redis-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn shardq(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("runs shardq")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = shardq(args);
+    assert!(
+        out.status.success(),
+        "shardq {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn servers(n: usize) -> Vec<RedisServer> {
+    (0..n).map(|_| RedisServer::start()).collect()
+}
+
+fn urls(servers: &[RedisServer]) -> String {
+    servers
+        .iter()
+        .map(RedisServer::url)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn init(data: &Path, shards: usize, servers: &[RedisServer]) -> String {
+    ok(&[
+        "init",
+        "--data",
+        data.to_str().unwrap(),
+        "--shards",
+        &shards.to_string(),
+        "--redis",
+        &urls(servers),
+    ])
+}
+
+fn status_json(data: &Path) -> serde_json::Value {
+    serde_json::from_str(&ok(&["status", "--data", data.to_str().unwrap(), "--json"])).unwrap()
+}
+
+fn worker(data: &Path, out: &Path, max_shards: &str, exit_when_idle: bool) -> Child {
+    let mut args = vec![
+        "work".to_string(),
+        "--data".into(),
+        data.to_str().unwrap().into(),
+        "--max-local-shards".into(),
+        max_shards.into(),
+        "--concurrency".into(),
+        "4".into(),
+        "--lease-ms".into(),
+        LEASE_MS.into(),
+        "--handler-builtin".into(),
+        format!("append:{}", out.display()),
+    ];
+    if exit_when_idle {
+        args.push("--exit-when-idle".into());
+    }
+    // Its log goes next to its output, for the failure messages.
+    let log = std::fs::File::create(out.with_extension("log")).unwrap();
+    Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+fn worker_log(out: &Path) -> String {
+    std::fs::read_to_string(out.with_extension("log")).unwrap_or_default()
+}
+
+/// One line of the append handler: key, job id, attempt, shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    key: String,
+    id: u64,
+    attempt: u32,
+    shard: String,
+}
+
+fn runs(path: &Path) -> Vec<Run> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut p = l.split(' ');
+            Some(Run {
+                key: p.next()?.to_string(),
+                id: p.next()?.parse().ok()?,
+                attempt: p.next()?.parse().ok()?,
+                shard: p.next()?.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Per key, the jobs in the order their enqueues were reported, from
+/// `KEY<TAB>SHARD<TAB>ID` lines of `enqueue --stdin`.
+fn enqueued(stdout: &str) -> BTreeMap<String, Vec<(String, u64)>> {
+    let mut out: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
+    for l in stdout.lines() {
+        let mut p = l.split('\t');
+        let (Some(k), Some(s), Some(id)) = (p.next(), p.next(), p.next()) else {
+            panic!("bad enqueue line {l:?}");
+        };
+        out.entry(k.to_string())
+            .or_default()
+            .push((s.to_string(), id.parse().unwrap()));
+    }
+    out
+}
+
+/// What the runs say about the enqueued jobs.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Verdict {
+    lost: usize,
+    order_violations: usize,
+    /// Runs beyond a job's first.
+    reruns: usize,
+    /// Re-runs that were not a retry (attempt 1 seen twice).
+    reruns_at_attempt_one: usize,
+}
+
+fn verdict(expected: &BTreeMap<String, Vec<(String, u64)>>, runs: &[Run]) -> Verdict {
+    let mut pos: HashMap<(String, u64), (String, usize)> = HashMap::new();
+    for (k, jobs) in expected {
+        for (i, (s, id)) in jobs.iter().enumerate() {
+            pos.insert((s.clone(), *id), (k.clone(), i));
+        }
+    }
+    let mut v = Verdict::default();
+    let mut seen: HashMap<(String, u64), u32> = HashMap::new();
+    let mut last: HashMap<String, usize> = HashMap::new();
+    for r in runs {
+        let job = (r.shard.clone(), r.id);
+        let (key, i) = pos
+            .get(&job)
+            .unwrap_or_else(|| panic!("run of a job never enqueued: {r:?}"));
+        assert_eq!(key, &r.key, "{r:?}");
+        let n = seen.entry(job).or_default();
+        *n += 1;
+        if *n > 1 {
+            v.reruns += 1;
+            if r.attempt == 1 {
+                v.reruns_at_attempt_one += 1;
+            }
+            continue;
+        }
+        // First runs of a key must follow enqueue order with no gap.
+        let want = last.get(key).map_or(0, |l| l + 1);
+        if *i != want {
+            v.order_violations += 1;
+        }
+        last.insert(key.clone(), *i);
+    }
+    v.lost = pos.len() - seen.len();
+    v
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < WAIT_MAX, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sigterm_and_wait(child: &mut Child) {
+    let pid = child.id().to_string();
+    let _ = Command::new("kill").args(["-TERM", &pid]).status();
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return;
+        }
+        assert!(start.elapsed() < WAIT_MAX, "worker {pid} did not stop");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn jobs_text(keys: usize, per_key: usize) -> String {
+    let mut s = String::new();
+    for n in 0..per_key {
+        for k in 0..keys {
+            s.push_str(&format!("tenant-{k}\t{n}\n"));
+        }
+    }
+    s
+}
+
+#[test]
+fn init_over_four_instances_then_enqueue_work_and_status() {
+    let servers = servers(4);
+    let dir = temp_dir("basic");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    let said = init(&data, 4, &servers);
+    assert!(said.contains("4 shards on Redis"), "{said}");
+    assert!(data.join("remote.json").exists() && data.join("shardmap.yaml").exists());
+
+    let mut p = Command::new(BIN)
+        .args(["enqueue", "--data", d, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin
+        .take()
+        .unwrap()
+        .write_all(jobs_text(40, 10).as_bytes())
+        .unwrap();
+    let out = p.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let mut expected = enqueued(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(expected.values().map(Vec::len).sum::<usize>(), 400);
+    let solo = ok(&["enqueue", "--data", d, "--key", "solo", "--payload", "x"]);
+    let (shard, id) = solo.trim().split_once('\t').unwrap();
+    expected.insert(
+        "solo".into(),
+        vec![(shard.to_string(), id.parse().unwrap())],
+    );
+
+    // Shard i lives on instance i: its keys are there and nowhere else.
+    for (i, server) in servers.iter().enumerate() {
+        for (j, other) in servers.iter().enumerate() {
+            let exists = other.cli(&["EXISTS", &format!("sq:{{default:shard-{i}}}:meta")]);
+            assert_eq!(exists.trim() == "1", i == j, "shard-{i} on instance {j}");
+        }
+        let _ = server;
+    }
+    let st = status_json(&data);
+    assert_eq!(st["totals"]["ready"], 401, "{st}");
+    assert_eq!(st["shards"].as_array().unwrap().len(), 4);
+
+    let runs_file = dir.join("runs.txt");
+    let mut w = worker(&data, &runs_file, "all", true);
+    let start = Instant::now();
+    while w.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < WAIT_MAX, "worker did not exit when idle");
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(w.wait().unwrap().success());
+    let all = runs(&runs_file);
+    let v = verdict(&expected, &all[..]);
+    assert_eq!(v.lost, 0, "{v:?}");
+    assert_eq!(v.order_violations, 0, "{v:?}");
+    assert_eq!(all.len(), 401);
+    let st = status_json(&data);
+    assert_eq!(st["totals"]["ready"], 0, "{st}");
+    assert_eq!(st["totals"]["in_flight"], 0, "{st}");
+    // The worker released its leases on exit.
+    assert!(st["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["owner"].is_null()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_workers_with_different_data_dirs_share_the_shards() {
+    let servers = servers(4);
+    let dir = temp_dir("two");
+    let (d1, d2) = (dir.join("one"), dir.join("two"));
+    init(&d1, 4, &servers);
+    // Same shards from another data dir: it joins the map in Redis.
+    assert!(init(&d2, 4, &servers).contains("joined"));
+    // A different layout is refused unless asked for.
+    let other = shardq(&[
+        "init",
+        "--data",
+        dir.join("three").to_str().unwrap(),
+        "--shards",
+        "3",
+        "--redis",
+        &urls(&servers),
+    ]);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success() && err.contains("--join"), "{err}");
+
+    let mut p = Command::new(BIN)
+        .args(["enqueue", "--data", d1.to_str().unwrap(), "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin
+        .take()
+        .unwrap()
+        .write_all(jobs_text(100, 60).as_bytes())
+        .unwrap();
+    let out = p.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let expected = enqueued(&String::from_utf8_lossy(&out.stdout));
+    let total: usize = expected.values().map(Vec::len).sum();
+    assert_eq!(total, 6000);
+
+    // A takes two shards; B (the other data dir) the rest, then A's too
+    // once A is killed and its leases lapse.
+    let (f1, f2) = (dir.join("runs-1.txt"), dir.join("runs-2.txt"));
+    let mut a = worker(&d1, &f1, "2", false);
+    wait_until("worker A to claim two shards", || {
+        status_json(&d1)["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| !s["owner"].is_null())
+            .count()
+            == 2
+    });
+    let mut b = worker(&d2, &f2, "all", false);
+    wait_until("worker B to run jobs", || !runs(&f2).is_empty());
+    a.kill().unwrap();
+    a.wait().unwrap();
+    wait_until("every job to run", || {
+        let mut all = runs(&f1);
+        all.extend(runs(&f2));
+        verdict(&expected, &all).lost == 0
+    });
+    sigterm_and_wait(&mut b);
+    // B's lines come after A's: A was killed before B took its shards.
+    let mut all = runs(&f1);
+    all.extend(runs(&f2));
+    let v = verdict(&expected, &all);
+    assert_eq!(v.lost, 0, "{v:?}");
+    assert_eq!(v.order_violations, 0, "{v:?}");
+    assert_eq!(v.reruns_at_attempt_one, 0, "{v:?}");
+    // Only jobs in flight at the kill run again (4 slots per worker).
+    assert!(v.reruns <= 4, "{v:?}");
+    assert!(!runs(&f1).is_empty() && !runs(&f2).is_empty());
+    let st = status_json(&d2);
+    assert_eq!(st["totals"]["ready"], 0, "{st}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn load_map(data: &Path) -> ShardMap {
+    ShardMap::from_yaml(&std::fs::read_to_string(data.join("shardmap.yaml")).unwrap()).unwrap()
+}
+
+/// Feeds `enqueue --stdin` a round over every tenant per step.
+fn feed(stdin: &mut ChildStdin, tenants: usize, round: usize) {
+    let mut s = String::new();
+    for k in 0..tenants {
+        s.push_str(&format!("tenant-{k}\t{round}\n"));
+    }
+    stdin.write_all(s.as_bytes()).unwrap();
+    stdin.flush().unwrap();
+}
+
+#[test]
+fn rebalance_from_four_instances_to_five_under_load() {
+    let servers = servers(5);
+    let dir = temp_dir("rebalance");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    init(&data, 4, &servers[..4]);
+    let before = load_map(&data);
+
+    let runs_file = dir.join("runs.txt");
+    let mut w = worker(&data, &runs_file, "all", false);
+    let mut producer = Command::new(BIN)
+        .args(["enqueue", "--data", d, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = producer.stdin.take().unwrap();
+    let stdout = producer.stdout.take().unwrap();
+    // Read what the producer stored while it runs, so its pipe never fills.
+    let reader = thread::spawn(move || {
+        let mut lines = String::new();
+        for l in BufReader::new(stdout).lines() {
+            lines.push_str(&l.unwrap());
+            lines.push('\n');
+        }
+        lines
+    });
+    let tenants = 300;
+    let rebalanced = Arc::new(AtomicBool::new(false));
+    let feeder = {
+        let rebalanced = Arc::clone(&rebalanced);
+        thread::spawn(move || {
+            // A steady stream before and during the rebalance, and a few
+            // rounds after it.
+            let mut round = 0;
+            let mut after = 0;
+            while after < ROUNDS_AFTER {
+                feed(&mut stdin, tenants, round);
+                round += 1;
+                if rebalanced.load(Ordering::SeqCst) {
+                    after += 1;
+                }
+                thread::sleep(Duration::from_millis(25));
+            }
+            round
+        })
+    };
+    wait_until("jobs to run before the change", || {
+        runs(&runs_file).len() > 2_000
+    });
+    let added = ok(&[
+        "add-shard",
+        "--data",
+        d,
+        "shard-4",
+        "--url",
+        &servers[4].url(),
+    ]);
+    assert!(added.contains("warming"), "{added}");
+    let rb_out = shardq(&[
+        "rebalance",
+        "--data",
+        d,
+        "--json",
+        "--batch",
+        "16",
+        "--drain-timeout-ms",
+        "30000",
+    ]);
+    assert!(
+        rb_out.status.success(),
+        "rebalance failed: {}\nworker log:\n{}",
+        String::from_utf8_lossy(&rb_out.stderr),
+        worker_log(&runs_file)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&rb_out.stdout).unwrap();
+    rebalanced.store(true, Ordering::SeqCst);
+    let rounds = feeder.join().unwrap();
+    let out = producer.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "producer failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = enqueued(&reader.join().unwrap());
+    let total: usize = expected.values().map(Vec::len).sum();
+    assert_eq!(total, rounds * tenants);
+    wait_until("every job to run", || {
+        verdict(&expected, &runs(&runs_file)).lost == 0
+    });
+    sigterm_and_wait(&mut w);
+
+    let v = verdict(&expected, &runs(&runs_file));
+    assert_eq!(v, Verdict::default(), "no loss, no reordering, no re-run");
+
+    // The maps: 1 in 5 tenants moves, every one of them to the new shard.
+    let after = load_map(&data);
+    assert_eq!(after.shards.len(), 5);
+    assert!(after.overrides.is_empty(), "{:?}", after.overrides);
+    assert_eq!(after.version, report["to_version"].as_u64().unwrap());
+    let (rb, ra) = (Router::new(before).unwrap(), Router::new(after).unwrap());
+    let n = 10_000;
+    let mut moved = 0;
+    for i in 0..n {
+        let key = format!("tenant-{i}");
+        if rb.route(&key) != ra.route(&key) {
+            moved += 1;
+            assert_eq!(ra.route(&key), "shard-4", "{key}");
+            // Jobs enqueued after the switch went to the new shard.
+            if let Some(jobs) = expected.get(&key) {
+                assert_eq!(jobs.last().unwrap().0, "shard-4", "{key}");
+            }
+        }
+    }
+    let fraction = moved as f64 / n as f64;
+    assert!((fraction - 0.2).abs() <= 0.01, "moved fraction {fraction}");
+    // Keys drained and switched live all went to the new shard.
+    for (from, tos) in report["moves"].as_object().unwrap() {
+        for to in tos.as_object().unwrap().keys() {
+            assert_eq!(to, "shard-4", "{from} -> {to}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unreachable_server_is_named_with_its_shard_and_url() {
+    let mut servers = servers(2);
+    let dir = temp_dir("unreachable");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap().to_string();
+    init(&data, 2, &servers);
+    // Shards on Redis need a Redis url, and no embedded one.
+    let out = shardq(&["add-shard", "--data", &d, "shard-9"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--url is required"));
+    let out = shardq(&["add-shard", "--data", &d, "shard-9", "--url", "file:"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not supported"));
+
+    // A new shard on a server that does not answer: refused before it joins
+    // the map (after the bounded retries, about 7 s).
+    let spare = RedisServer::start();
+    let spare_url = spare.url();
+    drop(spare);
+    let add = shardq(&["add-shard", "--data", &d, "shard-9", "--url", &spare_url]);
+    // A shard whose server died: every command names it.
+    let dead_url = servers[1].url();
+    servers[1].kill();
+    let status = shardq(&["status", "--data", &d]);
+    for (out, shard, url) in [
+        (&status, "shard-1", &dead_url),
+        (&add, "shard-9", &spare_url),
+    ] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("shard {shard:?}"))
+                && err.contains(url.as_str())
+                && err.contains("Redis unreachable"),
+            "{err}"
+        );
+    }
+    // Nothing was published for the shard that could not be reached.
+    assert_eq!(load_map(&data).shards.len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
