@@ -141,6 +141,14 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         Ok(true)
     }
 
+    /// Re-reads the map if the cached one is older than `refresh_ms`.
+    fn reload_if_stale(&mut self) -> Result<(), ProduceError> {
+        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
+            self.reload()?;
+        }
+        Ok(())
+    }
+
     /// Routes `job` and enqueues it; returns where it landed.
     pub fn enqueue(&mut self, job: &NewJob) -> Result<Placed, ProduceError> {
         let mut placed = self.enqueue_batch(std::slice::from_ref(job))?;
@@ -158,9 +166,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
     /// the rest go ahead; on [`ProduceError::PausedTooLong`] every job of
     /// the other keys was enqueued and none of the named key's.
     pub fn enqueue_batch(&mut self, jobs: &[NewJob]) -> Result<Vec<Placed>, ProduceError> {
-        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
-            self.reload()?;
-        }
+        self.reload_if_stale()?;
         let started = Instant::now();
         let mut placed: Vec<Option<Placed>> = vec![None; jobs.len()];
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
@@ -235,12 +241,78 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 }
             } else if pending.iter().all(|&i| paused.contains(&jobs[i].key)) {
                 std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
-                self.reload()?;
+                // Not a reload per retry: a pause is lifted together with a
+                // raise of the old shard's fence (the retry is then Fenced
+                // and reloads), or after a drain timeout with the key still
+                // pinned there (the cached route stays right). Reading the
+                // map every millisecond parsed it, thousands of pins and all
+                // mid-rebalance, in every waiting producer.
+                self.reload_if_stale()?;
             }
         }
         match gave_up {
             Some(e) => Err(e),
             None => Ok(placed.into_iter().flatten().collect()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use shardq_route::{Algorithm, ShardMap};
+
+    use super::*;
+    use crate::memory::{MemoryBackend, MemoryMapStore};
+    use crate::SystemClock;
+
+    /// A map store that counts loads.
+    struct Counting {
+        inner: MemoryMapStore,
+        loads: AtomicUsize,
+    }
+
+    impl MapStore for Counting {
+        fn load(&self) -> Result<shardq_route::ShardMap, ReshardError> {
+            self.loads.fetch_add(1, Ordering::SeqCst);
+            self.inner.load()
+        }
+        fn publish(&self, map: &ShardMap, expected: u64) -> Result<(), ReshardError> {
+            self.inner.publish(map, expected)
+        }
+        fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+            self.inner.load_target()
+        }
+        fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+            self.inner.store_target(target)
+        }
+        fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+            self.inner.try_lock_rebalance()
+        }
+    }
+
+    #[test]
+    fn waiting_for_a_paused_key_does_not_reread_the_map_every_retry() {
+        let backend = Arc::new(MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock)));
+        let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap();
+        let shard = Router::new(map.clone()).unwrap().route("k").to_string();
+        let store = Arc::new(Counting {
+            inner: MemoryMapStore::new(map),
+            loads: AtomicUsize::new(0),
+        });
+        let mut fence = backend.fence(&shard).unwrap();
+        fence.paused_keys.insert("k".into());
+        backend.set_fence(&shard, &fence).unwrap();
+        let options = ProducerOptions {
+            pause_wait_ms: 100,
+            refresh_ms: 60_000,
+            ..ProducerOptions::default()
+        };
+        let mut producer = Producer::new(Arc::clone(&backend), store.clone(), options).unwrap();
+        let err = producer.enqueue(&NewJob::new("k", "x")).unwrap_err();
+        assert!(matches!(err, ProduceError::PausedTooLong { .. }), "{err}");
+        // One load when the producer was built; ~100 retries read nothing.
+        assert_eq!(store.loads.load(Ordering::SeqCst), 1);
     }
 }
