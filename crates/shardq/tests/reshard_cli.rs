@@ -704,9 +704,14 @@ fn reshard_under_load(
             "{k} has work, so it stays pinned to its old shard until drained"
         );
     }
+    // Every key, the held ones too, is offered new jobs while they are
+    // held: the rebalance must still be waiting for the first held key to
+    // drain (a switch before that would let its new jobs overtake its old ones).
+    let more: Vec<u64> = producers.iter().map(|p| p.cycles() + 1).collect();
+    wait_cycles(&producers, &more);
     assert!(
         rebalance.running(),
-        "the rebalance cannot finish while keys are held"
+        "the rebalance finished while a pinned key still had work on its old shard"
     );
     for k in held {
         release(&gates, k);
@@ -897,6 +902,15 @@ fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering
             Some(b.route(k))
         );
     }
+    // While the first key is held, its batch cannot drain: nothing switches.
+    let more: Vec<u64> = producers.iter().map(|p| p.cycles() + 1).collect();
+    wait_cycles(&producers, &more);
+    assert!(coordinator.running(), "the rebalance ended with keys held");
+    assert_eq!(
+        load_map(&s.data).version,
+        warming + 1,
+        "a held key switched"
+    );
     release(&gates, first);
     // SIGKILL as soon as the first batch has switched.
     wait_until("the first switch", || {
@@ -1004,6 +1018,11 @@ fn a_second_rebalance_is_refused_while_one_runs() {
         target_before
     );
     assert!(first.running());
+    assert_eq!(
+        load_map(&s.data).version,
+        warming + 1,
+        "nothing can switch before a worker drains the backlog"
+    );
 
     let worker = start_worker(&s, &Handler::Builtin, 4);
     let status = first.wait_bounded();
