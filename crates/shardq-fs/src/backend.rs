@@ -3,14 +3,21 @@
 //!
 //! Each shard has one in-process handle (a mutex around its log and its
 //! replayed state) plus a group-commit syncer outside that mutex, so threads
-//! keep appending while one of them fsyncs. This module must never route keys
-//! (callers pass the shard) nor decide ownership (the coordinator does).
+//! keep appending while one of them fsyncs. With `interval` durability a
+//! background flusher thread (one per backend, holding only a weak reference
+//! to the shards) fsyncs whatever an idle shard left unsynced. This module
+//! must never route keys (callers pass the shard) nor decide ownership (the
+//! coordinator does).
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use shardq_core::{
     Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
@@ -32,6 +39,8 @@ pub const ENQUEUE_BATCH_BYTES_MAX: usize = 256 << 20;
 pub const FENCE_FILE: &str = "fence.json";
 /// Default `interval` durability period.
 pub const SYNC_INTERVAL_MS_DEFAULT: u64 = 100;
+/// Shortest `interval` period the flusher wakes at (a period of 0 would spin).
+pub const SYNC_INTERVAL_MS_MIN: u64 = 1;
 
 /// When appended records are made durable, and what a crash can lose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,11 +50,12 @@ pub enum Durability {
     /// loses nothing that returned success.
     Fsync,
     /// fsync when `ms` have passed since the last one, checked on each
-    /// append, and on close. A power loss can lose the last `ms` of appends
-    /// (more if appends stop without a close); a process crash loses nothing
-    /// written.
+    /// append, plus a background flusher that wakes every `ms` and fsyncs
+    /// what an idle shard left unsynced, and on close. A power loss can lose
+    /// about the last `ms` of appends (plus the time an fsync takes); a
+    /// process crash loses nothing written.
     Interval {
-        /// Period.
+        /// Period (at least [`SYNC_INTERVAL_MS_MIN`]).
         ms: u64,
     },
     /// Never fsync; the OS writes back when it likes. A process crash loses
@@ -104,6 +114,10 @@ struct Syncer {
     synced_to: Mutex<u64>,
     latest: Mutex<Option<(u64, Arc<dyn LogFile>)>>,
     last_sync_ms: Mutex<u64>,
+    /// Set by a failed fsync: later syncs fail without trying (the kernel
+    /// may have dropped the dirty pages; a retry that succeeds proves
+    /// nothing).
+    failed: AtomicBool,
 }
 
 struct Shard {
@@ -113,11 +127,31 @@ struct Shard {
     sync: Syncer,
 }
 
+type Shards = RwLock<BTreeMap<String, Arc<Shard>>>;
+
+/// The `interval` flusher thread; dropping the sender wakes it to exit.
+struct Flusher {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Flusher {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            // It holds no lock of ours while waiting, and only a weak
+            // reference to the shards, so this returns within one fsync.
+            let _ = t.join();
+        }
+    }
+}
+
 /// The embedded engine's backend. See the module docs.
 pub struct FsBackend {
     dir: PathBuf,
     opts: EngineOptions,
-    shards: RwLock<BTreeMap<String, Arc<Shard>>>,
+    shards: Arc<Shards>,
+    _flusher: Option<Flusher>,
 }
 
 impl std::fmt::Debug for FsBackend {
@@ -141,10 +175,20 @@ impl FsBackend {
                 opts.payload_bytes_max
             )));
         }
+        let shards: Arc<Shards> = Arc::new(RwLock::new(BTreeMap::new()));
+        let flusher = match opts.durability {
+            Durability::Interval { ms } => Some(spawn_flusher(
+                Arc::downgrade(&shards),
+                Arc::clone(&opts.clock),
+                ms.max(SYNC_INTERVAL_MS_MIN),
+            )?),
+            _ => None,
+        };
         Ok(FsBackend {
             dir: dir.to_path_buf(),
             opts,
-            shards: RwLock::new(BTreeMap::new()),
+            shards,
+            _flusher: flusher,
         })
     }
 
@@ -195,6 +239,7 @@ impl FsBackend {
                 synced_to: Mutex::new(0),
                 latest: Mutex::new(None),
                 last_sync_ms: Mutex::new(self.opts.clock.now_ms()),
+                failed: AtomicBool::new(false),
             },
         });
         map.insert(name.to_string(), Arc::clone(&shard));
@@ -222,7 +267,7 @@ impl FsBackend {
             .collect();
         for s in shards {
             let end = lock(&s.sync.latest).as_ref().map(|(e, _)| *e).unwrap_or(0);
-            self.sync_to(&s, end)?;
+            sync_shard(&s, end, &*self.opts.clock)?;
         }
         Ok(())
     }
@@ -235,21 +280,7 @@ impl FsBackend {
     }
 
     fn sync_to(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
-        let mut synced = lock(&shard.sync.synced_to);
-        if *synced >= end {
-            return Ok(());
-        }
-        let Some((target, file)) = lock(&shard.sync.latest).clone() else {
-            return Ok(());
-        };
-        if let Err(e) = file.sync() {
-            let err = QueueError::io(format!("fsync of shard {:?}", shard.name), e);
-            drop(synced);
-            return Err(lock(&shard.inner).log.poison(err));
-        }
-        *synced = target;
-        *lock(&shard.sync.last_sync_ms) = self.opts.clock.now_ms();
-        Ok(())
+        sync_shard(shard, end, &*self.opts.clock)
     }
 
     fn after_append(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
@@ -696,6 +727,72 @@ impl FsBackend {
         self.after_append(&shard, end)?;
         Ok(count)
     }
+}
+
+/// Makes the shard's appends up to at least `end` durable; threads share one
+/// fsync (group commit: whoever syncs covers every write before it).
+fn sync_shard(shard: &Shard, end: u64, clock: &dyn Clock) -> Result<(), QueueError> {
+    let mut synced = lock(&shard.sync.synced_to);
+    if *synced >= end {
+        return Ok(());
+    }
+    if shard.sync.failed.load(Ordering::Acquire) {
+        return Err(QueueError::Poisoned {
+            shard: shard.name.clone(),
+            cause: "an earlier fsync failed; reopen the shard".into(),
+        });
+    }
+    let Some((target, file)) = lock(&shard.sync.latest).clone() else {
+        return Ok(());
+    };
+    if let Err(e) = file.sync() {
+        shard.sync.failed.store(true, Ordering::Release);
+        let err = QueueError::io(format!("fsync of shard {:?}", shard.name), e);
+        drop(synced);
+        return Err(lock(&shard.inner).log.poison(err));
+    }
+    *synced = target;
+    *lock(&shard.sync.last_sync_ms) = clock.now_ms();
+    Ok(())
+}
+
+/// Starts the `interval` flusher: every `period_ms` it fsyncs each shard with
+/// appends not yet synced, so an idle tail is durable within about one
+/// period. It exits when the backend is dropped (the stop channel closes, or
+/// the weak reference no longer upgrades).
+fn spawn_flusher(
+    shards: Weak<Shards>,
+    clock: Arc<dyn Clock>,
+    period_ms: u64,
+) -> Result<Flusher, QueueError> {
+    let (stop, wake) = mpsc::channel::<()>();
+    let period = Duration::from_millis(period_ms);
+    let thread = std::thread::Builder::new()
+        .name("shardq-flusher".into())
+        .spawn(move || loop {
+            match wake.recv_timeout(period) {
+                Err(RecvTimeoutError::Timeout) => {}
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+            }
+            let Some(map) = shards.upgrade() else { return };
+            let list: Vec<Arc<Shard>> = map
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            drop(map);
+            for shard in list {
+                let end = lock(&shard.sync.latest).as_ref().map_or(0, |(e, _)| *e);
+                // A failure poisons the shard; its next operation reports it.
+                let _ = sync_shard(&shard, end, &*clock);
+            }
+        })
+        .map_err(|e| QueueError::io("starting the interval flusher thread".to_string(), e))?;
+    Ok(Flusher {
+        stop: Some(stop),
+        thread: Some(thread),
+    })
 }
 
 /// Sorts `shard-10` after `shard-9`.

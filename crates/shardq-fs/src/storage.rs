@@ -7,7 +7,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Suffix of segment files; the stem is the segment's base position,
@@ -117,14 +117,19 @@ impl Storage for OsStorage {
     }
 }
 
-/// Test storage: the real file system, with switches that make appends or
-/// fsyncs fail (as a full disk or a failing device would).
+/// Test storage: the real file system, with switches that make appends,
+/// fsyncs or deletions fail (as a full disk, a failing device or a crash
+/// would), and a count of file fsyncs.
 #[derive(Debug, Default, Clone)]
 pub struct FaultyStorage {
     /// When set, every append fails (after writing half the bytes).
     pub fail_appends: Arc<AtomicBool>,
     /// When set, every fsync fails.
     pub fail_syncs: Arc<AtomicBool>,
+    /// When set, every segment deletion fails (leaves the file in place).
+    pub fail_removes: Arc<AtomicBool>,
+    /// File fsyncs that succeeded.
+    pub syncs: Arc<AtomicU64>,
 }
 
 struct FaultyFile {
@@ -151,7 +156,9 @@ impl LogFile for FaultyFile {
         if self.owner.fail_syncs.load(Ordering::SeqCst) {
             return Err(io::Error::other("injected fsync failure"));
         }
-        self.inner.sync()
+        self.inner.sync()?;
+        self.owner.syncs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
@@ -169,6 +176,9 @@ impl Storage for FaultyStorage {
         }))
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
+        if self.fail_removes.load(Ordering::SeqCst) {
+            return Err(io::Error::other("injected deletion failure"));
+        }
         OsStorage.remove(path)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {

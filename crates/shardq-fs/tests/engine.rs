@@ -488,3 +488,56 @@ fn pool_limit_is_shared_by_all_owned_shards() {
     assert_eq!(shards.lock().unwrap().len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Polls `cond` every few ms for up to `limit`; returns how long it took.
+fn wait_for(
+    limit: std::time::Duration,
+    mut cond: impl FnMut() -> bool,
+) -> Option<std::time::Duration> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    None
+}
+
+#[test]
+fn interval_durability_syncs_an_idle_tail_within_the_interval() {
+    let dir = data_dir("interval-idle", 1);
+    // The clock stands still, so no append ever finds the interval passed:
+    // only the background flusher can sync.
+    let clock = ManualClock::new(1_000_000);
+    let faulty = FaultyStorage::default();
+    let interval_ms = 100;
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            durability: shardq_fs::Durability::Interval { ms: interval_ms },
+            storage: Arc::new(faulty.clone()),
+            ..opts(&clock)
+        },
+    )
+    .unwrap();
+    let b = engine.backend();
+    for round in 0..3 {
+        let before = faulty.syncs.load(Ordering::SeqCst);
+        b.enqueue("shard-0", 1, &[NewJob::new("k", format!("idle {round}"))])
+            .unwrap();
+        // One period plus generous slack for a loaded machine.
+        let took = wait_for(std::time::Duration::from_secs(2), || {
+            faulty.syncs.load(Ordering::SeqCst) > before
+        });
+        let took = took.unwrap_or_else(|| panic!("round {round}: idle tail never synced"));
+        assert!(
+            took < std::time::Duration::from_millis(interval_ms * 10),
+            "round {round}: synced after {took:?}"
+        );
+    }
+    // Dropping the engine stops the flusher (the drop joins it).
+    drop(b);
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+}
