@@ -26,7 +26,7 @@ use shardq_core::{
 };
 use shardq_route::validate_shard_name;
 
-use crate::log::{ShardLog, Tail, SEGMENT_BYTES_DEFAULT};
+use crate::log::{ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 use crate::record::{self, decode, Record};
 use crate::state::{Pick, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
@@ -309,16 +309,15 @@ impl FsBackend {
                 self.opts.segment_bytes_max,
                 true,
             )?;
-            let replica = ShardState::new(log.first_base(), self.opts.dead_policy);
+            let replica = ShardState::new(log.first_base(), log.reclaimed(), self.opts.dead_policy);
             inner.log = log;
             inner.replica = Some(replica);
         }
         let Inner { log, replica, .. } = inner;
         let replica = replica.as_mut().expect("built above");
-        let mut apply = |pos, base, rec: &Record<'_>| replica.apply(pos, base, rec);
-        if log.catch_up(false, &mut apply)? == Tail::NeedsLock {
+        if log.catch_up(false, replica)? == Tail::NeedsLock {
             let _guard = log.lock()?;
-            log.catch_up(true, &mut apply)?;
+            log.catch_up(true, replica)?;
         }
         Ok(())
     }
@@ -336,8 +335,8 @@ impl FsBackend {
         {
             let Inner { log, replica, .. } = &mut *inner;
             match replica {
-                Some(r) => log.catch_up(true, &mut |p, b, rec| r.apply(p, b, rec))?,
-                None => log.catch_up(true, &mut |_, _, _| Ok(()))?,
+                Some(r) => log.catch_up(true, r)?,
+                None => log.catch_up(true, &mut Validate)?,
             };
         }
         let start = inner.log.end_pos();
@@ -401,17 +400,50 @@ impl FsBackend {
         Ok(fence)
     }
 
+    /// Reclaims finished segments (owner only; see "Compaction" in
+    /// `docs/design.md`): records every sealed segment whose jobs are all
+    /// finished as reclaimed, then deletes the files of reclaimed segments
+    /// whose records refer only to reclaimed jobs. A failed fsync or list
+    /// write poisons the log; a failed deletion leaves the file for the next
+    /// round.
     fn compact(&self, inner: &mut Inner) -> Result<(), QueueError> {
-        let Inner { log, replica, .. } = inner;
-        let Some(r) = replica.as_mut() else {
+        let Inner {
+            log,
+            replica,
+            owned,
+            ..
+        } = inner;
+        let Some(r) = replica.as_mut().filter(|_| *owned) else {
             return Ok(());
         };
-        for base in log.sealed_bases() {
-            if r.live_in_segment(base) > 0 {
-                break;
+        let sealed = log.sealed_segments();
+        let finished: Vec<(u64, u64)> = sealed
+            .iter()
+            .copied()
+            .filter(|&(b, e)| r.live_in_segment(b) == 0 && !log.reclaimed().covers(b, e))
+            .collect();
+        if !finished.is_empty() {
+            // The records that finished these jobs reach the disk before the
+            // list says they are finished (sealed segments already did).
+            log.sync_current()?;
+            // Union with the list on disk: a previous owner may have
+            // recorded ranges this replica has not heard of.
+            let mut next = log.reload_reclaimed()?.clone();
+            for &(b, e) in &finished {
+                next.insert(b, e);
             }
-            let first = log.delete_first(base)?;
-            r.set_base(first);
+            log.store_reclaimed(next)?;
+            r.set_reclaimed(log.reclaimed());
+        }
+        for (b, e) in sealed {
+            if log.reclaimed().covers(b, e) && !r.segment_refers_to_live(b) {
+                if log.delete_segment(b).is_err() {
+                    // Kept for now: it is recorded as reclaimed, so replay
+                    // skips its jobs, and the next round deletes it.
+                    break;
+                }
+                r.forget_segment(b);
+            }
         }
         Ok(())
     }
@@ -494,8 +526,13 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
+        // A previous owner may have reclaimed ranges this replica has not
+        // stepped over yet.
+        let reclaimed = inner.log.reload_reclaimed()?.clone();
+        let r = inner.replica.as_mut().expect("refreshed");
+        r.set_reclaimed(&reclaimed);
+        r.reset_in_flight();
         inner.owned = true;
-        inner.replica.as_mut().expect("refreshed").reset_in_flight();
         Ok(())
     }
 
@@ -723,6 +760,9 @@ impl FsBackend {
             }
             Ok(bytes)
         })?;
+        if !retry {
+            self.compact(&mut inner)?;
+        }
         drop(inner);
         self.after_append(&shard, end)?;
         Ok(count)

@@ -48,6 +48,7 @@ pub mod layout;
 mod log;
 pub mod map_store;
 pub mod membership;
+pub mod reclaim;
 pub mod record;
 pub mod repair;
 mod state;

@@ -1,6 +1,6 @@
 //! One shard's append-only log: segment files, the cross-process append lock,
-//! tailing, torn-tail truncation, corruption detection, rolling and the
-//! deletion of finished segments.
+//! tailing, torn-tail truncation, corruption detection, rolling, stepping
+//! over reclaimed (deleted) segments and deleting them.
 //!
 //! Rules this module keeps (argued in `docs/design.md`):
 //! * bytes are appended only while holding the shard's `.append.lock` flock,
@@ -9,7 +9,11 @@
 //! * bad bytes are judged only while holding that lock (no writer can be
 //!   half-way): a torn tail is truncated, anything else is corruption and the
 //!   shard stops serving; records are never skipped;
-//! * after a failed write or fsync the log refuses all further work.
+//! * after a failed write or fsync the log refuses all further work;
+//! * a segment missing after a seal is stepped over only if the reclaimed
+//!   list covers it (read after listing the directory: compaction records a
+//!   range before it deletes a file), and the replay hears of the new ranges
+//!   before any record past them.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -20,6 +24,7 @@ use std::sync::Arc;
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::QueueError;
 
+use crate::reclaim::Reclaimed;
 use crate::record::{self, decode, DecodeError, Record, HEADER_BYTES};
 use crate::storage::{list_segments, segment_name, LogFile, Storage};
 
@@ -34,6 +39,26 @@ const CLAIM_READ_BYTES: usize = 512;
 /// Attempts to list and open segments while compaction deletes some.
 const LIST_RETRIES_MAX: usize = 16;
 
+/// What reading the log feeds.
+pub(crate) trait Replay {
+    /// One record at global position `pos` of the segment at `seg_base`.
+    fn record(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String>;
+    /// The reclaimed ranges as now recorded (a superset of any told before);
+    /// told before any record read after stepping over a deleted segment.
+    fn reclaimed(&mut self, reclaimed: &Reclaimed);
+}
+
+/// Replay for a process that only appends: records are checked by decoding
+/// and otherwise ignored.
+pub(crate) struct Validate;
+
+impl Replay for Validate {
+    fn record(&mut self, _: u64, _: u64, _: &Record<'_>) -> Result<(), String> {
+        Ok(())
+    }
+    fn reclaimed(&mut self, _: &Reclaimed) {}
+}
+
 /// Where tailing stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Tail {
@@ -43,6 +68,9 @@ pub(crate) enum Tail {
     /// writer may be half-way, so only a locked pass can judge them.
     NeedsLock,
 }
+
+/// A segment's base and open file.
+type OpenSegment = (u64, Arc<dyn LogFile>);
 
 /// Holds the append flock until dropped.
 pub(crate) struct AppendGuard(Arc<File>);
@@ -60,6 +88,13 @@ pub(crate) struct ShardLog {
     storage: Arc<dyn Storage>,
     append_lock: Arc<File>,
     segments: BTreeMap<u64, Arc<dyn LogFile>>,
+    /// Sealed segments read through: base -> position after the seal (the
+    /// next segment's base).
+    ends: BTreeMap<u64, u64>,
+    /// The reclaimed list as last read.
+    reclaimed: Reclaimed,
+    /// Set after reading a seal until the next segment is open.
+    after_seal: Option<u64>,
     cur_base: u64,
     cur_off: u64,
     segment_bytes_max: u64,
@@ -99,6 +134,9 @@ impl ShardLog {
             storage,
             append_lock: Arc::new(append_lock),
             segments: BTreeMap::new(),
+            ends: BTreeMap::new(),
+            reclaimed: Reclaimed::default(),
+            after_seal: None,
             cur_base: 0,
             cur_off: 0,
             segment_bytes_max,
@@ -152,6 +190,9 @@ impl ShardLog {
             if vanished {
                 continue;
             }
+            // Read after listing: a file missing from the listing was
+            // recorded before it was deleted.
+            self.reclaimed = Reclaimed::load(&self.name, &self.dir)?;
             self.segments = opened;
             self.cur_base = if from_start {
                 first
@@ -174,6 +215,17 @@ impl ShardLog {
             .next()
             .copied()
             .unwrap_or(self.cur_base)
+    }
+
+    /// The reclaimed list as last read.
+    pub fn reclaimed(&self) -> &Reclaimed {
+        &self.reclaimed
+    }
+
+    /// Re-reads the reclaimed list from disk.
+    pub fn reload_reclaimed(&mut self) -> Result<&Reclaimed, QueueError> {
+        self.reclaimed = Reclaimed::load(&self.name, &self.dir)?;
+        Ok(&self.reclaimed)
     }
 
     /// Offset of the read position within the current segment.
@@ -252,43 +304,25 @@ impl ShardLog {
     /// says the caller holds the append lock, which allows judging bad
     /// bytes (truncate a torn tail, report corruption) and creating the
     /// segment after a seal.
-    pub fn catch_up(
-        &mut self,
-        locked: bool,
-        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
-    ) -> Result<Tail, QueueError> {
+    pub fn catch_up(&mut self, locked: bool, replay: &mut dyn Replay) -> Result<Tail, QueueError> {
         self.check_usable()?;
+        // A seal read by an earlier pass that could not go on.
+        if !self.step_past_seal(locked, replay)? {
+            return Ok(Tail::NeedsLock);
+        }
         loop {
             let file = self.current_file()?;
             let len = file.len().map_err(io_err(format!(
                 "reading the length of {}",
                 self.segment_path(self.cur_base).display()
             )))?;
-            match self.read_segment(&*file, len, locked, apply)? {
+            match self.read_segment(&*file, len, locked, replay)? {
                 SegmentEnd::Sealed => {
                     let next = self.cur_base + self.cur_off;
-                    let path = self.segment_path(next);
-                    match self.storage.open(&path, locked) {
-                        Ok(f) => {
-                            if locked {
-                                self.storage.sync_dir(&self.dir).map_err(|e| {
-                                    self.poison(QueueError::io(
-                                        format!("syncing {}", self.dir.display()),
-                                        e,
-                                    ))
-                                })?;
-                            }
-                            self.segments.insert(next, f);
-                            self.cur_base = next;
-                            self.cur_off = 0;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                            // The roller has not created it yet.
-                            return Ok(Tail::NeedsLock);
-                        }
-                        Err(e) => {
-                            return Err(QueueError::io(format!("opening {}", path.display()), e))
-                        }
+                    self.ends.insert(self.cur_base, next);
+                    self.after_seal = Some(next);
+                    if !self.step_past_seal(locked, replay)? {
+                        return Ok(Tail::NeedsLock);
                     }
                 }
                 SegmentEnd::Clean => return Ok(Tail::Clean),
@@ -297,15 +331,124 @@ impl ShardLog {
         }
     }
 
+    /// Moves into the segment after the seal read last, if one is pending;
+    /// false when only a locked pass can.
+    fn step_past_seal(
+        &mut self,
+        locked: bool,
+        replay: &mut dyn Replay,
+    ) -> Result<bool, QueueError> {
+        let Some(next) = self.after_seal else {
+            return Ok(true);
+        };
+        let Some((base, f)) = self.next_segment(next, locked, replay)? else {
+            return Ok(false);
+        };
+        self.after_seal = None;
+        self.segments.insert(base, f);
+        self.cur_base = base;
+        self.cur_off = 0;
+        Ok(true)
+    }
+
+    /// The segment the log continues in after a seal that ends at `next`:
+    /// normally the file at `next`; past a reclaimed gap, the first file
+    /// after it; `None` when only a locked pass can decide (the roller may
+    /// not have created it yet).
+    fn next_segment(
+        &mut self,
+        next: u64,
+        locked: bool,
+        replay: &mut dyn Replay,
+    ) -> Result<Option<OpenSegment>, QueueError> {
+        if let Some(f) = self.segments.get(&next) {
+            // Opened earlier: read it even if it was deleted since.
+            return Ok(Some((next, Arc::clone(f))));
+        }
+        let mut want = next;
+        for _ in 0..LIST_RETRIES_MAX {
+            let path = self.segment_path(want);
+            match self.storage.open(&path, false) {
+                Ok(f) => return Ok(Some((want, f))),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(QueueError::io(format!("opening {}", path.display()), e)),
+            }
+            // List first, then read the list of reclaimed ranges: a file
+            // missing from the listing was recorded there before it was
+            // deleted.
+            let bases = list_segments(&self.dir).map_err(io_err(format!(
+                "listing segments of {}",
+                self.dir.display()
+            )))?;
+            if bases.binary_search(&next).is_ok() {
+                // Created meanwhile (by a roller, as we hold no lock).
+                want = next;
+                continue;
+            }
+            let later = bases.iter().copied().find(|&b| b > next);
+            let reclaimed = Reclaimed::load(&self.name, &self.dir)?;
+            match later {
+                Some(b) if reclaimed.covers(next, b) => {
+                    if reclaimed != self.reclaimed {
+                        self.reclaimed = reclaimed;
+                        replay.reclaimed(&self.reclaimed);
+                    }
+                    want = b;
+                }
+                Some(b) if locked => {
+                    return Err(QueueError::Corrupt {
+                        shard: self.name.clone(),
+                        segment: segment_name(next),
+                        offset: 0,
+                        reason: format!(
+                            "the segment is missing but not recorded as reclaimed in {}; \
+                             the next segment is {} (restore the file from a backup)",
+                            crate::reclaim::RECLAIMED_FILE,
+                            segment_name(b)
+                        ),
+                    });
+                }
+                Some(_) => return Ok(None),
+                None if reclaimed.contains(next) => {
+                    return Err(QueueError::Corrupt {
+                        shard: self.name.clone(),
+                        segment: segment_name(next),
+                        offset: 0,
+                        reason: "the log ends in a reclaimed range: its current segment is missing"
+                            .into(),
+                    });
+                }
+                None if locked => {
+                    // A roller died between sealing and creating the next
+                    // segment: create it for them.
+                    let f = self
+                        .storage
+                        .open(&path, true)
+                        .map_err(io_err(format!("creating {}", path.display())))?;
+                    self.storage.sync_dir(&self.dir).map_err(|e| {
+                        self.poison(QueueError::io(format!("syncing {}", self.dir.display()), e))
+                    })?;
+                    return Ok(Some((next, f)));
+                }
+                None => return Ok(None),
+            }
+        }
+        Err(QueueError::Backend(format!(
+            "shard {:?}: segments after {} kept vanishing while stepping over them",
+            self.name,
+            segment_name(next)
+        )))
+    }
+
     fn read_segment(
         &mut self,
         file: &dyn LogFile,
         len: u64,
         locked: bool,
-        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
+        replay: &mut dyn Replay,
     ) -> Result<SegmentEnd, QueueError> {
         let mut buf = std::mem::take(&mut self.buf);
-        let result = self.read_segment_inner(file, len, locked, apply, &mut buf);
+        let result = self.read_segment_inner(file, len, locked, replay, &mut buf);
         buf.clear();
         if buf.capacity() > READ_CHUNK_BYTES * 2 {
             buf.shrink_to(READ_CHUNK_BYTES);
@@ -319,7 +462,7 @@ impl ShardLog {
         file: &dyn LogFile,
         len: u64,
         locked: bool,
-        apply: &mut dyn FnMut(u64, u64, &Record<'_>) -> Result<(), String>,
+        replay: &mut dyn Replay,
         buf: &mut Vec<u8>,
     ) -> Result<SegmentEnd, QueueError> {
         let mut need = HEADER_BYTES;
@@ -337,7 +480,7 @@ impl ShardLog {
                 match decode(&buf[p..]) {
                     Ok((rec, n)) => {
                         let pos = self.cur_base + self.cur_off + p as u64;
-                        apply(pos, self.cur_base, &rec).map_err(|reason| {
+                        replay.record(pos, self.cur_base, &rec).map_err(|reason| {
                             QueueError::Inconsistent {
                                 shard: self.name.clone(),
                                 segment: segment_name(self.cur_base),
@@ -463,6 +606,7 @@ impl ShardLog {
                 ))
             })?;
         self.segments.insert(next, f);
+        self.ends.insert(self.cur_base, next);
         self.cur_base = next;
         self.cur_off = 0;
         Ok(())
@@ -500,19 +644,48 @@ impl ShardLog {
         Ok(rec)
     }
 
-    /// Sealed segments before the current one, oldest first.
-    pub fn sealed_bases(&self) -> Vec<u64> {
+    /// Sealed segments read through and still kept, as `(base, end)`,
+    /// oldest first.
+    pub fn sealed_segments(&self) -> Vec<(u64, u64)> {
         self.segments
             .keys()
-            .copied()
-            .filter(|&b| b < self.cur_base)
+            .filter(|&&b| b < self.cur_base)
+            .filter_map(|b| self.ends.get(b).map(|&e| (*b, e)))
             .collect()
     }
 
-    /// Deletes the oldest segment (all its jobs are finished). Returns the
-    /// new first base.
-    pub fn delete_first(&mut self, base: u64) -> Result<u64, QueueError> {
+    /// Makes everything appended to the current segment durable (earlier
+    /// segments were fsynced when sealed). Poisons the log on failure.
+    pub fn sync_current(&mut self) -> Result<(), QueueError> {
+        self.check_usable()?;
+        let file = self.current_file()?;
+        file.sync().map_err(|e| {
+            let path = self.segment_path(self.cur_base);
+            self.poison(QueueError::io(format!("syncing {}", path.display()), e))
+        })
+    }
+
+    /// Records `reclaimed` (the caller's union of the list on disk and new
+    /// ranges) before any segment in it is deleted. Poisons the log on
+    /// failure: the file may or may not have been replaced.
+    pub fn store_reclaimed(&mut self, reclaimed: Reclaimed) -> Result<(), QueueError> {
+        self.check_usable()?;
+        if let Err(e) = reclaimed.store(&self.dir) {
+            let path = self.dir.join(crate::reclaim::RECLAIMED_FILE);
+            return Err(self.poison(QueueError::io(format!("writing {}", path.display()), e)));
+        }
+        self.reclaimed = reclaimed;
+        Ok(())
+    }
+
+    /// Deletes a sealed segment whose range is recorded as reclaimed.
+    pub fn delete_segment(&mut self, base: u64) -> Result<(), QueueError> {
         assert!(base < self.cur_base, "the current segment is never deleted");
+        let end = self.ends.get(&base).copied().unwrap_or(base + 1);
+        assert!(
+            self.reclaimed.covers(base, end),
+            "a segment is deleted only after its range is recorded as reclaimed"
+        );
         let path = self.segment_path(base);
         match self.storage.remove(&path) {
             Ok(()) => {}
@@ -520,7 +693,8 @@ impl ShardLog {
             Err(e) => return Err(QueueError::io(format!("deleting {}", path.display()), e)),
         }
         self.segments.remove(&base);
-        Ok(self.first_base())
+        self.ends.remove(&base);
+        Ok(())
     }
 }
 

@@ -1,6 +1,11 @@
 //! The in-memory view of one shard, rebuilt by replaying its log: per-key
 //! queues, in-flight heads, dead jobs, a scheduler of claimable keys, and
-//! per-segment counts of unfinished jobs (for compaction).
+//! per segment the count of unfinished jobs and the other segments whose jobs
+//! its records refer to (for compaction).
+//!
+//! Reclaimed ranges hold only finished jobs: their enqueues are skipped and
+//! records referring to them are ignored silently, unlike references into a
+//! repair hole or to unknown jobs.
 //!
 //! Every process that reads a shard keeps one; only the owner claims from it.
 //! It must never do I/O: the log feeds it records and writes what it picks.
@@ -11,6 +16,8 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
 
+use crate::log::Replay;
+use crate::reclaim::Reclaimed;
 use crate::record::Record;
 
 /// A pending job: 24 bytes. The key and payload stay on disk and are read
@@ -51,6 +58,17 @@ pub(crate) struct Pick {
     pub not_before_ms: u64,
 }
 
+/// Compaction's view of one segment.
+#[derive(Debug, Default)]
+struct SegInfo {
+    /// Unfinished jobs enqueued in it.
+    live: u64,
+    /// Bases of earlier segments holding jobs its records refer to (claims,
+    /// acks, fails, dead changes); usually one or two. The file must be
+    /// kept until those are reclaimed, or replay would miss the records.
+    refs: Vec<u64>,
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub(crate) struct ShardState {
@@ -62,10 +80,11 @@ pub(crate) struct ShardState {
     dead: BTreeMap<u64, DeadEntry>,
     ready: VecDeque<u32>,
     timers: BinaryHeap<Reverse<(u64, u32)>>,
-    /// Unfinished jobs per segment base.
-    seg_live: BTreeMap<u64, u64>,
-    /// Ids below this were in deleted (fully finished) segments.
-    base: u64,
+    /// Per segment base, of segments that enqueued or referred to a job.
+    segs: BTreeMap<u64, SegInfo>,
+    /// Ranges whose jobs are all finished (recorded, plus everything below
+    /// the first segment kept).
+    reclaimed: Reclaimed,
     /// Ranges cut out by repair: references into them are to lost jobs.
     holes: Vec<(u64, u64)>,
     in_flight_ids: HashMap<u64, u32, Xxh3Builder>,
@@ -73,7 +92,12 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
-    pub fn new(base: u64, policy: DeadPolicy) -> ShardState {
+    /// A state for a log whose first kept segment starts at `base`.
+    pub fn new(base: u64, reclaimed: &Reclaimed, policy: DeadPolicy) -> ShardState {
+        let mut reclaimed = reclaimed.clone();
+        // Segments before the first kept one were deleted finished (older
+        // versions deleted only such prefixes, without recording them).
+        reclaimed.insert(0, base);
         ShardState {
             keys: Vec::new(),
             index: HashMap::with_hasher(Xxh3Builder::new()),
@@ -81,8 +105,8 @@ impl ShardState {
             dead: BTreeMap::new(),
             ready: VecDeque::new(),
             timers: BinaryHeap::new(),
-            seg_live: BTreeMap::new(),
-            base,
+            segs: BTreeMap::new(),
+            reclaimed,
             holes: Vec::new(),
             in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
             policy,
@@ -142,9 +166,9 @@ impl ShardState {
     }
 
     /// A reference to a job the state does not know: fine if the job was in a
-    /// deleted segment or a repaired hole, an inconsistency otherwise.
+    /// repaired hole (repair reported it lost), an inconsistency otherwise.
     fn unknown(&self, id: u64, what: &str) -> Result<(), String> {
-        if id < self.base || self.in_hole(id) {
+        if self.in_hole(id) {
             Ok(())
         } else {
             Err(format!(
@@ -162,13 +186,53 @@ impl ShardState {
     }
 
     fn finish(&mut self, id: u64) {
-        if let Some((_, live)) = self.seg_live.range_mut(..=id).next_back() {
-            *live = live.saturating_sub(1);
+        if let Some((_, seg)) = self.segs.range_mut(..=id).next_back() {
+            seg.live = seg.live.saturating_sub(1);
+        }
+    }
+
+    /// Notes that a record in the segment at `seg_base` refers to job `id`.
+    fn note_ref(&mut self, seg_base: u64, id: u64) {
+        let Some((&job_base, _)) = self.segs.range(..=id).next_back() else {
+            return;
+        };
+        if job_base != seg_base {
+            let refs = &mut self.segs.entry(seg_base).or_default().refs;
+            if !refs.contains(&job_base) {
+                refs.push(job_base);
+            }
+        }
+    }
+
+    /// The job a record refers to, if it is not in a reclaimed range.
+    fn referred(rec: &Record<'_>) -> Option<u64> {
+        match *rec {
+            Record::Claim { job, .. }
+            | Record::Ack { job, .. }
+            | Record::Fail { job, .. }
+            | Record::DeadRetry { job }
+            | Record::DeadPurge { job } => Some(job),
+            Record::Enqueue { .. } | Record::Seal | Record::Hole { .. } => None,
         }
     }
 
     /// Applies one record at log position `pos` of the segment at `seg_base`.
     pub fn apply(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
+        let job = Self::referred(rec);
+        if let Some(job) = job {
+            if self.reclaimed.contains(job) {
+                // Finished long ago; its segment may be gone.
+                return Ok(());
+            }
+        }
+        self.apply_inner(pos, seg_base, rec)?;
+        if let Some(job) = job {
+            self.note_ref(seg_base, job);
+        }
+        Ok(())
+    }
+
+    fn apply_inner(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
         match *rec {
             Record::Enqueue {
                 not_before_ms,
@@ -176,6 +240,11 @@ impl ShardState {
                 key,
                 ..
             } => {
+                if self.reclaimed.contains(pos) {
+                    // Reclaimed: finished, and so are all records about it.
+                    self.segs.entry(seg_base).or_default();
+                    return Ok(());
+                }
                 let k = self.key_index(key);
                 self.keys[k as usize].queue.push_back(Slot {
                     id: pos,
@@ -183,7 +252,7 @@ impl ShardState {
                     attempt: 0,
                     max_attempts,
                 });
-                *self.seg_live.entry(seg_base).or_insert(0) += 1;
+                self.segs.entry(seg_base).or_default().live += 1;
                 self.schedule(k);
             }
             Record::Claim { job, attempt, key } => {
@@ -433,12 +502,79 @@ impl ShardState {
 
     /// Unfinished jobs enqueued in the segment at `base`.
     pub fn live_in_segment(&self, base: u64) -> u64 {
-        self.seg_live.get(&base).copied().unwrap_or(0)
+        self.segs.get(&base).map_or(0, |s| s.live)
     }
 
-    /// The segments before `base` were deleted.
-    pub fn set_base(&mut self, base: u64) {
-        self.base = base;
-        self.seg_live = self.seg_live.split_off(&base);
+    /// Whether the file of the segment at `base` holds records about jobs
+    /// outside the reclaimed ranges (so it must be kept).
+    pub fn segment_refers_to_live(&self, base: u64) -> bool {
+        self.segs
+            .get(&base)
+            .is_some_and(|s| s.refs.iter().any(|&r| !self.reclaimed.contains(r)))
+    }
+
+    /// The segment at `base` was deleted.
+    pub fn forget_segment(&mut self, base: u64) {
+        self.segs.remove(&base);
+    }
+
+    /// Learns the reclaimed ranges (a superset of those known). Jobs in them
+    /// are finished: a replica that lagged behind the compaction may still
+    /// hold some whose finishing records were in segments it will now step
+    /// over, so they are dropped here.
+    pub fn set_reclaimed(&mut self, reclaimed: &Reclaimed) {
+        self.reclaimed.extend(reclaimed);
+        let stale = self
+            .segs
+            .iter()
+            .any(|(&b, s)| s.live > 0 && self.reclaimed.contains(b));
+        if !stale {
+            return;
+        }
+        let r = &self.reclaimed;
+        for ks in &mut self.keys {
+            let head_gone = ks.queue.front().is_some_and(|h| r.contains(h.id));
+            ks.queue.retain(|s| !r.contains(s.id));
+            if head_gone {
+                ks.in_flight = false;
+            }
+        }
+        self.in_flight_ids.retain(|&id, _| !r.contains(id));
+        let dead: Vec<u64> = self
+            .dead
+            .keys()
+            .copied()
+            .filter(|&id| r.contains(id))
+            .collect();
+        for id in dead {
+            if let Some(e) = self.dead.remove(&id) {
+                self.keys[e.key as usize].dead -= 1;
+            }
+        }
+        for (&b, s) in self.segs.iter_mut() {
+            if r.contains(b) {
+                s.live = 0;
+            }
+        }
+        // Rebuild the scheduler: heads changed.
+        self.ready.clear();
+        self.timers.clear();
+        for k in 0..self.keys.len() as u32 {
+            self.keys[k as usize].scheduled = false;
+        }
+        let live: Vec<u32> = self.index.values().copied().collect();
+        for k in live {
+            self.schedule(k);
+            self.maybe_drop_key(k);
+        }
+    }
+}
+
+impl Replay for ShardState {
+    fn record(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
+        self.apply(pos, seg_base, rec)
+    }
+    fn reclaimed(&mut self, reclaimed: &Reclaimed) {
+        self.set_reclaimed(reclaimed);
     }
 }

@@ -541,3 +541,244 @@ fn interval_durability_syncs_an_idle_tail_within_the_interval() {
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A shard's queue as replay sees it: counts and the dead list.
+fn shard_view(engine: &Engine) -> (shardq_fs::StatusTotals, Vec<(u64, String, String)>) {
+    let dead = engine
+        .backend()
+        .dead_list("shard-0", 100)
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.id.0, d.key, d.reason))
+        .collect();
+    (engine.status().unwrap().totals, dead)
+}
+
+/// Options for the compaction tests: small segments, no fsync per append.
+fn small_segments(
+    clock: &ManualClock,
+    storage: Arc<dyn shardq_fs::storage::Storage>,
+) -> EngineOptions {
+    EngineOptions {
+        segment_bytes_max: 4096,
+        durability: shardq_fs::Durability::None,
+        storage,
+        ..opts(clock)
+    }
+}
+
+/// Dead-letters one job (in the first segment), then runs `rounds` of
+/// enqueue 10 / claim / ack; returns the most segment files seen at once.
+fn dead_job_then_traffic(b: &shardq_fs::FsBackend, dir: &Path, rounds: usize) -> usize {
+    b.adopt("shard-0").unwrap();
+    b.enqueue("shard-0", 1, &[job("poison", "never works", 1)])
+        .unwrap();
+    let c = b.claim("shard-0", 10).unwrap();
+    let (poison, others): (Vec<_>, Vec<_>) = c.iter().partition(|j| j.payload == b"never works");
+    assert_eq!(poison.len(), 1);
+    assert_eq!(
+        b.fail("shard-0", poison[0].id, "bad").unwrap(),
+        FailOutcome::Dead
+    );
+    let others: Vec<JobId> = others.iter().map(|j| j.id).collect();
+    if !others.is_empty() {
+        b.ack("shard-0", &others).unwrap();
+    }
+    let mut max_segments = 0;
+    for round in 0..rounds {
+        let jobs: Vec<NewJob> = (0..10)
+            .map(|i| NewJob::new(format!("k{i}"), vec![round as u8; 100]))
+            .collect();
+        b.enqueue("shard-0", 1, &jobs).unwrap();
+        let claimed = b.claim("shard-0", 100).unwrap();
+        let ids: Vec<JobId> = claimed.iter().map(|c| c.id).collect();
+        b.ack("shard-0", &ids).unwrap();
+        max_segments = max_segments.max(list_segments(&dir.join("shard-0")).unwrap().len());
+    }
+    max_segments
+}
+
+#[test]
+fn a_dead_job_in_the_first_segment_does_not_pin_later_ones() {
+    let dir = data_dir("compact-dead", 1);
+    let clock = ManualClock::new(1_000_000);
+    let os: Arc<dyn shardq_fs::storage::Storage> = Arc::new(shardq_fs::storage::OsStorage);
+    // A producer that appended before the traffic and a replica that read
+    // the shard before it: both must step over the reclaimed middle later.
+    let producer = Engine::open(&dir, small_segments(&clock, Arc::clone(&os))).unwrap();
+    producer
+        .backend()
+        .enqueue("shard-0", 1, &[NewJob::new("p", "early")])
+        .unwrap();
+    let lagging = Engine::open(&dir, small_segments(&clock, Arc::clone(&os))).unwrap();
+    assert_eq!(lagging.status().unwrap().totals.ready, 1);
+
+    let owner = Engine::open(&dir, small_segments(&clock, Arc::clone(&os))).unwrap();
+    let b = owner.backend();
+    let max_segments = dead_job_then_traffic(&b, &dir, 300);
+    // 300 rounds write ~100 segments' worth. Kept: the first (dead job), the
+    // next (it acks jobs of the first), the current, and one being reclaimed.
+    assert!(max_segments <= 5, "{max_segments} segments kept");
+    let sdir = dir.join("shard-0");
+    assert_eq!(
+        list_segments(&sdir).unwrap()[0],
+        0,
+        "the dead job's segment stays"
+    );
+
+    let late = producer
+        .backend()
+        .enqueue("shard-0", 1, &[NewJob::new("p", "late")])
+        .unwrap();
+    let got = b.claim("shard-0", 10).unwrap();
+    assert_eq!(
+        ids(&got),
+        ["late"],
+        "the producer's append after the gap is seen"
+    );
+    assert_eq!(got[0].id, late[0]);
+    b.ack("shard-0", &[got[0].id]).unwrap();
+    b.enqueue("shard-0", 1, &[NewJob::new("q", "pending")])
+        .unwrap();
+
+    let expected = shard_view(&owner);
+    assert_eq!(expected.0.ready, 1);
+    assert_eq!(expected.1.len(), 1);
+    assert_eq!(shard_view(&lagging), expected, "lagging replica");
+    drop((owner, lagging, producer));
+    let fresh = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(shard_view(&fresh), expected, "replay from scratch");
+
+    // Purging the dead job lets the first segments go too.
+    let b = fresh.backend();
+    b.adopt("shard-0").unwrap();
+    assert_eq!(b.dead_purge("shard-0", None).unwrap(), 1);
+    let c = b.claim("shard-0", 10).unwrap();
+    b.ack("shard-0", &[c[0].id]).unwrap();
+    let left = list_segments(&sdir).unwrap();
+    assert!(left.len() <= 2 && left[0] > 0, "segments left: {left:?}");
+    drop(fresh);
+    let again = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(
+        again.status().unwrap().totals,
+        shardq_fs::StatusTotals::default()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_crash_during_compaction_loses_nothing() {
+    let dir = data_dir("compact-crash", 1);
+    let clock = ManualClock::new(1_000_000);
+    // Every deletion fails: what a crash right after the reclaimed list was
+    // written leaves behind, for every segment at once.
+    let faulty = FaultyStorage::default();
+    faulty.fail_removes.store(true, Ordering::SeqCst);
+    let owner = Engine::open(&dir, small_segments(&clock, Arc::new(faulty.clone()))).unwrap();
+    dead_job_then_traffic(&owner.backend(), &dir, 60);
+    owner
+        .backend()
+        .enqueue("shard-0", 1, &[NewJob::new("q", "pending")])
+        .unwrap();
+    let expected = shard_view(&owner);
+    assert_eq!((expected.0.ready, expected.1.len()), (1, 1));
+    drop(owner);
+    let sdir = dir.join("shard-0");
+    let all = list_segments(&sdir).unwrap();
+    assert!(
+        all.len() > 10,
+        "nothing was deleted: {} segments",
+        all.len()
+    );
+    assert!(sdir.join(shardq_fs::reclaim::RECLAIMED_FILE).exists());
+    let seg = |b: u64| shardq_fs::storage::segment_name(b);
+
+    // Each crash image: (name, files to delete, keep the reclaimed list).
+    let middle = &all[2..all.len() - 1];
+    let images: Vec<(&str, Vec<u64>, bool)> = vec![
+        ("after the list, before any deletion", vec![], true),
+        ("before the list was written", vec![], false),
+        (
+            "during deletion, oldest first",
+            middle[..middle.len() / 2].to_vec(),
+            true,
+        ),
+        // Deletions not yet durable come back after a power loss in any
+        // combination.
+        (
+            "deletions partly undone",
+            middle.iter().copied().step_by(3).collect(),
+            true,
+        ),
+    ];
+    for (name, delete, keep_list) in images {
+        let img = dir.with_file_name(format!(
+            "{}-img",
+            dir.file_name().unwrap().to_str().unwrap()
+        ));
+        copy_dir(&dir, &img);
+        let isdir = img.join("shard-0");
+        for b in delete {
+            std::fs::remove_file(isdir.join(seg(b))).unwrap();
+        }
+        if !keep_list {
+            std::fs::remove_file(isdir.join(shardq_fs::reclaim::RECLAIMED_FILE)).unwrap();
+        }
+        let engine = Engine::open(
+            &img,
+            small_segments(&clock, Arc::new(shardq_fs::storage::OsStorage)),
+        )
+        .unwrap();
+        assert_eq!(shard_view(&engine), expected, "{name}: replay");
+        // Recovery: the next compaction finishes the job.
+        let b = engine.backend();
+        b.adopt("shard-0").unwrap();
+        // Same key: "pending" runs, "one more" waits in its place.
+        b.enqueue("shard-0", 1, &[NewJob::new("q", "one more")])
+            .unwrap();
+        let c = b.claim("shard-0", 10).unwrap();
+        assert_eq!(ids(&c), ["pending"], "{name}");
+        b.ack("shard-0", &[c[0].id]).unwrap();
+        let left = list_segments(&isdir).unwrap().len();
+        assert!(left <= 4, "{name}: {left} segments left after compaction");
+        drop(engine);
+        let engine = Engine::open(&img, EngineOptions::default()).unwrap();
+        assert_eq!(
+            shard_view(&engine),
+            expected,
+            "{name}: replay after compaction"
+        );
+        drop(engine);
+        let _ = std::fs::remove_dir_all(&img);
+    }
+
+    // A middle segment missing without being recorded is corruption, never
+    // skipped silently.
+    std::fs::remove_file(sdir.join(shardq_fs::reclaim::RECLAIMED_FILE)).unwrap();
+    std::fs::remove_file(sdir.join(seg(middle[0]))).unwrap();
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let err = engine.status().unwrap_err();
+    assert!(
+        matches!(err, FsError::Queue(QueueError::Corrupt { .. })),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("not recorded as reclaimed"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
