@@ -9,7 +9,7 @@
 //! one script, and never claim, ack or fail without a token the shard's
 //! lease still carries.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
@@ -92,8 +92,10 @@ impl std::fmt::Debug for RedisOptions {
 /// What this process holds of an adopted shard.
 struct Held {
     token: u64,
-    /// Jobs handed out and not yet acked or failed here.
-    in_flight: HashSet<u64>,
+    /// Jobs handed out and not yet acked or failed here, with their routing
+    /// keys: an ack names the key, so the script checks the key's one job in
+    /// flight instead of reading the job.
+    in_flight: HashMap<u64, String>,
 }
 
 pub(crate) struct ShardRef {
@@ -457,7 +459,7 @@ impl QueueBackend for RedisBackend {
         }
         *s.held() = Some(Held {
             token,
-            in_flight: HashSet::new(),
+            in_flight: HashMap::new(),
         });
         Ok(())
     }
@@ -480,7 +482,7 @@ impl QueueBackend for RedisBackend {
         if max == 0 {
             return Ok(Vec::new());
         }
-        let known: Vec<String> = held.in_flight.iter().map(|i| i.to_string()).collect();
+        let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
         let job_lease_ms = self.inner.opts.job_lease_ms;
         let v = self.script(s, &self.inner.scripts.claim, held.token, &|c, attempt| {
             c.arg(max).arg(job_lease_ms).arg(RECLAIM_BATCH_MAX);
@@ -499,24 +501,28 @@ impl QueueBackend for RedisBackend {
             other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
         }
         let it = reply::items(&v);
-        let mut out = Vec::with_capacity((it.len() - 1) / 7);
-        for j in it[1..].chunks(7) {
+        let mut out = Vec::with_capacity((it.len() - 1) / 2);
+        for j in it[1..].chunks(2) {
             let bad = || self.protocol(s, "claim reply has a malformed job");
-            if j.len() != 7 {
+            if j.len() != 2 {
                 return Err(bad());
             }
             let id = reply::u64(&j[0]).ok_or_else(bad)?;
+            let rec = reply::bytes(&j[1])
+                .and_then(JobRecord::parse)
+                .ok_or_else(bad)?;
+            held.in_flight.insert(id, rec.key.clone());
             out.push(ClaimedJob {
                 shard: s.name.clone(),
                 id: JobId(id),
-                attempt: reply::u64(&j[1]).ok_or_else(bad)? as u32,
-                max_attempts: reply::u64(&j[2]).ok_or_else(bad)? as u32,
-                created_ms: reply::u64(&j[3]).ok_or_else(bad)?,
-                not_before_ms: reply::u64(&j[4]).ok_or_else(bad)?,
-                key: reply::string(&j[5]).ok_or_else(bad)?,
-                payload: reply::bytes(&j[6]).map(<[u8]>::to_vec).unwrap_or_default(),
+                // The record counts finished attempts; this is the next one.
+                attempt: rec.attempts + 1,
+                max_attempts: rec.max_attempts,
+                created_ms: rec.created_ms,
+                not_before_ms: rec.not_before_ms,
+                key: rec.key,
+                payload: rec.payload.to_vec(),
             });
-            held.in_flight.insert(id);
         }
         Ok(out)
     }
@@ -529,7 +535,13 @@ impl QueueBackend for RedisBackend {
         let token = held.token;
         let mut first_missing = None;
         for chunk in ids.chunks(ACK_BATCH_MAX) {
-            let list: Vec<String> = chunk.iter().map(|i| i.0.to_string()).collect();
+            let mut list: Vec<String> = Vec::with_capacity(chunk.len() * 2);
+            for id in chunk {
+                list.push(id.0.to_string());
+                // Unknown here (not claimed by this process): the script
+                // looks the key up in the job's record.
+                list.push(held.in_flight.get(&id.0).cloned().unwrap_or_default());
+            }
             let retried = std::cell::Cell::new(false);
             let v = self.script(s, &self.inner.scripts.ack, token, &|c, attempt| {
                 retried.set(attempt > 0);
@@ -596,16 +608,8 @@ impl QueueBackend for RedisBackend {
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        let ready = &s.keys[2];
-        let v: Vec<(String, f64)> = s.node.run(&s.name, |con, _| {
-            redis::cmd("ZRANGE")
-                .arg(ready)
-                .arg(0)
-                .arg(0)
-                .arg("WITHSCORES")
-                .query(con)
-        })?;
-        Ok(v.first().map(|(_, score)| *score as u64))
+        let v = self.script(s, &self.inner.scripts.next_due, 0, &|_, _| {})?;
+        Ok(reply::u64(&v))
     }
 
     fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
@@ -702,7 +706,7 @@ impl QueueBackend for RedisBackend {
     }
 }
 
-/// Routing keys one inventory script call looks at (each costs two lookups).
+/// `HSCAN` count hint of one inventory script call (routing keys looked at).
 pub const INVENTORY_KEYS_PER_CALL: usize = 1024;
 /// Most keys with work one inventory reports per shard; a shard with more
 /// is refused with an error rather than scanned without end.
@@ -736,17 +740,17 @@ impl RedisBackend {
 }
 
 impl shardq_core::reshard::KeyInventory for RedisBackend {
-    /// Two bounded walks: `pending` key by key (cursor in lex order, so
-    /// concurrent enqueues never make it loop), then `busy` by `HSCAN` for
-    /// keys whose only work is in flight. Not one atomic snapshot: a
-    /// rebalance scans again after fencing, which catches what raced.
+    /// One bounded walk of the shard's `keys` hash by `HSCAN` (a field per
+    /// key with a waiting job or one in flight; concurrent writes never make
+    /// it loop). Not one atomic snapshot: a rebalance scans again after
+    /// fencing, which catches what raced.
     fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
         let mut found: std::collections::BTreeMap<String, KeyCounts> = Default::default();
-        let mut cursor = "-".to_string();
+        let mut cursor = "0".to_string();
         loop {
-            let v = self.script(s, &self.inner.scripts.inventory_pending, 0, &|c, _| {
+            let v = self.script(s, &self.inner.scripts.inventory, 0, &|c, _| {
                 c.arg(&cursor).arg(INVENTORY_KEYS_PER_CALL);
             })?;
             let it = reply::items(&v);
@@ -757,6 +761,7 @@ impl shardq_core::reshard::KeyInventory for RedisBackend {
                     return Err(bad());
                 }
                 let n = |i: usize| reply::u64(&k[i]).ok_or_else(bad);
+                // HSCAN may return a key twice; the later look is fresher.
                 found.insert(
                     reply::string(&k[0]).ok_or_else(bad)?,
                     KeyCounts {
@@ -769,42 +774,92 @@ impl shardq_core::reshard::KeyInventory for RedisBackend {
             if found.len() > INVENTORY_KEYS_MAX {
                 return Err(Self::too_many_keys(s));
             }
-            if next.is_empty() {
-                break;
-            }
-            cursor = next;
-        }
-        let mut cursor = "0".to_string();
-        loop {
-            let v = self.script(s, &self.inner.scripts.inventory_busy, 0, &|c, _| {
-                c.arg(&cursor).arg(INVENTORY_KEYS_PER_CALL);
-            })?;
-            let it = reply::items(&v);
-            let bad = || self.protocol(s, "inventory reply is malformed");
-            let next = it.first().and_then(reply::string).ok_or_else(bad)?;
-            for k in it[1..].chunks(3) {
-                if k.len() != 3 {
-                    return Err(bad());
-                }
-                let n = |i: usize| reply::u64(&k[i]).ok_or_else(bad);
-                // The later look wins: it is the fresher one.
-                found.insert(
-                    reply::string(&k[0]).ok_or_else(bad)?,
-                    KeyCounts {
-                        depth: n(1)?,
-                        in_flight: 1,
-                        dead: n(2)?,
-                    },
-                );
-            }
-            if found.len() > INVENTORY_KEYS_MAX {
-                return Err(Self::too_many_keys(s));
-            }
             if next == "0" {
                 break;
             }
             cursor = next;
         }
         Ok(found.into_iter().collect())
+    }
+}
+
+/// One job's record in the shard's `jobs` hash:
+/// `<not_before_ms>|<attempts>|<max_attempts>|<created_ms>|<key len>|<key><payload>`
+/// (the scripts in `scripts.rs` write it).
+#[derive(Debug, PartialEq)]
+pub(crate) struct JobRecord<'a> {
+    pub(crate) not_before_ms: u64,
+    /// Finished attempts (a job in flight is on attempt `attempts + 1`).
+    pub(crate) attempts: u32,
+    pub(crate) max_attempts: u32,
+    pub(crate) created_ms: u64,
+    pub(crate) key: String,
+    pub(crate) payload: &'a [u8],
+}
+
+impl JobRecord<'_> {
+    /// `None` for anything but a well-formed record.
+    pub(crate) fn parse(b: &[u8]) -> Option<JobRecord<'_>> {
+        let mut rest = b;
+        let mut num = || -> Option<u64> {
+            let end = rest.iter().position(|&c| c == b'|')?;
+            let v = std::str::from_utf8(&rest[..end]).ok()?.parse().ok()?;
+            rest = &rest[end + 1..];
+            Some(v)
+        };
+        let not_before_ms = num()?;
+        let attempts = u32::try_from(num()?).ok()?;
+        let max_attempts = u32::try_from(num()?).ok()?;
+        let created_ms = num()?;
+        let key_len = usize::try_from(num()?).ok()?;
+        if rest.len() < key_len {
+            return None;
+        }
+        let (key, payload) = rest.split_at(key_len);
+        Some(JobRecord {
+            not_before_ms,
+            attempts,
+            max_attempts,
+            created_ms,
+            key: String::from_utf8(key.to_vec()).ok()?,
+            payload,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JobRecord;
+
+    fn check(rec: &[u8], expected: Option<JobRecord<'_>>) {
+        assert_eq!(
+            JobRecord::parse(rec),
+            expected,
+            "{:?}",
+            String::from_utf8_lossy(rec)
+        );
+    }
+
+    fn job(attempts: u32, key: &str, payload: &'static [u8]) -> Option<JobRecord<'static>> {
+        Some(JobRecord {
+            not_before_ms: 5,
+            attempts,
+            max_attempts: 3,
+            created_ms: 4,
+            key: key.to_string(),
+            payload,
+        })
+    }
+
+    #[test]
+    fn job_records() {
+        check(b"5|0|3|4|1|kp", job(0, "k", b"p"));
+        // Keys and payloads may hold the separator; the key length decides.
+        check(b"5|1|3|4|3|a|b|x|", job(1, "a|b", b"|x|"));
+        check(b"5|0|3|4|2|ab", job(0, "ab", b""));
+        check(b"5|0|3|4|3|ab", None);
+        check(b"5|0|3|4|", None);
+        check(b"5|x|3|4|1|k", None);
+        check(b"", None);
     }
 }

@@ -35,18 +35,25 @@ pub const REBALANCE_LOCK_KEY: &str = "sq:{=map}:rebalance";
 
 /// The parts of one shard, in the order scripts receive them as `KEYS`.
 ///
-/// * `meta` hash: `seq` (last job id), `fmin` (fence: oldest map version).
-/// * `pending` zset, all scores 0, members `<len:4 hex><key><id:16 hex>`:
-///   lexicographic order is per-key FIFO, the head of a key is one
-///   `ZRANGEBYLEX` away. Jobs waiting to start or to be retried.
-/// * `ready` zset: routing keys that may start, score = not-before (ms) of
-///   the head or the time the key was freed. Every key with pending jobs,
-///   nothing in flight and no halt is here; an ack adds its key without
-///   looking at the next head, and claim drops keys whose head is gone.
+/// * `meta` hash: `seq` (last job id), `fmin` (fence: oldest map version),
+///   `pend` (jobs waiting to start or to be retried, for counts).
+/// * `jobs` hash: job id -> one record,
+///   `<not_before_ms>|<attempts>|<max_attempts>|<created_ms>|<key len>|<key><payload>`.
+///   `attempts` counts finished attempts: claim does not rewrite the record,
+///   the attempt in flight is `attempts + 1` until a fail or reclaim writes
+///   it back.
+/// * `keys` hash: routing key -> `<head> <tail> <depth> <in flight>`, the
+///   key's queue of waiting jobs (ids, 0 for none) and the id of its one
+///   job in flight (0 for none). Present iff the key has a waiting job or
+///   one in flight.
+/// * `next` hash: job id -> id of the job after it in its key's queue.
+/// * `ready` list: routing keys that may start now, oldest first.
+/// * `later` zset: routing key -> not-before (ms) of its head, for heads
+///   that must wait (a delay or a retry backoff).
+///
+///   A key is in `ready` or `later` (once, never both) iff it has a waiting
+///   job, nothing in flight and no halt.
 /// * `inflight` zset: job id -> lease deadline (ms).
-/// * `hdr` hash: job id -> `attempts|max_attempts|created_ms|not_before_ms|key`.
-/// * `pay` hash: job id -> payload bytes.
-/// * `busy` hash: routing key -> id of its job in flight (at most one).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
 /// * `delayed` zset: job id -> not-before, for jobs enqueued or retried with
@@ -56,7 +63,7 @@ pub const REBALANCE_LOCK_KEY: &str = "sq:{=map}:rebalance";
 ///   grows), `until` (ms).
 /// * `reason` hash: job id -> last failure reason.
 pub const SHARD_PARTS: [&str; 13] = [
-    "meta", "pending", "ready", "inflight", "hdr", "pay", "busy", "dead", "deadn", "delayed",
+    "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason",
 ];
 

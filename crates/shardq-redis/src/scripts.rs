@@ -15,7 +15,7 @@ use redis::{Cmd, ConnectionLike, ErrorKind, RedisResult, Value};
 
 /// Helpers shared by the shard scripts.
 const PRELUDE: &str = r#"
-local K_META, K_PEND, K_READY, K_INF, K_HDR, K_PAY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local HALT = ARGV[3] == '1'
 local function now_ms()
@@ -25,58 +25,72 @@ local function now_ms()
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
-local function kprefix(k) return string.format('%04x', #k) .. k end
-local function member(k, id) return kprefix(k) .. string.format('%016x', id) end
-local function member_id(mem) return tonumber(string.sub(mem, -16), 16) end
-local function parse(h)
-  local a, m, c, n, k = string.match(h, '^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
-  return tonumber(a), tonumber(m), tonumber(c), tonumber(n), k
+-- A job record: not_before|attempts|max_attempts|created|key length|key payload.
+local function rec_parse(r)
+  local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+  kl = tonumber(kl)
+  return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
-local function header(a, m, c, n, k)
-  return idstr(a) .. '|' .. idstr(m) .. '|' .. idstr(c) .. '|' .. idstr(n) .. '|' .. k
+local function rec_nbf(r) return tonumber(string.match(r, '^(%d+)')) end
+-- The record with a new not-before and attempt count; key and payload kept.
+local function rec_set(r, n, a)
+  local p = string.match(r, '^%d+|%d+|()')
+  return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
 end
-local function head(k)
-  local p = kprefix(k)
-  local r = redis.call('ZRANGEBYLEX', K_PEND, '[' .. p, '(' .. p .. 'g', 'LIMIT', 0, 1)
-  return r[1]
+-- A key's queue: head, tail, depth, job in flight (ids; 0 for none).
+local function kparse(s)
+  if not s then return {h = 0, t = 0, d = 0, f = 0} end
+  local h, t, d, f = string.match(s, '^(%d+) (%d+) (%d+) (%d+)$')
+  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f)}
+end
+local function kfmt(q) return idstr(q.h) .. ' ' .. idstr(q.t) .. ' ' .. idstr(q.d) .. ' ' .. idstr(q.f) end
+-- A key with nothing waiting and nothing in flight has no entry at all.
+local function kstore(k, q)
+  if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
 end
 local function halted(k)
   return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
 end
--- The one place that restores "a key is in ready iff it has pending jobs,
--- nothing in flight and is not halted", with its head's start time.
-local function refresh(k, free)
-  if (not free and redis.call('HEXISTS', K_BUSY, k) == 1) or halted(k) then
-    redis.call('ZREM', K_READY, k)
-    return
+-- Call only for a key that is in neither ready nor later (it was in flight
+-- or had nothing waiting): restores "a key is in ready or later iff it has
+-- a waiting job, nothing in flight and no halt". With no start time given
+-- the key goes to ready and claim moves it to later if its head must wait.
+local function kready(k, q, nbf, now)
+  if q.d == 0 or q.f ~= 0 or halted(k) then return end
+  if nbf and nbf > now then
+    redis.call('ZADD', K_LATER, nbf, k)
+  else
+    redis.call('RPUSH', K_READY, k)
   end
-  local mem = head(k)
-  if not mem then
-    redis.call('ZREM', K_READY, k)
-    return
-  end
-  local _, _, _, n = parse(redis.call('HGET', K_HDR, idstr(member_id(mem))))
-  redis.call('ZADD', K_READY, n, k)
+end
+-- Back to the head of its key: a failed or reclaimed job runs before the
+-- key's later jobs.
+local function push_head(q, id)
+  if q.h ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(q.h)) else q.t = id end
+  q.h = id
+  q.d = q.d + 1
+  redis.call('HINCRBY', K_META, 'pend', 1)
 end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
   redis.call('HINCRBY', K_DEADN, k, 1)
   redis.call('HSET', K_REASON, ids, why)
 end
--- Out of flight without an ack: back to the head of its key (its id is the
--- key's smallest), or dead when out of attempts.
-local function requeue(ids, why)
+-- Out of flight without an ack: the attempt counts; back to the head of its
+-- key, or dead when out of attempts.
+local function requeue(ids, why, now)
   redis.call('ZREM', K_INF, ids)
-  local h = redis.call('HGET', K_HDR, ids)
-  if not h then return end
-  local a, m, _, _, k = parse(h)
-  if redis.call('HGET', K_BUSY, k) == ids then redis.call('HDEL', K_BUSY, k) end
-  if a >= m then
-    bury(ids, k, why)
-  else
-    redis.call('ZADD', K_PEND, 0, member(k, tonumber(ids)))
-  end
-  refresh(k, false)
+  local r = redis.call('HGET', K_JOBS, ids)
+  if not r then return end
+  local n, a, m, _, k = rec_parse(r)
+  a = a + 1
+  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
+  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local was_flying = q.f == tonumber(ids)
+  if was_flying then q.f = 0 end
+  if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
+  kstore(k, q)
+  if was_flying then kready(k, q, nil, now) end
 end
 "#;
 
@@ -93,49 +107,76 @@ if redis.call('SCARD', K_PAUSED) > 0 then
   end
 end
 local first = redis.call('HINCRBY', K_META, 'seq', n) - n + 1
-local hdr, pay, pend, dly, cand, cnbf = {}, {}, {}, {}, {}, {}
+redis.call('HINCRBY', K_META, 'pend', n)
+local cand, qs = {}, {}
+for i = 0, n - 1 do
+  local k = ARGV[6 + 4 * i]
+  if not qs[k] then
+    qs[k] = true
+    cand[#cand + 1] = k
+  end
+end
+-- A key with nothing waiting and nothing in flight was in neither ready nor
+-- later: its first job in this batch becomes its head.
+local cur = redis.call('HMGET', K_KEYS, unpack(cand))
+local fresh, hnbf = {}, {}
+for i, k in ipairs(cand) do
+  local q = kparse(cur[i])
+  qs[k] = q
+  fresh[k] = q.d == 0 and q.f == 0
+end
 local nows = idstr(now)
+local jobs, nxt, dly = {}, {}, {}
 for i = 0, n - 1 do
   local k, d = ARGV[6 + 4 * i], tonumber(ARGV[8 + 4 * i])
   local id = first + i
   local ids = idstr(id)
-  local nbf = now + d
-  hdr[#hdr + 1] = ids
-  hdr[#hdr + 1] = '0|' .. ARGV[9 + 4 * i] .. '|' .. nows .. '|' .. idstr(nbf) .. '|' .. k
-  pay[#pay + 1] = ids
-  pay[#pay + 1] = ARGV[7 + 4 * i]
-  pend[#pend + 1] = 0
-  pend[#pend + 1] = member(k, id)
+  local nbf, nbfs = now, nows
   if d > 0 then
+    nbf = now + d
+    nbfs = idstr(nbf)
     dly[#dly + 1] = nbf
     dly[#dly + 1] = ids
   end
-  if not cnbf[k] then
-    cnbf[k] = nbf
-    cand[#cand + 1] = k
+  jobs[#jobs + 1] = ids
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[9 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[7 + 4 * i]
+  local q = qs[k]
+  if q.t ~= 0 then
+    nxt[#nxt + 1] = idstr(q.t)
+    nxt[#nxt + 1] = ids
+  else
+    q.h = id
+    hnbf[k] = nbf
+  end
+  q.t = id
+  q.d = q.d + 1
+end
+redis.call('HSET', K_JOBS, unpack(jobs))
+if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+local kq, rl, lz = {}, {}, {}
+for _, k in ipairs(cand) do
+  kq[#kq + 1] = k
+  kq[#kq + 1] = kfmt(qs[k])
+  if fresh[k] and not halted(k) then
+    if hnbf[k] > now then
+      lz[#lz + 1] = hnbf[k]
+      lz[#lz + 1] = k
+    else
+      rl[#rl + 1] = k
+    end
   end
 end
-redis.call('HSET', K_HDR, unpack(hdr))
-redis.call('HSET', K_PAY, unpack(pay))
-redis.call('ZADD', K_PEND, unpack(pend))
+redis.call('HSET', K_KEYS, unpack(kq))
 if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
--- A key that is not busy and not in ready had no pending job, so this
--- batch's first job of it is its head; NX keeps an existing head's time.
-local busy = redis.call('HMGET', K_BUSY, unpack(cand))
-local rz = {}
-for i, k in ipairs(cand) do
-  if not busy[i] and not halted(k) then
-    rz[#rz + 1] = cnbf[k]
-    rz[#rz + 1] = k
-  end
-end
-if #rz > 0 then redis.call('ZADD', K_READY, 'NX', unpack(rz)) end
+if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
+if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
 return {'OK', first}
 "#;
 
 /// ARGV[4] max jobs, ARGV[5] job lease ms, ARGV[6] reclaim batch, ARGV[7]
 /// `1` when an earlier attempt's reply was lost, then the ids the caller
-/// holds: in-flight jobs it does not know are put back.
+/// holds: in-flight jobs it does not know are put back. Replies id, record
+/// per job; the attempt being made is the record's count + 1.
 const CLAIM: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
@@ -143,165 +184,208 @@ if ARGV[7] == '1' then
   local known = {}
   for i = 8, #ARGV do known[ARGV[i]] = true end
   for _, ids in ipairs(redis.call('ZRANGE', K_INF, 0, -1)) do
-    if not known[ids] then requeue(ids, 'claim reply lost') end
+    if not known[ids] then requeue(ids, 'claim reply lost', now) end
   end
 end
 for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
-  requeue(ids, 'job lease expired')
+  requeue(ids, 'job lease expired', now)
 end
-local keys = redis.call('ZRANGEBYSCORE', K_READY, '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local max = tonumber(ARGV[4])
+-- Keys whose wait is over first, then keys in the order they became ready.
+local keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, max)
+if #keys > 0 then redis.call('ZREM', K_LATER, unpack(keys)) end
+if #keys < max then
+  local more = redis.call('LPOP', K_READY, max - #keys)
+  if more then
+    for _, k in ipairs(more) do keys[#keys + 1] = k end
+  end
+end
 if #keys == 0 then return {'OK'} end
-redis.call('ZREM', K_READY, unpack(keys))
-local deadline = now + tonumber(ARGV[5])
--- A key in ready may have no head left (ack marks keys lazily) or a head
--- whose start time has not come: the first is dropped, the second waits.
-local cand, cmem = {}, {}
-for _, k in ipairs(keys) do
-  local mem = head(k)
-  if mem then
+local cur = redis.call('HMGET', K_KEYS, unpack(keys))
+local cand, qs, heads = {}, {}, {}
+for i, k in ipairs(keys) do
+  local q = kparse(cur[i])
+  if q.d > 0 and q.f == 0 and q.h ~= 0 then
     cand[#cand + 1] = k
-    cmem[#cmem + 1] = mem
+    qs[#qs + 1] = q
+    heads[#heads + 1] = idstr(q.h)
   end
 end
 if #cand == 0 then return {'OK'} end
-local cids = {}
-for i, mem in ipairs(cmem) do cids[i] = idstr(member_id(mem)) end
-local chs = redis.call('HMGET', K_HDR, unpack(cids))
-local mems, ids, hs, inf, busy, later = {}, {}, {}, {}, {}, {}
+local rs = redis.call('HMGET', K_JOBS, unpack(heads))
+local nx = redis.call('HMGET', K_NEXT, unpack(heads))
+local deadline = now + tonumber(ARGV[5])
+local out, kq, inf, unlink, later, ids = {'OK'}, {}, {}, {}, {}, {}
 for i, k in ipairs(cand) do
-  local _, _, _, n = parse(chs[i])
-  if n > now then
-    later[#later + 1] = n
-    later[#later + 1] = k
-  else
-    local id = cids[i]
-    mems[#mems + 1] = cmem[i]
-    ids[#ids + 1] = id
-    hs[#hs + 1] = chs[i]
-    inf[#inf + 1] = deadline
-    inf[#inf + 1] = id
-    busy[#busy + 1] = k
-    busy[#busy + 1] = id
+  local r, q = rs[i], qs[i]
+  if r then
+    local nbf = rec_nbf(r)
+    if nbf > now then
+      later[#later + 1] = nbf
+      later[#later + 1] = k
+    else
+      local id = heads[i]
+      if nx[i] then
+        q.h = tonumber(nx[i])
+        unlink[#unlink + 1] = id
+      else
+        q.h, q.t = 0, 0
+      end
+      q.d = q.d - 1
+      q.f = tonumber(id)
+      kq[#kq + 1] = k
+      kq[#kq + 1] = kfmt(q)
+      inf[#inf + 1] = deadline
+      inf[#inf + 1] = id
+      ids[#ids + 1] = id
+      out[#out + 1] = id
+      out[#out + 1] = r
+    end
   end
 end
-if #later > 0 then redis.call('ZADD', K_READY, unpack(later)) end
-if #ids == 0 then return {'OK'} end
-redis.call('ZREM', K_PEND, unpack(mems))
+if #later > 0 then redis.call('ZADD', K_LATER, unpack(later)) end
+if #ids == 0 then return out end
+redis.call('HSET', K_KEYS, unpack(kq))
+if #unlink > 0 then redis.call('HDEL', K_NEXT, unpack(unlink)) end
 redis.call('ZADD', K_INF, unpack(inf))
-redis.call('HSET', K_BUSY, unpack(busy))
+redis.call('HINCRBY', K_META, 'pend', -#ids)
 if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpack(ids)) end
-local ps = redis.call('HMGET', K_PAY, unpack(ids))
-local nh, out = {}, {'OK'}
-for i, id in ipairs(ids) do
-  local a, m, c, n, k = parse(hs[i])
-  a = a + 1
-  nh[#nh + 1] = id
-  nh[#nh + 1] = header(a, m, c, n, k)
-  out[#out + 1] = id
-  out[#out + 1] = a
-  out[#out + 1] = m
-  out[#out + 1] = c
-  out[#out + 1] = n
-  out[#out + 1] = k
-  out[#out + 1] = ps[i] or ''
-end
-redis.call('HSET', K_HDR, unpack(nh))
 return out
 "#;
 
-/// ARGV[4..] job ids. Acks those in flight; names the first that is not.
+/// ARGV[4..] pairs of job id and its routing key (empty when the caller
+/// does not know it). Acks those in flight; names the first that is not.
 const ACK: &str = r#"
 if not owns() then return {'NOTOWNER'} end
-local ids = {}
-for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
-local sc = redis.call('ZMSCORE', K_INF, unpack(ids))
-local hs = redis.call('HMGET', K_HDR, unpack(ids))
-local done, keys, missing = {}, {}, nil
+local ids, ks = {}, {}
+for i = 4, #ARGV - 1, 2 do
+  ids[#ids + 1] = ARGV[i]
+  ks[#ks + 1] = ARGV[i + 1]
+end
+local order, qs = {}, {}
+for i, k in ipairs(ks) do
+  if k == '' then
+    local r = redis.call('HGET', K_JOBS, ids[i])
+    if r then
+      local _, _, _, _, rk = rec_parse(r)
+      k = rk
+      ks[i] = k
+    end
+  end
+  if k ~= '' and not qs[k] then
+    qs[k] = true
+    order[#order + 1] = k
+  end
+end
+if #order > 0 then
+  local cur = redis.call('HMGET', K_KEYS, unpack(order))
+  for i, k in ipairs(order) do qs[k] = kparse(cur[i]) end
+end
+-- A key's in-flight id is the proof: it names at most one job per key.
+local done, freed, missing = {}, {}, nil
 for i, id in ipairs(ids) do
-  if sc[i] and hs[i] then
+  local q = qs[ks[i]]
+  if q and q.f ~= 0 and q.f == tonumber(id) then
+    q.f = 0
     done[#done + 1] = id
-    local _, _, _, _, k = parse(hs[i])
-    keys[#keys + 1] = k
+    freed[#freed + 1] = ks[i]
   elseif not missing then
     missing = id
   end
 end
 if #done > 0 then
   redis.call('ZREM', K_INF, unpack(done))
-  redis.call('HDEL', K_HDR, unpack(done))
-  redis.call('HDEL', K_PAY, unpack(done))
-  redis.call('HDEL', K_BUSY, unpack(keys))
+  redis.call('HDEL', K_JOBS, unpack(done))
   if redis.call('EXISTS', K_REASON) == 1 then redis.call('HDEL', K_REASON, unpack(done)) end
-  -- Freed keys go back to ready lazily, stamped now (fair among keys);
-  -- claim finds their next head, or drops them if none is left.
-  local rz, now = {}, now_ms()
-  for _, k in ipairs(keys) do
-    if not halted(k) then
-      rz[#rz + 1] = now
-      rz[#rz + 1] = k
+  local kq, gone, rl = {}, {}, {}
+  for _, k in ipairs(freed) do
+    local q = qs[k]
+    if q.d == 0 then
+      gone[#gone + 1] = k
+    else
+      kq[#kq + 1] = k
+      kq[#kq + 1] = kfmt(q)
+      -- Claim checks the next head's start time.
+      if not halted(k) then rl[#rl + 1] = k end
     end
   end
-  if #rz > 0 then redis.call('ZADD', K_READY, unpack(rz)) end
+  if #gone > 0 then redis.call('HDEL', K_KEYS, unpack(gone)) end
+  if #kq > 0 then redis.call('HSET', K_KEYS, unpack(kq)) end
+  if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
 end
 if missing then return {'NOTINFLIGHT', missing} end
 return {'OK'}
 "#;
 
 /// ARGV[4] id, ARGV[5] reason, ARGV[6] backoff base ms, ARGV[7] backoff max
-/// ms. The retry keeps its id, so it goes back to the head of its key.
+/// ms. The retry goes back to the head of its key.
 const FAIL: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local id = ARGV[4]
-local h = redis.call('HGET', K_HDR, id)
-if not h or not redis.call('ZSCORE', K_INF, id) then return {'NOTINFLIGHT', id} end
+local r = redis.call('HGET', K_JOBS, id)
+if not r or not redis.call('ZSCORE', K_INF, id) then return {'NOTINFLIGHT', id} end
 local now = now_ms()
-local a, m, c, _, k = parse(h)
+local _, a, m, _, k = rec_parse(r)
+a = a + 1
 redis.call('ZREM', K_INF, id)
-redis.call('HDEL', K_BUSY, k)
 redis.call('HSET', K_REASON, id, ARGV[5])
+local q = kparse(redis.call('HGET', K_KEYS, k))
+local was_flying = q.f == tonumber(id)
+if was_flying then q.f = 0 end
 if a >= m then
+  redis.call('HSET', K_JOBS, id, rec_set(r, now, a))
   bury(id, k, ARGV[5])
-  refresh(k, true)
+  kstore(k, q)
+  if was_flying then kready(k, q, nil, now) end
   return {'DEAD'}
 end
 local delay = math.min(tonumber(ARGV[6]) * (2 ^ math.min(a - 1, 40)), tonumber(ARGV[7]))
 local nbf = now + delay
-redis.call('HSET', K_HDR, id, header(a, m, c, nbf, k))
-redis.call('ZADD', K_PEND, 0, member(k, tonumber(id)))
+redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
+push_head(q, tonumber(id))
 if delay > 0 then redis.call('ZADD', K_DELAYED, nbf, id) end
-refresh(k, true)
+kstore(k, q)
+if was_flying then kready(k, q, nbf, now) end
 return {'RETRY', nbf}
 "#;
 
 /// Puts every in-flight job back (a previous owner's), under the new token.
 const ADOPT: &str = r#"
 if not owns() then return {'NOTOWNER'} end
+local now = now_ms()
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
-for _, id in ipairs(ids) do requeue(id, 'owner lost') end
+for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
+"#;
+
+/// The earliest start time of a waiting head: now when a key is ready, its
+/// not-before when every waiting key must wait, nil when none waits.
+const NEXT_DUE: &str = r#"
+if redis.call('LLEN', K_READY) > 0 then return now_ms() end
+local r = redis.call('ZRANGE', K_LATER, 0, 0, 'WITHSCORES')
+if r[1] then return tonumber(r[2]) end
+return false
 "#;
 
 /// ARGV[4] routing key: depth, in flight (0/1), dead.
 const KEY_COUNTS: &str = r#"
 local k = ARGV[4]
-local p = kprefix(k)
-return {
-  redis.call('ZLEXCOUNT', K_PEND, '[' .. p, '(' .. p .. 'g'),
-  redis.call('HEXISTS', K_BUSY, k),
-  tonumber(redis.call('HGET', K_DEADN, k) or '0'),
-}
+local q = kparse(redis.call('HGET', K_KEYS, k))
+local f = 0
+if q.f ~= 0 then f = 1 end
+return {q.d, f, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
 "#;
 
 /// Ready, delayed, in flight, dead, distinct keys.
 const STATS: &str = r#"
 local now = now_ms()
-local pending = redis.call('ZCARD', K_PEND)
+local pending = tonumber(redis.call('HGET', K_META, 'pend') or '0')
 local delayed = redis.call('ZCOUNT', K_DELAYED, '(' .. idstr(now), '+inf')
-local keys = redis.call('ZCARD', K_READY) + redis.call('HLEN', K_BUSY)
+local keys = redis.call('HLEN', K_KEYS)
 for _, k in ipairs(redis.call('HKEYS', K_DEADN)) do
-  if not redis.call('ZSCORE', K_READY, k) and redis.call('HEXISTS', K_BUSY, k) == 0 then keys = keys + 1 end
+  if redis.call('HEXISTS', K_KEYS, k) == 0 then keys = keys + 1 end
 end
-return {pending - delayed, delayed, redis.call('ZCARD', K_INF), redis.call('ZCARD', K_DEAD), keys}
+return {math.max(pending - delayed, 0), delayed, redis.call('ZCARD', K_INF), redis.call('ZCARD', K_DEAD), keys}
 "#;
 
 /// ARGV[4] oldest map version accepted, ARGV[5..] paused keys.
@@ -322,9 +406,9 @@ return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBER
 const DEAD_LIST: &str = r#"
 local out = {}
 for _, id in ipairs(redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[4]) - 1)) do
-  local h = redis.call('HGET', K_HDR, id)
-  if h then
-    local a, _, _, _, k = parse(h)
+  local r = redis.call('HGET', K_JOBS, id)
+  if r then
+    local _, a, _, _, k = rec_parse(r)
     out[#out + 1] = id
     out[#out + 1] = a
     out[#out + 1] = k
@@ -335,7 +419,10 @@ return out
 "#;
 
 /// ARGV[4] `retry` or `purge`, ARGV[5] `1` for the oldest ARGV[6] dead jobs,
-/// else the ids in ARGV[7..]. Returns {moved, looked at}.
+/// else the ids in ARGV[7..]. Returns {moved, looked at}. A retried job goes
+/// back to its place in key order (by id): the walk to it passes only the
+/// key's waiting jobs with smaller ids, which are earlier retried dead jobs
+/// or one reclaimed job, since every other waiting job was enqueued later.
 const DEAD_MOVE: &str = r#"
 local now = now_ms()
 local ids
@@ -345,30 +432,50 @@ else
   ids = {}
   for i = 7, #ARGV do ids[#ids + 1] = ARGV[i] end
 end
-local moved, touched, seen = 0, {}, {}
+local moved, touched, qs, startable = 0, {}, {}, {}
 for _, id in ipairs(ids) do
   if redis.call('ZREM', K_DEAD, id) == 1 then
-    local h = redis.call('HGET', K_HDR, id)
-    if h then
-      local _, m, c, _, k = parse(h)
-      if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
-      if ARGV[4] == 'retry' then
-        redis.call('HSET', K_HDR, id, header(0, m, c, now, k))
-        redis.call('ZADD', K_PEND, 0, member(k, tonumber(id)))
-      else
-        redis.call('HDEL', K_HDR, id)
-        redis.call('HDEL', K_PAY, id)
-      end
-      redis.call('HDEL', K_REASON, id)
-      if not seen[k] then
-        seen[k] = true
+    local r = redis.call('HGET', K_JOBS, id)
+    if r then
+      local _, _, _, _, k = rec_parse(r)
+      local q = qs[k]
+      if not q then
+        q = kparse(redis.call('HGET', K_KEYS, k))
+        qs[k] = q
+        startable[k] = q.d > 0 and q.f == 0 and not halted(k)
         touched[#touched + 1] = k
       end
+      if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+      if ARGV[4] == 'retry' then
+        redis.call('HSET', K_JOBS, id, rec_set(r, now, 0))
+        local n = tonumber(id)
+        local prev, at = 0, q.h
+        while at ~= 0 and at < n do
+          prev = at
+          at = tonumber(redis.call('HGET', K_NEXT, idstr(at)) or '0')
+        end
+        if at ~= 0 then redis.call('HSET', K_NEXT, id, idstr(at)) else q.t = n end
+        if prev ~= 0 then redis.call('HSET', K_NEXT, idstr(prev), id) else q.h = n end
+        q.d = q.d + 1
+        redis.call('HINCRBY', K_META, 'pend', 1)
+      else
+        redis.call('HDEL', K_JOBS, id)
+      end
+      redis.call('HDEL', K_REASON, id)
       moved = moved + 1
     end
   end
 end
-for _, k in ipairs(touched) do refresh(k, false) end
+for _, k in ipairs(touched) do
+  local q = qs[k]
+  kstore(k, q)
+  if startable[k] then
+    -- Already in ready or later; a retried head may start now.
+    if redis.call('ZREM', K_LATER, k) == 1 then redis.call('RPUSH', K_READY, k) end
+  else
+    kready(k, q, nil, now)
+  end
+end
 return {moved, #ids}
 "#;
 
@@ -411,42 +518,21 @@ redis.call('HSET', KEYS[1], 'version', ARGV[2], 'yaml', ARGV[3])
 return {'OK'}
 "#;
 
-/// ARGV[4] lex cursor (`-` to start, else `(member`), ARGV[5] most keys.
-/// Walks `pending` one routing key at a time (a key's members are one lex
-/// range, so each key costs two lookups however deep its backlog): returns
-/// {next cursor or '', key, depth, busy, dead, ...}.
-const INVENTORY_PENDING: &str = r#"
-local cursor, limit = ARGV[4], tonumber(ARGV[5])
-local out = {''}
-for _ = 1, limit do
-  local r = redis.call('ZRANGEBYLEX', K_PEND, cursor, '+', 'LIMIT', 0, 1)
-  local mem = r[1]
-  if not mem then return out end
-  local len = tonumber(string.sub(mem, 1, 4), 16)
-  local k = string.sub(mem, 5, 4 + len)
-  local p = kprefix(k)
-  out[#out + 1] = k
-  out[#out + 1] = redis.call('ZLEXCOUNT', K_PEND, '[' .. p, '(' .. p .. 'g')
-  out[#out + 1] = redis.call('HEXISTS', K_BUSY, k)
-  out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
-  -- Every member of this key sorts below p .. 'g' (ids are hex digits).
-  cursor = '[' .. p .. 'g'
-end
-out[1] = cursor
-return out
-"#;
-
-/// ARGV[4] HSCAN cursor, ARGV[5] COUNT hint. Keys with a job in flight:
-/// {next cursor ('0' when done), key, depth, dead, ...}.
-const INVENTORY_BUSY: &str = r#"
-local r = redis.call('HSCAN', K_BUSY, ARGV[4], 'COUNT', tonumber(ARGV[5]))
+/// ARGV[4] HSCAN cursor, ARGV[5] COUNT hint. Walks `keys` (every key with
+/// a waiting job or one in flight, one field each however deep its
+/// backlog): {next cursor ('0' when done), key, depth, in flight, dead, ...}.
+const INVENTORY: &str = r#"
+local r = redis.call('HSCAN', K_KEYS, ARGV[4], 'COUNT', tonumber(ARGV[5]))
 local out = {r[1]}
 local kv = r[2]
 for i = 1, #kv, 2 do
   local k = kv[i]
-  local p = kprefix(k)
+  local q = kparse(kv[i + 1])
+  local f = 0
+  if q.f ~= 0 then f = 1 end
   out[#out + 1] = k
-  out[#out + 1] = redis.call('ZLEXCOUNT', K_PEND, '[' .. p, '(' .. p .. 'g')
+  out[#out + 1] = q.d
+  out[#out + 1] = f
   out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
 end
 return out
@@ -524,8 +610,8 @@ pub(crate) struct Scripts {
     pub(crate) lease: Lua,
     pub(crate) lease_release: Lua,
     pub(crate) map_publish: Lua,
-    pub(crate) inventory_pending: Lua,
-    pub(crate) inventory_busy: Lua,
+    pub(crate) inventory: Lua,
+    pub(crate) next_due: Lua,
     pub(crate) lock_renew: Lua,
     pub(crate) lock_release: Lua,
 }
@@ -547,8 +633,8 @@ impl Scripts {
             lease: Lua::new(LEASE, true),
             lease_release: Lua::new(LEASE_RELEASE, false),
             map_publish: Lua::new(MAP_PUBLISH, false),
-            inventory_pending: Lua::new(INVENTORY_PENDING, true),
-            inventory_busy: Lua::new(INVENTORY_BUSY, true),
+            inventory: Lua::new(INVENTORY, true),
+            next_due: Lua::new(NEXT_DUE, true),
             lock_renew: Lua::new(LOCK_RENEW, false),
             lock_release: Lua::new(LOCK_RELEASE, false),
         }

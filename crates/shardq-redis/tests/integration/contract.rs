@@ -135,6 +135,64 @@ fn dead_letter_after_max_attempts_then_retry_and_purge() {
     }
 }
 
+/// A key's queue is a linked list: a dead job retried goes back to its
+/// place by id (not simply to the head), behind a job already in flight;
+/// a delayed head waits while other keys run.
+#[test]
+fn dead_retries_out_of_order_keep_key_order_and_delayed_heads_wait() {
+    let server = RedisServer::start();
+    let (b, clock) = setup(&server, DeadPolicy::Continue);
+    let _c = owner(&b, "w1", 10_000);
+    let once = |p: &str| {
+        let mut j = job("k", p);
+        j.max_attempts = 1;
+        j
+    };
+    b.enqueue("r0", 1, &[once("a"), once("b"), job("k", "c")])
+        .unwrap();
+    let mut dead = Vec::new();
+    for p in ["a", "b"] {
+        let got = b.claim("r0", 10).unwrap();
+        assert_eq!(payloads(&got), [p]);
+        assert_eq!(b.fail("r0", got[0].id, "x").unwrap(), FailOutcome::Dead);
+        dead.push(got[0].id);
+    }
+    let c = b.claim("r0", 10).unwrap();
+    assert_eq!(payloads(&c), ["c"]);
+    b.enqueue("r0", 1, &[job("k", "d")]).unwrap();
+    // Oldest first, one call each: b must walk past a to reach its place.
+    assert_eq!(b.dead_retry("r0", Some(&[dead[0]])).unwrap(), 1);
+    assert_eq!(b.dead_retry("r0", Some(&[dead[1]])).unwrap(), 1);
+    assert!(
+        b.claim("r0", 10).unwrap().is_empty(),
+        "c is still in flight"
+    );
+    assert_eq!(b.key_counts("r0", "k").unwrap().depth, 3);
+    b.ack("r0", &[c[0].id]).unwrap();
+    let mut order = Vec::new();
+    loop {
+        let got = b.claim("r0", 10).unwrap();
+        if got.is_empty() {
+            break;
+        }
+        assert_eq!(got.len(), 1, "one in flight per key");
+        order.extend(payloads(&got));
+        b.ack("r0", &[got[0].id]).unwrap();
+    }
+    assert_eq!(order, ["a", "b", "d"]);
+    assert_eq!(b.key_counts("r0", "k").unwrap(), KeyCounts::default());
+
+    let mut late = job("late", "l1");
+    late.delay_ms = 500;
+    b.enqueue("r0", 1, &[late, job("late", "l2"), job("now", "n1")])
+        .unwrap();
+    assert_eq!(payloads(&b.claim("r0", 10).unwrap()), ["n1"]);
+    assert!(b.claim("r0", 10).unwrap().is_empty());
+    assert_eq!(b.next_due_ms("r0").unwrap(), Some(T0 + 500));
+    clock.advance(500);
+    assert_eq!(payloads(&b.claim("r0", 10).unwrap()), ["l1"]);
+}
+
 #[test]
 fn fence_refuses_old_maps_and_paused_keys_atomically() {
     let server = RedisServer::start();
