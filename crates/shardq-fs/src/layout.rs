@@ -10,6 +10,7 @@
 //!     .lock              flock held by the process that owns (runs) this shard
 //!     .append.lock       flock held by any process while it appends
 //!     fence.json         optional: map_version_min and paused keys
+//!     reclaimed.json     optional: position ranges whose jobs are all finished
 //!     00000000000000000000.seg   log segments, named by base position
 //! ```
 //!
