@@ -378,11 +378,19 @@ impl ShardState {
             self.ready.push_back(k);
         }
         let halt = self.policy == DeadPolicy::Halt;
-        let mut out = Vec::new();
+        let mut out: Vec<Pick> = Vec::new();
+        // A key can sit in `ready` twice (a dead retry or a takeover that
+        // changed its head reschedules it while an older entry is queued).
+        // Its claim record is applied only after this returns, so guard
+        // here: one pick per key per call, or one job would go out twice.
+        let mut picked: Vec<u32> = Vec::new();
         while out.len() < max {
             let Some(k) = self.ready.pop_front() else {
                 break;
             };
+            if picked.contains(&k) {
+                continue;
+            }
             let ks = &mut self.keys[k as usize];
             ks.scheduled = false;
             if ks.in_flight || (halt && ks.dead > 0) {
@@ -395,6 +403,7 @@ impl ShardState {
                 self.schedule(k);
                 continue;
             }
+            picked.push(k);
             out.push(Pick {
                 id: head.id,
                 key: ks.key.clone(),
@@ -576,5 +585,56 @@ impl Replay for ShardState {
     }
     fn reclaimed(&mut self, reclaimed: &Reclaimed) {
         self.set_reclaimed(reclaimed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enqueue(s: &mut ShardState, pos: u64, key: &str) {
+        let rec = Record::Enqueue {
+            created_ms: 0,
+            not_before_ms: 0,
+            max_attempts: 1,
+            key,
+            payload: b"",
+        };
+        s.apply(pos, 0, &rec).unwrap();
+    }
+
+    /// Regression: a dead job retried to the head of a key that was already
+    /// scheduled queued the key twice, and one `pick` handed the same job
+    /// out twice.
+    #[test]
+    fn a_key_queued_twice_is_picked_once() {
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        enqueue(&mut s, 0, "k");
+        let first = s.pick(0, 10);
+        assert_eq!(first.len(), 1);
+        let claim = Record::Claim {
+            job: 0,
+            attempt: 1,
+            key: "k",
+        };
+        s.apply(100, 0, &claim).unwrap();
+        let fail = Record::Fail {
+            job: 0,
+            retry_at_ms: 0,
+            dead: true,
+            key: "k",
+            reason: "boom",
+        };
+        s.apply(200, 0, &fail).unwrap();
+        enqueue(&mut s, 300, "k");
+        // The key is scheduled for job 300; retrying job 0 puts it at the head.
+        s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
+        let picks = s.pick(0, 10);
+        let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
+        assert_eq!(ids, vec![0], "one pick per key, the retried head first");
     }
 }
