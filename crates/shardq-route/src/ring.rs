@@ -158,6 +158,20 @@ impl Ring {
         self.owners[i]
     }
 
+    /// Renames every owner through `f` (the router turns active-list
+    /// positions into map indexes, saving a load per lookup).
+    pub fn map_owners(&mut self, f: impl Fn(u32) -> u32) {
+        for o in &mut self.owners {
+            *o = f(*o);
+        }
+        for b in &mut self.table {
+            if b.above != CROWDED {
+                b.below = f(b.below);
+                b.above = f(b.above);
+            }
+        }
+    }
+
     /// Number of distinct points.
     pub fn len(&self) -> usize {
         self.points.len()

@@ -56,7 +56,12 @@ impl Router {
         let compiled = match map.algorithm {
             Algorithm::Modulo => Compiled::Modulo,
             Algorithm::Jump => Compiled::Jump,
-            Algorithm::Ring => Compiled::Ring(Ring::build(map.hash, map.vnodes, pairs())),
+            Algorithm::Ring => {
+                let mut ring = Ring::build(map.hash, map.vnodes, pairs());
+                // Owners as map indexes: a lookup needs no active-list load.
+                ring.map_owners(|pos| active[pos as usize]);
+                Compiled::Ring(ring)
+            }
             Algorithm::Rendezvous => Compiled::Rendezvous(Rendezvous::build(pairs())),
             Algorithm::Slots => {
                 let mut explicit: Vec<Option<u32>> = vec![None; SLOT_COUNT];
@@ -67,7 +72,9 @@ impl Router {
                         }
                     }
                 }
-                Compiled::Slots(SlotTable::build(map.hash, pairs(), &explicit))
+                let mut table = SlotTable::build(map.hash, pairs(), &explicit);
+                table.map_owners(|pos| active[pos as usize]);
+                Compiled::Slots(table)
             }
         };
         let mut overrides =
@@ -117,11 +124,11 @@ impl Router {
     pub fn computed_index(&self, key: &[u8]) -> usize {
         let hash = self.map.hash;
         let pos = match &self.compiled {
+            Compiled::Ring(ring) => return ring.lookup(hash.hash(key)) as usize,
             Compiled::Modulo => (hash.hash(key) % self.active.len() as u64) as u32,
-            Compiled::Ring(ring) => ring.lookup(hash.hash(key)),
             Compiled::Rendezvous(hrw) => hrw.lookup(hash, key),
             Compiled::Jump => jump(hash.hash(key), self.active.len() as u32),
-            Compiled::Slots(table) => table.owner(slot(key)),
+            Compiled::Slots(table) => return table.owner(slot(key)) as usize,
         };
         self.active[pos as usize] as usize
     }

@@ -60,7 +60,14 @@ impl SlotTable {
         SlotTable { owners }
     }
 
-    /// Active position of the shard owning `slot`.
+    /// Renames every owner through `f` (the router stores map indexes).
+    pub fn map_owners(&mut self, f: impl Fn(u32) -> u32) {
+        for o in self.owners.iter_mut() {
+            *o = f(*o);
+        }
+    }
+
+    /// Owner of `slot` (an active position, or what `map_owners` made it).
     #[inline]
     pub fn owner(&self, slot: u16) -> u32 {
         self.owners[slot as usize]
