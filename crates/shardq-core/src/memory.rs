@@ -417,7 +417,17 @@ impl QueueBackend for MemoryBackend {
 impl KeyInventory for MemoryBackend {
     fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
         self.with_shard(shard, |s| {
-            let keys: BTreeSet<&String> = s.keys.keys().chain(s.busy_keys.iter()).collect();
+            let dead_keys: Vec<&String> = s
+                .dead
+                .iter()
+                .filter_map(|id| s.jobs.get(id).map(|j| &j.key))
+                .collect();
+            let keys: BTreeSet<&String> = s
+                .keys
+                .keys()
+                .chain(s.busy_keys.iter())
+                .chain(dead_keys)
+                .collect();
             Ok(keys
                 .into_iter()
                 .map(|k| (k.clone(), counts(s, k)))

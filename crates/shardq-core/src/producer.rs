@@ -64,17 +64,27 @@ pub enum ProduceError {
     /// The map could not be loaded.
     #[error(transparent)]
     Map(#[from] ReshardError),
-    /// The key stayed paused longer than the bound.
-    #[error("key {key:?} stayed paused on shard {shard:?} for {waited_ms} ms (limit {limit_ms} ms): it is being moved and its old shard has not drained; the job was NOT enqueued, retry later")]
+    /// Keys stayed paused longer than the bound. Their jobs were NOT
+    /// enqueued; every other job of the call was (see `placed`).
+    #[error("keys {keys:?} stayed paused for more than {limit_ms} ms (the first on shard {shard:?}): they are being moved and their old shard has not drained; their jobs were NOT enqueued (the {placed_count} jobs of other keys were), retry later", placed_count = placed.len())]
     PausedTooLong {
-        /// The key.
-        key: String,
-        /// Shard that paused it.
+        /// Every key given up on.
+        keys: Vec<String>,
+        /// Shard that paused the first of them.
         shard: String,
-        /// How long we waited.
-        waited_ms: u64,
         /// The bound.
         limit_ms: u64,
+        /// Where the other jobs of the call landed, in input order.
+        placed: Vec<Placed>,
+    },
+    /// An error after some jobs of the call were already enqueued: they are
+    /// listed, so a caller that retries does not enqueue them twice.
+    #[error("{cause} ({} jobs of the call were enqueued before it; the rest were not)", placed.len())]
+    Partial {
+        /// Jobs enqueued before the error, in input order.
+        placed: Vec<Placed>,
+        /// The error.
+        cause: Box<ProduceError>,
     },
     /// No newer map appeared after a fence.
     #[error("shard {shard:?} refuses map version {map_version} and no newer map was published within {waited_ms} ms; the job was NOT enqueued (is a rebalance stuck? rerun `shardq rebalance`)")]
@@ -91,6 +101,8 @@ pub enum ProduceError {
 /// Where an enqueued job landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {
+    /// Position of the job in the slice handed to the call.
+    pub index: usize,
     /// Shard name.
     pub shard: String,
     /// Job id within the shard.
@@ -166,13 +178,41 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
     /// the rest go ahead; on [`ProduceError::PausedTooLong`] every job of
     /// the other keys was enqueued and none of the named key's.
     pub fn enqueue_batch(&mut self, jobs: &[NewJob]) -> Result<Vec<Placed>, ProduceError> {
+        let mut placed: Vec<Option<Placed>> = vec![None; jobs.len()];
+        let done =
+            |placed: Vec<Option<Placed>>| -> Vec<Placed> { placed.into_iter().flatten().collect() };
+        match self.place_batch(jobs, &mut placed) {
+            Ok(gave_up) if gave_up.is_empty() => Ok(done(placed)),
+            Ok(gave_up) => {
+                let shard = gave_up[0].1.clone();
+                Err(ProduceError::PausedTooLong {
+                    keys: gave_up.into_iter().map(|(k, _)| k).collect(),
+                    shard,
+                    limit_ms: self.options.pause_wait_ms,
+                    placed: done(placed),
+                })
+            }
+            Err(e) if placed.iter().any(Option::is_some) => Err(ProduceError::Partial {
+                placed: done(placed),
+                cause: Box::new(e),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The work of [`Producer::enqueue_batch`]: fills `placed` and returns
+    /// the keys given up on (with the shard that paused them).
+    fn place_batch(
+        &mut self,
+        jobs: &[NewJob],
+        placed: &mut [Option<Placed>],
+    ) -> Result<Vec<(String, String)>, ProduceError> {
         self.reload_if_stale()?;
         let started = Instant::now();
-        let mut placed: Vec<Option<Placed>> = vec![None; jobs.len()];
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
         let mut paused: BTreeSet<String> = BTreeSet::new();
         let mut paused_since: BTreeMap<String, Instant> = BTreeMap::new();
-        let mut gave_up: Option<ProduceError> = None;
+        let mut gave_up: Vec<(String, String)> = Vec::new();
         while !pending.is_empty() {
             let version = self.router.version();
             // One group per shard; a paused key gets a group of its own so
@@ -186,12 +226,13 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             }
             let mut retry: Vec<usize> = Vec::new();
             let mut fenced: Option<String> = None;
-            for ((shard, _), idxs) in groups {
+            for ((shard, own), idxs) in groups {
                 let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
                 match self.backend.enqueue(&shard, version, &batch) {
                     Ok(ids) => {
                         for (&i, id) in idxs.iter().zip(ids) {
                             placed[i] = Some(Placed {
+                                index: i,
                                 shard: shard.clone(),
                                 id,
                                 map_version: version,
@@ -205,15 +246,13 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                     }
                     Err(QueueError::Paused { key, .. }) => {
                         let since = *paused_since.entry(key.clone()).or_insert_with(Instant::now);
-                        let waited_ms = since.elapsed().as_millis() as u64;
-                        if waited_ms >= self.options.pause_wait_ms {
-                            // Give up on this key only; the others still go in.
-                            gave_up = Some(ProduceError::PausedTooLong {
-                                key,
-                                shard,
-                                waited_ms,
-                                limit_ms: self.options.pause_wait_ms,
-                            });
+                        // Give up only on a group that holds this key alone:
+                        // a mixed group is split next round, so the other
+                        // keys' jobs still go in.
+                        if own == Some(key.as_str())
+                            && since.elapsed().as_millis() as u64 >= self.options.pause_wait_ms
+                        {
+                            gave_up.push((key, shard));
                             continue;
                         }
                         paused.insert(key);
@@ -250,10 +289,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 self.reload_if_stale()?;
             }
         }
-        match gave_up {
-            Some(e) => Err(e),
-            None => Ok(placed.into_iter().flatten().collect()),
-        }
+        Ok(gave_up)
     }
 }
 

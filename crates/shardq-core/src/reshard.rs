@@ -108,6 +108,14 @@ pub enum ReshardError {
         /// How long we waited.
         waited_ms: u64,
     },
+    /// Keys hold dead letters on their old shard; they stay pinned there.
+    #[error("{count} keys hold dead letters on their old shard and stay pinned there (first: {keys:?}); retry or purge them (`shardq dead ... retry|purge`) and rerun `rebalance`; every other key has moved")]
+    DeadLetters {
+        /// How many keys are held back.
+        count: usize,
+        /// The first few of them.
+        keys: Vec<String>,
+    },
     /// An operation that makes no sense for this map.
     #[error("{0}")]
     Invalid(String),
@@ -355,7 +363,7 @@ pub fn plan_moves<B: KeyInventory + ?Sized>(
     let mut moves = Vec::new();
     for shard in &cur.shards {
         for (key, counts) in backend.keys_with_work(&shard.name)? {
-            if counts.depth + counts.in_flight == 0 {
+            if has_work(&counts) == 0 {
                 continue;
             }
             // The key moves from where its work is to where the target routes it.
@@ -365,13 +373,20 @@ pub fn plan_moves<B: KeyInventory + ?Sized>(
                     key,
                     from: shard.name.clone(),
                     to: to_shard.to_string(),
-                    jobs: counts.depth + counts.in_flight,
+                    jobs: has_work(&counts),
                 });
             }
         }
     }
     moves.sort_by(|x, y| x.key.cmp(&y.key));
     Ok(moves)
+}
+
+/// Jobs that tie a key to its shard: queued, delayed, in flight, and dead
+/// letters (a dead job retried later runs on the shard that holds it, so a
+/// key with one must not move until it is retried or purged).
+fn has_work(c: &KeyCounts) -> u64 {
+    c.depth + c.in_flight + c.dead
 }
 
 fn with_version(map: &ShardMap, version: u64) -> ShardMap {
@@ -411,7 +426,14 @@ fn is_intermediate(cur: &ShardMap, target: &ShardMap) -> bool {
         .shards
         .iter()
         .all(|c| target.shard(&c.name).is_some() || c.state == ShardState::Draining);
-    same_shape && targets_present && extras_draining
+    // A pin the published map does not hold yet changes that key's route:
+    // phase 1 must pin it where its work is first (a pin already published,
+    // to any shard, is either in place or a pending switch of phase 2).
+    let pins_present = target
+        .overrides
+        .keys()
+        .all(|k| cur.overrides.contains_key(k));
+    same_shape && targets_present && extras_draining && pins_present
 }
 
 /// Keys pinned in `cur` away from where the target routes them.
@@ -494,7 +516,19 @@ where
         version: cur.version,
     });
 
-    // Phase 2: drain, then switch, in batches.
+    // Phase 2: drain, then switch, in batches. A key holding dead letters
+    // on its old shard stays pinned there until an operator retries or
+    // purges them (they would run out of order, or be stranded, otherwise).
+    let mut held: Vec<String> = Vec::new();
+    let mut movable = Vec::with_capacity(switches.len());
+    for sw in switches {
+        if backend.key_counts(&sw.1, &sw.0)?.dead > 0 {
+            held.push(sw.0);
+        } else {
+            movable.push(sw);
+        }
+    }
+    let switches = movable;
     let total = switches.len();
     let mut done = 0usize;
     for batch in switches.chunks(options.batch) {
@@ -530,6 +564,13 @@ where
         cur = next;
     }
 
+    if !held.is_empty() {
+        return Err(ReshardError::DeadLetters {
+            count: held.len(),
+            keys: held.into_iter().take(8).collect(),
+        });
+    }
+
     // Phase 3: publish the target itself.
     let mut fin = target.clone();
     fin.version = cur.version + 1;
@@ -546,11 +587,25 @@ where
         fence.map_version_min = fence.map_version_min.max(fin.version);
         backend.set_fence(&s.name, &fence)?;
         let left = backend.keys_with_work(&s.name)?;
-        if let Some((key, counts)) = left.into_iter().find(|(_, c)| c.depth + c.in_flight > 0) {
+        if let Some((key, counts)) = left.into_iter().find(|(_, c)| has_work(c) > 0) {
             return Err(ReshardError::Invalid(format!(
-                "shard {:?} still holds work for key {key:?} ({} queued, {} in flight) after its keys moved; rerun rebalance",
-                s.name, counts.depth, counts.in_flight
+                "shard {:?} still holds work for key {key:?} ({} queued, {} in flight, {} dead) after its keys moved; rerun rebalance",
+                s.name, counts.depth, counts.in_flight, counts.dead
             )));
+        }
+    }
+    // Backstop: the final map must route every key with work to the shard
+    // that holds it, or publishing it would split that key across shards.
+    for s in cur.shards.iter().filter(|s| fin.shard(&s.name).is_some()) {
+        for (key, counts) in backend.keys_with_work(&s.name)? {
+            if has_work(&counts) > 0 && fin_router.route(&key) != s.name {
+                return Err(ReshardError::Invalid(format!(
+                    "refusing to publish map version {}: key {key:?} has work on shard {:?} but would route to {:?}; rerun rebalance",
+                    fin.version,
+                    s.name,
+                    fin_router.route(&key)
+                )));
+            }
         }
     }
     if fin.shards != cur.shards || fin.overrides != cur.overrides {

@@ -390,3 +390,133 @@ fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
         .iter()
         .all(|s| s.state == shardq_route::ShardState::Active));
 }
+
+#[test]
+fn paused_keys_in_a_batch_are_all_named_and_the_other_keys_go_in() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap());
+    let mut fence = backend.fence("s0").unwrap();
+    fence.paused_keys.insert("k2".into());
+    fence.paused_keys.insert("k3".into());
+    backend.set_fence("s0", &fence).unwrap();
+    // A zero bound: the first refusal already counts as too long, and still
+    // the unpaused keys sharing the group must land.
+    let opts = ProducerOptions {
+        pause_wait_ms: 0,
+        ..ProducerOptions::default()
+    };
+    let mut p = Producer::new(Arc::new(backend.clone()), Arc::new(store.clone()), opts).unwrap();
+    let jobs: Vec<NewJob> = ["k1", "k2", "k3", "k4"]
+        .iter()
+        .map(|k| NewJob::new(*k, "x"))
+        .collect();
+    match p.enqueue_batch(&jobs).unwrap_err() {
+        ProduceError::PausedTooLong { keys, placed, .. } => {
+            assert_eq!(keys, ["k2", "k3"]);
+            assert_eq!(placed.iter().map(|p| p.index).collect::<Vec<_>>(), [0, 3]);
+        }
+        other => panic!("unexpected {other}"),
+    }
+    for (key, depth) in [("k1", 1), ("k2", 0), ("k3", 0), ("k4", 1)] {
+        assert_eq!(backend.key_counts("s0", key).unwrap().depth, depth, "{key}");
+    }
+}
+
+fn two_shard_store() -> (MemoryBackend, MemoryMapStore) {
+    let backend = MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock));
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap());
+    (backend, store)
+}
+
+fn drain_all(backend: &MemoryBackend) {
+    for shard in backend.shard_names() {
+        loop {
+            let jobs = backend.claim(&shard, 1024).unwrap();
+            if jobs.is_empty() {
+                break;
+            }
+            let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
+            backend.ack(&shard, &ids).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_pin_of_a_key_with_work_drains_it_before_the_switch() {
+    let (backend, store) = two_shard_store();
+    let router = Router::new(store.load().unwrap()).unwrap();
+    let old = router.route("t-1").to_string();
+    let new = if old == "s0" { "s1" } else { "s0" };
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
+    p.enqueue(&NewJob::new("t-1", "a")).unwrap();
+    reshard::pin(&store, "t-1", new).unwrap();
+    // Nothing drains the key: the rebalance must wait for it, not switch it.
+    let quick = RebalanceOptions {
+        drain_timeout_ms: 0,
+        ..RebalanceOptions::default()
+    };
+    let err = reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, ReshardError::DrainTimeout { .. }), "{err}");
+    let published = Router::new(store.load().unwrap()).unwrap();
+    assert_eq!(
+        published.route("t-1"),
+        old,
+        "the key must stay where its work is"
+    );
+    drain_all(&backend);
+    let report =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(report.moved.len(), 1);
+    assert_eq!(
+        Router::new(store.load().unwrap()).unwrap().route("t-1"),
+        new
+    );
+}
+
+#[test]
+fn a_key_with_dead_letters_stays_pinned_until_they_are_handled() {
+    let (backend, store) = two_shard_store();
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
+    let router = Router::new(store.load().unwrap()).unwrap();
+    // A key on s1 whose only job is dead, then remove s1.
+    let key = (0..)
+        .map(|i| format!("t-{i}"))
+        .find(|k| router.route(k) == "s1")
+        .unwrap();
+    let mut job = NewJob::new(key.clone(), "x");
+    job.max_attempts = 1;
+    p.enqueue(&job).unwrap();
+    let claimed = backend.claim("s1", 10).unwrap();
+    backend.fail("s1", claimed[0].id, "boom").unwrap();
+    assert_eq!(backend.key_counts("s1", &key).unwrap().dead, 1);
+    reshard::remove_shard(&store, "s1").unwrap();
+    let err = reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
+        .unwrap_err();
+    assert!(
+        matches!(err, ReshardError::DeadLetters { count: 1, .. }),
+        "{err}"
+    );
+    let map = store.load().unwrap();
+    assert_eq!(
+        map.shard("s1").unwrap().state,
+        shardq_route::ShardState::Draining
+    );
+    assert_eq!(map.overrides.get(&key).map(String::as_str), Some("s1"));
+    // The operator retries the dead job; it runs on s1, then the move finishes.
+    backend.dead_retry("s1", None).unwrap();
+    drain_all(&backend);
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let fin = store.load().unwrap();
+    assert!(fin.shard("s1").is_none() && fin.overrides.is_empty());
+}

@@ -454,14 +454,16 @@ impl ShardState {
         }
     }
 
-    /// Every key with pending or in-flight jobs, with its counts (what a
+    /// Every key with pending, in-flight or dead jobs, with its counts (what a
     /// rebalance must drain, and what `shardq hot` ranks).
     pub fn keys_with_work(&self) -> Vec<(String, KeyCounts)> {
         self.index
             .values()
             .filter_map(|&k| {
                 let ks = &self.keys[k as usize];
-                (!ks.queue.is_empty()).then(|| (ks.key.to_string(), self.key_counts(&ks.key)))
+                // Dead letters tie a key to this shard too (a retry runs here).
+                (!ks.queue.is_empty() || ks.dead > 0)
+                    .then(|| (ks.key.to_string(), self.key_counts(&ks.key)))
             })
             .collect()
     }

@@ -327,32 +327,36 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
                             tentative.insert(key.clone(), seq + 1);
                         }
                         sent += batch.len() as u64;
-                        match producer.enqueue_batch(&batch) {
-                            Ok(placed) => {
-                                enqueued.fetch_add(placed.len() as u64, Ordering::Relaxed);
-                                next.extend(tentative);
+                        let outcome = producer.enqueue_batch(&batch);
+                        // A key's jobs of one call land all together or not at
+                        // all; keys whose jobs did not land keep their numbering.
+                        let placed: Vec<usize> = match &outcome {
+                            Ok(placed) => placed.iter().map(|p| p.index).collect(),
+                            Err(
+                                ProduceError::PausedTooLong { placed, .. }
+                                | ProduceError::Partial { placed, .. },
+                            ) => placed.iter().map(|p| p.index).collect(),
+                            Err(_) => Vec::new(),
+                        };
+                        let mut landed: BTreeMap<&str, bool> = BTreeMap::new();
+                        for (i, job) in batch.iter().enumerate() {
+                            let ok = placed.binary_search(&i).is_ok();
+                            let e = landed.entry(job.key.as_str()).or_insert(true);
+                            *e &= ok;
+                        }
+                        for (key, ok) in landed {
+                            if ok {
+                                if let Some(seq) = tentative.get(key) {
+                                    next.insert(key.to_string(), *seq);
+                                }
                             }
-                            Err(e) => {
-                                // A key paused past its bound: its jobs were not
-                                // enqueued (its numbering stays), the others were.
-                                let failed_key = match &e {
-                                    ProduceError::PausedTooLong { key, .. } => Some(key.clone()),
-                                    _ => None,
-                                };
-                                let failed = batch
-                                    .iter()
-                                    .filter(|j| failed_key.as_ref().is_none_or(|k| *k == j.key))
-                                    .count() as u64;
-                                errors.fetch_add(failed, Ordering::Relaxed);
-                                if let Some(k) = &failed_key {
-                                    tentative.remove(k);
-                                    enqueued
-                                        .fetch_add(batch.len() as u64 - failed, Ordering::Relaxed);
-                                    next.extend(tentative);
-                                }
-                                if let Ok(mut l) = last_error.lock() {
-                                    *l = Some(e.to_string());
-                                }
+                        }
+                        enqueued.fetch_add(placed.len() as u64, Ordering::Relaxed);
+                        if let Err(e) = outcome {
+                            errors
+                                .fetch_add((batch.len() - placed.len()) as u64, Ordering::Relaxed);
+                            if let Ok(mut l) = last_error.lock() {
+                                *l = Some(e.to_string());
                             }
                         }
                         let due = Duration::from_secs_f64(sent as f64 / per_producer_rate);
