@@ -21,7 +21,14 @@
 //!    zero, publish a version whose overrides send the batch to the target
 //!    owner, fence the old shards at that version, and lift the pause.
 //! 3. **Finish.** Publish the target itself (removed shards gone, overrides
-//!    equal to the computed owner dropped) and clear the stored target.
+//!    equal to the computed owner dropped) and clear the stored target. A
+//!    backstop first checks that the final map routes every key with work
+//!    to the shard that holds it.
+//!
+//! "Work" is queued, delayed and in-flight jobs, and dead letters: a dead
+//! job retried later runs on the shard that holds it, so a key with one
+//! stays pinned there (the rebalance ends with [`ReshardError::DeadLetters`])
+//! until an operator retries or purges it and reruns the rebalance.
 //!
 //! Every step is idempotent and the phase is derived from (published map,
 //! target), never from memory, so a coordinator killed anywhere can be rerun
