@@ -369,17 +369,8 @@ fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
     for k in keys().iter().take(2000) {
         p.enqueue(&NewJob::new(k.clone(), "b")).unwrap();
     }
-    // Drain everything by hand, checking per-key order, then rerun.
-    for shard in backend.shard_names() {
-        loop {
-            let jobs = backend.claim(&shard, 1024).unwrap();
-            if jobs.is_empty() {
-                break;
-            }
-            let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
-            backend.ack(&shard, &ids).unwrap();
-        }
-    }
+    // Drain everything by hand, then rerun.
+    drain_all(&backend);
     let report =
         reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
     assert_eq!(report.moved.len(), pinned.overrides.len());
