@@ -24,13 +24,33 @@
 //! * **Drain.** [`QueueBackend::key_counts`] reports a key's depth and
 //!   in-flight count as the shard sees it now; drain-then-switch pauses the
 //!   key, waits until both are zero, then switches the route.
+//! * **One run per key, named by a receipt.** A claim starts a *run*: the
+//!   job gets a fencing token ([`ClaimedJob::fence`]) and a job lease
+//!   (`lease_ms`). Only the run's [`Receipt`] (id + fence) may ack, fail or
+//!   extend it; any other receipt (an earlier attempt, a lapsed lease, an
+//!   earlier owner, a run already finished) is refused with
+//!   [`QueueError::StaleReceipt`] or listed as stale, and changes nothing.
+//!   A run whose job lease lapses without an [`QueueBackend::extend`] ends:
+//!   its job goes back to the head of its key with attempt + 1 and the key
+//!   stays blocked until then, so two runs of a key never overlap while
+//!   their leases are honoured.
+//! * **Fences grow.** Each new run of a key gets a fence larger than every
+//!   earlier run's, across attempts, owners, store restarts and rebalances:
+//!   a shard issues [`crate::job::next_fence`] (the backend clock in
+//!   microseconds, above the last fence it issued, at least
+//!   [`Fence::run_fence_min`]), and resharding raises the new shard's
+//!   `run_fence_min` above the old shard's [`ShardStats::fence_high`] before
+//!   a moved key's first job there can run.
 //! * **Ownership.** Any process may enqueue to any shard. Only a process that
 //!   has adopted a shard ([`QueueBackend::adopt`]) claims, acks and fails its
 //!   jobs; others get [`QueueError::NotOwner`]. Who may adopt is decided by a
 //!   [`Coordinator`] (leases), not by the backend.
 
 use crate::error::QueueError;
-use crate::job::{ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob, ShardStats};
+use crate::job::{
+    AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt,
+    ShardStats,
+};
 
 /// The queue operations of one storage engine, over all shards it holds.
 ///
@@ -65,17 +85,40 @@ pub trait QueueBackend: Send + Sync {
     fn release(&self, shard: &str) -> Result<(), QueueError>;
 
     /// Claims up to `max` jobs that may start now: the head job of keys that
-    /// have nothing in flight and whose head's start time has come. Raises
-    /// each job's attempt count. Needs ownership ([`QueueError::NotOwner`]).
-    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError>;
+    /// have nothing in flight and whose head's start time has come. Each
+    /// claimed job starts a new run: attempt + 1, a new fence, and a job
+    /// lease of `lease_ms` (checked with [`crate::validate_job_lease_ms`]).
+    /// Runs whose lease lapsed end first (their jobs go back to the head of
+    /// their keys). Needs ownership ([`QueueError::NotOwner`]).
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64)
+        -> Result<Vec<ClaimedJob>, QueueError>;
 
-    /// Finishes in-flight jobs. Needs ownership.
-    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError>;
+    /// Finishes runs. Receipts that are not their job's current run are
+    /// refused one by one (listed in [`AckOutcome::stale`]); the others are
+    /// acked. Needs ownership.
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError>;
 
-    /// Records a failed attempt: the job is retried after a backoff, ahead of
-    /// its key's later jobs, or dead-lettered once out of attempts. Needs
-    /// ownership.
-    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError>;
+    /// Records a failed run: the job is retried after `retry_in_ms` (or the
+    /// backoff), ahead of its key's later jobs, or dead-lettered once out of
+    /// attempts. A receipt that is not the current run gets
+    /// [`QueueError::StaleReceipt`]. Needs ownership.
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError>;
+
+    /// Extends the job leases of running runs to `lease_ms` from now (the
+    /// heartbeat of a long handler). Returns the receipts refused as stale;
+    /// their runs are over and their handlers should stop. Needs ownership.
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError>;
 
     /// The earliest time (ms since the epoch) a pending job of `shard`
     /// becomes claimable, if any is pending and none is claimable now; `None`

@@ -127,6 +127,53 @@ pub enum QueueError {
         /// What is wrong.
         reason: String,
     },
+    /// An ack, fail or extend named a run that is not the current run of the
+    /// job: it finished already, its job lease lapsed and the job was handed
+    /// out again, or it came from an earlier owner. Nothing was changed.
+    #[error("stale receipt for job {id} of shard {shard:?} (fence {fence}): {reason}; nothing was changed")]
+    StaleReceipt {
+        /// The shard.
+        shard: String,
+        /// The job.
+        id: u64,
+        /// The fence the receipt carried.
+        fence: u64,
+        /// Why it is not the current run.
+        reason: String,
+    },
+    /// The shard could not be reached within its bound (a lock held by a
+    /// stalled process, a store that does not answer). Transient: the caller
+    /// may retry later; other shards are unaffected.
+    #[error("shard {shard:?} is unavailable: {reason}")]
+    Unavailable {
+        /// The shard.
+        shard: String,
+        /// What did not answer, and for how long.
+        reason: String,
+    },
+    /// The store refuses writes because it is full; claims and acks still
+    /// run so that workers can drain it.
+    #[error("shard {shard:?} is full: {reason}; nothing was enqueued (drain it, or give the store more room)")]
+    StoreFull {
+        /// The shard.
+        shard: String,
+        /// The store's own words.
+        reason: String,
+    },
+    /// The store lost its state, or belongs to another deployment: workers
+    /// stop rather than run on it.
+    #[error("{0}")]
+    StoreLost(String),
+    /// Data written in a format this build does not know.
+    #[error("{what} has format version {found}, this build reads version {supported} (upgrade shardq, or restore data written by this version)")]
+    UnknownFormat {
+        /// The file, segment or store, by name.
+        what: String,
+        /// The version found.
+        found: String,
+        /// The version this build reads and writes.
+        supported: String,
+    },
     /// An I/O error, with what was being done.
     #[error("{context}: {source}")]
     Io {
@@ -142,6 +189,12 @@ pub enum QueueError {
 }
 
 impl QueueError {
+    /// Errors that concern one shard only and may pass: the pool keeps
+    /// running its other shards and tries this one again later.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, QueueError::Unavailable { .. })
+    }
+
     /// Wraps an I/O error with a description of what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> QueueError {
         QueueError::Io {

@@ -141,6 +141,93 @@ pub struct ClaimedJob {
     pub created_ms: u64,
     /// Earliest start the job asked for (ms since the Unix epoch).
     pub not_before_ms: u64,
+    /// This run's fencing token: larger than the fence of every earlier run
+    /// of the same key, across attempts, owners, rebalances and store
+    /// restarts (see [`crate::backend`]). A handler can make its own writes
+    /// conditional on it (`UPDATE ... WHERE fence < $this`), so a stale
+    /// runner's late write loses.
+    pub fence: u64,
+    /// When this run's job lease ends (ms, on the backend's clock) unless it
+    /// is extended with [`crate::QueueBackend::extend`].
+    pub lease_until_ms: u64,
+}
+
+impl ClaimedJob {
+    /// The receipt that finishes this run.
+    pub fn receipt(&self) -> Receipt {
+        Receipt {
+            id: self.id,
+            fence: self.fence,
+        }
+    }
+}
+
+/// Names one run of one job: what [`crate::QueueBackend::ack`], `fail` and
+/// `extend` finish or prolong. A receipt is valid only while its run is the
+/// job's current run; any other receipt is refused and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Receipt {
+    /// The job.
+    pub id: JobId,
+    /// The run's fencing token ([`ClaimedJob::fence`]).
+    pub fence: u64,
+}
+
+impl fmt::Display for Receipt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.id.0, self.fence)
+    }
+}
+
+impl std::str::FromStr for Receipt {
+    type Err = String;
+
+    /// Parses `ID.FENCE`, as [`Receipt`]'s `Display` writes it.
+    fn from_str(s: &str) -> Result<Receipt, String> {
+        let bad = || format!("invalid receipt {s:?}: expected ID.FENCE (two decimal numbers)");
+        let (id, fence) = s.split_once('.').ok_or_else(bad)?;
+        Ok(Receipt {
+            id: JobId(id.parse().map_err(|_| bad())?),
+            fence: fence.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// What [`crate::QueueBackend::ack`] did with a batch of receipts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AckOutcome {
+    /// Runs finished by this call.
+    pub acked: u64,
+    /// Receipts refused because they are not their job's current run (late,
+    /// lapsed or already finished); nothing was changed for them.
+    pub stale: Vec<Receipt>,
+}
+
+/// The next fence a shard issues: at least the backend clock in
+/// microseconds, above the last fence it issued and at least the floor a
+/// rebalance raised it to. Time makes fences grow across a store that lost
+/// its counter; the counter makes them grow when the clock steps back.
+pub fn next_fence(now_us: u64, last_issued: u64, floor: u64) -> u64 {
+    now_us.max(last_issued.saturating_add(1)).max(floor)
+}
+
+/// Default job lease (30 s): how long a claimed run stays the job's run
+/// without an [`crate::QueueBackend::extend`]. A lapsed run's job goes back
+/// to the head of its key with attempt + 1.
+pub const JOB_LEASE_MS_DEFAULT: u64 = 30_000;
+/// Shortest job lease accepted (100 ms).
+pub const JOB_LEASE_MS_MIN: u64 = 100;
+/// Longest job lease accepted (one day); longer jobs extend theirs.
+pub const JOB_LEASE_MS_MAX: u64 = 24 * 3600 * 1000;
+
+/// Checks a job lease length against [`JOB_LEASE_MS_MIN`]..=[`JOB_LEASE_MS_MAX`].
+pub fn validate_job_lease_ms(lease_ms: u64) -> Result<(), QueueError> {
+    if !(JOB_LEASE_MS_MIN..=JOB_LEASE_MS_MAX).contains(&lease_ms) {
+        return Err(QueueError::Backend(format!(
+            "invalid job lease {lease_ms} ms: must be {JOB_LEASE_MS_MIN}..={JOB_LEASE_MS_MAX} ms"
+        )));
+    }
+    Ok(())
 }
 
 /// What happened to a failed attempt.
@@ -193,6 +280,9 @@ pub struct ShardStats {
     pub dead: u64,
     /// Distinct keys with pending, in-flight or dead jobs.
     pub keys: u64,
+    /// The largest run fence this shard has issued (0 if none).
+    #[serde(default)]
+    pub fence_high: u64,
 }
 
 /// A job on the dead-letter list.
@@ -224,6 +314,11 @@ pub struct Fence {
     /// Keys whose enqueues are paused on this shard.
     #[serde(default)]
     pub paused_keys: BTreeSet<String>,
+    /// The smallest run fence this shard may issue: a rebalance raises it
+    /// above the fences of the shards a key moved from, so a key's fences
+    /// keep growing when it changes shard.
+    #[serde(default)]
+    pub run_fence_min: u64,
 }
 
 impl Fence {
