@@ -11,6 +11,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub trait Clock: Send + Sync + std::fmt::Debug {
     /// Now, in ms since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// Waits `ms` of this clock's time: a real sleep on the system clock; a
+    /// manual clock moves itself forward instead, so waits in code under
+    /// test (drains, producer retries) cost no real time.
+    fn sleep_ms(&self, ms: u64) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
 }
 
 /// The system's clock.
@@ -55,6 +62,11 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
         self.now_ms.load(Ordering::SeqCst)
+    }
+
+    fn sleep_ms(&self, ms: u64) {
+        self.advance(ms);
+        std::thread::yield_now();
     }
 }
 

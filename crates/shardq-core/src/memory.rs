@@ -14,8 +14,8 @@ use crate::backend::QueueBackend;
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
-    Backoff, ClaimedJob, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
+    next_fence, validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy,
+    FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 
@@ -30,13 +30,22 @@ struct StoredJob {
     reason: String,
 }
 
+/// The current run of an in-flight job.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    fence: u64,
+    lease_until_ms: u64,
+}
+
 #[derive(Debug, Default)]
 struct ShardState {
     jobs: BTreeMap<JobId, StoredJob>,
     /// Pending job ids per key, in key order (a retried job stays at the head).
     keys: BTreeMap<String, VecDeque<JobId>>,
-    in_flight: BTreeSet<JobId>,
+    in_flight: BTreeMap<JobId, Run>,
     busy_keys: BTreeSet<String>,
+    /// The largest fence issued.
+    fence_high: u64,
     dead: BTreeSet<JobId>,
     halted_keys: BTreeSet<String>,
     fence: Fence,
@@ -134,6 +143,73 @@ fn chosen_dead(s: &ShardState, ids: Option<&[JobId]>) -> Vec<JobId> {
     }
 }
 
+/// The current run named by `receipt`, or why it is not current.
+fn current_run(s: &ShardState, receipt: Receipt, now: u64) -> Result<Run, String> {
+    match s.in_flight.get(&receipt.id) {
+        None => Err("the job is not running (finished, or its run ended)".into()),
+        Some(run) if run.fence != receipt.fence => {
+            Err(format!("the job's current run has fence {}", run.fence))
+        }
+        Some(run) if run.lease_until_ms <= now => {
+            Err(format!("its job lease ended at {} ms", run.lease_until_ms))
+        }
+        Some(run) => Ok(*run),
+    }
+}
+
+fn stale(shard: &str, receipt: Receipt, reason: String) -> QueueError {
+    QueueError::StaleReceipt {
+        shard: shard.to_string(),
+        id: receipt.id.0,
+        fence: receipt.fence,
+        reason,
+    }
+}
+
+/// Ends runs whose job lease lapsed: each counts as a failed attempt (the
+/// job goes back to the head of its key, or to the dead letters).
+fn end_lapsed_runs(s: &mut ShardState, now: u64, backoff: Backoff, policy: DeadPolicy) {
+    let lapsed: Vec<JobId> = s
+        .in_flight
+        .iter()
+        .filter(|(_, run)| run.lease_until_ms <= now)
+        .map(|(id, _)| *id)
+        .collect();
+    for id in lapsed {
+        s.in_flight.remove(&id);
+        finish_failed(s, id, "job lease lapsed", now, None, backoff, policy);
+    }
+}
+
+/// A failed run's job: back to the head of its key, or dead.
+fn finish_failed(
+    s: &mut ShardState,
+    id: JobId,
+    reason: &str,
+    now: u64,
+    retry_in_ms: Option<u64>,
+    backoff: Backoff,
+    policy: DeadPolicy,
+) -> FailOutcome {
+    let Some(j) = s.jobs.get_mut(&id) else {
+        return FailOutcome::Dead;
+    };
+    j.reason = reason.to_string();
+    let key = j.key.clone();
+    s.busy_keys.remove(&key);
+    if j.attempt >= j.max_attempts {
+        s.dead.insert(id);
+        if policy == DeadPolicy::Halt {
+            s.halted_keys.insert(key);
+        }
+        return FailOutcome::Dead;
+    }
+    let at_ms = now + retry_in_ms.unwrap_or_else(|| backoff.delay_ms(j.attempt));
+    j.not_before_ms = at_ms;
+    s.keys.entry(key).or_default().push_front(id);
+    FailOutcome::Retry { at_ms }
+}
+
 fn counts(s: &ShardState, key: &str) -> KeyCounts {
     let depth = s.keys.get(key).map_or(0, |q| q.len() as u64);
     let in_flight = u64::from(s.busy_keys.contains(key));
@@ -193,7 +269,7 @@ impl QueueBackend for MemoryBackend {
         self.with_shard(shard, |s| {
             s.owned = true;
             // Jobs left in flight go back to the head of their keys.
-            let ids: Vec<JobId> = std::mem::take(&mut s.in_flight).into_iter().collect();
+            let ids: Vec<JobId> = std::mem::take(&mut s.in_flight).into_keys().collect();
             for id in ids.into_iter().rev() {
                 if let Some(j) = s.jobs.get(&id) {
                     let key = j.key.clone();
@@ -212,9 +288,12 @@ impl QueueBackend for MemoryBackend {
         })
     }
 
-    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
         let now = self.clock.now_ms();
+        let (backoff, policy) = (self.backoff, self.dead_policy);
         self.owned(shard, |s| {
+            end_lapsed_runs(s, now, backoff, policy);
             let mut out = Vec::new();
             let keys: Vec<String> = s.keys.keys().cloned().collect();
             for key in keys {
@@ -234,6 +313,13 @@ impl QueueBackend for MemoryBackend {
                     continue;
                 }
                 j.attempt += 1;
+                let fence = next_fence(
+                    now.saturating_mul(1000),
+                    s.fence_high,
+                    s.fence.run_fence_min,
+                );
+                s.fence_high = fence;
+                let lease_until_ms = now.saturating_add(lease_ms);
                 out.push(ClaimedJob {
                     shard: shard.to_string(),
                     id,
@@ -243,6 +329,8 @@ impl QueueBackend for MemoryBackend {
                     max_attempts: j.max_attempts,
                     created_ms: j.created_ms,
                     not_before_ms: j.not_before_ms,
+                    fence,
+                    lease_until_ms,
                 });
                 if let Some(q) = s.keys.get_mut(&key) {
                     q.pop_front();
@@ -250,61 +338,80 @@ impl QueueBackend for MemoryBackend {
                         s.keys.remove(&key);
                     }
                 }
-                s.in_flight.insert(id);
+                s.in_flight.insert(
+                    id,
+                    Run {
+                        fence,
+                        lease_until_ms,
+                    },
+                );
                 s.busy_keys.insert(key);
             }
             Ok(out)
         })
     }
 
-    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError> {
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        let now = self.clock.now_ms();
         self.owned(shard, |s| {
-            for id in ids {
-                if !s.in_flight.remove(id) {
-                    return Err(QueueError::NotInFlight {
-                        shard: shard.to_string(),
-                        id: id.0,
-                    });
+            let mut out = AckOutcome::default();
+            for r in receipts {
+                if current_run(s, *r, now).is_err() {
+                    out.stale.push(*r);
+                    continue;
                 }
-                if let Some(j) = s.jobs.remove(id) {
+                s.in_flight.remove(&r.id);
+                if let Some(j) = s.jobs.remove(&r.id) {
                     s.busy_keys.remove(&j.key);
                 }
+                out.acked += 1;
             }
-            Ok(())
+            Ok(out)
         })
     }
 
-    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
         let now = self.clock.now_ms();
-        let backoff = self.backoff;
-        let policy = self.dead_policy;
+        let (backoff, policy) = (self.backoff, self.dead_policy);
         self.owned(shard, |s| {
-            if !s.in_flight.remove(&id) {
-                return Err(QueueError::NotInFlight {
-                    shard: shard.to_string(),
-                    id: id.0,
-                });
-            }
-            let Some(j) = s.jobs.get_mut(&id) else {
-                return Err(QueueError::NotInFlight {
-                    shard: shard.to_string(),
-                    id: id.0,
-                });
-            };
-            j.reason = reason.to_string();
-            let key = j.key.clone();
-            s.busy_keys.remove(&key);
-            if j.attempt >= j.max_attempts {
-                s.dead.insert(id);
-                if policy == DeadPolicy::Halt {
-                    s.halted_keys.insert(key);
+            current_run(s, receipt, now).map_err(|why| stale(shard, receipt, why))?;
+            s.in_flight.remove(&receipt.id);
+            Ok(finish_failed(
+                s,
+                receipt.id,
+                reason,
+                now,
+                retry_in_ms,
+                backoff,
+                policy,
+            ))
+        })
+    }
+
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
+        let now = self.clock.now_ms();
+        self.owned(shard, |s| {
+            let mut refused = Vec::new();
+            for r in receipts {
+                if current_run(s, *r, now).is_err() {
+                    refused.push(*r);
+                } else if let Some(run) = s.in_flight.get_mut(&r.id) {
+                    run.lease_until_ms = now.saturating_add(lease_ms);
                 }
-                return Ok(FailOutcome::Dead);
             }
-            let at_ms = now + backoff.delay_ms(j.attempt);
-            j.not_before_ms = at_ms;
-            s.keys.entry(key).or_default().push_front(id);
-            Ok(FailOutcome::Retry { at_ms })
+            Ok(refused)
         })
     }
 
@@ -318,6 +425,7 @@ impl QueueBackend for MemoryBackend {
                         .and_then(|id| s.jobs.get(id))
                         .map(|j| j.not_before_ms)
                 })
+                .chain(s.in_flight.values().map(|run| run.lease_until_ms))
                 .min())
         })
     }
@@ -333,6 +441,7 @@ impl QueueBackend for MemoryBackend {
                 name: shard.to_string(),
                 in_flight: s.in_flight.len() as u64,
                 dead: s.dead.len() as u64,
+                fence_high: s.fence_high,
                 ..ShardStats::default()
             };
             let mut keys = BTreeSet::new();

@@ -6,6 +6,7 @@
 //! worker threads run the handler. The pool must never touch storage directly
 //! and never run more than `concurrency` handlers at once.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,7 @@ use std::time::Duration;
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
-use crate::job::{ClaimedJob, FailOutcome, JobId};
+use crate::job::{ClaimedJob, FailOutcome, JobId, Receipt, JOB_LEASE_MS_DEFAULT};
 
 /// Largest worker count of one pool.
 pub const CONCURRENCY_MAX: usize = 4096;
@@ -28,10 +29,68 @@ pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 pub const IDLE_POLL_MS_DEFAULT: u64 = 5;
 /// Most jobs claimed from one shard in one call.
 pub const CLAIM_BATCH_MAX: usize = 1024;
+/// How long a shard that failed (corrupt, unreachable, full) rests before
+/// the pool tries it again (5 s); the other shards keep running meanwhile.
+pub const SHARD_RETRY_MS: u64 = 5_000;
+/// Job leases are extended this many times per lease period, so a run
+/// survives two missed heartbeats.
+pub const HEARTBEATS_PER_LEASE: u64 = 3;
 
 /// A job handler: `Ok` acks the job, `Err(reason)` fails the attempt. A panic
-/// counts as a failure.
+/// counts as a failure. A handler that can stop early (a child process, a
+/// loop) checks [`current_run`] and returns once it is cancelled.
 pub type Handler = dyn Fn(&ClaimedJob) -> Result<(), String> + Send + Sync;
+
+/// The cancellation signal of one run.
+#[derive(Debug, Default)]
+struct RunSignal {
+    cancelled: AtomicBool,
+    reason: Mutex<String>,
+}
+
+impl RunSignal {
+    fn cancel(&self, reason: &str) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.cancelled.load(Ordering::SeqCst) {
+            *r = reason.to_string();
+            self.cancelled.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The run a handler is executing, as seen from inside the handler: whether
+/// the pool wants it to stop (job timeout, shutdown past the drain timeout,
+/// the run's lease or shard lost), and why.
+#[derive(Debug, Clone)]
+pub struct RunContext {
+    signal: Arc<RunSignal>,
+}
+
+impl RunContext {
+    /// True once the pool asked the handler to stop.
+    pub fn is_cancelled(&self) -> bool {
+        self.signal.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Why the run was cancelled (empty while it is not).
+    pub fn cancel_reason(&self) -> String {
+        self.signal
+            .reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+thread_local! {
+    static CURRENT_RUN: RefCell<Option<RunContext>> = const { RefCell::new(None) };
+}
+
+/// The run the calling handler executes, when called from a pool's worker
+/// thread; `None` elsewhere.
+pub fn current_run() -> Option<RunContext> {
+    CURRENT_RUN.with(|c| c.borrow().clone())
+}
 
 /// Something the pool reports while it runs (for logs).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,15 +100,32 @@ pub enum PoolEvent {
     Standby(String),
     /// A shard was claimed and adopted.
     Gained(String),
-    /// A shard's lease was lost to another process.
+    /// A shard's lease was lost to another process; its running handlers
+    /// were told to stop.
     Lost(String),
     /// Shutdown began: no more claims, waiting for in-flight jobs.
     Draining {
         /// Jobs in flight when draining started.
         in_flight: usize,
     },
+    /// The drain timeout ran out: the running handlers were told to stop,
+    /// and the pool waits for them before it gives up any shard.
+    Cancelling {
+        /// Handlers still running.
+        running: usize,
+    },
     /// An ack or fail could not be recorded (the job will run again).
     RecordFailed(String),
+    /// A shard stopped serving (corrupt, unreachable, full); the pool keeps
+    /// its other shards running and tries this one again later.
+    ShardFailed {
+        /// The shard.
+        shard: String,
+        /// What went wrong.
+        error: String,
+    },
+    /// A failed shard serves again.
+    ShardRecovered(String),
 }
 
 /// Options of [`WorkerPool::run`].
@@ -61,6 +137,12 @@ pub struct PoolOptions {
     pub drain_timeout_ms: u64,
     /// Longest idle sleep between looks for new jobs, in ms.
     pub idle_poll_ms: u64,
+    /// Job lease of each run, in ms; the pool extends it every
+    /// `job_lease_ms / HEARTBEATS_PER_LEASE` while the handler runs.
+    pub job_lease_ms: u64,
+    /// Longest run of one handler, in ms: past it the run is cancelled (see
+    /// [`current_run`]) and, once the handler returns, fails. `None`: no limit.
+    pub job_timeout_ms: Option<u64>,
     /// Return once the owned shards have nothing pending and nothing is in
     /// flight (batch runs and tests). A process that owns nothing keeps
     /// waiting, since a lease may lapse.
@@ -75,6 +157,8 @@ impl Default for PoolOptions {
             concurrency: 1,
             drain_timeout_ms: DRAIN_TIMEOUT_MS_DEFAULT,
             idle_poll_ms: IDLE_POLL_MS_DEFAULT,
+            job_lease_ms: JOB_LEASE_MS_DEFAULT,
+            job_timeout_ms: None,
             exit_when_idle: false,
             on_event: Arc::new(|_| {}),
         }
@@ -87,6 +171,8 @@ impl std::fmt::Debug for PoolOptions {
             .field("concurrency", &self.concurrency)
             .field("drain_timeout_ms", &self.drain_timeout_ms)
             .field("idle_poll_ms", &self.idle_poll_ms)
+            .field("job_lease_ms", &self.job_lease_ms)
+            .field("job_timeout_ms", &self.job_timeout_ms)
             .field("exit_when_idle", &self.exit_when_idle)
             .finish()
     }
@@ -103,15 +189,33 @@ pub struct PoolReport {
     pub dead: u64,
     /// Most handlers seen running at once.
     pub peak_in_flight: usize,
-    /// Jobs still running when the drain timeout ran out (they run again
-    /// under the next owner).
+    /// Runs cancelled because the drain timeout ran out (their jobs run
+    /// again under the next owner; the pool waited for their handlers).
     pub abandoned: usize,
+    /// Results refused because their run was no longer current (a lapsed
+    /// job lease, a lost shard): they changed nothing.
+    pub stale: u64,
+    /// Runs cancelled by the job timeout.
+    pub timed_out: u64,
 }
 
 struct Outcome {
     shard: String,
-    id: JobId,
+    receipt: Receipt,
     result: Result<(), String>,
+}
+
+/// A run handed to a worker thread.
+struct Running {
+    receipt: Receipt,
+    started_ms: u64,
+    signal: Arc<RunSignal>,
+}
+
+/// A shard that stopped serving, and when to try it again.
+struct Failed {
+    retry_at_ms: u64,
+    needs_adopt: bool,
 }
 
 /// The worker pool. See the module docs.
@@ -120,6 +224,11 @@ pub struct WorkerPool;
 impl WorkerPool {
     /// Runs jobs until `stop` is set (then drains and releases every claim)
     /// or, with `exit_when_idle`, until the owned shards are idle.
+    ///
+    /// A shard is given up (released, or dropped at shutdown) only once none
+    /// of its handlers runs any more: past the drain timeout the running
+    /// handlers are cancelled and waited for, while the pool keeps renewing
+    /// its shard leases and job leases.
     pub fn run(
         backend: Arc<dyn QueueBackend>,
         coordinator: &mut dyn Coordinator,
@@ -134,7 +243,8 @@ impl WorkerPool {
                 opts.concurrency
             )));
         }
-        let (job_tx, job_rx) = mpsc::channel::<ClaimedJob>();
+        crate::job::validate_job_lease_ms(opts.job_lease_ms)?;
+        let (job_tx, job_rx) = mpsc::channel::<(ClaimedJob, Arc<RunSignal>)>();
         let job_rx = Arc::new(Mutex::new(job_rx));
         let (out_tx, out_rx) = mpsc::channel::<Outcome>();
         let mut workers = Vec::with_capacity(opts.concurrency);
@@ -146,18 +256,26 @@ impl WorkerPool {
                 .name(format!("shardq-worker-{i}"))
                 .spawn(move || loop {
                     // The lock is held only while waiting for the next job.
-                    let job = match job_rx.lock() {
+                    let (job, signal) = match job_rx.lock() {
                         Ok(rx) => match rx.recv() {
-                            Ok(job) => job,
+                            Ok(next) => next,
                             Err(_) => return,
                         },
                         Err(_) => return,
                     };
-                    let result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
+                    let ctx = RunContext { signal };
+                    CURRENT_RUN.with(|c| *c.borrow_mut() = Some(ctx.clone()));
+                    let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
                         .unwrap_or_else(|_| Err("handler panicked".to_string()));
+                    CURRENT_RUN.with(|c| *c.borrow_mut() = None);
+                    if result.is_ok() && ctx.is_cancelled() {
+                        // A cancelled run's success is not trusted: a job
+                        // timeout means the attempt failed.
+                        result = Err(format!("cancelled: {}", ctx.cancel_reason()));
+                    }
                     let sent = out_tx.send(Outcome {
-                        shard: job.shard,
-                        id: job.id,
+                        shard: job.shard.clone(),
+                        receipt: job.receipt(),
                         result,
                     });
                     if sent.is_err() {
@@ -175,48 +293,59 @@ impl WorkerPool {
             backend: &*backend,
             opts: &opts,
             report: PoolReport::default(),
-            in_flight: 0,
+            running: BTreeMap::new(),
             owned: Vec::new(),
+            failed: BTreeMap::new(),
         };
         let result = state.run_loop(coordinator, &*clock, stop, &job_tx, &out_rx);
-        let abandoned = state.in_flight;
+        // Never give a shard up while one of its handlers runs: cancel what
+        // still runs and wait for it, renewing the leases meanwhile.
+        let waited = state.wait_for_running(coordinator, &*clock, &out_rx);
         for shard in std::mem::take(&mut state.owned) {
             let _ = backend.release(&shard);
         }
         let released = coordinator.release_all();
         drop(job_tx);
-        if abandoned == 0 {
-            for w in workers {
-                let _ = w.join();
-            }
+        for w in workers {
+            let _ = w.join();
         }
-        let mut report = state.report;
-        report.abandoned = abandoned;
+        let report = state.report;
         result?;
+        waited?;
         released?;
         Ok(report)
     }
 }
 
+type JobSender = mpsc::Sender<(ClaimedJob, Arc<RunSignal>)>;
+
 struct Dispatch<'a> {
     backend: &'a dyn QueueBackend,
     opts: &'a PoolOptions,
     report: PoolReport,
-    in_flight: usize,
+    /// Runs handed to workers and not yet recorded, by (shard, job).
+    running: BTreeMap<(String, JobId), Running>,
     owned: Vec<String>,
+    failed: BTreeMap<String, Failed>,
 }
 
 impl Dispatch<'_> {
+    fn in_flight(&self) -> usize {
+        self.running.len()
+    }
+
     fn run_loop(
         &mut self,
         coordinator: &mut dyn Coordinator,
         clock: &dyn Clock,
         stop: &AtomicBool,
-        job_tx: &mpsc::Sender<ClaimedJob>,
+        job_tx: &JobSender,
         out_rx: &mpsc::Receiver<Outcome>,
     ) -> Result<(), QueueError> {
         let tick_interval_ms = coordinator.tick_interval_ms().max(1);
+        let heartbeat_ms = (self.opts.job_lease_ms / HEARTBEATS_PER_LEASE).max(1);
         let mut next_tick_ms = 0u64;
+        let mut next_heartbeat_ms = 0u64;
         let mut drain_deadline_ms: Option<u64> = None;
         let mut standby_told = false;
         let mut rotate = 0usize;
@@ -226,20 +355,11 @@ impl Dispatch<'_> {
                 coordinator.stop_claiming();
                 drain_deadline_ms = Some(now.saturating_add(self.opts.drain_timeout_ms));
                 (self.opts.on_event)(PoolEvent::Draining {
-                    in_flight: self.in_flight,
+                    in_flight: self.in_flight(),
                 });
             }
             if now >= next_tick_ms {
-                let own = coordinator.tick()?;
-                for shard in &own.lost {
-                    (self.opts.on_event)(PoolEvent::Lost(shard.clone()));
-                    let _ = self.backend.release(shard);
-                }
-                for shard in &own.gained {
-                    self.backend.adopt(shard)?;
-                    (self.opts.on_event)(PoolEvent::Gained(shard.clone()));
-                }
-                self.owned = own.owned;
+                self.tick(coordinator, now)?;
                 if self.owned.is_empty() && !standby_told {
                     (self.opts.on_event)(PoolEvent::Standby(coordinator.standby_reason()));
                     standby_told = true;
@@ -248,6 +368,11 @@ impl Dispatch<'_> {
                 }
                 next_tick_ms = now.saturating_add(tick_interval_ms);
             }
+            if now >= next_heartbeat_ms {
+                self.heartbeat();
+                next_heartbeat_ms = now.saturating_add(heartbeat_ms);
+            }
+            self.enforce_job_timeout(now);
 
             // Record every finished job at once: acks are grouped per shard,
             // so a durable backend fsyncs once per shard, not once per job.
@@ -257,56 +382,47 @@ impl Dispatch<'_> {
             }
 
             if let Some(deadline) = drain_deadline_ms {
-                if self.in_flight == 0 || now >= deadline {
+                if self.in_flight() == 0 {
+                    return Ok(());
+                }
+                if now >= deadline {
+                    self.report.abandoned = self.in_flight();
                     return Ok(());
                 }
             }
 
             let mut claimed_any = false;
             if drain_deadline_ms.is_none() && !self.owned.is_empty() {
-                let n = self.owned.len();
-                for i in 0..n {
-                    let free = self.opts.concurrency - self.in_flight;
-                    if free == 0 {
-                        break;
-                    }
-                    let shard = self.owned[(rotate + i) % n].clone();
-                    // Share the free slots between shards so one busy shard
-                    // cannot starve the others.
-                    let share = free.div_ceil(n - i).clamp(1, CLAIM_BATCH_MAX);
-                    let jobs = match self.backend.claim(&shard, share) {
-                        Ok(jobs) => jobs,
-                        Err(QueueError::NotOwner { .. }) => continue,
-                        Err(e) => return Err(e),
-                    };
-                    for job in jobs {
-                        claimed_any = true;
-                        self.in_flight += 1;
-                        if job_tx.send(job).is_err() {
-                            return Err(QueueError::Backend("all worker threads exited".into()));
-                        }
-                    }
-                }
+                claimed_any = self.claim_round(rotate, now, job_tx)?;
                 rotate = rotate.wrapping_add(1);
-                self.report.peak_in_flight = self.report.peak_in_flight.max(self.in_flight);
+                self.report.peak_in_flight = self.report.peak_in_flight.max(self.in_flight());
             }
 
             if self.opts.exit_when_idle
                 && drain_deadline_ms.is_none()
                 && !claimed_any
-                && self.in_flight == 0
+                && self.in_flight() == 0
                 && !self.owned.is_empty()
-                && self.all_idle()?
+                && self.all_idle(now)
             {
+                if let Some((shard, _)) = self.failed.iter().next() {
+                    return Err(QueueError::Backend(format!(
+                        "shard {shard:?} failed and was not run (see the errors above)"
+                    )));
+                }
                 return Ok(());
             }
 
-            if claimed_any && self.in_flight < self.opts.concurrency {
+            if claimed_any && self.in_flight() < self.opts.concurrency {
                 continue;
             }
             let mut wait_ms = self.opts.idle_poll_ms.max(1);
             wait_ms = wait_ms.min(next_tick_ms.saturating_sub(now).max(1));
-            if let Some(due) = self.next_due()? {
+            wait_ms = wait_ms.min(next_heartbeat_ms.saturating_sub(now).max(1));
+            if let Some(t) = self.next_timeout_ms() {
+                wait_ms = wait_ms.min(t.saturating_sub(now).max(1));
+            }
+            if let Some(due) = self.next_due(now) {
                 wait_ms = wait_ms.min(due.saturating_sub(now).max(1));
             }
             match out_rx.recv_timeout(Duration::from_millis(wait_ms)) {
@@ -325,45 +441,293 @@ impl Dispatch<'_> {
         }
     }
 
-    fn all_idle(&self) -> Result<bool, QueueError> {
+    /// Ticks the coordinator: adopts gained shards, stops the handlers of
+    /// lost ones. A transient coordinator error keeps the current shards.
+    fn tick(&mut self, coordinator: &mut dyn Coordinator, now: u64) -> Result<(), QueueError> {
+        let own = match coordinator.tick() {
+            Ok(own) => own,
+            Err(e) if e.is_transient() => {
+                (self.opts.on_event)(PoolEvent::RecordFailed(format!(
+                    "lease renewal: {e} (keeping the shards while their leases last)"
+                )));
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        for shard in &own.lost {
+            (self.opts.on_event)(PoolEvent::Lost(shard.clone()));
+            self.cancel_shard(shard, "the shard's lease was lost to another process");
+            let _ = self.backend.release(shard);
+            self.failed.remove(shard);
+        }
+        for shard in &own.gained {
+            self.adopt(shard, now);
+        }
+        self.owned = own.owned;
+        self.failed.retain(|s, _| self.owned.contains(s));
+        Ok(())
+    }
+
+    fn adopt(&mut self, shard: &str, now: u64) {
+        match self.backend.adopt(shard) {
+            Ok(()) => {
+                if self.failed.remove(shard).is_some() {
+                    (self.opts.on_event)(PoolEvent::ShardRecovered(shard.to_string()));
+                }
+                (self.opts.on_event)(PoolEvent::Gained(shard.to_string()));
+            }
+            Err(e) => self.shard_failed(shard, &e, now, true),
+        }
+    }
+
+    fn shard_failed(&mut self, shard: &str, error: &QueueError, now: u64, needs_adopt: bool) {
+        let first = !self.failed.contains_key(shard);
+        self.failed.insert(
+            shard.to_string(),
+            Failed {
+                retry_at_ms: now.saturating_add(SHARD_RETRY_MS),
+                needs_adopt,
+            },
+        );
+        if first {
+            (self.opts.on_event)(PoolEvent::ShardFailed {
+                shard: shard.to_string(),
+                error: error.to_string(),
+            });
+        }
+    }
+
+    /// One claim call per healthy shard, sharing the free slots.
+    fn claim_round(
+        &mut self,
+        rotate: usize,
+        now: u64,
+        job_tx: &JobSender,
+    ) -> Result<bool, QueueError> {
+        let mut claimed_any = false;
+        let n = self.owned.len();
+        for i in 0..n {
+            let free = self.opts.concurrency - self.in_flight();
+            if free == 0 {
+                break;
+            }
+            let shard = self.owned[(rotate + i) % n].clone();
+            let mut recovering = false;
+            if let Some(f) = self.failed.get(&shard) {
+                if now < f.retry_at_ms {
+                    continue;
+                }
+                if f.needs_adopt {
+                    self.adopt(&shard, now);
+                    if self.failed.contains_key(&shard) {
+                        continue;
+                    }
+                }
+                recovering = true;
+            }
+            // Share the free slots between shards so one busy shard cannot
+            // starve the others.
+            let share = free.div_ceil(n - i).clamp(1, CLAIM_BATCH_MAX);
+            let jobs = match self.backend.claim(&shard, share, self.opts.job_lease_ms) {
+                Ok(jobs) => jobs,
+                Err(QueueError::NotOwner { .. }) => continue,
+                Err(e @ QueueError::StoreLost(_)) => return Err(e),
+                Err(e) => {
+                    self.shard_failed(&shard, &e, now, false);
+                    continue;
+                }
+            };
+            if recovering && self.failed.remove(&shard).is_some() {
+                (self.opts.on_event)(PoolEvent::ShardRecovered(shard.clone()));
+            }
+            for job in jobs {
+                claimed_any = true;
+                let signal = Arc::new(RunSignal::default());
+                self.running.insert(
+                    (job.shard.clone(), job.id),
+                    Running {
+                        receipt: job.receipt(),
+                        started_ms: now,
+                        signal: Arc::clone(&signal),
+                    },
+                );
+                if job_tx.send((job, signal)).is_err() {
+                    return Err(QueueError::Backend("all worker threads exited".into()));
+                }
+            }
+        }
+        Ok(claimed_any)
+    }
+
+    /// Extends the job lease of every running run; a run the backend calls
+    /// stale is over, so its handler is told to stop.
+    fn heartbeat(&mut self) {
+        let mut per_shard: BTreeMap<String, Vec<Receipt>> = BTreeMap::new();
+        for ((shard, _), run) in &self.running {
+            per_shard
+                .entry(shard.clone())
+                .or_default()
+                .push(run.receipt);
+        }
+        for (shard, receipts) in per_shard {
+            match self
+                .backend
+                .extend(&shard, &receipts, self.opts.job_lease_ms)
+            {
+                Ok(stale) => {
+                    for r in stale {
+                        if let Some(run) = self.running.get(&(shard.clone(), r.id)) {
+                            run.signal.cancel("the run's job lease was lost");
+                        }
+                    }
+                }
+                Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(format!(
+                    "extending job leases on shard {shard:?}: {e}"
+                ))),
+            }
+        }
+    }
+
+    fn enforce_job_timeout(&mut self, now: u64) {
+        let Some(limit) = self.opts.job_timeout_ms else {
+            return;
+        };
+        for run in self.running.values() {
+            if now >= run.started_ms.saturating_add(limit)
+                && !run.signal.cancelled.load(Ordering::SeqCst)
+            {
+                run.signal.cancel(&format!("job timeout {limit} ms"));
+                self.report.timed_out += 1;
+            }
+        }
+    }
+
+    fn next_timeout_ms(&self) -> Option<u64> {
+        let limit = self.opts.job_timeout_ms?;
+        self.running
+            .values()
+            .filter(|r| !r.signal.cancelled.load(Ordering::SeqCst))
+            .map(|r| r.started_ms.saturating_add(limit))
+            .min()
+    }
+
+    fn cancel_shard(&mut self, shard: &str, reason: &str) {
+        for ((s, _), run) in &self.running {
+            if s == shard {
+                run.signal.cancel(reason);
+            }
+        }
+    }
+
+    /// After the loop: cancels every run still going and waits until all
+    /// handlers returned, ticking the coordinator and extending job leases
+    /// so no other process starts a key's next job meanwhile.
+    fn wait_for_running(
+        &mut self,
+        coordinator: &mut dyn Coordinator,
+        clock: &dyn Clock,
+        out_rx: &mpsc::Receiver<Outcome>,
+    ) -> Result<(), QueueError> {
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        (self.opts.on_event)(PoolEvent::Cancelling {
+            running: self.running.len(),
+        });
+        let reason = format!(
+            "the worker is stopping (drain timeout {} ms)",
+            self.opts.drain_timeout_ms
+        );
+        for run in self.running.values() {
+            run.signal.cancel(&reason);
+        }
+        let tick_interval_ms = coordinator.tick_interval_ms().max(1);
+        let heartbeat_ms = (self.opts.job_lease_ms / HEARTBEATS_PER_LEASE).max(1);
+        let mut next_tick_ms = 0u64;
+        let mut next_heartbeat_ms = 0u64;
+        while !self.running.is_empty() {
+            let now = clock.now_ms();
+            if now >= next_tick_ms {
+                if let Err(e) = self.tick(coordinator, now) {
+                    (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
+                }
+                next_tick_ms = now.saturating_add(tick_interval_ms);
+            }
+            if now >= next_heartbeat_ms {
+                self.heartbeat();
+                next_heartbeat_ms = now.saturating_add(heartbeat_ms);
+            }
+            let wait = tick_interval_ms.min(heartbeat_ms).clamp(1, 50);
+            match out_rx.recv_timeout(Duration::from_millis(wait)) {
+                Ok(out) => {
+                    let mut batch = vec![out];
+                    batch.extend(out_rx.try_iter());
+                    self.record(batch);
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(QueueError::Backend("all worker threads exited".into()))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_idle(&mut self, now: u64) -> bool {
         // Called right after a claim round that found nothing with every
         // slot free, so nothing is claimable now; only future work counts.
         // Keys halted by a dead job never become claimable and do not count.
-        for shard in &self.owned {
-            if self.backend.next_due_ms(shard)?.is_some() {
-                return Ok(false);
+        for shard in self.owned.clone() {
+            if self.failed.contains_key(&shard) {
+                continue;
+            }
+            match self.backend.next_due_ms(&shard) {
+                Ok(Some(_)) => return false,
+                Ok(None) => {}
+                Err(e) => {
+                    self.shard_failed(&shard, &e, now, false);
+                }
             }
         }
-        Ok(true)
+        true
     }
 
-    fn next_due(&self) -> Result<Option<u64>, QueueError> {
+    fn next_due(&mut self, now: u64) -> Option<u64> {
         let mut due: Option<u64> = None;
-        for shard in &self.owned {
-            if let Some(d) = self.backend.next_due_ms(shard)? {
-                due = Some(due.map_or(d, |x| x.min(d)));
+        for shard in self.owned.clone() {
+            if self.failed.contains_key(&shard) {
+                continue;
+            }
+            match self.backend.next_due_ms(&shard) {
+                Ok(Some(d)) => due = Some(due.map_or(d, |x| x.min(d))),
+                Ok(None) => {}
+                Err(e) => self.shard_failed(&shard, &e, now, false),
             }
         }
-        Ok(due)
+        due
     }
 
     /// Records outcomes; acks are grouped per shard into one call.
     fn record(&mut self, outcomes: Vec<Outcome>) {
-        let mut acks: BTreeMap<String, Vec<JobId>> = BTreeMap::new();
+        let mut acks: BTreeMap<String, Vec<Receipt>> = BTreeMap::new();
         for out in outcomes {
-            self.in_flight -= 1;
+            self.running.remove(&(out.shard.clone(), out.receipt.id));
             match out.result {
-                Ok(()) => acks.entry(out.shard).or_default().push(out.id),
-                Err(reason) => match self.backend.fail(&out.shard, out.id, &reason) {
+                Ok(()) => acks.entry(out.shard).or_default().push(out.receipt),
+                Err(reason) => match self.backend.fail(&out.shard, out.receipt, &reason, None) {
                     Ok(FailOutcome::Dead) => self.report.dead += 1,
                     Ok(_) => self.report.retried += 1,
+                    Err(QueueError::StaleReceipt { .. }) => self.report.stale += 1,
                     Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
                 },
             }
         }
-        for (shard, ids) in acks {
-            match self.backend.ack(&shard, &ids) {
-                Ok(()) => self.report.acked += ids.len() as u64,
+        for (shard, receipts) in acks {
+            match self.backend.ack(&shard, &receipts) {
+                Ok(out) => {
+                    self.report.acked += out.acked;
+                    self.report.stale += out.stale.len() as u64;
+                }
                 Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
             }
         }

@@ -13,12 +13,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use shardq_route::Router;
 use thiserror::Error;
 
 use crate::backend::QueueBackend;
+use crate::clock::{Clock, SystemClock};
 use crate::error::QueueError;
 use crate::job::{JobId, NewJob};
 use crate::reshard::{MapStore, ReshardError};
@@ -42,6 +42,8 @@ pub struct ProducerOptions {
     pub fence_wait_ms: u64,
     /// Re-read the map when the cached one is older than this, in ms.
     pub refresh_ms: u64,
+    /// Time for the waits (a manual clock in simulations).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for ProducerOptions {
@@ -50,6 +52,7 @@ impl Default for ProducerOptions {
             pause_wait_ms: PAUSE_WAIT_MS_DEFAULT,
             fence_wait_ms: FENCE_WAIT_MS_DEFAULT,
             refresh_ms: REFRESH_MS_DEFAULT,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -116,7 +119,7 @@ pub struct Producer<B: QueueBackend + ?Sized> {
     backend: Arc<B>,
     store: Arc<dyn MapStore>,
     router: Router,
-    loaded_at: Instant,
+    loaded_at_ms: u64,
     options: ProducerOptions,
 }
 
@@ -132,7 +135,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             backend,
             store,
             router,
-            loaded_at: Instant::now(),
+            loaded_at_ms: options.clock.now_ms(),
             options,
         })
     }
@@ -145,7 +148,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
     /// Re-reads the map; true if the version changed.
     pub fn reload(&mut self) -> Result<bool, ProduceError> {
         let map = self.store.load()?;
-        self.loaded_at = Instant::now();
+        self.loaded_at_ms = self.options.clock.now_ms();
         if map.version == self.router.version() {
             return Ok(false);
         }
@@ -155,7 +158,13 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
 
     /// Re-reads the map if the cached one is older than `refresh_ms`.
     fn reload_if_stale(&mut self) -> Result<(), ProduceError> {
-        if self.loaded_at.elapsed() >= Duration::from_millis(self.options.refresh_ms) {
+        if self
+            .options
+            .clock
+            .now_ms()
+            .saturating_sub(self.loaded_at_ms)
+            >= self.options.refresh_ms
+        {
             self.reload()?;
         }
         Ok(())
@@ -208,10 +217,11 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         placed: &mut [Option<Placed>],
     ) -> Result<Vec<(String, String)>, ProduceError> {
         self.reload_if_stale()?;
-        let started = Instant::now();
+        let clock = Arc::clone(&self.options.clock);
+        let started_ms = clock.now_ms();
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
         let mut paused: BTreeSet<String> = BTreeSet::new();
-        let mut paused_since: BTreeMap<String, Instant> = BTreeMap::new();
+        let mut paused_since: BTreeMap<String, u64> = BTreeMap::new();
         let mut gave_up: Vec<(String, String)> = Vec::new();
         while !pending.is_empty() {
             let version = self.router.version();
@@ -245,12 +255,14 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                         retry.extend(idxs);
                     }
                     Err(QueueError::Paused { key, .. }) => {
-                        let since = *paused_since.entry(key.clone()).or_insert_with(Instant::now);
+                        let since_ms = *paused_since
+                            .entry(key.clone())
+                            .or_insert_with(|| clock.now_ms());
                         // Give up only on a group that holds this key alone:
                         // a mixed group is split next round, so the other
                         // keys' jobs still go in.
                         if own == Some(key.as_str())
-                            && since.elapsed().as_millis() as u64 >= self.options.pause_wait_ms
+                            && clock.now_ms().saturating_sub(since_ms) >= self.options.pause_wait_ms
                         {
                             gave_up.push((key, shard));
                             continue;
@@ -268,7 +280,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             }
             if let Some(shard) = fenced {
                 if !self.reload()? {
-                    let waited_ms = started.elapsed().as_millis() as u64;
+                    let waited_ms = clock.now_ms().saturating_sub(started_ms);
                     if waited_ms >= self.options.fence_wait_ms {
                         return Err(ProduceError::FencedTooLong {
                             shard,
@@ -276,10 +288,10 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                             waited_ms,
                         });
                     }
-                    std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                    clock.sleep_ms(RETRY_SLEEP_MS);
                 }
             } else if pending.iter().all(|&i| paused.contains(&jobs[i].key)) {
-                std::thread::sleep(Duration::from_millis(RETRY_SLEEP_MS));
+                clock.sleep_ms(RETRY_SLEEP_MS);
                 // Not a reload per retry: a pause is lifted together with a
                 // raise of the old shard's fence (the retry is then Fenced
                 // and reloads), or after a drain timeout with the key still

@@ -15,15 +15,22 @@
 //!    the target's shards and weights, with each moving key pinned (an
 //!    override) to its current shard and removed shards kept as `draining`.
 //!    Keys without work follow the target at once: nothing of theirs is
-//!    queued anywhere, so nothing can be overtaken.
+//!    queued anywhere, so nothing can be overtaken; before the publish every
+//!    target shard's run-fence floor is raised above every shard's highest
+//!    fence, so their next runs get larger fences than their last ones.
 //! 2. **Drain, then switch**, in batches: pause the batch's enqueues on their
 //!    old shards, wait until each key's depth and in-flight count there are
-//!    zero, publish a version whose overrides send the batch to the target
-//!    owner, fence the old shards at that version, and lift the pause.
-//! 3. **Finish.** Publish the target itself (removed shards gone, overrides
-//!    equal to the computed owner dropped) and clear the stored target. A
-//!    backstop first checks that the final map routes every key with work
-//!    to the shard that holds it.
+//!    zero, raise the new shards' run-fence floor above the old shards'
+//!    highest fence (so a moved key's next run has a larger fence than its
+//!    last one), publish a version whose overrides send the batch to the
+//!    target owner, fence the old shards at that version, and lift the
+//!    pause. A key that gains a dead letter while it drains is not switched:
+//!    it is un-paused, stays pinned, and is held back like any key with dead
+//!    letters.
+//! 3. **Finish.** Publish the target itself (removed shards gone, the
+//!    temporary pins gone, the operator's pins kept even where they equal the
+//!    computed owner) and clear the stored target. A backstop first checks
+//!    that the final map routes every key with work to the shard that holds it.
 //!
 //! "Work" is queued, delayed and in-flight jobs, and dead letters: a dead
 //! job retried later runs on the shard that holds it, so a key with one
@@ -40,13 +47,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use serde::Serialize;
 use shardq_route::{MapError, Router, Shard, ShardMap, ShardState};
 use thiserror::Error;
 
 use crate::backend::QueueBackend;
+use crate::clock::{Clock, SystemClock};
 use crate::error::QueueError;
 use crate::job::KeyCounts;
 
@@ -140,6 +148,9 @@ pub struct RebalanceOptions {
     pub drain_timeout_ms: u64,
     /// Interval between drain checks, in ms.
     pub poll_ms: u64,
+    /// Time for the drain waits and the pause figures (a manual clock in
+    /// simulations).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for RebalanceOptions {
@@ -148,6 +159,7 @@ impl Default for RebalanceOptions {
             batch: BATCH_DEFAULT,
             drain_timeout_ms: DRAIN_TIMEOUT_MS_DEFAULT,
             poll_ms: DRAIN_POLL_MS_DEFAULT,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -476,7 +488,8 @@ where
             options.batch
         )));
     }
-    let started = Instant::now();
+    let clock = &*options.clock;
+    let started_ms = clock.now_ms();
     let _lock = store.try_lock_rebalance()?;
     let mut cur = store.load()?;
     let mut report = RebalanceReport {
@@ -502,6 +515,19 @@ where
             .chain(second)
             .map(|m| (m.key, m.from))
             .collect();
+        // Keys without work follow the target at once: their next run, on
+        // any shard, must get a larger fence than every run so far.
+        let mut high = 0u64;
+        for shard in &cur.shards {
+            high = high.max(backend.shard_stats(&shard.name)?.fence_high);
+        }
+        for shard in &target.shards {
+            let mut fence = backend.fence(&shard.name)?;
+            if fence.run_fence_min <= high {
+                fence.run_fence_min = high.saturating_add(1);
+                backend.set_fence(&shard.name, &fence)?;
+            }
+        }
         let next = intermediate(&cur, &target, &pins);
         publish_next(store, &cur, &next)?;
         cur = next;
@@ -539,13 +565,29 @@ where
     let total = switches.len();
     let mut done = 0usize;
     for batch in switches.chunks(options.batch) {
-        let pause_started = Instant::now();
+        let pause_started_ms = clock.now_ms();
         set_paused(backend, batch, true, None)?;
-        if let Err(e) = wait_drained(backend, batch, options) {
-            // Do not leave producers stalled: lift the pause, keep the pins.
-            set_paused(backend, batch, false, None)?;
-            return Err(e);
+        let dead = match wait_drained(backend, batch, options) {
+            Ok(dead) => dead,
+            Err(e) => {
+                // Do not leave producers stalled: lift the pause, keep the pins.
+                set_paused(backend, batch, false, None)?;
+                return Err(e);
+            }
+        };
+        // A key that dead-lettered while draining keeps its pin: un-pause
+        // it where it is and hold it back.
+        let (gone_dead, batch): (Vec<_>, Vec<_>) =
+            batch.iter().cloned().partition(|sw| dead.contains(&sw.0));
+        if !gone_dead.is_empty() {
+            set_paused(backend, &gone_dead, false, None)?;
+            held.extend(gone_dead.into_iter().map(|sw| sw.0));
         }
+        if batch.is_empty() {
+            continue;
+        }
+        let batch = &batch[..];
+        raise_fence_floors(backend, batch)?;
         let mut next = cur.clone();
         next.version = cur.version + 1;
         for (key, _, _) in batch {
@@ -557,7 +599,7 @@ where
         // Other pins stay; the switched keys now follow the target.
         publish_next(store, &cur, &next)?;
         set_paused(backend, batch, false, Some(next.version))?;
-        let pause_ms = pause_started.elapsed().as_secs_f64() * 1000.0;
+        let pause_ms = clock.now_ms().saturating_sub(pause_started_ms) as f64;
         for (key, from, to) in batch {
             report.moved.push(MovedKey {
                 key: key.clone(),
@@ -581,9 +623,9 @@ where
     // Phase 3: publish the target itself.
     let mut fin = target.clone();
     fin.version = cur.version + 1;
+    // The target's overrides are the operator's pins (the temporary ones
+    // live only in the published map); keep every one of them.
     let fin_router = Router::new(fin.clone())?;
-    fin.overrides
-        .retain(|k, shard| fin_router.computed(k) != shard);
     let leaving: Vec<&Shard> = cur
         .shards
         .iter()
@@ -626,7 +668,7 @@ where
         version: cur.version,
     });
     report.to_version = cur.version;
-    report.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    report.elapsed_ms = clock.now_ms().saturating_sub(started_ms) as f64;
     Ok(report)
 }
 
@@ -663,36 +705,71 @@ fn set_paused<B: QueueBackend + ?Sized>(
     Ok(())
 }
 
+/// Raises the run-fence floor of each batch key's new shard above the
+/// highest fence its old shard issued, before the switch is published: the
+/// old shard ran the key's last jobs (it is drained), so the key's next run,
+/// on the new shard, gets a larger fence than any earlier one.
+fn raise_fence_floors<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+) -> Result<(), ReshardError> {
+    let mut floor: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut high: BTreeMap<&str, u64> = BTreeMap::new();
+    for (_, from, to) in batch {
+        if !high.contains_key(from.as_str()) {
+            high.insert(from, backend.shard_stats(from)?.fence_high);
+        }
+        let f = floor.entry(to.as_str()).or_default();
+        *f = (*f).max(high[from.as_str()].saturating_add(1));
+    }
+    for (shard, min) in floor {
+        let mut fence = backend.fence(shard)?;
+        if fence.run_fence_min < min {
+            fence.run_fence_min = min;
+            backend.set_fence(shard, &fence)?;
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every key of the batch has nothing queued or in flight on
+/// its old shard. Returns the keys that hold dead letters there once
+/// drained (one may have dead-lettered during the wait): those must not be
+/// switched. Waits and time go through the options' clock.
 fn wait_drained<B: QueueBackend + ?Sized>(
     backend: &B,
     batch: &[(String, String, String)],
     options: &RebalanceOptions,
-) -> Result<(), ReshardError> {
-    let started = Instant::now();
+) -> Result<BTreeSet<String>, ReshardError> {
+    let clock = &*options.clock;
+    let started_ms = clock.now_ms();
     let mut busy: BTreeSet<(String, String)> = batch
         .iter()
         .map(|(k, from, _)| (k.clone(), from.clone()))
         .collect();
+    let mut dead = BTreeSet::new();
     loop {
         let mut still = BTreeSet::new();
         for (key, shard) in busy {
             let c = backend.key_counts(&shard, &key)?;
             if c.depth + c.in_flight > 0 {
                 still.insert((key, shard));
+            } else if c.dead > 0 {
+                dead.insert(key);
             }
         }
         busy = still;
         if busy.is_empty() {
-            return Ok(());
+            return Ok(dead);
         }
-        let waited_ms = started.elapsed().as_millis() as u64;
+        let waited_ms = clock.now_ms().saturating_sub(started_ms);
         if waited_ms >= options.drain_timeout_ms {
             return Err(ReshardError::DrainTimeout {
                 keys: busy.into_iter().take(8).map(|(k, _)| k).collect(),
                 waited_ms,
             });
         }
-        std::thread::sleep(Duration::from_millis(options.poll_ms.max(1)));
+        clock.sleep_ms(options.poll_ms.max(1));
     }
 }
 

@@ -19,6 +19,7 @@ use shardq_core::{
 use shardq_route::{Algorithm, Router, ShardMap};
 
 const KEYS: usize = 10_000;
+const LEASE_MS: u64 = shardq_core::JOB_LEASE_MS_DEFAULT;
 
 fn keys() -> Vec<String> {
     (0..KEYS).map(|i| format!("t-{i}")).collect()
@@ -423,12 +424,12 @@ fn two_shard_store() -> (MemoryBackend, MemoryMapStore) {
 fn drain_all(backend: &MemoryBackend) {
     for shard in backend.shard_names() {
         loop {
-            let jobs = backend.claim(&shard, 1024).unwrap();
+            let jobs = backend.claim(&shard, 1024, LEASE_MS).unwrap();
             if jobs.is_empty() {
                 break;
             }
-            let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
-            backend.ack(&shard, &ids).unwrap();
+            let receipts: Vec<_> = jobs.iter().map(|j| j.receipt()).collect();
+            backend.ack(&shard, &receipts).unwrap();
         }
     }
 }
@@ -488,8 +489,10 @@ fn a_key_with_dead_letters_stays_pinned_until_they_are_handled() {
     let mut job = NewJob::new(key.clone(), "x");
     job.max_attempts = 1;
     p.enqueue(&job).unwrap();
-    let claimed = backend.claim("s1", 10).unwrap();
-    backend.fail("s1", claimed[0].id, "boom").unwrap();
+    let claimed = backend.claim("s1", 10, LEASE_MS).unwrap();
+    backend
+        .fail("s1", claimed[0].receipt(), "boom", None)
+        .unwrap();
     assert_eq!(backend.key_counts("s1", &key).unwrap().dead, 1);
     reshard::remove_shard(&store, "s1").unwrap();
     let err = reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
@@ -510,4 +513,157 @@ fn a_key_with_dead_letters_stays_pinned_until_they_are_handled() {
     reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
     let fin = store.load().unwrap();
     assert!(fin.shard("s1").is_none() && fin.overrides.is_empty());
+}
+
+/// A key on `shard` of the published map.
+fn key_on(store: &MemoryMapStore, shard: &str) -> String {
+    let router = Router::new(store.load().unwrap()).unwrap();
+    (0..)
+        .map(|i| format!("t-{i}"))
+        .find(|k| router.route(k) == shard)
+        .unwrap()
+}
+
+/// Regression: a job that dead-lettered while `rebalance` drained its key
+/// counted as drained; the key was switched, its dead job stayed behind,
+/// and after `dead retry` the key ran on two shards at once.
+#[test]
+fn dead_letter_during_drain_keeps_the_key_pinned() {
+    let (backend, store) = two_shard_store();
+    let key = key_on(&store, "s1");
+    let mut job = NewJob::new(key.clone(), "x");
+    job.max_attempts = 1;
+    backend.enqueue("s1", 1, &[job]).unwrap();
+    let running = backend.claim("s1", 10, LEASE_MS).unwrap();
+    assert_eq!(running.len(), 1);
+    reshard::remove_shard(&store, "s1").unwrap();
+    // The rebalance pins the key and waits for it to drain; meanwhile its
+    // one running job fails for good.
+    let rb = {
+        let (backend, store) = (backend.clone(), store.clone());
+        thread::spawn(move || {
+            reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
+        })
+    };
+    let pinned_by = std::time::Instant::now() + Duration::from_secs(10);
+    while store.load().unwrap().overrides.get(&key).is_none() {
+        assert!(std::time::Instant::now() < pinned_by, "key never pinned");
+        thread::sleep(Duration::from_millis(1));
+    }
+    thread::sleep(Duration::from_millis(20));
+    backend
+        .fail("s1", running[0].receipt(), "boom", None)
+        .unwrap();
+    let err = rb.join().unwrap().unwrap_err();
+    assert!(
+        matches!(err, ReshardError::DeadLetters { count: 1, .. }),
+        "{err}"
+    );
+    // The key still routes to the shard holding its dead job, unpaused.
+    let map = store.load().unwrap();
+    assert_eq!(map.overrides.get(&key).map(String::as_str), Some("s1"));
+    assert!(backend.fence("s1").unwrap().paused_keys.is_empty());
+    let router = Router::new(map).unwrap();
+    assert_eq!(router.route(&key), "s1");
+    // A later job of the key lands behind the dead one, on the same shard,
+    // and a retried dead job runs before it: one shard, one order.
+    backend
+        .enqueue("s1", router.version(), &[NewJob::new(key.clone(), "y")])
+        .unwrap();
+    backend.dead_retry("s1", None).unwrap();
+    let first = backend.claim("s1", 10, LEASE_MS).unwrap();
+    assert_eq!(first.len(), 1, "one run of the key at a time");
+    assert_eq!(first[0].payload, b"x");
+    backend.ack("s1", &[first[0].receipt()]).unwrap();
+    drain_all(&backend);
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let fin = store.load().unwrap();
+    assert!(fin.shard("s1").is_none() && fin.overrides.is_empty());
+}
+
+/// Regression: `pin KEY SHARD` where KEY already routed to SHARD was dropped
+/// by the finish step, so `unpin` said it was not pinned and a later
+/// rebalance moved the key.
+#[test]
+fn a_pin_to_the_computed_owner_survives_the_rebalance() {
+    let (backend, store) = two_shard_store();
+    let key = key_on(&store, "s0");
+    reshard::pin(&store, &key, "s0").unwrap();
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(
+        store
+            .load()
+            .unwrap()
+            .overrides
+            .get(&key)
+            .map(String::as_str),
+        Some("s0")
+    );
+    // Weighting s1 up would move some keys; the pinned one stays.
+    reshard::set_weight(&store, "s1", 50).unwrap();
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let router = Router::new(store.load().unwrap()).unwrap();
+    assert_eq!(router.route(&key), "s0");
+    reshard::unpin(&store, &key).unwrap();
+}
+
+/// A moved key's first run on its new shard has a larger fence than its
+/// last run on the old one, even when the old shard's fences ran far ahead
+/// of the new shard's clock.
+#[test]
+fn fences_keep_growing_when_a_key_moves() {
+    let (backend, store) = two_shard_store();
+    let key = key_on(&store, "s1");
+    // s1 issues fences far above the clock.
+    let far = 1u64 << 60;
+    backend
+        .set_fence(
+            "s1",
+            &Fence {
+                run_fence_min: far,
+                ..backend.fence("s1").unwrap()
+            },
+        )
+        .unwrap();
+    backend
+        .enqueue("s1", 1, &[NewJob::new(key.clone(), "a")])
+        .unwrap();
+    let a = backend.claim("s1", 1, LEASE_MS).unwrap().remove(0);
+    assert!(a.fence >= far);
+    backend.ack("s1", &[a.receipt()]).unwrap();
+    // Queue one more so the key has work and is drained-and-switched.
+    backend
+        .enqueue("s1", 1, &[NewJob::new(key.clone(), "b")])
+        .unwrap();
+    reshard::remove_shard(&store, "s1").unwrap();
+    let worker = {
+        let backend = backend.clone();
+        thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                let jobs = backend.claim("s1", 1, LEASE_MS).unwrap();
+                if let Some(j) = jobs.first() {
+                    backend.ack("s1", &[j.receipt()]).unwrap();
+                    return j.fence;
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            panic!("job b never ran on s1");
+        })
+    };
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let b_fence = worker.join().unwrap();
+    let router = Router::new(store.load().unwrap()).unwrap();
+    assert_eq!(router.route(&key), "s0");
+    backend
+        .enqueue("s0", router.version(), &[NewJob::new(key.clone(), "c")])
+        .unwrap();
+    let c = backend.claim("s0", 1, LEASE_MS).unwrap().remove(0);
+    assert!(
+        c.fence > b_fence && b_fence > a.fence,
+        "fences {} then {} then {}",
+        a.fence,
+        b_fence,
+        c.fence
+    );
 }
