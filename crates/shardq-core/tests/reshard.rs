@@ -546,7 +546,7 @@ fn dead_letter_during_drain_keeps_the_key_pinned() {
         })
     };
     let pinned_by = std::time::Instant::now() + Duration::from_secs(10);
-    while store.load().unwrap().overrides.get(&key).is_none() {
+    while !store.load().unwrap().overrides.contains_key(&key) {
         assert!(std::time::Instant::now() < pinned_by, "key never pinned");
         thread::sleep(Duration::from_millis(1));
     }
