@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod clock;
+pub mod contract;
 pub mod error;
 pub mod job;
 pub mod memory;

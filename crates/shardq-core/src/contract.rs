@@ -1,0 +1,320 @@
+//! The backend contract as executable checks, written once and run against
+//! every [`QueueBackend`] (in memory here, the embedded engine and Redis in
+//! their own test suites).
+//!
+//! Each check starts from an empty shard the harness owns and asserts an
+//! invariant a user relies on (per-key order, one run per key, receipts,
+//! job leases, dead letters as work, growing fences), never a mechanism.
+//! The checks panic with a message naming the broken promise. This module
+//! is test support: it does no I/O of its own and is never used by the
+//! queue at run time.
+
+use crate::backend::QueueBackend;
+use crate::error::QueueError;
+use crate::job::{ClaimedJob, NewJob, Receipt};
+
+/// A backend under test and a way to let its time pass.
+pub trait ContractHarness {
+    /// The backend; `shard()` is adopted by it and empty at the start of
+    /// each check.
+    fn backend(&self) -> &dyn QueueBackend;
+    /// A fresh, empty shard name for the next check.
+    fn fresh_shard(&self) -> String;
+    /// Lets `ms` of the backend's time pass (a manual clock moves; a real
+    /// server is waited for).
+    fn pass_ms(&self, ms: u64);
+    /// The shortest job lease the backend can be tested with, in ms.
+    fn short_lease_ms(&self) -> u64 {
+        crate::job::JOB_LEASE_MS_MIN
+    }
+}
+
+/// A job lease long enough never to lapse within one check.
+const LONG_LEASE_MS: u64 = 600_000;
+
+/// Runs every check.
+pub fn run_all(h: &dyn ContractHarness) {
+    keys_start_in_enqueue_order(h);
+    one_run_per_key(h);
+    stale_receipts_change_nothing(h);
+    lapsed_job_lease_runs_again_and_old_receipt_is_refused(h);
+    extend_keeps_a_long_run_alive(h);
+    dead_letters_count_as_work(h);
+    fences_grow_for_every_new_run(h);
+    fail_with_retry_in_runs_again_first(h);
+}
+
+fn enqueue(h: &dyn ContractHarness, shard: &str, key: &str, payload: &str, attempts: u32) {
+    let mut job = NewJob::new(key, payload);
+    job.max_attempts = attempts;
+    h.backend()
+        .enqueue(shard, u64::MAX, &[job])
+        .unwrap_or_else(|e| panic!("enqueue to {shard}: {e}"));
+}
+
+fn claim(h: &dyn ContractHarness, shard: &str, max: usize, lease_ms: u64) -> Vec<ClaimedJob> {
+    h.backend()
+        .claim(shard, max, lease_ms)
+        .unwrap_or_else(|e| panic!("claim on {shard}: {e}"))
+}
+
+fn ack_one(h: &dyn ContractHarness, shard: &str, r: Receipt) {
+    let out = h.backend().ack(shard, &[r]).expect("ack");
+    assert_eq!(out.acked, 1, "the current run's ack must finish the job");
+}
+
+/// A key's jobs start in enqueue order, across keys interleaved.
+pub fn keys_start_in_enqueue_order(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    for i in 0..20 {
+        enqueue(h, &shard, &format!("k{}", i % 3), &i.to_string(), 5);
+    }
+    let mut seen: Vec<(String, u32)> = Vec::new();
+    loop {
+        let jobs = claim(h, &shard, 100, LONG_LEASE_MS);
+        if jobs.is_empty() {
+            break;
+        }
+        for j in jobs {
+            seen.push((
+                j.key.clone(),
+                String::from_utf8_lossy(&j.payload).parse().unwrap(),
+            ));
+            ack_one(h, &shard, j.receipt());
+        }
+    }
+    assert_eq!(seen.len(), 20, "every job runs once");
+    for k in ["k0", "k1", "k2"] {
+        let order: Vec<u32> = seen
+            .iter()
+            .filter(|(x, _)| x == k)
+            .map(|(_, n)| *n)
+            .collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(order, sorted, "key {k} ran out of order");
+    }
+}
+
+/// While a key has a run in flight, no claim hands out another of its jobs.
+pub fn one_run_per_key(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    for i in 0..3 {
+        enqueue(h, &shard, "solo", &i.to_string(), 5);
+    }
+    let first = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(first.len(), 1, "one run per key at a time");
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "a second run of a busy key started"
+    );
+    ack_one(h, &shard, first[0].receipt());
+    let second = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(second.len(), 1);
+    assert_eq!(second[0].payload, b"1");
+}
+
+/// A receipt of an earlier run, or of a finished one, changes nothing.
+pub fn stale_receipts_change_nothing(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "r", "a", 5);
+    enqueue(h, &shard, "r", "b", 5);
+    let run1 = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    h.backend()
+        .fail(&shard, run1.receipt(), "first try", Some(0))
+        .expect("fail of the current run");
+    let run2 = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(
+        run2.id, run1.id,
+        "a failed job retries before its key's later jobs"
+    );
+    assert_eq!(run2.attempt, run1.attempt + 1);
+    // The first run's late ack and fail are refused.
+    let out = h
+        .backend()
+        .ack(&shard, &[run1.receipt()])
+        .expect("ack call");
+    assert_eq!((out.acked, out.stale.clone()), (0, vec![run1.receipt()]));
+    match h.backend().fail(&shard, run1.receipt(), "late", None) {
+        Err(QueueError::StaleReceipt { .. }) => {}
+        other => panic!("a stale fail must be refused, got {other:?}"),
+    }
+    // Still exactly one run in flight: the key's next job has not started.
+    assert!(claim(h, &shard, 10, LONG_LEASE_MS).is_empty());
+    ack_one(h, &shard, run2.receipt());
+    // A finished run's receipt is stale too.
+    let again = h
+        .backend()
+        .ack(&shard, &[run2.receipt()])
+        .expect("ack call");
+    assert_eq!(again.acked, 0);
+    let next = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(next.payload, b"b", "the acked job must not run again");
+    ack_one(h, &shard, next.receipt());
+}
+
+/// A run whose job lease lapses ends: its job runs again (attempt + 1,
+/// before the key's later jobs) and its receipt is refused.
+pub fn lapsed_job_lease_runs_again_and_old_receipt_is_refused(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "slow", "a", 5);
+    enqueue(h, &shard, "slow", "b", 5);
+    let lease = h.short_lease_ms();
+    let run1 = claim(h, &shard, 1, lease).remove(0);
+    h.pass_ms(lease * 3);
+    let mut run2 = Vec::new();
+    for _ in 0..200 {
+        run2 = claim(h, &shard, 10, LONG_LEASE_MS);
+        if !run2.is_empty() {
+            break;
+        }
+        h.pass_ms(lease);
+    }
+    assert_eq!(run2.len(), 1, "the lapsed run's job must run again, alone");
+    assert_eq!(
+        run2[0].id, run1.id,
+        "the lapsed job runs before the key's later job"
+    );
+    assert!(run2[0].attempt > run1.attempt);
+    assert!(run2[0].fence > run1.fence);
+    let out = h
+        .backend()
+        .ack(&shard, &[run1.receipt()])
+        .expect("ack call");
+    assert_eq!(out.acked, 0, "a lapsed run's ack must be refused");
+    ack_one(h, &shard, run2[0].receipt());
+    let next = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(next.payload, b"b");
+    ack_one(h, &shard, next.receipt());
+}
+
+/// Extending a run's lease keeps it the job's run past its first lease.
+pub fn extend_keeps_a_long_run_alive(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "long", "a", 5);
+    let lease = h.short_lease_ms();
+    let run = claim(h, &shard, 1, lease).remove(0);
+    for _ in 0..6 {
+        h.pass_ms(lease / 3);
+        let stale = h
+            .backend()
+            .extend(&shard, &[run.receipt()], lease)
+            .expect("extend");
+        assert!(stale.is_empty(), "a live run's extend was refused");
+        assert!(
+            claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+            "an extended run was handed out again"
+        );
+    }
+    ack_one(h, &shard, run.receipt());
+    let stale = h
+        .backend()
+        .extend(&shard, &[run.receipt()], lease)
+        .expect("extend");
+    assert_eq!(
+        stale,
+        vec![run.receipt()],
+        "a finished run cannot be extended"
+    );
+}
+
+/// A dead letter is work: `key_counts` reports it and it stays until
+/// retried or purged.
+pub fn dead_letters_count_as_work(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "d", "a", 1);
+    let run = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    h.backend()
+        .fail(&shard, run.receipt(), "boom", None)
+        .expect("fail");
+    let c = h.backend().key_counts(&shard, "d").expect("counts");
+    assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 1));
+    assert_eq!(h.backend().dead_retry(&shard, None).expect("retry"), 1);
+    let again = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(again.id, run.id);
+    ack_one(h, &shard, again.receipt());
+    let c = h.backend().key_counts(&shard, "d").expect("counts");
+    assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0));
+}
+
+/// Every new run of a key gets a larger fence, and the shard reports the
+/// largest it issued.
+pub fn fences_grow_for_every_new_run(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    for i in 0..4 {
+        enqueue(h, &shard, "f", &i.to_string(), 5);
+    }
+    let mut last = 0u64;
+    for round in 0..8 {
+        let run = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+        assert!(run.fence > last, "fence {} after {last}", run.fence);
+        last = run.fence;
+        if round % 2 == 0 {
+            h.backend()
+                .fail(&shard, run.receipt(), "again", Some(0))
+                .expect("fail");
+        } else {
+            ack_one(h, &shard, run.receipt());
+        }
+    }
+    let high = h.backend().shard_stats(&shard).expect("stats").fence_high;
+    assert_eq!(high, last, "fence_high must be the largest fence issued");
+}
+
+/// `fail` with `retry_in_ms` sets the retry time; the job stays first.
+pub fn fail_with_retry_in_runs_again_first(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "w", "a", 5);
+    enqueue(h, &shard, "w", "b", 5);
+    let run = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    h.backend()
+        .fail(&shard, run.receipt(), "later", Some(60_000))
+        .expect("fail");
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "the key's later job overtook its retry"
+    );
+    let due = h.backend().next_due_ms(&shard).expect("next due");
+    assert!(due.is_some(), "a waiting retry must be due some time");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::memory::MemoryBackend;
+
+    struct Memory {
+        backend: MemoryBackend,
+        clock: ManualClock,
+        next: AtomicUsize,
+    }
+
+    impl ContractHarness for Memory {
+        fn backend(&self) -> &dyn QueueBackend {
+            &self.backend
+        }
+        fn fresh_shard(&self) -> String {
+            let name = format!("c-{}", self.next.fetch_add(1, Ordering::SeqCst));
+            self.backend.add_shard(&name);
+            name
+        }
+        fn pass_ms(&self, ms: u64) {
+            self.clock.advance(ms);
+        }
+    }
+
+    #[test]
+    fn the_memory_backend_keeps_the_contract() {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let h = Memory {
+            backend: MemoryBackend::new(&[], Arc::new(clock.clone())),
+            clock,
+            next: AtomicUsize::new(0),
+        };
+        run_all(&h);
+    }
+}

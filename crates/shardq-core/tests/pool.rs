@@ -1,0 +1,343 @@
+//! The worker pool under hostile handlers and a failing shard: a handler
+//! slower than its job lease, one past its job timeout, one still running
+//! when the drain timeout ends, and a corrupt shard beside healthy ones.
+//! Each test checks the promise (no two runs of a key overlap, no shard is
+//! given up while its handler runs, healthy shards keep running), not the
+//! mechanism.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use shardq_core::memory::{MemoryBackend, MemoryCoordinator};
+use shardq_core::{
+    current_run, AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob,
+    PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt, ShardStats, SystemClock,
+    WorkerPool,
+};
+
+fn run_pool(
+    backend: Arc<dyn QueueBackend>,
+    coordinator_of: MemoryBackend,
+    handler: Arc<shardq_core::Handler>,
+    opts: PoolOptions,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<Result<PoolReport, QueueError>> {
+    thread::spawn(move || {
+        let mut coord = MemoryCoordinator::new(coordinator_of);
+        WorkerPool::run(
+            backend,
+            &mut coord,
+            handler,
+            Arc::new(SystemClock),
+            opts,
+            &stop,
+        )
+    })
+}
+
+/// Waits for `cond` for at most `secs` seconds.
+fn wait_for(secs: u64, what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A handler several job leases long: heartbeats keep its run the job's
+/// only run, so the key's next job waits and the job runs once.
+#[test]
+fn a_handler_slower_than_its_job_lease_runs_once() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new("k", format!("{i}"))).collect();
+    backend.enqueue("s0", 1, &jobs).unwrap();
+    let running = Arc::new(AtomicUsize::new(0));
+    let overlap = Arc::new(AtomicBool::new(false));
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let handler: Arc<shardq_core::Handler> = {
+        let (running, overlap, runs) = (running.clone(), overlap.clone(), runs.clone());
+        Arc::new(move |job: &ClaimedJob| {
+            if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                overlap.store(true, Ordering::SeqCst);
+            }
+            runs.lock()
+                .unwrap()
+                .push((job.payload.clone(), job.attempt));
+            if job.payload == b"0" {
+                thread::sleep(Duration::from_millis(450));
+            }
+            running.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 4,
+        job_lease_ms: 100,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let report = run_pool(
+        Arc::new(backend.clone()),
+        backend,
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    assert!(
+        !overlap.load(Ordering::SeqCst),
+        "two runs of one key overlapped"
+    );
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(
+        runs,
+        vec![(b"0".to_vec(), 1), (b"1".to_vec(), 1), (b"2".to_vec(), 1)],
+        "each job once, in order, first attempt"
+    );
+    assert_eq!((report.acked, report.stale), (3, 0));
+}
+
+/// Past `job_timeout_ms` the run is cancelled; a handler that stops on
+/// cancellation fails the attempt, which retries and then dead-letters.
+#[test]
+fn a_handler_past_its_job_timeout_is_cancelled_and_fails() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let mut job = NewJob::new("k", "hang");
+    job.max_attempts = 2;
+    backend.enqueue("s0", 1, &[job]).unwrap();
+    let handler: Arc<shardq_core::Handler> = Arc::new(|_job: &ClaimedJob| {
+        let run = current_run().expect("a handler runs inside a run");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !run.is_cancelled() {
+            if Instant::now() > deadline {
+                return Ok(());
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        Err(format!("stopped: {}", run.cancel_reason()))
+    });
+    let opts = PoolOptions {
+        concurrency: 1,
+        job_timeout_ms: Some(50),
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let started = Instant::now();
+    let report = run_pool(
+        Arc::new(backend.clone()),
+        backend.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!((report.timed_out, report.retried, report.dead), (2, 1, 1));
+    let dead = backend.dead_list("s0", 10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0].reason.contains("job timeout 50 ms"),
+        "{}",
+        dead[0].reason
+    );
+}
+
+/// Shutdown past the drain timeout cancels the running handler and waits
+/// for it: the pool returns only after the handler did, and the job is
+/// left for the next owner (not acked).
+#[test]
+fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    backend.enqueue("s0", 1, &[NewJob::new("k", "x")]).unwrap();
+    let started = Arc::new(AtomicBool::new(false));
+    let returned = Arc::new(AtomicBool::new(false));
+    let handler: Arc<shardq_core::Handler> = {
+        let (started, returned) = (started.clone(), returned.clone());
+        Arc::new(move |_job: &ClaimedJob| {
+            started.store(true, Ordering::SeqCst);
+            let run = current_run().unwrap();
+            while !run.is_cancelled() {
+                thread::sleep(Duration::from_millis(1));
+            }
+            // Cleanup takes a while after the cancel (a child being killed).
+            thread::sleep(Duration::from_millis(200));
+            returned.store(true, Ordering::SeqCst);
+            Ok(())
+        })
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let opts = PoolOptions {
+        concurrency: 1,
+        drain_timeout_ms: 50,
+        ..PoolOptions::default()
+    };
+    let pool = run_pool(
+        Arc::new(backend.clone()),
+        backend.clone(),
+        handler,
+        opts,
+        stop.clone(),
+    );
+    wait_for(10, "the handler to start", || {
+        started.load(Ordering::SeqCst)
+    });
+    stop.store(true, Ordering::SeqCst);
+    let report = pool.join().unwrap().unwrap();
+    assert!(
+        returned.load(Ordering::SeqCst),
+        "the pool gave its shard up while a handler still ran"
+    );
+    assert_eq!(report.abandoned, 1);
+    assert_eq!(report.acked, 0, "a cancelled run's success is not an ack");
+    // The job is still there for the next owner.
+    backend.adopt("s0").unwrap();
+    let again = backend.claim("s0", 1, 1_000).unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].attempt, 2);
+}
+
+/// A backend whose one shard is corrupt: every call on it fails.
+struct OneBroken {
+    inner: MemoryBackend,
+    broken: String,
+}
+
+impl OneBroken {
+    fn check(&self, shard: &str) -> Result<(), QueueError> {
+        if shard == self.broken {
+            return Err(QueueError::Corrupt {
+                shard: shard.to_string(),
+                segment: "00000000000000000000.log".into(),
+                offset: 4096,
+                reason: "checksum mismatch".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl QueueBackend for OneBroken {
+    fn shard_names(&self) -> Vec<String> {
+        self.inner.shard_names()
+    }
+    fn enqueue(&self, s: &str, v: u64, jobs: &[NewJob]) -> Result<Vec<JobId>, QueueError> {
+        self.inner.enqueue(s, v, jobs)
+    }
+    fn adopt(&self, s: &str) -> Result<(), QueueError> {
+        self.check(s)?;
+        self.inner.adopt(s)
+    }
+    fn release(&self, s: &str) -> Result<(), QueueError> {
+        self.inner.release(s)
+    }
+    fn claim(&self, s: &str, max: usize, lease: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        self.check(s)?;
+        self.inner.claim(s, max, lease)
+    }
+    fn ack(&self, s: &str, r: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        self.inner.ack(s, r)
+    }
+    fn fail(
+        &self,
+        s: &str,
+        r: Receipt,
+        why: &str,
+        retry: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
+        self.inner.fail(s, r, why, retry)
+    }
+    fn extend(&self, s: &str, r: &[Receipt], lease: u64) -> Result<Vec<Receipt>, QueueError> {
+        self.inner.extend(s, r, lease)
+    }
+    fn next_due_ms(&self, s: &str) -> Result<Option<u64>, QueueError> {
+        self.check(s)?;
+        self.inner.next_due_ms(s)
+    }
+    fn key_counts(&self, s: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.inner.key_counts(s, key)
+    }
+    fn shard_stats(&self, s: &str) -> Result<ShardStats, QueueError> {
+        self.inner.shard_stats(s)
+    }
+    fn fence(&self, s: &str) -> Result<Fence, QueueError> {
+        self.inner.fence(s)
+    }
+    fn set_fence(&self, s: &str, f: &Fence) -> Result<(), QueueError> {
+        self.inner.set_fence(s, f)
+    }
+    fn dead_list(&self, s: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.inner.dead_list(s, limit)
+    }
+    fn dead_retry(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_retry(s, ids)
+    }
+    fn dead_purge(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_purge(s, ids)
+    }
+}
+
+/// Regression: one corrupt shard stopped the whole worker. Now it stops
+/// that shard only (reported once), the others run all their jobs, and a
+/// batch run ends with an error naming the failed shard.
+#[test]
+fn one_corrupt_shard_stops_only_itself() {
+    let inner = MemoryBackend::new(&["s0", "s1", "s2"], Arc::new(SystemClock));
+    for s in ["s0", "s1", "s2"] {
+        let jobs: Vec<NewJob> = (0..50)
+            .map(|i| NewJob::new(format!("{s}-k{}", i % 5), "x"))
+            .collect();
+        inner.enqueue(s, 1, &jobs).unwrap();
+    }
+    let backend = Arc::new(OneBroken {
+        inner: inner.clone(),
+        broken: "s1".into(),
+    });
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let opts = PoolOptions {
+        concurrency: 4,
+        exit_when_idle: true,
+        on_event: {
+            let events = events.clone();
+            Arc::new(move |e| events.lock().unwrap().push(e))
+        },
+        ..PoolOptions::default()
+    };
+    let err = run_pool(
+        backend,
+        inner.clone(),
+        Arc::new(|_: &ClaimedJob| Ok(())),
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap_err();
+    assert!(err.to_string().contains("\"s1\""), "{err}");
+    for s in ["s0", "s2"] {
+        let st = inner.shard_stats(s).unwrap();
+        assert_eq!(
+            (st.ready, st.in_flight),
+            (0, 0),
+            "healthy shard {s} was not drained"
+        );
+    }
+    assert_eq!(
+        inner.shard_stats("s1").unwrap().ready,
+        50,
+        "nothing of s1 ran"
+    );
+    let failed: Vec<PoolEvent> = events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, PoolEvent::ShardFailed { .. }))
+        .cloned()
+        .collect();
+    assert_eq!(failed.len(), 1, "the failure is reported once: {failed:?}");
+}
