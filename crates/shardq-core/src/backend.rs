@@ -30,10 +30,12 @@
 //!   extend it; any other receipt (an earlier attempt, a lapsed lease, an
 //!   earlier owner, a run already finished) is refused with
 //!   [`QueueError::StaleReceipt`] or listed as stale, and changes nothing.
-//!   A run whose job lease lapses without an [`QueueBackend::extend`] ends:
-//!   its job goes back to the head of its key with attempt + 1 and the key
-//!   stays blocked until then, so two runs of a key never overlap while
-//!   their leases are honoured.
+//!   A run whose job lease lapses without an [`QueueBackend::extend`] ends
+//!   at the next claim on its shard: its job goes back to the head of its
+//!   key with attempt + 1 and the key stays blocked until then, so two runs
+//!   of a key never overlap while their leases are honoured. (Until that
+//!   claim, no other run has started and the lapsed run's receipt still
+//!   counts.)
 //! * **Fences grow.** Each new run of a key gets a fence larger than every
 //!   earlier run's, across attempts, owners, store restarts and rebalances:
 //!   a shard issues [`crate::job::next_fence`] (the backend clock in

@@ -144,15 +144,14 @@ fn chosen_dead(s: &ShardState, ids: Option<&[JobId]>) -> Vec<JobId> {
 }
 
 /// The current run named by `receipt`, or why it is not current.
-fn current_run(s: &ShardState, receipt: Receipt, now: u64) -> Result<Run, String> {
+fn current_run(s: &ShardState, receipt: Receipt) -> Result<Run, String> {
     match s.in_flight.get(&receipt.id) {
         None => Err("the job is not running (finished, or its run ended)".into()),
         Some(run) if run.fence != receipt.fence => {
             Err(format!("the job's current run has fence {}", run.fence))
         }
-        Some(run) if run.lease_until_ms <= now => {
-            Err(format!("its job lease ended at {} ms", run.lease_until_ms))
-        }
+        // A lapsed run stays the job's run until a claim ends it: until
+        // then no other run has started, so its result is still the only one.
         Some(run) => Ok(*run),
     }
 }
@@ -352,11 +351,10 @@ impl QueueBackend for MemoryBackend {
     }
 
     fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
-        let now = self.clock.now_ms();
         self.owned(shard, |s| {
             let mut out = AckOutcome::default();
             for r in receipts {
-                if current_run(s, *r, now).is_err() {
+                if current_run(s, *r).is_err() {
                     out.stale.push(*r);
                     continue;
                 }
@@ -380,7 +378,7 @@ impl QueueBackend for MemoryBackend {
         let now = self.clock.now_ms();
         let (backoff, policy) = (self.backoff, self.dead_policy);
         self.owned(shard, |s| {
-            current_run(s, receipt, now).map_err(|why| stale(shard, receipt, why))?;
+            current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
             Ok(finish_failed(
                 s,
@@ -405,7 +403,7 @@ impl QueueBackend for MemoryBackend {
         self.owned(shard, |s| {
             let mut refused = Vec::new();
             for r in receipts {
-                if current_run(s, *r, now).is_err() {
+                if current_run(s, *r).is_err() {
                     refused.push(*r);
                 } else if let Some(run) = s.in_flight.get_mut(&r.id) {
                     run.lease_until_ms = now.saturating_add(lease_ms);
