@@ -176,7 +176,8 @@ fn end_lapsed_runs(s: &mut ShardState, now: u64, backoff: Backoff, policy: DeadP
         .collect();
     for id in lapsed {
         s.in_flight.remove(&id);
-        finish_failed(s, id, "job lease lapsed", now, None, backoff, policy);
+        // The run vanished rather than failed: retry at once.
+        finish_failed(s, id, "job lease lapsed", now, Some(0), backoff, policy);
     }
 }
 
