@@ -83,8 +83,9 @@ pub enum EngineCommand {
     ///
     /// A shard that cannot be read (e.g. a corrupt log) is shown with its
     /// error (`"error"` in --json, counts null) and left out of the totals;
-    /// the other shards are still shown. Exit status: 0 when every shard was
-    /// read, 1 when some could not be (named on stderr), 2 on other errors.
+    /// the other shards are still shown, and each failed shard's error and
+    /// a summary line go to stderr. Exit status 2 if any shard failed, as
+    /// for any other error.
     Status {
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
@@ -1001,13 +1002,20 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     if st.failed.is_empty() {
         return Ok(ExitCode::SUCCESS);
     }
+    for row in st.shards.iter().filter(|r| r.error.is_some()) {
+        eprintln!(
+            "shardq: error: shard {:?}: {}",
+            row.name,
+            row.error.as_deref().unwrap_or_default()
+        );
+    }
     eprintln!(
         "shardq: status: {} of {} shards could not be read ({}); the totals count only the others",
         st.failed.len(),
         st.shards.len(),
         st.failed.join(", ")
     );
-    Ok(ExitCode::from(1))
+    Ok(ExitCode::from(2))
 }
 
 fn print_status_table(st: &StatusReport) {

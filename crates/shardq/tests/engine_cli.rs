@@ -334,7 +334,7 @@ fn enqueue_stdin_bad_line_stores_the_lines_before_it_and_names_the_rest() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `status --json` whatever its exit status (1 = some shard failed).
+/// `status --json` whatever its exit status (2 when some shard failed).
 fn status_json_any(data: &Path) -> serde_json::Value {
     let o = support::output(&["status", "--data", data.to_str().unwrap(), "--json"]);
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
@@ -350,9 +350,13 @@ fn status_with_a_corrupt_shard_shows_the_others_and_names_it() {
 
     let o = support::output(&["status", "--data", d, "--json"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
         err.contains("1 of 4 shards could not be read (shard-1)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("shard \"shard-1\"") && err.contains("corrupt"),
         "{err}"
     );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
