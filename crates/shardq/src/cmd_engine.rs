@@ -4,7 +4,7 @@
 //! live on (`backends` decides): parse, check input, call the library,
 //! print, with the same output either way. Bad input gets an error naming
 //! the option and value; nothing here writes a log record or a Redis key
-//! itself.
+//! itself. `work` runs handler commands through `handler_proc`.
 
 use std::fs::OpenOptions;
 use std::io::{self, BufRead, Read, Write};
@@ -1010,7 +1010,7 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         );
     }
     eprintln!(
-        "shardq: status: {} of {} shards could not be read ({}); the totals count only the others",
+        "shardq: status: {} of {} shards could not be read ({}); the totals count only the counts shown",
         st.failed.len(),
         st.shards.len(),
         st.failed.join(", ")

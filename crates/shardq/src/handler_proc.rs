@@ -45,10 +45,9 @@ pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 
 /// The job's fence as the handler sees it in `SHARDQ_FENCE`, once
 /// [`ClaimedJob`] carries one; `None` leaves the variable unset.
+#[allow(unused_variables)] // `job` is read once ClaimedJob has a fence.
 fn job_fence(job: &ClaimedJob) -> Option<String> {
-    let _ = job;
-    // FENCE: replace with `Some(job.fence.to_string())` once ClaimedJob has a `fence` field.
-    None
+    None // FENCE: once ClaimedJob has `fence`, this line becomes `Some(job.fence.to_string())`.
 }
 
 /// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,

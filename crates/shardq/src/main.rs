@@ -1,5 +1,6 @@
 //! The `shardq` binary: thin glue over the library crates. Each command group
-//! lives in its own module; this file only parses arguments and dispatches.
+//! lives in its own module; this file only sets how a closed stdout ends the
+//! process (SIGPIPE), parses arguments and dispatches.
 
 use std::process::ExitCode;
 
