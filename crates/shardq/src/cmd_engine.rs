@@ -4,30 +4,31 @@
 //! live on (`backends` decides): parse, check input, call the library,
 //! print, with the same output either way. Bad input gets an error naming
 //! the option and value; nothing here writes a log record or a Redis key
-//! itself.
+//! itself. `work` runs handler commands through `handler_proc`.
 
 use std::fs::OpenOptions;
 use std::io::{self, BufRead, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::producer::{Placed, ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::MapStore;
 use shardq_core::{
-    ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, QueueBackend, SystemClock,
-    WorkerPool,
+    ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, QueueBackend, QueueError,
+    ShardStats, SystemClock, WorkerPool,
 };
-use shardq_fs::{
-    Durability, Engine, EngineOptions, MemberOptions, ShardStatus, Status, StatusTotals,
-};
+use shardq_fs::map_store::FileMapStore;
+use shardq_fs::{Durability, Engine, EngineOptions, MemberOptions, StatusTotals};
 use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 use shardq_route::{Algorithm, HashFn, ShardMap};
 
 use crate::backends;
+use crate::handler_proc::{self, HandlerStop};
 
 /// Most shards `init` creates.
 const INIT_SHARDS_MAX: usize = 4096;
@@ -35,6 +36,13 @@ const INIT_SHARDS_MAX: usize = 4096;
 const STDIN_BATCH_MAX: usize = 4096;
 /// Longest `KEY<TAB>PAYLOAD` line, in bytes (payload limit plus key and tab).
 const STDIN_LINE_BYTES_MAX: usize = shardq_core::PAYLOAD_BYTES_LIMIT + 2048;
+/// Extra time the pool waits past `--drain-timeout-ms` for handler commands
+/// killed at the drain timeout, so their failed attempts are recorded before
+/// the shards are released.
+const HANDLER_KILL_GRACE_MS: u64 = 2_000;
+/// After the pool returned, longest wait for handler commands still running
+/// (they have been told to stop and are being killed).
+const HANDLER_EXIT_WAIT_MS: u64 = 5_000;
 
 #[derive(Debug, Subcommand)]
 pub enum EngineCommand {
@@ -72,6 +80,12 @@ pub enum EngineCommand {
     /// Run jobs of the shards this process can claim: CMD runs once per job.
     Work(WorkArgs),
     /// Per-shard ready, delayed, in-flight and dead counts, owners, leases.
+    ///
+    /// A shard that cannot be read (e.g. a corrupt log) is shown with its
+    /// error (`"error"` in --json, counts null) and left out of the totals;
+    /// the other shards are still shown, and each failed shard's error and
+    /// a summary line go to stderr. Exit status 2 if any shard failed, as
+    /// for any other error.
     Status {
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
@@ -146,7 +160,9 @@ pub struct EnqueueArgs {
     #[arg(long)]
     payload: Option<String>,
     /// Read KEY<TAB>PAYLOAD lines from stdin; prints KEY<TAB>SHARD<TAB>ID for
-    /// each job once it is stored.
+    /// each job once it is stored. After an error every stored job has been
+    /// printed and the error names the stdin lines NOT enqueued (exit 2), so
+    /// exactly those can be sent again.
     #[arg(long)]
     stdin: bool,
     /// Earliest start, as a delay in ms.
@@ -175,9 +191,15 @@ pub struct WorkArgs {
     /// Margin past a lapsed lease before takeover, in ms.
     #[arg(long)]
     clock_skew_ms: Option<u64>,
-    /// On SIGINT/SIGTERM, how long to wait for running jobs, in ms.
+    /// On SIGINT/SIGTERM, how long to wait for running jobs, in ms; handler
+    /// commands still running then are killed (their attempt fails) and
+    /// waited for before the worker exits.
     #[arg(long, default_value_t = shardq_core::pool::DRAIN_TIMEOUT_MS_DEFAULT)]
     drain_timeout_ms: u64,
+    /// Kill a handler command (its whole process group) that runs longer
+    /// than this, in ms; the attempt fails and is retried or dead-lettered.
+    #[arg(long, value_name = "MS")]
+    job_timeout_ms: Option<u64>,
     /// Exit once the owned shards are idle.
     #[arg(long)]
     exit_when_idle: bool,
@@ -191,8 +213,14 @@ pub struct WorkArgs {
     handler_builtin: Option<String>,
     #[command(flatten)]
     common: CommonOpts,
-    /// Command run per job: payload on stdin; SHARDQ_KEY, SHARDQ_JOB_ID,
-    /// SHARDQ_ATTEMPT, SHARDQ_SHARD in its environment. Exit 0 acks.
+    /// Command run per job, in a process group of its own that is killed
+    /// when the attempt ends (and, on Linux, when the worker dies): payload
+    /// on stdin; SHARDQ_KEY, SHARDQ_JOB_ID, SHARDQ_ATTEMPT, SHARDQ_SHARD,
+    /// SHARDQ_PAYLOAD_BYTES (the payload's length: compare it with what was
+    /// read, a worker that dies mid-write leaves a short stdin) and, where
+    /// the backend provides it, SHARDQ_FENCE in its environment. Exit 0 acks,
+    /// unless writing the payload failed (other than the handler closing its
+    /// stdin early).
     #[arg(last = true)]
     cmd: Vec<String>,
 }
@@ -374,18 +402,77 @@ fn init_redis(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Places a batch of jobs (routing, fencing, retries) and returns shard and
-/// id per job, in order, once they are stored.
-type Place<'a> = dyn FnMut(Vec<NewJob>) -> anyhow::Result<Vec<(String, JobId)>> + 'a;
+/// What one placement call stored: `(index in the call, shard, id)` per
+/// stored job, in input order, and the error that stopped the call, if any
+/// (every job not listed was NOT stored).
+struct Stored {
+    placed: Vec<(usize, String, JobId)>,
+    error: Option<anyhow::Error>,
+}
+
+impl Stored {
+    /// Splits a producer's answer into what landed and what stopped it.
+    fn from_produce(result: Result<Vec<Placed>, ProduceError>, offset: usize) -> Stored {
+        let list = |p: Vec<Placed>| -> Vec<(usize, String, JobId)> {
+            p.into_iter()
+                .map(|p| (offset + p.index, p.shard, p.id))
+                .collect()
+        };
+        match result {
+            Ok(p) => Stored {
+                placed: list(p),
+                error: None,
+            },
+            Err(ProduceError::Partial { placed, cause }) => Stored {
+                placed: list(placed),
+                error: Some(anyhow::Error::new(*cause)),
+            },
+            Err(ProduceError::PausedTooLong {
+                keys,
+                shard,
+                limit_ms,
+                placed,
+            }) => Stored {
+                placed: list(placed),
+                error: Some(anyhow::anyhow!(
+                    "keys {keys:?} stayed paused for more than {limit_ms} ms (the first on shard {shard:?}): they are being moved and their old shard has not drained"
+                )),
+            },
+            Err(e) => Stored {
+                placed: Vec::new(),
+                error: Some(e.into()),
+            },
+        }
+    }
+}
+
+/// Places a batch of jobs (routing, fencing, retries); see [`Stored`].
+type Place<'a> = dyn FnMut(&[NewJob]) -> Stored + 'a;
 
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     match backends::kind(&args.data)? {
         backends::Kind::Embedded => {
             let engine = Engine::open(&args.data, engine_options(&args.common)?)?;
+            let backend = engine.backend();
+            // The engine's own enqueue_batch folds a partial result into one
+            // error string; the producer reports which jobs landed.
+            let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(&args.data)?);
+            let mut producer =
+                Producer::new(Arc::clone(&backend), store, ProducerOptions::default())?;
             enqueue_with(&args, &mut |jobs| {
-                let placed = engine.enqueue_batch(jobs)?;
-                engine.backend().flush()?;
-                Ok(placed)
+                let mut stored = Stored::from_produce(producer.enqueue_batch(jobs), 0);
+                if !stored.placed.is_empty() {
+                    if let Err(e) = backend.flush() {
+                        let e = anyhow::Error::new(e).context(
+                            "syncing the jobs listed above to disk failed: they are written but may not survive a crash",
+                        );
+                        stored.error = Some(match stored.error.take() {
+                            None => e,
+                            Some(first) => first.context(format!("{e:#}")),
+                        });
+                    }
+                }
+                stored
             })
         }
         backends::Kind::Redis(remote) => {
@@ -396,17 +483,71 @@ fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
                 ProducerOptions::default(),
             )?;
             enqueue_with(&args, &mut |jobs| {
-                let mut out = Vec::with_capacity(jobs.len());
+                let mut all = Stored {
+                    placed: Vec::with_capacity(jobs.len()),
+                    error: None,
+                };
                 // One script per shard per call is bounded; chunks keep each
-                // key's order since they go in one after another.
-                for chunk in jobs.chunks(shardq_redis::ENQUEUE_BATCH_MAX) {
-                    for p in producer.enqueue_batch(chunk)? {
-                        out.push((p.shard, p.id));
+                // key's order since they go in one after another, and the
+                // first error stops the rest.
+                for (n, chunk) in jobs.chunks(shardq_redis::ENQUEUE_BATCH_MAX).enumerate() {
+                    let offset = n * shardq_redis::ENQUEUE_BATCH_MAX;
+                    let stored = Stored::from_produce(producer.enqueue_batch(chunk), offset);
+                    all.placed.extend(stored.placed);
+                    if stored.error.is_some() {
+                        all.error = stored.error;
+                        break;
                     }
                 }
-                Ok(out)
+                all
             })
         }
+    }
+}
+
+/// `1-3, 7, 9-12`: sorted line numbers as ranges.
+fn line_ranges(lines: &[u64]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let first = lines[i];
+        let mut last = first;
+        while i + 1 < lines.len() && lines[i + 1] == last + 1 {
+            i += 1;
+            last = lines[i];
+        }
+        out.push(if first == last {
+            first.to_string()
+        } else {
+            format!("{first}-{last}")
+        });
+        i += 1;
+    }
+    out.join(", ")
+}
+
+/// Where the unsent rest of stdin starts, for an error message.
+enum Rest {
+    /// Input ended: nothing after the batch.
+    None,
+    /// This line (it exists) and every one after it.
+    From(u64),
+    /// Every line from this one on, if the input has any (not read yet).
+    FromIfAny(u64),
+}
+
+/// Which stdin lines were not enqueued: `missed` (sorted) and the rest.
+fn not_enqueued(missed: &[u64], rest: Rest) -> String {
+    let rest = match rest {
+        Rest::None => None,
+        Rest::From(r) => Some(format!("{r} and every line after it")),
+        Rest::FromIfAny(r) => Some(format!("every line from {r} on (if the input has more)")),
+    };
+    match (missed.is_empty(), rest) {
+        (true, None) => "none".to_string(),
+        (false, None) => line_ranges(missed),
+        (true, Some(r)) => r,
+        (false, Some(r)) => format!("{}, and {r}", line_ranges(missed)),
     }
 }
 
@@ -419,17 +560,24 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
             delay_ms: args.delay_ms,
             max_attempts: args.max_attempts,
         };
-        let (shard, id) = place(vec![job])?
-            .pop()
-            .context("an enqueue returned no id")?;
-        println!("{shard}\t{id}");
-        return Ok(ExitCode::SUCCESS);
+        let stored = place(std::slice::from_ref(&job));
+        if let Some((_, shard, id)) = stored.placed.first() {
+            println!("{shard}\t{id}");
+        }
+        return match stored.error {
+            Some(e) if stored.placed.is_empty() => Err(e.context("the job was NOT enqueued")),
+            Some(e) => Err(e),
+            None if stored.placed.is_empty() => bail!("an enqueue returned no id"),
+            None => Ok(ExitCode::SUCCESS),
+        };
     }
     let stdin = io::stdin();
     let mut reader = io::BufReader::with_capacity(1 << 16, stdin.lock());
     let mut out = io::BufWriter::new(io::stdout().lock());
     let mut line = Vec::new();
     let mut batch: Vec<NewJob> = Vec::new();
+    // The stdin line number of each job of `batch`.
+    let mut batch_lines: Vec<u64> = Vec::new();
     let mut line_no = 0u64;
     loop {
         line.clear();
@@ -438,44 +586,90 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
             .read_until(b'\n', &mut line)
             .context("reading stdin")?;
         let eof = n == 0;
+        // A bad line stops the input; the good lines before it still go in.
+        let mut bad: Option<anyhow::Error> = None;
         if !eof {
             line_no += 1;
-            if line.len() > STDIN_LINE_BYTES_MAX {
-                bail!("stdin line {line_no} is over {STDIN_LINE_BYTES_MAX} bytes; nothing from it was enqueued");
+            match parse_stdin_line(args, &line, line_no) {
+                Ok(job) => {
+                    batch.push(job);
+                    batch_lines.push(line_no);
+                }
+                Err(e) => bad = Some(e),
             }
-            let text = std::str::from_utf8(&line)
-                .with_context(|| format!("stdin line {line_no} is not UTF-8"))?;
-            let text = text.trim_end_matches(['\n', '\r']);
-            let Some((key, payload)) = text.split_once('\t') else {
-                bail!("stdin line {line_no} {text:?} has no TAB: expected KEY<TAB>PAYLOAD");
-            };
-            let job = NewJob {
-                key: key.to_string(),
-                payload: payload.as_bytes().to_vec(),
-                delay_ms: args.delay_ms,
-                max_attempts: args.max_attempts,
-            };
-            job.validate(args.common.payload_bytes_max)
-                .with_context(|| format!("stdin line {line_no}"))?;
-            batch.push(job);
         }
         // Send what has arrived once no more is waiting in the buffer, so
         // lines are stored as they arrive and a pipe is never stalled.
-        let flush = eof || batch.len() >= STDIN_BATCH_MAX || reader.buffer().is_empty();
+        let flush =
+            eof || bad.is_some() || batch.len() >= STDIN_BATCH_MAX || reader.buffer().is_empty();
         if flush && !batch.is_empty() {
             let jobs = std::mem::take(&mut batch);
-            let keys: Vec<String> = jobs.iter().map(|j| j.key.clone()).collect();
-            let placed = place(jobs)?;
-            for (key, (shard, id)) in keys.iter().zip(placed) {
-                writeln!(out, "{key}\t{shard}\t{id}")?;
+            let lines = std::mem::take(&mut batch_lines);
+            let stored = place(&jobs);
+            let mut done = vec![false; jobs.len()];
+            for (i, shard, id) in &stored.placed {
+                writeln!(out, "{}\t{shard}\t{id}", jobs[*i].key)?;
+                done[*i] = true;
             }
             out.flush()?;
+            if let Some(e) = stored.error {
+                let missed: Vec<u64> = lines
+                    .iter()
+                    .zip(&done)
+                    .filter(|(_, d)| !**d)
+                    .map(|(l, _)| *l)
+                    .collect();
+                // A bad line ends the input at that line; otherwise the
+                // input continues after the batch's last line unless it
+                // ended.
+                let rest = match (&bad, eof) {
+                    (Some(_), _) => Rest::From(line_no),
+                    (None, true) => Rest::None,
+                    (None, false) => Rest::FromIfAny(line_no + 1),
+                };
+                let mut e = e.context(format!(
+                    "stdin lines NOT enqueued: {}; every other line was stored and printed",
+                    not_enqueued(&missed, rest)
+                ));
+                if let Some(b) = bad {
+                    e = e.context(format!("also: {b:#}"));
+                }
+                return Err(e);
+            }
+        }
+        if let Some(b) = bad {
+            return Err(b.context(format!(
+                "stdin lines NOT enqueued: {}; every line before it was stored and printed",
+                not_enqueued(&[], Rest::From(line_no))
+            )));
         }
         if eof {
             break;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One `KEY<TAB>PAYLOAD` stdin line (with its line ending) as a job.
+fn parse_stdin_line(args: &EnqueueArgs, line: &[u8], line_no: u64) -> anyhow::Result<NewJob> {
+    if line.len() > STDIN_LINE_BYTES_MAX {
+        bail!("stdin line {line_no} is over {STDIN_LINE_BYTES_MAX} bytes");
+    }
+    let text =
+        std::str::from_utf8(line).with_context(|| format!("stdin line {line_no} is not UTF-8"))?;
+    let text = text.trim_end_matches(['\n', '\r']);
+    let Some((key, payload)) = text.split_once('\t') else {
+        bail!("stdin line {line_no} {text:?} has no TAB: expected KEY<TAB>PAYLOAD");
+    };
+    let job = NewJob {
+        key: key.to_string(),
+        payload: payload.as_bytes().to_vec(),
+        delay_ms: args.delay_ms,
+        max_attempts: args.max_attempts,
+    };
+    job.validate(args.common.payload_bytes_max)
+        .with_context(|| format!("stdin line {line_no}"))?;
+    Ok(job)
 }
 
 fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
@@ -498,24 +692,82 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         "halt" => DeadPolicy::Halt,
         other => bail!("invalid --on-dead {other:?}: expected continue or halt"),
     };
+    let job_timeout = match args.job_timeout_ms {
+        None => None,
+        Some(ms) if (1..=handler_proc::JOB_TIMEOUT_MS_MAX).contains(&ms) => {
+            Some(Duration::from_millis(ms))
+        }
+        Some(ms) => bail!(
+            "invalid --job-timeout-ms {ms}: must be 1..={}",
+            handler_proc::JOB_TIMEOUT_MS_MAX
+        ),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let handler_stop = Arc::new(HandlerStop::new(
+        Arc::clone(&stop),
+        Duration::from_millis(args.drain_timeout_ms),
+    ));
     let handler: Arc<shardq_core::Handler> = match (&args.handler_builtin, args.cmd.is_empty()) {
+        (Some(_), _) if job_timeout.is_some() => {
+            bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
+        }
         (Some(spec), true) => builtin_handler(spec)?,
         (Some(_), false) => bail!("give either --handler-builtin or a command after --, not both"),
         (None, true) => bail!(
             "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
         ),
-        (None, false) => command_handler(args.cmd.clone()),
+        (None, false) => command_handler(args.cmd.clone(), Arc::clone(&handler_stop), job_timeout),
     };
     let redis = match backends::kind(&args.data)? {
         backends::Kind::Embedded => None,
         backends::Kind::Redis(remote) => Some(remote),
     };
-    let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .context("installing signal handlers")?;
     }
-    let pool = pool_options(&args);
+    let mut pool = pool_options(&args);
+    if !args.cmd.is_empty() {
+        // Handler commands are killed at the drain timeout; the grace lets
+        // their failed attempts be recorded before the shards are released.
+        pool.drain_timeout_ms = args.drain_timeout_ms.saturating_add(HANDLER_KILL_GRACE_MS);
+    }
+    let report = run_pool(
+        &args,
+        redis,
+        dead_policy,
+        max_local_shards,
+        pool,
+        handler,
+        &stop,
+    );
+    // Whatever still runs (the pool failed, or gave up on a job) is killed
+    // and waited for: no handler outlives this process.
+    handler_stop.force();
+    let left = handler_stop.wait_idle(Duration::from_millis(HANDLER_EXIT_WAIT_MS));
+    if left > 0 {
+        eprintln!(
+            "shardq: warning: {left} handler commands were killed but not reaped within {HANDLER_EXIT_WAIT_MS} ms"
+        );
+    }
+    let report = report?;
+    eprintln!(
+        "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
+        report.acked, report.retried, report.dead, report.abandoned
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the worker pool on the data dir's backend until `stop` (or idle).
+fn run_pool(
+    args: &WorkArgs,
+    redis: Option<backends::Remote>,
+    dead_policy: DeadPolicy,
+    max_local_shards: usize,
+    pool: PoolOptions,
+    handler: Arc<shardq_core::Handler>,
+    stop: &AtomicBool,
+) -> anyhow::Result<shardq_core::PoolReport> {
     let report = match redis {
         None => {
             let mut opts = engine_options(&args.common)?;
@@ -529,7 +781,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
                 max_local_shards,
                 ..MemberOptions::default()
             };
-            engine.run_workers(member, pool, handler, &stop)?
+            engine.run_workers(member, pool, handler, stop)?
         }
         Some(remote) => {
             // Leases use the Redis server's clock, so --clock-skew-ms has
@@ -550,15 +802,11 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
                 handler,
                 Arc::new(SystemClock),
                 pool,
-                &stop,
+                stop,
             )?
         }
     };
-    eprintln!(
-        "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
-        report.acked, report.retried, report.dead, report.abandoned
-    );
-    Ok(ExitCode::SUCCESS)
+    Ok(report)
 }
 
 fn pool_options(args: &WorkArgs) -> PoolOptions {
@@ -596,29 +844,16 @@ fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
     })
 }
 
-fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
+/// A handler running `cmd` once per job (see `handler_proc`): killed when
+/// `stop` says so or after `timeout`, and counted while it runs so the
+/// worker can wait for it before exiting.
+fn command_handler(
+    cmd: Vec<String>,
+    stop: Arc<HandlerStop>,
+    timeout: Option<Duration>,
+) -> Arc<shardq_core::Handler> {
     Arc::new(move |job: &ClaimedJob| {
-        let mut child = Command::new(&cmd[0])
-            .args(&cmd[1..])
-            .env("SHARDQ_KEY", &job.key)
-            .env("SHARDQ_JOB_ID", job.id.to_string())
-            .env("SHARDQ_ATTEMPT", job.attempt.to_string())
-            .env("SHARDQ_SHARD", &job.shard)
-            .stdin(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting {:?}: {e}", cmd[0]))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            // A handler that does not read its stdin is fine.
-            let _ = stdin.write_all(&job.payload);
-        }
-        let status = child
-            .wait()
-            .map_err(|e| format!("waiting for {:?}: {e}", cmd[0]))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!("{:?} exited with {status}", cmd[0]))
-        }
+        stop.track(|| handler_proc::run_job_command(&cmd, job, &|| stop.should_stop(), timeout))
     })
 }
 
@@ -640,19 +875,151 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
     }))
 }
 
+/// `status` output: every shard of the map, read one by one so that a
+/// shard that cannot be read is reported instead of hiding the others.
+#[derive(Debug, serde::Serialize)]
+struct StatusReport {
+    /// Per shard, in map order.
+    shards: Vec<ShardRow>,
+    /// Sums over the shards that could be read.
+    totals: StatusTotals,
+    /// Names of the shards that could not be read.
+    failed: Vec<String>,
+}
+
+/// One shard in `status`: counts are `None` when the shard could not be
+/// read, and `error` says why.
+#[derive(Debug, serde::Serialize)]
+struct ShardRow {
+    name: String,
+    ready: Option<u64>,
+    delayed: Option<u64>,
+    in_flight: Option<u64>,
+    dead: Option<u64>,
+    owner: Option<String>,
+    lease_expires_ms: Option<u64>,
+    error: Option<String>,
+}
+
+/// Owner and lease end of a shard.
+type Lease = (Option<String>, Option<u64>);
+
+/// Reads every shard in `names` with `stats` and `lease`; a failure of one
+/// shard is recorded on its row and the next shard is read.
+fn collect_status(
+    names: &[String],
+    stats: &dyn Fn(&str) -> Result<ShardStats, QueueError>,
+    lease: &dyn Fn(&str) -> Result<Lease, QueueError>,
+) -> StatusReport {
+    let mut report = StatusReport {
+        shards: Vec::with_capacity(names.len()),
+        totals: StatusTotals::default(),
+        failed: Vec::new(),
+    };
+    for name in names {
+        let (owner, lease_expires_ms, lease_err) = match lease(name) {
+            Ok((o, l)) => (o, l, None),
+            Err(e) => (None, None, Some(format!("reading the lease: {e}"))),
+        };
+        let mut row = ShardRow {
+            name: name.clone(),
+            ready: None,
+            delayed: None,
+            in_flight: None,
+            dead: None,
+            owner,
+            lease_expires_ms,
+            error: lease_err,
+        };
+        match stats(name) {
+            Ok(st) => {
+                report.totals.ready += st.ready;
+                report.totals.delayed += st.delayed;
+                report.totals.in_flight += st.in_flight;
+                report.totals.dead += st.dead;
+                row.ready = Some(st.ready);
+                row.delayed = Some(st.delayed);
+                row.in_flight = Some(st.in_flight);
+                row.dead = Some(st.dead);
+            }
+            Err(e) => {
+                row.error = Some(match row.error.take() {
+                    None => e.to_string(),
+                    Some(first) => format!("{e}; {first}"),
+                })
+            }
+        }
+        if row.error.is_some() {
+            report.failed.push(name.clone());
+        }
+        report.shards.push(row);
+    }
+    report
+}
+
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let st = match backends::kind(dir)? {
-        backends::Kind::Embedded => Engine::open(dir, EngineOptions::default())?.status()?,
-        backends::Kind::Redis(remote) => redis_status(&backends::open_redis(
-            dir,
-            &remote,
-            RedisOptions::default(),
-        )?)?,
+        backends::Kind::Embedded => {
+            let engine = Engine::open(dir, EngineOptions::default())?;
+            let m = shardq_fs::layout::read_membership(dir)?;
+            let names: Vec<String> = engine
+                .router()
+                .map()
+                .shards
+                .iter()
+                .map(|s| s.name.clone())
+                .collect();
+            let backend = engine.backend();
+            collect_status(&names, &|name| backend.shard_stats(name), &|name| {
+                let entry = m.shards.get(name);
+                let owner = entry.and_then(|e| e.owner.clone());
+                let until = owner.as_ref().and(entry.map(|e| e.lease_expires_ms));
+                Ok((owner, until))
+            })
+        }
+        backends::Kind::Redis(remote) => {
+            let env = backends::open_redis(dir, &remote, RedisOptions::default())?;
+            // Counts per shard of the published map; owners and lease ends
+            // (server clock) from the leases.
+            let names: Vec<String> = env
+                .maps
+                .load()?
+                .shards
+                .iter()
+                .map(|s| s.name.clone())
+                .collect();
+            collect_status(&names, &|name| env.backend.shard_stats(name), &|name| {
+                let lease = env.backend.lease_holder(name)?;
+                Ok((lease.as_ref().map(|l| l.0.clone()), lease.map(|l| l.1)))
+            })
+        }
     };
     if json {
         println!("{}", serde_json::to_string(&st)?);
+    } else {
+        print_status_table(&st);
+    }
+    if st.failed.is_empty() {
         return Ok(ExitCode::SUCCESS);
     }
+    for row in st.shards.iter().filter(|r| r.error.is_some()) {
+        eprintln!(
+            "shardq: error: shard {:?}: {}",
+            row.name,
+            row.error.as_deref().unwrap_or_default()
+        );
+    }
+    eprintln!(
+        "shardq: status: {} of {} shards could not be read ({}); the totals count only the counts shown",
+        st.failed.len(),
+        st.shards.len(),
+        st.failed.join(", ")
+    );
+    Ok(ExitCode::from(2))
+}
+
+fn print_status_table(st: &StatusReport) {
+    let count = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
     println!(
         "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<28} LEASE_EXPIRES_MS",
         "SHARD", "READY", "DELAYED", "IN_FLIGHT", "DEAD", "OWNER"
@@ -661,47 +1028,23 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         println!(
             "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<28} {}",
             s.name,
-            s.ready,
-            s.delayed,
-            s.in_flight,
-            s.dead,
+            count(s.ready),
+            count(s.delayed),
+            count(s.in_flight),
+            count(s.dead),
             s.owner.as_deref().unwrap_or("-"),
             s.lease_expires_ms
                 .map_or("-".to_string(), |v| v.to_string())
         );
+        if let Some(e) = &s.error {
+            println!("{:<12} FAILED: {e}", "");
+        }
     }
     let t = &st.totals;
     println!(
         "{:<12} {:>10} {:>10} {:>10} {:>8}",
         "total", t.ready, t.delayed, t.in_flight, t.dead
     );
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The embedded engine's status, from Redis: counts per shard of the
-/// published map, owners and lease ends (server clock) from the leases.
-fn redis_status(env: &backends::RedisEnv) -> anyhow::Result<Status> {
-    let map = env.maps.load()?;
-    let mut shards = Vec::new();
-    let mut totals = StatusTotals::default();
-    for s in &map.shards {
-        let st = env.backend.shard_stats(&s.name)?;
-        let lease = env.backend.lease_holder(&s.name)?;
-        totals.ready += st.ready;
-        totals.delayed += st.delayed;
-        totals.in_flight += st.in_flight;
-        totals.dead += st.dead;
-        shards.push(ShardStatus {
-            name: s.name.clone(),
-            ready: st.ready,
-            delayed: st.delayed,
-            in_flight: st.in_flight,
-            dead: st.dead,
-            owner: lease.as_ref().map(|l| l.0.clone()),
-            lease_expires_ms: lease.map(|l| l.1),
-        });
-    }
-    Ok(Status { shards, totals })
 }
 
 fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {

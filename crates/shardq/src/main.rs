@@ -1,5 +1,6 @@
 //! The `shardq` binary: thin glue over the library crates. Each command group
-//! lives in its own module; this file only parses arguments and dispatches.
+//! lives in its own module; this file only sets how a closed stdout ends the
+//! process (SIGPIPE), parses arguments and dispatches.
 
 use std::process::ExitCode;
 
@@ -14,6 +15,7 @@ mod cmd_engine;
 mod cmd_reshard;
 mod cmd_route;
 mod demo;
+mod handler_proc;
 
 /// shardq: a sharded job queue that routes each key to a shard with
 /// consistent hashing, keeps each key's jobs in order, and reshards live.
@@ -44,7 +46,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    sigpipe_default(true);
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Engine(cmd_engine::EngineCommand::Work(_))
+    ) {
+        // `work` writes payloads to handlers' stdin, where a closed pipe is
+        // the handler's choice and must come back as EPIPE, not kill the
+        // worker; its own output goes to stderr.
+        sigpipe_default(false);
+    }
     let result = match cli.command {
         Command::Route(args) => cmd_route::route(args),
         Command::Slot(args) => cmd_route::slot(args),
@@ -62,6 +74,27 @@ fn main() -> ExitCode {
             eprintln!("shardq: error: {err:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// With `true`, a write to a closed pipe ends the process quietly through
+/// SIGPIPE, as for any Unix filter (`shardq dead list | head`); with `false`
+/// (Rust's default), it returns EPIPE to the writer.
+///
+/// Resetting the signal covers every write to stdout in every command,
+/// including `println!`, which panics on EPIPE; handling `BrokenPipe` at each
+/// write would miss the next `println!` someone adds. Sockets are not
+/// affected: the standard library sends on them with MSG_NOSIGNAL.
+fn sigpipe_default(default: bool) {
+    let action = if default {
+        libc::SIG_DFL
+    } else {
+        libc::SIG_IGN
+    };
+    // SAFETY: sets a disposition (no handler function) before any thread
+    // of ours is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, action);
     }
 }
 

@@ -156,3 +156,43 @@ fn bad_map_is_a_clear_error_not_a_panic() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read shard map"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn route_exits_quietly_when_its_reader_closes_early() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+
+    let mut child = shardq()
+        .arg("route")
+        .arg("--map")
+        .arg(example("ring-4.yaml"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Far more output than a pipe holds, so route is still writing when
+    // the reader goes away (like `shardq route ... | head -3`).
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        let keys: String = (0..200_000).map(|i| format!("t-{i}\n")).collect();
+        let _ = stdin.write_all(keys.as_bytes());
+    });
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..3 {
+        let mut line = String::new();
+        assert!(stdout.read_line(&mut line).unwrap() > 0);
+        assert!(line.starts_with("t-"), "{line:?}");
+    }
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(out.status.code(), Some(101), "{err}");
+    assert!(
+        out.status.success() || out.status.signal() == Some(13),
+        "{:?}: {err}",
+        out.status
+    );
+}

@@ -1,35 +1,19 @@
 //! Engine commands on the command line: bad input gets a clear error naming
-//! the value and changes nothing; SIGTERM drains and releases the shard.
+//! the value and changes nothing; SIGTERM drains and releases the shard;
+//! `enqueue --stdin` after a failure prints every stored job and names the
+//! lines that were not; `status` shows a corrupt shard next to the others;
+//! a closed stdout ends a command quietly.
 
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardq");
-const WAIT_MAX: Duration = Duration::from_secs(30);
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(BIN).args(args).output().unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn status_json(data: &Path) -> serde_json::Value {
-    let (ok, out, err) = run(&["status", "--data", data.to_str().unwrap(), "--json"]);
-    assert!(ok, "{err}");
-    serde_json::from_str(&out).unwrap()
-}
+mod support;
+use support::{run, status_json, temp_dir, BIN, WAIT_MAX};
 
 #[test]
 fn bad_input_is_refused_clearly_and_loses_nothing() {
@@ -188,5 +172,257 @@ fn sigterm_drains_running_jobs_and_releases_claims() {
     assert!(v["shards"][0]["owner"].is_null(), "claim not released: {v}");
     assert_eq!(v["totals"]["ready"], 0);
     assert_eq!(v["totals"]["in_flight"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A 4-shard data dir with jobs on every shard, then one byte flipped in the
+/// middle of the first record of shard-1 (records follow it, so it is not a
+/// torn tail). Returns the data dir and the ready count per shard before.
+fn data_dir_with_corrupt_shard_1(dir: &Path) -> (PathBuf, Vec<u64>) {
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "4"]).0);
+    let lines: String = (0..40).map(|i| format!("seed-{i}\tp{i}\n")).collect();
+    let out = run_stdin(&["enqueue", "--data", d, "--stdin"], lines.as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = status_json(&data);
+    let before: Vec<u64> = (0..4)
+        .map(|i| v["shards"][i]["ready"].as_u64().unwrap())
+        .collect();
+    assert!(before[1] >= 2, "shard-1 needs two records: {v}");
+    let seg = std::fs::read_dir(data.join("shard-1"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "seg"))
+        .expect("shard-1 has a segment");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let body_len = u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize;
+    assert!(
+        8 + body_len < bytes.len(),
+        "the first record is not the last"
+    );
+    bytes[8 + body_len / 2] ^= 0xff;
+    std::fs::write(&seg, &bytes).unwrap();
+    (data, before)
+}
+
+/// Runs `shardq ARGS` with `input` on stdin.
+fn run_stdin(args: &[&str], input: &[u8]) -> std::process::Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    out
+}
+
+/// Parses the line list of "stdin lines NOT enqueued: 2-4, 9, and every
+/// line from 42 on ...": the listed lines and where the open rest starts.
+fn not_enqueued_lines(err: &str) -> (BTreeSet<u64>, Option<u64>) {
+    let start = err
+        .find("stdin lines NOT enqueued: ")
+        .expect("names the lines")
+        + 26;
+    let list = &err[start..err[start..].find(';').unwrap() + start];
+    let mut lines = BTreeSet::new();
+    let mut rest = None;
+    for part in list.split(", ") {
+        let part = part.trim_start_matches("and ");
+        if let Some(r) = part.strip_prefix("every line from ") {
+            rest = Some(r.split(' ').next().unwrap().parse().unwrap());
+        } else if let Some((a, b)) = part.split_once('-') {
+            lines.extend(a.parse::<u64>().unwrap()..=b.parse().unwrap());
+        } else if let Some(r) = part.strip_suffix(" and every line after it") {
+            rest = Some(r.parse().unwrap());
+        } else {
+            lines.insert(part.parse().unwrap());
+        }
+    }
+    (lines, rest)
+}
+
+#[test]
+fn enqueue_stdin_after_a_mid_batch_error_prints_every_stored_job_and_names_the_rest() {
+    let dir = temp_dir("partial");
+    let (data, before) = data_dir_with_corrupt_shard_1(&dir);
+    let d = data.to_str().unwrap();
+    let total = 3000u64;
+    let input: String = (1..=total).map(|i| format!("k-{i}\tp{i}\n")).collect();
+    let out = run_stdin(&["enqueue", "--data", d, "--stdin"], input.as_bytes());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("shard-1") && err.contains("corrupt"), "{err}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    // Printed: KEY<TAB>SHARD<TAB>ID, never for the corrupt shard.
+    let mut printed = BTreeSet::new();
+    for line in stdout.lines() {
+        let f: Vec<&str> = line.split('\t').collect();
+        assert_eq!(f.len(), 3, "{line:?}");
+        assert_ne!(f[1], "shard-1", "{line:?}");
+        let n: u64 = f[0].strip_prefix("k-").unwrap().parse().unwrap();
+        assert!(printed.insert(n), "line {n} printed twice");
+    }
+    // Every printed job is stored, and nothing else went in.
+    let v = status_json_any(&data);
+    let stored: u64 = [0, 2, 3]
+        .iter()
+        .map(|&i| v["shards"][i]["ready"].as_u64().unwrap() - before[i])
+        .sum();
+    assert_eq!(stored, printed.len() as u64, "{v}");
+    assert!(
+        !printed.is_empty(),
+        "shard-0 comes before shard-1 and succeeds"
+    );
+    // The named lines are exactly the ones not printed.
+    let (missed, rest) = not_enqueued_lines(&err);
+    let rest = rest.unwrap_or(total + 1);
+    for n in 1..=total {
+        let named = missed.contains(&n) || n >= rest;
+        assert!(
+            named != printed.contains(&n),
+            "line {n}: printed {} named {named}: {err}",
+            printed.contains(&n)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn enqueue_stdin_bad_line_stores_the_lines_before_it_and_names_the_rest() {
+    let dir = temp_dir("badline");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let mut input = String::new();
+    for i in 1..=9 {
+        input.push_str(&format!("k-{i}\tp\n"));
+    }
+    input.push_str(&format!("k-10\t{}\n", "x".repeat(101)));
+    input.push_str("k-11\tp\n");
+    let out = run_stdin(
+        &[
+            "enqueue",
+            "--data",
+            d,
+            "--stdin",
+            "--payload-bytes-max",
+            "100",
+        ],
+        input.as_bytes(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), 9);
+    assert!(
+        err.contains("NOT enqueued: 10 and every line after it") && err.contains("stdin line 10"),
+        "{err}"
+    );
+    assert_eq!(status_json(&data)["totals"]["ready"], 9);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `status --json` whatever its exit status (2 when some shard failed).
+fn status_json_any(data: &Path) -> serde_json::Value {
+    let o = support::output(&["status", "--data", data.to_str().unwrap(), "--json"]);
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}", String::from_utf8_lossy(&o.stderr));
+    })
+}
+
+#[test]
+fn status_with_a_corrupt_shard_shows_the_others_and_names_it() {
+    let dir = temp_dir("corrupt");
+    let (data, before) = data_dir_with_corrupt_shard_1(&dir);
+    let d = data.to_str().unwrap();
+
+    let o = support::output(&["status", "--data", d, "--json"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("1 of 4 shards could not be read (shard-1)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("shard \"shard-1\"") && err.contains("corrupt"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for i in [0, 2, 3] {
+        assert_eq!(v["shards"][i]["ready"], before[i], "{v}");
+        assert!(v["shards"][i]["error"].is_null(), "{v}");
+    }
+    let bad = &v["shards"][1];
+    assert_eq!(bad["name"], "shard-1");
+    assert!(bad["ready"].is_null(), "no count for an unread shard: {v}");
+    let msg = bad["error"].as_str().expect("an error on shard-1");
+    assert!(msg.contains("corrupt") && msg.contains(".seg"), "{msg}");
+    assert_eq!(v["failed"], serde_json::json!(["shard-1"]));
+    assert_eq!(v["totals"]["ready"], before[0] + before[2] + before[3]);
+
+    let (ok, table, _) = run(&["status", "--data", d]);
+    assert!(!ok);
+    for (i, n) in before.iter().enumerate() {
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("shard-{i} ")))
+            .unwrap_or_else(|| panic!("no row for shard-{i}: {table}"));
+        if i == 1 {
+            assert!(row.contains('?'), "{row}");
+        } else {
+            assert_eq!(
+                row.split_whitespace().nth(1),
+                Some(&*n.to_string()),
+                "{row}"
+            );
+        }
+    }
+    assert!(
+        table.contains("FAILED: ") && table.contains("corrupt"),
+        "{table}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn commands_exit_quietly_when_stdout_is_closed() {
+    let dir = temp_dir("epipe");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    // The reader is gone before the first line is written: `println!`
+    // used to panic on the EPIPE.
+    for args in [
+        vec!["status", "--data", d],
+        vec!["dead", "--data", d, "list"],
+    ] {
+        let w = support::pipe_without_reader();
+        let o = Command::new(BIN)
+            .args(&args)
+            .stdout(w)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_ne!(o.status.code(), Some(101), "{args:?}: {err}");
+        assert!(
+            o.status.success() || o.status.signal() == Some(13),
+            "{args:?}: {:?} {err}",
+            o.status
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

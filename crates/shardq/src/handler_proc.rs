@@ -1,0 +1,353 @@
+//! Runs one job's handler command as a child process that cannot outlive
+//! the attempt that started it.
+//!
+//! Every handler gets its own process group, and on Linux a parent-death
+//! signal (SIGKILL when the thread that spawned it dies, so a SIGKILLed
+//! worker takes its handlers along). [`run_job_command`] polls the child and
+//! kills the whole group with SIGKILL when the worker asks it to stop or the
+//! job timeout passes; when the handler exits by itself, whatever it left
+//! running in its group is killed too, so no process of an attempt keeps
+//! working while the key's next job runs elsewhere.
+//!
+//! The payload goes to the handler's stdin from a separate thread, so a
+//! handler that reads slowly (or not at all) never blocks the poll loop. A
+//! failed payload write fails the attempt, except a broken pipe: the handler
+//! closed its stdin itself. The handler learns the payload length from
+//! `SHARDQ_PAYLOAD_BYTES` and can check it read all of it.
+//!
+//! This module must never return while a child it started is unreaped, and
+//! must never signal a process group other than the one it created (the
+//! group is killed only while its leader is a zombie or alive, so its id
+//! cannot have been reused). It knows nothing of queues, leases or retries:
+//! the caller decides what a failed attempt means.
+
+use std::io::{self, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use shardq_core::ClaimedJob;
+
+/// How often a running handler is checked (exit, stop, timeout).
+pub const POLL_MS: u64 = 5;
+/// After the handler's group is killed, longest wait for its other members
+/// to be gone (the leader itself is always waited for).
+pub const GROUP_EXIT_WAIT_MS: u64 = 1_000;
+/// After the handler exited, longest wait for the payload writer to report.
+/// It can only still be blocked if a process outside the handler's group
+/// holds the pipe open without reading.
+pub const PAYLOAD_WRITE_WAIT_MS: u64 = 1_000;
+/// Longest `--job-timeout-ms` accepted (7 days).
+pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
+/// The job's fence as the handler sees it in `SHARDQ_FENCE`, once
+/// [`ClaimedJob`] carries one; `None` leaves the variable unset.
+#[allow(unused_variables)] // `job` is read once ClaimedJob has a fence.
+fn job_fence(job: &ClaimedJob) -> Option<String> {
+    None // FENCE: once ClaimedJob has `fence`, this line becomes `Some(job.fence.to_string())`.
+}
+
+/// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,
+/// `SHARDQ_ATTEMPT`, `SHARDQ_SHARD`, `SHARDQ_PAYLOAD_BYTES` (and
+/// `SHARDQ_FENCE` when the job has one) in its environment.
+///
+/// Ok only if the handler exited 0 and its payload was written in full (or
+/// it closed its stdin early). When `should_stop()` turns true or `timeout`
+/// passes, the handler's process group is killed with SIGKILL and waited
+/// for, and the error says why (`killed: job timeout 500 ms`, `killed:
+/// worker stopping`). Never returns with the child unreaped.
+pub fn run_job_command(
+    cmd: &[String],
+    job: &ClaimedJob,
+    should_stop: &dyn Fn() -> bool,
+    timeout: Option<Duration>,
+) -> Result<(), String> {
+    let Some(program) = cmd.first() else {
+        return Err("no handler command given".to_string());
+    };
+    let mut command = Command::new(program);
+    command
+        .args(&cmd[1..])
+        .env("SHARDQ_KEY", &job.key)
+        .env("SHARDQ_JOB_ID", job.id.to_string())
+        .env("SHARDQ_ATTEMPT", job.attempt.to_string())
+        .env("SHARDQ_SHARD", &job.shard)
+        .env("SHARDQ_PAYLOAD_BYTES", job.payload.len().to_string())
+        .stdin(Stdio::piped())
+        .process_group(0);
+    match job_fence(job) {
+        Some(fence) => command.env("SHARDQ_FENCE", fence),
+        None => command.env_remove("SHARDQ_FENCE"),
+    };
+    die_with_parent(&mut command);
+    let started = Instant::now();
+    let mut child = command
+        .spawn()
+        .map_err(|e| format!("starting handler {program:?}: {e}"))?;
+    // With process_group(0) the group id is the child's pid.
+    let pgid = child.id() as libc::pid_t;
+    let writer = start_payload_writer(&mut child, &job.payload);
+
+    let mut killed: Option<String> = None;
+    loop {
+        match exited_unreaped(pgid) {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => {
+                killed = Some(format!("killed: cannot watch handler pid {pgid}: {e}"));
+                break;
+            }
+        }
+        if should_stop() {
+            killed = Some("killed: worker stopping".to_string());
+            break;
+        }
+        if let Some(limit) = timeout {
+            if started.elapsed() >= limit {
+                killed = Some(format!("killed: job timeout {} ms", limit.as_millis()));
+                break;
+            }
+        }
+        thread::sleep(Duration::from_millis(POLL_MS));
+    }
+    // The leader is alive or a zombie here, so `pgid` is still ours. Kill
+    // the group both when stopping and after a normal exit: nothing the
+    // attempt started may keep running past it.
+    kill_group(pgid);
+    let status = wait_child(&mut child, program)?;
+    wait_group_gone(pgid);
+    let written = writer.map(|rx| {
+        rx.recv_timeout(Duration::from_millis(PAYLOAD_WRITE_WAIT_MS))
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the write did not finish within {PAYLOAD_WRITE_WAIT_MS} ms of the handler's exit (a process outside its group holds its stdin open)"),
+                ))
+            })
+    });
+    if let Some(reason) = killed {
+        return Err(reason);
+    }
+    if !status.success() {
+        return Err(format!("handler {program:?} {}", describe(status)));
+    }
+    match written {
+        None | Some(Ok(())) => Ok(()),
+        // The handler closed its stdin before reading all of it: its choice.
+        Some(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        Some(Err(e)) => Err(format!(
+            "writing the {}-byte payload to handler {program:?}: {e}; the handler may have seen a truncated payload",
+            job.payload.len()
+        )),
+    }
+}
+
+/// Sets the parent-death signal (Linux): the child gets SIGKILL when the
+/// thread that spawned it dies, which a worker's handler thread does only
+/// after the handler was reaped, or when the whole worker dies.
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs between fork and exec and calls only prctl
+    // and getppid, both async-signal-safe; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl: then no signal
+            // comes, so refuse to run.
+            if libc::getppid() != parent {
+                return Err(io::Error::other(
+                    "the worker exited before the handler started",
+                ));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
+
+/// Writes `payload` to the child's stdin from a new thread and closes it;
+/// the receiver gets the outcome. `None` if the child has no stdin pipe.
+fn start_payload_writer(
+    child: &mut Child,
+    payload: &[u8],
+) -> Option<mpsc::Receiver<io::Result<()>>> {
+    let mut stdin = child.stdin.take()?;
+    let (tx, rx) = mpsc::channel();
+    let payload = payload.to_vec();
+    let spawned = thread::Builder::new()
+        .name("shardq-payload".into())
+        .spawn(move || {
+            let result = stdin.write_all(&payload).and_then(|()| stdin.flush());
+            drop(stdin);
+            let _ = tx.send(result);
+        });
+    match spawned {
+        Ok(_) => Some(rx),
+        Err(e) => {
+            // No thread: report it as the write's failure.
+            let (tx, rx) = mpsc::channel();
+            let _ = tx.send(Err(io::Error::other(format!(
+                "starting the payload writer thread: {e}"
+            ))));
+            Some(rx)
+        }
+    }
+}
+
+/// True once `pid` has exited; leaves it unreaped (a zombie), so its pid and
+/// process group id stay reserved until [`wait_child`].
+fn exited_unreaped(pid: libc::pid_t) -> io::Result<bool> {
+    loop {
+        // SAFETY: siginfo_t is plain data; waitid writes it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid pointer to a siginfo_t; WNOWAIT leaves the child
+        // waitable, WNOHANG returns at once.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 {
+            // SAFETY: waitid filled `info` (si_pid stays 0 if nothing exited).
+            return Ok(unsafe { info.si_pid() } != 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// SIGKILL to every process of the group `pgid` (no error if none is left).
+fn kill_group(pgid: libc::pid_t) {
+    // SAFETY: killpg has no memory effects; the group is ours (see the
+    // module docs), ESRCH just means it is empty.
+    unsafe {
+        libc::killpg(pgid, libc::SIGKILL);
+    }
+}
+
+/// Waits, bounded, until no process of the killed group `pgid` is left. A
+/// member killed but not yet reaped by its new parent still counts, so this
+/// can run to the bound where nobody reaps orphans; it never fails.
+fn wait_group_gone(pgid: libc::pid_t) {
+    let start = Instant::now();
+    // SAFETY: signal 0 only checks for existence.
+    while unsafe { libc::killpg(pgid, 0) } == 0
+        && start.elapsed() < Duration::from_millis(GROUP_EXIT_WAIT_MS)
+    {
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_child(child: &mut Child, program: &str) -> Result<ExitStatus, String> {
+    child
+        .wait()
+        .map_err(|e| format!("waiting for handler {program:?} (pid {}): {e}", child.id()))
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        (None, None) => format!("ended with {status}"),
+    }
+}
+
+/// Stop control for handlers until the pool cancels them itself: handlers
+/// are told to stop once the worker has been asked to stop (SIGINT/SIGTERM)
+/// for the drain timeout, or at once after [`HandlerStop::force`]; the
+/// worker waits for running handlers with [`HandlerStop::wait_idle`] before
+/// it exits.
+pub struct HandlerStop {
+    signal: Arc<AtomicBool>,
+    drain: Duration,
+    signalled_at: OnceLock<Instant>,
+    forced: AtomicBool,
+    running: Mutex<usize>,
+    idle: Condvar,
+}
+
+impl HandlerStop {
+    /// Handlers stop `drain` after `signal` is first seen set.
+    pub fn new(signal: Arc<AtomicBool>, drain: Duration) -> HandlerStop {
+        HandlerStop {
+            signal,
+            drain,
+            signalled_at: OnceLock::new(),
+            forced: AtomicBool::new(false),
+            running: Mutex::new(0),
+            idle: Condvar::new(),
+        }
+    }
+
+    /// Whether running handlers must be killed now.
+    pub fn should_stop(&self) -> bool {
+        if self.forced.load(Ordering::SeqCst) {
+            return true;
+        }
+        if !self.signal.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.signalled_at.get_or_init(Instant::now).elapsed() >= self.drain
+    }
+
+    /// Makes every running and later handler stop at once.
+    pub fn force(&self) {
+        self.forced.store(true, Ordering::SeqCst);
+    }
+
+    /// Runs `f` counted as a running handler.
+    pub fn track<T>(&self, f: impl FnOnce() -> T) -> T {
+        struct Done<'a>(&'a HandlerStop);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                let mut n = self.0.running.lock().unwrap_or_else(|e| e.into_inner());
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.0.idle.notify_all();
+                }
+            }
+        }
+        *self.running.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let _done = Done(self);
+        f()
+    }
+
+    /// Waits until no handler runs, for at most `bound`; returns how many
+    /// still run.
+    pub fn wait_idle(&self, bound: Duration) -> usize {
+        let deadline = Instant::now() + bound;
+        let mut n = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            n = self
+                .idle
+                .wait_timeout(n, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *n
+    }
+}

@@ -1,0 +1,240 @@
+//! Handler commands of `shardq work` as real processes: no handler process
+//! outlives its attempt (drain timeout after SIGTERM, SIGKILL of the worker,
+//! job timeout), and a handler can tell a whole payload from a cut one.
+//!
+//! Handlers write their pids to files; "gone" means no such process exists
+//! (or only a zombie, which runs nothing).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+mod support;
+use support::{process_alive, read_pids, run, status_json, temp_dir, wait_until, BIN, WAIT_MAX};
+
+/// Starts `shardq work --data DATA EXTRA -- sh -c SCRIPT`. Its stderr goes
+/// to a file next to DATA, not a pipe: a handler inherits it, and reading a
+/// pipe to its end would wait for the handler too.
+fn start_worker(data: &Path, extra: &[&str], script: &str) -> Worker {
+    let err_path = data.with_extension("worker-stderr");
+    let err = std::fs::File::create(&err_path).unwrap();
+    let child = Command::new(BIN)
+        .args(["work", "--data", data.to_str().unwrap()])
+        .args(extra)
+        .args(["--", "sh", "-c", script])
+        .stderr(err)
+        .spawn()
+        .unwrap();
+    Worker { child, err_path }
+}
+
+struct Worker {
+    child: Child,
+    err_path: PathBuf,
+}
+
+impl Worker {
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// Waits (bounded) for the worker to exit; returns its status and stderr.
+fn wait_exit(worker: &mut Worker, bound: Duration) -> (ExitStatus, String) {
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = worker.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < bound,
+            "worker still running after {bound:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let err = std::fs::read_to_string(&worker.err_path).unwrap();
+    (status, err)
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+fn init_with_job(data: &Path, extra: &[&str]) {
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let mut args = vec!["enqueue", "--data", d, "--key", "k", "--payload", "job"];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = run(&args);
+    assert!(ok, "{err}");
+}
+
+#[test]
+fn handler_outliving_its_worker_after_the_drain_timeout_is_killed() {
+    let dir = temp_dir("h-drain");
+    let data = dir.join("data");
+    let pids = dir.join("pids");
+    init_with_job(&data, &[]);
+    // The handler and a child of it (same process group) both sleep 30 s.
+    let script = format!(
+        "echo $$ >> {p}; sleep 30 & echo $! >> {p}; wait",
+        p = pids.display()
+    );
+    let mut worker = start_worker(
+        &data,
+        &["--lease-ms", "60000", "--drain-timeout-ms", "200"],
+        &script,
+    );
+    wait_until("the handler and its child", WAIT_MAX, || {
+        read_pids(&pids).len() == 2
+    });
+    let handler_pids = read_pids(&pids);
+    assert!(handler_pids.iter().all(|&p| process_alive(p)));
+    let sent = Instant::now();
+    signal(worker.id(), "-TERM");
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "the worker waited for the 30 s handler: {:?}",
+        sent.elapsed()
+    );
+    for p in &handler_pids {
+        assert!(
+            !process_alive(*p),
+            "handler process {p} outlived the worker"
+        );
+    }
+    // The killed attempt was recorded as failed, not abandoned in flight.
+    assert!(
+        err.contains("1 retried") && err.contains("0 abandoned"),
+        "{err}"
+    );
+    let v = status_json(&data);
+    assert_eq!(v["totals"]["in_flight"], 0, "{v}");
+    assert_eq!(
+        v["totals"]["ready"].as_u64().unwrap() + v["totals"]["delayed"].as_u64().unwrap(),
+        1,
+        "the job is still queued: {v}"
+    );
+    assert!(v["shards"][0]["owner"].is_null(), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn handler_of_a_sigkilled_worker_dies_too() {
+    let dir = temp_dir("h-kill");
+    let data = dir.join("data");
+    let pids = dir.join("pids");
+    init_with_job(&data, &[]);
+    let script = format!("echo $$ >> {}; exec sleep 30", pids.display());
+    let mut worker = start_worker(&data, &["--lease-ms", "60000"], &script);
+    wait_until("the handler", WAIT_MAX, || read_pids(&pids).len() == 1);
+    let handler = read_pids(&pids)[0];
+    assert!(process_alive(handler));
+    signal(worker.id(), "-KILL");
+    let (status, _) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(!status.success());
+    // The parent-death signal is immediate; 5 s is a generous bound.
+    wait_until(
+        "the handler to die with its worker",
+        Duration::from_secs(5),
+        || !process_alive(handler),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn job_timeout_kills_a_hung_handler_and_fails_the_attempt() {
+    let dir = temp_dir("h-timeout");
+    let data = dir.join("data");
+    let pids = dir.join("pids");
+    init_with_job(&data, &["--max-attempts", "2"]);
+    let script = format!(
+        "echo $$ >> {p}; sleep 30 & echo $! >> {p}; wait",
+        p = pids.display()
+    );
+    let started = Instant::now();
+    let mut worker = start_worker(
+        &data,
+        &["--job-timeout-ms", "300", "--exit-when-idle"],
+        &script,
+    );
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "attempts were not cut at 300 ms: {:?}",
+        started.elapsed()
+    );
+    assert!(err.contains("1 retried") && err.contains("1 dead"), "{err}");
+    let all = read_pids(&pids);
+    assert_eq!(all.len(), 4, "two attempts, two processes each: {all:?}");
+    for p in &all {
+        assert!(
+            !process_alive(*p),
+            "handler process {p} survived its timeout"
+        );
+    }
+    let (ok, out, err) = run(&["dead", "--data", data.to_str().unwrap(), "list"]);
+    assert!(ok, "{err}");
+    let fields: Vec<&str> = out.trim_end().split('\t').collect();
+    assert_eq!(fields.len(), 5, "one dead job: {out:?}");
+    assert_eq!(fields[2], "k");
+    assert_eq!(fields[3], "2", "both attempts used: {out:?}");
+    assert!(fields[4].contains("killed: job timeout 300 ms"), "{out:?}");
+    // Refused with a handler that cannot be killed per job.
+    let (ok, _, err) = run(&[
+        "work",
+        "--data",
+        data.to_str().unwrap(),
+        "--job-timeout-ms",
+        "0",
+        "--",
+        "true",
+    ]);
+    assert!(!ok && err.contains("invalid --job-timeout-ms 0"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn handler_sees_the_payload_length_and_a_slow_reader_gets_it_whole() {
+    let dir = temp_dir("h-payload");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    let seen = dir.join("seen");
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    // Ten times a pipe buffer: the writer blocks until the handler reads.
+    let big = "x".repeat(640 * 1024);
+    let input = format!("slow\t{big}\nskip\t{big}\nsmall\tabc\n");
+    let mut producer = Command::new(BIN)
+        .args(["enqueue", "--data", d, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut producer.stdin.take().unwrap(), input.as_bytes()).unwrap();
+    assert!(producer.wait().unwrap().success());
+    // `slow` reads only after a pause; `skip` never reads its stdin.
+    let script = format!(
+        "case $SHARDQ_KEY in skip) exit 0;; slow) sleep 0.5;; esac; \
+         n=$(wc -c | tr -d ' '); echo \"$SHARDQ_KEY $SHARDQ_PAYLOAD_BYTES $n\" >> {}",
+        seen.display()
+    );
+    let mut worker = start_worker(&data, &["--exit-when-idle"], &script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("3 acked") && err.contains("0 retried"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&seen).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let len = big.len();
+    assert_eq!(lines, vec![format!("slow {len} {len}"), "small 3 3".into()]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
