@@ -28,7 +28,7 @@ use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 use shardq_route::{Algorithm, HashFn, ShardMap};
 
 use crate::backends;
-use crate::handler_proc::{self, HandlerStop};
+use crate::handler_proc;
 
 /// Most shards `init` creates.
 const INIT_SHARDS_MAX: usize = 4096;
@@ -36,13 +36,6 @@ const INIT_SHARDS_MAX: usize = 4096;
 const STDIN_BATCH_MAX: usize = 4096;
 /// Longest `KEY<TAB>PAYLOAD` line, in bytes (payload limit plus key and tab).
 const STDIN_LINE_BYTES_MAX: usize = shardq_core::PAYLOAD_BYTES_LIMIT + 2048;
-/// Extra time the pool waits past `--drain-timeout-ms` for handler commands
-/// killed at the drain timeout, so their failed attempts are recorded before
-/// the shards are released.
-const HANDLER_KILL_GRACE_MS: u64 = 2_000;
-/// After the pool returned, longest wait for handler commands still running
-/// (they have been told to stop and are being killed).
-const HANDLER_EXIT_WAIT_MS: u64 = 5_000;
 
 #[derive(Debug, Subcommand)]
 pub enum EngineCommand {
@@ -200,6 +193,11 @@ pub struct WorkArgs {
     /// than this, in ms; the attempt fails and is retried or dead-lettered.
     #[arg(long, value_name = "MS")]
     job_timeout_ms: Option<u64>,
+    /// Job lease of each run, in ms: extended every third of it while the
+    /// handler runs; if this worker stops renewing (stopped, partitioned)
+    /// the job runs again elsewhere after it, with a larger SHARDQ_FENCE.
+    #[arg(long, value_name = "MS", default_value_t = shardq_core::JOB_LEASE_MS_DEFAULT)]
+    job_lease_ms: u64,
     /// Exit once the owned shards are idle.
     #[arg(long)]
     exit_when_idle: bool,
@@ -702,11 +700,9 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             handler_proc::JOB_TIMEOUT_MS_MAX
         ),
     };
+    shardq_core::validate_job_lease_ms(args.job_lease_ms)
+        .map_err(|e| anyhow::anyhow!("--job-lease-ms: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
-    let handler_stop = Arc::new(HandlerStop::new(
-        Arc::clone(&stop),
-        Duration::from_millis(args.drain_timeout_ms),
-    ));
     let handler: Arc<shardq_core::Handler> = match (&args.handler_builtin, args.cmd.is_empty()) {
         (Some(_), _) if job_timeout.is_some() => {
             bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
@@ -716,7 +712,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         (None, true) => bail!(
             "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
         ),
-        (None, false) => command_handler(args.cmd.clone(), Arc::clone(&handler_stop), job_timeout),
+        (None, false) => command_handler(args.cmd.clone()),
     };
     let redis = match backends::kind(&args.data)? {
         backends::Kind::Embedded => None,
@@ -727,11 +723,11 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             .context("installing signal handlers")?;
     }
     let mut pool = pool_options(&args);
-    if !args.cmd.is_empty() {
-        // Handler commands are killed at the drain timeout; the grace lets
-        // their failed attempts be recorded before the shards are released.
-        pool.drain_timeout_ms = args.drain_timeout_ms.saturating_add(HANDLER_KILL_GRACE_MS);
-    }
+    pool.job_timeout_ms = job_timeout.map(|d| d.as_millis() as u64);
+    pool.job_lease_ms = args.job_lease_ms;
+    // The pool cancels runs past the job timeout, on a lost shard and past
+    // the drain timeout; a cancelled handler command is killed and waited
+    // for, and the pool gives no shard up before its handlers returned.
     let report = run_pool(
         &args,
         redis,
@@ -741,15 +737,6 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         handler,
         &stop,
     );
-    // Whatever still runs (the pool failed, or gave up on a job) is killed
-    // and waited for: no handler outlives this process.
-    handler_stop.force();
-    let left = handler_stop.wait_idle(Duration::from_millis(HANDLER_EXIT_WAIT_MS));
-    if left > 0 {
-        eprintln!(
-            "shardq: warning: {left} handler commands were killed but not reaped within {HANDLER_EXIT_WAIT_MS} ms"
-        );
-    }
     let report = report?;
     eprintln!(
         "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
@@ -844,16 +831,20 @@ fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
     })
 }
 
-/// A handler running `cmd` once per job (see `handler_proc`): killed when
-/// `stop` says so or after `timeout`, and counted while it runs so the
-/// worker can wait for it before exiting.
-fn command_handler(
-    cmd: Vec<String>,
-    stop: Arc<HandlerStop>,
-    timeout: Option<Duration>,
-) -> Arc<shardq_core::Handler> {
+/// A handler running `cmd` once per job (see `handler_proc`): killed, and
+/// waited for, once the pool cancels the run (job timeout, lost shard,
+/// drain timeout); the error then says why.
+fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
     Arc::new(move |job: &ClaimedJob| {
-        stop.track(|| handler_proc::run_job_command(&cmd, job, &|| stop.should_stop(), timeout))
+        let run = shardq_core::current_run();
+        let cancelled = || run.as_ref().is_some_and(|r| r.is_cancelled());
+        match handler_proc::run_job_command(&cmd, job, &cancelled, None) {
+            Err(_) if cancelled() => Err(format!(
+                "killed: {}",
+                run.as_ref().map(|r| r.cancel_reason()).unwrap_or_default()
+            )),
+            other => other,
+        }
     })
 }
 

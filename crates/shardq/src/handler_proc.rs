@@ -43,11 +43,9 @@ pub const PAYLOAD_WRITE_WAIT_MS: u64 = 1_000;
 /// Longest `--job-timeout-ms` accepted (7 days).
 pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 
-/// The job's fence as the handler sees it in `SHARDQ_FENCE`, once
-/// [`ClaimedJob`] carries one; `None` leaves the variable unset.
-#[allow(unused_variables)] // `job` is read once ClaimedJob has a fence.
+/// The job's fence as the handler sees it in `SHARDQ_FENCE`.
 fn job_fence(job: &ClaimedJob) -> Option<String> {
-    None // FENCE: once ClaimedJob has `fence`, this line becomes `Some(job.fence.to_string())`.
+    Some(job.fence.to_string())
 }
 
 /// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,
@@ -272,82 +270,3 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Stop control for handlers until the pool cancels them itself: handlers
-/// are told to stop once the worker has been asked to stop (SIGINT/SIGTERM)
-/// for the drain timeout, or at once after [`HandlerStop::force`]; the
-/// worker waits for running handlers with [`HandlerStop::wait_idle`] before
-/// it exits.
-pub struct HandlerStop {
-    signal: Arc<AtomicBool>,
-    drain: Duration,
-    signalled_at: OnceLock<Instant>,
-    forced: AtomicBool,
-    running: Mutex<usize>,
-    idle: Condvar,
-}
-
-impl HandlerStop {
-    /// Handlers stop `drain` after `signal` is first seen set.
-    pub fn new(signal: Arc<AtomicBool>, drain: Duration) -> HandlerStop {
-        HandlerStop {
-            signal,
-            drain,
-            signalled_at: OnceLock::new(),
-            forced: AtomicBool::new(false),
-            running: Mutex::new(0),
-            idle: Condvar::new(),
-        }
-    }
-
-    /// Whether running handlers must be killed now.
-    pub fn should_stop(&self) -> bool {
-        if self.forced.load(Ordering::SeqCst) {
-            return true;
-        }
-        if !self.signal.load(Ordering::SeqCst) {
-            return false;
-        }
-        self.signalled_at.get_or_init(Instant::now).elapsed() >= self.drain
-    }
-
-    /// Makes every running and later handler stop at once.
-    pub fn force(&self) {
-        self.forced.store(true, Ordering::SeqCst);
-    }
-
-    /// Runs `f` counted as a running handler.
-    pub fn track<T>(&self, f: impl FnOnce() -> T) -> T {
-        struct Done<'a>(&'a HandlerStop);
-        impl Drop for Done<'_> {
-            fn drop(&mut self) {
-                let mut n = self.0.running.lock().unwrap_or_else(|e| e.into_inner());
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.0.idle.notify_all();
-                }
-            }
-        }
-        *self.running.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        let _done = Done(self);
-        f()
-    }
-
-    /// Waits until no handler runs, for at most `bound`; returns how many
-    /// still run.
-    pub fn wait_idle(&self, bound: Duration) -> usize {
-        let deadline = Instant::now() + bound;
-        let mut n = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        while *n > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            n = self
-                .idle
-                .wait_timeout(n, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        *n
-    }
-}
