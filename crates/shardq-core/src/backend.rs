@@ -90,8 +90,7 @@ pub trait QueueBackend: Send + Sync {
     /// lease of `lease_ms` (checked with [`crate::validate_job_lease_ms`]).
     /// Runs whose lease lapsed end first (their jobs go back to the head of
     /// their keys). Needs ownership ([`QueueError::NotOwner`]).
-    fn claim(&self, shard: &str, max: usize, lease_ms: u64)
-        -> Result<Vec<ClaimedJob>, QueueError>;
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError>;
 
     /// Finishes runs. Receipts that are not their job's current run are
     /// refused one by one (listed in [`AckOutcome::stale`]); the others are

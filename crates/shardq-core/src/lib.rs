@@ -19,8 +19,9 @@ pub use backend::{Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::QueueError;
 pub use job::{
-    next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts,
-    NewJob, Receipt, ShardStats, JOB_LEASE_MS_DEFAULT, JOB_LEASE_MS_MAX, JOB_LEASE_MS_MIN, KEY_BYTES_MAX, MAX_ATTEMPTS_DEFAULT, MAX_ATTEMPTS_LIMIT,
-    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+    next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, ClaimedJob, DeadJob,
+    DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats,
+    JOB_LEASE_MS_DEFAULT, JOB_LEASE_MS_MAX, JOB_LEASE_MS_MIN, KEY_BYTES_MAX, MAX_ATTEMPTS_DEFAULT,
+    MAX_ATTEMPTS_LIMIT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use pool::{Handler, PoolEvent, PoolOptions, PoolReport, WorkerPool};

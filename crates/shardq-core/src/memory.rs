@@ -14,8 +14,8 @@ use crate::backend::QueueBackend;
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
-    Backoff, ClaimedJob, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
+    next_fence, validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy,
+    FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 
@@ -28,6 +28,9 @@ struct StoredJob {
     created_ms: u64,
     not_before_ms: u64,
     reason: String,
+    /// The current run's fence and job lease end (meaningful while in flight).
+    fence: u64,
+    lease_until_ms: u64,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +45,45 @@ struct ShardState {
     fence: Fence,
     next_id: u64,
     owned: bool,
+    /// Largest run fence issued.
+    fence_high: u64,
+}
+
+impl ShardState {
+    /// The in-flight job named by `r`, if `r` is its current run.
+    fn current_run(&self, r: &Receipt) -> bool {
+        self.in_flight.contains(&r.id) && self.jobs.get(&r.id).is_some_and(|j| j.fence == r.fence)
+    }
+
+    /// Ends runs whose job lease lapsed: a lapsed run counts as a failed
+    /// attempt (the job goes back to the head of its key, or dead-letters
+    /// when out of attempts).
+    fn end_lapsed(&mut self, now: u64, policy: DeadPolicy) {
+        let lapsed: Vec<JobId> = self
+            .in_flight
+            .iter()
+            .copied()
+            .filter(|id| self.jobs.get(id).is_some_and(|j| j.lease_until_ms <= now))
+            .collect();
+        for id in lapsed {
+            self.in_flight.remove(&id);
+            let Some(j) = self.jobs.get_mut(&id) else {
+                continue;
+            };
+            let key = j.key.clone();
+            self.busy_keys.remove(&key);
+            if j.attempt >= j.max_attempts {
+                j.reason = "job lease lapsed".into();
+                self.dead.insert(id);
+                if policy == DeadPolicy::Halt {
+                    self.halted_keys.insert(key);
+                }
+            } else {
+                j.not_before_ms = now;
+                self.keys.entry(key).or_default().push_front(id);
+            }
+        }
+    }
 }
 
 /// An in-memory [`QueueBackend`] over a fixed set of shard names.
@@ -180,6 +222,8 @@ impl QueueBackend for MemoryBackend {
                         created_ms: now,
                         not_before_ms: now + j.delay_ms,
                         reason: String::new(),
+                        fence: 0,
+                        lease_until_ms: 0,
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
@@ -212,9 +256,12 @@ impl QueueBackend for MemoryBackend {
         })
     }
 
-    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
         let now = self.clock.now_ms();
+        let policy = self.dead_policy;
         self.owned(shard, |s| {
+            s.end_lapsed(now, policy);
             let mut out = Vec::new();
             let keys: Vec<String> = s.keys.keys().cloned().collect();
             for key in keys {
@@ -234,6 +281,14 @@ impl QueueBackend for MemoryBackend {
                     continue;
                 }
                 j.attempt += 1;
+                let fence = next_fence(
+                    now.saturating_mul(1000),
+                    s.fence_high,
+                    s.fence.run_fence_min,
+                );
+                s.fence_high = fence;
+                j.fence = fence;
+                j.lease_until_ms = now.saturating_add(lease_ms);
                 out.push(ClaimedJob {
                     shard: shard.to_string(),
                     id,
@@ -243,6 +298,8 @@ impl QueueBackend for MemoryBackend {
                     max_attempts: j.max_attempts,
                     created_ms: j.created_ms,
                     not_before_ms: j.not_before_ms,
+                    fence,
+                    lease_until_ms: j.lease_until_ms,
                 });
                 if let Some(q) = s.keys.get_mut(&key) {
                     q.pop_front();
@@ -257,34 +314,45 @@ impl QueueBackend for MemoryBackend {
         })
     }
 
-    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError> {
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
         self.owned(shard, |s| {
-            for id in ids {
-                if !s.in_flight.remove(id) {
-                    return Err(QueueError::NotInFlight {
-                        shard: shard.to_string(),
-                        id: id.0,
-                    });
+            let mut out = AckOutcome::default();
+            for r in receipts {
+                if !s.current_run(r) {
+                    out.stale.push(*r);
+                    continue;
                 }
-                if let Some(j) = s.jobs.remove(id) {
+                s.in_flight.remove(&r.id);
+                if let Some(j) = s.jobs.remove(&r.id) {
                     s.busy_keys.remove(&j.key);
                 }
+                out.acked += 1;
             }
-            Ok(())
+            Ok(out)
         })
     }
 
-    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
         let now = self.clock.now_ms();
         let backoff = self.backoff;
         let policy = self.dead_policy;
+        let id = receipt.id;
         self.owned(shard, |s| {
-            if !s.in_flight.remove(&id) {
-                return Err(QueueError::NotInFlight {
+            if !s.current_run(&receipt) {
+                return Err(QueueError::StaleReceipt {
                     shard: shard.to_string(),
                     id: id.0,
+                    fence: receipt.fence,
+                    reason: "not the job's current run".into(),
                 });
             }
+            s.in_flight.remove(&id);
             let Some(j) = s.jobs.get_mut(&id) else {
                 return Err(QueueError::NotInFlight {
                     shard: shard.to_string(),
@@ -301,10 +369,32 @@ impl QueueBackend for MemoryBackend {
                 }
                 return Ok(FailOutcome::Dead);
             }
-            let at_ms = now + backoff.delay_ms(j.attempt);
+            let at_ms = now + retry_in_ms.unwrap_or_else(|| backoff.delay_ms(j.attempt));
             j.not_before_ms = at_ms;
             s.keys.entry(key).or_default().push_front(id);
             Ok(FailOutcome::Retry { at_ms })
+        })
+    }
+
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
+        let now = self.clock.now_ms();
+        self.owned(shard, |s| {
+            let mut stale = Vec::new();
+            for r in receipts {
+                let live =
+                    s.current_run(r) && s.jobs.get(&r.id).is_some_and(|j| j.lease_until_ms > now);
+                match s.jobs.get_mut(&r.id).filter(|_| live) {
+                    Some(j) => j.lease_until_ms = now.saturating_add(lease_ms),
+                    None => stale.push(*r),
+                }
+            }
+            Ok(stale)
         })
     }
 
@@ -333,6 +423,7 @@ impl QueueBackend for MemoryBackend {
                 name: shard.to_string(),
                 in_flight: s.in_flight.len() as u64,
                 dead: s.dead.len() as u64,
+                fence_high: s.fence_high,
                 ..ShardStats::default()
             };
             let mut keys = BTreeSet::new();

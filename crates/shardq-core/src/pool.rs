@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
-use crate::job::{ClaimedJob, FailOutcome, JobId};
+use crate::job::{ClaimedJob, FailOutcome, Receipt, JOB_LEASE_MS_DEFAULT};
 
 /// Largest worker count of one pool.
 pub const CONCURRENCY_MAX: usize = 4096;
@@ -110,7 +110,7 @@ pub struct PoolReport {
 
 struct Outcome {
     shard: String,
-    id: JobId,
+    receipt: Receipt,
     result: Result<(), String>,
 }
 
@@ -155,9 +155,10 @@ impl WorkerPool {
                     };
                     let result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
                         .unwrap_or_else(|_| Err("handler panicked".to_string()));
+                    let receipt = job.receipt();
                     let sent = out_tx.send(Outcome {
                         shard: job.shard,
-                        id: job.id,
+                        receipt,
                         result,
                     });
                     if sent.is_err() {
@@ -274,7 +275,7 @@ impl Dispatch<'_> {
                     // Share the free slots between shards so one busy shard
                     // cannot starve the others.
                     let share = free.div_ceil(n - i).clamp(1, CLAIM_BATCH_MAX);
-                    let jobs = match self.backend.claim(&shard, share) {
+                    let jobs = match self.backend.claim(&shard, share, JOB_LEASE_MS_DEFAULT) {
                         Ok(jobs) => jobs,
                         Err(QueueError::NotOwner { .. }) => continue,
                         Err(e) => return Err(e),
@@ -349,12 +350,12 @@ impl Dispatch<'_> {
 
     /// Records outcomes; acks are grouped per shard into one call.
     fn record(&mut self, outcomes: Vec<Outcome>) {
-        let mut acks: BTreeMap<String, Vec<JobId>> = BTreeMap::new();
+        let mut acks: BTreeMap<String, Vec<Receipt>> = BTreeMap::new();
         for out in outcomes {
             self.in_flight -= 1;
             match out.result {
-                Ok(()) => acks.entry(out.shard).or_default().push(out.id),
-                Err(reason) => match self.backend.fail(&out.shard, out.id, &reason) {
+                Ok(()) => acks.entry(out.shard).or_default().push(out.receipt),
+                Err(reason) => match self.backend.fail(&out.shard, out.receipt, &reason, None) {
                     Ok(FailOutcome::Dead) => self.report.dead += 1,
                     Ok(_) => self.report.retried += 1,
                     Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
@@ -363,7 +364,7 @@ impl Dispatch<'_> {
         }
         for (shard, ids) in acks {
             match self.backend.ack(&shard, &ids) {
-                Ok(()) => self.report.acked += ids.len() as u64,
+                Ok(outcome) => self.report.acked += outcome.acked,
                 Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
             }
         }
