@@ -387,8 +387,8 @@ impl QueueBackend for MemoryBackend {
         self.owned(shard, |s| {
             let mut stale = Vec::new();
             for r in receipts {
-                let live =
-                    s.current_run(r) && s.jobs.get(&r.id).is_some_and(|j| j.lease_until_ms > now);
+                // A lapsed run is current until the next claim ends it.
+                let live = s.current_run(r);
                 match s.jobs.get_mut(&r.id).filter(|_| live) {
                     Some(j) => j.lease_until_ms = now.saturating_add(lease_ms),
                     None => stale.push(*r),
