@@ -45,12 +45,14 @@ pub enum Record<'a> {
         /// Payload.
         payload: &'a [u8],
     },
-    /// The owner started attempt `attempt` of `job`.
+    /// The owner started attempt `attempt` of `job`: a run with fence `fence`.
     Claim {
         /// Job id.
         job: u64,
         /// Attempt number, from 1.
         attempt: u32,
+        /// The run's fencing token (the shard's high-water after it).
+        fence: u64,
         /// The job's key.
         key: &'a str,
     },
@@ -122,10 +124,16 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             put_str16(out, key);
             out.extend_from_slice(payload);
         }
-        Record::Claim { job, attempt, key } => {
+        Record::Claim {
+            job,
+            attempt,
+            fence,
+            key,
+        } => {
             out.push(T_CLAIM);
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&attempt.to_le_bytes());
+            out.extend_from_slice(&fence.to_le_bytes());
             put_str16(out, key);
         }
         Record::Ack { job, key } => {
@@ -282,6 +290,7 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
         T_CLAIM => Record::Claim {
             job: c.u64()?,
             attempt: c.u32()?,
+            fence: c.u64()?,
             key: c.str16()?,
         },
         T_ACK => Record::Ack {
@@ -344,6 +353,7 @@ mod tests {
         roundtrip(Record::Claim {
             job: 9,
             attempt: 2,
+            fence: 1_700_000_000_000_000,
             key: "k",
         });
         roundtrip(Record::Ack { job: 9, key: "kk" });
