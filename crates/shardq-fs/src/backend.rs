@@ -27,7 +27,7 @@ use shardq_core::{
 };
 use shardq_route::validate_shard_name;
 
-use crate::log::{ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
+use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 use crate::record::{self, decode, Record};
 use crate::state::{Pick, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
@@ -316,9 +316,11 @@ impl FsBackend {
         }
         let Inner { log, replica, .. } = inner;
         let replica = replica.as_mut().expect("built above");
-        if log.catch_up(false, replica)? == Tail::NeedsLock {
+        // A reader: it may judge bad bytes under the lock, but it never
+        // truncates or creates anything (status must not change the disk).
+        if log.catch_up(Access::Unlocked, replica)? == Tail::NeedsLock {
             let _guard = log.lock()?;
-            log.catch_up(true, replica)?;
+            log.catch_up(Access::LockedRead, replica)?;
         }
         Ok(())
     }
@@ -336,8 +338,8 @@ impl FsBackend {
         {
             let Inner { log, replica, .. } = &mut *inner;
             match replica {
-                Some(r) => log.catch_up(true, r)?,
-                None => log.catch_up(true, &mut Validate)?,
+                Some(r) => log.catch_up(Access::LockedWrite, r)?,
+                None => log.catch_up(Access::LockedWrite, &mut Validate)?,
             };
         }
         let start = inner.log.end_pos();

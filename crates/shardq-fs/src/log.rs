@@ -7,8 +7,13 @@
 //!   after reading everything up to the end of the log, so the appender knows
 //!   the end is a record boundary;
 //! * bad bytes are judged only while holding that lock (no writer can be
-//!   half-way): a torn tail is truncated, anything else is corruption and the
-//!   shard stops serving; records are never skipped;
+//!   half-way): a torn tail (the last record's declared length runs past the
+//!   end of the file) is truncated by a writer and stepped short of by a
+//!   reader; anything else, a checksum failure in the file's last whole
+//!   record included, is corruption and the shard stops serving; records are
+//!   never skipped;
+//! * a reader ([`Access::LockedRead`], e.g. `status`) never truncates or
+//!   creates anything;
 //! * after a failed write or fsync the log refuses all further work;
 //! * a segment missing after a seal is stepped over only if the reclaimed
 //!   list covers it (read after listing the directory: compaction records a
@@ -67,6 +72,30 @@ pub(crate) enum Tail {
     /// On bytes that are incomplete or invalid; without the append lock a
     /// writer may be half-way, so only a locked pass can judge them.
     NeedsLock,
+}
+
+/// How a pass over the log may treat what it finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Without the append lock: a writer may be half-way, so bad bytes are
+    /// left for a locked pass.
+    Unlocked,
+    /// Holding the append lock, reading only (status, counts, a replica
+    /// catching up): bad bytes are judged, but nothing is truncated or
+    /// created. A torn tail is where the log ends, for now.
+    LockedRead,
+    /// Holding the append lock in order to append: a torn tail is truncated
+    /// and a segment missing after a seal is created.
+    LockedWrite,
+}
+
+impl Access {
+    fn locked(self) -> bool {
+        self != Access::Unlocked
+    }
+    fn writer(self) -> bool {
+        self == Access::LockedWrite
+    }
 }
 
 /// A segment's base and open file.
@@ -300,15 +329,23 @@ impl ShardLog {
     }
 
     /// Reads from the current position to the end of the log, calling
-    /// `apply(position, segment_base, record)` for each record. `locked`
-    /// says the caller holds the append lock, which allows judging bad
-    /// bytes (truncate a torn tail, report corruption) and creating the
-    /// segment after a seal.
-    pub fn catch_up(&mut self, locked: bool, replay: &mut dyn Replay) -> Result<Tail, QueueError> {
+    /// `apply(position, segment_base, record)` for each record. `access`
+    /// says whether the caller holds the append lock, which allows judging
+    /// bad bytes (report corruption; a writer also truncates a torn tail)
+    /// and, for a writer, creating the segment after a seal.
+    pub fn catch_up(
+        &mut self,
+        access: Access,
+        replay: &mut dyn Replay,
+    ) -> Result<Tail, QueueError> {
         self.check_usable()?;
         // A seal read by an earlier pass that could not go on.
-        if !self.step_past_seal(locked, replay)? {
-            return Ok(Tail::NeedsLock);
+        if !self.step_past_seal(access, replay)? {
+            return Ok(if access == Access::LockedRead {
+                Tail::Clean
+            } else {
+                Tail::NeedsLock
+            });
         }
         loop {
             let file = self.current_file()?;
@@ -316,13 +353,20 @@ impl ShardLog {
                 "reading the length of {}",
                 self.segment_path(self.cur_base).display()
             )))?;
-            match self.read_segment(&*file, len, locked, replay)? {
+            match self.read_segment(&*file, len, access, replay)? {
                 SegmentEnd::Sealed => {
                     let next = self.cur_base + self.cur_off;
                     self.ends.insert(self.cur_base, next);
                     self.after_seal = Some(next);
-                    if !self.step_past_seal(locked, replay)? {
-                        return Ok(Tail::NeedsLock);
+                    if !self.step_past_seal(access, replay)? {
+                        // A locked reader that is not a writer: the roller
+                        // died before creating the next segment; the log
+                        // ends at the seal until a writer creates it.
+                        return Ok(if access == Access::LockedRead {
+                            Tail::Clean
+                        } else {
+                            Tail::NeedsLock
+                        });
                     }
                 }
                 SegmentEnd::Clean => return Ok(Tail::Clean),
@@ -335,13 +379,13 @@ impl ShardLog {
     /// false when only a locked pass can.
     fn step_past_seal(
         &mut self,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<bool, QueueError> {
         let Some(next) = self.after_seal else {
             return Ok(true);
         };
-        let Some((base, f)) = self.next_segment(next, locked, replay)? else {
+        let Some((base, f)) = self.next_segment(next, access, replay)? else {
             return Ok(false);
         };
         self.after_seal = None;
@@ -358,7 +402,7 @@ impl ShardLog {
     fn next_segment(
         &mut self,
         next: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<Option<OpenSegment>, QueueError> {
         if let Some(f) = self.segments.get(&next) {
@@ -395,7 +439,7 @@ impl ShardLog {
                     }
                     want = b;
                 }
-                Some(b) if locked => {
+                Some(b) if access.locked() => {
                     return Err(QueueError::Corrupt {
                         shard: self.name.clone(),
                         segment: segment_name(next),
@@ -418,7 +462,7 @@ impl ShardLog {
                             .into(),
                     });
                 }
-                None if locked => {
+                None if access.writer() => {
                     // A roller died between sealing and creating the next
                     // segment: create it for them.
                     let f = self
@@ -444,11 +488,11 @@ impl ShardLog {
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<SegmentEnd, QueueError> {
         let mut buf = std::mem::take(&mut self.buf);
-        let result = self.read_segment_inner(file, len, locked, replay, &mut buf);
+        let result = self.read_segment_inner(file, len, access, replay, &mut buf);
         buf.clear();
         if buf.capacity() > READ_CHUNK_BYTES * 2 {
             buf.shrink_to(READ_CHUNK_BYTES);
@@ -461,7 +505,7 @@ impl ShardLog {
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
         buf: &mut Vec<u8>,
     ) -> Result<SegmentEnd, QueueError> {
@@ -501,7 +545,7 @@ impl ShardLog {
                     }
                     Err(DecodeError::Invalid(reason)) => {
                         self.cur_off += p as u64;
-                        return self.judge_bad(file, len, locked, buf, p, reason);
+                        return self.judge_bad(file, len, access, buf, p, reason);
                     }
                 }
             }
@@ -509,7 +553,7 @@ impl ShardLog {
             if !consumed_any && self.cur_off + (buf.len() as u64) >= len {
                 // An incomplete record at the end of the file.
                 let at = p;
-                return self.judge_bad(file, len, locked, buf, at, "record is cut short".into());
+                return self.judge_bad(file, len, access, buf, at, "record is cut short".into());
             }
         }
         Ok(SegmentEnd::Clean)
@@ -517,27 +561,37 @@ impl ShardLog {
 
     /// Bad bytes at `self.cur_off` (`buf[p..]` holds them): torn tail or
     /// corruption. Without the lock nothing is decided.
+    ///
+    /// Torn means the last write of a crashed appender: the record at the
+    /// end of the file whose declared length runs past the end of the file
+    /// (or whose length field itself is cut short). Anything else, a
+    /// checksum failure in a record that lies wholly inside the file above
+    /// all, is corruption, even in the file's last record: a flipped bit in
+    /// a record that was written whole must not be cut away silently. Only
+    /// a writer truncates a torn tail; a reader stops before it.
     fn judge_bad(
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         buf: &[u8],
         p: usize,
         reason: String,
     ) -> Result<SegmentEnd, QueueError> {
-        if !locked {
+        if !access.locked() {
             return Ok(SegmentEnd::Stuck);
         }
         let rest = &buf[p..];
         let rest_is_whole_tail = self.cur_off + rest.len() as u64 >= len;
-        let declared_end = record_total(rest).map(|t| self.cur_off + t as u64);
-        // Torn: the last write of a crashed appender. Either its record runs
-        // past the end of the file, or ends exactly there but its bytes did
-        // not all reach the disk, or the file system left zeros.
-        let torn = rest_is_whole_tail
-            && (declared_end.is_some_and(|end| end >= len) || rest.iter().all(|&b| b == 0));
-        if torn {
+        let runs_past_end = match rest.get(0..4) {
+            // The length field itself is cut short.
+            None => true,
+            Some(_) => record_total(rest).is_some_and(|t| self.cur_off + t as u64 > len),
+        };
+        if rest_is_whole_tail && runs_past_end {
+            if !access.writer() {
+                return Ok(SegmentEnd::Clean);
+            }
             let path = self.segment_path(self.cur_base);
             file.truncate(self.cur_off)
                 .and_then(|()| file.sync())
