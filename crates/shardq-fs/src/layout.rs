@@ -110,7 +110,10 @@ pub fn init(dir: &Path, map: &ShardMap) -> Result<(), FsError> {
         }
         let seg = sdir.join(segment_name(0));
         File::create(&seg)
-            .and_then(|f| f.sync_all())
+            .and_then(|mut f| {
+                f.write_all(&crate::record::segment_header())?;
+                f.sync_all()
+            })
             .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))?;
         shards.insert(shard.name.clone(), MemberEntry::default());
     }

@@ -30,7 +30,10 @@ use rustix::fs::{flock, FlockOperation};
 use shardq_core::QueueError;
 
 use crate::reclaim::Reclaimed;
-use crate::record::{self, decode, DecodeError, Record, HEADER_BYTES};
+use crate::record::{
+    self, check_segment_header, decode, segment_header, DecodeError, HeaderError, Record,
+    HEADER_BYTES, SEGMENT_FORMAT_VERSION, SEGMENT_HEADER_BYTES,
+};
 use crate::storage::{list_segments, segment_name, LogFile, Storage};
 
 /// Name of the lock file every appender holds while appending.
@@ -509,6 +512,15 @@ impl ShardLog {
         replay: &mut dyn Replay,
         buf: &mut Vec<u8>,
     ) -> Result<SegmentEnd, QueueError> {
+        if self.cur_off == 0 {
+            match self.check_header(file, len, access)? {
+                HeaderState::Valid => self.cur_off = SEGMENT_HEADER_BYTES as u64,
+                HeaderState::Stuck => return Ok(SegmentEnd::Stuck),
+                // A reader: the segment was created and its header is not
+                // (all) written yet; it is empty for now.
+                HeaderState::NotYet => return Ok(SegmentEnd::Clean),
+            }
+        }
         let mut need = HEADER_BYTES;
         while self.cur_off < len {
             let want = (len - self.cur_off).min(READ_CHUNK_BYTES.max(need) as u64) as usize;
@@ -616,6 +628,81 @@ impl ShardLog {
         Err(err)
     }
 
+    /// Checks the header of the current segment (`len` bytes long). A file
+    /// shorter than a header whose bytes are a prefix of the header is a
+    /// roll (or init) that died before the header was written: a writer
+    /// completes it, a reader sees an empty segment. Anything else that is
+    /// not this build's header is corruption, or an unknown format.
+    fn check_header(
+        &mut self,
+        file: &dyn LogFile,
+        len: u64,
+        access: Access,
+    ) -> Result<HeaderState, QueueError> {
+        let want = segment_header();
+        let mut got = vec![0u8; (len as usize).min(SEGMENT_HEADER_BYTES)];
+        read_full(file, &mut got, 0).map_err(io_err(format!(
+            "reading the header of {}",
+            self.segment_path(self.cur_base).display()
+        )))?;
+        let segment = segment_name(self.cur_base);
+        if got.len() < SEGMENT_HEADER_BYTES && got[..] == want[..got.len()] {
+            return match access {
+                Access::Unlocked => Ok(HeaderState::Stuck),
+                Access::LockedRead => Ok(HeaderState::NotYet),
+                Access::LockedWrite => {
+                    self.write_header(file)?;
+                    Ok(HeaderState::Valid)
+                }
+            };
+        }
+        match check_segment_header(&got) {
+            Ok(()) => Ok(HeaderState::Valid),
+            Err(HeaderError::UnknownVersion(v)) => Err(QueueError::UnknownFormat {
+                what: format!(
+                    "segment {segment} of shard {:?} ({})",
+                    self.name,
+                    self.segment_path(self.cur_base).display()
+                ),
+                found: v.to_string(),
+                supported: SEGMENT_FORMAT_VERSION.to_string(),
+            }),
+            Err(HeaderError::Invalid(reason)) => {
+                let reason = format!(
+                    "bad segment header: {reason} (repair does not rewrite headers: restore the \
+                     file from a backup)"
+                );
+                self.broken = Some(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment: segment.clone(),
+                    offset: 0,
+                    reason: reason.clone(),
+                });
+                Err(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment,
+                    offset: 0,
+                    reason,
+                })
+            }
+        }
+    }
+
+    /// Writes the header into an empty (or header-torn) segment and makes it
+    /// durable; the caller holds the append lock. Poisons on failure.
+    fn write_header(&mut self, file: &dyn LogFile) -> Result<(), QueueError> {
+        let path = self.segment_path(self.cur_base);
+        file.truncate(0)
+            .and_then(|()| file.append(&segment_header()))
+            .and_then(|()| file.sync())
+            .map_err(|e| {
+                self.poison(QueueError::io(
+                    format!("writing the segment header of {}", path.display()),
+                    e,
+                ))
+            })
+    }
+
     /// Appends `bytes` (whole records) at the end; the caller holds the lock
     /// and has caught up. On failure the log is poisoned.
     pub fn append_locked(&mut self, bytes: &[u8]) -> Result<Arc<dyn LogFile>, QueueError> {
@@ -623,6 +710,10 @@ impl ShardLog {
         if self.cur_off >= self.segment_bytes_max {
             self.roll()?;
         }
+        debug_assert!(
+            self.cur_off >= SEGMENT_HEADER_BYTES as u64,
+            "an appender has read the segment header"
+        );
         let file = self.current_file()?;
         if let Err(e) = file.append(bytes) {
             let path = self.segment_path(self.cur_base);
@@ -652,6 +743,11 @@ impl ShardLog {
         let f = self
             .storage
             .open(&next_path, true)
+            .and_then(|f| {
+                f.append(&segment_header())?;
+                f.sync()?;
+                Ok(f)
+            })
             .and_then(|f| self.storage.sync_dir(&self.dir).map(|()| f))
             .map_err(|e| {
                 self.poison(QueueError::io(
@@ -662,7 +758,7 @@ impl ShardLog {
         self.segments.insert(next, f);
         self.ends.insert(self.cur_base, next);
         self.cur_base = next;
-        self.cur_off = 0;
+        self.cur_off = SEGMENT_HEADER_BYTES as u64;
         Ok(())
     }
 
@@ -750,6 +846,12 @@ impl ShardLog {
         self.ends.remove(&base);
         Ok(())
     }
+}
+
+enum HeaderState {
+    Valid,
+    Stuck,
+    NotYet,
 }
 
 enum SegmentEnd {

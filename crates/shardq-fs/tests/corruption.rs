@@ -196,3 +196,114 @@ fn status_does_not_create_the_segment_after_a_seal() {
     assert_eq!(engine.status().unwrap().totals.ready, 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn status_err(dir: &Path) -> QueueError {
+    let engine = Engine::open(dir, EngineOptions::default()).unwrap();
+    match engine.status().unwrap_err() {
+        FsError::Queue(q) => q,
+        other => panic!("expected a queue error, got {other}"),
+    }
+}
+
+#[test]
+fn segment_with_wrong_magic_is_corrupt_naming_the_segment() {
+    let dir = data_dir("magic");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    engine.enqueue(NewJob::new("k", "p")).unwrap();
+    drop(engine);
+    let seg = last_segment(&dir);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    assert_eq!(&bytes[..8], b"SHARDQLG");
+    bytes[3] = b'X';
+    std::fs::write(&seg, &bytes).unwrap();
+    let before = snapshot(&dir);
+    match status_err(&dir) {
+        QueueError::Corrupt {
+            segment,
+            offset,
+            reason,
+            ..
+        } => {
+            assert_eq!((segment.as_str(), offset), (segment_name(0).as_str(), 0));
+            assert!(reason.contains("magic"), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other}"),
+    }
+    assert_eq!(snapshot(&dir), before);
+
+    // A segment from before headers existed is named as such.
+    let mut legacy = Vec::new();
+    encode(
+        &mut legacy,
+        &Record::Enqueue {
+            created_ms: 1,
+            not_before_ms: 1,
+            max_attempts: 1,
+            key: "k",
+            payload: b"old",
+        },
+    );
+    std::fs::write(&seg, &legacy).unwrap();
+    let err = status_err(&dir).to_string();
+    assert!(err.contains("before segment headers"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn segment_with_unknown_version_is_unknown_format() {
+    let dir = data_dir("version");
+    let seg = last_segment(&dir);
+    let mut header = std::fs::read(&seg).unwrap();
+    assert_eq!(header.len(), shardq_fs::record::SEGMENT_HEADER_BYTES);
+    header[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let crc = crc32c_of(&header[0..12]);
+    header[12..16].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&seg, &header).unwrap();
+    match status_err(&dir) {
+        QueueError::UnknownFormat {
+            what,
+            found,
+            supported,
+        } => {
+            assert!(what.contains(&segment_name(0)), "{what}");
+            assert_eq!((found.as_str(), supported.as_str()), ("7", "1"));
+        }
+        other => panic!("expected UnknownFormat, got {other}"),
+    }
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert!(engine.enqueue(NewJob::new("k", "p")).is_err());
+    assert_eq!(std::fs::read(&seg).unwrap(), header, "nothing appended");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CRC32C, computed bit by bit (independent of the crate's own code).
+fn crc32c_of(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0x82F6_3B78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn a_header_cut_short_is_completed_by_a_writer_only() {
+    let dir = data_dir("short-header");
+    let seg = last_segment(&dir);
+    let header = std::fs::read(&seg).unwrap();
+    std::fs::write(&seg, &header[..5]).unwrap();
+    let before = snapshot(&dir);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 0);
+    assert_eq!(snapshot(&dir), before, "status wrote the header");
+    engine.enqueue(NewJob::new("k", "p")).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 1);
+    assert_eq!(&std::fs::read(&seg).unwrap()[..16], &header[..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
