@@ -28,6 +28,7 @@ use shardq_core::{
 use shardq_route::validate_shard_name;
 
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
+pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use crate::record::{self, decode, Record};
 use crate::state::{Pick, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
@@ -81,6 +82,10 @@ pub struct EngineOptions {
     pub clock: Arc<dyn Clock>,
     /// Disk access.
     pub storage: Arc<dyn Storage>,
+    /// Longest wait for a shard's append lock before the shard is reported
+    /// [`QueueError::Unavailable`] (default
+    /// [`APPEND_LOCK_WAIT_MS_DEFAULT`], 1 s).
+    pub append_lock_wait_ms: u64,
 }
 
 impl Default for EngineOptions {
@@ -93,6 +98,7 @@ impl Default for EngineOptions {
             backoff: Backoff::default(),
             clock: Arc::new(SystemClock),
             storage: Arc::new(OsStorage),
+            append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
         }
     }
 }
@@ -225,6 +231,7 @@ impl FsBackend {
             &dir,
             Arc::clone(&self.opts.storage),
             self.opts.segment_bytes_max,
+            self.opts.append_lock_wait_ms,
             false,
         )?;
         let shard = Arc::new(Shard {
@@ -308,6 +315,7 @@ impl FsBackend {
                 &self.dir.join(&inner.log.name),
                 Arc::clone(&self.opts.storage),
                 self.opts.segment_bytes_max,
+                self.opts.append_lock_wait_ms,
                 true,
             )?;
             let replica = ShardState::new(log.first_base(), log.reclaimed(), self.opts.dead_policy);

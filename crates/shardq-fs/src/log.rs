@@ -25,6 +25,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::QueueError;
@@ -38,6 +39,16 @@ use crate::storage::{list_segments, segment_name, LogFile, Storage};
 
 /// Name of the lock file every appender holds while appending.
 pub const APPEND_LOCK_FILE: &str = ".append.lock";
+/// Default longest wait for a shard's append lock (1 s). A process stalled
+/// while holding it (SIGSTOP, a hung disk) makes that shard
+/// [`QueueError::Unavailable`] after this long instead of stalling the
+/// caller, so a pool keeps serving its other shards.
+pub const APPEND_LOCK_WAIT_MS_DEFAULT: u64 = 1_000;
+/// First pause between attempts to take a busy append lock; doubles up to
+/// [`APPEND_LOCK_POLL_MS_MAX`].
+const APPEND_LOCK_POLL_US_MIN: u64 = 100;
+/// Longest pause between attempts to take a busy append lock.
+const APPEND_LOCK_POLL_MS_MAX: u64 = 10;
 /// Default segment size before rolling to a new one (64 MiB).
 pub const SEGMENT_BYTES_DEFAULT: u64 = 64 << 20;
 /// Bytes read from a segment at a time while tailing.
@@ -130,6 +141,8 @@ pub(crate) struct ShardLog {
     cur_base: u64,
     cur_off: u64,
     segment_bytes_max: u64,
+    /// Longest wait for the append lock, in ms.
+    lock_wait_ms: u64,
     buf: Vec<u8>,
     /// Set after a failed write or fsync, or on corruption: all work stops.
     pub broken: Option<QueueError>,
@@ -150,6 +163,7 @@ impl ShardLog {
         dir: &Path,
         storage: Arc<dyn Storage>,
         segment_bytes_max: u64,
+        lock_wait_ms: u64,
         from_start: bool,
     ) -> Result<ShardLog, QueueError> {
         let lock_path = dir.join(APPEND_LOCK_FILE);
@@ -172,6 +186,7 @@ impl ShardLog {
             cur_base: 0,
             cur_off: 0,
             segment_bytes_max,
+            lock_wait_ms,
             buf: Vec::new(),
             broken: None,
             torn_bytes_truncated: 0,
@@ -307,15 +322,43 @@ impl ShardLog {
         }
     }
 
-    /// Takes the append lock (blocks while another process appends).
+    /// Takes the append lock, waiting at most the configured bound
+    /// (appenders hold it for one write; one that holds it longer is
+    /// stalled). Past the bound the shard is [`QueueError::Unavailable`],
+    /// which is transient: the caller tries again later.
     pub fn lock(&self) -> Result<AppendGuard, QueueError> {
-        flock(&*self.append_lock, FlockOperation::LockExclusive).map_err(|e| {
-            QueueError::io(
-                format!("locking {}", self.dir.join(APPEND_LOCK_FILE).display()),
-                e.into(),
-            )
-        })?;
-        Ok(AppendGuard(Arc::clone(&self.append_lock)))
+        let path = self.dir.join(APPEND_LOCK_FILE);
+        let start = Instant::now();
+        let bound = Duration::from_millis(self.lock_wait_ms);
+        let mut pause = Duration::from_micros(APPEND_LOCK_POLL_US_MIN);
+        loop {
+            match flock(&*self.append_lock, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(AppendGuard(Arc::clone(&self.append_lock))),
+                Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    return Err(QueueError::io(
+                        format!("locking {}", path.display()),
+                        e.into(),
+                    ))
+                }
+            }
+            let waited = start.elapsed();
+            if waited >= bound {
+                return Err(QueueError::Unavailable {
+                    shard: self.name.clone(),
+                    reason: format!(
+                        "its append lock {} is held by another process (stalled?): not free \
+                         after {} ms (bound {} ms); other shards are not affected",
+                        path.display(),
+                        waited.as_millis(),
+                        self.lock_wait_ms
+                    ),
+                });
+            }
+            // flock has no timed wait: poll, backing off, never past the bound.
+            std::thread::sleep(pause.min(bound - waited));
+            pause = (pause * 2).min(Duration::from_millis(APPEND_LOCK_POLL_MS_MAX));
+        }
     }
 
     fn current_file(&mut self) -> Result<Arc<dyn LogFile>, QueueError> {
