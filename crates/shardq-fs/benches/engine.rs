@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use shardq_core::{JobId, NewJob, QueueBackend};
+use shardq_core::{NewJob, QueueBackend, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::{Durability, Engine, EngineOptions};
 use shardq_route::{Algorithm, ShardMap};
 
@@ -143,8 +143,8 @@ fn main() {
             b.enqueue("shard-0", 1, &one).unwrap();
             next += BATCH;
         }
-        let claimed = b.claim("shard-0", 1024).unwrap();
-        let ids: Vec<JobId> = claimed.iter().map(|c| c.id).collect();
+        let claimed = b.claim("shard-0", 1024, JOB_LEASE_MS_DEFAULT).unwrap();
+        let ids: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
         b.ack("shard-0", &ids).unwrap();
         done += ids.len();
     }

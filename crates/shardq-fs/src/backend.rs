@@ -19,14 +19,16 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
-    Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    QueueBackend, QueueError, ShardStats, SystemClock, PAYLOAD_BYTES_LIMIT,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId,
+    KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, SystemClock,
+    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
-use crate::log::{ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
+use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
+pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use crate::record::{self, decode, Record};
 use crate::state::{Pick, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
@@ -80,6 +82,10 @@ pub struct EngineOptions {
     pub clock: Arc<dyn Clock>,
     /// Disk access.
     pub storage: Arc<dyn Storage>,
+    /// Longest wait for a shard's append lock before the shard is reported
+    /// [`QueueError::Unavailable`] (default
+    /// [`APPEND_LOCK_WAIT_MS_DEFAULT`], 1 s).
+    pub append_lock_wait_ms: u64,
 }
 
 impl Default for EngineOptions {
@@ -92,6 +98,7 @@ impl Default for EngineOptions {
             backoff: Backoff::default(),
             clock: Arc::new(SystemClock),
             storage: Arc::new(OsStorage),
+            append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
         }
     }
 }
@@ -224,6 +231,7 @@ impl FsBackend {
             &dir,
             Arc::clone(&self.opts.storage),
             self.opts.segment_bytes_max,
+            self.opts.append_lock_wait_ms,
             false,
         )?;
         let shard = Arc::new(Shard {
@@ -307,6 +315,7 @@ impl FsBackend {
                 &self.dir.join(&inner.log.name),
                 Arc::clone(&self.opts.storage),
                 self.opts.segment_bytes_max,
+                self.opts.append_lock_wait_ms,
                 true,
             )?;
             let replica = ShardState::new(log.first_base(), log.reclaimed(), self.opts.dead_policy);
@@ -315,9 +324,11 @@ impl FsBackend {
         }
         let Inner { log, replica, .. } = inner;
         let replica = replica.as_mut().expect("built above");
-        if log.catch_up(false, replica)? == Tail::NeedsLock {
+        // A reader: it may judge bad bytes under the lock, but it never
+        // truncates or creates anything (status must not change the disk).
+        if log.catch_up(Access::Unlocked, replica)? == Tail::NeedsLock {
             let _guard = log.lock()?;
-            log.catch_up(true, replica)?;
+            log.catch_up(Access::LockedRead, replica)?;
         }
         Ok(())
     }
@@ -335,8 +346,8 @@ impl FsBackend {
         {
             let Inner { log, replica, .. } = &mut *inner;
             match replica {
-                Some(r) => log.catch_up(true, r)?,
-                None => log.catch_up(true, &mut Validate)?,
+                Some(r) => log.catch_up(Access::LockedWrite, r)?,
+                None => log.catch_up(Access::LockedWrite, &mut Validate)?,
             };
         }
         let start = inner.log.end_pos();
@@ -432,6 +443,9 @@ impl FsBackend {
             for &(b, e) in &finished {
                 next.insert(b, e);
             }
+            // The claims in these segments may be deleted next: keep the
+            // fence high-water they carried.
+            next.raise_fence_high(r.fence_high());
             log.store_reclaimed(next)?;
             r.set_reclaimed(log.reclaimed());
         }
@@ -542,38 +556,85 @@ impl QueueBackend for FsBackend {
         Ok(())
     }
 
-    fn claim(&self, name: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+    fn claim(&self, name: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
         let now = self.opts.clock.now_ms();
-        let mut picks: Vec<Pick> = Vec::new();
+        // Runs whose job lease lapsed end first, each as a failed attempt
+        // (written, so replay agrees): their jobs go back to the head of
+        // their keys, or dead-letter when out of attempts.
+        let (lapse_start, mut end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_ref().expect("owner has a replica");
+            let mut bytes = Vec::new();
+            for id in r.lapsed(now) {
+                let run = r.in_flight(id).expect("lapsed runs are in flight");
+                let reason = format!(
+                    "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
+                    run.lease_until_ms, run.fence
+                );
+                record::encode(
+                    &mut bytes,
+                    &Record::Fail {
+                        job: id,
+                        retry_at_ms: now,
+                        dead: run.attempt >= run.max_attempts,
+                        key: run.key,
+                        reason: &reason,
+                    },
+                );
+            }
+            Ok(bytes)
+        })?;
+        let mut picks: Vec<(Pick, u64)> = Vec::new();
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let floor = self.read_fence(&shard, inner)?.run_fence_min;
             let r = inner.replica.as_mut().expect("owner has a replica");
-            picks = r.pick(now, max);
-            let mut bytes = Vec::with_capacity(picks.len() * 32);
-            for p in &picks {
+            let mut last = r.fence_high();
+            picks = r
+                .pick(now, max)
+                .into_iter()
+                .map(|p| {
+                    last = next_fence(now.saturating_mul(1000), last, floor);
+                    (p, last)
+                })
+                .collect();
+            let mut bytes = Vec::with_capacity(picks.len() * 40);
+            for (p, fence) in &picks {
                 record::encode(
                     &mut bytes,
                     &Record::Claim {
                         job: p.id,
                         attempt: p.attempt,
+                        fence: *fence,
                         key: &p.key,
                     },
                 );
             }
             Ok(bytes)
         });
-        let end = match res {
-            Ok((_, end)) => end,
+        let mut wrote = end > lapse_start;
+        match res {
+            Ok((s, e)) => {
+                wrote |= e > s;
+                end = end.max(e);
+            }
             Err(e) => {
                 if let Some(r) = inner.replica.as_mut() {
-                    r.unpick(&picks);
+                    let only: Vec<Pick> = picks.iter().map(|(p, _)| p.clone()).collect();
+                    r.unpick(&only);
                 }
                 return Err(e);
             }
         };
+        let lease_until_ms = now.saturating_add(lease_ms);
         let mut out = Vec::with_capacity(picks.len());
-        for p in &picks {
+        for (p, fence) in &picks {
+            inner
+                .replica
+                .as_mut()
+                .expect("owner has a replica")
+                .set_lease(p.id, lease_until_ms);
             let bytes = inner.log.read_record_at(p.id)?;
             let (rec, _) = decode(&bytes).map_err(|e| QueueError::Backend(format!("{e:?}")))?;
             let Record::Enqueue {
@@ -590,7 +651,17 @@ impl QueueBackend for FsBackend {
                     reason: "a claimed job's position does not hold an enqueue record".into(),
                 });
             };
-            assert_eq!(key, &*p.key, "claimed job's key changed on disk");
+            if key != &*p.key {
+                return Err(QueueError::Inconsistent {
+                    shard: name.to_string(),
+                    segment: "-".into(),
+                    offset: p.id,
+                    reason: format!(
+                        "the enqueue record of claimed job {} has key {key:?}, the replica has {:?}",
+                        p.id, p.key
+                    ),
+                });
+            }
             out.push(ClaimedJob {
                 shard: name.to_string(),
                 id: JobId(p.id),
@@ -600,38 +671,66 @@ impl QueueBackend for FsBackend {
                 max_attempts: p.max_attempts,
                 created_ms,
                 not_before_ms: p.not_before_ms,
+                fence: *fence,
+                lease_until_ms,
             });
         }
         drop(inner);
-        if !out.is_empty() {
+        if wrote {
             self.after_append(&shard, end)?;
         }
         Ok(out)
     }
 
-    fn ack(&self, name: &str, ids: &[JobId]) -> Result<(), QueueError> {
+    fn ack(&self, name: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
-        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+        let mut outcome = AckOutcome::default();
+        let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
-            let mut bytes = Vec::with_capacity(ids.len() * 24);
-            for id in ids {
-                let Some((key, _, _)) = r.in_flight(id.0) else {
-                    return Err(QueueError::NotInFlight {
-                        shard: name.to_string(),
-                        id: id.0,
-                    });
-                };
-                record::encode(&mut bytes, &Record::Ack { job: id.0, key });
+            outcome = AckOutcome::default();
+            let mut done: Vec<u64> = Vec::new();
+            let mut bytes = Vec::with_capacity(receipts.len() * 24);
+            for rc in receipts {
+                // A receipt given twice in one batch finishes its run once.
+                match r.current_run(rc.id.0, rc.fence) {
+                    Some(run) if !done.contains(&rc.id.0) => {
+                        record::encode(
+                            &mut bytes,
+                            &Record::Ack {
+                                job: rc.id.0,
+                                key: run.key,
+                            },
+                        );
+                        done.push(rc.id.0);
+                    }
+                    _ => outcome.stale.push(*rc),
+                }
             }
+            outcome.acked = done.len() as u64;
             Ok(bytes)
         })?;
-        self.compact(&mut inner)?;
-        drop(inner);
-        self.after_append(&shard, end)
+        if end > start {
+            self.compact(&mut inner)?;
+            drop(inner);
+            self.after_append(&shard, end)?;
+        }
+        Ok(outcome)
     }
 
-    fn fail(&self, name: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+    fn fail(
+        &self,
+        name: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
+        if let Some(ms) = retry_in_ms.filter(|&ms| ms > DELAY_MS_MAX) {
+            return Err(QueueError::InvalidDelay {
+                delay_ms: ms,
+                max: DELAY_MS_MAX,
+            });
+        }
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
         let now = self.opts.clock.now_ms();
@@ -639,14 +738,16 @@ impl QueueBackend for FsBackend {
         let mut outcome = FailOutcome::Dead;
         let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
-            let Some((key, attempt, max_attempts)) = r.in_flight(id.0) else {
-                return Err(QueueError::NotInFlight {
-                    shard: name.to_string(),
-                    id: id.0,
-                });
+            let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
+                return Err(stale(
+                    name,
+                    receipt,
+                    r.in_flight(receipt.id.0).map(|x| x.fence),
+                ));
             };
-            let dead = attempt >= max_attempts;
-            let retry_at_ms = now + self.opts.backoff.delay_ms(attempt);
+            let dead = run.attempt >= run.max_attempts;
+            let delay = retry_in_ms.unwrap_or_else(|| self.opts.backoff.delay_ms(run.attempt));
+            let retry_at_ms = now.saturating_add(delay);
             outcome = if dead {
                 FailOutcome::Dead
             } else {
@@ -656,10 +757,10 @@ impl QueueBackend for FsBackend {
             record::encode(
                 &mut bytes,
                 &Record::Fail {
-                    job: id.0,
+                    job: receipt.id.0,
                     retry_at_ms,
                     dead,
-                    key,
+                    key: run.key,
                     reason,
                 },
             );
@@ -668,6 +769,31 @@ impl QueueBackend for FsBackend {
         drop(inner);
         self.after_append(&shard, end)?;
         Ok(outcome)
+    }
+
+    fn extend(
+        &self,
+        name: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        validate_job_lease_ms(lease_ms)?;
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let until = self.opts.clock.now_ms().saturating_add(lease_ms);
+        let r = inner.replica.as_mut().expect("owner has a replica");
+        // Leases live in the owner's memory only: a new owner ends every
+        // replayed run at adopt, so there is nothing to write. A lapsed run
+        // is still current until the next claim ends it.
+        let mut stale = Vec::new();
+        for rc in receipts {
+            if r.current_run(rc.id.0, rc.fence).is_some() {
+                r.set_lease(rc.id.0, until);
+            } else {
+                stale.push(*rc);
+            }
+        }
+        Ok(stale)
     }
 
     fn next_due_ms(&self, name: &str) -> Result<Option<u64>, QueueError> {
@@ -833,6 +959,22 @@ fn spawn_flusher(
         stop: Some(stop),
         thread: Some(thread),
     })
+}
+
+/// The error for a receipt that is not its job's current run.
+fn stale(shard: &str, receipt: Receipt, current: Option<u64>) -> QueueError {
+    QueueError::StaleReceipt {
+        shard: shard.to_string(),
+        id: receipt.id.0,
+        fence: receipt.fence,
+        reason: match current {
+            Some(f) => format!("the job's current run has fence {f}"),
+            None => {
+                "the job is not in flight (finished, lapsed and ended, or adopted by a new owner)"
+                    .into()
+            }
+        },
+    }
 }
 
 /// Sorts `shard-10` after `shard-9`.

@@ -108,10 +108,7 @@ pub fn init(dir: &Path, map: &ShardMap) -> Result<(), FsError> {
             File::create(sdir.join(f))
                 .map_err(|e| FsError::io(format!("creating {}", sdir.join(f).display()), e))?;
         }
-        let seg = sdir.join(segment_name(0));
-        File::create(&seg)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))?;
+        create_first_segment(&sdir)?;
         shards.insert(shard.name.clone(), MemberEntry::default());
     }
     write_atomic(&dir.join(SHARD_MAP_FILE), map.to_yaml().as_bytes())
@@ -129,6 +126,18 @@ pub fn init(dir: &Path, map: &ShardMap) -> Result<(), FsError> {
         shards,
     };
     write_membership(dir, &m)
+}
+
+/// Creates the first segment of a new shard directory, with its header,
+/// and makes it durable.
+pub fn create_first_segment(sdir: &Path) -> Result<(), FsError> {
+    let seg = sdir.join(segment_name(0));
+    File::create(&seg)
+        .and_then(|mut f| {
+            f.write_all(&crate::record::segment_header())?;
+            f.sync_all()
+        })
+        .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))
 }
 
 /// Checks that `dir` is a shardq data dir.

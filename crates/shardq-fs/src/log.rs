@@ -7,8 +7,13 @@
 //!   after reading everything up to the end of the log, so the appender knows
 //!   the end is a record boundary;
 //! * bad bytes are judged only while holding that lock (no writer can be
-//!   half-way): a torn tail is truncated, anything else is corruption and the
-//!   shard stops serving; records are never skipped;
+//!   half-way): a torn tail (the last record's declared length runs past the
+//!   end of the file) is truncated by a writer and stepped short of by a
+//!   reader; anything else, a checksum failure in the file's last whole
+//!   record included, is corruption and the shard stops serving; records are
+//!   never skipped;
+//! * a reader ([`Access::LockedRead`], e.g. `status`) never truncates or
+//!   creates anything;
 //! * after a failed write or fsync the log refuses all further work;
 //! * a segment missing after a seal is stepped over only if the reclaimed
 //!   list covers it (read after listing the directory: compaction records a
@@ -20,16 +25,30 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::QueueError;
 
 use crate::reclaim::Reclaimed;
-use crate::record::{self, decode, DecodeError, Record, HEADER_BYTES};
+use crate::record::{
+    self, check_segment_header, decode, segment_header, DecodeError, HeaderError, Record,
+    HEADER_BYTES, SEGMENT_FORMAT_VERSION, SEGMENT_HEADER_BYTES,
+};
 use crate::storage::{list_segments, segment_name, LogFile, Storage};
 
 /// Name of the lock file every appender holds while appending.
 pub const APPEND_LOCK_FILE: &str = ".append.lock";
+/// Default longest wait for a shard's append lock (1 s). A process stalled
+/// while holding it (SIGSTOP, a hung disk) makes that shard
+/// [`QueueError::Unavailable`] after this long instead of stalling the
+/// caller, so a pool keeps serving its other shards.
+pub const APPEND_LOCK_WAIT_MS_DEFAULT: u64 = 1_000;
+/// First pause between attempts to take a busy append lock; doubles up to
+/// [`APPEND_LOCK_POLL_MS_MAX`].
+const APPEND_LOCK_POLL_US_MIN: u64 = 100;
+/// Longest pause between attempts to take a busy append lock.
+const APPEND_LOCK_POLL_MS_MAX: u64 = 10;
 /// Default segment size before rolling to a new one (64 MiB).
 pub const SEGMENT_BYTES_DEFAULT: u64 = 64 << 20;
 /// Bytes read from a segment at a time while tailing.
@@ -69,6 +88,30 @@ pub(crate) enum Tail {
     NeedsLock,
 }
 
+/// How a pass over the log may treat what it finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Without the append lock: a writer may be half-way, so bad bytes are
+    /// left for a locked pass.
+    Unlocked,
+    /// Holding the append lock, reading only (status, counts, a replica
+    /// catching up): bad bytes are judged, but nothing is truncated or
+    /// created. A torn tail is where the log ends, for now.
+    LockedRead,
+    /// Holding the append lock in order to append: a torn tail is truncated
+    /// and a segment missing after a seal is created.
+    LockedWrite,
+}
+
+impl Access {
+    fn locked(self) -> bool {
+        self != Access::Unlocked
+    }
+    fn writer(self) -> bool {
+        self == Access::LockedWrite
+    }
+}
+
 /// A segment's base and open file.
 type OpenSegment = (u64, Arc<dyn LogFile>);
 
@@ -98,6 +141,8 @@ pub(crate) struct ShardLog {
     cur_base: u64,
     cur_off: u64,
     segment_bytes_max: u64,
+    /// Longest wait for the append lock, in ms.
+    lock_wait_ms: u64,
     buf: Vec<u8>,
     /// Set after a failed write or fsync, or on corruption: all work stops.
     pub broken: Option<QueueError>,
@@ -118,6 +163,7 @@ impl ShardLog {
         dir: &Path,
         storage: Arc<dyn Storage>,
         segment_bytes_max: u64,
+        lock_wait_ms: u64,
         from_start: bool,
     ) -> Result<ShardLog, QueueError> {
         let lock_path = dir.join(APPEND_LOCK_FILE);
@@ -140,6 +186,7 @@ impl ShardLog {
             cur_base: 0,
             cur_off: 0,
             segment_bytes_max,
+            lock_wait_ms,
             buf: Vec::new(),
             broken: None,
             torn_bytes_truncated: 0,
@@ -275,15 +322,43 @@ impl ShardLog {
         }
     }
 
-    /// Takes the append lock (blocks while another process appends).
+    /// Takes the append lock, waiting at most the configured bound
+    /// (appenders hold it for one write; one that holds it longer is
+    /// stalled). Past the bound the shard is [`QueueError::Unavailable`],
+    /// which is transient: the caller tries again later.
     pub fn lock(&self) -> Result<AppendGuard, QueueError> {
-        flock(&*self.append_lock, FlockOperation::LockExclusive).map_err(|e| {
-            QueueError::io(
-                format!("locking {}", self.dir.join(APPEND_LOCK_FILE).display()),
-                e.into(),
-            )
-        })?;
-        Ok(AppendGuard(Arc::clone(&self.append_lock)))
+        let path = self.dir.join(APPEND_LOCK_FILE);
+        let start = Instant::now();
+        let bound = Duration::from_millis(self.lock_wait_ms);
+        let mut pause = Duration::from_micros(APPEND_LOCK_POLL_US_MIN);
+        loop {
+            match flock(&*self.append_lock, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(AppendGuard(Arc::clone(&self.append_lock))),
+                Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    return Err(QueueError::io(
+                        format!("locking {}", path.display()),
+                        e.into(),
+                    ))
+                }
+            }
+            let waited = start.elapsed();
+            if waited >= bound {
+                return Err(QueueError::Unavailable {
+                    shard: self.name.clone(),
+                    reason: format!(
+                        "its append lock {} is held by another process (stalled?): not free \
+                         after {} ms (bound {} ms); other shards are not affected",
+                        path.display(),
+                        waited.as_millis(),
+                        self.lock_wait_ms
+                    ),
+                });
+            }
+            // flock has no timed wait: poll, backing off, never past the bound.
+            std::thread::sleep(pause.min(bound - waited));
+            pause = (pause * 2).min(Duration::from_millis(APPEND_LOCK_POLL_MS_MAX));
+        }
     }
 
     fn current_file(&mut self) -> Result<Arc<dyn LogFile>, QueueError> {
@@ -300,15 +375,23 @@ impl ShardLog {
     }
 
     /// Reads from the current position to the end of the log, calling
-    /// `apply(position, segment_base, record)` for each record. `locked`
-    /// says the caller holds the append lock, which allows judging bad
-    /// bytes (truncate a torn tail, report corruption) and creating the
-    /// segment after a seal.
-    pub fn catch_up(&mut self, locked: bool, replay: &mut dyn Replay) -> Result<Tail, QueueError> {
+    /// `apply(position, segment_base, record)` for each record. `access`
+    /// says whether the caller holds the append lock, which allows judging
+    /// bad bytes (report corruption; a writer also truncates a torn tail)
+    /// and, for a writer, creating the segment after a seal.
+    pub fn catch_up(
+        &mut self,
+        access: Access,
+        replay: &mut dyn Replay,
+    ) -> Result<Tail, QueueError> {
         self.check_usable()?;
         // A seal read by an earlier pass that could not go on.
-        if !self.step_past_seal(locked, replay)? {
-            return Ok(Tail::NeedsLock);
+        if !self.step_past_seal(access, replay)? {
+            return Ok(if access == Access::LockedRead {
+                Tail::Clean
+            } else {
+                Tail::NeedsLock
+            });
         }
         loop {
             let file = self.current_file()?;
@@ -316,13 +399,20 @@ impl ShardLog {
                 "reading the length of {}",
                 self.segment_path(self.cur_base).display()
             )))?;
-            match self.read_segment(&*file, len, locked, replay)? {
+            match self.read_segment(&*file, len, access, replay)? {
                 SegmentEnd::Sealed => {
                     let next = self.cur_base + self.cur_off;
                     self.ends.insert(self.cur_base, next);
                     self.after_seal = Some(next);
-                    if !self.step_past_seal(locked, replay)? {
-                        return Ok(Tail::NeedsLock);
+                    if !self.step_past_seal(access, replay)? {
+                        // A locked reader that is not a writer: the roller
+                        // died before creating the next segment; the log
+                        // ends at the seal until a writer creates it.
+                        return Ok(if access == Access::LockedRead {
+                            Tail::Clean
+                        } else {
+                            Tail::NeedsLock
+                        });
                     }
                 }
                 SegmentEnd::Clean => return Ok(Tail::Clean),
@@ -335,13 +425,13 @@ impl ShardLog {
     /// false when only a locked pass can.
     fn step_past_seal(
         &mut self,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<bool, QueueError> {
         let Some(next) = self.after_seal else {
             return Ok(true);
         };
-        let Some((base, f)) = self.next_segment(next, locked, replay)? else {
+        let Some((base, f)) = self.next_segment(next, access, replay)? else {
             return Ok(false);
         };
         self.after_seal = None;
@@ -358,7 +448,7 @@ impl ShardLog {
     fn next_segment(
         &mut self,
         next: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<Option<OpenSegment>, QueueError> {
         if let Some(f) = self.segments.get(&next) {
@@ -395,7 +485,7 @@ impl ShardLog {
                     }
                     want = b;
                 }
-                Some(b) if locked => {
+                Some(b) if access.locked() => {
                     return Err(QueueError::Corrupt {
                         shard: self.name.clone(),
                         segment: segment_name(next),
@@ -418,7 +508,7 @@ impl ShardLog {
                             .into(),
                     });
                 }
-                None if locked => {
+                None if access.writer() => {
                     // A roller died between sealing and creating the next
                     // segment: create it for them.
                     let f = self
@@ -444,11 +534,11 @@ impl ShardLog {
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
     ) -> Result<SegmentEnd, QueueError> {
         let mut buf = std::mem::take(&mut self.buf);
-        let result = self.read_segment_inner(file, len, locked, replay, &mut buf);
+        let result = self.read_segment_inner(file, len, access, replay, &mut buf);
         buf.clear();
         if buf.capacity() > READ_CHUNK_BYTES * 2 {
             buf.shrink_to(READ_CHUNK_BYTES);
@@ -461,10 +551,19 @@ impl ShardLog {
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         replay: &mut dyn Replay,
         buf: &mut Vec<u8>,
     ) -> Result<SegmentEnd, QueueError> {
+        if self.cur_off == 0 {
+            match self.check_header(file, len, access)? {
+                HeaderState::Valid => self.cur_off = SEGMENT_HEADER_BYTES as u64,
+                HeaderState::Stuck => return Ok(SegmentEnd::Stuck),
+                // A reader: the segment was created and its header is not
+                // (all) written yet; it is empty for now.
+                HeaderState::NotYet => return Ok(SegmentEnd::Clean),
+            }
+        }
         let mut need = HEADER_BYTES;
         while self.cur_off < len {
             let want = (len - self.cur_off).min(READ_CHUNK_BYTES.max(need) as u64) as usize;
@@ -501,7 +600,7 @@ impl ShardLog {
                     }
                     Err(DecodeError::Invalid(reason)) => {
                         self.cur_off += p as u64;
-                        return self.judge_bad(file, len, locked, buf, p, reason);
+                        return self.judge_bad(file, len, access, buf, p, reason);
                     }
                 }
             }
@@ -509,7 +608,7 @@ impl ShardLog {
             if !consumed_any && self.cur_off + (buf.len() as u64) >= len {
                 // An incomplete record at the end of the file.
                 let at = p;
-                return self.judge_bad(file, len, locked, buf, at, "record is cut short".into());
+                return self.judge_bad(file, len, access, buf, at, "record is cut short".into());
             }
         }
         Ok(SegmentEnd::Clean)
@@ -517,27 +616,37 @@ impl ShardLog {
 
     /// Bad bytes at `self.cur_off` (`buf[p..]` holds them): torn tail or
     /// corruption. Without the lock nothing is decided.
+    ///
+    /// Torn means the last write of a crashed appender: the record at the
+    /// end of the file whose declared length runs past the end of the file
+    /// (or whose length field itself is cut short). Anything else, a
+    /// checksum failure in a record that lies wholly inside the file above
+    /// all, is corruption, even in the file's last record: a flipped bit in
+    /// a record that was written whole must not be cut away silently. Only
+    /// a writer truncates a torn tail; a reader stops before it.
     fn judge_bad(
         &mut self,
         file: &dyn LogFile,
         len: u64,
-        locked: bool,
+        access: Access,
         buf: &[u8],
         p: usize,
         reason: String,
     ) -> Result<SegmentEnd, QueueError> {
-        if !locked {
+        if !access.locked() {
             return Ok(SegmentEnd::Stuck);
         }
         let rest = &buf[p..];
         let rest_is_whole_tail = self.cur_off + rest.len() as u64 >= len;
-        let declared_end = record_total(rest).map(|t| self.cur_off + t as u64);
-        // Torn: the last write of a crashed appender. Either its record runs
-        // past the end of the file, or ends exactly there but its bytes did
-        // not all reach the disk, or the file system left zeros.
-        let torn = rest_is_whole_tail
-            && (declared_end.is_some_and(|end| end >= len) || rest.iter().all(|&b| b == 0));
-        if torn {
+        let runs_past_end = match rest.get(0..4) {
+            // The length field itself is cut short.
+            None => true,
+            Some(_) => record_total(rest).is_some_and(|t| self.cur_off + t as u64 > len),
+        };
+        if rest_is_whole_tail && runs_past_end {
+            if !access.writer() {
+                return Ok(SegmentEnd::Clean);
+            }
             let path = self.segment_path(self.cur_base);
             file.truncate(self.cur_off)
                 .and_then(|()| file.sync())
@@ -562,6 +671,81 @@ impl ShardLog {
         Err(err)
     }
 
+    /// Checks the header of the current segment (`len` bytes long). A file
+    /// shorter than a header whose bytes are a prefix of the header is a
+    /// roll (or init) that died before the header was written: a writer
+    /// completes it, a reader sees an empty segment. Anything else that is
+    /// not this build's header is corruption, or an unknown format.
+    fn check_header(
+        &mut self,
+        file: &dyn LogFile,
+        len: u64,
+        access: Access,
+    ) -> Result<HeaderState, QueueError> {
+        let want = segment_header();
+        let mut got = vec![0u8; (len as usize).min(SEGMENT_HEADER_BYTES)];
+        read_full(file, &mut got, 0).map_err(io_err(format!(
+            "reading the header of {}",
+            self.segment_path(self.cur_base).display()
+        )))?;
+        let segment = segment_name(self.cur_base);
+        if got.len() < SEGMENT_HEADER_BYTES && got[..] == want[..got.len()] {
+            return match access {
+                Access::Unlocked => Ok(HeaderState::Stuck),
+                Access::LockedRead => Ok(HeaderState::NotYet),
+                Access::LockedWrite => {
+                    self.write_header(file)?;
+                    Ok(HeaderState::Valid)
+                }
+            };
+        }
+        match check_segment_header(&got) {
+            Ok(()) => Ok(HeaderState::Valid),
+            Err(HeaderError::UnknownVersion(v)) => Err(QueueError::UnknownFormat {
+                what: format!(
+                    "segment {segment} of shard {:?} ({})",
+                    self.name,
+                    self.segment_path(self.cur_base).display()
+                ),
+                found: v.to_string(),
+                supported: SEGMENT_FORMAT_VERSION.to_string(),
+            }),
+            Err(HeaderError::Invalid(reason)) => {
+                let reason = format!(
+                    "bad segment header: {reason} (repair does not rewrite headers: restore the \
+                     file from a backup)"
+                );
+                self.broken = Some(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment: segment.clone(),
+                    offset: 0,
+                    reason: reason.clone(),
+                });
+                Err(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment,
+                    offset: 0,
+                    reason,
+                })
+            }
+        }
+    }
+
+    /// Writes the header into an empty (or header-torn) segment and makes it
+    /// durable; the caller holds the append lock. Poisons on failure.
+    fn write_header(&mut self, file: &dyn LogFile) -> Result<(), QueueError> {
+        let path = self.segment_path(self.cur_base);
+        file.truncate(0)
+            .and_then(|()| file.append(&segment_header()))
+            .and_then(|()| file.sync())
+            .map_err(|e| {
+                self.poison(QueueError::io(
+                    format!("writing the segment header of {}", path.display()),
+                    e,
+                ))
+            })
+    }
+
     /// Appends `bytes` (whole records) at the end; the caller holds the lock
     /// and has caught up. On failure the log is poisoned.
     pub fn append_locked(&mut self, bytes: &[u8]) -> Result<Arc<dyn LogFile>, QueueError> {
@@ -569,6 +753,10 @@ impl ShardLog {
         if self.cur_off >= self.segment_bytes_max {
             self.roll()?;
         }
+        debug_assert!(
+            self.cur_off >= SEGMENT_HEADER_BYTES as u64,
+            "an appender has read the segment header"
+        );
         let file = self.current_file()?;
         if let Err(e) = file.append(bytes) {
             let path = self.segment_path(self.cur_base);
@@ -598,6 +786,11 @@ impl ShardLog {
         let f = self
             .storage
             .open(&next_path, true)
+            .and_then(|f| {
+                f.append(&segment_header())?;
+                f.sync()?;
+                Ok(f)
+            })
             .and_then(|f| self.storage.sync_dir(&self.dir).map(|()| f))
             .map_err(|e| {
                 self.poison(QueueError::io(
@@ -608,7 +801,7 @@ impl ShardLog {
         self.segments.insert(next, f);
         self.ends.insert(self.cur_base, next);
         self.cur_base = next;
-        self.cur_off = 0;
+        self.cur_off = SEGMENT_HEADER_BYTES as u64;
         Ok(())
     }
 
@@ -696,6 +889,12 @@ impl ShardLog {
         self.ends.remove(&base);
         Ok(())
     }
+}
+
+enum HeaderState {
+    Valid,
+    Stuck,
+    NotYet,
 }
 
 enum SegmentEnd {

@@ -25,7 +25,7 @@ use crate::error::FsError;
 use crate::layout::{
     self, write_atomic, MemberEntry, MembershipLock, SHARD_LOCK_FILE, SHARD_MAP_FILE,
 };
-use crate::storage::{segment_name, SEGMENT_SUFFIX};
+use crate::storage::SEGMENT_SUFFIX;
 
 /// Lock file guarding publishes of the shard map.
 pub const MAP_LOCK_FILE: &str = ".shardmap.lock";
@@ -199,10 +199,7 @@ pub fn deploy_shard(dir: &Path, name: &str) -> Result<(), FsError> {
         .filter_map(Result::ok)
         .any(|e| e.file_name().to_string_lossy().ends_with(SEGMENT_SUFFIX));
     if !has_segment {
-        let seg = sdir.join(segment_name(0));
-        File::create(&seg)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| FsError::io(format!("creating {}", seg.display()), e))?;
+        layout::create_first_segment(&sdir)?;
     }
     let _lock = MembershipLock::acquire(dir)?;
     let mut m = layout::read_membership(dir)?;

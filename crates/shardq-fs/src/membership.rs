@@ -6,8 +6,15 @@
 //! processes on one host never own a shard together, even if one stalls past
 //! its lease). All time comes from the [`Clock`]. This module must never run
 //! or read jobs.
+//!
+//! Membership follows the published shard map: a shard that is no longer in
+//! `shardmap.yaml` is dropped at the next tick (its entry is released and it
+//! no longer counts toward `max_local_shards`), and never claimed, so a
+//! shard added later is claimed by a process that is at its limit only
+//! because it held a removed one. A shard in the map with a directory but
+//! no entry yet gets one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -130,14 +137,31 @@ impl FsCoordinator {
     fn tick_inner(&mut self) -> Result<Ownership, FsError> {
         let _lock = MembershipLock::acquire(&self.dir)?;
         let mut m = layout::read_membership(&self.dir)?;
+        let in_map: BTreeSet<String> = layout::read_map(&self.dir)?
+            .shards
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
         let now = self.clock.now_ms();
         let me = self.opts.member_id.clone();
         let mut out = Ownership::default();
+        for name in &in_map {
+            if !m.shards.contains_key(name) && self.dir.join(name).is_dir() {
+                m.shards.insert(name.clone(), MemberEntry::default());
+            }
+        }
 
-        // Renew what is still ours; drop what someone else took.
+        // Renew what is still ours; drop what someone else took, and what
+        // the map no longer has (releasing its entry).
         let owned: Vec<String> = self.owned.keys().cloned().collect();
         for shard in owned {
             match m.shards.get_mut(&shard) {
+                Some(e) if e.owner.as_deref() == Some(me.as_str()) && !in_map.contains(&shard) => {
+                    e.owner = None;
+                    e.lease_expires_ms = 0;
+                    self.owned.remove(&shard);
+                    out.lost.push(shard);
+                }
                 Some(e) if e.owner.as_deref() == Some(me.as_str()) => {
                     e.lease_expires_ms = now + self.opts.lease_ms;
                 }
@@ -149,7 +173,12 @@ impl FsCoordinator {
         }
 
         if self.claiming {
-            let names: Vec<String> = m.shards.keys().cloned().collect();
+            let names: Vec<String> = m
+                .shards
+                .keys()
+                .filter(|n| in_map.contains(*n))
+                .cloned()
+                .collect();
             for shard in names {
                 if self.owned.len() >= self.opts.max_local_shards {
                     break;
@@ -178,7 +207,11 @@ impl FsCoordinator {
             }
         }
         layout::write_membership(&self.dir, &m)?;
-        self.last_seen = m.shards;
+        self.last_seen = m
+            .shards
+            .into_iter()
+            .filter(|(n, _)| in_map.contains(n))
+            .collect();
         out.owned = self.owned.keys().cloned().collect();
         Ok(out)
     }

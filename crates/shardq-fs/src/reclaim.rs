@@ -26,10 +26,13 @@ pub const RECLAIMED_VERSION: u32 = 1;
 /// Largest file read (4 MiB, about 90,000 ranges): bounds a corrupt file.
 const RECLAIMED_BYTES_MAX: u64 = 4 << 20;
 
-/// Sorted, disjoint, non-touching `[start, end)` position ranges.
+/// Sorted, disjoint, non-touching `[start, end)` position ranges, and the
+/// shard's run-fence high-water when they were recorded (claim records in
+/// deleted segments can no longer tell it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reclaimed {
     ranges: Vec<(u64, u64)>,
+    fence_high: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -37,12 +40,25 @@ struct ReclaimedFile {
     format: String,
     version: u32,
     ranges: Vec<(u64, u64)>,
+    /// Added after version 1 shipped; absent means 0.
+    #[serde(default)]
+    fence_high: u64,
 }
 
 impl Reclaimed {
     /// The ranges, ascending.
     pub fn ranges(&self) -> &[(u64, u64)] {
         &self.ranges
+    }
+
+    /// The largest run fence issued before these ranges were recorded.
+    pub fn fence_high(&self) -> u64 {
+        self.fence_high
+    }
+
+    /// Raises the recorded fence high-water to at least `fence`.
+    pub fn raise_fence_high(&mut self, fence: u64) {
+        self.fence_high = self.fence_high.max(fence);
     }
 
     /// The range holding `pos`, if any.
@@ -86,6 +102,7 @@ impl Reclaimed {
 
     /// Adds every range of `other`.
     pub fn extend(&mut self, other: &Reclaimed) {
+        self.raise_fence_high(other.fence_high);
         for &(a, b) in &other.ranges {
             self.insert(a, b);
         }
@@ -129,6 +146,7 @@ impl Reclaimed {
         }
         Ok(Reclaimed {
             ranges: parsed.ranges,
+            fence_high: parsed.fence_high,
         })
     }
 
@@ -139,6 +157,7 @@ impl Reclaimed {
             format: RECLAIMED_FORMAT.into(),
             version: RECLAIMED_VERSION,
             ranges: self.ranges.clone(),
+            fence_high: self.fence_high,
         };
         let text = serde_json::to_string(&file).map_err(std::io::Error::other)?;
         crate::layout::write_atomic(&dir.join(RECLAIMED_FILE), text.as_bytes())

@@ -9,6 +9,14 @@
 //! 9  ...  fields     per type
 //! ```
 //!
+//! Every segment file starts with a 16-byte header, before its first record:
+//!
+//! ```text
+//! 0   8 bytes  magic      "SHARDQLG"
+//! 8   u32      version    SEGMENT_FORMAT_VERSION (1)
+//! 12  u32      crc        CRC32C over bytes 0..12
+//! ```
+//!
 //! This module only turns bytes into records and back; it must never decide
 //! what a bad record means (torn tail or corruption): the log does that while
 //! holding the append lock.
@@ -19,6 +27,75 @@ pub const HEADER_BYTES: usize = 8;
 pub const RECORD_BODY_BYTES_MAX: usize = shardq_core::PAYLOAD_BYTES_LIMIT + 4096;
 /// Bytes of a seal record (header + type byte).
 pub const SEAL_BYTES: usize = HEADER_BYTES + 1;
+
+/// First bytes of every segment file.
+pub const SEGMENT_MAGIC: [u8; 8] = *b"SHARDQLG";
+/// The segment format this build reads and writes.
+pub const SEGMENT_FORMAT_VERSION: u32 = 1;
+/// Bytes of the segment header: magic, version, checksum.
+pub const SEGMENT_HEADER_BYTES: usize = 16;
+
+/// The header this build writes at the start of every segment.
+pub fn segment_header() -> [u8; SEGMENT_HEADER_BYTES] {
+    let mut h = [0u8; SEGMENT_HEADER_BYTES];
+    h[0..8].copy_from_slice(&SEGMENT_MAGIC);
+    h[8..12].copy_from_slice(&SEGMENT_FORMAT_VERSION.to_le_bytes());
+    let crc = crc32c::crc32c(&h[0..12]);
+    h[12..16].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// What is wrong with a segment header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderError {
+    /// Not a shardq segment (or not one with a header): the reason says what
+    /// was found.
+    Invalid(String),
+    /// A well-formed header of a version this build does not read.
+    UnknownVersion(u32),
+}
+
+/// Checks the header at the start of `buf` (at least
+/// [`SEGMENT_HEADER_BYTES`] long, else it is invalid); never panics.
+pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
+    let Some(h) = buf.get(0..SEGMENT_HEADER_BYTES) else {
+        return Err(HeaderError::Invalid(format!(
+            "segment header is {} bytes, needs {SEGMENT_HEADER_BYTES}",
+            buf.len()
+        )));
+    };
+    if h[0..8] != SEGMENT_MAGIC {
+        // A whole record, or the start of one with a sane length and type.
+        let looks_like_record = match decode(buf) {
+            Ok(_) => true,
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_HOLE).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Invalid(_)) => false,
+        };
+        let hint = if looks_like_record {
+            " (it starts with a valid record: a segment written before segment headers, \
+             which this build does not read)"
+        } else {
+            ""
+        };
+        return Err(HeaderError::Invalid(format!(
+            "wrong magic {:02x?}, expected {:?}{hint}",
+            &h[0..8],
+            std::str::from_utf8(&SEGMENT_MAGIC).unwrap_or("?")
+        )));
+    }
+    let stored = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+    let actual = crc32c::crc32c(&h[0..12]);
+    if stored != actual {
+        return Err(HeaderError::Invalid(format!(
+            "segment header checksum mismatch: stored {stored:#010x}, computed {actual:#010x}"
+        )));
+    }
+    let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+    if version != SEGMENT_FORMAT_VERSION {
+        return Err(HeaderError::UnknownVersion(version));
+    }
+    Ok(())
+}
 
 const T_ENQUEUE: u8 = 1;
 const T_CLAIM: u8 = 2;
@@ -45,12 +122,14 @@ pub enum Record<'a> {
         /// Payload.
         payload: &'a [u8],
     },
-    /// The owner started attempt `attempt` of `job`.
+    /// The owner started attempt `attempt` of `job`: a run with fence `fence`.
     Claim {
         /// Job id.
         job: u64,
         /// Attempt number, from 1.
         attempt: u32,
+        /// The run's fencing token (the shard's high-water after it).
+        fence: u64,
         /// The job's key.
         key: &'a str,
     },
@@ -122,10 +201,16 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             put_str16(out, key);
             out.extend_from_slice(payload);
         }
-        Record::Claim { job, attempt, key } => {
+        Record::Claim {
+            job,
+            attempt,
+            fence,
+            key,
+        } => {
             out.push(T_CLAIM);
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&attempt.to_le_bytes());
+            out.extend_from_slice(&fence.to_le_bytes());
             put_str16(out, key);
         }
         Record::Ack { job, key } => {
@@ -282,6 +367,7 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
         T_CLAIM => Record::Claim {
             job: c.u64()?,
             attempt: c.u32()?,
+            fence: c.u64()?,
             key: c.str16()?,
         },
         T_ACK => Record::Ack {
@@ -344,6 +430,7 @@ mod tests {
         roundtrip(Record::Claim {
             job: 9,
             attempt: 2,
+            fence: 1_700_000_000_000_000,
             key: "k",
         });
         roundtrip(Record::Ack { job: 9, key: "kk" });
@@ -380,7 +467,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn segment_header_checks() {
+        let h = segment_header();
+        assert_eq!(check_segment_header(&h), Ok(()));
+        assert_eq!(&h[0..8], b"SHARDQLG");
+        let mut bad = h;
+        bad[0] ^= 1;
+        assert!(
+            matches!(check_segment_header(&bad), Err(HeaderError::Invalid(r)) if r.contains("magic"))
+        );
+        let mut v2 = h;
+        v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let crc = crc32c::crc32c(&v2[0..12]);
+        v2[12..16].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(
+            check_segment_header(&v2),
+            Err(HeaderError::UnknownVersion(2))
+        );
+        let mut flipped = h;
+        flipped[9] ^= 4;
+        assert!(
+            matches!(check_segment_header(&flipped), Err(HeaderError::Invalid(r)) if r.contains("checksum"))
+        );
+        assert!(check_segment_header(&h[..15]).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn segment_header_check_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = check_segment_header(&bytes);
+        }
+
         #[test]
         fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = decode(&bytes);

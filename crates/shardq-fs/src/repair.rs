@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use crate::error::FsError;
 use crate::layout;
 use crate::log::APPEND_LOCK_FILE;
-use crate::record::{decode, encode, encode_hole, DecodeError, Record, HEADER_BYTES, SEAL_BYTES};
+use crate::record::{
+    check_segment_header, decode, encode, encode_hole, segment_header, DecodeError, HeaderError,
+    Record, HEADER_BYTES, SEAL_BYTES, SEGMENT_FORMAT_VERSION, SEGMENT_HEADER_BYTES,
+};
 use crate::storage::{list_segments, segment_name, LogFile, OsStorage, Storage};
 
 /// Folder in the shard directory where cut bytes are saved.
@@ -82,7 +85,39 @@ pub fn repair(dir: &Path, shard: &str) -> Result<RepairReport, FsError> {
             .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
         let bytes =
             fs::read(&path).map_err(|e| FsError::io(format!("reading {}", path.display()), e))?;
-        let mut off = 0usize;
+        let header = segment_header();
+        if bytes.len() < SEGMENT_HEADER_BYTES && bytes[..] == header[..bytes.len()] && last {
+            // A roll that died before its header was written: complete it.
+            file.truncate(0)
+                .and_then(|()| file.append(&header))
+                .and_then(|()| file.sync())
+                .map_err(|e| FsError::io(format!("writing the header of {}", path.display()), e))?;
+            continue;
+        }
+        match check_segment_header(&bytes) {
+            Ok(()) => {}
+            Err(HeaderError::UnknownVersion(v)) => {
+                return Err(FsError::RepairRefused {
+                    shard: shard.into(),
+                    reason: format!(
+                        "segment {} has format version {v}, this build reads version \
+                         {SEGMENT_FORMAT_VERSION} (use the shardq that wrote it)",
+                        segment_name(base)
+                    ),
+                })
+            }
+            Err(HeaderError::Invalid(reason)) => {
+                return Err(FsError::RepairRefused {
+                    shard: shard.into(),
+                    reason: format!(
+                        "segment {} has a bad header ({reason}); it is not cut by repair: \
+                         restore the file from a backup",
+                        segment_name(base)
+                    ),
+                })
+            }
+        }
+        let mut off = SEGMENT_HEADER_BYTES;
         while off < bytes.len() {
             let reason = match decode(&bytes[off..]) {
                 Ok((Record::Seal, _)) => break,

@@ -48,6 +48,27 @@ struct DeadEntry {
     reason: Box<str>,
 }
 
+/// The current run of an in-flight job.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    key: u32,
+    fence: u64,
+    /// When the run's job lease ends (ms); `u64::MAX` for runs replayed
+    /// from the log (only the owner that started a run times it, and a new
+    /// owner ends every replayed run at adopt).
+    lease_until_ms: u64,
+}
+
+/// An in-flight run as the owner checks receipts against it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunInfo<'a> {
+    pub key: &'a str,
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub fence: u64,
+    pub lease_until_ms: u64,
+}
+
 /// A job picked for claiming.
 #[derive(Debug, Clone)]
 pub(crate) struct Pick {
@@ -87,7 +108,10 @@ pub(crate) struct ShardState {
     reclaimed: Reclaimed,
     /// Ranges cut out by repair: references into them are to lost jobs.
     holes: Vec<(u64, u64)>,
-    in_flight_ids: HashMap<u64, u32, Xxh3Builder>,
+    in_flight_ids: HashMap<u64, Run, Xxh3Builder>,
+    /// Largest run fence seen in a claim record (or recorded with the
+    /// reclaimed ranges, for claims in deleted segments).
+    fence_high: u64,
     policy: DeadPolicy,
 }
 
@@ -98,6 +122,7 @@ impl ShardState {
         // Segments before the first kept one were deleted finished (older
         // versions deleted only such prefixes, without recording them).
         reclaimed.insert(0, base);
+        let fence_high = reclaimed.fence_high();
         ShardState {
             keys: Vec::new(),
             index: HashMap::with_hasher(Xxh3Builder::new()),
@@ -109,6 +134,7 @@ impl ShardState {
             reclaimed,
             holes: Vec::new(),
             in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
+            fence_high,
             policy,
         }
     }
@@ -218,6 +244,10 @@ impl ShardState {
 
     /// Applies one record at log position `pos` of the segment at `seg_base`.
     pub fn apply(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
+        if let Record::Claim { fence, .. } = *rec {
+            // Even a claim of a reclaimed job raised the high-water.
+            self.fence_high = self.fence_high.max(fence);
+        }
         let job = Self::referred(rec);
         if let Some(job) = job {
             if self.reclaimed.contains(job) {
@@ -255,7 +285,12 @@ impl ShardState {
                 self.segs.entry(seg_base).or_default().live += 1;
                 self.schedule(k);
             }
-            Record::Claim { job, attempt, key } => {
+            Record::Claim {
+                job,
+                attempt,
+                fence,
+                key,
+            } => {
                 let Some(k) = self.head_of(key, job) else {
                     return self.unknown(job, "claim");
                 };
@@ -264,7 +299,14 @@ impl ShardState {
                 if let Some(h) = ks.queue.front_mut() {
                     h.attempt = attempt;
                 }
-                self.in_flight_ids.insert(job, k);
+                self.in_flight_ids.insert(
+                    job,
+                    Run {
+                        key: k,
+                        fence,
+                        lease_until_ms: u64::MAX,
+                    },
+                );
             }
             Record::Ack { job, key } => {
                 let Some(k) = self.head_of(key, job) else {
@@ -350,19 +392,34 @@ impl ShardState {
     }
 
     /// A new owner: jobs left in flight by the previous one go back to the
-    /// head of their keys (they already count the attempt).
+    /// head of their keys (they already count the attempt). The scheduler is
+    /// rebuilt from the heads: replay never picks, so a key's timer may still
+    /// carry the start time of a head that finished long ago (later than its
+    /// head's now, if the clock stepped back).
     pub fn reset_in_flight(&mut self) {
         self.in_flight_ids.clear();
-        for k in 0..self.keys.len() as u32 {
-            let ks = &mut self.keys[k as usize];
+        for ks in &mut self.keys {
             if ks.in_flight {
                 ks.in_flight = false;
                 if let Some(h) = ks.queue.front_mut() {
                     h.not_before_ms = 0;
                 }
-                ks.scheduled = false;
             }
+        }
+        self.rebuild_schedule();
+    }
+
+    /// Reschedules every key from its head.
+    fn rebuild_schedule(&mut self) {
+        self.ready.clear();
+        self.timers.clear();
+        for ks in &mut self.keys {
+            ks.scheduled = false;
+        }
+        let live: Vec<u32> = self.index.values().copied().collect();
+        for k in live {
             self.schedule(k);
+            self.maybe_drop_key(k);
         }
     }
 
@@ -424,12 +481,49 @@ impl ShardState {
         }
     }
 
-    /// The key and attempt of an in-flight job.
-    pub fn in_flight(&self, id: u64) -> Option<(&str, u32, u32)> {
-        let k = *self.in_flight_ids.get(&id)?;
-        let ks = &self.keys[k as usize];
+    /// The current run of an in-flight job.
+    pub fn in_flight(&self, id: u64) -> Option<RunInfo<'_>> {
+        let run = *self.in_flight_ids.get(&id)?;
+        let ks = &self.keys[run.key as usize];
         let h = ks.queue.front()?;
-        (ks.in_flight && h.id == id).then_some((&*ks.key, h.attempt, h.max_attempts))
+        (ks.in_flight && h.id == id).then_some(RunInfo {
+            key: &ks.key,
+            attempt: h.attempt,
+            max_attempts: h.max_attempts,
+            fence: run.fence,
+            lease_until_ms: run.lease_until_ms,
+        })
+    }
+
+    /// The run of job `id` with fence `fence`, if it is the job's current run.
+    pub fn current_run(&self, id: u64, fence: u64) -> Option<RunInfo<'_>> {
+        self.in_flight(id).filter(|r| r.fence == fence)
+    }
+
+    /// Sets the job lease of the current run of `id` (after its claim record
+    /// was applied, or for an extend).
+    pub fn set_lease(&mut self, id: u64, until_ms: u64) {
+        if let Some(run) = self.in_flight_ids.get_mut(&id) {
+            run.lease_until_ms = until_ms;
+        }
+    }
+
+    /// In-flight jobs whose run's job lease ended at or before `now_ms`, in
+    /// id order.
+    pub fn lapsed(&self, now_ms: u64) -> Vec<u64> {
+        let mut ids: Vec<u64> = self
+            .in_flight_ids
+            .iter()
+            .filter(|(_, r)| r.lease_until_ms <= now_ms)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The largest run fence issued on this shard, as far as the log shows.
+    pub fn fence_high(&self) -> u64 {
+        self.fence_high
     }
 
     /// Earliest time a scheduled key becomes claimable: `Some(0)` if one is
@@ -473,6 +567,7 @@ impl ShardState {
             name: name.to_string(),
             dead: self.dead.len() as u64,
             keys: self.index.len() as u64,
+            fence_high: self.fence_high,
             ..ShardStats::default()
         };
         for ks in &self.keys {
@@ -535,6 +630,7 @@ impl ShardState {
     /// over, so they are dropped here.
     pub fn set_reclaimed(&mut self, reclaimed: &Reclaimed) {
         self.reclaimed.extend(reclaimed);
+        self.fence_high = self.fence_high.max(reclaimed.fence_high());
         let stale = self
             .segs
             .iter()
@@ -567,17 +663,8 @@ impl ShardState {
                 s.live = 0;
             }
         }
-        // Rebuild the scheduler: heads changed.
-        self.ready.clear();
-        self.timers.clear();
-        for k in 0..self.keys.len() as u32 {
-            self.keys[k as usize].scheduled = false;
-        }
-        let live: Vec<u32> = self.index.values().copied().collect();
-        for k in live {
-            self.schedule(k);
-            self.maybe_drop_key(k);
-        }
+        // Heads changed.
+        self.rebuild_schedule();
     }
 }
 
@@ -621,6 +708,7 @@ mod tests {
         let claim = Record::Claim {
             job: 0,
             attempt: 1,
+            fence: 1,
             key: "k",
         };
         s.apply(100, 0, &claim).unwrap();

@@ -1,0 +1,309 @@
+//! What bad bytes at the end of a log mean: a record whose declared length
+//! runs past the end of the file is a torn tail (a writer truncates it, a
+//! reader stops before it); a checksum failure in a record wholly inside the
+//! file is corruption, even in the last record. Read-only paths (`status`,
+//! counts, dead lists) never change the disk.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use shardq_core::{NewJob, QueueBackend, QueueError};
+use shardq_fs::record::{encode, Record};
+use shardq_fs::storage::{list_segments, segment_name};
+use shardq_fs::{Engine, EngineOptions, FsError};
+use shardq_route::{Algorithm, ShardMap};
+
+fn data_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardq-corrupt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    dir
+}
+
+fn last_segment(dir: &Path) -> PathBuf {
+    let sdir = dir.join("shard-0");
+    let bases = list_segments(&sdir).unwrap();
+    sdir.join(segment_name(*bases.last().unwrap()))
+}
+
+/// Every file of the shard directory with its bytes, to prove nothing
+/// changed.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir.join("shard-0"))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn bit_flip_in_last_record_is_corruption_not_torn_tail() {
+    let dir = data_dir("last-flip");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    engine.enqueue(NewJob::new("k", "first")).unwrap();
+    engine.enqueue(NewJob::new("k", "second")).unwrap();
+    let (_, last) = engine.enqueue(NewJob::new("k", "third")).unwrap();
+    drop(engine);
+    let seg = last_segment(&dir);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    // The last byte of the file: the last payload byte of the last record.
+    *bytes.last_mut().unwrap() ^= 0x01;
+    std::fs::write(&seg, &bytes).unwrap();
+    let before = snapshot(&dir);
+
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let err = engine.status().unwrap_err();
+    match &err {
+        FsError::Queue(QueueError::Corrupt {
+            shard,
+            segment,
+            offset,
+            reason,
+        }) => {
+            assert_eq!(shard, "shard-0");
+            assert_eq!(segment, &segment_name(0));
+            assert_eq!(*offset, last.0, "the offset of the flipped record");
+            assert!(reason.contains("checksum"), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other}"),
+    }
+    assert_eq!(snapshot(&dir), before, "status changed the shard");
+    // An appender holding the lock judges the same way and cuts nothing.
+    let err = engine.enqueue(NewJob::new("k", "more")).unwrap_err();
+    assert!(
+        matches!(err, FsError::Queue(QueueError::Corrupt { .. })),
+        "{err}"
+    );
+    drop(engine);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert!(engine.enqueue(NewJob::new("k", "more")).is_err());
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "an appender truncated a whole record"
+    );
+    assert_eq!(engine.backend().torn_bytes_truncated("shard-0").unwrap(), 0);
+    drop(engine);
+
+    // Repair cuts it, saves it and says so.
+    let report = shardq_fs::repair::repair(&dir, "shard-0").unwrap();
+    assert_eq!(report.cuts.len(), 1);
+    assert_eq!(report.cuts[0].offset, last.0);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bit_flip_in_a_record_ending_exactly_at_end_of_file_is_not_torn() {
+    // The old rule also called a record "torn" when its declared length
+    // ended exactly at the end of the file; such a record was written whole.
+    let dir = data_dir("exact-end");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let (_, only) = engine.enqueue(NewJob::new("k", "only")).unwrap();
+    drop(engine);
+    let seg = last_segment(&dir);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    // Flip a bit of the stored checksum.
+    bytes[only.0 as usize + 5] ^= 0x80;
+    std::fs::write(&seg, &bytes).unwrap();
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let err = engine.enqueue(NewJob::new("k", "next")).unwrap_err();
+    assert!(
+        matches!(&err, FsError::Queue(QueueError::Corrupt { offset, .. }) if *offset == only.0),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&seg).unwrap(), bytes);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn status_never_truncates() {
+    let dir = data_dir("status-ro");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    for i in 0..3 {
+        engine.enqueue(NewJob::new("k", format!("p{i}"))).unwrap();
+    }
+    drop(engine);
+    // A torn tail: a declared length of 40 bytes, and only 3 of them.
+    let seg = last_segment(&dir);
+    let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
+    f.write_all(&[40, 0, 0, 0, 1, 2, 3, 4, 1, 9, 9]).unwrap();
+    drop(f);
+    let before = snapshot(&dir);
+
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let b = engine.backend();
+    for _ in 0..2 {
+        assert_eq!(engine.status().unwrap().totals.ready, 3);
+        assert_eq!(b.key_counts("shard-0", "k").unwrap().depth, 3);
+        assert!(b.dead_list("shard-0", 10).unwrap().is_empty());
+        assert!(b.next_due_ms("shard-0").unwrap().is_some());
+    }
+    assert_eq!(snapshot(&dir), before, "a read-only path changed the shard");
+    assert_eq!(b.torn_bytes_truncated("shard-0").unwrap(), 0);
+
+    // The next append (a writer) cuts the torn tail and carries on; the
+    // reader sees the new record where the torn one was.
+    let (_, id) = engine.enqueue(NewJob::new("k", "p3")).unwrap();
+    assert_eq!(id.0, before_len(&before));
+    assert!(b.torn_bytes_truncated("shard-0").unwrap() > 0);
+    assert_eq!(engine.status().unwrap().totals.ready, 4);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Length of the segment in a snapshot minus the 11 torn bytes.
+fn before_len(snap: &[(String, Vec<u8>)]) -> u64 {
+    let seg = snap
+        .iter()
+        .find(|(n, _)| n.ends_with(".seg"))
+        .expect("a segment");
+    seg.1.len() as u64 - 11
+}
+
+#[test]
+fn status_does_not_create_the_segment_after_a_seal() {
+    let dir = data_dir("status-seal");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    engine.enqueue(NewJob::new("k", "p")).unwrap();
+    drop(engine);
+    // A roller that died between sealing and creating the next segment.
+    let seg = last_segment(&dir);
+    let mut seal = Vec::new();
+    encode(&mut seal, &Record::Seal);
+    let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
+    f.write_all(&seal).unwrap();
+    drop(f);
+    let before = snapshot(&dir);
+
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 1);
+    assert_eq!(engine.status().unwrap().totals.ready, 1);
+    assert_eq!(snapshot(&dir), before, "status created a segment");
+    // A writer creates it and appends there.
+    engine.enqueue(NewJob::new("k", "q")).unwrap();
+    assert_eq!(list_segments(&dir.join("shard-0")).unwrap().len(), 2);
+    assert_eq!(engine.status().unwrap().totals.ready, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn status_err(dir: &Path) -> QueueError {
+    let engine = Engine::open(dir, EngineOptions::default()).unwrap();
+    match engine.status().unwrap_err() {
+        FsError::Queue(q) => q,
+        other => panic!("expected a queue error, got {other}"),
+    }
+}
+
+#[test]
+fn segment_with_wrong_magic_is_corrupt_naming_the_segment() {
+    let dir = data_dir("magic");
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    engine.enqueue(NewJob::new("k", "p")).unwrap();
+    drop(engine);
+    let seg = last_segment(&dir);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    assert_eq!(&bytes[..8], b"SHARDQLG");
+    bytes[3] = b'X';
+    std::fs::write(&seg, &bytes).unwrap();
+    let before = snapshot(&dir);
+    match status_err(&dir) {
+        QueueError::Corrupt {
+            segment,
+            offset,
+            reason,
+            ..
+        } => {
+            assert_eq!((segment.as_str(), offset), (segment_name(0).as_str(), 0));
+            assert!(reason.contains("magic"), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other}"),
+    }
+    assert_eq!(snapshot(&dir), before);
+
+    // A segment from before headers existed is named as such.
+    let mut legacy = Vec::new();
+    encode(
+        &mut legacy,
+        &Record::Enqueue {
+            created_ms: 1,
+            not_before_ms: 1,
+            max_attempts: 1,
+            key: "k",
+            payload: b"old",
+        },
+    );
+    std::fs::write(&seg, &legacy).unwrap();
+    let err = status_err(&dir).to_string();
+    assert!(err.contains("before segment headers"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn segment_with_unknown_version_is_unknown_format() {
+    let dir = data_dir("version");
+    let seg = last_segment(&dir);
+    let mut header = std::fs::read(&seg).unwrap();
+    assert_eq!(header.len(), shardq_fs::record::SEGMENT_HEADER_BYTES);
+    header[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let crc = crc32c_of(&header[0..12]);
+    header[12..16].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&seg, &header).unwrap();
+    match status_err(&dir) {
+        QueueError::UnknownFormat {
+            what,
+            found,
+            supported,
+        } => {
+            assert!(what.contains(&segment_name(0)), "{what}");
+            assert_eq!((found.as_str(), supported.as_str()), ("7", "1"));
+        }
+        other => panic!("expected UnknownFormat, got {other}"),
+    }
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert!(engine.enqueue(NewJob::new("k", "p")).is_err());
+    assert_eq!(std::fs::read(&seg).unwrap(), header, "nothing appended");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CRC32C, computed bit by bit (independent of the crate's own code).
+fn crc32c_of(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0x82F6_3B78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn a_header_cut_short_is_completed_by_a_writer_only() {
+    let dir = data_dir("short-header");
+    let seg = last_segment(&dir);
+    let header = std::fs::read(&seg).unwrap();
+    std::fs::write(&seg, &header[..5]).unwrap();
+    let before = snapshot(&dir);
+    let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 0);
+    assert_eq!(snapshot(&dir), before, "status wrote the header");
+    engine.enqueue(NewJob::new("k", "p")).unwrap();
+    assert_eq!(engine.status().unwrap().totals.ready, 1);
+    assert_eq!(&std::fs::read(&seg).unwrap()[..16], &header[..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

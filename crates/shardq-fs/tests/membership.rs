@@ -1,0 +1,93 @@
+//! Membership follows the published shard map: a shard removed from the map
+//! is released and stops counting toward `max_local_shards`, so a shard
+//! added later is claimed; a removed shard is never claimed again.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shardq_core::{Clock, Coordinator, ManualClock};
+use shardq_fs::layout::{read_membership, write_atomic, SHARD_MAP_FILE};
+use shardq_fs::map_store::deploy_shard;
+use shardq_fs::{Engine, FsCoordinator, MemberOptions};
+use shardq_route::{Algorithm, ShardMap};
+
+fn data_dir(name: &str, shards: &[&str]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardq-member-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, shards.iter().copied()).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    dir
+}
+
+fn publish(dir: &Path, shards: &[&str], version: u64) {
+    let mut map = ShardMap::with_shards(Algorithm::Rendezvous, shards.iter().copied()).unwrap();
+    map.version = version;
+    write_atomic(&dir.join(SHARD_MAP_FILE), map.to_yaml().as_bytes()).unwrap();
+}
+
+fn member(id: &str) -> MemberOptions {
+    MemberOptions {
+        member_id: id.into(),
+        lease_ms: 30_000,
+        clock_skew_ms: 1_000,
+        max_local_shards: 1,
+    }
+}
+
+#[test]
+fn a_shard_removed_from_the_map_is_released_and_a_new_one_claimed() {
+    let dir = data_dir("follow-map", &["shard-0", "shard-1"]);
+    let clock = ManualClock::new(1_000_000);
+    let c: Arc<dyn Clock> = Arc::new(clock.clone());
+    let mut a = FsCoordinator::new(&dir, member("a@1"), Arc::clone(&c)).unwrap();
+    let mut b = FsCoordinator::new(&dir, member("b@2"), Arc::clone(&c)).unwrap();
+    assert_eq!(a.tick().unwrap().gained, ["shard-0"]);
+    assert_eq!(b.tick().unwrap().gained, ["shard-1"]);
+
+    // shard-0 leaves the map, shard-2 joins it.
+    deploy_shard(&dir, "shard-2").unwrap();
+    publish(&dir, &["shard-1", "shard-2"], 2);
+    clock.advance(10_000);
+    let t = a.tick().unwrap();
+    assert_eq!(t.lost, ["shard-0"], "a removed shard is dropped");
+    assert_eq!(t.gained, ["shard-2"], "and the new one claimed at max 1");
+    assert_eq!(t.owned, ["shard-2"]);
+    let m = read_membership(&dir).unwrap();
+    assert_eq!(m.shards["shard-0"].owner, None, "its entry is released");
+    assert_eq!(m.shards["shard-2"].owner.as_deref(), Some("a@1"));
+    assert_eq!(b.tick().unwrap().owned, ["shard-1"], "b is unaffected");
+
+    // Nobody claims the removed shard, however free it is.
+    let mut s = FsCoordinator::new(&dir, member("s@3"), Arc::clone(&c)).unwrap();
+    assert!(s.tick().unwrap().owned.is_empty());
+    assert!(
+        !s.standby_reason().contains("shard-0"),
+        "{}",
+        s.standby_reason()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_shard_in_the_map_without_a_membership_entry_gets_one() {
+    let dir = data_dir("no-entry", &["shard-0"]);
+    let clock = ManualClock::new(1_000_000);
+    let c: Arc<dyn Clock> = Arc::new(clock.clone());
+    // A shard directory made without a membership entry (an older deploy).
+    deploy_shard(&dir, "shard-1").unwrap();
+    let mut m = read_membership(&dir).unwrap();
+    m.shards.remove("shard-1");
+    shardq_fs::layout::write_membership(&dir, &m).unwrap();
+    publish(&dir, &["shard-0", "shard-1"], 2);
+    let mut a = FsCoordinator::new(
+        &dir,
+        MemberOptions {
+            max_local_shards: usize::MAX,
+            ..member("a@1")
+        },
+        c,
+    )
+    .unwrap();
+    assert_eq!(a.tick().unwrap().owned, ["shard-0", "shard-1"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

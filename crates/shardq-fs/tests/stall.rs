@@ -1,0 +1,104 @@
+//! A process stalled while holding one shard's append lock must not stall
+//! the other shards: taking the lock is bounded, and past the bound the
+//! locked shard is `Unavailable` (transient) while the others keep working.
+
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rustix::fs::{flock, FlockOperation};
+use shardq_core::{NewJob, QueueBackend, QueueError, Receipt, JOB_LEASE_MS_DEFAULT};
+use shardq_fs::backend::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
+use shardq_fs::{Durability, Engine, EngineOptions};
+use shardq_route::{Algorithm, ShardMap};
+
+fn data_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardq-stall-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0", "shard-1"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    dir
+}
+
+#[test]
+fn a_held_append_lock_makes_only_its_shard_unavailable() {
+    assert_eq!(APPEND_LOCK_WAIT_MS_DEFAULT, 1_000);
+    assert_eq!(
+        EngineOptions::default().append_lock_wait_ms,
+        APPEND_LOCK_WAIT_MS_DEFAULT
+    );
+    let dir = data_dir("held");
+    let bound_ms = 1_500;
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            durability: Durability::None,
+            append_lock_wait_ms: bound_ms,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let b = engine.backend();
+    for shard in ["shard-0", "shard-1"] {
+        let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new(format!("k{i}"), "")).collect();
+        b.enqueue(shard, 1, &jobs).unwrap();
+        b.adopt(shard).unwrap();
+    }
+
+    // The "stalled process": a separate open file description holding the
+    // flock of shard-1's append lock.
+    let held = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("shard-1").join(APPEND_LOCK_FILE))
+        .unwrap();
+    flock(&held, FlockOperation::LockExclusive).unwrap();
+
+    let b1 = engine.backend();
+    let stuck = std::thread::spawn(move || {
+        let start = Instant::now();
+        let res = b1.claim("shard-1", 10, JOB_LEASE_MS_DEFAULT);
+        (res, start.elapsed())
+    });
+    // Meanwhile shard-0 serves claims and acks, one key at a time.
+    for _ in 0..3 {
+        let c = b.claim("shard-0", 1, JOB_LEASE_MS_DEFAULT).unwrap();
+        assert_eq!(c.len(), 1);
+        let rs: Vec<Receipt> = c.iter().map(|j| j.receipt()).collect();
+        assert_eq!(b.ack("shard-0", &rs).unwrap().acked, 1);
+    }
+    assert!(
+        !stuck.is_finished(),
+        "shard-0 finished its work while shard-1 still waits for its lock"
+    );
+    let (res, took) = stuck.join().unwrap();
+    let err = res.unwrap_err();
+    assert!(
+        matches!(&err, QueueError::Unavailable { shard, .. } if shard == "shard-1"),
+        "{err}"
+    );
+    assert!(err.is_transient());
+    let msg = err.to_string();
+    assert!(
+        msg.contains(APPEND_LOCK_FILE) && msg.contains(&format!("bound {bound_ms} ms")),
+        "{msg}"
+    );
+    assert!(
+        took >= Duration::from_millis(bound_ms),
+        "gave up after {took:?}"
+    );
+    assert!(
+        took < Duration::from_millis(bound_ms + 5_000),
+        "waited {took:?}, far past the bound"
+    );
+    // Nothing was claimed on shard-1 meanwhile.
+    assert_eq!(b.shard_stats("shard-1").unwrap().in_flight, 0);
+
+    // The stalled process resumes and lets go: shard-1 works again.
+    flock(&held, FlockOperation::Unlock).unwrap();
+    assert_eq!(
+        b.claim("shard-1", 10, JOB_LEASE_MS_DEFAULT).unwrap().len(),
+        3
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
