@@ -269,4 +269,3 @@ fn describe(status: ExitStatus) -> String {
         (None, None) => format!("ended with {status}"),
     }
 }
-
