@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{Coordinator, JobId, NewJob, QueueBackend};
+use shardq_core::{Coordinator, NewJob, QueueBackend, Receipt};
 use shardq_redis::testing::{RedisCluster, RedisServer};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::{Algorithm, Router, Shard, ShardMap};
@@ -184,7 +184,15 @@ fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
         };
     }
     let router = Router::new(map.clone()).unwrap();
-    let backend = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let ns = format!("bench{}", std::process::id());
+    let dep =
+        shardq_redis::init_deployment(&map, &urls[0], Some(&ns), &RedisOptions::default()).unwrap();
+    let opts = RedisOptions {
+        namespace: dep.namespace,
+        deployment: Some(dep.id),
+        ..RedisOptions::default()
+    };
+    let backend = RedisBackend::open(&map, opts).unwrap();
     let mut coord = RedisCoordinator::new(
         &backend,
         CoordinatorOptions {
@@ -233,13 +241,15 @@ fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
             thread::spawn(move || {
                 let mut lat = Vec::new();
                 while !shared.done.load(Ordering::Relaxed) {
-                    let got = backend.claim(&shard, CLAIM_BATCH).unwrap();
+                    let got = backend
+                        .claim(&shard, CLAIM_BATCH, shardq_core::JOB_LEASE_MS_DEFAULT)
+                        .unwrap();
                     if got.is_empty() {
                         thread::sleep(Duration::from_micros(IDLE_US));
                         continue;
                     }
                     shared.started(&mut got.iter().map(|j| &j.payload[..]), &mut lat);
-                    let ids: Vec<JobId> = got.iter().map(|j| j.id).collect();
+                    let ids: Vec<Receipt> = got.iter().map(|j| j.receipt()).collect();
                     backend.ack(&shard, &ids).unwrap();
                     if shared.acked.fetch_add(ids.len() as u64, Ordering::Relaxed)
                         + ids.len() as u64

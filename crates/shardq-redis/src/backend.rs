@@ -4,24 +4,31 @@
 //! shards whose URL is `redis+cluster://...` live in that cluster, each in
 //! the one slot of its hashtag. All state (jobs, order, claims, fence,
 //! lease) is in Redis, so processes on several hosts cooperate; this type
-//! keeps only which shards it adopted, under which fencing token, and which
-//! of their jobs it handed out. It must never change a shard except through
-//! one script, and never claim, ack or fail without a token the shard's
-//! lease still carries.
+//! keeps only which shards it adopted, under which lease token, and which
+//! of their jobs it handed out. Opening checks every shard's deployment
+//! record and layout version, and every script checks the record again, so
+//! a store that lost its state is reported ([`QueueError::StoreLost`]) and
+//! never silently re-initialised. It must never change a shard except
+//! through one script, and never claim, ack, fail or extend without a token
+//! the shard's lease still carries.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
 use shardq_core::{
-    Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    QueueBackend, QueueError, ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
+    validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy,
+    FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats,
+    PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
-use crate::conn::{Node, RETRY_ATTEMPTS_DEFAULT, SCHEME_CLUSTER, SCHEME_INSTANCE};
+use crate::conn::{
+    Limits, Node, CONNECT_TIMEOUT_MS, RESPONSE_TIMEOUT_MS, RETRY_ATTEMPTS_DEFAULT,
+    RETRY_BUDGET_MS_DEFAULT, SCHEME_CLUSTER, SCHEME_INSTANCE,
+};
 use crate::error::RedisError;
-use crate::keys::{self, QUEUE_DEFAULT};
+use crate::keys::{self, LAYOUT_VERSION, NAMESPACE_DEFAULT, QUEUE_DEFAULT};
 use crate::scripts::{reply, Scripts};
 
 /// Most jobs in one enqueue call (one script; Lua's `unpack` bounds it).
@@ -36,18 +43,20 @@ pub const RECLAIM_BATCH_MAX: usize = 128;
 pub const DEAD_BATCH_MAX: usize = 512;
 /// Most dead jobs one `dead_list` returns.
 pub const DEAD_LIST_MAX: usize = 10_000;
-/// Default time a claimed job may run before another claim takes it back
-/// (5 min). A worker that dies is normally noticed sooner, through the
-/// shard lease and `adopt`; this bound covers a stuck handler.
-pub const JOB_LEASE_MS_DEFAULT: u64 = 300_000;
+/// Most receipts one extend script handles; longer lists are split.
+pub const EXTEND_BATCH_MAX: usize = 1024;
 
 /// Options of [`RedisBackend::open`].
 #[derive(Clone)]
 pub struct RedisOptions {
-    /// Queue name: the first half of every key's hashtag.
+    /// The deployment's namespace (chosen at [`crate::init_deployment`]):
+    /// the first part of every shard's hashtag.
+    pub namespace: String,
+    /// The deployment id the caller expects (from its own configuration);
+    /// `None` accepts the one the shards carry, as long as they agree.
+    pub deployment: Option<String>,
+    /// Queue name: the second part of every shard's hashtag.
     pub queue: String,
-    /// How long a claimed job may run before it is claimed again, in ms.
-    pub job_lease_ms: u64,
     /// Retry backoff after a failed attempt.
     pub backoff: Backoff,
     /// Whether a dead job halts its key.
@@ -56,6 +65,12 @@ pub struct RedisOptions {
     pub payload_bytes_max: usize,
     /// Attempts per Redis operation before reporting the server unreachable.
     pub retry_attempts: u32,
+    /// Longest time one operation keeps retrying, in ms.
+    pub retry_budget_ms: u64,
+    /// TCP connect timeout per attempt, in ms.
+    pub connect_timeout_ms: u64,
+    /// Reply timeout per command, in ms.
+    pub response_timeout_ms: u64,
     /// Time source for leases and delays; `None` uses the Redis server's
     /// clock (one clock for every host, the default).
     pub clock: Option<Arc<dyn Clock>>,
@@ -64,12 +79,16 @@ pub struct RedisOptions {
 impl Default for RedisOptions {
     fn default() -> Self {
         RedisOptions {
+            namespace: NAMESPACE_DEFAULT.to_string(),
+            deployment: None,
             queue: QUEUE_DEFAULT.to_string(),
-            job_lease_ms: JOB_LEASE_MS_DEFAULT,
             backoff: Backoff::default(),
             dead_policy: DeadPolicy::default(),
             payload_bytes_max: PAYLOAD_BYTES_MAX_DEFAULT,
             retry_attempts: RETRY_ATTEMPTS_DEFAULT,
+            retry_budget_ms: RETRY_BUDGET_MS_DEFAULT,
+            connect_timeout_ms: CONNECT_TIMEOUT_MS,
+            response_timeout_ms: RESPONSE_TIMEOUT_MS,
             clock: None,
         }
     }
@@ -78,20 +97,48 @@ impl Default for RedisOptions {
 impl std::fmt::Debug for RedisOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisOptions")
+            .field("namespace", &self.namespace)
+            .field("deployment", &self.deployment)
             .field("queue", &self.queue)
-            .field("job_lease_ms", &self.job_lease_ms)
             .field("backoff", &self.backoff)
             .field("dead_policy", &self.dead_policy)
             .field("payload_bytes_max", &self.payload_bytes_max)
             .field("retry_attempts", &self.retry_attempts)
+            .field("retry_budget_ms", &self.retry_budget_ms)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("response_timeout_ms", &self.response_timeout_ms)
             .field("clock", &self.clock.is_some())
             .finish()
     }
 }
 
+impl RedisOptions {
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            retry_attempts: self.retry_attempts,
+            retry_budget_ms: self.retry_budget_ms,
+            connect_timeout_ms: self.connect_timeout_ms,
+            response_timeout_ms: self.response_timeout_ms,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), RedisError> {
+        keys::validate_queue_name(&self.queue).map_err(|reason| RedisError::InvalidName {
+            what: "queue",
+            name: self.queue.clone(),
+            reason,
+        })?;
+        keys::validate_queue_name(&self.namespace).map_err(|reason| RedisError::InvalidName {
+            what: "namespace",
+            name: self.namespace.clone(),
+            reason,
+        })
+    }
+}
+
 /// What this process holds of an adopted shard.
 struct Held {
-    token: u64,
+    token: String,
     /// Jobs handed out and not yet acked or failed here, with their routing
     /// keys: an ack names the key, so the script checks the key's one job in
     /// flight instead of reading the job.
@@ -129,8 +176,10 @@ struct Registry {
 pub(crate) struct Inner {
     pub(crate) opts: RedisOptions,
     registry: RwLock<Registry>,
-    /// Fencing tokens granted by a [`crate::RedisCoordinator`].
-    tokens: Mutex<HashMap<String, u64>>,
+    /// Lease tokens granted by a [`crate::RedisCoordinator`].
+    tokens: Mutex<HashMap<String, String>>,
+    /// The deployment id every shard must carry (found at open, or given).
+    deployment: RwLock<Option<String>>,
     pub(crate) scripts: Scripts,
 }
 
@@ -143,6 +192,7 @@ pub struct RedisBackend {
 impl std::fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisBackend")
+            .field("namespace", &self.inner.opts.namespace)
             .field("queue", &self.inner.opts.queue)
             .field("shards", &self.shard_names())
             .finish()
@@ -156,19 +206,21 @@ pub fn is_redis_url(url: &str) -> bool {
 
 impl RedisBackend {
     /// Opens the shards of `map` whose URL is `redis://host:port/db` or
-    /// `redis+cluster://host:port,...`, and checks that each server answers.
+    /// `redis+cluster://host:port,...`, and checks each server: it answers
+    /// within the bounds, never evicts keys (`maxmemory-policy
+    /// noeviction`), and every shard carries the deployment record written
+    /// by [`crate::init_deployment`] with a layout this build reads
+    /// ([`QueueError::StoreLost`] / [`QueueError::UnknownFormat`] otherwise).
     /// Shards with other URLs (or none) are left to other backends.
     pub fn open(map: &ShardMap, options: RedisOptions) -> Result<RedisBackend, RedisError> {
-        keys::validate_queue_name(&options.queue).map_err(|reason| RedisError::InvalidName {
-            what: "queue",
-            name: options.queue.clone(),
-            reason,
-        })?;
+        options.validate()?;
+        let deployment = options.deployment.clone();
         let backend = RedisBackend {
             inner: Arc::new(Inner {
                 opts: options,
                 registry: RwLock::new(Registry::default()),
                 tokens: Mutex::new(HashMap::new()),
+                deployment: RwLock::new(deployment),
                 scripts: Scripts::new(),
             }),
         };
@@ -207,13 +259,19 @@ impl RedisBackend {
                 None => {
                     // Connect outside the lock: an unreachable server takes
                     // seconds to be reported and must not stall other shards.
-                    let n = Arc::new(Node::new(&shard.name, url, self.inner.opts.retry_attempts)?);
+                    let n = Arc::new(Node::new(&shard.name, url, self.inner.opts.limits())?);
                     n.run(&shard.name, |con, _| {
                         redis::cmd("PING").query::<String>(con)
                     })?;
                     n
                 }
             };
+            let shard_keys = keys::shard_keys(
+                &self.inner.opts.namespace,
+                &self.inner.opts.queue,
+                &shard.name,
+            );
+            self.check_record(&shard.name, url, &node, &shard_keys)?;
             let mut reg = self
                 .inner
                 .registry
@@ -229,12 +287,99 @@ impl RedisBackend {
                 name: shard.name.clone(),
                 url: url.to_string(),
                 node,
-                keys: keys::shard_keys(&self.inner.opts.queue, &shard.name),
+                keys: shard_keys,
                 held: Mutex::new(None),
             }));
             added.push(shard.name.clone());
         }
         Ok(added)
+    }
+
+    /// Checks a shard's deployment record: present, of this deployment,
+    /// of a layout this build reads. Learns the deployment id from the first
+    /// shard when the caller gave none.
+    fn check_record(
+        &self,
+        shard: &str,
+        url: &str,
+        node: &Node,
+        shard_keys: &[String],
+    ) -> Result<(), RedisError> {
+        let meta = std::slice::from_ref(&shard_keys[0]);
+        let v = node.run(shard, |con, _| {
+            self.inner.scripts.shard_record.call(con, meta, &|_| {})
+        })?;
+        let it = reply::items(&v);
+        let dep = it.first().and_then(reply::string);
+        let layout = it.get(1).and_then(reply::string);
+        let Some(dep) = dep else {
+            return Err(QueueError::StoreLost(format!(
+                "shard {shard:?} at {url}: no deployment record ({} has no field `dep`): the \
+                 server lost its state (restarted without persistence, flushed) or the shard was \
+                 never initialised for namespace {:?}; refusing to re-create it silently (run \
+                 init for a new deployment, or restore the server's data)",
+                shard_keys[0], self.inner.opts.namespace
+            ))
+            .into());
+        };
+        let layout = layout.unwrap_or_default();
+        if layout != LAYOUT_VERSION.to_string() {
+            return Err(QueueError::UnknownFormat {
+                what: format!("shard {shard:?} at {url} ({})", shard_keys[0]),
+                found: if layout.is_empty() {
+                    "none".into()
+                } else {
+                    layout
+                },
+                supported: LAYOUT_VERSION.to_string(),
+            }
+            .into());
+        }
+        let mut want = self
+            .inner
+            .deployment
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        match want.as_deref() {
+            Some(w) if w != dep => Err(QueueError::StoreLost(format!(
+                "shard {shard:?} at {url} belongs to deployment {dep:?}, not {w:?}: the server \
+                 was re-initialised or the URL points at another deployment"
+            ))
+            .into()),
+            Some(_) => Ok(()),
+            None => {
+                *want = Some(dep);
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks every shard's deployment record and layout again (for `status`
+    /// and health checks): [`QueueError::StoreLost`] if a server lost it.
+    pub fn check_store(&self) -> Result<(), RedisError> {
+        let shards: Vec<Arc<ShardRef>> = self.registry().shards.clone();
+        for s in shards {
+            self.check_record(&s.name, &s.url, &s.node, &s.keys)?;
+        }
+        Ok(())
+    }
+
+    /// The deployment id the shards carry.
+    pub fn deployment_id(&self) -> Option<String> {
+        self.inner
+            .deployment
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The namespace this backend serves.
+    pub fn namespace(&self) -> &str {
+        &self.inner.opts.namespace
+    }
+
+    fn dep_arg(&self) -> String {
+        self.deployment_id().unwrap_or_default()
     }
 
     fn registry(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -269,8 +414,8 @@ impl RedisBackend {
         reg.index.get(shard).map(|&i| reg.shards[i].keys.clone())
     }
 
-    pub(crate) fn grant(&self, shard: &str, token: u64) {
-        self.tokens().insert(shard.to_string(), token);
+    pub(crate) fn grant(&self, shard: &str, token: &str) {
+        self.tokens().insert(shard.to_string(), token.to_string());
     }
 
     pub(crate) fn revoke(&self, shard: &str) {
@@ -280,7 +425,7 @@ impl RedisBackend {
         }
     }
 
-    fn tokens(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+    fn tokens(&self) -> MutexGuard<'_, HashMap<String, String>> {
         self.inner.tokens.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -292,6 +437,10 @@ impl RedisBackend {
             .ok_or_else(|| QueueError::UnknownShard {
                 shard: shard.to_string(),
             })
+    }
+
+    pub(crate) fn lease_args(&self) -> String {
+        self.dep_arg()
     }
 
     pub(crate) fn now_arg(&self) -> String {
@@ -310,23 +459,72 @@ impl RedisBackend {
         }
     }
 
-    /// Runs a shard script with the common ARGV (time, token, halt) and
-    /// `extra` after them.
+    /// Runs a shard script with the common ARGV (time, token, halt,
+    /// deployment) and `extra` after them. A `LOST` reply (the shard's
+    /// deployment record is gone or another) becomes
+    /// [`QueueError::StoreLost`].
     fn script(
         &self,
         s: &ShardRef,
         lua: &crate::scripts::Lua,
-        token: u64,
+        token: &str,
         extra: &dyn Fn(&mut redis::Cmd, u32),
     ) -> Result<Value, RedisError> {
-        let token = token.to_string();
-        s.node.run(&s.name, |con, attempt| {
+        let dep = self.dep_arg();
+        let v = s.node.run(&s.name, |con, attempt| {
             let now = self.now_arg();
             lua.call(con, &s.keys, &|c| {
-                c.arg(&now).arg(&token).arg(self.halt_arg());
+                c.arg(&now).arg(token).arg(self.halt_arg()).arg(&dep);
                 extra(c, attempt);
             })
-        })
+        })?;
+        if reply::status(&v) == "LOST" {
+            let found = reply::items(&v).get(1).and_then(reply::string);
+            return Err(Self::lost(s, &dep, found.as_deref().unwrap_or("")).into());
+        }
+        Ok(v)
+    }
+
+    pub(crate) fn lost(s: &ShardRef, want: &str, found: &str) -> QueueError {
+        let what = if found.is_empty() {
+            format!(
+                "its deployment record ({} field `dep`) is missing: the server lost its state \
+                 (flushed, or restarted without its data)",
+                s.keys[0]
+            )
+        } else {
+            format!("it now belongs to deployment {found:?}")
+        };
+        QueueError::StoreLost(format!(
+            "shard {:?} at {}: the store no longer holds deployment {want:?}: {what}; workers \
+             stop rather than run on it (restore the data, or init a new deployment)",
+            s.name, s.url
+        ))
+    }
+
+    /// Reads `id, fence, why` triples of refused receipts.
+    fn stale_list(
+        &self,
+        s: &ShardRef,
+        items: &[Value],
+    ) -> Result<Vec<(Receipt, String)>, QueueError> {
+        let mut out = Vec::with_capacity(items.len() / 3);
+        for t in items.chunks(3) {
+            let bad = || self.protocol(s, "a stale receipt in the reply is malformed");
+            if t.len() != 3 {
+                return Err(bad());
+            }
+            let id = reply::u64(&t[0]).ok_or_else(bad)?;
+            let fence = reply::u64(&t[1]).ok_or_else(bad)?;
+            out.push((
+                Receipt {
+                    id: JobId(id),
+                    fence,
+                },
+                reply::string(&t[2]).unwrap_or_default(),
+            ));
+        }
+        Ok(out)
     }
 
     fn protocol(&self, s: &ShardRef, reason: impl Into<String>) -> QueueError {
@@ -357,7 +555,7 @@ impl RedisBackend {
         let mut total = 0usize;
         match ids {
             None => loop {
-                let v = self.script(s, lua, 0, &|c, _| {
+                let v = self.script(s, lua, "", &|c, _| {
                     c.arg(mode).arg("1").arg(DEAD_BATCH_MAX);
                 })?;
                 let it = reply::items(&v);
@@ -371,7 +569,7 @@ impl RedisBackend {
             Some(ids) => {
                 for chunk in ids.chunks(DEAD_BATCH_MAX) {
                     let list: Vec<String> = chunk.iter().map(|i| i.0.to_string()).collect();
-                    let v = self.script(s, lua, 0, &|c, _| {
+                    let v = self.script(s, lua, "", &|c, _| {
                         c.arg(mode).arg("0").arg(DEAD_BATCH_MAX).arg(&list);
                     })?;
                     total += reply::items(&v).first().and_then(reply::u64).unwrap_or(0) as usize;
@@ -413,7 +611,7 @@ impl QueueBackend for RedisBackend {
         }
         // A retry after a lost reply may append the batch twice: at least
         // once, and in order, but possibly duplicated.
-        let v = self.script(s, &self.inner.scripts.enqueue, 0, &|c, _| {
+        let v = self.script(s, &self.inner.scripts.enqueue, "", &|c, _| {
             c.arg(map_version).arg(jobs.len());
             for job in jobs {
                 c.arg(&job.key)
@@ -451,9 +649,9 @@ impl QueueBackend for RedisBackend {
         let token = self
             .tokens()
             .get(shard)
-            .copied()
+            .cloned()
             .ok_or_else(|| Self::not_owner(s))?;
-        let v = self.script(s, &self.inner.scripts.adopt, token, &|_, _| {})?;
+        let v = self.script(s, &self.inner.scripts.adopt, &token, &|_, _| {})?;
         if reply::status(&v) != "OK" {
             return Err(Self::not_owner(s));
         }
@@ -471,9 +669,10 @@ impl QueueBackend for RedisBackend {
         Ok(())
     }
 
-    fn claim(&self, shard: &str, max: usize) -> Result<Vec<ClaimedJob>, QueueError> {
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
+        validate_job_lease_ms(lease_ms)?;
         // Held for the whole call: a retried claim puts back in-flight jobs
         // this process does not know, so no other claim may be half done.
         let mut guard = s.held();
@@ -483,9 +682,8 @@ impl QueueBackend for RedisBackend {
             return Ok(Vec::new());
         }
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
-        let job_lease_ms = self.inner.opts.job_lease_ms;
-        let v = self.script(s, &self.inner.scripts.claim, held.token, &|c, attempt| {
-            c.arg(max).arg(job_lease_ms).arg(RECLAIM_BATCH_MAX);
+        let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
+            c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX);
             if attempt == 0 {
                 c.arg("0");
             } else {
@@ -501,16 +699,19 @@ impl QueueBackend for RedisBackend {
             other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
         }
         let it = reply::items(&v);
-        let mut out = Vec::with_capacity((it.len() - 1) / 2);
-        for j in it[1..].chunks(2) {
-            let bad = || self.protocol(s, "claim reply has a malformed job");
-            if j.len() != 2 {
+        let bad = || self.protocol(s, "claim reply has a malformed job");
+        let lease_until_ms = it.get(1).and_then(reply::u64).ok_or_else(bad)?;
+        let jobs = it.get(2..).unwrap_or(&[]);
+        let mut out = Vec::with_capacity(jobs.len() / 3);
+        for j in jobs.chunks(3) {
+            if j.len() != 3 {
                 return Err(bad());
             }
             let id = reply::u64(&j[0]).ok_or_else(bad)?;
             let rec = reply::bytes(&j[1])
                 .and_then(JobRecord::parse)
                 .ok_or_else(bad)?;
+            let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
             out.push(ClaimedJob {
                 shard: s.name.clone(),
@@ -522,100 +723,157 @@ impl QueueBackend for RedisBackend {
                 not_before_ms: rec.not_before_ms,
                 key: rec.key,
                 payload: rec.payload.to_vec(),
+                fence,
+                lease_until_ms,
             });
         }
         Ok(out)
     }
 
-    fn ack(&self, shard: &str, ids: &[JobId]) -> Result<(), QueueError> {
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
-        let token = held.token;
-        let mut first_missing = None;
-        for chunk in ids.chunks(ACK_BATCH_MAX) {
-            let mut list: Vec<String> = Vec::with_capacity(chunk.len() * 2);
-            for id in chunk {
-                list.push(id.0.to_string());
-                // Unknown here (not claimed by this process): the script
-                // looks the key up in the job's record.
-                list.push(held.in_flight.get(&id.0).cloned().unwrap_or_default());
-            }
+        let token = held.token.clone();
+        let mut outcome = AckOutcome::default();
+        for chunk in receipts.chunks(ACK_BATCH_MAX) {
+            let list = receipt_args(chunk, &held.in_flight);
             let retried = std::cell::Cell::new(false);
-            let v = self.script(s, &self.inner.scripts.ack, token, &|c, attempt| {
+            let v = self.script(s, &self.inner.scripts.ack, &token, &|c, attempt| {
                 retried.set(attempt > 0);
                 c.arg(&list);
             })?;
-            for id in chunk {
-                held.in_flight.remove(&id.0);
-            }
             match reply::status(&v).as_str() {
                 "OK" => {}
                 "NOTOWNER" => {
                     *guard = None;
                     return Err(Self::not_owner(s));
                 }
-                // After a lost reply the first attempt may have acked them.
-                "NOTINFLIGHT" if retried.get() => {}
-                "NOTINFLIGHT" => {
-                    let id = reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0);
-                    first_missing.get_or_insert(id);
-                }
                 other => return Err(self.protocol(s, format!("ack answered {other:?}"))),
             }
+            let stale = self.stale_list(s, reply::items(&v).get(1..).unwrap_or(&[]))?;
+            let mut refused = 0u64;
+            for (r, why) in stale {
+                // After a lost reply the first attempt may have acked it:
+                // a job that is gone was finished, by this call.
+                if retried.get() && why == "gone" && held.in_flight.contains_key(&r.id.0) {
+                    continue;
+                }
+                refused += 1;
+                outcome.stale.push(r);
+            }
+            outcome.acked += chunk.len() as u64 - refused;
+            for r in chunk {
+                held.in_flight.remove(&r.id.0);
+            }
         }
-        match first_missing {
-            Some(id) => Err(QueueError::NotInFlight {
-                shard: s.name.clone(),
-                id,
-            }),
-            None => Ok(()),
-        }
+        Ok(outcome)
     }
 
-    fn fail(&self, shard: &str, id: JobId, reason: &str) -> Result<FailOutcome, QueueError> {
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
+        if let Some(ms) = retry_in_ms {
+            if ms > shardq_core::job::DELAY_MS_MAX {
+                return Err(QueueError::InvalidDelay {
+                    delay_ms: ms,
+                    max: shardq_core::job::DELAY_MS_MAX,
+                });
+            }
+        }
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
         let backoff = self.inner.opts.backoff;
-        let v = self.script(s, &self.inner.scripts.fail, held.token, &|c, _| {
-            c.arg(id.0)
+        let retry = retry_in_ms.map(|m| m.to_string()).unwrap_or_default();
+        let v = self.script(s, &self.inner.scripts.fail, &held.token, &|c, _| {
+            c.arg(receipt.id.0)
+                .arg(receipt.fence)
                 .arg(reason)
                 .arg(backoff.base_ms)
-                .arg(backoff.max_ms);
+                .arg(backoff.max_ms)
+                .arg(&retry);
         })?;
-        held.in_flight.remove(&id.0);
         match reply::status(&v).as_str() {
-            "RETRY" => Ok(FailOutcome::Retry {
-                at_ms: reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0),
-            }),
-            "DEAD" => Ok(FailOutcome::Dead),
+            "RETRY" => {
+                held.in_flight.remove(&receipt.id.0);
+                Ok(FailOutcome::Retry {
+                    at_ms: reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0),
+                })
+            }
+            "DEAD" => {
+                held.in_flight.remove(&receipt.id.0);
+                Ok(FailOutcome::Dead)
+            }
             "NOTOWNER" => {
                 *guard = None;
                 Err(Self::not_owner(s))
             }
-            "NOTINFLIGHT" => Err(QueueError::NotInFlight {
+            "STALE" => Err(QueueError::StaleReceipt {
                 shard: s.name.clone(),
-                id: id.0,
+                id: receipt.id.0,
+                fence: receipt.fence,
+                reason: reply::items(&v)
+                    .get(1)
+                    .and_then(reply::string)
+                    .unwrap_or_default(),
             }),
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
         }
     }
 
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        validate_job_lease_ms(lease_ms)?;
+        let mut guard = s.held();
+        let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
+        let token = held.token.clone();
+        let mut stale = Vec::new();
+        for chunk in receipts.chunks(EXTEND_BATCH_MAX) {
+            let list = receipt_args(chunk, &held.in_flight);
+            let v = self.script(s, &self.inner.scripts.extend, &token, &|c, _| {
+                c.arg(lease_ms).arg(&list);
+            })?;
+            match reply::status(&v).as_str() {
+                "OK" => {}
+                "NOTOWNER" => {
+                    *guard = None;
+                    return Err(Self::not_owner(s));
+                }
+                other => return Err(self.protocol(s, format!("extend answered {other:?}"))),
+            }
+            for (r, _) in self.stale_list(s, reply::items(&v).get(2..).unwrap_or(&[]))? {
+                held.in_flight.remove(&r.id.0);
+                stale.push(r);
+            }
+        }
+        Ok(stale)
+    }
+
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        let v = self.script(s, &self.inner.scripts.next_due, 0, &|_, _| {})?;
+        let v = self.script(s, &self.inner.scripts.next_due, "", &|_, _| {})?;
         Ok(reply::u64(&v))
     }
 
     fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        let v = self.script(s, &self.inner.scripts.key_counts, 0, &|c, _| {
+        let v = self.script(s, &self.inner.scripts.key_counts, "", &|c, _| {
             c.arg(key);
         })?;
         let it = reply::items(&v);
@@ -630,7 +888,7 @@ impl QueueBackend for RedisBackend {
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        let v = self.script(s, &self.inner.scripts.stats, 0, &|_, _| {})?;
+        let v = self.script(s, &self.inner.scripts.stats, "", &|_, _| {})?;
         let it = reply::items(&v);
         let n = |i: usize| it.get(i).and_then(reply::u64).unwrap_or(0);
         Ok(ShardStats {
@@ -640,13 +898,14 @@ impl QueueBackend for RedisBackend {
             in_flight: n(2),
             dead: n(3),
             keys: n(4),
+            fence_high: n(5),
         })
     }
 
     fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        let v = self.script(s, &self.inner.scripts.fence_get, 0, &|_, _| {})?;
+        let v = self.script(s, &self.inner.scripts.fence_get, "", &|_, _| {})?;
         let it = reply::items(&v);
         Ok(Fence {
             map_version_min: it.first().and_then(reply::u64).unwrap_or(0),
@@ -657,6 +916,7 @@ impl QueueBackend for RedisBackend {
                 .iter()
                 .filter_map(reply::string)
                 .collect::<BTreeSet<String>>(),
+            run_fence_min: it.get(2).and_then(reply::u64).unwrap_or(0),
         })
     }
 
@@ -664,8 +924,10 @@ impl QueueBackend for RedisBackend {
         let s = self.shard(shard)?;
         let s = &*s;
         let keys: Vec<&String> = fence.paused_keys.iter().collect();
-        self.script(s, &self.inner.scripts.fence_set, 0, &|c, _| {
-            c.arg(fence.map_version_min).arg(&keys);
+        self.script(s, &self.inner.scripts.fence_set, "", &|c, _| {
+            c.arg(fence.map_version_min)
+                .arg(fence.run_fence_min)
+                .arg(&keys);
         })?;
         Ok(())
     }
@@ -677,7 +939,7 @@ impl QueueBackend for RedisBackend {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let v = self.script(s, &self.inner.scripts.dead_list, 0, &|c, _| {
+        let v = self.script(s, &self.inner.scripts.dead_list, "", &|c, _| {
             c.arg(limit);
         })?;
         let mut out = Vec::new();
@@ -704,6 +966,18 @@ impl QueueBackend for RedisBackend {
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.dead_move(shard, "purge", ids)
     }
+}
+
+/// ARGV of receipts: id, fence and the key when this process knows it (the
+/// script looks the key up in the job's record otherwise).
+fn receipt_args(receipts: &[Receipt], known: &HashMap<u64, String>) -> Vec<String> {
+    let mut list = Vec::with_capacity(receipts.len() * 3);
+    for r in receipts {
+        list.push(r.id.0.to_string());
+        list.push(r.fence.to_string());
+        list.push(known.get(&r.id.0).cloned().unwrap_or_default());
+    }
+    list
 }
 
 /// `HSCAN` count hint of one inventory script call (routing keys looked at).
@@ -741,16 +1015,18 @@ impl RedisBackend {
 
 impl shardq_core::reshard::KeyInventory for RedisBackend {
     /// One bounded walk of the shard's `keys` hash by `HSCAN` (a field per
-    /// key with a waiting job or one in flight; concurrent writes never make
-    /// it loop). Not one atomic snapshot: a rebalance scans again after
-    /// fencing, which catches what raced.
+    /// key with a waiting job or one in flight), then of `deadn` for keys
+    /// whose only jobs are dead letters: those tie the key to this shard
+    /// too, so a rebalance keeps them pinned like the embedded engine does.
+    /// Concurrent writes never make it loop. Not one atomic snapshot: a
+    /// rebalance scans again after fencing, which catches what raced.
     fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
         let mut found: std::collections::BTreeMap<String, KeyCounts> = Default::default();
-        let mut cursor = "0".to_string();
+        let mut cursor = "k0".to_string();
         loop {
-            let v = self.script(s, &self.inner.scripts.inventory, 0, &|c, _| {
+            let v = self.script(s, &self.inner.scripts.inventory, "", &|c, _| {
                 c.arg(&cursor).arg(INVENTORY_KEYS_PER_CALL);
             })?;
             let it = reply::items(&v);

@@ -3,10 +3,17 @@
 //!
 //! Each shard has a lease hash (`owner` = `host@pid`, `token`, `until`). A
 //! tick renews the leases this coordinator holds and takes free or lapsed
-//! ones. Taking over raises the token; the backend's scripts refuse claims,
-//! acks and fails that carry an older token, so a stale owner that wakes up
-//! late cannot touch jobs its successor runs. The coordinator must never run
-//! or move jobs itself.
+//! ones. A token is `<owner>#<epoch>#<n>`: the epoch is random per
+//! coordinator, so no two holders ever carry the same token, even after the
+//! store lost or rewound its leases (FLUSHALL, a restart from an old
+//! snapshot). A renewal whose token is not the stored one fails and the
+//! shard is reported lost; the backend's scripts refuse claims, acks, fails
+//! and extends that carry any other token, so a stale owner that wakes up
+//! late cannot touch jobs its successor runs. A shard whose deployment
+//! record is gone makes the tick fail with [`QueueError::StoreLost`]. Every
+//! lease call is bounded by the tick interval, so one hung server cannot
+//! hold up the renewal of the others. The coordinator must never run or
+//! move jobs itself.
 
 use std::collections::BTreeMap;
 
@@ -14,6 +21,7 @@ use shardq_core::{Coordinator, Ownership, QueueError};
 
 use crate::backend::RedisBackend;
 use crate::error::RedisError;
+use crate::keys;
 use crate::scripts::reply;
 
 /// Default shard lease, in ms (10 s): how long a vanished owner keeps its
@@ -47,8 +55,12 @@ pub struct RedisCoordinator {
     shards: Option<Vec<String>>,
     max_shards: usize,
     claiming: bool,
-    /// Shard -> fencing token, for the leases held.
-    held: BTreeMap<String, u64>,
+    /// Random per coordinator: makes its tokens unique across store restarts.
+    epoch: String,
+    /// Tokens issued so far (the `<n>` of the next token).
+    issued: u64,
+    /// Shard -> lease token, for the leases held.
+    held: BTreeMap<String, String>,
     /// Shard -> (owner, until) for leases others hold, or an error text.
     others: BTreeMap<String, String>,
 }
@@ -66,9 +78,26 @@ pub fn default_owner() -> String {
 
 enum Lease {
     Held,
-    Gained(u64),
+    Gained(String),
     Other(String, u64),
+    /// Our token is not the stored one: the lease was taken over, or the
+    /// store lost or rewound it.
+    Stale(String, u64),
+    /// The shard's deployment record is gone.
+    Lost(QueueError),
     Free,
+}
+
+/// 16 random bytes as hex, from the kernel (`/dev/urandom`).
+pub(crate) fn random_hex() -> Result<String, RedisError> {
+    use std::io::Read;
+    let mut buf = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .map_err(|e| {
+            RedisError::Queue(QueueError::io("reading random bytes from /dev/urandom", e))
+        })?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl RedisCoordinator {
@@ -102,6 +131,8 @@ impl RedisCoordinator {
                 options.max_shards
             },
             claiming: true,
+            epoch: random_hex()?,
+            issued: 0,
             held: BTreeMap::new(),
             others: BTreeMap::new(),
         })
@@ -112,40 +143,54 @@ impl RedisCoordinator {
         &self.owner
     }
 
-    /// The fencing token held for `shard`, if any.
-    pub fn token(&self, shard: &str) -> Option<u64> {
-        self.held.get(shard).copied()
+    /// The lease token held for `shard`, if any.
+    pub fn token(&self, shard: &str) -> Option<&str> {
+        self.held.get(shard).map(String::as_str)
     }
 
-    fn lease_once(&self, shard: &str) -> Result<Lease, RedisError> {
+    fn lease_once(&mut self, shard: &str) -> Result<Lease, RedisError> {
         let s = self.backend.shard(shard)?;
-        let mine = self.held.get(shard).copied().unwrap_or(0).to_string();
+        let mine = self.held.get(shard).cloned().unwrap_or_default();
+        let fresh = if mine.is_empty() {
+            self.issued += 1;
+            format!("{}#{}#{}", self.owner, self.epoch, self.issued)
+        } else {
+            String::new()
+        };
+        let dep = self.backend.lease_args();
+        let keys = [s.keys[keys::LEASE_PART].clone(), s.keys[0].clone()];
         // Past the limit this only renews what it holds and reports the rest.
         let claiming = if self.claiming && self.held.len() < self.max_shards {
             "1"
         } else {
             "0"
         };
-        let v = s.node.run(&s.name, |con, _| {
+        // Bounded by the tick interval: a renewal that cannot finish before
+        // the next tick is reported, and the other shards are renewed.
+        let budget = self.tick_interval_ms();
+        let v = s.node.run_within(&s.name, budget, |con, _| {
             let now = self.backend.now_arg();
-            self.backend
-                .inner
-                .scripts
-                .lease
-                .call(con, s.lease_key(), &|c| {
-                    c.arg(&now)
-                        .arg(&self.owner)
-                        .arg(&mine)
-                        .arg(self.lease_ms)
-                        .arg(claiming);
-                })
+            self.backend.inner.scripts.lease.call(con, &keys, &|c| {
+                c.arg(&now)
+                    .arg(&self.owner)
+                    .arg(&mine)
+                    .arg(self.lease_ms)
+                    .arg(claiming)
+                    .arg(&dep)
+                    .arg(&fresh);
+            })
         })?;
         let it = reply::items(&v);
         let n = |i: usize| it.get(i).and_then(reply::u64).unwrap_or(0);
         Ok(match reply::status(&v).as_str() {
             "HELD" => Lease::Held,
-            "GAINED" => Lease::Gained(n(1)),
+            "GAINED" => Lease::Gained(it.get(1).and_then(reply::string).unwrap_or_default()),
             "OTHER" => Lease::Other(it.get(1).and_then(reply::string).unwrap_or_default(), n(2)),
+            "STALE" => Lease::Stale(it.get(1).and_then(reply::string).unwrap_or_default(), n(2)),
+            "LOST" => {
+                let found = it.get(1).and_then(reply::string).unwrap_or_default();
+                Lease::Lost(RedisBackend::lost(&s, &dep, &found))
+            }
             _ => Lease::Free,
         })
     }
@@ -155,6 +200,7 @@ impl Coordinator for RedisCoordinator {
     fn tick(&mut self) -> Result<Ownership, QueueError> {
         let mut own = Ownership::default();
         let mut first_err = None;
+        let mut lost_store: Option<QueueError> = None;
         let mut failures = 0;
         let shards = match &self.shards {
             Some(list) => list.clone(),
@@ -165,8 +211,8 @@ impl Coordinator for RedisCoordinator {
             match self.lease_once(&shard) {
                 Ok(Lease::Held) => {}
                 Ok(Lease::Gained(token)) => {
+                    self.backend.grant(&shard, &token);
                     self.held.insert(shard.clone(), token);
-                    self.backend.grant(&shard, token);
                     self.others.remove(&shard);
                     own.gained.push(shard.clone());
                 }
@@ -177,6 +223,26 @@ impl Coordinator for RedisCoordinator {
                     }
                     self.others
                         .insert(shard.clone(), format!("leased by {owner} until {until} ms"));
+                }
+                Ok(Lease::Stale(owner, until)) => {
+                    self.held.remove(&shard);
+                    self.backend.revoke(&shard);
+                    own.lost.push(shard.clone());
+                    let who = if owner.is_empty() {
+                        "nobody (the store lost or rewound the lease)".to_string()
+                    } else {
+                        format!("{owner} until {until} ms")
+                    };
+                    self.others
+                        .insert(shard.clone(), format!("lease lost: now held by {who}"));
+                }
+                Ok(Lease::Lost(e)) => {
+                    if self.held.remove(&shard).is_some() {
+                        self.backend.revoke(&shard);
+                        own.lost.push(shard.clone());
+                    }
+                    self.others.insert(shard.clone(), e.to_string());
+                    lost_store.get_or_insert(e);
                 }
                 Ok(Lease::Free) => {
                     if self.held.remove(&shard).is_some() {
@@ -202,6 +268,11 @@ impl Coordinator for RedisCoordinator {
                 }
             }
         }
+        // A store that lost its state stops the worker: running the other
+        // shards on would hide it. The lost shards are revoked already.
+        if let Some(e) = lost_store {
+            return Err(e);
+        }
         if failures == total && failures > 0 {
             if let Some(e) = first_err {
                 return Err(e.into());
@@ -220,7 +291,6 @@ impl Coordinator for RedisCoordinator {
         for (shard, token) in std::mem::take(&mut self.held) {
             self.backend.revoke(&shard);
             let s = self.backend.shard(&shard)?;
-            let token = token.to_string();
             let r = s.node.run(&s.name, |con, _| {
                 self.backend
                     .inner

@@ -10,8 +10,10 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum RedisError {
-    /// The server did not answer within the bounded retries.
-    #[error("shard {shard:?} at {url}: Redis unreachable after {attempts} attempts ({cause}); check that the server runs and the URL is right")]
+    /// The server did not answer within the bounded retries (refused
+    /// connections, timeouts: a stopped or overloaded server). Transient:
+    /// becomes [`QueueError::Unavailable`].
+    #[error("shard {shard:?} at {url}: Redis unreachable after {attempts} attempts in {elapsed_ms} ms ({cause}); check that the server runs and the URL is right")]
     Unreachable {
         /// Shard (or `map store`).
         shard: String,
@@ -19,7 +21,31 @@ pub enum RedisError {
         url: String,
         /// Attempts made.
         attempts: u32,
+        /// Time spent, in ms.
+        elapsed_ms: u64,
         /// Last error from the client.
+        cause: String,
+    },
+    /// The server may not be used: it may evict keys, its CONFIG command is
+    /// hidden so that cannot be checked, or it refused the handshake.
+    #[error("shard {shard:?}: {reason}")]
+    Refused {
+        /// Shard (or `map store`).
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// The server is at `maxmemory` (policy `noeviction`) and refused a
+    /// write: becomes [`QueueError::StoreFull`].
+    #[error("shard {shard:?} at {url}: Redis is full: {cause}")]
+    Full {
+        /// Shard (or `map store`).
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// The server's error.
         cause: String,
     },
     /// The server refused a command for a reason retrying does not cure.
@@ -97,6 +123,22 @@ impl From<RedisError> for QueueError {
     fn from(e: RedisError) -> QueueError {
         match e {
             RedisError::Queue(q) => q,
+            RedisError::Unreachable {
+                shard,
+                url,
+                attempts,
+                elapsed_ms,
+                cause,
+            } => QueueError::Unavailable {
+                shard,
+                reason: format!(
+                    "Redis at {url} did not answer: {attempts} attempts in {elapsed_ms} ms ({cause})"
+                ),
+            },
+            RedisError::Full { shard, url, cause } => QueueError::StoreFull {
+                shard,
+                reason: format!("Redis at {url}: {cause}"),
+            },
             other => QueueError::Backend(other.to_string()),
         }
     }

@@ -1,17 +1,21 @@
 //! The key grammar: every Redis key shardq writes, and the names allowed in it.
 //!
 //! ```text
-//! sq:{<queue>:<shard>}:<part>     one shard of one queue (parts below)
-//! sq:{=map}:current               the published shard map (hash: version, yaml)
-//! sq:{=map}:target                the pending rebalance target (string: yaml)
-//! sq:{=map}:rebalance             the rebalance lock (string: holder token, TTL)
+//! sq:{<ns>:<queue>:<shard>}:<part>   one shard of one queue of deployment <ns> (parts below)
+//! sq:{=dep:<ns>}:info                the deployment record (hash: id, layout, created_ms)
+//! sq:{=map:<ns>}:current             the published shard map (hash: version, yaml)
+//! sq:{=map:<ns>}:target              the pending rebalance target (string: yaml)
+//! sq:{=map:<ns>}:rebalance           the rebalance lock (string: holder token, TTL)
 //! ```
 //!
-//! The braces are the Redis Cluster hashtag: all keys of one shard hash to
-//! one slot, so one Lua script can move a job between them atomically, in
-//! cluster mode as on a single instance. Queue and shard names use only
-//! ASCII letters, digits, `-`, `_` and `.`; a hashtag starting with `=` is
-//! reserved for shardq's own keys, and no queue name can start with `=`.
+//! `<ns>` is the deployment's namespace, chosen at init
+//! ([`crate::init_deployment`]): two deployments sharing a server never
+//! share a key. The braces are the Redis Cluster hashtag: all keys of one
+//! shard hash to one slot, so one Lua script can move a job between them
+//! atomically, in cluster mode as on a single instance. Namespace, queue and
+//! shard names use only ASCII letters, digits, `-`, `_` and `.`, so the
+//! hashtag splits one way; a hashtag starting with `=` is reserved for
+//! shardq's own keys, and no name can start with `=`.
 //!
 //! A shard uses a fixed set of keys ([`SHARD_PARTS`]), never one key per job
 //! or per routing key: every script declares every key it touches, which is
@@ -22,30 +26,54 @@
 
 /// Prefix of every shardq key.
 pub const NAMESPACE: &str = "sq";
-/// Longest queue name, in bytes.
+/// Longest queue (or namespace) name, in bytes.
 pub const QUEUE_NAME_BYTES_MAX: usize = 64;
 /// Queue used when none is configured.
 pub const QUEUE_DEFAULT: &str = "default";
+/// Namespace used when the caller names none (tests and single-deployment
+/// servers); [`crate::init_deployment`] derives a fresh one from the
+/// deployment id unless told otherwise.
+pub const NAMESPACE_DEFAULT: &str = "default";
+/// Version of the key layout this build reads and writes, stored in the
+/// deployment record and in every shard's `meta` (`layout`). Version 2 added
+/// the namespace, the deployment id, run fences and per-run receipts.
+pub const LAYOUT_VERSION: u32 = 2;
+
+/// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
+pub fn deployment_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=dep:{ns}}}:info")
+}
 /// Key of the published shard map (a hash with `version` and `yaml`).
-pub const MAP_KEY: &str = "sq:{=map}:current";
+pub fn map_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=map:{ns}}}:current")
+}
 /// Key of the pending rebalance target (a string: the map's YAML).
-pub const TARGET_KEY: &str = "sq:{=map}:target";
+pub fn target_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=map:{ns}}}:target")
+}
 /// Key of the rebalance lock (a string: the holder's token, with a TTL).
-pub const REBALANCE_LOCK_KEY: &str = "sq:{=map}:rebalance";
+pub fn rebalance_lock_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=map:{ns}}}:rebalance")
+}
 
 /// The parts of one shard, in the order scripts receive them as `KEYS`.
 ///
-/// * `meta` hash: `seq` (last job id), `fmin` (fence: oldest map version),
-///   `pend` (jobs waiting to start or to be retried, for counts).
+/// * `meta` hash: `dep` (deployment id), `layout` ([`LAYOUT_VERSION`]),
+///   `seq` (last job id), `fmin` (fence: oldest map version), `ffloor`
+///   (fence: smallest run fence to issue), `flast` (last run fence issued),
+///   `pend` (jobs waiting to start or to be retried, for counts). Every
+///   script checks `dep` first: a shard whose record is gone (FLUSHALL, a
+///   server restarted empty) is reported lost, never re-created.
 /// * `jobs` hash: job id -> one record,
 ///   `<not_before_ms>|<attempts>|<max_attempts>|<created_ms>|<key len>|<key><payload>`.
 ///   `attempts` counts finished attempts: claim does not rewrite the record,
 ///   the attempt in flight is `attempts + 1` until a fail or reclaim writes
 ///   it back.
-/// * `keys` hash: routing key -> `<head> <tail> <depth> <in flight>`, the
-///   key's queue of waiting jobs (ids, 0 for none) and the id of its one
-///   job in flight (0 for none). Present iff the key has a waiting job or
-///   one in flight.
+/// * `keys` hash: routing key -> `<head> <tail> <depth> <in flight> <fence>`,
+///   the key's queue of waiting jobs (ids, 0 for none), the id of its one
+///   job in flight (0 for none) and that run's fence (0 for none): the
+///   receipt check of ack, fail and extend. Present iff the key has a
+///   waiting job or one in flight.
 /// * `next` hash: job id -> id of the job after it in its key's queue.
 /// * `ready` list: routing keys that may start now, oldest first.
 /// * `later` zset: routing key -> not-before (ms) of its head, for heads
@@ -53,14 +81,15 @@ pub const REBALANCE_LOCK_KEY: &str = "sq:{=map}:rebalance";
 ///
 ///   A key is in `ready` or `later` (once, never both) iff it has a waiting
 ///   job, nothing in flight and no halt.
-/// * `inflight` zset: job id -> lease deadline (ms).
+/// * `inflight` zset: job id -> job lease deadline (ms).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
 /// * `delayed` zset: job id -> not-before, for jobs enqueued or retried with
 ///   a delay (counts only; stale entries are harmless).
 /// * `paused` set: routing keys whose enqueues are paused (the fence).
-/// * `lease` hash: `owner` (`host@pid`), `token` (fencing token, only
-///   grows), `until` (ms).
+/// * `lease` hash: `owner` (`host@pid`), `token` (`<owner>#<epoch>#<n>`, the
+///   holder's random epoch makes it unique across store restarts), `until`
+///   (ms).
 /// * `reason` hash: job id -> last failure reason.
 pub const SHARD_PARTS: [&str; 13] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
@@ -95,14 +124,14 @@ pub fn validate_queue_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The hashtag of a shard's keys: `<queue>:<shard>`.
-pub fn shard_tag(queue: &str, shard: &str) -> String {
-    format!("{queue}:{shard}")
+/// The hashtag of a shard's keys: `<ns>:<queue>:<shard>`.
+pub fn shard_tag(ns: &str, queue: &str, shard: &str) -> String {
+    format!("{ns}:{queue}:{shard}")
 }
 
 /// All keys of one shard, in [`SHARD_PARTS`] order.
-pub fn shard_keys(queue: &str, shard: &str) -> Vec<String> {
-    let tag = shard_tag(queue, shard);
+pub fn shard_keys(ns: &str, queue: &str, shard: &str) -> Vec<String> {
+    let tag = shard_tag(ns, queue, shard);
     SHARD_PARTS
         .iter()
         .map(|part| format!("{NAMESPACE}:{{{tag}}}:{part}"))
@@ -111,8 +140,8 @@ pub fn shard_keys(queue: &str, shard: &str) -> Vec<String> {
 
 /// The Redis Cluster slot of every key of the shard, computed here (the
 /// same CRC16 the server uses) so callers can place shards on nodes.
-pub fn shard_slot(queue: &str, shard: &str) -> u16 {
-    shardq_route::slot(shard_tag(queue, shard).as_bytes())
+pub fn shard_slot(ns: &str, queue: &str, shard: &str) -> u16 {
+    shardq_route::slot(shard_tag(ns, queue, shard).as_bytes())
 }
 
 #[cfg(test)]
@@ -136,9 +165,10 @@ mod tests {
 
     #[test]
     fn keys_share_one_slot() {
-        let keys = shard_keys("default", "redis-0");
-        assert_eq!(keys[0], "sq:{default:redis-0}:meta");
-        let slot = shard_slot("default", "redis-0");
+        let keys = shard_keys("d1", "default", "redis-0");
+        assert_eq!(keys[0], "sq:{d1:default:redis-0}:meta");
+        assert_ne!(keys[0], shard_keys("d2", "default", "redis-0")[0]);
+        let slot = shard_slot("d1", "default", "redis-0");
         for k in &keys {
             assert_eq!(shardq_route::slot(k.as_bytes()), slot, "{k}");
         }

@@ -11,7 +11,12 @@
 //!
 //! * [`RedisBackend`] implements [`shardq_core::QueueBackend`].
 //! * [`RedisCoordinator`] implements [`shardq_core::Coordinator`] with a
-//!   lease per shard (owner `host@pid`, a fencing token, expiry, takeover).
+//!   lease per shard (owner `host@pid`, a token unique across store
+//!   restarts, expiry, takeover).
+//! * [`init_deployment`] writes a deployment's records (a random id, a
+//!   namespace, the layout version); every later open and script checks
+//!   them, so a store that lost its state stops workers with
+//!   `QueueError::StoreLost`.
 //! * [`RedisMapStore`] keeps the shard map YAML and its version in Redis,
 //!   published by compare-and-set.
 //! * [`testing`] starts real `redis-server` processes for tests.
@@ -22,6 +27,7 @@
 pub mod backend;
 mod conn;
 pub mod coord;
+pub mod deploy;
 pub mod error;
 pub mod keys;
 pub mod mapstore;
@@ -30,12 +36,15 @@ pub mod testing;
 
 pub use backend::{
     is_redis_url, RedisBackend, RedisOptions, ACK_BATCH_MAX, CLAIM_BATCH_MAX, ENQUEUE_BATCH_MAX,
-    JOB_LEASE_MS_DEFAULT,
+    EXTEND_BATCH_MAX,
 };
 pub use conn::{
-    CONNECT_TIMEOUT_MS, RESPONSE_TIMEOUT_MS, RETRY_ATTEMPTS_DEFAULT, RETRY_WAIT_MS_MAX,
-    SCHEME_CLUSTER, SCHEME_INSTANCE,
+    CONNECT_TIMEOUT_MS, REQUIRED_MAXMEMORY_POLICY, RESPONSE_TIMEOUT_MS, RETRY_ATTEMPTS_DEFAULT,
+    RETRY_BUDGET_MS_DEFAULT, RETRY_WAIT_MS_MAX, SCHEME_CLUSTER, SCHEME_INSTANCE,
 };
 pub use coord::{default_owner, CoordinatorOptions, RedisCoordinator, LEASE_MS_DEFAULT};
+pub use deploy::{init_deployment, init_shards, Deployment};
 pub use error::RedisError;
 pub use mapstore::RedisMapStore;
+/// The default job lease of a claim, from the core contract.
+pub use shardq_core::JOB_LEASE_MS_DEFAULT;

@@ -2,14 +2,15 @@
 //! on other hosts read the same map and its version; it is the
 //! [`MapStore`] live resharding drives when shards live on Redis.
 //!
-//! Reserved keys, all in the `{=map}` hashtag (one slot in a cluster):
+//! Reserved keys, all in the deployment's `{=map:<ns>}` hashtag (one slot
+//! in a cluster; [`crate::keys`]):
 //!
-//! * [`MAP_KEY`] hash (`version`, `yaml`): the published map. Publishing is
+//! * [`map_key`] hash (`version`, `yaml`): the published map. Publishing is
 //!   compare-and-set on the version: two operators cannot overwrite each
 //!   other's change.
-//! * [`TARGET_KEY`] string: the YAML of the map a pending rebalance must
+//! * [`target_key`] string: the YAML of the map a pending rebalance must
 //!   reach; absent when none is pending.
-//! * [`REBALANCE_LOCK_KEY`] string: the running rebalance's token
+//! * [`rebalance_lock_key`] string: the running rebalance's token
 //!   (`host@pid#nonce`), taken with `SET NX PX` and renewed by a thread
 //!   while held; a holder that dies frees it within [`REBALANCE_LOCK_MS`].
 //!
@@ -25,9 +26,10 @@ use std::time::Duration;
 use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_route::ShardMap;
 
-use crate::conn::{Node, RETRY_ATTEMPTS_DEFAULT};
+use crate::backend::RedisOptions;
+use crate::conn::{Limits, Node};
 use crate::error::RedisError;
-use crate::keys::{MAP_KEY, REBALANCE_LOCK_KEY, TARGET_KEY};
+use crate::keys::{map_key, rebalance_lock_key, target_key, NAMESPACE_DEFAULT};
 use crate::scripts::{reply, Scripts};
 
 const STORE: &str = "map store";
@@ -44,23 +46,50 @@ static LOCK_NONCE: AtomicU64 = AtomicU64::new(0);
 pub struct RedisMapStore {
     node: Arc<Node>,
     scripts: Arc<Scripts>,
+    map_key: String,
+    target_key: String,
+    lock_key: String,
 }
 
 impl RedisMapStore {
     /// A store at `url` (`redis://host:port/db` or
-    /// `redis+cluster://host:port,...`). Checks that the server answers.
+    /// `redis+cluster://host:port,...`) for the default namespace. Checks
+    /// that the server answers and never evicts keys.
     pub fn open(url: &str) -> Result<RedisMapStore, RedisError> {
-        RedisMapStore::open_with(url, RETRY_ATTEMPTS_DEFAULT)
+        RedisMapStore::open_in(url, NAMESPACE_DEFAULT, &RedisOptions::default())
     }
 
     /// [`RedisMapStore::open`] with `retry_attempts` per operation before
-    /// the server is reported unreachable.
+    /// the server is reported unreachable (default namespace).
     pub fn open_with(url: &str, retry_attempts: u32) -> Result<RedisMapStore, RedisError> {
-        let node = Node::new(STORE, url, retry_attempts)?;
+        let opts = RedisOptions {
+            retry_attempts,
+            ..RedisOptions::default()
+        };
+        RedisMapStore::open_in(url, NAMESPACE_DEFAULT, &opts)
+    }
+
+    /// The map store of deployment namespace `namespace` at `url`, with the
+    /// connection bounds of `options`.
+    pub fn open_in(
+        url: &str,
+        namespace: &str,
+        options: &RedisOptions,
+    ) -> Result<RedisMapStore, RedisError> {
+        crate::keys::validate_queue_name(namespace).map_err(|reason| RedisError::InvalidName {
+            what: "namespace",
+            name: namespace.to_string(),
+            reason,
+        })?;
+        let limits: Limits = options.limits();
+        let node = Node::new(STORE, url, limits)?;
         node.run(STORE, |con, _| redis::cmd("PING").query::<String>(con))?;
         Ok(RedisMapStore {
             node: Arc::new(node),
             scripts: Arc::new(Scripts::new()),
+            map_key: map_key(namespace),
+            target_key: target_key(namespace),
+            lock_key: rebalance_lock_key(namespace),
         })
     }
 
@@ -73,7 +102,7 @@ impl RedisMapStore {
     pub fn load_map(&self) -> Result<Option<ShardMap>, RedisError> {
         let (version, yaml): (Option<u64>, Option<String>) = self.node.run(STORE, |con, _| {
             redis::cmd("HMGET")
-                .arg(MAP_KEY)
+                .arg(&self.map_key)
                 .arg("version")
                 .arg("yaml")
                 .query(con)
@@ -105,7 +134,7 @@ impl RedisMapStore {
             reason: format!("refusing to publish an invalid map: {e}"),
         })?;
         let yaml = map.to_yaml();
-        let keys = [MAP_KEY.to_string()];
+        let keys = [self.map_key.clone()];
         let v = self.node.run(STORE, |con, _| {
             self.scripts.map_publish.call(con, &keys, &|c| {
                 c.arg(expected_version).arg(map.version).arg(&yaml);
@@ -151,6 +180,7 @@ struct LockGuard {
     node: Arc<Node>,
     scripts: Arc<Scripts>,
     token: String,
+    lock_key: String,
 }
 
 impl Drop for LockGuard {
@@ -159,7 +189,7 @@ impl Drop for LockGuard {
         if let Some(h) = self.renewer.take() {
             let _ = h.join();
         }
-        let keys = [REBALANCE_LOCK_KEY.to_string()];
+        let keys = [self.lock_key.clone()];
         // Best effort: a lock we fail to release lapses on its own.
         let _ = self.node.run(STORE, |con, _| {
             self.scripts.lock_release.call(con, &keys, &|c| {
@@ -187,14 +217,16 @@ impl MapStore for RedisMapStore {
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
         let yaml: Option<String> = self
             .node
-            .run(STORE, |con, _| redis::cmd("GET").arg(TARGET_KEY).query(con))
+            .run(STORE, |con, _| {
+                redis::cmd("GET").arg(&self.target_key).query(con)
+            })
             .map_err(store_err)?;
         match yaml {
             None => Ok(None),
             Some(y) => ShardMap::from_yaml(&y).map(Some).map_err(|e| {
                 ReshardError::Store(format!(
-                    "target map in Redis at {} ({TARGET_KEY}) does not parse: {e}",
-                    self.node.url
+                    "target map in Redis at {} ({}) does not parse: {e}",
+                    self.node.url, self.target_key
                 ))
             }),
         }
@@ -207,7 +239,7 @@ impl MapStore for RedisMapStore {
                 self.node
                     .run(STORE, |con, _| {
                         redis::cmd("SET")
-                            .arg(TARGET_KEY)
+                            .arg(&self.target_key)
                             .arg(&yaml)
                             .query::<()>(con)
                     })
@@ -216,7 +248,7 @@ impl MapStore for RedisMapStore {
             None => self
                 .node
                 .run(STORE, |con, _| {
-                    redis::cmd("DEL").arg(TARGET_KEY).query::<()>(con)
+                    redis::cmd("DEL").arg(&self.target_key).query::<()>(con)
                 })
                 .map_err(store_err),
         }
@@ -233,7 +265,7 @@ impl MapStore for RedisMapStore {
             .node
             .run(STORE, |con, _| {
                 redis::cmd("SET")
-                    .arg(REBALANCE_LOCK_KEY)
+                    .arg(&self.lock_key)
                     .arg(&token)
                     .arg("NX")
                     .arg("PX")
@@ -246,7 +278,7 @@ impl MapStore for RedisMapStore {
             let ttl: i64 = self
                 .node
                 .run(STORE, |con, _| {
-                    redis::cmd("PTTL").arg(REBALANCE_LOCK_KEY).query(con)
+                    redis::cmd("PTTL").arg(&self.lock_key).query(con)
                 })
                 .unwrap_or(-1);
             let holder = if ttl > 0 {
@@ -260,11 +292,12 @@ impl MapStore for RedisMapStore {
         let node = Arc::clone(&self.node);
         let scripts = Arc::clone(&self.scripts);
         let renew_token = token.clone();
+        let lock_key = self.lock_key.clone();
         let every = Duration::from_millis(REBALANCE_LOCK_MS / REBALANCE_LOCK_RENEWALS);
         let renewer = thread::Builder::new()
             .name("shardq-rebalance-lock".into())
             .spawn(move || {
-                let keys = [REBALANCE_LOCK_KEY.to_string()];
+                let keys = [lock_key];
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
                     // A failed renewal is retried next period; the lock
                     // lapses only after two more misses.
@@ -282,6 +315,7 @@ impl MapStore for RedisMapStore {
             node: Arc::clone(&self.node),
             scripts: Arc::clone(&self.scripts),
             token,
+            lock_key: self.lock_key.clone(),
         }))
     }
 }

@@ -5,11 +5,25 @@
 //! the script) on `NOSCRIPT`, so a restarted server or a node that joined a
 //! cluster later needs no separate loading step. Shard scripts receive the
 //! shard's keys in [`crate::keys::SHARD_PARTS`] order and declare every key
-//! they touch. `ARGV[1]` is the time in ms (empty: the server's `TIME`, one
-//! clock for every host), `ARGV[2]` the caller's fencing token, `ARGV[3]`
-//! `1` when a dead job halts its key. Replies are arrays led by a status
-//! word, never Lua errors, so refusals keep their detail. Scripts must stay
-//! bounded: every loop runs over a batch whose size the caller limits.
+//! they touch. The common ARGV: `ARGV[1]` the time in ms (empty: the
+//! server's `TIME`, one clock for every host), `ARGV[2]` the caller's lease
+//! token, `ARGV[3]` `1` when a dead job halts its key, `ARGV[4]` the
+//! deployment id the caller opened; each script's own arguments follow from
+//! `ARGV[5]`. Every shard script first checks the shard's deployment record
+//! (`meta.dep`) and answers `LOST` when it is missing or another, so a
+//! flushed or replaced store is never written as if it were new.
+//!
+//! Every script starts with a `#!lua` line (Redis 7 script flags). The
+//! scripts that let a worker drain a full store (claim, ack, fail, extend,
+//! adopt, the lease, dead-letter moves, the fence) carry `allow-oom`: they
+//! write a few bytes (an in-flight entry, a list push) but free far more
+//! over a job's life. Enqueue and init carry no flag, so a server at
+//! `maxmemory` refuses them before they run (`OOM`, reported as
+//! `QueueError::StoreFull`). Read-only scripts carry `no-writes`.
+//!
+//! Replies are arrays led by a status word, never Lua errors, so refusals
+//! keep their detail. Scripts must stay bounded: every loop runs over a
+//! batch whose size the caller limits.
 
 use redis::{Cmd, ConnectionLike, ErrorKind, RedisResult, Value};
 
@@ -18,10 +32,17 @@ const PRELUDE: &str = r#"
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local HALT = ARGV[3] == '1'
+local DEP = redis.call('HGET', K_META, 'dep')
+if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
 local function now_ms()
   if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Server time in microseconds: below 2^53, exact in a Lua number.
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
@@ -37,13 +58,13 @@ local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
   return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
 end
--- A key's queue: head, tail, depth, job in flight (ids; 0 for none).
+-- A key's queue: head, tail, depth, job in flight and its run fence (0 for none).
 local function kparse(s)
-  if not s then return {h = 0, t = 0, d = 0, f = 0} end
-  local h, t, d, f = string.match(s, '^(%d+) (%d+) (%d+) (%d+)$')
-  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f)}
+  if not s then return {h = 0, t = 0, d = 0, f = 0, r = 0} end
+  local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f), r = tonumber(r)}
 end
-local function kfmt(q) return idstr(q.h) .. ' ' .. idstr(q.t) .. ' ' .. idstr(q.d) .. ' ' .. idstr(q.f) end
+local function kfmt(q) return idstr(q.h) .. ' ' .. idstr(q.t) .. ' ' .. idstr(q.d) .. ' ' .. idstr(q.f) .. ' ' .. idstr(q.r) end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
   if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
@@ -76,8 +97,8 @@ local function bury(ids, k, why)
   redis.call('HINCRBY', K_DEADN, k, 1)
   redis.call('HSET', K_REASON, ids, why)
 end
--- Out of flight without an ack: the attempt counts; back to the head of its
--- key, or dead when out of attempts.
+-- Out of flight without an ack (the run ended): the attempt counts; back to
+-- the head of its key, or dead when out of attempts.
 local function requeue(ids, why, now)
   redis.call('ZREM', K_INF, ids)
   local r = redis.call('HGET', K_JOBS, ids)
@@ -87,30 +108,52 @@ local function requeue(ids, why, now)
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local was_flying = q.f == tonumber(ids)
-  if was_flying then q.f = 0 end
+  if was_flying then q.f, q.r = 0, 0 end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
   if was_flying then kready(k, q, nil, now) end
 end
+-- The key of job ids: the caller's guess, else the job's record ('' if gone).
+local function key_of(ids, k)
+  if k ~= '' then return k end
+  local r = redis.call('HGET', K_JOBS, ids)
+  if not r then return '' end
+  local _, _, _, _, rk = rec_parse(r)
+  return rk
+end
+-- Whether receipt (ids, fence) names the current run of its job on key k,
+-- whose queue is q: nil if it does, else why not. A run whose job lease
+-- lapsed ends here (its job goes back to its key), so it is stale too.
+local function run_check(ids, fence, k, q, now)
+  if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
+  if not q or q.f ~= tonumber(ids) then return 'not in flight' end
+  if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
+  local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
+  if until_ms <= now then
+    requeue(ids, 'job lease expired', now)
+    return 'job lease lapsed'
+  end
+  return nil
+end
 "#;
 
-/// ARGV[4] map version, ARGV[5] job count n, then per job: key, payload,
+/// ARGV[5] map version, ARGV[6] job count n, then per job: key, payload,
 /// delay_ms, max_attempts. Fence check and append in one step.
 const ENQUEUE: &str = r#"
 local now = now_ms()
-local n = tonumber(ARGV[5])
+local n = tonumber(ARGV[6])
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
-if tonumber(ARGV[4]) < fmin then return {'FENCED', ARGV[6], fmin} end
+if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[7], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
   for i = 0, n - 1 do
-    if redis.call('SISMEMBER', K_PAUSED, ARGV[6 + 4 * i]) == 1 then return {'PAUSED', ARGV[6 + 4 * i]} end
+    if redis.call('SISMEMBER', K_PAUSED, ARGV[7 + 4 * i]) == 1 then return {'PAUSED', ARGV[7 + 4 * i]} end
   end
 end
 local first = redis.call('HINCRBY', K_META, 'seq', n) - n + 1
 redis.call('HINCRBY', K_META, 'pend', n)
 local cand, qs = {}, {}
 for i = 0, n - 1 do
-  local k = ARGV[6 + 4 * i]
+  local k = ARGV[7 + 4 * i]
   if not qs[k] then
     qs[k] = true
     cand[#cand + 1] = k
@@ -128,7 +171,7 @@ end
 local nows = idstr(now)
 local jobs, nxt, dly = {}, {}, {}
 for i = 0, n - 1 do
-  local k, d = ARGV[6 + 4 * i], tonumber(ARGV[8 + 4 * i])
+  local k, d = ARGV[7 + 4 * i], tonumber(ARGV[9 + 4 * i])
   local id = first + i
   local ids = idstr(id)
   local nbf, nbfs = now, nows
@@ -139,7 +182,7 @@ for i = 0, n - 1 do
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[9 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[7 + 4 * i]
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[10 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[8 + 4 * i]
   local q = qs[k]
   if q.t ~= 0 then
     nxt[#nxt + 1] = idstr(q.t)
@@ -173,24 +216,27 @@ if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
 return {'OK', first}
 "#;
 
-/// ARGV[4] max jobs, ARGV[5] job lease ms, ARGV[6] reclaim batch, ARGV[7]
+/// ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
 /// `1` when an earlier attempt's reply was lost, then the ids the caller
-/// holds: in-flight jobs it does not know are put back. Replies id, record
-/// per job; the attempt being made is the record's count + 1.
+/// holds: in-flight jobs it does not know are put back. Replies the lease
+/// deadline, then id, record, fence per job; the attempt being made is the
+/// record's count + 1. Each run's fence is `next_fence(now_us, last, floor)`
+/// (`shardq_core::next_fence`), the last kept in `meta.flast`.
 const CLAIM: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
-if ARGV[7] == '1' then
+if ARGV[8] == '1' then
   local known = {}
-  for i = 8, #ARGV do known[ARGV[i]] = true end
+  for i = 9, #ARGV do known[ARGV[i]] = true end
   for _, ids in ipairs(redis.call('ZRANGE', K_INF, 0, -1)) do
     if not known[ids] then requeue(ids, 'claim reply lost', now) end
   end
 end
-for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
+for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
   requeue(ids, 'job lease expired', now)
 end
-local max = tonumber(ARGV[4])
+local max = tonumber(ARGV[5])
+local deadline = now + tonumber(ARGV[6])
 -- Keys whose wait is over first, then keys in the order they became ready.
 local keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, max)
 if #keys > 0 then redis.call('ZREM', K_LATER, unpack(keys)) end
@@ -200,7 +246,7 @@ if #keys < max then
     for _, k in ipairs(more) do keys[#keys + 1] = k end
   end
 end
-if #keys == 0 then return {'OK'} end
+if #keys == 0 then return {'OK', deadline} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
 local cand, qs, heads = {}, {}, {}
 for i, k in ipairs(keys) do
@@ -211,11 +257,13 @@ for i, k in ipairs(keys) do
     heads[#heads + 1] = idstr(q.h)
   end
 end
-if #cand == 0 then return {'OK'} end
+if #cand == 0 then return {'OK', deadline} end
 local rs = redis.call('HMGET', K_JOBS, unpack(heads))
 local nx = redis.call('HMGET', K_NEXT, unpack(heads))
-local deadline = now + tonumber(ARGV[5])
-local out, kq, inf, unlink, later, ids = {'OK'}, {}, {}, {}, {}, {}
+local us = now_us()
+local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
+local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
+local out, kq, inf, unlink, later, ids = {'OK', deadline}, {}, {}, {}, {}, {}
 for i, k in ipairs(cand) do
   local r, q = rs[i], qs[i]
   if r then
@@ -233,6 +281,8 @@ for i, k in ipairs(cand) do
       end
       q.d = q.d - 1
       q.f = tonumber(id)
+      last = math.max(us, last + 1, floor)
+      q.r = last
       kq[#kq + 1] = k
       kq[#kq + 1] = kfmt(q)
       inf[#inf + 1] = deadline
@@ -240,11 +290,13 @@ for i, k in ipairs(cand) do
       ids[#ids + 1] = id
       out[#out + 1] = id
       out[#out + 1] = r
+      out[#out + 1] = idstr(last)
     end
   end
 end
 if #later > 0 then redis.call('ZADD', K_LATER, unpack(later)) end
 if #ids == 0 then return out end
+redis.call('HSET', K_META, 'flast', idstr(last))
 redis.call('HSET', K_KEYS, unpack(kq))
 if #unlink > 0 then redis.call('HDEL', K_NEXT, unpack(unlink)) end
 redis.call('ZADD', K_INF, unpack(inf))
@@ -253,100 +305,112 @@ if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpac
 return out
 "#;
 
-/// ARGV[4..] pairs of job id and its routing key (empty when the caller
-/// does not know it). Acks those in flight; names the first that is not.
+/// ARGV[5..] triples of job id, run fence and routing key (empty when the
+/// caller does not know it). Acks the receipts that name their job's
+/// current run; replies {'OK', id, fence, why, ...} for the others.
 const ACK: &str = r#"
 if not owns() then return {'NOTOWNER'} end
-local ids, ks = {}, {}
-for i = 4, #ARGV - 1, 2 do
-  ids[#ids + 1] = ARGV[i]
-  ks[#ks + 1] = ARGV[i + 1]
-end
-local order, qs = {}, {}
-for i, k in ipairs(ks) do
-  if k == '' then
-    local r = redis.call('HGET', K_JOBS, ids[i])
-    if r then
-      local _, _, _, _, rk = rec_parse(r)
-      k = rk
-      ks[i] = k
+local now = now_ms()
+local out = {'OK'}
+local done, freed, qs = {}, {}, {}
+for i = 5, #ARGV - 2, 3 do
+  local ids, fence = ARGV[i], ARGV[i + 1]
+  local k = key_of(ids, ARGV[i + 2])
+  local q = nil
+  if k ~= '' then
+    q = qs[k]
+    if not q then
+      q = kparse(redis.call('HGET', K_KEYS, k))
+      qs[k] = q
     end
   end
-  if k ~= '' and not qs[k] then
-    qs[k] = true
-    order[#order + 1] = k
+  local why = run_check(ids, fence, k, q, now)
+  if why then
+    -- A lapsed run was put back: the key's queue changed under us.
+    if k ~= '' then qs[k] = nil end
+    out[#out + 1] = ids
+    out[#out + 1] = fence
+    out[#out + 1] = why
+  else
+    q.f, q.r = 0, 0
+    redis.call('ZREM', K_INF, ids)
+    redis.call('HDEL', K_JOBS, ids)
+    redis.call('HDEL', K_REASON, ids)
+    done[#done + 1] = ids
+    freed[#freed + 1] = k
+    -- Written at once: a later receipt of this batch reads the key afresh.
+    kstore(k, q)
+    qs[k] = nil
+    -- Claim checks the next head's start time.
+    if q.d > 0 and not halted(k) then redis.call('RPUSH', K_READY, k) end
   end
 end
-if #order > 0 then
-  local cur = redis.call('HMGET', K_KEYS, unpack(order))
-  for i, k in ipairs(order) do qs[k] = kparse(cur[i]) end
-end
--- A key's in-flight id is the proof: it names at most one job per key.
-local done, freed, missing = {}, {}, nil
-for i, id in ipairs(ids) do
-  local q = qs[ks[i]]
-  if q and q.f ~= 0 and q.f == tonumber(id) then
-    q.f = 0
-    done[#done + 1] = id
-    freed[#freed + 1] = ks[i]
-  elseif not missing then
-    missing = id
-  end
-end
-if #done > 0 then
-  redis.call('ZREM', K_INF, unpack(done))
-  redis.call('HDEL', K_JOBS, unpack(done))
-  if redis.call('EXISTS', K_REASON) == 1 then redis.call('HDEL', K_REASON, unpack(done)) end
-  local kq, gone, rl = {}, {}, {}
-  for _, k in ipairs(freed) do
-    local q = qs[k]
-    if q.d == 0 then
-      gone[#gone + 1] = k
-    else
-      kq[#kq + 1] = k
-      kq[#kq + 1] = kfmt(q)
-      -- Claim checks the next head's start time.
-      if not halted(k) then rl[#rl + 1] = k end
-    end
-  end
-  if #gone > 0 then redis.call('HDEL', K_KEYS, unpack(gone)) end
-  if #kq > 0 then redis.call('HSET', K_KEYS, unpack(kq)) end
-  if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
-end
-if missing then return {'NOTINFLIGHT', missing} end
-return {'OK'}
+return out
 "#;
 
-/// ARGV[4] id, ARGV[5] reason, ARGV[6] backoff base ms, ARGV[7] backoff max
-/// ms. The retry goes back to the head of its key.
+/// ARGV[5] id, ARGV[6] run fence, ARGV[7] reason, ARGV[8] backoff base ms,
+/// ARGV[9] backoff max ms, ARGV[10] retry delay ms (empty: the backoff).
+/// The retry goes back to the head of its key.
 const FAIL: &str = r#"
 if not owns() then return {'NOTOWNER'} end
-local id = ARGV[4]
-local r = redis.call('HGET', K_JOBS, id)
-if not r or not redis.call('ZSCORE', K_INF, id) then return {'NOTINFLIGHT', id} end
 local now = now_ms()
-local _, a, m, _, k = rec_parse(r)
+local id = ARGV[5]
+local k = key_of(id, '')
+local q = nil
+if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+local why = run_check(id, ARGV[6], k, q, now)
+if why then return {'STALE', why} end
+local r = redis.call('HGET', K_JOBS, id)
+local _, a, m = rec_parse(r)
 a = a + 1
 redis.call('ZREM', K_INF, id)
-redis.call('HSET', K_REASON, id, ARGV[5])
-local q = kparse(redis.call('HGET', K_KEYS, k))
-local was_flying = q.f == tonumber(id)
-if was_flying then q.f = 0 end
+redis.call('HSET', K_REASON, id, ARGV[7])
+q.f, q.r = 0, 0
 if a >= m then
   redis.call('HSET', K_JOBS, id, rec_set(r, now, a))
-  bury(id, k, ARGV[5])
+  bury(id, k, ARGV[7])
   kstore(k, q)
-  if was_flying then kready(k, q, nil, now) end
+  kready(k, q, nil, now)
   return {'DEAD'}
 end
-local delay = math.min(tonumber(ARGV[6]) * (2 ^ math.min(a - 1, 40)), tonumber(ARGV[7]))
+local delay
+if ARGV[10] ~= '' then
+  delay = tonumber(ARGV[10])
+else
+  delay = math.min(tonumber(ARGV[8]) * (2 ^ math.min(a - 1, 40)), tonumber(ARGV[9]))
+end
 local nbf = now + delay
 redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
 push_head(q, tonumber(id))
 if delay > 0 then redis.call('ZADD', K_DELAYED, nbf, id) end
 kstore(k, q)
-if was_flying then kready(k, q, nbf, now) end
+kready(k, q, nbf, now)
 return {'RETRY', nbf}
+"#;
+
+/// ARGV[5] job lease ms, ARGV[6..] triples of id, fence, routing key.
+/// Moves the lease deadline of live runs to now + lease; replies
+/// {'OK', deadline, id, fence, why, ...} for the stale ones.
+const EXTEND: &str = r#"
+if not owns() then return {'NOTOWNER'} end
+local now = now_ms()
+local deadline = now + tonumber(ARGV[5])
+local out = {'OK', deadline}
+for i = 6, #ARGV - 2, 3 do
+  local ids, fence = ARGV[i], ARGV[i + 1]
+  local k = key_of(ids, ARGV[i + 2])
+  local q = nil
+  if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+  local why = run_check(ids, fence, k, q, now)
+  if why then
+    out[#out + 1] = ids
+    out[#out + 1] = fence
+    out[#out + 1] = why
+  else
+    redis.call('ZADD', K_INF, 'XX', deadline, ids)
+  end
+end
+return out
 "#;
 
 /// Puts every in-flight job back (a previous owner's), under the new token.
@@ -367,16 +431,16 @@ if r[1] then return tonumber(r[2]) end
 return false
 "#;
 
-/// ARGV[4] routing key: depth, in flight (0/1), dead.
+/// ARGV[5] routing key: depth, in flight (0/1), dead.
 const KEY_COUNTS: &str = r#"
-local k = ARGV[4]
+local k = ARGV[5]
 local q = kparse(redis.call('HGET', K_KEYS, k))
 local f = 0
 if q.f ~= 0 then f = 1 end
 return {q.d, f, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
 "#;
 
-/// Ready, delayed, in flight, dead, distinct keys.
+/// Ready, delayed, in flight, dead, distinct keys, the last run fence.
 const STATS: &str = r#"
 local now = now_ms()
 local pending = tonumber(redis.call('HGET', K_META, 'pend') or '0')
@@ -385,27 +449,28 @@ local keys = redis.call('HLEN', K_KEYS)
 for _, k in ipairs(redis.call('HKEYS', K_DEADN)) do
   if redis.call('HEXISTS', K_KEYS, k) == 0 then keys = keys + 1 end
 end
-return {math.max(pending - delayed, 0), delayed, redis.call('ZCARD', K_INF), redis.call('ZCARD', K_DEAD), keys}
+return {math.max(pending - delayed, 0), delayed, redis.call('ZCARD', K_INF), redis.call('ZCARD', K_DEAD), keys, redis.call('HGET', K_META, 'flast') or '0'}
 "#;
 
-/// ARGV[4] oldest map version accepted, ARGV[5..] paused keys.
+/// ARGV[5] oldest map version accepted, ARGV[6] smallest run fence,
+/// ARGV[7..] paused keys.
 const FENCE_SET: &str = r#"
-redis.call('HSET', K_META, 'fmin', ARGV[4])
+redis.call('HSET', K_META, 'fmin', ARGV[5], 'ffloor', ARGV[6])
 redis.call('DEL', K_PAUSED)
 local keys = {}
-for i = 5, #ARGV do keys[#keys + 1] = ARGV[i] end
+for i = 7, #ARGV do keys[#keys + 1] = ARGV[i] end
 if #keys > 0 then redis.call('SADD', K_PAUSED, unpack(keys)) end
 return {'OK'}
 "#;
 
 const FENCE_GET: &str = r#"
-return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED)}
+return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0'}
 "#;
 
-/// ARGV[4] limit: id, attempts, key, reason per dead job, oldest first.
+/// ARGV[5] limit: id, attempts, key, reason per dead job, oldest first.
 const DEAD_LIST: &str = r#"
 local out = {}
-for _, id in ipairs(redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[4]) - 1)) do
+for _, id in ipairs(redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[5]) - 1)) do
   local r = redis.call('HGET', K_JOBS, id)
   if r then
     local _, a, _, _, k = rec_parse(r)
@@ -418,19 +483,19 @@ end
 return out
 "#;
 
-/// ARGV[4] `retry` or `purge`, ARGV[5] `1` for the oldest ARGV[6] dead jobs,
-/// else the ids in ARGV[7..]. Returns {moved, looked at}. A retried job goes
+/// ARGV[5] `retry` or `purge`, ARGV[6] `1` for the oldest ARGV[7] dead jobs,
+/// else the ids in ARGV[8..]. Returns {moved, looked at}. A retried job goes
 /// back to its place in key order (by id): the walk to it passes only the
 /// key's waiting jobs with smaller ids, which are earlier retried dead jobs
 /// or one reclaimed job, since every other waiting job was enqueued later.
 const DEAD_MOVE: &str = r#"
 local now = now_ms()
 local ids
-if ARGV[5] == '1' then
-  ids = redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[6]) - 1)
+if ARGV[6] == '1' then
+  ids = redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[7]) - 1)
 else
   ids = {}
-  for i = 7, #ARGV do ids[#ids + 1] = ARGV[i] end
+  for i = 8, #ARGV do ids[#ids + 1] = ARGV[i] end
 end
 local moved, touched, qs, startable = 0, {}, {}, {}
 for _, id in ipairs(ids) do
@@ -446,7 +511,7 @@ for _, id in ipairs(ids) do
         touched[#touched + 1] = k
       end
       if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
-      if ARGV[4] == 'retry' then
+      if ARGV[5] == 'retry' then
         redis.call('HSET', K_JOBS, id, rec_set(r, now, 0))
         local n = tonumber(id)
         local prev, at = 0, q.h
@@ -479,22 +544,99 @@ end
 return {moved, #ids}
 "#;
 
-/// KEYS[1] the shard's lease. ARGV[2] owner, ARGV[3] the caller's token (0
-/// for none), ARGV[4] lease ms, ARGV[5] `1` to take a free or lapsed lease.
-/// Taking over raises the token, which fences the previous owner's writes.
+/// ARGV[5] HSCAN cursor: `k<n>` walks `keys` (every key with a waiting job
+/// or one in flight), then `d<n>` walks `deadn` for keys whose only jobs
+/// are dead letters (they tie the key to this shard as much as live work
+/// does). ARGV[6] COUNT hint. Replies {next cursor ('0' when done), key,
+/// depth, in flight, dead, ...}.
+const INVENTORY: &str = r#"
+local phase, cur = string.sub(ARGV[5], 1, 1), string.sub(ARGV[5], 2)
+local out = {}
+if phase == 'k' then
+  local r = redis.call('HSCAN', K_KEYS, cur, 'COUNT', tonumber(ARGV[6]))
+  if r[1] == '0' then out[1] = 'd0' else out[1] = 'k' .. r[1] end
+  local kv = r[2]
+  for i = 1, #kv, 2 do
+    local k = kv[i]
+    local q = kparse(kv[i + 1])
+    local f = 0
+    if q.f ~= 0 then f = 1 end
+    out[#out + 1] = k
+    out[#out + 1] = q.d
+    out[#out + 1] = f
+    out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+  end
+else
+  local r = redis.call('HSCAN', K_DEADN, cur, 'COUNT', tonumber(ARGV[6]))
+  if r[1] == '0' then out[1] = '0' else out[1] = 'd' .. r[1] end
+  local kv = r[2]
+  for i = 1, #kv, 2 do
+    local k, n = kv[i], tonumber(kv[i + 1])
+    if n > 0 and redis.call('HEXISTS', K_KEYS, k) == 0 then
+      out[#out + 1] = k
+      out[#out + 1] = 0
+      out[#out + 1] = 0
+      out[#out + 1] = n
+    end
+  end
+end
+return out
+"#;
+
+/// Writes a new shard's deployment record (ARGV[4] the deployment id,
+/// ARGV[5] the layout version), refusing a shard any of whose keys exist:
+/// init never writes over another deployment's (or a lost) shard.
+const INIT_SHARD: &str = r#"
+local K_META = KEYS[1]
+for _, k in ipairs(KEYS) do
+  if redis.call('EXISTS', k) == 1 then
+    return {'EXISTS', k, redis.call('HGET', K_META, 'dep') or '', redis.call('HGET', K_META, 'layout') or ''}
+  end
+end
+redis.call('HSET', K_META, 'dep', ARGV[4], 'layout', ARGV[5], 'seq', '0', 'pend', '0', 'flast', '0')
+return {'OK'}
+"#;
+
+/// KEYS[1] meta of a shard: its deployment id and layout version.
+const SHARD_RECORD: &str = r#"
+return redis.call('HMGET', KEYS[1], 'dep', 'layout')
+"#;
+
+/// KEYS[1] the shard's lease, KEYS[2] its meta. ARGV[2] owner, ARGV[3] the
+/// caller's token ('' for none), ARGV[4] lease ms, ARGV[5] `1` to take a
+/// free or lapsed lease, ARGV[6] the deployment id, ARGV[7] the token to
+/// write when taking it. Tokens are `<owner>#<epoch>#<n>` with a random
+/// epoch per coordinator: a store that lost or rewound the lease can never
+/// hand a second worker the token the first still holds. A caller whose
+/// token is not the stored one gets STALE (it lost the shard) and takes
+/// nothing in that call.
 const LEASE: &str = r#"
-local now = now_ms()
+local d = redis.call('HGET', KEYS[2], 'dep')
+if d ~= ARGV[6] then return {'LOST', d or ''} end
+local now = tonumber(ARGV[1])
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local l = redis.call('HMGET', KEYS[1], 'owner', 'token', 'until')
 local owner, token, untl = l[1], l[2], tonumber(l[3] or '0')
-if ARGV[3] ~= '0' and token == ARGV[3] then
+local function idstr(n) return string.format('%d', n) end
+if ARGV[3] ~= '' then
+  if token == ARGV[3] then
+    redis.call('HSET', KEYS[1], 'until', idstr(now + tonumber(ARGV[4])))
+    return {'HELD', token}
+  end
+  return {'STALE', owner or '', untl}
+end
+-- A retry after a lost GAINED reply finds its own new token.
+if ARGV[7] ~= '' and token == ARGV[7] then
   redis.call('HSET', KEYS[1], 'until', idstr(now + tonumber(ARGV[4])))
-  return {'HELD', token}
+  return {'GAINED', token}
 end
 if owner and owner ~= '' and untl >= now then return {'OTHER', owner, untl} end
 if ARGV[5] == '1' then
-  local t = redis.call('HINCRBY', KEYS[1], 'token', 1)
-  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'until', idstr(now + tonumber(ARGV[4])))
-  return {'GAINED', idstr(t)}
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'token', ARGV[7], 'until', idstr(now + tonumber(ARGV[4])))
+  return {'GAINED', ARGV[7]}
 end
 return {'FREE'}
 "#;
@@ -516,26 +658,6 @@ if cur ~= tonumber(ARGV[1]) then return {'CONFLICT', cur} end
 if tonumber(ARGV[2]) <= cur then return {'STALE', cur} end
 redis.call('HSET', KEYS[1], 'version', ARGV[2], 'yaml', ARGV[3])
 return {'OK'}
-"#;
-
-/// ARGV[4] HSCAN cursor, ARGV[5] COUNT hint. Walks `keys` (every key with
-/// a waiting job or one in flight, one field each however deep its
-/// backlog): {next cursor ('0' when done), key, depth, in flight, dead, ...}.
-const INVENTORY: &str = r#"
-local r = redis.call('HSCAN', K_KEYS, ARGV[4], 'COUNT', tonumber(ARGV[5]))
-local out = {r[1]}
-local kv = r[2]
-for i = 1, #kv, 2 do
-  local k = kv[i]
-  local q = kparse(kv[i + 1])
-  local f = 0
-  if q.f ~= 0 then f = 1 end
-  out[#out + 1] = k
-  out[#out + 1] = q.d
-  out[#out + 1] = f
-  out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
-end
-return out
 "#;
 
 /// KEYS[1] the rebalance lock, ARGV[1] the holder's token, ARGV[2] ms:
@@ -560,12 +682,28 @@ pub(crate) struct Lua {
     sha: String,
 }
 
+/// Redis 7 script flags of a script's `#!lua` line.
+#[derive(Clone, Copy)]
+enum Flags {
+    /// Writes; refused when the server is at `maxmemory`.
+    Write,
+    /// Writes, also when the server is at `maxmemory` (drains it).
+    AllowOom,
+    /// Reads only.
+    NoWrites,
+}
+
 impl Lua {
-    fn new(body: &str, prelude: bool) -> Lua {
+    fn new(body: &str, prelude: bool, flags: Flags) -> Lua {
+        let shebang = match flags {
+            Flags::Write => "#!lua",
+            Flags::AllowOom => "#!lua flags=allow-oom",
+            Flags::NoWrites => "#!lua flags=no-writes",
+        };
         let src = if prelude {
-            format!("{PRELUDE}\n{body}")
+            format!("{shebang}\n{PRELUDE}\n{body}")
         } else {
-            body.to_string()
+            format!("{shebang}\n{body}")
         };
         let sha = redis::Script::new(&src).get_hash().to_string();
         Lua { src, sha }
@@ -600,7 +738,10 @@ pub(crate) struct Scripts {
     pub(crate) claim: Lua,
     pub(crate) ack: Lua,
     pub(crate) fail: Lua,
+    pub(crate) extend: Lua,
     pub(crate) adopt: Lua,
+    pub(crate) init_shard: Lua,
+    pub(crate) shard_record: Lua,
     pub(crate) key_counts: Lua,
     pub(crate) stats: Lua,
     pub(crate) fence_set: Lua,
@@ -619,24 +760,27 @@ pub(crate) struct Scripts {
 impl Scripts {
     pub(crate) fn new() -> Scripts {
         Scripts {
-            enqueue: Lua::new(ENQUEUE, true),
-            claim: Lua::new(CLAIM, true),
-            ack: Lua::new(ACK, true),
-            fail: Lua::new(FAIL, true),
-            adopt: Lua::new(ADOPT, true),
-            key_counts: Lua::new(KEY_COUNTS, true),
-            stats: Lua::new(STATS, true),
-            fence_set: Lua::new(FENCE_SET, true),
-            fence_get: Lua::new(FENCE_GET, true),
-            dead_list: Lua::new(DEAD_LIST, true),
-            dead_move: Lua::new(DEAD_MOVE, true),
-            lease: Lua::new(LEASE, true),
-            lease_release: Lua::new(LEASE_RELEASE, false),
-            map_publish: Lua::new(MAP_PUBLISH, false),
-            inventory: Lua::new(INVENTORY, true),
-            next_due: Lua::new(NEXT_DUE, true),
-            lock_renew: Lua::new(LOCK_RENEW, false),
-            lock_release: Lua::new(LOCK_RELEASE, false),
+            enqueue: Lua::new(ENQUEUE, true, Flags::Write),
+            claim: Lua::new(CLAIM, true, Flags::AllowOom),
+            ack: Lua::new(ACK, true, Flags::AllowOom),
+            fail: Lua::new(FAIL, true, Flags::AllowOom),
+            extend: Lua::new(EXTEND, true, Flags::AllowOom),
+            adopt: Lua::new(ADOPT, true, Flags::AllowOom),
+            init_shard: Lua::new(INIT_SHARD, false, Flags::Write),
+            shard_record: Lua::new(SHARD_RECORD, false, Flags::NoWrites),
+            key_counts: Lua::new(KEY_COUNTS, true, Flags::NoWrites),
+            stats: Lua::new(STATS, true, Flags::NoWrites),
+            fence_set: Lua::new(FENCE_SET, true, Flags::AllowOom),
+            fence_get: Lua::new(FENCE_GET, true, Flags::NoWrites),
+            dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
+            dead_move: Lua::new(DEAD_MOVE, true, Flags::AllowOom),
+            lease: Lua::new(LEASE, false, Flags::AllowOom),
+            lease_release: Lua::new(LEASE_RELEASE, false, Flags::AllowOom),
+            map_publish: Lua::new(MAP_PUBLISH, false, Flags::Write),
+            inventory: Lua::new(INVENTORY, true, Flags::NoWrites),
+            next_due: Lua::new(NEXT_DUE, true, Flags::NoWrites),
+            lock_renew: Lua::new(LOCK_RENEW, false, Flags::AllowOom),
+            lock_release: Lua::new(LOCK_RELEASE, false, Flags::AllowOom),
         }
     }
 }

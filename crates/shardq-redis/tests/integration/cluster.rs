@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{JobId, QueueBackend};
-use shardq_redis::keys::{shard_keys, shard_slot, MAP_KEY, QUEUE_DEFAULT};
+use shardq_core::{QueueBackend, Receipt};
+use shardq_redis::keys::{map_key, shard_keys, shard_slot, NAMESPACE_DEFAULT as NS, QUEUE_DEFAULT};
 use shardq_redis::testing::{slot_ranges, RedisCluster};
 use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 
-use crate::common::{check_order, job, map_of, owner, payloads, tick_adopt};
+use crate::common::{check_order, init, job, map_of, owner, payloads, tick_adopt};
 
 const KEYS: u64 = 20;
 const WAIT_MS_MAX: u64 = 60_000;
@@ -26,7 +26,7 @@ const MIGRATE_PAUSE_MS: u64 = 40;
 fn name_where(prefix: &str, want: impl Fn(u16) -> bool) -> String {
     (0..NAME_SEARCH_MAX)
         .map(|i| format!("{prefix}-{i}"))
-        .find(|n| want(shard_slot(QUEUE_DEFAULT, n)))
+        .find(|n| want(shard_slot(NS, QUEUE_DEFAULT, n)))
         .expect("a shard name with the wanted slot")
 }
 
@@ -40,8 +40,8 @@ fn cluster_mode_spreads_shards_and_slots_match_the_server() {
         ("orders.v2", "redis-7"),
         ("q_1", "a.b-c"),
     ] {
-        let mut keys = shard_keys(q, s);
-        keys.push(MAP_KEY.to_string());
+        let mut keys = shard_keys(NS, q, s);
+        keys.push(map_key(NS));
         for k in keys {
             let server: u16 = cluster.nodes[0]
                 .cli(&["cluster", "keyslot", &k])
@@ -51,8 +51,8 @@ fn cluster_mode_spreads_shards_and_slots_match_the_server() {
             assert_eq!(shardq_route::slot(k.as_bytes()), server, "{k}");
         }
         assert_eq!(
-            shard_slot(q, s),
-            shardq_route::slot(shard_keys(q, s)[0].as_bytes())
+            shard_slot(NS, q, s),
+            shardq_route::slot(shard_keys(NS, q, s)[0].as_bytes())
         );
     }
 
@@ -62,6 +62,7 @@ fn cluster_mode_spreads_shards_and_slots_match_the_server() {
         .collect();
     let shards: Vec<(&str, String)> = names.iter().map(|n| (n.as_str(), cluster.url())).collect();
     let map = map_of(&shards);
+    init(&map);
     let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
     assert!(b.is_cluster(&names[0]));
     let _c = owner(&b, "w@1", 10_000);
@@ -75,19 +76,19 @@ fn cluster_mode_spreads_shards_and_slots_match_the_server() {
         // The shard's keys physically live on the master that serves its slot.
         let mut con = cluster.nodes[m].connection();
         let exists: u64 = redis::cmd("EXISTS")
-            .arg(&shard_keys(QUEUE_DEFAULT, n)[1])
+            .arg(&shard_keys(NS, QUEUE_DEFAULT, n)[1])
             .query(&mut con)
             .unwrap();
         assert_eq!(exists, 1, "{n} on node {m}");
         let mut seen = Vec::new();
         loop {
-            let got = b.claim(n, 100).unwrap();
+            let got = b.claim(n, 100, shardq_core::JOB_LEASE_MS_DEFAULT).unwrap();
             if got.is_empty() {
                 break;
             }
             assert!(got.len() <= 3, "one in flight per key");
             seen.extend(payloads(&got));
-            let ids: Vec<JobId> = got.iter().map(|j| j.id).collect();
+            let ids: Vec<Receipt> = got.iter().map(|j| j.receipt()).collect();
             b.ack(n, &ids).unwrap();
         }
         assert_eq!(seen.len(), 30);
@@ -176,9 +177,10 @@ fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
     let port0 = cluster.nodes[0].port();
     let first0 = ranges.iter().find(|r| r.2 == port0).unwrap().0;
     let busy = name_where("busy", |slot| slot == first0);
-    let slot = shard_slot(QUEUE_DEFAULT, &busy);
+    let slot = shard_slot(NS, QUEUE_DEFAULT, &busy);
     assert_eq!(cluster.node_for_slot(slot), 0);
     let map = map_of(&[(busy.as_str(), cluster.url())]);
+    init(&map);
 
     let acked: Arc<Mutex<Vec<String>>> = Arc::default();
     let runs: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -219,7 +221,9 @@ fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
                     next_tick = Instant::now() + Duration::from_millis(500);
                 }
                 // Small claims keep a backlog, so the shard has many keys to move.
-                let jobs = b.claim(&busy, 4).expect("claim during reshard");
+                let jobs = b
+                    .claim(&busy, 4, shardq_core::JOB_LEASE_MS_DEFAULT)
+                    .expect("claim during reshard");
                 if jobs.is_empty() {
                     if stop.load(Ordering::SeqCst) {
                         idle += 1;
@@ -235,7 +239,7 @@ fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
                     jobs.iter()
                         .map(|j| String::from_utf8_lossy(&j.payload).into_owned()),
                 );
-                let ids: Vec<JobId> = jobs.iter().map(|j| j.id).collect();
+                let ids: Vec<Receipt> = jobs.iter().map(|j| j.receipt()).collect();
                 b.ack(&busy, &ids).expect("ack during reshard");
             }
         })
@@ -257,7 +261,7 @@ fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
 
     let mut con = cluster.nodes[1].connection();
     let exists: u64 = redis::cmd("EXISTS")
-        .arg(&shard_keys(QUEUE_DEFAULT, &busy)[0])
+        .arg(&shard_keys(NS, QUEUE_DEFAULT, &busy)[0])
         .query(&mut con)
         .unwrap();
     assert_eq!(exists, 1, "the shard's keys live on the new master");

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use shardq_core::{ClaimedJob, Clock, Coordinator, ManualClock, NewJob, QueueBackend};
-use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
+use shardq_redis::{
+    init_deployment, CoordinatorOptions, Deployment, RedisBackend, RedisCoordinator, RedisOptions,
+};
 use shardq_route::{Algorithm, Shard, ShardMap};
 
 /// A map of `(name, url)` shards, version 1.
@@ -19,6 +21,19 @@ pub fn map_of(shards: &[(&str, String)]) -> ShardMap {
         };
     }
     map
+}
+
+/// Initialises a deployment in the default namespace for `map` (its map
+/// store on the first shard's server), as `shardq init` would.
+pub fn init(map: &ShardMap) -> Deployment {
+    let url = map.shards[0].url.clone().expect("a shard url");
+    init_deployment(
+        map,
+        &url,
+        Some(shardq_redis::keys::NAMESPACE_DEFAULT),
+        &RedisOptions::default(),
+    )
+    .expect("init deployment")
 }
 
 /// Options on a manual clock.

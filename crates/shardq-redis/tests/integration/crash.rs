@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{JobId, QueueBackend};
+use shardq_core::{QueueBackend, Receipt};
 use shardq_redis::testing::{RedisServer, ServerOptions};
 use shardq_redis::{RedisBackend, RedisOptions};
 
-use crate::common::{check_order, job, map_of, owner};
+use crate::common::{check_order, init, job, map_of, owner};
 
 const BATCHES: u64 = 300;
 const BATCH: u64 = 10;
@@ -27,6 +27,7 @@ fn sigkill_and_restart_loses_no_acknowledged_enqueue() {
         ..ServerOptions::default()
     });
     let map = map_of(&[("r0", server.url())]);
+    init(&map);
     let acked: Arc<Mutex<Vec<String>>> = Arc::default();
     let runs: Arc<Mutex<Vec<String>>> = Arc::default();
     let produced = Arc::new(AtomicBool::new(false));
@@ -73,10 +74,10 @@ fn sigkill_and_restart_loses_no_acknowledged_enqueue() {
                     c_tick(&b, &mut c);
                     next_tick = Instant::now() + Duration::from_millis(200);
                 }
-                match b.claim("r0", 64) {
+                match b.claim("r0", 64, shardq_core::JOB_LEASE_MS_DEFAULT) {
                     Ok(jobs) if !jobs.is_empty() => {
                         idle_after_produced = 0;
-                        let ids: Vec<JobId> = jobs.iter().map(|j| j.id).collect();
+                        let ids: Vec<Receipt> = jobs.iter().map(|j| j.receipt()).collect();
                         runs.lock().unwrap().extend(
                             jobs.iter()
                                 .map(|j| String::from_utf8_lossy(&j.payload).into_owned()),

@@ -10,7 +10,7 @@ use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisMapStore};
 use shardq_route::Router;
 
-use crate::common::{job, map_of, opts_manual, owner, tick_adopt};
+use crate::common::{init, job, map_of, opts_manual, owner, tick_adopt};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -26,7 +26,9 @@ fn counts(depth: u64, in_flight: u64, dead: u64) -> KeyCounts {
 fn inventory_lists_queued_and_in_flight_keys_across_calls() {
     let server = RedisServer::start();
     let clock = ManualClock::new(T0);
-    let b = RedisBackend::open(&map_of(&[("r0", server.url())]), opts_manual(&clock)).unwrap();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
     let _c = owner(&b, "w1", 10_000);
     assert!(b.keys_with_work("r0").unwrap().is_empty());
     // More keys than one script call looks at, with deep and odd keys.
@@ -44,8 +46,12 @@ fn inventory_lists_queued_and_in_flight_keys_across_calls() {
     }
     // Claim everything claimable once: "deep" keeps 4 queued, the others
     // are in flight only.
-    let claimed = b.claim("r0", 1024).unwrap();
-    let mut more = b.claim("r0", 1024).unwrap();
+    let claimed = b
+        .claim("r0", 1024, shardq_core::JOB_LEASE_MS_DEFAULT)
+        .unwrap();
+    let mut more = b
+        .claim("r0", 1024, shardq_core::JOB_LEASE_MS_DEFAULT)
+        .unwrap();
     let in_flight = claimed.len() + more.len();
     more.clear();
     assert_eq!(in_flight, n + 2);
@@ -55,7 +61,7 @@ fn inventory_lists_queued_and_in_flight_keys_across_calls() {
     assert_eq!(got["t0"], counts(0, 1, 0));
     assert_eq!(got["ünï cödé g~"], counts(0, 1, 0));
     // Acked keys leave the inventory.
-    let ids: Vec<_> = claimed.iter().map(|j| j.id).collect();
+    let ids: Vec<_> = claimed.iter().map(|j| j.receipt()).collect();
     b.ack("r0", &ids).unwrap();
     let after = b.keys_with_work("r0").unwrap();
     assert!(after.len() < got.len());
@@ -109,6 +115,7 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
     let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let clock = ManualClock::new(T0);
     let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    init(&map);
     let store = RedisMapStore::open(&servers[0].url()).unwrap();
     store.publish(&map, 0).unwrap();
     let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
@@ -120,6 +127,15 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
     }
 
     reshard::add_shard(&store, "r2", 1, Some(servers[2].url())).unwrap();
+    // A shard added after init gets its deployment record first.
+    let opts = shardq_redis::RedisOptions {
+        deployment: b.deployment_id(),
+        ..shardq_redis::RedisOptions::default()
+    };
+    assert_eq!(
+        shardq_redis::init_shards(&store.load().unwrap(), &opts).unwrap(),
+        ["r2"]
+    );
     let added = b.sync_shards(&store.load().unwrap()).unwrap();
     assert_eq!(added, ["r2"]);
     tick_adopt(&b, &mut c);
@@ -131,8 +147,10 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 for s in b.shard_names() {
-                    let jobs = b.claim(&s, 100).unwrap_or_default();
-                    let ids: Vec<_> = jobs.iter().map(|j| j.id).collect();
+                    let jobs = b
+                        .claim(&s, 100, shardq_core::JOB_LEASE_MS_DEFAULT)
+                        .unwrap_or_default();
+                    let ids: Vec<_> = jobs.iter().map(|j| j.receipt()).collect();
                     if !ids.is_empty() {
                         b.ack(&s, &ids).unwrap();
                     }

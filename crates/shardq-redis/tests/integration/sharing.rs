@@ -13,7 +13,7 @@ use shardq_redis::testing::RedisServer;
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::Router;
 
-use crate::common::{check_order, job, map_of};
+use crate::common::{check_order, init, job, map_of};
 
 const JOBS: u64 = 2_000;
 const KEYS: u64 = 40;
@@ -67,6 +67,7 @@ fn two_processes_share_shards_and_take_over() {
         ("s2", servers[1].url()),
         ("s3", servers[1].url()),
     ]);
+    init(&map);
     let router = Router::new(map.clone()).unwrap();
     let producer = RedisBackend::open(&map, RedisOptions::default()).unwrap();
     let mut expected = BTreeMap::new();
