@@ -739,8 +739,8 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     );
     let report = report?;
     eprintln!(
-        "shardq: done: {} acked, {} retried, {} dead, {} abandoned",
-        report.acked, report.retried, report.dead, report.abandoned
+        "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",
+        report.acked, report.retried, report.dead, report.abandoned, report.timed_out, report.stale
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -801,7 +801,8 @@ fn pool_options(args: &WorkArgs) -> PoolOptions {
         concurrency: args.concurrency,
         drain_timeout_ms: args.drain_timeout_ms,
         exit_when_idle: args.exit_when_idle,
-        on_event: Arc::new(|ev| match ev {
+        on_event: Arc::new(|ev| {
+            match ev {
             PoolEvent::Standby(reason) => eprintln!("shardq: standby: {reason}"),
             PoolEvent::Gained(s) => eprintln!("shardq: claimed {s}"),
             PoolEvent::Lost(s) => eprintln!("shardq: lost {s} (lease taken over)"),
@@ -809,7 +810,16 @@ fn pool_options(args: &WorkArgs) -> PoolOptions {
                 eprintln!("shardq: draining: waiting for {in_flight} running jobs")
             }
             PoolEvent::RecordFailed(e) => eprintln!("shardq: warning: {e}"),
+            PoolEvent::Cancelling { running } => eprintln!(
+                "shardq: drain timeout: stopping {running} running handlers (killed and waited for before the shards are released)"
+            ),
+            PoolEvent::ShardFailed { shard, error } => eprintln!(
+                "shardq: error: shard {shard} stopped: {error} (the other shards keep running; retrying it every {} s)",
+                shardq_core::pool::SHARD_RETRY_MS / 1000
+            ),
+            PoolEvent::ShardRecovered(s) => eprintln!("shardq: shard {s} serves again"),
             other => eprintln!("shardq: {other:?}"),
+        }
         }),
         ..PoolOptions::default()
     }

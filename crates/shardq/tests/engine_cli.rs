@@ -200,12 +200,14 @@ fn data_dir_with_corrupt_shard_1(dir: &Path) -> (PathBuf, Vec<u64>) {
         .find(|p| p.extension().is_some_and(|x| x == "seg"))
         .expect("shard-1 has a segment");
     let mut bytes = std::fs::read(&seg).unwrap();
-    let body_len = u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize;
+    // The first record follows the segment header.
+    let at = shardq_fs::record::SEGMENT_HEADER_BYTES;
+    let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
     assert!(
-        8 + body_len < bytes.len(),
+        at + 8 + body_len < bytes.len(),
         "the first record is not the last"
     );
-    bytes[8 + body_len / 2] ^= 0xff;
+    bytes[at + 8 + body_len / 2] ^= 0xff;
     std::fs::write(&seg, &bytes).unwrap();
     (data, before)
 }
