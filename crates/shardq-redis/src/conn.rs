@@ -1,13 +1,21 @@
 //! Connections to one Redis instance or one Redis Cluster, with bounded
-//! retries.
+//! calls.
 //!
 //! A [`Node`] is shared by every shard that lives on it. It keeps a few idle
 //! connections for reuse, reconnects after a dropped connection or a server
-//! restart, and retries `TRYAGAIN`, `CLUSTERDOWN` and `LOADING` with a
-//! bounded, growing wait; after [`RETRY_ATTEMPTS_DEFAULT`] attempts the
-//! caller gets an error naming the shard and the URL. MOVED and ASK are
-//! followed by the `redis` crate's cluster client. This module must never
-//! retry forever or hide which server failed.
+//! restart, and retries refused connections, timeouts, `TRYAGAIN`,
+//! `CLUSTERDOWN` and `LOADING` with a growing wait, within
+//! [`RETRY_ATTEMPTS_DEFAULT`] attempts and [`RETRY_BUDGET_MS_DEFAULT`] ms;
+//! then the caller gets [`RedisError::Unreachable`] (`QueueError::Unavailable`)
+//! naming the shard and the URL. Every step of a connection is bounded: the
+//! TCP connect by [`CONNECT_TIMEOUT_MS`], the handshake (AUTH, SELECT, sent
+//! here rather than by the client library so they run under the timeout) and
+//! every reply by [`RESPONSE_TIMEOUT_MS`], so a stopped server (SIGSTOP, a
+//! hung host) costs a bounded wait, never a hang. Each connection opened
+//! checks `maxmemory-policy` once: a server that may evict keys is refused
+//! ([`RedisError::Refused`]). An `OOM` refusal becomes [`RedisError::Full`].
+//! MOVED and ASK are followed by the `redis` crate's cluster client. This
+//! module must never retry without bound or hide which server failed.
 
 use std::sync::Mutex;
 use std::thread;

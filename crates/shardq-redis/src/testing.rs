@@ -40,6 +40,8 @@ pub struct ServerOptions {
     pub aof_always: bool,
     /// `cluster-enabled yes`.
     pub cluster: bool,
+    /// More `redis-server` arguments (e.g. `--rename-command CONFIG ""`).
+    pub extra_args: &'static [&'static str],
 }
 
 /// One `redis-server` child process.
@@ -130,6 +132,7 @@ impl RedisServer {
                 .arg("--cluster-config-file")
                 .arg(self.dir.join("nodes.conf"));
         }
+        cmd.args(self.opts.extra_args);
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -213,15 +216,74 @@ impl RedisServer {
     }
 
     /// Starts the server again on the same port and directory (with AOF
-    /// on, it reloads what it had acknowledged).
+    /// on, it reloads what it had acknowledged; without, it loads
+    /// `dump.rdb` if there is one).
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+
+    /// Kills the server and starts it again from the RDB snapshot at
+    /// `snapshot` (a copy of an earlier `dump.rdb`), as a restore from an
+    /// old backup would.
+    pub fn restart_from_snapshot(&mut self, snapshot: &Path) {
+        self.kill();
+        let dump = self.dir.join("dump.rdb");
+        std::fs::copy(snapshot, &dump).unwrap_or_else(|e| {
+            panic!("copying {} to {}: {e}", snapshot.display(), dump.display())
+        });
+        self.spawn();
+    }
+
+    /// Runs `SAVE` and copies the snapshot to `name` in the server's
+    /// directory; returns its path.
+    pub fn snapshot(&self, name: &str) -> PathBuf {
+        let out = self.cli(&["save"]);
+        assert!(out.trim() == "OK", "SAVE on port {}: {out}", self.port);
+        let to = self.dir.join(name);
+        std::fs::copy(self.dir.join("dump.rdb"), &to)
+            .unwrap_or_else(|e| panic!("copying the snapshot to {}: {e}", to.display()));
+        to
+    }
+
+    /// SIGSTOP: the server keeps its sockets but answers nothing (a hung
+    /// host), until [`RedisServer::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`RedisServer::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .map(|c| c.id())
+            .unwrap_or_else(|| panic!("redis-server on port {} is not running", self.port));
+        let status = Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .unwrap_or_else(|e| panic!("kill {sig} {pid}: {e}"));
+        assert!(status.success(), "kill {sig} {pid}: {status}");
     }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        // A paused server would not die of SIGKILL any later, but resume
+        // anyway so nothing waits on it.
+        if self.child.is_some() {
+            let _ = self.child.as_ref().map(|c| {
+                Command::new("kill")
+                    .arg("-CONT")
+                    .arg(c.id().to_string())
+                    .status()
+            });
+        }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }

@@ -5,5 +5,6 @@ mod cluster;
 mod common;
 mod contract;
 mod crash;
+mod hardening;
 mod reshard;
 mod sharing;

@@ -1,0 +1,450 @@
+//! Failure modes of the store itself, each against a real `redis-server`:
+//! a store that lost its state (FLUSHALL, a restart from an old snapshot),
+//! an evicting server, a full server, a hung server, two deployments on one
+//! server, and keys whose only jobs are dead letters.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use shardq_core::reshard::KeyInventory;
+use shardq_core::{
+    Coordinator, FailOutcome, KeyCounts, QueueBackend, QueueError, JOB_LEASE_MS_DEFAULT as LEASE,
+};
+use shardq_redis::testing::{RedisServer, ServerOptions};
+use shardq_redis::{
+    init_deployment, CoordinatorOptions, RedisBackend, RedisCoordinator, RedisError, RedisOptions,
+};
+
+use crate::common::{init, job, map_of, payloads, tick_adopt};
+
+fn coordinator(b: &RedisBackend, name: &str, lease_ms: u64) -> RedisCoordinator {
+    RedisCoordinator::new(
+        b,
+        CoordinatorOptions {
+            owner: Some(name.to_string()),
+            lease_ms,
+            shards: None,
+            max_shards: 0,
+        },
+    )
+    .expect("coordinator")
+}
+
+fn store_lost<T: std::fmt::Debug>(r: Result<T, QueueError>, url: &str) -> String {
+    match r {
+        Err(QueueError::StoreLost(m)) => {
+            assert!(m.contains(url), "the error names the server: {m}");
+            m
+        }
+        other => panic!("expected StoreLost, got {other:?}"),
+    }
+}
+
+/// FLUSHALL mid-run: the lease counter and every record are gone. The
+/// worker's tick, claim and enqueue stop with StoreLost naming the server
+/// and the missing record; a second coordinator does not get the shard.
+#[test]
+fn split_brain_after_flushall_is_refused_with_store_lost() {
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let a = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut ca = coordinator(&a, "host-a@1", 10_000);
+    assert_eq!(tick_adopt(&a, &mut ca), ["r0"]);
+    a.enqueue("r0", 1, &[job("k", "k1"), job("k", "k2")])
+        .unwrap();
+    let run = a.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&run), ["k1"]);
+
+    server.cli(&["flushall"]);
+
+    // Every script checks the record before it writes.
+    let m = store_lost(a.claim("r0", 10, LEASE), &server.url());
+    assert!(m.contains("dep"), "names what is missing: {m}");
+    store_lost(a.ack("r0", &[run[0].receipt()]), &server.url());
+    store_lost(a.enqueue("r0", 1, &[job("k", "k3")]), &server.url());
+    // The tick stops the worker and drops the shard.
+    store_lost(ca.tick(), &server.url());
+    assert_eq!(ca.token("r0"), None, "the lost shard is dropped");
+    assert!(matches!(
+        a.claim("r0", 10, LEASE),
+        Err(QueueError::NotOwner { .. })
+    ));
+    // A second worker neither opens the store nor takes the shard.
+    let err = RedisBackend::open(&map, RedisOptions::default()).unwrap_err();
+    store_lost(Err::<(), _>(err.into()), &server.url());
+    let mut cb = coordinator(&a, "host-b@2", 10_000);
+    store_lost(cb.tick(), &server.url());
+    assert_eq!(cb.token("r0"), None, "no two coordinators hold r0");
+    // Nothing was re-created behind the operator's back.
+    assert_eq!(server.cli(&["dbsize"]).trim(), "0");
+}
+
+/// A restart from an old RDB snapshot rewinds the lease: the first worker's
+/// token is not in the store any more. Its renewal fails (the shard is
+/// reported lost), a second worker gains the shard with a different token,
+/// and the first one's claims are refused.
+#[test]
+fn split_brain_after_restart_from_an_old_snapshot_is_refused() {
+    let mut server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let a = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    a.enqueue("r0", 1, &[job("k", "k1")]).unwrap();
+    let old = server.snapshot("before-lease.rdb");
+
+    let mut ca = coordinator(&a, "host-a@1", 10_000);
+    assert_eq!(tick_adopt(&a, &mut ca), ["r0"]);
+    let token_a = ca.token("r0").unwrap().to_string();
+    let run_a = a.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&run_a), ["k1"]);
+
+    server.restart_from_snapshot(&old);
+
+    let own = ca.tick().unwrap();
+    assert_eq!(own.lost, ["r0"], "A's renewal finds another token");
+    assert!(own.owned.is_empty());
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut cb = coordinator(&b, "host-b@2", 10_000);
+    assert_eq!(tick_adopt(&b, &mut cb), ["r0"]);
+    let token_b = cb.token("r0").unwrap().to_string();
+    assert_ne!(token_a, token_b, "tokens are unique across store restarts");
+    assert!(matches!(
+        a.claim("r0", 10, LEASE),
+        Err(QueueError::NotOwner { .. })
+    ));
+    // A does not take the shard back while B holds it.
+    assert!(ca.tick().unwrap().owned.is_empty());
+    assert_eq!(ca.token("r0"), None);
+    let run_b = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&run_b), ["k1"], "the snapshot's job runs again");
+    assert!(
+        run_b[0].fence > run_a[0].fence,
+        "fences grow across a store restart ({} then {})",
+        run_a[0].fence,
+        run_b[0].fence
+    );
+}
+
+/// A server whose `maxmemory-policy` may evict keys is refused at init and
+/// at open, with the policy and the fix; a server with CONFIG renamed is
+/// refused with that reason.
+#[test]
+fn evicting_redis_is_refused_naming_the_policy_and_the_fix() {
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    server.cli(&["config", "set", "maxmemory-policy", "allkeys-lru"]);
+    let err = init_deployment(&map, &server.url(), None, &RedisOptions::default()).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("allkeys-lru"), "{text}");
+    assert!(
+        text.contains("CONFIG SET maxmemory-policy noeviction"),
+        "{text}"
+    );
+    assert!(text.contains(&server.url()), "{text}");
+    server.cli(&["config", "set", "maxmemory-policy", "noeviction"]);
+    init(&map);
+    server.cli(&["config", "set", "maxmemory-policy", "volatile-ttl"]);
+    let text = RedisBackend::open(&map, RedisOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(text.contains("volatile-ttl"), "{text}");
+
+    let hidden = RedisServer::start_with(ServerOptions {
+        extra_args: &["--rename-command", "CONFIG", ""],
+        ..ServerOptions::default()
+    });
+    let map = map_of(&[("r0", hidden.url())]);
+    let text = init_deployment(&map, &hidden.url(), None, &RedisOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("CONFIG command is disabled or renamed"),
+        "{text}"
+    );
+}
+
+fn used_memory(server: &RedisServer) -> u64 {
+    let info = server.cli(&["info", "memory"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no used_memory in {info}"))
+}
+
+/// A full server (maxmemory reached, noeviction): enqueue is refused with
+/// StoreFull, while claims, acks, fails, extends and lease renewals still
+/// run, so a worker drains the store.
+#[test]
+fn full_redis_refuses_enqueue_but_a_worker_still_drains_it() {
+    const BATCHES_MAX: usize = 2_000;
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    assert_eq!(tick_adopt(&b, &mut c), ["r0"]);
+    let limit = used_memory(&server) + (2 << 20);
+    server.cli(&["config", "set", "maxmemory", &limit.to_string()]);
+    let payload = "p".repeat(2_000);
+    let mut enqueued = 0usize;
+    let mut full = None;
+    for i in 0..BATCHES_MAX {
+        let jobs: Vec<_> = (0..50)
+            .map(|j| job(&format!("k{}", (i * 50 + j) % 200), &payload))
+            .collect();
+        match b.enqueue("r0", 1, &jobs) {
+            Ok(ids) => enqueued += ids.len(),
+            Err(e) => {
+                full = Some(e);
+                break;
+            }
+        }
+    }
+    match full {
+        Some(QueueError::StoreFull {
+            ref shard,
+            ref reason,
+        }) => {
+            assert_eq!(shard, "r0");
+            assert!(reason.contains(&server.url()), "{reason}");
+        }
+        other => panic!("expected StoreFull within {BATCHES_MAX} batches, got {other:?}"),
+    }
+    assert!(enqueued > 0);
+    // Still full: the worker drains everything without one error.
+    let mut done = 0usize;
+    let mut first = true;
+    loop {
+        assert!(
+            c.tick().unwrap().owned == ["r0"],
+            "lease renewal works when full"
+        );
+        let got = b.claim("r0", 64, LEASE).expect("claim on a full store");
+        if got.is_empty() {
+            break;
+        }
+        let receipts: Vec<_> = got.iter().map(|j| j.receipt()).collect();
+        assert!(b.extend("r0", &receipts, LEASE).unwrap().is_empty());
+        if first {
+            // A retry writes too; it must not be refused either.
+            first = false;
+            assert!(matches!(
+                b.fail("r0", receipts[0], "once", Some(0)).unwrap(),
+                FailOutcome::Retry { .. }
+            ));
+            let out = b.ack("r0", &receipts[1..]).expect("ack on a full store");
+            done += out.acked as usize;
+            continue;
+        }
+        let out = b.ack("r0", &receipts).expect("ack on a full store");
+        assert!(out.stale.is_empty());
+        done += out.acked as usize;
+    }
+    assert_eq!(done, enqueued, "every job ran and was acked");
+    assert_eq!(b.shard_stats("r0").unwrap().in_flight, 0);
+}
+
+/// A hung server (SIGSTOP) hosting one of two shards: calls to it fail
+/// within the bound with Unavailable naming its URL, calls to the other
+/// shard work, and after SIGCONT it recovers.
+#[test]
+fn bounded_calls_to_a_hung_server_fail_with_unavailable_and_recover() {
+    let hung = RedisServer::start();
+    let fine = RedisServer::start();
+    let map = map_of(&[("s0", hung.url()), ("s1", fine.url())]);
+    init(&map);
+    let opts = RedisOptions {
+        retry_budget_ms: 1_000,
+        connect_timeout_ms: 300,
+        response_timeout_ms: 300,
+        ..RedisOptions::default()
+    };
+    // Budget plus one attempt's timeouts, plus slack for a loaded machine.
+    let bound = Duration::from_millis(1_000 + 300 + 300 + 1_500);
+    let b = RedisBackend::open(&map, opts).unwrap();
+    let mut c = coordinator(&b, "w@1", 3_000);
+    assert_eq!(tick_adopt(&b, &mut c).len(), 2);
+
+    hung.pause();
+    let t = Instant::now();
+    let err = b.enqueue("s0", 1, &[job("k", "x")]).unwrap_err();
+    assert!(t.elapsed() < bound, "enqueue took {:?}", t.elapsed());
+    assert!(err.is_transient(), "{err}");
+    match &err {
+        QueueError::Unavailable { shard, reason } => {
+            assert_eq!(shard, "s0");
+            assert!(reason.contains(&hung.url()), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let t = Instant::now();
+    assert!(b.claim("s0", 10, LEASE).unwrap_err().is_transient());
+    assert!(t.elapsed() < bound, "claim took {:?}", t.elapsed());
+    // The other shard is unaffected.
+    b.enqueue("s1", 1, &[job("k", "y")]).unwrap();
+    assert_eq!(payloads(&b.claim("s1", 10, LEASE).unwrap()), ["y"]);
+    // A tick gives up the hung shard's renewal within its interval and
+    // keeps the other lease.
+    let t = Instant::now();
+    let own = c.tick().unwrap();
+    assert!(t.elapsed() < bound, "tick took {:?}", t.elapsed());
+    assert_eq!(own.lost, ["s0"]);
+    assert_eq!(own.owned, ["s1"]);
+
+    hung.resume();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let owned = tick_adopt(&b, &mut c);
+        if owned.len() == 2 && b.enqueue("s0", 1, &[job("k", "z")]).is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "s0 did not recover");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let got = b.claim("s0", 10, LEASE).unwrap();
+    assert!(!got.is_empty(), "s0 works again");
+}
+
+/// Two deployments on one server keep separate keys; init refuses an
+/// existing namespace; a namespace that was never initialised, and a shard
+/// of an unknown layout version, are refused at open.
+#[test]
+fn namespaces_keep_two_deployments_on_one_server_apart() {
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    let d1 = init_deployment(&map, &server.url(), None, &RedisOptions::default()).unwrap();
+    let d2 = init_deployment(&map, &server.url(), None, &RedisOptions::default()).unwrap();
+    assert_ne!(d1.namespace, d2.namespace);
+    assert_ne!(d1.id, d2.id);
+    let open = |d: &shardq_redis::Deployment| {
+        RedisBackend::open(
+            &map,
+            RedisOptions {
+                namespace: d.namespace.clone(),
+                deployment: Some(d.id.clone()),
+                ..RedisOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let (b1, b2) = (open(&d1), open(&d2));
+    b1.enqueue("r0", 1, &[job("k", "one"), job("k", "two")])
+        .unwrap();
+    b2.enqueue("r0", 1, &[job("k", "other")]).unwrap();
+    assert_eq!(b1.key_counts("r0", "k").unwrap().depth, 2);
+    assert_eq!(b2.key_counts("r0", "k").unwrap().depth, 1);
+
+    let err = init_deployment(
+        &map,
+        &server.url(),
+        Some(&d1.namespace),
+        &RedisOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains(&d1.namespace) && err.contains(&server.url()),
+        "{err}"
+    );
+    // Shard keys without a deployment record are refused too.
+    server.cli(&["del", &shardq_redis::keys::deployment_key(&d1.namespace)]);
+    let err = init_deployment(
+        &map,
+        &server.url(),
+        Some(&d1.namespace),
+        &RedisOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("already has key"), "{err}");
+    assert_eq!(
+        b1.key_counts("r0", "k").unwrap().depth,
+        2,
+        "nothing overwritten"
+    );
+
+    // The wrong deployment id, or a namespace never initialised.
+    let wrong = RedisBackend::open(
+        &map,
+        RedisOptions {
+            namespace: d1.namespace.clone(),
+            deployment: Some(d2.id.clone()),
+            ..RedisOptions::default()
+        },
+    );
+    assert!(matches!(
+        wrong.map_err(QueueError::from),
+        Err(QueueError::StoreLost(m)) if m.contains(&d1.id)
+    ));
+    let never = RedisBackend::open(
+        &map,
+        RedisOptions {
+            namespace: "never-init".into(),
+            ..RedisOptions::default()
+        },
+    );
+    assert!(matches!(
+        never.map_err(QueueError::from),
+        Err(QueueError::StoreLost(m)) if m.contains("never-init")
+    ));
+
+    // A layout version this build does not know.
+    let meta = &b2.shard_keys("r0").unwrap()[0];
+    server.cli(&["hset", meta, "layout", "99"]);
+    match RedisBackend::open(
+        &map,
+        RedisOptions {
+            namespace: d2.namespace.clone(),
+            ..RedisOptions::default()
+        },
+    ) {
+        Err(RedisError::Queue(QueueError::UnknownFormat {
+            found, supported, ..
+        })) => {
+            assert_eq!(found, "99");
+            assert_eq!(supported, shardq_redis::keys::LAYOUT_VERSION.to_string());
+        }
+        other => panic!("expected UnknownFormat, got {other:?}"),
+    }
+}
+
+/// A key whose only jobs are dead letters stays in the inventory (dead
+/// count 1, nothing queued or in flight), so a rebalance keeps it pinned
+/// instead of moving it away from its dead letters.
+#[test]
+fn dead_only_keys_stay_in_the_key_inventory() {
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    let mut once = job("dead-only", "x");
+    once.max_attempts = 1;
+    b.enqueue("r0", 1, &[once, job("live", "y")]).unwrap();
+    for j in b.claim("r0", 10, LEASE).unwrap() {
+        if j.key == "dead-only" {
+            assert_eq!(
+                b.fail("r0", j.receipt(), "bad", None).unwrap(),
+                FailOutcome::Dead
+            );
+        }
+    }
+    let inv: BTreeMap<String, KeyCounts> = b.keys_with_work("r0").unwrap().into_iter().collect();
+    assert_eq!(
+        inv.get("dead-only"),
+        Some(&KeyCounts {
+            depth: 0,
+            in_flight: 0,
+            dead: 1
+        }),
+        "{inv:?}"
+    );
+    assert_eq!(inv["live"].in_flight, 1);
+    assert_eq!(inv.len(), 2);
+    // Purged, the key has nothing left and leaves the inventory.
+    assert_eq!(b.dead_purge("r0", None).unwrap(), 1);
+    let inv = b.keys_with_work("r0").unwrap();
+    assert_eq!(inv.len(), 1, "{inv:?}");
+}
