@@ -4,6 +4,7 @@
 mod cluster;
 mod common;
 mod contract;
+mod core_contract;
 mod crash;
 mod hardening;
 mod reshard;
