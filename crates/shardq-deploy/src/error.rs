@@ -1,0 +1,56 @@
+//! The front door's one error type: what opening, initialising or reading a
+//! deployment can fail with. Messages name the data dir, file, shard or
+//! value; this module must never hide a lower layer's cause.
+
+use thiserror::Error;
+
+/// Errors of [`crate::Deployment`] and its helpers.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum DeployError {
+    /// Bad input (a flag, a spec, a map) or a data dir in a shape we refuse.
+    #[error("{0}")]
+    Invalid(String),
+    /// The queue layer failed.
+    #[error(transparent)]
+    Queue(#[from] shardq_core::QueueError),
+    /// The embedded engine failed.
+    #[error(transparent)]
+    Fs(#[from] shardq_fs::FsError),
+    /// The Redis backend failed.
+    #[error(transparent)]
+    Redis(#[from] shardq_redis::RedisError),
+    /// Resharding or the map store failed.
+    #[error(transparent)]
+    Reshard(#[from] shardq_core::reshard::ReshardError),
+    /// A shard map is invalid.
+    #[error(transparent)]
+    Map(#[from] shardq_route::MapError),
+    /// An I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, naming the file.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl DeployError {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> DeployError {
+        DeployError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// `Err(DeployError::Invalid(format!(...)))`.
+macro_rules! invalid {
+    ($($arg:tt)*) => {
+        return Err($crate::error::DeployError::Invalid(format!($($arg)*)))
+    };
+}
+pub(crate) use invalid;

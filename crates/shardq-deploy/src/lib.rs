@@ -1,0 +1,472 @@
+//! shardq-deploy: the front door. [`Deployment::open`] turns a data dir into
+//! one value (a backend, a map store, a way to take shards, a status) for
+//! the embedded engine and for Redis alike, so the CLI, the server and the
+//! demo call one API and never ask which storage they run on.
+//!
+//! A data dir is one of two kinds:
+//!
+//! * **Embedded** (no `remote.json`): every shard is a log in the data dir
+//!   (`url` absent or `file:`); the map is `shardmap.yaml`, the store
+//!   `FileMapStore`, shards are taken through `membership.json` leases.
+//! * **Redis** (`remote.json` present): every shard lives on Redis
+//!   (`redis://host:port/db` or `redis+cluster://host:port,...`). The map,
+//!   its version, the rebalance target and lock, the fences and the leases
+//!   are in Redis under the deployment's namespace; `remote.json` names
+//!   where the map lives, the namespace and the deployment id, and
+//!   `shardmap.yaml` is a cache of the last map this data dir saw (never
+//!   read as truth). Processes with different data dirs naming the same
+//!   deployment cooperate.
+//!
+//! A map mixing embedded and Redis shards is refused with an error naming
+//! the shard. This crate opens, initialises and reports; it must never
+//! route, enqueue or run jobs itself beyond handing out the core types that
+//! do (`Producer`, `WorkerPool`).
+
+mod error;
+pub mod redis_maps;
+pub mod remote;
+pub mod spec;
+pub mod status;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::reshard::{MapStore, ReshardBackend};
+use shardq_core::{Clock, Coordinator, QueueBackend, SystemClock};
+use shardq_fs::map_store::FileMapStore;
+use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
+use shardq_redis::{is_redis_url, RedisBackend, RedisMapStore, RedisOptions};
+use shardq_route::ShardMap;
+
+pub use error::DeployError;
+pub use redis_maps::{FollowMap, RedisMaps};
+pub use remote::{Remote, REMOTE_FILE};
+pub use status::{ShardRow, StatusReport};
+
+/// The cached copy of the map in a Redis data dir.
+pub const MAP_CACHE_FILE: &str = shardq_fs::layout::SHARD_MAP_FILE;
+
+/// How to open a deployment: the embedded engine's options (durability,
+/// payload limit, clock, dead policy) and Redis's (bounds, dead policy);
+/// only the ones of the data dir's kind are used.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// For an embedded data dir.
+    pub engine: EngineOptions,
+    /// For a Redis data dir; its namespace, deployment and queue come from
+    /// `remote.json`.
+    pub redis: RedisOptions,
+}
+
+/// How a process takes part in running shards.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Shard lease, in ms.
+    pub lease_ms: u64,
+    /// Embedded only: margin past a lapsed lease before takeover, in ms
+    /// (`None`: the engine's default, at most half the lease).
+    pub clock_skew_ms: Option<u64>,
+    /// Most shards held at once (`usize::MAX`: no limit).
+    pub max_shards: usize,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        WorkerOptions {
+            lease_ms: shardq_fs::membership::LEASE_MS_DEFAULT,
+            clock_skew_ms: None,
+            max_shards: usize::MAX,
+        }
+    }
+}
+
+/// Where a deployment's shards live.
+#[derive(Debug, Clone)]
+pub enum Kind {
+    /// The embedded engine in the data dir.
+    Embedded,
+    /// Redis, as named by the data dir's `remote.json`.
+    Redis(Remote),
+}
+
+enum Store {
+    Embedded(Arc<FsBackend>),
+    Redis {
+        backend: RedisBackend,
+        maps: Arc<RedisMaps>,
+    },
+}
+
+/// An open deployment. See the crate docs.
+pub struct Deployment {
+    dir: PathBuf,
+    kind: Kind,
+    store: Store,
+    backend: Arc<dyn ReshardBackend>,
+    maps: Arc<dyn MapStore>,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Deployment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deployment")
+            .field("dir", &self.dir)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// The kind of data dir `dir` is. An embedded data dir whose map names a
+/// Redis shard is refused (mixed maps are not supported).
+pub fn kind(dir: &Path) -> Result<Kind, DeployError> {
+    if let Some(r) = Remote::read(dir)? {
+        return Ok(Kind::Redis(r));
+    }
+    // Errors reading the local map are left to the embedded engine, which
+    // reports them as it always has.
+    if let Ok(map) = shardq_fs::layout::read_map(dir) {
+        check_all(&map, false)?;
+    }
+    Ok(Kind::Embedded)
+}
+
+/// Checks that every shard of `map` is on Redis (`redis`) or every one is
+/// embedded; names the first that is not.
+pub fn check_all(map: &ShardMap, redis: bool) -> Result<(), DeployError> {
+    for s in &map.shards {
+        let url = s.url.as_deref().unwrap_or("");
+        if is_redis_url(url) != redis {
+            let (want, got) = if redis {
+                ("on Redis", "embedded")
+            } else {
+                ("embedded", "on Redis")
+            };
+            return Err(DeployError::Invalid(format!(
+                "shard {:?} (url {:?}) is {got} while the other shards are {want}: a map mixing the embedded engine and Redis is not supported; give every shard the same kind of url",
+                s.name,
+                s.url.as_deref().unwrap_or("none")
+            )));
+        }
+        if !redis && !url.is_empty() && !url.starts_with("file:") {
+            return Err(DeployError::Invalid(format!(
+                "shard {:?} has url {url:?}: expected none, file:, redis://host:port/db or redis+cluster://host:port,...",
+                s.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The Redis options of a deployment named by `remote`.
+pub fn redis_options_for(remote: &Remote, base: &RedisOptions) -> RedisOptions {
+    RedisOptions {
+        queue: remote.queue.clone(),
+        namespace: remote.namespace.clone(),
+        deployment: Some(remote.deployment.clone()),
+        ..base.clone()
+    }
+}
+
+/// What `init` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Initialised {
+    /// The published map.
+    pub map: ShardMap,
+    /// True when an existing Redis deployment was joined.
+    pub joined: bool,
+    /// Where the map lives (Redis) or `None` (embedded).
+    pub map_url: Option<String>,
+    /// The Redis namespace, if any.
+    pub namespace: Option<String>,
+}
+
+/// Makes `dir` an embedded data dir publishing `map`.
+pub fn init_embedded(dir: &Path, map: &ShardMap) -> Result<Initialised, DeployError> {
+    check_all(map, false)?;
+    shardq_fs::Engine::init(dir, map)?;
+    Ok(Initialised {
+        map: map.clone(),
+        joined: false,
+        map_url: None,
+        namespace: None,
+    })
+}
+
+/// Makes `dir` a Redis data dir: a new deployment for `map` (shard i on
+/// `urls[i % n]`, the map on `urls[0]`) in `namespace` (default: derived
+/// from the new deployment id), or, with `join`, the existing deployment in
+/// `namespace` (default `default`). Init refuses a namespace already in use;
+/// join refuses one that holds no deployment.
+pub fn init_redis(
+    dir: &Path,
+    mut map: ShardMap,
+    urls: &[String],
+    namespace: Option<&str>,
+    join: bool,
+    base: &RedisOptions,
+) -> Result<Initialised, DeployError> {
+    if urls.is_empty() {
+        error::invalid!("no Redis URL given");
+    }
+    for (i, s) in map.shards.iter_mut().enumerate() {
+        s.url = Some(urls[i % urls.len()].clone());
+    }
+    map.validate()?;
+    if dir.exists() {
+        let mut entries = std::fs::read_dir(dir)
+            .map_err(|e| DeployError::io(format!("reading {}", dir.display()), e))?;
+        if entries.next().is_some() {
+            error::invalid!(
+                "cannot initialise {}: the directory is not empty",
+                dir.display()
+            );
+        }
+    }
+    let map_url = urls[0].clone();
+    let (remote, map) = if join {
+        let ns = namespace.unwrap_or(shardq_redis::keys::NAMESPACE_DEFAULT);
+        let store = RedisMapStore::open_in(&map_url, ns, base)?;
+        let Some(found) = store.load_map()? else {
+            error::invalid!(
+                "Redis at {map_url} holds no shard map in namespace {ns:?}: nothing to join (run init without --join to create a deployment)"
+            );
+        };
+        let opts = RedisOptions {
+            namespace: ns.to_string(),
+            deployment: None,
+            ..base.clone()
+        };
+        let backend = RedisBackend::open(&found, opts)?;
+        let Some(id) = backend.deployment_id() else {
+            error::invalid!(
+                "Redis at {map_url}: the shards of namespace {ns:?} carry no deployment record: nothing to join"
+            );
+        };
+        (Remote::new(&map_url, ns, &id), found)
+    } else {
+        let dep = shardq_redis::init_deployment(&map, &map_url, namespace, base)?;
+        let remote = Remote::new(&map_url, &dep.namespace, &dep.id);
+        let store = RedisMapStore::open_in(&map_url, &dep.namespace, base)?;
+        store.publish_map(&map, 0)?;
+        (remote, map)
+    };
+    check_all(&map, true)?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| DeployError::io(format!("creating {}", dir.display()), e))?;
+    let cache = dir.join(MAP_CACHE_FILE);
+    shardq_fs::layout::write_atomic(&cache, map.to_yaml().as_bytes())
+        .map_err(|e| DeployError::io(format!("writing {}", cache.display()), e))?;
+    remote.write(dir)?;
+    Ok(Initialised {
+        map,
+        joined: join,
+        map_url: Some(remote.map_url.clone()),
+        namespace: Some(remote.namespace.clone()),
+    })
+}
+
+impl Deployment {
+    /// Opens data dir `dir`, embedded or Redis.
+    pub fn open(dir: &Path, opts: &OpenOptions) -> Result<Deployment, DeployError> {
+        match kind(dir)? {
+            Kind::Embedded => {
+                shardq_fs::layout::check(dir)?;
+                let backend = Arc::new(FsBackend::new(dir, opts.engine.clone())?);
+                let maps: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?);
+                Ok(Deployment {
+                    dir: dir.to_path_buf(),
+                    kind: Kind::Embedded,
+                    clock: Arc::clone(&opts.engine.clock),
+                    backend: backend.clone(),
+                    store: Store::Embedded(backend),
+                    maps,
+                })
+            }
+            Kind::Redis(remote) => {
+                let ropts = redis_options_for(&remote, &opts.redis);
+                let (backend, maps) = redis_maps::open(dir, &remote, ropts)?;
+                Ok(Deployment {
+                    dir: dir.to_path_buf(),
+                    kind: Kind::Redis(remote),
+                    clock: Arc::new(SystemClock),
+                    backend: Arc::new(backend.clone()),
+                    maps: maps.clone(),
+                    store: Store::Redis { backend, maps },
+                })
+            }
+        }
+    }
+
+    /// The data dir.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Where the shards live.
+    pub fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    /// True for a Redis deployment.
+    pub fn is_redis(&self) -> bool {
+        matches!(self.kind, Kind::Redis(_))
+    }
+
+    /// The queue backend with its key inventory (for resharding).
+    pub fn backend(&self) -> Arc<dyn ReshardBackend> {
+        Arc::clone(&self.backend)
+    }
+
+    /// The queue backend.
+    pub fn queue(&self) -> Arc<dyn QueueBackend> {
+        match &self.store {
+            Store::Embedded(fs) => fs.clone(),
+            Store::Redis { backend, .. } => Arc::new(backend.clone()),
+        }
+    }
+
+    /// Where the shard map lives.
+    pub fn maps(&self) -> Arc<dyn MapStore> {
+        Arc::clone(&self.maps)
+    }
+
+    /// The clock leases and delays use in this process.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
+    }
+
+    /// The published map.
+    pub fn map(&self) -> Result<ShardMap, DeployError> {
+        Ok(self.maps.load()?)
+    }
+
+    /// Names of the shards of the published map.
+    pub fn shard_names(&self) -> Result<Vec<String>, DeployError> {
+        Ok(self.map()?.shards.into_iter().map(|s| s.name).collect())
+    }
+
+    /// A producer routing with the published map.
+    pub fn producer(
+        &self,
+        options: ProducerOptions,
+    ) -> Result<Producer<dyn ReshardBackend>, DeployError> {
+        Producer::new(self.backend(), self.maps(), options)
+            .map_err(|e| DeployError::Invalid(e.to_string()))
+    }
+
+    /// A coordinator taking shards for this process.
+    pub fn coordinator(&self, opts: &WorkerOptions) -> Result<Box<dyn Coordinator>, DeployError> {
+        match &self.store {
+            Store::Embedded(_) => {
+                let member = MemberOptions {
+                    lease_ms: opts.lease_ms,
+                    clock_skew_ms: opts.clock_skew_ms.unwrap_or(
+                        shardq_fs::membership::CLOCK_SKEW_MS_DEFAULT.min(opts.lease_ms / 2),
+                    ),
+                    max_local_shards: opts.max_shards,
+                    ..MemberOptions::default()
+                };
+                Ok(Box::new(FsCoordinator::new(
+                    &self.dir,
+                    member,
+                    Arc::clone(&self.clock),
+                )?))
+            }
+            Store::Redis { backend, maps } => {
+                let max = if opts.max_shards == usize::MAX {
+                    0
+                } else {
+                    opts.max_shards
+                };
+                Ok(Box::new(FollowMap::new(
+                    backend,
+                    Arc::clone(maps),
+                    opts.lease_ms,
+                    max,
+                )?))
+            }
+        }
+    }
+
+    /// Makes what was written durable (the embedded engine's unsynced
+    /// appends under interval or no durability); Redis's durability is the
+    /// server's own.
+    pub fn flush(&self) -> Result<(), DeployError> {
+        if let Store::Embedded(fs) = &self.store {
+            fs.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Counts, owners and leases of every shard of the published map; a
+    /// shard that cannot be read is reported on its row, not as an error.
+    pub fn status(&self) -> Result<StatusReport, DeployError> {
+        let names = self.shard_names()?;
+        match &self.store {
+            Store::Embedded(fs) => {
+                let m = shardq_fs::layout::read_membership(&self.dir)?;
+                Ok(status::collect(&names, &|n| fs.shard_stats(n), &|name| {
+                    let entry = m.shards.get(name);
+                    let owner = entry.and_then(|e| e.owner.clone());
+                    let until = owner.as_ref().and(entry.map(|e| e.lease_expires_ms));
+                    Ok((owner, until))
+                }))
+            }
+            Store::Redis { backend, .. } => Ok(status::collect(
+                &names,
+                &|n| backend.shard_stats(n),
+                &|name| {
+                    let lease = backend.lease_holder(name)?;
+                    Ok((lease.as_ref().map(|l| l.0.clone()), lease.map(|l| l.1)))
+                },
+            )),
+        }
+    }
+
+    /// Checks that a new shard's store answers before it joins the map
+    /// (Redis: the server at `url`), and prepares it; the error names the
+    /// shard and the URL.
+    pub fn deploy_shard(&self, name: &str, url: Option<&str>) -> Result<(), DeployError> {
+        match (&self.store, url) {
+            (Store::Embedded(_), None) => Ok(()),
+            (Store::Embedded(_), Some(u)) if u.starts_with("file:") => Ok(()),
+            (Store::Embedded(_), Some(u)) => error::invalid!(
+                "shard {name:?}: url {u:?} is not embedded, and this data dir's shards are (mixed maps are not supported)"
+            ),
+            (Store::Redis { .. }, None) => error::invalid!(
+                "shard {name:?}: a Redis data dir needs --url redis://host:port/db for a new shard"
+            ),
+            (Store::Redis { backend, maps }, Some(u)) => {
+                let Kind::Redis(remote) = &self.kind else {
+                    unreachable!("a Redis store has a Redis kind")
+                };
+                let mut map = ShardMap::with_shards(shardq_route::Algorithm::Rendezvous, [name])?;
+                map.shards[0].url = Some(u.to_string());
+                let opts = redis_options_for(remote, &RedisOptions::default());
+                shardq_redis::init_shards(&map, &opts)?;
+                maps.assign_url(name, u);
+                backend.sync_shards(&map)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The embedded engine's backend, for what only it has (repair, flush
+    /// policies); `None` on Redis.
+    pub fn embedded(&self) -> Option<Arc<FsBackend>> {
+        match &self.store {
+            Store::Embedded(fs) => Some(fs.clone()),
+            Store::Redis { .. } => None,
+        }
+    }
+
+    /// The Redis backend and map, for what only Redis has; `None` when
+    /// embedded.
+    pub fn redis(&self) -> Option<(RedisBackend, Arc<RedisMaps>)> {
+        match &self.store {
+            Store::Embedded(_) => None,
+            Store::Redis { backend, maps } => Some((backend.clone(), maps.clone())),
+        }
+    }
+}
