@@ -14,7 +14,9 @@ fuzz_target!(|data: &[u8]| {
     // until the first one that does not decode.
     let mut p = 0usize;
     while p < data.len() {
-        let Ok((rec, n)) = decode(&data[p..]) else { break };
+        let Ok((rec, n)) = decode(&data[p..]) else {
+            break;
+        };
         assert!(n > 0 && p + n <= data.len(), "a record of {n} bytes at {p}");
         let mut again = Vec::new();
         match rec {
