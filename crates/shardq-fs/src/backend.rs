@@ -5,7 +5,13 @@
 //! replayed state) plus a group-commit syncer outside that mutex, so threads
 //! keep appending while one of them fsyncs. With `interval` durability a
 //! background flusher thread (one per backend, holding only a weak reference
-//! to the shards) fsyncs whatever an idle shard left unsynced. This module
+//! to the shards) fsyncs whatever an idle shard left unsynced.
+//!
+//! A claim starts a run per job: a fence from [`next_fence`] (above the
+//! shard's replayed high-water and `fence.json`'s `run_fence_min`), written
+//! in the Claim record, and a job lease kept in the owner's memory. Ack, fail
+//! and extend check the receipt's fence; a run whose lease lapsed is ended
+//! at the next claim by a Fail record, so replay agrees. This module
 //! must never route keys (callers pass the shard) nor decide ownership (the
 //! coordinator does).
 

@@ -205,6 +205,45 @@ impl Engine {
         Ok(Status { shards, totals })
     }
 
+    /// Why `shard` is or is not being run, in words, from membership.json
+    /// and the published map (for `status` and standby messages): not in
+    /// the map, unowned, owned with a lease that ends when, or owned with a
+    /// lease that lapsed (a takeover waits for the clock-skew margin and for
+    /// the owner's `.lock` flock, held while the owner lives on this host).
+    /// Reads only; `now_ms` is the caller's clock.
+    pub fn run_reason(&self, shard: &str, now_ms: u64) -> Result<String, FsError> {
+        let map = layout::read_map(&self.dir)?;
+        if !map.shards.iter().any(|s| s.name == shard) {
+            return Ok(format!(
+                "{shard} is not in the published map (version {}): no worker runs it",
+                map.version
+            ));
+        }
+        let m = layout::read_membership(&self.dir)?;
+        Ok(match m.shards.get(shard) {
+            None => format!(
+                "{shard} has no membership entry yet: the next worker tick adds and claims it"
+            ),
+            Some(e) => match &e.owner {
+                None => format!(
+                    "{shard} is unowned: a worker with room under max_local_shards claims it at its next tick"
+                ),
+                Some(o) if e.lease_expires_ms > now_ms => format!(
+                    "{shard} is run by {o} (epoch {}, lease ends in {} ms)",
+                    e.epoch,
+                    e.lease_expires_ms - now_ms
+                ),
+                Some(o) => format!(
+                    "{shard} is listed as run by {o} but its lease lapsed {} ms ago (epoch {}): \
+                     another worker takes it over after the clock-skew margin, unless {o} is \
+                     alive on this host and still holds the shard's .lock",
+                    now_ms - e.lease_expires_ms,
+                    e.epoch
+                ),
+            },
+        })
+    }
+
     /// Runs the shared worker pool: claims shards per `member`, runs
     /// `handler` for each job, until `stop` is set (then drains and releases)
     /// or, with `exit_when_idle`, until idle.

@@ -1,5 +1,6 @@
 //! All disk access to segment files goes through [`Storage`] and [`LogFile`],
-//! so tests can inject failed writes and fsyncs ([`FaultyStorage`]).
+//! so tests can inject failed writes and fsyncs ([`FaultyStorage`]) and
+//! power losses that drop what was not fsynced ([`CrashStorage`]).
 //!
 //! This module moves bytes; it must never interpret them.
 
@@ -183,5 +184,139 @@ impl Storage for FaultyStorage {
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         OsStorage.sync_dir(dir)
+    }
+}
+
+/// Test storage that simulates a power loss: it remembers how much of each
+/// segment file is durable (fsynced) and which new files a directory fsync
+/// has made durable, and [`CrashStorage::crash`] drops everything else, as
+/// the disk would after the power went. Pre-existing bytes of a file opened
+/// for the first time count as durable.
+#[derive(Debug, Default, Clone)]
+pub struct CrashStorage {
+    state: Arc<std::sync::Mutex<CrashState>>,
+}
+
+#[derive(Debug, Default)]
+struct CrashState {
+    /// Durable length per file.
+    synced: std::collections::BTreeMap<std::path::PathBuf, u64>,
+    /// Files created since their directory was last fsynced.
+    unlinked_on_crash: std::collections::BTreeSet<std::path::PathBuf>,
+}
+
+struct CrashFile {
+    inner: Arc<dyn LogFile>,
+    path: std::path::PathBuf,
+    owner: CrashStorage,
+}
+
+impl CrashStorage {
+    fn state(&self) -> std::sync::MutexGuard<'_, CrashState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of `path` that would survive a crash now, if it is tracked.
+    pub fn durable_len(&self, path: &Path) -> Option<u64> {
+        self.state().synced.get(path).copied()
+    }
+
+    /// The power fails: every file is cut back to its durable length, keeping
+    /// at most `keep_unsynced` of the bytes written after it (the disk may
+    /// have written some back on its own, a prefix in order), and files
+    /// whose directory entry was never fsynced disappear. Call after every
+    /// handle using this storage is dropped; returns the bytes dropped.
+    pub fn crash(&self, keep_unsynced: u64) -> io::Result<u64> {
+        let mut st = self.state();
+        let mut dropped = 0;
+        for path in std::mem::take(&mut st.unlinked_on_crash) {
+            if let Ok(m) = fs::metadata(&path) {
+                dropped += m.len();
+                fs::remove_file(&path)?;
+            }
+            st.synced.remove(&path);
+        }
+        for (path, &synced) in &st.synced {
+            let Ok(m) = fs::metadata(path) else { continue };
+            let keep = m.len().min(synced.saturating_add(keep_unsynced));
+            if keep < m.len() {
+                dropped += m.len() - keep;
+                OpenOptions::new().write(true).open(path)?.set_len(keep)?;
+            }
+        }
+        // What is left is what the disk holds: all of it durable now.
+        let paths: Vec<std::path::PathBuf> = st.synced.keys().cloned().collect();
+        for path in paths {
+            let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            st.synced.insert(path, len);
+        }
+        Ok(dropped)
+    }
+}
+
+impl LogFile for CrashFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn append(&self, data: &[u8]) -> io::Result<()> {
+        self.inner.append(data)
+    }
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.inner.write_at(data, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()?;
+        let len = self.inner.len()?;
+        self.owner.state().synced.insert(self.path.clone(), len);
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.inner.truncate(len)?;
+        // A truncation is not durable until the next fsync either; the
+        // conservative view keeps the durable length no longer than the file.
+        let mut st = self.owner.state();
+        if let Some(s) = st.synced.get_mut(&self.path) {
+            *s = (*s).min(len);
+        }
+        Ok(())
+    }
+}
+
+impl Storage for CrashStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        let existed = path.exists();
+        let inner = OsStorage.open(path, create)?;
+        {
+            let mut st = self.state();
+            if !st.synced.contains_key(path) {
+                let len = if existed { inner.len()? } else { 0 };
+                st.synced.insert(path.to_path_buf(), len);
+                if !existed {
+                    st.unlinked_on_crash.insert(path.to_path_buf());
+                }
+            }
+        }
+        Ok(Arc::new(CrashFile {
+            inner,
+            path: path.to_path_buf(),
+            owner: self.clone(),
+        }))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        OsStorage.remove(path)?;
+        let mut st = self.state();
+        st.synced.remove(path);
+        st.unlinked_on_crash.remove(path);
+        Ok(())
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        OsStorage.sync_dir(dir)?;
+        self.state()
+            .unlinked_on_crash
+            .retain(|p| p.parent() != Some(dir));
+        Ok(())
     }
 }

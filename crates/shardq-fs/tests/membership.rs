@@ -57,6 +57,26 @@ fn a_shard_removed_from_the_map_is_released_and_a_new_one_claimed() {
     assert_eq!(m.shards["shard-2"].owner.as_deref(), Some("a@1"));
     assert_eq!(b.tick().unwrap().owned, ["shard-1"], "b is unaffected");
 
+    // Status can say why each shard is or is not run.
+    let engine = Engine::open(&dir, shardq_fs::EngineOptions::default()).unwrap();
+    let now = clock.now_ms();
+    let why = engine.run_reason("shard-0", now).unwrap();
+    assert!(
+        why.contains("not in the published map (version 2)"),
+        "{why}"
+    );
+    let why = engine.run_reason("shard-2", now).unwrap();
+    assert!(
+        why.contains("run by a@1") && why.contains("lease ends in 30000 ms"),
+        "{why}"
+    );
+    clock.advance(31_000);
+    let why = engine.run_reason("shard-2", clock.now_ms()).unwrap();
+    assert!(why.contains("lease lapsed 1000 ms ago"), "{why}");
+
+    a.tick().unwrap();
+    b.tick().unwrap();
+
     // Nobody claims the removed shard, however free it is.
     let mut s = FsCoordinator::new(&dir, member("s@3"), Arc::clone(&c)).unwrap();
     assert!(s.tick().unwrap().owned.is_empty());
