@@ -424,18 +424,29 @@ impl Deployment {
         }
     }
 
-    /// Checks that a new shard's store answers before it joins the map
-    /// (Redis: the server at `url`), and prepares it; the error names the
-    /// shard and the URL.
+    /// Prepares a new shard's storage before it joins the map: the embedded
+    /// engine makes its directory; Redis checks that the server at `url`
+    /// answers and writes the shard's deployment record. Errors name the
+    /// shard and the URL; a URL of the other kind is refused (mixed maps
+    /// are not supported).
     pub fn deploy_shard(&self, name: &str, url: Option<&str>) -> Result<(), DeployError> {
         match (&self.store, url) {
-            (Store::Embedded(_), None) => Ok(()),
-            (Store::Embedded(_), Some(u)) if u.starts_with("file:") => Ok(()),
+            (Store::Embedded(_), None) => {
+                shardq_fs::map_store::deploy_shard(&self.dir, name)?;
+                Ok(())
+            }
+            (Store::Embedded(_), Some(u)) if u.starts_with("file:") => {
+                shardq_fs::map_store::deploy_shard(&self.dir, name)?;
+                Ok(())
+            }
             (Store::Embedded(_), Some(u)) => error::invalid!(
-                "shard {name:?}: url {u:?} is not embedded, and this data dir's shards are (mixed maps are not supported)"
+                "--url {u:?}: this data dir's shards live in the embedded engine; use `file:` or no --url (a map mixing the embedded engine and Redis is not supported)"
             ),
             (Store::Redis { .. }, None) => error::invalid!(
-                "shard {name:?}: a Redis data dir needs --url redis://host:port/db for a new shard"
+                "--url is required: this data dir's shards live on Redis; give the new shard {name:?}'s server, e.g. --url redis://127.0.0.1:6379/0"
+            ),
+            (Store::Redis { .. }, Some(u)) if !is_redis_url(u) => error::invalid!(
+                "--url {u:?}: this data dir's shards live on Redis; expected redis://host:port/db or redis+cluster://host:port,... (a map mixing the embedded engine and Redis is not supported)"
             ),
             (Store::Redis { backend, maps }, Some(u)) => {
                 let Kind::Redis(remote) = &self.kind else {
@@ -444,7 +455,9 @@ impl Deployment {
                 let mut map = ShardMap::with_shards(shardq_route::Algorithm::Rendezvous, [name])?;
                 map.shards[0].url = Some(u.to_string());
                 let opts = redis_options_for(remote, &RedisOptions::default());
-                shardq_redis::init_shards(&map, &opts)?;
+                shardq_redis::init_shards(&map, &opts).map_err(|e| {
+                    DeployError::Invalid(format!("deploying shard {name:?} at {u}: {e}"))
+                })?;
                 maps.assign_url(name, u);
                 backend.sync_shards(&map)?;
                 Ok(())

@@ -1,8 +1,8 @@
 //! The queue's commands: init, enqueue, work, status, dead, repair.
 //!
-//! Glue over `shardq-fs` or `shardq-redis`, whichever the data dir's shards
-//! live on (`backends` decides): parse, check input, call the library,
-//! print, with the same output either way. Bad input gets an error naming
+//! Glue over `shardq-deploy`, which opens the data dir's shards wherever
+//! they live (embedded engine or Redis): parse, check input, call the
+//! library, print, with the same output either way. Bad input gets an error naming
 //! the option and value; nothing here writes a log record or a Redis key
 //! itself. `work` runs handler commands through `handler_proc`.
 
@@ -16,22 +16,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use shardq_core::producer::{Placed, ProduceError, Producer, ProducerOptions};
-use shardq_core::reshard::MapStore;
-use shardq_core::{
-    ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, QueueBackend, QueueError,
-    ShardStats, SystemClock, WorkerPool,
-};
-use shardq_fs::map_store::FileMapStore;
-use shardq_fs::{Durability, Engine, EngineOptions, MemberOptions, StatusTotals};
-use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
-use shardq_route::{Algorithm, HashFn, ShardMap};
+use shardq_core::producer::{Placed, ProduceError, ProducerOptions};
+use shardq_core::{ClaimedJob, DeadPolicy, JobId, NewJob, PoolEvent, PoolOptions, WorkerPool};
+use shardq_deploy::spec::{cluster_url, init_map, instance_urls};
+use shardq_deploy::{Deployment, StatusReport, WorkerOptions};
+use shardq_fs::{Durability, EngineOptions};
+use shardq_redis::RedisOptions;
 
-use crate::backends;
 use crate::handler_proc;
-
-/// Most shards `init` creates.
-const INIT_SHARDS_MAX: usize = 4096;
 /// Most jobs sent as one batch by `enqueue --stdin`.
 const STDIN_BATCH_MAX: usize = 4096;
 /// Longest `KEY<TAB>PAYLOAD` line, in bytes (payload limit plus key and tab).
@@ -62,11 +54,16 @@ pub enum EngineCommand {
         /// (redis://host:port,...).
         #[arg(long, value_name = "SEEDS")]
         redis_cluster: Option<String>,
-        /// With --redis/--redis-cluster: use the map already published there
-        /// (another data dir's) whatever its shards, instead of refusing one
-        /// that differs from the one this init would create.
+        /// With --redis/--redis-cluster: attach this data dir to the
+        /// deployment already in the namespace (another data dir's), using
+        /// its map, instead of creating one (init refuses a namespace in use).
         #[arg(long)]
         join: bool,
+        /// With --redis/--redis-cluster: the deployment's namespace, the
+        /// prefix of every key it writes, so several deployments can share
+        /// one Redis server.
+        #[arg(long, default_value = shardq_redis::keys::NAMESPACE_DEFAULT)]
+        namespace: String,
     },
     /// Enqueue a job, or `KEY<TAB>PAYLOAD` lines from stdin with --stdin.
     Enqueue(EnqueueArgs),
@@ -233,17 +230,42 @@ pub fn run(cmd: EngineCommand) -> anyhow::Result<ExitCode> {
             redis,
             redis_cluster,
             join,
+            namespace,
         } => {
             let urls = match (redis, redis_cluster) {
-                (Some(r), _) => Some(backends::instance_urls(&r)?),
-                (None, Some(c)) => Some(vec![backends::cluster_url(&c)?]),
+                (Some(r), _) => Some(instance_urls(&r)?),
+                (None, Some(c)) => Some(vec![cluster_url(&c)?]),
                 (None, None) => None,
             };
-            match urls {
+            let map = init_map(shards, &algorithm, hash.as_deref())?;
+            let done = match urls {
                 None if join => bail!("--join needs --redis or --redis-cluster"),
-                None => init(&data, shards, &algorithm, hash.as_deref()),
-                Some(urls) => init_redis(&data, shards, &algorithm, hash.as_deref(), &urls, join),
+                None => shardq_deploy::init_embedded(&data, &map)?,
+                Some(urls) => shardq_deploy::init_redis(
+                    &data,
+                    map,
+                    &urls,
+                    Some(&namespace),
+                    join,
+                    &RedisOptions::default(),
+                )?,
+            };
+            let verb = if done.joined { "joined" } else { "initialised" };
+            match (&done.map_url, &done.namespace) {
+                (Some(url), Some(ns)) => println!(
+                    "{verb} {} with {} shards on Redis (map version {}, published at {url}, namespace {ns})",
+                    data.display(),
+                    done.map.shards.len(),
+                    done.map.version
+                ),
+                _ => println!(
+                    "{verb} {} with {} shards (map version {})",
+                    data.display(),
+                    done.map.shards.len(),
+                    done.map.version
+                ),
             }
+            Ok(ExitCode::SUCCESS)
         }
         EngineCommand::Enqueue(args) => enqueue(args),
         EngineCommand::Work(args) => work(args),
@@ -281,123 +303,6 @@ fn engine_options(common: &CommonOpts) -> anyhow::Result<EngineOptions> {
         segment_bytes_max: common.segment_bytes,
         ..EngineOptions::default()
     })
-}
-
-fn init(
-    dir: &Path,
-    shards: usize,
-    algorithm: &str,
-    hash: Option<&str>,
-) -> anyhow::Result<ExitCode> {
-    let map = init_map(shards, algorithm, hash)?;
-    Engine::init(dir, &map)?;
-    println!(
-        "initialised {} with {shards} shards (map version {})",
-        dir.display(),
-        map.version
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The version-1 map `init` creates: shard-0..shard-(N-1).
-fn init_map(shards: usize, algorithm: &str, hash: Option<&str>) -> anyhow::Result<ShardMap> {
-    if shards == 0 || shards > INIT_SHARDS_MAX {
-        bail!("invalid --shards {shards}: must be 1..={INIT_SHARDS_MAX}");
-    }
-    let algorithm: Algorithm = algorithm
-        .parse()
-        .map_err(|e| anyhow::anyhow!("invalid --algorithm {algorithm:?}: {e}"))?;
-    let names: Vec<String> = (0..shards).map(|i| format!("shard-{i}")).collect();
-    let mut map = ShardMap::with_shards(algorithm, names).context("building the shard map")?;
-    if let Some(h) = hash {
-        map.hash = h
-            .parse::<HashFn>()
-            .map_err(|e| anyhow::anyhow!("invalid --hash {h:?}: {e}"))?;
-        map.validate().context("checking the shard map")?;
-    }
-    Ok(map)
-}
-
-/// `init --redis`/`--redis-cluster`: publishes the map in Redis (or joins
-/// the one there) and makes `dir` a Redis data dir (remote.json + cache).
-fn init_redis(
-    dir: &Path,
-    shards: usize,
-    algorithm: &str,
-    hash: Option<&str>,
-    urls: &[String],
-    join: bool,
-) -> anyhow::Result<ExitCode> {
-    let mut map = init_map(shards, algorithm, hash)?;
-    for (i, s) in map.shards.iter_mut().enumerate() {
-        s.url = Some(urls[i % urls.len()].clone());
-    }
-    map.validate().context("checking the shard map")?;
-    if dir.exists() {
-        let mut entries =
-            std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-        if entries.next().is_some() {
-            bail!(
-                "cannot initialise {}: the directory is not empty",
-                dir.display()
-            );
-        }
-    }
-    // Every shard's server must answer before anything is written.
-    RedisBackend::open(&map, RedisOptions::default())?;
-    let remote = backends::Remote::new(&urls[0]);
-    let store = RedisMapStore::open(&remote.map_url)?;
-    let (map, joined) = match store.load_map()? {
-        None => match store.publish_map(&map, 0) {
-            Ok(()) => (map, false),
-            // Another init won the race: join its map like any later one.
-            Err(shardq_redis::RedisError::VersionConflict { .. }) => {
-                (store.load_map()?.context("the shard map vanished")?, true)
-            }
-            Err(e) => return Err(e.into()),
-        },
-        Some(existing) => (existing, true),
-    };
-    if joined && !join {
-        let same = |m: &ShardMap| -> Vec<(String, Option<String>)> {
-            m.shards
-                .iter()
-                .map(|s| (s.name.clone(), s.url.clone()))
-                .collect()
-        };
-        let mine = init_map(shards, algorithm, hash)?;
-        let wanted: Vec<(String, Option<String>)> = mine
-            .shards
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), Some(urls[i % urls.len()].clone())))
-            .collect();
-        if same(&map) != wanted || map.algorithm != mine.algorithm || map.hash != mine.hash {
-            bail!(
-                "Redis at {} already holds a different shard map (version {}, {} shards); pass --join to use it from this data dir",
-                remote.map_url,
-                map.version,
-                map.shards.len()
-            );
-        }
-    }
-    backends::check_all(&map, true)?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    shardq_fs::layout::write_atomic(
-        &dir.join(backends::MAP_CACHE_FILE),
-        map.to_yaml().as_bytes(),
-    )
-    .with_context(|| format!("writing {}", dir.join(backends::MAP_CACHE_FILE).display()))?;
-    remote.write(dir)?;
-    let verb = if joined { "joined" } else { "initialised" };
-    println!(
-        "{verb} {} with {} shards on Redis (map version {}, published at {})",
-        dir.display(),
-        map.shards.len(),
-        map.version,
-        remote.map_url
-    );
-    Ok(ExitCode::SUCCESS)
 }
 
 /// What one placement call stored: `(index in the call, shard, id)` per
@@ -447,60 +352,56 @@ impl Stored {
 /// Places a batch of jobs (routing, fencing, retries); see [`Stored`].
 type Place<'a> = dyn FnMut(&[NewJob]) -> Stored + 'a;
 
+/// Opens the data dir with the common options.
+fn open(dir: &Path, common: &CommonOpts, dead_policy: DeadPolicy) -> anyhow::Result<Deployment> {
+    let mut engine = engine_options(common)?;
+    engine.dead_policy = dead_policy;
+    let mut redis = redis_options(common)?;
+    redis.dead_policy = dead_policy;
+    Ok(Deployment::open(
+        dir,
+        &shardq_deploy::OpenOptions { engine, redis },
+    )?)
+}
+
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
-    match backends::kind(&args.data)? {
-        backends::Kind::Embedded => {
-            let engine = Engine::open(&args.data, engine_options(&args.common)?)?;
-            let backend = engine.backend();
-            // The engine's own enqueue_batch folds a partial result into one
-            // error string; the producer reports which jobs landed.
-            let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(&args.data)?);
-            let mut producer =
-                Producer::new(Arc::clone(&backend), store, ProducerOptions::default())?;
-            enqueue_with(&args, &mut |jobs| {
-                let mut stored = Stored::from_produce(producer.enqueue_batch(jobs), 0);
-                if !stored.placed.is_empty() {
-                    if let Err(e) = backend.flush() {
-                        let e = anyhow::Error::new(e).context(
-                            "syncing the jobs listed above to disk failed: they are written but may not survive a crash",
-                        );
-                        stored.error = Some(match stored.error.take() {
-                            None => e,
-                            Some(first) => first.context(format!("{e:#}")),
-                        });
-                    }
-                }
-                stored
-            })
+    let deployment = open(&args.data, &args.common, DeadPolicy::default())?;
+    let mut producer = deployment.producer(ProducerOptions::default())?;
+    let redis = deployment.is_redis();
+    enqueue_with(&args, &mut |jobs| {
+        let mut all = Stored {
+            placed: Vec::with_capacity(jobs.len()),
+            error: None,
+        };
+        // One script per shard per call is bounded on Redis; chunks keep
+        // each key's order since they go in one after another, and the
+        // first error stops the rest.
+        let chunk = if redis {
+            shardq_redis::ENQUEUE_BATCH_MAX
+        } else {
+            jobs.len().max(1)
+        };
+        for (n, part) in jobs.chunks(chunk).enumerate() {
+            let stored = Stored::from_produce(producer.enqueue_batch(part), n * chunk);
+            all.placed.extend(stored.placed);
+            if stored.error.is_some() {
+                all.error = stored.error;
+                break;
+            }
         }
-        backends::Kind::Redis(remote) => {
-            let env = backends::open_redis(&args.data, &remote, redis_options(&args.common)?)?;
-            let mut producer = Producer::new(
-                Arc::new(env.backend.clone()),
-                env.maps.clone() as Arc<dyn MapStore>,
-                ProducerOptions::default(),
-            )?;
-            enqueue_with(&args, &mut |jobs| {
-                let mut all = Stored {
-                    placed: Vec::with_capacity(jobs.len()),
-                    error: None,
-                };
-                // One script per shard per call is bounded; chunks keep each
-                // key's order since they go in one after another, and the
-                // first error stops the rest.
-                for (n, chunk) in jobs.chunks(shardq_redis::ENQUEUE_BATCH_MAX).enumerate() {
-                    let offset = n * shardq_redis::ENQUEUE_BATCH_MAX;
-                    let stored = Stored::from_produce(producer.enqueue_batch(chunk), offset);
-                    all.placed.extend(stored.placed);
-                    if stored.error.is_some() {
-                        all.error = stored.error;
-                        break;
-                    }
-                }
-                all
-            })
+        if !all.placed.is_empty() {
+            if let Err(e) = deployment.flush() {
+                let e = anyhow::Error::new(e).context(
+                    "syncing the jobs listed above to disk failed: they are written but may not survive a crash",
+                );
+                all.error = Some(match all.error.take() {
+                    None => e,
+                    Some(first) => first.context(format!("{e:#}")),
+                });
+            }
         }
-    }
+        all
+    })
 }
 
 /// `1-3, 7, 9-12`: sorted line numbers as ranges.
@@ -714,10 +615,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         ),
         (None, false) => command_handler(args.cmd.clone()),
     };
-    let redis = match backends::kind(&args.data)? {
-        backends::Kind::Embedded => None,
-        backends::Kind::Redis(remote) => Some(remote),
-    };
+    let deployment = open(&args.data, &args.common, dead_policy)?;
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .context("installing signal handlers")?;
@@ -728,15 +626,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.
-    let report = run_pool(
-        &args,
-        redis,
-        dead_policy,
-        max_local_shards,
-        pool,
-        handler,
-        &stop,
-    );
+    let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
     let report = report?;
     eprintln!(
         "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",
@@ -748,51 +638,28 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
 /// Runs the worker pool on the data dir's backend until `stop` (or idle).
 fn run_pool(
     args: &WorkArgs,
-    redis: Option<backends::Remote>,
-    dead_policy: DeadPolicy,
+    deployment: &Deployment,
     max_local_shards: usize,
     pool: PoolOptions,
     handler: Arc<shardq_core::Handler>,
     stop: &AtomicBool,
 ) -> anyhow::Result<shardq_core::PoolReport> {
-    let report = match redis {
-        None => {
-            let mut opts = engine_options(&args.common)?;
-            opts.dead_policy = dead_policy;
-            let engine = Engine::open(&args.data, opts)?;
-            let member = MemberOptions {
-                lease_ms: args.lease_ms,
-                clock_skew_ms: args
-                    .clock_skew_ms
-                    .unwrap_or(shardq_fs::membership::CLOCK_SKEW_MS_DEFAULT.min(args.lease_ms / 2)),
-                max_local_shards,
-                ..MemberOptions::default()
-            };
-            engine.run_workers(member, pool, handler, stop)?
-        }
-        Some(remote) => {
-            // Leases use the Redis server's clock, so --clock-skew-ms has
-            // nothing to correct.
-            let mut opts = redis_options(&args.common)?;
-            opts.dead_policy = dead_policy;
-            let env = backends::open_redis(&args.data, &remote, opts)?;
-            let max_shards = if max_local_shards == usize::MAX {
-                0
-            } else {
-                max_local_shards
-            };
-            let mut coordinator = backends::FollowMap::new(&env, args.lease_ms, max_shards)?;
-            let backend: Arc<dyn QueueBackend> = Arc::new(env.backend.clone());
-            WorkerPool::run(
-                backend,
-                &mut coordinator,
-                handler,
-                Arc::new(SystemClock),
-                pool,
-                stop,
-            )?
-        }
-    };
+    // On Redis, leases use the server's clock, so --clock-skew-ms has
+    // nothing to correct.
+    let mut coordinator = deployment.coordinator(&WorkerOptions {
+        lease_ms: args.lease_ms,
+        clock_skew_ms: args.clock_skew_ms,
+        max_shards: max_local_shards,
+    })?;
+    let report = WorkerPool::run(
+        deployment.queue(),
+        &mut *coordinator,
+        handler,
+        deployment.clock(),
+        pool,
+        stop,
+    )?;
+    deployment.flush()?;
     Ok(report)
 }
 
@@ -876,125 +743,8 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
     }))
 }
 
-/// `status` output: every shard of the map, read one by one so that a
-/// shard that cannot be read is reported instead of hiding the others.
-#[derive(Debug, serde::Serialize)]
-struct StatusReport {
-    /// Per shard, in map order.
-    shards: Vec<ShardRow>,
-    /// Sums over the shards that could be read.
-    totals: StatusTotals,
-    /// Names of the shards that could not be read.
-    failed: Vec<String>,
-}
-
-/// One shard in `status`: counts are `None` when the shard could not be
-/// read, and `error` says why.
-#[derive(Debug, serde::Serialize)]
-struct ShardRow {
-    name: String,
-    ready: Option<u64>,
-    delayed: Option<u64>,
-    in_flight: Option<u64>,
-    dead: Option<u64>,
-    owner: Option<String>,
-    lease_expires_ms: Option<u64>,
-    error: Option<String>,
-}
-
-/// Owner and lease end of a shard.
-type Lease = (Option<String>, Option<u64>);
-
-/// Reads every shard in `names` with `stats` and `lease`; a failure of one
-/// shard is recorded on its row and the next shard is read.
-fn collect_status(
-    names: &[String],
-    stats: &dyn Fn(&str) -> Result<ShardStats, QueueError>,
-    lease: &dyn Fn(&str) -> Result<Lease, QueueError>,
-) -> StatusReport {
-    let mut report = StatusReport {
-        shards: Vec::with_capacity(names.len()),
-        totals: StatusTotals::default(),
-        failed: Vec::new(),
-    };
-    for name in names {
-        let (owner, lease_expires_ms, lease_err) = match lease(name) {
-            Ok((o, l)) => (o, l, None),
-            Err(e) => (None, None, Some(format!("reading the lease: {e}"))),
-        };
-        let mut row = ShardRow {
-            name: name.clone(),
-            ready: None,
-            delayed: None,
-            in_flight: None,
-            dead: None,
-            owner,
-            lease_expires_ms,
-            error: lease_err,
-        };
-        match stats(name) {
-            Ok(st) => {
-                report.totals.ready += st.ready;
-                report.totals.delayed += st.delayed;
-                report.totals.in_flight += st.in_flight;
-                report.totals.dead += st.dead;
-                row.ready = Some(st.ready);
-                row.delayed = Some(st.delayed);
-                row.in_flight = Some(st.in_flight);
-                row.dead = Some(st.dead);
-            }
-            Err(e) => {
-                row.error = Some(match row.error.take() {
-                    None => e.to_string(),
-                    Some(first) => format!("{e}; {first}"),
-                })
-            }
-        }
-        if row.error.is_some() {
-            report.failed.push(name.clone());
-        }
-        report.shards.push(row);
-    }
-    report
-}
-
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let st = match backends::kind(dir)? {
-        backends::Kind::Embedded => {
-            let engine = Engine::open(dir, EngineOptions::default())?;
-            let m = shardq_fs::layout::read_membership(dir)?;
-            let names: Vec<String> = engine
-                .router()
-                .map()
-                .shards
-                .iter()
-                .map(|s| s.name.clone())
-                .collect();
-            let backend = engine.backend();
-            collect_status(&names, &|name| backend.shard_stats(name), &|name| {
-                let entry = m.shards.get(name);
-                let owner = entry.and_then(|e| e.owner.clone());
-                let until = owner.as_ref().and(entry.map(|e| e.lease_expires_ms));
-                Ok((owner, until))
-            })
-        }
-        backends::Kind::Redis(remote) => {
-            let env = backends::open_redis(dir, &remote, RedisOptions::default())?;
-            // Counts per shard of the published map; owners and lease ends
-            // (server clock) from the leases.
-            let names: Vec<String> = env
-                .maps
-                .load()?
-                .shards
-                .iter()
-                .map(|s| s.name.clone())
-                .collect();
-            collect_status(&names, &|name| env.backend.shard_stats(name), &|name| {
-                let lease = env.backend.lease_holder(name)?;
-                Ok((lease.as_ref().map(|l| l.0.clone()), lease.map(|l| l.1)))
-            })
-        }
-    };
+    let st = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?.status()?;
     if json {
         println!("{}", serde_json::to_string(&st)?);
     } else {
@@ -1049,30 +799,9 @@ fn print_status_table(st: &StatusReport) {
 }
 
 fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {
-    let (backend, all): (Arc<dyn QueueBackend>, Vec<String>) = match backends::kind(dir)? {
-        backends::Kind::Embedded => {
-            let engine = Engine::open(dir, EngineOptions::default())?;
-            let all = engine
-                .router()
-                .map()
-                .shards
-                .iter()
-                .map(|s| s.name.clone())
-                .collect();
-            (engine.backend(), all)
-        }
-        backends::Kind::Redis(remote) => {
-            let env = backends::open_redis(dir, &remote, RedisOptions::default())?;
-            let all = env
-                .maps
-                .load()?
-                .shards
-                .iter()
-                .map(|s| s.name.clone())
-                .collect();
-            (Arc::new(env.backend), all)
-        }
-    };
+    let deployment = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?;
+    let backend = deployment.queue();
+    let all = deployment.shard_names()?;
     let pick = |shard: &Option<String>| -> anyhow::Result<Vec<String>> {
         match shard {
             None => Ok(all.clone()),
@@ -1112,7 +841,7 @@ fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {
 }
 
 fn repair(dir: &Path, shard: &str) -> anyhow::Result<ExitCode> {
-    if let backends::Kind::Redis(remote) = backends::kind(dir)? {
+    if let shardq_deploy::Kind::Redis(remote) = shardq_deploy::kind(dir)? {
         bail!(
             "repair cuts corrupt records out of the embedded engine's logs; the shards of {} live on Redis ({}), which has no such log: check the server's own persistence instead",
             dir.display(),

@@ -4,7 +4,7 @@
 //! Glue over `shardq_core::reshard`: the operations record a target map, and
 //! `rebalance` (run by remove-shard, set-weight, pin and unpin too) moves the
 //! keys with drain-then-switch. Nothing here changes routing by itself.
-//! Works on embedded and Redis data dirs alike (`backends` opens either).
+//! Works on embedded and Redis data dirs alike (`shardq_deploy` opens either).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,10 +18,9 @@ use shardq_core::reshard::{
     self, RebalanceEvent, RebalanceOptions, RebalanceReport, BATCH_DEFAULT,
     DRAIN_TIMEOUT_MS_DEFAULT,
 };
-use shardq_fs::map_store::deploy_shard;
-use shardq_redis::is_redis_url;
-
-use crate::backends::{check_reachable, open_reshard, ReshardEnv};
+use shardq_core::reshard::{MapStore, ReshardBackend};
+use shardq_deploy::{Deployment, OpenOptions};
+use std::sync::Arc;
 
 /// Most keys `hot` lists per shard.
 const HOT_TOP_MAX: usize = 10_000;
@@ -121,12 +120,20 @@ pub enum ReshardCommand {
     },
 }
 
-/// Everything a reshard command needs for one data dir, of either kind
-/// (see `backends`).
-type Env = ReshardEnv;
+/// Everything a reshard command needs for one data dir, of either kind.
+struct Env {
+    deployment: Deployment,
+    store: Arc<dyn MapStore>,
+    backend: Arc<dyn ReshardBackend>,
+}
 
 fn open(dir: &Path) -> anyhow::Result<Env> {
-    open_reshard(dir)
+    let deployment = Deployment::open(dir, &OpenOptions::default())?;
+    Ok(Env {
+        store: deployment.maps(),
+        backend: deployment.backend(),
+        deployment,
+    })
 }
 
 pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
@@ -138,20 +145,9 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
             url,
         } => {
             let env = open(&data)?;
-            match (&url, env.redis) {
-                (Some(u), false) if !u.starts_with("file:") => {
-                    bail!("--url {u:?}: this data dir's shards live in the embedded engine; use `file:` or no --url (a map mixing the embedded engine and Redis is not supported)")
-                }
-                (None, true) => bail!(
-                    "--url is required: this data dir's shards live on Redis; give the new shard's server, e.g. --url redis://127.0.0.1:6379/0"
-                ),
-                (Some(u), true) if !is_redis_url(u) => bail!(
-                    "--url {u:?}: this data dir's shards live on Redis; expected redis://host:port/db or redis+cluster://host:port,... (a map mixing the embedded engine and Redis is not supported)"
-                ),
-                (Some(u), true) => check_reachable(&name, u)?,
-                _ => deploy_shard(&data, &name)
-                    .with_context(|| format!("deploying shard {name:?}"))?,
-            }
+            env.deployment
+                .deploy_shard(&name, url.as_deref())
+                .with_context(|| format!("deploying shard {name:?}"))?;
             let version = reshard::add_shard(&*env.store, &name, weight, url)?;
             println!(
                 "shard {name} deployed as warming (map version {version}); run `shardq rebalance --data {}` to move its keys to it",

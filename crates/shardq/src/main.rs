@@ -6,7 +6,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-mod backends;
 mod bench_chx;
 mod bench_route;
 mod cmd_bench;
@@ -14,7 +13,6 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_reshard;
 mod cmd_route;
-mod demo;
 mod handler_proc;
 
 /// shardq: a sharded job queue that routes each key to a shard with

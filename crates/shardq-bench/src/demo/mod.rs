@@ -7,8 +7,13 @@
 //! job ran out of order, twice, or never, how long moving keys were paused,
 //! and the throughput before, during and after.
 //!
-//! The demo is generic over a [`DemoEnv`], so the same story runs on the
-//! embedded engine, on Redis and in memory; it holds no queue logic itself.
+//! The demo is generic over a [`DemoEnv`] ([`envs`] has the embedded
+//! engine, Redis on local servers, and memory), so the same story runs on
+//! each; it holds no queue logic itself. Like the rest of this crate it never
+//! prints: progress goes to the caller's observer, and [`render`] turns the
+//! report into text.
+
+pub mod envs;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,8 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::{self, MapStore, RebalanceEvent, RebalanceOptions, ReshardBackend};
@@ -40,11 +43,11 @@ pub trait DemoEnv: Send + Sync {
     /// Where the shard map lives.
     fn store(&self) -> Arc<dyn MapStore>;
     /// A coordinator that claims every shard, including shards added later.
-    fn coordinator(&self) -> anyhow::Result<Box<dyn Coordinator>>;
+    fn coordinator(&self) -> Result<Box<dyn Coordinator>, DemoError>;
     /// The clock the pool uses.
     fn clock(&self) -> Arc<dyn Clock>;
     /// Makes storage for a new shard exist before it joins the map.
-    fn deploy_shard(&self, name: &str) -> anyhow::Result<()>;
+    fn deploy_shard(&self, name: &str) -> Result<(), DemoError>;
     /// Where the data is, for the report.
     fn location(&self) -> String;
 }
@@ -69,8 +72,58 @@ pub struct DemoParams {
     pub concurrency: usize,
     /// Keys per drain-then-switch batch.
     pub batch: usize,
-    /// Print progress on stderr.
-    pub progress: bool,
+}
+
+/// Errors of the demo: a parameter out of bounds, or a failure of the
+/// queue it runs on (named with what was being done).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// A parameter is outside its bounds.
+    #[error("{0}")]
+    Invalid(String),
+    /// The queue layer failed.
+    #[error(transparent)]
+    Queue(#[from] shardq_core::QueueError),
+    /// Resharding or the map store failed.
+    #[error(transparent)]
+    Reshard(#[from] shardq_core::reshard::ReshardError),
+    /// A producer gave up.
+    #[error(transparent)]
+    Produce(#[from] shardq_core::producer::ProduceError),
+    /// A map is invalid.
+    #[error(transparent)]
+    Map(#[from] shardq_route::MapError),
+    /// The deployment could not be set up.
+    #[error(transparent)]
+    Deploy(#[from] shardq_deploy::DeployError),
+    /// A thread or file could not be made.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// Setting up or running the queue failed.
+    #[error("{doing}: {cause}")]
+    Failed {
+        /// What was being done.
+        doing: String,
+        /// What went wrong.
+        cause: String,
+    },
+}
+
+impl DemoError {
+    /// A failure while `doing`.
+    pub fn failed(doing: impl Into<String>, cause: impl std::fmt::Display) -> DemoError {
+        DemoError::Failed {
+            doing: doing.into(),
+            cause: cause.to_string(),
+        }
+    }
+}
+
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err(DemoError::Invalid(format!($($arg)*)))
+    };
 }
 
 /// Per-shard figures.
@@ -135,6 +188,8 @@ pub struct DemoReport {
     pub map_version_after: u64,
     /// Per-shard load.
     pub shards: BTreeMap<String, ShardLoad>,
+    /// The last enqueue error, when some failed.
+    pub last_enqueue_error: Option<String>,
 }
 
 #[derive(Default)]
@@ -211,8 +266,13 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
     reshard::percentile(values, p)
 }
 
-/// Runs the demo on `env`.
-pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> {
+/// Runs the demo on `env`; `observe` gets a one-line progress message every
+/// 100 ms or so.
+pub fn run(
+    env: Arc<dyn DemoEnv>,
+    p: &DemoParams,
+    observe: &(dyn Fn(&str) + Sync),
+) -> Result<DemoReport, DemoError> {
     if p.tenants == 0 || p.tenants > TENANTS_MAX {
         bail!("--tenants {}: must be 1..={TENANTS_MAX}", p.tenants);
     }
@@ -230,20 +290,12 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
     }
     let backend = env.backend();
     let store = env.store();
-    let before_map = store.load().context("loading the shard map")?;
-    let before = Router::new(before_map.clone())?;
+    let before_map = store
+        .load()
+        .map_err(|e| DemoError::failed("loading the shard map", e))?;
+    let before = Router::new(before_map.clone())
+        .map_err(|e| DemoError::failed("compiling the shard map", e))?;
     let new_shard = format!("shard-{}", before_map.shards.len());
-
-    let bar = if p.progress {
-        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
-    );
-    bar.enable_steady_tick(Duration::from_millis(100));
 
     let tracker = Arc::new(Tracker::new());
     let stop_pool = Arc::new(AtomicBool::new(false));
@@ -300,7 +352,7 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
         producers.push(
             thread::Builder::new()
                 .name(format!("demo-producer-{i}"))
-                .spawn(move || -> anyhow::Result<BTreeMap<String, u64>> {
+                .spawn(move || -> Result<BTreeMap<String, u64>, DemoError> {
                     let mut next: BTreeMap<String, u64> = BTreeMap::new();
                     if mine.is_empty() {
                         return Ok(next);
@@ -372,7 +424,7 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
     let show = |phase: &str, extra: &str| {
         let e = enqueued.load(Ordering::Relaxed);
         let r = tracker.first_runs.load(Ordering::Relaxed);
-        bar.set_message(format!(
+        observe(&format!(
             "{phase:<10} enqueued {e:>9}  ran {r:>9}  backlog {:>7}  violations {}{extra}",
             e.saturating_sub(r),
             tracker.violations.load(Ordering::Relaxed)
@@ -437,7 +489,7 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
     for h in producers {
         let next = h
             .join()
-            .map_err(|_| anyhow::anyhow!("a producer thread panicked"))??;
+            .map_err(|_| DemoError::failed("producing", "a producer thread panicked"))??;
         expected.extend(next);
     }
     let total: u64 = expected.values().sum();
@@ -452,9 +504,8 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
     stop_pool.store(true, Ordering::SeqCst);
     let pool_result = pool
         .join()
-        .map_err(|_| anyhow::anyhow!("the worker pool panicked"))?;
-    pool_result.context("worker pool")?;
-    bar.finish_and_clear();
+        .map_err(|_| DemoError::failed("running jobs", "the worker pool panicked"))?;
+    pool_result.map_err(|e| DemoError::failed("worker pool", e))?;
 
     // Loss: every enqueued sequence number below `next` must have run.
     let mut lost = 0u64;
@@ -462,7 +513,7 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
         let stripe = tracker
             .stripe(key)
             .lock()
-            .map_err(|_| anyhow::anyhow!("tracker lock poisoned"))?;
+            .map_err(|_| DemoError::failed("checking order", "tracker lock poisoned"))?;
         let ran_next = stripe.get(key).map_or(0, |t| t.next);
         lost += n.saturating_sub(ran_next);
     }
@@ -519,21 +570,19 @@ pub fn run(env: Arc<dyn DemoEnv>, p: &DemoParams) -> anyhow::Result<DemoReport> 
         out.shards.entry(shard.clone()).or_default().jobs_after = n - mid;
     }
     if out.enqueue_errors > 0 {
-        if let Ok(Some(e)) = last_error.lock().map(|l| l.clone()) {
-            eprintln!(
-                "shardq demo: {} enqueues failed; the last: {e}",
-                out.enqueue_errors
-            );
-        }
+        out.last_enqueue_error = last_error.lock().ok().and_then(|l| l.clone());
     }
     Ok(out)
 }
 
-/// Prints the report for people.
-pub fn print(r: &DemoReport) {
+/// The report for people, as printed by `shardq demo`.
+pub fn render(r: &DemoReport) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
     let ok = |b: bool| if b { "ok" } else { "FAILED" };
-    println!("shardq demo on {}", r.location);
-    println!(
+    let _ = writeln!(o, "shardq demo on {}", r.location);
+    let _ = writeln!(
+        o,
         "  {} tenants, {} shards -> {} shards (added {}), map v{} -> v{}",
         r.tenants,
         r.shards_before,
@@ -542,42 +591,49 @@ pub fn print(r: &DemoReport) {
         r.map_version_before,
         r.map_version_after
     );
-    println!();
-    println!(
+    o.push('\n');
+    let _ = writeln!(
+        o,
         "  keys moved            {:>8.2}%   (ideal 1/{} = {:.2}%)",
         r.moved_fraction * 100.0,
         r.shards_before + 1,
         100.0 / (r.shards_before + 1) as f64
     );
-    println!(
+    let _ = writeln!(
+        o,
         "  moved to the new shard {:>7.2}%",
         r.moved_to_new_fraction * 100.0
     );
-    println!("  keys drained+switched {:>8}", r.keys_drained);
-    println!(
+    let _ = writeln!(o, "  keys drained+switched {:>8}", r.keys_drained);
+    let _ = writeln!(
+        o,
         "  order violations      {:>8}   {}",
         r.order_violations,
         ok(r.order_violations == 0)
     );
-    println!(
+    let _ = writeln!(
+        o,
         "  lost jobs             {:>8}   {}",
         r.lost_jobs,
         ok(r.lost_jobs == 0)
     );
-    println!("  duplicate runs        {:>8}", r.duplicate_runs);
-    println!(
+    let _ = writeln!(o, "  duplicate runs        {:>8}", r.duplicate_runs);
+    let _ = writeln!(
+        o,
         "  jobs enqueued / run   {:>8} / {}",
         r.jobs_enqueued, r.jobs_run
     );
     if r.enqueue_errors > 0 {
-        println!("  enqueue errors        {:>8}", r.enqueue_errors);
+        let _ = writeln!(o, "  enqueue errors        {:>8}", r.enqueue_errors);
     }
-    println!(
+    let _ = writeln!(
+        o,
         "  pause per moved key   p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
         r.pause_ms_p50, r.pause_ms_p99, r.pause_ms_max
     );
-    println!("  rebalance took        {:>8.0} ms", r.rebalance_ms);
-    println!(
+    let _ = writeln!(o, "  rebalance took        {:>8.0} ms", r.rebalance_ms);
+    let _ = writeln!(
+        o,
         "  jobs/s                before {:.0}, during {:.0} ({:.0}%), after {:.0}",
         r.jobs_per_s_before,
         r.jobs_per_s_during,
@@ -588,15 +644,21 @@ pub fn print(r: &DemoReport) {
         },
         r.jobs_per_s_after
     );
-    println!();
-    println!(
+    o.push('\n');
+    let _ = writeln!(
+        o,
         "  {:<12} {:>14} {:>14} {:>12} {:>12}",
         "shard", "tenants before", "tenants after", "jobs before", "jobs after"
     );
     for (name, s) in &r.shards {
-        println!(
+        let _ = writeln!(
+            o,
             "  {:<12} {:>14} {:>14} {:>12} {:>12}",
             name, s.tenants_before, s.tenants_after, s.jobs_before, s.jobs_after
         );
     }
+    if let Some(e) = &r.last_enqueue_error {
+        let _ = writeln!(o, "  last enqueue error: {e}");
+    }
+    o
 }
