@@ -245,7 +245,16 @@ pub fn init_redis(
         };
         (Remote::new(&map_url, ns, &id), found)
     } else {
-        let dep = shardq_redis::init_deployment(&map, &map_url, namespace, base)?;
+        let dep = shardq_redis::init_deployment(&map, &map_url, namespace, base).map_err(|e| {
+            let text = e.to_string();
+            if text.contains("already holds") {
+                DeployError::Invalid(format!(
+                    "{text}; pass --join to attach this data dir to that deployment, or --namespace NAME to create another one beside it"
+                ))
+            } else {
+                e.into()
+            }
+        })?;
         let remote = Remote::new(&map_url, &dep.namespace, &dep.id);
         let store = RedisMapStore::open_in(&map_url, &dep.namespace, base)?;
         store.publish_map(&map, 0)?;

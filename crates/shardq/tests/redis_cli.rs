@@ -262,7 +262,7 @@ fn init_over_four_instances_then_enqueue_work_and_status() {
     // Shard i lives on instance i: its keys are there and nowhere else.
     for (i, server) in servers.iter().enumerate() {
         for (j, other) in servers.iter().enumerate() {
-            let exists = other.cli(&["EXISTS", &format!("sq:{{default:shard-{i}}}:meta")]);
+            let exists = other.cli(&["EXISTS", &format!("sq:{{default:default:shard-{i}}}:meta")]);
             assert_eq!(exists.trim() == "1", i == j, "shard-{i} on instance {j}");
         }
         let _ = server;
@@ -302,10 +302,9 @@ fn two_workers_with_different_data_dirs_share_the_shards() {
     let dir = temp_dir("two");
     let (d1, d2) = (dir.join("one"), dir.join("two"));
     init(&d1, 4, &servers);
-    // Same shards from another data dir: it joins the map in Redis.
-    assert!(init(&d2, 4, &servers).contains("joined"));
-    // A different layout is refused unless asked for.
-    let other = shardq(&[
+    // A second init in the same namespace is refused, naming the way out;
+    // --join attaches another data dir to the deployment in Redis.
+    let again = shardq(&[
         "init",
         "--data",
         dir.join("three").to_str().unwrap(),
@@ -314,8 +313,22 @@ fn two_workers_with_different_data_dirs_share_the_shards() {
         "--redis",
         &urls(&servers),
     ]);
-    let err = String::from_utf8_lossy(&other.stderr);
-    assert!(!other.status.success() && err.contains("--join"), "{err}");
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && err.contains("--join") && err.contains("--namespace"),
+        "{err}"
+    );
+    let joined = ok(&[
+        "init",
+        "--data",
+        d2.to_str().unwrap(),
+        "--shards",
+        "4",
+        "--redis",
+        &urls(&servers),
+        "--join",
+    ]);
+    assert!(joined.contains("joined"), "{joined}");
 
     let mut p = Command::new(BIN)
         .args(["enqueue", "--data", d1.to_str().unwrap(), "--stdin"])
