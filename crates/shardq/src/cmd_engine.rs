@@ -202,6 +202,11 @@ pub struct WorkArgs {
     /// or `halt` the key until its dead jobs are retried or purged.
     #[arg(long, default_value = "continue")]
     on_dead: String,
+    /// Start CMD once per concurrency slot and feed it one JSON job per line
+    /// on stdin, reading one result line per job from its stdout (see
+    /// docs/stdio-protocol.md), instead of one process per job.
+    #[arg(long)]
+    stdio: bool,
     /// Test and benchmark only: instead of CMD, append
     /// "KEY JOB_ID ATTEMPT SHARD" lines to FILE (`append:FILE`).
     #[arg(long, hide = true)]
@@ -608,11 +613,15 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         (Some(_), _) if job_timeout.is_some() => {
             bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
         }
+        (Some(_), _) if args.stdio => {
+            bail!("--stdio applies to a handler command, not --handler-builtin")
+        }
         (Some(spec), true) => builtin_handler(spec)?,
         (Some(_), false) => bail!("give either --handler-builtin or a command after --, not both"),
         (None, true) => bail!(
             "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
         ),
+        (None, false) if args.stdio => crate::stdio_worker::stdio_handler(args.cmd.clone()),
         (None, false) => command_handler(args.cmd.clone()),
     };
     let deployment = open(&args.data, &args.common, dead_policy)?;

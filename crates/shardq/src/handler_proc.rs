@@ -146,7 +146,7 @@ pub fn run_job_command(
 /// thread that spawned it dies, which a worker's handler thread does only
 /// after the handler was reaped, or when the whole worker dies.
 #[cfg(target_os = "linux")]
-fn die_with_parent(command: &mut Command) {
+pub(crate) fn die_with_parent(command: &mut Command) {
     let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs between fork and exec and calls only prctl
     // and getppid, both async-signal-safe; it allocates nothing.
@@ -175,7 +175,7 @@ fn die_with_parent(command: &mut Command) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn die_with_parent(_command: &mut Command) {}
+pub(crate) fn die_with_parent(_command: &mut Command) {}
 
 /// Writes `payload` to the child's stdin from a new thread and closes it;
 /// the receiver gets the outcome. `None` if the child has no stdin pipe.

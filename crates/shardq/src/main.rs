@@ -14,6 +14,7 @@ mod cmd_engine;
 mod cmd_reshard;
 mod cmd_route;
 mod handler_proc;
+mod stdio_worker;
 
 /// shardq: a sharded job queue that routes each key to a shard with
 /// consistent hashing, keeps each key's jobs in order, and reshards live.
