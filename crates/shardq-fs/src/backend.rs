@@ -92,7 +92,18 @@ pub struct EngineOptions {
     /// [`QueueError::Unavailable`] (default
     /// [`APPEND_LOCK_WAIT_MS_DEFAULT`], 1 s).
     pub append_lock_wait_ms: u64,
+    /// Under [`Durability::Fsync`], how long a claim, ack or fail record may
+    /// stay written but not yet fsynced (default
+    /// [`RUN_RECORD_SYNC_MS_DEFAULT`], 50 ms). Enqueues are fsynced before
+    /// they return; run records need not be: delivery is at-least-once, so
+    /// a power loss that drops the last acks only runs those jobs again, and
+    /// a dropped claim or fail only lowers an attempt count. A later fsync
+    /// (an enqueue's, the background flusher's) covers every earlier record.
+    pub run_record_sync_ms: u64,
 }
+
+/// Default for [`EngineOptions::run_record_sync_ms`].
+pub const RUN_RECORD_SYNC_MS_DEFAULT: u64 = 50;
 
 impl Default for EngineOptions {
     fn default() -> Self {
@@ -105,6 +116,7 @@ impl Default for EngineOptions {
             clock: Arc::new(SystemClock),
             storage: Arc::new(OsStorage),
             append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
+            run_record_sync_ms: RUN_RECORD_SYNC_MS_DEFAULT,
         }
     }
 }
@@ -195,7 +207,14 @@ impl FsBackend {
                 Arc::clone(&opts.clock),
                 ms.max(SYNC_INTERVAL_MS_MIN),
             )?),
-            _ => None,
+            // Run records (claims, acks, fails) are fsynced within
+            // `run_record_sync_ms` even when the shard goes idle.
+            Durability::Fsync => Some(spawn_flusher(
+                Arc::downgrade(&shards),
+                Arc::clone(&opts.clock),
+                opts.run_record_sync_ms.max(SYNC_INTERVAL_MS_MIN),
+            )?),
+            Durability::None => None,
         };
         Ok(FsBackend {
             dir: dir.to_path_buf(),
@@ -309,6 +328,22 @@ impl FsBackend {
                     Ok(())
                 }
             }
+        }
+    }
+
+    /// Durability of a claim, ack or fail record: see
+    /// [`EngineOptions::run_record_sync_ms`].
+    fn after_run_record(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
+        match self.opts.durability {
+            Durability::Fsync => {
+                let last = *lock(&shard.sync.last_sync_ms);
+                if self.opts.clock.now_ms().saturating_sub(last) >= self.opts.run_record_sync_ms {
+                    self.sync_to(shard, end)
+                } else {
+                    Ok(())
+                }
+            }
+            _ => self.after_append(shard, end),
         }
     }
 
@@ -683,7 +718,7 @@ impl QueueBackend for FsBackend {
         }
         drop(inner);
         if wrote {
-            self.after_append(&shard, end)?;
+            self.after_run_record(&shard, end)?;
         }
         Ok(out)
     }
@@ -719,7 +754,7 @@ impl QueueBackend for FsBackend {
         if end > start {
             self.compact(&mut inner)?;
             drop(inner);
-            self.after_append(&shard, end)?;
+            self.after_run_record(&shard, end)?;
         }
         Ok(outcome)
     }
@@ -773,7 +808,7 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
-        self.after_append(&shard, end)?;
+        self.after_run_record(&shard, end)?;
         Ok(outcome)
     }
 

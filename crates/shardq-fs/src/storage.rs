@@ -221,6 +221,19 @@ impl CrashStorage {
         self.state().synced.get(path).copied()
     }
 
+    /// Bytes written to tracked files but not fsynced yet.
+    pub fn unsynced_bytes(&self) -> u64 {
+        let st = self.state();
+        st.synced
+            .iter()
+            .map(|(path, &synced)| {
+                fs::metadata(path)
+                    .map(|m| m.len().saturating_sub(synced))
+                    .unwrap_or(0)
+            })
+            .sum()
+    }
+
     /// The power fails: every file is cut back to its durable length, keeping
     /// at most `keep_unsynced` of the bytes written after it (the disk may
     /// have written some back on its own, a prefix in order), and files

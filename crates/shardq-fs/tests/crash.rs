@@ -128,3 +128,51 @@ fn a_power_loss_in_none_mode_loses_only_a_suffix_and_the_shard_reopens() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// Run records (claims and acks) are not fsynced before they return in
+/// `fsync` mode: a power loss right after an ack may drop it, and then the
+/// job is there again to run (at-least-once), never lost; once
+/// `run_record_sync_ms` has passed the flusher has made them durable.
+#[test]
+fn a_power_loss_after_unsynced_acks_runs_the_jobs_again_and_loses_none() {
+    for (sync_ms, acks_survive) in [(3_600_000u64, false), (5, true)] {
+        let dir = data_dir(&format!("acks-{sync_ms}"));
+        let crash = CrashStorage::default();
+        {
+            let mut o = opts(Arc::new(crash.clone()), Durability::Fsync);
+            o.run_record_sync_ms = sync_ms;
+            let engine = Engine::open(&dir, o).unwrap();
+            let b = engine.backend();
+            b.adopt("shard-0").unwrap();
+            let jobs: Vec<NewJob> = (0..10).map(|i| NewJob::new(format!("k{i}"), "x")).collect();
+            b.enqueue("shard-0", 1, &jobs).unwrap();
+            let c = b.claim("shard-0", 10, JOB_LEASE_MS_DEFAULT).unwrap();
+            let rs: Vec<Receipt> = c.iter().map(|j| j.receipt()).collect();
+            assert_eq!(b.ack("shard-0", &rs).unwrap().acked, 10);
+            if acks_survive {
+                // Bounded wait for the flusher (it runs every `sync_ms`).
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while crash.unsynced_bytes() > 0 {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the flusher never synced"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+            crash.crash(0).unwrap();
+            std::mem::forget(engine);
+        }
+        let (ready, in_flight, dead) = counts(&dir);
+        assert_eq!((in_flight, dead), (0, 0));
+        if acks_survive {
+            assert_eq!(ready, 0, "synced acks must survive");
+        } else {
+            assert_eq!(
+                ready, 10,
+                "every job whose ack was lost is there to run again"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
