@@ -207,6 +207,10 @@ pub struct WorkArgs {
     /// docs/stdio-protocol.md), instead of one process per job.
     #[arg(long)]
     stdio: bool,
+    /// With --stdio: jobs written ahead to each handler process (1..=64);
+    /// the worker runs concurrency x pipeline jobs at once.
+    #[arg(long, default_value_t = 4, requires = "stdio")]
+    stdio_pipeline: usize,
     /// Test and benchmark only: instead of CMD, append
     /// "KEY JOB_ID ATTEMPT SHARD" lines to FILE (`append:FILE`).
     #[arg(long, hide = true)]
@@ -621,7 +625,15 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         (None, true) => bail!(
             "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
         ),
-        (None, false) if args.stdio => crate::stdio_worker::stdio_handler(args.cmd.clone()),
+        (None, false) if args.stdio => {
+            if !(1..=64).contains(&args.stdio_pipeline) {
+                bail!(
+                    "invalid --stdio-pipeline {}: must be 1..=64",
+                    args.stdio_pipeline
+                );
+            }
+            crate::stdio_worker::stdio_handler(args.cmd.clone(), args.concurrency)
+        }
         (None, false) => command_handler(args.cmd.clone()),
     };
     let deployment = open(&args.data, &args.common, dead_policy)?;
@@ -632,6 +644,12 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     let mut pool = pool_options(&args);
     pool.job_timeout_ms = job_timeout.map(|d| d.as_millis() as u64);
     pool.job_lease_ms = args.job_lease_ms;
+    if args.stdio {
+        pool.concurrency = args
+            .concurrency
+            .saturating_mul(args.stdio_pipeline)
+            .min(shardq_core::pool::CONCURRENCY_MAX);
+    }
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.
