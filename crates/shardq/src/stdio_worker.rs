@@ -185,37 +185,38 @@ fn read_answers(
     program: &str,
 ) {
     let mut reader = BufReader::new(stdout);
-    let why =
-        loop {
-            let mut line = String::new();
-            match (&mut reader)
-                .take(RESULT_LINE_BYTES_MAX + 1)
-                .read_line(&mut line)
-            {
-                Ok(0) => break format!("handler {program:?} exited (closed its stdout)"),
-                Err(e) => break format!("reading handler {program:?}: {e}"),
-                Ok(_) if line.len() as u64 > RESULT_LINE_BYTES_MAX => break format!(
-                    "handler {program:?} wrote a result line over {RESULT_LINE_BYTES_MAX} bytes"
-                ),
-                Ok(_) => {}
-            }
-            let r: StdioResult = match serde_json::from_str(line.trim()) {
-                Ok(r) => r,
-                Err(e) => {
-                    break format!(
-                        "handler {program:?} wrote {:?}, not a result line ({e})",
-                        shardq_core::job::cut_at_char(line.trim(), 200)
-                    )
-                }
-            };
-            let Some(tx) = lock(waiting).remove(&r.receipt) else {
+    let why = loop {
+        let mut line = String::new();
+        match (&mut reader)
+            .take(RESULT_LINE_BYTES_MAX + 1)
+            .read_line(&mut line)
+        {
+            Ok(0) => break format!("handler {program:?} exited (closed its stdout)"),
+            Err(e) => break format!("reading handler {program:?}: {e}"),
+            Ok(_) if line.len() as u64 > RESULT_LINE_BYTES_MAX => {
                 break format!(
-                    "handler {program:?} answered for receipt {:?}, which it was not running",
-                    r.receipt
-                );
-            };
-            let _ = tx.send(Ok(r));
+                    "handler {program:?} wrote a result line over {RESULT_LINE_BYTES_MAX} bytes"
+                )
+            }
+            Ok(_) => {}
+        }
+        let r: StdioResult = match serde_json::from_str(line.trim()) {
+            Ok(r) => r,
+            Err(e) => {
+                break format!(
+                    "handler {program:?} wrote {:?}, not a result line ({e})",
+                    shardq_core::job::cut_at_char(line.trim(), 200)
+                )
+            }
         };
+        let Some(tx) = lock(waiting).remove(&r.receipt) else {
+            break format!(
+                "handler {program:?} answered for receipt {:?}, which it was not running",
+                r.receipt
+            );
+        };
+        let _ = tx.send(Ok(r));
+    };
     fail_all(waiting, &why);
 }
 

@@ -5,15 +5,17 @@
 //! a closed stdout ends a command quietly.
 
 use std::collections::BTreeSet;
-use std::io::Write;
+
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
 mod support;
-use support::{run, status_json, temp_dir, BIN, WAIT_MAX};
+use support::{
+    data_dir_with_corrupt_shard_1, run, run_stdin, status_json, temp_dir, BIN, WAIT_MAX,
+};
 
 #[test]
 fn bad_input_is_refused_clearly_and_loses_nothing() {
@@ -173,62 +175,6 @@ fn sigterm_drains_running_jobs_and_releases_claims() {
     assert_eq!(v["totals"]["ready"], 0);
     assert_eq!(v["totals"]["in_flight"], 0);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A 4-shard data dir with jobs on every shard, then one byte flipped in the
-/// middle of the first record of shard-1 (records follow it, so it is not a
-/// torn tail). Returns the data dir and the ready count per shard before.
-fn data_dir_with_corrupt_shard_1(dir: &Path) -> (PathBuf, Vec<u64>) {
-    let data = dir.join("data");
-    let d = data.to_str().unwrap();
-    assert!(run(&["init", "--data", d, "--shards", "4"]).0);
-    let lines: String = (0..40).map(|i| format!("seed-{i}\tp{i}\n")).collect();
-    let out = run_stdin(&["enqueue", "--data", d, "--stdin"], lines.as_bytes());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v = status_json(&data);
-    let before: Vec<u64> = (0..4)
-        .map(|i| v["shards"][i]["ready"].as_u64().unwrap())
-        .collect();
-    assert!(before[1] >= 2, "shard-1 needs two records: {v}");
-    let seg = std::fs::read_dir(data.join("shard-1"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "seg"))
-        .expect("shard-1 has a segment");
-    let mut bytes = std::fs::read(&seg).unwrap();
-    // The first record follows the segment header.
-    let at = shardq_fs::record::SEGMENT_HEADER_BYTES;
-    let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
-    assert!(
-        at + 8 + body_len < bytes.len(),
-        "the first record is not the last"
-    );
-    bytes[at + 8 + body_len / 2] ^= 0xff;
-    std::fs::write(&seg, &bytes).unwrap();
-    (data, before)
-}
-
-/// Runs `shardq ARGS` with `input` on stdin.
-fn run_stdin(args: &[&str], input: &[u8]) -> std::process::Output {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_vec();
-    let writer = thread::spawn(move || {
-        let _ = stdin.write_all(&input);
-    });
-    let out = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    out
 }
 
 /// Parses the line list of "stdin lines NOT enqueued: 2-4, 9, and every

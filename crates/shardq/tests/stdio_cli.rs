@@ -6,11 +6,10 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use support::{run, status_json, temp_dir, BIN};
+use support::{run, run_stdin, status_json, temp_dir, BIN};
 
 fn init(data: &Path, shards: usize) {
     let (ok, _, err) = run(&[
@@ -26,14 +25,12 @@ fn init(data: &Path, shards: usize) {
 fn enqueue_lines(data: &Path, lines: &str, extra: &[&str]) {
     let mut args = vec!["enqueue", "--data", data.to_str().unwrap(), "--stdin"];
     args.extend_from_slice(extra);
-    let mut p = Command::new(BIN)
-        .args(&args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    p.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
-    assert!(p.wait().unwrap().success());
+    let out = run_stdin(&args, lines.as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Runs `work --stdio --exit-when-idle` with a Python handler script.
