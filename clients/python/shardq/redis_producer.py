@@ -483,8 +483,11 @@ class RedisProducer:
         try:
             reply = node.run(call)
         except redis.ResponseError as e:
-            if str(e).startswith("OOM"):
-                raise StoreFull(f"shard {shard!r} at {node.url}: the server is full and refused the enqueue: {e}") from None
+            if isinstance(e, redis.exceptions.OutOfMemoryError) or str(e).startswith("OOM"):
+                raise StoreFull(
+                    f"shard {shard!r} at {node.url}: the server is at maxmemory and refused the "
+                    f"enqueue (OOM): {e}"
+                ) from None
             raise ShardqError(f"shard {shard!r} at {node.url}: enqueue failed: {e}") from None
         status = _s(reply[0]) if reply else ""
         if status == "OK":
