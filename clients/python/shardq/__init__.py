@@ -23,10 +23,18 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
+from .http import ClaimedJob, Client, Enqueued, NewJob, Retry, Worker, WorkerStats
 from .redis_producer import Job, Placed, RedisProducer
 
 __all__ = [
     "BadRequest",
+    "ClaimedJob",
+    "Client",
+    "Enqueued",
+    "NewJob",
+    "Retry",
+    "Worker",
+    "WorkerStats",
     "ConfigError",
     "FencedTooLong",
     "HttpError",
