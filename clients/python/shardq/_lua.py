@@ -1,0 +1,207 @@
+"""The Lua text of the Redis backend's enqueue script, copied from
+``crates/shardq-redis/src/scripts.rs`` (``PRELUDE`` and ``ENQUEUE``).
+
+It must be kept in sync with that file: ``tests/test_lua_sync.py`` extracts
+both constants from the Rust source and fails when they differ, and checks
+that :data:`ENQUEUE_SCRIPT` is assembled the way ``Lua::new`` assembles it
+(so both languages send the same text and the same SHA1). Regenerate it by
+copying the two raw strings verbatim; do not edit the Lua here.
+"""
+
+import hashlib
+
+#: Shared helpers of every shard script (``PRELUDE`` in scripts.rs).
+PRELUDE = """
+local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local HALT = ARGV[3] == '1'
+local DEP = redis.call('HGET', K_META, 'dep')
+if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
+local function now_ms()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Server time in microseconds: below 2^53, exact in a Lua number.
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
+local function idstr(n) return string.format('%d', n) end
+-- A job record: not_before|attempts|max_attempts|created|key length|key payload.
+local function rec_parse(r)
+  local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+  kl = tonumber(kl)
+  return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
+end
+local function rec_nbf(r) return tonumber(string.match(r, '^(%d+)')) end
+-- The record with a new not-before and attempt count; key and payload kept.
+local function rec_set(r, n, a)
+  local p = string.match(r, '^%d+|%d+|()')
+  return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
+end
+-- A key's queue: head, tail, depth, job in flight and its run fence (0 for none).
+local function kparse(s)
+  if not s then return {h = 0, t = 0, d = 0, f = 0, r = 0} end
+  local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f), r = tonumber(r)}
+end
+local function kfmt(q) return idstr(q.h) .. ' ' .. idstr(q.t) .. ' ' .. idstr(q.d) .. ' ' .. idstr(q.f) .. ' ' .. idstr(q.r) end
+-- A key with nothing waiting and nothing in flight has no entry at all.
+local function kstore(k, q)
+  if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+end
+local function halted(k)
+  return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
+end
+-- Call only for a key that is in neither ready nor later (it was in flight
+-- or had nothing waiting): restores "a key is in ready or later iff it has
+-- a waiting job, nothing in flight and no halt". With no start time given
+-- the key goes to ready and claim moves it to later if its head must wait.
+local function kready(k, q, nbf, now)
+  if q.d == 0 or q.f ~= 0 or halted(k) then return end
+  if nbf and nbf > now then
+    redis.call('ZADD', K_LATER, nbf, k)
+  else
+    redis.call('RPUSH', K_READY, k)
+  end
+end
+-- Back to the head of its key: a failed or reclaimed job runs before the
+-- key's later jobs.
+local function push_head(q, id)
+  if q.h ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(q.h)) else q.t = id end
+  q.h = id
+  q.d = q.d + 1
+  redis.call('HINCRBY', K_META, 'pend', 1)
+end
+local function bury(ids, k, why)
+  redis.call('ZADD', K_DEAD, tonumber(ids), ids)
+  redis.call('HINCRBY', K_DEADN, k, 1)
+  redis.call('HSET', K_REASON, ids, why)
+end
+-- Out of flight without an ack (the run ended): the attempt counts; back to
+-- the head of its key, or dead when out of attempts.
+local function requeue(ids, why, now)
+  redis.call('ZREM', K_INF, ids)
+  local r = redis.call('HGET', K_JOBS, ids)
+  if not r then return end
+  local n, a, m, _, k = rec_parse(r)
+  a = a + 1
+  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
+  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local was_flying = q.f == tonumber(ids)
+  if was_flying then q.f, q.r = 0, 0 end
+  if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
+  kstore(k, q)
+  if was_flying then kready(k, q, nil, now) end
+end
+-- The key of job ids: the caller's guess, else the job's record ('' if gone).
+local function key_of(ids, k)
+  if k ~= '' then return k end
+  local r = redis.call('HGET', K_JOBS, ids)
+  if not r then return '' end
+  local _, _, _, _, rk = rec_parse(r)
+  return rk
+end
+-- Whether receipt (ids, fence) names the current run of its job on key k,
+-- whose queue is q: nil if it does, else why not. A run whose job lease
+-- lapsed ends here (its job goes back to its key), so it is stale too.
+local function run_check(ids, fence, k, q, now)
+  if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
+  if not q or q.f ~= tonumber(ids) then return 'not in flight' end
+  if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
+  local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
+  if until_ms <= now then
+    requeue(ids, 'job lease expired', now)
+    return 'job lease lapsed'
+  end
+  return nil
+end
+"""
+
+#: The enqueue script's body (``ENQUEUE`` in scripts.rs).
+ENQUEUE = """
+local now = now_ms()
+local n = tonumber(ARGV[6])
+local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
+if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[7], fmin} end
+if redis.call('SCARD', K_PAUSED) > 0 then
+  for i = 0, n - 1 do
+    if redis.call('SISMEMBER', K_PAUSED, ARGV[7 + 4 * i]) == 1 then return {'PAUSED', ARGV[7 + 4 * i]} end
+  end
+end
+local first = redis.call('HINCRBY', K_META, 'seq', n) - n + 1
+redis.call('HINCRBY', K_META, 'pend', n)
+local cand, qs = {}, {}
+for i = 0, n - 1 do
+  local k = ARGV[7 + 4 * i]
+  if not qs[k] then
+    qs[k] = true
+    cand[#cand + 1] = k
+  end
+end
+-- A key with nothing waiting and nothing in flight was in neither ready nor
+-- later: its first job in this batch becomes its head.
+local cur = redis.call('HMGET', K_KEYS, unpack(cand))
+local fresh, hnbf = {}, {}
+for i, k in ipairs(cand) do
+  local q = kparse(cur[i])
+  qs[k] = q
+  fresh[k] = q.d == 0 and q.f == 0
+end
+local nows = idstr(now)
+local jobs, nxt, dly = {}, {}, {}
+for i = 0, n - 1 do
+  local k, d = ARGV[7 + 4 * i], tonumber(ARGV[9 + 4 * i])
+  local id = first + i
+  local ids = idstr(id)
+  local nbf, nbfs = now, nows
+  if d > 0 then
+    nbf = now + d
+    nbfs = idstr(nbf)
+    dly[#dly + 1] = nbf
+    dly[#dly + 1] = ids
+  end
+  jobs[#jobs + 1] = ids
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[10 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[8 + 4 * i]
+  local q = qs[k]
+  if q.t ~= 0 then
+    nxt[#nxt + 1] = idstr(q.t)
+    nxt[#nxt + 1] = ids
+  else
+    q.h = id
+    hnbf[k] = nbf
+  end
+  q.t = id
+  q.d = q.d + 1
+end
+redis.call('HSET', K_JOBS, unpack(jobs))
+if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+local kq, rl, lz = {}, {}, {}
+for _, k in ipairs(cand) do
+  kq[#kq + 1] = k
+  kq[#kq + 1] = kfmt(qs[k])
+  if fresh[k] and not halted(k) then
+    if hnbf[k] > now then
+      lz[#lz + 1] = hnbf[k]
+      lz[#lz + 1] = k
+    else
+      rl[#rl + 1] = k
+    end
+  end
+end
+redis.call('HSET', K_KEYS, unpack(kq))
+if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
+if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
+if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
+return {'OK', first}
+"""
+
+#: The script as the server receives it: the Redis 7 ``#!lua`` line (no
+#: flags: a server at ``maxmemory`` refuses it with ``OOM``), the prelude and
+#: the body, joined exactly as ``Lua::new(ENQUEUE, true, Flags::Write)`` does.
+ENQUEUE_SCRIPT = "#!lua\n" + PRELUDE + "\n" + ENQUEUE
+
+#: SHA1 of :data:`ENQUEUE_SCRIPT`, the name ``EVALSHA`` runs it by.
+ENQUEUE_SHA1 = hashlib.sha1(ENQUEUE_SCRIPT.encode("utf-8")).hexdigest()

@@ -1,0 +1,538 @@
+"""Clients of the HTTP API of ``shardq serve``: :class:`Client` enqueues,
+:class:`Worker` claims, runs, heartbeats and acks.
+
+Only the standard library (``http.client``): no dependency to install next
+to a worker, keep-alive connections (one per thread and server), and the
+timeouts are ours to set per request (a long poll needs a longer one).
+
+Contract (``POST``, JSON bodies, ``Authorization: Bearer TOKEN`` when a
+token is given):
+
+* ``/v1/jobs`` ``{"jobs": [{"key", "payload" | "payload_b64", "delay_ms",
+  "max_attempts", "dedup_id"}]}`` -> ``{"jobs": [{"id", "shard", "key",
+  "duplicate"}]}``
+* ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms"}`` -> ``{"jobs":
+  [{"id", "shard", "key", "payload" | "payload_b64", "attempt", "receipt",
+  "fence", "lease_expires_ms"}]}``
+* ``/v1/ack`` ``{"receipts": [...]}``, ``/v1/fail`` ``{"receipt", "reason",
+  "retry_in_ms"?}``, ``/v1/extend`` ``{"receipts": [...], "lease_ms"}``
+* 409 for a stale receipt, 400 ``{"error": ...}`` for bad input, 401/403 for
+  a missing or wrong token.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from urllib.parse import urlparse
+
+from .errors import BadRequest, HttpError, ServerUnavailable, StaleReceipt, Unauthorized
+
+log = logging.getLogger("shardq")
+
+#: Timeout of a request other than a claim, in seconds.
+REQUEST_TIMEOUT_S = 10.0
+#: Rounds over every URL before an enqueue gives up.
+RETRY_ROUNDS_DEFAULT = 5
+#: Backoff between rounds, in ms: doubles from the first to the cap, with jitter.
+BACKOFF_FIRST_MS = 50
+BACKOFF_MAX_MS = 2_000
+#: Most jobs per ``/v1/jobs`` request (the Redis backend's batch bound).
+ENQUEUE_BATCH_MAX = 1024
+#: Default long-poll wait of a claim, in ms.
+CLAIM_WAIT_MS_DEFAULT = 5_000
+#: Attempts at an ack or fail before leaving the run to its lease.
+RESULT_ATTEMPTS = 5
+
+Payload = Union[bytes, str]
+
+
+def _normalise_urls(urls: Union[str, Sequence[str]]) -> List[str]:
+    if isinstance(urls, str):
+        urls = [u for u in urls.split(",") if u.strip()]
+    out = []
+    for u in urls:
+        u = u.strip().rstrip("/")
+        p = urlparse(u)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise ValueError(f"invalid server URL {u!r}: expected http://HOST:PORT or https://HOST:PORT")
+        out.append(u)
+    if not out:
+        raise ValueError("no server URL given")
+    return out
+
+
+class _Transport:
+    """POSTs JSON to one server over keep-alive connections, one per thread."""
+
+    def __init__(self, url: str, token: Optional[str]):
+        self.url = url
+        p = urlparse(url)
+        self.https = p.scheme == "https"
+        self.host = p.hostname or ""
+        self.port = p.port or (443 if self.https else 80)
+        self.prefix = p.path
+        self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.local = threading.local()
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        c = getattr(self.local, "conn", None)
+        if c is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            c = cls(self.host, self.port, timeout=timeout)
+            self.local.conn = c
+        c.timeout = timeout
+        if c.sock is not None:
+            c.sock.settimeout(timeout)
+        return c
+
+    def _drop(self) -> None:
+        c = getattr(self.local, "conn", None)
+        if c is not None:
+            c.close()
+        self.local.conn = None
+
+    def post(self, path: str, body: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> Tuple[int, Any]:
+        """Sends one request: (status, decoded JSON body or None). Raises
+        ``OSError``/``http.client.HTTPException`` for transport failures."""
+        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        c = self._conn(timeout)
+        try:
+            c.request("POST", self.prefix + path, body=data, headers=self.headers)
+            resp = c.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException):
+            self._drop()
+            raise
+        if resp.getheader("Connection", "").lower() == "close":
+            self._drop()
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            doc = raw.decode("utf-8", "replace")
+        return resp.status, doc
+
+    def close(self) -> None:
+        self._drop()
+
+
+def _error_of(doc: Any) -> str:
+    if isinstance(doc, dict) and "error" in doc:
+        return str(doc["error"])
+    return str(doc)[:500] if doc is not None else ""
+
+
+def _raise_for(url: str, status: int, doc: Any) -> None:
+    msg = _error_of(doc)
+    if status == 400:
+        raise BadRequest(url, status, msg)
+    if status in (401, 403):
+        raise Unauthorized(url, status, msg)
+    if status == 409:
+        raise StaleReceipt(url, status, msg)
+    raise HttpError(url, status, msg)
+
+
+def _retryable(status: int) -> bool:
+    return status in (408, 425, 429) or status >= 500
+
+
+def _backoff_ms(round_no: int) -> float:
+    cap = min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * (2 ** round_no))
+    return cap / 2 + random.random() * cap / 2
+
+
+def _encode_payload(payload: Payload, out: Dict[str, Any]) -> None:
+    if isinstance(payload, str):
+        out["payload"] = payload
+        return
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a payload must be bytes or str, got {type(payload).__name__}")
+    b = bytes(payload)
+    try:
+        out["payload"] = b.decode("utf-8")
+    except UnicodeDecodeError:
+        out["payload_b64"] = base64.b64encode(b).decode("ascii")
+
+
+def _decode_payload(doc: Mapping[str, Any]) -> bytes:
+    if doc.get("payload_b64") is not None:
+        return base64.b64decode(doc["payload_b64"])
+    p = doc.get("payload")
+    return p.encode("utf-8") if isinstance(p, str) else b""
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """A stored job: its id, shard and key; ``duplicate`` when the server
+    already had a job with its dedup id (this call stored nothing new)."""
+
+    id: int
+    shard: str
+    key: str
+    duplicate: bool
+    dedup_id: str
+
+
+@dataclass
+class NewJob:
+    """A job for :meth:`Client.enqueue_many`."""
+
+    key: str
+    payload: Payload = b""
+    delay_ms: int = 0
+    max_attempts: Optional[int] = None
+    dedup_id: Optional[str] = None
+
+
+class Client:
+    """Enqueues over HTTP. ``urls``: one or more server URLs (a list or a
+    comma-separated string); each request goes to the first that answers,
+    retried with backoff over all of them (``retry_rounds`` rounds). Every
+    job carries a dedup id (generated when not given), so a retry after a
+    lost reply never stores a job twice."""
+
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str]],
+        token: Optional[str] = None,
+        *,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        retry_rounds: int = RETRY_ROUNDS_DEFAULT,
+    ) -> None:
+        self.urls = _normalise_urls(urls)
+        self.timeout_s = timeout_s
+        self.retry_rounds = retry_rounds
+        self._transports = [_Transport(u, token) for u in self.urls]
+
+    def enqueue(
+        self,
+        key: str,
+        payload: Payload = b"",
+        delay_ms: int = 0,
+        max_attempts: Optional[int] = None,
+        dedup_id: Optional[str] = None,
+    ) -> Enqueued:
+        """Enqueues one job."""
+        return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id)])[0]
+
+    def enqueue_many(self, jobs: Iterable[Union[NewJob, Mapping[str, Any]]]) -> List[Enqueued]:
+        """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
+        fields), ``ENQUEUE_BATCH_MAX`` per request, in order; returns one
+        :class:`Enqueued` per job."""
+        bodies: List[Dict[str, Any]] = []
+        for j in jobs:
+            if not isinstance(j, NewJob):
+                j = NewJob(**dict(j))
+            if not isinstance(j.key, str) or not j.key:
+                raise ValueError(f"invalid job key {j.key!r}: a non-empty str is needed")
+            b: Dict[str, Any] = {"key": j.key}
+            _encode_payload(j.payload, b)
+            if j.delay_ms:
+                b["delay_ms"] = int(j.delay_ms)
+            if j.max_attempts is not None:
+                b["max_attempts"] = int(j.max_attempts)
+            b["dedup_id"] = j.dedup_id if j.dedup_id is not None else uuid.uuid4().hex
+            bodies.append(b)
+        out: List[Enqueued] = []
+        for start in range(0, len(bodies), ENQUEUE_BATCH_MAX):
+            chunk = bodies[start:start + ENQUEUE_BATCH_MAX]
+            doc = self._post_any("/v1/jobs", {"jobs": chunk})
+            got = doc.get("jobs") if isinstance(doc, dict) else None
+            if not isinstance(got, list) or len(got) != len(chunk):
+                raise HttpError(self.urls[0], 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
+            for b, g in zip(chunk, got):
+                out.append(Enqueued(int(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"]))
+        return out
+
+    def _post_any(self, path: str, body: Mapping[str, Any]) -> Any:
+        causes: Dict[str, str] = {}
+        last: Optional[BaseException] = None
+        for round_no in range(self.retry_rounds):
+            for t in self._transports:
+                try:
+                    status, doc = t.post(path, body, self.timeout_s)
+                except (OSError, http.client.HTTPException) as e:
+                    causes[t.url] = f"{t.url}: {type(e).__name__}: {e}"
+                    last = e
+                    continue
+                if status == 200:
+                    return doc
+                if not _retryable(status):
+                    _raise_for(t.url, status, doc)
+                causes[t.url] = f"{t.url}: {status} {_error_of(doc)}"
+            if round_no + 1 < self.retry_rounds:
+                time.sleep(_backoff_ms(round_no) / 1000)
+        raise ServerUnavailable(f"POST {path} ({self.retry_rounds} rounds)", list(causes.values()), last)
+
+    def close(self) -> None:
+        for t in self._transports:
+            t.close()
+
+
+@dataclass
+class ClaimedJob:
+    """A job handed to a handler. ``url`` is the server that gave it: its
+    ack, fail and extend go there."""
+
+    id: int
+    shard: str
+    key: str
+    payload: bytes
+    attempt: int
+    receipt: Any
+    fence: Optional[int]
+    lease_expires_ms: Optional[int]
+    url: str
+    #: Set when a heartbeat learned the run is no longer current.
+    lost: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+class Retry(Exception):
+    """Raise from a handler to fail the attempt with a given retry delay."""
+
+    def __init__(self, reason: str, retry_in_ms: int):
+        super().__init__(reason)
+        self.retry_in_ms = retry_in_ms
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    acked: int = 0
+    failed: int = 0
+    #: Results the server refused (409): the run had been lost.
+    lost: int = 0
+    #: Results given up on after transport errors (the lease decides).
+    unreported: int = 0
+
+
+Handler = Callable[[ClaimedJob], None]
+
+
+class Worker:
+    """Claims jobs from every URL with long polls, runs ``handler`` in a
+    thread pool, extends the job leases of running handlers every lease/3,
+    and acks (or fails, when the handler raises) on the server that gave the
+    job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT once every
+    running handler has finished and its result has been sent."""
+
+    def __init__(
+        self,
+        urls: Union[str, Sequence[str]],
+        token: Optional[str] = None,
+        *,
+        worker_id: Optional[str] = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self.urls = _normalise_urls(urls)
+        self.worker_id = worker_id or f"{socket.gethostname()}@{os.getpid()}-py-{uuid.uuid4().hex[:6]}"
+        self.timeout_s = timeout_s
+        self._transports = {u: _Transport(u, token) for u in self.urls}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running: Dict[int, ClaimedJob] = {}
+        self.stats = WorkerStats()
+
+    def stop(self) -> None:
+        """Stops claiming; :meth:`run` returns once running jobs finish."""
+        self._stop.set()
+
+    def run(
+        self,
+        handler: Handler,
+        concurrency: int = 8,
+        lease_ms: int = 30_000,
+        wait_ms: int = CLAIM_WAIT_MS_DEFAULT,
+        install_signal_handlers: bool = True,
+    ) -> WorkerStats:
+        if concurrency < 1:
+            raise ValueError(f"invalid concurrency {concurrency}: at least 1")
+        if lease_ms < 100:
+            raise ValueError(f"invalid lease_ms {lease_ms}: at least 100")
+        self._stop.clear()
+        restore = self._install_signals() if install_signal_handlers else {}
+        slots = threading.Semaphore(concurrency)
+        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="shardq-job")
+        beat_stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(lease_ms, beat_stop), name="shardq-extend", daemon=True)
+        beat.start()
+        claimers = [
+            threading.Thread(
+                target=self._claim_loop, args=(url, handler, slots, concurrency, pool, lease_ms, wait_ms),
+                name=f"shardq-claim-{i}", daemon=True,
+            )
+            for i, url in enumerate(self.urls)
+        ]
+        try:
+            for c in claimers:
+                c.start()
+            while any(c.is_alive() for c in claimers):
+                for c in claimers:
+                    c.join(0.1)
+        finally:
+            self._stop.set()
+            for c in claimers:
+                c.join()
+            # Drain: every claimed job runs to its end and reports.
+            pool.shutdown(wait=True)
+            beat_stop.set()
+            beat.join()
+            for sig, old in restore.items():
+                signal.signal(sig, old)
+        return self.stats
+
+    def _install_signals(self) -> Dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("shardq worker: not on the main thread, SIGTERM is not handled (call stop())")
+            return {}
+        old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old[sig] = signal.signal(sig, lambda *_: self.stop())
+        return old
+
+    def _claim_loop(self, url: str, handler: Handler, slots: threading.Semaphore, concurrency: int,
+                    pool: ThreadPoolExecutor, lease_ms: int, wait_ms: int) -> None:
+        t = self._transports[url]
+        failures = 0
+        while not self._stop.is_set():
+            # Reserve the free slots (at least one) and ask for that many.
+            if not slots.acquire(timeout=0.2):
+                continue
+            want = 1
+            while want < concurrency and slots.acquire(blocking=False):
+                want += 1
+            jobs: List[ClaimedJob] = []
+            try:
+                body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
+                status, doc = t.post("/v1/claim", body, timeout=self.timeout_s + wait_ms / 1000)
+                if status != 200:
+                    _raise_for(url, status, doc)
+                for j in (doc or {}).get("jobs", []):
+                    jobs.append(ClaimedJob(
+                        int(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
+                        j["receipt"], j.get("fence"), j.get("lease_expires_ms"), url,
+                    ))
+                failures = 0
+            except (OSError, http.client.HTTPException, HttpError, ValueError, KeyError) as e:
+                failures += 1
+                if isinstance(e, Unauthorized):
+                    log.error("shardq worker: %s refused the token: %s", url, e)
+                else:
+                    log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
+                for _ in range(want):
+                    slots.release()
+                self._stop.wait(_backoff_ms(min(failures, 6)) / 1000)
+                continue
+            for _ in range(want - len(jobs)):
+                slots.release()
+            with self._lock:
+                self.stats.claimed += len(jobs)
+                for j in jobs:
+                    self._running[id(j)] = j
+            for j in jobs:
+                pool.submit(self._run_one, handler, j, slots)
+
+    def _run_one(self, handler: Handler, job: ClaimedJob, slots: threading.Semaphore) -> None:
+        try:
+            try:
+                handler(job)
+                outcome: Tuple[str, Dict[str, Any]] = ("/v1/ack", {"receipts": [job.receipt]})
+            except Retry as e:
+                outcome = ("/v1/fail", {"receipt": job.receipt, "reason": str(e), "retry_in_ms": int(e.retry_in_ms)})
+            except Exception as e:  # the attempt fails; the server retries it
+                outcome = ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(e).__name__}: {e}"[:1024]})
+            with self._lock:
+                self._running.pop(id(job), None)
+            self._report(job, *outcome)
+        finally:
+            with self._lock:
+                self._running.pop(id(job), None)
+            slots.release()
+
+    def _report(self, job: ClaimedJob, path: str, body: Dict[str, Any]) -> None:
+        t = self._transports[job.url]
+        for attempt in range(RESULT_ATTEMPTS):
+            try:
+                status, doc = t.post(path, body, self.timeout_s)
+            except (OSError, http.client.HTTPException) as e:
+                log.warning("shardq worker: %s of job %s (key %r) to %s failed: %s", path, job.id, job.key, job.url, e)
+                time.sleep(_backoff_ms(attempt) / 1000)
+                continue
+            if status == 200:
+                with self._lock:
+                    if path == "/v1/ack":
+                        self.stats.acked += 1
+                    else:
+                        self.stats.failed += 1
+                return
+            if status == 409:
+                # Not retried: another run of the job is current (or was).
+                log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (%s refused: %s)",
+                            job.id, job.key, job.shard, job.url, path, _error_of(doc))
+                with self._lock:
+                    self.stats.lost += 1
+                return
+            if not _retryable(status):
+                log.error("shardq worker: %s of job %s at %s refused with %s: %s", path, job.id, job.url, status, _error_of(doc))
+                break
+            time.sleep(_backoff_ms(attempt) / 1000)
+        with self._lock:
+            self.stats.unreported += 1
+        log.error("shardq worker: gave up reporting job %s (key %r) to %s; its lease decides", job.id, job.key, job.url)
+
+    def _heartbeat(self, lease_ms: int, stop: threading.Event) -> None:
+        every = lease_ms / 3 / 1000
+        while not stop.wait(every):
+            with self._lock:
+                by_url: Dict[str, List[ClaimedJob]] = {}
+                for j in self._running.values():
+                    by_url.setdefault(j.url, []).append(j)
+            for url, jobs in by_url.items():
+                self._extend(url, jobs, lease_ms)
+
+    def _extend(self, url: str, jobs: List[ClaimedJob], lease_ms: int) -> None:
+        body = {"receipts": [j.receipt for j in jobs], "lease_ms": lease_ms}
+        try:
+            status, doc = self._transports[url].post("/v1/extend", body, self.timeout_s)
+        except (OSError, http.client.HTTPException) as e:
+            log.warning("shardq worker: extend at %s failed: %s", url, e)
+            return
+        stale: List[Any] = []
+        if status == 409 and len(jobs) > 1 and not _stale_of(doc):
+            # Which receipt is stale? Ask one by one.
+            for j in jobs:
+                self._extend(url, [j], lease_ms)
+            return
+        if status == 409:
+            stale = [j.receipt for j in jobs] if len(jobs) == 1 else _stale_of(doc)
+        elif status == 200:
+            stale = _stale_of(doc)
+        else:
+            log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
+        for j in jobs:
+            if j.receipt in stale and not j.lost.is_set():
+                j.lost.set()
+                log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
+
+
+def _stale_of(doc: Any) -> List[Any]:
+    if isinstance(doc, dict):
+        s = doc.get("stale")
+        if isinstance(s, list):
+            return [x.get("receipt") if isinstance(x, dict) else x for x in s]
+    return []

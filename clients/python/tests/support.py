@@ -1,0 +1,153 @@
+"""Test support: the Rust binary (built once per session), redis-server
+processes on free loopback ports, bounded waits. Nothing here skips: a
+missing tool fails the test with a message saying what to install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Callable, List, Optional
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+#: Bound on every wait in these tests, in seconds.
+WAIT_MAX_S = 90.0
+
+_build_lock = threading.Lock()
+_binary: Optional[str] = None
+
+
+def shardq_binary() -> str:
+    """``target/debug/shardq``, built with ``cargo build -p shardq`` once per
+    session (cargo makes it a no-op when it is fresh)."""
+    global _binary
+    with _build_lock:
+        if _binary is not None:
+            return _binary
+        cargo = shutil.which("cargo")
+        if cargo is None:
+            raise AssertionError(
+                "cargo is not on PATH: these tests need the Rust binary (cargo build -p shardq "
+                "from the repository root); install Rust (https://rustup.rs)"
+            )
+        out = subprocess.run(
+            [cargo, "build", "-q", "-p", "shardq"], cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        if out.returncode != 0:
+            raise AssertionError(f"cargo build -p shardq failed in {REPO_ROOT}:\n{out.stderr}")
+        target = os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO_ROOT, "target"))
+        path = os.path.join(target, "debug", "shardq")
+        if not os.access(path, os.X_OK):
+            raise AssertionError(f"cargo build -p shardq succeeded but {path} is not an executable")
+        _binary = path
+        return path
+
+
+def shardq(*args: str, check: bool = True, timeout: float = WAIT_MAX_S) -> subprocess.CompletedProcess:
+    out = subprocess.run([shardq_binary(), *args], capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"shardq {' '.join(args)} exited {out.returncode}:\n{out.stderr}")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(what: str, done: Callable[[], bool], timeout_s: float = WAIT_MAX_S, every_s: float = 0.02) -> None:
+    """Polls ``done`` until it is true; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+class RedisServer:
+    """A redis-server on a free loopback port with no persistence, in its own
+    temporary directory; :meth:`stop` ends it."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise AssertionError(
+                "redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install redis-server)"
+            )
+        self.dir = tempfile.mkdtemp(prefix="shardq-py-redis-")
+        last = ""
+        for _ in range(5):
+            self.port = free_port()
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                 "--appendonly", "no", "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._wait_ready():
+                return
+            self.proc.kill()
+            self.proc.wait()
+            last = self.log()
+        raise AssertionError(f"redis-server did not start on a free port; its log:\n{last}")
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "redis.log")) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stop_process(proc: subprocess.Popen, what: str, sig: int = signal.SIGTERM, timeout_s: float = WAIT_MAX_S) -> int:
+    """Sends ``sig`` and waits (bounded) for the process to exit."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{what} (pid {proc.pid}) did not exit within {timeout_s:.0f} s of signal {sig}")
+
+
+def read_lines(path: str) -> List[str]:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return [l for l in f.read().split("\n") if l]
+    except FileNotFoundError:
+        return []

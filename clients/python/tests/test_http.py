@@ -1,0 +1,227 @@
+"""Client and Worker against the in-test stand-in for ``shardq serve``
+(``fake_serve.py``; the real server is not on main yet). The stand-in checks
+every request's shape, so these also pin what the clients send."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+from shardq import BadRequest, ClaimedJob, Client, NewJob, ServerUnavailable, Unauthorized, Worker
+
+from fake_serve import FakeServe
+from support import free_port, read_lines, stop_process, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def fakes():
+    made: List[FakeServe] = []
+
+    def make(name: str = "s", token=None) -> FakeServe:
+        f = FakeServe(name, token)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def run_worker(w: Worker, handler, **kw) -> threading.Thread:
+    t = threading.Thread(target=w.run, args=(handler,), kwargs=dict(install_signal_handlers=False, **kw), daemon=True)
+    t.start()
+    return t
+
+
+def test_enqueue_sends_the_contract_and_a_dedup_id_per_job(fakes):
+    f = fakes("a", token="sekret")
+    c = Client([f.url], token="sekret")
+    got = c.enqueue_many([
+        NewJob("k1", "text é"),
+        NewJob("k1", b"\xff\x00bin", delay_ms=5, max_attempts=3),
+        {"key": "k2", "payload": b"x", "dedup_id": "mine-1"},
+    ])
+    assert not f.shape_errors, f.shape_errors
+    (_, body), = [r for r in f.requests if r[0] == "/v1/jobs"]
+    jobs = body["jobs"]
+    assert jobs[0] == {"key": "k1", "payload": "text é", "dedup_id": jobs[0]["dedup_id"]}
+    assert jobs[1]["payload_b64"] == "/wBiaW4=" and "payload" not in jobs[1]
+    assert (jobs[1]["delay_ms"], jobs[1]["max_attempts"]) == (5, 3)
+    assert jobs[2]["dedup_id"] == "mine-1"
+    generated = [jobs[0]["dedup_id"], jobs[1]["dedup_id"]]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", d) for d in generated) and len(set(generated)) == 2
+    assert [(e.id, e.key, e.duplicate) for e in got] == [(1, "k1", False), (2, "k1", False), (3, "k2", False)]
+    assert f.jobs[2]["payload"] == b"\xff\x00bin"
+    assert c.enqueue("k3", "p").shard == "a"
+
+
+def test_retries_go_to_the_next_url_and_keep_the_dedup_ids(fakes):
+    f = fakes("a")
+    calls = {"n": 0}
+
+    def lose_first_reply(path, doc):
+        # The first request is stored but its reply is lost (a 502 from a proxy).
+        if path == "/v1/jobs" and calls["n"] == 0:
+            calls["n"] += 1
+            f.enqueue(doc["jobs"])
+            return 502, {"error": "bad gateway"}
+        return None
+
+    f.intercept = lose_first_reply
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = Client([dead, f.url], retry_rounds=3)
+    got = c.enqueue_many([NewJob("k", "1"), NewJob("k", "2")])
+    bodies = [b for p, b in f.requests if p == "/v1/jobs"]
+    assert len(bodies) == 2 and bodies[0] == bodies[1], "the retry must resend the same dedup ids"
+    assert [e.duplicate for e in got] == [True, True]
+    assert len(f.jobs) == 2, "a retried batch must not be stored twice"
+
+
+def test_refusals_are_not_retried_and_name_the_cause(fakes):
+    f = fakes("a", token="right")
+    with pytest.raises(Unauthorized) as e:
+        Client([f.url]).enqueue("k", "x")
+    assert e.value.status == 401
+    with pytest.raises(Unauthorized) as e:
+        Client([f.url], token="wrong").enqueue("k", "x")
+    assert e.value.status == 403 and "wrong token" in str(e.value)
+    f.intercept = lambda path, doc: (400, {"error": "key is longer than 1024 bytes"})
+    with pytest.raises(BadRequest, match="longer than 1024"):
+        Client([f.url], token="right").enqueue("k", "x")
+    assert f.count("/v1/jobs") == 3
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable) as e:
+        Client(dead, retry_rounds=2).enqueue("k", "x")
+    assert all(u in str(e.value) for u in dead) and time.monotonic() - t0 < 10
+
+
+def test_worker_runs_every_job_once_in_per_key_order_over_two_servers(fakes):
+    a, b = fakes("a"), fakes("b")
+    keys, per_key = 16, 12
+    for seq in range(per_key):
+        Client([a.url]).enqueue_many([NewJob(f"a-{k}", str(seq)) for k in range(keys)])
+        Client([b.url]).enqueue_many([NewJob(f"b-{k}", str(seq)) for k in range(keys)])
+    seen: Dict[str, List[int]] = defaultdict(list)
+    running: Set[str] = set()
+    overlaps: List[str] = []
+    lock = threading.Lock()
+
+    def handler(job: ClaimedJob) -> None:
+        with lock:
+            if job.key in running:
+                overlaps.append(job.key)
+            running.add(job.key)
+        time.sleep(0.002 * (hash(job.key) % 3))
+        with lock:
+            running.discard(job.key)
+            seen[job.key].append(int(job.payload))
+            assert job.url == (a.url if job.key.startswith("a-") else b.url)
+
+    w = Worker([a.url, b.url])
+    t = run_worker(w, handler, concurrency=6, lease_ms=5000, wait_ms=200)
+    wait_until("every job to be acked", lambda: a.pending() == 0 and b.pending() == 0, timeout_s=60)
+    w.stop()
+    t.join(30)
+    assert not t.is_alive(), "Worker.run did not return after stop()"
+    assert not a.shape_errors and not b.shape_errors, a.shape_errors + b.shape_errors
+    assert not overlaps, f"two runs of one key overlapped: {overlaps}"
+    assert len(seen) == 2 * keys
+    for key, seqs in seen.items():
+        assert seqs == list(range(per_key)), f"{key}: {seqs}"
+    assert (len(a.acked), len(b.acked)) == (keys * per_key, keys * per_key)
+    assert w.stats.acked == 2 * keys * per_key and w.stats.lost == 0 and w.stats.failed == 0
+
+
+def test_a_long_job_is_extended_and_a_failing_one_retried(fakes):
+    f = fakes("a")
+    Client([f.url]).enqueue_many([NewJob("slow", "0"), NewJob("flaky", "0"), NewJob("flaky", "1")])
+    runs: List[Tuple[str, int, int]] = []
+
+    def handler(job: ClaimedJob) -> None:
+        runs.append((job.key, int(job.payload), job.attempt))
+        if job.key == "slow":
+            time.sleep(1.2)  # four leases of 300 ms
+        if job.key == "flaky" and job.attempt == 1 and job.payload == b"0":
+            raise RuntimeError("boom")
+
+    w = Worker([f.url])
+    t = run_worker(w, handler, concurrency=2, lease_ms=300, wait_ms=100)
+    wait_until("the three jobs to finish", lambda: f.pending() == 0, timeout_s=30)
+    w.stop()
+    t.join(30)
+    assert not f.shape_errors, f.shape_errors
+    assert [r for r in runs if r[0] == "slow"] == [("slow", 0, 1)], "the extended job ran again"
+    assert f.count("/v1/extend") >= 2
+    assert [r for r in runs if r[0] == "flaky"] == [("flaky", 0, 1), ("flaky", 0, 2), ("flaky", 1, 1)]
+    fails = [b for p, b in f.requests if p == "/v1/fail"]
+    assert len(fails) == 1 and "RuntimeError: boom" in fails[0]["reason"]
+    assert w.stats.acked == 3 and w.stats.failed == 1
+
+
+def test_409_on_ack_means_the_run_was_lost_and_is_not_retried(fakes, caplog):
+    f = fakes("a")
+    Client([f.url]).enqueue("k", "x")
+    f.intercept = lambda path, doc: (409, {"error": "stale receipt"}) if path == "/v1/ack" else None
+    done = threading.Event()
+    w = Worker([f.url])
+    with caplog.at_level(logging.WARNING, logger="shardq"):
+        t = run_worker(w, lambda job: done.set(), concurrency=1, lease_ms=5000, wait_ms=100)
+        wait_until("the ack", lambda: f.count("/v1/ack") >= 1)
+        time.sleep(0.3)  # room for a (wrong) retry to show up
+        w.stop()
+        t.join(30)
+    assert f.count("/v1/ack") == 1
+    assert w.stats.lost == 1 and w.stats.acked == 0
+    assert any("the run was lost" in r.getMessage() for r in caplog.records)
+
+
+WORKER_SCRIPT = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from shardq import Worker
+out = open(sys.argv[2], "a", buffering=1)
+def handler(job):
+    out.write(f"start {job.key} {job.payload.decode()}\n")
+    time.sleep(1.0)
+    out.write(f"done {job.key} {job.payload.decode()}\n")
+stats = Worker([sys.argv[1]]).run(handler, concurrency=3, lease_ms=10000, wait_ms=200)
+out.write(f"exit acked={stats.acked}\n")
+"""
+
+
+def test_sigterm_stops_claiming_and_finishes_running_jobs(fakes, tmp_path):
+    f = fakes("a")
+    Client([f.url]).enqueue_many([NewJob(f"k{i}", str(i)) for i in range(10)])
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_SCRIPT)
+    out = tmp_path / "out.txt"
+    p = subprocess.Popen([sys.executable, str(script), f.url, str(out), os.path.dirname(HERE)])
+    try:
+        wait_until("three jobs to start", lambda: sum(l.startswith("start") for l in read_lines(str(out))) >= 3)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 0
+    lines = read_lines(str(out))
+    started = {l.split(" ", 1)[1] for l in lines if l.startswith("start")}
+    finished = {l.split(" ", 1)[1] for l in lines if l.startswith("done")}
+    assert started == finished, "a running job was cut short"
+    assert lines[-1] == f"exit acked={len(started)}"
+    assert len(f.acked) == len(started) and f.pending() == 10 - len(started)
+    assert len(started) <= 6, "the worker kept claiming after SIGTERM"

@@ -1,0 +1,272 @@
+"""RedisProducer against real redis-server processes and the Rust binary:
+jobs enqueued from Python are run by ``shardq work`` in per-key order, and a
+live rebalance (add-shard + rebalance in another process) while Python keeps
+producing loses nothing, reorders nothing and moves keys to the new shard.
+Fence, pause, lost-store, full-store and eviction refusals are exercised on
+the server directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import pytest
+import redis
+
+from shardq import (
+    ConfigError,
+    FencedTooLong,
+    Job,
+    Placed,
+    PausedTooLong,
+    RedisProducer,
+    StoreFull,
+    StoreLost,
+)
+from shardq.redis_producer import map_key, shard_keys
+from shardq_ref import Router
+
+from support import RedisServer, read_lines, shardq, shardq_binary, stop_process, wait_until
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="shardq-py-test-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def servers():
+    started: List[RedisServer] = []
+
+    def start(n: int) -> List[RedisServer]:
+        for _ in range(n):
+            started.append(RedisServer())
+        return started[-n:]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def init(data: str, shards: int, url: str) -> None:
+    shardq("init", "--data", data, "--shards", str(shards), "--redis", url)
+
+
+# A handler command that records key, payload, attempt and shard, one
+# write per line on an O_APPEND file.
+def recording_handler(out: str) -> List[str]:
+    return ["sh", "-c", 'p=$(cat); printf "%s|%s|%s|%s\\n" "$SHARDQ_KEY" "$p" "$SHARDQ_ATTEMPT" "$SHARDQ_SHARD" >> "$0"', out]
+
+
+def test_jobs_from_python_run_on_the_rust_worker_in_per_key_order(tmp, servers):
+    (srv,) = servers(1)
+    data = os.path.join(tmp, "D")
+    init(data, 4, srv.url)
+    producer = RedisProducer.from_data_dir(data)
+    keys, per_key = 24, 12
+    placed: List[Placed] = []
+    # Interleaved keys, several calls, one key with a multibyte name.
+    for seq in range(per_key):
+        batch = [Job(f"tenant-{k}" if k else "租户-é", f"{seq}") for k in range(keys)]
+        placed += producer.enqueue_many(batch)
+    assert len(placed) == keys * per_key
+    # Routing is the reference router's on the published map.
+    router = Router.from_yaml(redis.Redis.from_url(srv.url).hget(map_key("default"), "yaml").decode())
+    assert all(p.shard == router.route(p.key) and p.map_version == 1 for p in placed)
+    assert len({p.shard for p in placed}) > 1, "24 keys over 4 shards should use more than one"
+    # Ids grow per shard in enqueue order.
+    by_shard: Dict[str, List[int]] = defaultdict(list)
+    for p in placed:
+        by_shard[p.shard].append(p.id)
+    for shard, ids in by_shard.items():
+        assert ids == sorted(ids) and len(set(ids)) == len(ids), shard
+    producer.close()
+
+    out = os.path.join(tmp, "runs.txt")
+    w = subprocess.run(
+        [shardq_binary(), "work", "--data", data, "--exit-when-idle", "--max-local-shards", "all",
+         "--concurrency", "4", "--", *recording_handler(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert w.returncode == 0, w.stderr
+    seen: Dict[str, List[int]] = defaultdict(list)
+    for line in read_lines(out):
+        key, payload, attempt, shard = line.split("|")
+        assert attempt == "1", line
+        assert shard == router.route(key), line
+        seen[key].append(int(payload))
+    assert set(seen) == {p.key for p in placed}
+    for key, seqs in seen.items():
+        assert seqs == list(range(per_key)), f"key {key!r} ran {seqs}"
+
+
+def test_live_rebalance_while_python_produces(tmp, servers):
+    a, b = servers(2)
+    data = os.path.join(tmp, "D")
+    init(data, 4, a.url)
+    runs_file = os.path.join(tmp, "runs.txt")
+    log = open(os.path.join(tmp, "worker.log"), "w")
+    worker_cmd = [shardq_binary(), "work", "--data", data, "--max-local-shards", "all", "--concurrency", "4",
+                  "--lease-ms", "1000", "--handler-builtin", f"append:{runs_file}"]
+    worker = None
+    tenants = 100
+    placed: List[Tuple[int, Placed]] = []  # (round, placement)
+    errors: List[BaseException] = []
+    rebalanced = threading.Event()
+    stop_after = [0]
+
+    def produce() -> None:
+        try:
+            p = RedisProducer.from_data_dir(data)
+            rounds, after = 0, 0
+            while after < 5:
+                got = p.enqueue_many([Job(f"tenant-{t}", str(rounds)) for t in range(tenants)])
+                placed.extend((rounds, x) for x in got)
+                rounds += 1
+                if rebalanced.is_set():
+                    after += 1
+                time.sleep(0.1)
+            stop_after[0] = rounds
+            p.close()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    feeder = threading.Thread(target=produce)
+    feeder.start()
+    try:
+        # A backlog on every key first, so the rebalance has keys with work
+        # to pin, drain and switch while the producer keeps sending.
+        wait_until("a backlog of 1000 jobs", lambda: len(placed) >= 1000 or bool(errors))
+        assert not errors, errors
+        worker = subprocess.Popen(worker_cmd, stdout=subprocess.DEVNULL, stderr=log)
+        wait_until("the worker to run jobs before the change", lambda: len(read_lines(runs_file)) > 100)
+        before = Router.from_yaml(open(os.path.join(data, "shardmap.yaml")).read())
+        added = shardq("add-shard", "--data", data, "shard-4", "--url", b.url)
+        assert "warming" in added.stdout, added.stdout
+        rb = shardq("rebalance", "--data", data, "--json", "--batch", "16", "--drain-timeout-ms", "30000", check=False, timeout=120)
+        assert rb.returncode == 0, f"rebalance failed:\n{rb.stderr}\nworker log:\n{open(log.name).read()[-3000:]}"
+        report = json.loads(rb.stdout)
+        assert report["keys_moved"] > 0, f"no key with work was moved live: {report}"
+        assert all(set(tos) == {"shard-4"} for tos in report["moves"].values()), report
+        rebalanced.set()
+        feeder.join(120)
+        assert not feeder.is_alive(), "the producer did not finish"
+        assert not errors, errors
+        total = len(placed)
+        assert total == stop_after[0] * tenants
+
+        job_of = {(x.shard, x.id): (x.key, r) for r, x in placed}
+        assert len(job_of) == total, "two placements share a (shard, id)"
+
+        def runs() -> List[Tuple[str, int, int, str]]:
+            out = []
+            for line in read_lines(runs_file):
+                k, i, att, s = line.split(" ")
+                out.append((k, int(i), int(att), s))
+            return out
+
+        wait_until("every job to run", lambda: len({(s, i) for _, i, _, s in runs()}) >= total, timeout_s=120)
+    finally:
+        if worker is not None:
+            stop_process(worker, "shardq work")
+        log.close()
+        rebalanced.set()
+        feeder.join(30)
+
+    # Per key, first runs follow the rounds with no gap; nothing lost; a
+    # second run of a job only as a retry (never attempt 1 twice).
+    last: Dict[str, int] = {}
+    ran = set()
+    for key, job_id, attempt, shard in runs():
+        job = (shard, job_id)
+        assert job in job_of, f"run of a job never enqueued: {key} {shard} {job_id}"
+        k, r = job_of[job]
+        assert k == key
+        if job in ran:
+            assert attempt > 1, f"job {job} of {key} ran twice at attempt 1"
+            continue
+        ran.add(job)
+        assert r == last.get(key, -1) + 1, f"key {key!r}: round {r} ran after round {last.get(key)}"
+        last[key] = r
+    assert len(ran) == total, f"{total - len(ran)} job(s) never ran"
+
+    after = Router.from_yaml(open(os.path.join(data, "shardmap.yaml")).read())
+    assert [s.name for s in after.map.shards][-1] == "shard-4" and not after.map.overrides
+    moved = [f"tenant-{t}" for t in range(tenants) if before.route(f"tenant-{t}") != after.route(f"tenant-{t}")]
+    assert moved, "no tenant moved to shard-4"
+    assert all(after.route(k) == "shard-4" for k in moved)
+    last_shard = {x.key: x.shard for _, x in placed}
+    assert all(last_shard[k] == "shard-4" for k in moved), "jobs after the switch should go to shard-4"
+    assert any(s == "shard-4" for _, _, _, s in runs()), "no job ran on shard-4"
+
+
+# --- refusals, on the server directly -----------------------------------------
+
+
+def _deployment(tmp: str, srv: RedisServer, shards: int = 2) -> Tuple[str, redis.Redis]:
+    data = os.path.join(tmp, "D")
+    init(data, shards, srv.url)
+    return data, redis.Redis.from_url(srv.url)
+
+
+def test_fenced_until_a_newer_map_is_published(tmp, servers):
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv)
+    p = RedisProducer.from_data_dir(data, fence_wait_ms=300)
+    shard = p.router.route("k")
+    meta = shard_keys("default", "default", shard)[0]
+    r.hset(meta, "fmin", 2)
+    t0 = time.monotonic()
+    with pytest.raises(FencedTooLong) as e:
+        p.enqueue("k", "x")
+    assert e.value.shard == shard and e.value.map_version == 1
+    assert time.monotonic() - t0 < 5
+    # A newer map published while the producer waits lets the job in, stamped 2.
+    yaml = r.hget(map_key("default"), "yaml").decode().replace("version: 1", "version: 2", 1)
+    p2 = RedisProducer.from_data_dir(data, fence_wait_ms=10_000)
+    threading.Timer(0.2, lambda: r.hset(map_key("default"), mapping={"version": 2, "yaml": yaml})).start()
+    got = p2.enqueue("k", "y")
+    assert got.map_version == 2 and got.shard == shard
+    assert r.hget(meta, "seq") == b"1", "the fenced attempts stored nothing"
+
+
+def test_paused_key_waits_then_gives_up_without_holding_back_others(tmp, servers):
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv, shards=1)
+    p = RedisProducer.from_data_dir(data, pause_wait_ms=300)
+    paused = shard_keys("default", "default", "shard-0")[10]
+    r.sadd(paused, "slow")
+    with pytest.raises(PausedTooLong) as e:
+        p.enqueue_many([Job("a", "1"), Job("slow", "1"), Job("b", "1"), Job("a", "2")])
+    assert e.value.keys == ["slow"] and e.value.shard == "shard-0"
+    assert [(x.key, x.index) for x in e.value.placed] == [("a", 0), ("b", 2), ("a", 3)]
+    # Unpaused while waiting: it goes in.
+    threading.Timer(0.2, lambda: r.srem(paused, "slow")).start()
+    p2 = RedisProducer.from_data_dir(data, pause_wait_ms=10_000)
+    assert p2.enqueue("slow", "2").key == "slow"
+
+
+def test_lost_store_full_store_and_evicting_server_are_refused(tmp, servers):
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv)
+    p = RedisProducer.from_data_dir(data)
+    r.config_set("maxmemory", 1)
+    with pytest.raises(StoreFull, match="OOM"):
+        p.enqueue("k", "x")
+    r.config_set("maxmemory", 0)
+    meta = shard_keys("default", "default", p.router.route("k"))[0]
+    r.hdel(meta, "dep")
+    with pytest.raises(StoreLost, match="deployment record"):
+        p.enqueue("k", "x")
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(ConfigError, match="allkeys-lru"):
+        RedisProducer.from_data_dir(data)
