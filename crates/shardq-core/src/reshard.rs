@@ -188,12 +188,21 @@ pub enum RebalanceEvent {
         /// Version of the intermediate map.
         version: u64,
     },
+    /// A batch's enqueues were paused and its drain began.
+    Draining {
+        /// Keys paused in this batch.
+        keys: usize,
+    },
     /// A batch switched; `done` of `total` keys moved.
     Switched {
         /// Keys moved so far.
         done: usize,
         /// Keys to move in all.
         total: usize,
+        /// Keys of this batch.
+        keys: usize,
+        /// How long this batch's keys were paused, in ms.
+        pause_ms: f64,
     },
     /// The target map is published at `version`.
     Finished {
@@ -567,6 +576,7 @@ where
     for batch in switches.chunks(options.batch) {
         let pause_started_ms = clock.now_ms();
         set_paused(backend, batch, true, None)?;
+        on_event(RebalanceEvent::Draining { keys: batch.len() });
         let dead = match wait_drained(backend, batch, options) {
             Ok(dead) => dead,
             Err(e) => {
@@ -609,7 +619,12 @@ where
             });
         }
         done += batch.len();
-        on_event(RebalanceEvent::Switched { done, total });
+        on_event(RebalanceEvent::Switched {
+            done,
+            total,
+            keys: batch.len(),
+            pause_ms,
+        });
         cur = next;
     }
 
