@@ -1,0 +1,247 @@
+// Worker against fake servers: claims on every URL under one concurrency
+// limit, per-key order, acks to the server that gave the job, heartbeats,
+// failures with a retry delay, 409 as a lost run, drain on stop and SIGTERM.
+
+import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { dirname, join } from "node:path";
+import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+import { Client, RetryLater, Worker, type ClaimedJob, type Logger } from "../src/index.js";
+import { FakeServer } from "../test-support/fake-server.js";
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+function collectingLogger(): Logger & { lines: string[] } {
+  const lines: string[] = [];
+  return { lines, info: (m) => lines.push(`info ${m}`), warn: (m) => lines.push(`warn ${m}`), error: (m) => lines.push(`error ${m}`) };
+}
+
+/** Stops `worker` once `done()` holds, polling; fails the test after `ms`. */
+async function stopWhen(worker: Worker, done: () => boolean, ms = 10_000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!done()) {
+    if (Date.now() > deadline) {
+      worker.stop();
+      throw new Error("timed out waiting for the worker");
+    }
+    await sleep(10);
+  }
+  worker.stop();
+}
+
+test("runs every job of two servers with the concurrency limit, in per-key order, acking to the origin", async () => {
+  const servers = [await new FakeServer("s0", "tok").start(), await new FakeServer("s1", "tok").start()];
+  try {
+    const keys = Array.from({ length: 8 }, (_, i) => `tenant-${i}`);
+    const perKey = 5;
+    for (const [i, key] of keys.entries()) {
+      const client = new Client([servers[i % 2]!.url], { token: "tok" });
+      await client.enqueueMany(Array.from({ length: perKey }, (_, n) => ({ key, payload: String(n) })));
+    }
+    const seen = new Map<string, number[]>();
+    let runningNow = 0;
+    let maxRunning = 0;
+    const worker = new Worker(servers.map((s) => s.url), { token: "tok", logger: collectingLogger() });
+    const ran = worker.run(
+      async (job: ClaimedJob) => {
+        runningNow++;
+        maxRunning = Math.max(maxRunning, runningNow);
+        await sleep(5 + (job.id as number) % 7);
+        const list = seen.get(job.key) ?? [];
+        list.push(Number(job.payload.toString("utf8")));
+        seen.set(job.key, list);
+        runningNow--;
+      },
+      { concurrency: 3, leaseMs: 5000, waitMs: 50, handleSignals: false },
+    );
+    await stopWhen(worker, () => servers[0]!.acked.length + servers[1]!.acked.length === keys.length * perKey);
+    const stats = await ran;
+    assert.ok(maxRunning <= 3, `at most 3 handlers at once, saw ${maxRunning}`);
+    assert.ok(maxRunning >= 2, `handlers ran concurrently (saw ${maxRunning})`);
+    for (const key of keys) assert.deepEqual(seen.get(key), [0, 1, 2, 3, 4], `order of ${key}`);
+    assert.equal(stats.acked, keys.length * perKey);
+    assert.equal(stats.lost, 0);
+    for (const s of servers) {
+      assert.deepEqual(s.staleReplies, [], `${s.shard} saw no stale receipt (every ack went to its origin)`);
+      assert.equal(s.acked.length, (keys.length / 2) * perKey);
+      const claim = s.requests.find((r) => r.path === "/v1/claim")!;
+      assert.deepEqual(Object.keys(claim.body).sort(), ["lease_ms", "max", "wait_ms", "worker"]);
+      assert.ok((claim.body["max"] as number) <= 3);
+    }
+  } finally {
+    for (const s of servers) await s.close();
+  }
+});
+
+test("a long job is extended every lease/3 and keeps its run", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueue("slow", "x");
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const ran = worker.run(async () => sleep(800), { concurrency: 1, leaseMs: 300, waitMs: 20, handleSignals: false });
+    await stopWhen(worker, () => s.acked.length === 1);
+    const stats = await ran;
+    const extends_ = s.requests.filter((r) => r.path === "/v1/extend");
+    assert.ok(extends_.length >= 4, `about 800/100 extends, got ${extends_.length}`);
+    assert.deepEqual(Object.keys(extends_[0]!.body).sort(), ["lease_ms", "receipts"]);
+    assert.equal(extends_[0]!.body["lease_ms"], 300);
+    assert.equal(stats.lost, 0);
+    assert.deepEqual(s.staleReplies, []);
+  } finally {
+    await s.close();
+  }
+});
+
+test("a handler that throws fails the run with its reason and retry delay; the retry comes before the key's next job", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueueMany([
+      { key: "k", payload: "first" },
+      { key: "k", payload: "second" },
+    ]);
+    const order: string[] = [];
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const ran = worker.run(
+      async (job) => {
+        order.push(`${job.payload.toString()}#${job.attempt}`);
+        if (job.attempt === 1 && job.payload.toString() === "first") throw new RetryLater("boom: upstream down", 30);
+      },
+      { concurrency: 2, leaseMs: 5000, waitMs: 20, handleSignals: false },
+    );
+    await stopWhen(worker, () => s.acked.length === 2);
+    const stats = await ran;
+    assert.deepEqual(order, ["first#1", "first#2", "second#1"]);
+    const fail = s.requests.find((r) => r.path === "/v1/fail")!;
+    assert.equal(fail.body["reason"], "boom: upstream down");
+    assert.equal(fail.body["retry_in_ms"], 30);
+    assert.equal(stats.failed, 1);
+    assert.equal(stats.acked, 2);
+  } finally {
+    await s.close();
+  }
+});
+
+test("409 on ack is a lost run: logged, not retried; a 5xx on ack is retried", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueueMany([
+      { key: "a", payload: "1" },
+      { key: "b", payload: "2" },
+    ]);
+    s.inject.set("/v1/ack", [409, 503]);
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const ran = worker.run(async () => {}, { concurrency: 1, leaseMs: 300, waitMs: 20, handleSignals: false });
+    // The first job's ack got 409 (left to its lease, it runs again later); the second's got 503 then 200.
+    await stopWhen(worker, () => s.acked.length === 2);
+    const stats = await ran;
+    assert.equal(stats.lost, 1);
+    assert.ok(log.lines.some((l) => /warn job \d+ .* lost its run on ack: .*409/.test(l)), log.lines.join("\n"));
+    const acks = s.requests.filter((r) => r.path === "/v1/ack").map((r) => r.status);
+    assert.deepEqual(acks.slice(0, 3), [409, 503, 200], "409 not retried, 503 retried");
+  } finally {
+    await s.close();
+  }
+});
+
+test("409 on extend aborts the handler's signal and skips the ack", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueue("k", "x");
+    s.inject.set("/v1/extend", [409]);
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    let aborted = false;
+    const ran = worker.run(
+      async (_job, { signal }) => {
+        await new Promise<void>((resolve) => {
+          signal.addEventListener("abort", () => {
+            aborted = true;
+            resolve();
+          });
+          setTimeout(resolve, 2000);
+        });
+      },
+      { concurrency: 1, leaseMs: 150, waitMs: 20, handleSignals: false },
+    );
+    await stopWhen(worker, () => aborted);
+    const stats = await ran;
+    assert.equal(stats.lost, 1);
+    assert.equal(s.count("/v1/ack"), 0);
+  } finally {
+    await s.close();
+  }
+});
+
+test("stop drains: the running job finishes and is acked before run resolves, and no claim follows", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueueMany([{ key: "k1", payload: "x" }, { key: "k2", payload: "y" }]);
+    let started = 0;
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const ran = worker.run(
+      async () => {
+        started++;
+        await sleep(300);
+      },
+      { concurrency: 1, leaseMs: 5000, waitMs: 20, handleSignals: false },
+    );
+    await stopWhen(worker, () => started === 1);
+    const claimsAtStop = s.count("/v1/claim");
+    await ran;
+    assert.equal(s.acked.length, 1, "the running job was acked");
+    assert.equal(started, 1, "the second job was not started");
+    assert.ok(s.count("/v1/claim") <= claimsAtStop + 1);
+  } finally {
+    await s.close();
+  }
+});
+
+test("a refused token stops run with the 401", async () => {
+  const s = await new FakeServer("s", "tok").start();
+  try {
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    await assert.rejects(worker.run(async () => {}, { waitMs: 20, handleSignals: false }), /401.*missing bearer token/);
+  } finally {
+    await s.close();
+  }
+});
+
+test("SIGTERM drains a worker process: the running job is acked and the process exits 0", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueue("k", "x");
+    const index = join(dirname(fileURLToPath(import.meta.url)), "..", "src", "index.js");
+    const script = `
+      import { Worker } from ${JSON.stringify(index)};
+      const w = new Worker([process.env.URL]);
+      await w.run(async () => { process.stdout.write("started\\n"); await new Promise(r => setTimeout(r, 400)); }, { leaseMs: 5000, waitMs: 50 });
+      process.stdout.write("drained\\n");`;
+    const child = spawn(process.execPath, ["--input-type=module", "-e", script], { env: { ...process.env, URL: s.url }, stdio: ["ignore", "pipe", "pipe"] });
+    let out = "";
+    let err = "";
+    let sent = false;
+    child.stderr.on("data", (d) => (err += d));
+    await new Promise<void>((resolve, reject) => {
+      const t = setTimeout(() => reject(new Error(`no start: ${out} ${err}`)), 10_000);
+      child.stdout.on("data", (d) => {
+        out += d;
+        if (out.includes("started") && child.signalCode === null && !sent) {
+          sent = true;
+          clearTimeout(t);
+          child.kill("SIGTERM");
+          resolve();
+        }
+      });
+    });
+    const code = await new Promise<number | string | null>((resolve) => child.on("exit", (c, sig) => resolve(c ?? sig)));
+    assert.equal(code, 0, `${err}\n${out}`);
+    assert.match(out, /drained/);
+    assert.match(err, /SIGTERM: draining \(1 job\(s\) running\)/);
+    assert.equal(s.acked.length, 1);
+  } finally {
+    await s.close();
+  }
+});
