@@ -441,3 +441,44 @@ pub fn spawn(dir: &Path, opts: ServerOptions) -> Result<Running, ServerError> {
         handle: Some(handle),
     })
 }
+
+/// Opens a server and serves until SIGINT or SIGTERM, then shuts down
+/// gracefully (the `shardq serve` command). Prints where it listens, and
+/// says so when it runs without authentication.
+pub fn serve_until_signal(dir: &Path, opts: ServerOptions) -> Result<(), ServerError> {
+    let no_auth = opts.tokens.is_none();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ServerError::Io {
+            context: "starting the async runtime".into(),
+            source: e,
+        })?;
+    // The listener is registered with the runtime, so open inside it.
+    rt.block_on(async move {
+        let server = tokio::task::block_in_place(|| Server::open(dir, opts))?;
+        let addr = server.local_addr()?;
+        if no_auth {
+            eprintln!(
+                "shardq serve: listening on http://{addr} WITHOUT authentication (loopback only; give --tokens FILE to require bearer tokens)"
+            );
+        } else {
+            eprintln!("shardq serve: listening on http://{addr}");
+        }
+        eprintln!("shardq serve: running shards {:?}", server.owned());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| ServerError::Io {
+                context: "installing the SIGTERM handler".into(),
+                source: e,
+            })?;
+        server
+            .run(async move {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                eprintln!("shardq serve: stopping: finishing requests in flight, then releasing the shards");
+            })
+            .await
+    })
+}

@@ -14,6 +14,7 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_reshard;
 mod cmd_route;
+mod cmd_serve;
 mod demo;
 mod handler_proc;
 
@@ -43,6 +44,8 @@ enum Command {
     Engine(cmd_engine::EngineCommand),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
+    /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
+    Serve(cmd_serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
+        Command::Serve(args) => cmd_serve::run(args),
     };
     match result {
         Ok(code) => code,
