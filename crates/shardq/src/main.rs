@@ -13,6 +13,7 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_reshard;
 mod cmd_route;
+mod cmd_serve;
 mod handler_proc;
 mod stdio_worker;
 
@@ -42,6 +43,8 @@ enum Command {
     Engine(cmd_engine::EngineCommand),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
+    /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
+    Serve(cmd_serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
+        Command::Serve(args) => cmd_serve::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,511 @@
+//! Idempotent enqueue: what a `dedup_id` was enqueued as, remembered for
+//! the dedup window across server restarts.
+//!
+//! [`DedupStore::begin`] reserves an id for one request (or returns the
+//! live record, or says another request holds it); after the enqueue
+//! [`DedupStore::commit`] makes the records durable *before* the reply;
+//! [`DedupStore::abort`] drops reservations whose jobs were not enqueued.
+//!
+//! * [`FileDedup`] (embedded data dirs): `dedup.log` in the data dir, one
+//!   JSON line per record, appended and fsynced under `.dedup.lock`; on
+//!   open the file is rewritten without expired records; servers sharing
+//!   the data dir read each other's new lines before each lookup.
+//!   Reservations are in memory.
+//! * [`RedisDedup`] (Redis data dirs): one key per id under the
+//!   deployment's namespace; a reservation is `SET NX PX` of a pending
+//!   marker (for [`PENDING_MS`]), the commit overwrites it with the record
+//!   for the window.
+//!
+//! A server that dies after the enqueue and before the commit leaves no
+//! record: a retry enqueues the jobs again (at-least-once). This module
+//! must never decide what a job is or touch the queue.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rustix::fs::{flock, FlockOperation};
+use serde::{Deserialize, Serialize};
+
+/// File of dedup records in an embedded data dir.
+pub const DEDUP_FILE: &str = "dedup.log";
+/// Lock file serialising appends and rewrites of [`DEDUP_FILE`].
+pub const DEDUP_LOCK_FILE: &str = ".dedup.lock";
+/// How long a Redis reservation lives without a commit (60 s: longer than
+/// the producer's bounded waits), so a server that died mid-request does
+/// not block the id for the whole window.
+pub const PENDING_MS: u64 = 60_000;
+/// Longest record line read back, in bytes.
+const LINE_BYTES_MAX: usize = 8 << 10;
+
+/// What a dedup id was enqueued as.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DedupRecord {
+    /// The client's dedup id.
+    pub id: String,
+    /// Shard the job landed on.
+    pub shard: String,
+    /// Job id within the shard.
+    pub job: u64,
+    /// The job's key.
+    pub key: String,
+    /// When the record is forgotten (ms since the epoch).
+    pub expires_ms: u64,
+}
+
+/// What [`DedupStore::begin`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// Nothing known: the id is reserved for this request.
+    Fresh,
+    /// Enqueued before, within the window.
+    Done(DedupRecord),
+    /// Another request holds the id right now.
+    Busy,
+}
+
+/// Where dedup records live. See the module docs.
+pub trait DedupStore: Send + Sync {
+    /// Looks `id` up and, if unknown, reserves it.
+    fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String>;
+    /// Makes `records` durable and drops their reservations.
+    fn commit(&self, records: &[DedupRecord]) -> Result<(), String>;
+    /// Drops reservations of ids that were not enqueued.
+    fn abort(&self, ids: &[String]);
+}
+
+// ---------------------------------------------------------------------------
+// Embedded: an append-only JSON-lines file.
+// ---------------------------------------------------------------------------
+
+struct FileState {
+    index: HashMap<String, DedupRecord>,
+    pending: HashSet<String>,
+    file: File,
+    /// Bytes of the file read into `index`.
+    pos: u64,
+    ino: u64,
+}
+
+/// Dedup records in `dedup.log`. See the module docs.
+pub struct FileDedup {
+    path: PathBuf,
+    lock_path: PathBuf,
+    state: Mutex<FileState>,
+}
+
+struct Locked(File);
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        let _ = flock(&self.0, FlockOperation::Unlock);
+    }
+}
+
+fn lock(path: &Path) -> Result<Locked, String> {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    flock(&f, FlockOperation::LockExclusive)
+        .map_err(|e| format!("locking {}: {e}", path.display()))?;
+    Ok(Locked(f))
+}
+
+fn open_append(path: &Path) -> Result<(File, u64), String> {
+    let f = OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    let ino = f
+        .metadata()
+        .map_err(|e| format!("reading {}: {e}", path.display()))?
+        .ino();
+    Ok((f, ino))
+}
+
+/// Parses the complete lines of `bytes` (an unterminated last line is a
+/// torn append and left for later); returns the records and the bytes used.
+fn parse_lines(bytes: &[u8], path: &Path, base: u64) -> Result<(Vec<DedupRecord>, u64), String> {
+    let mut out = Vec::new();
+    let mut used = 0usize;
+    while let Some(nl) = bytes[used..].iter().position(|&b| b == b'\n') {
+        let line = &bytes[used..used + nl];
+        if !line.iter().all(u8::is_ascii_whitespace) {
+            let rec: DedupRecord = serde_json::from_slice(line).map_err(|e| {
+                format!(
+                    "{} offset {}: not a dedup record ({e}); move the file away to start with no dedup records",
+                    path.display(),
+                    base + used as u64
+                )
+            })?;
+            out.push(rec);
+        }
+        used += nl + 1;
+    }
+    if bytes.len() - used > LINE_BYTES_MAX {
+        return Err(format!(
+            "{} offset {}: a line longer than {LINE_BYTES_MAX} bytes: not a dedup file",
+            path.display(),
+            base + used as u64
+        ));
+    }
+    Ok((out, used as u64))
+}
+
+impl FileDedup {
+    /// Opens (creating) the dedup file of data dir `dir`, dropping records
+    /// expired at `now_ms`.
+    pub fn open(dir: &Path, now_ms: u64) -> Result<FileDedup, String> {
+        let path = dir.join(DEDUP_FILE);
+        let lock_path = dir.join(DEDUP_LOCK_FILE);
+        let _l = lock(&lock_path)?;
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(format!("reading {}: {e}", path.display())),
+        };
+        let (records, used) = parse_lines(&bytes, &path, 0)?;
+        let live: Vec<DedupRecord> = records
+            .into_iter()
+            .filter(|r| r.expires_ms > now_ms)
+            .collect();
+        let mut index = HashMap::new();
+        for r in &live {
+            index.insert(r.id.clone(), r.clone());
+        }
+        // Rewrite without expired records (and without a torn tail).
+        if index.len() < count_lines(&bytes) || used != bytes.len() as u64 {
+            let mut text = String::new();
+            for r in index.values() {
+                text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
+                text.push('\n');
+            }
+            let tmp = dir.join(format!(".{DEDUP_FILE}.tmp"));
+            let mut f =
+                File::create(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+            f.write_all(text.as_bytes())
+                .and_then(|()| f.sync_all())
+                .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+            std::fs::rename(&tmp, &path)
+                .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), path.display()))?;
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        let (file, ino) = open_append(&path)?;
+        let pos = file
+            .metadata()
+            .map_err(|e| format!("reading {}: {e}", path.display()))?
+            .len();
+        Ok(FileDedup {
+            path,
+            lock_path,
+            state: Mutex::new(FileState {
+                index,
+                pending: HashSet::new(),
+                file,
+                pos,
+                ino,
+            }),
+        })
+    }
+
+    /// Reads lines other servers appended since the last read (and the
+    /// whole file again if another server rewrote it).
+    fn refresh(&self, st: &mut FileState) -> Result<(), String> {
+        let ino = std::fs::metadata(&self.path)
+            .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+            .ino();
+        if ino != st.ino {
+            let (file, ino) = open_append(&self.path)?;
+            st.file = file;
+            st.ino = ino;
+            st.pos = 0;
+            st.index.clear();
+        }
+        let len = st
+            .file
+            .metadata()
+            .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+            .len();
+        if len <= st.pos {
+            return Ok(());
+        }
+        let mut buf = Vec::with_capacity((len - st.pos) as usize);
+        let mut f = &st.file;
+        f.seek(SeekFrom::Start(st.pos))
+            .and_then(|_| f.take(len - st.pos).read_to_end(&mut buf))
+            .map_err(|e| format!("reading {}: {e}", self.path.display()))?;
+        let (records, used) = parse_lines(&buf, &self.path, st.pos)?;
+        for r in records {
+            st.index.insert(r.id.clone(), r);
+        }
+        st.pos += used;
+        Ok(())
+    }
+}
+
+fn count_lines(bytes: &[u8]) -> usize {
+    bytes.iter().filter(|&&b| b == b'\n').count()
+}
+
+fn lock_state<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DedupStore for FileDedup {
+    fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String> {
+        let mut st = lock_state(&self.state);
+        self.refresh(&mut st)?;
+        if st.pending.contains(id) {
+            return Ok(Begin::Busy);
+        }
+        if let Some(r) = st.index.get(id) {
+            if r.expires_ms > now_ms {
+                return Ok(Begin::Done(r.clone()));
+            }
+        }
+        st.pending.insert(id.to_string());
+        Ok(Begin::Fresh)
+    }
+
+    fn commit(&self, records: &[DedupRecord]) -> Result<(), String> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut text = String::new();
+        for r in records {
+            text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
+            text.push('\n');
+        }
+        let mut st = lock_state(&self.state);
+        let result = (|| {
+            let _l = lock(&self.lock_path)?;
+            self.refresh(&mut st)?;
+            // A torn line left by a server that died mid-append: end it so
+            // this record starts on a line of its own.
+            let len = st.file.metadata().map(|m| m.len()).unwrap_or(st.pos);
+            if len > st.pos {
+                st.file
+                    .write_all(b"\n")
+                    .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
+            }
+            st.file
+                .write_all(text.as_bytes())
+                .and_then(|()| st.file.sync_data())
+                .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
+            self.refresh(&mut st)
+        })();
+        for r in records {
+            st.pending.remove(&r.id);
+            st.index.insert(r.id.clone(), r.clone());
+        }
+        result
+    }
+
+    fn abort(&self, ids: &[String]) {
+        let mut st = lock_state(&self.state);
+        for id in ids {
+            st.pending.remove(id);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Redis: a key per id.
+// ---------------------------------------------------------------------------
+
+/// The value of a reserved, not yet committed id.
+const PENDING_VALUE: &str = "pending";
+/// Connect and reply bound of the dedup connection.
+const REDIS_TIMEOUT_MS: u64 = 2_000;
+
+/// Dedup records in Redis. See the module docs.
+pub struct RedisDedup {
+    url: String,
+    namespace: String,
+    window_ms: u64,
+    conn: Mutex<Option<Box<dyn redis::ConnectionLike + Send>>>,
+}
+
+impl RedisDedup {
+    /// Dedup keys of namespace `namespace` on the Redis holding the map
+    /// (`redis://` or `redis+cluster://`), records kept for `window_ms`.
+    pub fn open(url: &str, namespace: &str, window_ms: u64) -> Result<RedisDedup, String> {
+        let d = RedisDedup {
+            url: url.to_string(),
+            namespace: namespace.to_string(),
+            window_ms,
+            conn: Mutex::new(None),
+        };
+        let mut c = lock_state(&d.conn);
+        *c = Some(d.connect()?);
+        drop(c);
+        Ok(d)
+    }
+
+    fn connect(&self) -> Result<Box<dyn redis::ConnectionLike + Send>, String> {
+        let t = Duration::from_millis(REDIS_TIMEOUT_MS);
+        let err = |e: redis::RedisError| format!("dedup store at {}: {e}", self.url);
+        if let Some(rest) = self.url.strip_prefix("redis+cluster://") {
+            let seeds: Vec<String> = rest
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|s| format!("redis://{s}"))
+                .collect();
+            let client = redis::cluster::ClusterClient::builder(seeds)
+                .connection_timeout(t)
+                .response_timeout(t)
+                .build()
+                .map_err(err)?;
+            Ok(Box::new(client.get_connection().map_err(err)?))
+        } else {
+            let client = redis::Client::open(self.url.as_str()).map_err(err)?;
+            let c = client.get_connection_with_timeout(t).map_err(err)?;
+            c.set_read_timeout(Some(t)).map_err(err)?;
+            c.set_write_timeout(Some(t)).map_err(err)?;
+            Ok(Box::new(c))
+        }
+    }
+
+    fn key(&self, id: &str) -> String {
+        format!(
+            "{}:=dedup:{}:{id}",
+            shardq_redis::keys::NAMESPACE,
+            self.namespace
+        )
+    }
+
+    /// Runs `cmd`, reconnecting once after a failure.
+    fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, String> {
+        let mut guard = lock_state(&self.conn);
+        for attempt in 0..2 {
+            if guard.is_none() {
+                *guard = Some(self.connect()?);
+            }
+            let Some(c) = guard.as_mut() else { break };
+            match cmd.query::<T>(&mut **c) {
+                Ok(v) => return Ok(v),
+                Err(e) if attempt == 0 && (e.is_io_error() || e.is_connection_dropped()) => {
+                    *guard = None;
+                }
+                Err(e) => return Err(format!("dedup store at {}: {e}", self.url)),
+            }
+        }
+        Err(format!("dedup store at {}: no connection", self.url))
+    }
+}
+
+impl DedupStore for RedisDedup {
+    fn begin(&self, id: &str, _now_ms: u64) -> Result<Begin, String> {
+        let key = self.key(id);
+        let set: Option<String> = self.run(
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(PENDING_VALUE)
+                .arg("NX")
+                .arg("PX")
+                .arg(PENDING_MS),
+        )?;
+        if set.is_some() {
+            return Ok(Begin::Fresh);
+        }
+        let found: Option<String> = self.run(redis::cmd("GET").arg(&key))?;
+        match found.as_deref() {
+            None => Ok(Begin::Busy),
+            Some(PENDING_VALUE) => Ok(Begin::Busy),
+            Some(text) => serde_json::from_str(text)
+                .map(Begin::Done)
+                .map_err(|e| format!("dedup key {key:?} holds no dedup record: {e}")),
+        }
+    }
+
+    fn commit(&self, records: &[DedupRecord]) -> Result<(), String> {
+        for r in records {
+            let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
+            let () = self.run(
+                redis::cmd("SET")
+                    .arg(self.key(&r.id))
+                    .arg(text)
+                    .arg("PX")
+                    .arg(self.window_ms.max(1)),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn abort(&self, ids: &[String]) {
+        for id in ids {
+            // Only a reservation is dropped, never a record.
+            let script = redis::cmd("EVAL")
+                .arg("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+                .arg(1)
+                .arg(self.key(id))
+                .arg(PENDING_VALUE)
+                .clone();
+            let _: Result<i64, String> = self.run(&script);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, job: u64, expires_ms: u64) -> DedupRecord {
+        DedupRecord {
+            id: id.into(),
+            shard: "shard-0".into(),
+            job,
+            key: "k".into(),
+            expires_ms,
+        }
+    }
+
+    #[test]
+    fn records_survive_reopen_expire_and_torn_tails_are_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = FileDedup::open(dir.path(), 1000).unwrap();
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Busy);
+        assert_eq!(d.begin("b", 1000).unwrap(), Begin::Fresh);
+        d.commit(&[rec("a", 1, 5000), rec("b", 2, 1500)]).unwrap();
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 5000)));
+        drop(d);
+        // A torn append.
+        let path = dir.path().join(DEDUP_FILE);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"id\":\"c\",\"sha").unwrap();
+        let d = FileDedup::open(dir.path(), 2000).unwrap();
+        assert_eq!(d.begin("a", 2000).unwrap(), Begin::Done(rec("a", 1, 5000)));
+        assert_eq!(d.begin("b", 2000).unwrap(), Begin::Fresh, "b expired");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 1, "pruned on open: {text}");
+        // A second server over the same file sees the first one's commits.
+        let other = FileDedup::open(dir.path(), 2000).unwrap();
+        d.commit(&[rec("b", 3, 9000)]).unwrap();
+        assert_eq!(
+            other.begin("b", 2000).unwrap(),
+            Begin::Done(rec("b", 3, 9000))
+        );
+        d.abort(&["zzz".into()]);
+    }
+
+    #[test]
+    fn a_corrupt_line_is_named_not_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(DEDUP_FILE), b"not json\n").unwrap();
+        let e = FileDedup::open(dir.path(), 0).err().unwrap();
+        assert!(e.contains("offset 0") && e.contains(DEDUP_FILE), "{e}");
+    }
+}

@@ -1,0 +1,183 @@
+//! The server's errors: [`ServerError`] for starting and stopping, and
+//! [`ApiError`], the one JSON error body (`{"error": "..."}` plus details)
+//! every failed request gets, with the status code the library error maps
+//! to. It must never answer with a non-JSON body or drop the cause's words.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+use shardq_core::producer::ProduceError;
+use shardq_core::reshard::ReshardError;
+use shardq_core::QueueError;
+use shardq_deploy::DeployError;
+use thiserror::Error;
+
+/// Errors starting or running a server.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The configuration is refused (addresses, tokens, limits).
+    #[error("{0}")]
+    Config(String),
+    /// The deployment could not be opened.
+    #[error(transparent)]
+    Deploy(#[from] DeployError),
+    /// Listening or serving failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The dedup store could not be opened.
+    #[error("dedup store: {0}")]
+    Dedup(String),
+}
+
+/// A failed request: a status and a JSON body with at least `error`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// The message.
+    pub message: String,
+    /// More fields of the body (lists of stale receipts, placed jobs...).
+    pub extra: Map<String, Value>,
+}
+
+impl ApiError {
+    /// An error with `status` and `message`.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            extra: Map::new(),
+        }
+    }
+
+    /// 400: bad input, nothing was stored.
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// 409: a stale receipt, a shard not owned here, a busy operation.
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, message)
+    }
+
+    /// 500: something the server did not expect.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    /// 503: try again later.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    /// Adds a field to the body.
+    pub fn with(mut self, field: &str, value: Value) -> ApiError {
+        self.extra.insert(field.to_string(), value);
+        self
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = self.extra;
+        body.insert("error".into(), Value::String(self.message));
+        (self.status, axum::Json(Value::Object(body))).into_response()
+    }
+}
+
+/// The status a queue error maps to.
+pub fn queue_status(e: &QueueError) -> StatusCode {
+    match e {
+        QueueError::InvalidKey { .. }
+        | QueueError::PayloadTooLarge { .. }
+        | QueueError::InvalidMaxAttempts { .. }
+        | QueueError::InvalidDelay { .. }
+        | QueueError::BatchTooLarge { .. }
+        | QueueError::UnknownShard { .. } => StatusCode::BAD_REQUEST,
+        QueueError::NotOwner { .. }
+        | QueueError::StaleReceipt { .. }
+        | QueueError::NotInFlight { .. } => StatusCode::CONFLICT,
+        QueueError::Fenced { .. }
+        | QueueError::Paused { .. }
+        | QueueError::Unavailable { .. }
+        | QueueError::StoreFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl From<QueueError> for ApiError {
+    fn from(e: QueueError) -> ApiError {
+        ApiError::new(queue_status(&e), e.to_string())
+    }
+}
+
+impl From<ReshardError> for ApiError {
+    fn from(e: ReshardError) -> ApiError {
+        let status = match &e {
+            ReshardError::Queue(q) => queue_status(q),
+            ReshardError::Map(_) | ReshardError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ReshardError::Busy { .. }
+            | ReshardError::Conflict { .. }
+            | ReshardError::DrainTimeout { .. }
+            | ReshardError::DeadLetters { .. } => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<DeployError> for ApiError {
+    fn from(e: DeployError) -> ApiError {
+        let status = match &e {
+            DeployError::Invalid(_) | DeployError::Map(_) => StatusCode::BAD_REQUEST,
+            DeployError::Queue(q) => queue_status(q),
+            DeployError::Reshard(ReshardError::Busy { .. }) => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<ProduceError> for ApiError {
+    fn from(e: ProduceError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            ProduceError::Queue(q) => ApiError::new(queue_status(&q), message),
+            ProduceError::Map(r) => ApiError::from(r),
+            ProduceError::PausedTooLong { .. } | ProduceError::FencedTooLong { .. } => {
+                ApiError::unavailable(message)
+            }
+            ProduceError::Partial { cause, .. } => {
+                let status = ApiError::from(*cause).status;
+                ApiError::new(status, message)
+            }
+            _ => ApiError::internal(message),
+        }
+    }
+}
+
+/// A blocking task that did not finish (it panicked or was cancelled).
+pub fn join_error(e: tokio::task::JoinError) -> ApiError {
+    ApiError::internal(format!("the request's worker thread failed: {e}"))
+}
+
+/// The body of a refusal listing receipts, e.g. for the 409 of an ack.
+pub fn listed(message: String, fields: Value) -> ApiError {
+    let mut e = ApiError::conflict(message);
+    if let Value::Object(m) = fields {
+        e.extra = m;
+    }
+    e
+}
+
+/// `{"error": ...}` as a value, for bodies built by hand.
+pub fn error_value(message: &str) -> Value {
+    json!({ "error": message })
+}

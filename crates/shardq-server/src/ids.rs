@@ -1,0 +1,70 @@
+//! The string forms of job ids and receipts on the wire: a job is
+//! `SHARD:ID` (e.g. `shard-2:17`), a receipt `SHARD:ID.FENCE` (e.g.
+//! `shard-2:17.1700000000044000`, core's `Receipt` after the shard). Shard
+//! names never hold `:`, so the forms are unambiguous. Pure parsing; it must
+//! never look a shard up.
+
+use shardq_core::{JobId, Receipt};
+
+/// A job id as clients see it.
+pub fn job_string(shard: &str, id: JobId) -> String {
+    format!("{shard}:{}", id.0)
+}
+
+/// A receipt as clients see it.
+pub fn receipt_string(shard: &str, r: Receipt) -> String {
+    format!("{shard}:{r}")
+}
+
+/// Parses `SHARD:ID`; `field` names the input in the error.
+pub fn parse_job(s: &str, field: &str) -> Result<(String, JobId), String> {
+    let bad = || format!("{field}: invalid job id {s:?}: expected SHARD:ID, e.g. \"shard-2:17\"");
+    let (shard, id) = s.rsplit_once(':').ok_or_else(bad)?;
+    if shard.is_empty() {
+        return Err(bad());
+    }
+    Ok((shard.to_string(), JobId(id.parse().map_err(|_| bad())?)))
+}
+
+/// Parses `SHARD:ID.FENCE`; `field` names the input in the error.
+pub fn parse_receipt(s: &str, field: &str) -> Result<(String, Receipt), String> {
+    let bad = || {
+        format!(
+            "{field}: invalid receipt {s:?}: expected SHARD:ID.FENCE, e.g. \"shard-2:17.1700000000044000\""
+        )
+    };
+    let (shard, rest) = s.rsplit_once(':').ok_or_else(bad)?;
+    if shard.is_empty() {
+        return Err(bad());
+    }
+    let r: Receipt = rest.parse().map_err(|_| bad())?;
+    Ok((shard.to_string(), r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forms_round_trip_and_bad_ones_are_named() {
+        let r = Receipt {
+            id: JobId(17),
+            fence: 1_700_000_000_044_000,
+        };
+        let s = receipt_string("shard-2", r);
+        assert_eq!(s, "shard-2:17.1700000000044000");
+        assert_eq!(parse_receipt(&s, "r").unwrap(), ("shard-2".into(), r));
+        assert_eq!(
+            parse_job(&job_string("a.b", JobId(3)), "j").unwrap(),
+            ("a.b".into(), JobId(3))
+        );
+        for bad in ["", "17.1", ":17.1", "s:17", "s:x.1", "s:1.2.3"] {
+            let e = parse_receipt(bad, "receipts[0]").unwrap_err();
+            assert!(
+                e.contains("receipts[0]") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        assert!(parse_job("s:1.2", "ids[0]").is_err());
+    }
+}

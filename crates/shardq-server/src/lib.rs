@@ -1,0 +1,484 @@
+//! shardq-server: the HTTP/JSON API over any deployment (embedded or
+//! Redis). A server is a worker process: it holds shard leases through the
+//! deployment's coordinator ([`owner`]) and hands the runs of its shards to
+//! remote workers (`/v1/claim`, `/v1/ack`, ...); any server enqueues to any
+//! shard through a producer that follows fences and pauses. Paths, fields,
+//! status codes and limits are documented in `openapi.json` (served at
+//! `/v1/openapi.json`) and `docs/server.md`.
+//!
+//! This crate translates HTTP to library calls and back. It must never
+//! hold queue logic of its own (ordering, leases and fences are the
+//! backend's), never run a library call on the async executor, and never
+//! answer a bad request with anything but a JSON error.
+
+pub mod api;
+pub mod auth;
+pub mod body;
+pub mod dedup;
+pub mod error;
+pub mod ids;
+pub mod limits;
+pub mod owner;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post, MethodRouter};
+use shardq_core::producer::{Producer, ProducerOptions};
+use shardq_core::reshard::ReshardBackend;
+use shardq_core::Clock;
+use shardq_deploy::{Deployment, Kind, OpenOptions, WorkerOptions};
+
+pub use auth::{Role, Tokens};
+pub use error::{ApiError, ServerError};
+pub use limits::Limits;
+
+use crate::dedup::{DedupStore, FileDedup, RedisDedup};
+use crate::owner::{Owned, OwnerThread};
+
+/// The OpenAPI 3 document of this API.
+pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
+/// Idle producers kept for reuse (each caches a router).
+const PRODUCERS_IDLE_MAX: usize = 8;
+
+/// How to run a server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Accepted tokens; `None` runs without authentication, which is
+    /// refused on a non-loopback address.
+    pub tokens: Option<Tokens>,
+    /// Request bounds.
+    pub limits: Limits,
+    /// How long a dedup id is remembered, in ms.
+    pub dedup_window_ms: u64,
+    /// Shard leases.
+    pub worker: WorkerOptions,
+    /// How to open the deployment.
+    pub open: OpenOptions,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            tokens: None,
+            limits: Limits::default(),
+            dedup_window_ms: limits::DEDUP_WINDOW_MS_DEFAULT,
+            worker: WorkerOptions::default(),
+            open: OpenOptions::default(),
+        }
+    }
+}
+
+/// Shared state of the handlers.
+pub struct App {
+    deployment: Arc<Deployment>,
+    backend: Arc<dyn ReshardBackend>,
+    owned: Arc<Owned>,
+    producers: Mutex<Vec<Producer<dyn ReshardBackend>>>,
+    dedup: Arc<dyn DedupStore>,
+    dedup_window_ms: u64,
+    limits: Limits,
+    claims: Mutex<api::ClaimBook>,
+    wake: tokio::sync::Notify,
+    rebalance: Mutex<api::Progress>,
+    clock: Arc<dyn Clock>,
+    rotate: AtomicUsize,
+}
+
+impl App {
+    fn take_producer(&self) -> Result<Producer<dyn ReshardBackend>, ApiError> {
+        let idle = self
+            .producers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        match idle {
+            Some(p) => Ok(p),
+            None => Ok(self.deployment.producer(ProducerOptions::default())?),
+        }
+    }
+
+    fn put_producer(&self, p: Producer<dyn ReshardBackend>) {
+        let mut idle = self.producers.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < PRODUCERS_IDLE_MAX {
+            idle.push(p);
+        }
+    }
+}
+
+/// One served route: method, path (OpenAPI syntax) and the role it needs
+/// (`None`: no token needed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteInfo {
+    /// `GET` or `POST`.
+    pub method: &'static str,
+    /// The path, `{param}` for parameters.
+    pub path: &'static str,
+    /// The role needed.
+    pub role: Option<Role>,
+}
+
+fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
+    use Role::*;
+    let r = |method, path, role| RouteInfo { method, path, role };
+    vec![
+        (r("GET", "/healthz", None), get(api::healthz)),
+        (r("GET", "/readyz", None), get(api::readyz)),
+        (r("GET", "/v1/openapi.json", None), get(api::openapi)),
+        (r("POST", "/v1/jobs", Some(Produce)), post(api::enqueue)),
+        (r("POST", "/v1/claim", Some(Work)), post(api::claim)),
+        (r("POST", "/v1/ack", Some(Work)), post(api::ack)),
+        (r("POST", "/v1/fail", Some(Work)), post(api::fail)),
+        (r("POST", "/v1/extend", Some(Work)), post(api::extend)),
+        (r("GET", "/v1/status", Some(Read)), get(api::status)),
+        (r("GET", "/v1/keys/{key}", Some(Read)), get(api::key)),
+        (r("GET", "/v1/dead", Some(Read)), get(api::dead_list)),
+        (
+            r("POST", "/v1/dead/retry", Some(Admin)),
+            post(api::dead_retry),
+        ),
+        (
+            r("POST", "/v1/dead/purge", Some(Admin)),
+            post(api::dead_purge),
+        ),
+        (
+            r("POST", "/v1/admin/add-shard", Some(Admin)),
+            post(api::add_shard),
+        ),
+        (
+            r("POST", "/v1/admin/remove-shard", Some(Admin)),
+            post(api::remove_shard),
+        ),
+        (
+            r("POST", "/v1/admin/set-weight", Some(Admin)),
+            post(api::set_weight),
+        ),
+        (r("POST", "/v1/admin/pin", Some(Admin)), post(api::pin)),
+        (r("POST", "/v1/admin/unpin", Some(Admin)), post(api::unpin)),
+        (
+            r("POST", "/v1/admin/rebalance", Some(Admin)),
+            post(api::rebalance_start),
+        ),
+        (
+            r("GET", "/v1/admin/rebalance", Some(Read)),
+            get(api::rebalance_progress),
+        ),
+    ]
+}
+
+/// Every route the server serves.
+pub fn routes() -> Vec<RouteInfo> {
+    table().into_iter().map(|(i, _)| i).collect()
+}
+
+fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>) -> axum::Router {
+    let mut r: axum::Router<Arc<App>> = axum::Router::new();
+    for (info, handler) in table() {
+        let handler = match info.role {
+            Some(role) => handler.route_layer(axum::middleware::from_fn_with_state(
+                auth::Guard {
+                    tokens: tokens.clone(),
+                    role,
+                },
+                auth::require,
+            )),
+            None => handler,
+        };
+        r = r.route(info.path, handler);
+    }
+    let limits = app.limits.clone();
+    r.fallback(|uri: axum::http::Uri| async move {
+        ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            format!("no such path {:?} (see /v1/openapi.json)", uri.path()),
+        )
+    })
+    .method_not_allowed_fallback(|m: axum::http::Method, uri: axum::http::Uri| async move {
+        ApiError::new(
+            axum::http::StatusCode::METHOD_NOT_ALLOWED,
+            format!(
+                "method {m} is not allowed on {:?} (see /v1/openapi.json)",
+                uri.path()
+            ),
+        )
+    })
+    .layer(DefaultBodyLimit::max(limits.body_bytes_max))
+    .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+        axum::http::StatusCode::REQUEST_TIMEOUT,
+        Duration::from_millis(limits::REQUEST_TIMEOUT_MS),
+    ))
+    .layer(tower::limit::ConcurrencyLimitLayer::new(
+        limits.concurrency_max.max(1),
+    ))
+    .with_state(app)
+}
+
+/// An opened server, listening, not yet serving.
+pub struct Server {
+    app: Arc<App>,
+    owner: OwnerThread,
+    listener: std::net::TcpListener,
+    tokens: Option<Arc<Tokens>>,
+}
+
+impl Server {
+    /// Opens data dir `dir`, the dedup store and the leases, and binds
+    /// `opts.listen`. Refuses a non-loopback address without tokens.
+    pub fn open(dir: &Path, opts: ServerOptions) -> Result<Server, ServerError> {
+        if opts.tokens.is_none() && !opts.listen.ip().is_loopback() {
+            return Err(ServerError::Config(format!(
+                "refusing to listen on {} without authentication: give --tokens FILE (or SHARDQ_TOKENS_FILE), or listen on a loopback address",
+                opts.listen
+            )));
+        }
+        if opts.dedup_window_ms == 0 || opts.dedup_window_ms > limits::DEDUP_WINDOW_MS_MAX {
+            return Err(ServerError::Config(format!(
+                "invalid dedup window {} ms: must be 1..={} ms",
+                opts.dedup_window_ms,
+                limits::DEDUP_WINDOW_MS_MAX
+            )));
+        }
+        let l = &opts.limits;
+        if l.jobs_per_request_max == 0 || l.jobs_per_request_max > limits::JOBS_PER_REQUEST_LIMIT {
+            return Err(ServerError::Config(format!(
+                "invalid jobs per request {}: must be 1..={}",
+                l.jobs_per_request_max,
+                limits::JOBS_PER_REQUEST_LIMIT
+            )));
+        }
+        if l.body_bytes_max == 0 || l.concurrency_max == 0 || l.claims_per_worker_max == 0 {
+            return Err(ServerError::Config(
+                "body size, concurrency and claims per worker limits must be at least 1".into(),
+            ));
+        }
+        let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
+        let clock = deployment.clock();
+        let mut limits = opts.limits.clone();
+        limits.payload_bytes_max = match deployment.kind() {
+            Kind::Embedded => opts.open.engine.payload_bytes_max,
+            Kind::Redis(_) => opts.open.redis.payload_bytes_max,
+        }
+        .min(limits.payload_bytes_max.max(1));
+        let dedup: Arc<dyn DedupStore> = match deployment.kind() {
+            Kind::Embedded => {
+                Arc::new(FileDedup::open(dir, clock.now_ms()).map_err(ServerError::Dedup)?)
+            }
+            Kind::Redis(remote) => Arc::new(
+                RedisDedup::open(&remote.map_url, &remote.namespace, opts.dedup_window_ms)
+                    .map_err(ServerError::Dedup)?,
+            ),
+        };
+        let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
+            context: format!("listening on {}", opts.listen),
+            source: e,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| ServerError::Io {
+                context: format!("configuring the socket on {}", opts.listen),
+                source: e,
+            })?;
+        let coordinator = deployment.coordinator(&opts.worker)?;
+        let backend = deployment.backend();
+        let owner = OwnerThread::start(coordinator, deployment.queue());
+        let app = Arc::new(App {
+            owned: owner.owned(),
+            backend,
+            deployment,
+            producers: Mutex::new(Vec::new()),
+            dedup,
+            dedup_window_ms: opts.dedup_window_ms,
+            limits,
+            claims: Mutex::new(api::ClaimBook::default()),
+            wake: tokio::sync::Notify::new(),
+            rebalance: Mutex::new(api::Progress::default()),
+            clock,
+            rotate: AtomicUsize::new(0),
+        });
+        Ok(Server {
+            app,
+            owner,
+            listener,
+            tokens: opts.tokens.map(Arc::new),
+        })
+    }
+
+    /// The address it listens on (the port, when bound to port 0).
+    pub fn local_addr(&self) -> Result<SocketAddr, ServerError> {
+        self.listener.local_addr().map_err(|e| ServerError::Io {
+            context: "reading the listening address".into(),
+            source: e,
+        })
+    }
+
+    /// Shards this server runs now.
+    pub fn owned(&self) -> Vec<String> {
+        self.app.owned.list()
+    }
+
+    /// Serves until `shutdown` completes; then stops accepting, stops
+    /// handing out runs, finishes the requests in flight, releases the
+    /// shards and the leases. Needs a Tokio runtime.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let Server {
+            app,
+            mut owner,
+            listener,
+            tokens,
+        } = self;
+        let addr = listener.local_addr().ok();
+        let listener =
+            tokio::net::TcpListener::from_std(listener).map_err(|e| ServerError::Io {
+                context: "registering the listening socket".into(),
+                source: e,
+            })?;
+        let owned = app.owned.clone();
+        let a = Arc::clone(&app);
+        let stop_claims = async move {
+            shutdown.await;
+            owned.set_stopping();
+            a.wake.notify_waiters();
+        };
+        let served = axum::serve(listener, router(Arc::clone(&app), tokens))
+            .with_graceful_shutdown(stop_claims)
+            .await;
+        owner.stop_claiming();
+        let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;
+        if let Err(e) = stopped {
+            eprintln!("shardq serve: releasing the shards failed: {e}");
+        }
+        served.map_err(|e| ServerError::Io {
+            context: format!(
+                "serving on {}",
+                addr.map(|a| a.to_string()).unwrap_or_default()
+            ),
+            source: e,
+        })
+    }
+}
+
+/// A server running on a thread of its own (tests, embedding).
+pub struct Running {
+    addr: SocketAddr,
+    stop_tx: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: Option<std::thread::JoinHandle<Result<(), ServerError>>>,
+}
+
+impl Running {
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Shuts it down gracefully and waits.
+    pub fn stop(mut self) -> Result<(), ServerError> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.stop_tx.take() {
+            let _ = tx.send(());
+        }
+        match self.handle.take() {
+            Some(h) => h
+                .join()
+                .map_err(|_| ServerError::Config("the server thread panicked".into()))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.stop_inner();
+    }
+}
+
+/// Opens and starts a server on its own thread and runtime.
+pub fn spawn(dir: &Path, opts: ServerOptions) -> Result<Running, ServerError> {
+    let server = Server::open(dir, opts)?;
+    let addr = server.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let dir: PathBuf = dir.to_path_buf();
+    let handle = std::thread::Builder::new()
+        .name(format!("shardq-serve-{}", dir.display()))
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| ServerError::Io {
+                    context: "starting the async runtime".into(),
+                    source: e,
+                })?;
+            rt.block_on(server.run(async move {
+                let _ = stop_rx.await;
+            }))
+        })
+        .map_err(|e| ServerError::Io {
+            context: "starting the server thread".into(),
+            source: e,
+        })?;
+    Ok(Running {
+        addr,
+        stop_tx: Some(stop_tx),
+        handle: Some(handle),
+    })
+}
+
+/// Opens a server and serves until SIGINT or SIGTERM, then shuts down
+/// gracefully (the `shardq serve` command). Prints where it listens, and
+/// says so when it runs without authentication.
+pub fn serve_until_signal(dir: &Path, opts: ServerOptions) -> Result<(), ServerError> {
+    let no_auth = opts.tokens.is_none();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ServerError::Io {
+            context: "starting the async runtime".into(),
+            source: e,
+        })?;
+    // The listener is registered with the runtime, so open inside it.
+    rt.block_on(async move {
+        let server = tokio::task::block_in_place(|| Server::open(dir, opts))?;
+        let addr = server.local_addr()?;
+        if no_auth {
+            eprintln!(
+                "shardq serve: listening on http://{addr} WITHOUT authentication (loopback only; give --tokens FILE to require bearer tokens)"
+            );
+        } else {
+            eprintln!("shardq serve: listening on http://{addr}");
+        }
+        eprintln!("shardq serve: running shards {:?}", server.owned());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| ServerError::Io {
+                context: "installing the SIGTERM handler".into(),
+                source: e,
+            })?;
+        server
+            .run(async move {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                eprintln!("shardq serve: stopping: finishing requests in flight, then releasing the shards");
+            })
+            .await
+    })
+}

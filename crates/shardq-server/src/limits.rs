@@ -1,0 +1,70 @@
+//! The server's bounds: every limit a request can hit, as a named constant
+//! with its default, gathered in [`Limits`] so flags can change them. This
+//! module only holds numbers; it must never enforce anything itself.
+
+/// Default largest request body (16 MiB): a full batch of jobs with
+/// payloads near the engine's 1 MiB default is refused before it is read.
+pub const BODY_BYTES_MAX_DEFAULT: usize = 16 << 20;
+/// Default most jobs in one `POST /v1/jobs`.
+pub const JOBS_PER_REQUEST_MAX_DEFAULT: usize = 1000;
+/// Hard upper bound for `--jobs-per-request-max`.
+pub const JOBS_PER_REQUEST_LIMIT: usize = 10_000;
+/// Most receipts in one ack or extend.
+pub const RECEIPTS_PER_REQUEST_MAX: usize = 1000;
+/// Longest long-poll a claim may ask for (`wait_ms`), 30 s.
+pub const WAIT_MS_MAX: u64 = 30_000;
+/// Largest `max` of one claim.
+pub const CLAIM_MAX_LIMIT: usize = 1000;
+/// Default requests served at once (a tower concurrency limit; further
+/// requests wait for a slot).
+pub const CONCURRENCY_MAX_DEFAULT: usize = 1024;
+/// Default most runs one `worker` name may hold at once.
+pub const CLAIMS_PER_WORKER_MAX_DEFAULT: usize = 10_000;
+/// Default dedup window (5 minutes): how long a `dedup_id` is remembered.
+pub const DEDUP_WINDOW_MS_DEFAULT: u64 = 300_000;
+/// Longest dedup window accepted (7 days).
+pub const DEDUP_WINDOW_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+/// Longest `dedup_id`, in bytes.
+pub const DEDUP_ID_BYTES_MAX: usize = 256;
+/// Longest `worker` name, in bytes.
+pub const WORKER_NAME_BYTES_MAX: usize = 256;
+/// Interval between claim attempts while a claim long-polls, in ms (an
+/// enqueue through this server wakes the pollers sooner).
+pub const CLAIM_POLL_MS: u64 = 10;
+/// Default and largest `limit` of `GET /v1/dead`.
+pub const DEAD_LIST_DEFAULT: usize = 100;
+/// Largest `limit` of `GET /v1/dead`.
+pub const DEAD_LIST_MAX: usize = 10_000;
+/// Longest a request may take before the server answers 408 (the longest
+/// long-poll plus room for the store's own bounds).
+pub const REQUEST_TIMEOUT_MS: u64 = WAIT_MS_MAX + 60_000;
+/// Longest a failure reason accepted in `POST /v1/fail`, in bytes (the
+/// backend keeps at most its own 1 KiB of it).
+pub const FAIL_REASON_BYTES_MAX: usize = 64 << 10;
+
+/// The limits one server applies.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest request body, in bytes.
+    pub body_bytes_max: usize,
+    /// Most jobs per enqueue request.
+    pub jobs_per_request_max: usize,
+    /// Requests served at once.
+    pub concurrency_max: usize,
+    /// Most runs held by one worker name.
+    pub claims_per_worker_max: usize,
+    /// Largest payload, in bytes (the deployment's own limit).
+    pub payload_bytes_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            body_bytes_max: BODY_BYTES_MAX_DEFAULT,
+            jobs_per_request_max: JOBS_PER_REQUEST_MAX_DEFAULT,
+            concurrency_max: CONCURRENCY_MAX_DEFAULT,
+            claims_per_worker_max: CLAIMS_PER_WORKER_MAX_DEFAULT,
+            payload_bytes_max: shardq_core::PAYLOAD_BYTES_MAX_DEFAULT,
+        }
+    }
+}

@@ -1,0 +1,790 @@
+//! The server against real HTTP: a server started in-process on
+//! 127.0.0.1:0 over an embedded data dir (and one over a real redis-server),
+//! driven by a plain HTTP client. Waits are bounded polls.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use shardq_deploy::WorkerOptions;
+use shardq_server::{routes, spawn, Role, Running, Server, ServerOptions, Tokens};
+
+fn init_dir(shards: usize) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let map = shardq_deploy::spec::init_map(shards, "rendezvous", None).unwrap();
+    shardq_deploy::init_embedded(dir.path(), &map).unwrap();
+    dir
+}
+
+fn options() -> ServerOptions {
+    ServerOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        worker: WorkerOptions {
+            lease_ms: 3000,
+            ..WorkerOptions::default()
+        },
+        ..ServerOptions::default()
+    }
+}
+
+fn start(dir: &Path, opts: ServerOptions) -> Running {
+    spawn(dir, opts).unwrap()
+}
+
+/// One request; any status comes back as (status, JSON body).
+fn call(
+    s: &Running,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> (u16, Value) {
+    let mut req =
+        ureq::request(method, &format!("{}{path}", s.url())).timeout(Duration::from_secs(60));
+    if let Some(t) = token {
+        req = req.set("Authorization", &format!("Bearer {t}"));
+    }
+    let res = match body {
+        Some(b) => req.set("Content-Type", "application/json").send_string(b),
+        None => req.call(),
+    };
+    let (code, resp) = match res {
+        Ok(r) => (r.status(), r),
+        Err(ureq::Error::Status(code, r)) => (code, r),
+        Err(e) => panic!("{method} {path}: {e}"),
+    };
+    let text = resp.into_string().unwrap();
+    let v = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{method} {path} -> {code}: body is not JSON ({e}): {text}"));
+    (code, v)
+}
+
+fn post(s: &Running, path: &str, body: Value) -> (u16, Value) {
+    call(s, "POST", path, Some(&body.to_string()), None)
+}
+
+fn get(s: &Running, path: &str) -> (u16, Value) {
+    call(s, "GET", path, None, None)
+}
+
+fn enqueue(s: &Running, jobs: Value) -> Vec<Value> {
+    let (code, v) = post(s, "/v1/jobs", json!({ "jobs": jobs }));
+    assert_eq!(code, 200, "{v}");
+    v["jobs"].as_array().unwrap().clone()
+}
+
+fn claim(s: &Running, worker: &str, max: u64, wait_ms: u64, lease_ms: u64) -> Vec<Value> {
+    let (code, v) = post(
+        s,
+        "/v1/claim",
+        json!({"worker": worker, "max": max, "wait_ms": wait_ms, "lease_ms": lease_ms}),
+    );
+    assert_eq!(code, 200, "{v}");
+    v["jobs"].as_array().unwrap().clone()
+}
+
+fn totals(s: &Running) -> Value {
+    let (code, v) = get(s, "/v1/status");
+    assert_eq!(code, 200, "{v}");
+    v["totals"].clone()
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn enqueue_claim_ack_round_trip_and_stale_receipts() {
+    let dir = init_dir(2);
+    let s = start(dir.path(), options());
+    let placed = enqueue(
+        &s,
+        json!([{"key": "t-1", "payload": "hello"}, {"key": "t-2", "payload_b64": "/wA="}]),
+    );
+    assert_eq!(placed.len(), 2);
+    assert_eq!(placed[0]["key"], "t-1");
+    assert_eq!(placed[0]["duplicate"], false);
+    let id0 = placed[0]["id"].as_str().unwrap();
+    assert!(
+        id0.starts_with(&format!("{}:", placed[0]["shard"].as_str().unwrap())),
+        "{id0}"
+    );
+
+    let mut got = Vec::new();
+    wait_until("both jobs claimed", Duration::from_secs(10), || {
+        got.extend(claim(&s, "w-1", 10, 1000, 30_000));
+        got.len() >= 2
+    });
+    assert_eq!(got.len(), 2);
+    let by_key: BTreeMap<&str, &Value> = got
+        .iter()
+        .map(|j| (j["key"].as_str().unwrap(), j))
+        .collect();
+    assert_eq!(by_key["t-1"]["payload"], "hello");
+    assert_eq!(by_key["t-1"]["id"], placed[0]["id"]);
+    assert_eq!(by_key["t-2"]["payload_b64"], "/wA=");
+    assert!(by_key["t-2"].get("payload").is_none());
+    assert_eq!(by_key["t-1"]["attempt"], 1);
+    let receipts: Vec<&str> = got.iter().map(|j| j["receipt"].as_str().unwrap()).collect();
+    for (j, r) in got.iter().zip(&receipts) {
+        assert_eq!(*r, format!("{}.{}", j["id"].as_str().unwrap(), j["fence"]));
+    }
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": receipts }));
+    assert_eq!((code, v["acked"].as_u64()), (200, Some(2)), "{v}");
+    // Acking again: stale, 409 naming it, nothing changes.
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [receipts[0]] }));
+    assert_eq!(code, 409, "{v}");
+    assert_eq!(v["stale"], json!([receipts[0]]));
+    assert_eq!(v["acked"], 0);
+    let t = totals(&s);
+    assert_eq!(
+        (t["ready"].as_u64(), t["in_flight"].as_u64()),
+        (Some(0), Some(0)),
+        "{t}"
+    );
+    s.stop().unwrap();
+}
+
+#[test]
+fn a_shard_not_owned_here_gets_409() {
+    let dir = init_dir(2);
+    let mut o = options();
+    o.worker.max_shards = 1;
+    let s = start(dir.path(), o);
+    let (code, v) = get(&s, "/readyz");
+    assert_eq!(code, 200, "{v}");
+    let owned: Vec<String> = serde_json::from_value(v["owned"].clone()).unwrap();
+    assert_eq!(owned.len(), 1, "{v}");
+    let other = if owned[0] == "shard-0" {
+        "shard-1"
+    } else {
+        "shard-0"
+    };
+    let r = format!("{other}:1.5");
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [r] }));
+    assert_eq!(code, 409, "{v}");
+    assert_eq!(v["not_owned"], json!([r]));
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("not owned by this server"),
+        "{v}"
+    );
+    let (code, v) = post(&s, "/v1/fail", json!({ "receipt": r, "reason": "x" }));
+    assert_eq!(code, 409, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("not owned by this server"),
+        "{v}"
+    );
+}
+
+#[test]
+fn per_key_order_holds_with_concurrent_claimers() {
+    const KEYS: usize = 16;
+    const PER_KEY: usize = 12;
+    let dir = init_dir(3);
+    let s = Arc::new(start(dir.path(), options()));
+    for round in 0..PER_KEY {
+        let jobs: Vec<Value> = (0..KEYS)
+            .map(|k| json!({"key": format!("k-{k}"), "payload": format!("{round}")}))
+            .collect();
+        enqueue(&s, Value::Array(jobs));
+    }
+    // Per key: the next payload index expected, and whether a run is out.
+    let state: Arc<Mutex<HashMap<String, (usize, bool)>>> = Arc::new(Mutex::new(HashMap::new()));
+    let acked = Arc::new(AtomicUsize::new(0));
+    let mut threads = Vec::new();
+    for w in 0..4 {
+        let (s, state, acked) = (Arc::clone(&s), Arc::clone(&state), Arc::clone(&acked));
+        threads.push(std::thread::spawn(move || {
+            let t = Instant::now();
+            while acked.load(Ordering::SeqCst) < KEYS * PER_KEY {
+                assert!(t.elapsed() < Duration::from_secs(60), "claimers timed out");
+                let jobs = claim(&s, &format!("w-{w}"), 5, 200, 30_000);
+                for j in &jobs {
+                    let key = j["key"].as_str().unwrap().to_string();
+                    let idx: usize = j["payload"].as_str().unwrap().parse().unwrap();
+                    let mut st = state.lock().unwrap();
+                    let e = st.entry(key.clone()).or_insert((0, false));
+                    assert!(!e.1, "key {key} has two jobs claimed at once");
+                    assert_eq!(e.0, idx, "key {key}: job {idx} claimed before job {}", e.0);
+                    *e = (idx + 1, true);
+                }
+                for j in &jobs {
+                    // Mark the key free before the ack: the backend keeps it
+                    // blocked until the ack lands, so no claim can slip in.
+                    let key = j["key"].as_str().unwrap().to_string();
+                    state.lock().unwrap().get_mut(&key).unwrap().1 = false;
+                    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [j["receipt"]] }));
+                    assert_eq!(code, 200, "{v}");
+                    acked.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    let st = state.lock().unwrap();
+    assert_eq!(st.len(), KEYS);
+    assert!(
+        st.values().all(|&(next, out)| next == PER_KEY && !out),
+        "{st:?}"
+    );
+    assert_eq!(totals(&s)["ready"], 0);
+}
+
+#[test]
+fn a_lapsed_lease_is_redelivered_and_its_receipt_refused() {
+    let dir = init_dir(1);
+    let s = start(dir.path(), options());
+    enqueue(&s, json!([{"key": "k", "payload": "p"}]));
+    let first = claim(&s, "w-1", 1, 2000, 100);
+    assert_eq!(first.len(), 1);
+    let old = first[0]["receipt"].as_str().unwrap().to_string();
+    let mut again = Vec::new();
+    wait_until(
+        "re-delivery after the lease lapsed",
+        Duration::from_secs(10),
+        || {
+            again = claim(&s, "w-2", 1, 500, 30_000);
+            !again.is_empty()
+        },
+    );
+    assert_eq!(again[0]["id"], first[0]["id"]);
+    assert_eq!(again[0]["attempt"], 2);
+    assert!(again[0]["fence"].as_u64() > first[0]["fence"].as_u64());
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [old] }));
+    assert_eq!(code, 409, "{v}");
+    assert_eq!(v["stale"], json!([old]));
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [again[0]["receipt"]] }));
+    assert_eq!(code, 200, "{v}");
+}
+
+#[test]
+fn extend_keeps_a_run_and_fail_retries_later() {
+    let dir = init_dir(1);
+    let s = start(dir.path(), options());
+    enqueue(&s, json!([{"key": "k", "payload": "p"}]));
+    let j = claim(&s, "w-1", 1, 2000, 300);
+    assert_eq!(j.len(), 1);
+    let r = j[0]["receipt"].clone();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1200) {
+        let (code, v) = post(
+            &s,
+            "/v1/extend",
+            json!({ "receipts": [r], "lease_ms": 300 }),
+        );
+        assert_eq!((code, v["extended"].as_u64()), (200, Some(1)), "{v}");
+        assert!(
+            claim(&s, "w-2", 1, 0, 30_000).is_empty(),
+            "the extended run was handed out again"
+        );
+        std::thread::sleep(Duration::from_millis(80));
+    }
+    // Fail it with a retry delay: the next attempt comes no sooner.
+    let (code, v) = post(
+        &s,
+        "/v1/fail",
+        json!({ "receipt": r, "reason": "boom", "retry_in_ms": 300 }),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["outcome"], "retry");
+    let failed_at = Instant::now();
+    let (code, v) = post(&s, "/v1/fail", json!({ "receipt": r, "reason": "again" }));
+    assert_eq!(code, 409, "a second fail of the same run: {v}");
+    let mut next = Vec::new();
+    wait_until("the retry", Duration::from_secs(10), || {
+        next = claim(&s, "w-1", 1, 1000, 30_000);
+        !next.is_empty()
+    });
+    assert!(
+        failed_at.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        failed_at.elapsed()
+    );
+    assert_eq!(next[0]["attempt"], 2);
+    let (code, v) = post(
+        &s,
+        "/v1/extend",
+        json!({ "receipts": [r], "lease_ms": 1000 }),
+    );
+    assert_eq!(code, 409, "{v}");
+    assert_eq!(v["stale"], json!([r]));
+}
+
+#[test]
+fn dedup_returns_the_original_ids_across_restarts() {
+    let dir = init_dir(2);
+    let body = json!([
+        {"key": "a", "payload": "1", "dedup_id": "req-1/a"},
+        {"key": "b", "payload": "2", "dedup_id": "req-1/b"},
+        {"key": "c", "payload": "3"}
+    ]);
+    let s = start(dir.path(), options());
+    let first = enqueue(&s, body.clone());
+    let second = enqueue(&s, body.clone());
+    for i in 0..2 {
+        assert_eq!(first[i]["id"], second[i]["id"]);
+        assert_eq!(
+            (
+                first[i]["duplicate"].clone(),
+                second[i]["duplicate"].clone()
+            ),
+            (json!(false), json!(true))
+        );
+    }
+    assert_eq!(second[2]["duplicate"], false, "no dedup_id: stored again");
+    assert_eq!(totals(&s)["ready"], 4);
+    s.stop().unwrap();
+
+    let s = start(dir.path(), options());
+    let third = enqueue(&s, json!([body[0].clone(), body[1].clone()]));
+    for i in 0..2 {
+        assert_eq!(third[i]["id"], first[i]["id"]);
+        assert_eq!(third[i]["duplicate"], true);
+    }
+    assert_eq!(totals(&s)["ready"], 4);
+    // A dedup id twice in one request is bad input.
+    let (code, v) = post(
+        &s,
+        "/v1/jobs",
+        json!({"jobs": [body[0].clone(), body[0].clone()]}),
+    );
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("jobs[1].dedup_id"),
+        "{v}"
+    );
+}
+
+const TOKENS: &[(&str, &str)] = &[
+    ("produce-token-0123456789", "produce"),
+    ("work-token-0123456789ab", "work"),
+    ("read-token-0123456789ab", "read"),
+    ("admin-token-0123456789a", "admin"),
+];
+
+#[test]
+fn tokens_and_roles_allow_exactly_their_paths() {
+    let dir = init_dir(2);
+    let text: String = TOKENS.iter().map(|(t, r)| format!("{t} {r}\n")).collect();
+    let mut o = options();
+    o.tokens = Some(Tokens::parse(&format!("# test\n{text}"), "test").unwrap());
+    let s = start(dir.path(), o);
+    for route in routes() {
+        let path = route.path.replace("{key}", "t-1");
+        let body = (route.method == "POST").then_some("{}");
+        match route.role {
+            None => {
+                let (code, v) = call(&s, route.method, &path, body, None);
+                assert_eq!(code, 200, "{} {path}: {v}", route.method);
+            }
+            Some(role) => {
+                let (code, v) = call(&s, route.method, &path, body, None);
+                assert_eq!(code, 401, "{} {path} without a token: {v}", route.method);
+                let (code, _) = call(
+                    &s,
+                    route.method,
+                    &path,
+                    body,
+                    Some("not-a-token-at-all-000"),
+                );
+                assert_eq!(code, 401, "{} {path} with a wrong token", route.method);
+                for (token, name) in TOKENS {
+                    let has: Role = name.parse().unwrap();
+                    let (code, v) = call(&s, route.method, &path, body, Some(token));
+                    if has == role {
+                        assert!(
+                            code != 401 && code != 403,
+                            "{} {path} with role {name}: {code} {v}",
+                            route.method
+                        );
+                    } else {
+                        assert_eq!(code, 403, "{} {path} with role {name}: {v}", route.method);
+                        assert!(v["error"].as_str().unwrap().contains(role.name()), "{v}");
+                    }
+                }
+            }
+        }
+    }
+    // Without tokens, only loopback.
+    let mut o = options();
+    o.listen = "0.0.0.0:0".parse().unwrap();
+    let e = Server::open(dir.path(), o).err().unwrap().to_string();
+    assert!(
+        e.contains("without authentication") && e.contains("0.0.0.0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_input_gets_400_naming_the_field_and_value_and_stores_nothing() {
+    let dir = init_dir(2);
+    let mut o = options();
+    o.open.engine.payload_bytes_max = 1000;
+    let s = start(dir.path(), o);
+    let long_key = "x".repeat(1025);
+    let jobs = |j: Value| json!({ "jobs": j }).to_string();
+    let ok_job = json!({"key": "fine", "payload": "p"});
+    let cases: Vec<(&str, &str, String, Vec<&str>)> = vec![
+        ("POST", "/v1/jobs", "{not json".into(), vec!["invalid JSON"]),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "max_attempts": "five"}])),
+            vec!["jobs[0].max_attempts", "\"five\""],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "max_attempts": 0}])),
+            vec!["jobs[0].max_attempts", "0"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([ok_job, {"key": "", "payload": "p"}])),
+            vec!["jobs[1].key", "\"\""],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": long_key, "payload": "p"}])),
+            vec!["jobs[0].key", "1025"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([ok_job, {"key": "k", "payload": "y".repeat(2000)}])),
+            vec!["jobs[1].payload", "2000 bytes"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([ok_job, {"key": "k", "payload_b64": "@@@"}])),
+            vec!["jobs[1].payload_b64", "\"@@@\""],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "payload_b64": "cA=="}])),
+            vec!["jobs[0]", "both"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k"}])),
+            vec!["jobs[0]", "no payload"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "priority": 1}])),
+            vec!["jobs[0]", "priority"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "delay_ms": 99_999_999_999_999u64}])),
+            vec!["jobs[0].delay_ms", "99999999999999"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(json!([{"key": "k", "payload": "p", "dedup_id": ""}])),
+            vec!["jobs[0].dedup_id", "\"\""],
+        ),
+        ("POST", "/v1/jobs", jobs(json!([])), vec!["jobs", "empty"]),
+        (
+            "POST",
+            "/v1/jobs",
+            jobs(Value::Array(vec![ok_job.clone(); 1001])),
+            vec!["jobs", "1001"],
+        ),
+        (
+            "POST",
+            "/v1/jobs",
+            json!({"jobs": [{"key": 7, "payload": "p"}]}).to_string(),
+            vec!["jobs[0].key", "7"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": "w", "max": 0}).to_string(),
+            vec!["max", "0"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": "w", "max": 1001}).to_string(),
+            vec!["max", "1001"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": "w", "max": -1}).to_string(),
+            vec!["max", "-1"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": "w", "wait_ms": 30_001}).to_string(),
+            vec!["wait_ms", "30001"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": "w", "lease_ms": 5}).to_string(),
+            vec!["lease_ms", "5"],
+        ),
+        (
+            "POST",
+            "/v1/claim",
+            json!({"worker": ""}).to_string(),
+            vec!["worker", "\"\""],
+        ),
+        (
+            "POST",
+            "/v1/ack",
+            json!({"receipts": ["garbage"]}).to_string(),
+            vec!["receipts[0]", "\"garbage\""],
+        ),
+        (
+            "POST",
+            "/v1/ack",
+            json!({"receipts": ["nope:1.2"]}).to_string(),
+            vec!["receipts[0]", "\"nope\""],
+        ),
+        (
+            "POST",
+            "/v1/ack",
+            json!({"receipts": []}).to_string(),
+            vec!["receipts", "empty"],
+        ),
+        (
+            "POST",
+            "/v1/fail",
+            json!({"receipt": "shard-0:1.1", "retry_in_ms": 99_999_999_999_999u64}).to_string(),
+            vec!["retry_in_ms", "99999999999999"],
+        ),
+        (
+            "POST",
+            "/v1/extend",
+            json!({"receipts": ["shard-0:1.1"], "lease_ms": 1}).to_string(),
+            vec!["lease_ms", "1"],
+        ),
+        (
+            "GET",
+            "/v1/dead?shard=nope",
+            String::new(),
+            vec!["shard", "\"nope\""],
+        ),
+        ("GET", "/v1/dead?limit=0", String::new(), vec!["limit", "0"]),
+        (
+            "POST",
+            "/v1/dead/retry",
+            json!({"ids": ["shard-0"]}).to_string(),
+            vec!["ids[0]", "\"shard-0\""],
+        ),
+        (
+            "POST",
+            "/v1/admin/add-shard",
+            json!({"name": "bad name!"}).to_string(),
+            vec!["name", "\"bad name!\""],
+        ),
+        (
+            "POST",
+            "/v1/admin/set-weight",
+            json!({"name": "shard-0", "weight": 0}).to_string(),
+            vec!["weight", "0"],
+        ),
+        (
+            "POST",
+            "/v1/admin/rebalance",
+            json!({"batch": 0}).to_string(),
+            vec!["batch", "0"],
+        ),
+    ];
+    for (method, path, body, needles) in &cases {
+        let body = (method == &"POST").then_some(body.as_str());
+        let (code, v) = call(&s, method, path, body, None);
+        assert_eq!(code, 400, "{method} {path} {body:?}: {v}");
+        let msg = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error field: {v}"));
+        for n in needles {
+            assert!(msg.contains(n), "{method} {path}: {msg:?} lacks {n:?}");
+        }
+    }
+    let (code, v) = call(&s, "GET", &format!("/v1/keys/{long_key}"), None, None);
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("key"), "{v}");
+    let t = totals(&s);
+    assert_eq!(
+        (t["ready"].as_u64(), t["delayed"].as_u64()),
+        (Some(0), Some(0)),
+        "stored: {t}"
+    );
+    // Unknown paths and methods are JSON too.
+    assert_eq!(call(&s, "GET", "/v2/nothing", None, None).0, 404);
+    assert_eq!(call(&s, "GET", "/v1/jobs", None, None).0, 405);
+}
+
+#[test]
+fn every_served_path_is_documented_and_vice_versa() {
+    let doc: Value = serde_json::from_str(shardq_server::OPENAPI_JSON).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let mut documented = BTreeSet::new();
+    for (path, ops) in doc["paths"].as_object().unwrap() {
+        for (method, op) in ops.as_object().unwrap() {
+            documented.insert((method.to_uppercase(), path.clone()));
+            let role = op
+                .get("x-shardq-role")
+                .and_then(|r| r.as_str())
+                .unwrap_or("");
+            let served = routes()
+                .into_iter()
+                .find(|r| r.path == path && r.method.eq_ignore_ascii_case(method));
+            if let Some(r) = served {
+                assert_eq!(
+                    role,
+                    r.role.map(|r| r.name()).unwrap_or(""),
+                    "{method} {path}: documented role"
+                );
+            }
+        }
+    }
+    let served: BTreeSet<(String, String)> = routes()
+        .into_iter()
+        .map(|r| (r.method.to_string(), r.path.to_string()))
+        .collect();
+    assert_eq!(served, documented);
+    let dir = init_dir(1);
+    let s = start(dir.path(), options());
+    let (code, v) = get(&s, "/v1/openapi.json");
+    assert_eq!((code, &v), (200, &doc));
+}
+
+#[test]
+fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
+    let dir = init_dir(2);
+    let s = Arc::new(start(dir.path(), options()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen_new = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (s, stop, seen_new) = (Arc::clone(&s), Arc::clone(&stop), Arc::clone(&seen_new));
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let jobs: Vec<Value> = (0..20)
+                    .map(|k| json!({"key": format!("t-{k}"), "payload": format!("{n}")}))
+                    .collect();
+                for j in enqueue(&s, Value::Array(jobs)) {
+                    if j["shard"] == "shard-9" {
+                        seen_new.store(true, Ordering::SeqCst);
+                    }
+                }
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let claimed_new = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let (s, stop, claimed_new) = (Arc::clone(&s), Arc::clone(&stop), Arc::clone(&claimed_new));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let jobs = claim(&s, "w", 50, 100, 30_000);
+                if jobs.is_empty() {
+                    continue;
+                }
+                if jobs.iter().any(|j| j["shard"] == "shard-9") {
+                    claimed_new.store(true, Ordering::SeqCst);
+                }
+                let rs: Vec<Value> = jobs.iter().map(|j| j["receipt"].clone()).collect();
+                let (code, v) = post(&s, "/v1/ack", json!({ "receipts": rs }));
+                assert_eq!(code, 200, "{v}");
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["state"], "warming");
+    let (code, v) = post(&s, "/v1/admin/rebalance", json!({"batch": 4}));
+    assert_eq!(code, 202, "{v}");
+    let mut phases = BTreeSet::new();
+    let mut last = Value::Null;
+    wait_until("the rebalance to finish", Duration::from_secs(60), || {
+        let (code, v) = get(&s, "/v1/admin/rebalance");
+        assert_eq!(code, 200, "{v}");
+        phases.insert(v["phase"].as_str().unwrap().to_string());
+        assert_ne!(v["phase"], "failed", "{v}");
+        last = v;
+        last["phase"] == "finished"
+    });
+    assert!(
+        last["keys_moved"].as_u64() <= last["keys_to_move"].as_u64(),
+        "{last}"
+    );
+    assert!(
+        last["to_version"].as_u64() > last["from_version"].as_u64(),
+        "{last}"
+    );
+    wait_until(
+        "jobs enqueued to and claimed from shard-9",
+        Duration::from_secs(30),
+        || seen_new.load(Ordering::SeqCst) && claimed_new.load(Ordering::SeqCst),
+    );
+    stop.store(true, Ordering::SeqCst);
+    producer.join().unwrap();
+    worker.join().unwrap();
+    let (code, v) = get(&s, "/v1/keys/t-1");
+    assert_eq!(code, 200, "{v}");
+    assert!(v["shard"].is_string() && v["depth"].is_u64(), "{v}");
+    assert!(phases.contains("finished"), "{phases:?}");
+}
+
+#[test]
+fn redis_round_trip_with_dedup() {
+    let redis = shardq_redis::testing::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let map = shardq_deploy::spec::init_map(2, "rendezvous", None).unwrap();
+    shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
+        .unwrap();
+    let s = start(&data, options());
+    let body = json!([{"key": "t-1", "payload": "hi", "dedup_id": "d-1"}]);
+    let first = enqueue(&s, body.clone());
+    let again = enqueue(&s, body);
+    assert_eq!(first[0]["id"], again[0]["id"]);
+    assert_eq!(again[0]["duplicate"], true);
+    let mut got = Vec::new();
+    wait_until("the claim", Duration::from_secs(10), || {
+        got = claim(&s, "w", 10, 1000, 30_000);
+        !got.is_empty()
+    });
+    assert_eq!(got.len(), 1, "one stored job: {got:?}");
+    assert_eq!(got[0]["payload"], "hi");
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [got[0]["receipt"]] }));
+    assert_eq!(code, 200, "{v}");
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [got[0]["receipt"]] }));
+    assert_eq!(code, 409, "{v}");
+    s.stop().unwrap();
+}

@@ -1,0 +1,87 @@
+//! `shardq serve`: the HTTP/JSON API over a data dir (embedded or Redis),
+//! as a worker process holding shard leases. This module only turns flags
+//! into `shardq_server::ServerOptions`; it must never hold server logic,
+//! and it reads tokens only from a file, never from the command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use shardq_server::limits;
+
+/// Environment variable naming the tokens file when `--tokens` is absent.
+pub const TOKENS_FILE_ENV: &str = "SHARDQ_TOKENS_FILE";
+
+/// `shardq serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Data dir (embedded or Redis).
+    #[arg(long)]
+    data: PathBuf,
+    /// Address to listen on. Without tokens only a loopback address is accepted.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Tokens file: one `TOKEN ROLE[,ROLE...]` per line (roles produce, work,
+    /// read, admin; `#` comments). Default: $SHARDQ_TOKENS_FILE.
+    #[arg(long)]
+    tokens: Option<PathBuf>,
+    /// How long a dedup_id is remembered, in ms.
+    #[arg(long, default_value_t = limits::DEDUP_WINDOW_MS_DEFAULT)]
+    dedup_window_ms: u64,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = limits::BODY_BYTES_MAX_DEFAULT)]
+    body_bytes_max: usize,
+    /// Most jobs per enqueue request.
+    #[arg(long, default_value_t = limits::JOBS_PER_REQUEST_MAX_DEFAULT)]
+    jobs_per_request_max: usize,
+    /// Requests served at once (more wait for a slot).
+    #[arg(long, default_value_t = limits::CONCURRENCY_MAX_DEFAULT)]
+    concurrency_max: usize,
+    /// Most runs one worker name may hold at once.
+    #[arg(long, default_value_t = limits::CLAIMS_PER_WORKER_MAX_DEFAULT)]
+    claims_per_worker_max: usize,
+    /// Shard lease, in ms.
+    #[arg(long)]
+    lease_ms: Option<u64>,
+    /// Most shards this server runs at once (default: no limit).
+    #[arg(long)]
+    max_shards: Option<usize>,
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let tokens_path = args
+        .tokens
+        .clone()
+        .or_else(|| std::env::var_os(TOKENS_FILE_ENV).map(PathBuf::from));
+    let tokens = match tokens_path {
+        Some(p) => Some(shardq_server::Tokens::load(&p).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let mut worker = shardq_deploy::WorkerOptions::default();
+    if let Some(l) = args.lease_ms {
+        worker.lease_ms = l;
+    }
+    if let Some(m) = args.max_shards {
+        worker.max_shards = m;
+    }
+    let opts = shardq_server::ServerOptions {
+        listen: args.listen,
+        tokens,
+        limits: shardq_server::Limits {
+            body_bytes_max: args.body_bytes_max,
+            jobs_per_request_max: args.jobs_per_request_max,
+            concurrency_max: args.concurrency_max,
+            claims_per_worker_max: args.claims_per_worker_max,
+            ..shardq_server::Limits::default()
+        },
+        dedup_window_ms: args.dedup_window_ms,
+        worker,
+        ..shardq_server::ServerOptions::default()
+    };
+    shardq_server::serve_until_signal(&args.data, opts)
+        .with_context(|| format!("serving data dir {}", args.data.display()))?;
+    Ok(ExitCode::SUCCESS)
+}
