@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -32,6 +32,9 @@ pub const CLAIM_BATCH_MAX: usize = 1024;
 /// How long a shard that failed (corrupt, unreachable, full) rests before
 /// the pool tries it again (5 s); the other shards keep running meanwhile.
 pub const SHARD_RETRY_MS: u64 = 5_000;
+/// The pool keeps up to this many times its concurrency claimed (running
+/// or queued for a worker thread), so claims are batched.
+pub const CLAIM_AHEAD: usize = 2;
 /// Job leases are extended this many times per lease period, so a run
 /// survives two missed heartbeats.
 pub const HEARTBEATS_PER_LEASE: u64 = 3;
@@ -248,7 +251,11 @@ impl WorkerPool {
         let job_rx = Arc::new(Mutex::new(job_rx));
         let (out_tx, out_rx) = mpsc::channel::<Outcome>();
         let mut workers = Vec::with_capacity(opts.concurrency);
+        // Handlers running now, and the most seen at once.
+        let running = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
         for i in 0..opts.concurrency {
+            let (running, peak) = (Arc::clone(&running), Arc::clone(&peak));
             let job_rx = Arc::clone(&job_rx);
             let out_tx = out_tx.clone();
             let handler = Arc::clone(&handler);
@@ -265,8 +272,11 @@ impl WorkerPool {
                     };
                     let ctx = RunContext { signal };
                     CURRENT_RUN.with(|c| *c.borrow_mut() = Some(ctx.clone()));
+                    let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now_running, Ordering::SeqCst);
                     let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
                         .unwrap_or_else(|_| Err("handler panicked".to_string()));
+                    running.fetch_sub(1, Ordering::SeqCst);
                     CURRENT_RUN.with(|c| *c.borrow_mut() = None);
                     if result.is_ok() && ctx.is_cancelled() {
                         // A cancelled run's success is not trusted: a job
@@ -309,7 +319,8 @@ impl WorkerPool {
         for w in workers {
             let _ = w.join();
         }
-        let report = state.report;
+        let mut report = state.report;
+        report.peak_in_flight = peak.load(Ordering::SeqCst);
         result?;
         waited?;
         released?;
@@ -395,7 +406,6 @@ impl Dispatch<'_> {
             if drain_deadline_ms.is_none() && !self.owned.is_empty() {
                 claimed_any = self.claim_round(rotate, now, job_tx)?;
                 rotate = rotate.wrapping_add(1);
-                self.report.peak_in_flight = self.report.peak_in_flight.max(self.in_flight());
             }
 
             if self.opts.exit_when_idle
@@ -506,8 +516,17 @@ impl Dispatch<'_> {
     ) -> Result<bool, QueueError> {
         let mut claimed_any = false;
         let n = self.owned.len();
+        // Claim ahead up to CLAIM_AHEAD x concurrency runs (the extra ones
+        // wait in the workers' queue), and only once a whole concurrency's
+        // worth is free or nothing runs: claims then come in batches, not
+        // one call per finished job.
+        let window = self.opts.concurrency.saturating_mul(CLAIM_AHEAD);
+        let room = window - self.in_flight().min(window);
+        if room < self.opts.concurrency && self.in_flight() > 0 {
+            return Ok(false);
+        }
         for i in 0..n {
-            let free = self.opts.concurrency - self.in_flight();
+            let free = window - self.in_flight().min(window);
             if free == 0 {
                 break;
             }

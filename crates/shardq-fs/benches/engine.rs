@@ -218,7 +218,10 @@ fn main() {
 fn worker_pool_rate(n: usize, sync_ms: u64) -> f64 {
     use shardq_core::PoolOptions;
     use std::sync::atomic::AtomicBool;
-    let dir = std::env::temp_dir().join(format!("shardq-bench-pool-{sync_ms}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "shardq-bench-pool-{sync_ms}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     let names = ["shard-0", "shard-1", "shard-2", "shard-3"];
     let map = ShardMap::with_shards(Algorithm::Rendezvous, names).unwrap();
@@ -244,7 +247,12 @@ fn worker_pool_rate(n: usize, sync_ms: u64) -> f64 {
     let stop = AtomicBool::new(false);
     let t = Instant::now();
     let report = engine
-        .run_workers(member, pool, Arc::new(|_: &shardq_core::ClaimedJob| Ok(())), &stop)
+        .run_workers(
+            member,
+            pool,
+            Arc::new(|_: &shardq_core::ClaimedJob| Ok(())),
+            &stop,
+        )
         .unwrap();
     let rate = report.acked as f64 / t.elapsed().as_secs_f64();
     assert_eq!(report.acked as usize, n, "every job acked");
