@@ -1,0 +1,147 @@
+//! Several `shardq serve` processes over one data dir: they split the
+//! shards by leases, a client polling both gets every job, and when one is
+//! SIGKILLed the other takes its shards after the lease, with nothing lost
+//! and every key's jobs acked in order.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::{run, temp_dir, BIN, WAIT_MAX};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn serve(data: &Path, port: u16, extra: &[&str]) -> Child {
+    let mut args = vec![
+        "serve".to_string(),
+        "--data".into(),
+        data.to_str().unwrap().into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--lease-ms".into(),
+        "1000".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// POST; `None` when the server does not answer (killed).
+fn post(port: u16, path: &str, body: Value) -> Option<(u16, Value)> {
+    let res = ureq::post(&format!("http://127.0.0.1:{port}{path}"))
+        .timeout(Duration::from_secs(10))
+        .send_json(body);
+    match res {
+        Ok(r) => Some((r.status(), r.into_json().unwrap())),
+        Err(ureq::Error::Status(code, r)) => Some((code, r.into_json().unwrap_or(Value::Null))),
+        Err(_) => None,
+    }
+}
+
+fn owned(port: u16) -> Option<usize> {
+    let r = ureq::get(&format!("http://127.0.0.1:{port}/readyz"))
+        .timeout(Duration::from_secs(5))
+        .call()
+        .ok()?;
+    let v: Value = r.into_json().ok()?;
+    v["owned"].as_array().map(Vec::len)
+}
+
+fn wait_owned(port: u16, n: usize) {
+    let start = Instant::now();
+    while owned(port) != Some(n) {
+        assert!(
+            start.elapsed() < WAIT_MAX,
+            "server on {port} never owned {n} shards"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn two_servers_split_the_shards_and_one_takes_over_when_the_other_dies() {
+    let dir = temp_dir("serve-two");
+    let data = dir.join("data");
+    let (ok, _, err) = run(&["init", "--data", data.to_str().unwrap(), "--shards", "4"]);
+    assert!(ok, "{err}");
+    let (pa, pb) = (free_port(), free_port());
+    let mut a = serve(&data, pa, &["--max-shards", "2"]);
+    wait_owned(pa, 2);
+    let mut b = serve(&data, pb, &[]);
+    wait_owned(pb, 2);
+
+    const KEYS: u64 = 24;
+    const PER_KEY: u64 = 15;
+    let jobs: Vec<Value> = (0..PER_KEY)
+        .flat_map(|seq| {
+            (0..KEYS).map(move |k| json!({"key": format!("t-{k}"), "payload": seq.to_string()}))
+        })
+        .collect();
+    let (code, v) = post(pb, "/v1/jobs", json!({ "jobs": jobs })).unwrap();
+    assert_eq!(code, 200, "{v}");
+
+    // One client polling both servers; it acks to the server that gave the
+    // job. Halfway, server A is SIGKILLed.
+    let mut acked: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut total_acked = 0u64;
+    let mut killed = false;
+    let start = Instant::now();
+    while total_acked < KEYS * PER_KEY {
+        assert!(start.elapsed() < WAIT_MAX * 2, "only {total_acked} acked");
+        if !killed && total_acked >= KEYS * PER_KEY / 2 {
+            a.kill().unwrap();
+            let _ = a.wait();
+            killed = true;
+        }
+        for port in [pa, pb] {
+            if killed && port == pa {
+                continue;
+            }
+            let Some((200, v)) = post(
+                port,
+                "/v1/claim",
+                json!({"worker": "w", "max": 16, "wait_ms": 100, "lease_ms": 2000}),
+            ) else {
+                continue;
+            };
+            for job in v["jobs"].as_array().unwrap() {
+                let receipt = job["receipt"].as_str().unwrap();
+                let answer = post(port, "/v1/ack", json!({ "receipts": [receipt] }));
+                if let Some((200, _)) = answer {
+                    let key = job["key"].as_str().unwrap().to_string();
+                    let seq: u64 = job["payload"].as_str().unwrap().parse().unwrap();
+                    acked.entry(key).or_default().push(seq);
+                    total_acked += 1;
+                }
+            }
+        }
+    }
+    assert!(killed);
+    assert_eq!(owned(pb), Some(4), "the survivor took every shard");
+    for (key, seqs) in &acked {
+        assert_eq!(
+            seqs,
+            &(0..PER_KEY).collect::<Vec<u64>>(),
+            "key {key}: acks out of order or missing"
+        );
+    }
+    assert_eq!(acked.len() as u64, KEYS);
+    b.kill().unwrap();
+    let _ = b.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
