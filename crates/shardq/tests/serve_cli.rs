@@ -132,6 +132,7 @@ fn two_servers_split_the_shards_and_one_takes_over_when_the_other_dies() {
         }
     }
     assert!(killed);
+    let _ = a.wait();
     assert_eq!(owned(pb), Some(4), "the survivor took every shard");
     for (key, seqs) in &acked {
         assert_eq!(
