@@ -12,31 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::{
-    data_dir_with_corrupt_shard_1, run, run_stdin, status_json, temp_dir, wait_until, BIN, WAIT_MAX,
+    data_dir_with_corrupt_shard_1, enqueue_lines, init_shards, status_json, temp_dir, wait_until,
+    BIN, WAIT_MAX,
 };
-
-fn init(data: &Path, shards: usize) {
-    let (ok, _, err) = run(&[
-        "init",
-        "--data",
-        data.to_str().unwrap(),
-        "--shards",
-        &shards.to_string(),
-    ]);
-    assert!(ok, "{err}");
-}
-
-fn enqueue(data: &Path, lines: &str) {
-    let out = run_stdin(
-        &["enqueue", "--data", data.to_str().unwrap(), "--stdin"],
-        lines.as_bytes(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// A handler logging `start KEY SEQ` and `end KEY SEQ` around `sleep`.
 fn logging_handler(log: &Path, sleep: &str) -> String {
@@ -102,8 +80,8 @@ fn signal(pid: u32, sig: &str) {
 fn a_handler_far_longer_than_its_job_lease_runs_once() {
     let dir = temp_dir("chaos-lease");
     let data = dir.join("data");
-    init(&data, 1);
-    enqueue(&data, "k\t0\nk\t1\nk\t2\nother\t0\n");
+    init_shards(&data, 1);
+    enqueue_lines(&data, "k\t0\nk\t1\nk\t2\nother\t0\n", &[]);
     let log = dir.join("runs.log");
     let mut w = worker(
         &data,
@@ -132,11 +110,11 @@ fn a_handler_far_longer_than_its_job_lease_runs_once() {
 fn a_worker_stopped_past_its_lease_is_not_run_over() {
     let dir = temp_dir("chaos-stop");
     let data = dir.join("data");
-    init(&data, 2);
+    init_shards(&data, 2);
     let lines: String = (0..20)
         .map(|i| format!("t-{}\t{}\n", i % 4, i / 4))
         .collect();
-    enqueue(&data, &lines);
+    enqueue_lines(&data, &lines, &[]);
     let log = dir.join("runs.log");
     let script = logging_handler(&log, "0.2");
     let common = [

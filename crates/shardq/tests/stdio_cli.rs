@@ -9,29 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
-use support::{run, run_stdin, status_json, temp_dir, BIN};
-
-fn init(data: &Path, shards: usize) {
-    let (ok, _, err) = run(&[
-        "init",
-        "--data",
-        data.to_str().unwrap(),
-        "--shards",
-        &shards.to_string(),
-    ]);
-    assert!(ok, "{err}");
-}
-
-fn enqueue_lines(data: &Path, lines: &str, extra: &[&str]) {
-    let mut args = vec!["enqueue", "--data", data.to_str().unwrap(), "--stdin"];
-    args.extend_from_slice(extra);
-    let out = run_stdin(&args, lines.as_bytes());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use support::{enqueue_lines, init_shards, run, status_json, temp_dir, BIN};
 
 /// Runs `work --stdio --exit-when-idle` with a Python handler script.
 fn work_stdio(data: &Path, script: &Path, concurrency: usize) -> (bool, String) {
@@ -98,7 +76,7 @@ fn runs(log: &Path) -> Vec<(String, u64, u32)> {
 fn stdio_handlers_run_every_job_once_in_key_order_without_a_process_per_job() {
     let dir = temp_dir("stdio-order");
     let data = dir.join("data");
-    init(&data, 4);
+    init_shards(&data, 4);
     let lines: String = (0..600)
         .map(|i| format!("t-{}\t{}\n", i % 20, i / 20))
         .collect();
@@ -129,7 +107,7 @@ fn stdio_handlers_run_every_job_once_in_key_order_without_a_process_per_job() {
 fn a_stdio_handler_that_dies_fails_its_job_and_is_replaced() {
     let dir = temp_dir("stdio-crash");
     let data = dir.join("data");
-    init(&data, 1);
+    init_shards(&data, 1);
     let lines: String = (0..10).map(|i| format!("k\t{i}\n")).collect();
     enqueue_lines(&data, &lines, &[]);
     let log = dir.join("runs.log");
@@ -158,7 +136,7 @@ fn a_stdio_handler_that_dies_fails_its_job_and_is_replaced() {
 fn a_stdio_answer_for_another_receipt_fails_the_job() {
     let dir = temp_dir("stdio-receipt");
     let data = dir.join("data");
-    init(&data, 1);
+    init_shards(&data, 1);
     enqueue_lines(&data, "k\tx\n", &["--max-attempts", "1"]);
     let script = dir.join("bad.py");
     std::fs::write(

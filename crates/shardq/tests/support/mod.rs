@@ -151,3 +151,28 @@ pub fn run_stdin(args: &[&str], input: &[u8]) -> std::process::Output {
     writer.join().unwrap();
     out
 }
+
+/// `shardq init --data DATA --shards N`, asserting it succeeds.
+pub fn init_shards(data: &Path, shards: usize) {
+    let (ok, _, err) = run(&[
+        "init",
+        "--data",
+        data.to_str().unwrap(),
+        "--shards",
+        &shards.to_string(),
+    ]);
+    assert!(ok, "{err}");
+}
+
+/// `shardq enqueue --data DATA --stdin EXTRA` with `lines`, asserting it
+/// succeeds.
+pub fn enqueue_lines(data: &Path, lines: &str, extra: &[&str]) {
+    let mut args = vec!["enqueue", "--data", data.to_str().unwrap(), "--stdin"];
+    args.extend_from_slice(extra);
+    let out = run_stdin(&args, lines.as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
