@@ -874,7 +874,9 @@ impl QueueBackend for FsBackend {
         let path = shard.dir.join(FENCE_FILE);
         let text = serde_json::to_string_pretty(fence)
             .map_err(|e| QueueError::Backend(format!("encoding the fence: {e}")))?;
-        crate::layout::write_atomic(&path, text.as_bytes())
+        self.opts
+            .storage
+            .write_file_atomic(&path, text.as_bytes())
             .map_err(|e| QueueError::io(format!("writing {}", path.display()), e))
     }
 

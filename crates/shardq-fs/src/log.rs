@@ -863,7 +863,7 @@ impl ShardLog {
     /// failure: the file may or may not have been replaced.
     pub fn store_reclaimed(&mut self, reclaimed: Reclaimed) -> Result<(), QueueError> {
         self.check_usable()?;
-        if let Err(e) = reclaimed.store(&self.dir) {
+        if let Err(e) = reclaimed.store(&self.dir, &*self.storage) {
             let path = self.dir.join(crate::reclaim::RECLAIMED_FILE);
             return Err(self.poison(QueueError::io(format!("writing {}", path.display()), e)));
         }

@@ -152,7 +152,7 @@ impl Reclaimed {
 
     /// Replaces the shard directory's list atomically (temp file, fsync,
     /// rename, fsync dir).
-    pub fn store(&self, dir: &Path) -> std::io::Result<()> {
+    pub fn store(&self, dir: &Path, storage: &dyn crate::storage::Storage) -> std::io::Result<()> {
         let file = ReclaimedFile {
             format: RECLAIMED_FORMAT.into(),
             version: RECLAIMED_VERSION,
@@ -160,7 +160,7 @@ impl Reclaimed {
             fence_high: self.fence_high,
         };
         let text = serde_json::to_string(&file).map_err(std::io::Error::other)?;
-        crate::layout::write_atomic(&dir.join(RECLAIMED_FILE), text.as_bytes())
+        storage.write_file_atomic(&dir.join(RECLAIMED_FILE), text.as_bytes())
     }
 }
 

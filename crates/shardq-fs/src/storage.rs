@@ -45,6 +45,12 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Makes a directory's entries (created or removed files) durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Replaces a small state file (a shard's `fence.json`,
+    /// `reclaimed.json`) atomically and durably: temp file, fsync, rename,
+    /// fsync of the directory. Durable once it returns.
+    fn write_file_atomic(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        crate::layout::write_atomic(path, bytes)
+    }
 }
 
 /// Base positions of the segments in `dir`, ascending. Other files are ignored.
@@ -129,6 +135,9 @@ pub struct FaultyStorage {
     pub fail_syncs: Arc<AtomicBool>,
     /// When set, every segment deletion fails (leaves the file in place).
     pub fail_removes: Arc<AtomicBool>,
+    /// When set, every state-file write (`fence.json`, `reclaimed.json`)
+    /// fails and leaves the old file in place, as a full disk would.
+    pub fail_file_writes: Arc<AtomicBool>,
     /// File fsyncs that succeeded.
     pub syncs: Arc<AtomicU64>,
 }
@@ -175,6 +184,14 @@ impl Storage for FaultyStorage {
             inner: OsStorage.open(path, create)?,
             owner: self.clone(),
         }))
+    }
+    fn write_file_atomic(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        if self.fail_file_writes.load(Ordering::SeqCst) {
+            return Err(io::Error::other(
+                "injected state-file write failure (disk full)",
+            ));
+        }
+        crate::layout::write_atomic(path, bytes)
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         if self.fail_removes.load(Ordering::SeqCst) {

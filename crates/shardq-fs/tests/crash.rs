@@ -176,3 +176,39 @@ fn a_power_loss_after_unsynced_acks_runs_the_jobs_again_and_loses_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A full disk while a rebalance writes a shard's fence: the write fails
+/// with an error naming `fence.json`, the old fence stays in force (nothing
+/// half-applied), and once the disk has room the fence is written.
+#[test]
+fn a_full_disk_while_writing_a_fence_keeps_the_old_fence() {
+    use shardq_core::{Fence, QueueError};
+    use shardq_fs::storage::FaultyStorage;
+    use std::sync::atomic::Ordering;
+    let dir = data_dir("fence-full");
+    let faulty = FaultyStorage::default();
+    let engine = Engine::open(&dir, opts(Arc::new(faulty.clone()), Durability::Fsync)).unwrap();
+    let b = engine.backend();
+    b.enqueue("shard-0", 1, &[NewJob::new("k", "x")]).unwrap();
+    faulty.fail_file_writes.store(true, Ordering::SeqCst);
+    let raised = Fence {
+        map_version_min: 5,
+        ..Fence::default()
+    };
+    let err = b.set_fence("shard-0", &raised).unwrap_err();
+    assert!(err.to_string().contains("fence.json"), "{err}");
+    // The old fence holds: version 1 is still accepted.
+    b.enqueue("shard-0", 1, &[NewJob::new("k", "y")]).unwrap();
+    faulty.fail_file_writes.store(false, Ordering::SeqCst);
+    b.set_fence("shard-0", &raised).unwrap();
+    assert!(matches!(
+        b.enqueue("shard-0", 1, &[NewJob::new("k", "z")]),
+        Err(QueueError::Fenced { .. })
+    ));
+    assert_eq!(
+        b.shard_stats("shard-0").unwrap().ready,
+        2,
+        "nothing lost, nothing extra"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
