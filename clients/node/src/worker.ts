@@ -90,6 +90,8 @@ export interface WorkerStats {
 }
 
 const REASON_BYTES_MAX = 1000;
+/** Most jobs one claim may ask for (the server's `CLAIM_MAX_LIMIT`). */
+export const CLAIM_MAX = 1000;
 
 function positiveInt(value: number, name: string): number {
   if (!Number.isSafeInteger(value) || value < 1) throw new TypeError(`Worker.run: ${name} must be a positive integer, got ${value}`);
@@ -281,7 +283,8 @@ export class Worker {
           return;
         }
         // Leave slots to the other servers' pollers: at most a fair share, at least one.
-        const share = Math.max(1, Math.ceil(concurrency / this.urls.length));
+        // At most CLAIM_MAX per claim: the server refuses a larger `max` with 400.
+        const share = Math.min(CLAIM_MAX, Math.max(1, Math.ceil(concurrency / this.urls.length)));
         const want = Math.min(taken, share);
         if (want < taken) slots.give(taken - want);
         let jobs: ClaimedJob[] = [];
