@@ -201,6 +201,7 @@ export class Worker {
 
     const runJob = async (job: ClaimedJob, abort: AbortController): Promise<void> => {
       let lost = false;
+      let finished = false;
       const markLost = (what: string, err: ShardqError) => {
         if (!lost) {
           lost = true;
@@ -212,6 +213,8 @@ export class Worker {
       const beat = setInterval(() => {
         postJson(job.server, "/v1/extend", { receipts: [job.receipt], lease_ms: leaseMs }, this.opts, Math.max(1000, leaseMs / 3)).catch(
           (err: unknown) => {
+            // An extend that crossed the job's own ack finds the run over: not a loss.
+            if (finished) return;
             if (err instanceof ShardqError && err.isStaleReceipt) markLost("extend", err);
             else this.log.warn(`extend of job ${job.id} on ${job.server} failed (will retry at the next beat): ${String(err)}`);
           },
@@ -229,6 +232,7 @@ export class Worker {
         outcome = { ok: false, reason: reason.slice(0, REASON_BYTES_MAX) };
         if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
       } finally {
+        finished = true;
         clearInterval(beat);
       }
       if (lost) return;

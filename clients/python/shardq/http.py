@@ -538,7 +538,11 @@ class Worker:
         elif status != 200:
             log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
         for j in jobs:
-            if j.receipt in stale and not j.lost.is_set():
+            with self._lock:
+                # A job that finished while the extend was on its way was
+                # acked (or failed) with this receipt: its run is over, not lost.
+                still_running = id(j) in self._running
+            if j.receipt in stale and still_running and not j.lost.is_set():
                 j.lost.set()
                 log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
 
