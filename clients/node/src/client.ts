@@ -136,7 +136,9 @@ export class Client {
         const reply = await postJson(base, "/v1/jobs", { jobs: batch }, this.opts);
         return parseResults(reply, batch, base);
       } catch (err) {
-        if (!(err instanceof ShardqError) || !err.retryable) throw err;
+        // 409: another request holds one of the dedup ids at this moment (an
+        // earlier try of this batch, say); trying again is safe.
+        if (!(err instanceof ShardqError) || !(err.retryable || err.status === 409)) throw err;
         last = err;
         // The next try goes to the next server.
         this.next++;

@@ -90,6 +90,8 @@ export interface WorkerStats {
 }
 
 const REASON_BYTES_MAX = 1000;
+/** Most jobs one claim may ask for (the server's `CLAIM_MAX_LIMIT`). */
+export const CLAIM_MAX = 1000;
 
 function positiveInt(value: number, name: string): number {
   if (!Number.isSafeInteger(value) || value < 1) throw new TypeError(`Worker.run: ${name} must be a positive integer, got ${value}`);
@@ -199,6 +201,7 @@ export class Worker {
 
     const runJob = async (job: ClaimedJob, abort: AbortController): Promise<void> => {
       let lost = false;
+      let finished = false;
       const markLost = (what: string, err: ShardqError) => {
         if (!lost) {
           lost = true;
@@ -210,6 +213,8 @@ export class Worker {
       const beat = setInterval(() => {
         postJson(job.server, "/v1/extend", { receipts: [job.receipt], lease_ms: leaseMs }, this.opts, Math.max(1000, leaseMs / 3)).catch(
           (err: unknown) => {
+            // An extend that crossed the job's own ack finds the run over: not a loss.
+            if (finished) return;
             if (err instanceof ShardqError && err.isStaleReceipt) markLost("extend", err);
             else this.log.warn(`extend of job ${job.id} on ${job.server} failed (will retry at the next beat): ${String(err)}`);
           },
@@ -227,6 +232,7 @@ export class Worker {
         outcome = { ok: false, reason: reason.slice(0, REASON_BYTES_MAX) };
         if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
       } finally {
+        finished = true;
         clearInterval(beat);
       }
       if (lost) return;
@@ -281,7 +287,8 @@ export class Worker {
           return;
         }
         // Leave slots to the other servers' pollers: at most a fair share, at least one.
-        const share = Math.max(1, Math.ceil(concurrency / this.urls.length));
+        // At most CLAIM_MAX per claim: the server refuses a larger `max` with 400.
+        const share = Math.min(CLAIM_MAX, Math.max(1, Math.ceil(concurrency / this.urls.length)));
         const want = Math.min(taken, share);
         if (want < taken) slots.give(taken - want);
         let jobs: ClaimedJob[] = [];

@@ -10,14 +10,19 @@ token is given):
 
 * ``/v1/jobs`` ``{"jobs": [{"key", "payload" | "payload_b64", "delay_ms",
   "max_attempts", "dedup_id"}]}`` -> ``{"jobs": [{"id", "shard", "key",
-  "duplicate"}]}``
+  "duplicate"}]}``; a job id is the string ``SHARD:ID``
 * ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms"}`` -> ``{"jobs":
-  [{"id", "shard", "key", "payload" | "payload_b64", "attempt", "receipt",
-  "fence", "lease_expires_ms"}]}``
-* ``/v1/ack`` ``{"receipts": [...]}``, ``/v1/fail`` ``{"receipt", "reason",
-  "retry_in_ms"?}``, ``/v1/extend`` ``{"receipts": [...], "lease_ms"}``
-* 409 for a stale receipt, 400 ``{"error": ...}`` for bad input, 401/403 for
-  a missing or wrong token.
+  [{"id", "shard", "key", "payload" | "payload_b64", "attempt",
+  "max_attempts", "receipt", "fence", "lease_expires_ms"}]}``; a receipt is
+  the string ``SHARD:ID.FENCE``
+* ``/v1/ack`` ``{"receipts": [...]}`` -> ``{"acked": n}``, ``/v1/fail``
+  ``{"receipt", "reason", "retry_in_ms"?}``, ``/v1/extend`` ``{"receipts":
+  [...], "lease_ms"}`` -> ``{"extended": n}``
+* 409 for a stale receipt; with several receipts the valid ones take effect
+  and the body lists the others: ``{"error", "acked" | "extended", "stale":
+  [...], "not_owned": [...]}``. 409 on ``/v1/jobs``: a job's dedup id is
+  being enqueued by another request at this moment (retried). 400
+  ``{"error": ...}`` for bad input, 401/403 for a missing or wrong token.
 """
 
 from __future__ import annotations
@@ -49,8 +54,11 @@ RETRY_ROUNDS_DEFAULT = 5
 #: Backoff between rounds, in ms: doubles from the first to the cap, with jitter.
 BACKOFF_FIRST_MS = 50
 BACKOFF_MAX_MS = 2_000
-#: Most jobs per ``/v1/jobs`` request (the Redis backend's batch bound).
-ENQUEUE_BATCH_MAX = 1024
+#: Most jobs per ``/v1/jobs`` request (the server's default
+#: ``--jobs-per-request-max``).
+ENQUEUE_BATCH_MAX = 1000
+#: Most jobs asked for by one claim (the server's ``CLAIM_MAX_LIMIT``).
+CLAIM_MAX = 1000
 #: Default long-poll wait of a claim, in ms.
 CLAIM_WAIT_MS_DEFAULT = 5_000
 #: Attempts at an ack or fail before leaving the run to its lease.
@@ -181,7 +189,7 @@ class Enqueued:
     """A stored job: its id, shard and key; ``duplicate`` when the server
     already had a job with its dedup id (this call stored nothing new)."""
 
-    id: int
+    id: str
     shard: str
     key: str
     duplicate: bool
@@ -256,7 +264,7 @@ class Client:
             if not isinstance(got, list) or len(got) != len(chunk):
                 raise HttpError(self.urls[0], 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
             for b, g in zip(chunk, got):
-                out.append(Enqueued(int(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"]))
+                out.append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"]))
         return out
 
     def _post_any(self, path: str, body: Mapping[str, Any]) -> Any:
@@ -272,7 +280,9 @@ class Client:
                     continue
                 if status == 200:
                     return doc
-                if not _retryable(status):
+                # 409 on an enqueue: another request holds one of the dedup
+                # ids at this moment (an earlier try of this one, say): retry.
+                if not _retryable(status) and not (status == 409 and path == "/v1/jobs"):
                     _raise_for(t.url, status, doc)
                 causes[t.url] = f"{t.url}: {status} {_error_of(doc)}"
             if round_no + 1 < self.retry_rounds:
@@ -289,15 +299,16 @@ class ClaimedJob:
     """A job handed to a handler. ``url`` is the server that gave it: its
     ack, fail and extend go there."""
 
-    id: int
+    id: str
     shard: str
     key: str
     payload: bytes
     attempt: int
-    receipt: Any
+    receipt: str
     fence: Optional[int]
     lease_expires_ms: Optional[int]
     url: str
+    max_attempts: Optional[int] = None
     #: Set when a heartbeat learned the run is no longer current.
     lost: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -414,7 +425,7 @@ class Worker:
             if not slots.acquire(timeout=0.2):
                 continue
             want = 1
-            while want < concurrency and slots.acquire(blocking=False):
+            while want < min(concurrency, CLAIM_MAX) and slots.acquire(blocking=False):
                 want += 1
             jobs: List[ClaimedJob] = []
             try:
@@ -424,8 +435,8 @@ class Worker:
                     _raise_for(url, status, doc)
                 for j in (doc or {}).get("jobs", []):
                     jobs.append(ClaimedJob(
-                        int(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
-                        j["receipt"], j.get("fence"), j.get("lease_expires_ms"), url,
+                        str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
+                        str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
                     ))
                 failures = 0
             except (OSError, http.client.HTTPException, HttpError, ValueError, KeyError) as e:
@@ -512,27 +523,37 @@ class Worker:
         except (OSError, http.client.HTTPException) as e:
             log.warning("shardq worker: extend at %s failed: %s", url, e)
             return
-        stale: List[Any] = []
-        if status == 409 and len(jobs) > 1 and not _stale_of(doc):
-            # Which receipt is stale? Ask one by one.
-            for j in jobs:
-                self._extend(url, [j], lease_ms)
-            return
+        stale: List[str] = []
         if status == 409:
-            stale = [j.receipt for j in jobs] if len(jobs) == 1 else _stale_of(doc)
-        elif status == 200:
+            # The valid receipts were extended; the body lists the others
+            # (stale, or of a shard this server no longer owns).
             stale = _stale_of(doc)
-        else:
+            if not stale:
+                if len(jobs) > 1:
+                    # A 409 without the lists: which receipt? Ask one by one.
+                    for j in jobs:
+                        self._extend(url, [j], lease_ms)
+                    return
+                stale = [jobs[0].receipt]
+        elif status != 200:
             log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
         for j in jobs:
-            if j.receipt in stale and not j.lost.is_set():
+            with self._lock:
+                # A job that finished while the extend was on its way was
+                # acked (or failed) with this receipt: its run is over, not lost.
+                still_running = id(j) in self._running
+            if j.receipt in stale and still_running and not j.lost.is_set():
                 j.lost.set()
                 log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
 
 
-def _stale_of(doc: Any) -> List[Any]:
+def _stale_of(doc: Any) -> List[str]:
+    """The receipts a 409 on ack or extend refused: its ``stale`` and
+    ``not_owned`` lists (either way the run is over here)."""
+    out: List[str] = []
     if isinstance(doc, dict):
-        s = doc.get("stale")
-        if isinstance(s, list):
-            return [x.get("receipt") if isinstance(x, dict) else x for x in s]
-    return []
+        for field_name in ("stale", "not_owned"):
+            s = doc.get(field_name)
+            if isinstance(s, list):
+                out.extend(str(x) for x in s)
+    return out

@@ -146,7 +146,7 @@ class FakeServe:
                 d = j.get("dedup_id")
                 if d is not None and d in self.dedup:
                     jid = self.dedup[d]
-                    out.append({"id": jid, "shard": self.name, "key": j["key"], "duplicate": True})
+                    out.append({"id": f"{self.name}:{jid}", "shard": self.name, "key": j["key"], "duplicate": True})
                     continue
                 payload = base64.b64decode(j["payload_b64"]) if "payload_b64" in j else j.get("payload", "").encode()
                 jid = self.next_id
@@ -156,7 +156,7 @@ class FakeServe:
                 self.queues.setdefault(j["key"], deque()).append(jid)
                 if d is not None:
                     self.dedup[d] = jid
-                out.append({"id": jid, "shard": self.name, "key": j["key"], "duplicate": False})
+                out.append({"id": f"{self.name}:{jid}", "shard": self.name, "key": j["key"], "duplicate": False})
             self.lock.notify_all()
         return 200, {"jobs": out}
 
@@ -183,9 +183,10 @@ class FakeServe:
                         job["attempt"] += 1
                         until = now_ms() + doc["lease_ms"]
                         self.flying[key] = (jid, self.fence, until)
-                        got.append({"id": jid, "shard": self.name, "key": key,
+                        got.append({"id": f"{self.name}:{jid}", "shard": self.name, "key": key,
                                     "payload_b64": base64.b64encode(job["payload"]).decode(),
-                                    "attempt": job["attempt"], "receipt": f"{self.name}/{jid}/{self.fence}",
+                                    "attempt": job["attempt"], "max_attempts": job["max_attempts"],
+                                    "receipt": f"{self.name}:{jid}.{self.fence}",
                                     "fence": self.fence, "lease_expires_ms": until})
                 left = deadline - time.monotonic()
                 if got or left <= 0:
@@ -195,8 +196,8 @@ class FakeServe:
     def _current(self, receipt: Any) -> Optional[str]:
         """The key whose current run ``receipt`` names, else None."""
         try:
-            name, jid, fence = str(receipt).split("/")
-            jid, fence = int(jid), int(fence)
+            name, rest = str(receipt).split(":", 1)
+            jid, fence = (int(x) for x in rest.split("."))
         except ValueError:
             return None
         if name != self.name or jid not in self.jobs:
@@ -208,32 +209,41 @@ class FakeServe:
         return key
 
     def ack(self, receipts: List[Any]) -> Tuple[int, Any]:
+        # As shardq serve: the current runs are acked, the others listed in a 409.
+        stale = []
         with self.lock:
             self._expire()
             for r in receipts:
                 key = self._current(r)
                 if key is None:
-                    return 409, {"error": f"receipt {r} is stale"}
+                    stale.append(r)
+                    continue
                 jid = self.flying.pop(key)[0]
                 del self.jobs[jid]
                 self.acked.append(jid)
             self.lock.notify_all()
-        return 200, {}
+        n = len(receipts) - len(stale)
+        if stale:
+            return 409, {"error": f"ack: {len(stale)} stale receipts", "acked": n, "stale": stale, "not_owned": []}
+        return 200, {"acked": n}
 
     def fail(self, doc: Dict[str, Any]) -> Tuple[int, Any]:
         with self.lock:
             self._expire()
             key = self._current(doc["receipt"])
             if key is None:
-                return 409, {"error": f"receipt {doc['receipt']} is stale"}
+                return 409, {"error": f"fail: receipt {doc['receipt']} is stale"}
             jid = self.flying.pop(key)[0]
             job = self.jobs[jid]
             job["reason"] = doc["reason"]
             job["not_before"] = now_ms() + doc.get("retry_in_ms", 0)
-            if job["attempt"] < job["max_attempts"]:
+            retry = job["attempt"] < job["max_attempts"]
+            if retry:
                 self.queues.setdefault(key, deque()).appendleft(jid)
             self.lock.notify_all()
-        return 200, {}
+        if retry:
+            return 200, {"outcome": "retry", "retry_at_ms": job["not_before"]}
+        return 200, {"outcome": "dead"}
 
     def extend(self, doc: Dict[str, Any]) -> Tuple[int, Any]:
         stale = []
@@ -246,9 +256,10 @@ class FakeServe:
                     continue
                 jid, fence, _ = self.flying[key]
                 self.flying[key] = (jid, fence, now_ms() + doc["lease_ms"])
-        if stale and len(doc["receipts"]) == 1:
-            return 409, {"error": f"receipt {stale[0]} is stale"}
-        return 200, {"stale": stale}
+        n = len(doc["receipts"]) - len(stale)
+        if stale:
+            return 409, {"error": f"extend: {len(stale)} stale receipts", "extended": n, "stale": stale, "not_owned": []}
+        return 200, {"extended": n}
 
     def count(self, path: str) -> int:
         with self.lock:

@@ -63,7 +63,7 @@ def test_enqueue_sends_the_contract_and_a_dedup_id_per_job(fakes):
     assert jobs[2]["dedup_id"] == "mine-1"
     generated = [jobs[0]["dedup_id"], jobs[1]["dedup_id"]]
     assert all(re.fullmatch(r"[0-9a-f]{32}", d) for d in generated) and len(set(generated)) == 2
-    assert [(e.id, e.key, e.duplicate) for e in got] == [(1, "k1", False), (2, "k1", False), (3, "k2", False)]
+    assert [(e.id, e.key, e.duplicate) for e in got] == [("a:1", "k1", False), ("a:2", "k1", False), ("a:3", "k2", False)]
     assert f.jobs[2]["payload"] == b"\xff\x00bin"
     assert c.enqueue("k3", "p").shard == "a"
 

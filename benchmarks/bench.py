@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""shardq from any language: the benchmark driver (see benchmarks/README.md).
+
+    python3 benchmarks/bench.py stdio   [--jobs 200000] [--proc-jobs 4000] [--pipelines 1,4,8] [--repeat 3]
+    python3 benchmarks/bench.py http    [--backend embedded|redis] [--jobs 100000] [--bullmq] [--repeat 3]
+    python3 benchmarks/bench.py latency [--rate 5000] [--seconds 10] [--repeat 3]
+
+Everything runs on loopback: data dirs in a temporary directory, the
+release binary (``cargo build --release -p shardq`` when it is missing),
+a redis-server it starts on a free port for ``--backend redis``. Each
+result is printed as one JSON line (and a summary line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY_HANDLER = os.path.join(ROOT, "examples", "handlers", "python", "stdio_handler.py")
+WAIT_S = 600
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def emit(row: Dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def binary() -> str:
+    if os.environ.get("SHARDQ_BIN"):
+        return os.environ["SHARDQ_BIN"]
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    path = os.path.join(target, "release", "shardq")
+    if not os.access(path, os.X_OK):
+        subprocess.run(["cargo", "build", "--release", "-p", "shardq"], cwd=ROOT, check=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(*args: str, stdin: Optional[bytes] = None) -> bytes:
+    out = subprocess.run(list(args), input=stdin, capture_output=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} exited {out.returncode}: {out.stderr.decode()[-2000:]}")
+    return out.stdout
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def wait_for(what: str, cond, timeout_s: float = 60, every_s: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if cond():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(every_s)
+
+
+def stop(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60) -> None:
+    if p.poll() is None:
+        p.send_signal(sig)
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class RedisServer:
+    def __init__(self, dir: str) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("redis-server is not on PATH")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", dir, "--maxmemory-policy", "noeviction", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+        def up() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), 0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        wait_for("redis-server", up, 20)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+class Serve:
+    def __init__(self, data: str, shards: int, logf: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        with open(logf, "ab") as lf:
+            self.proc = subprocess.Popen([binary(), "serve", "--data", data, "--listen", f"127.0.0.1:{self.port}"],
+                                         stdout=lf, stderr=subprocess.STDOUT)
+
+        def ready() -> bool:
+            doc = get_json(self.url + "/readyz")
+            return bool(doc.get("ready")) and len(doc.get("owned", [])) == shards
+        wait_for("shardq serve /readyz", ready, 60)
+
+    def totals(self) -> Dict[str, int]:
+        return get_json(self.url + "/v1/status")["totals"]
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def init_data(tmp: str, name: str, shards: int, redis_url: Optional[str] = None) -> str:
+    data = os.path.join(tmp, name)
+    args = [binary(), "init", "--data", data, "--shards", str(shards)]
+    if redis_url:
+        args += ["--redis", redis_url, "--namespace", name]
+    sh(*args)
+    return data
+
+
+# ---------------------------------------------------------------- stdio
+
+def bench_stdio(a: argparse.Namespace) -> None:
+    keys = 1000
+    for rep in range(a.repeat):
+        with tempfile.TemporaryDirectory(prefix="shardq-bench-stdio-") as tmp:
+            data = init_data(tmp, "q", 4)
+
+            def enqueue(n: int) -> None:
+                lines = "".join(f"k-{i % keys}\t{{\"seq\":{i // keys}}}\n" for i in range(n)).encode()
+                sh(binary(), "enqueue", "--data", data, "--durability", "interval", "--stdin", stdin=lines)
+
+            def work(n: int, extra: List[str], cmd: List[str]) -> float:
+                enqueue(n)
+                t0 = time.monotonic()
+                sh(binary(), "work", "--data", data, "--concurrency", str(a.concurrency), "--max-local-shards", "all",
+                   "--exit-when-idle", "--durability", "interval", *extra, "--", *cmd)
+                dt = time.monotonic() - t0
+                totals = json.loads(sh(binary(), "status", "--data", data, "--json"))["totals"]
+                if totals != {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}:
+                    raise SystemExit(f"work left jobs behind: {totals}")
+                return n / dt
+
+            base = work(a.proc_jobs, [], ["true"])
+            row: Dict[str, Any] = {"bench": "stdio", "repeat": rep, "concurrency": a.concurrency,
+                                   "process_per_job_jobs_per_s": round(base)}
+            for p in a.pipelines:
+                r = work(a.jobs, ["--stdio", "--stdio-pipeline", str(p)], [sys.executable, PY_HANDLER])
+                row[f"stdio_pipeline_{p}_jobs_per_s"] = round(r)
+                row[f"stdio_pipeline_{p}_ratio"] = round(r / base, 1)
+            emit(row)
+            log(f"stdio rep {rep}: process per job {base:.0f} jobs/s; " + ", ".join(
+                f"pipeline {p}: {row[f'stdio_pipeline_{p}_jobs_per_s']} jobs/s ({row[f'stdio_pipeline_{p}_ratio']}x)"
+                for p in a.pipelines))
+
+
+# ---------------------------------------------------------------- http pipeline
+
+def check_records(paths: List[str], keys: int, per_key: int) -> Dict[str, Any]:
+    """Merges the workers' records by start time: per key the seqs never go
+    back, and every (key, seq) ran. Returns the latencies and counts."""
+    recs = []
+    stats = defaultdict(int)
+    disorder = 0
+    for p in paths:
+        with open(p) as f:
+            head = json.loads(f.readline())
+            for k, v in head["stats"].items():
+                stats[k] += v
+            disorder += head["disorder_count"]
+            for line in f:
+                key, seq, t, lat = line.split()
+                recs.append((int(t), key, int(seq), int(lat)))
+    recs.sort()
+    last: Dict[str, int] = {}
+    seen = set()
+    for _, key, seq, _ in recs:
+        if seq < last.get(key, -1):
+            disorder += 1
+        last[key] = seq
+        seen.add((key, seq))
+    missing = keys * per_key - len(seen)
+    if disorder or missing:
+        raise SystemExit(f"order or completeness broken: {disorder} out of order, {missing} missing")
+    return {"runs": len(recs), "reruns": len(recs) - len(seen), "stats": dict(stats),
+            "latencies_ns": [r[3] for r in recs], "starts_ns": [r[0] for r in recs]}
+
+
+def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int, producers: int, workers: int,
+                 concurrency: int, batch: int, rate: float = 0.0) -> Dict[str, Any]:
+    outs = [os.path.join(tmp, f"worker-{i}.txt") for i in range(workers)]
+    wprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_worker.py"), serve_url, o, str(concurrency)])
+              for o in outs]
+    time.sleep(0.5)  # let the workers start polling
+    t0 = time.monotonic()
+    pprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_producer.py"), serve_url, str(i), str(producers),
+                                str(keys), str(per_key), str(batch), str(rate / producers if rate else 0)],
+                               stdout=subprocess.PIPE, text=True) for i in range(producers)]
+    prod = [json.loads(p.communicate(timeout=WAIT_S)[0]) for p in pprocs]
+    t_prod = time.monotonic() - t0
+
+    def idle() -> bool:
+        t = serve.totals()
+        return t["ready"] + t["delayed"] + t["in_flight"] == 0
+    wait_for("the workers to drain the queue", idle, WAIT_S, 0.005)
+    t_all = time.monotonic() - t0
+    for p in wprocs:
+        stop(p)
+    n = keys * per_key
+    if sum(p["jobs"] for p in prod) != n or any(p["duplicates"] for p in prod):
+        raise SystemExit(f"producers stored {prod}")
+    checked = check_records(outs, keys, per_key)
+    return {"jobs": n, "seconds": t_all, "jobs_per_s": n / t_all, "enqueue_seconds": t_prod, **checked}
+
+
+def bench_http(a: argparse.Namespace) -> None:
+    keys = 1000
+    per_key = a.jobs // keys
+    for rep in range(a.repeat):
+        with tempfile.TemporaryDirectory(prefix="shardq-bench-http-") as tmp:
+            redis = RedisServer(tmp) if a.backend == "redis" else None
+            try:
+                data = init_data(tmp, f"q{rep}", 4, redis.url if redis else None)
+                serve = Serve(data, 4, os.path.join(tmp, "serve.log"))
+                try:
+                    r = run_pipeline(tmp, serve.url, serve, keys, per_key, a.producers, a.workers, a.concurrency, a.batch)
+                finally:
+                    serve.stop()
+                row: Dict[str, Any] = {
+                    "bench": "http", "backend": a.backend, "repeat": rep, "jobs": r["jobs"],
+                    "producers": a.producers, "workers": a.workers, "worker_concurrency": a.concurrency, "batch": a.batch,
+                    "jobs_per_s": round(r["jobs_per_s"]), "seconds": round(r["seconds"], 2),
+                    "enqueue_seconds": round(r["enqueue_seconds"], 2), "reruns": r["reruns"], "worker_stats": r["stats"],
+                }
+                msg = f"http {a.backend} rep {rep}: {row['jobs_per_s']} jobs/s end to end ({r['jobs']} jobs in {row['seconds']} s)"
+                if redis and a.bullmq:
+                    b = bullmq(redis.url, r["jobs"], a.bullmq_concurrency)
+                    row["bullmq"] = b
+                    row["ratio_vs_bullmq"] = round(r["jobs_per_s"] / b["jobs_per_s"], 2)
+                    msg += f"; BullMQ {b['jobs_per_s']} jobs/s; ratio {row['ratio_vs_bullmq']}x"
+                emit(row)
+                log(msg)
+            finally:
+                if redis:
+                    redis.stop()
+
+
+def bullmq(redis_url: str, jobs: int, concurrency: int) -> Dict[str, Any]:
+    peer = os.path.join(HERE, "peers", "bullmq")
+    if not os.path.isdir(os.path.join(peer, "node_modules")):
+        subprocess.run(["npm", "ci" if os.path.exists(os.path.join(peer, "package-lock.json")) else "install", "--silent"],
+                       cwd=peer, check=True)
+    out = sh("node", os.path.join(peer, "bench.mjs"), redis_url, str(jobs), str(concurrency))
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- latency
+
+def pct(xs: List[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def bench_latency(a: argparse.Namespace) -> None:
+    keys = 1000
+    per_key = int(a.rate * a.seconds) // keys
+    for rep in range(a.repeat):
+        with tempfile.TemporaryDirectory(prefix="shardq-bench-lat-") as tmp:
+            data = init_data(tmp, "q", 4)
+            serve = Serve(data, 4, os.path.join(tmp, "serve.log"))
+            try:
+                r = run_pipeline(tmp, serve.url, serve, keys, per_key, 1, a.workers, a.concurrency, a.batch, a.rate)
+            finally:
+                serve.stop()
+            # Drop the first second (connections and threads warming up).
+            t_first = min(r["starts_ns"])
+            lat = [l / 1e6 for l, s in zip(r["latencies_ns"], r["starts_ns"]) if s - t_first > 1e9]
+            row = {"bench": "latency", "repeat": rep, "rate": a.rate, "batch": a.batch, "jobs": r["jobs"],
+                   "achieved_jobs_per_s": round(r["jobs"] / r["enqueue_seconds"]),
+                   "p50_ms": round(pct(lat, 50), 2), "p99_ms": round(pct(lat, 99), 2), "max_ms": round(max(lat), 2),
+                   "mean_ms": round(statistics.fmean(lat), 2)}
+            emit(row)
+            log(f"latency rep {rep}: {row['achieved_jobs_per_s']} jobs/s offered; p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stdio")
+    s.add_argument("--jobs", type=int, default=200_000)
+    s.add_argument("--proc-jobs", type=int, default=4_000)
+    s.add_argument("--concurrency", type=int, default=8)
+    s.add_argument("--pipelines", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8])
+    s.add_argument("--repeat", type=int, default=3)
+    h = sub.add_parser("http")
+    h.add_argument("--backend", choices=["embedded", "redis"], default="embedded")
+    h.add_argument("--jobs", type=int, default=100_000)
+    h.add_argument("--producers", type=int, default=1)
+    h.add_argument("--workers", type=int, default=2)
+    h.add_argument("--concurrency", type=int, default=32)
+    h.add_argument("--batch", type=int, default=1000)
+    h.add_argument("--bullmq", action="store_true", help="with --backend redis: BullMQ 5 on the same redis-server")
+    h.add_argument("--bullmq-concurrency", type=int, default=100)
+    h.add_argument("--repeat", type=int, default=3)
+    l = sub.add_parser("latency")
+    l.add_argument("--rate", type=float, default=5000)
+    l.add_argument("--seconds", type=float, default=10)
+    l.add_argument("--batch", type=int, default=50)
+    l.add_argument("--workers", type=int, default=2)
+    l.add_argument("--concurrency", type=int, default=32)
+    l.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""A benchmark worker process: :class:`shardq.Worker` against one or more
+``shardq serve`` URLs, a handler that records ``(key, seq, start)`` and
+checks per-key order as it goes (a key's seq never goes back within this
+process). On SIGTERM it drains, then writes its records to OUT:
+
+    python3 http_worker.py URLS OUT CONCURRENCY
+
+Payloads are JSON ``{"seq": N, "t": CREATED_NS}`` (``t`` from
+``time.time_ns()`` at enqueue); each record is ``KEY SEQ START_MONO_NS
+LATENCY_NS`` (latency = handler start - created, wall clock; producer and
+worker share the machine's clock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients", "python"))
+
+from shardq import Worker  # noqa: E402
+
+
+def main() -> None:
+    urls, out, concurrency = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+    lock = threading.Lock()
+    records = []
+    last = {}
+    disorder = []
+
+    def handle(job):
+        now_wall = time.time_ns()
+        now = time.monotonic_ns()
+        doc = json.loads(job.payload)
+        seq = doc["seq"]
+        with lock:
+            prev = last.get(job.key, -1)
+            # A re-run repeats seq; anything lower is out of order.
+            if seq < prev:
+                disorder.append((job.key, prev, seq))
+            last[job.key] = seq
+            records.append((job.key, seq, now, now_wall - doc.get("t", now_wall)))
+
+    stats = Worker(urls, worker_id=f"bench-{os.getpid()}").run(handle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000)
+    with open(out, "w") as f:
+        json.dump({"stats": stats.__dict__, "disorder": disorder[:20], "disorder_count": len(disorder)}, f)
+        f.write("\n")
+        for r in records:
+            f.write(f"{r[0]} {r[1]} {r[2]} {r[3]}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Client and Worker against the real ``shardq serve`` (the debug binary,
+built with ``cargo build -p shardq`` when missing or stale; a failed build
+fails the tests). Each test makes its own data dir (``shardq init --shards
+4``), starts the server on a free loopback port and stops it.
+
+Invariants checked: per-key order (a key's jobs start in enqueue order,
+a re-run only repeats the job that was running), nothing lost (every
+enqueued job runs and the status totals end at zero), no duplicate stored
+(one job id per enqueued job, even when a request was retried), one run
+per key at a time, each job acked once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from shardq import ClaimedJob, Client, NewJob, Worker
+
+from support import free_port, read_lines, shardq, shardq_binary, stop_process, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Bound of the waits here (each test is meant to take a few seconds).
+WAIT_S = 30.0
+
+
+def http_get(url: str, timeout: float = 2.0) -> Tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+class Serve:
+    """One ``shardq serve`` process over ``data`` on a fixed loopback port
+    (kept across restarts); its output goes to ``log_path``."""
+
+    def __init__(self, data: str, shards: int) -> None:
+        self.data = data
+        self.shards = shards
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(os.path.dirname(data), f"serve-{self.port}.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self.starts = 0
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [shardq_binary(), "serve", "--data", self.data, "--listen", f"127.0.0.1:{self.port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.starts += 1
+        wait_until(f"shardq serve on {self.url} to be ready with all {self.shards} shards (log {self.log_path})",
+                   self._ready, timeout_s=WAIT_S, every_s=0.02)
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"shardq serve exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            status, doc = http_get(self.url + "/readyz", 0.5)
+        except OSError:
+            return False
+        return status == 200 and bool(doc.get("ready")) and len(doc.get("owned", [])) == self.shards
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        return stop_process(self.proc, "shardq serve", sig, WAIT_S)
+
+    def status(self) -> Dict[str, Any]:
+        code, doc = http_get(self.url + "/v1/status")
+        assert code == 200, (code, doc)
+        assert doc["failed"] == [], doc
+        return doc
+
+    def totals(self) -> Dict[str, int]:
+        return self.status()["totals"]
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-4000:]
+        except FileNotFoundError:
+            return ""
+
+
+@pytest.fixture
+def serve():
+    tmp = tempfile.TemporaryDirectory(prefix="shardq-serve-e2e-")
+    data = os.path.join(tmp.name, "q")
+    shardq("init", "--data", data, "--shards", "4")
+    s = Serve(data, 4)
+    s.start()
+    yield s
+    if s.proc is not None and s.proc.poll() is None:
+        s.stop(signal.SIGKILL)
+    tmp.cleanup()
+
+
+def jobs_for(tag: str, keys: int, per_key: int) -> List[NewJob]:
+    """``per_key`` jobs for each of ``keys`` keys, interleaved across keys,
+    payload ``{"seq": n}``, dedup id ``TAG-KEY-SEQ``."""
+    return [
+        NewJob(f"k-{k}", json.dumps({"seq": s}), dedup_id=f"{tag}-k-{k}-{s}")
+        for s in range(per_key) for k in range(keys)
+    ]
+
+
+def check_order_and_completeness(records: List[Dict[str, Any]], keys: int, per_key: int) -> None:
+    """Records are handler starts in time order. Per key, the seqs started
+    never go back (a re-run repeats the job that was running, never an
+    earlier one), every seq ran, and every run of a seq is the same job id
+    (a job stored twice would show two ids)."""
+    by_key: Dict[str, List[int]] = defaultdict(list)
+    ids: Dict[Tuple[str, int], set] = defaultdict(set)
+    for r in records:
+        by_key[r["key"]].append(r["seq"])
+        ids[(r["key"], r["seq"])].add(r["id"])
+    assert sorted(by_key) == sorted(f"k-{k}" for k in range(keys)), "a key's jobs never ran"
+    for key, seqs in by_key.items():
+        assert all(a <= b for a, b in zip(seqs, seqs[1:])), f"key {key} ran out of order: {seqs}"
+        assert sorted(set(seqs)) == list(range(per_key)), f"key {key} lost jobs: {sorted(set(seqs))}"
+    two = {k: v for k, v in ids.items() if len(v) != 1}
+    assert not two, f"jobs stored twice (several ids for one enqueued job): {dict(list(two.items())[:5])}"
+
+
+class Recorder:
+    """An in-process handler: records ``(key, seq, id, attempt)`` per start
+    and fails the test's invariant if two runs of one key overlap."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: List[Dict[str, Any]] = []
+        self.running_keys: set = set()
+        self.overlaps: List[str] = []
+
+    def __call__(self, job: ClaimedJob) -> None:
+        seq = json.loads(job.payload)["seq"]
+        with self.lock:
+            if job.key in self.running_keys:
+                self.overlaps.append(f"{job.key} seq {seq}")
+            self.running_keys.add(job.key)
+            self.records.append({"key": job.key, "seq": seq, "id": job.id, "attempt": job.attempt})
+        time.sleep(0.0005)
+        with self.lock:
+            self.running_keys.discard(job.key)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.records)
+
+
+def run_worker_until(url: str, rec: Recorder, done, concurrency: int = 8) -> Worker:
+    w = Worker([url], worker_id="e2e-in-process")
+    t = threading.Thread(target=w.run, args=(rec,),
+                         kwargs=dict(concurrency=concurrency, lease_ms=5000, wait_ms=200, install_signal_handlers=False),
+                         daemon=True)
+    t.start()
+    try:
+        wait_until("the worker to finish the jobs", lambda: done(w), timeout_s=WAIT_S)
+    finally:
+        w.stop()
+        t.join(WAIT_S)
+    assert not t.is_alive(), "Worker.run did not return after stop()"
+    return w
+
+
+def test_round_trip_per_key_order_each_job_acked_once(serve):
+    keys, per_key = 40, 25
+    n = keys * per_key
+    c = Client([serve.url])
+    jobs = jobs_for("rt", keys, per_key)
+    placed = c.enqueue_many(jobs)
+    assert len(placed) == n and not any(p.duplicate for p in placed)
+    assert all(p.id.startswith(p.shard + ":") for p in placed), placed[:3]
+    assert len({p.id for p in placed}) == n
+    # The same dedup ids again: nothing new is stored, the original ids come back.
+    again = c.enqueue_many(jobs[:100])
+    assert all(a.duplicate for a in again) and [a.id for a in again] == [p.id for p in placed[:100]]
+    assert serve.totals() == {"ready": n, "delayed": 0, "in_flight": 0, "dead": 0}
+
+    rec = Recorder()
+    w = run_worker_until(serve.url, rec, lambda w: w.stats.acked >= n)
+    assert not rec.overlaps, f"two runs of one key at once: {rec.overlaps[:5]}"
+    check_order_and_completeness(rec.records, keys, per_key)
+    # Each job ran and was acked exactly once.
+    assert len(rec.records) == n and {r["id"] for r in rec.records} == {p.id for p in placed}
+    assert all(r["attempt"] == 1 for r in rec.records)
+    assert (w.stats.acked, w.stats.lost, w.stats.failed, w.stats.unreported) == (n, 0, 0, 0)
+    assert serve.totals() == {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}
+
+
+def test_a_killed_worker_job_runs_again_after_its_lease(serve, tmp_path):
+    keys, per_key = 8, 30
+    n = keys * per_key
+    hang = ("k-2", 5)
+    placed = Client([serve.url]).enqueue_many(jobs_for("kill", keys, per_key))
+    assert len({p.id for p in placed}) == n
+    records = str(tmp_path / "records.jsonl")
+    lease_ms = 600
+
+    def start_worker(*extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "serve_worker_proc.py"), serve.url, records, str(lease_ms), "8", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def recs() -> List[Dict[str, Any]]:
+        return [json.loads(l) for l in read_lines(records)]
+
+    first = start_worker(hang[0], str(hang[1]))
+    try:
+        wait_until("the first worker to start the hanging job",
+                   lambda: any((r["key"], r["seq"]) == hang for r in recs()), timeout_s=WAIT_S)
+        first.send_signal(signal.SIGKILL)
+        first.wait(WAIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    killed_at = len(recs())
+    first_pid = first.pid
+
+    second = start_worker()
+    try:
+        def finished() -> bool:
+            seen = {(r["key"], r["seq"]) for r in recs()}
+            if len(seen) < n:
+                return False
+            t = serve.totals()
+            return t["ready"] + t["delayed"] + t["in_flight"] == 0
+        wait_until("the second worker to run every job", finished, timeout_s=WAIT_S)
+        assert stop_process(second, "the second worker", signal.SIGTERM, WAIT_S) == 0, second.stderr.read()
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    stats = json.loads(second.stdout.read().strip().splitlines()[-1])
+
+    all_recs = recs()
+    runs = [r for r in all_recs if (r["key"], r["seq"]) == hang]
+    assert runs[0]["pid"] == first_pid and runs[0]["attempt"] == 1, runs
+    again = [r for r in runs[1:] if r["pid"] == second.pid]
+    assert again and again[0]["attempt"] >= 2, f"the killed job did not run again in the new worker: {runs}"
+    # While the first worker hung on k-2 seq 5, none of k-2's later jobs ran.
+    assert not [r for r in all_recs[:killed_at] if r["key"] == hang[0] and r["seq"] > hang[1]]
+    check_order_and_completeness(all_recs, keys, per_key)
+    assert {r["id"] for r in all_recs} == {p.id for p in placed}
+    # The second worker acked every job the first had not (re-runs included).
+    assert stats["lost"] == 0 and stats["failed"] == 0 and stats["acked"] >= n - killed_at + 1
+    assert serve.totals() == {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}
+
+
+def test_server_restart_under_load_loses_nothing_and_stores_no_duplicate(serve):
+    keys, per_key, batch = 50, 60, 25
+    n = keys * per_key
+    jobs = jobs_for("restart", keys, per_key)
+    # Enough retry rounds (backoff capped at 2 s) to outlast a restart.
+    c = Client([serve.url], retry_rounds=40, timeout_s=5)
+    placed: List[Any] = []
+    errors: List[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for i in range(0, n, batch):
+                placed.extend(c.enqueue_many(jobs[i:i + batch]))
+                time.sleep(0.002)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    restarts: List[Tuple[int, int]] = []
+    for _ in range(2):
+        before = len(placed)
+        wait_until("the producer to make progress", lambda: len(placed) >= before + n // 5 or not producer.is_alive(),
+                   timeout_s=WAIT_S)
+        at_stop = len(placed)
+        assert serve.stop(signal.SIGTERM) == 0, serve.log()
+        serve.start()
+        restarts.append((at_stop, len(placed)))
+    producer.join(WAIT_S)
+    assert not producer.is_alive(), "the producer did not finish"
+    assert not errors, errors
+    # The restarts happened with the producer mid-way.
+    assert all(0 < at < n for at, _ in restarts), restarts
+    assert serve.starts == 3
+
+    # Nothing lost, nothing stored twice: exactly n jobs, one id each.
+    assert len(placed) == n
+    assert len({p.id for p in placed}) == n, "a retried request stored a job twice"
+    assert serve.totals() == {"ready": n, "delayed": 0, "in_flight": 0, "dead": 0}
+
+    rec = Recorder()
+    w = run_worker_until(serve.url, rec, lambda w: w.stats.acked >= n)
+    assert not rec.overlaps, rec.overlaps[:5]
+    check_order_and_completeness(rec.records, keys, per_key)
+    assert len(rec.records) == n and {r["id"] for r in rec.records} == {p.id for p in placed}
+    assert (w.stats.acked, w.stats.lost) == (n, 0)
+    assert serve.totals() == {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}
