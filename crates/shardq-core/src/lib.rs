@@ -25,4 +25,6 @@ pub use job::{
     JOB_LEASE_MS_DEFAULT, JOB_LEASE_MS_MAX, JOB_LEASE_MS_MIN, KEY_BYTES_MAX, MAX_ATTEMPTS_DEFAULT,
     MAX_ATTEMPTS_LIMIT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
-pub use pool::{current_run, Handler, PoolEvent, PoolOptions, PoolReport, RunContext, WorkerPool};
+pub use pool::{
+    current_run, Handler, PoolEvent, PoolOptions, PoolReport, RunContext, RunOutcome, WorkerPool,
+};

@@ -95,7 +95,21 @@ pub fn current_run() -> Option<RunContext> {
     CURRENT_RUN.with(|c| c.borrow().clone())
 }
 
-/// Something the pool reports while it runs (for logs).
+/// How a finished run was recorded (see [`PoolEvent::RunFinished`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunOutcome {
+    /// The handler succeeded and the ack was recorded.
+    Acked,
+    /// The attempt failed and the job will run again.
+    Retried,
+    /// The attempt failed and the job was dead-lettered.
+    Dead,
+    /// The result was refused: the run was no longer current.
+    Stale,
+}
+
+/// Something the pool reports while it runs (for logs and metrics).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PoolEvent {
@@ -129,6 +143,27 @@ pub enum PoolEvent {
     },
     /// A failed shard serves again.
     ShardRecovered(String),
+    /// A run was claimed and handed to a worker thread.
+    RunStarted {
+        /// The shard.
+        shard: String,
+        /// How long the job waited: the claim time minus the moment it
+        /// became due (the later of its enqueue and its `not_before_ms`),
+        /// in ms, 0 when the clocks disagree.
+        wait_ms: u64,
+    },
+    /// A run's result was recorded (or refused as stale). Not sent when
+    /// recording failed ([`PoolEvent::RecordFailed`]).
+    RunFinished {
+        /// The shard.
+        shard: String,
+        /// How it was recorded.
+        outcome: RunOutcome,
+        /// The run's wait before it started, in ms (as in `RunStarted`).
+        wait_ms: u64,
+        /// From the claim to the handler's result being recorded, in ms.
+        run_ms: u64,
+    },
 }
 
 /// Options of [`WorkerPool::run`].
@@ -212,6 +247,7 @@ struct Outcome {
 struct Running {
     receipt: Receipt,
     started_ms: u64,
+    wait_ms: u64,
     signal: Arc<RunSignal>,
 }
 
@@ -389,7 +425,7 @@ impl Dispatch<'_> {
             // so a durable backend fsyncs once per shard, not once per job.
             let finished: Vec<Outcome> = out_rx.try_iter().collect();
             if !finished.is_empty() {
-                self.record(finished);
+                self.record(finished, now);
             }
 
             if let Some(deadline) = drain_deadline_ms {
@@ -441,7 +477,7 @@ impl Dispatch<'_> {
                     while let Ok(more) = out_rx.try_recv() {
                         batch.push(more);
                     }
-                    self.record(batch);
+                    self.record(batch, clock.now_ms());
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
@@ -562,14 +598,20 @@ impl Dispatch<'_> {
             for job in jobs {
                 claimed_any = true;
                 let signal = Arc::new(RunSignal::default());
+                let wait_ms = now.saturating_sub(job.created_ms.max(job.not_before_ms));
                 self.running.insert(
                     (job.shard.clone(), job.id),
                     Running {
                         receipt: job.receipt(),
                         started_ms: now,
+                        wait_ms,
                         signal: Arc::clone(&signal),
                     },
                 );
+                (self.opts.on_event)(PoolEvent::RunStarted {
+                    shard: job.shard.clone(),
+                    wait_ms,
+                });
                 if job_tx.send((job, signal)).is_err() {
                     return Err(QueueError::Backend("all worker threads exited".into()));
                 }
@@ -681,7 +723,7 @@ impl Dispatch<'_> {
                 Ok(out) => {
                     let mut batch = vec![out];
                     batch.extend(out_rx.try_iter());
-                    self.record(batch);
+                    self.record(batch, clock.now_ms());
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
@@ -727,25 +769,66 @@ impl Dispatch<'_> {
     }
 
     /// Records outcomes; acks are grouped per shard into one call.
-    fn record(&mut self, outcomes: Vec<Outcome>) {
-        let mut acks: BTreeMap<String, Vec<Receipt>> = BTreeMap::new();
+    fn record(&mut self, outcomes: Vec<Outcome>, now: u64) {
+        let mut acks: BTreeMap<String, Vec<(Receipt, u64, u64)>> = BTreeMap::new();
         for out in outcomes {
-            self.running.remove(&(out.shard.clone(), out.receipt.id));
-            match out.result {
-                Ok(()) => acks.entry(out.shard).or_default().push(out.receipt),
+            let (wait_ms, run_ms) = self
+                .running
+                .remove(&(out.shard.clone(), out.receipt.id))
+                .map(|r| (r.wait_ms, now.saturating_sub(r.started_ms)))
+                .unwrap_or((0, 0));
+            let outcome = match out.result {
+                Ok(()) => {
+                    acks.entry(out.shard)
+                        .or_default()
+                        .push((out.receipt, wait_ms, run_ms));
+                    continue;
+                }
                 Err(reason) => match self.backend.fail(&out.shard, out.receipt, &reason, None) {
-                    Ok(FailOutcome::Dead) => self.report.dead += 1,
-                    Ok(_) => self.report.retried += 1,
-                    Err(QueueError::StaleReceipt { .. }) => self.report.stale += 1,
-                    Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
+                    Ok(FailOutcome::Dead) => {
+                        self.report.dead += 1;
+                        RunOutcome::Dead
+                    }
+                    Ok(_) => {
+                        self.report.retried += 1;
+                        RunOutcome::Retried
+                    }
+                    Err(QueueError::StaleReceipt { .. }) => {
+                        self.report.stale += 1;
+                        RunOutcome::Stale
+                    }
+                    Err(e) => {
+                        (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
+                        continue;
+                    }
                 },
-            }
+            };
+            (self.opts.on_event)(PoolEvent::RunFinished {
+                shard: out.shard,
+                outcome,
+                wait_ms,
+                run_ms,
+            });
         }
-        for (shard, receipts) in acks {
+        for (shard, runs) in acks {
+            let receipts: Vec<Receipt> = runs.iter().map(|r| r.0).collect();
             match self.backend.ack(&shard, &receipts) {
                 Ok(out) => {
                     self.report.acked += out.acked;
                     self.report.stale += out.stale.len() as u64;
+                    for (receipt, wait_ms, run_ms) in runs {
+                        let outcome = if out.stale.contains(&receipt) {
+                            RunOutcome::Stale
+                        } else {
+                            RunOutcome::Acked
+                        };
+                        (self.opts.on_event)(PoolEvent::RunFinished {
+                            shard: shard.clone(),
+                            outcome,
+                            wait_ms,
+                            run_ms,
+                        });
+                    }
                 }
                 Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
             }

@@ -114,6 +114,25 @@ pub struct Placed {
     pub map_version: u64,
 }
 
+/// Refused appends a producer met (and retried or gave up on), counted per
+/// shard since the last [`Producer::take_refusals`]: one per append call
+/// refused, which may hold several jobs. For metrics; plain counts, since a
+/// producer is used by one caller at a time.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Refusals {
+    /// Appends refused by the shard's fence (the map version was too old).
+    pub fenced: BTreeMap<String, u64>,
+    /// Appends refused because the key was paused for a move.
+    pub paused: BTreeMap<String, u64>,
+}
+
+impl Refusals {
+    /// True when nothing was refused.
+    pub fn is_empty(&self) -> bool {
+        self.fenced.is_empty() && self.paused.is_empty()
+    }
+}
+
 /// Routes and enqueues jobs; see the module docs.
 pub struct Producer<B: QueueBackend + ?Sized> {
     backend: Arc<B>,
@@ -121,6 +140,7 @@ pub struct Producer<B: QueueBackend + ?Sized> {
     router: Router,
     loaded_at_ms: u64,
     options: ProducerOptions,
+    refusals: Refusals,
 }
 
 impl<B: QueueBackend + ?Sized> Producer<B> {
@@ -137,7 +157,13 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             router,
             loaded_at_ms: options.clock.now_ms(),
             options,
+            refusals: Refusals::default(),
         })
+    }
+
+    /// The refusals met since the last call, and starts counting afresh.
+    pub fn take_refusals(&mut self) -> Refusals {
+        std::mem::take(&mut self.refusals)
     }
 
     /// The map version routing uses now.
@@ -251,10 +277,12 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                         }
                     }
                     Err(QueueError::Fenced { .. }) => {
+                        *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
                         fenced = Some(shard);
                         retry.extend(idxs);
                     }
                     Err(QueueError::Paused { key, .. }) => {
+                        *self.refusals.paused.entry(shard.clone()).or_default() += 1;
                         let since_ms = *paused_since
                             .entry(key.clone())
                             .or_insert_with(|| clock.now_ms());
@@ -362,5 +390,13 @@ mod tests {
         assert!(matches!(err, ProduceError::PausedTooLong { .. }), "{err}");
         // One load when the producer was built; ~100 retries read nothing.
         assert_eq!(store.loads.load(Ordering::SeqCst), 1);
+        // Every refused append is counted for the shard that refused it.
+        let refusals = producer.take_refusals();
+        assert!(refusals.fenced.is_empty(), "{refusals:?}");
+        assert!(
+            refusals.paused.get(&shard).is_some_and(|&n| n >= 2),
+            "{refusals:?}"
+        );
+        assert!(producer.take_refusals().is_empty());
     }
 }

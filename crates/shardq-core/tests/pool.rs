@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use shardq_core::memory::{MemoryBackend, MemoryCoordinator};
 use shardq_core::{
     current_run, AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt, ShardStats, SystemClock,
-    WorkerPool,
+    PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt, RunOutcome, ShardStats,
+    SystemClock, WorkerPool,
 };
 
 fn run_pool(
@@ -343,4 +343,67 @@ fn one_corrupt_shard_stops_only_itself() {
         .cloned()
         .collect();
     assert_eq!(failed.len(), 1, "the failure is reported once: {failed:?}");
+}
+
+/// Every run is reported when it starts and when its result is recorded,
+/// with how it ended, so metrics can count and time runs.
+#[test]
+fn runs_are_reported_when_they_start_and_finish() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let mut jobs: Vec<NewJob> = (0..4).map(|i| NewJob::new(format!("k{i}"), "ok")).collect();
+    jobs[3].payload = b"fail".to_vec();
+    jobs[3].max_attempts = 2;
+    backend.enqueue("s0", 1, &jobs).unwrap();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let opts = PoolOptions {
+        concurrency: 2,
+        exit_when_idle: true,
+        on_event: {
+            let events = events.clone();
+            Arc::new(move |e| events.lock().unwrap().push(e))
+        },
+        ..PoolOptions::default()
+    };
+    let handler: Arc<shardq_core::Handler> = Arc::new(|job: &ClaimedJob| {
+        if job.payload == b"fail" {
+            Err("no".into())
+        } else {
+            Ok(())
+        }
+    });
+    let report = run_pool(
+        Arc::new(backend.clone()),
+        backend,
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    assert_eq!((report.acked, report.retried, report.dead), (3, 1, 1));
+    let events = events.lock().unwrap().clone();
+    let started = events
+        .iter()
+        .filter(|e| matches!(e, PoolEvent::RunStarted { shard, .. } if shard == "s0"))
+        .count();
+    let mut outcomes: Vec<RunOutcome> = events
+        .iter()
+        .filter_map(|e| match e {
+            PoolEvent::RunFinished { outcome, .. } => Some(*outcome),
+            _ => None,
+        })
+        .collect();
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert_eq!(started, 5, "{events:?}");
+    assert_eq!(
+        outcomes,
+        [
+            RunOutcome::Acked,
+            RunOutcome::Acked,
+            RunOutcome::Acked,
+            RunOutcome::Dead,
+            RunOutcome::Retried
+        ]
+    );
 }

@@ -234,6 +234,7 @@ impl App {
                 }
             };
             let r = producer.enqueue_batch(&batch);
+            self.metrics.refusals(&producer.take_refusals());
             self.put_producer(producer);
             r
         };
@@ -257,6 +258,7 @@ impl App {
             }
             Err(e) => (Vec::new(), Some(ApiError::from(e))),
         };
+        crate::metrics::enqueued(self, &placed);
         let expires_ms = now.saturating_add(self.dedup_window_ms);
         let mut records = Vec::new();
         for p in &placed {
@@ -503,6 +505,7 @@ impl App {
             let shard = &shards[(start + k) % shards.len()];
             match self.backend.claim(shard, want, lease_ms) {
                 Ok(jobs) => {
+                    crate::metrics::claimed(self, &jobs, now);
                     let mut b = book(&self.claims);
                     for j in jobs {
                         want = want.saturating_sub(1);
@@ -641,6 +644,7 @@ pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest
             match a.backend.ack(&shard, &receipts) {
                 Ok(out) => {
                     acked += out.acked;
+                    crate::metrics::acked(&a, &shard, &receipts, &out.stale);
                     let mut b = book(&a.claims);
                     for r in &receipts {
                         b.finish(&shard, *r);
@@ -697,9 +701,14 @@ pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailReque
         match a.backend.fail(&shard, r, &reason, req.retry_in_ms) {
             Ok(o) => {
                 book(&a.claims).finish(&shard, r);
+                crate::metrics::failed(&a, &shard, r, Ok(&o));
                 Ok(o)
             }
             Err(QueueError::NotOwner { .. }) => Err(not_owned_error(&receipt, &shard)),
+            Err(e @ QueueError::StaleReceipt { .. }) => {
+                crate::metrics::failed(&a, &shard, r, Err(()));
+                Err(ApiError::from(e).with("receipt", json!(receipt)))
+            }
             Err(e) => Err(ApiError::from(e).with("receipt", json!(receipt))),
         }
     })
@@ -1137,7 +1146,9 @@ pub async fn rebalance_start(
             };
             let backend = a.deployment.backend();
             let maps = a.deployment.maps();
+            a.metrics.rebalance_started();
             let result = reshard::rebalance(&*backend, &*maps, &opts, &mut |ev| {
+                a.metrics.rebalance_event(&ev);
                 let mut p = progress(&a.rebalance);
                 match ev {
                     RebalanceEvent::Pinned { pinned, .. } => {
@@ -1153,6 +1164,8 @@ pub async fn rebalance_start(
                     _ => {}
                 }
             });
+            a.metrics
+                .rebalance_ended(result.as_ref().map(|r| r.moved.len()).map_err(|_| ()));
             let mut p = progress(&a.rebalance);
             p.finished_ms = Some(a.clock.now_ms());
             match result {

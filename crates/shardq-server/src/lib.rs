@@ -18,6 +18,7 @@ pub mod dedup;
 pub mod error;
 pub mod ids;
 pub mod limits;
+pub mod metrics;
 pub mod owner;
 
 use std::future::Future;
@@ -91,6 +92,7 @@ pub struct App {
     rebalance: Mutex<api::Progress>,
     clock: Arc<dyn Clock>,
     rotate: AtomicUsize,
+    metrics: Arc<shardq_metrics::Metrics>,
 }
 
 impl App {
@@ -133,6 +135,7 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (r("GET", "/healthz", None), get(api::healthz)),
         (r("GET", "/readyz", None), get(api::readyz)),
         (r("GET", "/v1/openapi.json", None), get(api::openapi)),
+        (r("GET", "/metrics", Some(Read)), get(metrics::metrics)),
         (r("POST", "/v1/jobs", Some(Produce)), post(api::enqueue)),
         (r("POST", "/v1/claim", Some(Work)), post(api::claim)),
         (r("POST", "/v1/ack", Some(Work)), post(api::ack)),
@@ -291,6 +294,9 @@ impl Server {
         let owner = OwnerThread::start(coordinator, deployment.queue());
         let app = Arc::new(App {
             owned: owner.owned(),
+            metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
+                &deployment,
+            ))),
             backend,
             deployment,
             producers: Mutex::new(Vec::new()),

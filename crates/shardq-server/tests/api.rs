@@ -57,6 +57,9 @@ fn call(
         Err(e) => panic!("{method} {path}: {e}"),
     };
     let text = resp.into_string().unwrap();
+    if path == "/metrics" && code == 200 {
+        return (code, Value::String(text)); // Prometheus text, not JSON
+    }
     let v = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("{method} {path} -> {code}: body is not JSON ({e}): {text}"));
     (code, v)

@@ -198,6 +198,10 @@ pub struct WorkArgs {
     /// Exit once the owned shards are idle.
     #[arg(long)]
     exit_when_idle: bool,
+    /// Serve Prometheus metrics on http://ADDR/metrics while working
+    /// (docs/metrics.md): `PORT` listens on 127.0.0.1, or give `IP:PORT`.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
     /// After a job's last attempt fails: `continue` with the key's next jobs,
     /// or `halt` the key until its dead jobs are retried or purged.
     #[arg(long, default_value = "continue")]
@@ -636,12 +640,32 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         }
         (None, false) => command_handler(args.cmd.clone()),
     };
-    let deployment = open(&args.data, &args.common, dead_policy)?;
+    let metrics_addr = match &args.metrics_listen {
+        Some(a) => Some(
+            shardq_metrics::serve::parse_listen(a)
+                .map_err(|e| anyhow::anyhow!("--metrics-listen: {e}"))?,
+        ),
+        None => None,
+    };
+    let deployment = Arc::new(open(&args.data, &args.common, dead_policy)?);
+    let metrics = metrics_addr.map(|_| {
+        Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
+            &deployment,
+        )))
+    });
+    let _listener = match (metrics_addr, &metrics) {
+        (Some(addr), Some(m)) => {
+            let l = shardq_metrics::spawn_listener(addr, Arc::clone(m))?;
+            eprintln!("shardq: metrics on http://{}/metrics", l.addr());
+            Some(l)
+        }
+        _ => None,
+    };
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .context("installing signal handlers")?;
     }
-    let mut pool = pool_options(&args);
+    let mut pool = pool_options(&args, metrics);
     pool.job_timeout_ms = job_timeout.map(|d| d.as_millis() as u64);
     pool.job_lease_ms = args.job_lease_ms;
     if args.stdio {
@@ -690,13 +714,17 @@ fn run_pool(
     Ok(report)
 }
 
-fn pool_options(args: &WorkArgs) -> PoolOptions {
+fn pool_options(args: &WorkArgs, metrics: Option<Arc<shardq_metrics::Metrics>>) -> PoolOptions {
     PoolOptions {
         concurrency: args.concurrency,
         drain_timeout_ms: args.drain_timeout_ms,
         exit_when_idle: args.exit_when_idle,
-        on_event: Arc::new(|ev| {
+        on_event: Arc::new(move |ev| {
+            if let Some(m) = &metrics {
+                m.pool_event(&ev);
+            }
             match ev {
+            PoolEvent::RunStarted { .. } | PoolEvent::RunFinished { .. } => {}
             PoolEvent::Standby(reason) => eprintln!("shardq: standby: {reason}"),
             PoolEvent::Gained(s) => eprintln!("shardq: claimed {s}"),
             PoolEvent::Lost(s) => eprintln!("shardq: lost {s} (lease taken over)"),

@@ -1,0 +1,244 @@
+//! The per-shard gauges, read from a deployment's status when a scrape
+//! comes instead of being fed.
+//!
+//! A status read costs one read per shard (a log replay check on the
+//! embedded engine, a script per shard on Redis), so it is cached: however
+//! many scrapes arrive, the source is called at most once per TTL (one
+//! call at a time; the TTL counts from the end of the previous call). A
+//! shard that cannot be read gets `shardq_shard_up 0` and no counts while
+//! the others report; a status that cannot be read at all (the map is
+//! unreadable) sets `shardq_status_up 0` and drops every per-shard series
+//! rather than report stale numbers. It must never write anything.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use shardq_deploy::{Deployment, StatusReport};
+
+use crate::{OwnerLabel, ShardLabel};
+
+/// Longest age of the cached status a scrape is answered from (1 s).
+pub const STATUS_TTL: Duration = Duration::from_secs(1);
+
+/// The status and the map version it was read under.
+#[derive(Debug, Clone)]
+pub struct StatusSnapshot {
+    /// Version of the published map.
+    pub map_version: u64,
+    /// Every shard of the map (`Deployment::status()`).
+    pub report: StatusReport,
+}
+
+/// Where the per-shard gauges come from; `Err` names what could not be
+/// read.
+pub type StatusSource = Arc<dyn Fn() -> Result<StatusSnapshot, String> + Send + Sync>;
+
+/// A source reading `deployment`'s map version and status.
+pub fn deployment_source(deployment: Arc<Deployment>) -> StatusSource {
+    Arc::new(move || {
+        let context = |e: shardq_deploy::DeployError| {
+            format!(
+                "reading the status of data dir {}: {e}",
+                deployment.dir().display()
+            )
+        };
+        let map_version = deployment.map().map_err(context)?.version;
+        let report = deployment.status().map_err(context)?;
+        Ok(StatusSnapshot {
+            map_version,
+            report,
+        })
+    })
+}
+
+type PerShard = Family<ShardLabel, Gauge>;
+
+/// The gauges of the status; see the module docs.
+pub(crate) struct ShardGauges {
+    source: Option<StatusSource>,
+    ttl: Duration,
+    /// When the last read ended; held while reading and encoding, so one
+    /// scrape at a time reads.
+    last: Mutex<Option<Instant>>,
+    up: PerShard,
+    ready: PerShard,
+    delayed: PerShard,
+    in_flight: PerShard,
+    dead: PerShard,
+    keys: PerShard,
+    fence_high: PerShard,
+    owner: Family<OwnerLabel, Gauge>,
+    lease_expires: Family<ShardLabel, Gauge<f64, AtomicU64>>,
+    map_version: Gauge,
+    status_up: Gauge,
+    read_seconds: Gauge<f64, AtomicU64>,
+}
+
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl ShardGauges {
+    /// Registers the gauges when there is a source (without one, none).
+    pub(crate) fn register(
+        registry: &mut Registry,
+        source: Option<StatusSource>,
+        ttl: Duration,
+    ) -> ShardGauges {
+        let g = ShardGauges {
+            source,
+            ttl,
+            last: Mutex::new(None),
+            up: Family::default(),
+            ready: Family::default(),
+            delayed: Family::default(),
+            in_flight: Family::default(),
+            dead: Family::default(),
+            keys: Family::default(),
+            fence_high: Family::default(),
+            owner: Family::default(),
+            lease_expires: Family::default(),
+            map_version: Gauge::default(),
+            status_up: Gauge::default(),
+            read_seconds: Gauge::default(),
+        };
+        if g.source.is_none() {
+            return g;
+        }
+        let r = registry;
+        let per_shard: [(&str, &str, &PerShard); 7] = [
+            (
+                "shardq_shard_up",
+                "1 if the shard could be read at the last status read, else 0",
+                &g.up,
+            ),
+            (
+                "shardq_shard_ready",
+                "Pending jobs whose start time has come",
+                &g.ready,
+            ),
+            (
+                "shardq_shard_delayed",
+                "Pending jobs waiting for their start time",
+                &g.delayed,
+            ),
+            ("shardq_shard_in_flight", "Runs in flight", &g.in_flight),
+            ("shardq_shard_dead", "Dead letters", &g.dead),
+            ("shardq_shard_keys", "Distinct keys with work", &g.keys),
+            (
+                "shardq_shard_fence_high",
+                "The largest run fence the shard issued",
+                &g.fence_high,
+            ),
+        ];
+        for (name, help, family) in per_shard {
+            r.register(name, help, family.clone());
+        }
+        r.register(
+            "shardq_shard_owner",
+            "1 for the process holding the shard's lease (label owner)",
+            g.owner.clone(),
+        );
+        r.register(
+            "shardq_shard_lease_expires_seconds",
+            "When the holder's lease of the shard ends, in seconds since the Unix epoch",
+            g.lease_expires.clone(),
+        );
+        r.register(
+            "shardq_map_version",
+            "Version of the published shard map at the last status read",
+            g.map_version.clone(),
+        );
+        r.register(
+            "shardq_status_up",
+            "1 if the last status read worked (the map could be read), else 0",
+            g.status_up.clone(),
+        );
+        r.register(
+            "shardq_status_read_duration_seconds",
+            "How long the last status read took",
+            g.read_seconds.clone(),
+        );
+        g
+    }
+
+    /// Refreshes from the source when the cache is older than the TTL, then
+    /// encodes `registry`.
+    pub(crate) fn render(&self, registry: &Registry) -> String {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(source) = &self.source {
+            if last.is_none_or(|t| t.elapsed() >= self.ttl) {
+                let started = Instant::now();
+                let read = source();
+                self.read_seconds.set(started.elapsed().as_secs_f64());
+                self.apply(read);
+                *last = Some(Instant::now());
+            }
+        }
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, registry);
+        out
+    }
+
+    fn apply(&self, read: Result<StatusSnapshot, String>) {
+        for f in [
+            &self.up,
+            &self.ready,
+            &self.delayed,
+            &self.in_flight,
+            &self.dead,
+            &self.keys,
+            &self.fence_high,
+        ] {
+            f.clear();
+        }
+        self.owner.clear();
+        self.lease_expires.clear();
+        let snap = match read {
+            Ok(s) => s,
+            Err(_) => {
+                self.status_up.set(0);
+                return;
+            }
+        };
+        self.status_up.set(1);
+        self.map_version.set(int(snap.map_version));
+        for row in &snap.report.shards {
+            let l = ShardLabel {
+                shard: row.name.clone(),
+            };
+            self.up
+                .get_or_create(&l)
+                .set(i64::from(row.error.is_none()));
+            let counts = [
+                (&self.ready, row.ready),
+                (&self.delayed, row.delayed),
+                (&self.in_flight, row.in_flight),
+                (&self.dead, row.dead),
+                (&self.keys, row.keys),
+                (&self.fence_high, row.fence_high),
+            ];
+            for (family, value) in counts {
+                if let Some(v) = value {
+                    family.get_or_create(&l).set(int(v));
+                }
+            }
+            if let Some(owner) = &row.owner {
+                self.owner
+                    .get_or_create(&OwnerLabel {
+                        shard: row.name.clone(),
+                        owner: owner.clone(),
+                    })
+                    .set(1);
+            }
+            if let Some(ms) = row.lease_expires_ms {
+                self.lease_expires.get_or_create(&l).set(ms as f64 / 1000.0);
+            }
+        }
+    }
+}
