@@ -5,7 +5,7 @@
 
 (function () {
   const POLL_MS = 1000;
-  const SLOW_EVERY = 2; // ring, hot keys and dead letters every 2nd poll
+  const SLOW_MS = 2000; // ring, hot keys and dead letters every 2 s
   const TOKEN_KEY = "shardq.dashboard.token";
   const HISTORY_MAX = 600; // polls of rate history kept (about 10 minutes)
 
@@ -17,7 +17,7 @@
     ringIndex: [],       // map index -> name
     rebalanceStart: null, // ms when a rebalance was first seen running
     movedSeen: [],       // [{ t, moved }] while moving
-    tick: 0,
+    lastSlow: 0,         // when ring, hot keys and dead letters were last read
     deadArmed: null,     // id whose purge waits for a second click
   };
 
@@ -294,7 +294,7 @@
     $("rebalance-total").textContent = fmt(total);
     $("rebalance-bar").style.width = total > 0 ? (100 * Math.min(1, moved / total)).toFixed(1) + "%" : (phase === "finished" ? "100%" : "0");
     let versions = derived ? "published v" + derived.published_version : "";
-    if (derived && derived.target_version !== null) versions += ", target v" + derived.target_version;
+    if (derived && derived.target_version !== null) versions += ", a target is recorded";
     if (admin && admin.from_version !== null && admin.to_version !== null) versions += " (last run v" + admin.from_version + " → v" + admin.to_version + ")";
     $("rebalance-versions").textContent = versions;
     const ul = $("paused-list");
@@ -304,7 +304,7 @@
       for (const k of derived.paused) longest = Math.max(longest, k.paused_ms);
       $("rebalance-paused").textContent = derived.paused_total === 0
         ? "none"
-        : fmt(derived.paused_total) + " keys, longest " + (longest / 1000).toFixed(1) + " s so far";
+        : fmt(derived.paused_total) + (derived.paused_total === 1 ? " key" : " keys") + ", longest " + (longest / 1000).toFixed(1) + " s so far";
       for (const k of derived.paused.slice(0, 8)) {
         ul.appendChild(el("li", null, k.key + " on " + k.shard + ": paused " + (k.paused_ms / 1000).toFixed(1) + " s"));
       }
@@ -433,8 +433,8 @@
 
   // ------------------------------------------------------------------- poll
   async function poll() {
-    const slow = state.tick % SLOW_EVERY === 0 || !state.ringIndex.length;
-    state.tick += 1;
+    const slow = Date.now() - state.lastSlow >= SLOW_MS || !state.ringIndex.length;
+    if (slow) state.lastSlow = Date.now();
     const jobs = {
       status: api("GET", "/v1/status"),
       admin: api("GET", "/v1/admin/rebalance"),
@@ -478,7 +478,7 @@
     ev.preventDefault();
     setToken($("token-input").value.trim());
     $("token-input").value = "";
-    state.tick = 0;
+    state.lastSlow = 0;
     poll();
   });
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
