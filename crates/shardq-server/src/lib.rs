@@ -14,6 +14,7 @@
 pub mod api;
 pub mod auth;
 pub mod body;
+pub mod dashboard;
 pub mod dedup;
 pub mod error;
 pub mod ids;
@@ -131,6 +132,8 @@ pub struct RouteInfo {
 fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
     use Role::*;
     let r = |method, path, role| RouteInfo { method, path, role };
+    let dash = dashboard::Dash::new();
+    let d = |m: MethodRouter<Arc<App>>| m.layer(axum::Extension(Arc::clone(&dash)));
     vec![
         (r("GET", "/healthz", None), get(api::healthz)),
         (r("GET", "/readyz", None), get(api::readyz)),
@@ -173,6 +176,18 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (
             r("GET", "/v1/admin/rebalance", Some(Read)),
             get(api::rebalance_progress),
+        ),
+        (r("GET", "/", None), get(dashboard::index)),
+        (r("GET", "/dashboard/app.js", None), get(dashboard::app_js)),
+        (
+            r("GET", "/dashboard/style.css", None),
+            get(dashboard::style_css),
+        ),
+        (r("GET", "/v1/ring", Some(Read)), d(get(dashboard::ring))),
+        (r("GET", "/v1/hot", Some(Read)), d(get(dashboard::hot))),
+        (
+            r("GET", "/v1/reshard", Some(Read)),
+            d(get(dashboard::reshard)),
         ),
     ]
 }

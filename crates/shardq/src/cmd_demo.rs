@@ -1,13 +1,15 @@
 //! `shardq demo`: argument parsing, the progress line and the report. The
 //! demo itself (load, order and loss checks, the live rebalance, and the
-//! backends it runs on) is `shardq_bench::demo`.
+//! backends it runs on) is `shardq_bench::demo`. With `--serve`, the
+//! dashboard (`shardq_server::dashboard`) watches the demo's deployment
+//! while it runs and for `--serve-after-s` seconds after the report.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shardq_bench::demo::envs::{shard_names, DeploymentEnv, MemoryEnv};
 use shardq_bench::demo::{self, DemoEnv, DemoParams};
@@ -61,6 +63,16 @@ pub struct DemoArgs {
     /// Print the final report as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Serve the dashboard on the demo's deployment (fs or redis) while it
+    /// runs, and for --serve-after-s seconds after the report.
+    #[arg(long)]
+    serve: bool,
+    /// Where the dashboard listens (loopback only: it has no tokens).
+    #[arg(long, default_value = "127.0.0.1:7070", requires = "serve")]
+    listen: std::net::SocketAddr,
+    /// Seconds the dashboard stays up after the report.
+    #[arg(long, default_value_t = 60, requires = "serve")]
+    serve_after_s: u64,
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
@@ -80,11 +92,44 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         concurrency: args.concurrency,
         batch: args.batch,
     };
+    if args.serve && args.backend == DemoBackend::Memory {
+        bail!("--serve needs --backend fs or redis: the dashboard reads a data dir, and the memory backend has none");
+    }
+    if args.serve && !args.listen.ip().is_loopback() {
+        bail!(
+            "--listen {}: the demo's dashboard runs without tokens, so it listens on a loopback address only",
+            args.listen
+        );
+    }
     let names = shard_names(args.shards);
-    let env: Arc<dyn DemoEnv> = match args.backend {
-        DemoBackend::Memory => Arc::new(MemoryEnv::new(&names)?),
-        DemoBackend::Fs => Arc::new(DeploymentEnv::embedded(args.keep.clone(), &names)?),
-        DemoBackend::Redis => Arc::new(DeploymentEnv::redis(args.keep.clone(), &names)?),
+    let deployed = match args.backend {
+        DemoBackend::Memory => None,
+        DemoBackend::Fs => Some(Arc::new(DeploymentEnv::embedded(
+            args.keep.clone(),
+            &names,
+        )?)),
+        DemoBackend::Redis => Some(Arc::new(DeploymentEnv::redis(args.keep.clone(), &names)?)),
+    };
+    let env: Arc<dyn DemoEnv> = match &deployed {
+        Some(d) => d.clone(),
+        None => Arc::new(MemoryEnv::new(&names)?),
+    };
+    // The dashboard takes no shard lease: the demo's pool runs every shard.
+    let viewer = match (&deployed, args.serve) {
+        (Some(d), true) => {
+            let opts = shardq_server::ServerOptions {
+                listen: args.listen,
+                ..shardq_server::ServerOptions::default()
+            };
+            let v = shardq_server::dashboard::spawn_viewer(d.dir(), opts)
+                .with_context(|| format!("starting the dashboard on {}", args.listen))?;
+            eprintln!(
+                "shardq demo: dashboard at {}/ (no tokens, loopback only)",
+                v.url()
+            );
+            Some(v)
+        }
+        _ => None,
     };
     let bar = if args.json {
         ProgressBar::hidden()
@@ -103,6 +148,15 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", demo::render(&report));
+    }
+    if let Some(v) = viewer {
+        eprintln!(
+            "shardq demo: the dashboard stays up at {}/ for {} s (Ctrl-C to stop sooner)",
+            v.url(),
+            args.serve_after_s
+        );
+        std::thread::sleep(Duration::from_secs(args.serve_after_s));
+        v.stop().context("stopping the dashboard")?;
     }
     let healthy = report.order_violations == 0 && report.lost_jobs == 0;
     Ok(if healthy {

@@ -148,6 +148,13 @@ impl DeploymentEnv {
     }
 }
 
+impl DeploymentEnv {
+    /// The data dir (a dashboard can serve it while the demo runs).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+}
+
 impl Drop for DeploymentEnv {
     fn drop(&mut self) {
         if self.temp {

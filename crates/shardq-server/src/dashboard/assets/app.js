@@ -1,0 +1,488 @@
+// shardq dashboard: polls this server's JSON API (at most once a second)
+// and draws what it reads. Plain DOM, no dependencies; data is always put
+// in the page as text, never as markup.
+"use strict";
+
+(function () {
+  const POLL_MS = 1000;
+  const SLOW_MS = 2000; // ring, hot keys and dead letters every 2 s
+  const TOKEN_KEY = "shardq.dashboard.token";
+  const HISTORY_MAX = 600; // polls of rate history kept (about 10 minutes)
+
+  const $ = (id) => document.getElementById(id);
+  const state = {
+    prev: null,          // { t, backlog: {shard: n} } of the last status poll
+    history: [],         // [{ t, rate }] total backlog change per second
+    shardInfo: {},       // name -> { state, weight } from /v1/ring
+    ringIndex: [],       // map index -> name
+    rebalanceStart: null, // ms when a rebalance was first seen running
+    movedSeen: [],       // [{ t, moved }] while moving
+    lastSlow: 0,         // when ring, hot keys and dead letters were last read
+    deadArmed: null,     // id whose purge waits for a second click
+  };
+
+  // ---------------------------------------------------------------- token
+  function token() {
+    try { return sessionStorage.getItem(TOKEN_KEY) || ""; } catch (e) { return ""; }
+  }
+  function setToken(t) {
+    try {
+      if (t) { sessionStorage.setItem(TOKEN_KEY, t); } else { sessionStorage.removeItem(TOKEN_KEY); }
+    } catch (e) { /* storage refused: the token lives for this page only */ }
+    showTokenState();
+  }
+  function showTokenState() {
+    $("token-state").textContent = token() ? "token set" : "no token";
+  }
+
+  // ------------------------------------------------------------------ http
+  class HttpError extends Error {
+    constructor(status, message) { super(message); this.status = status; }
+  }
+
+  async function api(method, path, body) {
+    const headers = { "Accept": "application/json" };
+    const t = token();
+    if (t) headers["Authorization"] = "Bearer " + t;
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    let resp;
+    try {
+      resp = await fetch(path, {
+        method, headers, cache: "no-store",
+        body: body === undefined ? undefined : JSON.stringify(body),
+      });
+    } catch (e) {
+      throw new HttpError(0, "the server does not answer (" + e.message + ")");
+    }
+    let data = null;
+    try { data = await resp.json(); } catch (e) { data = null; }
+    if (!resp.ok) {
+      const msg = data && data.error ? data.error : resp.status + " " + resp.statusText;
+      throw new HttpError(resp.status, msg);
+    }
+    return data;
+  }
+
+  function authMessage(e) {
+    if (e.status === 401) {
+      return token()
+        ? "The token was refused (401: unknown token). Paste a valid one above."
+        : "This server needs a bearer token (401). Paste one with the read role above.";
+    }
+    if (e.status === 403) return "The token lacks a role this needs (403): " + e.message;
+    if (e.status === 0) return "Server down or unreachable at " + location.origin + ": " + e.message + ". Retrying every second.";
+    return null;
+  }
+
+  // ------------------------------------------------------------ formatting
+  const fmt = (n) => (n === null || n === undefined) ? "–" : Number(n).toLocaleString("en-US");
+  function fmtRate(r) {
+    if (r === null || r === undefined || !isFinite(r)) return "–";
+    const s = Math.abs(r) < 10 ? r.toFixed(1) : Math.round(r).toString();
+    return (r > 0 ? "+" : "") + s + "/s";
+  }
+  const pct = (x) => (100 * x).toFixed(1) + "%";
+  function color(i) { return "hsl(" + ((i * 137.508 + 200) % 360).toFixed(0) + " 60% 50%)"; }
+  function el(tag, attrs, text) {
+    const e = document.createElement(tag);
+    if (attrs) for (const k in attrs) {
+      if (k === "class") e.className = attrs[k];
+      else if (k === "style") e.setAttribute("style", attrs[k]);
+      else e.setAttribute(k, attrs[k]);
+    }
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
+
+  // ----------------------------------------------------------------- banner
+  function setConn(ok, message) {
+    const c = $("conn");
+    const b = $("banner");
+    if (ok) {
+      c.className = "badge ok";
+      c.textContent = "live";
+      b.hidden = true;
+      b.textContent = "";
+    } else {
+      c.className = "badge bad";
+      c.textContent = "no data";
+      b.hidden = false;
+      b.textContent = message;
+    }
+  }
+
+  // ----------------------------------------------------------------- shards
+  function renderShards(st) {
+    const now = Date.now();
+    const tbody = $("shards").querySelector("tbody");
+    clear(tbody);
+    const backlog = {};
+    let maxLoad = 1;
+    for (const s of st.shards) {
+      const load = (s.ready || 0) + (s.delayed || 0) + (s.in_flight || 0) + (s.dead || 0);
+      maxLoad = Math.max(maxLoad, load);
+    }
+    let totalRate = 0;
+    let haveRate = false;
+    const dt = state.prev ? (now - state.prev.t) / 1000 : 0;
+    for (const s of st.shards) {
+      const info = state.shardInfo[s.name] || {};
+      const tr = el("tr", { "data-shard": s.name, class: s.error ? "err-row" : "" });
+      tr.appendChild(el("td", { "data-col": "name" }, s.name));
+      tr.appendChild(el("td", { "data-col": "state", class: "state-" + (info.state || "") }, info.state || "?"));
+      tr.appendChild(el("td", { "data-col": "weight", class: "num" }, info.weight === undefined ? "?" : info.weight));
+      for (const col of ["ready", "delayed", "in_flight", "dead", "keys"]) {
+        tr.appendChild(el("td", { "data-col": col, class: "num" }, fmt(s[col])));
+      }
+      let rate = null;
+      if (s.error === null && s.ready !== null) {
+        const b = s.ready + s.delayed + s.in_flight;
+        backlog[s.name] = b;
+        if (state.prev && dt > 0 && state.prev.backlog[s.name] !== undefined) {
+          rate = (b - state.prev.backlog[s.name]) / dt;
+          totalRate += rate;
+          haveRate = true;
+        }
+      }
+      tr.appendChild(el("td", { "data-col": "rate", class: "num" }, fmtRate(rate)));
+      tr.appendChild(el("td", { "data-col": "owner" }, s.owner || "none"));
+      const left = s.lease_expires_ms ? Math.max(0, (s.lease_expires_ms - now) / 1000) : null;
+      tr.appendChild(el("td", { "data-col": "lease", class: "num" }, left === null ? "–" : left.toFixed(1) + " s"));
+      const barCell = el("td", { "data-col": "bars" });
+      if (s.error) {
+        barCell.textContent = s.error;
+        barCell.className = "error";
+      } else {
+        const bar = el("div", { class: "bar", title: "ready " + s.ready + ", delayed " + s.delayed + ", in flight " + s.in_flight + ", dead " + s.dead });
+        const parts = [["ready", s.ready], ["delayed", s.delayed], ["inflight", s.in_flight], ["dead", s.dead]];
+        for (const [cls, n] of parts) {
+          if (n > 0) bar.appendChild(el("span", { class: cls, style: "width:" + (100 * n / maxLoad).toFixed(2) + "%" }));
+        }
+        barCell.appendChild(bar);
+      }
+      tr.appendChild(barCell);
+      tbody.appendChild(tr);
+    }
+    const tot = $("totals");
+    for (const col of ["ready", "delayed", "in_flight", "dead"]) {
+      tot.querySelector('[data-col="' + col + '"]').textContent = fmt(st.totals[col]);
+    }
+    tot.querySelector('[data-col="rate"]').textContent = haveRate ? fmtRate(totalRate) : "–";
+    if (haveRate) {
+      state.history.push({ t: now, rate: totalRate });
+      if (state.history.length > HISTORY_MAX) state.history.shift();
+    }
+    state.prev = { t: now, backlog };
+    $("shards-updated").textContent = "updated " + new Date(now).toLocaleTimeString();
+  }
+
+  // ------------------------------------------------------------------- ring
+  function arcPath(cx, cy, r, a, b) {
+    const ang = (f) => 2 * Math.PI * f - Math.PI / 2;
+    const x1 = cx + r * Math.cos(ang(a)), y1 = cy + r * Math.sin(ang(a));
+    const x2 = cx + r * Math.cos(ang(b)), y2 = cy + r * Math.sin(ang(b));
+    const large = (b - a) > 0.5 ? 1 : 0;
+    return "M" + x1.toFixed(3) + " " + y1.toFixed(3) + " A" + r + " " + r + " 0 " + large + " 1 " + x2.toFixed(3) + " " + y2.toFixed(3);
+  }
+
+  function renderRing(ring) {
+    state.shardInfo = {};
+    state.ringIndex = ring.shards.map((s) => s.name);
+    ring.shards.forEach((s) => { state.shardInfo[s.name] = { state: s.state, weight: s.weight }; });
+    const svg = $("ring");
+    const NS = "http://www.w3.org/2000/svg";
+    clear(svg);
+    const cx = 120, cy = 120, r = 92;
+    const base = document.createElementNS(NS, "circle");
+    base.setAttribute("cx", cx); base.setAttribute("cy", cy); base.setAttribute("r", r);
+    base.setAttribute("fill", "none"); base.setAttribute("stroke", "#eef0f4"); base.setAttribute("stroke-width", "30");
+    svg.appendChild(base);
+    for (const a of ring.arcs) {
+      const name = ring.shards[a.shard].name;
+      let shape;
+      if (a.end - a.start >= 0.999999) {
+        shape = document.createElementNS(NS, "circle");
+        shape.setAttribute("cx", cx); shape.setAttribute("cy", cy); shape.setAttribute("r", r);
+      } else {
+        shape = document.createElementNS(NS, "path");
+        shape.setAttribute("d", arcPath(cx, cy, r, a.start, a.end));
+      }
+      shape.setAttribute("fill", "none");
+      shape.setAttribute("stroke", color(a.shard));
+      shape.setAttribute("stroke-width", "30");
+      shape.setAttribute("data-shard", name);
+      const title = document.createElementNS(NS, "title");
+      title.textContent = name + ": " + pct(a.end - a.start) + " of the space here";
+      shape.appendChild(title);
+      svg.appendChild(shape);
+    }
+    const label = document.createElementNS(NS, "text");
+    label.setAttribute("x", cx); label.setAttribute("y", cy - 4);
+    label.setAttribute("text-anchor", "middle"); label.setAttribute("font-size", "15"); label.setAttribute("font-weight", "700");
+    label.textContent = ring.algorithm;
+    svg.appendChild(label);
+    const sub = document.createElementNS(NS, "text");
+    sub.setAttribute("x", cx); sub.setAttribute("y", cy + 14);
+    sub.setAttribute("text-anchor", "middle"); sub.setAttribute("font-size", "11"); sub.setAttribute("fill", "#6b7385");
+    sub.textContent = "map v" + ring.map_version;
+    svg.appendChild(sub);
+
+    let about = ring.algorithm + " over " + ring.hash;
+    if (ring.algorithm === "ring") about += ", " + ring.vnodes + " vnodes per unit of weight";
+    if (ring.method === "sample") about += "; shares from " + fmt(ring.sample_keys) + " sample keys";
+    if (ring.method === "ring-buckets") about += "; drawn in buckets (exact shares)";
+    if (ring.overrides > 0) about += "; " + fmt(ring.overrides) + " pinned keys";
+    $("ring-about").textContent = about;
+    $("map-version").textContent = "map v" + ring.map_version;
+
+    const tbody = $("ring-legend").querySelector("tbody");
+    clear(tbody);
+    ring.shards.forEach((s, i) => {
+      const tr = el("tr", { "data-shard": s.name });
+      const name = el("td");
+      name.appendChild(el("span", { class: "chip", style: "background:" + color(i) }));
+      name.appendChild(document.createTextNode(s.name + (s.state === "active" ? "" : " (" + s.state + ")")));
+      tr.appendChild(name);
+      tr.appendChild(el("td", { class: "num" }, s.weight));
+      tr.appendChild(el("td", { class: "num", "data-col": "share" }, pct(s.share)));
+      tr.appendChild(el("td", { class: "num" }, pct(s.ideal)));
+      tr.appendChild(el("td", { class: "num" }, s.points === null ? "–" : fmt(s.points)));
+      tbody.appendChild(tr);
+    });
+  }
+
+  // -------------------------------------------------------------- rebalance
+  function meanRate(from, to) {
+    const xs = state.history.filter((h) => h.t >= from && h.t <= to);
+    if (!xs.length) return null;
+    return xs.reduce((a, h) => a + h.rate, 0) / xs.length;
+  }
+
+  function renderRebalance(admin, derived) {
+    const now = Date.now();
+    let phase = "idle", moved = 0, total = 0, error = null;
+    const adminRunning = admin && (admin.phase === "pinning" || admin.phase === "moving");
+    const derivedMoving = derived && derived.phase === "moving";
+    if (adminRunning) {
+      phase = admin.phase; moved = admin.keys_moved; total = admin.keys_to_move;
+    } else if (derivedMoving) {
+      phase = "moving"; moved = derived.keys_switched; total = derived.keys_switched + derived.keys_pinned;
+    } else if (derived && derived.phase === "pending") {
+      phase = "pending";
+    } else if (admin && (admin.phase === "finished" || admin.phase === "failed")) {
+      phase = admin.phase; moved = admin.keys_moved; total = admin.keys_to_move; error = admin.last_error;
+    }
+    if (adminRunning && derivedMoving) {
+      // The stores may be a little ahead of the progress events.
+      moved = Math.max(moved, derived.keys_switched);
+      total = Math.max(total, derived.keys_switched + derived.keys_pinned);
+    }
+    const running = phase === "pinning" || phase === "moving";
+    if (running && state.rebalanceStart === null) {
+      state.rebalanceStart = admin && adminRunning && admin.started_ms ? admin.started_ms : now;
+      state.movedSeen = [];
+    }
+    if (!running && state.rebalanceStart !== null && phase !== "pending") {
+      state.rebalanceEnd = now;
+    }
+    if (running) state.rebalanceEnd = null;
+    const p = $("rebalance-phase");
+    p.textContent = phase;
+    p.className = "phase " + phase;
+    $("rebalance-moved").textContent = fmt(moved);
+    $("rebalance-total").textContent = fmt(total);
+    $("rebalance-bar").style.width = total > 0 ? (100 * Math.min(1, moved / total)).toFixed(1) + "%" : (phase === "finished" ? "100%" : "0");
+    let versions = derived ? "published v" + derived.published_version : "";
+    if (derived && derived.target_version !== null) versions += ", a target is recorded";
+    if (admin && admin.from_version !== null && admin.to_version !== null) versions += " (last run v" + admin.from_version + " → v" + admin.to_version + ")";
+    $("rebalance-versions").textContent = versions;
+    const ul = $("paused-list");
+    clear(ul);
+    if (derived) {
+      let longest = 0;
+      for (const k of derived.paused) longest = Math.max(longest, k.paused_ms);
+      $("rebalance-paused").textContent = derived.paused_total === 0
+        ? "none"
+        : fmt(derived.paused_total) + (derived.paused_total === 1 ? " key" : " keys") + ", longest " + (longest / 1000).toFixed(1) + " s so far";
+      for (const k of derived.paused.slice(0, 8)) {
+        ul.appendChild(el("li", null, k.key + " on " + k.shard + ": paused " + (k.paused_ms / 1000).toFixed(1) + " s"));
+      }
+    }
+    // Backlog change before (the 10 s before it started) and during.
+    if (state.rebalanceStart !== null) {
+      const start = state.rebalanceStart;
+      const end = state.rebalanceEnd || now;
+      const before = meanRate(start - 10000, start);
+      const during = meanRate(start, end);
+      $("rebalance-rates").textContent = "before " + fmtRate(before) + ", during " + fmtRate(during);
+      if (running) state.movedSeen.push({ t: now, moved });
+      const first = state.movedSeen[0], last = state.movedSeen[state.movedSeen.length - 1];
+      if (first && last && last.t > first.t) {
+        $("rebalance-speed").textContent = ((last.moved - first.moved) / ((last.t - first.t) / 1000)).toFixed(1) + " keys/s";
+      }
+    } else {
+      const recent = meanRate(now - 10000, now);
+      $("rebalance-rates").textContent = "now " + fmtRate(recent) + " (no rebalance seen yet)";
+      $("rebalance-speed").textContent = "–";
+    }
+    const e = $("rebalance-error");
+    e.hidden = !error;
+    e.textContent = error ? "last rebalance failed: " + error : "";
+  }
+
+  // ------------------------------------------------------------------- hot
+  function renderHot(hot) {
+    const box = $("hot");
+    clear(box);
+    for (const s of hot.shards) {
+      const div = el("div", { "data-shard": s.shard });
+      div.appendChild(el("h3", null, s.shard + " · " + (s.error ? "unreadable" : fmt(s.keys_with_work) + " keys with work")));
+      if (s.error) { div.appendChild(el("p", { class: "error small" }, s.error)); }
+      const ol = el("ol");
+      for (const k of s.top) {
+        ol.appendChild(el("li", null, k.key + " — " + fmt(k.depth) + " queued" + (k.in_flight ? ", 1 in flight" : "") + (k.dead ? ", " + k.dead + " dead" : "")));
+      }
+      div.appendChild(ol);
+      box.appendChild(div);
+    }
+  }
+
+  // ------------------------------------------------------------------ dead
+  function deadNote(kind, text) {
+    const m = $("dead-msg");
+    m.hidden = !text;
+    m.className = "note " + kind;
+    m.textContent = text || "";
+  }
+
+  async function deadAction(kind, id, button) {
+    if (kind === "purge" && state.deadArmed !== id) {
+      state.deadArmed = id;
+      button.textContent = "Confirm purge";
+      return;
+    }
+    state.deadArmed = null;
+    try {
+      const r = await api("POST", "/v1/dead/" + kind, { ids: [id] });
+      const n = kind === "retry" ? r.retried : r.purged;
+      deadNote("ok", (kind === "retry" ? "Retried " : "Purged ") + n + " job" + (n === 1 ? "" : "s") + " (" + id + ").");
+      refreshDead();
+    } catch (e) {
+      if (e.status === 401 || e.status === 403) {
+        deadNote("bad", "Refused (" + e.status + "): " + kind + " needs a token with the admin role. " + e.message);
+      } else {
+        deadNote("bad", kind + " of " + id + " failed: " + e.message);
+      }
+    }
+  }
+
+  function renderDead(d) {
+    const tbody = $("dead").querySelector("tbody");
+    clear(tbody);
+    $("dead-empty").hidden = d.dead.length > 0;
+    for (const j of d.dead) {
+      const tr = el("tr", { "data-job": j.id });
+      tr.appendChild(el("td", null, j.id));
+      tr.appendChild(el("td", null, j.shard));
+      tr.appendChild(el("td", null, j.key));
+      tr.appendChild(el("td", { class: "num" }, j.attempts));
+      tr.appendChild(el("td", null, j.reason || ""));
+      const td = el("td");
+      const retry = el("button", { type: "button", class: "retry" }, "Retry");
+      retry.addEventListener("click", () => deadAction("retry", j.id, retry));
+      const purge = el("button", { type: "button", class: "purge danger" }, state.deadArmed === j.id ? "Confirm purge" : "Purge");
+      purge.addEventListener("click", () => deadAction("purge", j.id, purge));
+      td.appendChild(retry);
+      td.appendChild(document.createTextNode(" "));
+      td.appendChild(purge);
+      tr.appendChild(td);
+      tbody.appendChild(tr);
+    }
+  }
+
+  async function refreshDead() {
+    try { renderDead(await api("GET", "/v1/dead?limit=20")); } catch (e) { /* shown by the poll */ }
+  }
+
+  // -------------------------------------------------------------------- key
+  async function lookup(ev) {
+    ev.preventDefault();
+    const key = $("key-input").value;
+    const err = $("key-error");
+    const out = $("key-result");
+    if (!key) { err.hidden = false; err.textContent = "Type a key first."; out.hidden = true; return; }
+    try {
+      const k = await api("GET", "/v1/keys/" + encodeURIComponent(key));
+      err.hidden = true;
+      out.hidden = false;
+      $("key-shard").textContent = k.shard;
+      $("key-computed").textContent = k.computed;
+      $("key-override").textContent = k.override === null ? "none" : "pinned to " + k.override;
+      $("key-depth").textContent = fmt(k.depth);
+      $("key-inflight").textContent = fmt(k.in_flight);
+      $("key-dead").textContent = fmt(k.dead);
+      $("key-owned").textContent = k.owned_here ? "yes" : "no";
+      $("key-version").textContent = "v" + k.map_version;
+    } catch (e) {
+      out.hidden = true;
+      err.hidden = false;
+      err.textContent = authMessage(e) || ("Lookup failed: " + e.message);
+    }
+  }
+
+  // ------------------------------------------------------------------- poll
+  async function poll() {
+    const slow = Date.now() - state.lastSlow >= SLOW_MS || !state.ringIndex.length;
+    if (slow) state.lastSlow = Date.now();
+    const jobs = {
+      status: api("GET", "/v1/status"),
+      admin: api("GET", "/v1/admin/rebalance"),
+      reshard: api("GET", "/v1/reshard"),
+    };
+    if (slow) {
+      jobs.ring = api("GET", "/v1/ring");
+      jobs.hot = api("GET", "/v1/hot?top=10");
+      jobs.dead = api("GET", "/v1/dead?limit=20");
+    }
+    const names = Object.keys(jobs);
+    const results = await Promise.allSettled(names.map((n) => jobs[n]));
+    const got = {};
+    let problem = null;
+    names.forEach((n, i) => {
+      if (results[i].status === "fulfilled") got[n] = results[i].value;
+      else if (!problem) problem = results[i].reason;
+    });
+    // The ring first: it names each shard's state and weight.
+    if (got.ring) renderRing(got.ring);
+    if (got.status) renderShards(got.status);
+    if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
+    if (got.hot) renderHot(got.hot);
+    if (got.dead) renderDead(got.dead);
+    if (problem) {
+      setConn(false, authMessage(problem) || ("Reading failed: " + problem.message));
+    } else {
+      setConn(true);
+    }
+  }
+
+  async function loop() {
+    const started = Date.now();
+    try { await poll(); } catch (e) { setConn(false, "Dashboard error: " + e.message); }
+    // Polls start at least POLL_MS apart, however long one takes.
+    setTimeout(loop, Math.max(POLL_MS - (Date.now() - started), 0));
+  }
+
+  // -------------------------------------------------------------------- init
+  $("token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    setToken($("token-input").value.trim());
+    $("token-input").value = "";
+    state.lastSlow = 0;
+    poll();
+  });
+  $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
+  $("key-form").addEventListener("submit", lookup);
+  showTokenState();
+  loop();
+})();

@@ -1,0 +1,224 @@
+//! The dashboard's endpoints against real HTTP: the page and its assets,
+//! `/v1/ring`, `/v1/hot`, `/v1/reshard` on an embedded data dir with
+//! queued work and a pending target, and the viewer (the API without shard
+//! leases). The page itself is tested in a browser (`tests/browser/`).
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use shardq_deploy::WorkerOptions;
+use shardq_server::{dashboard, spawn, Running, ServerOptions};
+
+fn init_dir(shards: usize, algorithm: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let map = shardq_deploy::spec::init_map(shards, algorithm, None).unwrap();
+    shardq_deploy::init_embedded(dir.path(), &map).unwrap();
+    dir
+}
+
+fn options() -> ServerOptions {
+    ServerOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        worker: WorkerOptions {
+            lease_ms: 3000,
+            ..WorkerOptions::default()
+        },
+        ..ServerOptions::default()
+    }
+}
+
+fn call(s: &Running, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let req = ureq::request(method, &format!("{}{path}", s.url())).timeout(Duration::from_secs(30));
+    let res = match body {
+        Some(b) => req.send_json(b),
+        None => req.call(),
+    };
+    let (code, r) = match res {
+        Ok(r) => (r.status(), r),
+        Err(ureq::Error::Status(c, r)) => (c, r),
+        Err(e) => panic!("{method} {path}: {e}"),
+    };
+    let text = r.into_string().unwrap();
+    let v = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{method} {path} -> {code}: not JSON ({e}): {text}"));
+    (code, v)
+}
+
+fn get(s: &Running, path: &str) -> Value {
+    let (code, v) = call(s, "GET", path, None);
+    assert_eq!(code, 200, "GET {path}: {v}");
+    v
+}
+
+fn enqueue(s: &Running, key: &str, n: usize) {
+    let jobs: Vec<Value> = (0..n)
+        .map(|i| json!({"key": key, "payload": i.to_string()}))
+        .collect();
+    let (code, v) = call(s, "POST", "/v1/jobs", Some(json!({ "jobs": jobs })));
+    assert_eq!(code, 200, "{v}");
+}
+
+#[test]
+fn the_page_and_its_assets_are_served_from_the_binary() {
+    let dir = init_dir(2, "rendezvous");
+    let s = spawn(dir.path(), options()).unwrap();
+    for (path, kind, needle) in [
+        ("/", "text/html", "/dashboard/app.js"),
+        ("/dashboard/app.js", "text/javascript", "/v1/status"),
+        ("/dashboard/style.css", "text/css", "--ready"),
+    ] {
+        let r = ureq::get(&format!("{}{path}", s.url())).call().unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(
+            r.content_type().starts_with(kind),
+            "{path}: {}",
+            r.content_type()
+        );
+        let body = r.into_string().unwrap();
+        assert!(body.contains(needle), "{path} lacks {needle}");
+        // No network at run time: nothing names another host (the SVG
+        // namespace is a name, never fetched).
+        let rest = body.replace("http://www.w3.org/2000/svg", "");
+        assert!(
+            !rest.contains("http://") && !rest.contains("https://"),
+            "{path} names a remote URL"
+        );
+    }
+}
+
+#[test]
+fn ring_shares_follow_weights_and_cover_the_circle() {
+    let dir = init_dir(3, "ring");
+    let s = spawn(dir.path(), options()).unwrap();
+    let v = get(&s, "/v1/ring");
+    assert_eq!(v["algorithm"], "ring");
+    assert_eq!(v["method"], "ring-points");
+    let shares: Vec<f64> = v["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["share"].as_f64().unwrap())
+        .collect();
+    assert_eq!(shares.len(), 3);
+    assert!(
+        (shares.iter().sum::<f64>() - 1.0).abs() < 1e-9,
+        "{shares:?}"
+    );
+    let arcs = v["arcs"].as_array().unwrap();
+    assert_eq!(arcs[0]["start"], 0.0);
+    assert_eq!(arcs.last().unwrap()["end"], 1.0);
+    // A warming shard routes nothing.
+    let (code, r) = call(
+        &s,
+        "POST",
+        "/v1/admin/add-shard",
+        Some(json!({"name": "shard-9", "weight": 2})),
+    );
+    assert_eq!(code, 200, "{r}");
+    let ok = (0..50).any(|_| {
+        let v = get(&s, "/v1/ring");
+        let found = v["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["name"] == "shard-9" && x["state"] == "warming" && x["share"] == 0.0);
+        if !found {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        found
+    });
+    assert!(ok, "the warming shard never showed in /v1/ring");
+}
+
+#[test]
+fn hot_keys_are_the_deepest_and_top_is_bounded() {
+    let dir = init_dir(2, "rendezvous");
+    // Nobody claims: a server owning no shard would still show the work.
+    let s = spawn(dir.path(), options()).unwrap();
+    enqueue(&s, "deep", 7);
+    enqueue(&s, "mid", 3);
+    enqueue(&s, "shallow", 1);
+    let v = get(&s, "/v1/hot?top=2");
+    let mut all: Vec<(String, u64)> = Vec::new();
+    for sh in v["shards"].as_array().unwrap() {
+        let top = sh["top"].as_array().unwrap();
+        assert!(top.len() <= 2, "{sh}");
+        for k in top {
+            all.push((
+                k["key"].as_str().unwrap().into(),
+                k["depth"].as_u64().unwrap(),
+            ));
+        }
+    }
+    assert!(all.contains(&("deep".into(), 7)), "{v}");
+    for bad in [
+        "/v1/hot?top=0",
+        "/v1/hot?top=101",
+        "/v1/hot?top=x",
+        "/v1/hot?nope=1",
+    ] {
+        let (code, e) = call(&s, "GET", bad, None);
+        assert_eq!(code, 400, "{bad}: {e}");
+        assert!(
+            e["error"].as_str().unwrap().contains("top") || bad.contains("nope"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn reshard_shows_a_pending_target_and_idle_without_one() {
+    let dir = init_dir(2, "rendezvous");
+    let s = spawn(dir.path(), options()).unwrap();
+    let v = get(&s, "/v1/reshard");
+    assert_eq!(v["phase"], "idle", "{v}");
+    assert_eq!(v["paused_total"], 0);
+    let (code, r) = call(
+        &s,
+        "POST",
+        "/v1/admin/add-shard",
+        Some(json!({"name": "shard-5"})),
+    );
+    assert_eq!(code, 200, "{r}");
+    let mut last = Value::Null;
+    let ok = (0..50).any(|_| {
+        last = get(&s, "/v1/reshard");
+        let done = last["phase"] == "pending";
+        if !done {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        done
+    });
+    assert!(ok, "{last}");
+    assert!(last["target_version"].as_u64().is_some(), "{last}");
+}
+
+fn viewer(dir: &Path) -> Running {
+    dashboard::spawn_viewer(dir, options()).unwrap()
+}
+
+#[test]
+fn the_viewer_serves_the_api_without_taking_shards() {
+    let dir = init_dir(2, "rendezvous");
+    let v = viewer(dir.path());
+    let ready = get(&v, "/readyz");
+    assert_eq!(ready["owned"], json!([]), "{ready}");
+    enqueue(&v, "k", 2);
+    let st = get(&v, "/v1/status");
+    assert_eq!(st["totals"]["ready"], 2, "{st}");
+    // Claims hand out nothing: no shard is run here.
+    let (code, c) = call(
+        &v,
+        "POST",
+        "/v1/claim",
+        Some(json!({"worker": "w", "max": 5})),
+    );
+    assert_eq!((code, c), (200, json!({"jobs": []})));
+    // A real server over the same dir takes every shard.
+    let s = spawn(dir.path(), options()).unwrap();
+    let ready = get(&s, "/readyz");
+    assert_eq!(ready["owned"].as_array().unwrap().len(), 2, "{ready}");
+    v.stop().unwrap();
+    s.stop().unwrap();
+}

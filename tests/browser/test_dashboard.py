@@ -1,0 +1,251 @@
+"""The dashboard in a real browser (headless Chromium through Selenium)
+against a `shardq serve` with real data. Tests run in file order on one
+server: the static checks first, then dead-letter retry, then a live
+rebalance under load, then the server going away."""
+
+import shutil
+import threading
+import time
+
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from conftest import ADMIN_TOKEN, READ_TOKEN, run
+
+WAIT_S = 30
+
+
+def wait(driver, what, cond, timeout=WAIT_S):
+    # The page redraws its tables every poll: an element found a moment
+    # ago may be gone; the condition is then tried again.
+    return WebDriverWait(
+        driver, timeout, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda d: cond(d), message=f"waiting for {what}")
+
+
+def click(driver, what, css):
+    """Clicks the element matching css, trying again if a redraw replaced it."""
+
+    def go(d):
+        els = d.find_elements(By.CSS_SELECTOR, css)
+        if not els:
+            return False
+        els[0].click()
+        return True
+
+    wait(driver, what, go)
+
+
+def text(driver, css):
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';", css
+    )
+
+
+def use_token(driver, token):
+    box = driver.find_element(By.ID, "token-input")
+    box.clear()
+    box.send_keys(token)
+    driver.find_element(By.ID, "token-save").click()
+
+
+def open_page(driver, deployment, token):
+    driver.get(deployment["url"] + "/")
+    if token is None:
+        driver.find_element(By.ID, "token-clear").click()
+    else:
+        use_token(driver, token)
+
+
+def test_without_a_token_or_with_a_wrong_one_the_page_says_so(browser, deployment, screenshots):
+    open_page(browser, deployment, None)
+    wait(browser, "the 401 banner", lambda d: "needs a bearer token (401)" in text(d, "#banner"))
+    use_token(browser, "wrong-token-0000000000000000")
+    wait(browser, "the refused-token banner", lambda d: "token was refused (401" in text(d, "#banner"))
+    browser.save_screenshot(str(screenshots / "01-wrong-token.png"))
+
+
+def shard_rows(driver):
+    """The shard table as {shard: {column: text}}, read in one go."""
+    return driver.execute_script(
+        """
+        const rows = {};
+        for (const tr of document.querySelectorAll('#shards tbody tr')) {
+          const cells = {};
+          for (const td of tr.querySelectorAll('td')) cells[td.dataset.col] = td.innerText;
+          rows[tr.dataset.shard] = cells;
+        }
+        return rows;
+        """
+    )
+
+
+def test_the_shard_table_matches_the_status_endpoint(browser, deployment, screenshots):
+    open_page(browser, deployment, READ_TOKEN)
+    api = deployment["api"]
+    seen = {}
+
+    def matches(d):
+        status = api.get("/v1/status")
+        rows = shard_rows(d)
+        seen["rows"], seen["status"] = rows, status
+        if len(rows) != len(status["shards"]) or len(rows) < 3:
+            return False
+        for s in status["shards"]:
+            row = rows.get(s["name"])
+            if row is None:
+                return False
+            for col in ["ready", "delayed", "in_flight", "dead", "keys"]:
+                if row[col].replace(",", "") != str(s[col]):
+                    return False
+            if row["owner"] != (s["owner"] or "none"):
+                return False
+        return True
+
+    wait(browser, "the shard table to match /v1/status", matches)
+    status = seen["status"]
+    # Real data: jobs on several shards and one dead letter.
+    assert sum(1 for s in status["shards"] if s["ready"] > 0) >= 2, status
+    assert status["totals"]["dead"] == 1, status
+    assert text(browser, "#conn") == "live"
+    # The ring legend shows every shard with a share.
+    ring = api.get("/v1/ring")
+    legend = browser.execute_script(
+        "return [...document.querySelectorAll('#ring-legend tbody tr')].map(t => t.dataset.shard)"
+    )
+    assert legend == [s["name"] for s in ring["shards"]]
+    arcs = browser.execute_script("return document.querySelectorAll('#ring [data-shard]').length")
+    assert arcs >= 3, arcs
+    browser.save_screenshot(str(screenshots / "02-shards.png"))
+
+
+def test_key_lookup_agrees_with_shardq_route(browser, deployment, shardq, screenshots):
+    open_page(browser, deployment, READ_TOKEN)
+    for key in ["k-7", "doomed", "nobody-ever-used-this"]:
+        out = run(shardq, "route", "--map", str(deployment["data"] / "shardmap.yaml"), key).stdout
+        want = out.strip().split("\t")[1]
+        box = browser.find_element(By.ID, "key-input")
+        box.clear()
+        box.send_keys(key)
+        before = text(browser, "#key-version") + "|" + key
+        browser.execute_script("document.getElementById('key-shard').textContent = ''")
+        browser.find_element(By.ID, "key-go").click()
+        wait(browser, f"the lookup of {key}", lambda d: text(d, "#key-shard") != "")
+        assert text(browser, "#key-shard") == want, (key, before)
+        assert text(browser, "#key-computed") == want
+    assert text(browser, "#key-override") == "none"
+    browser.save_screenshot(str(screenshots / "03-key.png"))
+
+
+def test_retry_is_refused_without_admin_and_works_with_it(browser, deployment, screenshots):
+    api = deployment["api"]
+    open_page(browser, deployment, READ_TOKEN)
+    click(browser, "the dead letter's retry button", "#dead tbody tr button.retry")
+    wait(browser, "the refusal", lambda d: "Refused (403)" in text(d, "#dead-msg"))
+    assert "admin" in text(browser, "#dead-msg")
+    assert api.get("/v1/status")["totals"]["dead"] == 1
+    browser.save_screenshot(str(screenshots / "04-retry-refused.png"))
+
+    use_token(browser, ADMIN_TOKEN)
+    click(browser, "the dead letter's retry button", "#dead tbody tr button.retry")
+    wait(browser, "the retry", lambda d: "Retried 1 job" in text(d, "#dead-msg"))
+    status = api.get("/v1/status")
+    assert status["totals"]["dead"] == 0, status
+    key = api.get("/v1/keys/doomed")
+    assert (key["depth"], key["dead"]) == (1, 0), key
+    row = key["shard"]
+    wait(browser, "the table to show no dead job", lambda d: shard_rows(d).get(row, {}).get("dead") == "0")
+    wait(browser, "the empty dead-letter list", lambda d: d.find_element(By.ID, "dead-empty").is_displayed())
+
+
+class Load:
+    """A producer that keeps enqueueing and a slow remote worker (claim,
+    work a little, ack) over the API, so keys have backlogs to drain."""
+
+    def __init__(self, api):
+        self.api = api
+        self.stop = threading.Event()
+        self.errors = []
+        self.threads = [threading.Thread(target=self.produce), threading.Thread(target=self.work)]
+
+    def produce(self):
+        n = 0
+        while not self.stop.is_set():
+            jobs = [{"key": f"k-{(n + i) % 30}", "payload": f"p{n}"} for i in range(3)]
+            code, v = self.api.call("POST", "/v1/jobs", {"jobs": jobs})
+            if code != 200 and code != 503:
+                self.errors.append((code, v))
+            n += 3
+            self.stop.wait(0.1)
+
+    def work(self):
+        while not self.stop.is_set():
+            code, v = self.api.call("POST", "/v1/claim", {"worker": "browser-test", "max": 4, "wait_ms": 200})
+            if code != 200:
+                self.errors.append((code, v))
+                continue
+            for job in v["jobs"]:
+                time.sleep(0.01)  # the job's work
+                code, r = self.api.call("POST", "/v1/ack", {"receipts": [job["receipt"]]})
+                if code not in (200, 409):
+                    self.errors.append((code, r))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screenshots):
+    api = deployment["api"]
+    open_page(browser, deployment, ADMIN_TOKEN)
+    wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")
+    phases, moved = [], []
+    shot = screenshots / "05-rebalance.png"
+    with Load(api) as load:
+        api.post("/v1/admin/add-shard", {"name": "shard-3", "weight": 2})
+        wait(browser, "the pending target", lambda d: text(d, "#rebalance-phase").lower() == "pending")
+        phases.append("pending")
+        api.post("/v1/admin/rebalance", {"batch": 1})
+
+        def watch(d):
+            p = text(d, "#rebalance-phase").lower()
+            m = text(d, "#rebalance-moved")
+            if not phases or phases[-1] != p:
+                phases.append(p)
+            if not moved or moved[-1] != m:
+                moved.append(m)
+            if p == "moving" and m not in ("", "0"):
+                # The last view while keys move is kept.
+                d.save_screenshot(str(shot))
+            return p in ("finished", "failed")
+
+        wait(browser, "the rebalance to finish on the page", watch, timeout=180)
+        assert not load.errors, load.errors[:5]
+    progress = api.get("/v1/admin/rebalance")
+    assert progress["phase"] == "finished", progress
+    assert "moving" in phases, phases
+    assert phases[-1] == "finished", phases
+    assert len(set(moved)) >= 3, f"moved-key count seen on the page: {moved}"
+    assert shot.exists(), "no screenshot was taken while keys were moving"
+    # The new shard is active on the page and owns part of the circle.
+    wait(browser, "shard-3 active", lambda d: shard_rows(d).get("shard-3", {}).get("state") == "active")
+    browser.save_screenshot(str(screenshots / "06-after.png"))
+    if deployment.get("keep_shot"):
+        shutil.copy(shot, deployment["keep_shot"])
+
+
+def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
+    open_page(browser, deployment, READ_TOKEN)
+    wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")
+    proc = deployment["proc"]
+    proc.terminate()
+    proc.wait(timeout=60)
+    wait(browser, "the server-down banner", lambda d: "Server down or unreachable" in text(d, "#banner"))
+    browser.save_screenshot(str(screenshots / "07-down.png"))
