@@ -35,6 +35,7 @@ import os
 import random
 import signal
 import socket
+import queue
 import threading
 import time
 import uuid
@@ -63,6 +64,8 @@ CLAIM_MAX = 1000
 CLAIM_WAIT_MS_DEFAULT = 5_000
 #: Attempts at an ack or fail before leaving the run to its lease.
 RESULT_ATTEMPTS = 5
+#: Most receipts one batched ``/v1/ack`` carries (the server's bound).
+ACK_BATCH_MAX = 1000
 
 Payload = Union[bytes, str]
 
@@ -357,6 +360,7 @@ class Worker:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._running: Dict[int, ClaimedJob] = {}
+        self._acks: Dict[str, "queue.Queue[Optional[ClaimedJob]]"] = {}
         self.stats = WorkerStats()
 
     def stop(self) -> None:
@@ -382,6 +386,15 @@ class Worker:
         beat_stop = threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(lease_ms, beat_stop), name="shardq-extend", daemon=True)
         beat.start()
+        # One acker per server: acks of jobs that finished meanwhile go in
+        # one request, instead of one request per job.
+        self._acks = {u: queue.Queue() for u in self.urls}
+        ackers = [
+            threading.Thread(target=self._ack_loop, args=(u,), name=f"shardq-ack-{i}", daemon=True)
+            for i, u in enumerate(self.urls)
+        ]
+        for a in ackers:
+            a.start()
         claimers = [
             threading.Thread(
                 target=self._claim_loop, args=(url, handler, slots, concurrency, pool, lease_ms, wait_ms),
@@ -401,6 +414,10 @@ class Worker:
                 c.join()
             # Drain: every claimed job runs to its end and reports.
             pool.shutdown(wait=True)
+            for u in self.urls:
+                self._acks[u].put(None)
+            for a in ackers:
+                a.join()
             beat_stop.set()
             beat.join()
             for sig, old in restore.items():
@@ -469,7 +486,10 @@ class Worker:
                 outcome = ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(e).__name__}: {e}"[:1024]})
             with self._lock:
                 self._running.pop(id(job), None)
-            self._report(job, *outcome)
+            if outcome[0] == "/v1/ack":
+                self._acks[job.url].put(job)
+            else:
+                self._report(job, *outcome)
         finally:
             with self._lock:
                 self._running.pop(id(job), None)
@@ -505,6 +525,61 @@ class Worker:
         with self._lock:
             self.stats.unreported += 1
         log.error("shardq worker: gave up reporting job %s (key %r) to %s; its lease decides", job.id, job.key, job.url)
+
+    def _ack_loop(self, url: str) -> None:
+        """Sends the acks queued for ``url``, as many per request as have
+        queued up (at most ACK_BATCH_MAX); ``None`` ends the loop once
+        everything before it was sent."""
+        q = self._acks[url]
+        done = False
+        while not done:
+            first = q.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < ACK_BATCH_MAX:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    done = True
+                    break
+                batch.append(nxt)
+            self._send_acks(url, batch)
+
+    def _send_acks(self, url: str, jobs: List[ClaimedJob]) -> None:
+        t = self._transports[url]
+        body = {"receipts": [j.receipt for j in jobs]}
+        for attempt in range(RESULT_ATTEMPTS):
+            try:
+                status, doc = t.post("/v1/ack", body, self.timeout_s)
+            except (OSError, http.client.HTTPException) as e:
+                log.warning("shardq worker: ack of %d jobs to %s failed: %s", len(jobs), url, e)
+                time.sleep(_backoff_ms(attempt) / 1000)
+                continue
+            if status == 200:
+                with self._lock:
+                    self.stats.acked += len(jobs)
+                return
+            if status == 409:
+                # The valid receipts were acked; the others' runs were lost.
+                refused = set(_stale_of(doc))
+                lost = [j for j in jobs if j.receipt in refused] if refused else jobs
+                for j in lost:
+                    log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
+                                j.id, j.key, j.shard, url, _error_of(doc))
+                with self._lock:
+                    self.stats.lost += len(lost)
+                    self.stats.acked += len(jobs) - len(lost)
+                return
+            if not _retryable(status):
+                log.error("shardq worker: ack of %d jobs at %s refused with %s: %s", len(jobs), url, status, _error_of(doc))
+                break
+            time.sleep(_backoff_ms(attempt) / 1000)
+        with self._lock:
+            self.stats.unreported += len(jobs)
+        log.error("shardq worker: gave up acking %d jobs at %s; their leases decide", len(jobs), url)
 
     def _heartbeat(self, lease_ms: int, stop: threading.Event) -> None:
         every = lease_ms / 3 / 1000
