@@ -196,11 +196,29 @@ impl App {
         let mut results: Vec<Option<Enqueued>> = (0..jobs.len()).map(|_| None).collect();
         let mut reserved: Vec<String> = Vec::new();
         let abort = |reserved: &[String]| self.dedup.abort(reserved);
-        for (i, d) in dedup.iter().enumerate() {
-            let Some(id) = d else { continue };
-            match self.dedup.begin(id, now) {
-                Ok(Begin::Fresh) => reserved.push(id.clone()),
-                Ok(Begin::Done(rec)) => {
+        let with_id: Vec<(usize, &str)> = dedup
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.as_deref().map(|id| (i, id)))
+            .collect();
+        let ids: Vec<&str> = with_id.iter().map(|(_, id)| *id).collect();
+        let found = match self.dedup.begin_many(&ids, now) {
+            Ok(found) => found,
+            Err(e) => return Err(ApiError::unavailable(format!("dedup store: {e}"))),
+        };
+        // Every fresh id is reserved now: a busy one anywhere in the request
+        // releases them all.
+        reserved.extend(
+            with_id
+                .iter()
+                .zip(&found)
+                .filter(|(_, b)| matches!(b, Begin::Fresh))
+                .map(|((_, id), _)| id.to_string()),
+        );
+        for (&(i, id), begun) in with_id.iter().zip(found) {
+            match begun {
+                Begin::Fresh => {}
+                Begin::Done(rec) => {
                     results[i] = Some(Enqueued {
                         id: job_string(&rec.shard, JobId(rec.job)),
                         shard: rec.shard,
@@ -208,16 +226,12 @@ impl App {
                         duplicate: true,
                     })
                 }
-                Ok(Begin::Busy) => {
+                Begin::Busy => {
                     abort(&reserved);
                     return Err(ApiError::conflict(format!(
                         "jobs[{i}].dedup_id: {} is being enqueued by another request right now; retry shortly",
                         shown(id)
                     )));
-                }
-                Err(e) => {
-                    abort(&reserved);
-                    return Err(ApiError::unavailable(format!("dedup store: {e}")));
                 }
             }
         }

@@ -72,10 +72,41 @@ pub enum Begin {
 pub trait DedupStore: Send + Sync {
     /// Looks `id` up and, if unknown, reserves it.
     fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String>;
+    /// [`DedupStore::begin`] for every id of a request, in order (a store
+    /// may answer them in one round trip).
+    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
+        begin_each(self, ids, now_ms)
+    }
     /// Makes `records` durable and drops their reservations.
     fn commit(&self, records: &[DedupRecord]) -> Result<(), String>;
     /// Drops reservations of ids that were not enqueued.
     fn abort(&self, ids: &[String]);
+}
+
+/// [`DedupStore::begin`] id by id; on an error, the ids this call reserved
+/// are released before it is returned.
+fn begin_each<S: DedupStore + ?Sized>(
+    store: &S,
+    ids: &[&str],
+    now_ms: u64,
+) -> Result<Vec<Begin>, String> {
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        match store.begin(id, now_ms) {
+            Ok(b) => out.push(b),
+            Err(e) => {
+                let fresh: Vec<String> = ids
+                    .iter()
+                    .zip(&out)
+                    .filter(|(_, b)| matches!(b, Begin::Fresh))
+                    .map(|(id, _)| id.to_string())
+                    .collect();
+                store.abort(&fresh);
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------
@@ -335,6 +366,8 @@ pub struct RedisDedup {
     url: String,
     namespace: String,
     window_ms: u64,
+    /// A Redis Cluster: one key per command, no pipelines.
+    cluster: bool,
     conn: Mutex<Option<Box<dyn redis::ConnectionLike + Send>>>,
 }
 
@@ -346,6 +379,7 @@ impl RedisDedup {
             url: url.to_string(),
             namespace: namespace.to_string(),
             window_ms,
+            cluster: url.starts_with("redis+cluster://"),
             conn: Mutex::new(None),
         };
         let mut c = lock_state(&d.conn);
@@ -384,6 +418,25 @@ impl RedisDedup {
             shardq_redis::keys::NAMESPACE,
             self.namespace
         )
+    }
+
+    /// Runs a pipeline (one round trip), reconnecting once after a failure.
+    fn run_pipe<T: redis::FromRedisValue>(&self, p: &redis::Pipeline) -> Result<T, String> {
+        let mut guard = lock_state(&self.conn);
+        for attempt in 0..2 {
+            if guard.is_none() {
+                *guard = Some(self.connect()?);
+            }
+            let Some(c) = guard.as_mut() else { break };
+            match p.query::<T>(&mut **c) {
+                Ok(v) => return Ok(v),
+                Err(e) if attempt == 0 && (e.is_io_error() || e.is_connection_dropped()) => {
+                    *guard = None;
+                }
+                Err(e) => return Err(format!("dedup store at {}: {e}", self.url)),
+            }
+        }
+        Err(format!("dedup store at {}: no connection", self.url))
     }
 
     /// Runs `cmd`, reconnecting once after a failure.
@@ -430,17 +483,71 @@ impl DedupStore for RedisDedup {
         }
     }
 
+    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
+        if self.cluster || ids.len() < 2 {
+            // A cluster connection routes one key per command.
+            return begin_each(self, ids, now_ms);
+        }
+        let mut reserve = redis::pipe();
+        for id in ids {
+            reserve
+                .cmd("SET")
+                .arg(self.key(id))
+                .arg(PENDING_VALUE)
+                .arg("NX")
+                .arg("PX")
+                .arg(PENDING_MS);
+        }
+        let set: Vec<Option<String>> = self.run_pipe(&reserve)?;
+        let taken: Vec<usize> = (0..ids.len()).filter(|&i| set[i].is_none()).collect();
+        let mut found: Vec<Option<String>> = Vec::new();
+        if !taken.is_empty() {
+            let mut get = redis::pipe();
+            for &i in &taken {
+                get.cmd("GET").arg(self.key(ids[i]));
+            }
+            found = self.run_pipe(&get)?;
+        }
+        let mut out: Vec<Begin> = vec![Begin::Fresh; ids.len()];
+        for (n, &i) in taken.iter().enumerate() {
+            out[i] = match found[n].as_deref() {
+                None | Some(PENDING_VALUE) => Begin::Busy,
+                Some(text) => serde_json::from_str(text).map(Begin::Done).map_err(|e| {
+                    format!(
+                        "dedup key {:?} holds no dedup record: {e}",
+                        self.key(ids[i])
+                    )
+                })?,
+            };
+        }
+        Ok(out)
+    }
+
     fn commit(&self, records: &[DedupRecord]) -> Result<(), String> {
+        if self.cluster {
+            for r in records {
+                let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
+                let () = self.run(
+                    redis::cmd("SET")
+                        .arg(self.key(&r.id))
+                        .arg(text)
+                        .arg("PX")
+                        .arg(self.window_ms.max(1)),
+                )?;
+            }
+            return Ok(());
+        }
+        let mut p = redis::pipe();
         for r in records {
             let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
-            let () = self.run(
-                redis::cmd("SET")
-                    .arg(self.key(&r.id))
-                    .arg(text)
-                    .arg("PX")
-                    .arg(self.window_ms.max(1)),
-            )?;
+            p.cmd("SET")
+                .arg(self.key(&r.id))
+                .arg(text)
+                .arg("PX")
+                .arg(self.window_ms.max(1))
+                .ignore();
         }
+        let () = self.run_pipe(&p)?;
         Ok(())
     }
 

@@ -794,5 +794,23 @@ fn redis_round_trip_with_dedup() {
     assert_eq!(code, 200, "{v}");
     let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [got[0]["receipt"]] }));
     assert_eq!(code, 409, "{v}");
+    // A batch (looked up in one pipeline): the known id comes back as a
+    // duplicate, the new ones are stored once even when the batch is sent
+    // twice.
+    let batch = json!([
+        {"key": "t-2", "payload": "a", "dedup_id": "d-2"},
+        {"key": "t-1", "payload": "hi", "dedup_id": "d-1"},
+        {"key": "t-3", "payload": "b", "dedup_id": "d-3"},
+    ]);
+    let one = enqueue(&s, batch.clone());
+    let two = enqueue(&s, batch);
+    let dup: Vec<bool> = one.iter().map(|j| j["duplicate"] == true).collect();
+    assert_eq!(dup, [false, true, false], "{one:?}");
+    assert!(two.iter().all(|j| j["duplicate"] == true), "{two:?}");
+    for (a, b) in one.iter().zip(&two) {
+        assert_eq!(a["id"], b["id"]);
+    }
+    let (_, st) = get(&s, "/v1/status");
+    assert_eq!(st["totals"]["ready"], 2, "{st}");
     s.stop().unwrap();
 }
