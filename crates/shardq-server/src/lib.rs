@@ -117,6 +117,53 @@ impl App {
     }
 }
 
+impl App {
+    /// The state the handlers share over an open `deployment`: the
+    /// request limits (payload bound by the deployment's own), the dedup
+    /// store of its kind, metrics; `owned` lists the shards this process
+    /// runs (none for a viewer).
+    pub(crate) fn new(
+        dir: &Path,
+        opts: &ServerOptions,
+        deployment: Arc<Deployment>,
+        owned: Arc<owner::Owned>,
+    ) -> Result<App, ServerError> {
+        let clock = deployment.clock();
+        let mut limits = opts.limits.clone();
+        limits.payload_bytes_max = match deployment.kind() {
+            Kind::Embedded => opts.open.engine.payload_bytes_max,
+            Kind::Redis(_) => opts.open.redis.payload_bytes_max,
+        }
+        .min(limits.payload_bytes_max.max(1));
+        let dedup: Arc<dyn DedupStore> = match deployment.kind() {
+            Kind::Embedded => {
+                Arc::new(FileDedup::open(dir, clock.now_ms()).map_err(ServerError::Dedup)?)
+            }
+            Kind::Redis(remote) => Arc::new(
+                RedisDedup::open(&remote.map_url, &remote.namespace, opts.dedup_window_ms)
+                    .map_err(ServerError::Dedup)?,
+            ),
+        };
+        Ok(App {
+            owned,
+            metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
+                &deployment,
+            ))),
+            backend: deployment.backend(),
+            deployment,
+            producers: Mutex::new(Vec::new()),
+            dedup,
+            dedup_window_ms: opts.dedup_window_ms,
+            limits,
+            claims: Mutex::new(api::ClaimBook::default()),
+            wake: tokio::sync::Notify::new(),
+            rebalance: Mutex::new(api::Progress::default()),
+            clock,
+            rotate: AtomicUsize::new(0),
+        })
+    }
+}
+
 /// One served route: method, path (OpenAPI syntax) and the role it needs
 /// (`None`: no token needed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,22 +325,6 @@ impl Server {
             ));
         }
         let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
-        let clock = deployment.clock();
-        let mut limits = opts.limits.clone();
-        limits.payload_bytes_max = match deployment.kind() {
-            Kind::Embedded => opts.open.engine.payload_bytes_max,
-            Kind::Redis(_) => opts.open.redis.payload_bytes_max,
-        }
-        .min(limits.payload_bytes_max.max(1));
-        let dedup: Arc<dyn DedupStore> = match deployment.kind() {
-            Kind::Embedded => {
-                Arc::new(FileDedup::open(dir, clock.now_ms()).map_err(ServerError::Dedup)?)
-            }
-            Kind::Redis(remote) => Arc::new(
-                RedisDedup::open(&remote.map_url, &remote.namespace, opts.dedup_window_ms)
-                    .map_err(ServerError::Dedup)?,
-            ),
-        };
         let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
             context: format!("listening on {}", opts.listen),
             source: e,
@@ -305,25 +336,8 @@ impl Server {
                 source: e,
             })?;
         let coordinator = deployment.coordinator(&opts.worker)?;
-        let backend = deployment.backend();
         let owner = OwnerThread::start(coordinator, deployment.queue());
-        let app = Arc::new(App {
-            owned: owner.owned(),
-            metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
-                &deployment,
-            ))),
-            backend,
-            deployment,
-            producers: Mutex::new(Vec::new()),
-            dedup,
-            dedup_window_ms: opts.dedup_window_ms,
-            limits,
-            claims: Mutex::new(api::ClaimBook::default()),
-            wake: tokio::sync::Notify::new(),
-            rebalance: Mutex::new(api::Progress::default()),
-            clock,
-            rotate: AtomicUsize::new(0),
-        });
+        let app = Arc::new(App::new(dir, &opts, deployment, owner.owned())?);
         Ok(Server {
             app,
             owner,

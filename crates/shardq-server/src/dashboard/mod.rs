@@ -25,7 +25,6 @@ pub mod shares;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,11 +34,10 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shardq_deploy::{Deployment, Kind};
+use shardq_deploy::Deployment;
 use shardq_route::Router as MapRouter;
 
 use crate::body::QueryParams;
-use crate::dedup::{DedupStore, FileDedup, RedisDedup};
 use crate::error::{join_error, ApiError};
 use crate::owner::Owned;
 use crate::{App, Running, ServerError, ServerOptions};
@@ -325,22 +323,12 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
         )));
     }
     let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
-    let clock = deployment.clock();
-    let mut limits = opts.limits.clone();
-    limits.payload_bytes_max = match deployment.kind() {
-        Kind::Embedded => opts.open.engine.payload_bytes_max,
-        Kind::Redis(_) => opts.open.redis.payload_bytes_max,
-    }
-    .min(limits.payload_bytes_max.max(1));
-    let dedup: Arc<dyn DedupStore> = match deployment.kind() {
-        Kind::Embedded => {
-            Arc::new(FileDedup::open(dir, clock.now_ms()).map_err(ServerError::Dedup)?)
-        }
-        Kind::Redis(remote) => Arc::new(
-            RedisDedup::open(&remote.map_url, &remote.namespace, opts.dedup_window_ms)
-                .map_err(ServerError::Dedup)?,
-        ),
-    };
+    let app = Arc::new(App::new(
+        dir,
+        &opts,
+        deployment,
+        Arc::new(Owned::default()),
+    )?);
     let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
         context: format!("listening on {}", opts.listen),
         source: e,
@@ -355,23 +343,6 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
     let addr = listener
         .local_addr()
         .map_err(io("reading the listening address"))?;
-    let app = Arc::new(App {
-        owned: Arc::new(Owned::default()),
-        metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
-            &deployment,
-        ))),
-        backend: deployment.backend(),
-        deployment,
-        producers: Mutex::new(Vec::new()),
-        dedup,
-        dedup_window_ms: opts.dedup_window_ms,
-        limits,
-        claims: Mutex::new(crate::api::ClaimBook::default()),
-        wake: tokio::sync::Notify::new(),
-        rebalance: Mutex::new(crate::api::Progress::default()),
-        clock,
-        rotate: AtomicUsize::new(0),
-    });
     let tokens = opts.tokens.map(Arc::new);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::Builder::new()
