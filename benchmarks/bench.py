@@ -52,6 +52,19 @@ def binary() -> str:
     return path
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a live process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,30 +227,40 @@ def check_records(paths: List[str], keys: int, per_key: int) -> Dict[str, Any]:
 
 
 def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int, producers: int, workers: int,
-                 concurrency: int, batch: int, rate: float = 0.0) -> Dict[str, Any]:
+                 concurrency: int, batch: int, rate: float = 0.0, redis: Optional["RedisServer"] = None) -> Dict[str, Any]:
     outs = [os.path.join(tmp, f"worker-{i}.txt") for i in range(workers)]
     wprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_worker.py"), serve_url, o, str(concurrency)])
               for o in outs]
     time.sleep(0.5)  # let the workers start polling
+    cpu0 = {"serve": cpu_s(serve.proc.pid), "workers": sum(cpu_s(p.pid) for p in wprocs),
+            "redis": cpu_s(redis.proc.pid) if redis else 0.0, "producers": children_cpu_s()}
     t0 = time.monotonic()
     pprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_producer.py"), serve_url, str(i), str(producers),
                                 str(keys), str(per_key), str(batch), str(rate / producers if rate else 0)],
                                stdout=subprocess.PIPE, text=True) for i in range(producers)]
     prod = [json.loads(p.communicate(timeout=WAIT_S)[0]) for p in pprocs]
     t_prod = time.monotonic() - t0
+    cpu_producers = children_cpu_s() - cpu0["producers"]
 
     def idle() -> bool:
         t = serve.totals()
         return t["ready"] + t["delayed"] + t["in_flight"] == 0
     wait_for("the workers to drain the queue", idle, WAIT_S, 0.005)
     t_all = time.monotonic() - t0
+    # Where the CPU went during the timed part (the machine has 2 cores).
+    cpu = {"serve": cpu_s(serve.proc.pid) - cpu0["serve"],
+           "workers": sum(cpu_s(p.pid) for p in wprocs) - cpu0["workers"],
+           "producers": cpu_producers}
+    if redis:
+        cpu["redis"] = cpu_s(redis.proc.pid) - cpu0["redis"]
+    cpu = {k: round(v, 2) for k, v in cpu.items()}
     for p in wprocs:
         stop(p)
     n = keys * per_key
     if sum(p["jobs"] for p in prod) != n or any(p["duplicates"] for p in prod):
         raise SystemExit(f"producers stored {prod}")
     checked = check_records(outs, keys, per_key)
-    return {"jobs": n, "seconds": t_all, "jobs_per_s": n / t_all, "enqueue_seconds": t_prod, **checked}
+    return {"jobs": n, "seconds": t_all, "jobs_per_s": n / t_all, "enqueue_seconds": t_prod, "cpu_s": cpu, **checked}
 
 
 def bench_http(a: argparse.Namespace) -> None:
@@ -250,7 +273,8 @@ def bench_http(a: argparse.Namespace) -> None:
                 data = init_data(tmp, f"q{rep}", 4, redis.url if redis else None)
                 serve = Serve(data, 4, os.path.join(tmp, "serve.log"))
                 try:
-                    r = run_pipeline(tmp, serve.url, serve, keys, per_key, a.producers, a.workers, a.concurrency, a.batch)
+                    r = run_pipeline(tmp, serve.url, serve, keys, per_key, a.producers, a.workers, a.concurrency, a.batch,
+                                     redis=redis)
                 finally:
                     serve.stop()
                 row: Dict[str, Any] = {
@@ -258,8 +282,9 @@ def bench_http(a: argparse.Namespace) -> None:
                     "producers": a.producers, "workers": a.workers, "worker_concurrency": a.concurrency, "batch": a.batch,
                     "jobs_per_s": round(r["jobs_per_s"]), "seconds": round(r["seconds"], 2),
                     "enqueue_seconds": round(r["enqueue_seconds"], 2), "reruns": r["reruns"], "worker_stats": r["stats"],
+                    "cpu_s": r["cpu_s"],
                 }
-                msg = f"http {a.backend} rep {rep}: {row['jobs_per_s']} jobs/s end to end ({r['jobs']} jobs in {row['seconds']} s)"
+                msg = f"http {a.backend} rep {rep}: {row['jobs_per_s']} jobs/s end to end ({r['jobs']} jobs in {row['seconds']} s; CPU s {r['cpu_s']})"
                 if redis and a.bullmq:
                     b = bullmq(redis.url, r["jobs"], a.bullmq_concurrency)
                     row["bullmq"] = b

@@ -39,7 +39,6 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
@@ -68,6 +67,8 @@ RESULT_ATTEMPTS = 5
 ACK_BATCH_MAX = 1000
 
 Payload = Union[bytes, str]
+
+_LOST_LOCK = threading.Lock()
 
 
 def _normalise_urls(urls: Union[str, Sequence[str]]) -> List[str]:
@@ -246,18 +247,26 @@ class Client:
         fields), ``ENQUEUE_BATCH_MAX`` per request, in order; returns one
         :class:`Enqueued` per job."""
         bodies: List[Dict[str, Any]] = []
-        for j in jobs:
+        # Generated dedup ids: a random 96-bit prefix per call and the job's
+        # index (unique without a uuid per job, and safe across fork()).
+        prefix = os.urandom(12).hex()
+        for n, j in enumerate(jobs):
             if not isinstance(j, NewJob):
                 j = NewJob(**dict(j))
-            if not isinstance(j.key, str) or not j.key:
-                raise ValueError(f"invalid job key {j.key!r}: a non-empty str is needed")
-            b: Dict[str, Any] = {"key": j.key}
-            _encode_payload(j.payload, b)
+            key = j.key
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"invalid job key {key!r}: a non-empty str is needed")
+            payload = j.payload
+            if isinstance(payload, str):
+                b: Dict[str, Any] = {"key": key, "payload": payload}
+            else:
+                b = {"key": key}
+                _encode_payload(payload, b)
             if j.delay_ms:
                 b["delay_ms"] = int(j.delay_ms)
             if j.max_attempts is not None:
                 b["max_attempts"] = int(j.max_attempts)
-            b["dedup_id"] = j.dedup_id if j.dedup_id is not None else uuid.uuid4().hex
+            b["dedup_id"] = j.dedup_id if j.dedup_id is not None else f"{prefix}-{n}"
             bodies.append(b)
         out: List[Enqueued] = []
         for start in range(0, len(bodies), ENQUEUE_BATCH_MAX):
@@ -312,8 +321,19 @@ class ClaimedJob:
     lease_expires_ms: Optional[int]
     url: str
     max_attempts: Optional[int] = None
-    #: Set when a heartbeat learned the run is no longer current.
-    lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set when a heartbeat learned the run is no longer current (made
+        on first use: most jobs never need one)."""
+        ev = self._lost
+        if ev is None:
+            with _LOST_LOCK:
+                if self._lost is None:
+                    self._lost = threading.Event()
+                ev = self._lost
+        return ev
 
 
 class Retry(Exception):
@@ -360,7 +380,7 @@ class Worker:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._running: Dict[int, ClaimedJob] = {}
-        self._acks: Dict[str, "queue.Queue[Optional[ClaimedJob]]"] = {}
+        self._acks: Dict[str, "queue.SimpleQueue[Optional[ClaimedJob]]"] = {}
         self.stats = WorkerStats()
 
     def stop(self) -> None:
@@ -381,14 +401,26 @@ class Worker:
             raise ValueError(f"invalid lease_ms {lease_ms}: at least 100")
         self._stop.clear()
         restore = self._install_signals() if install_signal_handlers else {}
-        slots = threading.Semaphore(concurrency)
-        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="shardq-job")
+        # A token per free slot: a claimer takes the free ones and asks for
+        # that many jobs; a runner gives its token back when its job is done.
+        # SimpleQueue rather than Semaphore/ThreadPoolExecutor: no Python-level
+        # condition variables or futures on the path of every job.
+        free: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        for _ in range(concurrency):
+            free.put(1)
+        work: "queue.SimpleQueue[Optional[ClaimedJob]]" = queue.SimpleQueue()
+        runners = [
+            threading.Thread(target=self._runner, args=(handler, work, free), name=f"shardq-job-{i}", daemon=True)
+            for i in range(concurrency)
+        ]
+        for r in runners:
+            r.start()
         beat_stop = threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(lease_ms, beat_stop), name="shardq-extend", daemon=True)
         beat.start()
         # One acker per server: acks of jobs that finished meanwhile go in
         # one request, instead of one request per job.
-        self._acks = {u: queue.Queue() for u in self.urls}
+        self._acks = {u: queue.SimpleQueue() for u in self.urls}
         ackers = [
             threading.Thread(target=self._ack_loop, args=(u,), name=f"shardq-ack-{i}", daemon=True)
             for i, u in enumerate(self.urls)
@@ -397,7 +429,7 @@ class Worker:
             a.start()
         claimers = [
             threading.Thread(
-                target=self._claim_loop, args=(url, handler, slots, concurrency, pool, lease_ms, wait_ms),
+                target=self._claim_loop, args=(url, free, concurrency, work, lease_ms, wait_ms),
                 name=f"shardq-claim-{i}", daemon=True,
             )
             for i, url in enumerate(self.urls)
@@ -412,8 +444,12 @@ class Worker:
             self._stop.set()
             for c in claimers:
                 c.join()
-            # Drain: every claimed job runs to its end and reports.
-            pool.shutdown(wait=True)
+            # Drain: every claimed job runs to its end and reports (the
+            # stop markers queue up behind the claimed jobs).
+            for _ in runners:
+                work.put(None)
+            for r in runners:
+                r.join()
             for u in self.urls:
                 self._acks[u].put(None)
             for a in ackers:
@@ -433,16 +469,23 @@ class Worker:
             old[sig] = signal.signal(sig, lambda *_: self.stop())
         return old
 
-    def _claim_loop(self, url: str, handler: Handler, slots: threading.Semaphore, concurrency: int,
-                    pool: ThreadPoolExecutor, lease_ms: int, wait_ms: int) -> None:
+    def _claim_loop(self, url: str, free: "queue.SimpleQueue[int]", concurrency: int,
+                    work: "queue.SimpleQueue[Optional[ClaimedJob]]", lease_ms: int, wait_ms: int) -> None:
         t = self._transports[url]
         failures = 0
+        most = min(concurrency, CLAIM_MAX)
         while not self._stop.is_set():
             # Reserve the free slots (at least one) and ask for that many.
-            if not slots.acquire(timeout=0.2):
+            try:
+                free.get(timeout=0.2)
+            except queue.Empty:
                 continue
             want = 1
-            while want < min(concurrency, CLAIM_MAX) and slots.acquire(blocking=False):
+            while want < most:
+                try:
+                    free.get_nowait()
+                except queue.Empty:
+                    break
                 want += 1
             jobs: List[ClaimedJob] = []
             try:
@@ -463,37 +506,48 @@ class Worker:
                 else:
                     log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
                 for _ in range(want):
-                    slots.release()
+                    free.put(1)
                 self._stop.wait(_backoff_ms(min(failures, 6)) / 1000)
                 continue
             for _ in range(want - len(jobs)):
-                slots.release()
+                free.put(1)
             with self._lock:
                 self.stats.claimed += len(jobs)
                 for j in jobs:
                     self._running[id(j)] = j
             for j in jobs:
-                pool.submit(self._run_one, handler, j, slots)
+                work.put(j)
 
-    def _run_one(self, handler: Handler, job: ClaimedJob, slots: threading.Semaphore) -> None:
-        try:
+    def _runner(self, handler: Handler, work: "queue.SimpleQueue[Optional[ClaimedJob]]",
+                free: "queue.SimpleQueue[int]") -> None:
+        while True:
+            job = work.get()
+            if job is None:
+                return
             try:
-                handler(job)
-                outcome: Tuple[str, Dict[str, Any]] = ("/v1/ack", {"receipts": [job.receipt]})
-            except Retry as e:
-                outcome = ("/v1/fail", {"receipt": job.receipt, "reason": str(e), "retry_in_ms": int(e.retry_in_ms)})
-            except Exception as e:  # the attempt fails; the server retries it
-                outcome = ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(e).__name__}: {e}"[:1024]})
-            with self._lock:
-                self._running.pop(id(job), None)
-            if outcome[0] == "/v1/ack":
-                self._acks[job.url].put(job)
-            else:
-                self._report(job, *outcome)
-        finally:
-            with self._lock:
-                self._running.pop(id(job), None)
-            slots.release()
+                self._run_one(handler, job)
+            except BaseException as e:  # SystemExit and the like, raised by a handler
+                with self._lock:
+                    self._running.pop(id(job), None)
+                log.error("shardq worker: job %s (key %r): the handler raised %s; its lease decides",
+                          job.id, job.key, type(e).__name__)
+            finally:
+                free.put(1)
+
+    def _run_one(self, handler: Handler, job: ClaimedJob) -> None:
+        try:
+            handler(job)
+            outcome: Optional[Tuple[str, Dict[str, Any]]] = None
+        except Retry as e:
+            outcome = ("/v1/fail", {"receipt": job.receipt, "reason": str(e), "retry_in_ms": int(e.retry_in_ms)})
+        except Exception as e:  # the attempt fails; the server retries it
+            outcome = ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(e).__name__}: {e}"[:1024]})
+        with self._lock:
+            self._running.pop(id(job), None)
+        if outcome is None:
+            self._acks[job.url].put(job)
+        else:
+            self._report(job, *outcome)
 
     def _report(self, job: ClaimedJob, path: str, body: Dict[str, Any]) -> None:
         t = self._transports[job.url]

@@ -62,10 +62,14 @@ def test_enqueue_sends_the_contract_and_a_dedup_id_per_job(fakes):
     assert (jobs[1]["delay_ms"], jobs[1]["max_attempts"]) == (5, 3)
     assert jobs[2]["dedup_id"] == "mine-1"
     generated = [jobs[0]["dedup_id"], jobs[1]["dedup_id"]]
-    assert all(re.fullmatch(r"[0-9a-f]{32}", d) for d in generated) and len(set(generated)) == 2
+    # A random 96-bit prefix per call and the job's index.
+    assert all(re.fullmatch(r"[0-9a-f]{24}-[0-9]+", d) for d in generated) and len(set(generated)) == 2
     assert [(e.id, e.key, e.duplicate) for e in got] == [("a:1", "k1", False), ("a:2", "k1", False), ("a:3", "k2", False)]
     assert f.jobs[2]["payload"] == b"\xff\x00bin"
     assert c.enqueue("k3", "p").shard == "a"
+    # Another call draws another prefix: its ids never meet the first call's.
+    later = [j["dedup_id"] for path, body in f.requests if path == "/v1/jobs" for j in body["jobs"]][-1]
+    assert later.split("-")[0] != generated[0].split("-")[0]
 
 
 def test_retries_go_to_the_next_url_and_keep_the_dedup_ids(fakes):

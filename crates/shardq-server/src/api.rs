@@ -236,7 +236,13 @@ impl App {
             }
         }
         let todo: Vec<usize> = (0..jobs.len()).filter(|&i| results[i].is_none()).collect();
-        let batch: Vec<NewJob> = todo.iter().map(|&i| jobs[i].clone()).collect();
+        // The jobs to store, moved out (payloads are not copied).
+        let batch: Vec<NewJob> = jobs
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| results[*i].is_none())
+            .map(|(_, j)| j)
+            .collect();
         let outcome = if batch.is_empty() {
             Ok(Vec::new())
         } else {
@@ -282,21 +288,22 @@ impl App {
                     id: id.clone(),
                     shard: p.shard.clone(),
                     job: p.id.0,
-                    key: jobs[i].key.clone(),
+                    key: batch[p.index].key.clone(),
                     expires_ms,
                 });
             }
             results[i] = Some(Enqueued {
                 id: job_string(&p.shard, p.id),
                 shard: p.shard.clone(),
-                key: jobs[i].key.clone(),
+                key: batch[p.index].key.clone(),
                 duplicate: false,
             });
         }
-        let recorded: Vec<&String> = records.iter().map(|r| &r.id).collect();
+        let recorded: std::collections::HashSet<&str> =
+            records.iter().map(|r| r.id.as_str()).collect();
         let unplaced: Vec<String> = reserved
             .iter()
-            .filter(|id| !recorded.contains(id))
+            .filter(|id| !recorded.contains(id.as_str()))
             .cloned()
             .collect();
         abort(&unplaced);

@@ -296,18 +296,29 @@ fn lock_state<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl DedupStore for FileDedup {
     fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String> {
+        self.begin_many(&[id], now_ms).map(|mut v| v.remove(0))
+    }
+
+    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
+        // One lock and one read of other servers' lines for the request.
         let mut st = lock_state(&self.state);
         self.refresh(&mut st)?;
-        if st.pending.contains(id) {
-            return Ok(Begin::Busy);
-        }
-        if let Some(r) = st.index.get(id) {
-            if r.expires_ms > now_ms {
-                return Ok(Begin::Done(r.clone()));
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            if st.pending.contains(id) {
+                out.push(Begin::Busy);
+                continue;
             }
+            if let Some(r) = st.index.get(id) {
+                if r.expires_ms > now_ms {
+                    out.push(Begin::Done(r.clone()));
+                    continue;
+                }
+            }
+            st.pending.insert(id.to_string());
+            out.push(Begin::Fresh);
         }
-        st.pending.insert(id.to_string());
-        Ok(Begin::Fresh)
+        Ok(out)
     }
 
     fn commit(&self, records: &[DedupRecord]) -> Result<(), String> {
@@ -323,19 +334,36 @@ impl DedupStore for FileDedup {
         let result = (|| {
             let _l = lock(&self.lock_path)?;
             self.refresh(&mut st)?;
-            // A torn line left by a server that died mid-append: end it so
-            // this record starts on a line of its own.
-            let len = st.file.metadata().map(|m| m.len()).unwrap_or(st.pos);
+            // A torn line left by a server that died mid-append (its commit
+            // never returned, so it stored nothing): cut it off, so that it
+            // does not become a corrupt line once ours follows it.
+            let len = st
+                .file
+                .metadata()
+                .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+                .len();
             if len > st.pos {
-                st.file
-                    .write_all(b"\n")
-                    .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
+                st.file.set_len(st.pos).map_err(|e| {
+                    format!("cutting the torn tail of {}: {e}", self.path.display())
+                })?;
             }
             st.file
                 .write_all(text.as_bytes())
                 .and_then(|()| st.file.sync_data())
                 .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
-            self.refresh(&mut st)
+            // Under the lock nobody else appended: the file now ends with
+            // these lines, which need no reading back.
+            let end = st
+                .file
+                .metadata()
+                .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+                .len();
+            if end == st.pos + text.len() as u64 {
+                st.pos = end;
+                Ok(())
+            } else {
+                self.refresh(&mut st)
+            }
         })();
         for r in records {
             st.pending.remove(&r.id);
@@ -606,6 +634,31 @@ mod tests {
             Begin::Done(rec("b", 3, 9000))
         );
         d.abort(&["zzz".into()]);
+        // A server that dies mid-append while others run: the next commit
+        // cuts the torn line instead of turning it into a corrupt one.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"id\":\"d\",\"sh").unwrap();
+        d.commit(&[rec("e", 4, 9000)]).unwrap();
+        assert_eq!(
+            other.begin("e", 2000).unwrap(),
+            Begin::Done(rec("e", 4, 9000))
+        );
+        let again = FileDedup::open(dir.path(), 2000).unwrap();
+        assert_eq!(
+            again.begin("e", 2000).unwrap(),
+            Begin::Done(rec("e", 4, 9000))
+        );
+        assert_eq!(again.begin("d", 2000).unwrap(), Begin::Fresh);
+        // One request's ids are answered in one pass, in order.
+        assert_eq!(
+            again.begin_many(&["a", "x", "x", "e"], 2000).unwrap(),
+            vec![
+                Begin::Done(rec("a", 1, 5000)),
+                Begin::Fresh,
+                Begin::Busy,
+                Begin::Done(rec("e", 4, 9000))
+            ]
+        );
     }
 
     #[test]
