@@ -150,8 +150,10 @@ pub(crate) struct ShardLog {
     pub torn_bytes_truncated: u64,
 }
 
-fn io_err(ctx: String) -> impl FnOnce(io::Error) -> QueueError {
-    move |e| QueueError::io(ctx, e)
+/// Wraps an I/O error with its context, which is formatted only when
+/// there is an error (not on every read).
+fn io_err<F: FnOnce() -> String>(ctx: F) -> impl FnOnce(io::Error) -> QueueError {
+    move |e| QueueError::io(ctx(), e)
 }
 
 impl ShardLog {
@@ -173,7 +175,7 @@ impl ShardLog {
             .create(true)
             .truncate(false)
             .open(&lock_path)
-            .map_err(io_err(format!("opening {}", lock_path.display())))?;
+            .map_err(io_err(|| format!("opening {}", lock_path.display())))?;
         let mut log = ShardLog {
             name: name.to_string(),
             dir: dir.to_path_buf(),
@@ -197,10 +199,9 @@ impl ShardLog {
 
     fn open_segments(&mut self, from_start: bool) -> Result<(), QueueError> {
         for _ in 0..LIST_RETRIES_MAX {
-            let bases = list_segments(&self.dir).map_err(io_err(format!(
-                "listing segments of {}",
-                self.dir.display()
-            )))?;
+            let bases = list_segments(&self.dir).map_err(io_err(|| {
+                format!("listing segments of {}", self.dir.display())
+            }))?;
             let Some(&first) = bases.first() else {
                 return Err(QueueError::Corrupt {
                     shard: self.name.clone(),
@@ -369,7 +370,7 @@ impl ShardLog {
         let f = self
             .storage
             .open(&path, false)
-            .map_err(io_err(format!("opening {}", path.display())))?;
+            .map_err(io_err(|| format!("opening {}", path.display())))?;
         self.segments.insert(self.cur_base, Arc::clone(&f));
         Ok(f)
     }
@@ -395,10 +396,12 @@ impl ShardLog {
         }
         loop {
             let file = self.current_file()?;
-            let len = file.len().map_err(io_err(format!(
-                "reading the length of {}",
-                self.segment_path(self.cur_base).display()
-            )))?;
+            let len = file.len().map_err(io_err(|| {
+                format!(
+                    "reading the length of {}",
+                    self.segment_path(self.cur_base).display()
+                )
+            }))?;
             match self.read_segment(&*file, len, access, replay)? {
                 SegmentEnd::Sealed => {
                     let next = self.cur_base + self.cur_off;
@@ -466,10 +469,9 @@ impl ShardLog {
             // List first, then read the list of reclaimed ranges: a file
             // missing from the listing was recorded there before it was
             // deleted.
-            let bases = list_segments(&self.dir).map_err(io_err(format!(
-                "listing segments of {}",
-                self.dir.display()
-            )))?;
+            let bases = list_segments(&self.dir).map_err(io_err(|| {
+                format!("listing segments of {}", self.dir.display())
+            }))?;
             if bases.binary_search(&next).is_ok() {
                 // Created meanwhile (by a roller, as we hold no lock).
                 want = next;
@@ -514,7 +516,7 @@ impl ShardLog {
                     let f = self
                         .storage
                         .open(&path, true)
-                        .map_err(io_err(format!("creating {}", path.display())))?;
+                        .map_err(io_err(|| format!("creating {}", path.display())))?;
                     self.storage.sync_dir(&self.dir).map_err(|e| {
                         self.poison(QueueError::io(format!("syncing {}", self.dir.display()), e))
                     })?;
@@ -568,11 +570,13 @@ impl ShardLog {
         while self.cur_off < len {
             let want = (len - self.cur_off).min(READ_CHUNK_BYTES.max(need) as u64) as usize;
             buf.resize(want, 0);
-            read_full(file, buf, self.cur_off).map_err(io_err(format!(
-                "reading {} at offset {}",
-                self.segment_path(self.cur_base).display(),
-                self.cur_off
-            )))?;
+            read_full(file, buf, self.cur_off).map_err(io_err(|| {
+                format!(
+                    "reading {} at offset {}",
+                    self.segment_path(self.cur_base).display(),
+                    self.cur_off
+                )
+            }))?;
             let mut p = 0usize;
             let mut consumed_any = false;
             while p < buf.len() {
@@ -684,10 +688,12 @@ impl ShardLog {
     ) -> Result<HeaderState, QueueError> {
         let want = segment_header();
         let mut got = vec![0u8; (len as usize).min(SEGMENT_HEADER_BYTES)];
-        read_full(file, &mut got, 0).map_err(io_err(format!(
-            "reading the header of {}",
-            self.segment_path(self.cur_base).display()
-        )))?;
+        read_full(file, &mut got, 0).map_err(io_err(|| {
+            format!(
+                "reading the header of {}",
+                self.segment_path(self.cur_base).display()
+            )
+        }))?;
         let segment = segment_name(self.cur_base);
         if got.len() < SEGMENT_HEADER_BYTES && got[..] == want[..got.len()] {
             return match access {
@@ -818,12 +824,12 @@ impl ShardLog {
         let ctx = || format!("reading {} at offset {off}", segment_name(base));
         // One read serves the common small record; a larger one takes two.
         let mut rec = vec![0u8; CLAIM_READ_BYTES];
-        let got = file.read_at(&mut rec, off).map_err(io_err(ctx()))?;
+        let got = file.read_at(&mut rec, off).map_err(io_err(&ctx))?;
         rec.truncate(got);
         let total = record_total(&rec).unwrap_or(HEADER_BYTES);
         if rec.len() < total {
             rec.resize(total, 0);
-            read_full(&*file, &mut rec, off).map_err(io_err(ctx()))?;
+            read_full(&*file, &mut rec, off).map_err(io_err(&ctx))?;
         }
         rec.truncate(total);
         if let Err(e) = decode(&rec) {

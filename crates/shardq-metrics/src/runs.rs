@@ -10,6 +10,8 @@
 
 use std::collections::HashMap;
 
+use ahash::RandomState;
+
 use shardq_core::Receipt;
 
 /// Most runs whose claim time is kept.
@@ -20,7 +22,7 @@ pub const RUN_FORGET_MS: u64 = 3_600_000;
 /// Claim times by (shard, job id, fence); see the module docs.
 #[derive(Debug, Default)]
 pub struct RunTracker {
-    started: HashMap<(String, u64, u64), u64>,
+    started: HashMap<(String, u64, u64), u64, RandomState>,
 }
 
 impl RunTracker {

@@ -5,6 +5,8 @@
 //! anything, and must never block the async executor or panic on input.
 
 use std::collections::{BTreeMap, HashMap};
+
+use ahash::RandomState;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -340,8 +342,8 @@ type Grouped = (BTreeMap<String, Vec<(Receipt, String)>>, Vec<String>);
 #[derive(Debug, Default)]
 pub struct ClaimBook {
     /// Per worker: run -> (fence, lease end).
-    by_worker: HashMap<String, HashMap<RunKey, (u64, u64)>>,
-    by_run: HashMap<RunKey, String>,
+    by_worker: HashMap<String, HashMap<RunKey, (u64, u64), RandomState>, RandomState>,
+    by_run: HashMap<RunKey, String, RandomState>,
 }
 
 impl ClaimBook {

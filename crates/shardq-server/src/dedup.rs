@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use ahash::RandomState;
 use rustix::fs::{flock, FlockOperation};
 use serde::{Deserialize, Serialize};
 
@@ -114,8 +115,8 @@ fn begin_each<S: DedupStore + ?Sized>(
 // ---------------------------------------------------------------------------
 
 struct FileState {
-    index: HashMap<String, DedupRecord>,
-    pending: HashSet<String>,
+    index: HashMap<String, DedupRecord, RandomState>,
+    pending: HashSet<String, RandomState>,
     file: File,
     /// Bytes of the file read into `index`.
     pos: u64,
@@ -210,7 +211,7 @@ impl FileDedup {
             .into_iter()
             .filter(|r| r.expires_ms > now_ms)
             .collect();
-        let mut index = HashMap::new();
+        let mut index = HashMap::default();
         for r in &live {
             index.insert(r.id.clone(), r.clone());
         }
@@ -243,7 +244,7 @@ impl FileDedup {
             lock_path,
             state: Mutex::new(FileState {
                 index,
-                pending: HashSet::new(),
+                pending: HashSet::default(),
                 file,
                 pos,
                 ino,
