@@ -38,6 +38,17 @@ fn ok(v: Value) -> ApiResult {
     Ok(Json(v).into_response())
 }
 
+/// `{"jobs": [...]}`, serialised straight from typed values (no `Value`
+/// tree on the hot paths).
+#[derive(Serialize)]
+struct JobsReply<T: Serialize> {
+    jobs: T,
+}
+
+fn ok_jobs<T: Serialize>(jobs: T) -> ApiResult {
+    Ok(Json(JobsReply { jobs }).into_response())
+}
+
 /// Runs blocking library work off the async executor.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
@@ -185,7 +196,7 @@ pub async fn enqueue(
     let a = Arc::clone(&app);
     let out = blocking(move || a.enqueue_blocking(jobs, dedup)).await?;
     app.wake.notify_waiters();
-    ok(json!({ "jobs": out }))
+    ok_jobs(out)
 }
 
 impl App {
@@ -480,7 +491,7 @@ pub async fn claim(
             }
         }
         if !jobs.is_empty() || Instant::now() >= deadline {
-            return ok(json!({ "jobs": jobs }));
+            return ok_jobs(jobs);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         tokio::select! {

@@ -37,8 +37,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
         } else {
             &bytes
         };
+        // The common case parses once, untracked; only a body that fails is
+        // parsed again with path tracking, for the error to name the field.
+        if let Ok(value) = serde_json::from_slice::<T>(text) {
+            return Ok(JsonBody(value));
+        }
         let mut de = serde_json::Deserializer::from_slice(text);
-        let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if path == "." || path.is_empty() {
