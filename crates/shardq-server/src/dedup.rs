@@ -7,10 +7,12 @@
 //! [`DedupStore::abort`] drops reservations whose jobs were not enqueued.
 //!
 //! * [`FileDedup`] (embedded data dirs): `dedup.log` in the data dir, one
-//!   JSON line per record, appended and fsynced under `.dedup.lock`; on
-//!   open the file is rewritten without expired records; servers sharing
-//!   the data dir read each other's new lines before each lookup.
-//!   Reservations are in memory.
+//!   JSON line per record, appended and fsynced under `.dedup.lock`;
+//!   expired records leave memory as time passes, and the file is rewritten
+//!   with the live records only on open and whenever it holds more than
+//!   twice as many lines as live records (plus a slack); servers sharing
+//!   the data dir read each other's new lines before each lookup (and the
+//!   whole file again after a rewrite). Reservations are in memory.
 //! * [`RedisDedup`] (Redis data dirs): one key per id under the
 //!   deployment's namespace; a reservation is `SET NX PX` of a pending
 //!   marker (for [`PENDING_MS`]), the commit overwrites it with the record
@@ -20,7 +22,7 @@
 //! record: a retry enqueues the jobs again (at-least-once). This module
 //! must never decide what a job is or touch the queue.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::MetadataExt;
@@ -42,6 +44,9 @@ pub const DEDUP_LOCK_FILE: &str = ".dedup.lock";
 pub const PENDING_MS: u64 = 60_000;
 /// Longest record line read back, in bytes.
 const LINE_BYTES_MAX: usize = 8 << 10;
+/// The file is rewritten with its live records only once it holds this
+/// many lines more than twice the live ones.
+const COMPACT_SLACK_LINES: usize = 100_000;
 
 /// What a dedup id was enqueued as.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -116,17 +121,49 @@ fn begin_each<S: DedupStore + ?Sized>(
 
 struct FileState {
     index: HashMap<String, DedupRecord, RandomState>,
+    /// `(expires_ms, id)` in the order the records were read or written:
+    /// expired ones are dropped from `index` from the front.
+    expiry: VecDeque<(u64, String)>,
     pending: HashSet<String, RandomState>,
     file: File,
     /// Bytes of the file read into `index`.
     pos: u64,
+    /// Record lines in the file (live or not).
+    lines: usize,
     ino: u64,
+    /// The latest `now_ms` a caller gave.
+    now_ms: u64,
+}
+
+impl FileState {
+    fn remember(&mut self, r: DedupRecord) {
+        self.expiry.push_back((r.expires_ms, r.id.clone()));
+        self.index.insert(r.id.clone(), r);
+        self.lines += 1;
+    }
+
+    /// Forgets the records expired at `now_ms`.
+    fn expire(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        while let Some((at, _)) = self.expiry.front() {
+            if *at > self.now_ms {
+                break;
+            }
+            let (at, id) = self.expiry.pop_front().expect("front exists");
+            // A later record of the same id lives on.
+            if self.index.get(&id).is_some_and(|r| r.expires_ms <= at) {
+                self.index.remove(&id);
+            }
+        }
+    }
 }
 
 /// Dedup records in `dedup.log`. See the module docs.
 pub struct FileDedup {
     path: PathBuf,
     lock_path: PathBuf,
+    /// [`COMPACT_SLACK_LINES`], smaller in tests.
+    compact_slack: usize,
     state: Mutex<FileState>,
 }
 
@@ -211,45 +248,72 @@ impl FileDedup {
             .into_iter()
             .filter(|r| r.expires_ms > now_ms)
             .collect();
-        let mut index = HashMap::default();
-        for r in &live {
-            index.insert(r.id.clone(), r.clone());
-        }
-        // Rewrite without expired records (and without a torn tail).
-        if index.len() < count_lines(&bytes) || used != bytes.len() as u64 {
-            let mut text = String::new();
-            for r in index.values() {
-                text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
-                text.push('\n');
-            }
-            let tmp = dir.join(format!(".{DEDUP_FILE}.tmp"));
-            let mut f =
-                File::create(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
-            f.write_all(text.as_bytes())
-                .and_then(|()| f.sync_all())
-                .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
-            std::fs::rename(&tmp, &path)
-                .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), path.display()))?;
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
+        let rewrite = live.len() < count_lines(&bytes) || used != bytes.len() as u64;
         let (file, ino) = open_append(&path)?;
         let pos = file
             .metadata()
             .map_err(|e| format!("reading {}: {e}", path.display()))?
             .len();
-        Ok(FileDedup {
+        let mut st = FileState {
+            index: HashMap::default(),
+            expiry: VecDeque::new(),
+            pending: HashSet::default(),
+            file,
+            pos,
+            lines: 0,
+            ino,
+            now_ms,
+        };
+        let mut live = live;
+        live.sort_by_key(|r| r.expires_ms);
+        for r in live {
+            st.remember(r);
+        }
+        let d = FileDedup {
             path,
             lock_path,
-            state: Mutex::new(FileState {
-                index,
-                pending: HashSet::default(),
-                file,
-                pos,
-                ino,
-            }),
-        })
+            compact_slack: COMPACT_SLACK_LINES,
+            state: Mutex::new(st),
+        };
+        // Rewrite without expired records (and without a torn tail).
+        if rewrite {
+            let mut st = lock_state(&d.state);
+            d.write_live(&mut st)?;
+        }
+        Ok(d)
+    }
+
+    /// Replaces the file with the live records of `st` (under the lock),
+    /// and reopens it. Other servers see a new inode and read it again.
+    fn write_live(&self, st: &mut FileState) -> Result<(), String> {
+        let mut text = String::new();
+        for (_, id) in &st.expiry {
+            if let Some(r) = st.index.get(id) {
+                text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
+                text.push('\n');
+            }
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let tmp = dir.join(format!(".{DEDUP_FILE}.tmp"));
+        let mut f = File::create(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+        f.write_all(text.as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, &self.path)
+            .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), self.path.display()))?;
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        let (file, ino) = open_append(&self.path)?;
+        st.file = file;
+        st.ino = ino;
+        st.pos = text.len() as u64;
+        // Each id once, oldest expiry first.
+        let mut seen = HashSet::<String, RandomState>::default();
+        st.expiry
+            .retain(|(_, id)| st.index.contains_key(id) && seen.insert(id.clone()));
+        st.lines = st.expiry.len();
+        Ok(())
     }
 
     /// Reads lines other servers appended since the last read (and the
@@ -263,7 +327,9 @@ impl FileDedup {
             st.file = file;
             st.ino = ino;
             st.pos = 0;
+            st.lines = 0;
             st.index.clear();
+            st.expiry.clear();
         }
         let len = st
             .file
@@ -280,9 +346,11 @@ impl FileDedup {
             .map_err(|e| format!("reading {}: {e}", self.path.display()))?;
         let (records, used) = parse_lines(&buf, &self.path, st.pos)?;
         for r in records {
-            st.index.insert(r.id.clone(), r);
+            st.remember(r);
         }
         st.pos += used;
+        let now = st.now_ms;
+        st.expire(now);
         Ok(())
     }
 }
@@ -303,6 +371,7 @@ impl DedupStore for FileDedup {
     fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
         // One lock and one read of other servers' lines for the request.
         let mut st = lock_state(&self.state);
+        st.expire(now_ms);
         self.refresh(&mut st)?;
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -361,14 +430,25 @@ impl DedupStore for FileDedup {
                 .len();
             if end == st.pos + text.len() as u64 {
                 st.pos = end;
-                Ok(())
+                for r in records {
+                    st.remember(r.clone());
+                }
             } else {
-                self.refresh(&mut st)
+                // Reads ours back with whatever else is new.
+                self.refresh(&mut st)?;
             }
+            // Keep the file near the live records: rewrite it once it
+            // holds mostly expired lines.
+            if st.lines > 2 * st.index.len() + self.compact_slack {
+                self.write_live(&mut st)?;
+            }
+            Ok(())
         })();
         for r in records {
             st.pending.remove(&r.id);
-            st.index.insert(r.id.clone(), r.clone());
+            if result.is_err() {
+                st.remember(r.clone());
+            }
         }
         result
     }
@@ -659,6 +739,44 @@ mod tests {
                 Begin::Busy,
                 Begin::Done(rec("e", 4, 9000))
             ]
+        );
+    }
+
+    #[test]
+    fn expired_records_leave_memory_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(DEDUP_FILE);
+        let mut d = FileDedup::open(dir.path(), 1000).unwrap();
+        d.compact_slack = 10;
+        let other = FileDedup::open(dir.path(), 1000).unwrap();
+        let ids: Vec<String> = (0..30).map(|i| format!("old-{i}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        assert!(d
+            .begin_many(&refs, 1000)
+            .unwrap()
+            .iter()
+            .all(|b| *b == Begin::Fresh));
+        let old: Vec<DedupRecord> = ids.iter().map(|id| rec(id, 1, 1500)).collect();
+        d.commit(&old).unwrap();
+        assert_eq!(lock_state(&d.state).index.len(), 30);
+        // Past their expiry they are forgotten in memory, not only ignored.
+        assert_eq!(d.begin("fresh", 2000).unwrap(), Begin::Fresh);
+        assert_eq!(lock_state(&d.state).index.len(), 0);
+        // The next commit finds the file mostly expired and rewrites it.
+        d.commit(&[rec("fresh", 2, 9000)]).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 1, "compacted: {text}");
+        // Another server over the same dir follows the new file.
+        assert_eq!(
+            other.begin("fresh", 2000).unwrap(),
+            Begin::Done(rec("fresh", 2, 9000))
+        );
+        assert_eq!(other.begin("old-3", 2000).unwrap(), Begin::Fresh);
+        drop(d);
+        let again = FileDedup::open(dir.path(), 2000).unwrap();
+        assert_eq!(
+            again.begin("fresh", 2000).unwrap(),
+            Begin::Done(rec("fresh", 2, 9000))
         );
     }
 
