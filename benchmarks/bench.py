@@ -253,6 +253,8 @@ def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int
            "producers": cpu_producers}
     if redis:
         cpu["redis"] = cpu_s(redis.proc.pid) - cpu0["redis"]
+        if os.environ.get("SHARDQ_BENCH_REDIS_STATS"):
+            log(sh("redis-cli", "-p", str(redis.port), "INFO", "commandstats").decode())
     cpu = {k: round(v, 2) for k, v in cpu.items()}
     for p in wprocs:
         stop(p)

@@ -27,7 +27,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ahash::RandomState;
@@ -119,11 +119,33 @@ fn begin_each<S: DedupStore + ?Sized>(
 // Embedded: an append-only JSON-lines file.
 // ---------------------------------------------------------------------------
 
+/// A record in memory: the id is the map's key (shared with `expiry`), the
+/// shard name is shared by every record of the shard.
+struct Entry {
+    shard: Arc<str>,
+    job: u64,
+    key: Box<str>,
+    expires_ms: u64,
+}
+
+impl Entry {
+    fn record(&self, id: &str) -> DedupRecord {
+        DedupRecord {
+            id: id.to_string(),
+            shard: self.shard.to_string(),
+            job: self.job,
+            key: self.key.to_string(),
+            expires_ms: self.expires_ms,
+        }
+    }
+}
+
 struct FileState {
-    index: HashMap<String, DedupRecord, RandomState>,
+    index: HashMap<Arc<str>, Entry, RandomState>,
     /// `(expires_ms, id)` in the order the records were read or written:
     /// expired ones are dropped from `index` from the front.
-    expiry: VecDeque<(u64, String)>,
+    expiry: VecDeque<(u64, Arc<str>)>,
+    shards: HashSet<Arc<str>, RandomState>,
     pending: HashSet<String, RandomState>,
     file: File,
     /// Bytes of the file read into `index`.
@@ -136,9 +158,26 @@ struct FileState {
 }
 
 impl FileState {
-    fn remember(&mut self, r: DedupRecord) {
-        self.expiry.push_back((r.expires_ms, r.id.clone()));
-        self.index.insert(r.id.clone(), r);
+    fn remember(&mut self, r: &DedupRecord) {
+        let id: Arc<str> = Arc::from(r.id.as_str());
+        let shard = match self.shards.get(r.shard.as_str()) {
+            Some(s) => Arc::clone(s),
+            None => {
+                let s: Arc<str> = Arc::from(r.shard.as_str());
+                self.shards.insert(Arc::clone(&s));
+                s
+            }
+        };
+        self.expiry.push_back((r.expires_ms, Arc::clone(&id)));
+        self.index.insert(
+            id,
+            Entry {
+                shard,
+                job: r.job,
+                key: r.key.as_str().into(),
+                expires_ms: r.expires_ms,
+            },
+        );
         self.lines += 1;
     }
 
@@ -151,7 +190,7 @@ impl FileState {
             }
             let (at, id) = self.expiry.pop_front().expect("front exists");
             // A later record of the same id lives on.
-            if self.index.get(&id).is_some_and(|r| r.expires_ms <= at) {
+            if self.index.get(&id).is_some_and(|e| e.expires_ms <= at) {
                 self.index.remove(&id);
             }
         }
@@ -257,6 +296,7 @@ impl FileDedup {
         let mut st = FileState {
             index: HashMap::default(),
             expiry: VecDeque::new(),
+            shards: HashSet::default(),
             pending: HashSet::default(),
             file,
             pos,
@@ -267,7 +307,7 @@ impl FileDedup {
         let mut live = live;
         live.sort_by_key(|r| r.expires_ms);
         for r in live {
-            st.remember(r);
+            st.remember(&r);
         }
         let d = FileDedup {
             path,
@@ -287,9 +327,13 @@ impl FileDedup {
     /// and reopens it. Other servers see a new inode and read it again.
     fn write_live(&self, st: &mut FileState) -> Result<(), String> {
         let mut text = String::new();
+        let mut written = HashSet::<&str, RandomState>::default();
         for (_, id) in &st.expiry {
-            if let Some(r) = st.index.get(id) {
-                text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
+            if !written.insert(id) {
+                continue;
+            }
+            if let Some(e) = st.index.get(id) {
+                text.push_str(&serde_json::to_string(&e.record(id)).map_err(|e| e.to_string())?);
                 text.push('\n');
             }
         }
@@ -309,9 +353,9 @@ impl FileDedup {
         st.ino = ino;
         st.pos = text.len() as u64;
         // Each id once, oldest expiry first.
-        let mut seen = HashSet::<String, RandomState>::default();
+        let mut seen = HashSet::<Arc<str>, RandomState>::default();
         st.expiry
-            .retain(|(_, id)| st.index.contains_key(id) && seen.insert(id.clone()));
+            .retain(|(_, id)| st.index.contains_key(id) && seen.insert(Arc::clone(id)));
         st.lines = st.expiry.len();
         Ok(())
     }
@@ -345,7 +389,7 @@ impl FileDedup {
             .and_then(|_| f.take(len - st.pos).read_to_end(&mut buf))
             .map_err(|e| format!("reading {}: {e}", self.path.display()))?;
         let (records, used) = parse_lines(&buf, &self.path, st.pos)?;
-        for r in records {
+        for r in &records {
             st.remember(r);
         }
         st.pos += used;
@@ -379,9 +423,9 @@ impl DedupStore for FileDedup {
                 out.push(Begin::Busy);
                 continue;
             }
-            if let Some(r) = st.index.get(id) {
-                if r.expires_ms > now_ms {
-                    out.push(Begin::Done(r.clone()));
+            if let Some(e) = st.index.get(id) {
+                if e.expires_ms > now_ms {
+                    out.push(Begin::Done(e.record(id)));
                     continue;
                 }
             }
@@ -431,7 +475,7 @@ impl DedupStore for FileDedup {
             if end == st.pos + text.len() as u64 {
                 st.pos = end;
                 for r in records {
-                    st.remember(r.clone());
+                    st.remember(r);
                 }
             } else {
                 // Reads ours back with whatever else is new.
@@ -447,7 +491,7 @@ impl DedupStore for FileDedup {
         for r in records {
             st.pending.remove(&r.id);
             if result.is_err() {
-                st.remember(r.clone());
+                st.remember(r);
             }
         }
         result
