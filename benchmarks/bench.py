@@ -227,9 +227,11 @@ def check_records(paths: List[str], keys: int, per_key: int) -> Dict[str, Any]:
 
 
 def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int, producers: int, workers: int,
-                 concurrency: int, batch: int, rate: float = 0.0, redis: Optional["RedisServer"] = None) -> Dict[str, Any]:
+                 concurrency: int, batch: int, rate: float = 0.0, redis: Optional["RedisServer"] = None,
+                 worker_kind: str = "thread") -> Dict[str, Any]:
     outs = [os.path.join(tmp, f"worker-{i}.txt") for i in range(workers)]
-    wprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_worker.py"), serve_url, o, str(concurrency)])
+    wprocs = [subprocess.Popen([sys.executable, os.path.join(HERE, "http_worker.py"), serve_url, o, str(concurrency),
+                                worker_kind])
               for o in outs]
     time.sleep(0.5)  # let the workers start polling
     cpu0 = {"serve": cpu_s(serve.proc.pid), "workers": sum(cpu_s(p.pid) for p in wprocs),
@@ -276,12 +278,13 @@ def bench_http(a: argparse.Namespace) -> None:
                 serve = Serve(data, 4, os.path.join(tmp, "serve.log"))
                 try:
                     r = run_pipeline(tmp, serve.url, serve, keys, per_key, a.producers, a.workers, a.concurrency, a.batch,
-                                     redis=redis)
+                                     redis=redis, worker_kind=a.worker)
                 finally:
                     serve.stop()
                 row: Dict[str, Any] = {
                     "bench": "http", "backend": a.backend, "repeat": rep, "jobs": r["jobs"],
-                    "producers": a.producers, "workers": a.workers, "worker_concurrency": a.concurrency, "batch": a.batch,
+                    "producers": a.producers, "workers": a.workers, "worker_kind": a.worker,
+                    "worker_concurrency": a.concurrency, "batch": a.batch,
                     "jobs_per_s": round(r["jobs_per_s"]), "seconds": round(r["seconds"], 2),
                     "enqueue_seconds": round(r["enqueue_seconds"], 2), "reruns": r["reruns"], "worker_stats": r["stats"],
                     "cpu_s": r["cpu_s"],
@@ -323,7 +326,8 @@ def bench_latency(a: argparse.Namespace) -> None:
             data = init_data(tmp, "q", 4)
             serve = Serve(data, 4, os.path.join(tmp, "serve.log"))
             try:
-                r = run_pipeline(tmp, serve.url, serve, keys, per_key, 1, a.workers, a.concurrency, a.batch, a.rate)
+                r = run_pipeline(tmp, serve.url, serve, keys, per_key, 1, a.workers, a.concurrency, a.batch, a.rate,
+                                 worker_kind=a.worker)
             finally:
                 serve.stop()
             # Drop the first second (connections and threads warming up).
@@ -353,6 +357,8 @@ def main() -> None:
     h.add_argument("--workers", type=int, default=2)
     h.add_argument("--concurrency", type=int, default=32)
     h.add_argument("--batch", type=int, default=1000)
+    h.add_argument("--worker", choices=["thread", "aio"], default="thread",
+                   help="shardq.Worker (threads) or shardq.aio.AsyncWorker (asyncio tasks)")
     h.add_argument("--bullmq", action="store_true", help="with --backend redis: BullMQ 5 on the same redis-server")
     h.add_argument("--bullmq-concurrency", type=int, default=100)
     h.add_argument("--repeat", type=int, default=3)
@@ -362,6 +368,7 @@ def main() -> None:
     l.add_argument("--batch", type=int, default=50)
     l.add_argument("--workers", type=int, default=2)
     l.add_argument("--concurrency", type=int, default=32)
+    l.add_argument("--worker", choices=["thread", "aio"], default="thread")
     l.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
     {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency}[a.cmd](a)

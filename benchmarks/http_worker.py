@@ -1,9 +1,11 @@
-"""A benchmark worker process: :class:`shardq.Worker` against one or more
-``shardq serve`` URLs, a handler that records ``(key, seq, start)`` and
-checks per-key order as it goes (a key's seq never goes back within this
-process). On SIGTERM it drains, then writes its records to OUT:
+"""A benchmark worker process: :class:`shardq.Worker` (threads) or
+:class:`shardq.aio.AsyncWorker` (KIND ``aio``: tasks on one event loop)
+against one or more ``shardq serve`` URLs, a handler that records ``(key,
+seq, start)`` and checks per-key order as it goes (a key's seq never goes
+back within this process). On SIGTERM it drains, then writes its records
+to OUT:
 
-    python3 http_worker.py URLS OUT CONCURRENCY
+    python3 http_worker.py URLS OUT CONCURRENCY [thread|aio]
 
 Payloads are JSON ``{"seq": N, "t": CREATED_NS}`` (``t`` from
 ``time.time_ns()`` at enqueue); each record is ``KEY SEQ START_MONO_NS
@@ -26,6 +28,7 @@ from shardq import Worker  # noqa: E402
 
 def main() -> None:
     urls, out, concurrency = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+    kind = sys.argv[4] if len(sys.argv) > 4 else "thread"
     lock = threading.Lock()
     records = []
     last = {}
@@ -44,7 +47,19 @@ def main() -> None:
             last[job.key] = seq
             records.append((job.key, seq, now, now_wall - doc.get("t", now_wall)))
 
-    stats = Worker(urls, worker_id=f"bench-{os.getpid()}").run(handle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000)
+    worker_id = f"bench-{kind}-{os.getpid()}"
+    if kind == "aio":
+        import asyncio
+
+        from shardq.aio import AsyncWorker
+
+        async def ahandle(job):
+            handle(job)
+
+        stats = asyncio.run(AsyncWorker(urls, worker_id=worker_id).run(
+            ahandle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000))
+    else:
+        stats = Worker(urls, worker_id=worker_id).run(handle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000)
     with open(out, "w") as f:
         json.dump({"stats": stats.__dict__, "disorder": disorder[:20], "disorder_count": len(disorder)}, f)
         f.write("\n")

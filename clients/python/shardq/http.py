@@ -188,6 +188,71 @@ def _decode_payload(doc: Mapping[str, Any]) -> bytes:
     return p.encode("utf-8") if isinstance(p, str) else b""
 
 
+def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[Dict[str, Any]]:
+    """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id.
+    Generated ids are a random 96-bit prefix per call and the job's index
+    (unique without a uuid per job, and safe across fork())."""
+    bodies: List[Dict[str, Any]] = []
+    prefix = os.urandom(12).hex()
+    for n, j in enumerate(jobs):
+        if not isinstance(j, NewJob):
+            j = NewJob(**dict(j))
+        key = j.key
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"invalid job key {key!r}: a non-empty str is needed")
+        payload = j.payload
+        if isinstance(payload, str):
+            b: Dict[str, Any] = {"key": key, "payload": payload}
+        else:
+            b = {"key": key}
+            _encode_payload(payload, b)
+        if j.delay_ms:
+            b["delay_ms"] = int(j.delay_ms)
+        if j.max_attempts is not None:
+            b["max_attempts"] = int(j.max_attempts)
+        b["dedup_id"] = j.dedup_id if j.dedup_id is not None else f"{prefix}-{n}"
+        bodies.append(b)
+    return bodies
+
+
+def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any) -> List["Enqueued"]:
+    """The :class:`Enqueued` values of a ``/v1/jobs`` reply to ``chunk``."""
+    got = doc.get("jobs") if isinstance(doc, dict) else None
+    if not isinstance(got, list) or len(got) != len(chunk):
+        raise HttpError(url, 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
+    return [
+        Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"])
+        for b, g in zip(chunk, got)
+    ]
+
+
+def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
+    """The jobs of a ``/v1/claim`` reply from ``url``."""
+    return [
+        ClaimedJob(
+            str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
+            str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
+        )
+        for j in (doc or {}).get("jobs", [])
+    ]
+
+
+def _outcome_of(job: "ClaimedJob", error: Optional[BaseException]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """``None`` for a handler that returned (an ack), else the fail request."""
+    if error is None:
+        return None
+    if isinstance(error, Retry):
+        return ("/v1/fail", {"receipt": job.receipt, "reason": str(error), "retry_in_ms": int(error.retry_in_ms)})
+    return ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(error).__name__}: {error}"[:1024]})
+
+
+def _lost_of(jobs: List["ClaimedJob"], doc: Any) -> List["ClaimedJob"]:
+    """The jobs of a batched ack answered 409 whose runs were lost (the valid
+    receipts were acked; without the lists, all of them)."""
+    refused = set(_stale_of(doc))
+    return [j for j in jobs if j.receipt in refused] if refused else list(jobs)
+
+
 @dataclass(frozen=True)
 class Enqueued:
     """A stored job: its id, shard and key; ``duplicate`` when the server
@@ -246,37 +311,11 @@ class Client:
         """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
         fields), ``ENQUEUE_BATCH_MAX`` per request, in order; returns one
         :class:`Enqueued` per job."""
-        bodies: List[Dict[str, Any]] = []
-        # Generated dedup ids: a random 96-bit prefix per call and the job's
-        # index (unique without a uuid per job, and safe across fork()).
-        prefix = os.urandom(12).hex()
-        for n, j in enumerate(jobs):
-            if not isinstance(j, NewJob):
-                j = NewJob(**dict(j))
-            key = j.key
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"invalid job key {key!r}: a non-empty str is needed")
-            payload = j.payload
-            if isinstance(payload, str):
-                b: Dict[str, Any] = {"key": key, "payload": payload}
-            else:
-                b = {"key": key}
-                _encode_payload(payload, b)
-            if j.delay_ms:
-                b["delay_ms"] = int(j.delay_ms)
-            if j.max_attempts is not None:
-                b["max_attempts"] = int(j.max_attempts)
-            b["dedup_id"] = j.dedup_id if j.dedup_id is not None else f"{prefix}-{n}"
-            bodies.append(b)
+        bodies = _job_bodies(jobs)
         out: List[Enqueued] = []
         for start in range(0, len(bodies), ENQUEUE_BATCH_MAX):
             chunk = bodies[start:start + ENQUEUE_BATCH_MAX]
-            doc = self._post_any("/v1/jobs", {"jobs": chunk})
-            got = doc.get("jobs") if isinstance(doc, dict) else None
-            if not isinstance(got, list) or len(got) != len(chunk):
-                raise HttpError(self.urls[0], 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
-            for b, g in zip(chunk, got):
-                out.append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"]))
+            out.extend(_enqueued_of(self.urls[0], chunk, self._post_any("/v1/jobs", {"jobs": chunk})))
         return out
 
     def _post_any(self, path: str, body: Mapping[str, Any]) -> Any:
@@ -353,6 +392,10 @@ class WorkerStats:
     lost: int = 0
     #: Results given up on after transport errors (the lease decides).
     unreported: int = 0
+    #: Answered ``/v1/claim`` requests (claimed / this = jobs per claim).
+    claim_requests: int = 0
+    #: Answered ``/v1/ack`` requests (acked / this = receipts per ack).
+    ack_requests: int = 0
 
 
 Handler = Callable[[ClaimedJob], None]
@@ -493,11 +536,7 @@ class Worker:
                 status, doc = t.post("/v1/claim", body, timeout=self.timeout_s + wait_ms / 1000)
                 if status != 200:
                     _raise_for(url, status, doc)
-                for j in (doc or {}).get("jobs", []):
-                    jobs.append(ClaimedJob(
-                        str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
-                        str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
-                    ))
+                jobs = _claimed_of(url, doc)
                 failures = 0
             except (OSError, http.client.HTTPException, HttpError, ValueError, KeyError) as e:
                 failures += 1
@@ -513,6 +552,7 @@ class Worker:
                 free.put(1)
             with self._lock:
                 self.stats.claimed += len(jobs)
+                self.stats.claim_requests += 1
                 for j in jobs:
                     self._running[id(j)] = j
             for j in jobs:
@@ -535,13 +575,12 @@ class Worker:
                 free.put(1)
 
     def _run_one(self, handler: Handler, job: ClaimedJob) -> None:
+        error: Optional[Exception] = None
         try:
             handler(job)
-            outcome: Optional[Tuple[str, Dict[str, Any]]] = None
-        except Retry as e:
-            outcome = ("/v1/fail", {"receipt": job.receipt, "reason": str(e), "retry_in_ms": int(e.retry_in_ms)})
         except Exception as e:  # the attempt fails; the server retries it
-            outcome = ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(e).__name__}: {e}"[:1024]})
+            error = e
+        outcome = _outcome_of(job, error)
         with self._lock:
             self._running.pop(id(job), None)
         if outcome is None:
@@ -615,11 +654,11 @@ class Worker:
             if status == 200:
                 with self._lock:
                     self.stats.acked += len(jobs)
+                    self.stats.ack_requests += 1
                 return
             if status == 409:
                 # The valid receipts were acked; the others' runs were lost.
-                refused = set(_stale_of(doc))
-                lost = [j for j in jobs if j.receipt in refused] if refused else jobs
+                lost = _lost_of(jobs, doc)
                 for j in lost:
                     log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
                                 j.id, j.key, j.shard, url, _error_of(doc))

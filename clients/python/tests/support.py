@@ -12,11 +12,19 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Callable, List, Optional
+import json
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from shardq import NewJob
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 #: Bound on every wait in these tests, in seconds.
 WAIT_MAX_S = 90.0
+#: Bound of the waits on a ``shardq serve`` (each test is meant to take a few seconds).
+WAIT_S = 30.0
 
 _build_lock = threading.Lock()
 _binary: Optional[str] = None
@@ -151,3 +159,95 @@ def read_lines(path: str) -> List[str]:
             return [l for l in f.read().split("\n") if l]
     except FileNotFoundError:
         return []
+
+
+# ---------------------------------------------------------------- shardq serve
+
+def http_get(url: str, timeout: float = 2.0) -> Tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+class Serve:
+    """One ``shardq serve`` process over ``data`` on a fixed loopback port
+    (kept across restarts); its output goes to ``log_path``."""
+
+    def __init__(self, data: str, shards: int) -> None:
+        self.data = data
+        self.shards = shards
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(os.path.dirname(data), f"serve-{self.port}.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self.starts = 0
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [shardq_binary(), "serve", "--data", self.data, "--listen", f"127.0.0.1:{self.port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.starts += 1
+        wait_until(f"shardq serve on {self.url} to be ready with all {self.shards} shards (log {self.log_path})",
+                   self._ready, timeout_s=WAIT_S, every_s=0.02)
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"shardq serve exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            status, doc = http_get(self.url + "/readyz", 0.5)
+        except OSError:
+            return False
+        return status == 200 and bool(doc.get("ready")) and len(doc.get("owned", [])) == self.shards
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        return stop_process(self.proc, "shardq serve", sig, WAIT_S)
+
+    def status(self) -> Dict[str, Any]:
+        code, doc = http_get(self.url + "/v1/status")
+        assert code == 200, (code, doc)
+        assert doc["failed"] == [], doc
+        return doc
+
+    def totals(self) -> Dict[str, int]:
+        return self.status()["totals"]
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-4000:]
+        except FileNotFoundError:
+            return ""
+
+
+def jobs_for(tag: str, keys: int, per_key: int) -> List[NewJob]:
+    """``per_key`` jobs for each of ``keys`` keys, interleaved across keys,
+    payload ``{"seq": n}``, dedup id ``TAG-KEY-SEQ``."""
+    return [
+        NewJob(f"k-{k}", json.dumps({"seq": s}), dedup_id=f"{tag}-k-{k}-{s}")
+        for s in range(per_key) for k in range(keys)
+    ]
+
+
+def check_order_and_completeness(records: List[Dict[str, Any]], keys: int, per_key: int) -> None:
+    """Records are handler starts in time order. Per key, the seqs started
+    never go back (a re-run repeats the job that was running, never an
+    earlier one), every seq ran, and every run of a seq is the same job id
+    (a job stored twice would show two ids)."""
+    by_key: Dict[str, List[int]] = defaultdict(list)
+    ids: Dict[Tuple[str, int], set] = defaultdict(set)
+    for r in records:
+        by_key[r["key"]].append(r["seq"])
+        ids[(r["key"], r["seq"])].add(r["id"])
+    assert sorted(by_key) == sorted(f"k-{k}" for k in range(keys)), "a key's jobs never ran"
+    for key, seqs in by_key.items():
+        assert all(a <= b for a, b in zip(seqs, seqs[1:])), f"key {key} ran out of order: {seqs}"
+        assert sorted(set(seqs)) == list(range(per_key)), f"key {key} lost jobs: {sorted(set(seqs))}"
+    two = {k: v for k, v in ids.items() if len(v) != 1}
+    assert not two, f"jobs stored twice (several ids for one enqueued job): {dict(list(two.items())[:5])}"

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -20,24 +19,9 @@ import pytest
 
 from shardq import BadRequest, ClaimedJob, Client, NewJob, ServerUnavailable, Unauthorized, Worker
 
-from fake_serve import FakeServe
-from support import free_port, read_lines, stop_process, wait_until
+from support import free_port, read_lines, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture
-def fakes():
-    made: List[FakeServe] = []
-
-    def make(name: str = "s", token=None) -> FakeServe:
-        f = FakeServe(name, token)
-        made.append(f)
-        return f
-
-    yield make
-    for f in made:
-        f.close()
 
 
 def run_worker(w: Worker, handler, **kw) -> threading.Thread:

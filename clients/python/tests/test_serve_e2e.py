@@ -16,126 +16,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
-import pytest
+from shardq import ClaimedJob, Client, Worker
 
-from shardq import ClaimedJob, Client, NewJob, Worker
-
-from support import free_port, read_lines, shardq, shardq_binary, stop_process, wait_until
+from support import WAIT_S, check_order_and_completeness, jobs_for, read_lines, stop_process, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: Bound of the waits here (each test is meant to take a few seconds).
-WAIT_S = 30.0
-
-
-def http_get(url: str, timeout: float = 2.0) -> Tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, None
-
-
-class Serve:
-    """One ``shardq serve`` process over ``data`` on a fixed loopback port
-    (kept across restarts); its output goes to ``log_path``."""
-
-    def __init__(self, data: str, shards: int) -> None:
-        self.data = data
-        self.shards = shards
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(os.path.dirname(data), f"serve-{self.port}.log")
-        self.proc: Optional[subprocess.Popen] = None
-        self.starts = 0
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [shardq_binary(), "serve", "--data", self.data, "--listen", f"127.0.0.1:{self.port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        self.starts += 1
-        wait_until(f"shardq serve on {self.url} to be ready with all {self.shards} shards (log {self.log_path})",
-                   self._ready, timeout_s=WAIT_S, every_s=0.02)
-
-    def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"shardq serve exited with {self.proc.returncode}:\n{self.log()}")
-        try:
-            status, doc = http_get(self.url + "/readyz", 0.5)
-        except OSError:
-            return False
-        return status == 200 and bool(doc.get("ready")) and len(doc.get("owned", [])) == self.shards
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        assert self.proc is not None
-        return stop_process(self.proc, "shardq serve", sig, WAIT_S)
-
-    def status(self) -> Dict[str, Any]:
-        code, doc = http_get(self.url + "/v1/status")
-        assert code == 200, (code, doc)
-        assert doc["failed"] == [], doc
-        return doc
-
-    def totals(self) -> Dict[str, int]:
-        return self.status()["totals"]
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()[-4000:]
-        except FileNotFoundError:
-            return ""
-
-
-@pytest.fixture
-def serve():
-    tmp = tempfile.TemporaryDirectory(prefix="shardq-serve-e2e-")
-    data = os.path.join(tmp.name, "q")
-    shardq("init", "--data", data, "--shards", "4")
-    s = Serve(data, 4)
-    s.start()
-    yield s
-    if s.proc is not None and s.proc.poll() is None:
-        s.stop(signal.SIGKILL)
-    tmp.cleanup()
-
-
-def jobs_for(tag: str, keys: int, per_key: int) -> List[NewJob]:
-    """``per_key`` jobs for each of ``keys`` keys, interleaved across keys,
-    payload ``{"seq": n}``, dedup id ``TAG-KEY-SEQ``."""
-    return [
-        NewJob(f"k-{k}", json.dumps({"seq": s}), dedup_id=f"{tag}-k-{k}-{s}")
-        for s in range(per_key) for k in range(keys)
-    ]
-
-
-def check_order_and_completeness(records: List[Dict[str, Any]], keys: int, per_key: int) -> None:
-    """Records are handler starts in time order. Per key, the seqs started
-    never go back (a re-run repeats the job that was running, never an
-    earlier one), every seq ran, and every run of a seq is the same job id
-    (a job stored twice would show two ids)."""
-    by_key: Dict[str, List[int]] = defaultdict(list)
-    ids: Dict[Tuple[str, int], set] = defaultdict(set)
-    for r in records:
-        by_key[r["key"]].append(r["seq"])
-        ids[(r["key"], r["seq"])].add(r["id"])
-    assert sorted(by_key) == sorted(f"k-{k}" for k in range(keys)), "a key's jobs never ran"
-    for key, seqs in by_key.items():
-        assert all(a <= b for a, b in zip(seqs, seqs[1:])), f"key {key} ran out of order: {seqs}"
-        assert sorted(set(seqs)) == list(range(per_key)), f"key {key} lost jobs: {sorted(set(seqs))}"
-    two = {k: v for k, v in ids.items() if len(v) != 1}
-    assert not two, f"jobs stored twice (several ids for one enqueued job): {dict(list(two.items())[:5])}"
 
 
 class Recorder:

@@ -605,28 +605,40 @@ impl QueueBackend for FsBackend {
         // Runs whose job lease lapsed end first, each as a failed attempt
         // (written, so replay agrees): their jobs go back to the head of
         // their keys, or dead-letter when out of attempts.
-        let (lapse_start, mut end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
-            let r = inner.replica.as_ref().expect("owner has a replica");
-            let mut bytes = Vec::new();
-            for id in r.lapsed(now) {
-                let run = r.in_flight(id).expect("lapsed runs are in flight");
-                let reason = format!(
-                    "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
-                    run.lease_until_ms, run.fence
-                );
-                record::encode(
-                    &mut bytes,
-                    &Record::Fail {
-                        job: id,
-                        retry_at_ms: now,
-                        dead: run.attempt >= run.max_attempts,
-                        key: run.key,
-                        reason: &reason,
-                    },
-                );
-            }
-            Ok(bytes)
-        })?;
+        // Only the owner starts and ends runs, so its replica knows every
+        // run even before it reads what producers appended: with none
+        // lapsed, this step needs no lock and no read.
+        let any_lapsed = inner
+            .replica
+            .as_ref()
+            .is_some_and(|r| !r.lapsed(now).is_empty());
+        let (lapse_start, mut end) = if !any_lapsed {
+            let at = inner.log.end_pos();
+            (at, at)
+        } else {
+            self.append_with(&shard, &mut inner, &mut |inner, _| {
+                let r = inner.replica.as_ref().expect("owner has a replica");
+                let mut bytes = Vec::new();
+                for id in r.lapsed(now) {
+                    let run = r.in_flight(id).expect("lapsed runs are in flight");
+                    let reason = format!(
+                        "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
+                        run.lease_until_ms, run.fence
+                    );
+                    record::encode(
+                        &mut bytes,
+                        &Record::Fail {
+                            job: id,
+                            retry_at_ms: now,
+                            dead: run.attempt >= run.max_attempts,
+                            key: run.key,
+                            reason: &reason,
+                        },
+                    );
+                }
+                Ok(bytes)
+            })?
+        };
         let mut picks: Vec<(Pick, u64)> = Vec::new();
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let floor = self.read_fence(&shard, inner)?.run_fence_min;
