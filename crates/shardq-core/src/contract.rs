@@ -150,7 +150,18 @@ pub fn stale_receipts_change_nothing(h: &dyn ContractHarness) {
     assert_eq!(again.acked, 0);
     let next = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
     assert_eq!(next.payload, b"b", "the acked job must not run again");
-    ack_one(h, &shard, next.receipt());
+    // The same receipt twice in one batch: acked once, then stale.
+    let twice = h
+        .backend()
+        .ack(&shard, &[next.receipt(), next.receipt()])
+        .expect("ack call");
+    assert_eq!((twice.acked, twice.stale), (1, vec![next.receipt()]));
+    let st = h.backend().shard_stats(&shard).expect("stats");
+    assert_eq!(
+        (st.ready, st.in_flight),
+        (0, 0),
+        "a receipt repeated in one batch changes nothing more"
+    );
 }
 
 /// A run whose job lease lapses ends: its job runs again (attempt + 1,

@@ -333,18 +333,22 @@ for i = 5, #ARGV - 2, 3 do
     out[#out + 1] = why
   else
     q.f, q.r = 0, 0
-    redis.call('ZREM', K_INF, ids)
-    redis.call('HDEL', K_JOBS, ids)
-    redis.call('HDEL', K_REASON, ids)
     done[#done + 1] = ids
-    freed[#freed + 1] = k
-    -- Written at once: a later receipt of this batch reads the key afresh.
+    -- Written at once: a later receipt of this batch reads the key afresh
+    -- (and finds nothing in flight, so a repeated receipt is stale).
     kstore(k, q)
     qs[k] = nil
     -- Claim checks the next head's start time.
-    if q.d > 0 and not halted(k) then redis.call('RPUSH', K_READY, k) end
+    if q.d > 0 and not halted(k) then freed[#freed + 1] = k end
   end
 end
+-- The acked jobs leave in one call per structure (the batch is bounded).
+if #done > 0 then
+  redis.call('ZREM', K_INF, unpack(done))
+  redis.call('HDEL', K_JOBS, unpack(done))
+  redis.call('HDEL', K_REASON, unpack(done))
+end
+if #freed > 0 then redis.call('RPUSH', K_READY, unpack(freed)) end
 return out
 "#;
 
