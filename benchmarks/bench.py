@@ -59,6 +59,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def ctx_switches(pid: int) -> int:
+    """Context switches of every thread of a live process (Linux /proc)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        n += int(line.split()[1])
+        except OSError:
+            pass
+    return n
+
+
 def children_cpu_s() -> float:
     import resource
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -234,6 +248,7 @@ def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int
                                 worker_kind])
               for o in outs]
     time.sleep(0.5)  # let the workers start polling
+    cs0 = ctx_switches(serve.proc.pid)
     cpu0 = {"serve": cpu_s(serve.proc.pid), "workers": sum(cpu_s(p.pid) for p in wprocs),
             "redis": cpu_s(redis.proc.pid) if redis else 0.0, "producers": children_cpu_s()}
     t0 = time.monotonic()
@@ -258,6 +273,7 @@ def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int
         if os.environ.get("SHARDQ_BENCH_REDIS_STATS"):
             log(sh("redis-cli", "-p", str(redis.port), "INFO", "commandstats").decode())
     cpu = {k: round(v, 2) for k, v in cpu.items()}
+    cpu["serve_context_switches"] = ctx_switches(serve.proc.pid) - cs0
     for p in wprocs:
         stop(p)
     n = keys * per_key

@@ -11,7 +11,7 @@
 //! until `pause_wait_ms`; past that the caller gets [`ProduceError::PausedTooLong`],
 //! never a silent drop.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use shardq_route::Router;
@@ -133,11 +133,19 @@ impl Refusals {
     }
 }
 
+/// Most keys whose shard a producer remembers (it forgets them all when
+/// full, and whenever it loads another map version).
+const ROUTE_CACHE_KEYS_MAX: usize = 1 << 16;
+
 /// Routes and enqueues jobs; see the module docs.
 pub struct Producer<B: QueueBackend + ?Sized> {
     backend: Arc<B>,
     store: Arc<dyn MapStore>,
     router: Router,
+    /// Map index of recently routed keys, valid for `router` only: a
+    /// tenant's jobs come again and again, and routing one (rendezvous,
+    /// say) costs a hash per shard.
+    route_cache: HashMap<Box<str>, usize, ahash::RandomState>,
     loaded_at_ms: u64,
     options: ProducerOptions,
     refusals: Refusals,
@@ -155,6 +163,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             backend,
             store,
             router,
+            route_cache: HashMap::default(),
             loaded_at_ms: options.clock.now_ms(),
             options,
             refusals: Refusals::default(),
@@ -179,6 +188,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             return Ok(false);
         }
         self.router = Router::new(map).map_err(ReshardError::from)?;
+        self.route_cache.clear();
         Ok(true)
     }
 
@@ -253,16 +263,27 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             let version = self.router.version();
             // One group per shard; a paused key gets a group of its own so
             // that its refusal does not hold back the others.
-            let mut groups: BTreeMap<(String, Option<&str>), Vec<usize>> = BTreeMap::new();
+            let mut groups: BTreeMap<(usize, Option<&str>), Vec<usize>> = BTreeMap::new();
             for &i in &pending {
                 let key = jobs[i].key.as_str();
-                let shard = self.router.route(key).to_string();
+                let at = match self.route_cache.get(key) {
+                    Some(&at) => at,
+                    None => {
+                        let at = self.router.route_index(key.as_bytes());
+                        if self.route_cache.len() >= ROUTE_CACHE_KEYS_MAX {
+                            self.route_cache.clear();
+                        }
+                        self.route_cache.insert(key.into(), at);
+                        at
+                    }
+                };
                 let own = paused.contains(key).then_some(key);
-                groups.entry((shard, own)).or_default().push(i);
+                groups.entry((at, own)).or_default().push(i);
             }
             let mut retry: Vec<usize> = Vec::new();
             let mut fenced: Option<String> = None;
-            for ((shard, own), idxs) in groups {
+            for ((at, own), idxs) in groups {
+                let shard = self.router.map().shards[at].name.clone();
                 let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
                 match self.backend.enqueue(&shard, version, &batch) {
                     Ok(ids) => {
@@ -366,6 +387,25 @@ mod tests {
         fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
             self.inner.try_lock_rebalance()
         }
+    }
+
+    #[test]
+    fn a_remembered_route_is_forgotten_when_the_map_changes() {
+        let backend = Arc::new(MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock)));
+        let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap();
+        let store = Arc::new(MemoryMapStore::new(map.clone()));
+        let mut producer =
+            Producer::new(Arc::clone(&backend), store.clone(), ProducerOptions::default()).unwrap();
+        let first = producer.enqueue(&NewJob::new("k", "1")).unwrap();
+        assert_eq!(producer.enqueue(&NewJob::new("k", "2")).unwrap().shard, first.shard);
+        // Pin the key to the other shard: the next map version routes it there.
+        let other = if first.shard == "s0" { "s1" } else { "s0" };
+        let mut next = map.clone();
+        next.version += 1;
+        next.overrides.insert("k".into(), other.into());
+        store.publish(&next, map.version).unwrap();
+        assert!(producer.reload().unwrap());
+        assert_eq!(producer.enqueue(&NewJob::new("k", "3")).unwrap().shard, other);
     }
 
     #[test]

@@ -439,10 +439,10 @@ impl DedupStore for FileDedup {
         if records.is_empty() {
             return Ok(());
         }
-        let mut text = String::new();
+        let mut text: Vec<u8> = Vec::with_capacity(records.len() * 128);
         for r in records {
-            text.push_str(&serde_json::to_string(r).map_err(|e| e.to_string())?);
-            text.push('\n');
+            serde_json::to_writer(&mut text, r).map_err(|e| e.to_string())?;
+            text.push(b'\n');
         }
         let mut st = lock_state(&self.state);
         let result = (|| {
@@ -462,7 +462,7 @@ impl DedupStore for FileDedup {
                 })?;
             }
             st.file
-                .write_all(text.as_bytes())
+                .write_all(&text)
                 .and_then(|()| st.file.sync_data())
                 .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
             // Under the lock nobody else appended: the file now ends with
