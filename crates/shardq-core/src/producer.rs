@@ -394,10 +394,17 @@ mod tests {
         let backend = Arc::new(MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock)));
         let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap();
         let store = Arc::new(MemoryMapStore::new(map.clone()));
-        let mut producer =
-            Producer::new(Arc::clone(&backend), store.clone(), ProducerOptions::default()).unwrap();
+        let mut producer = Producer::new(
+            Arc::clone(&backend),
+            store.clone(),
+            ProducerOptions::default(),
+        )
+        .unwrap();
         let first = producer.enqueue(&NewJob::new("k", "1")).unwrap();
-        assert_eq!(producer.enqueue(&NewJob::new("k", "2")).unwrap().shard, first.shard);
+        assert_eq!(
+            producer.enqueue(&NewJob::new("k", "2")).unwrap().shard,
+            first.shard
+        );
         // Pin the key to the other shard: the next map version routes it there.
         let other = if first.shard == "s0" { "s1" } else { "s0" };
         let mut next = map.clone();
@@ -405,7 +412,10 @@ mod tests {
         next.overrides.insert("k".into(), other.into());
         store.publish(&next, map.version).unwrap();
         assert!(producer.reload().unwrap());
-        assert_eq!(producer.enqueue(&NewJob::new("k", "3")).unwrap().shard, other);
+        assert_eq!(
+            producer.enqueue(&NewJob::new("k", "3")).unwrap().shard,
+            other
+        );
     }
 
     #[test]

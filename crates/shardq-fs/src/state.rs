@@ -113,6 +113,12 @@ pub(crate) struct ShardState {
     /// reclaimed ranges, for claims in deleted segments).
     fence_high: u64,
     policy: DeadPolicy,
+    /// Slots in all key queues (in-flight heads included).
+    queued: u64,
+    /// No queued slot has a later start time than this (an upper bound,
+    /// reset when the queues empty): once it has passed, every waiting job
+    /// is ready and [`ShardState::stats`] needs no walk over the jobs.
+    not_before_max_ms: u64,
 }
 
 impl ShardState {
@@ -136,6 +142,20 @@ impl ShardState {
             in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
             fence_high,
             policy,
+            queued: 0,
+            not_before_max_ms: 0,
+        }
+    }
+
+    fn slot_added(&mut self, not_before_ms: u64) {
+        self.queued += 1;
+        self.not_before_max_ms = self.not_before_max_ms.max(not_before_ms);
+    }
+
+    fn slot_removed(&mut self) {
+        self.queued -= 1;
+        if self.queued == 0 {
+            self.not_before_max_ms = 0;
         }
     }
 
@@ -282,6 +302,7 @@ impl ShardState {
                     attempt: 0,
                     max_attempts,
                 });
+                self.slot_added(not_before_ms);
                 self.segs.entry(seg_base).or_default().live += 1;
                 self.schedule(k);
             }
@@ -313,7 +334,10 @@ impl ShardState {
                     return self.unknown(job, "ack");
                 };
                 let ks = &mut self.keys[k as usize];
-                ks.queue.pop_front();
+                if ks.queue.pop_front().is_some() {
+                    self.slot_removed();
+                }
+                let ks = &mut self.keys[k as usize];
                 ks.in_flight = false;
                 self.in_flight_ids.remove(&job);
                 self.finish(job);
@@ -336,6 +360,7 @@ impl ShardState {
                 if dead {
                     let slot = ks.queue.pop_front().expect("head exists");
                     ks.dead += 1;
+                    self.slot_removed();
                     self.dead.insert(
                         job,
                         DeadEntry {
@@ -346,6 +371,7 @@ impl ShardState {
                     );
                 } else if let Some(h) = ks.queue.front_mut() {
                     h.not_before_ms = retry_at_ms;
+                    self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 }
                 self.schedule(k);
             }
@@ -370,6 +396,8 @@ impl ShardState {
                     .position(|s| s.id > job)
                     .map_or(ks.queue.len(), |p| p + from);
                 ks.queue.insert(at, slot);
+                self.slot_added(0);
+                let ks = &mut self.keys[entry.key as usize];
                 if at == 0 {
                     // The head changed: drop a stale timer by rescheduling.
                     ks.scheduled = false;
@@ -570,18 +598,40 @@ impl ShardState {
             fence_high: self.fence_high,
             ..ShardStats::default()
         };
+        if self.not_before_max_ms <= now_ms {
+            // Every waiting job is ready: count without walking the jobs.
+            s.in_flight = self.keys.iter().filter(|ks| ks.in_flight).count() as u64;
+            s.ready = self.queued - s.in_flight;
+            #[cfg(debug_assertions)]
+            {
+                let walked = self.walked_stats(now_ms);
+                assert_eq!(
+                    (s.ready, s.delayed, s.in_flight),
+                    walked,
+                    "the queued-slot count drifted from the queues"
+                );
+            }
+            return s;
+        }
+        (s.ready, s.delayed, s.in_flight) = self.walked_stats(now_ms);
+        s
+    }
+
+    /// (ready, delayed, in flight) by walking every queued slot.
+    fn walked_stats(&self, now_ms: u64) -> (u64, u64, u64) {
+        let (mut ready, mut delayed, mut in_flight) = (0, 0, 0);
         for ks in &self.keys {
             let skip = usize::from(ks.in_flight);
-            s.in_flight += skip as u64;
+            in_flight += skip as u64;
             for slot in ks.queue.iter().skip(skip) {
                 if slot.not_before_ms > now_ms {
-                    s.delayed += 1;
+                    delayed += 1;
                 } else {
-                    s.ready += 1;
+                    ready += 1;
                 }
             }
         }
-        s
+        (ready, delayed, in_flight)
     }
 
     pub fn dead_list(&self, shard: &str, limit: usize) -> Vec<DeadJob> {
@@ -647,6 +697,10 @@ impl ShardState {
             }
         }
         self.in_flight_ids.retain(|&id, _| !r.contains(id));
+        self.queued = self.keys.iter().map(|ks| ks.queue.len() as u64).sum();
+        if self.queued == 0 {
+            self.not_before_max_ms = 0;
+        }
         let dead: Vec<u64> = self
             .dead
             .keys()
