@@ -64,7 +64,7 @@ local function kparse(s)
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f), r = tonumber(r)}
 end
-local function kfmt(q) return idstr(q.h) .. ' ' .. idstr(q.t) .. ' ' .. idstr(q.d) .. ' ' .. idstr(q.f) .. ' ' .. idstr(q.r) end
+local function kfmt(q) return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.f, q.r) end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
   if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
@@ -125,8 +125,11 @@ end
 -- whose queue is q: nil if it does, else why not. A run whose job lease
 -- lapsed ends here (its job goes back to its key), so it is stale too.
 local function run_check(ids, fence, k, q, now)
-  if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
-  if not q or q.f ~= tonumber(ids) then return 'not in flight' end
+  -- A job in flight on its key exists (its record goes with its ack).
+  if not q or q.f ~= tonumber(ids) then
+    if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
+    return 'not in flight'
+  end
   if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
   if until_ms <= now then
