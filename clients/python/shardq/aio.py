@@ -21,7 +21,6 @@ blocking work with ``asyncio.to_thread`` (or use :class:`shardq.Worker`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -45,9 +44,11 @@ from .http import (
     WorkerStats,
     _backoff_ms,
     _claimed_of,
+    _dumps,
     _enqueued_of,
     _error_of,
     _job_bodies,
+    _loads,
     _lost_of,
     _normalise_urls,
     _outcome_of,
@@ -71,10 +72,6 @@ AsyncHandler = Callable[[ClaimedJob], Awaitable[None]]
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
-def _dumps(doc: Any) -> str:
-    return json.dumps(doc, separators=(",", ":"))
-
-
 class _Session:
     """One aiohttp session (a keep-alive connection pool) for all servers."""
 
@@ -91,12 +88,12 @@ class _Session:
 
     async def post(self, url: str, path: str, body: Mapping[str, Any], timeout: float) -> Tuple[int, Any]:
         """(status, decoded JSON body or None); raises the transport errors."""
-        data = _dumps(body).encode("utf-8")
+        data = _dumps(body)
         async with self._get().post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             raw = await resp.read()
             status = resp.status
         try:
-            doc = json.loads(raw) if raw else None
+            doc = _loads(raw) if raw else None
         except ValueError:
             doc = raw.decode("utf-8", "replace")
         return status, doc

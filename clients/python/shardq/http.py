@@ -68,6 +68,20 @@ ACK_BATCH_MAX = 1000
 
 Payload = Union[bytes, str]
 
+
+def _std_dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+try:  # orjson (the "fast" extra) when installed: a third of the cost per job
+    import orjson as _orjson
+
+    _dumps: Callable[[Any], bytes] = _orjson.dumps
+    _loads: Callable[[Union[bytes, str]], Any] = _orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _dumps = _std_dumps
+    _loads = json.loads
+
 _LOST_LOCK = threading.Lock()
 
 
@@ -121,7 +135,7 @@ class _Transport:
     def post(self, path: str, body: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> Tuple[int, Any]:
         """Sends one request: (status, decoded JSON body or None). Raises
         ``OSError``/``http.client.HTTPException`` for transport failures."""
-        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        data = _dumps(body)
         c = self._conn(timeout)
         try:
             c.request("POST", self.prefix + path, body=data, headers=self.headers)
@@ -133,7 +147,7 @@ class _Transport:
         if resp.getheader("Connection", "").lower() == "close":
             self._drop()
         try:
-            doc = json.loads(raw) if raw else None
+            doc = _loads(raw) if raw else None
         except ValueError:
             doc = raw.decode("utf-8", "replace")
         return resp.status, doc

@@ -213,3 +213,15 @@ def test_sigterm_stops_claiming_and_finishes_running_jobs(fakes, tmp_path):
     assert lines[-1] == f"exit acked={len(started)}"
     assert len(f.acked) == len(started) and f.pending() == 10 - len(started)
     assert len(started) <= 6, "the worker kept claiming after SIGTERM"
+
+
+def test_both_json_codecs_send_and_read_the_same_documents():
+    # orjson when installed, the standard library otherwise: same documents.
+    import json
+
+    from shardq import http as h
+
+    body = {"jobs": [{"key": "k é\u2028", "payload": "{\"a\":1}", "dedup_id": "x-1", "max_attempts": 3}],
+            "receipts": ["shard-1:7.1733000000123456"], "fence": 2 ** 53 - 1}
+    assert json.loads(h._dumps(body)) == json.loads(h._std_dumps(body)) == body
+    assert h._loads(h._std_dumps(body)) == body and h._loads(h._dumps(body).decode()) == body
