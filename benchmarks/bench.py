@@ -371,7 +371,8 @@ def main() -> None:
     h.add_argument("--jobs", type=int, default=100_000)
     h.add_argument("--producers", type=int, default=1)
     h.add_argument("--workers", type=int, default=2)
-    h.add_argument("--concurrency", type=int, default=32)
+    # 2 x 500 slots: as many as the 1,000 keys can keep in flight (one run per key).
+    h.add_argument("--concurrency", type=int, default=500)
     h.add_argument("--batch", type=int, default=1000)
     h.add_argument("--worker", choices=["thread", "aio"], default="thread",
                    help="shardq.Worker (threads) or shardq.aio.AsyncWorker (asyncio tasks)")
