@@ -9,6 +9,7 @@
 //! grow without bound, whatever the workers do.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use ahash::RandomState;
 
@@ -19,10 +20,12 @@ pub const RUNS_TRACKED_MAX: usize = 65_536;
 /// Age past which a tracked run may be dropped to make room (1 h).
 pub const RUN_FORGET_MS: u64 = 3_600_000;
 
-/// Claim times by (shard, job id, fence); see the module docs.
+/// Claim times by (shard, job id, fence); see the module docs. Shard names
+/// are numbered once (there are few), so tracking a run allocates nothing.
 #[derive(Debug, Default)]
 pub struct RunTracker {
-    started: HashMap<(String, u64, u64), u64, RandomState>,
+    shards: HashMap<Arc<str>, u32, RandomState>,
+    started: HashMap<(u32, u64, u64), u64, RandomState>,
 }
 
 impl RunTracker {
@@ -45,13 +48,21 @@ impl RunTracker {
                 return;
             }
         }
-        self.started
-            .insert((shard.to_string(), r.id.0, r.fence), now_ms);
+        let n = match self.shards.get(shard) {
+            Some(&n) => n,
+            None => {
+                let n = self.shards.len() as u32;
+                self.shards.insert(Arc::from(shard), n);
+                n
+            }
+        };
+        self.started.insert((n, r.id.0, r.fence), now_ms);
     }
 
     /// Run `r` ended: its claim time, if it was tracked.
     pub fn finished(&mut self, shard: &str, r: Receipt) -> Option<u64> {
-        self.started.remove(&(shard.to_string(), r.id.0, r.fence))
+        let n = *self.shards.get(shard)?;
+        self.started.remove(&(n, r.id.0, r.fence))
     }
 }
 

@@ -344,29 +344,55 @@ impl App {
 // ---------------------------------------------------------------------------
 
 /// A run: its shard and job id.
-type RunKey = (String, u64);
+/// A run: (shard number in the book, job id).
+type RunKey = (u32, u64);
+/// A worker's runs: run -> (fence, lease end).
+type Runs = HashMap<RunKey, (u64, u64), RandomState>;
+
 /// Receipts of one request grouped by owned shard (parsed, as sent), and
 /// the receipts of shards not owned here.
 type Grouped = (BTreeMap<String, Vec<(Receipt, String)>>, Vec<String>);
 
-/// Runs handed out, per worker name: the per-worker bound.
+/// Runs handed out, per worker name: the per-worker bound. Shard and worker
+/// names are numbered once (shards for good: there are few; a worker's
+/// number is dropped with its last run), so the per-job work allocates
+/// nothing.
 #[derive(Debug, Default)]
 pub struct ClaimBook {
-    /// Per worker: run -> (fence, lease end).
-    by_worker: HashMap<String, HashMap<RunKey, (u64, u64), RandomState>, RandomState>,
-    by_run: HashMap<RunKey, String, RandomState>,
+    shards: HashMap<Arc<str>, u32, RandomState>,
+    workers: HashMap<Arc<str>, u32, RandomState>,
+    next_worker: u32,
+    /// Per worker number: its name and run -> (fence, lease end).
+    by_worker: HashMap<u32, (Arc<str>, Runs), RandomState>,
+    by_run: HashMap<RunKey, u32, RandomState>,
 }
 
 impl ClaimBook {
+    fn shard_no(&mut self, shard: &str) -> u32 {
+        if let Some(&n) = self.shards.get(shard) {
+            return n;
+        }
+        let n = self.shards.len() as u32;
+        self.shards.insert(Arc::from(shard), n);
+        n
+    }
+
+    fn known_shard(&self, shard: &str) -> Option<u32> {
+        self.shards.get(shard).copied()
+    }
+
     /// Runs `worker` holds at `now_ms` (lapsed leases no longer count).
     fn held(&mut self, worker: &str, now_ms: u64) -> usize {
-        let Some(runs) = self.by_worker.get_mut(worker) else {
+        let Some(&w) = self.workers.get(worker) else {
             return 0;
         };
-        let lapsed: Vec<(String, u64)> = runs
+        let Some((_, runs)) = self.by_worker.get_mut(&w) else {
+            return 0;
+        };
+        let lapsed: Vec<RunKey> = runs
             .iter()
             .filter(|(_, &(_, until))| until <= now_ms)
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         for k in lapsed {
             runs.remove(&k);
@@ -374,28 +400,53 @@ impl ClaimBook {
         }
         let n = runs.len();
         if n == 0 {
-            self.by_worker.remove(worker);
+            self.forget_worker(w);
         }
         n
     }
 
+    fn forget_worker(&mut self, w: u32) {
+        if let Some((name, _)) = self.by_worker.remove(&w) {
+            self.workers.remove(&name);
+        }
+    }
+
     fn add(&mut self, worker: &str, shard: &str, id: u64, fence: u64, until: u64) {
-        let k = (shard.to_string(), id);
-        if let Some(old) = self.by_run.insert(k.clone(), worker.to_string()) {
-            if let Some(m) = self.by_worker.get_mut(&old) {
-                m.remove(&k);
+        let k = (self.shard_no(shard), id);
+        let w = match self.workers.get(worker) {
+            Some(&w) => w,
+            None => {
+                let w = self.next_worker;
+                self.next_worker = self.next_worker.wrapping_add(1);
+                let name: Arc<str> = Arc::from(worker);
+                self.workers.insert(Arc::clone(&name), w);
+                self.by_worker.insert(w, (name, HashMap::default()));
+                w
+            }
+        };
+        if let Some(old) = self.by_run.insert(k, w) {
+            if old != w {
+                let empty = self.by_worker.get_mut(&old).is_some_and(|(_, m)| {
+                    m.remove(&k);
+                    m.is_empty()
+                });
+                if empty {
+                    self.forget_worker(old);
+                }
             }
         }
-        self.by_worker
-            .entry(worker.to_string())
-            .or_default()
-            .insert(k, (fence, until));
+        if let Some((_, m)) = self.by_worker.get_mut(&w) {
+            m.insert(k, (fence, until));
+        }
     }
 
     fn finish(&mut self, shard: &str, r: Receipt) {
-        let k = (shard.to_string(), r.id.0);
-        if let Some(w) = self.by_run.get(&k).cloned() {
-            if let Some(m) = self.by_worker.get_mut(&w) {
+        let Some(sn) = self.known_shard(shard) else {
+            return;
+        };
+        let k = (sn, r.id.0);
+        if let Some(&w) = self.by_run.get(&k) {
+            if let Some((_, m)) = self.by_worker.get_mut(&w) {
                 if m.get(&k).is_some_and(|&(fence, _)| fence == r.fence) {
                     m.remove(&k);
                     self.by_run.remove(&k);
@@ -405,9 +456,12 @@ impl ClaimBook {
     }
 
     fn extend(&mut self, shard: &str, r: Receipt, until: u64) {
-        let k = (shard.to_string(), r.id.0);
+        let Some(sn) = self.known_shard(shard) else {
+            return;
+        };
+        let k = (sn, r.id.0);
         if let Some(w) = self.by_run.get(&k) {
-            if let Some(e) = self.by_worker.get_mut(w).and_then(|m| m.get_mut(&k)) {
+            if let Some(e) = self.by_worker.get_mut(w).and_then(|(_, m)| m.get_mut(&k)) {
                 if e.0 == r.fence {
                     e.1 = until;
                 }
@@ -588,7 +642,8 @@ impl App {
         let mut not_owned = Vec::new();
         let mut map_names: Option<Vec<String>> = None;
         for (i, s) in receipts.iter().enumerate() {
-            let (shard, r) = parse_receipt(s, &format!("receipts[{i}]")).map_err(ApiError::bad)?;
+            let (shard, r) =
+                parse_receipt(s, || format!("receipts[{i}]")).map_err(ApiError::bad)?;
             if self.owned.contains(&shard) {
                 groups.entry(shard).or_default().push((r, s.clone()));
                 continue;
@@ -709,7 +764,7 @@ pub struct FailRequest {
 
 /// `POST /v1/fail`: 200 with the outcome, 409 for a stale receipt.
 pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailRequest>) -> ApiResult {
-    let (shard, r) = parse_receipt(&req.receipt, "receipt").map_err(ApiError::bad)?;
+    let (shard, r) = parse_receipt(&req.receipt, || "receipt".into()).map_err(ApiError::bad)?;
     let reason = req.reason.unwrap_or_default();
     if reason.len() > FAIL_REASON_BYTES_MAX {
         return Err(ApiError::bad(format!(
@@ -1285,4 +1340,45 @@ pub async fn openapi() -> Response {
         crate::OPENAPI_JSON,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use shardq_core::JobId;
+
+    use super::*;
+
+    fn r(id: u64, fence: u64) -> Receipt {
+        Receipt {
+            id: JobId(id),
+            fence,
+        }
+    }
+
+    #[test]
+    fn the_claim_book_counts_each_workers_live_runs() {
+        let mut b = ClaimBook::default();
+        b.add("w1", "s0", 1, 10, 1_000);
+        b.add("w1", "s1", 1, 11, 1_000);
+        b.add("w2", "s0", 2, 12, 5_000);
+        assert_eq!(
+            (b.held("w1", 0), b.held("w2", 0), b.held("nobody", 0)),
+            (2, 1, 0)
+        );
+        // A stale fence or an unknown shard finishes nothing.
+        b.finish("s0", r(1, 9));
+        b.finish("s9", r(1, 10));
+        assert_eq!(b.held("w1", 0), 2);
+        b.finish("s0", r(1, 10));
+        assert_eq!(b.held("w1", 0), 1);
+        // An extended lease outlives the others; lapsed ones stop counting,
+        // and a worker with none left is forgotten.
+        b.extend("s1", r(1, 11), 9_000);
+        assert_eq!((b.held("w1", 6_000), b.held("w2", 6_000)), (1, 0));
+        assert!(!b.workers.contains_key("w2"), "w2 is forgotten");
+        // A run claimed again by another worker moves to it.
+        b.add("w3", "s1", 1, 13, 9_000);
+        assert_eq!((b.held("w1", 6_000), b.held("w3", 6_000)), (0, 1));
+        assert_eq!(b.workers.len(), 1);
+    }
 }

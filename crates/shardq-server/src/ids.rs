@@ -27,10 +27,12 @@ pub fn parse_job(s: &str, field: &str) -> Result<(String, JobId), String> {
 }
 
 /// Parses `SHARD:ID.FENCE`; `field` names the input in the error.
-pub fn parse_receipt(s: &str, field: &str) -> Result<(String, Receipt), String> {
+pub fn parse_receipt(s: &str, field: impl Fn() -> String) -> Result<(String, Receipt), String> {
+    // The field's name is formatted only for an error.
     let bad = || {
         format!(
-            "{field}: invalid receipt {s:?}: expected SHARD:ID.FENCE, e.g. \"shard-2:17.1700000000044000\""
+            "{}: invalid receipt {s:?}: expected SHARD:ID.FENCE, e.g. \"shard-2:17.1700000000044000\"",
+            field()
         )
     };
     let (shard, rest) = s.rsplit_once(':').ok_or_else(bad)?;
@@ -53,13 +55,16 @@ mod tests {
         };
         let s = receipt_string("shard-2", r);
         assert_eq!(s, "shard-2:17.1700000000044000");
-        assert_eq!(parse_receipt(&s, "r").unwrap(), ("shard-2".into(), r));
+        assert_eq!(
+            parse_receipt(&s, || "r".into()).unwrap(),
+            ("shard-2".into(), r)
+        );
         assert_eq!(
             parse_job(&job_string("a.b", JobId(3)), "j").unwrap(),
             ("a.b".into(), JobId(3))
         );
         for bad in ["", "17.1", ":17.1", "s:17", "s:x.1", "s:1.2.3"] {
-            let e = parse_receipt(bad, "receipts[0]").unwrap_err();
+            let e = parse_receipt(bad, || "receipts[0]".into()).unwrap_err();
             assert!(
                 e.contains("receipts[0]") && e.contains(&format!("{bad:?}")),
                 "{e}"
