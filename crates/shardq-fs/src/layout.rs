@@ -166,11 +166,19 @@ pub fn check(dir: &Path) -> Result<(), FsError> {
 
 /// Reads and checks the shard map.
 pub fn read_map(dir: &Path) -> Result<ShardMap, FsError> {
+    parse_map(dir, &read_map_text(dir)?)
+}
+
+/// The text of the shard map file of `dir`.
+pub fn read_map_text(dir: &Path) -> Result<String, FsError> {
     let path = dir.join(SHARD_MAP_FILE);
-    let text = fs::read_to_string(&path)
-        .map_err(|e| FsError::io(format!("reading {}", path.display()), e))?;
-    ShardMap::from_yaml(&text).map_err(|e| FsError::MapInvalid {
-        path,
+    fs::read_to_string(&path).map_err(|e| FsError::io(format!("reading {}", path.display()), e))
+}
+
+/// Parses `text`, the shard map file of `dir`.
+pub fn parse_map(dir: &Path, text: &str) -> Result<ShardMap, FsError> {
+    ShardMap::from_yaml(text).map_err(|e| FsError::MapInvalid {
+        path: dir.join(SHARD_MAP_FILE),
         reason: e.to_string(),
     })
 }

@@ -38,6 +38,9 @@ pub const REBALANCE_LOCK_FILE: &str = ".rebalance.lock";
 #[derive(Debug, Clone)]
 pub struct FileMapStore {
     dir: PathBuf,
+    /// The last map read and the text it was parsed from: a load whose file
+    /// reads the same is not parsed again (status and producers load often).
+    parsed: std::sync::Arc<std::sync::Mutex<Option<(String, ShardMap)>>>,
 }
 
 impl FileMapStore {
@@ -46,6 +49,7 @@ impl FileMapStore {
         layout::check(dir)?;
         Ok(FileMapStore {
             dir: dir.to_path_buf(),
+            parsed: Default::default(),
         })
     }
 
@@ -75,7 +79,16 @@ impl Drop for FlockGuard {
 
 impl MapStore for FileMapStore {
     fn load(&self) -> Result<ShardMap, ReshardError> {
-        layout::read_map(&self.dir).map_err(store_err)
+        let text = layout::read_map_text(&self.dir).map_err(store_err)?;
+        let mut parsed = self.parsed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((t, map)) = parsed.as_ref() {
+            if *t == text {
+                return Ok(map.clone());
+            }
+        }
+        let map = layout::parse_map(&self.dir, &text).map_err(store_err)?;
+        *parsed = Some((text, map.clone()));
+        Ok(map)
     }
 
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
