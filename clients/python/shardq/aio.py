@@ -49,12 +49,13 @@ from .http import (
     _error_of,
     _job_bodies,
     _loads,
-    _lost_of,
+    _extend_refused,
+    _mark_lost,
     _normalise_urls,
     _outcome_of,
     _raise_for,
     _retryable,
-    _stale_of,
+    _settle_acks,
 )
 
 try:
@@ -377,17 +378,11 @@ class AsyncWorker:
                 log.warning("shardq worker: ack of %d jobs to %s failed: %s", len(jobs), url, e)
                 await asyncio.sleep(_backoff_ms(attempt) / 1000)
                 continue
-            if status == 200:
-                self.stats.acked += len(jobs)
+            lost = _settle_acks(url, jobs, status, doc)
+            if lost is not None:
+                self.stats.lost += lost
+                self.stats.acked += len(jobs) - lost
                 self.stats.ack_requests += 1
-                return
-            if status == 409:
-                lost = _lost_of(jobs, doc)
-                for j in lost:
-                    log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
-                                j.id, j.key, j.shard, url, _error_of(doc))
-                self.stats.lost += len(lost)
-                self.stats.acked += len(jobs) - len(lost)
                 return
             if not _retryable(status):
                 log.error("shardq worker: ack of %d jobs at %s refused with %s: %s", len(jobs), url, status, _error_of(doc))
@@ -413,19 +408,9 @@ class AsyncWorker:
         except _TRANSPORT_ERRORS as e:
             log.warning("shardq worker: extend at %s failed: %s", url, e)
             return
-        stale: List[str] = []
-        if status == 409:
-            stale = _stale_of(doc)
-            if not stale:
-                if len(jobs) > 1:
-                    for j in jobs:
-                        await self._extend(url, [j], lease_ms)
-                    return
-                stale = [jobs[0].receipt]
-        elif status != 200:
-            log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
-        for j in jobs:
-            # A job that finished meanwhile was acked with this receipt.
-            if j.receipt in stale and id(j) in self._running and not j.lost.is_set():
-                j.lost.set()
-                log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
+        stale = _extend_refused(url, jobs, status, doc)
+        if stale is None:
+            for j in jobs:
+                await self._extend(url, [j], lease_ms)
+            return
+        _mark_lost(url, jobs, stale, lambda j: id(j) in self._running)

@@ -666,20 +666,12 @@ class Worker:
                 log.warning("shardq worker: ack of %d jobs to %s failed: %s", len(jobs), url, e)
                 time.sleep(_backoff_ms(attempt) / 1000)
                 continue
-            if status == 200:
+            lost = _settle_acks(url, jobs, status, doc)
+            if lost is not None:
                 with self._lock:
-                    self.stats.acked += len(jobs)
+                    self.stats.lost += lost
+                    self.stats.acked += len(jobs) - lost
                     self.stats.ack_requests += 1
-                return
-            if status == 409:
-                # The valid receipts were acked; the others' runs were lost.
-                lost = _lost_of(jobs, doc)
-                for j in lost:
-                    log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
-                                j.id, j.key, j.shard, url, _error_of(doc))
-                with self._lock:
-                    self.stats.lost += len(lost)
-                    self.stats.acked += len(jobs) - len(lost)
                 return
             if not _retryable(status):
                 log.error("shardq worker: ack of %d jobs at %s refused with %s: %s", len(jobs), url, status, _error_of(doc))
@@ -706,28 +698,12 @@ class Worker:
         except (OSError, http.client.HTTPException) as e:
             log.warning("shardq worker: extend at %s failed: %s", url, e)
             return
-        stale: List[str] = []
-        if status == 409:
-            # The valid receipts were extended; the body lists the others
-            # (stale, or of a shard this server no longer owns).
-            stale = _stale_of(doc)
-            if not stale:
-                if len(jobs) > 1:
-                    # A 409 without the lists: which receipt? Ask one by one.
-                    for j in jobs:
-                        self._extend(url, [j], lease_ms)
-                    return
-                stale = [jobs[0].receipt]
-        elif status != 200:
-            log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
-        for j in jobs:
-            with self._lock:
-                # A job that finished while the extend was on its way was
-                # acked (or failed) with this receipt: its run is over, not lost.
-                still_running = id(j) in self._running
-            if j.receipt in stale and still_running and not j.lost.is_set():
-                j.lost.set()
-                log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
+        stale = _extend_refused(url, jobs, status, doc)
+        if stale is None:
+            for j in jobs:
+                self._extend(url, [j], lease_ms)
+            return
+        _mark_lost(url, jobs, stale, lambda j: id(j) in self._running)
 
 
 def _stale_of(doc: Any) -> List[str]:
@@ -740,3 +716,42 @@ def _stale_of(doc: Any) -> List[str]:
             if isinstance(s, list):
                 out.extend(str(x) for x in s)
     return out
+
+
+def _settle_acks(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -> Optional[int]:
+    """For an answered batched ack (200, or 409: the valid receipts were
+    acked, the others' runs were lost): logs the lost runs and returns how
+    many; ``None`` for any other status."""
+    if status == 200:
+        return 0
+    if status != 409:
+        return None
+    lost = _lost_of(jobs, doc)
+    for j in lost:
+        log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
+                    j.id, j.key, j.shard, url, _error_of(doc))
+    return len(lost)
+
+
+def _extend_refused(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -> Optional[List[str]]:
+    """The receipts an extend reply refused (stale, or of a shard the server
+    no longer owns; the others were extended). ``None`` for a 409 without
+    the lists for several receipts: which one? Ask one by one."""
+    if status == 409:
+        stale = _stale_of(doc)
+        if stale:
+            return stale
+        return None if len(jobs) > 1 else [jobs[0].receipt]
+    if status != 200:
+        log.warning("shardq worker: extend at %s answered %s: %s", url, status, _error_of(doc))
+    return []
+
+
+def _mark_lost(url: str, jobs: List["ClaimedJob"], stale: List[str], running: Callable[["ClaimedJob"], bool]) -> None:
+    """Sets ``lost`` on the still running jobs whose receipts an extend
+    refused (a job that finished meanwhile was acked or failed with that
+    receipt: its run is over, not lost)."""
+    for j in jobs:
+        if j.receipt in stale and running(j) and not j.lost.is_set():
+            j.lost.set()
+            log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
