@@ -249,6 +249,7 @@ def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int
               for o in outs]
     time.sleep(0.5)  # let the workers start polling
     cs0 = ctx_switches(serve.proc.pid)
+    wcs0 = sum(ctx_switches(p.pid) for p in wprocs)
     cpu0 = {"serve": cpu_s(serve.proc.pid), "workers": sum(cpu_s(p.pid) for p in wprocs),
             "redis": cpu_s(redis.proc.pid) if redis else 0.0, "producers": children_cpu_s()}
     t0 = time.monotonic()
@@ -276,6 +277,7 @@ def run_pipeline(tmp: str, serve_url: str, serve: Serve, keys: int, per_key: int
             log(sh("redis-cli", "-p", str(redis.port), "INFO", "commandstats").decode())
     cpu = {k: round(v, 2) for k, v in cpu.items()}
     cpu["serve_context_switches"] = ctx_switches(serve.proc.pid) - cs0
+    cpu["workers_context_switches"] = sum(ctx_switches(p.pid) for p in wprocs) - wcs0
     for p in wprocs:
         stop(p)
     n = keys * per_key

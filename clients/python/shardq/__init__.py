@@ -23,8 +23,25 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
+from typing import TYPE_CHECKING
+
 from .http import ClaimedJob, Client, Enqueued, NewJob, Retry, Worker, WorkerStats
-from .redis_producer import Job, Placed, RedisProducer
+
+# The direct Redis producer needs the redis package and the reference router
+# (two thirds of the import time of this package): they load on first use,
+# so an HTTP client or worker does not pay for them at start.
+_LAZY = {"Job", "Placed", "RedisProducer"}
+
+if TYPE_CHECKING:  # for type checkers, which do not run __getattr__
+    from .redis_producer import Job, Placed, RedisProducer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import redis_producer
+
+        return getattr(redis_producer, name)
+    raise AttributeError(f"module 'shardq' has no attribute {name!r}")
 
 __all__ = [
     "BadRequest",

@@ -225,3 +225,24 @@ def test_both_json_codecs_send_and_read_the_same_documents():
             "receipts": ["shard-1:7.1733000000123456"], "fence": 2 ** 53 - 1}
     assert json.loads(h._dumps(body)) == json.loads(h._std_dumps(body)) == body
     assert h._loads(h._std_dumps(body)) == body and h._loads(h._dumps(body).decode()) == body
+
+
+def test_the_http_client_loads_without_the_redis_producer():
+    # `import shardq` for an HTTP client or worker must not pay for redis-py
+    # and the reference router; the Redis producer still loads on first use.
+    code = """
+import sys, shardq
+assert 'redis' not in sys.modules, 'redis imported'
+assert 'shardq_ref' not in sys.modules, 'shardq_ref imported'
+from shardq import RedisProducer
+assert 'redis' in sys.modules and shardq.Placed.__name__ == 'Placed'
+try:
+    shardq.NoSuchThing
+except AttributeError as e:
+    assert 'NoSuchThing' in str(e)
+else:
+    raise SystemExit('no AttributeError')
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+    assert r.returncode == 0, r.stderr
