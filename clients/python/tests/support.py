@@ -183,12 +183,14 @@ class Serve:
         self.log_path = os.path.join(os.path.dirname(data), f"serve-{self.port}.log")
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
+        #: More ``serve`` options, for the next start.
+        self.args: List[str] = []
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [shardq_binary(), "serve", "--data", self.data, "--listen", f"127.0.0.1:{self.port}"],
+            [shardq_binary(), "serve", "--data", self.data, "--listen", f"127.0.0.1:{self.port}", *self.args],
             stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()

@@ -154,37 +154,51 @@ def test_a_killed_worker_job_runs_again_after_its_lease(serve, tmp_path):
     assert serve.totals() == {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}
 
 
+class Producer:
+    """Enqueues ``jobs`` in batches from a thread, pausing between them;
+    ``placed`` grows as replies arrive, ``errors`` holds what ended it."""
+
+    def __init__(self, c: Client, jobs: List[Any], batch: int, pause_s: float) -> None:
+        self.placed: List[Any] = []
+        self.errors: List[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(c, jobs, batch, pause_s), daemon=True)
+        self.thread.start()
+
+    def _run(self, c: Client, jobs: List[Any], batch: int, pause_s: float) -> None:
+        try:
+            for i in range(0, len(jobs), batch):
+                self.placed.extend(c.enqueue_many(jobs[i:i + batch]))
+                time.sleep(pause_s)
+        except BaseException as e:  # reported by the test's thread
+            self.errors.append(e)
+
+    def wait_for_progress(self, jobs: int) -> None:
+        before = len(self.placed)
+        wait_until("the producer to make progress",
+                   lambda: len(self.placed) >= before + jobs or not self.thread.is_alive(), timeout_s=WAIT_S)
+
+    def join(self) -> None:
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the producer did not finish"
+        assert not self.errors, self.errors
+
+
 def test_server_restart_under_load_loses_nothing_and_stores_no_duplicate(serve):
     keys, per_key, batch = 50, 60, 25
     n = keys * per_key
     jobs = jobs_for("restart", keys, per_key)
     # Enough retry rounds (backoff capped at 2 s) to outlast a restart.
     c = Client([serve.url], retry_rounds=40, timeout_s=5)
-    placed: List[Any] = []
-    errors: List[BaseException] = []
-
-    def produce() -> None:
-        try:
-            for i in range(0, n, batch):
-                placed.extend(c.enqueue_many(jobs[i:i + batch]))
-                time.sleep(0.002)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-
-    producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
+    producer = Producer(c, jobs, batch, 0.002)
+    placed = producer.placed
     restarts: List[Tuple[int, int]] = []
     for _ in range(2):
-        before = len(placed)
-        wait_until("the producer to make progress", lambda: len(placed) >= before + n // 5 or not producer.is_alive(),
-                   timeout_s=WAIT_S)
+        producer.wait_for_progress(n // 5)
         at_stop = len(placed)
         assert serve.stop(signal.SIGTERM) == 0, serve.log()
         serve.start()
         restarts.append((at_stop, len(placed)))
-    producer.join(WAIT_S)
-    assert not producer.is_alive(), "the producer did not finish"
-    assert not errors, errors
+    producer.join()
     # The restarts happened with the producer mid-way.
     assert all(0 < at < n for at, _ in restarts), restarts
     assert serve.starts == 3
@@ -201,3 +215,42 @@ def test_server_restart_under_load_loses_nothing_and_stores_no_duplicate(serve):
     assert len(rec.records) == n and {r["id"] for r in rec.records} == {p.id for p in placed}
     assert (w.stats.acked, w.stats.lost) == (n, 0)
     assert serve.totals() == {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}
+
+
+def test_a_sigkilled_server_remembers_every_dedup_id_it_acknowledged(serve):
+    # SIGKILL twice while a producer sends batches with dedup ids. A batch
+    # whose reply arrived was committed to the dedup file before the reply:
+    # after the restarts (each server keys its in-memory hashes afresh) the
+    # whole list sent again is answered as duplicates with the same ids.
+    # Only a request in flight at a kill may store a copy (its jobs were
+    # stored, its dedup records not): at-least-once, bounded by one batch.
+    keys, per_key, batch = 40, 300, 20
+    n = keys * per_key
+    jobs = jobs_for("kill9", keys, per_key)
+    # Short shard leases: a killed server's shards are taken after them.
+    assert serve.stop(signal.SIGTERM) == 0, serve.log()
+    serve.args = ["--lease-ms", "2000"]
+    serve.start()
+    c = Client([serve.url], retry_rounds=40, timeout_s=5)
+    producer = Producer(c, jobs, batch, 0.005)
+    placed = producer.placed
+    kills = 0
+    for _ in range(2):
+        # A restart takes a lease (2 s), while the producer goes on through
+        # the new process: kill again soon after.
+        producer.wait_for_progress(n // 8)
+        if not producer.thread.is_alive():
+            break
+        serve.stop(signal.SIGKILL)
+        kills += 1
+        serve.start()
+    producer.join()
+    assert kills == 2, "the producer finished before both kills"
+    assert len(placed) == n and len({p.id for p in placed}) == n
+    assert not any(p.duplicate for p in placed[:batch]), "the first batch was new"
+
+    again = c.enqueue_many(jobs)
+    assert all(g.duplicate for g in again), [g for g in again if not g.duplicate][:5]
+    assert [g.id for g in again] == [p.id for p in placed]
+    stored = serve.totals()["ready"]
+    assert n <= stored <= n + kills * batch, (stored, n)

@@ -12,15 +12,10 @@ use shardq_core::{NewJob, QueueBackend, QueueError};
 use shardq_fs::record::{encode, Record};
 use shardq_fs::storage::{list_segments, segment_name};
 use shardq_fs::{Engine, EngineOptions, FsError};
-use shardq_route::{Algorithm, ShardMap};
 
-fn data_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-corrupt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
+mod support;
+
+use support::data_dir;
 
 fn last_segment(dir: &Path) -> PathBuf {
     let sdir = dir.join("shard-0");

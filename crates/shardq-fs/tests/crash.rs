@@ -4,21 +4,15 @@
 //! `none` mode a suffix is lost, and the shard still opens cleanly and
 //! appends again.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use shardq_core::{NewJob, QueueBackend, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::storage::{list_segments, segment_name, CrashStorage, OsStorage};
 use shardq_fs::{Durability, Engine, EngineOptions};
-use shardq_route::{Algorithm, ShardMap};
 
-fn data_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-crash-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
+mod support;
+
+use support::data_dir;
 
 fn opts(storage: Arc<dyn shardq_fs::storage::Storage>, durability: Durability) -> EngineOptions {
     EngineOptions {

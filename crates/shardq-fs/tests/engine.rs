@@ -10,42 +10,18 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use shardq_core::{
-    Backoff, Coordinator, DeadPolicy, FailOutcome, Fence, ManualClock, NewJob, PoolOptions,
-    QueueBackend, QueueError, Receipt,
+    Coordinator, DeadPolicy, FailOutcome, Fence, ManualClock, NewJob, PoolOptions, QueueBackend,
+    QueueError, Receipt,
 };
 use shardq_fs::storage::{list_segments, FaultyStorage};
 use shardq_fs::{Engine, EngineOptions, FsCoordinator, FsError, MemberOptions};
-use shardq_route::{Algorithm, ShardMap};
+
+mod support;
+
+use support::{data_dir_n, job, member, opts, wait_for};
 
 /// Job lease used by direct claims in these tests.
 const LEASE_MS: u64 = shardq_core::JOB_LEASE_MS_DEFAULT;
-
-fn data_dir(name: &str, shards: usize) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-fs-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let names: Vec<String> = (0..shards).map(|i| format!("shard-{i}")).collect();
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, names).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
-
-fn opts(clock: &ManualClock) -> EngineOptions {
-    EngineOptions {
-        clock: Arc::new(clock.clone()),
-        backoff: Backoff {
-            base_ms: 100,
-            max_ms: 1000,
-        },
-        ..EngineOptions::default()
-    }
-}
-
-fn job(key: &str, payload: &str, max_attempts: u32) -> NewJob {
-    NewJob {
-        max_attempts,
-        ..NewJob::new(key, payload)
-    }
-}
 
 fn ids(jobs: &[shardq_core::ClaimedJob]) -> Vec<String> {
     jobs.iter()
@@ -55,7 +31,7 @@ fn ids(jobs: &[shardq_core::ClaimedJob]) -> Vec<String> {
 
 #[test]
 fn key_order_retries_first_and_no_head_of_line_blocking() {
-    let dir = data_dir("order", 1);
+    let dir = data_dir_n("order", 1);
     let clock = ManualClock::new(1_000_000);
     let engine = Engine::open(&dir, opts(&clock)).unwrap();
     let b = engine.backend();
@@ -93,7 +69,7 @@ fn key_order_retries_first_and_no_head_of_line_blocking() {
 #[test]
 fn dead_letter_continue_and_halt() {
     for policy in [DeadPolicy::Continue, DeadPolicy::Halt] {
-        let dir = data_dir(&format!("dead-{policy:?}"), 1);
+        let dir = data_dir_n(&format!("dead-{policy:?}"), 1);
         let clock = ManualClock::new(1_000_000);
         let engine = Engine::open(
             &dir,
@@ -141,7 +117,7 @@ fn only_segment(dir: &Path, shard: &str) -> PathBuf {
 
 #[test]
 fn torn_tail_is_truncated_and_appends_continue() {
-    let dir = data_dir("torn", 1);
+    let dir = data_dir_n("torn", 1);
     let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
     for i in 0..3 {
         engine.enqueue(NewJob::new("k", format!("p{i}"))).unwrap();
@@ -165,7 +141,7 @@ fn torn_tail_is_truncated_and_appends_continue() {
 
 #[test]
 fn mid_file_corruption_is_reported_until_repaired() {
-    let dir = data_dir("corrupt", 1);
+    let dir = data_dir_n("corrupt", 1);
     let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
     let (_, second) = {
         engine.enqueue(NewJob::new("k", "first")).unwrap();
@@ -211,7 +187,7 @@ fn mid_file_corruption_is_reported_until_repaired() {
 
 #[test]
 fn failed_fsync_refuses_work_until_reopened() {
-    let dir = data_dir("fsync", 1);
+    let dir = data_dir_n("fsync", 1);
     let faulty = FaultyStorage::default();
     let engine = Engine::open(
         &dir,
@@ -256,7 +232,7 @@ fn failed_fsync_refuses_work_until_reopened() {
 
 #[test]
 fn fence_refuses_stale_versions_and_paused_keys() {
-    let dir = data_dir("fence", 1);
+    let dir = data_dir_n("fence", 1);
     let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
     let b = engine.backend();
     let mut fence = Fence {
@@ -298,7 +274,7 @@ fn fence_refuses_stale_versions_and_paused_keys() {
 
 #[test]
 fn finished_segments_are_deleted() {
-    let dir = data_dir("compact", 1);
+    let dir = data_dir_n("compact", 1);
     let clock = ManualClock::new(1_000_000);
     let engine = Engine::open(
         &dir,
@@ -333,7 +309,7 @@ fn finished_segments_are_deleted() {
 
 #[test]
 fn concurrent_appenders_with_separate_locks_lose_nothing() {
-    let dir = data_dir("appenders", 1);
+    let dir = data_dir_n("appenders", 1);
     let handles: Vec<_> = (0..4)
         .map(|t| {
             let dir = dir.clone();
@@ -370,18 +346,9 @@ fn concurrent_appenders_with_separate_locks_lose_nothing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn member(id: &str) -> MemberOptions {
-    MemberOptions {
-        member_id: id.into(),
-        lease_ms: 30_000,
-        clock_skew_ms: 1_000,
-        max_local_shards: 1,
-    }
-}
-
 #[test]
 fn lease_takeover_standby_and_graceful_release() {
-    let dir = data_dir("lease", 2);
+    let dir = data_dir_n("lease", 2);
     let clock = ManualClock::new(1_000_000);
     let c: Arc<dyn shardq_core::Clock> = Arc::new(clock.clone());
     let mut a = FsCoordinator::new(&dir, member("a@1"), Arc::clone(&c)).unwrap();
@@ -431,7 +398,7 @@ fn lease_takeover_standby_and_graceful_release() {
 
 #[test]
 fn corrupt_membership_is_reported_and_left_alone() {
-    let dir = data_dir("membership", 1);
+    let dir = data_dir_n("membership", 1);
     std::fs::write(dir.join("membership.json"), "{not json").unwrap();
     let err = Engine::open(&dir, EngineOptions::default())
         .unwrap_err()
@@ -449,7 +416,7 @@ fn corrupt_membership_is_reported_and_left_alone() {
 
 #[test]
 fn pool_limit_is_shared_by_all_owned_shards() {
-    let dir = data_dir("pool", 3);
+    let dir = data_dir_n("pool", 3);
     let engine = Engine::open(
         &dir,
         EngineOptions {
@@ -493,23 +460,9 @@ fn pool_limit_is_shared_by_all_owned_shards() {
 }
 
 /// Polls `cond` every few ms for up to `limit`; returns how long it took.
-fn wait_for(
-    limit: std::time::Duration,
-    mut cond: impl FnMut() -> bool,
-) -> Option<std::time::Duration> {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    None
-}
-
 #[test]
 fn interval_durability_syncs_an_idle_tail_within_the_interval() {
-    let dir = data_dir("interval-idle", 1);
+    let dir = data_dir_n("interval-idle", 1);
     // The clock stands still, so no append ever finds the interval passed:
     // only the background flusher can sync.
     let clock = ManualClock::new(1_000_000);
@@ -603,7 +556,7 @@ fn dead_job_then_traffic(b: &shardq_fs::FsBackend, dir: &Path, rounds: usize) ->
 
 #[test]
 fn a_dead_job_in_the_first_segment_does_not_pin_later_ones() {
-    let dir = data_dir("compact-dead", 1);
+    let dir = data_dir_n("compact-dead", 1);
     let clock = ManualClock::new(1_000_000);
     let os: Arc<dyn shardq_fs::storage::Storage> = Arc::new(shardq_fs::storage::OsStorage);
     // A producer that appended before the traffic and a replica that read
@@ -685,7 +638,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn a_crash_during_compaction_loses_nothing() {
-    let dir = data_dir("compact-crash", 1);
+    let dir = data_dir_n("compact-crash", 1);
     let clock = ManualClock::new(1_000_000);
     // Every deletion fails: what a crash right after the reclaimed list was
     // written leaves behind, for every segment at once.

@@ -2,7 +2,7 @@
 //! is released and stops counting toward `max_local_shards`, so a shard
 //! added later is claimed; a removed shard is never claimed again.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use shardq_core::{Clock, Coordinator, ManualClock};
@@ -11,13 +11,9 @@ use shardq_fs::map_store::deploy_shard;
 use shardq_fs::{Engine, FsCoordinator, MemberOptions};
 use shardq_route::{Algorithm, ShardMap};
 
-fn data_dir(name: &str, shards: &[&str]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-member-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, shards.iter().copied()).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
+mod support;
+
+use support::{data_dir_with, member};
 
 fn publish(dir: &Path, shards: &[&str], version: u64) {
     let mut map = ShardMap::with_shards(Algorithm::Rendezvous, shards.iter().copied()).unwrap();
@@ -25,18 +21,9 @@ fn publish(dir: &Path, shards: &[&str], version: u64) {
     write_atomic(&dir.join(SHARD_MAP_FILE), map.to_yaml().as_bytes()).unwrap();
 }
 
-fn member(id: &str) -> MemberOptions {
-    MemberOptions {
-        member_id: id.into(),
-        lease_ms: 30_000,
-        clock_skew_ms: 1_000,
-        max_local_shards: 1,
-    }
-}
-
 #[test]
 fn a_shard_removed_from_the_map_is_released_and_a_new_one_claimed() {
-    let dir = data_dir("follow-map", &["shard-0", "shard-1"]);
+    let dir = data_dir_with("follow-map", &["shard-0", "shard-1"]);
     let clock = ManualClock::new(1_000_000);
     let c: Arc<dyn Clock> = Arc::new(clock.clone());
     let mut a = FsCoordinator::new(&dir, member("a@1"), Arc::clone(&c)).unwrap();
@@ -90,7 +77,7 @@ fn a_shard_removed_from_the_map_is_released_and_a_new_one_claimed() {
 
 #[test]
 fn a_shard_in_the_map_without_a_membership_entry_gets_one() {
-    let dir = data_dir("no-entry", &["shard-0"]);
+    let dir = data_dir_with("no-entry", &["shard-0"]);
     let clock = ManualClock::new(1_000_000);
     let c: Arc<dyn Clock> = Arc::new(clock.clone());
     // A shard directory made without a membership entry (an older deploy).

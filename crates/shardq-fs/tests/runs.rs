@@ -3,43 +3,17 @@
 //! the next claim, and fences grow for a key across attempts, reopens, a
 //! clock stepped back and compaction, and respect `run_fence_min`.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use shardq_core::{
-    Backoff, ClaimedJob, FailOutcome, Fence, ManualClock, NewJob, QueueBackend, QueueError, Receipt,
+    ClaimedJob, FailOutcome, Fence, ManualClock, NewJob, QueueBackend, QueueError, Receipt,
 };
 use shardq_fs::{Engine, EngineOptions};
-use shardq_route::{Algorithm, ShardMap};
+
+mod support;
+
+use support::{data_dir, job, opts};
 
 const LEASE_MS: u64 = 1_000;
 const T0: u64 = 1_700_000_000_000;
-
-fn data_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-runs-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
-
-fn opts(clock: &ManualClock) -> EngineOptions {
-    EngineOptions {
-        clock: Arc::new(clock.clone()),
-        backoff: Backoff {
-            base_ms: 100,
-            max_ms: 1000,
-        },
-        ..EngineOptions::default()
-    }
-}
-
-fn job(key: &str, payload: &str, max_attempts: u32) -> NewJob {
-    NewJob {
-        max_attempts,
-        ..NewJob::new(key, payload)
-    }
-}
 
 fn one(jobs: Vec<ClaimedJob>) -> ClaimedJob {
     assert_eq!(jobs.len(), 1, "expected one claimed job: {jobs:?}");

@@ -3,22 +3,16 @@
 //! locked shard is `Unavailable` (transient) while the others keep working.
 
 use std::fs::OpenOptions;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::{NewJob, QueueBackend, QueueError, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::backend::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use shardq_fs::{Durability, Engine, EngineOptions};
-use shardq_route::{Algorithm, ShardMap};
 
-fn data_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-stall-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["shard-0", "shard-1"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    dir
-}
+mod support;
+
+use support::data_dir_with;
 
 #[test]
 fn a_held_append_lock_makes_only_its_shard_unavailable() {
@@ -27,7 +21,7 @@ fn a_held_append_lock_makes_only_its_shard_unavailable() {
         EngineOptions::default().append_lock_wait_ms,
         APPEND_LOCK_WAIT_MS_DEFAULT
     );
-    let dir = data_dir("held");
+    let dir = data_dir_with("held", &["shard-0", "shard-1"]);
     let bound_ms = 1_500;
     let engine = Engine::open(
         &dir,

@@ -3,112 +3,20 @@
 //! driven by a plain HTTP client. Waits are bounded polls.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use shardq_deploy::WorkerOptions;
-use shardq_server::{routes, spawn, Role, Running, Server, ServerOptions, Tokens};
+use shardq_server::{routes, Role, Server, Tokens};
 
-fn init_dir(shards: usize) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let map = shardq_deploy::spec::init_map(shards, "rendezvous", None).unwrap();
-    shardq_deploy::init_embedded(dir.path(), &map).unwrap();
-    dir
-}
+mod support;
 
-fn options() -> ServerOptions {
-    ServerOptions {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        worker: WorkerOptions {
-            lease_ms: 3000,
-            ..WorkerOptions::default()
-        },
-        ..ServerOptions::default()
-    }
-}
-
-fn start(dir: &Path, opts: ServerOptions) -> Running {
-    spawn(dir, opts).unwrap()
-}
-
-/// One request; any status comes back as (status, JSON body).
-fn call(
-    s: &Running,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    token: Option<&str>,
-) -> (u16, Value) {
-    let mut req =
-        ureq::request(method, &format!("{}{path}", s.url())).timeout(Duration::from_secs(60));
-    if let Some(t) = token {
-        req = req.set("Authorization", &format!("Bearer {t}"));
-    }
-    let res = match body {
-        Some(b) => req.set("Content-Type", "application/json").send_string(b),
-        None => req.call(),
-    };
-    let (code, resp) = match res {
-        Ok(r) => (r.status(), r),
-        Err(ureq::Error::Status(code, r)) => (code, r),
-        Err(e) => panic!("{method} {path}: {e}"),
-    };
-    let text = resp.into_string().unwrap();
-    if path == "/metrics" && code == 200 {
-        return (code, Value::String(text)); // Prometheus text, not JSON
-    }
-    let v = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("{method} {path} -> {code}: body is not JSON ({e}): {text}"));
-    (code, v)
-}
-
-fn post(s: &Running, path: &str, body: Value) -> (u16, Value) {
-    call(s, "POST", path, Some(&body.to_string()), None)
-}
-
-fn get(s: &Running, path: &str) -> (u16, Value) {
-    call(s, "GET", path, None, None)
-}
-
-fn enqueue(s: &Running, jobs: Value) -> Vec<Value> {
-    let (code, v) = post(s, "/v1/jobs", json!({ "jobs": jobs }));
-    assert_eq!(code, 200, "{v}");
-    v["jobs"].as_array().unwrap().clone()
-}
-
-fn claim(s: &Running, worker: &str, max: u64, wait_ms: u64, lease_ms: u64) -> Vec<Value> {
-    let (code, v) = post(
-        s,
-        "/v1/claim",
-        json!({"worker": worker, "max": max, "wait_ms": wait_ms, "lease_ms": lease_ms}),
-    );
-    assert_eq!(code, 200, "{v}");
-    v["jobs"].as_array().unwrap().clone()
-}
-
-fn totals(s: &Running) -> Value {
-    let (code, v) = get(s, "/v1/status");
-    assert_eq!(code, 200, "{v}");
-    v["totals"].clone()
-}
-
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+use support::{call, claim, enqueue, get, init_dir, options, post, start, totals, wait_until};
 
 #[test]
 fn enqueue_claim_ack_round_trip_and_stale_receipts() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let s = start(dir.path(), options());
     let placed = enqueue(
         &s,
@@ -160,7 +68,7 @@ fn enqueue_claim_ack_round_trip_and_stale_receipts() {
 
 #[test]
 fn a_shard_not_owned_here_gets_409() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let mut o = options();
     o.worker.max_shards = 1;
     let s = start(dir.path(), o);
@@ -199,7 +107,7 @@ fn a_shard_not_owned_here_gets_409() {
 fn per_key_order_holds_with_concurrent_claimers() {
     const KEYS: usize = 16;
     const PER_KEY: usize = 12;
-    let dir = init_dir(3);
+    let dir = init_dir(3, "rendezvous");
     let s = Arc::new(start(dir.path(), options()));
     for round in 0..PER_KEY {
         let jobs: Vec<Value> = (0..KEYS)
@@ -253,7 +161,7 @@ fn per_key_order_holds_with_concurrent_claimers() {
 
 #[test]
 fn a_lapsed_lease_is_redelivered_and_its_receipt_refused() {
-    let dir = init_dir(1);
+    let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
     enqueue(&s, json!([{"key": "k", "payload": "p"}]));
     let first = claim(&s, "w-1", 1, 2000, 100);
@@ -280,7 +188,7 @@ fn a_lapsed_lease_is_redelivered_and_its_receipt_refused() {
 
 #[test]
 fn extend_keeps_a_run_and_fail_retries_later() {
-    let dir = init_dir(1);
+    let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
     enqueue(&s, json!([{"key": "k", "payload": "p"}]));
     let j = claim(&s, "w-1", 1, 2000, 300);
@@ -333,7 +241,7 @@ fn extend_keeps_a_run_and_fail_retries_later() {
 
 #[test]
 fn dedup_returns_the_original_ids_across_restarts() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let body = json!([
         {"key": "a", "payload": "1", "dedup_id": "req-1/a"},
         {"key": "b", "payload": "2", "dedup_id": "req-1/b"},
@@ -385,7 +293,7 @@ const TOKENS: &[(&str, &str)] = &[
 
 #[test]
 fn tokens_and_roles_allow_exactly_their_paths() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let text: String = TOKENS.iter().map(|(t, r)| format!("{t} {r}\n")).collect();
     let mut o = options();
     o.tokens = Some(Tokens::parse(&format!("# test\n{text}"), "test").unwrap());
@@ -443,7 +351,7 @@ fn tokens_and_roles_allow_exactly_their_paths() {
 
 #[test]
 fn bad_input_gets_400_naming_the_field_and_value_and_stores_nothing() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let mut o = options();
     o.open.engine.payload_bytes_max = 1000;
     let s = start(dir.path(), o);
@@ -683,7 +591,7 @@ fn every_served_path_is_documented_and_vice_versa() {
         .map(|r| (r.method.to_string(), r.path.to_string()))
         .collect();
     assert_eq!(served, documented);
-    let dir = init_dir(1);
+    let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
     let (code, v) = get(&s, "/v1/openapi.json");
     assert_eq!((code, &v), (200, &doc));
@@ -691,7 +599,7 @@ fn every_served_path_is_documented_and_vice_versa() {
 
 #[test]
 fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
-    let dir = init_dir(2);
+    let dir = init_dir(2, "rendezvous");
     let s = Arc::new(start(dir.path(), options()));
     let stop = Arc::new(AtomicBool::new(false));
     let seen_new = Arc::new(AtomicBool::new(false));

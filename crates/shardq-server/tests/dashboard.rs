@@ -7,57 +7,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use shardq_deploy::WorkerOptions;
-use shardq_server::{dashboard, spawn, Running, ServerOptions};
+use shardq_server::{dashboard, spawn, Running};
 
-fn init_dir(shards: usize, algorithm: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let map = shardq_deploy::spec::init_map(shards, algorithm, None).unwrap();
-    shardq_deploy::init_embedded(dir.path(), &map).unwrap();
-    dir
-}
+mod support;
 
-fn options() -> ServerOptions {
-    ServerOptions {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        worker: WorkerOptions {
-            lease_ms: 3000,
-            ..WorkerOptions::default()
-        },
-        ..ServerOptions::default()
-    }
-}
-
-fn call(s: &Running, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let req = ureq::request(method, &format!("{}{path}", s.url())).timeout(Duration::from_secs(30));
-    let res = match body {
-        Some(b) => req.send_json(b),
-        None => req.call(),
-    };
-    let (code, r) = match res {
-        Ok(r) => (r.status(), r),
-        Err(ureq::Error::Status(c, r)) => (c, r),
-        Err(e) => panic!("{method} {path}: {e}"),
-    };
-    let text = r.into_string().unwrap();
-    let v = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("{method} {path} -> {code}: not JSON ({e}): {text}"));
-    (code, v)
-}
-
-fn get(s: &Running, path: &str) -> Value {
-    let (code, v) = call(s, "GET", path, None);
-    assert_eq!(code, 200, "GET {path}: {v}");
-    v
-}
-
-fn enqueue(s: &Running, key: &str, n: usize) {
-    let jobs: Vec<Value> = (0..n)
-        .map(|i| json!({"key": key, "payload": i.to_string()}))
-        .collect();
-    let (code, v) = call(s, "POST", "/v1/jobs", Some(json!({ "jobs": jobs })));
-    assert_eq!(code, 200, "{v}");
-}
+use support::{enqueue_n, get, get_ok, init_dir, options, post};
 
 #[test]
 fn the_page_and_its_assets_are_served_from_the_binary() {
@@ -91,7 +45,7 @@ fn the_page_and_its_assets_are_served_from_the_binary() {
 fn ring_shares_follow_weights_and_cover_the_circle() {
     let dir = init_dir(3, "ring");
     let s = spawn(dir.path(), options()).unwrap();
-    let v = get(&s, "/v1/ring");
+    let v = get_ok(&s, "/v1/ring");
     assert_eq!(v["algorithm"], "ring");
     assert_eq!(v["method"], "ring-points");
     let shares: Vec<f64> = v["shards"]
@@ -109,15 +63,14 @@ fn ring_shares_follow_weights_and_cover_the_circle() {
     assert_eq!(arcs[0]["start"], 0.0);
     assert_eq!(arcs.last().unwrap()["end"], 1.0);
     // A warming shard routes nothing.
-    let (code, r) = call(
+    let (code, r) = post(
         &s,
-        "POST",
         "/v1/admin/add-shard",
-        Some(json!({"name": "shard-9", "weight": 2})),
+        json!({"name": "shard-9", "weight": 2}),
     );
     assert_eq!(code, 200, "{r}");
     let ok = (0..50).any(|_| {
-        let v = get(&s, "/v1/ring");
+        let v = get_ok(&s, "/v1/ring");
         let found = v["shards"]
             .as_array()
             .unwrap()
@@ -136,10 +89,10 @@ fn hot_keys_are_the_deepest_and_top_is_bounded() {
     let dir = init_dir(2, "rendezvous");
     // Nobody claims: a server owning no shard would still show the work.
     let s = spawn(dir.path(), options()).unwrap();
-    enqueue(&s, "deep", 7);
-    enqueue(&s, "mid", 3);
-    enqueue(&s, "shallow", 1);
-    let v = get(&s, "/v1/hot?top=2");
+    enqueue_n(&s, "deep", 7);
+    enqueue_n(&s, "mid", 3);
+    enqueue_n(&s, "shallow", 1);
+    let v = get_ok(&s, "/v1/hot?top=2");
     let mut all: Vec<(String, u64)> = Vec::new();
     for sh in v["shards"].as_array().unwrap() {
         let top = sh["top"].as_array().unwrap();
@@ -158,7 +111,7 @@ fn hot_keys_are_the_deepest_and_top_is_bounded() {
         "/v1/hot?top=x",
         "/v1/hot?nope=1",
     ] {
-        let (code, e) = call(&s, "GET", bad, None);
+        let (code, e) = get(&s, bad);
         assert_eq!(code, 400, "{bad}: {e}");
         assert!(
             e["error"].as_str().unwrap().contains("top") || bad.contains("nope"),
@@ -171,19 +124,14 @@ fn hot_keys_are_the_deepest_and_top_is_bounded() {
 fn reshard_shows_a_pending_target_and_idle_without_one() {
     let dir = init_dir(2, "rendezvous");
     let s = spawn(dir.path(), options()).unwrap();
-    let v = get(&s, "/v1/reshard");
+    let v = get_ok(&s, "/v1/reshard");
     assert_eq!(v["phase"], "idle", "{v}");
     assert_eq!(v["paused_total"], 0);
-    let (code, r) = call(
-        &s,
-        "POST",
-        "/v1/admin/add-shard",
-        Some(json!({"name": "shard-5"})),
-    );
+    let (code, r) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-5"}));
     assert_eq!(code, 200, "{r}");
     let mut last = Value::Null;
     let ok = (0..50).any(|_| {
-        last = get(&s, "/v1/reshard");
+        last = get_ok(&s, "/v1/reshard");
         let done = last["phase"] == "pending";
         if !done {
             std::thread::sleep(Duration::from_millis(100));
@@ -202,22 +150,17 @@ fn viewer(dir: &Path) -> Running {
 fn the_viewer_serves_the_api_without_taking_shards() {
     let dir = init_dir(2, "rendezvous");
     let v = viewer(dir.path());
-    let ready = get(&v, "/readyz");
+    let ready = get_ok(&v, "/readyz");
     assert_eq!(ready["owned"], json!([]), "{ready}");
-    enqueue(&v, "k", 2);
-    let st = get(&v, "/v1/status");
+    enqueue_n(&v, "k", 2);
+    let st = get_ok(&v, "/v1/status");
     assert_eq!(st["totals"]["ready"], 2, "{st}");
     // Claims hand out nothing: no shard is run here.
-    let (code, c) = call(
-        &v,
-        "POST",
-        "/v1/claim",
-        Some(json!({"worker": "w", "max": 5})),
-    );
+    let (code, c) = post(&v, "/v1/claim", json!({"worker": "w", "max": 5}));
     assert_eq!((code, c), (200, json!({"jobs": []})));
     // A real server over the same dir takes every shard.
     let s = spawn(dir.path(), options()).unwrap();
-    let ready = get(&s, "/readyz");
+    let ready = get_ok(&s, "/readyz");
     assert_eq!(ready["owned"].as_array().unwrap().len(), 2, "{ready}");
     v.stop().unwrap();
     s.stop().unwrap();

@@ -15,6 +15,10 @@ use serde_json::{json, Value};
 use shardq_deploy::WorkerOptions;
 use shardq_server::{spawn, Running, ServerOptions};
 
+mod support;
+
+use support::{init_at, owned_shards, post_ok, status};
+
 /// Longest wait for Prometheus to start and show a scraped value.
 const PROMETHEUS_WAIT: Duration = Duration::from_secs(90);
 
@@ -138,22 +142,6 @@ fn wait_for_query(
     }
 }
 
-fn post(s: &Running, path: &str, body: Value) -> Value {
-    let r = ureq::post(&format!("{}{path}", s.url()))
-        .timeout(Duration::from_secs(30))
-        .send_json(body)
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-    r.into_json().unwrap()
-}
-
-fn status(s: &Running) -> Value {
-    ureq::get(&format!("{}/v1/status", s.url()))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap()
-}
-
 /// Per shard: the count `field` from `/v1/status`.
 fn per_shard(status: &Value, field: &str) -> BTreeMap<String, f64> {
     status["shards"]
@@ -171,7 +159,7 @@ fn per_shard(status: &Value, field: &str) -> BTreeMap<String, f64> {
 
 /// One claim of up to `max` runs: (key, receipt) each.
 fn claim_all(s: &Running, max: u64) -> Vec<(String, String)> {
-    let v = post(
+    let v = post_ok(
         s,
         "/v1/claim",
         json!({"worker": "w1", "max": max, "wait_ms": 0, "lease_ms": 60000}),
@@ -193,8 +181,7 @@ fn claim_all(s: &Running, max: u64) -> Vec<(String, String)> {
 fn prometheus_scrapes_the_shard_gauges_and_counters() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let map = shardq_deploy::spec::init_map(3, "rendezvous", None).unwrap();
-    shardq_deploy::init_embedded(&data, &map).unwrap();
+    init_at(&data, 3, "rendezvous");
     let s = spawn(
         &data,
         ServerOptions {
@@ -222,11 +209,11 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
     let jobs: Vec<Value> = (0..30)
         .map(|i| json!({"key": format!("tenant-{}", i % 10), "payload": "x"}))
         .collect();
-    post(&s, "/v1/jobs", json!({ "jobs": jobs }));
+    post_ok(&s, "/v1/jobs", json!({ "jobs": jobs }));
     let doomed: Vec<Value> = (0..4)
         .map(|i| json!({"key": format!("doomed-{i}"), "payload": "x", "max_attempts": 1}))
         .collect();
-    post(&s, "/v1/jobs", json!({ "jobs": doomed }));
+    post_ok(&s, "/v1/jobs", json!({ "jobs": doomed }));
     // One round of claims: the head of each of the 14 keys. Fail the
     // doomed ones (dead at once), ack five, keep the rest in flight.
     let runs = claim_all(&s, 100);
@@ -235,11 +222,11 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
     let mut retained = Vec::new();
     for (key, r) in runs {
         if key.starts_with("doomed-") {
-            let v = post(&s, "/v1/fail", json!({"receipt": r, "reason": "boom"}));
+            let v = post_ok(&s, "/v1/fail", json!({"receipt": r, "reason": "boom"}));
             assert_eq!(v["outcome"], "dead", "{v}");
             dead += 1;
         } else if acked_first < 5 {
-            let v = post(&s, "/v1/ack", json!({ "receipts": [r] }));
+            let v = post_ok(&s, "/v1/ack", json!({ "receipts": [r] }));
             assert_eq!(v["acked"], 1, "{v}");
             acked_first += 1;
         } else {
@@ -289,7 +276,7 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
     // Ack every run still held: the counter and the run time histogram move.
     let more = retained.len();
     assert!(more > 0);
-    let v = post(&s, "/v1/ack", json!({ "receipts": retained }));
+    let v = post_ok(&s, "/v1/ack", json!({ "receipts": retained }));
     assert_eq!(v["acked"], more, "{v}");
     let want = (acked_first + more) as f64;
     wait_for_query(
@@ -326,15 +313,4 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
     );
     drop(p);
     s.stop().unwrap();
-}
-
-/// How many shards the server reports as its own (`/readyz`).
-fn owned_shards(s: &Running) -> usize {
-    match ureq::get(&format!("{}/readyz", s.url())).call() {
-        Ok(r) => {
-            let v: Value = r.into_json().unwrap_or(Value::Null);
-            v["owned"].as_array().map(|a| a.len()).unwrap_or(0)
-        }
-        Err(_) => 0,
-    }
 }
