@@ -27,9 +27,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from shardq import Worker  # noqa: E402
 
-try:  # the JSON codec the client itself uses when installed (the "fast" extra)
+# The JSON codec the client itself uses when installed (the "fast" extra);
+# SHARDQ_BENCH_PAYLOAD_JSON=std measures with the standard library's.
+try:
     from orjson import loads as parse_payload
 except ImportError:  # pragma: no cover - depends on the environment
+    parse_payload = json.loads
+if os.environ.get("SHARDQ_BENCH_PAYLOAD_JSON") == "std":
     parse_payload = json.loads
 
 
