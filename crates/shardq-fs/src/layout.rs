@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 use serde::{Deserialize, Serialize};
@@ -32,6 +33,11 @@ use crate::storage::segment_name;
 pub const MEMBERSHIP_FILE: &str = "membership.json";
 /// Lock guarding the membership file.
 pub const MEMBERSHIP_LOCK_FILE: &str = ".membership.lock";
+/// Longest wait for `.membership.lock`, in ms. Holders keep it for one
+/// read-modify-write of a small file; one that holds it longer is stalled
+/// (SIGSTOP, a hung disk), and past this bound a lease tick fails with
+/// `Unavailable` (transient) instead of waiting for it forever.
+pub const MEMBERSHIP_LOCK_WAIT_MS: u64 = 5_000;
 /// Shard map file name.
 pub const SHARD_MAP_FILE: &str = "shardmap.yaml";
 /// Owner lock in each shard directory.
@@ -219,13 +225,47 @@ pub fn write_membership(dir: &Path, m: &Membership) -> Result<(), FsError> {
         .map_err(|e| FsError::io(format!("writing {}", path.display()), e))
 }
 
+/// First pause between tries of a held lock; doubles up to
+/// [`LOCK_POLL_MS_MAX`].
+const LOCK_POLL_US_MIN: u64 = 100;
+/// Longest pause between tries of a held lock.
+const LOCK_POLL_MS_MAX: u64 = 10;
+
+/// Takes the exclusive flock of `f`, waiting at most `bound`: `Ok(true)`
+/// once held, `Ok(false)` if it was still held by another open file after
+/// the bound. flock has no timed wait, so this polls, backing off, never
+/// sleeping past the bound.
+pub(crate) fn flock_within(f: &File, bound: Duration) -> io::Result<bool> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(LOCK_POLL_US_MIN);
+    loop {
+        match flock(f, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(true),
+            Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let waited = start.elapsed();
+        if waited >= bound {
+            return Ok(false);
+        }
+        std::thread::sleep(pause.min(bound - waited));
+        pause = (pause * 2).min(Duration::from_millis(LOCK_POLL_MS_MAX));
+    }
+}
+
 /// Holds `.membership.lock` until dropped.
 pub struct MembershipLock(File);
 
 impl MembershipLock {
-    /// Takes the lock (blocks while another process holds it; holders keep
-    /// it only for a read-modify-write).
+    /// Takes the lock, waiting at most [`MEMBERSHIP_LOCK_WAIT_MS`].
     pub fn acquire(dir: &Path) -> Result<MembershipLock, FsError> {
+        MembershipLock::acquire_within(dir, MEMBERSHIP_LOCK_WAIT_MS)
+    }
+
+    /// Takes the lock, waiting at most `bound_ms`; past it, a transient
+    /// [`shardq_core::QueueError::Unavailable`] (for every shard, `"*"`)
+    /// naming the lock file and the bound.
+    pub fn acquire_within(dir: &Path, bound_ms: u64) -> Result<MembershipLock, FsError> {
         let path = dir.join(MEMBERSHIP_LOCK_FILE);
         let f = OpenOptions::new()
             .read(true)
@@ -234,8 +274,21 @@ impl MembershipLock {
             .truncate(false)
             .open(&path)
             .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
-        flock(&f, FlockOperation::LockExclusive)
-            .map_err(|e| FsError::io(format!("locking {}", path.display()), e.into()))?;
+        let start = Instant::now();
+        if !flock_within(&f, Duration::from_millis(bound_ms))
+            .map_err(|e| FsError::io(format!("locking {}", path.display()), e))?
+        {
+            return Err(FsError::Queue(shardq_core::QueueError::Unavailable {
+                shard: "*".into(),
+                reason: format!(
+                    "the membership lock {} is held by another process (stalled?): not free \
+                     after {} ms (bound {bound_ms} ms); leases are neither renewed nor taken \
+                     until it is",
+                    path.display(),
+                    start.elapsed().as_millis()
+                ),
+            }));
+        }
         Ok(MembershipLock(f))
     }
 }

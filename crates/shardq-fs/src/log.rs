@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::QueueError;
 
+use crate::layout;
 use crate::reclaim::Reclaimed;
 use crate::record::{
     self, check_segment_header, decode, segment_header, DecodeError, HeaderError, Record,
@@ -44,11 +45,6 @@ pub const APPEND_LOCK_FILE: &str = ".append.lock";
 /// [`QueueError::Unavailable`] after this long instead of stalling the
 /// caller, so a pool keeps serving its other shards.
 pub const APPEND_LOCK_WAIT_MS_DEFAULT: u64 = 1_000;
-/// First pause between attempts to take a busy append lock; doubles up to
-/// [`APPEND_LOCK_POLL_MS_MAX`].
-const APPEND_LOCK_POLL_US_MIN: u64 = 100;
-/// Longest pause between attempts to take a busy append lock.
-const APPEND_LOCK_POLL_MS_MAX: u64 = 10;
 /// Default segment size before rolling to a new one (64 MiB).
 pub const SEGMENT_BYTES_DEFAULT: u64 = 64 << 20;
 /// Bytes read from a segment at a time while tailing.
@@ -330,36 +326,22 @@ impl ShardLog {
     pub fn lock(&self) -> Result<AppendGuard, QueueError> {
         let path = self.dir.join(APPEND_LOCK_FILE);
         let start = Instant::now();
-        let bound = Duration::from_millis(self.lock_wait_ms);
-        let mut pause = Duration::from_micros(APPEND_LOCK_POLL_US_MIN);
-        loop {
-            match flock(&*self.append_lock, FlockOperation::NonBlockingLockExclusive) {
-                Ok(()) => return Ok(AppendGuard(Arc::clone(&self.append_lock))),
-                Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
-                Err(e) => {
-                    return Err(QueueError::io(
-                        format!("locking {}", path.display()),
-                        e.into(),
-                    ))
-                }
-            }
-            let waited = start.elapsed();
-            if waited >= bound {
-                return Err(QueueError::Unavailable {
-                    shard: self.name.clone(),
-                    reason: format!(
-                        "its append lock {} is held by another process (stalled?): not free \
-                         after {} ms (bound {} ms); other shards are not affected",
-                        path.display(),
-                        waited.as_millis(),
-                        self.lock_wait_ms
-                    ),
-                });
-            }
-            // flock has no timed wait: poll, backing off, never past the bound.
-            std::thread::sleep(pause.min(bound - waited));
-            pause = (pause * 2).min(Duration::from_millis(APPEND_LOCK_POLL_MS_MAX));
+        let held =
+            layout::flock_within(&self.append_lock, Duration::from_millis(self.lock_wait_ms))
+                .map_err(io_err(|| format!("locking {}", path.display())))?;
+        if held {
+            return Ok(AppendGuard(Arc::clone(&self.append_lock)));
         }
+        Err(QueueError::Unavailable {
+            shard: self.name.clone(),
+            reason: format!(
+                "its append lock {} is held by another process (stalled?): not free \
+                 after {} ms (bound {} ms); other shards are not affected",
+                path.display(),
+                start.elapsed().as_millis(),
+                self.lock_wait_ms
+            ),
+        })
     }
 
     fn current_file(&mut self) -> Result<Arc<dyn LogFile>, QueueError> {

@@ -1,18 +1,22 @@
-//! A process stalled while holding one shard's append lock must not stall
-//! the other shards: taking the lock is bounded, and past the bound the
-//! locked shard is `Unavailable` (transient) while the others keep working.
+//! A process stalled while holding a lock must not stall the others: one
+//! shard's append lock makes only that shard `Unavailable` (transient)
+//! after its bound while the others keep working, and the data dir's
+//! membership lock makes lease ticks fail after theirs while the owned
+//! shards keep running.
 
 use std::fs::OpenOptions;
 use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
+use shardq_core::{Coordinator, SystemClock};
 use shardq_core::{NewJob, QueueBackend, QueueError, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::backend::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
-use shardq_fs::{Durability, Engine, EngineOptions};
+use shardq_fs::layout::{MEMBERSHIP_LOCK_FILE, MEMBERSHIP_LOCK_WAIT_MS};
+use shardq_fs::{Durability, Engine, EngineOptions, FsCoordinator};
 
 mod support;
 
-use support::data_dir_with;
+use support::{data_dir_with, member};
 
 #[test]
 fn a_held_append_lock_makes_only_its_shard_unavailable() {
@@ -94,5 +98,62 @@ fn a_held_append_lock_makes_only_its_shard_unavailable() {
         b.claim("shard-1", 10, JOB_LEASE_MS_DEFAULT).unwrap().len(),
         3
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_held_membership_lock_bounds_the_lease_tick_and_the_owned_shard_runs_on() {
+    assert_eq!(MEMBERSHIP_LOCK_WAIT_MS, 5_000);
+    let dir = data_dir_with("membership-held", &["shard-0"]);
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            durability: Durability::None,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let b = engine.backend();
+    let mut c = FsCoordinator::new(&dir, member("m@1"), std::sync::Arc::new(SystemClock)).unwrap();
+    assert_eq!(c.tick().unwrap().gained, ["shard-0"]);
+    b.adopt("shard-0").unwrap();
+    let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new(format!("k{i}"), "")).collect();
+    b.enqueue("shard-0", 1, &jobs).unwrap();
+
+    // The "stalled process" holds the membership lock.
+    let held = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(MEMBERSHIP_LOCK_FILE))
+        .unwrap();
+    flock(&held, FlockOperation::LockExclusive).unwrap();
+    let start = Instant::now();
+    let err = c.tick().unwrap_err();
+    let took = start.elapsed();
+    assert!(err.is_transient(), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(MEMBERSHIP_LOCK_FILE) && msg.contains("bound 5000 ms"),
+        "{msg}"
+    );
+    assert!(
+        took >= Duration::from_millis(MEMBERSHIP_LOCK_WAIT_MS),
+        "gave up after {took:?}"
+    );
+    assert!(
+        took < Duration::from_millis(MEMBERSHIP_LOCK_WAIT_MS + 5_000),
+        "waited {took:?}"
+    );
+    // The shard it owns runs on meanwhile (its flock, not the file, keeps
+    // others out).
+    let claimed = b.claim("shard-0", 10, JOB_LEASE_MS_DEFAULT).unwrap();
+    assert_eq!(claimed.len(), 3);
+    let rs: Vec<Receipt> = claimed.iter().map(|j| j.receipt()).collect();
+    assert_eq!(b.ack("shard-0", &rs).unwrap().acked, 3);
+
+    // The stalled process lets go: the tick renews, nothing was lost.
+    flock(&held, FlockOperation::Unlock).unwrap();
+    let own = c.tick().unwrap();
+    assert_eq!((own.owned, own.lost), (vec!["shard-0".to_string()], vec![]));
     let _ = std::fs::remove_dir_all(&dir);
 }

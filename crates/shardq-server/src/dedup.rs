@@ -16,7 +16,8 @@
 //!   holds a keyed 128-bit hash of each id, not the id, and each key and
 //!   shard name once: a server's memory grew by about 170 bytes per record
 //!   (390 when it held the ids), table growth included; a rewrite copies
-//!   the live lines from the file.
+//!   the live lines from the file, and one that fails (a full disk, a
+//!   damaged old line) leaves the file as it was and the commit standing.
 //! * [`RedisDedup`] (Redis data dirs): one key per id under the
 //!   deployment's namespace; a reservation is `SET NX PX` of a pending
 //!   marker (for [`PENDING_MS`]), the commit overwrites it with the record
@@ -207,6 +208,8 @@ struct FileState {
     pos: u64,
     /// Record lines in the file (live or not).
     lines: usize,
+    /// After a failed rewrite: no new try below this many lines.
+    compact_after: usize,
     ino: u64,
     /// The latest `now_ms` a caller gave.
     now_ms: u64,
@@ -400,6 +403,7 @@ impl FileDedup {
             file,
             pos,
             lines: 0,
+            compact_after: 0,
             ino,
             now_ms,
         };
@@ -428,34 +432,11 @@ impl FileDedup {
     fn write_live(&self, st: &mut FileState) -> Result<(), String> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let tmp = dir.join(format!(".{DEDUP_FILE}.tmp"));
-        let read_err = |e: std::io::Error| format!("reading {}: {e}", self.path.display());
-        let write_err = |e: std::io::Error| format!("writing {}: {e}", tmp.display());
-        let mut from = BufReader::new(File::open(&self.path).map_err(read_err)?).take(st.pos);
-        let mut to = BufWriter::new(File::create(&tmp).map_err(write_err)?);
-        let mut written = HashSet::<IdHash, RandomState>::default();
-        let (mut line, mut at, mut kept) = (Vec::new(), 0u64, 0u64);
-        loop {
-            line.clear();
-            let n = from.read_until(b'\n', &mut line).map_err(read_err)?;
-            if n == 0 || line.last() != Some(&b'\n') {
-                break; // the end, or a torn last line
-            }
-            if !line.iter().all(u8::is_ascii_whitespace) {
-                let r: DedupRecord = serde_json::from_slice(&line).map_err(|e| {
-                    format!(
-                        "{} offset {at}: not a dedup record ({e})",
-                        self.path.display()
-                    )
-                })?;
-                if st.is_live(&r) && written.insert(st.hash(&r.id)) {
-                    to.write_all(&line).map_err(write_err)?;
-                    kept += n as u64;
-                }
-            }
-            at += n as u64;
+        let result = self.copy_live(st, &tmp);
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
-        let f = to.into_inner().map_err(|e| write_err(e.into_error()))?;
-        f.sync_all().map_err(write_err)?;
+        let (written, kept) = result?;
         std::fs::rename(&tmp, &self.path)
             .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), self.path.display()))?;
         if let Ok(d) = File::open(dir) {
@@ -483,6 +464,44 @@ impl FileDedup {
         }
         st.lines = st.expiry.len();
         Ok(())
+    }
+
+    /// Writes the live lines of the file to `tmp` (fsynced): the ids
+    /// written and their bytes.
+    fn copy_live(
+        &self,
+        st: &FileState,
+        tmp: &Path,
+    ) -> Result<(HashSet<IdHash, RandomState>, u64), String> {
+        let read_err = |e: std::io::Error| format!("reading {}: {e}", self.path.display());
+        let write_err = |e: std::io::Error| format!("writing {}: {e}", tmp.display());
+        let mut from = BufReader::new(File::open(&self.path).map_err(read_err)?).take(st.pos);
+        let mut to = BufWriter::new(File::create(tmp).map_err(write_err)?);
+        let mut written = HashSet::<IdHash, RandomState>::default();
+        let (mut line, mut at, mut kept) = (Vec::new(), 0u64, 0u64);
+        loop {
+            line.clear();
+            let n = from.read_until(b'\n', &mut line).map_err(read_err)?;
+            if n == 0 || line.last() != Some(&b'\n') {
+                break; // the end, or a torn last line
+            }
+            if !line.iter().all(u8::is_ascii_whitespace) {
+                let r: DedupRecord = serde_json::from_slice(&line).map_err(|e| {
+                    format!(
+                        "{} offset {at}: not a dedup record ({e})",
+                        self.path.display()
+                    )
+                })?;
+                if st.is_live(&r) && written.insert(st.hash(&r.id)) {
+                    to.write_all(&line).map_err(write_err)?;
+                    kept += n as u64;
+                }
+            }
+            at += n as u64;
+        }
+        let f = to.into_inner().map_err(|e| write_err(e.into_error()))?;
+        f.sync_all().map_err(write_err)?;
+        Ok((written, kept))
     }
 
     /// Reads lines other servers appended since the last read (and the
@@ -606,9 +625,23 @@ impl DedupStore for FileDedup {
                 self.refresh(&mut st)?;
             }
             // Keep the file near the live records: rewrite it once it
-            // holds mostly expired lines.
-            if st.lines > 2 * st.index.len() + self.compact_slack {
-                self.write_live(&mut st)?;
+            // holds mostly expired lines. The records are durable already:
+            // a rewrite that fails (a full disk, a damaged old line) leaves
+            // the file as it was, says why, and is tried again only once
+            // the file has doubled.
+            if st.lines > (2 * st.index.len() + self.compact_slack).max(st.compact_after) {
+                match self.write_live(&mut st) {
+                    Ok(()) => st.compact_after = 0,
+                    Err(e) => {
+                        st.compact_after = 2 * st.lines;
+                        eprintln!(
+                            "shardq serve: not rewriting {} now: {e} (its records are \
+                             unchanged; tried again at {} lines)",
+                            self.path.display(),
+                            st.compact_after
+                        );
+                    }
+                }
             }
             Ok(())
         })();
@@ -1026,6 +1059,54 @@ mod tests {
         );
         // What memory holds per record.
         assert!(std::mem::size_of::<(IdHash, Entry)>() <= 40);
+    }
+
+    #[test]
+    fn a_rewrite_that_fails_leaves_the_file_and_the_commit_stands() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(DEDUP_FILE);
+        let mut d = FileDedup::open(dir.path(), 1000).unwrap();
+        d.compact_slack = 0;
+        let old: Vec<DedupRecord> = (0..4).map(|i| rec(&format!("old-{i}"), i, 1500)).collect();
+        d.commit(&old).unwrap();
+        d.commit(&[rec("keep", 7, 9000)]).unwrap();
+        // A byte of an old line goes bad after it was read.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[2] = b'#';
+        std::fs::write(&path, &bytes).unwrap();
+        // Past the old ones' expiry the file is mostly expired: the rewrite
+        // meets the bad line and gives up, the commit stands.
+        assert_eq!(d.begin("new", 2000).unwrap(), Begin::Fresh);
+        d.commit(&[rec("new", 4, 9000)]).unwrap();
+        let after = std::fs::read(&path).unwrap();
+        assert_eq!(
+            &after[..bytes.len()],
+            &bytes[..],
+            "the file was not rewritten"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&after).lines().count(),
+            6,
+            "{}",
+            String::from_utf8_lossy(&after)
+        );
+        assert!(!dir.path().join(format!(".{DEDUP_FILE}.tmp")).exists());
+        assert_eq!(
+            d.begin("new", 2000).unwrap(),
+            Begin::Done(rec("new", 4, 9000))
+        );
+        assert_eq!(
+            d.begin("keep", 2000).unwrap(),
+            Begin::Done(rec("keep", 7, 9000))
+        );
+        // No new try on every commit: only once the file has doubled.
+        assert_eq!(lock_state(&d.state).compact_after, 12);
+        // Opening names the bad line, as before.
+        let e = FileDedup::open(dir.path(), 2000).err().unwrap();
+        assert!(
+            e.contains("offset 0") && e.contains("not a dedup record"),
+            "{e}"
+        );
     }
 
     #[test]
