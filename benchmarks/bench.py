@@ -303,7 +303,7 @@ def bench_http(a: argparse.Namespace) -> None:
                     serve.stop()
                 row: Dict[str, Any] = {
                     "bench": "http", "backend": a.backend, "repeat": rep, "jobs": r["jobs"],
-                    "producers": a.producers, "workers": a.workers, "worker_kind": a.worker,
+                    "producers": a.producers, "workers": a.workers, "worker_kind": a.worker, "prefetch": a.prefetch,
                     "worker_concurrency": a.concurrency, "batch": a.batch,
                     "jobs_per_s": round(r["jobs_per_s"]), "seconds": round(r["seconds"], 2),
                     "enqueue_seconds": round(r["enqueue_seconds"], 2), "reruns": r["reruns"], "worker_stats": r["stats"],
@@ -380,6 +380,8 @@ def main() -> None:
     h.add_argument("--batch", type=int, default=1000)
     h.add_argument("--worker", choices=["thread", "aio"], default="thread",
                    help="shardq.Worker (threads) or shardq.aio.AsyncWorker (asyncio tasks)")
+    h.add_argument("--prefetch", type=int, default=None,
+                   help="shardq.Worker's prefetch (default: the client's, as many as --concurrency)")
     h.add_argument("--bullmq", action="store_true", help="with --backend redis: BullMQ 5 on the same redis-server")
     h.add_argument("--bullmq-concurrency", type=int, default=100)
     h.add_argument("--repeat", type=int, default=3)
@@ -390,8 +392,11 @@ def main() -> None:
     l.add_argument("--workers", type=int, default=2)
     l.add_argument("--concurrency", type=int, default=32)
     l.add_argument("--worker", choices=["thread", "aio"], default="thread")
+    l.add_argument("--prefetch", type=int, default=None)
     l.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
+    if getattr(a, "prefetch", None) is not None:
+        os.environ["SHARDQ_BENCH_PREFETCH"] = str(a.prefetch)  # read by http_worker.py
     {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency}[a.cmd](a)
 
 

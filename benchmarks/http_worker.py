@@ -70,7 +70,9 @@ def main() -> None:
         stats = asyncio.run(AsyncWorker(urls, worker_id=worker_id).run(
             ahandle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000))
     else:
-        stats = Worker(urls, worker_id=worker_id).run(handle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000)
+        prefetch = os.environ.get("SHARDQ_BENCH_PREFETCH")  # bench.py --prefetch
+        stats = Worker(urls, worker_id=worker_id).run(handle, concurrency=concurrency, lease_ms=30_000, wait_ms=1000,
+                                                      prefetch=int(prefetch) if prefetch is not None else None)
     with open(out, "w") as f:
         json.dump({"stats": stats.__dict__, "disorder": disorder[:20], "disorder_count": len(disorder)}, f)
         f.write("\n")

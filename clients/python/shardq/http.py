@@ -418,10 +418,10 @@ Handler = Callable[[ClaimedJob], None]
 
 class Worker:
     """Claims jobs from every URL with long polls, runs ``handler`` in a
-    thread pool, extends the job leases of running handlers every lease/3,
-    and acks (or fails, when the handler raises) on the server that gave the
-    job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT once every
-    running handler has finished and its result has been sent."""
+    thread pool, extends the job leases of running and prefetched jobs every
+    lease/3, and acks (or fails, when the handler raises) on the server that
+    gave the job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT
+    once every claimed job has run and its result has been sent."""
 
     def __init__(
         self,
@@ -452,19 +452,32 @@ class Worker:
         lease_ms: int = 30_000,
         wait_ms: int = CLAIM_WAIT_MS_DEFAULT,
         install_signal_handlers: bool = True,
+        prefetch: Optional[int] = None,
     ) -> WorkerStats:
+        """Runs ``handler`` on ``concurrency`` threads. ``prefetch`` (default:
+        ``concurrency``) more jobs may be claimed ahead and wait here, so
+        that a handler that finishes does not wait for a claim's round trip
+        and claims carry several jobs; their leases are extended like those
+        of running jobs. ``prefetch=0`` claims only for idle threads (for
+        long jobs that another worker could start sooner)."""
         if concurrency < 1:
             raise ValueError(f"invalid concurrency {concurrency}: at least 1")
+        if prefetch is None:
+            prefetch = concurrency
+        if prefetch < 0:
+            raise ValueError(f"invalid prefetch {prefetch}: at least 0")
         if lease_ms < 100:
             raise ValueError(f"invalid lease_ms {lease_ms}: at least 100")
         self._stop.clear()
         restore = self._install_signals() if install_signal_handlers else {}
-        # A token per free slot: a claimer takes the free ones and asks for
-        # that many jobs; a runner gives its token back when its job is done.
-        # SimpleQueue rather than Semaphore/ThreadPoolExecutor: no Python-level
-        # condition variables or futures on the path of every job.
+        # A token per free slot (running or prefetched): a claimer takes the
+        # free ones and asks for that many jobs; a runner gives its token
+        # back when its job is done. SimpleQueue rather than
+        # Semaphore/ThreadPoolExecutor: no Python-level condition variables
+        # or futures on the path of every job.
+        slots = concurrency + prefetch
         free: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-        for _ in range(concurrency):
+        for _ in range(slots):
             free.put(1)
         work: "queue.SimpleQueue[Optional[ClaimedJob]]" = queue.SimpleQueue()
         runners = [
@@ -487,7 +500,7 @@ class Worker:
             a.start()
         claimers = [
             threading.Thread(
-                target=self._claim_loop, args=(url, free, concurrency, work, lease_ms, wait_ms),
+                target=self._claim_loop, args=(url, free, slots, work, lease_ms, wait_ms),
                 name=f"shardq-claim-{i}", daemon=True,
             )
             for i, url in enumerate(self.urls)
@@ -527,11 +540,11 @@ class Worker:
             old[sig] = signal.signal(sig, lambda *_: self.stop())
         return old
 
-    def _claim_loop(self, url: str, free: "queue.SimpleQueue[int]", concurrency: int,
+    def _claim_loop(self, url: str, free: "queue.SimpleQueue[int]", slots: int,
                     work: "queue.SimpleQueue[Optional[ClaimedJob]]", lease_ms: int, wait_ms: int) -> None:
         t = self._transports[url]
         failures = 0
-        most = min(concurrency, CLAIM_MAX)
+        most = min(slots, CLAIM_MAX)
         while not self._stop.is_set():
             # Reserve the free slots (at least one) and ask for that many.
             try:

@@ -160,6 +160,40 @@ def test_a_long_job_is_extended_and_a_failing_one_retried(fakes):
     assert w.stats.acked == 3 and w.stats.failed == 1
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_prefetched_jobs_wait_with_extended_leases_and_each_runs_once(fakes, prefetch):
+    f = fakes("a")
+    Client([f.url]).enqueue_many([NewJob(f"k{i}", str(i)) for i in range(6)])
+    release = threading.Event()
+    runs: List[Tuple[str, int]] = []
+
+    def handler(job: ClaimedJob) -> None:
+        runs.append((job.key, job.attempt))
+        if len(runs) == 1:
+            release.wait(30)
+
+    def in_flight() -> int:
+        with f.lock:
+            return len(f.flying)
+
+    w = Worker([f.url])
+    t = run_worker(w, handler, concurrency=1, lease_ms=300, wait_ms=100, prefetch=prefetch)
+    wait_until("the first job to start and the prefetch to fill", lambda: len(runs) == 1 and in_flight() == 1 + prefetch)
+    # Four leases of 300 ms with one thread busy: the waiting jobs are
+    # extended like the running one, and no more are claimed.
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        assert in_flight() == 1 + prefetch and len(runs) == 1
+        time.sleep(0.05)
+    release.set()
+    wait_until("every job to be acked", lambda: f.pending() == 0, timeout_s=30)
+    w.stop()
+    t.join(30)
+    assert not f.shape_errors, f.shape_errors
+    assert sorted(runs) == [(f"k{i}", 1) for i in range(6)], "a waiting job's lease lapsed and it ran again"
+    assert (w.stats.acked, w.stats.lost) == (6, 0)
+
+
 def test_409_on_ack_means_the_run_was_lost_and_is_not_retried(fakes, caplog):
     f = fakes("a")
     Client([f.url]).enqueue("k", "x")
