@@ -255,7 +255,8 @@ impl Engine {
         stop: &AtomicBool,
     ) -> Result<PoolReport, FsError> {
         let clock = Arc::clone(&self.backend.options().clock);
-        let mut coordinator = FsCoordinator::new(&self.dir, member, Arc::clone(&clock))?;
+        let mut coordinator = FsCoordinator::new(&self.dir, member, Arc::clone(&clock))?
+            .with_storage(Arc::clone(&self.backend.options().storage));
         let backend: Arc<dyn QueueBackend> = self.backend.clone();
         let report = WorkerPool::run(backend, &mut coordinator, handler, clock, pool, stop)?;
         self.backend.flush()?;

@@ -219,9 +219,20 @@ pub fn read_membership(dir: &Path) -> Result<Membership, FsError> {
 
 /// Writes membership.json atomically.
 pub fn write_membership(dir: &Path, m: &Membership) -> Result<(), FsError> {
+    write_membership_with(&crate::storage::OsStorage, dir, m)
+}
+
+/// [`write_membership`] through `storage` (atomic: a failed write leaves
+/// the old file).
+pub fn write_membership_with(
+    storage: &dyn crate::storage::Storage,
+    dir: &Path,
+    m: &Membership,
+) -> Result<(), FsError> {
     let path = dir.join(MEMBERSHIP_FILE);
     let text = serde_json::to_string_pretty(m).expect("membership serialises");
-    write_atomic(&path, text.as_bytes())
+    storage
+        .write_file_atomic(&path, text.as_bytes())
         .map_err(|e| FsError::io(format!("writing {}", path.display()), e))
 }
 

@@ -24,6 +24,7 @@ use shardq_core::{Clock, Coordinator, QueueError};
 
 use crate::error::FsError;
 use crate::layout::{self, MemberEntry, MembershipLock};
+use crate::storage::{OsStorage, Storage};
 
 /// Default lease (30 s).
 pub const LEASE_MS_DEFAULT: u64 = 30_000;
@@ -70,6 +71,8 @@ pub struct FsCoordinator {
     dir: PathBuf,
     opts: MemberOptions,
     clock: Arc<dyn Clock>,
+    /// Where `membership.json` is written (tests inject a full disk).
+    storage: Arc<dyn Storage>,
     claiming: bool,
     /// Owned shards and the flock on their `.lock`.
     owned: BTreeMap<String, File>,
@@ -117,10 +120,18 @@ impl FsCoordinator {
             dir: dir.to_path_buf(),
             opts,
             clock,
+            storage: Arc::new(OsStorage),
             claiming: true,
             owned: BTreeMap::new(),
             last_seen: BTreeMap::new(),
         })
+    }
+
+    /// Writes `membership.json` through `storage` (the engine's, so that
+    /// tests can fail its writes as a full disk would).
+    pub fn with_storage(mut self, storage: Arc<dyn Storage>) -> FsCoordinator {
+        self.storage = storage;
+        self
     }
 
     /// Shards owned now.
@@ -206,7 +217,7 @@ impl FsCoordinator {
                 out.gained.push(shard);
             }
         }
-        layout::write_membership(&self.dir, &m)?;
+        layout::write_membership_with(&*self.storage, &self.dir, &m)?;
         self.last_seen = m
             .shards
             .into_iter()
@@ -241,7 +252,7 @@ impl Coordinator for FsCoordinator {
                     }
                 }
             }
-            layout::write_membership(&self.dir, &m)
+            layout::write_membership_with(&*self.storage, &self.dir, &m)
         })();
         self.owned.clear();
         result.map_err(q)

@@ -206,3 +206,57 @@ fn a_full_disk_while_writing_a_fence_keeps_the_old_fence() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A full disk while a lease is renewed: the tick fails naming
+/// `membership.json`, the file keeps its last good contents (the lease is
+/// still this process's, nothing half-written), and once the disk has room
+/// the next tick renews it.
+#[test]
+fn a_full_disk_while_renewing_a_lease_keeps_the_old_membership() {
+    use shardq_core::{Coordinator, ManualClock};
+    use shardq_fs::storage::FaultyStorage;
+    use shardq_fs::{FsCoordinator, MemberOptions};
+    use std::sync::atomic::Ordering;
+    let dir = data_dir("membership-full");
+    let faulty = FaultyStorage::default();
+    let clock = ManualClock::new(1_000_000);
+    let member = MemberOptions {
+        member_id: "m@1".into(),
+        lease_ms: 30_000,
+        clock_skew_ms: 1_000,
+        max_local_shards: 1,
+    };
+    let mut c = FsCoordinator::new(&dir, member, Arc::new(clock.clone()))
+        .unwrap()
+        .with_storage(Arc::new(faulty.clone()));
+    assert_eq!(c.tick().unwrap().gained, ["shard-0"]);
+    let path = dir.join("membership.json");
+    let before = std::fs::read(&path).unwrap();
+
+    faulty.fail_file_writes.store(true, Ordering::SeqCst);
+    clock.advance(10_000);
+    let err = c.tick().unwrap_err().to_string();
+    assert!(
+        err.contains("membership.json") && err.contains("disk full"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "a failed write changed the file"
+    );
+
+    faulty.fail_file_writes.store(false, Ordering::SeqCst);
+    let own = c.tick().unwrap();
+    assert_eq!((own.owned, own.lost), (vec!["shard-0".to_string()], vec![]));
+    let after: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let old: serde_json::Value = serde_json::from_slice(&before).unwrap();
+    let lease =
+        |v: &serde_json::Value| v["shards"]["shard-0"]["lease_expires_ms"].as_u64().unwrap();
+    assert_eq!(
+        lease(&after),
+        lease(&old) + 10_000,
+        "renewed once the disk had room"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
