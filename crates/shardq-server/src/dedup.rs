@@ -446,11 +446,16 @@ impl FileDedup {
         st.file = file;
         st.ino = ino;
         st.pos = kept;
-        // Each id once, oldest expiry first; what the file no longer holds
-        // (expired meanwhile) leaves memory too.
+        // Each id once, at the expiry of the record kept (an id recorded
+        // twice has an older entry too, which would never expire it); what
+        // the file no longer holds (expired meanwhile) leaves memory too.
         let mut seen = HashSet::<IdHash, RandomState>::default();
-        st.expiry
-            .retain(|(_, id)| written.contains(id) && seen.insert(*id));
+        let index = &st.index;
+        st.expiry.retain(|(at, id)| {
+            written.contains(id)
+                && index.get(id).is_some_and(|e| e.expires_ms == *at)
+                && seen.insert(*id)
+        });
         let gone: Vec<IdHash> = st
             .index
             .keys()
@@ -1047,6 +1052,20 @@ mod tests {
             ],
             "the rewrite copies each id's latest live line, in file order"
         );
+        // The replaced record's expiry does not end the later one; the
+        // later one's does, with its names.
+        assert_eq!(
+            d.begin("b", 9200).unwrap(),
+            Begin::Done(r("b", "shard-3", 7, "tenant-3", 9500))
+        );
+        assert_eq!(d.begin("b", 9600).unwrap(), Begin::Fresh);
+        d.abort(&["b".into()]);
+        {
+            let st = lock_state(&d.state);
+            assert_eq!(st.index.len(), 0, "every record expired at 9600");
+            assert_eq!(st.names_in_use(), (0, 0));
+            assert!(st.keys.slots.is_empty() && st.shards.slots.is_empty());
+        }
         drop(d);
         let again = FileDedup::open(dir.path(), 2000).unwrap();
         assert_eq!(
