@@ -376,6 +376,10 @@ class ClaimedJob:
     url: str
     max_attempts: Optional[int] = None
     _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
+    #: When the lease ends as this process knows it (``time.monotonic()``:
+    #: the claim's answer, or the last extend's send, plus the lease). A
+    #: prefetched job not started by then is not run.
+    _lease_until: float = field(default=float("inf"), repr=False, compare=False)
 
     @property
     def lost(self) -> threading.Event:
@@ -565,6 +569,11 @@ class Worker:
                 if status != 200:
                     _raise_for(url, status, doc)
                 jobs = _claimed_of(url, doc)
+                # The server started the leases just before it answered (a
+                # long poll may answer late in its wait, so not at the send).
+                until = time.monotonic() + lease_ms / 1000
+                for j in jobs:
+                    j._lease_until = until
                 failures = 0
             except (OSError, http.client.HTTPException, HttpError, ValueError, KeyError) as e:
                 failures += 1
@@ -593,6 +602,8 @@ class Worker:
             if job is None:
                 return
             try:
+                if self._expired_while_waiting(job):
+                    continue
                 self._run_one(handler, job)
             except BaseException as e:  # SystemExit and the like, raised by a handler
                 with self._lock:
@@ -601,6 +612,22 @@ class Worker:
                           job.id, job.key, type(e).__name__)
             finally:
                 free.put(1)
+
+    def _expired_while_waiting(self, job: ClaimedJob) -> bool:
+        """A prefetched job whose run was lost (an extend was refused) or
+        whose lease has passed while it waited for a thread is not run: the
+        server gives it out again, and running it now could overlap the
+        next run of its key."""
+        lost = job._lost is not None and job._lost.is_set()
+        if not lost and time.monotonic() < job._lease_until:
+            return False
+        with self._lock:
+            self._running.pop(id(job), None)
+            self.stats.lost += 1
+        log.warning("shardq worker: job %s (key %r, shard %s) at %s: %s before a thread was free; not run "
+                    "(the server runs it again)", job.id, job.key, job.shard, job.url,
+                    "its run was lost" if lost else "its lease passed")
+        return True
 
     def _run_one(self, handler: Handler, job: ClaimedJob) -> None:
         error: Optional[Exception] = None
@@ -706,6 +733,7 @@ class Worker:
 
     def _extend(self, url: str, jobs: List[ClaimedJob], lease_ms: int) -> None:
         body = {"receipts": [j.receipt for j in jobs], "lease_ms": lease_ms}
+        sent = time.monotonic()
         try:
             status, doc = self._transports[url].post("/v1/extend", body, self.timeout_s)
         except (OSError, http.client.HTTPException) as e:
@@ -716,6 +744,11 @@ class Worker:
             for j in jobs:
                 self._extend(url, [j], lease_ms)
             return
+        if status in (200, 409):  # the receipts not refused were extended
+            refused = set(stale)
+            for j in jobs:
+                if j.receipt not in refused:
+                    j._lease_until = sent + lease_ms / 1000
         _mark_lost(url, jobs, stale, lambda j: id(j) in self._running)
 
 

@@ -194,6 +194,51 @@ def test_prefetched_jobs_wait_with_extended_leases_and_each_runs_once(fakes, pre
     assert (w.stats.acked, w.stats.lost) == (6, 0)
 
 
+@pytest.mark.parametrize("how", ["refused", "unanswered"])
+def test_a_prefetched_job_whose_run_ended_while_it_waited_is_not_run(fakes, how):
+    # One thread, one job prefetched behind a long one. The waiting job's
+    # run ends meanwhile: its extend is refused (409), or no extend is
+    # answered for longer than its lease. The worker must not start it late
+    # (the server may have given the key's next run out): it is run again
+    # only as the server's new run of it, attempt 2.
+    f = fakes("a")
+    Client([f.url]).enqueue_many([NewJob("long", "0"), NewJob("waits", "0")])
+    release = threading.Event()
+    runs: List[Tuple[str, int]] = []
+    first: List[str] = []
+
+    def handler(job: ClaimedJob) -> None:
+        runs.append((job.key, job.attempt))
+        if not first:
+            first.append(job.receipt)
+            release.wait(30)
+
+    def refuse_the_waiting_one(path, doc):
+        if path != "/v1/extend" or not first:
+            return None
+        if how == "unanswered":
+            return 503, {"error": "not now"}
+        others = [r for r in doc["receipts"] if r != first[0]]
+        f.extend({"receipts": [r for r in doc["receipts"] if r == first[0]], "lease_ms": doc["lease_ms"]})
+        return (409, {"error": "stale", "extended": len(doc["receipts"]) - len(others), "stale": others,
+                      "not_owned": []}) if others else None
+
+    f.intercept = refuse_the_waiting_one
+    w = Worker([f.url])
+    t = run_worker(w, handler, concurrency=1, lease_ms=600, wait_ms=100, prefetch=1)
+    wait_until("the long job to start with one behind it", lambda: len(runs) == 1 and len(f.flying) == 2)
+    time.sleep(1.0)  # past the waiting job's lease (and the long one's, when unanswered)
+    f.intercept = None
+    release.set()
+    wait_until("every job to be acked", lambda: f.pending() == 0, timeout_s=30)
+    w.stop()
+    t.join(30)
+    assert not f.shape_errors, f.shape_errors
+    waited = [r for r in runs if r[0] == "waits"]
+    assert waited == [("waits", 2)], f"the waiting job ran late or twice: {runs}"
+    assert w.stats.lost >= 1
+
+
 def test_409_on_ack_means_the_run_was_lost_and_is_not_retried(fakes, caplog):
     f = fakes("a")
     Client([f.url]).enqueue("k", "x")

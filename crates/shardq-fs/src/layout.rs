@@ -33,11 +33,13 @@ use crate::storage::segment_name;
 pub const MEMBERSHIP_FILE: &str = "membership.json";
 /// Lock guarding the membership file.
 pub const MEMBERSHIP_LOCK_FILE: &str = ".membership.lock";
-/// Longest wait for `.membership.lock`, in ms. Holders keep it for one
-/// read-modify-write of a small file; one that holds it longer is stalled
-/// (SIGSTOP, a hung disk), and past this bound a lease tick fails with
-/// `Unavailable` (transient) instead of waiting for it forever.
-pub const MEMBERSHIP_LOCK_WAIT_MS: u64 = 5_000;
+/// Longest wait for `.membership.lock`, in ms (as for a shard's append
+/// lock). Holders keep it for one read-modify-write of a small file; one
+/// that holds it longer is stalled (SIGSTOP, a hung disk), and past this
+/// bound a lease tick fails with `Unavailable` (transient) instead of
+/// waiting for it forever. A worker pool ticks in its dispatch loop, so a
+/// stalled holder delays the pool's dispatch by up to this much per tick.
+pub const MEMBERSHIP_LOCK_WAIT_MS: u64 = 1_000;
 /// Shard map file name.
 pub const SHARD_MAP_FILE: &str = "shardmap.yaml";
 /// Owner lock in each shard directory.
@@ -293,8 +295,8 @@ impl MembershipLock {
                 shard: "*".into(),
                 reason: format!(
                     "the membership lock {} is held by another process (stalled?): not free \
-                     after {} ms (bound {bound_ms} ms); leases are neither renewed nor taken \
-                     until it is",
+                     after {} ms (bound {bound_ms} ms); membership changes (lease renewals, \
+                     takeovers, new shards) wait until it is",
                     path.display(),
                     start.elapsed().as_millis()
                 ),

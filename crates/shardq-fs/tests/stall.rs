@@ -103,7 +103,7 @@ fn a_held_append_lock_makes_only_its_shard_unavailable() {
 
 #[test]
 fn a_held_membership_lock_bounds_the_lease_tick_and_the_owned_shard_runs_on() {
-    assert_eq!(MEMBERSHIP_LOCK_WAIT_MS, 5_000);
+    assert_eq!(MEMBERSHIP_LOCK_WAIT_MS, 1_000);
     let dir = data_dir_with("membership-held", &["shard-0"]);
     let engine = Engine::open(
         &dir,
@@ -133,7 +133,7 @@ fn a_held_membership_lock_bounds_the_lease_tick_and_the_owned_shard_runs_on() {
     assert!(err.is_transient(), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains(MEMBERSHIP_LOCK_FILE) && msg.contains("bound 5000 ms"),
+        msg.contains(MEMBERSHIP_LOCK_FILE) && msg.contains("bound 1000 ms"),
         "{msg}"
     );
     assert!(

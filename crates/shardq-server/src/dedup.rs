@@ -18,6 +18,8 @@
 //!   (390 when it held the ids), table growth included; a rewrite copies
 //!   the live lines from the file, and one that fails (a full disk, a
 //!   damaged old line) leaves the file as it was and the commit standing.
+//!   The records of a commit whose append failed stay in memory and are
+//!   written ahead of the next commit's.
 //! * [`RedisDedup`] (Redis data dirs): one key per id under the
 //!   deployment's namespace; a reservation is `SET NX PX` of a pending
 //!   marker (for [`PENDING_MS`]), the commit overwrites it with the record
@@ -53,6 +55,8 @@ const LINE_BYTES_MAX: usize = 8 << 10;
 /// The file is rewritten with its live records only once it holds this
 /// many lines more than twice the live ones.
 const COMPACT_SLACK_LINES: usize = 100_000;
+/// Most records of failed commits kept to be written with a later one.
+const UNWRITTEN_MAX: usize = 100_000;
 
 /// What a dedup id was enqueued as.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,6 +214,9 @@ struct FileState {
     lines: usize,
     /// After a failed rewrite: no new try below this many lines.
     compact_after: usize,
+    /// Records of commits whose append failed (their jobs were enqueued):
+    /// written ahead of the next commit's, at most [`UNWRITTEN_MAX`].
+    unwritten: Vec<DedupRecord>,
     ino: u64,
     /// The latest `now_ms` a caller gave.
     now_ms: u64,
@@ -300,6 +307,9 @@ pub struct FileDedup {
     lock_path: PathBuf,
     /// [`COMPACT_SLACK_LINES`], smaller in tests.
     compact_slack: usize,
+    /// Tests: every append fails, as on a full disk.
+    #[cfg(test)]
+    fail_appends: std::sync::atomic::AtomicBool,
     state: Mutex<FileState>,
 }
 
@@ -404,6 +414,7 @@ impl FileDedup {
             pos,
             lines: 0,
             compact_after: 0,
+            unwritten: Vec::new(),
             ino,
             now_ms,
         };
@@ -416,6 +427,8 @@ impl FileDedup {
             path,
             lock_path,
             compact_slack: COMPACT_SLACK_LINES,
+            #[cfg(test)]
+            fail_appends: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(st),
         };
         // Rewrite without expired records (and without a torn tail).
@@ -436,7 +449,11 @@ impl FileDedup {
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
-        let (written, kept) = result?;
+        let (mut written, kept) = result?;
+        // Records of failed commits are not in the file yet: memory keeps them.
+        for r in &st.unwritten {
+            written.insert(st.hash(&r.id));
+        }
         std::fs::rename(&tmp, &self.path)
             .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), self.path.display()))?;
         if let Ok(d) = File::open(dir) {
@@ -587,12 +604,15 @@ impl DedupStore for FileDedup {
         if records.is_empty() {
             return Ok(());
         }
-        let mut text: Vec<u8> = Vec::with_capacity(records.len() * 128);
-        for r in records {
+        let mut st = lock_state(&self.state);
+        // Records of commits that failed to append go first (their jobs
+        // were enqueued; memory answers for them until then).
+        let unwritten = std::mem::take(&mut st.unwritten);
+        let mut text: Vec<u8> = Vec::with_capacity((unwritten.len() + records.len()) * 128);
+        for r in unwritten.iter().chain(records) {
             serde_json::to_writer(&mut text, r).map_err(|e| e.to_string())?;
             text.push(b'\n');
         }
-        let mut st = lock_state(&self.state);
         let result = (|| {
             let _l = lock(&self.lock_path)?;
             self.refresh(&mut st)?;
@@ -609,6 +629,13 @@ impl DedupStore for FileDedup {
                     format!("cutting the torn tail of {}: {e}", self.path.display())
                 })?;
             }
+            #[cfg(test)]
+            if self.fail_appends.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(format!(
+                    "appending to {}: injected failure",
+                    self.path.display()
+                ));
+            }
             st.file
                 .write_all(&text)
                 .and_then(|()| st.file.sync_data())
@@ -622,7 +649,7 @@ impl DedupStore for FileDedup {
                 .len();
             if end == st.pos + text.len() as u64 {
                 st.pos = end;
-                for r in records {
+                for r in unwritten.iter().chain(records) {
                     st.remember(r);
                 }
             } else {
@@ -655,6 +682,21 @@ impl DedupStore for FileDedup {
             st.pending.remove(&h);
             if result.is_err() {
                 st.remember(r);
+            }
+        }
+        if result.is_err() {
+            // A later commit writes them (the file may hold part of this
+            // one's lines: a record written twice is harmless).
+            st.unwritten = unwritten;
+            st.unwritten.extend(records.iter().cloned());
+            let over = st.unwritten.len().saturating_sub(UNWRITTEN_MAX);
+            if over > 0 {
+                st.unwritten.drain(..over);
+                eprintln!(
+                    "shardq serve: {over} dedup records could not be written to {} and are \
+                     kept in memory only",
+                    self.path.display()
+                );
             }
         }
         result
@@ -1125,6 +1167,33 @@ mod tests {
         assert!(
             e.contains("offset 0") && e.contains("not a dedup record"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn records_of_a_commit_that_failed_are_written_with_the_next_one() {
+        use std::sync::atomic::Ordering;
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = FileDedup::open(dir.path(), 1000).unwrap();
+        d.compact_slack = 0;
+        d.fail_appends.store(true, Ordering::SeqCst);
+        let e = d.commit(&[rec("a", 1, 9000)]).unwrap_err();
+        assert!(e.contains(DEDUP_FILE), "{e}");
+        // Memory answers for it meanwhile; a rewrite does not drop it.
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        d.write_live(&mut lock_state(&d.state)).unwrap();
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        d.fail_appends.store(false, Ordering::SeqCst);
+        d.commit(&[rec("b", 2, 9000)]).unwrap();
+        drop(d);
+        let again = FileDedup::open(dir.path(), 1000).unwrap();
+        assert_eq!(
+            again.begin_many(&["a", "b"], 1000).unwrap(),
+            vec![
+                Begin::Done(rec("a", 1, 9000)),
+                Begin::Done(rec("b", 2, 9000))
+            ],
+            "the failed commit's record reached the file with the next commit"
         );
     }
 

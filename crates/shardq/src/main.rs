@@ -50,15 +50,24 @@ enum Command {
     Serve(cmd_serve::ServeArgs),
 }
 
-fn main() -> ExitCode {
-    // No transparent huge pages: each thread's heap touches its own sparse
-    // pages, and with THP every first touch zeroes 2 MiB. Under load this
-    // made `serve` four times as large (130 MiB against 35 MiB for 100k
-    // jobs) and spent a fifth of its CPU time zeroing pages. Best effort:
-    // an old kernel without the flag runs as before.
+/// No transparent huge pages for `serve`: each thread's heap touches its
+/// own sparse pages, and with THP every first touch zeroes 2 MiB. Under load
+/// this made the server four times as large (130 MiB against 35 MiB for
+/// 100k jobs) and spent a fifth of its CPU time zeroing pages. Only `serve`:
+/// the flag is inherited by child processes, and `work` starts the user's
+/// handlers, which may want huge pages. Best effort: a kernel without the
+/// flag runs as before.
+fn no_huge_pages() {
+    #[cfg(target_os = "linux")]
     let _ = rustix::thread::disable_transparent_huge_pages(true);
+}
+
+fn main() -> ExitCode {
     sigpipe_default(true);
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_)) {
+        no_huge_pages();
+    }
     if matches!(
         cli.command,
         Command::Engine(cmd_engine::EngineCommand::Work(_))
