@@ -407,3 +407,64 @@ fn runs_are_reported_when_they_start_and_finish() {
         ]
     );
 }
+
+/// A coordinator whose release cannot be taken in time (a stalled lock
+/// holder, an unreachable store): the shards' leases lapse by themselves,
+/// and the drain that finished still reports its work.
+struct ReleaseUnavailable(MemoryCoordinator);
+
+impl shardq_core::Coordinator for ReleaseUnavailable {
+    fn tick(&mut self) -> Result<shardq_core::backend::Ownership, QueueError> {
+        self.0.tick()
+    }
+    fn stop_claiming(&mut self) {
+        self.0.stop_claiming()
+    }
+    fn release_all(&mut self) -> Result<(), QueueError> {
+        Err(QueueError::Unavailable {
+            shard: "*".into(),
+            reason: "the membership lock is held (test)".into(),
+        })
+    }
+    fn tick_interval_ms(&self) -> u64 {
+        self.0.tick_interval_ms()
+    }
+    fn standby_reason(&self) -> String {
+        self.0.standby_reason()
+    }
+}
+
+#[test]
+fn a_release_that_times_out_keeps_the_drains_report() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new(format!("k{i}"), "ok")).collect();
+    backend.enqueue("s0", 1, &jobs).unwrap();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let opts = PoolOptions {
+        concurrency: 2,
+        exit_when_idle: true,
+        on_event: {
+            let events = events.clone();
+            Arc::new(move |e| events.lock().unwrap().push(e))
+        },
+        ..PoolOptions::default()
+    };
+    let mut coord = ReleaseUnavailable(MemoryCoordinator::new(backend.clone()));
+    let report = WorkerPool::run(
+        Arc::new(backend.clone()),
+        &mut coord,
+        Arc::new(|_: &ClaimedJob| Ok(())),
+        Arc::new(SystemClock),
+        opts,
+        &AtomicBool::new(false),
+    )
+    .expect("a release the store could not take is not the drain's failure");
+    assert_eq!(report.acked, 3);
+    let events = events.lock().unwrap().clone();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, PoolEvent::RecordFailed(m) if m.contains("releasing the shards"))),
+        "{events:?}"
+    );
+}
