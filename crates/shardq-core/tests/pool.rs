@@ -37,6 +37,21 @@ fn run_pool(
     })
 }
 
+/// Options of a pool of 2 that exits when idle, and the events it reports.
+fn idle_exiting_pool_recording_events() -> (Arc<Mutex<Vec<PoolEvent>>>, PoolOptions) {
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let opts = PoolOptions {
+        concurrency: 2,
+        exit_when_idle: true,
+        on_event: {
+            let events = events.clone();
+            Arc::new(move |e| events.lock().unwrap().push(e))
+        },
+        ..PoolOptions::default()
+    };
+    (events, opts)
+}
+
 /// Waits for `cond` for at most `secs` seconds.
 fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);
@@ -354,16 +369,7 @@ fn runs_are_reported_when_they_start_and_finish() {
     jobs[3].payload = b"fail".to_vec();
     jobs[3].max_attempts = 2;
     backend.enqueue("s0", 1, &jobs).unwrap();
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let opts = PoolOptions {
-        concurrency: 2,
-        exit_when_idle: true,
-        on_event: {
-            let events = events.clone();
-            Arc::new(move |e| events.lock().unwrap().push(e))
-        },
-        ..PoolOptions::default()
-    };
+    let (events, opts) = idle_exiting_pool_recording_events();
     let handler: Arc<shardq_core::Handler> = Arc::new(|job: &ClaimedJob| {
         if job.payload == b"fail" {
             Err("no".into())
@@ -439,16 +445,7 @@ fn a_release_that_times_out_keeps_the_drains_report() {
     let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
     let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new(format!("k{i}"), "ok")).collect();
     backend.enqueue("s0", 1, &jobs).unwrap();
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let opts = PoolOptions {
-        concurrency: 2,
-        exit_when_idle: true,
-        on_event: {
-            let events = events.clone();
-            Arc::new(move |e| events.lock().unwrap().push(e))
-        },
-        ..PoolOptions::default()
-    };
+    let (events, opts) = idle_exiting_pool_recording_events();
     let mut coord = ReleaseUnavailable(MemoryCoordinator::new(backend.clone()));
     let report = WorkerPool::run(
         Arc::new(backend.clone()),
