@@ -99,8 +99,9 @@ impl Engine {
             path: dir.join(layout::SHARD_MAP_FILE),
             reason: e.to_string(),
         })?;
+        let storage = Arc::clone(&opts.storage);
         let backend = Arc::new(FsBackend::new(dir, opts)?);
-        let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?);
+        let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?.with_storage(storage));
         let producer = Producer::new(Arc::clone(&backend), store, ProducerOptions::default())
             .map_err(|e| FsError::MapInvalid {
                 path: dir.join(layout::SHARD_MAP_FILE),
@@ -148,7 +149,10 @@ impl Engine {
 
     /// Changes how long enqueues wait for a paused key or a newer map.
     pub fn set_producer_options(&self, options: ProducerOptions) -> Result<(), FsError> {
-        let store: Arc<dyn MapStore> = Arc::new(FileMapStore::open(&self.dir)?);
+        let store: Arc<dyn MapStore> = Arc::new(
+            FileMapStore::open(&self.dir)?
+                .with_storage(Arc::clone(&self.backend.options().storage)),
+        );
         let producer = Producer::new(Arc::clone(&self.backend), store, options)
             .map_err(|e| FsError::Queue(QueueError::Backend(e.to_string())))?;
         *self.producer.lock().unwrap_or_else(|e| e.into_inner()) = producer;

@@ -11,7 +11,9 @@
 //!   flock when its holder dies, so a killed coordinator never blocks a rerun.
 //!
 //! Publishing writes a whole new file and renames it over the old one
-//! (`write_atomic`), so a reader sees either version, never a mix.
+//! (`Storage::write_file_atomic`), so a reader sees either version, never a
+//! mix, and a failed write (a full disk) leaves the old one. The publish
+//! lock is taken with a bounded wait ([`MAP_LOCK_WAIT_MS`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, Write};
@@ -22,10 +24,8 @@ use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_route::{validate_shard_name, ShardMap};
 
 use crate::error::FsError;
-use crate::layout::{
-    self, write_atomic, MemberEntry, MembershipLock, SHARD_LOCK_FILE, SHARD_MAP_FILE,
-};
-use crate::storage::SEGMENT_SUFFIX;
+use crate::layout::{self, MemberEntry, MembershipLock, SHARD_LOCK_FILE, SHARD_MAP_FILE};
+use crate::storage::{OsStorage, Storage, SEGMENT_SUFFIX};
 
 /// Lock file guarding publishes of the shard map.
 pub const MAP_LOCK_FILE: &str = ".shardmap.lock";
@@ -33,11 +33,17 @@ pub const MAP_LOCK_FILE: &str = ".shardmap.lock";
 pub const TARGET_FILE: &str = "shardmap.target.yaml";
 /// Lock file held by the running rebalance.
 pub const REBALANCE_LOCK_FILE: &str = ".rebalance.lock";
+/// Longest wait for [`MAP_LOCK_FILE`], in ms: a publish holds it for one
+/// read and one small write; past this its holder is stalled and the
+/// publish fails, naming the lock, instead of hanging.
+pub const MAP_LOCK_WAIT_MS: u64 = 5_000;
 
 /// The shard map of a data directory.
 #[derive(Debug, Clone)]
 pub struct FileMapStore {
     dir: PathBuf,
+    /// Where the map files are written (tests inject a full disk).
+    storage: std::sync::Arc<dyn Storage>,
     /// The last map read and the text it was parsed from: a load whose file
     /// reads the same is not parsed again (status and producers load often).
     parsed: std::sync::Arc<std::sync::Mutex<Option<(String, ShardMap)>>>,
@@ -49,8 +55,15 @@ impl FileMapStore {
         layout::check(dir)?;
         Ok(FileMapStore {
             dir: dir.to_path_buf(),
+            storage: std::sync::Arc::new(OsStorage),
             parsed: Default::default(),
         })
+    }
+
+    /// Writes the map files through `storage` (the engine's).
+    pub fn with_storage(mut self, storage: std::sync::Arc<dyn Storage>) -> FileMapStore {
+        self.storage = storage;
+        self
     }
 
     fn open_lock(&self, name: &str) -> Result<File, ReshardError> {
@@ -94,12 +107,16 @@ impl MapStore for FileMapStore {
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
         map.validate()?;
         let lock = self.open_lock(MAP_LOCK_FILE)?;
-        flock(&lock, FlockOperation::LockExclusive).map_err(|e| {
-            ReshardError::Store(format!(
-                "locking {}: {e}",
-                self.dir.join(MAP_LOCK_FILE).display()
-            ))
-        })?;
+        let lock_path = self.dir.join(MAP_LOCK_FILE);
+        let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
+            .map_err(|e| ReshardError::Store(format!("locking {}: {e}", lock_path.display())))?;
+        if !held {
+            return Err(ReshardError::Store(format!(
+                "the map lock {} is held by another process (stalled?): not free after \
+                 {MAP_LOCK_WAIT_MS} ms; nothing was published",
+                lock_path.display()
+            )));
+        }
         let _guard = FlockGuard(lock);
         let current = self.load()?;
         if current.version != expected_version {
@@ -115,7 +132,8 @@ impl MapStore for FileMapStore {
             )));
         }
         let path = self.dir.join(SHARD_MAP_FILE);
-        write_atomic(&path, map.to_yaml().as_bytes())
+        self.storage
+            .write_file_atomic(&path, map.to_yaml().as_bytes())
             .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display())))
     }
 
@@ -136,7 +154,9 @@ impl MapStore for FileMapStore {
     fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
         let path = self.dir.join(TARGET_FILE);
         match target {
-            Some(t) => write_atomic(&path, t.to_yaml().as_bytes())
+            Some(t) => self
+                .storage
+                .write_file_atomic(&path, t.to_yaml().as_bytes())
                 .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display()))),
             None => match fs::remove_file(&path) {
                 Ok(()) => Ok(()),

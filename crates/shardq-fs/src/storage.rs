@@ -46,8 +46,8 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// Makes a directory's entries (created or removed files) durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Replaces a small state file (a shard's `fence.json`,
-    /// `reclaimed.json`, the data dir's `membership.json`) atomically and
-    /// durably: temp file, fsync, rename,
+    /// `reclaimed.json`, the data dir's `membership.json` and map files)
+    /// atomically and durably: temp file, fsync, rename,
     /// fsync of the directory. Durable once it returns.
     fn write_file_atomic(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         crate::layout::write_atomic(path, bytes)
@@ -137,8 +137,9 @@ pub struct FaultyStorage {
     /// When set, every segment deletion fails (leaves the file in place).
     pub fail_removes: Arc<AtomicBool>,
     /// When set, every state-file write (`fence.json`, `reclaimed.json`,
-    /// and `membership.json` of a coordinator given this storage) fails and
-    /// leaves the old file in place, as a full disk would.
+    /// and `membership.json` and the map files of a coordinator or map
+    /// store given this storage) fails and leaves the old file in place, as
+    /// a full disk would.
     pub fail_file_writes: Arc<AtomicBool>,
     /// File fsyncs that succeeded.
     pub syncs: Arc<AtomicU64>,

@@ -260,3 +260,41 @@ fn a_full_disk_while_renewing_a_lease_keeps_the_old_membership() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A full disk while a new map is published: the publish fails naming
+/// `shardmap.yaml`, readers keep the old version (nothing half-written),
+/// and once the disk has room the same publish goes through.
+#[test]
+fn a_full_disk_while_publishing_a_map_keeps_the_old_map() {
+    use shardq_core::reshard::MapStore;
+    use shardq_fs::map_store::FileMapStore;
+    use shardq_fs::storage::FaultyStorage;
+    use std::sync::atomic::Ordering;
+    let dir = data_dir("map-full");
+    let faulty = FaultyStorage::default();
+    let store = FileMapStore::open(&dir)
+        .unwrap()
+        .with_storage(Arc::new(faulty.clone()));
+    let old = store.load().unwrap();
+    let mut next = old.clone();
+    next.version += 1;
+    faulty.fail_file_writes.store(true, Ordering::SeqCst);
+    let err = store.publish(&next, old.version).unwrap_err().to_string();
+    assert!(
+        err.contains("shardmap.yaml") && err.contains("disk full"),
+        "{err}"
+    );
+    assert_eq!(store.load().unwrap().version, old.version);
+    assert_eq!(
+        FileMapStore::open(&dir).unwrap().load().unwrap().version,
+        old.version,
+        "another reader sees the old map"
+    );
+    faulty.fail_file_writes.store(false, Ordering::SeqCst);
+    store.publish(&next, old.version).unwrap();
+    assert_eq!(
+        FileMapStore::open(&dir).unwrap().load().unwrap().version,
+        next.version
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,8 +1,9 @@
 //! A process stalled while holding a lock must not stall the others: one
 //! shard's append lock makes only that shard `Unavailable` (transient)
-//! after its bound while the others keep working, and the data dir's
+//! after its bound while the others keep working, the data dir's
 //! membership lock makes lease ticks fail after theirs while the owned
-//! shards keep running.
+//! shards keep running, and the map's publish lock fails a publish after
+//! its bound with nothing published.
 
 use std::fs::OpenOptions;
 use std::time::{Duration, Instant};
@@ -17,6 +18,20 @@ use shardq_fs::{Durability, Engine, EngineOptions, FsCoordinator};
 mod support;
 
 use support::{data_dir_with, member};
+
+/// The "stalled process": a separate open file description holding the
+/// flock of `path` (created if missing) until unlocked or dropped.
+fn hold(path: &std::path::Path) -> std::fs::File {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap();
+    flock(&f, FlockOperation::LockExclusive).unwrap();
+    f
+}
 
 #[test]
 fn a_held_append_lock_makes_only_its_shard_unavailable() {
@@ -43,14 +58,8 @@ fn a_held_append_lock_makes_only_its_shard_unavailable() {
         b.adopt(shard).unwrap();
     }
 
-    // The "stalled process": a separate open file description holding the
-    // flock of shard-1's append lock.
-    let held = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.join("shard-1").join(APPEND_LOCK_FILE))
-        .unwrap();
-    flock(&held, FlockOperation::LockExclusive).unwrap();
+    // The stalled process holds shard-1's append lock.
+    let held = hold(&dir.join("shard-1").join(APPEND_LOCK_FILE));
 
     let b1 = engine.backend();
     let stuck = std::thread::spawn(move || {
@@ -121,12 +130,7 @@ fn a_held_membership_lock_bounds_the_lease_tick_and_the_owned_shard_runs_on() {
     b.enqueue("shard-0", 1, &jobs).unwrap();
 
     // The "stalled process" holds the membership lock.
-    let held = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.join(MEMBERSHIP_LOCK_FILE))
-        .unwrap();
-    flock(&held, FlockOperation::LockExclusive).unwrap();
+    let held = hold(&dir.join(MEMBERSHIP_LOCK_FILE));
     let start = Instant::now();
     let err = c.tick().unwrap_err();
     let took = start.elapsed();
@@ -155,5 +159,38 @@ fn a_held_membership_lock_bounds_the_lease_tick_and_the_owned_shard_runs_on() {
     flock(&held, FlockOperation::Unlock).unwrap();
     let own = c.tick().unwrap();
     assert_eq!((own.owned, own.lost), (vec!["shard-0".to_string()], vec![]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_held_map_lock_fails_the_publish_after_its_bound_and_publishes_nothing() {
+    use shardq_core::reshard::MapStore;
+    use shardq_fs::map_store::{FileMapStore, MAP_LOCK_FILE, MAP_LOCK_WAIT_MS};
+    assert_eq!(MAP_LOCK_WAIT_MS, 5_000);
+    let dir = data_dir_with("map-held", &["shard-0"]);
+    let store = FileMapStore::open(&dir).unwrap();
+    let old = store.load().unwrap();
+    let mut next = old.clone();
+    next.version += 1;
+    let held = hold(&dir.join(MAP_LOCK_FILE));
+    let start = Instant::now();
+    let err = store.publish(&next, old.version).unwrap_err().to_string();
+    let took = start.elapsed();
+    assert!(
+        err.contains(MAP_LOCK_FILE) && err.contains("nothing was published"),
+        "{err}"
+    );
+    assert!(
+        took >= Duration::from_millis(MAP_LOCK_WAIT_MS),
+        "gave up after {took:?}"
+    );
+    assert!(
+        took < Duration::from_millis(MAP_LOCK_WAIT_MS + 5_000),
+        "waited {took:?}"
+    );
+    assert_eq!(store.load().unwrap().version, old.version);
+    flock(&held, FlockOperation::Unlock).unwrap();
+    store.publish(&next, old.version).unwrap();
+    assert_eq!(store.load().unwrap().version, next.version);
     let _ = std::fs::remove_dir_all(&dir);
 }
