@@ -248,7 +248,7 @@ const LOCK_POLL_MS_MAX: u64 = 10;
 /// once held, `Ok(false)` if it was still held by another open file after
 /// the bound. flock has no timed wait, so this polls, backing off, never
 /// sleeping past the bound.
-pub(crate) fn flock_within(f: &File, bound: Duration) -> io::Result<bool> {
+pub fn flock_within(f: &File, bound: Duration) -> io::Result<bool> {
     let start = Instant::now();
     let mut pause = Duration::from_micros(LOCK_POLL_US_MIN);
     loop {

@@ -7,7 +7,8 @@
 //! [`DedupStore::abort`] drops reservations whose jobs were not enqueued.
 //!
 //! * [`FileDedup`] (embedded data dirs): `dedup.log` in the data dir, one
-//!   JSON line per record, appended and fsynced under `.dedup.lock`;
+//!   JSON line per record, appended and fsynced under `.dedup.lock` (taken
+//!   with a bounded wait, [`DEDUP_LOCK_WAIT_MS`]);
 //!   expired records leave memory as time passes, and the file is rewritten
 //!   with the live records only on open and whenever it holds more than
 //!   twice as many lines as live records (plus a slack); servers sharing
@@ -57,6 +58,9 @@ const LINE_BYTES_MAX: usize = 8 << 10;
 const COMPACT_SLACK_LINES: usize = 100_000;
 /// Most records of failed commits kept to be written with a later one.
 const UNWRITTEN_MAX: usize = 100_000;
+/// Longest wait for [`DEDUP_LOCK_FILE`], in ms (holders keep it for one
+/// append and fsync).
+pub const DEDUP_LOCK_WAIT_MS: u64 = 5_000;
 
 /// What a dedup id was enqueued as.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -307,6 +311,8 @@ pub struct FileDedup {
     lock_path: PathBuf,
     /// [`COMPACT_SLACK_LINES`], smaller in tests.
     compact_slack: usize,
+    /// [`DEDUP_LOCK_WAIT_MS`], shorter in tests.
+    lock_wait_ms: u64,
     /// Tests: every append fails, as on a full disk.
     #[cfg(test)]
     fail_appends: std::sync::atomic::AtomicBool,
@@ -321,7 +327,10 @@ impl Drop for Locked {
     }
 }
 
-fn lock(path: &Path) -> Result<Locked, String> {
+/// Takes the lock at `path`, waiting at most `wait_ms`: a server stalled
+/// while holding it (SIGSTOP) fails the others' commits after the bound,
+/// naming the lock, instead of hanging their requests.
+fn lock(path: &Path, wait_ms: u64) -> Result<Locked, String> {
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -329,8 +338,14 @@ fn lock(path: &Path) -> Result<Locked, String> {
         .truncate(false)
         .open(path)
         .map_err(|e| format!("opening {}: {e}", path.display()))?;
-    flock(&f, FlockOperation::LockExclusive)
+    let held = shardq_fs::layout::flock_within(&f, Duration::from_millis(wait_ms))
         .map_err(|e| format!("locking {}: {e}", path.display()))?;
+    if !held {
+        return Err(format!(
+            "{} is held by another server (stalled?): not free after {wait_ms} ms",
+            path.display()
+        ));
+    }
     Ok(Locked(f))
 }
 
@@ -383,7 +398,7 @@ impl FileDedup {
     pub fn open(dir: &Path, now_ms: u64) -> Result<FileDedup, String> {
         let path = dir.join(DEDUP_FILE);
         let lock_path = dir.join(DEDUP_LOCK_FILE);
-        let _l = lock(&lock_path)?;
+        let _l = lock(&lock_path, DEDUP_LOCK_WAIT_MS)?;
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -427,6 +442,7 @@ impl FileDedup {
             path,
             lock_path,
             compact_slack: COMPACT_SLACK_LINES,
+            lock_wait_ms: DEDUP_LOCK_WAIT_MS,
             #[cfg(test)]
             fail_appends: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(st),
@@ -614,7 +630,7 @@ impl DedupStore for FileDedup {
             text.push(b'\n');
         }
         let result = (|| {
-            let _l = lock(&self.lock_path)?;
+            let _l = lock(&self.lock_path, self.lock_wait_ms)?;
             self.refresh(&mut st)?;
             // A torn line left by a server that died mid-append (its commit
             // never returned, so it stored nothing): cut it off, so that it
@@ -1194,6 +1210,31 @@ mod tests {
                 Begin::Done(rec("b", 2, 9000))
             ],
             "the failed commit's record reached the file with the next commit"
+        );
+    }
+
+    #[test]
+    fn a_stalled_holder_of_the_lock_fails_a_commit_after_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = FileDedup::open(dir.path(), 1000).unwrap();
+        d.lock_wait_ms = 300;
+        let held = lock(&dir.path().join(DEDUP_LOCK_FILE), 0).unwrap();
+        let start = std::time::Instant::now();
+        let e = d.commit(&[rec("a", 1, 9000)]).unwrap_err();
+        assert!(
+            start.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(e.contains(DEDUP_LOCK_FILE) && e.contains("stalled"), "{e}");
+        // Memory still answers for the enqueued job; the next commit writes it.
+        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        drop(held);
+        d.commit(&[rec("b", 2, 9000)]).unwrap();
+        let again = FileDedup::open(dir.path(), 1000).unwrap();
+        assert_eq!(
+            again.begin("a", 1000).unwrap(),
+            Begin::Done(rec("a", 1, 9000))
         );
     }
 
