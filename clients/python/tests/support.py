@@ -253,3 +253,16 @@ def check_order_and_completeness(records: List[Dict[str, Any]], keys: int, per_k
         assert sorted(set(seqs)) == list(range(per_key)), f"key {key} lost jobs: {sorted(set(seqs))}"
     two = {k: v for k, v in ids.items() if len(v) != 1}
     assert not two, f"jobs stored twice (several ids for one enqueued job): {dict(list(two.items())[:5])}"
+
+
+def check_two_server_round_trip(a: Any, b: Any, overlaps: List[str], seen: Dict[str, List[int]],
+                                keys: int, per_key: int) -> None:
+    """After a worker ran the jobs of stand-in servers ``a`` (keys ``a-*``)
+    and ``b`` (``b-*``): no two runs of a key overlapped, each key's seqs
+    ran once in order, every job was acked on its own server."""
+    assert not a.shape_errors and not b.shape_errors, a.shape_errors + b.shape_errors
+    assert not overlaps, f"two runs of one key overlapped: {overlaps}"
+    assert len(seen) == 2 * keys
+    for key, seqs in seen.items():
+        assert seqs == list(range(per_key)), f"{key}: {seqs}"
+    assert (len(a.acked), len(b.acked)) == (keys * per_key, keys * per_key)

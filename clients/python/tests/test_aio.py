@@ -17,7 +17,7 @@ from typing import Dict, List, Set, Tuple
 from shardq import ClaimedJob, NewJob, Retry
 from shardq.aio import AsyncClient, AsyncWorker
 
-from support import check_order_and_completeness, jobs_for
+from support import check_order_and_completeness, check_two_server_round_trip, jobs_for
 
 
 def run(coro):
@@ -86,12 +86,7 @@ def test_async_worker_runs_every_job_once_in_per_key_order_over_two_servers(fake
         return await asyncio.wait_for(task, 30)
 
     stats = run(go())
-    assert not a.shape_errors and not b.shape_errors, a.shape_errors + b.shape_errors
-    assert not overlaps, f"two runs of one key overlapped: {overlaps}"
-    assert len(seen) == 2 * keys
-    for key, seqs in seen.items():
-        assert seqs == list(range(per_key)), f"{key}: {seqs}"
-    assert (len(a.acked), len(b.acked)) == (keys * per_key, keys * per_key)
+    check_two_server_round_trip(a, b, overlaps, seen, keys, per_key)
     assert (stats.acked, stats.lost, stats.failed) == (2 * keys * per_key, 0, 0)
     assert stats.ack_requests < stats.acked, "acks were not batched"
 

@@ -19,7 +19,7 @@ import pytest
 
 from shardq import BadRequest, ClaimedJob, Client, NewJob, ServerUnavailable, Unauthorized, Worker
 
-from support import free_port, read_lines, wait_until
+from support import check_two_server_round_trip, free_port, read_lines, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -125,12 +125,7 @@ def test_worker_runs_every_job_once_in_per_key_order_over_two_servers(fakes):
     w.stop()
     t.join(30)
     assert not t.is_alive(), "Worker.run did not return after stop()"
-    assert not a.shape_errors and not b.shape_errors, a.shape_errors + b.shape_errors
-    assert not overlaps, f"two runs of one key overlapped: {overlaps}"
-    assert len(seen) == 2 * keys
-    for key, seqs in seen.items():
-        assert seqs == list(range(per_key)), f"{key}: {seqs}"
-    assert (len(a.acked), len(b.acked)) == (keys * per_key, keys * per_key)
+    check_two_server_round_trip(a, b, overlaps, seen, keys, per_key)
     assert w.stats.acked == 2 * keys * per_key and w.stats.lost == 0 and w.stats.failed == 0
 
 

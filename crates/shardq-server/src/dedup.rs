@@ -262,9 +262,10 @@ impl FileState {
         self.shards.release(e.shard);
     }
 
-    /// Whether `r` (a line of the file) is the live record of its id.
-    fn is_live(&self, r: &DedupRecord) -> bool {
-        self.index.get(&self.hash(&r.id)).is_some_and(|e| {
+    /// Whether `r` (a line of the file, its id hashing to `id`) is the live
+    /// record of its id.
+    fn is_live(&self, id: &IdHash, r: &DedupRecord) -> bool {
+        self.index.get(id).is_some_and(|e| {
             e.job == r.job
                 && e.expires_ms == r.expires_ms
                 && e.expires_ms > self.now_ms
@@ -530,7 +531,8 @@ impl FileDedup {
                         self.path.display()
                     )
                 })?;
-                if st.is_live(&r) && written.insert(st.hash(&r.id)) {
+                let id = st.hash(&r.id);
+                if st.is_live(&id, &r) && written.insert(id) {
                     to.write_all(&line).map_err(write_err)?;
                     kept += n as u64;
                 }
