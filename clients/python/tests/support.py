@@ -30,13 +30,29 @@ _build_lock = threading.Lock()
 _binary: Optional[str] = None
 
 
+#: Environment variable naming a prebuilt ``shardq`` binary: when set, the
+#: tests use it and run no cargo.
+BIN_ENV = "SHARDQ_BIN"
+
+
 def shardq_binary() -> str:
-    """``target/debug/shardq``, built with ``cargo build -p shardq`` once per
+    """``$SHARDQ_BIN`` when set (an executable; no cargo is run), else
+    ``target/debug/shardq``, built with ``cargo build -p shardq`` once per
     session (cargo makes it a no-op when it is fresh)."""
     global _binary
     with _build_lock:
         if _binary is not None:
             return _binary
+        given = os.environ.get(BIN_ENV)
+        if given:
+            path = os.path.abspath(given)
+            if not os.path.isfile(path) or not os.access(path, os.X_OK):
+                raise AssertionError(
+                    f"{BIN_ENV}={given!r} is not an executable file: point it at a built shardq binary "
+                    f"(cargo build -p shardq makes target/debug/shardq), or unset it to build one"
+                )
+            _binary = path
+            return path
         cargo = shutil.which("cargo")
         if cargo is None:
             raise AssertionError(
