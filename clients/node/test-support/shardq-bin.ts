@@ -1,10 +1,11 @@
-// The real shardq binary for end-to-end tests: target/debug/shardq, built
-// with `cargo build -p shardq` from the repository root when it is missing
-// (a failed build fails the test, it never skips), data dirs made with
-// `shardq init`, and `shardq serve` on a free loopback port.
+// The real shardq binary for end-to-end tests: $SHARDQ_BIN when it is set
+// (used as is, never built), else target/debug/shardq, built with `cargo
+// build -p shardq` from the repository root when it is missing (a failed
+// build fails the test, it never skips); data dirs made with `shardq init`,
+// and `shardq serve` on a free loopback port.
 
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
-import { existsSync, mkdtempSync, openSync, closeSync, readFileSync, rmSync } from "node:fs";
+import { accessSync, constants, existsSync, mkdtempSync, openSync, closeSync, readFileSync, rmSync, statSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
@@ -15,9 +16,14 @@ export const REPO_ROOT = join(dirname(fileURLToPath(import.meta.url)), "..", "..
 
 let binary: string | undefined;
 
-/** Path of the debug binary, building it once when it is missing. */
+/** `$SHARDQ_BIN` when set (it must be an executable file), else the debug binary, built once when it is missing. */
 export function shardqBinary(): string {
   if (binary !== undefined) return binary;
+  const given = process.env["SHARDQ_BIN"];
+  if (given !== undefined && given !== "") {
+    binary = checkedExecutable(given);
+    return binary;
+  }
   const target = process.env["CARGO_TARGET_DIR"] ?? join(REPO_ROOT, "target");
   const path = join(target, "debug", "shardq");
   if (!existsSync(path)) {
@@ -27,6 +33,22 @@ export function shardqBinary(): string {
     if (!existsSync(path)) throw new Error(`cargo build -p shardq succeeded but ${path} does not exist`);
   }
   binary = path;
+  return path;
+}
+
+function checkedExecutable(path: string): string {
+  let isFile: boolean;
+  try {
+    isFile = statSync(path).isFile();
+  } catch (err) {
+    throw new Error(`SHARDQ_BIN=${path}: no such file (${(err as Error).message}); unset it to build target/debug/shardq`);
+  }
+  if (!isFile) throw new Error(`SHARDQ_BIN=${path} is not a regular file`);
+  try {
+    accessSync(path, constants.X_OK);
+  } catch {
+    throw new Error(`SHARDQ_BIN=${path} is not executable`);
+  }
   return path;
 }
 
