@@ -3,14 +3,17 @@
  *
  * Every job carries a dedup id (a random UUID when the caller gives none),
  * chosen once before the first try, so a retry after a lost reply cannot
- * enqueue the job twice. Failures with no response, 408, 429 and 5xx are
+ * enqueue the job twice (a dedup id belongs to its key: the same id under
+ * two keys is two jobs). Long lists go in several requests, split by count
+ * and by bytes under the server's limits. Failures with no response, 408,
+ * 409 (a dedup id being enqueued by another request), 425, 429 and 5xx are
  * retried a bounded number of times with backoff, each try on the next URL;
- * anything else (400, 401, 403, ...) fails at once.
+ * anything else (400, 401, 403, 413, ...) fails at once.
  */
 
 import { randomUUID } from "node:crypto";
 
-import { backoffMs, normaliseUrls, postJson, ShardqError, sleep, type HttpOptions } from "./http.js";
+import { backoffMs, ENQUEUE_SERVER_WAIT_MS, normaliseUrls, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
 
 export type Payload = string | Uint8Array;
 
@@ -45,10 +48,48 @@ export interface ClientOptions extends HttpOptions {
   backoffMs?: number;
   /** Largest backoff in milliseconds (default 2000). */
   maxBackoffMs?: number;
+  /** Most jobs per request: the server's `--jobs-per-request-max` (default 1000). */
+  batchJobsMax?: number;
+  /** Largest request body in bytes: the server's `--body-bytes-max` (default 16 MiB). */
+  batchBytesMax?: number;
 }
 
-/** Largest number of jobs in one `POST /v1/jobs`; longer lists go in several requests. */
+/** Default most jobs in one `POST /v1/jobs` (the server's default `--jobs-per-request-max`). */
 export const ENQUEUE_BATCH_MAX = 1000;
+/** Default largest `POST /v1/jobs` body in bytes (the server's default `--body-bytes-max`, 16 MiB). */
+export const ENQUEUE_BATCH_BYTES_MAX = 16 << 20;
+/** Bytes of `{"jobs":[` and `]}` around the jobs of a request. */
+const ENVELOPE_BYTES = Buffer.byteLength('{"jobs":[]}');
+
+/** One job's JSON text and its size in bytes. */
+interface Encoded {
+  body: Record<string, unknown>;
+  json: string;
+  bytes: number;
+}
+
+/**
+ * Splits `jobs` into requests of at most `maxJobs` jobs and `maxBytes` body
+ * bytes, in order; a job larger than `maxBytes` alone goes in a request of
+ * its own (the server says what it refuses).
+ */
+export function splitBatches<T extends { bytes: number }>(jobs: readonly T[], maxJobs: number, maxBytes: number): T[][] {
+  const out: T[][] = [];
+  let batch: T[] = [];
+  let bytes = ENVELOPE_BYTES;
+  for (const job of jobs) {
+    const add = job.bytes + (batch.length > 0 ? 1 : 0);
+    if (batch.length > 0 && (batch.length >= maxJobs || bytes + add > maxBytes)) {
+      out.push(batch);
+      batch = [];
+      bytes = ENVELOPE_BYTES;
+    }
+    bytes += job.bytes + (batch.length > 0 ? 1 : 0);
+    batch.push(job);
+  }
+  if (batch.length > 0) out.push(batch);
+  return out;
+}
 
 function checkNonNegativeInt(value: number | undefined, field: string, index: number): void {
   if (value !== undefined && (!Number.isSafeInteger(value) || value < 0)) {
@@ -98,16 +139,32 @@ function parseResults(reply: unknown, sent: Record<string, unknown>[], url: stri
   });
 }
 
+function positive(value: number, name: string, min: number): number {
+  if (!Number.isSafeInteger(value) || value < min) throw new TypeError(`Client: ${name} must be an integer of at least ${min}, got ${value}`);
+  return value;
+}
+
 export class Client {
   readonly urls: readonly string[];
   private readonly opts: ClientOptions;
+  private readonly transports: Transport[];
+  private readonly retries: number;
+  private readonly batchJobsMax: number;
+  private readonly batchBytesMax: number;
   private next = 0;
 
   constructor(urls: string | readonly string[], opts: ClientOptions = {}) {
     this.urls = normaliseUrls(urls, "Client");
-    const retries = opts.retries ?? 4;
-    if (!Number.isSafeInteger(retries) || retries < 0) throw new TypeError(`Client: retries must be a non-negative integer, got ${retries}`);
-    this.opts = { ...opts, retries };
+    this.retries = positive(opts.retries ?? 4, "retries", 0);
+    this.batchJobsMax = positive(opts.batchJobsMax ?? ENQUEUE_BATCH_MAX, "batchJobsMax", 1);
+    this.batchBytesMax = positive(opts.batchBytesMax ?? ENQUEUE_BATCH_BYTES_MAX, "batchBytesMax", 1);
+    this.opts = opts;
+    this.transports = this.urls.map((u) => new Transport(u, opts));
+  }
+
+  /** Closes the keep-alive connections; a later request opens new ones. */
+  close(): void {
+    for (const t of this.transports) t.close();
   }
 
   /** Enqueues one job. */
@@ -116,41 +173,54 @@ export class Client {
     return result!;
   }
 
-  /** Enqueues jobs in order (one request per `ENQUEUE_BATCH_MAX`); results in the same order. */
+  /**
+   * Enqueues jobs in order, in as many requests as the server's limits need
+   * (`batchJobsMax` jobs, `batchBytesMax` bytes); results in the same order.
+   * A failed request stops there: the earlier requests' jobs are stored.
+   */
   async enqueueMany(jobs: readonly JobSpec[]): Promise<EnqueueResult[]> {
-    const encoded = jobs.map(encodeJob);
+    const encoded: Encoded[] = jobs.map((job, i) => {
+      const body = encodeJob(job, i);
+      const json = JSON.stringify(body);
+      return { body, json, bytes: Buffer.byteLength(json) };
+    });
     const results: EnqueueResult[] = [];
-    for (let start = 0; start < encoded.length; start += ENQUEUE_BATCH_MAX) {
-      const batch = encoded.slice(start, start + ENQUEUE_BATCH_MAX);
+    for (const batch of splitBatches(encoded, this.batchJobsMax, this.batchBytesMax)) {
       results.push(...(await this.post(batch)));
     }
     return results;
   }
 
-  private async post(batch: Record<string, unknown>[]): Promise<EnqueueResult[]> {
-    const retries = this.opts.retries ?? 4;
+  private async post(batch: Encoded[]): Promise<EnqueueResult[]> {
+    // The same text (and so the same dedup ids) on every try.
+    const text = `{"jobs":[${batch.map((e) => e.json).join(",")}]}`;
+    const sent = batch.map((e) => e.body);
+    const causes = new Map<string, string>();
     let last: ShardqError | undefined;
-    for (let attempt = 0; attempt <= retries; attempt++) {
-      const base = this.urls[this.next % this.urls.length]!;
+    for (let attempt = 0; attempt <= this.retries; attempt++) {
+      const transport = this.transports[this.next % this.transports.length]!;
       try {
-        const reply = await postJson(base, "/v1/jobs", { jobs: batch }, this.opts);
-        return parseResults(reply, batch, base);
+        const reply = await transport.post("/v1/jobs", text, { serverWaitMs: ENQUEUE_SERVER_WAIT_MS });
+        return parseResults(reply, sent, transport.base);
       } catch (err) {
         // 409: another request holds one of the dedup ids at this moment (an
         // earlier try of this batch, say); trying again is safe.
         if (!(err instanceof ShardqError) || !(err.retryable || err.status === 409)) throw err;
         last = err;
+        causes.set(transport.base, err.message);
         // The next try goes to the next server.
         this.next++;
-        if (attempt < retries) await sleep(backoffMs(attempt, this.opts.backoffMs ?? 50, this.opts.maxBackoffMs ?? 2000));
+        if (attempt < this.retries) await sleep(backoffMs(attempt, this.opts.backoffMs ?? 50, this.opts.maxBackoffMs ?? 2000));
       }
     }
-    throw new ShardqError(
-      `enqueue failed after ${retries + 1} tries over ${this.urls.length} server(s); last: ${last?.message ?? "?"}`,
+    const error = new ServerUnavailable(
+      `enqueue failed after ${this.retries + 1} tries over ${this.urls.length} server(s); last: ${last?.message ?? "?"}`,
       last?.status,
       last?.url ?? "",
       last?.serverError,
       { cause: last },
     );
+    error.causes = [...causes.values()];
+    throw error;
   }
 }

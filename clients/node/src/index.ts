@@ -2,6 +2,18 @@ export * from "./hashes.js";
 export * from "./map.js";
 export * from "./router.js";
 export { lnCorrectlyRounded } from "./ln.js";
-export * from "./http.js";
-export * from "./client.js";
-export * from "./worker.js";
+export { BadRequest, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
+export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, type ClientOptions, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
+export {
+  CLAIM_MAX,
+  RetryLater,
+  Worker,
+  type ClaimedJob,
+  type Handler,
+  type JobContext,
+  type Logger,
+  type RunOptions,
+  type StopOptions,
+  type WorkerOptions,
+  type WorkerStats,
+} from "./worker.js";

@@ -1,20 +1,39 @@
 /**
  * The worker side of the HTTP API of `shardq serve`.
  *
- * `Worker.run` long-polls `POST /v1/claim` on every URL, runs the async
- * handler for each job under one concurrency limit shared by all URLs,
- * heartbeats each running job with `POST /v1/extend` every lease/3, and then
- * acks (`/v1/ack`) or fails (`/v1/fail`) it on the server that gave it.
- * A 409 on extend, ack or fail means the run is no longer current (its
- * lease lapsed and the job went to another run): it is logged, the
- * handler's `signal` is aborted, and nothing is retried. SIGTERM and SIGINT
- * (or `stop()`) drain: no new claims, running handlers finish and are acked,
- * then `run` resolves.
+ * `Worker.run` keeps a long poll (`POST /v1/claim`) open on every URL while
+ * it has room, runs the async handler for each job under one concurrency
+ * limit shared by all URLs, holds up to `prefetch` more jobs claimed ahead,
+ * extends the leases of running and claimed-ahead jobs with one
+ * `POST /v1/extend` per server every lease/3, and acks the jobs that
+ * finished meanwhile with one `POST /v1/ack` per server (a failure is one
+ * `POST /v1/fail`). A 409 on extend, ack or fail means the run is no longer
+ * current (its lease lapsed and the job went to another run): it is logged,
+ * the handler's `signal` is aborted, and nothing is retried.
+ *
+ * SIGTERM and SIGINT (or `stop()`) drain: the long polls are cancelled at
+ * once, every claimed job runs and is reported, then `run` resolves. A
+ * second signal (or `stop({ drain: false })`), or the drain timeout, stops
+ * without draining: the handlers still running are cancelled through their
+ * signals, jobs claimed ahead are not started, and none of them is acked
+ * (the server runs them again after their leases).
  */
 
 import { hostname } from "node:os";
 
-import { backoffMs, normaliseUrls, postJson, ShardqError, sleep, type HttpOptions } from "./http.js";
+import {
+  backoffMs,
+  Cancelled,
+  normaliseUrls,
+  REPORT_SERVER_WAIT_MS,
+  ShardqError,
+  sleep,
+  StaleReceipt,
+  BadRequest,
+  Transport,
+  Unauthorized,
+  type HttpOptions,
+} from "./http.js";
 
 export interface ClaimedJob {
   id: number | string;
@@ -23,6 +42,8 @@ export interface ClaimedJob {
   /** The payload bytes (from `payload` as UTF-8, or from `payload_b64`). */
   payload: Buffer;
   attempt: number;
+  /** Attempts before the job becomes a dead letter (undefined when the server did not say). */
+  maxAttempts: number | undefined;
   receipt: string;
   fence: number | string;
   leaseExpiresMs: number | undefined;
@@ -31,7 +52,7 @@ export interface ClaimedJob {
 }
 
 export interface JobContext {
-  /** Aborted when the run is lost (a 409 on extend) or the drain timeout passes. */
+  /** Aborted when the run is lost (a 409 on extend) or left behind (drain timeout, a stop without draining). */
   signal: AbortSignal;
 }
 
@@ -69,32 +90,58 @@ export interface WorkerOptions extends HttpOptions {
 export interface RunOptions {
   /** Handlers running at once, over all URLs (default 4). */
   concurrency?: number;
+  /** Jobs claimed ahead of a free handler, over all URLs (default: `concurrency`; 0 claims only for idle handlers). */
+  prefetch?: number;
   /** Job lease asked for with each claim and extend (default 30000). */
   leaseMs?: number;
-  /** Long-poll wait of a claim (default 5000). */
+  /** Long-poll wait of a claim (default 5000, at most the server's 30000). */
   waitMs?: number;
-  /** After a stop, how long to wait for running handlers before aborting them and returning (default 30000). */
+  /** After a stop, how long to wait for the claimed jobs to run and be reported before leaving the rest behind (default 30000). */
   drainTimeoutMs?: number;
-  /** Drain on SIGTERM and SIGINT (default true). */
+  /** Drain on SIGTERM and SIGINT, stop without draining on a second one (default true). */
   handleSignals?: boolean;
   /** Tries of an ack or fail that got no answer or a 5xx (default 5). */
   reportTries?: number;
 }
 
+export interface StopOptions {
+  /** False: stop without draining (cancel running handlers, start no claimed job). Default true. */
+  drain?: boolean;
+}
+
 export interface WorkerStats {
+  /** Jobs claimed. */
   claimed: number;
+  /** Jobs whose ack the server confirmed. */
   acked: number;
+  /** Jobs whose failure the server confirmed. */
   failed: number;
-  /** Runs found stale (409) on extend, ack or fail. */
+  /** Runs found over: a 409 on extend, ack or fail, or a claimed-ahead job whose lease passed before it started. */
   lost: number;
+  /** Results given up on after their tries (no answer, 5xx, or cut off by the stop): the leases decide. */
+  unreported: number;
+  /** Jobs left behind by a stop without draining or the drain timeout (handlers cancelled, claimed-ahead jobs not started); never reported. */
+  abandoned: number;
+  /** Answered `/v1/claim` requests. */
+  claimRequests: number;
+  /** Answered `/v1/ack` requests. */
+  ackRequests: number;
 }
 
 const REASON_BYTES_MAX = 1000;
 /** Most jobs one claim may ask for (the server's `CLAIM_MAX_LIMIT`). */
 export const CLAIM_MAX = 1000;
+/** Most receipts in one ack or extend (the server's `RECEIPTS_PER_REQUEST_MAX`). */
+export const RECEIPTS_MAX = 1000;
+/** Longest long poll the server accepts (its `WAIT_MS_MAX`). */
+export const WAIT_MS_MAX = 30_000;
+/** Timeout of the last acks sent when a stop leaves jobs behind. */
+const LAST_ACKS_TIMEOUT_MS = 2_000;
 
-function positiveInt(value: number, name: string): number {
-  if (!Number.isSafeInteger(value) || value < 1) throw new TypeError(`Worker.run: ${name} must be a positive integer, got ${value}`);
+function checkInt(value: number, name: string, min: number, max = Number.MAX_SAFE_INTEGER): number {
+  if (!Number.isSafeInteger(value) || value < min || value > max) {
+    throw new TypeError(`Worker.run: ${name} must be an integer from ${min} to ${max}, got ${value}`);
+  }
   return value;
 }
 
@@ -115,6 +162,7 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
     key: j["key"],
     payload,
     attempt: Number(j["attempt"]),
+    maxAttempts: typeof j["max_attempts"] === "number" ? j["max_attempts"] : undefined,
     receipt: j["receipt"],
     fence: j["fence"] as number | string,
     leaseExpiresMs: typeof j["lease_expires_ms"] === "number" ? j["lease_expires_ms"] : undefined,
@@ -122,75 +170,129 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
   };
 }
 
-/** A counting semaphore whose waiters are woken in order. */
-class Slots {
+/** A claimed job as the worker tracks it. */
+interface Held {
+  job: ClaimedJob;
+  /** `performance.now()` past which the lease may have lapsed (claim answer or last extend's send, plus the lease). */
+  leaseUntil: number;
+  /** Set when the server said the run is over (extend refused). */
+  lost: boolean;
+  /** Set while the handler runs. */
+  abort: AbortController | undefined;
+}
+
+/** One `run`'s state. */
+class Run {
+  readonly stats: WorkerStats = { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0 };
+  /** Claimed, not finished: running or waiting for a handler. */
+  readonly held = new Map<string, Held>();
+  readonly waiting: Held[] = [];
+  running = 0;
+  /** Sum of the `max` of the claims under way. */
+  reserved = 0;
+  /** Receipts of finished jobs to ack, per server. */
+  readonly acks = new Map<string, Held[]>();
+  readonly acking = new Set<string>();
+  /** Reports (ack and fail requests) under way. */
+  readonly reports = new Set<Promise<void>>();
+  /** Aborted at the stop: cancels the long polls and backoff sleeps. */
+  readonly claims = new AbortController();
+  /** Aborted when jobs are left behind: cuts the reports off. */
+  readonly cutoff = new AbortController();
+  draining = false;
+  abandoned = false;
+  fatal: unknown;
   private waiters: (() => void)[] = [];
-  constructor(private free: number) {}
-  get available(): number {
-    return this.free;
+
+  /** Resolves at the next change of the counts above. */
+  changed(): Promise<void> {
+    return new Promise((r) => this.waiters.push(r));
   }
-  /** Takes up to `want` slots (at least one), waiting for one if none is free. */
-  async take(want: number): Promise<number> {
-    while (this.free <= 0) await new Promise<void>((r) => this.waiters.push(r));
-    const n = Math.min(want, this.free);
-    this.free -= n;
-    return n;
-  }
-  /** Counts `n` more slots in use than were taken (jobs a server sent beyond `max`). */
-  borrow(n: number): void {
-    this.free -= n;
-  }
-  give(n: number): void {
-    this.free += n;
+
+  notify(): void {
     for (const w of this.waiters.splice(0)) w();
+  }
+
+  get idle(): boolean {
+    return this.held.size === 0 && this.reports.size === 0 && this.acking.size === 0 && [...this.acks.values()].every((q) => q.length === 0);
   }
 }
 
 export class Worker {
   readonly urls: readonly string[];
   readonly name: string;
-  private readonly opts: WorkerOptions;
   private readonly log: Logger;
-  private stopping = false;
-  private wake: (() => void) | undefined;
-  readonly stats: WorkerStats = { claimed: 0, acked: 0, failed: 0, lost: 0 };
+  private readonly transports: Map<string, Transport>;
+  private current: Run | undefined;
+  private stopRequest: StopOptions | undefined;
+  private lastStats: WorkerStats | undefined;
 
   constructor(urls: string | readonly string[], opts: WorkerOptions = {}) {
     this.urls = normaliseUrls(urls, "Worker");
-    this.opts = opts;
     this.name = opts.worker ?? `node-${hostname()}-${process.pid}`;
     this.log = opts.logger ?? stderrLogger;
+    this.transports = new Map(this.urls.map((u) => [u, new Transport(u, opts)]));
   }
 
-  /** Asks `run` to drain: no new claims; running handlers finish and are reported. */
-  stop(): void {
-    this.stopping = true;
-    this.wake?.();
+  /** The counts of the run under way, or of the last one. */
+  get stats(): WorkerStats {
+    return { ...(this.current?.stats ?? this.lastStats ?? { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0 }) };
   }
 
   /**
-   * Claims and runs jobs until `stop()` (or SIGTERM/SIGINT). Resolves after
-   * the drain; rejects on an error no retry can fix (401, 403, 400 on claim).
+   * Stops `run`. By default it drains: the long polls are cancelled, every
+   * claimed job runs and is reported, then `run` resolves. `{ drain: false }`
+   * stops at once: running handlers are cancelled through their signals,
+   * claimed jobs not started are left, and none of them is reported.
+   */
+  stop(opts: StopOptions = {}): void {
+    const run = this.current;
+    if (run === undefined) {
+      // Before `run` started (or between runs): the next run stops at once.
+      this.stopRequest = opts;
+      return;
+    }
+    if (opts.drain === false) this.leaveBehind(run, "stopped without draining");
+    else this.beginDrain(run);
+  }
+
+  /** Closes the keep-alive connections (after `run` resolved); a later request opens new ones. */
+  close(): void {
+    for (const t of this.transports.values()) t.close();
+  }
+
+  /**
+   * Claims and runs jobs until `stop()` (or SIGTERM/SIGINT). Resolves with
+   * the stats after the drain; rejects with the error when a claim is
+   * refused in a way no retry can fix (`Unauthorized` for 401/403,
+   * `BadRequest` for 400), after draining what it had claimed.
    */
   async run(handler: Handler, runOpts: RunOptions = {}): Promise<WorkerStats> {
-    const concurrency = positiveInt(runOpts.concurrency ?? 4, "concurrency");
-    const leaseMs = positiveInt(runOpts.leaseMs ?? 30_000, "leaseMs");
-    const waitMs = positiveInt(runOpts.waitMs ?? 5_000, "waitMs");
-    const drainTimeoutMs = positiveInt(runOpts.drainTimeoutMs ?? 30_000, "drainTimeoutMs");
-    const reportTries = positiveInt(runOpts.reportTries ?? 5, "reportTries");
+    if (this.current !== undefined) throw new Error("Worker.run: already running");
+    const concurrency = checkInt(runOpts.concurrency ?? 4, "concurrency", 1);
+    const prefetch = checkInt(runOpts.prefetch ?? concurrency, "prefetch", 0);
+    const leaseMs = checkInt(runOpts.leaseMs ?? 30_000, "leaseMs", 100);
+    const waitMs = checkInt(runOpts.waitMs ?? 5_000, "waitMs", 0, WAIT_MS_MAX);
+    const drainTimeoutMs = checkInt(runOpts.drainTimeoutMs ?? 30_000, "drainTimeoutMs", 0);
+    const reportTries = checkInt(runOpts.reportTries ?? 5, "reportTries", 1);
     const handleSignals = runOpts.handleSignals ?? true;
-    this.stopping = false;
+    const capacity = concurrency + prefetch;
 
-    const slots = new Slots(concurrency);
-    const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
-    let fatal: unknown;
-    const stopped = new Promise<void>((resolve) => {
-      this.wake = resolve;
-      if (this.stopping) resolve();
-    });
+    const run = new Run();
+    this.current = run;
+    const log = this.log;
+    const stats = run.stats;
+
+    let signals = 0;
     const onSignal = (sig: string) => {
-      this.log.info(`${sig}: draining (${running.size} job(s) running)`);
-      this.stop();
+      signals++;
+      if (signals === 1) {
+        log.info(`${sig}: draining (${run.running} job(s) running, ${run.waiting.length} claimed ahead); ${sig} again stops without draining`);
+        this.stop();
+      } else {
+        log.warn(`${sig} again: stopping without draining`);
+        this.stop({ drain: false });
+      }
     };
     const onTerm = () => onSignal("SIGTERM");
     const onInt = () => onSignal("SIGINT");
@@ -199,29 +301,18 @@ export class Worker {
       process.on("SIGINT", onInt);
     }
 
-    const runJob = async (job: ClaimedJob, abort: AbortController): Promise<void> => {
-      let lost = false;
-      let finished = false;
-      const markLost = (what: string, err: ShardqError) => {
-        if (!lost) {
-          lost = true;
-          this.stats.lost++;
-          this.log.warn(`job ${job.id} (key ${JSON.stringify(job.key)}, shard ${job.shard}) lost its run on ${what}: ${err.message}`);
-        }
-        abort.abort(err);
-      };
-      const beat = setInterval(() => {
-        postJson(job.server, "/v1/extend", { receipts: [job.receipt], lease_ms: leaseMs }, this.opts, Math.max(1000, leaseMs / 3)).catch(
-          (err: unknown) => {
-            // An extend that crossed the job's own ack finds the run over: not a loss.
-            if (finished) return;
-            if (err instanceof ShardqError && err.isStaleReceipt) markLost("extend", err);
-            else this.log.warn(`extend of job ${job.id} on ${job.server} failed (will retry at the next beat): ${String(err)}`);
-          },
-        );
-      }, Math.max(1, Math.floor(leaseMs / 3)));
-      // Past the drain timeout the run is left to its lease: stop extending it.
-      abort.signal.addEventListener("abort", () => clearInterval(beat), { once: true });
+    const sendReport = (held: Held, path: "/v1/fail", body: Record<string, unknown>): void => {
+      const p = this.report(run, held, path, body, reportTries).finally(() => {
+        run.reports.delete(p);
+        run.notify();
+      });
+      run.reports.add(p);
+    };
+
+    const runJob = async (held: Held): Promise<void> => {
+      const { job } = held;
+      const abort = new AbortController();
+      held.abort = abort;
       let outcome: { ok: true } | { ok: false; reason: string; retryInMs?: number };
       try {
         await handler(job, { signal: abort.signal });
@@ -231,74 +322,60 @@ export class Worker {
         const retry = (err as { retryInMs?: unknown } | null)?.retryInMs;
         outcome = { ok: false, reason: reason.slice(0, REASON_BYTES_MAX) };
         if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
-      } finally {
-        finished = true;
-        clearInterval(beat);
       }
-      if (lost) return;
-      const [path, body] = outcome.ok
-        ? (["/v1/ack", { receipts: [job.receipt] }] as const)
-        : ([
-            "/v1/fail",
-            outcome.retryInMs === undefined
-              ? { receipt: job.receipt, reason: outcome.reason }
-              : { receipt: job.receipt, reason: outcome.reason, retry_in_ms: outcome.retryInMs },
-          ] as const);
-      for (let attempt = 0; attempt < reportTries; attempt++) {
-        try {
-          await postJson(job.server, path, body, this.opts);
-          if (outcome.ok) this.stats.acked++;
-          else this.stats.failed++;
-          return;
-        } catch (err) {
-          if (err instanceof ShardqError && err.isStaleReceipt) {
-            markLost(outcome.ok ? "ack" : "fail", err);
-            return;
-          }
-          const retryable = err instanceof ShardqError && err.retryable;
-          if (!retryable || attempt === reportTries - 1) {
-            this.log.error(`${path} of job ${job.id} on ${job.server} failed; the job will run again after its lease: ${String(err)}`);
-            return;
-          }
-          await sleep(backoffMs(attempt, 50, 2000));
-        }
+      held.abort = undefined;
+      // Left behind (drain timeout, a stop without draining): counted then, never reported.
+      if (!run.held.delete(job.receipt)) return;
+      run.running--;
+      if (held.lost) {
+        // The extend that found the run over logged and counted it.
+      } else if (outcome.ok) {
+        this.queueAck(run, held, reportTries);
+      } else {
+        const body: Record<string, unknown> = { receipt: job.receipt, reason: outcome.reason };
+        if (outcome.retryInMs !== undefined) body["retry_in_ms"] = outcome.retryInMs;
+        sendReport(held, "/v1/fail", body);
       }
+      dispatch();
+      run.notify();
     };
 
-    const start = (job: ClaimedJob) => {
-      this.stats.claimed++;
-      const abort = new AbortController();
-      const done = runJob(job, abort)
-        .catch((err: unknown) => this.log.error(`job ${job.id}: ${String(err)}`))
-        .finally(() => {
-          running.delete(job.receipt);
-          slots.give(1);
-        });
-      running.set(job.receipt, { abort, done });
+    const dispatch = (): void => {
+      while (run.running < concurrency && run.waiting.length > 0 && !run.abandoned) {
+        const held = run.waiting.shift()!;
+        if (held.lost || performance.now() >= held.leaseUntil) {
+          // Running it now could overlap the key's next run elsewhere.
+          run.held.delete(held.job.receipt);
+          stats.lost++;
+          log.warn(
+            `job ${held.job.id} (key ${JSON.stringify(held.job.key)}, shard ${held.job.shard}) at ${held.job.server}: ${held.lost ? "its run was lost" : "its lease passed"} before a handler was free; not run (the server runs it again)`,
+          );
+          run.notify();
+          continue;
+        }
+        run.running++;
+        runJob(held).catch((err: unknown) => log.error(`job ${held.job.id}: ${String(err)}`));
+      }
     };
 
     const poll = async (server: string): Promise<void> => {
+      const transport = this.transports.get(server)!;
+      const share = Math.max(1, Math.ceil(capacity / this.urls.length));
       let failures = 0;
-      while (!this.stopping && fatal === undefined) {
-        const taken = await Promise.race([slots.take(concurrency), stopped.then(() => 0)]);
-        if (taken === 0) return;
-        if (this.stopping || fatal !== undefined) {
-          slots.give(taken);
-          return;
-        }
-        // Leave slots to the other servers' pollers: at most a fair share, at least one.
-        // At most CLAIM_MAX per claim: the server refuses a larger `max` with 400.
-        const share = Math.min(CLAIM_MAX, Math.max(1, Math.ceil(concurrency / this.urls.length)));
-        const want = Math.min(taken, share);
-        if (want < taken) slots.give(taken - want);
-        let jobs: ClaimedJob[] = [];
+      while (!run.draining) {
+        // Wait for room; then every URL polls, each for at least one job,
+        // even when the others' polls hold every free slot (so a quiet
+        // server cannot keep the others' jobs waiting).
+        while (run.held.size >= capacity && !run.draining) await run.changed();
+        if (run.draining) return;
+        const want = Math.min(CLAIM_MAX, Math.max(1, Math.min(share, capacity - run.held.size - run.reserved)));
+        run.reserved += want;
+        let jobs: ClaimedJob[];
         try {
-          const reply = await postJson(
-            server,
+          const reply = await transport.post(
             "/v1/claim",
             { worker: this.name, max: want, wait_ms: waitMs, lease_ms: leaseMs },
-            this.opts,
-            waitMs + (this.opts.timeoutMs ?? 30_000),
+            { serverWaitMs: waitMs, signal: run.claims.signal },
           );
           const raw = (reply as { jobs?: unknown } | null)?.jobs;
           if (!Array.isArray(raw)) {
@@ -307,52 +384,259 @@ export class Worker {
           jobs = raw.map((j) => parseJob(j, server));
           failures = 0;
         } catch (err) {
-          slots.give(want);
-          if (err instanceof ShardqError && !err.retryable && err.status !== 200) {
-            fatal = err;
-            this.log.error(`claim on ${server} refused; stopping: ${err.message}`);
-            this.stop();
+          run.reserved -= want;
+          if (err instanceof Cancelled) return;
+          if (err instanceof Unauthorized || err instanceof BadRequest) {
+            if (run.fatal === undefined) run.fatal = err;
+            log.error(`claim on ${server} refused; stopping: ${err.message}`);
+            this.beginDrain(run);
             return;
           }
-          this.log.warn(`claim on ${server} failed: ${String(err)}`);
-          await Promise.race([sleep(backoffMs(failures++, 100, 5000)), stopped]);
+          log.warn(`claim on ${server} failed: ${String(err)}`);
+          await sleep(backoffMs(failures++, 100, 5000), run.claims.signal);
           continue;
         }
-        if (jobs.length > want) {
-          // A server bug; the jobs are leased to us, so run them and count them against the limit.
-          this.log.warn(`claim on ${server} returned ${jobs.length} jobs for max ${want}`);
-          slots.borrow(jobs.length - want);
+        run.reserved -= want;
+        stats.claimRequests++;
+        stats.claimed += jobs.length;
+        // The server started the leases just before it answered.
+        const leaseUntil = performance.now() + leaseMs;
+        for (const job of jobs) {
+          const held: Held = { job, leaseUntil, lost: false, abort: undefined };
+          run.held.set(job.receipt, held);
+          if (run.abandoned) {
+            // A claim answered after the stop left everything behind.
+            run.held.delete(job.receipt);
+            stats.abandoned++;
+          } else run.waiting.push(held);
         }
-        for (const job of jobs) start(job);
-        // Slots asked for but not filled go back.
-        if (jobs.length < want) slots.give(want - jobs.length);
+        dispatch();
+        run.notify();
       }
     };
 
+    const beat = setInterval(() => this.extendAll(run, leaseMs), Math.max(1, Math.floor(leaseMs / 3)));
+
     try {
-      await Promise.all(this.urls.map((u) => poll(u)));
-      // Drain: wait for running handlers, then abort those past the timeout.
-      const all = Promise.all([...running.values()].map((r) => r.done));
-      let timer: NodeJS.Timeout | undefined;
-      const timedOut = await Promise.race([
-        all.then(() => false),
-        new Promise<boolean>((r) => {
-          timer = setTimeout(() => r(true), drainTimeoutMs);
-        }),
-      ]);
-      clearTimeout(timer);
-      if (timedOut) {
-        this.log.warn(`drain timeout: aborting ${running.size} job(s) still running; they are left to their leases`);
-        for (const r of running.values()) r.abort.abort(new Error("drain timeout"));
+      if (this.stopRequest !== undefined) {
+        const req = this.stopRequest;
+        this.stopRequest = undefined;
+        this.stop(req);
       }
+      await Promise.all(this.urls.map((u) => poll(u)));
+      // Drain: every claimed job runs and is reported, within the timeout.
+      let timer: NodeJS.Timeout | undefined;
+      const timedOut = new Promise<void>((r) => {
+        timer = setTimeout(r, drainTimeoutMs);
+      });
+      let late = false;
+      void timedOut.then(() => {
+        late = true;
+        run.notify();
+      });
+      while (!run.idle && !late && !run.abandoned) await run.changed();
+      clearTimeout(timer);
+      if (!run.idle && !run.abandoned) this.leaveBehind(run, `drain timeout (${drainTimeoutMs} ms)`);
+      // What a stop left behind: the reports under way are cut off; the acks of finished jobs go once.
+      while (run.reports.size > 0 || run.acking.size > 0) await run.changed();
+      await this.lastAcks(run);
     } finally {
+      clearInterval(beat);
       if (handleSignals) {
         process.off("SIGTERM", onTerm);
         process.off("SIGINT", onInt);
       }
-      this.wake = undefined;
+      this.current = undefined;
+      this.lastStats = stats;
     }
-    if (fatal !== undefined) throw fatal;
-    return { ...this.stats };
+    if (run.fatal !== undefined) throw run.fatal;
+    return { ...stats };
+  }
+
+  private beginDrain(run: Run): void {
+    if (run.draining) return;
+    run.draining = true;
+    run.claims.abort();
+    run.notify();
+  }
+
+  /** Stops without draining: cancels the running handlers, drops the jobs claimed ahead, cuts the reports off. */
+  private leaveBehind(run: Run, why: string): void {
+    this.beginDrain(run);
+    if (run.abandoned) return;
+    run.abandoned = true;
+    const running = [...run.held.values()].filter((h) => h.abort !== undefined);
+    const ahead = run.waiting.length;
+    for (const h of run.held.values()) h.abort?.abort(new Error(why));
+    run.stats.abandoned += run.held.size;
+    run.held.clear();
+    run.waiting.length = 0;
+    run.running = 0;
+    run.cutoff.abort();
+    if (running.length + ahead > 0) {
+      this.log.warn(
+        `${why}: ${running.length} running handler(s) cancelled through their signals and ${ahead} claimed job(s) not started; none of them is acked, the server runs them again after their leases`,
+      );
+    }
+    run.notify();
+  }
+
+  /** Queues a finished job's ack to its server; one request carries every ack queued meanwhile. */
+  private queueAck(run: Run, held: Held, tries: number): void {
+    const server = held.job.server;
+    let q = run.acks.get(server);
+    if (q === undefined) run.acks.set(server, (q = []));
+    q.push(held);
+    if (run.acking.has(server)) return;
+    run.acking.add(server);
+    // Acks of the jobs that finish in this turn of the event loop go together.
+    setImmediate(() => {
+      this.ackLoop(run, server, tries)
+        .catch((err: unknown) => this.log.error(`acks to ${server}: ${String(err)}`))
+        .finally(() => {
+          run.acking.delete(server);
+          run.notify();
+        });
+    });
+  }
+
+  private async ackLoop(run: Run, server: string, tries: number): Promise<void> {
+    const q = run.acks.get(server)!;
+    while (q.length > 0 && !run.abandoned) {
+      const batch = q.splice(0, RECEIPTS_MAX);
+      await this.sendAcks(run, server, batch, tries, undefined);
+    }
+  }
+
+  /** The acks queued when a stop left jobs behind: one try each, briefly. */
+  private async lastAcks(run: Run): Promise<void> {
+    const sends: Promise<void>[] = [];
+    for (const [server, q] of run.acks) {
+      while (q.length > 0) sends.push(this.sendAcks(run, server, q.splice(0, RECEIPTS_MAX), 1, LAST_ACKS_TIMEOUT_MS));
+    }
+    await Promise.all(sends);
+  }
+
+  private async sendAcks(run: Run, server: string, batch: Held[], tries: number, timeoutMs: number | undefined): Promise<void> {
+    const transport = this.transports.get(server)!;
+    const body = { receipts: batch.map((h) => h.job.receipt) };
+    const stats = run.stats;
+    for (let attempt = 0; attempt < tries; attempt++) {
+      try {
+        await transport.post("/v1/ack", body, { serverWaitMs: REPORT_SERVER_WAIT_MS, timeoutMs, signal: timeoutMs === undefined ? run.cutoff.signal : undefined });
+        stats.acked += batch.length;
+        stats.ackRequests++;
+        return;
+      } catch (err) {
+        if (err instanceof StaleReceipt) {
+          // The valid receipts were acked; the listed ones' runs were over.
+          const refused = new Set([...err.stale, ...err.notOwned]);
+          const lost = refused.size > 0 ? batch.filter((h) => refused.has(h.job.receipt)) : batch;
+          for (const h of lost) this.logLost(h.job, `ack${attempt > 0 ? " (retried: an earlier try may have acked it)" : ""}`, err);
+          stats.lost += lost.length;
+          stats.acked += batch.length - lost.length;
+          stats.ackRequests++;
+          return;
+        }
+        if (err instanceof Cancelled) break;
+        const retryable = err instanceof ShardqError && err.retryable;
+        if (!retryable || attempt === tries - 1) {
+          this.log.error(`ack of ${batch.length} job(s) on ${server} failed; their leases decide: ${String(err)}`);
+          break;
+        }
+        await sleep(backoffMs(attempt, 50, 2000), run.cutoff.signal);
+      }
+    }
+    stats.unreported += batch.length;
+  }
+
+  private async report(run: Run, held: Held, path: string, body: Record<string, unknown>, tries: number): Promise<void> {
+    const { job } = held;
+    const transport = this.transports.get(job.server)!;
+    for (let attempt = 0; attempt < tries; attempt++) {
+      try {
+        await transport.post(path, body, { serverWaitMs: REPORT_SERVER_WAIT_MS, signal: run.cutoff.signal });
+        run.stats.failed++;
+        return;
+      } catch (err) {
+        if (err instanceof StaleReceipt) {
+          this.logLost(job, "fail", err);
+          run.stats.lost++;
+          return;
+        }
+        if (err instanceof Cancelled) break;
+        const retryable = err instanceof ShardqError && err.retryable;
+        if (!retryable || attempt === tries - 1) {
+          this.log.error(`${path} of job ${job.id} on ${job.server} failed; the job will run again after its lease: ${String(err)}`);
+          break;
+        }
+        await sleep(backoffMs(attempt, 50, 2000), run.cutoff.signal);
+      }
+    }
+    run.stats.unreported++;
+  }
+
+  private logLost(job: ClaimedJob, what: string, err: ShardqError): void {
+    this.log.warn(`job ${job.id} (key ${JSON.stringify(job.key)}, shard ${job.shard}) lost its run on ${what}: ${err.message}`);
+  }
+
+  private readonly extending = new Set<string>();
+
+  /** One extend per server for every held job (running or claimed ahead), at most RECEIPTS_MAX receipts each. */
+  private extendAll(run: Run, leaseMs: number): void {
+    const byServer = new Map<string, Held[]>();
+    for (const h of run.held.values()) {
+      if (h.lost) continue;
+      let list = byServer.get(h.job.server);
+      if (list === undefined) byServer.set(h.job.server, (list = []));
+      list.push(h);
+    }
+    for (const [server, list] of byServer) {
+      // One extend under way per server: a slow answer is not piled on.
+      if (this.extending.has(server)) continue;
+      this.extending.add(server);
+      const sends = [];
+      for (let i = 0; i < list.length; i += RECEIPTS_MAX) sends.push(this.extend(run, server, list.slice(i, i + RECEIPTS_MAX), leaseMs));
+      void Promise.all(sends).finally(() => this.extending.delete(server));
+    }
+  }
+
+  private async extend(run: Run, server: string, list: Held[], leaseMs: number): Promise<void> {
+    const sent = performance.now();
+    try {
+      await this.transports.get(server)!.post(
+        "/v1/extend",
+        { receipts: list.map((h) => h.job.receipt), lease_ms: leaseMs },
+        { serverWaitMs: 0, timeoutMs: Math.max(1000, leaseMs / 3), signal: run.cutoff.signal },
+      );
+      for (const h of list) h.leaseUntil = sent + leaseMs;
+    } catch (err) {
+      if (err instanceof Cancelled) return;
+      if (!(err instanceof StaleReceipt)) {
+        this.log.warn(`extend of ${list.length} job(s) on ${server} failed (will retry at the next beat): ${String(err)}`);
+        return;
+      }
+      const refused = new Set([...err.stale, ...err.notOwned]);
+      if (refused.size === 0 && list.length > 1) {
+        // Which one? Ask one by one.
+        await Promise.all(list.map((h) => this.extend(run, server, [h], leaseMs)));
+        return;
+      }
+      for (const h of list) {
+        if (refused.size > 0 && !refused.has(h.job.receipt)) {
+          h.leaseUntil = sent + leaseMs;
+          continue;
+        }
+        // A job that finished meanwhile was acked or failed with that receipt: its run is over, not lost.
+        if (h.lost || run.held.get(h.job.receipt) !== h) continue;
+        h.lost = true;
+        if (h.abort !== undefined) {
+          run.stats.lost++;
+          this.logLost(h.job, "extend", err);
+          h.abort.abort(err);
+        }
+        // A job claimed ahead is dropped (and counted) when its turn comes.
+      }
+    }
   }
 }

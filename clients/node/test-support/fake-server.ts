@@ -165,20 +165,23 @@ export class FakeServer {
           return problem("ack needs receipts: [string]");
         }
         const receipts = body["receipts"] as string[];
+        // As the real server: the valid receipts take effect, a 409 lists the others.
+        const stale: string[] = [];
         for (const r of receipts) {
           if (!this.current(r)) {
             this.staleReplies.push(`ack ${r}`);
-            return send(409, { error: `stale receipt ${r}` });
+            stale.push(r);
+            continue;
           }
-        }
-        for (const r of receipts) {
           const run = this.runs.get(r)!;
           this.runs.delete(r);
           this.inFlight.delete(run.job.key);
           this.queues.get(run.job.key)!.shift();
           this.acked.push(run.job);
         }
-        return after(200, {});
+        const acked = receipts.length - stale.length;
+        if (stale.length > 0) return send(409, { error: `${stale.length} stale receipts`, acked, stale, not_owned: [] });
+        return after(200, { acked });
       }
       case "/v1/fail": {
         if (keysOnly(body, ["receipt", "reason", "retry_in_ms"]).length > 0 || typeof body["receipt"] !== "string" || typeof body["reason"] !== "string") {
@@ -205,14 +208,18 @@ export class FakeServer {
         if (keysOnly(body, ["receipts", "lease_ms"]).length > 0 || !Array.isArray(body["receipts"]) || !isInt(body["lease_ms"], 1)) {
           return problem("extend needs receipts and lease_ms");
         }
+        const stale: string[] = [];
         for (const r of body["receipts"] as string[]) {
           if (!this.current(r)) {
             this.staleReplies.push(`extend ${r}`);
-            return send(409, { error: `stale receipt ${r}` });
+            stale.push(r);
+            continue;
           }
           this.runs.get(r)!.leaseUntil = Date.now() + (body["lease_ms"] as number);
         }
-        return after(200, {});
+        const extended = (body["receipts"] as string[]).length - stale.length;
+        if (stale.length > 0) return send(409, { error: `${stale.length} stale receipts`, extended, stale, not_owned: [] });
+        return after(200, { extended });
       }
       default:
         return send(404, { error: `no route ${path}` });
@@ -244,7 +251,16 @@ export class FakeServer {
       const receipt = `${this.shard}:${head.id}:${fence}`;
       this.runs.set(receipt, { job: head, leaseUntil: now + leaseMs, fence });
       this.inFlight.add(key);
-      const job: Record<string, unknown> = { id: head.id, shard: this.shard, key, attempt: head.attempt, receipt, fence, lease_expires_ms: now + leaseMs };
+      const job: Record<string, unknown> = {
+        id: head.id,
+        shard: this.shard,
+        key,
+        attempt: head.attempt,
+        max_attempts: head.maxAttempts,
+        receipt,
+        fence,
+        lease_expires_ms: now + leaseMs,
+      };
       if (head.payload !== undefined) job["payload"] = head.payload;
       else job["payload_b64"] = head.payloadB64;
       out.push(job);

@@ -133,7 +133,7 @@ test("409 on ack is a lost run: logged, not retried; a 5xx on ack is retried", a
     s.inject.set("/v1/ack", [409, 503]);
     const log = collectingLogger();
     const worker = new Worker([s.url], { logger: log });
-    const ran = worker.run(async () => {}, { concurrency: 1, leaseMs: 300, waitMs: 20, handleSignals: false });
+    const ran = worker.run(async () => {}, { concurrency: 1, prefetch: 0, leaseMs: 300, waitMs: 20, handleSignals: false });
     // The first job's ack got 409 (left to its lease, it runs again later); the second's got 503 then 200.
     await stopWhen(worker, () => s.acked.length === 2);
     const stats = await ran;
@@ -175,7 +175,7 @@ test("409 on extend aborts the handler's signal and skips the ack", async () => 
   }
 });
 
-test("stop drains: the running job finishes and is acked before run resolves, and no claim follows", async () => {
+test("stop drains without prefetch: the running job finishes and is acked before run resolves, and no claim follows", async () => {
   const s = await new FakeServer("s").start();
   try {
     await new Client([s.url]).enqueueMany([{ key: "k1", payload: "x" }, { key: "k2", payload: "y" }]);
@@ -186,7 +186,7 @@ test("stop drains: the running job finishes and is acked before run resolves, an
         started++;
         await sleep(300);
       },
-      { concurrency: 1, leaseMs: 5000, waitMs: 20, handleSignals: false },
+      { concurrency: 1, prefetch: 0, leaseMs: 5000, waitMs: 20, handleSignals: false },
     );
     await stopWhen(worker, () => started === 1);
     const claimsAtStop = s.count("/v1/claim");
@@ -239,7 +239,7 @@ test("SIGTERM drains a worker process: the running job is acked and the process 
     const code = await new Promise<number | string | null>((resolve) => child.on("exit", (c, sig) => resolve(c ?? sig)));
     assert.equal(code, 0, `${err}\n${out}`);
     assert.match(out, /drained/);
-    assert.match(err, /SIGTERM: draining \(1 job\(s\) running\)/);
+    assert.match(err, /SIGTERM: draining \(1 job\(s\) running, 0 claimed ahead\)/);
     assert.equal(s.acked.length, 1);
   } finally {
     await s.close();
