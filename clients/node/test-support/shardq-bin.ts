@@ -5,7 +5,7 @@
 // and `shardq serve` on a free loopback port.
 
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
-import { accessSync, constants, existsSync, mkdtempSync, openSync, closeSync, readFileSync, rmSync, statSync } from "node:fs";
+import { accessSync, constants, existsSync, mkdtempSync, openSync, closeSync, readFileSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
@@ -81,6 +81,26 @@ export async function freePort(): Promise<number> {
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
+export interface ServeOptions {
+  /** A tokens file (`--tokens`); `status()` then sends `readToken`. */
+  tokens?: string;
+  readToken?: string;
+  /** `--max-shards`: start() waits until this server owns that many shards. */
+  maxShards?: number;
+  /** Further flags. */
+  args?: string[];
+}
+
+/** A produce-only token of the tokens file `writeTokens` writes. */
+export const PRODUCE_ONLY_TOKEN = "produce-only-0123456789abcdef";
+
+/** A tokens file in `dir` granting `token` every role (and `PRODUCE_ONLY_TOKEN` only produce). */
+export function writeTokens(dir: string, token: string): string {
+  const path = join(dir, "tokens");
+  writeFileSync(path, `# test tokens\n${token} produce,work,read,admin\n${PRODUCE_ONLY_TOKEN} produce\n`);
+  return path;
+}
+
 /** `shardq serve` over `data` on a free loopback port. */
 export class Serve {
   url = "";
@@ -90,6 +110,7 @@ export class Serve {
   constructor(
     readonly data: string,
     readonly shards: number,
+    readonly opts: ServeOptions = {},
   ) {}
 
   async start(timeoutMs = 30_000): Promise<this> {
@@ -97,27 +118,48 @@ export class Serve {
     this.url = `http://127.0.0.1:${port}`;
     this.logPath = `${this.data}.serve-${port}.log`;
     const log = openSync(this.logPath, "a");
-    this.child = spawn(shardqBinary(), ["serve", "--data", this.data, "--listen", `127.0.0.1:${port}`], { stdio: ["ignore", log, log] });
+    const args = ["serve", "--data", this.data, "--listen", `127.0.0.1:${port}`];
+    if (this.opts.tokens !== undefined) args.push("--tokens", this.opts.tokens);
+    if (this.opts.maxShards !== undefined) args.push("--max-shards", String(this.opts.maxShards));
+    args.push(...(this.opts.args ?? []));
+    this.child = spawn(shardqBinary(), args, { stdio: ["ignore", log, log] });
     closeSync(log);
+    const owns = this.opts.maxShards ?? this.shards;
     const deadline = Date.now() + timeoutMs;
     for (;;) {
       if (this.child.exitCode !== null) throw new Error(`shardq serve exited ${this.child.exitCode}:\n${this.log()}`);
-      try {
-        const r = await fetch(`${this.url}/readyz`, { signal: AbortSignal.timeout(1000) });
-        const doc = (await r.json()) as { ready?: boolean; owned?: string[] };
-        if (r.status === 200 && doc.ready === true && doc.owned?.length === this.shards) return this;
-      } catch {
-        // not listening yet
-      }
-      if (Date.now() > deadline) throw new Error(`shardq serve on ${this.url} not ready after ${timeoutMs} ms:\n${this.log()}`);
+      const owned = await this.owned().catch(() => undefined);
+      if (owned !== undefined && owned.length === owns) return this;
+      if (Date.now() > deadline) throw new Error(`shardq serve on ${this.url} not ready (owning ${owns} shards) after ${timeoutMs} ms:\n${this.log()}`);
       await sleep(20);
     }
   }
 
+  /** The shards this server runs (`GET /readyz`), undefined until it is ready. */
+  async owned(): Promise<string[] | undefined> {
+    const r = await fetch(`${this.url}/readyz`, { signal: AbortSignal.timeout(1000) });
+    const doc = (await r.json()) as { ready?: boolean; owned?: string[] };
+    return r.status === 200 && doc.ready === true ? (doc.owned ?? []) : undefined;
+  }
+
   async status(): Promise<{ totals: Record<string, number>; failed: string[] }> {
-    const r = await fetch(`${this.url}/v1/status`, { signal: AbortSignal.timeout(5000) });
+    const headers: Record<string, string> = {};
+    if (this.opts.readToken !== undefined) headers["authorization"] = `Bearer ${this.opts.readToken}`;
+    const r = await fetch(`${this.url}/v1/status`, { headers, signal: AbortSignal.timeout(5000) });
     if (r.status !== 200) throw new Error(`GET /v1/status: ${r.status} ${await r.text()}`);
     return (await r.json()) as { totals: Record<string, number>; failed: string[] };
+  }
+
+  /** Resolves once `status().totals` equals `totals`, polling; throws with the last totals after `ms`. */
+  async settle(totals: Record<string, number>, ms = 20_000): Promise<void> {
+    const deadline = Date.now() + ms;
+    let last: Record<string, number> = {};
+    while (Date.now() < deadline) {
+      last = (await this.status()).totals;
+      if (Object.keys({ ...last, ...totals }).every((k) => last[k] === totals[k])) return;
+      await sleep(25);
+    }
+    throw new Error(`status totals ${JSON.stringify(last)}, wanted ${JSON.stringify(totals)} within ${ms} ms`);
   }
 
   log(): string {
