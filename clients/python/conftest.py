@@ -1,4 +1,4 @@
-"""Puts ``clients/python`` on ``sys.path`` so ``import shardq_ref`` works
+"""Puts ``clients/python`` on ``sys.path`` so ``import shardq`` works
 however pytest is started (``python3 -m pytest -q clients/python`` from the
 repository root, or ``pytest`` here)."""
 

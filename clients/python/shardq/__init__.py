@@ -1,11 +1,18 @@
 """shardq: Python clients of the shardq job queue.
 
+* :class:`Client` and :class:`Worker` speak the HTTP API of ``shardq
+  serve`` with the standard library only; :class:`AsyncClient` and
+  :class:`AsyncWorker` do the same from asyncio code (the ``asyncio`` extra,
+  aiohttp).
 * :class:`RedisProducer` writes straight into a Redis deployment (no
-  server in between), with the backend's own enqueue script.
-* :class:`Client` and :class:`Worker` speak the HTTP API of ``shardq serve``.
-
-Routing comes from :mod:`shardq_ref`, the reference router.
+  server in between), with the backend's own enqueue script (the ``redis``
+  extra).
+* :mod:`shardq.routing` is the pure-Python reference of the key-to-shard
+  routing, which :class:`RedisProducer` routes with (the ``redis`` extra:
+  PyYAML, xxhash, mmh3).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BadRequest,
@@ -20,52 +27,64 @@ from .errors import (
     StaleReceipt,
     StoreFull,
     StoreLost,
+    TooLarge,
     Unauthorized,
     Unavailable,
 )
-from typing import TYPE_CHECKING
-
 from .http import ClaimedJob, Client, Enqueued, NewJob, Retry, Worker, WorkerStats
 
-# The direct Redis producer needs the redis package and the reference router
-# (two thirds of the import time of this package): they load on first use,
-# so an HTTP client or worker does not pay for them at start.
-_LAZY = {"Job", "Placed", "RedisProducer"}
+# The asyncio clients need aiohttp, the direct Redis producer redis-py and
+# the reference router (two thirds of the import time of this package):
+# they load on first use, so an HTTP client or worker does not pay for them
+# at start, and they need not be installed.
+_LAZY = {
+    "AsyncClient": "aio",
+    "AsyncWorker": "aio",
+    "Job": "redis_producer",
+    "Placed": "redis_producer",
+    "RedisProducer": "redis_producer",
+}
 
 if TYPE_CHECKING:  # for type checkers, which do not run __getattr__
+    from .aio import AsyncClient, AsyncWorker
     from .redis_producer import Job, Placed, RedisProducer
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        from . import redis_producer
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(redis_producer, name)
+        return getattr(importlib.import_module(f".{module}", __name__), name)
     raise AttributeError(f"module 'shardq' has no attribute {name!r}")
 
+
 __all__ = [
+    "AsyncClient",
+    "AsyncWorker",
     "BadRequest",
     "ClaimedJob",
     "Client",
-    "Enqueued",
-    "NewJob",
-    "Retry",
-    "Worker",
-    "WorkerStats",
     "ConfigError",
+    "Enqueued",
     "FencedTooLong",
     "HttpError",
     "InvalidJob",
     "Job",
+    "NewJob",
     "PartialEnqueue",
     "PausedTooLong",
     "Placed",
     "RedisProducer",
+    "Retry",
     "ServerUnavailable",
     "ShardqError",
     "StaleReceipt",
     "StoreFull",
     "StoreLost",
+    "TooLarge",
     "Unauthorized",
     "Unavailable",
+    "Worker",
+    "WorkerStats",
 ]

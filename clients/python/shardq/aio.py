@@ -2,18 +2,20 @@
 :class:`AsyncWorker` claims, runs ``async def`` handlers as tasks on one
 event loop, heartbeats and acks.
 
-The same contract, dedup ids, retries, batched acks and at-least-once
-semantics as :mod:`shardq.http`, over `aiohttp`_ (``pip install
-"./clients/python[asyncio]"``). A worker's concurrency is tasks, not
-threads: for handlers that mostly wait (on other services), thousands of
-them cost no thread each. For short handlers the threaded
-:class:`shardq.Worker` used less CPU per job in our benchmarks (see
-BENCHMARKS.md).
+The same contract, dedup ids, retries, batch limits, batched acks, slot
+sharing between URLs, stops and at-least-once semantics as
+:mod:`shardq.http`, over `aiohttp`_ (``pip install "shardq[asyncio]"``). A
+worker's concurrency is tasks, not threads: for handlers that mostly wait
+(on other services), thousands of them cost no thread each. For short
+handlers the threaded :class:`shardq.Worker` used less CPU per job in our
+benchmarks (see BENCHMARKS.md).
 
 A handler is ``async def handler(job: ClaimedJob) -> None``: returning acks
 the job, raising :class:`shardq.Retry` fails it with that retry delay, any
-other exception fails the attempt. A blocking handler stalls the loop: run
-blocking work with ``asyncio.to_thread`` (or use :class:`shardq.Worker`).
+other exception fails the attempt. A stop without draining cancels it
+(``asyncio.CancelledError`` in the handler; ``job.lost`` is set too). A
+blocking handler stalls the loop: run blocking work with
+``asyncio.to_thread`` (or use :class:`shardq.Worker`).
 
 .. _aiohttp: https://docs.aiohttp.org/
 """
@@ -21,53 +23,68 @@ blocking work with ``asyncio.to_thread`` (or use :class:`shardq.Worker`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
 import socket
+import time
 import uuid
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from .errors import HttpError, ServerUnavailable, Unauthorized
+from .errors import ConfigError, HttpError, PartialEnqueue, ShardqError, TooLarge
 from .http import (
+    ABANDON_ACK_FLUSH_S,
     ACK_BATCH_MAX,
     CLAIM_MAX,
     CLAIM_WAIT_MS_DEFAULT,
+    ENQUEUE_BATCH_BYTES_MAX,
     ENQUEUE_BATCH_MAX,
     REQUEST_TIMEOUT_S,
     RESULT_ATTEMPTS,
     RETRY_ROUNDS_DEFAULT,
     ClaimedJob,
     Enqueued,
+    JobLike,
     NewJob,
     Payload,
     WorkerStats,
+    _Attempts,
     _backoff_ms,
+    _batch_body,
+    _batches,
+    _check_batch_limits,
+    _check_timeout,
     _claimed_of,
     _dumps,
     _enqueued_of,
     _error_of,
+    _extend_refused,
     _job_bodies,
     _loads,
-    _extend_refused,
     _mark_lost,
     _normalise_urls,
     _outcome_of,
+    _Prepared,
     _raise_for,
+    _refuses_worker,
     _retryable,
     _settle_acks,
+    _SignalStops,
+    _SlotBook,
+    _too_large,
 )
 
 try:
     import aiohttp
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "shardq.aio needs aiohttp: pip install \"./clients/python[asyncio]\" (or pip install aiohttp)"
+        "shardq.aio needs aiohttp: pip install \"shardq[asyncio]\" (or pip install aiohttp)"
     ) from e
 
 log = logging.getLogger("shardq")
 
-AsyncHandler = Callable[[ClaimedJob], Awaitable[None]]
+AsyncHandler = Callable[[ClaimedJob], Awaitable[object]]
 
 #: Transport failures: the request may or may not have been handled.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -77,6 +94,7 @@ class _Session:
     """One aiohttp session (a keep-alive connection pool) for all servers."""
 
     def __init__(self, token: Optional[str]) -> None:
+        # Content-Type on every POST: the server refuses other bodies (415).
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -87,9 +105,9 @@ class _Session:
             self._session = aiohttp.ClientSession(headers=self.headers)
         return self._session
 
-    async def post(self, url: str, path: str, body: Mapping[str, Any], timeout: float) -> Tuple[int, Any]:
+    async def post(self, url: str, path: str, body: Union[Dict[str, Any], bytes], timeout: float) -> Tuple[int, Any]:
         """(status, decoded JSON body or None); raises the transport errors."""
-        data = _dumps(body)
+        data = body if isinstance(body, bytes) else _dumps(body)
         async with self._get().post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             raw = await resp.read()
             status = resp.status
@@ -107,7 +125,8 @@ class _Session:
 
 class AsyncClient:
     """Enqueues over HTTP from asyncio code; see :class:`shardq.Client` for
-    the URLs, retries and dedup ids. Use ``async with`` or :meth:`close`."""
+    the URLs, retries, timeouts, batch limits and dedup ids. Use ``async
+    with`` or :meth:`close`."""
 
     def __init__(
         self,
@@ -116,16 +135,21 @@ class AsyncClient:
         *,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retry_rounds: int = RETRY_ROUNDS_DEFAULT,
+        batch_max: int = ENQUEUE_BATCH_MAX,
+        batch_bytes_max: int = ENQUEUE_BATCH_BYTES_MAX,
     ) -> None:
         self.urls = _normalise_urls(urls)
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self.retry_rounds = retry_rounds
+        _check_batch_limits(batch_max, batch_bytes_max)
+        self.batch_max = batch_max
+        self.batch_bytes_max = batch_bytes_max
         self._http = _Session(token)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def enqueue(
@@ -139,46 +163,56 @@ class AsyncClient:
         """Enqueues one job."""
         return (await self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id)]))[0]
 
-    async def enqueue_many(self, jobs: Iterable[Union[NewJob, Mapping[str, Any]]]) -> List[Enqueued]:
-        """Enqueues ``jobs`` in order, ``ENQUEUE_BATCH_MAX`` per request."""
-        bodies = _job_bodies(jobs)
+    async def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
+        """Enqueues ``jobs`` in order, as :meth:`shardq.Client.enqueue_many`."""
         out: List[Enqueued] = []
-        for start in range(0, len(bodies), ENQUEUE_BATCH_MAX):
-            chunk = bodies[start:start + ENQUEUE_BATCH_MAX]
-            out.extend(_enqueued_of(self.urls[0], chunk, await self._post_any("/v1/jobs", {"jobs": chunk})))
+        for batch in _batches(_job_bodies(jobs), self.batch_max, self.batch_bytes_max):
+            try:
+                out.extend(await self._send(batch))
+            except ShardqError as e:
+                if out:
+                    raise PartialEnqueue(out, e) from e
+                raise
         return out
 
-    async def _post_any(self, path: str, body: Mapping[str, Any]) -> Any:
-        causes: Dict[str, str] = {}
-        last: Optional[BaseException] = None
-        for round_no in range(self.retry_rounds):
+    async def _send(self, batch: List[_Prepared]) -> List[Enqueued]:
+        try:
+            return await self._post_jobs(batch)
+        except TooLarge as e:  # a server with a lower body limit: halve
+            if len(batch) == 1:
+                raise _too_large(batch[0], e) from e
+        half = len(batch) // 2
+        return await self._send(batch[:half]) + await self._send(batch[half:])
+
+    async def _post_jobs(self, batch: List[_Prepared]) -> List[Enqueued]:
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j.body["dedup_id"] for j in batch])
+        body = _batch_body(batch)
+        while True:
             for url in self.urls:
                 try:
-                    status, doc = await self._http.post(url, path, body, self.timeout_s)
+                    status, doc = await self._http.post(url, att.path, body, self.timeout_s)
                 except _TRANSPORT_ERRORS as e:
-                    causes[url] = f"{url}: {type(e).__name__}: {e}"
-                    last = e
+                    att.failed(url, e)
                     continue
                 if status == 200:
-                    return doc
-                # 409 on an enqueue: another request holds one of the dedup ids.
-                if not _retryable(status) and not (status == 409 and path == "/v1/jobs"):
-                    _raise_for(url, status, doc)
-                causes[url] = f"{url}: {status} {_error_of(doc)}"
-            if round_no + 1 < self.retry_rounds:
-                await asyncio.sleep(_backoff_ms(round_no) / 1000)
-        raise ServerUnavailable(f"POST {path} ({self.retry_rounds} rounds)", list(causes.values()), last)
+                    return _enqueued_of(self.urls[0], batch, doc, att.maybe_done)
+                att.refused(url, status, doc)
+            pause = att.pause()
+            if pause is None:
+                raise att.error()
+            await asyncio.sleep(pause)
 
     async def close(self) -> None:
         await self._http.close()
 
 
-class AsyncWorker:
+class AsyncWorker(_SignalStops):
     """Claims jobs from every URL with long polls and runs ``handler`` as up
     to ``concurrency`` tasks; extends the job leases of running handlers
     every lease/3 and acks (batched) or fails on the server that gave the
     job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT once every
-    running handler has finished and its result has been sent."""
+    running handler has finished and its result has been sent; a second
+    signal stops without waiting for the handlers (they are cancelled)."""
 
     def __init__(
         self,
@@ -190,21 +224,40 @@ class AsyncWorker:
     ) -> None:
         self.urls = _normalise_urls(urls)
         self.worker_id = worker_id or f"{socket.gethostname()}@{os.getpid()}-pyaio-{uuid.uuid4().hex[:6]}"
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self._http = _Session(token)
         self._stopping: Optional[asyncio.Event] = None
+        self._abandoned: Optional[asyncio.Event] = None
         self._running: Dict[int, ClaimedJob] = {}
+        self._tasks: Set["asyncio.Task[None]"] = set()
+        self._polls: Set["asyncio.Future[Tuple[int, Any]]"] = set()
         self._acks: Dict[str, List[ClaimedJob]] = {}
         self._ack_ready: Dict[str, asyncio.Event] = {}
-        self._free = 0
+        self._book = _SlotBook(self.urls, 1)
         self._slot_free: Optional[asyncio.Event] = None
+        self._fatal: Optional[BaseException] = None
+        self._signals = 0
         self.stats = WorkerStats()
 
-    def stop(self) -> None:
-        """Stops claiming; :meth:`run` returns once running jobs finish.
-        Call it from the worker's event loop (signal handlers do)."""
-        if self._stopping is not None:
-            self._stopping.set()
+    def stop(self, drain: bool = True) -> None:
+        """Stops claiming, cutting the claims in flight at once (jobs one
+        was being given stay leased to this worker until their lease
+        passes); :meth:`run` returns once running jobs finish, or with
+        ``drain=False`` at once: running handlers are cancelled (and
+        ``job.lost`` set), their results not sent, their jobs run again
+        after their leases. Call it from the worker's event loop (signal
+        handlers do)."""
+        if self._stopping is None:
+            return
+        self._stopping.set()
+        for p in list(self._polls):
+            p.cancel()
+        if not drain and self._abandoned is not None and not self._abandoned.is_set():
+            self._abandoned.set()
+            for j in list(self._running.values()):
+                j.lost.set()
+            for t in list(self._tasks):
+                t.cancel()
 
     async def run(
         self,
@@ -213,117 +266,166 @@ class AsyncWorker:
         lease_ms: int = 30_000,
         wait_ms: int = CLAIM_WAIT_MS_DEFAULT,
         install_signal_handlers: bool = True,
+        drain_timeout_s: Optional[float] = None,
     ) -> WorkerStats:
+        """Runs ``handler`` until stopped; after a stop the handlers get
+        ``drain_timeout_s`` (default: no limit) to finish before they are
+        cancelled as by ``stop(drain=False)``. Raises the error that stopped
+        it, if any: :class:`shardq.Unauthorized` for a refused token."""
         if concurrency < 1:
-            raise ValueError(f"invalid concurrency {concurrency}: at least 1")
+            raise ConfigError(f"invalid concurrency {concurrency}: at least 1")
         if lease_ms < 100:
-            raise ValueError(f"invalid lease_ms {lease_ms}: at least 100")
+            raise ConfigError(f"invalid lease_ms {lease_ms}: at least 100")
+        if drain_timeout_s is not None and drain_timeout_s < 0:
+            raise ConfigError(f"invalid drain_timeout_s {drain_timeout_s}: at least 0")
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        self._free = concurrency
+        self._abandoned = asyncio.Event()
+        self._fatal = None
+        self._signals = 0
+        self._book = _SlotBook(self.urls, concurrency)
         self._slot_free = asyncio.Event()
-        self._slot_free.set()
         self._acks = {u: [] for u in self.urls}
         self._ack_ready = {u: asyncio.Event() for u in self.urls}
         signals: List[int] = []
         if install_signal_handlers:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (int(signal.SIGTERM), int(signal.SIGINT)):
                 try:
-                    loop.add_signal_handler(sig, self.stop)
+                    loop.add_signal_handler(sig, self._on_signal, sig)
                     signals.append(sig)
                 except (NotImplementedError, RuntimeError, ValueError):
                     log.warning("shardq worker: cannot handle signal %s here (call stop())", sig)
-        tasks: Set["asyncio.Task[None]"] = set()
         acks_done = asyncio.Event()
         ackers = [asyncio.ensure_future(self._ack_loop(u, acks_done)) for u in self.urls]
         beat = asyncio.ensure_future(self._heartbeat(lease_ms))
+        most = min(concurrency, CLAIM_MAX)
         try:
             claimers = [
-                asyncio.ensure_future(self._claim_loop(u, handler, concurrency, lease_ms, wait_ms, tasks))
+                asyncio.ensure_future(self._claim_loop(u, handler, most, lease_ms, wait_ms))
                 for u in self.urls
             ]
             await asyncio.gather(*claimers)
         finally:
-            self._stopping.set()
-            # Drain: every claimed job runs to its end and reports.
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
+            self.stop()
+            await self._drain(drain_timeout_s)
             acks_done.set()
             for e in self._ack_ready.values():
                 e.set()
-            await asyncio.gather(*ackers, return_exceptions=True)
+            flush = ABANDON_ACK_FLUSH_S if self._abandoned.is_set() else None
+            _, late = await asyncio.wait(ackers, timeout=flush)
+            for a in late:
+                a.cancel()
             beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await asyncio.gather(beat, *late, return_exceptions=True)
+            if self._abandoned.is_set():
+                self.stats.abandoned += len(self._running)
             for sig in signals:
                 loop.remove_signal_handler(sig)
             await self._http.close()
+        if self._fatal is not None:
+            raise self._fatal
         return self.stats
 
-    def _give_back(self, n: int) -> None:
-        assert self._slot_free is not None
-        self._free += n
-        if self._free > 0:
-            self._slot_free.set()
+    async def _drain(self, timeout_s: Optional[float]) -> None:
+        """Waits for the running handlers: to the end, or until the drain
+        timeout or a stop without draining, which cancels them."""
+        assert self._abandoned is not None
+        if not self._tasks:
+            return
+        everything = asyncio.ensure_future(asyncio.wait(list(self._tasks)))
+        abandoned = asyncio.ensure_future(self._abandoned.wait())
+        await asyncio.wait({everything, abandoned}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        abandoned.cancel()
+        if not everything.done():
+            if not self._abandoned.is_set():
+                log.warning("shardq worker: drain timeout (%.1f s): cancelling the running handlers", timeout_s)
+                self.stop(drain=False)
+            # A handler that swallows its cancellation is left behind.
+            await asyncio.wait({everything}, timeout=ABANDON_ACK_FLUSH_S)
+            everything.cancel()
 
-    async def _claim_loop(self, url: str, handler: AsyncHandler, concurrency: int, lease_ms: int, wait_ms: int,
-                          tasks: Set["asyncio.Task[None]"]) -> None:
+    def _give_back(self, settle: Callable[[], None]) -> None:
+        assert self._slot_free is not None
+        settle()
+        self._slot_free.set()
+
+    async def _until_stopped(self, aw: Awaitable[Any]) -> None:
+        """Waits for ``aw`` or the stop, whichever comes first."""
+        assert self._stopping is not None
+        f = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({f, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            f.cancel()
+            stop.cancel()
+
+    async def _claim_loop(self, url: str, handler: AsyncHandler, most: int, lease_ms: int, wait_ms: int) -> None:
         assert self._stopping is not None and self._slot_free is not None
         failures = 0
-        most = min(concurrency, CLAIM_MAX)
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            while not self._stopping.is_set():
-                if self._free <= 0:
-                    self._slot_free.clear()
-                    free = asyncio.ensure_future(self._slot_free.wait())
-                    await asyncio.wait({free, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    free.cancel()
-                    continue
-                # Reserve the free slots and ask for that many.
-                want = min(self._free, most)
-                self._free -= want
-                body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
-                try:
-                    # Not cancelled on stop: a claim answered after we left
-                    # would strand its jobs until their leases lapse.
-                    status, doc = await self._http.post(url, "/v1/claim", body, self.timeout_s + wait_ms / 1000)
-                    if status != 200:
-                        _raise_for(url, status, doc)
-                    jobs = _claimed_of(url, doc)
-                    failures = 0
-                except (*_TRANSPORT_ERRORS, HttpError, ValueError, KeyError) as e:
-                    failures += 1
-                    if isinstance(e, Unauthorized):
-                        log.error("shardq worker: %s refused the token: %s", url, e)
-                    else:
-                        log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
-                    self._give_back(want)
-                    pause = asyncio.ensure_future(asyncio.sleep(_backoff_ms(min(failures, 6)) / 1000))
-                    await asyncio.wait({pause, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    pause.cancel()
-                    continue
-                self._give_back(want - len(jobs))
-                self.stats.claimed += len(jobs)
-                self.stats.claim_requests += 1
-                for j in jobs:
-                    self._running[id(j)] = j
-                    t = asyncio.ensure_future(self._run_one(handler, j))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-        finally:
-            stopping.cancel()
+        while not self._stopping.is_set():
+            want, own = self._book.take(url, most)
+            if not want:
+                self._slot_free.clear()
+                await self._until_stopped(self._slot_free.wait())
+                continue
+            body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
+            poll = asyncio.ensure_future(self._http.post(url, "/v1/claim", body, self.timeout_s))
+            self._polls.add(poll)
+            jobs: List[ClaimedJob] = []
+            try:
+                status, doc = await poll
+                if status != 200:
+                    _raise_for(url, status, doc)
+                jobs = _claimed_of(url, doc)
+                failures = 0
+            except asyncio.CancelledError:
+                self._give_back(lambda: self._book.claimed(url, want, own, []))
+                if poll.cancelled() and self._stopping.is_set():
+                    return  # the stop cut the poll
+                raise
+            except (*_TRANSPORT_ERRORS, HttpError, ValueError, KeyError) as e:
+                self._give_back(lambda: self._book.claimed(url, want, own, []))
+                if isinstance(e, HttpError) and _refuses_worker(e):
+                    log.error("shardq worker: %s refused the claim, stopping: %s", url, e)
+                    if self._fatal is None:
+                        self._fatal = e
+                    self.stop()
+                    return
+                failures += 1
+                log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
+                await self._until_stopped(asyncio.sleep(_backoff_ms(min(failures, 6)) / 1000))
+                continue
+            finally:
+                self._polls.discard(poll)
+            self._give_back(lambda: self._book.claimed(url, want, own, jobs))
+            self.stats.claimed += len(jobs)
+            self.stats.claim_requests += 1
+            for j in jobs:
+                self._running[id(j)] = j
+                t = asyncio.ensure_future(self._run_one(handler, j))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
 
     async def _run_one(self, handler: AsyncHandler, job: ClaimedJob) -> None:
+        assert self._abandoned is not None
         error: Optional[BaseException] = None
         try:
-            await handler(job)
+            result: Any = handler(job)
+            if inspect.isawaitable(result):
+                await result
         except asyncio.CancelledError as e:
+            if self._abandoned.is_set():
+                self._give_back(lambda: self._book.release(job))
+                return  # abandoned: not reported, its lease decides
             error = e
         except Exception as e:  # the attempt fails; the server retries it
             error = e
-        finally:
-            self._running.pop(id(job), None)
-            self._give_back(1)
+        if self._abandoned.is_set():
+            self._give_back(lambda: self._book.release(job))
+            return
+        self._running.pop(id(job), None)
+        self._give_back(lambda: self._book.release(job))
         outcome = _outcome_of(job, error)
         if outcome is None:
             self._acks[job.url].append(job)

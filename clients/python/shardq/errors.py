@@ -97,6 +97,12 @@ class Unauthorized(HttpError):
     """401 or 403: a missing or wrong token (not retried)."""
 
 
+class TooLarge(HttpError):
+    """413: the request's body is over the server's ``--body-bytes-max``
+    (an enqueue splits its batch and retries; one job too large for it
+    raises :class:`InvalidJob`)."""
+
+
 class StaleReceipt(HttpError):
     """409: the run a receipt names is no longer current (its lease lapsed,
     the job ran again elsewhere)."""
@@ -104,9 +110,14 @@ class StaleReceipt(HttpError):
 
 class ServerUnavailable(ShardqError):
     """No URL answered within the retry budget; ``causes`` holds the last
-    error of each URL."""
+    error of each URL. For an enqueue, the jobs may or may not have been
+    stored: send the same jobs again (a :class:`shardq.NewJob` keeps the
+    dedup id it was given or that was generated for it, so nothing is
+    stored twice); ``dedup_ids`` lists the ids sent."""
 
-    def __init__(self, what: str, causes: List[str], last: Optional[BaseException] = None):
+    def __init__(self, what: str, causes: List[str], last: Optional[BaseException] = None,
+                 dedup_ids: Sequence[str] = ()):
         super().__init__(f"{what} failed on every server: {'; '.join(causes)}")
         self.causes = causes
         self.last = last
+        self.dedup_ids = list(dedup_ids)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import inspect
 import json
 import logging
 import os
@@ -40,15 +41,41 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
-from .errors import BadRequest, HttpError, ServerUnavailable, StaleReceipt, Unauthorized
+from .errors import (
+    BadRequest,
+    ConfigError,
+    HttpError,
+    InvalidJob,
+    PartialEnqueue,
+    ServerUnavailable,
+    ShardqError,
+    StaleReceipt,
+    TooLarge,
+    Unauthorized,
+)
 
 log = logging.getLogger("shardq")
 
-#: Timeout of a request other than a claim, in seconds.
-REQUEST_TIMEOUT_S = 10.0
+#: The longest ``shardq serve`` may take over a request before it answers,
+#: in seconds: its ``REQUEST_TIMEOUT_MS`` (crates/shardq-server/src/limits.rs:
+#: the longest long poll, 30 s, plus 60 s for the store's own bounds, such
+#: as an enqueue's wait on a paused key, 30 s, and the dedup lock's, 5 s),
+#: after which it answers 408 itself.
+SERVER_WAIT_MAX_S = 90.0
+#: Margin of a request's timeout over the server's longest wait (the
+#: network, the reply).
+TIMEOUT_MARGIN_S = 5.0
+#: Default timeout of every request, claims included, in seconds: never
+#: shorter than the server's longest wait, so that a request the server is
+#: still working on (and may yet store) is not given up and sent elsewhere.
+REQUEST_TIMEOUT_S = SERVER_WAIT_MAX_S + TIMEOUT_MARGIN_S
+#: How long a server keeps a dedup id reserved for a request that is
+#: storing it (``PENDING_MS`` in crates/shardq-server/src/dedup.rs); an
+#: enqueue answered 409 (an id busy) is retried at least that long.
+DEDUP_PENDING_S = 60.0
 #: Rounds over every URL before an enqueue gives up.
 RETRY_ROUNDS_DEFAULT = 5
 #: Backoff between rounds, in ms: doubles from the first to the cap, with jitter.
@@ -57,6 +84,10 @@ BACKOFF_MAX_MS = 2_000
 #: Most jobs per ``/v1/jobs`` request (the server's default
 #: ``--jobs-per-request-max``).
 ENQUEUE_BATCH_MAX = 1000
+#: Largest ``/v1/jobs`` body, in bytes (the server's default
+#: ``--body-bytes-max``, 16 MiB); a batch is split to stay within it, and
+#: halved again when a server with a lower limit answers 413.
+ENQUEUE_BATCH_BYTES_MAX = 16 << 20
 #: Most jobs asked for by one claim (the server's ``CLAIM_MAX_LIMIT``).
 CLAIM_MAX = 1000
 #: Default long-poll wait of a claim, in ms.
@@ -65,6 +96,9 @@ CLAIM_WAIT_MS_DEFAULT = 5_000
 RESULT_ATTEMPTS = 5
 #: Most receipts one batched ``/v1/ack`` carries (the server's bound).
 ACK_BATCH_MAX = 1000
+#: After a worker is stopped without draining, how long it still tries to
+#: send the acks of the jobs that had finished, in seconds.
+ABANDON_ACK_FLUSH_S = 2.0
 
 Payload = Union[bytes, str]
 
@@ -93,11 +127,26 @@ def _normalise_urls(urls: Union[str, Sequence[str]]) -> List[str]:
         u = u.strip().rstrip("/")
         p = urlparse(u)
         if p.scheme not in ("http", "https") or not p.hostname:
-            raise ValueError(f"invalid server URL {u!r}: expected http://HOST:PORT or https://HOST:PORT")
+            raise ConfigError(f"invalid server URL {u!r}: expected http://HOST:PORT or https://HOST:PORT")
         out.append(u)
     if not out:
-        raise ValueError("no server URL given")
+        raise ConfigError("no server URL given")
     return out
+
+
+def _check_timeout(timeout_s: float) -> float:
+    """A request timeout no shorter than the server's longest wait."""
+    if not timeout_s >= SERVER_WAIT_MAX_S:
+        raise ConfigError(
+            f"invalid timeout_s {timeout_s!r}: at least {SERVER_WAIT_MAX_S:.0f} s, the longest a server may "
+            f"take over a request (a shorter one gives up on requests the server may still carry out)"
+        )
+    return float(timeout_s)
+
+
+#: Errors of a request on a kept-alive connection that the server had
+#: closed before the request reached it.
+_STALE_ERRORS = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
 class _Transport:
@@ -110,13 +159,15 @@ class _Transport:
         self.host = p.hostname or ""
         self.port = p.port or (443 if self.https else 80)
         self.prefix = p.path
+        # Content-Type on every POST: the server refuses other bodies (415).
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
         self.local = threading.local()
 
-    def _conn(self, timeout: float) -> http.client.HTTPConnection:
-        c = getattr(self.local, "conn", None)
+    def conn(self, timeout: float) -> http.client.HTTPConnection:
+        """This thread's connection, with ``timeout``."""
+        c: Optional[http.client.HTTPConnection] = getattr(self.local, "conn", None)
         if c is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
             c = cls(self.host, self.port, timeout=timeout)
@@ -132,18 +183,29 @@ class _Transport:
             c.close()
         self.local.conn = None
 
-    def post(self, path: str, body: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> Tuple[int, Any]:
-        """Sends one request: (status, decoded JSON body or None). Raises
+    def post(self, path: str, body: Union[Mapping[str, Any], bytes], timeout: float = REQUEST_TIMEOUT_S,
+             resend_stale: bool = True) -> Tuple[int, Any]:
+        """Sends one request (``body`` a JSON object, or its encoding):
+        (status, decoded JSON body or None). Raises
         ``OSError``/``http.client.HTTPException`` for transport failures."""
-        data = _dumps(body)
-        c = self._conn(timeout)
-        try:
-            c.request("POST", self.prefix + path, body=data, headers=self.headers)
-            resp = c.getresponse()
-            raw = resp.read()
-        except (OSError, http.client.HTTPException):
-            self._drop()
-            raise
+        data = body if isinstance(body, bytes) else _dumps(body)
+        for fresh_only in (not resend_stale, True):
+            c = self.conn(timeout)
+            reused = c.sock is not None
+            try:
+                c.request("POST", self.prefix + path, body=data, headers=self.headers)
+                resp = c.getresponse()
+                raw = resp.read()
+                break
+            except _STALE_ERRORS:
+                # A kept-alive connection the server closed while it was
+                # idle (it closes idle ones): sent again once on a new one.
+                self._drop()
+                if not reused or fresh_only:
+                    raise
+            except (OSError, http.client.HTTPException):
+                self._drop()
+                raise
         if resp.getheader("Connection", "").lower() == "close":
             self._drop()
         try:
@@ -164,6 +226,8 @@ def _error_of(doc: Any) -> str:
 
 def _raise_for(url: str, status: int, doc: Any) -> None:
     msg = _error_of(doc)
+    if status == 413:
+        raise TooLarge(url, status, msg)
     if status == 400:
         raise BadRequest(url, status, msg)
     if status in (401, 403):
@@ -173,21 +237,28 @@ def _raise_for(url: str, status: int, doc: Any) -> None:
     raise HttpError(url, status, msg)
 
 
+def _refuses_worker(e: HttpError) -> bool:
+    """A claim refused for good: the token (401, 403) or the request (400,
+    415, 421: this client or its configuration is wrong), which no retry
+    changes: the worker stops with the error."""
+    return 400 <= e.status < 500 and not _retryable(e.status) and e.status != 409
+
+
 def _retryable(status: int) -> bool:
     return status in (408, 425, 429) or status >= 500
 
 
 def _backoff_ms(round_no: int) -> float:
-    cap = min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * (2 ** round_no))
+    cap = float(min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * (2 ** round_no)))
     return cap / 2 + random.random() * cap / 2
 
 
-def _encode_payload(payload: Payload, out: Dict[str, Any]) -> None:
+def _encode_payload(payload: Payload, out: Dict[str, Any], key: str) -> None:
     if isinstance(payload, str):
         out["payload"] = payload
         return
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise TypeError(f"a payload must be bytes or str, got {type(payload).__name__}")
+        raise InvalidJob(f"payload of key {key!r}: bytes or str, got {type(payload).__name__}")
     b = bytes(payload)
     try:
         out["payload"] = b.decode("utf-8")
@@ -202,42 +273,143 @@ def _decode_payload(doc: Mapping[str, Any]) -> bytes:
     return p.encode("utf-8") if isinstance(p, str) else b""
 
 
-def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[Dict[str, Any]]:
-    """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id.
-    Generated ids are a random 96-bit prefix per call and the job's index
-    (unique without a uuid per job, and safe across fork())."""
-    bodies: List[Dict[str, Any]] = []
+class _Prepared(NamedTuple):
+    """A job ready to send: its ``/v1/jobs`` object, that object's JSON, and
+    whether its dedup id was generated here."""
+
+    body: Dict[str, Any]
+    data: bytes
+    generated: bool
+
+
+def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[_Prepared]:
+    """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id, encoded
+    once (a retry sends the same bytes, so the same ids). Generated ids are
+    a random 96-bit prefix per call and the job's index (unique without a
+    uuid per job, and safe across fork()); a :class:`NewJob` without an id
+    keeps the generated one, so sending it again after an error re-sends
+    that id."""
+    out: List[_Prepared] = []
     prefix = os.urandom(12).hex()
     for n, j in enumerate(jobs):
         if not isinstance(j, NewJob):
-            j = NewJob(**dict(j))
+            try:
+                j = NewJob(**dict(j))
+            except TypeError as e:
+                raise InvalidJob(f"job {n}: {e}") from None
         key = j.key
         if not isinstance(key, str) or not key:
-            raise ValueError(f"invalid job key {key!r}: a non-empty str is needed")
+            raise InvalidJob(f"invalid job key {key!r}: a non-empty str is needed")
         payload = j.payload
         if isinstance(payload, str):
             b: Dict[str, Any] = {"key": key, "payload": payload}
         else:
             b = {"key": key}
-            _encode_payload(payload, b)
+            _encode_payload(payload, b, key)
         if j.delay_ms:
             b["delay_ms"] = int(j.delay_ms)
         if j.max_attempts is not None:
             b["max_attempts"] = int(j.max_attempts)
-        b["dedup_id"] = j.dedup_id if j.dedup_id is not None else f"{prefix}-{n}"
-        bodies.append(b)
-    return bodies
+        generated = j.dedup_id is None
+        if generated:
+            j.dedup_id = f"{prefix}-{n}"
+        b["dedup_id"] = j.dedup_id
+        out.append(_Prepared(b, _dumps(b), generated))
+    return out
 
 
-def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any) -> List["Enqueued"]:
-    """The :class:`Enqueued` values of a ``/v1/jobs`` reply to ``chunk``."""
+def _batches(jobs: List[_Prepared], count_max: int, bytes_max: int) -> Iterator[List[_Prepared]]:
+    """``jobs`` in order, cut into requests of at most ``count_max`` jobs
+    and ``bytes_max`` bytes of body (a job larger than that alone goes in a
+    request of its own: the server says whether it takes it)."""
+    batch: List[_Prepared] = []
+    size = len(_BATCH_HEAD) + len(_BATCH_TAIL)
+    for j in jobs:
+        extra = len(j.data) + (1 if batch else 0)
+        if batch and (len(batch) >= count_max or size + extra > bytes_max):
+            yield batch
+            batch, size = [], len(_BATCH_HEAD) + len(_BATCH_TAIL)
+            extra = len(j.data)
+        batch.append(j)
+        size += extra
+    if batch:
+        yield batch
+
+
+_BATCH_HEAD = b'{"jobs":['
+_BATCH_TAIL = b"]}"
+
+
+def _batch_body(batch: List[_Prepared]) -> bytes:
+    return _BATCH_HEAD + b",".join(j.data for j in batch) + _BATCH_TAIL
+
+
+def _too_large(job: _Prepared, e: HttpError) -> InvalidJob:
+    return InvalidJob(f"job of key {job.body['key']!r} ({len(job.data)} bytes of JSON) is over the body limit "
+                      f"of {e.url}: {e.error}")
+
+
+def _enqueued_of(url: str, chunk: List[_Prepared], doc: Any, maybe_stored: bool) -> List["Enqueued"]:
+    """The :class:`Enqueued` values of a ``/v1/jobs`` reply to ``chunk``.
+    After an attempt that may have stored the jobs (no answer, or a 5xx),
+    a duplicate of a generated id is this call's own earlier attempt: not
+    a duplicate to the caller."""
     got = doc.get("jobs") if isinstance(doc, dict) else None
     if not isinstance(got, list) or len(got) != len(chunk):
         raise HttpError(url, 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
     return [
-        Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), bool(g.get("duplicate", False)), b["dedup_id"])
-        for b, g in zip(chunk, got)
+        Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", j.body["key"])),
+                 bool(g.get("duplicate", False)) and not (maybe_stored and j.generated), j.body["dedup_id"])
+        for j, g in zip(chunk, got)
     ]
+
+
+class _Attempts:
+    """The retry rule of a request sent to any URL, the same for both
+    clients: rounds over every URL, with backoff between rounds, at most
+    ``rounds`` of them; an enqueue answered 409 (a dedup id is being stored
+    by another request, an earlier try of this one, say) goes on until that
+    reservation must have ended (``DEDUP_PENDING_S``) whatever the rounds.
+    A status that retrying cannot change raises at once."""
+
+    def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = ()) -> None:
+        self.path = path
+        self.rounds = rounds
+        self.round = 0
+        self.dedup_ids = dedup_ids
+        self.causes: Dict[str, str] = {}
+        self.last: Optional[BaseException] = None
+        self.busy_since: Optional[float] = None
+        #: Whether an attempt may have been carried out unanswered (a
+        #: transport error, a timeout, a 5xx).
+        self.maybe_done = False
+
+    def failed(self, url: str, e: BaseException) -> None:
+        self.causes[url] = f"{url}: {type(e).__name__}: {e}"
+        self.last = e
+        self.maybe_done = True
+
+    def refused(self, url: str, status: int, doc: Any) -> None:
+        busy = status == 409 and self.path == "/v1/jobs"
+        if not _retryable(status) and not busy:
+            _raise_for(url, status, doc)
+        if busy and self.busy_since is None:
+            self.busy_since = time.monotonic()
+        if status >= 500 or status == 408:
+            self.maybe_done = True
+        self.causes[url] = f"{url}: {status} {_error_of(doc)}"
+
+    def pause(self) -> Optional[float]:
+        """Seconds to wait before the next round, or ``None``: give up."""
+        self.round += 1
+        busy = self.busy_since is not None and time.monotonic() - self.busy_since < DEDUP_PENDING_S + TIMEOUT_MARGIN_S
+        if self.round >= self.rounds and not busy:
+            return None
+        return _backoff_ms(min(self.round - 1, 10)) / 1000
+
+    def error(self) -> ServerUnavailable:
+        return ServerUnavailable(f"POST {self.path} ({self.round} rounds)", list(self.causes.values()), self.last,
+                                 self.dedup_ids)
 
 
 def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
@@ -269,7 +441,9 @@ def _lost_of(jobs: List["ClaimedJob"], doc: Any) -> List["ClaimedJob"]:
 
 class Enqueued(NamedTuple):
     """A stored job: its id, shard and key; ``duplicate`` when the server
-    already had a job with its dedup id (this call stored nothing new).
+    already had a job with its dedup id under its key before this call
+    (this call stored nothing new; a retry of this call finding its own
+    earlier attempt's job is not a duplicate when the id was generated).
     Immutable; a named tuple (a frozen dataclass cost more to make than the
     rest of an enqueue per job)."""
 
@@ -282,7 +456,9 @@ class Enqueued(NamedTuple):
 
 @dataclass
 class NewJob:
-    """A job for :meth:`Client.enqueue_many`."""
+    """A job for :meth:`Client.enqueue_many`. ``dedup_id`` names the job
+    under its key (the same id under another key is another job); when
+    ``None``, the enqueue generates one and sets it here."""
 
     key: str
     payload: Payload = b""
@@ -291,12 +467,26 @@ class NewJob:
     dedup_id: Optional[str] = None
 
 
+JobLike = Union[NewJob, Mapping[str, Any]]
+
+
+def _check_batch_limits(batch_max: int, batch_bytes_max: int) -> None:
+    if not 1 <= batch_max:
+        raise ConfigError(f"invalid batch_max {batch_max!r}: at least 1")
+    if not 1 <= batch_bytes_max:
+        raise ConfigError(f"invalid batch_bytes_max {batch_bytes_max!r}: at least 1")
+
+
 class Client:
     """Enqueues over HTTP. ``urls``: one or more server URLs (a list or a
     comma-separated string); each request goes to the first that answers,
     retried with backoff over all of them (``retry_rounds`` rounds). Every
     job carries a dedup id (generated when not given), so a retry after a
-    lost reply never stores a job twice."""
+    lost reply never stores a job twice. A request waits up to
+    ``timeout_s`` (default ``REQUEST_TIMEOUT_S``, 95 s: the server's own
+    bound on a request, 90 s, plus a margin; shorter is refused). Batches
+    are split at ``batch_max`` jobs and ``batch_bytes_max`` bytes (the
+    server's defaults). A context manager: ``with Client(...) as c:``."""
 
     def __init__(
         self,
@@ -305,11 +495,22 @@ class Client:
         *,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retry_rounds: int = RETRY_ROUNDS_DEFAULT,
+        batch_max: int = ENQUEUE_BATCH_MAX,
+        batch_bytes_max: int = ENQUEUE_BATCH_BYTES_MAX,
     ) -> None:
         self.urls = _normalise_urls(urls)
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self.retry_rounds = retry_rounds
+        _check_batch_limits(batch_max, batch_bytes_max)
+        self.batch_max = batch_max
+        self.batch_bytes_max = batch_bytes_max
         self._transports = [_Transport(u, token) for u in self.urls]
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def enqueue(
         self,
@@ -322,38 +523,50 @@ class Client:
         """Enqueues one job."""
         return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id)])[0]
 
-    def enqueue_many(self, jobs: Iterable[Union[NewJob, Mapping[str, Any]]]) -> List[Enqueued]:
+    def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
-        fields), ``ENQUEUE_BATCH_MAX`` per request, in order; returns one
-        :class:`Enqueued` per job."""
-        bodies = _job_bodies(jobs)
+        fields) in order, in requests within the batch limits; returns one
+        :class:`Enqueued` per job. An error after some requests were stored
+        raises :class:`PartialEnqueue` (``placed``: those jobs)."""
         out: List[Enqueued] = []
-        for start in range(0, len(bodies), ENQUEUE_BATCH_MAX):
-            chunk = bodies[start:start + ENQUEUE_BATCH_MAX]
-            out.extend(_enqueued_of(self.urls[0], chunk, self._post_any("/v1/jobs", {"jobs": chunk})))
+        for batch in _batches(_job_bodies(jobs), self.batch_max, self.batch_bytes_max):
+            try:
+                out.extend(self._send(batch))
+            except ShardqError as e:
+                if out:
+                    raise PartialEnqueue(out, e) from e
+                raise
         return out
 
-    def _post_any(self, path: str, body: Mapping[str, Any]) -> Any:
-        causes: Dict[str, str] = {}
-        last: Optional[BaseException] = None
-        for round_no in range(self.retry_rounds):
+    def _send(self, batch: List[_Prepared]) -> List[Enqueued]:
+        try:
+            return self._post_jobs(batch)
+        except TooLarge as e:  # a server with a lower body limit: halve
+            if len(batch) == 1:
+                raise _too_large(batch[0], e) from e
+        half = len(batch) // 2
+        return self._send(batch[:half]) + self._send(batch[half:])
+
+    def _post_jobs(self, batch: List[_Prepared]) -> List[Enqueued]:
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j.body["dedup_id"] for j in batch])
+        doc = self._post_any(att, _batch_body(batch))
+        return _enqueued_of(self.urls[0], batch, doc, att.maybe_done)
+
+    def _post_any(self, att: _Attempts, body: bytes) -> Any:
+        while True:
             for t in self._transports:
                 try:
-                    status, doc = t.post(path, body, self.timeout_s)
+                    status, doc = t.post(att.path, body, self.timeout_s)
                 except (OSError, http.client.HTTPException) as e:
-                    causes[t.url] = f"{t.url}: {type(e).__name__}: {e}"
-                    last = e
+                    att.failed(t.url, e)
                     continue
                 if status == 200:
                     return doc
-                # 409 on an enqueue: another request holds one of the dedup
-                # ids at this moment (an earlier try of this one, say): retry.
-                if not _retryable(status) and not (status == 409 and path == "/v1/jobs"):
-                    _raise_for(t.url, status, doc)
-                causes[t.url] = f"{t.url}: {status} {_error_of(doc)}"
-            if round_no + 1 < self.retry_rounds:
-                time.sleep(_backoff_ms(round_no) / 1000)
-        raise ServerUnavailable(f"POST {path} ({self.retry_rounds} rounds)", list(causes.values()), last)
+                att.refused(t.url, status, doc)
+            pause = att.pause()
+            if pause is None:
+                raise att.error()
+            time.sleep(pause)
 
     def close(self) -> None:
         for t in self._transports:
@@ -380,11 +593,18 @@ class ClaimedJob:
     #: the claim's answer, or the last extend's send, plus the lease). A
     #: prefetched job not started by then is not run.
     _lease_until: float = field(default=float("inf"), repr=False, compare=False)
+    #: Whether the job holds its server's own slot of the worker (see _SlotBook).
+    _own_slot: bool = field(default=False, repr=False, compare=False)
 
     @property
     def lost(self) -> threading.Event:
-        """Set when a heartbeat learned the run is no longer current (made
-        on first use: most jobs never need one)."""
+        """Set when this run is over for this worker and its result will not
+        be taken: a heartbeat learned the server no longer counts it (an
+        extend was refused: the lease lapsed, the job runs again), or the
+        worker stopped without draining (a second signal, ``stop(drain=False)``
+        or the drain timeout). A long handler checks ``job.lost.is_set()``
+        (or waits on it) and returns early. Made on first use: most jobs
+        never need one."""
         ev = self._lost
         if ev is None:
             with _LOST_LOCK:
@@ -411,21 +631,103 @@ class WorkerStats:
     lost: int = 0
     #: Results given up on after transport errors (the lease decides).
     unreported: int = 0
+    #: Claimed jobs left unfinished by a stop without draining (their
+    #: leases lapse and they run again).
+    abandoned: int = 0
     #: Answered ``/v1/claim`` requests (claimed / this = jobs per claim).
     claim_requests: int = 0
     #: Answered ``/v1/ack`` requests (acked / this = receipts per ack).
     ack_requests: int = 0
 
 
-Handler = Callable[[ClaimedJob], None]
+Handler = Callable[[ClaimedJob], object]
 
 
-class Worker:
+class _SlotBook:
+    """The free slots of a worker (a slot: a job running, or claimed ahead
+    and waiting), shared by the claim loops of its URLs so that none is
+    starved. Each URL has one slot of its own, which only its claims use:
+    every URL is polled whatever the others hold, however quiet. The rest
+    are shared: a URL whose last claim found nothing polls with its own
+    slot only (or one shared slot while a job of its own holds it), leaving
+    the shared ones to the URLs that have work. With fewer slots than URLs
+    each still has its own, so a worker may hold one job per URL beyond its
+    slots. Holds no lock: its callers do."""
+
+    def __init__(self, urls: Sequence[str], slots: int) -> None:
+        self.own = {u: True for u in urls}
+        self.shared = max(0, slots - len(urls))
+        self.idle = {u: False for u in urls}
+
+    def take(self, url: str, most: int) -> Tuple[int, bool]:
+        """Reserves slots for a claim from ``url``: (how many, whether one
+        is the URL's own); (0, False) when none is free."""
+        own = self.own[url]
+        cap = 1 if self.idle[url] else most
+        extra = max(0, min(self.shared, cap - own))
+        self.own[url] = False
+        self.shared -= extra
+        return extra + own, own
+
+    def claimed(self, url: str, want: int, own: bool, jobs: Sequence["ClaimedJob"]) -> None:
+        """Settles a claim that reserved ``want`` slots and got ``jobs``
+        (none when it failed): unused slots come back, the first job holds
+        the own slot when the claim had it."""
+        self.idle[url] = not jobs
+        unused = want - len(jobs)
+        if own and jobs:
+            jobs[0]._own_slot = True
+        elif own:
+            self.own[url] = True
+            unused -= 1
+        self.shared += unused
+
+    def release(self, job: "ClaimedJob") -> None:
+        if job._own_slot:
+            self.own[job.url] = True
+        else:
+            self.shared += 1
+
+
+def _is_async_callable(f: Any) -> bool:
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None))
+
+
+class _Stopped(Exception):
+    """The worker stopped before a claim was sent."""
+
+
+#: How long a claim's connect may take, in seconds (a stop cannot cut a
+#: connect under way).
+CONNECT_TIMEOUT_S = 10.0
+
+
+class _SignalStops:
+    """SIGTERM or SIGINT stops a worker: the first one draining (claimed
+    jobs run and report), a second one without."""
+
+    _signals = 0
+
+    def stop(self, drain: bool = True) -> None:
+        raise NotImplementedError
+
+    def _on_signal(self, signum: int, frame: Any = None) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("shardq worker: signal %d: stopping (a second one stops without draining)", signum)
+            self.stop()
+        else:
+            log.warning("shardq worker: signal %d again: stopping without draining", signum)
+            self.stop(drain=False)
+
+
+class Worker(_SignalStops):
     """Claims jobs from every URL with long polls, runs ``handler`` in a
     thread pool, extends the job leases of running and prefetched jobs every
     lease/3, and acks (or fails, when the handler raises) on the server that
     gave the job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT
-    once every claimed job has run and its result has been sent."""
+    once every claimed job has run and its result has been sent; a second
+    signal stops without waiting for the handlers."""
 
     def __init__(
         self,
@@ -437,17 +739,42 @@ class Worker:
     ) -> None:
         self.urls = _normalise_urls(urls)
         self.worker_id = worker_id or f"{socket.gethostname()}@{os.getpid()}-py-{uuid.uuid4().hex[:6]}"
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self._transports = {u: _Transport(u, token) for u in self.urls}
         self._stop = threading.Event()
+        self._abandon = threading.Event()
         self._lock = threading.Lock()
+        self._slot_cond = threading.Condition()
+        self._book = _SlotBook(self.urls, 1)
+        # The claims in flight, by URL: a stop cuts them (re-entrant: a
+        # second signal may arrive while the first one's handler holds it).
+        self._poll_lock = threading.RLock()
+        self._polls: Dict[str, http.client.HTTPConnection] = {}
         self._running: Dict[int, ClaimedJob] = {}
         self._acks: Dict[str, "queue.SimpleQueue[Optional[ClaimedJob]]"] = {}
+        self._fatal: Optional[BaseException] = None
+        self._signals = 0
         self.stats = WorkerStats()
 
-    def stop(self) -> None:
-        """Stops claiming; :meth:`run` returns once running jobs finish."""
-        self._stop.set()
+    def stop(self, drain: bool = True) -> None:
+        """Stops claiming; a claim in flight is cut at once (jobs it was
+        being given stay leased to this worker until their lease passes).
+        :meth:`run` returns once the claimed jobs have run and reported;
+        with ``drain=False`` at once: the running handlers are abandoned
+        (``job.lost`` is set, their results are not sent, their jobs run
+        again after their leases)."""
+        with self._poll_lock:
+            self._stop.set()
+            for c in self._polls.values():
+                if c.sock is not None:
+                    try:
+                        c.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+        if not drain and not self._abandon.is_set():
+            self._abandon.set()
+            for j in list(self._running.values()):
+                j.lost.set()
 
     def run(
         self,
@@ -457,35 +784,44 @@ class Worker:
         wait_ms: int = CLAIM_WAIT_MS_DEFAULT,
         install_signal_handlers: bool = True,
         prefetch: Optional[int] = None,
+        drain_timeout_s: Optional[float] = None,
     ) -> WorkerStats:
-        """Runs ``handler`` on ``concurrency`` threads. ``prefetch`` (default:
-        ``concurrency``) more jobs may be claimed ahead and wait here, so
-        that a handler that finishes does not wait for a claim's round trip
-        and claims carry several jobs; their leases are extended like those
-        of running jobs. ``prefetch=0`` claims only for idle threads (for
-        long jobs that another worker could start sooner)."""
+        """Runs ``handler`` (a plain ``def``; an ``async def`` one is
+        refused: use :class:`shardq.AsyncWorker`) on ``concurrency``
+        threads. ``prefetch`` (default: ``concurrency``) more jobs may be
+        claimed ahead and wait here, so that a handler that finishes does
+        not wait for a claim's round trip and claims carry several jobs;
+        their leases are extended like those of running jobs.
+        ``prefetch=0`` claims only for idle threads (for long jobs that
+        another worker could start sooner). After a stop, the handlers get
+        ``drain_timeout_s`` (default: no limit) to finish before they are
+        abandoned as by ``stop(drain=False)``. Raises the error that stopped
+        it, if any: :class:`Unauthorized` for a refused token."""
+        if _is_async_callable(handler):
+            raise ConfigError(
+                f"handler {getattr(handler, '__name__', handler)!r} is an async def function: the threaded "
+                f"Worker would never await it; run it with shardq.AsyncWorker (asyncio) or pass a plain def"
+            )
         if concurrency < 1:
-            raise ValueError(f"invalid concurrency {concurrency}: at least 1")
+            raise ConfigError(f"invalid concurrency {concurrency}: at least 1")
         if prefetch is None:
             prefetch = concurrency
         if prefetch < 0:
-            raise ValueError(f"invalid prefetch {prefetch}: at least 0")
+            raise ConfigError(f"invalid prefetch {prefetch}: at least 0")
         if lease_ms < 100:
-            raise ValueError(f"invalid lease_ms {lease_ms}: at least 100")
+            raise ConfigError(f"invalid lease_ms {lease_ms}: at least 100")
+        if drain_timeout_s is not None and drain_timeout_s < 0:
+            raise ConfigError(f"invalid drain_timeout_s {drain_timeout_s}: at least 0")
         self._stop.clear()
+        self._abandon.clear()
+        self._fatal = None
+        self._signals = 0
         restore = self._install_signals() if install_signal_handlers else {}
-        # A token per free slot (running or prefetched): a claimer takes the
-        # free ones and asks for that many jobs; a runner gives its token
-        # back when its job is done. SimpleQueue rather than
-        # Semaphore/ThreadPoolExecutor: no Python-level condition variables
-        # or futures on the path of every job.
         slots = concurrency + prefetch
-        free: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-        for _ in range(slots):
-            free.put(1)
+        self._book = _SlotBook(self.urls, slots)
         work: "queue.SimpleQueue[Optional[ClaimedJob]]" = queue.SimpleQueue()
         runners = [
-            threading.Thread(target=self._runner, args=(handler, work, free), name=f"shardq-job-{i}", daemon=True)
+            threading.Thread(target=self._runner, args=(handler, work), name=f"shardq-job-{i}", daemon=True)
             for i in range(concurrency)
         ]
         for r in runners:
@@ -502,9 +838,10 @@ class Worker:
         ]
         for a in ackers:
             a.start()
+        most = max(1, min(slots, CLAIM_MAX))
         claimers = [
             threading.Thread(
-                target=self._claim_loop, args=(url, free, slots, work, lease_ms, wait_ms),
+                target=self._claim_loop, args=(url, most, work, lease_ms, wait_ms),
                 name=f"shardq-claim-{i}", daemon=True,
             )
             for i, url in enumerate(self.urls)
@@ -516,56 +853,113 @@ class Worker:
                 for c in claimers:
                     c.join(0.1)
         finally:
-            self._stop.set()
+            self.stop()
             for c in claimers:
                 c.join()
             # Drain: every claimed job runs to its end and reports (the
-            # stop markers queue up behind the claimed jobs).
+            # stop markers queue up behind the claimed jobs), unless the
+            # run is abandoned (a second signal, the drain timeout).
             for _ in runners:
                 work.put(None)
-            for r in runners:
-                r.join()
+            deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+            while any(r.is_alive() for r in runners) and not self._abandon.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    log.warning("shardq worker: drain timeout (%.1f s): abandoning the running handlers",
+                                drain_timeout_s)
+                    self.stop(drain=False)
+                    break
+                self._abandon.wait(0.05)
+            flush_until = time.monotonic() + ABANDON_ACK_FLUSH_S
             for u in self.urls:
                 self._acks[u].put(None)
             for a in ackers:
-                a.join()
+                a.join(max(0.0, flush_until - time.monotonic()) if self._abandon.is_set() else None)
             beat_stop.set()
             beat.join()
+            if self._abandon.is_set():
+                with self._lock:
+                    self.stats.abandoned += len(self._running)
             for sig, old in restore.items():
                 signal.signal(sig, old)
+        if self._fatal is not None:
+            raise self._fatal
         return self.stats
 
     def _install_signals(self) -> Dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             log.warning("shardq worker: not on the main thread, SIGTERM is not handled (call stop())")
             return {}
-        old = {}
+        old: Dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
-            old[sig] = signal.signal(sig, lambda *_: self.stop())
+            old[sig] = signal.signal(sig, self._on_signal)
         return old
 
-    def _claim_loop(self, url: str, free: "queue.SimpleQueue[int]", slots: int,
-                    work: "queue.SimpleQueue[Optional[ClaimedJob]]", lease_ms: int, wait_ms: int) -> None:
+    def _fail_run(self, e: BaseException) -> None:
+        """Stops the worker for an error that every further claim would
+        meet; :meth:`run` raises it."""
+        if self._fatal is None:
+            self._fatal = e
+        self.stop()
+
+    def _take_slots(self, url: str, most: int) -> Optional[Tuple[int, bool]]:
+        with self._slot_cond:
+            while not self._stop.is_set():
+                want, own = self._book.take(url, most)
+                if want:
+                    return want, own
+                self._slot_cond.wait(0.2)
+        return None
+
+    def _settle(self, url: str, want: int, own: bool, jobs: Sequence[ClaimedJob]) -> None:
+        with self._slot_cond:
+            self._book.claimed(url, want, own, jobs)
+            self._slot_cond.notify_all()
+
+    def _release(self, job: ClaimedJob) -> None:
+        with self._slot_cond:
+            self._book.release(job)
+            self._slot_cond.notify_all()
+
+    def _poll(self, t: _Transport, body: Mapping[str, Any], timeout: float) -> Tuple[int, Any]:
+        """Sends a claim on a connection that :meth:`stop` can cut."""
+        for again in (False, True):
+            c = t.conn(timeout)
+            reused = c.sock is not None
+            if not reused:
+                c.timeout = CONNECT_TIMEOUT_S
+                c.connect()
+                c.timeout = timeout
+                c.sock.settimeout(timeout)
+            with self._poll_lock:
+                if self._stop.is_set():
+                    raise _Stopped()
+                self._polls[t.url] = c
+            try:
+                return t.post("/v1/claim", body, timeout, resend_stale=False)
+            except _STALE_ERRORS:
+                # Not the stop's cut: a kept-alive connection the server
+                # closed while idle; once more on a new one.
+                if again or not reused or self._stop.is_set():
+                    raise
+            finally:
+                with self._poll_lock:
+                    self._polls.pop(t.url, None)
+        raise AssertionError("unreachable")
+
+    def _claim_loop(self, url: str, most: int, work: "queue.SimpleQueue[Optional[ClaimedJob]]",
+                    lease_ms: int, wait_ms: int) -> None:
         t = self._transports[url]
         failures = 0
-        most = min(slots, CLAIM_MAX)
-        while not self._stop.is_set():
+        while True:
             # Reserve the free slots (at least one) and ask for that many.
-            try:
-                free.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            want = 1
-            while want < most:
-                try:
-                    free.get_nowait()
-                except queue.Empty:
-                    break
-                want += 1
+            got = self._take_slots(url, most)
+            if got is None:
+                return
+            want, own = got
             jobs: List[ClaimedJob] = []
             try:
                 body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
-                status, doc = t.post("/v1/claim", body, timeout=self.timeout_s + wait_ms / 1000)
+                status, doc = self._poll(t, body, self.timeout_s)
                 if status != 200:
                     _raise_for(url, status, doc)
                 jobs = _claimed_of(url, doc)
@@ -575,34 +969,37 @@ class Worker:
                 for j in jobs:
                     j._lease_until = until
                 failures = 0
+            except _Stopped:
+                self._settle(url, want, own, [])
+                return
             except (OSError, http.client.HTTPException, HttpError, ValueError, KeyError) as e:
+                self._settle(url, want, own, [])
+                if isinstance(e, HttpError) and _refuses_worker(e):
+                    log.error("shardq worker: %s refused the claim, stopping: %s", url, e)
+                    self._fail_run(e)
+                    return
+                if self._stop.is_set():  # the stop cut the poll
+                    return
                 failures += 1
-                if isinstance(e, Unauthorized):
-                    log.error("shardq worker: %s refused the token: %s", url, e)
-                else:
-                    log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
-                for _ in range(want):
-                    free.put(1)
+                log.warning("shardq worker: claim from %s failed (%s): %s", url, type(e).__name__, e)
                 self._stop.wait(_backoff_ms(min(failures, 6)) / 1000)
                 continue
-            for _ in range(want - len(jobs)):
-                free.put(1)
             with self._lock:
                 self.stats.claimed += len(jobs)
                 self.stats.claim_requests += 1
                 for j in jobs:
                     self._running[id(j)] = j
+            self._settle(url, want, own, jobs)
             for j in jobs:
                 work.put(j)
 
-    def _runner(self, handler: Handler, work: "queue.SimpleQueue[Optional[ClaimedJob]]",
-                free: "queue.SimpleQueue[int]") -> None:
+    def _runner(self, handler: Handler, work: "queue.SimpleQueue[Optional[ClaimedJob]]") -> None:
         while True:
             job = work.get()
             if job is None:
                 return
             try:
-                if self._expired_while_waiting(job):
+                if self._abandon.is_set() or self._expired_while_waiting(job):
                     continue
                 self._run_one(handler, job)
             except BaseException as e:  # SystemExit and the like, raised by a handler
@@ -611,7 +1008,7 @@ class Worker:
                 log.error("shardq worker: job %s (key %r): the handler raised %s; its lease decides",
                           job.id, job.key, type(e).__name__)
             finally:
-                free.put(1)
+                self._release(job)
 
     def _expired_while_waiting(self, job: ClaimedJob) -> bool:
         """A prefetched job whose run was lost (an extend was refused) or
@@ -632,9 +1029,20 @@ class Worker:
     def _run_one(self, handler: Handler, job: ClaimedJob) -> None:
         error: Optional[Exception] = None
         try:
-            handler(job)
+            result: Any = handler(job)
+            if inspect.isawaitable(result):
+                # An async handler in disguise (a lambda, a partial): it did
+                # not run. Never acked; the worker stops.
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+                error = ConfigError(f"the handler returned an awaitable ({type(result).__name__}) without running "
+                                    f"it: async handlers run with shardq.AsyncWorker")
+                self._fail_run(error)
         except Exception as e:  # the attempt fails; the server retries it
             error = e
+        if self._abandon.is_set():
+            return  # abandoned: the run stays counted in _running; its lease decides
         outcome = _outcome_of(job, error)
         with self._lock:
             self._running.pop(id(job), None)

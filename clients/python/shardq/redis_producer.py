@@ -1,7 +1,7 @@
 """A producer that writes straight into a Redis deployment, no server between.
 
 It follows ``docs/redis-protocol.md``: reads the published map from
-``sq:{=map:<ns>}:current``, routes each key with :class:`shardq_ref.Router`,
+``sq:{=map:<ns>}:current``, routes each key with :class:`shardq.routing.Router`,
 and appends the jobs of each shard with the backend's own enqueue script
 (:mod:`shardq._lua`), stamped with the map version it routed with. A shard
 that no longer trusts that version answers ``FENCED``: the producer reloads
@@ -21,12 +21,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 from urllib.parse import urlparse
 
 import redis
 
-from shardq_ref import Router
+from .routing import Router
 
 from . import _lua
 from .errors import (
@@ -40,6 +40,8 @@ from .errors import (
     StoreLost,
     Unavailable,
 )
+
+_T = TypeVar("_T")
 
 #: Key layout version this client writes (``keys::LAYOUT_VERSION``).
 LAYOUT_VERSION = 2
@@ -207,7 +209,7 @@ class _Node:
         )
         self.checked = False
 
-    def run(self, fn):
+    def run(self, fn: "Callable[[redis.Redis], _T]") -> _T:
         """Runs ``fn(client)``, retrying transient errors within the budget."""
         start = time.monotonic()
         wait_ms = 5
@@ -236,7 +238,8 @@ class _Node:
                 f"{self.what} at {self.url}: CONFIG GET maxmemory-policy failed ({e}); shardq "
                 f"needs to check that the server never evicts keys"
             ) from None
-        policy = got.get(b"maxmemory-policy", got.get("maxmemory-policy", b""))
+        reply: Dict[Any, Any] = dict(got)
+        policy = reply.get(b"maxmemory-policy", reply.get("maxmemory-policy", b""))
         if isinstance(policy, bytes):
             policy = policy.decode()
         if policy != "noeviction":
@@ -293,7 +296,7 @@ class RedisProducer:
         self.reload()
 
     @classmethod
-    def from_data_dir(cls, data_dir: str, **options) -> "RedisProducer":
+    def from_data_dir(cls, data_dir: str, **options: Any) -> "RedisProducer":
         """A producer for the deployment a data dir's ``remote.json`` names."""
         r = read_remote(data_dir)
         return cls(r["map_url"], r["namespace"], deployment=r["deployment"], queue=r["queue"], **options)
@@ -312,7 +315,7 @@ class RedisProducer:
             raise ConfigError(
                 f"{key} at {self._store.url}: layout {layout!r} is not supported (this client writes {LAYOUT_VERSION})"
             )
-        return dep.decode()
+        return _s(dep)
 
     @property
     def map_version(self) -> int:
@@ -328,14 +331,14 @@ class RedisProducer:
     def reload(self) -> bool:
         """Reads the published map; True when it is newer than the one held."""
         key = map_key(self.namespace)
-        version, text = self._store.run(lambda c: c.hmget(key, "version", "yaml"))
+        got_version, text = self._store.run(lambda c: c.hmget(key, "version", "yaml"))
         self._loaded_at = time.monotonic()
-        if version is None or text is None:
+        if got_version is None or text is None:
             raise ConfigError(f"map store at {self._store.url}: no map published at {key}")
-        version = int(version)
+        version = int(got_version)
         if self._router is not None and version <= self._router.map.version:
             return False
-        router = Router.from_yaml(text.decode("utf-8"))
+        router = Router.from_yaml(_s(text))
         if router.map.version != version:
             raise ConfigError(
                 f"{key} at {self._store.url}: field version {version} but the YAML says "
@@ -458,7 +461,7 @@ class RedisProducer:
                 self._reload_if_stale()
         return gave_up
 
-    def _enqueue_script(self, shard: str, version: int, jobs: Sequence[Tuple[str, bytes, int, int]]):
+    def _enqueue_script(self, shard: str, version: int, jobs: Sequence[Tuple[str, bytes, int, int]]) -> Any:
         """Runs the enqueue script on ``shard``: ("OK", first id),
         ("FENCED", key) or ("PAUSED", key)."""
         node = self._nodes.get(shard)
@@ -474,7 +477,7 @@ class RedisProducer:
         for key, payload, delay, attempts in jobs:
             args.extend((key, payload, delay, attempts))
 
-        def call(c: redis.Redis):
+        def call(c: "redis.Redis") -> Any:
             try:
                 return c.evalsha(_lua.ENQUEUE_SHA1, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
@@ -518,9 +521,9 @@ class RedisProducer:
     def __enter__(self) -> "RedisProducer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _s(v) -> str:
+def _s(v: object) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

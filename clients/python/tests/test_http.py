@@ -74,7 +74,9 @@ def test_retries_go_to_the_next_url_and_keep_the_dedup_ids(fakes):
     got = c.enqueue_many([NewJob("k", "1"), NewJob("k", "2")])
     bodies = [b for p, b in f.requests if p == "/v1/jobs"]
     assert len(bodies) == 2 and bodies[0] == bodies[1], "the retry must resend the same dedup ids"
-    assert [e.duplicate for e in got] == [True, True]
+    # The server answered "duplicate" to the retry, but the job it found is
+    # this call's own (the ids were generated for it): stored, not a duplicate.
+    assert [e.duplicate for e in got] == [False, False]
     assert len(f.jobs) == 2, "a retried batch must not be stored twice"
 
 
@@ -307,7 +309,7 @@ def test_the_http_client_loads_without_the_redis_producer():
     code = """
 import sys, shardq
 assert 'redis' not in sys.modules, 'redis imported'
-assert 'shardq_ref' not in sys.modules, 'shardq_ref imported'
+assert 'shardq.routing' not in sys.modules, 'shardq.routing imported'
 from shardq import RedisProducer
 assert 'redis' in sys.modules and shardq.Placed.__name__ == 'Placed'
 try:

@@ -31,7 +31,7 @@ from shardq import (
     StoreLost,
 )
 from shardq.redis_producer import map_key, shard_keys
-from shardq_ref import Router
+from shardq.routing import Router
 
 from support import RedisServer, read_lines, shardq, shardq_binary, stop_process, wait_until
 

@@ -1,10 +1,10 @@
 """The specification's own Python (seed 000: ``h``, ``HashRing``,
-``rendezvous``) against ``shardq_ref``, and the specification's numbers for
+``rendezvous``) against ``shardq.routing``, and the specification's numbers for
 100,000 tenants going from 4 to 5 shards.
 
 The seed code is restated here with its semantics unchanged (blake2b64,
 ``bisect`` on sorted points with a dict of owners, ``max`` over shards), so
-that ``shardq_ref`` -- and through the shared vectors the Rust crate -- is
+that ``shardq.routing`` -- and through the shared vectors the Rust crate -- is
 tied to the text users read.
 """
 
@@ -13,7 +13,7 @@ import hashlib
 
 import pytest
 
-from shardq_ref import Router
+from shardq.routing import Router
 
 SHARDS4 = ["redis-0", "redis-1", "redis-2", "redis-3"]
 SHARDS5 = SHARDS4 + ["redis-4"]

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from shardq_ref import HASHES, Ring, Router, hashtag, jump, slot, weighted_score
+from shardq.routing import HASHES, Ring, Router, hashtag, jump, slot, weighted_score
 
 VECTORS_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "testdata", "routing-vectors.json")
 

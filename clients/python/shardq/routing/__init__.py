@@ -1,4 +1,4 @@
-"""shardq_ref: a pure-Python reference of shardq's routing.
+"""shardq.routing: a pure-Python reference of shardq's routing.
 
 It routes every key to the same shard as the Rust crate ``shardq-route``,
 which the shared vectors in ``testdata/routing-vectors.json`` check. Meant as

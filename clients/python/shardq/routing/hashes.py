@@ -10,7 +10,7 @@ used: it is randomised per process.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import mmh3
 import xxhash
@@ -49,7 +49,7 @@ def fnv1a64(data: bytes) -> int:
     return h
 
 
-def _crc16_table() -> list:
+def _crc16_table() -> List[int]:
     table = []
     for i in range(256):
         crc = i << 8

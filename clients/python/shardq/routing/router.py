@@ -55,7 +55,7 @@ class ShardMap:
     overrides: Dict[str, str]
 
 
-def _int_field(value, name: str, lo: int, hi: Optional[int]) -> int:
+def _int_field(value: object, name: str, lo: int, hi: Optional[int]) -> int:
     # bool is an int subclass in Python; YAML `true` is not a number.
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
         bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
@@ -63,7 +63,7 @@ def _int_field(value, name: str, lo: int, hi: Optional[int]) -> int:
     return value
 
 
-def _slot_range(value, name: str) -> Tuple[int, int]:
+def _slot_range(value: object, name: str) -> Tuple[int, int]:
     bad = MapError(f"field `{name}` has invalid value {value!r}: expected a slot or a range such as \"0-5460\"")
     if isinstance(value, bool):
         raise bad
@@ -237,8 +237,12 @@ class Router:
                     for s in range(start, end + 1):
                         explicit[s] = pos
             self.slot_owners = [
-                explicit[s] if s in explicit else self.hrw.lookup(str(s).encode()) for s in range(SLOT_COUNT)
+                explicit[s] if s in explicit else self._hrw().lookup(str(s).encode()) for s in range(SLOT_COUNT)
             ]
+
+    def _hrw(self) -> "Rendezvous":
+        assert self.hrw is not None, "rendezvous state of a map that does not use it"
+        return self.hrw
 
     @classmethod
     def from_yaml(cls, text: str) -> "Router":
@@ -251,9 +255,10 @@ class Router:
         if algorithm == "modulo":
             pos = self.hash_fn(data) % len(self.active)
         elif algorithm == "ring":
+            assert self.ring is not None
             pos = self.ring.lookup(self.hash_fn(data))
         elif algorithm == "rendezvous":
-            pos = self.hrw.lookup(data)
+            pos = self._hrw().lookup(data)
         elif algorithm == "jump":
             pos = jump(self.hash_fn(data), len(self.active))
         else:
