@@ -188,7 +188,7 @@ def test_server_restart_under_load_loses_nothing_and_stores_no_duplicate(serve):
     n = keys * per_key
     jobs = jobs_for("restart", keys, per_key)
     # Enough retry rounds (backoff capped at 2 s) to outlast a restart.
-    c = Client([serve.url], retry_rounds=40, timeout_s=5)
+    c = Client([serve.url], retry_rounds=40)
     producer = Producer(c, jobs, batch, 0.002)
     placed = producer.placed
     restarts: List[Tuple[int, int]] = []
@@ -231,7 +231,7 @@ def test_a_sigkilled_server_remembers_every_dedup_id_it_acknowledged(serve):
     assert serve.stop(signal.SIGTERM) == 0, serve.log()
     serve.args = ["--lease-ms", "2000"]
     serve.start()
-    c = Client([serve.url], retry_rounds=40, timeout_s=5)
+    c = Client([serve.url], retry_rounds=40)
     producer = Producer(c, jobs, batch, 0.005)
     placed = producer.placed
     kills = 0
