@@ -3,10 +3,12 @@
 // the data dir's own map so a test can put work on one server only, a
 // collecting logger, and waits for a condition with a bound.
 
+import { spawn, type ChildProcess } from "node:child_process";
 import { readFileSync } from "node:fs";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
 
-import { Router, type Logger } from "../src/index.js";
+import { Router, type Logger, type WorkerStats } from "../src/index.js";
 import { initDataDir, Serve, writeTokens } from "./shardq-bin.js";
 
 export const TOKEN = "test-token-0123456789abcdef";
@@ -73,3 +75,29 @@ export async function until(done: () => boolean | Promise<boolean>, ms: number, 
     await new Promise((r) => setTimeout(r, 10));
   }
 }
+
+const SCRIPT = join(dirname(fileURLToPath(import.meta.url)), "worker-process.js");
+
+/** A running `worker-process.js`, its output so far, and its exit. */
+export interface WorkerProcess {
+  child: ChildProcess;
+  out: () => string;
+  err: () => string;
+  exited: Promise<number | string | null>;
+  stats: () => WorkerStats | undefined;
+}
+
+export function workerProcess(env: Record<string, string>): WorkerProcess {
+  const child = spawn(process.execPath, [SCRIPT], { env: { ...process.env, ...env }, stdio: ["ignore", "pipe", "pipe"] });
+  let out = "";
+  let err = "";
+  child.stdout!.on("data", (d) => (out += d));
+  child.stderr!.on("data", (d) => (err += d));
+  const exited = new Promise<number | string | null>((r) => child.on("exit", (code, sig) => r(code ?? sig)));
+  const stats = () => {
+    const m = /^stats (.*)$/m.exec(out);
+    return m === null ? undefined : (JSON.parse(m[1]!) as WorkerStats);
+  };
+  return { child, out: () => out, err: () => err, exited, stats };
+}
+

@@ -34,6 +34,8 @@ export class FakeServer {
   readonly requests: Recorded[] = [];
   /** Statuses to answer the next requests of a path with (before doing anything). */
   readonly inject = new Map<string, number[]>();
+  /** Milliseconds to wait before answering the next requests of a path (a server waiting on a paused key). */
+  readonly delay = new Map<string, number[]>();
   /** Statuses to answer *after* doing the work (a lost reply). */
   readonly injectAfter = new Map<string, number[]>();
   readonly queues = new Map<string, StoredJob[]>();
@@ -95,6 +97,8 @@ export class FakeServer {
       if (auth === undefined) return send(401, { error: "missing bearer token" });
       if (auth !== `Bearer ${this.token}`) return send(403, { error: "wrong token" });
     }
+    const wait = this.delay.get(path)?.shift();
+    if (wait !== undefined) await new Promise((r) => setTimeout(r, wait));
     const injected = this.inject.get(path)?.shift();
     if (injected !== undefined) return send(injected, { error: `injected ${injected}` });
     const after = (status: number, out: unknown) => {
@@ -154,7 +158,11 @@ export class FakeServer {
           return problem("claim needs worker, max >= 1, wait_ms, lease_ms");
         }
         const deadline = Date.now() + (body["wait_ms"] as number);
+        // As the real server: a poll whose client went away claims nothing more.
+        let gone = false;
+        res.on("close", () => (gone = true));
         for (;;) {
+          if (gone) return;
           const jobs = this.claim(body["max"] as number, body["lease_ms"] as number);
           if (jobs.length > 0 || Date.now() >= deadline) return after(200, { jobs });
           await new Promise((r) => setTimeout(r, 5));

@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
-import { Client, ShardqError } from "../src/index.js";
+import { BadRequest, Client, ServerUnavailable, ShardqError, Unauthorized } from "../src/index.js";
 import { FakeServer } from "../test-support/fake-server.js";
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/;
@@ -112,6 +112,31 @@ test("400, 401 and 403 are not retried and carry the server's error", async () =
   assert.equal(a.count("/v1/jobs"), before + 1);
   await assert.rejects(new Client([a.url]).enqueue("t", "x"), (e: unknown) => e instanceof ShardqError && e.status === 401 && /missing bearer token/.test(e.message));
   await assert.rejects(new Client([a.url], { token: "nope" }).enqueue("t", "x"), (e: unknown) => e instanceof ShardqError && e.status === 403);
+});
+
+test("timeoutMs is a margin over the server's own wait: an enqueue the server holds (a paused key) is waited for", async () => {
+  a.delay.set("/v1/jobs", [700]);
+  const before = a.count("/v1/jobs");
+  const client = new Client([a.url], { token: "s3cret", timeoutMs: 50, retries: 0 });
+  const r = await client.enqueue("t-paused", "x");
+  assert.equal(r.duplicate, false);
+  assert.equal(a.count("/v1/jobs"), before + 1, "one try, not timed out");
+});
+
+test("errors are classes under ShardqError; the retries' failure is ServerUnavailable with a cause per server", async () => {
+  a.inject.set("/v1/jobs", [503]);
+  b.inject.set("/v1/jobs", [502]);
+  const client = new Client([a.url, b.url], { token: "s3cret", retries: 1, backoffMs: 1 });
+  await assert.rejects(client.enqueue("t", "x"), (err: unknown) => {
+    assert.ok(err instanceof ServerUnavailable && err instanceof ShardqError);
+    assert.equal(err.causes.length, 2);
+    assert.match(err.causes.join("\n"), /503[\s\S]*502/);
+    return true;
+  });
+  a.inject.set("/v1/jobs", [400]);
+  await assert.rejects(client.enqueue("t", "x"), (err: unknown) => err instanceof BadRequest && err instanceof ShardqError && err.status === 400);
+  await assert.rejects(new Client([a.url], { token: "bad" }).enqueue("t", "x"), (err: unknown) => err instanceof Unauthorized && err.status === 403);
+  client.close();
 });
 
 test("bad arguments name the field and the value", async () => {

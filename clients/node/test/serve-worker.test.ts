@@ -187,6 +187,15 @@ test("a stop cancels the long polls at once; stop({ drain: false }) cancels runn
     idle.stop();
     await ran;
     assert.ok(Date.now() - t0 < 500, `stopped in ${Date.now() - t0} ms with 30 s long polls out`);
+    // The cancelled polls claim nothing more: a job enqueued now goes to the next worker at its first attempt.
+    await new Client(urls).enqueue("after-stop", "x");
+    const next = new Worker(urls, { logger: collectingLogger() });
+    const attempts: number[] = [];
+    const ranNext = next.run(async (job) => void attempts.push(job.attempt), { waitMs: 200, handleSignals: false });
+    await until(() => next.stats.acked === 1, 10_000, "the job enqueued after the stop");
+    next.stop();
+    await ranNext;
+    assert.deepEqual(attempts, [1]);
 
     await new Client(urls).enqueue("busy", "x");
     const busy = new Worker(urls, { logger: collectingLogger() });

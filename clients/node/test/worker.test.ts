@@ -245,3 +245,24 @@ test("SIGTERM drains a worker process: the running job is acked and the process 
     await s.close();
   }
 });
+
+test("a claim's timeout is its long poll plus timeoutMs; a job carries maxAttempts", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log, timeoutMs: 50 });
+    let got: ClaimedJob | undefined;
+    const ran = worker.run(async (job) => void (got = job), { concurrency: 1, waitMs: 600, handleSignals: false });
+    // Idle long polls of 600 ms with a 50 ms margin: answered, never timed out.
+    await stopWhen(worker, () => worker.stats.claimRequests >= 2, 5_000);
+    await ran;
+    assert.deepEqual(log.lines.filter((l) => l.includes("claim")), []);
+    await new Client([s.url]).enqueue("k", "x", { maxAttempts: 7 });
+    const ran2 = worker.run(async (job) => void (got = job), { concurrency: 1, waitMs: 50, handleSignals: false });
+    await stopWhen(worker, () => got !== undefined);
+    await ran2;
+    assert.equal(got?.maxAttempts, 7);
+  } finally {
+    await s.close();
+  }
+});

@@ -1,0 +1,59 @@
+// Client against real `shardq serve` processes: batches split by bytes and
+// by count under the server's limits, and the error classes.
+
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { BadRequest, Client, ShardqError, Worker } from "../src/index.js";
+import { cluster, collectingLogger, until } from "../test-support/cluster.js";
+
+test("enqueueMany splits by bytes: twenty valid ~1 MiB jobs go in under the 16 MiB body limit", { timeout: 120_000 }, async () => {
+  const c = await cluster(2, 1);
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    const big = (i: number) => `${i}:`.padEnd(1_000_000, "x");
+    const placed = await client.enqueueMany(Array.from({ length: 20 }, (_, i) => ({ key: `big-${i % 3}`, payload: big(i) })));
+    assert.equal(placed.length, 20);
+    assert.equal(new Set(placed.map((p) => p.id)).size, 20);
+    assert.deepEqual((await s.status()).totals, { ready: 20, delayed: 0, in_flight: 0, dead: 0 });
+    const seen = new Set<number>();
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const ran = worker.run(
+      async (job) => {
+        const text = job.payload.toString();
+        const i = Number(text.slice(0, text.indexOf(":")));
+        assert.equal(text, big(i));
+        seen.add(i);
+      },
+      { concurrency: 4, waitMs: 100, handleSignals: false },
+    );
+    await until(() => worker.stats.acked === 20, 60_000, "the big jobs to run");
+    worker.stop();
+    await ran;
+    assert.equal(seen.size, 20);
+  } finally {
+    await c.close();
+  }
+});
+
+test("batchJobsMax and batchBytesMax follow a server's --jobs-per-request-max and --body-bytes-max", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1, { args: ["--jobs-per-request-max", "10", "--body-bytes-max", "20000"] });
+  try {
+    const s = c.servers[0]!;
+    const jobs = Array.from({ length: 45 }, (_, i) => ({ key: `k-${i}`, payload: "y".repeat(i % 2 === 0 ? 50 : 3000) }));
+    // The defaults are over this server's limits: refused, not retried.
+    await assert.rejects(new Client([s.url]).enqueueMany(jobs), (err: unknown) => err instanceof BadRequest && (err.status === 400 || err.status === 413));
+    const placed = await new Client([s.url], { batchJobsMax: 10, batchBytesMax: 20000 }).enqueueMany(jobs);
+    assert.equal(placed.length, 45);
+    assert.ok(placed.every((p, i) => p.key === `k-${i}` && !p.duplicate));
+    assert.equal((await s.status()).totals["ready"], 45);
+    // One job over the byte limit goes alone and the server says why.
+    await assert.rejects(
+      new Client([s.url], { batchJobsMax: 10, batchBytesMax: 20000 }).enqueue("huge", "z".repeat(30_000)),
+      (err: unknown) => err instanceof ShardqError && err.status === 413,
+    );
+  } finally {
+    await c.close();
+  }
+});
