@@ -92,7 +92,10 @@ impl NewJob {
     }
 }
 
-/// Checks a routing key: not empty, at most [`KEY_BYTES_MAX`] bytes.
+/// Checks a routing key. The grammar: 1 to [`KEY_BYTES_MAX`] bytes of
+/// UTF-8 without control characters (Unicode category Cc: NUL, tab,
+/// newline, ESC, DEL, C1 controls), so that a key can never end a line,
+/// a field or a terminal sequence where it is shown.
 pub fn validate_key(key: &str) -> Result<(), QueueError> {
     if key.is_empty() {
         return Err(QueueError::InvalidKey {
@@ -109,7 +112,27 @@ pub fn validate_key(key: &str) -> Result<(), QueueError> {
             ),
         });
     }
+    if let Some((at, c)) = key.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(QueueError::InvalidKey {
+            key: cut_at_char(key, 64).to_string(),
+            reason: format!(
+                "a key holds no control characters; this one has {:?} at byte {at}",
+                c
+            ),
+        });
+    }
     Ok(())
+}
+
+/// A key as shown to a person: itself when printable, otherwise quoted
+/// with its control characters escaped (a key stored before the grammar
+/// refused them may hold some).
+pub fn shown_key(key: &str) -> String {
+    if key.chars().any(char::is_control) {
+        format!("{key:?}")
+    } else {
+        key.to_string()
+    }
 }
 
 /// The longest prefix of `s` of at most `max` bytes that ends on a character
@@ -345,6 +368,30 @@ impl Fence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_key_grammar_refuses_control_characters() {
+        for ok in ["t-1", "tenant/ä/🦀", "a b", "{user1000}.following"] {
+            assert!(validate_key(ok).is_ok(), "{ok:?}");
+        }
+        for bad in [
+            "a\0b",
+            "line\nfake",
+            "tab\there",
+            "\u{1b}[2J",
+            "del\u{7f}",
+            "c1\u{85}",
+        ] {
+            let e = validate_key(bad).unwrap_err().to_string();
+            assert!(e.contains("control character"), "{bad:?}: {e}");
+            assert!(
+                !e.contains('\u{1b}') && !e.contains('\n'),
+                "the message is escaped: {e:?}"
+            );
+        }
+        assert_eq!(shown_key("plain"), "plain");
+        assert_eq!(shown_key("a\u{1b}[2Jb"), "\"a\\u{1b}[2Jb\"");
+    }
 
     fn check(job: NewJob, max: usize, expect_err: Option<&str>) {
         match (job.validate(max), expect_err) {

@@ -2,13 +2,14 @@
 //! histogram can be fed when the ack or fail arrives (possibly at another
 //! request, much later).
 //!
-//! Bounded: at most [`RUNS_TRACKED_MAX`] runs are kept. When full, runs
-//! claimed more than [`RUN_FORGET_MS`] ago (whose worker most likely let the
-//! lease lapse) are dropped; if it is still full the new run is not tracked
-//! and its run time is not observed (its counters still are). It must never
-//! grow without bound, whatever the workers do.
+//! Bounded: at most [`RUNS_TRACKED_MAX`] runs are kept. When full, the run
+//! claimed first is dropped to make room (its worker most likely let the
+//! lease lapse; its run time is then not observed, its counters still
+//! are). Starting and finishing a run cost O(1) amortised whatever the
+//! table holds: runs lapsed by the ten thousand never make each claim walk
+//! the table. It must never grow without bound, whatever the workers do.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use ahash::RandomState;
@@ -17,15 +18,19 @@ use shardq_core::Receipt;
 
 /// Most runs whose claim time is kept.
 pub const RUNS_TRACKED_MAX: usize = 65_536;
-/// Age past which a tracked run may be dropped to make room (1 h).
-pub const RUN_FORGET_MS: u64 = 3_600_000;
+
+/// A tracked run: (shard number, job id, fence).
+type RunKey = (u32, u64, u64);
 
 /// Claim times by (shard, job id, fence); see the module docs. Shard names
 /// are numbered once (there are few), so tracking a run allocates nothing.
 #[derive(Debug, Default)]
 pub struct RunTracker {
     shards: HashMap<Arc<str>, u32, RandomState>,
-    started: HashMap<(u32, u64, u64), u64, RandomState>,
+    started: HashMap<RunKey, u64, RandomState>,
+    /// Runs in the order they started; finished ones stay until they reach
+    /// the front or the queue is compacted (at twice the table's size).
+    order: VecDeque<RunKey>,
 }
 
 impl RunTracker {
@@ -41,12 +46,17 @@ impl RunTracker {
 
     /// Run `r` of shard `shard` was claimed at `now_ms`.
     pub fn started(&mut self, shard: &str, r: Receipt, now_ms: u64) {
-        if self.started.len() >= RUNS_TRACKED_MAX {
-            let cutoff = now_ms.saturating_sub(RUN_FORGET_MS);
-            self.started.retain(|_, &mut t| t >= cutoff);
-            if self.started.len() >= RUNS_TRACKED_MAX {
-                return;
+        while self.started.len() >= RUNS_TRACKED_MAX {
+            match self.order.pop_front() {
+                Some(oldest) => {
+                    self.started.remove(&oldest);
+                }
+                None => break,
             }
+        }
+        if self.order.len() >= 2 * RUNS_TRACKED_MAX {
+            let started = &self.started;
+            self.order.retain(|k| started.contains_key(k));
         }
         let n = match self.shards.get(shard) {
             Some(&n) => n,
@@ -56,7 +66,16 @@ impl RunTracker {
                 n
             }
         };
-        self.started.insert((n, r.id.0, r.fence), now_ms);
+        let k = (n, r.id.0, r.fence);
+        if self.started.insert(k, now_ms).is_none() {
+            self.order.push_back(k);
+        }
+    }
+
+    /// Entries of the start-order queue (live and finished), for tests of
+    /// the bound.
+    pub fn queued(&self) -> usize {
+        self.order.len()
     }
 
     /// Run `r` ended: its claim time, if it was tracked.
@@ -94,18 +113,25 @@ mod tests {
     }
 
     #[test]
-    fn it_stays_bounded_and_forgets_old_runs_first() {
+    fn it_stays_bounded_and_drops_the_oldest_run_first() {
         let mut t = RunTracker::default();
-        for i in 0..RUNS_TRACKED_MAX as u64 {
-            t.started("s0", receipt(i), 0);
+        // 100,000 runs lapse without an ack, then new runs keep coming.
+        for i in 0..100_000u64 {
+            t.started("s0", receipt(i), i);
         }
-        // Full of recent runs: a new one is not tracked.
-        t.started("s0", receipt(u64::MAX), 10);
         assert_eq!(t.len(), RUNS_TRACKED_MAX);
-        assert_eq!(t.finished("s0", receipt(u64::MAX)), None);
-        // An hour later the old ones make room.
-        t.started("s0", receipt(u64::MAX), RUN_FORGET_MS + 1);
-        assert_eq!(t.len(), 1);
-        assert_eq!(t.finished("s0", receipt(u64::MAX)), Some(RUN_FORGET_MS + 1));
+        // The newest runs are tracked and their time observed; the oldest
+        // made room.
+        t.started("s0", receipt(u64::MAX), 200_000);
+        assert_eq!(t.finished("s0", receipt(u64::MAX)), Some(200_000));
+        assert_eq!(t.finished("s0", receipt(99_999)), Some(99_999));
+        assert_eq!(t.finished("s0", receipt(0)), None, "the oldest was dropped");
+        assert!(t.len() <= RUNS_TRACKED_MAX);
+        // Finished runs leave the queue too: it stays within twice the bound.
+        for i in 0..300_000u64 {
+            t.started("s1", receipt(i), i);
+            assert_eq!(t.finished("s1", receipt(i)), Some(i));
+        }
+        assert!(t.queued() <= 2 * RUNS_TRACKED_MAX, "{}", t.queued());
     }
 }

@@ -25,7 +25,8 @@ use shardq_core::{
 };
 use shardq_route::Router as MapRouter;
 
-use crate::body::{JsonBody, PathParam, QueryParams};
+use crate::auth::{Principal, ANONYMOUS};
+use crate::body::{BoundedVec, JsonBody, PathParam, QueryParams};
 use crate::dedup::{Begin, DedupRecord};
 use crate::error::{join_error, ApiError};
 use crate::ids::{job_string, parse_job, parse_receipt, receipt_string};
@@ -56,6 +57,11 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f).await.map_err(join_error)?
 }
 
+/// A value cut for an error message (quoted, control characters escaped).
+pub(crate) fn shown_str(s: &str) -> String {
+    shown(s)
+}
+
 /// A value cut for an error message.
 fn shown(s: &str) -> String {
     if s.len() > 64 {
@@ -73,7 +79,7 @@ fn shown(s: &str) -> String {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnqueueRequest {
-    jobs: Vec<JobIn>,
+    jobs: BoundedVec<JobIn, JOBS_PER_REQUEST_LIMIT>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -167,7 +173,8 @@ pub async fn enqueue(
     State(app): State<Arc<App>>,
     JsonBody(req): JsonBody<EnqueueRequest>,
 ) -> ApiResult {
-    let n = req.jobs.len();
+    let jobs_in = req.jobs.into_inner();
+    let n = jobs_in.len();
     if n == 0 {
         return Err(ApiError::bad("jobs: empty list; give 1 or more jobs"));
     }
@@ -180,7 +187,7 @@ pub async fn enqueue(
     let mut jobs = Vec::with_capacity(n);
     let mut dedup: Vec<Option<String>> = Vec::with_capacity(n);
     let mut seen: HashMap<String, usize> = HashMap::new();
-    for (i, j) in req.jobs.into_iter().enumerate() {
+    for (i, j) in jobs_in.into_iter().enumerate() {
         let (job, d) = to_new_job(i, j, app.limits.payload_bytes_max)?;
         if let Some(id) = &d {
             if let Some(first) = seen.insert(id.clone(), i) {
@@ -195,7 +202,7 @@ pub async fn enqueue(
     }
     let a = Arc::clone(&app);
     let out = blocking(move || a.enqueue_blocking(jobs, dedup)).await?;
-    app.wake.notify_waiters();
+    app.work_arrived();
     ok_jobs(out)
 }
 
@@ -343,28 +350,39 @@ impl App {
 // Claims and the runs they start.
 // ---------------------------------------------------------------------------
 
-/// A run: its shard and job id.
 /// A run: (shard number in the book, job id).
 type RunKey = (u32, u64);
-/// A worker's runs: run -> (fence, lease end).
-type Runs = HashMap<RunKey, (u64, u64), RandomState>;
 
 /// Receipts of one request grouped by owned shard (parsed, as sent), and
 /// the receipts of shards not owned here.
 type Grouped = (BTreeMap<String, Vec<(Receipt, String)>>, Vec<String>);
 
-/// Runs handed out, per worker name: the per-worker bound. Shard and worker
-/// names are numbered once (shards for good: there are few; a worker's
-/// number is dropped with its last run), so the per-job work allocates
-/// nothing.
+/// One run handed out: who holds it, its fence and lease end.
+#[derive(Debug, Clone, Copy)]
+struct HeldRun {
+    worker: u32,
+    principal: Principal,
+    fence: u64,
+    until: u64,
+}
+
+/// Runs handed out, for the per-worker and per-token bounds. Shard and
+/// worker names are numbered once (shards for good: there are few; a
+/// worker's number is dropped with its last run), so the per-job work
+/// allocates nothing. Lapsed runs leave through an index ordered by lease
+/// end, so each claim costs the runs that lapsed since the last one, never
+/// a walk of every run held.
 #[derive(Debug, Default)]
 pub struct ClaimBook {
     shards: HashMap<Arc<str>, u32, RandomState>,
     workers: HashMap<Arc<str>, u32, RandomState>,
     next_worker: u32,
-    /// Per worker number: its name and run -> (fence, lease end).
-    by_worker: HashMap<u32, (Arc<str>, Runs), RandomState>,
-    by_run: HashMap<RunKey, u32, RandomState>,
+    /// Per worker number: its name and how many runs it holds.
+    by_worker: HashMap<u32, (Arc<str>, usize), RandomState>,
+    by_principal: HashMap<Principal, usize, RandomState>,
+    runs: HashMap<RunKey, HeldRun, RandomState>,
+    /// (lease end, run, fence) of every run in `runs`.
+    lapse: std::collections::BTreeSet<(u64, RunKey, u64)>,
 }
 
 impl ClaimBook {
@@ -381,38 +399,65 @@ impl ClaimBook {
         self.shards.get(shard).copied()
     }
 
-    /// Runs `worker` holds at `now_ms` (lapsed leases no longer count).
-    fn held(&mut self, worker: &str, now_ms: u64) -> usize {
-        let Some(&w) = self.workers.get(worker) else {
-            return 0;
-        };
-        let Some((_, runs)) = self.by_worker.get_mut(&w) else {
-            return 0;
-        };
-        let lapsed: Vec<RunKey> = runs
-            .iter()
-            .filter(|(_, &(_, until))| until <= now_ms)
-            .map(|(k, _)| *k)
-            .collect();
-        for k in lapsed {
-            runs.remove(&k);
-            self.by_run.remove(&k);
-        }
-        let n = runs.len();
-        if n == 0 {
-            self.forget_worker(w);
-        }
-        n
-    }
-
-    fn forget_worker(&mut self, w: u32) {
-        if let Some((name, _)) = self.by_worker.remove(&w) {
-            self.workers.remove(&name);
+    /// Drops the runs whose lease ended by `now_ms`.
+    fn expire(&mut self, now_ms: u64) {
+        while let Some(&(until, k, fence)) = self.lapse.first() {
+            if until > now_ms {
+                break;
+            }
+            self.lapse.pop_first();
+            if self.runs.get(&k).is_some_and(|r| r.fence == fence) {
+                self.remove(k);
+            }
         }
     }
 
-    fn add(&mut self, worker: &str, shard: &str, id: u64, fence: u64, until: u64) {
+    fn remove(&mut self, k: RunKey) {
+        let Some(run) = self.runs.remove(&k) else {
+            return;
+        };
+        self.lapse.remove(&(run.until, k, run.fence));
+        if let Some(n) = self.by_principal.get_mut(&run.principal) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_principal.remove(&run.principal);
+            }
+        }
+        let gone = self.by_worker.get_mut(&run.worker).is_some_and(|(_, n)| {
+            *n -= 1;
+            *n == 0
+        });
+        if gone {
+            if let Some((name, _)) = self.by_worker.remove(&run.worker) {
+                self.workers.remove(&name);
+            }
+        }
+    }
+
+    /// Runs `worker` and `principal` hold at `now_ms` (lapsed leases no
+    /// longer count).
+    fn held(&mut self, worker: &str, principal: Principal, now_ms: u64) -> (usize, usize) {
+        self.expire(now_ms);
+        let w = self
+            .workers
+            .get(worker)
+            .and_then(|w| self.by_worker.get(w))
+            .map_or(0, |(_, n)| *n);
+        (w, self.by_principal.get(&principal).copied().unwrap_or(0))
+    }
+
+    fn add(
+        &mut self,
+        worker: &str,
+        principal: Principal,
+        shard: &str,
+        id: u64,
+        fence: u64,
+        until: u64,
+    ) {
         let k = (self.shard_no(shard), id);
+        // A run claimed again (its old run lapsed) replaces the old one.
+        self.remove(k);
         let w = match self.workers.get(worker) {
             Some(&w) => w,
             None => {
@@ -420,24 +465,24 @@ impl ClaimBook {
                 self.next_worker = self.next_worker.wrapping_add(1);
                 let name: Arc<str> = Arc::from(worker);
                 self.workers.insert(Arc::clone(&name), w);
-                self.by_worker.insert(w, (name, HashMap::default()));
+                self.by_worker.insert(w, (name, 0));
                 w
             }
         };
-        if let Some(old) = self.by_run.insert(k, w) {
-            if old != w {
-                let empty = self.by_worker.get_mut(&old).is_some_and(|(_, m)| {
-                    m.remove(&k);
-                    m.is_empty()
-                });
-                if empty {
-                    self.forget_worker(old);
-                }
-            }
+        if let Some((_, n)) = self.by_worker.get_mut(&w) {
+            *n += 1;
         }
-        if let Some((_, m)) = self.by_worker.get_mut(&w) {
-            m.insert(k, (fence, until));
-        }
+        *self.by_principal.entry(principal).or_insert(0) += 1;
+        self.runs.insert(
+            k,
+            HeldRun {
+                worker: w,
+                principal,
+                fence,
+                until,
+            },
+        );
+        self.lapse.insert((until, k, fence));
     }
 
     fn finish(&mut self, shard: &str, r: Receipt) {
@@ -445,13 +490,8 @@ impl ClaimBook {
             return;
         };
         let k = (sn, r.id.0);
-        if let Some(&w) = self.by_run.get(&k) {
-            if let Some((_, m)) = self.by_worker.get_mut(&w) {
-                if m.get(&k).is_some_and(|&(fence, _)| fence == r.fence) {
-                    m.remove(&k);
-                    self.by_run.remove(&k);
-                }
-            }
+        if self.runs.get(&k).is_some_and(|run| run.fence == r.fence) {
+            self.remove(k);
         }
     }
 
@@ -460,11 +500,11 @@ impl ClaimBook {
             return;
         };
         let k = (sn, r.id.0);
-        if let Some(w) = self.by_run.get(&k) {
-            if let Some(e) = self.by_worker.get_mut(w).and_then(|(_, m)| m.get_mut(&k)) {
-                if e.0 == r.fence {
-                    e.1 = until;
-                }
+        if let Some(run) = self.runs.get_mut(&k) {
+            if run.fence == r.fence {
+                self.lapse.remove(&(run.until, k, run.fence));
+                run.until = until;
+                self.lapse.insert((until, k, r.fence));
             }
         }
     }
@@ -504,8 +544,10 @@ struct ClaimedOut {
 /// claimable or `wait_ms` passes.
 pub async fn claim(
     State(app): State<Arc<App>>,
+    principal: Option<axum::Extension<Principal>>,
     JsonBody(req): JsonBody<ClaimRequest>,
 ) -> ApiResult {
+    let principal = principal.map_or(ANONYMOUS, |p| p.0);
     let w = &req.worker;
     if w.is_empty() || w.len() > WORKER_NAME_BYTES_MAX || w.chars().any(char::is_control) {
         return Err(ApiError::bad(format!(
@@ -529,6 +571,11 @@ pub async fn claim(
     validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     let worker = req.worker.clone();
+    // Waiting claims poll with a backoff and skip a poll that another
+    // waiter just made and found empty, with no work arrived since: a
+    // thousand idle long polls cost about one claim round per interval.
+    let mut interval_ms = CLAIM_POLL_MS;
+    let mut woken = true;
     loop {
         let notified = app.wake.notified();
         tokio::pin!(notified);
@@ -536,21 +583,35 @@ pub async fn claim(
         if app.owned.stopping() {
             return ok(json!({ "jobs": [] }));
         }
-        let a = Arc::clone(&app);
-        let wk = worker.clone();
-        let (jobs, err) = blocking(move || Ok(a.claim_once(&wk, max as usize, lease_ms))).await?;
-        if let Some(e) = err {
-            if jobs.is_empty() {
-                return Err(e);
+        let generation = app.work_generation();
+        if woken || !app.polled_empty_within(generation, interval_ms) {
+            let a = Arc::clone(&app);
+            let wk = worker.clone();
+            let (jobs, err) =
+                blocking(move || Ok(a.claim_once(&wk, principal, max as usize, lease_ms))).await?;
+            if let Some(e) = err {
+                if jobs.is_empty() {
+                    return Err(e);
+                }
             }
+            if !jobs.is_empty() {
+                return ok_jobs(jobs);
+            }
+            app.polled_empty(generation);
         }
-        if !jobs.is_empty() || Instant::now() >= deadline {
-            return ok_jobs(jobs);
+        if Instant::now() >= deadline {
+            return ok(json!({ "jobs": [] }));
         }
         let left = deadline.saturating_duration_since(Instant::now());
         tokio::select! {
-            _ = &mut notified => {}
-            _ = tokio::time::sleep(left.min(Duration::from_millis(CLAIM_POLL_MS))) => {}
+            _ = &mut notified => {
+                woken = true;
+                interval_ms = CLAIM_POLL_MS;
+            }
+            _ = tokio::time::sleep(left.min(Duration::from_millis(interval_ms))) => {
+                woken = false;
+                interval_ms = (interval_ms * 2).min(CLAIM_POLL_MAX_MS);
+            }
         }
     }
 }
@@ -560,12 +621,14 @@ impl App {
     fn claim_once(
         &self,
         worker: &str,
+        principal: Principal,
         max: usize,
         lease_ms: u64,
     ) -> (Vec<ClaimedOut>, Option<ApiError>) {
         let now = self.clock.now_ms();
-        let held = book(&self.claims).held(worker, now);
+        let (held, held_by_token) = book(&self.claims).held(worker, principal, now);
         let cap = self.limits.claims_per_worker_max;
+        let token_cap = self.limits.claims_per_token_max;
         if held >= cap {
             return (
                 Vec::new(),
@@ -575,7 +638,16 @@ impl App {
                 )),
             );
         }
-        let mut want = max.min(cap - held);
+        if held_by_token >= token_cap {
+            return (
+                Vec::new(),
+                Some(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("the workers of this token hold {held_by_token} runs, the limit per token is {token_cap}; ack, fail or let some lapse first"),
+                )),
+            );
+        }
+        let mut want = max.min(cap - held).min(token_cap - held_by_token);
         let shards = self.owned.list();
         let mut out = Vec::new();
         let mut error = None;
@@ -597,7 +669,14 @@ impl App {
                     let mut b = book(&self.claims);
                     for j in jobs {
                         want = want.saturating_sub(1);
-                        b.add(worker, &j.shard, j.id.0, j.fence, j.lease_until_ms);
+                        b.add(
+                            worker,
+                            principal,
+                            &j.shard,
+                            j.id.0,
+                            j.fence,
+                            j.lease_until_ms,
+                        );
                         let (payload, payload_b64) = match String::from_utf8(j.payload) {
                             Ok(s) => (Some(s), None),
                             Err(e) => (
@@ -681,7 +760,7 @@ fn check_receipts(receipts: &[String]) -> Result<(), ApiError> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AckRequest {
-    receipts: Vec<String>,
+    receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
 }
 
 /// 409 listing refused receipts, or 200.
@@ -722,10 +801,10 @@ fn refused_or_ok(
 /// `POST /v1/ack`: the valid receipts are acked; any stale or not-owned
 /// one makes the reply a 409 that lists them.
 pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest>) -> ApiResult {
-    check_receipts(&req.receipts)?;
+    check_receipts(&req.receipts.0)?;
     let a = Arc::clone(&app);
     let (acked, stale, not_owned) = blocking(move || {
-        let (groups, mut not_owned) = a.group_receipts(&req.receipts)?;
+        let (groups, mut not_owned) = a.group_receipts(&req.receipts.0)?;
         let mut acked = 0u64;
         let mut stale = Vec::new();
         for (shard, rs) in groups {
@@ -749,7 +828,7 @@ pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest
         Ok((acked, stale, not_owned))
     })
     .await?;
-    app.wake.notify_waiters();
+    app.work_arrived();
     refused_or_ok("ack", "acked", acked, stale, not_owned)
 }
 
@@ -802,7 +881,7 @@ pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailReque
         }
     })
     .await?;
-    app.wake.notify_waiters();
+    app.work_arrived();
     match outcome {
         FailOutcome::Retry { at_ms } => ok(json!({ "outcome": "retry", "retry_at_ms": at_ms })),
         FailOutcome::Dead => ok(json!({ "outcome": "dead" })),
@@ -821,7 +900,7 @@ fn not_owned_error(receipt: &str, shard: &str) -> ApiError {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExtendRequest {
-    receipts: Vec<String>,
+    receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
     lease_ms: Option<u64>,
 }
 
@@ -830,11 +909,11 @@ pub async fn extend(
     State(app): State<Arc<App>>,
     JsonBody(req): JsonBody<ExtendRequest>,
 ) -> ApiResult {
-    check_receipts(&req.receipts)?;
+    check_receipts(&req.receipts.0)?;
     let lease_ms = req.lease_ms.unwrap_or(JOB_LEASE_MS_DEFAULT);
     validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
     let (extended, stale, not_owned) = blocking(move || {
-        let (groups, mut not_owned) = app.group_receipts(&req.receipts)?;
+        let (groups, mut not_owned) = app.group_receipts(&req.receipts.0)?;
         let mut extended = 0u64;
         let mut stale = Vec::new();
         let until = app.clock.now_ms().saturating_add(lease_ms);
@@ -964,17 +1043,31 @@ pub async fn dead_list(
 #[serde(deny_unknown_fields)]
 pub struct DeadChange {
     shard: Option<String>,
-    ids: Option<Vec<String>>,
+    ids: Option<BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>>,
+    /// Every dead letter (of `shard` when given): must be said, never
+    /// implied by a missing `ids`.
+    all: Option<bool>,
 }
 
 async fn dead_change(app: Arc<App>, req: DeadChange, retry: bool) -> ApiResult {
-    if let Some(ids) = &req.ids {
-        if ids.is_empty() || ids.len() > RECEIPTS_PER_REQUEST_MAX {
-            return Err(ApiError::bad(format!(
-                "ids: {} ids; give 1..={RECEIPTS_PER_REQUEST_MAX} (or leave ids out for all)",
-                ids.len()
-            )));
+    let all = req.all.unwrap_or(false);
+    match (&req.ids, all) {
+        (Some(_), true) => {
+            return Err(ApiError::bad(
+                "ids and all: give either ids (those dead letters) or \"all\": true (every one), not both",
+            ))
         }
+        (None, false) => {
+            return Err(ApiError::bad(
+                "ids: no dead letters named; give ids, or \"all\": true for every dead letter (of shard, when given)",
+            ))
+        }
+        (Some(ids), false) if ids.0.is_empty() => {
+            return Err(ApiError::bad(format!(
+                "ids: 0 ids; give 1..={RECEIPTS_PER_REQUEST_MAX} (or \"all\": true)"
+            )))
+        }
+        _ => {}
     }
     let n = blocking(move || {
         let mut plan: BTreeMap<String, Option<Vec<JobId>>> = BTreeMap::new();
@@ -983,7 +1076,7 @@ async fn dead_change(app: Arc<App>, req: DeadChange, retry: bool) -> ApiResult {
         }
         match &req.ids {
             Some(ids) => {
-                for (i, s) in ids.iter().enumerate() {
+                for (i, s) in ids.0.iter().enumerate() {
                     let (shard, id) = parse_job(s, &format!("ids[{i}]")).map_err(ApiError::bad)?;
                     if req.shard.as_ref().is_some_and(|want| *want != shard) {
                         return Err(ApiError::bad(format!(
@@ -1035,7 +1128,7 @@ pub async fn dead_retry(
 ) -> ApiResult {
     let a = Arc::clone(&app);
     let r = dead_change(a, req, true).await;
-    app.wake.notify_waiters();
+    app.work_arrived();
     r
 }
 
@@ -1357,28 +1450,58 @@ mod tests {
 
     #[test]
     fn the_claim_book_counts_each_workers_live_runs() {
+        let p = crate::auth::ANONYMOUS;
         let mut b = ClaimBook::default();
-        b.add("w1", "s0", 1, 10, 1_000);
-        b.add("w1", "s1", 1, 11, 1_000);
-        b.add("w2", "s0", 2, 12, 5_000);
+        b.add("w1", p, "s0", 1, 10, 1_000);
+        b.add("w1", p, "s1", 1, 11, 1_000);
+        b.add("w2", p, "s0", 2, 12, 5_000);
+        let held = |b: &mut ClaimBook, w: &str, now: u64| b.held(w, p, now).0;
         assert_eq!(
-            (b.held("w1", 0), b.held("w2", 0), b.held("nobody", 0)),
+            (
+                held(&mut b, "w1", 0),
+                held(&mut b, "w2", 0),
+                held(&mut b, "nobody", 0)
+            ),
             (2, 1, 0)
         );
+        assert_eq!(b.held("w1", p, 0).1, 3, "the token holds all three");
         // A stale fence or an unknown shard finishes nothing.
         b.finish("s0", r(1, 9));
         b.finish("s9", r(1, 10));
-        assert_eq!(b.held("w1", 0), 2);
+        assert_eq!(held(&mut b, "w1", 0), 2);
         b.finish("s0", r(1, 10));
-        assert_eq!(b.held("w1", 0), 1);
+        assert_eq!(held(&mut b, "w1", 0), 1);
         // An extended lease outlives the others; lapsed ones stop counting,
         // and a worker with none left is forgotten.
         b.extend("s1", r(1, 11), 9_000);
-        assert_eq!((b.held("w1", 6_000), b.held("w2", 6_000)), (1, 0));
+        assert_eq!(
+            (held(&mut b, "w1", 6_000), held(&mut b, "w2", 6_000)),
+            (1, 0)
+        );
         assert!(!b.workers.contains_key("w2"), "w2 is forgotten");
         // A run claimed again by another worker moves to it.
-        b.add("w3", "s1", 1, 13, 9_000);
-        assert_eq!((b.held("w1", 6_000), b.held("w3", 6_000)), (0, 1));
+        b.add("w3", p, "s1", 1, 13, 9_000);
+        assert_eq!(
+            (held(&mut b, "w1", 6_000), held(&mut b, "w3", 6_000)),
+            (0, 1)
+        );
         assert_eq!(b.workers.len(), 1);
+        assert_eq!(b.held("w3", p, 6_000).1, 1);
+        b.held("w3", p, 9_000);
+        assert!(b.runs.is_empty() && b.lapse.is_empty() && b.by_principal.is_empty());
+    }
+
+    #[test]
+    fn invented_worker_names_share_their_tokens_bound() {
+        let (a, z) = (crate::auth::Principal(0), crate::auth::Principal(1));
+        let mut b = ClaimBook::default();
+        for i in 0..100u64 {
+            b.add(&format!("w{i}"), a, "s0", i, i + 1, 1_000);
+        }
+        assert_eq!(b.held("fresh-name", a, 0), (0, 100));
+        assert_eq!(b.held("fresh-name", z, 0), (0, 0));
+        // Lapsed runs leave the token's count without any worker claiming.
+        assert_eq!(b.held("w0", a, 1_000), (0, 0));
+        assert!(b.workers.is_empty());
     }
 }

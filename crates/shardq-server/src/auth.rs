@@ -67,10 +67,34 @@ impl FromStr for Role {
     }
 }
 
+/// A token as the server keeps it: its BLAKE2b-256 digest, so that
+/// comparing a presented token takes the same time whatever its length or
+/// how much of it matches.
+type TokenDigest = [u8; 32];
+
+fn digest(token: &[u8]) -> TokenDigest {
+    use blake2::digest::{Update, VariableOutput};
+    let mut h = blake2::Blake2bVar::new(32).expect("32 is a valid BLAKE2b output size");
+    h.update(token);
+    let mut out = [0u8; 32];
+    h.finalize_variable(&mut out)
+        .expect("the buffer has the requested size");
+    out
+}
+
+/// Who made a request: the number of its token in the tokens file
+/// ([`ANONYMOUS`] without authentication). Handlers find it in the
+/// request's extensions and bound per-token resources with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Principal(pub u32);
+
+/// The principal of every request of a server without tokens.
+pub const ANONYMOUS: Principal = Principal(u32::MAX);
+
 /// The tokens a server accepts.
 #[derive(Clone, Default)]
 pub struct Tokens {
-    entries: Vec<(Vec<u8>, BTreeSet<Role>)>,
+    entries: Vec<(TokenDigest, BTreeSet<Role>)>,
 }
 
 impl fmt::Debug for Tokens {
@@ -83,7 +107,7 @@ impl Tokens {
     /// Parses a tokens file's text; `origin` names it in errors. Errors name
     /// the line, never the token.
     pub fn parse(text: &str, origin: &str) -> Result<Tokens, String> {
-        let mut entries: Vec<(Vec<u8>, BTreeSet<Role>)> = Vec::new();
+        let mut entries: Vec<(TokenDigest, BTreeSet<Role>)> = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = raw.split('#').next().unwrap_or("").trim();
             if line.is_empty() {
@@ -113,12 +137,13 @@ impl Tokens {
             if set.is_empty() {
                 return Err(format!("{origin} line {n}: no role given"));
             }
-            if entries.iter().any(|(t, _)| t == token.as_bytes()) {
+            let d = digest(token.as_bytes());
+            if entries.iter().any(|(t, _)| *t == d) {
                 return Err(format!(
                     "{origin} line {n}: the same token appears on an earlier line"
                 ));
             }
-            entries.push((token.as_bytes().to_vec(), set));
+            entries.push((d, set));
         }
         if entries.is_empty() {
             return Err(format!("{origin} holds no token"));
@@ -126,10 +151,21 @@ impl Tokens {
         Ok(Tokens { entries })
     }
 
-    /// Reads a tokens file.
+    /// Reads a tokens file. A file that other users may write (group- or
+    /// world-writable) is refused: whoever can write it can give
+    /// themselves any role.
     pub fn load(path: &Path) -> Result<Tokens, String> {
+        use std::os::unix::fs::PermissionsExt;
         let meta = std::fs::metadata(path)
             .map_err(|e| format!("reading tokens file {}: {e}", path.display()))?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o022 != 0 {
+            return Err(format!(
+                "tokens file {} has mode {mode:03o}: other users can write it and give themselves any role; run `chmod 600 {}`",
+                path.display(),
+                path.display()
+            ));
+        }
         if meta.len() > TOKENS_FILE_BYTES_MAX {
             return Err(format!(
                 "tokens file {} is {} bytes, over {TOKENS_FILE_BYTES_MAX}",
@@ -142,24 +178,39 @@ impl Tokens {
         Tokens::parse(&text, &format!("tokens file {}", path.display()))
     }
 
-    /// The roles of `token`, if it is known. Compares every entry in full,
-    /// without stopping early, so timing does not reveal a prefix.
+    /// The roles of `token`, if it is known.
     pub fn roles(&self, token: &[u8]) -> Option<&BTreeSet<Role>> {
+        self.find(token).map(|(_, r)| r)
+    }
+
+    /// The principal and roles of `token`. Compares digests (so neither
+    /// the length nor a prefix of a token shows in the timing), every
+    /// entry in full, without stopping early.
+    fn find(&self, token: &[u8]) -> Option<(Principal, &BTreeSet<Role>)> {
+        let d = digest(token);
         let mut found = None;
-        for (t, roles) in &self.entries {
-            if constant_time_eq(t, token) {
-                found = Some(roles);
+        for (n, (t, roles)) in self.entries.iter().enumerate() {
+            if constant_time_eq(t, &d) {
+                found = Some((Principal(n as u32), roles));
             }
         }
         found
     }
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
+fn constant_time_eq(a: &TokenDigest, b: &TokenDigest) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The token of an `Authorization` header value: the scheme `Bearer` in
+/// any case (RFC 9110 makes it case-insensitive), one or more spaces.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = rest.trim();
+    (!token.is_empty()).then_some(token)
 }
 
 /// What a route's guard checks: the server's tokens (`None`: no
@@ -173,18 +224,19 @@ pub struct Guard {
 }
 
 /// Middleware: 401 without a known bearer token, 403 without the role.
-pub async fn require(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+pub async fn require(State(guard): State<Guard>, mut request: Request, next: Next) -> Response {
     let Some(tokens) = &guard.tokens else {
+        request.extensions_mut().insert(ANONYMOUS);
         return next.run(request).await;
     };
     let header_value = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let Some(token) = header_value.and_then(|v| v.strip_prefix("Bearer ")) else {
+    let Some(token) = header_value.and_then(bearer_token) else {
         return unauthorized("missing bearer token: send `Authorization: Bearer TOKEN`");
     };
-    let Some(roles) = tokens.roles(token.trim().as_bytes()) else {
+    let Some((principal, roles)) = tokens.find(token.as_bytes()) else {
         return unauthorized("unknown bearer token");
     };
     if !roles.contains(&guard.role) {
@@ -201,6 +253,7 @@ pub async fn require(State(guard): State<Guard>, request: Request, next: Next) -
         )
         .into_response();
     }
+    request.extensions_mut().insert(principal);
     next.run(request).await
 }
 
@@ -233,5 +286,40 @@ mod tests {
         assert!(e.contains("\"root\"") && !e.contains("0123"), "{e}");
         assert!(Tokens::parse("# nothing\n", "f").is_err());
         assert!(Tokens::parse("0123456789abcdef\n", "f").is_err());
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        for (value, want) in [
+            ("Bearer abc", Some("abc")),
+            ("bearer abc", Some("abc")),
+            ("BEARER   abc ", Some("abc")),
+            ("Basic abc", None),
+            ("Bearer", None),
+            ("Bearer    ", None),
+            ("Bearerabc", None),
+        ] {
+            assert_eq!(bearer_token(value), want, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_tokens_file_others_can_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens");
+        std::fs::write(&path, "0123456789abcdef admin\n").unwrap();
+        for (mode, ok) in [(0o600, true), (0o644, true), (0o620, false), (0o666, false)] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let r = Tokens::load(&path);
+            assert_eq!(r.is_ok(), ok, "mode {mode:o}: {r:?}");
+            if let Err(e) = r {
+                assert!(
+                    e.contains(&format!("{mode:03o}")) && e.contains("chmod 600"),
+                    "{e}"
+                );
+                assert!(!e.contains("0123456789abcdef"), "{e}");
+            }
+        }
     }
 }

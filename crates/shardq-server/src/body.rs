@@ -2,6 +2,14 @@
 //! [`JsonBody`] (size limit, JSON syntax, field types, unknown fields, each
 //! message naming the field path), [`PathParam`] and [`QueryParams`]. They
 //! must never let axum's plain-text rejections through.
+//!
+//! A body must arrive within its [`BodyReadTimeout`] (408 past it), and a
+//! list in a body is a [`BoundedVec`], refused while it is parsed once it
+//! holds more than its bound: a 16 MiB body of tiny items never becomes
+//! millions of values in memory.
+
+use std::marker::PhantomData;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
@@ -18,7 +26,25 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|r| {
+        let timeout = req
+            .extensions()
+            .get::<BodyReadTimeout>()
+            .map(|t| t.0)
+            .unwrap_or(Duration::from_millis(
+                crate::limits::BODY_READ_TIMEOUT_MS_DEFAULT,
+            ));
+        let read = tokio::time::timeout(timeout, Bytes::from_request(req, state))
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "the request body did not arrive within {} ms",
+                        timeout.as_millis()
+                    ),
+                )
+            })?;
+        let bytes = read.map_err(|r| {
             let status = r.status();
             if status == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
@@ -55,6 +81,51 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
         de.end()
             .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))?;
         Ok(JsonBody(value))
+    }
+}
+
+/// Longest time a request body may take to arrive (a request extension
+/// set by the router).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyReadTimeout(pub Duration);
+
+/// A JSON array of at most `N` items: the parse stops at item `N + 1`
+/// with an error naming the bound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundedVec<T, const N: usize>(pub Vec<T>);
+
+impl<T, const N: usize> BoundedVec<T, N> {
+    /// The items.
+    pub fn into_inner(self) -> Vec<T> {
+        self.0
+    }
+}
+
+impl<'de, T: serde::Deserialize<'de>, const N: usize> serde::Deserialize<'de> for BoundedVec<T, N> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Items<T, const N: usize>(PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>, const N: usize> serde::de::Visitor<'de> for Items<T, N> {
+            type Value = BoundedVec<T, N>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "an array of at most {N} items")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(N).min(1024));
+                while let Some(item) = seq.next_element::<T>()? {
+                    if out.len() == N {
+                        return Err(serde::de::Error::custom(format!(
+                            "more than {N} items; send at most {N} per request"
+                        )));
+                    }
+                    out.push(item);
+                }
+                Ok(BoundedVec(out))
+            }
+        }
+        d.deserialize_seq(Items::<T, N>(PhantomData))
     }
 }
 

@@ -14,8 +14,10 @@
 pub mod api;
 pub mod auth;
 pub mod body;
+pub mod conn;
 pub mod dashboard;
 pub mod dedup;
+pub mod edge;
 pub mod error;
 pub mod ids;
 pub mod limits;
@@ -25,9 +27,9 @@ pub mod owner;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post, MethodRouter};
@@ -64,6 +66,11 @@ pub struct ServerOptions {
     pub worker: WorkerOptions,
     /// How to open the deployment.
     pub open: OpenOptions,
+    /// Host names (`host` or `host:port`) this server answers to besides
+    /// its listening address (see [`edge`]).
+    pub allowed_hosts: Vec<String>,
+    /// Connection bounds.
+    pub conn: conn::ConnLimits,
 }
 
 impl Default for ServerOptions {
@@ -75,6 +82,8 @@ impl Default for ServerOptions {
             dedup_window_ms: limits::DEDUP_WINDOW_MS_DEFAULT,
             worker: WorkerOptions::default(),
             open: OpenOptions::default(),
+            allowed_hosts: Vec::new(),
+            conn: conn::ConnLimits::default(),
         }
     }
 }
@@ -94,6 +103,12 @@ pub struct App {
     clock: Arc<dyn Clock>,
     rotate: AtomicUsize,
     metrics: Arc<shardq_metrics::Metrics>,
+    /// Bumped whenever work may have arrived here (enqueue, ack, fail,
+    /// dead-letter retry): a claim round that found nothing stands for
+    /// the waiters only while it is unchanged.
+    work_gen: AtomicU64,
+    /// When a claim round last found nothing, and at which generation.
+    last_empty_poll: Mutex<Option<(Instant, u64)>>,
 }
 
 impl App {
@@ -107,6 +122,34 @@ impl App {
             Some(p) => Ok(p),
             None => Ok(self.deployment.producer(ProducerOptions::default())?),
         }
+    }
+
+    /// Work may have arrived: wake the waiting claims.
+    pub(crate) fn work_arrived(&self) {
+        self.work_gen.fetch_add(1, Ordering::Release);
+        self.wake.notify_waiters();
+    }
+
+    pub(crate) fn work_generation(&self) -> u64 {
+        self.work_gen.load(Ordering::Acquire)
+    }
+
+    /// A claim round at `generation` found nothing.
+    pub(crate) fn polled_empty(&self, generation: u64) {
+        *self
+            .last_empty_poll
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), generation));
+    }
+
+    /// Whether a claim round found nothing within the last `ms`, with no
+    /// work arrived since.
+    pub(crate) fn polled_empty_within(&self, generation: u64, ms: u64) -> bool {
+        let last = *self
+            .last_empty_poll
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        last.is_some_and(|(at, g)| g == generation && at.elapsed() < Duration::from_millis(ms))
     }
 
     fn put_producer(&self, p: Producer<dyn ReshardBackend>) {
@@ -160,6 +203,8 @@ impl App {
             rebalance: Mutex::new(api::Progress::default()),
             clock,
             rotate: AtomicUsize::new(0),
+            work_gen: AtomicU64::new(0),
+            last_empty_poll: Mutex::new(None),
         })
     }
 }
@@ -244,7 +289,7 @@ pub fn routes() -> Vec<RouteInfo> {
     table().into_iter().map(|(i, _)| i).collect()
 }
 
-fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>) -> axum::Router {
+fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -> axum::Router {
     let mut r: axum::Router<Arc<App>> = axum::Router::new();
     for (info, handler) in table() {
         let handler = match info.role {
@@ -276,13 +321,19 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>) -> axum::Router {
         )
     })
     .layer(DefaultBodyLimit::max(limits.body_bytes_max))
+    .layer(axum::Extension(body::BodyReadTimeout(
+        Duration::from_millis(limits.body_read_timeout_ms.max(1)),
+    )))
     .layer(tower_http::timeout::TimeoutLayer::with_status_code(
         axum::http::StatusCode::REQUEST_TIMEOUT,
         Duration::from_millis(limits::REQUEST_TIMEOUT_MS),
     ))
-    .layer(tower::limit::ConcurrencyLimitLayer::new(
+    // `Router::layer` wraps each route on its own: the semaphore is shared
+    // so that the bound holds for the whole server.
+    .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
         limits.concurrency_max.max(1),
     ))
+    .layer(axum::middleware::from_fn_with_state(hosts, edge::check))
     .with_state(app)
 }
 
@@ -292,6 +343,9 @@ pub struct Server {
     owner: OwnerThread,
     listener: std::net::TcpListener,
     tokens: Option<Arc<Tokens>>,
+    hosts: Arc<edge::Hosts>,
+    conn: conn::ConnLimits,
+    conn_stats: Arc<conn::ConnStats>,
 }
 
 impl Server {
@@ -319,9 +373,16 @@ impl Server {
                 limits::JOBS_PER_REQUEST_LIMIT
             )));
         }
-        if l.body_bytes_max == 0 || l.concurrency_max == 0 || l.claims_per_worker_max == 0 {
+        if l.body_bytes_max == 0
+            || l.concurrency_max == 0
+            || l.claims_per_worker_max == 0
+            || l.claims_per_token_max == 0
+            || l.body_read_timeout_ms == 0
+            || opts.conn.connections_max == 0
+            || opts.conn.header_read_timeout_ms == 0
+        {
             return Err(ServerError::Config(
-                "body size, concurrency and claims per worker limits must be at least 1".into(),
+                "body size, concurrency, claims per worker and per token, body read timeout, connections and header read timeout must each be at least 1".into(),
             ));
         }
         let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
@@ -338,11 +399,20 @@ impl Server {
         let coordinator = deployment.coordinator(&opts.worker)?;
         let owner = OwnerThread::start(coordinator, deployment.queue());
         let app = Arc::new(App::new(dir, &opts, deployment, owner.owned())?);
+        let hosts = Arc::new(edge::Hosts::new(
+            listener.local_addr().unwrap_or(opts.listen),
+            &opts.allowed_hosts,
+        ));
+        let mut conn = opts.conn.clone();
+        conn.connections_max = conn::connections_that_fit(conn.connections_max);
         Ok(Server {
             app,
             owner,
             listener,
             tokens: opts.tokens.map(Arc::new),
+            hosts,
+            conn,
+            conn_stats: Arc::new(conn::ConnStats::default()),
         })
     }
 
@@ -359,6 +429,17 @@ impl Server {
         self.app.owned.list()
     }
 
+    /// The connection bounds in force (the connection limit as it fits
+    /// under the open-files limit).
+    pub fn conn_limits(&self) -> &conn::ConnLimits {
+        &self.conn
+    }
+
+    /// The connection loop's counters.
+    pub fn conn_stats(&self) -> Arc<conn::ConnStats> {
+        Arc::clone(&self.conn_stats)
+    }
+
     /// Serves until `shutdown` completes; then stops accepting, stops
     /// handing out runs, finishes the requests in flight, releases the
     /// shards and the leases. Needs a Tokio runtime.
@@ -371,8 +452,10 @@ impl Server {
             mut owner,
             listener,
             tokens,
+            hosts,
+            conn,
+            conn_stats,
         } = self;
-        let addr = listener.local_addr().ok();
         let listener =
             tokio::net::TcpListener::from_std(listener).map_err(|e| ServerError::Io {
                 context: "registering the listening socket".into(),
@@ -385,21 +468,20 @@ impl Server {
             owned.set_stopping();
             a.wake.notify_waiters();
         };
-        let served = axum::serve(listener, router(Arc::clone(&app), tokens))
-            .with_graceful_shutdown(stop_claims)
-            .await;
+        conn::serve(
+            listener,
+            router(Arc::clone(&app), tokens, hosts),
+            conn,
+            conn_stats,
+            stop_claims,
+        )
+        .await;
         owner.stop_claiming();
         let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;
         if let Err(e) = stopped {
             eprintln!("shardq serve: releasing the shards failed: {e}");
         }
-        served.map_err(|e| ServerError::Io {
-            context: format!(
-                "serving on {}",
-                addr.map(|a| a.to_string()).unwrap_or_default()
-            ),
-            source: e,
-        })
+        Ok(())
     }
 }
 

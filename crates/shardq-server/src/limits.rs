@@ -31,6 +31,10 @@ pub const WORKER_NAME_BYTES_MAX: usize = 256;
 /// Interval between claim attempts while a claim long-polls, in ms (an
 /// enqueue through this server wakes the pollers sooner).
 pub const CLAIM_POLL_MS: u64 = 10;
+/// Longest interval between the claim attempts of a long poll that found
+/// nothing, in ms: the interval doubles from [`CLAIM_POLL_MS`] up to this,
+/// so work enqueued through another process is seen within about this.
+pub const CLAIM_POLL_MAX_MS: u64 = 100;
 /// Default and largest `limit` of `GET /v1/dead`.
 pub const DEAD_LIST_DEFAULT: usize = 100;
 /// Largest `limit` of `GET /v1/dead`.
@@ -41,6 +45,14 @@ pub const REQUEST_TIMEOUT_MS: u64 = WAIT_MS_MAX + 60_000;
 /// Longest a failure reason accepted in `POST /v1/fail`, in bytes (the
 /// backend keeps at most its own 1 KiB of it).
 pub const FAIL_REASON_BYTES_MAX: usize = 64 << 10;
+
+/// Default longest time a request body may take to arrive (30 s): a
+/// client that trickles its body holds a request slot no longer than this.
+pub const BODY_READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
+/// Default most runs held by all the workers of one token (or of every
+/// worker, without tokens): a client cannot pass the per-worker bound by
+/// inventing worker names.
+pub const CLAIMS_PER_TOKEN_MAX_DEFAULT: usize = 50_000;
 
 /// The limits one server applies.
 #[derive(Debug, Clone)]
@@ -53,6 +65,10 @@ pub struct Limits {
     pub concurrency_max: usize,
     /// Most runs held by one worker name.
     pub claims_per_worker_max: usize,
+    /// Most runs held by the workers of one token.
+    pub claims_per_token_max: usize,
+    /// Longest time a request body may take to arrive, in ms.
+    pub body_read_timeout_ms: u64,
     /// Largest payload, in bytes (the deployment's own limit).
     pub payload_bytes_max: usize,
 }
@@ -64,6 +80,8 @@ impl Default for Limits {
             jobs_per_request_max: JOBS_PER_REQUEST_MAX_DEFAULT,
             concurrency_max: CONCURRENCY_MAX_DEFAULT,
             claims_per_worker_max: CLAIMS_PER_WORKER_MAX_DEFAULT,
+            claims_per_token_max: CLAIMS_PER_TOKEN_MAX_DEFAULT,
+            body_read_timeout_ms: BODY_READ_TIMEOUT_MS_DEFAULT,
             payload_bytes_max: shardq_core::PAYLOAD_BYTES_MAX_DEFAULT,
         }
     }

@@ -378,7 +378,9 @@ fn hot(env: &Env, top: usize, json: bool) -> anyhow::Result<ExitCode> {
             for k in &list {
                 println!(
                     "  {:<32} {:>8} queued {:>3} in flight",
-                    k.key, k.depth, k.in_flight
+                    shardq_core::job::shown_key(&k.key),
+                    k.depth,
+                    k.in_flight
                 );
             }
         }

@@ -42,6 +42,27 @@ pub struct ServeArgs {
     /// Most runs one worker name may hold at once.
     #[arg(long, default_value_t = limits::CLAIMS_PER_WORKER_MAX_DEFAULT)]
     claims_per_worker_max: usize,
+    /// Most runs the workers of one token (all workers, without tokens) may
+    /// hold at once.
+    #[arg(long, default_value_t = limits::CLAIMS_PER_TOKEN_MAX_DEFAULT)]
+    claims_per_token_max: usize,
+    /// Longest time a request body may take to arrive, in ms (408 past it).
+    #[arg(long, default_value_t = limits::BODY_READ_TIMEOUT_MS_DEFAULT)]
+    body_read_timeout_ms: u64,
+    /// Most connections open at once (further ones are closed at once);
+    /// lowered to fit the open-files limit.
+    #[arg(long, default_value_t = shardq_server::conn::CONNECTIONS_MAX_DEFAULT)]
+    connections_max: usize,
+    /// Longest wait for a request header, and longest idle time of a
+    /// keep-alive connection, in ms.
+    #[arg(long, default_value_t = shardq_server::conn::HEADER_READ_TIMEOUT_MS)]
+    header_read_timeout_ms: u64,
+    /// Another host name this server answers to (the `Host` header), such
+    /// as the name a proxy forwards; repeatable. Requests naming any other
+    /// host are refused (421), so that a web page cannot reach the server
+    /// through DNS rebinding.
+    #[arg(long = "allowed-host", value_name = "HOST[:PORT]")]
+    allowed_hosts: Vec<String>,
     /// Shard lease, in ms.
     #[arg(long)]
     lease_ms: Option<u64>,
@@ -75,7 +96,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             jobs_per_request_max: args.jobs_per_request_max,
             concurrency_max: args.concurrency_max,
             claims_per_worker_max: args.claims_per_worker_max,
+            claims_per_token_max: args.claims_per_token_max,
+            body_read_timeout_ms: args.body_read_timeout_ms,
             ..shardq_server::Limits::default()
+        },
+        allowed_hosts: args.allowed_hosts,
+        conn: shardq_server::conn::ConnLimits {
+            connections_max: args.connections_max,
+            header_read_timeout_ms: args.header_read_timeout_ms,
         },
         dedup_window_ms: args.dedup_window_ms,
         worker,

@@ -344,6 +344,9 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
         .local_addr()
         .map_err(io("reading the listening address"))?;
     let tokens = opts.tokens.map(Arc::new);
+    let hosts = Arc::new(crate::edge::Hosts::new(addr, &opts.allowed_hosts));
+    let mut conn = opts.conn.clone();
+    conn.connections_max = crate::conn::connections_that_fit(conn.connections_max);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::Builder::new()
         .name("shardq-dashboard".into())
@@ -356,12 +359,17 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)
                     .map_err(io("registering the listening socket"))?;
-                axum::serve(listener, crate::router(app, tokens))
-                    .with_graceful_shutdown(async move {
+                crate::conn::serve(
+                    listener,
+                    crate::router(app, tokens, hosts),
+                    conn,
+                    Arc::new(crate::conn::ConnStats::default()),
+                    async move {
                         let _ = stop_rx.await;
-                    })
-                    .await
-                    .map_err(io(&format!("serving the dashboard on {addr}")))
+                    },
+                )
+                .await;
+                Ok(())
             })
         })
         .map_err(io("starting the dashboard thread"))?;

@@ -1,0 +1,158 @@
+//! The connection loop: accepts TCP connections, serves each with hyper's
+//! HTTP/1 server, and bounds what a client can hold without sending work:
+//!
+//! * a connection must send a whole request header within
+//!   [`HEADER_READ_TIMEOUT_MS`], and an idle keep-alive connection is
+//!   closed after the same time (hyper starts the timer again after each
+//!   response), so silent sockets and half headers do not stay open;
+//! * at most [`ConnLimits::connections_max`] connections are open at once;
+//!   one more is accepted and closed at once, so the listen queue keeps
+//!   moving and a flood never takes the file descriptors that the lease
+//!   machinery needs ([`FDS_RESERVED`] are kept free for it);
+//! * a failed `accept` (out of file descriptors) rests for
+//!   [`ACCEPT_RETRY_MS`] instead of spinning.
+//!
+//! Shutdown stops accepting, lets the requests in flight finish and closes
+//! idle connections. This module must never look at a request: routing,
+//! limits per request and auth are the router's.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+/// Longest wait for a request's whole header, and longest idle time of a
+/// keep-alive connection between requests (20 s).
+pub const HEADER_READ_TIMEOUT_MS: u64 = 20_000;
+/// Default most connections open at once.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
+/// File descriptors kept free of connections for the store, the leases,
+/// the logs and the map (each lease tick opens a lock file).
+pub const FDS_RESERVED: usize = 256;
+/// Rest after a failed `accept` (such as EMFILE), in ms.
+pub const ACCEPT_RETRY_MS: u64 = 50;
+
+/// The connection bounds of one server.
+#[derive(Debug, Clone)]
+pub struct ConnLimits {
+    /// Most connections open at once.
+    pub connections_max: usize,
+    /// See [`HEADER_READ_TIMEOUT_MS`].
+    pub header_read_timeout_ms: u64,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            connections_max: CONNECTIONS_MAX_DEFAULT,
+            header_read_timeout_ms: HEADER_READ_TIMEOUT_MS,
+        }
+    }
+}
+
+/// Raises the soft limit of open files to the hard one and returns how
+/// many connections fit under it with [`FDS_RESERVED`] kept free, at most
+/// `wanted`.
+pub fn connections_that_fit(wanted: usize) -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if let (Some(cur), Some(max)) = (lim.current, lim.maximum) {
+        if cur < max {
+            lim.current = Some(max);
+            // Best effort: on failure the current limit stands.
+            let _ = setrlimit(Resource::Nofile, lim);
+        }
+    }
+    let soft = getrlimit(Resource::Nofile)
+        .current
+        .map(|n| n as usize)
+        .unwrap_or(usize::MAX);
+    wanted.min(soft.saturating_sub(FDS_RESERVED)).max(1)
+}
+
+/// Counters of the loop, for tests and metrics.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    /// Connections open now.
+    pub open: AtomicUsize,
+    /// Connections closed at once because the server was full.
+    pub refused: AtomicUsize,
+}
+
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, then drains.
+pub async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    limits: ConnLimits,
+    stats: Arc<ConnStats>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let slots = Arc::new(Semaphore::new(limits.connections_max.max(1)));
+    // Set on shutdown: the loop and every connection task see it.
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    // Each connection task holds a receiver: closed once all are done.
+    let (done_tx, done_rx) = watch::channel(());
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let header_timeout = Duration::from_millis(limits.header_read_timeout_ms.max(1));
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stopped(&mut stop_rx) => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                // Out of descriptors (or a connection reset before accept):
+                // rest, the connections in flight finish and free some.
+                tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let mut stop = stop_rx.clone();
+        let done = done_rx.clone();
+        let stats = Arc::clone(&stats);
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .keep_alive(true);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let stopping = async move { stopped(&mut stop).await };
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = stopping => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.as_mut().await;
+                }
+            }
+            stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+            drop(done);
+        });
+    }
+    drop(listener);
+    drop(done_rx);
+    done_tx.closed().await;
+}

@@ -1,0 +1,427 @@
+//! The server tried as an attacker would: cross-site writes from a web
+//! page on the same host, foreign `Host` headers, silent and half-sent
+//! connections, slow bodies against the server-wide concurrency bound, and
+//! workers inventing names to pass the per-worker bound. Each test names
+//! the invariant it tries to break.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use shardq_server::Tokens;
+use support::*;
+
+/// Sends `request` as it is on a new connection and reads the answer until
+/// the server closes or `limit` passes: (status, head, body).
+fn raw(s: &shardq_server::Running, request: &str, limit: Duration) -> (u16, String, String) {
+    let mut c = TcpStream::connect(s.addr()).unwrap();
+    c.set_read_timeout(Some(limit)).unwrap();
+    c.write_all(request.as_bytes()).unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+/// A request with `Connection: close`, the given headers and body.
+fn request(
+    s: &shardq_server::Running,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &str,
+) -> String {
+    let mut r = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !headers
+        .iter()
+        .any(|h| h.to_ascii_lowercase().starts_with("host:"))
+    {
+        r.push_str(&format!("Host: {}\r\n", s.addr()));
+    }
+    for h in headers {
+        r.push_str(h);
+        r.push_str("\r\n");
+    }
+    r.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    r
+}
+
+/// One dead letter of key `k`: enqueued with one attempt, claimed, failed.
+fn make_dead(s: &shardq_server::Running, k: &str) {
+    enqueue(s, json!([{"key": k, "payload": "p", "max_attempts": 1}]));
+    let got = claim(s, "w", 1, 5000, 30_000);
+    assert_eq!(got.len(), 1);
+    let v = post_ok(
+        s,
+        "/v1/fail",
+        json!({"receipt": got[0]["receipt"], "reason": "boom"}),
+    );
+    assert_eq!(v["outcome"], "dead", "{v}");
+}
+
+fn dead_count(s: &shardq_server::Running) -> usize {
+    get_ok(s, "/v1/dead")["dead"].as_array().unwrap().len()
+}
+
+#[test]
+fn a_web_page_cannot_purge_dead_letters_through_a_loopback_server() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    wait_until("the shard is owned", Duration::from_secs(20), || {
+        owned_shards(&s) == 1
+    });
+    make_dead(&s, "victim");
+    assert_eq!(dead_count(&s), 1);
+    let t = Duration::from_secs(10);
+    // What a page can send without a preflight: text/plain, a form, or no
+    // type at all, with its own Origin; each is refused and purges nothing.
+    for headers in [
+        vec!["Content-Type: text/plain", "Origin: http://evil.example"],
+        vec!["Content-Type: application/x-www-form-urlencoded"],
+        vec!["Content-Type: text/plain"],
+        vec![],
+    ] {
+        let (code, _, body) = raw(&s, &request(&s, "POST", "/v1/dead/purge", &headers, ""), t);
+        assert!(code == 415 || code == 403, "{headers:?} -> {code} {body}");
+        assert_eq!(dead_count(&s), 1, "{headers:?} purged");
+    }
+    // A JSON body from a foreign origin, or marked cross-site by the
+    // browser, is refused too.
+    for headers in [
+        vec![
+            "Content-Type: application/json",
+            "Origin: http://evil.example",
+        ],
+        vec!["Content-Type: application/json", "Origin: null"],
+        vec![
+            "Content-Type: application/json",
+            "Sec-Fetch-Site: cross-site",
+        ],
+        vec![
+            "Content-Type: application/json",
+            "Sec-Fetch-Site: same-site",
+        ],
+    ] {
+        let (code, _, body) = raw(
+            &s,
+            &request(&s, "POST", "/v1/dead/purge", &headers, r#"{"all":true}"#),
+            t,
+        );
+        assert_eq!(code, 403, "{headers:?} -> {body}");
+        assert!(body.contains("cross-"), "{body}");
+    }
+    // A foreign Host (DNS rebinding) is refused even for reads.
+    let (code, _, body) = raw(
+        &s,
+        &request(&s, "GET", "/v1/dead", &["Host: evil.example:80"], ""),
+        t,
+    );
+    assert_eq!(code, 421, "{body}");
+    assert!(
+        body.contains("evil.example") && body.contains("--allowed-host"),
+        "{body}"
+    );
+    // "All" is never implied: an empty body or {} purges nothing.
+    let (code, v) = post(&s, "/v1/dead/purge", json!({}));
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("\"all\": true"),
+        "{v}"
+    );
+    let (code, _, _) = raw(
+        &s,
+        &request(
+            &s,
+            "POST",
+            "/v1/dead/purge",
+            &["Content-Type: application/json"],
+            "",
+        ),
+        t,
+    );
+    assert_eq!(code, 400);
+    assert_eq!(dead_count(&s), 1);
+    // The server's own page (same origin) and a client outside a browser
+    // may, when they say so.
+    let own = format!("Origin: http://{}", s.addr());
+    let (code, _, body) = raw(
+        &s,
+        &request(
+            &s,
+            "POST",
+            "/v1/dead/purge",
+            &[
+                "Content-Type: application/json",
+                &own,
+                "Sec-Fetch-Site: same-origin",
+            ],
+            r#"{"all":true}"#,
+        ),
+        t,
+    );
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(dead_count(&s), 0);
+}
+
+#[test]
+fn every_answer_carries_the_browser_protections() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    for path in ["/", "/dashboard/app.js", "/v1/status", "/no/such/path"] {
+        let (code, head, _) = raw(
+            &s,
+            &request(&s, "GET", path, &[], ""),
+            Duration::from_secs(10),
+        );
+        assert!(code == 200 || code == 404, "{path}: {code}");
+        let head = head.to_ascii_lowercase();
+        for h in [
+            "x-content-type-options: nosniff",
+            "x-frame-options: deny",
+            "frame-ancestors 'none'",
+            "content-security-policy: default-src 'none'; script-src 'self'",
+        ] {
+            assert!(head.contains(h), "{path} lacks {h}:\n{head}");
+        }
+    }
+}
+
+#[test]
+fn silent_and_half_sent_connections_are_closed() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.conn.header_read_timeout_ms = 300;
+    o.conn.connections_max = 64;
+    let s = start(dir.path(), o);
+    let mut silent: Vec<TcpStream> = (0..64)
+        .map(|_| TcpStream::connect(s.addr()).unwrap())
+        .collect();
+    let mut half = TcpStream::connect(s.addr()).unwrap();
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        .unwrap();
+    // A keep-alive connection that made one request and then went quiet.
+    let mut kept = TcpStream::connect(s.addr()).unwrap();
+    kept.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", s.addr()).as_bytes())
+        .unwrap();
+    silent.push(half);
+    let t = Instant::now();
+    for (i, c) in silent
+        .iter_mut()
+        .chain(std::iter::once(&mut kept))
+        .enumerate()
+    {
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = Vec::new();
+        // The server closes it (a FIN, or a reset): read_to_end ends. A
+        // read timeout would mean the connection was left open.
+        match c.read_to_end(&mut buf) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("connection {i} was still open after 10 s: {e}"),
+        }
+    }
+    assert!(t.elapsed() < Duration::from_secs(10));
+    // With the idle ones gone, a new client is served.
+    assert_eq!(get(&s, "/healthz").0, 200);
+}
+
+#[test]
+fn connections_past_the_limit_are_closed_at_once_and_the_server_keeps_serving() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.conn.connections_max = 16;
+    o.conn.header_read_timeout_ms = 1_000;
+    o.worker.lease_ms = 1_000;
+    let s = start(dir.path(), o);
+    wait_until("the shard is owned", Duration::from_secs(20), || {
+        owned_shards(&s) == 1
+    });
+    let held: Vec<TcpStream> = (0..16)
+        .map(|_| TcpStream::connect(s.addr()).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // One more is accepted and closed at once rather than left waiting.
+    let mut extra = TcpStream::connect(s.addr()).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_millis(900)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(
+        extra.read(&mut b).expect("closed, not left hanging"),
+        0,
+        "closed at once"
+    );
+    // Once the silent ones time out the server serves again, and its lease
+    // (1 s) was renewed throughout.
+    drop(held);
+    wait_until("a request is served", Duration::from_secs(10), || {
+        ureq::get(&format!("{}/healthz", s.url())).call().is_ok()
+    });
+    assert_eq!(owned_shards(&s), 1, "the lease survived the flood");
+}
+
+#[test]
+fn slow_bodies_hold_at_most_the_servers_concurrency_and_time_out() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.limits.concurrency_max = 2;
+    o.limits.body_read_timeout_ms = 700;
+    let s = start(dir.path(), o);
+    // Two slow bodies on two different routes: each route alone would have
+    // had room for both under a per-route bound.
+    let t0 = Instant::now();
+    let slow: Vec<_> = ["/v1/jobs", "/v1/ack"]
+        .into_iter()
+        .map(|path| {
+            let mut c = TcpStream::connect(s.addr()).unwrap();
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{{\"jobs\"",
+                s.addr()
+            );
+            c.write_all(head.as_bytes()).unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let (code, _) = get(&s, "/v1/status");
+    let waited = t0.elapsed();
+    assert_eq!(code, 200);
+    assert!(
+        waited >= Duration::from_millis(600),
+        "a third request was served after {waited:?}, while two slow bodies held the server's 2 slots"
+    );
+    for mut c in slow {
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut text = String::new();
+        let _ = c.read_to_string(&mut text);
+        assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+        assert!(text.contains("did not arrive within 700 ms"), "{text}");
+    }
+}
+
+#[test]
+fn a_huge_list_is_refused_while_it_is_parsed() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.limits.body_bytes_max = 8 << 20;
+    let s = start(dir.path(), o);
+    let one = r#"{"key":"k","payload":""},"#;
+    let n = (8 << 20) / one.len() - 10;
+    let mut body = String::from(r#"{"jobs":["#);
+    for _ in 0..n {
+        body.push_str(one);
+    }
+    body.pop();
+    body.push_str("]}");
+    let (code, v) = call(&s, "POST", "/v1/jobs", Some(&body), None);
+    assert_eq!(code, 400, "{v}");
+    let e = v["error"].as_str().unwrap();
+    assert!(
+        e.contains("jobs") && e.contains("more than 10000 items"),
+        "{e}"
+    );
+    // Receipts and ids are bounded the same way.
+    let receipts: Vec<String> = (0..1001).map(|i| format!("s0:{i}:1")).collect();
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": receipts }));
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("more than 1000"),
+        "{v}"
+    );
+    assert_eq!(totals(&s)["ready"], 0, "nothing was stored");
+}
+
+#[test]
+fn control_characters_in_keys_are_refused() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    for key in ["a\u{0}b", "fake\nline", "tab\tkey", "\u{1b}[2Jwiped"] {
+        let (code, v) = post(
+            &s,
+            "/v1/jobs",
+            json!({"jobs": [{"key": key, "payload": "p"}]}),
+        );
+        assert_eq!(code, 400, "{key:?}: {v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(
+            e.contains("jobs[0].key") && e.contains("control character"),
+            "{e}"
+        );
+        assert!(!e.contains('\u{1b}') && !e.contains('\n'), "{e:?}");
+    }
+    assert_eq!(totals(&s)["ready"], 0);
+}
+
+const TOKEN_A: &str = "aaaaaaaaaaaaaaaaaaaa";
+const TOKEN_B: &str = "bbbbbbbbbbbbbbbbbbbb";
+
+#[test]
+fn invented_worker_names_do_not_pass_the_tokens_bound() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.tokens =
+        Some(Tokens::parse(&format!("{TOKEN_A} produce,work\n{TOKEN_B} work\n"), "test").unwrap());
+    o.limits.claims_per_token_max = 3;
+    let s = start(dir.path(), o);
+    let jobs: Vec<Value> = (0..10)
+        .map(|i| json!({"key": format!("k{i}"), "payload": "p"}))
+        .collect();
+    let (code, v) = call(
+        &s,
+        "POST",
+        "/v1/jobs",
+        Some(&json!({ "jobs": jobs }).to_string()),
+        Some(TOKEN_A),
+    );
+    assert_eq!(code, 200, "{v}");
+    wait_until("the shard is owned", Duration::from_secs(20), || {
+        owned_shards(&s) == 1
+    });
+    let claim_as = |token: &str, worker: &str| {
+        call(
+            &s,
+            "POST",
+            "/v1/claim",
+            Some(
+                &json!({"worker": worker, "max": 1, "wait_ms": 2000, "lease_ms": 30000})
+                    .to_string(),
+            ),
+            // The scheme in lower case is accepted.
+            Some(token),
+        )
+    };
+    for i in 0..3 {
+        let (code, v) = claim_as(TOKEN_A, &format!("invented-{i}"));
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["jobs"].as_array().unwrap().len(), 1);
+    }
+    let (code, v) = claim_as(TOKEN_A, "invented-3");
+    assert_eq!(code, 429, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("limit per token is 3"),
+        "{v}"
+    );
+    // Another token has a bound of its own.
+    let (code, v) = claim_as(TOKEN_B, "other");
+    assert_eq!(code, 200, "{v}");
+    // `bearer` in lower case is the same scheme.
+    let r = ureq::get(&format!("{}/v1/status", s.url()))
+        .set("Authorization", &format!("bearer {TOKEN_A}"))
+        .call();
+    assert!(
+        matches!(r, Err(ureq::Error::Status(403, _))),
+        "lower-case scheme is read (403: the token lacks `read`), not 401"
+    );
+}
