@@ -135,6 +135,14 @@ export const CLAIM_MAX = 1000;
 export const RECEIPTS_MAX = 1000;
 /** Longest long poll the server accepts (its `WAIT_MS_MAX`). */
 export const WAIT_MS_MAX = 30_000;
+/**
+ * A claim still unanswered this long after it was sent is waiting in its
+ * long poll (a claim that finds jobs is answered within milliseconds): a
+ * stop cancels it then, and lets a younger one be answered, since cancelling
+ * a claim the server is answering leaves its jobs leased to nobody until
+ * their leases pass.
+ */
+const CLAIM_ANSWER_MS = 100;
 /** Timeout of the last acks sent when a stop leaves jobs behind. */
 const LAST_ACKS_TIMEOUT_MS = 2_000;
 
@@ -195,8 +203,10 @@ class Run {
   readonly acking = new Set<string>();
   /** Reports (ack and fail requests) under way. */
   readonly reports = new Set<Promise<void>>();
-  /** Aborted at the stop: cancels the long polls and backoff sleeps. */
+  /** Aborted at the stop: ends the backoff sleeps of the pollers. */
   readonly claims = new AbortController();
+  /** The claims under way: when each was sent, and how to cancel it. */
+  readonly polls = new Set<{ sent: number; cancel: AbortController }>();
   /** Aborted when jobs are left behind: cuts the reports off. */
   readonly cutoff = new AbortController();
   draining = false;
@@ -371,12 +381,14 @@ export class Worker {
         const want = Math.min(CLAIM_MAX, Math.max(1, Math.min(share, capacity - run.held.size - run.reserved)));
         run.reserved += want;
         let jobs: ClaimedJob[];
+        const pending = { sent: performance.now(), cancel: new AbortController() };
+        run.polls.add(pending);
         try {
           const reply = await transport.post(
             "/v1/claim",
             { worker: this.name, max: want, wait_ms: waitMs, lease_ms: leaseMs },
-            { serverWaitMs: waitMs, signal: run.claims.signal },
-          );
+            { serverWaitMs: waitMs, signal: pending.cancel.signal },
+          ).finally(() => run.polls.delete(pending));
           const raw = (reply as { jobs?: unknown } | null)?.jobs;
           if (!Array.isArray(raw)) {
             throw new ShardqError(`POST ${server}/v1/claim: expected {"jobs": [...]}, got ${JSON.stringify(reply).slice(0, 200)}`, 200, server);
@@ -457,6 +469,13 @@ export class Worker {
     if (run.draining) return;
     run.draining = true;
     run.claims.abort();
+    // Cancel the long polls: at once those waiting, the others once they are.
+    const now = performance.now();
+    for (const p of run.polls) {
+      const age = now - p.sent;
+      if (age >= CLAIM_ANSWER_MS) p.cancel.abort();
+      else setTimeout(() => p.cancel.abort(), CLAIM_ANSWER_MS - age).unref();
+    }
     run.notify();
   }
 

@@ -1,6 +1,6 @@
 // A worker process for the signal and end-to-end tests: `Worker.run` over
 // $URLS (comma-separated) with the real signal handling. The handler
-// writes `start KEY SEQ ATTEMPT` and `done KEY SEQ ATTEMPT` lines to
+// writes `start KEY SEQ ATTEMPT` and `done KEY SEQ ATTEMPT WALL_MS` lines to
 // stdout (the payload is JSON `{"seq": N}`), fails the first attempt of the
 // jobs whose payload has `"fail": true`, and with $HOLD_MS waits that long
 // (or until its signal aborts). At the end it writes `stats JSON`.
@@ -29,7 +29,7 @@ const stats = await worker.run(
       if (signal.aborted) throw new Error("cancelled");
     }
     if (doc.fail === true && job.attempt === 1) throw new RetryLater("planted failure", 10);
-    out(`done ${job.key} ${doc.seq} ${job.attempt}`);
+    out(`done ${job.key} ${doc.seq} ${job.attempt} ${(performance.timeOrigin + performance.now()).toFixed(3)}`);
   },
   {
     concurrency: Number(env("CONCURRENCY", "4")),
