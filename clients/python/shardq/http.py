@@ -193,8 +193,15 @@ class _Transport:
             c = self.conn(timeout)
             reused = c.sock is not None
             try:
-                c.request("POST", self.prefix + path, body=data, headers=self.headers)
-                resp = c.getresponse()
+                try:
+                    c.request("POST", self.prefix + path, body=data, headers=self.headers)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The server may have answered before taking the whole
+                    # body (a 413 for a body over its limit) and closed:
+                    # its answer, if there is one, says why.
+                    resp = c.getresponse()
+                else:
+                    resp = c.getresponse()
                 raw = resp.read()
                 break
             except _STALE_ERRORS:

@@ -179,9 +179,10 @@ def read_lines(path: str) -> List[str]:
 
 # ---------------------------------------------------------------- shardq serve
 
-def http_get(url: str, timeout: float = 2.0) -> Tuple[int, Any]:
+def http_get(url: str, timeout: float = 2.0, token: Optional[str] = None) -> Tuple[int, Any]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, None
@@ -227,14 +228,14 @@ class Serve:
         assert self.proc is not None
         return stop_process(self.proc, "shardq serve", sig, WAIT_S)
 
-    def status(self) -> Dict[str, Any]:
-        code, doc = http_get(self.url + "/v1/status")
+    def status(self, token: Optional[str] = None) -> Dict[str, Any]:
+        code, doc = http_get(self.url + "/v1/status", token=token)
         assert code == 200, (code, doc)
         assert doc["failed"] == [], doc
         return doc
 
-    def totals(self) -> Dict[str, int]:
-        return self.status()["totals"]
+    def totals(self, token: Optional[str] = None) -> Dict[str, int]:
+        return self.status(token)["totals"]
 
     def log(self) -> str:
         try:
@@ -282,3 +283,25 @@ def check_two_server_round_trip(a: Any, b: Any, overlaps: List[str], seen: Dict[
     for key, seqs in seen.items():
         assert seqs == list(range(per_key)), f"{key}: {seqs}"
     assert (len(a.acked), len(b.acked)) == (keys * per_key, keys * per_key)
+
+
+def totals_of(url: str, token: Optional[str] = None) -> Dict[str, int]:
+    """``GET /v1/status`` totals of the server at ``url``."""
+    code, doc = http_get(url + "/v1/status", token=token)
+    assert code == 200, (code, doc)
+    return doc["totals"]
+
+
+def all_done(url: str, token: Optional[str] = None) -> bool:
+    """Nothing ready, delayed or in flight at ``url`` (dead letters aside)."""
+    t = totals_of(url, token)
+    return t["ready"] == 0 and t["delayed"] == 0 and t["in_flight"] == 0
+
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+def write_tokens(path: str, token: str = TOKEN, roles: str = "produce,work,read,admin") -> str:
+    with open(path, "w") as f:
+        f.write(f"{token} {roles}\n")
+    return path

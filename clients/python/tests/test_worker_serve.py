@@ -1,0 +1,342 @@
+"""The workers and the client against real ``shardq serve`` processes:
+every URL polled when only one server has work, a refused token, an
+``async def`` handler given to the threaded worker, stops (Ctrl-C on an
+idle worker, a second signal, the drain timeout, ``job.lost``), batches
+split by bytes, and the request timeout's derivation from the server's
+longest wait."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+
+from shardq import AsyncClient, AsyncWorker, ClaimedJob, Client, ConfigError, NewJob, Unauthorized, Worker
+from shardq import http as h
+
+from support import REPO_ROOT, WAIT_S, all_done, read_lines, stop_process, totals_of, wait_until, write_tokens
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ["thread", "aio"]
+
+
+class Running:
+    """A :class:`Worker` (``thread``) or :class:`AsyncWorker` (``aio``, on
+    its own event loop) running ``on_job`` in a thread of this process."""
+
+    def __init__(self, kind: str, urls: List[str], on_job: Callable[[ClaimedJob], Any],
+                 token: Optional[str] = None, **kw: Any) -> None:
+        self.kind = kind
+        self.error: Optional[BaseException] = None
+        self.stats: Any = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.w: Any
+        if kind == "thread":
+            self.w = Worker(urls, token=token)
+            target: Callable[[], Any] = lambda: self.w.run(on_job, install_signal_handlers=False, **kw)
+        else:
+            self.w = AsyncWorker(urls, token=token)
+            kw.pop("prefetch", None)
+
+            async def handler(job: ClaimedJob) -> None:
+                r = on_job(job)
+                if asyncio.iscoroutine(r):
+                    await r
+
+            async def main() -> Any:
+                self.loop = asyncio.get_running_loop()
+                return await self.w.run(handler, install_signal_handlers=False, **kw)
+
+            target = lambda: asyncio.run(main())
+        self.t = threading.Thread(target=self._run, args=(target,), daemon=True)
+        self.t.start()
+
+    def _run(self, target: Callable[[], Any]) -> None:
+        try:
+            self.stats = target()
+        except BaseException as e:  # checked by the test
+            self.error = e
+
+    def stop(self, drain: bool = True) -> None:
+        if self.kind == "thread":
+            self.w.stop(drain)
+        else:
+            wait_until("the event loop", lambda: self.loop is not None or not self.t.is_alive())
+            if self.loop is not None and self.t.is_alive():
+                self.loop.call_soon_threadsafe(self.w.stop, drain)
+
+    def join(self) -> None:
+        self.t.join(WAIT_S)
+        assert not self.t.is_alive(), f"{self.kind} worker did not return"
+
+
+# --------------------------------------------------------------- 1. every URL polled
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_every_url_is_polled_when_only_the_second_server_has_work(make_serve, kind, concurrency):
+    a = make_serve("a", 2)
+    b = make_serve("b", 2)
+    ran: List[str] = []
+    r = Running(kind, [a.url, b.url], lambda job: ran.append(job.url), concurrency=concurrency,
+                lease_ms=5000, wait_ms=500, prefetch=0 if concurrency == 1 else None)
+    try:
+        # A quiet queue first: several long polls come back empty.
+        wait_until("idle claims", lambda: r.w.stats.claim_requests >= 6, timeout_s=15)
+        Client([b.url]).enqueue_many([NewJob(f"t-{i}", "x") for i in range(12)])
+        wait_until("the second server's jobs to run", lambda: len(ran) == 12 and all_done(b.url), timeout_s=15)
+    finally:
+        r.stop()
+        r.join()
+    assert r.error is None, r.error
+    assert set(ran) == {b.url}
+
+
+# --------------------------------------------------------------- 2. async handler, threaded worker
+
+def test_an_async_handler_given_to_the_threaded_worker_is_refused_and_never_acked(serve):
+    Client([serve.url]).enqueue("k", "x")
+
+    async def handle(job: ClaimedJob) -> None:
+        pass
+
+    class Handler:
+        async def __call__(self, job: ClaimedJob) -> None:
+            pass
+
+    for bad in (handle, Handler()):
+        with pytest.raises(ConfigError, match="AsyncWorker"):
+            Worker([serve.url]).run(bad, install_signal_handlers=False)  # type: ignore[arg-type]
+    assert serve.totals()["ready"] == 1, "nothing may be claimed"
+
+    # A plain callable returning a coroutine: seen only when it returns.
+    # The coroutine never ran: the job is not acked and the worker stops.
+    ran: List[str] = []
+
+    async def body(job: ClaimedJob) -> None:
+        ran.append(job.key)
+
+    with pytest.raises(ConfigError, match="AsyncWorker"):
+        Worker([serve.url]).run(lambda job: body(job), install_signal_handlers=False, wait_ms=200)
+    t = serve.totals()
+    assert ran == [] and t["ready"] + t["delayed"] + t["in_flight"] == 1, t
+
+
+# --------------------------------------------------------------- 3. refused token
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refused_token_stops_the_worker_with_the_error(make_serve, tmp_path, kind, caplog):
+    tokens = write_tokens(str(tmp_path / "tokens.txt"))
+    s = make_serve("q", 2, args=["--tokens", tokens])
+    with caplog.at_level(logging.WARNING, logger="shardq"):
+        r = Running(kind, [s.url], lambda job: None, token="not-the-token-0123456789", wait_ms=200)
+        wait_until("the worker to stop", lambda: not r.t.is_alive(), timeout_s=10)
+    assert isinstance(r.error, Unauthorized) and r.error.status in (401, 403), r.error
+    refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
+    assert len(refusals) == 1, [rec.getMessage() for rec in refusals]
+
+
+# --------------------------------------------------------------- 5. batches split by bytes
+
+def test_twenty_one_mib_jobs_go_in_requests_under_the_body_limit(make_serve):
+    payload = "x" * 1_000_000
+    s = make_serve("q", 2)
+    got = Client([s.url]).enqueue_many([NewJob(f"big-{i}", payload) for i in range(20)])
+    assert len({g.id for g in got}) == 20 and not any(g.duplicate for g in got)
+    assert s.totals()["ready"] == 20
+    # A server with a lower body limit answers 413: the batch is halved
+    # until every request fits.
+    small = make_serve("small", 2, args=["--body-bytes-max", "2500000"])
+    got = Client([small.url]).enqueue_many([NewJob(f"big-{i}", payload) for i in range(7)])
+    assert len({g.id for g in got}) == 7 and small.totals()["ready"] == 7
+
+
+def test_batches_are_cut_by_count_and_bytes():
+    jobs = h._job_bodies([NewJob(f"k{i}", "p" * 100) for i in range(10)])
+    one = len(jobs[0].data)
+    cut = list(h._batches(jobs, 4, 3 * one + 2 + len(h._BATCH_HEAD) + len(h._BATCH_TAIL)))
+    assert [len(b) for b in cut] == [3, 3, 3, 1]
+    assert all(len(h._batch_body(b)) <= 3 * one + 2 + 11 for b in cut)
+    assert [len(b) for b in h._batches(jobs, 4, 1 << 20)] == [4, 4, 2]
+    assert json.loads(h._batch_body(cut[0]))["jobs"][0]["key"] == "k0"
+
+
+# --------------------------------------------------------------- 9. stops
+
+def start_proc(tmp_path: Any, kind: str, url: str, mode: str, drain: Optional[float] = None) -> Any:
+    out, err = tmp_path / f"{kind}-{mode}.out", tmp_path / f"{kind}-{mode}.err"
+    args = [sys.executable, os.path.join(HERE, "stop_worker_proc.py"), kind, url, mode]
+    if drain is not None:
+        args.append(str(drain))
+    with open(out, "wb") as o, open(err, "wb") as e:
+        p = subprocess.Popen(args, stdout=o, stderr=e, env={**os.environ, "SHARDQ_TEST_LOG": "info"})
+    return p, str(out), str(err)
+
+
+def stats_of(out: str) -> Dict[str, int]:
+    lines = [l for l in read_lines(out) if l.startswith("stats ")]
+    assert lines, read_lines(out)
+    return json.loads(lines[-1][len("stats "):])
+
+
+def signal_and_time(p: Any, sig: int) -> Any:
+    """Sends ``sig``; (exit status, seconds until the exit)."""
+    t0 = time.monotonic()
+    p.send_signal(sig)
+    rc = p.wait(WAIT_S)
+    return rc, time.monotonic() - t0
+
+
+def one_job_started(serve: Any, tmp_path: Any, kind: str, mode: str) -> Any:
+    """Enqueues ``k-1`` and starts a worker process that has run (quick)
+    or started (block) it: (process, stdout file, stderr file)."""
+    Client([serve.url]).enqueue("k-1", "x")
+    p, out, err = start_proc(tmp_path, kind, serve.url, mode)
+    line = "ran k-1" if mode == "quick" else "started k-1"
+    try:
+        wait_until(f"the worker's {line!r}", lambda: line in read_lines(out), timeout_s=WAIT_S)
+    except BaseException:
+        stop_process(p, "worker", signal.SIGKILL)
+        raise
+    return p, out, err
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ctrl_c_on_an_idle_worker_returns_at_once(serve, tmp_path, kind):
+    p, out, _ = one_job_started(serve, tmp_path, kind, "quick")
+    try:
+        # Acked: the worker is back in a long poll (5 s by default), idle.
+        wait_until("the ack", lambda: all_done(serve.url), timeout_s=WAIT_S)
+        rc, took = signal_and_time(p, signal.SIGINT)
+    finally:
+        stop_process(p, "worker", signal.SIGKILL)
+    assert rc == 0 and took < 1.0, (rc, took)
+    assert stats_of(out)["acked"] == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_second_signal_stops_without_draining(serve, tmp_path, kind):
+    p, out, err = one_job_started(serve, tmp_path, kind, "block")
+    try:
+        p.send_signal(signal.SIGTERM)
+        wait_until("the first signal to be taken", lambda: any("a second one" in l for l in read_lines(err)))
+        assert p.poll() is None, "the first signal drains: the handler still runs"
+        rc, took = signal_and_time(p, signal.SIGTERM)
+    finally:
+        stop_process(p, "worker", signal.SIGKILL)
+    assert rc == 0 and took < 3.0, (rc, took)
+    stats = stats_of(out)
+    assert (stats["acked"], stats["failed"], stats["abandoned"]) == (0, 0, 1), stats
+    if kind == "aio":
+        assert "cancelled k-1 lost=True" in read_lines(out)
+    t = serve.totals()
+    assert t["in_flight"] + t["ready"] == 1, "an abandoned job is neither acked nor failed"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_drain_timeout_abandons_a_running_handler_and_sets_job_lost(serve, kind):
+    Client([serve.url]).enqueue("k-1", "x")
+    started, saw_lost = threading.Event(), threading.Event()
+
+    def thread_handler(job: ClaimedJob) -> None:
+        started.set()
+        if job.lost.wait(WAIT_S):
+            saw_lost.set()
+
+    async def aio_handler(job: ClaimedJob) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(WAIT_S)
+        except asyncio.CancelledError:
+            if job.lost.is_set():
+                saw_lost.set()
+            raise
+
+    r = Running(kind, [serve.url], thread_handler if kind == "thread" else aio_handler,
+                concurrency=1, lease_ms=2000, wait_ms=200, drain_timeout_s=0.3)
+    assert started.wait(WAIT_S)
+    t0 = time.monotonic()
+    r.stop()
+    r.join()
+    took = time.monotonic() - t0
+    assert r.error is None, r.error
+    assert saw_lost.wait(5), "the handler was not told its run was lost"
+    assert took < 3.0 and r.stats.abandoned == 1 and r.stats.acked == 0, (took, r.stats)
+
+
+# --------------------------------------------------------------- timeouts and dedup ids
+
+def _rust_const(path: str, name: str) -> str:
+    with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+        m = re.search(rf"pub const {name}: \w+ = ([^;]+);", f.read())
+    assert m, f"{name} not found in {path}"
+    return m.group(1).replace("_", "")
+
+
+def test_the_request_timeout_covers_the_longest_wait_of_the_server():
+    limits = "crates/shardq-server/src/limits.rs"
+    wait_max = int(_rust_const(limits, "WAIT_MS_MAX"))
+    expr = _rust_const(limits, "REQUEST_TIMEOUT_MS")
+    server_ms = eval(expr, {"WAITMSMAX": wait_max, "WAIT_MS_MAX": wait_max})  # e.g. "WAIT_MS_MAX + 60000"
+    pause_ms = int(_rust_const("crates/shardq-core/src/producer.rs", "PAUSE_WAIT_MS_DEFAULT"))
+    assert h.SERVER_WAIT_MAX_S * 1000 == server_ms >= pause_ms and server_ms >= wait_max
+    assert h.REQUEST_TIMEOUT_S >= h.SERVER_WAIT_MAX_S + 1
+    assert h.DEDUP_PENDING_S * 1000 == int(_rust_const("crates/shardq-server/src/dedup.rs", "PENDING_MS"))
+    for make in (lambda: Client("http://127.0.0.1:1", timeout_s=10), lambda: Worker("http://127.0.0.1:1", timeout_s=10),
+                 lambda: AsyncClient("http://127.0.0.1:1", timeout_s=10)):
+        with pytest.raises(ConfigError, match="at least 90 s"):
+            make()
+
+
+def test_a_timed_out_enqueue_is_sent_again_with_the_same_ids_and_reported_stored(fakes):
+    f = fakes("a")
+    first = threading.Event()
+
+    def slow_first(path: str, doc: Any) -> Any:
+        # Stored, but the reply comes after the client stopped waiting.
+        if path == "/v1/jobs" and not first.is_set():
+            first.set()
+            reply = f.enqueue(doc["jobs"])
+            time.sleep(1.0)
+            return reply
+        return None
+
+    f.intercept = slow_first
+    c = Client([f.url, f.url], retry_rounds=3)
+    c.timeout_s = 0.3  # as if the server took longer than the client's timeout
+    jobs = [NewJob("k", "1"), NewJob("k", "2", dedup_id="order-2")]
+    got = c.enqueue_many(jobs)
+    bodies = [b for p, b in f.requests if p == "/v1/jobs"]
+    assert len(bodies) == 2 and bodies[0] == bodies[1], "the retry must send the same dedup ids"
+    assert len(f.jobs) == 2, "stored once"
+    # The generated id found this call's own job: stored, not a duplicate.
+    # A given id is the caller's: the server's word stands.
+    assert [g.duplicate for g in got] == [False, True]
+    assert jobs[0].dedup_id == bodies[0]["jobs"][0]["dedup_id"], "the generated id is kept on the job"
+    again = c.enqueue_many(jobs)
+    assert all(g.duplicate for g in again) and [g.id for g in again] == [g.id for g in got]
+    assert len(f.jobs) == 2
+
+
+def test_an_enqueue_answered_busy_is_retried_past_the_rounds_until_stored(fakes):
+    f = fakes("a")
+    until = time.monotonic() + 1.5
+
+    def busy(path: str, doc: Any) -> Any:
+        if path == "/v1/jobs" and time.monotonic() < until:
+            return 409, {"error": "jobs[0].dedup_id: x is being enqueued by another request right now; retry shortly"}
+        return None
+
+    f.intercept = busy
+    got = Client([f.url], retry_rounds=2).enqueue("k", "x")
+    assert not got.duplicate and len(f.jobs) == 1 and f.count("/v1/jobs") >= 3
