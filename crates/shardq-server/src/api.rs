@@ -27,7 +27,7 @@ use shardq_route::Router as MapRouter;
 
 use crate::auth::{Principal, ANONYMOUS};
 use crate::body::{BoundedVec, JsonBody, PathParam, QueryParams};
-use crate::dedup::{Begin, DedupRecord};
+use crate::dedup::{Begin, DedupRecord, Scoped};
 use crate::error::{join_error, ApiError};
 use crate::ids::{job_string, parse_job, parse_receipt, receipt_string};
 use crate::limits::*;
@@ -186,13 +186,13 @@ pub async fn enqueue(
     }
     let mut jobs = Vec::with_capacity(n);
     let mut dedup: Vec<Option<String>> = Vec::with_capacity(n);
-    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, j) in jobs_in.into_iter().enumerate() {
         let (job, d) = to_new_job(i, j, app.limits.payload_bytes_max)?;
         if let Some(id) = &d {
-            if let Some(first) = seen.insert(id.clone(), i) {
+            if let Some(first) = seen.insert((job.key.clone(), id.clone()), i) {
                 return Err(ApiError::bad(format!(
-                    "jobs[{i}].dedup_id: {} already used by jobs[{first}] of this request",
+                    "jobs[{i}].dedup_id: {} already used by jobs[{first}] of this request, for the same key",
                     shown(id)
                 )));
             }
@@ -214,28 +214,42 @@ impl App {
     ) -> Result<Vec<Enqueued>, ApiError> {
         let now = self.clock.now_ms();
         let mut results: Vec<Option<Enqueued>> = (0..jobs.len()).map(|_| None).collect();
-        let mut reserved: Vec<String> = Vec::new();
-        let abort = |reserved: &[String]| self.dedup.abort(reserved);
-        let with_id: Vec<(usize, &str)> = dedup
+        // (index, key, dedup id) of the jobs that carry one: a dedup id
+        // belongs to its key.
+        let with_id: Vec<(usize, String, String)> = dedup
             .iter()
             .enumerate()
-            .filter_map(|(i, d)| d.as_deref().map(|id| (i, id)))
+            .filter_map(|(i, d)| d.as_ref().map(|id| (i, jobs[i].key.clone(), id.clone())))
             .collect();
-        let ids: Vec<&str> = with_id.iter().map(|(_, id)| *id).collect();
+        let scoped = |list: &[&(usize, String, String)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(_, k, id)| (k.clone(), id.clone()))
+                .collect()
+        };
+        let abort = |ids: &[(String, String)]| {
+            let s: Vec<Scoped<'_>> = ids.iter().map(|(key, id)| Scoped { key, id }).collect();
+            self.dedup.abort(&s);
+        };
+        let ids: Vec<Scoped<'_>> = with_id
+            .iter()
+            .map(|(_, key, id)| Scoped { key, id })
+            .collect();
         let found = match self.dedup.begin_many(&ids, now) {
             Ok(found) => found,
             Err(e) => return Err(ApiError::unavailable(format!("dedup store: {e}"))),
         };
+        drop(ids);
         // Every fresh id is reserved now: a busy one anywhere in the request
         // releases them all.
-        reserved.extend(
-            with_id
-                .iter()
-                .zip(&found)
-                .filter(|(_, b)| matches!(b, Begin::Fresh))
-                .map(|((_, id), _)| id.to_string()),
-        );
-        for (&(i, id), begun) in with_id.iter().zip(found) {
+        let fresh: Vec<&(usize, String, String)> = with_id
+            .iter()
+            .zip(&found)
+            .filter(|(_, b)| matches!(b, Begin::Fresh))
+            .map(|(w, _)| w)
+            .collect();
+        let reserved: Vec<(String, String)> = scoped(&fresh);
+        for ((i, _, id), begun) in with_id.iter().zip(found) {
+            let i = *i;
             match begun {
                 Begin::Fresh => {}
                 Begin::Done(rec) => {
@@ -249,8 +263,9 @@ impl App {
                 Begin::Busy => {
                     abort(&reserved);
                     return Err(ApiError::conflict(format!(
-                        "jobs[{i}].dedup_id: {} is being enqueued by another request right now; retry shortly",
-                        shown(id)
+                        "jobs[{i}].dedup_id: {} of key {} is being enqueued by another request right now; retry shortly",
+                        shown(id),
+                        shown(&jobs[i].key)
                     )));
                 }
             }
@@ -304,13 +319,13 @@ impl App {
         for p in &placed {
             let i = todo[p.index];
             if let Some(id) = &dedup[i] {
-                records.push(DedupRecord {
-                    id: id.clone(),
-                    shard: p.shard.clone(),
-                    job: p.id.0,
-                    key: batch[p.index].key.clone(),
+                records.push(DedupRecord::new(
+                    &batch[p.index].key,
+                    id,
+                    &p.shard,
+                    p.id.0,
                     expires_ms,
-                });
+                ));
             }
             results[i] = Some(Enqueued {
                 id: job_string(&p.shard, p.id),
@@ -319,11 +334,13 @@ impl App {
                 duplicate: false,
             });
         }
-        let recorded: std::collections::HashSet<&str> =
-            records.iter().map(|r| r.id.as_str()).collect();
-        let unplaced: Vec<String> = reserved
+        let recorded: std::collections::HashSet<(&str, &str)> = records
             .iter()
-            .filter(|id| !recorded.contains(id.as_str()))
+            .map(|r| (r.key.as_str(), r.id.as_str()))
+            .collect();
+        let unplaced: Vec<(String, String)> = reserved
+            .iter()
+            .filter(|(k, id)| !recorded.contains(&(k.as_str(), id.as_str())))
             .cloned()
             .collect();
         abort(&unplaced);

@@ -1,8 +1,12 @@
 //! Idempotent enqueue: what a `dedup_id` was enqueued as, remembered for
 //! the dedup window across server restarts.
 //!
-//! [`DedupStore::begin`] reserves an id for one request (or returns the
-//! live record, or says another request holds it); after the enqueue
+//! A dedup id belongs to its key: `(key, dedup_id)` is what is looked up,
+//! so one tenant's ids never suppress another's jobs.
+//!
+//! [`DedupStore::begin_many`] reserves ids for one request (or returns the
+//! live record, or says another request holds it) — on every server of the
+//! deployment at once, not only this one; after the enqueue
 //! [`DedupStore::commit`] makes the records durable *before* the reply;
 //! [`DedupStore::abort`] drops reservations whose jobs were not enqueued.
 //!
@@ -61,6 +65,11 @@ const UNWRITTEN_MAX: usize = 100_000;
 /// Longest wait for [`DEDUP_LOCK_FILE`], in ms (holders keep it for one
 /// append and fsync).
 pub const DEDUP_LOCK_WAIT_MS: u64 = 5_000;
+/// How long a reservation line holds its id without a commit or release
+/// (120 s: longer than the longest request, 90 s, and the producer's
+/// bounded waits under it), so a server that died mid-request blocks its
+/// ids no longer than this.
+pub const RESERVE_MS: u64 = 120_000;
 
 /// What a dedup id was enqueued as.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +84,37 @@ pub struct DedupRecord {
     pub key: String,
     /// When the record is forgotten (ms since the epoch).
     pub expires_ms: u64,
+    /// A reservation (not a record) by the server with this id: the id is
+    /// being enqueued there now (embedded data dirs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_by: Option<u64>,
+    /// With `reserved_by`: the reservation is given up.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub released: bool,
+}
+
+impl DedupRecord {
+    /// The record of `(key, id)`: enqueued as job `job` of `shard`.
+    pub fn new(key: &str, id: &str, shard: &str, job: u64, expires_ms: u64) -> DedupRecord {
+        DedupRecord {
+            id: id.to_string(),
+            shard: shard.to_string(),
+            job,
+            key: key.to_string(),
+            expires_ms,
+            reserved_by: None,
+            released: false,
+        }
+    }
+}
+
+/// A dedup id within its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scoped<'a> {
+    /// The job's key.
+    pub key: &'a str,
+    /// The client's dedup id.
+    pub id: &'a str,
 }
 
 /// What [`DedupStore::begin`] found.
@@ -90,43 +130,19 @@ pub enum Begin {
 
 /// Where dedup records live. See the module docs.
 pub trait DedupStore: Send + Sync {
-    /// Looks `id` up and, if unknown, reserves it.
-    fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String>;
-    /// [`DedupStore::begin`] for every id of a request, in order (a store
-    /// may answer them in one round trip).
-    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
-        begin_each(self, ids, now_ms)
+    /// Looks each id up, in order, and reserves the unknown ones (a store
+    /// may answer them in one round trip). On an error nothing stays
+    /// reserved.
+    fn begin_many(&self, ids: &[Scoped<'_>], now_ms: u64) -> Result<Vec<Begin>, String>;
+    /// [`DedupStore::begin_many`] of one id.
+    fn begin(&self, key: &str, id: &str, now_ms: u64) -> Result<Begin, String> {
+        self.begin_many(&[Scoped { key, id }], now_ms)
+            .map(|mut v| v.remove(0))
     }
     /// Makes `records` durable and drops their reservations.
     fn commit(&self, records: &[DedupRecord]) -> Result<(), String>;
     /// Drops reservations of ids that were not enqueued.
-    fn abort(&self, ids: &[String]);
-}
-
-/// [`DedupStore::begin`] id by id; on an error, the ids this call reserved
-/// are released before it is returned.
-fn begin_each<S: DedupStore + ?Sized>(
-    store: &S,
-    ids: &[&str],
-    now_ms: u64,
-) -> Result<Vec<Begin>, String> {
-    let mut out = Vec::with_capacity(ids.len());
-    for id in ids {
-        match store.begin(id, now_ms) {
-            Ok(b) => out.push(b),
-            Err(e) => {
-                let fresh: Vec<String> = ids
-                    .iter()
-                    .zip(&out)
-                    .filter(|(_, b)| matches!(b, Begin::Fresh))
-                    .map(|(id, _)| id.to_string())
-                    .collect();
-                store.abort(&fresh);
-                return Err(e);
-            }
-        }
-    }
-    Ok(out)
+    fn abort(&self, ids: &[Scoped<'_>]);
 }
 
 // ---------------------------------------------------------------------------
@@ -210,7 +226,12 @@ struct FileState {
     expiry: VecDeque<(u64, IdHash)>,
     keys: Names,
     shards: Names,
+    /// Ids this server reserved (their lines name [`FileState::server`]).
     pending: HashSet<IdHash, RandomState>,
+    /// Ids other servers reserved: (their server id, until when).
+    foreign: HashMap<IdHash, (u64, u64), RandomState>,
+    /// This server's id in reservation lines, drawn at open.
+    server: u64,
     file: File,
     /// Bytes of the file read into `index`.
     pos: u64,
@@ -227,23 +248,72 @@ struct FileState {
 }
 
 impl FileState {
-    fn hash(&self, id: &str) -> IdHash {
-        let h = SipHasher13::new_with_key(&self.sip_key).hash(id.as_bytes());
+    /// The hash of `id` within `key` (a 0xFF byte, which UTF-8 never holds,
+    /// between them).
+    fn hash(&self, key: &str, id: &str) -> IdHash {
+        use siphasher::sip128::Hasher128;
+        use std::hash::Hasher;
+        let mut h = SipHasher13::new_with_key(&self.sip_key);
+        h.write(key.as_bytes());
+        h.write_u8(0xff);
+        h.write(id.as_bytes());
+        let h = h.finish128();
         (h.h1, h.h2)
     }
 
     fn record(&self, id: &str, e: &Entry) -> DedupRecord {
+        DedupRecord::new(
+            self.keys.get(e.key),
+            id,
+            self.shards.get(e.shard),
+            e.job,
+            e.expires_ms,
+        )
+    }
+
+    /// A reservation (or, `released`, its release) of `s` by this server.
+    fn reservation(&self, s: &Scoped<'_>, now_ms: u64, released: bool) -> DedupRecord {
         DedupRecord {
-            id: id.to_string(),
-            shard: self.shards.get(e.shard).to_string(),
-            job: e.job,
-            key: self.keys.get(e.key).to_string(),
-            expires_ms: e.expires_ms,
+            reserved_by: Some(self.server),
+            released,
+            ..DedupRecord::new(s.key, s.id, "", 0, now_ms.saturating_add(RESERVE_MS))
+        }
+    }
+
+    /// Whether another server holds a live reservation of `h`.
+    fn foreign_holds(&self, h: &IdHash, now_ms: u64) -> bool {
+        self.foreign
+            .get(h)
+            .is_some_and(|&(_, until)| until > now_ms)
+    }
+
+    /// Takes in one line of the file: a record or a reservation.
+    fn apply(&mut self, r: &DedupRecord) {
+        match r.reserved_by {
+            Some(server) => {
+                self.lines += 1;
+                if server == self.server {
+                    return;
+                }
+                let h = self.hash(&r.key, &r.id);
+                if r.released {
+                    if self.foreign.get(&h).is_some_and(|&(s, _)| s == server) {
+                        self.foreign.remove(&h);
+                    }
+                } else {
+                    self.foreign.insert(h, (server, r.expires_ms));
+                }
+            }
+            None => {
+                let h = self.hash(&r.key, &r.id);
+                self.foreign.remove(&h);
+                self.remember(r);
+            }
         }
     }
 
     fn remember(&mut self, r: &DedupRecord) {
-        let id = self.hash(&r.id);
+        let id = self.hash(&r.key, &r.id);
         let e = Entry {
             job: r.job,
             expires_ms: r.expires_ms,
@@ -263,8 +333,18 @@ impl FileState {
     }
 
     /// Whether `r` (a line of the file, its id hashing to `id`) is the live
-    /// record of its id.
+    /// record of its id, or a reservation still held.
     fn is_live(&self, id: &IdHash, r: &DedupRecord) -> bool {
+        if let Some(server) = r.reserved_by {
+            if r.released || r.expires_ms <= self.now_ms {
+                return false;
+            }
+            return if server == self.server {
+                self.pending.contains(id)
+            } else {
+                self.foreign.get(id) == Some(&(server, r.expires_ms))
+            };
+        }
         self.index.get(id).is_some_and(|e| {
             e.job == r.job
                 && e.expires_ms == r.expires_ms
@@ -273,9 +353,11 @@ impl FileState {
         })
     }
 
-    /// Forgets the records expired at `now_ms`.
+    /// Forgets the records and reservations expired at `now_ms`.
     fn expire(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
+        let now = self.now_ms;
+        self.foreign.retain(|_, &mut (_, until)| until > now);
         while let Some((at, _)) = self.expiry.front() {
             if *at > self.now_ms {
                 break;
@@ -299,6 +381,7 @@ impl FileState {
 
     fn clear(&mut self) {
         self.index.clear();
+        self.foreign.clear();
         self.expiry.clear();
         self.keys.clear();
         self.shards.clear();
@@ -406,6 +489,21 @@ impl FileDedup {
             Err(e) => return Err(format!("reading {}: {e}", path.display())),
         };
         let (records, used) = parse_lines(&bytes, &path, 0)?;
+        // The ids whose last line is a reservation: one followed by a
+        // record of its id (expired or not) or by a release has ended.
+        let mut held: HashSet<(&str, &str)> = HashSet::new();
+        for r in &records {
+            let k = (r.key.as_str(), r.id.as_str());
+            if r.reserved_by.is_some() && !r.released {
+                held.insert(k);
+            } else {
+                held.remove(&k);
+            }
+        }
+        let held: HashSet<(String, String)> = held
+            .into_iter()
+            .map(|(k, i)| (k.to_string(), i.to_string()))
+            .collect();
         let live: Vec<DedupRecord> = records
             .into_iter()
             .filter(|r| r.expires_ms > now_ms)
@@ -426,6 +524,13 @@ impl FileDedup {
             keys: Names::default(),
             shards: Names::default(),
             pending: HashSet::default(),
+            foreign: HashMap::default(),
+            server: {
+                let mut b = [0u8; 8];
+                getrandom::fill(&mut b)
+                    .map_err(|e| format!("drawing a server id from the OS: {e}"))?;
+                u64::from_le_bytes(b)
+            },
             file,
             pos,
             lines: 0,
@@ -434,7 +539,16 @@ impl FileDedup {
             ino,
             now_ms,
         };
-        let mut live = live;
+        // Reservations in file order (a later record of the id ends one,
+        // expired or not: it was read before the filter), then the records
+        // by expiry.
+        let (reservations, mut live): (Vec<DedupRecord>, Vec<DedupRecord>) =
+            live.into_iter().partition(|r| r.reserved_by.is_some());
+        for r in &reservations {
+            if held.contains(&(r.key.clone(), r.id.clone())) {
+                st.apply(r);
+            }
+        }
         live.sort_by_key(|r| r.expires_ms);
         for r in live {
             st.remember(&r);
@@ -466,10 +580,10 @@ impl FileDedup {
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
-        let (mut written, kept) = result?;
+        let (mut written, kept, reservations) = result?;
         // Records of failed commits are not in the file yet: memory keeps them.
         for r in &st.unwritten {
-            written.insert(st.hash(&r.id));
+            written.insert(st.hash(&r.key, &r.id));
         }
         std::fs::rename(&tmp, &self.path)
             .map_err(|e| format!("renaming {} to {}: {e}", tmp.display(), self.path.display()))?;
@@ -501,22 +615,23 @@ impl FileDedup {
                 st.forget(&e);
             }
         }
-        st.lines = st.expiry.len();
+        st.lines = st.expiry.len() + reservations;
         Ok(())
     }
 
-    /// Writes the live lines of the file to `tmp` (fsynced): the ids
-    /// written and their bytes.
+    /// Writes the live lines of the file to `tmp` (fsynced): the ids of
+    /// the records written, their bytes, and the reservation lines kept.
     fn copy_live(
         &self,
         st: &FileState,
         tmp: &Path,
-    ) -> Result<(HashSet<IdHash, RandomState>, u64), String> {
+    ) -> Result<(HashSet<IdHash, RandomState>, u64, usize), String> {
         let read_err = |e: std::io::Error| format!("reading {}: {e}", self.path.display());
         let write_err = |e: std::io::Error| format!("writing {}: {e}", tmp.display());
         let mut from = BufReader::new(File::open(&self.path).map_err(read_err)?).take(st.pos);
         let mut to = BufWriter::new(File::create(tmp).map_err(write_err)?);
         let mut written = HashSet::<IdHash, RandomState>::default();
+        let mut reserved = HashSet::<IdHash, RandomState>::default();
         let (mut line, mut at, mut kept) = (Vec::new(), 0u64, 0u64);
         loop {
             line.clear();
@@ -531,8 +646,13 @@ impl FileDedup {
                         self.path.display()
                     )
                 })?;
-                let id = st.hash(&r.id);
-                if st.is_live(&id, &r) && written.insert(id) {
+                let id = st.hash(&r.key, &r.id);
+                let seen = if r.reserved_by.is_some() {
+                    &mut reserved
+                } else {
+                    &mut written
+                };
+                if st.is_live(&id, &r) && seen.insert(id) {
                     to.write_all(&line).map_err(write_err)?;
                     kept += n as u64;
                 }
@@ -541,7 +661,7 @@ impl FileDedup {
         }
         let f = to.into_inner().map_err(|e| write_err(e.into_error()))?;
         f.sync_all().map_err(write_err)?;
-        Ok((written, kept))
+        Ok((written, kept, reserved.len()))
     }
 
     /// Reads lines other servers appended since the last read (and the
@@ -572,7 +692,7 @@ impl FileDedup {
             .map_err(|e| format!("reading {}: {e}", self.path.display()))?;
         let (records, used) = parse_lines(&buf, &self.path, st.pos)?;
         for r in &records {
-            st.remember(r);
+            st.apply(r);
         }
         st.pos += used;
         let now = st.now_ms;
@@ -589,31 +709,109 @@ fn lock_state<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl DedupStore for FileDedup {
-    fn begin(&self, id: &str, now_ms: u64) -> Result<Begin, String> {
-        self.begin_many(&[id], now_ms).map(|mut v| v.remove(0))
+impl FileDedup {
+    /// Appends `lines` (each a record or reservation, serialised with its
+    /// newline) under the lock, after [`FileDedup::refresh`]; fsynced when
+    /// `sync`. Takes them into `st` without reading them back when nobody
+    /// else appended meanwhile.
+    fn append(
+        &self,
+        st: &mut FileState,
+        text: &[u8],
+        lines: &[&DedupRecord],
+        sync: bool,
+    ) -> Result<(), String> {
+        // A torn line left by a server that died mid-append (its request
+        // never returned, so it stored nothing): cut it off, so that it
+        // does not become a corrupt line once ours follows it.
+        let len = st
+            .file
+            .metadata()
+            .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+            .len();
+        if len > st.pos {
+            st.file
+                .set_len(st.pos)
+                .map_err(|e| format!("cutting the torn tail of {}: {e}", self.path.display()))?;
+        }
+        #[cfg(test)]
+        if self.fail_appends.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(format!(
+                "appending to {}: injected failure",
+                self.path.display()
+            ));
+        }
+        st.file
+            .write_all(text)
+            .and_then(|()| if sync { st.file.sync_data() } else { Ok(()) })
+            .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
+        // Under the lock nobody else appended: the file now ends with
+        // these lines, which need no reading back.
+        let end = st
+            .file
+            .metadata()
+            .map_err(|e| format!("reading {}: {e}", self.path.display()))?
+            .len();
+        if end == st.pos + text.len() as u64 {
+            st.pos = end;
+            for r in lines {
+                st.apply(r);
+            }
+            Ok(())
+        } else {
+            // Reads ours back with whatever else is new.
+            self.refresh(st)
+        }
     }
+}
 
-    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
-        // One lock and one read of other servers' lines for the request.
+fn serialise(lines: &[&DedupRecord]) -> Result<Vec<u8>, String> {
+    let mut text: Vec<u8> = Vec::with_capacity(lines.len() * 128);
+    for r in lines {
+        serde_json::to_writer(&mut text, r).map_err(|e| e.to_string())?;
+        text.push(b'\n');
+    }
+    Ok(text)
+}
+
+impl DedupStore for FileDedup {
+    fn begin_many(&self, ids: &[Scoped<'_>], now_ms: u64) -> Result<Vec<Begin>, String> {
+        // One lock and one read of other servers' lines for the request;
+        // the lookups and the reservations under the file's lock, so no
+        // other server can reserve the same ids in between.
         let mut st = lock_state(&self.state);
         st.expire(now_ms);
+        let _l = lock(&self.lock_path, self.lock_wait_ms)?;
         self.refresh(&mut st)?;
         let mut out = Vec::with_capacity(ids.len());
-        for &id in ids {
-            let h = st.hash(id);
-            if st.pending.contains(&h) {
+        let mut reserved: Vec<DedupRecord> = Vec::new();
+        for s in ids {
+            let h = st.hash(s.key, s.id);
+            if st.pending.contains(&h) || st.foreign_holds(&h, now_ms) {
                 out.push(Begin::Busy);
                 continue;
             }
             if let Some(e) = st.index.get(&h) {
                 if e.expires_ms > now_ms {
-                    out.push(Begin::Done(st.record(id, e)));
+                    out.push(Begin::Done(st.record(s.id, e)));
                     continue;
                 }
             }
             st.pending.insert(h);
+            reserved.push(st.reservation(s, now_ms, false));
             out.push(Begin::Fresh);
+        }
+        if reserved.is_empty() {
+            return Ok(out);
+        }
+        let lines: Vec<&DedupRecord> = reserved.iter().collect();
+        let written = serialise(&lines).and_then(|text| self.append(&mut st, &text, &lines, false));
+        if let Err(e) = written {
+            for r in &reserved {
+                let h = st.hash(&r.key, &r.id);
+                st.pending.remove(&h);
+            }
+            return Err(e);
         }
         Ok(out)
     }
@@ -623,57 +821,21 @@ impl DedupStore for FileDedup {
             return Ok(());
         }
         let mut st = lock_state(&self.state);
+        // The reservations end with this commit (before a rewrite below
+        // would copy their lines).
+        for r in records {
+            let h = st.hash(&r.key, &r.id);
+            st.pending.remove(&h);
+        }
         // Records of commits that failed to append go first (their jobs
         // were enqueued; memory answers for them until then).
         let unwritten = std::mem::take(&mut st.unwritten);
-        let mut text: Vec<u8> = Vec::with_capacity((unwritten.len() + records.len()) * 128);
-        for r in unwritten.iter().chain(records) {
-            serde_json::to_writer(&mut text, r).map_err(|e| e.to_string())?;
-            text.push(b'\n');
-        }
+        let lines: Vec<&DedupRecord> = unwritten.iter().chain(records).collect();
         let result = (|| {
+            let text = serialise(&lines)?;
             let _l = lock(&self.lock_path, self.lock_wait_ms)?;
             self.refresh(&mut st)?;
-            // A torn line left by a server that died mid-append (its commit
-            // never returned, so it stored nothing): cut it off, so that it
-            // does not become a corrupt line once ours follows it.
-            let len = st
-                .file
-                .metadata()
-                .map_err(|e| format!("reading {}: {e}", self.path.display()))?
-                .len();
-            if len > st.pos {
-                st.file.set_len(st.pos).map_err(|e| {
-                    format!("cutting the torn tail of {}: {e}", self.path.display())
-                })?;
-            }
-            #[cfg(test)]
-            if self.fail_appends.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(format!(
-                    "appending to {}: injected failure",
-                    self.path.display()
-                ));
-            }
-            st.file
-                .write_all(&text)
-                .and_then(|()| st.file.sync_data())
-                .map_err(|e| format!("appending to {}: {e}", self.path.display()))?;
-            // Under the lock nobody else appended: the file now ends with
-            // these lines, which need no reading back.
-            let end = st
-                .file
-                .metadata()
-                .map_err(|e| format!("reading {}: {e}", self.path.display()))?
-                .len();
-            if end == st.pos + text.len() as u64 {
-                st.pos = end;
-                for r in unwritten.iter().chain(records) {
-                    st.remember(r);
-                }
-            } else {
-                // Reads ours back with whatever else is new.
-                self.refresh(&mut st)?;
-            }
+            self.append(&mut st, &text, &lines, true)?;
             // Keep the file near the live records: rewrite it once it
             // holds mostly expired lines. The records are durable already:
             // a rewrite that fails (a full disk, a damaged old line) leaves
@@ -695,10 +857,8 @@ impl DedupStore for FileDedup {
             }
             Ok(())
         })();
-        for r in records {
-            let h = st.hash(&r.id);
-            st.pending.remove(&h);
-            if result.is_err() {
+        if result.is_err() {
+            for r in records {
                 st.remember(r);
             }
         }
@@ -720,12 +880,31 @@ impl DedupStore for FileDedup {
         result
     }
 
-    fn abort(&self, ids: &[String]) {
-        let mut st = lock_state(&self.state);
-        for id in ids {
-            let h = st.hash(id);
-            st.pending.remove(&h);
+    fn abort(&self, ids: &[Scoped<'_>]) {
+        if ids.is_empty() {
+            return;
         }
+        let mut st = lock_state(&self.state);
+        let now = st.now_ms;
+        let mut released = Vec::new();
+        for s in ids {
+            let h = st.hash(s.key, s.id);
+            if st.pending.remove(&h) {
+                released.push(st.reservation(s, now, true));
+            }
+        }
+        if released.is_empty() {
+            return;
+        }
+        // Other servers learn it at once; if this fails the reservation
+        // lapses by itself after RESERVE_MS.
+        let lines: Vec<&DedupRecord> = released.iter().collect();
+        let _ = (|| {
+            let text = serialise(&lines)?;
+            let _l = lock(&self.lock_path, self.lock_wait_ms)?;
+            self.refresh(&mut st)?;
+            self.append(&mut st, &text, &lines, false)
+        })();
     }
 }
 
@@ -789,11 +968,16 @@ impl RedisDedup {
         }
     }
 
-    fn key(&self, id: &str) -> String {
+    /// The Redis key of `id` within `key` (the key's length first, so
+    /// that no two pairs share a name).
+    fn key(&self, s: &Scoped<'_>) -> String {
         format!(
-            "{}:=dedup:{}:{id}",
+            "{}:=dedup:{}:{}:{}:{}",
             shardq_redis::keys::NAMESPACE,
-            self.namespace
+            self.namespace,
+            s.key.len(),
+            s.key,
+            s.id
         )
     }
 
@@ -836,9 +1020,10 @@ impl RedisDedup {
     }
 }
 
-impl DedupStore for RedisDedup {
-    fn begin(&self, id: &str, _now_ms: u64) -> Result<Begin, String> {
-        let key = self.key(id);
+impl RedisDedup {
+    /// Reserves `s` (`SET NX PX`) or reads what holds it.
+    fn begin_one(&self, s: &Scoped<'_>) -> Result<Begin, String> {
+        let key = self.key(s);
         let set: Option<String> = self.run(
             redis::cmd("SET")
                 .arg(&key)
@@ -851,25 +1036,47 @@ impl DedupStore for RedisDedup {
             return Ok(Begin::Fresh);
         }
         let found: Option<String> = self.run(redis::cmd("GET").arg(&key))?;
-        match found.as_deref() {
-            None => Ok(Begin::Busy),
-            Some(PENDING_VALUE) => Ok(Begin::Busy),
-            Some(text) => serde_json::from_str(text)
-                .map(Begin::Done)
-                .map_err(|e| format!("dedup key {key:?} holds no dedup record: {e}")),
-        }
+        found_record(&key, found.as_deref())
     }
+}
 
-    fn begin_many(&self, ids: &[&str], now_ms: u64) -> Result<Vec<Begin>, String> {
+/// What a dedup key holds: nothing or a reservation (busy), or a record.
+fn found_record(key: &str, found: Option<&str>) -> Result<Begin, String> {
+    match found {
+        None | Some(PENDING_VALUE) => Ok(Begin::Busy),
+        Some(text) => serde_json::from_str(text)
+            .map(Begin::Done)
+            .map_err(|e| format!("dedup key {key:?} holds no dedup record: {e}")),
+    }
+}
+
+impl DedupStore for RedisDedup {
+    fn begin_many(&self, ids: &[Scoped<'_>], _now_ms: u64) -> Result<Vec<Begin>, String> {
         if self.cluster || ids.len() < 2 {
             // A cluster connection routes one key per command.
-            return begin_each(self, ids, now_ms);
+            let mut out = Vec::with_capacity(ids.len());
+            for (n, s) in ids.iter().enumerate() {
+                match self.begin_one(s) {
+                    Ok(b) => out.push(b),
+                    Err(e) => {
+                        let fresh: Vec<Scoped<'_>> = ids[..n]
+                            .iter()
+                            .zip(&out)
+                            .filter(|(_, b)| matches!(b, Begin::Fresh))
+                            .map(|(s, _)| *s)
+                            .collect();
+                        self.abort(&fresh);
+                        return Err(e);
+                    }
+                }
+            }
+            return Ok(out);
         }
         let mut reserve = redis::pipe();
-        for id in ids {
+        for s in ids {
             reserve
                 .cmd("SET")
-                .arg(self.key(id))
+                .arg(self.key(s))
                 .arg(PENDING_VALUE)
                 .arg("NX")
                 .arg("PX")
@@ -881,32 +1088,30 @@ impl DedupStore for RedisDedup {
         if !taken.is_empty() {
             let mut get = redis::pipe();
             for &i in &taken {
-                get.cmd("GET").arg(self.key(ids[i]));
+                get.cmd("GET").arg(self.key(&ids[i]));
             }
             found = self.run_pipe(&get)?;
         }
         let mut out: Vec<Begin> = vec![Begin::Fresh; ids.len()];
         for (n, &i) in taken.iter().enumerate() {
-            out[i] = match found[n].as_deref() {
-                None | Some(PENDING_VALUE) => Begin::Busy,
-                Some(text) => serde_json::from_str(text).map(Begin::Done).map_err(|e| {
-                    format!(
-                        "dedup key {:?} holds no dedup record: {e}",
-                        self.key(ids[i])
-                    )
-                })?,
-            };
+            out[i] = found_record(&self.key(&ids[i]), found[n].as_deref())?;
         }
         Ok(out)
     }
 
     fn commit(&self, records: &[DedupRecord]) -> Result<(), String> {
+        let key = |r: &DedupRecord| {
+            self.key(&Scoped {
+                key: &r.key,
+                id: &r.id,
+            })
+        };
         if self.cluster {
             for r in records {
                 let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
                 let () = self.run(
                     redis::cmd("SET")
-                        .arg(self.key(&r.id))
+                        .arg(key(r))
                         .arg(text)
                         .arg("PX")
                         .arg(self.window_ms.max(1)),
@@ -918,7 +1123,7 @@ impl DedupStore for RedisDedup {
         for r in records {
             let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
             p.cmd("SET")
-                .arg(self.key(&r.id))
+                .arg(key(r))
                 .arg(text)
                 .arg("PX")
                 .arg(self.window_ms.max(1))
@@ -928,13 +1133,13 @@ impl DedupStore for RedisDedup {
         Ok(())
     }
 
-    fn abort(&self, ids: &[String]) {
-        for id in ids {
+    fn abort(&self, ids: &[Scoped<'_>]) {
+        for s in ids {
             // Only a reservation is dropped, never a record.
             let script = redis::cmd("EVAL")
                 .arg("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
                 .arg(1)
-                .arg(self.key(id))
+                .arg(self.key(s))
                 .arg(PENDING_VALUE)
                 .clone();
             let _: Result<i64, String> = self.run(&script);
@@ -947,60 +1152,75 @@ mod tests {
     use super::*;
 
     fn rec(id: &str, job: u64, expires_ms: u64) -> DedupRecord {
-        DedupRecord {
-            id: id.into(),
-            shard: "shard-0".into(),
-            job,
-            key: "k".into(),
-            expires_ms,
-        }
+        DedupRecord::new("k", id, "shard-0", job, expires_ms)
+    }
+
+    fn ids<'a>(key: &'a str, ids: &[&'a str]) -> Vec<Scoped<'a>> {
+        ids.iter().map(|id| Scoped { key, id }).collect()
     }
 
     #[test]
     fn records_survive_reopen_expire_and_torn_tails_are_ignored() {
         let dir = tempfile::tempdir().unwrap();
         let d = FileDedup::open(dir.path(), 1000).unwrap();
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Fresh);
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Busy);
-        assert_eq!(d.begin("b", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(d.begin("k", "a", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(d.begin("k", "a", 1000).unwrap(), Begin::Busy);
+        assert_eq!(d.begin("k", "b", 1000).unwrap(), Begin::Fresh);
         d.commit(&[rec("a", 1, 5000), rec("b", 2, 1500)]).unwrap();
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 5000)));
+        assert_eq!(
+            d.begin("k", "a", 1000).unwrap(),
+            Begin::Done(rec("a", 1, 5000))
+        );
         drop(d);
         // A torn append.
         let path = dir.path().join(DEDUP_FILE);
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(b"{\"id\":\"c\",\"sha").unwrap();
         let d = FileDedup::open(dir.path(), 2000).unwrap();
-        assert_eq!(d.begin("a", 2000).unwrap(), Begin::Done(rec("a", 1, 5000)));
-        assert_eq!(d.begin("b", 2000).unwrap(), Begin::Fresh, "b expired");
+        assert_eq!(
+            d.begin("k", "a", 2000).unwrap(),
+            Begin::Done(rec("a", 1, 5000))
+        );
+        assert_eq!(d.begin("k", "b", 2000).unwrap(), Begin::Fresh, "b expired");
         let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(text.lines().count(), 1, "pruned on open: {text}");
+        let lines: Vec<DedupRecord> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2, "pruned on open: {text}");
+        assert_eq!(lines[0], rec("a", 1, 5000));
+        assert!(
+            lines[1].id == "b" && lines[1].reserved_by.is_some() && !lines[1].released,
+            "then b's reservation: {text}"
+        );
         // A second server over the same file sees the first one's commits.
         let other = FileDedup::open(dir.path(), 2000).unwrap();
         d.commit(&[rec("b", 3, 9000)]).unwrap();
         assert_eq!(
-            other.begin("b", 2000).unwrap(),
+            other.begin("k", "b", 2000).unwrap(),
             Begin::Done(rec("b", 3, 9000))
         );
-        d.abort(&["zzz".into()]);
+        d.abort(&ids("k", &["zzz"]));
         // A server that dies mid-append while others run: the next commit
         // cuts the torn line instead of turning it into a corrupt one.
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(b"{\"id\":\"d\",\"sh").unwrap();
         d.commit(&[rec("e", 4, 9000)]).unwrap();
         assert_eq!(
-            other.begin("e", 2000).unwrap(),
+            other.begin("k", "e", 2000).unwrap(),
             Begin::Done(rec("e", 4, 9000))
         );
         let again = FileDedup::open(dir.path(), 2000).unwrap();
         assert_eq!(
-            again.begin("e", 2000).unwrap(),
+            again.begin("k", "e", 2000).unwrap(),
             Begin::Done(rec("e", 4, 9000))
         );
-        assert_eq!(again.begin("d", 2000).unwrap(), Begin::Fresh);
+        assert_eq!(again.begin("k", "d", 2000).unwrap(), Begin::Fresh);
         // One request's ids are answered in one pass, in order.
         assert_eq!(
-            again.begin_many(&["a", "x", "x", "e"], 2000).unwrap(),
+            again
+                .begin_many(&ids("k", &["a", "x", "x", "e"]), 2000)
+                .unwrap(),
             vec![
                 Begin::Done(rec("a", 1, 5000)),
                 Begin::Fresh,
@@ -1017,18 +1237,18 @@ mod tests {
         let mut d = FileDedup::open(dir.path(), 1000).unwrap();
         d.compact_slack = 10;
         let other = FileDedup::open(dir.path(), 1000).unwrap();
-        let ids: Vec<String> = (0..30).map(|i| format!("old-{i}")).collect();
-        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let names: Vec<String> = (0..30).map(|i| format!("old-{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         assert!(d
-            .begin_many(&refs, 1000)
+            .begin_many(&ids("k", &refs), 1000)
             .unwrap()
             .iter()
             .all(|b| *b == Begin::Fresh));
-        let old: Vec<DedupRecord> = ids.iter().map(|id| rec(id, 1, 1500)).collect();
+        let old: Vec<DedupRecord> = names.iter().map(|id| rec(id, 1, 1500)).collect();
         d.commit(&old).unwrap();
         assert_eq!(lock_state(&d.state).index.len(), 30);
         // Past their expiry they are forgotten in memory, not only ignored.
-        assert_eq!(d.begin("fresh", 2000).unwrap(), Begin::Fresh);
+        assert_eq!(d.begin("k", "fresh", 2000).unwrap(), Begin::Fresh);
         assert_eq!(lock_state(&d.state).index.len(), 0);
         // The next commit finds the file mostly expired and rewrites it.
         d.commit(&[rec("fresh", 2, 9000)]).unwrap();
@@ -1036,14 +1256,14 @@ mod tests {
         assert_eq!(text.lines().count(), 1, "compacted: {text}");
         // Another server over the same dir follows the new file.
         assert_eq!(
-            other.begin("fresh", 2000).unwrap(),
+            other.begin("k", "fresh", 2000).unwrap(),
             Begin::Done(rec("fresh", 2, 9000))
         );
-        assert_eq!(other.begin("old-3", 2000).unwrap(), Begin::Fresh);
+        assert_eq!(other.begin("k", "old-3", 2000).unwrap(), Begin::Fresh);
         drop(d);
         let again = FileDedup::open(dir.path(), 2000).unwrap();
         assert_eq!(
-            again.begin("fresh", 2000).unwrap(),
+            again.begin("k", "fresh", 2000).unwrap(),
             Begin::Done(rec("fresh", 2, 9000))
         );
     }
@@ -1053,12 +1273,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(DEDUP_FILE);
         let d = FileDedup::open(dir.path(), 1000).unwrap();
-        let r = |id: &str, shard: &str, job: u64, key: &str, expires_ms: u64| DedupRecord {
-            id: id.into(),
-            shard: shard.into(),
-            job,
-            key: key.into(),
-            expires_ms,
+        let r = |id: &str, shard: &str, job: u64, key: &str, expires_ms: u64| {
+            DedupRecord::new(key, id, shard, job, expires_ms)
         };
         // Each record answers with its own shard and key.
         d.commit(&[
@@ -1067,14 +1283,34 @@ mod tests {
             r("c", "shard-2", 3, "tenant-2", 9000),
         ])
         .unwrap();
+        let asked = [
+            Scoped {
+                key: "tenant-1",
+                id: "a",
+            },
+            Scoped {
+                key: "tenant-2",
+                id: "b",
+            },
+            Scoped {
+                key: "tenant-2",
+                id: "c",
+            },
+        ];
         assert_eq!(
-            d.begin_many(&["a", "b", "c"], 1000).unwrap(),
+            d.begin_many(&asked, 1000).unwrap(),
             vec![
                 Begin::Done(r("a", "shard-1", 1, "tenant-1", 1500)),
                 Begin::Done(r("b", "shard-2", 2, "tenant-2", 9000)),
                 Begin::Done(r("c", "shard-2", 3, "tenant-2", 9000)),
             ]
         );
+        // The same ids under another key are other ids.
+        assert_eq!(
+            d.begin_many(&ids("tenant-9", &["a", "b"]), 1000).unwrap(),
+            vec![Begin::Fresh, Begin::Fresh]
+        );
+        d.abort(&ids("tenant-9", &["a", "b"]));
         {
             let st = lock_state(&d.state);
             assert_eq!((st.keys.slots.len(), st.shards.slots.len()), (2, 2));
@@ -1082,21 +1318,25 @@ mod tests {
         }
         // A later record of the same id (its first job was lost, say)
         // replaces the first one, in memory and in a rewrite.
-        d.commit(&[r("b", "shard-3", 7, "tenant-3", 9500)]).unwrap();
+        d.commit(&[r("b", "shard-3", 7, "tenant-2", 9500)]).unwrap();
         // "a" expires: its names leave memory with it.
-        assert_eq!(d.begin("zz", 2000).unwrap(), Begin::Fresh);
-        d.abort(&["zz".into()]);
+        assert_eq!(d.begin("k", "zz", 2000).unwrap(), Begin::Fresh);
+        d.abort(&ids("k", &["zz"]));
         {
             let st = lock_state(&d.state);
             let mut keys: Vec<&str> = st.keys.slots.keys().map(|k| &**k).collect();
             keys.sort_unstable();
-            assert_eq!(keys, ["tenant-2", "tenant-3"]);
+            assert_eq!(keys, ["tenant-2"]);
+            let mut shards: Vec<&str> = st.shards.slots.keys().map(|k| &**k).collect();
+            shards.sort_unstable();
+            assert_eq!(shards, ["shard-2", "shard-3"]);
             assert_eq!(st.names_in_use(), (2, 2));
         }
         d.commit(&[r("e", "shard-2", 8, "tenant-2", 9000)]).unwrap();
-        // Five lines for three live records: below the rewrite's threshold
-        // (twice the live ones), so rewrite by hand.
-        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 5);
+        // Five records and six reservation lines (three reserved, three
+        // released) for three live records: below the rewrite's threshold
+        // (twice the live ones plus a slack), so rewrite by hand.
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 11);
         d.write_live(&mut lock_state(&d.state)).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<DedupRecord> = text
@@ -1107,19 +1347,19 @@ mod tests {
             lines,
             vec![
                 r("c", "shard-2", 3, "tenant-2", 9000),
-                r("b", "shard-3", 7, "tenant-3", 9500),
+                r("b", "shard-3", 7, "tenant-2", 9500),
                 r("e", "shard-2", 8, "tenant-2", 9000),
             ],
-            "the rewrite copies each id's latest live line, in file order"
+            "the rewrite copies each id's latest live line, in file order, and no released reservation"
         );
         // The replaced record's expiry does not end the later one; the
         // later one's does, with its names.
         assert_eq!(
-            d.begin("b", 9200).unwrap(),
-            Begin::Done(r("b", "shard-3", 7, "tenant-3", 9500))
+            d.begin("tenant-2", "b", 9200).unwrap(),
+            Begin::Done(r("b", "shard-3", 7, "tenant-2", 9500))
         );
-        assert_eq!(d.begin("b", 9600).unwrap(), Begin::Fresh);
-        d.abort(&["b".into()]);
+        assert_eq!(d.begin("tenant-2", "b", 9600).unwrap(), Begin::Fresh);
+        d.abort(&ids("tenant-2", &["b"]));
         {
             let st = lock_state(&d.state);
             assert_eq!(st.index.len(), 0, "every record expired at 9600");
@@ -1129,10 +1369,10 @@ mod tests {
         drop(d);
         let again = FileDedup::open(dir.path(), 2000).unwrap();
         assert_eq!(
-            again.begin_many(&["a", "b", "c"], 2000).unwrap(),
+            again.begin_many(&asked, 2000).unwrap(),
             vec![
                 Begin::Fresh,
-                Begin::Done(r("b", "shard-3", 7, "tenant-3", 9500)),
+                Begin::Done(r("b", "shard-3", 7, "tenant-2", 9500)),
                 Begin::Done(r("c", "shard-2", 3, "tenant-2", 9000)),
             ]
         );
@@ -1155,7 +1395,7 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         // Past the old ones' expiry the file is mostly expired: the rewrite
         // meets the bad line and gives up, the commit stands.
-        assert_eq!(d.begin("new", 2000).unwrap(), Begin::Fresh);
+        assert_eq!(d.begin("k", "new", 2000).unwrap(), Begin::Fresh);
         d.commit(&[rec("new", 4, 9000)]).unwrap();
         let after = std::fs::read(&path).unwrap();
         assert_eq!(
@@ -1163,23 +1403,24 @@ mod tests {
             &bytes[..],
             "the file was not rewritten"
         );
+        // The five records, "new"'s reservation and its record.
         assert_eq!(
             String::from_utf8_lossy(&after).lines().count(),
-            6,
+            7,
             "{}",
             String::from_utf8_lossy(&after)
         );
         assert!(!dir.path().join(format!(".{DEDUP_FILE}.tmp")).exists());
         assert_eq!(
-            d.begin("new", 2000).unwrap(),
+            d.begin("k", "new", 2000).unwrap(),
             Begin::Done(rec("new", 4, 9000))
         );
         assert_eq!(
-            d.begin("keep", 2000).unwrap(),
+            d.begin("k", "keep", 2000).unwrap(),
             Begin::Done(rec("keep", 7, 9000))
         );
         // No new try on every commit: only once the file has doubled.
-        assert_eq!(lock_state(&d.state).compact_after, 12);
+        assert_eq!(lock_state(&d.state).compact_after, 14, "twice the 7 lines");
         // Opening names the bad line, as before.
         let e = FileDedup::open(dir.path(), 2000).err().unwrap();
         assert!(
@@ -1198,15 +1439,21 @@ mod tests {
         let e = d.commit(&[rec("a", 1, 9000)]).unwrap_err();
         assert!(e.contains(DEDUP_FILE), "{e}");
         // Memory answers for it meanwhile; a rewrite does not drop it.
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        assert_eq!(
+            d.begin("k", "a", 1000).unwrap(),
+            Begin::Done(rec("a", 1, 9000))
+        );
         d.write_live(&mut lock_state(&d.state)).unwrap();
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        assert_eq!(
+            d.begin("k", "a", 1000).unwrap(),
+            Begin::Done(rec("a", 1, 9000))
+        );
         d.fail_appends.store(false, Ordering::SeqCst);
         d.commit(&[rec("b", 2, 9000)]).unwrap();
         drop(d);
         let again = FileDedup::open(dir.path(), 1000).unwrap();
         assert_eq!(
-            again.begin_many(&["a", "b"], 1000).unwrap(),
+            again.begin_many(&ids("k", &["a", "b"]), 1000).unwrap(),
             vec![
                 Begin::Done(rec("a", 1, 9000)),
                 Begin::Done(rec("b", 2, 9000))
@@ -1229,14 +1476,85 @@ mod tests {
             start.elapsed()
         );
         assert!(e.contains(DEDUP_LOCK_FILE) && e.contains("stalled"), "{e}");
-        // Memory still answers for the enqueued job; the next commit writes it.
-        assert_eq!(d.begin("a", 1000).unwrap(), Begin::Done(rec("a", 1, 9000)));
+        // A lookup needs the lock too (it reserves across servers): it
+        // fails after the bound, naming the lock, and reserves nothing.
+        let e = d.begin("k", "c", 1000).unwrap_err();
+        assert!(e.contains(DEDUP_LOCK_FILE), "{e}");
         drop(held);
+        // Memory still answers for the enqueued job; the next commit writes it.
+        assert_eq!(
+            d.begin("k", "a", 1000).unwrap(),
+            Begin::Done(rec("a", 1, 9000))
+        );
+        assert_eq!(d.begin("k", "c", 1000).unwrap(), Begin::Fresh);
         d.commit(&[rec("b", 2, 9000)]).unwrap();
         let again = FileDedup::open(dir.path(), 1000).unwrap();
         assert_eq!(
-            again.begin("a", 1000).unwrap(),
+            again.begin("k", "a", 1000).unwrap(),
             Begin::Done(rec("a", 1, 9000))
+        );
+    }
+
+    #[test]
+    fn two_servers_given_one_id_at_once_store_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FileDedup::open(dir.path(), 1000).unwrap();
+        let b = FileDedup::open(dir.path(), 1000).unwrap();
+        // A reserves; B, asked for the same id of the same key meanwhile,
+        // is told it is busy (not free); another key's id is B's own.
+        assert_eq!(a.begin("t1", "inv-1", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(b.begin("t1", "inv-1", 1000).unwrap(), Begin::Busy);
+        assert_eq!(b.begin("t2", "inv-1", 1000).unwrap(), Begin::Fresh);
+        // A commits: B answers with A's job.
+        let done = DedupRecord::new("t1", "inv-1", "shard-0", 7, 9000);
+        a.commit(std::slice::from_ref(&done)).unwrap();
+        assert_eq!(
+            b.begin("t1", "inv-1", 1000).unwrap(),
+            Begin::Done(done.clone())
+        );
+        // A reservation given up is free at once for the other server.
+        assert_eq!(a.begin("t1", "inv-2", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(b.begin("t1", "inv-2", 1000).unwrap(), Begin::Busy);
+        a.abort(&ids("t1", &["inv-2"]));
+        assert_eq!(b.begin("t1", "inv-2", 1000).unwrap(), Begin::Fresh);
+        // A server that died holding a reservation: a server opened after
+        // it still sees it busy, until it lapses.
+        assert_eq!(a.begin("t1", "inv-3", 1000).unwrap(), Begin::Fresh);
+        drop(a);
+        let c = FileDedup::open(dir.path(), 2000).unwrap();
+        assert_eq!(c.begin("t1", "inv-3", 2000).unwrap(), Begin::Busy);
+        assert_eq!(c.begin("t1", "inv-1", 2000).unwrap(), Begin::Done(done));
+        assert_eq!(
+            c.begin("t1", "inv-3", 1000 + RESERVE_MS + 1).unwrap(),
+            Begin::Fresh,
+            "a dead server's reservation lapses"
+        );
+    }
+
+    #[test]
+    fn many_servers_racing_for_the_same_ids_reserve_each_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let servers: Vec<FileDedup> = (0..4)
+            .map(|_| FileDedup::open(dir.path(), 1000).unwrap())
+            .collect();
+        let fresh = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for d in &servers {
+                let fresh = &fresh;
+                sc.spawn(move || {
+                    for i in 0..200 {
+                        let id = format!("id-{i}");
+                        if d.begin("k", &id, 1000).unwrap() == Begin::Fresh {
+                            fresh.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            fresh.into_inner(),
+            200,
+            "each id reserved by exactly one server"
         );
     }
 

@@ -720,5 +720,19 @@ fn redis_round_trip_with_dedup() {
     }
     let (_, st) = get(&s, "/v1/status");
     assert_eq!(st["totals"]["ready"], 2, "{st}");
+    // A dedup id belongs to its key: another tenant's job with the same id
+    // is stored, and is a duplicate of itself only.
+    let other = enqueue(
+        &s,
+        json!([{"key": "victim", "payload": "v", "dedup_id": "d-1"}]),
+    );
+    assert_eq!(other[0]["duplicate"], false, "{other:?}");
+    assert_ne!(other[0]["id"], first[0]["id"]);
+    let other_again = enqueue(
+        &s,
+        json!([{"key": "victim", "payload": "v", "dedup_id": "d-1"}]),
+    );
+    assert_eq!(other_again[0]["duplicate"], true);
+    assert_eq!(other_again[0]["id"], other[0]["id"]);
     s.stop().unwrap();
 }

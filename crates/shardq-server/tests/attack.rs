@@ -425,3 +425,95 @@ fn invented_worker_names_do_not_pass_the_tokens_bound() {
         "lower-case scheme is read (403: the token lacks `read`), not 401"
     );
 }
+
+#[test]
+fn one_tenants_dedup_id_never_suppresses_anothers_job() {
+    let dir = init_dir(2, "rendezvous");
+    let s = start(dir.path(), options());
+    let attacker = enqueue(
+        &s,
+        json!([{"key": "attacker", "payload": "a", "dedup_id": "invoice-2026-0001"}]),
+    );
+    let victim = enqueue(
+        &s,
+        json!([{"key": "victim", "payload": "v", "dedup_id": "invoice-2026-0001"}]),
+    );
+    assert_eq!(victim[0]["duplicate"], false, "{victim:?}");
+    assert_eq!(victim[0]["key"], "victim");
+    assert_ne!(victim[0]["id"], attacker[0]["id"]);
+    // Each key's re-send is its own duplicate; one request may carry the
+    // same id for two keys.
+    let again = enqueue(
+        &s,
+        json!([
+            {"key": "victim", "payload": "v", "dedup_id": "invoice-2026-0001"},
+            {"key": "third", "payload": "t", "dedup_id": "invoice-2026-0001"},
+        ]),
+    );
+    assert_eq!(again[0]["duplicate"], true);
+    assert_eq!(again[0]["id"], victim[0]["id"]);
+    assert_eq!(again[1]["duplicate"], false);
+    let t = totals(&s);
+    assert_eq!(
+        t["ready"].as_u64().unwrap() + t["delayed"].as_u64().unwrap(),
+        3,
+        "{t}"
+    );
+}
+
+#[test]
+fn one_dedup_id_sent_to_two_servers_at_once_is_stored_once() {
+    let dir = init_dir(2, "rendezvous");
+    let a = start(dir.path(), options());
+    let b = start(dir.path(), options());
+    const TRIALS: usize = 100;
+    // Both servers get the same id at the same moment, trial after trial;
+    // a 409 (the other holds it right now) is retried, as clients do.
+    let send = |s: &shardq_server::Running, i: usize| -> Value {
+        let body = json!({"jobs": [{"key": format!("t{}", i % 7), "payload": i.to_string(), "dedup_id": format!("req-{i}")}]});
+        let t = Instant::now();
+        loop {
+            let (code, v) = post(s, "/v1/jobs", body.clone());
+            match code {
+                200 => return v["jobs"][0].clone(),
+                409 => {
+                    assert!(t.elapsed() < Duration::from_secs(30), "still busy: {v}");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                _ => panic!("{code}: {v}"),
+            }
+        }
+    };
+    let barrier = std::sync::Barrier::new(2);
+    let replies: Vec<Vec<Value>> = std::thread::scope(|sc| {
+        let runs: Vec<_> = [&a, &b]
+            .into_iter()
+            .map(|s| {
+                let (barrier, send) = (&barrier, &send);
+                sc.spawn(move || {
+                    (0..TRIALS)
+                        .map(|i| {
+                            barrier.wait();
+                            send(s, i)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let (left, right) = (&replies[0], &replies[1]);
+    for (i, (x, y)) in left.iter().zip(right).enumerate() {
+        assert_eq!(x["id"], y["id"], "trial {i}: two jobs for one id: {x} {y}");
+        assert!(
+            x["duplicate"] != y["duplicate"],
+            "trial {i}: exactly one reply stored it: {x} {y}"
+        );
+    }
+    let t = totals(&a);
+    assert_eq!(
+        t["ready"].as_u64().unwrap(),
+        TRIALS as u64,
+        "one job per id: {t}"
+    );
+}
