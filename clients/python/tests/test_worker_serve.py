@@ -106,30 +106,23 @@ def test_every_url_is_polled_when_only_the_second_server_has_work(make_serve, ki
 
 def test_an_async_handler_given_to_the_threaded_worker_is_refused_and_never_acked(serve):
     Client([serve.url]).enqueue("k", "x")
+    ran: List[str] = []
 
     async def handle(job: ClaimedJob) -> None:
-        pass
+        ran.append(job.key)
 
     class Handler:
         async def __call__(self, job: ClaimedJob) -> None:
-            pass
+            ran.append(job.key)
 
-    for bad in (handle, Handler()):
-        with pytest.raises(ConfigError, match="AsyncWorker"):
-            Worker([serve.url]).run(bad, install_signal_handlers=False)  # type: ignore[arg-type]
-    assert serve.totals()["ready"] == 1, "nothing may be claimed"
-
-    # A plain callable returning a coroutine: seen only when it returns.
-    # The coroutine never ran: the job is not acked and the worker stops.
-    ran: List[str] = []
-
-    async def body(job: ClaimedJob) -> None:
-        ran.append(job.key)
-
-    with pytest.raises(ConfigError, match="AsyncWorker"):
-        Worker([serve.url]).run(lambda job: body(job), install_signal_handlers=False, wait_ms=200)
-    t = serve.totals()
-    assert ran == [] and t["ready"] + t["delayed"] + t["in_flight"] == 1, t
+    # A plain callable returning a coroutine is seen only when it returns:
+    # the coroutine never ran, so the job is not acked and the worker stops.
+    for bad in (handle, Handler(), lambda job: handle(job)):
+        r = Running("thread", [serve.url], bad, wait_ms=200)
+        wait_until("the worker to refuse the handler", lambda: not r.t.is_alive(), timeout_s=10)
+        assert isinstance(r.error, ConfigError) and "AsyncWorker" in str(r.error), r.error
+        t = serve.totals()
+        assert ran == [] and t["ready"] + t["delayed"] + t["in_flight"] == 1, t
 
 
 # --------------------------------------------------------------- 3. refused token
