@@ -54,6 +54,25 @@ use crate::job::{
     ShardStats,
 };
 
+/// The bounds of one call of a backend ([`QueueBackend::limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendLimits {
+    /// Most jobs in one [`QueueBackend::enqueue`].
+    pub enqueue_batch_jobs_max: usize,
+    /// Most bytes of payloads and keys in one [`QueueBackend::enqueue`].
+    pub enqueue_batch_bytes_max: usize,
+}
+
+impl Default for BackendLimits {
+    /// No bound.
+    fn default() -> Self {
+        BackendLimits {
+            enqueue_batch_jobs_max: usize::MAX,
+            enqueue_batch_bytes_max: usize::MAX,
+        }
+    }
+}
+
 /// The queue operations of one storage engine, over all shards it holds.
 ///
 /// Implementations are shared between threads (`Send + Sync`); every method
@@ -61,6 +80,12 @@ use crate::job::{
 pub trait QueueBackend: Send + Sync {
     /// Names of the shards this backend holds, in map order.
     fn shard_names(&self) -> Vec<String>;
+
+    /// The bounds of one call: callers (the producer) split their work by
+    /// them, so no caller needs to know which backend it talks to.
+    fn limits(&self) -> BackendLimits {
+        BackendLimits::default()
+    }
 
     /// Appends `jobs`, in order, to `shard`, as one batch.
     ///

@@ -16,7 +16,7 @@ pub mod pool;
 pub mod producer;
 pub mod reshard;
 
-pub use backend::{Coordinator, Ownership, QueueBackend};
+pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::QueueError;
 pub use job::{

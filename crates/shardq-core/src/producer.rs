@@ -17,7 +17,7 @@ use std::sync::Arc;
 use shardq_route::Router;
 use thiserror::Error;
 
-use crate::backend::QueueBackend;
+use crate::backend::{BackendLimits, QueueBackend};
 use crate::clock::{Clock, SystemClock};
 use crate::error::QueueError;
 use crate::job::{JobId, NewJob};
@@ -282,44 +282,52 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             }
             let mut retry: Vec<usize> = Vec::new();
             let mut fenced: Option<String> = None;
-            for ((at, own), idxs) in groups {
+            let limits = self.backend.limits();
+            for ((at, own), group) in groups {
                 let shard = self.router.map().shards[at].name.clone();
-                let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
-                match self.backend.enqueue(&shard, version, &batch) {
-                    Ok(ids) => {
-                        for (&i, id) in idxs.iter().zip(ids) {
-                            placed[i] = Some(Placed {
-                                index: i,
-                                shard: shard.clone(),
-                                id,
-                                map_version: version,
-                            });
-                            paused.remove(&jobs[i].key);
+                // The backend's bounds per call: parts in order, so a key's
+                // jobs still go in one after another.
+                for idxs in split_by_limits(&group, jobs, limits) {
+                    let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
+                    match self.backend.enqueue(&shard, version, &batch) {
+                        Ok(ids) => {
+                            for (&i, id) in idxs.iter().zip(ids) {
+                                placed[i] = Some(Placed {
+                                    index: i,
+                                    shard: shard.clone(),
+                                    id,
+                                    map_version: version,
+                                });
+                                paused.remove(&jobs[i].key);
+                            }
                         }
-                    }
-                    Err(QueueError::Fenced { .. }) => {
-                        *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
-                        fenced = Some(shard);
-                        retry.extend(idxs);
-                    }
-                    Err(QueueError::Paused { key, .. }) => {
-                        *self.refusals.paused.entry(shard.clone()).or_default() += 1;
-                        let since_ms = *paused_since
-                            .entry(key.clone())
-                            .or_insert_with(|| clock.now_ms());
-                        // Give up only on a group that holds this key alone:
-                        // a mixed group is split next round, so the other
-                        // keys' jobs still go in.
-                        if own == Some(key.as_str())
-                            && clock.now_ms().saturating_sub(since_ms) >= self.options.pause_wait_ms
-                        {
-                            gave_up.push((key, shard));
-                            continue;
+                        Err(QueueError::Fenced { .. }) => {
+                            *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
+                            fenced = Some(shard.clone());
+                            retry.extend(idxs);
                         }
-                        paused.insert(key);
-                        retry.extend(idxs);
+                        Err(QueueError::Paused { key, .. }) => {
+                            *self.refusals.paused.entry(shard.clone()).or_default() += 1;
+                            let since_ms = *paused_since
+                                .entry(key.clone())
+                                .or_insert_with(|| clock.now_ms());
+                            // Give up only on a group that holds this key
+                            // alone: a mixed group is split next round, so
+                            // the other keys' jobs still go in.
+                            if own == Some(key.as_str())
+                                && clock.now_ms().saturating_sub(since_ms)
+                                    >= self.options.pause_wait_ms
+                            {
+                                if !gave_up.iter().any(|(k, _)| *k == key) {
+                                    gave_up.push((key, shard.clone()));
+                                }
+                                continue;
+                            }
+                            paused.insert(key);
+                            retry.extend(idxs);
+                        }
+                        Err(e) => return Err(e.into()),
                     }
-                    Err(e) => return Err(e.into()),
                 }
             }
             retry.sort_unstable();
@@ -352,6 +360,32 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         }
         Ok(gave_up)
     }
+}
+
+/// `group` (indexes into `jobs`) in order, cut into parts within the
+/// backend's bounds per call (a part holds at least one job).
+fn split_by_limits<'a>(
+    group: &'a [usize],
+    jobs: &[NewJob],
+    limits: BackendLimits,
+) -> Vec<&'a [usize]> {
+    let jobs_max = limits.enqueue_batch_jobs_max.max(1);
+    let mut parts = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0usize);
+    for (n, &i) in group.iter().enumerate() {
+        let size = jobs[i].payload.len() + jobs[i].key.len();
+        let count = n - start;
+        if count > 0 && (count >= jobs_max || bytes + size > limits.enqueue_batch_bytes_max) {
+            parts.push(&group[start..n]);
+            start = n;
+            bytes = 0;
+        }
+        bytes += size;
+    }
+    if start < group.len() {
+        parts.push(&group[start..]);
+    }
+    parts
 }
 
 #[cfg(test)]
@@ -387,6 +421,28 @@ mod tests {
         fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
             self.inner.try_lock_rebalance()
         }
+    }
+
+    #[test]
+    fn batches_are_cut_by_the_backends_bounds_in_order() {
+        let jobs: Vec<NewJob> = ["aa", "bbbb", "c", "dddddd", "e"]
+            .iter()
+            .map(|p| NewJob::new("k", *p))
+            .collect();
+        let all: Vec<usize> = (0..jobs.len()).collect();
+        let check = |jobs_max: usize, bytes_max: usize, want: &[&[usize]]| {
+            let limits = BackendLimits {
+                enqueue_batch_jobs_max: jobs_max,
+                enqueue_batch_bytes_max: bytes_max,
+            };
+            assert_eq!(split_by_limits(&all, &jobs, limits), want, "{limits:?}");
+        };
+        check(usize::MAX, usize::MAX, &[&[0, 1, 2, 3, 4]]);
+        check(2, usize::MAX, &[&[0, 1], &[2, 3], &[4]]);
+        // Key "k" is one byte of each job: sizes 3, 5, 2, 7, 2.
+        check(usize::MAX, 8, &[&[0, 1], &[2], &[3], &[4]]);
+        // A job over the bytes bound still goes, alone (the backend says why).
+        check(usize::MAX, 1, &[&[0], &[1], &[2], &[3], &[4]]);
     }
 
     #[test]

@@ -505,6 +505,15 @@ impl FsBackend {
 }
 
 impl QueueBackend for FsBackend {
+    fn limits(&self) -> shardq_core::BackendLimits {
+        // The bytes bound counts the records' headers too: keep a margin
+        // of 64 bytes per job below it.
+        shardq_core::BackendLimits {
+            enqueue_batch_jobs_max: ENQUEUE_BATCH_JOBS_MAX,
+            enqueue_batch_bytes_max: ENQUEUE_BATCH_BYTES_MAX - 64 * ENQUEUE_BATCH_JOBS_MAX,
+        }
+    }
+
     fn shard_names(&self) -> Vec<String> {
         let mut names: Vec<String> = match fs::read_dir(&self.dir) {
             Ok(rd) => rd

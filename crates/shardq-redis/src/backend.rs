@@ -581,6 +581,13 @@ impl RedisBackend {
 }
 
 impl QueueBackend for RedisBackend {
+    fn limits(&self) -> shardq_core::BackendLimits {
+        shardq_core::BackendLimits {
+            enqueue_batch_jobs_max: ENQUEUE_BATCH_MAX,
+            ..shardq_core::BackendLimits::default()
+        }
+    }
+
     fn shard_names(&self) -> Vec<String> {
         self.registry()
             .shards

@@ -685,7 +685,9 @@ fn redis_round_trip_with_dedup() {
     let map = shardq_deploy::spec::init_map(2, "rendezvous", None).unwrap();
     shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
         .unwrap();
-    let s = start(&data, options());
+    let mut o = options();
+    o.limits.jobs_per_request_max = 3000;
+    let s = start(&data, o);
     let body = json!([{"key": "t-1", "payload": "hi", "dedup_id": "d-1"}]);
     let first = enqueue(&s, body.clone());
     let again = enqueue(&s, body);

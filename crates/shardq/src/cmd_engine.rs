@@ -380,28 +380,9 @@ fn open(dir: &Path, common: &CommonOpts, dead_policy: DeadPolicy) -> anyhow::Res
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     let deployment = open(&args.data, &args.common, DeadPolicy::default())?;
     let mut producer = deployment.producer(ProducerOptions::default())?;
-    let redis = deployment.is_redis();
     enqueue_with(&args, &mut |jobs| {
-        let mut all = Stored {
-            placed: Vec::with_capacity(jobs.len()),
-            error: None,
-        };
-        // One script per shard per call is bounded on Redis; chunks keep
-        // each key's order since they go in one after another, and the
-        // first error stops the rest.
-        let chunk = if redis {
-            shardq_redis::ENQUEUE_BATCH_MAX
-        } else {
-            jobs.len().max(1)
-        };
-        for (n, part) in jobs.chunks(chunk).enumerate() {
-            let stored = Stored::from_produce(producer.enqueue_batch(part), n * chunk);
-            all.placed.extend(stored.placed);
-            if stored.error.is_some() {
-                all.error = stored.error;
-                break;
-            }
-        }
+        // The producer splits the batch by the backend's own bounds.
+        let mut all = Stored::from_produce(producer.enqueue_batch(jobs), 0);
         if !all.placed.is_empty() {
             if let Err(e) = deployment.flush() {
                 let e = anyhow::Error::new(e).context(
