@@ -72,10 +72,11 @@ TIMEOUT_MARGIN_S = 5.0
 #: shorter than the server's longest wait, so that a request the server is
 #: still working on (and may yet store) is not given up and sent elsewhere.
 REQUEST_TIMEOUT_S = SERVER_WAIT_MAX_S + TIMEOUT_MARGIN_S
-#: How long a server keeps a dedup id reserved for a request that is
-#: storing it (``PENDING_MS`` in crates/shardq-server/src/dedup.rs); an
-#: enqueue answered 409 (an id busy) is retried at least that long.
-DEDUP_PENDING_S = 60.0
+#: The longest a server keeps a dedup id reserved for a request that is
+#: storing it (crates/shardq-server/src/dedup.rs: ``RESERVE_MS`` on an
+#: embedded data dir, 120 s; ``PENDING_MS`` on Redis, 60 s); an enqueue
+#: answered 409 (an id busy) is retried at least that long.
+DEDUP_PENDING_S = 120.0
 #: Rounds over every URL before an enqueue gives up.
 RETRY_ROUNDS_DEFAULT = 5
 #: Backoff between rounds, in ms: doubles from the first to the cap, with jitter.
