@@ -188,7 +188,95 @@ pub enum QueueError {
     Backend(String),
 }
 
+/// What kind of failure an error is, whatever layer it comes from: the one
+/// thing a caller decides on. The CLI's exit code and the server's HTTP
+/// status follow from it ([`ErrorKind::exit_code`], [`ErrorKind::http_status`]),
+/// in one place, so no layer reads another's message to decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The request itself is wrong (a field, a value, a name): sending it
+    /// again changes nothing; nothing was stored.
+    BadInput,
+    /// The request meets the state of the store (a stale receipt, a shard
+    /// owned elsewhere, a busy rebalance): it can be right later, or never.
+    Conflict,
+    /// The store did not answer in time or is full for now: the same
+    /// request may work later.
+    Retryable,
+    /// Stored data is damaged: nothing runs on it until it is repaired.
+    Corrupt,
+    /// The store lost its state or is another deployment's: stop.
+    Lost,
+    /// Anything else (a bug, an unexpected I/O error).
+    Internal,
+}
+
+impl ErrorKind {
+    /// The HTTP status of an error of this kind.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorKind::BadInput => 400,
+            ErrorKind::Conflict => 409,
+            ErrorKind::Retryable => 503,
+            ErrorKind::Corrupt | ErrorKind::Lost | ErrorKind::Internal => 500,
+        }
+    }
+
+    /// The CLI's exit code for an error of this kind: 2 bad input, 3
+    /// conflict, 75 retry later (`EX_TEMPFAIL`), 65 damaged data
+    /// (`EX_DATAERR`), 76 a lost store (`EX_PROTOCOL`), 1 anything else.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            ErrorKind::BadInput => 2,
+            ErrorKind::Conflict => 3,
+            ErrorKind::Retryable => 75,
+            ErrorKind::Corrupt => 65,
+            ErrorKind::Lost => 76,
+            ErrorKind::Internal => 1,
+        }
+    }
+
+    /// Its name, for logs and JSON (`"bad_input"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::BadInput => "bad_input",
+            ErrorKind::Conflict => "conflict",
+            ErrorKind::Retryable => "retryable",
+            ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Lost => "lost",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
 impl QueueError {
+    /// The kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            QueueError::InvalidKey { .. }
+            | QueueError::PayloadTooLarge { .. }
+            | QueueError::InvalidMaxAttempts { .. }
+            | QueueError::InvalidDelay { .. }
+            | QueueError::BatchTooLarge { .. }
+            | QueueError::UnknownShard { .. } => ErrorKind::BadInput,
+            QueueError::NotOwner { .. }
+            | QueueError::NotInFlight { .. }
+            | QueueError::StaleReceipt { .. } => ErrorKind::Conflict,
+            QueueError::Fenced { .. }
+            | QueueError::Paused { .. }
+            | QueueError::Unavailable { .. }
+            | QueueError::StoreFull { .. } => ErrorKind::Retryable,
+            QueueError::Corrupt { .. }
+            | QueueError::Inconsistent { .. }
+            | QueueError::UnknownFormat { .. } => ErrorKind::Corrupt,
+            QueueError::StoreLost(_) => ErrorKind::Lost,
+            QueueError::Poisoned { .. } | QueueError::Io { .. } | QueueError::Backend(_) => {
+                ErrorKind::Internal
+            }
+        }
+    }
+
     /// Errors that concern one shard only and may pass: the pool keeps
     /// running its other shards and tries this one again later.
     pub fn is_transient(&self) -> bool {

@@ -18,7 +18,7 @@ pub mod reshard;
 
 pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::QueueError;
+pub use error::{ErrorKind, QueueError};
 pub use job::{
     next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, ClaimedJob, DeadJob,
     DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats,

@@ -101,6 +101,20 @@ pub enum ProduceError {
     },
 }
 
+impl ProduceError {
+    /// The kind of this error.
+    pub fn kind(&self) -> crate::ErrorKind {
+        match self {
+            ProduceError::Queue(q) => q.kind(),
+            ProduceError::Map(r) => r.kind(),
+            ProduceError::PausedTooLong { .. } | ProduceError::FencedTooLong { .. } => {
+                crate::ErrorKind::Retryable
+            }
+            ProduceError::Partial { cause, .. } => cause.kind(),
+        }
+    }
+}
+
 /// Where an enqueued job landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {

@@ -55,7 +55,7 @@ use thiserror::Error;
 
 use crate::backend::QueueBackend;
 use crate::clock::{Clock, SystemClock};
-use crate::error::QueueError;
+use crate::error::{ErrorKind, QueueError};
 use crate::job::KeyCounts;
 
 /// Default keys moved per drain-then-switch batch.
@@ -137,6 +137,26 @@ pub enum ReshardError {
     /// A store-specific failure (I/O on the map file, a Redis error...).
     #[error("{0}")]
     Store(String),
+    /// The map store did not answer within its bound (a lock held by a
+    /// stalled process, an unreachable Redis): retry later.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl ReshardError {
+    /// The kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ReshardError::Queue(q) => q.kind(),
+            ReshardError::Map(_) | ReshardError::Invalid(_) => ErrorKind::BadInput,
+            ReshardError::Busy { .. }
+            | ReshardError::Conflict { .. }
+            | ReshardError::DrainTimeout { .. }
+            | ReshardError::DeadLetters { .. } => ErrorKind::Conflict,
+            ReshardError::Unavailable(_) => ErrorKind::Retryable,
+            ReshardError::Store(_) => ErrorKind::Internal,
+        }
+    }
 }
 
 /// Options of [`rebalance`].

@@ -38,6 +38,22 @@ pub enum DeployError {
 }
 
 impl DeployError {
+    /// The kind of this error, from which the CLI's exit code and the
+    /// server's status follow.
+    pub fn kind(&self) -> shardq_core::ErrorKind {
+        use shardq_core::ErrorKind;
+        match self {
+            DeployError::Invalid(_) | DeployError::Map(_) => ErrorKind::BadInput,
+            DeployError::Queue(q) => q.kind(),
+            DeployError::Fs(e) => e.kind(),
+            DeployError::Redis(e) => e.kind(),
+            DeployError::Reshard(e) => e.kind(),
+            DeployError::Io { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+impl DeployError {
     /// An I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> DeployError {
         DeployError::Io {

@@ -464,9 +464,9 @@ impl Deployment {
                 let mut map = ShardMap::with_shards(shardq_route::Algorithm::Rendezvous, [name])?;
                 map.shards[0].url = Some(u.to_string());
                 let opts = redis_options_for(remote, &RedisOptions::default());
-                shardq_redis::init_shards(&map, &opts).map_err(|e| {
-                    DeployError::Invalid(format!("deploying shard {name:?} at {u}: {e}"))
-                })?;
+                // The Redis error names the shard and the URL and keeps its
+                // kind (an unreachable server is "retry later", not bad input).
+                shardq_redis::init_shards(&map, &opts)?;
                 maps.assign_url(name, u);
                 backend.sync_shards(&map)?;
                 Ok(())

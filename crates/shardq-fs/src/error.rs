@@ -85,6 +85,23 @@ pub enum FsError {
 }
 
 impl FsError {
+    /// The kind of this error.
+    pub fn kind(&self) -> shardq_core::ErrorKind {
+        use shardq_core::ErrorKind;
+        match self {
+            FsError::Missing { .. }
+            | FsError::Foreign { .. }
+            | FsError::InitRefused { .. }
+            | FsError::InvalidOption { .. }
+            | FsError::RepairRefused { .. } => ErrorKind::BadInput,
+            FsError::MembershipCorrupt { .. } | FsError::MapInvalid { .. } => ErrorKind::Corrupt,
+            FsError::Queue(q) => q.kind(),
+            _ => ErrorKind::Internal,
+        }
+    }
+}
+
+impl FsError {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> FsError {
         FsError::Io {
             context: context.into(),

@@ -111,7 +111,7 @@ impl MapStore for FileMapStore {
         let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
             .map_err(|e| ReshardError::Store(format!("locking {}: {e}", lock_path.display())))?;
         if !held {
-            return Err(ReshardError::Store(format!(
+            return Err(ReshardError::Unavailable(format!(
                 "the map lock {} is held by another process (stalled?): not free after \
                  {MAP_LOCK_WAIT_MS} ms; nothing was published",
                 lock_path.display()

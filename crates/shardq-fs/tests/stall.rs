@@ -174,8 +174,12 @@ fn a_held_map_lock_fails_the_publish_after_its_bound_and_publishes_nothing() {
     next.version += 1;
     let held = hold(&dir.join(MAP_LOCK_FILE));
     let start = Instant::now();
-    let err = store.publish(&next, old.version).unwrap_err().to_string();
+    let e = store.publish(&next, old.version).unwrap_err();
     let took = start.elapsed();
+    // A stalled holder is "retry later" (503, exit 75), not a failure of
+    // the store.
+    assert_eq!(e.kind(), shardq_core::ErrorKind::Retryable, "{e}");
+    let err = e.to_string();
     assert!(
         err.contains(MAP_LOCK_FILE) && err.contains("nothing was published"),
         "{err}"

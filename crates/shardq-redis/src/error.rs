@@ -119,6 +119,23 @@ pub enum RedisError {
     Queue(#[from] QueueError),
 }
 
+impl RedisError {
+    /// The kind of this error.
+    pub fn kind(&self) -> shardq_core::ErrorKind {
+        use shardq_core::ErrorKind;
+        match self {
+            RedisError::Unreachable { .. } | RedisError::Full { .. } => ErrorKind::Retryable,
+            RedisError::InvalidUrl { .. }
+            | RedisError::InvalidName { .. }
+            | RedisError::NoRedisShards { .. }
+            | RedisError::Map { .. } => ErrorKind::BadInput,
+            RedisError::VersionConflict { .. } => ErrorKind::Conflict,
+            RedisError::Queue(q) => q.kind(),
+            _ => ErrorKind::Internal,
+        }
+    }
+}
+
 impl From<RedisError> for QueueError {
     fn from(e: RedisError) -> QueueError {
         match e {

@@ -168,6 +168,7 @@ fn store_err(e: RedisError) -> ReshardError {
         RedisError::VersionConflict {
             expected, found, ..
         } => ReshardError::Conflict { expected, found },
+        e @ RedisError::Unreachable { .. } => ReshardError::Unavailable(e.to_string()),
         other => ReshardError::Store(other.to_string()),
     }
 }

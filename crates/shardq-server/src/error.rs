@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use shardq_core::producer::ProduceError;
 use shardq_core::reshard::ReshardError;
-use shardq_core::QueueError;
+use shardq_core::{ErrorKind, QueueError};
 use shardq_deploy::DeployError;
 use thiserror::Error;
 
@@ -34,6 +34,18 @@ pub enum ServerError {
     /// The dedup store could not be opened.
     #[error("dedup store: {0}")]
     Dedup(String),
+}
+
+impl ServerError {
+    /// The kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ServerError::Config(_) => ErrorKind::BadInput,
+            ServerError::Deploy(e) => e.kind(),
+            ServerError::Io { .. } => ErrorKind::Internal,
+            ServerError::Dedup(_) => ErrorKind::Retryable,
+        }
+    }
 }
 
 /// A failed request: a status and a JSON body with at least `error`.
@@ -92,74 +104,47 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The status of an error of `kind`: the one mapping from a library
+/// error to HTTP ([`ErrorKind::http_status`]).
+pub fn kind_status(kind: ErrorKind) -> StatusCode {
+    StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
 /// The status a queue error maps to.
 pub fn queue_status(e: &QueueError) -> StatusCode {
-    match e {
-        QueueError::InvalidKey { .. }
-        | QueueError::PayloadTooLarge { .. }
-        | QueueError::InvalidMaxAttempts { .. }
-        | QueueError::InvalidDelay { .. }
-        | QueueError::BatchTooLarge { .. }
-        | QueueError::UnknownShard { .. } => StatusCode::BAD_REQUEST,
-        QueueError::NotOwner { .. }
-        | QueueError::StaleReceipt { .. }
-        | QueueError::NotInFlight { .. } => StatusCode::CONFLICT,
-        QueueError::Fenced { .. }
-        | QueueError::Paused { .. }
-        | QueueError::Unavailable { .. }
-        | QueueError::StoreFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    kind_status(e.kind())
+}
+
+impl ApiError {
+    /// The error of a library failure of `kind`: its status, its message,
+    /// and `"kind"` in the body so that a client decides without reading
+    /// the words.
+    pub fn of_kind(kind: ErrorKind, message: String) -> ApiError {
+        ApiError::new(kind_status(kind), message).with("kind", Value::from(kind.name()))
     }
 }
 
 impl From<QueueError> for ApiError {
     fn from(e: QueueError) -> ApiError {
-        ApiError::new(queue_status(&e), e.to_string())
+        ApiError::of_kind(e.kind(), e.to_string())
     }
 }
 
 impl From<ReshardError> for ApiError {
     fn from(e: ReshardError) -> ApiError {
-        let status = match &e {
-            ReshardError::Queue(q) => queue_status(q),
-            ReshardError::Map(_) | ReshardError::Invalid(_) => StatusCode::BAD_REQUEST,
-            ReshardError::Busy { .. }
-            | ReshardError::Conflict { .. }
-            | ReshardError::DrainTimeout { .. }
-            | ReshardError::DeadLetters { .. } => StatusCode::CONFLICT,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError::new(status, e.to_string())
+        ApiError::of_kind(e.kind(), e.to_string())
     }
 }
 
 impl From<DeployError> for ApiError {
     fn from(e: DeployError) -> ApiError {
-        let status = match &e {
-            DeployError::Invalid(_) | DeployError::Map(_) => StatusCode::BAD_REQUEST,
-            DeployError::Queue(q) => queue_status(q),
-            DeployError::Reshard(ReshardError::Busy { .. }) => StatusCode::CONFLICT,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError::new(status, e.to_string())
+        ApiError::of_kind(e.kind(), e.to_string())
     }
 }
 
 impl From<ProduceError> for ApiError {
     fn from(e: ProduceError) -> ApiError {
-        let message = e.to_string();
-        match e {
-            ProduceError::Queue(q) => ApiError::new(queue_status(&q), message),
-            ProduceError::Map(r) => ApiError::from(r),
-            ProduceError::PausedTooLong { .. } | ProduceError::FencedTooLong { .. } => {
-                ApiError::unavailable(message)
-            }
-            ProduceError::Partial { cause, .. } => {
-                let status = ApiError::from(*cause).status;
-                ApiError::new(status, message)
-            }
-            _ => ApiError::internal(message),
-        }
+        ApiError::of_kind(e.kind(), e.to_string())
     }
 }
 

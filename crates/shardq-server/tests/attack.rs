@@ -517,3 +517,32 @@ fn one_dedup_id_sent_to_two_servers_at_once_is_stored_once() {
         "one job per id: {t}"
     );
 }
+
+#[test]
+fn a_stalled_map_lock_is_retry_later_not_a_server_failure() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    // Another process stalled while holding the map's publish lock.
+    let lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.path().join(shardq_fs::map_store::MAP_LOCK_FILE))
+        .unwrap();
+    assert!(shardq_fs::layout::flock_within(&lock, Duration::ZERO).unwrap());
+    let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["kind"], "retryable", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains(shardq_fs::map_store::MAP_LOCK_FILE),
+        "{v}"
+    );
+    // Bad input stays bad input, with its kind.
+    let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "bad name!"}));
+    assert_eq!(code, 400, "{v}");
+    drop(lock);
+}

@@ -93,9 +93,44 @@ fn main() -> ExitCode {
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("shardq: error: {err:#}");
-            ExitCode::from(2)
+            ExitCode::from(exit_code(&err))
         }
     }
+}
+
+/// The exit code of a failed command: from the kind of the first library
+/// error in its chain ([`shardq_core::ErrorKind::exit_code`]: 2 bad input,
+/// 3 conflict, 75 retry later, 65 damaged data, 76 lost store, 1 other);
+/// 2 for the CLI's own refusals of flags and arguments.
+fn exit_code(err: &anyhow::Error) -> u8 {
+    error_kind(err).map_or(2, shardq_core::ErrorKind::exit_code)
+}
+
+fn error_kind(err: &anyhow::Error) -> Option<shardq_core::ErrorKind> {
+    use shardq_core::producer::ProduceError;
+    use shardq_core::reshard::ReshardError;
+    err.chain().find_map(|e| {
+        if let Some(e) = e.downcast_ref::<shardq_core::QueueError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<ReshardError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<ProduceError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<shardq_deploy::DeployError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<shardq_fs::FsError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<shardq_redis::RedisError>() {
+            return Some(e.kind());
+        }
+        e.downcast_ref::<shardq_server::ServerError>()
+            .map(shardq_server::ServerError::kind)
+    })
 }
 
 /// With `true`, a write to a closed pipe ends the process quietly through

@@ -211,7 +211,8 @@ fn enqueue_stdin_after_a_mid_batch_error_prints_every_stored_job_and_names_the_r
     let input: String = (1..=total).map(|i| format!("k-{i}\tp{i}\n")).collect();
     let out = run_stdin(&["enqueue", "--data", d, "--stdin"], input.as_bytes());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    // A corrupt shard is damaged data: EX_DATAERR, not a bad flag.
+    assert_eq!(out.status.code(), Some(65), "{err}");
     assert!(err.contains("shard-1") && err.contains("corrupt"), "{err}");
     let stdout = String::from_utf8(out.stdout).unwrap();
     // Printed: KEY<TAB>SHARD<TAB>ID, never for the corrupt shard.

@@ -557,7 +557,8 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
         (&add, "shard-9", &spare_url),
     ] {
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{err}");
+        // An unreachable store is "retry later" (EX_TEMPFAIL), not bad input.
+        assert_eq!(out.status.code(), Some(75), "{err}");
         assert!(
             err.contains(&format!("shard {shard:?}"))
                 && err.contains(url.as_str())

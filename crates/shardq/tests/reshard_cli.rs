@@ -1007,7 +1007,8 @@ fn a_second_rebalance_is_refused_while_one_runs() {
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        // A busy rebalance is a conflict (exit 3), not bad input.
+        assert_eq!(out.status.code(), Some(3), "{args:?}: {err}");
         assert!(
             err.contains("another rebalance is running") && err.contains(&pid),
             "{args:?}: {err}"

@@ -146,3 +146,52 @@ fn two_servers_split_the_shards_and_one_takes_over_when_the_other_dies() {
     let _ = b.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A flood of silent connections against a server with few file
+/// descriptors (`ulimit -n 320`): the connection bound keeps descriptors
+/// free, so the lease ticks never fail, and the silent sockets are closed
+/// after the header timeout, so requests are served again.
+#[test]
+fn a_flood_of_idle_sockets_leaves_the_leases_and_the_server_working() {
+    let dir = temp_dir("serve-flood");
+    let data = dir.join("data");
+    let (ok, _, err) = run(&["init", "--data", data.to_str().unwrap(), "--shards", "2"]);
+    assert!(ok, "{err}");
+    let port = free_port();
+    let log = dir.join("serve.log");
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 320 && exec {BIN} serve --data {} --listen 127.0.0.1:{port} --lease-ms 1000 --header-read-timeout-ms 1500",
+            data.display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_owned(port, 2);
+    // 400 sockets that send nothing: more than the server has descriptors.
+    let flood: Vec<std::net::TcpStream> = (0..400)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(flood.len() >= 300, "{} connected", flood.len());
+    // Through three lease periods and past the header timeout: the server
+    // answers again and still holds both shards.
+    std::thread::sleep(Duration::from_millis(3_500));
+    wait_owned(port, 2);
+    let (code, v) = post(
+        port,
+        "/v1/jobs",
+        json!({"jobs": [{"key": "k", "payload": "p"}]}),
+    )
+    .expect("the server answers after the flood");
+    assert_eq!(code, 200, "{v}");
+    drop(flood);
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !text.contains("Too many open files") && !text.contains("lease"),
+        "the lease machinery failed during the flood:\n{text}"
+    );
+}
