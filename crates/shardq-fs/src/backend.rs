@@ -43,6 +43,9 @@ use crate::storage::{LogFile, OsStorage, Storage};
 pub const ENQUEUE_BATCH_JOBS_MAX: usize = 65_536;
 /// Most bytes of records in one enqueue batch (256 MiB).
 pub const ENQUEUE_BATCH_BYTES_MAX: usize = 256 << 20;
+/// Largest `fence.json` read (its paused keys are bounded by the
+/// rebalance batch, so it is a few KiB).
+const FENCE_FILE_BYTES_MAX: u64 = 4 << 20;
 /// Fence file in each shard directory.
 pub const FENCE_FILE: &str = "fence.json";
 /// Default `interval` durability period.
@@ -443,9 +446,19 @@ impl FsBackend {
                 return Ok(f.clone());
             }
         }
-        let text = fs::read_to_string(&path)
-            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
-        let fence: Fence = serde_json::from_str(&text).map_err(|e| {
+        let bytes = self
+            .opts
+            .storage
+            .read_file(&path, FENCE_FILE_BYTES_MAX)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?
+            .unwrap_or_default();
+        if bytes.len() as u64 > FENCE_FILE_BYTES_MAX {
+            return Err(QueueError::Backend(format!(
+                "fence file {} is over {FENCE_FILE_BYTES_MAX} bytes: not a fence file",
+                path.display()
+            )));
+        }
+        let fence: Fence = serde_json::from_slice(&bytes).map_err(|e| {
             QueueError::Backend(format!("fence file {} is not valid: {e}", path.display()))
         })?;
         inner.fence = Some((stamp, fence.clone()));

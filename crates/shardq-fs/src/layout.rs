@@ -179,8 +179,37 @@ pub fn read_map(dir: &Path) -> Result<ShardMap, FsError> {
 
 /// The text of the shard map file of `dir`.
 pub fn read_map_text(dir: &Path) -> Result<String, FsError> {
+    read_map_text_with(&crate::storage::OsStorage, dir)
+}
+
+/// Largest shard map file read.
+pub const MAP_FILE_BYTES_MAX: u64 = 64 << 20;
+
+/// [`read_map_text`] through `storage`.
+pub fn read_map_text_with(
+    storage: &dyn crate::storage::Storage,
+    dir: &Path,
+) -> Result<String, FsError> {
     let path = dir.join(SHARD_MAP_FILE);
-    fs::read_to_string(&path).map_err(|e| FsError::io(format!("reading {}", path.display()), e))
+    let bytes = storage
+        .read_file(&path, MAP_FILE_BYTES_MAX)
+        .map_err(|e| FsError::io(format!("reading {}", path.display()), e))?
+        .ok_or_else(|| {
+            FsError::io(
+                format!("reading {}", path.display()),
+                io::Error::from(io::ErrorKind::NotFound),
+            )
+        })?;
+    if bytes.len() as u64 > MAP_FILE_BYTES_MAX {
+        return Err(FsError::MapInvalid {
+            path,
+            reason: format!("over {MAP_FILE_BYTES_MAX} bytes"),
+        });
+    }
+    String::from_utf8(bytes).map_err(|_| FsError::MapInvalid {
+        path,
+        reason: "not UTF-8 text".into(),
+    })
 }
 
 /// Parses `text`, the shard map file of `dir`.
@@ -193,20 +222,35 @@ pub fn parse_map(dir: &Path, text: &str) -> Result<ShardMap, FsError> {
 
 /// Reads membership.json (the caller holds the lock when it will write).
 pub fn read_membership(dir: &Path) -> Result<Membership, FsError> {
+    read_membership_with(&crate::storage::OsStorage, dir)
+}
+
+/// [`read_membership`] through `storage`.
+pub fn read_membership_with(
+    storage: &dyn crate::storage::Storage,
+    dir: &Path,
+) -> Result<Membership, FsError> {
     let path = dir.join(MEMBERSHIP_FILE);
-    let f = File::open(&path).map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let bytes = storage
+        .read_file(&path, MEMBERSHIP_BYTES_MAX)
+        .map_err(|e| FsError::io(format!("reading {}", path.display()), e))?
+        .ok_or_else(|| {
+            FsError::io(
+                format!("opening {}", path.display()),
+                io::Error::from(io::ErrorKind::NotFound),
+            )
+        })?;
+    let len = bytes.len() as u64;
     if len > MEMBERSHIP_BYTES_MAX {
         return Err(FsError::MembershipCorrupt {
             path,
             reason: format!("{len} bytes, over the limit of {MEMBERSHIP_BYTES_MAX}"),
         });
     }
-    let m: Membership =
-        serde_json::from_reader(io::BufReader::new(f)).map_err(|e| FsError::MembershipCorrupt {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+    let m: Membership = serde_json::from_slice(&bytes).map_err(|e| FsError::MembershipCorrupt {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
     if m.format != MEMBERSHIP_FORMAT || m.version != MEMBERSHIP_VERSION {
         return Err(FsError::MembershipCorrupt {
             path,

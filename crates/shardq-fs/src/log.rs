@@ -236,7 +236,7 @@ impl ShardLog {
             }
             // Read after listing: a file missing from the listing was
             // recorded before it was deleted.
-            self.reclaimed = Reclaimed::load(&self.name, &self.dir)?;
+            self.reclaimed = Reclaimed::load(&*self.storage, &self.name, &self.dir)?;
             self.segments = opened;
             self.cur_base = if from_start {
                 first
@@ -268,7 +268,7 @@ impl ShardLog {
 
     /// Re-reads the reclaimed list from disk.
     pub fn reload_reclaimed(&mut self) -> Result<&Reclaimed, QueueError> {
-        self.reclaimed = Reclaimed::load(&self.name, &self.dir)?;
+        self.reclaimed = Reclaimed::load(&*self.storage, &self.name, &self.dir)?;
         Ok(&self.reclaimed)
     }
 
@@ -460,7 +460,7 @@ impl ShardLog {
                 continue;
             }
             let later = bases.iter().copied().find(|&b| b > next);
-            let reclaimed = Reclaimed::load(&self.name, &self.dir)?;
+            let reclaimed = Reclaimed::load(&*self.storage, &self.name, &self.dir)?;
             match later {
                 Some(b) if reclaimed.covers(next, b) => {
                     if reclaimed != self.reclaimed {

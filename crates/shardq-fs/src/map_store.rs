@@ -92,7 +92,7 @@ impl Drop for FlockGuard {
 
 impl MapStore for FileMapStore {
     fn load(&self) -> Result<ShardMap, ReshardError> {
-        let text = layout::read_map_text(&self.dir).map_err(store_err)?;
+        let text = layout::read_map_text_with(&*self.storage, &self.dir).map_err(store_err)?;
         let mut parsed = self.parsed.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((t, map)) = parsed.as_ref() {
             if *t == text {
@@ -139,11 +139,13 @@ impl MapStore for FileMapStore {
 
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
         let path = self.dir.join(TARGET_FILE);
-        match fs::read_to_string(&path) {
-            Ok(text) => ShardMap::from_yaml(&text)
+        match self.storage.read_file(&path, layout::MAP_FILE_BYTES_MAX) {
+            Ok(Some(bytes)) => std::str::from_utf8(&bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|text| ShardMap::from_yaml(text).map_err(|e| e.to_string()))
                 .map(Some)
                 .map_err(|e| ReshardError::Store(format!("{}: {e}", path.display()))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Ok(None) => Ok(None),
             Err(e) => Err(ReshardError::Store(format!(
                 "reading {}: {e}",
                 path.display()

@@ -147,7 +147,7 @@ impl FsCoordinator {
 
     fn tick_inner(&mut self) -> Result<Ownership, FsError> {
         let _lock = MembershipLock::acquire(&self.dir)?;
-        let mut m = layout::read_membership(&self.dir)?;
+        let mut m = layout::read_membership_with(&*self.storage, &self.dir)?;
         let in_map: BTreeSet<String> = layout::read_map(&self.dir)?
             .shards
             .into_iter()
@@ -243,7 +243,7 @@ impl Coordinator for FsCoordinator {
         }
         let result = (|| {
             let _lock = MembershipLock::acquire(&self.dir)?;
-            let mut m = layout::read_membership(&self.dir)?;
+            let mut m = layout::read_membership_with(&*self.storage, &self.dir)?;
             for shard in self.owned.keys() {
                 if let Some(e) = m.shards.get_mut(shard) {
                     if e.owner.as_deref() == Some(self.opts.member_id.as_str()) {

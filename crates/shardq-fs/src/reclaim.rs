@@ -10,8 +10,6 @@
 //! This module only reads and writes the list; it must never delete a
 //! segment (compaction in the backend does, after writing the list).
 
-use std::fs;
-use std::io::Read;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -109,7 +107,11 @@ impl Reclaimed {
     }
 
     /// Reads the shard directory's list; none yet means nothing reclaimed.
-    pub fn load(shard: &str, dir: &Path) -> Result<Reclaimed, QueueError> {
+    pub fn load(
+        storage: &dyn crate::storage::Storage,
+        shard: &str,
+        dir: &Path,
+    ) -> Result<Reclaimed, QueueError> {
         let path = dir.join(RECLAIMED_FILE);
         let corrupt = |reason: String| QueueError::Corrupt {
             shard: shard.to_string(),
@@ -117,15 +119,12 @@ impl Reclaimed {
             offset: 0,
             reason: format!("{}: {reason}; it was not changed", path.display()),
         };
-        let file = match fs::File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Reclaimed::default()),
-            Err(e) => return Err(QueueError::io(format!("opening {}", path.display()), e)),
+        let bytes = match storage.read_file(&path, RECLAIMED_BYTES_MAX) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Ok(Reclaimed::default()),
+            Err(e) => return Err(QueueError::io(format!("reading {}", path.display()), e)),
         };
-        let mut text = String::new();
-        file.take(RECLAIMED_BYTES_MAX + 1)
-            .read_to_string(&mut text)
-            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
+        let text = String::from_utf8(bytes).map_err(|_| corrupt("not UTF-8 text".into()))?;
         if text.len() as u64 > RECLAIMED_BYTES_MAX {
             return Err(corrupt(format!("larger than {RECLAIMED_BYTES_MAX} bytes")));
         }

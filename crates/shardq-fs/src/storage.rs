@@ -52,6 +52,25 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn write_file_atomic(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         crate::layout::write_atomic(path, bytes)
     }
+    /// Reads a small state file whole: `None` when it does not exist;
+    /// `max_bytes + 1` bytes at most are read, so a caller can refuse a
+    /// file over its bound without reading it all.
+    fn read_file(&self, path: &Path, max_bytes: u64) -> io::Result<Option<Vec<u8>>> {
+        read_bounded(path, max_bytes)
+    }
+}
+
+/// [`Storage::read_file`] on the real file system.
+pub fn read_bounded(path: &Path, max_bytes: u64) -> io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut buf = Vec::new();
+    f.take(max_bytes.saturating_add(1)).read_to_end(&mut buf)?;
+    Ok(Some(buf))
 }
 
 /// Base positions of the segments in `dir`, ascending. Other files are ignored.
@@ -141,6 +160,9 @@ pub struct FaultyStorage {
     /// store given this storage) fails and leaves the old file in place, as
     /// a full disk would.
     pub fail_file_writes: Arc<AtomicBool>,
+    /// When set, every state-file read fails, as an I/O error of the disk
+    /// would.
+    pub fail_file_reads: Arc<AtomicBool>,
     /// File fsyncs that succeeded.
     pub syncs: Arc<AtomicU64>,
 }
@@ -195,6 +217,12 @@ impl Storage for FaultyStorage {
             ));
         }
         crate::layout::write_atomic(path, bytes)
+    }
+    fn read_file(&self, path: &Path, max_bytes: u64) -> io::Result<Option<Vec<u8>>> {
+        if self.fail_file_reads.load(Ordering::SeqCst) {
+            return Err(io::Error::other("injected state-file read failure"));
+        }
+        read_bounded(path, max_bytes)
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         if self.fail_removes.load(Ordering::SeqCst) {

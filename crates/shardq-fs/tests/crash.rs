@@ -298,3 +298,51 @@ fn a_full_disk_while_publishing_a_map_keeps_the_old_map() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// State-file reads go through `Storage` too: a disk that fails reads
+/// fails the lease tick and the map load naming the file, changes nothing,
+/// and once reads work again both go on as before.
+#[test]
+fn a_disk_that_fails_reads_fails_the_tick_and_the_map_load_naming_the_file() {
+    use shardq_core::reshard::MapStore;
+    use shardq_core::{Coordinator, ManualClock};
+    use shardq_fs::map_store::FileMapStore;
+    use shardq_fs::storage::FaultyStorage;
+    use shardq_fs::{FsCoordinator, MemberOptions};
+    use std::sync::atomic::Ordering;
+    let dir = data_dir("reads-fail");
+    let faulty = FaultyStorage::default();
+    let clock = ManualClock::new(1_000_000);
+    let member = MemberOptions {
+        member_id: "m@1".into(),
+        lease_ms: 30_000,
+        clock_skew_ms: 1_000,
+        max_local_shards: 1,
+    };
+    let mut c = FsCoordinator::new(&dir, member, Arc::new(clock.clone()))
+        .unwrap()
+        .with_storage(Arc::new(faulty.clone()));
+    let store = FileMapStore::open(&dir)
+        .unwrap()
+        .with_storage(Arc::new(faulty.clone()));
+    assert_eq!(c.tick().unwrap().gained, ["shard-0"]);
+    let version = store.load().unwrap().version;
+    let before = std::fs::read(dir.join("membership.json")).unwrap();
+
+    faulty.fail_file_reads.store(true, Ordering::SeqCst);
+    clock.advance(10_000);
+    let err = c.tick().unwrap_err().to_string();
+    assert!(
+        err.contains("membership.json") && err.contains("injected state-file read failure"),
+        "{err}"
+    );
+    let err = store.load().unwrap_err().to_string();
+    assert!(err.contains("shardmap.yaml"), "{err}");
+    assert_eq!(std::fs::read(dir.join("membership.json")).unwrap(), before);
+
+    faulty.fail_file_reads.store(false, Ordering::SeqCst);
+    let own = c.tick().unwrap();
+    assert_eq!((own.owned, own.lost), (vec!["shard-0".to_string()], vec![]));
+    assert_eq!(store.load().unwrap().version, version);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -667,7 +667,9 @@ fn a_crash_during_compaction_loses_nothing() {
     // Only files whose whole range is recorded may be gone after a crash
     // (the segment before the current one may be sealed but not yet
     // recorded, depending on where the last roll fell).
-    let list = shardq_fs::reclaim::Reclaimed::load("shard-0", &sdir).unwrap();
+    let list =
+        shardq_fs::reclaim::Reclaimed::load(&shardq_fs::storage::OsStorage, "shard-0", &sdir)
+            .unwrap();
     let middle: Vec<u64> = all
         .windows(2)
         .skip(2)
