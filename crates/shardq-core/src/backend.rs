@@ -146,9 +146,12 @@ pub trait QueueBackend: Send + Sync {
         lease_ms: u64,
     ) -> Result<Vec<Receipt>, QueueError>;
 
-    /// The earliest time (ms since the epoch) a pending job of `shard`
-    /// becomes claimable, if any is pending and none is claimable now; `None`
-    /// when nothing is waiting. Lets a pool sleep instead of polling.
+    /// The earliest time (ms since the epoch) work of `shard` may start: a
+    /// pending job becomes claimable, or a run in flight (of any process)
+    /// reaches the end of its job lease and would lapse back into work; now
+    /// or earlier when a job is claimable now; `None` when nothing is
+    /// waiting and nothing is in flight. Lets a pool sleep instead of
+    /// polling, and tells it whether it is idle. Needs no ownership.
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError>;
 
     /// A key's depth, in-flight and dead counts on `shard`, as of now
@@ -183,7 +186,11 @@ pub trait QueueBackend: Send + Sync {
 pub trait Coordinator: Send {
     /// Claims and renews; returns the shards owned after this tick, with the
     /// ones newly gained (to be adopted) and lost (to be dropped at once,
-    /// e.g. a lease that lapsed and was taken over).
+    /// e.g. a lease that lapsed and was taken over, or one that could not be
+    /// renewed and was given up). A transient error means nothing changed:
+    /// every shard owned before is still owned. A coordinator that gives a
+    /// shard up in a tick reports it in `lost`, never behind an error
+    /// (except [`QueueError::StoreLost`], which stops the process).
     fn tick(&mut self) -> Result<Ownership, QueueError>;
 
     /// Stops claiming; further ticks only renew.

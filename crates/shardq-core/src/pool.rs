@@ -18,7 +18,7 @@ use std::time::Duration;
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
-use crate::job::{ClaimedJob, FailOutcome, JobId, Receipt, JOB_LEASE_MS_DEFAULT};
+use crate::job::{ClaimedJob, FailOutcome, Receipt, JOB_LEASE_MS_DEFAULT};
 
 /// Largest worker count of one pool.
 pub const CONCURRENCY_MAX: usize = 4096;
@@ -59,6 +59,13 @@ impl RunSignal {
             self.cancelled.store(true, Ordering::SeqCst);
         }
     }
+
+    fn reason(&self) -> String {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 /// The run a handler is executing, as seen from inside the handler: whether
@@ -77,11 +84,7 @@ impl RunContext {
 
     /// Why the run was cancelled (empty while it is not).
     pub fn cancel_reason(&self) -> String {
-        self.signal
-            .reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.signal.reason()
     }
 }
 
@@ -181,9 +184,10 @@ pub struct PoolOptions {
     /// Longest run of one handler, in ms: past it the run is cancelled (see
     /// [`current_run`]) and, once the handler returns, fails. `None`: no limit.
     pub job_timeout_ms: Option<u64>,
-    /// Return once the owned shards have nothing pending and nothing is in
-    /// flight (batch runs and tests). A process that owns nothing keeps
-    /// waiting, since a lease may lapse.
+    /// Return once idle (batch runs and tests): no shard of the backend,
+    /// owned or not, has a job ready or delayed or a run in flight (any
+    /// process's run can lapse back into work). A process that owns
+    /// nothing keeps waiting, since a lease may lapse.
     pub exit_when_idle: bool,
     /// Called for each [`PoolEvent`].
     pub on_event: Arc<dyn Fn(PoolEvent) + Send + Sync>,
@@ -243,12 +247,16 @@ struct Outcome {
     result: Result<(), String>,
 }
 
-/// A run handed to a worker thread.
+/// A run claimed and not yet recorded: handed to a worker thread, or
+/// parked until an older run of its key in this process has returned.
 struct Running {
-    receipt: Receipt,
+    key: String,
     started_ms: u64,
     wait_ms: u64,
     signal: Arc<RunSignal>,
+    /// Not handed to a worker yet: an older, cancelled run of its key still
+    /// runs here (its job lease lapsed and the store started this one).
+    parked: Option<ClaimedJob>,
 }
 
 /// A shard that stopped serving, and when to try it again.
@@ -338,12 +346,13 @@ impl WorkerPool {
         let mut state = Dispatch {
             backend: &*backend,
             opts: &opts,
+            job_tx: &job_tx,
             report: PoolReport::default(),
             running: BTreeMap::new(),
             owned: Vec::new(),
             failed: BTreeMap::new(),
         };
-        let result = state.run_loop(coordinator, &*clock, stop, &job_tx, &out_rx);
+        let result = state.run_loop(coordinator, &*clock, stop, &out_rx);
         // Never give a shard up while one of its handlers runs: cancel what
         // still runs and wait for it, renewing the leases meanwhile.
         let waited = state.wait_for_running(coordinator, &*clock, &out_rx);
@@ -362,11 +371,11 @@ impl WorkerPool {
             }
             other => other,
         };
+        let mut report = state.report;
         drop(job_tx);
         for w in workers {
             let _ = w.join();
         }
-        let mut report = state.report;
         report.peak_in_flight = peak.load(Ordering::SeqCst);
         result?;
         waited?;
@@ -380,9 +389,12 @@ type JobSender = mpsc::Sender<(ClaimedJob, Arc<RunSignal>)>;
 struct Dispatch<'a> {
     backend: &'a dyn QueueBackend,
     opts: &'a PoolOptions,
+    job_tx: &'a JobSender,
     report: PoolReport,
-    /// Runs handed to workers and not yet recorded, by (shard, job).
-    running: BTreeMap<(String, JobId), Running>,
+    /// Runs claimed and not yet recorded, by shard and receipt: a run is
+    /// its receipt, and two runs of one job (a lapsed one whose handler
+    /// still runs, and its successor) are two entries.
+    running: BTreeMap<(String, Receipt), Running>,
     owned: Vec<String>,
     failed: BTreeMap<String, Failed>,
 }
@@ -397,7 +409,6 @@ impl Dispatch<'_> {
         coordinator: &mut dyn Coordinator,
         clock: &dyn Clock,
         stop: &AtomicBool,
-        job_tx: &JobSender,
         out_rx: &mpsc::Receiver<Outcome>,
     ) -> Result<(), QueueError> {
         let tick_interval_ms = coordinator.tick_interval_ms().max(1);
@@ -451,7 +462,7 @@ impl Dispatch<'_> {
 
             let mut claimed_any = false;
             if drain_deadline_ms.is_none() && !self.owned.is_empty() {
-                claimed_any = self.claim_round(rotate, now, job_tx)?;
+                claimed_any = self.claim_round(rotate, now)?;
                 rotate = rotate.wrapping_add(1);
             }
 
@@ -522,6 +533,12 @@ impl Dispatch<'_> {
         }
         self.owned = own.owned;
         self.failed.retain(|s, _| self.owned.contains(s));
+        // Whatever path lost a shard, none of its handlers runs on here.
+        for ((shard, _), run) in &self.running {
+            if !self.owned.contains(shard) {
+                run.signal.cancel("this process no longer holds the shard");
+            }
+        }
         Ok(())
     }
 
@@ -555,12 +572,7 @@ impl Dispatch<'_> {
     }
 
     /// One claim call per healthy shard, sharing the free slots.
-    fn claim_round(
-        &mut self,
-        rotate: usize,
-        now: u64,
-        job_tx: &JobSender,
-    ) -> Result<bool, QueueError> {
+    fn claim_round(&mut self, rotate: usize, now: u64) -> Result<bool, QueueError> {
         let mut claimed_any = false;
         let n = self.owned.len();
         // Claim ahead up to CLAIM_AHEAD x concurrency runs (the extra ones
@@ -606,40 +618,111 @@ impl Dispatch<'_> {
             if recovering && self.failed.remove(&shard).is_some() {
                 (self.opts.on_event)(PoolEvent::ShardRecovered(shard.clone()));
             }
+            let busy_keys: std::collections::BTreeSet<String> = self
+                .running
+                .iter()
+                .filter(|((s, _), _)| *s == shard)
+                .map(|(_, r)| r.key.clone())
+                .collect();
             for job in jobs {
                 claimed_any = true;
                 let signal = Arc::new(RunSignal::default());
                 let wait_ms = now.saturating_sub(job.created_ms.max(job.not_before_ms));
-                self.running.insert(
-                    (job.shard.clone(), job.id),
-                    Running {
-                        receipt: job.receipt(),
-                        started_ms: now,
-                        wait_ms,
-                        signal: Arc::clone(&signal),
-                    },
-                );
+                // The store started a new run of a key that still has one
+                // here: that run is over (its job lease lapsed, say in a
+                // stall). Stop its handler, and start this run only once
+                // the handler returned, so a key never has two handlers.
+                let mut older = false;
+                if busy_keys.contains(&job.key) {
+                    for ((s, _), run) in &self.running {
+                        if *s == job.shard && run.key == job.key {
+                            run.signal
+                                .cancel("the run's job lease lapsed and its job runs again");
+                            older = true;
+                        }
+                    }
+                }
                 (self.opts.on_event)(PoolEvent::RunStarted {
                     shard: job.shard.clone(),
                     wait_ms,
                 });
-                if job_tx.send((job, signal)).is_err() {
-                    return Err(QueueError::Backend("all worker threads exited".into()));
-                }
+                let entry = (job.shard.clone(), job.receipt());
+                let key = job.key.clone();
+                let parked = if older {
+                    Some(job)
+                } else {
+                    self.start(job, Arc::clone(&signal))?;
+                    None
+                };
+                self.running.insert(
+                    entry,
+                    Running {
+                        key,
+                        started_ms: now,
+                        wait_ms,
+                        signal,
+                        parked,
+                    },
+                );
             }
         }
         Ok(claimed_any)
+    }
+
+    fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {
+        self.job_tx
+            .send((job, signal))
+            .map_err(|_| QueueError::Backend("all worker threads exited".into()))
+    }
+
+    /// Hands parked runs whose key has no other run here any more to the
+    /// workers; a parked run cancelled meanwhile fails without running.
+    fn start_parked(&mut self) -> Vec<Outcome> {
+        let mut cancelled = Vec::new();
+        let ready: Vec<(String, Receipt)> = self
+            .running
+            .iter()
+            .filter(|(_, r)| r.parked.is_some())
+            .filter(|((shard, receipt), r)| {
+                !self.running.iter().any(|((s, other), o)| {
+                    s == shard && other != receipt && o.key == r.key && o.parked.is_none()
+                })
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for entry in ready {
+            let Some(run) = self.running.get_mut(&entry) else {
+                continue;
+            };
+            let Some(job) = run.parked.take() else {
+                continue;
+            };
+            if run.signal.cancelled.load(Ordering::SeqCst) {
+                cancelled.push(Outcome {
+                    shard: entry.0.clone(),
+                    receipt: entry.1,
+                    result: Err(format!(
+                        "cancelled before it started: {}",
+                        run.signal.reason()
+                    )),
+                });
+                continue;
+            }
+            let signal = Arc::clone(&run.signal);
+            if self.start(job, signal).is_err() {
+                // The workers are gone; the loop reports it on its next wait.
+                return cancelled;
+            }
+        }
+        cancelled
     }
 
     /// Extends the job lease of every running run; a run the backend calls
     /// stale is over, so its handler is told to stop.
     fn heartbeat(&mut self) {
         let mut per_shard: BTreeMap<String, Vec<Receipt>> = BTreeMap::new();
-        for ((shard, _), run) in &self.running {
-            per_shard
-                .entry(shard.clone())
-                .or_default()
-                .push(run.receipt);
+        for (shard, receipt) in self.running.keys() {
+            per_shard.entry(shard.clone()).or_default().push(*receipt);
         }
         for (shard, receipts) in per_shard {
             match self
@@ -648,7 +731,7 @@ impl Dispatch<'_> {
             {
                 Ok(stale) => {
                     for r in stale {
-                        if let Some(run) = self.running.get(&(shard.clone(), r.id)) {
+                        if let Some(run) = self.running.get(&(shard.clone(), r)) {
                             run.signal.cancel("the run's job lease was lost");
                         }
                     }
@@ -747,8 +830,13 @@ impl Dispatch<'_> {
 
     fn all_idle(&mut self, now: u64) -> bool {
         // Called right after a claim round that found nothing with every
-        // slot free, so nothing is claimable now; only future work counts.
-        // Keys halted by a dead job never become claimable and do not count.
+        // slot free, so nothing is claimable now; only future work counts:
+        // a delayed job, or a run in flight (another process's, a dead
+        // one's) that can lapse back into work. Keys halted by a dead job
+        // never become claimable and do not count. Shards other processes
+        // hold count too: their work may come to this one when a lease
+        // lapses (a shard that cannot be read there is its owner's to
+        // report).
         for shard in self.owned.clone() {
             if self.failed.contains_key(&shard) {
                 continue;
@@ -761,7 +849,11 @@ impl Dispatch<'_> {
                 }
             }
         }
-        true
+        self.backend
+            .shard_names()
+            .iter()
+            .filter(|s| !self.owned.contains(s))
+            .all(|s| !matches!(self.backend.next_due_ms(s), Ok(Some(_))))
     }
 
     fn next_due(&mut self, now: u64) -> Option<u64> {
@@ -780,12 +872,19 @@ impl Dispatch<'_> {
     }
 
     /// Records outcomes; acks are grouped per shard into one call.
-    fn record(&mut self, outcomes: Vec<Outcome>, now: u64) {
+    fn record(&mut self, mut outcomes: Vec<Outcome>, now: u64) {
+        while !outcomes.is_empty() {
+            self.record_batch(outcomes, now);
+            outcomes = self.start_parked();
+        }
+    }
+
+    fn record_batch(&mut self, outcomes: Vec<Outcome>, now: u64) {
         let mut acks: BTreeMap<String, Vec<(Receipt, u64, u64)>> = BTreeMap::new();
         for out in outcomes {
             let (wait_ms, run_ms) = self
                 .running
-                .remove(&(out.shard.clone(), out.receipt.id))
+                .remove(&(out.shard.clone(), out.receipt))
                 .map(|r| (r.wait_ms, now.saturating_sub(r.started_ms)))
                 .unwrap_or((0, 0));
             let outcome = match out.result {

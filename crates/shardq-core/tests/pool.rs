@@ -5,16 +5,17 @@
 //! given up while its handler runs, healthy shards keep running), not the
 //! mechanism.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use shardq_core::memory::{MemoryBackend, MemoryCoordinator};
 use shardq_core::{
-    current_run, AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt, RunOutcome, ShardStats,
-    SystemClock, WorkerPool,
+    current_run, AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts,
+    ManualClock, NewJob, PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt,
+    RunOutcome, ShardStats, SystemClock, WorkerPool,
 };
 
 fn run_pool(
@@ -220,10 +221,14 @@ fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
     assert_eq!(again[0].attempt, 2);
 }
 
-/// A backend whose one shard is corrupt: every call on it fails.
+/// A memory backend with faults: one corrupt shard (every call on it fails)
+/// and, when armed, a stall of the whole process right before a claim.
 struct OneBroken {
     inner: MemoryBackend,
     broken: String,
+    /// The clock moves on by this much (once) when the next claim starts,
+    /// as if the process had been stopped between heartbeat and claim.
+    stall_before_claim: Option<(ManualClock, Arc<AtomicU64>)>,
 }
 
 impl OneBroken {
@@ -256,6 +261,9 @@ impl QueueBackend for OneBroken {
     }
     fn claim(&self, s: &str, max: usize, lease: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         self.check(s)?;
+        if let Some((clock, ms)) = &self.stall_before_claim {
+            clock.advance(ms.swap(0, Ordering::SeqCst));
+        }
         self.inner.claim(s, max, lease)
     }
     fn ack(&self, s: &str, r: &[Receipt]) -> Result<AckOutcome, QueueError> {
@@ -315,6 +323,7 @@ fn one_corrupt_shard_stops_only_itself() {
     let backend = Arc::new(OneBroken {
         inner: inner.clone(),
         broken: "s1".into(),
+        stall_before_claim: None,
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let opts = PoolOptions {
@@ -464,4 +473,101 @@ fn a_release_that_times_out_keeps_the_drains_report() {
             .any(|e| matches!(e, PoolEvent::RecordFailed(m) if m.contains("releasing the shards"))),
         "{events:?}"
     );
+}
+
+/// Regression: a stall longer than the job lease between a heartbeat and a
+/// claim made the claim start the lapsed jobs again while their handlers
+/// still ran, in the same pool (two runs of a key at once), and the new
+/// runs were tracked under the old runs' entries. Now the pool stops the
+/// old handler and starts the new run once it returned. The real pool runs
+/// on a manual clock; the stall is the clock jumping inside the claim.
+#[test]
+fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
+    let clock = ManualClock::new(1_000_000);
+    let inner = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
+    for key in ["a", "b"] {
+        let jobs: Vec<NewJob> = (0..2).map(|i| NewJob::new(key, format!("{i}"))).collect();
+        inner.enqueue("s0", 1, &jobs).unwrap();
+    }
+    let stall = Arc::new(AtomicU64::new(0));
+    let backend = Arc::new(OneBroken {
+        inner: inner.clone(),
+        broken: String::new(),
+        stall_before_claim: Some((clock.clone(), stall.clone())),
+    });
+    let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(AtomicBool::new(false));
+    let handler: Arc<shardq_core::Handler> = {
+        let (running, overlaps, started, release) = (
+            running.clone(),
+            overlaps.clone(),
+            started.clone(),
+            release.clone(),
+        );
+        Arc::new(move |job: &ClaimedJob| {
+            {
+                let mut r = running.lock().unwrap();
+                let n = r.entry(job.key.clone()).or_default();
+                if *n > 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                *n += 1;
+            }
+            started.fetch_add(1, Ordering::SeqCst);
+            // Runs until released or cancelled (bounded: 20 s).
+            let run = current_run().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !release.load(Ordering::SeqCst) && !run.is_cancelled() {
+                assert!(Instant::now() < deadline, "the handler was never released");
+                thread::sleep(Duration::from_millis(1));
+            }
+            *running.lock().unwrap().get_mut(&job.key).unwrap() -= 1;
+            Ok(())
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 4,
+        job_lease_ms: 3_000,
+        idle_poll_ms: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let pool = {
+        let backend: Arc<dyn QueueBackend> = backend.clone();
+        let clock = clock.clone();
+        thread::spawn(move || {
+            let mut coord = MemoryCoordinator::new(inner);
+            let stop = AtomicBool::new(false);
+            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
+        })
+    };
+    wait_for(10, "both keys' first jobs to run", || {
+        started.load(Ordering::SeqCst) == 2
+    });
+    // Stopped for 5 s, past the 3 s job lease, right before a claim.
+    stall.store(5_000, Ordering::SeqCst);
+    wait_for(10, "the claim after the stall", || {
+        stall.load(Ordering::SeqCst) == 0
+    });
+    wait_for(10, "the lapsed jobs to run again", || {
+        started.load(Ordering::SeqCst) >= 4
+    });
+    release.store(true, Ordering::SeqCst);
+    let report = pool.join().unwrap().unwrap();
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "a key ran twice at once"
+    );
+    assert_eq!(report.acked, 4, "{report:?}");
+    assert_eq!(
+        report.stale, 2,
+        "the lapsed runs' results were refused: {report:?}"
+    );
+    for key in ["a", "b"] {
+        let c = backend.key_counts("s0", key).unwrap();
+        assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0), "key {key}");
+    }
 }

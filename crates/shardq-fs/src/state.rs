@@ -556,11 +556,20 @@ impl ShardState {
 
     /// Earliest time a scheduled key becomes claimable: `Some(0)` if one is
     /// claimable now.
+    /// When work may start next: 0 when a key is ready, else the earlier of
+    /// the first timer and the first job lease to end (a run in flight lapses
+    /// back into work unless acked or failed); `None` when nothing waits and
+    /// nothing is in flight.
     pub fn next_due_ms(&self) -> Option<u64> {
         if !self.ready.is_empty() {
             return Some(0);
         }
-        self.timers.peek().map(|Reverse((at, _))| *at)
+        let timer = self.timers.peek().map(|Reverse((at, _))| *at);
+        let lease = self.in_flight_ids.values().map(|r| r.lease_until_ms).min();
+        match (timer, lease) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     pub fn key_counts(&self, key: &str) -> KeyCounts {

@@ -273,7 +273,11 @@ impl Coordinator for RedisCoordinator {
         if let Some(e) = lost_store {
             return Err(e);
         }
-        if failures == total && failures > 0 {
+        // Every renewal failed: an error, but only when no shard was given
+        // up in this tick. An error means nothing changed, so the shards
+        // revoked above must be reported lost (their handlers stop); the
+        // next tick, owning nothing, reports the error.
+        if failures == total && failures > 0 && own.lost.is_empty() {
             if let Some(e) = first_err {
                 return Err(e.into());
             }

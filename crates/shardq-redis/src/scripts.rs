@@ -429,13 +429,18 @@ for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
 "#;
 
-/// The earliest start time of a waiting head: now when a key is ready, its
-/// not-before when every waiting key must wait, nil when none waits.
+/// The earliest time work may start: now when a key is ready, else the
+/// earlier of the first waiting head's not-before and the first job lease
+/// to end (a run in flight lapses back into work unless acked or failed);
+/// nil when nothing waits and nothing is in flight.
 const NEXT_DUE: &str = r#"
 if redis.call('LLEN', K_READY) > 0 then return now_ms() end
+local due = false
 local r = redis.call('ZRANGE', K_LATER, 0, 0, 'WITHSCORES')
-if r[1] then return tonumber(r[2]) end
-return false
+if r[1] then due = tonumber(r[2]) end
+local f = redis.call('ZRANGE', K_INF, 0, 0, 'WITHSCORES')
+if f[1] and (not due or tonumber(f[2]) < due) then due = tonumber(f[2]) end
+return due
 "#;
 
 /// ARGV[5] routing key: depth, in flight (0/1), dead.

@@ -195,7 +195,9 @@ pub struct WorkArgs {
     /// the job runs again elsewhere after it, with a larger SHARDQ_FENCE.
     #[arg(long, value_name = "MS", default_value_t = shardq_core::JOB_LEASE_MS_DEFAULT)]
     job_lease_ms: u64,
-    /// Exit once the owned shards are idle.
+    /// Exit once idle: no shard has a job ready or delayed, or a run in
+    /// flight (a run of any process, a dead one's too, can lapse back into
+    /// work).
     #[arg(long)]
     exit_when_idle: bool,
     /// Serve Prometheus metrics on http://ADDR/metrics while working

@@ -14,15 +14,18 @@
 //!
 //! Each handler gets its own process group and, on Linux, a parent-death
 //! SIGKILL, like a per-job handler. A handler that dies, answers for a
-//! receipt it was not given, writes a line that is not a result, or holds a
-//! run the pool cancelled (job timeout, lost shard, drain timeout) is killed
-//! (its whole group) and reaped; every job it held fails, and its slot
-//! starts a new process for the next job. This module never leaves a
-//! handler running once the worker is done with it, and knows nothing of
-//! queues beyond the job it is given.
+//! receipt it was not given (a second answer included), writes a line that
+//! is not a result, or holds a run the pool cancelled (job timeout, lost
+//! shard, drain timeout) is killed (its whole group) at once, by whichever
+//! thread sees it first, whether or not it holds a job, and reaped; the
+//! oldest job it held (the one it was running) fails, the jobs only written
+//! ahead to it run on the slot's next process in the same run, without
+//! using an attempt. This module never leaves a handler running once the
+//! worker is done with it, and knows nothing of queues beyond the job it is
+//! given.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -102,35 +105,81 @@ struct StdioResult {
     reason: Option<String>,
 }
 
-/// What a waiting run gets back: the handler's answer, or why there is none.
-type Answer = Result<StdioResult, String>;
+/// What a waiting run gets back.
+enum Answer {
+    /// The handler's result line.
+    Done(StdioResult),
+    /// The handler broke (died, broke the protocol, was killed) while this
+    /// was the oldest job it held: the one it was running. The attempt fails.
+    Broke(String),
+    /// The handler broke while this job was only written ahead: it never
+    /// started, so it runs again on the slot's next handler, in the same run.
+    NotStarted(String),
+}
 
-/// A running handler process and the runs waiting for its answers.
+/// What a handler process and its reader thread share.
+struct Shared {
+    pgid: libc::pid_t,
+    /// Jobs written and not answered, by write order: the first is the one
+    /// the handler runs (it reads and answers them one by one).
+    waiting: BTreeMap<u64, Waiter>,
+    next_seq: u64,
+    /// Why the handler is of no more use, once it is not.
+    broken: Option<String>,
+    /// Set (under this lock) just before the group leader is reaped: from
+    /// then on the group id may be reused and nobody may signal it.
+    reaped: bool,
+}
+
+struct Waiter {
+    receipt: String,
+    tx: mpsc::Sender<Answer>,
+}
+
+type SharedRef = Arc<Mutex<Shared>>;
+
+/// Ends a handler: kills its group at once (it stays unreaped, so the group
+/// id cannot be reused, until its `Proc` drops), fails the job it was
+/// running and gives back the ones only written ahead. Idempotent.
+fn stop(shared: &Mutex<Shared>, why: &str) {
+    let waiting = {
+        let mut s = lock(shared);
+        if s.broken.is_none() {
+            s.broken = Some(why.to_string());
+        }
+        if !s.reaped {
+            // SAFETY: kill(2) on the group this handler created; its leader
+            // is not reaped yet (checked under the lock that guards the
+            // reap), so the id cannot have been reused.
+            unsafe {
+                libc::kill(-s.pgid, libc::SIGKILL);
+            }
+        }
+        std::mem::take(&mut s.waiting)
+    };
+    for (i, (_, w)) in waiting.into_iter().enumerate() {
+        let answer = if i == 0 {
+            Answer::Broke(why.to_string())
+        } else {
+            Answer::NotStarted(why.to_string())
+        };
+        let _ = w.tx.send(answer);
+    }
+}
+
+/// A running handler process.
 struct Proc {
     child: Child,
-    pgid: libc::pid_t,
     stdin: ChildStdin,
     program: String,
-    /// Receipt -> where its answer goes; shared with the reader thread.
-    waiting: Arc<Mutex<HashMap<String, mpsc::Sender<Answer>>>>,
+    shared: SharedRef,
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on the group this process created; its leader is
-        // not reaped yet, so the id cannot have been reused.
-        unsafe {
-            libc::kill(-self.pgid, libc::SIGKILL);
-        }
+        stop(&self.shared, "the handler was stopped");
+        lock(&self.shared).reaped = true;
         let _ = self.child.wait();
-        fail_all(&self.waiting, "the handler was stopped");
-    }
-}
-
-fn fail_all(waiting: &Mutex<HashMap<String, mpsc::Sender<Answer>>>, why: &str) {
-    let all: Vec<_> = lock(waiting).drain().collect();
-    for (_, tx) in all {
-        let _ = tx.send(Err(why.to_string()));
     }
 }
 
@@ -155,35 +204,37 @@ fn start(cmd: &[String], slot: usize) -> Result<Proc, String> {
     let mut child = command
         .spawn()
         .map_err(|e| format!("starting stdio handler {program:?}: {e}"))?;
-    let pgid = child.id() as libc::pid_t;
-    let stdin = child.stdin.take().ok_or("the handler has no stdin pipe")?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or("the handler has no stdout pipe")?;
-    let waiting: Arc<Mutex<HashMap<String, mpsc::Sender<Answer>>>> = Arc::default();
-    let reader_waiting = Arc::clone(&waiting);
+    let shared: SharedRef = Arc::new(Mutex::new(Shared {
+        pgid: child.id() as libc::pid_t,
+        waiting: BTreeMap::new(),
+        next_seq: 0,
+        broken: None,
+        reaped: false,
+    }));
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err("the handler has no stdin or stdout pipe".to_string());
+    };
+    // From here on a failure drops `proc`, which kills and reaps the child.
+    let proc = Proc {
+        child,
+        stdin,
+        program: program.clone(),
+        shared: Arc::clone(&shared),
+    };
+    let reader_shared = Arc::clone(&shared);
     let name = program.clone();
     thread::Builder::new()
         .name("shardq-stdio-reader".into())
-        .spawn(move || read_answers(stdout, &reader_waiting, &name))
+        .spawn(move || read_answers(stdout, &reader_shared, &name))
         .map_err(|e| format!("starting the reader of handler {program:?}: {e}"))?;
-    Ok(Proc {
-        child,
-        pgid,
-        stdin,
-        program: program.clone(),
-        waiting,
-    })
+    Ok(proc)
 }
 
 /// Hands each result line to the run it names; on a broken protocol or the
-/// end of the handler's stdout every waiting run gets the reason.
-fn read_answers(
-    stdout: std::process::ChildStdout,
-    waiting: &Mutex<HashMap<String, mpsc::Sender<Answer>>>,
-    program: &str,
-) {
+/// end of the handler's stdout the handler is stopped at once.
+fn read_answers(stdout: std::process::ChildStdout, shared: &Mutex<Shared>, program: &str) {
     let mut reader = BufReader::new(stdout);
     let why = loop {
         let mut line = String::new();
@@ -209,15 +260,24 @@ fn read_answers(
                 )
             }
         };
-        let Some(tx) = lock(waiting).remove(&r.receipt) else {
+        let waiter = {
+            let mut s = lock(shared);
+            let seq = s
+                .waiting
+                .iter()
+                .find(|(_, w)| w.receipt == r.receipt)
+                .map(|(seq, _)| *seq);
+            seq.and_then(|seq| s.waiting.remove(&seq))
+        };
+        let Some(w) = waiter else {
             break format!(
                 "handler {program:?} answered for receipt {:?}, which it was not running",
                 r.receipt
             );
         };
-        let _ = tx.send(Ok(r));
+        let _ = w.tx.send(Answer::Done(r));
     };
-    fail_all(waiting, &why);
+    stop(shared, &why);
 }
 
 /// The handler processes of `work --stdio` and the jobs they run.
@@ -226,68 +286,130 @@ struct Procs {
     slots: Vec<Mutex<Option<Proc>>>,
 }
 
+/// How often one run is given back to a new handler before it fails anyway
+/// (a handler that breaks before it reads any job would loop forever).
+const GIVE_BACKS_MAX: u32 = 3;
+
 impl Procs {
     /// Runs `job` on handler process `slot` (starting one if needed). A
     /// handler that fails the protocol, dies, or holds a cancelled run is
-    /// killed and reaped; the slot's next job starts a new one.
+    /// killed and reaped at once; the job it was running fails, the jobs
+    /// written ahead to it run on the slot's next handler.
     fn run(&self, slot: usize, job: &ClaimedJob) -> Result<(), String> {
         let run = shardq_core::current_run();
         let line = serde_json::to_string(&StdioJob::of(job))
             .map_err(|e| format!("encoding job {}: {e}", job.id))?;
         let receipt = format!("{}:{}", job.shard, job.receipt());
-        let (tx, rx) = mpsc::channel();
-        {
-            let mut cell = lock(&self.slots[slot]);
-            if cell.is_none() {
-                *cell = Some(start(&self.cmd, slot)?);
-            }
-            let p = cell.as_mut().expect("started above");
-            lock(&p.waiting).insert(receipt.clone(), tx);
-            let written = p
-                .stdin
-                .write_all(line.as_bytes())
-                .and_then(|()| p.stdin.write_all(b"\n"))
-                .and_then(|()| p.stdin.flush());
-            if let Err(e) = written {
-                let why = format!("writing job {receipt} to handler {:?}: {e}", p.program);
-                *cell = None;
-                return Err(why);
-            }
-        }
+        let mut given_back = 0u32;
         loop {
             if let Some(r) = run.as_ref().filter(|r| r.is_cancelled()) {
-                let why = format!("killed: {}", r.cancel_reason());
-                let mut cell = lock(&self.slots[slot]);
-                // Only if the answer is still outstanding: the handler may be
-                // stuck on it.
-                if cell
-                    .as_ref()
-                    .is_some_and(|p| lock(&p.waiting).contains_key(&receipt))
-                {
-                    *cell = None;
-                }
-                return Err(why);
+                return Err(format!("killed: {}", r.cancel_reason()));
             }
-            match rx.recv_timeout(Duration::from_millis(POLL_MS)) {
-                Ok(Ok(r)) if r.ok => return Ok(()),
-                Ok(Ok(r)) => {
+            let (rx, shared) = self.write(slot, &receipt, &line)?;
+            let answer = loop {
+                if let Some(r) = run.as_ref().filter(|r| r.is_cancelled()) {
+                    let why = format!("killed: {}", r.cancel_reason());
+                    // Only if the answer is still outstanding: the handler
+                    // may be stuck on it.
+                    if lock(&shared).waiting.values().any(|w| w.receipt == receipt) {
+                        stop(&shared, &why);
+                        self.reap(slot, &shared);
+                    }
+                    return Err(why);
+                }
+                match rx.recv_timeout(Duration::from_millis(POLL_MS)) {
+                    Ok(answer) => break answer,
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err("the handler's answer was lost".to_string())
+                    }
+                }
+            };
+            match answer {
+                Answer::Done(r) if r.ok => return Ok(()),
+                Answer::Done(r) => {
                     return Err(r
                         .reason
                         .unwrap_or_else(|| "handler reported failure".into()))
                 }
-                Ok(Err(why)) => {
-                    // The protocol broke or the handler died: replace it.
-                    let mut cell = lock(&self.slots[slot]);
-                    if cell.as_ref().is_some_and(|p| lock(&p.waiting).is_empty()) {
-                        *cell = None;
-                    }
+                Answer::Broke(why) => {
+                    self.reap(slot, &shared);
                     return Err(why);
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err("the handler's answer was lost".to_string())
+                Answer::NotStarted(why) => {
+                    self.reap(slot, &shared);
+                    given_back += 1;
+                    if given_back > GIVE_BACKS_MAX {
+                        return Err(format!(
+                            "{why} (the job was given to {given_back} handlers, none started it)"
+                        ));
+                    }
                 }
             }
+        }
+    }
+
+    /// Writes `line` to the slot's handler (a new one when there is none or
+    /// it broke) and registers `receipt` for its answer.
+    fn write(
+        &self,
+        slot: usize,
+        receipt: &str,
+        line: &str,
+    ) -> Result<(mpsc::Receiver<Answer>, SharedRef), String> {
+        let (tx, rx) = mpsc::channel();
+        let mut cell = lock(&self.slots[slot]);
+        if cell
+            .as_ref()
+            .is_some_and(|p| lock(&p.shared).broken.is_some())
+        {
+            *cell = None;
+        }
+        if cell.is_none() {
+            *cell = Some(start(&self.cmd, slot)?);
+        }
+        let p = cell.as_mut().expect("started above");
+        let shared = Arc::clone(&p.shared);
+        {
+            let mut s = lock(&shared);
+            if let Some(why) = s.broken.clone() {
+                // Broke between the check and now: this job never reached it.
+                let _ = tx.send(Answer::NotStarted(why));
+            } else {
+                let seq = s.next_seq;
+                s.next_seq += 1;
+                s.waiting.insert(
+                    seq,
+                    Waiter {
+                        receipt: receipt.to_string(),
+                        tx,
+                    },
+                );
+            }
+        }
+        let written = p
+            .stdin
+            .write_all(line.as_bytes())
+            .and_then(|()| p.stdin.write_all(b"\n"))
+            .and_then(|()| p.stdin.flush());
+        if let Err(e) = written {
+            stop(
+                &shared,
+                &format!("writing job {receipt} to handler {:?}: {e}", p.program),
+            );
+        }
+        Ok((rx, shared))
+    }
+
+    /// Drops (kills and reaps) the slot's handler if it is still the one
+    /// `shared` belongs to.
+    fn reap(&self, slot: usize, shared: &SharedRef) {
+        let mut cell = lock(&self.slots[slot]);
+        if cell
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(&p.shared, shared))
+        {
+            *cell = None;
         }
     }
 }

@@ -11,23 +11,28 @@ use std::process::Command;
 
 use support::{enqueue_lines, init_shards, run, status_json, temp_dir, BIN};
 
+/// `work --stdio --exit-when-idle --concurrency C EXTRA -- python3 SCRIPT`.
+fn stdio_command(data: &Path, script: &Path, concurrency: usize, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "work",
+        "--data",
+        data.to_str().unwrap(),
+        "--concurrency",
+        &concurrency.to_string(),
+        "--max-local-shards",
+        "all",
+        "--exit-when-idle",
+        "--stdio",
+    ])
+    .args(extra)
+    .args(["--", "python3", script.to_str().unwrap()]);
+    cmd
+}
+
 /// Runs `work --stdio --exit-when-idle` with a Python handler script.
 fn work_stdio(data: &Path, script: &Path, concurrency: usize) -> (bool, String) {
-    let out = Command::new(BIN)
-        .args([
-            "work",
-            "--data",
-            data.to_str().unwrap(),
-            "--concurrency",
-            &concurrency.to_string(),
-            "--max-local-shards",
-            "all",
-            "--exit-when-idle",
-            "--stdio",
-            "--",
-            "python3",
-            script.to_str().unwrap(),
-        ])
+    let out = stdio_command(data, script, concurrency, &[])
         .output()
         .unwrap();
     (
@@ -151,5 +156,210 @@ fn a_stdio_answer_for_another_receipt_fails_the_job() {
     assert!(
         dead.contains("answered for receipt \"shard-0:999.1\""),
         "{dead}"
+    );
+}
+
+/// Runs `work --stdio --exit-when-idle --concurrency C --stdio-pipeline P`
+/// with the Python handler `script`, and fails the test if it has not
+/// exited within `bound` (a wedged worker is killed first).
+fn work_stdio_within(
+    data: &Path,
+    script: &Path,
+    concurrency: usize,
+    pipeline: usize,
+    bound: std::time::Duration,
+) -> (bool, String) {
+    let mut child = stdio_command(
+        data,
+        script,
+        concurrency,
+        &["--stdio-pipeline", &pipeline.to_string()],
+    )
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if start.elapsed() > bound {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        status.is_some(),
+        "the worker was still running after {bound:?} with {} ready: {err}",
+        status_json(data)["totals"]["ready"]
+    );
+    (out.status.success(), err)
+}
+
+/// A handler that reads its jobs with `os.read` (no read-ahead buffer of its
+/// own) and logs `KEY PAYLOAD PID ATTEMPT` per job it starts; `on_job` is
+/// Python run per job with `job`, `n` (jobs this process started) and
+/// `answer()` bound, and must answer.
+fn raw_handler(dir: &Path, log: &Path, on_job: &str) -> std::path::PathBuf {
+    let script = dir.join("raw.py");
+    let text = format!(
+        r#"import json, os, sys
+log = open({log:?}, "a")
+buf = b""
+def next_line(more=True):
+    global buf
+    while b"\n" not in buf:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            sys.exit(0)
+        buf += chunk
+    line, buf = buf.split(b"\n", 1)
+    return line
+def lines_ahead():
+    return buf.count(b"\n")
+def answer(job):
+    sys.stdout.write(json.dumps({{"receipt": job["receipt"], "ok": True}}) + "\n")
+    sys.stdout.flush()
+n = 0
+while True:
+    job = json.loads(next_line())
+    n += 1
+    log.write("%s %s %d %d\n" % (job["key"], job["payload"], os.getpid(), job["attempt"]))
+    log.flush()
+{on_job}
+"#,
+        log = log.to_str().unwrap()
+    );
+    std::fs::write(&script, text).unwrap();
+    script
+}
+
+/// (key, payload, pid, attempt) per started job.
+fn raw_runs(log: &Path) -> Vec<(String, u64, u32, u32)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (
+                f[0].to_string(),
+                f[1].parse().unwrap(),
+                f[2].parse().unwrap(),
+                f[3].parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Every job of `per_key` x `keys` ran and was acked, per key in order
+/// (a job may run again after a failed attempt, never out of order), and
+/// nothing is left ready, in flight or dead.
+fn assert_all_done_in_order(
+    data: &Path,
+    runs: &[(String, u64, u32, u32)],
+    keys: usize,
+    per_key: u64,
+) {
+    let mut per: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for (k, seq, _, _) in runs {
+        per.entry(k.clone()).or_default().push(*seq);
+    }
+    assert_eq!(per.len(), keys, "every key ran");
+    for (k, seqs) in &per {
+        let mut firsts = seqs.clone();
+        firsts.dedup();
+        assert_eq!(
+            firsts,
+            (0..per_key).collect::<Vec<u64>>(),
+            "key {k}: {seqs:?}"
+        );
+    }
+    let v = status_json(data);
+    for field in ["ready", "in_flight", "dead"] {
+        assert_eq!(v["totals"][field], 0, "{field}: {v}");
+    }
+}
+
+#[test]
+fn a_stdio_handler_that_breaks_the_protocol_after_an_answer_is_replaced_not_wedged() {
+    // Every third job of a process gets one more line after its answer,
+    // when the handler may hold no other job: an extra answer, a line that
+    // is not a result, an answer for a receipt it was never given.
+    let extras = [
+        (
+            "twice",
+            r#"sys.stdout.write(json.dumps({"receipt": job["receipt"], "ok": True}) + "\n")"#,
+        ),
+        ("garbage", r#"sys.stdout.write("not json\n")"#),
+        (
+            "foreign",
+            r#"sys.stdout.write(json.dumps({"receipt": "shard-0:999999.1", "ok": True}) + "\n")"#,
+        ),
+    ];
+    for (name, extra) in extras {
+        let dir = temp_dir(&format!("stdio-extra-{name}"));
+        let data = dir.join("data");
+        init_shards(&data, 2);
+        let lines: String = (0..120)
+            .map(|i| format!("t-{}\t{}\n", i % 12, i / 12))
+            .collect();
+        enqueue_lines(&data, &lines, &["--max-attempts", "100"]);
+        let log = dir.join("runs.log");
+        let on_job = format!(
+            "    answer(job)\n    if n % 3 == 0:\n        {extra}\n        sys.stdout.flush()\n"
+        );
+        let script = raw_handler(&dir, &log, &on_job);
+        let (ok, err) = work_stdio_within(&data, &script, 2, 4, std::time::Duration::from_secs(60));
+        assert!(ok, "{name}: {err}");
+        let runs = raw_runs(&log);
+        assert_all_done_in_order(&data, &runs, 12, 10);
+        let pids: BTreeSet<u32> = runs.iter().map(|r| r.2).collect();
+        assert!(
+            pids.len() > 2,
+            "{name}: the broken handlers were replaced: {pids:?}"
+        );
+        for pid in pids {
+            assert!(
+                !support::process_alive(pid),
+                "{name}: handler {pid} left running"
+            );
+        }
+    }
+}
+
+#[test]
+fn jobs_written_ahead_to_a_handler_that_dies_run_again_without_losing_an_attempt() {
+    let dir = temp_dir("stdio-ahead");
+    let data = dir.join("data");
+    init_shards(&data, 1);
+    let lines: String = (0..16).map(|i| format!("k-{i}\t0\n")).collect();
+    // One attempt each: an attempt charged to a job that never started
+    // would dead-letter it.
+    enqueue_lines(&data, &lines, &["--max-attempts", "2"]);
+    let log = dir.join("runs.log");
+    let marker = dir.join("died");
+    // The first process takes its first job, waits until two more are
+    // written ahead to it, and dies without starting them.
+    let on_job = format!(
+        "    if n == 1 and not os.path.exists({m:?}):\n        open({m:?}, \"w\").close()\n        while lines_ahead() < 2:\n            chunk = os.read(0, 65536)\n            if not chunk:\n                break\n            buf += chunk\n        os._exit(7)\n    answer(job)\n",
+        m = marker.to_str().unwrap()
+    );
+    let script = raw_handler(&dir, &log, &on_job);
+    let (ok, err) = work_stdio_within(&data, &script, 1, 4, std::time::Duration::from_secs(60));
+    assert!(ok, "{err}");
+    assert!(marker.exists(), "the first handler died");
+    assert!(err.contains("16 acked, 1 retried, 0 dead"), "{err}");
+    let runs = raw_runs(&log);
+    assert_all_done_in_order(&data, &runs, 16, 1);
+    let again: Vec<_> = runs.iter().filter(|r| r.3 > 1).collect();
+    assert_eq!(
+        again.len(),
+        1,
+        "only the job the handler ran used an attempt: {runs:?}"
     );
 }

@@ -154,13 +154,22 @@ pub fn run_stdin(args: &[&str], input: &[u8]) -> std::process::Output {
 
 /// `shardq init --data DATA --shards N`, asserting it succeeds.
 pub fn init_shards(data: &Path, shards: usize) {
-    let (ok, _, err) = run(&[
+    init_shards_with(data, shards, &[]);
+}
+
+/// `shardq init --data DATA --shards N EXTRA` (say `--redis URL`),
+/// asserting it succeeds.
+pub fn init_shards_with(data: &Path, shards: usize, extra: &[&str]) {
+    let shards = shards.to_string();
+    let mut args = vec![
         "init",
         "--data",
         data.to_str().unwrap(),
         "--shards",
-        &shards.to_string(),
-    ]);
+        &shards,
+    ];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = run(&args);
     assert!(ok, "{err}");
 }
 
