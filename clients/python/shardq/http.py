@@ -282,17 +282,22 @@ def _decode_payload(doc: Mapping[str, Any]) -> bytes:
 
 
 class _Prepared(NamedTuple):
-    """A job ready to send: its ``/v1/jobs`` object, that object's JSON, and
-    whether its dedup id was generated here."""
+    """A job ready to send: its ``/v1/jobs`` object and whether its dedup id
+    was generated here."""
 
     body: Dict[str, Any]
-    data: bytes
     generated: bool
 
 
+class _Batch(List[_Prepared]):
+    """The jobs of one request, with the request's body once encoded (a
+    retry sends the same bytes, so the same ids)."""
+
+    encoded: Optional[bytes] = None
+
+
 def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[_Prepared]:
-    """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id, encoded
-    once (a retry sends the same bytes, so the same ids). Generated ids are
+    """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id. Generated ids are
     a random 96-bit prefix per call and the job's index (unique without a
     uuid per job, and safe across fork()); a :class:`NewJob` without an id
     keeps the generated one, so sending it again after an error re-sends
@@ -322,25 +327,43 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[_Pre
         if generated:
             j.dedup_id = f"{prefix}-{n}"
         b["dedup_id"] = j.dedup_id
-        out.append(_Prepared(b, _dumps(b), generated))
+        out.append(_Prepared(b, generated))
     return out
 
 
 def _batches(jobs: List[_Prepared], count_max: int, bytes_max: int) -> Iterator[List[_Prepared]]:
     """``jobs`` in order, cut into requests of at most ``count_max`` jobs
     and ``bytes_max`` bytes of body (a job larger than that alone goes in a
-    request of its own: the server says whether it takes it)."""
-    batch: List[_Prepared] = []
+    request of its own: the server says whether it takes it). A request of
+    ``count_max`` jobs under the byte bound, the common case, is encoded in
+    one call; only one over it is measured job by job."""
+    for start in range(0, len(jobs), count_max):
+        chunk = _Batch(jobs[start:start + count_max])
+        body = _dumps({"jobs": [j.body for j in chunk]})
+        if len(body) <= bytes_max:
+            chunk.encoded = body
+            yield chunk
+        else:
+            yield from _split_by_bytes(chunk, bytes_max)
+
+
+def _split_by_bytes(jobs: List[_Prepared], bytes_max: int) -> Iterator[List[_Prepared]]:
+    batch = _Batch()
+    parts: List[bytes] = []
     size = len(_BATCH_HEAD) + len(_BATCH_TAIL)
     for j in jobs:
-        extra = len(j.data) + (1 if batch else 0)
-        if batch and (len(batch) >= count_max or size + extra > bytes_max):
+        data = _dumps(j.body)
+        extra = len(data) + (1 if batch else 0)
+        if batch and size + extra > bytes_max:
+            batch.encoded = _BATCH_HEAD + b",".join(parts) + _BATCH_TAIL
             yield batch
-            batch, size = [], len(_BATCH_HEAD) + len(_BATCH_TAIL)
-            extra = len(j.data)
+            batch, parts, size = _Batch(), [], len(_BATCH_HEAD) + len(_BATCH_TAIL)
+            extra = len(data)
         batch.append(j)
+        parts.append(data)
         size += extra
     if batch:
+        batch.encoded = _BATCH_HEAD + b",".join(parts) + _BATCH_TAIL
         yield batch
 
 
@@ -349,11 +372,14 @@ _BATCH_TAIL = b"]}"
 
 
 def _batch_body(batch: List[_Prepared]) -> bytes:
-    return _BATCH_HEAD + b",".join(j.data for j in batch) + _BATCH_TAIL
+    encoded = batch.encoded if isinstance(batch, _Batch) else None
+    if encoded is not None:
+        return encoded
+    return _BATCH_HEAD + b",".join(_dumps(j.body) for j in batch) + _BATCH_TAIL
 
 
 def _too_large(job: _Prepared, e: HttpError) -> InvalidJob:
-    return InvalidJob(f"job of key {job.body['key']!r} ({len(job.data)} bytes of JSON) is over the body limit "
+    return InvalidJob(f"job of key {job.body['key']!r} ({len(_dumps(job.body))} bytes of JSON) is over the body limit "
                       f"of {e.url}: {e.error}")
 
 

@@ -156,9 +156,12 @@ def test_twenty_one_mib_jobs_go_in_requests_under_the_body_limit(make_serve):
 
 def test_batches_are_cut_by_count_and_bytes():
     jobs = h._job_bodies([NewJob(f"k{i}", "p" * 100) for i in range(10)])
-    one = len(jobs[0].data)
+    one = len(h._dumps(jobs[0].body))
     cut = list(h._batches(jobs, 4, 3 * one + 2 + len(h._BATCH_HEAD) + len(h._BATCH_TAIL)))
-    assert [len(b) for b in cut] == [3, 3, 3, 1]
+    # Cut by count first (4, 4, 2), then a request over the byte bound by
+    # bytes (3 + 1 each), in order.
+    assert [len(b) for b in cut] == [3, 1, 3, 1, 2]
+    assert [j.body["key"] for b in cut for j in b] == [f"k{i}" for i in range(10)]
     assert all(len(h._batch_body(b)) <= 3 * one + 2 + 11 for b in cut)
     assert [len(b) for b in h._batches(jobs, 4, 1 << 20)] == [4, 4, 2]
     assert json.loads(h._batch_body(cut[0]))["jobs"][0]["key"] == "k0"
