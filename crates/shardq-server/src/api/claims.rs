@@ -1,0 +1,472 @@
+//! `POST /v1/claim` and the book of runs handed out: the long poll over
+//! the owned shards, the per-worker and per-token bounds, and the receipts
+//! grouped by shard for the run operations. It must never hand out more
+//! runs than the bounds allow, nor walk every run on a claim.
+
+use super::*;
+
+// ---------------------------------------------------------------------------
+// Claims and the runs they start.
+// ---------------------------------------------------------------------------
+
+/// A run: (shard number in the book, job id).
+type RunKey = (u32, u64);
+
+/// Receipts of one request grouped by owned shard (parsed, as sent), and
+/// the receipts of shards not owned here.
+pub(super) type Grouped = (BTreeMap<String, Vec<(Receipt, String)>>, Vec<String>);
+
+/// One run handed out: who holds it, its fence and lease end.
+#[derive(Debug, Clone, Copy)]
+struct HeldRun {
+    worker: u32,
+    principal: Principal,
+    fence: u64,
+    until: u64,
+}
+
+/// Runs handed out, for the per-worker and per-token bounds. Shard and
+/// worker names are numbered once (shards for good: there are few; a
+/// worker's number is dropped with its last run), so the per-job work
+/// allocates nothing. Lapsed runs leave through an index ordered by lease
+/// end, so each claim costs the runs that lapsed since the last one, never
+/// a walk of every run held.
+#[derive(Debug, Default)]
+pub struct ClaimBook {
+    shards: HashMap<Arc<str>, u32, RandomState>,
+    workers: HashMap<Arc<str>, u32, RandomState>,
+    next_worker: u32,
+    /// Per worker number: its name and how many runs it holds.
+    by_worker: HashMap<u32, (Arc<str>, usize), RandomState>,
+    by_principal: HashMap<Principal, usize, RandomState>,
+    runs: HashMap<RunKey, HeldRun, RandomState>,
+    /// (lease end, run, fence) of every run in `runs`.
+    lapse: std::collections::BTreeSet<(u64, RunKey, u64)>,
+}
+
+impl ClaimBook {
+    fn shard_no(&mut self, shard: &str) -> u32 {
+        if let Some(&n) = self.shards.get(shard) {
+            return n;
+        }
+        let n = self.shards.len() as u32;
+        self.shards.insert(Arc::from(shard), n);
+        n
+    }
+
+    fn known_shard(&self, shard: &str) -> Option<u32> {
+        self.shards.get(shard).copied()
+    }
+
+    /// Drops the runs whose lease ended by `now_ms`.
+    fn expire(&mut self, now_ms: u64) {
+        while let Some(&(until, k, fence)) = self.lapse.first() {
+            if until > now_ms {
+                break;
+            }
+            self.lapse.pop_first();
+            if self.runs.get(&k).is_some_and(|r| r.fence == fence) {
+                self.remove(k);
+            }
+        }
+    }
+
+    fn remove(&mut self, k: RunKey) {
+        let Some(run) = self.runs.remove(&k) else {
+            return;
+        };
+        self.lapse.remove(&(run.until, k, run.fence));
+        if let Some(n) = self.by_principal.get_mut(&run.principal) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_principal.remove(&run.principal);
+            }
+        }
+        let gone = self.by_worker.get_mut(&run.worker).is_some_and(|(_, n)| {
+            *n -= 1;
+            *n == 0
+        });
+        if gone {
+            if let Some((name, _)) = self.by_worker.remove(&run.worker) {
+                self.workers.remove(&name);
+            }
+        }
+    }
+
+    /// Runs `worker` and `principal` hold at `now_ms` (lapsed leases no
+    /// longer count).
+    fn held(&mut self, worker: &str, principal: Principal, now_ms: u64) -> (usize, usize) {
+        self.expire(now_ms);
+        let w = self
+            .workers
+            .get(worker)
+            .and_then(|w| self.by_worker.get(w))
+            .map_or(0, |(_, n)| *n);
+        (w, self.by_principal.get(&principal).copied().unwrap_or(0))
+    }
+
+    fn add(
+        &mut self,
+        worker: &str,
+        principal: Principal,
+        shard: &str,
+        id: u64,
+        fence: u64,
+        until: u64,
+    ) {
+        let k = (self.shard_no(shard), id);
+        // A run claimed again (its old run lapsed) replaces the old one.
+        self.remove(k);
+        let w = match self.workers.get(worker) {
+            Some(&w) => w,
+            None => {
+                let w = self.next_worker;
+                self.next_worker = self.next_worker.wrapping_add(1);
+                let name: Arc<str> = Arc::from(worker);
+                self.workers.insert(Arc::clone(&name), w);
+                self.by_worker.insert(w, (name, 0));
+                w
+            }
+        };
+        if let Some((_, n)) = self.by_worker.get_mut(&w) {
+            *n += 1;
+        }
+        *self.by_principal.entry(principal).or_insert(0) += 1;
+        self.runs.insert(
+            k,
+            HeldRun {
+                worker: w,
+                principal,
+                fence,
+                until,
+            },
+        );
+        self.lapse.insert((until, k, fence));
+    }
+
+    pub(super) fn finish(&mut self, shard: &str, r: Receipt) {
+        let Some(sn) = self.known_shard(shard) else {
+            return;
+        };
+        let k = (sn, r.id.0);
+        if self.runs.get(&k).is_some_and(|run| run.fence == r.fence) {
+            self.remove(k);
+        }
+    }
+
+    pub(super) fn extend(&mut self, shard: &str, r: Receipt, until: u64) {
+        let Some(sn) = self.known_shard(shard) else {
+            return;
+        };
+        let k = (sn, r.id.0);
+        if let Some(run) = self.runs.get_mut(&k) {
+            if run.fence == r.fence {
+                self.lapse.remove(&(run.until, k, run.fence));
+                run.until = until;
+                self.lapse.insert((until, k, r.fence));
+            }
+        }
+    }
+}
+
+pub(super) fn book(m: &Mutex<ClaimBook>) -> std::sync::MutexGuard<'_, ClaimBook> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `POST /v1/claim`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimRequest {
+    worker: String,
+    max: Option<u64>,
+    wait_ms: Option<u64>,
+    lease_ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct ClaimedOut {
+    id: String,
+    shard: String,
+    key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload_b64: Option<String>,
+    attempt: u32,
+    max_attempts: u32,
+    receipt: String,
+    fence: u64,
+    lease_expires_ms: u64,
+}
+
+/// `POST /v1/claim`: long-polls the owned shards until something is
+/// claimable or `wait_ms` passes.
+pub async fn claim(
+    State(app): State<Arc<App>>,
+    principal: Option<axum::Extension<Principal>>,
+    JsonBody(req): JsonBody<ClaimRequest>,
+) -> ApiResult {
+    let principal = principal.map_or(ANONYMOUS, |p| p.0);
+    let w = &req.worker;
+    if w.is_empty() || w.len() > WORKER_NAME_BYTES_MAX || w.chars().any(char::is_control) {
+        return Err(ApiError::bad(format!(
+            "worker: invalid worker name {}: 1..={WORKER_NAME_BYTES_MAX} bytes without control characters",
+            shown(w)
+        )));
+    }
+    let max = req.max.unwrap_or(1);
+    if max == 0 || max > CLAIM_MAX_LIMIT as u64 {
+        return Err(ApiError::bad(format!(
+            "max: {max} is out of range 1..={CLAIM_MAX_LIMIT}"
+        )));
+    }
+    let wait_ms = req.wait_ms.unwrap_or(0);
+    if wait_ms > WAIT_MS_MAX {
+        return Err(ApiError::bad(format!(
+            "wait_ms: {wait_ms} is over the longest long-poll of {WAIT_MS_MAX} ms"
+        )));
+    }
+    let lease_ms = req.lease_ms.unwrap_or(JOB_LEASE_MS_DEFAULT);
+    validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
+    let deadline = Instant::now() + Duration::from_millis(wait_ms);
+    let worker = req.worker.clone();
+    // Waiting claims poll with a backoff and skip a poll that another
+    // waiter just made and found empty, with no work arrived since: a
+    // thousand idle long polls cost about one claim round per interval.
+    let mut interval_ms = CLAIM_POLL_MS;
+    let mut woken = true;
+    loop {
+        let notified = app.wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if app.owned.stopping() {
+            return ok(json!({ "jobs": [] }));
+        }
+        let generation = app.work_generation();
+        if woken || !app.polled_empty_within(generation, interval_ms) {
+            let a = Arc::clone(&app);
+            let wk = worker.clone();
+            let (jobs, err) =
+                blocking(move || Ok(a.claim_once(&wk, principal, max as usize, lease_ms))).await?;
+            if let Some(e) = err {
+                if jobs.is_empty() {
+                    return Err(e);
+                }
+            }
+            if !jobs.is_empty() {
+                return ok_jobs(jobs);
+            }
+            app.polled_empty(generation);
+        }
+        if Instant::now() >= deadline {
+            return ok(json!({ "jobs": [] }));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        tokio::select! {
+            _ = &mut notified => {
+                woken = true;
+                interval_ms = CLAIM_POLL_MS;
+            }
+            _ = tokio::time::sleep(left.min(Duration::from_millis(interval_ms))) => {
+                woken = false;
+                interval_ms = (interval_ms * 2).min(CLAIM_POLL_MAX_MS);
+            }
+        }
+    }
+}
+
+impl App {
+    /// One claim round over the owned shards, starting at a rotating one.
+    fn claim_once(
+        &self,
+        worker: &str,
+        principal: Principal,
+        max: usize,
+        lease_ms: u64,
+    ) -> (Vec<ClaimedOut>, Option<ApiError>) {
+        let now = self.clock.now_ms();
+        let (held, held_by_token) = book(&self.claims).held(worker, principal, now);
+        let cap = self.limits.claims_per_worker_max;
+        let token_cap = self.limits.claims_per_token_max;
+        if held >= cap {
+            return (
+                Vec::new(),
+                Some(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("worker {}: holds {held} runs, the limit per worker is {cap}; ack, fail or let some lapse first", shown(worker)),
+                )),
+            );
+        }
+        if held_by_token >= token_cap {
+            return (
+                Vec::new(),
+                Some(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("the workers of this token hold {held_by_token} runs, the limit per token is {token_cap}; ack, fail or let some lapse first"),
+                )),
+            );
+        }
+        let mut want = max.min(cap - held).min(token_cap - held_by_token);
+        let shards = self.owned.list();
+        let mut out = Vec::new();
+        let mut error = None;
+        if shards.is_empty() {
+            return (out, None);
+        }
+        let start = self
+            .rotate
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % shards.len();
+        for k in 0..shards.len() {
+            if want == 0 {
+                break;
+            }
+            let shard = &shards[(start + k) % shards.len()];
+            match self.backend.claim(shard, want, lease_ms) {
+                Ok(jobs) => {
+                    crate::metrics::claimed(self, &jobs, now);
+                    let mut b = book(&self.claims);
+                    for j in jobs {
+                        want = want.saturating_sub(1);
+                        b.add(
+                            worker,
+                            principal,
+                            &j.shard,
+                            j.id.0,
+                            j.fence,
+                            j.lease_until_ms,
+                        );
+                        let (payload, payload_b64) = match String::from_utf8(j.payload) {
+                            Ok(s) => (Some(s), None),
+                            Err(e) => (
+                                None,
+                                Some(
+                                    base64::engine::general_purpose::STANDARD
+                                        .encode(e.into_bytes()),
+                                ),
+                            ),
+                        };
+                        out.push(ClaimedOut {
+                            id: job_string(&j.shard, j.id),
+                            receipt: receipt_string(
+                                &j.shard,
+                                Receipt {
+                                    id: j.id,
+                                    fence: j.fence,
+                                },
+                            ),
+                            shard: j.shard,
+                            key: j.key,
+                            payload,
+                            payload_b64,
+                            attempt: j.attempt,
+                            max_attempts: j.max_attempts,
+                            fence: j.fence,
+                            lease_expires_ms: j.lease_until_ms,
+                        });
+                    }
+                }
+                Err(QueueError::NotOwner { .. }) => {}
+                Err(e) => error = Some(ApiError::from(e)),
+            }
+        }
+        (out, error)
+    }
+
+    /// Groups receipts by shard; receipts of shards this server does not
+    /// run are set apart (`not owned`); unknown shards are a 400.
+    pub(super) fn group_receipts(&self, receipts: &[String]) -> Result<Grouped, ApiError> {
+        let mut groups: BTreeMap<String, Vec<(Receipt, String)>> = BTreeMap::new();
+        let mut not_owned = Vec::new();
+        let mut map_names: Option<Vec<String>> = None;
+        for (i, s) in receipts.iter().enumerate() {
+            let (shard, r) =
+                parse_receipt(s, || format!("receipts[{i}]")).map_err(ApiError::bad)?;
+            if self.owned.contains(&shard) {
+                groups.entry(shard).or_default().push((r, s.clone()));
+                continue;
+            }
+            if map_names.is_none() {
+                map_names = Some(self.deployment.shard_names()?);
+            }
+            if !map_names.as_ref().is_some_and(|n| n.contains(&shard)) {
+                return Err(ApiError::bad(format!(
+                    "receipts[{i}]: receipt {s:?} names unknown shard {shard:?}"
+                )));
+            }
+            not_owned.push(s.clone());
+        }
+        Ok((groups, not_owned))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardq_core::JobId;
+
+    use super::*;
+
+    fn r(id: u64, fence: u64) -> Receipt {
+        Receipt {
+            id: JobId(id),
+            fence,
+        }
+    }
+
+    #[test]
+    fn the_claim_book_counts_each_workers_live_runs() {
+        let p = crate::auth::ANONYMOUS;
+        let mut b = ClaimBook::default();
+        b.add("w1", p, "s0", 1, 10, 1_000);
+        b.add("w1", p, "s1", 1, 11, 1_000);
+        b.add("w2", p, "s0", 2, 12, 5_000);
+        let held = |b: &mut ClaimBook, w: &str, now: u64| b.held(w, p, now).0;
+        assert_eq!(
+            (
+                held(&mut b, "w1", 0),
+                held(&mut b, "w2", 0),
+                held(&mut b, "nobody", 0)
+            ),
+            (2, 1, 0)
+        );
+        assert_eq!(b.held("w1", p, 0).1, 3, "the token holds all three");
+        // A stale fence or an unknown shard finishes nothing.
+        b.finish("s0", r(1, 9));
+        b.finish("s9", r(1, 10));
+        assert_eq!(held(&mut b, "w1", 0), 2);
+        b.finish("s0", r(1, 10));
+        assert_eq!(held(&mut b, "w1", 0), 1);
+        // An extended lease outlives the others; lapsed ones stop counting,
+        // and a worker with none left is forgotten.
+        b.extend("s1", r(1, 11), 9_000);
+        assert_eq!(
+            (held(&mut b, "w1", 6_000), held(&mut b, "w2", 6_000)),
+            (1, 0)
+        );
+        assert!(!b.workers.contains_key("w2"), "w2 is forgotten");
+        // A run claimed again by another worker moves to it.
+        b.add("w3", p, "s1", 1, 13, 9_000);
+        assert_eq!(
+            (held(&mut b, "w1", 6_000), held(&mut b, "w3", 6_000)),
+            (0, 1)
+        );
+        assert_eq!(b.workers.len(), 1);
+        assert_eq!(b.held("w3", p, 6_000).1, 1);
+        b.held("w3", p, 9_000);
+        assert!(b.runs.is_empty() && b.lapse.is_empty() && b.by_principal.is_empty());
+    }
+
+    #[test]
+    fn invented_worker_names_share_their_tokens_bound() {
+        let (a, z) = (crate::auth::Principal(0), crate::auth::Principal(1));
+        let mut b = ClaimBook::default();
+        for i in 0..100u64 {
+            b.add(&format!("w{i}"), a, "s0", i, i + 1, 1_000);
+        }
+        assert_eq!(b.held("fresh-name", a, 0), (0, 100));
+        assert_eq!(b.held("fresh-name", z, 0), (0, 0));
+        // Lapsed runs leave the token's count without any worker claiming.
+        assert_eq!(b.held("w0", a, 1_000), (0, 0));
+        assert!(b.workers.is_empty());
+    }
+}

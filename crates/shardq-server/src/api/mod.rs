@@ -1,0 +1,132 @@
+//! The request handlers and their wire types, one module per kind of
+//! request: `enqueue` (with dedup), `claims` (long-poll, the book of runs
+//! handed out), `runs` (ack, fail, extend), `reads` (status, keys, dead
+//! letters) and `admin` (resharding); health and the OpenAPI document here.
+//! Every library call runs on a blocking thread (`spawn_blocking`);
+//! handlers validate all input before they store anything, and must never
+//! block the async executor or panic on input.
+
+mod admin;
+mod claims;
+mod enqueue;
+mod reads;
+mod runs;
+
+pub use admin::*;
+pub use claims::*;
+pub use enqueue::*;
+pub use reads::*;
+pub use runs::*;
+
+use std::collections::{BTreeMap, HashMap};
+
+use ahash::RandomState;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use shardq_core::job::cut_at_char;
+use shardq_core::reshard::{self, RebalanceEvent, RebalanceOptions};
+use shardq_core::{
+    validate_job_lease_ms, validate_key, FailOutcome, JobId, NewJob, QueueError, Receipt,
+    JOB_LEASE_MS_DEFAULT, MAX_ATTEMPTS_DEFAULT,
+};
+use shardq_route::Router as MapRouter;
+
+use crate::auth::{Principal, ANONYMOUS};
+use crate::body::{BoundedVec, JsonBody, PathParam, QueryParams};
+use crate::dedup::{Begin, DedupRecord, Scoped};
+use crate::error::{join_error, ApiError};
+use crate::ids::{job_string, parse_job, parse_receipt, receipt_string};
+use crate::limits::*;
+use crate::App;
+
+type ApiResult = Result<Response, ApiError>;
+
+fn ok(v: Value) -> ApiResult {
+    Ok(Json(v).into_response())
+}
+
+/// `{"jobs": [...]}`, serialised straight from typed values (no `Value`
+/// tree on the hot paths).
+#[derive(Serialize)]
+struct JobsReply<T: Serialize> {
+    jobs: T,
+}
+
+fn ok_jobs<T: Serialize>(jobs: T) -> ApiResult {
+    Ok(Json(JobsReply { jobs }).into_response())
+}
+
+/// Runs blocking library work off the async executor.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(join_error)?
+}
+
+/// A value cut for an error message (quoted, control characters escaped).
+pub(crate) fn shown_str(s: &str) -> String {
+    shown(s)
+}
+
+/// A value cut for an error message.
+fn shown(s: &str) -> String {
+    if s.len() > 64 {
+        format!("{:?}...", cut_at_char(s, 64))
+    } else {
+        format!("{s:?}")
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Health.
+// ---------------------------------------------------------------------------
+
+/// `GET /healthz`: the process answers.
+pub async fn healthz() -> ApiResult {
+    ok(json!({ "ok": true }))
+}
+
+/// `GET /readyz`: the map is readable and every shard's store answers.
+pub async fn readyz(State(app): State<Arc<App>>) -> ApiResult {
+    let v = blocking(move || {
+        let map = app.deployment.map()?;
+        let mut failed = Vec::new();
+        for s in &map.shards {
+            if let Err(e) = app.backend.shard_stats(&s.name) {
+                failed.push(format!("{}: {e}", s.name));
+            }
+        }
+        if !failed.is_empty() {
+            return Err(ApiError::unavailable(format!(
+                "not ready: shards that do not answer: {}",
+                failed.join("; ")
+            ))
+            .with("ready", json!(false)));
+        }
+        Ok(json!({
+            "ready": true,
+            "map_version": map.version,
+            "owned": app.owned.list(),
+            "lease_error": app.owned.last_error(),
+        }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn openapi() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        crate::OPENAPI_JSON,
+    )
+        .into_response()
+}

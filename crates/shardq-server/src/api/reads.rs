@@ -1,0 +1,201 @@
+//! Reading: `GET /v1/status`, `/v1/keys/{key}`, `/v1/dead`, and the
+//! dead-letter changes (`POST /v1/dead/retry`, `/v1/dead/purge`), which
+//! must name what they change (`ids` or `"all": true`).
+
+use super::*;
+
+// ---------------------------------------------------------------------------
+// Reading: status, keys, dead letters.
+// ---------------------------------------------------------------------------
+
+/// `GET /v1/status`: `Deployment::status()`, serialised.
+pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
+    let report = blocking(move || Ok(app.deployment.status()?)).await?;
+    ok(serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?)
+}
+
+/// `GET /v1/keys/{key}`: route, override and counts of one key.
+pub async fn key(State(app): State<Arc<App>>, PathParam(key): PathParam) -> ApiResult {
+    validate_key(&key).map_err(|e| ApiError::bad(format!("key: {e}")))?;
+    let v = blocking(move || {
+        let map = app.deployment.map()?;
+        let version = map.version;
+        let over = map.overrides.get(&key).cloned();
+        let router = MapRouter::new(map).map_err(|e| ApiError::internal(e.to_string()))?;
+        let shard = router.route(&key).to_string();
+        let computed = router.computed(&key).to_string();
+        let counts = app.backend.key_counts(&shard, &key)?;
+        Ok(json!({
+            "key": key,
+            "map_version": version,
+            "shard": shard,
+            "computed": computed,
+            "override": over,
+            "owned_here": app.owned.contains(&shard),
+            "depth": counts.depth,
+            "in_flight": counts.in_flight,
+            "dead": counts.dead,
+        }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `GET /v1/dead` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadQuery {
+    shard: Option<String>,
+    limit: Option<usize>,
+}
+
+impl App {
+    pub(super) fn check_shard(&self, shard: &str, field: &str) -> Result<(), ApiError> {
+        if !self.deployment.shard_names()?.iter().any(|s| s == shard) {
+            return Err(ApiError::bad(format!(
+                "{field}: unknown shard {}",
+                shown(shard)
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `GET /v1/dead?shard=&limit=`.
+pub async fn dead_list(
+    State(app): State<Arc<App>>,
+    QueryParams(q): QueryParams<DeadQuery>,
+) -> ApiResult {
+    let limit = q.limit.unwrap_or(DEAD_LIST_DEFAULT);
+    if limit == 0 || limit > DEAD_LIST_MAX {
+        return Err(ApiError::bad(format!(
+            "limit: {limit} is out of range 1..={DEAD_LIST_MAX}"
+        )));
+    }
+    let v = blocking(move || {
+        let shards = match &q.shard {
+            Some(s) => {
+                app.check_shard(s, "shard")?;
+                vec![s.clone()]
+            }
+            None => app.deployment.shard_names()?,
+        };
+        let mut out = Vec::new();
+        for s in shards {
+            for d in app.backend.dead_list(&s, limit)? {
+                out.push(json!({
+                    "id": job_string(&d.shard, d.id),
+                    "shard": d.shard,
+                    "key": d.key,
+                    "attempts": d.attempts,
+                    "reason": d.reason,
+                }));
+            }
+        }
+        Ok(json!({ "dead": out }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `POST /v1/dead/retry` and `/v1/dead/purge`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadChange {
+    shard: Option<String>,
+    ids: Option<BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>>,
+    /// Every dead letter (of `shard` when given): must be said, never
+    /// implied by a missing `ids`.
+    all: Option<bool>,
+}
+
+async fn dead_change(app: Arc<App>, req: DeadChange, retry: bool) -> ApiResult {
+    let all = req.all.unwrap_or(false);
+    match (&req.ids, all) {
+        (Some(_), true) => {
+            return Err(ApiError::bad(
+                "ids and all: give either ids (those dead letters) or \"all\": true (every one), not both",
+            ))
+        }
+        (None, false) => {
+            return Err(ApiError::bad(
+                "ids: no dead letters named; give ids, or \"all\": true for every dead letter (of shard, when given)",
+            ))
+        }
+        (Some(ids), false) if ids.0.is_empty() => {
+            return Err(ApiError::bad(format!(
+                "ids: 0 ids; give 1..={RECEIPTS_PER_REQUEST_MAX} (or \"all\": true)"
+            )))
+        }
+        _ => {}
+    }
+    let n = blocking(move || {
+        let mut plan: BTreeMap<String, Option<Vec<JobId>>> = BTreeMap::new();
+        if let Some(s) = &req.shard {
+            app.check_shard(s, "shard")?;
+        }
+        match &req.ids {
+            Some(ids) => {
+                for (i, s) in ids.0.iter().enumerate() {
+                    let (shard, id) = parse_job(s, &format!("ids[{i}]")).map_err(ApiError::bad)?;
+                    if req.shard.as_ref().is_some_and(|want| *want != shard) {
+                        return Err(ApiError::bad(format!(
+                            "ids[{i}]: job {s:?} is not on shard {:?}",
+                            req.shard.as_deref().unwrap_or("")
+                        )));
+                    }
+                    if !plan.contains_key(&shard) {
+                        app.check_shard(&shard, &format!("ids[{i}]"))?;
+                    }
+                    plan.entry(shard)
+                        .or_insert_with(|| Some(Vec::new()))
+                        .get_or_insert_with(Vec::new)
+                        .push(id);
+                }
+            }
+            None => {
+                let shards = match &req.shard {
+                    Some(s) => vec![s.clone()],
+                    None => app.deployment.shard_names()?,
+                };
+                for s in shards {
+                    plan.insert(s, None);
+                }
+            }
+        }
+        let mut n = 0usize;
+        for (shard, ids) in plan {
+            n += if retry {
+                app.backend.dead_retry(&shard, ids.as_deref())?
+            } else {
+                app.backend.dead_purge(&shard, ids.as_deref())?
+            };
+        }
+        Ok(n)
+    })
+    .await?;
+    if retry {
+        ok(json!({ "retried": n }))
+    } else {
+        ok(json!({ "purged": n }))
+    }
+}
+
+/// `POST /v1/dead/retry`.
+pub async fn dead_retry(
+    State(app): State<Arc<App>>,
+    JsonBody(req): JsonBody<DeadChange>,
+) -> ApiResult {
+    let a = Arc::clone(&app);
+    let r = dead_change(a, req, true).await;
+    app.work_arrived();
+    r
+}
+
+/// `POST /v1/dead/purge`.
+pub async fn dead_purge(
+    State(app): State<Arc<App>>,
+    JsonBody(req): JsonBody<DeadChange>,
+) -> ApiResult {
+    dead_change(app, req, false).await
+}

@@ -1,0 +1,209 @@
+//! The operations on a run, by its receipt: `POST /v1/ack`, `/v1/fail`
+//! and `/v1/extend`. A receipt that is not its job's current run changes
+//! nothing and is listed in a 409.
+
+use super::claims::book;
+use super::*;
+
+fn check_receipts(receipts: &[String]) -> Result<(), ApiError> {
+    if receipts.is_empty() {
+        return Err(ApiError::bad(
+            "receipts: empty list; give 1 or more receipts",
+        ));
+    }
+    if receipts.len() > RECEIPTS_PER_REQUEST_MAX {
+        return Err(ApiError::bad(format!(
+            "receipts: {} receipts, over the limit of {RECEIPTS_PER_REQUEST_MAX} per request",
+            receipts.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `POST /v1/ack`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AckRequest {
+    receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
+}
+
+/// 409 listing refused receipts, or 200.
+fn refused_or_ok(
+    what: &str,
+    count_field: &str,
+    count: u64,
+    stale: Vec<String>,
+    not_owned: Vec<String>,
+) -> ApiResult {
+    if stale.is_empty() && not_owned.is_empty() {
+        return ok(json!({ count_field: count }));
+    }
+    let mut parts = Vec::new();
+    if !stale.is_empty() {
+        parts.push(format!(
+            "{} stale receipts (not their job's current run: late, lapsed or already finished; nothing was changed for them), first {:?}",
+            stale.len(),
+            stale[0]
+        ));
+    }
+    if !not_owned.is_empty() {
+        parts.push(format!(
+            "{} receipts of shards not owned by this server, first {:?}",
+            not_owned.len(),
+            not_owned[0]
+        ));
+    }
+    Err(ApiError::conflict(format!(
+        "{what}: {}; {count} other receipts took effect",
+        parts.join("; ")
+    ))
+    .with(count_field, json!(count))
+    .with("stale", json!(stale))
+    .with("not_owned", json!(not_owned)))
+}
+
+/// `POST /v1/ack`: the valid receipts are acked; any stale or not-owned
+/// one makes the reply a 409 that lists them.
+pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest>) -> ApiResult {
+    check_receipts(&req.receipts.0)?;
+    let a = Arc::clone(&app);
+    let (acked, stale, not_owned) = blocking(move || {
+        let (groups, mut not_owned) = a.group_receipts(&req.receipts.0)?;
+        let mut acked = 0u64;
+        let mut stale = Vec::new();
+        for (shard, rs) in groups {
+            let receipts: Vec<Receipt> = rs.iter().map(|(r, _)| *r).collect();
+            match a.backend.ack(&shard, &receipts) {
+                Ok(out) => {
+                    acked += out.acked;
+                    crate::metrics::acked(&a, &shard, &receipts, &out.stale);
+                    let mut b = book(&a.claims);
+                    for r in &receipts {
+                        b.finish(&shard, *r);
+                    }
+                    stale.extend(out.stale.iter().map(|r| receipt_string(&shard, *r)));
+                }
+                Err(QueueError::NotOwner { .. }) => {
+                    not_owned.extend(rs.into_iter().map(|(_, s)| s))
+                }
+                Err(e) => return Err(ApiError::from(e).with("acked", json!(acked))),
+            }
+        }
+        Ok((acked, stale, not_owned))
+    })
+    .await?;
+    app.work_arrived();
+    refused_or_ok("ack", "acked", acked, stale, not_owned)
+}
+
+/// `POST /v1/fail`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailRequest {
+    receipt: String,
+    reason: Option<String>,
+    retry_in_ms: Option<u64>,
+}
+
+/// `POST /v1/fail`: 200 with the outcome, 409 for a stale receipt.
+pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailRequest>) -> ApiResult {
+    let (shard, r) = parse_receipt(&req.receipt, || "receipt".into()).map_err(ApiError::bad)?;
+    let reason = req.reason.unwrap_or_default();
+    if reason.len() > FAIL_REASON_BYTES_MAX {
+        return Err(ApiError::bad(format!(
+            "reason: {} bytes, over the limit of {FAIL_REASON_BYTES_MAX}",
+            reason.len()
+        )));
+    }
+    if let Some(ms) = req.retry_in_ms {
+        if ms > shardq_core::job::DELAY_MS_MAX {
+            return Err(ApiError::bad(format!(
+                "retry_in_ms: {ms} is over the longest delay of {} ms",
+                shardq_core::job::DELAY_MS_MAX
+            )));
+        }
+    }
+    let receipt = req.receipt.clone();
+    let a = Arc::clone(&app);
+    let outcome = blocking(move || {
+        let (groups, not_owned) = a.group_receipts(std::slice::from_ref(&receipt))?;
+        if !not_owned.is_empty() || groups.is_empty() {
+            return Err(not_owned_error(&receipt, &shard));
+        }
+        match a.backend.fail(&shard, r, &reason, req.retry_in_ms) {
+            Ok(o) => {
+                book(&a.claims).finish(&shard, r);
+                crate::metrics::failed(&a, &shard, r, Ok(&o));
+                Ok(o)
+            }
+            Err(QueueError::NotOwner { .. }) => Err(not_owned_error(&receipt, &shard)),
+            Err(e @ QueueError::StaleReceipt { .. }) => {
+                crate::metrics::failed(&a, &shard, r, Err(()));
+                Err(ApiError::from(e).with("receipt", json!(receipt)))
+            }
+            Err(e) => Err(ApiError::from(e).with("receipt", json!(receipt))),
+        }
+    })
+    .await?;
+    app.work_arrived();
+    match outcome {
+        FailOutcome::Retry { at_ms } => ok(json!({ "outcome": "retry", "retry_at_ms": at_ms })),
+        FailOutcome::Dead => ok(json!({ "outcome": "dead" })),
+        _ => ok(json!({ "outcome": "unknown" })),
+    }
+}
+
+fn not_owned_error(receipt: &str, shard: &str) -> ApiError {
+    ApiError::conflict(format!(
+        "receipt {receipt:?}: shard {shard:?} is not owned by this server (its runs are handed out by the server that holds its lease)"
+    ))
+    .with("not_owned", json!([receipt]))
+}
+
+/// `POST /v1/extend`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendRequest {
+    receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
+    lease_ms: Option<u64>,
+}
+
+/// `POST /v1/extend`: like ack, 409 listing stale or not-owned receipts.
+pub async fn extend(
+    State(app): State<Arc<App>>,
+    JsonBody(req): JsonBody<ExtendRequest>,
+) -> ApiResult {
+    check_receipts(&req.receipts.0)?;
+    let lease_ms = req.lease_ms.unwrap_or(JOB_LEASE_MS_DEFAULT);
+    validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
+    let (extended, stale, not_owned) = blocking(move || {
+        let (groups, mut not_owned) = app.group_receipts(&req.receipts.0)?;
+        let mut extended = 0u64;
+        let mut stale = Vec::new();
+        let until = app.clock.now_ms().saturating_add(lease_ms);
+        for (shard, rs) in groups {
+            let receipts: Vec<Receipt> = rs.iter().map(|(r, _)| *r).collect();
+            match app.backend.extend(&shard, &receipts, lease_ms) {
+                Ok(refused) => {
+                    let mut b = book(&app.claims);
+                    for r in &receipts {
+                        if refused.contains(r) {
+                            b.finish(&shard, *r);
+                        } else {
+                            extended += 1;
+                            b.extend(&shard, *r, until);
+                        }
+                    }
+                    stale.extend(refused.iter().map(|r| receipt_string(&shard, *r)));
+                }
+                Err(QueueError::NotOwner { .. }) => {
+                    not_owned.extend(rs.into_iter().map(|(_, s)| s))
+                }
+                Err(e) => return Err(ApiError::from(e).with("extended", json!(extended))),
+            }
+        }
+        Ok((extended, stale, not_owned))
+    })
+    .await?;
+    refused_or_ok("extend", "extended", extended, stale, not_owned)
+}
