@@ -16,6 +16,14 @@
 //!
 //! `SHARDQ_SIM_SEED=N cargo test -p shardq-core --test simulation` replays
 //! seed N alone; CI runs a fixed set of seeds.
+//!
+//! A second scenario drives the real `WorkerPool` (its threads, its
+//! heartbeats, its claims) on a clock that stalls: a seeded share of the
+//! pool's readings of the time jump ahead by up to twice the job lease, as
+//! a process stopped between a heartbeat and a claim would see it. The
+//! thread schedule is the machine's, the stalls are the seed's; checked: no
+//! two runs of a key overlap, a key's runs start in enqueue order, and
+//! every job is acked exactly once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +32,9 @@ use std::sync::{Arc, Mutex};
 use shardq_core::memory::{MemoryBackend, MemoryMapStore};
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
-use shardq_core::{ClaimedJob, Clock, NewJob, QueueBackend, QueueError};
+use shardq_core::{
+    current_run, ClaimedJob, Clock, NewJob, PoolOptions, QueueBackend, QueueError, WorkerPool,
+};
 use shardq_route::{Algorithm, ShardMap};
 
 /// SplitMix64: a small seeded generator, so a seed replays exactly.
@@ -440,5 +450,158 @@ fn seeded_simulations_keep_order_single_runs_and_every_job() {
     }
     for seed in 1..=16 {
         simulate(seed);
+    }
+}
+
+/// A clock some of whose readings jump ahead: the process "stalled" just
+/// before it looked at the time.
+#[derive(Debug)]
+struct StallingClock {
+    now_ms: AtomicU64,
+    rng: Mutex<Rng>,
+    /// Percent of readings that stall.
+    stall_percent: u64,
+    stall_ms_max: u64,
+    stalls: AtomicU64,
+}
+
+impl std::fmt::Debug for Rng {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Rng")
+    }
+}
+
+impl Clock for StallingClock {
+    fn now_ms(&self) -> u64 {
+        let jump = {
+            let mut r = self.rng.lock().unwrap();
+            if r.chance(self.stall_percent) {
+                r.below(self.stall_ms_max) + 1
+            } else {
+                0
+            }
+        };
+        if jump > 0 {
+            self.stalls.fetch_add(1, Ordering::SeqCst);
+        }
+        self.now_ms.fetch_add(jump, Ordering::SeqCst) + jump
+    }
+    fn sleep_ms(&self, ms: u64) {
+        self.now_ms.fetch_add(ms, Ordering::SeqCst);
+        std::thread::yield_now();
+    }
+}
+
+fn real_pool_with_stalls(seed: u64) {
+    const KEYS: usize = 12;
+    const PER_KEY: usize = 15;
+    const JOB_LEASE_MS: u64 = 300;
+    let clock = Arc::new(StallingClock {
+        now_ms: AtomicU64::new(1_000_000),
+        rng: Mutex::new(Rng(seed)),
+        stall_percent: 3,
+        stall_ms_max: 2 * JOB_LEASE_MS,
+        stalls: AtomicU64::new(0),
+    });
+    let backend = MemoryBackend::new(&["s0", "s1"], clock.clone());
+    for k in 0..KEYS {
+        let jobs: Vec<NewJob> = (0..PER_KEY)
+            .map(|i| {
+                let mut j = NewJob::new(format!("k{k}"), i.to_string());
+                j.max_attempts = 1_000;
+                j
+            })
+            .collect();
+        let shard = if k % 2 == 0 { "s0" } else { "s1" };
+        backend.enqueue(shard, 1, &jobs).unwrap();
+    }
+    // Per key: how many of its runs are in a handler now, and the last
+    // started job's index.
+    let running: Arc<Mutex<BTreeMap<String, (usize, usize)>>> = Arc::default();
+    let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+    let rng = Arc::new(Mutex::new(Rng(seed ^ 0xA5A5)));
+    let handler: Arc<shardq_core::Handler> = {
+        let (running, violations, rng) = (running.clone(), violations.clone(), rng.clone());
+        Arc::new(move |job: &ClaimedJob| {
+            let seq: usize = String::from_utf8_lossy(&job.payload).parse().unwrap();
+            {
+                let mut r = running.lock().unwrap();
+                let (n, last) = r.entry(job.key.clone()).or_insert((0, 0));
+                if *n > 0 {
+                    violations.lock().unwrap().push(format!(
+                        "{}: job {seq} started while a run of the key ran",
+                        job.key
+                    ));
+                }
+                if seq < *last {
+                    violations.lock().unwrap().push(format!(
+                        "{}: job {seq} started after job {}",
+                        job.key, *last
+                    ));
+                }
+                *n += 1;
+                *last = seq;
+            }
+            let (work_us, fail) = {
+                let mut r = rng.lock().unwrap();
+                (r.below(1_500), r.chance(5))
+            };
+            let run = current_run();
+            let until = std::time::Instant::now() + std::time::Duration::from_micros(work_us);
+            while std::time::Instant::now() < until
+                && !run.as_ref().is_some_and(|r| r.is_cancelled())
+            {
+                std::thread::yield_now();
+            }
+            running.lock().unwrap().get_mut(&job.key).unwrap().0 -= 1;
+            if fail {
+                Err("a seeded failure".to_string())
+            } else {
+                Ok(())
+            }
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 6,
+        job_lease_ms: JOB_LEASE_MS,
+        idle_poll_ms: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let mut coord = shardq_core::memory::MemoryCoordinator::new(backend.clone());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let b: Arc<dyn QueueBackend> = Arc::new(backend.clone());
+    let report = WorkerPool::run(b, &mut coord, handler, clock.clone(), opts, &stop)
+        .unwrap_or_else(|e| panic!("seed {seed}: the pool failed: {e}"));
+    let v = violations.lock().unwrap();
+    assert!(v.is_empty(), "seed {seed}: {v:#?}");
+    assert_eq!(
+        report.acked,
+        (KEYS * PER_KEY) as u64,
+        "seed {seed}: every job acked exactly once: {report:?}"
+    );
+    for k in 0..KEYS {
+        let shard = if k % 2 == 0 { "s0" } else { "s1" };
+        let c = backend.key_counts(shard, &format!("k{k}")).unwrap();
+        assert_eq!(
+            (c.depth, c.in_flight, c.dead),
+            (0, 0, 0),
+            "seed {seed}: key k{k}"
+        );
+    }
+    assert!(
+        clock.stalls.load(Ordering::SeqCst) > 0,
+        "seed {seed}: the clock never stalled"
+    );
+}
+
+#[test]
+fn the_real_pool_keeps_one_run_per_key_in_order_through_seeded_stalls() {
+    if let Ok(seed) = std::env::var("SHARDQ_SIM_SEED") {
+        real_pool_with_stalls(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
+        return;
+    }
+    for seed in 1..=8 {
+        real_pool_with_stalls(seed);
     }
 }
