@@ -92,10 +92,31 @@ impl NewJob {
     }
 }
 
+/// Whether `c` may not appear in a name shown to people (keys, dedup ids,
+/// worker names): a control character (Unicode category Cc: NUL, tab,
+/// newline, ESC, DEL, C1 controls), a line or paragraph separator, or an
+/// invisible formatting character that changes how text around it reads
+/// (zero-width spaces and joiners, the byte-order mark, the bidirectional
+/// embeddings, overrides, isolates and marks).
+pub fn is_unshowable(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061C}'
+                | '\u{180E}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{2028}'..='\u{202E}'
+                | '\u{2060}'..='\u{2064}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{FEFF}'
+        )
+}
+
 /// Checks a routing key. The grammar: 1 to [`KEY_BYTES_MAX`] bytes of
-/// UTF-8 without control characters (Unicode category Cc: NUL, tab,
-/// newline, ESC, DEL, C1 controls), so that a key can never end a line,
-/// a field or a terminal sequence where it is shown.
+/// UTF-8 without control characters, line separators or invisible
+/// formatting characters ([`is_unshowable`]), so that a key can never end
+/// a line, a field or a terminal sequence where it is shown, nor look like
+/// another key.
 pub fn validate_key(key: &str) -> Result<(), QueueError> {
     if key.is_empty() {
         return Err(QueueError::InvalidKey {
@@ -112,24 +133,32 @@ pub fn validate_key(key: &str) -> Result<(), QueueError> {
             ),
         });
     }
-    if let Some((at, c)) = key.char_indices().find(|(_, c)| c.is_control()) {
+    if let Some((at, c)) = key.char_indices().find(|(_, c)| is_unshowable(*c)) {
         return Err(QueueError::InvalidKey {
             key: cut_at_char(key, 64).to_string(),
             reason: format!(
-                "a key holds no control characters; this one has {:?} at byte {at}",
-                c
+                "a key holds no control character, line separator or invisible formatting character; this one has {:?} (U+{:04X}) at byte {at}",
+                c, c as u32
             ),
         });
     }
     Ok(())
 }
 
-/// A key as shown to a person: itself when printable, otherwise quoted
-/// with its control characters escaped (a key stored before the grammar
+/// A key as shown to a person: itself when printable, otherwise with its
+/// unshowable characters ([`is_unshowable`]) escaped as `\u{...}` (a key stored before the grammar
 /// refused them may hold some).
 pub fn shown_key(key: &str) -> String {
-    if key.chars().any(char::is_control) {
-        format!("{key:?}")
+    if key.chars().any(is_unshowable) {
+        key.chars()
+            .map(|c| {
+                if is_unshowable(c) {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect()
     } else {
         key.to_string()
     }
@@ -390,7 +419,8 @@ mod tests {
             );
         }
         assert_eq!(shown_key("plain"), "plain");
-        assert_eq!(shown_key("a\u{1b}[2Jb"), "\"a\\u{1b}[2Jb\"");
+        assert_eq!(shown_key("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(shown_key("ä\u{202E}b"), "ä\\u{202e}b");
     }
 
     fn check(job: NewJob, max: usize, expect_err: Option<&str>) {

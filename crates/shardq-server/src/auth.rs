@@ -151,9 +151,10 @@ impl Tokens {
         Ok(Tokens { entries })
     }
 
-    /// Reads a tokens file. A file that other users may write (group- or
-    /// world-writable) is refused: whoever can write it can give
-    /// themselves any role.
+    /// Reads a tokens file. A file that other users may write is refused:
+    /// group- or world-writable, owned by another user (but root), or in a
+    /// directory every user can write without the sticky bit. Whoever can
+    /// write it can give themselves any role.
     pub fn load(path: &Path) -> Result<Tokens, String> {
         use std::os::unix::fs::PermissionsExt;
         let meta = std::fs::metadata(path)
@@ -165,6 +166,32 @@ impl Tokens {
                 path.display(),
                 path.display()
             ));
+        }
+        {
+            use std::os::unix::fs::MetadataExt;
+            let me = rustix::process::geteuid().as_raw();
+            if meta.uid() != me && meta.uid() != 0 {
+                return Err(format!(
+                    "tokens file {} belongs to user id {}, not to this server's ({me}) nor root: its owner can give themselves any role; `chown` it to the user the server runs as",
+                    path.display(),
+                    meta.uid()
+                ));
+            }
+            let dir = path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            if let Ok(d) = std::fs::metadata(dir) {
+                let dmode = d.permissions().mode();
+                if dmode & 0o002 != 0 && dmode & 0o1000 == 0 {
+                    return Err(format!(
+                        "tokens file {} is in {}, which every user can write (mode {:03o}, no sticky bit): anyone can replace the file; move it to a directory only its owner writes",
+                        path.display(),
+                        dir.display(),
+                        dmode & 0o777
+                    ));
+                }
+            }
         }
         if meta.len() > TOKENS_FILE_BYTES_MAX {
             return Err(format!(
@@ -300,6 +327,25 @@ mod tests {
             ("Bearerabc", None),
         ] {
             assert_eq!(bearer_token(value), want, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_tokens_file_in_a_directory_everyone_writes_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        let path = open.join("tokens");
+        std::fs::write(&path, "0123456789abcdef admin\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        for (mode, ok) in [(0o755, true), (0o777, false), (0o1777, true)] {
+            std::fs::set_permissions(&open, std::fs::Permissions::from_mode(mode)).unwrap();
+            let r = Tokens::load(&path);
+            assert_eq!(r.is_ok(), ok, "directory mode {mode:o}: {r:?}");
+            if let Err(e) = r {
+                assert!(e.contains("every user can write"), "{e}");
+            }
         }
     }
 

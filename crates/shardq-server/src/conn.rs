@@ -9,6 +9,10 @@
 //!   one more is accepted and closed at once, so the listen queue keeps
 //!   moving and a flood never takes the file descriptors that the lease
 //!   machinery needs ([`FDS_RESERVED`] are kept free for it);
+//! * a connection whose peer stops reading (its receive window full) may
+//!   stall a write for at most [`ConnLimits::write_stall_ms`], then it is
+//!   closed: a client that never reads its answers cannot hold a
+//!   connection for good;
 //! * a failed `accept` (out of file descriptors) rests for
 //!   [`ACCEPT_RETRY_MS`] instead of spinning.
 //!
@@ -21,14 +25,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 /// Longest wait for a request's whole header, and longest idle time of a
 /// keep-alive connection between requests (20 s).
 pub const HEADER_READ_TIMEOUT_MS: u64 = 20_000;
+/// Longest a write may make no progress before its connection is closed
+/// (20 s).
+pub const WRITE_STALL_MS_DEFAULT: u64 = 20_000;
 /// Default most connections open at once.
 pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
 /// File descriptors kept free of connections for the store, the leases,
@@ -44,6 +55,8 @@ pub struct ConnLimits {
     pub connections_max: usize,
     /// See [`HEADER_READ_TIMEOUT_MS`].
     pub header_read_timeout_ms: u64,
+    /// Longest a write may make no progress, in ms.
+    pub write_stall_ms: u64,
 }
 
 impl Default for ConnLimits {
@@ -51,6 +64,7 @@ impl Default for ConnLimits {
         ConnLimits {
             connections_max: CONNECTIONS_MAX_DEFAULT,
             header_read_timeout_ms: HEADER_READ_TIMEOUT_MS,
+            write_stall_ms: WRITE_STALL_MS_DEFAULT,
         }
     }
 }
@@ -106,6 +120,7 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     });
     let header_timeout = Duration::from_millis(limits.header_read_timeout_ms.max(1));
+    let write_stall = Duration::from_millis(limits.write_stall_ms.max(1));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -137,7 +152,8 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .keep_alive(true);
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            let io = StallBound::new(stream, write_stall);
+            let conn = builder.serve_connection(TokioIo::new(io), service);
             tokio::pin!(conn);
             let stopping = async move { stopped(&mut stop).await };
             tokio::select! {
@@ -155,4 +171,91 @@ pub async fn serve(
     drop(listener);
     drop(done_rx);
     done_tx.closed().await;
+}
+
+/// A stream whose writes may stay pending (the peer does not read) for at
+/// most `bound` in a row: past it they fail with `TimedOut`, which ends the
+/// connection. Reads pass through (their timeouts are hyper's).
+struct StallBound<T> {
+    inner: T,
+    bound: Duration,
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> StallBound<T> {
+    fn new(inner: T, bound: Duration) -> StallBound<T> {
+        StallBound {
+            inner,
+            bound,
+            stalled: None,
+        }
+    }
+
+    /// The outcome of a write-side poll: progress clears the timer, a
+    /// pending one starts it (or fails once it has run out).
+    fn bounded<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<std::io::Result<R>>,
+    ) -> Poll<std::io::Result<R>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let bound = self.bound;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer read nothing of the answer within the write bound",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for StallBound<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for StallBound<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.bounded(cx, polled)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.bounded(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.bounded(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.bounded(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
 }

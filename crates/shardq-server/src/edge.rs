@@ -2,8 +2,9 @@
 //! page in a browser on the same host from using the API (cross-site
 //! requests and DNS rebinding), and the headers every answer carries.
 //!
-//! * A request whose `Host` is not one this server answers to is refused
-//!   (421): on a loopback listener, `127.0.0.1`, `localhost` and `[::1]`
+//! * A request whose `Host` (or absolute-form target) is not one this
+//!   server answers to is refused (421), and one that gives `Host`,
+//!   `Origin`, `Sec-Fetch-Site` or `Content-Type` twice is refused (400): on a loopback listener, `127.0.0.1`, `localhost` and `[::1]`
 //!   with the listening port, the listening address itself, and any
 //!   `--allowed-host`; on an unspecified address (`0.0.0.0`, which needs
 //!   tokens) only the allowed hosts, or any host when none is given.
@@ -22,7 +23,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -114,20 +115,39 @@ pub async fn check(State(hosts): State<Arc<Hosts>>, request: Request, next: Next
 
 fn refuse(hosts: &Hosts, request: &Request) -> Option<ApiError> {
     let headers = request.headers();
+    // A header that says who sent the request must be said once: with two,
+    // a proxy and this server could each read a different one.
+    for name in [
+        header::HOST,
+        header::ORIGIN,
+        HeaderName::from_static("sec-fetch-site"),
+        header::CONTENT_TYPE,
+    ] {
+        if headers.get_all(&name).iter().count() > 1 {
+            return Some(ApiError::bad(format!(
+                "the {name} header is given more than once; give it once"
+            )));
+        }
+    }
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
     let Some(host) = host else {
         return Some(ApiError::bad(
             "missing Host header: send `Host: ADDRESS:PORT` (HTTP/1.1 requires it)",
         ));
     };
-    if !hosts.accepts(host) {
-        return Some(ApiError::new(
-            StatusCode::MISDIRECTED_REQUEST,
-            format!(
-                "Host {:?} is not an address of this server; connect to its listening address, or start it with --allowed-host NAME",
-                crate::api::shown_str(host)
-            ),
-        ));
+    // An absolute-form target (`POST http://name/path`) names the host
+    // too, and takes precedence over the header (RFC 9112 3.2.2).
+    let named = [Some(host), request.uri().authority().map(|a| a.as_str())];
+    for h in named.into_iter().flatten() {
+        if !hosts.accepts(h) {
+            return Some(ApiError::new(
+                StatusCode::MISDIRECTED_REQUEST,
+                format!(
+                    "Host {} is not an address of this server; connect to its listening address, or start it with --allowed-host NAME",
+                    crate::api::shown_str(h)
+                ),
+            ));
+        }
     }
     let method = request.method();
     if method == Method::GET || method == Method::HEAD || method == Method::OPTIONS {
@@ -150,7 +170,7 @@ fn refuse(hosts: &Hosts, request: &Request) -> Option<ApiError> {
             return Some(ApiError::new(
                 StatusCode::FORBIDDEN,
                 format!(
-                    "cross-origin request refused: Origin {:?} is not this server (http://{host})",
+                    "cross-origin request refused: Origin {} is not this server (http://{host})",
                     crate::api::shown_str(origin)
                 ),
             ));

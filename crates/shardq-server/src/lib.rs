@@ -291,7 +291,17 @@ pub fn routes() -> Vec<RouteInfo> {
 
 fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -> axum::Router {
     let mut r: axum::Router<Arc<App>> = axum::Router::new();
+    // One semaphore for every route but the health probes, so that the
+    // bound holds for the whole server (`Router::layer` would give each
+    // route its own) and slow requests never hold back a probe.
+    let concurrency =
+        tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.concurrency_max.max(1));
     for (info, handler) in table() {
+        let handler = if matches!(info.path, "/healthz" | "/readyz") {
+            handler
+        } else {
+            handler.route_layer(concurrency.clone())
+        };
         let handler = match info.role {
             Some(role) => handler.route_layer(axum::middleware::from_fn_with_state(
                 auth::Guard {
@@ -327,11 +337,6 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     .layer(tower_http::timeout::TimeoutLayer::with_status_code(
         axum::http::StatusCode::REQUEST_TIMEOUT,
         Duration::from_millis(limits::REQUEST_TIMEOUT_MS),
-    ))
-    // `Router::layer` wraps each route on its own: the semaphore is shared
-    // so that the bound holds for the whole server.
-    .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-        limits.concurrency_max.max(1),
     ))
     .layer(axum::middleware::from_fn_with_state(hosts, edge::check))
     .with_state(app)
@@ -380,9 +385,10 @@ impl Server {
             || l.body_read_timeout_ms == 0
             || opts.conn.connections_max == 0
             || opts.conn.header_read_timeout_ms == 0
+            || opts.conn.write_stall_ms == 0
         {
             return Err(ServerError::Config(
-                "body size, concurrency, claims per worker and per token, body read timeout, connections and header read timeout must each be at least 1".into(),
+                "body size, concurrency, claims per worker and per token, body read timeout, connections, header read timeout and write stall must each be at least 1".into(),
             ));
         }
         let deployment = Arc::new(Deployment::open(dir, &opts.open)?);

@@ -292,6 +292,14 @@ fn slow_bodies_hold_at_most_the_servers_concurrency_and_time_out() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(100));
+    // The health probes hold no slot: they answer at once.
+    let (code, _) = get(&s, "/healthz");
+    assert_eq!(code, 200);
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "/healthz waited {:?} behind the slow bodies",
+        t0.elapsed()
+    );
     let (code, _) = get(&s, "/v1/status");
     let waited = t0.elapsed();
     assert_eq!(code, 200);
@@ -545,4 +553,37 @@ fn a_stalled_map_lock_is_retry_later_not_a_server_failure() {
     let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "bad name!"}));
     assert_eq!(code, 400, "{v}");
     drop(lock);
+}
+
+#[test]
+fn a_client_that_never_reads_its_answers_is_closed_after_the_write_bound() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.conn.connections_max = 2;
+    o.conn.write_stall_ms = 500;
+    o.conn.header_read_timeout_ms = 60_000;
+    let s = start(dir.path(), o);
+    // Two clients pipeline hundreds of requests for a large answer and
+    // never read: the server's writes fill their windows and stall.
+    let ask = format!(
+        "GET /v1/openapi.json HTTP/1.1\r\nHost: {}\r\n\r\n",
+        s.addr()
+    )
+    .repeat(400);
+    let stalled: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut c = TcpStream::connect(s.addr()).unwrap();
+            c.write_all(ask.as_bytes()).unwrap();
+            c
+        })
+        .collect();
+    // They hold both connections only until the write bound: then a new
+    // client is served again.
+    wait_until("a new client is served", Duration::from_secs(20), || {
+        ureq::get(&format!("{}/healthz", s.url()))
+            .timeout(Duration::from_secs(2))
+            .call()
+            .is_ok()
+    });
+    drop(stalled);
 }

@@ -57,6 +57,10 @@ pub struct ServeArgs {
     /// keep-alive connection, in ms.
     #[arg(long, default_value_t = shardq_server::conn::HEADER_READ_TIMEOUT_MS)]
     header_read_timeout_ms: u64,
+    /// Longest a write of an answer may make no progress (the client reads
+    /// nothing) before the connection is closed, in ms.
+    #[arg(long, default_value_t = shardq_server::conn::WRITE_STALL_MS_DEFAULT)]
+    write_stall_ms: u64,
     /// Another host name this server answers to (the `Host` header), such
     /// as the name a proxy forwards; repeatable. Requests naming any other
     /// host are refused (421), so that a web page cannot reach the server
@@ -78,7 +82,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .clone()
         .or_else(|| std::env::var_os(TOKENS_FILE_ENV).map(PathBuf::from));
     let tokens = match tokens_path {
-        Some(p) => Some(shardq_server::Tokens::load(&p).map_err(anyhow::Error::msg)?),
+        Some(p) => {
+            let t = shardq_server::Tokens::load(&p).map_err(anyhow::Error::msg)?;
+            use std::os::unix::fs::PermissionsExt;
+            if let Ok(m) = std::fs::metadata(&p) {
+                let mode = m.permissions().mode() & 0o777;
+                if mode & 0o044 != 0 {
+                    eprintln!(
+                        "shardq serve: warning: tokens file {} has mode {mode:03o}: other users can read the tokens; run `chmod 600 {}`",
+                        p.display(),
+                        p.display()
+                    );
+                }
+            }
+            Some(t)
+        }
         None => None,
     };
     let mut worker = shardq_deploy::WorkerOptions::default();
@@ -104,6 +122,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         conn: shardq_server::conn::ConnLimits {
             connections_max: args.connections_max,
             header_read_timeout_ms: args.header_read_timeout_ms,
+            write_stall_ms: args.write_stall_ms,
         },
         dedup_window_ms: args.dedup_window_ms,
         worker,
