@@ -206,6 +206,13 @@ pub trait Coordinator: Send {
     /// A human-readable reason when nothing is owned (who owns what), for
     /// the standby message.
     fn standby_reason(&self) -> String;
+
+    /// Most shards this process may hold at once (`usize::MAX`: no bound).
+    /// A pool at this bound cannot take another shard's work, so that work
+    /// does not keep it from being idle.
+    fn max_shards(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// Result of a [`Coordinator::tick`].

@@ -184,9 +184,13 @@ pub struct PoolOptions {
     /// Longest run of one handler, in ms: past it the run is cancelled (see
     /// [`current_run`]) and, once the handler returns, fails. `None`: no limit.
     pub job_timeout_ms: Option<u64>,
-    /// Return once idle (batch runs and tests): no shard of the backend,
-    /// owned or not, has a job ready or delayed or a run in flight (any
-    /// process's run can lapse back into work). A process that owns
+    /// Return once idle (batch runs and tests): no owned shard has a job
+    /// ready or delayed or a run in flight, and, while this process may
+    /// still take more shards ([`Coordinator::max_shards`]), neither has
+    /// any other shard (any process's run can lapse back into work, and a
+    /// lease may lapse to this one). At its bound, other shards' work is
+    /// not this process's: it stops, and the report lists the shards that
+    /// still have work (`left_on_other_shards`). A process that owns
     /// nothing keeps waiting, since a lease may lapse.
     pub exit_when_idle: bool,
     /// Called for each [`PoolEvent`].
@@ -239,6 +243,9 @@ pub struct PoolReport {
     pub stale: u64,
     /// Runs cancelled by the job timeout.
     pub timed_out: u64,
+    /// With `exit_when_idle`: shards this process did not run that still
+    /// had work when it stopped (it was at its bound of shards).
+    pub left_on_other_shards: Vec<String>,
 }
 
 struct Outcome {
@@ -351,6 +358,7 @@ impl WorkerPool {
             running: BTreeMap::new(),
             owned: Vec::new(),
             failed: BTreeMap::new(),
+            max_shards: coordinator.max_shards(),
         };
         let result = state.run_loop(coordinator, &*clock, stop, &out_rx);
         // Never give a shard up while one of its handlers runs: cancel what
@@ -397,6 +405,8 @@ struct Dispatch<'a> {
     running: BTreeMap<(String, Receipt), Running>,
     owned: Vec<String>,
     failed: BTreeMap<String, Failed>,
+    /// The coordinator's bound of shards for this process.
+    max_shards: usize,
 }
 
 impl Dispatch<'_> {
@@ -849,11 +859,18 @@ impl Dispatch<'_> {
                 }
             }
         }
-        self.backend
+        let busy: Vec<String> = self
+            .backend
             .shard_names()
-            .iter()
+            .into_iter()
             .filter(|s| !self.owned.contains(s))
-            .all(|s| !matches!(self.backend.next_due_ms(s), Ok(Some(_))))
+            .filter(|s| matches!(self.backend.next_due_ms(s), Ok(Some(_))))
+            .collect();
+        if self.owned.len() < self.max_shards {
+            return busy.is_empty();
+        }
+        self.report.left_on_other_shards = busy;
+        true
     }
 
     fn next_due(&mut self, now: u64) -> Option<u64> {

@@ -262,6 +262,10 @@ impl Coordinator for FsCoordinator {
         (self.opts.lease_ms / 3).max(1)
     }
 
+    fn max_shards(&self) -> usize {
+        self.opts.max_local_shards
+    }
+
     fn standby_reason(&self) -> String {
         let now = self.clock.now_ms();
         let owners: Vec<String> = self

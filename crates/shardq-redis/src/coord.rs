@@ -318,6 +318,10 @@ impl Coordinator for RedisCoordinator {
         (self.lease_ms / TICKS_PER_LEASE).max(1)
     }
 
+    fn max_shards(&self) -> usize {
+        self.max_shards
+    }
+
     fn standby_reason(&self) -> String {
         if self.others.is_empty() {
             return format!("{} owns no shard yet", self.owner);

@@ -599,6 +599,9 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     };
     shardq_core::validate_job_lease_ms(args.job_lease_ms)
         .map_err(|e| anyhow::anyhow!("--job-lease-ms: {e}"))?;
+    if args.handler_builtin.is_none() && !args.cmd.is_empty() {
+        handler_proc::check_command(&args.cmd).map_err(anyhow::Error::msg)?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let handler: Arc<shardq_core::Handler> = match (&args.handler_builtin, args.cmd.is_empty()) {
         (Some(_), _) if job_timeout.is_some() => {
@@ -666,6 +669,12 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",
         report.acked, report.retried, report.dead, report.abandoned, report.timed_out, report.stale
     );
+    if !report.left_on_other_shards.is_empty() {
+        eprintln!(
+            "shardq: warning: shards {:?} still have work that this worker did not run: it runs at most {} shard(s) (--max-local-shards); start a worker for each, or give --max-local-shards all",
+            report.left_on_other_shards, args.max_local_shards
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -56,6 +56,45 @@ fn job_fence(job: &ClaimedJob) -> Option<String> {
 /// passes, the handler's process group is killed with SIGKILL and waited
 /// for, and the error says why (`killed: job timeout 500 ms`, `killed:
 /// worker stopping`). Never returns with the child unreaped.
+/// Checks, before any job is claimed, that `cmd`'s program can be run: a
+/// path (with a `/`) must be an executable file; a bare name must be one on
+/// `$PATH`. A handler that cannot start is the worker's error, not a job's
+/// failure: the worker stops and no attempt is used.
+pub fn check_command(cmd: &[String]) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(program) = cmd.first() else {
+        return Err("no handler command given".to_string());
+    };
+    let runnable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let p = std::path::Path::new(program);
+        return match std::fs::metadata(p) {
+            Err(e) => Err(format!(
+                "handler command {program:?} cannot be run: {e} (from {}); no job was claimed",
+                std::env::current_dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default()
+            )),
+            Ok(m) if !m.is_file() => Err(format!(
+                "handler command {program:?} cannot be run: not a file; no job was claimed"
+            )),
+            Ok(_) if !runnable(p) => Err(format!(
+                "handler command {program:?} cannot be run: not executable (`chmod +x {program}`); no job was claimed"
+            )),
+            Ok(_) => Ok(()),
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|d| runnable(&d.join(program))) {
+        return Ok(());
+    }
+    Err(format!(
+        "handler command {program:?} cannot be run: no executable of that name on $PATH; no job was claimed"
+    ))
+}
+
 pub fn run_job_command(
     cmd: &[String],
     job: &ClaimedJob,

@@ -375,3 +375,44 @@ fn commands_exit_quietly_when_stdout_is_closed() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `work --exit-when-idle` at its bound of shards (one by default) stops
+/// once its own shards are idle, rather than waiting for work it may not
+/// take, and says which shards still have work.
+#[test]
+fn exit_when_idle_at_its_shard_bound_names_the_shards_it_left() {
+    let dir = temp_dir("idle-bound");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    let (ok, _, err) = run(&["init", "--data", d, "--shards", "4"]);
+    assert!(ok, "{err}");
+    let lines: String = (0..40).map(|i| format!("k{i}\tp\n")).collect();
+    let out = support::run_stdin(&["enqueue", "--data", d, "--stdin"], lines.as_bytes());
+    assert!(out.status.success());
+    let out = support::output(&["work", "--data", d, "--exit-when-idle", "--", "true"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("still have work that this worker did not run")
+            && err.contains("--max-local-shards"),
+        "{err}"
+    );
+    let st = status_json(&data);
+    let left = st["totals"]["ready"].as_u64().unwrap();
+    assert!(left > 0 && left < 40, "one shard's jobs ran: {st}");
+    // With every shard allowed, nothing is left.
+    let out = support::output(&[
+        "work",
+        "--data",
+        d,
+        "--exit-when-idle",
+        "--max-local-shards",
+        "all",
+        "--",
+        "true",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("still have work"), "{err}");
+    assert_eq!(status_json(&data)["totals"]["ready"], 0);
+}

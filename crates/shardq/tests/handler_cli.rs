@@ -238,3 +238,47 @@ fn handler_sees_the_payload_length_and_a_slow_reader_gets_it_whole() {
     assert_eq!(lines, vec![format!("slow {len} {len}"), "small 3 3".into()]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A handler that cannot start is the worker's error: it stops at once
+/// naming the command, claims nothing and uses no attempt (it used to
+/// dead-letter every job and exit 0).
+#[test]
+fn a_handler_that_cannot_start_stops_the_worker_and_uses_no_attempt() {
+    let dir = temp_dir("no-handler");
+    let data = dir.join("data");
+    init_with_job(&data, &[]);
+    let d = data.to_str().unwrap();
+    let script = dir.join("not-executable.sh");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    for cmd in [
+        "./does-not-exist.sh",
+        script.to_str().unwrap(),
+        "no-such-handler-on-path-4821",
+    ] {
+        let (ok, _, err) = run(&["work", "--data", d, "--exit-when-idle", "--", cmd]);
+        assert!(!ok, "{cmd}: the worker ran");
+        assert!(
+            err.contains(cmd)
+                && err.contains("cannot be run")
+                && err.contains("no job was claimed"),
+            "{cmd}: {err}"
+        );
+    }
+    let st = status_json(&data);
+    assert_eq!(st["totals"]["ready"], 1, "{st}");
+    assert_eq!(st["totals"]["dead"], 0, "{st}");
+    // Its attempt count is untouched: the first real run is attempt 1.
+    let out = dir.join("seen");
+    let (ok, _, err) = run(&[
+        "work",
+        "--data",
+        d,
+        "--exit-when-idle",
+        "--",
+        "sh",
+        "-c",
+        &format!("echo $SHARDQ_ATTEMPT > {}", out.display()),
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), "1");
+}
