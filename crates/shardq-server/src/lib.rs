@@ -71,6 +71,11 @@ pub struct ServerOptions {
     pub allowed_hosts: Vec<String>,
     /// Connection bounds.
     pub conn: conn::ConnLimits,
+    /// Whether this server takes shard leases and hands out runs (a
+    /// worker process). `false`: a front for the API and the dashboard
+    /// only, which enqueues, reads and reshards but owns no shard (its
+    /// claims find nothing), so it takes no shard from the workers.
+    pub take_shards: bool,
 }
 
 impl Default for ServerOptions {
@@ -84,6 +89,7 @@ impl Default for ServerOptions {
             open: OpenOptions::default(),
             allowed_hosts: Vec::new(),
             conn: conn::ConnLimits::default(),
+            take_shards: true,
         }
     }
 }
@@ -345,7 +351,7 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
 /// An opened server, listening, not yet serving.
 pub struct Server {
     app: Arc<App>,
-    owner: OwnerThread,
+    owner: Option<OwnerThread>,
     listener: std::net::TcpListener,
     tokens: Option<Arc<Tokens>>,
     hosts: Arc<edge::Hosts>,
@@ -402,9 +408,16 @@ impl Server {
                 context: format!("configuring the socket on {}", opts.listen),
                 source: e,
             })?;
-        let coordinator = deployment.coordinator(&opts.worker)?;
-        let owner = OwnerThread::start(coordinator, deployment.queue());
-        let app = Arc::new(App::new(dir, &opts, deployment, owner.owned())?);
+        let owner = if opts.take_shards {
+            let coordinator = deployment.coordinator(&opts.worker)?;
+            Some(OwnerThread::start(coordinator, deployment.queue()))
+        } else {
+            None
+        };
+        let owned = owner
+            .as_ref()
+            .map_or_else(|| Arc::new(Owned::default()), OwnerThread::owned);
+        let app = Arc::new(App::new(dir, &opts, deployment, owned)?);
         let hosts = Arc::new(edge::Hosts::new(
             listener.local_addr().unwrap_or(opts.listen),
             &opts.allowed_hosts,
@@ -455,7 +468,7 @@ impl Server {
     ) -> Result<(), ServerError> {
         let Server {
             app,
-            mut owner,
+            owner,
             listener,
             tokens,
             hosts,
@@ -482,10 +495,12 @@ impl Server {
             stop_claims,
         )
         .await;
-        owner.stop_claiming();
-        let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;
-        if let Err(e) = stopped {
-            eprintln!("shardq serve: releasing the shards failed: {e}");
+        if let Some(mut owner) = owner {
+            owner.stop_claiming();
+            let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;
+            if let Err(e) = stopped {
+                eprintln!("shardq serve: releasing the shards failed: {e}");
+            }
         }
         Ok(())
     }

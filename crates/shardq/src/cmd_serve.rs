@@ -71,8 +71,12 @@ pub struct ServeArgs {
     #[arg(long)]
     lease_ms: Option<u64>,
     /// Most shards this server runs at once (default: no limit).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_shards")]
     max_shards: Option<usize>,
+    /// Take no shard: serve the API and the dashboard as a front (enqueue,
+    /// read, reshard) while `shardq work` or other servers run the shards.
+    #[arg(long)]
+    no_shards: bool,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -119,6 +123,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             ..shardq_server::Limits::default()
         },
         allowed_hosts: args.allowed_hosts,
+        take_shards: !args.no_shards,
         conn: shardq_server::conn::ConnLimits {
             connections_max: args.connections_max,
             header_read_timeout_ms: args.header_read_timeout_ms,

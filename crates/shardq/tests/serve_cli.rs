@@ -195,3 +195,42 @@ fn a_flood_of_idle_sockets_leaves_the_leases_and_the_server_working() {
         "the lease machinery failed during the flood:\n{text}"
     );
 }
+
+/// `serve --no-shards` is a front for the API: it takes no shard from the
+/// workers (a server started after it owns them all), and a job enqueued
+/// through it is run by the worker server.
+#[test]
+fn a_front_server_takes_no_shard_and_its_enqueues_reach_the_workers() {
+    let dir = temp_dir("serve-front");
+    let data = dir.join("data");
+    let (ok, _, err) = run(&["init", "--data", data.to_str().unwrap(), "--shards", "2"]);
+    assert!(ok, "{err}");
+    let (front_port, worker_port) = (free_port(), free_port());
+    let mut front = serve(&data, front_port, &["--no-shards"]);
+    let mut worker = serve(&data, worker_port, &[]);
+    wait_owned(worker_port, 2);
+    support::wait_until("the front answers", WAIT_MAX, || owned(front_port).is_some());
+    assert_eq!(owned(front_port), Some(0), "the front owns nothing");
+    let (code, v) = post(
+        front_port,
+        "/v1/jobs",
+        json!({"jobs": [{"key": "k", "payload": "p"}]}),
+    )
+    .unwrap();
+    assert_eq!(code, 200, "{v}");
+    let (code, v) = post(
+        worker_port,
+        "/v1/claim",
+        json!({"worker": "w", "max": 1, "wait_ms": 5000}),
+    )
+    .unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["jobs"].as_array().map(Vec::len), Some(1), "{v}");
+    // Still nothing for the front after the lease period.
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert_eq!(owned(front_port), Some(0));
+    for c in [&mut front, &mut worker] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
