@@ -249,7 +249,32 @@ impl Metrics {
     /// Metrics over `deployment`: per-shard gauges from its `status()`,
     /// cached for [`STATUS_TTL`].
     pub fn for_deployment(deployment: Arc<Deployment>) -> Metrics {
-        Metrics::new(Some(shards::deployment_source(deployment)), STATUS_TTL)
+        let names = deployment.shard_names().unwrap_or_default();
+        let m = Metrics::new(Some(shards::deployment_source(deployment)), STATUS_TTL);
+        m.start_at_zero(&names);
+        m
+    }
+
+    /// Makes every per-shard counter of `shards` exist at 0, so that a
+    /// query over them (a failure ratio, say) has a value before the first
+    /// event rather than none.
+    pub fn start_at_zero(&self, shards: &[String]) {
+        let f = &self.flow;
+        for s in shards {
+            let l = shard(s);
+            for family in [
+                &f.enqueued,
+                &f.claimed,
+                &f.acked,
+                &f.retried,
+                &f.dead_lettered,
+                &f.stale,
+                &f.fenced,
+                &f.paused,
+            ] {
+                let _ = family.get_or_create(&l);
+            }
+        }
     }
 
     /// Every series in the Prometheus text format. Reads the status first

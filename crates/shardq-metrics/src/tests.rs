@@ -346,3 +346,25 @@ fn without_a_source_there_are_no_shard_series() {
         "{t}"
     );
 }
+
+#[test]
+fn every_per_shard_counter_exists_at_zero_before_its_first_event() {
+    let m = Metrics::new(None, STATUS_TTL);
+    m.start_at_zero(&["s0".to_string(), "s1".to_string()]);
+    let text = m.render();
+    for name in [
+        "shardq_jobs_enqueued_total",
+        "shardq_jobs_claimed_total",
+        "shardq_jobs_acked_total",
+        "shardq_jobs_retried_total",
+        "shardq_jobs_dead_lettered_total",
+        "shardq_results_stale_total",
+        "shardq_enqueue_fenced_total",
+        "shardq_enqueue_paused_total",
+    ] {
+        for s in ["s0", "s1"] {
+            let series = format!("{name}{{shard=\"{s}\"}} 0");
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+    }
+}
