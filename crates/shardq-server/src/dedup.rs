@@ -783,6 +783,19 @@ impl DedupStore for FileDedup {
         st.expire(now_ms);
         let _l = lock(&self.lock_path, self.lock_wait_ms)?;
         self.refresh(&mut st)?;
+        // Records of a commit that could not be written (its jobs are
+        // stored; only this server's memory knows them) go out now, under
+        // the lock this lookup holds anyway: other servers must see them
+        // before that commit's reservations lapse.
+        if !st.unwritten.is_empty() {
+            let unwritten = std::mem::take(&mut st.unwritten);
+            let lines: Vec<&DedupRecord> = unwritten.iter().collect();
+            let written =
+                serialise(&lines).and_then(|text| self.append(&mut st, &text, &lines, true));
+            if written.is_err() {
+                st.unwritten = unwritten;
+            }
+        }
         let mut out = Vec::with_capacity(ids.len());
         let mut reserved: Vec<DedupRecord> = Vec::new();
         for s in ids {
@@ -1459,6 +1472,27 @@ mod tests {
                 Begin::Done(rec("b", 2, 9000))
             ],
             "the failed commit's record reached the file with the next commit"
+        );
+    }
+
+    #[test]
+    fn a_failed_commit_reaches_the_other_servers_with_the_next_lookup() {
+        use std::sync::atomic::Ordering;
+        let dir = tempfile::tempdir().unwrap();
+        let d = FileDedup::open(dir.path(), 1000).unwrap();
+        let other = FileDedup::open(dir.path(), 1000).unwrap();
+        assert_eq!(d.begin("k", "a", 1000).unwrap(), Begin::Fresh);
+        d.fail_appends.store(true, Ordering::SeqCst);
+        let a = rec("a", 1, 1000 + 2 * RESERVE_MS);
+        assert!(d.commit(std::slice::from_ref(&a)).is_err());
+        d.fail_appends.store(false, Ordering::SeqCst);
+        // No commit follows, only a lookup of another id: it writes the
+        // record, so another server never takes the id as fresh once the
+        // reservation lapses.
+        assert_eq!(d.begin("k", "z", 1000).unwrap(), Begin::Fresh);
+        assert_eq!(
+            other.begin("k", "a", 1000 + RESERVE_MS + 1).unwrap(),
+            Begin::Done(a)
         );
     }
 

@@ -42,6 +42,11 @@ pub struct ClaimBook {
     runs: HashMap<RunKey, HeldRun, RandomState>,
     /// (lease end, run, fence) of every run in `runs`.
     lapse: std::collections::BTreeSet<(u64, RunKey, u64)>,
+    /// Runs that claims in progress may still add, per worker name and per
+    /// token: counted against the bounds, so that concurrent claims of one
+    /// worker cannot pass them together.
+    reserved_by_worker: HashMap<Arc<str>, usize, RandomState>,
+    reserved_by_principal: HashMap<Principal, usize, RandomState>,
 }
 
 impl ClaimBook {
@@ -103,6 +108,62 @@ impl ClaimBook {
             .and_then(|w| self.by_worker.get(w))
             .map_or(0, |(_, n)| *n);
         (w, self.by_principal.get(&principal).copied().unwrap_or(0))
+    }
+
+    /// Reserves up to `max` runs for a claim of `worker` under both bounds:
+    /// how many, or the error of the bound already reached.
+    fn reserve(
+        &mut self,
+        worker: &str,
+        principal: Principal,
+        now_ms: u64,
+        max: usize,
+        caps: (usize, usize),
+    ) -> Result<usize, ApiError> {
+        let (held, by_token) = self.held(worker, principal, now_ms);
+        let held = held + self.reserved_by_worker.get(worker).copied().unwrap_or(0);
+        let by_token = by_token
+            + self
+                .reserved_by_principal
+                .get(&principal)
+                .copied()
+                .unwrap_or(0);
+        let (cap, token_cap) = caps;
+        if held >= cap {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("worker {}: holds {held} runs, the limit per worker is {cap}; ack, fail or let some lapse first", shown(worker)),
+            ));
+        }
+        if by_token >= token_cap {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the workers of this token hold {by_token} runs, the limit per token is {token_cap}; ack, fail or let some lapse first"),
+            ));
+        }
+        let n = max.min(cap - held).min(token_cap - by_token);
+        *self
+            .reserved_by_worker
+            .entry(Arc::from(worker))
+            .or_insert(0) += n;
+        *self.reserved_by_principal.entry(principal).or_insert(0) += n;
+        Ok(n)
+    }
+
+    /// Ends a reservation of `n` (the runs claimed are in the book now).
+    fn unreserve(&mut self, worker: &str, principal: Principal, n: usize) {
+        if let Some(r) = self.reserved_by_worker.get_mut(worker) {
+            *r = r.saturating_sub(n);
+            if *r == 0 {
+                self.reserved_by_worker.remove(worker);
+            }
+        }
+        if let Some(r) = self.reserved_by_principal.get_mut(&principal) {
+            *r = r.saturating_sub(n);
+            if *r == 0 {
+                self.reserved_by_principal.remove(&principal);
+            }
+        }
     }
 
     fn add(
@@ -288,28 +349,28 @@ impl App {
         lease_ms: u64,
     ) -> (Vec<ClaimedOut>, Option<ApiError>) {
         let now = self.clock.now_ms();
-        let (held, held_by_token) = book(&self.claims).held(worker, principal, now);
-        let cap = self.limits.claims_per_worker_max;
-        let token_cap = self.limits.claims_per_token_max;
-        if held >= cap {
-            return (
-                Vec::new(),
-                Some(ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!("worker {}: holds {held} runs, the limit per worker is {cap}; ack, fail or let some lapse first", shown(worker)),
-                )),
-            );
-        }
-        if held_by_token >= token_cap {
-            return (
-                Vec::new(),
-                Some(ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!("the workers of this token hold {held_by_token} runs, the limit per token is {token_cap}; ack, fail or let some lapse first"),
-                )),
-            );
-        }
-        let mut want = max.min(cap - held).min(token_cap - held_by_token);
+        let caps = (
+            self.limits.claims_per_worker_max,
+            self.limits.claims_per_token_max,
+        );
+        let reserved = match book(&self.claims).reserve(worker, principal, now, max, caps) {
+            Ok(n) => n,
+            Err(e) => return (Vec::new(), Some(e)),
+        };
+        let claimed = self.claim_reserved(worker, principal, reserved, lease_ms, now);
+        book(&self.claims).unreserve(worker, principal, reserved);
+        claimed
+    }
+
+    /// [`App::claim_once`] of at most `want` runs, already reserved.
+    fn claim_reserved(
+        &self,
+        worker: &str,
+        principal: Principal,
+        mut want: usize,
+        lease_ms: u64,
+        now: u64,
+    ) -> (Vec<ClaimedOut>, Option<ApiError>) {
         let shards = self.owned.list();
         let mut out = Vec::new();
         let mut error = None;
@@ -457,6 +518,29 @@ mod tests {
         assert_eq!(b.held("w3", p, 6_000).1, 1);
         b.held("w3", p, 9_000);
         assert!(b.runs.is_empty() && b.lapse.is_empty() && b.by_principal.is_empty());
+    }
+
+    #[test]
+    fn claims_in_progress_count_against_the_bounds() {
+        let p = crate::auth::ANONYMOUS;
+        let mut b = ClaimBook::default();
+        // Three claims of one worker at once, bound 3: together they may
+        // take 3 runs, not 3 each.
+        assert_eq!(b.reserve("w", p, 0, 2, (3, 100)).unwrap(), 2);
+        assert_eq!(b.reserve("w", p, 0, 2, (3, 100)).unwrap(), 1);
+        assert!(b.reserve("w", p, 0, 2, (3, 100)).is_err());
+        // The same for a token's bound across invented names.
+        assert_eq!(b.reserve("x", p, 0, 5, (100, 4)).unwrap(), 1);
+        assert!(b.reserve("y", p, 0, 5, (100, 4)).is_err());
+        // A claim that found nothing gives its reservation back.
+        b.unreserve("w", p, 2);
+        assert_eq!(b.reserve("w", p, 0, 2, (3, 100)).unwrap(), 2);
+        // Runs added and reservations ended: the bound counts the runs.
+        b.unreserve("w", p, 3);
+        b.unreserve("x", p, 1);
+        b.add("w", p, "s0", 1, 1, 1_000);
+        assert_eq!(b.reserve("w", p, 0, 5, (3, 100)).unwrap(), 2);
+        assert!(b.reserve("w", p, 0, 5, (3, 100)).is_err());
     }
 
     #[test]
