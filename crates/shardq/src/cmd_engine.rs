@@ -83,10 +83,11 @@ pub enum EngineCommand {
         #[arg(long)]
         json: bool,
     },
-    /// The dead-letter list.
+    /// The dead-letter list: list, retry or purge dead jobs.
     Dead {
+        /// Data dir (embedded or Redis); may also follow the action.
         #[arg(long, value_name = "DIR")]
-        data: PathBuf,
+        data: Option<PathBuf>,
         #[command(subcommand)]
         action: DeadAction,
     },
@@ -102,25 +103,54 @@ pub enum EngineCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum DeadAction {
-    /// List dead jobs (SHARD<TAB>ID<TAB>KEY<TAB>ATTEMPTS<TAB>REASON).
+    /// List dead jobs (ID<TAB>KEY<TAB>ATTEMPTS<TAB>REASON, the id as
+    /// SHARD:ID; `--json` for one object like `GET /v1/dead`).
     List {
+        #[command(flatten)]
+        pick: DeadPick,
+        /// One JSON object instead of lines.
         #[arg(long)]
-        shard: Option<String>,
+        json: bool,
     },
-    /// Put dead jobs back in their keys (all, or --shard/--id).
+    /// Put dead jobs back in their keys: `--id SHARD:ID`... or `--all`.
     Retry {
-        #[arg(long)]
-        shard: Option<String>,
-        #[arg(long, requires = "shard")]
-        id: Vec<u64>,
+        #[command(flatten)]
+        pick: DeadPick,
+        #[command(flatten)]
+        which: DeadWhich,
     },
-    /// Delete dead jobs for good (all, or --shard/--id).
+    /// Delete dead jobs for good: `--id SHARD:ID`... or `--all`.
     Purge {
-        #[arg(long)]
-        shard: Option<String>,
-        #[arg(long, requires = "shard")]
-        id: Vec<u64>,
+        #[command(flatten)]
+        pick: DeadPick,
+        #[command(flatten)]
+        which: DeadWhich,
     },
+}
+
+/// Where the dead jobs are.
+#[derive(Debug, clap::Args)]
+pub struct DeadPick {
+    /// Data dir (embedded or Redis), when not given before the action.
+    #[arg(long = "data", value_name = "DIR")]
+    data: Option<PathBuf>,
+    /// Only this shard's dead jobs (e.g. shard-0).
+    #[arg(long)]
+    shard: Option<String>,
+}
+
+/// Which dead jobs a retry or purge changes: named, or all of them (said,
+/// never implied).
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct DeadWhich {
+    /// A dead job, as SHARD:ID (as `dead list` and the API print it), or a
+    /// bare ID with --shard; repeatable.
+    #[arg(long)]
+    id: Vec<String>,
+    /// Every dead job (of --shard, when given).
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -285,7 +315,7 @@ pub fn run(cmd: EngineCommand) -> anyhow::Result<ExitCode> {
         EngineCommand::Enqueue(args) => enqueue(args),
         EngineCommand::Work(args) => work(args),
         EngineCommand::Status { data, json } => status(&data, json),
-        EngineCommand::Dead { data, action } => dead(&data, action),
+        EngineCommand::Dead { data, action } => dead(data, action),
         EngineCommand::Repair { data, shard } => repair(&data, &shard),
     }
 }
@@ -845,43 +875,119 @@ fn print_status_table(st: &StatusReport) {
     );
 }
 
-fn dead(dir: &Path, action: DeadAction) -> anyhow::Result<ExitCode> {
-    let deployment = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?;
-    let backend = deployment.queue();
-    let all = deployment.shard_names()?;
-    let pick = |shard: &Option<String>| -> anyhow::Result<Vec<String>> {
-        match shard {
-            None => Ok(all.clone()),
-            Some(s) if all.contains(s) => Ok(vec![s.clone()]),
-            Some(s) => bail!("unknown --shard {s:?}: the map has {}", all.join(", ")),
-        }
-    };
-    match action {
-        DeadAction::List { shard } => {
-            for s in pick(&shard)? {
-                for d in backend.dead_list(&s, usize::MAX)? {
-                    println!(
-                        "{}\t{}\t{}\t{}\t{}",
-                        d.shard, d.id, d.key, d.attempts, d.reason
-                    );
+/// `SHARD:ID`, or a bare `ID` of `shard`.
+fn parse_dead_id(s: &str, shard: Option<&str>) -> anyhow::Result<(String, JobId)> {
+    match s.rsplit_once(':') {
+        Some((sh, n)) if !sh.is_empty() => {
+            let id: u64 = n
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--id {s:?}: expected SHARD:ID, e.g. shard-2:17"))?;
+            if let Some(want) = shard {
+                if want != sh {
+                    bail!("--id {s:?} is not on --shard {want:?}");
                 }
             }
+            Ok((sh.to_string(), JobId(id)))
         }
-        DeadAction::Retry { shard, id } => {
-            let ids: Vec<JobId> = id.into_iter().map(JobId).collect();
-            let mut n = 0;
-            for s in pick(&shard)? {
-                n += backend.dead_retry(&s, (!ids.is_empty()).then_some(&ids[..]))?;
+        _ => {
+            let id: u64 = s
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--id {s:?}: expected SHARD:ID, e.g. shard-2:17"))?;
+            match shard {
+                Some(sh) => Ok((sh.to_string(), JobId(id))),
+                None => bail!("--id {s:?}: a bare id needs --shard, or give it as SHARD:ID"),
             }
-            println!("retried {n} dead jobs");
         }
-        DeadAction::Purge { shard, id } => {
-            let ids: Vec<JobId> = id.into_iter().map(JobId).collect();
-            let mut n = 0;
-            for s in pick(&shard)? {
-                n += backend.dead_purge(&s, (!ids.is_empty()).then_some(&ids[..]))?;
+    }
+}
+
+fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
+    let pick = match &action {
+        DeadAction::List { pick, .. }
+        | DeadAction::Retry { pick, .. }
+        | DeadAction::Purge { pick, .. } => pick,
+    };
+    let dir = match (data, &pick.data) {
+        (Some(a), Some(b)) if a != *b => {
+            bail!("--data given twice: {} and {}", a.display(), b.display())
+        }
+        (Some(d), _) => d,
+        (None, Some(d)) => d.clone(),
+        (None, None) => bail!("--data DIR is required: the data dir of the dead jobs"),
+    };
+    let deployment = Deployment::open(&dir, &shardq_deploy::OpenOptions::default())?;
+    let backend = deployment.queue();
+    let all = deployment.shard_names()?;
+    let shards = match &pick.shard {
+        None => all.clone(),
+        Some(s) if all.contains(s) => vec![s.clone()],
+        Some(s) => bail!("unknown --shard {s:?}: the map has {}", all.join(", ")),
+    };
+    let change = |which: &DeadWhich, retry: bool| -> anyhow::Result<usize> {
+        let mut plan: std::collections::BTreeMap<String, Option<Vec<JobId>>> = Default::default();
+        if which.all {
+            for s in &shards {
+                plan.insert(s.clone(), None);
             }
-            println!("purged {n} dead jobs");
+        } else {
+            for s in &which.id {
+                let (shard, id) = parse_dead_id(s, pick.shard.as_deref())?;
+                if !all.contains(&shard) {
+                    bail!(
+                        "--id {s:?}: unknown shard {shard:?}: the map has {}",
+                        all.join(", ")
+                    );
+                }
+                plan.entry(shard)
+                    .or_insert_with(|| Some(Vec::new()))
+                    .get_or_insert_with(Vec::new)
+                    .push(id);
+            }
+        }
+        let mut n = 0;
+        for (s, ids) in plan {
+            n += if retry {
+                backend.dead_retry(&s, ids.as_deref())?
+            } else {
+                backend.dead_purge(&s, ids.as_deref())?
+            };
+        }
+        Ok(n)
+    };
+    match &action {
+        DeadAction::List { json, .. } => {
+            let mut rows = Vec::new();
+            for s in &shards {
+                for d in backend.dead_list(s, usize::MAX)? {
+                    if *json {
+                        rows.push(serde_json::json!({
+                            "id": format!("{}:{}", d.shard, d.id),
+                            "shard": d.shard,
+                            "key": d.key,
+                            "attempts": d.attempts,
+                            "reason": d.reason,
+                        }));
+                    } else {
+                        println!(
+                            "{}:{}\t{}\t{}\t{}",
+                            d.shard,
+                            d.id,
+                            shardq_core::job::shown_key(&d.key),
+                            d.attempts,
+                            d.reason
+                        );
+                    }
+                }
+            }
+            if *json {
+                println!("{}", serde_json::json!({ "dead": rows }));
+            }
+        }
+        DeadAction::Retry { which, .. } => {
+            println!("retried {} dead jobs", change(which, true)?);
+        }
+        DeadAction::Purge { which, .. } => {
+            println!("purged {} dead jobs", change(which, false)?);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -416,3 +416,62 @@ fn exit_when_idle_at_its_shard_bound_names_the_shards_it_left() {
     assert!(!err.contains("still have work"), "{err}");
     assert_eq!(status_json(&data)["totals"]["ready"], 0);
 }
+
+/// The dead-letter commands speak the API's id form (`SHARD:ID`, as
+/// `dead list` prints it), take `--data` before or after the action, name
+/// "all" explicitly, and print JSON for scripts.
+#[test]
+fn dead_letters_are_named_by_shard_and_id_and_all_is_explicit() {
+    let dir = temp_dir("dead-cli");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let lines: String = (0..6).map(|i| format!("k{i}\tp\n")).collect();
+    let out = support::run_stdin(
+        &["enqueue", "--data", d, "--stdin", "--max-attempts", "1"],
+        lines.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = support::output(&[
+        "work",
+        "--data",
+        d,
+        "--exit-when-idle",
+        "--max-local-shards",
+        "all",
+        "--",
+        "false",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // --data after the action; JSON like GET /v1/dead.
+    let (ok, json, err) = run(&["dead", "list", "--data", d, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let dead = v["dead"].as_array().unwrap();
+    assert_eq!(dead.len(), 6, "{v}");
+    let first = dead[0]["id"].as_str().unwrap().to_string();
+    assert!(first.contains(':'), "{first}");
+    // Nothing is retried without naming what: --id or --all.
+    let (ok, _, err) = run(&["dead", "--data", d, "retry"]);
+    assert!(!ok && err.contains("--all"), "{err}");
+    // The id as printed; a bare id without --shard is refused clearly.
+    let (ok, out, err) = run(&["dead", "--data", d, "purge", "--id", &first]);
+    assert!(ok, "{err}");
+    assert!(out.contains("purged 1 dead jobs"), "{out}");
+    let bare = first.rsplit_once(':').unwrap().1;
+    let (ok, _, err) = run(&["dead", "--data", d, "purge", "--id", bare]);
+    assert!(!ok && err.contains("needs --shard"), "{err}");
+    let (ok, out, err) = run(&["dead", "--data", d, "retry", "--all"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("retried 5 dead jobs"), "{out}");
+    let (ok, out, _) = run(&["dead", "--data", d, "list"]);
+    assert!(ok && out.trim().is_empty(), "{out}");
+}

@@ -183,10 +183,14 @@ fn job_timeout_kills_a_hung_handler_and_fails_the_attempt() {
     let (ok, out, err) = run(&["dead", "--data", data.to_str().unwrap(), "list"]);
     assert!(ok, "{err}");
     let fields: Vec<&str> = out.trim_end().split('\t').collect();
-    assert_eq!(fields.len(), 5, "one dead job: {out:?}");
-    assert_eq!(fields[2], "k");
-    assert_eq!(fields[3], "2", "both attempts used: {out:?}");
-    assert!(fields[4].contains("killed: job timeout 300 ms"), "{out:?}");
+    assert_eq!(fields.len(), 4, "one dead job: {out:?}");
+    assert!(
+        fields[0].starts_with("shard-0:"),
+        "the id as SHARD:ID: {out:?}"
+    );
+    assert_eq!(fields[1], "k");
+    assert_eq!(fields[2], "2", "both attempts used: {out:?}");
+    assert!(fields[3].contains("killed: job timeout 300 ms"), "{out:?}");
     // Refused with a handler that cannot be killed per job.
     let (ok, _, err) = run(&[
         "work",

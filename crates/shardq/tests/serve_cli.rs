@@ -209,7 +209,9 @@ fn a_front_server_takes_no_shard_and_its_enqueues_reach_the_workers() {
     let mut front = serve(&data, front_port, &["--no-shards"]);
     let mut worker = serve(&data, worker_port, &[]);
     wait_owned(worker_port, 2);
-    support::wait_until("the front answers", WAIT_MAX, || owned(front_port).is_some());
+    support::wait_until("the front answers", WAIT_MAX, || {
+        owned(front_port).is_some()
+    });
     assert_eq!(owned(front_port), Some(0), "the front owns nothing");
     let (code, v) = post(
         front_port,
