@@ -374,14 +374,17 @@ pub fn pin(store: &dyn MapStore, key: &str, shard: &str) -> Result<(), ReshardEr
     save_target(store, &target)
 }
 
-/// Records the removal of `key`'s pin; [`rebalance`] moves it back.
-pub fn unpin(store: &dyn MapStore, key: &str) -> Result<(), ReshardError> {
+/// Records the removal of `key`'s pin; [`rebalance`] moves it back. `false`:
+/// the key was not pinned, and nothing changed.
+pub fn unpin(store: &dyn MapStore, key: &str) -> Result<bool, ReshardError> {
     let _lock = store.try_lock_rebalance()?;
     let mut target = current_target(store)?;
+    // Unpinning a key that is not pinned asks for what already holds.
     if target.overrides.remove(key).is_none() {
-        return Err(ReshardError::Invalid(format!("key {key:?} is not pinned")));
+        return Ok(false);
     }
-    save_target(store, &target)
+    save_target(store, &target)?;
+    Ok(true)
 }
 
 // ---------------------------------------------------------------------------

@@ -604,7 +604,11 @@ fn a_pin_to_the_computed_owner_survives_the_rebalance() {
     reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
     let router = Router::new(store.load().unwrap()).unwrap();
     assert_eq!(router.route(&key), "s0");
-    reshard::unpin(&store, &key).unwrap();
+    assert!(reshard::unpin(&store, &key).unwrap(), "it was pinned");
+    assert!(
+        !reshard::unpin(&store, &key).unwrap(),
+        "unpinned already: nothing to do"
+    );
 }
 
 /// A moved key's first run on its new shard has a larger fence than its

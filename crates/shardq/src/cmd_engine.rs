@@ -821,11 +821,14 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
 }
 
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let st = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?.status()?;
+    let deployment = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?;
+    let st = deployment.status()?;
     if json {
         println!("{}", serde_json::to_string(&st)?);
     } else {
-        print_status_table(&st);
+        let map = deployment.map().ok();
+        let now = deployment.clock().now_ms();
+        print_status_table(&st, map.as_ref(), now);
     }
     if st.failed.is_empty() {
         return Ok(ExitCode::SUCCESS);
@@ -846,23 +849,47 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(2))
 }
 
-fn print_status_table(st: &StatusReport) {
+/// `12.3 s`, `4 min`, `2.5 h`.
+fn human_ms(ms: u64) -> String {
+    match ms {
+        0..=59_999 => format!("{:.1} s", ms as f64 / 1000.0),
+        60_000..=3_599_999 => format!("{} min", ms / 60_000),
+        _ => format!("{:.1} h", ms as f64 / 3_600_000.0),
+    }
+}
+
+fn print_status_table(st: &StatusReport, map: Option<&shardq_route::ShardMap>, now_ms: u64) {
     let count = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+    if let Some(m) = map {
+        println!(
+            "map version {} ({}, {} shards)",
+            m.version,
+            m.algorithm.name(),
+            m.shards.len()
+        );
+    }
     println!(
-        "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<28} LEASE_EXPIRES_MS",
-        "SHARD", "READY", "DELAYED", "IN_FLIGHT", "DEAD", "OWNER"
+        "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<8} {:>6}  {:<28} LEASE",
+        "SHARD", "READY", "DELAYED", "IN_FLIGHT", "DEAD", "STATE", "WEIGHT", "OWNER"
     );
     for s in &st.shards {
+        let spec = map.and_then(|m| m.shards.iter().find(|x| x.name == s.name));
+        let lease = match s.lease_expires_ms {
+            None => "-".to_string(),
+            Some(at) if at >= now_ms => format!("{} left", human_ms(at - now_ms)),
+            Some(at) => format!("lapsed {} ago", human_ms(now_ms - at)),
+        };
         println!(
-            "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<28} {}",
+            "{:<12} {:>10} {:>10} {:>10} {:>8}  {:<8} {:>6}  {:<28} {}",
             s.name,
             count(s.ready),
             count(s.delayed),
             count(s.in_flight),
             count(s.dead),
+            spec.map_or("?", |x| x.state.name()),
+            spec.map_or("?".to_string(), |x| x.weight.to_string()),
             s.owner.as_deref().unwrap_or("-"),
-            s.lease_expires_ms
-                .map_or("-".to_string(), |v| v.to_string())
+            lease
         );
         if let Some(e) = &s.error {
             println!("{:<12} FAILED: {e}", "");

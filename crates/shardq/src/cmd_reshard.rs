@@ -194,7 +194,10 @@ pub fn run(cmd: ReshardCommand) -> anyhow::Result<ExitCode> {
         }
         ReshardCommand::Unpin { data, key, opts } => {
             let env = open(&data)?;
-            reshard::unpin(&*env.store, &key)?;
+            if !reshard::unpin(&*env.store, &key)? {
+                println!("key {key:?} is not pinned; nothing to do");
+                return Ok(ExitCode::SUCCESS);
+            }
             rebalance(&env, &opts)
         }
         ReshardCommand::Hot { data, top, json } => {

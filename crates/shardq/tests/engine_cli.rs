@@ -475,3 +475,30 @@ fn dead_letters_are_named_by_shard_and_id_and_all_is_explicit() {
     let (ok, out, _) = run(&["dead", "--data", d, "list"]);
     assert!(ok && out.trim().is_empty(), "{out}");
 }
+
+/// `status` tells a warming shard from an active one and names the map
+/// version; a lease reads as time left, not epoch milliseconds.
+#[test]
+fn status_shows_the_map_version_and_each_shards_state_and_weight() {
+    let dir = temp_dir("status-map");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let (ok, _, err) = run(&["add-shard", "--data", d, "shard-9", "--weight", "3"]);
+    assert!(ok, "{err}");
+    let (ok, table, err) = run(&["status", "--data", d]);
+    assert!(ok, "{err}");
+    assert!(table.starts_with("map version 2 "), "{table}");
+    let row = |name: &str| -> Vec<String> {
+        table
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no row for {name}: {table}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(row("shard-9")[5..7], ["warming", "3"], "{table}");
+    assert_eq!(row("shard-0")[5..7], ["active", "1"], "{table}");
+    assert!(!table.contains("LEASE_EXPIRES_MS"), "{table}");
+}

@@ -118,6 +118,7 @@ pub struct Unpin {
 /// Records an unpin in the target.
 pub async fn unpin(State(app): State<Arc<App>>, JsonBody(req): JsonBody<Unpin>) -> ApiResult {
     validate_key(&req.key).map_err(|e| ApiError::bad(format!("key: {e}")))?;
+    // A key that is not pinned is already what was asked: ok too.
     blocking(move || Ok(reshard::unpin(&*app.deployment.maps(), &req.key)?)).await?;
     ok(json!({ "ok": true }))
 }
