@@ -7,6 +7,7 @@
 //! Works on embedded and Redis data dirs alike (`shardq_deploy` opens either).
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -225,6 +226,20 @@ struct RebalanceJson<'a> {
     _report: &'a RebalanceReport,
 }
 
+/// Shards whose lease nobody holds now (no owner, or a lapsed lease).
+fn shards_without_owner(deployment: &Deployment) -> Vec<String> {
+    let now = deployment.clock().now_ms();
+    match deployment.status() {
+        Ok(st) => st
+            .shards
+            .iter()
+            .filter(|r| r.owner.is_none() || r.lease_expires_ms.is_some_and(|at| at < now))
+            .map(|r| r.name.clone())
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
 fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
     let options = RebalanceOptions {
         batch: opts.batch,
@@ -241,12 +256,51 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_message("pinning keys with work");
+    // Not on a terminal (a pipe, a log): progress as lines, JSON lines with
+    // --json, on stderr; stdout keeps the final report alone.
+    let lines = opts.json || !std::io::stderr().is_terminal();
+    let say = |json: serde_json::Value, text: String| {
+        if opts.json {
+            eprintln!("{json}");
+        } else if lines {
+            eprintln!("rebalance: {text}");
+        } else {
+            bar.suspend(|| eprintln!("rebalance: {text}"));
+        }
+    };
     let report = reshard::rebalance(&*env.backend, &*env.store, &options, &mut |ev| match ev {
-        RebalanceEvent::Pinned { pinned, .. } => {
+        RebalanceEvent::Pinned { pinned, version } => {
             bar.set_length(pinned as u64);
             bar.set_message("drain, then switch");
+            if lines {
+                say(
+                    serde_json::json!({"event": "pinned", "keys": pinned, "map_version": version}),
+                    format!("{pinned} keys with work to drain and switch (map version {version})"),
+                );
+            }
+            let orphans = shards_without_owner(&env.deployment);
+            if pinned > 0 && !orphans.is_empty() {
+                say(
+                    serde_json::json!({"event": "no_owner", "shards": orphans}),
+                    format!(
+                        "shards {orphans:?} have no owner: their keys drain only once a worker (`shardq work`, `shardq serve`) runs them"
+                    ),
+                );
+            }
         }
-        RebalanceEvent::Switched { done, .. } => bar.set_position(done as u64),
+        RebalanceEvent::Draining { keys } if lines => say(
+            serde_json::json!({"event": "draining", "keys": keys}),
+            format!("draining a batch of {keys} keys"),
+        ),
+        RebalanceEvent::Switched { done, total, .. } => {
+            bar.set_position(done as u64);
+            if lines {
+                say(
+                    serde_json::json!({"event": "switched", "done": done, "total": total}),
+                    format!("{done}/{total} keys switched"),
+                );
+            }
+        }
         _ => {}
     })?;
     bar.finish_and_clear();

@@ -1141,3 +1141,53 @@ fn a_key_paused_past_the_bound_is_refused_clearly_and_not_enqueued() {
         1
     );
 }
+
+/// Piped (a log, a script), `rebalance` reports its progress as lines on
+/// stderr, JSON lines with `--json`, and says when the shards holding the
+/// keys to move have no owner (no worker runs them, so nothing drains).
+#[test]
+fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
+    let s = Scratch::new("piped");
+    init(&s, 2);
+    let lines: String = (0..200).map(|i| format!("t-{i}\tp\n")).collect();
+    let out = Command::new(BIN)
+        .args(["enqueue", "--data", s.d(), "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(lines.as_bytes())?;
+            c.wait()
+        })
+        .unwrap();
+    assert!(out.success());
+    run_ok(&["add-shard", "--data", s.d(), "shard-9"]);
+    let out = run(&["rebalance", "--data", s.d(), "--drain-timeout-ms", "300"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("keys with work to drain and switch"), "{err}");
+    assert!(
+        err.contains("have no owner") && err.contains("shard-0"),
+        "{err}"
+    );
+    assert!(err.contains("draining a batch of"), "{err}");
+    // The same as JSON lines.
+    let out = run(&[
+        "rebalance",
+        "--data",
+        s.d(),
+        "--drain-timeout-ms",
+        "300",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let events: Vec<serde_json::Value> = err
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let names: Vec<&str> = events.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert!(
+        names.contains(&"no_owner") && names.contains(&"draining"),
+        "{err}"
+    );
+}
