@@ -693,6 +693,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.
+    warn_unowned_work(&deployment, max_local_shards, &args.max_local_shards);
     let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
     let report = report?;
     eprintln!(
@@ -706,6 +707,27 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// At start: the shards with work that nobody runs, when there are more of
+/// them than this worker will take (`--max-local-shards`).
+fn warn_unowned_work(deployment: &Deployment, max_local_shards: usize, flag: &str) {
+    let Ok(st) = deployment.status() else {
+        return;
+    };
+    let now = deployment.clock().now_ms();
+    let unowned: Vec<&str> = st
+        .shards
+        .iter()
+        .filter(|r| r.ready.unwrap_or(0) + r.delayed.unwrap_or(0) + r.in_flight.unwrap_or(0) > 0)
+        .filter(|r| r.owner.is_none() || r.lease_expires_ms.is_some_and(|at| at < now))
+        .map(|r| r.name.as_str())
+        .collect();
+    if unowned.len() > max_local_shards {
+        eprintln!(
+            "shardq: note: shards {unowned:?} have work and no owner; this worker runs at most {flag} of them (--max-local-shards): start a worker for each, or give --max-local-shards all"
+        );
+    }
 }
 
 /// Runs the worker pool on the data dir's backend until `stop` (or idle).
