@@ -92,10 +92,28 @@ fn main() -> ExitCode {
         // A closed pipe (`shardq route ... | head`) is the reader's choice, not a failure.
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("shardq: error: {err:#}");
+            eprintln!("shardq: error: {}", chain_text(&err));
             ExitCode::from(exit_code(&err))
         }
     }
+}
+
+/// The error and its causes, `: `-joined, each said once: an error whose
+/// message already ends with its cause's words (`{context}: {source}`)
+/// does not get them twice.
+fn chain_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.ends_with(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 /// The exit code of a failed command: from the kind of the first library

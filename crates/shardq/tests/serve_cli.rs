@@ -236,3 +236,29 @@ fn a_front_server_takes_no_shard_and_its_enqueues_reach_the_workers() {
         let _ = c.wait();
     }
 }
+
+/// An error says its cause once: a busy port reads "Address already in
+/// use" one time, not twice (the cause's words were repeated by the chain).
+#[test]
+fn a_busy_port_is_named_once() {
+    let dir = temp_dir("serve-busy");
+    let data = dir.join("data");
+    let (ok, _, err) = run(&["init", "--data", data.to_str().unwrap(), "--shards", "1"]);
+    assert!(ok, "{err}");
+    let held = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--data",
+            data.to_str().unwrap(),
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("Address already in use").count(), 1, "{err}");
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+}
