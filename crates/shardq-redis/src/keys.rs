@@ -105,11 +105,11 @@ pub const LEASE_PART: usize = 11;
 /// reach the reserved namespace.
 pub fn validate_queue_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
-        return Err("a queue name must not be empty".into());
+        return Err("it must not be empty".into());
     }
     if name.len() > QUEUE_NAME_BYTES_MAX {
         return Err(format!(
-            "a queue name is at most {QUEUE_NAME_BYTES_MAX} bytes, this one has {}",
+            "it is at most {QUEUE_NAME_BYTES_MAX} bytes, this one has {}",
             name.len()
         ));
     }
@@ -118,7 +118,7 @@ pub fn validate_queue_name(name: &str) -> Result<(), String> {
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
     {
         return Err(format!(
-            "a queue name contains {c:?}; only ASCII letters, digits, `-`, `_` and `.` are allowed"
+            "it contains {c:?}; only ASCII letters, digits, `-`, `_` and `.` are allowed"
         ));
     }
     Ok(())
@@ -150,6 +150,19 @@ mod tests {
 
     fn check(name: &str, ok: bool) {
         assert_eq!(validate_queue_name(name).is_ok(), ok, "{name:?}");
+    }
+
+    #[test]
+    fn a_bad_namespace_is_named_as_a_namespace() {
+        let reason = validate_queue_name("bad name").unwrap_err();
+        let e = crate::RedisError::InvalidName {
+            what: "namespace",
+            name: "bad name".into(),
+            reason,
+        }
+        .to_string();
+        assert!(e.starts_with("invalid namespace name \"bad name\""), "{e}");
+        assert!(!e.contains("queue"), "{e}");
     }
 
     #[test]
