@@ -405,29 +405,53 @@ struct HotKey {
     key: String,
     depth: u64,
     in_flight: u64,
+    dead: u64,
+}
+
+/// One shard of `hot --json`, as `GET /v1/hot` answers it.
+#[derive(Serialize)]
+struct HotShard {
+    shard: String,
+    keys_with_work: Option<usize>,
+    top: Vec<HotKey>,
+    error: Option<String>,
 }
 
 fn hot(env: &Env, top: usize, json: bool) -> anyhow::Result<ExitCode> {
     let map = env.store.load()?;
-    let mut out: BTreeMap<String, Vec<HotKey>> = BTreeMap::new();
+    let mut out: Vec<HotShard> = Vec::new();
     for s in &map.shards {
-        let mut keys = env.backend.keys_with_work(&s.name)?;
+        let mut keys = match env.backend.keys_with_work(&s.name) {
+            Ok(k) => k,
+            Err(e) if json => {
+                out.push(HotShard {
+                    shard: s.name.clone(),
+                    keys_with_work: None,
+                    top: Vec::new(),
+                    error: Some(e.to_string()),
+                });
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let n = keys.len();
         keys.sort_by(|a, b| {
             (b.1.depth + b.1.in_flight)
                 .cmp(&(a.1.depth + a.1.in_flight))
                 .then(a.0.cmp(&b.0))
         });
         keys.truncate(top);
-        let total = env.backend.shard_stats(&s.name)?;
         let list = keys
             .into_iter()
             .map(|(key, c)| HotKey {
                 key,
                 depth: c.depth,
                 in_flight: c.in_flight,
+                dead: c.dead,
             })
             .collect::<Vec<_>>();
         if !json {
+            let total = env.backend.shard_stats(&s.name)?;
             println!(
                 "{} ({} ready, {} delayed, {} in flight)",
                 s.name, total.ready, total.delayed, total.in_flight
@@ -441,10 +465,15 @@ fn hot(env: &Env, top: usize, json: bool) -> anyhow::Result<ExitCode> {
                 );
             }
         }
-        out.insert(s.name.clone(), list);
+        out.push(HotShard {
+            shard: s.name.clone(),
+            keys_with_work: Some(n),
+            top: list,
+            error: None,
+        });
     }
     if json {
-        println!("{}", serde_json::to_string(&out)?);
+        println!("{}", serde_json::json!({ "top": top, "shards": out }));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -502,3 +502,34 @@ fn status_shows_the_map_version_and_each_shards_state_and_weight() {
     assert_eq!(row("shard-0")[5..7], ["active", "1"], "{table}");
     assert!(!table.contains("LEASE_EXPIRES_MS"), "{table}");
 }
+
+/// `hot --json` answers in the shape of `GET /v1/hot`.
+#[test]
+fn hot_json_has_the_shape_of_the_api() {
+    let dir = temp_dir("hot-json");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let lines: String = (0..30).map(|i| format!("k{}\tp\n", i % 5)).collect();
+    let out = support::run_stdin(&["enqueue", "--data", d, "--stdin"], lines.as_bytes());
+    assert!(out.status.success());
+    let (ok, json, err) = run(&["hot", "--data", d, "--top", "2", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["top"], 2, "{v}");
+    let shards = v["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2, "{v}");
+    let mut keys = 0;
+    for s in shards {
+        assert!(s["error"].is_null(), "{s}");
+        keys += s["keys_with_work"].as_u64().unwrap();
+        for k in s["top"].as_array().unwrap() {
+            assert_eq!(k["depth"], 6, "{k}");
+            assert_eq!(
+                (k["in_flight"].as_u64(), k["dead"].as_u64()),
+                (Some(0), Some(0))
+            );
+        }
+    }
+    assert_eq!(keys, 5, "{v}");
+}
