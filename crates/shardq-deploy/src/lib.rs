@@ -69,6 +69,9 @@ pub struct WorkerOptions {
     pub clock_skew_ms: Option<u64>,
     /// Most shards held at once (`usize::MAX`: no limit).
     pub max_shards: usize,
+    /// What kind of process holds the leases, shown before its `host@pid`
+    /// as the shards' owner (`work`, `serve`).
+    pub role: &'static str,
 }
 
 impl Default for WorkerOptions {
@@ -77,8 +80,14 @@ impl Default for WorkerOptions {
             lease_ms: shardq_fs::membership::LEASE_MS_DEFAULT,
             clock_skew_ms: None,
             max_shards: usize::MAX,
+            role: "work",
         }
     }
+}
+
+/// The owner name of this process in leases: `ROLE:host@pid`.
+pub fn owner_name(role: &str) -> String {
+    format!("{role}:{}", shardq_fs::membership::default_member_id())
 }
 
 /// Where a deployment's shards live.
@@ -374,7 +383,7 @@ impl Deployment {
                         shardq_fs::membership::CLOCK_SKEW_MS_DEFAULT.min(opts.lease_ms / 2),
                     ),
                     max_local_shards: opts.max_shards,
-                    ..MemberOptions::default()
+                    member_id: owner_name(opts.role),
                 };
                 Ok(Box::new(FsCoordinator::new(
                     &self.dir,
@@ -393,6 +402,7 @@ impl Deployment {
                     Arc::clone(maps),
                     opts.lease_ms,
                     max,
+                    Some(owner_name(opts.role)),
                 )?))
             }
         }

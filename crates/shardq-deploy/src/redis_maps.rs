@@ -128,11 +128,12 @@ impl FollowMap {
         maps: Arc<RedisMaps>,
         lease_ms: u64,
         max_shards: usize,
+        owner: Option<String>,
     ) -> Result<FollowMap, DeployError> {
         let inner = RedisCoordinator::new(
             backend,
             CoordinatorOptions {
-                owner: None,
+                owner,
                 lease_ms,
                 shards: None,
                 max_shards,
@@ -158,6 +159,10 @@ impl Coordinator for FollowMap {
     fn tick_interval_ms(&self) -> u64 {
         self.inner.tick_interval_ms()
     }
+    fn max_shards(&self) -> usize {
+        self.inner.max_shards()
+    }
+
     fn standby_reason(&self) -> String {
         self.inner.standby_reason()
     }

@@ -745,6 +745,7 @@ fn run_pool(
         lease_ms: args.lease_ms,
         clock_skew_ms: args.clock_skew_ms,
         max_shards: max_local_shards,
+        role: "work",
     })?;
     let report = WorkerPool::run(
         deployment.queue(),

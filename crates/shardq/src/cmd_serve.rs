@@ -103,7 +103,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let mut worker = shardq_deploy::WorkerOptions::default();
+    let mut worker = shardq_deploy::WorkerOptions {
+        role: "serve",
+        ..shardq_deploy::WorkerOptions::default()
+    };
     if let Some(l) = args.lease_ms {
         worker.lease_ms = l;
     }

@@ -151,6 +151,13 @@ fn sigterm_drains_running_jobs_and_releases_claims() {
     }
     let v = status_json(&data);
     assert!(v["shards"][0]["owner"].is_string(), "{v}");
+    assert!(
+        v["shards"][0]["owner"]
+            .as_str()
+            .unwrap()
+            .starts_with("work:"),
+        "the owner names its kind: {v}"
+    );
     assert!(Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

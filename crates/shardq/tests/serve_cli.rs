@@ -231,6 +231,12 @@ fn a_front_server_takes_no_shard_and_its_enqueues_reach_the_workers() {
     // Still nothing for the front after the lease period.
     std::thread::sleep(Duration::from_millis(1_500));
     assert_eq!(owned(front_port), Some(0));
+    // The owner names what kind of process holds the leases.
+    let st = support::status_json(&data);
+    for shard in st["shards"].as_array().unwrap() {
+        let owner = shard["owner"].as_str().unwrap_or("");
+        assert!(owner.starts_with("serve:"), "{st}");
+    }
     for c in [&mut front, &mut worker] {
         let _ = c.kill();
         let _ = c.wait();
