@@ -587,7 +587,15 @@ fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconf
     let dir = temp_dir("failover");
     let data = dir.join("data");
     let d = data.to_str().unwrap();
-    ok(&["init", "--data", d, "--shards", "1", "--redis", &proxy.url()]);
+    ok(&[
+        "init",
+        "--data",
+        d,
+        "--shards",
+        "1",
+        "--redis",
+        &proxy.url(),
+    ]);
     let enqueue = |payload: &str, wait: &str| {
         shardq(&[
             "enqueue",
@@ -602,7 +610,11 @@ fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconf
         ])
     };
     let out = enqueue("1", "1");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let ran = dir.join("runs.txt");
     let mut w = worker(&data, &ran, "1", false);
     wait_until("the first job to run", || runs(&ran).len() == 1);
@@ -616,7 +628,11 @@ fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconf
     assert!(err.contains("0 of 1 replicas"), "{err}");
     for p in ["3", "4", "5"] {
         let out = enqueue(p, "0");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     // The unconfirmed enqueue is on the primary too: 5 jobs.
     wait_until("the primary's jobs to run", || runs(&ran).len() == 5);
