@@ -120,7 +120,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             },
             ..shardq_deploy::OpenOptions::default()
         },
-        ..shardq_server::ServerOptions::default()
     };
     shardq_server::serve_until_signal(&args.data, opts)
         .with_context(|| format!("serving data dir {}", args.data.display()))?;
