@@ -29,6 +29,17 @@ pub trait ContractHarness {
     }
 }
 
+/// A harness whose store can be put back to an earlier state behind the
+/// backend's back (a lagging replica promoted, a restore from an older
+/// backup), for [`rewound_store_is_refused`].
+pub trait RewindHarness: ContractHarness {
+    /// Remembers the stored state of `shard` now.
+    fn checkpoint(&self, shard: &str);
+    /// Puts the stored state of `shard` back to the last checkpoint; the
+    /// backend is not told.
+    fn rewind(&self, shard: &str);
+}
+
 /// A job lease long enough never to lapse within one check.
 const LONG_LEASE_MS: u64 = 600_000;
 
@@ -289,6 +300,42 @@ pub fn fail_with_retry_in_runs_again_first(h: &dyn ContractHarness) {
     assert!(due.is_some(), "a waiting retry must be due some time");
 }
 
+/// A store that went back in time (job ids and fences it handed out are
+/// unknown to it again) is refused with [`QueueError::StoreLost`] naming
+/// the shard, by the enqueue and the claim that would otherwise hand out an
+/// id or a fence a second time.
+pub fn rewound_store_is_refused(h: &dyn RewindHarness) {
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "t", "1", 5);
+    h.checkpoint(&shard);
+    enqueue(h, &shard, "t", "2", 5);
+    enqueue(h, &shard, "u", "3", 5);
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(runs.len(), 2, "one run per key");
+    ack_one(h, &shard, runs[0].receipt());
+    h.rewind(&shard);
+    let lost = |what: &str, r: Result<(), QueueError>| match r {
+        Err(QueueError::StoreLost(msg)) => assert!(
+            msg.contains(&shard),
+            "the StoreLost of {what} must name shard {shard}: {msg}"
+        ),
+        other => panic!(
+            "{what} on a store that went back in time must fail with StoreLost (it would hand out \
+             ids or fences twice), got {other:?}"
+        ),
+    };
+    lost(
+        "an enqueue",
+        h.backend()
+            .enqueue(&shard, u64::MAX, &[NewJob::new("v", "4")])
+            .map(|_| ()),
+    );
+    lost(
+        "a claim",
+        h.backend().claim(&shard, 10, LONG_LEASE_MS).map(|_| ()),
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -302,6 +349,17 @@ mod tests {
         backend: MemoryBackend,
         clock: ManualClock,
         next: AtomicUsize,
+        saved: std::sync::Mutex<Option<crate::memory::MemoryCheckpoint>>,
+    }
+
+    impl RewindHarness for Memory {
+        fn checkpoint(&self, shard: &str) {
+            *self.saved.lock().unwrap() = self.backend.checkpoint(shard);
+        }
+        fn rewind(&self, shard: &str) {
+            let saved = self.saved.lock().unwrap().take().expect("a checkpoint");
+            self.backend.rewind(shard, &saved);
+        }
     }
 
     impl ContractHarness for Memory {
@@ -325,7 +383,9 @@ mod tests {
             backend: MemoryBackend::new(&[], Arc::new(clock.clone())),
             clock,
             next: AtomicUsize::new(0),
+            saved: Default::default(),
         };
         run_all(&h);
+        rewound_store_is_refused(&h);
     }
 }

@@ -37,7 +37,7 @@ struct Run {
     lease_until_ms: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct ShardState {
     jobs: BTreeMap<JobId, StoredJob>,
     /// Pending job ids per key, in key order (a retried job stays at the head).
@@ -51,6 +51,31 @@ struct ShardState {
     fence: Fence,
     next_id: u64,
     owned: bool,
+    /// What this process saw of the store (the last id and the largest
+    /// fence handed out): kept across [`MemoryBackend::rewind`], as a
+    /// process keeps it when its store goes back in time.
+    seen: (u64, u64),
+}
+
+/// A shard's stored state, taken by [`MemoryBackend::checkpoint`].
+#[derive(Debug, Clone)]
+pub struct MemoryCheckpoint(ShardState);
+
+impl ShardState {
+    /// [`QueueError::StoreLost`] when the store shows less than this process
+    /// saw (it went back in time); else raises what was seen.
+    fn check_not_rewound(&mut self, shard: &str) -> Result<(), QueueError> {
+        let now = (self.next_id - 1, self.fence_high);
+        if now.0 < self.seen.0 || now.1 < self.seen.1 {
+            return Err(QueueError::StoreLost(format!(
+                "shard {shard:?} (memory): the store went back in time: last job id {} and \
+                 fence {}, but this process saw {} and {}",
+                now.0, now.1, self.seen.0, self.seen.1
+            )));
+        }
+        self.seen = now;
+        Ok(())
+    }
 }
 
 /// An in-memory [`QueueBackend`] over a fixed set of shard names.
@@ -96,6 +121,23 @@ impl MemoryBackend {
             next_id: 1,
             ..ShardState::default()
         });
+    }
+
+    /// The stored state of `shard` now (test support: see
+    /// [`MemoryBackend::rewind`]).
+    pub fn checkpoint(&self, shard: &str) -> Option<MemoryCheckpoint> {
+        self.lock().get(shard).cloned().map(MemoryCheckpoint)
+    }
+
+    /// Puts the stored state of `shard` back to `to`, as a restore from an
+    /// older backup would, keeping what this process saw: its next enqueue
+    /// or claim on the shard answers [`QueueError::StoreLost`].
+    pub fn rewind(&self, shard: &str, to: &MemoryCheckpoint) {
+        if let Some(s) = self.lock().get_mut(shard) {
+            let seen = s.seen;
+            *s = to.0.clone();
+            s.seen = seen;
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, ShardState>> {
@@ -238,6 +280,7 @@ impl QueueBackend for MemoryBackend {
     ) -> Result<Vec<JobId>, QueueError> {
         let now = self.clock.now_ms();
         self.with_shard(shard, |s| {
+            s.check_not_rewound(shard)?;
             for j in jobs {
                 j.validate(PAYLOAD_BYTES_MAX_DEFAULT)?;
                 s.fence.check(shard, map_version, &j.key)?;
@@ -261,6 +304,7 @@ impl QueueBackend for MemoryBackend {
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
                 ids.push(id);
             }
+            s.check_not_rewound(shard)?;
             Ok(ids)
         })
     }
@@ -293,6 +337,7 @@ impl QueueBackend for MemoryBackend {
         let now = self.clock.now_ms();
         let (backoff, policy) = (self.backoff, self.dead_policy);
         self.owned(shard, |s| {
+            s.check_not_rewound(shard)?;
             end_lapsed_runs(s, now, backoff, policy);
             let mut out = Vec::new();
             let keys: Vec<String> = s.keys.keys().cloned().collect();
@@ -347,6 +392,7 @@ impl QueueBackend for MemoryBackend {
                 );
                 s.busy_keys.insert(key);
             }
+            s.check_not_rewound(shard)?;
             Ok(out)
         })
     }

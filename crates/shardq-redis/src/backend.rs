@@ -45,6 +45,10 @@ pub const DEAD_BATCH_MAX: usize = 512;
 pub const DEAD_LIST_MAX: usize = 10_000;
 /// Most receipts one extend script handles; longer lists are split.
 pub const EXTEND_BATCH_MAX: usize = 1024;
+/// Longest wait for the replicas after a write with
+/// [`RedisOptions::wait_replicas`], in ms (1 s). Kept below the reply
+/// timeout, which bounds the `WAIT` command too.
+pub const WAIT_REPLICAS_TIMEOUT_MS_DEFAULT: u64 = 1_000;
 
 /// Options of [`RedisBackend::open`].
 #[derive(Clone)]
@@ -74,6 +78,18 @@ pub struct RedisOptions {
     /// Time source for leases and delays; `None` uses the Redis server's
     /// clock (one clock for every host, the default).
     pub clock: Option<Arc<dyn Clock>>,
+    /// Replicated acknowledgement: after every script that changes a shard
+    /// (enqueue, claim, ack, fail, extend, adopt, fence, dead-letter moves)
+    /// `WAIT` until this many replicas have it; 0 (the default) does not
+    /// wait. A write the replicas do not confirm within
+    /// [`RedisOptions::wait_replicas_timeout_ms`] fails with
+    /// [`QueueError::Unavailable`] naming the count (an enqueue is then not
+    /// reported as stored, though the primary may hold it). Standalone
+    /// `redis://` shards only.
+    pub wait_replicas: u32,
+    /// How long a write waits for [`RedisOptions::wait_replicas`], in ms
+    /// (kept below the reply timeout).
+    pub wait_replicas_timeout_ms: u64,
 }
 
 impl Default for RedisOptions {
@@ -90,6 +106,8 @@ impl Default for RedisOptions {
             connect_timeout_ms: CONNECT_TIMEOUT_MS,
             response_timeout_ms: RESPONSE_TIMEOUT_MS,
             clock: None,
+            wait_replicas: 0,
+            wait_replicas_timeout_ms: WAIT_REPLICAS_TIMEOUT_MS_DEFAULT,
         }
     }
 }
@@ -108,6 +126,8 @@ impl std::fmt::Debug for RedisOptions {
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("response_timeout_ms", &self.response_timeout_ms)
             .field("clock", &self.clock.is_some())
+            .field("wait_replicas", &self.wait_replicas)
+            .field("wait_replicas_timeout_ms", &self.wait_replicas_timeout_ms)
             .finish()
     }
 }
@@ -120,6 +140,13 @@ impl RedisOptions {
             connect_timeout_ms: self.connect_timeout_ms,
             response_timeout_ms: self.response_timeout_ms,
         }
+    }
+
+    /// The `WAIT` timeout: the configured one, below the reply timeout so
+    /// the command's own reply is never cut off.
+    fn wait_timeout_ms(&self) -> u64 {
+        self.wait_replicas_timeout_ms
+            .clamp(1, (self.response_timeout_ms * 3 / 4).max(1))
     }
 
     pub(crate) fn validate(&self) -> Result<(), RedisError> {
@@ -151,6 +178,19 @@ pub(crate) struct ShardRef {
     pub(crate) node: Arc<Node>,
     pub(crate) keys: Vec<String>,
     held: Mutex<Option<Held>>,
+    marks: Mutex<Marks>,
+}
+
+/// The high-water marks of one shard this process saw in the store's
+/// replies: the store only ever grows them, so a reply below a mark means
+/// the store went back in time (a lagging replica promoted, a restore from
+/// an older snapshot) and would hand out job ids and fences twice.
+#[derive(Debug, Default, Clone, Copy)]
+struct Marks {
+    /// The largest job-id sequence (`meta.seq`): the last id handed out.
+    seq: u64,
+    /// The largest run fence.
+    fence: u64,
 }
 
 impl ShardRef {
@@ -160,6 +200,42 @@ impl ShardRef {
 
     pub(crate) fn lease_key(&self) -> &[String] {
         std::slice::from_ref(&self.keys[keys::LEASE_PART])
+    }
+
+    fn marks(&self) -> Marks {
+        *self.marks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks what one script reply showed against the marks taken before
+    /// it was sent (`before`: anything this process saw finish earlier was
+    /// in the store when the script ran, whatever replies raced since):
+    /// `seq` the store's sequence before the script's own writes, `fences`
+    /// the fences it issued. Raises the marks, or answers
+    /// [`QueueError::StoreLost`].
+    fn observe(
+        &self,
+        before: Marks,
+        seq: u64,
+        seq_after: u64,
+        fences: &[u64],
+    ) -> Result<(), QueueError> {
+        if seq < before.seq {
+            return Err(self.rewound("job-id sequence", seq, before.seq));
+        }
+        if let Some(&f) = fences.iter().find(|&&f| f <= before.fence) {
+            return Err(self.rewound("run fence", f, before.fence));
+        }
+        let mut m = self.marks.lock().unwrap_or_else(|p| p.into_inner());
+        m.seq = m.seq.max(seq_after);
+        m.fence = m.fence.max(fences.iter().copied().max().unwrap_or(0));
+        Ok(())
+    }
+
+    fn rewound(&self, what: &str, found: u64, seen: u64) -> QueueError {
+        QueueError::StoreLost(format!(
+            "shard {:?} at {}: the store went back in time: its {what} is {found}, but this              process saw {seen} there earlier (a lagging replica promoted, a restore from an              older snapshot); acknowledged work may be lost and ids would be handed out twice,              so workers stop rather than run on it (restore the newer data, or init a new              deployment; --redis-wait-replicas makes acknowledged writes survive a failover)",
+            self.name, self.url
+        ))
     }
 }
 
@@ -253,6 +329,15 @@ impl RedisBackend {
                     reason,
                 }
             })?;
+            if self.inner.opts.wait_replicas > 0 && url.starts_with(SCHEME_CLUSTER) {
+                return Err(RedisError::InvalidUrl {
+                    shard: shard.name.clone(),
+                    url: url.to_string(),
+                    reason: "waiting for replicas (--redis-wait-replicas) is supported on \
+                             redis:// instances only"
+                        .into(),
+                });
+            }
             let known = self.registry().nodes.get(url).cloned();
             let node = match known {
                 Some(n) => n,
@@ -289,6 +374,7 @@ impl RedisBackend {
                 node,
                 keys: shard_keys,
                 held: Mutex::new(None),
+                marks: Mutex::new(Marks::default()),
             }));
             added.push(shard.name.clone());
         }
@@ -471,16 +557,38 @@ impl RedisBackend {
         extra: &dyn Fn(&mut redis::Cmd, u32),
     ) -> Result<Value, RedisError> {
         let dep = self.dep_arg();
-        let v = s.node.run(&s.name, |con, attempt| {
+        let want = if lua.writes {
+            self.inner.opts.wait_replicas
+        } else {
+            0
+        };
+        let timeout_ms = self.inner.opts.wait_timeout_ms();
+        let (v, acked) = s.node.run(&s.name, |con, attempt| {
             let now = self.now_arg();
-            lua.call(con, &s.keys, &|c| {
+            let v = lua.call(con, &s.keys, &|c| {
                 c.arg(&now).arg(token).arg(self.halt_arg()).arg(&dep);
                 extra(c, attempt);
-            })
+            })?;
+            if want == 0 {
+                return Ok((v, 0));
+            }
+            // On the connection that wrote: WAIT covers its writes, and
+            // everything replicated before them.
+            let acked: u64 = redis::cmd("WAIT").arg(want).arg(timeout_ms).query(con)?;
+            Ok((v, acked))
         })?;
         if reply::status(&v) == "LOST" {
             let found = reply::items(&v).get(1).and_then(reply::string);
             return Err(Self::lost(s, &dep, found.as_deref().unwrap_or("")).into());
+        }
+        if acked < u64::from(want) {
+            return Err(RedisError::ReplicasBehind {
+                shard: s.name.clone(),
+                url: s.url.clone(),
+                wanted: want,
+                acked,
+                timeout_ms,
+            });
         }
         Ok(v)
     }
@@ -618,6 +726,7 @@ impl QueueBackend for RedisBackend {
         }
         // A retry after a lost reply may append the batch twice: at least
         // once, and in order, but possibly duplicated.
+        let before = s.marks();
         let v = self.script(s, &self.inner.scripts.enqueue, "", &|c, _| {
             c.arg(map_version).arg(jobs.len());
             for job in jobs {
@@ -634,6 +743,8 @@ impl QueueBackend for RedisBackend {
                     .get(1)
                     .and_then(reply::u64)
                     .ok_or_else(|| self.protocol(s, "enqueue without a first id"))?;
+                let n = jobs.len() as u64;
+                s.observe(before, first.saturating_sub(1), first + n - 1, &[])?;
                 Ok((0..jobs.len() as u64).map(|i| JobId(first + i)).collect())
             }
             "FENCED" => Err(QueueError::Fenced {
@@ -689,6 +800,7 @@ impl QueueBackend for RedisBackend {
             return Ok(Vec::new());
         }
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
+        let before = s.marks();
         let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
             c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX);
             if attempt == 0 {
@@ -708,7 +820,13 @@ impl QueueBackend for RedisBackend {
         let it = reply::items(&v);
         let bad = || self.protocol(s, "claim reply has a malformed job");
         let lease_until_ms = it.get(1).and_then(reply::u64).ok_or_else(bad)?;
-        let jobs = it.get(2..).unwrap_or(&[]);
+        let seq = it.get(2).and_then(reply::u64).ok_or_else(bad)?;
+        let jobs = it.get(3..).unwrap_or(&[]);
+        let fences: Vec<u64> = jobs
+            .chunks(3)
+            .map(|j| j.get(2).and_then(reply::u64).unwrap_or(0))
+            .collect();
+        s.observe(before, seq, seq, &fences)?;
         let mut out = Vec::with_capacity(jobs.len() / 3);
         for j in jobs.chunks(3) {
             if j.len() != 3 {

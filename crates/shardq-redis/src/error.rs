@@ -26,6 +26,22 @@ pub enum RedisError {
         /// Last error from the client.
         cause: String,
     },
+    /// A write was applied on the primary but fewer replicas than
+    /// `--redis-wait-replicas` confirmed it in time: it may not survive a
+    /// failover. Transient: becomes [`QueueError::Unavailable`].
+    #[error("shard {shard:?} at {}", replicas_behind(url, *wanted, *acked, *timeout_ms))]
+    ReplicasBehind {
+        /// Shard.
+        shard: String,
+        /// URL of the primary.
+        url: String,
+        /// Replicas asked for.
+        wanted: u32,
+        /// Replicas that confirmed.
+        acked: u64,
+        /// The wait, in ms.
+        timeout_ms: u64,
+    },
     /// The server may not be used: it may evict keys, its CONFIG command is
     /// hidden so that cannot be checked, or it refused the handshake.
     #[error("shard {shard:?}: {reason}")]
@@ -119,12 +135,22 @@ pub enum RedisError {
     Queue(#[from] QueueError),
 }
 
+fn replicas_behind(url: &str, wanted: u32, acked: u64, timeout_ms: u64) -> String {
+    format!(
+        "Redis at {url}: {acked} of {wanted} replicas confirmed the write within {timeout_ms} ms \
+         (--redis-wait-replicas {wanted}); it may not survive a failover, so it is not reported \
+         done: retry once the replicas catch up"
+    )
+}
+
 impl RedisError {
     /// The kind of this error.
     pub fn kind(&self) -> shardq_core::ErrorKind {
         use shardq_core::ErrorKind;
         match self {
-            RedisError::Unreachable { .. } | RedisError::Full { .. } => ErrorKind::Retryable,
+            RedisError::Unreachable { .. }
+            | RedisError::Full { .. }
+            | RedisError::ReplicasBehind { .. } => ErrorKind::Retryable,
             RedisError::InvalidUrl { .. }
             | RedisError::InvalidName { .. }
             | RedisError::NoRedisShards { .. }
@@ -151,6 +177,16 @@ impl From<RedisError> for QueueError {
                 reason: format!(
                     "Redis at {url} did not answer: {attempts} attempts in {elapsed_ms} ms ({cause})"
                 ),
+            },
+            RedisError::ReplicasBehind {
+                shard,
+                url,
+                wanted,
+                acked,
+                timeout_ms,
+            } => QueueError::Unavailable {
+                shard,
+                reason: replicas_behind(&url, wanted, acked, timeout_ms),
             },
             RedisError::Full { shard, url, cause } => QueueError::StoreFull {
                 shard,

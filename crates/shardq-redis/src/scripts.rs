@@ -222,12 +222,16 @@ return {'OK', first}
 /// ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
 /// `1` when an earlier attempt's reply was lost, then the ids the caller
 /// holds: in-flight jobs it does not know are put back. Replies the lease
-/// deadline, then id, record, fence per job; the attempt being made is the
+/// deadline, the shard's job-id sequence (`meta.seq`), then id, record,
+/// fence per job; the attempt being made is the
 /// record's count + 1. Each run's fence is `next_fence(now_us, last, floor)`
 /// (`shardq_core::next_fence`), the last kept in `meta.flast`.
 const CLAIM: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
+-- The job-id sequence, for the caller's check that the store did not go
+-- back in time (a lagging replica promoted, an older snapshot restored).
+local seq = redis.call('HGET', K_META, 'seq') or '0'
 if ARGV[8] == '1' then
   local known = {}
   for i = 9, #ARGV do known[ARGV[i]] = true end
@@ -249,7 +253,7 @@ if #keys < max then
     for _, k in ipairs(more) do keys[#keys + 1] = k end
   end
 end
-if #keys == 0 then return {'OK', deadline} end
+if #keys == 0 then return {'OK', deadline, seq} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
 local cand, qs, heads = {}, {}, {}
 for i, k in ipairs(keys) do
@@ -260,13 +264,13 @@ for i, k in ipairs(keys) do
     heads[#heads + 1] = idstr(q.h)
   end
 end
-if #cand == 0 then return {'OK', deadline} end
+if #cand == 0 then return {'OK', deadline, seq} end
 local rs = redis.call('HMGET', K_JOBS, unpack(heads))
 local nx = redis.call('HMGET', K_NEXT, unpack(heads))
 local us = now_us()
 local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
 local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
-local out, kq, inf, unlink, later, ids = {'OK', deadline}, {}, {}, {}, {}, {}
+local out, kq, inf, unlink, later, ids = {'OK', deadline, seq}, {}, {}, {}, {}, {}
 for i, k in ipairs(cand) do
   local r, q = rs[i], qs[i]
   if r then
@@ -692,6 +696,9 @@ return 0
 pub(crate) struct Lua {
     src: String,
     sha: String,
+    /// Whether the script may write (then `--redis-wait-replicas` waits for
+    /// the replicas after it).
+    pub(crate) writes: bool,
 }
 
 /// Redis 7 script flags of a script's `#!lua` line.
@@ -718,7 +725,8 @@ impl Lua {
             format!("{shebang}\n{body}")
         };
         let sha = redis::Script::new(&src).get_hash().to_string();
-        Lua { src, sha }
+        let writes = !matches!(flags, Flags::NoWrites);
+        Lua { src, sha, writes }
     }
 
     /// Runs the script by SHA; on `NOSCRIPT` sends the source once (which

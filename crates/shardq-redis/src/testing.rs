@@ -50,6 +50,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     opts: ServerOptions,
+    /// The primary's port, for a replica.
+    primary: Option<u16>,
     child: Option<Child>,
 }
 
@@ -93,6 +95,58 @@ impl RedisServer {
 
     /// A server with `opts`, on a free port, in a new temporary directory.
     pub fn start_with(opts: ServerOptions) -> RedisServer {
+        RedisServer::start_inner(opts, None)
+    }
+
+    /// A replica of this server (`--replicaof`), returned once its link to
+    /// the primary is up and the initial sync is done.
+    pub fn start_replica(&self) -> RedisServer {
+        let replica = RedisServer::start_inner(ServerOptions::default(), Some(self.port));
+        let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
+        while !replica
+            .cli(&["info", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "replica on port {} did not sync with port {} within {SERVER_START_TIMEOUT_MS} ms",
+                replica.port,
+                self.port
+            );
+            thread::sleep(Duration::from_millis(POLL_MS));
+        }
+        replica
+    }
+
+    /// Waits until `replicas` replicas hold every write made so far (a
+    /// write of its own, then `WAIT`).
+    pub fn wait_replicated(&self, replicas: u32) {
+        let out = self.cli(&["set", "shardq-test:replicated", "1"]);
+        assert!(out.trim() == "OK", "SET on port {}: {out}", self.port);
+        let mut con = self.connection();
+        let n: u64 = redis::cmd("WAIT")
+            .arg(replicas)
+            .arg(SERVER_START_TIMEOUT_MS)
+            .query(&mut con)
+            .unwrap_or_else(|e| panic!("WAIT on port {}: {e}", self.port));
+        assert!(
+            n >= u64::from(replicas),
+            "only {n} of {replicas} replicas of port {} caught up",
+            self.port
+        );
+    }
+
+    /// `REPLICAOF NO ONE`: a replica becomes a primary (a failover).
+    pub fn promote(&self) {
+        let out = self.cli(&["replicaof", "no", "one"]);
+        assert!(
+            out.trim() == "OK",
+            "REPLICAOF NO ONE on port {}: {out}",
+            self.port
+        );
+    }
+
+    fn start_inner(opts: ServerOptions, primary: Option<u16>) -> RedisServer {
         let port = pick_port(opts.cluster);
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let dir =
@@ -102,6 +156,7 @@ impl RedisServer {
             port,
             dir,
             opts,
+            primary,
             child: None,
         };
         server.spawn();
@@ -131,6 +186,9 @@ impl RedisServer {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"])
                 .arg("--cluster-config-file")
                 .arg(self.dir.join("nodes.conf"));
+        }
+        if let Some(p) = self.primary {
+            cmd.arg("--replicaof").arg("127.0.0.1").arg(p.to_string());
         }
         cmd.args(self.opts.extra_args);
         cmd.stdin(Stdio::null())
@@ -406,4 +464,103 @@ pub fn slot_ranges(port: u16) -> Vec<(u16, u16, u16)> {
     }
     out.sort();
     out
+}
+
+/// A TCP proxy on a free loopback port that forwards every connection to
+/// one server, switchable at run time (a virtual IP or a DNS name moving to
+/// a promoted replica in a failover). A thread per direction of each
+/// connection; [`TcpProxy::switch_to`] closes the connections already made.
+#[derive(Debug)]
+pub struct TcpProxy {
+    port: u16,
+    target: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl TcpProxy {
+    /// A proxy to `127.0.0.1:target`.
+    pub fn start(target: u16) -> TcpProxy {
+        use std::sync::atomic::{AtomicBool, AtomicU16};
+        use std::sync::{Arc, Mutex};
+        let listener = TcpListener::bind(("127.0.0.1", 0))
+            .unwrap_or_else(|e| panic!("binding a loopback port for the proxy: {e}"));
+        let port = listener.local_addr().expect("proxy address").port();
+        let proxy = TcpProxy {
+            port,
+            target: Arc::new(AtomicU16::new(target)),
+            conns: Arc::new(Mutex::new(Vec::new())),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (target, conns, stop) = (
+            Arc::clone(&proxy.target),
+            Arc::clone(&proxy.conns),
+            Arc::clone(&proxy.stop),
+        );
+        thread::spawn(move || {
+            for client in listener.incoming() {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                let to = ("127.0.0.1", target.load(Ordering::SeqCst));
+                let Ok(server) = std::net::TcpStream::connect(to) else {
+                    continue;
+                };
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+                    continue;
+                };
+                {
+                    let mut list = conns.lock().unwrap_or_else(|p| p.into_inner());
+                    if let (Ok(c3), Ok(s3)) = (client.try_clone(), server.try_clone()) {
+                        list.push(c3);
+                        list.push(s3);
+                    }
+                }
+                thread::spawn(move || pipe(client, server));
+                thread::spawn(move || pipe(s2, c2));
+            }
+        });
+        proxy
+    }
+
+    /// The proxy's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>/0`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Forwards new connections to `127.0.0.1:target` and closes the ones
+    /// made before.
+    pub fn switch_to(&self, target: u16) {
+        self.target.store(target, Ordering::SeqCst);
+        for c in self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.switch_to(0);
+        // Wake the accept loop so it sees the stop.
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Copies `from` to `to` until either side closes, then closes both.
+fn pipe(mut from: std::net::TcpStream, mut to: std::net::TcpStream) {
+    let _ = std::io::copy(&mut from, &mut to);
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }

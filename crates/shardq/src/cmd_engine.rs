@@ -167,6 +167,13 @@ pub struct CommonOpts {
     /// Segment size before rolling, in bytes.
     #[arg(long, default_value_t = 64 << 20, hide = true)]
     segment_bytes: u64,
+    /// Redis only: after every write, wait until N replicas have it (Redis
+    /// `WAIT`, at most 1 s), so acknowledged enqueues, claims and acks
+    /// survive a failover; a write the replicas do not confirm fails as
+    /// retryable (exit 75) and an enqueue is not reported stored. 0: do not
+    /// wait.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    redis_wait_replicas: u32,
 }
 
 #[derive(Debug, clap::Args)]
@@ -804,6 +811,7 @@ fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
     }
     Ok(RedisOptions {
         payload_bytes_max: common.payload_bytes_max,
+        wait_replicas: common.redis_wait_replicas,
         ..RedisOptions::default()
     })
 }

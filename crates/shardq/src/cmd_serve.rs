@@ -77,6 +77,12 @@ pub struct ServeArgs {
     /// read, reshard) while `shardq work` or other servers run the shards.
     #[arg(long)]
     no_shards: bool,
+    /// Redis only: after every write, wait until N replicas have it (Redis
+    /// `WAIT`, at most 1 s), so acknowledged enqueues, claims and acks
+    /// survive a failover; a write the replicas do not confirm fails as
+    /// retryable. 0: do not wait.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    redis_wait_replicas: u32,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -134,7 +140,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         dedup_window_ms: args.dedup_window_ms,
         worker,
-        ..shardq_server::ServerOptions::default()
+        open: shardq_deploy::OpenOptions {
+            redis: shardq_redis::RedisOptions {
+                wait_replicas: args.redis_wait_replicas,
+                ..shardq_redis::RedisOptions::default()
+            },
+            ..shardq_deploy::OpenOptions::default()
+        },
     };
     shardq_server::serve_until_signal(&args.data, opts)
         .with_context(|| format!("serving data dir {}", args.data.display()))?;

@@ -570,3 +570,91 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
     assert_eq!(load_map(&data).shards.len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A failover to a lagging replica under a running `shardq work`: the
+/// replica is stopped and cut off, `enqueue` with `--redis-wait-replicas 1`
+/// is refused as retryable (exit 75) naming the replica count, `enqueue`
+/// without it is acknowledged by the primary alone and the worker runs the
+/// jobs; then the primary is SIGKILLed and the replica promoted behind the
+/// proxy, and the worker stops with the store lost (exit 76) instead of
+/// handing out job ids again.
+#[test]
+fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconfirmed_enqueues() {
+    use shardq_redis::testing::TcpProxy;
+    let mut primary = RedisServer::start();
+    let replica = primary.start_replica();
+    let proxy = TcpProxy::start(primary.port());
+    let dir = temp_dir("failover");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    ok(&[
+        "init",
+        "--data",
+        d,
+        "--shards",
+        "1",
+        "--redis",
+        &proxy.url(),
+    ]);
+    let enqueue = |payload: &str, wait: &str| {
+        shardq(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            "t",
+            "--payload",
+            payload,
+            "--redis-wait-replicas",
+            wait,
+        ])
+    };
+    let out = enqueue("1", "1");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ran = dir.join("runs.txt");
+    let mut w = worker(&data, &ran, "1", false);
+    wait_until("the first job to run", || runs(&ran).len() == 1);
+
+    replica.pause();
+    let cut = primary.cli(&["client", "kill", "type", "replica"]);
+    assert_eq!(cut.trim(), "1", "CLIENT KILL TYPE replica: {cut}");
+    let out = enqueue("2", "1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(err.contains("0 of 1 replicas"), "{err}");
+    for p in ["3", "4", "5"] {
+        let out = enqueue(p, "0");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The unconfirmed enqueue is on the primary too: 5 jobs.
+    wait_until("the primary's jobs to run", || runs(&ran).len() == 5);
+
+    primary.kill();
+    replica.resume();
+    replica.promote();
+    proxy.switch_to(replica.port());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = w.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < WAIT_MAX,
+            "the worker ran on a store that went back in time: {}",
+            worker_log(&ran)
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    let log = worker_log(&ran);
+    assert_eq!(status.code(), Some(76), "{log}");
+    assert!(log.contains("went back in time"), "{log}");
+    assert_eq!(runs(&ran).len(), 5, "a job ran on the rewound store");
+}

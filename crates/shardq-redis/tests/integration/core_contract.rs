@@ -1,9 +1,12 @@
 //! The backend contract (`shardq_core::contract`), written once in core, run
-//! on one redis-server with a manual clock.
+//! on one redis-server with a manual clock; the store is rewound by
+//! `FLUSHALL` and `RESTORE` of the shard's keys as `DUMP`ed earlier (what a
+//! restore from an older snapshot or a promoted lagging replica shows).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
-use shardq_core::contract::{self, ContractHarness};
+use shardq_core::contract::{self, ContractHarness, RewindHarness};
 use shardq_core::{ManualClock, QueueBackend};
 use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisCoordinator};
@@ -17,6 +20,34 @@ struct Redis {
     clock: ManualClock,
     next: AtomicUsize,
     _owner: RedisCoordinator,
+    server: RedisServer,
+    /// Every key of the server and its `DUMP`, at the last checkpoint.
+    saved: Mutex<Vec<(String, Vec<u8>)>>,
+}
+
+impl RewindHarness for Redis {
+    fn checkpoint(&self, _shard: &str) {
+        let mut con = self.server.connection();
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).expect("KEYS");
+        let mut saved = Vec::new();
+        for k in keys {
+            let dump: Vec<u8> = redis::cmd("DUMP").arg(&k).query(&mut con).expect("DUMP");
+            saved.push((k, dump));
+        }
+        *self.saved.lock().unwrap() = saved;
+    }
+    fn rewind(&self, _shard: &str) {
+        let mut con = self.server.connection();
+        let () = redis::cmd("FLUSHALL").query(&mut con).expect("FLUSHALL");
+        for (k, dump) in self.saved.lock().unwrap().drain(..) {
+            let () = redis::cmd("RESTORE")
+                .arg(&k)
+                .arg(0)
+                .arg(dump)
+                .query(&mut con)
+                .expect("RESTORE");
+        }
+    }
 }
 
 impl ContractHarness for Redis {
@@ -45,10 +76,14 @@ fn redis_keeps_the_backend_contract() {
     let clock = ManualClock::new(1_700_000_000_000);
     let backend = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
-    contract::run_all(&Redis {
+    let h = Redis {
         backend,
         clock,
         next: AtomicUsize::new(0),
         _owner: coordinator,
-    });
+        server,
+        saved: Mutex::default(),
+    };
+    contract::run_all(&h);
+    contract::rewound_store_is_refused(&h);
 }

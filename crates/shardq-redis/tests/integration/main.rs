@@ -6,6 +6,7 @@ mod common;
 mod contract;
 mod core_contract;
 mod crash;
+mod failover;
 mod hardening;
 mod reshard;
 mod sharing;
