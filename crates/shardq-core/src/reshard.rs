@@ -405,18 +405,33 @@ pub struct PlannedMove {
 }
 
 /// Every key with work whose owner differs between `cur` and `target`.
-pub fn plan_moves<B: KeyInventory + ?Sized>(
+pub fn plan_moves<B: QueueBackend + KeyInventory + ?Sized>(
     backend: &B,
     cur: &ShardMap,
     target: &ShardMap,
 ) -> Result<Vec<PlannedMove>, ReshardError> {
     let to = Router::new(with_version(target, cur.version))?;
+    let now = Router::new(cur.clone())?;
     let mut moves = Vec::new();
     for shard in &cur.shards {
-        for (key, counts) in backend.keys_with_work(&shard.name)? {
-            if has_work(&counts) == 0 {
-                continue;
-            }
+        let with_work: Vec<(String, KeyCounts)> = backend
+            .keys_with_work(&shard.name)?
+            .into_iter()
+            .filter(|(_, c)| has_work(c) > 0)
+            .collect();
+        // A key with live dedup records and no jobs moves too (with
+        // drain-then-switch, which copies its records): its next enqueue
+        // must find them where it lands.
+        let known: std::collections::BTreeSet<&str> =
+            with_work.iter().map(|(k, _)| k.as_str()).collect();
+        let dedup_only: Vec<(String, KeyCounts)> = backend
+            .dedup_keys(&shard.name)?
+            .into_iter()
+            // An old shard keeps the copies of a key that moved away.
+            .filter(|k| !known.contains(k.as_str()) && now.route(k) == shard.name)
+            .map(|k| (k, KeyCounts::default()))
+            .collect();
+        for (key, counts) in with_work.into_iter().chain(dedup_only) {
             // The key moves from where its work is to where the target routes it.
             let to_shard = to.route(&key);
             if to_shard != shard.name {
@@ -621,6 +636,7 @@ where
         }
         let batch = &batch[..];
         raise_fence_floors(backend, batch)?;
+        copy_dedup_records(backend, batch)?;
         let mut next = cur.clone();
         next.version = cur.version + 1;
         for (key, _, _) in batch {
@@ -739,6 +755,25 @@ fn set_paused<B: QueueBackend + ?Sized>(
             }
         }
         backend.set_fence(shard, &fence)?;
+    }
+    Ok(())
+}
+
+/// Copies each batch key's live dedup records from its old shard to its new
+/// one, before the switch is published: the key is paused on the old shard
+/// (no record can be added there meanwhile) and still routes there (none is
+/// added on the new shard), so the copy is complete. Importing keeps a
+/// record the new shard already holds, so a rerun after a crash changes
+/// nothing.
+fn copy_dedup_records<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+) -> Result<(), ReshardError> {
+    for (key, from, to) in batch {
+        let records = backend.dedup_export(from, key)?;
+        if !records.is_empty() {
+            backend.dedup_import(to, &records)?;
+        }
     }
     Ok(())
 }
