@@ -66,7 +66,10 @@ fn enqueue_dedup(
 }
 
 fn depth(h: &dyn ContractHarness, shard: &str, key: &str) -> u64 {
-    h.backend().key_counts(shard, key).expect("key_counts").depth
+    h.backend()
+        .key_counts(shard, key)
+        .expect("key_counts")
+        .depth
 }
 
 /// A dedup id is scoped to its key: a second enqueue of one `(key, id)` is
@@ -79,20 +82,41 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
     let first = enqueue_dedup(h, &shard, &[("a", "inv-1")], DEDUP_WINDOW_MS);
     assert!(!first[0].duplicate, "a fresh id stores its job");
     assert_eq!(first[0].shard, shard);
-    let again = enqueue_dedup(h, &shard, &[("a", "inv-1"), ("b", "inv-1")], DEDUP_WINDOW_MS);
-    assert!(again[0].duplicate, "the same (key, id) again is a duplicate");
+    let again = enqueue_dedup(
+        h,
+        &shard,
+        &[("a", "inv-1"), ("b", "inv-1")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(
+        again[0].duplicate,
+        "the same (key, id) again is a duplicate"
+    );
     assert_eq!(again[0].id, first[0].id, "a duplicate names the first job");
-    assert!(!again[1].duplicate, "another key's job with the same id is stored");
+    assert!(
+        !again[1].duplicate,
+        "another key's job with the same id is stored"
+    );
     assert_eq!(depth(h, &shard, "a"), 1, "the duplicate was not stored");
     assert_eq!(depth(h, &shard, "b"), 1);
-    let twice = enqueue_dedup(h, &shard, &[("c", "x"), ("c", "x"), ("c", "y")], DEDUP_WINDOW_MS);
+    let twice = enqueue_dedup(
+        h,
+        &shard,
+        &[("c", "x"), ("c", "x"), ("c", "y")],
+        DEDUP_WINDOW_MS,
+    );
     assert!(!twice[0].duplicate && twice[1].duplicate && !twice[2].duplicate);
-    assert_eq!(twice[1].id, twice[0].id, "the second of a batch names the first");
+    assert_eq!(
+        twice[1].id, twice[0].id,
+        "the second of a batch names the first"
+    );
     assert_eq!(depth(h, &shard, "c"), 2);
     // A plain enqueue does not take dedup ids (they would go unchecked).
-    let plain = h
-        .backend()
-        .enqueue(&shard, u64::MAX, &[NewJob::new("a", "p").with_dedup_id("inv-1")]);
+    let plain = h.backend().enqueue(
+        &shard,
+        u64::MAX,
+        &[NewJob::new("a", "p").with_dedup_id("inv-1")],
+    );
     assert!(plain.is_err(), "enqueue must refuse a job with a dedup id");
     assert_eq!(depth(h, &shard, "a"), 1);
     // A bad id is refused, naming it, and stores nothing.
@@ -102,7 +126,10 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
         &[NewJob::new("d", "p").with_dedup_id("a\nb")],
         DEDUP_WINDOW_MS,
     );
-    assert!(matches!(bad, Err(QueueError::InvalidDedupId { .. })), "{bad:?}");
+    assert!(
+        matches!(bad, Err(QueueError::InvalidDedupId { .. })),
+        "{bad:?}"
+    );
     assert_eq!(depth(h, &shard, "d"), 0);
     // A fenced batch records nothing: the id is fresh afterwards.
     let mut fence = h.backend().fence(&shard).expect("fence");
@@ -114,14 +141,20 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
         &[NewJob::new("e", "p").with_dedup_id("z")],
         DEDUP_WINDOW_MS,
     );
-    assert!(matches!(fenced, Err(QueueError::Fenced { .. })), "{fenced:?}");
+    assert!(
+        matches!(fenced, Err(QueueError::Fenced { .. })),
+        "{fenced:?}"
+    );
     assert!(!enqueue_dedup(h, &shard, &[("e", "z")], DEDUP_WINDOW_MS)[0].duplicate);
     // Past its window an id is free again.
     let short = enqueue_dedup(h, &shard, &[("f", "w")], 200);
     assert!(!short[0].duplicate);
     h.pass_ms(400);
     let later = enqueue_dedup(h, &shard, &[("f", "w")], 200);
-    assert!(!later[0].duplicate, "an expired record no longer suppresses a job");
+    assert!(
+        !later[0].duplicate,
+        "an expired record no longer suppresses a job"
+    );
     assert_ne!(later[0].id, short[0].id);
     assert_eq!(depth(h, &shard, "f"), 2);
 }
@@ -151,7 +184,10 @@ pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {
                 })
             })
             .collect();
-        threads.into_iter().map(|t| t.join().expect("thread")).collect()
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("thread"))
+            .collect()
     });
     let all: Vec<&crate::job::Stored> = results.iter().flatten().collect();
     assert_eq!(all.len(), 40);
@@ -172,7 +208,12 @@ pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {
 pub fn dedup_records_move_with_export_and_import(h: &dyn ContractHarness) {
     let from = h.fresh_shard();
     let to = h.fresh_shard();
-    let orig = enqueue_dedup(h, &from, &[("m", "1"), ("m", "2"), ("other", "1")], DEDUP_WINDOW_MS);
+    let orig = enqueue_dedup(
+        h,
+        &from,
+        &[("m", "1"), ("m", "2"), ("other", "1")],
+        DEDUP_WINDOW_MS,
+    );
     let on_to = enqueue_dedup(h, &to, &[("m", "2")], DEDUP_WINDOW_MS);
     let records = h.backend().dedup_export(&from, "m").expect("export");
     let mut ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
@@ -182,9 +223,17 @@ pub fn dedup_records_move_with_export_and_import(h: &dyn ContractHarness) {
     for _ in 0..2 {
         h.backend().dedup_import(&to, &records).expect("import");
     }
-    let after = enqueue_dedup(h, &to, &[("m", "1"), ("m", "2"), ("other", "1")], DEDUP_WINDOW_MS);
+    let after = enqueue_dedup(
+        h,
+        &to,
+        &[("m", "1"), ("m", "2"), ("other", "1")],
+        DEDUP_WINDOW_MS,
+    );
     assert!(after[0].duplicate, "an imported record suppresses the job");
-    assert_eq!((after[0].shard.as_str(), after[0].id), (from.as_str(), orig[0].id));
+    assert_eq!(
+        (after[0].shard.as_str(), after[0].id),
+        (from.as_str(), orig[0].id)
+    );
     assert!(after[1].duplicate);
     assert_eq!(
         (after[1].shard.as_str(), after[1].id),

@@ -688,10 +688,14 @@ fn dedup_records_move_with_their_key() {
         ProducerOptions::default(),
     )
     .unwrap();
-    let first_idle = p.enqueue(&NewJob::new(idle.as_str(), "a").with_dedup_id("d1")).unwrap();
+    let first_idle = p
+        .enqueue(&NewJob::new(idle.as_str(), "a").with_dedup_id("d1"))
+        .unwrap();
     assert!(!first_idle.duplicate);
     drain_all(&backend);
-    let first_busy = p.enqueue(&NewJob::new(busy.as_str(), "b").with_dedup_id("d1")).unwrap();
+    let first_busy = p
+        .enqueue(&NewJob::new(busy.as_str(), "b").with_dedup_id("d1"))
+        .unwrap();
     let old_busy = first_busy.shard.clone();
     let new_busy = if old_busy == "s0" { "s1" } else { "s0" };
     reshard::pin(&store, &idle, "s1").unwrap();
@@ -708,20 +712,30 @@ fn dedup_records_move_with_their_key() {
         reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
     busy_drain.join().unwrap();
     let moved: Vec<&str> = report.moved.iter().map(|m| m.key.as_str()).collect();
-    assert!(moved.contains(&idle.as_str()), "a key with records only moves too: {moved:?}");
+    assert!(
+        moved.contains(&idle.as_str()),
+        "a key with records only moves too: {moved:?}"
+    );
     assert!(moved.contains(&busy.as_str()), "{moved:?}");
     let router = Router::new(store.load().unwrap()).unwrap();
     assert_eq!(router.route(&idle), "s1");
     assert_eq!(router.route(&busy), new_busy);
     p.reload().unwrap();
     for (key, first) in [(&idle, &first_idle), (&busy, &first_busy)] {
-        let again = p.enqueue(&NewJob::new(key.as_str(), "x").with_dedup_id("d1")).unwrap();
+        let again = p
+            .enqueue(&NewJob::new(key.as_str(), "x").with_dedup_id("d1"))
+            .unwrap();
         assert!(again.duplicate, "{key}: the record moved with the key");
-        assert_eq!((again.shard.as_str(), again.id), (first.shard.as_str(), first.id));
+        assert_eq!(
+            (again.shard.as_str(), again.id),
+            (first.shard.as_str(), first.id)
+        );
         assert_eq!(backend.key_counts(router.route(key), key).unwrap().depth, 0);
     }
     // Another id of the moved key is stored on its new shard.
-    let fresh = p.enqueue(&NewJob::new(idle.as_str(), "y").with_dedup_id("d2")).unwrap();
+    let fresh = p
+        .enqueue(&NewJob::new(idle.as_str(), "y").with_dedup_id("d2"))
+        .unwrap();
     assert!(!fresh.duplicate);
     assert_eq!(fresh.shard, "s1");
     let rerun =

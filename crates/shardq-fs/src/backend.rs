@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
-    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId,
-    DedupRecord, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock,
+    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
+    JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock,
     PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
@@ -645,12 +645,9 @@ impl QueueBackend for FsBackend {
                 std::collections::HashMap::new();
             for job in jobs {
                 if let Some(d) = job.dedup_id.as_deref() {
-                    let known = r.dedup_lookup(&job.key, d, now).map(|e| {
-                        (
-                            e.job,
-                            e.shard.as_deref().unwrap_or(shard_name).to_string(),
-                        )
-                    });
+                    let known = r
+                        .dedup_lookup(&job.key, d, now)
+                        .map(|e| (e.job, e.shard.as_deref().unwrap_or(shard_name).to_string()));
                     let known = known.or_else(|| {
                         in_batch
                             .get(&(job.key.as_str(), d))

@@ -200,11 +200,7 @@ impl ShardState {
     }
 
     /// The live records at `now_ms`: (key, id, entry), for a key or all.
-    pub fn dedup_records(
-        &self,
-        key: Option<&str>,
-        now_ms: u64,
-    ) -> Vec<(&str, &str, &DedupEntry)> {
+    pub fn dedup_records(&self, key: Option<&str>, now_ms: u64) -> Vec<(&str, &str, &DedupEntry)> {
         self.dedup
             .iter()
             .filter(|(_, e)| e.expires_ms > now_ms)
@@ -331,10 +327,9 @@ impl ShardState {
             | Record::Fail { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job } => Some(job),
-            Record::Enqueue { .. }
-            | Record::Seal
-            | Record::Hole { .. }
-            | Record::Dedup { .. } => None,
+            Record::Enqueue { .. } | Record::Seal | Record::Hole { .. } | Record::Dedup { .. } => {
+                None
+            }
         }
     }
 
@@ -510,7 +505,8 @@ impl ShardState {
                 };
                 // A record of (key, id) is written only once the earlier
                 // one expired (the append checks first): the later wins.
-                self.dedup_expiries.push(Reverse((expires_ms, slot.clone())));
+                self.dedup_expiries
+                    .push(Reverse((expires_ms, slot.clone())));
                 self.dedup.insert(slot, entry);
             }
         }

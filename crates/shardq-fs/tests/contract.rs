@@ -108,8 +108,12 @@ fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
         // is finished, recorded as reclaimed, and would be deleted but
         // for its dedup record.
         for _ in 0..20 {
-            b.enqueue("s0", 1, &[shardq_core::NewJob::new("other", vec![b'y'; 600])])
-                .unwrap();
+            b.enqueue(
+                "s0",
+                1,
+                &[shardq_core::NewJob::new("other", vec![b'y'; 600])],
+            )
+            .unwrap();
         }
         loop {
             let c = b.claim("s0", 100, 60_000).unwrap();

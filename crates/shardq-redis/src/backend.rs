@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use redis::Value;
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy,
-    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats,
-    Stored, PAYLOAD_BYTES_MAX_DEFAULT,
+    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt,
+    ShardStats, Stored, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
@@ -538,7 +538,11 @@ impl RedisBackend {
                                 let (job, on) = dup.split_once('|').ok_or_else(bad)?;
                                 Ok(Stored {
                                     id: JobId(job.parse().map_err(|_| bad())?),
-                                    shard: if on.is_empty() { s.name.clone() } else { on.to_string() },
+                                    shard: if on.is_empty() {
+                                        s.name.clone()
+                                    } else {
+                                        on.to_string()
+                                    },
                                     duplicate: true,
                                 })
                             }
@@ -760,7 +764,11 @@ impl QueueBackend for RedisBackend {
             let v = self.script(s, &self.inner.scripts.dedup_import, "", &|c, _| {
                 c.arg(part.len());
                 for r in part {
-                    let on = if r.shard == s.name { "" } else { r.shard.as_str() };
+                    let on = if r.shard == s.name {
+                        ""
+                    } else {
+                        r.shard.as_str()
+                    };
                     c.arg(dedup_field(&r.key, &r.id))
                         .arg(r.job.0)
                         .arg(r.expires_ms)
@@ -1243,6 +1251,30 @@ impl JobRecord<'_> {
     }
 }
 
+/// The `dedup` hash field of `(key, id)`: the key's length, `|`, key, id.
+fn dedup_field(key: &str, id: &str) -> String {
+    format!("{}|{key}{id}", key.len())
+}
+
+/// A `dedup` hash entry as a record (`shard` when the record names none).
+fn parse_dedup(shard: &str, field: &str, rec: &str) -> Option<DedupRecord> {
+    let (len, rest) = field.split_once('|')?;
+    let len: usize = len.parse().ok()?;
+    let key = rest.get(..len)?;
+    let id = rest.get(len..)?;
+    let mut parts = rec.splitn(3, '|');
+    let job = parts.next()?.parse().ok()?;
+    let expires_ms = parts.next()?.parse().ok()?;
+    let on = parts.next()?;
+    Some(DedupRecord {
+        key: key.to_string(),
+        id: id.to_string(),
+        shard: if on.is_empty() { shard } else { on }.to_string(),
+        job: JobId(job),
+        expires_ms,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::JobRecord;
@@ -1278,28 +1310,4 @@ mod tests {
         check(b"5|x|3|4|1|k", None);
         check(b"", None);
     }
-}
-
-/// The `dedup` hash field of `(key, id)`: the key's length, `|`, key, id.
-fn dedup_field(key: &str, id: &str) -> String {
-    format!("{}|{key}{id}", key.len())
-}
-
-/// A `dedup` hash entry as a record (`shard` when the record names none).
-fn parse_dedup(shard: &str, field: &str, rec: &str) -> Option<DedupRecord> {
-    let (len, rest) = field.split_once('|')?;
-    let len: usize = len.parse().ok()?;
-    let key = rest.get(..len)?;
-    let id = rest.get(len..)?;
-    let mut parts = rec.splitn(3, '|');
-    let job = parts.next()?.parse().ok()?;
-    let expires_ms = parts.next()?.parse().ok()?;
-    let on = parts.next()?;
-    Some(DedupRecord {
-        key: key.to_string(),
-        id: id.to_string(),
-        shard: if on.is_empty() { shard } else { on }.to_string(),
-        job: JobId(job),
-        expires_ms,
-    })
 }
