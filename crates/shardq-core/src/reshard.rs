@@ -14,6 +14,8 @@
 //!    enqueues that raced the first scan), and publish the *intermediate* map:
 //!    the target's shards and weights, with each moving key pinned (an
 //!    override) to its current shard and removed shards kept as `draining`.
+//!    A key with live dedup records counts as a key with work here (it is
+//!    pinned and moved by phase 2, so its records go with it).
 //!    Keys without work follow the target at once: nothing of theirs is
 //!    queued anywhere, so nothing can be overtaken; before the publish every
 //!    target shard's run-fence floor is raised above every shard's highest
@@ -22,7 +24,10 @@
 //!    old shards, wait until each key's depth and in-flight count there are
 //!    zero, raise the new shards' run-fence floor above the old shards'
 //!    highest fence (so a moved key's next run has a larger fence than its
-//!    last one), publish a version whose overrides send the batch to the
+//!    last one), copy each key's live dedup records from its old shard to
+//!    its new one (the key is paused on the old shard and still routes
+//!    there, so the copy is complete; an import keeps records already
+//!    there, so a rerun is harmless), publish a version whose overrides send the batch to the
 //!    target owner, fence the old shards at that version, and lift the
 //!    pause. A key that gains a dead letter while it drains is not switched:
 //!    it is un-paused, stays pinned, and is held back like any key with dead
