@@ -14,6 +14,11 @@ import hashlib
 PRELUDE = """
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local K_DEDUP, K_DEDUPX = KEYS[14], KEYS[15]
+-- Expired dedup records forgotten per enqueue, at most.
+local DEDUP_PRUNE = 64
+-- The dedup field of (key, id): the key's length, then key and id.
+local function dfield(k, d) return #k .. '|' .. k .. d end
 local HALT = ARGV[3] == '1'
 local DEP = redis.call('HGET', K_META, 'dep')
 if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
@@ -127,18 +132,59 @@ end
 ENQUEUE = """
 local now = now_ms()
 local n = tonumber(ARGV[6])
+local window = tonumber(ARGV[7])
+local A = 8
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
-if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[7], fmin} end
+if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
   for i = 0, n - 1 do
-    if redis.call('SISMEMBER', K_PAUSED, ARGV[7 + 4 * i]) == 1 then return {'PAUSED', ARGV[7 + 4 * i]} end
+    if redis.call('SISMEMBER', K_PAUSED, ARGV[A + 5 * i]) == 1 then return {'PAUSED', ARGV[A + 5 * i]} end
   end
 end
-local first = redis.call('HINCRBY', K_META, 'seq', n) - n + 1
-redis.call('HINCRBY', K_META, 'pend', n)
-local cand, qs = {}, {}
+-- Dedup: forget a bounded number of expired records, then look each id up.
+-- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
+local out, keep = {'OK'}, {}
+local dd, dx = {}, {}
+if window > 0 then
+  local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
+  if #old > 0 then
+    redis.call('HDEL', K_DEDUP, unpack(old))
+    redis.call('ZREM', K_DEDUPX, unpack(old))
+  end
+end
+local batch, inb = {}, {}
 for i = 0, n - 1 do
-  local k = ARGV[7 + 4 * i]
+  local k, d = ARGV[A + 5 * i], ARGV[A + 4 + 5 * i]
+  if d ~= '' and window > 0 then
+    local f = dfield(k, d)
+    local r = redis.call('HGET', K_DEDUP, f)
+    local dup = nil
+    if r then
+      local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
+      if tonumber(exp) > now then dup = 'D' .. job .. '|' .. sh end
+    end
+    if dup then
+      out[i + 2] = dup
+    elseif batch[f] then
+      inb[i] = batch[f]
+    else
+      batch[f] = i
+      keep[#keep + 1] = i
+    end
+  else
+    keep[#keep + 1] = i
+  end
+end
+local m = #keep
+if m == 0 then
+  for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
+  return out
+end
+local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
+redis.call('HINCRBY', K_META, 'pend', m)
+local cand, qs = {}, {}
+for _, i in ipairs(keep) do
+  local k = ARGV[A + 5 * i]
   if not qs[k] then
     qs[k] = true
     cand[#cand + 1] = k
@@ -154,11 +200,13 @@ for i, k in ipairs(cand) do
   fresh[k] = q.d == 0 and q.f == 0
 end
 local nows = idstr(now)
+local exps = idstr(now + window)
 local jobs, nxt, dly = {}, {}, {}
-for i = 0, n - 1 do
-  local k, d = ARGV[7 + 4 * i], tonumber(ARGV[9 + 4 * i])
-  local id = first + i
+for j, i in ipairs(keep) do
+  local k, d = ARGV[A + 5 * i], tonumber(ARGV[A + 2 + 5 * i])
+  local id = first + j - 1
   local ids = idstr(id)
+  out[i + 2] = ids
   local nbf, nbfs = now, nows
   if d > 0 then
     nbf = now + d
@@ -167,7 +215,15 @@ for i = 0, n - 1 do
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[10 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[8 + 4 * i]
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local did = ARGV[A + 4 + 5 * i]
+  if did ~= '' and window > 0 then
+    local f = dfield(k, did)
+    dd[#dd + 1] = f
+    dd[#dd + 1] = ids .. '|' .. exps .. '|'
+    dx[#dx + 1] = now + window
+    dx[#dx + 1] = f
+  end
   local q = qs[k]
   if q.t ~= 0 then
     nxt[#nxt + 1] = idstr(q.t)
@@ -179,8 +235,14 @@ for i = 0, n - 1 do
   q.t = id
   q.d = q.d + 1
 end
+-- A duplicate within the batch names the job stored for the first of it.
+for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
 redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+if #dd > 0 then
+  redis.call('HSET', K_DEDUP, unpack(dd))
+  redis.call('ZADD', K_DEDUPX, unpack(dx))
+end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do
   kq[#kq + 1] = k
@@ -198,7 +260,7 @@ redis.call('HSET', K_KEYS, unpack(kq))
 if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
 if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
 if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
-return {'OK', first}
+return out
 """
 
 #: The script as the server receives it: the Redis 7 ``#!lua`` line (no

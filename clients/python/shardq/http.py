@@ -62,7 +62,7 @@ log = logging.getLogger("shardq")
 #: The longest ``shardq serve`` may take over a request before it answers,
 #: in seconds: its ``REQUEST_TIMEOUT_MS`` (crates/shardq-server/src/limits.rs:
 #: the longest long poll, 30 s, plus 60 s for the store's own bounds, such
-#: as an enqueue's wait on a paused key, 30 s, and the dedup lock's, 5 s),
+#: as an enqueue's wait on a paused key, 30 s),
 #: after which it answers 408 itself.
 SERVER_WAIT_MAX_S = 90.0
 #: Margin of a request's timeout over the server's longest wait (the
@@ -72,10 +72,10 @@ TIMEOUT_MARGIN_S = 5.0
 #: shorter than the server's longest wait, so that a request the server is
 #: still working on (and may yet store) is not given up and sent elsewhere.
 REQUEST_TIMEOUT_S = SERVER_WAIT_MAX_S + TIMEOUT_MARGIN_S
-#: The longest a server keeps a dedup id reserved for a request that is
-#: storing it (crates/shardq-server/src/dedup.rs: ``RESERVE_MS`` on an
-#: embedded data dir, 120 s; ``PENDING_MS`` on Redis, 60 s); an enqueue
-#: answered 409 (an id busy) is retried at least that long.
+#: The longest a server of an earlier version kept a dedup id reserved
+#: for a request storing it (120 s; servers now check dedup ids in the
+#: backend, atomically with the append, and never answer 409 for one): an
+#: enqueue answered 409 (an id busy) is retried at least that long.
 DEDUP_PENDING_S = 120.0
 #: Rounds over every URL before an enqueue gives up.
 RETRY_ROUNDS_DEFAULT = 5

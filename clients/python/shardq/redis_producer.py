@@ -50,7 +50,7 @@ QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason",
+    "paused", "lease", "reason", "dedup", "dedupx",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).
 ENQUEUE_BATCH_MAX = 1024
@@ -426,9 +426,8 @@ class RedisProducer:
                     chunk = idxs[start:start + ENQUEUE_BATCH_MAX]
                     status, detail = self._enqueue_script(shard, version, [jobs[i] for i in chunk])
                     if status == "OK":
-                        first = detail
                         for n, i in enumerate(chunk):
-                            placed[i] = Placed(i, jobs[i][0], shard, first + n, version)
+                            placed[i] = Placed(i, jobs[i][0], shard, detail[n], version)
                             paused.discard(jobs[i][0])
                         continue
                     rest = idxs[start:]
@@ -462,7 +461,7 @@ class RedisProducer:
         return gave_up
 
     def _enqueue_script(self, shard: str, version: int, jobs: Sequence[Tuple[str, bytes, int, int]]) -> Any:
-        """Runs the enqueue script on ``shard``: ("OK", first id),
+        """Runs the enqueue script on ``shard``: ("OK", ids in job order),
         ("FENCED", key) or ("PAUSED", key)."""
         node = self._nodes.get(shard)
         if node is None:
@@ -472,10 +471,11 @@ class RedisProducer:
         keys = self._keys[shard]
         # ARGV: time ('' = the server's TIME), lease token ('' = none: a
         # producer), halt flag, deployment id, map version, job count, then
-        # key, payload, delay_ms, max_attempts per job.
-        args: List[Union[str, bytes, int]] = ["", "", self.halt_arg, self.deployment, version, len(jobs)]
+        # the dedup window (0: no dedup ids), then key, payload, delay_ms,
+        # max_attempts and dedup id ('' = none) per job.
+        args: List[Union[str, bytes, int]] = ["", "", self.halt_arg, self.deployment, version, len(jobs), 0]
         for key, payload, delay, attempts in jobs:
-            args.extend((key, payload, delay, attempts))
+            args.extend((key, payload, delay, attempts, ""))
 
         def call(c: "redis.Redis") -> Any:
             try:
@@ -494,7 +494,8 @@ class RedisProducer:
             raise ShardqError(f"shard {shard!r} at {node.url}: enqueue failed: {e}") from None
         status = _s(reply[0]) if reply else ""
         if status == "OK":
-            return "OK", int(reply[1])
+            # One id per job, in order (no dedup ids: none is a duplicate).
+            return "OK", [int(_s(x)) for x in reply[1:]]
         if status == "FENCED":
             return "FENCED", _s(reply[1])
         if status == "PAUSED":

@@ -47,11 +47,19 @@
 //!   has adopted a shard ([`QueueBackend::adopt`]) claims, acks and fails its
 //!   jobs; others get [`QueueError::NotOwner`]. Who may adopt is decided by a
 //!   [`Coordinator`] (leases), not by the backend.
+//! * **Dedup ids belong to their key.** [`QueueBackend::enqueue_dedup`]
+//!   checks each job's `(key, dedup_id)` against the shard's dedup records
+//!   atomically with the append (the same lock, or the same script): of
+//!   any number of concurrent enqueues of one `(key, id)` within the
+//!   window, exactly one stores a job and the others are told its id. The
+//!   records are as durable as the jobs, survive restarts for their window,
+//!   and move with their key in a rebalance ([`QueueBackend::dedup_export`],
+//!   [`QueueBackend::dedup_import`]).
 
 use crate::error::QueueError;
 use crate::job::{
-    AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt,
-    ShardStats,
+    AckOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob,
+    Receipt, ShardStats, Stored,
 };
 
 /// The bounds of one call of a backend ([`QueueBackend::limits`]).
@@ -100,6 +108,63 @@ pub trait QueueBackend: Send + Sync {
         map_version: u64,
         jobs: &[NewJob],
     ) -> Result<Vec<JobId>, QueueError>;
+
+    /// Appends `jobs` like [`QueueBackend::enqueue`], except that a job whose
+    /// `(key, dedup_id)` has a live record on `shard` is not stored: its
+    /// [`Stored`] names the job it was enqueued as (`duplicate: true`,
+    /// maybe on another shard after a move). The check and the records of
+    /// the stored jobs are atomic with the append, and each record expires
+    /// `window_ms` after this call (1..=[`crate::DEDUP_WINDOW_MS_MAX`]). A
+    /// second job of `jobs` with the same `(key, id)` is a duplicate of the
+    /// first. A fence or pause refuses the whole batch, duplicates included.
+    ///
+    /// The default stores jobs without dedup ids through `enqueue` and
+    /// refuses any that carry one.
+    fn enqueue_dedup(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        let _ = window_ms;
+        crate::job::refuse_dedup_ids(jobs)?;
+        Ok(self
+            .enqueue(shard, map_version, jobs)?
+            .into_iter()
+            .map(|id| Stored {
+                id,
+                shard: shard.to_string(),
+                duplicate: false,
+            })
+            .collect())
+    }
+
+    /// The live dedup records of `key` on `shard` (for a move).
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        let _ = (shard, key);
+        Ok(Vec::new())
+    }
+
+    /// Stores `records` on `shard`, atomically; a `(key, id)` that already
+    /// has a live record there keeps it, so a rerun of a copy changes
+    /// nothing. Expired records are dropped.
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        let _ = shard;
+        if records.is_empty() {
+            return Ok(());
+        }
+        Err(QueueError::Backend(
+            "this backend keeps no dedup records".into(),
+        ))
+    }
+
+    /// Keys with live dedup records on `shard` (a rebalance moves them with
+    /// drain-then-switch even when they have no jobs).
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        let _ = shard;
+        Ok(Vec::new())
+    }
 
     /// Makes this process the runner of `shard`: loads its backlog, and puts
     /// jobs left in flight by a previous owner back at the head of their keys

@@ -53,6 +53,208 @@ pub fn run_all(h: &dyn ContractHarness) {
     dead_letters_count_as_work(h);
     fences_grow_for_every_new_run(h);
     fail_with_retry_in_runs_again_first(h);
+    dedup_ids_belong_to_their_key(h);
+    dedup_is_atomic_with_the_append(h);
+    dedup_records_move_with_export_and_import(h);
+}
+
+/// The window the dedup checks use (long enough never to lapse in a check).
+const DEDUP_WINDOW_MS: u64 = 600_000;
+
+fn enqueue_dedup(
+    h: &dyn ContractHarness,
+    shard: &str,
+    jobs: &[(&str, &str)],
+    window_ms: u64,
+) -> Vec<crate::job::Stored> {
+    let jobs: Vec<NewJob> = jobs
+        .iter()
+        .map(|(k, d)| NewJob::new(*k, "p").with_dedup_id(*d))
+        .collect();
+    h.backend()
+        .enqueue_dedup(shard, u64::MAX, &jobs, window_ms)
+        .unwrap_or_else(|e| panic!("enqueue_dedup to {shard}: {e}"))
+}
+
+fn depth(h: &dyn ContractHarness, shard: &str, key: &str) -> u64 {
+    h.backend()
+        .key_counts(shard, key)
+        .expect("key_counts")
+        .depth
+}
+
+/// A dedup id is scoped to its key: a second enqueue of one `(key, id)` is
+/// told the first job's id and stores nothing; another key's job with the
+/// same id is stored; two jobs of one batch with one `(key, id)` store one;
+/// past the window the id is free again; a fenced batch stores nothing and
+/// records nothing.
+pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let first = enqueue_dedup(h, &shard, &[("a", "inv-1")], DEDUP_WINDOW_MS);
+    assert!(!first[0].duplicate, "a fresh id stores its job");
+    assert_eq!(first[0].shard, shard);
+    let again = enqueue_dedup(
+        h,
+        &shard,
+        &[("a", "inv-1"), ("b", "inv-1")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(
+        again[0].duplicate,
+        "the same (key, id) again is a duplicate"
+    );
+    assert_eq!(again[0].id, first[0].id, "a duplicate names the first job");
+    assert!(
+        !again[1].duplicate,
+        "another key's job with the same id is stored"
+    );
+    assert_eq!(depth(h, &shard, "a"), 1, "the duplicate was not stored");
+    assert_eq!(depth(h, &shard, "b"), 1);
+    let twice = enqueue_dedup(
+        h,
+        &shard,
+        &[("c", "x"), ("c", "x"), ("c", "y")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(!twice[0].duplicate && twice[1].duplicate && !twice[2].duplicate);
+    assert_eq!(
+        twice[1].id, twice[0].id,
+        "the second of a batch names the first"
+    );
+    assert_eq!(depth(h, &shard, "c"), 2);
+    // A plain enqueue does not take dedup ids (they would go unchecked).
+    let plain = h.backend().enqueue(
+        &shard,
+        u64::MAX,
+        &[NewJob::new("a", "p").with_dedup_id("inv-1")],
+    );
+    assert!(plain.is_err(), "enqueue must refuse a job with a dedup id");
+    assert_eq!(depth(h, &shard, "a"), 1);
+    // A bad id is refused, naming it, and stores nothing.
+    let bad = h.backend().enqueue_dedup(
+        &shard,
+        u64::MAX,
+        &[NewJob::new("d", "p").with_dedup_id("a\nb")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(
+        matches!(bad, Err(QueueError::InvalidDedupId { .. })),
+        "{bad:?}"
+    );
+    assert_eq!(depth(h, &shard, "d"), 0);
+    // A fenced batch records nothing: the id is fresh afterwards.
+    let mut fence = h.backend().fence(&shard).expect("fence");
+    fence.map_version_min = 10;
+    h.backend().set_fence(&shard, &fence).expect("set_fence");
+    let fenced = h.backend().enqueue_dedup(
+        &shard,
+        9,
+        &[NewJob::new("e", "p").with_dedup_id("z")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(
+        matches!(fenced, Err(QueueError::Fenced { .. })),
+        "{fenced:?}"
+    );
+    assert!(!enqueue_dedup(h, &shard, &[("e", "z")], DEDUP_WINDOW_MS)[0].duplicate);
+    // Past its window an id is free again.
+    let short = enqueue_dedup(h, &shard, &[("f", "w")], 200);
+    assert!(!short[0].duplicate);
+    h.pass_ms(400);
+    let later = enqueue_dedup(h, &shard, &[("f", "w")], 200);
+    assert!(
+        !later[0].duplicate,
+        "an expired record no longer suppresses a job"
+    );
+    assert_ne!(later[0].id, short[0].id);
+    assert_eq!(depth(h, &shard, "f"), 2);
+}
+
+/// Many threads enqueueing one `(key, id)` at once store exactly one job,
+/// and every one of them is told its id.
+pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let backend = h.backend();
+    let results: Vec<Vec<crate::job::Stored>> = std::thread::scope(|sc| {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let shard = &shard;
+                sc.spawn(move || {
+                    (0..10)
+                        .flat_map(|_| {
+                            backend
+                                .enqueue_dedup(
+                                    shard,
+                                    u64::MAX,
+                                    &[NewJob::new("k", "p").with_dedup_id("once")],
+                                    DEDUP_WINDOW_MS,
+                                )
+                                .expect("enqueue_dedup")
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("thread"))
+            .collect()
+    });
+    let all: Vec<&crate::job::Stored> = results.iter().flatten().collect();
+    assert_eq!(all.len(), 40);
+    assert_eq!(
+        all.iter().filter(|s| !s.duplicate).count(),
+        1,
+        "exactly one enqueue of a (key, id) stores its job"
+    );
+    let id = all[0].id;
+    assert!(all.iter().all(|s| s.id == id && s.shard == shard));
+    assert_eq!(depth(h, &shard, "k"), 1, "one job stored");
+}
+
+/// A key's records exported from one shard and imported into another make
+/// the other shard answer with the original job (on the first shard); an
+/// import again changes nothing, and a record the target already holds is
+/// kept.
+pub fn dedup_records_move_with_export_and_import(h: &dyn ContractHarness) {
+    let from = h.fresh_shard();
+    let to = h.fresh_shard();
+    let orig = enqueue_dedup(
+        h,
+        &from,
+        &[("m", "1"), ("m", "2"), ("other", "1")],
+        DEDUP_WINDOW_MS,
+    );
+    let on_to = enqueue_dedup(h, &to, &[("m", "2")], DEDUP_WINDOW_MS);
+    let records = h.backend().dedup_export(&from, "m").expect("export");
+    let mut ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["1", "2"], "export gives the key's records only");
+    assert!(records.iter().all(|r| r.key == "m" && r.shard == from));
+    for _ in 0..2 {
+        h.backend().dedup_import(&to, &records).expect("import");
+    }
+    let after = enqueue_dedup(
+        h,
+        &to,
+        &[("m", "1"), ("m", "2"), ("other", "1")],
+        DEDUP_WINDOW_MS,
+    );
+    assert!(after[0].duplicate, "an imported record suppresses the job");
+    assert_eq!(
+        (after[0].shard.as_str(), after[0].id),
+        (from.as_str(), orig[0].id)
+    );
+    assert!(after[1].duplicate);
+    assert_eq!(
+        (after[1].shard.as_str(), after[1].id),
+        (to.as_str(), on_to[0].id),
+        "a record the target held is kept"
+    );
+    assert!(!after[2].duplicate, "another key's records did not move");
+    assert_eq!(depth(h, &to, "m"), 1);
+    let keys = h.backend().dedup_keys(&from).expect("dedup_keys");
+    assert!(keys.contains(&"m".to_string()) && keys.contains(&"other".to_string()));
 }
 
 fn enqueue(h: &dyn ContractHarness, shard: &str, key: &str, payload: &str, attempts: u32) {

@@ -17,6 +17,16 @@ pub enum QueueError {
         /// Why it was refused.
         reason: String,
     },
+    /// A dedup id breaks the grammar.
+    #[error("key {key:?}: invalid dedup id {id:?}: {reason}")]
+    InvalidDedupId {
+        /// The job's key (cut if long).
+        key: String,
+        /// The id (cut if long, escaped).
+        id: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// The payload is larger than the configured limit.
     #[error("payload of key {key:?} is {bytes} bytes, over the limit of {max} bytes (raise payload_bytes_max or send a reference to the data)")]
     PayloadTooLarge {
@@ -255,6 +265,7 @@ impl QueueError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             QueueError::InvalidKey { .. }
+            | QueueError::InvalidDedupId { .. }
             | QueueError::PayloadTooLarge { .. }
             | QueueError::InvalidMaxAttempts { .. }
             | QueueError::InvalidDelay { .. }

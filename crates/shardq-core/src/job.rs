@@ -52,6 +52,11 @@ pub struct NewJob {
     pub delay_ms: u64,
     /// Attempts before the job is dead-lettered (1..=[`MAX_ATTEMPTS_LIMIT`]).
     pub max_attempts: u32,
+    /// Idempotency id, scoped to the key: a second job with the same
+    /// `(key, dedup_id)` within the dedup window is not stored again (see
+    /// [`crate::QueueBackend::enqueue_dedup`]); 1..=[`DEDUP_ID_BYTES_MAX`]
+    /// bytes without unshowable characters ([`is_unshowable`]).
+    pub dedup_id: Option<String>,
 }
 
 impl NewJob {
@@ -62,13 +67,23 @@ impl NewJob {
             payload: payload.into(),
             delay_ms: 0,
             max_attempts: MAX_ATTEMPTS_DEFAULT,
+            dedup_id: None,
         }
+    }
+
+    /// The same job with dedup id `id` (scoped to its key).
+    pub fn with_dedup_id(mut self, id: impl Into<String>) -> NewJob {
+        self.dedup_id = Some(id.into());
+        self
     }
 
     /// Checks the job against the limits; `payload_bytes_max` is the queue's
     /// configured payload limit.
     pub fn validate(&self, payload_bytes_max: usize) -> Result<(), QueueError> {
         validate_key(&self.key)?;
+        if let Some(id) = &self.dedup_id {
+            validate_dedup_id(&self.key, id)?;
+        }
         if self.payload.len() > payload_bytes_max {
             return Err(QueueError::PayloadTooLarge {
                 key: self.key.clone(),
@@ -110,6 +125,79 @@ pub fn is_unshowable(c: char) -> bool {
                 | '\u{2066}'..='\u{2069}'
                 | '\u{FEFF}'
         )
+}
+
+/// Longest dedup id, in bytes.
+pub const DEDUP_ID_BYTES_MAX: usize = 256;
+/// Default dedup window (5 minutes): how long a dedup id is remembered.
+pub const DEDUP_WINDOW_MS_DEFAULT: u64 = 5 * 60 * 1000;
+/// Longest dedup window a backend accepts (7 days).
+pub const DEDUP_WINDOW_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
+/// Checks a dedup id (of a job of `key`): 1..=[`DEDUP_ID_BYTES_MAX`] bytes
+/// without unshowable characters ([`is_unshowable`]).
+pub fn validate_dedup_id(key: &str, id: &str) -> Result<(), QueueError> {
+    if id.is_empty() || id.len() > DEDUP_ID_BYTES_MAX || id.chars().any(is_unshowable) {
+        return Err(QueueError::InvalidDedupId {
+            key: cut_at_char(key, 64).to_string(),
+            id: shown_key(cut_at_char(id, 64)),
+            reason: format!(
+                "1..={DEDUP_ID_BYTES_MAX} bytes without control or invisible formatting characters ({} bytes given)",
+                id.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a dedup window: 1..=[`DEDUP_WINDOW_MS_MAX`] ms.
+pub fn validate_dedup_window_ms(window_ms: u64) -> Result<(), QueueError> {
+    if window_ms == 0 || window_ms > DEDUP_WINDOW_MS_MAX {
+        return Err(QueueError::Backend(format!(
+            "invalid dedup window {window_ms} ms: must be 1..={DEDUP_WINDOW_MS_MAX} ms"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses jobs carrying a dedup id in a plain enqueue: they go through
+/// [`crate::QueueBackend::enqueue_dedup`], which checks the id.
+pub fn refuse_dedup_ids(jobs: &[NewJob]) -> Result<(), QueueError> {
+    match jobs.iter().find(|j| j.dedup_id.is_some()) {
+        Some(j) => Err(QueueError::InvalidDedupId {
+            key: cut_at_char(&j.key, 64).to_string(),
+            id: shown_key(cut_at_char(j.dedup_id.as_deref().unwrap_or(""), 64)),
+            reason: "a job with a dedup id goes through enqueue_dedup, not enqueue".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A dedup record: job `job` of shard `shard` was enqueued as `(key, id)`,
+/// remembered until `expires_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DedupRecord {
+    /// The job's key.
+    pub key: String,
+    /// The dedup id.
+    pub id: String,
+    /// Shard that stored the job (another shard than the record's after a move).
+    pub shard: String,
+    /// The job's id on `shard`.
+    pub job: JobId,
+    /// Forgotten at this time (ms since the epoch).
+    pub expires_ms: u64,
+}
+
+/// What [`crate::QueueBackend::enqueue_dedup`] did with one job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The job's id: the new job, or for a duplicate the one it was enqueued as.
+    pub id: JobId,
+    /// Shard holding `id` (for a duplicate, maybe another shard after a move).
+    pub shard: String,
+    /// True when the job was not stored: its `(key, dedup_id)` was.
+    pub duplicate: bool,
 }
 
 /// Checks a routing key. The grammar: 1 to [`KEY_BYTES_MAX`] bytes of

@@ -15,7 +15,8 @@ use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy,
-    FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats, PAYLOAD_BYTES_MAX_DEFAULT,
+    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats, Stored,
+    PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 
@@ -55,6 +56,8 @@ struct ShardState {
     /// fence handed out): kept across [`MemoryBackend::rewind`], as a
     /// process keeps it when its store goes back in time.
     seen: (u64, u64),
+    /// Dedup records by (key, dedup id).
+    dedup: BTreeMap<(String, String), DedupRecord>,
 }
 
 /// A shard's stored state, taken by [`MemoryBackend::checkpoint`].
@@ -278,6 +281,22 @@ impl QueueBackend for MemoryBackend {
         map_version: u64,
         jobs: &[NewJob],
     ) -> Result<Vec<JobId>, QueueError> {
+        crate::job::refuse_dedup_ids(jobs)?;
+        Ok(self
+            .enqueue_dedup(shard, map_version, jobs, 1)?
+            .into_iter()
+            .map(|s| s.id)
+            .collect())
+    }
+
+    fn enqueue_dedup(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        crate::job::validate_dedup_window_ms(window_ms)?;
         let now = self.clock.now_ms();
         self.with_shard(shard, |s| {
             s.check_not_rewound(shard)?;
@@ -285,8 +304,19 @@ impl QueueBackend for MemoryBackend {
                 j.validate(PAYLOAD_BYTES_MAX_DEFAULT)?;
                 s.fence.check(shard, map_version, &j.key)?;
             }
-            let mut ids = Vec::with_capacity(jobs.len());
+            s.dedup.retain(|_, r| r.expires_ms > now);
+            let mut out = Vec::with_capacity(jobs.len());
             for j in jobs {
+                if let Some(d) = &j.dedup_id {
+                    if let Some(r) = s.dedup.get(&(j.key.clone(), d.clone())) {
+                        out.push(Stored {
+                            id: r.job,
+                            shard: r.shard.clone(),
+                            duplicate: true,
+                        });
+                        continue;
+                    }
+                }
                 let id = JobId(s.next_id);
                 s.next_id += 1;
                 s.jobs.insert(
@@ -302,10 +332,67 @@ impl QueueBackend for MemoryBackend {
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
-                ids.push(id);
+                if let Some(d) = &j.dedup_id {
+                    s.dedup.insert(
+                        (j.key.clone(), d.clone()),
+                        DedupRecord {
+                            key: j.key.clone(),
+                            id: d.clone(),
+                            shard: shard.to_string(),
+                            job: id,
+                            expires_ms: now.saturating_add(window_ms),
+                        },
+                    );
+                }
+                out.push(Stored {
+                    id,
+                    shard: shard.to_string(),
+                    duplicate: false,
+                });
             }
             s.check_not_rewound(shard)?;
-            Ok(ids)
+            Ok(out)
+        })
+    }
+
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            Ok(s.dedup
+                .values()
+                .filter(|r| r.key == key && r.expires_ms > now)
+                .cloned()
+                .collect())
+        })
+    }
+
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            for r in records.iter().filter(|r| r.expires_ms > now) {
+                crate::job::validate_dedup_id(&r.key, &r.id)?;
+                let live = s
+                    .dedup
+                    .get(&(r.key.clone(), r.id.clone()))
+                    .is_some_and(|old| old.expires_ms > now);
+                if !live {
+                    s.dedup.insert((r.key.clone(), r.id.clone()), r.clone());
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            let keys: BTreeSet<String> = s
+                .dedup
+                .values()
+                .filter(|r| r.expires_ms > now)
+                .map(|r| r.key.clone())
+                .collect();
+            Ok(keys.into_iter().collect())
         })
     }
 

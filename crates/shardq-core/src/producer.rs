@@ -44,6 +44,9 @@ pub struct ProducerOptions {
     pub refresh_ms: u64,
     /// Time for the waits (a manual clock in simulations).
     pub clock: Arc<dyn Clock>,
+    /// How long the backend remembers a job's dedup id, in ms (jobs with
+    /// one go through [`QueueBackend::enqueue_dedup`]).
+    pub dedup_window_ms: u64,
 }
 
 impl Default for ProducerOptions {
@@ -53,6 +56,7 @@ impl Default for ProducerOptions {
             fence_wait_ms: FENCE_WAIT_MS_DEFAULT,
             refresh_ms: REFRESH_MS_DEFAULT,
             clock: Arc::new(SystemClock),
+            dedup_window_ms: crate::job::DEDUP_WINDOW_MS_DEFAULT,
         }
     }
 }
@@ -120,12 +124,15 @@ impl ProduceError {
 pub struct Placed {
     /// Position of the job in the slice handed to the call.
     pub index: usize,
-    /// Shard name.
+    /// Shard name (of the original job, for a duplicate).
     pub shard: String,
-    /// Job id within the shard.
+    /// Job id within the shard (of the original job, for a duplicate).
     pub id: JobId,
     /// Map version it was routed with.
     pub map_version: u64,
+    /// True when the job was not stored: its `(key, dedup_id)` was, as
+    /// `shard`/`id`.
+    pub duplicate: bool,
 }
 
 /// Refused appends a producer met (and retried or gave up on), counted per
@@ -303,14 +310,33 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 // jobs still go in one after another.
                 for idxs in split_by_limits(&group, jobs, limits) {
                     let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
-                    match self.backend.enqueue(&shard, version, &batch) {
-                        Ok(ids) => {
-                            for (&i, id) in idxs.iter().zip(ids) {
+                    let result = if batch.iter().any(|j| j.dedup_id.is_some()) {
+                        self.backend.enqueue_dedup(
+                            &shard,
+                            version,
+                            &batch,
+                            self.options.dedup_window_ms,
+                        )
+                    } else {
+                        self.backend.enqueue(&shard, version, &batch).map(|ids| {
+                            ids.into_iter()
+                                .map(|id| crate::job::Stored {
+                                    id,
+                                    shard: shard.clone(),
+                                    duplicate: false,
+                                })
+                                .collect()
+                        })
+                    };
+                    match result {
+                        Ok(stored) => {
+                            for (&i, st) in idxs.iter().zip(stored) {
                                 placed[i] = Some(Placed {
                                     index: i,
-                                    shard: shard.clone(),
-                                    id,
+                                    shard: st.shard,
+                                    id: st.id,
                                     map_version: version,
+                                    duplicate: st.duplicate,
                                 });
                                 paused.remove(&jobs[i].key);
                             }
@@ -387,7 +413,13 @@ fn split_by_limits<'a>(
     let mut parts = Vec::new();
     let (mut start, mut bytes) = (0usize, 0usize);
     for (n, &i) in group.iter().enumerate() {
-        let size = jobs[i].payload.len() + jobs[i].key.len();
+        // A dedup id adds a record of its own (key, id, shard, fields).
+        let size = jobs[i].payload.len()
+            + jobs[i].key.len()
+            + jobs[i]
+                .dedup_id
+                .as_ref()
+                .map_or(0, |d| d.len() + jobs[i].key.len() + 64);
         let count = n - start;
         if count > 0 && (count >= jobs_max || bytes + size > limits.enqueue_batch_bytes_max) {
             parts.push(&group[start..n]);

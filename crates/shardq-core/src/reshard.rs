@@ -14,6 +14,8 @@
 //!    enqueues that raced the first scan), and publish the *intermediate* map:
 //!    the target's shards and weights, with each moving key pinned (an
 //!    override) to its current shard and removed shards kept as `draining`.
+//!    A key with live dedup records counts as a key with work here (it is
+//!    pinned and moved by phase 2, so its records go with it).
 //!    Keys without work follow the target at once: nothing of theirs is
 //!    queued anywhere, so nothing can be overtaken; before the publish every
 //!    target shard's run-fence floor is raised above every shard's highest
@@ -22,7 +24,10 @@
 //!    old shards, wait until each key's depth and in-flight count there are
 //!    zero, raise the new shards' run-fence floor above the old shards'
 //!    highest fence (so a moved key's next run has a larger fence than its
-//!    last one), publish a version whose overrides send the batch to the
+//!    last one), copy each key's live dedup records from its old shard to
+//!    its new one (the key is paused on the old shard and still routes
+//!    there, so the copy is complete; an import keeps records already
+//!    there, so a rerun is harmless), publish a version whose overrides send the batch to the
 //!    target owner, fence the old shards at that version, and lift the
 //!    pause. A key that gains a dead letter while it drains is not switched:
 //!    it is un-paused, stays pinned, and is held back like any key with dead
@@ -405,18 +410,33 @@ pub struct PlannedMove {
 }
 
 /// Every key with work whose owner differs between `cur` and `target`.
-pub fn plan_moves<B: KeyInventory + ?Sized>(
+pub fn plan_moves<B: QueueBackend + KeyInventory + ?Sized>(
     backend: &B,
     cur: &ShardMap,
     target: &ShardMap,
 ) -> Result<Vec<PlannedMove>, ReshardError> {
     let to = Router::new(with_version(target, cur.version))?;
+    let now = Router::new(cur.clone())?;
     let mut moves = Vec::new();
     for shard in &cur.shards {
-        for (key, counts) in backend.keys_with_work(&shard.name)? {
-            if has_work(&counts) == 0 {
-                continue;
-            }
+        let with_work: Vec<(String, KeyCounts)> = backend
+            .keys_with_work(&shard.name)?
+            .into_iter()
+            .filter(|(_, c)| has_work(c) > 0)
+            .collect();
+        // A key with live dedup records and no jobs moves too (with
+        // drain-then-switch, which copies its records): its next enqueue
+        // must find them where it lands.
+        let known: std::collections::BTreeSet<&str> =
+            with_work.iter().map(|(k, _)| k.as_str()).collect();
+        let dedup_only: Vec<(String, KeyCounts)> = backend
+            .dedup_keys(&shard.name)?
+            .into_iter()
+            // An old shard keeps the copies of a key that moved away.
+            .filter(|k| !known.contains(k.as_str()) && now.route(k) == shard.name)
+            .map(|k| (k, KeyCounts::default()))
+            .collect();
+        for (key, counts) in with_work.into_iter().chain(dedup_only) {
             // The key moves from where its work is to where the target routes it.
             let to_shard = to.route(&key);
             if to_shard != shard.name {
@@ -621,6 +641,7 @@ where
         }
         let batch = &batch[..];
         raise_fence_floors(backend, batch)?;
+        copy_dedup_records(backend, batch)?;
         let mut next = cur.clone();
         next.version = cur.version + 1;
         for (key, _, _) in batch {
@@ -739,6 +760,25 @@ fn set_paused<B: QueueBackend + ?Sized>(
             }
         }
         backend.set_fence(shard, &fence)?;
+    }
+    Ok(())
+}
+
+/// Copies each batch key's live dedup records from its old shard to its new
+/// one, before the switch is published: the key is paused on the old shard
+/// (no record can be added there meanwhile) and still routes there (none is
+/// added on the new shard), so the copy is complete. Importing keeps a
+/// record the new shard already holds, so a rerun after a crash changes
+/// nothing.
+fn copy_dedup_records<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+) -> Result<(), ReshardError> {
+    for (key, from, to) in batch {
+        let records = backend.dedup_export(from, key)?;
+        if !records.is_empty() {
+            backend.dedup_import(to, &records)?;
+        }
     }
     Ok(())
 }

@@ -671,3 +671,74 @@ fn fences_keep_growing_when_a_key_moves() {
         c.fence
     );
 }
+
+/// Dedup records move with their key: a key whose jobs all ran (no work,
+/// only records) and a key with a backlog are both moved by pins, and on
+/// their new shard the same `(key, id)` is answered with the original job
+/// (on the old shard) instead of being stored again. A rerun of the
+/// rebalance changes nothing.
+#[test]
+fn dedup_records_move_with_their_key() {
+    let (backend, store) = two_shard_store();
+    let idle = key_on(&store, "s0");
+    let busy = format!("{idle}-busy");
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
+    let first_idle = p
+        .enqueue(&NewJob::new(idle.as_str(), "a").with_dedup_id("d1"))
+        .unwrap();
+    assert!(!first_idle.duplicate);
+    drain_all(&backend);
+    let first_busy = p
+        .enqueue(&NewJob::new(busy.as_str(), "b").with_dedup_id("d1"))
+        .unwrap();
+    let old_busy = first_busy.shard.clone();
+    let new_busy = if old_busy == "s0" { "s1" } else { "s0" };
+    reshard::pin(&store, &idle, "s1").unwrap();
+    reshard::pin(&store, &busy, new_busy).unwrap();
+    let busy_drain = {
+        // The busy key drains while the rebalance waits for it.
+        let backend = backend.clone();
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(50));
+            drain_all(&backend);
+        })
+    };
+    let report =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    busy_drain.join().unwrap();
+    let moved: Vec<&str> = report.moved.iter().map(|m| m.key.as_str()).collect();
+    assert!(
+        moved.contains(&idle.as_str()),
+        "a key with records only moves too: {moved:?}"
+    );
+    assert!(moved.contains(&busy.as_str()), "{moved:?}");
+    let router = Router::new(store.load().unwrap()).unwrap();
+    assert_eq!(router.route(&idle), "s1");
+    assert_eq!(router.route(&busy), new_busy);
+    p.reload().unwrap();
+    for (key, first) in [(&idle, &first_idle), (&busy, &first_busy)] {
+        let again = p
+            .enqueue(&NewJob::new(key.as_str(), "x").with_dedup_id("d1"))
+            .unwrap();
+        assert!(again.duplicate, "{key}: the record moved with the key");
+        assert_eq!(
+            (again.shard.as_str(), again.id),
+            (first.shard.as_str(), first.id)
+        );
+        assert_eq!(backend.key_counts(router.route(key), key).unwrap().depth, 0);
+    }
+    // Another id of the moved key is stored on its new shard.
+    let fresh = p
+        .enqueue(&NewJob::new(idle.as_str(), "y").with_dedup_id("d2"))
+        .unwrap();
+    assert!(!fresh.duplicate);
+    assert_eq!(fresh.shard, "s1");
+    let rerun =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    assert!(rerun.moved.is_empty(), "{:?}", rerun.moved);
+}

@@ -341,6 +341,7 @@ fn simulate(seed: u64) {
             fence_wait_ms: 1_000,
             refresh_ms: 50,
             clock: clock.clone(),
+            ..ProducerOptions::default()
         },
     )
     .unwrap();

@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
-    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, FailOutcome, Fence, JobId,
-    KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, SystemClock,
+    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
+    JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock,
     PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
@@ -503,8 +503,14 @@ impl FsBackend {
             log.store_reclaimed(next)?;
             r.set_reclaimed(log.reclaimed());
         }
+        let now = self.opts.clock.now_ms();
         for (b, e) in sealed {
-            if log.reclaimed().covers(b, e) && !r.segment_refers_to_live(b) {
+            // A segment holding a dedup record that has not expired stays,
+            // so the record survives restarts for its window.
+            if log.reclaimed().covers(b, e)
+                && !r.segment_refers_to_live(b)
+                && r.dedup_until_ms(b) <= now
+            {
                 if log.delete_segment(b).is_err() {
                     // Kept for now: it is recorded as reclaimed, so replay
                     // skips its jobs, and the next round deletes it.
@@ -553,6 +559,7 @@ impl QueueBackend for FsBackend {
                 max: ENQUEUE_BATCH_JOBS_MAX,
             });
         }
+        shardq_core::job::refuse_dedup_ids(jobs)?;
         for job in jobs {
             job.validate(self.opts.payload_bytes_max)?;
         }
@@ -597,6 +604,179 @@ impl QueueBackend for FsBackend {
         drop(inner);
         self.after_append(&shard, end)?;
         Ok(offsets.into_iter().map(|o| JobId(start + o)).collect())
+    }
+
+    fn enqueue_dedup(
+        &self,
+        shard_name: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        shardq_core::job::validate_dedup_window_ms(window_ms)?;
+        if jobs.len() > ENQUEUE_BATCH_JOBS_MAX {
+            return Err(QueueError::BatchTooLarge {
+                jobs: jobs.len(),
+                max: ENQUEUE_BATCH_JOBS_MAX,
+            });
+        }
+        for job in jobs {
+            job.validate(self.opts.payload_bytes_max)?;
+        }
+        let shard = self.shard(shard_name)?;
+        let now = self.opts.clock.now_ms();
+        let expires_ms = now.saturating_add(window_ms);
+        let mut inner = lock(&shard.inner);
+        // The dedup records are in the replayed state: build it (once).
+        self.refresh(&mut inner)?;
+        let mut out: Vec<Stored> = Vec::with_capacity(jobs.len());
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, start| {
+            let fence = self.read_fence(&shard, inner)?;
+            for job in jobs {
+                fence.check(shard_name, map_version, &job.key)?;
+            }
+            let r = inner.replica.as_mut().expect("refreshed");
+            // Caught up under the append lock: no other appender can add a
+            // record of these ids until this append is written.
+            r.prune_dedup(now);
+            out.clear();
+            let mut bytes = Vec::new();
+            let mut in_batch: std::collections::HashMap<(&str, &str), u64> =
+                std::collections::HashMap::new();
+            for job in jobs {
+                if let Some(d) = job.dedup_id.as_deref() {
+                    let known = r
+                        .dedup_lookup(&job.key, d, now)
+                        .map(|e| (e.job, e.shard.as_deref().unwrap_or(shard_name).to_string()));
+                    let known = known.or_else(|| {
+                        in_batch
+                            .get(&(job.key.as_str(), d))
+                            .map(|&id| (id, shard_name.to_string()))
+                    });
+                    if let Some((id, on)) = known {
+                        out.push(Stored {
+                            id: JobId(id),
+                            shard: on,
+                            duplicate: true,
+                        });
+                        continue;
+                    }
+                }
+                let pos = start + bytes.len() as u64;
+                record::encode(
+                    &mut bytes,
+                    &Record::Enqueue {
+                        created_ms: now,
+                        not_before_ms: now + job.delay_ms,
+                        max_attempts: job.max_attempts,
+                        key: &job.key,
+                        payload: &job.payload,
+                    },
+                );
+                if let Some(d) = job.dedup_id.as_deref() {
+                    // In the same append (same lock, same fsync) as its job.
+                    record::encode(
+                        &mut bytes,
+                        &Record::Dedup {
+                            job: pos,
+                            expires_ms,
+                            key: &job.key,
+                            id: d,
+                            shard: "",
+                        },
+                    );
+                    in_batch.insert((job.key.as_str(), d), pos);
+                }
+                out.push(Stored {
+                    id: JobId(pos),
+                    shard: shard_name.to_string(),
+                    duplicate: false,
+                });
+            }
+            if bytes.len() > ENQUEUE_BATCH_BYTES_MAX {
+                return Err(QueueError::BatchTooLarge {
+                    jobs: jobs.len(),
+                    max: ENQUEUE_BATCH_JOBS_MAX,
+                });
+            }
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(out)
+    }
+
+    fn dedup_export(&self, name: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let r = inner.replica.as_ref().expect("refreshed");
+        Ok(r.dedup_records(Some(key), now)
+            .into_iter()
+            .map(|(k, id, e)| DedupRecord {
+                key: k.to_string(),
+                id: id.to_string(),
+                shard: e.shard.as_deref().unwrap_or(name).to_string(),
+                job: JobId(e.job),
+                expires_ms: e.expires_ms,
+            })
+            .collect())
+    }
+
+    fn dedup_import(&self, name: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        for rec in records {
+            shardq_core::validate_key(&rec.key)?;
+            shardq_core::job::validate_dedup_id(&rec.key, &rec.id)?;
+            validate_shard_name(&rec.shard).map_err(|e| {
+                QueueError::Backend(format!("dedup record of key {:?}: {e}", rec.key))
+            })?;
+        }
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _start| {
+            let r = inner.replica.as_ref().expect("refreshed");
+            let mut bytes = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            for rec in records {
+                // Judged under the append lock: a live record here is kept.
+                if rec.expires_ms <= now
+                    || r.dedup_lookup(&rec.key, &rec.id, now).is_some()
+                    || !seen.insert((rec.key.as_str(), rec.id.as_str()))
+                {
+                    continue;
+                }
+                record::encode(
+                    &mut bytes,
+                    &Record::Dedup {
+                        job: rec.job.0,
+                        expires_ms: rec.expires_ms,
+                        key: &rec.key,
+                        id: &rec.id,
+                        shard: if rec.shard == name { "" } else { &rec.shard },
+                    },
+                );
+            }
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)
+    }
+
+    fn dedup_keys(&self, name: &str) -> Result<Vec<String>, QueueError> {
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let r = inner.replica.as_ref().expect("refreshed");
+        let keys: std::collections::BTreeSet<String> = r
+            .dedup_records(None, now)
+            .into_iter()
+            .map(|(k, _, _)| k.to_string())
+            .collect();
+        Ok(keys.into_iter().collect())
     }
 
     fn adopt(&self, name: &str) -> Result<(), QueueError> {

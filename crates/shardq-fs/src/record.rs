@@ -68,7 +68,7 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         // A whole record, or the start of one with a sane length and type.
         let looks_like_record = match decode(buf) {
             Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_HOLE).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_DEDUP).contains(&buf[HEADER_BYTES]),
             Err(DecodeError::Invalid(_)) => false,
         };
         let hint = if looks_like_record {
@@ -105,6 +105,7 @@ const T_SEAL: u8 = 5;
 const T_DEAD_RETRY: u8 = 6;
 const T_DEAD_PURGE: u8 = 7;
 const T_HOLE: u8 = 8;
+const T_DEDUP: u8 = 9;
 
 /// One decoded record. Borrowed fields point into the read buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +171,21 @@ pub enum Record<'a> {
     Hole {
         /// Total size of the hole record, header included.
         bytes: u64,
+    },
+    /// `(key, id)` was enqueued as job `job` of shard `shard` (empty: this
+    /// shard), remembered until `expires_ms`. Written in the same append as
+    /// its job's Enqueue record, or by a move's import.
+    Dedup {
+        /// The job's id on its shard.
+        job: u64,
+        /// Forgotten at this time.
+        expires_ms: u64,
+        /// The job's key.
+        key: &'a str,
+        /// The dedup id.
+        id: &'a str,
+        /// The shard holding the job; empty for this shard.
+        shard: &'a str,
     },
 }
 
@@ -242,6 +258,20 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             out.extend_from_slice(&job.to_le_bytes());
         }
         Record::Hole { .. } => out.push(T_HOLE),
+        Record::Dedup {
+            job,
+            expires_ms,
+            key,
+            id,
+            shard,
+        } => {
+            out.push(T_DEDUP);
+            out.extend_from_slice(&job.to_le_bytes());
+            out.extend_from_slice(&expires_ms.to_le_bytes());
+            put_str16(out, key);
+            put_str16(out, id);
+            put_str16(out, shard);
+        }
     }
     seal_header(out, start);
 }
@@ -391,6 +421,13 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
                 bytes: (body.len() + HEADER_BYTES) as u64,
             }
         }
+        T_DEDUP => Record::Dedup {
+            job: c.u64()?,
+            expires_ms: c.u64()?,
+            key: c.str16()?,
+            id: c.str16()?,
+            shard: c.str16()?,
+        },
         other => return Err(format!("unknown record type {other}")),
     };
     c.end()?;
@@ -444,6 +481,20 @@ mod tests {
         roundtrip(Record::Seal);
         roundtrip(Record::DeadRetry { job: 1 });
         roundtrip(Record::DeadPurge { job: 1 });
+        roundtrip(Record::Dedup {
+            job: 16,
+            expires_ms: 1_700_000_000_000,
+            key: "tenant-1",
+            id: "invoice/2026-0001",
+            shard: "",
+        });
+        roundtrip(Record::Dedup {
+            job: u64::MAX,
+            expires_ms: 0,
+            key: "k",
+            id: "é",
+            shard: "shard-3",
+        });
         let mut seal = Vec::new();
         encode(&mut seal, &Record::Seal);
         assert_eq!(seal.len(), SEAL_BYTES);
@@ -453,8 +504,23 @@ mod tests {
 
     #[test]
     fn flipped_bits_are_invalid() {
+        for rec in [
+            Record::Ack { job: 7, key: "key" },
+            Record::Dedup {
+                job: 7,
+                expires_ms: 99,
+                key: "key",
+                id: "id",
+                shard: "s1",
+            },
+        ] {
+            flipped_bits_are_invalid_in(&rec);
+        }
+    }
+
+    fn flipped_bits_are_invalid_in(rec: &Record<'_>) {
         let mut buf = Vec::new();
-        encode(&mut buf, &Record::Ack { job: 7, key: "key" });
+        encode(&mut buf, rec);
         for i in 0..buf.len() {
             for bit in 0..8 {
                 let mut b = buf.clone();
@@ -515,6 +581,33 @@ mod tests {
             let crc = checksum(&len, &body);
             buf[4..8].copy_from_slice(&crc.to_le_bytes());
             let _ = decode(&buf);
+        }
+
+        #[test]
+        fn dedup_records_roundtrip_and_truncated_bodies_are_refused(
+            job in any::<u64>(),
+            expires_ms in any::<u64>(),
+            key in "[a-z0-9]{1,40}",
+            id in "\\PC{1,60}",
+            shard in "[a-z0-9-]{0,20}",
+            cut in 1usize..40,
+        ) {
+            let rec = Record::Dedup { job, expires_ms, key: &key, id: &id, shard: &shard };
+            let mut buf = Vec::new();
+            encode(&mut buf, &rec);
+            let (got, n) = decode(&buf).expect("decodes");
+            prop_assert_eq!(n, buf.len());
+            prop_assert_eq!(got, rec);
+            // A body cut short, with a correct length and checksum, is
+            // invalid (never a panic, never another record).
+            let body = &buf[HEADER_BYTES..buf.len() - cut.min(buf.len() - HEADER_BYTES - 1)];
+            let mut short = vec![0u8; HEADER_BYTES];
+            short.extend_from_slice(body);
+            let len = (body.len() as u32).to_le_bytes();
+            short[0..4].copy_from_slice(&len);
+            let crc = checksum(&len, body);
+            short[4..8].copy_from_slice(&crc.to_le_bytes());
+            prop_assert!(matches!(decode(&short), Err(DecodeError::Invalid(_))));
         }
     }
 }

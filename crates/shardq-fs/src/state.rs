@@ -88,6 +88,30 @@ struct SegInfo {
     /// acks, fails, dead changes); usually one or two. The file must be
     /// kept until those are reclaimed, or replay would miss the records.
     refs: Vec<u64>,
+    /// Latest expiry of the dedup records in it: the file is kept until
+    /// then, so the records survive restarts for their window.
+    dedup_until_ms: u64,
+}
+
+/// A live dedup record of the shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DedupEntry {
+    /// The job's id on `shard`.
+    pub job: u64,
+    /// Forgotten at this time.
+    pub expires_ms: u64,
+    /// The shard holding the job; `None` for this shard.
+    pub shard: Option<Box<str>>,
+}
+
+/// The index key of `(key, id)`: a key holds no control character, so
+/// NUL separates them unambiguously.
+pub(crate) fn dedup_slot(key: &str, id: &str) -> Box<str> {
+    let mut s = String::with_capacity(key.len() + id.len() + 1);
+    s.push_str(key);
+    s.push('\0');
+    s.push_str(id);
+    s.into_boxed_str()
 }
 
 /// See the module docs.
@@ -119,6 +143,10 @@ pub(crate) struct ShardState {
     /// reset when the queues empty): once it has passed, every waiting job
     /// is ready and [`ShardState::stats`] needs no walk over the jobs.
     not_before_max_ms: u64,
+    /// Dedup records by [`dedup_slot`], with their expiries in time order
+    /// for pruning.
+    dedup: HashMap<Box<str>, DedupEntry, Xxh3Builder>,
+    dedup_expiries: BinaryHeap<Reverse<(u64, Box<str>)>>,
 }
 
 impl ShardState {
@@ -144,7 +172,48 @@ impl ShardState {
             policy,
             queued: 0,
             not_before_max_ms: 0,
+            dedup: HashMap::with_hasher(Xxh3Builder::new()),
+            dedup_expiries: BinaryHeap::new(),
         }
+    }
+
+    /// Forgets the dedup records expired at `now_ms`.
+    pub fn prune_dedup(&mut self, now_ms: u64) {
+        while let Some(Reverse((at, _))) = self.dedup_expiries.peek() {
+            if *at > now_ms {
+                break;
+            }
+            let Some(Reverse((at, slot))) = self.dedup_expiries.pop() else {
+                break;
+            };
+            if self.dedup.get(&slot).is_some_and(|e| e.expires_ms == at) {
+                self.dedup.remove(&slot);
+            }
+        }
+    }
+
+    /// The live record of `(key, id)` at `now_ms`.
+    pub fn dedup_lookup(&self, key: &str, id: &str, now_ms: u64) -> Option<&DedupEntry> {
+        self.dedup
+            .get(&dedup_slot(key, id))
+            .filter(|e| e.expires_ms > now_ms)
+    }
+
+    /// The live records at `now_ms`: (key, id, entry), for a key or all.
+    pub fn dedup_records(&self, key: Option<&str>, now_ms: u64) -> Vec<(&str, &str, &DedupEntry)> {
+        self.dedup
+            .iter()
+            .filter(|(_, e)| e.expires_ms > now_ms)
+            .filter_map(|(slot, e)| {
+                let (k, id) = slot.split_once('\0')?;
+                key.is_none_or(|want| want == k).then_some((k, id, e))
+            })
+            .collect()
+    }
+
+    /// Latest expiry of the dedup records in the segment at `base`.
+    pub fn dedup_until_ms(&self, base: u64) -> u64 {
+        self.segs.get(&base).map_or(0, |s| s.dedup_until_ms)
     }
 
     fn slot_added(&mut self, not_before_ms: u64) {
@@ -258,7 +327,9 @@ impl ShardState {
             | Record::Fail { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job } => Some(job),
-            Record::Enqueue { .. } | Record::Seal | Record::Hole { .. } => None,
+            Record::Enqueue { .. } | Record::Seal | Record::Hole { .. } | Record::Dedup { .. } => {
+                None
+            }
         }
     }
 
@@ -415,6 +486,29 @@ impl ShardState {
             }
             Record::Seal => {}
             Record::Hole { bytes } => self.holes.push((pos, pos + bytes)),
+            Record::Dedup {
+                job,
+                expires_ms,
+                key,
+                id,
+                shard,
+            } => {
+                // Kept whatever became of its job (acked, reclaimed): it
+                // answers for the id until it expires.
+                let seg = self.segs.entry(seg_base).or_default();
+                seg.dedup_until_ms = seg.dedup_until_ms.max(expires_ms);
+                let slot = dedup_slot(key, id);
+                let entry = DedupEntry {
+                    job,
+                    expires_ms,
+                    shard: (!shard.is_empty()).then(|| shard.into()),
+                };
+                // A record of (key, id) is written only once the earlier
+                // one expired (the append checks first): the later wins.
+                self.dedup_expiries
+                    .push(Reverse((expires_ms, slot.clone())));
+                self.dedup.insert(slot, entry);
+            }
         }
         Ok(())
     }

@@ -59,3 +59,136 @@ fn the_embedded_engine_keeps_the_backend_contract() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Dedup records live in the shard's log: a reopened engine (another
+/// process, a restart) still answers with the original job, after the job
+/// was acked and its segments compacted, until the window ends; and two
+/// engines over one data dir enqueueing one `(key, id)` at once store it
+/// once (the check is under the shard's append lock).
+#[test]
+fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
+    let tmp = std::env::temp_dir().join(format!("shardq-fs-dedup-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    struct Dir(std::path::PathBuf);
+    impl Dir {
+        fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let dir = Dir(tmp);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
+    Engine::init(dir.path(), &map).unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || {
+        Engine::open(
+            dir.path(),
+            EngineOptions {
+                clock: Arc::new(clock.clone()),
+                // Small segments, so the job's segment is sealed and compacted.
+                segment_bytes_max: 4096,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let window = 60_000;
+    let job = |d: &str| shardq_core::NewJob::new("k", vec![b'x'; 600]).with_dedup_id(d);
+    let first = {
+        let engine = open();
+        let b = engine.backend();
+        b.adopt("s0").unwrap();
+        let first = b.enqueue_dedup("s0", 1, &[job("inv-1")], window).unwrap();
+        assert!(!first[0].duplicate);
+        // Fill later segments, run and ack everything: the first segment
+        // is finished, recorded as reclaimed, and would be deleted but
+        // for its dedup record.
+        for _ in 0..20 {
+            b.enqueue(
+                "s0",
+                1,
+                &[shardq_core::NewJob::new("other", vec![b'y'; 600])],
+            )
+            .unwrap();
+        }
+        loop {
+            let c = b.claim("s0", 100, 60_000).unwrap();
+            if c.is_empty() {
+                break;
+            }
+            let receipts: Vec<_> = c.iter().map(|j| j.receipt()).collect();
+            b.ack("s0", &receipts).unwrap();
+        }
+        b.flush().unwrap();
+        first
+    };
+    let segments = |d: &std::path::Path| {
+        let mut names: Vec<String> = std::fs::read_dir(d.join("s0"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".seg"))
+            .collect();
+        names.sort();
+        names
+    };
+    let kept = segments(dir.path());
+    assert!(
+        kept.len() >= 2 && kept.len() <= 3,
+        "the first segment stays while its record lives, the other finished ones go: {kept:?}"
+    );
+    let first_segment = kept[0].clone();
+    clock.advance(window / 2);
+    {
+        // A restart: the record is replayed from the log.
+        let engine = open();
+        let b = engine.backend();
+        let again = b.enqueue_dedup("s0", 1, &[job("inv-1")], window).unwrap();
+        assert!(again[0].duplicate, "a restart keeps the record");
+        assert_eq!(again[0].id, first[0].id);
+        assert_eq!(b.key_counts("s0", "k").unwrap().depth, 0, "nothing stored");
+        // Two engines over one data dir, one id at once: stored once.
+        let other = open();
+        let (x, y) = std::thread::scope(|sc| {
+            let t1 = sc.spawn(|| {
+                (0..20)
+                    .map(|_| b.enqueue_dedup("s0", 1, &[job("inv-2")], window).unwrap())
+                    .collect::<Vec<_>>()
+            });
+            let ob = other.backend();
+            let t2 = sc.spawn(move || {
+                (0..20)
+                    .map(|_| ob.enqueue_dedup("s0", 1, &[job("inv-2")], window).unwrap())
+                    .collect::<Vec<_>>()
+            });
+            (t1.join().unwrap(), t2.join().unwrap())
+        });
+        let all: Vec<_> = x.iter().chain(&y).flatten().collect();
+        assert_eq!(all.iter().filter(|s| !s.duplicate).count(), 1);
+        assert!(all.iter().all(|s| s.id == all[0].id));
+        assert_eq!(b.key_counts("s0", "k").unwrap().depth, 1);
+    }
+    // Past the window the id is free, and compaction may drop the segment.
+    clock.advance(window);
+    let engine = open();
+    let b = engine.backend();
+    b.adopt("s0").unwrap();
+    let later = b.enqueue_dedup("s0", 1, &[job("inv-1")], window).unwrap();
+    assert!(!later[0].duplicate, "an expired record frees the id");
+    loop {
+        let c = b.claim("s0", 100, 60_000).unwrap();
+        if c.is_empty() {
+            break;
+        }
+        let receipts: Vec<_> = c.iter().map(|j| j.receipt()).collect();
+        b.ack("s0", &receipts).unwrap();
+    }
+    assert!(
+        !segments(dir.path()).contains(&first_segment),
+        "the expired record no longer keeps its segment"
+    );
+}

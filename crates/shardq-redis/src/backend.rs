@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use redis::Value;
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy,
-    FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt,
+    ShardStats, Stored, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
@@ -593,6 +593,138 @@ impl RedisBackend {
         Ok(v)
     }
 
+    /// The enqueue script: dedup ids checked and recorded when `window_ms`
+    /// is not 0.
+    fn enqueue_jobs(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        if jobs.len() > ENQUEUE_BATCH_MAX {
+            return Err(QueueError::BatchTooLarge {
+                jobs: jobs.len(),
+                max: ENQUEUE_BATCH_MAX,
+            });
+        }
+        for job in jobs {
+            job.validate(self.inner.opts.payload_bytes_max)?;
+        }
+        // A retry after a lost reply may append the batch twice: at least
+        // once, and in order, but possibly duplicated (a job with a dedup
+        // id is not: the retry finds its record and reports a duplicate).
+        let before = s.marks();
+        let v = self.script(s, &self.inner.scripts.enqueue, "", &|c, _| {
+            c.arg(map_version).arg(jobs.len()).arg(window_ms);
+            for job in jobs {
+                c.arg(&job.key)
+                    .arg(&job.payload[..])
+                    .arg(job.delay_ms)
+                    .arg(job.max_attempts)
+                    .arg(job.dedup_id.as_deref().unwrap_or(""));
+            }
+        })?;
+        let it = reply::items(&v);
+        match reply::status(&v).as_str() {
+            "OK" => {
+                if it.len() != jobs.len() + 1 {
+                    return Err(self.protocol(s, "enqueue answered for another number of jobs"));
+                }
+                let stored: Vec<Stored> = it[1..]
+                    .iter()
+                    .map(|item| {
+                        let text = reply::string(item)
+                            .ok_or_else(|| self.protocol(s, "enqueue without an id"))?;
+                        let bad = || self.protocol(s, format!("enqueue answered {text:?}"));
+                        match text.strip_prefix('D') {
+                            Some(dup) => {
+                                let (job, on) = dup.split_once('|').ok_or_else(bad)?;
+                                Ok(Stored {
+                                    id: JobId(job.parse().map_err(|_| bad())?),
+                                    shard: if on.is_empty() {
+                                        s.name.clone()
+                                    } else {
+                                        on.to_string()
+                                    },
+                                    duplicate: true,
+                                })
+                            }
+                            None => Ok(Stored {
+                                id: JobId(text.parse().map_err(|_| bad())?),
+                                shard: s.name.clone(),
+                                duplicate: false,
+                            }),
+                        }
+                    })
+                    .collect::<Result<_, QueueError>>()?;
+                // The new ids are the sequence's next values: one lower
+                // than this process saw means the store went back in time.
+                let fresh = stored.iter().filter(|x| !x.duplicate).map(|x| x.id.0);
+                if let (Some(lo), Some(hi)) = (fresh.clone().min(), fresh.max()) {
+                    s.observe(before, lo.saturating_sub(1), hi, &[])?;
+                }
+                Ok(stored)
+            }
+            "FENCED" => Err(QueueError::Fenced {
+                shard: s.name.clone(),
+                key: it.get(1).and_then(reply::string).unwrap_or_default(),
+                map_version,
+                map_version_min: it.get(2).and_then(reply::u64).unwrap_or(0),
+            }),
+            "PAUSED" => Err(QueueError::Paused {
+                shard: s.name.clone(),
+                key: it.get(1).and_then(reply::string).unwrap_or_default(),
+            }),
+            other => Err(self.protocol(s, format!("enqueue answered {other:?}"))),
+        }
+    }
+
+    /// The live dedup records of `shard` (of `key`, or all when it is
+    /// empty), read in bounded pages.
+    fn dedup_scan(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut cursor = "0".to_string();
+        let mut out = Vec::new();
+        loop {
+            let v = self.script(s, &self.inner.scripts.dedup_export, "", &|c, _| {
+                c.arg(key).arg(INVENTORY_KEYS_PER_CALL).arg(&cursor);
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "dedup export refused"));
+            }
+            let it = reply::items(&v);
+            let next = it
+                .get(1)
+                .and_then(reply::string)
+                .ok_or_else(|| self.protocol(s, "dedup export without a cursor"))?;
+            for pair in it[2..].chunks(2) {
+                let (Some(f), Some(r)) = (
+                    pair.first().and_then(reply::string),
+                    pair.get(1).and_then(reply::string),
+                ) else {
+                    return Err(self.protocol(s, "dedup export: a field without a record"));
+                };
+                let rec = parse_dedup(&s.name, &f, &r)
+                    .ok_or_else(|| self.protocol(s, format!("dedup record {f:?} = {r:?}")))?;
+                out.push(rec);
+            }
+            if next == "0" {
+                return Ok(out);
+            }
+            if out.len() > INVENTORY_KEYS_MAX {
+                return Err(self.protocol(s, "more dedup records than the inventory reads"));
+            }
+            cursor = next;
+        }
+    }
+
     pub(crate) fn lost(s: &ShardRef, want: &str, found: &str) -> QueueError {
         let what = if found.is_empty() {
             format!(
@@ -710,55 +842,69 @@ impl QueueBackend for RedisBackend {
         map_version: u64,
         jobs: &[NewJob],
     ) -> Result<Vec<JobId>, QueueError> {
+        shardq_core::job::refuse_dedup_ids(jobs)?;
+        Ok(self
+            .enqueue_jobs(shard, map_version, jobs, 0)?
+            .into_iter()
+            .map(|s| s.id)
+            .collect())
+    }
+
+    fn enqueue_dedup(
+        &self,
+        shard: &str,
+        map_version: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        shardq_core::job::validate_dedup_window_ms(window_ms)?;
+        self.enqueue_jobs(shard, map_version, jobs, window_ms)
+    }
+
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        Ok(self
+            .dedup_scan(shard, key)?
+            .into_iter()
+            .filter(|r| r.key == key)
+            .collect())
+    }
+
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
-        if jobs.is_empty() {
-            return Ok(Vec::new());
+        for rec in records {
+            shardq_core::validate_key(&rec.key)?;
+            shardq_core::job::validate_dedup_id(&rec.key, &rec.id)?;
         }
-        if jobs.len() > ENQUEUE_BATCH_MAX {
-            return Err(QueueError::BatchTooLarge {
-                jobs: jobs.len(),
-                max: ENQUEUE_BATCH_MAX,
-            });
-        }
-        for job in jobs {
-            job.validate(self.inner.opts.payload_bytes_max)?;
-        }
-        // A retry after a lost reply may append the batch twice: at least
-        // once, and in order, but possibly duplicated.
-        let before = s.marks();
-        let v = self.script(s, &self.inner.scripts.enqueue, "", &|c, _| {
-            c.arg(map_version).arg(jobs.len());
-            for job in jobs {
-                c.arg(&job.key)
-                    .arg(&job.payload[..])
-                    .arg(job.delay_ms)
-                    .arg(job.max_attempts);
+        for part in records.chunks(ENQUEUE_BATCH_MAX) {
+            let v = self.script(s, &self.inner.scripts.dedup_import, "", &|c, _| {
+                c.arg(part.len());
+                for r in part {
+                    let on = if r.shard == s.name {
+                        ""
+                    } else {
+                        r.shard.as_str()
+                    };
+                    c.arg(dedup_field(&r.key, &r.id))
+                        .arg(r.job.0)
+                        .arg(r.expires_ms)
+                        .arg(on);
+                }
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "dedup import refused"));
             }
-        })?;
-        let it = reply::items(&v);
-        match reply::status(&v).as_str() {
-            "OK" => {
-                let first = it
-                    .get(1)
-                    .and_then(reply::u64)
-                    .ok_or_else(|| self.protocol(s, "enqueue without a first id"))?;
-                let n = jobs.len() as u64;
-                s.observe(before, first.saturating_sub(1), first + n - 1, &[])?;
-                Ok((0..jobs.len() as u64).map(|i| JobId(first + i)).collect())
-            }
-            "FENCED" => Err(QueueError::Fenced {
-                shard: s.name.clone(),
-                key: it.get(1).and_then(reply::string).unwrap_or_default(),
-                map_version,
-                map_version_min: it.get(2).and_then(reply::u64).unwrap_or(0),
-            }),
-            "PAUSED" => Err(QueueError::Paused {
-                shard: s.name.clone(),
-                key: it.get(1).and_then(reply::string).unwrap_or_default(),
-            }),
-            other => Err(self.protocol(s, format!("enqueue answered {other:?}"))),
         }
+        Ok(())
+    }
+
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        let keys: std::collections::BTreeSet<String> = self
+            .dedup_scan(shard, "")?
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        Ok(keys.into_iter().collect())
     }
 
     fn adopt(&self, shard: &str) -> Result<(), QueueError> {
@@ -1226,6 +1372,30 @@ impl JobRecord<'_> {
             payload,
         })
     }
+}
+
+/// The `dedup` hash field of `(key, id)`: the key's length, `|`, key, id.
+fn dedup_field(key: &str, id: &str) -> String {
+    format!("{}|{key}{id}", key.len())
+}
+
+/// A `dedup` hash entry as a record (`shard` when the record names none).
+fn parse_dedup(shard: &str, field: &str, rec: &str) -> Option<DedupRecord> {
+    let (len, rest) = field.split_once('|')?;
+    let len: usize = len.parse().ok()?;
+    let key = rest.get(..len)?;
+    let id = rest.get(len..)?;
+    let mut parts = rec.splitn(3, '|');
+    let job = parts.next()?.parse().ok()?;
+    let expires_ms = parts.next()?.parse().ok()?;
+    let on = parts.next()?;
+    Some(DedupRecord {
+        key: key.to_string(),
+        id: id.to_string(),
+        shard: if on.is_empty() { shard } else { on }.to_string(),
+        job: JobId(job),
+        expires_ms,
+    })
 }
 
 #[cfg(test)]

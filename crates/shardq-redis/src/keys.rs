@@ -91,9 +91,15 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 ///   holder's random epoch makes it unique across store restarts), `until`
 ///   (ms).
 /// * `reason` hash: job id -> last failure reason.
-pub const SHARD_PARTS: [&str; 13] = [
+/// * `dedup` hash: `<key len>|<key><dedup id>` -> `<job>|<expires_ms>|<shard>`,
+///   the job that `(key, id)` was enqueued as (shard empty: this shard; set
+///   by a move's import otherwise). Live until `expires_ms`; checked and
+///   written by the enqueue script.
+/// * `dedupx` zset: dedup field -> `expires_ms`, so each enqueue forgets a
+///   bounded number of expired records.
+pub const SHARD_PARTS: [&str; 15] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason",
+    "paused", "lease", "reason", "dedup", "dedupx",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].

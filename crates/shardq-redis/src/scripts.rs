@@ -31,6 +31,11 @@ use redis::{Cmd, ConnectionLike, ErrorKind, RedisResult, Value};
 const PRELUDE: &str = r#"
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local K_DEDUP, K_DEDUPX = KEYS[14], KEYS[15]
+-- Expired dedup records forgotten per enqueue, at most.
+local DEDUP_PRUNE = 64
+-- The dedup field of (key, id): the key's length, then key and id.
+local function dfield(k, d) return #k .. '|' .. k .. d end
 local HALT = ARGV[3] == '1'
 local DEP = redis.call('HGET', K_META, 'dep')
 if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
@@ -140,23 +145,67 @@ local function run_check(ids, fence, k, q, now)
 end
 "#;
 
-/// ARGV[5] map version, ARGV[6] job count n, then per job: key, payload,
-/// delay_ms, max_attempts. Fence check and append in one step.
+/// ARGV[5] map version, ARGV[6] job count n, ARGV[7] dedup window in ms
+/// (0 when no job has a dedup id), then per job: key, payload, delay_ms,
+/// max_attempts, dedup id (empty for none). Fence check, dedup check and
+/// append in one step. The reply after `OK` has one item per job: its new
+/// id, or `D<job>|<shard>` for a duplicate (shard empty: this shard).
 const ENQUEUE: &str = r#"
 local now = now_ms()
 local n = tonumber(ARGV[6])
+local window = tonumber(ARGV[7])
+local A = 8
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
-if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[7], fmin} end
+if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
   for i = 0, n - 1 do
-    if redis.call('SISMEMBER', K_PAUSED, ARGV[7 + 4 * i]) == 1 then return {'PAUSED', ARGV[7 + 4 * i]} end
+    if redis.call('SISMEMBER', K_PAUSED, ARGV[A + 5 * i]) == 1 then return {'PAUSED', ARGV[A + 5 * i]} end
   end
 end
-local first = redis.call('HINCRBY', K_META, 'seq', n) - n + 1
-redis.call('HINCRBY', K_META, 'pend', n)
-local cand, qs = {}, {}
+-- Dedup: forget a bounded number of expired records, then look each id up.
+-- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
+local out, keep = {'OK'}, {}
+local dd, dx = {}, {}
+if window > 0 then
+  local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
+  if #old > 0 then
+    redis.call('HDEL', K_DEDUP, unpack(old))
+    redis.call('ZREM', K_DEDUPX, unpack(old))
+  end
+end
+local batch, inb = {}, {}
 for i = 0, n - 1 do
-  local k = ARGV[7 + 4 * i]
+  local k, d = ARGV[A + 5 * i], ARGV[A + 4 + 5 * i]
+  if d ~= '' and window > 0 then
+    local f = dfield(k, d)
+    local r = redis.call('HGET', K_DEDUP, f)
+    local dup = nil
+    if r then
+      local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
+      if tonumber(exp) > now then dup = 'D' .. job .. '|' .. sh end
+    end
+    if dup then
+      out[i + 2] = dup
+    elseif batch[f] then
+      inb[i] = batch[f]
+    else
+      batch[f] = i
+      keep[#keep + 1] = i
+    end
+  else
+    keep[#keep + 1] = i
+  end
+end
+local m = #keep
+if m == 0 then
+  for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
+  return out
+end
+local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
+redis.call('HINCRBY', K_META, 'pend', m)
+local cand, qs = {}, {}
+for _, i in ipairs(keep) do
+  local k = ARGV[A + 5 * i]
   if not qs[k] then
     qs[k] = true
     cand[#cand + 1] = k
@@ -172,11 +221,13 @@ for i, k in ipairs(cand) do
   fresh[k] = q.d == 0 and q.f == 0
 end
 local nows = idstr(now)
+local exps = idstr(now + window)
 local jobs, nxt, dly = {}, {}, {}
-for i = 0, n - 1 do
-  local k, d = ARGV[7 + 4 * i], tonumber(ARGV[9 + 4 * i])
-  local id = first + i
+for j, i in ipairs(keep) do
+  local k, d = ARGV[A + 5 * i], tonumber(ARGV[A + 2 + 5 * i])
+  local id = first + j - 1
   local ids = idstr(id)
+  out[i + 2] = ids
   local nbf, nbfs = now, nows
   if d > 0 then
     nbf = now + d
@@ -185,7 +236,15 @@ for i = 0, n - 1 do
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[10 + 4 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[8 + 4 * i]
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local did = ARGV[A + 4 + 5 * i]
+  if did ~= '' and window > 0 then
+    local f = dfield(k, did)
+    dd[#dd + 1] = f
+    dd[#dd + 1] = ids .. '|' .. exps .. '|'
+    dx[#dx + 1] = now + window
+    dx[#dx + 1] = f
+  end
   local q = qs[k]
   if q.t ~= 0 then
     nxt[#nxt + 1] = idstr(q.t)
@@ -197,8 +256,14 @@ for i = 0, n - 1 do
   q.t = id
   q.d = q.d + 1
 end
+-- A duplicate within the batch names the job stored for the first of it.
+for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
 redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+if #dd > 0 then
+  redis.call('HSET', K_DEDUP, unpack(dd))
+  redis.call('ZADD', K_DEDUPX, unpack(dx))
+end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do
   kq[#kq + 1] = k
@@ -216,7 +281,54 @@ redis.call('HSET', K_KEYS, unpack(kq))
 if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
 if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
 if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
-return {'OK', first}
+return out
+"#;
+
+/// ARGV[5] key (empty: every key, for the key list only): the live dedup
+/// records of the shard, as `field, record` pairs, at most ARGV[6] of them
+/// from HSCAN cursor ARGV[7]; the reply is `OK`, the next cursor, then the
+/// pairs. Read-only.
+const DEDUP_EXPORT: &str = r#"
+local now = now_ms()
+local want = ARGV[5]
+local r = redis.call('HSCAN', K_DEDUP, ARGV[7], 'COUNT', tonumber(ARGV[6]))
+local out = {'OK', r[1]}
+local items = r[2]
+for i = 1, #items, 2 do
+  local f, v = items[i], items[i + 1]
+  local kl, p = string.match(f, '^(%d+)|()')
+  local k = string.sub(f, p, p + tonumber(kl) - 1)
+  local _, exp = string.match(v, '^(%d+)|(%d+)|')
+  if tonumber(exp) > now and (want == '' or want == k) then
+    out[#out + 1] = f
+    out[#out + 1] = v
+  end
+end
+return out
+"#;
+
+/// ARGV[5] record count n, then per record: field, job, expires_ms, shard.
+/// Stores each record unless its field holds a live one (so a rerun
+/// changes nothing); an expired one is skipped.
+const DEDUP_IMPORT: &str = r#"
+local now = now_ms()
+local n = tonumber(ARGV[5])
+for i = 0, n - 1 do
+  local f, job, exp, sh = ARGV[6 + 4 * i], ARGV[7 + 4 * i], tonumber(ARGV[8 + 4 * i]), ARGV[9 + 4 * i]
+  if exp > now then
+    local r = redis.call('HGET', K_DEDUP, f)
+    local live = false
+    if r then
+      local _, e = string.match(r, '^(%d+)|(%d+)|')
+      live = tonumber(e) > now
+    end
+    if not live then
+      redis.call('HSET', K_DEDUP, f, job .. '|' .. idstr(exp) .. '|' .. sh)
+      redis.call('ZADD', K_DEDUPX, exp, f)
+    end
+  end
+end
+return {'OK'}
 "#;
 
 /// ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
@@ -755,6 +867,8 @@ impl Lua {
 /// Every script, built once per backend.
 pub(crate) struct Scripts {
     pub(crate) enqueue: Lua,
+    pub(crate) dedup_export: Lua,
+    pub(crate) dedup_import: Lua,
     pub(crate) claim: Lua,
     pub(crate) ack: Lua,
     pub(crate) fail: Lua,
@@ -781,6 +895,8 @@ impl Scripts {
     pub(crate) fn new() -> Scripts {
         Scripts {
             enqueue: Lua::new(ENQUEUE, true, Flags::Write),
+            dedup_export: Lua::new(DEDUP_EXPORT, true, Flags::NoWrites),
+            dedup_import: Lua::new(DEDUP_IMPORT, true, Flags::Write),
             claim: Lua::new(CLAIM, true, Flags::AllowOom),
             ack: Lua::new(ACK, true, Flags::AllowOom),
             fail: Lua::new(FAIL, true, Flags::AllowOom),

@@ -31,9 +31,6 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
-    /// The dedup store could not be opened.
-    #[error("dedup store: {0}")]
-    Dedup(String),
 }
 
 impl ServerError {
@@ -43,7 +40,6 @@ impl ServerError {
             ServerError::Config(_) => ErrorKind::BadInput,
             ServerError::Deploy(e) => e.kind(),
             ServerError::Io { .. } => ErrorKind::Internal,
-            ServerError::Dedup(_) => ErrorKind::Retryable,
         }
     }
 }

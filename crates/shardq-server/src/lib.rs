@@ -16,7 +16,6 @@ pub mod auth;
 pub mod body;
 pub mod conn;
 pub mod dashboard;
-pub mod dedup;
 pub mod edge;
 pub mod error;
 pub mod ids;
@@ -42,7 +41,6 @@ pub use auth::{Role, Tokens};
 pub use error::{ApiError, ServerError};
 pub use limits::Limits;
 
-use crate::dedup::{DedupStore, FileDedup, RedisDedup};
 use crate::owner::{Owned, OwnerThread};
 
 /// The OpenAPI 3 document of this API.
@@ -100,7 +98,6 @@ pub struct App {
     backend: Arc<dyn ReshardBackend>,
     owned: Arc<Owned>,
     producers: Mutex<Vec<Producer<dyn ReshardBackend>>>,
-    dedup: Arc<dyn DedupStore>,
     dedup_window_ms: u64,
     limits: Limits,
     claims: Mutex<api::ClaimBook>,
@@ -126,7 +123,10 @@ impl App {
             .pop();
         match idle {
             Some(p) => Ok(p),
-            None => Ok(self.deployment.producer(ProducerOptions::default())?),
+            None => Ok(self.deployment.producer(ProducerOptions {
+                dedup_window_ms: self.dedup_window_ms,
+                ..ProducerOptions::default()
+            })?),
         }
     }
 
@@ -169,10 +169,9 @@ impl App {
 impl App {
     /// The state the handlers share over an open `deployment`: the
     /// request limits (payload bound by the deployment's own), the dedup
-    /// store of its kind, metrics; `owned` lists the shards this process
+    /// window its producers pass to the backend, metrics; `owned` lists the shards this process
     /// runs (none for a viewer).
     pub(crate) fn new(
-        dir: &Path,
         opts: &ServerOptions,
         deployment: Arc<Deployment>,
         owned: Arc<owner::Owned>,
@@ -184,15 +183,6 @@ impl App {
             Kind::Redis(_) => opts.open.redis.payload_bytes_max,
         }
         .min(limits.payload_bytes_max.max(1));
-        let dedup: Arc<dyn DedupStore> = match deployment.kind() {
-            Kind::Embedded => {
-                Arc::new(FileDedup::open(dir, clock.now_ms()).map_err(ServerError::Dedup)?)
-            }
-            Kind::Redis(remote) => Arc::new(
-                RedisDedup::open(&remote.map_url, &remote.namespace, opts.dedup_window_ms)
-                    .map_err(ServerError::Dedup)?,
-            ),
-        };
         Ok(App {
             owned,
             metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
@@ -201,7 +191,6 @@ impl App {
             backend: deployment.backend(),
             deployment,
             producers: Mutex::new(Vec::new()),
-            dedup,
             dedup_window_ms: opts.dedup_window_ms,
             limits,
             claims: Mutex::new(api::ClaimBook::default()),
@@ -360,7 +349,7 @@ pub struct Server {
 }
 
 impl Server {
-    /// Opens data dir `dir`, the dedup store and the leases, and binds
+    /// Opens data dir `dir` and the leases, and binds
     /// `opts.listen`. Refuses a non-loopback address without tokens.
     pub fn open(dir: &Path, opts: ServerOptions) -> Result<Server, ServerError> {
         if opts.tokens.is_none() && !opts.listen.ip().is_loopback() {
@@ -417,7 +406,7 @@ impl Server {
         let owned = owner
             .as_ref()
             .map_or_else(|| Arc::new(Owned::default()), OwnerThread::owned);
-        let app = Arc::new(App::new(dir, &opts, deployment, owned)?);
+        let app = Arc::new(App::new(&opts, deployment, owned)?);
         let hosts = Arc::new(edge::Hosts::new(
             listener.local_addr().unwrap_or(opts.listen),
             &opts.allowed_hosts,

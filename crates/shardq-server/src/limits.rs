@@ -21,11 +21,11 @@ pub const CONCURRENCY_MAX_DEFAULT: usize = 1024;
 /// Default most runs one `worker` name may hold at once.
 pub const CLAIMS_PER_WORKER_MAX_DEFAULT: usize = 10_000;
 /// Default dedup window (5 minutes): how long a `dedup_id` is remembered.
-pub const DEDUP_WINDOW_MS_DEFAULT: u64 = 300_000;
+pub const DEDUP_WINDOW_MS_DEFAULT: u64 = shardq_core::DEDUP_WINDOW_MS_DEFAULT;
 /// Longest dedup window accepted (7 days).
-pub const DEDUP_WINDOW_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+pub const DEDUP_WINDOW_MS_MAX: u64 = shardq_core::DEDUP_WINDOW_MS_MAX;
 /// Longest `dedup_id`, in bytes.
-pub const DEDUP_ID_BYTES_MAX: usize = 256;
+pub const DEDUP_ID_BYTES_MAX: usize = shardq_core::DEDUP_ID_BYTES_MAX;
 /// Longest `worker` name, in bytes.
 pub const WORKER_NAME_BYTES_MAX: usize = 256;
 /// Interval between claim attempts while a claim long-polls, in ms (an

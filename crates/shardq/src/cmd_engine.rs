@@ -491,6 +491,7 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
             payload: args.payload.clone().unwrap_or_default().into_bytes(),
             delay_ms: args.delay_ms,
             max_attempts: args.max_attempts,
+            dedup_id: None,
         };
         let stored = place(std::slice::from_ref(&job));
         if let Some((_, shard, id)) = stored.placed.first() {
@@ -598,6 +599,7 @@ fn parse_stdin_line(args: &EnqueueArgs, line: &[u8], line_no: u64) -> anyhow::Re
         payload: payload.as_bytes().to_vec(),
         delay_ms: args.delay_ms,
         max_attempts: args.max_attempts,
+        dedup_id: None,
     };
     job.validate(args.common.payload_bytes_max)
         .with_context(|| format!("stdin line {line_no}"))?;

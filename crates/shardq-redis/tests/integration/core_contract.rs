@@ -87,3 +87,45 @@ fn redis_keeps_the_backend_contract() {
     contract::run_all(&h);
     contract::rewound_store_is_refused(&h);
 }
+
+/// Dedup records are shard keys: a server restarted from its AOF and a
+/// backend opened afresh still answer with the original job, until the
+/// window ends; the enqueue script prunes expired records as it goes.
+#[test]
+fn redis_dedup_records_survive_a_restart_for_their_window() {
+    let mut server = RedisServer::start_with(shardq_redis::testing::ServerOptions {
+        aof_always: true,
+        ..Default::default()
+    });
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let window = 60_000;
+    let job = |d: &str| shardq_core::NewJob::new("k", "p").with_dedup_id(d);
+    let first = {
+        let b = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
+        b.enqueue_dedup("r0", 1, &[job("inv-1"), job("inv-2")], window)
+            .unwrap()
+    };
+    assert!(first.iter().all(|s| !s.duplicate));
+    server.restart();
+    clock.advance(window / 2);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
+    let again = b
+        .enqueue_dedup("r0", 1, &[job("inv-1"), job("inv-2")], window)
+        .unwrap();
+    assert!(again.iter().all(|s| s.duplicate), "{again:?}");
+    assert_eq!(again[0].id, first[0].id);
+    assert_eq!(again[1].id, first[1].id);
+    assert_eq!(b.key_counts("r0", "k").unwrap().depth, 2);
+    clock.advance(window);
+    let later = b.enqueue_dedup("r0", 1, &[job("inv-1")], window).unwrap();
+    assert!(!later[0].duplicate, "an expired record frees the id");
+    // The expired record of inv-2 was pruned by that enqueue; inv-1's new
+    // one is the only record left.
+    let records = b.dedup_export("r0", "k").unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].id, "inv-1");
+    let fields = server.cli(&["HLEN", &b.shard_keys("r0").unwrap()[13]]);
+    assert_eq!(fields.trim(), "1", "expired records are pruned");
+}

@@ -41,7 +41,6 @@ use shardq_route::Router as MapRouter;
 
 use crate::auth::{Principal, ANONYMOUS};
 use crate::body::{BoundedVec, JsonBody, PathParam, QueryParams};
-use crate::dedup::{Begin, DedupRecord, Scoped};
 use crate::error::{join_error, ApiError};
 use crate::ids::{job_string, parse_job, parse_receipt, receipt_string};
 use crate::limits::*;

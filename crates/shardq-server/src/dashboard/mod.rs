@@ -323,12 +323,7 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
         )));
     }
     let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
-    let app = Arc::new(App::new(
-        dir,
-        &opts,
-        deployment,
-        Arc::new(Owned::default()),
-    )?);
+    let app = Arc::new(App::new(&opts, deployment, Arc::new(Owned::default()))?);
     let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
         context: format!("listening on {}", opts.listen),
         source: e,
