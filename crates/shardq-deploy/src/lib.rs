@@ -373,6 +373,16 @@ impl Deployment {
             .map_err(|e| DeployError::Invalid(e.to_string()))
     }
 
+    /// The largest payload this deployment's store takes under `opts`
+    /// (the embedded engine's or the Redis backend's bound), so callers
+    /// need not ask which kind it is.
+    pub fn payload_bytes_max(&self, opts: &OpenOptions) -> usize {
+        match self.kind() {
+            Kind::Embedded => opts.engine.payload_bytes_max,
+            Kind::Redis(_) => opts.redis.payload_bytes_max,
+        }
+    }
+
     /// A coordinator taking shards for this process.
     pub fn coordinator(&self, opts: &WorkerOptions) -> Result<Box<dyn Coordinator>, DeployError> {
         match &self.store {

@@ -35,7 +35,7 @@ use axum::routing::{get, post, MethodRouter};
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::ReshardBackend;
 use shardq_core::Clock;
-use shardq_deploy::{Deployment, Kind, OpenOptions, WorkerOptions};
+use shardq_deploy::{Deployment, OpenOptions, WorkerOptions};
 
 pub use auth::{Role, Tokens};
 pub use error::{ApiError, ServerError};
@@ -178,11 +178,9 @@ impl App {
     ) -> Result<App, ServerError> {
         let clock = deployment.clock();
         let mut limits = opts.limits.clone();
-        limits.payload_bytes_max = match deployment.kind() {
-            Kind::Embedded => opts.open.engine.payload_bytes_max,
-            Kind::Redis(_) => opts.open.redis.payload_bytes_max,
-        }
-        .min(limits.payload_bytes_max.max(1));
+        limits.payload_bytes_max = deployment
+            .payload_bytes_max(&opts.open)
+            .min(limits.payload_bytes_max.max(1));
         Ok(App {
             owned,
             metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
