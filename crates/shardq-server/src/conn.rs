@@ -47,6 +47,22 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
 pub const FDS_RESERVED: usize = 256;
 /// Rest after a failed `accept` (such as EMFILE), in ms.
 pub const ACCEPT_RETRY_MS: u64 = 50;
+/// Length of the listen queue (the kernel caps it at `somaxconn`): a burst
+/// of this many connects is queued, where std's 128 drops the rest's SYNs
+/// and their clients wait a second for the retransmit.
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+/// Binds a non-blocking listening socket on `addr` with a queue of
+/// [`LISTEN_BACKLOG`].
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
 
 /// The connection bounds of one server.
 #[derive(Debug, Clone)]

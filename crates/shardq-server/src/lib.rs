@@ -385,16 +385,10 @@ impl Server {
             ));
         }
         let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
-        let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
+        let listener = conn::bind(opts.listen).map_err(|e| ServerError::Io {
             context: format!("listening on {}", opts.listen),
             source: e,
         })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| ServerError::Io {
-                context: format!("configuring the socket on {}", opts.listen),
-                source: e,
-            })?;
         let owner = if opts.take_shards {
             let coordinator = deployment.coordinator(&opts.worker)?;
             Some(OwnerThread::start(coordinator, deployment.queue()))

@@ -324,7 +324,7 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
     }
     let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
     let app = Arc::new(App::new(&opts, deployment, Arc::new(Owned::default()))?);
-    let listener = std::net::TcpListener::bind(opts.listen).map_err(|e| ServerError::Io {
+    let listener = crate::conn::bind(opts.listen).map_err(|e| ServerError::Io {
         context: format!("listening on {}", opts.listen),
         source: e,
     })?;
@@ -332,9 +332,6 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
         let context = context.to_string();
         move |e| ServerError::Io { context, source: e }
     };
-    listener
-        .set_nonblocking(true)
-        .map_err(io("configuring the dashboard socket"))?;
     let addr = listener
         .local_addr()
         .map_err(io("reading the listening address"))?;
