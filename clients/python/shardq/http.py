@@ -1064,7 +1064,7 @@ class Worker(_SignalStops):
         error: Optional[Exception] = None
         try:
             result: Any = handler(job)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 # An async handler in disguise (a lambda, a partial): it did
                 # not run. Never acked; the worker stops.
                 close = getattr(result, "close", None)

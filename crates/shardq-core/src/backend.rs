@@ -154,9 +154,9 @@ pub trait QueueBackend: Send + Sync {
         if records.is_empty() {
             return Ok(());
         }
-        Err(QueueError::Backend(
-            "this backend keeps no dedup records".into(),
-        ))
+        Err(QueueError::Unsupported {
+            what: "dedup records",
+        })
     }
 
     /// Keys with live dedup records on `shard` (a rebalance moves them with

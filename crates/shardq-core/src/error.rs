@@ -193,9 +193,74 @@ pub enum QueueError {
         #[source]
         source: std::io::Error,
     },
-    /// The backend could not do what was asked, for a reason of its own.
-    #[error("{0}")]
-    Backend(String),
+    /// An option or setting outside its range: names it, the value and
+    /// what is allowed.
+    #[error("invalid {name} {value}: must be {allowed}")]
+    InvalidOption {
+        /// The option, as a user writes it (`job lease`, `concurrency`).
+        name: &'static str,
+        /// The value given, with its unit.
+        value: String,
+        /// The allowed range.
+        allowed: String,
+    },
+    /// Something already exists where it was to be created (a deployment
+    /// in a Redis namespace): nothing was written.
+    #[error("{what}")]
+    AlreadyExists {
+        /// What exists, where, and what to do instead.
+        what: String,
+    },
+    /// The backend does not have this capability.
+    #[error("this backend does not support {what}")]
+    Unsupported {
+        /// The capability.
+        what: &'static str,
+    },
+    /// A shard holds more keys with work than an inventory walks.
+    #[error("shard {shard:?}: more than {max} keys with work; the inventory stops there")]
+    InventoryTooLarge {
+        /// The shard.
+        shard: String,
+        /// The bound.
+        max: usize,
+    },
+    /// A file of the store (a fence file) does not hold what it must.
+    #[error("{path} is not a valid {what}: {reason}")]
+    BadFile {
+        /// The file.
+        path: String,
+        /// What it should be (`fence file`).
+        what: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The worker pool's threads are gone (each logged why).
+    #[error("all worker threads exited")]
+    WorkersExited,
+    /// A shard failed while the pool ran and was not run again (the error
+    /// was logged when it happened).
+    #[error("shard {shard:?} failed and was not run (see the errors above)")]
+    ShardFailed {
+        /// The shard.
+        shard: String,
+    },
+    /// A store's own error (a Redis reply, a map file), kept whole: its
+    /// kind and its source survive the trip through this layer.
+    #[error("{source}")]
+    Store {
+        /// What kind of failure it is, as the store judged it.
+        kind: ErrorKind,
+        /// The store's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// An invariant of shardq broke (a bug): what was expected.
+    #[error("internal error: {what} (a bug in shardq; please report it)")]
+    Internal {
+        /// What did not hold.
+        what: String,
+    },
 }
 
 /// What kind of failure an error is, whatever layer it comes from: the one
@@ -270,7 +335,12 @@ impl QueueError {
             | QueueError::InvalidMaxAttempts { .. }
             | QueueError::InvalidDelay { .. }
             | QueueError::BatchTooLarge { .. }
+            | QueueError::InvalidOption { .. }
+            | QueueError::Unsupported { .. }
             | QueueError::UnknownShard { .. } => ErrorKind::BadInput,
+            QueueError::AlreadyExists { .. } => ErrorKind::Conflict,
+            QueueError::BadFile { .. } => ErrorKind::Corrupt,
+            QueueError::Store { kind, .. } => *kind,
             QueueError::NotOwner { .. }
             | QueueError::NotInFlight { .. }
             | QueueError::StaleReceipt { .. } => ErrorKind::Conflict,
@@ -282,9 +352,12 @@ impl QueueError {
             | QueueError::Inconsistent { .. }
             | QueueError::UnknownFormat { .. } => ErrorKind::Corrupt,
             QueueError::StoreLost(_) => ErrorKind::Lost,
-            QueueError::Poisoned { .. } | QueueError::Io { .. } | QueueError::Backend(_) => {
-                ErrorKind::Internal
-            }
+            QueueError::Poisoned { .. }
+            | QueueError::Io { .. }
+            | QueueError::InventoryTooLarge { .. }
+            | QueueError::WorkersExited
+            | QueueError::ShardFailed { .. }
+            | QueueError::Internal { .. } => ErrorKind::Internal,
         }
     }
 
@@ -292,6 +365,17 @@ impl QueueError {
     /// running its other shards and tries this one again later.
     pub fn is_transient(&self) -> bool {
         matches!(self, QueueError::Unavailable { .. })
+    }
+
+    /// Wraps a store's own error, keeping its kind and source.
+    pub fn store<E: std::error::Error + Send + Sync + 'static>(
+        kind: ErrorKind,
+        source: E,
+    ) -> QueueError {
+        QueueError::Store {
+            kind,
+            source: Box::new(source),
+        }
     }
 
     /// Wraps an I/O error with a description of what was being done.

@@ -153,9 +153,11 @@ pub fn validate_dedup_id(key: &str, id: &str) -> Result<(), QueueError> {
 /// Checks a dedup window: 1..=[`DEDUP_WINDOW_MS_MAX`] ms.
 pub fn validate_dedup_window_ms(window_ms: u64) -> Result<(), QueueError> {
     if window_ms == 0 || window_ms > DEDUP_WINDOW_MS_MAX {
-        return Err(QueueError::Backend(format!(
-            "invalid dedup window {window_ms} ms: must be 1..={DEDUP_WINDOW_MS_MAX} ms"
-        )));
+        return Err(QueueError::InvalidOption {
+            name: "dedup window",
+            value: format!("{window_ms} ms"),
+            allowed: format!("1..={DEDUP_WINDOW_MS_MAX} ms"),
+        });
     }
     Ok(())
 }
@@ -363,9 +365,11 @@ pub const JOB_LEASE_MS_MAX: u64 = 24 * 3600 * 1000;
 /// Checks a job lease length against [`JOB_LEASE_MS_MIN`]..=[`JOB_LEASE_MS_MAX`].
 pub fn validate_job_lease_ms(lease_ms: u64) -> Result<(), QueueError> {
     if !(JOB_LEASE_MS_MIN..=JOB_LEASE_MS_MAX).contains(&lease_ms) {
-        return Err(QueueError::Backend(format!(
-            "invalid job lease {lease_ms} ms: must be {JOB_LEASE_MS_MIN}..={JOB_LEASE_MS_MAX} ms"
-        )));
+        return Err(QueueError::InvalidOption {
+            name: "job lease",
+            value: format!("{lease_ms} ms"),
+            allowed: format!("{JOB_LEASE_MS_MIN}..={JOB_LEASE_MS_MAX} ms"),
+        });
     }
     Ok(())
 }

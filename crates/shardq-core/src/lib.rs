@@ -27,5 +27,6 @@ pub use job::{
     PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use pool::{
-    current_run, Handler, PoolEvent, PoolOptions, PoolReport, RunContext, RunOutcome, WorkerPool,
+    current_run, Handler, HandlerError, PoolEvent, PoolOptions, PoolReport, RunContext, RunOutcome,
+    WorkerPool,
 };

@@ -39,10 +39,15 @@ pub const CLAIM_AHEAD: usize = 2;
 /// survives two missed heartbeats.
 pub const HEARTBEATS_PER_LEASE: u64 = 3;
 
-/// A job handler: `Ok` acks the job, `Err(reason)` fails the attempt. A panic
-/// counts as a failure. A handler that can stop early (a child process, a
-/// loop) checks [`current_run`] and returns once it is cancelled.
-pub type Handler = dyn Fn(&ClaimedJob) -> Result<(), String> + Send + Sync;
+/// A job handler: `Ok` acks the job, `Err(e)` fails the attempt with `e`'s
+/// text as the reason (any error converts with `?`, a `String` with
+/// `.into()`). A panic counts as a failure. A handler that can stop early (a
+/// child process, a loop) checks [`current_run`] and returns once it is
+/// cancelled.
+pub type Handler = dyn Fn(&ClaimedJob) -> Result<(), HandlerError> + Send + Sync;
+
+/// What a [`Handler`] fails an attempt with.
+pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The cancellation signal of one run.
 #[derive(Debug, Default)]
@@ -292,10 +297,11 @@ impl WorkerPool {
         stop: &AtomicBool,
     ) -> Result<PoolReport, QueueError> {
         if opts.concurrency == 0 || opts.concurrency > CONCURRENCY_MAX {
-            return Err(QueueError::Backend(format!(
-                "invalid concurrency {}: must be 1..={CONCURRENCY_MAX}",
-                opts.concurrency
-            )));
+            return Err(QueueError::InvalidOption {
+                name: "concurrency",
+                value: opts.concurrency.to_string(),
+                allowed: format!("1..={CONCURRENCY_MAX}"),
+            });
         }
         crate::job::validate_job_lease_ms(opts.job_lease_ms)?;
         let (job_tx, job_rx) = mpsc::channel::<(ClaimedJob, Arc<RunSignal>)>();
@@ -326,7 +332,8 @@ impl WorkerPool {
                     let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
                     peak.fetch_max(now_running, Ordering::SeqCst);
                     let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
-                        .unwrap_or_else(|_| Err("handler panicked".to_string()));
+                        .unwrap_or_else(|_| Err("handler panicked".into()))
+                        .map_err(|e| e.to_string());
                     running.fetch_sub(1, Ordering::SeqCst);
                     CURRENT_RUN.with(|c| *c.borrow_mut() = None);
                     if result.is_ok() && ctx.is_cancelled() {
@@ -484,9 +491,9 @@ impl Dispatch<'_> {
                 && self.all_idle(now)
             {
                 if let Some((shard, _)) = self.failed.iter().next() {
-                    return Err(QueueError::Backend(format!(
-                        "shard {shard:?} failed and was not run (see the errors above)"
-                    )));
+                    return Err(QueueError::ShardFailed {
+                        shard: shard.clone(),
+                    });
                 }
                 return Ok(());
             }
@@ -512,9 +519,7 @@ impl Dispatch<'_> {
                     self.record(batch, clock.now_ms());
                 }
                 Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(QueueError::Backend("all worker threads exited".into()))
-                }
+                Err(RecvTimeoutError::Disconnected) => return Err(QueueError::WorkersExited),
             }
         }
     }
@@ -682,7 +687,7 @@ impl Dispatch<'_> {
     fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {
         self.job_tx
             .send((job, signal))
-            .map_err(|_| QueueError::Backend("all worker threads exited".into()))
+            .map_err(|_| QueueError::WorkersExited)
     }
 
     /// Hands parked runs whose key has no other run here any more to the
@@ -830,9 +835,7 @@ impl Dispatch<'_> {
                     self.record(batch, clock.now_ms());
                 }
                 Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(QueueError::Backend("all worker threads exited".into()))
-                }
+                Err(RecvTimeoutError::Disconnected) => return Err(QueueError::WorkersExited),
             }
         }
         Ok(())

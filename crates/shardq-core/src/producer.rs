@@ -231,10 +231,9 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
     pub fn enqueue(&mut self, job: &NewJob) -> Result<Placed, ProduceError> {
         let mut placed = self.enqueue_batch(std::slice::from_ref(job))?;
         placed.pop().ok_or_else(|| {
-            ProduceError::Queue(QueueError::Backend(format!(
-                "enqueue of key {:?} returned no placement",
-                job.key
-            )))
+            ProduceError::Queue(QueueError::Internal {
+                what: format!("the enqueue of key {:?} returned no placement", job.key),
+            })
         })
     }
 

@@ -139,9 +139,39 @@ pub enum ReshardError {
     /// An operation that makes no sense for this map.
     #[error("{0}")]
     Invalid(String),
-    /// A store-specific failure (I/O on the map file, a Redis error...).
-    #[error("{0}")]
-    Store(String),
+    /// I/O on the map store's files failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, naming the file.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The map store's own error (a Redis reply, a map file that does not
+    /// parse), kept whole with the kind the store gave it.
+    #[error("{source}")]
+    Store {
+        /// What kind of failure it is.
+        kind: ErrorKind,
+        /// The store's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// No shard map is published where the store looks.
+    #[error("no shard map is published in {location}; create one with `shardq init`")]
+    NoMap {
+        /// Where it was looked for.
+        location: String,
+    },
+    /// The stored target map does not parse.
+    #[error("the target map in {location} does not parse: {reason}")]
+    BadTarget {
+        /// Where it is stored.
+        location: String,
+        /// Why it does not parse.
+        reason: String,
+    },
     /// The map store did not answer within its bound (a lock held by a
     /// stalled process, an unreachable Redis): retry later.
     #[error("{0}")]
@@ -153,13 +183,36 @@ impl ReshardError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             ReshardError::Queue(q) => q.kind(),
-            ReshardError::Map(_) | ReshardError::Invalid(_) => ErrorKind::BadInput,
+            ReshardError::Map(_) | ReshardError::Invalid(_) | ReshardError::NoMap { .. } => {
+                ErrorKind::BadInput
+            }
+            ReshardError::BadTarget { .. } => ErrorKind::Corrupt,
+            ReshardError::Store { kind, .. } => *kind,
             ReshardError::Busy { .. }
             | ReshardError::Conflict { .. }
             | ReshardError::DrainTimeout { .. }
             | ReshardError::DeadLetters { .. } => ErrorKind::Conflict,
             ReshardError::Unavailable(_) => ErrorKind::Retryable,
-            ReshardError::Store(_) => ErrorKind::Internal,
+            ReshardError::Io { .. } => ErrorKind::Internal,
+        }
+    }
+
+    /// Wraps a map store's own error, keeping its kind and source.
+    pub fn store<E: std::error::Error + Send + Sync + 'static>(
+        kind: ErrorKind,
+        source: E,
+    ) -> ReshardError {
+        ReshardError::Store {
+            kind,
+            source: Box::new(source),
+        }
+    }
+
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> ReshardError {
+        ReshardError::Io {
+            context: context.into(),
+            source,
         }
     }
 }

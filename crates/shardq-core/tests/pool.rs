@@ -134,7 +134,7 @@ fn a_handler_past_its_job_timeout_is_cancelled_and_fails() {
             }
             thread::sleep(Duration::from_millis(1));
         }
-        Err(format!("stopped: {}", run.cancel_reason()))
+        Err(format!("stopped: {}", run.cancel_reason()).into())
     });
     let opts = PoolOptions {
         concurrency: 1,

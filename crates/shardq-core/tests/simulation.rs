@@ -556,7 +556,7 @@ fn real_pool_with_stalls(seed: u64) {
             }
             running.lock().unwrap().get_mut(&job.key).unwrap().0 -= 1;
             if fail {
-                Err("a seeded failure".to_string())
+                Err("a seeded failure".into())
             } else {
                 Ok(())
             }

@@ -26,6 +26,20 @@ pub enum DeployError {
     /// A shard map is invalid.
     #[error(transparent)]
     Map(#[from] shardq_route::MapError),
+    /// The producer could not start (its map did not load).
+    #[error(transparent)]
+    Produce(Box<shardq_core::producer::ProduceError>),
+    /// The Redis map store named by a data dir's remote file failed.
+    #[error("opening the shard map in Redis at {url} (named by {named_by}): {source}")]
+    RemoteMap {
+        /// The map store's URL.
+        url: String,
+        /// The file that names it.
+        named_by: String,
+        /// The cause, with its kind.
+        #[source]
+        source: Box<shardq_redis::RedisError>,
+    },
     /// An I/O error, with what was being done.
     #[error("{context}: {source}")]
     Io {
@@ -48,8 +62,16 @@ impl DeployError {
             DeployError::Fs(e) => e.kind(),
             DeployError::Redis(e) => e.kind(),
             DeployError::Reshard(e) => e.kind(),
+            DeployError::Produce(e) => e.kind(),
+            DeployError::RemoteMap { source, .. } => source.kind(),
             DeployError::Io { .. } => ErrorKind::Internal,
         }
+    }
+}
+
+impl From<shardq_core::producer::ProduceError> for DeployError {
+    fn from(e: shardq_core::producer::ProduceError) -> DeployError {
+        DeployError::Produce(Box::new(e))
     }
 }
 

@@ -369,8 +369,7 @@ impl Deployment {
         &self,
         options: ProducerOptions,
     ) -> Result<Producer<dyn ReshardBackend>, DeployError> {
-        Producer::new(self.backend(), self.maps(), options)
-            .map_err(|e| DeployError::Invalid(e.to_string()))
+        Ok(Producer::new(self.backend(), self.maps(), options)?)
     }
 
     /// The largest payload this deployment's store takes under `opts`

@@ -54,7 +54,7 @@ impl RedisMaps {
     fn seen(&self, map: &ShardMap) -> Result<(), ReshardError> {
         self.backend
             .sync_shards(map)
-            .map_err(|e| ReshardError::Store(e.to_string()))?;
+            .map_err(|e| ReshardError::store(e.kind(), e))?;
         if self.cached_version.swap(map.version, Ordering::SeqCst) != map.version {
             // The cache is only informative: a failed write is not an error.
             let _ = shardq_fs::layout::write_atomic(&self.cache, map.to_yaml().as_bytes());
@@ -94,11 +94,11 @@ pub fn open(
     opts: RedisOptions,
 ) -> Result<(RedisBackend, Arc<RedisMaps>), DeployError> {
     let store = RedisMapStore::open_in(&remote.map_url, &remote.namespace, &opts).map_err(|e| {
-        DeployError::Invalid(format!(
-            "opening the shard map in Redis at {} (named by {}): {e}",
-            remote.map_url,
-            dir.join(REMOTE_FILE).display()
-        ))
+        DeployError::RemoteMap {
+            url: remote.map_url.clone(),
+            named_by: dir.join(REMOTE_FILE).display().to_string(),
+            source: Box::new(e),
+        }
     })?;
     let map = store.load()?;
     check_all(&map, true)?;

@@ -198,10 +198,11 @@ impl FsBackend {
     /// A backend over the shard directories of data dir `dir`.
     pub fn new(dir: &Path, opts: EngineOptions) -> Result<FsBackend, QueueError> {
         if opts.payload_bytes_max > PAYLOAD_BYTES_LIMIT {
-            return Err(QueueError::Backend(format!(
-                "payload_bytes_max {} is over the hard limit of {PAYLOAD_BYTES_LIMIT} bytes",
-                opts.payload_bytes_max
-            )));
+            return Err(QueueError::InvalidOption {
+                name: "payload_bytes_max",
+                value: opts.payload_bytes_max.to_string(),
+                allowed: format!("at most the hard limit of {PAYLOAD_BYTES_LIMIT} bytes"),
+            });
         }
         let shards: Arc<Shards> = Arc::new(RwLock::new(BTreeMap::new()));
         let flusher = match opts.durability {
@@ -453,13 +454,16 @@ impl FsBackend {
             .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?
             .unwrap_or_default();
         if bytes.len() as u64 > FENCE_FILE_BYTES_MAX {
-            return Err(QueueError::Backend(format!(
-                "fence file {} is over {FENCE_FILE_BYTES_MAX} bytes: not a fence file",
-                path.display()
-            )));
+            return Err(QueueError::BadFile {
+                path: path.display().to_string(),
+                what: "fence file",
+                reason: format!("over {FENCE_FILE_BYTES_MAX} bytes"),
+            });
         }
-        let fence: Fence = serde_json::from_slice(&bytes).map_err(|e| {
-            QueueError::Backend(format!("fence file {} is not valid: {e}", path.display()))
+        let fence: Fence = serde_json::from_slice(&bytes).map_err(|e| QueueError::BadFile {
+            path: path.display().to_string(),
+            what: "fence file",
+            reason: e.to_string(),
         })?;
         inner.fence = Some((stamp, fence.clone()));
         Ok(fence)
@@ -728,8 +732,10 @@ impl QueueBackend for FsBackend {
         for rec in records {
             shardq_core::validate_key(&rec.key)?;
             shardq_core::job::validate_dedup_id(&rec.key, &rec.id)?;
-            validate_shard_name(&rec.shard).map_err(|e| {
-                QueueError::Backend(format!("dedup record of key {:?}: {e}", rec.key))
+            validate_shard_name(&rec.shard).map_err(|e| QueueError::InvalidOption {
+                name: "dedup record shard",
+                value: format!("{:?} (key {:?})", rec.shard, rec.key),
+                allowed: e,
             })?;
         }
         let shard = self.shard(name)?;
@@ -891,7 +897,12 @@ impl QueueBackend for FsBackend {
                 .expect("owner has a replica")
                 .set_lease(p.id, lease_until_ms);
             let bytes = inner.log.read_record_at(p.id)?;
-            let (rec, _) = decode(&bytes).map_err(|e| QueueError::Backend(format!("{e:?}")))?;
+            let (rec, _) = decode(&bytes).map_err(|e| QueueError::Inconsistent {
+                shard: shard.name.clone(),
+                segment: "?".into(),
+                offset: p.id,
+                reason: format!("the enqueue record read back for a claim does not decode: {e:?}"),
+            })?;
             let Record::Enqueue {
                 created_ms,
                 key,
@@ -1086,8 +1097,9 @@ impl QueueBackend for FsBackend {
         // check and its append while the fence changes.
         let _guard = inner.log.lock()?;
         let path = shard.dir.join(FENCE_FILE);
-        let text = serde_json::to_string_pretty(fence)
-            .map_err(|e| QueueError::Backend(format!("encoding the fence: {e}")))?;
+        let text = serde_json::to_string_pretty(fence).map_err(|e| QueueError::Internal {
+            what: format!("encoding the fence as JSON: {e}"),
+        })?;
         self.opts
             .storage
             .write_file_atomic(&path, text.as_bytes())

@@ -154,7 +154,7 @@ impl Engine {
                 .with_storage(Arc::clone(&self.backend.options().storage)),
         );
         let producer = Producer::new(Arc::clone(&self.backend), store, options)
-            .map_err(|e| FsError::Queue(QueueError::Backend(e.to_string())))?;
+            .map_err(|e| FsError::Queue(QueueError::store(e.kind(), e)))?;
         *self.producer.lock().unwrap_or_else(|e| e.into_inner()) = producer;
         Ok(())
     }
@@ -171,7 +171,7 @@ impl Engine {
         let mut producer = self.producer.lock().unwrap_or_else(|e| e.into_inner());
         let placed = producer.enqueue_batch(&jobs).map_err(|e| match e {
             ProduceError::Queue(q) => FsError::Queue(q),
-            other => FsError::Queue(QueueError::Backend(other.to_string())),
+            other => FsError::Queue(QueueError::store(other.kind(), other)),
         })?;
         Ok(placed.into_iter().map(|p| (p.shard, p.id)).collect())
     }

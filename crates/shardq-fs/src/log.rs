@@ -246,10 +246,13 @@ impl ShardLog {
             self.cur_off = 0;
             return Ok(());
         }
-        Err(QueueError::Backend(format!(
-            "shard {:?}: segments kept vanishing while opening them",
-            self.name
-        )))
+        Err(QueueError::io(
+            format!("shard {:?}: opening its segments", self.name),
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "segments kept vanishing while opening them",
+            ),
+        ))
     }
 
     /// Position of the first segment still kept.
@@ -311,7 +314,10 @@ impl ShardLog {
     pub fn poison(&mut self, err: QueueError) -> QueueError {
         let msg = err.to_string();
         if self.broken.is_none() {
-            self.broken = Some(QueueError::Backend(msg.clone()));
+            self.broken = Some(QueueError::Poisoned {
+                shard: self.name.clone(),
+                cause: msg.clone(),
+            });
         }
         QueueError::Poisoned {
             shard: self.name.clone(),
@@ -507,11 +513,14 @@ impl ShardLog {
                 None => return Ok(None),
             }
         }
-        Err(QueueError::Backend(format!(
-            "shard {:?}: segments after {} kept vanishing while stepping over them",
-            self.name,
-            segment_name(next)
-        )))
+        Err(QueueError::io(
+            format!(
+                "shard {:?}: stepping over the segments after {}",
+                self.name,
+                segment_name(next)
+            ),
+            std::io::Error::new(std::io::ErrorKind::NotFound, "segments kept vanishing"),
+        ))
     }
 
     fn read_segment(
@@ -796,11 +805,13 @@ impl ShardLog {
     /// Reads the record at global position `pos` (an enqueue, for a claim)
     /// and checks it right after reading it back.
     pub fn read_record_at(&mut self, pos: u64) -> Result<Vec<u8>, QueueError> {
-        let (&base, file) = self
-            .segments
-            .range(..=pos)
-            .next_back()
-            .ok_or_else(|| QueueError::Backend(format!("no segment holds position {pos}")))?;
+        let (&base, file) =
+            self.segments
+                .range(..=pos)
+                .next_back()
+                .ok_or_else(|| QueueError::Internal {
+                    what: format!("shard {:?}: a segment holding position {pos}", self.name),
+                })?;
         let file = Arc::clone(file);
         let off = pos - base;
         let ctx = || format!("reading {} at offset {off}", segment_name(base));

@@ -74,12 +74,12 @@ impl FileMapStore {
             .create(true)
             .truncate(false)
             .open(&path)
-            .map_err(|e| ReshardError::Store(format!("opening {}: {e}", path.display())))
+            .map_err(|e| ReshardError::io(format!("opening {}", path.display()), e))
     }
 }
 
 fn store_err(e: FsError) -> ReshardError {
-    ReshardError::Store(e.to_string())
+    ReshardError::store(e.kind(), e)
 }
 
 struct FlockGuard(File);
@@ -109,7 +109,7 @@ impl MapStore for FileMapStore {
         let lock = self.open_lock(MAP_LOCK_FILE)?;
         let lock_path = self.dir.join(MAP_LOCK_FILE);
         let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
-            .map_err(|e| ReshardError::Store(format!("locking {}: {e}", lock_path.display())))?;
+            .map_err(|e| ReshardError::io(format!("locking {}", lock_path.display()), e))?;
         if !held {
             return Err(ReshardError::Unavailable(format!(
                 "the map lock {} is held by another process (stalled?): not free after \
@@ -134,7 +134,7 @@ impl MapStore for FileMapStore {
         let path = self.dir.join(SHARD_MAP_FILE);
         self.storage
             .write_file_atomic(&path, map.to_yaml().as_bytes())
-            .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display())))
+            .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e))
     }
 
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
@@ -144,12 +144,12 @@ impl MapStore for FileMapStore {
                 .map_err(|e| e.to_string())
                 .and_then(|text| ShardMap::from_yaml(text).map_err(|e| e.to_string()))
                 .map(Some)
-                .map_err(|e| ReshardError::Store(format!("{}: {e}", path.display()))),
+                .map_err(|reason| ReshardError::BadTarget {
+                    location: path.display().to_string(),
+                    reason,
+                }),
             Ok(None) => Ok(None),
-            Err(e) => Err(ReshardError::Store(format!(
-                "reading {}: {e}",
-                path.display()
-            ))),
+            Err(e) => Err(ReshardError::io(format!("reading {}", path.display()), e)),
         }
     }
 
@@ -159,14 +159,11 @@ impl MapStore for FileMapStore {
             Some(t) => self
                 .storage
                 .write_file_atomic(&path, t.to_yaml().as_bytes())
-                .map_err(|e| ReshardError::Store(format!("writing {}: {e}", path.display()))),
+                .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e)),
             None => match fs::remove_file(&path) {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(ReshardError::Store(format!(
-                    "removing {}: {e}",
-                    path.display()
-                ))),
+                Err(e) => Err(ReshardError::io(format!("removing {}", path.display()), e)),
             },
         }
     }
@@ -193,10 +190,10 @@ impl MapStore for FileMapStore {
                     },
                 })
             }
-            Err(e) => Err(ReshardError::Store(format!(
-                "locking {}: {e}",
-                self.dir.join(REBALANCE_LOCK_FILE).display()
-            ))),
+            Err(e) => Err(ReshardError::io(
+                format!("locking {}", self.dir.join(REBALANCE_LOCK_FILE).display()),
+                e.into(),
+            )),
         }
     }
 }

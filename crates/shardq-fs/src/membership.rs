@@ -91,7 +91,7 @@ impl std::fmt::Debug for FsCoordinator {
 fn q(e: FsError) -> QueueError {
     match e {
         FsError::Queue(q) => q,
-        other => QueueError::Backend(other.to_string()),
+        other => QueueError::store(other.kind(), other),
     }
 }
 

@@ -1277,10 +1277,10 @@ impl RedisBackend {
     }
 
     fn too_many_keys(s: &ShardRef) -> QueueError {
-        QueueError::Backend(format!(
-            "shard {:?} at {}: more than {INVENTORY_KEYS_MAX} keys with work; the inventory stops there",
-            s.name, s.url
-        ))
+        QueueError::InventoryTooLarge {
+            shard: format!("{} at {}", s.name, s.url),
+            max: INVENTORY_KEYS_MAX,
+        }
     }
 }
 

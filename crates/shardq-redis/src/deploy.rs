@@ -67,11 +67,13 @@ pub fn init_deployment(
         redis::cmd("HGET").arg(&dkey).arg("id").query(con)
     })?;
     if let Some(found) = existing {
-        return Err(QueueError::Backend(format!(
-            "Redis at {map_url} already holds deployment {found:?} in namespace {namespace:?} \
-             ({dkey}); refusing to initialise over it (choose another namespace, or open the \
-             existing deployment)"
-        ))
+        return Err(QueueError::AlreadyExists {
+            what: format!(
+                "Redis at {map_url} already holds deployment {found:?} in namespace {namespace:?} \
+                 ({dkey}); refusing to initialise over it (choose another namespace, or open the \
+                 existing deployment)"
+            ),
+        }
         .into());
     }
     let shards = redis_shards(map, &opts)?;
@@ -120,9 +122,11 @@ pub fn init_deployment(
 pub fn init_shards(map: &ShardMap, options: &RedisOptions) -> Result<Vec<String>, RedisError> {
     options.validate()?;
     let Some(id) = options.deployment.clone() else {
-        return Err(QueueError::Backend(
-            "init_shards needs the deployment id (RedisOptions::deployment)".into(),
-        )
+        return Err(QueueError::InvalidOption {
+            name: "RedisOptions::deployment",
+            value: "None".into(),
+            allowed: "the deployment id, which init_shards needs".into(),
+        }
         .into());
     };
     let scripts = Scripts::new();
@@ -176,11 +180,13 @@ fn redis_shards(map: &ShardMap, opts: &RedisOptions) -> Result<Vec<ShardTarget>,
 }
 
 fn exists_error(shard: &str, url: &str, namespace: &str, key: &str) -> RedisError {
-    QueueError::Backend(format!(
-        "shard {shard:?}: Redis at {url} already has key {key} of namespace {namespace:?}; \
-         refusing to initialise over another deployment's shard (choose another namespace, or \
-         remove that deployment's keys)"
-    ))
+    QueueError::AlreadyExists {
+        what: format!(
+            "shard {shard:?}: Redis at {url} already has key {key} of namespace {namespace:?}; \
+             refusing to initialise over another deployment's shard (choose another namespace, or \
+             remove that deployment's keys)"
+        ),
+    }
     .into()
 }
 

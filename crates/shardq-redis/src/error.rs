@@ -192,7 +192,7 @@ impl From<RedisError> for QueueError {
                 shard,
                 reason: format!("Redis at {url}: {cause}"),
             },
-            other => QueueError::Backend(other.to_string()),
+            other => QueueError::store(other.kind(), other),
         }
     }
 }

@@ -169,7 +169,7 @@ fn store_err(e: RedisError) -> ReshardError {
             expected, found, ..
         } => ReshardError::Conflict { expected, found },
         e @ RedisError::Unreachable { .. } => ReshardError::Unavailable(e.to_string()),
-        other => ReshardError::Store(other.to_string()),
+        other => ReshardError::store(other.kind(), other),
     }
 }
 
@@ -202,12 +202,11 @@ impl Drop for LockGuard {
 
 impl MapStore for RedisMapStore {
     fn load(&self) -> Result<ShardMap, ReshardError> {
-        self.load_map().map_err(store_err)?.ok_or_else(|| {
-            ReshardError::Store(format!(
-                "no shard map is published in Redis at {}; create one with `shardq init --redis ...`",
-                self.node.url
-            ))
-        })
+        self.load_map()
+            .map_err(store_err)?
+            .ok_or_else(|| ReshardError::NoMap {
+                location: format!("Redis at {}", self.node.url),
+            })
     }
 
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
@@ -224,12 +223,12 @@ impl MapStore for RedisMapStore {
             .map_err(store_err)?;
         match yaml {
             None => Ok(None),
-            Some(y) => ShardMap::from_yaml(&y).map(Some).map_err(|e| {
-                ReshardError::Store(format!(
-                    "target map in Redis at {} ({}) does not parse: {e}",
-                    self.node.url, self.target_key
-                ))
-            }),
+            Some(y) => ShardMap::from_yaml(&y)
+                .map(Some)
+                .map_err(|e| ReshardError::BadTarget {
+                    location: format!("Redis at {} ({})", self.node.url, self.target_key),
+                    reason: e.to_string(),
+                }),
         }
     }
 
@@ -309,7 +308,7 @@ impl MapStore for RedisMapStore {
                     });
                 }
             })
-            .map_err(|e| ReshardError::Store(format!("starting the lock renewal thread: {e}")))?;
+            .map_err(|e| ReshardError::io("starting the map lock's renewal thread", e))?;
         Ok(Box::new(LockGuard {
             stop: Some(stop),
             renewer: Some(renewer),

@@ -186,8 +186,9 @@ pub struct EnqueueArgs {
     /// Payload (UTF-8 text); empty if absent.
     #[arg(long)]
     payload: Option<String>,
-    /// Read KEY<TAB>PAYLOAD lines from stdin; prints KEY<TAB>SHARD<TAB>ID for
-    /// each job once it is stored. After an error every stored job has been
+    /// Read KEY<TAB>PAYLOAD lines from stdin; prints KEY<TAB>SHARD:ID for
+    /// each job once it is stored (without `--stdin`: the job's SHARD:ID,
+    /// the form `dead`, the API and the clients use). After an error every stored job has been
     /// printed and the error names the stdin lines NOT enqueued (exit 2), so
     /// exactly those can be sent again.
     #[arg(long)]
@@ -495,7 +496,7 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
         };
         let stored = place(std::slice::from_ref(&job));
         if let Some((_, shard, id)) = stored.placed.first() {
-            println!("{shard}\t{id}");
+            println!("{shard}:{id}");
         }
         return match stored.error {
             Some(e) if stored.placed.is_empty() => Err(e.context("the job was NOT enqueued")),
@@ -541,7 +542,7 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
             let stored = place(&jobs);
             let mut done = vec![false; jobs.len()];
             for (i, shard, id) in &stored.placed {
-                writeln!(out, "{}\t{shard}\t{id}", jobs[*i].key)?;
+                writeln!(out, "{}\t{shard}:{id}", jobs[*i].key)?;
                 done[*i] = true;
             }
             out.flush()?;
@@ -829,8 +830,9 @@ fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
             Err(_) if cancelled() => Err(format!(
                 "killed: {}",
                 run.as_ref().map(|r| r.cancel_reason()).unwrap_or_default()
-            )),
-            other => other,
+            )
+            .into()),
+            other => Ok(other?),
         }
     })
 }
@@ -849,7 +851,7 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
         let line = format!("{} {} {} {}\n", job.key, job.id, job.attempt, job.shard);
         // One write per line on an O_APPEND file: a kill leaves whole lines.
         let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
-        f.write_all(line.as_bytes()).map_err(|e| e.to_string())
+        Ok(f.write_all(line.as_bytes())?)
     }))
 }
 

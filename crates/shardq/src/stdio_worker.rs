@@ -435,6 +435,6 @@ pub fn stdio_handler(cmd: Vec<String>, procs: usize) -> Arc<shardq_core::Handler
             *s.borrow_mut()
                 .get_or_insert_with(|| next.fetch_add(1, Ordering::SeqCst) % n)
         });
-        procs.run(slot, job)
+        Ok(procs.run(slot, job)?)
     })
 }

@@ -110,9 +110,10 @@ fn parse_acks(stdout: &str) -> Vec<(String, String, u64)> {
     stdout
         .lines()
         .map(|l| {
-            let f: Vec<&str> = l.split('\t').collect();
-            assert_eq!(f.len(), 3, "bad producer line {l:?}");
-            (f[0].to_string(), f[1].to_string(), f[2].parse().unwrap())
+            // KEY<TAB>SHARD:ID
+            let (key, id) = l.split_once('\t').expect("KEY<TAB>SHARD:ID");
+            let (shard, id) = id.rsplit_once(':').expect("SHARD:ID");
+            (key.to_string(), shard.to_string(), id.parse().unwrap())
         })
         .collect()
 }
@@ -267,7 +268,7 @@ fn producer_killed_mid_enqueue_keeps_every_reported_job() {
     // Lines printed before the kill but not read yet still count.
     for l in reader.lines() {
         match l {
-            Ok(l) if l.split('\t').count() == 3 => reported.push(l),
+            Ok(l) if l.split_once('\t').is_some_and(|(_, id)| id.contains(':')) => reported.push(l),
             _ => break,
         }
     }

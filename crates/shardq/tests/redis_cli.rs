@@ -134,12 +134,14 @@ fn runs(path: &Path) -> Vec<Run> {
 }
 
 /// Per key, the jobs in the order their enqueues were reported, from
-/// `KEY<TAB>SHARD<TAB>ID` lines of `enqueue --stdin`.
+/// `KEY<TAB>SHARD:ID` lines of `enqueue --stdin`.
 fn enqueued(stdout: &str) -> BTreeMap<String, Vec<(String, u64)>> {
     let mut out: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
     for l in stdout.lines() {
-        let mut p = l.split('\t');
-        let (Some(k), Some(s), Some(id)) = (p.next(), p.next(), p.next()) else {
+        let Some((k, (s, id))) = l
+            .split_once('\t')
+            .and_then(|(k, id)| Some((k, id.rsplit_once(':')?)))
+        else {
             panic!("bad enqueue line {l:?}");
         };
         out.entry(k.to_string())
@@ -253,7 +255,7 @@ fn init_over_four_instances_then_enqueue_work_and_status() {
     let mut expected = enqueued(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(expected.values().map(Vec::len).sum::<usize>(), 400);
     let solo = ok(&["enqueue", "--data", d, "--key", "solo", "--payload", "x"]);
-    let (shard, id) = solo.trim().split_once('\t').unwrap();
+    let (shard, id) = solo.trim().rsplit_once(':').unwrap();
     expected.insert(
         "solo".into(),
         vec![(shard.to_string(), id.parse().unwrap())],
@@ -568,6 +570,14 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
     }
     // Nothing was published for the shard that could not be reached.
     assert_eq!(load_map(&data).shards.len(), 2);
+    // The map store itself down (it lives on the first server): still
+    // "retry later", naming the map store's URL, not bad input.
+    let map_url = servers[0].url();
+    servers[0].kill();
+    let out = shardq(&["add-shard", "--data", &d, "shard-8", "--url", &spare_url]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(err.contains(map_url.as_str()), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

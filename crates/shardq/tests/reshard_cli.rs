@@ -6,7 +6,7 @@
 //!
 //! Every load test checks three things. The maps: how many of 10,000 tenants
 //! change owner and where they go. The producers' placements (their
-//! `KEY<TAB>SHARD<TAB>ID` lines): a key changes shard at most once, from its
+//! `KEY<TAB>SHARD:ID` lines): a key changes shard at most once, from its
 //! old owner to its new one, so a producer on a stale map never put a job on
 //! a shard the key had left. The runs (the worker's `KEY ID ATTEMPT SHARD`
 //! lines, mapped back to each key's sequence number): every key ran
@@ -340,12 +340,12 @@ fn start_producer(s: &Scratch, keys: Vec<String>, burst: u64, lines_per_s: u64) 
             .lines()
             .map_while(Result::ok)
             .map(|l| {
-                let f: Vec<&str> = l.split('\t').collect();
-                assert_eq!(f.len(), 3, "bad producer line {l:?}");
+                let (key, id) = l.split_once('\t').expect("KEY<TAB>SHARD:ID");
+                let (shard, id) = id.rsplit_once(':').expect("SHARD:ID");
                 Ack {
-                    key: f[0].to_string(),
-                    shard: f[1].to_string(),
-                    id: f[2].parse().unwrap(),
+                    key: key.to_string(),
+                    shard: shard.to_string(),
+                    id: id.parse().unwrap(),
                 }
             })
             .collect()
@@ -977,11 +977,12 @@ fn a_second_rebalance_is_refused_while_one_runs() {
         .unwrap()
         .lines()
         .map(|l| {
-            let f: Vec<&str> = l.split('\t').collect();
+            let (key, id) = l.split_once('\t').expect("KEY<TAB>SHARD:ID");
+            let (shard, id) = id.rsplit_once(':').expect("SHARD:ID");
             Ack {
-                key: f[0].into(),
-                shard: f[1].into(),
-                id: f[2].parse().unwrap(),
+                key: key.into(),
+                shard: shard.into(),
+                id: id.parse().unwrap(),
             }
         })
         .collect();

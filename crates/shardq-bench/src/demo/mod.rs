@@ -318,7 +318,7 @@ pub fn run(
                     if work_us > 0 {
                         thread::sleep(Duration::from_micros(work_us));
                     }
-                    tracker.record(job)
+                    tracker.record(job).map_err(Into::into)
                 };
                 WorkerPool::run(
                     backend,

@@ -443,7 +443,10 @@ fn lapsed_job_lease_reruns_with_attempt_plus_one_and_refuses_the_old_receipt() {
     assert!(k2[0].fence >= floor);
     assert!(matches!(
         b.claim("r0", 10, 1),
-        Err(QueueError::Backend(m)) if m.contains("job lease")
+        Err(QueueError::InvalidOption {
+            name: "job lease",
+            ..
+        })
     ));
 }
 
