@@ -33,6 +33,7 @@ const STDIN_LINE_BYTES_MAX: usize = shardq_core::PAYLOAD_BYTES_LIMIT + 2048;
 pub enum EngineCommand {
     /// Create a data dir with shards shard-0..shard-(N-1) and map version 1.
     Init {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// Number of shards.
@@ -41,7 +42,7 @@ pub enum EngineCommand {
         /// Routing algorithm (rendezvous, ring, jump, modulo, slots).
         #[arg(long, default_value = "rendezvous")]
         algorithm: String,
-        /// Hash function (blake2b64, xxh64, xxh3, murmur3).
+        /// Hash function (blake2b64, xxh64, xxh3, murmur3, fnv1a64, crc16).
         #[arg(long)]
         hash: Option<String>,
         /// Put the shards on Redis instances: a comma-separated list of
@@ -77,6 +78,7 @@ pub enum EngineCommand {
     /// a summary line go to stderr. Exit status 2 if any shard failed, as
     /// for any other error.
     Status {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// One JSON object instead of a table.
@@ -94,6 +96,7 @@ pub enum EngineCommand {
     /// Cut corrupt records out of a shard's log (saving them to quarantine/),
     /// so it serves again. Reports every byte range it removed.
     Repair {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// Shard name, e.g. shard-0.
@@ -178,6 +181,7 @@ pub struct CommonOpts {
 
 #[derive(Debug, clap::Args)]
 pub struct EnqueueArgs {
+    /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
     #[arg(long, value_name = "DIR")]
     data: PathBuf,
     /// Routing key.
@@ -205,6 +209,7 @@ pub struct EnqueueArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct WorkArgs {
+    /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
     #[arg(long, value_name = "DIR")]
     data: PathBuf,
     /// Handlers running at once, over all owned shards.

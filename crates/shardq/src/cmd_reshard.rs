@@ -44,6 +44,7 @@ pub enum ReshardCommand {
     /// Deploy a new shard as `warming`: visible in status, receiving nothing
     /// until `rebalance` makes it active and moves its keys to it.
     AddShard {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// Name of the new shard.
@@ -60,6 +61,7 @@ pub enum ReshardCommand {
     /// Move every key whose owner changes to the pending target, without
     /// breaking any key's order (pin, pause, drain, switch).
     Rebalance {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// Print the plan (keys with work that would move) and change nothing.
@@ -70,6 +72,7 @@ pub enum ReshardCommand {
     },
     /// Drain a shard's keys to their new owners, then drop it from the map.
     RemoveShard {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// The shard to remove.
@@ -79,6 +82,7 @@ pub enum ReshardCommand {
     },
     /// Change a shard's weight and move the keys that change owner.
     SetWeight {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// The shard.
@@ -90,6 +94,7 @@ pub enum ReshardCommand {
     },
     /// Pin a key (a hot tenant) to a shard, moving it after its backlog.
     Pin {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// The key.
@@ -101,6 +106,7 @@ pub enum ReshardCommand {
     },
     /// Remove a key's pin, moving it back to its computed owner.
     Unpin {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// The key.
@@ -110,6 +116,7 @@ pub enum ReshardCommand {
     },
     /// The keys with the most queued and in-flight jobs, per shard.
     Hot {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
         /// Keys listed per shard.

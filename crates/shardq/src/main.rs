@@ -179,3 +179,44 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
             .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every option of every command says what it is for in `--help`.
+    #[test]
+    fn every_option_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, empty: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" || arg.is_positional() {
+                    continue;
+                }
+                if arg
+                    .get_help()
+                    .is_none_or(|h| h.to_string().trim().is_empty())
+                {
+                    empty.push(format!("{path} --{}", arg.get_long().unwrap_or(id)));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), empty);
+            }
+        }
+        let mut empty = Vec::new();
+        walk(&super::Cli::command(), "shardq", &mut empty);
+        assert!(empty.is_empty(), "options without help: {empty:?}");
+    }
+
+    /// `init --help` names every hash function the router has.
+    #[test]
+    fn init_help_names_every_hash() {
+        let mut cmd = super::Cli::command();
+        let init = cmd.find_subcommand_mut("init").expect("init");
+        let help = init.render_long_help().to_string();
+        for h in shardq_route::HashFn::ALL {
+            assert!(help.contains(h.name()), "init --help lacks {}", h.name());
+        }
+    }
+}
