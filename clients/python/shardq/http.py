@@ -779,6 +779,9 @@ class Worker(_SignalStops):
         self._abandon = threading.Event()
         self._lock = threading.Lock()
         self._slot_cond = threading.Condition()
+        # Claim loops waiting on _slot_cond: a release notifies only when
+        # one waits (a notify costs more than the rest of a job's bookkeeping).
+        self._slot_waiters = 0
         self._book = _SlotBook(self.urls, 1)
         # The claims in flight, by URL: a stop cuts them (re-entrant: a
         # second signal may arrive while the first one's handler holds it).
@@ -941,18 +944,24 @@ class Worker(_SignalStops):
                 want, own = self._book.take(url, most)
                 if want:
                     return want, own
-                self._slot_cond.wait(0.2)
+                self._slot_waiters += 1
+                try:
+                    self._slot_cond.wait(0.2)
+                finally:
+                    self._slot_waiters -= 1
         return None
 
     def _settle(self, url: str, want: int, own: bool, jobs: Sequence[ClaimedJob]) -> None:
         with self._slot_cond:
             self._book.claimed(url, want, own, jobs)
-            self._slot_cond.notify_all()
+            if self._slot_waiters:
+                self._slot_cond.notify_all()
 
     def _release(self, job: ClaimedJob) -> None:
         with self._slot_cond:
             self._book.release(job)
-            self._slot_cond.notify_all()
+            if self._slot_waiters:
+                self._slot_cond.notify_all()
 
     def _poll(self, t: _Transport, body: Mapping[str, Any], timeout: float) -> Tuple[int, Any]:
         """Sends a claim on a connection that :meth:`stop` can cut."""

@@ -58,8 +58,8 @@
 
 use crate::error::QueueError;
 use crate::job::{
-    AckOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob,
-    Receipt, ShardStats, Stored,
+    AckOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob,
+    NewJob, Receipt, ShardStats, Stored,
 };
 
 /// The bounds of one call of a backend ([`QueueBackend::limits`]).
@@ -164,6 +164,72 @@ pub trait QueueBackend: Send + Sync {
     fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
         let _ = shard;
         Ok(Vec::new())
+    }
+
+    /// Whether this backend moves a key's backlog with the key
+    /// ([`QueueBackend::export_jobs`], [`QueueBackend::import_jobs`],
+    /// [`QueueBackend::purge_key`], and claims that pass sealed keys by).
+    /// Without it a rebalance drains a moving key on its old shard first.
+    fn moves_backlogs(&self) -> bool {
+        false
+    }
+
+    /// Up to `max` of `key`'s jobs on `shard` that are not running, queued
+    /// or delayed or dead, with an id above `after`, in id order (which is
+    /// key order). Only for a key sealed on `shard`, whose set of such jobs
+    /// then only grows, at the top, as enqueues arrive.
+    fn export_jobs(
+        &self,
+        shard: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        let _ = (shard, key, after, max);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// Appends `jobs`, copied from shard `from`, to `key` on `shard`, in
+    /// order, atomically: payload, times, attempts and dead letters as
+    /// given, new ids here. A job whose source id is at or below
+    /// [`QueueBackend::imported_up_to`] is skipped, so a rerun of a copy
+    /// stores nothing twice. Returns (source id, new id) per job stored.
+    fn import_jobs(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        let _ = (shard, from, key, jobs);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// The largest source id `shard` has taken from shard `from` for `key`.
+    fn imported_up_to(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        let _ = (shard, from, key);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// Deletes `key`'s jobs on `shard` that are not running (queued,
+    /// delayed and dead), atomically: the copies left behind by a move.
+    /// Returns how many.
+    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
     }
 
     /// Makes this process the runner of `shard`: loads its backlog, and puts

@@ -56,6 +56,98 @@ pub fn run_all(h: &dyn ContractHarness) {
     dedup_ids_belong_to_their_key(h);
     dedup_is_atomic_with_the_append(h);
     dedup_records_move_with_export_and_import(h);
+    backlogs_move_with_their_key(h);
+}
+
+/// A key's backlog moves to another shard whole: a sealed key starts no
+/// run where it is, its queued, delayed, retried and dead jobs are exported
+/// in key order and imported with their payloads, times and attempts, a
+/// second import stores nothing twice, and the purge leaves the other keys
+/// alone. A backend without the capability says so.
+pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
+    let b = h.backend();
+    let (from, to) = (h.fresh_shard(), h.fresh_shard());
+    if !b.moves_backlogs() {
+        assert!(
+            matches!(
+                b.export_jobs(&from, "k", None, 10),
+                Err(QueueError::Unsupported { .. })
+            ),
+            "a backend that does not move backlogs must refuse an export"
+        );
+        return;
+    }
+    // a: a dead letter; b: retried once, at the head; c: queued; d: delayed.
+    enqueue(h, &from, "k", "a", 1);
+    let run = claim(h, &from, 1, LONG_LEASE_MS).remove(0);
+    b.fail(&from, run.receipt(), "boom", None).expect("fail");
+    enqueue(h, &from, "k", "b", 5);
+    let run = claim(h, &from, 1, LONG_LEASE_MS).remove(0);
+    b.fail(&from, run.receipt(), "again", Some(0))
+        .expect("fail");
+    enqueue(h, &from, "k", "c", 5);
+    let mut d = NewJob::new("k", "d");
+    d.delay_ms = 3_600_000;
+    b.enqueue(&from, u64::MAX, &[d]).expect("enqueue");
+    enqueue(h, &from, "other", "o", 5);
+
+    let mut fence = b.fence(&from).expect("fence");
+    fence.sealed_keys.insert("k".into(), to.clone());
+    b.set_fence(&from, &fence).expect("seal");
+    let ran: Vec<String> = claim(h, &from, 10, LONG_LEASE_MS)
+        .into_iter()
+        .map(|j| j.key)
+        .collect();
+    assert_eq!(ran, ["other"], "a sealed key started a run");
+
+    let first = b.export_jobs(&from, "k", None, 2).expect("export");
+    let rest = b
+        .export_jobs(&from, "k", Some(first[1].id), 10)
+        .expect("export");
+    let all: Vec<_> = first.into_iter().chain(rest).collect();
+    let payloads: Vec<&[u8]> = all.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(payloads, [b"a", b"b", b"c", b"d"], "export in key order");
+    assert_eq!(
+        all[0].dead.as_deref(),
+        Some("boom"),
+        "the dead letter and its reason"
+    );
+    assert_eq!((all[1].attempt, all[1].dead.is_none()), (1, true));
+    assert!(all[3].not_before_ms > all[2].not_before_ms + 3_000_000);
+
+    let stored = b.import_jobs(&to, &from, "k", &all).expect("import");
+    assert_eq!(stored.len(), 4);
+    assert!(
+        b.import_jobs(&to, &from, "k", &all)
+            .expect("import")
+            .is_empty(),
+        "a second import of the same jobs stored them twice"
+    );
+    assert_eq!(
+        b.imported_up_to(&to, &from, "k").expect("cursor"),
+        Some(all[3].id)
+    );
+    let c = b.key_counts(&to, "k").expect("counts");
+    assert_eq!((c.depth, c.dead), (3, 1));
+    let dead = b.dead_list(&to, 10).expect("dead list");
+    assert_eq!((dead.len(), dead[0].reason.as_str()), (1, "boom"));
+    let next = claim(h, &to, 10, LONG_LEASE_MS);
+    assert_eq!(next.len(), 1);
+    assert_eq!((&next[0].payload[..], next[0].attempt), (&b"b"[..], 2));
+    ack_one(h, &to, next[0].receipt());
+    let next = claim(h, &to, 10, LONG_LEASE_MS);
+    assert_eq!(&next[0].payload[..], b"c");
+    ack_one(h, &to, next[0].receipt());
+    assert!(
+        claim(h, &to, 10, LONG_LEASE_MS).is_empty(),
+        "a delayed job moved ahead of its time"
+    );
+
+    assert_eq!(b.purge_key(&from, "k").expect("purge"), 4);
+    let c = b.key_counts(&from, "k").expect("counts");
+    assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0));
+    let c = b.key_counts(&from, "other").expect("counts");
+    assert_eq!(c.in_flight, 1, "the purge touched another key");
 }
 
 /// The window the dedup checks use (long enough never to lapse in a check).

@@ -3,7 +3,7 @@
 //! Plain data with validation of caller input; it must never decide where a
 //! job lives or touch storage.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -463,6 +463,34 @@ pub struct Fence {
     /// keep growing when it changes shard.
     #[serde(default)]
     pub run_fence_min: u64,
+    /// Keys being moved away, each with the shard its backlog goes to: no
+    /// run of theirs starts here (claims pass them by), while their
+    /// enqueues are still taken. Set by a rebalance before it copies a
+    /// key's backlog and cleared once the copies here are deleted; a rerun
+    /// finishes every transfer listed (see `reshard`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sealed_keys: BTreeMap<String, String>,
+}
+
+/// A job copied from one shard to another with its key (a move that takes
+/// the backlog along): everything a run of it needs, as its old shard held it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MovedJob {
+    /// Its id on the shard it comes from (the copy's order and the
+    /// import's idempotency follow it).
+    pub id: JobId,
+    /// Enqueue time.
+    pub created_ms: u64,
+    /// Earliest start (its delay, or its retry's backoff, kept).
+    pub not_before_ms: u64,
+    /// Attempts already made.
+    pub attempt: u32,
+    /// Attempt limit.
+    pub max_attempts: u32,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// `Some(reason)` for a dead letter.
+    pub dead: Option<String>,
 }
 
 impl Fence {

@@ -15,8 +15,8 @@ use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy,
-    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, Receipt, ShardStats, Stored,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob, NewJob, Receipt, ShardStats,
+    Stored, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 
@@ -58,6 +58,8 @@ struct ShardState {
     seen: (u64, u64),
     /// Dedup records by (key, dedup id).
     dedup: BTreeMap<(String, String), DedupRecord>,
+    /// Per (shard copied from, key), the largest source id imported.
+    imported: BTreeMap<(String, String), JobId>,
 }
 
 /// A shard's stored state, taken by [`MemoryBackend::checkpoint`].
@@ -88,9 +90,20 @@ pub struct MemoryBackend {
     clock: Arc<dyn Clock>,
     backoff: Backoff,
     dead_policy: DeadPolicy,
+    /// Whether a rebalance moves backlogs (the default) or drains moving
+    /// keys first, as a backend without the capability makes it do.
+    moves_backlogs: bool,
 }
 
 impl MemoryBackend {
+    /// The same backend, telling a rebalance to drain moving keys instead of
+    /// moving their backlogs (to test that path, which the Redis backend
+    /// takes).
+    pub fn draining_moves(mut self) -> MemoryBackend {
+        self.moves_backlogs = false;
+        self
+    }
+
     /// A backend holding `shards`, every one adopted by this process.
     pub fn new(shards: &[&str], clock: Arc<dyn Clock>) -> MemoryBackend {
         let map = shards
@@ -114,6 +127,7 @@ impl MemoryBackend {
                 max_ms: 10,
             },
             dead_policy: DeadPolicy::Continue,
+            moves_backlogs: true,
         }
     }
 
@@ -432,7 +446,10 @@ impl QueueBackend for MemoryBackend {
                 if out.len() >= max {
                     break;
                 }
-                if s.busy_keys.contains(&key) || s.halted_keys.contains(&key) {
+                if s.busy_keys.contains(&key)
+                    || s.halted_keys.contains(&key)
+                    || s.fence.sealed_keys.contains_key(&key)
+                {
                     continue;
                 }
                 let Some(&id) = s.keys.get(&key).and_then(|q| q.front()) else {
@@ -551,7 +568,7 @@ impl QueueBackend for MemoryBackend {
         self.with_shard(shard, |s| {
             Ok(s.keys
                 .iter()
-                .filter(|(k, _)| !s.busy_keys.contains(*k))
+                .filter(|(k, _)| !s.busy_keys.contains(*k) && !s.fence.sealed_keys.contains_key(*k))
                 .filter_map(|(_, q)| {
                     q.front()
                         .and_then(|id| s.jobs.get(id))
@@ -638,6 +655,133 @@ impl QueueBackend for MemoryBackend {
                 }
             }
             Ok(chosen.len())
+        })
+    }
+
+    fn moves_backlogs(&self) -> bool {
+        self.moves_backlogs
+    }
+
+    fn export_jobs(
+        &self,
+        shard: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        self.with_shard(shard, |s| {
+            let mut ids: Vec<JobId> = s
+                .keys
+                .get(key)
+                .map_or_else(Vec::new, |q| q.iter().copied().collect());
+            ids.extend(
+                s.dead
+                    .iter()
+                    .filter(|id| s.jobs.get(id).is_some_and(|j| j.key == key)),
+            );
+            ids.retain(|id| after.is_none_or(|a| *id > a));
+            ids.sort_unstable();
+            ids.truncate(max);
+            Ok(ids
+                .into_iter()
+                .filter_map(|id| {
+                    let j = s.jobs.get(&id)?;
+                    Some(MovedJob {
+                        id,
+                        created_ms: j.created_ms,
+                        not_before_ms: j.not_before_ms,
+                        attempt: j.attempt,
+                        max_attempts: j.max_attempts,
+                        payload: j.payload.clone(),
+                        dead: s.dead.contains(&id).then(|| j.reason.clone()),
+                    })
+                })
+                .collect())
+        })
+    }
+
+    fn import_jobs(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        crate::job::validate_key(key)?;
+        self.with_shard(shard, |s| {
+            s.check_not_rewound(shard)?;
+            let cursor = (from.to_string(), key.to_string());
+            let mut done = s.imported.get(&cursor).copied();
+            let mut out = Vec::new();
+            for j in jobs {
+                if done.is_some_and(|d| j.id <= d) {
+                    continue;
+                }
+                let id = JobId(s.next_id);
+                s.next_id += 1;
+                s.jobs.insert(
+                    id,
+                    StoredJob {
+                        key: key.to_string(),
+                        payload: j.payload.clone(),
+                        attempt: j.attempt,
+                        max_attempts: j.max_attempts,
+                        created_ms: j.created_ms,
+                        not_before_ms: j.not_before_ms,
+                        reason: j.dead.clone().unwrap_or_default(),
+                    },
+                );
+                if j.dead.is_some() {
+                    s.dead.insert(id);
+                } else {
+                    s.keys.entry(key.to_string()).or_default().push_back(id);
+                }
+                done = Some(j.id);
+                out.push((j.id, id));
+            }
+            if let Some(d) = done {
+                s.imported.insert(cursor, d);
+            }
+            s.check_not_rewound(shard)?;
+            Ok(out)
+        })
+    }
+
+    fn imported_up_to(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok(s.imported
+                .get(&(from.to_string(), key.to_string()))
+                .copied())
+        })
+    }
+
+    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        self.with_shard(shard, |s| {
+            let mut n = 0u64;
+            if let Some(q) = s.keys.remove(key) {
+                for id in q {
+                    s.jobs.remove(&id);
+                    n += 1;
+                }
+            }
+            let dead: Vec<JobId> = s
+                .dead
+                .iter()
+                .copied()
+                .filter(|id| s.jobs.get(id).is_some_and(|j| j.key == key))
+                .collect();
+            for id in dead {
+                s.dead.remove(&id);
+                s.jobs.remove(&id);
+                n += 1;
+            }
+            s.halted_keys.remove(key);
+            Ok(n)
         })
     }
 

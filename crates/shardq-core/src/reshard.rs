@@ -61,7 +61,7 @@ use thiserror::Error;
 use crate::backend::QueueBackend;
 use crate::clock::{Clock, SystemClock};
 use crate::error::{ErrorKind, QueueError};
-use crate::job::KeyCounts;
+use crate::job::{DedupRecord, JobId, KeyCounts};
 
 /// Default keys moved per drain-then-switch batch.
 pub const BATCH_DEFAULT: usize = 64;
@@ -71,6 +71,13 @@ pub const BATCH_MAX: usize = 4096;
 pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 300_000;
 /// Default interval between drain checks.
 pub const DRAIN_POLL_MS_DEFAULT: u64 = 2;
+/// Jobs per export and import call of a backlog transfer.
+pub const TRANSFER_CHUNK_JOBS: usize = 4096;
+/// Copy rounds of a key's backlog before its last one: each round copies
+/// what arrived during the one before, while producers still write to the
+/// old shard; the last round, under a pause, copies what is left. A round
+/// that found fewer than [`TRANSFER_CHUNK_JOBS`] jobs ends the rounds early.
+pub const TRANSFER_ROUNDS_MAX: usize = 8;
 
 /// Where the shard map lives: a file in a data directory, a key in Redis.
 pub trait MapStore: Send + Sync {
@@ -253,6 +260,14 @@ pub struct MovedKey {
     pub to: String,
     /// How long its enqueues were paused, in ms.
     pub pause_ms: f64,
+    /// Jobs (queued, delayed and dead) copied to its new shard with it; 0
+    /// when it moved by drain-then-switch.
+    #[serde(default)]
+    pub jobs_moved: u64,
+    /// How long the move waited for the key's run in flight on its old
+    /// shard to end, in ms.
+    #[serde(default)]
+    pub run_wait_ms: f64,
 }
 
 /// Something a rebalance reports while it runs.
@@ -281,6 +296,8 @@ pub enum RebalanceEvent {
         keys: usize,
         /// How long this batch's keys were paused, in ms.
         pause_ms: f64,
+        /// Jobs copied with this batch's keys (0 for drain-then-switch).
+        jobs: u64,
     },
     /// The target map is published at `version`.
     Finished {
@@ -300,6 +317,9 @@ pub struct RebalanceReport {
     pub moved: Vec<MovedKey>,
     /// Wall time, in ms.
     pub elapsed_ms: f64,
+    /// Jobs copied to new shards with their keys.
+    #[serde(default)]
+    pub jobs_moved: u64,
     /// True when there was nothing to do.
     pub nothing_to_do: bool,
 }
@@ -653,6 +673,22 @@ where
         pinned: switches.len(),
         version: cur.version,
     });
+    if backend.moves_backlogs() {
+        // Phase 2, moving each key's backlog with it: no drain, no holdback.
+        cur = move_with_backlogs(
+            backend,
+            store,
+            cur,
+            &target,
+            switches,
+            options,
+            on_event,
+            &mut report,
+        )?;
+        return finish(
+            backend, store, cur, &target, report, started_ms, clock, on_event,
+        );
+    }
 
     // Phase 2: drain, then switch, in batches. A key holding dead letters
     // on its old shard stays pinned there until an operator retries or
@@ -713,6 +749,8 @@ where
                 from: from.clone(),
                 to: to.clone(),
                 pause_ms,
+                jobs_moved: 0,
+                run_wait_ms: 0.0,
             });
         }
         done += batch.len();
@@ -721,6 +759,7 @@ where
             total,
             keys: batch.len(),
             pause_ms,
+            jobs: 0,
         });
         cur = next;
     }
@@ -731,8 +770,26 @@ where
             keys: held.into_iter().take(8).collect(),
         });
     }
+    finish(
+        backend, store, cur, &target, report, started_ms, clock, on_event,
+    )
+}
 
-    // Phase 3: publish the target itself.
+/// Phase 3: publishes the target itself and clears it.
+#[allow(clippy::too_many_arguments)]
+fn finish<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    mut cur: ShardMap,
+    target: &ShardMap,
+    mut report: RebalanceReport,
+    started_ms: u64,
+    clock: &dyn Clock,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+) -> Result<RebalanceReport, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
     let mut fin = target.clone();
     fin.version = cur.version + 1;
     // The target's overrides are the operator's pins (the temporary ones
@@ -782,6 +839,275 @@ where
     report.to_version = cur.version;
     report.elapsed_ms = clock.now_ms().saturating_sub(started_ms) as f64;
     Ok(report)
+}
+
+/// Phase 2 on a backend that moves backlogs: each batch of keys is sealed
+/// on its old shards, waits for its runs in flight there, has its backlog
+/// copied in rounds while its producers keep writing, then, under a pause
+/// of one last short round, switches; the copies left behind are deleted.
+/// Transfers a killed run left sealed are finished first, to the shard
+/// their copies went to. Returns the published map.
+#[allow(clippy::too_many_arguments)]
+fn move_with_backlogs<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    mut cur: ShardMap,
+    target: &ShardMap,
+    switches: Vec<(String, String, String)>,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+    report: &mut RebalanceReport,
+) -> Result<ShardMap, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    let clock = &*options.clock;
+    // Transfers a killed rebalance left sealed go on to where their copies
+    // went, whatever the target says now (the next rebalance moves them on).
+    let mut todo: BTreeMap<String, (String, String)> = switches
+        .into_iter()
+        .map(|(k, from, to)| (k, (from, to)))
+        .collect();
+    let router = Router::new(cur.clone())?;
+    for shard in &cur.shards {
+        let fence = backend.fence(&shard.name)?;
+        for (key, to) in &fence.sealed_keys {
+            if router.route(key) == to.as_str() {
+                // Switched already: what a producer still routing with the
+                // old map stored here before the fence is copied, then the
+                // copies here are deleted.
+                let mut ids = BTreeMap::new();
+                copy_backlog(backend, key, &shard.name, to, &mut ids)?;
+                backend.purge_key(&shard.name, key)?;
+                let mut f = backend.fence(&shard.name)?;
+                f.sealed_keys.remove(key);
+                backend.set_fence(&shard.name, &f)?;
+                todo.remove(key);
+            } else {
+                todo.insert(key.clone(), (shard.name.clone(), to.clone()));
+            }
+        }
+    }
+    let all: Vec<(String, String, String)> = todo
+        .into_iter()
+        .map(|(k, (from, to))| (k, from, to))
+        .collect();
+    let total = all.len();
+    let mut done = 0usize;
+    let mut stuck: Vec<String> = Vec::new();
+    let mut waited_most = 0u64;
+    for batch in all.chunks(options.batch) {
+        // 1. Seal: no run of these keys starts on their old shards from now.
+        set_sealed(backend, batch, true)?;
+        on_event(RebalanceEvent::Draining { keys: batch.len() });
+        // 2. Wait for the one run each may have in flight there (bounded:
+        //    a stopped worker's run ends when its job lease lapses).
+        let wait_started = clock.now_ms();
+        let busy = wait_runs_ended(backend, batch, options)?;
+        let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
+        let (late, batch): (Vec<_>, Vec<_>) =
+            batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
+        if !late.is_empty() {
+            // Their runs outlived the bound: nothing was copied, they stay.
+            set_sealed(backend, &late, false)?;
+            waited_most = waited_most.max(run_wait_ms);
+            stuck.extend(late.into_iter().map(|sw| sw.0));
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let batch = &batch[..];
+        // 3. The new shards' next runs of these keys get larger fences than
+        //    every run on the old ones (which are over, and sealed).
+        raise_fence_floors(backend, batch)?;
+        // 4. Copy rounds while producers still write to the old shards.
+        let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+        let mut copied: BTreeMap<String, u64> = BTreeMap::new();
+        for (key, from, to) in batch {
+            for _ in 0..TRANSFER_ROUNDS_MAX {
+                let n = copy_backlog(backend, key, from, to, &mut ids)?;
+                *copied.entry(key.clone()).or_default() += n;
+                if n < TRANSFER_CHUNK_JOBS as u64 {
+                    break;
+                }
+            }
+        }
+        // 5. The last round, under a pause, then the switch.
+        let pause_started_ms = clock.now_ms();
+        set_paused(backend, batch, true, None)?;
+        let switched = (|| -> Result<ShardMap, ReshardError> {
+            for (key, from, to) in batch {
+                let n = copy_backlog(backend, key, from, to, &mut ids)?;
+                *copied.entry(key.clone()).or_default() += n;
+                let records: Vec<DedupRecord> = backend
+                    .dedup_export(from, key)?
+                    .into_iter()
+                    .map(|mut r| {
+                        // A record of a job that moved answers with its new id.
+                        if r.shard == *from {
+                            if let Some(id) = ids.get(&(key.clone(), r.job)) {
+                                r.shard = to.clone();
+                                r.job = *id;
+                            }
+                        }
+                        r
+                    })
+                    .collect();
+                if !records.is_empty() {
+                    backend.dedup_import(to, &records)?;
+                }
+            }
+            let mut next = cur.clone();
+            next.version = cur.version + 1;
+            for (key, _, _) in batch {
+                match target.overrides.get(key) {
+                    Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
+                    None => next.overrides.remove(key),
+                };
+            }
+            // A key pinned to where its backlog went, if the target differs
+            // (a transfer a killed run left): it stays there for now.
+            let next_router = Router::new(next.clone())?;
+            for (key, _, to) in batch {
+                if next_router.route(key) != to.as_str() {
+                    next.overrides.insert(key.clone(), to.clone());
+                }
+            }
+            publish_next(store, &cur, &next)?;
+            Ok(next)
+        })();
+        let next = match switched {
+            Ok(next) => next,
+            Err(e) => {
+                // Producers must not stay paused; the keys stay sealed and a
+                // rerun finishes their transfer.
+                set_paused(backend, batch, false, None)?;
+                return Err(e);
+            }
+        };
+        set_paused(backend, batch, false, Some(next.version))?;
+        let pause_ms = clock.now_ms().saturating_sub(pause_started_ms) as f64;
+        cur = next;
+        // 6. Delete the copies left on the old shards, then unseal.
+        for (key, from, _) in batch {
+            backend.purge_key(from, key)?;
+        }
+        set_sealed(backend, batch, false)?;
+        let mut jobs = 0u64;
+        for (key, from, to) in batch {
+            let n = copied.get(key).copied().unwrap_or(0);
+            jobs += n;
+            report.moved.push(MovedKey {
+                key: key.clone(),
+                from: from.clone(),
+                to: to.clone(),
+                pause_ms,
+                jobs_moved: n,
+                run_wait_ms: run_wait_ms as f64,
+            });
+        }
+        report.jobs_moved += jobs;
+        done += batch.len();
+        on_event(RebalanceEvent::Switched {
+            done,
+            total,
+            keys: batch.len(),
+            pause_ms,
+            jobs,
+        });
+    }
+    if !stuck.is_empty() {
+        return Err(ReshardError::DrainTimeout {
+            keys: stuck.into_iter().take(8).collect(),
+            waited_ms: waited_most,
+        });
+    }
+    Ok(cur)
+}
+
+/// Copies `key`'s jobs from `from` that `to` does not have yet, in chunks,
+/// until the export finds none; records (key, source id) -> new id in `ids`.
+/// Returns how many were stored.
+fn copy_backlog<B: QueueBackend + ?Sized>(
+    backend: &B,
+    key: &str,
+    from: &str,
+    to: &str,
+    ids: &mut BTreeMap<(String, JobId), JobId>,
+) -> Result<u64, ReshardError> {
+    let mut after = backend.imported_up_to(to, from, key)?;
+    let mut n = 0u64;
+    loop {
+        let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
+        let Some(last) = chunk.last() else {
+            return Ok(n);
+        };
+        after = Some(last.id);
+        for (src, new) in backend.import_jobs(to, from, key, &chunk)? {
+            ids.insert((key.to_string(), src), new);
+            n += 1;
+        }
+        if chunk.len() < TRANSFER_CHUNK_JOBS {
+            return Ok(n);
+        }
+    }
+}
+
+/// Seals or unseals a batch's keys on their old shards (sealed: no run
+/// starts there; the fence names the shard the backlog goes to).
+fn set_sealed<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    seal: bool,
+) -> Result<(), ReshardError> {
+    let mut by_shard: BTreeMap<&str, Vec<(&str, &str)>> = BTreeMap::new();
+    for (key, from, to) in batch {
+        by_shard
+            .entry(from.as_str())
+            .or_default()
+            .push((key.as_str(), to.as_str()));
+    }
+    for (shard, keys) in by_shard {
+        let mut fence = backend.fence(shard)?;
+        for (k, to) in keys {
+            if seal {
+                fence.sealed_keys.insert(k.to_string(), to.to_string());
+            } else {
+                fence.sealed_keys.remove(k);
+            }
+        }
+        backend.set_fence(shard, &fence)?;
+    }
+    Ok(())
+}
+
+/// Waits until no key of the batch has a run in flight on its old shard,
+/// up to the drain timeout; returns the keys still running then.
+fn wait_runs_ended<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    options: &RebalanceOptions,
+) -> Result<BTreeSet<String>, ReshardError> {
+    let clock = &*options.clock;
+    let started_ms = clock.now_ms();
+    let mut busy: Vec<(&str, &str)> = batch
+        .iter()
+        .map(|(k, from, _)| (k.as_str(), from.as_str()))
+        .collect();
+    loop {
+        let mut still = Vec::new();
+        for (key, shard) in busy {
+            if backend.key_counts(shard, key)?.in_flight > 0 {
+                still.push((key, shard));
+            }
+        }
+        busy = still;
+        if busy.is_empty() || clock.now_ms().saturating_sub(started_ms) >= options.drain_timeout_ms
+        {
+            return Ok(busy.into_iter().map(|(k, _)| k.to_string()).collect());
+        }
+        clock.sleep_ms(options.poll_ms.max(1));
+    }
 }
 
 /// Pauses or resumes a batch's keys on their old shards; when resuming,

@@ -14,7 +14,8 @@ use shardq_core::memory::{MemoryBackend, MemoryCoordinator, MemoryMapStore};
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{
-    ClaimedJob, Fence, NewJob, PoolOptions, QueueBackend, QueueError, SystemClock, WorkerPool,
+    ClaimedJob, Clock, Fence, NewJob, PoolOptions, QueueBackend, QueueError, SystemClock,
+    WorkerPool,
 };
 use shardq_route::{Algorithm, Router, ShardMap};
 
@@ -333,7 +334,7 @@ fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
     // Simulate a coordinator killed after phase 1 and after one switch: the
     // published map carries pins, some keys paused. A rerun must finish.
     let clock = Arc::new(SystemClock);
-    let backend = MemoryBackend::new(&["s0", "s1", "s2", "s3"], clock);
+    let backend = MemoryBackend::new(&["s0", "s1", "s2", "s3"], clock).draining_moves();
     let store = MemoryMapStore::new(
         ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"]).unwrap(),
     );
@@ -414,7 +415,15 @@ fn paused_keys_in_a_batch_are_all_named_and_the_other_keys_go_in() {
     }
 }
 
+/// Two shards whose rebalances drain moving keys (the path of a backend
+/// that cannot move backlogs).
 fn two_shard_store() -> (MemoryBackend, MemoryMapStore) {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    (backend.draining_moves(), store)
+}
+
+/// Two shards whose rebalances move backlogs with their keys.
+fn two_shard_store_moving_backlogs() -> (MemoryBackend, MemoryMapStore) {
     let backend = MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock));
     let store =
         MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap());
@@ -741,4 +750,186 @@ fn dedup_records_move_with_their_key() {
     let rerun =
         reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
     assert!(rerun.moved.is_empty(), "{:?}", rerun.moved);
+}
+
+/// Enqueues `payloads` for `key` through its current route.
+fn enqueue_all(backend: &MemoryBackend, store: &MemoryMapStore, key: &str, payloads: &[String]) {
+    let router = Router::new(store.load().unwrap()).unwrap();
+    let jobs: Vec<NewJob> = payloads
+        .iter()
+        .map(|p| NewJob::new(key, p.as_str()))
+        .collect();
+    for chunk in jobs.chunks(1000) {
+        backend
+            .enqueue(router.route(key), router.version(), chunk)
+            .unwrap();
+    }
+}
+
+/// Runs `shard`'s ready jobs one at a time, acking each; their payloads.
+fn run_serially(backend: &MemoryBackend, shard: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    loop {
+        let jobs = backend.claim(shard, 1, LEASE_MS).unwrap();
+        let Some(j) = jobs.first() else {
+            return out;
+        };
+        out.push(String::from_utf8(j.payload.clone()).unwrap());
+        backend.ack(shard, &[j.receipt()]).unwrap();
+    }
+}
+
+/// A hot key's deep backlog (no worker running anywhere) moves with it:
+/// the rebalance does not wait for the backlog, and the new shard runs the
+/// jobs in enqueue order, attempts and all, once each.
+#[test]
+fn a_hot_key_takes_its_backlog_along() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let key = key_on(&store, "s1");
+    let payloads: Vec<String> = (0..10_000).map(|i| i.to_string()).collect();
+    enqueue_all(&backend, &store, &key, &payloads);
+    reshard::remove_shard(&store, "s1").unwrap();
+    let quick = RebalanceOptions {
+        // Drain-then-switch would fail here: nothing runs the backlog.
+        drain_timeout_ms: 100,
+        ..RebalanceOptions::default()
+    };
+    let report = reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap();
+    assert_eq!(report.jobs_moved, 10_000);
+    assert_eq!(report.moved.len(), 1);
+    assert_eq!(report.moved[0].jobs_moved, 10_000);
+    let c = backend.key_counts("s1", &key).unwrap();
+    assert_eq!(
+        (c.depth, c.in_flight, c.dead),
+        (0, 0, 0),
+        "copies left behind"
+    );
+    assert!(backend.fence("s1").unwrap().sealed_keys.is_empty());
+    assert_eq!(run_serially(&backend, "s0"), payloads);
+}
+
+/// A key whose only job is delayed by an hour moves at once, and the job
+/// keeps its start time.
+#[test]
+fn a_key_with_only_a_delayed_job_moves_at_once() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let key = key_on(&store, "s1");
+    let mut job = NewJob::new(key.as_str(), "later");
+    job.delay_ms = 3_600_000;
+    backend.enqueue("s1", 1, &[job]).unwrap();
+    reshard::remove_shard(&store, "s1").unwrap();
+    let quick = RebalanceOptions {
+        drain_timeout_ms: 100,
+        ..RebalanceOptions::default()
+    };
+    reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap();
+    assert!(
+        backend.claim("s0", 10, LEASE_MS).unwrap().is_empty(),
+        "ran early"
+    );
+    let due = backend.next_due_ms("s0").unwrap().unwrap();
+    let now = SystemClock.now_ms();
+    assert!(
+        due > now + 3_500_000,
+        "the delay was lost: due {due}, now {now}"
+    );
+}
+
+/// Dead letters go with their key: the rebalance finishes, and the dead
+/// job, reason kept, can be retried on the new shard and runs there.
+#[test]
+fn dead_letters_move_with_their_key() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let key = key_on(&store, "s1");
+    let mut job = NewJob::new(key.as_str(), "doomed");
+    job.max_attempts = 1;
+    backend.enqueue("s1", 1, &[job]).unwrap();
+    let run = backend.claim("s1", 1, LEASE_MS).unwrap().remove(0);
+    backend.fail("s1", run.receipt(), "exit 3", None).unwrap();
+    enqueue_all(&backend, &store, &key, &["after".to_string()]);
+    reshard::remove_shard(&store, "s1").unwrap();
+    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    let dead = backend.dead_list("s0", 10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].key.as_str(), dead[0].reason.as_str()),
+        (key.as_str(), "exit 3")
+    );
+    assert_eq!(run_serially(&backend, "s0"), ["after"]);
+    assert_eq!(backend.dead_retry("s0", None).unwrap(), 1);
+    assert_eq!(run_serially(&backend, "s0"), ["doomed"]);
+}
+
+/// A run in flight on the old shard holds its key's move until it ends;
+/// meanwhile no other run of the key starts anywhere, and its producer is
+/// not refused. Once it is acked the backlog moves, and the next run, on
+/// the new shard, has a larger fence.
+#[test]
+fn a_run_in_flight_holds_the_move_until_it_ends_and_fences_keep_growing() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let key = key_on(&store, "s1");
+    enqueue_all(&backend, &store, &key, &["a".into(), "b".into()]);
+    let a = backend.claim("s1", 1, LEASE_MS).unwrap().remove(0);
+    reshard::remove_shard(&store, "s1").unwrap();
+    let rebalance = {
+        let (backend, store) = (backend.clone(), store.clone());
+        thread::spawn(move || {
+            reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
+        })
+    };
+    // Sealed on s1: b does not start there while a runs.
+    let sealed = |b: &MemoryBackend| b.fence("s1").unwrap().sealed_keys.contains_key(&key);
+    let t0 = std::time::Instant::now();
+    while !sealed(&backend) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never sealed");
+        thread::sleep(Duration::from_millis(1));
+    }
+    let mut p = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions::default(),
+    )
+    .unwrap();
+    p.enqueue(&NewJob::new(key.as_str(), "c")).unwrap();
+    assert!(backend.claim("s1", 10, LEASE_MS).unwrap().is_empty());
+    assert!(backend.claim("s0", 10, LEASE_MS).unwrap().is_empty());
+    backend.ack("s1", &[a.receipt()]).unwrap();
+    let report = rebalance.join().unwrap().unwrap();
+    assert_eq!(report.jobs_moved, 2, "b and c moved");
+    let b = backend.claim("s0", 1, LEASE_MS).unwrap().remove(0);
+    assert_eq!(b.payload, b"b");
+    assert!(b.fence > a.fence, "fence {} after {}", b.fence, a.fence);
+    backend.ack("s0", &[b.receipt()]).unwrap();
+    assert_eq!(run_serially(&backend, "s0"), ["c"]);
+}
+
+/// A run whose job lease lapses on the old shard is moved as a retry; its
+/// late result on the old shard is refused.
+#[test]
+fn a_lapsed_run_moves_as_a_retry_and_its_late_ack_is_refused() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let key = key_on(&store, "s1");
+    enqueue_all(&backend, &store, &key, &["a".into()]);
+    let a = backend
+        .claim("s1", 1, shardq_core::JOB_LEASE_MS_MIN)
+        .unwrap()
+        .remove(0);
+    reshard::remove_shard(&store, "s1").unwrap();
+    let rebalance = {
+        let (backend, store) = (backend.clone(), store.clone());
+        thread::spawn(move || {
+            reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
+        })
+    };
+    // The old shard's owner keeps claiming: that ends the lapsed run.
+    while !rebalance.is_finished() {
+        let _ = backend.claim("s1", 10, LEASE_MS).unwrap();
+        thread::sleep(Duration::from_millis(5));
+    }
+    rebalance.join().unwrap().unwrap();
+    let out = backend.ack("s1", &[a.receipt()]).unwrap();
+    assert_eq!(out.acked, 0, "a late ack on the old shard was accepted");
+    let again = backend.claim("s0", 1, LEASE_MS).unwrap().remove(0);
+    assert_eq!((again.payload.as_slice(), again.attempt), (&b"a"[..], 2));
+    assert!(again.fence > a.fence);
 }

@@ -31,9 +31,12 @@ use std::sync::{Arc, Mutex};
 
 use shardq_core::memory::{MemoryBackend, MemoryMapStore};
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
+use shardq_core::reshard::KeyInventory;
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{
-    current_run, ClaimedJob, Clock, NewJob, PoolOptions, QueueBackend, QueueError, WorkerPool,
+    current_run, AckOutcome, ClaimedJob, Clock, DeadJob, DedupRecord, FailOutcome, Fence, JobId,
+    KeyCounts, MovedJob, NewJob, PoolOptions, QueueBackend, QueueError, Receipt, ShardStats,
+    Stored, WorkerPool,
 };
 use shardq_route::{Algorithm, ShardMap};
 
@@ -102,15 +105,16 @@ struct Held {
 struct Checks {
     /// Key -> fence of its latest run.
     last_fence: BTreeMap<String, u64>,
-    /// (shard, job id) -> its key's sequence number.
-    seq_of: BTreeMap<(String, u64), u64>,
+    /// (shard, job id) -> (key, sequence number), as enqueues and claims
+    /// revealed them (a job moved with its key has a new id on its new shard).
+    seq_of: BTreeMap<(String, u64), (String, u64)>,
     /// Key -> sequence number of the last accepted result.
     last_done: BTreeMap<String, u64>,
-    /// Jobs that were dead letters at some point.
+    /// Jobs (key, sequence number) that were dead letters at some point.
     were_dead: BTreeSet<(String, u64)>,
-    /// Accepted acks per job.
+    /// Accepted acks per job (key, sequence number).
     acked: BTreeMap<(String, u64), u32>,
-    /// Jobs producers were told are stored.
+    /// Jobs (key, sequence number) producers were told are stored.
     stored: BTreeSet<(String, u64)>,
     violations: Vec<String>,
 }
@@ -146,20 +150,28 @@ impl World {
             match self.producer.enqueue(&job) {
                 Ok(p) => {
                     self.next_seq.insert(key.clone(), seq + 1);
-                    let id = (p.shard, p.id.0);
-                    self.checks.seq_of.insert(id.clone(), seq);
-                    self.checks.stored.insert(id);
+                    self.checks
+                        .seq_of
+                        .insert((p.shard, p.id.0), (key.clone(), seq));
+                    self.checks.stored.insert((key.clone(), seq));
                 }
                 // A clear refusal: nothing stored, the producer knows.
-                Err(ProduceError::PausedTooLong { .. }) => {}
+                // (A rebalance killed between fencing and publishing leaves
+                // the old map refused until it is rerun.)
+                Err(ProduceError::PausedTooLong { .. } | ProduceError::FencedTooLong { .. }) => {}
                 Err(e) => self.checks.violations.push(format!("enqueue failed: {e}")),
             }
         }
         // Workers.
         for w in 0..self.workers.len() {
             match self.rng.below(100) {
-                // Crash: every run this worker holds is forgotten.
-                0..=1 => self.workers[w].clear(),
+                // Crash: every run this worker holds is forgotten (a run
+                // at its last attempt dead-letters when its lease lapses).
+                0..=1 => {
+                    for h in std::mem::take(&mut self.workers[w]) {
+                        self.may_die(&h.job);
+                    }
+                }
                 // Stop past the lease: its runs report much later.
                 2..=3 => {
                     for h in &mut self.workers[w] {
@@ -232,7 +244,27 @@ impl World {
         }
     }
 
+    /// The job's (key, sequence number), from its payload.
+    fn ident(job: &ClaimedJob) -> (String, u64) {
+        let seq = std::str::from_utf8(&job.payload)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(u64::MAX);
+        (job.key.clone(), seq)
+    }
+
+    /// A run that will not report: at its last attempt, its lapse makes
+    /// the job a dead letter, which may later run out of order.
+    fn may_die(&mut self, job: &ClaimedJob) {
+        if job.attempt >= job.max_attempts {
+            self.checks.were_dead.insert(Self::ident(job));
+        }
+    }
+
     fn started(&mut self, job: &ClaimedJob) {
+        self.checks
+            .seq_of
+            .insert((job.shard.clone(), job.id.0), Self::ident(job));
         self.trace(
             &job.key,
             format!(
@@ -262,7 +294,7 @@ impl World {
                 h.job.id, h.fails, h.job.fence
             ),
         );
-        let id = (h.job.shard.clone(), h.job.id.0);
+        let id = Self::ident(&h.job);
         let latest = self.checks.last_fence.get(&h.job.key) == Some(&h.job.fence);
         let accepted = if h.fails {
             match self
@@ -274,7 +306,10 @@ impl World {
                     true
                 }
                 Ok(_) => true,
-                Err(QueueError::StaleReceipt { .. }) => false,
+                Err(QueueError::StaleReceipt { .. }) => {
+                    self.may_die(&h.job);
+                    false
+                }
                 Err(e) => {
                     self.checks.violations.push(format!("fail: {e}"));
                     false
@@ -287,7 +322,7 @@ impl World {
                 // Among jobs that were never dead letters, a key's results
                 // come in enqueue order.
                 if !self.checks.were_dead.contains(&id) {
-                    let seq = self.checks.seq_of.get(&id).copied().unwrap_or(u64::MAX);
+                    let seq = id.1;
                     if let Some(last) = self.checks.last_done.insert(h.job.key.clone(), seq) {
                         if seq <= last {
                             self.checks.violations.push(format!(
@@ -297,6 +332,9 @@ impl World {
                         }
                     }
                 }
+            }
+            if out.acked == 0 {
+                self.may_die(&h.job);
             }
             out.acked == 1
         };
@@ -313,7 +351,9 @@ impl World {
     fn retry_dead(&mut self) {
         for s in self.backend.shard_names() {
             for d in self.backend.dead_list(&s, usize::MAX).unwrap() {
-                self.checks.were_dead.insert((s.clone(), d.id.0));
+                if let Some(ident) = self.checks.seq_of.get(&(s.clone(), d.id.0)) {
+                    self.checks.were_dead.insert(ident.clone());
+                }
             }
             self.backend.dead_retry(&s, None).unwrap();
         }
@@ -328,7 +368,8 @@ impl World {
     }
 }
 
-fn simulate(seed: u64) {
+/// Returns how many jobs the last, finishing, rebalance copied with their keys.
+fn simulate(seed: u64) -> u64 {
     let clock = Arc::new(SimClock::default());
     clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
     let backend = MemoryBackend::new(&SHARDS, clock.clone());
@@ -365,6 +406,9 @@ fn simulate(seed: u64) {
     }
     let step = |n: usize| {
         for _ in 0..n {
+            // Held so that a sleep inside the step (a producer waiting on
+            // a key a killed rebalance left paused) only moves time.
+            let _hook = clock.step.lock().unwrap();
             let mut w = world.lock().unwrap();
             w.step();
             w.assert_ok(seed, "under load");
@@ -379,9 +423,34 @@ fn simulate(seed: u64) {
         poll_ms: 1,
         clock: clock.clone(),
     };
+    // The rebalance is killed at a seeded write, up to three times, and
+    // rerun each time; the producers and workers keep going throughout.
+    let crashing = Crashing {
+        inner: backend.clone(),
+        clock: clock.clone(),
+        writes: AtomicU64::new(0),
+        crash_at: AtomicU64::new(0),
+    };
+    let mut crash_rng = Rng(seed ^ 0x5eed);
+    let mut moved = 0u64;
     for attempt in 0.. {
-        match reshard::rebalance(&backend, &store, &opts, &mut |_| {}) {
-            Ok(_) => break,
+        crashing.writes.store(0, Ordering::SeqCst);
+        let at = if attempt < 3 {
+            1 + crash_rng.below(40)
+        } else {
+            0
+        };
+        crashing.crash_at.store(at, Ordering::SeqCst);
+        match reshard::rebalance(&crashing, &store, &opts, &mut |_| {}) {
+            Ok(r) => {
+                moved += r.jobs_moved;
+                break;
+            }
+            Err(e) if at != 0 && crashing.writes.load(Ordering::SeqCst) >= at => {
+                // Killed: what it wrote stays; the next run finishes it.
+                let _ = e;
+                step(50);
+            }
             // Dead letters keep their keys pinned: the operator retries
             // them, lets them run, and reruns the rebalance.
             Err(ReshardError::DeadLetters { .. }) if attempt < 20 => {
@@ -395,6 +464,11 @@ fn simulate(seed: u64) {
         }
     }
     assert!(store.load().unwrap().shard("s3").is_some());
+    // No shard is left with a key sealed for a move.
+    for s in backend.shard_names() {
+        let sealed = backend.fence(&s).unwrap().sealed_keys;
+        assert!(sealed.is_empty(), "seed {seed}: {s} still seals {sealed:?}");
+    }
     step(200);
     // Quiesce: no more new jobs or faults, finish everything.
     *clock.step.lock().unwrap() = None;
@@ -441,6 +515,158 @@ fn simulate(seed: u64) {
         w.checks.stored.len()
     );
     assert!(w.checks.stored.len() > 100, "seed {seed}: too little load");
+    moved
+}
+
+/// The rebalance's view of the backend, killed at its `crash_at`-th write
+/// (a fence, an import, a purge, a dedup copy): that write and every later
+/// one fail, as if the process died just before it; what was written
+/// before stays. `crash_at == 0` never crashes.
+/// Every copy call first lets the world run a step, so producers,
+/// workers and faults interleave with a transfer's rounds.
+struct Crashing {
+    inner: MemoryBackend,
+    clock: Arc<SimClock>,
+    writes: AtomicU64,
+    crash_at: AtomicU64,
+}
+
+impl Crashing {
+    fn write(&self, shard: &str) -> Result<(), QueueError> {
+        let n = self.writes.fetch_add(1, Ordering::SeqCst) + 1;
+        let at = self.crash_at.load(Ordering::SeqCst);
+        if at != 0 && n >= at {
+            return Err(QueueError::Unavailable {
+                shard: shard.to_string(),
+                reason: format!("the rebalance was killed before write {n}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl KeyInventory for Crashing {
+    fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
+        self.inner.keys_with_work(shard)
+    }
+}
+
+impl QueueBackend for Crashing {
+    fn shard_names(&self) -> Vec<String> {
+        self.inner.shard_names()
+    }
+    fn enqueue(&self, shard: &str, v: u64, jobs: &[NewJob]) -> Result<Vec<JobId>, QueueError> {
+        self.inner.enqueue(shard, v, jobs)
+    }
+    fn enqueue_dedup(
+        &self,
+        shard: &str,
+        v: u64,
+        jobs: &[NewJob],
+        window_ms: u64,
+    ) -> Result<Vec<Stored>, QueueError> {
+        self.inner.enqueue_dedup(shard, v, jobs, window_ms)
+    }
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        self.inner.dedup_export(shard, key)
+    }
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        self.write(shard)?;
+        self.inner.dedup_import(shard, records)
+    }
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        self.inner.dedup_keys(shard)
+    }
+    fn moves_backlogs(&self) -> bool {
+        self.inner.moves_backlogs()
+    }
+    fn export_jobs(
+        &self,
+        shard: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        self.clock.sleep_ms(1);
+        self.inner.export_jobs(shard, key, after, max)
+    }
+    fn import_jobs(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        self.clock.sleep_ms(1);
+        self.write(shard)?;
+        self.inner.import_jobs(shard, from, key, jobs)
+    }
+    fn imported_up_to(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        self.inner.imported_up_to(shard, from, key)
+    }
+    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        self.write(shard)?;
+        self.inner.purge_key(shard, key)
+    }
+    fn adopt(&self, shard: &str) -> Result<(), QueueError> {
+        self.inner.adopt(shard)
+    }
+    fn release(&self, shard: &str) -> Result<(), QueueError> {
+        self.inner.release(shard)
+    }
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        self.inner.claim(shard, max, lease_ms)
+    }
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        self.inner.ack(shard, receipts)
+    }
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
+        self.inner.fail(shard, receipt, reason, retry_in_ms)
+    }
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        self.inner.extend(shard, receipts, lease_ms)
+    }
+    fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
+        self.inner.next_due_ms(shard)
+    }
+    fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.inner.key_counts(shard, key)
+    }
+    fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
+        self.inner.shard_stats(shard)
+    }
+    fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
+        self.inner.fence(shard)
+    }
+    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
+        self.write(shard)?;
+        self.inner.set_fence(shard, fence)
+    }
+    fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.inner.dead_list(shard, limit)
+    }
+    fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_retry(shard, ids)
+    }
+    fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_purge(shard, ids)
+    }
 }
 
 #[test]
@@ -449,9 +675,12 @@ fn seeded_simulations_keep_order_single_runs_and_every_job() {
         simulate(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
         return;
     }
+    let mut moved = 0;
     for seed in 1..=16 {
-        simulate(seed);
+        moved += simulate(seed);
     }
+    // The moves took backlogs along (not only keys that had drained).
+    assert!(moved > 0, "no rebalance copied a job");
 }
 
 /// A clock some of whose readings jump ahead: the process "stalled" just

@@ -102,6 +102,7 @@ struct Rebalance {
     keys_moved: Gauge,
     keys_paused: Gauge,
     pause: Histogram,
+    jobs_moved: Counter,
 }
 
 /// Every series of one process; see the module docs.
@@ -206,6 +207,7 @@ impl Metrics {
             keys_moved: Gauge::default(),
             keys_paused: Gauge::default(),
             pause: Histogram::new(PAUSE_SECONDS_BUCKETS),
+            jobs_moved: Counter::default(),
         };
         registry.register(
             "shardq_rebalance_phase",
@@ -226,6 +228,11 @@ impl Metrics {
             "shardq_rebalance_keys_paused",
             "Keys whose enqueues are paused right now by this process's rebalance",
             rebalance.keys_paused.clone(),
+        );
+        registry.register(
+            "shardq_rebalance_jobs_moved",
+            "Jobs (queued, delayed, dead) this process's rebalances copied to new shards with their keys",
+            rebalance.jobs_moved.clone(),
         );
         registry.register(
             "shardq_rebalance_key_pause_seconds",
@@ -433,7 +440,9 @@ impl Metrics {
                 total,
                 keys,
                 pause_ms,
+                jobs,
             } => {
+                r.jobs_moved.inc_by(*jobs);
                 r.keys_paused.set(0);
                 r.keys_moved.set(gauge(*done));
                 r.keys_to_move.set(gauge(*total));

@@ -94,6 +94,7 @@ fn a_fixed_state_renders_as_documented() {
         total: 4,
         keys: 2,
         pause_ms: 30.0,
+        jobs: 0,
     });
     let t = m.render();
     let expect = |name: &str, want: &[&str]| {

@@ -1188,10 +1188,17 @@ impl QueueBackend for RedisBackend {
                 .filter_map(reply::string)
                 .collect::<BTreeSet<String>>(),
             run_fence_min: it.get(2).and_then(reply::u64).unwrap_or(0),
+            sealed_keys: Default::default(),
         })
     }
 
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
+        if !fence.sealed_keys.is_empty() {
+            // This backend drains a moving key instead (moves_backlogs).
+            return Err(QueueError::Unsupported {
+                what: "sealing keys for a backlog move",
+            });
+        }
         let s = self.shard(shard)?;
         let s = &*s;
         let keys: Vec<&String> = fence.paused_keys.iter().collect();
