@@ -20,7 +20,26 @@
 //!    queued anywhere, so nothing can be overtaken; before the publish every
 //!    target shard's run-fence floor is raised above every shard's highest
 //!    fence, so their next runs get larger fences than their last ones.
-//! 2. **Drain, then switch**, in batches: pause the batch's enqueues on their
+//! 2. **Move each key with its backlog**, in batches, on a backend that can
+//!    ([`QueueBackend::moves_backlogs`]: the embedded engine, the in-memory
+//!    one): seal the batch on its old shards (no run starts there; enqueues
+//!    still go in), wait for each key's one run in flight there (bounded by
+//!    `drain_timeout_ms`; a key still running stays, unsealed, with nothing
+//!    copied), raise the new shards' run-fence floor, copy each key's
+//!    queued, delayed and dead jobs in rounds while its producers keep
+//!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
+//!    chunks; the new shard may run the copies at once), then pause the
+//!    batch for one last round (and its dedup records), publish the switch,
+//!    fence the old shards as the pause lifts, delete the copies left
+//!    behind and unseal. Producers wait only for that last round. Every
+//!    copy is idempotent: the new shard skips source ids at or below what it
+//!    took from that shard for that key ([`QueueBackend::imported_up_to`]),
+//!    and a rerun first finishes every transfer a killed run left sealed,
+//!    to the shard the seal names. `docs/design.md` ("Moving a key with its
+//!    backlog") argues each step, killed anywhere. Dead letters move with
+//!    their key, so no key is held back.
+//!
+//!    **Drain, then switch**, on a backend that cannot (Redis), in batches: pause the batch's enqueues on their
 //!    old shards, wait until each key's depth and in-flight count there are
 //!    zero, raise the new shards' run-fence floor above the old shards'
 //!    highest fence (so a moved key's next run has a larger fence than its
@@ -37,10 +56,11 @@
 //!    computed owner) and clear the stored target. A backstop first checks
 //!    that the final map routes every key with work to the shard that holds it.
 //!
-//! "Work" is queued, delayed and in-flight jobs, and dead letters: a dead
-//! job retried later runs on the shard that holds it, so a key with one
-//! stays pinned there (the rebalance ends with [`ReshardError::DeadLetters`])
-//! until an operator retries or purges it and reruns the rebalance.
+//! "Work" is queued, delayed and in-flight jobs, and dead letters. With
+//! drain-then-switch a dead job retried later runs on the shard that holds
+//! it, so a key with one stays pinned there (the rebalance ends with
+//! [`ReshardError::DeadLetters`]) until an operator retries or purges it and
+//! reruns the rebalance; a backlog move takes it along instead.
 //!
 //! Every step is idempotent and the phase is derived from (published map,
 //! target), never from memory, so a coordinator killed anywhere can be rerun

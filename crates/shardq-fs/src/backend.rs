@@ -28,8 +28,8 @@ use std::time::Duration;
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
-    JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock,
-    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+    JobId, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored,
+    SystemClock, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -48,6 +48,21 @@ pub const ENQUEUE_BATCH_BYTES_MAX: usize = 256 << 20;
 const FENCE_FILE_BYTES_MAX: u64 = 4 << 20;
 /// Fence file in each shard directory.
 pub const FENCE_FILE: &str = "fence.json";
+/// File in a shard's directory: per (shard copied from, key), the largest
+/// source id imported by a move. The Import records say the same while
+/// their segments exist; this outlives them, so a rerun of a move never
+/// imports a job twice after its copies ran and were compacted away.
+pub const TRANSFERS_FILE: &str = "transfers.json";
+/// Largest transfers file read.
+const TRANSFERS_FILE_BYTES_MAX: u64 = 64 << 20;
+
+/// One line of [`TRANSFERS_FILE`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Transferred {
+    from: String,
+    key: String,
+    up_to: u64,
+}
 /// Default `interval` durability period.
 pub const SYNC_INTERVAL_MS_DEFAULT: u64 = 100;
 /// Shortest `interval` period the flusher wakes at (a period of 0 would spin).
@@ -849,11 +864,13 @@ impl QueueBackend for FsBackend {
         };
         let mut picks: Vec<(Pick, u64)> = Vec::new();
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
-            let floor = self.read_fence(&shard, inner)?.run_fence_min;
+            let fence = self.read_fence(&shard, inner)?;
+            let floor = fence.run_fence_min;
+            let sealed = |k: &str| fence.sealed_keys.contains_key(k);
             let r = inner.replica.as_mut().expect("owner has a replica");
             let mut last = r.fence_high();
             picks = r
-                .pick(now, max)
+                .pick(now, max, &sealed)
                 .into_iter()
                 .map(|p| {
                     last = next_fence(now.saturating_mul(1000), last, floor);
@@ -903,12 +920,18 @@ impl QueueBackend for FsBackend {
                 offset: p.id,
                 reason: format!("the enqueue record read back for a claim does not decode: {e:?}"),
             })?;
-            let Record::Enqueue {
+            let (Record::Enqueue {
                 created_ms,
                 key,
                 payload,
                 ..
-            } = rec
+            }
+            | Record::Import {
+                created_ms,
+                key,
+                payload,
+                ..
+            }) = rec
             else {
                 return Err(QueueError::Inconsistent {
                     shard: name.to_string(),
@@ -1123,6 +1146,258 @@ impl QueueBackend for FsBackend {
 
     fn dead_purge(&self, name: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.dead_change(name, ids, false)
+    }
+
+    fn moves_backlogs(&self) -> bool {
+        true
+    }
+
+    fn export_jobs(
+        &self,
+        name: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let picked: Vec<(crate::state::Slot, Option<String>)> = inner
+            .replica
+            .as_ref()
+            .expect("refreshed")
+            .key_jobs(key, after.map(|a| a.0), max)
+            .into_iter()
+            .map(|(s, reason)| (s, reason.map(str::to_string)))
+            .collect();
+        let mut out = Vec::with_capacity(picked.len());
+        for (slot, dead) in picked {
+            let bytes = inner.log.read_record_at(slot.id)?;
+            let bad = |reason: String| QueueError::Inconsistent {
+                shard: name.to_string(),
+                segment: "-".into(),
+                offset: slot.id,
+                reason,
+            };
+            let (rec, _) = decode(&bytes).map_err(|e| {
+                bad(format!(
+                    "the record of job {} does not decode: {e:?}",
+                    slot.id
+                ))
+            })?;
+            let (created_ms, payload) = match rec {
+                Record::Enqueue {
+                    created_ms,
+                    key: k,
+                    payload,
+                    ..
+                }
+                | Record::Import {
+                    created_ms,
+                    key: k,
+                    payload,
+                    ..
+                } if k == key => (created_ms, payload.to_vec()),
+                _ => {
+                    return Err(bad(format!(
+                        "job {} of key {key:?} does not start at an enqueue of that key",
+                        slot.id
+                    )))
+                }
+            };
+            out.push(MovedJob {
+                id: JobId(slot.id),
+                created_ms,
+                not_before_ms: slot.not_before_ms,
+                attempt: slot.attempt,
+                max_attempts: slot.max_attempts,
+                payload,
+                dead,
+            });
+        }
+        Ok(out)
+    }
+
+    fn import_jobs(
+        &self,
+        name: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        shardq_core::validate_key(key)?;
+        validate_shard_name(from).map_err(|reason| QueueError::InvalidOption {
+            name: "source shard",
+            value: format!("{from:?}"),
+            allowed: reason,
+        })?;
+        for j in jobs {
+            if j.payload.len() > PAYLOAD_BYTES_LIMIT {
+                return Err(QueueError::PayloadTooLarge {
+                    key: key.to_string(),
+                    bytes: j.payload.len(),
+                    max: PAYLOAD_BYTES_LIMIT,
+                });
+            }
+        }
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut transfers = self.read_transfers(&shard)?;
+        let on_file = transfers
+            .iter()
+            .find(|t| t.from == from && t.key == key)
+            .map(|t| t.up_to);
+        let mut out: Vec<(JobId, JobId)> = Vec::new();
+        let mut end = 0u64;
+        // One append per slice of at most ENQUEUE_BATCH_BYTES_MAX.
+        let mut rest = jobs;
+        while !rest.is_empty() {
+            let mut taken = 0usize;
+            let mut size = 0usize;
+            while taken < rest.len()
+                && (taken == 0 || size + rest[taken].payload.len() + 256 <= ENQUEUE_BATCH_BYTES_MAX)
+            {
+                size += rest[taken].payload.len() + 256;
+                taken += 1;
+            }
+            let (slice, tail) = rest.split_at(taken);
+            rest = tail;
+            let mut stored: Vec<(JobId, JobId)> = Vec::new();
+            let (_, e) = self.append_with(&shard, &mut inner, &mut |inner, start| {
+                let r = inner.replica.as_ref().expect("refreshed");
+                let cursor = r.imported_up_to(from, key).max(on_file);
+                stored.clear();
+                let mut bytes = Vec::new();
+                for j in slice {
+                    if cursor.is_some_and(|c| j.id.0 <= c) {
+                        continue;
+                    }
+                    let pos = start + bytes.len() as u64;
+                    record::encode(
+                        &mut bytes,
+                        &Record::Import {
+                            source_id: j.id.0,
+                            created_ms: j.created_ms,
+                            not_before_ms: j.not_before_ms,
+                            attempt: j.attempt,
+                            max_attempts: j.max_attempts,
+                            dead: j.dead.is_some(),
+                            from,
+                            key,
+                            reason: cut_reason(j.dead.as_deref().unwrap_or("")),
+                            payload: &j.payload,
+                        },
+                    );
+                    stored.push((j.id, JobId(pos)));
+                }
+                Ok(bytes)
+            })?;
+            end = end.max(e);
+            out.extend(stored);
+        }
+        drop(inner);
+        if let Some((last, _)) = out.last() {
+            // Durable before the cursor says so: a move deletes the source's
+            // copies once the cursor covers them.
+            self.sync_to(&shard, end)?;
+            match transfers
+                .iter_mut()
+                .find(|t| t.from == from && t.key == key)
+            {
+                Some(t) => t.up_to = t.up_to.max(last.0),
+                None => transfers.push(Transferred {
+                    from: from.to_string(),
+                    key: key.to_string(),
+                    up_to: last.0,
+                }),
+            }
+            self.write_transfers(&shard, &transfers)?;
+        }
+        Ok(out)
+    }
+
+    fn imported_up_to(
+        &self,
+        name: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let replayed = inner
+            .replica
+            .as_ref()
+            .expect("refreshed")
+            .imported_up_to(from, key);
+        let on_file = self
+            .read_transfers(&shard)?
+            .into_iter()
+            .find(|t| t.from == from && t.key == key)
+            .map(|t| t.up_to);
+        Ok(replayed.max(on_file).map(JobId))
+    }
+
+    fn purge_key(&self, name: &str, key: &str) -> Result<u64, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut count = 0u64;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let c = inner.replica.as_ref().expect("refreshed").key_counts(key);
+            count = c.depth + c.dead;
+            let mut bytes = Vec::new();
+            if count > 0 {
+                record::encode(&mut bytes, &Record::PurgeKey { key });
+            }
+            Ok(bytes)
+        })?;
+        if count > 0 {
+            self.compact(&mut inner)?;
+        }
+        drop(inner);
+        self.sync_to(&shard, end)?;
+        Ok(count)
+    }
+}
+
+/// A failure reason as a record keeps it (at most 1 KiB, cut at a char).
+fn cut_reason(reason: &str) -> &str {
+    let mut end = reason.len().min(1024);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+impl FsBackend {
+    fn read_transfers(&self, shard: &Shard) -> Result<Vec<Transferred>, QueueError> {
+        let path = shard.dir.join(TRANSFERS_FILE);
+        let bytes = self
+            .opts
+            .storage
+            .read_file(&path, TRANSFERS_FILE_BYTES_MAX)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
+        let Some(bytes) = bytes else {
+            return Ok(Vec::new());
+        };
+        serde_json::from_slice(&bytes).map_err(|e| QueueError::BadFile {
+            path: path.display().to_string(),
+            what: "transfers file",
+            reason: e.to_string(),
+        })
+    }
+
+    fn write_transfers(&self, shard: &Shard, t: &[Transferred]) -> Result<(), QueueError> {
+        let path = shard.dir.join(TRANSFERS_FILE);
+        let text = serde_json::to_vec(t).map_err(|e| QueueError::Internal {
+            what: format!("encoding the transfers file: {e}"),
+        })?;
+        self.opts
+            .storage
+            .write_file_atomic(&path, &text)
+            .map_err(|e| QueueError::io(format!("writing {}", path.display()), e))
     }
 }
 

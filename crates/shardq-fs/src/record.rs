@@ -68,7 +68,7 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         // A whole record, or the start of one with a sane length and type.
         let looks_like_record = match decode(buf) {
             Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_DEDUP).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_PURGE_KEY).contains(&buf[HEADER_BYTES]),
             Err(DecodeError::Invalid(_)) => false,
         };
         let hint = if looks_like_record {
@@ -106,6 +106,8 @@ const T_DEAD_RETRY: u8 = 6;
 const T_DEAD_PURGE: u8 = 7;
 const T_HOLE: u8 = 8;
 const T_DEDUP: u8 = 9;
+const T_IMPORT: u8 = 10;
+const T_PURGE_KEY: u8 = 11;
 
 /// One decoded record. Borrowed fields point into the read buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +188,37 @@ pub enum Record<'a> {
         id: &'a str,
         /// The shard holding the job; empty for this shard.
         shard: &'a str,
+    },
+    /// A job copied here from shard `from` with its key (a move): a new
+    /// job, its id the record's position, with its attempts, times and
+    /// dead letter state as it had them there.
+    Import {
+        /// Its id on `from` (a second copy of it is refused).
+        source_id: u64,
+        /// Enqueue time.
+        created_ms: u64,
+        /// Earliest start.
+        not_before_ms: u64,
+        /// Attempts already made.
+        attempt: u32,
+        /// Attempt limit.
+        max_attempts: u32,
+        /// A dead letter: its reason is `reason`.
+        dead: bool,
+        /// The shard it was copied from.
+        from: &'a str,
+        /// Routing key.
+        key: &'a str,
+        /// Why it died (empty when not dead).
+        reason: &'a str,
+        /// Payload.
+        payload: &'a [u8],
+    },
+    /// Every job of `key` not in flight, queued, delayed or dead, is deleted
+    /// (the copies a move left behind).
+    PurgeKey {
+        /// The key.
+        key: &'a str,
     },
 }
 
@@ -271,6 +304,34 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             put_str16(out, key);
             put_str16(out, id);
             put_str16(out, shard);
+        }
+        Record::Import {
+            source_id,
+            created_ms,
+            not_before_ms,
+            attempt,
+            max_attempts,
+            dead,
+            from,
+            key,
+            reason,
+            payload,
+        } => {
+            out.push(T_IMPORT);
+            out.extend_from_slice(&source_id.to_le_bytes());
+            out.extend_from_slice(&created_ms.to_le_bytes());
+            out.extend_from_slice(&not_before_ms.to_le_bytes());
+            out.extend_from_slice(&attempt.to_le_bytes());
+            out.extend_from_slice(&max_attempts.to_le_bytes());
+            out.push(u8::from(*dead));
+            put_str16(out, from);
+            put_str16(out, key);
+            put_str16(out, reason);
+            out.extend_from_slice(payload);
+        }
+        Record::PurgeKey { key } => {
+            out.push(T_PURGE_KEY);
+            put_str16(out, key);
         }
     }
     seal_header(out, start);
@@ -428,6 +489,32 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             id: c.str16()?,
             shard: c.str16()?,
         },
+        T_IMPORT => {
+            let source_id = c.u64()?;
+            let created_ms = c.u64()?;
+            let not_before_ms = c.u64()?;
+            let attempt = c.u32()?;
+            let max_attempts = c.u32()?;
+            let dead = c.u8()? != 0;
+            let from = c.str16()?;
+            let key = c.str16()?;
+            let reason = c.str16()?;
+            let payload = c.buf;
+            c.buf = &[];
+            Record::Import {
+                source_id,
+                created_ms,
+                not_before_ms,
+                attempt,
+                max_attempts,
+                dead,
+                from,
+                key,
+                reason,
+                payload,
+            }
+        }
+        T_PURGE_KEY => Record::PurgeKey { key: c.str16()? },
         other => return Err(format!("unknown record type {other}")),
     };
     c.end()?;
@@ -495,6 +582,19 @@ mod tests {
             id: "é",
             shard: "shard-3",
         });
+        roundtrip(Record::Import {
+            source_id: 4096,
+            created_ms: 1,
+            not_before_ms: 2,
+            attempt: 3,
+            max_attempts: 5,
+            dead: true,
+            from: "shard-1",
+            key: "tenant-1",
+            reason: "exited with status 3",
+            payload: b"{\"n\":1}",
+        });
+        roundtrip(Record::PurgeKey { key: "tenant-1" });
         let mut seal = Vec::new();
         encode(&mut seal, &Record::Seal);
         assert_eq!(seal.len(), SEAL_BYTES);

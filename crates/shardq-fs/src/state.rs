@@ -147,6 +147,13 @@ pub(crate) struct ShardState {
     /// for pruning.
     dedup: HashMap<Box<str>, DedupEntry, Xxh3Builder>,
     dedup_expiries: BinaryHeap<Reverse<(u64, Box<str>)>>,
+    /// Per (shard copied from, key), the largest source id imported, from
+    /// the Import records replayed (the backend keeps it in a file too, for
+    /// when those records' segments are gone).
+    imported: HashMap<(Box<str>, Box<str>), u64, Xxh3Builder>,
+    /// Keys a pick passed by because they were sealed for a move; a later
+    /// pick schedules them again once they are not.
+    parked: Vec<Box<str>>,
 }
 
 impl ShardState {
@@ -174,7 +181,42 @@ impl ShardState {
             not_before_max_ms: 0,
             dedup: HashMap::with_hasher(Xxh3Builder::new()),
             dedup_expiries: BinaryHeap::new(),
+            imported: HashMap::with_hasher(Xxh3Builder::new()),
+            parked: Vec::new(),
         }
+    }
+
+    /// The largest source id imported from `from` for `key`, as replayed.
+    pub fn imported_up_to(&self, from: &str, key: &str) -> Option<u64> {
+        self.imported.get(&(from.into(), key.into())).copied()
+    }
+
+    /// `key`'s jobs not in flight, queued and dead, with an id above
+    /// `after`, in id order, at most `max`: (slot, dead reason).
+    pub fn key_jobs(&self, key: &str, after: Option<u64>, max: usize) -> Vec<(Slot, Option<&str>)> {
+        let Some(k) = self.lookup(key) else {
+            return Vec::new();
+        };
+        let ks = &self.keys[k as usize];
+        let above = |id: u64| after.is_none_or(|a| id > a);
+        let mut out: Vec<(Slot, Option<&str>)> = ks
+            .queue
+            .iter()
+            .skip(usize::from(ks.in_flight))
+            .filter(|s| above(s.id))
+            .map(|s| (*s, None))
+            .collect();
+        if ks.dead > 0 {
+            out.extend(
+                self.dead
+                    .iter()
+                    .filter(|(id, e)| e.key == k && above(**id))
+                    .map(|(_, e)| (e.slot, Some(&*e.reason))),
+            );
+        }
+        out.sort_unstable_by_key(|(s, _)| s.id);
+        out.truncate(max);
+        out
     }
 
     /// Forgets the dedup records expired at `now_ms`.
@@ -327,9 +369,12 @@ impl ShardState {
             | Record::Fail { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job } => Some(job),
-            Record::Enqueue { .. } | Record::Seal | Record::Hole { .. } | Record::Dedup { .. } => {
-                None
-            }
+            Record::Enqueue { .. }
+            | Record::Seal
+            | Record::Hole { .. }
+            | Record::Dedup { .. }
+            | Record::Import { .. }
+            | Record::PurgeKey { .. } => None,
         }
     }
 
@@ -484,6 +529,78 @@ impl ShardState {
                 self.schedule(entry.key);
                 self.maybe_drop_key(entry.key);
             }
+            Record::Import {
+                source_id,
+                not_before_ms,
+                attempt,
+                max_attempts,
+                dead,
+                from,
+                key,
+                reason,
+                ..
+            } => {
+                let cursor = self.imported.entry((from.into(), key.into())).or_insert(0);
+                *cursor = (*cursor).max(source_id);
+                if self.reclaimed.contains(pos) {
+                    self.segs.entry(seg_base).or_default();
+                    return Ok(());
+                }
+                let k = self.key_index(key);
+                let slot = Slot {
+                    id: pos,
+                    not_before_ms,
+                    attempt,
+                    max_attempts,
+                };
+                if dead {
+                    self.keys[k as usize].dead += 1;
+                    self.dead.insert(
+                        pos,
+                        DeadEntry {
+                            key: k,
+                            slot,
+                            reason: reason.into(),
+                        },
+                    );
+                } else {
+                    self.keys[k as usize].queue.push_back(slot);
+                    self.slot_added(not_before_ms);
+                    self.schedule(k);
+                }
+                self.segs.entry(seg_base).or_default().live += 1;
+            }
+            Record::PurgeKey { key } => {
+                let Some(k) = self.lookup(key) else {
+                    return Ok(());
+                };
+                let ks = &mut self.keys[k as usize];
+                // A running head stays (a move purges only keys it waited on).
+                let from = usize::from(ks.in_flight);
+                let removed: Vec<u64> = ks.queue.drain(from..).map(|s| s.id).collect();
+                if ks.queue.is_empty() {
+                    ks.scheduled = false;
+                }
+                for id in &removed {
+                    self.slot_removed();
+                    self.finish(*id);
+                    self.note_ref(seg_base, *id);
+                }
+                let dead: Vec<u64> = self
+                    .dead
+                    .iter()
+                    .filter(|(_, e)| e.key == k)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in dead {
+                    self.dead.remove(&id);
+                    self.keys[k as usize].dead -= 1;
+                    self.finish(id);
+                    self.note_ref(seg_base, id);
+                }
+                self.schedule(k);
+                self.maybe_drop_key(k);
+            }
             Record::Seal => {}
             Record::Hole { bytes } => self.holes.push((pos, pos + bytes)),
             Record::Dedup {
@@ -548,7 +665,16 @@ impl ShardState {
     /// Picks up to `max` claimable heads (at most one per key). The caller
     /// writes a claim record for each and applies it; picks not written must
     /// be handed back with [`ShardState::unpick`].
-    pub fn pick(&mut self, now_ms: u64, max: usize) -> Vec<Pick> {
+    pub fn pick(&mut self, now_ms: u64, max: usize, sealed: &dyn Fn(&str) -> bool) -> Vec<Pick> {
+        // Keys passed by while sealed come back once they are not.
+        let parked = std::mem::take(&mut self.parked);
+        for key in parked {
+            match self.lookup(&key) {
+                Some(_) if sealed(&key) => self.parked.push(key),
+                Some(k) => self.schedule(k),
+                None => {}
+            }
+        }
         while let Some(Reverse((at, k))) = self.timers.peek().copied() {
             if at > now_ms {
                 break;
@@ -573,6 +699,14 @@ impl ShardState {
             let ks = &mut self.keys[k as usize];
             ks.scheduled = false;
             if ks.in_flight || (halt && ks.dead > 0) {
+                continue;
+            }
+            if sealed(&ks.key) {
+                // Sealed for a move: no run starts here; parked until unsealed.
+                let key = ks.key.clone();
+                if !self.parked.contains(&key) {
+                    self.parked.push(key);
+                }
                 continue;
             }
             let Some(head) = ks.queue.front().copied() else {
@@ -860,7 +994,7 @@ mod tests {
             DeadPolicy::Continue,
         );
         enqueue(&mut s, 0, "k");
-        let first = s.pick(0, 10);
+        let first = s.pick(0, 10, &|_| false);
         assert_eq!(first.len(), 1);
         let claim = Record::Claim {
             job: 0,
@@ -880,7 +1014,7 @@ mod tests {
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
         s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
-        let picks = s.pick(0, 10);
+        let picks = s.pick(0, 10, &|_| false);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
     }

@@ -751,3 +751,80 @@ fn a_crash_during_compaction_loses_nothing() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A backlog moved from shard-0 to shard-1 replays the same after a
+/// restart: the copies with their attempts and dead letter, none left on
+/// shard-0; and once the copies ran and their segments were compacted away,
+/// shard-1 still knows what it took, so a rerun of the copy stores nothing.
+#[test]
+fn a_moved_backlog_survives_restart_and_compaction_and_is_never_taken_twice() {
+    let dir = data_dir_n("transfer", 2);
+    let clock = ManualClock::new(1_000_000);
+    let storage: Arc<dyn shardq_fs::storage::Storage> = Arc::new(shardq_fs::storage::OsStorage);
+    let exported = {
+        let engine = Engine::open(&dir, small_segments(&clock, Arc::clone(&storage))).unwrap();
+        let b = engine.backend();
+        b.adopt("shard-0").unwrap();
+        b.enqueue("shard-0", 1, &[job("k", "dead", 1)]).unwrap();
+        let run = b.claim("shard-0", 1, LEASE_MS).unwrap().remove(0);
+        b.fail("shard-0", run.receipt(), "exit 3", None).unwrap();
+        let jobs: Vec<NewJob> = (0..200).map(|i| job("k", &format!("j{i}"), 3)).collect();
+        b.enqueue("shard-0", 1, &jobs).unwrap();
+        let exported = b.export_jobs("shard-0", "k", None, 10_000).unwrap();
+        assert_eq!(exported.len(), 201);
+        let stored = b.import_jobs("shard-1", "shard-0", "k", &exported).unwrap();
+        assert_eq!(stored.len(), 201);
+        assert_eq!(b.purge_key("shard-0", "k").unwrap(), 201);
+        (exported, stored.last().unwrap().1 .0)
+    };
+    let (exported, last_copy) = exported;
+    // Restart: replay agrees.
+    let engine = Engine::open(&dir, small_segments(&clock, Arc::clone(&storage))).unwrap();
+    let b = engine.backend();
+    let c0 = b.key_counts("shard-0", "k").unwrap();
+    assert_eq!(
+        (c0.depth, c0.dead),
+        (0, 0),
+        "copies came back on the old shard"
+    );
+    let c1 = b.key_counts("shard-1", "k").unwrap();
+    assert_eq!((c1.depth, c1.dead), (200, 1));
+    assert_eq!(b.dead_list("shard-1", 10).unwrap()[0].reason, "exit 3");
+    b.adopt("shard-1").unwrap();
+    let mut ran = Vec::new();
+    loop {
+        let jobs = b.claim("shard-1", 1, LEASE_MS).unwrap();
+        let Some(j) = jobs.first() else { break };
+        ran.push(String::from_utf8_lossy(&j.payload).into_owned());
+        b.ack("shard-1", &[j.receipt()]).unwrap();
+    }
+    let want: Vec<String> = (0..200).map(|i| format!("j{i}")).collect();
+    assert_eq!(ran, want, "order kept through the move and the restart");
+    b.dead_purge("shard-1", None).unwrap();
+    // Everything ran: its segments go; the cursor stays.
+    for _ in 0..50 {
+        b.enqueue("shard-1", 1, &[job("x", &"p".repeat(200), 3)])
+            .unwrap();
+        let j = b.claim("shard-1", 1, LEASE_MS).unwrap().remove(0);
+        b.ack("shard-1", &[j.receipt()]).unwrap();
+    }
+    drop(engine);
+    let first_kept = list_segments(&dir.join("shard-1")).unwrap()[0];
+    assert!(
+        first_kept > last_copy,
+        "the copies' segments were not compacted (first kept {first_kept}, last copy {last_copy})"
+    );
+    let engine = Engine::open(&dir, small_segments(&clock, storage)).unwrap();
+    let b = engine.backend();
+    assert_eq!(
+        b.imported_up_to("shard-1", "shard-0", "k").unwrap(),
+        Some(exported[200].id)
+    );
+    assert!(
+        b.import_jobs("shard-1", "shard-0", "k", &exported)
+            .unwrap()
+            .is_empty(),
+        "a rerun of the copy stored jobs twice"
+    );
+    assert_eq!(b.key_counts("shard-1", "k").unwrap().depth, 0);
+}

@@ -261,7 +261,7 @@ pub struct WorkArgs {
     #[arg(long, default_value_t = 4, requires = "stdio")]
     stdio_pipeline: usize,
     /// Test and benchmark only: instead of CMD, append
-    /// "KEY JOB_ID ATTEMPT SHARD" lines to FILE (`append:FILE`).
+    /// "KEY JOB_ID ATTEMPT SHARD PAYLOAD" lines to FILE (`append:FILE`; the payload escaped).
     #[arg(long, hide = true)]
     handler_builtin: Option<String>,
     #[command(flatten)]
@@ -853,7 +853,15 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
         .with_context(|| format!("opening {path}"))?;
     let file = Mutex::new(file);
     Ok(Arc::new(move |job: &ClaimedJob| {
-        let line = format!("{} {} {} {}\n", job.key, job.id, job.attempt, job.shard);
+        // The payload last, escaped, so a line stays one line: a job moved
+        // with its key has a new id on its new shard, its payload is the same.
+        let payload = String::from_utf8_lossy(&job.payload)
+            .escape_default()
+            .to_string();
+        let line = format!(
+            "{} {} {} {} {payload}\n",
+            job.key, job.id, job.attempt, job.shard
+        );
         // One write per line on an O_APPEND file: a kill leaves whole lines.
         let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
         Ok(f.write_all(line.as_bytes())?)

@@ -228,6 +228,10 @@ struct RebalanceJson<'a> {
     pause_ms_p50: f64,
     pause_ms_p99: f64,
     pause_ms_max: f64,
+    /// Jobs (queued, delayed, dead) copied to new shards with their keys.
+    jobs_moved: u64,
+    /// Longest wait for a moving key's run in flight on its old shard.
+    run_wait_ms_max: f64,
     elapsed_ms: f64,
     #[serde(skip)]
     _report: &'a RebalanceReport,
@@ -275,36 +279,55 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             bar.suspend(|| eprintln!("rebalance: {text}"));
         }
     };
+    let moves_backlogs = env.backend.moves_backlogs();
     let report = reshard::rebalance(&*env.backend, &*env.store, &options, &mut |ev| match ev {
         RebalanceEvent::Pinned { pinned, version } => {
             bar.set_length(pinned as u64);
-            bar.set_message("drain, then switch");
+            bar.set_message(if moves_backlogs {
+                "move with backlogs"
+            } else {
+                "drain, then switch"
+            });
             if lines {
+                let how = if moves_backlogs {
+                    "move with their backlogs"
+                } else {
+                    "drain and switch"
+                };
                 say(
                     serde_json::json!({"event": "pinned", "keys": pinned, "map_version": version}),
-                    format!("{pinned} keys with work to drain and switch (map version {version})"),
+                    format!("{pinned} keys with work to {how} (map version {version})"),
                 );
             }
             let orphans = shards_without_owner(&env.deployment);
             if pinned > 0 && !orphans.is_empty() {
+                let why = if moves_backlogs {
+                    "a key with a run in flight there moves only once a worker (`shardq work`, `shardq serve`) ends that run"
+                } else {
+                    "their keys drain only once a worker (`shardq work`, `shardq serve`) runs them"
+                };
                 say(
                     serde_json::json!({"event": "no_owner", "shards": orphans}),
-                    format!(
-                        "shards {orphans:?} have no owner: their keys drain only once a worker (`shardq work`, `shardq serve`) runs them"
-                    ),
+                    format!("shards {orphans:?} have no owner: {why}"),
                 );
             }
         }
         RebalanceEvent::Draining { keys } if lines => say(
             serde_json::json!({"event": "draining", "keys": keys}),
-            format!("draining a batch of {keys} keys"),
+            if moves_backlogs {
+                format!("moving a batch of {keys} keys")
+            } else {
+                format!("draining a batch of {keys} keys")
+            },
         ),
-        RebalanceEvent::Switched { done, total, .. } => {
+        RebalanceEvent::Switched {
+            done, total, jobs, ..
+        } => {
             bar.set_position(done as u64);
             if lines {
                 say(
-                    serde_json::json!({"event": "switched", "done": done, "total": total}),
-                    format!("{done}/{total} keys switched"),
+                    serde_json::json!({"event": "switched", "done": done, "total": total, "jobs_moved": jobs}),
+                    format!("{done}/{total} keys switched ({jobs} jobs moved with this batch)"),
                 );
             }
         }
@@ -329,6 +352,12 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
         pause_ms_p50: report.pause_percentile_ms(50.0),
         pause_ms_p99: report.pause_percentile_ms(99.0),
         pause_ms_max: max,
+        jobs_moved: report.jobs_moved,
+        run_wait_ms_max: report
+            .moved
+            .iter()
+            .map(|m| m.run_wait_ms)
+            .fold(0.0, f64::max),
         elapsed_ms: report.elapsed_ms,
         _report: &report,
     };
@@ -341,8 +370,8 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
         );
     } else {
         println!(
-            "map version {} -> {}: {} keys with work drained and switched in {:.0} ms",
-            out.from_version, out.to_version, out.keys_moved, out.elapsed_ms
+            "map version {} -> {}: {} keys with work moved in {:.0} ms ({} jobs moved with them)",
+            out.from_version, out.to_version, out.keys_moved, out.elapsed_ms, out.jobs_moved
         );
         for (from, tos) in &out.moves {
             for (to, n) in tos {
@@ -351,8 +380,8 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
         }
         if out.keys_moved > 0 {
             println!(
-                "  pause per key: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-                out.pause_ms_p50, out.pause_ms_p99, out.pause_ms_max
+                "  enqueue pause per key: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; longest wait for a run in flight {:.0} ms",
+                out.pause_ms_p50, out.pause_ms_p99, out.pause_ms_max, out.run_wait_ms_max
             );
         }
     }

@@ -124,8 +124,8 @@ fn parse_runs(path: &Path) -> Vec<(String, String, u64)> {
         .unwrap()
         .lines()
         .map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            assert_eq!(f.len(), 4, "bad handler line {l:?}");
+            let f: Vec<&str> = l.splitn(5, ' ').collect();
+            assert_eq!(f.len(), 5, "bad handler line {l:?}");
             (f[0].to_string(), f[3].to_string(), f[1].parse().unwrap())
         })
         .collect()

@@ -13,7 +13,7 @@
 //! 0, 1, 2, ... in order with no gap, no repeat (no worker is killed here) and
 //! nothing lost.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
@@ -186,7 +186,7 @@ fn count_lines(path: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// How the worker runs a job. Both write `KEY ID ATTEMPT SHARD` lines.
+/// How the worker runs a job. Both write `KEY ID ATTEMPT SHARD PAYLOAD` lines.
 enum Handler {
     /// `--handler-builtin append:FILE`: fast, in process.
     Builtin,
@@ -230,7 +230,8 @@ fn start_worker(s: &Scratch, handler: &Handler, concurrency: usize) -> Worker {
                    : > \"$gate.blocked\"\n\
                    while [ -e \"$gate\" ]; do sleep 0.02; done\n\
                  fi\n\
-                 echo \"$SHARDQ_KEY $SHARDQ_JOB_ID $SHARDQ_ATTEMPT $SHARDQ_SHARD\" >> \"$2\"\n",
+                 p=$(cat)\n\
+                 echo \"$SHARDQ_KEY $SHARDQ_JOB_ID $SHARDQ_ATTEMPT $SHARDQ_SHARD $p\" >> \"$2\"\n",
             )
             .unwrap();
             args.extend([
@@ -389,15 +390,22 @@ fn wait_cycles(producers: &[Producer], cycles: &[u64]) {
     });
 }
 
-/// A run of the worker: (key, shard, id).
-fn parse_runs(path: &Path) -> Vec<(String, String, u64)> {
+/// A run of the worker: (key, shard, id, payload). The payload is the
+/// key's sequence number as its producer sent it (a job moved with its key
+/// has a new id on its new shard, and the same payload).
+fn parse_runs(path: &Path) -> Vec<(String, String, u64, u64)> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            assert_eq!(f.len(), 4, "bad handler line {l:?}");
-            (f[0].to_string(), f[3].to_string(), f[1].parse().unwrap())
+            let f: Vec<&str> = l.splitn(5, ' ').collect();
+            assert_eq!(f.len(), 5, "bad handler line {l:?}");
+            (
+                f[0].to_string(),
+                f[3].to_string(),
+                f[1].parse().unwrap(),
+                f[4].parse().unwrap_or(u64::MAX),
+            )
         })
         .collect()
 }
@@ -489,33 +497,31 @@ fn check_placements(acks: &[Ack], before: &ShardMap, after: &ShardMap) -> BTreeS
     switched
 }
 
-/// Maps every run back to its key's sequence number (the n-th job a producer
-/// reported for a key is that key's job n) and checks that each key ran
-/// 0, 1, 2, ... with no gap, no repeat, nothing missing and nothing unknown.
-fn check_runs(acks: &[Ack], runs: &[(String, String, u64)]) {
-    let mut seq_of: HashMap<(&str, u64), (&str, u64)> = HashMap::new();
+/// Maps every run back to its key's sequence number and checks that each key
+/// ran 0, 1, 2, ... with no gap, no repeat, nothing missing and nothing
+/// unknown. A run names its job by its payload, the number its producer
+/// sent: the n-th job a producer reported for a key is the n-th it sent
+/// (an `enqueue --stdin` stores its lines in order and stops at the first
+/// it cannot store), and a job moved with its key keeps its payload.
+fn check_runs(acks: &[Ack], runs: &[(String, String, u64, u64)]) {
     let mut acked: HashMap<&str, u64> = HashMap::new();
+    let mut reported: HashSet<(&str, u64)> = HashSet::new();
     for ack in acks {
-        let n = acked.entry(&ack.key).or_default();
-        let dup = seq_of.insert((&ack.shard, ack.id), (&ack.key, *n));
-        assert!(
-            dup.is_none(),
-            "two jobs reported as {} {}",
-            ack.shard,
-            ack.id
-        );
-        *n += 1;
+        *acked.entry(&ack.key).or_default() += 1;
+        let dup = !reported.insert((&ack.shard, ack.id));
+        assert!(!dup, "two jobs reported as {} {}", ack.shard, ack.id);
     }
     let mut next: HashMap<&str, u64> = HashMap::new();
     let mut problems: Vec<String> = Vec::new();
-    for (key, shard, id) in runs {
-        let Some(&(k, seq)) = seq_of.get(&(shard.as_str(), *id)) else {
+    for (key, shard, id, seq) in runs {
+        let k = key.as_str();
+        if *seq >= acked.get(k).copied().unwrap_or(0) {
             problems.push(format!(
-                "job {shard} {id} of {key} ran but no producer reported it"
+                "job {shard} {id} of {key} (#{seq}) ran but no producer reported it"
             ));
             continue;
-        };
-        assert_eq!(k, key, "job {shard} {id} ran under the wrong key");
+        }
+        let seq = *seq;
         let n = next.entry(k).or_default();
         match seq.cmp(n) {
             std::cmp::Ordering::Equal => *n += 1,
@@ -780,7 +786,7 @@ fn adding_a_shard_under_load_moves_a_fifth_of_tenants_to_it_in_order() {
         out.worker_err
     );
     let runs = parse_runs(&s.runs);
-    assert!(runs.iter().any(|(_, shard, _)| shard == "shard-4"));
+    assert!(runs.iter().any(|(_, shard, _, _)| shard == "shard-4"));
     check_runs(&out.acks, &runs);
 }
 
@@ -956,7 +962,13 @@ fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering
 fn a_second_rebalance_is_refused_while_one_runs() {
     let s = Scratch::new("busy");
     init(&s, 4);
-    // A backlog and no worker yet: the first rebalance waits to drain it.
+    // Every key's first job held in flight by a worker: the first rebalance
+    // waits for those runs before it moves any key.
+    let gates = s.dir.join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    for k in 0..40 {
+        std::fs::write(gates.join(format!("t-{k}")), "").unwrap();
+    }
     let lines: String = (0..400)
         .map(|j| format!("t-{}\t{}\n", j % 40, j / 40))
         .collect();
@@ -987,6 +999,16 @@ fn a_second_rebalance_is_refused_while_one_runs() {
         })
         .collect();
     assert_eq!(acks.len(), 400);
+    let worker = start_worker(
+        &s,
+        &Handler::Gated {
+            gates: gates.clone(),
+        },
+        40,
+    );
+    wait_until("every key's first run to be held", || {
+        (0..40).all(|k| gates.join(format!("t-{k}.blocked")).exists())
+    });
 
     run_ok(&["add-shard", "--data", s.d(), "shard-4"]);
     let warming = load_map(&s.data).version;
@@ -1023,10 +1045,12 @@ fn a_second_rebalance_is_refused_while_one_runs() {
     assert_eq!(
         load_map(&s.data).version,
         warming + 1,
-        "nothing can switch before a worker drains the backlog"
+        "nothing switches while the moving keys' runs are in flight"
     );
 
-    let worker = start_worker(&s, &Handler::Builtin, 4);
+    for k in 0..40 {
+        std::fs::remove_file(gates.join(format!("t-{k}"))).unwrap();
+    }
     let status = first.wait_bounded();
     let mut out = String::new();
     first
@@ -1150,7 +1174,8 @@ fn a_key_paused_past_the_bound_is_refused_clearly_and_not_enqueued() {
 
 /// Piped (a log, a script), `rebalance` reports its progress as lines on
 /// stderr, JSON lines with `--json`, and says when the shards holding the
-/// keys to move have no owner (no worker runs them, so nothing drains).
+/// keys to move have no owner. With no worker running anywhere the keys
+/// still move, their backlogs with them: nothing has to drain.
 #[test]
 fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
     let s = Scratch::new("piped");
@@ -1171,13 +1196,29 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
     run_ok(&["add-shard", "--data", s.d(), "shard-9"]);
     let out = run(&["rebalance", "--data", s.d(), "--drain-timeout-ms", "300"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("keys with work to drain and switch"), "{err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("keys with work to move with their backlogs"),
+        "{err}"
+    );
     assert!(
         err.contains("have no owner") && err.contains("shard-0"),
         "{err}"
     );
-    assert!(err.contains("draining a batch of"), "{err}");
-    // The same as JSON lines.
+    assert!(err.contains("moving a batch of"), "{err}");
+    let moved: usize = text
+        .split_once(": ")
+        .and_then(|(_, r)| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(moved > 0, "{text}");
+    assert!(
+        text.contains(&format!("({moved} jobs moved with them)")),
+        "{text}"
+    );
+    // The same as JSON lines, on the next move.
+    run_ok(&["add-shard", "--data", s.d(), "shard-8"]);
     let out = run(&[
         "rebalance",
         "--data",
@@ -1186,6 +1227,9 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
         "300",
         "--json",
     ]);
+    assert!(out.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["jobs_moved"].as_u64().unwrap() > 0, "{report}");
     let err = String::from_utf8_lossy(&out.stderr);
     let events: Vec<serde_json::Value> = err
         .lines()
