@@ -1241,3 +1241,54 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
         "{err}"
     );
 }
+
+/// A hot tenant with a deep backlog and no worker anywhere is pinned to
+/// another shard while its producer keeps writing: the rebalance finishes
+/// without waiting for the backlog (nothing could run it), the producer is
+/// never refused, and once a worker starts every job the producer reported
+/// runs once, in order, on the new shard.
+#[test]
+fn a_hot_tenant_moves_with_its_backlog_while_its_producer_keeps_writing() {
+    let s = Scratch::new("hot");
+    init(&s, 4);
+    let before = load_map(&s.data);
+    let from = router(&before).route("hot").to_string();
+    let to = if from == "shard-0" {
+        "shard-1"
+    } else {
+        "shard-0"
+    };
+    // 2,000 jobs queued, then the producer keeps going at 2,000 lines/s.
+    let producer = start_producer(&s, vec!["hot".to_string()], 100, 2_000);
+    wait_cycles(std::slice::from_ref(&producer), &[20]);
+    let out = run(&["pin", "--data", s.d(), "hot", to, "--json"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(report["keys_moved"], 1, "{report}");
+    assert!(report["jobs_moved"].as_u64().unwrap() >= 2_000, "{report}");
+    assert!(
+        report["pause_ms_max"].as_f64().unwrap() < 1_000.0,
+        "{report}"
+    );
+    // The producer writes on, now to the new shard.
+    thread::sleep(Duration::from_millis(300));
+    let acks = producer.finish();
+    // Every job before the switch on the old shard, every one after on the new.
+    let mut shards: Vec<&str> = Vec::new();
+    for a in &acks {
+        if shards.last() != Some(&a.shard.as_str()) {
+            shards.push(&a.shard);
+        }
+    }
+    assert_eq!(shards, [from.as_str(), to], "placements: {shards:?}");
+    let worker = start_worker(&s, &Handler::Builtin, 4);
+    wait_all_ran(&s, acks.len());
+    worker.stop();
+    let runs = parse_runs(&s.runs);
+    assert!(
+        runs.iter().all(|(_, shard, _, _)| shard == to),
+        "a job ran on the old shard"
+    );
+    check_runs(&acks, &runs);
+}
