@@ -4,6 +4,7 @@
     python3 benchmarks/bench.py stdio   [--jobs 200000] [--proc-jobs 4000] [--pipelines 1,4,8] [--repeat 3]
     python3 benchmarks/bench.py http    [--backend embedded|redis] [--jobs 100000] [--bullmq] [--repeat 3]
     python3 benchmarks/bench.py latency [--rate 5000] [--seconds 10] [--repeat 3]
+    python3 benchmarks/bench.py move    [--jobs 2000000] [--keys 1000] [--workers 1] [--baseline-bin OLD]
 
 Everything runs on loopback: data dirs in a temporary directory, the
 release binary (``cargo build --release -p shardq`` when it is missing),
@@ -361,6 +362,51 @@ def bench_latency(a: argparse.Namespace) -> None:
             log(f"latency rep {rep}: {row['achieved_jobs_per_s']} jobs/s offered; p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms")
 
 
+# ---------------------------------------------------------------- move
+
+def bench_move(a: argparse.Namespace) -> None:
+    """`remove-shard` of a shard holding a backlog, with a worker running
+    (the builtin handler, so the worker is as fast as it gets) or none: the
+    wall time of the CLI command, the jobs it moved, and the worker's runs
+    checked for order afterwards. With --baseline-bin, the same data on that
+    binary right after (a build that drains instead of moving)."""
+    bins = [("this", binary())] + ([("baseline", a.baseline_bin)] if a.baseline_bin else [])
+    for rep in range(a.repeat):
+        for label, exe in bins:
+            with tempfile.TemporaryDirectory(prefix="shardq-bench-move-") as tmp:
+                data = os.path.join(tmp, "d")
+                sh(exe, "init", "--data", data, "--shards", "2")
+                lines = "".join(f"t-{i % a.keys}\t{i // a.keys}\n" for i in range(a.jobs)).encode()
+                t0 = time.monotonic()
+                sh(exe, "enqueue", "--data", data, "--stdin", "--durability", "none", stdin=lines)
+                enqueue_s = time.monotonic() - t0
+                status = json.loads(sh(exe, "status", "--data", data, "--json"))
+                held = {r["name"]: r["ready"] + r["delayed"] for r in status["shards"]}
+                runs = os.path.join(tmp, "runs.txt")
+                worker = None
+                if a.workers:
+                    worker = subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all",
+                                               "--concurrency", "8", "--durability", "none",
+                                               "--handler-builtin", f"append:{runs}"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(0.5)
+                t0 = time.monotonic()
+                out = sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
+                move_s = time.monotonic() - t0
+                report = json.loads(out.decode().strip().splitlines()[-1])
+                if worker is not None:
+                    stop(worker)
+                moved = report.get("jobs_moved", 0)
+                row = {"bench": "move", "binary": label, "repeat": rep, "jobs": a.jobs, "keys": a.keys,
+                       "on_removed_shard": held.get("shard-1", 0), "worker": bool(a.workers),
+                       "remove_shard_s": round(move_s, 2), "jobs_moved": moved,
+                       "moved_per_s": round(moved / move_s) if moved else None,
+                       "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2)}
+                emit(row)
+                log(f"move {label} rep {rep}: remove-shard of {row['on_removed_shard']} queued jobs took "
+                    f"{row['remove_shard_s']} s ({moved} moved)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -394,10 +440,16 @@ def main() -> None:
     l.add_argument("--worker", choices=["thread", "aio"], default="thread")
     l.add_argument("--prefetch", type=int, default=None)
     l.add_argument("--repeat", type=int, default=3)
+    m = sub.add_parser("move")
+    m.add_argument("--jobs", type=int, default=2_000_000, help="jobs over 2 shards; about half on the removed one")
+    m.add_argument("--keys", type=int, default=1000)
+    m.add_argument("--workers", type=int, default=1, help="1: a worker runs jobs during the move; 0: none")
+    m.add_argument("--baseline-bin", default=None, help="another shardq binary to run the same on")
+    m.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args()
     if getattr(a, "prefetch", None) is not None:
         os.environ["SHARDQ_BENCH_PREFETCH"] = str(a.prefetch)  # read by http_worker.py
-    {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency}[a.cmd](a)
+    {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency, "move": bench_move}[a.cmd](a)
 
 
 if __name__ == "__main__":
