@@ -209,6 +209,25 @@ pub trait QueueBackend: Send + Sync {
         })
     }
 
+    /// [`QueueBackend::import_jobs`] for several keys copied from the same
+    /// shard, in as few writes as the backend can (the embedded engine: one
+    /// append, one sync), as a move's last round under a pause needs.
+    /// Returns (key, source id, new id) per job stored.
+    fn import_many(
+        &self,
+        shard: &str,
+        from: &str,
+        items: &[(String, Vec<MovedJob>)],
+    ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
+        let mut out = Vec::new();
+        for (key, jobs) in items {
+            for (src, new) in self.import_jobs(shard, from, key, jobs)? {
+                out.push((key.clone(), src, new));
+            }
+        }
+        Ok(out)
+    }
+
     /// The largest source id `shard` has taken from shard `from` for `key`.
     fn imported_up_to(
         &self,

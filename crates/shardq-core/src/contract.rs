@@ -148,6 +148,43 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
     assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0));
     let c = b.key_counts(&from, "other").expect("counts");
     assert_eq!(c.in_flight, 1, "the purge touched another key");
+
+    // Several keys in one import: each key's jobs land in order, once.
+    for i in 0..3 {
+        enqueue(h, &from, "m1", &format!("x{i}"), 5);
+        enqueue(h, &from, "m2", &format!("y{i}"), 5);
+    }
+    let items: Vec<(String, Vec<crate::job::MovedJob>)> = ["m1", "m2"]
+        .into_iter()
+        .map(|k| {
+            (
+                k.to_string(),
+                b.export_jobs(&from, k, None, 10).expect("export"),
+            )
+        })
+        .collect();
+    assert_eq!(b.import_many(&to, &from, &items).expect("import").len(), 6);
+    assert!(b
+        .import_many(&to, &from, &items)
+        .expect("import")
+        .is_empty());
+    let mut ran: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    loop {
+        let jobs = claim(h, &to, 10, LONG_LEASE_MS);
+        if jobs.is_empty() {
+            break;
+        }
+        for j in jobs {
+            ran.entry(j.key.clone())
+                .or_default()
+                .push(String::from_utf8_lossy(&j.payload).into_owned());
+            ack_one(h, &to, j.receipt());
+        }
+    }
+    for (k, first) in [("m1", "x"), ("m2", "y")] {
+        let want: Vec<String> = (0..3).map(|i| format!("{first}{i}")).collect();
+        assert_eq!(ran.get(k), Some(&want), "key {k} after a batched import");
+    }
 }
 
 /// The window the dedup checks use (long enough never to lapse in a check).

@@ -81,7 +81,7 @@ use thiserror::Error;
 use crate::backend::QueueBackend;
 use crate::clock::{Clock, SystemClock};
 use crate::error::{ErrorKind, QueueError};
-use crate::job::{DedupRecord, JobId, KeyCounts};
+use crate::job::{DedupRecord, JobId, KeyCounts, MovedJob};
 
 /// Default keys moved per drain-then-switch batch.
 pub const BATCH_DEFAULT: usize = 64;
@@ -956,9 +956,35 @@ where
         let pause_started_ms = clock.now_ms();
         set_paused(backend, batch, true, None)?;
         let switched = (|| -> Result<ShardMap, ReshardError> {
+            // What arrived since the rounds, per (old shard, new shard), in
+            // one import each.
+            let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
             for (key, from, to) in batch {
-                let n = copy_backlog(backend, key, from, to, &mut ids)?;
-                *copied.entry(key.clone()).or_default() += n;
+                let mut after = backend.imported_up_to(to, from, key)?;
+                let mut jobs = Vec::new();
+                loop {
+                    let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
+                    let full = chunk.len() == TRANSFER_CHUNK_JOBS;
+                    after = chunk.last().map(|j| j.id).or(after);
+                    jobs.extend(chunk);
+                    if !full {
+                        break;
+                    }
+                }
+                if !jobs.is_empty() {
+                    groups
+                        .entry((from.as_str(), to.as_str()))
+                        .or_default()
+                        .push((key.clone(), jobs));
+                }
+            }
+            for ((from, to), items) in groups {
+                for (key, src, new) in backend.import_many(to, from, &items)? {
+                    ids.insert((key.clone(), src), new);
+                    *copied.entry(key).or_default() += 1;
+                }
+            }
+            for (key, from, to) in batch {
                 let records: Vec<DedupRecord> = backend
                     .dedup_export(from, key)?
                     .into_iter()
@@ -1044,6 +1070,9 @@ where
     }
     Ok(cur)
 }
+
+/// A key and jobs of it, as one import takes them.
+type KeyJobs = (String, Vec<MovedJob>);
 
 /// Copies `key`'s jobs from `from` that `to` does not have yet, in chunks,
 /// until the export finds none; records (key, source id) -> new id in `ids`.

@@ -1225,51 +1225,78 @@ impl QueueBackend for FsBackend {
         key: &str,
         jobs: &[MovedJob],
     ) -> Result<Vec<(JobId, JobId)>, QueueError> {
-        shardq_core::validate_key(key)?;
+        let items = [(key.to_string(), jobs.to_vec())];
+        Ok(self
+            .import_many(name, from, &items)?
+            .into_iter()
+            .map(|(_, src, new)| (src, new))
+            .collect())
+    }
+
+    fn import_many(
+        &self,
+        name: &str,
+        from: &str,
+        items: &[(String, Vec<MovedJob>)],
+    ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
         validate_shard_name(from).map_err(|reason| QueueError::InvalidOption {
             name: "source shard",
             value: format!("{from:?}"),
             allowed: reason,
         })?;
-        for j in jobs {
-            if j.payload.len() > PAYLOAD_BYTES_LIMIT {
-                return Err(QueueError::PayloadTooLarge {
-                    key: key.to_string(),
-                    bytes: j.payload.len(),
-                    max: PAYLOAD_BYTES_LIMIT,
-                });
+        for (key, jobs) in items {
+            shardq_core::validate_key(key)?;
+            for j in jobs {
+                if j.payload.len() > PAYLOAD_BYTES_LIMIT {
+                    return Err(QueueError::PayloadTooLarge {
+                        key: key.to_string(),
+                        bytes: j.payload.len(),
+                        max: PAYLOAD_BYTES_LIMIT,
+                    });
+                }
             }
         }
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
         let mut transfers = self.read_transfers(&shard)?;
-        let on_file = transfers
+        let on_file = |key: &str| {
+            transfers
+                .iter()
+                .find(|t| t.from == from && t.key == key)
+                .map(|t| t.up_to)
+        };
+        let cursors: Vec<Option<u64>> = items.iter().map(|(k, _)| on_file(k)).collect();
+        // Every job to store, in order: (item, job).
+        let all: Vec<(usize, &MovedJob)> = items
             .iter()
-            .find(|t| t.from == from && t.key == key)
-            .map(|t| t.up_to);
-        let mut out: Vec<(JobId, JobId)> = Vec::new();
+            .enumerate()
+            .flat_map(|(i, (_, jobs))| jobs.iter().map(move |j| (i, j)))
+            .collect();
+        let mut out: Vec<(String, JobId, JobId)> = Vec::new();
         let mut end = 0u64;
         // One append per slice of at most ENQUEUE_BATCH_BYTES_MAX.
-        let mut rest = jobs;
+        let mut rest = &all[..];
         while !rest.is_empty() {
             let mut taken = 0usize;
             let mut size = 0usize;
             while taken < rest.len()
-                && (taken == 0 || size + rest[taken].payload.len() + 256 <= ENQUEUE_BATCH_BYTES_MAX)
+                && (taken == 0
+                    || size + rest[taken].1.payload.len() + 256 <= ENQUEUE_BATCH_BYTES_MAX)
             {
-                size += rest[taken].payload.len() + 256;
+                size += rest[taken].1.payload.len() + 256;
                 taken += 1;
             }
             let (slice, tail) = rest.split_at(taken);
             rest = tail;
-            let mut stored: Vec<(JobId, JobId)> = Vec::new();
+            let mut stored: Vec<(String, JobId, JobId)> = Vec::new();
             let (_, e) = self.append_with(&shard, &mut inner, &mut |inner, start| {
                 let r = inner.replica.as_ref().expect("refreshed");
-                let cursor = r.imported_up_to(from, key).max(on_file);
                 stored.clear();
                 let mut bytes = Vec::new();
-                for j in slice {
+                for &(i, j) in slice {
+                    let key = items[i].0.as_str();
+                    let cursor = r.imported_up_to(from, key).max(cursors[i]);
                     if cursor.is_some_and(|c| j.id.0 <= c) {
                         continue;
                     }
@@ -1289,7 +1316,7 @@ impl QueueBackend for FsBackend {
                             payload: &j.payload,
                         },
                     );
-                    stored.push((j.id, JobId(pos)));
+                    stored.push((key.to_string(), j.id, JobId(pos)));
                 }
                 Ok(bytes)
             })?;
@@ -1297,20 +1324,27 @@ impl QueueBackend for FsBackend {
             out.extend(stored);
         }
         drop(inner);
-        if let Some((last, _)) = out.last() {
+        if !out.is_empty() {
             // Durable before the cursor says so: a move deletes the source's
             // copies once the cursor covers them.
             self.sync_to(&shard, end)?;
-            match transfers
-                .iter_mut()
-                .find(|t| t.from == from && t.key == key)
-            {
-                Some(t) => t.up_to = t.up_to.max(last.0),
-                None => transfers.push(Transferred {
-                    from: from.to_string(),
-                    key: key.to_string(),
-                    up_to: last.0,
-                }),
+            let mut highest: BTreeMap<&str, u64> = BTreeMap::new();
+            for (key, src, _) in &out {
+                let h = highest.entry(key.as_str()).or_default();
+                *h = (*h).max(src.0);
+            }
+            for (key, up_to) in highest {
+                match transfers
+                    .iter_mut()
+                    .find(|t| t.from == from && t.key == key)
+                {
+                    Some(t) => t.up_to = t.up_to.max(up_to),
+                    None => transfers.push(Transferred {
+                        from: from.to_string(),
+                        key: key.to_string(),
+                        up_to,
+                    }),
+                }
             }
             self.write_transfers(&shard, &transfers)?;
         }
