@@ -659,6 +659,11 @@ fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
         last["keys_moved"].as_u64() <= last["keys_to_move"].as_u64(),
         "{last}"
     );
+    // What moved with the keys, and the longest pause, are reported.
+    assert!(
+        last["jobs_moved"].is_u64() && last["pause_ms_max"].is_f64(),
+        "{last}"
+    );
     assert!(
         last["to_version"].as_u64() > last["from_version"].as_u64(),
         "{last}"

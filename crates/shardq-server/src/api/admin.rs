@@ -132,6 +132,10 @@ pub struct Progress {
     pub keys_to_move: usize,
     /// Keys switched so far.
     pub keys_moved: usize,
+    /// Jobs (queued, delayed, dead) copied to new shards with their keys so far.
+    pub jobs_moved: u64,
+    /// Longest enqueue pause of a batch so far, in ms.
+    pub pause_ms_max: f64,
     /// Published map version when it started.
     pub from_version: Option<u64>,
     /// Published map version when it finished.
@@ -202,10 +206,18 @@ pub async fn rebalance_start(
                         p.phase = "moving";
                         p.keys_to_move = pinned;
                     }
-                    RebalanceEvent::Switched { done, total, .. } => {
+                    RebalanceEvent::Switched {
+                        done,
+                        total,
+                        jobs,
+                        pause_ms,
+                        ..
+                    } => {
                         p.phase = "moving";
                         p.keys_moved = done;
                         p.keys_to_move = total;
+                        p.jobs_moved += jobs;
+                        p.pause_ms_max = p.pause_ms_max.max(pause_ms);
                     }
                     RebalanceEvent::Finished { version } => p.to_version = Some(version),
                     _ => {}
@@ -221,6 +233,7 @@ pub async fn rebalance_start(
                     p.from_version = Some(r.from_version);
                     p.to_version = Some(r.to_version);
                     p.keys_moved = r.moved.len();
+                    p.jobs_moved = r.jobs_moved;
                     p.keys_to_move = p.keys_to_move.max(r.moved.len());
                     p.nothing_to_do = r.nothing_to_do;
                 }

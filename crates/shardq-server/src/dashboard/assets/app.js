@@ -292,6 +292,7 @@
     p.className = "phase " + phase;
     $("rebalance-moved").textContent = fmt(moved);
     $("rebalance-total").textContent = fmt(total);
+    $("rebalance-jobs").textContent = fmt(admin && admin.jobs_moved ? admin.jobs_moved : 0);
     $("rebalance-bar").style.width = total > 0 ? (100 * Math.min(1, moved / total)).toFixed(1) + "%" : (phase === "finished" ? "100%" : "0");
     let versions = derived ? "published v" + derived.published_version : "";
     if (derived && derived.target_version !== null) versions += ", a target is recorded";
