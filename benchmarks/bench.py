@@ -5,6 +5,7 @@
     python3 benchmarks/bench.py http    [--backend embedded|redis] [--jobs 100000] [--bullmq] [--repeat 3]
     python3 benchmarks/bench.py latency [--rate 5000] [--seconds 10] [--repeat 3]
     python3 benchmarks/bench.py move    [--jobs 2000000] [--keys 1000] [--workers 1] [--baseline-bin OLD]
+    python3 benchmarks/bench.py move-latency [--jobs 1000000] [--baseline-bin OLD]
 
 Everything runs on loopback: data dirs in a temporary directory, the
 release binary (``cargo build --release -p shardq`` when it is missing),
@@ -145,11 +146,11 @@ class RedisServer:
 
 
 class Serve:
-    def __init__(self, data: str, shards: int, logf: str) -> None:
+    def __init__(self, data: str, shards: int, logf: str, exe: Optional[str] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         with open(logf, "ab") as lf:
-            self.proc = subprocess.Popen([binary(), "serve", "--data", data, "--listen", f"127.0.0.1:{self.port}"],
+            self.proc = subprocess.Popen([exe or binary(), "serve", "--data", data, "--listen", f"127.0.0.1:{self.port}"],
                                          stdout=lf, stderr=subprocess.STDOUT)
 
         def ready() -> bool:
@@ -407,6 +408,71 @@ def bench_move(a: argparse.Namespace) -> None:
                     f"{row['remove_shard_s']} s ({moved} moved)")
 
 
+def bench_move_latency(a: argparse.Namespace) -> None:
+    """A producer enqueueing one job at a time through `shardq serve` to a
+    hot key with a deep backlog, while `remove-shard` moves the key (a
+    worker runs jobs meanwhile): the producer's enqueue latency before the
+    move and during it, and its refused enqueues."""
+    sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+    import threading
+
+    from shardq import Client
+
+    bins = [("this", binary())] + ([("baseline", a.baseline_bin)] if a.baseline_bin else [])
+    for label, exe in bins:
+        with tempfile.TemporaryDirectory(prefix="shardq-bench-movelat-") as tmp:
+            data = os.path.join(tmp, "d")
+            sh(exe, "init", "--data", data, "--shards", "2")
+            key = next(k for k in (f"hot-{i}" for i in range(1000))
+                       if sh(exe, "route", "--map", os.path.join(data, "shardmap.yaml"), k).decode().split()[1] == "shard-1")
+            lines = "".join(f"{key}\t{i}\n" for i in range(a.jobs)).encode()
+            sh(exe, "enqueue", "--data", data, "--stdin", "--durability", "none", stdin=lines)
+            serve = Serve(data, 2, os.path.join(tmp, "serve.log"), exe)
+            runs = os.path.join(tmp, "runs.txt")
+            worker = subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all", "--concurrency", "8",
+                                       "--durability", "none", "--handler-builtin", f"append:{runs}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            samples: List[tuple] = []
+            errors: List[str] = []
+            done = threading.Event()
+
+            def produce() -> None:
+                c = Client(serve.url, timeout_s=120)
+                n = 0
+                while not done.is_set():
+                    t = time.monotonic()
+                    try:
+                        c.enqueue(key, f"live-{n}".encode())
+                    except Exception as e:  # a refused enqueue counts, and is named
+                        errors.append(f"{type(e).__name__}: {e}"[:200])
+                    samples.append((t, time.monotonic() - t))
+                    n += 1
+
+            th = threading.Thread(target=produce)
+            th.start()
+            time.sleep(a.before_s)
+            t0 = time.monotonic()
+            sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
+            t1 = time.monotonic()
+            time.sleep(0.5)
+            done.set()
+            th.join()
+            stop(worker)
+            serve.stop()
+            before = [d * 1000 for t, d in samples if t < t0]
+            during = [d * 1000 for t, d in samples if t0 <= t <= t1]
+            row = {"bench": "move-latency", "binary": label, "jobs": a.jobs, "remove_shard_s": round(t1 - t0, 2),
+                   "enqueues_before": len(before), "enqueues_during": len(during),
+                   "p50_ms_before": round(pct(before, 50), 2), "p99_ms_before": round(pct(before, 99), 2),
+                   "p50_ms_during": round(pct(during, 50), 2) if during else None,
+                   "p99_ms_during": round(pct(during, 99), 2) if during else None,
+                   "max_ms_during": round(max(during), 1) if during else None,
+                   "refused": len(errors), "first_refusal": errors[0] if errors else None}
+            emit(row)
+            log(f"move-latency {label}: enqueue p99 {row['p99_ms_before']} ms before, {row['p99_ms_during']} ms during "
+                f"a {row['remove_shard_s']} s move ({row['refused']} refused)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -446,10 +512,15 @@ def main() -> None:
     m.add_argument("--workers", type=int, default=1, help="1: a worker runs jobs during the move; 0: none")
     m.add_argument("--baseline-bin", default=None, help="another shardq binary to run the same on")
     m.add_argument("--repeat", type=int, default=1)
+    ml = sub.add_parser("move-latency")
+    ml.add_argument("--jobs", type=int, default=1_000_000, help="the hot key's backlog")
+    ml.add_argument("--before-s", type=float, default=2.0)
+    ml.add_argument("--baseline-bin", default=None)
     a = ap.parse_args()
     if getattr(a, "prefetch", None) is not None:
         os.environ["SHARDQ_BENCH_PREFETCH"] = str(a.prefetch)  # read by http_worker.py
-    {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency, "move": bench_move}[a.cmd](a)
+    {"stdio": bench_stdio, "http": bench_http, "latency": bench_latency, "move": bench_move,
+     "move-latency": bench_move_latency}[a.cmd](a)
 
 
 if __name__ == "__main__":

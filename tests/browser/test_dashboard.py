@@ -161,7 +161,7 @@ def test_retry_is_refused_without_admin_and_works_with_it(browser, deployment, s
 
 class Load:
     """A producer that keeps enqueueing and a slow remote worker (claim,
-    work a little, ack) over the API, so keys have backlogs to drain."""
+    work a little, ack) over the API, so keys have backlogs to move."""
 
     def __init__(self, api):
         self.api = api
@@ -212,6 +212,12 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
         api.post("/v1/admin/add-shard", {"name": "shard-3", "weight": 2})
         wait(browser, "the pending target", lambda d: text(d, "#rebalance-phase").lower() == "pending")
         phases.append("pending")
+        # A key moves with its backlog once its run in flight ends: hold
+        # one run of every key and end them one at a time while the page
+        # watches, in the order the rebalance takes the keys, so its
+        # progress shows in steps.
+        held = api.post("/v1/claim", {"worker": "holder", "max": 30, "lease_ms": 120000})["jobs"]
+        held.sort(key=lambda j: j["key"])
         api.post("/v1/admin/rebalance", {"batch": 1})
 
         def watch(d):
@@ -221,12 +227,16 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
                 phases.append(p)
             if not moved or moved[-1] != m:
                 moved.append(m)
+            if held and p == "moving":
+                api.post("/v1/ack", {"receipts": [held.pop(0)["receipt"]]})
             if p == "moving" and m not in ("", "0"):
                 # The last view while keys move is kept.
                 d.save_screenshot(str(shot))
             return p in ("finished", "failed")
 
         wait(browser, "the rebalance to finish on the page", watch, timeout=180)
+        for job in held:
+            api.call("POST", "/v1/ack", {"receipts": [job["receipt"]]})
         assert not load.errors, load.errors[:5]
     progress = api.get("/v1/admin/rebalance")
     assert progress["phase"] == "finished", progress
