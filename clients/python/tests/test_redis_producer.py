@@ -170,7 +170,8 @@ def test_live_rebalance_while_python_produces(tmp, servers):
         def runs() -> List[Tuple[str, int, int, str]]:
             out = []
             for line in read_lines(runs_file):
-                k, i, att, s = line.split(" ")
+                # KEY ID ATTEMPT SHARD PAYLOAD (the payload escaped, last)
+                k, i, att, s = line.split(" ", 4)[:4]
                 out.append((k, int(i), int(att), s))
             return out
 
