@@ -928,10 +928,27 @@ where
         let (late, batch): (Vec<_>, Vec<_>) =
             batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
         if !late.is_empty() {
-            // Their runs outlived the bound: nothing was copied, they stay.
-            set_sealed(backend, &late, false)?;
+            // Their runs outlived the bound: they stay. A key the new shard
+            // already holds copies of (a killed run got that far) stays
+            // sealed, so its old shard never runs what was copied; a rerun
+            // finishes it. The others are unsealed: nothing of them moved.
+            let mut unseal = Vec::new();
+            for sw in late {
+                let (key, from, to) = (&sw.0, &sw.1, &sw.2);
+                let copied = match backend.imported_up_to(to, from, key)? {
+                    None => false,
+                    Some(up_to) => backend
+                        .export_jobs(from, key, None, 1)?
+                        .first()
+                        .is_some_and(|j| j.id <= up_to),
+                };
+                if !copied {
+                    unseal.push(sw.clone());
+                }
+                stuck.push(sw.0);
+            }
+            set_sealed(backend, &unseal, false)?;
             waited_most = waited_most.max(run_wait_ms);
-            stuck.extend(late.into_iter().map(|sw| sw.0));
         }
         if batch.is_empty() {
             continue;
