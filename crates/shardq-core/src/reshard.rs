@@ -1126,6 +1126,23 @@ fn set_sealed<B: QueueBackend + ?Sized>(
     batch: &[(String, String, String)],
     seal: bool,
 ) -> Result<(), ReshardError> {
+    update_old_fences(backend, batch, &mut |fence, key, to| {
+        if seal {
+            fence.sealed_keys.insert(key.to_string(), to.to_string());
+        } else {
+            fence.sealed_keys.remove(key);
+        }
+    })
+}
+
+/// Changes the fence of each batch key's old shard, one read and one write
+/// per shard: `change` is called with the fence once per key on it (with the
+/// key's new shard).
+fn update_old_fences<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    change: &mut dyn FnMut(&mut crate::job::Fence, &str, &str),
+) -> Result<(), ReshardError> {
     let mut by_shard: BTreeMap<&str, Vec<(&str, &str)>> = BTreeMap::new();
     for (key, from, to) in batch {
         by_shard
@@ -1135,12 +1152,8 @@ fn set_sealed<B: QueueBackend + ?Sized>(
     }
     for (shard, keys) in by_shard {
         let mut fence = backend.fence(shard)?;
-        for (k, to) in keys {
-            if seal {
-                fence.sealed_keys.insert(k.to_string(), to.to_string());
-            } else {
-                fence.sealed_keys.remove(k);
-            }
+        for (key, to) in keys {
+            change(&mut fence, key, to);
         }
         backend.set_fence(shard, &fence)?;
     }
@@ -1185,28 +1198,16 @@ fn set_paused<B: QueueBackend + ?Sized>(
     pause: bool,
     fence_at: Option<u64>,
 ) -> Result<(), ReshardError> {
-    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (key, from, _) in batch {
-        by_shard
-            .entry(from.as_str())
-            .or_default()
-            .push(key.as_str());
-    }
-    for (shard, keys) in by_shard {
-        let mut fence = backend.fence(shard)?;
+    update_old_fences(backend, batch, &mut |fence, key, _| {
         if let Some(v) = fence_at {
             fence.map_version_min = fence.map_version_min.max(v);
         }
-        for k in keys {
-            if pause {
-                fence.paused_keys.insert(k.to_string());
-            } else {
-                fence.paused_keys.remove(k);
-            }
+        if pause {
+            fence.paused_keys.insert(key.to_string());
+        } else {
+            fence.paused_keys.remove(key);
         }
-        backend.set_fence(shard, &fence)?;
-    }
-    Ok(())
+    })
 }
 
 /// Copies each batch key's live dedup records from its old shard to its new
