@@ -18,7 +18,22 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
     fn sleep_ms(&self, ms: u64) {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
+
+    /// How long, in real time, to block for an event (a finished run, a
+    /// wake-up) that may come before `ms` of this clock's time have passed.
+    /// The system clock: `ms`. A manual clock moves only when its test
+    /// moves it, so a wait on it is one short real slice
+    /// ([`MANUAL_WAIT_SLICE_MS`]): the waiter looks at the time again
+    /// soon, and a test that advances the clock never waits out a real
+    /// timeout.
+    fn event_wait(&self, ms: u64) -> std::time::Duration {
+        std::time::Duration::from_millis(ms)
+    }
 }
+
+/// The real time a wait on a [`ManualClock`] blocks before its waiter
+/// reads the clock again.
+pub const MANUAL_WAIT_SLICE_MS: u64 = 1;
 
 /// The system's clock.
 #[derive(Debug, Default, Clone, Copy)]
@@ -67,6 +82,10 @@ impl Clock for ManualClock {
     fn sleep_ms(&self, ms: u64) {
         self.advance(ms);
         std::thread::yield_now();
+    }
+
+    fn event_wait(&self, ms: u64) -> std::time::Duration {
+        std::time::Duration::from_millis(ms.min(MANUAL_WAIT_SLICE_MS))
     }
 }
 

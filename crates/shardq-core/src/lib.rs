@@ -17,7 +17,7 @@ pub mod producer;
 pub mod reshard;
 
 pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use job::{
     next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, ClaimedJob, DeadJob,

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
 
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
@@ -510,7 +509,7 @@ impl Dispatch<'_> {
             if let Some(due) = self.next_due(now) {
                 wait_ms = wait_ms.min(due.saturating_sub(now).max(1));
             }
-            match out_rx.recv_timeout(Duration::from_millis(wait_ms)) {
+            match out_rx.recv_timeout(clock.event_wait(wait_ms)) {
                 Ok(out) => {
                     let mut batch = vec![out];
                     while let Ok(more) = out_rx.try_recv() {
@@ -828,7 +827,7 @@ impl Dispatch<'_> {
                 next_heartbeat_ms = now.saturating_add(heartbeat_ms);
             }
             let wait = tick_interval_ms.min(heartbeat_ms).clamp(1, 50);
-            match out_rx.recv_timeout(Duration::from_millis(wait)) {
+            match out_rx.recv_timeout(clock.event_wait(wait)) {
                 Ok(out) => {
                     let mut batch = vec![out];
                     batch.extend(out_rx.try_iter());

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use shardq_core::memory::{MemoryBackend, MemoryCoordinator};
 use shardq_core::{
-    current_run, AckOutcome, ClaimedJob, DeadJob, FailOutcome, Fence, JobId, KeyCounts,
+    current_run, AckOutcome, ClaimedJob, Clock, DeadJob, FailOutcome, Fence, JobId, KeyCounts,
     ManualClock, NewJob, PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt,
     RunOutcome, ShardStats, SystemClock, WorkerPool,
 };
@@ -25,17 +25,67 @@ fn run_pool(
     opts: PoolOptions,
     stop: Arc<AtomicBool>,
 ) -> thread::JoinHandle<Result<PoolReport, QueueError>> {
+    run_pool_on(
+        Arc::new(SystemClock),
+        backend,
+        coordinator_of,
+        handler,
+        opts,
+        stop,
+    )
+}
+
+/// [`run_pool`] on `clock`: on a [`ManualClock`] the pool's waits are short
+/// real slices and its leases, heartbeats and timeouts move only with the
+/// test's clock.
+fn run_pool_on(
+    clock: Arc<dyn Clock>,
+    backend: Arc<dyn QueueBackend>,
+    coordinator_of: MemoryBackend,
+    handler: Arc<shardq_core::Handler>,
+    opts: PoolOptions,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<Result<PoolReport, QueueError>> {
     thread::spawn(move || {
         let mut coord = MemoryCoordinator::new(coordinator_of);
-        WorkerPool::run(
-            backend,
-            &mut coord,
-            handler,
-            Arc::new(SystemClock),
-            opts,
-            &stop,
-        )
+        WorkerPool::run(backend, &mut coord, handler, clock, opts, &stop)
     })
+}
+
+/// Moves `clock` on by `step_ms` every real millisecond until dropped: a
+/// pool on a manual clock that waits for time (a retry's backoff) gets it
+/// 5 times faster than real time, still in order with its own reads.
+struct Ticker {
+    done: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Ticker {
+    fn start(clock: &ManualClock, step_ms: u64) -> Ticker {
+        let done = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (clock, done) = (clock.clone(), done.clone());
+            thread::spawn(move || {
+                while !done.load(Ordering::SeqCst) {
+                    clock.advance(step_ms);
+                    thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        Ticker {
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Options of a pool of 2 that exits when idle, and the events it reports.
@@ -63,17 +113,28 @@ fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 /// A handler several job leases long: heartbeats keep its run the job's
-/// only run, so the key's next job waits and the job runs once.
+/// only run, so the key's next job waits and the job runs once. On a
+/// manual clock: the handler moves time on by more than a heartbeat
+/// interval at a time (never a whole lease) and waits for the pool's
+/// next heartbeat, for 12 steps (almost 5 leases), in no real time.
 #[test]
 fn a_handler_slower_than_its_job_lease_runs_once() {
-    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let clock = ManualClock::new(1_000_000);
+    let inner = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
     let jobs: Vec<NewJob> = (0..3).map(|i| NewJob::new("k", format!("{i}"))).collect();
-    backend.enqueue("s0", 1, &jobs).unwrap();
+    inner.enqueue("s0", 1, &jobs).unwrap();
+    let backend = Arc::new(OneBroken::healthy(inner.clone()));
+    let extends = backend.extends.clone();
     let running = Arc::new(AtomicUsize::new(0));
     let overlap = Arc::new(AtomicBool::new(false));
     let runs = Arc::new(Mutex::new(Vec::new()));
     let handler: Arc<shardq_core::Handler> = {
-        let (running, overlap, runs) = (running.clone(), overlap.clone(), runs.clone());
+        let (running, overlap, runs, clock) = (
+            running.clone(),
+            overlap.clone(),
+            runs.clone(),
+            clock.clone(),
+        );
         Arc::new(move |job: &ClaimedJob| {
             if running.fetch_add(1, Ordering::SeqCst) > 0 {
                 overlap.store(true, Ordering::SeqCst);
@@ -82,7 +143,13 @@ fn a_handler_slower_than_its_job_lease_runs_once() {
                 .unwrap()
                 .push((job.payload.clone(), job.attempt));
             if job.payload == b"0" {
-                thread::sleep(Duration::from_millis(450));
+                for _ in 0..12 {
+                    let before = extends.load(Ordering::SeqCst);
+                    clock.advance(40); // lease 100 ms, a heartbeat every 33
+                    wait_for(20, "the pool's next heartbeat", || {
+                        extends.load(Ordering::SeqCst) > before
+                    });
+                }
             }
             running.fetch_sub(1, Ordering::SeqCst);
             Ok(())
@@ -94,9 +161,10 @@ fn a_handler_slower_than_its_job_lease_runs_once() {
         exit_when_idle: true,
         ..PoolOptions::default()
     };
-    let report = run_pool(
-        Arc::new(backend.clone()),
+    let report = run_pool_on(
+        Arc::new(clock.clone()),
         backend,
+        inner,
         handler,
         opts,
         Arc::new(AtomicBool::new(false)),
@@ -119,9 +187,12 @@ fn a_handler_slower_than_its_job_lease_runs_once() {
 
 /// Past `job_timeout_ms` the run is cancelled; a handler that stops on
 /// cancellation fails the attempt, which retries and then dead-letters.
+/// On a manual clock moved on 5 ms per real ms (the job timeout and the
+/// retry's backoff pass in a fifth of their time).
 #[test]
 fn a_handler_past_its_job_timeout_is_cancelled_and_fails() {
-    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let clock = ManualClock::new(1_000_000);
+    let backend = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
     let mut job = NewJob::new("k", "hang");
     job.max_attempts = 2;
     backend.enqueue("s0", 1, &[job]).unwrap();
@@ -143,7 +214,9 @@ fn a_handler_past_its_job_timeout_is_cancelled_and_fails() {
         ..PoolOptions::default()
     };
     let started = Instant::now();
-    let report = run_pool(
+    let _ticker = Ticker::start(&clock, 5);
+    let report = run_pool_on(
+        Arc::new(clock.clone()),
         Arc::new(backend.clone()),
         backend.clone(),
         handler,
@@ -166,19 +239,23 @@ fn a_handler_past_its_job_timeout_is_cancelled_and_fails() {
 
 /// Shutdown past the drain timeout cancels the running handler and waits
 /// for it: the pool returns only after the handler did, and the job is
-/// left for the next owner (not acked).
+/// left for the next owner (not acked). On a manual clock, moved on by
+/// the handler while it waits for its cancel; its clean-up after the
+/// cancel takes real time, which the pool must wait out whatever its clock.
 #[test]
 fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
-    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let clock = ManualClock::new(1_000_000);
+    let backend = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
     backend.enqueue("s0", 1, &[NewJob::new("k", "x")]).unwrap();
     let started = Arc::new(AtomicBool::new(false));
     let returned = Arc::new(AtomicBool::new(false));
     let handler: Arc<shardq_core::Handler> = {
-        let (started, returned) = (started.clone(), returned.clone());
+        let (started, returned, clock) = (started.clone(), returned.clone(), clock.clone());
         Arc::new(move |_job: &ClaimedJob| {
             started.store(true, Ordering::SeqCst);
             let run = current_run().unwrap();
             while !run.is_cancelled() {
+                clock.advance(5);
                 thread::sleep(Duration::from_millis(1));
             }
             // Cleanup takes a while after the cancel (a child being killed).
@@ -193,7 +270,8 @@ fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
         drain_timeout_ms: 50,
         ..PoolOptions::default()
     };
-    let pool = run_pool(
+    let pool = run_pool_on(
+        Arc::new(clock.clone()),
         Arc::new(backend.clone()),
         backend.clone(),
         handler,
@@ -215,6 +293,7 @@ fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
     backend.adopt("s0").unwrap();
     let mut again = Vec::new();
     wait_for(5, "the job to be claimable again", || {
+        clock.advance(50); // past the failed attempt's backoff
         again = backend.claim("s0", 1, 1_000).unwrap();
         !again.is_empty()
     });
@@ -229,9 +308,21 @@ struct OneBroken {
     /// The clock moves on by this much (once) when the next claim starts,
     /// as if the process had been stopped between heartbeat and claim.
     stall_before_claim: Option<(ManualClock, Arc<AtomicU64>)>,
+    /// Extend calls with at least one receipt (the pool's heartbeats).
+    extends: Arc<AtomicUsize>,
 }
 
 impl OneBroken {
+    /// No shard broken, no stall: `inner` with its heartbeats counted.
+    fn healthy(inner: MemoryBackend) -> OneBroken {
+        OneBroken {
+            inner,
+            broken: String::new(),
+            stall_before_claim: None,
+            extends: Arc::default(),
+        }
+    }
+
     fn check(&self, shard: &str) -> Result<(), QueueError> {
         if shard == self.broken {
             return Err(QueueError::Corrupt {
@@ -279,7 +370,11 @@ impl QueueBackend for OneBroken {
         self.inner.fail(s, r, why, retry)
     }
     fn extend(&self, s: &str, r: &[Receipt], lease: u64) -> Result<Vec<Receipt>, QueueError> {
-        self.inner.extend(s, r, lease)
+        let out = self.inner.extend(s, r, lease);
+        if !r.is_empty() {
+            self.extends.fetch_add(1, Ordering::SeqCst);
+        }
+        out
     }
     fn next_due_ms(&self, s: &str) -> Result<Option<u64>, QueueError> {
         self.check(s)?;
@@ -324,6 +419,7 @@ fn one_corrupt_shard_stops_only_itself() {
         inner: inner.clone(),
         broken: "s1".into(),
         stall_before_claim: None,
+        extends: Arc::default(),
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let opts = PoolOptions {
@@ -494,6 +590,7 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
         inner: inner.clone(),
         broken: String::new(),
         stall_before_claim: Some((clock.clone(), stall.clone())),
+        extends: Arc::default(),
     });
     let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let overlaps = Arc::new(AtomicUsize::new(0));
