@@ -14,7 +14,7 @@ import hashlib
 PRELUDE = """
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local K_DEDUP, K_DEDUPX = KEYS[14], KEYS[15]
+local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 -- Expired dedup records forgotten per enqueue, at most.
 local DEDUP_PRUNE = 64
 -- The dedup field of (key, id): the key's length, then key and id.

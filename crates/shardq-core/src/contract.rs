@@ -185,6 +185,50 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
         let want: Vec<String> = (0..3).map(|i| format!("{first}{i}")).collect();
         assert_eq!(ran.get(k), Some(&want), "key {k} after a batched import");
     }
+
+    // A move given up: unsealed, a key runs where it is again, one run at a
+    // time, whether a claim passed it by while sealed ("u") or not ("w").
+    for (k, p) in [("u", "u0"), ("u", "u1"), ("w", "w0"), ("w", "w1")] {
+        enqueue(h, &to, k, p, 5);
+    }
+    let seal = |keys: &[&str]| {
+        let mut f = b.fence(&to).expect("fence");
+        f.sealed_keys = keys.iter().map(|k| (k.to_string(), from.clone())).collect();
+        b.set_fence(&to, &f).expect("fence");
+    };
+    seal(&["u"]);
+    let mut order: Vec<String> = Vec::new();
+    for j in claim(h, &to, 10, LONG_LEASE_MS) {
+        assert_eq!(j.key, "w", "a sealed key started a run");
+        order.push(String::from_utf8_lossy(&j.payload).into_owned());
+        ack_one(h, &to, j.receipt());
+    }
+    seal(&["w"]);
+    seal(&[]);
+    assert!(b.fence(&to).expect("fence").sealed_keys.is_empty());
+    loop {
+        let jobs = claim(h, &to, 10, LONG_LEASE_MS);
+        if jobs.is_empty() {
+            break;
+        }
+        let mut keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+        keys.sort_unstable();
+        let n = keys.len();
+        keys.dedup();
+        assert_eq!(keys.len(), n, "one claim started two runs of a key");
+        for j in jobs {
+            order.push(String::from_utf8_lossy(&j.payload).into_owned());
+            ack_one(h, &to, j.receipt());
+        }
+    }
+    for k in ["u", "w"] {
+        let mine: Vec<&String> = order.iter().filter(|p| p.starts_with(k)).collect();
+        assert_eq!(
+            mine,
+            [&format!("{k}0"), &format!("{k}1")],
+            "key {k} after its unseal"
+        );
+    }
 }
 
 /// The window the dedup checks use (long enough never to lapse in a check).

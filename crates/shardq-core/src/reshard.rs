@@ -21,8 +21,8 @@
 //!    target shard's run-fence floor is raised above every shard's highest
 //!    fence, so their next runs get larger fences than their last ones.
 //! 2. **Move each key with its backlog**, in batches, on a backend that can
-//!    ([`QueueBackend::moves_backlogs`]: the embedded engine, the in-memory
-//!    one): seal the batch on its old shards (no run starts there; enqueues
+//!    ([`QueueBackend::moves_backlogs`]: the embedded engine, Redis
+//!    instances and Redis Cluster, the in-memory one): seal the batch on its old shards (no run starts there; enqueues
 //!    still go in), wait for each key's one run in flight there (bounded by
 //!    `drain_timeout_ms`; a key still running stays, unsealed, with nothing
 //!    copied), raise the new shards' run-fence floor, copy each key's
@@ -39,7 +39,8 @@
 //!    backlog") argues each step, killed anywhere. Dead letters move with
 //!    their key, so no key is held back.
 //!
-//!    **Drain, then switch**, on a backend that cannot (Redis), in batches: pause the batch's enqueues on their
+//!    **Drain, then switch**, on a backend that cannot (no shipped backend
+//!    today; the in-memory one's `draining_moves()` tests it), in batches: pause the batch's enqueues on their
 //!    old shards, wait until each key's depth and in-flight count there are
 //!    zero, raise the new shards' run-fence floor above the old shards'
 //!    highest fence (so a moved key's next run has a larger fence than its

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use redis::Value;
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy,
-    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, NewJob, QueueBackend, QueueError, Receipt,
-    ShardStats, Stored, PAYLOAD_BYTES_MAX_DEFAULT,
+    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError,
+    Receipt, ShardStats, Stored, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
@@ -45,6 +45,15 @@ pub const DEAD_BATCH_MAX: usize = 512;
 pub const DEAD_LIST_MAX: usize = 10_000;
 /// Most receipts one extend script handles; longer lists are split.
 pub const EXTEND_BATCH_MAX: usize = 1024;
+/// Most jobs one export or import script call moves (a backlog move's
+/// copy goes in calls of this many, or of [`TRANSFER_CALL_BYTES_MAX`]).
+pub const TRANSFER_CALL_JOBS_MAX: usize = 1024;
+/// Most record bytes one export reply or import call carries (at least one
+/// job): no single Redis call of a move holds much more than this.
+pub const TRANSFER_CALL_BYTES_MAX: usize = 4 << 20;
+/// Most jobs one purge script call deletes (a moved key's copies left
+/// behind go in calls of this many, so no call blocks the server long).
+pub const PURGE_BATCH_MAX: usize = 8192;
 /// Longest wait for the replicas after a write with
 /// [`RedisOptions::wait_replicas`], in ms (1 s). Kept below the reply
 /// timeout, which bounds the `WAIT` command too.
@@ -1188,26 +1197,226 @@ impl QueueBackend for RedisBackend {
                 .filter_map(reply::string)
                 .collect::<BTreeSet<String>>(),
             run_fence_min: it.get(2).and_then(reply::u64).unwrap_or(0),
-            sealed_keys: Default::default(),
+            sealed_keys: it
+                .get(3)
+                .map(reply::items)
+                .unwrap_or(&[])
+                .chunks(2)
+                .filter_map(|p| Some((reply::string(p.first()?)?, reply::string(p.get(1)?)?)))
+                .collect(),
         })
     }
 
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
-        if !fence.sealed_keys.is_empty() {
-            // This backend drains a moving key instead (moves_backlogs).
-            return Err(QueueError::Unsupported {
-                what: "sealing keys for a backlog move",
-            });
-        }
         let s = self.shard(shard)?;
         let s = &*s;
         let keys: Vec<&String> = fence.paused_keys.iter().collect();
         self.script(s, &self.inner.scripts.fence_set, "", &|c, _| {
             c.arg(fence.map_version_min)
                 .arg(fence.run_fence_min)
+                .arg(keys.len())
                 .arg(&keys);
+            for (key, to) in &fence.sealed_keys {
+                c.arg(key).arg(to);
+            }
         })?;
         Ok(())
+    }
+
+    fn moves_backlogs(&self) -> bool {
+        true
+    }
+
+    fn export_jobs(
+        &self,
+        shard: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut out: Vec<MovedJob> = Vec::new();
+        let mut after = after.map_or(0, |a| a.0);
+        // In calls of bounded size; a short call (the byte budget) is not
+        // the end: only an empty one is, or `max` reached.
+        while out.len() < max {
+            let want = (max - out.len()).min(TRANSFER_CALL_JOBS_MAX);
+            let v = self.script(s, &self.inner.scripts.export, "", &|c, _| {
+                c.arg(key).arg(after).arg(want).arg(TRANSFER_CALL_BYTES_MAX);
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "export refused"));
+            }
+            let items = &reply::items(&v)[1..];
+            if items.is_empty() {
+                break;
+            }
+            for j in items.chunks(3) {
+                let bad = || self.protocol(s, format!("export of key {key:?}: a malformed job"));
+                if j.len() != 3 {
+                    return Err(bad());
+                }
+                let id = reply::u64(&j[0]).ok_or_else(bad)?;
+                let rec = reply::bytes(&j[1])
+                    .and_then(JobRecord::parse)
+                    .ok_or_else(bad)?;
+                if rec.key != key || id <= after {
+                    return Err(bad());
+                }
+                let reason = reply::string(&j[2]).unwrap_or_default();
+                out.push(MovedJob {
+                    id: JobId(id),
+                    created_ms: rec.created_ms,
+                    not_before_ms: rec.not_before_ms,
+                    attempt: rec.attempts,
+                    max_attempts: rec.max_attempts,
+                    payload: rec.payload.to_vec(),
+                    dead: (!reason.is_empty()).then_some(reason),
+                });
+                after = id;
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_jobs(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        let items = [(key.to_string(), jobs.to_vec())];
+        Ok(self
+            .import_many(shard, from, &items)?
+            .into_iter()
+            .map(|(_, src, new)| (src, new))
+            .collect())
+    }
+
+    fn import_many(
+        &self,
+        shard: &str,
+        from: &str,
+        items: &[(String, Vec<MovedJob>)],
+    ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        for (key, _) in items {
+            shardq_core::validate_key(key)?;
+        }
+        // Calls of at most TRANSFER_CALL_JOBS_MAX jobs and about
+        // TRANSFER_CALL_BYTES_MAX bytes, each key's jobs in order: every
+        // call is atomic and the cursors make a retried call a no-op.
+        let mut calls: Vec<Vec<(&str, &[MovedJob])>> = vec![Vec::new()];
+        let (mut jobs_in, mut bytes_in) = (0usize, 0usize);
+        for (key, jobs) in items {
+            let mut rest = &jobs[..];
+            while !rest.is_empty() {
+                let mut take = 0;
+                while take < rest.len()
+                    && jobs_in < TRANSFER_CALL_JOBS_MAX
+                    && (bytes_in < TRANSFER_CALL_BYTES_MAX || (jobs_in == 0 && take == 0))
+                {
+                    bytes_in += rest[take].payload.len() + key.len();
+                    jobs_in += 1;
+                    take += 1;
+                }
+                if take > 0 {
+                    calls
+                        .last_mut()
+                        .expect("one call at least")
+                        .push((key.as_str(), &rest[..take]));
+                    rest = &rest[take..];
+                }
+                if !rest.is_empty() {
+                    calls.push(Vec::new());
+                    (jobs_in, bytes_in) = (0, 0);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for call in calls.iter().filter(|c| !c.is_empty()) {
+            let v = self.script(s, &self.inner.scripts.import, "", &|c, _| {
+                c.arg(from).arg(call.len());
+                for (key, jobs) in call {
+                    c.arg(*key).arg(jobs.len());
+                    for j in *jobs {
+                        c.arg(j.id.0)
+                            .arg(j.not_before_ms)
+                            .arg(j.attempt)
+                            .arg(j.max_attempts)
+                            .arg(j.created_ms)
+                            .arg(&j.payload[..])
+                            .arg(j.dead.as_deref().map_or("", |r| {
+                                if r.is_empty() {
+                                    "dead"
+                                } else {
+                                    r
+                                }
+                            }));
+                    }
+                }
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "import refused"));
+            }
+            for t in reply::items(&v)[1..].chunks(3) {
+                let bad = || self.protocol(s, "import reply is malformed");
+                let (Some(key), Some(src), Some(new)) = (
+                    t.first().and_then(reply::string),
+                    t.get(1).and_then(reply::u64),
+                    t.get(2).and_then(reply::u64),
+                ) else {
+                    return Err(bad());
+                };
+                out.push((key, JobId(src), JobId(new)));
+            }
+        }
+        Ok(out)
+    }
+
+    fn imported_up_to(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.imported_up_to, "", &|c, _| {
+            c.arg(from).arg(key);
+        })?;
+        let up_to = reply::items(&v)
+            .get(1)
+            .and_then(reply::u64)
+            .ok_or_else(|| self.protocol(s, "import cursor reply is malformed"))?;
+        Ok((up_to > 0).then_some(JobId(up_to)))
+    }
+
+    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut total = 0u64;
+        loop {
+            let v = self.script(s, &self.inner.scripts.purge_key, "", &|c, _| {
+                c.arg(key).arg(PURGE_BATCH_MAX);
+            })?;
+            let it = reply::items(&v);
+            let (Some(n), Some(more)) = (
+                it.get(1).and_then(reply::u64),
+                it.get(2).and_then(reply::u64),
+            ) else {
+                return Err(self.protocol(s, "purge reply is malformed"));
+            };
+            total += n;
+            // Nothing deleted yet more reported: a dead count out of step
+            // with the dead jobs; what could go is gone.
+            if more == 0 || n == 0 {
+                return Ok(total);
+            }
+        }
     }
 
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {

@@ -79,8 +79,10 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 /// * `later` zset: routing key -> not-before (ms) of its head, for heads
 ///   that must wait (a delay or a retry backoff).
 ///
-///   A key is in `ready` or `later` (once, never both) iff it has a waiting
-///   job, nothing in flight and no halt.
+///   A key that has a waiting job, nothing in flight, no halt and no seal
+///   is in `ready` or `later`. `ready` may also hold a key that no longer
+///   qualifies (sealed since it was pushed) or hold one twice (unsealed
+///   while still there): claim takes each key once and drops the others.
 /// * `inflight` zset: job id -> job lease deadline (ms).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
@@ -97,9 +99,19 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 ///   written by the enqueue script.
 /// * `dedupx` zset: dedup field -> `expires_ms`, so each enqueue forgets a
 ///   bounded number of expired records.
-pub const SHARD_PARTS: [&str; 15] = [
+/// * `sealed` hash: routing key -> the shard its backlog moves to. A
+///   sealed key starts no run here (the fence's `sealed_keys`); enqueues
+///   still append to it, and a move copies them.
+/// * `imported` hash: `<from len>|<from><key>` -> the largest job id of
+///   shard `from` copied into this shard for that key (a move's cursor:
+///   an import skips what it already took).
+///
+/// The last two came after the enqueue script, which touches neither: a
+/// producer that passes only the first 15 parts (an older client) still
+/// enqueues correctly.
+pub const SHARD_PARTS: [&str; 17] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupx",
+    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].

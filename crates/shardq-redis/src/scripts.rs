@@ -31,7 +31,7 @@ use redis::{Cmd, ConnectionLike, ErrorKind, RedisResult, Value};
 const PRELUDE: &str = r#"
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local K_DEDUP, K_DEDUPX = KEYS[14], KEYS[15]
+local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 -- Expired dedup records forgotten per enqueue, at most.
 local DEDUP_PRUNE = 64
 -- The dedup field of (key, id): the key's length, then key and id.
@@ -365,6 +365,17 @@ if #keys < max then
     for _, k in ipairs(more) do keys[#keys + 1] = k end
   end
 end
+-- Each key once (an unsealed key may still sit in ready from before its
+-- seal), and no sealed key: it is dropped here and its unseal puts it back.
+local sealed_any = redis.call('HLEN', K_SEALED) > 0
+local seen, uniq = {}, {}
+for _, k in ipairs(keys) do
+  if not seen[k] then
+    seen[k] = true
+    if not (sealed_any and redis.call('HEXISTS', K_SEALED, k) == 1) then uniq[#uniq + 1] = k end
+  end
+end
+keys = uniq
 if #keys == 0 then return {'OK', deadline, seq} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
 local cand, qs, heads = {}, {}, {}
@@ -582,17 +593,201 @@ return {math.max(pending - delayed, 0), delayed, redis.call('ZCARD', K_INF), red
 
 /// ARGV[5] oldest map version accepted, ARGV[6] smallest run fence,
 /// ARGV[7..] paused keys.
+/// ARGV[5] map version floor, ARGV[6] run fence floor, ARGV[7] number of
+/// paused keys, the paused keys, then `key, to` per sealed key. A key
+/// sealed now leaves `later` (claim drops it from `ready`); a key unsealed
+/// now with work waiting goes back to `ready` (claim takes each key once,
+/// so one still there is harmless).
 const FENCE_SET: &str = r#"
+local now = now_ms()
 redis.call('HSET', K_META, 'fmin', ARGV[5], 'ffloor', ARGV[6])
 redis.call('DEL', K_PAUSED)
+local np = tonumber(ARGV[7])
 local keys = {}
-for i = 7, #ARGV do keys[#keys + 1] = ARGV[i] end
+for i = 8, 7 + np do keys[#keys + 1] = ARGV[i] end
 if #keys > 0 then redis.call('SADD', K_PAUSED, unpack(keys)) end
+local want = {}
+for i = 8 + np, #ARGV, 2 do want[ARGV[i]] = ARGV[i + 1] end
+local had = redis.call('HGETALL', K_SEALED)
+for i = 1, #had, 2 do
+  local k = had[i]
+  if not want[k] then
+    redis.call('HDEL', K_SEALED, k)
+    kready(k, kparse(redis.call('HGET', K_KEYS, k)), nil, now)
+  end
+end
+for k, to in pairs(want) do
+  redis.call('HSET', K_SEALED, k, to)
+  redis.call('ZREM', K_LATER, k)
+end
 return {'OK'}
 "#;
 
 const FENCE_GET: &str = r#"
-return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0'}
+return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0', redis.call('HGETALL', K_SEALED)}
+"#;
+
+/// ARGV[5] key, ARGV[6] export only ids above this (0: from the first),
+/// ARGV[7] at most this many, ARGV[8] and no more once their records hold
+/// this many bytes (at least one job): the key's jobs that are not running, dead or
+/// waiting, in id order. Reply: `OK`, then `id, record, reason` per job
+/// (reason empty for a waiting job). Read-only. Only for a sealed key,
+/// whose list then only grows at its tail (its ids ascend along it): the
+/// walk goes on from the last id exported when that one still waits.
+const EXPORT: &str = r#"
+local k, after, max = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local dead = {}
+if tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0 then
+  for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_DEAD, '(' .. idstr(after), '+inf')) do
+    if #dead >= max then break end
+    local r = redis.call('HGET', K_JOBS, ids)
+    if r then
+      local _, _, _, _, rk = rec_parse(r)
+      if rk == k then dead[#dead + 1] = {tonumber(ids), r, redis.call('HGET', K_REASON, ids) or 'dead'} end
+    end
+  end
+end
+local waiting = {}
+local q = kparse(redis.call('HGET', K_KEYS, k))
+local id = q.h
+if after > 0 and q.h ~= 0 and after >= q.h then
+  local nx = redis.call('HGET', K_NEXT, idstr(after))
+  if nx then
+    id = tonumber(nx)
+  elseif after == q.t then
+    id = 0
+  end
+end
+while id ~= 0 and #waiting < max do
+  local ids = idstr(id)
+  if id > after then waiting[#waiting + 1] = {id, redis.call('HGET', K_JOBS, ids) or '', ''} end
+  id = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
+end
+local out = {'OK'}
+local i, j = 1, 1
+local budget, bytes = tonumber(ARGV[8]), 0
+while (i <= #dead or j <= #waiting) and (#out - 1) / 3 < max and bytes < budget do
+  local d, w = dead[i], waiting[j]
+  local pick
+  if d and (not w or d[1] < w[1]) then pick = d; i = i + 1 else pick = w; j = j + 1 end
+  out[#out + 1] = idstr(pick[1])
+  out[#out + 1] = pick[2]
+  out[#out + 1] = pick[3]
+  bytes = bytes + #pick[2]
+end
+return out
+"#;
+
+/// ARGV[5] the shard the jobs come from, ARGV[6] number of keys, then per
+/// key: the key, its job count c, then c times `source id, not_before,
+/// attempts, max_attempts, created, payload, reason` (reason empty: a
+/// waiting job, else a dead one). Appends each key's jobs at its tail with
+/// new ids, skipping source ids at or below the key's import cursor
+/// (`imported` field `<from len>|<from><key>`), so a rerun stores nothing
+/// twice. Reply: `OK`, then `key, source id, new id` per job stored.
+const IMPORT: &str = r#"
+local now = now_ms()
+local from = ARGV[5]
+local nk = tonumber(ARGV[6])
+local p = 7
+local out = {'OK'}
+local stored = 0
+for _ = 1, nk do
+  local k, c = ARGV[p], tonumber(ARGV[p + 1])
+  p = p + 2
+  local cf = #from .. '|' .. from .. k
+  local done = tonumber(redis.call('HGET', K_IMPORTED, cf) or '0')
+  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local fresh = q.d == 0 and q.f == 0
+  local head_nbf = nil
+  local top = done
+  for _ = 1, c do
+    local src, nbf, a, m, cr, pl, why = tonumber(ARGV[p]), ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4], ARGV[p + 5], ARGV[p + 6]
+    p = p + 7
+    if src > top then
+      top = src
+      local id = redis.call('HINCRBY', K_META, 'seq', 1)
+      local ids = idstr(id)
+      redis.call('HSET', K_JOBS, ids, nbf .. '|' .. a .. '|' .. m .. '|' .. cr .. '|' .. #k .. '|' .. k .. pl)
+      if why ~= '' then
+        bury(ids, k, why)
+      else
+        if q.t ~= 0 then redis.call('HSET', K_NEXT, idstr(q.t), ids) else q.h = id; head_nbf = tonumber(nbf) end
+        q.t = id
+        q.d = q.d + 1
+        stored = stored + 1
+        if tonumber(nbf) > now then redis.call('ZADD', K_DELAYED, tonumber(nbf), ids) end
+      end
+      out[#out + 1] = k
+      out[#out + 1] = idstr(src)
+      out[#out + 1] = ids
+    end
+  end
+  if top > done then
+    redis.call('HSET', K_IMPORTED, cf, idstr(top))
+    kstore(k, q)
+    if fresh and head_nbf then kready(k, q, head_nbf, now) end
+  end
+end
+if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
+return out
+"#;
+
+/// ARGV[5] from, ARGV[6] key: the key's import cursor from that shard
+/// (`OK`, the largest source id taken, 0 for none). Read-only.
+const IMPORTED_UP_TO: &str = r#"
+return {'OK', redis.call('HGET', K_IMPORTED, #ARGV[5] .. '|' .. ARGV[5] .. ARGV[6]) or '0'}
+"#;
+
+/// ARGV[5] key, ARGV[6] at most this many jobs per call: deletes the key's
+/// jobs that are not running, waiting ones from the head, then (once none
+/// waits) dead ones. Reply: `OK`, how many were deleted, `1` if some are
+/// left (call again). What a move left behind on the old shard of a sealed
+/// key, whose list no longer changes.
+const PURGE_KEY: &str = r#"
+local k, max = ARGV[5], tonumber(ARGV[6])
+local q = kparse(redis.call('HGET', K_KEYS, k))
+local n = 0
+while q.h ~= 0 and n < max do
+  local ids = idstr(q.h)
+  local nx = redis.call('HGET', K_NEXT, ids)
+  redis.call('HDEL', K_JOBS, ids)
+  redis.call('HDEL', K_NEXT, ids)
+  redis.call('HDEL', K_REASON, ids)
+  redis.call('ZREM', K_DELAYED, ids)
+  q.h = tonumber(nx or '0')
+  q.d = q.d - 1
+  n = n + 1
+end
+if n > 0 then redis.call('HINCRBY', K_META, 'pend', -n) end
+if q.h == 0 then
+  q.t, q.d = 0, 0
+  redis.call('ZREM', K_LATER, k)
+end
+kstore(k, q)
+local dead = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+if q.h == 0 and dead > 0 and n < max then
+  for _, ids in ipairs(redis.call('ZRANGE', K_DEAD, 0, -1)) do
+    if n >= max or dead == 0 then break end
+    local r = redis.call('HGET', K_JOBS, ids)
+    local rk = ''
+    if r then
+      local _, _, _, _, x = rec_parse(r)
+      rk = x
+    end
+    if rk == k then
+      redis.call('ZREM', K_DEAD, ids)
+      redis.call('HDEL', K_JOBS, ids)
+      redis.call('HDEL', K_REASON, ids)
+      dead = dead - 1
+      n = n + 1
+    end
+  end
+  if dead > 0 then redis.call('HSET', K_DEADN, k, dead) else redis.call('HDEL', K_DEADN, k) end
+end
+local more = 0
+if q.h ~= 0 or dead > 0 then more = 1 end
+return {'OK', n, more}
 "#;
 
 /// ARGV[5] limit: id, attempts, key, reason per dead job, oldest first.
@@ -880,6 +1075,10 @@ pub(crate) struct Scripts {
     pub(crate) stats: Lua,
     pub(crate) fence_set: Lua,
     pub(crate) fence_get: Lua,
+    pub(crate) export: Lua,
+    pub(crate) import: Lua,
+    pub(crate) imported_up_to: Lua,
+    pub(crate) purge_key: Lua,
     pub(crate) dead_list: Lua,
     pub(crate) dead_move: Lua,
     pub(crate) lease: Lua,
@@ -908,6 +1107,10 @@ impl Scripts {
             stats: Lua::new(STATS, true, Flags::NoWrites),
             fence_set: Lua::new(FENCE_SET, true, Flags::AllowOom),
             fence_get: Lua::new(FENCE_GET, true, Flags::NoWrites),
+            export: Lua::new(EXPORT, true, Flags::NoWrites),
+            import: Lua::new(IMPORT, true, Flags::Write),
+            imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
+            purge_key: Lua::new(PURGE_KEY, true, Flags::AllowOom),
             dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
             dead_move: Lua::new(DEAD_MOVE, true, Flags::AllowOom),
             lease: Lua::new(LEASE, false, Flags::AllowOom),

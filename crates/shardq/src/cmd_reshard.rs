@@ -31,7 +31,7 @@ pub struct MoveOpts {
     /// Keys moved per batch.
     #[arg(long, default_value_t = BATCH_DEFAULT)]
     batch: usize,
-    /// Longest wait for one batch: for the runs in flight of its keys (or, on Redis, for its keys to drain), in ms.
+    /// Longest wait for one batch: for the runs in flight of its keys (or, on a backend that cannot move backlogs, for its keys to drain), in ms.
     #[arg(long, default_value_t = DRAIN_TIMEOUT_MS_DEFAULT)]
     drain_timeout_ms: u64,
     /// Print the report as one JSON object.

@@ -182,3 +182,129 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
     assert!(report.moved.iter().all(|m| m.to == "r2"));
     assert!(store.load_target().unwrap().is_none());
 }
+
+/// A moving key takes its backlog to its new instance: with no worker
+/// running during the rebalance (a drain would wait forever), every moving
+/// key's queued, delayed and dead jobs land on the new shard and none stays
+/// behind; a key with a run in flight moves once that run ended (acked from
+/// another thread mid-rebalance, never run again). Afterwards every job
+/// runs once, in its key's order, wherever its key now lives.
+#[test]
+fn a_moving_key_takes_its_backlog_to_its_new_instance() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    init(&map);
+    let store = RedisMapStore::open(&servers[0].url()).unwrap();
+    store.publish(&map, 0).unwrap();
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let mut c = owner(&b, "w1", 600_000);
+    reshard::add_shard(&store, "r2", 1, Some(servers[2].url())).unwrap();
+    let opts = shardq_redis::RedisOptions {
+        deployment: b.deployment_id(),
+        ..shardq_redis::RedisOptions::default()
+    };
+    shardq_redis::init_shards(&store.load().unwrap(), &opts).unwrap();
+    b.sync_shards(&store.load().unwrap()).unwrap();
+    tick_adopt(&b, &mut c);
+    let now = Router::new(store.load().unwrap()).unwrap();
+    let target = Router::new(store.load_target().unwrap().unwrap()).unwrap();
+    let keys: Vec<String> = (0..80).map(|i| format!("t{i}")).collect();
+    let moving: Vec<&String> = keys
+        .iter()
+        .filter(|k| now.route(k) != target.route(k))
+        .collect();
+    assert!(moving.len() >= 3, "too few keys move: {moving:?}");
+    let (dead_key, busy_key) = (moving[0].clone(), moving[1].clone());
+
+    // dead_key: its first job dies (one attempt), on its own shard alone.
+    let mut first = job(&dead_key, "0");
+    first.max_attempts = 1;
+    let home = now.route(&dead_key).to_string();
+    b.enqueue(&home, 1, &[first]).unwrap();
+    let j = b.claim(&home, 1, 60_000).unwrap().remove(0);
+    b.fail(&home, j.receipt(), "boom", None).unwrap();
+    // busy_key: its first job in flight through the rebalance.
+    let busy_home = now.route(&busy_key).to_string();
+    b.enqueue(&busy_home, 1, &[job(&busy_key, "0")]).unwrap();
+    let busy = b.claim(&busy_home, 10, 60_000).unwrap();
+    assert_eq!(busy.len(), 1);
+    let busy = busy.into_iter().next().unwrap();
+    // 200 jobs per key after those, one of them delayed by a minute.
+    const PER_KEY: usize = 200;
+    for seq in 1..=PER_KEY {
+        for k in &keys {
+            let mut j = job(k, &seq.to_string());
+            if seq == 100 && k == &moving[2].clone() {
+                j.delay_ms = 60_000;
+            }
+            b.enqueue(now.route(k), 1, &[j]).unwrap();
+        }
+    }
+    let acker = {
+        let b = b.clone();
+        let (shard, receipt) = (busy_home.clone(), busy.receipt());
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            b.ack(&shard, &[receipt]).unwrap();
+        })
+    };
+    let report = reshard::rebalance(
+        &b,
+        &store,
+        &RebalanceOptions {
+            batch: 8,
+            drain_timeout_ms: 20_000,
+            ..RebalanceOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    acker.join().unwrap();
+    let moved_keys: Vec<&str> = report.moved.iter().map(|m| m.key.as_str()).collect();
+    for k in &moving {
+        assert!(
+            moved_keys.contains(&k.as_str()),
+            "{k} did not move: {moved_keys:?}"
+        );
+        let old = b.key_counts(now.route(k), k).unwrap();
+        assert_eq!(old, counts(0, 0, 0), "{k} left jobs on its old shard");
+        let new = b.key_counts(target.route(k), k).unwrap();
+        let dead = u64::from(**k == dead_key);
+        assert_eq!(new, counts(PER_KEY as u64, 0, dead), "{k} on its new shard");
+    }
+    assert_eq!(
+        report.jobs_moved,
+        (moving.len() * PER_KEY + 1) as u64,
+        "every moving key's backlog and the dead letter"
+    );
+    let dead = b.dead_list(target.route(&dead_key), 10).unwrap();
+    assert_eq!((dead.len(), dead[0].reason.as_str()), (1, "boom"));
+
+    // Every job runs once, in key order, where its key lives now.
+    clock.advance(120_000);
+    let mut seen: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    loop {
+        let mut any = false;
+        for s in b.shard_names() {
+            let jobs = b.claim(&s, 1024, 600_000).unwrap();
+            any |= !jobs.is_empty();
+            for j in &jobs {
+                assert_eq!(target.route(&j.key), s, "{} ran on {s}", j.key);
+                let seq: usize = String::from_utf8_lossy(&j.payload).parse().unwrap();
+                seen.entry(j.key.clone()).or_default().push(seq);
+            }
+            let receipts: Vec<_> = jobs.iter().map(|j| j.receipt()).collect();
+            if !receipts.is_empty() {
+                b.ack(&s, &receipts).unwrap();
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    for k in &keys {
+        let want: Vec<usize> = (1..=PER_KEY).collect();
+        assert_eq!(seen.get(k), Some(&want), "key {k}: each job once, in order");
+    }
+}
