@@ -1,7 +1,8 @@
 //! Cluster mode against a real 3-master Redis Cluster: client-side slots
 //! agree with `CLUSTER KEYSLOT`, shards spread over the masters, and a live
 //! `redis-cli --cluster reshard` of a busy shard's slot loses nothing and
-//! reorders no key.
+//! reorders no key, and a shardq rebalance inside the cluster moves keys
+//! with their backlogs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +29,15 @@ fn name_where(prefix: &str, want: impl Fn(u16) -> bool) -> String {
         .map(|i| format!("{prefix}-{i}"))
         .find(|n| want(shard_slot(NS, QUEUE_DEFAULT, n)))
         .expect("a shard name with the wanted slot")
+}
+
+/// A shardq rebalance inside one cluster: moving keys take their backlogs
+/// (the scripts of both shards run on whichever masters hold their slots).
+#[test]
+fn a_moving_key_takes_its_backlog_within_the_cluster() {
+    let cluster = RedisCluster::start(3);
+    let url = cluster.url();
+    crate::reshard::moving_keys_take_their_backlogs([url.clone(), url.clone(), url]);
 }
 
 #[test]

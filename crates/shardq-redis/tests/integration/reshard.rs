@@ -192,14 +192,21 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
 #[test]
 fn a_moving_key_takes_its_backlog_to_its_new_instance() {
     let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    moving_keys_take_their_backlogs([servers[0].url(), servers[1].url(), servers[2].url()]);
+}
+
+/// The move above with shards r0 and r1 on `urls[0]` and `urls[1]` (the
+/// map store on the first), r2 added on `urls[2]`: three instances, or one
+/// cluster's URL three times.
+pub(crate) fn moving_keys_take_their_backlogs(urls: [String; 3]) {
     let clock = ManualClock::new(T0);
-    let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    let map = map_of(&[("r0", urls[0].clone()), ("r1", urls[1].clone())]);
     init(&map);
-    let store = RedisMapStore::open(&servers[0].url()).unwrap();
+    let store = RedisMapStore::open(&urls[0]).unwrap();
     store.publish(&map, 0).unwrap();
     let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
     let mut c = owner(&b, "w1", 600_000);
-    reshard::add_shard(&store, "r2", 1, Some(servers[2].url())).unwrap();
+    reshard::add_shard(&store, "r2", 1, Some(urls[2].clone())).unwrap();
     let opts = shardq_redis::RedisOptions {
         deployment: b.deployment_id(),
         ..shardq_redis::RedisOptions::default()
