@@ -376,36 +376,53 @@ def bench_move(a: argparse.Namespace) -> None:
         for label, exe in bins:
             with tempfile.TemporaryDirectory(prefix="shardq-bench-move-") as tmp:
                 data = os.path.join(tmp, "d")
-                sh(exe, "init", "--data", data, "--shards", "2")
-                lines = "".join(f"t-{i % a.keys}\t{i // a.keys}\n" for i in range(a.jobs)).encode()
-                t0 = time.monotonic()
-                sh(exe, "enqueue", "--data", data, "--stdin", "--durability", "none", stdin=lines)
-                enqueue_s = time.monotonic() - t0
-                status = json.loads(sh(exe, "status", "--data", data, "--json"))
-                held = {r["name"]: r["ready"] + r["delayed"] for r in status["shards"]}
-                runs = os.path.join(tmp, "runs.txt")
-                worker = None
-                if a.workers:
-                    worker = subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all",
-                                               "--concurrency", "8", "--durability", "none",
-                                               "--handler-builtin", f"append:{runs}"],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    time.sleep(0.5)
-                t0 = time.monotonic()
-                out = sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
-                move_s = time.monotonic() - t0
-                report = json.loads(out.decode().strip().splitlines()[-1])
-                if worker is not None:
-                    stop(worker)
-                moved = report.get("jobs_moved", 0)
-                row = {"bench": "move", "binary": label, "repeat": rep, "jobs": a.jobs, "keys": a.keys,
-                       "on_removed_shard": held.get("shard-1", 0), "worker": bool(a.workers),
-                       "remove_shard_s": round(move_s, 2), "jobs_moved": moved,
-                       "moved_per_s": round(moved / move_s) if moved else None,
-                       "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2)}
-                emit(row)
-                log(f"move {label} rep {rep}: remove-shard of {row['on_removed_shard']} queued jobs took "
-                    f"{row['remove_shard_s']} s ({moved} moved)")
+                redis = [RedisServer(tmp) for _ in range(2)] if a.backend == "redis" else []
+                try:
+                    bench_move_one(a, exe, label, rep, tmp, data, redis)
+                finally:
+                    for r in redis:
+                        r.stop()
+
+
+def bench_move_one(a: argparse.Namespace, exe: str, label: str, rep: int, tmp: str, data: str,
+                   redis: List["RedisServer"]) -> None:
+    """One run of `bench_move` in `tmp`, on `redis` when it names servers."""
+    if redis:
+        sh(exe, "init", "--data", data, "--shards", "2", "--redis", ",".join(r.url for r in redis))
+        durability: List[str] = []
+    else:
+        sh(exe, "init", "--data", data, "--shards", "2")
+        durability = ["--durability", "none"]
+    lines = "".join(f"t-{i % a.keys}\t{i // a.keys}\n" for i in range(a.jobs)).encode()
+    t0 = time.monotonic()
+    sh(exe, "enqueue", "--data", data, "--stdin", *durability, stdin=lines)
+    enqueue_s = time.monotonic() - t0
+    status = json.loads(sh(exe, "status", "--data", data, "--json"))
+    held = {r["name"]: r["ready"] + r["delayed"] for r in status["shards"]}
+    runs = os.path.join(tmp, "runs.txt")
+    worker = None
+    if a.workers:
+        worker = subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all",
+                                   "--concurrency", "8", *durability,
+                                   "--handler-builtin", f"append:{runs}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    out = sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
+    move_s = time.monotonic() - t0
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    if worker is not None:
+        stop(worker)
+    moved = report.get("jobs_moved", 0)
+    row = {"bench": "move", "backend": a.backend, "binary": label, "repeat": rep, "jobs": a.jobs,
+           "keys": a.keys,
+           "on_removed_shard": held.get("shard-1", 0), "worker": bool(a.workers),
+           "remove_shard_s": round(move_s, 2), "jobs_moved": moved,
+           "moved_per_s": round(moved / move_s) if moved else None,
+           "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2)}
+    emit(row)
+    log(f"move {label} rep {rep}: remove-shard of {row['on_removed_shard']} queued jobs took "
+        f"{row['remove_shard_s']} s ({moved} moved)")
 
 
 def bench_move_latency(a: argparse.Namespace) -> None:
@@ -510,6 +527,8 @@ def main() -> None:
     m.add_argument("--jobs", type=int, default=2_000_000, help="jobs over 2 shards; about half on the removed one")
     m.add_argument("--keys", type=int, default=1000)
     m.add_argument("--workers", type=int, default=1, help="1: a worker runs jobs during the move; 0: none")
+    m.add_argument("--backend", choices=["embedded", "redis"], default="embedded",
+                   help="redis: the two shards on two local redis-server processes")
     m.add_argument("--baseline-bin", default=None, help="another shardq binary to run the same on")
     m.add_argument("--repeat", type=int, default=1)
     ml = sub.add_parser("move-latency")

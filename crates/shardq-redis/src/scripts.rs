@@ -658,10 +658,15 @@ if after > 0 and q.h ~= 0 and after >= q.h then
     id = 0
   end
 end
-while id ~= 0 and #waiting < max do
+local wids = {}
+while id ~= 0 and #wids < max do
   local ids = idstr(id)
-  if id > after then waiting[#waiting + 1] = {id, redis.call('HGET', K_JOBS, ids) or '', ''} end
+  if id > after then wids[#wids + 1] = ids end
   id = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
+end
+if #wids > 0 then
+  local recs = redis.call('HMGET', K_JOBS, unpack(wids))
+  for i, ids in ipairs(wids) do waiting[i] = {tonumber(ids), recs[i] or '', ''} end
 end
 local out = {'OK'}
 local i, j = 1, 1
@@ -689,46 +694,86 @@ const IMPORT: &str = r#"
 local now = now_ms()
 local from = ARGV[5]
 local nk = tonumber(ARGV[6])
+-- First pass: each key's cursor and how many of its jobs are new, so the
+-- ids come from one HINCRBY and the writes go in a few bulk calls.
 local p = 7
-local out = {'OK'}
-local stored = 0
+local plan, fresh_n = {}, 0
 for _ = 1, nk do
   local k, c = ARGV[p], tonumber(ARGV[p + 1])
-  p = p + 2
   local cf = #from .. '|' .. from .. k
   local done = tonumber(redis.call('HGET', K_IMPORTED, cf) or '0')
-  local q = kparse(redis.call('HGET', K_KEYS, k))
-  local fresh = q.d == 0 and q.f == 0
-  local head_nbf = nil
-  local top = done
-  for _ = 1, c do
-    local src, nbf, a, m, cr, pl, why = tonumber(ARGV[p]), ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4], ARGV[p + 5], ARGV[p + 6]
-    p = p + 7
+  local top, n = done, 0
+  for j = 0, c - 1 do
+    local src = tonumber(ARGV[p + 2 + 7 * j])
     if src > top then
       top = src
-      local id = redis.call('HINCRBY', K_META, 'seq', 1)
-      local ids = idstr(id)
-      redis.call('HSET', K_JOBS, ids, nbf .. '|' .. a .. '|' .. m .. '|' .. cr .. '|' .. #k .. '|' .. k .. pl)
-      if why ~= '' then
-        bury(ids, k, why)
-      else
-        if q.t ~= 0 then redis.call('HSET', K_NEXT, idstr(q.t), ids) else q.h = id; head_nbf = tonumber(nbf) end
-        q.t = id
-        q.d = q.d + 1
-        stored = stored + 1
-        if tonumber(nbf) > now then redis.call('ZADD', K_DELAYED, tonumber(nbf), ids) end
-      end
-      out[#out + 1] = k
-      out[#out + 1] = idstr(src)
-      out[#out + 1] = ids
+      n = n + 1
     end
   end
-  if top > done then
-    redis.call('HSET', K_IMPORTED, cf, idstr(top))
+  plan[#plan + 1] = {k = k, c = c, p = p + 2, cf = cf, done = done, top = top}
+  fresh_n = fresh_n + n
+  p = p + 2 + 7 * c
+end
+local out = {'OK'}
+if fresh_n == 0 then return out end
+local id = redis.call('HINCRBY', K_META, 'seq', fresh_n) - fresh_n
+local jobs, nxt, dly, cur = {}, {}, {}, {}
+local stored = 0
+local function flush(t, cmd, key)
+  for i = 1, #t, 4000 do
+    redis.call(cmd, key, unpack(t, i, math.min(i + 3999, #t)))
+  end
+end
+for _, pl in ipairs(plan) do
+  if pl.top > pl.done then
+    local k = pl.k
+    local q = kparse(redis.call('HGET', K_KEYS, k))
+    local fresh = q.d == 0 and q.f == 0
+    local head_nbf = nil
+    local top = pl.done
+    for j = 0, pl.c - 1 do
+      local b = pl.p + 7 * j
+      local src = tonumber(ARGV[b])
+      if src > top then
+        top = src
+        id = id + 1
+        local ids = idstr(id)
+        local nbf, why = ARGV[b + 1], ARGV[b + 6]
+        jobs[#jobs + 1] = ids
+        jobs[#jobs + 1] = nbf .. '|' .. ARGV[b + 2] .. '|' .. ARGV[b + 3] .. '|' .. ARGV[b + 4] .. '|' .. #k .. '|' .. k .. ARGV[b + 5]
+        if why ~= '' then
+          bury(ids, k, why)
+        else
+          if q.t ~= 0 then
+            nxt[#nxt + 1] = idstr(q.t)
+            nxt[#nxt + 1] = ids
+          else
+            q.h = id
+            head_nbf = tonumber(nbf)
+          end
+          q.t = id
+          q.d = q.d + 1
+          stored = stored + 1
+          if tonumber(nbf) > now then
+            dly[#dly + 1] = tonumber(nbf)
+            dly[#dly + 1] = ids
+          end
+        end
+        out[#out + 1] = k
+        out[#out + 1] = ARGV[b]
+        out[#out + 1] = ids
+      end
+    end
+    cur[#cur + 1] = pl.cf
+    cur[#cur + 1] = idstr(top)
     kstore(k, q)
     if fresh and head_nbf then kready(k, q, head_nbf, now) end
   end
 end
+flush(jobs, 'HSET', K_JOBS)
+flush(nxt, 'HSET', K_NEXT)
+flush(dly, 'ZADD', K_DELAYED)
+flush(cur, 'HSET', K_IMPORTED)
 if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
 return out
 "#;
@@ -747,17 +792,20 @@ return {'OK', redis.call('HGET', K_IMPORTED, #ARGV[5] .. '|' .. ARGV[5] .. ARGV[
 const PURGE_KEY: &str = r#"
 local k, max = ARGV[5], tonumber(ARGV[6])
 local q = kparse(redis.call('HGET', K_KEYS, k))
-local n = 0
-while q.h ~= 0 and n < max do
+local gone = {}
+while q.h ~= 0 and #gone < max do
   local ids = idstr(q.h)
-  local nx = redis.call('HGET', K_NEXT, ids)
-  redis.call('HDEL', K_JOBS, ids)
-  redis.call('HDEL', K_NEXT, ids)
-  redis.call('HDEL', K_REASON, ids)
-  redis.call('ZREM', K_DELAYED, ids)
-  q.h = tonumber(nx or '0')
+  gone[#gone + 1] = ids
+  q.h = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
   q.d = q.d - 1
-  n = n + 1
+end
+local n = #gone
+for i = 1, n, 4000 do
+  local j = math.min(i + 3999, n)
+  redis.call('HDEL', K_JOBS, unpack(gone, i, j))
+  redis.call('HDEL', K_NEXT, unpack(gone, i, j))
+  redis.call('HDEL', K_REASON, unpack(gone, i, j))
+  redis.call('ZREM', K_DELAYED, unpack(gone, i, j))
 end
 if n > 0 then redis.call('HINCRBY', K_META, 'pend', -n) end
 if q.h == 0 then
