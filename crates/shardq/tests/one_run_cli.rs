@@ -1,7 +1,8 @@
 //! One run per key on real processes and a real `redis-server`, through
 //! stalls: the worker stopped (SIGSTOP) past its job lease, the Redis
 //! server stopped past the shard lease, a worker SIGKILLed while another
-//! waits to exit when idle. Handlers are per-job Python processes that take
+//! waits to exit when idle, a rebalance while the worker holding the moving
+//! keys' runs is stopped. Handlers are per-job Python processes that take
 //! an exclusive `flock` on their key, so two runs of a key at once, in one
 //! process or in two, are seen by the second one.
 
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use shardq_redis::testing::RedisServer;
 use support::{
-    enqueue_lines, init_shards_with, process_alive, status_json, temp_dir, wait_until, BIN,
+    enqueue_lines, init_shards_with, process_alive, run, status_json, temp_dir, wait_until, BIN,
     WAIT_MAX,
 };
 
@@ -251,4 +252,78 @@ fn exit_when_idle_waits_for_work_held_by_a_dead_worker() {
             "Y exited with work left: {field}: {v}"
         );
     }
+}
+
+/// Issue 18, item 6: a rebalance while the worker running the moving keys
+/// is stopped (SIGSTOP) with their runs in flight. The move waits for those
+/// runs, which end when the stopped worker's job leases lapse and a second
+/// worker takes its shard over; the keys then move with their backlogs.
+/// After SIGCONT the stopped worker's late results are refused: every job
+/// runs to its ack and no two runs of a key overlap.
+#[test]
+fn a_rebalance_past_a_stopped_worker_moves_its_keys_once_their_runs_lapse() {
+    let server = RedisServer::start();
+    let dir = temp_dir("stall-move");
+    let data = dir.join("data");
+    let keys = 8;
+    init_shards_with(&data, 1, &["--redis", &server.url()]);
+    let lines: String = (0..3)
+        .flat_map(|_| (0..keys).map(|k| format!("tenant-{k}\tx\n")))
+        .collect();
+    enqueue_lines(&data, &lines, &[]);
+    let flags = ["--lease-ms", "3000", "--job-lease-ms", "1500"];
+    let mut w1 = worker(&dir, &data, "w1", &flags, "1");
+    wait_until("4 handlers to start", WAIT_MAX, || {
+        log_lines(&dir).len() >= 4
+    });
+    signal(w1.id(), "-STOP");
+    let d = data.to_str().unwrap();
+    let (ok, _, err) = run(&["add-shard", "--data", d, "shard-1", "--url", &server.url()]);
+    assert!(ok, "{err}");
+    let more = [
+        "--lease-ms",
+        "3000",
+        "--job-lease-ms",
+        "1500",
+        "--max-local-shards",
+        "all",
+    ];
+    let mut w2 = worker(&dir, &data, "w2", &more, "1");
+    let (ok, out, err) = run(&[
+        "rebalance",
+        "--data",
+        d,
+        "--json",
+        "--drain-timeout-ms",
+        "60000",
+    ]);
+    assert!(ok, "rebalance: {err}");
+    let report: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or("{}")).unwrap();
+    let moved = report["keys_moved"].as_u64().unwrap_or(0);
+    assert!(
+        moved > 0 && report["jobs_moved"].as_u64() >= Some(moved),
+        "the keys did not move with their backlogs: {out}"
+    );
+    signal(w1.id(), "-CONT");
+    wait_until("every job to be acked", WAIT_MAX, || {
+        let t = &status_json(&data)["totals"];
+        t["ready"] == 0 && t["in_flight"] == 0 && t["delayed"] == 0
+    });
+    for (w, name) in [(&mut w1, "w1"), (&mut w2, "w2")] {
+        signal(w.id(), "-TERM");
+        assert!(
+            exits(w, "a worker to drain and exit"),
+            "{}",
+            worker_log(&dir, name)
+        );
+    }
+    assert_one_run_at_a_time_and_all_done(&dir, &data, keys);
+    let lines = log_lines(&dir);
+    let ends = lines.iter().filter(|l| l.0 == "end").count();
+    assert!(
+        ends >= 3 * keys,
+        "{ends} runs ended for {} jobs: {lines:?}",
+        3 * keys
+    );
 }
