@@ -116,6 +116,9 @@ struct Run {
     id: u64,
     attempt: u32,
     shard: String,
+    /// The job's payload, which names it: a job that moved with its key
+    /// has a new id on its new shard.
+    payload: String,
 }
 
 fn runs(path: &Path) -> Vec<Run> {
@@ -128,6 +131,7 @@ fn runs(path: &Path) -> Vec<Run> {
                 id: p.next()?.parse().ok()?,
                 attempt: p.next()?.parse().ok()?,
                 shard: p.next()?.to_string(),
+                payload: p.next()?.to_string(),
             })
         })
         .collect()
@@ -151,6 +155,17 @@ fn enqueued(stdout: &str) -> BTreeMap<String, Vec<(String, u64)>> {
     out
 }
 
+/// Per key, the payloads of `KEY<TAB>PAYLOAD` lines in input order (each
+/// payload names one job of its key).
+fn payloads_of(input: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for l in input.lines() {
+        let (k, p) = l.split_once('\t').expect("KEY<TAB>PAYLOAD");
+        out.entry(k.to_string()).or_default().push(p.to_string());
+    }
+    out
+}
+
 /// What the runs say about the enqueued jobs.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Verdict {
@@ -162,22 +177,22 @@ struct Verdict {
     reruns_at_attempt_one: usize,
 }
 
-fn verdict(expected: &BTreeMap<String, Vec<(String, u64)>>, runs: &[Run]) -> Verdict {
-    let mut pos: HashMap<(String, u64), (String, usize)> = HashMap::new();
+/// Jobs are named by (key, payload): `expected` from [`payloads_of`].
+fn verdict(expected: &BTreeMap<String, Vec<String>>, runs: &[Run]) -> Verdict {
+    let mut pos: HashMap<(String, String), (String, usize)> = HashMap::new();
     for (k, jobs) in expected {
-        for (i, (s, id)) in jobs.iter().enumerate() {
-            pos.insert((s.clone(), *id), (k.clone(), i));
+        for (i, p) in jobs.iter().enumerate() {
+            pos.insert((k.clone(), p.clone()), (k.clone(), i));
         }
     }
     let mut v = Verdict::default();
-    let mut seen: HashMap<(String, u64), u32> = HashMap::new();
+    let mut seen: HashMap<(String, String), u32> = HashMap::new();
     let mut last: HashMap<String, usize> = HashMap::new();
     for r in runs {
-        let job = (r.shard.clone(), r.id);
+        let job = (r.key.clone(), r.payload.clone());
         let (key, i) = pos
             .get(&job)
             .unwrap_or_else(|| panic!("run of a job never enqueued: {r:?}"));
-        assert_eq!(key, &r.key, "{r:?}");
         let n = seen.entry(job).or_default();
         *n += 1;
         if *n > 1 {
@@ -245,21 +260,16 @@ fn init_over_four_instances_then_enqueue_work_and_status() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    p.stdin
-        .take()
-        .unwrap()
-        .write_all(jobs_text(40, 10).as_bytes())
-        .unwrap();
+    let input = jobs_text(40, 10);
+    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = p.wait_with_output().unwrap();
     assert!(out.status.success());
-    let mut expected = enqueued(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(expected.values().map(Vec::len).sum::<usize>(), 400);
+    let stored = enqueued(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(stored.values().map(Vec::len).sum::<usize>(), 400);
+    let mut expected = payloads_of(&input);
     let solo = ok(&["enqueue", "--data", d, "--key", "solo", "--payload", "x"]);
-    let (shard, id) = solo.trim().rsplit_once(':').unwrap();
-    expected.insert(
-        "solo".into(),
-        vec![(shard.to_string(), id.parse().unwrap())],
-    );
+    assert!(solo.trim().rsplit_once(':').is_some(), "{solo}");
+    expected.insert("solo".into(), vec!["x".into()]);
 
     // Shard i lives on instance i: its keys are there and nowhere else.
     for (i, server) in servers.iter().enumerate() {
@@ -338,16 +348,16 @@ fn two_workers_with_different_data_dirs_share_the_shards() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    p.stdin
-        .take()
-        .unwrap()
-        .write_all(jobs_text(100, 60).as_bytes())
-        .unwrap();
+    let input = jobs_text(100, 60);
+    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = p.wait_with_output().unwrap();
     assert!(out.status.success());
-    let expected = enqueued(&String::from_utf8_lossy(&out.stdout));
-    let total: usize = expected.values().map(Vec::len).sum();
+    let total: usize = enqueued(&String::from_utf8_lossy(&out.stdout))
+        .values()
+        .map(Vec::len)
+        .sum();
     assert_eq!(total, 6000);
+    let expected = payloads_of(&input);
 
     // A takes two shards; B (the other data dir) the rest, then A's too
     // once A is killed and its leases lapse.
@@ -393,12 +403,16 @@ fn load_map(data: &Path) -> ShardMap {
 }
 
 /// Feeds `enqueue --stdin` a round over every tenant per step.
+fn feed_text(tenants: usize, round: usize) -> String {
+    (0..tenants)
+        .map(|k| format!("tenant-{k}\t{round}\n"))
+        .collect()
+}
+
 fn feed(stdin: &mut ChildStdin, tenants: usize, round: usize) {
-    let mut s = String::new();
-    for k in 0..tenants {
-        s.push_str(&format!("tenant-{k}\t{round}\n"));
-    }
-    stdin.write_all(s.as_bytes()).unwrap();
+    stdin
+        .write_all(feed_text(tenants, round).as_bytes())
+        .unwrap();
     stdin.flush().unwrap();
 }
 
@@ -490,9 +504,11 @@ fn rebalance_from_four_instances_to_five_under_load() {
         "producer failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let expected = enqueued(&reader.join().unwrap());
-    let total: usize = expected.values().map(Vec::len).sum();
+    let stored = enqueued(&reader.join().unwrap());
+    let total: usize = stored.values().map(Vec::len).sum();
     assert_eq!(total, rounds * tenants);
+    let input: String = (0..rounds).map(|r| feed_text(tenants, r)).collect();
+    let expected = payloads_of(&input);
     wait_until("every job to run", || {
         verdict(&expected, &runs(&runs_file)).lost == 0
     });
@@ -515,7 +531,7 @@ fn rebalance_from_four_instances_to_five_under_load() {
             moved += 1;
             assert_eq!(ra.route(&key), "shard-4", "{key}");
             // Jobs enqueued after the switch went to the new shard.
-            if let Some(jobs) = expected.get(&key) {
+            if let Some(jobs) = stored.get(&key) {
                 assert_eq!(jobs.last().unwrap().0, "shard-4", "{key}");
             }
         }
