@@ -146,6 +146,22 @@ pub trait QueueBackend: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// The live dedup records of each of `keys` on `shard`, in as few reads
+    /// as the backend can (Redis: one scan of the shard's records for all
+    /// of them, where [`QueueBackend::dedup_export`] scans once per key), as
+    /// the last round of a move under a pause needs.
+    fn dedup_export_many(
+        &self,
+        shard: &str,
+        keys: &[&str],
+    ) -> Result<Vec<DedupRecord>, QueueError> {
+        let mut out = Vec::new();
+        for key in keys {
+            out.extend(self.dedup_export(shard, key)?);
+        }
+        Ok(out)
+    }
+
     /// Stores `records` on `shard`, atomically; a `(key, id)` that already
     /// has a live record there keeps it, so a rerun of a copy changes
     /// nothing. Expired records are dropped.

@@ -898,7 +898,7 @@ where
                 // old map stored here before the fence is copied, then the
                 // copies here are deleted.
                 let mut ids = BTreeMap::new();
-                copy_backlog(backend, key, &shard.name, to, &mut ids)?;
+                copy_backlog(backend, key, &shard.name, to, &mut ids, &mut None)?;
                 backend.purge_key(&shard.name, key)?;
                 let mut f = backend.fence(&shard.name)?;
                 f.sealed_keys.remove(key);
@@ -961,9 +961,11 @@ where
         // 4. Copy rounds while producers still write to the old shards.
         let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
         let mut copied: BTreeMap<String, u64> = BTreeMap::new();
+        let mut cursors: BTreeMap<String, Option<Option<JobId>>> = BTreeMap::new();
         for (key, from, to) in batch {
+            let cursor = cursors.entry(key.clone()).or_default();
             for _ in 0..TRANSFER_ROUNDS_MAX {
-                let n = copy_backlog(backend, key, from, to, &mut ids)?;
+                let n = copy_backlog(backend, key, from, to, &mut ids, cursor)?;
                 *copied.entry(key.clone()).or_default() += n;
                 if n < TRANSFER_CHUNK_JOBS as u64 {
                     break;
@@ -978,7 +980,10 @@ where
             // one import each.
             let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
             for (key, from, to) in batch {
-                let mut after = backend.imported_up_to(to, from, key)?;
+                let mut after = match cursors.get(key).copied() {
+                    Some(Some(after)) => after,
+                    _ => backend.imported_up_to(to, from, key)?,
+                };
                 let mut jobs = Vec::new();
                 loop {
                     let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
@@ -1002,24 +1007,31 @@ where
                     *copied.entry(key).or_default() += 1;
                 }
             }
+            // The batch's dedup records, one export per old shard.
+            let mut by_from: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            let mut dest: BTreeMap<&str, &str> = BTreeMap::new();
             for (key, from, to) in batch {
-                let records: Vec<DedupRecord> = backend
-                    .dedup_export(from, key)?
-                    .into_iter()
-                    .map(|mut r| {
-                        // A record of a job that moved answers with its new id.
-                        if r.shard == *from {
-                            if let Some(id) = ids.get(&(key.clone(), r.job)) {
-                                r.shard = to.clone();
-                                r.job = *id;
-                            }
+                by_from.entry(from.as_str()).or_default().push(key.as_str());
+                dest.insert(key.as_str(), to.as_str());
+            }
+            let mut records_to: BTreeMap<&str, Vec<DedupRecord>> = BTreeMap::new();
+            for (from, keys) in by_from {
+                for mut r in backend.dedup_export_many(from, &keys)? {
+                    let Some(&to) = dest.get(r.key.as_str()) else {
+                        continue;
+                    };
+                    // A record of a job that moved answers with its new id.
+                    if r.shard == from {
+                        if let Some(id) = ids.get(&(r.key.clone(), r.job)) {
+                            r.shard = to.to_string();
+                            r.job = *id;
                         }
-                        r
-                    })
-                    .collect();
-                if !records.is_empty() {
-                    backend.dedup_import(to, &records)?;
+                    }
+                    records_to.entry(to).or_default().push(r);
                 }
+            }
+            for (to, records) in records_to {
+                backend.dedup_import(to, &records)?;
             }
             let mut next = cur.clone();
             next.version = cur.version + 1;
@@ -1101,12 +1113,19 @@ fn copy_backlog<B: QueueBackend + ?Sized>(
     from: &str,
     to: &str,
     ids: &mut BTreeMap<(String, JobId), JobId>,
+    cursor: &mut Option<Option<JobId>>,
 ) -> Result<u64, ReshardError> {
-    let mut after = backend.imported_up_to(to, from, key)?;
+    // The new shard's cursor, read once per key and then kept here: every
+    // import of this key from `from` in this run goes through this copy.
+    let mut after = match *cursor {
+        Some(after) => after,
+        None => backend.imported_up_to(to, from, key)?,
+    };
     let mut n = 0u64;
     loop {
         let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
         let Some(last) = chunk.last() else {
+            *cursor = Some(after);
             return Ok(n);
         };
         after = Some(last.id);
@@ -1115,6 +1134,7 @@ fn copy_backlog<B: QueueBackend + ?Sized>(
             n += 1;
         }
         if chunk.len() < TRANSFER_CHUNK_JOBS {
+            *cursor = Some(after);
             return Ok(n);
         }
     }

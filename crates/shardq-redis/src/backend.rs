@@ -878,6 +878,22 @@ impl QueueBackend for RedisBackend {
             .collect())
     }
 
+    fn dedup_export_many(
+        &self,
+        shard: &str,
+        keys: &[&str],
+    ) -> Result<Vec<DedupRecord>, QueueError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let want: BTreeSet<&str> = keys.iter().copied().collect();
+        Ok(self
+            .dedup_scan(shard, "")?
+            .into_iter()
+            .filter(|r| want.contains(r.key.as_str()))
+            .collect())
+    }
+
     fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
