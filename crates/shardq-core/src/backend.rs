@@ -81,6 +81,9 @@ impl Default for BackendLimits {
     }
 }
 
+/// Jobs per `export_jobs` call of the default [`QueueBackend::export_many`].
+pub const EXPORT_CHUNK_JOBS: usize = 4096;
+
 /// The queue operations of one storage engine, over all shards it holds.
 ///
 /// Implementations are shared between threads (`Send + Sync`); every method
@@ -223,6 +226,33 @@ pub trait QueueBackend: Send + Sync {
         Err(QueueError::Unsupported {
             what: "moving a backlog",
         })
+    }
+
+    /// Every job [`QueueBackend::export_jobs`] would give for each of
+    /// `items` (a key and its cursor) on `shard`, all of them, in as few
+    /// reads as the backend can (Redis: one script call for many keys), as
+    /// the last round of a move under a pause needs.
+    fn export_many(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<(String, Vec<MovedJob>)>, QueueError> {
+        let mut out = Vec::new();
+        for (key, after) in items {
+            let mut after = *after;
+            let mut jobs = Vec::new();
+            loop {
+                let chunk = self.export_jobs(shard, key, after, EXPORT_CHUNK_JOBS)?;
+                let full = chunk.len() == EXPORT_CHUNK_JOBS;
+                after = chunk.last().map(|j| j.id).or(after);
+                jobs.extend(chunk);
+                if !full {
+                    break;
+                }
+            }
+            out.push((key.clone(), jobs));
+        }
+        Ok(out)
     }
 
     /// [`QueueBackend::import_jobs`] for several keys copied from the same

@@ -163,6 +163,20 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
             )
         })
         .collect();
+    // The batched export gives what the per-key one gives, from each cursor.
+    let m2_after = items[1].1[0].id;
+    let many = b
+        .export_many(
+            &from,
+            &[("m1".to_string(), None), ("m2".to_string(), Some(m2_after))],
+        )
+        .expect("export many");
+    assert_eq!(many.len(), 2);
+    assert_eq!((many[0].0.as_str(), &many[0].1), ("m1", &items[0].1));
+    assert_eq!(
+        (many[1].0.as_str(), &many[1].1[..]),
+        ("m2", &items[1].1[1..])
+    );
     assert_eq!(b.import_many(&to, &from, &items).expect("import").len(), 6);
     assert!(b
         .import_many(&to, &from, &items)

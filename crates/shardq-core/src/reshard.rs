@@ -979,26 +979,29 @@ where
             // What arrived since the rounds, per (old shard, new shard), in
             // one import each.
             let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
+            let mut reads: BTreeMap<&str, Vec<(String, Option<JobId>)>> = BTreeMap::new();
+            let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
             for (key, from, to) in batch {
-                let mut after = match cursors.get(key).copied() {
-                    Some(Some(after)) => after,
-                    _ => backend.imported_up_to(to, from, key)?,
+                // Read once per key, in its copy rounds.
+                let after = match cursors.get(key).copied().flatten() {
+                    Some(after) => after,
+                    None => backend.imported_up_to(to, from, key)?,
                 };
-                let mut jobs = Vec::new();
-                loop {
-                    let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
-                    let full = chunk.len() == TRANSFER_CHUNK_JOBS;
-                    after = chunk.last().map(|j| j.id).or(after);
-                    jobs.extend(chunk);
-                    if !full {
-                        break;
+                reads
+                    .entry(from.as_str())
+                    .or_default()
+                    .push((key.clone(), after));
+                dests.insert(key.as_str(), to.as_str());
+            }
+            // One export per old shard for the whole batch.
+            for (from, items) in reads {
+                for (key, jobs) in backend.export_many(from, &items)? {
+                    let Some(&to) = dests.get(key.as_str()) else {
+                        continue;
+                    };
+                    if !jobs.is_empty() {
+                        groups.entry((from, to)).or_default().push((key, jobs));
                     }
-                }
-                if !jobs.is_empty() {
-                    groups
-                        .entry((from.as_str(), to.as_str()))
-                        .or_default()
-                        .push((key.clone(), jobs));
                 }
             }
             for ((from, to), items) in groups {

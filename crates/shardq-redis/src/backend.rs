@@ -51,6 +51,8 @@ pub const TRANSFER_CALL_JOBS_MAX: usize = 1024;
 /// Most record bytes one export reply or import call carries (at least one
 /// job): no single Redis call of a move holds much more than this.
 pub const TRANSFER_CALL_BYTES_MAX: usize = 4 << 20;
+/// Most keys one multi-key export call reads (the last round of a move).
+pub const EXPORT_MANY_KEYS_MAX: usize = 256;
 /// Most jobs one purge script call deletes (a moved key's copies left
 /// behind go in calls of this many, so no call blocks the server long).
 pub const PURGE_BATCH_MAX: usize = 8192;
@@ -1269,29 +1271,86 @@ impl QueueBackend for RedisBackend {
                 break;
             }
             for j in items.chunks(3) {
-                let bad = || self.protocol(s, format!("export of key {key:?}: a malformed job"));
-                if j.len() != 3 {
-                    return Err(bad());
-                }
-                let id = reply::u64(&j[0]).ok_or_else(bad)?;
-                let rec = reply::bytes(&j[1])
-                    .and_then(JobRecord::parse)
-                    .ok_or_else(bad)?;
-                if rec.key != key || id <= after {
-                    return Err(bad());
-                }
-                let reason = reply::string(&j[2]).unwrap_or_default();
-                out.push(MovedJob {
-                    id: JobId(id),
-                    created_ms: rec.created_ms,
-                    not_before_ms: rec.not_before_ms,
-                    attempt: rec.attempts,
-                    max_attempts: rec.max_attempts,
-                    payload: rec.payload.to_vec(),
-                    dead: (!reason.is_empty()).then_some(reason),
-                });
-                after = id;
+                let job = (j.len() == 3)
+                    .then(|| moved_job(&j[0], &j[1], &j[2], key, after))
+                    .flatten()
+                    .ok_or_else(|| {
+                        self.protocol(s, format!("export of key {key:?}: a malformed job"))
+                    })?;
+                after = job.id.0;
+                out.push(job);
             }
+        }
+        Ok(out)
+    }
+
+    fn export_many(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<(String, Vec<MovedJob>)>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut out: Vec<(String, Vec<MovedJob>)> =
+            items.iter().map(|(k, _)| (k.clone(), Vec::new())).collect();
+        // Indexes into `out` of the keys that may have more, with cursors.
+        let mut pending: Vec<(usize, u64)> = items
+            .iter()
+            .enumerate()
+            .map(|(i, (_, a))| (i, a.map_or(0, |a| a.0)))
+            .collect();
+        while !pending.is_empty() {
+            let call = &pending[..pending.len().min(EXPORT_MANY_KEYS_MAX)];
+            let v = self.script(s, &self.inner.scripts.export_many, "", &|c, _| {
+                c.arg(call.len())
+                    .arg(TRANSFER_CALL_JOBS_MAX)
+                    .arg(TRANSFER_CALL_BYTES_MAX);
+                for (i, after) in call {
+                    c.arg(&out[*i].0).arg(*after);
+                }
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "export refused"));
+            }
+            let it = &reply::items(&v)[1..];
+            let bad = || self.protocol(s, "export reply is malformed");
+            let (mut at, mut done, mut answered) = (0usize, Vec::new(), 0usize);
+            while at < it.len() {
+                let (Some(key), Some(n), Some(more)) = (
+                    it.get(at).and_then(reply::string),
+                    it.get(at + 1).and_then(reply::u64),
+                    it.get(at + 2).and_then(reply::u64),
+                ) else {
+                    return Err(bad());
+                };
+                let (slot, after) = call.get(answered).copied().ok_or_else(bad)?;
+                if out[slot].0 != key {
+                    return Err(bad());
+                }
+                let n = usize::try_from(n).map_err(|_| bad())?;
+                let jobs = it.get(at + 3..at + 3 + 3 * n).ok_or_else(bad)?;
+                let mut last = after;
+                for j in jobs.chunks(3) {
+                    let job = moved_job(&j[0], &j[1], &j[2], &key, last).ok_or_else(bad)?;
+                    last = job.id.0;
+                    out[slot].1.push(job);
+                }
+                done.push((answered, more == 0, last));
+                answered += 1;
+                at += 3 + 3 * n;
+            }
+            if answered == 0 {
+                return Err(bad());
+            }
+            let mut next = Vec::new();
+            for (pos, (slot, after)) in pending.iter().enumerate() {
+                match done.iter().find(|d| d.0 == pos) {
+                    Some((_, true, _)) => {}
+                    Some((_, false, last)) => next.push((*slot, *last)),
+                    None => next.push((*slot, *after)),
+                }
+            }
+            pending = next;
         }
         Ok(out)
     }
@@ -1604,6 +1663,26 @@ impl JobRecord<'_> {
             payload,
         })
     }
+}
+
+/// One exported job (`id, record, reason` of the export scripts) of `key`
+/// with an id above `after`; `None` for anything else.
+fn moved_job(id: &Value, rec: &Value, reason: &Value, key: &str, after: u64) -> Option<MovedJob> {
+    let id = reply::u64(id)?;
+    let rec = reply::bytes(rec).and_then(JobRecord::parse)?;
+    if rec.key != key || id <= after {
+        return None;
+    }
+    let reason = reply::string(reason).unwrap_or_default();
+    Some(MovedJob {
+        id: JobId(id),
+        created_ms: rec.created_ms,
+        not_before_ms: rec.not_before_ms,
+        attempt: rec.attempts,
+        max_attempts: rec.max_attempts,
+        payload: rec.payload.to_vec(),
+        dead: (!reason.is_empty()).then_some(reason),
+    })
 }
 
 /// The `dedup` hash field of `(key, id)`: the key's length, `|`, key, id.

@@ -627,58 +627,94 @@ const FENCE_GET: &str = r#"
 return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0', redis.call('HGETALL', K_SEALED)}
 "#;
 
-/// ARGV[5] key, ARGV[6] export only ids above this (0: from the first),
-/// ARGV[7] at most this many, ARGV[8] and no more once their records hold
-/// this many bytes (at least one job): the key's jobs that are not running, dead or
-/// waiting, in id order. Reply: `OK`, then `id, record, reason` per job
-/// (reason empty for a waiting job). Read-only. Only for a sealed key,
-/// whose list then only grows at its tail (its ids ascend along it): the
-/// walk goes on from the last id exported when that one still waits.
-const EXPORT: &str = r#"
-local k, after, max = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
-local dead = {}
-if tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0 then
-  for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_DEAD, '(' .. idstr(after), '+inf')) do
-    if #dead >= max then break end
-    local r = redis.call('HGET', K_JOBS, ids)
-    if r then
-      local _, _, _, _, rk = rec_parse(r)
-      if rk == k then dead[#dead + 1] = {tonumber(ids), r, redis.call('HGET', K_REASON, ids) or 'dead'} end
+/// The export of one key, shared by [`EXPORT`] and [`EXPORT_MANY`]: the
+/// key's jobs that are not running, dead or waiting, in id order (reason
+/// empty for a waiting job). Only for a sealed key, whose list then only
+/// grows at its tail (its ids ascend along it): the walk goes on from the
+/// last id exported when that one still waits.
+const EXPORT_KEY_FN: &str = r#"
+-- Up to max of key k's jobs above id after, dead or waiting, in id order,
+-- stopping once their records hold budget bytes: a flat list of
+-- `id, record, reason`, and the bytes it holds.
+local function export_key(k, after, max, budget)
+  local dead = {}
+  if tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0 then
+    for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_DEAD, '(' .. idstr(after), '+inf')) do
+      if #dead >= max then break end
+      local r = redis.call('HGET', K_JOBS, ids)
+      if r then
+        local _, _, _, _, rk = rec_parse(r)
+        if rk == k then dead[#dead + 1] = {tonumber(ids), r, redis.call('HGET', K_REASON, ids) or 'dead'} end
+      end
     end
   end
-end
-local waiting = {}
-local q = kparse(redis.call('HGET', K_KEYS, k))
-local id = q.h
-if after > 0 and q.h ~= 0 and after >= q.h then
-  local nx = redis.call('HGET', K_NEXT, idstr(after))
-  if nx then
-    id = tonumber(nx)
-  elseif after == q.t then
-    id = 0
+  local waiting = {}
+  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local id = q.h
+  if after > 0 and q.h ~= 0 and after >= q.h then
+    local nx = redis.call('HGET', K_NEXT, idstr(after))
+    if nx then
+      id = tonumber(nx)
+    elseif after == q.t then
+      id = 0
+    end
   end
+  local wids = {}
+  while id ~= 0 and #wids < max do
+    local ids = idstr(id)
+    if id > after then wids[#wids + 1] = ids end
+    id = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
+  end
+  if #wids > 0 then
+    local recs = redis.call('HMGET', K_JOBS, unpack(wids))
+    for i, ids in ipairs(wids) do waiting[i] = {tonumber(ids), recs[i] or '', ''} end
+  end
+  local out = {}
+  local i, j = 1, 1
+  local bytes = 0
+  while (i <= #dead or j <= #waiting) and #out / 3 < max and bytes < budget do
+    local d, w = dead[i], waiting[j]
+    local pick
+    if d and (not w or d[1] < w[1]) then pick = d; i = i + 1 else pick = w; j = j + 1 end
+    out[#out + 1] = idstr(pick[1])
+    out[#out + 1] = pick[2]
+    out[#out + 1] = pick[3]
+    bytes = bytes + #pick[2]
+  end
+  return out, bytes
 end
-local wids = {}
-while id ~= 0 and #wids < max do
-  local ids = idstr(id)
-  if id > after then wids[#wids + 1] = ids end
-  id = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
-end
-if #wids > 0 then
-  local recs = redis.call('HMGET', K_JOBS, unpack(wids))
-  for i, ids in ipairs(wids) do waiting[i] = {tonumber(ids), recs[i] or '', ''} end
-end
+"#;
+
+/// ARGV[5] key, ARGV[6] export only ids above this (0: from the first),
+/// ARGV[7] at most this many, ARGV[8] and no more once their records hold
+/// this many bytes (at least one job). Reply: `OK`, then `id, record,
+/// reason` per job. Read-only.
+const EXPORT: &str = r#"
+local out = export_key(ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
+table.insert(out, 1, 'OK')
+return out
+"#;
+
+/// ARGV[5] number of keys, ARGV[6] at most this many jobs per key, ARGV[7]
+/// a byte budget for the whole reply, then `key, after` per key. Reply:
+/// `OK`, then per key exported (in the order given, until the budget is
+/// spent): the key, its job count n, `1` if it may have more (n reached the
+/// limit, or the budget ran out on it) else `0`, then `id, record, reason`
+/// n times. Read-only.
+const EXPORT_MANY: &str = r#"
+local n, max, budget = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local out = {'OK'}
-local i, j = 1, 1
-local budget, bytes = tonumber(ARGV[8]), 0
-while (i <= #dead or j <= #waiting) and (#out - 1) / 3 < max and bytes < budget do
-  local d, w = dead[i], waiting[j]
-  local pick
-  if d and (not w or d[1] < w[1]) then pick = d; i = i + 1 else pick = w; j = j + 1 end
-  out[#out + 1] = idstr(pick[1])
-  out[#out + 1] = pick[2]
-  out[#out + 1] = pick[3]
-  bytes = bytes + #pick[2]
+for i = 0, n - 1 do
+  if budget <= 0 then break end
+  local k = ARGV[8 + 2 * i]
+  local jobs, bytes = export_key(k, tonumber(ARGV[9 + 2 * i]), max, budget)
+  local more = 0
+  if #jobs / 3 >= max or bytes >= budget then more = 1 end
+  budget = budget - bytes
+  out[#out + 1] = k
+  out[#out + 1] = #jobs / 3
+  out[#out + 1] = more
+  for _, v in ipairs(jobs) do out[#out + 1] = v end
 end
 return out
 "#;
@@ -1124,6 +1160,7 @@ pub(crate) struct Scripts {
     pub(crate) fence_set: Lua,
     pub(crate) fence_get: Lua,
     pub(crate) export: Lua,
+    pub(crate) export_many: Lua,
     pub(crate) import: Lua,
     pub(crate) imported_up_to: Lua,
     pub(crate) purge_key: Lua,
@@ -1155,7 +1192,12 @@ impl Scripts {
             stats: Lua::new(STATS, true, Flags::NoWrites),
             fence_set: Lua::new(FENCE_SET, true, Flags::AllowOom),
             fence_get: Lua::new(FENCE_GET, true, Flags::NoWrites),
-            export: Lua::new(EXPORT, true, Flags::NoWrites),
+            export: Lua::new(&format!("{EXPORT_KEY_FN}{EXPORT}"), true, Flags::NoWrites),
+            export_many: Lua::new(
+                &format!("{EXPORT_KEY_FN}{EXPORT_MANY}"),
+                true,
+                Flags::NoWrites,
+            ),
             import: Lua::new(IMPORT, true, Flags::Write),
             imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
             purge_key: Lua::new(PURGE_KEY, true, Flags::AllowOom),

@@ -315,3 +315,72 @@ pub(crate) fn moving_keys_take_their_backlogs(urls: [String; 3]) {
         assert_eq!(seen.get(k), Some(&want), "key {k}: each job once, in order");
     }
 }
+
+/// The last round's multi-key export across its bounds: more keys than one
+/// call reads, a key longer than one call's job limit, and a key whose
+/// payloads pass one call's byte budget. Each key gets every job above
+/// its cursor, in order, as the per-key export gives them.
+#[test]
+fn the_multi_key_export_gives_every_job_across_its_call_bounds() {
+    use shardq_redis::backend::{
+        EXPORT_MANY_KEYS_MAX, TRANSFER_CALL_BYTES_MAX, TRANSFER_CALL_JOBS_MAX,
+    };
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let _c = owner(&b, "w1", 600_000);
+    let mut items: Vec<(String, Option<shardq_core::JobId>)> = Vec::new();
+    for i in 0..EXPORT_MANY_KEYS_MAX + 20 {
+        let k = format!("small-{i}");
+        let jobs: Vec<_> = (0..3).map(|n| job(&k, &n.to_string())).collect();
+        b.enqueue("r0", 1, &jobs).unwrap();
+        items.push((k, None));
+    }
+    let long: Vec<_> = (0..TRANSFER_CALL_JOBS_MAX + 500)
+        .map(|n| job("long", &n.to_string()))
+        .collect();
+    for chunk in long.chunks(1000) {
+        b.enqueue("r0", 1, chunk).unwrap();
+    }
+    let big_payload = 900 * 1024;
+    let big_jobs = TRANSFER_CALL_BYTES_MAX / big_payload + 2;
+    for n in 0..big_jobs {
+        let payload = format!("{n}{}", "x".repeat(big_payload));
+        b.enqueue("r0", 1, &[job("big", &payload)]).unwrap();
+    }
+    let first_long = b.export_jobs("r0", "long", None, 1).unwrap()[0].id;
+    items.insert(3, ("long".into(), Some(first_long)));
+    items.push(("big".into(), None));
+    let fence = shardq_core::Fence {
+        sealed_keys: items
+            .iter()
+            .map(|(k, _)| (k.clone(), "r9".into()))
+            .collect(),
+        ..b.fence("r0").unwrap()
+    };
+    b.set_fence("r0", &fence).unwrap();
+    let many = b.export_many("r0", &items).unwrap();
+    assert_eq!(many.len(), items.len());
+    for ((key, after), (got_key, got)) in items.iter().zip(&many) {
+        assert_eq!(key, got_key);
+        let mut want = Vec::new();
+        let mut cur = *after;
+        loop {
+            let chunk = b.export_jobs("r0", key, cur, 4096).unwrap();
+            if chunk.is_empty() {
+                break;
+            }
+            cur = chunk.last().map(|j| j.id);
+            want.extend(chunk);
+        }
+        assert_eq!(got.len(), want.len(), "{key}");
+        assert!(got == &want, "{key}: the batched export differs");
+    }
+    let n = |k: &str| many.iter().find(|(x, _)| x == k).unwrap().1.len();
+    assert_eq!(
+        (n("long"), n("big"), n("small-0")),
+        (TRANSFER_CALL_JOBS_MAX + 499, big_jobs, 3)
+    );
+}
