@@ -29,7 +29,8 @@
 //!    queued, delayed and dead jobs in rounds while its producers keep
 //!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
 //!    chunks; the new shard may run the copies at once), then pause the
-//!    batch for one last round (and its dedup records), publish the switch,
+//!    batch for one last round (and its dedup records; one read per old
+//!    shard for the batch, from the cursors the rounds kept), publish the switch,
 //!    fence the old shards as the pause lifts, delete the copies left
 //!    behind and unseal. Producers wait only for that last round. Every
 //!    copy is idempotent: the new shard skips source ids at or below what it
