@@ -164,18 +164,21 @@ def test_live_rebalance_while_python_produces(tmp, servers):
         total = len(placed)
         assert total == stop_after[0] * tenants
 
-        job_of = {(x.shard, x.id): (x.key, r) for r, x in placed}
-        assert len(job_of) == total, "two placements share a (shard, id)"
+        assert len({(x.shard, x.id) for _, x in placed}) == total, "two placements share a (shard, id)"
+        # A job is named by its key and its round (the payload): one that
+        # moved with its key has a new id on its new shard.
+        job_of = {(x.key, r): r for r, x in placed}
+        assert len(job_of) == total
 
         def runs() -> List[Tuple[str, int, int, str]]:
             out = []
             for line in read_lines(runs_file):
                 # KEY ID ATTEMPT SHARD PAYLOAD (the payload escaped, last)
-                k, i, att, s = line.split(" ", 4)[:4]
-                out.append((k, int(i), int(att), s))
+                k, _, att, s, payload = line.split(" ", 4)
+                out.append((k, int(payload), int(att), s))
             return out
 
-        wait_until("every job to run", lambda: len({(s, i) for _, i, _, s in runs()}) >= total, timeout_s=120)
+        wait_until("every job to run", lambda: len({(k, r) for k, r, _, _ in runs()}) >= total, timeout_s=120)
     finally:
         if worker is not None:
             stop_process(worker, "shardq work")
@@ -187,11 +190,10 @@ def test_live_rebalance_while_python_produces(tmp, servers):
     # second run of a job only as a retry (never attempt 1 twice).
     last: Dict[str, int] = {}
     ran = set()
-    for key, job_id, attempt, shard in runs():
-        job = (shard, job_id)
-        assert job in job_of, f"run of a job never enqueued: {key} {shard} {job_id}"
-        k, r = job_of[job]
-        assert k == key
+    for key, rnd, attempt, shard in runs():
+        job = (key, rnd)
+        assert job in job_of, f"run of a job never enqueued: {key} round {rnd} on {shard}"
+        r = job_of[job]
         if job in ran:
             assert attempt > 1, f"job {job} of {key} ran twice at attempt 1"
             continue
