@@ -81,6 +81,23 @@ impl Default for BackendLimits {
     }
 }
 
+/// [`QueueBackend::import_jobs`] for a backend whose
+/// [`QueueBackend::import_many`] does the work: the one key as a batch of one.
+pub fn import_jobs_by_many<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shard: &str,
+    from: &str,
+    key: &str,
+    jobs: &[MovedJob],
+) -> Result<Vec<(JobId, JobId)>, QueueError> {
+    let items = [(key.to_string(), jobs.to_vec())];
+    Ok(backend
+        .import_many(shard, from, &items)?
+        .into_iter()
+        .map(|(_, src, new)| (src, new))
+        .collect())
+}
+
 /// Jobs per `export_jobs` call of the default [`QueueBackend::export_many`].
 pub const EXPORT_CHUNK_JOBS: usize = 4096;
 

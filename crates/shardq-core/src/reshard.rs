@@ -995,8 +995,8 @@ where
                 dests.insert(key.as_str(), to.as_str());
             }
             // One export per old shard for the whole batch.
-            for (from, items) in reads {
-                for (key, jobs) in backend.export_many(from, &items)? {
+            for (&from, items) in &reads {
+                for (key, jobs) in backend.export_many(from, items)? {
                     let Some(&to) = dests.get(key.as_str()) else {
                         continue;
                     };
@@ -1012,16 +1012,11 @@ where
                 }
             }
             // The batch's dedup records, one export per old shard.
-            let mut by_from: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-            let mut dest: BTreeMap<&str, &str> = BTreeMap::new();
-            for (key, from, to) in batch {
-                by_from.entry(from.as_str()).or_default().push(key.as_str());
-                dest.insert(key.as_str(), to.as_str());
-            }
             let mut records_to: BTreeMap<&str, Vec<DedupRecord>> = BTreeMap::new();
-            for (from, keys) in by_from {
+            for (&from, items) in &reads {
+                let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
                 for mut r in backend.dedup_export_many(from, &keys)? {
-                    let Some(&to) = dest.get(r.key.as_str()) else {
+                    let Some(&to) = dests.get(r.key.as_str()) else {
                         continue;
                     };
                     // A record of a job that moved answers with its new id.

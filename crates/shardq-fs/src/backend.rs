@@ -1225,12 +1225,7 @@ impl QueueBackend for FsBackend {
         key: &str,
         jobs: &[MovedJob],
     ) -> Result<Vec<(JobId, JobId)>, QueueError> {
-        let items = [(key.to_string(), jobs.to_vec())];
-        Ok(self
-            .import_many(name, from, &items)?
-            .into_iter()
-            .map(|(_, src, new)| (src, new))
-            .collect())
+        shardq_core::backend::import_jobs_by_many(self, name, from, key, jobs)
     }
 
     fn import_many(

@@ -22,6 +22,21 @@ fn counts(depth: u64, in_flight: u64, dead: u64) -> KeyCounts {
     }
 }
 
+/// `rebalance` in batches of 8 keys, waiting up to 20 s for a batch.
+fn rebalance_in_batches_of_8(b: &RedisBackend, store: &RedisMapStore) -> reshard::RebalanceReport {
+    reshard::rebalance(
+        b,
+        store,
+        &RebalanceOptions {
+            batch: 8,
+            drain_timeout_ms: 20_000,
+            ..RebalanceOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
 #[test]
 fn inventory_lists_queued_and_in_flight_keys_across_calls() {
     let server = RedisServer::start();
@@ -163,17 +178,7 @@ fn rebalance_onto_a_new_instance_moves_keys_with_work_in_order() {
             }
         })
     };
-    let report = reshard::rebalance(
-        &b,
-        &store,
-        &RebalanceOptions {
-            batch: 8,
-            drain_timeout_ms: 20_000,
-            ..RebalanceOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let report = rebalance_in_batches_of_8(&b, &store);
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     worker.join().unwrap();
     let fin = store.load().unwrap();
@@ -256,17 +261,7 @@ pub(crate) fn moving_keys_take_their_backlogs(urls: [String; 3]) {
             b.ack(&shard, &[receipt]).unwrap();
         })
     };
-    let report = reshard::rebalance(
-        &b,
-        &store,
-        &RebalanceOptions {
-            batch: 8,
-            drain_timeout_ms: 20_000,
-            ..RebalanceOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let report = rebalance_in_batches_of_8(&b, &store);
     acker.join().unwrap();
     let moved_keys: Vec<&str> = report.moved.iter().map(|m| m.key.as_str()).collect();
     for k in &moving {
