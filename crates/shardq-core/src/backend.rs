@@ -58,8 +58,8 @@
 
 use crate::error::QueueError;
 use crate::job::{
-    AckOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob,
-    NewJob, Receipt, ShardStats, Stored,
+    AckOutcome, CancelOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId,
+    JobInfo, KeyCounts, MovedJob, NewJob, Receipt, ShardStats, Stored,
 };
 
 /// The bounds of one call of a backend ([`QueueBackend::limits`]).
@@ -389,6 +389,37 @@ pub trait QueueBackend: Send + Sync {
 
     /// Deletes dead jobs for good. `None` means all. Returns how many.
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError>;
+
+    /// The live job `id` of `shard` (queued, delayed, running or dead), as
+    /// of now; `None` when no live job has that id. Needs no ownership.
+    fn job(&self, shard: &str, id: JobId) -> Result<Option<JobInfo>, QueueError> {
+        let _ = (shard, id);
+        Err(QueueError::Unsupported {
+            what: "reading a job",
+        })
+    }
+
+    /// Up to `max` (at most [`crate::job::KEY_JOBS_MAX`]) of `key`'s live
+    /// jobs on `shard`, in key order (id order): its run in flight, its
+    /// queued and delayed jobs, and its dead letters. Needs no ownership.
+    fn key_jobs(&self, shard: &str, key: &str, max: usize) -> Result<Vec<JobInfo>, QueueError> {
+        let _ = (shard, key, max);
+        Err(QueueError::Unsupported {
+            what: "listing a key's jobs",
+        })
+    }
+
+    /// Deletes the job `id` of `shard` if it is queued, delayed or dead,
+    /// atomically with respect to claims: a cancelled job never starts. A
+    /// running job is left alone ([`CancelOutcome::Running`]): the key's
+    /// one run is never cut short by a store write its handler cannot see.
+    /// Needs no ownership.
+    fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
+        let _ = (shard, id);
+        Err(QueueError::Unsupported {
+            what: "cancelling a job",
+        })
+    }
 }
 
 /// Decides which shards this process may run: leases, renewal, takeover.

@@ -11,7 +11,7 @@
 
 use crate::backend::QueueBackend;
 use crate::error::QueueError;
-use crate::job::{ClaimedJob, NewJob, Receipt};
+use crate::job::{CancelOutcome, ClaimedJob, JobId, JobState, NewJob, Receipt};
 
 /// A backend under test and a way to let its time pass.
 pub trait ContractHarness {
@@ -57,6 +57,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     dedup_is_atomic_with_the_append(h);
     dedup_records_move_with_export_and_import(h);
     backlogs_move_with_their_key(h);
+    jobs_can_be_read_and_cancelled(h);
 }
 
 /// A key's backlog moves to another shard whole: a sealed key starts no
@@ -442,6 +443,125 @@ pub fn dedup_records_move_with_export_and_import(h: &dyn ContractHarness) {
     assert_eq!(depth(h, &to, "m"), 1);
     let keys = h.backend().dedup_keys(&from).expect("dedup_keys");
     assert!(keys.contains(&"m".to_string()) && keys.contains(&"other".to_string()));
+}
+
+/// An operator reads a live job by id and a key's live jobs in key order,
+/// with their state, attempts, reason and payload; cancels a queued, a
+/// delayed or a dead job so that it never runs, and the key's next job
+/// becomes due at once; a running job is not cancelled; a finished, a
+/// cancelled or an unknown id is not found. Other keys are untouched.
+pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
+    let b = h.backend();
+    let shard = h.fresh_shard();
+    let ids = |key: &str| -> Vec<JobId> {
+        b.key_jobs(&shard, key, 100)
+            .expect("key_jobs")
+            .into_iter()
+            .map(|j| j.id)
+            .collect()
+    };
+    // a: dead; b: running; c: queued; d: delayed an hour; e: queued.
+    enqueue(h, &shard, "k", "a", 1);
+    let run = claim(h, &shard, 1, LONG_LEASE_MS).remove(0);
+    b.fail(&shard, run.receipt(), "boom", None).expect("fail");
+    for p in ["b", "c"] {
+        enqueue(h, &shard, "k", p, 5);
+    }
+    let mut d = NewJob::new("k", "d");
+    d.delay_ms = 3_600_000;
+    b.enqueue(&shard, u64::MAX, &[d]).expect("enqueue");
+    enqueue(h, &shard, "k", "e", 5);
+    enqueue(h, &shard, "other", "o", 5);
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(runs.len(), 2, "k's head and other's head start");
+    let run_b = runs.iter().find(|r| r.key == "k").expect("k runs").clone();
+    assert_eq!(&run_b.payload[..], b"b");
+
+    let all = b.key_jobs(&shard, "k", 100).expect("key_jobs");
+    let seen: Vec<(&[u8], JobState)> = all.iter().map(|j| (&j.payload[..], j.state)).collect();
+    assert_eq!(
+        seen,
+        [
+            (&b"a"[..], JobState::Dead),
+            (&b"b"[..], JobState::Running),
+            (&b"c"[..], JobState::Queued),
+            (&b"d"[..], JobState::Delayed),
+            (&b"e"[..], JobState::Queued),
+        ],
+        "a key's live jobs in key order, with their states"
+    );
+    assert_eq!(
+        (all[0].attempts, all[0].reason.as_deref()),
+        (1, Some("boom")),
+        "the dead letter's attempts and reason"
+    );
+    assert_eq!(
+        all[1].run.map(|r| r.0),
+        Some(run_b.fence),
+        "the run's fence"
+    );
+    assert_eq!((all[2].attempts, all[2].max_attempts), (0, 5));
+    assert!(all[3].not_before_ms > all[2].not_before_ms + 3_000_000);
+    assert_eq!(b.key_jobs(&shard, "k", 2).expect("key_jobs").len(), 2);
+    let one = b.job(&shard, all[2].id).expect("job").expect("c is live");
+    assert_eq!(
+        one, all[2],
+        "a job by id reads as it does in its key's list"
+    );
+    assert_eq!(b.job(&shard, JobId(u64::MAX / 2)).expect("job"), None);
+
+    assert_eq!(
+        b.cancel(&shard, run_b.id).expect("cancel"),
+        CancelOutcome::Running,
+        "a running job must not be cancelled under its run"
+    );
+    assert_eq!(
+        b.cancel(&shard, all[2].id).expect("cancel"),
+        CancelOutcome::Cancelled
+    );
+    assert_eq!(
+        b.cancel(&shard, all[2].id).expect("cancel"),
+        CancelOutcome::NotFound
+    );
+    assert_eq!(
+        b.cancel(&shard, all[0].id).expect("cancel"),
+        CancelOutcome::Cancelled
+    );
+    assert_eq!(
+        b.job(&shard, all[2].id).expect("job"),
+        None,
+        "a cancelled job is gone"
+    );
+    assert_eq!(b.dead_list(&shard, 10).expect("dead list").len(), 0);
+    assert_eq!(ids("k"), [all[1].id, all[3].id, all[4].id]);
+
+    ack_one(h, &shard, run_b.receipt());
+    assert_eq!(
+        b.job(&shard, run_b.id).expect("job"),
+        None,
+        "an acked job is not live"
+    );
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "the delayed head holds its key"
+    );
+    assert_eq!(
+        b.cancel(&shard, all[3].id).expect("cancel"),
+        CancelOutcome::Cancelled
+    );
+    let next = claim(h, &shard, 10, LONG_LEASE_MS);
+    let got: Vec<&[u8]> = next.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(
+        got,
+        [b"e"],
+        "the key's next job is due once its delayed head is cancelled"
+    );
+    assert_eq!(
+        b.cancel(&shard, JobId(u64::MAX / 2)).expect("cancel"),
+        CancelOutcome::NotFound
+    );
+    assert_eq!(b.key_counts(&shard, "other").expect("counts").in_flight, 1);
+    assert_eq!(ids("k"), [next[0].id]);
 }
 
 fn enqueue(h: &dyn ContractHarness, shard: &str, key: &str, payload: &str, attempts: u32) {

@@ -444,6 +444,69 @@ pub struct DeadJob {
     pub reason: String,
 }
 
+/// Where a live job stands, as [`crate::QueueBackend::job`] shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting its turn in its key, due now.
+    Queued,
+    /// Waiting for its start time (a delay, or a retry's backoff).
+    Delayed,
+    /// A run of it is in flight.
+    Running,
+    /// Out of attempts, on the dead-letter list.
+    Dead,
+}
+
+/// One live job (queued, delayed, running or dead), as an operator reads it.
+/// A job that finished (acked, cancelled, purged, or moved away with its
+/// key) is not live: its backend answers `None` for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobInfo {
+    /// The job's id on its shard.
+    pub id: JobId,
+    /// Routing key.
+    pub key: String,
+    /// Where it stands.
+    pub state: JobState,
+    /// Attempts made and finished (a run in flight is attempt + 1).
+    pub attempts: u32,
+    /// Attempt limit.
+    pub max_attempts: u32,
+    /// Enqueue time (ms since the epoch).
+    pub created_ms: u64,
+    /// Earliest start of its next attempt (ms since the epoch).
+    pub not_before_ms: u64,
+    /// The run in flight: its fence and job lease deadline.
+    pub run: Option<(u64, u64)>,
+    /// Reason given by the last failed attempt, if any.
+    pub reason: Option<String>,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// Most live jobs one [`crate::QueueBackend::key_jobs`] call returns.
+pub const KEY_JOBS_MAX: usize = 1000;
+
+/// What [`crate::QueueBackend::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelOutcome {
+    /// The job was queued, delayed or dead, and is deleted: it never runs
+    /// (again).
+    Cancelled,
+    /// A run of it is in flight; nothing changed. Its run must end first
+    /// (an ack, a fail, or its job lease lapsing).
+    Running,
+    /// Its key is moving to another shard, which may already hold a copy
+    /// of the job; nothing changed. Cancel it again once the move is done
+    /// (on the key's new shard).
+    Moving,
+    /// No live job has that id (it finished, was cancelled, moved away with
+    /// its key, or never existed).
+    NotFound,
+}
+
 /// What a shard accepts, set by resharding (drain-then-switch).
 ///
 /// An enqueue carries the map version it routed with. A shard refuses it with

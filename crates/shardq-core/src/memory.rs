@@ -14,9 +14,9 @@ use crate::backend::QueueBackend;
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
-    next_fence, validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, DeadJob, DeadPolicy,
-    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob, NewJob, Receipt, ShardStats,
-    Stored, PAYLOAD_BYTES_MAX_DEFAULT,
+    next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
+    DeadPolicy, DedupRecord, FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob,
+    NewJob, Receipt, ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 
@@ -267,6 +267,33 @@ fn finish_failed(
     j.not_before_ms = at_ms;
     s.keys.entry(key).or_default().push_front(id);
     FailOutcome::Retry { at_ms }
+}
+
+/// The live job `id` as an operator sees it (`None`: not live).
+fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
+    let j = s.jobs.get(&id)?;
+    let run = s.in_flight.get(&id);
+    let (state, attempts) = if let Some(_run) = run {
+        (JobState::Running, j.attempt.saturating_sub(1))
+    } else if s.dead.contains(&id) {
+        (JobState::Dead, j.attempt)
+    } else if j.not_before_ms > now {
+        (JobState::Delayed, j.attempt)
+    } else {
+        (JobState::Queued, j.attempt)
+    };
+    Some(JobInfo {
+        id,
+        key: j.key.clone(),
+        state,
+        attempts,
+        max_attempts: j.max_attempts,
+        created_ms: j.created_ms,
+        not_before_ms: j.not_before_ms,
+        run: run.map(|r| (r.fence, r.lease_until_ms)),
+        reason: (!j.reason.is_empty()).then(|| j.reason.clone()),
+        payload: j.payload.clone(),
+    })
 }
 
 fn counts(s: &ShardState, key: &str) -> KeyCounts {
@@ -795,6 +822,54 @@ impl QueueBackend for MemoryBackend {
                 }
             }
             Ok(chosen.len())
+        })
+    }
+
+    fn job(&self, shard: &str, id: JobId) -> Result<Option<JobInfo>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| Ok(job_info(s, id, now)))
+    }
+
+    fn key_jobs(&self, shard: &str, key: &str, max: usize) -> Result<Vec<JobInfo>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            let mut ids: Vec<JobId> = s
+                .jobs
+                .iter()
+                .filter(|(_, j)| j.key == key)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.sort_unstable();
+            ids.truncate(max.min(KEY_JOBS_MAX));
+            Ok(ids
+                .into_iter()
+                .filter_map(|id| job_info(s, id, now))
+                .collect())
+        })
+    }
+
+    fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
+        self.with_shard(shard, |s| {
+            let Some(j) = s.jobs.get(&id) else {
+                return Ok(CancelOutcome::NotFound);
+            };
+            if s.in_flight.contains_key(&id) {
+                return Ok(CancelOutcome::Running);
+            }
+            if s.fence.sealed_keys.contains_key(&j.key) {
+                return Ok(CancelOutcome::Moving);
+            }
+            let key = j.key.clone();
+            if s.dead.remove(&id) {
+                s.halted_keys.remove(&key);
+            } else if let Some(q) = s.keys.get_mut(&key) {
+                q.retain(|&i| i != id);
+                if q.is_empty() {
+                    s.keys.remove(&key);
+                }
+            }
+            s.jobs.remove(&id);
+            Ok(CancelOutcome::Cancelled)
         })
     }
 }

@@ -27,9 +27,10 @@ use std::time::Duration;
 
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
-    AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
-    JobId, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored,
-    SystemClock, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+    AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
+    FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob, NewJob, QueueBackend,
+    QueueError, Receipt, ShardStats, Stored, SystemClock, KEY_JOBS_MAX, PAYLOAD_BYTES_LIMIT,
+    PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -1148,6 +1149,67 @@ impl QueueBackend for FsBackend {
         self.dead_change(name, ids, false)
     }
 
+    fn job(&self, name: &str, id: JobId) -> Result<Option<JobInfo>, QueueError> {
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let Inner { log, replica, .. } = &mut *inner;
+        let r = replica.as_ref().expect("refreshed");
+        match r.live_job(id.0) {
+            Some(j) => Ok(Some(job_info(name, log, &j, now)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn key_jobs(&self, name: &str, key: &str, max: usize) -> Result<Vec<JobInfo>, QueueError> {
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let Inner { log, replica, .. } = &mut *inner;
+        let r = replica.as_ref().expect("refreshed");
+        r.key_live_jobs(key, max.min(KEY_JOBS_MAX))
+            .iter()
+            .map(|j| job_info(name, log, j, now))
+            .collect()
+    }
+
+    fn cancel(&self, name: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut outcome = CancelOutcome::NotFound;
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let fence = self.read_fence(&shard, inner)?;
+            let r = inner.replica.as_ref().expect("refreshed");
+            let mut bytes = Vec::new();
+            outcome = match r.live_job(id.0) {
+                None => CancelOutcome::NotFound,
+                Some(j) if j.run.is_some() => CancelOutcome::Running,
+                Some(j) if fence.sealed_keys.contains_key(j.key) => CancelOutcome::Moving,
+                Some(j) if j.dead.is_some() => {
+                    record::encode(&mut bytes, &Record::DeadPurge { job: id.0 });
+                    CancelOutcome::Cancelled
+                }
+                Some(j) => {
+                    record::encode(
+                        &mut bytes,
+                        &Record::Cancel {
+                            job: id.0,
+                            key: j.key,
+                        },
+                    );
+                    CancelOutcome::Cancelled
+                }
+            };
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(outcome)
+    }
+
     fn moves_backlogs(&self) -> bool {
         true
     }
@@ -1172,39 +1234,7 @@ impl QueueBackend for FsBackend {
             .collect();
         let mut out = Vec::with_capacity(picked.len());
         for (slot, dead) in picked {
-            let bytes = inner.log.read_record_at(slot.id)?;
-            let bad = |reason: String| QueueError::Inconsistent {
-                shard: name.to_string(),
-                segment: "-".into(),
-                offset: slot.id,
-                reason,
-            };
-            let (rec, _) = decode(&bytes).map_err(|e| {
-                bad(format!(
-                    "the record of job {} does not decode: {e:?}",
-                    slot.id
-                ))
-            })?;
-            let (created_ms, payload) = match rec {
-                Record::Enqueue {
-                    created_ms,
-                    key: k,
-                    payload,
-                    ..
-                }
-                | Record::Import {
-                    created_ms,
-                    key: k,
-                    payload,
-                    ..
-                } if k == key => (created_ms, payload.to_vec()),
-                _ => {
-                    return Err(bad(format!(
-                        "job {} of key {key:?} does not start at an enqueue of that key",
-                        slot.id
-                    )))
-                }
-            };
+            let (created_ms, payload) = read_job(name, &mut inner.log, slot.id, key)?;
             out.push(MovedJob {
                 id: JobId(slot.id),
                 created_ms,
@@ -1466,6 +1496,73 @@ impl FsBackend {
         self.after_append(&shard, end)?;
         Ok(count)
     }
+}
+
+/// The enqueue time and payload of job `id` of `key`, read back from its
+/// Enqueue or Import record (the state keeps neither).
+fn read_job(
+    name: &str,
+    log: &mut ShardLog,
+    id: u64,
+    key: &str,
+) -> Result<(u64, Vec<u8>), QueueError> {
+    let bytes = log.read_record_at(id)?;
+    let bad = |reason: String| QueueError::Inconsistent {
+        shard: name.to_string(),
+        segment: "-".into(),
+        offset: id,
+        reason,
+    };
+    let (rec, _) = decode(&bytes)
+        .map_err(|e| bad(format!("the record of job {id} does not decode: {e:?}")))?;
+    match rec {
+        Record::Enqueue {
+            created_ms,
+            key: k,
+            payload,
+            ..
+        }
+        | Record::Import {
+            created_ms,
+            key: k,
+            payload,
+            ..
+        } if k == key => Ok((created_ms, payload.to_vec())),
+        _ => Err(bad(format!(
+            "job {id} of key {key:?} does not start at an enqueue of that key"
+        ))),
+    }
+}
+
+/// A live job of the state as [`JobInfo`], its record read back.
+fn job_info(
+    name: &str,
+    log: &mut ShardLog,
+    j: &crate::state::LiveJob<'_>,
+    now: u64,
+) -> Result<JobInfo, QueueError> {
+    let (created_ms, payload) = read_job(name, log, j.slot.id, j.key)?;
+    let (state, attempts) = if j.run.is_some() {
+        (JobState::Running, j.slot.attempt.saturating_sub(1))
+    } else if j.dead.is_some() {
+        (JobState::Dead, j.slot.attempt)
+    } else if j.slot.not_before_ms > now {
+        (JobState::Delayed, j.slot.attempt)
+    } else {
+        (JobState::Queued, j.slot.attempt)
+    };
+    Ok(JobInfo {
+        id: JobId(j.slot.id),
+        key: j.key.to_string(),
+        state,
+        attempts,
+        max_attempts: j.slot.max_attempts,
+        created_ms,
+        not_before_ms: j.slot.not_before_ms,
+        run: j.run,
+        reason: j.dead.map(str::to_string),
+        payload,
+    })
 }
 
 /// Makes the shard's appends up to at least `end` durable; threads share one

@@ -68,7 +68,7 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         // A whole record, or the start of one with a sane length and type.
         let looks_like_record = match decode(buf) {
             Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_PURGE_KEY).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_CANCEL).contains(&buf[HEADER_BYTES]),
             Err(DecodeError::Invalid(_)) => false,
         };
         let hint = if looks_like_record {
@@ -108,6 +108,7 @@ const T_HOLE: u8 = 8;
 const T_DEDUP: u8 = 9;
 const T_IMPORT: u8 = 10;
 const T_PURGE_KEY: u8 = 11;
+const T_CANCEL: u8 = 12;
 
 /// One decoded record. Borrowed fields point into the read buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,6 +219,14 @@ pub enum Record<'a> {
     /// (the copies a move left behind).
     PurgeKey {
         /// The key.
+        key: &'a str,
+    },
+    /// A queued or delayed job of `key`, not in flight, is cancelled by an
+    /// operator: it leaves its key's queue and never runs.
+    Cancel {
+        /// Job id.
+        job: u64,
+        /// The job's key.
         key: &'a str,
     },
 }
@@ -331,6 +340,11 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
         }
         Record::PurgeKey { key } => {
             out.push(T_PURGE_KEY);
+            put_str16(out, key);
+        }
+        Record::Cancel { job, key } => {
+            out.push(T_CANCEL);
+            out.extend_from_slice(&job.to_le_bytes());
             put_str16(out, key);
         }
     }
@@ -515,6 +529,10 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             }
         }
         T_PURGE_KEY => Record::PurgeKey { key: c.str16()? },
+        T_CANCEL => Record::Cancel {
+            job: c.u64()?,
+            key: c.str16()?,
+        },
         other => return Err(format!("unknown record type {other}")),
     };
     c.end()?;
@@ -595,6 +613,10 @@ mod tests {
             payload: b"{\"n\":1}",
         });
         roundtrip(Record::PurgeKey { key: "tenant-1" });
+        roundtrip(Record::Cancel {
+            job: 4096,
+            key: "tenant-1",
+        });
         let mut seal = Vec::new();
         encode(&mut seal, &Record::Seal);
         assert_eq!(seal.len(), SEAL_BYTES);

@@ -69,6 +69,38 @@ pub(crate) struct RunInfo<'a> {
     pub lease_until_ms: u64,
 }
 
+/// Where job `id` is in a key's queue. Behind the head the queue is in id
+/// order (a dead job retried goes back to its place, but never ahead of a
+/// running head, which may then be younger): the head is checked, the rest
+/// searched by halves.
+fn queue_position(q: &VecDeque<Slot>, id: u64) -> Option<usize> {
+    if q.front()?.id == id {
+        return Some(0);
+    }
+    let (mut lo, mut hi) = (1usize, q.len());
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match q[mid].id.cmp(&id) {
+            std::cmp::Ordering::Equal => return Some(mid),
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+        }
+    }
+    None
+}
+
+/// A live job as [`ShardState::live_job`] finds it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LiveJob<'a> {
+    pub key: &'a str,
+    pub slot: Slot,
+    /// Its run in flight: fence and job lease deadline (`u64::MAX` for a
+    /// run this process only replayed).
+    pub run: Option<(u64, u64)>,
+    /// Its dead-letter reason, for a dead job.
+    pub dead: Option<&'a str>,
+}
+
 /// A job picked for claiming.
 #[derive(Debug, Clone)]
 pub(crate) struct Pick {
@@ -215,6 +247,79 @@ impl ShardState {
             );
         }
         out.sort_unstable_by_key(|(s, _)| s.id);
+        out.truncate(max);
+        out
+    }
+
+    /// The live job `id` (queued, delayed, running or dead), found by the
+    /// runs in flight, the dead letters and each key's queue (kept in id
+    /// order); `None` when no live job has that id.
+    pub fn live_job(&self, id: u64) -> Option<LiveJob<'_>> {
+        if let Some(run) = self.in_flight_ids.get(&id) {
+            let ks = &self.keys[run.key as usize];
+            let head = ks.queue.front().filter(|h| h.id == id)?;
+            return Some(LiveJob {
+                key: &ks.key,
+                slot: *head,
+                run: Some((run.fence, run.lease_until_ms)),
+                dead: None,
+            });
+        }
+        if let Some(e) = self.dead.get(&id) {
+            return Some(LiveJob {
+                key: &self.keys[e.key as usize].key,
+                slot: e.slot,
+                run: None,
+                dead: Some(&e.reason),
+            });
+        }
+        self.index.values().find_map(|&k| {
+            let ks = &self.keys[k as usize];
+            let i = queue_position(&ks.queue, id)?;
+            Some(LiveJob {
+                key: &ks.key,
+                slot: ks.queue[i],
+                run: None,
+                dead: None,
+            })
+        })
+    }
+
+    /// Up to `max` of `key`'s live jobs (its run in flight, queued, delayed
+    /// and dead), in id order.
+    pub fn key_live_jobs(&self, key: &str, max: usize) -> Vec<LiveJob<'_>> {
+        let Some(k) = self.lookup(key) else {
+            return Vec::new();
+        };
+        let ks = &self.keys[k as usize];
+        let mut out: Vec<LiveJob<'_>> = ks
+            .queue
+            .iter()
+            .enumerate()
+            .map(|(i, s)| LiveJob {
+                key: &ks.key,
+                slot: *s,
+                run: (i == 0 && ks.in_flight)
+                    .then(|| self.in_flight_ids.get(&s.id))
+                    .flatten()
+                    .map(|r| (r.fence, r.lease_until_ms)),
+                dead: None,
+            })
+            .collect();
+        if ks.dead > 0 {
+            out.extend(
+                self.dead
+                    .iter()
+                    .filter(|(_, e)| e.key == k)
+                    .map(|(_, e)| LiveJob {
+                        key: &ks.key,
+                        slot: e.slot,
+                        run: None,
+                        dead: Some(&e.reason),
+                    }),
+            );
+        }
+        out.sort_unstable_by_key(|j| j.slot.id);
         out.truncate(max);
         out
     }
@@ -368,7 +473,8 @@ impl ShardState {
             | Record::Ack { job, .. }
             | Record::Fail { job, .. }
             | Record::DeadRetry { job }
-            | Record::DeadPurge { job } => Some(job),
+            | Record::DeadPurge { job }
+            | Record::Cancel { job, .. } => Some(job),
             Record::Enqueue { .. }
             | Record::Seal
             | Record::Hole { .. }
@@ -599,6 +705,31 @@ impl ShardState {
                     self.note_ref(seg_base, id);
                 }
                 self.schedule(k);
+                self.maybe_drop_key(k);
+            }
+            Record::Cancel { job, key } => {
+                let found = self.lookup(key).and_then(|k| {
+                    let ks = &self.keys[k as usize];
+                    let i = queue_position(&ks.queue, job)?;
+                    Some((k, i, i == 0 && ks.in_flight))
+                });
+                let Some((k, i, running)) = found else {
+                    return self.unknown(job, "cancel");
+                };
+                if running {
+                    return Err(format!("cancel refers to job {job}, which is running"));
+                }
+                self.keys[k as usize].queue.remove(i);
+                self.slot_removed();
+                self.finish(job);
+                if i == 0 {
+                    // The head changed: schedule the key by its new head (an
+                    // older entry for the old head may stay queued; picks
+                    // pass a key whose head is not due).
+                    let ks = &mut self.keys[k as usize];
+                    ks.scheduled = false;
+                    self.schedule(k);
+                }
                 self.maybe_drop_key(k);
             }
             Record::Seal => {}

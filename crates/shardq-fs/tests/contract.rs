@@ -192,3 +192,76 @@ fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
         "the expired record no longer keeps its segment"
     );
 }
+
+/// A cancel written by another process (an operator's CLI beside the
+/// owning worker) holds: the owner never claims the cancelled job, the
+/// running one is not cancelled, and a restart replays the cancel (and
+/// compacts past it) without bringing the job back.
+#[test]
+fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
+    let dir = std::env::temp_dir().join(format!("shardq-fs-cancel-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || {
+        Engine::open(
+            &dir,
+            EngineOptions {
+                clock: Arc::new(clock.clone()),
+                segment_bytes_max: 4096,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let payload = |p: &str| format!("{p}{}", "-".repeat(700));
+    {
+        let owner = open();
+        let operator = open();
+        let (o, op) = (owner.backend(), operator.backend());
+        o.adopt("s0").unwrap();
+        for p in ["a", "b", "c"] {
+            o.enqueue("s0", 1, &[shardq_core::NewJob::new("k", payload(p))])
+                .unwrap();
+        }
+        let run_a = o.claim("s0", 10, 60_000).unwrap().remove(0);
+        let jobs = op.key_jobs("s0", "k", 10).unwrap();
+        assert_eq!(jobs.len(), 3);
+        assert_eq!(jobs[0].state, shardq_core::JobState::Running);
+        assert_eq!(
+            op.cancel("s0", run_a.id).unwrap(),
+            shardq_core::CancelOutcome::Running
+        );
+        assert_eq!(
+            op.cancel("s0", jobs[1].id).unwrap(),
+            shardq_core::CancelOutcome::Cancelled
+        );
+        o.ack("s0", &[run_a.receipt()]).unwrap();
+        let next = o.claim("s0", 10, 60_000).unwrap();
+        assert_eq!(next.len(), 1);
+        assert_eq!(
+            next[0].payload,
+            payload("c").into_bytes(),
+            "the owner claimed a job another process had cancelled"
+        );
+        o.flush().unwrap();
+    }
+    let engine = open();
+    let b = engine.backend();
+    b.adopt("s0").unwrap();
+    let left: Vec<Vec<u8>> = b
+        .key_jobs("s0", "k", 10)
+        .unwrap()
+        .into_iter()
+        .map(|j| j.payload)
+        .collect();
+    assert_eq!(left, [payload("c").into_bytes()], "after a restart");
+    let run = b.claim("s0", 10, 60_000).unwrap();
+    assert_eq!(run.len(), 1);
+    b.ack("s0", &[run[0].receipt()]).unwrap();
+    assert!(b.key_jobs("s0", "k", 10).unwrap().is_empty());
+    assert!(b.claim("s0", 10, 60_000).unwrap().is_empty());
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -17,9 +17,10 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
 use shardq_core::{
-    validate_job_lease_ms, AckOutcome, Backoff, ClaimedJob, Clock, DeadJob, DeadPolicy,
-    DedupRecord, FailOutcome, Fence, JobId, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError,
-    Receipt, ShardStats, Stored, PAYLOAD_BYTES_MAX_DEFAULT,
+    validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob,
+    DeadPolicy, DedupRecord, FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob,
+    NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, KEY_JOBS_MAX,
+    PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
@@ -43,6 +44,10 @@ pub const RECLAIM_BATCH_MAX: usize = 128;
 pub const DEAD_BATCH_MAX: usize = 512;
 /// Most dead jobs one `dead_list` returns.
 pub const DEAD_LIST_MAX: usize = 10_000;
+/// Most steps a cancel walks down a key's queue to the job (each one field
+/// read inside the script, which blocks the server while it runs): a job
+/// further back than this is refused with an error naming the bound.
+pub const CANCEL_WALK_MAX: usize = 100_000;
 /// Most receipts one extend script handles; longer lists are split.
 pub const EXTEND_BATCH_MAX: usize = 1024;
 /// Most jobs one export or import script call moves (a backlog move's
@@ -1523,6 +1528,71 @@ impl QueueBackend for RedisBackend {
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.dead_move(shard, "purge", ids)
     }
+
+    fn job(&self, shard: &str, id: JobId) -> Result<Option<JobInfo>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.job_show, "", &|c, _| {
+            c.arg(id.0);
+        })?;
+        let items = reply::items(&v);
+        if reply::status(&v) == "NONE" {
+            return Ok(None);
+        }
+        job_info(id, items)
+            .map(Some)
+            .ok_or_else(|| self.protocol(s, format!("job {} reply is malformed", id.0)))
+    }
+
+    fn key_jobs(&self, shard: &str, key: &str, max: usize) -> Result<Vec<JobInfo>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let max = max.min(KEY_JOBS_MAX);
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self.script(s, &self.inner.scripts.key_jobs, "", &|c, _| {
+            c.arg(key).arg(max).arg(TRANSFER_CALL_BYTES_MAX);
+        })?;
+        if reply::status(&v) != "OK" {
+            return Err(self.protocol(s, "key jobs refused"));
+        }
+        let mut out = Vec::new();
+        for row in reply::items(&v)[1..].chunks(6) {
+            let job = (row.len() == 6)
+                .then(|| reply::u64(&row[0]).and_then(|id| job_info(JobId(id), &row[1..])))
+                .flatten()
+                .filter(|j| j.key == key)
+                .ok_or_else(|| self.protocol(s, format!("jobs of key {key:?}: a malformed job")))?;
+            out.push(job);
+        }
+        out.sort_by_key(|j| j.id);
+        out.truncate(max);
+        Ok(out)
+    }
+
+    fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.cancel, "", &|c, _| {
+            c.arg(id.0).arg(CANCEL_WALK_MAX);
+        })?;
+        match reply::status(&v).as_str() {
+            "CANCELLED" => Ok(CancelOutcome::Cancelled),
+            "RUNNING" => Ok(CancelOutcome::Running),
+            "MOVING" => Ok(CancelOutcome::Moving),
+            "NOTFOUND" => Ok(CancelOutcome::NotFound),
+            "TOOFAR" => Err(QueueError::InvalidOption {
+                name: "job to cancel",
+                value: format!("{}:{}", s.name, id.0),
+                allowed: format!(
+                    "a job at most {CANCEL_WALK_MAX} places behind its key's head on Redis \
+                     (cancel the jobs ahead of it first, or wait for them to run)"
+                ),
+            }),
+            other => Err(self.protocol(s, format!("cancel answered {other:?}"))),
+        }
+    }
 }
 
 /// ARGV of receipts: id, fence and the key when this process knows it (the
@@ -1658,6 +1728,46 @@ impl JobRecord<'_> {
             payload,
         })
     }
+}
+
+/// A job from the five fields `state, record, reason, fence, lease` of the
+/// job scripts; `None` when malformed.
+fn job_info(id: JobId, f: &[Value]) -> Option<JobInfo> {
+    if f.len() != 5 {
+        return None;
+    }
+    let state = match reply::string(&f[0])?.as_str() {
+        "RUN" => JobState::Running,
+        "DEAD" => JobState::Dead,
+        "DELAYED" => JobState::Delayed,
+        "QUEUED" => JobState::Queued,
+        _ => return None,
+    };
+    let rec = reply::bytes(&f[1]).and_then(JobRecord::parse)?;
+    let reason = reply::string(&f[2]).filter(|r| !r.is_empty());
+    let score = |v: &Value| {
+        reply::u64(v).or_else(|| {
+            reply::string(v)
+                .and_then(|t| t.parse::<f64>().ok())
+                .map(|x| x as u64)
+        })
+    };
+    let run = (state == JobState::Running).then(|| Some((score(&f[3])?, score(&f[4])?)));
+    Some(JobInfo {
+        id,
+        key: rec.key,
+        state,
+        attempts: rec.attempts,
+        max_attempts: rec.max_attempts,
+        created_ms: rec.created_ms,
+        not_before_ms: rec.not_before_ms,
+        run: match run {
+            Some(r) => Some(r?),
+            None => None,
+        },
+        reason,
+        payload: rec.payload.to_vec(),
+    })
 }
 
 /// One exported job (`id, record, reason` of the export scripts) of `key`

@@ -874,6 +874,118 @@ if q.h ~= 0 or dead > 0 then more = 1 end
 return {'OK', n, more}
 "#;
 
+/// One live job, as an operator reads it: ARGV[5] its id. Reply `NONE`
+/// when no live job has the id, else the state (`RUN`, `DEAD`, `DELAYED`,
+/// `QUEUED`), the record, the last failure reason (empty for none), and for
+/// a run its fence and job lease deadline (`0` otherwise). Read-only.
+const JOB_GET: &str = r#"
+local now = now_ms()
+local function live(ids)
+  local r = redis.call('HGET', K_JOBS, ids)
+  if not r then return nil end
+  local nbf, _, _, _, k = rec_parse(r)
+  local reason = redis.call('HGET', K_REASON, ids) or ''
+  local lease = redis.call('ZSCORE', K_INF, ids)
+  if lease then
+    local q = kparse(redis.call('HGET', K_KEYS, k))
+    local fence = 0
+    if q.f == tonumber(ids) then fence = q.r end
+    return {'RUN', r, reason, idstr(fence), lease}
+  end
+  if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0'} end
+  if nbf > now then return {'DELAYED', r, reason, '0', '0'} end
+  return {'QUEUED', r, reason, '0', '0'}
+end
+"#;
+
+/// ARGV[5] id: [`JOB_GET`]'s `live` of one job.
+const JOB_SHOW: &str = r#"
+local row = live(ARGV[5])
+if not row then return {'NONE'} end
+return row
+"#;
+
+/// ARGV[5] key, ARGV[6] at most this many: the key's run in flight, then its
+/// waiting and dead jobs in id order (the export's walk), stopping once
+/// their records hold ARGV[7] bytes. Reply `OK`, then per job its id and
+/// [`JOB_GET`]'s five fields. Read-only.
+const KEY_JOBS: &str = r#"
+local k, max = ARGV[5], tonumber(ARGV[6])
+local out = {'OK'}
+local function add(ids)
+  local row = live(ids)
+  if row then
+    out[#out + 1] = ids
+    for _, v in ipairs(row) do out[#out + 1] = v end
+  end
+end
+local q = kparse(redis.call('HGET', K_KEYS, k))
+if q.f ~= 0 then add(idstr(q.f)) end
+local rows = export_key(k, 0, max, tonumber(ARGV[7]))
+for i = 1, #rows, 3 do add(rows[i]) end
+return out
+"#;
+
+/// Cancels one job that is not running: ARGV[5] its id. A dead job leaves
+/// the dead letters; a waiting one is unlinked from its key's queue (a walk
+/// from the head of at most ARGV[6] steps), and when it was the head the key
+/// is scheduled by its new head. Reply `CANCELLED`, `RUNNING`, `MOVING` (its
+/// key is sealed for a move), `NOTFOUND`, or `TOOFAR` with the bound.
+const CANCEL: &str = r#"
+local now = now_ms()
+local ids = ARGV[5]
+local n = tonumber(ids)
+local r = redis.call('HGET', K_JOBS, ids)
+if not r then return {'NOTFOUND'} end
+if redis.call('ZSCORE', K_INF, ids) then return {'RUNNING'} end
+local _, _, _, _, k = rec_parse(r)
+if redis.call('HEXISTS', K_SEALED, k) == 1 then return {'MOVING'} end
+local q = kparse(redis.call('HGET', K_KEYS, k))
+local function head_nbf()
+  if q.h == 0 then return nil end
+  return rec_nbf(redis.call('HGET', K_JOBS, idstr(q.h)))
+end
+if redis.call('ZSCORE', K_DEAD, ids) then
+  local startable = q.d > 0 and q.f == 0 and not halted(k)
+  redis.call('ZREM', K_DEAD, ids)
+  if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+  redis.call('HDEL', K_JOBS, ids)
+  redis.call('HDEL', K_REASON, ids)
+  -- A key halted by its dead letters may start again.
+  if not startable then kready(k, q, head_nbf(), now) end
+  return {'CANCELLED'}
+end
+local prev, at, steps = 0, q.h, 0
+while at ~= 0 and at ~= n do
+  steps = steps + 1
+  if steps > tonumber(ARGV[6]) then return {'TOOFAR', ARGV[6]} end
+  prev = at
+  at = tonumber(redis.call('HGET', K_NEXT, idstr(at)) or '0')
+end
+if at == 0 then return {'NOTFOUND'} end
+local nx = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
+redis.call('HDEL', K_NEXT, ids)
+if prev == 0 then
+  q.h = nx
+elseif nx ~= 0 then
+  redis.call('HSET', K_NEXT, idstr(prev), idstr(nx))
+else
+  redis.call('HDEL', K_NEXT, idstr(prev))
+end
+if q.t == n then q.t = prev end
+if q.d == 1 then q.h, q.t = 0, 0 end
+q.d = q.d - 1
+redis.call('HINCRBY', K_META, 'pend', -1)
+redis.call('HDEL', K_JOBS, ids)
+redis.call('HDEL', K_REASON, ids)
+redis.call('ZREM', K_DELAYED, ids)
+kstore(k, q)
+-- A key waiting in `later` for the head it lost waits for its new head;
+-- one in `ready` is checked by the next claim.
+if prev == 0 and redis.call('ZREM', K_LATER, k) == 1 then kready(k, q, head_nbf(), now) end
+return {'CANCELLED'}
+"#;
+
 /// ARGV[5] limit: id, attempts, key, reason per dead job, oldest first.
 const DEAD_LIST: &str = r#"
 local out = {}
@@ -1165,6 +1277,9 @@ pub(crate) struct Scripts {
     pub(crate) imported_up_to: Lua,
     pub(crate) purge_key: Lua,
     pub(crate) dead_list: Lua,
+    pub(crate) job_show: Lua,
+    pub(crate) key_jobs: Lua,
+    pub(crate) cancel: Lua,
     pub(crate) dead_move: Lua,
     pub(crate) lease: Lua,
     pub(crate) lease_release: Lua,
@@ -1202,6 +1317,13 @@ impl Scripts {
             imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
             purge_key: Lua::new(PURGE_KEY, true, Flags::AllowOom),
             dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
+            job_show: Lua::new(&format!("{JOB_GET}{JOB_SHOW}"), true, Flags::NoWrites),
+            key_jobs: Lua::new(
+                &format!("{JOB_GET}{EXPORT_KEY_FN}{KEY_JOBS}"),
+                true,
+                Flags::NoWrites,
+            ),
+            cancel: Lua::new(CANCEL, true, Flags::AllowOom),
             dead_move: Lua::new(DEAD_MOVE, true, Flags::AllowOom),
             lease: Lua::new(LEASE, false, Flags::AllowOom),
             lease_release: Lua::new(LEASE_RELEASE, false, Flags::AllowOom),
