@@ -144,6 +144,57 @@ function positive(value: number, name: string, min: number): number {
   return value;
 }
 
+/** A live job as `GET /v1/jobs/{id}` shows it. */
+export interface JobInfo {
+  /** `SHARD:ID`. */
+  id: string;
+  shard: string;
+  key: string;
+  state: "queued" | "delayed" | "running" | "dead";
+  /** Attempts made and finished (a running job is on attempt `attempts + 1`). */
+  attempts: number;
+  maxAttempts: number;
+  /** Enqueue time, ms since the epoch. */
+  createdMs: number;
+  /** Earliest start of its next attempt, ms since the epoch. */
+  notBeforeMs: number;
+  /** The run in flight (`leaseExpiresMs` 0 when the server does not time it). */
+  run?: { fence: number; leaseExpiresMs: number };
+  /** The last failure's reason. */
+  reason?: string;
+  payload: Buffer;
+}
+
+/** Most jobs one `keyJobs` call returns. */
+export const KEY_JOBS_MAX = 1000;
+const READ_SERVER_WAIT_MS = 30_000;
+
+function jobInfo(doc: unknown, url: string): JobInfo {
+  const j = (doc ?? {}) as Record<string, unknown>;
+  const num = (name: string): number => {
+    const v = j[name];
+    if (typeof v !== "number") throw new ShardqError(`${url}: a job's ${name} is not a number: ${JSON.stringify(v)}`, 200, url);
+    return v;
+  };
+  const run = j["run"] as Record<string, unknown> | null | undefined;
+  const payload =
+    typeof j["payload_b64"] === "string" ? Buffer.from(j["payload_b64"], "base64") : Buffer.from(String(j["payload"] ?? ""), "utf8");
+  const info: JobInfo = {
+    id: String(j["id"]),
+    shard: String(j["shard"]),
+    key: String(j["key"]),
+    state: String(j["state"]) as JobInfo["state"],
+    attempts: num("attempts"),
+    maxAttempts: num("max_attempts"),
+    createdMs: num("created_ms"),
+    notBeforeMs: num("not_before_ms"),
+    payload,
+  };
+  if (run) info.run = { fence: Number(run["fence"]), leaseExpiresMs: Number(run["lease_expires_ms"]) };
+  if (typeof j["reason"] === "string") info.reason = j["reason"];
+  return info;
+}
+
 export class Client {
   readonly urls: readonly string[];
   private readonly opts: ClientOptions;
@@ -189,6 +240,57 @@ export class Client {
       results.push(...(await this.post(batch)));
     }
     return results;
+  }
+
+  /** The live job `id` (`SHARD:ID`); `undefined` when no live job has it (finished, cancelled, moved away with its key, or never existed). */
+  async job(id: string): Promise<JobInfo | undefined> {
+    const path = `/v1/jobs/${encodeURIComponent(id)}`;
+    const [doc, url] = await this.read("GET", path, undefined);
+    return doc === undefined ? undefined : jobInfo(doc, url);
+  }
+
+  /** `key`'s live jobs in key order: its run in flight, queued, delayed and dead jobs; at most `limit` (1 to 1000). */
+  async keyJobs(key: string, limit = 100): Promise<JobInfo[]> {
+    if (!Number.isSafeInteger(limit) || limit < 1 || limit > KEY_JOBS_MAX) {
+      throw new TypeError(`keyJobs: limit must be an integer from 1 to ${KEY_JOBS_MAX}, got ${limit}`);
+    }
+    const [doc, url] = await this.read("GET", `/v1/keys/${encodeURIComponent(key)}/jobs?limit=${limit}`, undefined);
+    const jobs = (doc as Record<string, unknown> | undefined)?.["jobs"];
+    if (!Array.isArray(jobs)) throw new ShardqError(`${url}: the reply has no jobs list`, 200, url);
+    return jobs.map((j) => jobInfo(j, url));
+  }
+
+  /**
+   * Cancels the queued, delayed or dead job `id`: it is deleted and never
+   * runs. `true` when this call cancelled it; `false` when no live job had
+   * the id (it finished, or an earlier try on another server cancelled it).
+   * A running job, or one whose key is moving, rejects with
+   * `JobNotCancelled` (`state` says which).
+   */
+  async cancel(id: string): Promise<boolean> {
+    const [doc] = await this.read("DELETE", `/v1/jobs/${encodeURIComponent(id)}`, {});
+    return doc !== undefined;
+  }
+
+  /** One read or change at the first server that answers (a 404 is an answer: `undefined`). */
+  private async read(method: string, path: string, body: unknown): Promise<[unknown, string]> {
+    const causes: string[] = [];
+    let last: ShardqError | undefined;
+    for (const transport of this.transports) {
+      try {
+        const doc = await transport.send(method, path, body, { serverWaitMs: READ_SERVER_WAIT_MS }, true);
+        return [doc, transport.base + path];
+      } catch (err) {
+        if (!(err instanceof ShardqError) || !err.retryable) throw err;
+        last = err;
+        causes.push(err.message);
+      }
+    }
+    const error = new ServerUnavailable(`${method} ${path} failed on every server; last: ${last?.message ?? "?"}`, last?.status, last?.url ?? "", last?.serverError, {
+      cause: last,
+    });
+    error.causes = causes;
+    throw error;
   }
 
   private async post(batch: Encoded[]): Promise<EnqueueResult[]> {

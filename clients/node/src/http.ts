@@ -68,6 +68,24 @@ export class StaleReceipt extends ShardqError {
 }
 
 /**
+ * 409 on a cancel: the job is running (`state` `"running"`: its run must end
+ * first) or its key is moving to another shard (`"moving"`: cancel it there
+ * once the move is done). Nothing changed.
+ */
+export class JobNotCancelled extends ShardqError {
+  override name = "JobNotCancelled";
+  constructor(
+    message: string,
+    status: number,
+    url: string,
+    serverError: string | undefined,
+    readonly state: string,
+  ) {
+    super(message, status, url, serverError);
+  }
+}
+
+/**
  * No usable answer: no response, a timeout, 408, 425, 429 or 5xx; after the
  * retries, `causes` holds the last failure of each server.
  */
@@ -164,33 +182,43 @@ export class Transport {
 
   /** POSTs `body` (a value, or JSON text already made) and returns the parsed JSON reply (or `{}` for an empty one). */
   async post(path: string, body: unknown, opts: PostOptions): Promise<unknown> {
-    const text = typeof body === "string" ? body : JSON.stringify(body);
+    return this.send("POST", path, body, opts);
+  }
+
+  /**
+   * `method` `path` with `body` (a value, or JSON text; `undefined` sends
+   * none): the parsed JSON reply, or `undefined` for a 404 when `notFound`
+   * says one is an answer.
+   */
+  async send(method: string, path: string, body: unknown, opts: PostOptions, notFound = false): Promise<unknown> {
+    const text = body === undefined ? "" : typeof body === "string" ? body : JSON.stringify(body);
     const payload = Buffer.from(text, "utf8");
     const timeoutMs = opts.timeoutMs ?? opts.serverWaitMs + this.marginMs;
     const url = this.base + path;
     let res: { status: number; statusText: string; text: string };
     try {
-      res = await this.once(path, payload, timeoutMs, opts.signal);
+      res = await this.once(method, path, payload, timeoutMs, opts.signal);
     } catch (err) {
-      if (!(err instanceof ResetOnReuse)) throw this.noResponse(url, err);
+      if (!(err instanceof ResetOnReuse)) throw this.noResponse(method, url, err);
       // The server closed an idle keep-alive connection as this request went
       // out on it: the request was never read. Once more on a new connection.
       try {
-        res = await this.once(path, payload, timeoutMs, opts.signal);
+        res = await this.once(method, path, payload, timeoutMs, opts.signal);
       } catch (again) {
-        throw this.noResponse(url, again instanceof ResetOnReuse ? again.cause : again);
+        throw this.noResponse(method, url, again instanceof ResetOnReuse ? again.cause : again);
       }
     }
-    return parseReply(url, res.status, res.statusText, res.text);
+    if (notFound && res.status === 404) return undefined;
+    return parseReply(method, url, res.status, res.statusText, res.text);
   }
 
-  private noResponse(url: string, err: unknown): unknown {
+  private noResponse(method: string, url: string, err: unknown): unknown {
     if (err instanceof Cancelled) return err;
     const reason = err instanceof Error ? err.message : String(err);
-    return new ServerUnavailable(`POST ${url}: no response: ${reason}`, undefined, url, undefined, { cause: err });
+    return new ServerUnavailable(`${method} ${url}: no response: ${reason}`, undefined, url, undefined, { cause: err });
   }
 
-  private once(path: string, payload: Buffer, timeoutMs: number, signal: AbortSignal | undefined): Promise<{ status: number; statusText: string; text: string }> {
+  private once(method: string, path: string, payload: Buffer, timeoutMs: number, signal: AbortSignal | undefined): Promise<{ status: number; statusText: string; text: string }> {
     return new Promise((resolve, reject) => {
       if (signal?.aborted) {
         reject(new Cancelled("cancelled before it was sent"));
@@ -210,7 +238,7 @@ export class Transport {
         hostname: this.url.hostname,
         port: this.url.port,
         path: this.url.pathname.replace(/\/+$/, "") + path,
-        method: "POST",
+        method,
         agent: this.agent,
         headers: { ...this.headers, "content-length": String(payload.length) },
       });
@@ -252,14 +280,14 @@ class ResetOnReuse extends Error {
   }
 }
 
-function parseReply(url: string, status: number, statusText: string, text: string): unknown {
+function parseReply(method: string, url: string, status: number, statusText: string, text: string): unknown {
   let parsed: unknown = {};
   if (text.length > 0) {
     try {
       parsed = JSON.parse(text);
     } catch {
       if (status >= 200 && status < 300) {
-        throw new ShardqError(`POST ${url}: ${status} with a body that is not JSON: ${text.slice(0, 200)}`, status, url);
+        throw new ShardqError(`${method} ${url}: ${status} with a body that is not JSON: ${text.slice(0, 200)}`, status, url);
       }
       parsed = undefined;
     }
@@ -268,8 +296,11 @@ function parseReply(url: string, status: number, statusText: string, text: strin
   const doc = parsed !== null && typeof parsed === "object" ? (parsed as Record<string, unknown>) : {};
   const serverError = typeof doc["error"] === "string" ? doc["error"] : undefined;
   const detail = serverError ?? (text.length > 0 ? text.slice(0, 200) : statusText);
-  const message = `POST ${url}: ${status} ${statusText}: ${detail}`;
+  const message = `${method} ${url}: ${status} ${statusText}: ${detail}`;
   if (status === 401 || status === 403) throw new Unauthorized(message, status, url, serverError);
+  if (status === 409 && method === "DELETE") {
+    throw new JobNotCancelled(message, status, url, serverError, typeof doc["state"] === "string" ? doc["state"] : "");
+  }
   if (status === 409 && !url.endsWith("/v1/jobs")) {
     const list = (v: unknown) => (Array.isArray(v) ? v.map(String) : []);
     throw new StaleReceipt(message, status, url, serverError, list(doc["stale"]), list(doc["not_owned"]));

@@ -2,8 +2,8 @@ export * from "./hashes.js";
 export * from "./map.js";
 export * from "./router.js";
 export { lnCorrectlyRounded } from "./ln.js";
-export { BadRequest, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
-export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, type ClientOptions, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
+export { BadRequest, JobNotCancelled, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
+export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, KEY_JOBS_MAX, type ClientOptions, type JobInfo, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
 export {
   CLAIM_MAX,
   RetryLater,

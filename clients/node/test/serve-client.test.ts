@@ -1,10 +1,11 @@
 // Client against real `shardq serve` processes: batches split by bytes and
-// by count under the server's limits, and the error classes.
+// by count under the server's limits, the error classes, and an operator's
+// reads and cancels of jobs by id.
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { BadRequest, Client, ShardqError, Worker } from "../src/index.js";
+import { BadRequest, Client, JobNotCancelled, ShardqError, Worker } from "../src/index.js";
 import { cluster, collectingLogger, until } from "../test-support/cluster.js";
 
 test("enqueueMany splits by bytes: twenty valid ~1 MiB jobs go in under the 16 MiB body limit", { timeout: 120_000 }, async () => {
@@ -53,6 +54,51 @@ test("batchJobsMax and batchBytesMax follow a server's --jobs-per-request-max an
       new Client([s.url], { batchJobsMax: 10, batchBytesMax: 20000 }).enqueue("huge", "z".repeat(30_000)),
       (err: unknown) => err instanceof ShardqError && err.status === 413,
     );
+  } finally {
+    await c.close();
+  }
+});
+
+test("an operator reads a job by id, lists its key's jobs and cancels one; a running job is not cancelled", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    const placed = await client.enqueueMany(["p0", "p1", "p2"].map((p) => ({ key: "op-k", payload: p })));
+    const ids = placed.map((p) => String(p.id));
+    const one = await client.job(ids[1]!);
+    assert.equal(one?.state, "queued");
+    assert.equal(one?.payload.toString(), "p1");
+    assert.equal(one?.attempts, 0);
+    assert.deepEqual((await client.keyJobs("op-k")).map((j) => j.id), ids);
+    assert.equal((await client.keyJobs("op-k", 2)).length, 2);
+    assert.equal(await client.cancel(ids[1]!), true);
+    assert.equal(await client.cancel(ids[1]!), false, "a second cancel finds nothing");
+    assert.equal(await client.job(ids[1]!), undefined);
+    await assert.rejects(client.keyJobs("op-k", 0), TypeError);
+
+    const ran: string[] = [];
+    let release: () => void = () => {};
+    const gate = new Promise<void>((r) => (release = r));
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const running = worker.run(
+      async (job) => {
+        ran.push(job.payload.toString());
+        if (ran.length === 1) await gate;
+      },
+      { concurrency: 1, waitMs: 100, handleSignals: false },
+    );
+    await until(() => ran.length === 1, 30_000, "the first job to start");
+    const first = await client.job(ids[0]!);
+    assert.equal(first?.state, "running");
+    assert.ok(first?.run !== undefined && first.run.fence > 0);
+    await assert.rejects(client.cancel(ids[0]!), (err: unknown) => err instanceof JobNotCancelled && err.state === "running");
+    release();
+    await until(() => worker.stats.acked === 2, 30_000, "the other job to run");
+    worker.stop();
+    await running;
+    assert.deepEqual(ran, ["p0", "p2"]);
+    client.close();
   } finally {
     await c.close();
   }

@@ -20,6 +20,7 @@ from .errors import (
     FencedTooLong,
     HttpError,
     InvalidJob,
+    JobNotCancelled,
     PartialEnqueue,
     PausedTooLong,
     ServerUnavailable,
@@ -31,7 +32,7 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
-from .http import ClaimedJob, Client, Enqueued, NewJob, Retry, Worker, WorkerStats
+from .http import ClaimedJob, Client, Enqueued, JobInfo, NewJob, Retry, Worker, WorkerStats
 
 # The asyncio clients need aiohttp, the direct Redis producer redis-py and
 # the reference router (two thirds of the import time of this package):
@@ -71,6 +72,8 @@ __all__ = [
     "HttpError",
     "InvalidJob",
     "Job",
+    "JobInfo",
+    "JobNotCancelled",
     "NewJob",
     "PartialEnqueue",
     "PausedTooLong",

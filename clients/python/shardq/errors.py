@@ -108,6 +108,16 @@ class StaleReceipt(HttpError):
     the job ran again elsewhere)."""
 
 
+class JobNotCancelled(HttpError):
+    """409 on a cancel: the job is running (``state`` ``"running"``: its
+    run must end first) or its key is moving to another shard (``state``
+    ``"moving"``: cancel it there once the move is done). Nothing changed."""
+
+    def __init__(self, url: str, status: int, error: str, state: str):
+        super().__init__(url, status, error)
+        self.state = state
+
+
 class ServerUnavailable(ShardqError):
     """No URL answered within the retry budget; ``causes`` holds the last
     error of each URL. For an enqueue, the jobs may or may not have been

@@ -42,13 +42,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from .errors import (
     BadRequest,
     ConfigError,
     HttpError,
     InvalidJob,
+    JobNotCancelled,
     PartialEnqueue,
     ServerUnavailable,
     ShardqError,
@@ -186,16 +187,21 @@ class _Transport:
 
     def post(self, path: str, body: Union[Mapping[str, Any], bytes], timeout: float = REQUEST_TIMEOUT_S,
              resend_stale: bool = True) -> Tuple[int, Any]:
-        """Sends one request (``body`` a JSON object, or its encoding):
+        """Sends one POST (``body`` a JSON object, or its encoding):
         (status, decoded JSON body or None). Raises
         ``OSError``/``http.client.HTTPException`` for transport failures."""
-        data = body if isinstance(body, bytes) else _dumps(body)
+        return self.request("POST", path, body, timeout, resend_stale)
+
+    def request(self, method: str, path: str, body: Union[Mapping[str, Any], bytes, None],
+                timeout: float = REQUEST_TIMEOUT_S, resend_stale: bool = True) -> Tuple[int, Any]:
+        """:meth:`post` for any method; ``body`` ``None`` sends none."""
+        data = None if body is None else body if isinstance(body, bytes) else _dumps(body)
         for fresh_only in (not resend_stale, True):
             c = self.conn(timeout)
             reused = c.sock is not None
             try:
                 try:
-                    c.request("POST", self.prefix + path, body=data, headers=self.headers)
+                    c.request(method, self.prefix + path, body=data, headers=self.headers)
                 except (BrokenPipeError, ConnectionResetError):
                     # The server may have answered before taking the whole
                     # body (a 413 for a body over its limit) and closed:
@@ -511,6 +517,38 @@ def _check_batch_limits(batch_max: int, batch_bytes_max: int) -> None:
         raise ConfigError(f"invalid batch_bytes_max {batch_bytes_max!r}: at least 1")
 
 
+@dataclass(frozen=True)
+class JobInfo:
+    """A live job as ``GET /v1/jobs/{id}`` shows it: ``state`` is
+    ``queued``, ``delayed``, ``running`` or ``dead``; ``attempts`` counts
+    the finished ones (a running job is on attempt ``attempts + 1``); times
+    are ms since the epoch; ``run`` is ``(fence, lease_expires_ms)`` for a
+    running job; ``reason`` the last failure's."""
+
+    id: str
+    shard: str
+    key: str
+    state: str
+    attempts: int
+    max_attempts: int
+    created_ms: int
+    not_before_ms: int
+    run: Optional[Tuple[int, int]]
+    reason: Optional[str]
+    payload: bytes
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "JobInfo":
+        run = doc.get("run")
+        return JobInfo(
+            id=str(doc["id"]), shard=str(doc["shard"]), key=str(doc["key"]), state=str(doc["state"]),
+            attempts=int(doc["attempts"]), max_attempts=int(doc["max_attempts"]),
+            created_ms=int(doc["created_ms"]), not_before_ms=int(doc["not_before_ms"]),
+            run=(int(run["fence"]), int(run["lease_expires_ms"])) if run else None,
+            reason=doc.get("reason"), payload=_decode_payload(doc),
+        )
+
+
 class Client:
     """Enqueues over HTTP. ``urls``: one or more server URLs (a list or a
     comma-separated string); each request goes to the first that answers,
@@ -601,6 +639,54 @@ class Client:
             if pause is None:
                 raise att.error()
             time.sleep(pause)
+
+    def job(self, id: str) -> Optional[JobInfo]:
+        """The live job ``id`` (``SHARD:ID``, as :meth:`enqueue` gives it);
+        ``None`` when no live job has the id (it finished, was cancelled,
+        moved away with its key, or never existed)."""
+        status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return None if status == 404 else JobInfo._of(doc)
+
+    def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
+        """``key``'s live jobs in key order (its run in flight, queued,
+        delayed and dead jobs), at most ``limit`` (1 to 1000)."""
+        if not 1 <= limit <= 1000:
+            raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
+        _, doc = self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit={limit}", None,
+                            "listing a key's jobs")
+        return [JobInfo._of(j) for j in doc["jobs"]]
+
+    def cancel(self, id: str) -> bool:
+        """Cancels the queued, delayed or dead job ``id``: it is deleted and
+        never runs. ``True`` when this call cancelled it, ``False`` when no
+        live job had the id (it finished, or an earlier try of this call
+        on another URL cancelled it). A running job, or one whose key is
+        moving, raises :class:`JobNotCancelled` (``state`` says which)."""
+        status, _ = self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        return status != 404
+
+    def _call(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str) -> Tuple[int, Any]:
+        """One request to the first URL that answers (200 or 404); an
+        answer that no retry changes raises at once."""
+        causes: List[str] = []
+        last: Optional[BaseException] = None
+        for t in self._transports:
+            try:
+                status, doc = t.request(method, path, body, self.timeout_s)
+            except (OSError, http.client.HTTPException) as e:
+                causes.append(f"{t.url}: {e}")
+                last = e
+                continue
+            if status in (200, 404):
+                return status, doc
+            if _retryable(status):
+                causes.append(f"{t.url} answered {status}: {_error_of(doc)}")
+                continue
+            if status == 409 and method == "DELETE":
+                state = doc.get("state", "") if isinstance(doc, dict) else ""
+                raise JobNotCancelled(t.url, status, _error_of(doc), state)
+            _raise_for(t.url, status, doc)
+        raise ServerUnavailable(what, causes, last)
 
     def close(self) -> None:
         for t in self._transports:

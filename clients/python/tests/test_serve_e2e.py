@@ -254,3 +254,48 @@ def test_a_sigkilled_server_remembers_every_dedup_id_it_acknowledged(serve):
     assert [g.id for g in again] == [p.id for p in placed]
     stored = serve.totals()["ready"]
     assert n <= stored <= n + kills * batch, (stored, n)
+
+
+def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
+    """A job read by the id enqueue gave, the key's jobs in order, a cancel
+    that the worker honours (the cancelled job never runs), and a running
+    job that is not cancelled."""
+    from shardq import JobNotCancelled
+
+    with Client([serve.url]) as c:
+        ids = [c.enqueue("op-k", f"p{i}".encode()).id for i in range(3)]
+        j = c.job(ids[1])
+        assert j is not None and (j.state, j.payload, j.attempts, j.key) == ("queued", b"p1", 0, "op-k")
+        assert [x.id for x in c.key_jobs("op-k")] == ids
+        assert len(c.key_jobs("op-k", limit=2)) == 2
+        assert c.cancel(ids[1]) is True
+        assert c.cancel(ids[1]) is False, "a second cancel finds nothing"
+        assert c.job(ids[1]) is None
+
+        gate = threading.Event()
+        started = threading.Event()
+        ran: List[bytes] = []
+
+        def handler(job: ClaimedJob) -> None:
+            ran.append(job.payload)
+            started.set()
+            gate.wait(WAIT_S)
+
+        w = Worker([serve.url], worker_id="op-worker")
+        t = threading.Thread(target=w.run, args=(handler,),
+                             kwargs=dict(concurrency=1, lease_ms=30000, wait_ms=200,
+                                         install_signal_handlers=False), daemon=True)
+        t.start()
+        assert started.wait(WAIT_S)
+        running = c.job(ids[0])
+        assert running is not None and running.state == "running" and running.run is not None
+        try:
+            c.cancel(ids[0])
+            raise AssertionError("a running job was cancelled")
+        except JobNotCancelled as e:
+            assert e.state == "running"
+        gate.set()
+        wait_until("the last job ran", lambda: len(ran) == 2)
+        w.stop()
+        t.join(WAIT_S)
+        assert ran == [b"p0", b"p2"], ran

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post, MethodRouter};
+use axum::routing::{delete, get, post, MethodRouter};
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::ReshardBackend;
 use shardq_core::Clock;
@@ -206,7 +206,7 @@ impl App {
 /// (`None`: no token needed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteInfo {
-    /// `GET` or `POST`.
+    /// `GET`, `POST` or `DELETE`.
     pub method: &'static str,
     /// The path, `{param}` for parameters.
     pub path: &'static str,
@@ -231,6 +231,15 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (r("POST", "/v1/extend", Some(Work)), post(api::extend)),
         (r("GET", "/v1/status", Some(Read)), get(api::status)),
         (r("GET", "/v1/keys/{key}", Some(Read)), get(api::key)),
+        (
+            r("GET", "/v1/keys/{key}/jobs", Some(Read)),
+            get(api::key_jobs),
+        ),
+        (r("GET", "/v1/jobs/{id}", Some(Read)), get(api::job_show)),
+        (
+            r("DELETE", "/v1/jobs/{id}", Some(Admin)),
+            delete(api::job_cancel),
+        ),
         (r("GET", "/v1/dead", Some(Read)), get(api::dead_list)),
         (
             r("POST", "/v1/dead/retry", Some(Admin)),

@@ -39,6 +39,9 @@ pub const CLAIM_POLL_MAX_MS: u64 = 100;
 pub const DEAD_LIST_DEFAULT: usize = 100;
 /// Largest `limit` of `GET /v1/dead`.
 pub const DEAD_LIST_MAX: usize = 10_000;
+/// Default `limit` of `GET /v1/keys/{key}/jobs` (the largest is core's
+/// `KEY_JOBS_MAX`).
+pub const KEY_JOBS_DEFAULT: usize = 100;
 /// Longest a request may take before the server answers 408 (the longest
 /// long-poll plus room for the store's own bounds).
 pub const REQUEST_TIMEOUT_MS: u64 = WAIT_MS_MAX + 60_000;

@@ -299,8 +299,11 @@ fn tokens_and_roles_allow_exactly_their_paths() {
     o.tokens = Some(Tokens::parse(&format!("# test\n{text}"), "test").unwrap());
     let s = start(dir.path(), o);
     for route in routes() {
-        let path = route.path.replace("{key}", "t-1");
-        let body = (route.method == "POST").then_some("{}");
+        let path = route
+            .path
+            .replace("{key}", "t-1")
+            .replace("{id}", "shard-0:1");
+        let body = (route.method != "GET").then_some("{}");
         match route.role {
             None if path == "/" || path.starts_with("/dashboard/") => {
                 // The dashboard's page and assets: not JSON.
@@ -347,6 +350,84 @@ fn tokens_and_roles_allow_exactly_their_paths() {
         e.contains("without authentication") && e.contains("0.0.0.0"),
         "{e}"
     );
+}
+
+/// An operator reads a job by the id enqueue gave, lists a key's live jobs
+/// in key order, and cancels a queued job (it never runs) but not a
+/// running one; a bad id or limit is refused naming it.
+#[test]
+fn jobs_are_shown_listed_and_cancelled_by_id() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let ids: Vec<String> = support::enqueue_n(&s, "k", 3)
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    let run = claim(&s, "w", 1, 0, 60_000).remove(0);
+    assert_eq!(run["id"], ids[0]);
+
+    let (code, b) = get(&s, &format!("/v1/jobs/{}", ids[1]));
+    assert_eq!(code, 200, "{b}");
+    assert_eq!(
+        (&b["state"], &b["payload"], &b["attempts"], &b["key"]),
+        (&json!("queued"), &json!("1"), &json!(0), &json!("k"))
+    );
+    let (code, list) = get(&s, "/v1/keys/k/jobs");
+    assert_eq!(code, 200, "{list}");
+    let states: Vec<&str> = list["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["running", "queued", "queued"]);
+    assert_eq!(list["jobs"][0]["run"]["fence"], run["fence"]);
+    assert_eq!(
+        get(&s, "/v1/keys/k/jobs?limit=1").1["jobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let cancel = |id: &str| call(&s, "DELETE", &format!("/v1/jobs/{id}"), Some("{}"), None);
+    let (code, v) = cancel(&ids[0]);
+    assert_eq!((code, &v["state"]), (409, &json!("running")), "{v}");
+    let (code, v) = cancel(&ids[1]);
+    assert_eq!((code, &v["cancelled"]), (200, &json!(true)), "{v}");
+    let (code, v) = cancel(&ids[1]);
+    assert_eq!(code, 404, "{v}");
+    assert_eq!(get(&s, &format!("/v1/jobs/{}", ids[1])).0, 404);
+    let (code, v) = call(&s, "DELETE", &format!("/v1/jobs/{}", ids[2]), None, None);
+    assert_eq!(code, 415, "a DELETE without a JSON content type: {v}");
+
+    post_ok_ack(&s, &run["receipt"]);
+    let next = claim(&s, "w", 10, 0, 60_000);
+    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
+    assert_eq!(
+        got,
+        [&json!("2")],
+        "the cancelled job ran, or the next did not"
+    );
+
+    for (path, field) in [
+        ("/v1/jobs/17", "id"),
+        ("/v1/jobs/shard-9:1", "id"),
+        ("/v1/keys/k/jobs?limit=0", "limit"),
+        ("/v1/keys/k/jobs?limit=1001", "limit"),
+    ] {
+        let (code, v) = get(&s, path);
+        assert_eq!(code, 400, "{path}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().starts_with(field),
+            "{path}: {v}"
+        );
+    }
+}
+
+fn post_ok_ack(s: &shardq_server::Running, receipt: &Value) {
+    let (code, v) = post(s, "/v1/ack", json!({ "receipts": [receipt] }));
+    assert_eq!((code, &v["acked"]), (200, &json!(1)), "{v}");
 }
 
 #[test]

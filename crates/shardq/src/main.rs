@@ -14,6 +14,7 @@ mod bench_route;
 mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine;
+mod cmd_jobs;
 mod cmd_reshard;
 mod cmd_route;
 mod cmd_serve;
@@ -44,6 +45,12 @@ enum Command {
     Demo(cmd_demo::DemoArgs),
     #[command(flatten)]
     Engine(cmd_engine::EngineCommand),
+    /// One job: show it, or cancel it (by its SHARD:ID).
+    #[command(subcommand)]
+    Job(cmd_jobs::JobAction),
+    /// A key's live jobs, in key order: its run in flight, queued, delayed
+    /// and dead jobs.
+    Jobs(cmd_jobs::JobsArgs),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
     /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
@@ -84,6 +91,8 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => cmd_bench::run(cmd),
         Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
+        Command::Job(action) => cmd_jobs::job(action),
+        Command::Jobs(args) => cmd_jobs::jobs(args),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
         Command::Serve(args) => cmd_serve::run(args),
     };

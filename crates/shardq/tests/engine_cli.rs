@@ -2,7 +2,8 @@
 //! the value and changes nothing; SIGTERM drains and releases the shard;
 //! `enqueue --stdin` after a failure prints every stored job and names the
 //! lines that were not; `status` shows a corrupt shard next to the others;
-//! a closed stdout ends a command quietly.
+//! a closed stdout ends a command quietly; an operator shows, lists and
+//! cancels jobs by the ids `enqueue` prints.
 
 use std::collections::BTreeSet;
 
@@ -546,4 +547,78 @@ fn hot_json_has_the_shape_of_the_api() {
         }
     }
     assert_eq!(keys, 5, "{v}");
+}
+
+/// An operator reads a job by the id `enqueue` printed, lists its key's
+/// jobs in order, and cancels one: the worker then runs the others, in
+/// order, and never the cancelled one; a second cancel and a show of it
+/// find nothing (exit 1), and a malformed id is refused naming it (exit 2).
+#[test]
+fn an_operator_shows_lists_and_cancels_jobs_by_id() {
+    let dir = temp_dir("jobs-cli");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let ids: Vec<String> = ["a", "b", "c"]
+        .iter()
+        .map(|p| {
+            let (ok, out, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
+            assert!(ok, "{err}");
+            out.trim().to_string()
+        })
+        .collect();
+    let (ok, out, err) = run(&["job", "show", "--data", d, &ids[1], "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["state"], &v["payload"], &v["id"]),
+        (&"queued".into(), &"b".into(), &ids[1].clone().into())
+    );
+    let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ids, "the key's jobs in enqueue order");
+
+    let (ok, out, err) = run(&["job", "cancel", "--data", d, &ids[1]]);
+    assert!(ok, "{err}");
+    assert!(out.contains("cancelled"), "{out}");
+    let again = support::output(&["job", "cancel", "--data", d, &ids[1]]);
+    assert_eq!(again.status.code(), Some(1), "a second cancel");
+    let show = support::output(&["job", "show", "--data", d, &ids[1]]);
+    assert_eq!(show.status.code(), Some(1), "a cancelled job is not live");
+    let bad = support::output(&["job", "show", "--data", d, "17"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("\"17\""));
+
+    let ran = dir.join("ran");
+    let script = format!("cat >> {}; echo >> {}", ran.display(), ran.display());
+    let out = support::output(&[
+        "work",
+        "--data",
+        d,
+        "--exit-when-idle",
+        "--max-local-shards",
+        "all",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "a\nc\n");
+    let (ok, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["jobs"].as_array().unwrap().is_empty(), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,160 @@
+//! One job at a time, for operators: `GET /v1/jobs/{id}` (a live job),
+//! `GET /v1/keys/{key}/jobs` (a key's live jobs in key order) and
+//! `DELETE /v1/jobs/{id}` (cancel a job that is not running).
+
+use super::*;
+use shardq_core::{CancelOutcome, JobInfo, JobState, KEY_JOBS_MAX};
+
+/// A job's run in flight.
+#[derive(Debug, Serialize)]
+struct RunOut {
+    fence: u64,
+    lease_expires_ms: u64,
+}
+
+/// A live job on the wire (`Job` in the OpenAPI document).
+#[derive(Debug, Serialize)]
+struct JobOut {
+    id: String,
+    shard: String,
+    key: String,
+    state: JobState,
+    attempts: u32,
+    max_attempts: u32,
+    created_ms: u64,
+    not_before_ms: u64,
+    run: Option<RunOut>,
+    reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload_b64: Option<String>,
+}
+
+fn job_out(shard: &str, j: JobInfo) -> JobOut {
+    let (payload, payload_b64) = match String::from_utf8(j.payload) {
+        Ok(s) => (Some(s), None),
+        Err(e) => (
+            None,
+            Some(base64::engine::general_purpose::STANDARD.encode(e.into_bytes())),
+        ),
+    };
+    JobOut {
+        id: job_string(shard, j.id),
+        shard: shard.to_string(),
+        key: j.key,
+        state: j.state,
+        attempts: j.attempts,
+        max_attempts: j.max_attempts,
+        created_ms: j.created_ms,
+        not_before_ms: j.not_before_ms,
+        // A run this process only replayed has no known deadline.
+        run: j.run.map(|(fence, until)| RunOut {
+            fence,
+            lease_expires_ms: if until == u64::MAX { 0 } else { until },
+        }),
+        reason: j.reason,
+        payload,
+        payload_b64,
+    }
+}
+
+/// A live job of `shard` in the wire form of `GET /v1/jobs/{id}` (the
+/// OpenAPI document's `Job`), for every place that prints one (the CLI's
+/// `--json` too).
+pub fn job_value(shard: &str, j: JobInfo) -> Value {
+    serde_json::to_value(job_out(shard, j)).unwrap_or(Value::Null)
+}
+
+/// The shard and id of a `SHARD:ID` path parameter, the shard checked.
+fn job_ref(app: &App, id: &str) -> Result<(String, JobId), ApiError> {
+    let (shard, job) = parse_job(id, "id").map_err(ApiError::bad)?;
+    app.check_shard(&shard, "id")?;
+    Ok((shard, job))
+}
+
+fn not_live(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "id: no live job {}: it finished, was cancelled, moved away with its key, or never existed",
+            shown(id)
+        ),
+    )
+}
+
+/// `GET /v1/jobs/{id}`: a live job (queued, delayed, running or dead).
+pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
+    let v = blocking(move || {
+        let (shard, job) = job_ref(&app, &id)?;
+        match app.backend.job(&shard, job)? {
+            Some(j) => Ok(job_out(&shard, j)),
+            None => Err(not_live(&id)),
+        }
+    })
+    .await?;
+    Ok(Json(v).into_response())
+}
+
+/// `GET /v1/keys/{key}/jobs` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyJobsQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /v1/keys/{key}/jobs?limit=`: the key's live jobs on the shard it
+/// routes to, in key order.
+pub async fn key_jobs(
+    State(app): State<Arc<App>>,
+    PathParam(key): PathParam,
+    QueryParams(q): QueryParams<KeyJobsQuery>,
+) -> ApiResult {
+    validate_key(&key).map_err(|e| ApiError::bad(format!("key: {e}")))?;
+    let limit = q.limit.unwrap_or(KEY_JOBS_DEFAULT);
+    if limit == 0 || limit > KEY_JOBS_MAX {
+        return Err(ApiError::bad(format!(
+            "limit: {limit} is out of range 1..={KEY_JOBS_MAX}"
+        )));
+    }
+    let v = blocking(move || {
+        let map = app.deployment.map()?;
+        let router = MapRouter::new(map).map_err(|e| ApiError::internal(e.to_string()))?;
+        let shard = router.route(&key).to_string();
+        let jobs: Vec<JobOut> = app
+            .backend
+            .key_jobs(&shard, &key, limit)?
+            .into_iter()
+            .map(|j| job_out(&shard, j))
+            .collect();
+        Ok(json!({ "key": key, "shard": shard, "jobs": jobs }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `DELETE /v1/jobs/{id}`: cancels a queued, delayed or dead job.
+pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
+    let a = Arc::clone(&app);
+    let v = blocking(move || {
+        let (shard, job) = job_ref(&a, &id)?;
+        match a.backend.cancel(&shard, job)? {
+            CancelOutcome::Cancelled => Ok(json!({ "id": id, "cancelled": true })),
+            CancelOutcome::Running => Err(ApiError::conflict(format!(
+                "id: job {} is running; a running job is not cancelled (its key's one run is never cut short): cancel it after its run ends, or let its handler fail it",
+                shown(&id)
+            ))
+            .with("state", json!("running"))),
+            CancelOutcome::Moving => Err(ApiError::conflict(format!(
+                "id: the key of job {} is moving to another shard; cancel it once the move is done, by its id there",
+                shown(&id)
+            ))
+            .with("state", json!("moving"))),
+            CancelOutcome::NotFound => Err(not_live(&id)),
+        }
+    })
+    .await?;
+    // The key's next job may be due now.
+    app.work_arrived();
+    ok(v)
+}

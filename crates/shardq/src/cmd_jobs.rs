@@ -1,0 +1,256 @@
+//! Jobs one at a time, for operators: `job show ID`, `job cancel ID` and
+//! `jobs --key KEY`, over any deployment (embedded or Redis), in the same
+//! words and `--json` forms as `GET /v1/jobs/{id}`, `DELETE /v1/jobs/{id}`
+//! and `GET /v1/keys/{key}/jobs`. Glue: parse, call the backend, print.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use serde_json::json;
+use shardq_core::{CancelOutcome, JobId, JobInfo, JobState, KEY_JOBS_MAX};
+use shardq_deploy::Deployment;
+use shardq_server::api::job_value;
+
+/// Jobs `jobs` lists when `--limit` is not given.
+const JOBS_LIMIT_DEFAULT: usize = 100;
+/// Payload bytes `job show` prints as text before cutting (all of it with
+/// `--json`).
+const SHOWN_PAYLOAD_BYTES: usize = 4096;
+
+#[derive(Debug, Subcommand)]
+pub enum JobAction {
+    /// Show a live job (queued, delayed, running or dead): its key, state,
+    /// attempts, times, last failure reason and payload. A job that
+    /// finished, was cancelled or moved away with its key is not live:
+    /// exit 1.
+    Show {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The job's id, SHARD:ID, as `enqueue`, `dead list` and the API give it.
+        id: String,
+        /// One JSON object (the API's `Job`) instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancel a queued, delayed or dead job: it is deleted and never runs. A
+    /// running job is not cancelled (exit 3: its key's one run is never cut
+    /// short); a job whose key is moving is refused until the move is done
+    /// (exit 75); no live job with the id: exit 1.
+    Cancel {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The job's id, SHARD:ID.
+        id: String,
+        /// One JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `shardq jobs`: a key's live jobs.
+#[derive(Debug, clap::Args)]
+pub struct JobsArgs {
+    /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
+    #[arg(long, value_name = "DIR")]
+    data: PathBuf,
+    /// The routing key whose jobs to list (on the shard it routes to).
+    #[arg(long)]
+    key: String,
+    /// At most this many jobs (1 to 1000).
+    #[arg(long, default_value_t = JOBS_LIMIT_DEFAULT)]
+    limit: usize,
+    /// One JSON object (as `GET /v1/keys/{key}/jobs`) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `SHARD:ID`, the shard checked against the map.
+fn parse_id(deployment: &Deployment, s: &str) -> anyhow::Result<(String, JobId)> {
+    let bad = || anyhow::anyhow!("job id {s:?}: expected SHARD:ID, e.g. shard-2:17");
+    let (shard, id) = s.rsplit_once(':').ok_or_else(bad)?;
+    let id: u64 = id.parse().map_err(|_| bad())?;
+    let all = deployment.shard_names()?;
+    if !all.iter().any(|n| n == shard) {
+        bail!(
+            "job id {s:?}: unknown shard {shard:?}: the map has {}",
+            all.join(", ")
+        );
+    }
+    Ok((shard.to_string(), JobId(id)))
+}
+
+fn state_word(s: JobState) -> &'static str {
+    match s {
+        JobState::Queued => "queued",
+        JobState::Delayed => "delayed",
+        JobState::Running => "running",
+        JobState::Dead => "dead",
+    }
+}
+
+/// `ms` as a time relative to `now`: "12.3 s ago", "in 4.0 s".
+fn relative(ms: u64, now: u64) -> String {
+    let secs = |d: u64| format!("{:.1} s", d as f64 / 1000.0);
+    if ms > now {
+        format!("in {}", secs(ms - now))
+    } else {
+        format!("{} ago", secs(now - ms))
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn print_job(shard: &str, j: &JobInfo) {
+    let now = now_ms();
+    println!("id\t{shard}:{}", j.id.0);
+    println!("key\t{}", shardq_core::job::shown_key(&j.key));
+    println!("state\t{}", state_word(j.state));
+    println!("attempts\t{} of {}", j.attempts, j.max_attempts);
+    println!(
+        "created\t{} ({})",
+        j.created_ms,
+        relative(j.created_ms, now)
+    );
+    if j.state != JobState::Running && j.state != JobState::Dead {
+        println!(
+            "not before\t{} ({})",
+            j.not_before_ms,
+            relative(j.not_before_ms, now)
+        );
+    }
+    if let Some((fence, until)) = j.run {
+        if until == u64::MAX {
+            println!("run\tfence {fence}");
+        } else {
+            println!(
+                "run\tfence {fence}, job lease ends {}",
+                relative(until, now)
+            );
+        }
+    }
+    if let Some(r) = &j.reason {
+        println!("reason\t{}", shardq_core::job::shown_key(r));
+    }
+    match std::str::from_utf8(&j.payload) {
+        Ok(text) if text.len() <= SHOWN_PAYLOAD_BYTES => println!("payload\t{text:?}"),
+        Ok(text) => println!(
+            "payload\t{:?}... ({} bytes; --json shows all)",
+            shardq_core::job::cut_at_char(text, SHOWN_PAYLOAD_BYTES),
+            text.len()
+        ),
+        Err(_) => println!(
+            "payload\t{} bytes, not UTF-8 (--json gives them in base64)",
+            j.payload.len()
+        ),
+    }
+}
+
+pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
+    match action {
+        JobAction::Show { data, id, json } => {
+            let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            let (shard, job) = parse_id(&deployment, &id)?;
+            let found = deployment
+                .queue()
+                .job(&shard, job)
+                .with_context(|| format!("reading job {id}"))?;
+            match found {
+                Some(j) if json => println!("{}", job_value(&shard, j)),
+                Some(j) => print_job(&shard, &j),
+                None => {
+                    eprintln!(
+                        "shardq: no live job {id}: it finished, was cancelled, moved away with its key, or never existed"
+                    );
+                    return Ok(ExitCode::from(1));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        JobAction::Cancel { data, id, json } => {
+            let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            let (shard, job) = parse_id(&deployment, &id)?;
+            let outcome = deployment
+                .queue()
+                .cancel(&shard, job)
+                .with_context(|| format!("cancelling job {id}"))?;
+            let (word, code, text) = match outcome {
+                CancelOutcome::Cancelled => ("cancelled", 0, format!("cancelled {id}")),
+                CancelOutcome::Running => (
+                    "running",
+                    3,
+                    format!("job {id} is running and was not cancelled: cancel it after its run ends"),
+                ),
+                CancelOutcome::Moving => (
+                    "moving",
+                    75,
+                    format!("the key of job {id} is moving to another shard; nothing changed: cancel it by its id there once the move is done"),
+                ),
+                CancelOutcome::NotFound => (
+                    "not_found",
+                    1,
+                    format!("no live job {id}: it finished, was cancelled, moved away with its key, or never existed"),
+                ),
+            };
+            if json {
+                println!(
+                    "{}",
+                    json!({ "id": id, "cancelled": code == 0, "outcome": word })
+                );
+            } else if code == 0 {
+                println!("{text}");
+            }
+            if code != 0 && !json {
+                eprintln!("shardq: {text}");
+            }
+            Ok(ExitCode::from(code))
+        }
+    }
+}
+
+pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
+    if args.limit == 0 || args.limit > KEY_JOBS_MAX {
+        bail!("--limit {}: out of range 1..={KEY_JOBS_MAX}", args.limit);
+    }
+    shardq_core::validate_key(&args.key).with_context(|| format!("--key {:?}", args.key))?;
+    let deployment = Deployment::open(&args.data, &shardq_deploy::OpenOptions::default())?;
+    let router = shardq_route::Router::new(deployment.map()?)?;
+    let shard = router.route(&args.key).to_string();
+    let jobs = deployment
+        .queue()
+        .key_jobs(&shard, &args.key, args.limit)
+        .with_context(|| format!("listing the jobs of key {:?} on {shard}", args.key))?;
+    if args.json {
+        let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
+        println!(
+            "{}",
+            json!({ "key": args.key, "shard": shard, "jobs": list })
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = now_ms();
+    println!("ID\tSTATE\tATTEMPTS\tCREATED\tNOT_BEFORE\tREASON");
+    for j in &jobs {
+        println!(
+            "{shard}:{}\t{}\t{}/{}\t{}\t{}\t{}",
+            j.id.0,
+            state_word(j.state),
+            j.attempts,
+            j.max_attempts,
+            relative(j.created_ms, now),
+            relative(j.not_before_ms, now),
+            j.reason
+                .as_deref()
+                .map(shardq_core::job::shown_key)
+                .unwrap_or_default()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
