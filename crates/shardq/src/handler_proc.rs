@@ -15,6 +15,11 @@
 //! closed its stdin itself. The handler learns the payload length from
 //! `SHARDQ_PAYLOAD_BYTES` and can check it read all of it.
 //!
+//! The handler's stderr passes through the worker's own stderr, and its last
+//! bytes ([`STDERR_TAIL_BYTES`]) are kept: a failed attempt's reason ends
+//! with them, so a dead letter says what the handler said, not only its
+//! exit status.
+//!
 //! This module must never return while a child it started is unreaped, and
 //! must never signal a process group other than the one it created (the
 //! group is killed only while its leader is a zombie or alive, so its id
@@ -39,6 +44,12 @@ pub const GROUP_EXIT_WAIT_MS: u64 = 1_000;
 /// It can only still be blocked if a process outside the handler's group
 /// holds the pipe open without reading.
 pub const PAYLOAD_WRITE_WAIT_MS: u64 = 1_000;
+/// Bytes of the end of a handler's stderr kept for a failed attempt's
+/// reason (which core cuts at `FAIL_REASON_BYTES_MAX` in all).
+pub const STDERR_TAIL_BYTES: usize = 768;
+/// After the handler's group is gone, longest wait for the end of its
+/// stderr (only a process outside the group can still hold it open).
+pub const STDERR_DRAIN_WAIT_MS: u64 = 200;
 /// Longest `--job-timeout-ms` accepted (7 days).
 pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 
@@ -113,6 +124,7 @@ pub fn run_job_command(
         .env("SHARDQ_SHARD", &job.shard)
         .env("SHARDQ_PAYLOAD_BYTES", job.payload.len().to_string())
         .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
         .process_group(0);
     match job_fence(job) {
         Some(fence) => command.env("SHARDQ_FENCE", fence),
@@ -126,6 +138,7 @@ pub fn run_job_command(
     // With process_group(0) the group id is the child's pid.
     let pgid = child.id() as libc::pid_t;
     let writer = start_payload_writer(&mut child, &job.payload);
+    let stderr = start_stderr_tail(&mut child);
 
     let mut killed: Option<String> = None;
     loop {
@@ -164,11 +177,26 @@ pub fn run_job_command(
                 ))
             })
     });
+    let said = || {
+        let tail = stderr
+            .as_ref()
+            .map(|t| t.wait(Duration::from_millis(STDERR_DRAIN_WAIT_MS)))
+            .unwrap_or_default();
+        if tail.trim().is_empty() {
+            String::new()
+        } else {
+            format!("; its stderr ended: {tail}")
+        }
+    };
     if let Some(reason) = killed {
-        return Err(reason);
+        return Err(format!("{reason}{}", said()));
     }
     if !status.success() {
-        return Err(format!("handler {program:?} {}", describe(status)));
+        return Err(format!(
+            "handler {program:?} {}{}",
+            describe(status),
+            said()
+        ));
     }
     match written {
         None | Some(Ok(())) => Ok(()),
@@ -243,6 +271,72 @@ fn start_payload_writer(
             Some(rx)
         }
     }
+}
+
+/// The end of a handler's stderr, read by a thread that passes every byte
+/// on to this process's stderr.
+struct StderrTail {
+    tail: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<u8>>>,
+    done: mpsc::Receiver<()>,
+}
+
+impl StderrTail {
+    /// The last [`STDERR_TAIL_BYTES`] (from a character boundary, control
+    /// characters escaped, so the reason stays one line), once the stream
+    /// ended or `wait` passed.
+    fn wait(&self, wait: Duration) -> String {
+        let _ = self.done.recv_timeout(wait);
+        let bytes: Vec<u8> = self
+            .tail
+            .lock()
+            .map(|t| t.iter().copied().collect())
+            .unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
+        // A cut in the middle of a character shows as one replacement mark.
+        let text = text.trim_start_matches('\u{fffd}').trim_end();
+        text.chars()
+            .flat_map(|c| {
+                let shown: Vec<char> = if c.is_control() {
+                    c.escape_default().collect()
+                } else {
+                    vec![c]
+                };
+                shown
+            })
+            .collect()
+    }
+}
+
+fn start_stderr_tail(child: &mut Child) -> Option<StderrTail> {
+    use std::io::Read;
+    let mut from = child.stderr.take()?;
+    let tail = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+    let (tx, done) = mpsc::channel();
+    let kept = std::sync::Arc::clone(&tail);
+    thread::Builder::new()
+        .name("shardq-stderr".into())
+        .spawn(move || {
+            let mut buf = [0u8; 4096];
+            let out = io::stderr();
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        let _ = out.lock().write_all(&buf[..n]);
+                        if let Ok(mut t) = kept.lock() {
+                            t.extend(&buf[..n]);
+                            let over = t.len().saturating_sub(STDERR_TAIL_BYTES);
+                            t.drain(..over);
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = tx.send(());
+        })
+        .ok()?;
+    Some(StderrTail { tail, done })
 }
 
 /// True once `pid` has exited; leaves it unreaped (a zombie), so its pid and

@@ -286,3 +286,53 @@ fn a_handler_that_cannot_start_stops_the_worker_and_uses_no_attempt() {
     assert!(ok, "{err}");
     assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), "1");
 }
+
+/// A failing handler's last words reach its dead letter: the reason ends
+/// with the end of its stderr (escaped onto one line, its start cut), the
+/// worker's own stderr still carries every byte, and `job show` gives the
+/// dead job's payload with that reason.
+#[test]
+fn a_dead_letter_keeps_the_end_of_its_handlers_stderr() {
+    let dir = temp_dir("h-stderr");
+    let data = dir.join("data");
+    init_with_job(&data, &["--max-attempts", "1"]);
+    let script = "cat > /dev/null; i=0; while [ $i -lt 100 ]; do echo \"noise line $i\" >&2; i=$((i+1)); done; \
+                  printf 'fatal: upstream said 503\\n\\033[2Jbye\\n' >&2; exit 3";
+    let mut worker = start_worker(&data, &["--exit-when-idle"], script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("noise line 0\n") && err.contains("fatal: upstream said 503"),
+        "the handler's stderr passes through the worker's: {err}"
+    );
+    let d = data.to_str().unwrap();
+    let (ok, out, err) = run(&["dead", "--data", d, "list", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let dead = &v["dead"][0];
+    let reason = dead["reason"].as_str().unwrap();
+    assert!(reason.contains("exited with status 3"), "{reason}");
+    assert!(
+        reason.contains("fatal: upstream said 503\\n\\u{1b}[2Jbye"),
+        "the end of stderr, escaped onto one line: {reason}"
+    );
+    assert!(
+        !reason.contains("noise line 0\\n"),
+        "the start is cut: {reason}"
+    );
+    assert!(
+        reason.len() <= shardq_core::job::FAIL_REASON_BYTES_MAX,
+        "{}",
+        reason.len()
+    );
+    let id = dead["id"].as_str().unwrap();
+    let (ok, out, err) = run(&["job", "show", "--data", d, id, "--json"]);
+    assert!(ok, "{err}");
+    let job: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&job["state"], &job["payload"]),
+        (&"dead".into(), &"job".into())
+    );
+    assert_eq!(job["reason"].as_str(), Some(reason));
+    let _ = std::fs::remove_dir_all(&dir);
+}
