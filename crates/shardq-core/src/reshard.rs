@@ -38,7 +38,10 @@
 //!    and a rerun first finishes every transfer a killed run left sealed,
 //!    to the shard the seal names. `docs/design.md` ("Moving a key with its
 //!    backlog") argues each step, killed anywhere. Dead letters move with
-//!    their key, so no key is held back.
+//!    their key, so no key is held back. A shard that fails mid-move (its
+//!    read fails once a batch step failed) is set aside: its keys stay
+//!    where they are, the others move, and the run ends with
+//!    [`ReshardError::ShardsFailed`] naming it; the rerun finishes.
 //!
 //!    **Drain, then switch**, on a backend that cannot (no shipped backend
 //!    today; the in-memory one's `draining_moves()` tests it), in batches: pause the batch's enqueues on their
@@ -165,6 +168,19 @@ pub enum ReshardError {
         /// The first few of them.
         keys: Vec<String>,
     },
+    /// Shards failed during the moves (unreadable, unreachable): the keys
+    /// that move from or to them stay where they are; every other key moved.
+    #[error("{}", shards_failed_text(*.count, .shards, .keys))]
+    ShardsFailed {
+        /// The kind of the first shard's failure.
+        kind: ErrorKind,
+        /// Each failed shard and its error.
+        shards: Vec<String>,
+        /// How many keys stay.
+        count: usize,
+        /// The first few of them.
+        keys: Vec<String>,
+    },
     /// An operation that makes no sense for this map.
     #[error("{0}")]
     Invalid(String),
@@ -207,6 +223,18 @@ pub enum ReshardError {
     Unavailable(String),
 }
 
+fn shards_failed_text(count: usize, shards: &[String], keys: &[String]) -> String {
+    if count == 0 {
+        format!(
+            "every key moved, but clearing the moved keys' copies or seals on their old shards failed ({shards:?}); once those shards answer, rerun `rebalance` to finish"
+        )
+    } else {
+        format!(
+            "{count} keys stay where they are because a shard they move from or to failed ({shards:?}; first keys: {keys:?}); repair or restart those shards and rerun `rebalance`; every other key has moved"
+        )
+    }
+}
+
 impl ReshardError {
     /// The kind of this error.
     pub fn kind(&self) -> ErrorKind {
@@ -216,7 +244,7 @@ impl ReshardError {
                 ErrorKind::BadInput
             }
             ReshardError::BadTarget { .. } => ErrorKind::Corrupt,
-            ReshardError::Store { kind, .. } => *kind,
+            ReshardError::Store { kind, .. } | ReshardError::ShardsFailed { kind, .. } => *kind,
             ReshardError::Busy { .. }
             | ReshardError::Conflict { .. }
             | ReshardError::DrainTimeout { .. }
@@ -883,7 +911,10 @@ fn move_with_backlogs<B>(
 where
     B: QueueBackend + KeyInventory + ?Sized,
 {
-    let clock = &*options.clock;
+    // Shards that failed here (unreadable, unreachable), with their first
+    // error: the keys that move from or to one stay where they are, and
+    // the other keys move on.
+    let mut failed = FailedShards::default();
     // Transfers a killed rebalance left sealed go on to where their copies
     // went, whatever the target says now (the next rebalance moves them on).
     let mut todo: BTreeMap<String, (String, String)> = switches
@@ -892,18 +923,41 @@ where
         .collect();
     let router = Router::new(cur.clone())?;
     for shard in &cur.shards {
-        let fence = backend.fence(&shard.name)?;
+        let fence = match backend.fence(&shard.name) {
+            Ok(f) => f,
+            Err(e) => {
+                failed.note_or_raise(backend, &[shard.name.as_str()], e.into())?;
+                continue;
+            }
+        };
         for (key, to) in &fence.sealed_keys {
             if router.route(key) == to.as_str() {
                 // Switched already: what a producer still routing with the
                 // old map stored here before the fence is copied, then the
                 // copies here are deleted.
-                let mut ids = BTreeMap::new();
-                copy_backlog(backend, key, &shard.name, to, &mut ids, &mut None)?;
-                backend.purge_key(&shard.name, key)?;
-                let mut f = backend.fence(&shard.name)?;
-                f.sealed_keys.remove(key);
-                backend.set_fence(&shard.name, &f)?;
+                let finished = (|| -> Result<(), ReshardError> {
+                    let mut ids = BTreeMap::new();
+                    let mut touched = BTreeSet::new();
+                    copy_backlog(
+                        backend,
+                        key,
+                        &shard.name,
+                        to,
+                        &mut ids,
+                        &mut None,
+                        &mut touched,
+                    )?;
+                    backend.purge_key(&shard.name, key)?;
+                    let mut f = backend.fence(&shard.name)?;
+                    f.sealed_keys.remove(key);
+                    backend.set_fence(&shard.name, &f)?;
+                    Ok(())
+                })();
+                if let Err(e) = finished {
+                    // Left sealed: a rerun finishes it.
+                    failed.note_or_raise(backend, &[shard.name.as_str(), to.as_str()], e)?;
+                    failed.keys.push(key.clone());
+                }
                 todo.remove(key);
             } else {
                 todo.insert(key.clone(), (shard.name.clone(), to.clone()));
@@ -919,157 +973,103 @@ where
     let mut stuck: Vec<String> = Vec::new();
     let mut waited_most = 0u64;
     for batch in all.chunks(options.batch) {
-        // 1. Seal: no run of these keys starts on their old shards from now.
-        set_sealed(backend, batch, true)?;
-        on_event(RebalanceEvent::Draining { keys: batch.len() });
-        // 2. Wait for the one run each may have in flight there (bounded:
-        //    a stopped worker's run ends when its job lease lapses).
-        let wait_started = clock.now_ms();
-        let busy = wait_runs_ended(backend, batch, options)?;
-        let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
-        let (late, batch): (Vec<_>, Vec<_>) =
-            batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
-        if !late.is_empty() {
-            // Their runs outlived the bound: they stay. A key the new shard
-            // already holds copies of (a killed run got that far) stays
-            // sealed, so its old shard never runs what was copied; a rerun
-            // finishes it. The others are unsealed: nothing of them moved.
-            let mut unseal = Vec::new();
-            for sw in late {
-                let (key, from, to) = (&sw.0, &sw.1, &sw.2);
-                let copied = match backend.imported_up_to(to, from, key)? {
-                    None => false,
-                    Some(up_to) => backend
-                        .export_jobs(from, key, None, 1)?
-                        .first()
-                        .is_some_and(|j| j.id <= up_to),
-                };
-                if !copied {
-                    unseal.push(sw.clone());
-                }
-                stuck.push(sw.0);
-            }
-            set_sealed(backend, &unseal, false)?;
-            waited_most = waited_most.max(run_wait_ms);
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        let batch = &batch[..];
-        // 3. The new shards' next runs of these keys get larger fences than
-        //    every run on the old ones (which are over, and sealed).
-        raise_fence_floors(backend, batch)?;
-        // 4. Copy rounds while producers still write to the old shards.
-        let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+        let (skip, mut batch): (Vec<_>, Vec<_>) =
+            batch.iter().cloned().partition(|sw| failed.involves(sw));
+        failed.keys.extend(skip.into_iter().map(|sw| sw.0));
+        // Per key: the jobs copied, and whether an import of it was sent
+        // (its new shard may then hold copies, whatever it answered).
         let mut copied: BTreeMap<String, u64> = BTreeMap::new();
-        let mut cursors: BTreeMap<String, Option<Option<JobId>>> = BTreeMap::new();
-        for (key, from, to) in batch {
-            let cursor = cursors.entry(key.clone()).or_default();
-            for _ in 0..TRANSFER_ROUNDS_MAX {
-                let n = copy_backlog(backend, key, from, to, &mut ids, cursor)?;
-                *copied.entry(key.clone()).or_default() += n;
-                if n < TRANSFER_CHUNK_JOBS as u64 {
-                    break;
+        let mut touched: BTreeSet<String> = BTreeSet::new();
+        let moved = loop {
+            if batch.is_empty() {
+                break None;
+            }
+            let attempt = move_batch(
+                backend,
+                store,
+                &cur,
+                target,
+                &batch,
+                options,
+                on_event,
+                &mut copied,
+                &mut touched,
+            );
+            match attempt {
+                Ok(moved) => break Some(moved),
+                Err(e) => {
+                    let shards: BTreeSet<&str> = batch
+                        .iter()
+                        .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
+                        .collect();
+                    let shards: Vec<&str> = shards.into_iter().collect();
+                    failed.note_or_raise(backend, &shards, e)?;
+                    let (drop, keep): (Vec<_>, Vec<_>) =
+                        batch.into_iter().partition(|sw| failed.involves(sw));
+                    // The keys that stay lose their pause (a producer must
+                    // never wait on a failed move) and, when no copy of
+                    // them can exist, their seal: they run where they are.
+                    // Best effort: on a failed shard these writes may fail
+                    // too, and a rerun lifts what is left.
+                    let _ = set_paused_each(backend, &drop, false);
+                    let _ = set_paused_each(backend, &keep, false);
+                    let clean: Vec<_> = drop
+                        .iter()
+                        .filter(|sw| {
+                            !touched.contains(&sw.0)
+                                && !may_hold_copies(backend, &sw.0, &sw.1, &sw.2)
+                        })
+                        .cloned()
+                        .collect();
+                    let _ = set_sealed_each(backend, &clean, false);
+                    failed.keys.extend(drop.into_iter().map(|sw| sw.0));
+                    batch = keep;
                 }
-            }
-        }
-        // 5. The last round, under a pause, then the switch.
-        let pause_started_ms = clock.now_ms();
-        set_paused(backend, batch, true, None)?;
-        let switched = (|| -> Result<ShardMap, ReshardError> {
-            // What arrived since the rounds, per (old shard, new shard), in
-            // one import each.
-            let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
-            let mut reads: BTreeMap<&str, Vec<(String, Option<JobId>)>> = BTreeMap::new();
-            let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
-            for (key, from, to) in batch {
-                // Read once per key, in its copy rounds.
-                let after = match cursors.get(key).copied().flatten() {
-                    Some(after) => after,
-                    None => backend.imported_up_to(to, from, key)?,
-                };
-                reads
-                    .entry(from.as_str())
-                    .or_default()
-                    .push((key.clone(), after));
-                dests.insert(key.as_str(), to.as_str());
-            }
-            // One export per old shard for the whole batch.
-            for (&from, items) in &reads {
-                for (key, jobs) in backend.export_many(from, items)? {
-                    let Some(&to) = dests.get(key.as_str()) else {
-                        continue;
-                    };
-                    if !jobs.is_empty() {
-                        groups.entry((from, to)).or_default().push((key, jobs));
-                    }
-                }
-            }
-            for ((from, to), items) in groups {
-                for (key, src, new) in backend.import_many(to, from, &items)? {
-                    ids.insert((key.clone(), src), new);
-                    *copied.entry(key).or_default() += 1;
-                }
-            }
-            // The batch's dedup records, one export per old shard.
-            let mut records_to: BTreeMap<&str, Vec<DedupRecord>> = BTreeMap::new();
-            for (&from, items) in &reads {
-                let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-                for mut r in backend.dedup_export_many(from, &keys)? {
-                    let Some(&to) = dests.get(r.key.as_str()) else {
-                        continue;
-                    };
-                    // A record of a job that moved answers with its new id.
-                    if r.shard == from {
-                        if let Some(id) = ids.get(&(r.key.clone(), r.job)) {
-                            r.shard = to.to_string();
-                            r.job = *id;
-                        }
-                    }
-                    records_to.entry(to).or_default().push(r);
-                }
-            }
-            for (to, records) in records_to {
-                backend.dedup_import(to, &records)?;
-            }
-            let mut next = cur.clone();
-            next.version = cur.version + 1;
-            for (key, _, _) in batch {
-                match target.overrides.get(key) {
-                    Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
-                    None => next.overrides.remove(key),
-                };
-            }
-            // A key pinned to where its backlog went, if the target differs
-            // (a transfer a killed run left): it stays there for now.
-            let next_router = Router::new(next.clone())?;
-            for (key, _, to) in batch {
-                if next_router.route(key) != to.as_str() {
-                    next.overrides.insert(key.clone(), to.clone());
-                }
-            }
-            publish_next(store, &cur, &next)?;
-            Ok(next)
-        })();
-        let next = match switched {
-            Ok(next) => next,
-            Err(e) => {
-                // Producers must not stay paused; the keys stay sealed and a
-                // rerun finishes their transfer.
-                set_paused(backend, batch, false, None)?;
-                return Err(e);
             }
         };
-        set_paused(backend, batch, false, Some(next.version))?;
-        let pause_ms = clock.now_ms().saturating_sub(pause_started_ms) as f64;
-        cur = next;
-        // 6. Delete the copies left on the old shards, then unseal.
-        for (key, from, _) in batch {
-            backend.purge_key(from, key)?;
+        let Some(moved) = moved else {
+            continue;
+        };
+        stuck.extend(moved.late);
+        if moved.had_late {
+            waited_most = waited_most.max(moved.run_wait_ms);
         }
-        set_sealed(backend, batch, false)?;
+        let Some((next, pause_started_ms, batch)) = moved.switched else {
+            continue;
+        };
+        // Published: the keys follow the new map. Their old shards' fences
+        // now refuse producers still routing with the old one, and the pause
+        // lifts (on an old shard that fails here, a rerun lifts it).
+        let version = next.version;
+        cur = next;
+        let olds: Vec<String> = batch
+            .iter()
+            .map(|sw| sw.1.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let olds: Vec<&str> = olds.iter().map(String::as_str).collect();
+        if let Err(e) = each_old_shard(&batch, |part| {
+            set_paused(backend, part, false, Some(version))
+        }) {
+            failed.note_or_raise(backend, &olds, e)?;
+        }
+        let pause_ms = options.clock.now_ms().saturating_sub(pause_started_ms) as f64;
+        // 6. Delete the copies left on the old shards, then unseal. The
+        //    switch is published: a key whose old shard fails here keeps its
+        //    copies there sealed, and a rerun deletes them (above).
+        let mut cleaned = Vec::with_capacity(batch.len());
+        for sw in &batch {
+            match backend.purge_key(&sw.1, &sw.0) {
+                Ok(_) => cleaned.push(sw.clone()),
+                Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
+            }
+        }
+        if let Err(e) = set_sealed_each(backend, &cleaned, false) {
+            failed.note_or_raise(backend, &olds, e)?;
+        }
         let mut jobs = 0u64;
-        for (key, from, to) in batch {
+        for (key, from, to) in &batch {
             let n = copied.get(key).copied().unwrap_or(0);
             jobs += n;
             report.moved.push(MovedKey {
@@ -1078,7 +1078,7 @@ where
                 to: to.clone(),
                 pause_ms,
                 jobs_moved: n,
-                run_wait_ms: run_wait_ms as f64,
+                run_wait_ms: moved.run_wait_ms as f64,
             });
         }
         report.jobs_moved += jobs;
@@ -1091,6 +1091,9 @@ where
             jobs,
         });
     }
+    if let Some(e) = failed.into_error() {
+        return Err(e);
+    }
     if !stuck.is_empty() {
         return Err(ReshardError::DrainTimeout {
             keys: stuck.into_iter().take(8).collect(),
@@ -1098,6 +1101,265 @@ where
         });
     }
     Ok(cur)
+}
+
+/// Shards a rebalance found failing, and the keys left where they are
+/// because they move from or to one.
+#[derive(Default)]
+struct FailedShards {
+    shards: BTreeMap<String, ReshardError>,
+    keys: Vec<String>,
+}
+
+impl FailedShards {
+    fn involves(&self, sw: &(String, String, String)) -> bool {
+        self.shards.contains_key(&sw.1) || self.shards.contains_key(&sw.2)
+    }
+
+    /// After `e`: when it is a store's failure (unreachable, damaged,
+    /// lost), each of `shards` is read once to learn which fail; those are
+    /// noted and `Ok` comes back. Any other error, or one no shard of
+    /// `shards` explains, is returned: the rebalance stops as before.
+    fn note_or_raise<B: QueueBackend + ?Sized>(
+        &mut self,
+        backend: &B,
+        shards: &[&str],
+        e: ReshardError,
+    ) -> Result<(), ReshardError> {
+        if !matches!(
+            e.kind(),
+            ErrorKind::Retryable | ErrorKind::Corrupt | ErrorKind::Lost
+        ) {
+            return Err(e);
+        }
+        let mut found = false;
+        for &shard in shards {
+            if self.shards.contains_key(shard) {
+                found = true;
+                continue;
+            }
+            if let Err(probe) = backend.shard_stats(shard) {
+                self.shards.insert(shard.to_string(), probe.into());
+                found = true;
+            }
+        }
+        if found {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+
+    fn into_error(self) -> Option<ReshardError> {
+        if self.shards.is_empty() {
+            return None;
+        }
+        let kind = self
+            .shards
+            .values()
+            .next()
+            .map_or(ErrorKind::Retryable, ReshardError::kind);
+        Some(ReshardError::ShardsFailed {
+            kind,
+            shards: self
+                .shards
+                .into_iter()
+                .map(|(name, e)| format!("{name}: {e}"))
+                .collect(),
+            count: self.keys.len(),
+            keys: self.keys.into_iter().take(8).collect(),
+        })
+    }
+}
+
+/// Whether `to` may hold copies of `key` from `from` (a killed run got that
+/// far): true unless both shards answer that it holds none of the jobs
+/// still on `from`.
+fn may_hold_copies<B: QueueBackend + ?Sized>(backend: &B, key: &str, from: &str, to: &str) -> bool {
+    let check = || -> Result<bool, QueueError> {
+        Ok(match backend.imported_up_to(to, from, key)? {
+            None => false,
+            Some(up_to) => backend
+                .export_jobs(from, key, None, 1)?
+                .first()
+                .is_none_or(|j| j.id <= up_to),
+        })
+    };
+    check().unwrap_or(true)
+}
+
+/// A key's move: the key, its old shard and its new one.
+type Switch = (String, String, String);
+
+/// What [`move_batch`] did with a batch.
+struct BatchMoved {
+    /// Keys whose run outlived the wait: they stay (see there).
+    late: Vec<String>,
+    had_late: bool,
+    run_wait_ms: u64,
+    /// The published map, when its pause began, and the keys switched.
+    switched: Option<(ShardMap, u64, Vec<Switch>)>,
+}
+
+/// Steps 1 to 5 of a batch: seal, wait for runs, raise floors, copy rounds,
+/// the last round under a pause and the switch. Every step can be run again
+/// after an error (a rerun does): sealing a sealed key changes nothing, the
+/// copies skip what the new shard holds, and nothing is published until the
+/// last round is complete. An error leaves the batch sealed and paused; the
+/// caller lifts what it must. After the publish the caller lifts the pause.
+#[allow(clippy::too_many_arguments)]
+fn move_batch<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    cur: &ShardMap,
+    target: &ShardMap,
+    batch: &[(String, String, String)],
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+    copied: &mut BTreeMap<String, u64>,
+    touched: &mut BTreeSet<String>,
+) -> Result<BatchMoved, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    let clock = &*options.clock;
+    // 1. Seal: no run of these keys starts on their old shards from now.
+    set_sealed(backend, batch, true)?;
+    on_event(RebalanceEvent::Draining { keys: batch.len() });
+    // 2. Wait for the one run each may have in flight there (bounded:
+    //    a stopped worker's run ends when its job lease lapses).
+    let wait_started = clock.now_ms();
+    let busy = wait_runs_ended(backend, batch, options)?;
+    let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
+    let (late, batch): (Vec<_>, Vec<_>) =
+        batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
+    let mut out = BatchMoved {
+        had_late: !late.is_empty(),
+        late: Vec::new(),
+        run_wait_ms,
+        switched: None,
+    };
+    if !late.is_empty() {
+        // Their runs outlived the bound: they stay. A key the new shard
+        // already holds copies of (a killed run got that far) stays
+        // sealed, so its old shard never runs what was copied; a rerun
+        // finishes it. The others are unsealed: nothing of them moved.
+        let mut unseal = Vec::new();
+        for sw in late {
+            let (key, from, to) = (&sw.0, &sw.1, &sw.2);
+            let copied = touched.contains(key)
+                || match backend.imported_up_to(to, from, key)? {
+                    None => false,
+                    Some(up_to) => backend
+                        .export_jobs(from, key, None, 1)?
+                        .first()
+                        .is_some_and(|j| j.id <= up_to),
+                };
+            if !copied {
+                unseal.push(sw.clone());
+            }
+            out.late.push(sw.0);
+        }
+        set_sealed(backend, &unseal, false)?;
+    }
+    if batch.is_empty() {
+        return Ok(out);
+    }
+    let batch = &batch[..];
+    // 3. The new shards' next runs of these keys get larger fences than
+    //    every run on the old ones (which are over, and sealed).
+    raise_fence_floors(backend, batch)?;
+    // 4. Copy rounds while producers still write to the old shards.
+    let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+    let mut cursors: BTreeMap<String, Option<Option<JobId>>> = BTreeMap::new();
+    for (key, from, to) in batch {
+        let cursor = cursors.entry(key.clone()).or_default();
+        for _ in 0..TRANSFER_ROUNDS_MAX {
+            let n = copy_backlog(backend, key, from, to, &mut ids, cursor, touched)?;
+            *copied.entry(key.clone()).or_default() += n;
+            if n < TRANSFER_CHUNK_JOBS as u64 {
+                break;
+            }
+        }
+    }
+    // 5. The last round, under a pause, then the switch.
+    let pause_started_ms = clock.now_ms();
+    set_paused(backend, batch, true, None)?;
+    // What arrived since the rounds, per (old shard, new shard), in one
+    // import each.
+    let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
+    let mut reads: BTreeMap<&str, Vec<(String, Option<JobId>)>> = BTreeMap::new();
+    let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
+    for (key, from, to) in batch {
+        // Read once per key, in its copy rounds.
+        let after = match cursors.get(key).copied().flatten() {
+            Some(after) => after,
+            None => backend.imported_up_to(to, from, key)?,
+        };
+        reads
+            .entry(from.as_str())
+            .or_default()
+            .push((key.clone(), after));
+        dests.insert(key.as_str(), to.as_str());
+    }
+    // One export per old shard for the whole batch.
+    for (&from, items) in &reads {
+        for (key, jobs) in backend.export_many(from, items)? {
+            let Some(&to) = dests.get(key.as_str()) else {
+                continue;
+            };
+            if !jobs.is_empty() {
+                groups.entry((from, to)).or_default().push((key, jobs));
+            }
+        }
+    }
+    for ((from, to), items) in groups {
+        touched.extend(items.iter().map(|(k, _)| k.clone()));
+        for (key, src, new) in backend.import_many(to, from, &items)? {
+            ids.insert((key.clone(), src), new);
+            *copied.entry(key).or_default() += 1;
+        }
+    }
+    // The batch's dedup records, one export per old shard.
+    let mut records_to: BTreeMap<&str, Vec<DedupRecord>> = BTreeMap::new();
+    for (&from, items) in &reads {
+        let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+        for mut r in backend.dedup_export_many(from, &keys)? {
+            let Some(&to) = dests.get(r.key.as_str()) else {
+                continue;
+            };
+            // A record of a job that moved answers with its new id.
+            if r.shard == from {
+                if let Some(id) = ids.get(&(r.key.clone(), r.job)) {
+                    r.shard = to.to_string();
+                    r.job = *id;
+                }
+            }
+            records_to.entry(to).or_default().push(r);
+        }
+    }
+    for (to, records) in records_to {
+        backend.dedup_import(to, &records)?;
+    }
+    let mut next = cur.clone();
+    next.version = cur.version + 1;
+    for (key, _, _) in batch {
+        match target.overrides.get(key) {
+            Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
+            None => next.overrides.remove(key),
+        };
+    }
+    // A key pinned to where its backlog went, if the target differs
+    // (a transfer a killed run left): it stays there for now.
+    let next_router = Router::new(next.clone())?;
+    for (key, _, to) in batch {
+        if next_router.route(key) != to.as_str() {
+            next.overrides.insert(key.clone(), to.clone());
+        }
+    }
+    publish_next(store, cur, &next)?;
+    out.switched = Some((next, pause_started_ms, batch.to_vec()));
+    Ok(out)
 }
 
 /// A key and jobs of it, as one import takes them.
@@ -1113,6 +1375,7 @@ fn copy_backlog<B: QueueBackend + ?Sized>(
     to: &str,
     ids: &mut BTreeMap<(String, JobId), JobId>,
     cursor: &mut Option<Option<JobId>>,
+    touched: &mut BTreeSet<String>,
 ) -> Result<u64, ReshardError> {
     // The new shard's cursor, read once per key and then kept here: every
     // import of this key from `from` in this run goes through this copy.
@@ -1128,6 +1391,8 @@ fn copy_backlog<B: QueueBackend + ?Sized>(
             return Ok(n);
         };
         after = Some(last.id);
+        // From here the new shard may hold copies, whatever the call answers.
+        touched.insert(key.to_string());
         for (src, new) in backend.import_jobs(to, from, key, &chunk)? {
             ids.insert((key.to_string(), src), new);
             n += 1;
@@ -1153,6 +1418,43 @@ fn set_sealed<B: QueueBackend + ?Sized>(
             fence.sealed_keys.remove(key);
         }
     })
+}
+
+/// [`set_paused`] without a fence raise, shard by shard: every old shard is
+/// tried even when one fails; the first error comes back.
+fn set_paused_each<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    pause: bool,
+) -> Result<(), ReshardError> {
+    each_old_shard(batch, |part| set_paused(backend, part, pause, None))
+}
+
+/// [`set_sealed`], shard by shard: every old shard is tried even when one
+/// fails; the first error comes back.
+fn set_sealed_each<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[(String, String, String)],
+    seal: bool,
+) -> Result<(), ReshardError> {
+    each_old_shard(batch, |part| set_sealed(backend, part, seal))
+}
+
+fn each_old_shard(
+    batch: &[(String, String, String)],
+    mut f: impl FnMut(&[(String, String, String)]) -> Result<(), ReshardError>,
+) -> Result<(), ReshardError> {
+    let mut by_shard: BTreeMap<&str, Vec<(String, String, String)>> = BTreeMap::new();
+    for sw in batch {
+        by_shard.entry(sw.1.as_str()).or_default().push(sw.clone());
+    }
+    let mut first = None;
+    for part in by_shard.values() {
+        if let Err(e) = f(part) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Changes the fence of each batch key's old shard, one read and one write

@@ -369,7 +369,7 @@ impl World {
 }
 
 /// Returns how many jobs the last, finishing, rebalance copied with their keys.
-fn simulate(seed: u64) -> u64 {
+fn simulate(seed: u64) -> (u64, u64) {
     let clock = Arc::new(SimClock::default());
     clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
     let backend = MemoryBackend::new(&SHARDS, clock.clone());
@@ -430,9 +430,11 @@ fn simulate(seed: u64) -> u64 {
         clock: clock.clone(),
         writes: AtomicU64::new(0),
         crash_at: AtomicU64::new(0),
+        cut_off: Mutex::new(None),
     };
     let mut crash_rng = Rng(seed ^ 0x5eed);
     let mut moved = 0u64;
+    let mut cut_offs = 0u64;
     for attempt in 0.. {
         crashing.writes.store(0, Ordering::SeqCst);
         let at = if attempt < 3 {
@@ -441,10 +443,39 @@ fn simulate(seed: u64) -> u64 {
             0
         };
         crashing.crash_at.store(at, Ordering::SeqCst);
-        match reshard::rebalance(&crashing, &store, &opts, &mut |_| {}) {
+        // In the first run without a kill, for every other seed, the rebalance loses one
+        // shard (never the new one, which all moving keys need) at a
+        // seeded write: the keys moving from it stay, the others move, and
+        // the run after it, with the link back, finishes.
+        let cut = (attempt == 3 && seed % 2 == 1).then(|| {
+            let shard = SHARDS[crash_rng.below(SHARDS.len() as u64) as usize].to_string();
+            (shard, crash_rng.below(30))
+        });
+        *crashing.cut_off.lock().unwrap() = cut.clone();
+        let result = reshard::rebalance(&crashing, &store, &opts, &mut |_| {});
+        *crashing.cut_off.lock().unwrap() = None;
+        match result {
             Ok(r) => {
                 moved += r.jobs_moved;
                 break;
+            }
+            Err(ReshardError::ShardsFailed { shards, .. }) if cut.is_some() => {
+                let (name, _) = cut.unwrap();
+                assert!(
+                    shards.len() == 1 && shards[0].starts_with(&format!("{name}:")),
+                    "seed {seed}: the failed shards name {name}: {shards:?}"
+                );
+                cut_offs += 1;
+                step(50);
+            }
+            // Lost before the moves (the scan, the fences) or after them
+            // (the last checks): the run stops, naming the shard.
+            Err(e)
+                if cut.as_ref().is_some_and(|(name, _)| {
+                    e.to_string().contains(&format!("shard {name:?}"))
+                }) =>
+            {
+                step(50);
             }
             Err(e) if at != 0 && crashing.writes.load(Ordering::SeqCst) >= at => {
                 // Killed: what it wrote stays; the next run finishes it.
@@ -515,7 +546,7 @@ fn simulate(seed: u64) -> u64 {
         w.checks.stored.len()
     );
     assert!(w.checks.stored.len() > 100, "seed {seed}: too little load");
-    moved
+    (moved, cut_offs)
 }
 
 /// The rebalance's view of the backend, killed at its `crash_at`-th write
@@ -529,9 +560,25 @@ struct Crashing {
     clock: Arc<SimClock>,
     writes: AtomicU64,
     crash_at: AtomicU64,
+    /// A shard the rebalance cannot reach (every call, reads too) once it
+    /// made this many writes, as when the link to one store fails mid-move;
+    /// producers and workers still reach it.
+    cut_off: Mutex<Option<(String, u64)>>,
 }
 
 impl Crashing {
+    fn reach(&self, shard: &str) -> Result<(), QueueError> {
+        if let Some((cut, after)) = &*self.cut_off.lock().unwrap() {
+            if cut == shard && self.writes.load(Ordering::SeqCst) >= *after {
+                return Err(QueueError::Unavailable {
+                    shard: shard.to_string(),
+                    reason: "the rebalance lost its link to this shard's store".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn write(&self, shard: &str) -> Result<(), QueueError> {
         let n = self.writes.fetch_add(1, Ordering::SeqCst) + 1;
         let at = self.crash_at.load(Ordering::SeqCst);
@@ -547,6 +594,7 @@ impl Crashing {
 
 impl KeyInventory for Crashing {
     fn keys_with_work(&self, shard: &str) -> Result<Vec<(String, KeyCounts)>, QueueError> {
+        self.reach(shard)?;
         self.inner.keys_with_work(shard)
     }
 }
@@ -556,6 +604,7 @@ impl QueueBackend for Crashing {
         self.inner.shard_names()
     }
     fn enqueue(&self, shard: &str, v: u64, jobs: &[NewJob]) -> Result<Vec<JobId>, QueueError> {
+        self.reach(shard)?;
         self.inner.enqueue(shard, v, jobs)
     }
     fn enqueue_dedup(
@@ -565,16 +614,20 @@ impl QueueBackend for Crashing {
         jobs: &[NewJob],
         window_ms: u64,
     ) -> Result<Vec<Stored>, QueueError> {
+        self.reach(shard)?;
         self.inner.enqueue_dedup(shard, v, jobs, window_ms)
     }
     fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        self.reach(shard)?;
         self.inner.dedup_export(shard, key)
     }
     fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        self.reach(shard)?;
         self.write(shard)?;
         self.inner.dedup_import(shard, records)
     }
     fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        self.reach(shard)?;
         self.inner.dedup_keys(shard)
     }
     fn moves_backlogs(&self) -> bool {
@@ -587,6 +640,7 @@ impl QueueBackend for Crashing {
         after: Option<JobId>,
         max: usize,
     ) -> Result<Vec<MovedJob>, QueueError> {
+        self.reach(shard)?;
         self.clock.sleep_ms(1);
         self.inner.export_jobs(shard, key, after, max)
     }
@@ -597,6 +651,7 @@ impl QueueBackend for Crashing {
         key: &str,
         jobs: &[MovedJob],
     ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        self.reach(shard)?;
         self.clock.sleep_ms(1);
         self.write(shard)?;
         self.inner.import_jobs(shard, from, key, jobs)
@@ -607,22 +662,28 @@ impl QueueBackend for Crashing {
         from: &str,
         key: &str,
     ) -> Result<Option<JobId>, QueueError> {
+        self.reach(shard)?;
         self.inner.imported_up_to(shard, from, key)
     }
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        self.reach(shard)?;
         self.write(shard)?;
         self.inner.purge_key(shard, key)
     }
     fn adopt(&self, shard: &str) -> Result<(), QueueError> {
+        self.reach(shard)?;
         self.inner.adopt(shard)
     }
     fn release(&self, shard: &str) -> Result<(), QueueError> {
+        self.reach(shard)?;
         self.inner.release(shard)
     }
     fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        self.reach(shard)?;
         self.inner.claim(shard, max, lease_ms)
     }
     fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        self.reach(shard)?;
         self.inner.ack(shard, receipts)
     }
     fn fail(
@@ -632,6 +693,7 @@ impl QueueBackend for Crashing {
         reason: &str,
         retry_in_ms: Option<u64>,
     ) -> Result<FailOutcome, QueueError> {
+        self.reach(shard)?;
         self.inner.fail(shard, receipt, reason, retry_in_ms)
     }
     fn extend(
@@ -640,31 +702,40 @@ impl QueueBackend for Crashing {
         receipts: &[Receipt],
         lease_ms: u64,
     ) -> Result<Vec<Receipt>, QueueError> {
+        self.reach(shard)?;
         self.inner.extend(shard, receipts, lease_ms)
     }
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
+        self.reach(shard)?;
         self.inner.next_due_ms(shard)
     }
     fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.reach(shard)?;
         self.inner.key_counts(shard, key)
     }
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
+        self.reach(shard)?;
         self.inner.shard_stats(shard)
     }
     fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
+        self.reach(shard)?;
         self.inner.fence(shard)
     }
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
+        self.reach(shard)?;
         self.write(shard)?;
         self.inner.set_fence(shard, fence)
     }
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.reach(shard)?;
         self.inner.dead_list(shard, limit)
     }
     fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.reach(shard)?;
         self.inner.dead_retry(shard, ids)
     }
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.reach(shard)?;
         self.inner.dead_purge(shard, ids)
     }
 }
@@ -675,12 +746,16 @@ fn seeded_simulations_keep_order_single_runs_and_every_job() {
         simulate(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
         return;
     }
-    let mut moved = 0;
+    let (mut moved, mut cut_offs) = (0, 0);
     for seed in 1..=16 {
-        moved += simulate(seed);
+        let (m, c) = simulate(seed);
+        moved += m;
+        cut_offs += c;
     }
     // The moves took backlogs along (not only keys that had drained).
     assert!(moved > 0, "no rebalance copied a job");
+    // Some runs lost a shard mid-move and went on with the others.
+    assert!(cut_offs > 0, "no rebalance lost a shard it moved keys from");
 }
 
 /// A clock some of whose readings jump ahead: the process "stalled" just
