@@ -684,3 +684,59 @@ fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconf
     assert!(log.contains("went back in time"), "{log}");
     assert_eq!(runs(&ran).len(), 5, "a job ran on the rewound store");
 }
+
+/// A rebalance while one instance is hung (SIGSTOP): it fails within its
+/// bounds, naming that shard and its URL, as "retry later" (exit 75), and
+/// leaves every key where it was: the jobs enqueued before all run, in
+/// order, once the instance answers and the rerun finishes the move.
+#[test]
+fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
+    let servers = servers(3);
+    let dir = temp_dir("hung-rebalance");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap().to_string();
+    init(&data, 2, &servers[..2]);
+    let input = jobs_text(40, 5);
+    let mut p = Command::new(BIN)
+        .args(["enqueue", "--data", &d, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    assert!(p.wait().unwrap().success());
+    ok(&[
+        "add-shard",
+        "--data",
+        &d,
+        "shard-2",
+        "--url",
+        &servers[2].url(),
+    ]);
+    servers[1].pause();
+    let started = std::time::Instant::now();
+    let out = shardq(&["rebalance", "--data", &d]);
+    let took = started.elapsed();
+    servers[1].resume();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(
+        err.contains("shard \"shard-1\"") && err.contains(servers[1].url().as_str()),
+        "the error names the hung shard and its URL: {err}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(60),
+        "not bounded: {took:?}"
+    );
+    let before = status_json(&data);
+    assert_eq!(before["totals"]["ready"], 200, "{before}");
+    ok(&["rebalance", "--data", &d]);
+    assert_eq!(load_map(&data).shards.len(), 3);
+    let runs_file = dir.join("runs");
+    let mut w = worker(&data, &runs_file, "all", true);
+    let status = w.wait().unwrap();
+    assert!(status.success(), "{}", worker_log(&runs_file));
+    let v = verdict(&payloads_of(&input), &runs(&runs_file));
+    assert_eq!((v.lost, v.order_violations, v.reruns), (0, 0, 0), "{v:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
