@@ -61,9 +61,18 @@ pub fn collect(
         failed: Vec::new(),
     };
     for name in names {
-        let (owner, lease_expires_ms, lease_err) = match lease(name) {
-            Ok((o, l)) => (o, l, None),
-            Err(e) => (None, None, Some(format!("reading the lease: {e}"))),
+        let stats = stats(name);
+        // A store that did not answer for the counts is not asked again for
+        // the lease (each ask waits out its bounds); a damaged log still
+        // has a readable lease.
+        let unreachable = matches!(&stats, Err(e) if e.kind() == shardq_core::ErrorKind::Retryable);
+        let (owner, lease_expires_ms, lease_err) = if unreachable {
+            (None, None, None)
+        } else {
+            match lease(name) {
+                Ok((o, l)) => (o, l, None),
+                Err(e) => (None, None, Some(format!("reading the lease: {e}"))),
+            }
         };
         let mut row = ShardRow {
             name: name.clone(),
@@ -77,7 +86,7 @@ pub fn collect(
             lease_expires_ms,
             error: lease_err,
         };
-        match stats(name) {
+        match stats {
             Ok(st) => {
                 report.totals.ready += st.ready;
                 report.totals.delayed += st.delayed;

@@ -44,6 +44,10 @@ pub const RECLAIM_BATCH_MAX: usize = 128;
 pub const DEAD_BATCH_MAX: usize = 512;
 /// Most dead jobs one `dead_list` returns.
 pub const DEAD_LIST_MAX: usize = 10_000;
+/// Time budget of the deployment-record check of a shard new to this
+/// process (at open, or when a map names it): a server that does not
+/// answer within it is added unchecked and costs only its own shards' calls.
+pub const OPEN_CHECK_BUDGET_MS: u64 = 500;
 /// Most steps a cancel walks down a key's queue to the job (each one field
 /// read inside the script, which blocks the server while it runs): a job
 /// further back than this is refused with an error naming the bound.
@@ -326,11 +330,20 @@ impl RedisBackend {
     }
 
     /// Adds the Redis shards of `map` this backend does not know yet (a map
-    /// published after it was opened, e.g. by `add-shard`), checking that
-    /// each new server answers. Returns the names added. Known shards keep
-    /// their URL: a shard never moves between servers under one name.
+    /// published after it was opened, e.g. by `add-shard`), checking each
+    /// new server's deployment record. Returns the names added. Known shards
+    /// keep their URL: a shard never moves between servers under one name.
+    ///
+    /// A server that does not answer costs only its own shards: they are
+    /// added unchecked, and every call on them fails as unavailable until
+    /// it answers (every script checks the deployment record itself, so an
+    /// unchecked shard is never written as if it were new). Only when no
+    /// shard of `map` answers is that an error here. A server that answers
+    /// with another deployment's or no record is an error at once.
     pub fn sync_shards(&self, map: &ShardMap) -> Result<Vec<String>, RedisError> {
         let mut added = Vec::new();
+        let mut unreachable: Option<RedisError> = None;
+        let mut answered = 0usize;
         for shard in &map.shards {
             let Some(url) = shard.url.as_deref().filter(|u| is_redis_url(u)) else {
                 continue;
@@ -357,22 +370,22 @@ impl RedisBackend {
             let known = self.registry().nodes.get(url).cloned();
             let node = match known {
                 Some(n) => n,
-                None => {
-                    // Connect outside the lock: an unreachable server takes
-                    // seconds to be reported and must not stall other shards.
-                    let n = Arc::new(Node::new(&shard.name, url, self.inner.opts.limits())?);
-                    n.run(&shard.name, |con, _| {
-                        redis::cmd("PING").query::<String>(con)
-                    })?;
-                    n
-                }
+                // Connect outside the lock: an unreachable server takes
+                // seconds to be reported and must not stall other shards.
+                None => Arc::new(Node::new(&shard.name, url, self.inner.opts.limits())?),
             };
             let shard_keys = keys::shard_keys(
                 &self.inner.opts.namespace,
                 &self.inner.opts.queue,
                 &shard.name,
             );
-            self.check_record(&shard.name, url, &node, &shard_keys)?;
+            match self.check_record(&shard.name, url, &node, &shard_keys, OPEN_CHECK_BUDGET_MS) {
+                Ok(()) => answered += 1,
+                Err(e) if e.kind() == shardq_core::ErrorKind::Retryable => {
+                    unreachable.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
             let mut reg = self
                 .inner
                 .registry
@@ -394,7 +407,10 @@ impl RedisBackend {
             }));
             added.push(shard.name.clone());
         }
-        Ok(added)
+        match unreachable {
+            Some(e) if answered == 0 && self.registry().shards.len() == added.len() => Err(e),
+            _ => Ok(added),
+        }
     }
 
     /// Checks a shard's deployment record: present, of this deployment,
@@ -406,9 +422,10 @@ impl RedisBackend {
         url: &str,
         node: &Node,
         shard_keys: &[String],
+        budget_ms: u64,
     ) -> Result<(), RedisError> {
         let meta = std::slice::from_ref(&shard_keys[0]);
-        let v = node.run(shard, |con, _| {
+        let v = node.run_within(shard, budget_ms, |con, _| {
             self.inner.scripts.shard_record.call(con, meta, &|_| {})
         })?;
         let it = reply::items(&v);
@@ -461,7 +478,7 @@ impl RedisBackend {
     pub fn check_store(&self) -> Result<(), RedisError> {
         let shards: Vec<Arc<ShardRef>> = self.registry().shards.clone();
         for s in shards {
-            self.check_record(&s.name, &s.url, &s.node, &s.keys)?;
+            self.check_record(&s.name, &s.url, &s.node, &s.keys, s.node.budget_ms())?;
         }
         Ok(())
     }

@@ -341,6 +341,11 @@ impl Node {
     /// node's attempt and time budget. `op` gets the attempt number (0
     /// first): an attempt after a lost reply may follow one that the server
     /// did apply, and some operations recover from that.
+    /// This node's time budget for one call, in ms.
+    pub(crate) fn budget_ms(&self) -> u64 {
+        self.limits.retry_budget_ms
+    }
+
     pub(crate) fn run<T>(
         &self,
         shard: &str,

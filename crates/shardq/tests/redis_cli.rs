@@ -570,20 +570,24 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
     let dead_url = servers[1].url();
     servers[1].kill();
     let status = shardq(&["status", "--data", &d]);
-    for (out, shard, url) in [
-        (&status, "shard-1", &dead_url),
-        (&add, "shard-9", &spare_url),
-    ] {
-        let err = String::from_utf8_lossy(&out.stderr);
-        // An unreachable store is "retry later" (EX_TEMPFAIL), not bad input.
-        assert_eq!(out.status.code(), Some(75), "{err}");
-        assert!(
-            err.contains(&format!("shard {shard:?}"))
-                && err.contains(url.as_str())
-                && err.contains("Redis unreachable"),
-            "{err}"
-        );
-    }
+    // `status` still shows the table, the dead shard marked (exit 2, as
+    // for any shard that cannot be read), naming the shard and its URL.
+    let err = String::from_utf8_lossy(&status.stderr);
+    assert_eq!(status.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("shard \"shard-1\"") && err.contains(dead_url.as_str()),
+        "{err}"
+    );
+    assert!(String::from_utf8_lossy(&status.stdout).contains("shard-0"));
+    let err = String::from_utf8_lossy(&add.stderr);
+    // An unreachable store is "retry later" (EX_TEMPFAIL), not bad input.
+    assert_eq!(add.status.code(), Some(75), "{err}");
+    assert!(
+        err.contains("shard \"shard-9\"")
+            && err.contains(spare_url.as_str())
+            && err.contains("Redis unreachable"),
+        "{err}"
+    );
     // Nothing was published for the shard that could not be reached.
     assert_eq!(load_map(&data).shards.len(), 2);
     // The map store itself down (it lives on the first server): still
@@ -738,5 +742,102 @@ fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
     assert!(status.success(), "{}", worker_log(&runs_file));
     let v = verdict(&payloads_of(&input), &runs(&runs_file));
     assert_eq!((v.lost, v.order_violations, v.reruns), (0, 0, 0), "{v:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One of two instances down costs only its own shard: `status` prints
+/// the table with that shard marked failed and the other counted, an
+/// enqueue of a key on the live shard is stored at once while one on the
+/// dead shard is refused as "retry later" (exit 75, not stored), and a
+/// worker runs the live shard's jobs.
+#[test]
+fn one_instance_down_costs_only_its_own_shard() {
+    let mut servers = servers(2);
+    let dir = temp_dir("one-down");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap().to_string();
+    init(&data, 2, &servers);
+    let map = load_map(&data);
+    let router = shardq_route::Router::new(map).unwrap();
+    let key_on = |shard: &str| {
+        (0..)
+            .map(|i| format!("t-{i}"))
+            .find(|k| router.route(k) == shard)
+            .unwrap()
+    };
+    let (live, dead) = (key_on("shard-0"), key_on("shard-1"));
+    for k in [&live, &dead] {
+        ok(&["enqueue", "--data", &d, "--key", k, "--payload", "before"]);
+    }
+    servers[1].kill();
+
+    let out = shardq(&["status", "--data", &d, "--json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st["shards"][0]["ready"], 1, "{st}");
+    assert!(
+        st["shards"][1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("shard-1"),
+        "{st}"
+    );
+    assert_eq!(st["failed"], serde_json::json!(["shard-1"]), "{st}");
+
+    let started = Instant::now();
+    ok(&[
+        "enqueue",
+        "--data",
+        &d,
+        "--key",
+        &live,
+        "--payload",
+        "after",
+    ]);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "an enqueue to the live shard waited on the dead one: {:?}",
+        started.elapsed()
+    );
+    let out = shardq(&[
+        "enqueue",
+        "--data",
+        &d,
+        "--key",
+        &dead,
+        "--payload",
+        "after",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(
+        err.contains("NOT enqueued") && err.contains("shard-1"),
+        "{err}"
+    );
+
+    let runs_file = dir.join("runs");
+    let mut w = worker(&data, &runs_file, "all", true);
+    let start = Instant::now();
+    while w.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < WAIT_MAX,
+            "worker did not exit: {}",
+            worker_log(&runs_file)
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let ran: Vec<(String, String)> = runs(&runs_file)
+        .into_iter()
+        .map(|r| (r.key, r.payload))
+        .collect();
+    assert_eq!(
+        ran,
+        [
+            (live.clone(), "before".into()),
+            (live.clone(), "after".into())
+        ],
+        "{}",
+        worker_log(&runs_file)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
