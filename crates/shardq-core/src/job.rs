@@ -650,14 +650,36 @@ mod tests {
     }
 }
 
-/// Retry backoff: `base_ms * 2^(attempt-1)`, capped at `max_ms`. No jitter,
-/// so retries are reproducible in tests.
+/// How the delays of a job's retries grow.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackoffKind {
+    /// `base_ms * 2^(attempt-1)`, capped at `max_ms`.
+    #[default]
+    Exponential,
+    /// `base_ms` after every failed attempt.
+    Fixed,
+}
+
+/// A deployment's retry backoff: the delay before the attempt after a
+/// failed one (a handler that names its own delay, `retry_in_ms`, overrides
+/// it). `jitter_pct` takes up to that share off each delay, the same for a
+/// given run (so a crash replay agrees) and spread across jobs, so jobs
+/// that failed together do not all come back at once. A job's number of
+/// attempts is its own `max_attempts`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Backoff {
-    /// Delay after the first failed attempt.
+    /// Delay after the first failed attempt (every one, when fixed).
     pub base_ms: u64,
     /// Longest delay.
     pub max_ms: u64,
+    /// Exponential or fixed.
+    #[serde(default)]
+    pub kind: BackoffKind,
+    /// Up to this percentage taken off each delay (0 to 100).
+    #[serde(default)]
+    pub jitter_pct: u8,
 }
 
 /// Default first retry delay (100 ms).
@@ -670,17 +692,79 @@ impl Default for Backoff {
         Backoff {
             base_ms: BACKOFF_BASE_MS_DEFAULT,
             max_ms: BACKOFF_MAX_MS_DEFAULT,
+            kind: BackoffKind::Exponential,
+            jitter_pct: 0,
         }
     }
 }
 
 impl Backoff {
-    /// Delay before the attempt after `failed_attempt` (from 1).
+    /// Delay before the attempt after `failed_attempt` (from 1), jitter
+    /// left out.
     pub fn delay_ms(&self, failed_attempt: u32) -> u64 {
-        let shift = failed_attempt.saturating_sub(1).min(40);
-        self.base_ms.saturating_mul(1u64 << shift).min(self.max_ms)
+        match self.kind {
+            BackoffKind::Fixed => self.base_ms.min(self.max_ms),
+            BackoffKind::Exponential => {
+                let shift = failed_attempt.saturating_sub(1).min(40);
+                self.base_ms.saturating_mul(1u64 << shift).min(self.max_ms)
+            }
+        }
+    }
+
+    /// [`Backoff::delay_ms`] with the jitter of run `seed` (a job's id and
+    /// run fence mixed): up to `jitter_pct` percent less.
+    pub fn delay_for(&self, failed_attempt: u32, seed: u64) -> u64 {
+        let d = self.delay_ms(failed_attempt);
+        d - (d as u128 * self.jitter_share(seed) as u128 / JITTER_SCALE as u128) as u64
+    }
+
+    /// The share of a delay the jitter of run `seed` takes off, in
+    /// millionths (0 to `jitter_pct` * 10,000): what the Redis scripts get.
+    pub fn jitter_share(&self, seed: u64) -> u64 {
+        // splitmix64: a well-spread 64-bit value from the seed.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let pct = u64::from(self.jitter_pct.min(100));
+        // z / 2^64 of pct percent, in millionths.
+        ((z as u128 * (pct * JITTER_SCALE / 100) as u128) >> 64) as u64
+    }
+
+    /// Checks every field, naming the one out of range and its value.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        if self.base_ms == 0 || self.base_ms > DELAY_MS_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "retry base",
+                value: format!("{} ms", self.base_ms),
+                allowed: format!("1 to {DELAY_MS_MAX} ms"),
+            });
+        }
+        if self.max_ms < self.base_ms || self.max_ms > DELAY_MS_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "retry max",
+                value: format!("{} ms", self.max_ms),
+                allowed: format!("{} (the base) to {DELAY_MS_MAX} ms", self.base_ms),
+            });
+        }
+        if self.jitter_pct > 100 {
+            return Err(QueueError::InvalidOption {
+                name: "retry jitter",
+                value: format!("{}%", self.jitter_pct),
+                allowed: "0 to 100%".into(),
+            });
+        }
+        Ok(())
     }
 }
+
+/// The jitter seed of a run: its job id and fence mixed.
+pub fn run_seed(receipt: Receipt) -> u64 {
+    receipt.id.0 ^ receipt.fence.rotate_left(32)
+}
+
+/// The scale of [`Backoff::jitter_share`]: millionths.
+pub const JITTER_SCALE: u64 = 1_000_000;
 
 #[cfg(test)]
 mod backoff_tests {
@@ -691,9 +775,49 @@ mod backoff_tests {
         let b = Backoff {
             base_ms: 10,
             max_ms: 100,
+            ..Backoff::default()
         };
         let got: Vec<u64> = (1..=6).map(|a| b.delay_ms(a)).collect();
         assert_eq!(got, [10, 20, 40, 80, 100, 100]);
         assert_eq!(b.delay_ms(u32::MAX), 100);
+        let fixed = Backoff {
+            kind: super::BackoffKind::Fixed,
+            ..b
+        };
+        assert_eq!(fixed.delay_ms(5), 10);
+    }
+
+    /// Jitter only shortens a delay, by at most its share, the same for one
+    /// run and spread over runs; none without it.
+    #[test]
+    fn jitter_stays_within_its_share_and_spreads() {
+        let b = Backoff {
+            base_ms: 10_000,
+            max_ms: 10_000,
+            jitter_pct: 20,
+            ..Backoff::default()
+        };
+        let delays: Vec<u64> = (0..1000u64).map(|seed| b.delay_for(1, seed)).collect();
+        assert!(
+            delays.iter().all(|&d| (8_000..=10_000).contains(&d)),
+            "{delays:?}"
+        );
+        let low = delays.iter().filter(|&&d| d < 9_000).count();
+        assert!(
+            (350..=650).contains(&low),
+            "not spread: {low} of 1000 below 9 s"
+        );
+        assert_eq!(b.delay_for(1, 7), b.delay_for(1, 7));
+        let none = Backoff { jitter_pct: 0, ..b };
+        assert!((0..100).all(|s| none.delay_for(1, s) == 10_000));
+        assert!(Backoff {
+            jitter_pct: 101,
+            ..b
+        }
+        .validate()
+        .is_err());
+        assert!(Backoff { max_ms: 5, ..b }.validate().is_err());
+        assert!(Backoff { base_ms: 0, ..b }.validate().is_err());
+        assert!(b.validate().is_ok());
     }
 }

@@ -125,6 +125,7 @@ impl MemoryBackend {
             backoff: Backoff {
                 base_ms: 1,
                 max_ms: 10,
+                ..Backoff::default()
             },
             dead_policy: DeadPolicy::Continue,
             moves_backlogs: true,
@@ -263,7 +264,8 @@ fn finish_failed(
         }
         return FailOutcome::Dead;
     }
-    let at_ms = now + retry_in_ms.unwrap_or_else(|| backoff.delay_ms(j.attempt));
+    let seed = id.0 ^ u64::from(j.attempt).rotate_left(32);
+    let at_ms = now + retry_in_ms.unwrap_or_else(|| backoff.delay_for(j.attempt, seed));
     j.not_before_ms = at_ms;
     s.keys.entry(key).or_default().push_front(id);
     FailOutcome::Retry { at_ms }
@@ -901,6 +903,7 @@ impl KeyInventory for MemoryBackend {
 pub struct MemoryMapStore {
     inner: Arc<Mutex<(ShardMap, Option<ShardMap>)>>,
     lock: Arc<Mutex<bool>>,
+    settings: Arc<Mutex<BTreeMap<String, String>>>,
 }
 
 impl MemoryMapStore {
@@ -909,6 +912,7 @@ impl MemoryMapStore {
         MemoryMapStore {
             inner: Arc::new(Mutex::new((map, None))),
             lock: Arc::new(Mutex::new(false)),
+            settings: Arc::default(),
         }
     }
 
@@ -955,6 +959,22 @@ impl MapStore for MemoryMapStore {
 
     fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
         self.state().1 = target.cloned();
+        Ok(())
+    }
+
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        crate::reshard::validate_setting_name(name)?;
+        let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(settings.get(name).cloned())
+    }
+
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        crate::reshard::validate_setting_name(name)?;
+        let mut settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+        match value {
+            Some(v) => settings.insert(name.to_string(), v.to_string()),
+            None => settings.remove(name),
+        };
         Ok(())
     }
 

@@ -118,6 +118,36 @@ pub trait MapStore: Send + Sync {
     /// Takes the rebalance lock; the guard releases it on drop. A second
     /// holder gets [`ReshardError::Busy`].
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError>;
+    /// A deployment setting by name ([`SETTING_RETRY`]): the JSON document
+    /// stored beside the map, if one is.
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        let _ = name;
+        Ok(None)
+    }
+    /// Stores (or, with `None`, clears) a deployment setting, for every
+    /// process of the deployment to read.
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        let _ = (name, value);
+        Err(ReshardError::Invalid(
+            "this map store keeps no deployment settings".into(),
+        ))
+    }
+}
+
+/// The deployment setting holding the retry backoff (a `Backoff` as JSON).
+pub const SETTING_RETRY: &str = "retry";
+
+/// Checks a setting's name: 1 to 32 lowercase ASCII letters and `-`.
+pub fn validate_setting_name(name: &str) -> Result<(), ReshardError> {
+    if name.is_empty()
+        || name.len() > 32
+        || !name.bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
+    {
+        return Err(ReshardError::Invalid(format!(
+            "setting name {name:?}: 1 to 32 lowercase letters and `-`"
+        )));
+    }
+    Ok(())
 }
 
 /// Which keys have work on a shard: what a rebalance must drain.

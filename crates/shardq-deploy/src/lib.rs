@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::{MapStore, ReshardBackend};
-use shardq_core::{Clock, Coordinator, QueueBackend, SystemClock};
+use shardq_core::{Backoff, Clock, Coordinator, QueueBackend, SystemClock};
 use shardq_fs::map_store::FileMapStore;
 use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
 use shardq_redis::{is_redis_url, RedisBackend, RedisMapStore, RedisOptions};
@@ -124,6 +124,20 @@ impl std::fmt::Debug for Deployment {
             .field("kind", &self.kind)
             .finish()
     }
+}
+
+/// The `retry` setting of `maps`, parsed and checked; `None` when unset.
+pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<Option<Backoff>, DeployError> {
+    let Some(text) = maps.load_setting(shardq_core::reshard::SETTING_RETRY)? else {
+        return Ok(None);
+    };
+    let b: Backoff = serde_json::from_str(&text).map_err(|e| {
+        DeployError::Invalid(format!(
+            "the deployment's retry setting {text:?} does not parse ({e}); set it again with `shardq retry set`"
+        ))
+    })?;
+    b.validate()?;
+    Ok(Some(b))
 }
 
 /// The kind of data dir `dir` is. An embedded data dir whose map names a
@@ -290,8 +304,12 @@ impl Deployment {
         match kind(dir)? {
             Kind::Embedded => {
                 shardq_fs::layout::check(dir)?;
-                let backend = Arc::new(FsBackend::new(dir, opts.engine.clone())?);
                 let maps: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?);
+                let mut engine = opts.engine.clone();
+                if let Some(b) = retry_setting(&*maps)? {
+                    engine.backoff = b;
+                }
+                let backend = Arc::new(FsBackend::new(dir, engine)?);
                 Ok(Deployment {
                     dir: dir.to_path_buf(),
                     kind: Kind::Embedded,
@@ -314,6 +332,29 @@ impl Deployment {
                 })
             }
         }
+    }
+
+    /// The deployment's retry backoff: its `retry` setting, or the
+    /// engine's default when none is set. Processes read it when they open
+    /// the deployment.
+    pub fn retry_policy(&self) -> Result<Backoff, DeployError> {
+        Ok(retry_setting(&*self.maps)?.unwrap_or_default())
+    }
+
+    /// Sets (or, with `None`, clears back to the default) the deployment's
+    /// retry backoff, checked first; workers and servers started after
+    /// this use it.
+    pub fn set_retry_policy(&self, policy: Option<&Backoff>) -> Result<(), DeployError> {
+        let text = match policy {
+            Some(b) => {
+                b.validate()?;
+                Some(serde_json::to_string(b).map_err(|e| DeployError::Invalid(e.to_string()))?)
+            }
+            None => None,
+        };
+        self.maps
+            .store_setting(shardq_core::reshard::SETTING_RETRY, text.as_deref())?;
+        Ok(())
     }
 
     /// The data dir.

@@ -81,6 +81,14 @@ impl MapStore for RedisMaps {
         let target = target.map(|t| self.with_urls(t));
         self.store.store_target(target.as_ref())
     }
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        self.store.load_setting(name)
+    }
+
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        self.store.store_setting(name, value)
+    }
+
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
         self.store.try_lock_rebalance()
     }
@@ -102,6 +110,10 @@ pub fn open(
     })?;
     let map = store.load()?;
     check_all(&map, true)?;
+    let mut opts = opts;
+    if let Some(b) = crate::retry_setting(&store)? {
+        opts.backoff = b;
+    }
     let backend = RedisBackend::open(&map, opts)?;
     let maps = Arc::new(RedisMaps {
         store,

@@ -1036,7 +1036,11 @@ impl QueueBackend for FsBackend {
                 ));
             };
             let dead = run.attempt >= run.max_attempts;
-            let delay = retry_in_ms.unwrap_or_else(|| self.opts.backoff.delay_ms(run.attempt));
+            let delay = retry_in_ms.unwrap_or_else(|| {
+                self.opts
+                    .backoff
+                    .delay_for(run.attempt, shardq_core::job::run_seed(receipt))
+            });
             let retry_at_ms = now.saturating_add(delay);
             outcome = if dead {
                 FailOutcome::Dead

@@ -6,6 +6,8 @@
 //!   writers can never both publish version N+1.
 //! - `shardmap.target.yaml`: the map a pending rebalance must reach (absent
 //!   when none is pending).
+//! - `settings.NAME.json`: a deployment setting (the retry backoff), written
+//!   whole and renamed into place like the map.
 //! - `.rebalance.lock`: flock held by the one running rebalance; it holds the
 //!   holder's `host@pid` for the error a second one gets. The kernel drops a
 //!   flock when its holder dies, so a killed coordinator never blocks a rerun.
@@ -159,6 +161,32 @@ impl MapStore for FileMapStore {
             Some(t) => self
                 .storage
                 .write_file_atomic(&path, t.to_yaml().as_bytes())
+                .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e)),
+            None => match fs::remove_file(&path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(ReshardError::io(format!("removing {}", path.display()), e)),
+            },
+        }
+    }
+
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        shardq_core::reshard::validate_setting_name(name)?;
+        let path = self.dir.join(format!("settings.{name}.json"));
+        match fs::read_to_string(&path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ReshardError::io(format!("reading {}", path.display()), e)),
+        }
+    }
+
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        shardq_core::reshard::validate_setting_name(name)?;
+        let path = self.dir.join(format!("settings.{name}.json"));
+        match value {
+            Some(v) => self
+                .storage
+                .write_file_atomic(&path, v.as_bytes())
                 .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e)),
             None => match fs::remove_file(&path) {
                 Ok(()) => Ok(()),

@@ -1119,7 +1119,12 @@ impl QueueBackend for RedisBackend {
                 .arg(reason)
                 .arg(backoff.base_ms)
                 .arg(backoff.max_ms)
-                .arg(&retry);
+                .arg(&retry)
+                .arg(match backoff.kind {
+                    shardq_core::BackoffKind::Exponential => "exp",
+                    shardq_core::BackoffKind::Fixed => "fixed",
+                })
+                .arg(backoff.jitter_share(shardq_core::job::run_seed(receipt)));
         })?;
         match reply::status(&v).as_str() {
             "RETRY" => {

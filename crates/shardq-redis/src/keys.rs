@@ -6,6 +6,7 @@
 //! sq:{=map:<ns>}:current             the published shard map (hash: version, yaml)
 //! sq:{=map:<ns>}:target              the pending rebalance target (string: yaml)
 //! sq:{=map:<ns>}:rebalance           the rebalance lock (string: holder token, TTL)
+//! sq:{=map:<ns>}:settings            deployment settings (hash: name -> JSON, e.g. retry)
 //! ```
 //!
 //! `<ns>` is the deployment's namespace, chosen at init
@@ -50,6 +51,10 @@ pub fn map_key(ns: &str) -> String {
 /// Key of the pending rebalance target (a string: the map's YAML).
 pub fn target_key(ns: &str) -> String {
     format!("{NAMESPACE}:{{=map:{ns}}}:target")
+}
+/// Key of the deployment's settings (a hash: setting name -> JSON).
+pub fn settings_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=map:{ns}}}:settings")
 }
 /// Key of the rebalance lock (a string: the holder's token, with a TTL).
 pub fn rebalance_lock_key(ns: &str) -> String {

@@ -10,6 +10,8 @@
 //!   other's change.
 //! * [`target_key`] string: the YAML of the map a pending rebalance must
 //!   reach; absent when none is pending.
+//! * [`settings_key`] hash: deployment settings by name (`retry`: the
+//!   retry backoff as JSON).
 //! * [`rebalance_lock_key`] string: the running rebalance's token
 //!   (`host@pid#nonce`), taken with `SET NX PX` and renewed by a thread
 //!   while held; a holder that dies frees it within [`REBALANCE_LOCK_MS`].
@@ -29,7 +31,7 @@ use shardq_route::ShardMap;
 use crate::backend::RedisOptions;
 use crate::conn::{Limits, Node};
 use crate::error::RedisError;
-use crate::keys::{map_key, rebalance_lock_key, target_key, NAMESPACE_DEFAULT};
+use crate::keys::{map_key, rebalance_lock_key, settings_key, target_key, NAMESPACE_DEFAULT};
 use crate::scripts::{reply, Scripts};
 
 const STORE: &str = "map store";
@@ -49,6 +51,7 @@ pub struct RedisMapStore {
     map_key: String,
     target_key: String,
     lock_key: String,
+    settings_key: String,
 }
 
 impl RedisMapStore {
@@ -90,6 +93,7 @@ impl RedisMapStore {
             map_key: map_key(namespace),
             target_key: target_key(namespace),
             lock_key: rebalance_lock_key(namespace),
+            settings_key: settings_key(namespace),
         })
     }
 
@@ -252,6 +256,35 @@ impl MapStore for RedisMapStore {
                 })
                 .map_err(store_err),
         }
+    }
+
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        shardq_core::reshard::validate_setting_name(name)?;
+        self.node
+            .run(STORE, |con, _| {
+                redis::cmd("HGET")
+                    .arg(&self.settings_key)
+                    .arg(name)
+                    .query(con)
+            })
+            .map_err(store_err)
+    }
+
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        shardq_core::reshard::validate_setting_name(name)?;
+        self.node
+            .run(STORE, |con, _| match value {
+                Some(v) => redis::cmd("HSET")
+                    .arg(&self.settings_key)
+                    .arg(name)
+                    .arg(v)
+                    .query::<()>(con),
+                None => redis::cmd("HDEL")
+                    .arg(&self.settings_key)
+                    .arg(name)
+                    .query::<()>(con),
+            })
+            .map_err(store_err)
     }
 
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {

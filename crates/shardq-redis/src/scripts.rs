@@ -483,7 +483,9 @@ return out
 "#;
 
 /// ARGV[5] id, ARGV[6] run fence, ARGV[7] reason, ARGV[8] backoff base ms,
-/// ARGV[9] backoff max ms, ARGV[10] retry delay ms (empty: the backoff).
+/// ARGV[9] backoff max ms, ARGV[10] retry delay ms (empty: the backoff),
+/// ARGV[11] `exp` or `fixed`, ARGV[12] the share the jitter takes off the
+/// backoff, in millionths (core's `Backoff::jitter_share`).
 /// The retry goes back to the head of its key.
 const FAIL: &str = r#"
 if not owns() then return {'NOTOWNER'} end
@@ -511,7 +513,13 @@ local delay
 if ARGV[10] ~= '' then
   delay = tonumber(ARGV[10])
 else
-  delay = math.min(tonumber(ARGV[8]) * (2 ^ math.min(a - 1, 40)), tonumber(ARGV[9]))
+  local base, most = tonumber(ARGV[8]), tonumber(ARGV[9])
+  if ARGV[11] == 'fixed' then
+    delay = math.min(base, most)
+  else
+    delay = math.min(base * (2 ^ math.min(a - 1, 40)), most)
+  end
+  delay = delay - math.floor(delay * tonumber(ARGV[12] or '0') / 1000000)
 end
 local nbf = now + delay
 redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))

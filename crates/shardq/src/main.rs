@@ -16,6 +16,7 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_jobs;
 mod cmd_reshard;
+mod cmd_retry;
 mod cmd_route;
 mod cmd_serve;
 mod handler_proc;
@@ -51,6 +52,9 @@ enum Command {
     /// A key's live jobs, in key order: its run in flight, queued, delayed
     /// and dead jobs.
     Jobs(cmd_jobs::JobsArgs),
+    /// The deployment's retry backoff: show, set or clear it.
+    #[command(subcommand)]
+    Retry(cmd_retry::RetryAction),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
     /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
@@ -93,6 +97,7 @@ fn main() -> ExitCode {
         Command::Engine(cmd) => cmd_engine::run(cmd),
         Command::Job(action) => cmd_jobs::job(action),
         Command::Jobs(args) => cmd_jobs::jobs(args),
+        Command::Retry(action) => cmd_retry::run(action),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
         Command::Serve(args) => cmd_serve::run(args),
     };

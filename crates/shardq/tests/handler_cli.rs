@@ -336,3 +336,54 @@ fn a_dead_letter_keeps_the_end_of_its_handlers_stderr() {
     assert_eq!(job["reason"].as_str(), Some(reason));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The deployment's retry backoff reaches its workers: with `retry set
+/// --backoff fixed --base-ms 1500`, a job's second attempt starts at least
+/// 1.5 s after its first failed (the default would retry after 100 ms).
+#[test]
+fn a_worker_waits_the_deployments_retry_backoff() {
+    let dir = temp_dir("h-retry");
+    let data = dir.join("data");
+    init_with_job(&data, &["--max-attempts", "2"]);
+    let d = data.to_str().unwrap();
+    let (ok, _, err) = run(&[
+        "retry",
+        "set",
+        "--data",
+        d,
+        "--backoff",
+        "fixed",
+        "--base-ms",
+        "1500",
+    ]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = run(&["retry", "show", "--data", d, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["backoff"], &v["base_ms"]),
+        (&"fixed".into(), &1500.into()),
+        "{v}"
+    );
+    let stamps = dir.join("stamps");
+    // Attempt 1 fails, attempt 2 succeeds; each writes its start in ms.
+    let script = format!(
+        "cat > /dev/null; date +%s%3N >> {p}; [ \"$SHARDQ_ATTEMPT\" = 2 ]",
+        p = stamps.display()
+    );
+    let mut worker = start_worker(&data, &["--exit-when-idle"], &script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    let t: Vec<u64> = std::fs::read_to_string(&stamps)
+        .unwrap()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect();
+    assert_eq!(t.len(), 2, "two attempts: {t:?}");
+    assert!(
+        t[1] - t[0] >= 1500,
+        "the retry came after {} ms",
+        t[1] - t[0]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -41,6 +41,7 @@ pub fn opts(clock: &ManualClock) -> EngineOptions {
         backoff: Backoff {
             base_ms: 100,
             max_ms: 1000,
+            ..Backoff::default()
         },
         ..EngineOptions::default()
     }

@@ -22,6 +22,7 @@ fn setup(server: &RedisServer, policy: DeadPolicy) -> (RedisBackend, ManualClock
     opts.backoff = shardq_core::Backoff {
         base_ms: 100,
         max_ms: 1_000,
+        ..shardq_core::Backoff::default()
     };
     (RedisBackend::open(&map, opts).expect("open"), clock)
 }
@@ -507,4 +508,65 @@ fn stale_result_after_regaining_a_lease_is_refused() {
     );
     assert_eq!(a.ack("r0", &[run3[0].receipt()]).unwrap().acked, 1);
     assert_eq!(payloads(&a.claim("r0", 10, 60_000).unwrap()), ["job2"]);
+}
+
+/// The retry backoff's kind and jitter on Redis are core's arithmetic,
+/// to the millisecond: the fail script takes the share core computes for
+/// the run, and a fixed backoff does not grow.
+#[test]
+fn retry_backoff_kind_and_jitter_match_core_exactly() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let mut opts = opts_manual(&clock);
+    for backoff in [
+        shardq_core::Backoff {
+            base_ms: 10_000,
+            max_ms: 3_600_000,
+            kind: shardq_core::BackoffKind::Fixed,
+            jitter_pct: 30,
+        },
+        shardq_core::Backoff {
+            base_ms: 1_000,
+            max_ms: 3_600_000,
+            kind: shardq_core::BackoffKind::Exponential,
+            jitter_pct: 50,
+        },
+    ] {
+        opts.backoff = backoff;
+        let b = RedisBackend::open(&map, opts.clone()).expect("open");
+        let _c = owner(&b, "w1", 600_000);
+        let jobs: Vec<_> = (0..20).map(|i| job(&format!("j-{i}"), "p")).collect();
+        b.enqueue("r0", 1, &jobs).unwrap();
+        let mut delays = Vec::new();
+        for attempt in 1..=2u32 {
+            clock.advance(4_000_000);
+            let runs = b.claim("r0", 100, LEASE).unwrap();
+            assert_eq!(runs.len(), 20);
+            for r in runs {
+                assert_eq!(r.attempt, attempt);
+                let now = shardq_core::Clock::now_ms(&clock);
+                let FailOutcome::Retry { at_ms } = b.fail("r0", r.receipt(), "no", None).unwrap()
+                else {
+                    panic!("retried");
+                };
+                let want = backoff.delay_for(attempt, shardq_core::job::run_seed(r.receipt()));
+                assert_eq!(at_ms - now, want, "{backoff:?} attempt {attempt}");
+                delays.push(want);
+            }
+        }
+        // The jitter spreads the runs; none waits longer than the nominal.
+        let distinct: std::collections::BTreeSet<_> = delays.iter().collect();
+        assert!(distinct.len() > 10, "{delays:?}");
+        for (i, d) in delays.iter().enumerate() {
+            let nominal = backoff.delay_ms(if i < 20 { 1 } else { 2 });
+            assert!(*d <= nominal && *d >= nominal - nominal * u64::from(backoff.jitter_pct) / 100);
+        }
+        // Clear the shard for the next backoff: every job acked.
+        clock.advance(4_000_000);
+        let runs = b.claim("r0", 100, LEASE).unwrap();
+        let receipts: Vec<_> = runs.iter().map(|r| r.receipt()).collect();
+        b.ack("r0", &receipts).unwrap();
+    }
 }
