@@ -159,6 +159,53 @@ def test_retry_is_refused_without_admin_and_works_with_it(browser, deployment, s
     wait(browser, "the empty dead-letter list", lambda d: d.find_element(By.ID, "dead-empty").is_displayed())
 
 
+def test_a_keys_jobs_a_job_page_and_a_cancel(browser, deployment, screenshots):
+    """The key lookup lists the key's live jobs; a job id opens the job
+    panel with its state and payload (as text: markup in a payload stays
+    text); a cancel needs admin and a second click, and the job is gone."""
+    api = deployment["api"]
+    hostile = "<img src=x onerror=\"document.title='pwned'\">"
+    placed = api.post("/v1/jobs", {"jobs": [
+        {"key": "page-k", "payload": p, "delay_ms": 3_600_000} for p in (hostile, "second", "third")
+    ]})["jobs"]
+    ids = [j["id"] for j in placed]
+    open_page(browser, deployment, READ_TOKEN)
+    box = browser.find_element(By.ID, "key-input")
+    box.clear()
+    box.send_keys("page-k")
+    browser.find_element(By.ID, "key-go").click()
+    wait(browser, "the key's jobs", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#key-jobs tbody tr")) == 3)
+    states = [r.get_attribute("data-state") for r in browser.find_elements(By.CSS_SELECTOR, "#key-jobs tbody tr")]
+    assert states == ["delayed"] * 3, states
+    click(browser, "the first job's link", "#key-jobs tbody tr a.job-link")
+    wait(browser, "the job panel", lambda d: text(d, "#job-id") == ids[0])
+    assert text(browser, "#job-state") == "delayed"
+    assert browser.find_element(By.ID, "job-payload").text == hostile
+    assert not browser.find_elements(By.CSS_SELECTOR, "#job-panel img")
+    assert browser.title != "pwned"
+    browser.save_screenshot(str(screenshots / "04b-job-page.png"))
+
+    # A read token: the cancel is refused, and nothing changed.
+    click(browser, "the cancel button", "#job-cancel")
+    click(browser, "the confirm", "#job-cancel")
+    wait(browser, "the refusal", lambda d: "Refused (403)" in text(d, "#job-msg"))
+    assert api.get("/v1/jobs/" + ids[0])["state"] == "delayed"
+
+    use_token(browser, ADMIN_TOKEN)
+    row = f'#key-jobs tbody tr[data-job="{ids[1]}"] button.cancel'
+    click(browser, "the row's cancel", row)
+    wait(browser, "the confirm label", lambda d: "Confirm" in text(d, row))
+    assert api.get("/v1/jobs/" + ids[1])["state"] == "delayed", "one click cancelled"
+    click(browser, "the row's confirm", row)
+    wait(browser, "the cancel", lambda d: "Cancelled " + ids[1] in text(d, "#job-msg"))
+    wait(browser, "the row gone", lambda d: not d.find_elements(By.CSS_SELECTOR, f'#key-jobs tbody tr[data-job="{ids[1]}"]'))
+    code, _ = api.call("GET", "/v1/jobs/" + ids[1])
+    assert code == 404
+    for i in (ids[0], ids[2]):
+        code, v = api.call("DELETE", "/v1/jobs/" + i, {})
+        assert code == 200, v
+
+
 class Load:
     """A producer that keeps enqueueing and a slow remote worker (claim,
     work a little, ack) over the API, so keys have backlogs to move."""

@@ -19,6 +19,8 @@
     movedSeen: [],       // [{ t, moved }] while moving
     lastSlow: 0,         // when ring, hot keys and dead letters were last read
     deadArmed: null,     // id whose purge waits for a second click
+    cancelArmed: null,   // id whose cancel waits for a second click
+    job: null,           // the job shown in the job panel
   };
 
   // ---------------------------------------------------------------- token
@@ -384,7 +386,9 @@
     $("dead-empty").hidden = d.dead.length > 0;
     for (const j of d.dead) {
       const tr = el("tr", { "data-job": j.id });
-      tr.appendChild(el("td", null, j.id));
+      const idCell = el("td");
+      idCell.appendChild(jobLink(j.id));
+      tr.appendChild(idCell);
       tr.appendChild(el("td", null, j.shard));
       tr.appendChild(el("td", null, j.key));
       tr.appendChild(el("td", { class: "num" }, j.attempts));
@@ -425,11 +429,114 @@
       $("key-dead").textContent = fmt(k.dead);
       $("key-owned").textContent = k.owned_here ? "yes" : "no";
       $("key-version").textContent = "v" + k.map_version;
+      await lookupJobs(key);
     } catch (e) {
       out.hidden = true;
       err.hidden = false;
       err.textContent = authMessage(e) || ("Lookup failed: " + e.message);
     }
+  }
+
+  // -------------------------------------------------------------------- job
+  function ago(ms) {
+    if (!ms) return "–";
+    const d = (Date.now() - ms) / 1000;
+    const n = Math.abs(d) < 10 ? Math.abs(d).toFixed(1) : Math.round(Math.abs(d)).toString();
+    return d >= 0 ? n + " s ago" : "in " + n + " s";
+  }
+  const PAYLOAD_SHOWN = 2048;
+
+  function jobLink(id) {
+    const a = el("a", { href: "#job", class: "job-link" }, id);
+    a.addEventListener("click", (ev) => { ev.preventDefault(); $("job-input").value = id; showJob(id); });
+    return a;
+  }
+
+  function jobNote(kind, text) {
+    const m = $("job-msg");
+    m.hidden = !text;
+    m.className = "note " + kind;
+    m.textContent = text || "";
+  }
+
+  async function showJob(id) {
+    const err = $("job-error");
+    const out = $("job-result");
+    const cancel = $("job-cancel");
+    state.cancelArmed = null;
+    cancel.textContent = "Cancel job";
+    try {
+      const j = await api("GET", "/v1/jobs/" + encodeURIComponent(id));
+      state.job = j;
+      err.hidden = true;
+      out.hidden = false;
+      $("job-id").textContent = j.id;
+      $("job-key").textContent = j.key;
+      $("job-state").textContent = j.state;
+      $("job-attempts").textContent = j.attempts + " of " + j.max_attempts + (j.state === "running" ? " (attempt " + (j.attempts + 1) + " running)" : "");
+      $("job-created").textContent = ago(j.created_ms);
+      $("job-due").textContent = (j.state === "queued" || j.state === "delayed") ? ago(j.not_before_ms) : "–";
+      $("job-run").textContent = j.run ? "fence " + j.run.fence + (j.run.lease_expires_ms ? ", job lease ends " + ago(j.run.lease_expires_ms) : "") : "–";
+      $("job-reason").textContent = j.reason || "–";
+      const text = j.payload !== undefined ? j.payload : "(" + j.payload_b64.length + " characters of base64: not UTF-8)";
+      $("job-payload").textContent = text.length > PAYLOAD_SHOWN ? text.slice(0, PAYLOAD_SHOWN) + "… (" + text.length + " characters)" : text;
+      cancel.hidden = j.state === "running";
+    } catch (e) {
+      state.job = null;
+      out.hidden = true;
+      cancel.hidden = true;
+      err.hidden = false;
+      err.textContent = authMessage(e) || (e.status === 404 ? "No live job " + id + ": it finished, was cancelled, moved away with its key, or never existed." : "Reading the job failed: " + e.message);
+    }
+  }
+
+  async function cancelJob(id, button, after) {
+    if (state.cancelArmed !== id) {
+      state.cancelArmed = id;
+      button.textContent = "Confirm cancel";
+      return;
+    }
+    state.cancelArmed = null;
+    try {
+      await api("DELETE", "/v1/jobs/" + encodeURIComponent(id), {});
+      jobNote("ok", "Cancelled " + id + ": it will not run.");
+    } catch (e) {
+      if (e.status === 401 || e.status === 403) {
+        jobNote("bad", "Refused (" + e.status + "): cancel needs a token with the admin role. " + e.message);
+      } else {
+        jobNote("bad", "Cancel of " + id + " refused: " + e.message);
+      }
+    }
+    if (after) after();
+  }
+
+  function renderKeyJobs(list) {
+    const table = $("key-jobs");
+    const tbody = table.querySelector("tbody");
+    clear(tbody);
+    table.hidden = list.jobs.length === 0;
+    $("key-jobs-empty").hidden = list.jobs.length > 0;
+    for (const j of list.jobs) {
+      const tr = el("tr", { "data-job": j.id, "data-state": j.state });
+      const id = el("td");
+      id.appendChild(jobLink(j.id));
+      tr.appendChild(id);
+      tr.appendChild(el("td", null, j.state));
+      tr.appendChild(el("td", { class: "num" }, j.attempts + "/" + j.max_attempts));
+      tr.appendChild(el("td", null, j.reason || ""));
+      const td = el("td");
+      if (j.state !== "running") {
+        const b = el("button", { type: "button", class: "cancel danger" }, state.cancelArmed === j.id ? "Confirm cancel" : "Cancel");
+        b.addEventListener("click", () => cancelJob(j.id, b, () => lookupJobs(list.key)));
+        td.appendChild(b);
+      }
+      tr.appendChild(td);
+      tbody.appendChild(tr);
+    }
+  }
+
+  async function lookupJobs(key) {
+    try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50")); } catch (e) { /* the lookup shows errors */ }
   }
 
   // ------------------------------------------------------------------- poll
@@ -484,6 +591,17 @@
   });
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
   $("key-form").addEventListener("submit", lookup);
+  $("job-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const id = $("job-input").value.trim();
+    jobNote("", "");
+    if (!id) { $("job-error").hidden = false; $("job-error").textContent = "Type a job id (SHARD:ID) first."; return; }
+    showJob(id);
+  });
+  $("job-cancel").addEventListener("click", () => {
+    const j = state.job;
+    if (j) cancelJob(j.id, $("job-cancel"), () => showJob(j.id));
+  });
   showTokenState();
   loop();
 })();
