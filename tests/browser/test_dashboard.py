@@ -298,6 +298,28 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
         shutil.copy(shot, deployment["keep_shot"])
 
 
+def test_the_throughput_chart_shows_the_servers_own_counts(browser, deployment, screenshots):
+    """After the load above, the chart's totals are the server's history
+    totals and its lines span the last ten minutes, or the last hour when
+    asked, one point per second."""
+    api = deployment["api"]
+    open_page(browser, deployment, READ_TOKEN)
+    h = api.get("/v1/history")
+    assert h["totals"]["acked"] > 0 and len(h["acked"]) == 3600, h["totals"]
+    assert sum(h["acked"]) <= h["totals"]["acked"]
+
+    def shown_acked(d):
+        t = text(d, "#flow-acked").replace(",", "")
+        return t.isdigit() and int(t) >= h["totals"]["acked"]
+
+    wait(browser, "the processed total", shown_acked)
+    points = "const p = document.querySelector('#flow polyline.acked'); return p ? p.getAttribute('points').split(' ').length : 0;"
+    wait(browser, "ten minutes of points", lambda d: d.execute_script(points) == 600)
+    click(browser, "the hour button", "#flow-3600")
+    wait(browser, "an hour of points", lambda d: d.execute_script(points) == 3600)
+    browser.save_screenshot(str(screenshots / "06-throughput.png"))
+
+
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
     open_page(browser, deployment, READ_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")

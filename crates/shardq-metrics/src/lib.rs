@@ -18,6 +18,7 @@
 //! feeding call must stay cheap (atomics and a short lock) so that metrics
 //! never slow the queue down.
 
+pub mod history;
 pub mod runs;
 pub mod serve;
 pub mod shards;
@@ -36,6 +37,7 @@ use shardq_core::reshard::RebalanceEvent;
 use shardq_core::{PoolEvent, Receipt, RunOutcome};
 use shardq_deploy::Deployment;
 
+pub use history::{History, Window, HISTORY_SECONDS};
 pub use runs::RunTracker;
 pub use serve::{spawn_listener, Listener, MetricsError};
 pub use shards::{StatusSnapshot, StatusSource, STATUS_TTL};
@@ -114,6 +116,7 @@ pub struct Metrics {
     rebalance: Rebalance,
     shards: shards::ShardGauges,
     runs: Mutex<RunTracker>,
+    history: History,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -126,6 +129,13 @@ fn shard(s: &str) -> ShardLabel {
     ShardLabel {
         shard: s.to_string(),
     }
+}
+
+/// The wall clock's second (the history's buckets follow it).
+pub fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn seconds(ms: u64) -> f64 {
@@ -248,6 +258,7 @@ impl Metrics {
             rebalance,
             shards,
             runs: Mutex::new(RunTracker::default()),
+            history: History::default(),
         };
         m.set_phase("idle");
         m
@@ -335,7 +346,14 @@ impl Metrics {
     pub fn enqueued(&self, s: &str, n: u64) {
         if n > 0 {
             self.flow.enqueued.get_or_create(&shard(s)).inc_by(n);
+            self.history.add(history::Flow::Enqueued, n, now_s());
         }
+    }
+
+    /// The per-second counts of the last hour and the totals since start
+    /// (this process's enqueues and remote runs).
+    pub fn history(&self) -> &History {
+        &self.history
     }
 
     /// Adds a producer's refusals ([`shardq_core::producer::Producer::take_refusals`]).
@@ -356,6 +374,7 @@ impl Metrics {
     /// the run's ack or fail.
     pub fn run_claimed(&self, s: &str, receipt: Receipt, due_ms: u64, now_ms: u64) {
         self.flow.claimed.get_or_create(&shard(s)).inc();
+        self.history.add(history::Flow::Claimed, 1, now_s());
         self.wait.observe(seconds(now_ms.saturating_sub(due_ms)));
         self.tracker().started(s, receipt, now_ms);
     }
@@ -376,6 +395,7 @@ impl Metrics {
             }
         }
         drop(runs);
+        self.history.add(history::Flow::Acked, acked, now_s());
         self.finished(s, RunOutcome::Acked, acked);
         self.finished(s, RunOutcome::Stale, stale.len() as u64);
     }
@@ -392,6 +412,7 @@ impl Metrics {
         } else {
             RunOutcome::Retried
         };
+        self.history.add(history::Flow::Failed, 1, now_s());
         self.finished(s, outcome, 1);
     }
 

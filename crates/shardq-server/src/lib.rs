@@ -279,6 +279,7 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         ),
         (r("GET", "/v1/ring", Some(Read)), d(get(dashboard::ring))),
         (r("GET", "/v1/hot", Some(Read)), d(get(dashboard::hot))),
+        (r("GET", "/v1/history", Some(Read)), get(dashboard::history)),
         (
             r("GET", "/v1/reshard", Some(Read)),
             d(get(dashboard::reshard)),

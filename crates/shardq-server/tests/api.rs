@@ -425,6 +425,47 @@ fn jobs_are_shown_listed_and_cancelled_by_id() {
     }
 }
 
+/// `GET /v1/history` counts this server's enqueues, claims, acks and
+/// fails per second, its totals agree, and a bad window is refused.
+#[test]
+fn history_counts_what_this_server_did() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    support::enqueue_n(&s, "h", 5);
+    let runs = claim(&s, "w", 1, 0, 60_000);
+    post_ok_ack(&s, &runs[0]["receipt"]);
+    let run = claim(&s, "w", 1, 0, 60_000).remove(0);
+    let (code, v) = post(
+        &s,
+        "/v1/fail",
+        json!({"receipt": run["receipt"], "reason": "no"}),
+    );
+    assert_eq!(code, 200, "{v}");
+    let h = support::get_ok(&s, "/v1/history?seconds=120");
+    let sum = |name: &str| {
+        h[name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(h["acked"].as_array().unwrap().len(), 120);
+    assert_eq!(
+        (sum("enqueued"), sum("claimed"), sum("acked"), sum("failed")),
+        (5, 2, 1, 1),
+        "{h}"
+    );
+    assert_eq!(
+        h["totals"],
+        json!({"enqueued": 5, "claimed": 2, "acked": 1, "failed": 1})
+    );
+    for bad in ["/v1/history?seconds=0", "/v1/history?seconds=3601"] {
+        let (code, v) = get(&s, bad);
+        assert_eq!(code, 400, "{bad}: {v}");
+    }
+}
+
 fn post_ok_ack(s: &shardq_server::Running, receipt: &Value) {
     let (code, v) = post(s, "/v1/ack", json!({ "receipts": [receipt] }));
     assert_eq!((code, &v["acked"]), (200, &json!(1)), "{v}");

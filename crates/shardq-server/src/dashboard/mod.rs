@@ -1,5 +1,5 @@
 //! The dashboard: a page served at `/` (HTML, CSS and JS embedded in the
-//! binary, no network at run time) that polls the JSON API, and the three
+//! binary, no network at run time) that polls the JSON API, and the four
 //! read endpoints it adds:
 //!
 //! * `GET /v1/ring`: each shard's share of the key space under the published
@@ -11,8 +11,12 @@
 //!   still pinned to their old shard and the keys already switched (the
 //!   temporary overrides of the published map), and the keys paused now on
 //!   each shard with how long this server has seen them paused.
+//! * `GET /v1/history?seconds=N`: this server's own counts per second for
+//!   the last `N` seconds (at most an hour): jobs enqueued, runs claimed,
+//!   acked and failed, and their totals since it started
+//!   (`shardq_metrics::History`). Read from memory, not cached.
 //!
-//! Every answer is cached for [`CACHE_MS`] (the ring per map version), and
+//! Every answer but the history is cached for [`CACHE_MS`] (the ring per map version), and
 //! one computation runs at a time per endpoint, so however many pages poll,
 //! the queue sees at most one scan per second from them. This module holds
 //! no queue logic and must never change what it reads.
@@ -163,6 +167,49 @@ pub async fn ring(State(app): State<Arc<App>>, Extension(dash): Extension<Arc<Da
     })
     .await?;
     Ok(Json(v).into_response())
+}
+
+/// `GET /v1/history` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryQuery {
+    seconds: Option<usize>,
+}
+
+/// Seconds `GET /v1/history` gives when not told: the last hour.
+pub const HISTORY_SECONDS_DEFAULT: usize = shardq_metrics::HISTORY_SECONDS;
+
+/// `GET /v1/history?seconds=N`: see the module docs.
+pub async fn history(
+    State(app): State<Arc<App>>,
+    QueryParams(q): QueryParams<HistoryQuery>,
+) -> ApiResult {
+    let seconds = q.seconds.unwrap_or(HISTORY_SECONDS_DEFAULT);
+    if seconds == 0 || seconds > shardq_metrics::HISTORY_SECONDS {
+        return Err(ApiError::bad(format!(
+            "seconds: {seconds} is out of range 1..={}",
+            shardq_metrics::HISTORY_SECONDS
+        )));
+    }
+    let w = app
+        .metrics
+        .history()
+        .window(seconds, shardq_metrics::now_s());
+    Ok(Json(json!({
+        "until_s": w.until_s,
+        "step_s": 1,
+        "enqueued": w.enqueued,
+        "claimed": w.claimed,
+        "acked": w.acked,
+        "failed": w.failed,
+        "totals": {
+            "enqueued": w.totals[0],
+            "claimed": w.totals[1],
+            "acked": w.totals[2],
+            "failed": w.totals[3],
+        },
+    }))
+    .into_response())
 }
 
 /// `GET /v1/hot` query.

@@ -21,6 +21,7 @@
     deadArmed: null,     // id whose purge waits for a second click
     cancelArmed: null,   // id whose cancel waits for a second click
     job: null,           // the job shown in the job panel
+    flowSeconds: 600,    // the throughput chart's window
   };
 
   // ---------------------------------------------------------------- token
@@ -437,6 +438,43 @@
     }
   }
 
+  // --------------------------------------------------------------- history
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  function renderHistory(h) {
+    $("flow-acked").textContent = fmt(h.totals.acked);
+    $("flow-failed").textContent = fmt(h.totals.failed);
+    $("flow-enqueued").textContent = fmt(h.totals.enqueued);
+    const last = (a) => a.slice(-60).reduce((x, y) => x + y, 0);
+    $("flow-minute").textContent = fmt(last(h.acked)) + " acked, " + fmt(last(h.failed)) + " failed";
+    const svg = $("flow");
+    clear(svg);
+    const n = h.acked.length;
+    const top = Math.max(1, ...h.acked, ...h.failed, ...h.enqueued);
+    const W = 720, H = 140;
+    const line = (series, cls, color) => {
+      const pts = series.map((v, i) => (i * W / Math.max(1, n - 1)).toFixed(1) + "," + (H - 2 - v * (H - 4) / top).toFixed(1));
+      const p = document.createElementNS(SVG_NS, "polyline");
+      p.setAttribute("points", pts.join(" "));
+      p.setAttribute("fill", "none");
+      p.setAttribute("stroke", color);
+      p.setAttribute("stroke-width", "1.5");
+      p.setAttribute("vector-effect", "non-scaling-stroke");
+      p.setAttribute("class", cls);
+      svg.appendChild(p);
+    };
+    line(h.enqueued, "enq", "#1565c0");
+    line(h.acked, "acked", "#2e7d32");
+    line(h.failed, "failed", "#c62828");
+    $("flow-scale").textContent = "· top of the chart: " + fmt(top) + "/s · " + Math.round(n / 60) + " min shown";
+  }
+
+  function pickFlow(seconds) {
+    state.flowSeconds = seconds;
+    $("flow-600").className = seconds === 600 ? "picked" : "";
+    $("flow-3600").className = seconds === 3600 ? "picked" : "";
+    api("GET", "/v1/history?seconds=" + seconds).then(renderHistory, () => {});
+  }
+
   // -------------------------------------------------------------------- job
   function ago(ms) {
     if (!ms) return "–";
@@ -549,6 +587,7 @@
       reshard: api("GET", "/v1/reshard"),
     };
     if (slow) {
+      jobs.history = api("GET", "/v1/history?seconds=" + state.flowSeconds);
       jobs.ring = api("GET", "/v1/ring");
       jobs.hot = api("GET", "/v1/hot?top=10");
       jobs.dead = api("GET", "/v1/dead?limit=20");
@@ -567,6 +606,7 @@
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
+    if (got.history) renderHistory(got.history);
     if (problem) {
       setConn(false, authMessage(problem) || ("Reading failed: " + problem.message));
     } else {
@@ -591,6 +631,8 @@
   });
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
   $("key-form").addEventListener("submit", lookup);
+  $("flow-600").addEventListener("click", () => pickFlow(600));
+  $("flow-3600").addEventListener("click", () => pickFlow(3600));
   $("job-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const id = $("job-input").value.trim();
