@@ -31,8 +31,9 @@ import socket
 import time
 import uuid
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from urllib.parse import quote
 
-from .errors import ConfigError, HttpError, PartialEnqueue, ShardqError, TooLarge
+from .errors import ConfigError, HttpError, JobNotCancelled, PartialEnqueue, ServerUnavailable, ShardqError, TooLarge
 from .http import (
     ABANDON_ACK_FLUSH_S,
     ACK_BATCH_MAX,
@@ -45,6 +46,7 @@ from .http import (
     RETRY_ROUNDS_DEFAULT,
     ClaimedJob,
     Enqueued,
+    JobInfo,
     JobLike,
     NewJob,
     Payload,
@@ -107,8 +109,14 @@ class _Session:
 
     async def post(self, url: str, path: str, body: Union[Dict[str, Any], bytes], timeout: float) -> Tuple[int, Any]:
         """(status, decoded JSON body or None); raises the transport errors."""
-        data = body if isinstance(body, bytes) else _dumps(body)
-        async with self._get().post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        return await self.request("POST", url, path, body, timeout)
+
+    async def request(self, method: str, url: str, path: str, body: Union[Dict[str, Any], bytes, None],
+                      timeout: float) -> Tuple[int, Any]:
+        """:meth:`post` for any method; ``body`` ``None`` sends none."""
+        data = None if body is None else body if isinstance(body, bytes) else _dumps(body)
+        async with self._get().request(method, url + path, data=data,
+                                       timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             raw = await resp.read()
             status = resp.status
         try:
@@ -201,6 +209,45 @@ class AsyncClient:
             if pause is None:
                 raise att.error()
             await asyncio.sleep(pause)
+
+    async def job(self, id: str) -> Optional[JobInfo]:
+        """:meth:`shardq.Client.job` from asyncio code."""
+        status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return None if status == 404 else JobInfo._of(doc)
+
+    async def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
+        """:meth:`shardq.Client.key_jobs` from asyncio code."""
+        if not 1 <= limit <= 1000:
+            raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
+        _, doc = await self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit={limit}", None,
+                                  "listing a key's jobs")
+        return [JobInfo._of(j) for j in doc["jobs"]]
+
+    async def cancel(self, id: str) -> bool:
+        """:meth:`shardq.Client.cancel` from asyncio code."""
+        status, _ = await self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        return status != 404
+
+    async def _call(self, method: str, path: str, body: Optional[Dict[str, Any]], what: str) -> Tuple[int, Any]:
+        causes: List[str] = []
+        last: Optional[BaseException] = None
+        for url in self.urls:
+            try:
+                status, doc = await self._http.request(method, url, path, body, self.timeout_s)
+            except _TRANSPORT_ERRORS as e:
+                causes.append(f"{url}: {e}")
+                last = e
+                continue
+            if status in (200, 404):
+                return status, doc
+            if _retryable(status):
+                causes.append(f"{url} answered {status}: {_error_of(doc)}")
+                continue
+            if status == 409 and method == "DELETE":
+                state = doc.get("state", "") if isinstance(doc, dict) else ""
+                raise JobNotCancelled(url, status, _error_of(doc), state)
+            _raise_for(url, status, doc)
+        raise ServerUnavailable(what, causes, last)
 
     async def close(self) -> None:
         await self._http.close()

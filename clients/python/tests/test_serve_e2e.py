@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Dict, List, Tuple
 
-from shardq import ClaimedJob, Client, Worker
+from shardq import ClaimedJob, Client, NewJob, Worker
 
 from support import WAIT_S, check_order_and_completeness, jobs_for, read_lines, stop_process, wait_until
 
@@ -299,3 +299,22 @@ def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
         w.stop()
         t.join(WAIT_S)
         assert ran == [b"p0", b"p2"], ran
+
+
+def test_the_async_client_reads_and_cancels_jobs_too(serve):
+    import asyncio
+
+    from shardq.aio import AsyncClient
+
+    async def go() -> None:
+        async with AsyncClient([serve.url]) as c:
+            placed = await c.enqueue_many([NewJob("aio-k", b"a"), NewJob("aio-k", b"b")])
+            j = await c.job(placed[1].id)
+            assert j is not None and (j.state, j.payload) == ("queued", b"b")
+            assert [x.id for x in await c.key_jobs("aio-k")] == [p.id for p in placed]
+            assert await c.cancel(placed[1].id) is True
+            assert await c.cancel(placed[1].id) is False
+            assert await c.job(placed[1].id) is None
+            assert await c.job("shard-0:999999999") is None
+
+    asyncio.run(go())
