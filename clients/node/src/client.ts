@@ -261,11 +261,12 @@ export class Client {
   }
 
   /**
-   * Cancels the queued, delayed or dead job `id`: it is deleted and never
-   * runs. `true` when this call cancelled it; `false` when no live job had
-   * the id (it finished, or an earlier try on another server cancelled it).
-   * A running job, or one whose key is moving, rejects with
-   * `JobNotCancelled` (`state` says which).
+   * Cancels the job `id`: a queued, delayed or dead one is deleted and never
+   * runs; a running one's run is asked to stop (its results are refused) and
+   * the job goes when the run ends, never retried. `true` when this call
+   * cancelled it; `false` when no live job had the id (it finished, or an
+   * earlier try on another server cancelled it). A job whose key is moving
+   * rejects with `JobNotCancelled` (`state` says why).
    */
   async cancel(id: string): Promise<boolean> {
     const [doc] = await this.read("DELETE", `/v1/jobs/${encodeURIComponent(id)}`, {});

@@ -68,9 +68,9 @@ export class StaleReceipt extends ShardqError {
 }
 
 /**
- * 409 on a cancel: the job is running (`state` `"running"`: its run must end
- * first) or its key is moving to another shard (`"moving"`: cancel it there
- * once the move is done). Nothing changed.
+ * 409 on a cancel: the job's key is moving to another shard (`state`
+ * `"moving"`: cancel it there once the move is done), or a server that cannot
+ * stop runs found it running (`"running"`). Nothing changed.
  */
 export class JobNotCancelled extends ShardqError {
   override name = "JobNotCancelled";

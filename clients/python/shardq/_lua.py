@@ -92,10 +92,19 @@ local function requeue(ids, why, now)
   local r = redis.call('HGET', K_JOBS, ids)
   if not r then return end
   local n, a, m, _, k = rec_parse(r)
-  a = a + 1
-  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local was_flying = q.f == tonumber(ids)
+  if was_flying and q.r == 0 then
+    -- Cancelled while it ran (its run fence cleared): the job ends with it.
+    q.f = 0
+    redis.call('HDEL', K_JOBS, ids)
+    redis.call('HDEL', K_REASON, ids)
+    kstore(k, q)
+    kready(k, q, nil, now)
+    return
+  end
+  a = a + 1
+  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   if was_flying then q.f, q.r = 0, 0 end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
@@ -118,6 +127,7 @@ local function run_check(ids, fence, k, q, now)
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
+  if q.r == 0 then return 'the job was cancelled while it ran' end
   if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
   if until_ms <= now then

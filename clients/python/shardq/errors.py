@@ -109,9 +109,9 @@ class StaleReceipt(HttpError):
 
 
 class JobNotCancelled(HttpError):
-    """409 on a cancel: the job is running (``state`` ``"running"``: its
-    run must end first) or its key is moving to another shard (``state``
-    ``"moving"``: cancel it there once the move is done). Nothing changed."""
+    """409 on a cancel: the job's key is moving to another shard (``state``
+    ``"moving"``: cancel it there once the move is done), or a server that
+    cannot stop runs found it running (``"running"``). Nothing changed."""
 
     def __init__(self, url: str, status: int, error: str, state: str):
         super().__init__(url, status, error)

@@ -657,11 +657,13 @@ class Client:
         return [JobInfo._of(j) for j in doc["jobs"]]
 
     def cancel(self, id: str) -> bool:
-        """Cancels the queued, delayed or dead job ``id``: it is deleted and
-        never runs. ``True`` when this call cancelled it, ``False`` when no
-        live job had the id (it finished, or an earlier try of this call
-        on another URL cancelled it). A running job, or one whose key is
-        moving, raises :class:`JobNotCancelled` (``state`` says which)."""
+        """Cancels the job ``id``: a queued, delayed or dead one is deleted
+        and never runs; a running one's run is asked to stop (its results
+        are refused) and the job goes when the run ends, never retried.
+        ``True`` when this call cancelled it, ``False`` when no live job had
+        the id (it finished, or an earlier try of this call on another URL
+        cancelled it). A job whose key is moving raises
+        :class:`JobNotCancelled` (``state`` says why)."""
         status, _ = self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
         return status != 404
 

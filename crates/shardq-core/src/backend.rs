@@ -411,8 +411,11 @@ pub trait QueueBackend: Send + Sync {
 
     /// Deletes the job `id` of `shard` if it is queued, delayed or dead,
     /// atomically with respect to claims: a cancelled job never starts. A
-    /// running job is left alone ([`CancelOutcome::Running`]): the key's
-    /// one run is never cut short by a store write its handler cannot see.
+    /// running job's run is asked to stop ([`CancelOutcome::Stopping`]): its
+    /// results are refused from then, and the job is deleted when the run
+    /// ends (its job lease lapsing, or a new owner finding it), never
+    /// retried; the key's next job starts only after that, so the key's one
+    /// run is never overlapped by a store write its handler cannot see.
     /// Needs no ownership.
     fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
         let _ = (shard, id);

@@ -58,6 +58,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     dedup_records_move_with_export_and_import(h);
     backlogs_move_with_their_key(h);
     jobs_can_be_read_and_cancelled(h);
+    a_running_job_cancelled_ends_with_its_run(h);
 }
 
 /// A key's backlog moves to another shard whole: a sealed key starts no
@@ -448,8 +449,8 @@ pub fn dedup_records_move_with_export_and_import(h: &dyn ContractHarness) {
 /// An operator reads a live job by id and a key's live jobs in key order,
 /// with their state, attempts, reason and payload; cancels a queued, a
 /// delayed or a dead job so that it never runs, and the key's next job
-/// becomes due at once; a running job is not cancelled; a finished, a
-/// cancelled or an unknown id is not found. Other keys are untouched.
+/// becomes due at once; a finished, a cancelled or an unknown id is not
+/// found. Other keys are untouched.
 pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
     let b = h.backend();
     let shard = h.fresh_shard();
@@ -511,11 +512,6 @@ pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
     assert_eq!(b.job(&shard, JobId(u64::MAX / 2)).expect("job"), None);
 
     assert_eq!(
-        b.cancel(&shard, run_b.id).expect("cancel"),
-        CancelOutcome::Running,
-        "a running job must not be cancelled under its run"
-    );
-    assert_eq!(
         b.cancel(&shard, all[2].id).expect("cancel"),
         CancelOutcome::Cancelled
     );
@@ -562,6 +558,92 @@ pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
     );
     assert_eq!(b.key_counts(&shard, "other").expect("counts").in_flight, 1);
     assert_eq!(ids("k"), [next[0].id]);
+    // A key sealed for a move: its jobs may have copies on the new shard,
+    // so a cancel here is refused until the move is done.
+    enqueue(h, &shard, "moving", "m", 5);
+    let m = b.key_jobs(&shard, "moving", 10).expect("key_jobs")[0].id;
+    let mut fence = b.fence(&shard).expect("fence");
+    fence
+        .sealed_keys
+        .insert("moving".into(), "elsewhere".into());
+    b.set_fence(&shard, &fence).expect("seal");
+    assert_eq!(b.cancel(&shard, m).expect("cancel"), CancelOutcome::Moving);
+    assert!(
+        b.job(&shard, m).expect("job").is_some(),
+        "a refused cancel changed the job"
+    );
+    fence.sealed_keys.clear();
+    b.set_fence(&shard, &fence).expect("unseal");
+    assert_eq!(
+        b.cancel(&shard, m).expect("cancel"),
+        CancelOutcome::Cancelled
+    );
+}
+
+/// A running job's cancel asks its run to stop: its ack and extend are
+/// refused from then, the key's next job does not start while the run's
+/// job lease lasts (no two runs of a key overlap), and when it lapses the
+/// job is gone, not retried, and the next job starts. A backend that
+/// cannot stop a run says so ([`CancelOutcome::Running`]) and changes
+/// nothing.
+pub fn a_running_job_cancelled_ends_with_its_run(h: &dyn ContractHarness) {
+    let b = h.backend();
+    let shard = h.fresh_shard();
+    let lease = h.short_lease_ms();
+    enqueue(h, &shard, "k", "r1", 5);
+    enqueue(h, &shard, "k", "r2", 5);
+    let run = claim(h, &shard, 10, lease).remove(0);
+    assert_eq!(&run.payload[..], b"r1");
+    match b.cancel(&shard, run.id).expect("cancel") {
+        CancelOutcome::Running => {
+            let out = b.ack(&shard, &[run.receipt()]).expect("ack");
+            assert_eq!(
+                out.acked, 1,
+                "a cancel that answered Running changed the run"
+            );
+            return;
+        }
+        CancelOutcome::Stopping => {}
+        other => panic!("a running job's cancel answered {other:?}"),
+    }
+    assert_eq!(
+        b.cancel(&shard, run.id).expect("cancel"),
+        CancelOutcome::Stopping,
+        "a second cancel of the stopping run"
+    );
+    let info = b.job(&shard, run.id).expect("job").expect("still live");
+    assert_eq!(info.state, JobState::Running, "it runs until its run ends");
+    let stale = b.extend(&shard, &[run.receipt()], lease).expect("extend");
+    assert_eq!(
+        stale,
+        [run.receipt()],
+        "a cancelled run's extend must be refused"
+    );
+    let out = b.ack(&shard, &[run.receipt()]).expect("ack");
+    assert_eq!(
+        (out.acked, out.stale.len()),
+        (0, 1),
+        "a cancelled run's ack must be refused"
+    );
+    assert!(
+        claim(h, &shard, 10, lease).is_empty(),
+        "the key's next job started while the cancelled run's lease lasted"
+    );
+    h.pass_ms(lease + 1);
+    let next = claim(h, &shard, 10, LONG_LEASE_MS);
+    let got: Vec<&[u8]> = next.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(
+        got,
+        [b"r2"],
+        "the cancelled job ran again, or the next did not start"
+    );
+    assert_eq!(
+        b.job(&shard, run.id).expect("job"),
+        None,
+        "the cancelled job is gone"
+    );
+    ack_one(h, &shard, next[0].receipt());
+    assert!(claim(h, &shard, 10, LONG_LEASE_MS).is_empty());
 }
 
 fn enqueue(h: &dyn ContractHarness, shard: &str, key: &str, payload: &str, attempts: u32) {

@@ -496,8 +496,15 @@ pub enum CancelOutcome {
     /// (again).
     Cancelled,
     /// A run of it is in flight; nothing changed. Its run must end first
-    /// (an ack, a fail, or its job lease lapsing).
+    /// (an ack, a fail, or its job lease lapsing). A backend that can stop
+    /// a run answers [`CancelOutcome::Stopping`] instead.
     Running,
+    /// A run of it is in flight and is asked to stop: from now its results
+    /// (ack, fail, extend) are refused as stale, so its worker stops the
+    /// handler at its next extend, and when the run's job lease lapses the
+    /// job is deleted instead of retried. The key's next job starts only
+    /// then, so no two runs of the key overlap.
+    Stopping,
     /// Its key is moving to another shard, which may already hold a copy
     /// of the job; nothing changed. Cancel it again once the move is done
     /// (on the key's new shard).

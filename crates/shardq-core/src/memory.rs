@@ -36,6 +36,9 @@ struct StoredJob {
 struct Run {
     fence: u64,
     lease_until_ms: u64,
+    /// Cancelled while it ran: its results are refused, and its job is
+    /// deleted when the run ends.
+    cancelled: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -210,6 +213,7 @@ fn current_run(s: &ShardState, receipt: Receipt) -> Result<Run, String> {
         Some(run) if run.fence != receipt.fence => {
             Err(format!("the job's current run has fence {}", run.fence))
         }
+        Some(run) if run.cancelled => Err("the job was cancelled while it ran".into()),
         // A lapsed run stays the job's run until a claim ends it: until
         // then no other run has started, so its result is still the only one.
         Some(run) => Ok(*run),
@@ -235,7 +239,14 @@ fn end_lapsed_runs(s: &mut ShardState, now: u64, backoff: Backoff, policy: DeadP
         .map(|(id, _)| *id)
         .collect();
     for id in lapsed {
-        s.in_flight.remove(&id);
+        let run = s.in_flight.remove(&id);
+        if run.is_some_and(|r| r.cancelled) {
+            // Its cancel takes effect now that no run of it is left.
+            if let Some(j) = s.jobs.remove(&id) {
+                s.busy_keys.remove(&j.key);
+            }
+            continue;
+        }
         // The run vanished rather than failed: retry at once.
         finish_failed(s, id, "job lease lapsed", now, Some(0), backoff, policy);
     }
@@ -442,13 +453,18 @@ impl QueueBackend for MemoryBackend {
     fn adopt(&self, shard: &str) -> Result<(), QueueError> {
         self.with_shard(shard, |s| {
             s.owned = true;
-            // Jobs left in flight go back to the head of their keys.
-            let ids: Vec<JobId> = std::mem::take(&mut s.in_flight).into_keys().collect();
-            for id in ids.into_iter().rev() {
+            // Jobs left in flight go back to the head of their keys, but a
+            // job whose run was cancelled goes with its run.
+            let runs: Vec<(JobId, Run)> = std::mem::take(&mut s.in_flight).into_iter().collect();
+            for (id, run) in runs.into_iter().rev() {
                 if let Some(j) = s.jobs.get(&id) {
                     let key = j.key.clone();
                     s.busy_keys.remove(&key);
-                    s.keys.entry(key).or_default().push_front(id);
+                    if run.cancelled {
+                        s.jobs.remove(&id);
+                    } else {
+                        s.keys.entry(key).or_default().push_front(id);
+                    }
                 }
             }
             Ok(())
@@ -519,6 +535,7 @@ impl QueueBackend for MemoryBackend {
                 s.in_flight.insert(
                     id,
                     Run {
+                        cancelled: false,
                         fence,
                         lease_until_ms,
                     },
@@ -855,8 +872,9 @@ impl QueueBackend for MemoryBackend {
             let Some(j) = s.jobs.get(&id) else {
                 return Ok(CancelOutcome::NotFound);
             };
-            if s.in_flight.contains_key(&id) {
-                return Ok(CancelOutcome::Running);
+            if let Some(run) = s.in_flight.get_mut(&id) {
+                run.cancelled = true;
+                return Ok(CancelOutcome::Stopping);
             }
             if s.fence.sealed_keys.contains_key(&j.key) {
                 return Ok(CancelOutcome::Moving);

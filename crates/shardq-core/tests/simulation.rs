@@ -34,9 +34,9 @@ use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::KeyInventory;
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{
-    current_run, AckOutcome, ClaimedJob, Clock, DeadJob, DedupRecord, FailOutcome, Fence, JobId,
-    KeyCounts, MovedJob, NewJob, PoolOptions, QueueBackend, QueueError, Receipt, ShardStats,
-    Stored, WorkerPool,
+    current_run, AckOutcome, CancelOutcome, ClaimedJob, Clock, DeadJob, DedupRecord, FailOutcome,
+    Fence, JobId, KeyCounts, MovedJob, NewJob, PoolOptions, QueueBackend, QueueError, Receipt,
+    ShardStats, Stored, WorkerPool,
 };
 use shardq_route::{Algorithm, ShardMap};
 
@@ -116,6 +116,9 @@ struct Checks {
     acked: BTreeMap<(String, u64), u32>,
     /// Jobs (key, sequence number) producers were told are stored.
     stored: BTreeSet<(String, u64)>,
+    /// Jobs (key, sequence number) an operator cancelled: none may start
+    /// or be acked after its cancel returned.
+    cancelled: BTreeSet<(String, u64)>,
     violations: Vec<String>,
 }
 
@@ -228,6 +231,29 @@ impl World {
                 });
             }
         }
+        // An operator cancels a live job of some key (queued, delayed, dead
+        // or running), on any shard, also while the key moves.
+        if self.rng.chance(3) {
+            let shards = self.backend.shard_names();
+            let shard = shards[self.rng.below(shards.len() as u64) as usize].clone();
+            let key = format!("t-{}", self.rng.below(KEYS));
+            let jobs = self.backend.key_jobs(&shard, &key, 20).unwrap_or_default();
+            if !jobs.is_empty() {
+                let j = &jobs[self.rng.below(jobs.len() as u64) as usize];
+                let seq = std::str::from_utf8(&j.payload)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(u64::MAX);
+                match self.backend.cancel(&shard, j.id) {
+                    Ok(CancelOutcome::Cancelled | CancelOutcome::Stopping) => {
+                        self.trace(&key, format!("cancelled id {} seq {seq}", j.id));
+                        self.checks.cancelled.insert((key, seq));
+                    }
+                    Ok(_) => {}
+                    Err(e) => self.checks.violations.push(format!("cancel: {e}")),
+                }
+            }
+        }
         // Owner restart: every run of one shard ends.
         if self.rng.chance(1) {
             let shards = self.backend.shard_names();
@@ -275,6 +301,12 @@ impl World {
                 job.fence
             ),
         );
+        if self.checks.cancelled.contains(&Self::ident(job)) {
+            self.checks.violations.push(format!(
+                "job {:?} started after it was cancelled",
+                Self::ident(job)
+            ));
+        }
         let last = self.checks.last_fence.insert(job.key.clone(), job.fence);
         if let Some(last) = last {
             if job.fence <= last {
@@ -318,6 +350,11 @@ impl World {
         } else {
             let out = self.backend.ack(&h.job.shard, &[h.job.receipt()]).unwrap();
             if out.acked == 1 {
+                if self.checks.cancelled.contains(&id) {
+                    self.checks
+                        .violations
+                        .push(format!("job {id:?} was acked after it was cancelled"));
+                }
                 *self.checks.acked.entry(id.clone()).or_default() += 1;
                 // Among jobs that were never dead letters, a key's results
                 // come in enqueue order.
@@ -533,11 +570,16 @@ fn simulate(seed: u64) -> (u64, u64) {
         }
     }
     w.assert_ok(seed, "at the end");
+    // Every stored job ran to its ack exactly once, but the cancelled ones,
+    // which never did.
     let lost: Vec<_> = w
         .checks
         .stored
         .iter()
-        .filter(|id| w.checks.acked.get(*id).copied().unwrap_or(0) != 1)
+        .filter(|id| {
+            let want = u32::from(!w.checks.cancelled.contains(*id));
+            w.checks.acked.get(*id).copied().unwrap_or(0) != want
+        })
         .take(5)
         .collect();
     assert!(
@@ -546,6 +588,10 @@ fn simulate(seed: u64) -> (u64, u64) {
         w.checks.stored.len()
     );
     assert!(w.checks.stored.len() > 100, "seed {seed}: too little load");
+    assert!(
+        !w.checks.cancelled.is_empty(),
+        "seed {seed}: no job was cancelled"
+    );
     (moved, cut_offs)
 }
 

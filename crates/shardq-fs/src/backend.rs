@@ -835,7 +835,7 @@ impl QueueBackend for FsBackend {
         let any_lapsed = inner
             .replica
             .as_ref()
-            .is_some_and(|r| !r.lapsed(now).is_empty());
+            .is_some_and(|r| !r.lapsed(now).is_empty() || !r.cancel_pending().is_empty());
         let (lapse_start, mut end) = if !any_lapsed {
             let at = inner.log.end_pos();
             (at, at)
@@ -843,8 +843,23 @@ impl QueueBackend for FsBackend {
             self.append_with(&shard, &mut inner, &mut |inner, _| {
                 let r = inner.replica.as_ref().expect("owner has a replica");
                 let mut bytes = Vec::new();
+                // Cancelled runs a previous owner left: their jobs go now.
+                for (job, key) in r.cancel_pending() {
+                    record::encode(&mut bytes, &Record::Cancel { job, key });
+                }
                 for id in r.lapsed(now) {
                     let run = r.in_flight(id).expect("lapsed runs are in flight");
+                    if run.cancelled {
+                        // Its cancel takes effect now that the run is over.
+                        record::encode(
+                            &mut bytes,
+                            &Record::Cancel {
+                                job: id,
+                                key: run.key,
+                            },
+                        );
+                        continue;
+                    }
                     let reason = format!(
                         "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
                         run.lease_until_ms, run.fence
@@ -1190,7 +1205,14 @@ impl QueueBackend for FsBackend {
             let mut bytes = Vec::new();
             outcome = match r.live_job(id.0) {
                 None => CancelOutcome::NotFound,
-                Some(j) if j.run.is_some() => CancelOutcome::Running,
+                Some(j) if j.run.is_some() => {
+                    let (fence, _) = j.run.expect("a run");
+                    // Asked to stop: a second cancel writes nothing more.
+                    if r.current_run(id.0, fence).is_some() {
+                        record::encode(&mut bytes, &Record::CancelRun { job: id.0, fence });
+                    }
+                    CancelOutcome::Stopping
+                }
                 Some(j) if fence.sealed_keys.contains_key(j.key) => CancelOutcome::Moving,
                 Some(j) if j.dead.is_some() => {
                     record::encode(&mut bytes, &Record::DeadPurge { job: id.0 });

@@ -68,7 +68,7 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         // A whole record, or the start of one with a sane length and type.
         let looks_like_record = match decode(buf) {
             Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_CANCEL).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_CANCEL_RUN).contains(&buf[HEADER_BYTES]),
             Err(DecodeError::Invalid(_)) => false,
         };
         let hint = if looks_like_record {
@@ -109,6 +109,7 @@ const T_DEDUP: u8 = 9;
 const T_IMPORT: u8 = 10;
 const T_PURGE_KEY: u8 = 11;
 const T_CANCEL: u8 = 12;
+const T_CANCEL_RUN: u8 = 13;
 
 /// One decoded record. Borrowed fields point into the read buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,6 +230,15 @@ pub enum Record<'a> {
         /// The job's key.
         key: &'a str,
     },
+    /// The run `fence` of job `job`, in flight, is cancelled by an
+    /// operator: its results are refused from now, and its owner deletes
+    /// the job (with a Cancel record) once the run's job lease lapses.
+    CancelRun {
+        /// Job id.
+        job: u64,
+        /// The run's fence.
+        fence: u64,
+    },
 }
 
 /// Why bytes do not decode to a record.
@@ -346,6 +356,11 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             out.push(T_CANCEL);
             out.extend_from_slice(&job.to_le_bytes());
             put_str16(out, key);
+        }
+        Record::CancelRun { job, fence } => {
+            out.push(T_CANCEL_RUN);
+            out.extend_from_slice(&job.to_le_bytes());
+            out.extend_from_slice(&fence.to_le_bytes());
         }
     }
     seal_header(out, start);
@@ -533,6 +548,10 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             job: c.u64()?,
             key: c.str16()?,
         },
+        T_CANCEL_RUN => Record::CancelRun {
+            job: c.u64()?,
+            fence: c.u64()?,
+        },
         other => return Err(format!("unknown record type {other}")),
     };
     c.end()?;
@@ -616,6 +635,10 @@ mod tests {
         roundtrip(Record::Cancel {
             job: 4096,
             key: "tenant-1",
+        });
+        roundtrip(Record::CancelRun {
+            job: 4096,
+            fence: 1_700_000_000_000_001,
         });
         let mut seal = Vec::new();
         encode(&mut seal, &Record::Seal);

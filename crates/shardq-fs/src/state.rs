@@ -57,6 +57,9 @@ struct Run {
     /// from the log (only the owner that started a run times it, and a new
     /// owner ends every replayed run at adopt).
     lease_until_ms: u64,
+    /// Cancelled while it ran (a CancelRun record): results are refused,
+    /// and the owner deletes the job when the run's job lease lapses.
+    cancelled: bool,
 }
 
 /// An in-flight run as the owner checks receipts against it.
@@ -67,6 +70,7 @@ pub(crate) struct RunInfo<'a> {
     pub max_attempts: u32,
     pub fence: u64,
     pub lease_until_ms: u64,
+    pub cancelled: bool,
 }
 
 /// Where job `id` is in a key's queue. Behind the head the queue is in id
@@ -186,6 +190,9 @@ pub(crate) struct ShardState {
     /// Keys a pick passed by because they were sealed for a move; a later
     /// pick schedules them again once they are not.
     parked: Vec<Box<str>>,
+    /// Jobs whose run was cancelled and that a new owner found in flight:
+    /// never picked; the owner writes a Cancel record for each.
+    cancel_pending: Vec<u64>,
 }
 
 impl ShardState {
@@ -215,6 +222,7 @@ impl ShardState {
             dedup_expiries: BinaryHeap::new(),
             imported: HashMap::with_hasher(Xxh3Builder::new()),
             parked: Vec::new(),
+            cancel_pending: Vec::new(),
         }
     }
 
@@ -249,6 +257,20 @@ impl ShardState {
         out.sort_unstable_by_key(|(s, _)| s.id);
         out.truncate(max);
         out
+    }
+
+    /// Jobs to delete before picking, with their keys: cancelled runs a
+    /// new owner found in flight.
+    pub fn cancel_pending(&self) -> Vec<(u64, &str)> {
+        self.cancel_pending
+            .iter()
+            .filter_map(|&id| {
+                self.keys
+                    .iter()
+                    .find(|ks| ks.queue.front().is_some_and(|h| h.id == id))
+                    .map(|ks| (id, &*ks.key))
+            })
+            .collect()
     }
 
     /// The live job `id` (queued, delayed, running or dead), found by the
@@ -474,7 +496,8 @@ impl ShardState {
             | Record::Fail { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job }
-            | Record::Cancel { job, .. } => Some(job),
+            | Record::Cancel { job, .. }
+            | Record::CancelRun { job, .. } => Some(job),
             Record::Enqueue { .. }
             | Record::Seal
             | Record::Hole { .. }
@@ -548,6 +571,7 @@ impl ShardState {
                         key: k,
                         fence,
                         lease_until_ms: u64::MAX,
+                        cancelled: false,
                     },
                 );
             }
@@ -717,8 +741,15 @@ impl ShardState {
                     return self.unknown(job, "cancel");
                 };
                 if running {
-                    return Err(format!("cancel refers to job {job}, which is running"));
+                    // Only a run cancelled earlier ends this way (its lease
+                    // lapsed, or a new owner found it).
+                    if !self.in_flight_ids.get(&job).is_some_and(|r| r.cancelled) {
+                        return Err(format!("cancel refers to job {job}, which is running"));
+                    }
+                    self.in_flight_ids.remove(&job);
+                    self.keys[k as usize].in_flight = false;
                 }
+                self.cancel_pending.retain(|&j| j != job);
                 self.keys[k as usize].queue.remove(i);
                 self.slot_removed();
                 self.finish(job);
@@ -731,6 +762,14 @@ impl ShardState {
                     self.schedule(k);
                 }
                 self.maybe_drop_key(k);
+            }
+            Record::CancelRun { job, fence } => {
+                // A run that ended before this record needs nothing.
+                if let Some(run) = self.in_flight_ids.get_mut(&job) {
+                    if run.fence == fence {
+                        run.cancelled = true;
+                    }
+                }
             }
             Record::Seal => {}
             Record::Hole { bytes } => self.holes.push((pos, pos + bytes)),
@@ -767,6 +806,15 @@ impl ShardState {
     /// carry the start time of a head that finished long ago (later than its
     /// head's now, if the clock stepped back).
     pub fn reset_in_flight(&mut self) {
+        // A cancelled run's job is not run again: the new owner deletes it
+        // (a Cancel record, [`ShardState::cancel_pending`]) before it picks.
+        self.cancel_pending = self
+            .in_flight_ids
+            .iter()
+            .filter(|(_, r)| r.cancelled)
+            .map(|(&id, _)| id)
+            .collect();
+        self.cancel_pending.sort_unstable();
         self.in_flight_ids.clear();
         for ks in &mut self.keys {
             if ks.in_flight {
@@ -843,6 +891,9 @@ impl ShardState {
             let Some(head) = ks.queue.front().copied() else {
                 continue;
             };
+            if self.cancel_pending.contains(&head.id) {
+                continue;
+            }
             if head.not_before_ms > now_ms {
                 self.schedule(k);
                 continue;
@@ -879,12 +930,14 @@ impl ShardState {
             max_attempts: h.max_attempts,
             fence: run.fence,
             lease_until_ms: run.lease_until_ms,
+            cancelled: run.cancelled,
         })
     }
 
     /// The run of job `id` with fence `fence`, if it is the job's current run.
     pub fn current_run(&self, id: u64, fence: u64) -> Option<RunInfo<'_>> {
-        self.in_flight(id).filter(|r| r.fence == fence)
+        self.in_flight(id)
+            .filter(|r| r.fence == fence && !r.cancelled)
     }
 
     /// Sets the job lease of the current run of `id` (after its claim record

@@ -9,7 +9,7 @@ use shardq_core::{ManualClock, QueueBackend};
 use shardq_fs::{Engine, EngineOptions, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 
-const SHARDS: usize = 16;
+const SHARDS: usize = 24;
 
 struct Fs {
     backend: Arc<FsBackend>,
@@ -194,9 +194,10 @@ fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
 }
 
 /// A cancel written by another process (an operator's CLI beside the
-/// owning worker) holds: the owner never claims the cancelled job, the
-/// running one is not cancelled, and a restart replays the cancel (and
-/// compacts past it) without bringing the job back.
+/// owning worker) holds: the owner never claims the cancelled job, a
+/// running one's run is refused its ack and the job goes when its lease
+/// lapses, and a restart replays the cancels (and compacts past them)
+/// without bringing a job back.
 #[test]
 fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
     let dir = std::env::temp_dir().join(format!("shardq-fs-cancel-{}", std::process::id()));
@@ -229,15 +230,23 @@ fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
         let jobs = op.key_jobs("s0", "k", 10).unwrap();
         assert_eq!(jobs.len(), 3);
         assert_eq!(jobs[0].state, shardq_core::JobState::Running);
+        // The operator asks the owner's run to stop: the owner refuses its
+        // ack from then (it sees the record at its next append).
         assert_eq!(
             op.cancel("s0", run_a.id).unwrap(),
-            shardq_core::CancelOutcome::Running
+            shardq_core::CancelOutcome::Stopping
         );
         assert_eq!(
             op.cancel("s0", jobs[1].id).unwrap(),
             shardq_core::CancelOutcome::Cancelled
         );
-        o.ack("s0", &[run_a.receipt()]).unwrap();
+        let out = o.ack("s0", &[run_a.receipt()]).unwrap();
+        assert_eq!(out.acked, 0, "the owner took the ack of a cancelled run");
+        assert!(
+            o.claim("s0", 10, 60_000).unwrap().is_empty(),
+            "the key's next job started under the cancelled run"
+        );
+        clock.advance(60_001);
         let next = o.claim("s0", 10, 60_000).unwrap();
         assert_eq!(next.len(), 1);
         assert_eq!(
@@ -263,5 +272,64 @@ fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
     assert!(b.key_jobs("s0", "k", 10).unwrap().is_empty());
     assert!(b.claim("s0", 10, 60_000).unwrap().is_empty());
     drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run cancelled while its owner held it, then the owner gone (a crash):
+/// the next owner does not run the job again; it deletes it (a Cancel
+/// record) before it picks, and the key's next job runs.
+#[test]
+fn a_new_owner_deletes_a_job_whose_run_was_cancelled() {
+    let dir = std::env::temp_dir().join(format!("shardq-fs-cancel-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || {
+        Engine::open(
+            &dir,
+            EngineOptions {
+                clock: Arc::new(clock.clone()),
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let first_id = {
+        let owner = open();
+        let o = owner.backend();
+        o.adopt("s0").unwrap();
+        for p in ["r1", "r2"] {
+            o.enqueue("s0", 1, &[shardq_core::NewJob::new("k", p)])
+                .unwrap();
+        }
+        let run = o.claim("s0", 10, 60_000).unwrap().remove(0);
+        let operator = open();
+        assert_eq!(
+            operator.backend().cancel("s0", run.id).unwrap(),
+            shardq_core::CancelOutcome::Stopping
+        );
+        o.flush().unwrap();
+        run.id
+        // The owner goes without releasing or acking.
+    };
+    let next = open();
+    let b = next.backend();
+    b.adopt("s0").unwrap();
+    let runs = b.claim("s0", 10, 60_000).unwrap();
+    let got: Vec<&[u8]> = runs.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(
+        got,
+        [b"r2"],
+        "the cancelled job ran again under the new owner"
+    );
+    assert_eq!(b.job("s0", first_id).unwrap(), None);
+    b.ack("s0", &[runs[0].receipt()]).unwrap();
+    assert!(b.claim("s0", 10, 60_000).unwrap().is_empty());
+    drop(next);
+    // And a replay of it all agrees.
+    let again = open();
+    assert!(again.backend().key_jobs("s0", "k", 10).unwrap().is_empty());
+    drop(again);
     let _ = std::fs::remove_dir_all(&dir);
 }

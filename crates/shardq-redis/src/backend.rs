@@ -1602,6 +1602,7 @@ impl QueueBackend for RedisBackend {
         match reply::status(&v).as_str() {
             "CANCELLED" => Ok(CancelOutcome::Cancelled),
             "RUNNING" => Ok(CancelOutcome::Running),
+            "STOPPING" => Ok(CancelOutcome::Stopping),
             "MOVING" => Ok(CancelOutcome::Moving),
             "NOTFOUND" => Ok(CancelOutcome::NotFound),
             "TOOFAR" => Err(QueueError::InvalidOption {

@@ -109,10 +109,19 @@ local function requeue(ids, why, now)
   local r = redis.call('HGET', K_JOBS, ids)
   if not r then return end
   local n, a, m, _, k = rec_parse(r)
-  a = a + 1
-  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local was_flying = q.f == tonumber(ids)
+  if was_flying and q.r == 0 then
+    -- Cancelled while it ran (its run fence cleared): the job ends with it.
+    q.f = 0
+    redis.call('HDEL', K_JOBS, ids)
+    redis.call('HDEL', K_REASON, ids)
+    kstore(k, q)
+    kready(k, q, nil, now)
+    return
+  end
+  a = a + 1
+  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   if was_flying then q.f, q.r = 0, 0 end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
@@ -135,6 +144,7 @@ local function run_check(ids, fence, k, q, now)
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
+  if q.r == 0 then return 'the job was cancelled while it ran' end
   if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
   if until_ms <= now then
@@ -937,7 +947,8 @@ return out
 /// Cancels one job that is not running: ARGV[5] its id. A dead job leaves
 /// the dead letters; a waiting one is unlinked from its key's queue (a walk
 /// from the head of at most ARGV[6] steps), and when it was the head the key
-/// is scheduled by its new head. Reply `CANCELLED`, `RUNNING`, `MOVING` (its
+/// is scheduled by its new head; a running one has its run fence cleared
+/// (`STOPPING`: see `requeue`). Reply `CANCELLED`, `STOPPING`, `MOVING` (its
 /// key is sealed for a move), `NOTFOUND`, or `TOOFAR` with the bound.
 const CANCEL: &str = r#"
 local now = now_ms()
@@ -945,8 +956,17 @@ local ids = ARGV[5]
 local n = tonumber(ids)
 local r = redis.call('HGET', K_JOBS, ids)
 if not r then return {'NOTFOUND'} end
-if redis.call('ZSCORE', K_INF, ids) then return {'RUNNING'} end
 local _, _, _, _, k = rec_parse(r)
+if redis.call('ZSCORE', K_INF, ids) then
+  -- Asked to stop: its run fence cleared, its results are refused, and the
+  -- job ends with the run (requeue deletes it when its job lease lapses).
+  local q = kparse(redis.call('HGET', K_KEYS, k))
+  if q.f == n and q.r ~= 0 then
+    q.r = 0
+    kstore(k, q)
+  end
+  return {'STOPPING'}
+end
 if redis.call('HEXISTS', K_SEALED, k) == 1 then return {'MOVING'} end
 local q = kparse(redis.call('HGET', K_KEYS, k))
 local function head_nbf()

@@ -35,10 +35,13 @@ pub enum JobAction {
         #[arg(long)]
         json: bool,
     },
-    /// Cancel a queued, delayed or dead job: it is deleted and never runs. A
-    /// running job is not cancelled (exit 3: its key's one run is never cut
-    /// short); a job whose key is moving is refused until the move is done
-    /// (exit 75); no live job with the id: exit 1.
+    /// Cancel a job: a queued, delayed or dead one is deleted and never
+    /// runs; a running one's run is asked to stop (its ack, fail and extend
+    /// are refused from now, so its worker stops the handler) and the job is
+    /// deleted when the run ends, at the latest when its job lease lapses;
+    /// the key's next job waits for that, so no two runs overlap. A job
+    /// whose key is moving is refused until the move is done (exit 75); no
+    /// live job with the id: exit 1.
     Cancel {
         /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
@@ -183,6 +186,11 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("cancelling job {id}"))?;
             let (word, code, text) = match outcome {
                 CancelOutcome::Cancelled => ("cancelled", 0, format!("cancelled {id}")),
+                CancelOutcome::Stopping => (
+                    "stopping",
+                    0,
+                    format!("cancelled {id}: its run is asked to stop (its results are refused from now), and the job is deleted when the run ends, at the latest when its job lease lapses"),
+                ),
                 CancelOutcome::Running => (
                     "running",
                     3,

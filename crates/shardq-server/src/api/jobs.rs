@@ -1,6 +1,7 @@
 //! One job at a time, for operators: `GET /v1/jobs/{id}` (a live job),
 //! `GET /v1/keys/{key}/jobs` (a key's live jobs in key order) and
-//! `DELETE /v1/jobs/{id}` (cancel a job that is not running).
+//! `DELETE /v1/jobs/{id}` (cancel a job; a running one's run is asked to
+//! stop, and the job goes when the run ends).
 
 use super::*;
 use shardq_core::{CancelOutcome, JobInfo, JobState, KEY_JOBS_MAX};
@@ -133,13 +134,20 @@ pub async fn key_jobs(
     ok(v)
 }
 
-/// `DELETE /v1/jobs/{id}`: cancels a queued, delayed or dead job.
+/// `DELETE /v1/jobs/{id}`: cancels a queued, delayed or dead job, or asks
+/// a running one's run to stop (a backend that cannot answers 409).
 pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
     let a = Arc::clone(&app);
     let v = blocking(move || {
         let (shard, job) = job_ref(&a, &id)?;
         match a.backend.cancel(&shard, job)? {
-            CancelOutcome::Cancelled => Ok(json!({ "id": id, "cancelled": true })),
+            CancelOutcome::Cancelled => {
+                Ok(json!({ "id": id, "cancelled": true, "stopping": false }))
+            }
+            // Its run is asked to stop; the job goes when the run ends.
+            CancelOutcome::Stopping => {
+                Ok(json!({ "id": id, "cancelled": true, "stopping": true }))
+            }
             CancelOutcome::Running => Err(ApiError::conflict(format!(
                 "id: job {} is running; a running job is not cancelled (its key's one run is never cut short): cancel it after its run ends, or let its handler fail it",
                 shown(&id)

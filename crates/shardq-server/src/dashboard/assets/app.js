@@ -518,7 +518,8 @@
       $("job-reason").textContent = j.reason || "–";
       const text = j.payload !== undefined ? j.payload : "(" + j.payload_b64.length + " characters of base64: not UTF-8)";
       $("job-payload").textContent = text.length > PAYLOAD_SHOWN ? text.slice(0, PAYLOAD_SHOWN) + "… (" + text.length + " characters)" : text;
-      cancel.hidden = j.state === "running";
+      cancel.hidden = false;
+      cancel.textContent = j.state === "running" ? "Stop and cancel" : "Cancel job";
     } catch (e) {
       state.job = null;
       out.hidden = true;
@@ -536,8 +537,10 @@
     }
     state.cancelArmed = null;
     try {
-      await api("DELETE", "/v1/jobs/" + encodeURIComponent(id), {});
-      jobNote("ok", "Cancelled " + id + ": it will not run.");
+      const r = await api("DELETE", "/v1/jobs/" + encodeURIComponent(id), {});
+      jobNote("ok", r.stopping
+        ? "Cancelled " + id + ": its run is asked to stop, and the job goes when the run ends (at the latest when its job lease lapses)."
+        : "Cancelled " + id + ": it will not run.");
     } catch (e) {
       if (e.status === 401 || e.status === 403) {
         jobNote("bad", "Refused (" + e.status + "): cancel needs a token with the admin role. " + e.message);
@@ -563,11 +566,10 @@
       tr.appendChild(el("td", { class: "num" }, j.attempts + "/" + j.max_attempts));
       tr.appendChild(el("td", null, j.reason || ""));
       const td = el("td");
-      if (j.state !== "running") {
-        const b = el("button", { type: "button", class: "cancel danger" }, state.cancelArmed === j.id ? "Confirm cancel" : "Cancel");
-        b.addEventListener("click", () => cancelJob(j.id, b, () => lookupJobs(list.key)));
-        td.appendChild(b);
-      }
+      const label = j.state === "running" ? "Stop and cancel" : "Cancel";
+      const b = el("button", { type: "button", class: "cancel danger" }, state.cancelArmed === j.id ? "Confirm cancel" : label);
+      b.addEventListener("click", () => cancelJob(j.id, b, () => lookupJobs(list.key)));
+      td.appendChild(b);
       tr.appendChild(td);
       tbody.appendChild(tr);
     }
