@@ -200,22 +200,8 @@ fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
 /// without bringing a job back.
 #[test]
 fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
-    let dir = std::env::temp_dir().join(format!("shardq-fs-cancel-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    let clock = ManualClock::new(1_700_000_000_000);
-    let open = || {
-        Engine::open(
-            &dir,
-            EngineOptions {
-                clock: Arc::new(clock.clone()),
-                segment_bytes_max: 4096,
-                ..EngineOptions::default()
-            },
-        )
-        .unwrap()
-    };
+    let (dir, clock) = one_shard_dir("cancel");
+    let open = || open_small(&dir, &clock, 4096);
     let payload = |p: &str| format!("{p}{}", "-".repeat(700));
     {
         let owner = open();
@@ -280,21 +266,8 @@ fn a_cancel_from_another_process_holds_for_the_owner_and_across_a_restart() {
 /// record) before it picks, and the key's next job runs.
 #[test]
 fn a_new_owner_deletes_a_job_whose_run_was_cancelled() {
-    let dir = std::env::temp_dir().join(format!("shardq-fs-cancel-run-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
-    Engine::init(&dir, &map).unwrap();
-    let clock = ManualClock::new(1_700_000_000_000);
-    let open = || {
-        Engine::open(
-            &dir,
-            EngineOptions {
-                clock: Arc::new(clock.clone()),
-                ..EngineOptions::default()
-            },
-        )
-        .unwrap()
-    };
+    let (dir, clock) = one_shard_dir("cancel-run");
+    let open = || open_small(&dir, &clock, EngineOptions::default().segment_bytes_max);
     let first_id = {
         let owner = open();
         let o = owner.backend();
@@ -332,4 +305,26 @@ fn a_new_owner_deletes_a_job_whose_run_was_cancelled() {
     assert!(again.backend().key_jobs("s0", "k", 10).unwrap().is_empty());
     drop(again);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fresh data dir with one shard, `s0`, and a manual clock.
+fn one_shard_dir(name: &str) -> (std::path::PathBuf, ManualClock) {
+    let dir = std::env::temp_dir().join(format!("shardq-fs-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    (dir, ManualClock::new(1_700_000_000_000))
+}
+
+/// An engine over `dir` on `clock`, rolling segments at `segment_bytes`.
+fn open_small(dir: &std::path::Path, clock: &ManualClock, segment_bytes: u64) -> Engine {
+    Engine::open(
+        dir,
+        EngineOptions {
+            clock: Arc::new(clock.clone()),
+            segment_bytes_max: segment_bytes,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap()
 }
