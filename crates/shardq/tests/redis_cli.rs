@@ -841,3 +841,112 @@ fn one_instance_down_costs_only_its_own_shard() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rebalance onto a new instance SIGKILLed while it copies backlogs (once
+/// the new instance holds copies, before the moves finish), then rerun once
+/// the dead holder's lock lapses: every job exists exactly once, runs once,
+/// in its key's order, and the keys that moved run on the new instance.
+#[test]
+fn a_rebalance_killed_mid_transfer_on_redis_finishes_on_rerun_with_every_job_once() {
+    let servers = servers(3);
+    let dir = temp_dir("kill-transfer");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap().to_string();
+    init(&data, 2, &servers[..2]);
+    let input = jobs_text(12, 1500);
+    let mut p = Command::new(BIN)
+        .args(["enqueue", "--data", &d, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    assert!(p.wait().unwrap().success());
+    ok(&[
+        "add-shard",
+        "--data",
+        &d,
+        "shard-2",
+        "--url",
+        &servers[2].url(),
+    ]);
+    let warming = load_map(&data).version;
+    let mut rebalance = Command::new(BIN)
+        .args(["rebalance", "--data", &d, "--batch", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once the new instance holds copies and before the last switch.
+    let copied = || {
+        let st = status_json(&data);
+        st["shards"][2]["ready"].as_u64().unwrap_or(0) > 0
+    };
+    let start = Instant::now();
+    while !(load_map(&data).version > warming && copied()) {
+        assert!(
+            rebalance.try_wait().unwrap().is_none(),
+            "the rebalance ended before the kill"
+        );
+        assert!(start.elapsed() < WAIT_MAX, "the rebalance copied nothing");
+        thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        rebalance.try_wait().unwrap().is_none(),
+        "the rebalance ended before the kill"
+    );
+    rebalance.kill().unwrap();
+    let _ = rebalance.wait();
+    assert!(
+        !load_map(&data).overrides.is_empty(),
+        "the moves had finished before the kill"
+    );
+    // The dead holder's lock lapses on its own (REBALANCE_LOCK_MS); then
+    // the rerun finishes the transfers it left.
+    let start = Instant::now();
+    loop {
+        let out = shardq(&["rebalance", "--data", &d]);
+        if out.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("another rebalance is running"), "{err}");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the lock never lapsed: {err}"
+        );
+        thread::sleep(Duration::from_millis(500));
+    }
+    let map = load_map(&data);
+    assert!(map.overrides.is_empty(), "{:?}", map.overrides);
+    let st = status_json(&data);
+    assert_eq!(
+        st["totals"]["ready"],
+        12 * 1500,
+        "jobs lost or stored twice: {st}"
+    );
+    let runs_file = dir.join("runs");
+    let mut w = worker(&data, &runs_file, "all", true);
+    let start = Instant::now();
+    while w.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < WAIT_MAX,
+            "worker did not finish: {}",
+            worker_log(&runs_file)
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let all = runs(&runs_file);
+    let v = verdict(&payloads_of(&input), &all);
+    assert_eq!((v.lost, v.order_violations, v.reruns), (0, 0, 0), "{v:?}");
+    let router = Router::new(map).unwrap();
+    assert!(
+        all.iter().all(|r| router.route(&r.key) == r.shard),
+        "a job ran off its key's shard"
+    );
+    assert!(
+        all.iter().any(|r| r.shard == "shard-2"),
+        "no key moved to the new instance"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
