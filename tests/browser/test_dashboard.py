@@ -159,6 +159,35 @@ def test_retry_is_refused_without_admin_and_works_with_it(browser, deployment, s
     wait(browser, "the empty dead-letter list", lambda d: d.find_element(By.ID, "dead-empty").is_displayed())
 
 
+def test_purge_all_needs_a_second_click_naming_the_count(browser, deployment, screenshots):
+    """Two dead letters; "Purge all" first asks to confirm with their count,
+    and only the second click purges them all."""
+    api = deployment["api"]
+    placed = api.post("/v1/jobs", {"jobs": [{"key": f"bulk-{i}", "payload": "x", "max_attempts": 1} for i in range(2)]})
+    assert len(placed["jobs"]) == 2
+    # One claim takes every key's head (fewer than 100 keys have work); the
+    # two new ones dead-letter, the others go back to run again.
+    for _ in range(3):
+        code, v = api.call("POST", "/v1/claim", {"worker": "bulk", "max": 100, "wait_ms": 100})
+        assert code == 200, v
+        for job in v["jobs"]:
+            if job["key"].startswith("bulk-"):
+                api.post("/v1/fail", {"receipt": job["receipt"], "reason": "bulk test"})
+            else:
+                api.call("POST", "/v1/fail", {"receipt": job["receipt"], "retry_in_ms": 0})
+        if api.get("/v1/status")["totals"]["dead"] >= 2:
+            break
+    dead = api.get("/v1/status")["totals"]["dead"]
+    assert dead >= 2, dead
+    open_page(browser, deployment, ADMIN_TOKEN)
+    click(browser, "purge all", "#dead-purge-all")
+    wait(browser, "the confirm label with the count", lambda d: f"Confirm: purge {dead}" in text(d, "#dead-purge-all"))
+    assert api.get("/v1/status")["totals"]["dead"] == dead, "one click purged"
+    click(browser, "the confirm", "#dead-purge-all")
+    wait(browser, "the purge", lambda d: f"Purged {dead} dead job" in text(d, "#dead-msg"))
+    assert api.get("/v1/status")["totals"]["dead"] == 0
+
+
 def test_a_keys_jobs_a_job_page_and_a_cancel(browser, deployment, screenshots):
     """The key lookup lists the key's live jobs; a job id opens the job
     panel with its state and payload (as text: markup in a payload stays

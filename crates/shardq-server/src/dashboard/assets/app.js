@@ -381,6 +381,35 @@
     }
   }
 
+  // Every dead letter of every shard, after a second click naming how many.
+  async function deadAll(kind, button) {
+    const armed = kind + ":all";
+    if (state.deadArmed !== armed) {
+      let n = "every";
+      try {
+        const st = await api("GET", "/v1/status");
+        n = fmt(st.totals.dead);
+      } catch (e) { /* the count is only for the label */ }
+      state.deadArmed = armed;
+      button.textContent = "Confirm: " + kind + " " + n;
+      return;
+    }
+    state.deadArmed = null;
+    button.textContent = kind === "retry" ? "Retry all" : "Purge all";
+    try {
+      const r = await api("POST", "/v1/dead/" + kind, { all: true });
+      const n = kind === "retry" ? r.retried : r.purged;
+      deadNote("ok", (kind === "retry" ? "Retried " : "Purged ") + n + " dead job" + (n === 1 ? "" : "s") + ".");
+      refreshDead();
+    } catch (e) {
+      if (e.status === 401 || e.status === 403) {
+        deadNote("bad", "Refused (" + e.status + "): " + kind + " needs a token with the admin role. " + e.message);
+      } else {
+        deadNote("bad", kind + " of every dead letter failed: " + e.message);
+      }
+    }
+  }
+
   function renderDead(d) {
     const tbody = $("dead").querySelector("tbody");
     clear(tbody);
@@ -633,6 +662,8 @@
   });
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
   $("key-form").addEventListener("submit", lookup);
+  $("dead-retry-all").addEventListener("click", () => deadAll("retry", $("dead-retry-all")));
+  $("dead-purge-all").addEventListener("click", () => deadAll("purge", $("dead-purge-all")));
   $("flow-600").addEventListener("click", () => pickFlow(600));
   $("flow-3600").addEventListener("click", () => pickFlow(3600));
   $("job-form").addEventListener("submit", (ev) => {
