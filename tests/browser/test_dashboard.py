@@ -3,6 +3,7 @@ against a `shardq serve` with real data. Tests run in file order on one
 server: the static checks first, then dead-letter retry, then a live
 rebalance under load, then the server going away."""
 
+import re
 import shutil
 import threading
 import time
@@ -342,6 +343,8 @@ def test_the_throughput_chart_shows_the_servers_own_counts(browser, deployment, 
         return t.isdigit() and int(t) >= h["totals"]["acked"]
 
     wait(browser, "the processed total", shown_acked)
+    if sum(h["claimed"][-50:]) > 0:
+        wait(browser, "the last minute's waits", lambda d: re.search(r"mean [\d,]+ ms, longest [\d,]+ ms", text(d, "#flow-wait")))
     points = "const p = document.querySelector('#flow polyline.acked'); return p ? p.getAttribute('points').split(' ').length : 0;"
     wait(browser, "ten minutes of points", lambda d: d.execute_script(points) == 600)
     click(browser, "the hour button", "#flow-3600")

@@ -1,7 +1,7 @@
 //! [`History`]: per-second counts of what a process saw (jobs enqueued,
-//! runs claimed, acked and failed) for the last [`HISTORY_SECONDS`], for the
-//! dashboard's chart of the last hour, and totals since the process
-//! started.
+//! runs claimed, acked and failed, and the wait of the claimed jobs from
+//! due to start) for the last [`HISTORY_SECONDS`], for the dashboard's chart
+//! of the last hour, and totals since the process started.
 //!
 //! A ring of one bucket per second, each stamped with its second: a bucket
 //! whose stamp is old is reset before it counts (under a lock taken only
@@ -36,6 +36,10 @@ struct Bucket {
     /// The second (since the epoch) this bucket counts, plus one (0: none).
     stamp: AtomicU64,
     counts: [AtomicU64; 4],
+    /// Of the runs claimed in this second: the sum and the largest of
+    /// their waits from due to start, in ms.
+    wait_sum_ms: AtomicU64,
+    wait_max_ms: AtomicU64,
 }
 
 /// See the module docs.
@@ -75,6 +79,11 @@ pub struct Window {
     pub acked: Vec<u64>,
     /// Runs failed per second.
     pub failed: Vec<u64>,
+    /// Per second, the mean wait of the runs claimed in it (from due to
+    /// start, in ms; 0 for none).
+    pub wait_mean_ms: Vec<u64>,
+    /// Per second, the longest such wait, in ms.
+    pub wait_max_ms: Vec<u64>,
     /// Totals since the process started: enqueued, claimed, acked, failed.
     pub totals: [u64; 4],
 }
@@ -86,6 +95,25 @@ impl History {
             return;
         }
         self.totals[flow as usize].fetch_add(n, Ordering::Relaxed);
+        if let Some(b) = self.bucket(now_s) {
+            b.counts[flow as usize].fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// A run claimed in second `now_s` that had waited `wait_ms` since it
+    /// was due: counted as claimed, and its wait kept.
+    pub fn claimed(&self, wait_ms: u64, now_s: u64) {
+        self.totals[Flow::Claimed as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = self.bucket(now_s) {
+            b.counts[Flow::Claimed as usize].fetch_add(1, Ordering::Relaxed);
+            b.wait_sum_ms.fetch_add(wait_ms, Ordering::Relaxed);
+            b.wait_max_ms.fetch_max(wait_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// The bucket of second `now_s`, reset first if it held an older
+    /// second; `None` for a second an hour behind the bucket's.
+    fn bucket(&self, now_s: u64) -> Option<&Bucket> {
         let b = &self.buckets[(now_s % HISTORY_SECONDS as u64) as usize];
         let stamp = now_s + 1;
         if b.stamp.load(Ordering::Acquire) != stamp {
@@ -95,13 +123,15 @@ impl History {
                 for c in &b.counts {
                     c.store(0, Ordering::Relaxed);
                 }
+                b.wait_sum_ms.store(0, Ordering::Relaxed);
+                b.wait_max_ms.store(0, Ordering::Relaxed);
                 b.stamp.store(stamp, Ordering::Release);
             } else if seen > stamp {
                 // A caller whose clock is behind by an hour: not kept.
-                return;
+                return None;
             }
         }
-        b.counts[flow as usize].fetch_add(n, Ordering::Relaxed);
+        Some(b)
     }
 
     /// The last `seconds` (at most [`HISTORY_SECONDS`]) seconds up to
@@ -109,17 +139,18 @@ impl History {
     pub fn window(&self, seconds: usize, now_s: u64) -> Window {
         let seconds = seconds.clamp(1, HISTORY_SECONDS);
         let mut series: [Vec<u64>; 4] = Default::default();
+        let (mut wait_mean_ms, mut wait_max_ms) = (Vec::new(), Vec::new());
         for s in (0..seconds as u64).rev() {
             let sec = now_s.saturating_sub(s);
             let b = &self.buckets[(sec % HISTORY_SECONDS as u64) as usize];
             let live = b.stamp.load(Ordering::Acquire) == sec + 1;
+            let read = |a: &AtomicU64| if live { a.load(Ordering::Relaxed) } else { 0 };
             for (i, out) in series.iter_mut().enumerate() {
-                out.push(if live {
-                    b.counts[i].load(Ordering::Relaxed)
-                } else {
-                    0
-                });
+                out.push(read(&b.counts[i]));
             }
+            let claimed = read(&b.counts[Flow::Claimed as usize]);
+            wait_mean_ms.push(read(&b.wait_sum_ms).checked_div(claimed).unwrap_or(0));
+            wait_max_ms.push(read(&b.wait_max_ms));
         }
         let [enqueued, claimed, acked, failed] = series;
         Window {
@@ -128,6 +159,8 @@ impl History {
             claimed,
             acked,
             failed,
+            wait_mean_ms,
+            wait_max_ms,
             totals: std::array::from_fn(|i| self.totals[i].load(Ordering::Relaxed)),
         }
     }
@@ -193,5 +226,18 @@ mod tests {
         let w = h.window(4, 53);
         assert_eq!(w.claimed, [10_000; 4]);
         assert_eq!(w.totals[1], 40_000);
+    }
+
+    #[test]
+    fn claim_waits_give_a_mean_and_a_max_per_second() {
+        let h = History::default();
+        for wait in [10, 20, 90] {
+            h.claimed(wait, 7);
+        }
+        h.claimed(5, 8);
+        let w = h.window(3, 8);
+        assert_eq!(w.claimed, [0, 3, 1]);
+        assert_eq!(w.wait_mean_ms, [0, 40, 5]);
+        assert_eq!(w.wait_max_ms, [0, 90, 5]);
     }
 }

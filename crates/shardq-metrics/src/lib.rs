@@ -374,7 +374,7 @@ impl Metrics {
     /// the run's ack or fail.
     pub fn run_claimed(&self, s: &str, receipt: Receipt, due_ms: u64, now_ms: u64) {
         self.flow.claimed.get_or_create(&shard(s)).inc();
-        self.history.add(history::Flow::Claimed, 1, now_s());
+        self.history.claimed(now_ms.saturating_sub(due_ms), now_s());
         self.wait.observe(seconds(now_ms.saturating_sub(due_ms)));
         self.tracker().started(s, receipt, now_ms);
     }

@@ -470,6 +470,15 @@ fn history_counts_what_this_server_did() {
         h["totals"],
         json!({"enqueued": 5, "claimed": 2, "acked": 1, "failed": 1})
     );
+    // Each second with claims has a wait, and one without has none.
+    let claimed = h["claimed"].as_array().unwrap();
+    let waits = h["wait_max_ms"].as_array().unwrap();
+    assert_eq!(waits.len(), 120);
+    for (c, w) in claimed.iter().zip(waits) {
+        if c == &json!(0) {
+            assert_eq!(w, &json!(0), "a wait in a second without claims: {h}");
+        }
+    }
     for bad in ["/v1/history?seconds=0", "/v1/history?seconds=3601"] {
         let (code, v) = get(&s, bad);
         assert_eq!(code, 400, "{bad}: {v}");

@@ -13,7 +13,8 @@
 //!   each shard with how long this server has seen them paused.
 //! * `GET /v1/history?seconds=N`: this server's own counts per second for
 //!   the last `N` seconds (at most an hour): jobs enqueued, runs claimed,
-//!   acked and failed, and their totals since it started
+//!   acked and failed, the claimed jobs' mean and longest wait from due to
+//!   start, and the counts' totals since it started
 //!   (`shardq_metrics::History`). Read from memory, not cached.
 //!
 //! Every answer but the history is cached for [`CACHE_MS`] (the ring per map version), and
@@ -202,6 +203,8 @@ pub async fn history(
         "claimed": w.claimed,
         "acked": w.acked,
         "failed": w.failed,
+        "wait_mean_ms": w.wait_mean_ms,
+        "wait_max_ms": w.wait_max_ms,
         "totals": {
             "enqueued": w.totals[0],
             "claimed": w.totals[1],

@@ -475,6 +475,11 @@
     $("flow-enqueued").textContent = fmt(h.totals.enqueued);
     const last = (a) => a.slice(-60).reduce((x, y) => x + y, 0);
     $("flow-minute").textContent = fmt(last(h.acked)) + " acked, " + fmt(last(h.failed)) + " failed";
+    // The last minute's waits: mean over its claims, and the longest.
+    const claims = h.claimed.slice(-60), means = h.wait_mean_ms.slice(-60), maxes = h.wait_max_ms.slice(-60);
+    const n60 = claims.reduce((x, y) => x + y, 0);
+    const mean = n60 ? claims.reduce((acc, c, i) => acc + c * means[i], 0) / n60 : null;
+    $("flow-wait").textContent = n60 ? "mean " + fmt(Math.round(mean)) + " ms, longest " + fmt(Math.max(...maxes)) + " ms (" + fmt(n60) + " starts)" : "no starts";
     const svg = $("flow");
     clear(svg);
     const n = h.acked.length;
