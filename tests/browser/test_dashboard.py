@@ -283,7 +283,7 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
     api = deployment["api"]
     open_page(browser, deployment, ADMIN_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")
-    phases, moved = [], []
+    phases, moved, speeds = [], [], []
     shot = screenshots / "05-rebalance.png"
     with Load(api) as load:
         api.post("/v1/admin/add-shard", {"name": "shard-3", "weight": 2})
@@ -306,6 +306,8 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
                 moved.append(m)
             if held and p == "moving":
                 api.post("/v1/ack", {"receipts": [held.pop(0)["receipt"]]})
+            if p == "moving":
+                speeds.append(text(d, "#rebalance-speed"))
             if p == "moving" and m not in ("", "0"):
                 # The last view while keys move is kept.
                 d.save_screenshot(str(shot))
@@ -320,6 +322,8 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
     assert "moving" in phases, phases
     assert phases[-1] == "finished", phases
     assert len(set(moved)) >= 3, f"moved-key count seen on the page: {moved}"
+    # While keys moved, the page gave the time left at the switch rate.
+    assert any(re.search(r"about \d+ s left", sp) for sp in speeds), speeds[-5:]
     assert shot.exists(), "no screenshot was taken while keys were moving"
     # The new shard is active on the page and owns part of the circle.
     wait(browser, "shard-3 active", lambda d: shard_rows(d).get("shard-3", {}).get("state") == "active")

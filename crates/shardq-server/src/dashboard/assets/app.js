@@ -323,7 +323,15 @@
       if (running) state.movedSeen.push({ t: now, moved });
       const first = state.movedSeen[0], last = state.movedSeen[state.movedSeen.length - 1];
       if (first && last && last.t > first.t) {
-        $("rebalance-speed").textContent = ((last.moved - first.moved) / ((last.t - first.t) / 1000)).toFixed(1) + " keys/s";
+        const rate = (last.moved - first.moved) / ((last.t - first.t) / 1000);
+        let speed = rate.toFixed(1) + " keys/s";
+        // Time left at that rate, while it runs.
+        if (running && rate > 0 && total > moved) {
+          speed += ", about " + Math.ceil((total - moved) / rate) + " s left";
+        } else if (running && total > moved) {
+          speed += " (no key switched yet: waiting for the batch's runs in flight, or copying its backlogs)";
+        }
+        $("rebalance-speed").textContent = speed;
       }
     } else {
       const recent = meanRate(now - 10000, now);
