@@ -207,6 +207,14 @@ def test_a_keys_jobs_a_job_page_and_a_cancel(browser, deployment, screenshots):
     wait(browser, "the key's jobs", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#key-jobs tbody tr")) == 3)
     states = [r.get_attribute("data-state") for r in browser.find_elements(By.CSS_SELECTOR, "#key-jobs tbody tr")]
     assert states == ["delayed"] * 3, states
+    # A search by prefix finds the key, and a click on it looks it up.
+    box.clear()
+    box.send_keys("page-")
+    browser.find_element(By.ID, "key-search").click()
+    wait(browser, "the matching key", lambda d: d.find_elements(By.CSS_SELECTOR, '#key-matches li[data-key="page-k"] a.key-link'))
+    assert "3 queued" in text(browser, '#key-matches li[data-key="page-k"]')
+    click(browser, "the matching key", '#key-matches li[data-key="page-k"] a.key-link')
+    wait(browser, "the key looked up again", lambda d: d.find_element(By.ID, "key-input").get_attribute("value") == "page-k")
     click(browser, "the first job's link", "#key-jobs tbody tr a.job-link")
     wait(browser, "the job panel", lambda d: text(d, "#job-id") == ids[0])
     assert text(browser, "#job-state") == "delayed"

@@ -230,6 +230,7 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (r("POST", "/v1/fail", Some(Work)), post(api::fail)),
         (r("POST", "/v1/extend", Some(Work)), post(api::extend)),
         (r("GET", "/v1/status", Some(Read)), get(api::status)),
+        (r("GET", "/v1/keys", Some(Read)), get(dashboard::key_search)),
         (r("GET", "/v1/keys/{key}", Some(Read)), get(api::key)),
         (
             r("GET", "/v1/keys/{key}/jobs", Some(Read)),

@@ -485,6 +485,48 @@ fn history_counts_what_this_server_did() {
     }
 }
 
+/// `GET /v1/keys?prefix=` lists the keys with work that start with the
+/// prefix, across shards, in key order, with their counts, cut at the
+/// limit (saying so); a bad limit is refused.
+#[test]
+fn keys_are_found_by_prefix_across_shards() {
+    let dir = init_dir(3, "rendezvous");
+    let s = start(dir.path(), options());
+    for k in ["acme-1", "acme-2", "acme-3", "zeta"] {
+        support::enqueue_n(&s, k, 2);
+    }
+    let v = support::get_ok(&s, "/v1/keys?prefix=acme-");
+    let keys: Vec<&str> = v["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["acme-1", "acme-2", "acme-3"], "{v}");
+    assert_eq!(
+        (v["keys"][0]["depth"].as_u64(), &v["more"]),
+        (Some(2), &json!(false))
+    );
+    let shards: std::collections::BTreeSet<&str> = v["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["shard"].as_str().unwrap())
+        .collect();
+    assert!(!shards.is_empty());
+    let v = support::get_ok(&s, "/v1/keys?prefix=acme-&limit=2");
+    assert_eq!(
+        (v["keys"].as_array().unwrap().len(), &v["more"]),
+        (2, &json!(true))
+    );
+    assert!(support::get_ok(&s, "/v1/keys?prefix=nope")["keys"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    assert_eq!(get(&s, "/v1/keys?prefix=a&limit=0").0, 400);
+    assert_eq!(get(&s, "/v1/keys").0, 400, "the prefix is required");
+}
+
 fn post_ok_ack(s: &shardq_server::Running, receipt: &Value) {
     let (code, v) = post(s, "/v1/ack", json!({ "receipts": [receipt] }));
     assert_eq!((code, &v["acked"]), (200, &json!(1)), "{v}");

@@ -1,5 +1,5 @@
 //! The dashboard: a page served at `/` (HTML, CSS and JS embedded in the
-//! binary, no network at run time) that polls the JSON API, and the four
+//! binary, no network at run time) that polls the JSON API, and the five
 //! read endpoints it adds:
 //!
 //! * `GET /v1/ring`: each shard's share of the key space under the published
@@ -11,6 +11,8 @@
 //!   still pinned to their old shard and the keys already switched (the
 //!   temporary overrides of the published map), and the keys paused now on
 //!   each shard with how long this server has seen them paused.
+//! * `GET /v1/keys?prefix=P`: the keys with work starting with `P`, on every
+//!   shard, with their counts (at most [`KEY_SEARCH_MAX`]).
 //! * `GET /v1/history?seconds=N`: this server's own counts per second for
 //!   the last `N` seconds (at most an hour): jobs enqueued, runs claimed,
 //!   acked and failed, the claimed jobs' mean and longest wait from due to
@@ -213,6 +215,63 @@ pub async fn history(
         },
     }))
     .into_response())
+}
+
+/// Most keys `GET /v1/keys?prefix=` lists.
+pub const KEY_SEARCH_MAX: usize = 100;
+
+/// `GET /v1/keys` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySearchQuery {
+    prefix: String,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/keys?prefix=P&limit=N`: the keys with work (queued, delayed,
+/// in flight or dead) that start with `P`, on every shard, in key order,
+/// with their counts; at most `N` ([`KEY_SEARCH_MAX`]). Walks each shard's
+/// keys with work, as `/v1/hot` does.
+pub async fn key_search(
+    State(app): State<Arc<App>>,
+    QueryParams(q): QueryParams<KeySearchQuery>,
+) -> ApiResult {
+    let limit = q.limit.unwrap_or(KEY_SEARCH_MAX);
+    if limit == 0 || limit > KEY_SEARCH_MAX {
+        return Err(ApiError::bad(format!(
+            "limit: {limit} is out of range 1..={KEY_SEARCH_MAX}"
+        )));
+    }
+    if q.prefix.len() > shardq_core::KEY_BYTES_MAX {
+        return Err(ApiError::bad(format!(
+            "prefix: {} bytes, longer than a key may be ({})",
+            q.prefix.len(),
+            shardq_core::KEY_BYTES_MAX
+        )));
+    }
+    let v = blocking(move || {
+        let mut found: Vec<Value> = Vec::new();
+        let mut failed: Vec<Value> = Vec::new();
+        let mut more = false;
+        for shard in app.deployment.shard_names()? {
+            match app.backend.keys_with_work(&shard) {
+                Ok(keys) => {
+                    for (k, c) in keys.into_iter().filter(|(k, _)| k.starts_with(&q.prefix)) {
+                        found.push(json!({"key": k, "shard": shard, "depth": c.depth, "in_flight": c.in_flight, "dead": c.dead}));
+                    }
+                }
+                Err(e) => failed.push(json!({"shard": shard, "error": e.to_string()})),
+            }
+        }
+        found.sort_by(|a, b| a["key"].as_str().cmp(&b["key"].as_str()));
+        if found.len() > limit {
+            found.truncate(limit);
+            more = true;
+        }
+        Ok(json!({ "prefix": q.prefix, "keys": found, "more": more, "failed": failed }))
+    })
+    .await?;
+    Ok(Json(v).into_response())
 }
 
 /// `GET /v1/hot` query.

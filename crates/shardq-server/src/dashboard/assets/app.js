@@ -621,6 +621,34 @@
     try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50")); } catch (e) { /* the lookup shows errors */ }
   }
 
+  // The keys with work starting with what was typed; each looks itself up.
+  async function searchKeys() {
+    const prefix = $("key-input").value;
+    const list = $("key-matches");
+    const err = $("key-error");
+    clear(list);
+    try {
+      const r = await api("GET", "/v1/keys?prefix=" + encodeURIComponent(prefix) + "&limit=50");
+      err.hidden = true;
+      list.hidden = false;
+      if (r.keys.length === 0) list.appendChild(el("li", { class: "muted" }, "No key with work starts with " + JSON.stringify(prefix) + "."));
+      for (const k of r.keys) {
+        const li = el("li", { "data-key": k.key });
+        const a = el("a", { href: "#key", class: "key-link" }, k.key);
+        a.addEventListener("click", (ev) => { ev.preventDefault(); $("key-input").value = k.key; $("key-go").click(); });
+        li.appendChild(a);
+        li.appendChild(document.createTextNode(" on " + k.shard + ": " + fmt(k.depth) + " queued" + (k.in_flight ? ", 1 in flight" : "") + (k.dead ? ", " + k.dead + " dead" : "")));
+        list.appendChild(li);
+      }
+      if (r.more) list.appendChild(el("li", { class: "muted" }, "… more keys match: type more of the key."));
+      for (const f of r.failed) list.appendChild(el("li", { class: "error" }, f.shard + " could not be read: " + f.error));
+    } catch (e) {
+      list.hidden = true;
+      err.hidden = false;
+      err.textContent = authMessage(e) || ("Search failed: " + e.message);
+    }
+  }
+
   // ------------------------------------------------------------------- poll
   async function poll() {
     const slow = Date.now() - state.lastSlow >= SLOW_MS || !state.ringIndex.length;
@@ -675,6 +703,7 @@
   });
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
   $("key-form").addEventListener("submit", lookup);
+  $("key-search").addEventListener("click", searchKeys);
   $("dead-retry-all").addEventListener("click", () => deadAll("retry", $("dead-retry-all")));
   $("dead-purge-all").addEventListener("click", () => deadAll("purge", $("dead-purge-all")));
   $("flow-600").addEventListener("click", () => pickFlow(600));
