@@ -291,7 +291,7 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
     api = deployment["api"]
     open_page(browser, deployment, ADMIN_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")
-    phases, moved, speeds = [], [], []
+    phases, moved, speeds, pins = [], [], [], []
     shot = screenshots / "05-rebalance.png"
     with Load(api) as load:
         api.post("/v1/admin/add-shard", {"name": "shard-3", "weight": 2})
@@ -316,6 +316,7 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
                 api.post("/v1/ack", {"receipts": [held.pop(0)["receipt"]]})
             if p == "moving":
                 speeds.append(text(d, "#rebalance-speed"))
+                pins.append(text(d, "#ring-pinned"))
             if p == "moving" and m not in ("", "0"):
                 # The last view while keys move is kept.
                 d.save_screenshot(str(shot))
@@ -332,6 +333,8 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
     assert len(set(moved)) >= 3, f"moved-key count seen on the page: {moved}"
     # While keys moved, the page gave the time left at the switch rate.
     assert any(re.search(r"about \d+ s left", sp) for sp in speeds), speeds[-5:]
+    # And the routing panel named the keys still pinned against the arcs.
+    assert any("still pinned to the old shard" in p for p in pins), pins[-5:]
     assert shot.exists(), "no screenshot was taken while keys were moving"
     # The new shard is active on the page and owns part of the circle.
     wait(browser, "shard-3 active", lambda d: shard_rows(d).get("shard-3", {}).get("state") == "active")

@@ -338,6 +338,16 @@
       $("rebalance-rates").textContent = "now " + fmtRate(recent) + " (no rebalance seen yet)";
       $("rebalance-speed").textContent = "–";
     }
+    // Keys a move still pins to their old shards do not follow the arcs.
+    const pin = $("ring-pinned");
+    const nPinned = derived ? derived.keys_pinned : 0;
+    pin.hidden = nPinned === 0;
+    if (nPinned > 0) {
+      const some = derived.pinned.slice(0, 5).map((k) => k.key + " → " + k.shard).join(", ");
+      pin.textContent = fmt(nPinned) + (nPinned === 1 ? " key is" : " keys are") + " still pinned to the old shard while it moves, against the arcs: " + some + (nPinned > 5 ? ", …" : "");
+    } else {
+      pin.textContent = "";
+    }
     const e = $("rebalance-error");
     e.hidden = !error;
     e.textContent = error ? "last rebalance failed: " + error : "";
