@@ -1028,6 +1028,11 @@ where
             match attempt {
                 Ok(moved) => break Some(moved),
                 Err(e) => {
+                    // A producer must never wait on a failed move: the pause
+                    // lifts first, whatever comes next (best effort: on a
+                    // failed shard this write may fail too, and a rerun
+                    // lifts what is left). The keys stay sealed.
+                    let _ = set_paused_each(backend, &batch, false);
                     let shards: BTreeSet<&str> = batch
                         .iter()
                         .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
@@ -1036,13 +1041,8 @@ where
                     failed.note_or_raise(backend, &shards, e)?;
                     let (drop, keep): (Vec<_>, Vec<_>) =
                         batch.into_iter().partition(|sw| failed.involves(sw));
-                    // The keys that stay lose their pause (a producer must
-                    // never wait on a failed move) and, when no copy of
-                    // them can exist, their seal: they run where they are.
-                    // Best effort: on a failed shard these writes may fail
-                    // too, and a rerun lifts what is left.
-                    let _ = set_paused_each(backend, &drop, false);
-                    let _ = set_paused_each(backend, &keep, false);
+                    // The keys that stay where they are lose their seal too
+                    // when no copy of them can exist: they run there again.
                     let clean: Vec<_> = drop
                         .iter()
                         .filter(|sw| {

@@ -933,3 +933,78 @@ fn a_lapsed_run_moves_as_a_retry_and_its_late_ack_is_refused() {
     assert_eq!((again.payload.as_slice(), again.attempt), (&b"a"[..], 2));
     assert!(again.fence > a.fence);
 }
+
+/// A map store that refuses every publish after the first `ok`, as one that
+/// stops answering mid-rebalance would.
+struct PublishFails {
+    inner: MemoryMapStore,
+    ok: std::sync::atomic::AtomicU32,
+}
+
+impl MapStore for PublishFails {
+    fn load(&self) -> Result<ShardMap, ReshardError> {
+        self.inner.load()
+    }
+    fn publish(&self, map: &ShardMap, expected: u64) -> Result<(), ReshardError> {
+        if self.ok.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.ok.store(0, Ordering::SeqCst);
+            return Err(ReshardError::Unavailable(
+                "the map store stopped answering".into(),
+            ));
+        }
+        self.inner.publish(map, expected)
+    }
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+        self.inner.load_target()
+    }
+    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+        self.inner.store_target(target)
+    }
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+        self.inner.try_lock_rebalance()
+    }
+}
+
+/// A move whose switch cannot be published (the map store fails, not a
+/// shard) stops the run with that error, and leaves no key paused: its
+/// producers are never left waiting on a failed move. The rerun finishes.
+#[test]
+fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
+    let clock = Arc::new(shardq_core::ManualClock::new(1_700_000_000_000));
+    let backend = MemoryBackend::new(&["a", "b"], clock.clone());
+    let inner =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+    let keys: Vec<String> = (0..50).map(|i| format!("t-{i}")).collect();
+    let router = Router::new(inner.load().unwrap()).unwrap();
+    for k in &keys {
+        backend
+            .enqueue(router.route(k), 1, &[NewJob::new(k.as_str(), "x")])
+            .unwrap();
+    }
+    reshard::add_shard(&inner, "c", 1, None).unwrap();
+    backend.add_shard("c");
+    // The intermediate map publishes; the first switch does not.
+    let store = PublishFails {
+        inner: inner.clone(),
+        ok: std::sync::atomic::AtomicU32::new(1),
+    };
+    let opts = RebalanceOptions {
+        batch: 4,
+        drain_timeout_ms: 1_000,
+        poll_ms: 1,
+        clock: clock.clone(),
+    };
+    let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("stopped answering"), "{err}");
+    for s in ["a", "b", "c"] {
+        let paused = backend.fence(s).unwrap().paused_keys;
+        assert!(paused.is_empty(), "{s} still pauses {paused:?}");
+    }
+    let report = reshard::rebalance(&backend, &inner, &opts, &mut |_| {}).unwrap();
+    assert!(report.jobs_moved > 0, "the rerun moved nothing");
+    let total: u64 = ["a", "b", "c"]
+        .iter()
+        .map(|s| backend.shard_stats(s).unwrap().ready)
+        .sum();
+    assert_eq!(total, 50, "jobs lost or stored twice");
+}
