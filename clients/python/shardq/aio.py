@@ -33,7 +33,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 from urllib.parse import quote
 
-from .errors import ConfigError, HttpError, JobNotCancelled, PartialEnqueue, ServerUnavailable, ShardqError, TooLarge
+from .errors import ConfigError, HttpError, PartialEnqueue, ServerUnavailable, ShardqError, TooLarge
 from .http import (
     ABANDON_ACK_FLUSH_S,
     ACK_BATCH_MAX,
@@ -62,6 +62,7 @@ from .http import (
     _enqueued_of,
     _error_of,
     _extend_refused,
+    _is_answer,
     _job_bodies,
     _loads,
     _mark_lost,
@@ -238,15 +239,8 @@ class AsyncClient:
                 causes.append(f"{url}: {e}")
                 last = e
                 continue
-            if status in (200, 404):
+            if _is_answer(url, method, status, doc, causes):
                 return status, doc
-            if _retryable(status):
-                causes.append(f"{url} answered {status}: {_error_of(doc)}")
-                continue
-            if status == 409 and method == "DELETE":
-                state = doc.get("state", "") if isinstance(doc, dict) else ""
-                raise JobNotCancelled(url, status, _error_of(doc), state)
-            _raise_for(url, status, doc)
         raise ServerUnavailable(what, causes, last)
 
     async def close(self) -> None:

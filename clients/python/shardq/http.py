@@ -251,6 +251,22 @@ def _raise_for(url: str, status: int, doc: Any) -> None:
     raise HttpError(url, status, msg)
 
 
+def _is_answer(url: str, method: str, status: int, doc: Any, causes: List[str]) -> bool:
+    """For the job reads and cancels of both clients: whether ``status``
+    is an answer (200, or 404: no live job); a status worth another URL is
+    noted in ``causes``; any other raises."""
+    if status in (200, 404):
+        return True
+    if _retryable(status):
+        causes.append(f"{url} answered {status}: {_error_of(doc)}")
+        return False
+    if status == 409 and method == "DELETE":
+        state = doc.get("state", "") if isinstance(doc, dict) else ""
+        raise JobNotCancelled(url, status, _error_of(doc), state)
+    _raise_for(url, status, doc)
+    return False
+
+
 def _refuses_worker(e: HttpError) -> bool:
     """A claim refused for good: the token (401, 403) or the request (400,
     415, 421: this client or its configuration is wrong), which no retry
@@ -679,15 +695,8 @@ class Client:
                 causes.append(f"{t.url}: {e}")
                 last = e
                 continue
-            if status in (200, 404):
+            if _is_answer(t.url, method, status, doc, causes):
                 return status, doc
-            if _retryable(status):
-                causes.append(f"{t.url} answered {status}: {_error_of(doc)}")
-                continue
-            if status == 409 and method == "DELETE":
-                state = doc.get("state", "") if isinstance(doc, dict) else ""
-                raise JobNotCancelled(t.url, status, _error_of(doc), state)
-            _raise_for(t.url, status, doc)
         raise ServerUnavailable(what, causes, last)
 
     def close(self) -> None:

@@ -811,15 +811,8 @@ where
         let batch = &batch[..];
         raise_fence_floors(backend, batch)?;
         copy_dedup_records(backend, batch)?;
-        let mut next = cur.clone();
-        next.version = cur.version + 1;
-        for (key, _, _) in batch {
-            match target.overrides.get(key) {
-                Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
-                None => next.overrides.remove(key),
-            };
-        }
         // Other pins stay; the switched keys now follow the target.
+        let next = switched_map(&cur, &target, batch);
         publish_next(store, &cur, &next)?;
         set_paused(backend, batch, false, Some(next.version))?;
         let pause_ms = clock.now_ms().saturating_sub(pause_started_ms) as f64;
@@ -1218,6 +1211,20 @@ fn may_hold_copies<B: QueueBackend + ?Sized>(backend: &B, key: &str, from: &str,
     check().unwrap_or(true)
 }
 
+/// `cur` at the next version with `batch`'s keys following `target`: its
+/// pin where it has one, the computed owner otherwise.
+fn switched_map(cur: &ShardMap, target: &ShardMap, batch: &[Switch]) -> ShardMap {
+    let mut next = cur.clone();
+    next.version = cur.version + 1;
+    for (key, _, _) in batch {
+        match target.overrides.get(key) {
+            Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
+            None => next.overrides.remove(key),
+        };
+    }
+    next
+}
+
 /// A key's move: the key, its old shard and its new one.
 type Switch = (String, String, String);
 
@@ -1371,14 +1378,7 @@ where
     for (to, records) in records_to {
         backend.dedup_import(to, &records)?;
     }
-    let mut next = cur.clone();
-    next.version = cur.version + 1;
-    for (key, _, _) in batch {
-        match target.overrides.get(key) {
-            Some(shard) => next.overrides.insert(key.clone(), shard.clone()),
-            None => next.overrides.remove(key),
-        };
-    }
+    let mut next = switched_map(cur, target, batch);
     // A key pinned to where its backlog went, if the target differs
     // (a transfer a killed run left): it stays there for now.
     let next_router = Router::new(next.clone())?;

@@ -234,6 +234,18 @@ fn sigterm_and_wait(child: &mut Child) {
     }
 }
 
+/// `enqueue --stdin` of `input` (KEY<TAB>PAYLOAD lines), which must succeed.
+fn enqueue_all(data: &str, input: &str) {
+    let mut p = Command::new(BIN)
+        .args(["enqueue", "--data", data, "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    assert!(p.wait().unwrap().success());
+}
+
 fn jobs_text(keys: usize, per_key: usize) -> String {
     let mut s = String::new();
     for n in 0..per_key {
@@ -701,14 +713,7 @@ fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
     let d = data.to_str().unwrap().to_string();
     init(&data, 2, &servers[..2]);
     let input = jobs_text(40, 5);
-    let mut p = Command::new(BIN)
-        .args(["enqueue", "--data", &d, "--stdin"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    assert!(p.wait().unwrap().success());
+    enqueue_all(&d, &input);
     ok(&[
         "add-shard",
         "--data",
@@ -854,14 +859,7 @@ fn a_rebalance_killed_mid_transfer_on_redis_finishes_on_rerun_with_every_job_onc
     let d = data.to_str().unwrap().to_string();
     init(&data, 2, &servers[..2]);
     let input = jobs_text(12, 1500);
-    let mut p = Command::new(BIN)
-        .args(["enqueue", "--data", &d, "--stdin"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    p.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    assert!(p.wait().unwrap().success());
+    enqueue_all(&d, &input);
     ok(&[
         "add-shard",
         "--data",
