@@ -53,6 +53,7 @@ from .http import (
     WorkerStats,
     _Attempts,
     _backoff_ms,
+    _Batch,
     _batch_body,
     _batches,
     _check_batch_limits,
@@ -62,13 +63,13 @@ from .http import (
     _enqueued_of,
     _error_of,
     _extend_refused,
+    _halves,
     _is_answer,
     _job_bodies,
     _loads,
     _mark_lost,
     _normalise_urls,
     _outcome_of,
-    _Prepared,
     _raise_for,
     _refuses_worker,
     _retryable,
@@ -184,17 +185,17 @@ class AsyncClient:
                 raise
         return out
 
-    async def _send(self, batch: List[_Prepared]) -> List[Enqueued]:
+    async def _send(self, batch: _Batch) -> List[Enqueued]:
         try:
             return await self._post_jobs(batch)
         except TooLarge as e:  # a server with a lower body limit: halve
             if len(batch) == 1:
                 raise _too_large(batch[0], e) from e
-        half = len(batch) // 2
-        return await self._send(batch[:half]) + await self._send(batch[half:])
+        first, second = _halves(batch)
+        return await self._send(first) + await self._send(second)
 
-    async def _post_jobs(self, batch: List[_Prepared]) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j.body["dedup_id"] for j in batch])
+    async def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch])
         body = _batch_body(batch)
         while True:
             for url in self.urls:

@@ -303,29 +303,45 @@ def _decode_payload(doc: Mapping[str, Any]) -> bytes:
     return p.encode("utf-8") if isinstance(p, str) else b""
 
 
-class _Prepared(NamedTuple):
-    """A job ready to send: its ``/v1/jobs`` object and whether its dedup id
-    was generated here."""
+class _Bodies(List[Dict[str, Any]]):
+    """The ``/v1/jobs`` objects of one enqueue call, with the prefix of the
+    dedup ids it generated (``{prefix}-{index}``): an id with it was made
+    by this call, so its duplicate after an unanswered attempt is the
+    call's own earlier attempt."""
 
-    body: Dict[str, Any]
-    generated: bool
+    prefix: str = ""
 
 
-class _Batch(List[_Prepared]):
+class _Batch(List[Dict[str, Any]]):
     """The jobs of one request, with the request's body once encoded (a
-    retry sends the same bytes, so the same ids)."""
+    retry sends the same bytes, so the same ids) and its call's prefix."""
 
     encoded: Optional[bytes] = None
+    prefix: str = ""
 
 
-def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[_Prepared]:
+def _batch_of(jobs: Iterable[Dict[str, Any]], prefix: str) -> _Batch:
+    b = _Batch(jobs)
+    b.prefix = prefix
+    return b
+
+
+def _halves(batch: List[Dict[str, Any]]) -> Tuple[_Batch, _Batch]:
+    """``batch`` cut in two requests (a server with a lower body limit)."""
+    prefix = getattr(batch, "prefix", "")
+    half = len(batch) // 2
+    return _batch_of(batch[:half], prefix), _batch_of(batch[half:], prefix)
+
+
+def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
     """The ``/v1/jobs`` objects of ``jobs``, each with a dedup id. Generated ids are
     a random 96-bit prefix per call and the job's index (unique without a
     uuid per job, and safe across fork()); a :class:`NewJob` without an id
     keeps the generated one, so sending it again after an error re-sends
     that id."""
-    out: List[_Prepared] = []
-    prefix = os.urandom(12).hex()
+    out = _Bodies()
+    prefix = out.prefix = os.urandom(12).hex()
+    append = out.append
     for n, j in enumerate(jobs):
         if not isinstance(j, NewJob):
             try:
@@ -345,23 +361,24 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> List[_Pre
             b["delay_ms"] = int(j.delay_ms)
         if j.max_attempts is not None:
             b["max_attempts"] = int(j.max_attempts)
-        generated = j.dedup_id is None
-        if generated:
-            j.dedup_id = f"{prefix}-{n}"
-        b["dedup_id"] = j.dedup_id
-        out.append(_Prepared(b, generated))
+        d = j.dedup_id
+        if d is None:
+            d = j.dedup_id = f"{prefix}-{n}"
+        b["dedup_id"] = d
+        append(b)
     return out
 
 
-def _batches(jobs: List[_Prepared], count_max: int, bytes_max: int) -> Iterator[List[_Prepared]]:
+def _batches(jobs: List[Dict[str, Any]], count_max: int, bytes_max: int) -> Iterator[_Batch]:
     """``jobs`` in order, cut into requests of at most ``count_max`` jobs
     and ``bytes_max`` bytes of body (a job larger than that alone goes in a
     request of its own: the server says whether it takes it). A request of
     ``count_max`` jobs under the byte bound, the common case, is encoded in
     one call; only one over it is measured job by job."""
+    prefix = getattr(jobs, "prefix", "")
     for start in range(0, len(jobs), count_max):
-        chunk = _Batch(jobs[start:start + count_max])
-        body = _dumps({"jobs": [j.body for j in chunk]})
+        chunk = _batch_of(jobs[start:start + count_max], prefix)
+        body = _dumps({"jobs": chunk})
         if len(body) <= bytes_max:
             chunk.encoded = body
             yield chunk
@@ -369,17 +386,17 @@ def _batches(jobs: List[_Prepared], count_max: int, bytes_max: int) -> Iterator[
             yield from _split_by_bytes(chunk, bytes_max)
 
 
-def _split_by_bytes(jobs: List[_Prepared], bytes_max: int) -> Iterator[List[_Prepared]]:
-    batch = _Batch()
+def _split_by_bytes(jobs: _Batch, bytes_max: int) -> Iterator[_Batch]:
+    batch = _batch_of((), jobs.prefix)
     parts: List[bytes] = []
     size = len(_BATCH_HEAD) + len(_BATCH_TAIL)
     for j in jobs:
-        data = _dumps(j.body)
+        data = _dumps(j)
         extra = len(data) + (1 if batch else 0)
         if batch and size + extra > bytes_max:
             batch.encoded = _BATCH_HEAD + b",".join(parts) + _BATCH_TAIL
             yield batch
-            batch, parts, size = _Batch(), [], len(_BATCH_HEAD) + len(_BATCH_TAIL)
+            batch, parts, size = _batch_of((), jobs.prefix), [], len(_BATCH_HEAD) + len(_BATCH_TAIL)
             extra = len(data)
         batch.append(j)
         parts.append(data)
@@ -393,31 +410,36 @@ _BATCH_HEAD = b'{"jobs":['
 _BATCH_TAIL = b"]}"
 
 
-def _batch_body(batch: List[_Prepared]) -> bytes:
+def _batch_body(batch: List[Dict[str, Any]]) -> bytes:
     encoded = batch.encoded if isinstance(batch, _Batch) else None
     if encoded is not None:
         return encoded
-    return _BATCH_HEAD + b",".join(_dumps(j.body) for j in batch) + _BATCH_TAIL
+    return _BATCH_HEAD + b",".join(_dumps(j) for j in batch) + _BATCH_TAIL
 
 
-def _too_large(job: _Prepared, e: HttpError) -> InvalidJob:
-    return InvalidJob(f"job of key {job.body['key']!r} ({len(_dumps(job.body))} bytes of JSON) is over the body limit "
+def _too_large(job: Dict[str, Any], e: HttpError) -> InvalidJob:
+    return InvalidJob(f"job of key {job['key']!r} ({len(_dumps(job))} bytes of JSON) is over the body limit "
                       f"of {e.url}: {e.error}")
 
 
-def _enqueued_of(url: str, chunk: List[_Prepared], doc: Any, maybe_stored: bool) -> List["Enqueued"]:
+def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: bool) -> List["Enqueued"]:
     """The :class:`Enqueued` values of a ``/v1/jobs`` reply to ``chunk``.
     After an attempt that may have stored the jobs (no answer, or a 5xx),
-    a duplicate of a generated id is this call's own earlier attempt: not
-    a duplicate to the caller."""
+    a duplicate of an id this call generated is the call's own earlier
+    attempt: not a duplicate to the caller."""
     got = doc.get("jobs") if isinstance(doc, dict) else None
     if not isinstance(got, list) or len(got) != len(chunk):
         raise HttpError(url, 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
-    return [
-        Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", j.body["key"])),
-                 bool(g.get("duplicate", False)) and not (maybe_stored and j.generated), j.body["dedup_id"])
-        for j, g in zip(chunk, got)
-    ]
+    own = (getattr(chunk, "prefix", "") + "-") if maybe_stored else None
+    out: List[Enqueued] = []
+    append = out.append
+    for b, g in zip(chunk, got):
+        d = b["dedup_id"]
+        dup = bool(g.get("duplicate", False))
+        if dup and own is not None and own != "-" and d.startswith(own):
+            dup = False
+        append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d))
+    return out
 
 
 class _Attempts:
@@ -626,17 +648,17 @@ class Client:
                 raise
         return out
 
-    def _send(self, batch: List[_Prepared]) -> List[Enqueued]:
+    def _send(self, batch: _Batch) -> List[Enqueued]:
         try:
             return self._post_jobs(batch)
         except TooLarge as e:  # a server with a lower body limit: halve
             if len(batch) == 1:
                 raise _too_large(batch[0], e) from e
-        half = len(batch) // 2
-        return self._send(batch[:half]) + self._send(batch[half:])
+        first, second = _halves(batch)
+        return self._send(first) + self._send(second)
 
-    def _post_jobs(self, batch: List[_Prepared]) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j.body["dedup_id"] for j in batch])
+    def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch])
         doc = self._post_any(att, _batch_body(batch))
         return _enqueued_of(self.urls[0], batch, doc, att.maybe_done)
 
@@ -875,7 +897,11 @@ class Worker(_SignalStops):
         self._stop = threading.Event()
         self._abandon = threading.Event()
         self._lock = threading.Lock()
-        self._slot_cond = threading.Condition()
+        # The condition's own lock, taken directly where nobody waits (a
+        # release per job: a plain lock's `with` costs less than the
+        # condition's).
+        self._slot_lock = threading.Lock()
+        self._slot_cond = threading.Condition(self._slot_lock)
         # Claim loops waiting on _slot_cond: a release notifies only when
         # one waits (a notify costs more than the rest of a job's bookkeeping).
         self._slot_waiters = 0
@@ -1055,7 +1081,7 @@ class Worker(_SignalStops):
                 self._slot_cond.notify_all()
 
     def _release(self, job: ClaimedJob) -> None:
-        with self._slot_cond:
+        with self._slot_lock:
             self._book.release(job)
             if self._slot_waiters:
                 self._slot_cond.notify_all()

@@ -156,15 +156,35 @@ def test_twenty_one_mib_jobs_go_in_requests_under_the_body_limit(make_serve):
 
 def test_batches_are_cut_by_count_and_bytes():
     jobs = h._job_bodies([NewJob(f"k{i}", "p" * 100) for i in range(10)])
-    one = len(h._dumps(jobs[0].body))
+    one = len(h._dumps(jobs[0]))
     cut = list(h._batches(jobs, 4, 3 * one + 2 + len(h._BATCH_HEAD) + len(h._BATCH_TAIL)))
     # Cut by count first (4, 4, 2), then a request over the byte bound by
     # bytes (3 + 1 each), in order.
     assert [len(b) for b in cut] == [3, 1, 3, 1, 2]
-    assert [j.body["key"] for b in cut for j in b] == [f"k{i}" for i in range(10)]
+    assert [j["key"] for b in cut for j in b] == [f"k{i}" for i in range(10)]
     assert all(len(h._batch_body(b)) <= 3 * one + 2 + 11 for b in cut)
     assert [len(b) for b in h._batches(jobs, 4, 1 << 20)] == [4, 4, 2]
     assert json.loads(h._batch_body(cut[0]))["jobs"][0]["key"] == "k0"
+    # Every request, and each half of one a server found too large, knows
+    # which ids its call generated.
+    halves = h._halves(cut[0])
+    assert {b.prefix for b in cut + list(halves)} == {jobs.prefix} and len(jobs.prefix) == 24
+    assert [len(b) for b in halves] == [1, 2]
+
+
+def test_a_duplicate_is_the_calls_own_only_for_ids_it_generated():
+    given = NewJob("k", "p", dedup_id="invoice-1")
+    jobs = h._job_bodies([NewJob("k", "p"), given, NewJob("k", "q", dedup_id=None)])
+    batch = next(h._batches(jobs, 10, 1 << 20))
+    reply = {"jobs": [{"id": f"s:{i}", "shard": "s", "key": "k", "duplicate": True} for i in range(3)]}
+    # Answered at once: every duplicate is one.
+    assert [e.duplicate for e in h._enqueued_of("u", batch, reply, False)] == [True, True, True]
+    # After an attempt that may have stored them: a generated id's duplicate
+    # is this call's earlier attempt, a given id's is a real duplicate.
+    assert [e.duplicate for e in h._enqueued_of("u", batch, reply, True)] == [False, True, False]
+    # A job sent again keeps its generated id, which this call did not make.
+    again = next(h._batches(h._job_bodies([given, NewJob("k", "p", dedup_id=jobs[0]["dedup_id"])]), 10, 1 << 20))
+    assert [e.duplicate for e in h._enqueued_of("u", again, {"jobs": reply["jobs"][:2]}, True)] == [True, True]
 
 
 # --------------------------------------------------------------- 9. stops

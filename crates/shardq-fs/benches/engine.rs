@@ -73,6 +73,7 @@ fn main() {
                     not_before_ms: 0,
                     max_attempts: 5,
                     key: &j.key,
+                    dedup: None,
                     payload: &j.payload,
                 },
             );

@@ -15,7 +15,7 @@
 //! must never route keys (callers pass the shard) nor decide ownership (the
 //! coordinator does).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -33,10 +33,11 @@ use shardq_core::{
     PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
+use xxhash_rust::xxh3::Xxh3Builder;
 
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
-use crate::record::{self, decode, Record};
+use crate::record::{self, decode, EnqueueDedup, Record};
 use crate::state::{Pick, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
 
@@ -600,6 +601,7 @@ impl QueueBackend for FsBackend {
                     not_before_ms: now + job.delay_ms,
                     max_attempts: job.max_attempts,
                     key: &job.key,
+                    dedup: None,
                     payload: &job.payload,
                 },
             );
@@ -660,9 +662,18 @@ impl QueueBackend for FsBackend {
             // record of these ids until this append is written.
             r.prune_dedup(now);
             out.clear();
-            let mut bytes = Vec::new();
-            let mut in_batch: std::collections::HashMap<(&str, &str), u64> =
-                std::collections::HashMap::new();
+            let mut bytes = Vec::with_capacity(
+                jobs.iter()
+                    .map(|j| j.payload.len() + j.key.len() + 64)
+                    .sum(),
+            );
+            // Ids met earlier in this batch (not in the replica until it
+            // is written); allocated only when a batch holds more than one.
+            let mut in_batch: HashMap<(&str, &str), u64, Xxh3Builder> =
+                HashMap::with_hasher(Xxh3Builder::new());
+            if jobs.len() > 1 {
+                in_batch.reserve(jobs.len());
+            }
             for job in jobs {
                 if let Some(d) = job.dedup_id.as_deref() {
                     let known = r
@@ -683,6 +694,8 @@ impl QueueBackend for FsBackend {
                     }
                 }
                 let pos = start + bytes.len() as u64;
+                // The dedup id is a field of its job's record: one append,
+                // one checksum, so neither exists without the other.
                 record::encode(
                     &mut bytes,
                     &Record::Enqueue {
@@ -690,22 +703,17 @@ impl QueueBackend for FsBackend {
                         not_before_ms: now + job.delay_ms,
                         max_attempts: job.max_attempts,
                         key: &job.key,
+                        dedup: job
+                            .dedup_id
+                            .as_deref()
+                            .map(|id| EnqueueDedup { id, expires_ms }),
                         payload: &job.payload,
                     },
                 );
                 if let Some(d) = job.dedup_id.as_deref() {
-                    // In the same append (same lock, same fsync) as its job.
-                    record::encode(
-                        &mut bytes,
-                        &Record::Dedup {
-                            job: pos,
-                            expires_ms,
-                            key: &job.key,
-                            id: d,
-                            shard: "",
-                        },
-                    );
-                    in_batch.insert((job.key.as_str(), d), pos);
+                    if jobs.len() > 1 {
+                        in_batch.insert((job.key.as_str(), d), pos);
+                    }
                 }
                 out.push(Stored {
                     id: JobId(pos),

@@ -68,7 +68,7 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         // A whole record, or the start of one with a sane length and type.
         let looks_like_record = match decode(buf) {
             Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_CANCEL_RUN).contains(&buf[HEADER_BYTES]),
+            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_LAST).contains(&buf[HEADER_BYTES]),
             Err(DecodeError::Invalid(_)) => false,
         };
         let hint = if looks_like_record {
@@ -110,11 +110,26 @@ const T_IMPORT: u8 = 10;
 const T_PURGE_KEY: u8 = 11;
 const T_CANCEL: u8 = 12;
 const T_CANCEL_RUN: u8 = 13;
+const T_ENQUEUE_DEDUP: u8 = 14;
+/// The highest record type this build writes.
+const T_LAST: u8 = T_ENQUEUE_DEDUP;
+
+/// The dedup id an Enqueue record carries: the job and its id are one
+/// record, so one append, one checksum and one header hold both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnqueueDedup<'a> {
+    /// The dedup id, scoped to the job's key.
+    pub id: &'a str,
+    /// Forgotten at this time.
+    pub expires_ms: u64,
+}
 
 /// One decoded record. Borrowed fields point into the read buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record<'a> {
     /// A new job; its id is the record's position in the shard's log.
+    /// With a dedup id it is written as type 14, and stands for a Dedup
+    /// record of `(key, id)` naming this job as well.
     Enqueue {
         /// Enqueue time.
         created_ms: u64,
@@ -124,6 +139,8 @@ pub enum Record<'a> {
         max_attempts: u32,
         /// Routing key (UTF-8 checked on decode).
         key: &'a str,
+        /// The job's dedup id and its expiry, if it has one.
+        dedup: Option<EnqueueDedup<'a>>,
         /// Payload.
         payload: &'a [u8],
     },
@@ -260,13 +277,24 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             not_before_ms,
             max_attempts,
             key,
+            dedup,
             payload,
         } => {
-            out.push(T_ENQUEUE);
+            out.push(if dedup.is_some() {
+                T_ENQUEUE_DEDUP
+            } else {
+                T_ENQUEUE
+            });
             out.extend_from_slice(&created_ms.to_le_bytes());
             out.extend_from_slice(&not_before_ms.to_le_bytes());
             out.extend_from_slice(&max_attempts.to_le_bytes());
+            if let Some(d) = dedup {
+                out.extend_from_slice(&d.expires_ms.to_le_bytes());
+            }
             put_str16(out, key);
+            if let Some(d) = dedup {
+                put_str16(out, d.id);
+            }
             out.extend_from_slice(payload);
         }
         Record::Claim {
@@ -469,11 +497,23 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
     let mut c = Cursor { buf: body };
     let ty = c.u8()?;
     let rec = match ty {
-        T_ENQUEUE => {
+        T_ENQUEUE | T_ENQUEUE_DEDUP => {
             let created_ms = c.u64()?;
             let not_before_ms = c.u64()?;
             let max_attempts = c.u32()?;
+            let expires_ms = if ty == T_ENQUEUE_DEDUP {
+                Some(c.u64()?)
+            } else {
+                None
+            };
             let key = c.str16()?;
+            let dedup = match expires_ms {
+                Some(expires_ms) => Some(EnqueueDedup {
+                    id: c.str16()?,
+                    expires_ms,
+                }),
+                None => None,
+            };
             let payload = c.buf;
             c.buf = &[];
             Record::Enqueue {
@@ -481,6 +521,7 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
                 not_before_ms,
                 max_attempts,
                 key,
+                dedup,
                 payload,
             }
         }
@@ -586,7 +627,19 @@ mod tests {
             not_before_ms: 2,
             max_attempts: 3,
             key: "k",
+            dedup: None,
             payload: b"payload",
+        });
+        roundtrip(Record::Enqueue {
+            created_ms: 1,
+            not_before_ms: 2,
+            max_attempts: 3,
+            key: "tenant-1",
+            dedup: Some(EnqueueDedup {
+                id: "invoice/2026-0001",
+                expires_ms: 1_700_000_000_000,
+            }),
+            payload: b"",
         });
         roundtrip(Record::Claim {
             job: 9,
@@ -651,6 +704,17 @@ mod tests {
     fn flipped_bits_are_invalid() {
         for rec in [
             Record::Ack { job: 7, key: "key" },
+            Record::Enqueue {
+                created_ms: 5,
+                not_before_ms: 6,
+                max_attempts: 3,
+                key: "key",
+                dedup: Some(EnqueueDedup {
+                    id: "id",
+                    expires_ms: 99,
+                }),
+                payload: b"{}",
+            },
             Record::Dedup {
                 job: 7,
                 expires_ms: 99,

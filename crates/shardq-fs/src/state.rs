@@ -12,6 +12,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
@@ -181,8 +182,8 @@ pub(crate) struct ShardState {
     not_before_max_ms: u64,
     /// Dedup records by [`dedup_slot`], with their expiries in time order
     /// for pruning.
-    dedup: HashMap<Box<str>, DedupEntry, Xxh3Builder>,
-    dedup_expiries: BinaryHeap<Reverse<(u64, Box<str>)>>,
+    dedup: HashMap<Arc<str>, DedupEntry, Xxh3Builder>,
+    dedup_expiries: BinaryHeap<Reverse<(u64, Arc<str>)>>,
     /// Per (shard copied from, key), the largest source id imported, from
     /// the Import records replayed (the backend keeps it in a file too, for
     /// when those records' segments are gone).
@@ -355,8 +356,8 @@ impl ShardState {
             let Some(Reverse((at, slot))) = self.dedup_expiries.pop() else {
                 break;
             };
-            if self.dedup.get(&slot).is_some_and(|e| e.expires_ms == at) {
-                self.dedup.remove(&slot);
+            if self.dedup.get(&*slot).is_some_and(|e| e.expires_ms == at) {
+                self.dedup.remove(&*slot);
             }
         }
     }
@@ -364,7 +365,7 @@ impl ShardState {
     /// The live record of `(key, id)` at `now_ms`.
     pub fn dedup_lookup(&self, key: &str, id: &str, now_ms: u64) -> Option<&DedupEntry> {
         self.dedup
-            .get(&dedup_slot(key, id))
+            .get(&*dedup_slot(key, id))
             .filter(|e| e.expires_ms > now_ms)
     }
 
@@ -533,8 +534,14 @@ impl ShardState {
                 not_before_ms,
                 max_attempts,
                 key,
+                dedup,
                 ..
             } => {
+                if let Some(d) = dedup {
+                    // Kept even when the job is reclaimed: the id answers
+                    // until it expires.
+                    self.note_dedup(seg_base, pos, d.expires_ms, key, d.id, "");
+                }
                 if self.reclaimed.contains(pos) {
                     // Reclaimed: finished, and so are all records about it.
                     self.segs.entry(seg_base).or_default();
@@ -779,25 +786,36 @@ impl ShardState {
                 key,
                 id,
                 shard,
-            } => {
-                // Kept whatever became of its job (acked, reclaimed): it
-                // answers for the id until it expires.
-                let seg = self.segs.entry(seg_base).or_default();
-                seg.dedup_until_ms = seg.dedup_until_ms.max(expires_ms);
-                let slot = dedup_slot(key, id);
-                let entry = DedupEntry {
-                    job,
-                    expires_ms,
-                    shard: (!shard.is_empty()).then(|| shard.into()),
-                };
-                // A record of (key, id) is written only once the earlier
-                // one expired (the append checks first): the later wins.
-                self.dedup_expiries
-                    .push(Reverse((expires_ms, slot.clone())));
-                self.dedup.insert(slot, entry);
-            }
+            } => self.note_dedup(seg_base, job, expires_ms, key, id, shard),
         }
         Ok(())
+    }
+
+    /// A dedup record (its own, or an Enqueue's field) of `(key, id)` at
+    /// the segment `seg_base`. Kept whatever became of its job (acked,
+    /// reclaimed): it answers for the id until it expires.
+    fn note_dedup(
+        &mut self,
+        seg_base: u64,
+        job: u64,
+        expires_ms: u64,
+        key: &str,
+        id: &str,
+        shard: &str,
+    ) {
+        let seg = self.segs.entry(seg_base).or_default();
+        seg.dedup_until_ms = seg.dedup_until_ms.max(expires_ms);
+        let slot: Arc<str> = dedup_slot(key, id).into();
+        let entry = DedupEntry {
+            job,
+            expires_ms,
+            shard: (!shard.is_empty()).then(|| shard.into()),
+        };
+        // A record of (key, id) is written only once the earlier one
+        // expired (the append checks first): the later wins.
+        self.dedup_expiries
+            .push(Reverse((expires_ms, Arc::clone(&slot))));
+        self.dedup.insert(slot, entry);
     }
 
     /// A new owner: jobs left in flight by the previous one go back to the
@@ -1162,6 +1180,7 @@ mod tests {
             not_before_ms: 0,
             max_attempts: 1,
             key,
+            dedup: None,
             payload: b"",
         };
         s.apply(pos, 0, &rec).unwrap();

@@ -235,6 +235,7 @@ fn segment_with_wrong_magic_is_corrupt_naming_the_segment() {
             not_before_ms: 1,
             max_attempts: 1,
             key: "k",
+            dedup: None,
             payload: b"old",
         },
     );
