@@ -316,6 +316,9 @@ pub struct RebalanceOptions {
     /// Time for the drain waits and the pause figures (a manual clock in
     /// simulations).
     pub clock: Arc<dyn Clock>,
+    /// Who runs it, as the deployment's progress record names it (the
+    /// dashboard shows it): a command and its process.
+    pub runner: String,
 }
 
 impl Default for RebalanceOptions {
@@ -325,6 +328,159 @@ impl Default for RebalanceOptions {
             drain_timeout_ms: DRAIN_TIMEOUT_MS_DEFAULT,
             poll_ms: DRAIN_POLL_MS_DEFAULT,
             clock: Arc::new(SystemClock),
+            runner: format!("pid {}", std::process::id()),
+        }
+    }
+}
+
+/// The deployment setting holding the progress of the running, or last,
+/// rebalance (a [`RebalanceProgress`] as JSON): whoever runs it (`shardq
+/// rebalance`, a server, the demo), every dashboard of the deployment
+/// shows it, and it stays after the run ends until the next one starts.
+pub const SETTING_REBALANCE: &str = "rebalance";
+
+/// Least time between two progress writes while keys switch, in ms (a
+/// phase change is written at once).
+pub const PROGRESS_WRITE_EVERY_MS: u64 = 500;
+
+/// The progress of a rebalance, as stored under [`SETTING_REBALANCE`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct RebalanceProgress {
+    /// `pinning`, `moving`, `finished` or `failed`.
+    pub phase: String,
+    /// Keys with work to move (known after pinning).
+    pub keys_to_move: usize,
+    /// Keys switched so far.
+    pub keys_moved: usize,
+    /// Jobs (queued, delayed, dead) copied to new shards with their keys so far.
+    pub jobs_moved: u64,
+    /// Longest enqueue pause of a batch so far, in ms.
+    pub pause_ms_max: f64,
+    /// Published map version when it started.
+    pub from_version: Option<u64>,
+    /// Published map version when it finished.
+    pub to_version: Option<u64>,
+    /// True when there was nothing to do.
+    pub nothing_to_do: bool,
+    /// Why it failed, if it did.
+    pub last_error: Option<String>,
+    /// When it started (ms since the epoch).
+    pub started_ms: Option<u64>,
+    /// When it ended (ms since the epoch).
+    pub finished_ms: Option<u64>,
+    /// When this record was written (ms since the epoch): a running
+    /// phase not updated for long is a run that may have died.
+    #[serde(default)]
+    pub updated_ms: Option<u64>,
+    /// Who runs it ([`RebalanceOptions::runner`]).
+    #[serde(default)]
+    pub runner: String,
+}
+
+impl RebalanceProgress {
+    /// A run that started at `now_ms`.
+    pub fn started(now_ms: u64, runner: &str) -> RebalanceProgress {
+        RebalanceProgress {
+            phase: "pinning".into(),
+            started_ms: Some(now_ms),
+            updated_ms: Some(now_ms),
+            runner: runner.to_string(),
+            ..RebalanceProgress::default()
+        }
+    }
+
+    /// Whether the run is in a running phase.
+    pub fn is_running(&self) -> bool {
+        matches!(self.phase.as_str(), "pinning" | "moving")
+    }
+
+    /// Takes in one event of the run.
+    pub fn note(&mut self, ev: &RebalanceEvent) {
+        match *ev {
+            RebalanceEvent::Pinned { pinned, .. } => {
+                self.phase = "moving".into();
+                self.keys_to_move = pinned;
+            }
+            RebalanceEvent::Draining { .. } => self.phase = "moving".into(),
+            RebalanceEvent::Switched {
+                done,
+                total,
+                jobs,
+                pause_ms,
+                ..
+            } => {
+                self.phase = "moving".into();
+                self.keys_moved = done;
+                self.keys_to_move = total;
+                self.jobs_moved += jobs;
+                self.pause_ms_max = self.pause_ms_max.max(pause_ms);
+            }
+            RebalanceEvent::Finished { version } => self.to_version = Some(version),
+        }
+    }
+
+    /// Takes in the run's end at `now_ms`.
+    pub fn ended(&mut self, result: &Result<RebalanceReport, ReshardError>, now_ms: u64) {
+        self.finished_ms = Some(now_ms);
+        self.updated_ms = Some(now_ms);
+        match result {
+            Ok(r) => {
+                self.phase = "finished".into();
+                self.from_version = Some(r.from_version);
+                self.to_version = Some(r.to_version);
+                self.keys_moved = r.moved.len();
+                self.jobs_moved = r.jobs_moved;
+                self.keys_to_move = self.keys_to_move.max(r.moved.len());
+                self.nothing_to_do = r.nothing_to_do;
+                self.pause_ms_max = self.pause_ms_max.max(r.pause_percentile_ms(100.0));
+            }
+            Err(e) => {
+                self.phase = "failed".into();
+                self.last_error = Some(e.to_string());
+            }
+        }
+    }
+}
+
+/// The deployment's stored rebalance progress, if one was written and
+/// parses (a record this build cannot read is reported as none).
+pub fn stored_progress(store: &dyn MapStore) -> Result<Option<RebalanceProgress>, ReshardError> {
+    Ok(store
+        .load_setting(SETTING_REBALANCE)?
+        .and_then(|doc| serde_json::from_str(&doc).ok()))
+}
+
+/// Writes a run's progress to the map store, at phase changes and at most
+/// every [`PROGRESS_WRITE_EVERY_MS`] between them. A write that fails is
+/// dropped: progress is for the eyes, and never fails the run it shows.
+struct ProgressRecorder<'a> {
+    store: &'a dyn MapStore,
+    clock: &'a dyn Clock,
+    progress: RebalanceProgress,
+    written_ms: u64,
+    written_phase: String,
+}
+
+impl ProgressRecorder<'_> {
+    fn write(&mut self, now_ms: u64) {
+        self.progress.updated_ms = Some(now_ms);
+        if let Ok(doc) = serde_json::to_string(&self.progress) {
+            let _ = self.store.store_setting(SETTING_REBALANCE, Some(&doc));
+        }
+        self.written_ms = now_ms;
+        self.written_phase.clone_from(&self.progress.phase);
+    }
+
+    fn note(&mut self, ev: &RebalanceEvent) {
+        self.progress.note(ev);
+        let now = self.clock.now_ms();
+        let done = self.progress.keys_to_move > 0
+            && self.progress.keys_moved >= self.progress.keys_to_move;
+        if self.progress.phase != self.written_phase
+            || done
+            || now.saturating_sub(self.written_ms) >= PROGRESS_WRITE_EVERY_MS
+        {
+            self.write(now);
         }
     }
 }
@@ -694,8 +850,42 @@ where
         )));
     }
     let clock = &*options.clock;
-    let started_ms = clock.now_ms();
     let _lock = store.try_lock_rebalance()?;
+    // Under the lock, so a second run refused as busy never overwrites
+    // the first one's record.
+    let now = clock.now_ms();
+    let mut rec = ProgressRecorder {
+        store,
+        clock,
+        progress: RebalanceProgress::started(now, &options.runner),
+        written_ms: now,
+        written_phase: String::new(),
+    };
+    if let Ok(cur) = store.load() {
+        rec.progress.from_version = Some(cur.version);
+    }
+    rec.write(now);
+    let result = rebalance_locked(backend, store, options, &mut |ev| {
+        rec.note(&ev);
+        on_event(ev);
+    });
+    rec.progress.ended(&result, clock.now_ms());
+    rec.write(clock.now_ms());
+    result
+}
+
+/// [`rebalance`], under the rebalance lock.
+fn rebalance_locked<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+) -> Result<RebalanceReport, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    let clock = &*options.clock;
+    let started_ms = clock.now_ms();
     let mut cur = store.load()?;
     let mut report = RebalanceReport {
         from_version: cur.version,

@@ -935,10 +935,12 @@ fn a_lapsed_run_moves_as_a_retry_and_its_late_ack_is_refused() {
 }
 
 /// A map store that refuses every publish after the first `ok`, as one that
-/// stops answering mid-rebalance would.
+/// stops answering mid-rebalance would, and, with `settings_fail`, every
+/// write of a setting.
 struct PublishFails {
     inner: MemoryMapStore,
     ok: std::sync::atomic::AtomicU32,
+    settings_fail: bool,
 }
 
 impl MapStore for PublishFails {
@@ -962,6 +964,15 @@ impl MapStore for PublishFails {
     }
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
         self.inner.try_lock_rebalance()
+    }
+    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
+        self.inner.load_setting(name)
+    }
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        if self.settings_fail {
+            return Err(ReshardError::Unavailable("settings are read-only".into()));
+        }
+        self.inner.store_setting(name, value)
     }
 }
 
@@ -987,12 +998,14 @@ fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
     let store = PublishFails {
         inner: inner.clone(),
         ok: std::sync::atomic::AtomicU32::new(1),
+        settings_fail: false,
     };
     let opts = RebalanceOptions {
         batch: 4,
         drain_timeout_ms: 1_000,
         poll_ms: 1,
         clock: clock.clone(),
+        ..RebalanceOptions::default()
     };
     let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("stopped answering"), "{err}");
@@ -1007,4 +1020,94 @@ fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
         .map(|s| backend.shard_stats(s).unwrap().ready)
         .sum();
     assert_eq!(total, 50, "jobs lost or stored twice");
+}
+
+/// Two shards with work on both, and a third added to the target.
+fn growing_store() -> (MemoryBackend, MemoryMapStore) {
+    let backend = MemoryBackend::new(&["s0", "s1", "s2"], Arc::new(SystemClock));
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap());
+    let router = Router::new(store.load().unwrap()).unwrap();
+    for i in 0..200 {
+        let key = format!("t-{i}");
+        let shard = router.route(&key).to_string();
+        backend
+            .enqueue(&shard, 1, &[NewJob::new(&key, b"x".to_vec())])
+            .unwrap();
+    }
+    reshard::add_shard(&store, "s2", 1, None).unwrap();
+    (backend, store)
+}
+
+#[test]
+fn every_rebalance_leaves_its_progress_in_the_map_store() {
+    let (backend, store) = growing_store();
+    assert_eq!(reshard::stored_progress(&store).unwrap(), None);
+    let opts = RebalanceOptions {
+        runner: "test runner".into(),
+        ..RebalanceOptions::default()
+    };
+    let mut seen = Vec::new();
+    let report = reshard::rebalance(&backend, &store, &opts, &mut |_| {
+        // Written while it runs, not only at the end.
+        seen.push(reshard::stored_progress(&store).unwrap().unwrap().phase);
+    })
+    .unwrap();
+    assert!(!report.moved.is_empty());
+    assert!(
+        seen.iter().all(|p| p == "pinning" || p == "moving"),
+        "{seen:?}"
+    );
+    let p = reshard::stored_progress(&store).unwrap().unwrap();
+    assert_eq!(p.phase, "finished");
+    assert_eq!(p.keys_moved, report.moved.len());
+    assert_eq!(p.keys_to_move, report.moved.len());
+    assert_eq!(p.jobs_moved, report.jobs_moved);
+    assert_eq!(p.from_version, Some(report.from_version));
+    assert_eq!(p.to_version, Some(report.to_version));
+    assert_eq!(p.runner, "test runner");
+    assert!(p.started_ms.unwrap() <= p.finished_ms.unwrap());
+    assert!(!p.is_running());
+
+    // A second run refused as busy leaves the record as it was.
+    let held = store.try_lock_rebalance().unwrap();
+    let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, ReshardError::Busy { .. }), "{err}");
+    assert_eq!(reshard::stored_progress(&store).unwrap().unwrap(), p);
+    drop(held);
+}
+
+#[test]
+fn a_failed_rebalance_says_why_and_a_progress_write_never_fails_one() {
+    let (backend, store) = growing_store();
+    let down = PublishFails {
+        inner: store.clone(),
+        ok: std::sync::atomic::AtomicU32::new(0),
+        settings_fail: false,
+    };
+    let err =
+        reshard::rebalance(&backend, &down, &RebalanceOptions::default(), &mut |_| {}).unwrap_err();
+    let p = reshard::stored_progress(&store).unwrap().unwrap();
+    assert_eq!(p.phase, "failed");
+    assert_eq!(p.last_error.as_deref(), Some(err.to_string().as_str()));
+    assert!(p.finished_ms.is_some());
+
+    // Settings refused: the rebalance itself goes through.
+    let read_only = PublishFails {
+        inner: store.clone(),
+        ok: std::sync::atomic::AtomicU32::new(u32::MAX),
+        settings_fail: true,
+    };
+    let report = reshard::rebalance(
+        &backend,
+        &read_only,
+        &RebalanceOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(!report.moved.is_empty());
+    assert_eq!(
+        reshard::stored_progress(&store).unwrap().unwrap().phase,
+        "failed"
+    );
 }

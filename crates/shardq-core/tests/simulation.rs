@@ -459,6 +459,7 @@ fn simulate(seed: u64) -> (u64, u64) {
         drain_timeout_ms: 60_000,
         poll_ms: 1,
         clock: clock.clone(),
+        runner: "simulation".into(),
     };
     // The rebalance is killed at a seeded write, up to three times, and
     // rerun each time; the producers and workers keep going throughout.

@@ -42,6 +42,9 @@ pub struct ServerOptions {
     pub cluster: bool,
     /// More `redis-server` arguments (e.g. `--rename-command CONFIG ""`).
     pub extra_args: &'static [&'static str],
+    /// This port instead of a free one picked here (the caller checked it
+    /// is free: `shardq demo --redis-ports`).
+    pub port: Option<u16>,
 }
 
 /// One `redis-server` child process.
@@ -55,7 +58,8 @@ pub struct RedisServer {
     child: Option<Child>,
 }
 
-fn port_free(port: u16) -> bool {
+/// Whether nothing listens on loopback `port` (a bind succeeds).
+pub fn port_free(port: u16) -> bool {
     TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
@@ -147,7 +151,7 @@ impl RedisServer {
     }
 
     fn start_inner(opts: ServerOptions, primary: Option<u16>) -> RedisServer {
-        let port = pick_port(opts.cluster);
+        let port = opts.port.unwrap_or_else(|| pick_port(opts.cluster));
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let dir =
             std::env::temp_dir().join(format!("shardq-redis-{}-{n}-{port}", std::process::id()));

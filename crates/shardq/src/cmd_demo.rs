@@ -57,6 +57,11 @@ pub struct DemoArgs {
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = DemoBackend::Fs)]
     backend: DemoBackend,
+    /// With --backend redis: start the redis-server instances on the first
+    /// free loopback ports of this inclusive range (one per shard and one
+    /// for the added shard), e.g. 30000-30010; by default, any free ports.
+    #[arg(long, value_name = "LOW-HIGH", value_parser = parse_port_range)]
+    redis_ports: Option<(u16, u16)>,
     /// Keep the data directory here instead of a temporary one.
     #[arg(long, value_name = "DIR")]
     keep: Option<PathBuf>,
@@ -73,6 +78,25 @@ pub struct DemoArgs {
     /// Seconds the dashboard stays up after the report.
     #[arg(long, default_value_t = 60, requires = "serve")]
     serve_after_s: u64,
+}
+
+/// `LOW-HIGH`, an inclusive range of ports, LOW <= HIGH, both 1..=65535.
+fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
+    let bad = |why: &str| {
+        format!("invalid port range {text:?}: {why} (expected LOW-HIGH, e.g. 30000-30010)")
+    };
+    let (lo, hi) = text.split_once('-').ok_or_else(|| bad("no `-`"))?;
+    let port = |p: &str| -> Result<u16, String> {
+        match p.trim().parse::<u16>() {
+            Ok(0) | Err(_) => Err(bad(&format!("{p:?} is not a port 1..=65535"))),
+            Ok(n) => Ok(n),
+        }
+    };
+    let (lo, hi) = (port(lo)?, port(hi)?);
+    if lo > hi {
+        return Err(bad("LOW is above HIGH"));
+    }
+    Ok((lo, hi))
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
@@ -101,6 +125,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             args.listen
         );
     }
+    if args.redis_ports.is_some() && args.backend != DemoBackend::Redis {
+        bail!("--redis-ports is for --backend redis: the other backends start no servers");
+    }
     let names = shard_names(args.shards);
     let deployed = match args.backend {
         DemoBackend::Memory => None,
@@ -108,7 +135,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             args.keep.clone(),
             &names,
         )?)),
-        DemoBackend::Redis => Some(Arc::new(DeploymentEnv::redis(args.keep.clone(), &names)?)),
+        DemoBackend::Redis => Some(Arc::new(DeploymentEnv::redis(
+            args.keep.clone(),
+            &names,
+            args.redis_ports,
+        )?)),
     };
     let env: Arc<dyn DemoEnv> = match &deployed {
         Some(d) => d.clone(),
@@ -164,4 +195,25 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_port_range;
+
+    #[test]
+    fn port_ranges_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_port_range("30000-30010"), Ok((30000, 30010)));
+        assert_eq!(parse_port_range("7000-7000"), Ok((7000, 7000)));
+        for (bad, why) in [
+            ("30000", "no `-`"),
+            ("0-10", "\"0\" is not a port"),
+            ("10-70000", "\"70000\" is not a port"),
+            ("x-10", "\"x\" is not a port"),
+            ("20-10", "LOW is above HIGH"),
+        ] {
+            let err = parse_port_range(bad).unwrap_err();
+            assert!(err.contains(why) && err.contains(bad), "{bad}: {err}");
+        }
+    }
 }

@@ -255,6 +255,7 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
     let options = RebalanceOptions {
         batch: opts.batch,
         drain_timeout_ms: opts.drain_timeout_ms,
+        runner: format!("shardq rebalance (pid {})", std::process::id()),
         ..RebalanceOptions::default()
     };
     let bar = if opts.json {

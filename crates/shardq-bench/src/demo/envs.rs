@@ -118,8 +118,13 @@ impl DeploymentEnv {
     }
 
     /// Redis: one local `redis-server` per shard and a spare, started on
-    /// free loopback ports and stopped when this is dropped.
-    pub fn redis(keep: Option<PathBuf>, names: &[String]) -> Result<DeploymentEnv, DemoError> {
+    /// free loopback ports (the first free ones of `ports`, inclusive, when
+    /// given) and stopped when this is dropped.
+    pub fn redis(
+        keep: Option<PathBuf>,
+        names: &[String],
+        ports: Option<(u16, u16)>,
+    ) -> Result<DeploymentEnv, DemoError> {
         // The harness panics when the binary is missing; say it as an error.
         Command::new("redis-server")
             .arg("--version")
@@ -131,7 +136,32 @@ impl DeploymentEnv {
                     e,
                 )
             })?;
-        let servers: Vec<RedisServer> = (0..=names.len()).map(|_| RedisServer::start()).collect();
+        let wanted = names.len() + 1;
+        let chosen: Vec<Option<u16>> = match ports {
+            None => vec![None; wanted],
+            Some((lo, hi)) => {
+                let free: Vec<u16> = (lo..=hi)
+                    .filter(|&p| shardq_redis::testing::port_free(p))
+                    .take(wanted)
+                    .collect();
+                if free.len() < wanted {
+                    return Err(DemoError::Invalid(format!(
+                        "--redis-ports {lo}-{hi}: {} free loopback ports in it, the demo needs {wanted} (one per shard and one for the added shard)",
+                        free.len()
+                    )));
+                }
+                free.into_iter().map(Some).collect()
+            }
+        };
+        let servers: Vec<RedisServer> = chosen
+            .into_iter()
+            .map(|port| {
+                RedisServer::start_with(shardq_redis::testing::ServerOptions {
+                    port,
+                    ..Default::default()
+                })
+            })
+            .collect();
         let (dir, temp) = demo_dir(keep, "redis-");
         let map = ShardMap::with_shards(Algorithm::Rendezvous, names.iter().cloned())?;
         let urls: Vec<String> = servers[..names.len()]
@@ -192,7 +222,12 @@ impl DemoEnv for DeploymentEnv {
                 self.dir.display()
             ),
             (n, _) => format!(
-                "{n} local redis-server instances (one per shard, one for the added shard; no persistence)"
+                "{n} local redis-server instances on loopback ports {} (one per shard, one for the added shard; no persistence)",
+                self.servers
+                    .iter()
+                    .map(|s| s.port().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         }
     }

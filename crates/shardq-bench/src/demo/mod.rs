@@ -453,6 +453,7 @@ pub fn run(
     let to_move = AtomicU64::new(0);
     let opts = RebalanceOptions {
         batch: p.batch,
+        runner: format!("shardq demo (pid {})", std::process::id()),
         ..RebalanceOptions::default()
     };
     let report = reshard::rebalance(&*backend, &*store, &opts, &mut |ev| {

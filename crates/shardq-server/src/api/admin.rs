@@ -123,32 +123,9 @@ pub async fn unpin(State(app): State<Arc<App>>, JsonBody(req): JsonBody<Unpin>) 
     ok(json!({ "ok": true }))
 }
 
-/// Progress of the rebalance this server started last.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Progress {
-    /// `idle`, `pinning`, `moving`, `finished` or `failed`.
-    pub phase: &'static str,
-    /// Keys with work to drain and switch (known after pinning).
-    pub keys_to_move: usize,
-    /// Keys switched so far.
-    pub keys_moved: usize,
-    /// Jobs (queued, delayed, dead) copied to new shards with their keys so far.
-    pub jobs_moved: u64,
-    /// Longest enqueue pause of a batch so far, in ms.
-    pub pause_ms_max: f64,
-    /// Published map version when it started.
-    pub from_version: Option<u64>,
-    /// Published map version when it finished.
-    pub to_version: Option<u64>,
-    /// True when there was nothing to do.
-    pub nothing_to_do: bool,
-    /// Why it failed, if it did.
-    pub last_error: Option<String>,
-    /// When it started (ms since the epoch).
-    pub started_ms: Option<u64>,
-    /// When it ended (ms since the epoch).
-    pub finished_ms: Option<u64>,
-}
+/// Progress of the rebalance this server started last (the record every
+/// rebalance writes to the map store, kept here too while it starts).
+pub type Progress = reshard::RebalanceProgress;
 
 fn progress(m: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -175,17 +152,13 @@ pub async fn rebalance_start(
     }
     {
         let mut p = progress(&app.rebalance);
-        if matches!(p.phase, "pinning" | "moving") {
+        if p.is_running() {
             return Err(ApiError::conflict(format!(
                 "a rebalance started by this server is running (phase {}, {} of {} keys moved)",
                 p.phase, p.keys_moved, p.keys_to_move
             )));
         }
-        *p = Progress {
-            phase: "pinning",
-            started_ms: Some(app.clock.now_ms()),
-            ..Progress::default()
-        };
+        *p = Progress::started(app.clock.now_ms(), "shardq serve");
     }
     let a = Arc::clone(&app);
     let spawned = std::thread::Builder::new()
@@ -193,6 +166,7 @@ pub async fn rebalance_start(
         .spawn(move || {
             let opts = RebalanceOptions {
                 batch,
+                runner: format!("shardq serve (pid {})", std::process::id()),
                 ..RebalanceOptions::default()
             };
             let backend = a.deployment.backend();
@@ -200,52 +174,15 @@ pub async fn rebalance_start(
             a.metrics.rebalance_started();
             let result = reshard::rebalance(&*backend, &*maps, &opts, &mut |ev| {
                 a.metrics.rebalance_event(&ev);
-                let mut p = progress(&a.rebalance);
-                match ev {
-                    RebalanceEvent::Pinned { pinned, .. } => {
-                        p.phase = "moving";
-                        p.keys_to_move = pinned;
-                    }
-                    RebalanceEvent::Switched {
-                        done,
-                        total,
-                        jobs,
-                        pause_ms,
-                        ..
-                    } => {
-                        p.phase = "moving";
-                        p.keys_moved = done;
-                        p.keys_to_move = total;
-                        p.jobs_moved += jobs;
-                        p.pause_ms_max = p.pause_ms_max.max(pause_ms);
-                    }
-                    RebalanceEvent::Finished { version } => p.to_version = Some(version),
-                    _ => {}
-                }
+                progress(&a.rebalance).note(&ev);
             });
             a.metrics
                 .rebalance_ended(result.as_ref().map(|r| r.moved.len()).map_err(|_| ()));
-            let mut p = progress(&a.rebalance);
-            p.finished_ms = Some(a.clock.now_ms());
-            match result {
-                Ok(r) => {
-                    p.phase = "finished";
-                    p.from_version = Some(r.from_version);
-                    p.to_version = Some(r.to_version);
-                    p.keys_moved = r.moved.len();
-                    p.jobs_moved = r.jobs_moved;
-                    p.keys_to_move = p.keys_to_move.max(r.moved.len());
-                    p.nothing_to_do = r.nothing_to_do;
-                }
-                Err(e) => {
-                    p.phase = "failed";
-                    p.last_error = Some(e.to_string());
-                }
-            }
+            progress(&a.rebalance).ended(&result, a.clock.now_ms());
         });
     if let Err(e) = spawned {
         let mut p = progress(&app.rebalance);
-        p.phase = "failed";
+        p.phase = "failed".into();
         p.last_error = Some(format!("cannot start the rebalance thread: {e}"));
         return Err(ApiError::internal(format!(
             "cannot start the rebalance thread: {e}"
@@ -258,11 +195,23 @@ pub async fn rebalance_start(
         .into_response())
 }
 
-/// `GET /v1/admin/rebalance`: the progress of the last rebalance.
+/// `GET /v1/admin/rebalance`: the progress of the running or last
+/// rebalance of the deployment, whoever runs it (this server, `shardq
+/// rebalance`, a demo): the record in the map store, or this server's own
+/// while its run starts (or when the store cannot be read).
 pub async fn rebalance_progress(State(app): State<Arc<App>>) -> ApiResult {
-    let mut p = progress(&app.rebalance).clone();
+    let own = progress(&app.rebalance).clone();
+    let maps = app.deployment.maps();
+    let stored = blocking(move || Ok(reshard::stored_progress(&*maps)?))
+        .await
+        .ok()
+        .flatten();
+    let mut p = match stored {
+        Some(s) if s.started_ms >= own.started_ms => s,
+        _ => own,
+    };
     if p.phase.is_empty() {
-        p.phase = "idle";
+        p.phase = "idle".into();
     }
     ok(serde_json::to_value(p).map_err(|e| ApiError::internal(e.to_string()))?)
 }

@@ -35,7 +35,7 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shardq_core::job::cut_at_char;
-use shardq_core::reshard::{self, RebalanceEvent, RebalanceOptions};
+use shardq_core::reshard::{self, RebalanceOptions};
 use shardq_core::{
     validate_job_lease_ms, validate_key, FailOutcome, JobId, NewJob, QueueError, Receipt,
     JOB_LEASE_MS_DEFAULT, MAX_ATTEMPTS_DEFAULT,

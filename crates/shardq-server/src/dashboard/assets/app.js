@@ -282,12 +282,33 @@
       total = Math.max(total, derived.keys_switched + derived.keys_pinned);
     }
     const running = phase === "pinning" || phase === "moving";
-    if (running && state.rebalanceStart === null) {
+    // The deployment's record of the run (whoever runs it): when, who,
+    // how long, and whether it still reports.
+    const run = $("rebalance-run");
+    if (admin && admin.started_ms && admin.phase !== "idle") {
+      let text = "started " + new Date(admin.started_ms).toLocaleTimeString() + (admin.runner ? " by " + admin.runner : "");
+      if (admin.finished_ms) {
+        text += ", " + admin.phase + " after " + ((admin.finished_ms - admin.started_ms) / 1000).toFixed(1) + " s";
+      } else if (admin.updated_ms && now - admin.updated_ms > 60000) {
+        text += ", no word from it for " + Math.round((now - admin.updated_ms) / 1000) + " s (if it died, rerun `shardq rebalance`)";
+      }
+      run.textContent = text;
+    } else {
+      run.textContent = "–";
+    }
+    if (!running && state.rebalanceStart === null && admin && admin.started_ms && admin.finished_ms) {
+      // A run that ended before this page opened: its figures still show.
+      state.rebalanceStart = admin.started_ms;
+      state.rebalanceEnd = admin.finished_ms;
+      state.movedSeen = [];
+    }
+    const newRun = adminRunning && admin.started_ms && admin.started_ms !== state.rebalanceStart;
+    if (running && (state.rebalanceStart === null || newRun)) {
       state.rebalanceStart = admin && adminRunning && admin.started_ms ? admin.started_ms : now;
       state.movedSeen = [];
     }
-    if (!running && state.rebalanceStart !== null && phase !== "pending") {
-      state.rebalanceEnd = now;
+    if (!running && state.rebalanceStart !== null && phase !== "pending" && state.rebalanceEnd === null) {
+      state.rebalanceEnd = admin && admin.finished_ms ? admin.finished_ms : now;
     }
     if (running) state.rebalanceEnd = null;
     const p = $("rebalance-phase");
