@@ -328,6 +328,10 @@ def test_a_rebalance_shows_its_phase_and_moved_keys(browser, deployment, screens
         assert not load.errors, load.errors[:5]
     progress = api.get("/v1/admin/rebalance")
     assert progress["phase"] == "finished", progress
+    assert progress["runner"].startswith("shardq serve"), progress
+    # The finished run stays on the page: who ran it and how long it took.
+    wait(browser, "the finished run's line",
+         lambda d: re.search(r"by shardq serve .*finished after \d+\.\d s", text(d, "#rebalance-run")))
     assert "moving" in phases, phases
     assert phases[-1] == "finished", phases
     assert len(set(moved)) >= 3, f"moved-key count seen on the page: {moved}"
