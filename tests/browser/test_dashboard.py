@@ -3,6 +3,7 @@ against a `shardq serve` with real data. Tests run in file order on one
 server: the static checks first, then dead-letter retry, then a live
 rebalance under load, then the server going away."""
 
+import math
 import re
 import shutil
 import threading
@@ -118,6 +119,20 @@ def test_the_shard_table_matches_the_status_endpoint(browser, deployment, screen
     assert legend == [s["name"] for s in ring["shards"]]
     arcs = browser.execute_script("return document.querySelectorAll('#ring [data-shard]').length")
     assert arcs >= 3, arcs
+    # Load bars on one absolute (log) scale: a bar's length follows its own
+    # shard's jobs, log10(1 + jobs) / 6 of the track, whatever the others hold.
+    bars = browser.execute_script(
+        "return [...document.querySelectorAll('#shards tbody tr')].map(t => {"
+        " const b = t.querySelector('.bar'); if (!b) return null;"
+        " const w = [...b.children].reduce((a, c) => a + c.getBoundingClientRect().width, 0);"
+        " return [t.dataset.shard, Number(b.dataset.length), w / b.getBoundingClientRect().width]; })"
+    )
+    by_name = {s["name"]: s for s in status["shards"]}
+    for name, length, drawn in [b for b in bars if b]:
+        s = by_name[name]
+        jobs = s["ready"] + s["delayed"] + s["in_flight"] + s["dead"]
+        assert abs(length - math.log10(1 + jobs) / 6) < 0.002, (name, jobs, length)
+        assert abs(drawn - length) < 0.02, (name, jobs, length, drawn)
     browser.save_screenshot(str(screenshots / "02-shards.png"))
 
 

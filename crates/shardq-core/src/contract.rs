@@ -889,6 +889,23 @@ pub fn fail_with_retry_in_runs_again_first(h: &dyn ContractHarness) {
     );
     let due = h.backend().next_due_ms(&shard).expect("next due");
     assert!(due.is_some(), "a waiting retry must be due some time");
+    // The waiting retry says why its last attempt failed; its key's later
+    // job has no reason of its own.
+    let b = h.backend();
+    let jobs = b.key_jobs(&shard, "w", 10).expect("key_jobs");
+    assert_eq!(
+        jobs.iter()
+            .map(|j| (&j.payload[..], j.attempts, j.reason.as_deref()))
+            .collect::<Vec<_>>(),
+        [(&b"a"[..], 1, Some("later")), (&b"b"[..], 0, None)],
+        "a retried job's attempts and last failure"
+    );
+    let one = b
+        .job(&shard, run.id)
+        .expect("job")
+        .expect("the retry is live");
+    assert_eq!(one.reason.as_deref(), Some("later"));
+    assert_eq!(one.state, JobState::Delayed);
 }
 
 /// A store that went back in time (job ids and fences it handed out are

@@ -127,6 +127,17 @@ pub fn is_unshowable(c: char) -> bool {
         )
 }
 
+/// Whether `s` holds an unshowable character ([`is_unshowable`]). ASCII
+/// text, the common case, is checked byte by byte (its only unshowable
+/// characters are the controls).
+pub fn has_unshowable(s: &str) -> bool {
+    if s.is_ascii() {
+        s.bytes().any(|b| b < 0x20 || b == 0x7f)
+    } else {
+        s.chars().any(is_unshowable)
+    }
+}
+
 /// Longest dedup id, in bytes.
 pub const DEDUP_ID_BYTES_MAX: usize = 256;
 /// Default dedup window (5 minutes): how long a dedup id is remembered.
@@ -137,7 +148,7 @@ pub const DEDUP_WINDOW_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 /// Checks a dedup id (of a job of `key`): 1..=[`DEDUP_ID_BYTES_MAX`] bytes
 /// without unshowable characters ([`is_unshowable`]).
 pub fn validate_dedup_id(key: &str, id: &str) -> Result<(), QueueError> {
-    if id.is_empty() || id.len() > DEDUP_ID_BYTES_MAX || id.chars().any(is_unshowable) {
+    if id.is_empty() || id.len() > DEDUP_ID_BYTES_MAX || has_unshowable(id) {
         return Err(QueueError::InvalidDedupId {
             key: cut_at_char(key, 64).to_string(),
             id: shown_key(cut_at_char(id, 64)),
@@ -223,6 +234,9 @@ pub fn validate_key(key: &str) -> Result<(), QueueError> {
             ),
         });
     }
+    if !has_unshowable(key) {
+        return Ok(());
+    }
     if let Some((at, c)) = key.char_indices().find(|(_, c)| is_unshowable(*c)) {
         return Err(QueueError::InvalidKey {
             key: cut_at_char(key, 64).to_string(),
@@ -239,7 +253,7 @@ pub fn validate_key(key: &str) -> Result<(), QueueError> {
 /// unshowable characters ([`is_unshowable`]) escaped as `\u{...}` (a key stored before the grammar
 /// refused them may hold some).
 pub fn shown_key(key: &str) -> String {
-    if key.chars().any(is_unshowable) {
+    if has_unshowable(key) {
         key.chars()
             .map(|c| {
                 if is_unshowable(c) {
@@ -587,6 +601,20 @@ impl Fence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ascii_fast_path_agrees_with_every_character() {
+        // Every ASCII character, alone and inside text, and some others.
+        for b in 0u8..=0x7f {
+            let c = char::from(b);
+            for s in [c.to_string(), format!("ab{c}cd")] {
+                assert_eq!(has_unshowable(&s), is_unshowable(c), "{s:?}");
+            }
+        }
+        for s in ["ä\u{200B}", "ä", "\u{FEFF}x", "x\u{85}"] {
+            assert_eq!(has_unshowable(s), s.chars().any(is_unshowable), "{s:?}");
+        }
+    }
 
     #[test]
     fn the_key_grammar_refuses_control_characters() {

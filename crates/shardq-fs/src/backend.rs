@@ -1594,7 +1594,7 @@ fn job_info(
         created_ms,
         not_before_ms: j.slot.not_before_ms,
         run: j.run,
-        reason: j.dead.map(str::to_string),
+        reason: j.reason.map(str::to_string),
         payload,
     })
 }

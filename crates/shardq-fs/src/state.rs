@@ -40,6 +40,20 @@ struct KeyState {
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
+    /// The reason of the last failed attempt of a job retried at the head
+    /// (only the head can have one: a failed job goes before the key's
+    /// later jobs), with its id; answered for that id only.
+    head_reason: Option<(u64, Box<str>)>,
+}
+
+impl KeyState {
+    /// The last failure's reason of job `id`, if it is the retried head.
+    fn reason_of(&self, id: u64) -> Option<&str> {
+        self.head_reason
+            .as_ref()
+            .filter(|(job, _)| *job == id)
+            .map(|(_, r)| &**r)
+    }
 }
 
 #[derive(Debug)]
@@ -104,6 +118,8 @@ pub(crate) struct LiveJob<'a> {
     pub run: Option<(u64, u64)>,
     /// Its dead-letter reason, for a dead job.
     pub dead: Option<&'a str>,
+    /// The reason its last attempt failed, for a job retried (or dead).
+    pub reason: Option<&'a str>,
 }
 
 /// A job picked for claiming.
@@ -286,6 +302,7 @@ impl ShardState {
                 slot: *head,
                 run: Some((run.fence, run.lease_until_ms)),
                 dead: None,
+                reason: ks.reason_of(id),
             });
         }
         if let Some(e) = self.dead.get(&id) {
@@ -294,6 +311,7 @@ impl ShardState {
                 slot: e.slot,
                 run: None,
                 dead: Some(&e.reason),
+                reason: Some(&e.reason),
             });
         }
         self.index.values().find_map(|&k| {
@@ -304,6 +322,7 @@ impl ShardState {
                 slot: ks.queue[i],
                 run: None,
                 dead: None,
+                reason: ks.reason_of(id),
             })
         })
     }
@@ -327,6 +346,7 @@ impl ShardState {
                     .flatten()
                     .map(|r| (r.fence, r.lease_until_ms)),
                 dead: None,
+                reason: ks.reason_of(s.id),
             })
             .collect();
         if ks.dead > 0 {
@@ -339,6 +359,7 @@ impl ShardState {
                         slot: e.slot,
                         run: None,
                         dead: Some(&e.reason),
+                        reason: Some(&e.reason),
                     }),
             );
         }
@@ -364,9 +385,19 @@ impl ShardState {
 
     /// The live record of `(key, id)` at `now_ms`.
     pub fn dedup_lookup(&self, key: &str, id: &str, now_ms: u64) -> Option<&DedupEntry> {
-        self.dedup
-            .get(&*dedup_slot(key, id))
-            .filter(|e| e.expires_ms > now_ms)
+        thread_local! {
+            // The slot text of a lookup, built here with no allocation per
+            // call (one per enqueued job with an id).
+            static SLOT: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+        }
+        SLOT.with_borrow_mut(|slot| {
+            slot.clear();
+            slot.push_str(key);
+            slot.push('\0');
+            slot.push_str(id);
+            self.dedup.get(slot.as_str())
+        })
+        .filter(|e| e.expires_ms > now_ms)
     }
 
     /// The live records at `now_ms`: (key, id, entry), for a key or all.
@@ -587,6 +618,7 @@ impl ShardState {
                     return self.unknown(job, "ack");
                 };
                 let ks = &mut self.keys[k as usize];
+                ks.head_reason = None;
                 if ks.queue.pop_front().is_some() {
                     self.slot_removed();
                 }
@@ -611,6 +643,7 @@ impl ShardState {
                 let ks = &mut self.keys[k as usize];
                 ks.in_flight = false;
                 if dead {
+                    ks.head_reason = None;
                     let slot = ks.queue.pop_front().expect("head exists");
                     ks.dead += 1;
                     self.slot_removed();
@@ -623,6 +656,7 @@ impl ShardState {
                         },
                     );
                 } else if let Some(h) = ks.queue.front_mut() {
+                    ks.head_reason = Some((job, reason.into()));
                     h.not_before_ms = retry_at_ms;
                     self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 }

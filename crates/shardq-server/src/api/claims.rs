@@ -269,10 +269,7 @@ pub async fn claim(
 ) -> ApiResult {
     let principal = principal.map_or(ANONYMOUS, |p| p.0);
     let w = &req.worker;
-    if w.is_empty()
-        || w.len() > WORKER_NAME_BYTES_MAX
-        || w.chars().any(shardq_core::job::is_unshowable)
-    {
+    if w.is_empty() || w.len() > WORKER_NAME_BYTES_MAX || shardq_core::job::has_unshowable(w) {
         return Err(ApiError::bad(format!(
             "worker: invalid worker name {}: 1..={WORKER_NAME_BYTES_MAX} bytes without control or invisible formatting characters",
             shown(w)

@@ -36,10 +36,7 @@ struct Enqueued {
 }
 
 fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
-    if id.is_empty()
-        || id.len() > DEDUP_ID_BYTES_MAX
-        || id.chars().any(shardq_core::job::is_unshowable)
-    {
+    if id.is_empty() || id.len() > DEDUP_ID_BYTES_MAX || shardq_core::job::has_unshowable(id) {
         return Err(ApiError::bad(format!(
             "{field}: invalid dedup id {}: 1..={DEDUP_ID_BYTES_MAX} bytes without control or invisible formatting characters",
             shown(id)

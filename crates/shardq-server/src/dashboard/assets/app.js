@@ -8,6 +8,7 @@
   const SLOW_MS = 2000; // ring, hot keys and dead letters every 2 s
   const TOKEN_KEY = "shardq.dashboard.token";
   const HISTORY_MAX = 600; // polls of rate history kept (about 10 minutes)
+  const LOAD_SCALE_MAX = 1e6; // jobs at a full load bar (log scale: 1, 1k, 1M)
 
   const $ = (id) => document.getElementById(id);
   const state = {
@@ -121,11 +122,6 @@
     const tbody = $("shards").querySelector("tbody");
     clear(tbody);
     const backlog = {};
-    let maxLoad = 1;
-    for (const s of st.shards) {
-      const load = (s.ready || 0) + (s.delayed || 0) + (s.in_flight || 0) + (s.dead || 0);
-      maxLoad = Math.max(maxLoad, load);
-    }
     let totalRate = 0;
     let haveRate = false;
     const dt = state.prev ? (now - state.prev.t) / 1000 : 0;
@@ -159,8 +155,14 @@
       } else {
         const bar = el("div", { class: "bar", title: "ready " + s.ready + ", delayed " + s.delayed + ", in flight " + s.in_flight + ", dead " + s.dead });
         const parts = [["ready", s.ready], ["delayed", s.delayed], ["inflight", s.in_flight], ["dead", s.dead]];
+        // An absolute scale, the same for every shard and refresh: the bar's
+        // length is log10(1 + jobs) of LOAD_SCALE_MAX's, shared by the parts
+        // in proportion to their counts.
+        const load = parts.reduce((a, [, n]) => a + (n || 0), 0);
+        const length = Math.min(1, Math.log10(1 + load) / Math.log10(1 + LOAD_SCALE_MAX));
+        bar.dataset.length = length.toFixed(4);
         for (const [cls, n] of parts) {
-          if (n > 0) bar.appendChild(el("span", { class: cls, style: "width:" + (100 * n / maxLoad).toFixed(2) + "%" }));
+          if (n > 0) bar.appendChild(el("span", { class: cls, style: "width:" + (100 * length * n / load).toFixed(2) + "%" }));
         }
         barCell.appendChild(bar);
       }
