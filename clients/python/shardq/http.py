@@ -748,6 +748,8 @@ class ClaimedJob:
     _lease_until: float = field(default=float("inf"), repr=False, compare=False)
     #: Whether the job holds its server's own slot of the worker (see _SlotBook).
     _own_slot: bool = field(default=False, repr=False, compare=False)
+    #: Whether its slot went back to the worker's book.
+    _released: bool = field(default=False, repr=False, compare=False)
 
     @property
     def lost(self) -> threading.Event:
@@ -897,11 +899,9 @@ class Worker(_SignalStops):
         self._stop = threading.Event()
         self._abandon = threading.Event()
         self._lock = threading.Lock()
-        # The condition's own lock, taken directly where nobody waits (a
-        # release per job: a plain lock's `with` costs less than the
-        # condition's).
-        self._slot_lock = threading.Lock()
-        self._slot_cond = threading.Condition(self._slot_lock)
+        # The slot book shares the worker's lock: a job that ends gives its
+        # slot back in the same hold that takes it off the running ones.
+        self._slot_cond = threading.Condition(self._lock)
         # Claim loops waiting on _slot_cond: a release notifies only when
         # one waits (a notify costs more than the rest of a job's bookkeeping).
         self._slot_waiters = 0
@@ -1081,10 +1081,18 @@ class Worker(_SignalStops):
                 self._slot_cond.notify_all()
 
     def _release(self, job: ClaimedJob) -> None:
-        with self._slot_lock:
-            self._book.release(job)
-            if self._slot_waiters:
-                self._slot_cond.notify_all()
+        if not job._released:
+            with self._lock:
+                self._free_slot(job)
+
+    def _free_slot(self, job: ClaimedJob) -> None:
+        """Gives ``job``'s slot back (once); the caller holds ``_lock``."""
+        if job._released:
+            return
+        job._released = True
+        self._book.release(job)
+        if self._slot_waiters:
+            self._slot_cond.notify_all()
 
     def _poll(self, t: _Transport, body: Mapping[str, Any], timeout: float) -> Tuple[int, Any]:
         """Sends a claim on a connection that :meth:`stop` can cut."""
@@ -1212,6 +1220,7 @@ class Worker(_SignalStops):
         outcome = _outcome_of(job, error)
         with self._lock:
             self._running.pop(id(job), None)
+            self._free_slot(job)
         if outcome is None:
             self._acks[job.url].put(job)
         else:
