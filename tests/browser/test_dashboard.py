@@ -124,8 +124,8 @@ def test_the_shard_table_matches_the_status_endpoint(browser, deployment, screen
     bars = browser.execute_script(
         "return [...document.querySelectorAll('#shards tbody tr')].map(t => {"
         " const b = t.querySelector('.bar'); if (!b) return null;"
-        " const w = [...b.children].reduce((a, c) => a + c.getBoundingClientRect().width, 0);"
-        " return [t.dataset.shard, Number(b.dataset.length), w / b.getBoundingClientRect().width]; })"
+        " const w = [...b.children].reduce((a, c) => a + parseFloat(c.style.width), 0);"
+        " return [t.dataset.shard, Number(b.dataset.length), w / 100]; })"
     )
     by_name = {s["name"]: s for s in status["shards"]}
     for name, length, drawn in [b for b in bars if b]:

@@ -91,7 +91,14 @@
     const e = document.createElement(tag);
     if (attrs) for (const k in attrs) {
       if (k === "class") e.className = attrs[k];
-      else if (k === "style") e.setAttribute("style", attrs[k]);
+      // Through the CSSOM: the page's CSP (style-src 'self') refuses
+      // style attributes, which would leave such an element unstyled.
+      else if (k === "style") {
+        for (const decl of String(attrs[k]).split(";")) {
+          const i = decl.indexOf(":");
+          if (i > 0) e.style.setProperty(decl.slice(0, i).trim(), decl.slice(i + 1).trim());
+        }
+      }
       else e.setAttribute(k, attrs[k]);
     }
     if (text !== undefined && text !== null) e.textContent = String(text);
