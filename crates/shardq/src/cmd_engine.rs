@@ -70,7 +70,8 @@ pub enum EngineCommand {
     Enqueue(EnqueueArgs),
     /// Run jobs of the shards this process can claim: CMD runs once per job.
     Work(WorkArgs),
-    /// Per-shard ready, delayed, in-flight and dead counts, owners, leases.
+    /// Per-shard ready, delayed, in-flight and dead counts, owners, leases,
+    /// and the running or last rebalance (who runs it, how far it got).
     ///
     /// A shard that cannot be read (e.g. a corrupt log) is shown with its
     /// error (`"error"` in --json, counts null) and left out of the totals;
@@ -871,12 +872,22 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let deployment = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?;
     let st = deployment.status()?;
+    // The running or last rebalance, whoever runs it: a map store that
+    // cannot say costs only this line.
+    let rebalance = shardq_core::reshard::stored_progress(&*deployment.maps())
+        .ok()
+        .flatten();
     if json {
-        println!("{}", serde_json::to_string(&st)?);
+        let mut doc = serde_json::to_value(&st)?;
+        doc["rebalance"] = serde_json::to_value(&rebalance)?;
+        println!("{doc}");
     } else {
         let map = deployment.map().ok();
         let now = deployment.clock().now_ms();
         print_status_table(&st, map.as_ref(), now);
+        if let Some(p) = &rebalance {
+            println!("{}", rebalance_line(p, now));
+        }
     }
     if st.failed.is_empty() {
         return Ok(ExitCode::SUCCESS);
@@ -895,6 +906,45 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         st.failed.join(", ")
     );
     Ok(ExitCode::from(2))
+}
+
+/// One line on the deployment's running or last rebalance.
+fn rebalance_line(p: &shardq_core::reshard::RebalanceProgress, now_ms: u64) -> String {
+    let ago = |at: Option<u64>| at.map_or("?".into(), |t| human_ms(now_ms.saturating_sub(t)));
+    let who = if p.runner.is_empty() {
+        String::new()
+    } else {
+        format!(" by {}", p.runner)
+    };
+    let moved = format!(
+        "{} of {} keys and {} jobs moved",
+        p.keys_moved, p.keys_to_move, p.jobs_moved
+    );
+    match (p.is_running(), p.started_ms, p.finished_ms) {
+        (true, started, _) => format!(
+            "rebalance: {}{who}, started {} ago, {moved}, last word {} ago",
+            p.phase,
+            ago(started),
+            ago(p.updated_ms)
+        ),
+        (false, Some(started), Some(finished)) => {
+            let versions = match (p.from_version, p.to_version) {
+                (Some(a), Some(b)) => format!(", map v{a} -> v{b}"),
+                _ => String::new(),
+            };
+            let why = p
+                .last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!(": {e}"));
+            format!(
+                "last rebalance: {}{who} {} ago after {}, {moved}{versions}{why}",
+                p.phase,
+                ago(Some(finished)),
+                human_ms(finished.saturating_sub(started))
+            )
+        }
+        _ => format!("last rebalance: {}{who}", p.phase),
+    }
 }
 
 /// `12.3 s`, `4 min`, `2.5 h`.

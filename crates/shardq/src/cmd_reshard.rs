@@ -58,8 +58,9 @@ pub enum ReshardCommand {
         #[arg(long)]
         url: Option<String>,
     },
-    /// Move every key whose owner changes to the pending target, without
-    /// breaking any key's order (pin, pause, drain, switch).
+    /// Move every key whose owner changes to the pending target, with its
+    /// backlog, without breaking any key's order (pin; per batch: seal, wait
+    /// for the run in flight, copy, switch). `status` shows its progress.
     Rebalance {
         /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]

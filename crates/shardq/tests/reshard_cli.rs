@@ -1219,6 +1219,13 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
         text.contains(&format!("({moved} jobs moved with them)")),
         "{text}"
     );
+    // `status` says who moved what, after the run.
+    let status = run_ok(&["status", "--data", s.d()]);
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("last rebalance: finished by shardq rebalance (pid "))
+        .unwrap_or_else(|| panic!("no rebalance line in {status}"));
+    assert!(line.contains(&format!("{moved} jobs moved")), "{line}");
     // The same as JSON lines, on the next move.
     run_ok(&["add-shard", "--data", s.d(), "shard-8"]);
     let out = run(&[
@@ -1232,6 +1239,12 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
     assert!(out.status.success());
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report["jobs_moved"].as_u64().unwrap() > 0, "{report}");
+    let status: serde_json::Value =
+        serde_json::from_str(&run_ok(&["status", "--data", s.d(), "--json"])).unwrap();
+    let last = &status["rebalance"];
+    assert_eq!(last["phase"], "finished", "{status}");
+    assert_eq!(last["jobs_moved"], report["jobs_moved"], "{status}");
+    assert_eq!(last["to_version"], report["to_version"], "{status}");
     let err = String::from_utf8_lossy(&out.stderr);
     let events: Vec<serde_json::Value> = err
         .lines()
