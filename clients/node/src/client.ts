@@ -162,6 +162,8 @@ export interface JobInfo {
   run?: { fence: number; leaseExpiresMs: number };
   /** The last failure's reason. */
   reason?: string;
+  /** When each attempt started, ms since the epoch, oldest first (empty for a job not started yet; a job moved with its key keeps its count of attempts, not their times). */
+  attemptStartsMs: number[];
   payload: Buffer;
 }
 
@@ -188,6 +190,7 @@ function jobInfo(doc: unknown, url: string): JobInfo {
     maxAttempts: num("max_attempts"),
     createdMs: num("created_ms"),
     notBeforeMs: num("not_before_ms"),
+    attemptStartsMs: Array.isArray(j["attempt_starts_ms"]) ? (j["attempt_starts_ms"] as unknown[]).map(Number) : [],
     payload,
   };
   if (run) info.run = { fence: Number(run["fence"]), leaseExpiresMs: Number(run["lease_expires_ms"]) };

@@ -70,6 +70,7 @@ test("an operator reads a job by id, lists its key's jobs and cancels one, and a
     assert.equal(one?.state, "queued");
     assert.equal(one?.payload.toString(), "p1");
     assert.equal(one?.attempts, 0);
+    assert.deepEqual(one?.attemptStartsMs, [], "a job not started yet has no attempt times");
     assert.deepEqual((await client.keyJobs("op-k")).map((j) => j.id), ids);
     assert.equal((await client.keyJobs("op-k", 2)).length, 2);
     assert.equal(await client.cancel(ids[1]!), true);

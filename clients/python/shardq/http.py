@@ -561,7 +561,9 @@ class JobInfo:
     ``queued``, ``delayed``, ``running`` or ``dead``; ``attempts`` counts
     the finished ones (a running job is on attempt ``attempts + 1``); times
     are ms since the epoch; ``run`` is ``(fence, lease_expires_ms)`` for a
-    running job; ``reason`` the last failure's."""
+    running job; ``reason`` the last failure's; ``attempt_starts_ms`` when
+    each attempt started, oldest first (empty for a job not started yet;
+    a job moved with its key keeps its count of attempts, not their times)."""
 
     id: str
     shard: str
@@ -574,6 +576,7 @@ class JobInfo:
     run: Optional[Tuple[int, int]]
     reason: Optional[str]
     payload: bytes
+    attempt_starts_ms: Tuple[int, ...] = ()
 
     @staticmethod
     def _of(doc: Mapping[str, Any]) -> "JobInfo":
@@ -584,6 +587,7 @@ class JobInfo:
             created_ms=int(doc["created_ms"]), not_before_ms=int(doc["not_before_ms"]),
             run=(int(run["fence"]), int(run["lease_expires_ms"])) if run else None,
             reason=doc.get("reason"), payload=_decode_payload(doc),
+            attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
         )
 
 

@@ -288,6 +288,9 @@ def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
         assert started.wait(WAIT_S)
         running = c.job(ids[0])
         assert running is not None and running.state == "running" and running.run is not None
+        # The run in flight is its first attempt, started after the job was made.
+        assert len(running.attempt_starts_ms) == 1 and running.attempt_starts_ms[0] >= running.created_ms, running
+        assert c.job(ids[2]).attempt_starts_ms == ()
         # A running job's run is asked to stop: the worker's extend is
         # refused, the job goes when its lease lapses, and the key's last
         # job runs after it, never beside it.

@@ -496,6 +496,18 @@ pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
         (1, Some("boom")),
         "the dead letter's attempts and reason"
     );
+    // Each attempt's start time: the dead letter's one, the running job's
+    // one, none for a job not started yet; the dead list says the same.
+    assert_eq!(
+        all.iter()
+            .map(|j| j.attempt_starts_ms.len())
+            .collect::<Vec<_>>(),
+        [1, 1, 0, 0, 0],
+        "attempt start times: {all:?}"
+    );
+    assert!(all[1].attempt_starts_ms[0] >= all[0].attempt_starts_ms[0]);
+    let listed = b.dead_list(&shard, 10).expect("dead list");
+    assert_eq!(listed[0].attempt_starts_ms, all[0].attempt_starts_ms);
     assert_eq!(
         all[1].run.map(|r| r.0),
         Some(run_b.fence),
@@ -906,6 +918,11 @@ pub fn fail_with_retry_in_runs_again_first(h: &dyn ContractHarness) {
         .expect("the retry is live");
     assert_eq!(one.reason.as_deref(), Some("later"));
     assert_eq!(one.state, JobState::Delayed);
+    // Its one attempt's start is kept, not before the job was made; the
+    // later job never started.
+    assert_eq!(one.attempt_starts_ms.len(), 1, "{one:?}");
+    assert!(one.attempt_starts_ms[0] >= one.created_ms, "{one:?}");
+    assert!(jobs[1].attempt_starts_ms.is_empty(), "{:?}", jobs[1]);
 }
 
 /// A store that went back in time (job ids and fences it handed out are

@@ -456,6 +456,10 @@ pub struct DeadJob {
     pub attempts: u32,
     /// Reason given by the last failed attempt.
     pub reason: String,
+    /// When each attempt started (ms since the epoch), oldest first; empty
+    /// where the backend did not see them start (a job moved with its key
+    /// keeps its attempt count, not their times).
+    pub attempt_starts_ms: Vec<u64>,
 }
 
 /// Where a live job stands, as [`crate::QueueBackend::job`] shows it.
@@ -495,6 +499,10 @@ pub struct JobInfo {
     pub run: Option<(u64, u64)>,
     /// Reason given by the last failed attempt, if any.
     pub reason: Option<String>,
+    /// When each attempt started (ms since the epoch), oldest first, the
+    /// run in flight's included; empty where the backend did not see them
+    /// start (a job moved with its key keeps its attempt count only).
+    pub attempt_starts_ms: Vec<u64>,
     /// The payload bytes.
     pub payload: Vec<u8>,
 }

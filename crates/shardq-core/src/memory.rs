@@ -29,6 +29,8 @@ struct StoredJob {
     created_ms: u64,
     not_before_ms: u64,
     reason: String,
+    /// When each attempt started.
+    starts: Vec<u64>,
 }
 
 /// The current run of an in-flight job.
@@ -305,6 +307,7 @@ fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
         not_before_ms: j.not_before_ms,
         run: run.map(|r| (r.fence, r.lease_until_ms)),
         reason: (!j.reason.is_empty()).then(|| j.reason.clone()),
+        attempt_starts_ms: j.starts.clone(),
         payload: j.payload.clone(),
     })
 }
@@ -383,6 +386,7 @@ impl QueueBackend for MemoryBackend {
                         created_ms: now,
                         not_before_ms: now + j.delay_ms,
                         reason: String::new(),
+                        starts: Vec::new(),
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
@@ -507,6 +511,7 @@ impl QueueBackend for MemoryBackend {
                     continue;
                 }
                 j.attempt += 1;
+                j.starts.push(now);
                 let fence = next_fence(
                     now.saturating_mul(1000),
                     s.fence_high,
@@ -679,6 +684,7 @@ impl QueueBackend for MemoryBackend {
                         key: j.key.clone(),
                         attempts: j.attempt,
                         reason: j.reason.clone(),
+                        attempt_starts_ms: j.starts.clone(),
                     })
                 })
                 .collect())
@@ -692,6 +698,7 @@ impl QueueBackend for MemoryBackend {
                 s.dead.remove(id);
                 if let Some(j) = s.jobs.get_mut(id) {
                     j.attempt = 0;
+                    j.starts.clear();
                     let key = j.key.clone();
                     s.halted_keys.remove(&key);
                     // Back at its place in key order: before every later id.
@@ -775,6 +782,7 @@ impl QueueBackend for MemoryBackend {
                         created_ms: j.created_ms,
                         not_before_ms: j.not_before_ms,
                         reason: j.dead.clone().unwrap_or_default(),
+                        starts: Vec::new(),
                     },
                 );
                 if j.dead.is_some() {

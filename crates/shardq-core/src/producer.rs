@@ -412,7 +412,8 @@ fn split_by_limits<'a>(
     let mut parts = Vec::new();
     let (mut start, mut bytes) = (0usize, 0usize);
     for (n, &i) in group.iter().enumerate() {
-        // A dedup id adds a record of its own (key, id, shard, fields).
+        // A dedup id adds its bytes and fields to the job's record (counted
+        // generously, as the separate record it once was).
         let size = jobs[i].payload.len()
             + jobs[i].key.len()
             + jobs[i]

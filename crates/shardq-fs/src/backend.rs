@@ -909,6 +909,7 @@ impl QueueBackend for FsBackend {
                         job: p.id,
                         attempt: p.attempt,
                         fence: *fence,
+                        started_ms: Some(now),
                         key: &p.key,
                     },
                 );
@@ -1595,6 +1596,7 @@ fn job_info(
         not_before_ms: j.slot.not_before_ms,
         run: j.run,
         reason: j.reason.map(str::to_string),
+        attempt_starts_ms: j.starts.to_vec(),
         payload,
     })
 }

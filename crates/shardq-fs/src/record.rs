@@ -111,8 +111,9 @@ const T_PURGE_KEY: u8 = 11;
 const T_CANCEL: u8 = 12;
 const T_CANCEL_RUN: u8 = 13;
 const T_ENQUEUE_DEDUP: u8 = 14;
+const T_CLAIM_AT: u8 = 15;
 /// The highest record type this build writes.
-const T_LAST: u8 = T_ENQUEUE_DEDUP;
+const T_LAST: u8 = T_CLAIM_AT;
 
 /// The dedup id an Enqueue record carries: the job and its id are one
 /// record, so one append, one checksum and one header hold both.
@@ -145,6 +146,8 @@ pub enum Record<'a> {
         payload: &'a [u8],
     },
     /// The owner started attempt `attempt` of `job`: a run with fence `fence`.
+    /// With a start time it is written as type 15 (this build always
+    /// writes one; type 2, without, is read in older logs).
     Claim {
         /// Job id.
         job: u64,
@@ -152,6 +155,8 @@ pub enum Record<'a> {
         attempt: u32,
         /// The run's fencing token (the shard's high-water after it).
         fence: u64,
+        /// When the attempt started (ms since the epoch), if recorded.
+        started_ms: Option<u64>,
         /// The job's key.
         key: &'a str,
     },
@@ -301,12 +306,20 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             job,
             attempt,
             fence,
+            started_ms,
             key,
         } => {
-            out.push(T_CLAIM);
+            out.push(if started_ms.is_some() {
+                T_CLAIM_AT
+            } else {
+                T_CLAIM
+            });
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&attempt.to_le_bytes());
             out.extend_from_slice(&fence.to_le_bytes());
+            if let Some(t) = started_ms {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
             put_str16(out, key);
         }
         Record::Ack { job, key } => {
@@ -525,10 +538,15 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
                 payload,
             }
         }
-        T_CLAIM => Record::Claim {
+        T_CLAIM | T_CLAIM_AT => Record::Claim {
             job: c.u64()?,
             attempt: c.u32()?,
             fence: c.u64()?,
+            started_ms: if ty == T_CLAIM_AT {
+                Some(c.u64()?)
+            } else {
+                None
+            },
             key: c.str16()?,
         },
         T_ACK => Record::Ack {
@@ -645,7 +663,15 @@ mod tests {
             job: 9,
             attempt: 2,
             fence: 1_700_000_000_000_000,
+            started_ms: None,
             key: "k",
+        });
+        roundtrip(Record::Claim {
+            job: 9,
+            attempt: 3,
+            fence: 1_700_000_000_000_001,
+            started_ms: Some(1_700_000_000_123),
+            key: "tenant-1",
         });
         roundtrip(Record::Ack { job: 9, key: "kk" });
         roundtrip(Record::Fail {
@@ -704,6 +730,13 @@ mod tests {
     fn flipped_bits_are_invalid() {
         for rec in [
             Record::Ack { job: 7, key: "key" },
+            Record::Claim {
+                job: 7,
+                attempt: 1,
+                fence: 99,
+                started_ms: Some(5),
+                key: "key",
+            },
             Record::Enqueue {
                 created_ms: 5,
                 not_before_ms: 6,

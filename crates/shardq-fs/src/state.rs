@@ -40,19 +40,53 @@ struct KeyState {
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
-    /// The reason of the last failed attempt of a job retried at the head
-    /// (only the head can have one: a failed job goes before the key's
-    /// later jobs), with its id; answered for that id only.
-    head_reason: Option<(u64, Box<str>)>,
+    /// What the attempts of its jobs that have made some left: their start
+    /// times and the last failure's reason, by job (usually one entry: the
+    /// head; a dead letter retried in front of a retried head makes two).
+    history: Vec<Attempts>,
+}
+
+/// The attempts of one job: when each started, and why the last one failed.
+#[derive(Debug, Default)]
+struct Attempts {
+    job: u64,
+    starts: Vec<u64>,
+    reason: Option<Box<str>>,
 }
 
 impl KeyState {
-    /// The last failure's reason of job `id`, if it is the retried head.
+    fn attempts_of(&self, id: u64) -> Option<&Attempts> {
+        self.history.iter().find(|a| a.job == id)
+    }
+
+    fn attempts_mut(&mut self, id: u64) -> &mut Attempts {
+        let i = match self.history.iter().position(|a| a.job == id) {
+            Some(i) => i,
+            None => {
+                self.history.push(Attempts {
+                    job: id,
+                    ..Attempts::default()
+                });
+                self.history.len() - 1
+            }
+        };
+        &mut self.history[i]
+    }
+
+    /// Job `id` left its key's queue (acked, dead, cancelled, purged).
+    fn take_attempts(&mut self, id: u64) -> Option<Attempts> {
+        let i = self.history.iter().position(|a| a.job == id)?;
+        Some(self.history.swap_remove(i))
+    }
+
+    /// The last failure's reason of job `id`, if it was retried.
     fn reason_of(&self, id: u64) -> Option<&str> {
-        self.head_reason
-            .as_ref()
-            .filter(|(job, _)| *job == id)
-            .map(|(_, r)| &**r)
+        self.attempts_of(id).and_then(|a| a.reason.as_deref())
+    }
+
+    /// The start times of job `id`'s attempts.
+    fn starts_of(&self, id: u64) -> &[u64] {
+        self.attempts_of(id).map_or(&[], |a| &a.starts)
     }
 }
 
@@ -61,6 +95,8 @@ struct DeadEntry {
     key: u32,
     slot: Slot,
     reason: Box<str>,
+    /// When its attempts started, as far as the log tells.
+    starts: Box<[u64]>,
 }
 
 /// The current run of an in-flight job.
@@ -120,6 +156,8 @@ pub(crate) struct LiveJob<'a> {
     pub dead: Option<&'a str>,
     /// The reason its last attempt failed, for a job retried (or dead).
     pub reason: Option<&'a str>,
+    /// When its attempts started (those the log recorded), oldest first.
+    pub starts: &'a [u64],
 }
 
 /// A job picked for claiming.
@@ -303,6 +341,7 @@ impl ShardState {
                 run: Some((run.fence, run.lease_until_ms)),
                 dead: None,
                 reason: ks.reason_of(id),
+                starts: ks.starts_of(id),
             });
         }
         if let Some(e) = self.dead.get(&id) {
@@ -312,6 +351,7 @@ impl ShardState {
                 run: None,
                 dead: Some(&e.reason),
                 reason: Some(&e.reason),
+                starts: &e.starts,
             });
         }
         self.index.values().find_map(|&k| {
@@ -323,6 +363,7 @@ impl ShardState {
                 run: None,
                 dead: None,
                 reason: ks.reason_of(id),
+                starts: ks.starts_of(id),
             })
         })
     }
@@ -347,6 +388,7 @@ impl ShardState {
                     .map(|r| (r.fence, r.lease_until_ms)),
                 dead: None,
                 reason: ks.reason_of(s.id),
+                starts: ks.starts_of(s.id),
             })
             .collect();
         if ks.dead > 0 {
@@ -360,6 +402,7 @@ impl ShardState {
                         run: None,
                         dead: Some(&e.reason),
                         reason: Some(&e.reason),
+                        starts: &e.starts,
                     }),
             );
         }
@@ -593,6 +636,7 @@ impl ShardState {
                 job,
                 attempt,
                 fence,
+                started_ms,
                 key,
             } => {
                 let Some(k) = self.head_of(key, job) else {
@@ -602,6 +646,9 @@ impl ShardState {
                 ks.in_flight = true;
                 if let Some(h) = ks.queue.front_mut() {
                     h.attempt = attempt;
+                }
+                if let Some(t) = started_ms {
+                    ks.attempts_mut(job).starts.push(t);
                 }
                 self.in_flight_ids.insert(
                     job,
@@ -618,7 +665,7 @@ impl ShardState {
                     return self.unknown(job, "ack");
                 };
                 let ks = &mut self.keys[k as usize];
-                ks.head_reason = None;
+                ks.take_attempts(job);
                 if ks.queue.pop_front().is_some() {
                     self.slot_removed();
                 }
@@ -643,7 +690,10 @@ impl ShardState {
                 let ks = &mut self.keys[k as usize];
                 ks.in_flight = false;
                 if dead {
-                    ks.head_reason = None;
+                    let starts: Box<[u64]> = ks
+                        .take_attempts(job)
+                        .map(|a| a.starts.into_boxed_slice())
+                        .unwrap_or_default();
                     let slot = ks.queue.pop_front().expect("head exists");
                     ks.dead += 1;
                     self.slot_removed();
@@ -653,11 +703,14 @@ impl ShardState {
                             key: k,
                             slot,
                             reason: reason.into(),
+                            starts,
                         },
                     );
-                } else if let Some(h) = ks.queue.front_mut() {
-                    ks.head_reason = Some((job, reason.into()));
-                    h.not_before_ms = retry_at_ms;
+                } else if !ks.queue.is_empty() {
+                    ks.attempts_mut(job).reason = Some(reason.into());
+                    if let Some(h) = ks.queue.front_mut() {
+                        h.not_before_ms = retry_at_ms;
+                    }
                     self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 }
                 self.schedule(k);
@@ -732,6 +785,7 @@ impl ShardState {
                             key: k,
                             slot,
                             reason: reason.into(),
+                            starts: Box::default(),
                         },
                     );
                 } else {
@@ -751,6 +805,9 @@ impl ShardState {
                 let removed: Vec<u64> = ks.queue.drain(from..).map(|s| s.id).collect();
                 if ks.queue.is_empty() {
                     ks.scheduled = false;
+                }
+                for id in &removed {
+                    ks.take_attempts(*id);
                 }
                 for id in &removed {
                     self.slot_removed();
@@ -792,6 +849,7 @@ impl ShardState {
                 }
                 self.cancel_pending.retain(|&j| j != job);
                 self.keys[k as usize].queue.remove(i);
+                self.keys[k as usize].take_attempts(job);
                 self.slot_removed();
                 self.finish(job);
                 if i == 0 {
@@ -1117,6 +1175,7 @@ impl ShardState {
                 key: self.keys[e.key as usize].key.to_string(),
                 attempts: e.slot.attempt,
                 reason: e.reason.to_string(),
+                attempt_starts_ms: e.starts.to_vec(),
             })
             .collect()
     }
@@ -1237,6 +1296,7 @@ mod tests {
             job: 0,
             attempt: 1,
             fence: 1,
+            started_ms: Some(7),
             key: "k",
         };
         s.apply(100, 0, &claim).unwrap();
@@ -1254,5 +1314,72 @@ mod tests {
         let picks = s.pick(0, 10, &|_| false);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
+    }
+
+    fn claim(s: &mut ShardState, pos: u64, job: u64, attempt: u32, at: Option<u64>) {
+        let rec = Record::Claim {
+            job,
+            attempt,
+            fence: pos,
+            started_ms: at,
+            key: "k",
+        };
+        s.apply(pos, 0, &rec).unwrap();
+    }
+
+    fn fail(s: &mut ShardState, pos: u64, job: u64, dead: bool, reason: &str) {
+        let rec = Record::Fail {
+            job,
+            retry_at_ms: 0,
+            dead,
+            key: "k",
+            reason,
+        };
+        s.apply(pos, 0, &rec).unwrap();
+    }
+
+    /// Replay gives a job its attempts' start times and last reason, keeps
+    /// them for a dead letter, never lends them to the key's next job, and a
+    /// claim written before start times were recorded adds none.
+    #[test]
+    fn attempt_times_and_reasons_follow_their_job() {
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        enqueue(&mut s, 0, "k");
+        enqueue(&mut s, 10, "k");
+        claim(&mut s, 100, 0, 1, Some(5));
+        fail(&mut s, 110, 0, false, "first");
+        claim(&mut s, 120, 0, 2, None);
+        fail(&mut s, 130, 0, false, "second");
+        claim(&mut s, 140, 0, 3, Some(9));
+        let head = s.live_job(0).unwrap();
+        assert_eq!((head.starts, head.reason), (&[5, 9][..], Some("second")));
+        assert_eq!(s.live_job(10).unwrap().starts, &[] as &[u64]);
+        fail(&mut s, 150, 0, true, "third");
+        let dead = s.live_job(0).unwrap();
+        assert_eq!((dead.starts, dead.reason), (&[5, 9][..], Some("third")));
+        assert_eq!(s.dead_list("s", 10)[0].attempt_starts_ms, vec![5, 9]);
+        // The next job starts with a clean history.
+        claim(&mut s, 160, 10, 1, Some(20));
+        let next = s.live_job(10).unwrap();
+        assert_eq!((next.starts, next.reason), (&[20][..], None));
+        // The dead letter retried goes before it (older id); its own run
+        // leaves job 10's history alone.
+        fail(&mut s, 170, 10, false, "ten failed");
+        s.apply(180, 0, &Record::DeadRetry { job: 0 }).unwrap();
+        assert_eq!(
+            s.live_job(0).unwrap().starts,
+            &[] as &[u64],
+            "attempts reset"
+        );
+        claim(&mut s, 190, 0, 1, Some(30));
+        fail(&mut s, 200, 0, false, "zero again");
+        let ten = s.live_job(10).unwrap();
+        assert_eq!((ten.starts, ten.reason), (&[20][..], Some("ten failed")));
+        let zero = s.live_job(0).unwrap();
+        assert_eq!((zero.starts, zero.reason), (&[30][..], Some("zero again")));
     }
 }

@@ -1527,9 +1527,9 @@ impl QueueBackend for RedisBackend {
             c.arg(limit);
         })?;
         let mut out = Vec::new();
-        for d in reply::items(&v).chunks(4) {
+        for d in reply::items(&v).chunks(5) {
             let bad = || self.protocol(s, "dead list reply is malformed");
-            if d.len() != 4 {
+            if d.len() != 5 {
                 return Err(bad());
             }
             out.push(DeadJob {
@@ -1538,6 +1538,7 @@ impl QueueBackend for RedisBackend {
                 attempts: reply::u64(&d[1]).ok_or_else(bad)? as u32,
                 key: reply::string(&d[2]).ok_or_else(bad)?,
                 reason: reply::string(&d[3]).unwrap_or_default(),
+                attempt_starts_ms: parse_starts(&d[4]).ok_or_else(bad)?,
             });
         }
         Ok(out)
@@ -1580,8 +1581,8 @@ impl QueueBackend for RedisBackend {
             return Err(self.protocol(s, "key jobs refused"));
         }
         let mut out = Vec::new();
-        for row in reply::items(&v)[1..].chunks(6) {
-            let job = (row.len() == 6)
+        for row in reply::items(&v)[1..].chunks(7) {
+            let job = (row.len() == 7)
                 .then(|| reply::u64(&row[0]).and_then(|id| job_info(JobId(id), &row[1..])))
                 .flatten()
                 .filter(|j| j.key == key)
@@ -1753,10 +1754,20 @@ impl JobRecord<'_> {
     }
 }
 
-/// A job from the five fields `state, record, reason, fence, lease` of the
-/// job scripts; `None` when malformed.
+/// The start times of a job's attempts, as the scripts keep them (ms,
+/// comma-separated, oldest first; empty for none); `None` when malformed.
+fn parse_starts(v: &Value) -> Option<Vec<u64>> {
+    let text = reply::string(v)?;
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(',').map(|t| t.parse().ok()).collect()
+}
+
+/// A job from the six fields `state, record, reason, fence, lease, starts`
+/// of the job scripts; `None` when malformed.
 fn job_info(id: JobId, f: &[Value]) -> Option<JobInfo> {
-    if f.len() != 5 {
+    if f.len() != 6 {
         return None;
     }
     let state = match reply::string(&f[0])?.as_str() {
@@ -1789,6 +1800,7 @@ fn job_info(id: JobId, f: &[Value]) -> Option<JobInfo> {
             None => None,
         },
         reason,
+        attempt_starts_ms: parse_starts(&f[5])?,
         payload: rec.payload.to_vec(),
     })
 }

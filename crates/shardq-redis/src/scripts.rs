@@ -97,6 +97,19 @@ local function push_head(q, id)
   q.d = q.d + 1
   redis.call('HINCRBY', K_META, 'pend', 1)
 end
+-- A job's last failure reason is the field `id` of the reason hash, the
+-- start times of its attempts (ms, comma-separated) the field `id@`: both
+-- leave with the job (`forget`).
+local function forget(list, i, j)
+  i = i or 1
+  j = j or #list
+  if j < i then return end
+  redis.call('HDEL', K_REASON, unpack(list, i, j))
+  local at = {}
+  for x = i, j do at[#at + 1] = list[x] .. '@' end
+  redis.call('HDEL', K_REASON, unpack(at))
+end
+local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
   redis.call('HINCRBY', K_DEADN, k, 1)
@@ -115,7 +128,7 @@ local function requeue(ids, why, now)
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     q.f = 0
     redis.call('HDEL', K_JOBS, ids)
-    redis.call('HDEL', K_REASON, ids)
+    forget({ids})
     kstore(k, q)
     kready(k, q, nil, now)
     return
@@ -439,6 +452,16 @@ if #ids == 0 then return out end
 redis.call('HSET', K_META, 'flast', idstr(last))
 redis.call('HSET', K_KEYS, unpack(kq))
 if #unlink > 0 then redis.call('HDEL', K_NEXT, unpack(unlink)) end
+-- Each started attempt's time, after the job's earlier ones.
+local at = {}
+for x, id in ipairs(ids) do at[x] = id .. '@' end
+local had = redis.call('HMGET', K_REASON, unpack(at))
+local put = {}
+for x, f in ipairs(at) do
+  put[#put + 1] = f
+  put[#put + 1] = (had[x] and (had[x] .. ',') or '') .. idstr(now)
+end
+redis.call('HSET', K_REASON, unpack(put))
 redis.call('ZADD', K_INF, unpack(inf))
 redis.call('HINCRBY', K_META, 'pend', -#ids)
 if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpack(ids)) end
@@ -486,7 +509,7 @@ end
 if #done > 0 then
   redis.call('ZREM', K_INF, unpack(done))
   redis.call('HDEL', K_JOBS, unpack(done))
-  redis.call('HDEL', K_REASON, unpack(done))
+  forget(done)
 end
 if #freed > 0 then redis.call('RPUSH', K_READY, unpack(freed)) end
 return out
@@ -858,7 +881,7 @@ for i = 1, n, 4000 do
   local j = math.min(i + 3999, n)
   redis.call('HDEL', K_JOBS, unpack(gone, i, j))
   redis.call('HDEL', K_NEXT, unpack(gone, i, j))
-  redis.call('HDEL', K_REASON, unpack(gone, i, j))
+  forget(gone, i, j)
   redis.call('ZREM', K_DELAYED, unpack(gone, i, j))
 end
 if n > 0 then redis.call('HINCRBY', K_META, 'pend', -n) end
@@ -880,7 +903,7 @@ if q.h == 0 and dead > 0 and n < max then
     if rk == k then
       redis.call('ZREM', K_DEAD, ids)
       redis.call('HDEL', K_JOBS, ids)
-      redis.call('HDEL', K_REASON, ids)
+      forget({ids})
       dead = dead - 1
       n = n + 1
     end
@@ -908,11 +931,11 @@ local function live(ids)
     local q = kparse(redis.call('HGET', K_KEYS, k))
     local fence = 0
     if q.f == tonumber(ids) then fence = q.r end
-    return {'RUN', r, reason, idstr(fence), lease}
+    return {'RUN', r, reason, idstr(fence), lease, starts_of(ids)}
   end
-  if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0'} end
-  if nbf > now then return {'DELAYED', r, reason, '0', '0'} end
-  return {'QUEUED', r, reason, '0', '0'}
+  if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0', starts_of(ids)} end
+  if nbf > now then return {'DELAYED', r, reason, '0', '0', starts_of(ids)} end
+  return {'QUEUED', r, reason, '0', '0', starts_of(ids)}
 end
 "#;
 
@@ -926,7 +949,7 @@ return row
 /// ARGV[5] key, ARGV[6] at most this many: the key's run in flight, then its
 /// waiting and dead jobs in id order (the export's walk), stopping once
 /// their records hold ARGV[7] bytes. Reply `OK`, then per job its id and
-/// [`JOB_GET`]'s five fields. Read-only.
+/// [`JOB_GET`]'s six fields. Read-only.
 const KEY_JOBS: &str = r#"
 local k, max = ARGV[5], tonumber(ARGV[6])
 local out = {'OK'}
@@ -978,7 +1001,7 @@ if redis.call('ZSCORE', K_DEAD, ids) then
   redis.call('ZREM', K_DEAD, ids)
   if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
   redis.call('HDEL', K_JOBS, ids)
-  redis.call('HDEL', K_REASON, ids)
+  forget({ids})
   -- A key halted by its dead letters may start again.
   if not startable then kready(k, q, head_nbf(), now) end
   return {'CANCELLED'}
@@ -1005,7 +1028,7 @@ if q.d == 1 then q.h, q.t = 0, 0 end
 q.d = q.d - 1
 redis.call('HINCRBY', K_META, 'pend', -1)
 redis.call('HDEL', K_JOBS, ids)
-redis.call('HDEL', K_REASON, ids)
+forget({ids})
 redis.call('ZREM', K_DELAYED, ids)
 kstore(k, q)
 -- A key waiting in `later` for the head it lost waits for its new head;
@@ -1025,6 +1048,7 @@ for _, id in ipairs(redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[5]) - 1)) do
     out[#out + 1] = a
     out[#out + 1] = k
     out[#out + 1] = redis.call('HGET', K_REASON, id) or ''
+    out[#out + 1] = starts_of(id)
   end
 end
 return out
@@ -1073,7 +1097,7 @@ for _, id in ipairs(ids) do
       else
         redis.call('HDEL', K_JOBS, id)
       end
-      redis.call('HDEL', K_REASON, id)
+      forget({id})
       moved = moved + 1
     end
   end

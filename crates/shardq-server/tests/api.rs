@@ -926,3 +926,63 @@ fn redis_round_trip_with_dedup() {
     assert_eq!(other_again[0]["id"], other[0]["id"]);
     s.stop().unwrap();
 }
+
+/// A rebalance run by another process is the one the server shows and
+/// refuses to start beside; one this server tried while another held the
+/// lock leaves no record of its own.
+#[test]
+fn the_rebalance_of_another_process_is_shown_and_respected() {
+    use shardq_core::reshard::{stored_progress, RebalanceProgress, SETTING_REBALANCE};
+    let dir = init_dir(2, "rendezvous");
+    let deployment =
+        shardq_deploy::Deployment::open(dir.path(), &shardq_deploy::OpenOptions::default())
+            .unwrap();
+    let maps = deployment.maps();
+    let now = shardq_core::Clock::now_ms(&shardq_core::SystemClock);
+    let write = |p: &RebalanceProgress| {
+        maps.store_setting(SETTING_REBALANCE, Some(&serde_json::to_string(p).unwrap()))
+            .unwrap();
+    };
+    let mut other = RebalanceProgress::started(now, "shardq rebalance (pid 1)");
+    other.phase = "moving".into();
+    other.keys_to_move = 40;
+    other.keys_moved = 12;
+    write(&other);
+    let s = start(dir.path(), options());
+    let (code, v) = post(&s, "/v1/admin/rebalance", json!({}));
+    assert_eq!(code, 409, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("by shardq rebalance (pid 1)"),
+        "{v}"
+    );
+    let (_, v) = get(&s, "/v1/admin/rebalance");
+    assert_eq!(
+        (&v["phase"], &v["keys_moved"]),
+        (&json!("moving"), &json!(12)),
+        "{v}"
+    );
+
+    // Once it has ended, a try of this server's that the lock refuses (a
+    // run holds it, say one that has not written yet) leaves no record of
+    // its own: the ended run stays the one shown, not a "failed" try.
+    other.phase = "finished".into();
+    other.finished_ms = Some(now);
+    write(&other);
+    let held = maps.try_lock_rebalance().unwrap();
+    let (code, v) = post(&s, "/v1/admin/rebalance", json!({}));
+    assert_eq!(code, 202, "{v}");
+    wait_until("the refused try to end", Duration::from_secs(20), || {
+        get(&s, "/v1/admin/rebalance").1["phase"] != "pinning"
+    });
+    let (_, v) = get(&s, "/v1/admin/rebalance");
+    assert_eq!(
+        (&v["phase"], &v["runner"]),
+        (&json!("finished"), &json!("shardq rebalance (pid 1)")),
+        "{v}"
+    );
+    drop(held);
+    assert_eq!(stored_progress(&*maps).unwrap().unwrap(), other);
+}

@@ -1085,13 +1085,7 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
             for s in &shards {
                 for d in backend.dead_list(s, usize::MAX)? {
                     if *json {
-                        rows.push(serde_json::json!({
-                            "id": format!("{}:{}", d.shard, d.id),
-                            "shard": d.shard,
-                            "key": d.key,
-                            "attempts": d.attempts,
-                            "reason": d.reason,
-                        }));
+                        rows.push(shardq_server::api::dead_value(&d));
                     } else {
                         println!(
                             "{}:{}\t{}\t{}\t{}",

@@ -139,6 +139,17 @@ fn print_job(shard: &str, j: &JobInfo) {
             );
         }
     }
+    // The times kept are those of the last attempts (a job moved with its
+    // key keeps its count, not its times): numbered from the end.
+    let made = j.attempts as usize + usize::from(j.state == JobState::Running);
+    let first = made.saturating_sub(j.attempt_starts_ms.len()) + 1;
+    for (n, at) in j.attempt_starts_ms.iter().enumerate() {
+        println!(
+            "attempt {}\tstarted {at} ({})",
+            first + n,
+            relative(*at, now)
+        );
+    }
     if let Some(r) = &j.reason {
         println!("reason\t{}", shardq_core::job::shown_key(r));
     }

@@ -334,6 +334,27 @@ fn a_dead_letter_keeps_the_end_of_its_handlers_stderr() {
         (&"dead".into(), &"job".into())
     );
     assert_eq!(job["reason"].as_str(), Some(reason));
+    // Every attempt's start time is kept, in order, and shown.
+    let starts: Vec<u64> = job["attempt_starts_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        starts.len() as u64,
+        job["attempts"].as_u64().unwrap(),
+        "{job}"
+    );
+    assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+    assert!(starts[0] >= job["created_ms"].as_u64().unwrap(), "{job}");
+    assert_eq!(dead["attempt_starts_ms"], job["attempt_starts_ms"]);
+    let (ok, out, err) = run(&["job", "show", "--data", d, id]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("attempt 1\tstarted {} (", starts[0])),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -150,7 +150,25 @@ pub async fn rebalance_start(
             reshard::BATCH_MAX
         )));
     }
-    {
+    // One run by another process (or server) that still reports: say so
+    // (the lock would refuse this one anyway, after the 202).
+    let maps = app.deployment.maps();
+    let stored = blocking(move || Ok(reshard::stored_progress(&*maps)?))
+        .await
+        .ok()
+        .flatten();
+    let now = app.clock.now_ms();
+    if let Some(s) = stored.filter(|s| {
+        s.is_running()
+            && s.updated_ms
+                .is_some_and(|t| now.saturating_sub(t) < reshard::DRAIN_TIMEOUT_MS_DEFAULT)
+    }) {
+        return Err(ApiError::conflict(format!(
+            "a rebalance is running, by {} (phase {}, {} of {} keys moved)",
+            s.runner, s.phase, s.keys_moved, s.keys_to_move
+        )));
+    }
+    let before = {
         let mut p = progress(&app.rebalance);
         if p.is_running() {
             return Err(ApiError::conflict(format!(
@@ -158,8 +176,8 @@ pub async fn rebalance_start(
                 p.phase, p.keys_moved, p.keys_to_move
             )));
         }
-        *p = Progress::started(app.clock.now_ms(), "shardq serve");
-    }
+        std::mem::replace(&mut *p, Progress::started(now, "shardq serve"))
+    };
     let a = Arc::clone(&app);
     let spawned = std::thread::Builder::new()
         .name("shardq-serve-rebalance".into())
@@ -178,7 +196,14 @@ pub async fn rebalance_start(
             });
             a.metrics
                 .rebalance_ended(result.as_ref().map(|r| r.moved.len()).map_err(|_| ()));
-            progress(&a.rebalance).ended(&result, a.clock.now_ms());
+            let mut p = progress(&a.rebalance);
+            if matches!(result, Err(reshard::ReshardError::Busy { .. })) {
+                // Another run held the lock: this one never started, and
+                // the other's record is the one to show.
+                *p = before;
+            } else {
+                p.ended(&result, a.clock.now_ms());
+            }
         });
     if let Err(e) = spawned {
         let mut p = progress(&app.rebalance);
@@ -206,7 +231,11 @@ pub async fn rebalance_progress(State(app): State<Arc<App>>) -> ApiResult {
         .await
         .ok()
         .flatten();
+    // A run that reports wins; then this server's own while it starts;
+    // then the later of the two.
     let mut p = match stored {
+        Some(s) if s.is_running() => s,
+        _ if own.is_running() => own,
         Some(s) if s.started_ms >= own.started_ms => s,
         _ => own,
     };

@@ -26,6 +26,7 @@ struct JobOut {
     not_before_ms: u64,
     run: Option<RunOut>,
     reason: Option<String>,
+    attempt_starts_ms: Vec<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     payload: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -55,6 +56,7 @@ fn job_out(shard: &str, j: JobInfo) -> JobOut {
             lease_expires_ms: if until == u64::MAX { 0 } else { until },
         }),
         reason: j.reason,
+        attempt_starts_ms: j.attempt_starts_ms,
         payload,
         payload_b64,
     }
@@ -65,6 +67,20 @@ fn job_out(shard: &str, j: JobInfo) -> JobOut {
 /// `--json` too).
 pub fn job_value(shard: &str, j: JobInfo) -> Value {
     serde_json::to_value(job_out(shard, j)).unwrap_or(Value::Null)
+}
+
+/// A dead letter in the wire form of `GET /v1/dead` (the OpenAPI
+/// document's `DeadJob`), for every place that prints one (`shardq dead
+/// list --json` too).
+pub fn dead_value(d: &shardq_core::DeadJob) -> Value {
+    json!({
+        "id": job_string(&d.shard, d.id),
+        "shard": d.shard,
+        "key": d.key,
+        "attempts": d.attempts,
+        "reason": d.reason,
+        "attempt_starts_ms": d.attempt_starts_ms,
+    })
 }
 
 /// The shard and id of a `SHARD:ID` path parameter, the shard checked.

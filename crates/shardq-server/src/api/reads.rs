@@ -83,13 +83,7 @@ pub async fn dead_list(
         let mut out = Vec::new();
         for s in shards {
             for d in app.backend.dead_list(&s, limit)? {
-                out.push(json!({
-                    "id": job_string(&d.shard, d.id),
-                    "shard": d.shard,
-                    "key": d.key,
-                    "attempts": d.attempts,
-                    "reason": d.reason,
-                }));
+                out.push(super::jobs::dead_value(&d));
             }
         }
         Ok(json!({ "dead": out }))

@@ -8,6 +8,7 @@
   const SLOW_MS = 2000; // ring, hot keys and dead letters every 2 s
   const TOKEN_KEY = "shardq.dashboard.token";
   const HISTORY_MAX = 600; // polls of rate history kept (about 10 minutes)
+  const STALE_RUN_MS = 6 * 60 * 1000; // above the rebalance's 5-minute drain timeout
   const LOAD_SCALE_MAX = 1e6; // jobs at a full load bar (log scale: 1, 1k, 1M)
 
   const $ = (id) => document.getElementById(id);
@@ -298,7 +299,9 @@
       let text = "started " + new Date(admin.started_ms).toLocaleTimeString() + (admin.runner ? " by " + admin.runner : "");
       if (admin.finished_ms) {
         text += ", " + admin.phase + " after " + ((admin.finished_ms - admin.started_ms) / 1000).toFixed(1) + " s";
-      } else if (admin.updated_ms && now - admin.updated_ms > 60000) {
+      } else if (admin.updated_ms && now - admin.updated_ms > STALE_RUN_MS) {
+        // Longer than a batch may wait for its runs in flight (the drain
+        // timeout): the run has likely died.
         text += ", no word from it for " + Math.round((now - admin.updated_ms) / 1000) + " s (if it died, rerun `shardq rebalance`)";
       }
       run.textContent = text;
@@ -594,6 +597,8 @@
       $("job-key").textContent = j.key;
       $("job-state").textContent = j.state;
       $("job-attempts").textContent = j.attempts + " of " + j.max_attempts + (j.state === "running" ? " (attempt " + (j.attempts + 1) + " running)" : "");
+      const starts = j.attempt_starts_ms || [];
+      $("job-starts").textContent = starts.length ? starts.map(ago).join(", ") : "–";
       $("job-created").textContent = ago(j.created_ms);
       $("job-due").textContent = (j.state === "queued" || j.state === "delayed") ? ago(j.not_before_ms) : "–";
       $("job-run").textContent = j.run ? "fence " + j.run.fence + (j.run.lease_expires_ms ? ", job lease ends " + ago(j.run.lease_expires_ms) : "") : "–";
