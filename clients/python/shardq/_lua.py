@@ -80,6 +80,19 @@ local function push_head(q, id)
   q.d = q.d + 1
   redis.call('HINCRBY', K_META, 'pend', 1)
 end
+-- A job's last failure reason is the field `id` of the reason hash, the
+-- start times of its attempts (ms, comma-separated) the field `id@`: both
+-- leave with the job (`forget`).
+local function forget(list, i, j)
+  i = i or 1
+  j = j or #list
+  if j < i then return end
+  redis.call('HDEL', K_REASON, unpack(list, i, j))
+  local at = {}
+  for x = i, j do at[#at + 1] = list[x] .. '@' end
+  redis.call('HDEL', K_REASON, unpack(at))
+end
+local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
   redis.call('HINCRBY', K_DEADN, k, 1)
@@ -98,7 +111,7 @@ local function requeue(ids, why, now)
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     q.f = 0
     redis.call('HDEL', K_JOBS, ids)
-    redis.call('HDEL', K_REASON, ids)
+    forget({ids})
     kstore(k, q)
     kready(k, q, nil, now)
     return
