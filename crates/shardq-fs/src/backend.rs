@@ -33,7 +33,6 @@ use shardq_core::{
     PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
-use xxhash_rust::xxh3::Xxh3Builder;
 
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
@@ -669,8 +668,9 @@ impl QueueBackend for FsBackend {
             );
             // Ids met earlier in this batch (not in the replica until it
             // is written); allocated only when a batch holds more than one.
-            let mut in_batch: HashMap<(&str, &str), u64, Xxh3Builder> =
-                HashMap::with_hasher(Xxh3Builder::new());
+            // Seeded at random per process: the ids are the producer's.
+            let mut in_batch: HashMap<(&str, &str), u64, ahash::RandomState> =
+                HashMap::with_hasher(ahash::RandomState::new());
             if jobs.len() > 1 {
                 in_batch.reserve(jobs.len());
             }

@@ -17,6 +17,10 @@ use std::sync::Arc;
 use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
 
+/// The hasher of maps keyed by text a producer chose (keys, dedup ids):
+/// seeded at random per process, so colliding keys cannot be crafted.
+type TextHash = ahash::RandomState;
+
 use crate::log::Replay;
 use crate::reclaim::Reclaimed;
 use crate::record::Record;
@@ -211,7 +215,7 @@ pub(crate) struct ShardState {
     keys: Vec<KeyState>,
     /// Key -> slot in `keys`; hashed with XXH3 (fast on short keys, and the
     /// project never uses `DefaultHasher`).
-    index: HashMap<Box<str>, u32, Xxh3Builder>,
+    index: HashMap<Box<str>, u32, TextHash>,
     free_keys: Vec<u32>,
     dead: BTreeMap<u64, DeadEntry>,
     ready: VecDeque<u32>,
@@ -236,12 +240,12 @@ pub(crate) struct ShardState {
     not_before_max_ms: u64,
     /// Dedup records by [`dedup_slot`], with their expiries in time order
     /// for pruning.
-    dedup: HashMap<Arc<str>, DedupEntry, Xxh3Builder>,
+    dedup: HashMap<Arc<str>, DedupEntry, TextHash>,
     dedup_expiries: BinaryHeap<Reverse<(u64, Arc<str>)>>,
     /// Per (shard copied from, key), the largest source id imported, from
     /// the Import records replayed (the backend keeps it in a file too, for
     /// when those records' segments are gone).
-    imported: HashMap<(Box<str>, Box<str>), u64, Xxh3Builder>,
+    imported: HashMap<(Box<str>, Box<str>), u64, TextHash>,
     /// Keys a pick passed by because they were sealed for a move; a later
     /// pick schedules them again once they are not.
     parked: Vec<Box<str>>,
@@ -260,7 +264,7 @@ impl ShardState {
         let fence_high = reclaimed.fence_high();
         ShardState {
             keys: Vec::new(),
-            index: HashMap::with_hasher(Xxh3Builder::new()),
+            index: HashMap::with_hasher(TextHash::new()),
             free_keys: Vec::new(),
             dead: BTreeMap::new(),
             ready: VecDeque::new(),
@@ -273,9 +277,9 @@ impl ShardState {
             policy,
             queued: 0,
             not_before_max_ms: 0,
-            dedup: HashMap::with_hasher(Xxh3Builder::new()),
+            dedup: HashMap::with_hasher(TextHash::new()),
             dedup_expiries: BinaryHeap::new(),
-            imported: HashMap::with_hasher(Xxh3Builder::new()),
+            imported: HashMap::with_hasher(TextHash::new()),
             parked: Vec::new(),
             cancel_pending: Vec::new(),
         }
