@@ -70,7 +70,12 @@
 //! Every step is idempotent and the phase is derived from (published map,
 //! target), never from memory, so a coordinator killed anywhere can be rerun
 //! and finishes the work. One rebalance runs at a time
-//! ([`MapStore::try_lock_rebalance`]).
+//! ([`MapStore::try_lock_rebalance`]). Under the lock, each run keeps a
+//! [`RebalanceProgress`] record in the map store ([`SETTING_REBALANCE`]):
+//! who runs it, its phase, keys, jobs and times, for every dashboard and
+//! `status` of the deployment. It is for the eyes only: no step reads it,
+//! a failed write of it fails nothing, and a run whose record a later run
+//! replaced writes no more.
 //!
 //! This module does no I/O of its own: maps and locks go through
 //! [`MapStore`], queue state through [`QueueBackend`] and [`KeyInventory`].
@@ -459,10 +464,27 @@ struct ProgressRecorder<'a> {
     progress: RebalanceProgress,
     written_ms: u64,
     written_phase: String,
+    /// Another run's record replaced this one's (this run lost its lock
+    /// while stalled, and a new run started): it writes no more.
+    superseded: bool,
 }
 
 impl ProgressRecorder<'_> {
     fn write(&mut self, now_ms: u64) {
+        if self.superseded {
+            return;
+        }
+        if !self.written_phase.is_empty() {
+            // Only over its own record: a run that stalled past its lock
+            // must not overwrite the next run's.
+            if let Ok(Some(cur)) = stored_progress(self.store) {
+                if cur.started_ms != self.progress.started_ms || cur.runner != self.progress.runner
+                {
+                    self.superseded = true;
+                    return;
+                }
+            }
+        }
         self.progress.updated_ms = Some(now_ms);
         if let Ok(doc) = serde_json::to_string(&self.progress) {
             let _ = self.store.store_setting(SETTING_REBALANCE, Some(&doc));
@@ -860,6 +882,7 @@ where
         progress: RebalanceProgress::started(now, &options.runner),
         written_ms: now,
         written_phase: String::new(),
+        superseded: false,
     };
     if let Ok(cur) = store.load() {
         rec.progress.from_version = Some(cur.version);

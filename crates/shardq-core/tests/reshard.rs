@@ -1069,6 +1069,28 @@ fn every_rebalance_leaves_its_progress_in_the_map_store() {
     assert!(p.started_ms.unwrap() <= p.finished_ms.unwrap());
     assert!(!p.is_running());
 
+    // A run whose record another run replaced (it stalled past its lock,
+    // and the next one started) writes no more over it.
+    let (backend, store) = growing_store();
+    let newer = reshard::RebalanceProgress::started(u64::MAX / 2, "the next run");
+    let mut replaced = false;
+    reshard::rebalance(&backend, &store, &opts, &mut |_| {
+        if !replaced {
+            store
+                .store_setting(
+                    reshard::SETTING_REBALANCE,
+                    Some(&serde_json::to_string(&newer).unwrap()),
+                )
+                .unwrap();
+            replaced = true;
+        }
+    })
+    .unwrap();
+    assert_eq!(reshard::stored_progress(&store).unwrap().unwrap(), newer);
+    let (backend, store) = growing_store();
+    reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap();
+    let p = reshard::stored_progress(&store).unwrap().unwrap();
+
     // A second run refused as busy leaves the record as it was.
     let held = store.try_lock_rebalance().unwrap();
     let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
