@@ -151,11 +151,22 @@ impl RedisServer {
     }
 
     fn start_inner(opts: ServerOptions, primary: Option<u16>) -> RedisServer {
+        RedisServer::try_start_inner(opts, primary).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`RedisServer::start_with`], with a failure to start (no binary, a
+    /// port someone else took, no answer in time) as an error naming the
+    /// port instead of a panic.
+    pub fn try_start_with(opts: ServerOptions) -> Result<RedisServer, String> {
+        RedisServer::try_start_inner(opts, None)
+    }
+
+    fn try_start_inner(opts: ServerOptions, primary: Option<u16>) -> Result<RedisServer, String> {
         let port = opts.port.unwrap_or_else(|| pick_port(opts.cluster));
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let dir =
             std::env::temp_dir().join(format!("shardq-redis-{}-{n}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         let mut server = RedisServer {
             port,
             dir,
@@ -163,11 +174,11 @@ impl RedisServer {
             primary,
             child: None,
         };
-        server.spawn();
-        server
+        server.try_spawn()?;
+        Ok(server)
     }
 
-    fn spawn(&mut self) {
+    fn try_spawn(&mut self) -> Result<(), String> {
         let mut cmd = Command::new("redis-server");
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -200,15 +211,23 @@ impl RedisServer {
             .stderr(Stdio::piped());
         let child = match cmd.spawn() {
             Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
-            Err(e) => panic!("starting redis-server: {e}"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(MISSING.into()),
+            Err(e) => return Err(format!("starting redis-server: {e}")),
         };
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
-    fn wait_ready(&mut self) {
+    fn spawn(&mut self) {
+        self.try_spawn().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Waits until the server this started answers; a server of another
+    /// process on the same port (it took the port first) is not taken for
+    /// it: the answer must come from this child's process id.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
+        let pid = self.child.as_ref().map(Child::id);
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
@@ -218,25 +237,36 @@ impl RedisServer {
                     }
                     let log =
                         std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
-                    panic!(
+                    // Reaped: nothing is left to stop.
+                    self.child = None;
+                    return Err(format!(
                         "redis-server on port {} exited with {status}: {err}\n{log}",
                         self.port
-                    );
+                    ));
                 }
             }
             if let Ok(client) = redis::Client::open(self.url()) {
                 if let Ok(mut con) = client.get_connection_with_timeout(Duration::from_millis(200))
                 {
-                    if redis::cmd("PING").query::<String>(&mut con).is_ok() {
-                        return;
+                    // Whatever holds the port may accept and never answer.
+                    let _ = con.set_read_timeout(Some(Duration::from_millis(200)));
+                    let _ = con.set_write_timeout(Some(Duration::from_millis(200)));
+                    if let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut con) {
+                        let theirs = info
+                            .lines()
+                            .find_map(|l| l.strip_prefix("process_id:"))
+                            .and_then(|v| v.trim().parse::<u32>().ok());
+                        if theirs == pid {
+                            return Ok(());
+                        }
                     }
                 }
             }
             if Instant::now() > deadline {
-                panic!(
-                    "redis-server on port {} did not answer PING within {SERVER_START_TIMEOUT_MS} ms",
+                return Err(format!(
+                    "redis-server on port {} did not answer within {SERVER_START_TIMEOUT_MS} ms (another process may hold the port)",
                     self.port
-                );
+                ));
             }
             thread::sleep(Duration::from_millis(POLL_MS));
         }

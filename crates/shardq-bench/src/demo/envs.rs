@@ -153,15 +153,16 @@ impl DeploymentEnv {
                 free.into_iter().map(Some).collect()
             }
         };
-        let servers: Vec<RedisServer> = chosen
+        let servers = chosen
             .into_iter()
             .map(|port| {
-                RedisServer::start_with(shardq_redis::testing::ServerOptions {
+                RedisServer::try_start_with(shardq_redis::testing::ServerOptions {
                     port,
                     ..Default::default()
                 })
+                .map_err(DemoError::Invalid)
             })
-            .collect();
+            .collect::<Result<Vec<RedisServer>, DemoError>>()?;
         let (dir, temp) = demo_dir(keep, "redis-");
         let map = ShardMap::with_shards(Algorithm::Rendezvous, names.iter().cloned())?;
         let urls: Vec<String> = servers[..names.len()]

@@ -448,3 +448,23 @@ fn dead_only_keys_stay_in_the_key_inventory() {
     let inv = b.keys_with_work("r0").unwrap();
     assert_eq!(inv.len(), 1, "{inv:?}");
 }
+
+/// A server asked for a port that another process holds (a listener, or
+/// another redis-server) fails to start with an error naming the port,
+/// never a panic, and never takes the other server for its own.
+#[test]
+fn a_taken_port_is_an_error_not_a_panic_nor_someone_elses_server() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let held = listener.local_addr().unwrap().port();
+    let other = RedisServer::start();
+    for port in [held, other.port()] {
+        let err = RedisServer::try_start_with(ServerOptions {
+            port: Some(port),
+            ..ServerOptions::default()
+        })
+        .map(|s| s.port())
+        .unwrap_err();
+        assert!(err.contains(&format!("port {port}")), "{err}");
+    }
+    drop(listener);
+}
