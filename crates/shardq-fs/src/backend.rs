@@ -1223,7 +1223,7 @@ impl QueueBackend for FsBackend {
                     CancelOutcome::Stopping
                 }
                 Some(j) if fence.sealed_keys.contains_key(j.key) => CancelOutcome::Moving,
-                Some(j) if j.dead.is_some() => {
+                Some(j) if j.dead => {
                     record::encode(&mut bytes, &Record::DeadPurge { job: id.0 });
                     CancelOutcome::Cancelled
                 }
@@ -1579,7 +1579,7 @@ fn job_info(
     let (created_ms, payload) = read_job(name, log, j.slot.id, j.key)?;
     let (state, attempts) = if j.run.is_some() {
         (JobState::Running, j.slot.attempt.saturating_sub(1))
-    } else if j.dead.is_some() {
+    } else if j.dead {
         (JobState::Dead, j.slot.attempt)
     } else if j.slot.not_before_ms > now {
         (JobState::Delayed, j.slot.attempt)

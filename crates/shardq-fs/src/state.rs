@@ -156,8 +156,8 @@ pub(crate) struct LiveJob<'a> {
     /// Its run in flight: fence and job lease deadline (`u64::MAX` for a
     /// run this process only replayed).
     pub run: Option<(u64, u64)>,
-    /// Its dead-letter reason, for a dead job.
-    pub dead: Option<&'a str>,
+    /// A dead letter (its reason is `reason`).
+    pub dead: bool,
     /// The reason its last attempt failed, for a job retried (or dead).
     pub reason: Option<&'a str>,
     /// When its attempts started (those the log recorded), oldest first.
@@ -343,7 +343,7 @@ impl ShardState {
                 key: &ks.key,
                 slot: *head,
                 run: Some((run.fence, run.lease_until_ms)),
-                dead: None,
+                dead: false,
                 reason: ks.reason_of(id),
                 starts: ks.starts_of(id),
             });
@@ -353,7 +353,7 @@ impl ShardState {
                 key: &self.keys[e.key as usize].key,
                 slot: e.slot,
                 run: None,
-                dead: Some(&e.reason),
+                dead: true,
                 reason: Some(&e.reason),
                 starts: &e.starts,
             });
@@ -365,7 +365,7 @@ impl ShardState {
                 key: &ks.key,
                 slot: ks.queue[i],
                 run: None,
-                dead: None,
+                dead: false,
                 reason: ks.reason_of(id),
                 starts: ks.starts_of(id),
             })
@@ -390,7 +390,7 @@ impl ShardState {
                     .then(|| self.in_flight_ids.get(&s.id))
                     .flatten()
                     .map(|r| (r.fence, r.lease_until_ms)),
-                dead: None,
+                dead: false,
                 reason: ks.reason_of(s.id),
                 starts: ks.starts_of(s.id),
             })
@@ -404,7 +404,7 @@ impl ShardState {
                         key: &ks.key,
                         slot: e.slot,
                         run: None,
-                        dead: Some(&e.reason),
+                        dead: true,
                         reason: Some(&e.reason),
                         starts: &e.starts,
                     }),
@@ -1296,22 +1296,8 @@ mod tests {
         enqueue(&mut s, 0, "k");
         let first = s.pick(0, 10, &|_| false);
         assert_eq!(first.len(), 1);
-        let claim = Record::Claim {
-            job: 0,
-            attempt: 1,
-            fence: 1,
-            started_ms: Some(7),
-            key: "k",
-        };
-        s.apply(100, 0, &claim).unwrap();
-        let fail = Record::Fail {
-            job: 0,
-            retry_at_ms: 0,
-            dead: true,
-            key: "k",
-            reason: "boom",
-        };
-        s.apply(200, 0, &fail).unwrap();
+        claim(&mut s, 100, 0, 1, Some(7));
+        fail(&mut s, 200, 0, true, "boom");
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
         s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
