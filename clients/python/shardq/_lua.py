@@ -161,7 +161,13 @@ local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
 if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
   for i = 0, n - 1 do
-    if redis.call('SISMEMBER', K_PAUSED, ARGV[A + 5 * i]) == 1 then return {'PAUSED', ARGV[A + 5 * i]} end
+    local k = ARGV[A + 5 * i]
+    if redis.call('SISMEMBER', K_PAUSED, k) == 1 then
+      -- Paused and sealed: frozen, its backlog is on the shard it moves to.
+      local to = K_SEALED and redis.call('HGET', K_SEALED, k)
+      if to then return {'MOVED', k, to} end
+      return {'PAUSED', k}
+    end
   end
 end
 -- Dedup: forget a bounded number of expired records, then look each id up.

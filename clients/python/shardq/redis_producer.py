@@ -6,9 +6,12 @@ and appends the jobs of each shard with the backend's own enqueue script
 (:mod:`shardq._lua`), stamped with the map version it routed with. A shard
 that no longer trusts that version answers ``FENCED``: the producer reloads
 the map, routes again and retries, waiting (bounded by ``fence_wait_ms``)
-for a newer map. A key paused for a move answers ``PAUSED``: its jobs are
-held back and retried (bounded by ``pause_wait_ms``) while the other keys'
-go ahead. Jobs of one key keep their order.
+for a newer map. A key whose backlog a rebalance has moved answers
+``MOVED`` with the shard that holds it now: its jobs go there at once,
+with the same map version, until the map changes. A key paused for a
+move answers ``PAUSED``: its jobs are held back and retried (bounded by
+``pause_wait_ms``) while the other keys' go ahead. Jobs of one key keep
+their order.
 
 Delivery is at least once: an enqueue whose reply was lost (a dropped
 connection, a timeout) is retried and may store the batch twice, in order.
@@ -74,6 +77,9 @@ RESPONSE_TIMEOUT_S = 2.0
 RETRY_BUDGET_MS_DEFAULT = 5_000
 #: Sleep between retries of a refused (fenced or paused) enqueue, in ms.
 REFUSED_RETRY_SLEEP_MS = 2
+#: Most ``MOVED`` answers followed for one key in one call (a key moved
+#: twice while this producer held one map); past it, it waits as if paused.
+MOVED_HOPS_MAX = 4
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -293,6 +299,10 @@ class RedisProducer:
         self.deployment = deployment if deployment is not None else self._read_deployment()
         self._router: Optional[Router] = None
         self._loaded_at = 0.0
+        # Keys a shard answered MOVED for, with the shard that holds them
+        # now: valid for the map version they were learnt with.
+        self._moved: Dict[str, str] = {}
+        self._moved_version = -1
         self.reload()
 
     @classmethod
@@ -405,16 +415,20 @@ class RedisProducer:
         pending = list(range(len(jobs)))
         paused: Set[str] = set()
         paused_since: Dict[str, float] = {}
+        hops: Dict[str, int] = {}
         gave_up: List[Tuple[str, str]] = []
         while pending:
             router = self.router
             version = router.map.version
+            if self._moved_version != version:
+                self._moved = {}
+                self._moved_version = version
             # One group per shard; a paused key gets a group of its own so
             # that its refusal does not hold back the others.
             groups: Dict[Tuple[str, Optional[str]], List[int]] = {}
             for i in pending:
                 key = jobs[i][0]
-                shard = router.route(key)
+                shard = self._moved.get(key) or router.route(key)
                 groups.setdefault((shard, key if key in paused else None), []).append(i)
             retry: List[int] = []
             fenced: Optional[str] = None
@@ -433,6 +447,20 @@ class RedisProducer:
                     rest = idxs[start:]
                     if status == "FENCED":
                         fenced = shard
+                        retry.extend(rest)
+                    elif status == "MOVED":
+                        # The key's backlog is on `to` now: send its jobs
+                        # there at once (the others of the chunk go again
+                        # to where they route).
+                        key, to = detail
+                        hops[key] = hops.get(key, 0) + 1
+                        if to not in self._nodes:
+                            self.reload()
+                        if to in self._nodes and hops[key] <= MOVED_HOPS_MAX:
+                            self._moved[key] = to
+                            paused.discard(key)
+                        else:
+                            paused.add(key)
                         retry.extend(rest)
                     else:  # PAUSED
                         key = detail
@@ -462,7 +490,7 @@ class RedisProducer:
 
     def _enqueue_script(self, shard: str, version: int, jobs: Sequence[Tuple[str, bytes, int, int]]) -> Any:
         """Runs the enqueue script on ``shard``: ("OK", ids in job order),
-        ("FENCED", key) or ("PAUSED", key)."""
+        ("FENCED", key), ("MOVED", (key, shard)) or ("PAUSED", key)."""
         node = self._nodes.get(shard)
         if node is None:
             raise ConfigError(
@@ -500,6 +528,8 @@ class RedisProducer:
             return "FENCED", _s(reply[1])
         if status == "PAUSED":
             return "PAUSED", _s(reply[1])
+        if status == "MOVED":
+            return "MOVED", (_s(reply[1]), _s(reply[2]))
         if status == "LOST":
             found = _s(reply[1]) if len(reply) > 1 else ""
             what = (

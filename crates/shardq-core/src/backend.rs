@@ -314,6 +314,25 @@ pub trait QueueBackend: Send + Sync {
         })
     }
 
+    /// Freezes each of `items`' keys on `shard` (a key sealed there for a
+    /// move, with the largest id of it its new shard took: its cursor)
+    /// when none of its jobs there that is not running has a larger id,
+    /// atomically with enqueues: no job arrives between the check and the
+    /// freeze. A frozen key's enqueues are refused with
+    /// [`QueueError::Moved`] naming its new shard, which holds its whole
+    /// backlog. Returns the keys frozen (one frozen before counts); a key
+    /// not sealed here is never frozen.
+    fn freeze_caught_up(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        let _ = (shard, items);
+        Err(QueueError::Unsupported {
+            what: "freezing a moving key",
+        })
+    }
+
     /// Makes this process the runner of `shard`: loads its backlog, and puts
     /// jobs left in flight by a previous owner back at the head of their keys
     /// (they run again with attempt + 1). Call only after the

@@ -57,8 +57,91 @@ pub fn run_all(h: &dyn ContractHarness) {
     dedup_is_atomic_with_the_append(h);
     dedup_records_move_with_export_and_import(h);
     backlogs_move_with_their_key(h);
+    a_moving_key_freezes_only_once_copied(h);
     jobs_can_be_read_and_cancelled(h);
     a_running_job_cancelled_ends_with_its_run(h);
+}
+
+/// A key sealed for a move freezes only when no job of it is left above
+/// its cursor (what its new shard took), atomically: a job that arrived
+/// after the last copy keeps it unfrozen. A frozen key's
+/// enqueues are refused whole, naming the new shard, and store nothing,
+/// with or without dedup ids; other keys' go in. A key not sealed never
+/// freezes, and lifting the seal lifts the freeze.
+pub fn a_moving_key_freezes_only_once_copied(h: &dyn ContractHarness) {
+    let b = h.backend();
+    if !b.moves_backlogs() {
+        return;
+    }
+    let (from, to) = (h.fresh_shard(), h.fresh_shard());
+    enqueue(h, &from, "k", "a", 5);
+    enqueue(h, &from, "k", "b", 1);
+    enqueue(h, &from, "free", "f", 5);
+    let mut fence = b.fence(&from).expect("fence");
+    fence.sealed_keys.insert("k".into(), to.clone());
+    b.set_fence(&from, &fence).expect("seal");
+    let items = |after: Option<JobId>| vec![("k".to_string(), after), ("free".to_string(), None)];
+    let frozen = b.freeze_caught_up(&from, &items(None)).expect("freeze");
+    assert!(
+        frozen.is_empty(),
+        "froze a key whose jobs were not copied: {frozen:?}"
+    );
+    let jobs = b.export_jobs(&from, "k", None, 10).expect("export");
+    assert_eq!(jobs.len(), 2);
+    let mut cursor = Some(jobs[1].id);
+    // A job that arrives after the copy keeps the key unfrozen.
+    enqueue(h, &from, "k", "c", 5);
+    let frozen = b.freeze_caught_up(&from, &items(cursor)).expect("freeze");
+    assert!(frozen.is_empty(), "froze a key with a job above its cursor");
+    let late = b.export_jobs(&from, "k", cursor, 10).expect("export");
+    assert_eq!(late.len(), 1);
+    cursor = Some(late[0].id);
+    let frozen = b.freeze_caught_up(&from, &items(cursor)).expect("freeze");
+    assert_eq!(
+        frozen,
+        ["k"],
+        "a caught-up sealed key must freeze; an unsealed one never"
+    );
+    assert!(b.fence(&from).expect("fence").is_frozen("k"));
+    // Frozen: enqueues of the key are refused whole and store nothing.
+    let before = depth(h, &from, "k");
+    let batch = [NewJob::new("free", "g"), NewJob::new("k", "d")];
+    match b.enqueue(&from, u64::MAX, &batch) {
+        Err(QueueError::Moved { key, to: went, .. }) => {
+            assert_eq!((key.as_str(), went.as_str()), ("k", to.as_str()));
+        }
+        other => panic!("a frozen key's enqueue must be refused as moved, got {other:?}"),
+    }
+    let with_id = [NewJob::new("k", "d").with_dedup_id("x")];
+    assert!(
+        matches!(
+            b.enqueue_dedup(&from, u64::MAX, &with_id, 60_000),
+            Err(QueueError::Moved { .. })
+        ),
+        "a frozen key's dedup enqueue must be refused as moved"
+    );
+    assert_eq!(
+        depth(h, &from, "k"),
+        before,
+        "a refused enqueue stored a job"
+    );
+    assert_eq!(
+        depth(h, &from, "free"),
+        1,
+        "a refused batch stored part of itself"
+    );
+    enqueue(h, &from, "free", "g", 5);
+    // Freezing again is harmless; unsealing ends the freeze.
+    assert_eq!(
+        b.freeze_caught_up(&from, &items(cursor)).expect("freeze"),
+        ["k"]
+    );
+    let mut fence = b.fence(&from).expect("fence");
+    fence.unseal("k");
+    b.set_fence(&from, &fence).expect("unseal");
+    assert!(!b.fence(&from).expect("fence").is_frozen("k"));
+    enqueue(h, &from, "k", "e", 5);
+    assert_eq!(depth(h, &from, "k"), before + 1);
 }
 
 /// A key's backlog moves to another shard whole: a sealed key starts no

@@ -82,6 +82,19 @@ pub enum QueueError {
         /// Paused key.
         key: String,
     },
+    /// The key's backlog has moved to shard `to` (a rebalance is switching
+    /// it there): send the job there, routed with the same map.
+    #[error(
+        "shard {shard:?} refused key {key:?}: its jobs have moved to shard {to:?} (send it there)"
+    )]
+    Moved {
+        /// Refusing shard.
+        shard: String,
+        /// The key.
+        key: String,
+        /// The shard that holds the key's jobs now.
+        to: String,
+    },
     /// No shard of that name.
     #[error("unknown shard {shard:?}")]
     UnknownShard {
@@ -346,6 +359,7 @@ impl QueueError {
             | QueueError::StaleReceipt { .. } => ErrorKind::Conflict,
             QueueError::Fenced { .. }
             | QueueError::Paused { .. }
+            | QueueError::Moved { .. }
             | QueueError::Unavailable { .. }
             | QueueError::StoreFull { .. } => ErrorKind::Retryable,
             QueueError::Corrupt { .. }

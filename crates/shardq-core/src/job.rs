@@ -547,7 +547,10 @@ pub enum CancelOutcome {
 pub struct Fence {
     /// Oldest map version whose routing this shard still trusts.
     pub map_version_min: u64,
-    /// Keys whose enqueues are paused on this shard.
+    /// Keys whose enqueues are refused on this shard: a key also in
+    /// `sealed_keys` is *frozen* (its backlog has moved; its enqueues are
+    /// sent on with [`QueueError::Moved`]), any other is paused
+    /// ([`QueueError::Paused`]: retry shortly).
     #[serde(default)]
     pub paused_keys: BTreeSet<String>,
     /// The smallest run fence this shard may issue: a rebalance raises it
@@ -597,12 +600,33 @@ impl Fence {
             });
         }
         if self.paused_keys.contains(key) {
+            if let Some(to) = self.sealed_keys.get(key) {
+                return Err(QueueError::Moved {
+                    shard: shard.to_string(),
+                    key: key.to_string(),
+                    to: to.clone(),
+                });
+            }
             return Err(QueueError::Paused {
                 shard: shard.to_string(),
                 key: key.to_string(),
             });
         }
         Ok(())
+    }
+
+    /// Whether `key` is frozen here: sealed for a move and paused, which
+    /// means its whole backlog is on the shard it moves to, and its
+    /// enqueues are sent there ([`QueueError::Moved`]).
+    pub fn is_frozen(&self, key: &str) -> bool {
+        self.paused_keys.contains(key) && self.sealed_keys.contains_key(key)
+    }
+
+    /// Lifts `key`'s seal and, with it, its freeze: the end of its move.
+    pub fn unseal(&mut self, key: &str) {
+        if self.sealed_keys.remove(key).is_some() {
+            self.paused_keys.remove(key);
+        }
     }
 }
 

@@ -814,6 +814,34 @@ impl QueueBackend for MemoryBackend {
         })
     }
 
+    fn freeze_caught_up(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        self.with_shard(shard, |s| {
+            let mut out = Vec::new();
+            for (key, after) in items {
+                if !s.fence.sealed_keys.contains_key(key) {
+                    continue;
+                }
+                let above = |id: &JobId| after.is_none_or(|a| *id > a);
+                let behind = s.keys.get(key).is_some_and(|q| {
+                    q.iter()
+                        .any(|id| above(id) && !s.in_flight.contains_key(id))
+                }) || s
+                    .dead
+                    .iter()
+                    .any(|id| above(id) && s.jobs.get(id).is_some_and(|j| j.key == *key));
+                if !behind {
+                    s.fence.paused_keys.insert(key.clone());
+                    out.push(key.clone());
+                }
+            }
+            Ok(out)
+        })
+    }
+
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
         self.with_shard(shard, |s| {
             let mut n = 0u64;

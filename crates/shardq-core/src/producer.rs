@@ -7,9 +7,12 @@
 //! the map version it routed with, and a shard that no longer trusts that
 //! version refuses it ([`QueueError::Fenced`]); the producer then reloads,
 //! routes again and retries, waiting (bounded) for the new version to be
-//! published. A key paused for a move ([`QueueError::Paused`]) is retried
-//! until `pause_wait_ms`; past that the caller gets [`ProduceError::PausedTooLong`],
-//! never a silent drop.
+//! published. A key whose backlog a rebalance has moved to another shard
+//! ([`QueueError::Moved`], before the switch is published) has its jobs sent
+//! there at once, with the same map version, until the map changes: a move
+//! never makes a producer wait. A key paused ([`QueueError::Paused`]) is
+//! retried until `pause_wait_ms`; past that the caller gets
+//! [`ProduceError::PausedTooLong`], never a silent drop.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -145,18 +148,25 @@ pub struct Refusals {
     pub fenced: BTreeMap<String, u64>,
     /// Appends refused because the key was paused for a move.
     pub paused: BTreeMap<String, u64>,
+    /// Appends refused because the key's backlog had moved on (sent on to
+    /// its new shard at once: not a wait).
+    pub moved: BTreeMap<String, u64>,
 }
 
 impl Refusals {
     /// True when nothing was refused.
     pub fn is_empty(&self) -> bool {
-        self.fenced.is_empty() && self.paused.is_empty()
+        self.fenced.is_empty() && self.paused.is_empty() && self.moved.is_empty()
     }
 }
 
 /// Most keys whose shard a producer remembers (it forgets them all when
 /// full, and whenever it loads another map version).
 const ROUTE_CACHE_KEYS_MAX: usize = 1 << 16;
+/// Most [`QueueError::Moved`] answers followed for one key in one call (a
+/// key moved twice while this producer held one map); past it the key waits
+/// as if paused, reloading the map.
+pub const MOVED_HOPS_MAX: u32 = 4;
 
 /// Routes and enqueues jobs; see the module docs.
 pub struct Producer<B: QueueBackend + ?Sized> {
@@ -167,6 +177,9 @@ pub struct Producer<B: QueueBackend + ?Sized> {
     /// tenant's jobs come again and again, and routing one (rendezvous,
     /// say) costs a hash per shard.
     route_cache: HashMap<Box<str>, usize, ahash::RandomState>,
+    /// Keys a shard answered [`QueueError::Moved`] for, with the shard
+    /// that holds them now: valid for `router` only, like `route_cache`.
+    moved: HashMap<Box<str>, String, ahash::RandomState>,
     loaded_at_ms: u64,
     options: ProducerOptions,
     refusals: Refusals,
@@ -185,6 +198,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             store,
             router,
             route_cache: HashMap::default(),
+            moved: HashMap::default(),
             loaded_at_ms: options.clock.now_ms(),
             options,
             refusals: Refusals::default(),
@@ -210,6 +224,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         }
         self.router = Router::new(map).map_err(ReshardError::from)?;
         self.route_cache.clear();
+        self.moved.clear();
         Ok(true)
     }
 
@@ -278,14 +293,26 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
         let mut paused: BTreeSet<String> = BTreeSet::new();
         let mut paused_since: BTreeMap<String, u64> = BTreeMap::new();
+        let mut hops: BTreeMap<String, u32> = BTreeMap::new();
         let mut gave_up: Vec<(String, String)> = Vec::new();
         while !pending.is_empty() {
             let version = self.router.version();
+            // Taken out for this round (groups borrow it), put back after.
+            let moved = std::mem::take(&mut self.moved);
+            let mut new_moves: Vec<(String, String)> = Vec::new();
             // One group per shard; a paused key gets a group of its own so
             // that its refusal does not hold back the others.
-            let mut groups: BTreeMap<(usize, Option<&str>), Vec<usize>> = BTreeMap::new();
+            let mut groups: BTreeMap<(Dest<'_>, Option<&str>), Vec<usize>> = BTreeMap::new();
             for &i in &pending {
                 let key = jobs[i].key.as_str();
+                let own = paused.contains(key).then_some(key);
+                if let Some(to) = moved.get(key) {
+                    groups
+                        .entry((Dest::Moved(to.as_str()), own))
+                        .or_default()
+                        .push(i);
+                    continue;
+                }
                 let at = match self.route_cache.get(key) {
                     Some(&at) => at,
                     None => {
@@ -297,17 +324,22 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                         at
                     }
                 };
-                let own = paused.contains(key).then_some(key);
-                groups.entry((at, own)).or_default().push(i);
+                groups.entry((Dest::At(at), own)).or_default().push(i);
             }
             let mut retry: Vec<usize> = Vec::new();
             let mut fenced: Option<String> = None;
             let limits = self.backend.limits();
-            for ((at, own), group) in groups {
-                let shard = self.router.map().shards[at].name.clone();
+            for ((dest, own), group) in groups {
+                let shard = match dest {
+                    Dest::At(at) => self.router.map().shards[at].name.clone(),
+                    Dest::Moved(to) => to.to_string(),
+                };
                 // The backend's bounds per call: parts in order, so a key's
-                // jobs still go in one after another.
-                for idxs in split_by_limits(&group, jobs, limits) {
+                // jobs still go in one after another; once a part is refused
+                // the later ones are not sent (they go again with it), so
+                // none of them overtakes it.
+                let mut parts = split_by_limits(&group, jobs, limits).into_iter();
+                while let Some(idxs) = parts.next() {
                     let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
                     let result = if batch.iter().any(|j| j.dedup_id.is_some()) {
                         self.backend.enqueue_dedup(
@@ -339,10 +371,26 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                                 });
                                 paused.remove(&jobs[i].key);
                             }
+                            continue;
                         }
                         Err(QueueError::Fenced { .. }) => {
                             *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
                             fenced = Some(shard.clone());
+                            retry.extend(idxs);
+                        }
+                        Err(QueueError::Moved { key, to, .. }) => {
+                            // Its backlog is on `to` now: its jobs go there
+                            // at once, the chunk's others again where they
+                            // route (order kept: none of the chunk went in).
+                            *self.refusals.moved.entry(shard.clone()).or_default() += 1;
+                            let n = hops.entry(key.clone()).or_default();
+                            *n += 1;
+                            if *n <= MOVED_HOPS_MAX {
+                                paused.remove(&key);
+                                new_moves.push((key, to));
+                            } else {
+                                paused.insert(key);
+                            }
                             retry.extend(idxs);
                         }
                         Err(QueueError::Paused { key, .. }) => {
@@ -360,14 +408,29 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                                 if !gave_up.iter().any(|(k, _)| *k == key) {
                                     gave_up.push((key, shard.clone()));
                                 }
-                                continue;
+                                // The later parts hold this key alone too.
+                                break;
                             }
                             paused.insert(key);
                             retry.extend(idxs);
                         }
+                        // (The moved keys are forgotten: a shard tells
+                        // them again.)
                         Err(e) => return Err(e.into()),
                     }
+                    // Refused: the rest of the group goes again with it.
+                    for rest in parts.by_ref() {
+                        retry.extend(rest);
+                    }
+                    break;
                 }
+            }
+            self.moved = moved;
+            if self.moved.len() + new_moves.len() > ROUTE_CACHE_KEYS_MAX {
+                self.moved.clear();
+            }
+            for (key, to) in new_moves {
+                self.moved.insert(key.into(), to);
             }
             retry.sort_unstable();
             pending = retry;
@@ -399,6 +462,14 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         }
         Ok(gave_up)
     }
+}
+
+/// Where a group of jobs goes: a shard of the map by index, or the shard a
+/// key's backlog moved to (by name: it may be missing from an old map).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Dest<'a> {
+    At(usize),
+    Moved(&'a str),
 }
 
 /// `group` (indexes into `jobs`) in order, cut into parts within the

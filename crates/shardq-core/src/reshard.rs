@@ -28,11 +28,18 @@
 //!    copied), raise the new shards' run-fence floor, copy each key's
 //!    queued, delayed and dead jobs in rounds while its producers keep
 //!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
-//!    chunks; the new shard may run the copies at once), then pause the
-//!    batch for one last round (and its dedup records; one read per old
-//!    shard for the batch, from the cursors the rounds kept), publish the switch,
-//!    fence the old shards as the pause lifts, delete the copies left
-//!    behind and unseal. Producers wait only for that last round. Every
+//!    chunks; the new shard may run the copies at once), then a last round
+//!    (with the key's dedup records; one read per old shard for the batch,
+//!    from the cursors the rounds kept) and a *freeze*: one atomic step on
+//!    the old shard ([`QueueBackend::freeze_caught_up`]) that checks no job
+//!    of the key arrived since and marks it frozen, so its next enqueues
+//!    there are sent to the new shard ([`QueueError::Moved`]) at once. No
+//!    producer waits. A key that gets a job before every one of
+//!    [`FREEZE_ATTEMPTS_MAX`] freezes is paused on its new shard for one
+//!    more round instead (its producers wait for that round only). Then
+//!    publish the switch, fence the old shards at it, delete the copies
+//!    left behind and unseal (which unfreezes). A frozen key is never
+//!    unsealed otherwise: it must finish its move. Every
 //!    copy is idempotent: the new shard skips source ids at or below what it
 //!    took from that shard for that key ([`QueueBackend::imported_up_to`]),
 //!    and a rerun first finishes every transfer a killed run left sealed,
@@ -103,6 +110,9 @@ pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 300_000;
 pub const DRAIN_POLL_MS_DEFAULT: u64 = 2;
 /// Jobs per export and import call of a backlog transfer.
 pub const TRANSFER_CHUNK_JOBS: usize = 4096;
+/// Last rounds (each followed by a try to freeze the key) before a key that
+/// keeps getting jobs is paused on its new shard for one round instead.
+pub const FREEZE_ATTEMPTS_MAX: usize = 4;
 /// Copy rounds of a key's backlog before its last one: each round copies
 /// what arrived during the one before, while producers still write to the
 /// old shard; the last round, under a pause, copies what is left. A round
@@ -1185,7 +1195,7 @@ where
                     )?;
                     backend.purge_key(&shard.name, key)?;
                     let mut f = backend.fence(&shard.name)?;
-                    f.sealed_keys.remove(key);
+                    f.unseal(key);
                     backend.set_fence(&shard.name, &f)?;
                     Ok(())
                 })();
@@ -1234,11 +1244,11 @@ where
             match attempt {
                 Ok(moved) => break Some(moved),
                 Err(e) => {
-                    // A producer must never wait on a failed move: the pause
-                    // lifts first, whatever comes next (best effort: on a
-                    // failed shard this write may fail too, and a rerun
-                    // lifts what is left). The keys stay sealed.
-                    let _ = set_paused_each(backend, &batch, false);
+                    // Pauses stay as they are: a frozen key's producers go
+                    // to its new shard (no wait), and a key paused on its
+                    // new shard mid forced round stays so until a rerun has
+                    // copied the rest, or its order would break. The keys
+                    // stay sealed.
                     let shards: BTreeSet<&str> = batch
                         .iter()
                         .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
@@ -1270,12 +1280,13 @@ where
         if moved.had_late {
             waited_most = waited_most.max(moved.run_wait_ms);
         }
-        let Some((next, pause_started_ms, batch)) = moved.switched else {
+        let Some((next, pauses, batch)) = moved.switched else {
             continue;
         };
         // Published: the keys follow the new map. Their old shards' fences
-        // now refuse producers still routing with the old one, and the pause
-        // lifts (on an old shard that fails here, a rerun lifts it).
+        // now refuse producers still routing with the old one (they reload
+        // and route to the new shards); the keys stay frozen there until
+        // their copies are gone.
         let version = next.version;
         cur = next;
         let olds: Vec<String> = batch
@@ -1286,11 +1297,13 @@ where
             .collect();
         let olds: Vec<&str> = olds.iter().map(String::as_str).collect();
         if let Err(e) = each_old_shard(&batch, |part| {
-            set_paused(backend, part, false, Some(version))
+            update_old_fences(backend, part, &mut |fence, _, _| {
+                fence.map_version_min = fence.map_version_min.max(version);
+            })
         }) {
             failed.note_or_raise(backend, &olds, e)?;
         }
-        let pause_ms = options.clock.now_ms().saturating_sub(pause_started_ms) as f64;
+        let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
         // 6. Delete the copies left on the old shards, then unseal. The
         //    switch is published: a key whose old shard fails here keeps its
         //    copies there sealed, and a rerun deletes them (above).
@@ -1301,7 +1314,9 @@ where
                 Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
             }
         }
-        if let Err(e) = set_sealed_each(backend, &cleaned, false) {
+        if let Err(e) = each_old_shard(&cleaned, |part| {
+            update_old_fences(backend, part, &mut |fence, key, _| fence.unseal(key))
+        }) {
             failed.note_or_raise(backend, &olds, e)?;
         }
         let mut jobs = 0u64;
@@ -1312,7 +1327,7 @@ where
                 key: key.clone(),
                 from: from.clone(),
                 to: to.clone(),
-                pause_ms,
+                pause_ms: pauses.get(key).copied().unwrap_or(0) as f64,
                 jobs_moved: n,
                 run_wait_ms: moved.run_wait_ms as f64,
             });
@@ -1447,8 +1462,9 @@ struct BatchMoved {
     late: Vec<String>,
     had_late: bool,
     run_wait_ms: u64,
-    /// The published map, when its pause began, and the keys switched.
-    switched: Option<(ShardMap, u64, Vec<Switch>)>,
+    /// The published map, each forced key's producer pause (keys frozen
+    /// without one are not listed), and the keys switched.
+    switched: Option<(ShardMap, BTreeMap<String, u64>, Vec<Switch>)>,
 }
 
 /// Steps 1 to 5 of a batch: seal, wait for runs, raise floors, copy rounds,
@@ -1532,33 +1548,119 @@ where
             }
         }
     }
-    // 5. The last round, under a pause, then the switch.
-    let pause_started_ms = clock.now_ms();
-    set_paused(backend, batch, true, None)?;
-    // What arrived since the rounds, per (old shard, new shard), in one
-    // import each.
+    // 5. Freeze each key on its old shard once its new shard holds all of
+    //    it: a last round copies what arrived since the rounds (and the
+    //    key's dedup records), then one atomic step on the old shard checks
+    //    that nothing arrived since and freezes the key there, so its next
+    //    enqueues go to the new shard at once ([`QueueError::Moved`]). No
+    //    producer waits. A key that got jobs between every last round and
+    //    its freeze (a hot one) is paused on its new shard instead, frozen
+    //    unconditionally, copied once more and un-paused: its producers
+    //    wait for that one round only.
+    let mut left: Vec<Switch> = batch.to_vec();
+    let mut pause_ms: BTreeMap<String, u64> = BTreeMap::new();
+    for attempt in 0..=FREEZE_ATTEMPTS_MAX {
+        if left.is_empty() {
+            break;
+        }
+        let forced = attempt == FREEZE_ATTEMPTS_MAX;
+        let pause_started_ms = clock.now_ms();
+        if forced {
+            set_paused_new(backend, &left, true)?;
+            update_old_fences(backend, &left, &mut |fence, key, _| {
+                fence.paused_keys.insert(key.to_string());
+            })?;
+        }
+        let fresh = last_round(backend, &left, &mut cursors, &mut ids, copied, touched)?;
+        // Dedup records come into being with their jobs: a key that got no
+        // job since the last copy of its records has no new one.
+        let dedup_keys: Vec<Switch> = left
+            .iter()
+            .filter(|sw| attempt == 0 || fresh.contains(&sw.0))
+            .cloned()
+            .collect();
+        copy_dedup_many(backend, &dedup_keys, &ids)?;
+        if forced {
+            set_paused_new(backend, &left, false)?;
+            let waited = clock.now_ms().saturating_sub(pause_started_ms);
+            for sw in &left {
+                pause_ms.insert(sw.0.clone(), waited);
+            }
+            break;
+        }
+        let mut by_old: BTreeMap<&str, Vec<(String, Option<JobId>)>> = BTreeMap::new();
+        for (key, from, _) in &left {
+            let after = cursors.get(key).copied().flatten().flatten();
+            by_old
+                .entry(from.as_str())
+                .or_default()
+                .push((key.clone(), after));
+        }
+        let mut frozen: BTreeSet<String> = BTreeSet::new();
+        for (from, items) in by_old {
+            frozen.extend(backend.freeze_caught_up(from, &items)?);
+        }
+        left.retain(|sw| !frozen.contains(&sw.0));
+    }
+    // A pause on a new shard that a killed forced round left goes: every
+    // key of the batch is frozen on its old shard and copied in full now.
+    lift_new_pauses(backend, batch)?;
+    let mut next = switched_map(cur, target, batch);
+    // A key pinned to where its backlog went, if the target differs
+    // (a transfer a killed run left): it stays there for now.
+    let next_router = Router::new(next.clone())?;
+    for (key, _, to) in batch {
+        if next_router.route(key) != to.as_str() {
+            next.overrides.insert(key.clone(), to.clone());
+        }
+    }
+    publish_next(store, cur, &next)?;
+    out.switched = Some((next, pause_ms, batch.to_vec()));
+    Ok(out)
+}
+
+/// A key and jobs of it, as one import takes them.
+type KeyJobs = (String, Vec<MovedJob>);
+
+/// A key's cursor on its old shard as a move keeps it: `None` until read,
+/// then the largest id its new shard holds a copy of (`None` inside: none).
+type Cursors = BTreeMap<String, Option<Option<JobId>>>;
+
+/// One copy of what arrived since the cursors, for all of `batch`: one
+/// export per old shard and one import per (old, new) pair, as few calls as
+/// the backend can. Moves the cursors on; returns the keys that had jobs.
+fn last_round<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    cursors: &mut Cursors,
+    ids: &mut BTreeMap<(String, JobId), JobId>,
+    copied: &mut BTreeMap<String, u64>,
+    touched: &mut BTreeSet<String>,
+) -> Result<BTreeSet<String>, ReshardError> {
     let mut groups: BTreeMap<(&str, &str), Vec<KeyJobs>> = BTreeMap::new();
     let mut reads: BTreeMap<&str, Vec<(String, Option<JobId>)>> = BTreeMap::new();
     let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
     for (key, from, to) in batch {
-        // Read once per key, in its copy rounds.
         let after = match cursors.get(key).copied().flatten() {
             Some(after) => after,
             None => backend.imported_up_to(to, from, key)?,
         };
+        cursors.insert(key.clone(), Some(after));
         reads
             .entry(from.as_str())
             .or_default()
             .push((key.clone(), after));
         dests.insert(key.as_str(), to.as_str());
     }
-    // One export per old shard for the whole batch.
+    let mut fresh = BTreeSet::new();
     for (&from, items) in &reads {
         for (key, jobs) in backend.export_many(from, items)? {
             let Some(&to) = dests.get(key.as_str()) else {
                 continue;
             };
-            if !jobs.is_empty() {
+            if let Some(last) = jobs.last() {
+                cursors.insert(key.clone(), Some(Some(last.id)));
+                fresh.insert(key.clone());
                 groups.entry((from, to)).or_default().push((key, jobs));
             }
         }
@@ -1570,15 +1672,29 @@ where
             *copied.entry(key).or_default() += 1;
         }
     }
-    // The batch's dedup records, one export per old shard.
+    Ok(fresh)
+}
+
+/// Copies the live dedup records of `batch`'s keys from their old shards to
+/// their new ones (one export per old shard); a record of a job this run
+/// copied answers with the copy's id.
+fn copy_dedup_many<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    ids: &BTreeMap<(String, JobId), JobId>,
+) -> Result<(), ReshardError> {
+    let mut keys_of: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
+    for (key, from, to) in batch {
+        keys_of.entry(from.as_str()).or_default().push(key.as_str());
+        dests.insert(key.as_str(), to.as_str());
+    }
     let mut records_to: BTreeMap<&str, Vec<DedupRecord>> = BTreeMap::new();
-    for (&from, items) in &reads {
-        let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+    for (from, keys) in keys_of {
         for mut r in backend.dedup_export_many(from, &keys)? {
             let Some(&to) = dests.get(r.key.as_str()) else {
                 continue;
             };
-            // A record of a job that moved answers with its new id.
             if r.shard == from {
                 if let Some(id) = ids.get(&(r.key.clone(), r.job)) {
                     r.shard = to.to_string();
@@ -1591,22 +1707,45 @@ where
     for (to, records) in records_to {
         backend.dedup_import(to, &records)?;
     }
-    let mut next = switched_map(cur, target, batch);
-    // A key pinned to where its backlog went, if the target differs
-    // (a transfer a killed run left): it stays there for now.
-    let next_router = Router::new(next.clone())?;
-    for (key, _, to) in batch {
-        if next_router.route(key) != to.as_str() {
-            next.overrides.insert(key.clone(), to.clone());
-        }
-    }
-    publish_next(store, cur, &next)?;
-    out.switched = Some((next, pause_started_ms, batch.to_vec()));
-    Ok(out)
+    Ok(())
 }
 
-/// A key and jobs of it, as one import takes them.
-type KeyJobs = (String, Vec<MovedJob>);
+/// Pauses or resumes `batch`'s keys on their *new* shards (a forced freeze:
+/// the producers sent there wait while the last jobs are copied).
+fn set_paused_new<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    pause: bool,
+) -> Result<(), ReshardError> {
+    let mut by_new: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (key, _, to) in batch {
+        by_new.entry(to.as_str()).or_default().push(key.as_str());
+    }
+    for (shard, keys) in by_new {
+        let mut fence = backend.fence(shard)?;
+        let before = fence.paused_keys.len();
+        for key in keys {
+            if pause {
+                fence.paused_keys.insert(key.to_string());
+            } else if !fence.sealed_keys.contains_key(key) {
+                fence.paused_keys.remove(key);
+            }
+        }
+        if fence.paused_keys.len() != before {
+            backend.set_fence(shard, &fence)?;
+        }
+    }
+    Ok(())
+}
+
+/// Lifts what [`set_paused_new`] left on the new shards of `batch` (a
+/// killed forced round): one read per new shard, a write only if needed.
+fn lift_new_pauses<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+) -> Result<(), ReshardError> {
+    set_paused_new(backend, batch, false)
+}
 
 /// Copies `key`'s jobs from `from` that `to` does not have yet, in chunks,
 /// until the export finds none; records (key, source id) -> new id in `ids`.
@@ -1657,20 +1796,12 @@ fn set_sealed<B: QueueBackend + ?Sized>(
     update_old_fences(backend, batch, &mut |fence, key, to| {
         if seal {
             fence.sealed_keys.insert(key.to_string(), to.to_string());
-        } else {
+        } else if !fence.is_frozen(key) {
+            // A frozen key is never unsealed here: its new shard holds its
+            // backlog and takes its enqueues, so it must finish its move.
             fence.sealed_keys.remove(key);
         }
     })
-}
-
-/// [`set_paused`] without a fence raise, shard by shard: every old shard is
-/// tried even when one fails; the first error comes back.
-fn set_paused_each<B: QueueBackend + ?Sized>(
-    backend: &B,
-    batch: &[(String, String, String)],
-    pause: bool,
-) -> Result<(), ReshardError> {
-    each_old_shard(batch, |part| set_paused(backend, part, pause, None))
 }
 
 /// [`set_sealed`], shard by shard: every old shard is tried even when one

@@ -977,8 +977,10 @@ impl MapStore for PublishFails {
 }
 
 /// A move whose switch cannot be published (the map store fails, not a
-/// shard) stops the run with that error, and leaves no key paused: its
-/// producers are never left waiting on a failed move. The rerun finishes.
+/// shard) stops the run with that error, and leaves no key paused: a key
+/// it froze on its old shard (its backlog copied) sends its producers to
+/// its new shard, so none waits, and none of their jobs is lost or run out
+/// of order. The rerun finishes.
 #[test]
 fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
     let clock = Arc::new(shardq_core::ManualClock::new(1_700_000_000_000));
@@ -1009,17 +1011,55 @@ fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
     };
     let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("stopped answering"), "{err}");
+    let mut frozen = 0;
     for s in ["a", "b", "c"] {
-        let paused = backend.fence(s).unwrap().paused_keys;
-        assert!(paused.is_empty(), "{s} still pauses {paused:?}");
+        let fence = backend.fence(s).unwrap();
+        for k in &fence.paused_keys {
+            assert!(
+                fence.is_frozen(k),
+                "{s} pauses {k:?} without having moved it"
+            );
+            frozen += 1;
+        }
     }
+    assert!(
+        frozen > 0,
+        "the failed switch froze no key (the test lost its point)"
+    );
+    // A producer that may not wait at all still gets every key's job in.
+    let mut producer = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(inner.clone()),
+        ProducerOptions {
+            pause_wait_ms: 0,
+            clock: clock.clone(),
+            ..ProducerOptions::default()
+        },
+    )
+    .unwrap();
+    let jobs: Vec<NewJob> = keys.iter().map(|k| NewJob::new(k.as_str(), "y")).collect();
+    let placed = producer.enqueue_batch(&jobs).unwrap();
+    assert_eq!(placed.len(), keys.len());
+    assert!(producer.take_refusals().moved.values().sum::<u64>() > 0);
     let report = reshard::rebalance(&backend, &inner, &opts, &mut |_| {}).unwrap();
     assert!(report.jobs_moved > 0, "the rerun moved nothing");
     let total: u64 = ["a", "b", "c"]
         .iter()
         .map(|s| backend.shard_stats(s).unwrap().ready)
         .sum();
-    assert_eq!(total, 50, "jobs lost or stored twice");
+    assert_eq!(total, 100, "jobs lost or stored twice");
+    // Each key's two jobs sit on one shard, the first one first.
+    let router = Router::new(inner.load().unwrap()).unwrap();
+    for k in &keys {
+        let on = router.route(k);
+        let payloads: Vec<Vec<u8>> = backend
+            .export_jobs(on, k, None, 10)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.payload)
+            .collect();
+        assert_eq!(payloads, [b"x".to_vec(), b"y".to_vec()], "{k} on {on}");
+    }
 }
 
 /// Two shards with work on both, and a third added to the target.

@@ -116,6 +116,8 @@ struct Checks {
     acked: BTreeMap<(String, u64), u32>,
     /// Jobs (key, sequence number) producers were told are stored.
     stored: BTreeSet<(String, u64)>,
+    /// Enqueues a frozen key's old shard sent on to its new one.
+    redirects: u64,
     /// Jobs (key, sequence number) an operator cancelled: none may start
     /// or be acked after its cancel returned.
     cancelled: BTreeSet<(String, u64)>,
@@ -150,7 +152,9 @@ impl World {
             } else {
                 3
             };
-            match self.producer.enqueue(&job) {
+            let placed = self.producer.enqueue(&job);
+            self.checks.redirects += self.producer.take_refusals().moved.values().sum::<u64>();
+            match placed {
                 Ok(p) => {
                     self.next_seq.insert(key.clone(), seq + 1);
                     self.checks
@@ -405,8 +409,10 @@ impl World {
     }
 }
 
-/// Returns how many jobs the last, finishing, rebalance copied with their keys.
-fn simulate(seed: u64) -> (u64, u64) {
+/// Returns how many jobs the last, finishing, rebalance copied with their
+/// keys, whether a shard was cut off, and how many enqueues a frozen key
+/// sent on.
+fn simulate(seed: u64) -> (u64, u64, u64) {
     let clock = Arc::new(SimClock::default());
     clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
     let backend = MemoryBackend::new(&SHARDS, clock.clone());
@@ -593,7 +599,7 @@ fn simulate(seed: u64) -> (u64, u64) {
         !w.checks.cancelled.is_empty(),
         "seed {seed}: no job was cancelled"
     );
-    (moved, cut_offs)
+    (moved, cut_offs, w.checks.redirects)
 }
 
 /// The rebalance's view of the backend, killed at its `crash_at`-th write
@@ -712,6 +718,18 @@ impl QueueBackend for Crashing {
         self.reach(shard)?;
         self.inner.imported_up_to(shard, from, key)
     }
+    fn freeze_caught_up(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        self.reach(shard)?;
+        // Time for producers to slip a job in between the last copy and
+        // the freeze (which must then refuse to freeze).
+        self.clock.sleep_ms(1);
+        self.write(shard)?;
+        self.inner.freeze_caught_up(shard, items)
+    }
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
         self.reach(shard)?;
         self.write(shard)?;
@@ -793,12 +811,16 @@ fn seeded_simulations_keep_order_single_runs_and_every_job() {
         simulate(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
         return;
     }
-    let (mut moved, mut cut_offs) = (0, 0);
+    let (mut moved, mut cut_offs, mut redirects) = (0, 0, 0);
     for seed in 1..=16 {
-        let (m, c) = simulate(seed);
+        let (m, c, r) = simulate(seed);
         moved += m;
         cut_offs += c;
+        redirects += r;
     }
+    // Producers met frozen keys and followed them (order and every job
+    // checked above, through those redirects).
+    assert!(redirects > 0, "no producer was sent on by a frozen key");
     // The moves took backlogs along (not only keys that had drained).
     assert!(moved > 0, "no rebalance copied a job");
     // Some runs lost a shard mid-move and went on with the others.

@@ -450,6 +450,18 @@ impl FsBackend {
         Ok(inner)
     }
 
+    /// Writes the fence file; the caller holds the shard's append lock.
+    fn write_fence_locked(&self, shard: &Shard, fence: &Fence) -> Result<(), QueueError> {
+        let path = shard.dir.join(FENCE_FILE);
+        let text = serde_json::to_string_pretty(fence).map_err(|e| QueueError::Internal {
+            what: format!("encoding the fence as JSON: {e}"),
+        })?;
+        self.opts
+            .storage
+            .write_file_atomic(&path, text.as_bytes())
+            .map_err(|e| QueueError::io(format!("writing {}", path.display()), e))
+    }
+
     fn read_fence(&self, shard: &Shard, inner: &mut Inner) -> Result<Fence, QueueError> {
         let path = shard.dir.join(FENCE_FILE);
         let meta = match fs::metadata(&path) {
@@ -1148,14 +1160,7 @@ impl QueueBackend for FsBackend {
         // Written under the append lock: no enqueue is between its fence
         // check and its append while the fence changes.
         let _guard = inner.log.lock()?;
-        let path = shard.dir.join(FENCE_FILE);
-        let text = serde_json::to_string_pretty(fence).map_err(|e| QueueError::Internal {
-            what: format!("encoding the fence as JSON: {e}"),
-        })?;
-        self.opts
-            .storage
-            .write_file_atomic(&path, text.as_bytes())
-            .map_err(|e| QueueError::io(format!("writing {}", path.display()), e))
+        self.write_fence_locked(&shard, fence)
     }
 
     fn dead_list(&self, name: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
@@ -1267,9 +1272,18 @@ impl QueueBackend for FsBackend {
             .into_iter()
             .map(|(s, reason)| (s, reason.map(str::to_string)))
             .collect();
+        let places = picked
+            .iter()
+            .map(|(slot, _)| inner.log.locate(slot.id))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The payloads are read without the shard's lock, so enqueues and
+        // claims go on meanwhile: a sealed key's records stay where they
+        // are (none of its jobs finishes while it is sealed, so no
+        // compaction drops them, and the handles outlive a deleted file).
+        drop(inner);
         let mut out = Vec::with_capacity(picked.len());
-        for (slot, dead) in picked {
-            let (created_ms, payload) = read_job(name, &mut inner.log, slot.id, key)?;
+        for ((slot, dead), at) in picked.into_iter().zip(places) {
+            let (created_ms, payload) = job_of_record(name, &at.read()?, slot.id, key)?;
             out.push(MovedJob {
                 id: JobId(slot.id),
                 created_ms,
@@ -1433,6 +1447,37 @@ impl QueueBackend for FsBackend {
         Ok(replayed.max(on_file).map(JobId))
     }
 
+    fn freeze_caught_up(
+        &self,
+        name: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut out = Vec::new();
+        // Checked and written under the append lock, with the replica caught
+        // up to the log's end: no enqueue lands between the two.
+        self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let mut fence = self.read_fence(&shard, inner)?;
+            let r = inner.replica.as_ref().expect("refreshed");
+            out.clear();
+            for (key, after) in items {
+                if fence.sealed_keys.contains_key(key)
+                    && r.key_jobs(key, after.map(|a| a.0), 1).is_empty()
+                {
+                    fence.paused_keys.insert(key.clone());
+                    out.push(key.clone());
+                }
+            }
+            if !out.is_empty() {
+                self.write_fence_locked(&shard, &fence)?;
+            }
+            Ok(Vec::new())
+        })?;
+        Ok(out)
+    }
+
     fn purge_key(&self, name: &str, key: &str) -> Result<u64, QueueError> {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
@@ -1541,15 +1586,24 @@ fn read_job(
     id: u64,
     key: &str,
 ) -> Result<(u64, Vec<u8>), QueueError> {
-    let bytes = log.read_record_at(id)?;
+    job_of_record(name, &log.read_record_at(id)?, id, key)
+}
+
+/// The enqueue time and payload in `bytes`, the record of job `id` of `key`.
+fn job_of_record(
+    name: &str,
+    bytes: &[u8],
+    id: u64,
+    key: &str,
+) -> Result<(u64, Vec<u8>), QueueError> {
     let bad = |reason: String| QueueError::Inconsistent {
         shard: name.to_string(),
         segment: "-".into(),
         offset: id,
         reason,
     };
-    let (rec, _) = decode(&bytes)
-        .map_err(|e| bad(format!("the record of job {id} does not decode: {e:?}")))?;
+    let (rec, _) =
+        decode(bytes).map_err(|e| bad(format!("the record of job {id} does not decode: {e:?}")))?;
     match rec {
         Record::Enqueue {
             created_ms,

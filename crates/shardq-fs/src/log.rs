@@ -805,6 +805,13 @@ impl ShardLog {
     /// Reads the record at global position `pos` (an enqueue, for a claim)
     /// and checks it right after reading it back.
     pub fn read_record_at(&mut self, pos: u64) -> Result<Vec<u8>, QueueError> {
+        self.locate(pos)?.read()
+    }
+
+    /// Where the record at `pos` is, to read it later without the log: the
+    /// segment's file stays readable while the handle lives, even once a
+    /// compaction deleted it (a record of a live job is never rewritten).
+    pub fn locate(&self, pos: u64) -> Result<RecordAt, QueueError> {
         let (&base, file) =
             self.segments
                 .range(..=pos)
@@ -812,8 +819,27 @@ impl ShardLog {
                 .ok_or_else(|| QueueError::Internal {
                     what: format!("shard {:?}: a segment holding position {pos}", self.name),
                 })?;
-        let file = Arc::clone(file);
-        let off = pos - base;
+        Ok(RecordAt {
+            shard: self.name.clone(),
+            file: Arc::clone(file),
+            base,
+            off: pos - base,
+        })
+    }
+}
+
+/// A record's place, from [`ShardLog::locate`].
+pub struct RecordAt {
+    shard: String,
+    file: Arc<dyn LogFile>,
+    base: u64,
+    off: u64,
+}
+
+impl RecordAt {
+    /// Reads the record and checks it right after reading it back.
+    pub fn read(&self) -> Result<Vec<u8>, QueueError> {
+        let (file, base, off) = (&self.file, self.base, self.off);
         let ctx = || format!("reading {} at offset {off}", segment_name(base));
         // One read serves the common small record; a larger one takes two.
         let mut rec = vec![0u8; CLAIM_READ_BYTES];
@@ -822,12 +848,12 @@ impl ShardLog {
         let total = record_total(&rec).unwrap_or(HEADER_BYTES);
         if rec.len() < total {
             rec.resize(total, 0);
-            read_full(&*file, &mut rec, off).map_err(io_err(&ctx))?;
+            read_full(&**file, &mut rec, off).map_err(io_err(&ctx))?;
         }
         rec.truncate(total);
         if let Err(e) = decode(&rec) {
             return Err(QueueError::Corrupt {
-                shard: self.name.clone(),
+                shard: self.shard.clone(),
                 segment: segment_name(base),
                 offset: off,
                 reason: format!("record changed after it was read: {e:?}"),
@@ -835,7 +861,9 @@ impl ShardLog {
         }
         Ok(rec)
     }
+}
 
+impl ShardLog {
     /// Sealed segments read through and still kept, as `(base, end)`,
     /// oldest first.
     pub fn sealed_segments(&self) -> Vec<(u64, u64)> {

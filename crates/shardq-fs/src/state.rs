@@ -298,18 +298,34 @@ impl ShardState {
         };
         let ks = &self.keys[k as usize];
         let above = |id: u64| after.is_none_or(|a| id > a);
-        let mut out: Vec<(Slot, Option<&str>)> = ks
-            .queue
-            .iter()
-            .skip(usize::from(ks.in_flight))
-            .filter(|s| above(s.id))
-            .map(|s| (*s, None))
-            .collect();
+        // Behind the head the queue is in id order: the first job above
+        // `after` is found by halves, not by a walk from the head (a chunk
+        // of a million-job export reads what it returns, not the backlog).
+        let skip = usize::from(ks.in_flight);
+        let mut out: Vec<(Slot, Option<&str>)> = Vec::new();
+        if let Some(head) = ks.queue.get(skip) {
+            if skip == 0 && above(head.id) {
+                out.push((*head, None));
+            }
+        }
+        let (a, b) = ks.queue.as_slices();
+        // Past the head (a[0], or b[0] when a is empty).
+        let (a, b) = if a.is_empty() {
+            (a, b.get(1..).unwrap_or(&[]))
+        } else {
+            (&a[1..], b)
+        };
+        let start = |part: &[Slot]| part.partition_point(|s| !above(s.id));
+        for part in [a, b] {
+            out.extend(part[start(part)..].iter().take(max).map(|s| (*s, None)));
+        }
         if ks.dead > 0 {
+            let from = after.map_or(0, |a| a.saturating_add(1));
             out.extend(
                 self.dead
-                    .iter()
-                    .filter(|(id, e)| e.key == k && above(**id))
+                    .range(from..)
+                    .filter(|(_, e)| e.key == k)
+                    .take(max)
                     .map(|(_, e)| (e.slot, Some(&*e.reason))),
             );
         }

@@ -95,6 +95,7 @@ struct Flow {
     stale: Counters,
     fenced: Counters,
     paused: Counters,
+    moved: Counters,
 }
 
 /// The rebalance series.
@@ -199,6 +200,12 @@ impl Metrics {
             "Appends refused because the key was paused for a move (retried, bounded), per shard",
             &flow.paused,
         );
+        c(
+            &mut registry,
+            "shardq_enqueue_moved",
+            "Appends refused because the key's backlog had moved to another shard mid-rebalance (sent there at once, no wait), per refusing shard",
+            &flow.moved,
+        );
         let wait = Histogram::new(JOB_SECONDS_BUCKETS);
         registry.register(
             "shardq_job_wait_seconds",
@@ -289,6 +296,7 @@ impl Metrics {
                 &f.stale,
                 &f.fenced,
                 &f.paused,
+                &f.moved,
             ] {
                 let _ = family.get_or_create(&l);
             }
@@ -363,6 +371,9 @@ impl Metrics {
         }
         for (s, n) in &r.paused {
             self.flow.paused.get_or_create(&shard(s)).inc_by(*n);
+        }
+        for (s, n) in &r.moved {
+            self.flow.moved.get_or_create(&shard(s)).inc_by(*n);
         }
     }
 

@@ -74,6 +74,7 @@ fn a_fixed_state_renders_as_documented() {
     m.refusals(&Refusals {
         fenced: [("s0".to_string(), 2)].into(),
         paused: [("s1".to_string(), 5)].into(),
+        moved: [("s1".to_string(), 3)].into(),
     });
     m.rebalance_started();
     m.rebalance_event(&RebalanceEvent::Pinned {

@@ -714,6 +714,14 @@ impl RedisBackend {
                 shard: s.name.clone(),
                 key: it.get(1).and_then(reply::string).unwrap_or_default(),
             }),
+            "MOVED" => Err(QueueError::Moved {
+                shard: s.name.clone(),
+                key: it.get(1).and_then(reply::string).unwrap_or_default(),
+                to: it
+                    .get(2)
+                    .and_then(reply::string)
+                    .ok_or_else(|| self.protocol(s, "enqueue answered MOVED without a shard"))?,
+            }),
             other => Err(self.protocol(s, format!("enqueue answered {other:?}"))),
         }
     }
@@ -1490,6 +1498,34 @@ impl QueueBackend for RedisBackend {
             .and_then(reply::u64)
             .ok_or_else(|| self.protocol(s, "import cursor reply is malformed"))?;
         Ok((up_to > 0).then_some(JobId(up_to)))
+    }
+
+    fn freeze_caught_up(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut out = Vec::new();
+        for call in items.chunks(EXPORT_MANY_KEYS_MAX) {
+            let v = self.script(s, &self.inner.scripts.freeze, "", &|c, _| {
+                c.arg(call.len());
+                for (key, after) in call {
+                    c.arg(key).arg(after.map_or(0, |a| a.0));
+                }
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(s, "freeze refused"));
+            }
+            for k in &reply::items(&v)[1..] {
+                out.push(
+                    reply::string(k)
+                        .ok_or_else(|| self.protocol(s, "freeze reply is malformed"))?,
+                );
+            }
+        }
+        Ok(out)
     }
 
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {

@@ -182,7 +182,13 @@ local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
 if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
   for i = 0, n - 1 do
-    if redis.call('SISMEMBER', K_PAUSED, ARGV[A + 5 * i]) == 1 then return {'PAUSED', ARGV[A + 5 * i]} end
+    local k = ARGV[A + 5 * i]
+    if redis.call('SISMEMBER', K_PAUSED, k) == 1 then
+      -- Paused and sealed: frozen, its backlog is on the shard it moves to.
+      local to = K_SEALED and redis.call('HGET', K_SEALED, k)
+      if to then return {'MOVED', k, to} end
+      return {'PAUSED', k}
+    end
   end
 end
 -- Dedup: forget a bounded number of expired records, then look each id up.
@@ -733,6 +739,26 @@ end
 const EXPORT: &str = r#"
 local out = export_key(ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
 table.insert(out, 1, 'OK')
+return out
+"#;
+
+/// ARGV[5] number of keys, then `key, after` per key (`after` 0: none
+/// taken yet). Freezes each key sealed here with no job above `after` that
+/// is not running: adds it to the paused set, which for a sealed key means
+/// frozen (enqueues answer `MOVED`). Reply: `OK`, then the keys frozen.
+const FREEZE: &str = r#"
+local n = tonumber(ARGV[5])
+local out = {'OK'}
+for i = 0, n - 1 do
+  local k = ARGV[6 + 2 * i]
+  if redis.call('HEXISTS', K_SEALED, k) == 1 then
+    local jobs = export_key(k, tonumber(ARGV[7 + 2 * i]), 1, 1)
+    if #jobs == 0 then
+      redis.call('SADD', K_PAUSED, k)
+      out[#out + 1] = k
+    end
+  end
+end
 return out
 "#;
 
@@ -1328,6 +1354,7 @@ pub(crate) struct Scripts {
     pub(crate) import: Lua,
     pub(crate) imported_up_to: Lua,
     pub(crate) purge_key: Lua,
+    pub(crate) freeze: Lua,
     pub(crate) dead_list: Lua,
     pub(crate) job_show: Lua,
     pub(crate) key_jobs: Lua,
@@ -1365,6 +1392,7 @@ impl Scripts {
                 true,
                 Flags::NoWrites,
             ),
+            freeze: Lua::new(&format!("{EXPORT_KEY_FN}{FREEZE}"), true, Flags::AllowOom),
             import: Lua::new(IMPORT, true, Flags::Write),
             imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
             purge_key: Lua::new(PURGE_KEY, true, Flags::AllowOom),
