@@ -258,6 +258,36 @@ def test_paused_key_waits_then_gives_up_without_holding_back_others(tmp, servers
     assert p2.enqueue("slow", "2").key == "slow"
 
 
+def test_a_frozen_key_sends_its_jobs_to_the_shard_that_holds_it_at_once(tmp, servers):
+    # A rebalance froze "k" on its old shard (sealed for shard D and
+    # paused): its jobs go to D straight away, in order, with no wait, and
+    # the other keys of the call stay where they route.
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv)
+    p = RedisProducer.from_data_dir(data, pause_wait_ms=0)
+    old = p.router.route("k")
+    new = next(s.name for s in p.router.map.shards if s.name != old)
+    other = next(k for k in (f"o{i}" for i in range(1000)) if p.router.route(k) == old)
+    parts = shard_keys("default", "default", old)
+    paused, sealed = parts[10], parts[15]
+    assert sealed.endswith("sealed") and paused.endswith("paused")
+    r.hset(sealed, "k", new)
+    r.sadd(paused, "k")
+    t0 = time.monotonic()
+    got = p.enqueue_many([Job("k", "1"), Job(other, "x"), Job("k", "2")])
+    assert time.monotonic() - t0 < 2
+    assert [(g.key, g.shard) for g in got] == [("k", new), (other, old), ("k", new)]
+    assert got[0].id < got[2].id, "the key's jobs kept their order on its new shard"
+    # Its old shard stored nothing of it; a later call goes to D directly.
+    assert r.hget(parts[0], "seq") == b"1", "only the other key's job went to the old shard"
+    assert p.enqueue("k", "3").shard == new
+    # A key only paused (not sealed) still waits, and gives up at its bound.
+    r.hdel(sealed, "k")
+    p2 = RedisProducer.from_data_dir(data, pause_wait_ms=100)
+    with pytest.raises(PausedTooLong):
+        p2.enqueue("k", "4")
+
+
 def test_lost_store_full_store_and_evicting_server_are_refused(tmp, servers):
     (srv,) = servers(1)
     data, r = _deployment(tmp, srv)

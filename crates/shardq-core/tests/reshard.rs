@@ -1173,3 +1173,90 @@ fn a_failed_rebalance_says_why_and_a_progress_write_never_fails_one() {
         "failed"
     );
 }
+
+/// Two keys move while their producers write on: a calm one (a job every
+/// few ms) and a hot one (a producer in a tight loop). The calm key is
+/// frozen without a pause, its producer never refused as paused; the hot
+/// one may be forced through one paused round. Either way every job each
+/// producer was told is stored ends up on the new shard, once, in the
+/// order it was enqueued, and nothing is left on the old one.
+#[test]
+fn moving_keys_take_their_producers_along_without_a_pause() {
+    let backend = MemoryBackend::new(&["a", "b"], Arc::new(SystemClock));
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+    let router = Router::new(store.load().unwrap()).unwrap();
+    let from = |k: &str| router.route(k).to_string();
+    let to = |k: &str| if from(k) == "a" { "b" } else { "a" };
+    for k in ["calm", "hot"] {
+        for i in 0..2_000 {
+            backend
+                .enqueue(&from(k), 1, &[NewJob::new(k, format!("{k}-pre-{i}"))])
+                .unwrap();
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let produce = |key: &'static str, gap_ms: u64| {
+        let (backend, store, stop) = (backend.clone(), store.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut p = Producer::new(
+                Arc::new(backend),
+                Arc::new(store),
+                ProducerOptions::default(),
+            )
+            .unwrap();
+            let mut sent = Vec::new();
+            let mut paused = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let payload = format!("{key}-{}", sent.len());
+                p.enqueue(&NewJob::new(key, payload.clone())).unwrap();
+                sent.push(payload);
+                paused += p.take_refusals().paused.values().sum::<u64>();
+                if gap_ms > 0 {
+                    thread::sleep(Duration::from_millis(gap_ms));
+                }
+            }
+            (sent, paused)
+        })
+    };
+    let (calm, hot) = (produce("calm", 3), produce("hot", 0));
+    thread::sleep(Duration::from_millis(50));
+    reshard::pin(&store, "calm", to("calm")).unwrap();
+    reshard::pin(&store, "hot", to("hot")).unwrap();
+    let report =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    thread::sleep(Duration::from_millis(50));
+    stop.store(true, Ordering::SeqCst);
+    let (calm_sent, calm_paused) = calm.join().unwrap();
+    let (hot_sent, _) = hot.join().unwrap();
+    let pause_of = |k: &str| {
+        report
+            .moved
+            .iter()
+            .find(|m| m.key == k)
+            .unwrap_or_else(|| panic!("{k} did not move: {report:?}"))
+            .pause_ms
+    };
+    assert_eq!(pause_of("calm"), 0.0, "the calm key was paused: {report:?}");
+    assert_eq!(
+        calm_paused, 0,
+        "the calm key's producer was refused as paused"
+    );
+    for (key, sent) in [("calm", calm_sent), ("hot", hot_sent)] {
+        let mut want: Vec<String> = (0..2_000).map(|i| format!("{key}-pre-{i}")).collect();
+        want.extend(sent);
+        let got: Vec<String> = backend
+            .export_jobs(to(key), key, None, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|j| String::from_utf8(j.payload).unwrap())
+            .collect();
+        assert_eq!(got.len(), want.len(), "{key}: jobs lost or stored twice");
+        assert!(got == want, "{key}: jobs out of order on the new shard");
+        assert_eq!(
+            backend.key_counts(&from(key), key).unwrap().depth,
+            0,
+            "{key} left jobs behind"
+        );
+    }
+}

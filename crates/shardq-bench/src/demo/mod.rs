@@ -168,7 +168,20 @@ pub struct DemoReport {
     pub jobs_run: u64,
     /// Enqueues that failed (a paused key past its bound, say).
     pub enqueue_errors: u64,
-    /// Per-key pause while moving, median, ms.
+    /// A producer's enqueue call (one batch), 99th percentile before the
+    /// change, ms.
+    pub enqueue_ms_p99_before: f64,
+    /// The same during the rebalance.
+    pub enqueue_ms_p99_during: f64,
+    /// The longest enqueue call during the rebalance, ms.
+    pub enqueue_ms_max_during: f64,
+    /// Appends the producers had refused because a key was paused (each
+    /// one a wait).
+    pub enqueues_refused_paused: u64,
+    /// Appends a frozen key's old shard sent on to its new one (no wait).
+    pub enqueues_sent_on: u64,
+    /// Per-key pause while moving (a forced freeze's one round; 0 for a
+    /// key frozen without one), median, ms.
     pub pause_ms_p50: f64,
     /// Per-key pause, 99th percentile, ms.
     pub pause_ms_p99: f64,
@@ -335,6 +348,11 @@ pub fn run(
     let enqueued = Arc::new(AtomicU64::new(0));
     let enqueue_errors = Arc::new(AtomicU64::new(0));
     let last_error: Arc<Mutex<Option<String>>> = Arc::default();
+    // Each enqueue call's start and length, and the refusals the producers
+    // met: what a producer saw of the move, measured where it waits.
+    let calls: Arc<Mutex<Vec<(Instant, f32)>>> = Arc::default();
+    let refused_paused = Arc::new(AtomicU64::new(0));
+    let refused_moved = Arc::new(AtomicU64::new(0));
     let mut producers = Vec::new();
     for i in 0..p.producers {
         let backend = backend.clone();
@@ -343,6 +361,8 @@ pub fn run(
         let enqueued = enqueued.clone();
         let errors = enqueue_errors.clone();
         let last_error = last_error.clone();
+        let calls = calls.clone();
+        let (refused_paused, refused_moved) = (refused_paused.clone(), refused_moved.clone());
         let burst = p.burst.max(1);
         let per_producer_rate = (p.rate as f64 / p.producers as f64).max(1.0);
         let mine: Vec<String> = (i..p.tenants)
@@ -379,7 +399,15 @@ pub fn run(
                             tentative.insert(key.clone(), seq + 1);
                         }
                         sent += batch.len() as u64;
+                        let call_started = Instant::now();
                         let outcome = producer.enqueue_batch(&batch);
+                        let took_ms = call_started.elapsed().as_secs_f32() * 1000.0;
+                        if let Ok(mut c) = calls.lock() {
+                            c.push((call_started, took_ms));
+                        }
+                        let r = producer.take_refusals();
+                        refused_paused.fetch_add(r.paused.values().sum(), Ordering::Relaxed);
+                        refused_moved.fetch_add(r.moved.values().sum(), Ordering::Relaxed);
                         // A key's jobs of one call land all together or not at
                         // all; keys whose jobs did not land keep their numbering.
                         let placed: Vec<usize> = match &outcome {
@@ -541,6 +569,24 @@ pub fn run(
         map_version_after: after_map.version,
         ..DemoReport::default()
     };
+    {
+        let calls = calls
+            .lock()
+            .map_err(|_| DemoError::failed("measuring", "a producer panicked"))?;
+        let window = |from: Instant, to: Instant| -> Vec<f64> {
+            calls
+                .iter()
+                .filter(|(at, _)| *at >= from && *at < to)
+                .map(|(_, ms)| f64::from(*ms))
+                .collect()
+        };
+        let (mut before, mut during) = (window(t0, t1), window(t1, t2));
+        out.enqueue_ms_p99_before = percentile(&mut before, 99.0);
+        out.enqueue_ms_p99_during = percentile(&mut during, 99.0);
+        out.enqueue_ms_max_during = during.iter().copied().fold(0.0, f64::max);
+    }
+    out.enqueues_refused_paused = refused_paused.load(Ordering::Relaxed);
+    out.enqueues_sent_on = refused_moved.load(Ordering::Relaxed);
     let mut pauses: Vec<f64> = report.moved.iter().map(|m| m.pause_ms).collect();
     out.pause_ms_p50 = percentile(&mut pauses, 50.0);
     out.pause_ms_p99 = percentile(&mut pauses, 99.0);
@@ -631,6 +677,15 @@ pub fn render(r: &DemoReport) -> String {
         o,
         "  pause per moved key   p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
         r.pause_ms_p50, r.pause_ms_p99, r.pause_ms_max
+    );
+    let _ = writeln!(
+        o,
+        "  enqueue call p99      before {:.1} ms, during {:.1} ms (max {:.1} ms); {} refused as paused, {} sent on",
+        r.enqueue_ms_p99_before,
+        r.enqueue_ms_p99_during,
+        r.enqueue_ms_max_during,
+        r.enqueues_refused_paused,
+        r.enqueues_sent_on
     );
     let _ = writeln!(o, "  rebalance took        {:>8.0} ms", r.rebalance_ms);
     let _ = writeln!(
