@@ -195,7 +195,7 @@ class AsyncClient:
         return await self._send(first) + await self._send(second)
 
     async def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch])
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch], batch.maybe_stored)
         body = _batch_body(batch)
         while True:
             for url in self.urls:
@@ -206,7 +206,11 @@ class AsyncClient:
                     continue
                 if status == 200:
                     return _enqueued_of(self.urls[0], batch, doc, att.maybe_done)
-                att.refused(url, status, doc)
+                try:
+                    att.refused(url, status, doc)
+                except TooLarge:
+                    batch.maybe_stored = att.maybe_done
+                    raise
             pause = att.pause()
             if pause is None:
                 raise att.error()

@@ -314,23 +314,29 @@ class _Bodies(List[Dict[str, Any]]):
 
 class _Batch(List[Dict[str, Any]]):
     """The jobs of one request, with the request's body once encoded (a
-    retry sends the same bytes, so the same ids) and its call's prefix."""
+    retry sends the same bytes, so the same ids), its call's prefix, and
+    whether an earlier attempt at these jobs may have stored them (one
+    unanswered at one URL before another answered 413, say)."""
 
     encoded: Optional[bytes] = None
     prefix: str = ""
+    maybe_stored: bool = False
 
 
-def _batch_of(jobs: Iterable[Dict[str, Any]], prefix: str) -> _Batch:
+def _batch_of(jobs: Iterable[Dict[str, Any]], prefix: str, maybe_stored: bool = False) -> _Batch:
     b = _Batch(jobs)
     b.prefix = prefix
+    b.maybe_stored = maybe_stored
     return b
 
 
 def _halves(batch: List[Dict[str, Any]]) -> Tuple[_Batch, _Batch]:
-    """``batch`` cut in two requests (a server with a lower body limit)."""
+    """``batch`` cut in two requests (a server with a lower body limit);
+    each half remembers that an attempt at the whole may have stored it."""
     prefix = getattr(batch, "prefix", "")
+    stored = bool(getattr(batch, "maybe_stored", False))
     half = len(batch) // 2
-    return _batch_of(batch[:half], prefix), _batch_of(batch[half:], prefix)
+    return _batch_of(batch[:half], prefix, stored), _batch_of(batch[half:], prefix, stored)
 
 
 def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
@@ -450,7 +456,7 @@ class _Attempts:
     reservation must have ended (``DEDUP_PENDING_S``) whatever the rounds.
     A status that retrying cannot change raises at once."""
 
-    def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = ()) -> None:
+    def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = (), maybe_done: bool = False) -> None:
         self.path = path
         self.rounds = rounds
         self.round = 0
@@ -459,8 +465,9 @@ class _Attempts:
         self.last: Optional[BaseException] = None
         self.busy_since: Optional[float] = None
         #: Whether an attempt may have been carried out unanswered (a
-        #: transport error, a timeout, a 5xx).
-        self.maybe_done = False
+        #: transport error, a timeout, a 5xx), here or at the request this
+        #: one is half of.
+        self.maybe_done = maybe_done
 
     def failed(self, url: str, e: BaseException) -> None:
         self.causes[url] = f"{url}: {type(e).__name__}: {e}"
@@ -662,8 +669,12 @@ class Client:
         return self._send(first) + self._send(second)
 
     def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch])
-        doc = self._post_any(att, _batch_body(batch))
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch], batch.maybe_stored)
+        try:
+            doc = self._post_any(att, _batch_body(batch))
+        except TooLarge:
+            batch.maybe_stored = att.maybe_done
+            raise
         return _enqueued_of(self.urls[0], batch, doc, att.maybe_done)
 
     def _post_any(self, att: _Attempts, body: bytes) -> Any:

@@ -80,6 +80,33 @@ def test_retries_go_to_the_next_url_and_keep_the_dedup_ids(fakes):
     assert len(f.jobs) == 2, "a retried batch must not be stored twice"
 
 
+def test_halves_sent_after_a_413_remember_that_the_whole_may_be_stored(fakes):
+    # The whole batch is stored but its reply lost (502); the retry meets a
+    # lower body limit (413), so the batch goes again in halves. The server
+    # answers "duplicate" to each half's jobs: they are this call's own,
+    # stored once, not duplicates.
+    f = fakes("a")
+    calls = {"n": 0}
+
+    def lose_then_refuse(path, doc):
+        if path != "/v1/jobs":
+            return None
+        calls["n"] += 1
+        if calls["n"] == 1:
+            f.enqueue(doc["jobs"])
+            return 502, {"error": "bad gateway"}
+        if len(doc["jobs"]) > 2:
+            return 413, {"error": "body: over the limit"}
+        return None
+
+    f.intercept = lose_then_refuse
+    c = Client([f.url], retry_rounds=3)
+    got = c.enqueue_many([NewJob("k", str(i)) for i in range(4)])
+    assert calls["n"] == 4, "one lost attempt, one 413, two halves"
+    assert [e.duplicate for e in got] == [False] * 4
+    assert len(f.jobs) == 4, "the halves stored nothing twice"
+
+
 def test_refusals_are_not_retried_and_name_the_cause(fakes):
     f = fakes("a", token="right")
     with pytest.raises(Unauthorized) as e:
