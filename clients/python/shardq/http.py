@@ -1235,10 +1235,13 @@ class Worker(_SignalStops):
         outcome = _outcome_of(job, error)
         with self._lock:
             self._running.pop(id(job), None)
-            self._free_slot(job)
+            if outcome is None:
+                self._free_slot(job)
         if outcome is None:
             self._acks[job.url].put(job)
         else:
+            # Its slot goes once the failure is reported (the runner's
+            # release), so claims never run past the prefetch bound.
             self._report(job, *outcome)
 
     def _report(self, job: ClaimedJob, path: str, body: Dict[str, Any]) -> None:
