@@ -110,6 +110,8 @@ pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 300_000;
 pub const DRAIN_POLL_MS_DEFAULT: u64 = 2;
 /// Jobs per export and import call of a backlog transfer.
 pub const TRANSFER_CHUNK_JOBS: usize = 4096;
+/// How often a waiting batch says so ([`RebalanceEvent::Waiting`]), in ms.
+pub const WAIT_EVENT_EVERY_MS: u64 = 1_000;
 /// Last rounds (each followed by a try to freeze the key) before a key that
 /// keeps getting jobs is paused on its new shard for one round instead.
 pub const FREEZE_ATTEMPTS_MAX: usize = 4;
@@ -416,7 +418,9 @@ impl RebalanceProgress {
                 self.phase = "moving".into();
                 self.keys_to_move = pinned;
             }
-            RebalanceEvent::Draining { .. } => self.phase = "moving".into(),
+            RebalanceEvent::Draining { .. } | RebalanceEvent::Waiting { .. } => {
+                self.phase = "moving".into()
+            }
             RebalanceEvent::Switched {
                 done,
                 total,
@@ -553,6 +557,16 @@ pub enum RebalanceEvent {
     Draining {
         /// Keys paused in this batch.
         keys: usize,
+    },
+    /// A batch still waits, `waited_ms` in, for `keys` of its keys: their
+    /// runs on their old shards (a move), or their backlogs (a drain).
+    /// Sent every [`WAIT_EVENT_EVERY_MS`] of the wait, so a long one is
+    /// seen as alive.
+    Waiting {
+        /// Keys still waited for.
+        keys: usize,
+        /// How long the batch has waited, in ms.
+        waited_ms: u64,
     },
     /// A batch switched; `done` of `total` keys moved.
     Switched {
@@ -1012,7 +1026,7 @@ where
         let pause_started_ms = clock.now_ms();
         set_paused(backend, batch, true, None)?;
         on_event(RebalanceEvent::Draining { keys: batch.len() });
-        let dead = match wait_drained(backend, batch, options) {
+        let dead = match wait_drained(backend, batch, options, on_event) {
             Ok(dead) => dead,
             Err(e) => {
                 // Do not leave producers stalled: lift the pause, keep the pins.
@@ -1495,7 +1509,7 @@ where
     // 2. Wait for the one run each may have in flight there (bounded:
     //    a stopped worker's run ends when its job lease lapses).
     let wait_started = clock.now_ms();
-    let busy = wait_runs_ended(backend, batch, options)?;
+    let busy = wait_runs_ended(backend, batch, options, on_event)?;
     let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
     let (late, batch): (Vec<_>, Vec<_>) =
         batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
@@ -1862,9 +1876,11 @@ fn wait_runs_ended<B: QueueBackend + ?Sized>(
     backend: &B,
     batch: &[(String, String, String)],
     options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
 ) -> Result<BTreeSet<String>, ReshardError> {
     let clock = &*options.clock;
     let started_ms = clock.now_ms();
+    let mut said_ms = started_ms;
     let mut busy: Vec<(&str, &str)> = batch
         .iter()
         .map(|(k, from, _)| (k.as_str(), from.as_str()))
@@ -1881,6 +1897,7 @@ fn wait_runs_ended<B: QueueBackend + ?Sized>(
         {
             return Ok(busy.into_iter().map(|(k, _)| k.to_string()).collect());
         }
+        say_waiting(clock, started_ms, &mut said_ms, busy.len(), on_event);
         clock.sleep_ms(options.poll_ms.max(1));
     }
 }
@@ -1960,9 +1977,11 @@ fn wait_drained<B: QueueBackend + ?Sized>(
     backend: &B,
     batch: &[(String, String, String)],
     options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
 ) -> Result<BTreeSet<String>, ReshardError> {
     let clock = &*options.clock;
     let started_ms = clock.now_ms();
+    let mut said_ms = started_ms;
     let mut busy: BTreeSet<(String, String)> = batch
         .iter()
         .map(|(k, from, _)| (k.clone(), from.clone()))
@@ -1989,7 +2008,27 @@ fn wait_drained<B: QueueBackend + ?Sized>(
                 waited_ms,
             });
         }
+        say_waiting(clock, started_ms, &mut said_ms, busy.len(), on_event);
         clock.sleep_ms(options.poll_ms.max(1));
+    }
+}
+
+/// Sends [`RebalanceEvent::Waiting`] when [`WAIT_EVENT_EVERY_MS`] passed
+/// since the last one (or the start of the wait).
+fn say_waiting(
+    clock: &dyn Clock,
+    started_ms: u64,
+    said_ms: &mut u64,
+    keys: usize,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+) {
+    let now = clock.now_ms();
+    if now.saturating_sub(*said_ms) >= WAIT_EVENT_EVERY_MS {
+        *said_ms = now;
+        on_event(RebalanceEvent::Waiting {
+            keys,
+            waited_ms: now.saturating_sub(started_ms),
+        });
     }
 }
 

@@ -1260,3 +1260,50 @@ fn moving_keys_take_their_producers_along_without_a_pause() {
         );
     }
 }
+
+/// A batch that waits for a run in flight on the old shard says so every
+/// second, and the deployment's progress record is written as it does, so
+/// a long wait never looks like a stalled rebalance.
+#[test]
+fn a_long_wait_for_a_run_keeps_the_progress_record_fresh() {
+    let clock = Arc::new(shardq_core::ManualClock::new(1_700_000_000_000));
+    let backend = MemoryBackend::new(&["a", "b"], clock.clone());
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+    let router = Router::new(store.load().unwrap()).unwrap();
+    let from = router.route("k").to_string();
+    let to = if from == "a" { "b" } else { "a" };
+    backend.enqueue(&from, 1, &[NewJob::new("k", "x")]).unwrap();
+    backend.adopt(&from).unwrap();
+    assert_eq!(backend.claim(&from, 1, 600_000).unwrap().len(), 1);
+    reshard::pin(&store, "k", to).unwrap();
+    let opts = RebalanceOptions {
+        drain_timeout_ms: 3_500,
+        poll_ms: 100,
+        clock: clock.clone(),
+        ..RebalanceOptions::default()
+    };
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    let err = reshard::rebalance(&backend, &store, &opts, &mut |ev| {
+        if let reshard::RebalanceEvent::Waiting { keys, waited_ms } = ev {
+            assert_eq!(keys, 1);
+            let stored = reshard::stored_progress(&store).unwrap().unwrap();
+            assert!(stored.is_running(), "{stored:?}");
+            seen.push((waited_ms, stored.updated_ms.unwrap()));
+        }
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("k"), "{err}");
+    let waits: Vec<u64> = seen.iter().map(|s| s.0 / 1000).collect();
+    assert_eq!(
+        waits,
+        [1, 2, 3],
+        "one word per second of the wait: {seen:?}"
+    );
+    for pair in seen.windows(2) {
+        assert!(
+            pair[1].1 >= pair[0].1 + 1_000,
+            "the record was not rewritten: {seen:?}"
+        );
+    }
+}

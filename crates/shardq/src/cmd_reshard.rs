@@ -322,6 +322,19 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
                 format!("draining a batch of {keys} keys")
             },
         ),
+        RebalanceEvent::Waiting { keys, waited_ms } if lines => {
+            say(
+                serde_json::json!({"event": "waiting", "keys": keys, "waited_ms": waited_ms}),
+                if moves_backlogs {
+                    format!("{keys} keys still have a run in flight on their old shard ({:.0} s waited)", waited_ms as f64 / 1000.0)
+                } else {
+                    format!(
+                        "{keys} keys still draining ({:.0} s waited)",
+                        waited_ms as f64 / 1000.0
+                    )
+                },
+            )
+        }
         RebalanceEvent::Switched {
             done, total, jobs, ..
         } => {
