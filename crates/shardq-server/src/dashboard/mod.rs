@@ -368,7 +368,18 @@ pub async fn reshard(
             for s in &published.shards {
                 match app.backend.fence(&s.name) {
                     Ok(f) => {
+                        // A frozen key (sealed too) is not waited for:
+                        // its enqueues go on to its new shard.
+                        let frozen: Vec<String> = f
+                            .paused_keys
+                            .iter()
+                            .filter(|k| f.is_frozen(k))
+                            .cloned()
+                            .collect();
                         for key in f.paused_keys {
+                            if frozen.contains(&key) {
+                                continue;
+                            }
                             let k = (s.name.clone(), key);
                             let first = since.get(&k).copied().unwrap_or(now);
                             paused_total += 1;
