@@ -73,10 +73,23 @@ local function kready(k, q, nbf, now)
   end
 end
 -- Back to the head of its key: a failed or reclaimed job runs before the
--- key's later jobs.
+-- key's later jobs. Only an earlier job (a dead letter retried while this
+-- one ran) stays before it: every key's list stays in id order, which an
+-- export's walk from its cursor relies on.
 local function push_head(q, id)
-  if q.h ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(q.h)) else q.t = id end
-  q.h = id
+  if q.h ~= 0 and q.h < id then
+    local prev = q.h
+    local at = tonumber(redis.call('HGET', K_NEXT, idstr(prev)) or '0')
+    while at ~= 0 and at < id do
+      prev = at
+      at = tonumber(redis.call('HGET', K_NEXT, idstr(at)) or '0')
+    end
+    if at ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(at)) else q.t = id end
+    redis.call('HSET', K_NEXT, idstr(prev), idstr(id))
+  else
+    if q.h ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(q.h)) else q.t = id end
+    q.h = id
+  end
   q.d = q.d + 1
   redis.call('HINCRBY', K_META, 'pend', 1)
 end

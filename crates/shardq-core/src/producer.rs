@@ -359,7 +359,9 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                                 .collect()
                         })
                     };
-                    match result {
+                    // A key refused for now (paused, or sent on too often),
+                    // waited on within the bound.
+                    let waits_on: Option<String> = match result {
                         Ok(stored) => {
                             for (&i, st) in idxs.iter().zip(stored) {
                                 placed[i] = Some(Placed {
@@ -377,6 +379,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                             *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
                             fenced = Some(shard.clone());
                             retry.extend(idxs);
+                            None
                         }
                         Err(QueueError::Moved { key, to, .. }) => {
                             // Its backlog is on `to` now: its jobs go there
@@ -388,35 +391,41 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                             if *n <= MOVED_HOPS_MAX {
                                 paused.remove(&key);
                                 new_moves.push((key, to));
+                                retry.extend(idxs);
+                                None
                             } else {
-                                paused.insert(key);
+                                // Sent on more often than any move sends a
+                                // key: waited on as a pause is, and given up
+                                // on after as long (never an endless loop).
+                                Some(key)
                             }
-                            retry.extend(idxs);
                         }
                         Err(QueueError::Paused { key, .. }) => {
                             *self.refusals.paused.entry(shard.clone()).or_default() += 1;
-                            let since_ms = *paused_since
-                                .entry(key.clone())
-                                .or_insert_with(|| clock.now_ms());
-                            // Give up only on a group that holds this key
-                            // alone: a mixed group is split next round, so
-                            // the other keys' jobs still go in.
-                            if own == Some(key.as_str())
-                                && clock.now_ms().saturating_sub(since_ms)
-                                    >= self.options.pause_wait_ms
-                            {
-                                if !gave_up.iter().any(|(k, _)| *k == key) {
-                                    gave_up.push((key, shard.clone()));
-                                }
-                                // The later parts hold this key alone too.
-                                break;
-                            }
-                            paused.insert(key);
-                            retry.extend(idxs);
+                            Some(key)
                         }
                         // (The moved keys are forgotten: a shard tells
                         // them again.)
                         Err(e) => return Err(e.into()),
+                    };
+                    if let Some(key) = waits_on {
+                        let since_ms = *paused_since
+                            .entry(key.clone())
+                            .or_insert_with(|| clock.now_ms());
+                        // Give up only on a group that holds this key
+                        // alone: a mixed group is split next round, so
+                        // the other keys' jobs still go in.
+                        if own == Some(key.as_str())
+                            && clock.now_ms().saturating_sub(since_ms) >= self.options.pause_wait_ms
+                        {
+                            if !gave_up.iter().any(|(k, _)| *k == key) {
+                                gave_up.push((key, shard.clone()));
+                            }
+                            // The later parts hold this key alone too.
+                            break;
+                        }
+                        paused.insert(key);
+                        retry.extend(idxs);
                     }
                     // Refused: the rest of the group goes again with it.
                     for rest in parts.by_ref() {

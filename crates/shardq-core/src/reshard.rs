@@ -43,7 +43,9 @@
 //!    copy is idempotent: the new shard skips source ids at or below what it
 //!    took from that shard for that key ([`QueueBackend::imported_up_to`]),
 //!    and a rerun first finishes every transfer a killed run left sealed,
-//!    to the shard the seal names. `docs/design.md` ("Moving a key with its
+//!    to the shard the seal names (keeping the pauses of sealed keys, and
+//!    pinning such a key where the published map sends its producers, even
+//!    when the target changed since). `docs/design.md` ("Moving a key with its
 //!    backlog") argues each step, killed anywhere. Dead letters move with
 //!    their key, so no key is held back. A shard that fails mid-move (its
 //!    read fails once a batch step failed) is set aside: its keys stay
@@ -952,11 +954,28 @@ where
         }
         // Enqueues that landed between the scan and the fence.
         let second = plan_moves(backend, &cur, &target)?;
-        let pins: BTreeMap<String, String> = first
+        let mut pins: BTreeMap<String, String> = first
             .into_iter()
             .chain(second)
             .map(|m| (m.key, m.from))
             .collect();
+        // A transfer a killed run left sealed has work on both sides (the
+        // new shard may run copies already): the key stays pinned where the
+        // published map sends its producers, never where its copies are
+        // while its old shard still holds the rest, or its new jobs would
+        // overtake them. Phase 2 finishes the transfer first.
+        let now = Router::new(cur.clone())?;
+        for shard in &cur.shards {
+            for (key, to) in backend.fence(&shard.name)?.sealed_keys {
+                if let Some(pin) = pins.get_mut(&key) {
+                    *pin = if now.route(&key) == to.as_str() {
+                        to
+                    } else {
+                        shard.name.clone()
+                    };
+                }
+            }
+        }
         // Keys without work follow the target at once: their next run, on
         // any shard, must get a larger fence than every run so far.
         let mut high = 0u64;
@@ -976,13 +995,28 @@ where
     }
     // A run killed between a switch and its un-pause leaves keys paused and
     // old shards unfenced: fence every shard at the published version (stale
-    // producers reload) and lift every pause; the batches re-pause what they move.
+    // producers reload) and lift the pauses; the batches re-pause what they
+    // move. Not the pauses of a transfer still under way: a key frozen on
+    // its old shard stays frozen (its new shard holds its backlog and takes
+    // its enqueues), and a key paused on its new shard by a killed forced
+    // round stays paused there until its batch has copied the rest, or a
+    // producer sent on there would overtake the jobs not copied yet.
+    let mut fences = Vec::with_capacity(cur.shards.len());
     for shard in &cur.shards {
-        let mut fence = backend.fence(&shard.name)?;
-        if fence.map_version_min < cur.version || !fence.paused_keys.is_empty() {
+        fences.push((shard.name.as_str(), backend.fence(&shard.name)?));
+    }
+    let moving: BTreeMap<String, String> = fences
+        .iter()
+        .flat_map(|(_, f)| f.sealed_keys.iter().map(|(k, to)| (k.clone(), to.clone())))
+        .collect();
+    for (shard, mut fence) in fences {
+        let before = fence.paused_keys.len();
+        fence.paused_keys.retain(|key| {
+            fence.sealed_keys.contains_key(key) || moving.get(key).is_some_and(|to| to == shard)
+        });
+        if fence.map_version_min < cur.version || fence.paused_keys.len() != before {
             fence.map_version_min = fence.map_version_min.max(cur.version);
-            fence.paused_keys.clear();
-            backend.set_fence(&shard.name, &fence)?;
+            backend.set_fence(shard, &fence)?;
         }
     }
     let switches = pending_switches(&cur, &target_router);
@@ -1240,6 +1274,10 @@ where
         // (its new shard may then hold copies, whatever it answered).
         let mut copied: BTreeMap<String, u64> = BTreeMap::new();
         let mut touched: BTreeSet<String> = BTreeSet::new();
+        // (key, source id) -> id on the new shard, of every copy this run
+        // made: kept across a retry of the batch, whose dedup records must
+        // still name the copies made before it.
+        let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
         let moved = loop {
             if batch.is_empty() {
                 break None;
@@ -1254,6 +1292,7 @@ where
                 on_event,
                 &mut copied,
                 &mut touched,
+                &mut ids,
             );
             match attempt {
                 Ok(moved) => break Some(moved),
@@ -1320,16 +1359,28 @@ where
         let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
         // 6. Delete the copies left on the old shards, then unseal. The
         //    switch is published: a key whose old shard fails here keeps its
-        //    copies there sealed, and a rerun deletes them (above).
+        //    copies there sealed (and frozen), and a rerun deletes them
+        //    (above). Not on an old shard whose fence could not be raised:
+        //    unsealed there, the key would take a stale producer's job on
+        //    the shard it no longer runs on.
         let mut cleaned = Vec::with_capacity(batch.len());
         for sw in &batch {
+            if failed.shards.contains_key(&sw.1) {
+                failed.keys.push(sw.0.clone());
+                continue;
+            }
             match backend.purge_key(&sw.1, &sw.0) {
                 Ok(_) => cleaned.push(sw.clone()),
                 Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
             }
         }
         if let Err(e) = each_old_shard(&cleaned, |part| {
-            update_old_fences(backend, part, &mut |fence, key, _| fence.unseal(key))
+            update_old_fences(backend, part, &mut |fence, key, _| {
+                // Raised again in the same write, so no unseal is ever seen
+                // under the old floor.
+                fence.map_version_min = fence.map_version_min.max(version);
+                fence.unseal(key);
+            })
         }) {
             failed.note_or_raise(backend, &olds, e)?;
         }
@@ -1498,6 +1549,7 @@ fn move_batch<B>(
     on_event: &mut dyn FnMut(RebalanceEvent),
     copied: &mut BTreeMap<String, u64>,
     touched: &mut BTreeSet<String>,
+    ids: &mut BTreeMap<(String, JobId), JobId>,
 ) -> Result<BatchMoved, ReshardError>
 where
     B: QueueBackend + KeyInventory + ?Sized,
@@ -1550,12 +1602,11 @@ where
     //    every run on the old ones (which are over, and sealed).
     raise_fence_floors(backend, batch)?;
     // 4. Copy rounds while producers still write to the old shards.
-    let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
     let mut cursors: BTreeMap<String, Option<Option<JobId>>> = BTreeMap::new();
     for (key, from, to) in batch {
         let cursor = cursors.entry(key.clone()).or_default();
         for _ in 0..TRANSFER_ROUNDS_MAX {
-            let n = copy_backlog(backend, key, from, to, &mut ids, cursor, touched)?;
+            let n = copy_backlog(backend, key, from, to, ids, cursor, touched)?;
             *copied.entry(key.clone()).or_default() += n;
             if n < TRANSFER_CHUNK_JOBS as u64 {
                 break;
@@ -1585,7 +1636,7 @@ where
                 fence.paused_keys.insert(key.to_string());
             })?;
         }
-        let fresh = last_round(backend, &left, &mut cursors, &mut ids, copied, touched)?;
+        let fresh = last_round(backend, &left, &mut cursors, ids, copied, touched)?;
         // Dedup records come into being with their jobs: a key that got no
         // job since the last copy of its records has no new one.
         let dedup_keys: Vec<Switch> = left
@@ -1593,7 +1644,7 @@ where
             .filter(|sw| attempt == 0 || fresh.contains(&sw.0))
             .cloned()
             .collect();
-        copy_dedup_many(backend, &dedup_keys, &ids)?;
+        copy_dedup_many(backend, &dedup_keys, ids, &cursors)?;
         if forced {
             set_paused_new(backend, &left, false)?;
             let waited = clock.now_ms().saturating_sub(pause_started_ms);
@@ -1696,6 +1747,7 @@ fn copy_dedup_many<B: QueueBackend + ?Sized>(
     backend: &B,
     batch: &[Switch],
     ids: &BTreeMap<(String, JobId), JobId>,
+    cursors: &Cursors,
 ) -> Result<(), ReshardError> {
     let mut keys_of: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     let mut dests: BTreeMap<&str, &str> = BTreeMap::new();
@@ -1713,6 +1765,19 @@ fn copy_dedup_many<B: QueueBackend + ?Sized>(
                 if let Some(id) = ids.get(&(r.key.clone(), r.job)) {
                     r.shard = to.to_string();
                     r.job = *id;
+                } else if cursors
+                    .get(r.key.as_str())
+                    .copied()
+                    .flatten()
+                    .flatten()
+                    .is_none_or(|c| r.job > c)
+                    && backend.job(from, r.job)?.is_some()
+                {
+                    // Its job came after the last copy and is still here:
+                    // the next round copies it, and the record with it (an
+                    // import keeps the first record it gets, so one sent
+                    // now would name the old shard's id for good).
+                    continue;
                 }
             }
             records_to.entry(to).or_default().push(r);

@@ -469,13 +469,7 @@ fn simulate(seed: u64) -> (u64, u64, u64) {
     };
     // The rebalance is killed at a seeded write, up to three times, and
     // rerun each time; the producers and workers keep going throughout.
-    let crashing = Crashing {
-        inner: backend.clone(),
-        clock: clock.clone(),
-        writes: AtomicU64::new(0),
-        crash_at: AtomicU64::new(0),
-        cut_off: Mutex::new(None),
-    };
+    let crashing = Crashing::new(backend.clone(), clock.clone());
     let mut crash_rng = Rng(seed ^ 0x5eed);
     let mut moved = 0u64;
     let mut cut_offs = 0u64;
@@ -617,9 +611,24 @@ struct Crashing {
     /// made this many writes, as when the link to one store fails mid-move;
     /// producers and workers still reach it.
     cut_off: Mutex<Option<(String, u64)>>,
+    /// A shard whose store drops out once, for a fence write that raises
+    /// its map-version floor to at least this version and for the read
+    /// that follows it; the calls after those succeed.
+    blip: Mutex<Option<(String, u64, bool)>>,
 }
 
 impl Crashing {
+    fn new(inner: MemoryBackend, clock: Arc<SimClock>) -> Crashing {
+        Crashing {
+            inner,
+            clock,
+            writes: AtomicU64::new(0),
+            crash_at: AtomicU64::new(0),
+            cut_off: Mutex::new(None),
+            blip: Mutex::new(None),
+        }
+    }
+
     fn reach(&self, shard: &str) -> Result<(), QueueError> {
         if let Some((cut, after)) = &*self.cut_off.lock().unwrap() {
             if cut == shard && self.writes.load(Ordering::SeqCst) >= *after {
@@ -780,6 +789,17 @@ impl QueueBackend for Crashing {
     }
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
         self.reach(shard)?;
+        let mut blip = self.blip.lock().unwrap();
+        if let Some((name, _, fired)) = &*blip {
+            if name == shard && *fired {
+                *blip = None;
+                return Err(QueueError::Unavailable {
+                    shard: shard.to_string(),
+                    reason: "the store dropped out for a moment".into(),
+                });
+            }
+        }
+        drop(blip);
         self.inner.shard_stats(shard)
     }
     fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
@@ -789,6 +809,15 @@ impl QueueBackend for Crashing {
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
         self.reach(shard)?;
         self.write(shard)?;
+        if let Some((name, version, fired)) = &mut *self.blip.lock().unwrap() {
+            if name == shard && !*fired && fence.map_version_min >= *version {
+                *fired = true;
+                return Err(QueueError::Unavailable {
+                    shard: shard.to_string(),
+                    reason: "the store dropped out for a moment".into(),
+                });
+            }
+        }
         self.inner.set_fence(shard, fence)
     }
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
@@ -978,4 +1007,283 @@ fn the_real_pool_keeps_one_run_per_key_in_order_through_seeded_stalls() {
     for seed in 1..=8 {
         real_pool_with_stalls(seed);
     }
+}
+
+/// One key moving between two shards under a producer that sends a job at
+/// every step of the simulated clock, with a rebalance that can be killed
+/// at a counted write: what the single-key tests below share.
+struct OneKeyMove {
+    key: &'static str,
+    clock: Arc<SimClock>,
+    backend: MemoryBackend,
+    store: MemoryMapStore,
+    from: String,
+    to: &'static str,
+    /// The producer, jobs sent so far, and the payloads it was told are stored.
+    producer: Arc<Mutex<(Producer<MemoryBackend>, u64, Vec<String>)>>,
+    crashing: Crashing,
+    opts: RebalanceOptions,
+}
+
+impl OneKeyMove {
+    /// Two shards, `key` on its own, `jobs` of it enqueued, and a pin that
+    /// sends it to the other shard (not rebalanced yet).
+    fn new(key: &'static str, jobs: usize) -> OneKeyMove {
+        let clock = Arc::new(SimClock::default());
+        clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
+        let backend = MemoryBackend::new(&["a", "b"], clock.clone());
+        let store =
+            MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+        let from = shardq_route::Router::new(store.load().unwrap())
+            .unwrap()
+            .route(key)
+            .to_string();
+        let to = if from == "a" { "b" } else { "a" };
+        let producer = Producer::new(
+            Arc::new(backend.clone()),
+            Arc::new(store.clone()),
+            ProducerOptions {
+                pause_wait_ms: 0,
+                fence_wait_ms: 0,
+                clock: clock.clone(),
+                ..ProducerOptions::default()
+            },
+        )
+        .unwrap();
+        let crashing = Crashing::new(backend.clone(), clock.clone());
+        let opts = RebalanceOptions {
+            batch: 8,
+            drain_timeout_ms: 60_000,
+            poll_ms: 1,
+            clock: clock.clone(),
+            runner: "simulation".into(),
+        };
+        let m = OneKeyMove {
+            key,
+            clock,
+            backend,
+            store,
+            from,
+            to,
+            producer: Arc::new(Mutex::new((producer, 0, Vec::new()))),
+            crashing,
+            opts,
+        };
+        for _ in 0..jobs {
+            m.sender()();
+        }
+        reshard::pin(&m.store, key, to).unwrap();
+        m
+    }
+
+    /// Sends one job of the key; a job refused whole (paused on its new
+    /// shard, or fenced by a killed run with no newer map yet) is not
+    /// stored, and the producer is told so. A send from inside a send (the
+    /// producer waiting on a pause sleeps, and the clock's step sends) is
+    /// skipped.
+    fn sender(&self) -> impl FnMut() + Send + Clone + 'static {
+        let (producer, key) = (self.producer.clone(), self.key);
+        move || {
+            let Ok(mut p) = producer.try_lock() else {
+                return;
+            };
+            let (prod, n, stored) = &mut *p;
+            let payload = format!("j-{n}");
+            *n += 1;
+            match prod.enqueue(&NewJob::new(key, payload.clone())) {
+                Ok(_) => stored.push(payload),
+                Err(ProduceError::PausedTooLong { .. } | ProduceError::FencedTooLong { .. }) => {}
+                Err(e) => panic!("enqueue: {e}"),
+            }
+        }
+    }
+
+    fn send(&self, n: usize) {
+        let mut send = self.sender();
+        for _ in 0..n {
+            send();
+        }
+    }
+
+    /// From now, every step of the clock (a wait of the rebalance) sends a job.
+    fn send_at_every_step(&self, on: bool) {
+        *self.clock.step.lock().unwrap() = on.then(|| Box::new(self.sender()) as Step);
+    }
+
+    /// A rebalance, killed at its `crash_at`-th write counted from now (0:
+    /// never).
+    fn rebalance(&self, crash_at: u64) -> Result<reshard::RebalanceReport, ReshardError> {
+        self.crashing.writes.store(0, Ordering::SeqCst);
+        self.crashing.crash_at.store(crash_at, Ordering::SeqCst);
+        reshard::rebalance(&self.crashing, &self.store, &self.opts, &mut |_| {})
+    }
+
+    /// Runs the key's jobs on `shard` one at a time: their payloads.
+    fn run_all(&self, shard: &str) -> Vec<String> {
+        std::iter::from_fn(|| {
+            let job = self.backend.claim(shard, 1, LEASE_MS).unwrap().pop()?;
+            self.backend.ack(shard, &[job.receipt()]).unwrap();
+            Some(String::from_utf8(job.payload).unwrap())
+        })
+        .collect()
+    }
+
+    fn stored(&self) -> Vec<String> {
+        self.producer.lock().unwrap().2.clone()
+    }
+
+    fn depth(&self, shard: &str) -> u64 {
+        self.backend.key_counts(shard, self.key).unwrap().depth
+    }
+}
+
+/// One hot key whose producer slips a job in before every freeze attempt,
+/// so its move always ends in the forced round (paused on its new shard,
+/// frozen on its old one). The rebalance is killed at its `crash_at`-th
+/// write; the producer goes on between the runs and during the rerun; the
+/// rerun finishes. Checked: every job the producer was told is stored runs
+/// once, on the key's new shard, in the order it was stored. Returns
+/// whether the kill left the key paused on its new shard (the case a rerun
+/// must not undo early).
+fn hot_move_killed_at(crash_at: u64) -> bool {
+    let m = OneKeyMove::new("hot", 40);
+    m.send_at_every_step(true);
+    let killed = m.rebalance(crash_at).is_err();
+    let paused_on_new = killed && m.backend.fence(m.to).unwrap().paused_keys.contains("hot");
+    m.send(3);
+    if let Err(e) = m.rebalance(0) {
+        panic!("crash at {crash_at}: the rerun failed: {e}");
+    }
+    m.send_at_every_step(false);
+    m.send(3);
+    let ran = m.run_all(m.to);
+    assert_eq!(
+        m.depth(&m.from),
+        0,
+        "crash at {crash_at}: jobs left on the old shard"
+    );
+    let stored = m.stored();
+    assert!(
+        ran == stored,
+        "crash at {crash_at}: the new shard ran {ran:?}, the producer stored {stored:?}"
+    );
+    paused_on_new
+}
+
+#[test]
+fn a_hot_move_killed_at_any_write_keeps_every_job_in_order() {
+    let mut paused_kills = 0;
+    for crash_at in 1..=30 {
+        paused_kills += u32::from(hot_move_killed_at(crash_at));
+    }
+    assert!(
+        paused_kills > 0,
+        "no kill landed in a forced round (the test lost its point)"
+    );
+}
+
+/// The old shard's store drops out for the one fence write that raises its
+/// floor to the switch (and for the read that follows), then answers again.
+/// The key must not be unsealed there under the old floor: a producer still
+/// routing with the map before the switch would store the key's job on the
+/// shard it no longer runs on. The rerun finishes, and every job runs once,
+/// in order, on the new shard.
+#[test]
+fn a_blip_at_the_old_shards_fence_raise_leaves_no_stale_door_open() {
+    let m = OneKeyMove::new("k", 5);
+    let v0 = m.store.load().unwrap().version;
+    // v0 + 1 is the pinned map, v0 + 2 the switch.
+    *m.crashing.blip.lock().unwrap() = Some((m.from.clone(), v0 + 2, false));
+    let first = m.rebalance(0);
+    assert!(
+        matches!(first, Err(ReshardError::ShardsFailed { .. })),
+        "the blip must be reported: {first:?}"
+    );
+    assert!(
+        m.store.load().unwrap().version >= v0 + 2,
+        "the switch was published"
+    );
+    // A producer still on the pinned map (v0 + 1) sends the key to its old shard.
+    let stale = m
+        .backend
+        .enqueue(&m.from, v0 + 1, &[NewJob::new("k", "stale")]);
+    assert!(
+        stale.is_err(),
+        "the old shard took a stale producer's job for a key that runs elsewhere"
+    );
+    m.rebalance(0).expect("the rerun finishes");
+    assert_eq!(m.run_all(m.to), m.stored());
+    assert_eq!(m.depth(&m.from), 0);
+}
+
+/// A rebalance is killed at its `crash_at`-th write, perhaps with the key's
+/// backlog half copied (its new shard may run the copies, its old shard
+/// holds the rest); the producer goes on; then the operator reweights a
+/// shard and pins the key back to its old shard, and reruns, the rerun
+/// killed at its `second_crash_at`-th write, then reruns until a run
+/// finishes, the producer still going between the runs. Checked: the key's
+/// jobs end on one shard, and every job the producer was told is stored
+/// runs once, in the order it was stored. Returns whether the kill left
+/// copies on the new shard with the key still sealed on its old one (the
+/// case the check is about).
+fn target_changed_after_kill_at(crash_at: u64, second_crash_at: u64) -> bool {
+    let m = OneKeyMove::new("k", 40);
+    m.send_at_every_step(true);
+    let killed = m.rebalance(crash_at).is_err();
+    let half = killed
+        && m.backend
+            .fence(&m.from)
+            .unwrap()
+            .sealed_keys
+            .contains_key("k")
+        && m.depth(m.to) > 0;
+    m.send(3);
+    // A new target: another weight (so the rerun pins afresh), and the key
+    // back where it came from.
+    reshard::set_weight(&m.store, m.to, 3).unwrap();
+    reshard::pin(&m.store, "k", &m.from).unwrap();
+    let _ = m.rebalance(second_crash_at);
+    m.send(3);
+    let mut reruns = 0;
+    while let Err(e) = m.rebalance(0) {
+        reruns += 1;
+        assert!(
+            reruns < 3,
+            "crash at {crash_at}: the reruns do not finish: {e}"
+        );
+        m.send(2);
+    }
+    m.send_at_every_step(false);
+    m.send(3);
+    let holding: Vec<&str> = [m.from.as_str(), m.to]
+        .into_iter()
+        .filter(|s| m.depth(s) > 0)
+        .collect();
+    assert_eq!(
+        holding.len(),
+        1,
+        "crash at {crash_at}: the key is split over {holding:?}"
+    );
+    let ran = m.run_all(holding[0]);
+    let stored = m.stored();
+    assert!(
+        ran == stored,
+        "crash at {crash_at}/{second_crash_at}: {} ran {ran:?}, the producer stored {stored:?}",
+        holding[0]
+    );
+    half
+}
+
+#[test]
+fn a_target_changed_after_a_killed_copy_keeps_the_key_in_order() {
+    let mut half = 0;
+    for crash_at in 1..=30 {
+        for second_crash_at in 1..=12 {
+            half += u32::from(target_changed_after_kill_at(crash_at, second_crash_at));
+        }
+    }
+    assert!(
+        half > 0,
+        "no kill left a half-copied key (the test lost its point)"
+    );
 }

@@ -41,6 +41,11 @@ struct KeyState {
     /// Pending jobs in id order; when `in_flight`, the head is running.
     queue: VecDeque<Slot>,
     in_flight: bool,
+    /// Whether the queue past its head may be out of id order (a dead
+    /// letter retried in front of a retried head): [`ShardState::key_jobs`]
+    /// then walks instead of searching by halves. Cleared once the queue
+    /// empties.
+    unsorted: bool,
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
@@ -315,9 +320,16 @@ impl ShardState {
         } else {
             (&a[1..], b)
         };
-        let start = |part: &[Slot]| part.partition_point(|s| !above(s.id));
-        for part in [a, b] {
-            out.extend(part[start(part)..].iter().take(max).map(|s| (*s, None)));
+        if ks.unsorted {
+            // Out of order past the head: every job is looked at.
+            for part in [a, b] {
+                out.extend(part.iter().filter(|s| above(s.id)).map(|s| (*s, None)));
+            }
+        } else {
+            let start = |part: &[Slot]| part.partition_point(|s| !above(s.id));
+            for part in [a, b] {
+                out.extend(part[start(part)..].iter().take(max).map(|s| (*s, None)));
+            }
         }
         if ks.dead > 0 {
             let from = after.map_or(0, |a| a.saturating_add(1));
@@ -329,8 +341,13 @@ impl ShardState {
                     .map(|(_, e)| (e.slot, Some(&*e.reason))),
             );
         }
+        if out.len() > max {
+            // The `max` lowest ids, without sorting all (a walk of an
+            // unsorted queue gathers every job above the cursor).
+            out.select_nth_unstable_by_key(max, |(s, _)| s.id);
+            out.truncate(max);
+        }
         out.sort_unstable_by_key(|(s, _)| s.id);
-        out.truncate(max);
         out
     }
 
@@ -691,6 +708,7 @@ impl ShardState {
                 }
                 let ks = &mut self.keys[k as usize];
                 ks.in_flight = false;
+                ks.unsorted &= !ks.queue.is_empty();
                 self.in_flight_ids.remove(&job);
                 self.finish(job);
                 self.schedule(k);
@@ -756,6 +774,13 @@ impl ShardState {
                     .position(|s| s.id > job)
                     .map_or(ks.queue.len(), |p| p + from);
                 ks.queue.insert(at, slot);
+                // The pairs past the head that this insert made or shifted.
+                let last = ks.queue.len().saturating_sub(1);
+                for i in at.saturating_sub(1).max(1)..(at + 2).min(last) {
+                    if ks.queue[i].id > ks.queue[i + 1].id {
+                        ks.unsorted = true;
+                    }
+                }
                 self.slot_added(0);
                 let ks = &mut self.keys[entry.key as usize];
                 if at == 0 {
@@ -825,6 +850,7 @@ impl ShardState {
                 let removed: Vec<u64> = ks.queue.drain(from..).map(|s| s.id).collect();
                 if ks.queue.is_empty() {
                     ks.scheduled = false;
+                    ks.unsorted = false;
                 }
                 for id in &removed {
                     ks.take_attempts(*id);
