@@ -1009,6 +1009,9 @@ fn the_real_pool_keeps_one_run_per_key_in_order_through_seeded_stalls() {
     }
 }
 
+/// A producer, the jobs it sent so far, and the payloads it was told are stored.
+type Sending = (Producer<MemoryBackend>, u64, Vec<String>);
+
 /// One key moving between two shards under a producer that sends a job at
 /// every step of the simulated clock, with a rebalance that can be killed
 /// at a counted write: what the single-key tests below share.
@@ -1019,8 +1022,7 @@ struct OneKeyMove {
     store: MemoryMapStore,
     from: String,
     to: &'static str,
-    /// The producer, jobs sent so far, and the payloads it was told are stored.
-    producer: Arc<Mutex<(Producer<MemoryBackend>, u64, Vec<String>)>>,
+    producer: Arc<Mutex<Sending>>,
     crashing: Crashing,
     opts: RebalanceOptions,
 }
