@@ -306,12 +306,24 @@ pub trait QueueBackend: Send + Sync {
 
     /// Deletes `key`'s jobs on `shard` that are not running (queued,
     /// delayed and dead), atomically: the copies left behind by a move.
-    /// Returns how many.
+    /// The shard remembers their ids as moved away with `key`
+    /// ([`QueueBackend::moved_away`]). Returns how many.
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
         let _ = (shard, key);
         Err(QueueError::Unsupported {
             what: "moving a backlog",
         })
+    }
+
+    /// The key a job of `shard` moved away with, when `id` is no longer
+    /// live there because [`QueueBackend::purge_key`] deleted it after its
+    /// key's move (its copy is on the key's new shard): for the last
+    /// [`crate::MOVED_KEYS_KEPT`] keys purged, at most
+    /// [`crate::MOVED_IDS_KEPT`] ids. `None` for any other id. Needs no
+    /// ownership.
+    fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
+        let _ = (shard, id);
+        Ok(None)
     }
 
     /// Freezes each of `items`' keys on `shard` (a key sealed there for a

@@ -52,6 +52,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     extend_keeps_a_long_run_alive(h);
     dead_letters_count_as_work(h);
     exports_find_every_job_above_a_cursor(h);
+    purged_jobs_say_they_moved_away(h);
     fences_grow_for_every_new_run(h);
     fail_with_retry_in_runs_again_first(h);
     dedup_ids_belong_to_their_key(h);
@@ -992,6 +993,53 @@ pub fn exports_find_every_job_above_a_cursor(h: &dyn ContractHarness) {
             .filter(|&id| cursor.is_none_or(|c| id > c))
             .collect();
         assert_eq!(got, want, "export after {cursor:?}");
+    }
+}
+
+/// The jobs a move's purge deleted (queued and dead) answer which key they
+/// left with; a finished job, another key's live job and an id never
+/// handed out answer nothing.
+pub fn purged_jobs_say_they_moved_away(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    enqueue(h, &shard, "m", "a", 1);
+    enqueue(h, &shard, "o", "a", 5);
+    enqueue(h, &shard, "m", "b", 5);
+    enqueue(h, &shard, "m", "c", 5);
+    let mut finished = None;
+    for run in claim(h, &shard, 10, LONG_LEASE_MS) {
+        if run.key == "m" {
+            b.fail(&shard, run.receipt(), "dead", None).expect("fail");
+        } else {
+            finished = Some(run.id);
+            ack_one(h, &shard, run.receipt());
+        }
+    }
+    let finished = finished.expect("both keys' heads were claimed");
+    enqueue(h, &shard, "o", "b", 5);
+    let ids = |key: &str| -> Vec<JobId> {
+        b.key_jobs(&shard, key, 10)
+            .expect("key_jobs")
+            .iter()
+            .map(|j| j.id)
+            .collect()
+    };
+    let (moving, other) = (ids("m"), ids("o"));
+    assert_eq!((moving.len(), other.len()), (3, 1), "{moving:?} {other:?}");
+    assert_eq!(b.purge_key(&shard, "m").expect("purge"), 3);
+    for id in &moving {
+        assert_eq!(
+            b.moved_away(&shard, *id).expect("moved_away").as_deref(),
+            Some("m"),
+            "job {id} was deleted as its key moved"
+        );
+    }
+    for id in [other[0], finished, JobId(u64::MAX / 2)] {
+        assert_eq!(
+            b.moved_away(&shard, id).expect("moved_away"),
+            None,
+            "job {id}"
+        );
     }
 }
 

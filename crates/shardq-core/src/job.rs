@@ -536,6 +536,52 @@ pub enum CancelOutcome {
     NotFound,
 }
 
+/// Most keys moved away whose job ids a shard remembers
+/// ([`MovedAway`]): the oldest are forgotten first.
+pub const MOVED_KEYS_KEPT: usize = 4096;
+/// Most job ids of keys moved away a shard remembers, over all its keys
+/// (8 bytes each; a single key's move is remembered whole even above it).
+pub const MOVED_IDS_KEPT: usize = 2_000_000;
+
+/// The job ids a shard deleted when their keys moved away (their copies
+/// run on each key's new shard), so that an id from before a move still
+/// answers where it went: for each of the last [`MOVED_KEYS_KEPT`] purges,
+/// at most [`MOVED_IDS_KEPT`] ids in all, the key and its ids.
+#[derive(Debug, Clone, Default)]
+pub struct MovedAway {
+    purges: std::collections::VecDeque<(Box<str>, Box<[u64]>)>,
+    ids: usize,
+}
+
+impl MovedAway {
+    /// Remembers that `ids` of `key` left with it; forgets the oldest
+    /// purges beyond the bounds.
+    pub fn note(&mut self, key: &str, mut ids: Vec<u64>) {
+        if ids.is_empty() {
+            return;
+        }
+        ids.sort_unstable();
+        self.ids += ids.len();
+        self.purges.push_back((key.into(), ids.into_boxed_slice()));
+        while self.purges.len() > 1
+            && (self.purges.len() > MOVED_KEYS_KEPT || self.ids > MOVED_IDS_KEPT)
+        {
+            if let Some((_, old)) = self.purges.pop_front() {
+                self.ids -= old.len();
+            }
+        }
+    }
+
+    /// The key job `id` left with, if remembered.
+    pub fn key_of(&self, id: u64) -> Option<&str> {
+        self.purges
+            .iter()
+            .rev()
+            .find(|(_, ids)| ids.binary_search(&id).is_ok())
+            .map(|(k, _)| &**k)
+    }
+}
+
 /// What a shard accepts, set by resharding (drain-then-switch).
 ///
 /// An enqueue carries the map version it routed with. A shard refuses it with

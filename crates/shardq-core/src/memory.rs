@@ -65,6 +65,8 @@ struct ShardState {
     dedup: BTreeMap<(String, String), DedupRecord>,
     /// Per (shard copied from, key), the largest source id imported.
     imported: BTreeMap<(String, String), JobId>,
+    /// Ids of keys moved away (`purge_key`).
+    moved: crate::job::MovedAway,
 }
 
 /// A shard's stored state, taken by [`MemoryBackend::checkpoint`].
@@ -844,11 +846,11 @@ impl QueueBackend for MemoryBackend {
 
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
         self.with_shard(shard, |s| {
-            let mut n = 0u64;
+            let mut gone = Vec::new();
             if let Some(q) = s.keys.remove(key) {
                 for id in q {
                     s.jobs.remove(&id);
-                    n += 1;
+                    gone.push(id.0);
                 }
             }
             let dead: Vec<JobId> = s
@@ -860,11 +862,17 @@ impl QueueBackend for MemoryBackend {
             for id in dead {
                 s.dead.remove(&id);
                 s.jobs.remove(&id);
-                n += 1;
+                gone.push(id.0);
             }
             s.halted_keys.remove(key);
+            let n = gone.len() as u64;
+            s.moved.note(key, gone);
             Ok(n)
         })
+    }
+
+    fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
+        self.with_shard(shard, |s| Ok(s.moved.key_of(id.0).map(str::to_string)))
     }
 
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {

@@ -400,6 +400,23 @@ impl Deployment {
         Ok(self.maps.load()?)
     }
 
+    /// Where a job that is no longer live on `shard` went, if it left with
+    /// its key in a move: the key, and the shard the published map routes
+    /// it to now (where its copy runs, or ran).
+    pub fn moved_job(
+        &self,
+        shard: &str,
+        id: shardq_core::JobId,
+    ) -> Result<Option<(String, String)>, DeployError> {
+        let Some(key) = self.queue().moved_away(shard, id)? else {
+            return Ok(None);
+        };
+        let now = shardq_route::Router::new(self.map()?)?
+            .route(&key)
+            .to_string();
+        Ok(Some((key, now)))
+    }
+
     /// Names of the shards of the published map.
     pub fn shard_names(&self) -> Result<Vec<String>, DeployError> {
         Ok(self.map()?.shards.into_iter().map(|s| s.name).collect())

@@ -28,9 +28,9 @@ use std::time::Duration;
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
-    FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob, NewJob, QueueBackend,
-    QueueError, Receipt, ShardStats, Stored, SystemClock, KEY_JOBS_MAX, PAYLOAD_BYTES_LIMIT,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedAway, MovedJob, NewJob,
+    QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock, KEY_JOBS_MAX,
+    MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -56,6 +56,22 @@ pub const FENCE_FILE: &str = "fence.json";
 pub const TRANSFERS_FILE: &str = "transfers.json";
 /// Largest transfers file read.
 const TRANSFERS_FILE_BYTES_MAX: u64 = 64 << 20;
+
+/// File in a shard's directory: one JSON line per key a move purged here,
+/// `{"key": KEY, "ids": [ID, ...]}` (the ids it deleted, whose copies run on
+/// the key's new shard), oldest first, so that an id from before a move
+/// still answers where its job went ([`QueueBackend::moved_away`]). Kept
+/// within twice the bounds of [`MovedAway`] by a rewrite.
+pub const MOVED_FILE: &str = "moved.jsonl";
+/// Largest moved file read.
+const MOVED_FILE_BYTES_MAX: u64 = 64 << 20;
+
+/// One line of [`MOVED_FILE`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct MovedLine {
+    key: String,
+    ids: Vec<u64>,
+}
 
 /// One line of [`TRANSFERS_FILE`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -1447,6 +1463,15 @@ impl QueueBackend for FsBackend {
         Ok(replayed.max(on_file).map(JobId))
     }
 
+    fn moved_away(&self, name: &str, id: JobId) -> Result<Option<String>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut moved = MovedAway::default();
+        for line in self.read_moved(&shard)? {
+            moved.note(&line.key, line.ids);
+        }
+        Ok(moved.key_of(id.0).map(str::to_string))
+    }
+
     fn freeze_caught_up(
         &self,
         name: &str,
@@ -1482,6 +1507,25 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
+        // The ids it deletes are remembered first (a purge that then fails
+        // leaves ids that are still live, which a lookup finds live first).
+        let ids: Vec<u64> = inner
+            .replica
+            .as_ref()
+            .expect("refreshed")
+            .key_jobs(key, None, usize::MAX)
+            .iter()
+            .map(|(slot, _)| slot.id)
+            .collect();
+        if !ids.is_empty() {
+            self.note_moved(
+                &shard,
+                MovedLine {
+                    key: key.to_string(),
+                    ids,
+                },
+            )?;
+        }
         let mut count = 0u64;
         let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let c = inner.replica.as_ref().expect("refreshed").key_counts(key);
@@ -1526,6 +1570,67 @@ impl FsBackend {
             what: "transfers file",
             reason: e.to_string(),
         })
+    }
+
+    /// The lines of [`MOVED_FILE`], oldest first; a line that does not
+    /// parse (the torn end of an append a crash cut) is skipped.
+    fn read_moved(&self, shard: &Shard) -> Result<Vec<MovedLine>, QueueError> {
+        let path = shard.dir.join(MOVED_FILE);
+        let bytes = self
+            .opts
+            .storage
+            .read_file(&path, MOVED_FILE_BYTES_MAX)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
+        Ok(bytes
+            .unwrap_or_default()
+            .split(|&b| b == b'\n')
+            .filter_map(|line| serde_json::from_slice(line).ok())
+            .collect())
+    }
+
+    /// Appends `line` to [`MOVED_FILE`] and makes it durable; past twice
+    /// the bounds of [`MovedAway`] the file is rewritten with what they
+    /// keep.
+    fn note_moved(&self, shard: &Shard, line: MovedLine) -> Result<(), QueueError> {
+        let path = shard.dir.join(MOVED_FILE);
+        let io = |e| QueueError::io(format!("writing {}", path.display()), e);
+        let mut text = serde_json::to_vec(&line).map_err(|e| QueueError::Internal {
+            what: format!("encoding a line of the moved file: {e}"),
+        })?;
+        text.push(b'\n');
+        let file = self.opts.storage.open(&path, true).map_err(io)?;
+        // A torn line left by a crash is ended first, so this one parses.
+        let len = file.len().map_err(io)?;
+        let mut last = [0u8; 1];
+        if len > 0 && file.read_at(&mut last, len - 1).map_err(io)? == 1 && last[0] != b'\n' {
+            text.insert(0, b'\n');
+        }
+        file.append(&text).map_err(io)?;
+        file.sync().map_err(io)?;
+        let lines = self.read_moved(shard)?;
+        let ids: usize = lines.iter().map(|l| l.ids.len()).sum();
+        if lines.len() > 2 * MOVED_KEYS_KEPT || ids > 2 * MOVED_IDS_KEPT {
+            let mut kept = Vec::new();
+            let (mut n, mut total) = (0usize, 0usize);
+            for l in lines.iter().rev() {
+                if n > 0 && (n >= MOVED_KEYS_KEPT || total + l.ids.len() > MOVED_IDS_KEPT) {
+                    break;
+                }
+                n += 1;
+                total += l.ids.len();
+                kept.push(l);
+            }
+            let mut out = Vec::new();
+            for l in kept.into_iter().rev() {
+                out.extend(serde_json::to_vec(l).unwrap_or_default());
+                out.push(b'\n');
+            }
+            self.opts
+                .storage
+                .write_file_atomic(&path, &out)
+                .map_err(io)?;
+        }
+        Ok(())
     }
 
     fn write_transfers(&self, shard: &Shard, t: &[Transferred]) -> Result<(), QueueError> {

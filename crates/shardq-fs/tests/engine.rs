@@ -787,6 +787,15 @@ fn a_moved_backlog_survives_restart_and_compaction_and_is_never_taken_twice() {
         (0, 0),
         "copies came back on the old shard"
     );
+    // An id from before the move still says where its job went.
+    for j in [&exported[0], &exported[200]] {
+        assert_eq!(
+            b.moved_away("shard-0", j.id).unwrap().as_deref(),
+            Some("k"),
+            "job {} after the restart",
+            j.id
+        );
+    }
     let c1 = b.key_counts("shard-1", "k").unwrap();
     assert_eq!((c1.depth, c1.dead), (200, 1));
     assert_eq!(b.dead_list("shard-1", 10).unwrap()[0].reason, "exit 3");
@@ -827,4 +836,28 @@ fn a_moved_backlog_survives_restart_and_compaction_and_is_never_taken_twice() {
         "a rerun of the copy stored jobs twice"
     );
     assert_eq!(b.key_counts("shard-1", "k").unwrap().depth, 0);
+}
+
+/// A crash that cut an append to the moved file leaves a torn line: it is
+/// skipped, and the next purge's line still reads.
+#[test]
+fn a_torn_line_of_the_moved_file_costs_only_itself() {
+    let dir = data_dir_n("moved-torn", 1);
+    let clock = ManualClock::new(1_000_000);
+    let engine = Engine::open(&dir, opts(&clock)).unwrap();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    b.enqueue("shard-0", 1, &[job("k", "a", 3)]).unwrap();
+    let id = b.key_jobs("shard-0", "k", 10).unwrap()[0].id;
+    std::fs::write(
+        dir.join("shard-0").join(shardq_fs::MOVED_FILE),
+        b"{\"key\":\"x\",\"ids\":[1,",
+    )
+    .unwrap();
+    assert_eq!(b.purge_key("shard-0", "k").unwrap(), 1);
+    assert_eq!(b.moved_away("shard-0", id).unwrap().as_deref(), Some("k"));
+    assert_eq!(
+        b.moved_away("shard-0", shardq_core::JobId(1)).unwrap(),
+        None
+    );
 }

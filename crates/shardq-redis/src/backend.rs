@@ -1552,6 +1552,21 @@ impl QueueBackend for RedisBackend {
         }
     }
 
+    fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.moved_away, "", &|c, _| {
+            c.arg(id.0);
+        })?;
+        match (reply::status(&v).as_str(), reply::items(&v).get(1)) {
+            ("NONE", _) => Ok(None),
+            ("OK", Some(key)) => reply::string(key)
+                .map(Some)
+                .ok_or_else(|| self.protocol(s, "moved-away reply is malformed")),
+            _ => Err(self.protocol(s, "moved-away reply is malformed")),
+        }
+    }
+
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;

@@ -111,12 +111,18 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 ///   shard `from` copied into this shard for that key (a move's cursor:
 ///   an import skips what it already took).
 ///
-/// The last two came after the enqueue script, which touches neither: a
-/// producer that passes only the first 15 parts (an older client) still
-/// enqueues correctly.
-pub const SHARD_PARTS: [&str; 17] = [
+/// * `moved` list: per purge of a key moved away, `<count>|<key
+///   length>|<key>,<id>,...,` (the ids it deleted), oldest first, within
+///   `MOVED_KEYS_KEPT` entries and `MOVED_IDS_KEPT` ids (`movedn` in
+///   `meta` counts them), so an id from before a move answers where its
+///   job went.
+///
+/// The last three came after the enqueue script, which touches none of
+/// them: a producer that passes only the first 15 parts (an older client)
+/// still enqueues correctly.
+pub const SHARD_PARTS: [&str; 18] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported",
+    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].

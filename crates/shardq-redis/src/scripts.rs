@@ -906,6 +906,7 @@ return {'OK', redis.call('HGET', K_IMPORTED, #ARGV[5] .. '|' .. ARGV[5] .. ARGV[
 /// left (call again). What a move left behind on the old shard of a sealed
 /// key, whose list no longer changes.
 const PURGE_KEY: &str = r#"
+local K_MOVED = KEYS[18]
 local k, max = ARGV[5], tonumber(ARGV[6])
 local q = kparse(redis.call('HGET', K_KEYS, k))
 local gone = {}
@@ -943,15 +944,53 @@ if q.h == 0 and dead > 0 and n < max then
       redis.call('ZREM', K_DEAD, ids)
       redis.call('HDEL', K_JOBS, ids)
       forget({ids})
+      gone[#gone + 1] = ids
       dead = dead - 1
       n = n + 1
     end
   end
   if dead > 0 then redis.call('HSET', K_DEADN, k, dead) else redis.call('HDEL', K_DEADN, k) end
 end
+-- The ids deleted are remembered as moved away with the key (`moved`:
+-- `<count>|<key length>|<key>,<id>,...,` per call), the oldest entries
+-- dropped past MOVED_KEYS_KEPT entries or MOVED_IDS_KEPT ids.
+if n > 0 then
+  redis.call('RPUSH', K_MOVED, n .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ',')
+  local total = redis.call('HINCRBY', K_META, 'movedn', n)
+  while redis.call('LLEN', K_MOVED) > 1 and (redis.call('LLEN', K_MOVED) > MOVED_KEYS_KEPT or total > MOVED_IDS_KEPT) do
+    local old = redis.call('LPOP', K_MOVED)
+    total = redis.call('HINCRBY', K_META, 'movedn', -tonumber(string.match(old, '^(%d+)|')))
+  end
+end
 local more = 0
 if q.h ~= 0 or dead > 0 then more = 1 end
 return {'OK', n, more}
+"#;
+
+/// ARGV[5] a job id: the key it moved away with, if the `moved` list
+/// (written by the purge after a move) still holds it. Reply `OK` and the
+/// key, or `NONE`. Read-only; reads the list a page at a time, newest first.
+const MOVED_AWAY: &str = r#"
+local K_MOVED = KEYS[18]
+local needle = ',' .. ARGV[5] .. ','
+local n = redis.call('LLEN', K_MOVED)
+local hi = n - 1
+while hi >= 0 do
+  local lo = math.max(0, hi - 63)
+  local page = redis.call('LRANGE', K_MOVED, lo, hi)
+  for i = #page, 1, -1 do
+    local e = page[i]
+    local len, p = string.match(e, '^%d+|(%d+)|()')
+    if len then
+      local keyend = p + tonumber(len) - 1
+      if string.find(e, needle, keyend + 1, true) then
+        return {'OK', string.sub(e, p, keyend)}
+      end
+    end
+  end
+  hi = lo - 1
+end
+return {'NONE'}
 "#;
 
 /// One live job, as an operator reads it: ARGV[5] its id. Reply `NONE`
@@ -1367,6 +1406,7 @@ pub(crate) struct Scripts {
     pub(crate) import: Lua,
     pub(crate) imported_up_to: Lua,
     pub(crate) purge_key: Lua,
+    pub(crate) moved_away: Lua,
     pub(crate) freeze: Lua,
     pub(crate) dead_list: Lua,
     pub(crate) job_show: Lua,
@@ -1408,7 +1448,16 @@ impl Scripts {
             freeze: Lua::new(&format!("{EXPORT_KEY_FN}{FREEZE}"), true, Flags::AllowOom),
             import: Lua::new(IMPORT, true, Flags::Write),
             imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
-            purge_key: Lua::new(PURGE_KEY, true, Flags::AllowOom),
+            purge_key: Lua::new(
+                &format!(
+                    "local MOVED_KEYS_KEPT, MOVED_IDS_KEPT = {}, {}\n{PURGE_KEY}",
+                    shardq_core::MOVED_KEYS_KEPT,
+                    shardq_core::MOVED_IDS_KEPT
+                ),
+                true,
+                Flags::AllowOom,
+            ),
+            moved_away: Lua::new(MOVED_AWAY, true, Flags::NoWrites),
             dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
             job_show: Lua::new(&format!("{JOB_GET}{JOB_SHOW}"), true, Flags::NoWrites),
             key_jobs: Lua::new(

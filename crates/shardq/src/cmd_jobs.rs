@@ -167,6 +167,16 @@ fn print_job(shard: &str, j: &JobInfo) {
     }
 }
 
+/// What `job show` and `job cancel` say of a job that left its shard with
+/// its key.
+fn moved_text(id: &str, key: &str, now: &str) -> String {
+    format!(
+        "job {id} is no longer on its shard: it moved with its key {} to shard {now}, where it runs or ran under a new id (`shardq jobs --key {}` lists the key's jobs there)",
+        shardq_core::job::shown_key(key),
+        shardq_core::job::shown_key(key)
+    )
+}
+
 pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
     match action {
         JobAction::Show { data, id, json } => {
@@ -180,9 +190,19 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 Some(j) if json => println!("{}", job_value(&shard, j)),
                 Some(j) => print_job(&shard, &j),
                 None => {
-                    eprintln!(
-                        "shardq: no live job {id}: it finished, was cancelled, moved away with its key, or never existed"
-                    );
+                    let moved = deployment
+                        .moved_job(&shard, job)
+                        .with_context(|| format!("looking up where job {id} went"))?;
+                    match moved {
+                        Some((key, now)) if json => println!(
+                            "{}",
+                            json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })
+                        ),
+                        Some((key, now)) => eprintln!("shardq: {}", moved_text(&id, &key, &now)),
+                        None => eprintln!(
+                            "shardq: no live job {id}: it finished, was cancelled, or never existed"
+                        ),
+                    }
                     return Ok(ExitCode::from(1));
                 }
             }
@@ -212,11 +232,17 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                     75,
                     format!("the key of job {id} is moving to another shard; nothing changed: cancel it by its id there once the move is done"),
                 ),
-                CancelOutcome::NotFound => (
-                    "not_found",
-                    1,
-                    format!("no live job {id}: it finished, was cancelled, moved away with its key, or never existed"),
-                ),
+                CancelOutcome::NotFound => match deployment
+                    .moved_job(&shard, job)
+                    .with_context(|| format!("looking up where job {id} went"))?
+                {
+                    Some((key, now)) => ("moved", 1, moved_text(&id, &key, &now)),
+                    None => (
+                        "not_found",
+                        1,
+                        format!("no live job {id}: it finished, was cancelled, or never existed"),
+                    ),
+                },
             };
             if json {
                 println!(

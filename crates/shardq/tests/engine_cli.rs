@@ -549,6 +549,63 @@ fn hot_json_has_the_shape_of_the_api() {
     assert_eq!(keys, 5, "{v}");
 }
 
+/// A job id from before its key moved still answers: `job show` and `job
+/// cancel` of it say which key it left with and the shard that key is on
+/// now (exit 1, with `--json` as an object), where `jobs --key` lists it.
+#[test]
+fn a_job_id_from_before_a_move_says_where_its_job_went() {
+    let dir = temp_dir("jobs-moved");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let ids: Vec<String> = ["a", "b", "c"]
+        .iter()
+        .map(|p| {
+            let (ok, out, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
+            assert!(ok, "{err}");
+            out.trim().to_string()
+        })
+        .collect();
+    let from = ids[0].split(':').next().unwrap().to_string();
+    let to = if from == "shard-0" {
+        "shard-1"
+    } else {
+        "shard-0"
+    };
+    assert!(run(&["pin", "--data", d, "k", to]).0);
+    let (ok, _, err) = run(&["rebalance", "--data", d]);
+    assert!(ok, "{err}");
+    let show = support::output(&["job", "show", "--data", d, &ids[1]]);
+    assert_eq!(show.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&show.stderr);
+    assert!(
+        text.contains("moved with its key k to") && text.contains(&format!("to shard {to}")),
+        "{text}"
+    );
+    let (ok, out, _) = run(&["job", "show", "--data", d, &ids[1], "--json"]);
+    assert!(!ok);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["moved"]["key"], &v["moved"]["shard"]),
+        (&"k".into(), &to.into()),
+        "{v}"
+    );
+    let cancel = support::output(&["job", "cancel", "--data", d, &ids[2]]);
+    assert_eq!(cancel.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&cancel.stderr).contains(&format!("to shard {to}")));
+    let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let listed: Vec<&str> = v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["payload"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["a", "b", "c"], "{v}");
+    assert!(v["jobs"][0]["id"].as_str().unwrap().starts_with(to), "{v}");
+}
+
 /// An operator reads a job by the id `enqueue` printed, lists its key's
 /// jobs in order, and cancels one: the worker then runs the others, in
 /// order, and never the cancelled one; a second cancel and a show of it

@@ -90,14 +90,28 @@ fn job_ref(app: &App, id: &str) -> Result<(String, JobId), ApiError> {
     Ok((shard, job))
 }
 
-fn not_live(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        format!(
-            "id: no live job {}: it finished, was cancelled, moved away with its key, or never existed",
-            shown(id)
+/// The 404 of a job that is not live on its shard: where it went when it
+/// left with its key in a move, else why it may be gone.
+fn not_live(app: &App, shard: &str, job: JobId, id: &str) -> ApiError {
+    match app.deployment.moved_job(shard, job) {
+        Ok(Some((key, now))) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "id: job {} is no longer on its shard: it moved with its key {} to shard {now}, where it runs or ran under a new id (GET /v1/keys/{{key}}/jobs lists the key's jobs there)",
+                shown(id),
+                shardq_core::job::shown_key(&key)
+            ),
+        )
+        .with("moved", json!({ "key": key, "shard": now })),
+        Ok(None) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "id: no live job {}: it finished, was cancelled, or never existed",
+                shown(id)
+            ),
         ),
-    )
+        Err(e) => e.into(),
+    }
 }
 
 /// `GET /v1/jobs/{id}`: a live job (queued, delayed, running or dead).
@@ -106,7 +120,7 @@ pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> 
         let (shard, job) = job_ref(&app, &id)?;
         match app.backend.job(&shard, job)? {
             Some(j) => Ok(job_out(&shard, j)),
-            None => Err(not_live(&id)),
+            None => Err(not_live(&app, &shard, job, &id)),
         }
     })
     .await?;
@@ -174,7 +188,7 @@ pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -
                 shown(&id)
             ))
             .with("state", json!("moving"))),
-            CancelOutcome::NotFound => Err(not_live(&id)),
+            CancelOutcome::NotFound => Err(not_live(&a, &shard, job, &id)),
         }
     })
     .await?;

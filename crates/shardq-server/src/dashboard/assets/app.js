@@ -612,7 +612,7 @@
       out.hidden = true;
       cancel.hidden = true;
       err.hidden = false;
-      err.textContent = authMessage(e) || (e.status === 404 ? "No live job " + id + ": it finished, was cancelled, moved away with its key, or never existed." : "Reading the job failed: " + e.message);
+      err.textContent = authMessage(e) || (e.status === 404 ? "Not live: " + e.message : "Reading the job failed: " + e.message);
     }
   }
 
