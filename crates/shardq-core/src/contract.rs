@@ -51,6 +51,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     lapsed_job_lease_runs_again_and_old_receipt_is_refused(h);
     extend_keeps_a_long_run_alive(h);
     dead_letters_count_as_work(h);
+    dead_letters_of_a_sealed_key_stay_as_they_are(h);
     exports_find_every_job_above_a_cursor(h);
     purged_jobs_say_they_moved_away(h);
     fences_grow_for_every_new_run(h);
@@ -945,6 +946,40 @@ pub fn dead_letters_count_as_work(h: &dyn ContractHarness) {
     ack_one(h, &shard, again.receipt());
     let c = h.backend().key_counts(&shard, "d").expect("counts");
     assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0));
+}
+
+/// A dead letter of a key sealed for a move is neither retried nor purged
+/// (its copy goes with the key; a change here would be lost with the
+/// copies left behind), by id or with "all"; other keys' are, and once the
+/// seal is lifted, so is it.
+pub fn dead_letters_of_a_sealed_key_stay_as_they_are(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    enqueue(h, &shard, "s", "a", 1);
+    enqueue(h, &shard, "f", "a", 1);
+    let mut sealed_id = None;
+    for run in claim(h, &shard, 10, LONG_LEASE_MS) {
+        if run.key == "s" {
+            sealed_id = Some(run.id);
+        }
+        b.fail(&shard, run.receipt(), "dead", None).expect("fail");
+    }
+    let sealed_id = sealed_id.expect("the key's head was claimed");
+    let mut fence = b.fence(&shard).expect("fence");
+    fence.sealed_keys.insert("s".into(), "elsewhere".into());
+    b.set_fence(&shard, &fence).expect("seal");
+    assert_eq!(b.dead_purge(&shard, Some(&[sealed_id])).expect("purge"), 0);
+    assert_eq!(
+        b.dead_retry(&shard, None).expect("retry all"),
+        1,
+        "only the other key's"
+    );
+    let dead = |k: &str| b.key_counts(&shard, k).expect("counts").dead;
+    assert_eq!((dead("s"), dead("f")), (1, 0));
+    fence.sealed_keys.remove("s");
+    b.set_fence(&shard, &fence).expect("unseal");
+    assert_eq!(b.dead_retry(&shard, Some(&[sealed_id])).expect("retry"), 1);
+    assert_eq!(dead("s"), 0);
 }
 
 /// An export from a cursor returns every job of the key above it, in id

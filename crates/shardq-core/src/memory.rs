@@ -200,13 +200,19 @@ impl MemoryBackend {
 
 /// The dead jobs an operator named (`None`: all of them), in id order.
 fn chosen_dead(s: &ShardState, ids: Option<&[JobId]>) -> Vec<JobId> {
+    // A dead job of a key sealed for a move stays as it is: its copy goes
+    // (or went) with the key, and a retry or purge here would be undone or
+    // lost with the copies left behind.
+    let movable = |id: &JobId| {
+        s.dead.contains(id)
+            && !s
+                .jobs
+                .get(id)
+                .is_some_and(|j| s.fence.sealed_keys.contains_key(&j.key))
+    };
     match ids {
-        Some(ids) => ids
-            .iter()
-            .copied()
-            .filter(|id| s.dead.contains(id))
-            .collect(),
-        None => s.dead.iter().copied().collect(),
+        Some(ids) => ids.iter().copied().filter(movable).collect(),
+        None => s.dead.iter().copied().filter(movable).collect(),
     }
 }
 

@@ -1657,10 +1657,18 @@ impl FsBackend {
         self.refresh(&mut inner)?;
         let mut count = 0usize;
         let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            // A dead job of a key sealed for a move stays as it is: its copy
+            // goes (or went) with the key, and a retry or purge here would
+            // be undone or lost with the copies left behind.
+            let fence = self.read_fence(&shard, inner)?;
             let r = inner.replica.as_ref().expect("refreshed");
+            let movable = |&i: &u64| {
+                r.dead_key(i)
+                    .is_some_and(|k| !fence.sealed_keys.contains_key(k))
+            };
             let chosen: Vec<u64> = match ids {
-                None => r.dead_ids(),
-                Some(ids) => ids.iter().map(|i| i.0).filter(|&i| r.is_dead(i)).collect(),
+                None => r.dead_ids().into_iter().filter(movable).collect(),
+                Some(ids) => ids.iter().map(|i| i.0).filter(movable).collect(),
             };
             count = chosen.len();
             let mut bytes = Vec::new();

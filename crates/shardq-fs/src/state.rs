@@ -1230,8 +1230,9 @@ impl ShardState {
         self.dead.keys().copied().collect()
     }
 
-    pub fn is_dead(&self, id: u64) -> bool {
-        self.dead.contains_key(&id)
+    /// The key of dead job `id`, if it is dead.
+    pub fn dead_key(&self, id: u64) -> Option<&str> {
+        self.dead.get(&id).map(|e| &*self.keys[e.key as usize].key)
     }
 
     /// Unfinished jobs enqueued in the segment at `base`.

@@ -835,18 +835,24 @@ impl RedisBackend {
         let lua = &self.inner.scripts.dead_move;
         let mut total = 0usize;
         match ids {
-            None => loop {
-                let v = self.script(s, lua, "", &|c, _| {
-                    c.arg(mode).arg("1").arg(DEAD_BATCH_MAX);
-                })?;
-                let it = reply::items(&v);
-                let moved = it.first().and_then(reply::u64).unwrap_or(0) as usize;
-                let seen = it.get(1).and_then(reply::u64).unwrap_or(0) as usize;
-                total += moved;
-                if seen < DEAD_BATCH_MAX {
-                    return Ok(total);
+            // The dead jobs left in place (of keys sealed for a move) are
+            // stepped over, so the ones behind them are reached.
+            None => {
+                let mut skip = 0usize;
+                loop {
+                    let v = self.script(s, lua, "", &|c, _| {
+                        c.arg(mode).arg("1").arg(DEAD_BATCH_MAX).arg(skip);
+                    })?;
+                    let it = reply::items(&v);
+                    let moved = it.first().and_then(reply::u64).unwrap_or(0) as usize;
+                    let seen = it.get(1).and_then(reply::u64).unwrap_or(0) as usize;
+                    total += moved;
+                    skip += seen.saturating_sub(moved);
+                    if seen < DEAD_BATCH_MAX {
+                        return Ok(total);
+                    }
                 }
-            },
+            }
             Some(ids) => {
                 for chunk in ids.chunks(DEAD_BATCH_MAX) {
                     let list: Vec<String> = chunk.iter().map(|i| i.0.to_string()).collect();

@@ -1141,14 +1141,24 @@ const DEAD_MOVE: &str = r#"
 local now = now_ms()
 local ids
 if ARGV[6] == '1' then
-  ids = redis.call('ZRANGE', K_DEAD, 0, tonumber(ARGV[7]) - 1)
+  local skip = tonumber(ARGV[8] or '0')
+  ids = redis.call('ZRANGE', K_DEAD, skip, skip + tonumber(ARGV[7]) - 1)
 else
   ids = {}
   for i = 8, #ARGV do ids[#ids + 1] = ARGV[i] end
 end
 local moved, touched, qs, startable = 0, {}, {}, {}
 for _, id in ipairs(ids) do
-  if redis.call('ZREM', K_DEAD, id) == 1 then
+  -- A dead job of a key sealed for a move stays as it is: its copy goes (or
+  -- went) with the key, and a retry or purge here would be lost with the
+  -- copies left behind.
+  local r0 = redis.call('HGET', K_JOBS, id)
+  local sealed = false
+  if r0 then
+    local _, _, _, _, k0 = rec_parse(r0)
+    sealed = redis.call('HEXISTS', K_SEALED, k0) == 1
+  end
+  if not sealed and redis.call('ZREM', K_DEAD, id) == 1 then
     local r = redis.call('HGET', K_JOBS, id)
     if r then
       local _, _, _, _, k = rec_parse(r)
