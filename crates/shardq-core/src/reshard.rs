@@ -1001,9 +1001,23 @@ where
     // its enqueues), and a key paused on its new shard by a killed forced
     // round stays paused there until its batch has copied the rest, or a
     // producer sent on there would overtake the jobs not copied yet.
+    // A shard whose store fails here (unreachable, damaged, lost) is left
+    // for the moves, which set it aside and move the other keys; with one
+    // unread, no pause is lifted anywhere (its seals are unknown).
+    let store_failure = |e: QueueError| match e.kind() {
+        ErrorKind::Retryable | ErrorKind::Corrupt | ErrorKind::Lost => Ok(()),
+        _ => Err(ReshardError::from(e)),
+    };
     let mut fences = Vec::with_capacity(cur.shards.len());
+    let mut unread = false;
     for shard in &cur.shards {
-        fences.push((shard.name.as_str(), backend.fence(&shard.name)?));
+        match backend.fence(&shard.name) {
+            Ok(f) => fences.push((shard.name.as_str(), f)),
+            Err(e) => {
+                store_failure(e)?;
+                unread = true;
+            }
+        }
     }
     let moving: BTreeMap<String, String> = fences
         .iter()
@@ -1012,11 +1026,15 @@ where
     for (shard, mut fence) in fences {
         let before = fence.paused_keys.len();
         fence.paused_keys.retain(|key| {
-            fence.sealed_keys.contains_key(key) || moving.get(key).is_some_and(|to| to == shard)
+            unread
+                || fence.sealed_keys.contains_key(key)
+                || moving.get(key).is_some_and(|to| to == shard)
         });
         if fence.map_version_min < cur.version || fence.paused_keys.len() != before {
             fence.map_version_min = fence.map_version_min.max(cur.version);
-            backend.set_fence(shard, &fence)?;
+            if let Err(e) = backend.set_fence(shard, &fence) {
+                store_failure(e)?;
+            }
         }
     }
     let switches = pending_switches(&cur, &target_router);

@@ -14,6 +14,13 @@
 //!   jobs pass a dead one);
 //! - at the end, every job a producer was told is stored is acked exactly once.
 //!
+//! Single-key scenarios then kill a rebalance at every write and rerun it:
+//! with a producer that never lets the key freeze (a forced round), with
+//! the target changed before the rerun, with the old shard's store
+//! dropping out for one fence write, and with a third shard that stops
+//! answering; each checks that the key's jobs run once, in the order
+//! stored, on one shard.
+//!
 //! `SHARDQ_SIM_SEED=N cargo test -p shardq-core --test simulation` replays
 //! seed N alone; CI runs a fixed set of seeds.
 //!
@@ -1287,5 +1294,86 @@ fn a_target_changed_after_a_killed_copy_keeps_the_key_in_order() {
     assert!(
         half > 0,
         "no kill left a half-copied key (the test lost its point)"
+    );
+}
+
+/// A rebalance of one key between two of three shards is killed at its
+/// `crash_at`-th write; the third shard's store then stops answering the
+/// rebalance. Once the pinned map is published, a rerun moves the key all
+/// the same (every job on its new shard, in order) and ends naming the
+/// shard it could not reach; before that, a rerun cannot plan without it.
+/// Returns whether the rerun had the pinned map to go on.
+fn rerun_past_a_dead_bystander(crash_at: u64) -> bool {
+    let clock = Arc::new(SimClock::default());
+    clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
+    let backend = MemoryBackend::new(&["a", "b", "c"], clock.clone());
+    let store =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b", "c"]).unwrap());
+    let v0 = store.load().unwrap().version;
+    let router = shardq_route::Router::new(store.load().unwrap()).unwrap();
+    let key = (0..)
+        .map(|i| format!("k{i}"))
+        .find(|k| router.route(k) != "c")
+        .unwrap();
+    let from = router.route(&key).to_string();
+    let (to, bystander) = if from == "a" { ("b", "c") } else { ("a", "c") };
+    let payloads: Vec<String> = (0..20).map(|i| format!("j-{i}")).collect();
+    for p in &payloads {
+        backend
+            .enqueue(&from, v0, &[NewJob::new(key.as_str(), p.as_str())])
+            .unwrap();
+    }
+    reshard::pin(&store, &key, to).unwrap();
+    let crashing = Crashing::new(backend.clone(), clock.clone());
+    let opts = RebalanceOptions {
+        batch: 8,
+        drain_timeout_ms: 60_000,
+        poll_ms: 1,
+        clock: clock.clone(),
+        runner: "simulation".into(),
+    };
+    crashing.crash_at.store(crash_at, Ordering::SeqCst);
+    let _ = reshard::rebalance(&crashing, &store, &opts, &mut |_| {});
+    let pinned = store.load().unwrap().version > v0;
+    crashing.crash_at.store(0, Ordering::SeqCst);
+    *crashing.cut_off.lock().unwrap() = Some((bystander.to_string(), 0));
+    let rerun = reshard::rebalance(&crashing, &store, &opts, &mut |_| {});
+    if !pinned {
+        assert!(
+            rerun.is_err(),
+            "crash at {crash_at}: planned without a shard"
+        );
+        return false;
+    }
+    match &rerun {
+        Err(ReshardError::ShardsFailed { shards, .. }) => assert!(
+            shards.iter().any(|s| s.starts_with(bystander)),
+            "crash at {crash_at}: {shards:?}"
+        ),
+        other => panic!("crash at {crash_at}: the rerun must name {bystander}: {other:?}"),
+    }
+    let ran: Vec<String> = std::iter::from_fn(|| {
+        let job = backend.claim(to, 1, LEASE_MS).unwrap().pop()?;
+        backend.ack(to, &[job.receipt()]).unwrap();
+        Some(String::from_utf8(job.payload).unwrap())
+    })
+    .collect();
+    assert_eq!(
+        ran, payloads,
+        "crash at {crash_at}: the key's jobs on its new shard"
+    );
+    assert_eq!(backend.key_counts(&from, &key).unwrap().depth, 0);
+    true
+}
+
+#[test]
+fn a_rerun_moves_its_keys_past_a_shard_that_stopped_answering() {
+    let mut pinned = 0;
+    for crash_at in 1..=20 {
+        pinned += u32::from(rerun_past_a_dead_bystander(crash_at));
+    }
+    assert!(
+        pinned > 0,
+        "no kill came after the pinned map (the test lost its point)"
     );
 }
