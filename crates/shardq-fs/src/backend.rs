@@ -60,11 +60,15 @@ const TRANSFERS_FILE_BYTES_MAX: u64 = 64 << 20;
 /// File in a shard's directory: one JSON line per key a move purged here,
 /// `{"key": KEY, "ids": [ID, ...]}` (the ids it deleted, whose copies run on
 /// the key's new shard), oldest first, so that an id from before a move
-/// still answers where its job went ([`QueueBackend::moved_away`]). Kept
-/// within twice the bounds of [`MovedAway`] by a rewrite.
+/// still answers where its job went ([`QueueBackend::moved_away`]). Once
+/// past [`MOVED_FILE_REWRITE_BYTES`] it is rewritten with what the bounds
+/// of [`MovedAway`] keep; a line holds at most `MOVED_IDS_KEPT` ids.
 pub const MOVED_FILE: &str = "moved.jsonl";
-/// Largest moved file read.
-const MOVED_FILE_BYTES_MAX: u64 = 64 << 20;
+/// Size past which the moved file is cut back to the bounds (an id takes
+/// at most 21 bytes, so the ids a cut file keeps take at most 42 MB).
+const MOVED_FILE_REWRITE_BYTES: u64 = 48 << 20;
+/// Largest moved file read: a full one plus one line.
+const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
 
 /// One line of [`MOVED_FILE`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -1588,10 +1592,14 @@ impl FsBackend {
             .collect())
     }
 
-    /// Appends `line` to [`MOVED_FILE`] and makes it durable; past twice
-    /// the bounds of [`MovedAway`] the file is rewritten with what they
-    /// keep.
-    fn note_moved(&self, shard: &Shard, line: MovedLine) -> Result<(), QueueError> {
+    /// Appends `line` to [`MOVED_FILE`] and makes it durable; past
+    /// [`MOVED_FILE_REWRITE_BYTES`] the file is rewritten with what the
+    /// bounds of [`MovedAway`] keep.
+    fn note_moved(&self, shard: &Shard, mut line: MovedLine) -> Result<(), QueueError> {
+        if line.ids.len() > MOVED_IDS_KEPT {
+            let cut = line.ids.len() - MOVED_IDS_KEPT;
+            line.ids.drain(..cut);
+        }
         let path = shard.dir.join(MOVED_FILE);
         let io = |e| QueueError::io(format!("writing {}", path.display()), e);
         let mut text = serde_json::to_vec(&line).map_err(|e| QueueError::Internal {
@@ -1607,9 +1615,10 @@ impl FsBackend {
         }
         file.append(&text).map_err(io)?;
         file.sync().map_err(io)?;
-        let lines = self.read_moved(shard)?;
-        let ids: usize = lines.iter().map(|l| l.ids.len()).sum();
-        if lines.len() > 2 * MOVED_KEYS_KEPT || ids > 2 * MOVED_IDS_KEPT {
+        // Read back and cut only once large: a rebalance purges many keys,
+        // and each purge must not read the whole file.
+        if file.len().map_err(io)? > MOVED_FILE_REWRITE_BYTES {
+            let lines = self.read_moved(shard)?;
             let mut kept = Vec::new();
             let (mut n, mut total) = (0usize, 0usize);
             for l in lines.iter().rev() {
