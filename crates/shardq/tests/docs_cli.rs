@@ -118,7 +118,11 @@ fn help(path: &[&str]) -> String {
     let mut args: Vec<&str> = path.to_vec();
     args.push("--help");
     let o = Command::new(BIN).args(&args).output().unwrap();
-    assert!(o.status.success(), "shardq {} --help failed", path.join(" "));
+    assert!(
+        o.status.success(),
+        "shardq {} --help failed",
+        path.join(" ")
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
@@ -140,17 +144,18 @@ fn subcommands(help: &str) -> Vec<String> {
 #[test]
 fn every_documented_command_and_option_exists() {
     let shown = documented();
-    assert!(shown.len() >= 30, "found only {} documented commands", shown.len());
+    assert!(
+        shown.len() >= 30,
+        "found only {} documented commands",
+        shown.len()
+    );
     let mut helps: BTreeMap<Vec<String>, String> = BTreeMap::new();
     let mut problems = Vec::new();
     for s in &shown {
         // The command path: each word the current command lists as one of
         // its subcommands (options of a parent may come before a child).
         let mut path: Vec<String> = Vec::new();
-        let mut texts = vec![helps
-            .entry(Vec::new())
-            .or_insert_with(|| help(&[]))
-            .clone()];
+        let mut texts = vec![helps.entry(Vec::new()).or_insert_with(|| help(&[])).clone()];
         for w in &s.words {
             if w.starts_with('-') {
                 continue;
@@ -233,10 +238,7 @@ fn runs_here(words: &[String]) -> bool {
         "chx",
         "--stdin",
     ];
-    RUN.contains(&words[0].as_str())
-        && !words
-            .iter()
-            .any(|w| outside.iter().any(|o| w.contains(o)))
+    RUN.contains(&words[0].as_str()) && !words.iter().any(|w| outside.iter().any(|o| w.contains(o)))
 }
 
 #[test]
