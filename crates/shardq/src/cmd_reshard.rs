@@ -37,6 +37,34 @@ pub struct MoveOpts {
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
+    /// CPU niceness of the move (0 to 19): the copy yields the CPU to the
+    /// processes serving producers and workers, so a move costs their calls
+    /// less; it takes longer on a busy machine. 0 keeps this process's own.
+    #[arg(long, default_value_t = NICE_DEFAULT, value_parser = clap::value_parser!(u8).range(0..=19))]
+    nice: u8,
+}
+
+/// Default niceness of a move run from the command line.
+const NICE_DEFAULT: u8 = 10;
+
+/// Lowers this thread's CPU priority by `nice` (Linux: per thread), so a
+/// long copy runs in the background of the processes serving producers. A
+/// refusal costs nothing but the effect.
+fn lower_priority(nice: u8) {
+    if nice == 0 {
+        return;
+    }
+    // SAFETY: plain system calls on this thread's own id; no memory is
+    // shared with them.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        let _ = libc::setpriority(
+            libc::PRIO_PROCESS,
+            tid,
+            now.max(0).saturating_add(i32::from(nice)).min(19),
+        );
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -253,6 +281,7 @@ fn shards_without_owner(deployment: &Deployment) -> Vec<String> {
 }
 
 fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
+    lower_priority(opts.nice);
     let options = RebalanceOptions {
         batch: opts.batch,
         drain_timeout_ms: opts.drain_timeout_ms,
