@@ -31,6 +31,10 @@ use crate::reshard::{MapStore, ReshardError};
 pub const PAUSE_WAIT_MS_DEFAULT: u64 = 30_000;
 /// Default longest wait for a newer map after being fenced.
 pub const FENCE_WAIT_MS_DEFAULT: u64 = 30_000;
+/// How long a producer waits for a newer map after a fence before it
+/// checks for a rebalance that died before publishing one
+/// ([`crate::reshard::lift_orphaned_fence`]), and then between checks.
+pub const ORPHAN_FENCE_AFTER_MS: u64 = 2_000;
 /// Default interval between map freshness checks.
 pub const REFRESH_MS_DEFAULT: u64 = 100;
 /// Sleep between retries of a refused enqueue.
@@ -295,6 +299,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let mut paused_since: BTreeMap<String, u64> = BTreeMap::new();
         let mut hops: BTreeMap<String, u32> = BTreeMap::new();
         let mut gave_up: Vec<(String, String)> = Vec::new();
+        let mut last_heal_ms = 0u64;
         while !pending.is_empty() {
             let version = self.router.version();
             // Taken out for this round (groups borrow it), put back after.
@@ -449,6 +454,23 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             if let Some(shard) = fenced {
                 if !self.reload()? {
                     let waited_ms = clock.now_ms().saturating_sub(started_ms);
+                    // A fence no map follows for a while: its rebalance may
+                    // have died between the two; lifted when no rebalance
+                    // runs (at most one try per interval).
+                    if waited_ms >= ORPHAN_FENCE_AFTER_MS
+                        && waited_ms >= last_heal_ms.saturating_add(ORPHAN_FENCE_AFTER_MS)
+                    {
+                        last_heal_ms = waited_ms;
+                        // Its failure (a shard not answering) changes nothing:
+                        // the wait goes on.
+                        if matches!(
+                            crate::reshard::lift_orphaned_fence(&*self.backend, &*self.store),
+                            Ok(true)
+                        ) {
+                            self.reload()?;
+                            continue;
+                        }
+                    }
                     if waited_ms >= self.options.fence_wait_ms {
                         return Err(ProduceError::FencedTooLong {
                             shard,

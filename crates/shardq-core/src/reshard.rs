@@ -766,6 +766,37 @@ pub struct PlannedMove {
     pub jobs: u64,
 }
 
+/// Ends the fence of a rebalance that died between fencing every shard at
+/// the next map version and publishing that version (phase 1): its shards
+/// refuse every producer until a map at least that new is published. When
+/// no rebalance holds the lock and some shard's fence is ahead of the
+/// published map, the published map is published again, unchanged but for
+/// a version that reaches every fence, so producers route as before and go
+/// in. A rebalance that only stalled (its lock lapsed) then fails its own
+/// publish (the version moved on) and publishes nothing of what it
+/// planned. Returns whether it published; `Ok(false)` when a rebalance is
+/// running (it will publish) or no fence is ahead.
+pub fn lift_orphaned_fence<B: QueueBackend + ?Sized>(
+    backend: &B,
+    store: &dyn MapStore,
+) -> Result<bool, ReshardError> {
+    let _lock = match store.try_lock_rebalance() {
+        Ok(lock) => lock,
+        Err(ReshardError::Busy { .. }) => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let cur = store.load()?;
+    let mut ahead = cur.version;
+    for shard in &cur.shards {
+        ahead = ahead.max(backend.fence(&shard.name)?.map_version_min);
+    }
+    if ahead <= cur.version {
+        return Ok(false);
+    }
+    publish_next(store, &cur, &with_version(&cur, ahead))?;
+    Ok(true)
+}
+
 /// Every key with work whose owner differs between `cur` and `target`.
 pub fn plan_moves<B: QueueBackend + KeyInventory + ?Sized>(
     backend: &B,

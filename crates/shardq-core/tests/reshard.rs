@@ -345,6 +345,62 @@ fn a_redirect_loop_is_a_clear_error_not_an_endless_loop() {
     p.enqueue(&NewJob::new("t-2", "x")).unwrap();
 }
 
+/// A rebalance that died after fencing every shard at the next version and
+/// before publishing it leaves every producer refused: a producer that
+/// finds no newer map for a while, and no rebalance running, publishes the
+/// map again at the fenced version (routing unchanged) and goes in. While
+/// a rebalance holds the lock, nothing is published (it will publish), and
+/// a stalled rebalance's own publish then fails.
+#[test]
+fn a_fence_whose_rebalance_died_before_publishing_is_lifted() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let v = store.load().unwrap().version;
+    for shard in ["s0", "s1"] {
+        let mut fence = backend.fence(shard).unwrap();
+        fence.map_version_min = v + 1;
+        backend.set_fence(shard, &fence).unwrap();
+    }
+    // A rebalance still holds the lock: no lift, the producer waits and
+    // is refused in the end.
+    let lock = store.try_lock_rebalance().unwrap();
+    assert!(!reshard::lift_orphaned_fence(&backend, &store).unwrap());
+    let clock = Arc::new(shardq_core::ManualClock::new(1_700_000_000_000));
+    let opts = || ProducerOptions {
+        fence_wait_ms: 10_000,
+        clock: clock.clone(),
+        ..ProducerOptions::default()
+    };
+    let mut p = Producer::new(Arc::new(backend.clone()), Arc::new(store.clone()), opts()).unwrap();
+    let err = p.enqueue(&NewJob::new("t-1", "held")).unwrap_err();
+    assert!(matches!(err, ProduceError::FencedTooLong { .. }), "{err}");
+    assert_eq!(
+        store.load().unwrap().version,
+        v,
+        "published while a rebalance ran"
+    );
+    // The rebalance is gone: the next producer goes in, routed as before.
+    let router = Router::new(store.load().unwrap()).unwrap();
+    drop(lock);
+    let mut p = Producer::new(Arc::new(backend.clone()), Arc::new(store.clone()), opts()).unwrap();
+    let placed = p.enqueue(&NewJob::new("t-1", "in")).unwrap();
+    assert_eq!(placed.shard, router.route("t-1"));
+    let now = store.load().unwrap();
+    assert_eq!(now.version, v + 1);
+    assert_eq!(now.shards, router.map().shards, "the routing is unchanged");
+    // A rebalance that planned on version v can no longer publish.
+    let stale = store.publish(
+        &ShardMap {
+            version: v + 1,
+            ..now.clone()
+        },
+        v,
+    );
+    assert!(
+        stale.is_err(),
+        "a stalled rebalance published over the lift"
+    );
+}
+
 #[test]
 fn only_one_rebalance_at_a_time() {
     let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap());
