@@ -32,7 +32,7 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
-from .http import ClaimedJob, Client, Enqueued, JobInfo, NewJob, Retry, Worker, WorkerStats
+from .http import ClaimedJob, Client, Enqueued, JobInfo, Moved, NewJob, Retry, Worker, WorkerStats
 
 # The asyncio clients need aiohttp, the direct Redis producer redis-py and
 # the reference router (two thirds of the import time of this package):
@@ -74,6 +74,7 @@ __all__ = [
     "Job",
     "JobInfo",
     "JobNotCancelled",
+    "Moved",
     "NewJob",
     "PartialEnqueue",
     "PausedTooLong",

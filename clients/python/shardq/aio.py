@@ -48,6 +48,7 @@ from .http import (
     Enqueued,
     JobInfo,
     JobLike,
+    Moved,
     NewJob,
     Payload,
     WorkerStats,
@@ -220,6 +221,11 @@ class AsyncClient:
         """:meth:`shardq.Client.job` from asyncio code."""
         status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
         return None if status == 404 else JobInfo._of(doc)
+
+    async def moved(self, id: str) -> Optional[Moved]:
+        """:meth:`shardq.Client.moved` from asyncio code."""
+        status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return Moved._of(doc) if status == 404 else None
 
     async def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
         """:meth:`shardq.Client.key_jobs` from asyncio code."""

@@ -562,6 +562,22 @@ def _check_batch_limits(batch_max: int, batch_bytes_max: int) -> None:
         raise ConfigError(f"invalid batch_bytes_max {batch_bytes_max!r}: at least 1")
 
 
+class Moved(NamedTuple):
+    """A job that left its shard with its key in a rebalance: the key, and
+    the shard the key is on now (``GET /v1/jobs/{id}`` answers 404 with a
+    ``moved`` object)."""
+
+    key: str
+    shard: str
+
+    @staticmethod
+    def _of(doc: Any) -> "Optional[Moved]":
+        m = doc.get("moved") if isinstance(doc, Mapping) else None
+        if not isinstance(m, Mapping):
+            return None
+        return Moved(key=str(m["key"]), shard=str(m["shard"]))
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """A live job as ``GET /v1/jobs/{id}`` shows it: ``state`` is
@@ -699,6 +715,15 @@ class Client:
         moved away with its key, or never existed)."""
         status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
         return None if status == 404 else JobInfo._of(doc)
+
+    def moved(self, id: str) -> Optional[Moved]:
+        """Where job ``id`` went when it left its shard with its key in a
+        rebalance (its old id is no longer live; its copy has a new id on
+        the key's new shard, where :meth:`key_jobs` lists it); ``None`` for
+        a live job, and for one that finished, was cancelled, or never
+        existed."""
+        status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return Moved._of(doc) if status == 404 else None
 
     def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
         """``key``'s live jobs in key order (its run in flight, queued,

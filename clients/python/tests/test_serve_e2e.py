@@ -20,9 +20,9 @@ import threading
 import time
 from typing import Any, Dict, List, Tuple
 
-from shardq import ClaimedJob, Client, NewJob, Worker
+from shardq import AsyncClient, ClaimedJob, Client, Moved, NewJob, Worker
 
-from support import WAIT_S, check_order_and_completeness, jobs_for, read_lines, stop_process, wait_until
+from support import WAIT_S, check_order_and_completeness, jobs_for, read_lines, shardq, stop_process, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -254,6 +254,33 @@ def test_a_sigkilled_server_remembers_every_dedup_id_it_acknowledged(serve):
     assert [g.id for g in again] == [p.id for p in placed]
     stored = serve.totals()["ready"]
     assert n <= stored <= n + kills * batch, (stored, n)
+
+
+def test_an_id_from_before_a_move_says_where_its_job_went(serve):
+    """A key's jobs moved to another shard by a rebalance: their old ids are
+    no longer live, and ``moved`` names the key and the shard it is on now,
+    where ``key_jobs`` lists the jobs (sync and async clients alike); a live
+    job's id and a finished one's answer ``None``."""
+    import asyncio
+
+    with Client([serve.url]) as c:
+        ids = [c.enqueue("mv-k", f"p{i}".encode()).id for i in range(3)]
+        old = ids[0].split(":")[0]
+        new = next(f"shard-{i}" for i in range(4) if f"shard-{i}" != old)
+        assert c.moved(ids[0]) is None, "a live job did not move"
+        shardq("pin", "--data", serve.data, "mv-k", new)
+        shardq("rebalance", "--data", serve.data)
+        assert c.job(ids[1]) is None
+        assert c.moved(ids[1]) == Moved(key="mv-k", shard=new)
+        assert [j.payload for j in c.key_jobs("mv-k")] == [b"p0", b"p1", b"p2"]
+        assert all(j.shard == new for j in c.key_jobs("mv-k"))
+        assert c.moved(f"{old}:999999999") is None, "an id never handed out"
+
+    async def via_async() -> Any:
+        async with AsyncClient([serve.url]) as ac:
+            return await ac.moved(ids[2])
+
+    assert asyncio.run(via_async()) == Moved(key="mv-k", shard=new)
 
 
 def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
