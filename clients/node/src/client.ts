@@ -13,7 +13,7 @@
 
 import { randomUUID } from "node:crypto";
 
-import { backoffMs, ENQUEUE_SERVER_WAIT_MS, normaliseUrls, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
+import { backoffMs, ENQUEUE_SERVER_WAIT_MS, normaliseUrls, NotFoundReply, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
 
 export type Payload = string | Uint8Array;
 
@@ -145,6 +145,12 @@ function positive(value: number, name: string, min: number): number {
 }
 
 /** A live job as `GET /v1/jobs/{id}` shows it. */
+/** A job that left its shard with its key in a rebalance: the key, and the shard it is on now. */
+export interface Moved {
+  key: string;
+  shard: string;
+}
+
 export interface JobInfo {
   /** `SHARD:ID`. */
   id: string;
@@ -252,6 +258,22 @@ export class Client {
     return doc === undefined ? undefined : jobInfo(doc, url);
   }
 
+  /**
+   * Where job `id` went when it left its shard with its key in a rebalance
+   * (its old id is no longer live; its copy has a new id on the key's new
+   * shard, where `keyJobs` lists it): the key and the shard it is on now.
+   * `undefined` for a live job, and for one that finished, was cancelled,
+   * or never existed.
+   */
+  async moved(id: string): Promise<Moved | undefined> {
+    const [doc] = await this.read("GET", `/v1/jobs/${encodeURIComponent(id)}`, undefined, "body");
+    if (!(doc instanceof NotFoundReply)) return undefined;
+    const m = doc.doc["moved"];
+    if (m === null || typeof m !== "object") return undefined;
+    const { key, shard } = m as Record<string, unknown>;
+    return typeof key === "string" && typeof shard === "string" ? { key, shard } : undefined;
+  }
+
   /** `key`'s live jobs in key order: its run in flight, queued, delayed and dead jobs; at most `limit` (1 to 1000). */
   async keyJobs(key: string, limit = 100): Promise<JobInfo[]> {
     if (!Number.isSafeInteger(limit) || limit < 1 || limit > KEY_JOBS_MAX) {
@@ -277,12 +299,12 @@ export class Client {
   }
 
   /** One read or change at the first server that answers (a 404 is an answer: `undefined`). */
-  private async read(method: string, path: string, body: unknown): Promise<[unknown, string]> {
+  private async read(method: string, path: string, body: unknown, notFound: true | "body" = true): Promise<[unknown, string]> {
     const causes: string[] = [];
     let last: ShardqError | undefined;
     for (const transport of this.transports) {
       try {
-        const doc = await transport.send(method, path, body, { serverWaitMs: READ_SERVER_WAIT_MS }, true);
+        const doc = await transport.send(method, path, body, { serverWaitMs: READ_SERVER_WAIT_MS }, notFound);
         return [doc, transport.base + path];
       } catch (err) {
         if (!(err instanceof ShardqError) || !err.retryable) throw err;

@@ -190,7 +190,12 @@ export class Transport {
    * none): the parsed JSON reply, or `undefined` for a 404 when `notFound`
    * says one is an answer.
    */
-  async send(method: string, path: string, body: unknown, opts: PostOptions, notFound = false): Promise<unknown> {
+  /**
+   * One request. `notFound`: `true` answers a 404 with `undefined`,
+   * `"body"` with a `NotFoundReply` holding the server's JSON, `false`
+   * throws it like any other status.
+   */
+  async send(method: string, path: string, body: unknown, opts: PostOptions, notFound: boolean | "body" = false): Promise<unknown> {
     const text = body === undefined ? "" : typeof body === "string" ? body : JSON.stringify(body);
     const payload = Buffer.from(text, "utf8");
     const timeoutMs = opts.timeoutMs ?? opts.serverWaitMs + this.marginMs;
@@ -207,6 +212,15 @@ export class Transport {
       } catch (again) {
         throw this.noResponse(method, url, again instanceof ResetOnReuse ? again.cause : again);
       }
+    }
+    if (notFound === "body" && res.status === 404) {
+      let doc: unknown = undefined;
+      try {
+        doc = JSON.parse(res.text);
+      } catch {
+        // Not JSON: the reply says nothing more.
+      }
+      return new NotFoundReply(doc !== null && typeof doc === "object" ? (doc as Record<string, unknown>) : {});
     }
     if (notFound && res.status === 404) return undefined;
     return parseReply(method, url, res.status, res.statusText, res.text);
@@ -278,6 +292,11 @@ class ResetOnReuse extends Error {
   constructor(override readonly cause: Error) {
     super(cause.message);
   }
+}
+
+/** A 404 answer and the JSON the server sent with it. */
+export class NotFoundReply {
+  constructor(readonly doc: Record<string, unknown>) {}
 }
 
 function parseReply(method: string, url: string, status: number, statusText: string, text: string): unknown {

@@ -7,6 +7,7 @@ import { test } from "node:test";
 
 import { BadRequest, Client, ShardqError, Worker } from "../src/index.js";
 import { cluster, collectingLogger, until } from "../test-support/cluster.js";
+import { shardq } from "../test-support/shardq-bin.js";
 
 test("enqueueMany splits by bytes: twenty valid ~1 MiB jobs go in under the 16 MiB body limit", { timeout: 120_000 }, async () => {
   const c = await cluster(2, 1);
@@ -54,6 +55,29 @@ test("batchJobsMax and batchBytesMax follow a server's --jobs-per-request-max an
       new Client([s.url], { batchJobsMax: 10, batchBytesMax: 20000 }).enqueue("huge", "z".repeat(30_000)),
       (err: unknown) => err instanceof ShardqError && err.status === 413,
     );
+  } finally {
+    await c.close();
+  }
+});
+
+test("an id from before a move says where its job went", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    const placed = await client.enqueueMany(["p0", "p1", "p2"].map((p) => ({ key: "mv-k", payload: p })));
+    const ids = placed.map((p) => String(p.id));
+    const old = ids[0]!.split(":")[0]!;
+    const to = old === "shard-0" ? "shard-1" : "shard-0";
+    assert.equal(await client.moved(ids[0]!), undefined, "a live job did not move");
+    shardq(["pin", "--data", c.data, "mv-k", to]);
+    shardq(["rebalance", "--data", c.data]);
+    assert.equal(await client.job(ids[1]!), undefined);
+    assert.deepEqual(await client.moved(ids[1]!), { key: "mv-k", shard: to });
+    const now = await client.keyJobs("mv-k");
+    assert.deepEqual(now.map((j) => j.payload.toString()), ["p0", "p1", "p2"]);
+    assert.ok(now.every((j) => j.shard === to));
+    assert.equal(await client.moved(`${old}:999999999`), undefined, "an id never handed out");
   } finally {
     await c.close();
   }
