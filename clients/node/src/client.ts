@@ -144,13 +144,13 @@ function positive(value: number, name: string, min: number): number {
   return value;
 }
 
-/** A live job as `GET /v1/jobs/{id}` shows it. */
 /** A job that left its shard with its key in a rebalance: the key, and the shard it is on now. */
 export interface Moved {
   key: string;
   shard: string;
 }
 
+/** A live job as `GET /v1/jobs/{id}` shows it. */
 export interface JobInfo {
   /** `SHARD:ID`. */
   id: string;

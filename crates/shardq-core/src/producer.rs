@@ -300,6 +300,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let mut hops: BTreeMap<String, u32> = BTreeMap::new();
         let mut gave_up: Vec<(String, String)> = Vec::new();
         let mut last_heal_ms = 0u64;
+        let mut fenced_since: Option<u64> = None;
         while !pending.is_empty() {
             let version = self.router.version();
             // Taken out for this round (groups borrow it), put back after.
@@ -452,15 +453,21 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 break;
             }
             if let Some(shard) = fenced {
-                if !self.reload()? {
+                if self.reload()? {
+                    hops.clear();
+                } else {
                     let waited_ms = clock.now_ms().saturating_sub(started_ms);
                     // A fence no map follows for a while: its rebalance may
                     // have died between the two; lifted when no rebalance
-                    // runs (at most one try per interval).
-                    if waited_ms >= ORPHAN_FENCE_AFTER_MS
-                        && waited_ms >= last_heal_ms.saturating_add(ORPHAN_FENCE_AFTER_MS)
+                    // runs (at most one try per interval, counted from the
+                    // first fence this call met).
+                    let fenced_ms = clock
+                        .now_ms()
+                        .saturating_sub(*fenced_since.get_or_insert(clock.now_ms()));
+                    if fenced_ms >= ORPHAN_FENCE_AFTER_MS
+                        && fenced_ms >= last_heal_ms.saturating_add(ORPHAN_FENCE_AFTER_MS)
                     {
-                        last_heal_ms = waited_ms;
+                        last_heal_ms = fenced_ms;
                         // Its failure (a shard not answering) changes nothing:
                         // the wait goes on.
                         if matches!(

@@ -786,9 +786,13 @@ pub fn lift_orphaned_fence<B: QueueBackend + ?Sized>(
         Err(e) => return Err(e),
     };
     let cur = store.load()?;
+    // A shard that cannot be read is passed by: the routing does not
+    // change, so the version the readable fences ask for is safe to publish.
     let mut ahead = cur.version;
     for shard in &cur.shards {
-        ahead = ahead.max(backend.fence(&shard.name)?.map_version_min);
+        if let Ok(fence) = backend.fence(&shard.name) {
+            ahead = ahead.max(fence.map_version_min);
+        }
     }
     if ahead <= cur.version {
         return Ok(false);
@@ -1292,6 +1296,10 @@ where
                     )?;
                     backend.purge_key(&shard.name, key)?;
                     let mut f = backend.fence(&shard.name)?;
+                    // The floor is raised in the same write: unsealed
+                    // under an older one, the key would take a stale
+                    // producer's job here, where it no longer runs.
+                    f.map_version_min = f.map_version_min.max(cur.version);
                     f.unseal(key);
                     backend.set_fence(&shard.name, &f)?;
                     Ok(())

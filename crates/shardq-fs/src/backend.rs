@@ -189,6 +189,10 @@ struct Shard {
     dir: PathBuf,
     inner: Mutex<Inner>,
     sync: Syncer,
+    /// [`MOVED_FILE`] as last read, with the length it had then: read again
+    /// only once it changed (a lookup of an id that is not live must not
+    /// parse the file each time).
+    moved: Mutex<Option<(u64, Arc<MovedAway>)>>,
 }
 
 type Shards = RwLock<BTreeMap<String, Arc<Shard>>>;
@@ -314,6 +318,7 @@ impl FsBackend {
                 last_sync_ms: Mutex::new(self.opts.clock.now_ms()),
                 failed: AtomicBool::new(false),
             },
+            moved: Mutex::new(None),
         });
         map.insert(name.to_string(), Arc::clone(&shard));
         Ok(shard)
@@ -1469,10 +1474,30 @@ impl QueueBackend for FsBackend {
 
     fn moved_away(&self, name: &str, id: JobId) -> Result<Option<String>, QueueError> {
         let shard = self.shard(name)?;
-        let mut moved = MovedAway::default();
-        for line in self.read_moved(&shard)? {
-            moved.note(&line.key, line.ids);
-        }
+        let path = shard.dir.join(MOVED_FILE);
+        let len = match self.opts.storage.open(&path, false) {
+            Ok(file) => file
+                .len()
+                .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(QueueError::io(format!("reading {}", path.display()), e)),
+        };
+        let cached = lock(&shard.moved)
+            .as_ref()
+            .filter(|(at, _)| *at == len)
+            .map(|(_, m)| Arc::clone(m));
+        let moved = match cached {
+            Some(m) => m,
+            None => {
+                let mut m = MovedAway::default();
+                for line in self.read_moved(&shard)? {
+                    m.note(&line.key, line.ids);
+                }
+                let m = Arc::new(m);
+                *lock(&shard.moved) = Some((len, Arc::clone(&m)));
+                m
+            }
+        };
         Ok(moved.key_of(id.0).map(str::to_string))
     }
 

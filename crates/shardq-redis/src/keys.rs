@@ -111,8 +111,9 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 ///   shard `from` copied into this shard for that key (a move's cursor:
 ///   an import skips what it already took).
 ///
-/// * `moved` list: per purge of a key moved away, `<count>|<key
-///   length>|<key>,<id>,...,` (the ids it deleted), oldest first, within
+/// * `moved` list: per purge of a key moved away, `<count>|<lowest
+///   id>|<highest id>|<key length>|<key>,<id>,...,` (the ids it deleted; a
+///   lookup reads only the entries whose range holds the id), oldest first, within
 ///   `MOVED_KEYS_KEPT` entries and `MOVED_IDS_KEPT` ids (`movedn` in
 ///   `meta` counts them), so an id from before a move answers where its
 ///   job went.

@@ -952,15 +952,27 @@ if q.h == 0 and dead > 0 and n < max then
   if dead > 0 then redis.call('HSET', K_DEADN, k, dead) else redis.call('HDEL', K_DEADN, k) end
 end
 -- The ids deleted are remembered as moved away with the key (`moved`:
--- `<count>|<key length>|<key>,<id>,...,` per call), the oldest entries
--- dropped past MOVED_KEYS_KEPT entries or MOVED_IDS_KEPT ids.
+-- `<count>|<lowest id>|<highest id>|<key length>|<key>,<id>,...,` per
+-- call), the oldest entries dropped past MOVED_KEYS_KEPT entries or
+-- MOVED_IDS_KEPT ids (`movedn` in meta counts them).
 if n > 0 then
-  redis.call('RPUSH', K_MOVED, n .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ',')
-  local total = redis.call('HINCRBY', K_META, 'movedn', n)
-  while redis.call('LLEN', K_MOVED) > 1 and (redis.call('LLEN', K_MOVED) > MOVED_KEYS_KEPT or total > MOVED_IDS_KEPT) do
-    local old = redis.call('LPOP', K_MOVED)
-    total = redis.call('HINCRBY', K_META, 'movedn', -tonumber(string.match(old, '^(%d+)|')))
+  local lo, hi = math.huge, 0
+  for _, ids in ipairs(gone) do
+    local x = tonumber(ids)
+    if x < lo then lo = x end
+    if x > hi then hi = x end
   end
+  redis.call('RPUSH', K_MOVED, n .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ',')
+  local total = redis.call('HINCRBY', K_META, 'movedn', n)
+  local len = redis.call('LLEN', K_MOVED)
+  while len > 1 and (len > MOVED_KEYS_KEPT or total > MOVED_IDS_KEPT) do
+    local old = redis.call('LPOP', K_MOVED)
+    total = redis.call('HINCRBY', K_META, 'movedn', -(tonumber(string.match(old, '^(%d+)|')) or 0))
+    len = len - 1
+  end
+  -- A count out of step with the list (the list lost by hand) is set
+  -- right once the list is down to this call's entry.
+  if len == 1 and total ~= n then redis.call('HSET', K_META, 'movedn', n) end
 end
 local more = 0
 if q.h ~= 0 or dead > 0 then more = 1 end
@@ -973,6 +985,7 @@ return {'OK', n, more}
 const MOVED_AWAY: &str = r#"
 local K_MOVED = KEYS[18]
 local needle = ',' .. ARGV[5] .. ','
+local id = tonumber(ARGV[5])
 local n = redis.call('LLEN', K_MOVED)
 local hi = n - 1
 while hi >= 0 do
@@ -980,8 +993,8 @@ while hi >= 0 do
   local page = redis.call('LRANGE', K_MOVED, lo, hi)
   for i = #page, 1, -1 do
     local e = page[i]
-    local len, p = string.match(e, '^%d+|(%d+)|()')
-    if len then
+    local lo, hi, len, p = string.match(e, '^%d+|(%d+)|(%d+)|(%d+)|()')
+    if len and id >= tonumber(lo) and id <= tonumber(hi) then
       local keyend = p + tonumber(len) - 1
       if string.find(e, needle, keyend + 1, true) then
         return {'OK', string.sub(e, p, keyend)}

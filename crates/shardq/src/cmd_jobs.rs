@@ -167,6 +167,9 @@ fn print_job(shard: &str, j: &JobInfo) {
     }
 }
 
+/// Why an id that no shard remembers as moved is not live.
+const NOT_LIVE_WHY: &str = "it finished, was cancelled, moved away with its key longer ago than its shard remembers, or never existed";
+
 /// What `job show` and `job cancel` say of a job that left its shard with
 /// its key.
 fn moved_text(id: &str, key: &str, now: &str) -> String {
@@ -190,18 +193,15 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 Some(j) if json => println!("{}", job_value(&shard, j)),
                 Some(j) => print_job(&shard, &j),
                 None => {
-                    let moved = deployment
-                        .moved_job(&shard, job)
-                        .with_context(|| format!("looking up where job {id} went"))?;
+                    // Where it went is a courtesy: a failed lookup says no more.
+                    let moved = deployment.moved_job(&shard, job).unwrap_or(None);
                     match moved {
                         Some((key, now)) if json => println!(
                             "{}",
                             json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })
                         ),
                         Some((key, now)) => eprintln!("shardq: {}", moved_text(&id, &key, &now)),
-                        None => eprintln!(
-                            "shardq: no live job {id}: it finished, was cancelled, or never existed"
-                        ),
+                        None => eprintln!("shardq: no live job {id}: {NOT_LIVE_WHY}"),
                     }
                     return Ok(ExitCode::from(1));
                 }
@@ -232,15 +232,12 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                     75,
                     format!("the key of job {id} is moving to another shard; nothing changed: cancel it by its id there once the move is done"),
                 ),
-                CancelOutcome::NotFound => match deployment
-                    .moved_job(&shard, job)
-                    .with_context(|| format!("looking up where job {id} went"))?
-                {
+                CancelOutcome::NotFound => match deployment.moved_job(&shard, job).unwrap_or(None) {
                     Some((key, now)) => ("moved", 1, moved_text(&id, &key, &now)),
                     None => (
                         "not_found",
                         1,
-                        format!("no live job {id}: it finished, was cancelled, or never existed"),
+                        format!("no live job {id}: {NOT_LIVE_WHY}"),
                     ),
                 },
             };

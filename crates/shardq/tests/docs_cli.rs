@@ -103,6 +103,9 @@ fn documented() -> Vec<Shown> {
                 .skip(1)
                 .take_while(|w| w != "--")
                 .collect();
+            if w.is_empty() {
+                continue;
+            }
             out.push(Shown {
                 file: name.clone(),
                 line: i + 1,

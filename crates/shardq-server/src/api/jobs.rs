@@ -103,14 +103,14 @@ fn not_live(app: &App, shard: &str, job: JobId, id: &str) -> ApiError {
             ),
         )
         .with("moved", json!({ "key": key, "shard": now })),
-        Ok(None) => ApiError::new(
+        // Where it went is a courtesy: a lookup that fails leaves the 404.
+        Ok(None) | Err(_) => ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
-                "id: no live job {}: it finished, was cancelled, or never existed",
+                "id: no live job {}: it finished, was cancelled, moved away with its key longer ago than this shard remembers, or never existed",
                 shown(id)
             ),
         ),
-        Err(e) => e.into(),
     }
 }
 
