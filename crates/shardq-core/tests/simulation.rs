@@ -1016,6 +1016,18 @@ fn the_real_pool_keeps_one_run_per_key_in_order_through_seeded_stalls() {
     }
 }
 
+/// The rebalance options of the single-key scenarios: small batches,
+/// waits on the simulated clock.
+fn single_key_opts(clock: &Arc<SimClock>) -> RebalanceOptions {
+    RebalanceOptions {
+        batch: 8,
+        drain_timeout_ms: 60_000,
+        poll_ms: 1,
+        clock: clock.clone(),
+        runner: "simulation".into(),
+    }
+}
+
 /// A producer, the jobs it sent so far, and the payloads it was told are stored.
 type Sending = (Producer<MemoryBackend>, u64, Vec<String>);
 
@@ -1060,13 +1072,7 @@ impl OneKeyMove {
         )
         .unwrap();
         let crashing = Crashing::new(backend.clone(), clock.clone());
-        let opts = RebalanceOptions {
-            batch: 8,
-            drain_timeout_ms: 60_000,
-            poll_ms: 1,
-            clock: clock.clone(),
-            runner: "simulation".into(),
-        };
+        let opts = single_key_opts(&clock);
         let m = OneKeyMove {
             key,
             clock,
@@ -1325,13 +1331,7 @@ fn rerun_past_a_dead_bystander(crash_at: u64) -> bool {
     }
     reshard::pin(&store, &key, to).unwrap();
     let crashing = Crashing::new(backend.clone(), clock.clone());
-    let opts = RebalanceOptions {
-        batch: 8,
-        drain_timeout_ms: 60_000,
-        poll_ms: 1,
-        clock: clock.clone(),
-        runner: "simulation".into(),
-    };
+    let opts = single_key_opts(&clock);
     crashing.crash_at.store(crash_at, Ordering::SeqCst);
     let _ = reshard::rebalance(&crashing, &store, &opts, &mut |_| {});
     let pinned = store.load().unwrap().version > v0;

@@ -549,6 +549,18 @@ fn hot_json_has_the_shape_of_the_api() {
     assert_eq!(keys, 5, "{v}");
 }
 
+/// Enqueues one job of `key` per payload through the CLI: the ids it printed.
+fn enqueue_each(d: &str, key: &str, payloads: &[&str]) -> Vec<String> {
+    payloads
+        .iter()
+        .map(|p| {
+            let (ok, out, err) = run(&["enqueue", "--data", d, "--key", key, "--payload", p]);
+            assert!(ok, "{err}");
+            out.trim().to_string()
+        })
+        .collect()
+}
+
 /// A job id from before its key moved still answers: `job show` and `job
 /// cancel` of it say which key it left with and the shard that key is on
 /// now (exit 1, with `--json` as an object), where `jobs --key` lists it.
@@ -558,14 +570,7 @@ fn a_job_id_from_before_a_move_says_where_its_job_went() {
     let data = dir.join("data");
     let d = data.to_str().unwrap();
     assert!(run(&["init", "--data", d, "--shards", "2"]).0);
-    let ids: Vec<String> = ["a", "b", "c"]
-        .iter()
-        .map(|p| {
-            let (ok, out, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
-            assert!(ok, "{err}");
-            out.trim().to_string()
-        })
-        .collect();
+    let ids = enqueue_each(d, "k", &["a", "b", "c"]);
     let from = ids[0].split(':').next().unwrap().to_string();
     let to = if from == "shard-0" {
         "shard-1"
@@ -616,14 +621,7 @@ fn an_operator_shows_lists_and_cancels_jobs_by_id() {
     let data = dir.join("data");
     let d = data.to_str().unwrap();
     assert!(run(&["init", "--data", d, "--shards", "2"]).0);
-    let ids: Vec<String> = ["a", "b", "c"]
-        .iter()
-        .map(|p| {
-            let (ok, out, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
-            assert!(ok, "{err}");
-            out.trim().to_string()
-        })
-        .collect();
+    let ids = enqueue_each(d, "k", &["a", "b", "c"]);
     let (ok, out, err) = run(&["job", "show", "--data", d, &ids[1], "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
