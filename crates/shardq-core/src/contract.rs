@@ -43,6 +43,26 @@ pub trait RewindHarness: ContractHarness {
 /// A job lease long enough never to lapse within one check.
 const LONG_LEASE_MS: u64 = 600_000;
 
+/// The retry rules every harness opens its backend with, for
+/// [`a_keys_retry_rule_decides_its_wait`]: keys starting with
+/// `contract-slow:` wait an hour after a failure, and the key
+/// `contract-slow:fast` (its own rule beats the prefix) a millisecond.
+pub fn retry_rules() -> crate::retry::RetryRules {
+    let fixed = |ms: u64| crate::retry::RetryPolicy {
+        max_attempts: 5,
+        backoff: crate::job::Backoff {
+            base_ms: ms,
+            max_ms: ms,
+            kind: crate::job::BackoffKind::Fixed,
+            jitter_pct: 0,
+        },
+    };
+    let mut r = crate::retry::RetryRules::default();
+    r.prefixes.insert("contract-slow:".into(), fixed(3_600_000));
+    r.keys.insert("contract-slow:fast".into(), fixed(1));
+    r
+}
+
 /// Runs every check.
 pub fn run_all(h: &dyn ContractHarness) {
     keys_start_in_enqueue_order(h);
@@ -63,6 +83,57 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_moving_key_freezes_only_once_copied(h);
     jobs_can_be_read_and_cancelled(h);
     a_running_job_cancelled_ends_with_its_run(h);
+    a_keys_retry_rule_decides_its_wait(h);
+}
+
+/// A failed attempt whose handler named no delay waits the backoff of its
+/// key's rule ([`retry_rules`]): the key's own rule over its longest
+/// prefix's, a prefix's over the backend's default; a delay the handler
+/// names wins over every rule.
+pub fn a_keys_retry_rule_decides_its_wait(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    let keys = [
+        "contract-slow:a",
+        "contract-slow:fast",
+        "plain",
+        "contract-slow:named",
+    ];
+    for k in keys {
+        enqueue(h, &shard, k, "x", 5);
+    }
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(runs.len(), keys.len());
+    let mut at = std::collections::BTreeMap::new();
+    for r in &runs {
+        let named = (r.key == "contract-slow:named").then_some(5);
+        match b.fail(&shard, r.receipt(), "down", named).expect("fail") {
+            crate::job::FailOutcome::Retry { at_ms } => at.insert(r.key.as_str(), at_ms),
+            other => panic!(
+                "{}: a first failure of five attempts must retry, got {other:?}",
+                r.key
+            ),
+        };
+    }
+    let (slow, fast, plain, named) = (
+        at["contract-slow:a"],
+        at["contract-slow:fast"],
+        at["plain"],
+        at["contract-slow:named"],
+    );
+    // The fails ran within a minute of each other on any harness.
+    assert!(
+        slow >= fast + 3_540_000,
+        "the prefix rule's hour: retry at {slow}, the key rule's 1 ms at {fast}"
+    );
+    assert!(
+        slow >= plain + 3_540_000 - crate::job::BACKOFF_MAX_MS_DEFAULT.min(60_000),
+        "a key without a rule must not wait its neighbour's hour: {plain} vs {slow}"
+    );
+    assert!(
+        named + 3_000_000 < slow,
+        "a delay the handler names beats the rule: {named} vs {slow}"
+    );
 }
 
 /// A key sealed for a move freezes only when no job of it is left above
@@ -1221,7 +1292,8 @@ mod tests {
     fn the_memory_backend_keeps_the_contract() {
         let clock = ManualClock::new(1_700_000_000_000);
         let h = Memory {
-            backend: MemoryBackend::new(&[], Arc::new(clock.clone())),
+            backend: MemoryBackend::new(&[], Arc::new(clock.clone()))
+                .with_retry_rules(retry_rules()),
             clock,
             next: AtomicUsize::new(0),
             saved: Default::default(),

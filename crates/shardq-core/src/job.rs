@@ -795,10 +795,16 @@ pub struct Backoff {
     pub jitter_pct: u8,
 }
 
-/// Default first retry delay (100 ms).
-pub const BACKOFF_BASE_MS_DEFAULT: u64 = 100;
-/// Default longest retry delay (60 s).
-pub const BACKOFF_MAX_MS_DEFAULT: u64 = 60_000;
+/// Default first retry delay (10 s): a job of the default five attempts
+/// keeps being tried for about two and a half minutes (10 + 20 + 40 + 80 s,
+/// less the jitter), near Celery's default of three retries three minutes
+/// apart, so a short outage downstream does not dead-letter its work.
+pub const BACKOFF_BASE_MS_DEFAULT: u64 = 10_000;
+/// Default longest retry delay (1 h), reached at the ninth failure.
+pub const BACKOFF_MAX_MS_DEFAULT: u64 = 3_600_000;
+/// Default jitter (up to 20% off each wait), so jobs that failed together
+/// (one outage) come back spread out.
+pub const BACKOFF_JITTER_PCT_DEFAULT: u8 = 20;
 
 impl Default for Backoff {
     fn default() -> Self {
@@ -806,7 +812,7 @@ impl Default for Backoff {
             base_ms: BACKOFF_BASE_MS_DEFAULT,
             max_ms: BACKOFF_MAX_MS_DEFAULT,
             kind: BackoffKind::Exponential,
-            jitter_pct: 0,
+            jitter_pct: BACKOFF_JITTER_PCT_DEFAULT,
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod memory;
 pub mod pool;
 pub mod producer;
 pub mod reshard;
+pub mod retry;
 
 pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
@@ -32,3 +33,4 @@ pub use pool::{
     current_run, Handler, HandlerError, PoolEvent, PoolOptions, PoolReport, RunContext, RunOutcome,
     WorkerPool,
 };
+pub use retry::{RetryPolicy, RetryRules, RetrySettings, RETRY_RULES_MAX};

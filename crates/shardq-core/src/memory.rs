@@ -19,6 +19,7 @@ use crate::job::{
     NewJob, Receipt, ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
+use crate::retry::RetryRules;
 
 #[derive(Debug, Clone)]
 struct StoredJob {
@@ -96,6 +97,7 @@ pub struct MemoryBackend {
     shards: Arc<Mutex<BTreeMap<String, ShardState>>>,
     clock: Arc<dyn Clock>,
     backoff: Backoff,
+    retry_rules: Arc<RetryRules>,
     dead_policy: DeadPolicy,
     /// Whether a rebalance moves backlogs (the default) or drains moving
     /// keys first, as a backend without the capability makes it do.
@@ -108,6 +110,13 @@ impl MemoryBackend {
     /// takes).
     pub fn draining_moves(mut self) -> MemoryBackend {
         self.moves_backlogs = false;
+        self
+    }
+
+    /// The same backend with per-key and per-prefix retry rules: a failed
+    /// run of a key with a rule waits its rule's backoff.
+    pub fn with_retry_rules(mut self, rules: RetryRules) -> MemoryBackend {
+        self.retry_rules = Arc::new(rules);
         self
     }
 
@@ -134,6 +143,7 @@ impl MemoryBackend {
                 max_ms: 10,
                 ..Backoff::default()
             },
+            retry_rules: Arc::default(),
             dead_policy: DeadPolicy::Continue,
             moves_backlogs: true,
         }
@@ -590,6 +600,9 @@ impl QueueBackend for MemoryBackend {
         self.owned(shard, |s| {
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
+            let backoff = (s.jobs.get(&receipt.id))
+                .and_then(|j| self.retry_rules.for_key(&j.key))
+                .map_or(backoff, |p| p.backoff);
             Ok(finish_failed(
                 s,
                 receipt.id,

@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::{MapStore, ReshardBackend};
-use shardq_core::{Backoff, Clock, Coordinator, QueueBackend, SystemClock};
+use shardq_core::{Clock, Coordinator, QueueBackend, RetrySettings, SystemClock};
 use shardq_fs::map_store::FileMapStore;
 use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
 use shardq_redis::{is_redis_url, RedisBackend, RedisMapStore, RedisOptions};
@@ -126,18 +126,19 @@ impl std::fmt::Debug for Deployment {
     }
 }
 
-/// The `retry` setting of `maps`, parsed and checked; `None` when unset.
-pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<Option<Backoff>, DeployError> {
+/// The `retry` setting of `maps`, parsed and checked; the defaults when
+/// unset.
+pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, DeployError> {
     let Some(text) = maps.load_setting(shardq_core::reshard::SETTING_RETRY)? else {
-        return Ok(None);
+        return Ok(RetrySettings::default());
     };
-    let b: Backoff = serde_json::from_str(&text).map_err(|e| {
+    let s = RetrySettings::parse(&text).map_err(|e| {
         DeployError::Invalid(format!(
             "the deployment's retry setting {text:?} does not parse ({e}); set it again with `shardq retry set`"
         ))
     })?;
-    b.validate()?;
-    Ok(Some(b))
+    s.validate()?;
+    Ok(s)
 }
 
 /// The kind of data dir `dir` is. An embedded data dir whose map names a
@@ -306,8 +307,11 @@ impl Deployment {
                 shardq_fs::layout::check(dir)?;
                 let maps: Arc<dyn MapStore> = Arc::new(FileMapStore::open(dir)?);
                 let mut engine = opts.engine.clone();
-                if let Some(b) = retry_setting(&*maps)? {
-                    engine.backoff = b;
+                let retry = retry_setting(&*maps)?;
+                // Unset: the caller's engine options stand.
+                if retry != RetrySettings::default() {
+                    engine.backoff = retry.default.backoff;
+                    engine.retry_rules = Arc::new(retry.rules);
                 }
                 let backend = Arc::new(FsBackend::new(dir, engine)?);
                 Ok(Deployment {
@@ -334,23 +338,21 @@ impl Deployment {
         }
     }
 
-    /// The deployment's retry backoff: its `retry` setting, or the
-    /// engine's default when none is set. Processes read it when they open
-    /// the deployment.
-    pub fn retry_policy(&self) -> Result<Backoff, DeployError> {
-        Ok(retry_setting(&*self.maps)?.unwrap_or_default())
+    /// The deployment's retry policies (its `retry` setting: a default and
+    /// per-key and per-prefix rules), or the defaults when none is set.
+    /// Processes read it when they open the deployment.
+    pub fn retry_settings(&self) -> Result<RetrySettings, DeployError> {
+        retry_setting(&*self.maps)
     }
 
-    /// Sets (or, with `None`, clears back to the default) the deployment's
-    /// retry backoff, checked first; workers and servers started after
-    /// this use it.
-    pub fn set_retry_policy(&self, policy: Option<&Backoff>) -> Result<(), DeployError> {
-        let text = match policy {
-            Some(b) => {
-                b.validate()?;
-                Some(serde_json::to_string(b).map_err(|e| DeployError::Invalid(e.to_string()))?)
-            }
-            None => None,
+    /// Stores the deployment's retry policies, checked first (the defaults
+    /// clear the setting); workers and servers started after this use them.
+    pub fn set_retry_settings(&self, settings: &RetrySettings) -> Result<(), DeployError> {
+        settings.validate()?;
+        let text = if *settings == RetrySettings::default() {
+            None
+        } else {
+            Some(serde_json::to_string(settings).map_err(|e| DeployError::Invalid(e.to_string()))?)
         };
         self.maps
             .store_setting(shardq_core::reshard::SETTING_RETRY, text.as_deref())?;

@@ -111,8 +111,11 @@ pub fn open(
     let map = store.load()?;
     check_all(&map, true)?;
     let mut opts = opts;
-    if let Some(b) = crate::retry_setting(&store)? {
-        opts.backoff = b;
+    let retry = crate::retry_setting(&store)?;
+    // Unset: the caller's options stand.
+    if retry != shardq_core::RetrySettings::default() {
+        opts.backoff = retry.default.backoff;
+        opts.retry_rules = Arc::new(retry.rules);
     }
     let backend = RedisBackend::open(&map, opts)?;
     let maps = Arc::new(RedisMaps {

@@ -29,7 +29,7 @@ use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
     FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedAway, MovedJob, NewJob,
-    QueueBackend, QueueError, Receipt, ShardStats, Stored, SystemClock, KEY_JOBS_MAX,
+    QueueBackend, QueueError, Receipt, RetryRules, ShardStats, Stored, SystemClock, KEY_JOBS_MAX,
     MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
@@ -121,8 +121,11 @@ pub struct EngineOptions {
     pub segment_bytes_max: u64,
     /// What a key does after a dead job.
     pub dead_policy: DeadPolicy,
-    /// Retry backoff.
+    /// Retry backoff of keys without a rule.
     pub backoff: Backoff,
+    /// Per-key and per-prefix retry policies: a failed run of a key with a
+    /// rule waits its rule's backoff instead.
+    pub retry_rules: Arc<RetryRules>,
     /// Time source.
     pub clock: Arc<dyn Clock>,
     /// Disk access.
@@ -152,6 +155,7 @@ impl Default for EngineOptions {
             segment_bytes_max: SEGMENT_BYTES_DEFAULT,
             dead_policy: DeadPolicy::Continue,
             backoff: Backoff::default(),
+            retry_rules: Arc::default(),
             clock: Arc::new(SystemClock),
             storage: Arc::new(OsStorage),
             append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
@@ -1098,9 +1102,9 @@ impl QueueBackend for FsBackend {
             };
             let dead = run.attempt >= run.max_attempts;
             let delay = retry_in_ms.unwrap_or_else(|| {
-                self.opts
-                    .backoff
-                    .delay_for(run.attempt, shardq_core::job::run_seed(receipt))
+                let backoff = (self.opts.retry_rules.for_key(run.key))
+                    .map_or(self.opts.backoff, |p| p.backoff);
+                backoff.delay_for(run.attempt, shardq_core::job::run_seed(receipt))
             });
             let retry_at_ms = now.saturating_add(delay);
             outcome = if dead {

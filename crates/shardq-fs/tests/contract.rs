@@ -44,6 +44,7 @@ fn the_embedded_engine_keeps_the_backend_contract() {
         &dir,
         EngineOptions {
             clock: Arc::new(clock.clone()),
+            retry_rules: Arc::new(contract::retry_rules()),
             ..EngineOptions::default()
         },
     )

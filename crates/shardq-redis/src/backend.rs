@@ -19,7 +19,7 @@ use redis::Value;
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob,
     DeadPolicy, DedupRecord, FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob,
-    NewJob, QueueBackend, QueueError, Receipt, ShardStats, Stored, KEY_JOBS_MAX,
+    NewJob, QueueBackend, QueueError, Receipt, RetryRules, ShardStats, Stored, KEY_JOBS_MAX,
     PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
@@ -81,8 +81,12 @@ pub struct RedisOptions {
     pub deployment: Option<String>,
     /// Queue name: the second part of every shard's hashtag.
     pub queue: String,
-    /// Retry backoff after a failed attempt.
+    /// Retry backoff after a failed attempt of a key without a rule.
     pub backoff: Backoff,
+    /// Per-key and per-prefix retry policies: a failed run of a key with a
+    /// rule waits its rule's backoff instead (the key is the one this
+    /// process claimed the run with).
+    pub retry_rules: Arc<RetryRules>,
     /// Whether a dead job halts its key.
     pub dead_policy: DeadPolicy,
     /// Largest payload accepted, in bytes.
@@ -119,6 +123,7 @@ impl Default for RedisOptions {
             deployment: None,
             queue: QUEUE_DEFAULT.to_string(),
             backoff: Backoff::default(),
+            retry_rules: Arc::default(),
             dead_policy: DeadPolicy::default(),
             payload_bytes_max: PAYLOAD_BYTES_MAX_DEFAULT,
             retry_attempts: RETRY_ATTEMPTS_DEFAULT,
@@ -1125,7 +1130,10 @@ impl QueueBackend for RedisBackend {
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
-        let backoff = self.inner.opts.backoff;
+        let opts = &self.inner.opts;
+        let backoff = (held.in_flight.get(&receipt.id.0))
+            .and_then(|key| opts.retry_rules.for_key(key))
+            .map_or(opts.backoff, |p| p.backoff);
         let retry = retry_in_ms.map(|m| m.to_string()).unwrap_or_default();
         let v = self.script(s, &self.inner.scripts.fail, &held.token, &|c, _| {
             c.arg(receipt.id.0)

@@ -99,6 +99,9 @@ pub struct App {
     owned: Arc<Owned>,
     producers: Mutex<Vec<Producer<dyn ReshardBackend>>>,
     dedup_window_ms: u64,
+    /// The deployment's retry policies when the server opened it: a job
+    /// enqueued without `max_attempts` gets its key's.
+    retry: shardq_core::RetrySettings,
     limits: Limits,
     claims: Mutex<api::ClaimBook>,
     wake: tokio::sync::Notify,
@@ -181,6 +184,7 @@ impl App {
         limits.payload_bytes_max = deployment
             .payload_bytes_max(&opts.open)
             .min(limits.payload_bytes_max.max(1));
+        let retry = deployment.retry_settings()?;
         Ok(App {
             owned,
             metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
@@ -190,6 +194,7 @@ impl App {
             deployment,
             producers: Mutex::new(Vec::new()),
             dedup_window_ms: opts.dedup_window_ms,
+            retry,
             limits,
             claims: Mutex::new(api::ClaimBook::default()),
             wake: tokio::sync::Notify::new(),

@@ -12,7 +12,9 @@ use shardq_server::{routes, Role, Server, Tokens};
 
 mod support;
 
-use support::{call, claim, enqueue, get, init_dir, options, post, start, totals, wait_until};
+use support::{
+    call, claim, enqueue, get, init_dir, options, post, post_ok, start, totals, wait_until,
+};
 
 #[test]
 fn enqueue_claim_ack_round_trip_and_stale_receipts() {
@@ -985,4 +987,70 @@ fn the_rebalance_of_another_process_is_shown_and_respected() {
     );
     drop(held);
     assert_eq!(stored_progress(&*maps).unwrap().unwrap(), other);
+}
+
+/// The deployment's retry policies reach the API: a job enqueued without
+/// `max_attempts` gets its key's (a prefix rule's here), one that names its
+/// own keeps it, and a fail without `retry_in_ms` waits its key's backoff
+/// (the rule's hour, not the default's seconds).
+#[test]
+fn enqueue_and_fail_follow_the_keys_retry_policy() {
+    let dir = init_dir(1, "rendezvous");
+    let d = shardq_deploy::Deployment::open(dir.path(), &Default::default()).unwrap();
+    let mut settings = d.retry_settings().unwrap();
+    settings.rules.prefixes.insert(
+        "slow:".into(),
+        shardq_core::RetryPolicy {
+            max_attempts: 3,
+            backoff: shardq_core::Backoff {
+                base_ms: 3_600_000,
+                max_ms: 3_600_000,
+                kind: shardq_core::BackoffKind::Fixed,
+                jitter_pct: 0,
+            },
+        },
+    );
+    d.set_retry_settings(&settings).unwrap();
+    drop(d);
+    let s = start(dir.path(), options());
+    enqueue(
+        &s,
+        json!([
+            {"key": "slow:a", "payload": "p"},
+            {"key": "slow:b", "payload": "p", "max_attempts": 7},
+            {"key": "other", "payload": "p"}
+        ]),
+    );
+    let jobs = claim(&s, "w-1", 3, 2000, 30_000);
+    assert_eq!(jobs.len(), 3, "{jobs:?}");
+    let by_key = |k: &str| jobs.iter().find(|j| j["key"] == k).unwrap().clone();
+    assert_eq!(by_key("slow:a")["max_attempts"], 3, "the prefix's attempts");
+    assert_eq!(
+        by_key("slow:b")["max_attempts"],
+        7,
+        "the job's own attempts"
+    );
+    assert_eq!(by_key("other")["max_attempts"], 5, "the default attempts");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let fail = |k: &str| {
+        let v = post_ok(
+            &s,
+            "/v1/fail",
+            json!({"receipt": by_key(k)["receipt"], "reason": "down"}),
+        );
+        v["retry_at_ms"].as_u64().expect("a retry")
+    };
+    let slow = fail("slow:a");
+    let other = fail("other");
+    assert!(
+        slow >= now + 3_590_000,
+        "the rule's hour: {slow} vs now {now}"
+    );
+    assert!(
+        other < now + 60_000,
+        "a key without a rule waits the default's seconds: {other} vs now {now}"
+    );
 }

@@ -201,9 +201,10 @@ pub struct EnqueueArgs {
     /// Earliest start, as a delay in ms.
     #[arg(long, default_value_t = 0)]
     delay_ms: u64,
-    /// Attempts before dead-lettering.
-    #[arg(long, default_value_t = shardq_core::MAX_ATTEMPTS_DEFAULT)]
-    max_attempts: u32,
+    /// Attempts before dead-lettering (default: the key's retry policy,
+    /// see `shardq retry show`; 5 unless changed).
+    #[arg(long, value_name = "N")]
+    max_attempts: Option<u32>,
     #[command(flatten)]
     common: CommonOpts,
 }
@@ -426,7 +427,8 @@ fn open(dir: &Path, common: &CommonOpts, dead_policy: DeadPolicy) -> anyhow::Res
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     let deployment = open(&args.data, &args.common, DeadPolicy::default())?;
     let mut producer = deployment.producer(ProducerOptions::default())?;
-    enqueue_with(&args, &mut |jobs| {
+    let retry = deployment.retry_settings()?;
+    enqueue_with(&args, &retry, &mut |jobs| {
         // The producer splits the batch by the backend's own bounds.
         let mut all = Stored::from_produce(producer.enqueue_batch(jobs), 0);
         if !all.placed.is_empty() {
@@ -490,14 +492,19 @@ fn not_enqueued(missed: &[u64], rest: Rest) -> String {
     }
 }
 
-fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<ExitCode> {
+fn enqueue_with(
+    args: &EnqueueArgs,
+    retry: &shardq_core::RetrySettings,
+    place: &mut Place<'_>,
+) -> anyhow::Result<ExitCode> {
     if !args.stdin {
         let key = args.key.clone().unwrap_or_default();
+        let max_attempts = (args.max_attempts).unwrap_or_else(|| retry.for_key(&key).max_attempts);
         let job = NewJob {
             key,
             payload: args.payload.clone().unwrap_or_default().into_bytes(),
             delay_ms: args.delay_ms,
-            max_attempts: args.max_attempts,
+            max_attempts,
             dedup_id: None,
         };
         let stored = place(std::slice::from_ref(&job));
@@ -530,7 +537,7 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
         let mut bad: Option<anyhow::Error> = None;
         if !eof {
             line_no += 1;
-            match parse_stdin_line(args, &line, line_no) {
+            match parse_stdin_line(args, retry, &line, line_no) {
                 Ok(job) => {
                     batch.push(job);
                     batch_lines.push(line_no);
@@ -591,7 +598,12 @@ fn enqueue_with(args: &EnqueueArgs, place: &mut Place<'_>) -> anyhow::Result<Exi
 }
 
 /// One `KEY<TAB>PAYLOAD` stdin line (with its line ending) as a job.
-fn parse_stdin_line(args: &EnqueueArgs, line: &[u8], line_no: u64) -> anyhow::Result<NewJob> {
+fn parse_stdin_line(
+    args: &EnqueueArgs,
+    retry: &shardq_core::RetrySettings,
+    line: &[u8],
+    line_no: u64,
+) -> anyhow::Result<NewJob> {
     if line.len() > STDIN_LINE_BYTES_MAX {
         bail!("stdin line {line_no} is over {STDIN_LINE_BYTES_MAX} bytes");
     }
@@ -605,7 +617,7 @@ fn parse_stdin_line(args: &EnqueueArgs, line: &[u8], line_no: u64) -> anyhow::Re
         key: key.to_string(),
         payload: payload.as_bytes().to_vec(),
         delay_ms: args.delay_ms,
-        max_attempts: args.max_attempts,
+        max_attempts: (args.max_attempts).unwrap_or_else(|| retry.for_key(key).max_attempts),
         dedup_id: None,
     };
     job.validate(args.common.payload_bytes_max)

@@ -52,7 +52,8 @@ enum Command {
     /// A key's live jobs, in key order: its run in flight, queued, delayed
     /// and dead jobs.
     Jobs(cmd_jobs::JobsArgs),
-    /// The deployment's retry backoff: show, set or clear it.
+    /// Retry policies (attempts and backoff): the default, per key and per
+    /// key prefix: show, set or clear them.
     #[command(subcommand)]
     Retry(cmd_retry::RetryAction),
     #[command(flatten)]

@@ -358,53 +358,107 @@ fn a_dead_letter_keeps_the_end_of_its_handlers_stderr() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The deployment's retry backoff reaches its workers: with `retry set
-/// --backoff fixed --base-ms 1500`, a job's second attempt starts at least
-/// 1.5 s after its first failed (the default would retry after 100 ms).
+/// The deployment's retry policies reach its workers and its producers:
+/// the default (here a fast 50 ms) for keys without a rule, a prefix's rule
+/// for its keys (a fixed 1.5 s wait and 2 attempts, stamped on jobs enqueued
+/// without `--max-attempts`), and a key's own rule over its prefix's.
 #[test]
-fn a_worker_waits_the_deployments_retry_backoff() {
+fn a_worker_waits_each_keys_retry_policy() {
     let dir = temp_dir("h-retry");
     let data = dir.join("data");
-    init_with_job(&data, &["--max-attempts", "2"]);
     let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let set = |extra: &[&str]| {
+        let mut args = vec!["retry", "set", "--data", d];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = run(&args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    set(&["--base-ms", "50", "--max-ms", "50", "--jitter-pct", "0"]);
+    let out = set(&[
+        "--prefix",
+        "slow:",
+        "--backoff",
+        "fixed",
+        "--base-ms",
+        "1500",
+        "--max-attempts",
+        "2",
+    ]);
+    assert!(
+        out.contains("prefix \"slow:\"") && out.contains("2 attempts"),
+        "{out}"
+    );
+    set(&["--key", "slow:own", "--max-attempts", "4"]);
+    // A bad value is refused, naming the field and the value.
     let (ok, _, err) = run(&[
         "retry",
         "set",
         "--data",
         d,
-        "--backoff",
-        "fixed",
-        "--base-ms",
-        "1500",
+        "--key",
+        "k",
+        "--max-attempts",
+        "0",
     ]);
-    assert!(ok, "{err}");
+    assert!(
+        !ok && err.contains("max attempts") && err.contains('0'),
+        "{err}"
+    );
     let (ok, out, err) = run(&["retry", "show", "--data", d, "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["prefixes"]["slow:"]["backoff"], "fixed", "{v}");
+    assert_eq!(v["prefixes"]["slow:"]["base_ms"], 1500, "{v}");
+    assert_eq!(v["default"]["base_ms"], 50, "{v}");
+    let (ok, out, err) = run(&["retry", "show", "--data", d, "--key", "slow:own", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    // The key's rule started from its prefix's and changed one field.
     assert_eq!(
-        (&v["backoff"], &v["base_ms"]),
-        (&"fixed".into(), &1500.into()),
+        (&v["max_attempts"], &v["base_ms"]),
+        (&4.into(), &1500.into()),
         "{v}"
     );
+    assert_eq!(v["from"], "key \"slow:own\"", "{v}");
+    for key in ["slow:a", "fast", "slow:own"] {
+        let (ok, _, err) = run(&["enqueue", "--data", d, "--key", key, "--payload", key]);
+        assert!(ok, "{err}");
+    }
+    let (ok, out, err) = run(&["jobs", "--data", d, "--key", "slow:a", "--json"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("\"max_attempts\":2"),
+        "the prefix's attempts: {out}"
+    );
     let stamps = dir.join("stamps");
-    // Attempt 1 fails, attempt 2 succeeds; each writes its start in ms.
+    // Every job's attempt 1 fails, attempt 2 succeeds; each writes its key
+    // and its start in ms.
     let script = format!(
-        "cat > /dev/null; date +%s%3N >> {p}; [ \"$SHARDQ_ATTEMPT\" = 2 ]",
-        p = stamps.display()
+        "read p; echo \"$p $(date +%s%3N)\" >> {s}; [ \"$SHARDQ_ATTEMPT\" = 2 ]",
+        s = stamps.display()
     );
     let mut worker = start_worker(&data, &["--exit-when-idle"], &script);
     let (status, err) = wait_exit(&mut worker, WAIT_MAX);
     assert!(status.success(), "{err}");
-    let t: Vec<u64> = std::fs::read_to_string(&stamps)
-        .unwrap()
-        .lines()
-        .map(|l| l.trim().parse().unwrap())
-        .collect();
-    assert_eq!(t.len(), 2, "two attempts: {t:?}");
-    assert!(
-        t[1] - t[0] >= 1500,
-        "the retry came after {} ms",
+    let text = std::fs::read_to_string(&stamps).unwrap();
+    let gap = |key: &str| -> u64 {
+        let t: Vec<u64> = (text.lines())
+            .filter_map(|l| l.strip_prefix(&format!("{key} ")))
+            .map(|t| t.trim().parse().unwrap())
+            .collect();
+        assert_eq!(t.len(), 2, "{key}: two attempts: {text}");
         t[1] - t[0]
+    };
+    assert!(gap("slow:a") >= 1500, "the prefix's 1.5 s: {text}");
+    assert!(
+        gap("slow:own") >= 1500,
+        "the key rule keeps its prefix's wait: {text}"
+    );
+    assert!(
+        gap("fast") < 1500,
+        "the default's 50 ms, not the prefix's wait: {text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -34,13 +34,15 @@ pub fn data_dir_n(name: &str, shards: usize) -> PathBuf {
     data_dir_with(name, &refs)
 }
 
-/// Engine options on `clock`, with retry backoff of 100 ms doubling to 1 s.
+/// Engine options on `clock`, with retry backoff of 100 ms doubling to 1 s,
+/// no jitter.
 pub fn opts(clock: &ManualClock) -> EngineOptions {
     EngineOptions {
         clock: Arc::new(clock.clone()),
         backoff: Backoff {
             base_ms: 100,
             max_ms: 1000,
+            jitter_pct: 0,
             ..Backoff::default()
         },
         ..EngineOptions::default()

@@ -22,6 +22,7 @@ fn setup(server: &RedisServer, policy: DeadPolicy) -> (RedisBackend, ManualClock
     opts.backoff = shardq_core::Backoff {
         base_ms: 100,
         max_ms: 1_000,
+        jitter_pct: 0,
         ..shardq_core::Backoff::default()
     };
     (RedisBackend::open(&map, opts).expect("open"), clock)

@@ -74,7 +74,9 @@ fn redis_keeps_the_backend_contract() {
     let map = map_of(&refs);
     init(&map);
     let clock = ManualClock::new(1_700_000_000_000);
-    let backend = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
+    let mut opts = opts_manual(&clock);
+    opts.retry_rules = std::sync::Arc::new(contract::retry_rules());
+    let backend = RedisBackend::open(&map, opts).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
     let h = Redis {
         backend,

@@ -45,7 +45,12 @@ fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn to_new_job(i: usize, j: JobIn, payload_max: usize) -> Result<NewJob, ApiError> {
+fn to_new_job(
+    i: usize,
+    j: JobIn,
+    payload_max: usize,
+    retry: &RetrySettings,
+) -> Result<NewJob, ApiError> {
     let f = |name: &str| format!("jobs[{i}].{name}");
     validate_key(&j.key).map_err(|e| ApiError::bad(format!("{}: {e}", f("key"))))?;
     let payload = match (j.payload, j.payload_b64) {
@@ -80,11 +85,12 @@ fn to_new_job(i: usize, j: JobIn, payload_max: usize) -> Result<NewJob, ApiError
     if let Some(d) = &j.dedup_id {
         check_dedup_id(d, &f("dedup_id"))?;
     }
+    let max_attempts = (j.max_attempts).unwrap_or_else(|| retry.for_key(&j.key).max_attempts);
     let job = NewJob {
         key: j.key,
         payload,
         delay_ms: j.delay_ms.unwrap_or(0),
-        max_attempts: j.max_attempts.unwrap_or(MAX_ATTEMPTS_DEFAULT),
+        max_attempts,
         dedup_id: j.dedup_id,
     };
     job.validate(payload_max).map_err(|e| {
@@ -119,7 +125,7 @@ pub async fn enqueue(
     let mut jobs = Vec::with_capacity(n);
     let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, j) in jobs_in.into_iter().enumerate() {
-        let job = to_new_job(i, j, app.limits.payload_bytes_max)?;
+        let job = to_new_job(i, j, app.limits.payload_bytes_max, &app.retry)?;
         if let Some(id) = &job.dedup_id {
             if let Some(first) = seen.insert((job.key.clone(), id.clone()), i) {
                 return Err(ApiError::bad(format!(

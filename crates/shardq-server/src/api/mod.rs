@@ -38,7 +38,7 @@ use shardq_core::job::cut_at_char;
 use shardq_core::reshard::{self, RebalanceOptions};
 use shardq_core::{
     validate_job_lease_ms, validate_key, FailOutcome, JobId, NewJob, QueueError, Receipt,
-    JOB_LEASE_MS_DEFAULT, MAX_ATTEMPTS_DEFAULT,
+    RetrySettings, JOB_LEASE_MS_DEFAULT,
 };
 use shardq_route::Router as MapRouter;
 

@@ -1,0 +1,249 @@
+//! Retry policies: how many attempts a job gets and how long it waits
+//! between them, for the whole deployment, for a key, or for every key
+//! starting with a prefix.
+//!
+//! A deployment keeps one [`RetrySettings`] (its `retry` setting, beside its
+//! map). Resolution for a key is fixed and cheap: the rule of the key
+//! itself, else the rule of the longest prefix of the key that has one,
+//! else the deployment's default. Rules are whole policies (a rule set for
+//! a key holds both its attempts and its backoff), so what a key gets never
+//! depends on the order rules were written in.
+//!
+//! Where each part is applied:
+//! - `max_attempts` is a job's attempt limit when its producer does not
+//!   give one; it is stamped on the job at enqueue (by `shardq enqueue` and
+//!   `POST /v1/jobs`), so a later change of the policy leaves queued jobs as
+//!   they are.
+//! - `backoff` decides the wait after a failed attempt whose handler named
+//!   no delay (`retry_in_ms`); the backend resolves it from the key of the
+//!   run when the attempt fails, so a change reaches every worker and
+//!   server that opens the deployment after it. (A run whose job lease
+//!   lapsed is tried again at once, as before: its worker is gone, not its
+//!   downstream.)
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::QueueError;
+use crate::job::{validate_key, Backoff, MAX_ATTEMPTS_DEFAULT, MAX_ATTEMPTS_LIMIT};
+
+/// Most key and prefix rules one deployment holds (together).
+pub const RETRY_RULES_MAX: usize = 10_000;
+
+/// What a job's failures get: its attempt limit and the waits between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Attempts a job gets when its producer gives none (1 to
+    /// [`MAX_ATTEMPTS_LIMIT`]).
+    pub max_attempts: u32,
+    /// The wait after each failed attempt.
+    pub backoff: Backoff,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: MAX_ATTEMPTS_DEFAULT,
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Checks every field, naming the one out of range and its value.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        if self.max_attempts == 0 || self.max_attempts > MAX_ATTEMPTS_LIMIT {
+            return Err(QueueError::InvalidOption {
+                name: "max attempts",
+                value: self.max_attempts.to_string(),
+                allowed: format!("1 to {MAX_ATTEMPTS_LIMIT}"),
+            });
+        }
+        self.backoff.validate()
+    }
+}
+
+/// Per-key and per-prefix retry policies (the deployment's default is not
+/// among them: see [`RetrySettings`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryRules {
+    /// A key's own policy.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub keys: BTreeMap<String, RetryPolicy>,
+    /// The policy of every key starting with the prefix (the longest
+    /// matching prefix wins; a key's own rule wins over every prefix).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prefixes: BTreeMap<String, RetryPolicy>,
+}
+
+impl RetryRules {
+    /// Whether there is no rule at all.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty() && self.prefixes.is_empty()
+    }
+
+    /// The rule `key` follows, if any: its own, else its longest prefix's.
+    pub fn for_key(&self, key: &str) -> Option<&RetryPolicy> {
+        if let Some(p) = self.keys.get(key) {
+            return Some(p);
+        }
+        if self.prefixes.is_empty() {
+            return None;
+        }
+        // Longest first: every char boundary of the key, from the end.
+        key.char_indices()
+            .map(|(i, _)| i)
+            .chain(std::iter::once(key.len()))
+            .rev()
+            .filter(|&i| i > 0)
+            .find_map(|i| self.prefixes.get(&key[..i]))
+    }
+
+    /// Checks every rule: keys and prefixes by the key grammar, each policy
+    /// by [`RetryPolicy::validate`], and their number.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        let n = self.keys.len() + self.prefixes.len();
+        if n > RETRY_RULES_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "retry rules",
+                value: n.to_string(),
+                allowed: format!("at most {RETRY_RULES_MAX} key and prefix rules"),
+            });
+        }
+        for (k, p) in self.keys.iter().chain(self.prefixes.iter()) {
+            validate_key(k)?;
+            p.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// A deployment's retry settings: the default policy and the rules.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RetrySettings {
+    /// What a key without a rule gets.
+    pub default: RetryPolicy,
+    /// Per-key and per-prefix policies.
+    #[serde(flatten)]
+    pub rules: RetryRules,
+}
+
+impl RetrySettings {
+    /// The policy of `key`.
+    pub fn for_key(&self, key: &str) -> &RetryPolicy {
+        self.rules.for_key(key).unwrap_or(&self.default)
+    }
+
+    /// Checks the default and every rule.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        self.default.validate()?;
+        self.rules.validate()
+    }
+
+    /// Parses the `retry` setting's JSON: this form, or the older one that
+    /// held the default backoff alone (a bare [`Backoff`]).
+    pub fn parse(text: &str) -> Result<RetrySettings, serde_json::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Form {
+            default: RetryPolicy,
+            #[serde(default)]
+            keys: BTreeMap<String, RetryPolicy>,
+            #[serde(default)]
+            prefixes: BTreeMap<String, RetryPolicy>,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Either {
+            Whole(Form),
+            Backoff(Backoff),
+        }
+        Ok(match serde_json::from_str::<Either>(text)? {
+            Either::Whole(f) => RetrySettings {
+                default: f.default,
+                rules: RetryRules {
+                    keys: f.keys,
+                    prefixes: f.prefixes,
+                },
+            },
+            Either::Backoff(backoff) => RetrySettings {
+                default: RetryPolicy {
+                    backoff,
+                    ..RetryPolicy::default()
+                },
+                rules: RetryRules::default(),
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(attempts: u32, base_ms: u64) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: attempts,
+            backoff: Backoff {
+                base_ms,
+                max_ms: base_ms * 10,
+                ..Backoff::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_key_rule_beats_the_longest_prefix_which_beats_the_default() {
+        let mut s = RetrySettings::default();
+        s.rules.prefixes.insert("free:".into(), policy(2, 10));
+        s.rules.prefixes.insert("free:eu:".into(), policy(3, 20));
+        s.rules.keys.insert("free:eu:acme".into(), policy(4, 30));
+        assert_eq!(s.for_key("free:eu:acme").max_attempts, 4);
+        assert_eq!(s.for_key("free:eu:other").max_attempts, 3);
+        assert_eq!(s.for_key("free:us:x").max_attempts, 2);
+        assert_eq!(s.for_key("paid:x"), &RetryPolicy::default());
+        // A prefix equal to the whole key counts; a prefix cut inside a
+        // character never matches.
+        s.rules.prefixes.insert("ä".into(), policy(6, 40));
+        assert_eq!(s.for_key("ä").max_attempts, 6);
+        assert_eq!(s.for_key("äb").max_attempts, 6);
+        assert_eq!(
+            s.for_key("b").max_attempts,
+            RetryPolicy::default().max_attempts
+        );
+    }
+
+    #[test]
+    fn the_setting_reads_both_forms_and_refuses_unknown_fields() {
+        let old = r#"{"base_ms":5,"max_ms":50,"kind":"fixed","jitter_pct":3}"#;
+        let s = RetrySettings::parse(old).expect("old form");
+        assert_eq!(s.default.backoff.base_ms, 5);
+        assert_eq!(s.default.max_attempts, MAX_ATTEMPTS_DEFAULT);
+        let mut w = RetrySettings::default();
+        w.rules.keys.insert("k".into(), policy(7, 9));
+        let text = serde_json::to_string(&w).expect("json");
+        assert_eq!(RetrySettings::parse(&text).expect("new form"), w);
+        assert!(RetrySettings::parse(
+            r#"{"default":{"max_attempts":1,"backoff":{"base_ms":1,"max_ms":1}},"other":1}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn validation_names_the_field_and_value() {
+        let mut s = RetrySettings::default();
+        s.rules.keys.insert("k".into(), policy(0, 10));
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("max attempts") && e.contains('0'), "{e}");
+        let mut s = RetrySettings::default();
+        s.rules.prefixes.insert("bad\nprefix".into(), policy(1, 10));
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("control character"));
+    }
+}
