@@ -173,6 +173,43 @@ export interface JobInfo {
   payload: Buffer;
 }
 
+/** A job that finished, as `recent` of `GET /v1/keys/{key}/jobs` shows it (kept for the deployment's retention, `shardq retention`). */
+export interface FinishedInfo {
+  /** `SHARD:ID`. */
+  id: string;
+  shard: string;
+  key: string;
+  outcome: "completed" | "cancelled";
+  /** Attempts started. */
+  attempts: number;
+  /** When it finished, ms since the epoch. */
+  finishedMs: number;
+  /** When each attempt started, ms since the epoch, oldest first. */
+  attemptStartsMs: number[];
+  /** The last failed attempt's reason, if one failed. */
+  reason?: string;
+}
+
+function finishedInfo(doc: unknown, url: string): FinishedInfo {
+  const j = (doc ?? {}) as Record<string, unknown>;
+  const num = (name: string): number => {
+    const v = j[name];
+    if (typeof v !== "number") throw new ShardqError(`${url}: a finished job's ${name} is not a number: ${JSON.stringify(v)}`, 200, url);
+    return v;
+  };
+  const info: FinishedInfo = {
+    id: String(j["id"]),
+    shard: String(j["shard"]),
+    key: String(j["key"]),
+    outcome: String(j["outcome"]) as FinishedInfo["outcome"],
+    attempts: num("attempts"),
+    finishedMs: num("finished_ms"),
+    attemptStartsMs: Array.isArray(j["attempt_starts_ms"]) ? (j["attempt_starts_ms"] as unknown[]).map(Number) : [],
+  };
+  if (typeof j["reason"] === "string") info.reason = j["reason"];
+  return info;
+}
+
 /** Most jobs one `keyJobs` call returns. */
 export const KEY_JOBS_MAX = 1000;
 const READ_SERVER_WAIT_MS = 30_000;
@@ -283,6 +320,17 @@ export class Client {
     const jobs = (doc as Record<string, unknown> | undefined)?.["jobs"];
     if (!Array.isArray(jobs)) throw new ShardqError(`${url}: the reply has no jobs list`, 200, url);
     return jobs.map((j) => jobInfo(j, url));
+  }
+
+  /** `key`'s newest finished jobs (acked or cancelled), newest first, at most `limit` (1 to 1000), as far as the deployment's retention keeps them. */
+  async recent(key: string, limit = 20): Promise<FinishedInfo[]> {
+    if (!Number.isSafeInteger(limit) || limit < 1 || limit > KEY_JOBS_MAX) {
+      throw new TypeError(`recent: limit must be an integer from 1 to ${KEY_JOBS_MAX}, got ${limit}`);
+    }
+    const [doc, url] = await this.read("GET", `/v1/keys/${encodeURIComponent(key)}/jobs?limit=1&recent=${limit}`, undefined);
+    const recent = (doc as Record<string, unknown> | undefined)?.["recent"];
+    if (!Array.isArray(recent)) throw new ShardqError(`${url}: the reply has no recent list`, 200, url);
+    return recent.map((j) => finishedInfo(j, url));
   }
 
   /**

@@ -3,7 +3,7 @@ export * from "./map.js";
 export * from "./router.js";
 export { lnCorrectlyRounded } from "./ln.js";
 export { BadRequest, JobNotCancelled, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
-export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, KEY_JOBS_MAX, type ClientOptions, type JobInfo, type Moved, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
+export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, KEY_JOBS_MAX, type ClientOptions, type FinishedInfo, type JobInfo, type Moved, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
 export {
   CLAIM_MAX,
   RetryLater,

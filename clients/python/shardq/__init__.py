@@ -32,7 +32,7 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
-from .http import ClaimedJob, Client, Enqueued, JobInfo, Moved, NewJob, Retry, Worker, WorkerStats
+from .http import ClaimedJob, Client, Enqueued, FinishedInfo, JobInfo, Moved, NewJob, Retry, Worker, WorkerStats
 
 # The asyncio clients need aiohttp, the direct Redis producer redis-py and
 # the reference router (two thirds of the import time of this package):
@@ -72,6 +72,7 @@ __all__ = [
     "HttpError",
     "InvalidJob",
     "Job",
+    "FinishedInfo",
     "JobInfo",
     "JobNotCancelled",
     "Moved",

@@ -106,6 +106,22 @@ local function forget(list, i, j)
   redis.call('HDEL', K_REASON, unpack(at))
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
+-- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
+-- most `donemax` of meta (the owner's retention, set at adopt) entries:
+-- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
+-- length>|<key><last failure reason>`. Read before `forget`.
+local function done_entry(ids, r, outcome, attempts, now)
+  local _, _, _, _, k = rec_parse(r)
+  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
+    starts_of(ids) .. '|' .. #k .. '|' .. k .. (redis.call('HGET', K_REASON, ids) or '')
+end
+local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
+local function keep_done(entries)
+  local max = done_max()
+  if max <= 0 or #entries == 0 then return end
+  redis.call('LPUSH', KEYS[19], unpack(entries))
+  redis.call('LTRIM', KEYS[19], 0, max - 1)
+end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
   redis.call('HINCRBY', K_DEADN, k, 1)
@@ -123,6 +139,7 @@ local function requeue(ids, why, now)
   if was_flying and q.r == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     q.f = 0
+    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)

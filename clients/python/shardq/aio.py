@@ -46,6 +46,7 @@ from .http import (
     RETRY_ROUNDS_DEFAULT,
     ClaimedJob,
     Enqueued,
+    FinishedInfo,
     JobInfo,
     JobLike,
     Moved,
@@ -234,6 +235,14 @@ class AsyncClient:
         _, doc = await self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit={limit}", None,
                                   "listing a key's jobs")
         return [JobInfo._of(j) for j in doc["jobs"]]
+
+    async def recent(self, key: str, limit: int = 20) -> List[FinishedInfo]:
+        """:meth:`shardq.Client.recent` from asyncio code."""
+        if not 1 <= limit <= 1000:
+            raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
+        _, doc = await self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&recent={limit}", None,
+                                  "listing a key's finished jobs")
+        return [FinishedInfo._of(j) for j in doc["recent"]]
 
     async def cancel(self, id: str) -> bool:
         """:meth:`shardq.Client.cancel` from asyncio code."""

@@ -579,6 +579,33 @@ class Moved(NamedTuple):
 
 
 @dataclass(frozen=True)
+class FinishedInfo:
+    """A job that finished, as ``recent`` of ``GET /v1/keys/{key}/jobs``
+    shows it, kept for the deployment's retention (``shardq retention``):
+    ``outcome`` is ``completed`` or ``cancelled``; ``attempts`` those
+    started; ``finished_ms`` and ``attempt_starts_ms`` ms since the epoch;
+    ``reason`` the last failed attempt's, if one failed."""
+
+    id: str
+    shard: str
+    key: str
+    outcome: str
+    attempts: int
+    finished_ms: int
+    reason: Optional[str]
+    attempt_starts_ms: Tuple[int, ...] = ()
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "FinishedInfo":
+        return FinishedInfo(
+            id=str(doc["id"]), shard=str(doc["shard"]), key=str(doc["key"]),
+            outcome=str(doc["outcome"]), attempts=int(doc["attempts"]),
+            finished_ms=int(doc["finished_ms"]), reason=doc.get("reason"),
+            attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class JobInfo:
     """A live job as ``GET /v1/jobs/{id}`` shows it: ``state`` is
     ``queued``, ``delayed``, ``running`` or ``dead``; ``attempts`` counts
@@ -733,6 +760,16 @@ class Client:
         _, doc = self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit={limit}", None,
                             "listing a key's jobs")
         return [JobInfo._of(j) for j in doc["jobs"]]
+
+    def recent(self, key: str, limit: int = 20) -> List[FinishedInfo]:
+        """``key``'s newest finished jobs (acked or cancelled), newest
+        first, at most ``limit`` (1 to 1000), as far as the deployment's
+        retention keeps them."""
+        if not 1 <= limit <= 1000:
+            raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
+        _, doc = self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&recent={limit}", None,
+                            "listing a key's finished jobs")
+        return [FinishedInfo._of(j) for j in doc["recent"]]
 
     def cancel(self, id: str) -> bool:
         """Cancels the job ``id``: a queued, delayed or dead one is deleted

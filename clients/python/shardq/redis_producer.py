@@ -53,7 +53,7 @@ QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved",
+    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).
 ENQUEUE_BATCH_MAX = 1024

@@ -440,6 +440,23 @@ pub trait QueueBackend: Send + Sync {
         })
     }
 
+    /// Up to `max` of the jobs of `shard` that finished (acked or
+    /// cancelled) within its [`crate::job::Retention`], newest first; with
+    /// `key`, only that key's. A job finished before the shard's last
+    /// owner change may be missing where the backend says so. Needs no
+    /// ownership.
+    fn finished(
+        &self,
+        shard: &str,
+        key: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<crate::job::FinishedJob>, QueueError> {
+        let _ = (shard, key, max);
+        Err(QueueError::Unsupported {
+            what: "listing finished jobs",
+        })
+    }
+
     /// Deletes the job `id` of `shard` if it is queued, delayed or dead,
     /// atomically with respect to claims: a cancelled job never starts. A
     /// running job's run is asked to stop ([`CancelOutcome::Stopping`]): its

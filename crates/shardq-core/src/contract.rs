@@ -84,6 +84,87 @@ pub fn run_all(h: &dyn ContractHarness) {
     jobs_can_be_read_and_cancelled(h);
     a_running_job_cancelled_ends_with_its_run(h);
     a_keys_retry_rule_decides_its_wait(h);
+    finished_jobs_are_kept_newest_first(h);
+}
+
+/// Finished jobs are kept for the retention (harnesses open their backend
+/// with the default, a day): an acked job as completed with its attempts,
+/// their starts and its last failure's reason; a cancelled one (queued, or
+/// running until its run ends) as cancelled; newest first, by key or all;
+/// live jobs are not among them; past the retention's age they are gone.
+pub fn finished_jobs_are_kept_newest_first(h: &dyn ContractHarness) {
+    use crate::job::Finish;
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    assert!(b.finished(&shard, None, 10).expect("finished").is_empty());
+    enqueue(h, &shard, "h", "a", 3);
+    enqueue(h, &shard, "h", "b", 3);
+    enqueue(h, &shard, "other", "c", 3);
+    let first = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(first.len(), 2);
+    let a = first.iter().find(|j| j.key == "h").expect("a").clone();
+    let c = first.iter().find(|j| j.key == "other").expect("c").clone();
+    b.fail(&shard, a.receipt(), "flaky", Some(0)).expect("fail");
+    ack_one(h, &shard, c.receipt());
+    h.pass_ms(1);
+    let again = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!((again.len(), again[0].id, again[0].attempt), (1, a.id, 2));
+    ack_one(h, &shard, again[0].receipt());
+    let queued_b = b.key_jobs(&shard, "h", 10).expect("key_jobs")[0].id;
+    assert_eq!(
+        b.cancel(&shard, queued_b).expect("cancel"),
+        CancelOutcome::Cancelled
+    );
+    let got = b.finished(&shard, Some("h"), 10).expect("finished");
+    let seen: Vec<(JobId, Finish, u32)> =
+        got.iter().map(|f| (f.id, f.outcome, f.attempts)).collect();
+    assert_eq!(
+        seen,
+        [
+            (queued_b, Finish::Cancelled, 0),
+            (a.id, Finish::Completed, 2)
+        ],
+        "key h's finished jobs, newest first: {got:?}"
+    );
+    let done_a = &got[1];
+    assert_eq!(done_a.reason.as_deref(), Some("flaky"), "{done_a:?}");
+    assert_eq!(done_a.attempt_starts_ms.len(), 2, "{done_a:?}");
+    assert!(
+        done_a.finished_ms >= done_a.attempt_starts_ms[1],
+        "{done_a:?}"
+    );
+    let all = b.finished(&shard, None, 10).expect("finished");
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert!(all.iter().any(|f| f.id == c.id && f.reason.is_none()));
+    assert_eq!(b.finished(&shard, None, 1).expect("finished").len(), 1);
+    // A running job cancelled is kept as cancelled when its run ends.
+    enqueue(h, &shard, "r", "x", 3);
+    let lease = h.short_lease_ms();
+    let run = claim(h, &shard, 10, lease).remove(0);
+    assert_eq!(
+        b.cancel(&shard, run.id).expect("cancel"),
+        CancelOutcome::Stopping
+    );
+    assert!(
+        b.finished(&shard, Some("r"), 10)
+            .expect("finished")
+            .is_empty(),
+        "a stopping run has not finished"
+    );
+    h.pass_ms(lease + 1);
+    let _ = claim(h, &shard, 10, LONG_LEASE_MS);
+    let r = b.finished(&shard, Some("r"), 10).expect("finished");
+    assert_eq!(
+        r.iter().map(|f| (f.id, f.outcome)).collect::<Vec<_>>(),
+        [(run.id, Finish::Cancelled)],
+        "{r:?}"
+    );
+    // Past the retention's age they are forgotten.
+    h.pass_ms(crate::job::FINISHED_AGE_MS_DEFAULT + 1);
+    assert!(
+        b.finished(&shard, None, 10).expect("finished").is_empty(),
+        "kept past the retention's age"
+    );
 }
 
 /// A failed attempt whose handler named no delay waits the backoff of its

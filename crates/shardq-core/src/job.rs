@@ -507,6 +507,96 @@ pub struct JobInfo {
     pub payload: Vec<u8>,
 }
 
+/// How a finished job ended, as [`FinishedJob`] records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// A run of it was acked.
+    Completed,
+    /// It was cancelled (`job cancel`, `DELETE /v1/jobs/{id}`) before or
+    /// while it ran.
+    Cancelled,
+}
+
+/// A job that finished, kept for a while so that an operator can see what
+/// happened to it ([`crate::QueueBackend::finished`]; the retention is
+/// [`Retention`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FinishedJob {
+    /// The job's id on its shard.
+    pub id: JobId,
+    /// Routing key.
+    pub key: String,
+    /// How it ended.
+    pub outcome: Finish,
+    /// Attempts started (0 for a job cancelled before it ran).
+    pub attempts: u32,
+    /// When it finished (ms since the epoch, the backend's clock).
+    pub finished_ms: u64,
+    /// When each attempt started, oldest first (as [`JobInfo`] keeps them;
+    /// empty where the backend did not see them start).
+    pub attempt_starts_ms: Vec<u64>,
+    /// The reason of its last failed attempt, if one failed.
+    pub reason: Option<String>,
+}
+
+/// Most finished jobs a shard keeps ([`Retention::finished_jobs`]).
+pub const FINISHED_JOBS_KEPT_MAX: usize = 100_000;
+/// Default of [`Retention::finished_jobs`].
+pub const FINISHED_JOBS_KEPT_DEFAULT: usize = 1000;
+/// Default of [`Retention::finished_age_ms`] (one day).
+pub const FINISHED_AGE_MS_DEFAULT: u64 = 86_400_000;
+/// Most attempt start times a [`FinishedJob`] keeps (the last ones).
+pub const FINISHED_STARTS_KEPT: usize = 16;
+
+/// How long finished jobs are kept per shard, for
+/// [`crate::QueueBackend::finished`]: the newest `finished_jobs` of them,
+/// none older than `finished_age_ms`. Then they are forgotten (compacted
+/// away). `finished_jobs: 0` keeps none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Retention {
+    /// Newest finished jobs kept per shard (0 to [`FINISHED_JOBS_KEPT_MAX`]).
+    pub finished_jobs: usize,
+    /// Oldest a kept finished job may be, in ms (1 to [`DELAY_MS_MAX`]).
+    pub finished_age_ms: u64,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            finished_jobs: FINISHED_JOBS_KEPT_DEFAULT,
+            finished_age_ms: FINISHED_AGE_MS_DEFAULT,
+        }
+    }
+}
+
+impl Retention {
+    /// Checks both fields, naming the one out of range and its value.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        if self.finished_jobs > FINISHED_JOBS_KEPT_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "finished jobs kept",
+                value: self.finished_jobs.to_string(),
+                allowed: format!("0 to {FINISHED_JOBS_KEPT_MAX} per shard"),
+            });
+        }
+        if self.finished_age_ms == 0 || self.finished_age_ms > DELAY_MS_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "finished job age",
+                value: format!("{} ms", self.finished_age_ms),
+                allowed: format!("1 to {DELAY_MS_MAX} ms"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether a job finished at `finished_ms` is still kept at `now_ms`.
+    pub fn keeps(&self, finished_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(finished_ms) <= self.finished_age_ms
+    }
+}
+
 /// Most live jobs one [`crate::QueueBackend::key_jobs`] call returns.
 pub const KEY_JOBS_MAX: usize = 1000;
 

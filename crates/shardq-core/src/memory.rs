@@ -15,8 +15,9 @@ use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
-    DeadPolicy, DedupRecord, FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob,
-    NewJob, Receipt, ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
+    DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
+    KeyCounts, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored, FINISHED_STARTS_KEPT,
+    KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 use crate::retry::RetryRules;
@@ -68,6 +69,34 @@ struct ShardState {
     imported: BTreeMap<(String, String), JobId>,
     /// Ids of keys moved away (`purge_key`).
     moved: crate::job::MovedAway,
+    /// Jobs that finished, newest first, within the retention.
+    finished: VecDeque<FinishedJob>,
+}
+
+/// Keeps the finished job `j` (newest first), within `retention`.
+fn note_finished(
+    s: &mut ShardState,
+    id: JobId,
+    j: StoredJob,
+    outcome: Finish,
+    now: u64,
+    retention: Retention,
+) {
+    if retention.finished_jobs == 0 {
+        return;
+    }
+    let mut starts = j.starts;
+    starts.drain(..starts.len().saturating_sub(FINISHED_STARTS_KEPT));
+    s.finished.push_front(FinishedJob {
+        id,
+        key: j.key,
+        outcome,
+        attempts: j.attempt,
+        finished_ms: now,
+        attempt_starts_ms: starts,
+        reason: (!j.reason.is_empty()).then_some(j.reason),
+    });
+    s.finished.truncate(retention.finished_jobs);
 }
 
 /// A shard's stored state, taken by [`MemoryBackend::checkpoint`].
@@ -98,6 +127,7 @@ pub struct MemoryBackend {
     clock: Arc<dyn Clock>,
     backoff: Backoff,
     retry_rules: Arc<RetryRules>,
+    retention: Retention,
     dead_policy: DeadPolicy,
     /// Whether a rebalance moves backlogs (the default) or drains moving
     /// keys first, as a backend without the capability makes it do.
@@ -117,6 +147,12 @@ impl MemoryBackend {
     /// run of a key with a rule waits its rule's backoff.
     pub fn with_retry_rules(mut self, rules: RetryRules) -> MemoryBackend {
         self.retry_rules = Arc::new(rules);
+        self
+    }
+
+    /// The same backend keeping finished jobs for `retention`.
+    pub fn with_retention(mut self, retention: Retention) -> MemoryBackend {
+        self.retention = retention;
         self
     }
 
@@ -144,6 +180,7 @@ impl MemoryBackend {
                 ..Backoff::default()
             },
             retry_rules: Arc::default(),
+            retention: Retention::default(),
             dead_policy: DeadPolicy::Continue,
             moves_backlogs: true,
         }
@@ -251,7 +288,13 @@ fn stale(shard: &str, receipt: Receipt, reason: String) -> QueueError {
 
 /// Ends runs whose job lease lapsed: each counts as a failed attempt (the
 /// job goes back to the head of its key, or to the dead letters).
-fn end_lapsed_runs(s: &mut ShardState, now: u64, backoff: Backoff, policy: DeadPolicy) {
+fn end_lapsed_runs(
+    s: &mut ShardState,
+    now: u64,
+    backoff: Backoff,
+    policy: DeadPolicy,
+    retention: Retention,
+) {
     let lapsed: Vec<JobId> = s
         .in_flight
         .iter()
@@ -264,6 +307,7 @@ fn end_lapsed_runs(s: &mut ShardState, now: u64, backoff: Backoff, policy: DeadP
             // Its cancel takes effect now that no run of it is left.
             if let Some(j) = s.jobs.remove(&id) {
                 s.busy_keys.remove(&j.key);
+                note_finished(s, id, j, Finish::Cancelled, now, retention);
             }
             continue;
         }
@@ -503,10 +547,10 @@ impl QueueBackend for MemoryBackend {
     fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         validate_job_lease_ms(lease_ms)?;
         let now = self.clock.now_ms();
-        let (backoff, policy) = (self.backoff, self.dead_policy);
+        let (backoff, policy, retention) = (self.backoff, self.dead_policy, self.retention);
         self.owned(shard, |s| {
             s.check_not_rewound(shard)?;
-            end_lapsed_runs(s, now, backoff, policy);
+            end_lapsed_runs(s, now, backoff, policy, retention);
             let mut out = Vec::new();
             let keys: Vec<String> = s.keys.keys().cloned().collect();
             for key in keys {
@@ -571,6 +615,7 @@ impl QueueBackend for MemoryBackend {
     }
 
     fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        let (now, retention) = (self.clock.now_ms(), self.retention);
         self.owned(shard, |s| {
             let mut out = AckOutcome::default();
             for r in receipts {
@@ -581,6 +626,7 @@ impl QueueBackend for MemoryBackend {
                 s.in_flight.remove(&r.id);
                 if let Some(j) = s.jobs.remove(&r.id) {
                     s.busy_keys.remove(&j.key);
+                    note_finished(s, r.id, j, Finish::Completed, now, retention);
                 }
                 out.acked += 1;
             }
@@ -931,6 +977,7 @@ impl QueueBackend for MemoryBackend {
     }
 
     fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {
+        let (now, retention) = (self.clock.now_ms(), self.retention);
         self.with_shard(shard, |s| {
             let Some(j) = s.jobs.get(&id) else {
                 return Ok(CancelOutcome::NotFound);
@@ -951,8 +998,29 @@ impl QueueBackend for MemoryBackend {
                     s.keys.remove(&key);
                 }
             }
-            s.jobs.remove(&id);
+            if let Some(j) = s.jobs.remove(&id) {
+                note_finished(s, id, j, Finish::Cancelled, now, retention);
+            }
             Ok(CancelOutcome::Cancelled)
+        })
+    }
+
+    fn finished(
+        &self,
+        shard: &str,
+        key: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<FinishedJob>, QueueError> {
+        let (now, retention) = (self.clock.now_ms(), self.retention);
+        self.with_shard(shard, |s| {
+            Ok(s.finished
+                .iter()
+                .take(retention.finished_jobs)
+                .take_while(|f| retention.keeps(f.finished_ms, now))
+                .filter(|f| key.is_none_or(|k| f.key == k))
+                .take(max)
+                .cloned()
+                .collect())
         })
     }
 }

@@ -155,6 +155,9 @@ pub trait MapStore: Send + Sync {
 
 /// The deployment setting holding the retry backoff (a `Backoff` as JSON).
 pub const SETTING_RETRY: &str = "retry";
+/// The deployment setting holding how long finished jobs are kept (a
+/// `Retention` as JSON).
+pub const SETTING_RETENTION: &str = "retention";
 
 /// Checks a setting's name: 1 to 32 lowercase ASCII letters and `-`.
 pub fn validate_setting_name(name: &str) -> Result<(), ReshardError> {

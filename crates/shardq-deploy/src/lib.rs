@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::{MapStore, ReshardBackend};
-use shardq_core::{Clock, Coordinator, QueueBackend, RetrySettings, SystemClock};
+use shardq_core::{Clock, Coordinator, QueueBackend, Retention, RetrySettings, SystemClock};
 use shardq_fs::map_store::FileMapStore;
 use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
 use shardq_redis::{is_redis_url, RedisBackend, RedisMapStore, RedisOptions};
@@ -139,6 +139,21 @@ pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, Deploy
     })?;
     s.validate()?;
     Ok(s)
+}
+
+/// The `retention` setting of `maps`, parsed and checked; the default
+/// when unset.
+pub(crate) fn retention_setting(maps: &dyn MapStore) -> Result<Retention, DeployError> {
+    let Some(text) = maps.load_setting(shardq_core::reshard::SETTING_RETENTION)? else {
+        return Ok(Retention::default());
+    };
+    let r: Retention = serde_json::from_str(&text).map_err(|e| {
+        DeployError::Invalid(format!(
+            "the deployment's retention setting {text:?} does not parse ({e}); set it again with `shardq retention set`"
+        ))
+    })?;
+    r.validate()?;
+    Ok(r)
 }
 
 /// The kind of data dir `dir` is. An embedded data dir whose map names a
@@ -313,6 +328,7 @@ impl Deployment {
                     engine.backoff = retry.default.backoff;
                     engine.retry_rules = Arc::new(retry.rules);
                 }
+                engine.retention = retention_setting(&*maps)?;
                 let backend = Arc::new(FsBackend::new(dir, engine)?);
                 Ok(Deployment {
                     dir: dir.to_path_buf(),
@@ -356,6 +372,26 @@ impl Deployment {
         };
         self.maps
             .store_setting(shardq_core::reshard::SETTING_RETRY, text.as_deref())?;
+        Ok(())
+    }
+
+    /// How long the deployment's shards keep finished jobs (its
+    /// `retention` setting, or the default).
+    pub fn retention(&self) -> Result<Retention, DeployError> {
+        retention_setting(&*self.maps)
+    }
+
+    /// Stores how long finished jobs are kept, checked first (the default
+    /// clears the setting); workers and servers started after this use it.
+    pub fn set_retention(&self, r: &Retention) -> Result<(), DeployError> {
+        r.validate()?;
+        let text = if *r == Retention::default() {
+            None
+        } else {
+            Some(serde_json::to_string(r).map_err(|e| DeployError::Invalid(e.to_string()))?)
+        };
+        self.maps
+            .store_setting(shardq_core::reshard::SETTING_RETENTION, text.as_deref())?;
         Ok(())
     }
 

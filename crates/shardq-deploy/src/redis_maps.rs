@@ -117,6 +117,7 @@ pub fn open(
         opts.backoff = retry.default.backoff;
         opts.retry_rules = Arc::new(retry.rules);
     }
+    opts.retention = crate::retention_setting(&store)?;
     let backend = RedisBackend::open(&map, opts)?;
     let maps = Arc::new(RedisMaps {
         store,

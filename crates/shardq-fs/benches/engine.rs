@@ -129,31 +129,56 @@ fn main() {
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 
-    // 2. Full life cycle in one process.
-    let dir = fresh("cycle");
-    let engine = Engine::open(&dir, opts(Durability::None)).unwrap();
-    let b = engine.backend();
-    b.adopt("shard-0").unwrap();
+    // 2. Full life cycle in one process, with the finished jobs' history
+    // kept (the default retention) and with it off (`finished_jobs: 0`),
+    // alternated three times each so both see the same machine.
     let cycle_jobs = jobs / 2;
-    let t = Instant::now();
-    let mut done = 0;
-    let mut next = 0;
-    let one = batch(0);
-    while done < cycle_jobs {
-        if next < cycle_jobs {
-            b.enqueue("shard-0", 1, &one).unwrap();
-            next += BATCH;
+    let run_cycle = |keep: usize, round: usize| -> f64 {
+        let dir = fresh(&format!("cycle-{keep}-{round}"));
+        let mut o = opts(Durability::None);
+        o.retention.finished_jobs = keep;
+        let engine = Engine::open(&dir, o).unwrap();
+        let b = engine.backend();
+        b.adopt("shard-0").unwrap();
+        let t = Instant::now();
+        let mut done = 0;
+        let mut next = 0;
+        let one = batch(0);
+        while done < cycle_jobs {
+            if next < cycle_jobs {
+                b.enqueue("shard-0", 1, &one).unwrap();
+                next += BATCH;
+            }
+            let claimed = b.claim("shard-0", 1024, JOB_LEASE_MS_DEFAULT).unwrap();
+            let ids: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
+            b.ack("shard-0", &ids).unwrap();
+            done += ids.len();
         }
-        let claimed = b.claim("shard-0", 1024, JOB_LEASE_MS_DEFAULT).unwrap();
-        let ids: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
-        b.ack("shard-0", &ids).unwrap();
-        done += ids.len();
+        let rate = cycle_jobs as f64 / t.elapsed().as_secs_f64();
+        drop(engine);
+        let _ = std::fs::remove_dir_all(&dir);
+        rate
+    };
+    let (mut kept, mut off) = (Vec::new(), Vec::new());
+    for round in 0..3 {
+        kept.push(run_cycle(shardq_core::FINISHED_JOBS_KEPT_DEFAULT, round));
+        off.push(run_cycle(0, round));
     }
-    let cycle = cycle_jobs as f64 / t.elapsed().as_secs_f64();
-    println!("life cycle enqueue+claim+ack, in-process: {cycle:>11.0} jobs/s");
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (cycle, cycle_off) = (median(&mut kept), median(&mut off));
+    println!("life cycle enqueue+claim+ack, in-process: {cycle:>11.0} jobs/s (finished jobs kept)");
+    println!(
+        "  the same, no history kept:              {cycle_off:>11.0} jobs/s (kept/off {:.2})",
+        cycle / cycle_off
+    );
     summary.insert("lifecycle_jobs_per_s".into(), cycle.round().into());
-    drop(engine);
-    let _ = std::fs::remove_dir_all(&dir);
+    summary.insert(
+        "lifecycle_no_history_jobs_per_s".into(),
+        cycle_off.round().into(),
+    );
 
     // 3. Durable group commit: 8 producer threads, fsync per call.
     let dir = fresh("durable");

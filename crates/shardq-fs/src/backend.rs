@@ -28,9 +28,10 @@ use std::time::Duration;
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
-    FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedAway, MovedJob, NewJob,
-    QueueBackend, QueueError, Receipt, RetryRules, ShardStats, Stored, SystemClock, KEY_JOBS_MAX,
-    MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+    FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState, KeyCounts, MovedAway,
+    MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules, ShardStats, Stored,
+    SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT,
+    PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -69,6 +70,22 @@ pub const MOVED_FILE: &str = "moved.jsonl";
 const MOVED_FILE_REWRITE_BYTES: u64 = 48 << 20;
 /// Largest moved file read: a full one plus one line.
 const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
+
+/// File in a shard's directory: one JSON line per job that finished here
+/// (acked or cancelled), a [`FinishedJob`], oldest first, for
+/// [`QueueBackend::finished`]. Appended after the record that finished the
+/// jobs, without an fsync (it is what happened, not what must run: a crash
+/// may lose its last lines, never a job); past
+/// [`FINISHED_FILE_BYTES_PER_JOB`] bytes per kept job it is rewritten with
+/// what the [`Retention`] keeps.
+pub const FINISHED_FILE: &str = "finished.jsonl";
+/// Bytes per job of the retention past which the finished file is cut back
+/// (a line takes about 150 to 300 bytes, so a cut comes after about as many
+/// jobs again as are kept).
+const FINISHED_FILE_BYTES_PER_JOB: u64 = 512;
+/// Largest finished file read: a full one at the largest retention.
+const FINISHED_FILE_BYTES_MAX: u64 =
+    FINISHED_FILE_BYTES_PER_JOB * shardq_core::FINISHED_JOBS_KEPT_MAX as u64 + (1 << 20);
 
 /// One line of [`MOVED_FILE`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -126,6 +143,9 @@ pub struct EngineOptions {
     /// Per-key and per-prefix retry policies: a failed run of a key with a
     /// rule waits its rule's backoff instead.
     pub retry_rules: Arc<RetryRules>,
+    /// How many finished jobs each shard keeps, and how long
+    /// ([`FINISHED_FILE`]).
+    pub retention: Retention,
     /// Time source.
     pub clock: Arc<dyn Clock>,
     /// Disk access.
@@ -156,6 +176,7 @@ impl Default for EngineOptions {
             dead_policy: DeadPolicy::Continue,
             backoff: Backoff::default(),
             retry_rules: Arc::default(),
+            retention: Retention::default(),
             clock: Arc::new(SystemClock),
             storage: Arc::new(OsStorage),
             append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
@@ -885,6 +906,7 @@ impl QueueBackend for FsBackend {
             .replica
             .as_ref()
             .is_some_and(|r| !r.lapsed(now).is_empty() || !r.cancel_pending().is_empty());
+        let mut cancelled_done = Vec::new();
         let (lapse_start, mut end) = if !any_lapsed {
             let at = inner.log.end_pos();
             (at, at)
@@ -892,14 +914,21 @@ impl QueueBackend for FsBackend {
             self.append_with(&shard, &mut inner, &mut |inner, _| {
                 let r = inner.replica.as_ref().expect("owner has a replica");
                 let mut bytes = Vec::new();
+                cancelled_done.clear();
                 // Cancelled runs a previous owner left: their jobs go now.
                 for (job, key) in r.cancel_pending() {
+                    if let Some(j) = r.live_job(job) {
+                        cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
+                    }
                     record::encode(&mut bytes, &Record::Cancel { job, key });
                 }
                 for id in r.lapsed(now) {
                     let run = r.in_flight(id).expect("lapsed runs are in flight");
                     if run.cancelled {
                         // Its cancel takes effect now that the run is over.
+                        if let Some(j) = r.live_job(id) {
+                            cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
+                        }
                         record::encode(
                             &mut bytes,
                             &Record::Cancel {
@@ -927,6 +956,7 @@ impl QueueBackend for FsBackend {
                 Ok(bytes)
             })?
         };
+        self.note_finished(&shard, &cancelled_done);
         let mut picks: Vec<(Pick, u64)> = Vec::new();
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let fence = self.read_fence(&shard, inner)?;
@@ -1041,15 +1071,21 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
         let mut outcome = AckOutcome::default();
+        let now = self.opts.clock.now_ms();
+        let mut finished = Vec::new();
         let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
             outcome = AckOutcome::default();
+            finished.clear();
             let mut done: Vec<u64> = Vec::new();
             let mut bytes = Vec::with_capacity(receipts.len() * 24);
             for rc in receipts {
                 // A receipt given twice in one batch finishes its run once.
                 match r.current_run(rc.id.0, rc.fence) {
                     Some(run) if !done.contains(&rc.id.0) => {
+                        if let Some(j) = r.live_job(rc.id.0) {
+                            finished.push(finished_job(&j, Finish::Completed, now));
+                        }
                         record::encode(
                             &mut bytes,
                             &Record::Ack {
@@ -1068,6 +1104,7 @@ impl QueueBackend for FsBackend {
         if end > start {
             self.compact(&mut inner)?;
             drop(inner);
+            self.note_finished(&shard, &finished);
             self.after_run_record(&shard, end)?;
         }
         Ok(outcome)
@@ -1242,11 +1279,17 @@ impl QueueBackend for FsBackend {
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
         let mut outcome = CancelOutcome::NotFound;
+        let now = self.opts.clock.now_ms();
+        let mut finished = None;
         let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let fence = self.read_fence(&shard, inner)?;
             let r = inner.replica.as_ref().expect("refreshed");
             let mut bytes = Vec::new();
-            outcome = match r.live_job(id.0) {
+            let live = r.live_job(id.0);
+            finished = (live.as_ref())
+                .filter(|j| j.run.is_none())
+                .map(|j| finished_job(j, Finish::Cancelled, now));
+            outcome = match live {
                 None => CancelOutcome::NotFound,
                 Some(j) if j.run.is_some() => {
                     let (fence, _) = j.run.expect("a run");
@@ -1275,8 +1318,31 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
+        if outcome == CancelOutcome::Cancelled {
+            self.note_finished(&shard, finished.as_slice());
+        }
         self.after_append(&shard, end)?;
         Ok(outcome)
+    }
+
+    fn finished(
+        &self,
+        name: &str,
+        key: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<FinishedJob>, QueueError> {
+        let shard = self.shard(name)?;
+        let now = self.opts.clock.now_ms();
+        let keep = self.opts.retention;
+        let mut lines = self.read_finished(&shard)?;
+        lines.reverse();
+        Ok(lines
+            .into_iter()
+            .take(keep.finished_jobs)
+            .take_while(|f| keep.keeps(f.finished_ms, now))
+            .filter(|f| key.is_none_or(|k| f.key == k))
+            .take(max)
+            .collect())
     }
 
     fn moves_backlogs(&self) -> bool {
@@ -1605,20 +1671,105 @@ impl FsBackend {
         })
     }
 
-    /// The lines of [`MOVED_FILE`], oldest first; a line that does not
-    /// parse (the torn end of an append a crash cut) is skipped.
-    fn read_moved(&self, shard: &Shard) -> Result<Vec<MovedLine>, QueueError> {
-        let path = shard.dir.join(MOVED_FILE);
+    /// The lines of the JSON-lines file `name` of a shard, oldest first; a
+    /// line that does not parse (the torn end of an append a crash cut) is
+    /// skipped.
+    fn read_lines<T: serde::de::DeserializeOwned>(
+        &self,
+        shard: &Shard,
+        name: &str,
+        bytes_max: u64,
+    ) -> Result<Vec<T>, QueueError> {
+        let path = shard.dir.join(name);
         let bytes = self
             .opts
             .storage
-            .read_file(&path, MOVED_FILE_BYTES_MAX)
+            .read_file(&path, bytes_max)
             .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
         Ok(bytes
             .unwrap_or_default()
             .split(|&b| b == b'\n')
             .filter_map(|line| serde_json::from_slice(line).ok())
             .collect())
+    }
+
+    /// Appends `text` (whole lines) to the JSON-lines file at `path`,
+    /// ending first a torn line a crash left, so the new lines parse.
+    /// Returns the file and its length before.
+    fn append_lines(
+        &self,
+        path: &Path,
+        mut text: Vec<u8>,
+    ) -> std::io::Result<(Arc<dyn LogFile>, u64)> {
+        let file = self.opts.storage.open(path, true)?;
+        let len = file.len()?;
+        let mut last = [0u8; 1];
+        if len > 0 && file.read_at(&mut last, len - 1)? == 1 && last[0] != b'\n' {
+            text.insert(0, b'\n');
+        }
+        file.append(&text)?;
+        Ok((file, len))
+    }
+
+    fn read_moved(&self, shard: &Shard) -> Result<Vec<MovedLine>, QueueError> {
+        self.read_lines(shard, MOVED_FILE, MOVED_FILE_BYTES_MAX)
+    }
+
+    fn read_finished(&self, shard: &Shard) -> Result<Vec<FinishedJob>, QueueError> {
+        self.read_lines(shard, FINISHED_FILE, FINISHED_FILE_BYTES_MAX)
+    }
+
+    /// Appends `jobs` to [`FINISHED_FILE`] (no fsync), cutting the file
+    /// back to the retention once large. Best effort: the records that
+    /// finished them are written already, and the caller must not be told
+    /// that an ack failed when it did not, so a failure here (a full disk)
+    /// costs only these lines of history.
+    fn note_finished(&self, shard: &Shard, jobs: &[FinishedJob]) {
+        let keep = self.opts.retention;
+        if jobs.is_empty() || keep.finished_jobs == 0 {
+            return;
+        }
+        let _ = self.append_finished(shard, jobs, keep);
+    }
+
+    fn append_finished(
+        &self,
+        shard: &Shard,
+        jobs: &[FinishedJob],
+        keep: Retention,
+    ) -> Result<(), QueueError> {
+        let path = shard.dir.join(FINISHED_FILE);
+        let io = |e| QueueError::io(format!("writing {}", path.display()), e);
+        let mut text = Vec::with_capacity(jobs.len() * 200);
+        for j in jobs {
+            serde_json::to_writer(&mut text, j).map_err(|e| QueueError::Internal {
+                what: format!("encoding a line of the finished file: {e}"),
+            })?;
+            text.push(b'\n');
+        }
+        let added = text.len() as u64;
+        let (_, len) = self.append_lines(&path, text).map_err(io)?;
+        let cut_at = FINISHED_FILE_BYTES_PER_JOB * keep.finished_jobs as u64 + (64 << 10);
+        if len + added > cut_at {
+            let now = self.opts.clock.now_ms();
+            let lines = self.read_finished(shard)?;
+            let from = lines.len().saturating_sub(keep.finished_jobs);
+            let mut out = Vec::new();
+            for l in lines[from..]
+                .iter()
+                .filter(|l| keep.keeps(l.finished_ms, now))
+            {
+                serde_json::to_writer(&mut out, l).map_err(|e| QueueError::Internal {
+                    what: format!("encoding a line of the finished file: {e}"),
+                })?;
+                out.push(b'\n');
+            }
+            self.opts
+                .storage
+                .write_file_atomic(&path, &out)
+                .map_err(io)?;
+        }
+        Ok(())
     }
 
     /// Appends `line` to [`MOVED_FILE`] and makes it durable; past
@@ -1635,14 +1786,7 @@ impl FsBackend {
             what: format!("encoding a line of the moved file: {e}"),
         })?;
         text.push(b'\n');
-        let file = self.opts.storage.open(&path, true).map_err(io)?;
-        // A torn line left by a crash is ended first, so this one parses.
-        let len = file.len().map_err(io)?;
-        let mut last = [0u8; 1];
-        if len > 0 && file.read_at(&mut last, len - 1).map_err(io)? == 1 && last[0] != b'\n' {
-            text.insert(0, b'\n');
-        }
-        file.append(&text).map_err(io)?;
+        let (file, _) = self.append_lines(&path, text).map_err(io)?;
         file.sync().map_err(io)?;
         // Read back and cut only once large: a rebalance purges many keys,
         // and each purge must not read the whole file.
@@ -1771,6 +1915,23 @@ fn job_of_record(
         _ => Err(bad(format!(
             "job {id} of key {key:?} does not start at an enqueue of that key"
         ))),
+    }
+}
+
+/// A live job that just finished, as the finished file keeps it.
+fn finished_job(j: &crate::state::LiveJob<'_>, outcome: Finish, now: u64) -> FinishedJob {
+    let starts = &j.starts[j
+        .starts
+        .len()
+        .saturating_sub(shardq_core::FINISHED_STARTS_KEPT)..];
+    FinishedJob {
+        id: JobId(j.slot.id),
+        key: j.key.to_string(),
+        outcome,
+        attempts: j.slot.attempt,
+        finished_ms: now,
+        attempt_starts_ms: starts.to_vec(),
+        reason: j.reason.map(str::to_string),
     }
 }
 

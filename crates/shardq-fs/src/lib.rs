@@ -54,7 +54,7 @@ pub mod repair;
 mod state;
 pub mod storage;
 
-pub use backend::{Durability, EngineOptions, FsBackend, MOVED_FILE};
+pub use backend::{Durability, EngineOptions, FsBackend, FINISHED_FILE, MOVED_FILE};
 pub use engine::{Engine, ShardStatus, Status, StatusTotals};
 pub use error::FsError;
 pub use membership::{FsCoordinator, MemberOptions};

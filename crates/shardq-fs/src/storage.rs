@@ -271,9 +271,17 @@ impl CrashStorage {
 
     /// Bytes written to tracked files but not fsynced yet.
     pub fn unsynced_bytes(&self) -> u64 {
+        self.unsynced_bytes_but("")
+    }
+
+    /// [`CrashStorage::unsynced_bytes`] of every file but those named
+    /// `name` (a file the engine does not fsync on purpose, such as the
+    /// finished jobs' history).
+    pub fn unsynced_bytes_but(&self, name: &str) -> u64 {
         let st = self.state();
         st.synced
             .iter()
+            .filter(|(path, _)| name.is_empty() || path.file_name() != Some(name.as_ref()))
             .map(|(path, &synced)| {
                 fs::metadata(path)
                     .map(|m| m.len().saturating_sub(synced))

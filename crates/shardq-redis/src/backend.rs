@@ -18,9 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use redis::Value;
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob,
-    DeadPolicy, DedupRecord, FailOutcome, Fence, JobId, JobInfo, JobState, KeyCounts, MovedJob,
-    NewJob, QueueBackend, QueueError, Receipt, RetryRules, ShardStats, Stored, KEY_JOBS_MAX,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
+    KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules,
+    ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::ShardMap;
 
@@ -87,6 +87,9 @@ pub struct RedisOptions {
     /// rule waits its rule's backoff instead (the key is the one this
     /// process claimed the run with).
     pub retry_rules: Arc<RetryRules>,
+    /// How many finished jobs each shard keeps (written to the shard when
+    /// this process adopts it), and how long.
+    pub retention: Retention,
     /// Whether a dead job halts its key.
     pub dead_policy: DeadPolicy,
     /// Largest payload accepted, in bytes.
@@ -124,6 +127,7 @@ impl Default for RedisOptions {
             queue: QUEUE_DEFAULT.to_string(),
             backoff: Backoff::default(),
             retry_rules: Arc::default(),
+            retention: Retention::default(),
             dead_policy: DeadPolicy::default(),
             payload_bytes_max: PAYLOAD_BYTES_MAX_DEFAULT,
             retry_attempts: RETRY_ATTEMPTS_DEFAULT,
@@ -983,7 +987,10 @@ impl QueueBackend for RedisBackend {
             .get(shard)
             .cloned()
             .ok_or_else(|| Self::not_owner(s))?;
-        let v = self.script(s, &self.inner.scripts.adopt, &token, &|_, _| {})?;
+        let keep = self.inner.opts.retention.finished_jobs;
+        let v = self.script(s, &self.inner.scripts.adopt, &token, &|c, _| {
+            c.arg(keep);
+        })?;
         if reply::status(&v) != "OK" {
             return Err(Self::not_owner(s));
         }
@@ -1581,6 +1588,41 @@ impl QueueBackend for RedisBackend {
         }
     }
 
+    fn finished(
+        &self,
+        shard: &str,
+        key: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<FinishedJob>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let keep = self.inner.opts.retention;
+        if keep.finished_jobs == 0 || max == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self.script(s, &self.inner.scripts.finished, "", &|c, _| {
+            c.arg(keep.finished_jobs);
+        })?;
+        let items = reply::items(&v);
+        let bad = || self.protocol(s, "finished-jobs reply is malformed");
+        let now = items.first().and_then(reply::u64).ok_or_else(bad)?;
+        let mut out = Vec::new();
+        for e in &items[1..] {
+            let e = reply::bytes(e).ok_or_else(bad)?;
+            let f = parse_done(e).ok_or_else(bad)?;
+            if !keep.keeps(f.finished_ms, now) {
+                break;
+            }
+            if key.is_none_or(|k| f.key == k) {
+                out.push(f);
+                if out.len() == max {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;
@@ -1821,6 +1863,44 @@ impl JobRecord<'_> {
 
 /// The start times of a job's attempts, as the scripts keep them (ms,
 /// comma-separated, oldest first; empty for none); `None` when malformed.
+/// One entry of a shard's `done` list (see `keys::SHARD_PARTS`).
+fn parse_done(e: &[u8]) -> Option<FinishedJob> {
+    let mut at = 0;
+    let mut field = || {
+        let end = at + e[at..].iter().position(|&b| b == b'|')?;
+        let f = std::str::from_utf8(&e[at..end]).ok()?;
+        at = end + 1;
+        Some(f)
+    };
+    let id: u64 = field()?.parse().ok()?;
+    let outcome = match field()? {
+        "c" => Finish::Completed,
+        "x" => Finish::Cancelled,
+        _ => return None,
+    };
+    let attempts: u32 = field()?.parse().ok()?;
+    let finished_ms: u64 = field()?.parse().ok()?;
+    let starts = field()?;
+    let key_len: usize = field()?.parse().ok()?;
+    let key = std::str::from_utf8(e.get(at..at.checked_add(key_len)?)?).ok()?;
+    let reason = String::from_utf8_lossy(&e[at + key_len..]).into_owned();
+    let starts: Vec<u64> = (starts.split(',').filter(|t| !t.is_empty()))
+        .map(|t| t.parse().ok())
+        .collect::<Option<_>>()?;
+    let cut = starts
+        .len()
+        .saturating_sub(shardq_core::FINISHED_STARTS_KEPT);
+    Some(FinishedJob {
+        id: JobId(id),
+        key: key.to_string(),
+        outcome,
+        attempts,
+        finished_ms,
+        attempt_starts_ms: starts[cut..].to_vec(),
+        reason: (!reason.is_empty()).then_some(reason),
+    })
+}
+
 fn parse_starts(v: &Value) -> Option<Vec<u64>> {
     let text = reply::string(v)?;
     if text.is_empty() {

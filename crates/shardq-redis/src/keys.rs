@@ -118,12 +118,18 @@ pub fn rebalance_lock_key(ns: &str) -> String {
 ///   `meta` counts them), so an id from before a move answers where its
 ///   job went.
 ///
-/// The last three came after the enqueue script, which touches none of
+/// * `done` list: jobs that finished here (acked or cancelled), newest
+///   first, `<id>|<c or x>|<attempts>|<finished ms>|<starts>|<key
+///   length>|<key><last failure reason>`, at most `donemax` of `meta` (the
+///   retention's count, written by each owner when it adopts the shard);
+///   readers drop those past the retention's age.
+///
+/// The last four came after the enqueue script, which touches none of
 /// them: a producer that passes only the first 15 parts (an older client)
 /// still enqueues correctly.
-pub const SHARD_PARTS: [&str; 18] = [
+pub const SHARD_PARTS: [&str; 19] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved",
+    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].

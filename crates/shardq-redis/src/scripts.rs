@@ -123,6 +123,22 @@ local function forget(list, i, j)
   redis.call('HDEL', K_REASON, unpack(at))
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
+-- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
+-- most `donemax` of meta (the owner's retention, set at adopt) entries:
+-- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
+-- length>|<key><last failure reason>`. Read before `forget`.
+local function done_entry(ids, r, outcome, attempts, now)
+  local _, _, _, _, k = rec_parse(r)
+  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
+    starts_of(ids) .. '|' .. #k .. '|' .. k .. (redis.call('HGET', K_REASON, ids) or '')
+end
+local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
+local function keep_done(entries)
+  local max = done_max()
+  if max <= 0 or #entries == 0 then return end
+  redis.call('LPUSH', KEYS[19], unpack(entries))
+  redis.call('LTRIM', KEYS[19], 0, max - 1)
+end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
   redis.call('HINCRBY', K_DEADN, k, 1)
@@ -140,6 +156,7 @@ local function requeue(ids, why, now)
   if was_flying and q.r == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     q.f = 0
+    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)
@@ -526,6 +543,15 @@ for i = 5, #ARGV - 2, 3 do
 end
 -- The acked jobs leave in one call per structure (the batch is bounded).
 if #done > 0 then
+  if done_max() > 0 then
+    local entries = {}
+    for x = #done, 1, -1 do
+      local r = redis.call('HGET', K_JOBS, done[x])
+      local _, a = rec_parse(r)
+      entries[#entries + 1] = done_entry(done[x], r, 'c', a + 1, now)
+    end
+    keep_done(entries)
+  end
   redis.call('ZREM', K_INF, unpack(done))
   redis.call('HDEL', K_JOBS, unpack(done))
   forget(done)
@@ -611,6 +637,7 @@ return out
 const ADOPT: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
+redis.call('HSET', K_META, 'donemax', ARGV[5])
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
 for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
@@ -1091,6 +1118,8 @@ if redis.call('ZSCORE', K_DEAD, ids) then
   local startable = q.d > 0 and q.f == 0 and not halted(k)
   redis.call('ZREM', K_DEAD, ids)
   if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+  local _, a = rec_parse(r)
+  keep_done({done_entry(ids, r, 'x', a, now)})
   redis.call('HDEL', K_JOBS, ids)
   forget({ids})
   -- A key halted by its dead letters may start again.
@@ -1118,6 +1147,8 @@ if q.t == n then q.t = prev end
 if q.d == 1 then q.h, q.t = 0, 0 end
 q.d = q.d - 1
 redis.call('HINCRBY', K_META, 'pend', -1)
+local _, a = rec_parse(r)
+keep_done({done_entry(ids, r, 'x', a, now)})
 redis.call('HDEL', K_JOBS, ids)
 forget({ids})
 redis.call('ZREM', K_DELAYED, ids)
@@ -1126,6 +1157,16 @@ kstore(k, q)
 -- one in `ready` is checked by the next claim.
 if prev == 0 and redis.call('ZREM', K_LATER, k) == 1 then kready(k, q, head_nbf(), now) end
 return {'CANCELLED'}
+"#;
+
+/// ARGV[5] limit: the time now, then the newest `limit` entries of the
+/// `done` list (see `keep_done`), newest first.
+const FINISHED: &str = r#"
+local out = {now_ms()}
+for _, e in ipairs(redis.call('LRANGE', KEYS[19], 0, tonumber(ARGV[5]) - 1)) do
+  out[#out + 1] = e
+end
+return out
 "#;
 
 /// ARGV[5] limit: id, attempts, key, reason per dead job, oldest first.
@@ -1430,6 +1471,7 @@ pub(crate) struct Scripts {
     pub(crate) imported_up_to: Lua,
     pub(crate) purge_key: Lua,
     pub(crate) moved_away: Lua,
+    pub(crate) finished: Lua,
     pub(crate) freeze: Lua,
     pub(crate) dead_list: Lua,
     pub(crate) job_show: Lua,
@@ -1481,6 +1523,7 @@ impl Scripts {
                 Flags::AllowOom,
             ),
             moved_away: Lua::new(MOVED_AWAY, true, Flags::NoWrites),
+            finished: Lua::new(FINISHED, true, Flags::NoWrites),
             dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
             job_show: Lua::new(&format!("{JOB_GET}{JOB_SHOW}"), true, Flags::NoWrites),
             key_jobs: Lua::new(

@@ -11,10 +11,12 @@ use clap::Subcommand;
 use serde_json::json;
 use shardq_core::{CancelOutcome, JobId, JobInfo, JobState, KEY_JOBS_MAX};
 use shardq_deploy::Deployment;
-use shardq_server::api::job_value;
+use shardq_server::api::{finished_value, job_value};
 
 /// Jobs `jobs` lists when `--limit` is not given.
 const JOBS_LIMIT_DEFAULT: usize = 100;
+/// Finished jobs `jobs` lists when `--recent` is not given.
+const RECENT_DEFAULT: usize = 20;
 /// Payload bytes `job show` prints as text before cutting (all of it with
 /// `--json`).
 const SHOWN_PAYLOAD_BYTES: usize = 4096;
@@ -66,6 +68,10 @@ pub struct JobsArgs {
     /// At most this many jobs (1 to 1000).
     #[arg(long, default_value_t = JOBS_LIMIT_DEFAULT)]
     limit: usize,
+    /// Also the key's newest finished jobs (acked or cancelled, kept for
+    /// `shardq retention`), at most this many (0 to 1000).
+    #[arg(long, value_name = "N", default_value_t = RECENT_DEFAULT)]
+    recent: usize,
     /// One JSON object (as `GET /v1/keys/{key}/jobs`) instead of a table.
     #[arg(long)]
     json: bool,
@@ -261,6 +267,9 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     if args.limit == 0 || args.limit > KEY_JOBS_MAX {
         bail!("--limit {}: out of range 1..={KEY_JOBS_MAX}", args.limit);
     }
+    if args.recent > KEY_JOBS_MAX {
+        bail!("--recent {}: out of range 0..={KEY_JOBS_MAX}", args.recent);
+    }
     shardq_core::validate_key(&args.key).with_context(|| format!("--key {:?}", args.key))?;
     let deployment = Deployment::open(&args.data, &shardq_deploy::OpenOptions::default())?;
     let router = shardq_route::Router::new(deployment.map()?)?;
@@ -269,11 +278,25 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         .queue()
         .key_jobs(&shard, &args.key, args.limit)
         .with_context(|| format!("listing the jobs of key {:?} on {shard}", args.key))?;
+    let recent = if args.recent == 0 {
+        Vec::new()
+    } else {
+        deployment
+            .queue()
+            .finished(&shard, Some(&args.key), args.recent)
+            .with_context(|| {
+                format!("listing the finished jobs of key {:?} on {shard}", args.key)
+            })?
+    };
     if args.json {
         let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
+        let done: Vec<serde_json::Value> = recent
+            .into_iter()
+            .map(|f| finished_value(&shard, f))
+            .collect();
         println!(
             "{}",
-            json!({ "key": args.key, "shard": shard, "jobs": list })
+            json!({ "key": args.key, "shard": shard, "jobs": list, "recent": done })
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -293,6 +316,29 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
                 .map(shardq_core::job::shown_key)
                 .unwrap_or_default()
         );
+    }
+    if args.recent > 0 {
+        println!();
+        println!("RECENT\tOUTCOME\tATTEMPTS\tFINISHED\tLAST_FAILURE");
+        if recent.is_empty() {
+            println!("(no finished job of this key is kept: see `shardq retention show`)");
+        }
+        for f in &recent {
+            println!(
+                "{shard}:{}\t{}\t{}\t{}\t{}",
+                f.id.0,
+                match f.outcome {
+                    shardq_core::Finish::Completed => "completed",
+                    shardq_core::Finish::Cancelled => "cancelled",
+                },
+                f.attempts,
+                relative(f.finished_ms, now),
+                f.reason
+                    .as_deref()
+                    .map(shardq_core::job::shown_key)
+                    .unwrap_or_default()
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -16,6 +16,7 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_jobs;
 mod cmd_reshard;
+mod cmd_retention;
 mod cmd_retry;
 mod cmd_route;
 mod cmd_serve;
@@ -56,6 +57,10 @@ enum Command {
     /// key prefix: show, set or clear them.
     #[command(subcommand)]
     Retry(cmd_retry::RetryAction),
+    /// How many finished jobs each shard keeps, and how long (what `jobs
+    /// --key` shows as recent): show, set or clear it.
+    #[command(subcommand)]
+    Retention(cmd_retention::RetentionAction),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
     /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
@@ -99,6 +104,7 @@ fn main() -> ExitCode {
         Command::Job(action) => cmd_jobs::job(action),
         Command::Jobs(args) => cmd_jobs::jobs(args),
         Command::Retry(action) => cmd_retry::run(action),
+        Command::Retention(action) => cmd_retention::run(action),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
         Command::Serve(args) => cmd_serve::run(args),
     };

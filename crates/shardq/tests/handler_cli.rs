@@ -462,3 +462,100 @@ fn a_worker_waits_each_keys_retry_policy() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Finished jobs stay visible after their worker is gone: `jobs --key`
+/// (another process) lists a key's completed jobs, newest first, with
+/// their attempts and last failure, and a cancelled one; the retention's
+/// count and age bound what it shows.
+#[test]
+fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
+    let dir = temp_dir("h-recent");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let (ok, _, err) = run(&[
+        "retry",
+        "set",
+        "--data",
+        d,
+        "--base-ms",
+        "20",
+        "--max-ms",
+        "20",
+    ]);
+    assert!(ok, "{err}");
+    for p in ["flaky", "plain"] {
+        let (ok, _, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
+        assert!(ok, "{err}");
+    }
+    // `flaky` fails its first attempt with a message; the rest succeed.
+    let script = "read p; if [ \"$p\" = flaky ] && [ \"$SHARDQ_ATTEMPT\" = 1 ]; then echo upstream down >&2; exit 3; fi";
+    let mut worker = start_worker(&data, &["--exit-when-idle"], script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    // A delayed job cancelled by an operator is kept as cancelled.
+    let late = run(&[
+        "enqueue",
+        "--data",
+        d,
+        "--key",
+        "k",
+        "--payload",
+        "late",
+        "--delay-ms",
+        "600000",
+    ])
+    .1;
+    let (ok, _, err) = run(&["job", "cancel", "--data", d, late.trim()]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["jobs"].as_array().map(Vec::len), Some(0), "{v}");
+    let recent = v["recent"].as_array().unwrap();
+    let seen: Vec<(&str, u64)> = recent
+        .iter()
+        .map(|f| {
+            (
+                f["outcome"].as_str().unwrap(),
+                f["attempts"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [("cancelled", 0), ("completed", 1), ("completed", 2)],
+        "{v}"
+    );
+    assert_eq!(recent[0]["id"], late.trim(), "{v}");
+    let flaky = &recent[2];
+    assert!(
+        flaky["reason"].as_str().unwrap().contains("upstream down"),
+        "the last failure's stderr: {flaky}"
+    );
+    assert_eq!(
+        flaky["attempt_starts_ms"].as_array().map(Vec::len),
+        Some(2),
+        "{flaky}"
+    );
+    let (ok, table, err) = run(&["jobs", "--data", d, "--key", "k"]);
+    assert!(
+        ok && table.contains("RECENT") && table.contains("completed"),
+        "{table}{err}"
+    );
+    // The retention bounds what is shown: its count, then its age.
+    let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-jobs", "1"]);
+    assert!(ok, "{err}");
+    let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["recent"].as_array().map(Vec::len), Some(1), "{v}");
+    let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-age-ms", "1"]);
+    assert!(ok, "{err}");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["recent"].as_array().map(Vec::len), Some(0), "{v}");
+    let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-jobs", "100001"]);
+    assert!(!ok && err.contains("100001"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,7 +4,7 @@
 //! stop, and the job goes when the run ends).
 
 use super::*;
-use shardq_core::{CancelOutcome, JobInfo, JobState, KEY_JOBS_MAX};
+use shardq_core::{CancelOutcome, Finish, FinishedJob, JobInfo, JobState, KEY_JOBS_MAX};
 
 /// A job's run in flight.
 #[derive(Debug, Serialize)]
@@ -60,6 +60,35 @@ fn job_out(shard: &str, j: JobInfo) -> JobOut {
         payload,
         payload_b64,
     }
+}
+
+/// A finished job on the wire (`recent` of `GET /v1/keys/{key}/jobs`).
+#[derive(Debug, Serialize)]
+struct FinishedOut {
+    id: String,
+    shard: String,
+    key: String,
+    outcome: Finish,
+    attempts: u32,
+    finished_ms: u64,
+    attempt_starts_ms: Vec<u64>,
+    reason: Option<String>,
+}
+
+/// A finished job of `shard` in the wire form of `recent` in
+/// `GET /v1/keys/{key}/jobs`, for every place that prints one.
+pub fn finished_value(shard: &str, f: FinishedJob) -> Value {
+    serde_json::to_value(FinishedOut {
+        id: job_string(shard, f.id),
+        shard: shard.to_string(),
+        key: f.key,
+        outcome: f.outcome,
+        attempts: f.attempts,
+        finished_ms: f.finished_ms,
+        attempt_starts_ms: f.attempt_starts_ms,
+        reason: f.reason,
+    })
+    .unwrap_or(Value::Null)
 }
 
 /// A live job of `shard` in the wire form of `GET /v1/jobs/{id}` (the
@@ -132,10 +161,12 @@ pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> 
 #[serde(deny_unknown_fields)]
 pub struct KeyJobsQuery {
     limit: Option<usize>,
+    recent: Option<usize>,
 }
 
-/// `GET /v1/keys/{key}/jobs?limit=`: the key's live jobs on the shard it
-/// routes to, in key order.
+/// `GET /v1/keys/{key}/jobs?limit=&recent=`: the key's live jobs on the
+/// shard it routes to, in key order, and its `recent` finished jobs
+/// (acked or cancelled, within the deployment's retention), newest first.
 pub async fn key_jobs(
     State(app): State<Arc<App>>,
     PathParam(key): PathParam,
@@ -148,6 +179,12 @@ pub async fn key_jobs(
             "limit: {limit} is out of range 1..={KEY_JOBS_MAX}"
         )));
     }
+    let recent = q.recent.unwrap_or(KEY_RECENT_DEFAULT);
+    if recent > KEY_JOBS_MAX {
+        return Err(ApiError::bad(format!(
+            "recent: {recent} is out of range 0..={KEY_JOBS_MAX}"
+        )));
+    }
     let v = blocking(move || {
         let map = app.deployment.map()?;
         let router = MapRouter::new(map).map_err(|e| ApiError::internal(e.to_string()))?;
@@ -158,7 +195,15 @@ pub async fn key_jobs(
             .into_iter()
             .map(|j| job_out(&shard, j))
             .collect();
-        Ok(json!({ "key": key, "shard": shard, "jobs": jobs }))
+        let finished: Vec<Value> = if recent == 0 {
+            Vec::new()
+        } else {
+            (app.backend.finished(&shard, Some(&key), recent)?)
+                .into_iter()
+                .map(|f| finished_value(&shard, f))
+                .collect()
+        };
+        Ok(json!({ "key": key, "shard": shard, "jobs": jobs, "recent": finished }))
     })
     .await?;
     ok(v)

@@ -660,10 +660,25 @@
       tr.appendChild(td);
       tbody.appendChild(tr);
     }
+    // What became of the key's finished jobs, as far as the retention keeps them.
+    const recent = $("key-recent");
+    const rbody = recent.querySelector("tbody");
+    clear(rbody);
+    const done = list.recent || [];
+    recent.hidden = done.length === 0;
+    for (const f of done) {
+      const tr = el("tr", { "data-job": f.id, "data-outcome": f.outcome });
+      tr.appendChild(el("td", null, f.id));
+      tr.appendChild(el("td", null, f.outcome));
+      tr.appendChild(el("td", { class: "num" }, String(f.attempts)));
+      tr.appendChild(el("td", null, ago(f.finished_ms)));
+      tr.appendChild(el("td", null, f.reason || ""));
+      rbody.appendChild(tr);
+    }
   }
 
   async function lookupJobs(key) {
-    try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50")); } catch (e) { /* the lookup shows errors */ }
+    try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50&recent=20")); } catch (e) { /* the lookup shows errors */ }
   }
 
   // The keys with work starting with what was typed; each looks itself up.
