@@ -81,8 +81,12 @@ const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
 pub const FINISHED_FILE: &str = "finished.jsonl";
 /// Bytes per job of the retention past which the finished file is cut back
 /// (a line takes about 150 to 300 bytes, so a cut comes after about as many
-/// jobs again as are kept).
+/// jobs again as are kept), and never below [`FINISHED_FILE_CUT_BYTES_MIN`].
 const FINISHED_FILE_BYTES_PER_JOB: u64 = 512;
+/// The finished file is never cut below this size: a cut reads the file
+/// and replaces it (an fsync), so it must be rare under a busy shard (about
+/// every 40,000 acks).
+const FINISHED_FILE_CUT_BYTES_MIN: u64 = 8 << 20;
 /// Largest finished file read: a full one at the largest retention.
 const FINISHED_FILE_BYTES_MAX: u64 =
     FINISHED_FILE_BYTES_PER_JOB * shardq_core::FINISHED_JOBS_KEPT_MAX as u64 + (1 << 20);
@@ -1334,10 +1338,16 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let now = self.opts.clock.now_ms();
         let keep = self.opts.retention;
-        let mut lines = self.read_finished(&shard)?;
-        lines.reverse();
-        Ok(lines
-            .into_iter()
+        let path = shard.dir.join(FINISHED_FILE);
+        let bytes = (self.opts.storage)
+            .read_file(&path, FINISHED_FILE_BYTES_MAX)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?
+            .unwrap_or_default();
+        // Newest first, parsing only the lines the retention keeps; a line
+        // that does not parse (torn by a crash, damaged) is skipped.
+        Ok(bytes
+            .rsplit(|&b| b == b'\n')
+            .filter_map(|line| serde_json::from_slice::<FinishedJob>(line).ok())
             .take(keep.finished_jobs)
             .take_while(|f| keep.keeps(f.finished_ms, now))
             .filter(|f| key.is_none_or(|k| f.key == k))
@@ -1715,10 +1725,6 @@ impl FsBackend {
         self.read_lines(shard, MOVED_FILE, MOVED_FILE_BYTES_MAX)
     }
 
-    fn read_finished(&self, shard: &Shard) -> Result<Vec<FinishedJob>, QueueError> {
-        self.read_lines(shard, FINISHED_FILE, FINISHED_FILE_BYTES_MAX)
-    }
-
     /// Appends `jobs` to [`FINISHED_FILE`] (no fsync), cutting the file
     /// back to the retention once large. Best effort: the records that
     /// finished them are written already, and the caller must not be told
@@ -1749,24 +1755,20 @@ impl FsBackend {
         }
         let added = text.len() as u64;
         let (_, len) = self.append_lines(&path, text).map_err(io)?;
-        let cut_at = FINISHED_FILE_BYTES_PER_JOB * keep.finished_jobs as u64 + (64 << 10);
+        let cut_at = (FINISHED_FILE_BYTES_PER_JOB * keep.finished_jobs as u64)
+            .max(FINISHED_FILE_CUT_BYTES_MIN);
         if len + added > cut_at {
-            let now = self.opts.clock.now_ms();
-            let lines = self.read_finished(shard)?;
-            let from = lines.len().saturating_sub(keep.finished_jobs);
-            let mut out = Vec::new();
-            for l in lines[from..]
-                .iter()
-                .filter(|l| keep.keeps(l.finished_ms, now))
-            {
-                serde_json::to_writer(&mut out, l).map_err(|e| QueueError::Internal {
-                    what: format!("encoding a line of the finished file: {e}"),
-                })?;
-                out.push(b'\n');
-            }
+            // Keep the newest lines by bytes alone (no parse): a reader drops
+            // torn lines and those past the retention's age.
+            let bytes = (self.opts.storage)
+                .read_file(&path, FINISHED_FILE_BYTES_MAX)
+                .map_err(io)?
+                .unwrap_or_default();
+            let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+            let from = (memchr_rev_nth(body, keep.finished_jobs)).map_or(0, |at| at + 1);
             self.opts
                 .storage
-                .write_file_atomic(&path, &out)
+                .write_file_atomic(&path, &bytes[from..])
                 .map_err(io)?;
         }
         Ok(())
@@ -1918,6 +1920,17 @@ fn job_of_record(
     }
 }
 
+/// The position of the `n`th newline from the end of `b` (1 = the last),
+/// if it has that many (`None` for 0).
+fn memchr_rev_nth(b: &[u8], n: usize) -> Option<usize> {
+    b.iter()
+        .enumerate()
+        .rev()
+        .filter(|(_, &c)| c == b'\n')
+        .nth(n.checked_sub(1)?)
+        .map(|(i, _)| i)
+}
+
 /// A live job that just finished, as the finished file keeps it.
 fn finished_job(j: &crate::state::LiveJob<'_>, outcome: Finish, now: u64) -> FinishedJob {
     let starts = &j.starts[j
@@ -2062,5 +2075,24 @@ impl shardq_core::reshard::KeyInventory for FsBackend {
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
         Ok(inner.replica.as_ref().expect("refreshed").keys_with_work())
+    }
+}
+
+#[cfg(test)]
+mod finished_file_tests {
+    use super::memchr_rev_nth;
+
+    #[test]
+    fn the_cut_keeps_exactly_the_newest_lines() {
+        let body = b"a\nb\nc\nd";
+        let keep = |n| {
+            let from = memchr_rev_nth(body, n).map_or(0, |at| at + 1);
+            String::from_utf8(body[from..].to_vec()).unwrap()
+        };
+        assert_eq!(keep(1), "d");
+        assert_eq!(keep(2), "c\nd");
+        assert_eq!(keep(4), "a\nb\nc\nd");
+        assert_eq!(keep(9), "a\nb\nc\nd");
+        assert_eq!(memchr_rev_nth(body, 0), None);
     }
 }
