@@ -110,10 +110,13 @@ local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or
 -- most `donemax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
 -- length>|<key><last failure reason>`. Read before `forget`.
+local function done_line(ids, k, outcome, attempts, now, starts, why)
+  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
+    (starts or '') .. '|' .. #k .. '|' .. k .. (why or '')
+end
 local function done_entry(ids, r, outcome, attempts, now)
   local _, _, _, _, k = rec_parse(r)
-  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    starts_of(ids) .. '|' .. #k .. '|' .. k .. (redis.call('HGET', K_REASON, ids) or '')
+  return done_line(ids, k, outcome, attempts, now, starts_of(ids), redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
 local function keep_done(entries)

@@ -175,6 +175,16 @@ fn plain_list(url: &str, jobs: u64) -> Result {
 }
 
 fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
+    shardq_keeping(name, urls, jobs, shardq_core::Retention::default())
+}
+
+/// [`shardq`] keeping finished jobs for `retention` (0 jobs: no history).
+fn shardq_keeping(
+    name: &str,
+    urls: &[String],
+    jobs: u64,
+    retention: shardq_core::Retention,
+) -> Result {
     let names: Vec<String> = (0..SHARDS).map(|i| format!("b-{i}")).collect();
     let mut map = ShardMap::with_shards(Algorithm::Rendezvous, names.clone()).unwrap();
     for (i, s) in map.shards.iter_mut().enumerate() {
@@ -190,6 +200,7 @@ fn shardq(name: &str, urls: &[String], jobs: u64) -> Result {
     let opts = RedisOptions {
         namespace: dep.namespace,
         deployment: Some(dep.id),
+        retention,
         ..RedisOptions::default()
     };
     let backend = RedisBackend::open(&map, opts).unwrap();
@@ -286,6 +297,19 @@ fn main() {
     {
         let server = RedisServer::start();
         results.push(plain_list(&server.url(), jobs));
+    }
+    {
+        // The same without the finished jobs' history (the `done` list).
+        let server = RedisServer::start();
+        results.push(shardq_keeping(
+            "shardq, 1 instance (4 shards), no history",
+            &[server.url()],
+            jobs,
+            shardq_core::Retention {
+                finished_jobs: 0,
+                ..shardq_core::Retention::default()
+            },
+        ));
     }
     {
         let server = RedisServer::start();

@@ -127,10 +127,13 @@ local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or
 -- most `donemax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
 -- length>|<key><last failure reason>`. Read before `forget`.
+local function done_line(ids, k, outcome, attempts, now, starts, why)
+  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
+    (starts or '') .. '|' .. #k .. '|' .. k .. (why or '')
+end
 local function done_entry(ids, r, outcome, attempts, now)
   local _, _, _, _, k = rec_parse(r)
-  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    starts_of(ids) .. '|' .. #k .. '|' .. k .. (redis.call('HGET', K_REASON, ids) or '')
+  return done_line(ids, k, outcome, attempts, now, starts_of(ids), redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
 local function keep_done(entries)
@@ -544,11 +547,18 @@ end
 -- The acked jobs leave in one call per structure (the batch is bounded).
 if #done > 0 then
   if done_max() > 0 then
+    -- Two reads for the whole batch: the records, then reasons and starts.
+    local recs = redis.call('HMGET', K_JOBS, unpack(done))
+    local f = {}
+    for x = 1, #done do
+      f[#f + 1] = done[x]
+      f[#f + 1] = done[x] .. '@'
+    end
+    local rs = redis.call('HMGET', K_REASON, unpack(f))
     local entries = {}
     for x = #done, 1, -1 do
-      local r = redis.call('HGET', K_JOBS, done[x])
-      local _, a = rec_parse(r)
-      entries[#entries + 1] = done_entry(done[x], r, 'c', a + 1, now)
+      local _, a, _, _, k = rec_parse(recs[x])
+      entries[#entries + 1] = done_line(done[x], k, 'c', a + 1, now, rs[2 * x], rs[2 * x - 1])
     end
     keep_done(entries)
   end
