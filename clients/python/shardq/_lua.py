@@ -111,8 +111,15 @@ local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
 -- length>|<key><last failure reason>`. Read before `forget`.
 local function done_line(ids, k, outcome, attempts, now, starts, why)
+  starts = starts or ''
+  if #starts > 200 then
+    -- Only the last 16 start times are kept (core's FINISHED_STARTS_KEPT).
+    local t = {}
+    for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
+    if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
+  end
   return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    (starts or '') .. '|' .. #k .. '|' .. k .. (why or '')
+    starts .. '|' .. #k .. '|' .. k .. (why or '')
 end
 local function done_entry(ids, r, outcome, attempts, now)
   local _, _, _, _, k = rec_parse(r)
@@ -124,6 +131,17 @@ local function keep_done(entries)
   if max <= 0 or #entries == 0 then return end
   redis.call('LPUSH', KEYS[19], unpack(entries))
   redis.call('LTRIM', KEYS[19], 0, max - 1)
+  -- Entries past the retention's age leave from the tail, a few per call.
+  local age = tonumber(redis.call('HGET', K_META, 'doneage') or '0')
+  if age > 0 then
+    local oldest = now_ms() - age
+    for _ = 1, 16 do
+      local e = redis.call('LINDEX', KEYS[19], -1)
+      local at = e and tonumber(string.match(e, '^%d+|%a|%d+|(%d+)|'))
+      if not at or at >= oldest then break end
+      redis.call('RPOP', KEYS[19])
+    end
+  end
 end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)

@@ -159,6 +159,21 @@ pub fn finished_jobs_are_kept_newest_first(h: &dyn ContractHarness) {
         [(run.id, Finish::Cancelled)],
         "{r:?}"
     );
+    // One ack of a batch: its last receipt is the newest.
+    let batch_shard = h.fresh_shard();
+    for k in ["b1", "b2", "b3"] {
+        enqueue(h, &batch_shard, k, "x", 3);
+    }
+    let runs = claim(h, &batch_shard, 10, LONG_LEASE_MS);
+    let mut order: Vec<Receipt> = runs.iter().map(|r| r.receipt()).collect();
+    order.swap(0, 2);
+    assert_eq!(b.ack(&batch_shard, &order).expect("ack").acked, 3);
+    let newest: Vec<JobId> = (b.finished(&batch_shard, None, 10).expect("finished"))
+        .iter()
+        .map(|f| f.id)
+        .collect();
+    let want: Vec<JobId> = order.iter().rev().map(|r| r.id).collect();
+    assert_eq!(newest, want, "a batch's acks, newest (last) first");
     // Past the retention's age they are forgotten.
     h.pass_ms(crate::job::FINISHED_AGE_MS_DEFAULT + 1);
     assert!(

@@ -80,16 +80,27 @@ const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
 /// what the [`Retention`] keeps.
 pub const FINISHED_FILE: &str = "finished.jsonl";
 /// Bytes per job of the retention past which the finished file is cut back
-/// (a line takes about 150 to 300 bytes, so a cut comes after about as many
-/// jobs again as are kept), and never below [`FINISHED_FILE_CUT_BYTES_MIN`].
+/// (a line takes about 120 to 300 bytes), and never below
+/// [`FINISHED_FILE_CUT_BYTES_MIN`]: see [`finished_cut_bytes`].
 const FINISHED_FILE_BYTES_PER_JOB: u64 = 512;
-/// The finished file is never cut below this size: a cut reads the file
-/// and replaces it (an fsync), so it must be rare under a busy shard (about
-/// every 40,000 acks).
+/// The finished file is never cut below this size: a cut reads the file's
+/// end and replaces the file (an fsync), so it must be rare under a busy
+/// shard (about every 30,000 acks).
 const FINISHED_FILE_CUT_BYTES_MIN: u64 = 8 << 20;
-/// Largest finished file read: a full one at the largest retention.
-const FINISHED_FILE_BYTES_MAX: u64 =
-    FINISHED_FILE_BYTES_PER_JOB * shardq_core::FINISHED_JOBS_KEPT_MAX as u64 + (1 << 20);
+
+/// The size past which the finished file is cut for `keep`. A cut keeps at
+/// most half of it (the newest lines, at most `keep.finished_jobs` of
+/// them), so between cuts the file grows by at least half of it, and a
+/// reader never needs more than its last `finished_cut_bytes` plus one
+/// batch of lines.
+fn finished_cut_bytes(keep: Retention) -> u64 {
+    (FINISHED_FILE_BYTES_PER_JOB * keep.finished_jobs as u64).max(FINISHED_FILE_CUT_BYTES_MIN)
+}
+
+/// Most bytes one ack batch adds to the finished file (1,024 lines of at
+/// most about 9 KiB each, escaped key and reason included), which a reader
+/// reads past the cut size.
+const FINISHED_BATCH_BYTES_MAX: u64 = 10 << 20;
 
 /// One line of [`MOVED_FILE`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -222,6 +233,9 @@ struct Shard {
     /// only once it changed (a lookup of an id that is not live must not
     /// parse the file each time).
     moved: Mutex<Option<(u64, Arc<MovedAway>)>>,
+    /// Held while this process appends to or cuts [`FINISHED_FILE`], so
+    /// two threads never cut it at once or append into a file being cut.
+    finished: Mutex<()>,
 }
 
 type Shards = RwLock<BTreeMap<String, Arc<Shard>>>;
@@ -348,6 +362,7 @@ impl FsBackend {
                 failed: AtomicBool::new(false),
             },
             moved: Mutex::new(None),
+            finished: Mutex::new(()),
         });
         map.insert(name.to_string(), Arc::clone(&shard));
         Ok(shard)
@@ -886,6 +901,10 @@ impl QueueBackend for FsBackend {
         r.set_reclaimed(&reclaimed);
         r.reset_in_flight();
         inner.owned = true;
+        if self.opts.retention.finished_jobs == 0 {
+            // No history kept: none is left on disk either.
+            let _ = self.opts.storage.remove(&shard.dir.join(FINISHED_FILE));
+        }
         Ok(())
     }
 
@@ -1108,8 +1127,10 @@ impl QueueBackend for FsBackend {
         if end > start {
             self.compact(&mut inner)?;
             drop(inner);
-            self.note_finished(&shard, &finished);
             self.after_run_record(&shard, end)?;
+            // After the acks are written (and, once synced, durable): a
+            // history line never stands for an ack that failed.
+            self.note_finished(&shard, &finished);
         }
         Ok(outcome)
     }
@@ -1322,10 +1343,10 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
+        self.after_append(&shard, end)?;
         if outcome == CancelOutcome::Cancelled {
             self.note_finished(&shard, finished.as_slice());
         }
-        self.after_append(&shard, end)?;
         Ok(outcome)
     }
 
@@ -1339,17 +1360,16 @@ impl QueueBackend for FsBackend {
         let now = self.opts.clock.now_ms();
         let keep = self.opts.retention;
         let path = shard.dir.join(FINISHED_FILE);
-        let bytes = (self.opts.storage)
-            .read_file(&path, FINISHED_FILE_BYTES_MAX)
-            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?
-            .unwrap_or_default();
+        let bytes = self
+            .read_tail(&path, finished_cut_bytes(keep) + FINISHED_BATCH_BYTES_MAX)
+            .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
         // Newest first, parsing only the lines the retention keeps; a line
         // that does not parse (torn by a crash, damaged) is skipped.
         Ok(bytes
             .rsplit(|&b| b == b'\n')
             .filter_map(|line| serde_json::from_slice::<FinishedJob>(line).ok())
             .take(keep.finished_jobs)
-            .take_while(|f| keep.keeps(f.finished_ms, now))
+            .filter(|f| keep.keeps(f.finished_ms, now))
             .filter(|f| key.is_none_or(|k| f.key == k))
             .take(max)
             .collect())
@@ -1754,24 +1774,64 @@ impl FsBackend {
             text.push(b'\n');
         }
         let added = text.len() as u64;
+        let _one_writer = lock(&shard.finished);
         let (_, len) = self.append_lines(&path, text).map_err(io)?;
-        let cut_at = (FINISHED_FILE_BYTES_PER_JOB * keep.finished_jobs as u64)
-            .max(FINISHED_FILE_CUT_BYTES_MIN);
+        let cut_at = finished_cut_bytes(keep);
         if len + added > cut_at {
-            // Keep the newest lines by bytes alone (no parse): a reader drops
-            // torn lines and those past the retention's age.
-            let bytes = (self.opts.storage)
-                .read_file(&path, FINISHED_FILE_BYTES_MAX)
-                .map_err(io)?
-                .unwrap_or_default();
+            // Keep the newest lines, at most half the cut size and the
+            // retention's count, found by bytes alone; then drop the
+            // oldest of them while past the retention's age (lines are in
+            // finish order, so only those are parsed).
+            let bytes = self.read_tail(&path, cut_at / 2).map_err(io)?;
             let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
-            let from = (memchr_rev_nth(body, keep.finished_jobs)).map_or(0, |at| at + 1);
+            let mut from = (memchr_rev_nth(body, keep.finished_jobs)).map_or(0, |at| at + 1);
+            let now = self.opts.clock.now_ms();
+            while from < bytes.len() {
+                let end = (bytes[from..].iter().position(|&b| b == b'\n'))
+                    .map_or(bytes.len(), |i| from + i + 1);
+                let old = serde_json::from_slice::<FinishedJob>(&bytes[from..end])
+                    .is_ok_and(|f| !keep.keeps(f.finished_ms, now));
+                if !old {
+                    break;
+                }
+                from = end;
+            }
             self.opts
                 .storage
                 .write_file_atomic(&path, &bytes[from..])
                 .map_err(io)?;
         }
         Ok(())
+    }
+
+    /// The last `max` bytes of the file at `path` (empty when it does not
+    /// exist), from the first whole line on when cut.
+    fn read_tail(&self, path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+        let file = match self.opts.storage.open(path, false) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let len = file.len()?;
+        let at = len.saturating_sub(max);
+        let mut buf = vec![0u8; (len - at) as usize];
+        let mut got = 0;
+        while got < buf.len() {
+            let n = file.read_at(&mut buf[got..], at + got as u64)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        buf.truncate(got);
+        if at > 0 {
+            let first = buf
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(buf.len(), |i| i + 1);
+            buf.drain(..first);
+        }
+        Ok(buf)
     }
 
     /// Appends `line` to [`MOVED_FILE`] and makes it durable; past

@@ -9,7 +9,7 @@ use shardq_core::{ManualClock, QueueBackend};
 use shardq_fs::{Engine, EngineOptions, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 
-const SHARDS: usize = 24;
+const SHARDS: usize = 32;
 
 struct Fs {
     backend: Arc<FsBackend>,

@@ -901,20 +901,29 @@ fn the_finished_file_is_cut_to_the_retention_and_survives_damage() {
     let want: Vec<_> = last.iter().rev().take(50).copied().collect();
     assert_eq!(got.iter().map(|f| f.id).collect::<Vec<_>>(), want);
     drop(engine);
-    // A flipped byte inside one line and a torn last line: the other lines
-    // still read, and the next append ends the torn line first.
+    // A flipped byte inside the third newest line and a torn last line:
+    // the other lines still read, and the next append ends the torn line.
     let mut bytes = std::fs::read(&path).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] = b'{';
+    let starts: Vec<usize> = (bytes.iter().enumerate())
+        .filter(|(_, &c)| c == b'\n')
+        .map(|(i, _)| i + 1)
+        .collect();
+    let third_newest = starts[starts.len() - 4];
+    bytes[third_newest + 3] = b'{';
     bytes.truncate(bytes.len() - 5);
     std::fs::write(&path, &bytes).unwrap();
     let engine = Engine::open(&dir, o).unwrap();
     let b = engine.backend();
-    let damaged = b.finished("shard-0", None, 1000).unwrap();
-    // The torn line was the newest job's; the file holds older lines past
-    // the 50 shown, so 50 are still shown.
-    assert_eq!(damaged.len(), 50);
-    assert_eq!(damaged[0].id, want[1], "the torn newest line is skipped");
+    let damaged: Vec<_> = (b.finished("shard-0", None, 1000).unwrap())
+        .iter()
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(damaged.len(), 50, "older lines fill the retention");
+    assert_eq!(
+        &damaged[..3],
+        [want[1], want[3], want[4]],
+        "the torn newest and the damaged third are skipped, nothing else"
+    );
     b.adopt("shard-0").unwrap();
     b.enqueue("shard-0", 1, &[job("after", "x", 3)]).unwrap();
     let run = b.claim("shard-0", 1, LEASE_MS).unwrap().remove(0);

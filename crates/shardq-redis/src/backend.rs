@@ -38,6 +38,8 @@ pub const ENQUEUE_BATCH_MAX: usize = 1024;
 pub const CLAIM_BATCH_MAX: usize = 1024;
 /// Most ids acked by one script; longer ack lists are split.
 pub const ACK_BATCH_MAX: usize = 1024;
+/// Entries of a shard's finished-jobs list read per call.
+const FINISHED_PAGE: usize = 256;
 /// In-flight jobs whose lease ran out that one claim puts back.
 pub const RECLAIM_BATCH_MAX: usize = 128;
 /// Dead jobs moved by one script in `dead_retry`/`dead_purge` of all.
@@ -987,9 +989,9 @@ impl QueueBackend for RedisBackend {
             .get(shard)
             .cloned()
             .ok_or_else(|| Self::not_owner(s))?;
-        let keep = self.inner.opts.retention.finished_jobs;
+        let keep = self.inner.opts.retention;
         let v = self.script(s, &self.inner.scripts.adopt, &token, &|c, _| {
-            c.arg(keep);
+            c.arg(keep.finished_jobs).arg(keep.finished_age_ms);
         })?;
         if reply::status(&v) != "OK" {
             return Err(Self::not_owner(s));
@@ -1600,25 +1602,35 @@ impl QueueBackend for RedisBackend {
         if keep.finished_jobs == 0 || max == 0 {
             return Ok(Vec::new());
         }
-        let v = self.script(s, &self.inner.scripts.finished, "", &|c, _| {
-            c.arg(keep.finished_jobs);
-        })?;
-        let items = reply::items(&v);
-        let bad = || self.protocol(s, "finished-jobs reply is malformed");
-        let now = items.first().and_then(reply::u64).ok_or_else(bad)?;
+        // In pages, newest first, until `max` match, the retention's count
+        // is read, or an entry is past its age (entries are in finish
+        // order); an entry that does not parse is skipped.
         let mut out = Vec::new();
-        for e in &items[1..] {
-            let e = reply::bytes(e).ok_or_else(bad)?;
-            let f = parse_done(e).ok_or_else(bad)?;
-            if !keep.keeps(f.finished_ms, now) {
-                break;
-            }
-            if key.is_none_or(|k| f.key == k) {
-                out.push(f);
-                if out.len() == max {
-                    break;
+        let mut first = 0usize;
+        while first < keep.finished_jobs && out.len() < max {
+            let last = (first + FINISHED_PAGE).min(keep.finished_jobs) - 1;
+            let v = self.script(s, &self.inner.scripts.finished, "", &|c, _| {
+                c.arg(first).arg(last);
+            })?;
+            let items = reply::items(&v);
+            let now = (items.first().and_then(reply::u64))
+                .ok_or_else(|| self.protocol(s, "finished-jobs reply is malformed"))?;
+            let entries = &items[1..];
+            for f in entries.iter().filter_map(|e| parse_done(reply::bytes(e)?)) {
+                if !keep.keeps(f.finished_ms, now) {
+                    return Ok(out);
+                }
+                if key.is_none_or(|k| f.key == k) {
+                    out.push(f);
+                    if out.len() == max {
+                        return Ok(out);
+                    }
                 }
             }
+            if entries.len() < last - first + 1 {
+                break;
+            }
+            first = last + 1;
         }
         Ok(out)
     }

@@ -128,8 +128,15 @@ local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
 -- length>|<key><last failure reason>`. Read before `forget`.
 local function done_line(ids, k, outcome, attempts, now, starts, why)
+  starts = starts or ''
+  if #starts > 200 then
+    -- Only the last 16 start times are kept (core's FINISHED_STARTS_KEPT).
+    local t = {}
+    for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
+    if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
+  end
   return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    (starts or '') .. '|' .. #k .. '|' .. k .. (why or '')
+    starts .. '|' .. #k .. '|' .. k .. (why or '')
 end
 local function done_entry(ids, r, outcome, attempts, now)
   local _, _, _, _, k = rec_parse(r)
@@ -141,6 +148,17 @@ local function keep_done(entries)
   if max <= 0 or #entries == 0 then return end
   redis.call('LPUSH', KEYS[19], unpack(entries))
   redis.call('LTRIM', KEYS[19], 0, max - 1)
+  -- Entries past the retention's age leave from the tail, a few per call.
+  local age = tonumber(redis.call('HGET', K_META, 'doneage') or '0')
+  if age > 0 then
+    local oldest = now_ms() - age
+    for _ = 1, 16 do
+      local e = redis.call('LINDEX', KEYS[19], -1)
+      local at = e and tonumber(string.match(e, '^%d+|%a|%d+|(%d+)|'))
+      if not at or at >= oldest then break end
+      redis.call('RPOP', KEYS[19])
+    end
+  end
 end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
@@ -556,7 +574,8 @@ if #done > 0 then
     end
     local rs = redis.call('HMGET', K_REASON, unpack(f))
     local entries = {}
-    for x = #done, 1, -1 do
+    -- Pushed in ack order: the last one acked ends at the head.
+    for x = 1, #done do
       local _, a, _, _, k = rec_parse(recs[x])
       entries[#entries + 1] = done_line(done[x], k, 'c', a + 1, now, rs[2 * x], rs[2 * x - 1])
     end
@@ -647,7 +666,8 @@ return out
 const ADOPT: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
-redis.call('HSET', K_META, 'donemax', ARGV[5])
+redis.call('HSET', K_META, 'donemax', ARGV[5], 'doneage', ARGV[6])
+if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
 for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
@@ -1169,11 +1189,12 @@ if prev == 0 and redis.call('ZREM', K_LATER, k) == 1 then kready(k, q, head_nbf(
 return {'CANCELLED'}
 "#;
 
-/// ARGV[5] limit: the time now, then the newest `limit` entries of the
-/// `done` list (see `keep_done`), newest first.
+/// ARGV[5] first, ARGV[6] last (from 0, newest first): the time now, then
+/// those entries of the `done` list (see `keep_done`). The caller reads in
+/// pages, so one call never copies the whole list.
 const FINISHED: &str = r#"
 local out = {now_ms()}
-for _, e in ipairs(redis.call('LRANGE', KEYS[19], 0, tonumber(ARGV[5]) - 1)) do
+for _, e in ipairs(redis.call('LRANGE', KEYS[19], tonumber(ARGV[5]), tonumber(ARGV[6]))) do
   out[#out + 1] = e
 end
 return out

@@ -278,15 +278,19 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         .queue()
         .key_jobs(&shard, &args.key, args.limit)
         .with_context(|| format!("listing the jobs of key {:?} on {shard}", args.key))?;
-    let recent = if args.recent == 0 {
-        Vec::new()
-    } else {
-        deployment
-            .queue()
-            .finished(&shard, Some(&args.key), args.recent)
-            .with_context(|| {
-                format!("listing the finished jobs of key {:?} on {shard}", args.key)
-            })?
+    // History that cannot be read leaves the live jobs listed.
+    let recent = match args.recent {
+        0 => Vec::new(),
+        n => match deployment.queue().finished(&shard, Some(&args.key), n) {
+            Ok(list) => list,
+            Err(e) => {
+                eprintln!(
+                    "shardq: the finished jobs of key {:?} on {shard} could not be read: {e}",
+                    args.key
+                );
+                Vec::new()
+            }
+        },
     };
     if args.json {
         let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();

@@ -195,15 +195,25 @@ pub async fn key_jobs(
             .into_iter()
             .map(|j| job_out(&shard, j))
             .collect();
-        let finished: Vec<Value> = if recent == 0 {
-            Vec::new()
-        } else {
-            (app.backend.finished(&shard, Some(&key), recent)?)
-                .into_iter()
-                .map(|f| finished_value(&shard, f))
-                .collect()
+        // History that cannot be read leaves the live jobs listed, and
+        // says why beside them.
+        let (finished, recent_error) = match recent {
+            0 => (Vec::new(), None),
+            n => match app.backend.finished(&shard, Some(&key), n) {
+                Ok(list) => (
+                    list.into_iter()
+                        .map(|f| finished_value(&shard, f))
+                        .collect(),
+                    None,
+                ),
+                Err(e) => (Vec::<Value>::new(), Some(e.to_string())),
+            },
         };
-        Ok(json!({ "key": key, "shard": shard, "jobs": jobs, "recent": finished }))
+        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "recent": finished });
+        if let Some(e) = recent_error {
+            v["recent_error"] = e.into();
+        }
+        Ok(v)
     })
     .await?;
     ok(v)
