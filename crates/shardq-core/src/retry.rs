@@ -155,13 +155,19 @@ impl RetrySettings {
             #[serde(default)]
             prefixes: BTreeMap<String, RetryPolicy>,
         }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
         enum Either {
             Whole(Form),
             Backoff(Backoff),
         }
-        Ok(match serde_json::from_str::<Either>(text)? {
+        // The form is told by its `default` field, so a mistake in either
+        // is reported by its own fields, not as "no form matched".
+        let v: serde_json::Value = serde_json::from_str(text)?;
+        let either = if v.get("default").is_some() {
+            Either::Whole(serde_json::from_value(v)?)
+        } else {
+            Either::Backoff(serde_json::from_value(v)?)
+        };
+        Ok(match either {
             Either::Whole(f) => RetrySettings {
                 default: f.default,
                 rules: RetryRules {
@@ -230,6 +236,13 @@ mod tests {
             r#"{"default":{"max_attempts":1,"backoff":{"base_ms":1,"max_ms":1}},"other":1}"#
         )
         .is_err());
+        // A misspelt field of a rule is named.
+        let e = RetrySettings::parse(
+            r#"{"default":{"max_attempts":1,"backoff":{"base_ms":1,"max_ms":1}},"keys":{"k":{"max_atempts":2}}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("max_atempts"), "{e}");
     }
 
     #[test]

@@ -1221,7 +1221,7 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
-        Ok(inner.replica.as_ref().and_then(|r| r.next_due_ms()))
+        Ok(inner.replica.as_mut().and_then(|r| r.next_due_ms()))
     }
 
     fn key_counts(&self, name: &str, key: &str) -> Result<KeyCounts, QueueError> {

@@ -1128,9 +1128,23 @@ impl ShardState {
     /// the first timer and the first job lease to end (a run in flight lapses
     /// back into work unless acked or failed); `None` when nothing waits and
     /// nothing is in flight.
-    pub fn next_due_ms(&self) -> Option<u64> {
+    pub fn next_due_ms(&mut self) -> Option<u64> {
         if !self.ready.is_empty() {
             return Some(0);
+        }
+        // A timer left for a head that is gone (cancelled, moved, its key
+        // dropped) is stale: the key was scheduled again by its new head,
+        // if it has one. Stale ones on top would report work that is not
+        // there (and keep `--exit-when-idle` waiting for it).
+        while let Some(Reverse((at, k))) = self.timers.peek().copied() {
+            let live = (self.keys.get(k as usize))
+                .filter(|ks| ks.scheduled)
+                .and_then(|ks| ks.queue.front())
+                .is_some_and(|h| h.not_before_ms == at);
+            if live {
+                break;
+            }
+            self.timers.pop();
         }
         let timer = self.timers.peek().map(|Reverse((at, _))| *at);
         let lease = self.in_flight_ids.values().map(|r| r.lease_until_ms).min();
@@ -1347,6 +1361,33 @@ mod tests {
         let picks = s.pick(0, 10, &|_| false);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
+    }
+
+    /// A delayed head cancelled leaves no work behind: the shard is idle
+    /// (its stale timer is not reported as due), and a later job of the
+    /// key is due by its own time.
+    #[test]
+    fn a_cancelled_delayed_head_leaves_no_stale_timer() {
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        let rec = Record::Enqueue {
+            created_ms: 0,
+            not_before_ms: 600_000,
+            max_attempts: 1,
+            key: "k",
+            dedup: None,
+            payload: b"",
+        };
+        s.apply(0, 0, &rec).unwrap();
+        assert_eq!(s.next_due_ms(), Some(600_000));
+        s.apply(50, 0, &Record::Cancel { job: 0, key: "k" })
+            .unwrap();
+        assert_eq!(s.next_due_ms(), None, "nothing is left to run");
+        enqueue(&mut s, 100, "k");
+        assert_eq!(s.next_due_ms(), Some(0), "the key's new job is due now");
     }
 
     fn claim(s: &mut ShardState, pos: u64, job: u64, attempt: u32, at: Option<u64>) {

@@ -502,13 +502,38 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
         let (ok, _, err) = run(&["enqueue", "--data", d, "--key", "k", "--payload", p]);
         assert!(ok, "{err}");
     }
+    let late = run(&[
+        "enqueue",
+        "--data",
+        d,
+        "--key",
+        "other",
+        "--payload",
+        "late",
+        "--delay-ms",
+        "600000",
+    ])
+    .1;
     // `flaky` fails its first attempt with a message; the rest succeed.
     let script = "read p; if [ \"$p\" = flaky ] && [ \"$SHARDQ_ATTEMPT\" = 1 ]; then echo upstream down >&2; exit 3; fi";
     let mut worker = start_worker(&data, &["--exit-when-idle"], script);
+    wait_until("the two jobs of k done", WAIT_MAX, || {
+        let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
+        serde_json::from_str::<serde_json::Value>(&out)
+            .is_ok_and(|v| v["recent"].as_array().is_some_and(|r| r.len() == 2))
+    });
+    // The delayed job keeps the worker from being idle until another
+    // process cancels it; then it exits, and the job is kept as cancelled.
+    let (ok, _, err) = run(&["job", "cancel", "--data", d, late.trim()]);
+    assert!(ok, "{err}");
     let (status, err) = wait_exit(&mut worker, WAIT_MAX);
     assert!(status.success(), "{err}");
-    // A delayed job cancelled by an operator is kept as cancelled.
-    let late = run(&[
+    let (ok, out, err) = run(&["jobs", "--data", d, "--key", "other", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["recent"][0]["id"], late.trim(), "{v}");
+    assert_eq!(v["recent"][0]["outcome"], "cancelled", "{v}");
+    let (ok, cancelled, err) = run(&[
         "enqueue",
         "--data",
         d,
@@ -518,8 +543,9 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
         "late",
         "--delay-ms",
         "600000",
-    ])
-    .1;
+    ]);
+    assert!(ok, "{err}");
+    let late = cancelled;
     let (ok, _, err) = run(&["job", "cancel", "--data", d, late.trim()]);
     assert!(ok, "{err}");
     let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
