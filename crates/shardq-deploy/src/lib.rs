@@ -126,17 +126,47 @@ impl std::fmt::Debug for Deployment {
     }
 }
 
+/// The deployment setting `name` of `maps` as `parse` reads it, or the
+/// default when unset; a setting that does not parse names itself and the
+/// command that sets it again.
+fn json_setting<T: Default>(
+    maps: &dyn MapStore,
+    name: &str,
+    parse: fn(&str) -> Result<T, serde_json::Error>,
+) -> Result<T, DeployError> {
+    let Some(text) = maps.load_setting(name)? else {
+        return Ok(T::default());
+    };
+    parse(&text).map_err(|e| {
+        DeployError::Invalid(format!(
+            "the deployment's {name} setting {text:?} does not parse ({e}); set it again with `shardq {name} set`"
+        ))
+    })
+}
+
+/// Stores `value` as the deployment setting `name` (the default clears it).
+fn store_json_setting<T: serde::Serialize + Default + PartialEq>(
+    maps: &dyn MapStore,
+    name: &str,
+    value: &T,
+) -> Result<(), DeployError> {
+    let text = if *value == T::default() {
+        None
+    } else {
+        Some(serde_json::to_string(value).map_err(|e| DeployError::Invalid(e.to_string()))?)
+    };
+    maps.store_setting(name, text.as_deref())?;
+    Ok(())
+}
+
 /// The `retry` setting of `maps`, parsed and checked; the defaults when
 /// unset.
 pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, DeployError> {
-    let Some(text) = maps.load_setting(shardq_core::reshard::SETTING_RETRY)? else {
-        return Ok(RetrySettings::default());
-    };
-    let s = RetrySettings::parse(&text).map_err(|e| {
-        DeployError::Invalid(format!(
-            "the deployment's retry setting {text:?} does not parse ({e}); set it again with `shardq retry set`"
-        ))
-    })?;
+    let s = json_setting(
+        maps,
+        shardq_core::reshard::SETTING_RETRY,
+        RetrySettings::parse,
+    )?;
     s.validate()?;
     Ok(s)
 }
@@ -144,13 +174,8 @@ pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, Deploy
 /// The `retention` setting of `maps`, parsed and checked; the default
 /// when unset.
 pub(crate) fn retention_setting(maps: &dyn MapStore) -> Result<Retention, DeployError> {
-    let Some(text) = maps.load_setting(shardq_core::reshard::SETTING_RETENTION)? else {
-        return Ok(Retention::default());
-    };
-    let r: Retention = serde_json::from_str(&text).map_err(|e| {
-        DeployError::Invalid(format!(
-            "the deployment's retention setting {text:?} does not parse ({e}); set it again with `shardq retention set`"
-        ))
+    let r: Retention = json_setting(maps, shardq_core::reshard::SETTING_RETENTION, |t| {
+        serde_json::from_str(t)
     })?;
     r.validate()?;
     Ok(r)
@@ -365,14 +390,7 @@ impl Deployment {
     /// clear the setting); workers and servers started after this use them.
     pub fn set_retry_settings(&self, settings: &RetrySettings) -> Result<(), DeployError> {
         settings.validate()?;
-        let text = if *settings == RetrySettings::default() {
-            None
-        } else {
-            Some(serde_json::to_string(settings).map_err(|e| DeployError::Invalid(e.to_string()))?)
-        };
-        self.maps
-            .store_setting(shardq_core::reshard::SETTING_RETRY, text.as_deref())?;
-        Ok(())
+        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_RETRY, settings)
     }
 
     /// How long the deployment's shards keep finished jobs (its
@@ -385,14 +403,7 @@ impl Deployment {
     /// clears the setting); workers and servers started after this use it.
     pub fn set_retention(&self, r: &Retention) -> Result<(), DeployError> {
         r.validate()?;
-        let text = if *r == Retention::default() {
-            None
-        } else {
-            Some(serde_json::to_string(r).map_err(|e| DeployError::Invalid(e.to_string()))?)
-        };
-        self.maps
-            .store_setting(shardq_core::reshard::SETTING_RETENTION, text.as_deref())?;
-        Ok(())
+        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_RETENTION, r)
     }
 
     /// The data dir.

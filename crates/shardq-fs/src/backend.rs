@@ -1095,6 +1095,8 @@ impl QueueBackend for FsBackend {
         let mut inner = self.owned_inner(&shard)?;
         let mut outcome = AckOutcome::default();
         let now = self.opts.clock.now_ms();
+        // No history kept: nothing to gather per acked job.
+        let keep_history = self.opts.retention.finished_jobs > 0;
         let mut finished = Vec::new();
         let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
@@ -1106,7 +1108,7 @@ impl QueueBackend for FsBackend {
                 // A receipt given twice in one batch finishes its run once.
                 match r.current_run(rc.id.0, rc.fence) {
                     Some(run) if !done.contains(&rc.id.0) => {
-                        if let Some(j) = r.live_job(rc.id.0) {
+                        if let Some(j) = r.live_job(rc.id.0).filter(|_| keep_history) {
                             finished.push(finished_job(&j, Finish::Completed, now));
                         }
                         record::encode(

@@ -6,9 +6,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::cmd_retry::open;
 use clap::Subcommand;
 use shardq_core::Retention;
-use shardq_deploy::Deployment;
 
 #[derive(Debug, Subcommand)]
 pub enum RetentionAction {
@@ -40,13 +40,6 @@ pub enum RetentionAction {
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
     },
-}
-
-fn open(data: &std::path::Path) -> anyhow::Result<Deployment> {
-    Ok(Deployment::open(
-        data,
-        &shardq_deploy::OpenOptions::default(),
-    )?)
 }
 
 fn line(r: &Retention) -> String {

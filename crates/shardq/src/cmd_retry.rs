@@ -81,7 +81,8 @@ pub enum RetryAction {
     },
 }
 
-fn open(data: &std::path::Path) -> anyhow::Result<Deployment> {
+/// Opens the data dir with the default options (shared with `retention`).
+pub(crate) fn open(data: &std::path::Path) -> anyhow::Result<Deployment> {
     Ok(Deployment::open(
         data,
         &shardq_deploy::OpenOptions::default(),
