@@ -63,6 +63,43 @@ pub fn retry_rules() -> crate::retry::RetryRules {
     r
 }
 
+/// The flow settings every harness opens its backend with, for
+/// [`rate_limits_hold_across_every_claim`]: keys starting with
+/// `contract-rate:` start at most 10 a second (burst 2) each; keys starting
+/// with `contract-grp:` share the group `contract-group`, 20 a second
+/// (burst 3).
+pub fn flow_settings() -> crate::flow::FlowSettings {
+    use crate::flow::{FlowPolicy, GroupLimit, Rate};
+    let rate = |count: u64| Rate {
+        count,
+        per_ms: 1_000,
+    };
+    let mut f = crate::flow::FlowSettings::default();
+    f.prefixes.insert(
+        "contract-rate:".into(),
+        FlowPolicy {
+            rate: Some(rate(10)),
+            burst: Some(2),
+            ..FlowPolicy::default()
+        },
+    );
+    f.groups.insert(
+        "contract-group".into(),
+        GroupLimit {
+            rate: rate(20),
+            burst: Some(3),
+        },
+    );
+    f.prefixes.insert(
+        "contract-grp:".into(),
+        FlowPolicy {
+            group: Some("contract-group".into()),
+            ..FlowPolicy::default()
+        },
+    );
+    f
+}
+
 /// Runs every check.
 pub fn run_all(h: &dyn ContractHarness) {
     keys_start_in_enqueue_order(h);
@@ -85,6 +122,101 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_running_job_cancelled_ends_with_its_run(h);
     a_keys_retry_rule_decides_its_wait(h);
     finished_jobs_are_kept_newest_first(h);
+    rate_limits_hold_across_every_claim(h);
+}
+
+/// Claims and acks everything claimable of `shard` until a claim finds
+/// nothing, without letting time pass; the keys started, in order.
+fn run_until_held(h: &dyn ContractHarness, shard: &str) -> Vec<String> {
+    let mut started = Vec::new();
+    loop {
+        let runs = claim(h, shard, 16, LONG_LEASE_MS);
+        if runs.is_empty() {
+            return started;
+        }
+        for r in runs {
+            ack_one(h, shard, r.receipt());
+            started.push(r.key);
+        }
+    }
+}
+
+/// A key's rate limit and its group's ([`flow_settings`]) hold over every
+/// claim: a limited key starts its burst, then one job per token, while
+/// keys without a limit run everything meanwhile; the keys of a group share
+/// one bucket; a held key is not reported as due now (a pool would spin).
+pub fn rate_limits_hold_across_every_claim(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    for _ in 0..6 {
+        enqueue(h, &shard, "contract-rate:a", "r", 1);
+    }
+    for _ in 0..3 {
+        enqueue(h, &shard, "contract-plain", "p", 1);
+    }
+    for i in 0..4 {
+        for _ in 0..2 {
+            enqueue(h, &shard, &format!("contract-grp:{i}"), "g", 1);
+        }
+    }
+    let count = |v: &[String], prefix: &str| v.iter().filter(|k| k.starts_with(prefix)).count();
+    let first = run_until_held(h, &shard);
+    assert_eq!(
+        count(&first, "contract-rate:"),
+        2,
+        "a key at 10/s with a burst of 2 starts 2 at once: {first:?}"
+    );
+    assert_eq!(
+        count(&first, "contract-plain"),
+        3,
+        "a key without a limit runs on: {first:?}"
+    );
+    assert_eq!(
+        count(&first, "contract-grp:"),
+        3,
+        "four keys of one group at 20/s with a burst of 3 start 3 together: {first:?}"
+    );
+    let due = b.next_due_ms(&shard).expect("next_due").expect("work left");
+    assert!(
+        b.claim(&shard, 16, LONG_LEASE_MS)
+            .expect("claim")
+            .is_empty()
+            && due > 0,
+        "held keys are not due now"
+    );
+    // 50 ms: one group token (20/s), no key token (10/s).
+    h.pass_ms(50);
+    let second = run_until_held(h, &shard);
+    assert_eq!(
+        (
+            count(&second, "contract-rate:"),
+            count(&second, "contract-grp:")
+        ),
+        (0, 1),
+        "after 50 ms: {second:?}"
+    );
+    // 50 ms more: one of each.
+    h.pass_ms(50);
+    let third = run_until_held(h, &shard);
+    assert_eq!(
+        (
+            count(&third, "contract-rate:"),
+            count(&third, "contract-grp:")
+        ),
+        (1, 1),
+        "after 100 ms: {third:?}"
+    );
+    // A long wait refills to the burst, no further.
+    h.pass_ms(10_000);
+    let fourth = run_until_held(h, &shard);
+    assert_eq!(
+        (
+            count(&fourth, "contract-rate:"),
+            count(&fourth, "contract-grp:")
+        ),
+        (2, 3),
+        "after 10 s only the bursts: {fourth:?}"
+    );
 }
 
 /// Finished jobs are kept for the retention (harnesses open their backend
@@ -1389,7 +1521,11 @@ mod tests {
         let clock = ManualClock::new(1_700_000_000_000);
         let h = Memory {
             backend: MemoryBackend::new(&[], Arc::new(clock.clone()))
-                .with_retry_rules(retry_rules()),
+                .with_retry_rules(retry_rules())
+                .with_flow(Arc::new(crate::flow::FlowControl::new(
+                    flow_settings(),
+                    Arc::new(crate::flow::LocalGroupBuckets::default()),
+                ))),
             clock,
             next: AtomicUsize::new(0),
             saved: Default::default(),

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod clock;
 pub mod contract;
 pub mod error;
+pub mod flow;
 pub mod job;
 pub mod memory;
 pub mod pool;
@@ -20,6 +21,10 @@ pub mod retry;
 pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
+pub use flow::{
+    Admit, FlowControl, FlowPolicy, FlowSettings, FlowStats, GroupBuckets, GroupLimit,
+    LocalGroupBuckets, PolicySource, PolicyTarget, Rate,
+};
 pub use job::{
     next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, BackoffKind,
     CancelOutcome, ClaimedJob, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish,

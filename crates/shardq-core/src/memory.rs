@@ -13,6 +13,7 @@ use shardq_route::ShardMap;
 use crate::backend::QueueBackend;
 use crate::clock::Clock;
 use crate::error::QueueError;
+use crate::flow::{Admit, FlowControl};
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
     DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
@@ -71,6 +72,8 @@ struct ShardState {
     moved: crate::job::MovedAway,
     /// Jobs that finished, newest first, within the retention.
     finished: VecDeque<FinishedJob>,
+    /// Keys flow control refused, until when (this process's memory).
+    held: BTreeMap<String, u64>,
 }
 
 /// Keeps the finished job `j` (newest first), within `retention`.
@@ -132,6 +135,8 @@ pub struct MemoryBackend {
     /// Whether a rebalance moves backlogs (the default) or drains moving
     /// keys first, as a backend without the capability makes it do.
     moves_backlogs: bool,
+    /// Which keys may start now.
+    flow: Option<Arc<FlowControl>>,
 }
 
 impl MemoryBackend {
@@ -147,6 +152,12 @@ impl MemoryBackend {
     /// run of a key with a rule waits its rule's backoff.
     pub fn with_retry_rules(mut self, rules: RetryRules) -> MemoryBackend {
         self.retry_rules = Arc::new(rules);
+        self
+    }
+
+    /// The same backend asking `flow` before each start.
+    pub fn with_flow(mut self, flow: Arc<FlowControl>) -> MemoryBackend {
+        self.flow = Some(flow);
         self
     }
 
@@ -183,6 +194,7 @@ impl MemoryBackend {
             retention: Retention::default(),
             dead_policy: DeadPolicy::Continue,
             moves_backlogs: true,
+            flow: None,
         }
     }
 
@@ -548,6 +560,9 @@ impl QueueBackend for MemoryBackend {
         validate_job_lease_ms(lease_ms)?;
         let now = self.clock.now_ms();
         let (backoff, policy, retention) = (self.backoff, self.dead_policy, self.retention);
+        if let Some(f) = &self.flow {
+            f.refresh(now);
+        }
         self.owned(shard, |s| {
             s.check_not_rewound(shard)?;
             end_lapsed_runs(s, now, backoff, policy, retention);
@@ -569,9 +584,17 @@ impl QueueBackend for MemoryBackend {
                 let Some(j) = s.jobs.get_mut(&id) else {
                     continue;
                 };
-                if j.not_before_ms > now {
+                if j.not_before_ms > now || s.held.get(&key).is_some_and(|&at| at > now) {
                     continue;
                 }
+                if let Some(Admit::NotBefore(at)) = self.flow.as_ref().map(|f| f.admit(&key, now)) {
+                    s.held.insert(key, at);
+                    continue;
+                }
+                s.held.remove(&key);
+                let Some(j) = s.jobs.get_mut(&id) else {
+                    continue;
+                };
                 j.attempt += 1;
                 j.starts.push(now);
                 let fence = next_fence(
@@ -687,10 +710,10 @@ impl QueueBackend for MemoryBackend {
             Ok(s.keys
                 .iter()
                 .filter(|(k, _)| !s.busy_keys.contains(*k) && !s.fence.sealed_keys.contains_key(*k))
-                .filter_map(|(_, q)| {
+                .filter_map(|(k, q)| {
                     q.front()
                         .and_then(|id| s.jobs.get(id))
-                        .map(|j| j.not_before_ms)
+                        .map(|j| j.not_before_ms.max(s.held.get(k).copied().unwrap_or(0)))
                 })
                 .chain(s.in_flight.values().map(|run| run.lease_until_ms))
                 .min())

@@ -158,6 +158,9 @@ pub const SETTING_RETRY: &str = "retry";
 /// The deployment setting holding how long finished jobs are kept (a
 /// `Retention` as JSON).
 pub const SETTING_RETENTION: &str = "retention";
+/// The deployment setting holding flow control (a `FlowSettings` as JSON:
+/// policies by key and prefix, and groups).
+pub const SETTING_FLOW: &str = "flow";
 
 /// Checks a setting's name: 1 to 32 lowercase ASCII letters and `-`.
 pub fn validate_setting_name(name: &str) -> Result<(), ReshardError> {

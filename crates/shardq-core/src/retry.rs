@@ -87,19 +87,7 @@ impl RetryRules {
 
     /// The rule `key` follows, if any: its own, else its longest prefix's.
     pub fn for_key(&self, key: &str) -> Option<&RetryPolicy> {
-        if let Some(p) = self.keys.get(key) {
-            return Some(p);
-        }
-        if self.prefixes.is_empty() {
-            return None;
-        }
-        // Longest first: every char boundary of the key, from the end.
-        key.char_indices()
-            .map(|(i, _)| i)
-            .chain(std::iter::once(key.len()))
-            .rev()
-            .filter(|&i| i > 0)
-            .find_map(|i| self.prefixes.get(&key[..i]))
+        rule_for(&self.keys, &self.prefixes, key)
     }
 
     /// Checks every rule: keys and prefixes by the key grammar, each policy
@@ -119,6 +107,37 @@ impl RetryRules {
         }
         Ok(())
     }
+}
+
+/// The rule `key` follows among per-key and per-prefix rules: its own, else
+/// its longest prefix's (cut at char boundaries only). Shared by every kind
+/// of per-key setting so they all resolve alike.
+pub(crate) fn rule_for<'a, T>(
+    keys: &'a BTreeMap<String, T>,
+    prefixes: &'a BTreeMap<String, T>,
+    key: &str,
+) -> Option<&'a T> {
+    if let Some(p) = keys.get(key) {
+        return Some(p);
+    }
+    prefix_rule_for(prefixes, key).map(|(_, p)| p)
+}
+
+/// The longest prefix of `key` that has a rule, with its rule.
+pub(crate) fn prefix_rule_for<'a, T>(
+    prefixes: &'a BTreeMap<String, T>,
+    key: &str,
+) -> Option<(&'a String, &'a T)> {
+    if prefixes.is_empty() {
+        return None;
+    }
+    // Longest first: every char boundary of the key, from the end.
+    key.char_indices()
+        .map(|(i, _)| i)
+        .chain(std::iter::once(key.len()))
+        .rev()
+        .filter(|&i| i > 0)
+        .find_map(|i| prefixes.get_key_value(&key[..i]))
 }
 
 /// A deployment's retry settings: the default policy and the rules.

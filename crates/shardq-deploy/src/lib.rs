@@ -33,7 +33,10 @@ use std::sync::Arc;
 
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::{MapStore, ReshardBackend};
-use shardq_core::{Clock, Coordinator, QueueBackend, Retention, RetrySettings, SystemClock};
+use shardq_core::{
+    Clock, Coordinator, FlowControl, FlowSettings, GroupBuckets, QueueBackend, Retention,
+    RetrySettings, SystemClock,
+};
 use shardq_fs::map_store::FileMapStore;
 use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
 use shardq_redis::{is_redis_url, RedisBackend, RedisMapStore, RedisOptions};
@@ -115,6 +118,8 @@ pub struct Deployment {
     backend: Arc<dyn ReshardBackend>,
     maps: Arc<dyn MapStore>,
     clock: Arc<dyn Clock>,
+    /// The flow control its backend asks before each start.
+    flow: Option<Arc<FlowControl>>,
 }
 
 impl std::fmt::Debug for Deployment {
@@ -179,6 +184,31 @@ pub(crate) fn retention_setting(maps: &dyn MapStore) -> Result<Retention, Deploy
     })?;
     r.validate()?;
     Ok(r)
+}
+
+/// The `flow` setting of `maps`, parsed and checked; the default (no
+/// limits) when unset.
+pub(crate) fn flow_setting(maps: &dyn MapStore) -> Result<FlowSettings, DeployError> {
+    let f = json_setting(
+        maps,
+        shardq_core::reshard::SETTING_FLOW,
+        FlowSettings::parse,
+    )?;
+    f.validate()?;
+    Ok(f)
+}
+
+/// Flow control over `maps`'s `flow` setting, read again every
+/// [`shardq_core::flow::FLOW_RECHECK_MS`], with group buckets `groups`.
+pub(crate) fn flow_control(
+    maps: &Arc<dyn MapStore>,
+    groups: Arc<dyn GroupBuckets>,
+) -> Result<Arc<FlowControl>, DeployError> {
+    let first = flow_setting(&**maps)?;
+    let source = Arc::clone(maps);
+    Ok(Arc::new(FlowControl::new(first, groups).with_source(
+        Box::new(move || flow_setting(&*source).map_err(|e| e.into())),
+    )))
 }
 
 /// The kind of data dir `dir` is. An embedded data dir whose map names a
@@ -354,6 +384,12 @@ impl Deployment {
                     engine.retry_rules = Arc::new(retry.rules);
                 }
                 engine.retention = retention_setting(&*maps)?;
+                // Given by the caller: it stands.
+                if engine.flow.is_none() {
+                    let groups = Arc::new(shardq_fs::FileGroupBuckets::new(dir));
+                    engine.flow = Some(flow_control(&maps, groups)?);
+                }
+                let flow = engine.flow.clone();
                 let backend = Arc::new(FsBackend::new(dir, engine)?);
                 Ok(Deployment {
                     dir: dir.to_path_buf(),
@@ -362,6 +398,7 @@ impl Deployment {
                     backend: backend.clone(),
                     store: Store::Embedded(backend),
                     maps,
+                    flow,
                 })
             }
             Kind::Redis(remote) => {
@@ -374,6 +411,7 @@ impl Deployment {
                     backend: Arc::new(backend.clone()),
                     maps: maps.clone(),
                     store: Store::Redis { backend, maps },
+                    flow: None,
                 })
             }
         }
@@ -391,6 +429,34 @@ impl Deployment {
     pub fn set_retry_settings(&self, settings: &RetrySettings) -> Result<(), DeployError> {
         settings.validate()?;
         store_json_setting(&*self.maps, shardq_core::reshard::SETTING_RETRY, settings)
+    }
+
+    /// The deployment's flow control settings (its `flow` setting:
+    /// policies by key and prefix, a default, and groups), or none.
+    pub fn flow_settings(&self) -> Result<FlowSettings, DeployError> {
+        flow_setting(&*self.maps)
+    }
+
+    /// Stores the deployment's flow settings, checked first (the defaults
+    /// clear the setting); every worker and server of the deployment uses
+    /// them within [`shardq_core::flow::FLOW_RECHECK_MS`], without a
+    /// restart.
+    pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
+        settings.validate()?;
+        if self.is_redis() && settings.limits_starts() {
+            // Stored but not held would be worse than refused.
+            return Err(shardq_core::QueueError::Unsupported {
+                what: "rate limits on a Redis deployment (flow control is held by the embedded engine only so far)",
+            }
+            .into());
+        }
+        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
+    }
+
+    /// This process's flow control (what it admitted and holds back), when
+    /// its backend asks one.
+    pub fn flow(&self) -> Option<&Arc<FlowControl>> {
+        self.flow.as_ref()
     }
 
     /// How long the deployment's shards keep finished jobs (its

@@ -28,10 +28,10 @@ use std::time::Duration;
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
-    FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState, KeyCounts, MovedAway,
-    MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules, ShardStats, Stored,
-    SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT,
-    PAYLOAD_BYTES_MAX_DEFAULT,
+    FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState, KeyCounts,
+    MovedAway, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules,
+    ShardStats, Stored, SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT,
+    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -177,6 +177,9 @@ pub struct EngineOptions {
     /// a dropped claim or fail only lowers an attempt count. A later fsync
     /// (an enqueue's, the background flusher's) covers every earlier record.
     pub run_record_sync_ms: u64,
+    /// Flow control: which keys may start a run now (rate limits of keys
+    /// and groups). None: every key may.
+    pub flow: Option<Arc<FlowControl>>,
 }
 
 /// Default for [`EngineOptions::run_record_sync_ms`].
@@ -196,6 +199,7 @@ impl Default for EngineOptions {
             storage: Arc::new(OsStorage),
             append_lock_wait_ms: APPEND_LOCK_WAIT_MS_DEFAULT,
             run_record_sync_ms: RUN_RECORD_SYNC_MS_DEFAULT,
+            flow: None,
         }
     }
 }
@@ -919,6 +923,9 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
         let now = self.opts.clock.now_ms();
+        if let Some(f) = &self.opts.flow {
+            f.refresh(now);
+        }
         // Runs whose job lease lapsed end first, each as a failed attempt
         // (written, so replay agrees): their jobs go back to the head of
         // their keys, or dead-letter when out of attempts.
@@ -988,7 +995,7 @@ impl QueueBackend for FsBackend {
             let r = inner.replica.as_mut().expect("owner has a replica");
             let mut last = r.fence_high();
             picks = r
-                .pick(now, max, &sealed)
+                .pick(now, max, &sealed, self.opts.flow.as_deref())
                 .into_iter()
                 .map(|p| {
                     last = next_fence(now.saturating_mul(1000), last, floor);

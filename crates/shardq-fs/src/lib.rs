@@ -44,6 +44,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod flow_groups;
 pub mod layout;
 mod log;
 pub mod map_store;
@@ -57,4 +58,5 @@ pub mod storage;
 pub use backend::{Durability, EngineOptions, FsBackend, FINISHED_FILE, MOVED_FILE};
 pub use engine::{Engine, ShardStatus, Status, StatusTotals};
 pub use error::FsError;
+pub use flow_groups::{FileGroupBuckets, GROUP_BUCKETS_FILE};
 pub use membership::{FsCoordinator, MemberOptions};

@@ -14,7 +14,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
-use shardq_core::{DeadJob, DeadPolicy, JobId, KeyCounts, ShardStats};
+use shardq_core::{Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
 
 /// The hasher of maps keyed by text a producer chose (keys, dedup ids):
@@ -49,6 +49,9 @@ struct KeyState {
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
+    /// Flow control refused the key until then (this process's memory
+    /// only: the limit is asked again after a restart).
+    held_until_ms: u64,
     /// What the attempts of its jobs that have made some left: their start
     /// times and the last failure's reason, by job (usually one entry: the
     /// head; a dead letter retried in front of a retried head makes two).
@@ -549,8 +552,10 @@ impl ShardState {
         }
         let Some(head) = ks.queue.front() else { return };
         ks.scheduled = true;
-        // Every key waits in `timers` until its head is due, then in `ready`.
-        self.timers.push(Reverse((head.not_before_ms, k)));
+        // Every key waits in `timers` until its head is due (and flow
+        // control lets it start), then in `ready`.
+        self.timers
+            .push(Reverse((head.not_before_ms.max(ks.held_until_ms), k)));
     }
 
     fn lookup(&self, key: &str) -> Option<u32> {
@@ -1000,7 +1005,13 @@ impl ShardState {
     /// Picks up to `max` claimable heads (at most one per key). The caller
     /// writes a claim record for each and applies it; picks not written must
     /// be handed back with [`ShardState::unpick`].
-    pub fn pick(&mut self, now_ms: u64, max: usize, sealed: &dyn Fn(&str) -> bool) -> Vec<Pick> {
+    pub fn pick(
+        &mut self,
+        now_ms: u64,
+        max: usize,
+        sealed: &dyn Fn(&str) -> bool,
+        flow: Option<&FlowControl>,
+    ) -> Vec<Pick> {
         // Keys passed by while sealed come back once they are not.
         let parked = std::mem::take(&mut self.parked);
         for key in parked {
@@ -1050,7 +1061,13 @@ impl ShardState {
             if self.cancel_pending.contains(&head.id) {
                 continue;
             }
-            if head.not_before_ms > now_ms {
+            if head.not_before_ms.max(ks.held_until_ms) > now_ms {
+                self.schedule(k);
+                continue;
+            }
+            if let Some(Admit::NotBefore(at)) = flow.map(|f| f.admit(&ks.key, now_ms)) {
+                // Over its limit: asked again then, the others go on.
+                ks.held_until_ms = at;
                 self.schedule(k);
                 continue;
             }
@@ -1139,8 +1156,11 @@ impl ShardState {
         while let Some(Reverse((at, k))) = self.timers.peek().copied() {
             let live = (self.keys.get(k as usize))
                 .filter(|ks| ks.scheduled)
-                .and_then(|ks| ks.queue.front())
-                .is_some_and(|h| h.not_before_ms == at);
+                .is_some_and(|ks| {
+                    ks.queue
+                        .front()
+                        .is_some_and(|h| h.not_before_ms.max(ks.held_until_ms) == at)
+                });
             if live {
                 break;
             }
@@ -1351,14 +1371,14 @@ mod tests {
             DeadPolicy::Continue,
         );
         enqueue(&mut s, 0, "k");
-        let first = s.pick(0, 10, &|_| false);
+        let first = s.pick(0, 10, &|_| false, None);
         assert_eq!(first.len(), 1);
         claim(&mut s, 100, 0, 1, Some(7));
         fail(&mut s, 200, 0, true, "boom");
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
         s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
-        let picks = s.pick(0, 10, &|_| false);
+        let picks = s.pick(0, 10, &|_| false, None);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
     }

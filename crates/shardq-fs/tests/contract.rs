@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use shardq_core::contract::{self, ContractHarness};
-use shardq_core::{ManualClock, QueueBackend};
-use shardq_fs::{Engine, EngineOptions, FsBackend};
+use shardq_core::{FlowControl, ManualClock, QueueBackend};
+use shardq_fs::{Engine, EngineOptions, FileGroupBuckets, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 
 const SHARDS: usize = 32;
@@ -45,6 +45,10 @@ fn the_embedded_engine_keeps_the_backend_contract() {
         EngineOptions {
             clock: Arc::new(clock.clone()),
             retry_rules: Arc::new(contract::retry_rules()),
+            flow: Some(Arc::new(FlowControl::new(
+                contract::flow_settings(),
+                Arc::new(FileGroupBuckets::new(&dir)),
+            ))),
             ..EngineOptions::default()
         },
     )

@@ -14,6 +14,7 @@ mod bench_route;
 mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine;
+mod cmd_flow;
 mod cmd_jobs;
 mod cmd_reshard;
 mod cmd_retention;
@@ -61,6 +62,14 @@ enum Command {
     /// --key` shows as recent): show, set or clear it.
     #[command(subcommand)]
     Retention(cmd_retention::RetentionAction),
+    /// Flow control per key: rate limits, a group, weight and priority,
+    /// for a key, a key prefix or the default: show, set or clear them.
+    #[command(subcommand)]
+    Policy(cmd_flow::PolicyAction),
+    /// Groups: a rate limit shared by every key whose policy names the
+    /// group, over every worker: show, set or clear them.
+    #[command(subcommand)]
+    Group(cmd_flow::GroupAction),
     #[command(flatten)]
     Reshard(cmd_reshard::ReshardCommand),
     /// Serve the HTTP/JSON API over a data dir (a worker process holding shard leases).
@@ -105,6 +114,8 @@ fn main() -> ExitCode {
         Command::Jobs(args) => cmd_jobs::jobs(args),
         Command::Retry(action) => cmd_retry::run(action),
         Command::Retention(action) => cmd_retention::run(action),
+        Command::Policy(action) => cmd_flow::policy(action),
+        Command::Group(action) => cmd_flow::group(action),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),
         Command::Serve(args) => cmd_serve::run(args),
     };

@@ -599,3 +599,134 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     assert!(!ok && err.contains("100001"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Starts per key: the keys of `key_prefix`, from "KEY MS" lines, sorted.
+fn starts_of(text: &str, key_prefix: &str) -> Vec<u64> {
+    let mut t: Vec<u64> = (text.lines())
+        .filter(|l| l.starts_with(key_prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse().ok())
+        .collect();
+    t.sort_unstable();
+    t
+}
+
+/// The most starts in any window of `window_ms` (a window starting at each
+/// start).
+fn most_in_window(starts: &[u64], window_ms: u64) -> usize {
+    (0..starts.len())
+        .map(|i| {
+            starts[i..]
+                .iter()
+                .take_while(|&&t| t < starts[i] + window_ms)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// A key's rate limit and a group's shared limit hold over two worker
+/// processes, each owning one shard, counted by the starts the handlers
+/// saw; keys without a limit run at once meanwhile. Bad values are refused
+/// by name.
+#[test]
+fn rate_limits_hold_over_two_worker_processes() {
+    let dir = temp_dir("h-flow");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = run(args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    for (args, field, value) in [
+        (vec!["--rate", "0/s"], "rate", "0/s"),
+        (vec!["--rate", "5/d"], "rate", "5/d"),
+        (vec!["--rate", "5/s", "--burst", "0"], "burst", "0"),
+        (vec!["--concurrency", "2"], "concurrency", "2"),
+        (vec!["--group", "missing"], "group", "missing"),
+        (vec!["--weight", "0"], "weight", "0"),
+    ] {
+        let mut a = vec!["policy", "set", "--data", d, "k"];
+        a.extend(args);
+        let (ok, _, err) = run(&a);
+        assert!(
+            !ok && err.contains(field) && err.contains(value),
+            "{a:?}: {err}"
+        );
+    }
+    ok(&[
+        "group", "set", "--data", d, "api", "--rate", "20/s", "--burst", "2",
+    ]);
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", "lim:", "--rate", "10/s", "--burst", "1",
+    ]);
+    let out = ok(&[
+        "policy", "set", "--data", d, "--prefix", "grp:", "--group", "api",
+    ]);
+    assert!(out.contains("group api"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["policy", "show", "--data", d, "grp:7", "--json"])).unwrap();
+    assert_eq!(
+        (&v["group"], &v["from"]),
+        (&"api".into(), &"prefix \"grp:\"".into()),
+        "{v}"
+    );
+    let (gone, _, err) = run(&["group", "clear", "--data", d, "api"]);
+    assert!(!gone && err.contains("grp:"), "a used group stays: {err}");
+    let mut keys = vec![("lim:a".to_string(), 12)];
+    keys.extend((0..6).map(|i| (format!("grp:{i}"), 5)));
+    keys.push(("free".to_string(), 20));
+    for (key, n) in &keys {
+        for i in 0..*n {
+            ok(&[
+                "enqueue",
+                "--data",
+                d,
+                "--key",
+                key,
+                "--payload",
+                &i.to_string(),
+            ]);
+        }
+    }
+    let stamps = dir.join("stamps");
+    let script = format!(
+        "echo \"$SHARDQ_KEY $(date +%s%3N)\" >> {s}",
+        s = stamps.display()
+    );
+    let extra = [
+        "--exit-when-idle",
+        "--concurrency",
+        "4",
+        "--lease-ms",
+        "1000",
+    ];
+    let mut a = start_worker(&data, &extra, &script);
+    let mut b = start_worker(&data, &extra, &script);
+    for w in [&mut a, &mut b] {
+        let (status, err) = wait_exit(w, WAIT_MAX);
+        assert!(status.success(), "{err}");
+    }
+    let text = std::fs::read_to_string(&stamps).unwrap();
+    let lim = starts_of(&text, "lim:");
+    let grp = starts_of(&text, "grp:");
+    assert_eq!(
+        (lim.len(), grp.len(), starts_of(&text, "free").len()),
+        (12, 30, 20)
+    );
+    // Burst 1 at 10/s: at most 1 + 10 per second (a stamp is taken in the
+    // handler, a few ms after the start: one more allowed for that).
+    assert!(most_in_window(&lim, 1_000) <= 12, "{lim:?}");
+    assert!(
+        lim[11] - lim[0] >= 1_000,
+        "12 starts at 10/s take 1.1 s: {lim:?}"
+    );
+    // The group's 20/s over both processes: burst 2 + 20 a second.
+    assert!(most_in_window(&grp, 1_000) <= 23, "{grp:?}");
+    assert!(
+        grp[29] - grp[0] >= 1_300,
+        "30 starts at 20/s take 1.4 s: {grp:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,1183 @@
+//! Flow control per key: rate limits for a key and for a group of keys,
+//! and backing off when a handler says its downstream is limiting it.
+//!
+//! A deployment keeps one [`FlowSettings`] (its `flow` setting, beside its
+//! map): a default [`FlowPolicy`], per-key and per-prefix policies (resolved
+//! as retry rules are: the key's own, else its longest prefix's, else the
+//! default) and named groups ([`GroupLimit`]) that policies point at.
+//!
+//! # The bucket recipe
+//! A rate is `count` starts per `per_ms` milliseconds; a bucket holds up to
+//! `burst` tokens and starts full. Arithmetic is exact, in integer *units*:
+//! a token is `per_ms` units and every millisecond adds `count` units, so
+//! 50/s adds 50 units a ms to a bucket of `burst x 1000`. A start takes one
+//! token (`per_ms` units); when fewer are there, the wait is
+//! `ceil((per_ms - units) / count)` ms. Over any window of `w` ms a bucket
+//! therefore lets at most `burst + floor(w x count / per_ms)` starts
+//! through. A held bucket (a handler's back-off) gives nothing before its
+//! hold ends, and keeps refilling meanwhile.
+//!
+//! # Where the buckets live
+//! - A key's bucket lives in the process that owns the key's shard, in
+//!   memory: only the owner starts the key's runs, so every start of the key
+//!   passes through it, whichever worker runs the job. A bucket is created
+//!   full when the key is first seen, so a new owner (after a takeover or a
+//!   move) may let one more burst through than the old one left.
+//! - A group's bucket is shared by every process of the deployment
+//!   ([`GroupBuckets`]): a locked file in the data dir on the embedded
+//!   engine, in memory for the memory backend and the simulation.
+//!
+//! # When limits are checked
+//! A backend asks [`FlowControl::admit`] for each key it would start, after
+//! every check of its own (the head is due, nothing in flight, not sealed)
+//! and before the run is written. A refused key is passed over and asked
+//! again at the time the answer names, never later than
+//! [`FLOW_RECHECK_MS`] from now, so a changed setting reaches it within a
+//! second; the other keys start meanwhile. A key's bucket is checked before
+//! its group's and charged after it, so a refusal by the group costs the
+//! key no token; a token taken for a start whose write then fails is lost
+//! (the limit errs on the slow side).
+//!
+//! Priorities and weights are part of a policy and checked, and shown; the
+//! order keys start in within a shard is the backend's (round robin).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::QueueError;
+use crate::job::validate_key;
+use crate::retry::{prefix_rule_for, rule_for};
+
+/// Most key and prefix policies one deployment holds (together).
+pub const FLOW_RULES_MAX: usize = 10_000;
+/// Most groups one deployment holds.
+pub const FLOW_GROUPS_MAX: usize = 1_000;
+/// Most starts a rate may allow per unit of time.
+pub const RATE_COUNT_MAX: u64 = 1_000_000;
+/// Most tokens a bucket may hold.
+pub const BURST_MAX: u64 = 1_000_000;
+/// Runs of one key at once. One run per key is the queue's order
+/// guarantee; more at once is not offered yet.
+pub const KEY_CONCURRENCY_MAX: u32 = 1;
+/// Largest weight.
+pub const WEIGHT_MAX: u32 = 1_000;
+/// Priorities run from `-PRIORITY_MAX` to `PRIORITY_MAX`.
+pub const PRIORITY_MAX: i32 = 1_000;
+/// How long settings are used before they are read again, and the longest a
+/// refused key waits before it is asked about again.
+pub const FLOW_RECHECK_MS: u64 = 1_000;
+/// Longest back-off a handler may ask for (one day).
+pub const BACKOFF_MS_MAX: u64 = 86_400_000;
+
+/// Starts per unit of time: `50/s`, `600/m`, `1000/h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Rate {
+    /// Starts allowed per `per_ms`.
+    pub count: u64,
+    /// The unit: 1000 (s), 60 000 (m) or 3 600 000 (h).
+    pub per_ms: u64,
+}
+
+impl Rate {
+    /// One second of this rate, rounded up, at least 1: the default burst.
+    pub fn default_burst(&self) -> u64 {
+        (self.count * 1000).div_ceil(self.per_ms).max(1)
+    }
+
+    fn check(&self) -> Result<(), QueueError> {
+        if self.count == 0 || self.count > RATE_COUNT_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "rate",
+                value: self.to_string(),
+                allowed: format!("1 to {RATE_COUNT_MAX} per unit"),
+            });
+        }
+        if ![1_000, 60_000, 3_600_000].contains(&self.per_ms) {
+            return Err(QueueError::InvalidOption {
+                name: "rate",
+                value: format!("{} per {} ms", self.count, self.per_ms),
+                allowed: "a unit of s, m or h".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.per_ms {
+            1_000 => "s",
+            60_000 => "m",
+            3_600_000 => "h",
+            other => return write!(f, "{}/{}ms", self.count, other),
+        };
+        write!(f, "{}/{unit}", self.count)
+    }
+}
+
+impl FromStr for Rate {
+    type Err = QueueError;
+
+    fn from_str(text: &str) -> Result<Rate, QueueError> {
+        let bad = |why: &str| QueueError::InvalidOption {
+            name: "rate",
+            value: format!("{text:?}"),
+            allowed: format!("N/s, N/m or N/h with N from 1 to {RATE_COUNT_MAX} ({why})"),
+        };
+        let (n, unit) = text.trim().split_once('/').ok_or_else(|| bad("no unit"))?;
+        let per_ms = match unit.trim() {
+            "s" | "sec" | "second" => 1_000,
+            "m" | "min" | "minute" => 60_000,
+            "h" | "hour" => 3_600_000,
+            _ => return Err(bad("unknown unit")),
+        };
+        let count: u64 = n.trim().parse().map_err(|_| bad("not a whole number"))?;
+        let r = Rate { count, per_ms };
+        r.check().map_err(|_| bad("out of range"))?;
+        Ok(r)
+    }
+}
+
+impl TryFrom<String> for Rate {
+    type Error = QueueError;
+    fn try_from(s: String) -> Result<Rate, QueueError> {
+        s.parse()
+    }
+}
+
+impl From<Rate> for String {
+    fn from(r: Rate) -> String {
+        r.to_string()
+    }
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
+/// What a key gets: its rate limit, its group, its share of slots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowPolicy {
+    /// Runs of the key at once (only 1: [`KEY_CONCURRENCY_MAX`]).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub concurrency: u32,
+    /// Starts of the key's jobs, over every worker; none: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<Rate>,
+    /// Tokens the key's bucket holds (default: one second of `rate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    /// Share of slots among keys of the same priority (1 to [`WEIGHT_MAX`]).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub weight: u32,
+    /// Priority class, higher first.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority: i32,
+    /// The group whose limit the key's starts also count against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+impl Default for FlowPolicy {
+    fn default() -> Self {
+        FlowPolicy {
+            concurrency: 1,
+            rate: None,
+            burst: None,
+            weight: 1,
+            priority: 0,
+            group: None,
+        }
+    }
+}
+
+fn check_burst(burst: Option<u64>, rate: Option<Rate>) -> Result<(), QueueError> {
+    let Some(b) = burst else { return Ok(()) };
+    if b == 0 || b > BURST_MAX {
+        return Err(QueueError::InvalidOption {
+            name: "burst",
+            value: b.to_string(),
+            allowed: format!("1 to {BURST_MAX}"),
+        });
+    }
+    if rate.is_none() {
+        return Err(QueueError::InvalidOption {
+            name: "burst",
+            value: b.to_string(),
+            allowed: "given with a rate (a burst limits nothing alone)".into(),
+        });
+    }
+    Ok(())
+}
+
+impl FlowPolicy {
+    /// Whether the policy limits starts at all (a rate or a group).
+    pub fn limits_starts(&self) -> bool {
+        self.rate.is_some() || self.group.is_some()
+    }
+
+    /// The key bucket's size.
+    pub fn burst_or_default(&self) -> Option<u64> {
+        self.rate
+            .map(|r| self.burst.unwrap_or_else(|| r.default_burst()))
+    }
+
+    /// Checks every field, naming the one out of range and its value.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        if self.concurrency == 0 || self.concurrency > KEY_CONCURRENCY_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "concurrency",
+                value: self.concurrency.to_string(),
+                allowed: format!(
+                    "1 to {KEY_CONCURRENCY_MAX} (a key runs one job at a time, in order)"
+                ),
+            });
+        }
+        if let Some(r) = self.rate {
+            r.check()?;
+        }
+        check_burst(self.burst, self.rate)?;
+        if self.weight == 0 || self.weight > WEIGHT_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "weight",
+                value: self.weight.to_string(),
+                allowed: format!("1 to {WEIGHT_MAX}"),
+            });
+        }
+        if self.priority.abs() > PRIORITY_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "priority",
+                value: self.priority.to_string(),
+                allowed: format!("-{PRIORITY_MAX} to {PRIORITY_MAX}"),
+            });
+        }
+        if let Some(g) = &self.group {
+            validate_group_name(g)?;
+        }
+        Ok(())
+    }
+}
+
+/// A limit shared by every key whose policy names the group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupLimit {
+    /// Starts of all the group's keys together, over every worker.
+    pub rate: Rate,
+    /// Tokens the group's bucket holds (default: one second of `rate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+}
+
+impl GroupLimit {
+    /// The bucket's size.
+    pub fn burst_or_default(&self) -> u64 {
+        self.burst.unwrap_or_else(|| self.rate.default_burst())
+    }
+
+    /// Checks every field, naming the one out of range and its value.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        self.rate.check()?;
+        check_burst(self.burst, Some(self.rate))
+    }
+}
+
+/// Checks a group name: the key grammar, at most 128 bytes.
+pub fn validate_group_name(name: &str) -> Result<(), QueueError> {
+    if name.len() > 128 {
+        return Err(QueueError::InvalidOption {
+            name: "group",
+            value: format!("{name:?}"),
+            allowed: "a name of 1 to 128 bytes".into(),
+        });
+    }
+    validate_key(name).map_err(|_| QueueError::InvalidOption {
+        name: "group",
+        value: format!("{name:?}"),
+        allowed: "a non-empty name without control or invisible characters".into(),
+    })
+}
+
+/// A deployment's flow settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowSettings {
+    /// What a key without a policy gets.
+    #[serde(default, skip_serializing_if = "is_default_policy")]
+    pub default: FlowPolicy,
+    /// A key's own policy.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub keys: BTreeMap<String, FlowPolicy>,
+    /// The policy of every key starting with the prefix (the longest
+    /// matching prefix wins; a key's own policy wins over every prefix).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prefixes: BTreeMap<String, FlowPolicy>,
+    /// Named limits shared by keys.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub groups: BTreeMap<String, GroupLimit>,
+}
+
+fn is_default_policy(p: &FlowPolicy) -> bool {
+    *p == FlowPolicy::default()
+}
+
+/// Which policy a change is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyTarget {
+    /// The deployment's default.
+    Default,
+    /// One key's own policy.
+    Key(String),
+    /// The policy of every key starting with the prefix.
+    Prefix(String),
+}
+
+impl PolicyTarget {
+    /// Checks the key or prefix by the key grammar.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        match self {
+            PolicyTarget::Default => Ok(()),
+            PolicyTarget::Key(k) | PolicyTarget::Prefix(k) => validate_key(k),
+        }
+    }
+}
+
+impl fmt::Display for PolicyTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicyTarget::Default => write!(f, "default"),
+            PolicyTarget::Key(k) => write!(f, "key {k:?}"),
+            PolicyTarget::Prefix(p) => write!(f, "prefix {p:?}"),
+        }
+    }
+}
+
+/// Where a key's policy comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicySource {
+    /// The key's own policy.
+    Key,
+    /// The policy of this prefix of the key.
+    Prefix(String),
+    /// The deployment's default.
+    Default,
+}
+
+impl FlowSettings {
+    /// The policy `key` follows.
+    pub fn for_key(&self, key: &str) -> &FlowPolicy {
+        rule_for(&self.keys, &self.prefixes, key).unwrap_or(&self.default)
+    }
+
+    /// Where the policy of `key` comes from.
+    pub fn source_of(&self, key: &str) -> PolicySource {
+        if self.keys.contains_key(key) {
+            return PolicySource::Key;
+        }
+        match prefix_rule_for(&self.prefixes, key) {
+            Some((prefix, _)) => PolicySource::Prefix(prefix.clone()),
+            None => PolicySource::Default,
+        }
+    }
+
+    /// Whether any policy limits starts (else admission is free).
+    pub fn limits_starts(&self) -> bool {
+        self.default.limits_starts()
+            || self.keys.values().any(FlowPolicy::limits_starts)
+            || self.prefixes.values().any(FlowPolicy::limits_starts)
+    }
+
+    /// Checks every policy and group, their number, and that every group a
+    /// policy names exists.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        let n = self.keys.len() + self.prefixes.len();
+        if n > FLOW_RULES_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "policies",
+                value: n.to_string(),
+                allowed: format!("at most {FLOW_RULES_MAX} key and prefix policies"),
+            });
+        }
+        if self.groups.len() > FLOW_GROUPS_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "groups",
+                value: self.groups.len().to_string(),
+                allowed: format!("at most {FLOW_GROUPS_MAX}"),
+            });
+        }
+        for (name, g) in &self.groups {
+            validate_group_name(name)?;
+            g.validate()?;
+        }
+        let all = std::iter::once(&self.default)
+            .chain(self.keys.values())
+            .chain(self.prefixes.values());
+        for k in self.keys.keys().chain(self.prefixes.keys()) {
+            validate_key(k)?;
+        }
+        for p in all {
+            p.validate()?;
+            if let Some(g) = &p.group {
+                if !self.groups.contains_key(g) {
+                    return Err(QueueError::InvalidOption {
+                        name: "group",
+                        value: format!("{g:?}"),
+                        allowed: format!(
+                            "a group that exists (create it first with `shardq group set {g} --rate ...`)"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What `target` gets today: its own policy, else what its keys
+    /// resolve to (where a new policy for it starts from).
+    pub fn policy_of(&self, target: &PolicyTarget) -> FlowPolicy {
+        match target {
+            PolicyTarget::Default => self.default.clone(),
+            PolicyTarget::Key(k) => self.for_key(k).clone(),
+            PolicyTarget::Prefix(p) => self
+                .prefixes
+                .get(p)
+                .unwrap_or_else(|| self.for_key(p))
+                .clone(),
+        }
+    }
+
+    /// Sets `target`'s policy; the settings are checked whole (a group the
+    /// policy names must exist) and left unchanged when refused.
+    pub fn put_policy(&mut self, target: &PolicyTarget, p: FlowPolicy) -> Result<(), QueueError> {
+        let mut next = self.clone();
+        match target {
+            PolicyTarget::Default => next.default = p,
+            PolicyTarget::Key(k) => {
+                next.keys.insert(k.clone(), p);
+            }
+            PolicyTarget::Prefix(pre) => {
+                next.prefixes.insert(pre.clone(), p);
+            }
+        }
+        next.validate()?;
+        *self = next;
+        Ok(())
+    }
+
+    /// Removes `target`'s policy (the default goes back to no limits);
+    /// whether there was one.
+    pub fn remove_policy(&mut self, target: &PolicyTarget) -> bool {
+        match target {
+            PolicyTarget::Default => {
+                let had = self.default != FlowPolicy::default();
+                self.default = FlowPolicy::default();
+                had
+            }
+            PolicyTarget::Key(k) => self.keys.remove(k).is_some(),
+            PolicyTarget::Prefix(p) => self.prefixes.remove(p).is_some(),
+        }
+    }
+
+    /// Sets group `name`'s limit, checked.
+    pub fn put_group(&mut self, name: &str, g: GroupLimit) -> Result<(), QueueError> {
+        let mut next = self.clone();
+        next.groups.insert(name.to_string(), g);
+        next.validate()?;
+        *self = next;
+        Ok(())
+    }
+
+    /// Removes group `name`; refused while a policy names it (the error
+    /// names one). Whether there was one.
+    pub fn remove_group(&mut self, name: &str) -> Result<bool, QueueError> {
+        let users = std::iter::once(("default".to_string(), &self.default))
+            .chain(self.keys.iter().map(|(k, p)| (format!("key {k:?}"), p)))
+            .chain(
+                self.prefixes
+                    .iter()
+                    .map(|(k, p)| (format!("prefix {k:?}"), p)),
+            );
+        for (who, p) in users {
+            if p.group.as_deref() == Some(name) {
+                return Err(QueueError::InvalidOption {
+                    name: "group",
+                    value: format!("{name:?}"),
+                    allowed: format!(
+                        "a group no policy names (the {who} policy names it: change or clear it first)"
+                    ),
+                });
+            }
+        }
+        Ok(self.groups.remove(name).is_some())
+    }
+
+    /// Parses the `flow` setting's JSON.
+    pub fn parse(text: &str) -> Result<FlowSettings, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+}
+
+/// A token bucket (see the module header for the recipe).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// Units held (a token is `per_ms` units).
+    pub units: u64,
+    /// When `units` was last brought up to date.
+    pub at_ms: u64,
+    /// Nothing is given before this (a handler's back-off).
+    #[serde(default)]
+    pub held_until_ms: u64,
+    /// The rate the units are counted in.
+    pub count: u64,
+    /// The rate's unit.
+    pub per_ms: u64,
+}
+
+impl Bucket {
+    /// A full bucket for `rate` and `burst` at `now_ms`.
+    pub fn full(rate: Rate, burst: u64, now_ms: u64) -> Bucket {
+        Bucket {
+            units: burst.saturating_mul(rate.per_ms),
+            at_ms: now_ms,
+            held_until_ms: 0,
+            count: rate.count,
+            per_ms: rate.per_ms,
+        }
+    }
+
+    /// Brings the bucket up to `now_ms` under `rate` and `burst` (a changed
+    /// limit keeps the tokens held, up to the new burst).
+    fn refill(&mut self, rate: Rate, burst: u64, now_ms: u64) {
+        if self.per_ms != rate.per_ms || self.count != rate.count {
+            let tokens_x = self.units as u128 * rate.per_ms as u128 / self.per_ms.max(1) as u128;
+            self.units = tokens_x.min(u64::MAX as u128) as u64;
+            self.count = rate.count;
+            self.per_ms = rate.per_ms;
+        }
+        if now_ms > self.at_ms {
+            let add = (now_ms - self.at_ms).saturating_mul(rate.count);
+            self.units = self.units.saturating_add(add);
+            self.at_ms = now_ms;
+        }
+        self.units = self.units.min(burst.saturating_mul(rate.per_ms));
+    }
+
+    /// `Ok` if a token is there at `now_ms` (not taken), else when one will be.
+    pub fn peek(&mut self, rate: Rate, burst: u64, now_ms: u64) -> Result<(), u64> {
+        self.refill(rate, burst, now_ms);
+        if now_ms < self.held_until_ms {
+            return Err(self.held_until_ms);
+        }
+        if self.units >= rate.per_ms {
+            Ok(())
+        } else {
+            let missing = rate.per_ms - self.units;
+            Err(now_ms + missing.div_ceil(rate.count))
+        }
+    }
+
+    /// Takes a token at `now_ms`, or says when one will be there.
+    pub fn take(&mut self, rate: Rate, burst: u64, now_ms: u64) -> Result<(), u64> {
+        self.peek(rate, burst, now_ms)?;
+        self.units -= rate.per_ms;
+        Ok(())
+    }
+
+    /// Holds the bucket until `until_ms` (the later of two holds wins).
+    pub fn hold(&mut self, until_ms: u64) {
+        self.held_until_ms = self.held_until_ms.max(until_ms);
+    }
+}
+
+/// The buckets of groups, shared by every process of a deployment.
+pub trait GroupBuckets: Send + Sync {
+    /// Takes one token from `group`'s bucket under `limit` at `now_ms`:
+    /// `Ok(Ok(()))` when taken, `Ok(Err(at))` when none is there before
+    /// `at`. Atomic across processes.
+    fn take(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+    ) -> Result<Result<(), u64>, QueueError>;
+
+    /// Holds `group`'s bucket until `until_ms`: no key of the group starts
+    /// before then, in any process.
+    fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError>;
+}
+
+/// Takes a token from `group`'s bucket in `buckets` (a missing one starts
+/// full): the one recipe every [`GroupBuckets`] runs under its own lock.
+pub fn take_group(
+    buckets: &mut BTreeMap<String, Bucket>,
+    group: &str,
+    limit: &GroupLimit,
+    now_ms: u64,
+) -> Result<(), u64> {
+    let burst = limit.burst_or_default();
+    buckets
+        .entry(group.to_string())
+        .or_insert_with(|| Bucket::full(limit.rate, burst, now_ms))
+        .take(limit.rate, burst, now_ms)
+}
+
+/// Holds `group`'s bucket in `buckets` until `until_ms`.
+pub fn hold_group(
+    buckets: &mut BTreeMap<String, Bucket>,
+    group: &str,
+    limit: &GroupLimit,
+    until_ms: u64,
+) {
+    let burst = limit.burst_or_default();
+    buckets
+        .entry(group.to_string())
+        .or_insert_with(|| Bucket::full(limit.rate, burst, until_ms))
+        .hold(until_ms);
+}
+
+/// Group buckets in this process's memory (the memory backend, tests).
+#[derive(Debug, Default)]
+pub struct LocalGroupBuckets {
+    buckets: Mutex<BTreeMap<String, Bucket>>,
+}
+
+impl GroupBuckets for LocalGroupBuckets {
+    fn take(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+    ) -> Result<Result<(), u64>, QueueError> {
+        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(take_group(&mut b, group, limit, now_ms))
+    }
+
+    fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
+        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        hold_group(&mut b, group, limit, until_ms);
+        Ok(())
+    }
+}
+
+/// The answer of [`FlowControl::admit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Start it now (its tokens are taken).
+    Now,
+    /// Not before this time; ask again then.
+    NotBefore(u64),
+}
+
+/// Where settings come from when they are read again.
+pub type FlowSource =
+    Box<dyn Fn() -> Result<FlowSettings, Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
+
+/// Counts of what flow control did, since the process started.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct FlowStats {
+    /// Starts admitted, by group.
+    pub group_starts: BTreeMap<String, u64>,
+    /// Refusals by a group's bucket, by group.
+    pub group_throttled: BTreeMap<String, u64>,
+    /// Refusals by keys' own buckets.
+    pub key_throttled: u64,
+    /// Keys refused at their last check and when they are asked again.
+    pub held_keys: BTreeMap<String, u64>,
+    /// Groups whose bucket was empty at its last check, until when.
+    pub held_groups: BTreeMap<String, u64>,
+    /// Failed reads of the settings or of a group's bucket (a failed read
+    /// keeps the settings in use; a group that cannot be read holds its
+    /// keys back until it can).
+    pub errors: u64,
+    /// The last of them.
+    pub last_error: Option<String>,
+}
+
+struct Loaded {
+    settings: Arc<FlowSettings>,
+    limits: bool,
+    loaded_ms: u64,
+}
+
+/// One process's flow control: the key buckets of the shards it owns and
+/// its view of the shared group buckets.
+pub struct FlowControl {
+    loaded: RwLock<Loaded>,
+    source: Option<FlowSource>,
+    keys: Mutex<HashMap<Box<str>, Bucket>>,
+    groups: Arc<dyn GroupBuckets>,
+    stats: Mutex<FlowStats>,
+}
+
+impl fmt::Debug for FlowControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FlowControl").finish_non_exhaustive()
+    }
+}
+
+/// Most keys listed as held in [`FlowStats`].
+const HELD_KEYS_SHOWN: usize = 1_000;
+
+impl FlowControl {
+    /// Flow control with fixed `settings` and group buckets `groups`.
+    pub fn new(settings: FlowSettings, groups: Arc<dyn GroupBuckets>) -> FlowControl {
+        let limits = settings.limits_starts();
+        FlowControl {
+            loaded: RwLock::new(Loaded {
+                settings: Arc::new(settings),
+                limits,
+                loaded_ms: 0,
+            }),
+            source: None,
+            keys: Mutex::new(HashMap::new()),
+            groups,
+            stats: Mutex::new(FlowStats::default()),
+        }
+    }
+
+    /// Reads the settings again from `source` at most every
+    /// [`FLOW_RECHECK_MS`] ([`FlowControl::refresh`]).
+    pub fn with_source(mut self, source: FlowSource) -> FlowControl {
+        self.source = Some(source);
+        self
+    }
+
+    /// The settings in use.
+    pub fn settings(&self) -> Arc<FlowSettings> {
+        Arc::clone(&self.read().settings)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Loaded> {
+        self.loaded.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Uses `settings` from now on.
+    pub fn set(&self, settings: FlowSettings, now_ms: u64) {
+        let mut l = self.loaded.write().unwrap_or_else(|e| e.into_inner());
+        l.limits = settings.limits_starts();
+        l.settings = Arc::new(settings);
+        l.loaded_ms = now_ms;
+    }
+
+    /// Reads the settings again when the last read is [`FLOW_RECHECK_MS`]
+    /// old (a failed read keeps the settings in use, and is logged), and
+    /// forgets key buckets that are full again (a new one is the same).
+    pub fn refresh(&self, now_ms: u64) {
+        let Some(source) = &self.source else { return };
+        if now_ms < self.read().loaded_ms.saturating_add(FLOW_RECHECK_MS) {
+            return;
+        }
+        match source() {
+            Ok(s) => self.set(s, now_ms),
+            Err(e) => {
+                self.note_error(format!("reading the flow settings: {e}"));
+                self.loaded
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .loaded_ms = now_ms;
+            }
+        }
+        let settings = self.settings();
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        keys.retain(|k, b| {
+            let p = settings.for_key(k);
+            match (p.rate, p.burst_or_default()) {
+                (Some(r), Some(burst)) => {
+                    b.refill(r, burst, now_ms);
+                    b.units < burst.saturating_mul(r.per_ms) || b.held_until_ms > now_ms
+                }
+                _ => false,
+            }
+        });
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.held_keys.retain(|_, at| *at > now_ms);
+        st.held_groups.retain(|_, at| *at > now_ms);
+    }
+
+    /// Whether any policy limits starts (when not, [`FlowControl::admit`]
+    /// always answers `Now`).
+    pub fn limits_starts(&self) -> bool {
+        self.read().limits
+    }
+
+    /// Whether a run of `key` may start at `now_ms`; when it may, its
+    /// tokens are taken. See the module header.
+    pub fn admit(&self, key: &str, now_ms: u64) -> Admit {
+        let settings = {
+            let l = self.read();
+            if !l.limits {
+                return Admit::Now;
+            }
+            Arc::clone(&l.settings)
+        };
+        let p = settings.for_key(key);
+        if !p.limits_starts() {
+            return Admit::Now;
+        }
+        let recheck = now_ms.saturating_add(FLOW_RECHECK_MS);
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let key_limit = p.rate.zip(p.burst_or_default());
+        if let Some((rate, burst)) = key_limit {
+            let b = keys
+                .entry(key.into())
+                .or_insert_with(|| Bucket::full(rate, burst, now_ms));
+            if let Err(at) = b.peek(rate, burst, now_ms) {
+                let at = at.min(recheck);
+                let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                st.key_throttled += 1;
+                if st.held_keys.len() < HELD_KEYS_SHOWN {
+                    st.held_keys.insert(key.to_string(), at);
+                }
+                return Admit::NotBefore(at);
+            }
+        }
+        if let Some((name, limit)) =
+            (p.group.as_ref()).and_then(|g| settings.groups.get_key_value(g))
+        {
+            let held = (self.stats.lock().unwrap_or_else(|e| e.into_inner()))
+                .held_groups
+                .get(name)
+                .copied()
+                .filter(|&at| at > now_ms);
+            let answer = match held {
+                // Other processes only take tokens: an empty bucket seen
+                // here stays empty at least until then.
+                Some(at) => Err(at),
+                None => match self.groups.take(name, limit, now_ms) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        self.note_error(format!("group {name:?}'s bucket: {e}"));
+                        Err(recheck)
+                    }
+                },
+            };
+            let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            match answer {
+                Ok(()) => *st.group_starts.entry(name.clone()).or_default() += 1,
+                Err(at) => {
+                    let at = at.min(recheck);
+                    *st.group_throttled.entry(name.clone()).or_default() += 1;
+                    st.held_groups.insert(name.clone(), at);
+                    if st.held_keys.len() < HELD_KEYS_SHOWN {
+                        st.held_keys.insert(key.to_string(), at);
+                    }
+                    return Admit::NotBefore(at);
+                }
+            }
+        }
+        if let Some((rate, burst)) = key_limit {
+            if let Some(b) = keys.get_mut(key) {
+                let _ = b.take(rate, burst, now_ms);
+            }
+        }
+        Admit::Now
+    }
+
+    /// A handler's back-off for `key`'s whole group: no key of the group
+    /// starts before `until_ms`, in any process. `Ok(false)` when the key
+    /// has no group (the key's own wait is its job's delay).
+    pub fn hold_group_of(&self, key: &str, until_ms: u64) -> Result<bool, QueueError> {
+        let settings = self.settings();
+        let Some((name, limit)) =
+            (settings.for_key(key).group.as_ref()).and_then(|g| settings.groups.get_key_value(g))
+        else {
+            return Ok(false);
+        };
+        self.groups.hold(name, limit, until_ms)?;
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let held = st.held_groups.entry(name.clone()).or_default();
+        *held = (*held).max(until_ms);
+        Ok(true)
+    }
+
+    fn note_error(&self, what: String) {
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.errors += 1;
+        st.last_error = Some(what);
+    }
+
+    /// What flow control did so far, and what it holds back now.
+    pub fn stats(&self) -> FlowStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Checks a back-off a handler asked for.
+pub fn validate_backoff_ms(ms: u64) -> Result<(), QueueError> {
+    if ms > BACKOFF_MS_MAX {
+        return Err(QueueError::InvalidOption {
+            name: "back-off",
+            value: format!("{ms} ms"),
+            allowed: format!("0 to {BACKOFF_MS_MAX} ms"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(s: &str) -> Rate {
+        s.parse().expect("rate")
+    }
+
+    #[test]
+    fn rates_parse_and_bad_ones_name_the_value() {
+        assert_eq!(
+            rate("50/s"),
+            Rate {
+                count: 50,
+                per_ms: 1000
+            }
+        );
+        assert_eq!(
+            rate(" 600 / m"),
+            Rate {
+                count: 600,
+                per_ms: 60_000
+            }
+        );
+        assert_eq!(rate("7/hour").to_string(), "7/h");
+        for bad in ["0/s", "-1/s", "5/d", "5", "x/s", "2000000/s", ""] {
+            let e = bad.parse::<Rate>().unwrap_err().to_string();
+            assert!(
+                e.contains("rate") && e.contains(&format!("{bad:?}")),
+                "{bad}: {e}"
+            );
+        }
+        assert_eq!(rate("1/h").default_burst(), 1);
+        assert_eq!(rate("50/s").default_burst(), 50);
+        assert_eq!(rate("90/m").default_burst(), 2);
+    }
+
+    /// The recipe, exactly: over any window the starts stay within
+    /// burst + window x rate, and the waits named are exact.
+    #[test]
+    fn a_bucket_follows_the_recipe_to_the_millisecond() {
+        let r = rate("50/s");
+        let mut b = Bucket::full(r, 5, 1_000);
+        for _ in 0..5 {
+            assert_eq!(b.take(r, 5, 1_000), Ok(()));
+        }
+        assert_eq!(b.take(r, 5, 1_000), Err(1_020), "one token per 20 ms");
+        assert_eq!(b.take(r, 5, 1_019), Err(1_020));
+        assert_eq!(b.take(r, 5, 1_020), Ok(()));
+        // Long idle refills to the burst, no further.
+        assert_eq!(b.peek(r, 5, 100_000), Ok(()));
+        assert_eq!(b.units, 5_000);
+        // Every ms for 10 s: starts = burst + floor(10 000 x 50 / 1000).
+        let mut b = Bucket::full(r, 5, 0);
+        let starts = (0..=10_000u64).filter(|&t| b.take(r, 5, t).is_ok()).count();
+        assert_eq!(starts, 5 + 500);
+        // A hold gives nothing before it ends, then what refilled.
+        let mut b = Bucket::full(r, 2, 0);
+        b.hold(500);
+        assert_eq!(b.take(r, 2, 10), Err(500));
+        assert_eq!(b.take(r, 2, 500), Ok(()));
+        // A changed rate keeps the tokens held.
+        let mut b = Bucket::full(r, 10, 0);
+        let slower = rate("60/m");
+        assert_eq!(b.peek(slower, 10, 0), Ok(()));
+        assert_eq!(b.units, 10 * 60_000);
+    }
+
+    fn settings() -> FlowSettings {
+        let mut s = FlowSettings::default();
+        s.groups.insert(
+            "api".into(),
+            GroupLimit {
+                rate: rate("10/s"),
+                burst: Some(2),
+            },
+        );
+        s.prefixes.insert(
+            "free:".into(),
+            FlowPolicy {
+                rate: Some(rate("2/s")),
+                burst: Some(1),
+                ..FlowPolicy::default()
+            },
+        );
+        s.keys.insert(
+            "free:vip".into(),
+            FlowPolicy {
+                group: Some("api".into()),
+                ..FlowPolicy::default()
+            },
+        );
+        s
+    }
+
+    #[test]
+    fn admit_charges_the_key_and_its_group_and_names_the_wait() {
+        let s = settings();
+        s.validate().expect("valid");
+        let g: Arc<dyn GroupBuckets> = Arc::new(LocalGroupBuckets::default());
+        let f = FlowControl::new(s, Arc::clone(&g));
+        assert_eq!(f.admit("paid:x", 0), Admit::Now, "no policy");
+        assert_eq!(f.admit("free:a", 0), Admit::Now);
+        assert_eq!(f.admit("free:a", 0), Admit::NotBefore(500));
+        assert_eq!(f.admit("free:b", 0), Admit::Now, "a bucket per key");
+        // The group: burst 2, then one every 100 ms.
+        assert_eq!(f.admit("free:vip", 0), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0), Admit::NotBefore(100));
+        assert_eq!(f.admit("free:vip", 100), Admit::Now);
+        // A group's hold holds every key of it; waits are capped so a
+        // changed setting is seen within FLOW_RECHECK_MS.
+        assert!(f.hold_group_of("free:vip", 5_000).expect("hold"));
+        assert_eq!(f.admit("free:vip", 200), Admit::NotBefore(1_200));
+        assert!(!f.hold_group_of("free:a", 5_000).expect("no group"));
+        let st = f.stats();
+        assert_eq!(st.group_starts["api"], 3);
+        assert_eq!(st.key_throttled, 1);
+    }
+
+    #[test]
+    fn a_group_refusal_costs_the_key_no_token() {
+        let mut s = settings();
+        s.keys.insert(
+            "k".into(),
+            FlowPolicy {
+                rate: Some(rate("1/s")),
+                burst: Some(1),
+                group: Some("api".into()),
+                ..FlowPolicy::default()
+            },
+        );
+        let f = FlowControl::new(s, Arc::new(LocalGroupBuckets::default()));
+        assert_eq!(f.admit("free:vip", 0), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0), Admit::Now);
+        assert_eq!(f.admit("k", 0), Admit::NotBefore(100), "the group is empty");
+        assert_eq!(f.admit("k", 100), Admit::Now, "the key kept its token");
+    }
+
+    #[test]
+    fn live_settings_are_read_again_after_the_recheck_time() {
+        let s = Arc::new(Mutex::new(FlowSettings::default()));
+        let src = Arc::clone(&s);
+        let f = FlowControl::new(
+            FlowSettings::default(),
+            Arc::new(LocalGroupBuckets::default()),
+        )
+        .with_source(Box::new(move || Ok(src.lock().unwrap().clone())));
+        f.refresh(0);
+        assert_eq!(f.admit("k", 0), Admit::Now);
+        s.lock().unwrap().default.rate = Some(rate("1/s"));
+        s.lock().unwrap().default.burst = Some(1);
+        f.refresh(500);
+        assert!(!f.limits_starts(), "not yet read again");
+        f.refresh(1_000);
+        assert_eq!(f.admit("k", 1_000), Admit::Now);
+        assert_eq!(f.admit("k", 1_000), Admit::NotBefore(2_000));
+    }
+
+    #[test]
+    fn edits_are_checked_whole_and_a_used_group_stays() {
+        let mut s = settings();
+        let t = PolicyTarget::Prefix("paid:".into());
+        let mut p = s.policy_of(&t);
+        p.group = Some("missing".into());
+        assert!(s.put_policy(&t, p).is_err());
+        assert_eq!(s, settings(), "a refused edit changes nothing");
+        let e = s.remove_group("api").unwrap_err().to_string();
+        assert!(e.contains("free:vip"), "{e}");
+        assert!(s.remove_policy(&PolicyTarget::Key("free:vip".into())));
+        assert!(s.remove_group("api").expect("unused now"));
+        assert_eq!(
+            s.policy_of(&PolicyTarget::Key("free:x".into())).burst,
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn validation_names_the_field_and_value() {
+        let mut s = FlowSettings::default();
+        s.keys.insert(
+            "k".into(),
+            FlowPolicy {
+                group: Some("nope".into()),
+                ..FlowPolicy::default()
+            },
+        );
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("group") && e.contains("nope"), "{e}");
+        for (p, field, value) in [
+            (
+                FlowPolicy {
+                    concurrency: 4,
+                    ..FlowPolicy::default()
+                },
+                "concurrency",
+                "4",
+            ),
+            (
+                FlowPolicy {
+                    weight: 0,
+                    ..FlowPolicy::default()
+                },
+                "weight",
+                "0",
+            ),
+            (
+                FlowPolicy {
+                    priority: 5000,
+                    ..FlowPolicy::default()
+                },
+                "priority",
+                "5000",
+            ),
+            (
+                FlowPolicy {
+                    rate: Some(rate("1/s")),
+                    burst: Some(0),
+                    ..FlowPolicy::default()
+                },
+                "burst",
+                "0",
+            ),
+            (
+                FlowPolicy {
+                    burst: Some(3),
+                    ..FlowPolicy::default()
+                },
+                "burst",
+                "3",
+            ),
+        ] {
+            let e = p.validate().unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(value), "{e}");
+        }
+        let text = r#"{"keys":{"k":{"rate":"5/fortnight"}}}"#;
+        assert!(FlowSettings::parse(text)
+            .unwrap_err()
+            .to_string()
+            .contains("fortnight"));
+        let text = r#"{"keys":{"k":{"rat":"5/s"}}}"#;
+        assert!(FlowSettings::parse(text)
+            .unwrap_err()
+            .to_string()
+            .contains("rat"));
+        let ok = settings();
+        let back = FlowSettings::parse(&serde_json::to_string(&ok).unwrap()).unwrap();
+        assert_eq!(back, ok);
+        assert_eq!(ok.source_of("free:vip"), PolicySource::Key);
+        assert_eq!(ok.source_of("free:z"), PolicySource::Prefix("free:".into()));
+        assert_eq!(ok.source_of("z"), PolicySource::Default);
+    }
+}

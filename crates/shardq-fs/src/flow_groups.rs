@@ -1,0 +1,159 @@
+//! [`FileGroupBuckets`]: the buckets of flow-control groups, shared by every
+//! process of an embedded deployment through one small file.
+//!
+//! `flow-groups.json` in the data dir holds every group's [`Bucket`] as
+//! JSON. Each take reads it, changes one bucket and writes it back in place
+//! while holding the file's own flock (bounded by
+//! [`GROUP_LOCK_WAIT_MS`]), so starts counted by any process on the host
+//! count for all. It is soft state, written without an fsync: a lost or
+//! unreadable file only refills the buckets (each group may then let one
+//! more burst through), never loses or holds a job for good. A file that
+//! does not parse is written over with fresh buckets, so a flipped byte
+//! costs a refill, not a stuck group.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rustix::fs::{flock, FlockOperation};
+use shardq_core::flow::{hold_group, take_group, Bucket};
+use shardq_core::{ErrorKind, GroupBuckets, GroupLimit, QueueError};
+
+use crate::error::FsError;
+use crate::layout::flock_within;
+
+/// The file, in the data dir.
+pub const GROUP_BUCKETS_FILE: &str = "flow-groups.json";
+/// Longest wait for the file's lock before a take fails as unavailable.
+pub const GROUP_LOCK_WAIT_MS: u64 = 500;
+
+/// Group buckets in `flow-groups.json` (see the module header).
+#[derive(Debug)]
+pub struct FileGroupBuckets {
+    path: PathBuf,
+    file: Mutex<Option<File>>,
+}
+
+impl FileGroupBuckets {
+    /// The buckets of the deployment in data dir `dir` (the file is
+    /// created at the first take).
+    pub fn new(dir: &Path) -> FileGroupBuckets {
+        FileGroupBuckets {
+            path: dir.join(GROUP_BUCKETS_FILE),
+            file: Mutex::new(None),
+        }
+    }
+
+    fn io(&self, what: &str, e: std::io::Error) -> QueueError {
+        let err = FsError::io(format!("{what} {}", self.path.display()), e);
+        QueueError::store(ErrorKind::Retryable, err)
+    }
+
+    /// Runs `change` on the buckets under the file's lock and writes them
+    /// back.
+    fn with_buckets<T>(
+        &self,
+        change: impl FnOnce(&mut BTreeMap<String, Bucket>) -> T,
+    ) -> Result<T, QueueError> {
+        let mut slot = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&self.path)
+                .map_err(|e| self.io("opening", e))?;
+            *slot = Some(f);
+        }
+        let f = slot.as_mut().expect("opened above");
+        if !flock_within(f, Duration::from_millis(GROUP_LOCK_WAIT_MS))
+            .map_err(|e| self.io("locking", e))?
+        {
+            return Err(QueueError::Unavailable {
+                shard: "*".into(),
+                reason: format!(
+                    "the group buckets {} stayed locked by another process for {GROUP_LOCK_WAIT_MS} ms",
+                    self.path.display()
+                ),
+            });
+        }
+        let res = (|| {
+            let mut text = Vec::new();
+            f.seek(SeekFrom::Start(0))
+                .and_then(|_| f.read_to_end(&mut text))
+                .map_err(|e| self.io("reading", e))?;
+            // Unreadable state is refilled (see the header).
+            let mut buckets: BTreeMap<String, Bucket> = if text.is_empty() {
+                BTreeMap::new()
+            } else {
+                serde_json::from_slice(&text).unwrap_or_default()
+            };
+            let out = change(&mut buckets);
+            let new = serde_json::to_vec(&buckets).map_err(|e| QueueError::Internal {
+                what: format!("encoding group buckets: {e}"),
+            })?;
+            f.seek(SeekFrom::Start(0))
+                .and_then(|_| f.write_all(&new))
+                .and_then(|_| f.set_len(new.len() as u64))
+                .map_err(|e| self.io("writing", e))?;
+            Ok(out)
+        })();
+        let _ = flock(&*f, FlockOperation::Unlock);
+        if res.is_err() {
+            // Open it again next time (the file may have been replaced).
+            *slot = None;
+        }
+        res
+    }
+}
+
+impl GroupBuckets for FileGroupBuckets {
+    fn take(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+    ) -> Result<Result<(), u64>, QueueError> {
+        self.with_buckets(|b| take_group(b, group, limit, now_ms))
+    }
+
+    fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
+        self.with_buckets(|b| hold_group(b, group, limit, until_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit() -> GroupLimit {
+        GroupLimit {
+            rate: "10/s".parse().expect("rate"),
+            burst: Some(3),
+        }
+    }
+
+    /// Two handles on one file (two processes) share one bucket; a
+    /// damaged file is refilled, not stuck.
+    #[test]
+    fn two_handles_share_a_bucket_and_damage_refills_it() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let a = FileGroupBuckets::new(dir.path());
+        let b = FileGroupBuckets::new(dir.path());
+        let l = limit();
+        assert_eq!(a.take("g", &l, 0).unwrap(), Ok(()));
+        assert_eq!(b.take("g", &l, 0).unwrap(), Ok(()));
+        assert_eq!(a.take("g", &l, 0).unwrap(), Ok(()));
+        assert_eq!(b.take("g", &l, 0).unwrap(), Err(100), "the burst is shared");
+        b.hold("g", &l, 1_000).unwrap();
+        assert_eq!(a.take("g", &l, 500).unwrap(), Err(1_000), "held for all");
+        std::fs::write(dir.path().join(GROUP_BUCKETS_FILE), b"{\"g\":{\"units\":").unwrap();
+        assert_eq!(a.take("g", &l, 500).unwrap(), Ok(()), "refilled");
+        let text = std::fs::read_to_string(dir.path().join(GROUP_BUCKETS_FILE)).unwrap();
+        assert!(text.starts_with('{') && text.ends_with('}'), "{text}");
+    }
+}
