@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{delete, get, post, MethodRouter};
+use axum::routing::{delete, get, post, put, MethodRouter};
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::ReshardBackend;
 use shardq_core::Clock;
@@ -211,7 +211,7 @@ impl App {
 /// (`None`: no token needed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteInfo {
-    /// `GET`, `POST` or `DELETE`.
+    /// `GET`, `POST`, `PUT` or `DELETE`.
     pub method: &'static str,
     /// The path, `{param}` for parameters.
     pub path: &'static str,
@@ -245,6 +245,32 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (
             r("DELETE", "/v1/jobs/{id}", Some(Admin)),
             delete(api::job_cancel),
+        ),
+        (r("GET", "/v1/policies", Some(Read)), get(api::policies)),
+        (
+            r("GET", "/v1/policies/{key}", Some(Read)),
+            get(api::policy_show),
+        ),
+        (
+            r("PUT", "/v1/policies/{key}", Some(Admin)),
+            put(api::policy_put),
+        ),
+        (
+            r("DELETE", "/v1/policies/{key}", Some(Admin)),
+            delete(api::policy_delete),
+        ),
+        (r("GET", "/v1/groups", Some(Read)), get(api::groups)),
+        (
+            r("GET", "/v1/groups/{name}", Some(Read)),
+            get(api::group_show),
+        ),
+        (
+            r("PUT", "/v1/groups/{name}", Some(Admin)),
+            put(api::group_put),
+        ),
+        (
+            r("DELETE", "/v1/groups/{name}", Some(Admin)),
+            delete(api::group_delete),
         ),
         (r("GET", "/v1/dead", Some(Read)), get(api::dead_list)),
         (

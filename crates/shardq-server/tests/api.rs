@@ -13,7 +13,8 @@ use shardq_server::{routes, Role, Server, Tokens};
 mod support;
 
 use support::{
-    call, claim, enqueue, get, init_dir, options, post, post_ok, start, totals, wait_until,
+    call, claim, enqueue, enqueue_n, get, get_ok, init_dir, options, post, post_ok, start, totals,
+    wait_until,
 };
 
 #[test]
@@ -1053,4 +1054,81 @@ fn enqueue_and_fail_follow_the_keys_retry_policy() {
         other < now + 60_000,
         "a key without a rule waits the default's seconds: {other} vs now {now}"
     );
+}
+
+/// Policies and groups over HTTP: set, shown with where they come from,
+/// checked whole (a bad value or a missing group is a 400 naming it, a
+/// used group stays), and held by this server's own claims within a
+/// second, without a restart.
+#[test]
+fn policies_and_groups_are_set_over_http_and_held_by_claims() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let put = |path: &str, body: Value| call(&s, "PUT", path, Some(&body.to_string()), None);
+    let (code, v) = put("/v1/policies/k?scope=prefix", json!({"group": "api"}));
+    assert!(
+        code == 400 && v["error"].as_str().unwrap().contains("api"),
+        "{v}"
+    );
+    let (code, v) = put("/v1/policies/k", json!({"rate": "5/fortnight"}));
+    assert!(
+        code == 400 && v["error"].as_str().unwrap().contains("fortnight"),
+        "{v}"
+    );
+    let (code, v) = put("/v1/groups/api", json!({"rate": "1/h", "burst": 3}));
+    assert_eq!(code, 200, "{v}");
+    let (code, v) = put(
+        "/v1/policies/lim:?scope=prefix",
+        json!({"rate": "1/h", "burst": 2}),
+    );
+    assert_eq!(code, 200, "{v}");
+    let (code, v) = put("/v1/policies/grp:?scope=prefix", json!({"group": "api"}));
+    assert_eq!(code, 200, "{v}");
+    let v = get_ok(&s, "/v1/policies/lim:a");
+    assert_eq!(
+        (&v["from"], &v["prefix"]),
+        (&json!("prefix"), &json!("lim:")),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["policy"]["rate"], &v["policy"]["burst"]),
+        (&json!("1/h"), &json!(2))
+    );
+    assert_eq!(get_ok(&s, "/v1/groups")["api"]["burst"], 3);
+    let (code, v) = call(&s, "DELETE", "/v1/groups/api", Some("{}"), None);
+    assert!(
+        code == 400 && v["error"].as_str().unwrap().contains("grp:"),
+        "{v}"
+    );
+    enqueue_n(&s, "lim:a", 5);
+    for i in 0..3 {
+        enqueue_n(&s, &format!("grp:{i}"), 2);
+    }
+    enqueue_n(&s, "free", 3);
+    // The server reads the settings again within a second; claim and ack
+    // until nothing more starts for a while.
+    let mut started: Vec<String> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < deadline {
+        for j in claim(&s, "w", 16, 100, 30_000) {
+            let receipt = j["receipt"].clone();
+            post_ok(&s, "/v1/ack", json!({ "receipts": [receipt] }));
+            started.push(j["key"].as_str().unwrap().to_string());
+        }
+    }
+    let n = |p: &str| started.iter().filter(|k| k.starts_with(p)).count();
+    assert_eq!(
+        (n("lim:"), n("grp:"), n("free")),
+        (2, 3, 3),
+        "a key's burst of 2, the group's 3 over its keys, the free key all: {started:?}"
+    );
+    let (code, v) = call(
+        &s,
+        "DELETE",
+        "/v1/policies/lim:?scope=prefix",
+        Some("{}"),
+        None,
+    );
+    assert_eq!((code, &v["removed"]), (200, &json!(true)), "{v}");
+    assert_eq!(get_ok(&s, "/v1/policies/lim:a")["from"], "default");
 }

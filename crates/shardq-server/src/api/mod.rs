@@ -1,8 +1,8 @@
 //! The request handlers and their wire types, one module per kind of
 //! request: `enqueue` (with dedup), `claims` (long-poll, the book of runs
 //! handed out), `runs` (ack, fail, extend), `reads` (status, keys, dead
-//! letters), `jobs` (one job: show, a key's jobs, cancel) and `admin`
-//! (resharding); health and the OpenAPI document here.
+//! letters), `jobs` (one job: show, a key's jobs, cancel), `flow`
+//! (policies and groups) and `admin` (resharding); health and the OpenAPI document here.
 //! Every library call runs on a blocking thread (`spawn_blocking`);
 //! handlers validate all input before they store anything, and must never
 //! block the async executor or panic on input.
@@ -10,6 +10,7 @@
 mod admin;
 mod claims;
 mod enqueue;
+mod flow;
 mod jobs;
 mod reads;
 mod runs;
@@ -17,6 +18,7 @@ mod runs;
 pub use admin::*;
 pub use claims::*;
 pub use enqueue::*;
+pub use flow::*;
 pub use jobs::*;
 pub use reads::*;
 pub use runs::*;

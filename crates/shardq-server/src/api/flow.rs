@@ -1,0 +1,190 @@
+//! Flow control over HTTP: the deployment's policies (`/v1/policies`,
+//! `/v1/policies/{key}`, with `?scope=prefix` or `?scope=default`) and
+//! groups (`/v1/groups`, `/v1/groups/{name}`). Reads need `read`, changes
+//! `admin`; every change goes through core's checked edits and reaches
+//! every worker and server within a second.
+
+use super::*;
+use shardq_core::{FlowPolicy, FlowSettings, GroupLimit, PolicySource, PolicyTarget};
+
+/// `?scope=` of the policy routes.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scope {
+    /// `key` (the default), `prefix` or `default`.
+    scope: Option<String>,
+}
+
+fn target(path: String, scope: &Scope) -> Result<PolicyTarget, ApiError> {
+    let t = match scope.scope.as_deref().unwrap_or("key") {
+        "key" => PolicyTarget::Key(path),
+        "prefix" => PolicyTarget::Prefix(path),
+        "default" => PolicyTarget::Default,
+        other => {
+            return Err(ApiError::bad(format!(
+                "scope: {} is not one of key, prefix, default",
+                shown(other)
+            )))
+        }
+    };
+    t.validate()?;
+    Ok(t)
+}
+
+/// A policy with every field spelt out (`FlowPolicy` in the document).
+fn policy_value(p: &FlowPolicy) -> Value {
+    json!({
+        "concurrency": p.concurrency,
+        "rate": p.rate.map(|r| r.to_string()),
+        "burst": p.burst_or_default(),
+        "weight": p.weight,
+        "priority": p.priority,
+        "group": p.group,
+    })
+}
+
+fn group_value(g: &GroupLimit) -> Value {
+    json!({ "rate": g.rate.to_string(), "burst": g.burst_or_default() })
+}
+
+fn settings_value(s: &FlowSettings) -> Value {
+    let all = |m: &BTreeMap<String, FlowPolicy>| -> serde_json::Map<String, Value> {
+        m.iter()
+            .map(|(k, p)| (k.clone(), policy_value(p)))
+            .collect()
+    };
+    let groups: serde_json::Map<String, Value> = (s.groups.iter())
+        .map(|(n, g)| (n.clone(), group_value(g)))
+        .collect();
+    json!({
+        "default": policy_value(&s.default),
+        "prefixes": all(&s.prefixes),
+        "keys": all(&s.keys),
+        "groups": groups,
+    })
+}
+
+/// `GET /v1/policies`: every policy and group.
+pub async fn policies(State(app): State<Arc<App>>) -> ApiResult {
+    let s = blocking(move || Ok(app.deployment.flow_settings()?)).await?;
+    ok(settings_value(&s))
+}
+
+/// `GET /v1/policies/{key}`: the policy the key gets and where it comes
+/// from (with `?scope=prefix|default`, that policy itself).
+pub async fn policy_show(
+    State(app): State<Arc<App>>,
+    PathParam(key): PathParam,
+    QueryParams(scope): QueryParams<Scope>,
+) -> ApiResult {
+    let t = target(key.clone(), &scope)?;
+    let s = blocking(move || Ok(app.deployment.flow_settings()?)).await?;
+    let (p, from, prefix) = match &t {
+        PolicyTarget::Key(k) => match s.source_of(k) {
+            PolicySource::Key => (s.for_key(k), "key", None),
+            PolicySource::Prefix(p) => (s.for_key(k), "prefix", Some(p)),
+            PolicySource::Default => (s.for_key(k), "default", None),
+        },
+        PolicyTarget::Prefix(p) => match s.prefixes.get(p) {
+            Some(pol) => (pol, "prefix", Some(p.clone())),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("no policy for prefix {}", shown(p)),
+                ))
+            }
+        },
+        PolicyTarget::Default => (&s.default, "default", None),
+    };
+    ok(json!({ "key": key, "policy": policy_value(p), "from": from, "prefix": prefix }))
+}
+
+/// `PUT /v1/policies/{key}`: sets the key's (prefix's, default's) whole
+/// policy; fields left out take their defaults.
+pub async fn policy_put(
+    State(app): State<Arc<App>>,
+    PathParam(key): PathParam,
+    QueryParams(scope): QueryParams<Scope>,
+    JsonBody(p): JsonBody<FlowPolicy>,
+) -> ApiResult {
+    let t = target(key, &scope)?;
+    let v = blocking(move || {
+        let mut s = app.deployment.flow_settings()?;
+        s.put_policy(&t, p.clone())?;
+        app.deployment.set_flow_settings(&s)?;
+        Ok(json!({ "target": t.to_string(), "policy": policy_value(&p) }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `DELETE /v1/policies/{key}`: removes the policy (the default goes back
+/// to no limits).
+pub async fn policy_delete(
+    State(app): State<Arc<App>>,
+    PathParam(key): PathParam,
+    QueryParams(scope): QueryParams<Scope>,
+) -> ApiResult {
+    let t = target(key, &scope)?;
+    let removed = blocking(move || {
+        let mut s = app.deployment.flow_settings()?;
+        let removed = s.remove_policy(&t);
+        if removed {
+            app.deployment.set_flow_settings(&s)?;
+        }
+        Ok(removed)
+    })
+    .await?;
+    ok(json!({ "removed": removed }))
+}
+
+/// `GET /v1/groups`: every group.
+pub async fn groups(State(app): State<Arc<App>>) -> ApiResult {
+    let s = blocking(move || Ok(app.deployment.flow_settings()?)).await?;
+    ok(settings_value(&s)["groups"].clone())
+}
+
+/// `GET /v1/groups/{name}`.
+pub async fn group_show(State(app): State<Arc<App>>, PathParam(name): PathParam) -> ApiResult {
+    shardq_core::flow::validate_group_name(&name)?;
+    let s = blocking(move || Ok(app.deployment.flow_settings()?)).await?;
+    match s.groups.get(&name) {
+        Some(g) => ok(group_value(g)),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no group {}", shown(&name)),
+        )),
+    }
+}
+
+/// `PUT /v1/groups/{name}`: creates or changes a group.
+pub async fn group_put(
+    State(app): State<Arc<App>>,
+    PathParam(name): PathParam,
+    JsonBody(g): JsonBody<GroupLimit>,
+) -> ApiResult {
+    shardq_core::flow::validate_group_name(&name)?;
+    let v = blocking(move || {
+        let mut s = app.deployment.flow_settings()?;
+        s.put_group(&name, g.clone())?;
+        app.deployment.set_flow_settings(&s)?;
+        Ok(json!({ "name": name, "group": group_value(&g) }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// `DELETE /v1/groups/{name}`: refused (400) while a policy names it.
+pub async fn group_delete(State(app): State<Arc<App>>, PathParam(name): PathParam) -> ApiResult {
+    shardq_core::flow::validate_group_name(&name)?;
+    let removed = blocking(move || {
+        let mut s = app.deployment.flow_settings()?;
+        let removed = s.remove_group(&name)?;
+        if removed {
+            app.deployment.set_flow_settings(&s)?;
+        }
+        Ok(removed)
+    })
+    .await?;
+    ok(json!({ "removed": removed }))
+}
