@@ -105,6 +105,16 @@ pub const EXPORT_CHUNK_JOBS: usize = 4096;
 ///
 /// Implementations are shared between threads (`Send + Sync`); every method
 /// takes `&self`. Shard names are those of the shard map.
+/// What [`QueueBackend::back_off`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackedOff {
+    /// When the job (and its key) may start again.
+    pub at_ms: u64,
+    /// The flow-control group held until then, if one was asked for and
+    /// the key has one.
+    pub group: Option<String>,
+}
+
 pub trait QueueBackend: Send + Sync {
     /// Names of the shards this backend holds, in map order.
     fn shard_names(&self) -> Vec<String>;
@@ -379,6 +389,29 @@ pub trait QueueBackend: Send + Sync {
         reason: &str,
         retry_in_ms: Option<u64>,
     ) -> Result<FailOutcome, QueueError>;
+
+    /// Ends a run without using an attempt, because its handler said its
+    /// downstream is limiting it: the job goes back to the head of its key
+    /// with its attempt count as before the run, and starts again not
+    /// before `retry_in_ms` from now (at most
+    /// [`crate::flow::BACKOFF_MS_MAX`]), so its key starts nothing until
+    /// then while other keys run on. With `group`, every key of the key's
+    /// flow-control group is held until then too, in every process
+    /// ([`BackedOff::group`] names it; none when the key has no group). A
+    /// receipt that is not the current run gets
+    /// [`QueueError::StaleReceipt`]. Needs ownership.
+    fn back_off(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        retry_in_ms: u64,
+        group: bool,
+    ) -> Result<BackedOff, QueueError> {
+        let _ = (shard, receipt, retry_in_ms, group);
+        Err(QueueError::Unsupported {
+            what: "backing off a run",
+        })
+    }
 
     /// Extends the job leases of running runs to `lease_ms` from now (the
     /// heartbeat of a long handler). Returns the receipts refused as stale;

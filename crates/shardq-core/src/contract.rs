@@ -123,6 +123,87 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_keys_retry_rule_decides_its_wait(h);
     finished_jobs_are_kept_newest_first(h);
     rate_limits_hold_across_every_claim(h);
+    a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
+}
+
+/// A handler's back-off ends its run without using an attempt: the job is
+/// the key's head again with the attempt count it had, the key starts
+/// nothing until the back-off ends while other keys run on, an old receipt
+/// changes nothing, and a back-off for the group ([`flow_settings`]) holds
+/// every key of the group.
+pub fn a_backed_off_run_keeps_its_attempt_and_holds_its_key(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    enqueue(h, &shard, "bo", "first", 1);
+    enqueue(h, &shard, "bo", "second", 1);
+    enqueue(h, &shard, "bo-other", "x", 1);
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    let run = runs
+        .iter()
+        .find(|r| r.key == "bo")
+        .expect("bo runs")
+        .clone();
+    let other = runs
+        .iter()
+        .find(|r| r.key == "bo-other")
+        .expect("other runs");
+    ack_one(h, &shard, other.receipt());
+    let backed = b
+        .back_off(&shard, run.receipt(), 2_000, false)
+        .expect("back off");
+    assert!(backed.group.is_none(), "{backed:?}");
+    let again = b.back_off(&shard, run.receipt(), 2_000, false);
+    assert!(
+        matches!(again, Err(QueueError::StaleReceipt { .. })),
+        "a run ended by a back-off is over: {again:?}"
+    );
+    enqueue(h, &shard, "bo-other", "y", 1);
+    let during = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert!(
+        during.iter().all(|r| r.key != "bo") && during.len() == 1,
+        "the key waits, others run: {during:?}"
+    );
+    ack_one(h, &shard, during[0].receipt());
+    h.pass_ms(2_000);
+    let after = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(
+        (after[0].id, after[0].attempt),
+        (run.id, 1),
+        "the same job first, its one attempt not used up"
+    );
+    ack_one(h, &shard, after[0].receipt());
+    // A back-off for the group holds the group's other keys.
+    enqueue(h, &shard, "contract-grp:bo1", "g", 1);
+    enqueue(h, &shard, "contract-grp:bo2", "g", 1);
+    h.pass_ms(1_000);
+    let both = claim(h, &shard, 16, LONG_LEASE_MS);
+    let first = both
+        .iter()
+        .find(|r| r.key == "contract-grp:bo1")
+        .expect("bo1");
+    let second = both
+        .iter()
+        .find(|r| r.key == "contract-grp:bo2")
+        .expect("bo2");
+    ack_one(h, &shard, second.receipt());
+    enqueue(h, &shard, "contract-grp:bo2", "g2", 1);
+    let held = b
+        .back_off(&shard, first.receipt(), 3_000, true)
+        .expect("back off the group");
+    assert_eq!(held.group.as_deref(), Some("contract-group"));
+    h.pass_ms(1_500);
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "the group's other key waits for the group's back-off"
+    );
+    h.pass_ms(1_600);
+    let resumed = run_until_held(h, &shard);
+    assert_eq!(
+        resumed.len(),
+        2,
+        "both keys start once it ends: {resumed:?}"
+    );
 }
 
 /// Claims and acks everything claimable of `shard` until a claim finds

@@ -888,20 +888,20 @@ impl FlowControl {
     }
 
     /// A handler's back-off for `key`'s whole group: no key of the group
-    /// starts before `until_ms`, in any process. `Ok(false)` when the key
-    /// has no group (the key's own wait is its job's delay).
-    pub fn hold_group_of(&self, key: &str, until_ms: u64) -> Result<bool, QueueError> {
+    /// starts before `until_ms`, in any process. The group held; none when
+    /// the key has no group (the key's own wait is its job's delay).
+    pub fn hold_group_of(&self, key: &str, until_ms: u64) -> Result<Option<String>, QueueError> {
         let settings = self.settings();
         let Some((name, limit)) =
             (settings.for_key(key).group.as_ref()).and_then(|g| settings.groups.get_key_value(g))
         else {
-            return Ok(false);
+            return Ok(None);
         };
         self.groups.hold(name, limit, until_ms)?;
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
         let held = st.held_groups.entry(name.clone()).or_default();
         *held = (*held).max(until_ms);
-        Ok(true)
+        Ok(Some(name.clone()))
     }
 
     fn note_error(&self, what: String) {
@@ -1040,9 +1040,12 @@ mod tests {
         assert_eq!(f.admit("free:vip", 100), Admit::Now);
         // A group's hold holds every key of it; waits are capped so a
         // changed setting is seen within FLOW_RECHECK_MS.
-        assert!(f.hold_group_of("free:vip", 5_000).expect("hold"));
+        assert_eq!(
+            f.hold_group_of("free:vip", 5_000).expect("hold"),
+            Some("api".into())
+        );
         assert_eq!(f.admit("free:vip", 200), Admit::NotBefore(1_200));
-        assert!(!f.hold_group_of("free:a", 5_000).expect("no group"));
+        assert_eq!(f.hold_group_of("free:a", 5_000).expect("no group"), None);
         let st = f.stats();
         assert_eq!(st.group_starts["api"], 3);
         assert_eq!(st.key_throttled, 1);

@@ -18,7 +18,7 @@ pub mod producer;
 pub mod reshard;
 pub mod retry;
 
-pub use backend::{BackendLimits, Coordinator, Ownership, QueueBackend};
+pub use backend::{BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use flow::{
@@ -36,7 +36,7 @@ pub use job::{
     MOVED_IDS_KEPT, MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 pub use pool::{
-    current_run, Handler, HandlerError, PoolEvent, PoolOptions, PoolReport, RunContext, RunOutcome,
-    WorkerPool,
+    current_run, BackOff, Handler, HandlerError, PoolEvent, PoolOptions, PoolReport, RunContext,
+    RunOutcome, WorkerPool,
 };
 pub use retry::{RetryPolicy, RetryRules, RetrySettings, RETRY_RULES_MAX};

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardq_route::ShardMap;
 
-use crate::backend::QueueBackend;
+use crate::backend::{BackedOff, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::flow::{Admit, FlowControl};
@@ -682,6 +682,42 @@ impl QueueBackend for MemoryBackend {
                 policy,
             ))
         })
+    }
+
+    fn back_off(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        retry_in_ms: u64,
+        group: bool,
+    ) -> Result<BackedOff, QueueError> {
+        crate::flow::validate_backoff_ms(retry_in_ms)?;
+        let now = self.clock.now_ms();
+        let at_ms = now.saturating_add(retry_in_ms);
+        let key = self.owned(shard, |s| {
+            current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
+            s.in_flight.remove(&receipt.id);
+            let Some(j) = s.jobs.get_mut(&receipt.id) else {
+                return Err(QueueError::Internal {
+                    what: format!("the run of {receipt:?} has no job"),
+                });
+            };
+            j.attempt = j.attempt.saturating_sub(1);
+            j.starts.pop();
+            j.not_before_ms = at_ms;
+            let key = j.key.clone();
+            s.busy_keys.remove(&key);
+            s.keys
+                .entry(key.clone())
+                .or_default()
+                .push_front(receipt.id);
+            Ok(key)
+        })?;
+        let held = match (&self.flow, group) {
+            (Some(f), true) => f.hold_group_of(&key, at_ms)?,
+            _ => None,
+        };
+        Ok(BackedOff { at_ms, group: held })
     }
 
     fn extend(

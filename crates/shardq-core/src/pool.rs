@@ -48,6 +48,52 @@ pub type Handler = dyn Fn(&ClaimedJob) -> Result<(), HandlerError> + Send + Sync
 /// What a [`Handler`] fails an attempt with.
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
+/// A handler's answer that its downstream is limiting it ("retry in
+/// `ms`"): returned as its error, it ends the run without using an attempt
+/// ([`QueueBackend::back_off`]); the job goes back to the head of its key
+/// and the key (with `group`, every key of its flow-control group) starts
+/// nothing for `ms`, while other keys run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackOff {
+    /// How long, in ms (at most [`crate::flow::BACKOFF_MS_MAX`]).
+    pub ms: u64,
+    /// Hold the key's whole group, not only the key.
+    pub group: bool,
+}
+
+impl std::fmt::Display for BackOff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scope = if self.group { "its group" } else { "its key" };
+        write!(f, "the handler backed off for {} ms ({scope})", self.ms)
+    }
+}
+
+impl std::error::Error for BackOff {}
+
+/// How a run's handler ended, short of success.
+#[derive(Debug)]
+enum Failure {
+    /// The attempt failed, for this reason.
+    Failed(String),
+    /// The handler backed off.
+    BackOff(BackOff),
+}
+
+impl From<String> for Failure {
+    fn from(reason: String) -> Failure {
+        Failure::Failed(reason)
+    }
+}
+
+impl From<HandlerError> for Failure {
+    fn from(e: HandlerError) -> Failure {
+        match e.downcast_ref::<BackOff>() {
+            Some(b) => Failure::BackOff(*b),
+            None => Failure::Failed(e.to_string()),
+        }
+    }
+}
+
 /// The cancellation signal of one run.
 #[derive(Debug, Default)]
 struct RunSignal {
@@ -114,6 +160,9 @@ pub enum RunOutcome {
     Dead,
     /// The result was refused: the run was no longer current.
     Stale,
+    /// The handler backed off: the job waits at its key's head, its
+    /// attempt not used.
+    BackedOff,
 }
 
 /// Something the pool reports while it runs (for logs and metrics).
@@ -235,6 +284,8 @@ pub struct PoolReport {
     pub acked: u64,
     /// Failed attempts that will be retried.
     pub retried: u64,
+    /// Runs whose handler backed off (no attempt used).
+    pub backed_off: u64,
     /// Jobs dead-lettered.
     pub dead: u64,
     /// Most handlers seen running at once.
@@ -255,7 +306,7 @@ pub struct PoolReport {
 struct Outcome {
     shard: String,
     receipt: Receipt,
-    result: Result<(), String>,
+    result: Result<(), Failure>,
 }
 
 /// A run claimed and not yet recorded: handed to a worker thread, or
@@ -332,13 +383,13 @@ impl WorkerPool {
                     peak.fetch_max(now_running, Ordering::SeqCst);
                     let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
                         .unwrap_or_else(|_| Err("handler panicked".into()))
-                        .map_err(|e| e.to_string());
+                        .map_err(Failure::from);
                     running.fetch_sub(1, Ordering::SeqCst);
                     CURRENT_RUN.with(|c| *c.borrow_mut() = None);
                     if result.is_ok() && ctx.is_cancelled() {
                         // A cancelled run's success is not trusted: a job
                         // timeout means the attempt failed.
-                        result = Err(format!("cancelled: {}", ctx.cancel_reason()));
+                        result = Err(format!("cancelled: {}", ctx.cancel_reason()).into());
                     }
                     let sent = out_tx.send(Outcome {
                         shard: job.shard.clone(),
@@ -715,10 +766,9 @@ impl Dispatch<'_> {
                 cancelled.push(Outcome {
                     shard: entry.0.clone(),
                     receipt: entry.1,
-                    result: Err(format!(
-                        "cancelled before it started: {}",
-                        run.signal.reason()
-                    )),
+                    result: Err(
+                        format!("cancelled before it started: {}", run.signal.reason()).into(),
+                    ),
                 });
                 continue;
             }
@@ -913,24 +963,45 @@ impl Dispatch<'_> {
                         .push((out.receipt, wait_ms, run_ms));
                     continue;
                 }
-                Err(reason) => match self.backend.fail(&out.shard, out.receipt, &reason, None) {
-                    Ok(FailOutcome::Dead) => {
-                        self.report.dead += 1;
-                        RunOutcome::Dead
+                Err(Failure::BackOff(b)) => {
+                    match self
+                        .backend
+                        .back_off(&out.shard, out.receipt, b.ms, b.group)
+                    {
+                        Ok(_) => {
+                            self.report.backed_off += 1;
+                            RunOutcome::BackedOff
+                        }
+                        Err(QueueError::StaleReceipt { .. }) => {
+                            self.report.stale += 1;
+                            RunOutcome::Stale
+                        }
+                        Err(e) => {
+                            (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
+                            continue;
+                        }
                     }
-                    Ok(_) => {
-                        self.report.retried += 1;
-                        RunOutcome::Retried
+                }
+                Err(Failure::Failed(reason)) => {
+                    match self.backend.fail(&out.shard, out.receipt, &reason, None) {
+                        Ok(FailOutcome::Dead) => {
+                            self.report.dead += 1;
+                            RunOutcome::Dead
+                        }
+                        Ok(_) => {
+                            self.report.retried += 1;
+                            RunOutcome::Retried
+                        }
+                        Err(QueueError::StaleReceipt { .. }) => {
+                            self.report.stale += 1;
+                            RunOutcome::Stale
+                        }
+                        Err(e) => {
+                            (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
+                            continue;
+                        }
                     }
-                    Err(QueueError::StaleReceipt { .. }) => {
-                        self.report.stale += 1;
-                        RunOutcome::Stale
-                    }
-                    Err(e) => {
-                        (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
-                        continue;
-                    }
-                },
+                }
             };
             (self.opts.on_event)(PoolEvent::RunFinished {
                 shard: out.shard,

@@ -27,10 +27,10 @@ use std::time::Duration;
 
 use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
-    AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy, DedupRecord,
-    FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState, KeyCounts,
-    MovedAway, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules,
-    ShardStats, Stored, SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT,
+    AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
+    DedupRecord, FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState,
+    KeyCounts, MovedAway, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention,
+    RetryRules, ShardStats, Stored, SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT,
     PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
@@ -1199,6 +1199,48 @@ impl QueueBackend for FsBackend {
         drop(inner);
         self.after_run_record(&shard, end)?;
         Ok(outcome)
+    }
+
+    fn back_off(
+        &self,
+        name: &str,
+        receipt: Receipt,
+        retry_in_ms: u64,
+        group: bool,
+    ) -> Result<BackedOff, QueueError> {
+        shardq_core::flow::validate_backoff_ms(retry_in_ms)?;
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let at_ms = self.opts.clock.now_ms().saturating_add(retry_in_ms);
+        let mut key = String::new();
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let r = inner.replica.as_ref().expect("owner has a replica");
+            let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
+                return Err(stale(
+                    name,
+                    receipt,
+                    r.in_flight(receipt.id.0).map(|x| x.fence),
+                ));
+            };
+            key = run.key.to_string();
+            let mut bytes = Vec::new();
+            record::encode(
+                &mut bytes,
+                &Record::BackOff {
+                    job: receipt.id.0,
+                    retry_at_ms: at_ms,
+                    key: run.key,
+                },
+            );
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_run_record(&shard, end)?;
+        let held = match (&self.opts.flow, group) {
+            (Some(f), true) => f.hold_group_of(&key, at_ms)?,
+            _ => None,
+        };
+        Ok(BackedOff { at_ms, group: held })
     }
 
     fn extend(

@@ -112,8 +112,9 @@ const T_CANCEL: u8 = 12;
 const T_CANCEL_RUN: u8 = 13;
 const T_ENQUEUE_DEDUP: u8 = 14;
 const T_CLAIM_AT: u8 = 15;
+const T_BACK_OFF: u8 = 16;
 /// The highest record type this build writes.
-const T_LAST: u8 = T_CLAIM_AT;
+const T_LAST: u8 = T_BACK_OFF;
 
 /// The dedup id an Enqueue record carries: the job and its id are one
 /// record, so one append, one checksum and one header hold both.
@@ -179,6 +180,17 @@ pub enum Record<'a> {
         key: &'a str,
         /// Why.
         reason: &'a str,
+    },
+    /// A run ended without using an attempt (its handler backed off): the
+    /// job goes back to the head of its key with the attempt count it had
+    /// before the run, not before `retry_at_ms`.
+    BackOff {
+        /// Job id.
+        job: u64,
+        /// Earliest start again.
+        retry_at_ms: u64,
+        /// The job's key.
+        key: &'a str,
     },
     /// End of this segment; the log continues in the next one.
     Seal,
@@ -340,6 +352,16 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             out.push(u8::from(*dead));
             put_str16(out, key);
             put_str16(out, reason);
+        }
+        Record::BackOff {
+            job,
+            retry_at_ms,
+            key,
+        } => {
+            out.push(T_BACK_OFF);
+            out.extend_from_slice(&job.to_le_bytes());
+            out.extend_from_slice(&retry_at_ms.to_le_bytes());
+            put_str16(out, key);
         }
         Record::Seal => out.push(T_SEAL),
         Record::DeadRetry { job } => {
@@ -560,6 +582,11 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             key: c.str16()?,
             reason: c.str16()?,
         },
+        T_BACK_OFF => Record::BackOff {
+            job: c.u64()?,
+            retry_at_ms: c.u64()?,
+            key: c.str16()?,
+        },
         T_SEAL => Record::Seal,
         T_DEAD_RETRY => Record::DeadRetry { job: c.u64()? },
         T_DEAD_PURGE => Record::DeadPurge { job: c.u64()? },
@@ -680,6 +707,11 @@ mod tests {
             dead: true,
             key: "k",
             reason: "boom",
+        });
+        roundtrip(Record::BackOff {
+            job: 9,
+            retry_at_ms: 77,
+            key: "k",
         });
         roundtrip(Record::Seal);
         roundtrip(Record::DeadRetry { job: 1 });

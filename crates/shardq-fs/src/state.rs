@@ -611,6 +611,7 @@ impl ShardState {
             Record::Claim { job, .. }
             | Record::Ack { job, .. }
             | Record::Fail { job, .. }
+            | Record::BackOff { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job }
             | Record::Cancel { job, .. }
@@ -756,6 +757,27 @@ impl ShardState {
                     }
                     self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 }
+                self.schedule(k);
+            }
+            Record::BackOff {
+                job,
+                retry_at_ms,
+                key,
+            } => {
+                let Some(k) = self.head_of(key, job) else {
+                    return self.unknown(job, "back-off");
+                };
+                self.in_flight_ids.remove(&job);
+                let ks = &mut self.keys[k as usize];
+                ks.in_flight = false;
+                if let Some(h) = ks.queue.front_mut() {
+                    h.attempt = h.attempt.saturating_sub(1);
+                    h.not_before_ms = retry_at_ms;
+                }
+                if let Some(a) = ks.history.iter_mut().find(|a| a.job == job) {
+                    a.starts.pop();
+                }
+                self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 self.schedule(k);
             }
             Record::DeadRetry { job } => {

@@ -93,6 +93,7 @@ struct Flow {
     retried: Counters,
     dead_lettered: Counters,
     stale: Counters,
+    backed_off: Counters,
     fenced: Counters,
     paused: Counters,
     moved: Counters,
@@ -181,6 +182,12 @@ impl Metrics {
             "shardq_jobs_dead_lettered",
             "Failed last attempts recorded through this process: the job went to the dead letters, per shard",
             &flow.dead_lettered,
+        );
+        c(
+            &mut registry,
+            "shardq_runs_backed_off",
+            "Runs whose handler backed off (its downstream limits it): the job waits at its key's head, no attempt used, per shard",
+            &flow.backed_off,
         );
         c(
             &mut registry,
@@ -294,6 +301,7 @@ impl Metrics {
                 &f.retried,
                 &f.dead_lettered,
                 &f.stale,
+                &f.backed_off,
                 &f.fenced,
                 &f.paused,
                 &f.moved,
@@ -343,6 +351,7 @@ impl Metrics {
             RunOutcome::Acked => &self.flow.acked,
             RunOutcome::Retried => &self.flow.retried,
             RunOutcome::Dead => &self.flow.dead_lettered,
+            RunOutcome::BackedOff => &self.flow.backed_off,
             _ => &self.flow.stale,
         };
         family.get_or_create(&shard(s)).inc_by(n);
@@ -425,6 +434,12 @@ impl Metrics {
         };
         self.history.add(history::Flow::Failed, 1, now_s());
         self.finished(s, outcome, 1);
+    }
+
+    /// Run `receipt` on shard `s` ended by its handler's back-off.
+    pub fn run_backed_off(&self, s: &str, receipt: Receipt) {
+        self.tracker().finished(s, receipt);
+        self.finished(s, RunOutcome::BackedOff, 1);
     }
 
     /// A fail of run `receipt` on shard `s` was refused as stale.

@@ -1132,3 +1132,51 @@ fn policies_and_groups_are_set_over_http_and_held_by_claims() {
     assert_eq!((code, &v["removed"]), (200, &json!(true)), "{v}");
     assert_eq!(get_ok(&s, "/v1/policies/lim:a")["from"], "default");
 }
+
+/// `POST /v1/fail` with `backoff_ms` ends the run without using an
+/// attempt: the job is claimable again only after the wait, with the same
+/// attempt number, and its old receipt is refused.
+#[test]
+fn a_fail_with_backoff_uses_no_attempt_and_holds_the_key() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    enqueue(
+        &s,
+        json!([{"key": "bo", "payload": "p", "max_attempts": 1}]),
+    );
+    let job = claim(&s, "w", 1, 0, 30_000).remove(0);
+    let (code, v) = post(
+        &s,
+        "/v1/fail",
+        json!({"receipt": job["receipt"], "retry_in_ms": 5, "backoff_ms": 10}),
+    );
+    assert_eq!(code, 400, "not both: {v}");
+    let (code, v) = post(
+        &s,
+        "/v1/fail",
+        json!({"receipt": job["receipt"], "backoff_ms": 600, "backoff_group": true}),
+    );
+    assert_eq!(
+        (code, &v["outcome"], &v["group"]),
+        (200, &json!("backoff"), &Value::Null),
+        "{v}"
+    );
+    let (code, _) = post(
+        &s,
+        "/v1/fail",
+        json!({"receipt": job["receipt"], "backoff_ms": 1}),
+    );
+    assert_eq!(code, 409, "the old receipt is over");
+    let t = Instant::now();
+    let again = claim(&s, "w", 1, 5_000, 30_000);
+    assert_eq!(again.len(), 1);
+    assert!(
+        t.elapsed() >= Duration::from_millis(450),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        (&again[0]["id"], &again[0]["attempt"]),
+        (&job["id"], &json!(1))
+    );
+}

@@ -850,7 +850,7 @@ fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
                 run.as_ref().map(|r| r.cancel_reason()).unwrap_or_default()
             )
             .into()),
-            other => Ok(other?),
+            other => other,
         }
     })
 }

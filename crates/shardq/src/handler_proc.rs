@@ -33,7 +33,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::ClaimedJob;
+use shardq_core::{BackOff, ClaimedJob, HandlerError};
 
 /// How often a running handler is checked (exit, stop, timeout).
 pub const POLL_MS: u64 = 5;
@@ -111,9 +111,9 @@ pub fn run_job_command(
     job: &ClaimedJob,
     should_stop: &dyn Fn() -> bool,
     timeout: Option<Duration>,
-) -> Result<(), String> {
+) -> Result<(), HandlerError> {
     let Some(program) = cmd.first() else {
-        return Err("no handler command given".to_string());
+        return Err("no handler command given".into());
     };
     let mut command = Command::new(program);
     command
@@ -189,14 +189,17 @@ pub fn run_job_command(
         }
     };
     if let Some(reason) = killed {
-        return Err(format!("{reason}{}", said()));
+        return Err(format!("{reason}{}", said()).into());
+    }
+    if status.code() == Some(BACKOFF_EXIT_CODE) {
+        let text = stderr
+            .as_ref()
+            .map(|t| t.raw(Duration::from_millis(STDERR_DRAIN_WAIT_MS)))
+            .unwrap_or_default();
+        return Err(Box::new(backoff_asked(&text)?));
     }
     if !status.success() {
-        return Err(format!(
-            "handler {program:?} {}{}",
-            describe(status),
-            said()
-        ));
+        return Err(format!("handler {program:?} {}{}", describe(status), said()).into());
     }
     match written {
         None | Some(Ok(())) => Ok(()),
@@ -205,8 +208,51 @@ pub fn run_job_command(
         Some(Err(e)) => Err(format!(
             "writing the {}-byte payload to handler {program:?}: {e}; the handler may have seen a truncated payload",
             job.payload.len()
-        )),
+        )
+        .into()),
     }
+}
+
+/// The exit status with which a handler backs off (EX_TEMPFAIL, "try again
+/// later"): its downstream limits it. The run ends without using an
+/// attempt; the wait is the last `shardq-backoff: MS [group]` line of its
+/// stderr, or [`BACKOFF_MS_DEFAULT`].
+pub const BACKOFF_EXIT_CODE: i32 = 75;
+/// The wait of a back-off whose handler named none.
+pub const BACKOFF_MS_DEFAULT: u64 = 1_000;
+/// The line a backing-off handler writes to its stderr.
+pub const BACKOFF_LINE: &str = "shardq-backoff:";
+
+/// The back-off a handler's stderr asks for: its last `shardq-backoff: MS
+/// [group]` line, else [`BACKOFF_MS_DEFAULT`] for the key; a line that
+/// does not read is a failed attempt naming it.
+pub fn backoff_asked(stderr: &str) -> Result<BackOff, String> {
+    let Some(line) = stderr
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix(BACKOFF_LINE))
+    else {
+        return Ok(BackOff {
+            ms: BACKOFF_MS_DEFAULT,
+            group: false,
+        });
+    };
+    let mut words = line.split_whitespace();
+    let bad = |why: &str| {
+        format!(
+            "the handler exited {BACKOFF_EXIT_CODE} (back off) with {BACKOFF_LINE}{line:?}: {why}; expected `{BACKOFF_LINE} MS` or `{BACKOFF_LINE} MS group`"
+        )
+    };
+    let ms: u64 = (words.next())
+        .and_then(|w| w.parse().ok())
+        .ok_or_else(|| bad("no whole number of ms"))?;
+    shardq_core::flow::validate_backoff_ms(ms).map_err(|e| bad(&e.to_string()))?;
+    let group = match words.next() {
+        None | Some("key") => false,
+        Some("group") => true,
+        Some(_) => return Err(bad("the scope is `key` or `group`")),
+    };
+    Ok(BackOff { ms, group })
 }
 
 /// Sets the parent-death signal (Linux): the child gets SIGKILL when the
@@ -281,10 +327,9 @@ struct StderrTail {
 }
 
 impl StderrTail {
-    /// The last [`STDERR_TAIL_BYTES`] (from a character boundary, control
-    /// characters escaped, so the reason stays one line), once the stream
-    /// ended or `wait` passed.
-    fn wait(&self, wait: Duration) -> String {
+    /// The last [`STDERR_TAIL_BYTES`] as they were written (from a character
+    /// boundary), once the stream ended or `wait` passed.
+    fn raw(&self, wait: Duration) -> String {
         let _ = self.done.recv_timeout(wait);
         let bytes: Vec<u8> = self
             .tail
@@ -293,8 +338,14 @@ impl StderrTail {
             .unwrap_or_default();
         let text = String::from_utf8_lossy(&bytes);
         // A cut in the middle of a character shows as one replacement mark.
-        let text = text.trim_start_matches('\u{fffd}').trim_end();
-        text.chars()
+        text.trim_start_matches('\u{fffd}').trim_end().to_string()
+    }
+
+    /// [`StderrTail::raw`] with control characters escaped, so the reason
+    /// stays one line.
+    fn wait(&self, wait: Duration) -> String {
+        self.raw(wait)
+            .chars()
             .flat_map(|c| {
                 let shown: Vec<char> = if c.is_control() {
                     c.escape_default().collect()

@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
-use shardq_core::ClaimedJob;
+use shardq_core::{BackOff, ClaimedJob, HandlerError};
 
 /// Longest result line read from a handler (1 MiB); a longer one is a
 /// protocol error.
@@ -103,6 +103,13 @@ struct StdioResult {
     ok: bool,
     #[serde(default)]
     reason: Option<String>,
+    /// With `ok: false`: back off instead of failing (the downstream
+    /// limits the handler): no attempt used, the key waits this long.
+    #[serde(default)]
+    backoff_ms: Option<u64>,
+    /// With `backoff_ms`: hold the key's whole flow-control group.
+    #[serde(default)]
+    backoff_group: bool,
 }
 
 /// What a waiting run gets back.
@@ -295,7 +302,7 @@ impl Procs {
     /// handler that fails the protocol, dies, or holds a cancelled run is
     /// killed and reaped at once; the job it was running fails, the jobs
     /// written ahead to it run on the slot's next handler.
-    fn run(&self, slot: usize, job: &ClaimedJob) -> Result<(), String> {
+    fn run(&self, slot: usize, job: &ClaimedJob) -> Result<(), HandlerError> {
         let run = shardq_core::current_run();
         let line = serde_json::to_string(&StdioJob::of(job))
             .map_err(|e| format!("encoding job {}: {e}", job.id))?;
@@ -303,7 +310,7 @@ impl Procs {
         let mut given_back = 0u32;
         loop {
             if let Some(r) = run.as_ref().filter(|r| r.is_cancelled()) {
-                return Err(format!("killed: {}", r.cancel_reason()));
+                return Err(format!("killed: {}", r.cancel_reason()).into());
             }
             let (rx, shared) = self.write(slot, &receipt, &line)?;
             let answer = loop {
@@ -315,26 +322,38 @@ impl Procs {
                         stop(&shared, &why);
                         self.reap(slot, &shared);
                     }
-                    return Err(why);
+                    return Err(why.into());
                 }
                 match rx.recv_timeout(Duration::from_millis(POLL_MS)) {
                     Ok(answer) => break answer,
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
-                        return Err("the handler's answer was lost".to_string())
+                        return Err("the handler's answer was lost".into())
                     }
                 }
             };
             match answer {
                 Answer::Done(r) if r.ok => return Ok(()),
+                Answer::Done(StdioResult {
+                    backoff_ms: Some(ms),
+                    backoff_group,
+                    ..
+                }) => {
+                    shardq_core::flow::validate_backoff_ms(ms)?;
+                    return Err(Box::new(BackOff {
+                        ms,
+                        group: backoff_group,
+                    }));
+                }
                 Answer::Done(r) => {
                     return Err(r
                         .reason
-                        .unwrap_or_else(|| "handler reported failure".into()))
+                        .unwrap_or_else(|| "handler reported failure".into())
+                        .into())
                 }
                 Answer::Broke(why) => {
                     self.reap(slot, &shared);
-                    return Err(why);
+                    return Err(why.into());
                 }
                 Answer::NotStarted(why) => {
                     self.reap(slot, &shared);
@@ -342,7 +361,8 @@ impl Procs {
                     if given_back > GIVE_BACKS_MAX {
                         return Err(format!(
                             "{why} (the job was given to {given_back} handlers, none started it)"
-                        ));
+                        )
+                        .into());
                     }
                 }
             }
@@ -435,6 +455,6 @@ pub fn stdio_handler(cmd: Vec<String>, procs: usize) -> Arc<shardq_core::Handler
             *s.borrow_mut()
                 .get_or_insert_with(|| next.fetch_add(1, Ordering::SeqCst) % n)
         });
-        Ok(procs.run(slot, job)?)
+        procs.run(slot, job)
     })
 }

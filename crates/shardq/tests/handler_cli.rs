@@ -730,3 +730,78 @@ fn rate_limits_hold_over_two_worker_processes() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A command handler backs off with exit status 75 and a
+/// `shardq-backoff: MS` line: the run uses no attempt (a job of one attempt
+/// runs again and is not dead), its key starts nothing for the wait (its
+/// next job waits behind it), and other keys run meanwhile.
+#[test]
+fn a_command_handler_backs_off_without_using_an_attempt() {
+    let dir = temp_dir("h-backoff");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    for (key, p) in [
+        ("bo", "first"),
+        ("bo", "second"),
+        ("other", "x"),
+        ("other", "y"),
+    ] {
+        let (ok, _, err) = run(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            key,
+            "--payload",
+            p,
+            "--max-attempts",
+            "1",
+        ]);
+        assert!(ok, "{err}");
+    }
+    let stamps = dir.join("stamps");
+    let mark = dir.join("backed-off");
+    let script = format!(
+        "read p; now=$(date +%s%3N); \
+         if [ \"$p\" = first ] && [ ! -e {m} ]; then touch {m}; \
+           echo \"$SHARDQ_KEY $p $SHARDQ_ATTEMPT $now backoff\" >> {s}; \
+           echo 'shardq-backoff: 800' >&2; exit 75; fi; \
+         echo \"$SHARDQ_KEY $p $SHARDQ_ATTEMPT $now\" >> {s}",
+        m = mark.display(),
+        s = stamps.display()
+    );
+    let mut worker = start_worker(&data, &["--exit-when-idle", "--concurrency", "2"], &script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    let text = std::fs::read_to_string(&stamps).unwrap();
+    let bo: Vec<Vec<&str>> = (text.lines())
+        .filter(|l| l.starts_with("bo "))
+        .map(|l| l.split(' ').collect())
+        .collect();
+    assert_eq!(bo.len(), 3, "{text}");
+    let at = |i: usize| bo[i][3].parse::<u64>().unwrap();
+    assert_eq!(
+        (bo[0][1], bo[0].get(4)),
+        ("first", Some(&"backoff")),
+        "{text}"
+    );
+    assert_eq!(
+        (bo[1][1], bo[1][2]),
+        ("first", "1"),
+        "the same attempt again: {text}"
+    );
+    assert!(at(1) >= at(0) + 800, "the key waited its back-off: {text}");
+    assert_eq!(bo[2][1], "second", "the next job waited behind it: {text}");
+    let others: Vec<u64> = (text.lines())
+        .filter(|l| l.starts_with("other "))
+        .map(|l| l.split(' ').nth(3).unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        others.iter().all(|&t| t < at(1)),
+        "others ran meanwhile: {text}"
+    );
+    let (ok, out, _) = run(&["dead", "--data", d, "list", "--json"]);
+    assert!(ok && !out.contains("\"bo\""), "nothing dead: {out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -363,3 +363,65 @@ fn jobs_written_ahead_to_a_handler_that_dies_run_again_without_losing_an_attempt
         "only the job the handler ran used an attempt: {runs:?}"
     );
 }
+
+/// A stdio handler backs off with `backoff_ms`: no attempt is used (a job
+/// of one attempt is not dead), and the key waits the time asked.
+#[test]
+fn a_stdio_handler_backs_off_without_using_an_attempt() {
+    let dir = temp_dir("stdio-backoff");
+    let data = dir.join("data");
+    init_shards(&data, 1);
+    let d = data.to_str().unwrap();
+    for p in ["first", "second"] {
+        let (ok, _, err) = run(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            "bo",
+            "--payload",
+            p,
+            "--max-attempts",
+            "1",
+        ]);
+        assert!(ok, "{err}");
+    }
+    let log = dir.join("log");
+    let script = dir.join("h.py");
+    std::fs::write(
+        &script,
+        format!(
+            r#"import json, sys, time
+log = open({log:?}, "a")
+backed = False
+for line in sys.stdin:
+    job = json.loads(line)
+    now = int(time.time() * 1000)
+    if job["payload"] == "first" and not backed:
+        backed = True
+        log.write("%s %d %d backoff\n" % (job["payload"], job["attempt"], now)); log.flush()
+        sys.stdout.write(json.dumps({{"receipt": job["receipt"], "ok": False, "backoff_ms": 700}}) + "\n")
+    else:
+        log.write("%s %d %d\n" % (job["payload"], job["attempt"], now)); log.flush()
+        sys.stdout.write(json.dumps({{"receipt": job["receipt"], "ok": True}}) + "\n")
+    sys.stdout.flush()
+"#,
+            log = log.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let (ok, err) = work_stdio(&data, &script, 1);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert_eq!(
+        (lines[1][0], lines[1][1]),
+        ("first", "1"),
+        "same attempt: {text}"
+    );
+    let t = |i: usize| lines[i][2].parse::<u64>().unwrap();
+    assert!(t(1) >= t(0) + 700, "{text}");
+    assert_eq!(lines[2][0], "second", "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

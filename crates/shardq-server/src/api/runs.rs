@@ -103,10 +103,57 @@ pub struct FailRequest {
     receipt: String,
     reason: Option<String>,
     retry_in_ms: Option<u64>,
+    /// The handler backs off: its downstream limits it. The run ends
+    /// without using an attempt and the key starts nothing for this long.
+    backoff_ms: Option<u64>,
+    /// With `backoff_ms`: hold the key's whole flow-control group.
+    backoff_group: Option<bool>,
+}
+
+/// The back-off form of `POST /v1/fail`.
+async fn back_off(app: Arc<App>, req: FailRequest, ms: u64) -> ApiResult {
+    let (shard, r) = parse_receipt(&req.receipt, || "receipt".into()).map_err(ApiError::bad)?;
+    if req.retry_in_ms.is_some() {
+        return Err(ApiError::bad(
+            "retry_in_ms: give it or backoff_ms, not both (a back-off uses no attempt)",
+        ));
+    }
+    shardq_core::flow::validate_backoff_ms(ms)?;
+    let group = req.backoff_group.unwrap_or(false);
+    let receipt = req.receipt.clone();
+    let a = Arc::clone(&app);
+    let done = blocking(move || {
+        let (groups, not_owned) = a.group_receipts(std::slice::from_ref(&receipt))?;
+        if !not_owned.is_empty() || groups.is_empty() {
+            return Err(not_owned_error(&receipt, &shard));
+        }
+        match a.backend.back_off(&shard, r, ms, group) {
+            Ok(b) => {
+                book(&a.claims).finish(&shard, r);
+                a.metrics.run_backed_off(&shard, r);
+                Ok(b)
+            }
+            Err(QueueError::NotOwner { .. }) => Err(not_owned_error(&receipt, &shard)),
+            Err(e @ QueueError::StaleReceipt { .. }) => {
+                crate::metrics::failed(&a, &shard, r, Err(()));
+                Err(ApiError::from(e).with("receipt", json!(receipt)))
+            }
+            Err(e) => Err(ApiError::from(e).with("receipt", json!(receipt))),
+        }
+    })
+    .await?;
+    app.work_arrived();
+    ok(json!({ "outcome": "backoff", "retry_at_ms": done.at_ms, "group": done.group }))
 }
 
 /// `POST /v1/fail`: 200 with the outcome, 409 for a stale receipt.
 pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailRequest>) -> ApiResult {
+    if let Some(ms) = req.backoff_ms {
+        return back_off(app, req, ms).await;
+    }
+    if req.backoff_group.is_some() {
+        return Err(ApiError::bad("backoff_group: only with backoff_ms"));
+    }
     let (shard, r) = parse_receipt(&req.receipt, || "receipt".into()).map_err(ApiError::bad)?;
     let reason = req.reason.unwrap_or_default();
     if reason.len() > FAIL_REASON_BYTES_MAX {
