@@ -963,34 +963,28 @@ impl Dispatch<'_> {
                         .push((out.receipt, wait_ms, run_ms));
                     continue;
                 }
-                Err(Failure::BackOff(b)) => {
-                    match self
-                        .backend
-                        .back_off(&out.shard, out.receipt, b.ms, b.group)
-                    {
-                        Ok(_) => {
-                            self.report.backed_off += 1;
-                            RunOutcome::BackedOff
-                        }
-                        Err(QueueError::StaleReceipt { .. }) => {
-                            self.report.stale += 1;
-                            RunOutcome::Stale
-                        }
-                        Err(e) => {
-                            (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string()));
-                            continue;
-                        }
-                    }
-                }
-                Err(Failure::Failed(reason)) => {
-                    match self.backend.fail(&out.shard, out.receipt, &reason, None) {
-                        Ok(FailOutcome::Dead) => {
-                            self.report.dead += 1;
-                            RunOutcome::Dead
-                        }
-                        Ok(_) => {
-                            self.report.retried += 1;
-                            RunOutcome::Retried
+                Err(failure) => {
+                    // What the backend made of it: an outcome, or nothing
+                    // recorded.
+                    let recorded = match failure {
+                        Failure::BackOff(b) => (self.backend)
+                            .back_off(&out.shard, out.receipt, b.ms, b.group)
+                            .map(|_| RunOutcome::BackedOff),
+                        Failure::Failed(reason) => (self.backend)
+                            .fail(&out.shard, out.receipt, &reason, None)
+                            .map(|o| match o {
+                                FailOutcome::Dead => RunOutcome::Dead,
+                                _ => RunOutcome::Retried,
+                            }),
+                    };
+                    match recorded {
+                        Ok(o) => {
+                            *match o {
+                                RunOutcome::BackedOff => &mut self.report.backed_off,
+                                RunOutcome::Dead => &mut self.report.dead,
+                                _ => &mut self.report.retried,
+                            } += 1;
+                            o
                         }
                         Err(QueueError::StaleReceipt { .. }) => {
                             self.report.stale += 1;

@@ -120,27 +120,14 @@ async fn back_off(app: Arc<App>, req: FailRequest, ms: u64) -> ApiResult {
     }
     shardq_core::flow::validate_backoff_ms(ms)?;
     let group = req.backoff_group.unwrap_or(false);
-    let receipt = req.receipt.clone();
-    let a = Arc::clone(&app);
-    let done = blocking(move || {
-        let (groups, not_owned) = a.group_receipts(std::slice::from_ref(&receipt))?;
-        if !not_owned.is_empty() || groups.is_empty() {
-            return Err(not_owned_error(&receipt, &shard));
-        }
-        match a.backend.back_off(&shard, r, ms, group) {
-            Ok(b) => {
-                book(&a.claims).finish(&shard, r);
-                a.metrics.run_backed_off(&shard, r);
-                Ok(b)
-            }
-            Err(QueueError::NotOwner { .. }) => Err(not_owned_error(&receipt, &shard)),
-            Err(e @ QueueError::StaleReceipt { .. }) => {
-                crate::metrics::failed(&a, &shard, r, Err(()));
-                Err(ApiError::from(e).with("receipt", json!(receipt)))
-            }
-            Err(e) => Err(ApiError::from(e).with("receipt", json!(receipt))),
-        }
-    })
+    let done = end_run(
+        &app,
+        req.receipt,
+        shard,
+        r,
+        move |a, shard| a.backend.back_off(shard, r, ms, group),
+        move |a, shard, _| a.metrics.run_backed_off(shard, r),
+    )
     .await?;
     app.work_arrived();
     ok(json!({ "outcome": "backoff", "retry_at_ms": done.at_ms, "group": done.group }))
@@ -170,17 +157,45 @@ pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailReque
             )));
         }
     }
-    let receipt = req.receipt.clone();
-    let a = Arc::clone(&app);
-    let outcome = blocking(move || {
+    let retry_in_ms = req.retry_in_ms;
+    let outcome = end_run(
+        &app,
+        req.receipt,
+        shard,
+        r,
+        move |a, shard| a.backend.fail(shard, r, &reason, retry_in_ms),
+        move |a, shard, o| crate::metrics::failed(a, shard, r, Ok(o)),
+    )
+    .await?;
+    app.work_arrived();
+    match outcome {
+        FailOutcome::Retry { at_ms } => ok(json!({ "outcome": "retry", "retry_at_ms": at_ms })),
+        FailOutcome::Dead => ok(json!({ "outcome": "dead" })),
+        _ => ok(json!({ "outcome": "unknown" })),
+    }
+}
+
+/// Ends run `r` of `shard` (named by `receipt`) on a blocking thread with
+/// `op`, if this server owns the shard: the run leaves the book of claims
+/// and `on_ok` counts it; a stale receipt is counted and answered 409.
+async fn end_run<T: Send + 'static>(
+    app: &Arc<App>,
+    receipt: String,
+    shard: String,
+    r: Receipt,
+    op: impl FnOnce(&App, &str) -> Result<T, QueueError> + Send + 'static,
+    on_ok: impl FnOnce(&App, &str, &T) + Send + 'static,
+) -> Result<T, ApiError> {
+    let a = Arc::clone(app);
+    blocking(move || {
         let (groups, not_owned) = a.group_receipts(std::slice::from_ref(&receipt))?;
         if !not_owned.is_empty() || groups.is_empty() {
             return Err(not_owned_error(&receipt, &shard));
         }
-        match a.backend.fail(&shard, r, &reason, req.retry_in_ms) {
+        match op(&a, &shard) {
             Ok(o) => {
                 book(&a.claims).finish(&shard, r);
-                crate::metrics::failed(&a, &shard, r, Ok(&o));
+                on_ok(&a, &shard, &o);
                 Ok(o)
             }
             Err(QueueError::NotOwner { .. }) => Err(not_owned_error(&receipt, &shard)),
@@ -191,13 +206,7 @@ pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailReque
             Err(e) => Err(ApiError::from(e).with("receipt", json!(receipt))),
         }
     })
-    .await?;
-    app.work_arrived();
-    match outcome {
-        FailOutcome::Retry { at_ms } => ok(json!({ "outcome": "retry", "retry_at_ms": at_ms })),
-        FailOutcome::Dead => ok(json!({ "outcome": "dead" })),
-        _ => ok(json!({ "outcome": "unknown" })),
-    }
+    .await
 }
 
 fn not_owned_error(receipt: &str, shard: &str) -> ApiError {
