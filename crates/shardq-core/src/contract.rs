@@ -67,7 +67,8 @@ pub fn retry_rules() -> crate::retry::RetryRules {
 /// [`rate_limits_hold_across_every_claim`]: keys starting with
 /// `contract-rate:` start at most 10 a second (burst 2) each; keys starting
 /// with `contract-grp:` share the group `contract-group`, 20 a second
-/// (burst 3).
+/// (burst 3); keys starting with `contract-w1:`, `contract-w2:` and
+/// `contract-w4:` have weights 1, 2 and 4, and `contract-vip:` priority 5.
 pub fn flow_settings() -> crate::flow::FlowSettings {
     use crate::flow::{FlowPolicy, GroupLimit, Rate};
     let rate = |count: u64| Rate {
@@ -88,6 +89,26 @@ pub fn flow_settings() -> crate::flow::FlowSettings {
         GroupLimit {
             rate: rate(20),
             burst: Some(3),
+        },
+    );
+    for (prefix, weight) in [
+        ("contract-w1:", 1),
+        ("contract-w2:", 2),
+        ("contract-w4:", 4),
+    ] {
+        f.prefixes.insert(
+            prefix.into(),
+            FlowPolicy {
+                weight,
+                ..FlowPolicy::default()
+            },
+        );
+    }
+    f.prefixes.insert(
+        "contract-vip:".into(),
+        FlowPolicy {
+            priority: 5,
+            ..FlowPolicy::default()
         },
     );
     f.prefixes.insert(
@@ -124,6 +145,51 @@ pub fn run_all(h: &dyn ContractHarness) {
     finished_jobs_are_kept_newest_first(h);
     rate_limits_hold_across_every_claim(h);
     a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
+    weights_share_slots_and_priorities_go_first(h);
+}
+
+/// Backlogged keys of weights 1, 2 and 4 ([`flow_settings`]) claimed one
+/// job at a time start in the ratio 1:2:4, each in its own order; a key of
+/// a higher priority that becomes ready starts next.
+pub fn weights_share_slots_and_priorities_go_first(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let keys = ["contract-w1:a", "contract-w2:a", "contract-w4:a"];
+    for i in 0..60 {
+        for k in keys {
+            enqueue(h, &shard, k, &i.to_string(), 1);
+        }
+    }
+    let mut count = std::collections::BTreeMap::new();
+    let mut next_payload = std::collections::BTreeMap::new();
+    for _ in 0..70 {
+        let run = claim(h, &shard, 1, LONG_LEASE_MS);
+        assert_eq!(run.len(), 1, "one slot, one start");
+        let r = &run[0];
+        let want = next_payload.entry(r.key.clone()).or_insert(0);
+        assert_eq!(
+            r.payload,
+            want.to_string().into_bytes(),
+            "{}: in order",
+            r.key
+        );
+        *want += 1;
+        *count.entry(r.key.clone()).or_insert(0) += 1;
+        ack_one(h, &shard, r.receipt());
+    }
+    let got: Vec<i32> = keys
+        .iter()
+        .map(|k| count.get(*k).copied().unwrap_or(0))
+        .collect();
+    for (g, want) in got.iter().zip([10, 20, 40]) {
+        assert!(
+            (g - want).abs() <= 1,
+            "weights 1:2:4 over 70 starts: {got:?}"
+        );
+    }
+    enqueue(h, &shard, "contract-vip:a", "v", 1);
+    let run = claim(h, &shard, 1, LONG_LEASE_MS);
+    assert_eq!(run[0].key, "contract-vip:a", "the higher priority first");
+    ack_one(h, &shard, run[0].receipt());
 }
 
 /// A handler's back-off ends its run without using an attempt: the job is

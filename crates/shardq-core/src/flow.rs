@@ -38,8 +38,14 @@
 //! key no token; a token taken for a start whose write then fails is lost
 //! (the limit errs on the slow side).
 //!
-//! Priorities and weights are part of a policy and checked, and shown; the
-//! order keys start in within a shard is the backend's (round robin).
+//! # Who gets a free slot
+//! While any policy sets a weight or a priority, a claim takes a shard's
+//! ready keys by [`FairQueue`]: the highest priority first, and within a
+//! priority in proportion to their weights (start-time fair queuing), each
+//! key's own jobs still in order. A key passed over (over its limit) pays
+//! nothing. Without weights and priorities the backend's own order stands
+//! (round robin). The ranking is per shard: a process that runs several
+//! shards shares its slots among them as before.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -394,6 +400,15 @@ impl FlowSettings {
         }
     }
 
+    /// Whether any policy sets a weight or a priority (else ready keys
+    /// start in the backend's round-robin order).
+    pub fn ranks_keys(&self) -> bool {
+        let ranked = |p: &FlowPolicy| p.weight != 1 || p.priority != 0;
+        ranked(&self.default)
+            || self.keys.values().any(ranked)
+            || self.prefixes.values().any(ranked)
+    }
+
     /// Whether any policy limits starts (else admission is free).
     pub fn limits_starts(&self) -> bool {
         self.default.limits_starts()
@@ -710,6 +725,7 @@ pub struct FlowStats {
 struct Loaded {
     settings: Arc<FlowSettings>,
     limits: bool,
+    ranks: bool,
     loaded_ms: u64,
 }
 
@@ -736,10 +752,12 @@ impl FlowControl {
     /// Flow control with fixed `settings` and group buckets `groups`.
     pub fn new(settings: FlowSettings, groups: Arc<dyn GroupBuckets>) -> FlowControl {
         let limits = settings.limits_starts();
+        let ranks = settings.ranks_keys();
         FlowControl {
             loaded: RwLock::new(Loaded {
                 settings: Arc::new(settings),
                 limits,
+                ranks,
                 loaded_ms: 0,
             }),
             source: None,
@@ -769,6 +787,7 @@ impl FlowControl {
     pub fn set(&self, settings: FlowSettings, now_ms: u64) {
         let mut l = self.loaded.write().unwrap_or_else(|e| e.into_inner());
         l.limits = settings.limits_starts();
+        l.ranks = settings.ranks_keys();
         l.settings = Arc::new(settings);
         l.loaded_ms = now_ms;
     }
@@ -806,6 +825,18 @@ impl FlowControl {
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
         st.held_keys.retain(|_, at| *at > now_ms);
         st.held_groups.retain(|_, at| *at > now_ms);
+    }
+
+    /// Whether any policy sets a weight or a priority: ready keys then
+    /// start by [`FairQueue`].
+    pub fn ranks_keys(&self) -> bool {
+        self.read().ranks
+    }
+
+    /// The (priority, weight) of `key`.
+    pub fn rank_of(&self, key: &str) -> (i32, u32) {
+        let p = self.read().settings.for_key(key).clone();
+        (p.priority, p.weight)
     }
 
     /// Whether any policy limits starts (when not, [`FlowControl::admit`]
@@ -913,6 +944,107 @@ impl FlowControl {
     /// What flow control did so far, and what it holds back now.
     pub fn stats(&self) -> FlowStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Virtual time one start of a key of weight 1 costs in a [`FairQueue`].
+pub const FAIR_STRIDE: u64 = 1 << 20;
+
+/// A queued key: (minus its priority, its start tag, arrival, weight, key).
+type FairEntry<K> = (i64, u64, u64, u32, K);
+
+/// A key taken from a [`FairQueue`], with its place.
+#[derive(Debug, Clone)]
+pub struct Popped<K> {
+    /// The key.
+    pub key: K,
+    start: u64,
+    weight: u32,
+}
+
+/// Ready keys in the order they get slots: the highest priority first, and
+/// within a priority start-time fair queuing by weight. A key's start tag
+/// is the later of the queue's virtual time and its own finish tag; the
+/// smallest starts first, moves the virtual time to its tag, and adds
+/// `FAIR_STRIDE / weight` to its own. Backlogged keys of weights 1, 2 and
+/// 4 so start in the ratio 1:2:4, and a key that becomes ready starts from
+/// the virtual time, not behind a backlogged key's history.
+#[derive(Debug, Clone)]
+pub struct FairQueue<K> {
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<FairEntry<K>>>,
+    tags: HashMap<K, u64>,
+    vtime: u64,
+    seq: u64,
+}
+
+impl<K> Default for FairQueue<K> {
+    fn default() -> Self {
+        FairQueue {
+            heap: std::collections::BinaryHeap::new(),
+            tags: HashMap::new(),
+            vtime: 0,
+            seq: 0,
+        }
+    }
+}
+
+impl<K: Ord + Clone + std::hash::Hash> FairQueue<K> {
+    /// Queues ready key `k` of `priority` and `weight`.
+    pub fn push(&mut self, k: K, priority: i32, weight: u32) {
+        let start = self.tags.get(&k).copied().unwrap_or(0).max(self.vtime);
+        self.seq += 1;
+        self.heap.push(std::cmp::Reverse((
+            -i64::from(priority),
+            start,
+            self.seq,
+            weight.max(1),
+            k,
+        )));
+    }
+
+    /// The next key in line, not yet charged: [`FairQueue::charge`] it if
+    /// it starts (a key passed over, not due or over its limit, pays
+    /// nothing).
+    pub fn pop(&mut self) -> Option<Popped<K>> {
+        let std::cmp::Reverse((_, start, _, weight, k)) = self.heap.pop()?;
+        Some(Popped {
+            key: k,
+            start,
+            weight,
+        })
+    }
+
+    /// Charges a popped key for one start.
+    pub fn charge(&mut self, p: &Popped<K>) {
+        self.vtime = self.vtime.max(p.start);
+        self.tags
+            .insert(p.key.clone(), p.start + FAIR_STRIDE / u64::from(p.weight));
+        if self.tags.len() > 2 * self.heap.len() + 1_024 {
+            // A tag at or below the virtual time is what a new key gets.
+            let v = self.vtime;
+            self.tags.retain(|_, t| *t > v);
+        }
+    }
+
+    /// The keys queued, in no order, leaving it empty (tags are kept).
+    pub fn drain(&mut self) -> Vec<K> {
+        self.heap.drain().map(|std::cmp::Reverse(e)| e.4).collect()
+    }
+
+    /// Forgets `k`'s finish tag (its id is about to name another key).
+    pub fn forget(&mut self, k: &K) {
+        self.tags.remove(k);
+    }
+
+    /// Whether no key is queued.
+    pub fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        self.heap.clear();
+        self.tags.clear();
     }
 }
 
@@ -1088,6 +1220,52 @@ mod tests {
         f.refresh(1_000);
         assert_eq!(f.admit("k", 1_000), Admit::Now);
         assert_eq!(f.admit("k", 1_000), Admit::NotBefore(2_000));
+    }
+
+    #[test]
+    fn fair_queue_shares_by_weight_within_a_priority_and_serves_higher_first() {
+        let mut q = FairQueue::default();
+        let mut count = BTreeMap::new();
+        for (k, w) in [("a", 1), ("b", 2), ("c", 4)] {
+            q.push(k, 0, w);
+        }
+        for _ in 0..7_000 {
+            let p = q.pop().expect("backlogged");
+            q.charge(&p);
+            let k = p.key;
+            *count.entry(k).or_insert(0) += 1;
+            let w = match k {
+                "a" => 1,
+                "b" => 2,
+                _ => 4,
+            };
+            q.push(k, 0, w);
+        }
+        assert_eq!((count["a"], count["b"], count["c"]), (1_000, 2_000, 4_000));
+        // A higher priority goes first; a newcomer is not behind history.
+        q.push("vip", 5, 1);
+        assert_eq!(q.pop().map(|p| p.key), Some("vip"));
+        q.push("new", 0, 1);
+        let mut next = Vec::new();
+        while let Some(p) = q.pop() {
+            q.charge(&p);
+            next.push(p.key);
+        }
+        assert!(next.contains(&"new"), "{next:?}");
+        // A key passed over (not charged) keeps its place.
+        let mut q = FairQueue::default();
+        q.push("x", 0, 1);
+        q.push("y", 0, 1);
+        let passed = q.pop().expect("x");
+        q.push(passed.key, 0, 1);
+        let y = q.pop().expect("y");
+        q.charge(&y);
+        q.push(y.key, 0, 1);
+        assert_eq!(
+            q.pop().map(|p| p.key),
+            Some(passed.key),
+            "the key passed over paid nothing, so it goes before the one that started"
+        );
     }
 
     #[test]

@@ -74,6 +74,8 @@ struct ShardState {
     finished: VecDeque<FinishedJob>,
     /// Keys flow control refused, until when (this process's memory).
     held: BTreeMap<String, u64>,
+    /// Finish tags of keys, when flow control ranks them.
+    fair: crate::flow::FairQueue<String>,
 }
 
 /// Keeps the finished job `j` (newest first), within `retention`.
@@ -567,11 +569,27 @@ impl QueueBackend for MemoryBackend {
             s.check_not_rewound(shard)?;
             end_lapsed_runs(s, now, backoff, policy, retention);
             let mut out = Vec::new();
-            let keys: Vec<String> = s.keys.keys().cloned().collect();
-            for key in keys {
+            let mut keys: std::collections::VecDeque<String> = s.keys.keys().cloned().collect();
+            // Ranked: by priority and weight (FairQueue), else key order.
+            let ranked = self.flow.as_ref().filter(|f| f.ranks_keys());
+            if let Some(f) = ranked {
+                for k in keys.drain(..) {
+                    let (priority, weight) = f.rank_of(&k);
+                    s.fair.push(k, priority, weight);
+                }
+            }
+            loop {
                 if out.len() >= max {
                     break;
                 }
+                let popped = if ranked.is_some() { s.fair.pop() } else { None };
+                let Some(key) = popped
+                    .as_ref()
+                    .map(|p| p.key.clone())
+                    .or_else(|| keys.pop_front())
+                else {
+                    break;
+                };
                 if s.busy_keys.contains(&key)
                     || s.halted_keys.contains(&key)
                     || s.fence.sealed_keys.contains_key(&key)
@@ -592,6 +610,9 @@ impl QueueBackend for MemoryBackend {
                     continue;
                 }
                 s.held.remove(&key);
+                if let Some(p) = &popped {
+                    s.fair.charge(p);
+                }
                 let Some(j) = s.jobs.get_mut(&id) else {
                     continue;
                 };
@@ -632,6 +653,8 @@ impl QueueBackend for MemoryBackend {
                 );
                 s.busy_keys.insert(key);
             }
+            // Not started this time: queued again at the next claim.
+            s.fair.drain();
             s.check_not_rewound(shard)?;
             Ok(out)
         })

@@ -14,6 +14,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use shardq_core::flow::FairQueue;
 use shardq_core::{Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
 
@@ -227,6 +228,9 @@ pub(crate) struct ShardState {
     free_keys: Vec<u32>,
     dead: BTreeMap<u64, DeadEntry>,
     ready: VecDeque<u32>,
+    /// Ready keys by priority and weight, while flow control ranks keys
+    /// (else `ready` is used, round robin).
+    fair: FairQueue<u32>,
     timers: BinaryHeap<Reverse<(u64, u32)>>,
     /// Per segment base, of segments that enqueued or referred to a job.
     segs: BTreeMap<u64, SegInfo>,
@@ -276,6 +280,7 @@ impl ShardState {
             free_keys: Vec::new(),
             dead: BTreeMap::new(),
             ready: VecDeque::new(),
+            fair: FairQueue::default(),
             timers: BinaryHeap::new(),
             segs: BTreeMap::new(),
             reclaimed,
@@ -540,6 +545,7 @@ impl ShardState {
         if ks.queue.is_empty() && !ks.in_flight && ks.dead == 0 && !ks.scheduled {
             let key = std::mem::take(&mut self.keys[k as usize].key);
             self.index.remove(&key);
+            self.fair.forget(&k);
             self.free_keys.push(k);
         }
     }
@@ -1013,6 +1019,7 @@ impl ShardState {
     /// Reschedules every key from its head.
     fn rebuild_schedule(&mut self) {
         self.ready.clear();
+        self.fair.clear();
         self.timers.clear();
         for ks in &mut self.keys {
             ks.scheduled = false;
@@ -1050,6 +1057,16 @@ impl ShardState {
             self.timers.pop();
             self.ready.push_back(k);
         }
+        let ranked = flow.filter(|f| f.ranks_keys());
+        if let Some(f) = ranked {
+            while let Some(k) = self.ready.pop_front() {
+                let (priority, weight) = f.rank_of(&self.keys[k as usize].key);
+                self.fair.push(k, priority, weight);
+            }
+        } else if !self.fair.is_empty() {
+            // Ranks were cleared: back to round robin.
+            self.ready.extend(self.fair.drain());
+        }
         let halt = self.policy == DeadPolicy::Halt;
         let mut out: Vec<Pick> = Vec::new();
         // A key can sit in `ready` twice (a dead retry or a takeover that
@@ -1058,7 +1075,16 @@ impl ShardState {
         // here: one pick per key per call, or one job would go out twice.
         let mut picked: Vec<u32> = Vec::new();
         while out.len() < max {
-            let Some(k) = self.ready.pop_front() else {
+            let mut popped = None;
+            let next = match ranked {
+                Some(_) => self.fair.pop().map(|p| {
+                    let k = p.key;
+                    popped = Some(p);
+                    k
+                }),
+                None => self.ready.pop_front(),
+            };
+            let Some(k) = next else {
                 break;
             };
             if picked.contains(&k) {
@@ -1092,6 +1118,9 @@ impl ShardState {
                 ks.held_until_ms = at;
                 self.schedule(k);
                 continue;
+            }
+            if let Some(p) = &popped {
+                self.fair.charge(p);
             }
             picked.push(k);
             out.push(Pick {
@@ -1168,7 +1197,7 @@ impl ShardState {
     /// back into work unless acked or failed); `None` when nothing waits and
     /// nothing is in flight.
     pub fn next_due_ms(&mut self) -> Option<u64> {
-        if !self.ready.is_empty() {
+        if !self.ready.is_empty() || !self.fair.is_empty() {
             return Some(0);
         }
         // A timer left for a head that is gone (cancelled, moved, its key
