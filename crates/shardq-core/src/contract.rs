@@ -145,6 +145,12 @@ pub fn run_all(h: &dyn ContractHarness) {
     finished_jobs_are_kept_newest_first(h);
     rate_limits_hold_across_every_claim(h);
     a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
+}
+
+/// The checks of backends that rank ready keys by priority and weight
+/// (memory and the embedded engine; Redis starts ready keys in the order
+/// they became ready).
+pub fn run_ranked(h: &dyn ContractHarness) {
     weights_share_slots_and_priorities_go_first(h);
 }
 
@@ -1678,6 +1684,7 @@ mod tests {
             saved: Default::default(),
         };
         run_all(&h);
+        run_ranked(&h);
         rewound_store_is_refused(&h);
     }
 }

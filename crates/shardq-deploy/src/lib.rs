@@ -410,8 +410,8 @@ impl Deployment {
                     clock: Arc::new(SystemClock),
                     backend: Arc::new(backend.clone()),
                     maps: maps.clone(),
+                    flow: backend.flow().cloned(),
                     store: Store::Redis { backend, maps },
-                    flow: None,
                 })
             }
         }
@@ -443,13 +443,6 @@ impl Deployment {
     /// restart.
     pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
         settings.validate()?;
-        if self.is_redis() && settings.limits_starts() {
-            // Stored but not held would be worse than refused.
-            return Err(shardq_core::QueueError::Unsupported {
-                what: "rate limits on a Redis deployment (flow control is held by the embedded engine only so far)",
-            }
-            .into());
-        }
         store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
     }
 

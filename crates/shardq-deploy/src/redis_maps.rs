@@ -118,6 +118,11 @@ pub fn open(
         opts.retry_rules = Arc::new(retry.rules);
     }
     opts.retention = crate::retention_setting(&store)?;
+    // Given by the caller: it stands.
+    if opts.flow.is_none() {
+        let settings: Arc<dyn MapStore> = Arc::new(store.clone());
+        opts.flow = Some(crate::flow_control(&settings, Arc::new(store.clone()))?);
+    }
     let backend = RedisBackend::open(&map, opts)?;
     let maps = Arc::new(RedisMaps {
         store,

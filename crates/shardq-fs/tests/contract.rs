@@ -57,11 +57,13 @@ fn the_embedded_engine_keeps_the_backend_contract() {
     for n in &names {
         backend.adopt(n).unwrap();
     }
-    contract::run_all(&Fs {
+    let h = Fs {
         backend,
         clock,
         next: AtomicUsize::new(0),
-    });
+    };
+    contract::run_all(&h);
+    contract::run_ranked(&h);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -17,11 +17,12 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
 use shardq_core::{
-    validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob,
-    DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
-    KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention, RetryRules,
-    ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
+    validate_job_lease_ms, AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock,
+    DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
+    JobState, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention,
+    RetryRules, ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
+use shardq_core::{Admit, FlowControl};
 use shardq_route::ShardMap;
 
 use crate::conn::{
@@ -119,6 +120,10 @@ pub struct RedisOptions {
     /// How long a write waits for [`RedisOptions::wait_replicas`], in ms
     /// (kept below the reply timeout).
     pub wait_replicas_timeout_ms: u64,
+    /// Flow control: which claimed runs may start now (rate limits of keys
+    /// and groups). A run it refuses is given back at once, without using
+    /// an attempt, not before the time it names. None: every run starts.
+    pub flow: Option<Arc<FlowControl>>,
 }
 
 impl Default for RedisOptions {
@@ -137,6 +142,7 @@ impl Default for RedisOptions {
             connect_timeout_ms: CONNECT_TIMEOUT_MS,
             response_timeout_ms: RESPONSE_TIMEOUT_MS,
             clock: None,
+            flow: None,
             wait_replicas: 0,
             wait_replicas_timeout_ms: WAIT_REPLICAS_TIMEOUT_MS_DEFAULT,
         }
@@ -593,6 +599,43 @@ impl RedisBackend {
     /// deployment) and `extra` after them. A `LOST` reply (the shard's
     /// deployment record is gone or another) becomes
     /// [`QueueError::StoreLost`].
+    /// This process's flow control, if it has one.
+    pub fn flow(&self) -> Option<&Arc<FlowControl>> {
+        self.inner.opts.flow.as_ref()
+    }
+
+    /// Ends run `r` of `key` ('' when unknown) without using an attempt:
+    /// its job waits `ms` at the head of its key. When it may start again.
+    fn give_back(
+        &self,
+        s: &ShardRef,
+        held: &mut Held,
+        r: Receipt,
+        key: &str,
+        ms: u64,
+    ) -> Result<u64, QueueError> {
+        let v = self.script(s, &self.inner.scripts.back_off, &held.token, &|c, _| {
+            c.arg(r.id.0).arg(r.fence).arg(key).arg(ms);
+        })?;
+        match reply::status(&v).as_str() {
+            "OK" => {
+                held.in_flight.remove(&r.id.0);
+                Ok(reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0))
+            }
+            "NOTOWNER" => Err(Self::not_owner(s)),
+            "STALE" => Err(QueueError::StaleReceipt {
+                shard: s.name.clone(),
+                id: r.id.0,
+                fence: r.fence,
+                reason: reply::items(&v)
+                    .get(1)
+                    .and_then(reply::string)
+                    .unwrap_or_default(),
+            }),
+            other => Err(self.protocol(s, format!("back-off answered {other:?}"))),
+        }
+    }
+
     fn script(
         &self,
         s: &ShardRef,
@@ -1022,6 +1065,10 @@ impl QueueBackend for RedisBackend {
         if max == 0 {
             return Ok(Vec::new());
         }
+        let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
+            f.refresh(shardq_core::SystemClock.now_ms());
+            f.limits_starts()
+        });
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
         let before = s.marks();
         let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
@@ -1061,6 +1108,18 @@ impl QueueBackend for RedisBackend {
                 .ok_or_else(bad)?;
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
+            if let Some(flow) = flow {
+                // The server's now: the lease deadline less the lease.
+                let now = lease_until_ms.saturating_sub(lease_ms);
+                if let Admit::NotBefore(at) = flow.admit(&rec.key, now) {
+                    let r = Receipt {
+                        id: JobId(id),
+                        fence,
+                    };
+                    self.give_back(s, held, r, &rec.key, at.saturating_sub(now))?;
+                    continue;
+                }
+            }
             out.push(ClaimedJob {
                 shard: s.name.clone(),
                 id: JobId(id),
@@ -1183,6 +1242,40 @@ impl QueueBackend for RedisBackend {
             }),
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
         }
+    }
+
+    fn back_off(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        retry_in_ms: u64,
+        group: bool,
+    ) -> Result<BackedOff, QueueError> {
+        shardq_core::flow::validate_backoff_ms(retry_in_ms)?;
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut guard = s.held();
+        let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
+        let key = held
+            .in_flight
+            .get(&receipt.id.0)
+            .cloned()
+            .unwrap_or_default();
+        let at_ms = match self.give_back(s, held, receipt, &key, retry_in_ms) {
+            Err(QueueError::NotOwner { .. }) => {
+                *guard = None;
+                return Err(Self::not_owner(s));
+            }
+            other => other?,
+        };
+        let held_group = match (&self.inner.opts.flow, group, key.is_empty()) {
+            (Some(f), true, false) => f.hold_group_of(&key, at_ms)?,
+            _ => None,
+        };
+        Ok(BackedOff {
+            at_ms,
+            group: held_group,
+        })
     }
 
     fn extend(

@@ -56,6 +56,12 @@ pub fn target_key(ns: &str) -> String {
 pub fn settings_key(ns: &str) -> String {
     format!("{NAMESPACE}:{{=map:{ns}}}:settings")
 }
+/// Key of a flow-control group's bucket (a hash: `u` units held, `at` when
+/// counted, `held` a back-off's end, `c` and `p` the rate it was counted
+/// in; it expires a day after its last use, and a new one starts full).
+pub fn group_bucket_key(ns: &str, group: &str) -> String {
+    format!("{}:flow:{group}", settings_key(ns))
+}
 /// Key of the rebalance lock (a string: the holder's token, with a TTL).
 pub fn rebalance_lock_key(ns: &str) -> String {
     format!("{NAMESPACE}:{{=map:{ns}}}:rebalance")

@@ -26,12 +26,15 @@ use std::thread;
 use std::time::Duration;
 
 use shardq_core::reshard::{MapStore, ReshardError};
+use shardq_core::{GroupBuckets, GroupLimit, QueueError};
 use shardq_route::ShardMap;
 
 use crate::backend::RedisOptions;
 use crate::conn::{Limits, Node};
 use crate::error::RedisError;
-use crate::keys::{map_key, rebalance_lock_key, settings_key, target_key, NAMESPACE_DEFAULT};
+use crate::keys::{
+    group_bucket_key, map_key, rebalance_lock_key, settings_key, target_key, NAMESPACE_DEFAULT,
+};
 use crate::scripts::{reply, Scripts};
 
 const STORE: &str = "map store";
@@ -45,6 +48,7 @@ pub const REBALANCE_LOCK_RENEWALS: u64 = 3;
 static LOCK_NONCE: AtomicU64 = AtomicU64::new(0);
 
 /// The shard map stored in one Redis instance or cluster.
+#[derive(Clone)]
 pub struct RedisMapStore {
     node: Arc<Node>,
     scripts: Arc<Scripts>,
@@ -52,6 +56,7 @@ pub struct RedisMapStore {
     target_key: String,
     lock_key: String,
     settings_key: String,
+    namespace: String,
 }
 
 impl RedisMapStore {
@@ -94,6 +99,7 @@ impl RedisMapStore {
             target_key: target_key(namespace),
             lock_key: rebalance_lock_key(namespace),
             settings_key: settings_key(namespace),
+            namespace: namespace.to_string(),
         })
     }
 
@@ -201,6 +207,64 @@ impl Drop for LockGuard {
                 c.arg(&self.token);
             })
         });
+    }
+}
+
+impl RedisMapStore {
+    /// Runs the group-bucket script on `group`'s bucket.
+    fn group_bucket(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+        hold_until: Option<u64>,
+    ) -> Result<Result<(), u64>, QueueError> {
+        let keys = [group_bucket_key(&self.namespace, group)];
+        let v = self
+            .node
+            .run(STORE, |con, _| {
+                self.scripts.group_bucket.call(con, &keys, &|c| {
+                    c.arg(now_ms)
+                        .arg(limit.rate.count)
+                        .arg(limit.rate.per_ms)
+                        .arg(limit.burst_or_default());
+                    match hold_until {
+                        Some(t) => c.arg("hold").arg(t),
+                        None => c.arg("take"),
+                    };
+                })
+            })
+            .map_err(|e| QueueError::store(e.kind(), e))?;
+        match reply::status(&v).as_str() {
+            "OK" => Ok(Ok(())),
+            "WAIT" => Ok(Err(reply::items(&v)
+                .get(1)
+                .and_then(reply::u64)
+                .unwrap_or(now_ms + 1_000))),
+            other => Err(QueueError::Internal {
+                what: format!("group {group:?}'s bucket answered {other:?}"),
+            }),
+        }
+    }
+}
+
+/// Group buckets in the map store's Redis: one hash per group, changed by
+/// one script per take, so every process of the deployment, on any host,
+/// counts against the same bucket.
+impl GroupBuckets for RedisMapStore {
+    fn take(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+    ) -> Result<Result<(), u64>, QueueError> {
+        self.group_bucket(group, limit, now_ms, None)
+    }
+
+    fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
+        // Counted at the hold's own time: the bucket refills meanwhile.
+        self.group_bucket(group, limit, 0, Some(until_ms))
+            .map(|_| ())
     }
 }
 

@@ -637,6 +637,77 @@ kready(k, q, nbf, now)
 return {'RETRY', nbf}
 "#;
 
+/// ARGV[5] id, ARGV[6] run fence, ARGV[7] routing key (empty when the
+/// caller does not know it), ARGV[8] back-off ms. Ends the run without
+/// using an attempt (the handler backed off, or flow control gave the run
+/// back): the job goes back to the head of its key with its attempt count
+/// and not before now + back-off, and its run's start time goes with it.
+const BACK_OFF: &str = r#"
+if not owns() then return {'NOTOWNER'} end
+local now = now_ms()
+local id = ARGV[5]
+local k = key_of(id, ARGV[7])
+local q = nil
+if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+local why = run_check(id, ARGV[6], k, q, now)
+if why then return {'STALE', why} end
+local r = redis.call('HGET', K_JOBS, id)
+local _, a = rec_parse(r)
+redis.call('ZREM', K_INF, id)
+q.f, q.r = 0, 0
+local at = id .. '@'
+local had = redis.call('HGET', K_REASON, at)
+if had then
+  local kept = string.match(had, '^(.*),[^,]*$')
+  if kept then redis.call('HSET', K_REASON, at, kept) else redis.call('HDEL', K_REASON, at) end
+end
+local nbf = now + tonumber(ARGV[8])
+redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
+push_head(q, tonumber(id))
+if nbf > now then redis.call('ZADD', K_DELAYED, nbf, id) end
+kstore(k, q)
+kready(k, q, nbf, now)
+return {'OK', nbf}
+"#;
+
+/// KEYS[1] a flow-control group's bucket (a hash); ARGV[1] now ms,
+/// ARGV[2] the rate's count, ARGV[3] its unit in ms, ARGV[4] the burst,
+/// ARGV[5] `take` or `hold`, ARGV[6] the hold's end. The recipe of
+/// `shardq_core::flow::Bucket` in integer units (a token is `per` units,
+/// every ms adds `count`): replies {'OK'} when a token was taken (or the
+/// hold stored), else {'WAIT', when}. A bucket unused for a day expires
+/// (a new one starts full).
+pub(crate) const GROUP_BUCKET: &str = r#"
+local now, count, per, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local v = redis.call('HMGET', KEYS[1], 'u', 'at', 'held', 'c', 'p')
+local cap = burst * per
+local u, at, held = tonumber(v[1]), tonumber(v[2]), tonumber(v[3] or '0')
+if not u or not at then u, at = cap, now end
+local c0, p0 = tonumber(v[4] or ARGV[2]), tonumber(v[5] or ARGV[3])
+if c0 ~= count or p0 ~= per then u = math.floor(u * per / p0) end
+if now > at then
+  u = u + (now - at) * count
+  at = now
+end
+if u > cap then u = cap end
+local res
+if ARGV[5] == 'hold' then
+  held = math.max(held, tonumber(ARGV[6]))
+  res = {'OK'}
+elseif now < held then
+  res = {'WAIT', string.format('%d', held)}
+elseif u >= per then
+  u = u - per
+  res = {'OK'}
+else
+  res = {'WAIT', string.format('%d', now + math.ceil((per - u) / count))}
+end
+local f = function(x) return string.format('%d', x) end
+redis.call('HSET', KEYS[1], 'u', f(u), 'at', f(at), 'held', f(held), 'c', f(count), 'p', f(per))
+redis.call('PEXPIRE', KEYS[1], 86400000)
+return res
+"#;
+
 /// ARGV[5] job lease ms, ARGV[6..] triples of id, fence, routing key.
 /// Moves the lease deadline of live runs to now + lease; replies
 /// {'OK', deadline, id, fence, why, ...} for the stale ones.
@@ -1488,6 +1559,8 @@ pub(crate) struct Scripts {
     pub(crate) claim: Lua,
     pub(crate) ack: Lua,
     pub(crate) fail: Lua,
+    pub(crate) back_off: Lua,
+    pub(crate) group_bucket: Lua,
     pub(crate) extend: Lua,
     pub(crate) adopt: Lua,
     pub(crate) init_shard: Lua,
@@ -1527,6 +1600,8 @@ impl Scripts {
             claim: Lua::new(CLAIM, true, Flags::AllowOom),
             ack: Lua::new(ACK, true, Flags::AllowOom),
             fail: Lua::new(FAIL, true, Flags::AllowOom),
+            back_off: Lua::new(BACK_OFF, true, Flags::AllowOom),
+            group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
             extend: Lua::new(EXTEND, true, Flags::AllowOom),
             adopt: Lua::new(ADOPT, true, Flags::AllowOom),
             init_shard: Lua::new(INIT_SHARD, false, Flags::Write),

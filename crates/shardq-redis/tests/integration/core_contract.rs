@@ -76,6 +76,12 @@ fn redis_keeps_the_backend_contract() {
     let clock = ManualClock::new(1_700_000_000_000);
     let mut opts = opts_manual(&clock);
     opts.retry_rules = std::sync::Arc::new(contract::retry_rules());
+    // Group buckets in the map store's Redis, as a deployment has them.
+    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
+    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
+        contract::flow_settings(),
+        std::sync::Arc::new(groups),
+    )));
     let backend = RedisBackend::open(&map, opts).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
     let h = Redis {
