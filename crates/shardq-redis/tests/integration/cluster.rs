@@ -284,3 +284,75 @@ fn busy_slot_moves_under_load(mover: impl FnOnce(&RedisCluster, u16)) {
     assert!(lost.is_empty(), "{} acknowledged jobs lost", lost.len());
     assert_eq!(repeats, 0, "nothing ran twice");
 }
+
+/// Flow control on a cluster: one group's bucket (in the map store, on
+/// whichever master holds its slot) is shared by keys on two shards in
+/// different slots; a run over the limit is handed back unused and starts
+/// once a token is due.
+#[test]
+fn a_groups_limit_holds_across_shards_of_a_cluster() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings, GroupLimit, Rate};
+    use shardq_core::{FlowControl, ManualClock};
+    let cluster = RedisCluster::start(3);
+    let url = cluster.url();
+    let a = name_where("fa", |s| s < 5_000);
+    let b = name_where("fb", |s| s > 11_000);
+    let map = map_of(&[(a.as_str(), url.clone()), (b.as_str(), url.clone())]);
+    init(&map);
+    let mut settings = FlowSettings::default();
+    settings.groups.insert(
+        "api".into(),
+        GroupLimit {
+            rate: Rate {
+                count: 10,
+                per_ms: 1_000,
+            },
+            burst: Some(2),
+        },
+    );
+    settings.default = FlowPolicy {
+        group: Some("api".into()),
+        ..FlowPolicy::default()
+    };
+    let clock = ManualClock::new(1_700_000_000_000);
+    let mut opts = crate::common::opts_manual(&clock);
+    let store = RedisMapStore::open(&url).expect("map store");
+    opts.flow = Some(Arc::new(FlowControl::new(settings, Arc::new(store))));
+    let backend = RedisBackend::open(&map, opts).expect("open");
+    let mut c = owner(&backend, "flow", 600_000);
+    tick_adopt(&backend, &mut c);
+    for (i, shard) in [&a, &b].into_iter().enumerate() {
+        for n in 0..5 {
+            backend
+                .enqueue(shard, u64::MAX, &[job(&format!("k{i}"), &n.to_string())])
+                .expect("enqueue");
+        }
+    }
+    let started = || -> usize {
+        let mut n = 0;
+        for shard in [&a, &b] {
+            let runs = backend.claim(shard, 10, 600_000).expect("claim");
+            let receipts: Vec<Receipt> = runs.iter().map(|r| r.receipt()).collect();
+            n += receipts.len();
+            backend.ack(shard, &receipts).expect("ack");
+        }
+        n
+    };
+    assert_eq!(
+        started() + started(),
+        2,
+        "the group's burst of 2 over both shards"
+    );
+    clock.advance(100);
+    assert_eq!(started(), 1, "one token per 100 ms");
+    clock.advance(1_000);
+    assert_eq!(started(), 2, "a second refills the burst, no more");
+    let left: u64 = [&a, &b]
+        .iter()
+        .map(|s| {
+            let st = backend.shard_stats(s).expect("stats");
+            st.ready + st.delayed
+        })
+        .sum();
+    assert_eq!(left, 5, "runs handed back wait, none lost");
+}
