@@ -13,7 +13,7 @@ from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from conftest import ADMIN_TOKEN, READ_TOKEN, run
+from conftest import ADMIN_TOKEN, READ_TOKEN, run, wait_for
 
 WAIT_S = 30
 
@@ -389,6 +389,36 @@ def test_the_throughput_chart_shows_the_servers_own_counts(browser, deployment, 
     browser.save_screenshot(str(screenshots / "06-throughput.png"))
 
 
+def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, deployment, screenshots):
+    """A group's limit is shown beside what this server started under it,
+    and a key the group holds back is listed with the group as the reason."""
+    api = deployment["api"]
+    code, v = api.call("PUT", "/v1/groups/dash-api", {"rate": "1/m", "burst": 2})
+    assert code == 200, v
+    code, v = api.call("PUT", "/v1/policies/flowtest:?scope=prefix", {"group": "dash-api"})
+    assert code == 200, v
+    api.post("/v1/jobs", {"jobs": [{"key": f"flowtest:{i}", "payload": "p"} for i in range(4)]})
+    # The server reads the settings again within a second; claim until two
+    # runs of the group started and the others are held back.
+    started = []
+
+    def claimed_two():
+        got = api.post("/v1/claim", {"worker": "dash", "max": 16, "wait_ms": 0})["jobs"]
+        for j in got:
+            api.post("/v1/ack", {"receipts": [j["receipt"]]})
+        started.extend(j["key"] for j in got if j["key"].startswith("flowtest:"))
+        held = api.get("/v1/status")["flow"]["held_keys"]
+        return len(started) >= 2 and any(h["by"] == "group dash-api" for h in held)
+
+    wait_for("two starts, then keys held by the group", claimed_two, timeout_s=20)
+    assert len(started) == 2, started
+    open_page(browser, deployment, READ_TOKEN)
+    row = '#flow-groups tr[data-group="dash-api"]'
+    wait(browser, "the group's row", lambda d: "burst 2" in text(d, row))
+    wait(browser, "a held key with its reason", lambda d: "group dash-api" in text(d, "#flow-held"))
+    browser.save_screenshot(str(screenshots / "07-flow.png"))
+
+
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
     open_page(browser, deployment, READ_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")
@@ -396,4 +426,4 @@ def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots)
     proc.terminate()
     proc.wait(timeout=60)
     wait(browser, "the server-down banner", lambda d: "Server down or unreachable" in text(d, "#banner"))
-    browser.save_screenshot(str(screenshots / "07-down.png"))
+    browser.save_screenshot(str(screenshots / "08-down.png"))

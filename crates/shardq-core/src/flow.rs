@@ -701,6 +701,15 @@ pub enum Admit {
 pub type FlowSource =
     Box<dyn Fn() -> Result<FlowSettings, Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
 
+/// A key held back, until when and by what.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HeldKey {
+    /// When it is asked about again.
+    pub until_ms: u64,
+    /// The group whose bucket held it; none: its own rate.
+    pub by: Option<String>,
+}
+
 /// Counts of what flow control did, since the process started.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct FlowStats {
@@ -711,7 +720,7 @@ pub struct FlowStats {
     /// Refusals by keys' own buckets.
     pub key_throttled: u64,
     /// Keys refused at their last check and when they are asked again.
-    pub held_keys: BTreeMap<String, u64>,
+    pub held_keys: BTreeMap<String, HeldKey>,
     /// Groups whose bucket was empty at its last check, until when.
     pub held_groups: BTreeMap<String, u64>,
     /// Failed reads of the settings or of a group's bucket (a failed read
@@ -823,7 +832,7 @@ impl FlowControl {
             }
         });
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        st.held_keys.retain(|_, at| *at > now_ms);
+        st.held_keys.retain(|_, h| h.until_ms > now_ms);
         st.held_groups.retain(|_, at| *at > now_ms);
     }
 
@@ -871,7 +880,9 @@ impl FlowControl {
                 let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
                 st.key_throttled += 1;
                 if st.held_keys.len() < HELD_KEYS_SHOWN {
-                    st.held_keys.insert(key.to_string(), at);
+                    let by = None;
+                    st.held_keys
+                        .insert(key.to_string(), HeldKey { until_ms: at, by });
                 }
                 return Admit::NotBefore(at);
             }
@@ -904,7 +915,9 @@ impl FlowControl {
                     *st.group_throttled.entry(name.clone()).or_default() += 1;
                     st.held_groups.insert(name.clone(), at);
                     if st.held_keys.len() < HELD_KEYS_SHOWN {
-                        st.held_keys.insert(key.to_string(), at);
+                        let by = Some(name.clone());
+                        st.held_keys
+                            .insert(key.to_string(), HeldKey { until_ms: at, by });
                     }
                     return Admit::NotBefore(at);
                 }

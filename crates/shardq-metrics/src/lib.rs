@@ -18,6 +18,7 @@
 //! feeding call must stay cheap (atomics and a short lock) so that metrics
 //! never slow the queue down.
 
+pub mod flow;
 pub mod history;
 pub mod runs;
 pub mod serve;
@@ -119,6 +120,7 @@ pub struct Metrics {
     shards: shards::ShardGauges,
     runs: Mutex<RunTracker>,
     history: History,
+    flow_control: flow::FlowSeries,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -264,6 +266,7 @@ impl Metrics {
             rebalance.pause.clone(),
         );
         let shards = shards::ShardGauges::register(&mut registry, source, ttl);
+        let flow_control = flow::FlowSeries::register(&mut registry);
         let m = Metrics {
             registry,
             flow,
@@ -273,6 +276,7 @@ impl Metrics {
             shards,
             runs: Mutex::new(RunTracker::default()),
             history: History::default(),
+            flow_control,
         };
         m.set_phase("idle");
         m
@@ -282,8 +286,12 @@ impl Metrics {
     /// cached for [`STATUS_TTL`].
     pub fn for_deployment(deployment: Arc<Deployment>) -> Metrics {
         let names = deployment.shard_names().unwrap_or_default();
+        let flow = deployment.flow().cloned();
         let m = Metrics::new(Some(shards::deployment_source(deployment)), STATUS_TTL);
         m.start_at_zero(&names);
+        if let Some(f) = flow {
+            m.flow_control.set_source(f);
+        }
         m
     }
 
@@ -315,6 +323,10 @@ impl Metrics {
     /// when the cached one is older than the TTL (one read at a time; a
     /// scrape arriving meanwhile waits for it and uses its result).
     pub fn render(&self) -> String {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        self.flow_control.update(now_ms);
         self.shards.render(&self.registry)
     }
 

@@ -1122,6 +1122,19 @@ fn policies_and_groups_are_set_over_http_and_held_by_claims() {
         (2, 3, 3),
         "a key's burst of 2, the group's 3 over its keys, the free key all: {started:?}"
     );
+    let st = get_ok(&s, "/v1/status");
+    assert_eq!(st["flow"]["groups"]["api"]["starts"], 3, "{st}");
+    let held = st["flow"]["held_keys"].as_array().unwrap();
+    assert!(
+        held.iter().any(|h| h["by"] == "group api") && held.iter().any(|h| h["by"] == "its rate"),
+        "keys held and why: {held:?}"
+    );
+    let (_, m) = call(&s, "GET", "/metrics", None, None);
+    let m = m.as_str().unwrap();
+    assert!(
+        m.contains("shardq_flow_group_starts_total{group=\"api\"} 3"),
+        "{m}"
+    );
     let (code, v) = call(
         &s,
         "DELETE",

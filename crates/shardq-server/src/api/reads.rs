@@ -10,8 +10,50 @@ use super::*;
 
 /// `GET /v1/status`: `Deployment::status()`, serialised.
 pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
-    let report = blocking(move || Ok(app.deployment.status()?)).await?;
-    ok(serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?)
+    let a = Arc::clone(&app);
+    let report = blocking(move || Ok(a.deployment.status()?)).await?;
+    let mut v = serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?;
+    v["flow"] = flow_status(&app);
+    ok(v)
+}
+
+/// What this server's flow control holds back now, and its groups with
+/// their limits and what this process started and held under them.
+fn flow_status(app: &App) -> Value {
+    let Some(flow) = app.deployment.flow() else {
+        return Value::Null;
+    };
+    let now = app.clock.now_ms();
+    let stats = flow.stats();
+    let settings = flow.settings();
+    let groups: serde_json::Map<String, Value> = (settings.groups.iter())
+        .map(|(name, g)| {
+            let held = stats.held_groups.get(name).copied().filter(|&t| t > now);
+            (
+                name.clone(),
+                json!({
+                    "rate": g.rate.to_string(),
+                    "per_second": g.rate.count as f64 * 1000.0 / g.rate.per_ms as f64,
+                    "burst": g.burst_or_default(),
+                    "starts": stats.group_starts.get(name).copied().unwrap_or(0),
+                    "throttled": stats.group_throttled.get(name).copied().unwrap_or(0),
+                    "held_until_ms": held,
+                }),
+            )
+        })
+        .collect();
+    let held: Vec<Value> = (stats.held_keys.iter())
+        .filter(|(_, h)| h.until_ms > now)
+        .map(|(k, h)| json!({ "key": k, "until_ms": h.until_ms, "by": h.by.as_ref().map_or_else(|| "its rate".to_string(), |g| format!("group {g}")) }))
+        .collect();
+    json!({
+        "now_ms": now,
+        "groups": groups,
+        "held_keys": held,
+        "key_throttled": stats.key_throttled,
+        "errors": stats.errors,
+        "last_error": stats.last_error,
+    })
 }
 
 /// `GET /v1/keys/{key}`: route, override and counts of one key.

@@ -24,6 +24,7 @@
     cancelArmed: null,   // id whose cancel waits for a second click
     job: null,           // the job shown in the job panel
     flowSeconds: 600,    // the throughput chart's window
+    flowPrev: null,      // { now_ms, groups } of the last status poll's flow
   };
 
   // ---------------------------------------------------------------- token
@@ -403,6 +404,53 @@
     }
   }
 
+  // ------------------------------------------------------------------ flow
+  // Starts per second per group, from two polls of this server's counts.
+  function renderFlow(flow) {
+    const body = $("flow-groups").querySelector("tbody");
+    clear(body);
+    const groups = (flow && flow.groups) || {};
+    const names = Object.keys(groups);
+    $("flow-empty").hidden = names.length > 0;
+    const prev = state.flowPrev;
+    const now = flow ? flow.now_ms : Date.now();
+    for (const name of names) {
+      const g = groups[name];
+      let rate = null;
+      if (prev && prev.groups[name] && now > prev.now_ms) {
+        rate = (g.starts - prev.groups[name].starts) * 1000 / (now - prev.now_ms);
+      }
+      const load = rate === null ? 0 : Math.min(rate / g.per_second, 1);
+      const bar = el("div", { class: "bar" });
+      bar.appendChild(el("span", { style: "width:" + (load * 100).toFixed(0) + "%;background:" + (load > 0.95 ? "#c0392b" : "#2e86de") }));
+      const held = g.held_until_ms && g.held_until_ms > now;
+      const tr = el("tr", { "data-group": name });
+      tr.appendChild(el("td", null, name));
+      tr.appendChild(el("td", { class: "num" }, rate === null ? "…" : rate.toFixed(1)));
+      const limit = g.per_second < 10 ? g.per_second.toFixed(1) : Math.round(g.per_second).toString();
+      tr.appendChild(el("td", { class: "num" }, limit + " (burst " + fmt(g.burst) + ")"));
+      const cell = el("td");
+      cell.appendChild(bar);
+      tr.appendChild(cell);
+      tr.appendChild(el("td", { class: "num" }, fmt(g.throttled)));
+      tr.appendChild(el("td", null, held ? "held " + ((g.held_until_ms - now) / 1000).toFixed(1) + " s" : "open"));
+      body.appendChild(tr);
+    }
+    state.flowPrev = flow ? { now_ms: now, groups: groups } : null;
+    const keys = (flow && flow.held_keys) || [];
+    const t = $("flow-held");
+    t.hidden = keys.length === 0;
+    const kb = t.querySelector("tbody");
+    clear(kb);
+    for (const k of keys.slice(0, 50)) {
+      const tr = el("tr", { "data-key": k.key });
+      tr.appendChild(el("td", null, k.key));
+      tr.appendChild(el("td", null, k.by));
+      tr.appendChild(el("td", { class: "num" }, Math.max(0, (k.until_ms - now) / 1000).toFixed(1) + " s"));
+      kb.appendChild(tr);
+    }
+  }
+
   // ------------------------------------------------------------------ dead
   function deadNote(kind, text) {
     const m = $("dead-msg");
@@ -735,6 +783,7 @@
     // The ring first: it names each shard's state and weight.
     if (got.ring) renderRing(got.ring);
     if (got.status) renderShards(got.status);
+    if (got.status) renderFlow(got.status.flow);
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
