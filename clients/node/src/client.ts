@@ -210,6 +210,128 @@ function finishedInfo(doc: unknown, url: string): FinishedInfo {
   return info;
 }
 
+/**
+ * A flow-control policy as the server shows it (every field spelt out).
+ * Starts are counted over every worker of the deployment.
+ */
+export interface FlowPolicy {
+  /** Runs of a key at once (1: a key runs its jobs one at a time, in order). */
+  concurrency: number;
+  /** Starts per unit of time: `"50/s"`, `"600/m"`, `"1000/h"`; absent: unlimited. */
+  rate?: string;
+  /** Tokens the key's bucket holds (one second of the rate unless set); absent without a rate. */
+  burst?: number;
+  /** Share of slots among ready keys of one priority (default 1). */
+  weight: number;
+  /** Priority class, higher first (default 0). */
+  priority: number;
+  /** The group whose shared rate the key's starts also count against. */
+  group?: string;
+}
+
+/** Where a key's policy comes from: its own, its longest prefix's, or the default. */
+export type PolicyScope = "key" | "prefix" | "default";
+
+/** The answer of `client.policy(key)`: the policy the key gets and where it comes from. */
+export interface PolicyInfo {
+  key: string;
+  policy: FlowPolicy;
+  /** `"key"` (its own), `"prefix"` (`prefix` says which) or `"default"`; for a prefix's or the default's own policy, the scope. */
+  source: PolicyScope;
+  /** The prefix whose policy it is. */
+  prefix?: string;
+}
+
+/** A flow-control group: a rate shared by every key whose policy names it, over every worker. */
+export interface GroupInfo {
+  /** `"20/s"`, `"600/m"`, `"1000/h"`. */
+  rate: string;
+  /** Tokens its bucket holds (one second of the rate unless set). */
+  burst: number;
+}
+
+/** Every flow-control setting of the deployment (`client.policies()`). */
+export interface FlowSettings {
+  default: FlowPolicy;
+  prefixes: Record<string, FlowPolicy>;
+  keys: Record<string, FlowPolicy>;
+  groups: Record<string, GroupInfo>;
+}
+
+/** Exactly one of a key, a prefix (every key starting with it) or the deployment's default. */
+export interface PolicyTarget {
+  key?: string;
+  prefix?: string;
+  default?: boolean;
+}
+
+/** A whole policy for `setPolicy`: the fields given, the others at their defaults. */
+export interface PolicySpec extends PolicyTarget {
+  /** `"N/s"`, `"N/m"` or `"N/h"`. */
+  rate?: string;
+  /** Only with a rate. */
+  burst?: number;
+  weight?: number;
+  priority?: number;
+  /** A group that exists (`setGroup`). */
+  group?: string;
+  concurrency?: number;
+}
+
+/** A group's limit for `setGroup`. */
+export interface GroupSpec {
+  rate: string;
+  burst?: number;
+}
+
+function segment(value: unknown, what: string): string {
+  if (typeof value !== "string" || value === "") throw new TypeError(`${what} must be a non-empty string, got ${JSON.stringify(value)}`);
+  return encodeURIComponent(value);
+}
+
+/** The `/v1/policies/...` path of exactly one of a key, a prefix or the default. */
+function policyPath(t: PolicyTarget, what: string): string {
+  const named = [t.key !== undefined && "key", t.prefix !== undefined && "prefix", t.default === true && "default"].filter((x) => x !== false);
+  if (named.length !== 1) throw new TypeError(`${what}: name exactly one of key, prefix or default: true (got ${named.join(", ") || "none"})`);
+  if (t.default === true) return "/v1/policies/default?scope=default";
+  if (t.key !== undefined) return `/v1/policies/${segment(t.key, `${what}: key`)}`;
+  return `/v1/policies/${segment(t.prefix, `${what}: prefix`)}?scope=prefix`;
+}
+
+function record(doc: unknown, url: string, what: string): Record<string, unknown> {
+  if (doc === null || typeof doc !== "object" || Array.isArray(doc)) throw new ShardqError(`${url}: ${what} is not an object: ${JSON.stringify(doc)}`, 200, url);
+  return doc as Record<string, unknown>;
+}
+
+function flowPolicy(doc: unknown, url: string): FlowPolicy {
+  const p = record(doc, url, "a policy");
+  const out: FlowPolicy = {
+    concurrency: typeof p["concurrency"] === "number" ? p["concurrency"] : 1,
+    weight: typeof p["weight"] === "number" ? p["weight"] : 1,
+    priority: typeof p["priority"] === "number" ? p["priority"] : 0,
+  };
+  if (typeof p["rate"] === "string") out.rate = p["rate"];
+  if (typeof p["burst"] === "number") out.burst = p["burst"];
+  if (typeof p["group"] === "string") out.group = p["group"];
+  return out;
+}
+
+function groupInfo(doc: unknown, url: string): GroupInfo {
+  const g = record(doc, url, "a group");
+  if (typeof g["rate"] !== "string" || typeof g["burst"] !== "number") throw new ShardqError(`${url}: a group lacks its rate or burst: ${JSON.stringify(doc)}`, 200, url);
+  return { rate: g["rate"], burst: g["burst"] };
+}
+
+function mapOf<T>(doc: unknown, url: string, what: string, each: (v: unknown, url: string) => T): Record<string, T> {
+  return Object.fromEntries(Object.entries(doc === undefined || doc === null ? {} : record(doc, url, what)).map(([k, v]) => [k, each(v, url)]));
+}
+
+function removed(doc: unknown, url: string): boolean {
+  const r = record(doc, url, "the answer")["removed"];
+  if (typeof r !== "boolean") throw new ShardqError(`${url}: the answer has no removed flag: ${JSON.stringify(doc)}`, 200, url);
+  return r;
+}
+
 /** Most jobs one `keyJobs` call returns. */
 export const KEY_JOBS_MAX = 1000;
 const READ_SERVER_WAIT_MS = 30_000;
@@ -346,8 +468,89 @@ export class Client {
     return doc !== undefined;
   }
 
-  /** One read or change at the first server that answers (a 404 is an answer: `undefined`). */
-  private async read(method: string, path: string, body: unknown, notFound: true | "body" = true): Promise<[unknown, string]> {
+  /** Every flow-control setting of the deployment: the default policy, the policies by prefix and by key, and the groups (role `read`). */
+  async policies(): Promise<FlowSettings> {
+    const [doc, url] = await this.read("GET", "/v1/policies", undefined, false);
+    const s = record(doc, url, "the flow settings");
+    return {
+      default: flowPolicy(s["default"] ?? {}, url),
+      prefixes: mapOf(s["prefixes"], url, "prefixes", flowPolicy),
+      keys: mapOf(s["keys"], url, "keys", flowPolicy),
+      groups: mapOf(s["groups"], url, "groups", groupInfo),
+    };
+  }
+
+  /**
+   * The policy `key` gets and where it comes from (its own, its longest
+   * prefix's, or the default). With `{ scope: "prefix" }` the policy of the
+   * prefix `key` (`undefined` when it has none); with `{ scope: "default" }`
+   * the default's (`key` is not used).
+   */
+  async policy(key?: string, opts: { scope?: PolicyScope } = {}): Promise<PolicyInfo | undefined> {
+    const scope = opts.scope ?? "key";
+    if (scope !== "key" && scope !== "prefix" && scope !== "default") throw new TypeError(`policy: scope must be key, prefix or default, got ${JSON.stringify(scope)}`);
+    const path = policyPath(scope === "key" ? { key: key ?? "" } : scope === "prefix" ? { prefix: key ?? "" } : { default: true }, "policy");
+    const [doc, url] = await this.read("GET", path, undefined);
+    if (doc === undefined) return undefined;
+    const p = record(doc, url, "the policy");
+    const info: PolicyInfo = { key: String(p["key"]), policy: flowPolicy(p["policy"], url), source: String(p["from"]) as PolicyScope };
+    if (typeof p["prefix"] === "string") info.prefix = p["prefix"];
+    return info;
+  }
+
+  /**
+   * Sets the whole policy of exactly one of `key`, `prefix` (every key
+   * starting with it) or the `default` (role `admin`): the fields given, the
+   * others at their defaults (no rate, no group, weight 1, priority 0).
+   * Resolves to the policy stored; a bad value rejects with `BadRequest`
+   * naming it. Every server and worker uses it within a second.
+   */
+  async setPolicy(spec: PolicySpec): Promise<FlowPolicy> {
+    const path = policyPath(spec, "setPolicy");
+    const body: Record<string, unknown> = {};
+    for (const field of ["rate", "burst", "weight", "priority", "group", "concurrency"] as const) {
+      if (spec[field] !== undefined) body[field] = spec[field];
+    }
+    const [doc, url] = await this.read("PUT", path, body, false);
+    return flowPolicy(record(doc, url, "the answer")["policy"], url);
+  }
+
+  /** Removes the policy of `key` or `prefix` (the `default` goes back to no limits) (role `admin`); whether there was one. */
+  async clearPolicy(target: PolicyTarget): Promise<boolean> {
+    const [doc, url] = await this.read("DELETE", policyPath(target, "clearPolicy"), {}, false);
+    return removed(doc, url);
+  }
+
+  /** Every flow-control group, by name (role `read`). */
+  async groups(): Promise<Record<string, GroupInfo>> {
+    const [doc, url] = await this.read("GET", "/v1/groups", undefined, false);
+    return mapOf(doc, url, "groups", groupInfo);
+  }
+
+  /** The group `name`; `undefined` when there is none. */
+  async group(name: string): Promise<GroupInfo | undefined> {
+    const [doc, url] = await this.read("GET", `/v1/groups/${segment(name, "group: name")}`, undefined);
+    return doc === undefined ? undefined : groupInfo(doc, url);
+  }
+
+  /** Creates or changes the group `name` (role `admin`): `rate` starts shared by every key whose policy names it, over every worker; `burst` tokens (default: one second of the rate). Resolves to the group stored. */
+  async setGroup(name: string, spec: GroupSpec): Promise<GroupInfo> {
+    const path = `/v1/groups/${segment(name, "setGroup: name")}`;
+    if (typeof spec?.rate !== "string" || spec.rate === "") throw new TypeError(`setGroup: rate must be a string such as "20/s", got ${JSON.stringify(spec?.rate)}`);
+    const body: Record<string, unknown> = { rate: spec.rate };
+    if (spec.burst !== undefined) body["burst"] = spec.burst;
+    const [doc, url] = await this.read("PUT", path, body, false);
+    return groupInfo(record(doc, url, "the answer")["group"], url);
+  }
+
+  /** Removes the group `name` (role `admin`); whether there was one. A group a policy still names rejects with `BadRequest`. */
+  async clearGroup(name: string): Promise<boolean> {
+    const [doc, url] = await this.read("DELETE", `/v1/groups/${segment(name, "clearGroup: name")}`, {}, false);
+    return removed(doc, url);
+  }
+
+  /** One read or change at the first server that answers (a 404 is an answer, `undefined`, unless `notFound` is false). */
+  private async read(method: string, path: string, body: unknown, notFound: boolean | "body" = true): Promise<[unknown, string]> {
     const causes: string[] = [];
     let last: ShardqError | undefined;
     for (const transport of this.transports) {

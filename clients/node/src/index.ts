@@ -3,8 +3,31 @@ export * from "./map.js";
 export * from "./router.js";
 export { lnCorrectlyRounded } from "./ln.js";
 export { BadRequest, JobNotCancelled, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
-export { Client, ENQUEUE_BATCH_BYTES_MAX, ENQUEUE_BATCH_MAX, KEY_JOBS_MAX, type ClientOptions, type FinishedInfo, type JobInfo, type Moved, type EnqueueOptions, type EnqueueResult, type JobSpec, type Payload } from "./client.js";
 export {
+  Client,
+  ENQUEUE_BATCH_BYTES_MAX,
+  ENQUEUE_BATCH_MAX,
+  KEY_JOBS_MAX,
+  type ClientOptions,
+  type FinishedInfo,
+  type FlowPolicy,
+  type FlowSettings,
+  type GroupInfo,
+  type GroupSpec,
+  type JobInfo,
+  type Moved,
+  type EnqueueOptions,
+  type EnqueueResult,
+  type JobSpec,
+  type Payload,
+  type PolicyInfo,
+  type PolicyScope,
+  type PolicySpec,
+  type PolicyTarget,
+} from "./client.js";
+export {
+  BACKOFF_MS_MAX,
+  BackOff,
   CLAIM_MAX,
   RetryLater,
   Worker,

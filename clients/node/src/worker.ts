@@ -7,9 +7,10 @@
  * extends the leases of running and claimed-ahead jobs with one
  * `POST /v1/extend` per server every lease/3, and acks the jobs that
  * finished meanwhile with one `POST /v1/ack` per server (a failure is one
- * `POST /v1/fail`). A 409 on extend, ack or fail means the run is no longer
- * current (its lease lapsed and the job went to another run): it is logged,
- * the handler's `signal` is aborted, and nothing is retried.
+ * `POST /v1/fail`; a handler's `BackOff` is one too, with `backoff_ms`). A
+ * 409 on extend, ack or fail means the run is no longer current (its lease
+ * lapsed and the job went to another run): it is logged, the handler's
+ * `signal` is aborted, and nothing is retried.
  *
  * SIGTERM and SIGINT (or `stop()`) drain: the long polls are cancelled at
  * once, every claimed job runs and is reported, then `run` resolves. A
@@ -66,6 +67,33 @@ export class RetryLater extends Error {
     readonly retryInMs: number,
   ) {
     super(message);
+  }
+}
+
+/** Longest back-off a handler may ask for, in ms (one day: the server's `BACKOFF_MS_MAX`). */
+export const BACKOFF_MS_MAX = 86_400_000;
+
+/**
+ * Throw this from a handler when its downstream limits it (a 429, a spent
+ * quota): the run ends without using an attempt, the job goes back to the
+ * head of its key, and the key starts nothing for `backoffMs` (0 to one day)
+ * while other keys run on. With `{ group: true }` every key of the key's
+ * flow-control group waits too, in every process. (Any error with a numeric
+ * `backoffMs` does the same, and `backoffGroup: true` holds the group.)
+ */
+export class BackOff extends Error {
+  override name = "BackOff";
+  readonly backoffMs: number;
+  /** Whether the key's whole flow-control group waits too. */
+  readonly backoffGroup: boolean;
+  constructor(backoffMs: number, opts: { group?: boolean } = {}) {
+    if (!Number.isSafeInteger(backoffMs) || backoffMs < 0 || backoffMs > BACKOFF_MS_MAX) {
+      throw new TypeError(`BackOff: backoffMs must be an integer from 0 to ${BACKOFF_MS_MAX} (one day), got ${String(backoffMs)}`);
+    }
+    const group = opts.group === true;
+    super(`back off ${backoffMs} ms${group ? " (the key's whole group)" : ""}`);
+    this.backoffMs = backoffMs;
+    this.backoffGroup = group;
   }
 }
 
@@ -126,6 +154,8 @@ export interface WorkerStats {
   claimRequests: number;
   /** Answered `/v1/ack` requests. */
   ackRequests: number;
+  /** Runs ended by a handler's `BackOff` (the server confirmed them; no attempt was used). */
+  backedOff: number;
 }
 
 const REASON_BYTES_MAX = 1000;
@@ -191,7 +221,7 @@ interface Held {
 
 /** One `run`'s state. */
 class Run {
-  readonly stats: WorkerStats = { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0 };
+  readonly stats: WorkerStats = { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0 };
   /** Claimed, not finished: running or waiting for a handler. */
   readonly held = new Map<string, Held>();
   readonly waiting: Held[] = [];
@@ -246,7 +276,7 @@ export class Worker {
 
   /** The counts of the run under way, or of the last one. */
   get stats(): WorkerStats {
-    return { ...(this.current?.stats ?? this.lastStats ?? { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0 }) };
+    return { ...(this.current?.stats ?? this.lastStats ?? { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0 }) };
   }
 
   /**
@@ -323,15 +353,18 @@ export class Worker {
       const { job } = held;
       const abort = new AbortController();
       held.abort = abort;
-      let outcome: { ok: true } | { ok: false; reason: string; retryInMs?: number };
+      let outcome: { ok: true } | { ok: false; reason: string; retryInMs?: number; backoffMs?: number; backoffGroup?: boolean };
       try {
         await handler(job, { signal: abort.signal });
         outcome = { ok: true };
       } catch (err) {
         const reason = (err instanceof Error ? err.message : String(err)) || "handler failed";
-        const retry = (err as { retryInMs?: unknown } | null)?.retryInMs;
+        const { retryInMs: retry, backoffMs: backoff, backoffGroup } = (err ?? {}) as { retryInMs?: unknown; backoffMs?: unknown; backoffGroup?: unknown };
         outcome = { ok: false, reason: reason.slice(0, REASON_BYTES_MAX) };
-        if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
+        if (typeof backoff === "number" && Number.isFinite(backoff) && backoff >= 0) {
+          outcome.backoffMs = Math.round(backoff);
+          outcome.backoffGroup = backoffGroup === true;
+        } else if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
       }
       held.abort = undefined;
       // Left behind (drain timeout, a stop without draining): counted then, never reported.
@@ -343,7 +376,10 @@ export class Worker {
         this.queueAck(run, held, reportTries);
       } else {
         const body: Record<string, unknown> = { receipt: job.receipt, reason: outcome.reason };
-        if (outcome.retryInMs !== undefined) body["retry_in_ms"] = outcome.retryInMs;
+        if (outcome.backoffMs !== undefined) {
+          body["backoff_ms"] = outcome.backoffMs;
+          body["backoff_group"] = outcome.backoffGroup === true;
+        } else if (outcome.retryInMs !== undefined) body["retry_in_ms"] = outcome.retryInMs;
         sendReport(held, "/v1/fail", body);
       }
       dispatch();
@@ -575,7 +611,8 @@ export class Worker {
     for (let attempt = 0; attempt < tries; attempt++) {
       try {
         await transport.post(path, body, { serverWaitMs: REPORT_SERVER_WAIT_MS, signal: run.cutoff.signal });
-        run.stats.failed++;
+        if (body["backoff_ms"] !== undefined) run.stats.backedOff++;
+        else run.stats.failed++;
         return;
       } catch (err) {
         if (err instanceof StaleReceipt) {

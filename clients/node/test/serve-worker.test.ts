@@ -110,7 +110,7 @@ test("the drain timeout cancels the runs it leaves through their signals, report
     worker.stop();
     const stats = await ran;
     assert.equal(aborted, 1, "the running handler's signal was aborted");
-    assert.deepEqual({ ...stats, claimRequests: 0, ackRequests: 0 }, { claimed: 2, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 2, claimRequests: 0, ackRequests: 0 });
+    assert.deepEqual({ ...stats, claimRequests: 0, ackRequests: 0 }, { claimed: 2, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 2, claimRequests: 0, ackRequests: 0, backedOff: 0 });
     assert.ok(
       log.lines.some((l) => /drain timeout \(200 ms\): 1 running handler\(s\) cancelled through their signals and 1 claimed job\(s\) not started; none of them is acked/.test(l)),
       log.lines.join("\n"),

@@ -32,7 +32,23 @@ from .errors import (
     Unauthorized,
     Unavailable,
 )
-from .http import ClaimedJob, Client, Enqueued, FinishedInfo, JobInfo, Moved, NewJob, Retry, Worker, WorkerStats
+from .http import (
+    BackOff,
+    ClaimedJob,
+    Client,
+    Enqueued,
+    FinishedInfo,
+    FlowPolicy,
+    FlowSettings,
+    GroupInfo,
+    JobInfo,
+    Moved,
+    NewJob,
+    PolicyInfo,
+    Retry,
+    Worker,
+    WorkerStats,
+)
 
 # The asyncio clients need aiohttp, the direct Redis producer redis-py and
 # the reference router (two thirds of the import time of this package):
@@ -63,6 +79,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncClient",
     "AsyncWorker",
+    "BackOff",
     "BadRequest",
     "ClaimedJob",
     "Client",
@@ -73,6 +90,9 @@ __all__ = [
     "InvalidJob",
     "Job",
     "FinishedInfo",
+    "FlowPolicy",
+    "FlowSettings",
+    "GroupInfo",
     "JobInfo",
     "JobNotCancelled",
     "Moved",
@@ -80,6 +100,7 @@ __all__ = [
     "PartialEnqueue",
     "PausedTooLong",
     "Placed",
+    "PolicyInfo",
     "RedisProducer",
     "Retry",
     "ServerUnavailable",

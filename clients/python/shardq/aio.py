@@ -11,8 +11,10 @@ handlers the threaded :class:`shardq.Worker` used less CPU per job in our
 benchmarks (see BENCHMARKS.md).
 
 A handler is ``async def handler(job: ClaimedJob) -> None``: returning acks
-the job, raising :class:`shardq.Retry` fails it with that retry delay, any
-other exception fails the attempt. A stop without draining cancels it
+the job, raising :class:`shardq.Retry` fails it with that retry delay,
+raising :class:`shardq.BackOff` ends the run without using an attempt and
+holds its key (or its whole group) for the time asked, any other exception
+fails the attempt. A stop without draining cancels it
 (``asyncio.CancelledError`` in the handler; ``job.lost`` is set too). A
 blocking handler stalls the loop: run blocking work with
 ``asyncio.to_thread`` (or use :class:`shardq.Worker`).
@@ -47,11 +49,15 @@ from .http import (
     ClaimedJob,
     Enqueued,
     FinishedInfo,
+    FlowPolicy,
+    FlowSettings,
+    GroupInfo,
     JobInfo,
     JobLike,
     Moved,
     NewJob,
     Payload,
+    PolicyInfo,
     WorkerStats,
     _Attempts,
     _backoff_ms,
@@ -65,6 +71,8 @@ from .http import (
     _enqueued_of,
     _error_of,
     _extend_refused,
+    _group_body,
+    _groups_of,
     _halves,
     _is_answer,
     _job_bodies,
@@ -72,9 +80,13 @@ from .http import (
     _mark_lost,
     _normalise_urls,
     _outcome_of,
+    _policy_body,
+    _policy_shown,
+    _policy_target,
     _raise_for,
     _refuses_worker,
     _retryable,
+    _segment,
     _settle_acks,
     _SignalStops,
     _SlotBook,
@@ -249,7 +261,69 @@ class AsyncClient:
         status, _ = await self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
         return status != 404
 
+    # --- flow control ---------------------------------------------------
+
+    async def policies(self) -> FlowSettings:
+        """:meth:`shardq.Client.policies` from asyncio code."""
+        return FlowSettings._of(await self._flow("GET", "/v1/policies", None, "reading the policies"))
+
+    async def policy(self, key: Optional[str] = None, scope: str = "key") -> Optional[PolicyInfo]:
+        """:meth:`shardq.Client.policy` from asyncio code."""
+        doc = await self._flow("GET", _policy_shown(key, scope), None, "reading a policy", missing_ok=True)
+        return None if doc is None else PolicyInfo._of(doc)
+
+    async def set_policy(self, key: Optional[str] = None, *, prefix: Optional[str] = None, default: bool = False,
+                         rate: Optional[str] = None, burst: Optional[int] = None, weight: Optional[int] = None,
+                         priority: Optional[int] = None, group: Optional[str] = None,
+                         concurrency: Optional[int] = None) -> FlowPolicy:
+        """:meth:`shardq.Client.set_policy` from asyncio code."""
+        path = _policy_target(key, prefix, default)
+        body = _policy_body(rate=rate, burst=burst, weight=weight, priority=priority, group=group,
+                            concurrency=concurrency)
+        return FlowPolicy._of((await self._flow("PUT", path, body, "setting a policy"))["policy"])
+
+    async def clear_policy(self, key: Optional[str] = None, *, prefix: Optional[str] = None,
+                           default: bool = False) -> bool:
+        """:meth:`shardq.Client.clear_policy` from asyncio code."""
+        doc = await self._flow("DELETE", _policy_target(key, prefix, default), {}, "removing a policy")
+        return bool(doc["removed"])
+
+    async def groups(self) -> Dict[str, GroupInfo]:
+        """:meth:`shardq.Client.groups` from asyncio code."""
+        return _groups_of(await self._flow("GET", "/v1/groups", None, "reading the groups"))
+
+    async def group(self, name: str) -> Optional[GroupInfo]:
+        """:meth:`shardq.Client.group` from asyncio code."""
+        doc = await self._flow("GET", f"/v1/groups/{_segment(name, 'group name')}", None, "reading a group",
+                               missing_ok=True)
+        return None if doc is None else GroupInfo._of(doc)
+
+    async def set_group(self, name: str, rate: str, burst: Optional[int] = None) -> GroupInfo:
+        """:meth:`shardq.Client.set_group` from asyncio code."""
+        doc = await self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}", _group_body(rate, burst),
+                               "setting a group")
+        return GroupInfo._of(doc["group"])
+
+    async def clear_group(self, name: str) -> bool:
+        """:meth:`shardq.Client.clear_group` from asyncio code."""
+        doc = await self._flow("DELETE", f"/v1/groups/{_segment(name, 'group name')}", {}, "removing a group")
+        return bool(doc["removed"])
+
+    async def _flow(self, method: str, path: str, body: Optional[Dict[str, Any]], what: str,
+                    missing_ok: bool = False) -> Any:
+        status, doc, url = await self._call_at(method, path, body, what)
+        if status == 404:
+            if missing_ok:
+                return None
+            raise HttpError(url, status, _error_of(doc))
+        return doc
+
     async def _call(self, method: str, path: str, body: Optional[Dict[str, Any]], what: str) -> Tuple[int, Any]:
+        status, doc, _ = await self._call_at(method, path, body, what)
+        return status, doc
+
+    async def _call_at(self, method: str, path: str, body: Optional[Dict[str, Any]],
+                       what: str) -> Tuple[int, Any, str]:
         causes: List[str] = []
         last: Optional[BaseException] = None
         for url in self.urls:
@@ -260,7 +334,7 @@ class AsyncClient:
                 last = e
                 continue
             if _is_answer(url, method, status, doc, causes):
-                return status, doc
+                return status, doc, url + path
         raise ServerUnavailable(what, causes, last)
 
     async def close(self) -> None:
@@ -503,7 +577,10 @@ class AsyncWorker(_SignalStops):
                 await asyncio.sleep(_backoff_ms(attempt) / 1000)
                 continue
             if status == 200:
-                self.stats.failed += 1
+                if "backoff_ms" in body:
+                    self.stats.backed_off += 1
+                else:
+                    self.stats.failed += 1
                 return
             if status == 409:
                 log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (%s refused: %s)",

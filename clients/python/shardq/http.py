@@ -16,8 +16,18 @@ token is given):
   "max_attempts", "receipt", "fence", "lease_expires_ms"}]}``; a receipt is
   the string ``SHARD:ID.FENCE``
 * ``/v1/ack`` ``{"receipts": [...]}`` -> ``{"acked": n}``, ``/v1/fail``
-  ``{"receipt", "reason", "retry_in_ms"?}``, ``/v1/extend`` ``{"receipts":
-  [...], "lease_ms"}`` -> ``{"extended": n}``
+  ``{"receipt", "reason", "retry_in_ms"?}`` (or, to back off without using
+  an attempt, ``{"receipt", "reason", "backoff_ms", "backoff_group"}``),
+  ``/v1/extend`` ``{"receipts": [...], "lease_ms"}`` -> ``{"extended": n}``
+* flow control (``read`` to look, ``admin`` to change; ``GET``, ``PUT``,
+  ``DELETE``): ``/v1/policies`` -> ``{"default", "prefixes", "keys",
+  "groups"}``; ``/v1/policies/{key}[?scope=prefix|default]`` -> ``{"key",
+  "policy", "from", "prefix"}``, ``PUT`` a whole policy ``{"rate", "burst",
+  "weight", "priority", "group", "concurrency"}`` (all optional) ->
+  ``{"target", "policy"}``, ``DELETE`` -> ``{"removed"}``;
+  ``/v1/groups`` -> ``{NAME: {"rate", "burst"}}``, ``/v1/groups/{name}``
+  (``PUT`` ``{"rate", "burst"?}`` -> ``{"name", "group"}``, ``DELETE`` ->
+  ``{"removed"}``, 400 while a policy names the group)
 * 409 for a stale receipt; with several receipts the valid ones take effect
   and the body lists the others: ``{"error", "acked" | "extended", "stale":
   [...], "not_owned": [...]}``. 409 on ``/v1/jobs``: a job's dedup id is
@@ -514,6 +524,9 @@ def _outcome_of(job: "ClaimedJob", error: Optional[BaseException]) -> Optional[T
         return None
     if isinstance(error, Retry):
         return ("/v1/fail", {"receipt": job.receipt, "reason": str(error), "retry_in_ms": int(error.retry_in_ms)})
+    if isinstance(error, BackOff):
+        return ("/v1/fail", {"receipt": job.receipt, "reason": str(error)[:1024], "backoff_ms": error.ms,
+                             "backoff_group": error.group})
     return ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(error).__name__}: {error}"[:1024]})
 
 
@@ -639,6 +652,136 @@ class JobInfo:
             reason=doc.get("reason"), payload=_decode_payload(doc),
             attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
         )
+
+
+@dataclass(frozen=True)
+class FlowPolicy:
+    """A flow-control policy as the server shows it (every field spelt
+    out): ``concurrency`` runs of a key at once (1: a key runs its jobs one
+    at a time, in order); ``rate`` its starts per unit of time (``"50/s"``,
+    ``"600/m"``, ``"1000/h"``; ``None``: unlimited) and ``burst`` the tokens
+    its bucket holds (one second of the rate unless set; ``None`` without a
+    rate); ``weight`` its share of slots among ready keys of one
+    ``priority`` (higher first); ``group`` the group whose shared rate its
+    starts also count against. Starts are counted over every worker of the
+    deployment."""
+
+    concurrency: int = 1
+    rate: Optional[str] = None
+    burst: Optional[int] = None
+    weight: int = 1
+    priority: int = 0
+    group: Optional[str] = None
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "FlowPolicy":
+        burst = doc.get("burst")
+        return FlowPolicy(
+            concurrency=int(doc.get("concurrency", 1)), rate=doc.get("rate"),
+            burst=None if burst is None else int(burst), weight=int(doc.get("weight", 1)),
+            priority=int(doc.get("priority", 0)), group=doc.get("group"),
+        )
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """The answer of :meth:`Client.policy`: the ``policy`` that ``key``
+    gets and its ``source``: ``"key"`` (its own), ``"prefix"`` (then
+    ``prefix`` names the longest prefix with a policy) or ``"default"``
+    (the deployment's default). For a prefix's or the default's own policy
+    (``scope``), ``source`` is the scope."""
+
+    key: str
+    policy: FlowPolicy
+    source: str
+    prefix: Optional[str]
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "PolicyInfo":
+        return PolicyInfo(key=str(doc["key"]), policy=FlowPolicy._of(doc["policy"]), source=str(doc["from"]),
+                          prefix=doc.get("prefix"))
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A flow-control group: a ``rate`` (``"20/s"``) shared by every key
+    whose policy names the group, over every worker, and its bucket's
+    ``burst`` (one second of the rate unless set)."""
+
+    rate: str
+    burst: int
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "GroupInfo":
+        return GroupInfo(rate=str(doc["rate"]), burst=int(doc["burst"]))
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """Every flow-control setting of the deployment (:meth:`Client.policies`):
+    the ``default`` policy, the policies by ``prefixes`` and by ``keys``,
+    and the ``groups`` by name. A key follows its own policy, else its
+    longest prefix's, else the default."""
+
+    default: FlowPolicy
+    prefixes: Dict[str, FlowPolicy]
+    keys: Dict[str, FlowPolicy]
+    groups: Dict[str, GroupInfo]
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "FlowSettings":
+        return FlowSettings(
+            default=FlowPolicy._of(doc.get("default") or {}),
+            prefixes={str(k): FlowPolicy._of(v) for k, v in (doc.get("prefixes") or {}).items()},
+            keys={str(k): FlowPolicy._of(v) for k, v in (doc.get("keys") or {}).items()},
+            groups=_groups_of(doc.get("groups")),
+        )
+
+
+def _groups_of(doc: Any) -> Dict[str, GroupInfo]:
+    return {str(n): GroupInfo._of(g) for n, g in (doc or {}).items()}
+
+
+_POLICY_SCOPES = ("key", "prefix", "default")
+
+
+def _segment(value: Any, what: str) -> str:
+    """``value`` as one path segment, percent-encoded as keys are for
+    ``/v1/keys/{key}``."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"invalid {what} {value!r}: a non-empty str is needed")
+    return quote(value, safe="")
+
+
+def _policy_target(key: Optional[str], prefix: Optional[str], default: bool) -> str:
+    """The ``/v1/policies/...`` path of exactly one of a key, a prefix or
+    the default."""
+    named = [n for n, v in (("key", key), ("prefix", prefix)) if v is not None] + (["default"] if default else [])
+    if len(named) != 1:
+        raise ConfigError(f"name exactly one of key, prefix or default=True (got {', '.join(named) or 'none'})")
+    if default:
+        return "/v1/policies/default?scope=default"
+    if key is not None:
+        return f"/v1/policies/{_segment(key, 'key')}"
+    return f"/v1/policies/{_segment(prefix, 'prefix')}?scope=prefix"
+
+
+def _policy_shown(key: Optional[str], scope: str) -> str:
+    if scope not in _POLICY_SCOPES:
+        raise ConfigError(f"invalid scope {scope!r}: one of {', '.join(_POLICY_SCOPES)}")
+    return _policy_target(key if scope == "key" else None, key if scope == "prefix" else None, scope == "default")
+
+
+def _policy_body(**fields: Any) -> Dict[str, Any]:
+    """A whole policy with only the fields given (the others take their
+    defaults on the server)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _group_body(rate: str, burst: Optional[int]) -> Dict[str, Any]:
+    if not isinstance(rate, str) or not rate:
+        raise ConfigError(f"invalid group rate {rate!r}: a str such as '20/s', '600/m' or '1000/h'")
+    return {"rate": rate} if burst is None else {"rate": rate, "burst": burst}
 
 
 class Client:
@@ -782,9 +925,88 @@ class Client:
         status, _ = self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
         return status != 404
 
+    # --- flow control ---------------------------------------------------
+
+    def policies(self) -> FlowSettings:
+        """Every flow-control setting of the deployment: the default policy,
+        the policies by prefix and by key, and the groups (role ``read``)."""
+        return FlowSettings._of(self._flow("GET", "/v1/policies", None, "reading the policies"))
+
+    def policy(self, key: Optional[str] = None, scope: str = "key") -> Optional[PolicyInfo]:
+        """The policy ``key`` gets and where it comes from (its own, its
+        longest prefix's or the default); with ``scope="prefix"`` the policy
+        of the prefix ``key`` (``None`` when it has none), with
+        ``scope="default"`` the default's (``key`` is not needed)."""
+        doc = self._flow("GET", _policy_shown(key, scope), None, "reading a policy", missing_ok=True)
+        return None if doc is None else PolicyInfo._of(doc)
+
+    def set_policy(self, key: Optional[str] = None, *, prefix: Optional[str] = None, default: bool = False,
+                   rate: Optional[str] = None, burst: Optional[int] = None, weight: Optional[int] = None,
+                   priority: Optional[int] = None, group: Optional[str] = None,
+                   concurrency: Optional[int] = None) -> FlowPolicy:
+        """Sets the whole policy of exactly one of ``key``, ``prefix`` (every
+        key starting with it) or the ``default`` (role ``admin``): the
+        fields given, the others at their defaults (no rate, no group,
+        weight 1, priority 0). ``rate`` is ``"N/s"``, ``"N/m"`` or ``"N/h"``;
+        a ``group`` must exist (:meth:`set_group`). Returns the policy
+        stored; a bad value raises :class:`BadRequest` naming it. Every
+        server and worker uses it within a second."""
+        path = _policy_target(key, prefix, default)
+        body = _policy_body(rate=rate, burst=burst, weight=weight, priority=priority, group=group,
+                            concurrency=concurrency)
+        return FlowPolicy._of(self._flow("PUT", path, body, "setting a policy")["policy"])
+
+    def clear_policy(self, key: Optional[str] = None, *, prefix: Optional[str] = None, default: bool = False) -> bool:
+        """Removes the policy of ``key`` or ``prefix`` (the default goes
+        back to no limits) (role ``admin``); whether there was one."""
+        doc = self._flow("DELETE", _policy_target(key, prefix, default), {}, "removing a policy")
+        return bool(doc["removed"])
+
+    def groups(self) -> Dict[str, GroupInfo]:
+        """Every flow-control group, by name (role ``read``)."""
+        return _groups_of(self._flow("GET", "/v1/groups", None, "reading the groups"))
+
+    def group(self, name: str) -> Optional[GroupInfo]:
+        """The group ``name``, or ``None`` when there is none."""
+        doc = self._flow("GET", f"/v1/groups/{_segment(name, 'group name')}", None, "reading a group",
+                         missing_ok=True)
+        return None if doc is None else GroupInfo._of(doc)
+
+    def set_group(self, name: str, rate: str, burst: Optional[int] = None) -> GroupInfo:
+        """Creates or changes the group ``name`` (role ``admin``): ``rate``
+        starts (``"20/s"``) shared by every key whose policy names it, over
+        every worker; ``burst`` tokens (default: one second of the rate).
+        Returns the group stored."""
+        doc = self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}", _group_body(rate, burst),
+                         "setting a group")
+        return GroupInfo._of(doc["group"])
+
+    def clear_group(self, name: str) -> bool:
+        """Removes the group ``name`` (role ``admin``); whether there was
+        one. A group a policy still names raises :class:`BadRequest`."""
+        doc = self._flow("DELETE", f"/v1/groups/{_segment(name, 'group name')}", {}, "removing a group")
+        return bool(doc["removed"])
+
+    def _flow(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str,
+              missing_ok: bool = False) -> Any:
+        """The answer of one flow-control request; a 404 is ``None`` when
+        ``missing_ok`` (no such prefix policy or group), else an
+        :class:`HttpError` (a server without flow control)."""
+        status, doc, url = self._call_at(method, path, body, what)
+        if status == 404:
+            if missing_ok:
+                return None
+            raise HttpError(url, status, _error_of(doc))
+        return doc
+
     def _call(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str) -> Tuple[int, Any]:
         """One request to the first URL that answers (200 or 404); an
         answer that no retry changes raises at once."""
+        status, doc, _ = self._call_at(method, path, body, what)
+        return status, doc
+
+    def _call_at(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str) -> Tuple[int, Any, str]:
+        """:meth:`_call`, with the URL of the request that was answered."""
         causes: List[str] = []
         last: Optional[BaseException] = None
         for t in self._transports:
@@ -795,7 +1017,7 @@ class Client:
                 last = e
                 continue
             if _is_answer(t.url, method, status, doc, causes):
-                return status, doc
+                return status, doc, t.url + path
         raise ServerUnavailable(what, causes, last)
 
     def close(self) -> None:
@@ -854,6 +1076,27 @@ class Retry(Exception):
         self.retry_in_ms = retry_in_ms
 
 
+#: Longest back-off a handler may ask for, in ms (one day: the server's
+#: ``BACKOFF_MS_MAX``).
+BACKOFF_MS_MAX = 86_400_000
+
+
+class BackOff(Exception):
+    """Raise from a handler when its downstream limits it (a 429, a quota):
+    the run ends without using an attempt, the job goes back to the head of
+    its key, and the key starts nothing for ``ms`` milliseconds (0 to one
+    day) while other keys run on. With ``group=True`` every key of the
+    key's flow-control group waits too, in every process (a key without a
+    group holds only itself). A bad ``ms`` raises :class:`ConfigError`."""
+
+    def __init__(self, ms: int, group: bool = False):
+        if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= BACKOFF_MS_MAX:
+            raise ConfigError(f"invalid back-off ms {ms!r}: a whole number of ms from 0 to {BACKOFF_MS_MAX} (one day)")
+        super().__init__(f"back off {ms} ms" + (" (the key's whole group)" if group else ""))
+        self.ms = ms
+        self.group = bool(group)
+
+
 @dataclass
 class WorkerStats:
     claimed: int = 0
@@ -870,6 +1113,9 @@ class WorkerStats:
     claim_requests: int = 0
     #: Answered ``/v1/ack`` requests (acked / this = receipts per ack).
     ack_requests: int = 0
+    #: Runs ended by a handler's :class:`BackOff` (the server confirmed
+    #: them; no attempt was used).
+    backed_off: int = 0
 
 
 Handler = Callable[[ClaimedJob], object]
@@ -957,9 +1203,11 @@ class Worker(_SignalStops):
     """Claims jobs from every URL with long polls, runs ``handler`` in a
     thread pool, extends the job leases of running and prefetched jobs every
     lease/3, and acks (or fails, when the handler raises) on the server that
-    gave the job. :meth:`run` returns after :meth:`stop` or SIGTERM/SIGINT
-    once every claimed job has run and its result has been sent; a second
-    signal stops without waiting for the handlers."""
+    gave the job: :class:`Retry` picks the retry's wait, :class:`BackOff`
+    ends the run without using an attempt and holds the key (or its group)
+    for the time asked. :meth:`run` returns after :meth:`stop` or
+    SIGTERM/SIGINT once every claimed job has run and its result has been
+    sent; a second signal stops without waiting for the handlers."""
 
     def __init__(
         self,
@@ -1319,6 +1567,8 @@ class Worker(_SignalStops):
                 with self._lock:
                     if path == "/v1/ack":
                         self.stats.acked += 1
+                    elif "backoff_ms" in body:
+                        self.stats.backed_off += 1
                     else:
                         self.stats.failed += 1
                 return
