@@ -390,6 +390,13 @@ pub trait QueueBackend: Send + Sync {
         retry_in_ms: Option<u64>,
     ) -> Result<FailOutcome, QueueError>;
 
+    /// Whether a claim ranks ready keys by priority and weight now (flow
+    /// control): a pool then claims only for its free slots, never ahead,
+    /// so that every free slot goes to the best-ranked ready key.
+    fn ranks_keys(&self) -> bool {
+        false
+    }
+
     /// Ends a run without using an attempt, because its handler said its
     /// downstream is limiting it: the job goes back to the head of its key
     /// with its attempt count as before the run, and starts again not

@@ -50,6 +50,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use serde::{Deserialize, Serialize};
@@ -733,15 +734,17 @@ pub struct FlowStats {
 
 struct Loaded {
     settings: Arc<FlowSettings>,
-    limits: bool,
-    ranks: bool,
-    loaded_ms: u64,
 }
 
 /// One process's flow control: the key buckets of the shards it owns and
 /// its view of the shared group buckets.
 pub struct FlowControl {
     loaded: RwLock<Loaded>,
+    /// Of the settings in use, outside the lock: a claim asks them for
+    /// every key it would start.
+    limits: AtomicBool,
+    ranks: AtomicBool,
+    loaded_ms: AtomicU64,
     source: Option<FlowSource>,
     keys: Mutex<HashMap<Box<str>, Bucket>>,
     groups: Arc<dyn GroupBuckets>,
@@ -765,10 +768,10 @@ impl FlowControl {
         FlowControl {
             loaded: RwLock::new(Loaded {
                 settings: Arc::new(settings),
-                limits,
-                ranks,
-                loaded_ms: 0,
             }),
+            limits: AtomicBool::new(limits),
+            ranks: AtomicBool::new(ranks),
+            loaded_ms: AtomicU64::new(0),
             source: None,
             keys: Mutex::new(HashMap::new()),
             groups,
@@ -795,10 +798,11 @@ impl FlowControl {
     /// Uses `settings` from now on.
     pub fn set(&self, settings: FlowSettings, now_ms: u64) {
         let mut l = self.loaded.write().unwrap_or_else(|e| e.into_inner());
-        l.limits = settings.limits_starts();
-        l.ranks = settings.ranks_keys();
+        self.limits
+            .store(settings.limits_starts(), Ordering::Relaxed);
+        self.ranks.store(settings.ranks_keys(), Ordering::Relaxed);
         l.settings = Arc::new(settings);
-        l.loaded_ms = now_ms;
+        self.loaded_ms.store(now_ms, Ordering::Relaxed);
     }
 
     /// Reads the settings again when the last read is [`FLOW_RECHECK_MS`]
@@ -806,17 +810,14 @@ impl FlowControl {
     /// forgets key buckets that are full again (a new one is the same).
     pub fn refresh(&self, now_ms: u64) {
         let Some(source) = &self.source else { return };
-        if now_ms < self.read().loaded_ms.saturating_add(FLOW_RECHECK_MS) {
+        if now_ms < (self.loaded_ms.load(Ordering::Relaxed)).saturating_add(FLOW_RECHECK_MS) {
             return;
         }
         match source() {
             Ok(s) => self.set(s, now_ms),
             Err(e) => {
                 self.note_error(format!("reading the flow settings: {e}"));
-                self.loaded
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .loaded_ms = now_ms;
+                self.loaded_ms.store(now_ms, Ordering::Relaxed);
             }
         }
         let settings = self.settings();
@@ -839,31 +840,29 @@ impl FlowControl {
     /// Whether any policy sets a weight or a priority: ready keys then
     /// start by [`FairQueue`].
     pub fn ranks_keys(&self) -> bool {
-        self.read().ranks
+        self.ranks.load(Ordering::Relaxed)
     }
 
     /// The (priority, weight) of `key`.
     pub fn rank_of(&self, key: &str) -> (i32, u32) {
-        let p = self.read().settings.for_key(key).clone();
+        let l = self.read();
+        let p = l.settings.for_key(key);
         (p.priority, p.weight)
     }
 
     /// Whether any policy limits starts (when not, [`FlowControl::admit`]
     /// always answers `Now`).
     pub fn limits_starts(&self) -> bool {
-        self.read().limits
+        self.limits.load(Ordering::Relaxed)
     }
 
     /// Whether a run of `key` may start at `now_ms`; when it may, its
     /// tokens are taken. See the module header.
     pub fn admit(&self, key: &str, now_ms: u64) -> Admit {
-        let settings = {
-            let l = self.read();
-            if !l.limits {
-                return Admit::Now;
-            }
-            Arc::clone(&l.settings)
-        };
+        if !self.limits_starts() {
+            return Admit::Now;
+        }
+        let settings = self.settings();
         let p = settings.for_key(key);
         if !p.limits_starts() {
             return Admit::Now;

@@ -707,6 +707,10 @@ impl QueueBackend for MemoryBackend {
         })
     }
 
+    fn ranks_keys(&self) -> bool {
+        self.flow.as_ref().is_some_and(|f| f.ranks_keys())
+    }
+
     fn back_off(
         &self,
         shard: &str,

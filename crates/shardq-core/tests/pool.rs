@@ -668,3 +668,66 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
         assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0), "key {key}");
     }
 }
+
+/// A pool of one slot over keys of weights 1, 2 and 4 (flow control ranks
+/// them) starts them 1:2:4: with ranked keys it claims only for its free
+/// slot, so every start goes to the best-ranked ready key (claimed ahead,
+/// the two keys in flight would leave one choice, round robin).
+#[test]
+fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    use shardq_core::{FlowControl, LocalGroupBuckets};
+    let mut settings = FlowSettings::default();
+    for (p, w) in [("w1:", 1), ("w2:", 2), ("w4:", 4)] {
+        settings.prefixes.insert(
+            p.into(),
+            FlowPolicy {
+                weight: w,
+                ..FlowPolicy::default()
+            },
+        );
+    }
+    let flow = Arc::new(FlowControl::new(
+        settings,
+        Arc::new(LocalGroupBuckets::default()),
+    ));
+    let mem = MemoryBackend::new(&["s"], Arc::new(SystemClock)).with_flow(flow);
+    for i in 0..100 {
+        for k in ["w1:a", "w2:a", "w4:a"] {
+            mem.enqueue("s", u64::MAX, &[NewJob::new(k, i.to_string())])
+                .unwrap();
+        }
+    }
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&order);
+    let handler: Arc<shardq_core::Handler> = Arc::new(move |job: &ClaimedJob| {
+        seen.lock().unwrap().push(job.key.clone());
+        Ok(())
+    });
+    let opts = PoolOptions {
+        concurrency: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let backend: Arc<dyn QueueBackend> = Arc::new(mem.clone());
+    let report = run_pool(
+        backend,
+        mem,
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    assert_eq!(report.acked, 300);
+    let first: Vec<String> = order.lock().unwrap()[..140].to_vec();
+    let n = |k: &str| first.iter().filter(|x| x.as_str() == k).count() as i64;
+    let got = [n("w1:a"), n("w2:a"), n("w4:a")];
+    for (g, want) in got.iter().zip([20, 40, 80]) {
+        assert!(
+            (g - want).abs() <= 2,
+            "the first 140 starts by weight 1:2:4: {got:?}"
+        );
+    }
+}

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use shardq_core::flow::{FlowControl, FlowPolicy, FlowSettings, LocalGroupBuckets, Rate};
 use shardq_core::{NewJob, QueueBackend, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::{Durability, Engine, EngineOptions};
 use shardq_route::{Algorithm, ShardMap};
@@ -49,6 +50,46 @@ fn rss_bytes() -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     pages * 4096
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Enqueue, claim and ack `cycle_jobs` jobs of 1000 keys in one process,
+/// keeping `keep` finished jobs and asking `flow`; jobs per second.
+fn run_cycle_with(
+    cycle_jobs: usize,
+    name: &str,
+    keep: usize,
+    flow: Option<Arc<FlowControl>>,
+) -> f64 {
+    let dir = fresh(name);
+    let mut o = opts(Durability::None);
+    o.retention.finished_jobs = keep;
+    o.flow = flow;
+    let engine = Engine::open(&dir, o).unwrap();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    let t = Instant::now();
+    let mut done = 0;
+    let mut next = 0;
+    let one = batch(0);
+    while done < cycle_jobs {
+        if next < cycle_jobs {
+            b.enqueue("shard-0", 1, &one).unwrap();
+            next += BATCH;
+        }
+        let claimed = b.claim("shard-0", 1024, JOB_LEASE_MS_DEFAULT).unwrap();
+        let ids: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
+        b.ack("shard-0", &ids).unwrap();
+        done += ids.len();
+    }
+    let rate = cycle_jobs as f64 / t.elapsed().as_secs_f64();
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+    rate
 }
 
 fn main() {
@@ -134,40 +175,13 @@ fn main() {
     // alternated three times each so both see the same machine.
     let cycle_jobs = jobs / 2;
     let run_cycle = |keep: usize, round: usize| -> f64 {
-        let dir = fresh(&format!("cycle-{keep}-{round}"));
-        let mut o = opts(Durability::None);
-        o.retention.finished_jobs = keep;
-        let engine = Engine::open(&dir, o).unwrap();
-        let b = engine.backend();
-        b.adopt("shard-0").unwrap();
-        let t = Instant::now();
-        let mut done = 0;
-        let mut next = 0;
-        let one = batch(0);
-        while done < cycle_jobs {
-            if next < cycle_jobs {
-                b.enqueue("shard-0", 1, &one).unwrap();
-                next += BATCH;
-            }
-            let claimed = b.claim("shard-0", 1024, JOB_LEASE_MS_DEFAULT).unwrap();
-            let ids: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
-            b.ack("shard-0", &ids).unwrap();
-            done += ids.len();
-        }
-        let rate = cycle_jobs as f64 / t.elapsed().as_secs_f64();
-        drop(engine);
-        let _ = std::fs::remove_dir_all(&dir);
-        rate
+        run_cycle_with(cycle_jobs, &format!("cycle-{keep}-{round}"), keep, None)
     };
     let (mut kept, mut off) = (Vec::new(), Vec::new());
     for round in 0..3 {
         kept.push(run_cycle(shardq_core::FINISHED_JOBS_KEPT_DEFAULT, round));
         off.push(run_cycle(0, round));
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (cycle, cycle_off) = (median(&mut kept), median(&mut off));
     println!("life cycle enqueue+claim+ack, in-process: {cycle:>11.0} jobs/s (finished jobs kept)");
     println!(
@@ -179,6 +193,72 @@ fn main() {
         "lifecycle_no_history_jobs_per_s".into(),
         cycle_off.round().into(),
     );
+
+    // 2b. The cost of flow control on the same life cycle: no flow control
+    // at all (as before it existed), flow control with no policy (what
+    // every deployment runs now), a rate limit on every key (high enough
+    // never to hold one back: the cost is the buckets), and weights on
+    // every key (ready keys ranked by FairQueue). Alternated five times,
+    // medians.
+    let flow = |f: Option<FlowSettings>| {
+        f.map(|s| Arc::new(FlowControl::new(s, Arc::new(LocalGroupBuckets::default()))))
+    };
+    let every_key = |p: FlowPolicy| FlowSettings {
+        default: p,
+        ..FlowSettings::default()
+    };
+    let rated = every_key(FlowPolicy {
+        rate: Some(Rate {
+            count: 1_000_000,
+            per_ms: 1_000,
+        }),
+        burst: Some(1_000_000),
+        ..FlowPolicy::default()
+    });
+    let weighted = every_key(FlowPolicy {
+        weight: 2,
+        ..FlowPolicy::default()
+    });
+    let mut rates: [Vec<f64>; 4] = Default::default();
+    for round in 0..5 {
+        let keep = shardq_core::FINISHED_JOBS_KEPT_DEFAULT;
+        let cases = [
+            None,
+            flow(Some(FlowSettings::default())),
+            flow(Some(rated.clone())),
+            flow(Some(weighted.clone())),
+        ];
+        for (i, f) in cases.into_iter().enumerate() {
+            rates[i].push(run_cycle_with(
+                cycle_jobs,
+                &format!("flow-{i}-{round}"),
+                keep,
+                f,
+            ));
+        }
+    }
+    let [none, empty, rate_all, weight_all] = rates.map(|mut v| median(&mut v));
+    println!("life cycle without flow control:          {none:>11.0} jobs/s");
+    println!(
+        "  flow control, no policy:                {empty:>11.0} jobs/s ({:.2} of none)",
+        empty / none
+    );
+    println!(
+        "  a rate limit on every key:              {rate_all:>11.0} jobs/s ({:.2} of none)",
+        rate_all / none
+    );
+    println!(
+        "  a weight on every key (ranked):         {weight_all:>11.0} jobs/s ({:.2} of none)",
+        weight_all / none
+    );
+    for (name, v) in [
+        ("lifecycle_no_flow_jobs_per_s", none),
+        ("lifecycle_flow_no_policy_jobs_per_s", empty),
+        ("lifecycle_rate_every_key_jobs_per_s", rate_all),
+        ("lifecycle_weight_every_key_jobs_per_s", weight_all),
+    ] {
+        summary.insert(name.into(), v.round().into());
+    }
 
     // 3. Durable group commit: 8 producer threads, fsync per call.
     let dir = fresh("durable");

@@ -1201,6 +1201,10 @@ impl QueueBackend for FsBackend {
         Ok(outcome)
     }
 
+    fn ranks_keys(&self) -> bool {
+        self.opts.flow.as_ref().is_some_and(|f| f.ranks_keys())
+    }
+
     fn back_off(
         &self,
         name: &str,

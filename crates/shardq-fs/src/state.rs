@@ -1058,6 +1058,7 @@ impl ShardState {
             self.ready.push_back(k);
         }
         let ranked = flow.filter(|f| f.ranks_keys());
+        let limited = flow.filter(|f| f.limits_starts());
         if let Some(f) = ranked {
             while let Some(k) = self.ready.pop_front() {
                 let (priority, weight) = f.rank_of(&self.keys[k as usize].key);
@@ -1113,7 +1114,7 @@ impl ShardState {
                 self.schedule(k);
                 continue;
             }
-            if let Some(Admit::NotBefore(at)) = flow.map(|f| f.admit(&ks.key, now_ms)) {
+            if let Some(Admit::NotBefore(at)) = limited.map(|f| f.admit(&ks.key, now_ms)) {
                 // Over its limit: asked again then, the others go on.
                 ks.held_until_ms = at;
                 self.schedule(k);
