@@ -741,7 +741,7 @@ impl QueueBackend for MemoryBackend {
             Ok(key)
         })?;
         let held = match (&self.flow, group) {
-            (Some(f), true) => f.hold_group_of(&key, at_ms)?,
+            (Some(f), true) => f.hold_group_of(&key, at_ms),
             _ => None,
         };
         Ok(BackedOff { at_ms, group: held })

@@ -88,6 +88,11 @@ impl From<String> for Failure {
 impl From<HandlerError> for Failure {
     fn from(e: HandlerError) -> Failure {
         match e.downcast_ref::<BackOff>() {
+            Some(b) if b.ms > crate::flow::BACKOFF_MS_MAX => Failure::Failed(format!(
+                "the handler asked to back off {} ms, over the longest back-off of {} ms",
+                b.ms,
+                crate::flow::BACKOFF_MS_MAX
+            )),
             Some(b) => Failure::BackOff(*b),
             None => Failure::Failed(e.to_string()),
         }
@@ -386,7 +391,7 @@ impl WorkerPool {
                         .map_err(Failure::from);
                     running.fetch_sub(1, Ordering::SeqCst);
                     CURRENT_RUN.with(|c| *c.borrow_mut() = None);
-                    if result.is_ok() && ctx.is_cancelled() {
+                    if !matches!(result, Err(Failure::Failed(_))) && ctx.is_cancelled() {
                         // A cancelled run's success is not trusted: a job
                         // timeout means the attempt failed.
                         result = Err(format!("cancelled: {}", ctx.cancel_reason()).into());

@@ -12,7 +12,11 @@
 //! - a key's accepted results come in enqueue order (jobs that were dead
 //!   letters at some point excepted: the default dead policy lets later
 //!   jobs pass a dead one);
-//! - at the end, every job a producer was told is stored is acked exactly once.
+//! - at the end, every job a producer was told is stored is acked exactly once;
+//! - flow control holds to the millisecond: a key with its own rate (and a
+//!   group of keys sharing one) never starts more than `burst + window x
+//!   rate` runs in any window, across moves, crashes and handler back-offs
+//!   (which end a run without using an attempt, and keep the key's order).
 //!
 //! Single-key scenarios then kill a rebalance at every write and rerun it:
 //! with a producer that never lets the key freeze (a forced round), with
@@ -36,6 +40,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use shardq_core::flow::{FlowPolicy, FlowSettings, GroupLimit, Rate};
 use shardq_core::memory::{MemoryBackend, MemoryMapStore};
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::KeyInventory;
@@ -45,7 +50,44 @@ use shardq_core::{
     Fence, JobId, KeyCounts, MovedJob, NewJob, PoolOptions, QueueBackend, QueueError, Receipt,
     ShardStats, Stored, WorkerPool,
 };
+use shardq_core::{FlowControl, LocalGroupBuckets};
 use shardq_route::{Algorithm, ShardMap};
+
+/// The simulation's flow control: key `t-2` starts at most 5 runs a
+/// second (burst 1); keys starting with `t-1` (`t-1`, `t-10` .. `t-19`)
+/// share the group `sim` at 20 a second (burst 3).
+fn sim_flow() -> FlowSettings {
+    let mut f = FlowSettings::default();
+    f.keys.insert(
+        "t-2".into(),
+        FlowPolicy {
+            rate: Some(Rate {
+                count: 5,
+                per_ms: 1_000,
+            }),
+            burst: Some(1),
+            ..FlowPolicy::default()
+        },
+    );
+    f.groups.insert(
+        "sim".into(),
+        GroupLimit {
+            rate: Rate {
+                count: 20,
+                per_ms: 1_000,
+            },
+            burst: Some(3),
+        },
+    );
+    f.prefixes.insert(
+        "t-1".into(),
+        FlowPolicy {
+            group: Some("sim".into()),
+            ..FlowPolicy::default()
+        },
+    );
+    f
+}
 
 /// SplitMix64: a small seeded generator, so a seed replays exactly.
 struct Rng(u64);
@@ -128,6 +170,10 @@ struct Checks {
     /// Jobs (key, sequence number) an operator cancelled: none may start
     /// or be acked after its cancel returned.
     cancelled: BTreeSet<(String, u64)>,
+    /// Key -> the simulated times its runs started.
+    starts: BTreeMap<String, Vec<u64>>,
+    /// Runs whose handler backed off.
+    backed_off: u64,
     violations: Vec<String>,
 }
 
@@ -199,7 +245,11 @@ impl World {
                 .partition(|h| h.done_at_ms <= now);
             self.workers[w] = keep;
             for h in due {
-                self.finish(h);
+                if !h.fails && self.rng.chance(4) {
+                    self.back_off(h);
+                } else {
+                    self.finish(h);
+                }
             }
             // Heartbeat runs that are not stalled.
             let mut per_shard: BTreeMap<String, Vec<_>> = BTreeMap::new();
@@ -299,6 +349,12 @@ impl World {
     }
 
     fn started(&mut self, job: &ClaimedJob) {
+        let now = self.clock.now_ms();
+        self.checks
+            .starts
+            .entry(job.key.clone())
+            .or_default()
+            .push(now);
         self.checks
             .seq_of
             .insert((job.shard.clone(), job.id.0), Self::ident(job));
@@ -325,6 +381,66 @@ impl World {
                     "key {} got fence {} after {last}",
                     job.key, job.fence
                 ));
+            }
+        }
+    }
+
+    /// The handler backs off (its downstream limits it): the run ends
+    /// without using an attempt, for the key or its whole group.
+    fn back_off(&mut self, h: Held) {
+        let ms = 1 + self.rng.below(300);
+        let group = self.rng.chance(50);
+        self.trace(
+            &h.job.key,
+            format!("back off id {} {ms} ms fence {}", h.job.id, h.job.fence),
+        );
+        match self
+            .backend
+            .back_off(&h.job.shard, h.job.receipt(), ms, group)
+        {
+            Ok(_) => self.checks.backed_off += 1,
+            Err(QueueError::StaleReceipt { .. }) => self.may_die(&h.job),
+            Err(e) => self.checks.violations.push(format!("back off: {e}")),
+        }
+    }
+
+    /// Checks every limited key's and group's starts against its bucket:
+    /// in any window of `w` ms at most `burst + w x rate` of them.
+    fn check_limits(&mut self) {
+        let settings = sim_flow();
+        let mut series: BTreeMap<String, (Vec<u64>, Rate, u64)> = BTreeMap::new();
+        for (key, ts) in &self.checks.starts {
+            let p = settings.for_key(key);
+            if let (Some(rate), Some(burst)) = (p.rate, p.burst_or_default()) {
+                series.insert(format!("key {key}"), (ts.clone(), rate, burst));
+            }
+            if let Some((g, limit)) =
+                (p.group.as_ref()).and_then(|g| settings.groups.get_key_value(g))
+            {
+                let e = series
+                    .entry(format!("group {g}"))
+                    .or_insert_with(|| (Vec::new(), limit.rate, limit.burst_or_default()));
+                e.0.extend(ts);
+            }
+        }
+        for (what, (mut ts, rate, burst)) in series {
+            ts.sort_unstable();
+            for w in [1u64, 50, 200, 1_000, 5_000] {
+                let bound = burst + w * rate.count / rate.per_ms;
+                let mut j = 0;
+                for i in 0..ts.len() {
+                    while ts[i] - ts[j] >= w {
+                        j += 1;
+                    }
+                    let n = (i - j + 1) as u64;
+                    if n > bound {
+                        self.checks.violations.push(format!(
+                            "{what}: {n} starts within {w} ms from {} (bound {bound})",
+                            ts[j]
+                        ));
+                        return;
+                    }
+                }
             }
         }
     }
@@ -419,10 +535,13 @@ impl World {
 /// Returns how many jobs the last, finishing, rebalance copied with their
 /// keys, whether a shard was cut off, and how many enqueues a frozen key
 /// sent on.
-fn simulate(seed: u64) -> (u64, u64, u64) {
+fn simulate(seed: u64) -> (u64, u64, u64, u64) {
     let clock = Arc::new(SimClock::default());
     clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
-    let backend = MemoryBackend::new(&SHARDS, clock.clone());
+    let backend = MemoryBackend::new(&SHARDS, clock.clone()).with_flow(Arc::new(FlowControl::new(
+        sim_flow(),
+        Arc::new(LocalGroupBuckets::default()),
+    )));
     let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, SHARDS).unwrap());
     let producer = Producer::new(
         Arc::new(backend.clone()),
@@ -577,6 +696,7 @@ fn simulate(seed: u64) -> (u64, u64, u64) {
             break;
         }
     }
+    w.check_limits();
     w.assert_ok(seed, "at the end");
     // Every stored job ran to its ack exactly once, but the cancelled ones,
     // which never did.
@@ -600,7 +720,7 @@ fn simulate(seed: u64) -> (u64, u64, u64) {
         !w.checks.cancelled.is_empty(),
         "seed {seed}: no job was cancelled"
     );
-    (moved, cut_offs, w.checks.redirects)
+    (moved, cut_offs, w.checks.redirects, w.checks.backed_off)
 }
 
 /// The rebalance's view of the backend, killed at its `crash_at`-th write
@@ -847,13 +967,16 @@ fn seeded_simulations_keep_order_single_runs_and_every_job() {
         simulate(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
         return;
     }
-    let (mut moved, mut cut_offs, mut redirects) = (0, 0, 0);
+    let (mut moved, mut cut_offs, mut redirects, mut backed_off) = (0, 0, 0, 0);
     for seed in 1..=16 {
-        let (m, c, r) = simulate(seed);
+        let (m, c, r, b) = simulate(seed);
         moved += m;
         cut_offs += c;
         redirects += r;
+        backed_off += b;
     }
+    // Handlers backed off (their keys and groups kept order and limits).
+    assert!(backed_off > 0, "no handler backed off");
     // Producers met frozen keys and followed them (order and every job
     // checked above, through those redirects).
     assert!(redirects > 0, "no producer was sent on by a frozen key");

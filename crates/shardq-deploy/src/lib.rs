@@ -143,8 +143,16 @@ fn json_setting<T: Default>(
         return Ok(T::default());
     };
     parse(&text).map_err(|e| {
+        let again = match name {
+            shardq_core::reshard::SETTING_FLOW => {
+                "start over with `shardq policy reset`".to_string()
+            }
+            _ => format!("set it again with `shardq {name} set`"),
+        };
+        let shown = shardq_core::job::cut_at_char(&text, 200);
+        let more = if shown.len() < text.len() { "..." } else { "" };
         DeployError::Invalid(format!(
-            "the deployment's {name} setting {text:?} does not parse ({e}); set it again with `shardq {name} set`"
+            "the deployment's {name} setting {shown:?}{more} does not parse ({e}); {again}"
         ))
     })
 }
@@ -204,11 +212,21 @@ pub(crate) fn flow_control(
     maps: &Arc<dyn MapStore>,
     groups: Arc<dyn GroupBuckets>,
 ) -> Result<Arc<FlowControl>, DeployError> {
-    let first = flow_setting(&**maps)?;
+    // A stored setting that does not read (edited by hand, written by a
+    // newer release) must not stop the deployment: no limits until it
+    // reads again, and the error is kept where status and metrics show it.
+    let (first, error) = match flow_setting(&**maps) {
+        Ok(s) => (s, None),
+        Err(e) => (FlowSettings::default(), Some(e.to_string())),
+    };
     let source = Arc::clone(maps);
-    Ok(Arc::new(FlowControl::new(first, groups).with_source(
-        Box::new(move || flow_setting(&*source).map_err(|e| e.into())),
-    )))
+    let flow = FlowControl::new(first, groups).with_source(Box::new(move || {
+        flow_setting(&*source).map_err(|e| e.into())
+    }));
+    if let Some(e) = error {
+        flow.note_error(format!("reading the flow settings: {e}"));
+    }
+    Ok(Arc::new(flow))
 }
 
 /// The kind of data dir `dir` is. An embedded data dir whose map names a
@@ -444,6 +462,17 @@ impl Deployment {
     pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
         settings.validate()?;
         store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
+    }
+
+    /// Clears the deployment's flow settings without reading them (every
+    /// policy and group goes): the way out of a stored setting that does
+    /// not read.
+    pub fn reset_flow_settings(&self) -> Result<(), DeployError> {
+        store_json_setting(
+            &*self.maps,
+            shardq_core::reshard::SETTING_FLOW,
+            &FlowSettings::default(),
+        )
     }
 
     /// This process's flow control (what it admitted and holds back), when

@@ -1241,7 +1241,7 @@ impl QueueBackend for FsBackend {
         drop(inner);
         self.after_run_record(&shard, end)?;
         let held = match (&self.opts.flow, group) {
-            (Some(f), true) => f.hold_group_of(&key, at_ms)?,
+            (Some(f), true) => f.hold_group_of(&key, at_ms),
             _ => None,
         };
         Ok(BackedOff { at_ms, group: held })

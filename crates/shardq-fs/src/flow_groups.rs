@@ -87,11 +87,13 @@ impl FileGroupBuckets {
                 .and_then(|_| f.read_to_end(&mut text))
                 .map_err(|e| self.io("reading", e))?;
             // Unreadable state is refilled (see the header).
-            let mut buckets: BTreeMap<String, Bucket> = if text.is_empty() {
-                BTreeMap::new()
-            } else {
-                serde_json::from_slice(&text).unwrap_or_default()
-            };
+            // The first JSON value only: a write cut short between its
+            // bytes and the file's new length leaves old bytes after it.
+            let mut buckets: BTreeMap<String, Bucket> = serde_json::Deserializer::from_slice(&text)
+                .into_iter()
+                .next()
+                .and_then(Result::ok)
+                .unwrap_or_default();
             let out = change(&mut buckets);
             let new = serde_json::to_vec(&buckets).map_err(|e| QueueError::Internal {
                 what: format!("encoding group buckets: {e}"),
@@ -151,6 +153,12 @@ mod tests {
         assert_eq!(b.take("g", &l, 0).unwrap(), Err(100), "the burst is shared");
         b.hold("g", &l, 1_000).unwrap();
         assert_eq!(a.take("g", &l, 500).unwrap(), Err(1_000), "held for all");
+        // Old bytes past a shorter write are ignored.
+        let path = dir.path().join(GROUP_BUCKETS_FILE);
+        let mut text = std::fs::read(&path).unwrap();
+        text.extend_from_slice(b"\"tail\": 1}");
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(a.take("g", &l, 500).unwrap(), Err(1_000), "still held");
         std::fs::write(dir.path().join(GROUP_BUCKETS_FILE), b"{\"g\":{\"units\":").unwrap();
         assert_eq!(a.take("g", &l, 500).unwrap(), Ok(()), "refilled");
         let text = std::fs::read_to_string(dir.path().join(GROUP_BUCKETS_FILE)).unwrap();

@@ -28,6 +28,7 @@ pub(crate) struct FlowSeries {
     group_held: Family<GroupLabel, Gauge>,
     key_throttled: Counter,
     held_keys: Gauge,
+    errors: Counter,
 }
 
 impl FlowSeries {
@@ -40,6 +41,7 @@ impl FlowSeries {
             group_held: Family::default(),
             key_throttled: Counter::default(),
             held_keys: Gauge::default(),
+            errors: Counter::default(),
         };
         r.register(
             "shardq_flow_group_starts",
@@ -60,6 +62,11 @@ impl FlowSeries {
             "shardq_flow_key_throttled",
             "Starts this process held back because a key's own bucket was empty",
             s.key_throttled.clone(),
+        );
+        r.register(
+            "shardq_flow_errors",
+            "Failed reads of the flow settings or of a group's bucket (a group that cannot be read holds its keys back)",
+            s.errors.clone(),
         );
         r.register(
             "shardq_flow_held_keys",
@@ -103,6 +110,7 @@ impl FlowSeries {
         );
         self.key_throttled
             .inc_by(now.key_throttled.saturating_sub(seen.key_throttled));
+        self.errors.inc_by(now.errors.saturating_sub(seen.errors));
         for g in now.group_starts.keys().chain(now.group_throttled.keys()) {
             let held = now.held_groups.get(g).is_some_and(|&at| at > now_ms);
             self.group_held

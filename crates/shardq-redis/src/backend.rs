@@ -1065,10 +1065,6 @@ impl QueueBackend for RedisBackend {
         if max == 0 {
             return Ok(Vec::new());
         }
-        let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
-            f.refresh(shardq_core::SystemClock.now_ms());
-            f.limits_starts()
-        });
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
         let before = s.marks();
         let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
@@ -1090,6 +1086,13 @@ impl QueueBackend for RedisBackend {
         let it = reply::items(&v);
         let bad = || self.protocol(s, "claim reply has a malformed job");
         let lease_until_ms = it.get(1).and_then(reply::u64).ok_or_else(bad)?;
+        // The server's now (the lease deadline less the lease): flow
+        // control reads its settings and counts its buckets in it.
+        let now = lease_until_ms.saturating_sub(lease_ms);
+        let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
+            f.refresh(now);
+            f.limits_starts()
+        });
         let seq = it.get(2).and_then(reply::u64).ok_or_else(bad)?;
         let jobs = it.get(3..).unwrap_or(&[]);
         let fences: Vec<u64> = jobs
@@ -1109,15 +1112,24 @@ impl QueueBackend for RedisBackend {
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
             if let Some(flow) = flow {
-                // The server's now: the lease deadline less the lease.
-                let now = lease_until_ms.saturating_sub(lease_ms);
                 if let Admit::NotBefore(at) = flow.admit(&rec.key, now) {
                     let r = Receipt {
                         id: JobId(id),
                         fence,
                     };
-                    self.give_back(s, held, r, &rec.key, at.saturating_sub(now))?;
-                    continue;
+                    match self.give_back(s, held, r, &rec.key, at.saturating_sub(now)) {
+                        Ok(_) => continue,
+                        // Its first try went through and the reply was
+                        // lost: it is given back.
+                        Err(QueueError::StaleReceipt { .. }) => {
+                            held.in_flight.remove(&id);
+                            continue;
+                        }
+                        // Not given back: the run is in flight, so it
+                        // starts now (over the limit by one) rather than
+                        // waiting out its lease and losing an attempt.
+                        Err(_) => {}
+                    }
                 }
             }
             out.push(ClaimedJob {
@@ -1269,7 +1281,7 @@ impl QueueBackend for RedisBackend {
             other => other?,
         };
         let held_group = match (&self.inner.opts.flow, group, key.is_empty()) {
-            (Some(f), true, false) => f.hold_group_of(&key, at_ms)?,
+            (Some(f), true, false) => f.hold_group_of(&key, at_ms),
             _ => None,
         };
         Ok(BackedOff {

@@ -436,8 +436,20 @@ for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0,
 end
 local max = tonumber(ARGV[5])
 local deadline = now + tonumber(ARGV[6])
--- Keys whose wait is over first, then keys in the order they became ready.
-local keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, max)
+-- Keys whose wait is over first, then keys in the order they became ready;
+-- while keys are ready, waited-out keys take at most half the claim (a key
+-- over its flow-control limit comes back here when its token is due, and
+-- many of them must not crowd out the ready keys; with one to claim, the
+-- clock's parity decides).
+local later_max = max
+if redis.call('LLEN', K_READY) > 0 then
+  later_max = math.floor(max / 2)
+  if max % 2 == 1 and now % 2 == 0 then later_max = later_max + 1 end
+end
+local keys = {}
+if later_max > 0 then
+  keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, later_max)
+end
 if #keys > 0 then redis.call('ZREM', K_LATER, unpack(keys)) end
 if #keys < max then
   local more = redis.call('LPOP', K_READY, max - #keys)

@@ -91,6 +91,13 @@ pub enum PolicyAction {
         #[arg(long, value_name = "NAME")]
         group: Option<String>,
     },
+    /// Remove every policy and group at once, without reading them (the
+    /// way out of a stored setting that does not read).
+    Reset {
+        /// Data dir of the deployment (`shardq init` made it).
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+    },
     /// Remove a key's or a prefix's policy (its keys follow the next
     /// policy that matches), or put the default back to no limits.
     Clear {
@@ -308,6 +315,10 @@ pub fn policy(action: PolicyAction) -> anyhow::Result<ExitCode> {
                 "policy ({target}): {}; every worker uses it within a second",
                 policy_line(&p)
             );
+        }
+        PolicyAction::Reset { data } => {
+            open(&data)?.reset_flow_settings()?;
+            println!("every policy and group removed; every worker follows within a second");
         }
         PolicyAction::Clear { data, which } => {
             let target = which.target()?;

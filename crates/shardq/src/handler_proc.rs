@@ -196,7 +196,9 @@ pub fn run_job_command(
             .as_ref()
             .map(|t| t.raw(Duration::from_millis(STDERR_DRAIN_WAIT_MS)))
             .unwrap_or_default();
-        return Err(Box::new(backoff_asked(&text)?));
+        if let Some(b) = backoff_asked(&text)? {
+            return Err(Box::new(b));
+        }
     }
     if !status.success() {
         return Err(format!("handler {program:?} {}{}", describe(status), said()).into());
@@ -214,28 +216,25 @@ pub fn run_job_command(
 }
 
 /// The exit status with which a handler backs off (EX_TEMPFAIL, "try again
-/// later"): its downstream limits it. The run ends without using an
-/// attempt; the wait is the last `shardq-backoff: MS [group]` line of its
-/// stderr, or [`BACKOFF_MS_DEFAULT`].
+/// later") when its stderr also says for how long: its downstream limits
+/// it. The run ends without using an attempt; the wait is the last
+/// `shardq-backoff: MS [group]` line of its stderr. Exit 75 without such a
+/// line is an ordinary failed attempt (as any non-zero exit), so a script
+/// that used 75 for its own reasons keeps using up its attempts.
 pub const BACKOFF_EXIT_CODE: i32 = 75;
-/// The wait of a back-off whose handler named none.
-pub const BACKOFF_MS_DEFAULT: u64 = 1_000;
 /// The line a backing-off handler writes to its stderr.
 pub const BACKOFF_LINE: &str = "shardq-backoff:";
 
 /// The back-off a handler's stderr asks for: its last `shardq-backoff: MS
-/// [group]` line, else [`BACKOFF_MS_DEFAULT`] for the key; a line that
-/// does not read is a failed attempt naming it.
-pub fn backoff_asked(stderr: &str) -> Result<BackOff, String> {
+/// [group]` line, none without one; a line that does not read is a failed
+/// attempt naming it.
+pub fn backoff_asked(stderr: &str) -> Result<Option<BackOff>, String> {
     let Some(line) = stderr
         .lines()
         .rev()
         .find_map(|l| l.trim().strip_prefix(BACKOFF_LINE))
     else {
-        return Ok(BackOff {
-            ms: BACKOFF_MS_DEFAULT,
-            group: false,
-        });
+        return Ok(None);
     };
     let mut words = line.split_whitespace();
     let bad = |why: &str| {
@@ -252,7 +251,7 @@ pub fn backoff_asked(stderr: &str) -> Result<BackOff, String> {
         Some("group") => true,
         Some(_) => return Err(bad("the scope is `key` or `group`")),
     };
-    Ok(BackOff { ms, group })
+    Ok(Some(BackOff { ms, group }))
 }
 
 /// Sets the parent-death signal (Linux): the child gets SIGKILL when the

@@ -333,6 +333,22 @@ impl Procs {
                 }
             };
             match answer {
+                Answer::Done(r) if r.ok && (r.backoff_ms.is_some() || r.backoff_group) => {
+                    return Err(
+                        "the handler answered ok: true with backoff_ms or backoff_group \
+                         (a back-off is ok: false); the attempt fails"
+                            .into(),
+                    )
+                }
+                Answer::Done(StdioResult {
+                    backoff_ms: None,
+                    backoff_group: true,
+                    ..
+                }) => {
+                    return Err("the handler answered backoff_group without backoff_ms; \
+                         the attempt fails"
+                        .into())
+                }
                 Answer::Done(r) if r.ok => return Ok(()),
                 Answer::Done(StdioResult {
                     backoff_ms: Some(ms),
