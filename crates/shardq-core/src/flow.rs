@@ -634,6 +634,27 @@ pub trait GroupBuckets: Send + Sync {
     /// Holds `group`'s bucket until `until_ms`: no key of the group starts
     /// before then, in any process.
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError>;
+
+    /// `group`'s bucket as stored, changing nothing (none when it has none
+    /// yet: it starts full).
+    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError>;
+}
+
+/// A group's limit and its bucket now, as `shardq status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupLevel {
+    /// The group.
+    pub name: String,
+    /// Its rate (`200/s`).
+    pub rate: String,
+    /// Its bucket's size.
+    pub burst: u64,
+    /// Tokens in its bucket now (the burst when it has no bucket yet).
+    pub tokens: f64,
+    /// When a handler's back-off holding the group ends, if it does now.
+    pub held_until_ms: Option<u64>,
+    /// Why the bucket could not be read, if it could not.
+    pub error: Option<String>,
 }
 
 /// Takes a token from `group`'s bucket in `buckets` (a missing one starts
@@ -672,6 +693,11 @@ pub struct LocalGroupBuckets {
 }
 
 impl GroupBuckets for LocalGroupBuckets {
+    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
+        let b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(b.get(group).copied())
+    }
+
     fn take(
         &self,
         group: &str,
@@ -954,6 +980,35 @@ impl FlowControl {
         let held = st.held_groups.entry(name.clone()).or_default();
         *held = (*held).max(until_ms);
         Some(name.clone())
+    }
+
+    /// Every group's limit and its bucket at `now_ms`, read from the
+    /// shared store (the same for every process of the deployment).
+    pub fn group_levels(&self, now_ms: u64) -> Vec<GroupLevel> {
+        let settings = self.settings();
+        (settings.groups.iter())
+            .map(|(name, limit)| {
+                let burst = limit.burst_or_default();
+                let mut level = GroupLevel {
+                    name: name.clone(),
+                    rate: limit.rate.to_string(),
+                    burst,
+                    tokens: burst as f64,
+                    held_until_ms: None,
+                    error: None,
+                };
+                match self.groups.peek(name) {
+                    Ok(Some(mut b)) => {
+                        let _ = b.peek(limit.rate, burst, now_ms);
+                        level.tokens = b.units as f64 / limit.rate.per_ms as f64;
+                        level.held_until_ms = Some(b.held_until_ms).filter(|&t| t > now_ms);
+                    }
+                    Ok(None) => {}
+                    Err(e) => level.error = Some(e.to_string()),
+                }
+                level
+            })
+            .collect()
     }
 
     /// Counts a failure to read the settings or a group's store (shown in

@@ -22,7 +22,7 @@ pub use backend::{BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use flow::{
-    Admit, FlowControl, FlowPolicy, FlowSettings, FlowStats, GroupBuckets, GroupLimit,
+    Admit, FlowControl, FlowPolicy, FlowSettings, FlowStats, GroupBuckets, GroupLevel, GroupLimit,
     LocalGroupBuckets, PolicySource, PolicyTarget, Rate,
 };
 pub use job::{

@@ -126,6 +126,10 @@ impl GroupBuckets for FileGroupBuckets {
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         self.with_buckets(|b| hold_group(b, group, limit, until_ms))
     }
+
+    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
+        self.with_buckets(|b| b.get(group).copied())
+    }
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use shardq_core::flow::Bucket;
 use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_core::{GroupBuckets, GroupLimit, QueueError};
 use shardq_route::ShardMap;
@@ -265,6 +266,29 @@ impl GroupBuckets for RedisMapStore {
         // Counted at the hold's own time: the bucket refills meanwhile.
         self.group_bucket(group, limit, 0, Some(until_ms))
             .map(|_| ())
+    }
+
+    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
+        let key = group_bucket_key(&self.namespace, group);
+        let v: Vec<Option<u64>> = self
+            .node
+            .run(STORE, |con, _| {
+                redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg(&["u", "at", "held", "c", "p"])
+                    .query(con)
+            })
+            .map_err(|e| QueueError::store(e.kind(), e))?;
+        Ok(match v.as_slice() {
+            [Some(units), Some(at_ms), held, Some(count), Some(per_ms)] => Some(Bucket {
+                units: *units,
+                at_ms: *at_ms,
+                held_until_ms: held.unwrap_or(0),
+                count: *count,
+                per_ms: *per_ms,
+            }),
+            _ => None,
+        })
     }
 }
 

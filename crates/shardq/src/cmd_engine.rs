@@ -889,16 +889,34 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let rebalance = shardq_core::reshard::stored_progress(&*deployment.maps())
         .ok()
         .flatten();
+    // Flow-control groups: their buckets are shared, so any process can
+    // read them (a key's own bucket lives in its shard's owner).
+    let now = deployment.clock().now_ms();
+    let groups = deployment
+        .flow()
+        .map(|f| f.group_levels(now))
+        .unwrap_or_default();
     if json {
         let mut doc = serde_json::to_value(&st)?;
         doc["rebalance"] = serde_json::to_value(&rebalance)?;
+        doc["groups"] = serde_json::to_value(&groups)?;
         println!("{doc}");
     } else {
         let map = deployment.map().ok();
-        let now = deployment.clock().now_ms();
         print_status_table(&st, map.as_ref(), now);
         if let Some(p) = &rebalance {
             println!("{}", rebalance_line(p, now));
+        }
+        for g in &groups {
+            let state = match (&g.error, g.held_until_ms) {
+                (Some(e), _) => format!("its bucket cannot be read: {e}"),
+                (None, Some(t)) => {
+                    format!("held by a back-off for {}", human_ms(t.saturating_sub(now)))
+                }
+                (None, None) if g.tokens < 1.0 => "throttled: its bucket is empty".to_string(),
+                (None, None) => format!("{:.1} of {} tokens", g.tokens, g.burst),
+            };
+            println!("group {}: {} (burst {}), {state}", g.name, g.rate, g.burst);
         }
     }
     if st.failed.is_empty() {

@@ -728,6 +728,19 @@ fn rate_limits_hold_over_two_worker_processes() {
         grp[29] - grp[0] >= 1_300,
         "30 starts at 20/s take 1.4 s: {grp:?}"
     );
+    // `status` reads the group's shared bucket: what the workers left.
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["status", "--data", d, "--json"])).unwrap();
+    let g = &v["groups"][0];
+    assert_eq!(
+        (&g["name"], &g["rate"], &g["burst"]),
+        (&"api".into(), &"20/s".into(), &2.into()),
+        "{v}"
+    );
+    let tokens = g["tokens"].as_f64().unwrap();
+    assert!((0.0..=2.0).contains(&tokens), "{v}");
+    let text = ok(&["status", "--data", d]);
+    assert!(text.contains("group api: 20/s (burst 2)"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

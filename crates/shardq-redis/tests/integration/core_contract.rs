@@ -80,7 +80,7 @@ fn redis_keeps_the_backend_contract() {
     let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
     opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
         contract::flow_settings(),
-        std::sync::Arc::new(groups),
+        std::sync::Arc::new(groups.clone()),
     )));
     let backend = RedisBackend::open(&map, opts).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
@@ -94,6 +94,15 @@ fn redis_keeps_the_backend_contract() {
     };
     contract::run_all(&h);
     contract::rewound_store_is_refused(&h);
+    // The group's bucket, as `shardq status` reads it.
+    use shardq_core::GroupBuckets;
+    let b = groups
+        .peek("contract-group")
+        .expect("peek")
+        .expect("a bucket");
+    assert_eq!((b.count, b.per_ms), (20, 1_000), "{b:?}");
+    assert!(b.units <= 3 * 1_000, "at most the burst: {b:?}");
+    assert!(groups.peek("no-such-group").expect("peek").is_none());
 }
 
 /// Dedup records are shard keys: a server restarted from its AOF and a
