@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use shardq_core::contract::{self, ContractHarness};
-use shardq_core::{FlowControl, ManualClock, QueueBackend};
+use shardq_core::{Clock, FlowControl, ManualClock, QueueBackend};
 use shardq_fs::{Engine, EngineOptions, FileGroupBuckets, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 
@@ -334,4 +334,62 @@ fn open_small(dir: &std::path::Path, clock: &ManualClock, segment_bytes: u64) ->
         },
     )
     .unwrap()
+}
+
+/// A back-off is a record in the shard's log: an engine opened afresh (a
+/// new owner after the worker was killed) replays it and finds the job at
+/// its key's head with the attempt it had, waiting out the back-off, and
+/// the key's next job behind it. Then the job's one attempt still runs.
+#[test]
+fn a_back_off_survives_a_restart_with_its_wait_and_its_attempt() {
+    let dir = std::env::temp_dir().join(format!("shardq-fs-backoff-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let map = ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap();
+    Engine::init(&dir, &map).unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || {
+        Engine::open(
+            &dir,
+            EngineOptions {
+                clock: Arc::new(clock.clone()),
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let first = {
+        let engine = open();
+        let b = engine.backend();
+        b.adopt("s0").unwrap();
+        let mut jobs = vec![shardq_core::NewJob::new("k", "first")];
+        jobs.push(shardq_core::NewJob::new("k", "second"));
+        for j in &mut jobs {
+            j.max_attempts = 1;
+        }
+        b.enqueue("s0", 1, &jobs).unwrap();
+        let run = b.claim("s0", 10, 60_000).unwrap().remove(0);
+        assert_eq!(run.payload, b"first");
+        b.back_off("s0", run.receipt(), 5_000, false).unwrap();
+        b.flush().unwrap();
+        run
+        // Dropped without a release: the process is gone.
+    };
+    let engine = open();
+    let b = engine.backend();
+    b.adopt("s0").unwrap();
+    let info = b.job("s0", first.id).unwrap().expect("still live");
+    assert_eq!(info.attempts, 0, "no attempt used: {info:?}");
+    assert_eq!(info.not_before_ms, clock.now_ms() + 5_000, "{info:?}");
+    assert!(
+        b.claim("s0", 10, 60_000).unwrap().is_empty(),
+        "the key waits"
+    );
+    clock.advance(5_000);
+    let again = b.claim("s0", 10, 60_000).unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!((again[0].id, again[0].attempt), (first.id, 1));
+    b.ack("s0", &[again[0].receipt()]).unwrap();
+    let next = b.claim("s0", 10, 60_000).unwrap();
+    assert_eq!(next[0].payload, b"second", "the key's order holds");
+    let _ = std::fs::remove_dir_all(&dir);
 }
