@@ -185,6 +185,24 @@ fn shardq_keeping(
     jobs: u64,
     retention: shardq_core::Retention,
 ) -> Result {
+    shardq_with(name, urls, jobs, retention, None)
+}
+
+/// Flow control for [`shardq_with`]: none, or these settings with the
+/// group buckets in the first server (as a deployment's map store).
+enum Flow {
+    Off,
+    On(shardq_core::FlowSettings),
+}
+
+/// [`shardq_keeping`] asking flow control before each start.
+fn shardq_with(
+    name: &str,
+    urls: &[String],
+    jobs: u64,
+    retention: shardq_core::Retention,
+    flow: Option<Flow>,
+) -> Result {
     let names: Vec<String> = (0..SHARDS).map(|i| format!("b-{i}")).collect();
     let mut map = ShardMap::with_shards(Algorithm::Rendezvous, names.clone()).unwrap();
     for (i, s) in map.shards.iter_mut().enumerate() {
@@ -197,10 +215,26 @@ fn shardq_keeping(
     let ns = format!("bench{}", std::process::id());
     let dep =
         shardq_redis::init_deployment(&map, &urls[0], Some(&ns), &RedisOptions::default()).unwrap();
+    let flow = match flow {
+        Some(Flow::On(settings)) => {
+            let groups = shardq_redis::RedisMapStore::open_in(
+                &urls[0],
+                &dep.namespace,
+                &RedisOptions::default(),
+            )
+            .unwrap();
+            Some(Arc::new(shardq_core::FlowControl::new(
+                settings,
+                Arc::new(groups),
+            )))
+        }
+        Some(Flow::Off) | None => None,
+    };
     let opts = RedisOptions {
         namespace: dep.namespace,
         deployment: Some(dep.id),
         retention,
+        flow,
         ..RedisOptions::default()
     };
     let backend = RedisBackend::open(&map, opts).unwrap();
@@ -293,6 +327,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(JOBS_DEFAULT);
+    if std::env::var_os("SHARDQ_BENCH_FLOW").is_some() {
+        flow_cost(jobs);
+        return;
+    }
     let mut results = Vec::new();
     {
         let server = RedisServer::start();
@@ -354,5 +392,72 @@ fn main() {
             r.p50_us as f64 / 1000.0,
             r.p99_us as f64 / 1000.0
         );
+    }
+}
+
+/// `SHARDQ_BENCH_FLOW=1`: the life cycle on one instance (4 shards)
+/// without flow control, with it and no policy, with a rate limit on every
+/// key (never reached: the cost is the buckets), and with every key in one
+/// group (never reached: one script on the map store per start), alternated
+/// twice, each on a fresh server; the mean of the two.
+fn flow_cost(jobs: u64) {
+    use shardq_core::flow::{FlowPolicy, FlowSettings, GroupLimit, Rate};
+    let high = Rate {
+        count: 1_000_000,
+        per_ms: 1_000,
+    };
+    let every = |p: FlowPolicy| {
+        let mut f = FlowSettings {
+            default: p,
+            ..FlowSettings::default()
+        };
+        f.groups.insert(
+            "all".into(),
+            GroupLimit {
+                rate: high,
+                burst: Some(1_000_000),
+            },
+        );
+        f
+    };
+    let names = [
+        "no flow control",
+        "flow control, no policy",
+        "a rate limit on every key",
+        "every key in one group",
+    ];
+    let case = |i: usize| match i {
+        0 => Flow::Off,
+        1 => Flow::On(FlowSettings::default()),
+        2 => Flow::On(every(FlowPolicy {
+            rate: Some(high),
+            burst: Some(1_000_000),
+            ..FlowPolicy::default()
+        })),
+        _ => Flow::On(every(FlowPolicy {
+            group: Some("all".into()),
+            ..FlowPolicy::default()
+        })),
+    };
+    let mut rates = vec![Vec::new(); names.len()];
+    for _ in 0..2 {
+        for (i, name) in names.iter().enumerate() {
+            let server = RedisServer::start();
+            let r = shardq_with(
+                name,
+                &[server.url()],
+                jobs,
+                shardq_core::Retention::default(),
+                Some(case(i)),
+            );
+            rates[i].push(r.jobs as f64 / r.secs);
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let base = mean(&rates[0]);
+    println!("| flow control (1 instance, 4 shards) | jobs/s | of none |");
+    println!("|---|---:|---:|");
+    for (name, r) in names.iter().zip(&rates) {
+        println!("| {name} | {:.0} | {:.2} |", mean(r), mean(r) / base);
     }
 }
