@@ -786,6 +786,17 @@ impl fmt::Debug for FlowControl {
 /// Most keys listed as held in [`FlowStats`].
 const HELD_KEYS_SHOWN: usize = 1_000;
 
+impl FlowStats {
+    /// Lists `key` as held until `until_ms` by group `by` (none: its own
+    /// rate), within [`HELD_KEYS_SHOWN`].
+    fn note_held(&mut self, key: &str, until_ms: u64, by: Option<String>) {
+        if self.held_keys.len() < HELD_KEYS_SHOWN {
+            self.held_keys
+                .insert(key.to_string(), HeldKey { until_ms, by });
+        }
+    }
+}
+
 impl FlowControl {
     /// Flow control with fixed `settings` and group buckets `groups`.
     pub fn new(settings: FlowSettings, groups: Arc<dyn GroupBuckets>) -> FlowControl {
@@ -909,11 +920,7 @@ impl FlowControl {
                 let at = at.min(recheck);
                 let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
                 st.key_throttled += 1;
-                if st.held_keys.len() < HELD_KEYS_SHOWN {
-                    let by = None;
-                    st.held_keys
-                        .insert(key.to_string(), HeldKey { until_ms: at, by });
-                }
+                st.note_held(key, at, None);
                 return Admit::NotBefore(at);
             }
         }
@@ -944,11 +951,7 @@ impl FlowControl {
                     let at = at.min(recheck);
                     *st.group_throttled.entry(name.clone()).or_default() += 1;
                     st.held_groups.insert(name.clone(), at);
-                    if st.held_keys.len() < HELD_KEYS_SHOWN {
-                        let by = Some(name.clone());
-                        st.held_keys
-                            .insert(key.to_string(), HeldKey { until_ms: at, by });
-                    }
+                    st.note_held(key, at, Some(name.clone()));
                     return Admit::NotBefore(at);
                 }
             }

@@ -604,6 +604,19 @@ impl RedisBackend {
         self.inner.opts.flow.as_ref()
     }
 
+    /// A script's `{'STALE', why}` answer about run `r`, as the error.
+    fn stale_reply(s: &ShardRef, r: Receipt, v: &Value) -> QueueError {
+        QueueError::StaleReceipt {
+            shard: s.name.clone(),
+            id: r.id.0,
+            fence: r.fence,
+            reason: reply::items(v)
+                .get(1)
+                .and_then(reply::string)
+                .unwrap_or_default(),
+        }
+    }
+
     /// Ends run `r` of `key` ('' when unknown) without using an attempt:
     /// its job waits `ms` at the head of its key. When it may start again.
     fn give_back(
@@ -623,15 +636,7 @@ impl RedisBackend {
                 Ok(reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0))
             }
             "NOTOWNER" => Err(Self::not_owner(s)),
-            "STALE" => Err(QueueError::StaleReceipt {
-                shard: s.name.clone(),
-                id: r.id.0,
-                fence: r.fence,
-                reason: reply::items(&v)
-                    .get(1)
-                    .and_then(reply::string)
-                    .unwrap_or_default(),
-            }),
+            "STALE" => Err(Self::stale_reply(s, r, &v)),
             other => Err(self.protocol(s, format!("back-off answered {other:?}"))),
         }
     }
@@ -1243,15 +1248,7 @@ impl QueueBackend for RedisBackend {
                 *guard = None;
                 Err(Self::not_owner(s))
             }
-            "STALE" => Err(QueueError::StaleReceipt {
-                shard: s.name.clone(),
-                id: receipt.id.0,
-                fence: receipt.fence,
-                reason: reply::items(&v)
-                    .get(1)
-                    .and_then(reply::string)
-                    .unwrap_or_default(),
-            }),
+            "STALE" => Err(Self::stale_reply(s, receipt, &v)),
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
         }
     }
