@@ -301,6 +301,19 @@ pub trait QueueBackend: Send + Sync {
         Ok(out)
     }
 
+    /// Makes the copies [`QueueBackend::import_jobs`] and
+    /// [`QueueBackend::import_many`] stored on `shard` durable, whoever
+    /// wrote them, where the backend defers that: the embedded engine syncs
+    /// its log once for a move's backlog rather than once per chunk, since
+    /// each sync of a big copy holds up the syncs of the shards' producers.
+    /// A move calls it on the new shard before it deletes anything on the
+    /// old one. Default: nothing to do (each import was durable as it
+    /// returned).
+    fn sync_imports(&self, shard: &str) -> Result<(), QueueError> {
+        let _ = shard;
+        Ok(())
+    }
+
     /// The largest source id `shard` has taken from shard `from` for `key`.
     fn imported_up_to(
         &self,

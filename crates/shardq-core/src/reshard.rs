@@ -28,7 +28,9 @@
 //!    copied), raise the new shards' run-fence floor, copy each key's
 //!    queued, delayed and dead jobs in rounds while its producers keep
 //!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
-//!    chunks; the new shard may run the copies at once), then a last round
+//!    chunks; the new shard may run the copies at once; a backend may defer
+//!    their durability to [`QueueBackend::sync_imports`], called on each new
+//!    shard before any source is deleted), then a last round
 //!    (with the key's dedup records; one read per old shard for the batch,
 //!    from the cursors the rounds kept) and a *freeze*: one atomic step on
 //!    the old shard ([`QueueBackend::freeze_caught_up`]) that checks no job
@@ -1300,6 +1302,8 @@ where
                         &mut None,
                         &mut touched,
                     )?;
+                    // The copies durable before their sources go.
+                    backend.sync_imports(to)?;
                     backend.purge_key(&shard.name, key)?;
                     let mut f = backend.fence(&shard.name)?;
                     // The floor is raised in the same write: unsealed
@@ -1427,8 +1431,24 @@ where
         //    unsealed there, the key would take a stale producer's job on
         //    the shard it no longer runs on.
         let mut cleaned = Vec::with_capacity(batch.len());
+        // The copies are made durable before any source is deleted, once
+        // per new shard for the whole batch: a new shard that fails that
+        // keeps its keys' sources where they are, sealed, for the rerun.
+        let mut synced: BTreeMap<&str, bool> = BTreeMap::new();
         for sw in &batch {
-            if failed.shards.contains_key(&sw.1) {
+            if !synced.contains_key(sw.2.as_str()) {
+                let ok = match backend.sync_imports(&sw.2) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failed.note_or_raise(backend, &[sw.2.as_str()], e.into())?;
+                        false
+                    }
+                };
+                synced.insert(&sw.2, ok);
+            }
+        }
+        for sw in &batch {
+            if failed.shards.contains_key(&sw.1) || !synced[sw.2.as_str()] {
                 failed.keys.push(sw.0.clone());
                 continue;
             }

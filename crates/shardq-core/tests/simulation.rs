@@ -854,6 +854,10 @@ impl QueueBackend for Crashing {
         self.reach(shard)?;
         self.inner.imported_up_to(shard, from, key)
     }
+    fn sync_imports(&self, shard: &str) -> Result<(), QueueError> {
+        self.reach(shard)?;
+        self.inner.sync_imports(shard)
+    }
     fn freeze_caught_up(
         &self,
         shard: &str,

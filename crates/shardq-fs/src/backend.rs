@@ -476,6 +476,20 @@ impl FsBackend {
         inner: &mut Inner,
         build: &mut BuildRecords<'_>,
     ) -> Result<(u64, u64), QueueError> {
+        self.append_records(shard, inner, build, true)
+    }
+
+    /// [`FsBackend::append_with`], with `tracked` false for a move's
+    /// copies: this process's flusher and syncs then leave them to
+    /// [`QueueBackend::sync_imports`], so a big copy is synced once rather
+    /// than every `run_record_sync_ms`.
+    fn append_records(
+        &self,
+        shard: &Shard,
+        inner: &mut Inner,
+        build: &mut BuildRecords<'_>,
+        tracked: bool,
+    ) -> Result<(u64, u64), QueueError> {
         let guard = inner.log.lock()?;
         {
             let Inner { log, replica, .. } = &mut *inner;
@@ -509,7 +523,9 @@ impl FsBackend {
                 p += n;
             }
         }
-        *lock(&shard.sync.latest) = Some((end, file));
+        if tracked {
+            *lock(&shard.sync.latest) = Some((end, file));
+        }
         Ok((start, end))
     }
 
@@ -609,6 +625,7 @@ impl FsBackend {
             r.set_reclaimed(log.reclaimed());
         }
         let now = self.opts.clock.now_ms();
+        let mut cursors_saved = false;
         for (b, e) in sealed {
             // A segment holding a dedup record that has not expired stays,
             // so the record survives restarts for its window.
@@ -616,6 +633,14 @@ impl FsBackend {
                 && !r.segment_refers_to_live(b)
                 && r.dedup_until_ms(b) <= now
             {
+                // Its Import records may be the only note of a move's
+                // cursor: saved first, or the segment stays for now.
+                if !cursors_saved {
+                    if self.save_import_cursors(log.dir(), r).is_err() {
+                        break;
+                    }
+                    cursors_saved = true;
+                }
                 if log.delete_segment(b).is_err() {
                     // Kept for now: it is recorded as reclaimed, so replay
                     // skips its jobs, and the next round deletes it.
@@ -1513,7 +1538,7 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
-        let mut transfers = self.read_transfers(&shard)?;
+        let transfers = self.read_transfers(&shard.dir)?;
         let on_file = |key: &str| {
             transfers
                 .iter()
@@ -1528,7 +1553,6 @@ impl QueueBackend for FsBackend {
             .flat_map(|(i, (_, jobs))| jobs.iter().map(move |j| (i, j)))
             .collect();
         let mut out: Vec<(String, JobId, JobId)> = Vec::new();
-        let mut end = 0u64;
         // One append per slice of at most ENQUEUE_BATCH_BYTES_MAX.
         let mut rest = &all[..];
         while !rest.is_empty() {
@@ -1544,7 +1568,7 @@ impl QueueBackend for FsBackend {
             let (slice, tail) = rest.split_at(taken);
             rest = tail;
             let mut stored: Vec<(String, JobId, JobId)> = Vec::new();
-            let (_, e) = self.append_with(&shard, &mut inner, &mut |inner, start| {
+            let mut build = |inner: &mut Inner, start: u64| {
                 let r = inner.replica.as_ref().expect("refreshed");
                 stored.clear();
                 let mut bytes = Vec::new();
@@ -1573,36 +1597,27 @@ impl QueueBackend for FsBackend {
                     stored.push((key.to_string(), j.id, JobId(pos)));
                 }
                 Ok(bytes)
-            })?;
-            end = end.max(e);
+            };
+            self.append_records(&shard, &mut inner, &mut build, false)?;
             out.extend(stored);
         }
-        drop(inner);
-        if !out.is_empty() {
-            // Durable before the cursor says so: a move deletes the source's
-            // copies once the cursor covers them.
-            self.sync_to(&shard, end)?;
-            let mut highest: BTreeMap<&str, u64> = BTreeMap::new();
-            for (key, src, _) in &out {
-                let h = highest.entry(key.as_str()).or_default();
-                *h = (*h).max(src.0);
-            }
-            for (key, up_to) in highest {
-                match transfers
-                    .iter_mut()
-                    .find(|t| t.from == from && t.key == key)
-                {
-                    Some(t) => t.up_to = t.up_to.max(up_to),
-                    None => transfers.push(Transferred {
-                        from: from.to_string(),
-                        key: key.to_string(),
-                        up_to,
-                    }),
-                }
-            }
-            self.write_transfers(&shard, &transfers)?;
-        }
+        // Written, not yet synced: a move makes a whole backlog's copies
+        // durable at once ([`QueueBackend::sync_imports`]) before it deletes
+        // the sources, instead of an fsync per chunk, which every fsync of
+        // the shards' producers would queue behind. Their cursors are in the
+        // Import records; compaction saves them to the transfers file before
+        // it deletes a segment holding any.
         Ok(out)
+    }
+
+    fn sync_imports(&self, name: &str) -> Result<(), QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        // Whoever appended them (this process, or one a rerun replaces): a
+        // sealed segment was synced when it was sealed, so syncing the
+        // current one makes every copy durable.
+        self.refresh(&mut inner)?;
+        inner.log.sync_current()
     }
 
     fn imported_up_to(
@@ -1620,7 +1635,7 @@ impl QueueBackend for FsBackend {
             .expect("refreshed")
             .imported_up_to(from, key);
         let on_file = self
-            .read_transfers(&shard)?
+            .read_transfers(&shard.dir)?
             .into_iter()
             .find(|t| t.from == from && t.key == key)
             .map(|t| t.up_to);
@@ -1739,8 +1754,8 @@ fn cut_reason(reason: &str) -> &str {
 }
 
 impl FsBackend {
-    fn read_transfers(&self, shard: &Shard) -> Result<Vec<Transferred>, QueueError> {
-        let path = shard.dir.join(TRANSFERS_FILE);
+    fn read_transfers(&self, dir: &Path) -> Result<Vec<Transferred>, QueueError> {
+        let path = dir.join(TRANSFERS_FILE);
         let bytes = self
             .opts
             .storage
@@ -1932,9 +1947,38 @@ impl FsBackend {
         Ok(())
     }
 
-    fn write_transfers(&self, shard: &Shard, t: &[Transferred]) -> Result<(), QueueError> {
-        let path = shard.dir.join(TRANSFERS_FILE);
-        let text = serde_json::to_vec(t).map_err(|e| QueueError::Internal {
+    /// Saves `r`'s move cursors (the largest source id imported per shard
+    /// and key) to the transfers file, merged with what it holds, before a
+    /// segment holding Import records is deleted: a rerun of a move then
+    /// never imports a job twice after its copies ran and were compacted.
+    fn save_import_cursors(&self, dir: &Path, r: &ShardState) -> Result<(), QueueError> {
+        let mut transfers = self.read_transfers(dir)?;
+        let mut changed = false;
+        for (from, key, up_to) in r.imported() {
+            match transfers
+                .iter_mut()
+                .find(|t| t.from == from && t.key == key)
+            {
+                Some(t) if t.up_to >= up_to => {}
+                Some(t) => {
+                    t.up_to = up_to;
+                    changed = true;
+                }
+                None => {
+                    transfers.push(Transferred {
+                        from: from.to_string(),
+                        key: key.to_string(),
+                        up_to,
+                    });
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            return Ok(());
+        }
+        let path = dir.join(TRANSFERS_FILE);
+        let text = serde_json::to_vec(&transfers).map_err(|e| QueueError::Internal {
             what: format!("encoding the transfers file: {e}"),
         })?;
         self.opts

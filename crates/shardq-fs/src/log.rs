@@ -874,6 +874,11 @@ impl ShardLog {
             .collect()
     }
 
+    /// The shard's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Makes everything appended to the current segment durable (earlier
     /// segments were fsynced when sealed). Poisons the log on failure.
     pub fn sync_current(&mut self) -> Result<(), QueueError> {

@@ -298,6 +298,14 @@ impl ShardState {
         }
     }
 
+    /// Every (shard copied from, key, largest source id imported), as
+    /// replayed.
+    pub fn imported(&self) -> impl Iterator<Item = (&str, &str, u64)> + '_ {
+        self.imported
+            .iter()
+            .map(|((from, key), &up_to)| (&**from, &**key, up_to))
+    }
+
     /// The largest source id imported from `from` for `key`, as replayed.
     pub fn imported_up_to(&self, from: &str, key: &str) -> Option<u64> {
         self.imported.get(&(from.into(), key.into())).copied()

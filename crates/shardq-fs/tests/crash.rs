@@ -349,3 +349,70 @@ fn a_disk_that_fails_reads_fails_the_tick_and_the_map_load_naming_the_file() {
     assert_eq!(store.load().unwrap().version, version);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A move writes its copies without an fsync per chunk and syncs the new
+/// shard once, before it deletes anything on the old one: a power loss
+/// right after a rebalance that moved a backlog loses no job of it, and
+/// each key's jobs still run in order on the new shard.
+#[test]
+fn a_power_loss_after_a_move_keeps_every_moved_job_in_order() {
+    use shardq_core::reshard::{self, RebalanceOptions};
+    use shardq_fs::map_store::FileMapStore;
+    let dir = support::data_dir_n("move-power-loss", 2);
+    let crash = CrashStorage::default();
+    let keys: Vec<String> = {
+        let engine = Engine::open(&dir, opts(Arc::new(crash.clone()), Durability::Fsync)).unwrap();
+        let router = engine.router();
+        let keys: Vec<String> = (0..100)
+            .map(|i| format!("tenant-{i}"))
+            .filter(|k| router.route(k) == "shard-1")
+            .take(4)
+            .collect();
+        assert_eq!(keys.len(), 4);
+        for i in 0..60 {
+            for k in &keys {
+                engine.enqueue(NewJob::new(k, format!("{i:03}"))).unwrap();
+            }
+        }
+        let store = FileMapStore::open(&dir).unwrap();
+        reshard::remove_shard(&store, "shard-1").unwrap();
+        let report = reshard::rebalance(
+            &*engine.backend(),
+            &store,
+            &RebalanceOptions::default(),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(report.jobs_moved, 240, "{report:?}");
+        assert!(
+            list_segments(&dir.join("shard-0")).unwrap().len() > 1,
+            "the copies must cross segment rolls"
+        );
+        keys
+    };
+    crash.crash(0).unwrap();
+    let engine = Engine::open(&dir, opts(Arc::new(OsStorage), Durability::Fsync)).unwrap();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    let mut seen: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    loop {
+        let c = b.claim("shard-0", 8, JOB_LEASE_MS_DEFAULT).unwrap();
+        if c.is_empty() {
+            break;
+        }
+        for j in &c {
+            seen.entry(j.key.clone())
+                .or_default()
+                .push(String::from_utf8(j.payload.clone()).unwrap());
+        }
+        let rs: Vec<Receipt> = c.iter().map(|j| j.receipt()).collect();
+        b.ack("shard-0", &rs).unwrap();
+    }
+    let want: Vec<String> = (0..60).map(|i| format!("{i:03}")).collect();
+    for k in &keys {
+        assert_eq!(seen.get(k), Some(&want), "key {k}");
+    }
+    drop(b);
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+}
