@@ -1,11 +1,14 @@
-"""The Lua text of the Redis backend's enqueue script, copied from
-``crates/shardq-redis/src/scripts.rs`` (``PRELUDE`` and ``ENQUEUE``).
+"""The Lua text of the Redis backend's scripts this client runs, copied from
+``crates/shardq-redis/src/scripts.rs``: the enqueue script (``PRELUDE`` and
+``ENQUEUE``), and the ones a producer needs to lift an orphaned fence the
+way the Rust producer does (``FENCE_GET``, ``MAP_PUBLISH``, ``LOCK_RENEW``
+and ``LOCK_RELEASE``).
 
 It must be kept in sync with that file: ``tests/test_lua_sync.py`` extracts
-both constants from the Rust source and fails when they differ, and checks
-that :data:`ENQUEUE_SCRIPT` is assembled the way ``Lua::new`` assembles it
-(so both languages send the same text and the same SHA1). Regenerate it by
-copying the two raw strings verbatim; do not edit the Lua here.
+every constant from the Rust source and fails when one differs, and checks
+that each ``*_SCRIPT`` is assembled the way ``Lua::new`` assembles it (so
+both languages send the same text and the same SHA1). Regenerate it by
+copying the raw strings verbatim; do not edit the Lua here.
 """
 
 import hashlib
@@ -350,3 +353,57 @@ ENQUEUE_SCRIPT = "#!lua\n" + PRELUDE + "\n" + ENQUEUE
 
 #: SHA1 of :data:`ENQUEUE_SCRIPT`, the name ``EVALSHA`` runs it by.
 ENQUEUE_SHA1 = hashlib.sha1(ENQUEUE_SCRIPT.encode("utf-8")).hexdigest()
+
+
+#: A shard's fence (``FENCE_GET`` in scripts.rs): ``{fmin, paused keys,
+#: ffloor, sealed keys}``, or ``{'LOST', dep}`` from the prelude.
+FENCE_GET = """
+return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0', redis.call('HGETALL', K_SEALED)}
+"""
+
+#: Compare-and-set publish of the map (``MAP_PUBLISH`` in scripts.rs).
+#: KEYS[1] the map key; ARGV[1] the expected version (0: none stored),
+#: ARGV[2] the new version, ARGV[3] the YAML.
+MAP_PUBLISH = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if cur ~= tonumber(ARGV[1]) then return {'CONFLICT', cur} end
+if tonumber(ARGV[2]) <= cur then return {'STALE', cur} end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'yaml', ARGV[3])
+return {'OK'}
+"""
+
+#: Extends the rebalance lock only while the caller still holds it
+#: (``LOCK_RENEW`` in scripts.rs). KEYS[1] the lock; ARGV[1] the token,
+#: ARGV[2] the lifetime in ms.
+LOCK_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+#: Releases the rebalance lock only if the caller still holds it, never a
+#: successor's (``LOCK_RELEASE`` in scripts.rs). KEYS[1] the lock; ARGV[1]
+#: the token.
+LOCK_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _sha1(script: str) -> str:
+    return hashlib.sha1(script.encode("utf-8")).hexdigest()
+
+
+#: As ``Lua::new(FENCE_GET, true, Flags::NoWrites)`` builds it.
+FENCE_GET_SCRIPT = "#!lua flags=no-writes\n" + PRELUDE + "\n" + FENCE_GET
+FENCE_GET_SHA1 = _sha1(FENCE_GET_SCRIPT)
+#: As ``Lua::new(MAP_PUBLISH, false, Flags::Write)`` builds it.
+MAP_PUBLISH_SCRIPT = "#!lua\n" + MAP_PUBLISH
+MAP_PUBLISH_SHA1 = _sha1(MAP_PUBLISH_SCRIPT)
+#: As ``Lua::new(LOCK_RENEW, false, Flags::AllowOom)`` builds it.
+LOCK_RENEW_SCRIPT = "#!lua flags=allow-oom\n" + LOCK_RENEW
+LOCK_RENEW_SHA1 = _sha1(LOCK_RENEW_SCRIPT)
+#: As ``Lua::new(LOCK_RELEASE, false, Flags::AllowOom)`` builds it.
+LOCK_RELEASE_SCRIPT = "#!lua flags=allow-oom\n" + LOCK_RELEASE
+LOCK_RELEASE_SHA1 = _sha1(LOCK_RELEASE_SCRIPT)

@@ -13,14 +13,28 @@ move answers ``PAUSED``: its jobs are held back and retried (bounded by
 ``pause_wait_ms``) while the other keys' go ahead. Jobs of one key keep
 their order.
 
+A rebalance fences every shard at the next map version before it publishes
+that version; one killed between the two would leave every producer refused
+until it is run again. Like the Rust producer, this one lifts such an
+orphaned fence: fenced for :data:`ORPHAN_FENCE_AFTER_MS` with no newer map
+(and again at most once per that interval), it takes the rebalance lock
+(doing nothing while a rebalance holds it), and when a shard's fence asks
+for a version above the published map's, publishes the same map (the same
+routing, only the version changed) at the highest such version, with the
+backend's compare-and-set publish script. The producers then go in.
+
 Delivery is at least once: an enqueue whose reply was lost (a dropped
 connection, a timeout) is retried and may store the batch twice, in order.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
+import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +43,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from .routing import Router
+from .routing import MapError, Router, Shard, parse_map
 
 from . import _lua
 from .errors import (
@@ -80,6 +94,16 @@ REFUSED_RETRY_SLEEP_MS = 2
 #: Most ``MOVED`` answers followed for one key in one call (a key moved
 #: twice while this producer held one map); past it, it waits as if paused.
 MOVED_HOPS_MAX = 4
+#: How long a call waits for a newer map after its first fence before it
+#: checks for an orphaned fence (a rebalance that died between fencing and
+#: publishing), and then between checks, in ms (the Rust producer's
+#: ``ORPHAN_FENCE_AFTER_MS``).
+ORPHAN_FENCE_AFTER_MS = 2_000
+#: Lifetime of the rebalance lock without renewal, in ms, and renewals per
+#: lifetime (``REBALANCE_LOCK_MS`` and ``REBALANCE_LOCK_RENEWALS`` of the
+#: Rust map store).
+REBALANCE_LOCK_MS = 30_000
+REBALANCE_LOCK_RENEWALS = 3
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -99,6 +123,11 @@ def deployment_key(ns: str) -> str:
 def map_key(ns: str) -> str:
     """``sq:{=map:<ns>}:current``: the published map (hash ``version``, ``yaml``)."""
     return f"sq:{{=map:{ns}}}:current"
+
+
+def rebalance_lock_key(ns: str) -> str:
+    """``sq:{=map:<ns>}:rebalance``: the rebalance lock (string: the holder's token, with a TTL)."""
+    return f"sq:{{=map:{ns}}}:rebalance"
 
 
 def shard_keys(ns: str, queue: str, shard: str) -> List[str]:
@@ -259,6 +288,104 @@ class _Node:
         self.client.close()
 
 
+def _eval(c: "redis.Redis", script: str, sha1: str, keys: Sequence[str], args: Sequence[Union[str, bytes, int]]) -> Any:
+    """Runs a script by its SHA1, sending its text once when the server does
+    not have it cached (as ``Lua::call`` does)."""
+    try:
+        return c.evalsha(sha1, len(keys), *keys, *args)
+    except redis.exceptions.NoScriptError:
+        return c.eval(script, len(keys), *keys, *args)
+
+
+_LOCK_NONCE = itertools.count()
+
+
+def _lock_owner() -> str:
+    """``host@pid``, the holder the Rust side names in its lock tokens."""
+    return f"{socket.gethostname() or 'localhost'}@{os.getpid()}"
+
+
+class _RebalanceLock:
+    """The rebalance lock, taken as the Rust map store takes it: a token
+    ``host@pid#nonce`` set with ``SET NX PX`` (:data:`REBALANCE_LOCK_MS`),
+    renewed by a thread while held, and released only while the token is
+    still ours (a compare-and-delete script, never a successor's lock)."""
+
+    def __init__(self, store: _Node, key: str, token: str) -> None:
+        self._store = store
+        self._key = key
+        self._token = token
+        #: Set when a renewal found another token: the lock lapsed and
+        #: someone else may hold it.
+        self.lost = False
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, name="shardq-rebalance-lock", daemon=True)
+        self._renewer.start()
+
+    @classmethod
+    def try_take(cls, store: _Node, key: str) -> "Optional[_RebalanceLock]":
+        """The lock, or None when another holder has it."""
+        token = f"{_lock_owner()}#{next(_LOCK_NONCE)}"
+        # A retried SET after a lost reply finds our own token: that is ours.
+        got = store.run(lambda c: c.set(key, token, nx=True, px=REBALANCE_LOCK_MS, get=True))
+        if got is not None and _s(got) != token:
+            return None
+        return cls(store, key, token)
+
+    def _renew(self) -> None:
+        every_s = REBALANCE_LOCK_MS / REBALANCE_LOCK_RENEWALS / 1000
+        while not self._stop.wait(every_s):
+            try:
+                held = self._store.run(
+                    lambda c: _eval(c, _lua.LOCK_RENEW_SCRIPT, _lua.LOCK_RENEW_SHA1, [self._key],
+                                    [self._token, REBALANCE_LOCK_MS])
+                )
+            except (ShardqError, redis.RedisError):
+                # Retried next period; the lock lapses only after two more misses.
+                continue
+            if not held:
+                self.lost = True
+
+    def release(self) -> None:
+        self._stop.set()
+        self._renewer.join()
+        try:
+            self._store.run(
+                lambda c: _eval(c, _lua.LOCK_RELEASE_SCRIPT, _lua.LOCK_RELEASE_SHA1, [self._key], [self._token])
+            )
+        except (ShardqError, redis.RedisError):
+            # Best effort: a lock we fail to release lapses on its own.
+            pass
+
+
+# The top-level `version:` line of a map's YAML (as `ShardMap::to_yaml`
+# writes it first).
+_VERSION_LINE = re.compile(r"^version:[ \t]*([0-9]+)[ \t]*(?:#[^\n]*)?\r?$", re.M)
+
+
+def _map_yaml_at_version(text: str, version: int) -> str:
+    """``text``, a published map's YAML, with its ``version`` set to
+    ``version`` and not a byte else changed: the map a lift republishes.
+    Checked before it is used: it must parse, with the new version, to the
+    very map ``text`` holds otherwise (so routing is unchanged). Raises
+    :class:`ConfigError` when the version line cannot be found or the result
+    does not check out."""
+    found = list(_VERSION_LINE.finditer(text))
+    if len(found) != 1:
+        raise ConfigError(
+            f"the map's YAML has {len(found)} top-level `version:` lines; expected exactly one"
+        )
+    at = found[0]
+    out = text[: at.start(1)] + str(version) + text[at.end(1):]
+    try:
+        before, after = parse_map(text), parse_map(out)
+    except MapError as e:
+        raise ConfigError(f"the map at version {version} does not validate: {e}") from None
+    if after.version != version or dataclasses.replace(before, version=version) != after:
+        raise ConfigError(f"the map at version {version} is not the published map with a new version")
+    return out
+
+
 class RedisProducer:
     """Routes and enqueues jobs straight into a Redis deployment.
 
@@ -266,6 +393,15 @@ class RedisProducer:
     the deployment record), or use :meth:`from_data_dir` to read all of it
     from a data dir's ``remote.json``. Safe to share between threads (calls
     run one at a time); one producer per thread scales better.
+
+    Fenced with no newer map published, it waits up to ``fence_wait_ms``
+    and then raises :class:`FencedTooLong`. Within that wait it lifts an
+    orphaned fence as the Rust producer does: after
+    :data:`ORPHAN_FENCE_AFTER_MS` (and at most once per that interval), if
+    no rebalance holds the rebalance lock and some shard's fence is ahead of
+    the published map, it publishes the same map again at the highest fenced
+    version (compare-and-set, routing unchanged), then reloads and goes in.
+    While a rebalance holds the lock it publishes nothing and keeps waiting.
     """
 
     def __init__(
@@ -354,7 +490,12 @@ class RedisProducer:
                 f"{key} at {self._store.url}: field version {version} but the YAML says "
                 f"{router.map.version}"
             )
-        for shard in router.map.shards:
+        self._add_nodes(router.map.shards)
+        self._router = router
+        return True
+
+    def _add_nodes(self, shards: Iterable[Shard]) -> None:
+        for shard in shards:
             if shard.name in self._nodes:
                 continue
             if shard.url is None:
@@ -365,12 +506,85 @@ class RedisProducer:
                 continue
             self._nodes[shard.name] = _Node(f"shard {shard.name!r}", shard.url, self.retry_budget_ms)
             self._keys[shard.name] = shard_keys(self.namespace, self.queue, shard.name)
-        self._router = router
-        return True
 
     def _reload_if_stale(self) -> None:
         if (time.monotonic() - self._loaded_at) * 1000 >= self.refresh_ms:
             self.reload()
+
+    # --- orphaned fences -------------------------------------------------------
+
+    def _lift_orphaned_fence(self) -> bool:
+        """Ends the fence of a rebalance that died between fencing every
+        shard at the next map version and publishing that version, as
+        ``reshard::lift_orphaned_fence`` does: under the rebalance lock, when
+        a readable shard's fence (``map_version_min``) is above the published
+        map's version, publishes the same map at the highest such version
+        (compare-and-set on the version it loaded). A shard that cannot be
+        read is passed by: the routing does not change, so the version the
+        readable fences ask for is safe to publish. True when it published;
+        False when a rebalance holds the lock (it will publish), no fence is
+        ahead, or the publish lost a race. A rebalance that only stalled
+        (its lock lapsed) then fails its own publish, since the version
+        moved on."""
+        lock = _RebalanceLock.try_take(self._store, rebalance_lock_key(self.namespace))
+        if lock is None:
+            return False
+        try:
+            key = map_key(self.namespace)
+            got_version, text = self._store.run(lambda c: c.hmget(key, "version", "yaml"))
+            if got_version is None or text is None:
+                return False
+            published = int(got_version)
+            yaml_text = _s(text)
+            try:
+                current = parse_map(yaml_text)
+            except MapError:
+                return False
+            if current.version != published:
+                return False
+            self._add_nodes(current.shards)
+            ahead = published
+            for shard in current.shards:
+                fence = self._fence_of(shard.name)
+                if fence is not None:
+                    ahead = max(ahead, fence)
+            if ahead <= published:
+                return False
+            # Never publish a map that does not validate: this raises
+            # instead, and the wait goes on.
+            republished = _map_yaml_at_version(yaml_text, ahead)
+            if lock.lost:
+                return False
+            reply = self._store.run(
+                lambda c: _eval(c, _lua.MAP_PUBLISH_SCRIPT, _lua.MAP_PUBLISH_SHA1, [key],
+                                [published, ahead, republished])
+            )
+            return bool(reply) and _s(reply[0]) == "OK"
+        finally:
+            lock.release()
+
+    def _fence_of(self, shard: str) -> Optional[int]:
+        """The shard's fence, the oldest map version it accepts (the
+        backend's ``FENCE_GET`` script); None when it cannot be read (no
+        ``redis://`` server in the map, unreachable, or its deployment record
+        lost)."""
+        node = self._nodes.get(shard)
+        if node is None:
+            return None
+        keys = self._keys[shard]
+        # ARGV as every shard script takes them: time, lease token, halt
+        # flag, deployment id.
+        args: List[Union[str, bytes, int]] = ["", "", self.halt_arg, self.deployment]
+        try:
+            reply = node.run(lambda c: _eval(c, _lua.FENCE_GET_SCRIPT, _lua.FENCE_GET_SHA1, keys, args))
+        except (ShardqError, redis.RedisError):
+            return None
+        if not reply or _s(reply[0]) == "LOST":
+            return None
+        try:
+            return int(_s(reply[0]))
+        except ValueError:
+            return None
 
     # --- enqueue -------------------------------------------------------------
 
@@ -417,6 +631,10 @@ class RedisProducer:
         paused_since: Dict[str, float] = {}
         hops: Dict[str, int] = {}
         gave_up: List[Tuple[str, str]] = []
+        # When this call first met a fence no newer map followed, and the
+        # time into that wait of the last lift attempt (ms).
+        fenced_since: Optional[float] = None
+        last_lift_ms = 0
         while pending:
             router = self.router
             version = router.map.version
@@ -476,7 +694,27 @@ class RedisProducer:
                 break
             if fenced is not None:
                 if not self.reload():
-                    waited = int((time.monotonic() - started) * 1000)
+                    now = time.monotonic()
+                    waited = int((now - started) * 1000)
+                    # A fence no map follows for a while: its rebalance may
+                    # have died between the two; lifted when no rebalance
+                    # runs (at most one try per interval, counted from the
+                    # first fence this call met).
+                    if fenced_since is None:
+                        fenced_since = now
+                    fenced_ms = int((now - fenced_since) * 1000)
+                    if fenced_ms >= ORPHAN_FENCE_AFTER_MS and fenced_ms >= last_lift_ms + ORPHAN_FENCE_AFTER_MS:
+                        last_lift_ms = fenced_ms
+                        try:
+                            lifted = self._lift_orphaned_fence()
+                        except (ShardqError, redis.RedisError):
+                            # A store not answering, a map that does not
+                            # check out: nothing was published; the wait
+                            # goes on.
+                            lifted = False
+                        if lifted:
+                            self.reload()
+                            continue
                     if waited >= self.fence_wait_ms:
                         raise FencedTooLong(fenced, version, waited)
                     time.sleep(REFUSED_RETRY_SLEEP_MS / 1000)

@@ -1,19 +1,32 @@
-"""The Python copy of the enqueue script must be the Rust one, byte for byte:
-this fails CI when ``crates/shardq-redis/src/scripts.rs`` changes and
-``clients/python/shardq/_lua.py`` does not follow."""
+"""The Python copies of the Redis scripts (the enqueue script, and the fence
+read, map publish and rebalance-lock scripts of the orphaned-fence lift) must
+be the Rust ones, byte for byte, and the lift's constants and lock key the
+Rust producer's and map store's: this fails CI when
+``crates/shardq-redis/src/scripts.rs`` (or those constants) change and
+``clients/python/shardq`` does not follow."""
 
 import hashlib
 import os
 import re
 
 from shardq import _lua
-from shardq.redis_producer import ENQUEUE_BATCH_MAX, LAYOUT_VERSION, SHARD_PARTS
+from shardq.redis_producer import (
+    ENQUEUE_BATCH_MAX,
+    LAYOUT_VERSION,
+    ORPHAN_FENCE_AFTER_MS,
+    REBALANCE_LOCK_MS,
+    REBALANCE_LOCK_RENEWALS,
+    SHARD_PARTS,
+    rebalance_lock_key,
+)
 
 from support import REPO_ROOT
 
 SCRIPTS_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "scripts.rs")
 KEYS_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "keys.rs")
 BACKEND_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "backend.rs")
+MAPSTORE_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "mapstore.rs")
+PRODUCER_RS = os.path.join(REPO_ROOT, "crates", "shardq-core", "src", "producer.rs")
 
 
 def read(path: str) -> str:
@@ -56,3 +69,41 @@ def test_key_parts_layout_and_batch_limit_match_rust():
     assert tuple(re.findall(r'"([a-z]+)"', m.group(2))) == SHARD_PARTS
     assert f"pub const LAYOUT_VERSION: u32 = {LAYOUT_VERSION};" in keys
     assert f"pub const ENQUEUE_BATCH_MAX: usize = {ENQUEUE_BATCH_MAX};" in read(BACKEND_RS)
+
+
+# The scripts the orphaned-fence lift runs: the constant's name (the same in
+# both files), how `Scripts::new` builds it, the shebang line of its flags,
+# and whether the prelude goes before the body.
+LIFT_SCRIPTS = [
+    ("FENCE_GET", "fence_get: Lua::new(FENCE_GET, true, Flags::NoWrites)", "#!lua flags=no-writes", True),
+    ("MAP_PUBLISH", "map_publish: Lua::new(MAP_PUBLISH, false, Flags::Write)", "#!lua", False),
+    ("LOCK_RENEW", "lock_renew: Lua::new(LOCK_RENEW, false, Flags::AllowOom)", "#!lua flags=allow-oom", False),
+    ("LOCK_RELEASE", "lock_release: Lua::new(LOCK_RELEASE, false, Flags::AllowOom)", "#!lua flags=allow-oom", False),
+]
+
+
+def test_lift_scripts_match_scripts_rs_and_are_assembled_like_lua_new():
+    src = read(SCRIPTS_RS)
+    assert 'Flags::AllowOom => "#!lua flags=allow-oom"' in src
+    assert 'Flags::NoWrites => "#!lua flags=no-writes"' in src
+    assert 'format!("{shebang}\\n{body}")' in src
+    for name, built, shebang, prelude in LIFT_SCRIPTS:
+        body = raw_const(src, name)
+        assert getattr(_lua, name) == body, (
+            f"shardq/_lua.py {name} differs from scripts.rs: copy the raw string again"
+        )
+        assert built in src, f"scripts.rs no longer builds {name} as `{built}`: follow it in shardq/_lua.py"
+        want = shebang + "\n" + (raw_const(src, "PRELUDE") + "\n" if prelude else "") + body
+        assert getattr(_lua, f"{name}_SCRIPT") == want, name
+        assert getattr(_lua, f"{name}_SHA1") == hashlib.sha1(want.encode()).hexdigest(), name
+
+
+def test_lift_constants_and_lock_key_match_rust():
+    assert f"pub const ORPHAN_FENCE_AFTER_MS: u64 = {ORPHAN_FENCE_AFTER_MS:_};" in read(PRODUCER_RS)
+    mapstore = read(MAPSTORE_RS)
+    assert f"pub const REBALANCE_LOCK_MS: u64 = {REBALANCE_LOCK_MS:_};" in mapstore
+    assert f"pub const REBALANCE_LOCK_RENEWALS: u64 = {REBALANCE_LOCK_RENEWALS};" in mapstore
+    # The lock token is `host@pid#nonce`, as the Rust map store writes it.
+    assert 'crate::coord::default_owner(),' in mapstore and '"{}#{}",' in mapstore
+    assert 'format!("{NAMESPACE}:{{=map:{ns}}}:rebalance")' in read(KEYS_RS)
+    assert rebalance_lock_key("ns-1") == "sq:{=map:ns-1}:rebalance"

@@ -3,10 +3,13 @@ jobs enqueued from Python are run by ``shardq work`` in per-key order, and a
 live rebalance (add-shard + rebalance in another process) while Python keeps
 producing loses nothing, reorders nothing and moves keys to the new shard.
 Fence, pause, lost-store, full-store and eviction refusals are exercised on
-the server directly."""
+the server directly, and so is the fence a rebalance leaves when it dies
+between fencing and publishing: lifted by republishing the same map, unless
+a rebalance holds the lock."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +33,13 @@ from shardq import (
     StoreFull,
     StoreLost,
 )
-from shardq.redis_producer import map_key, shard_keys
+from shardq.redis_producer import (
+    ORPHAN_FENCE_AFTER_MS,
+    _map_yaml_at_version,
+    map_key,
+    rebalance_lock_key,
+    shard_keys,
+)
 from shardq.routing import Router
 
 from support import RedisServer, read_lines, shardq, shardq_binary, stop_process, wait_until
@@ -303,3 +312,114 @@ def test_lost_store_full_store_and_evicting_server_are_refused(tmp, servers):
     r.config_set("maxmemory-policy", "allkeys-lru")
     with pytest.raises(ConfigError, match="allkeys-lru"):
         RedisProducer.from_data_dir(data)
+
+
+# --- an orphaned fence: a rebalance killed between its fence and its publish --
+
+
+def _fence_every_shard(r: redis.Redis, router: Router, version: int) -> None:
+    """What phase 1 of a rebalance leaves when it is killed right after its
+    fence write: every shard's fence (``map_version_min``, the ``fmin``
+    field of the shard's ``meta`` hash) at the next version, no map
+    published at it and no rebalance lock held."""
+    for s in router.map.shards:
+        r.hset(shard_keys("default", "default", s.name)[0], "fmin", version)
+
+
+def _set_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
+
+
+def test_an_orphaned_fence_is_lifted_by_republishing_the_same_map(tmp, servers):
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv, shards=3)
+    p = RedisProducer.from_data_dir(data)
+    assert p.fence_wait_ms == 30_000
+    before_yaml = r.hget(map_key("default"), "yaml").decode()
+    before = Router.from_yaml(before_yaml)
+    v = before.map.version
+    _fence_every_shard(r, before, v + 1)
+    assert not r.exists(rebalance_lock_key("default"))
+
+    t0 = time.monotonic()
+    got = p.enqueue("k", "x")
+    took = time.monotonic() - t0
+    # Refused for the Rust producer's interval, then lifted: far inside
+    # fence_wait_ms.
+    assert ORPHAN_FENCE_AFTER_MS / 1000 <= took < 10, f"took {took:.1f} s"
+    assert got.map_version == v + 1 and got.shard == before.route("k")
+    assert r.hget(shard_keys("default", "default", got.shard)[0], "seq") == b"1"
+
+    # The published map is the same map at the fence's version: only its
+    # version line changed, and every key routes as before.
+    version, yaml = r.hmget(map_key("default"), "version", "yaml")
+    assert int(version) == v + 1
+    assert yaml.decode() == before_yaml.replace(f"version: {v}\n", f"version: {v + 1}\n", 1)
+    after = Router.from_yaml(yaml.decode())
+    assert after.map.version == v + 1
+    assert dataclasses.replace(after.map, version=v) == before.map
+    keys = [f"tenant-{i}" for i in range(500)]
+    assert [after.route(k) for k in keys] == [before.route(k) for k in keys]
+    # The lift gave its lock back.
+    assert not r.exists(rebalance_lock_key("default"))
+
+    # The Rust side loads the republished map and goes in with it, and its
+    # router agrees with Python's.
+    out = shardq("enqueue", "--data", data, "--key", "k", "--payload", "y")
+    assert out.stdout.strip() == f"{got.shard}:2", out.stdout
+    lifted = os.path.join(tmp, "lifted.yaml")
+    with open(lifted, "w", encoding="utf-8") as f:
+        f.write(yaml.decode())
+    routed = shardq("route", "--map", lifted, *keys[:50]).stdout.splitlines()
+    assert routed == [f"{k}\t{before.route(k)}" for k in keys[:50]]
+
+
+def test_an_orphaned_fence_is_not_lifted_while_a_rebalance_holds_the_lock(tmp, servers):
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv)
+    before_yaml = r.hget(map_key("default"), "yaml").decode()
+    before = Router.from_yaml(before_yaml)
+    v = before.map.version
+    _fence_every_shard(r, before, v + 1)
+    lock = rebalance_lock_key("default")
+    holder = b"rebalancer-host@4242#0"
+    r.set(lock, holder, px=60_000)
+
+    wait_ms = ORPHAN_FENCE_AFTER_MS + 1_500
+    p = RedisProducer.from_data_dir(data, fence_wait_ms=wait_ms)
+    sets = _set_calls(r)
+    t0 = time.monotonic()
+    with pytest.raises(FencedTooLong) as e:
+        p.enqueue("k", "x")
+    assert e.value.map_version == v
+    assert wait_ms / 1000 <= time.monotonic() - t0 < 10
+    # It tried the lock (SET NX) once the interval had passed, found it
+    # held, and published nothing; the holder's lock is untouched.
+    assert _set_calls(r) > sets, "the producer never tried the rebalance lock"
+    assert r.hmget(map_key("default"), "version", "yaml") == [str(v).encode(), before_yaml.encode()]
+    assert r.get(lock) == holder and r.pttl(lock) > 0
+    for s in before.map.shards:
+        assert r.hget(shard_keys("default", "default", s.name)[0], "seq") in (None, b"0")
+
+    # Once the rebalance is gone (its lock lapsed), the same wait lifts it.
+    r.delete(lock)
+    got = RedisProducer.from_data_dir(data).enqueue("k", "x")
+    assert got.map_version == v + 1 and got.shard == before.route("k")
+
+
+def test_a_lift_republishes_only_a_map_that_validates_with_only_its_version_changed():
+    text = (
+        "version: 4\nalgorithm: ring\nhash: xxh3\nvnodes: 64\nshards:\n"
+        '  - { name: shard-0, url: "redis://127.0.0.1:1/0", weight: 1 }\n'
+        '  - { name: shard-1, url: "redis://127.0.0.1:1/0", weight: 2, state: warming }\n'
+        "overrides:\n  \"version: 4\": shard-0\n"
+    )
+    out = _map_yaml_at_version(text, 9)
+    assert out == text.replace("version: 4\n", "version: 9\n", 1)
+    assert Router.from_yaml(out).map == dataclasses.replace(Router.from_yaml(text).map, version=9)
+    # No top-level version line to change, or a map that does not validate:
+    # refused, never published.
+    with pytest.raises(ConfigError, match="version"):
+        _map_yaml_at_version("{version: 4, shards: [{name: a}]}", 5)
+    with pytest.raises(ConfigError, match="does not validate"):
+        _map_yaml_at_version("version: 4\nshards:\n  - { name: a, state: warming }\n", 5)
