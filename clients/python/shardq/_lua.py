@@ -37,6 +37,15 @@ local function now_us()
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
+-- A rebalance's writes carry its epoch as the token, `@N`: refused once
+-- this shard has seen a newer rebalance's (which took over the lock while
+-- this one stalled); the newest seen is meta `repoch`.
+if string.sub(ARGV[2], 1, 1) == '@' then
+  local e = tonumber(string.sub(ARGV[2], 2)) or 0
+  local seen = tonumber(redis.call('HGET', K_META, 'repoch') or '0')
+  if e < seen then return {'SUPERSEDED', idstr(seen)} end
+  if e > seen then redis.call('HSET', K_META, 'repoch', idstr(e)) end
+end
 -- A job record: not_before|attempts|max_attempts|created|key length|key payload.
 local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')

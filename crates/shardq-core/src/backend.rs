@@ -301,6 +301,20 @@ pub trait QueueBackend: Send + Sync {
         Ok(out)
     }
 
+    /// Makes this backend's later writes for a move (fences, copies,
+    /// freezes, purges) carry rebalance epoch `epoch`
+    /// ([`MapStore::rebalance_epoch`](crate::reshard::MapStore::rebalance_epoch)),
+    /// and raises `shard`'s epoch to it: from then on `shard` refuses such
+    /// writes of an older epoch ([`QueueError::Superseded`]), so a
+    /// rebalance that stalled past its lock's lease cannot write behind the
+    /// one that took over. Default: nothing (a backend whose rebalance lock
+    /// lives as long as its holder, as the embedded engine's file lock
+    /// does, has no stale holder to fence off).
+    fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {
+        let _ = (shard, epoch);
+        Ok(())
+    }
+
     /// Makes the copies [`QueueBackend::import_jobs`] and
     /// [`QueueBackend::import_many`] stored on `shard` durable, whoever
     /// wrote them, where the backend defers that: the embedded engine syncs

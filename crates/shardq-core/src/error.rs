@@ -74,6 +74,18 @@ pub enum QueueError {
         /// Oldest version the shard accepts.
         map_version_min: u64,
     },
+    /// A rebalance's write refused because a newer rebalance has written to
+    /// the shard since: this one lost its lock (it stalled past the lock's
+    /// lease) and must stop, leaving the work to the newer one.
+    #[error("shard {shard:?} refused a write of rebalance epoch {epoch}: a newer rebalance (epoch {newer}) has taken over since; this one lost its lock and stops (rerun `rebalance` if none is running)")]
+    Superseded {
+        /// Refusing shard.
+        shard: String,
+        /// The writer's epoch.
+        epoch: u64,
+        /// The newest epoch the shard has seen.
+        newer: u64,
+    },
     /// The key's enqueues are paused (it is being moved): retry later.
     #[error("shard {shard:?} has paused enqueues for key {key:?} (the key is being moved; retry shortly)")]
     Paused {
@@ -356,7 +368,8 @@ impl QueueError {
             QueueError::Store { kind, .. } => *kind,
             QueueError::NotOwner { .. }
             | QueueError::NotInFlight { .. }
-            | QueueError::StaleReceipt { .. } => ErrorKind::Conflict,
+            | QueueError::StaleReceipt { .. }
+            | QueueError::Superseded { .. } => ErrorKind::Conflict,
             QueueError::Fenced { .. }
             | QueueError::Paused { .. }
             | QueueError::Moved { .. }

@@ -81,7 +81,13 @@
 //! Every step is idempotent and the phase is derived from (published map,
 //! target), never from memory, so a coordinator killed anywhere can be rerun
 //! and finishes the work. One rebalance runs at a time
-//! ([`MapStore::try_lock_rebalance`]). Under the lock, each run keeps a
+//! ([`MapStore::try_lock_rebalance`]). Where the lock is a lease that can
+//! lapse while its holder lives (Redis: a holder stopped or paused past
+//! it), each run also takes a larger *epoch* ([`MapStore::rebalance_epoch`])
+//! and first raises every shard's to it ([`QueueBackend::enter_rebalance`]):
+//! from then on the shards refuse the stalled holder's writes
+//! ([`QueueError::Superseded`]), so it cannot unseal, purge, copy or freeze
+//! behind the run that took over. Under the lock, each run keeps a
 //! [`RebalanceProgress`] record in the map store ([`SETTING_REBALANCE`]):
 //! who runs it, its phase, keys, jobs and times, for every dashboard and
 //! `status` of the deployment. It is for the eyes only: no step reads it,
@@ -139,6 +145,14 @@ pub trait MapStore: Send + Sync {
     /// Takes the rebalance lock; the guard releases it on drop. A second
     /// holder gets [`ReshardError::Busy`].
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError>;
+    /// Under the lock: a number larger than every earlier rebalance's
+    /// (its *epoch*), which its writes to the shards carry
+    /// ([`QueueBackend::enter_rebalance`]). A store whose lock can lapse
+    /// while its holder lives (a lease, as on Redis) must give one; 0
+    /// (the default) means the lock lasts exactly as long as its holder.
+    fn rebalance_epoch(&self) -> Result<u64, ReshardError> {
+        Ok(0)
+    }
     /// A deployment setting by name ([`SETTING_RETRY`]): the JSON document
     /// stored beside the map, if one is.
     fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
@@ -985,6 +999,25 @@ where
     };
     let target = current_target(store)?;
     let target_router = Router::new(with_version(&target, cur.version))?;
+
+    // A rebalance that stalled past its lock's lease (stopped, paused)
+    // may wake and write again: every shard of either map refuses its
+    // writes from here on. A shard that does not answer is passed by (its
+    // moves fail below; this run's first write there raises it as well).
+    let epoch = store.rebalance_epoch()?;
+    if epoch > 0 {
+        let names: BTreeSet<&str> = cur
+            .shards
+            .iter()
+            .chain(&target.shards)
+            .map(|s| s.name.as_str())
+            .collect();
+        for name in names {
+            if let Err(e @ QueueError::Superseded { .. }) = backend.enter_rebalance(name, epoch) {
+                return Err(e.into());
+            }
+        }
+    }
 
     // Phase 1: pin the keys with work, fence, publish the intermediate map.
     if !is_intermediate(&cur, &target) {

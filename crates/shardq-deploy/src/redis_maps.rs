@@ -92,6 +92,10 @@ impl MapStore for RedisMaps {
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
         self.store.try_lock_rebalance()
     }
+
+    fn rebalance_epoch(&self) -> Result<u64, ReshardError> {
+        self.store.rebalance_epoch()
+    }
 }
 
 /// Opens the Redis shards and map of the deployment `remote` names, for

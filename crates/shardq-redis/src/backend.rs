@@ -294,6 +294,9 @@ pub(crate) struct Inner {
     /// The deployment id every shard must carry (found at open, or given).
     deployment: RwLock<Option<String>>,
     pub(crate) scripts: Scripts,
+    /// The rebalance epoch this process's move writes carry (0: none; see
+    /// [`QueueBackend::enter_rebalance`]).
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 /// The Redis backend. Cheap to clone; clones share connections and state.
@@ -335,6 +338,7 @@ impl RedisBackend {
                 tokens: Mutex::new(HashMap::new()),
                 deployment: RwLock::new(deployment),
                 scripts: Scripts::new(),
+                epoch: std::sync::atomic::AtomicU64::new(0),
             }),
         };
         backend.sync_shards(map)?;
@@ -641,6 +645,16 @@ impl RedisBackend {
         }
     }
 
+    /// The token a move's writes pass: `@EPOCH` under a rebalance that has
+    /// one (the prelude refuses it once the shard saw a newer one), else
+    /// none.
+    fn move_token(&self) -> String {
+        match self.inner.epoch.load(std::sync::atomic::Ordering::SeqCst) {
+            0 => String::new(),
+            e => format!("@{e}"),
+        }
+    }
+
     fn script(
         &self,
         s: &ShardRef,
@@ -672,6 +686,16 @@ impl RedisBackend {
         if reply::status(&v) == "LOST" {
             let found = reply::items(&v).get(1).and_then(reply::string);
             return Err(Self::lost(s, &dep, found.as_deref().unwrap_or("")).into());
+        }
+        if reply::status(&v) == "SUPERSEDED" {
+            return Err(RedisError::Queue(QueueError::Superseded {
+                shard: s.name.clone(),
+                epoch: token
+                    .strip_prefix('@')
+                    .and_then(|e| e.parse().ok())
+                    .unwrap_or(0),
+                newer: reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0),
+            }));
         }
         if acked < u64::from(want) {
             return Err(RedisError::ReplicasBehind {
@@ -992,6 +1016,7 @@ impl QueueBackend for RedisBackend {
     }
 
     fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
         for rec in records {
@@ -999,7 +1024,7 @@ impl QueueBackend for RedisBackend {
             shardq_core::job::validate_dedup_id(&rec.key, &rec.id)?;
         }
         for part in records.chunks(ENQUEUE_BATCH_MAX) {
-            let v = self.script(s, &self.inner.scripts.dedup_import, "", &|c, _| {
+            let v = self.script(s, &self.inner.scripts.dedup_import, &token, &|c, _| {
                 c.arg(part.len());
                 for r in part {
                     let on = if r.shard == s.name {
@@ -1386,10 +1411,11 @@ impl QueueBackend for RedisBackend {
     }
 
     fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
+        let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
         let keys: Vec<&String> = fence.paused_keys.iter().collect();
-        self.script(s, &self.inner.scripts.fence_set, "", &|c, _| {
+        self.script(s, &self.inner.scripts.fence_set, &token, &|c, _| {
             c.arg(fence.map_version_min)
                 .arg(fence.run_fence_min)
                 .arg(keys.len())
@@ -1403,6 +1429,16 @@ impl QueueBackend for RedisBackend {
 
     fn moves_backlogs(&self) -> bool {
         true
+    }
+
+    fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {
+        self.inner
+            .epoch
+            .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+        let s = self.shard(shard)?;
+        let token = self.move_token();
+        self.script(&s, &self.inner.scripts.epoch_raise, &token, &|_, _| {})?;
+        Ok(())
     }
 
     fn export_jobs(
@@ -1531,6 +1567,7 @@ impl QueueBackend for RedisBackend {
         from: &str,
         items: &[(String, Vec<MovedJob>)],
     ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
+        let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
         for (key, _) in items {
@@ -1568,7 +1605,7 @@ impl QueueBackend for RedisBackend {
         }
         let mut out = Vec::new();
         for call in calls.iter().filter(|c| !c.is_empty()) {
-            let v = self.script(s, &self.inner.scripts.import, "", &|c, _| {
+            let v = self.script(s, &self.inner.scripts.import, &token, &|c, _| {
                 c.arg(from).arg(call.len());
                 for (key, jobs) in call {
                     c.arg(*key).arg(jobs.len());
@@ -1630,11 +1667,12 @@ impl QueueBackend for RedisBackend {
         shard: &str,
         items: &[(String, Option<JobId>)],
     ) -> Result<Vec<String>, QueueError> {
+        let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
         let mut out = Vec::new();
         for call in items.chunks(EXPORT_MANY_KEYS_MAX) {
-            let v = self.script(s, &self.inner.scripts.freeze, "", &|c, _| {
+            let v = self.script(s, &self.inner.scripts.freeze, &token, &|c, _| {
                 c.arg(call.len());
                 for (key, after) in call {
                     c.arg(key).arg(after.map_or(0, |a| a.0));
@@ -1654,11 +1692,12 @@ impl QueueBackend for RedisBackend {
     }
 
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
         let mut total = 0u64;
         loop {
-            let v = self.script(s, &self.inner.scripts.purge_key, "", &|c, _| {
+            let v = self.script(s, &self.inner.scripts.purge_key, &token, &|c, _| {
                 c.arg(key).arg(PURGE_BATCH_MAX);
             })?;
             let it = reply::items(&v);

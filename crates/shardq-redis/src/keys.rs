@@ -67,6 +67,13 @@ pub fn rebalance_lock_key(ns: &str) -> String {
     format!("{NAMESPACE}:{{=map:{ns}}}:rebalance")
 }
 
+/// `sq:{=map:<ns>}:repoch`: the last rebalance epoch handed out (a counter,
+/// `INCR`ed by each rebalance under the lock; see
+/// `MapStore::rebalance_epoch`).
+pub fn rebalance_epoch_key(ns: &str) -> String {
+    format!("{NAMESPACE}:{{=map:{ns}}}:repoch")
+}
+
 /// The parts of one shard, in the order scripts receive them as `KEYS`.
 ///
 /// * `meta` hash: `dep` (deployment id), `layout` ([`LAYOUT_VERSION`]),

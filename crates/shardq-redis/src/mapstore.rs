@@ -15,6 +15,10 @@
 //! * [`rebalance_lock_key`] string: the running rebalance's token
 //!   (`host@pid#nonce`), taken with `SET NX PX` and renewed by a thread
 //!   while held; a holder that dies frees it within [`REBALANCE_LOCK_MS`].
+//! * [`rebalance_epoch_key`] string: a counter each rebalance `INCR`s
+//!   under the lock for its epoch. A holder that only stalled past the
+//!   lock's lease still holds its older epoch, which the shards refuse
+//!   once the next holder entered them (`QueueBackend::enter_rebalance`).
 //!
 //! This module must never publish a map it has not validated, and never
 //! release or extend a lock whose token is not its own.
@@ -34,7 +38,8 @@ use crate::backend::RedisOptions;
 use crate::conn::{Limits, Node};
 use crate::error::RedisError;
 use crate::keys::{
-    group_bucket_key, map_key, rebalance_lock_key, settings_key, target_key, NAMESPACE_DEFAULT,
+    group_bucket_key, map_key, rebalance_epoch_key, rebalance_lock_key, settings_key, target_key,
+    NAMESPACE_DEFAULT,
 };
 use crate::scripts::{reply, Scripts};
 
@@ -372,6 +377,15 @@ impl MapStore for RedisMapStore {
                     .arg(name)
                     .query::<()>(con),
             })
+            .map_err(store_err)
+    }
+
+    fn rebalance_epoch(&self) -> Result<u64, ReshardError> {
+        // A retried INCR after a lost reply skips a number: harmless, the
+        // epochs only need to grow.
+        let key = rebalance_epoch_key(&self.namespace);
+        self.node
+            .run(STORE, |con, _| redis::cmd("INCR").arg(&key).query(con))
             .map_err(store_err)
     }
 

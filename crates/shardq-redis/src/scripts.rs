@@ -51,6 +51,15 @@ local function now_us()
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
+-- A rebalance's writes carry its epoch as the token, `@N`: refused once
+-- this shard has seen a newer rebalance's (which took over the lock while
+-- this one stalled); the newest seen is meta `repoch`.
+if string.sub(ARGV[2], 1, 1) == '@' then
+  local e = tonumber(string.sub(ARGV[2], 2)) or 0
+  local seen = tonumber(redis.call('HGET', K_META, 'repoch') or '0')
+  if e < seen then return {'SUPERSEDED', idstr(seen)} end
+  if e > seen then redis.call('HSET', K_META, 'repoch', idstr(e)) end
+end
 -- A job record: not_before|attempts|max_attempts|created|key length|key payload.
 local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
@@ -823,6 +832,11 @@ end
 return {'OK'}
 "#;
 
+/// Raises the shard's rebalance epoch (the prelude does it, given `@N`).
+const EPOCH_RAISE: &str = r#"
+return {'OK'}
+"#;
+
 const FENCE_GET: &str = r#"
 return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0', redis.call('HGETALL', K_SEALED)}
 "#;
@@ -1581,6 +1595,7 @@ pub(crate) struct Scripts {
     pub(crate) stats: Lua,
     pub(crate) fence_set: Lua,
     pub(crate) fence_get: Lua,
+    pub(crate) epoch_raise: Lua,
     pub(crate) export: Lua,
     pub(crate) export_many: Lua,
     pub(crate) import: Lua,
@@ -1622,6 +1637,7 @@ impl Scripts {
             stats: Lua::new(STATS, true, Flags::NoWrites),
             fence_set: Lua::new(FENCE_SET, true, Flags::AllowOom),
             fence_get: Lua::new(FENCE_GET, true, Flags::NoWrites),
+            epoch_raise: Lua::new(EPOCH_RAISE, true, Flags::AllowOom),
             export: Lua::new(&format!("{EXPORT_KEY_FN}{EXPORT}"), true, Flags::NoWrites),
             export_many: Lua::new(
                 &format!("{EXPORT_KEY_FN}{EXPORT_MANY}"),

@@ -701,18 +701,20 @@ fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconf
     assert_eq!(runs(&ran).len(), 5, "a job ran on the rewound store");
 }
 
-/// A rebalance while one instance is hung (SIGSTOP): it fails within its
-/// bounds, naming that shard and its URL, as "retry later" (exit 75), and
-/// leaves every key where it was: the jobs enqueued before all run, in
-/// order, once the instance answers and the rerun finishes the move.
-#[test]
-fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
+/// Two instances holding `keys` keys of `per_key` jobs each, and a third
+/// added (warming): its servers, temp dir, data dir (and as a string), and
+/// the jobs as enqueued.
+fn a_third_instance_added(
+    name: &str,
+    keys: usize,
+    per_key: usize,
+) -> (Vec<RedisServer>, PathBuf, PathBuf, String, String) {
     let servers = servers(3);
-    let dir = temp_dir("hung-rebalance");
+    let dir = temp_dir(name);
     let data = dir.join("data");
     let d = data.to_str().unwrap().to_string();
     init(&data, 2, &servers[..2]);
-    let input = jobs_text(40, 5);
+    let input = jobs_text(keys, per_key);
     enqueue_all(&d, &input);
     ok(&[
         "add-shard",
@@ -722,6 +724,16 @@ fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
         "--url",
         &servers[2].url(),
     ]);
+    (servers, dir, data, d, input)
+}
+
+/// A rebalance while one instance is hung (SIGSTOP): it fails within its
+/// bounds, naming that shard and its URL, as "retry later" (exit 75), and
+/// leaves every key where it was: the jobs enqueued before all run, in
+/// order, once the instance answers and the rerun finishes the move.
+#[test]
+fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
+    let (servers, dir, data, d, input) = a_third_instance_added("hung-rebalance", 40, 5);
     servers[1].pause();
     let started = std::time::Instant::now();
     let out = shardq(&["rebalance", "--data", &d]);
@@ -847,104 +859,158 @@ fn one_instance_down_costs_only_its_own_shard() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two instances holding 12 keys of 1,500 jobs, a third added, and a
+/// `rebalance` (batches of one key) running onto it, returned once the
+/// new instance holds copies and before the moves finish.
+struct MidTransfer {
+    servers: Vec<RedisServer>,
+    dir: PathBuf,
+    data: PathBuf,
+    d: String,
+    input: String,
+    rebalance: Child,
+}
+
+impl MidTransfer {
+    fn start(name: &str, stderr: Stdio) -> MidTransfer {
+        let (servers, dir, data, d, input) = a_third_instance_added(name, 12, 1500);
+        let warming = load_map(&data).version;
+        let mut rebalance = Command::new(BIN)
+            .args(["rebalance", "--data", &d, "--batch", "1"])
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let copied = || {
+            let st = status_json(&data);
+            st["shards"][2]["ready"].as_u64().unwrap_or(0) > 0
+        };
+        let start = Instant::now();
+        while !(load_map(&data).version > warming && copied()) {
+            assert!(
+                rebalance.try_wait().unwrap().is_none(),
+                "the rebalance ended before it was interrupted"
+            );
+            assert!(start.elapsed() < WAIT_MAX, "the rebalance copied nothing");
+            thread::sleep(Duration::from_millis(2));
+        }
+        assert!(
+            rebalance.try_wait().unwrap().is_none(),
+            "the rebalance ended before it was interrupted"
+        );
+        MidTransfer {
+            servers,
+            dir,
+            data,
+            d,
+            input,
+            rebalance,
+        }
+    }
+
+    /// Reruns `rebalance` until the interrupted one's lock lapses
+    /// (REBALANCE_LOCK_MS) and a run finishes; returns the final map.
+    fn rerun_once_the_lock_lapses(&self) -> ShardMap {
+        assert!(
+            !load_map(&self.data).overrides.is_empty(),
+            "the moves had finished before the interruption"
+        );
+        let start = Instant::now();
+        loop {
+            let out = shardq(&["rebalance", "--data", &self.d]);
+            if out.status.success() {
+                break;
+            }
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("another rebalance is running"), "{err}");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the lock never lapsed: {err}"
+            );
+            thread::sleep(Duration::from_millis(500));
+        }
+        let map = load_map(&self.data);
+        assert!(map.overrides.is_empty(), "{:?}", map.overrides);
+        map
+    }
+
+    /// Every job is stored once; a worker then runs each once, in its
+    /// key's order, on the shard `map` routes its key to. Returns the runs.
+    fn run_every_job_once(&self, map: ShardMap) -> Vec<Run> {
+        let st = status_json(&self.data);
+        assert_eq!(
+            st["totals"]["ready"],
+            12 * 1500,
+            "jobs lost or stored twice: {st}"
+        );
+        let runs_file = self.dir.join("runs");
+        let mut w = worker(&self.data, &runs_file, "all", true);
+        let start = Instant::now();
+        while w.try_wait().unwrap().is_none() {
+            assert!(
+                start.elapsed() < WAIT_MAX,
+                "worker did not finish: {}",
+                worker_log(&runs_file)
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let all = runs(&runs_file);
+        let v = verdict(&payloads_of(&self.input), &all);
+        assert_eq!((v.lost, v.order_violations, v.reruns), (0, 0, 0), "{v:?}");
+        let router = Router::new(map).unwrap();
+        assert!(
+            all.iter().all(|r| router.route(&r.key) == r.shard),
+            "a job ran off its key's shard"
+        );
+        let _ = std::fs::remove_dir_all(&self.dir);
+        all
+    }
+}
+
+/// A rebalance onto a new instance SIGSTOPped while it copies backlogs,
+/// long enough for its lock to lapse, while a second rebalance takes the
+/// lock over and finishes; then the first wakes. It fails (a write refused:
+/// the second raised each shard's rebalance epoch past its own; or, woken
+/// inside a call, its retry budget spent), changes nothing, and every job
+/// still exists exactly once, runs once, in its key's order, on the shard
+/// its key routes to.
+#[test]
+fn a_rebalance_stopped_past_its_lock_cannot_write_behind_the_one_that_took_over() {
+    use std::io::Read;
+    let mut t = MidTransfer::start("stop-transfer", Stdio::piped());
+    let pid = t.rebalance.id() as libc::pid_t;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let after = t.rerun_once_the_lock_lapses();
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let mut err = String::new();
+    let mut pipe = t.rebalance.stderr.take().unwrap();
+    pipe.read_to_string(&mut err).unwrap();
+    let status = t.rebalance.wait().unwrap();
+    assert!(!status.success(), "the woken rebalance succeeded: {err}");
+    // Read where it is published: the data dir's copy is a cache, which a
+    // process woken in the middle of writing it may leave older.
+    let published = shardq_redis::RedisMapStore::open(&t.servers[0].url())
+        .unwrap()
+        .load_map()
+        .unwrap()
+        .unwrap();
+    assert_eq!(published, after, "the woken rebalance changed the map");
+    t.run_every_job_once(after);
+}
+
 /// A rebalance onto a new instance SIGKILLed while it copies backlogs (once
 /// the new instance holds copies, before the moves finish), then rerun once
 /// the dead holder's lock lapses: every job exists exactly once, runs once,
 /// in its key's order, and the keys that moved run on the new instance.
 #[test]
 fn a_rebalance_killed_mid_transfer_on_redis_finishes_on_rerun_with_every_job_once() {
-    let servers = servers(3);
-    let dir = temp_dir("kill-transfer");
-    let data = dir.join("data");
-    let d = data.to_str().unwrap().to_string();
-    init(&data, 2, &servers[..2]);
-    let input = jobs_text(12, 1500);
-    enqueue_all(&d, &input);
-    ok(&[
-        "add-shard",
-        "--data",
-        &d,
-        "shard-2",
-        "--url",
-        &servers[2].url(),
-    ]);
-    let warming = load_map(&data).version;
-    let mut rebalance = Command::new(BIN)
-        .args(["rebalance", "--data", &d, "--batch", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Killed once the new instance holds copies and before the last switch.
-    let copied = || {
-        let st = status_json(&data);
-        st["shards"][2]["ready"].as_u64().unwrap_or(0) > 0
-    };
-    let start = Instant::now();
-    while !(load_map(&data).version > warming && copied()) {
-        assert!(
-            rebalance.try_wait().unwrap().is_none(),
-            "the rebalance ended before the kill"
-        );
-        assert!(start.elapsed() < WAIT_MAX, "the rebalance copied nothing");
-        thread::sleep(Duration::from_millis(2));
-    }
-    assert!(
-        rebalance.try_wait().unwrap().is_none(),
-        "the rebalance ended before the kill"
-    );
-    rebalance.kill().unwrap();
-    let _ = rebalance.wait();
-    assert!(
-        !load_map(&data).overrides.is_empty(),
-        "the moves had finished before the kill"
-    );
-    // The dead holder's lock lapses on its own (REBALANCE_LOCK_MS); then
-    // the rerun finishes the transfers it left.
-    let start = Instant::now();
-    loop {
-        let out = shardq(&["rebalance", "--data", &d]);
-        if out.status.success() {
-            break;
-        }
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("another rebalance is running"), "{err}");
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the lock never lapsed: {err}"
-        );
-        thread::sleep(Duration::from_millis(500));
-    }
-    let map = load_map(&data);
-    assert!(map.overrides.is_empty(), "{:?}", map.overrides);
-    let st = status_json(&data);
-    assert_eq!(
-        st["totals"]["ready"],
-        12 * 1500,
-        "jobs lost or stored twice: {st}"
-    );
-    let runs_file = dir.join("runs");
-    let mut w = worker(&data, &runs_file, "all", true);
-    let start = Instant::now();
-    while w.try_wait().unwrap().is_none() {
-        assert!(
-            start.elapsed() < WAIT_MAX,
-            "worker did not finish: {}",
-            worker_log(&runs_file)
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-    let all = runs(&runs_file);
-    let v = verdict(&payloads_of(&input), &all);
-    assert_eq!((v.lost, v.order_violations, v.reruns), (0, 0, 0), "{v:?}");
-    let router = Router::new(map).unwrap();
-    assert!(
-        all.iter().all(|r| router.route(&r.key) == r.shard),
-        "a job ran off its key's shard"
-    );
+    let mut t = MidTransfer::start("kill-transfer", Stdio::null());
+    t.rebalance.kill().unwrap();
+    let _ = t.rebalance.wait();
+    let map = t.rerun_once_the_lock_lapses();
+    let all = t.run_every_job_once(map);
     assert!(
         all.iter().any(|r| r.shard == "shard-2"),
         "no key moved to the new instance"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -379,3 +379,75 @@ fn the_multi_key_export_gives_every_job_across_its_call_bounds() {
         (TRANSFER_CALL_JOBS_MAX + 499, big_jobs, 3)
     );
 }
+
+/// A rebalance that stalled past its lock's lease (stopped, paused) wakes
+/// and writes again, while the rebalance that took the lock over works:
+/// every write of the stalled one to a shard the newer one entered is
+/// refused naming both epochs (no purge, no fence change, no copy, no
+/// freeze), and the newer one's writes go on.
+#[test]
+fn a_rebalance_that_lost_its_lock_cannot_write_behind_the_next_one() {
+    use shardq_core::{Fence, MovedJob, QueueError};
+    let servers = [RedisServer::start(), RedisServer::start()];
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    init(&map);
+    let store = RedisMapStore::open(&servers[0].url()).unwrap();
+    let stalled = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let newer = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let jobs: Vec<_> = (0..5).map(|i| job("k", &format!("j{i}"))).collect();
+    newer.enqueue("r0", 1, &jobs).unwrap();
+    // The first rebalance enters, seals k and copies part of it...
+    let first = store.rebalance_epoch().unwrap();
+    for s in ["r0", "r1"] {
+        stalled.enter_rebalance(s, first).unwrap();
+    }
+    let mut sealed = stalled.fence("r0").unwrap();
+    sealed.sealed_keys.insert("k".into(), "r1".into());
+    stalled.set_fence("r0", &sealed).unwrap();
+    let exported: Vec<MovedJob> = stalled.export_jobs("r0", "k", None, 100).unwrap();
+    assert_eq!(exported.len(), 5);
+    // ...then stalls; its lock lapses and the next rebalance enters.
+    let second = store.rebalance_epoch().unwrap();
+    assert!(second > first, "epochs grow: {first} then {second}");
+    for s in ["r0", "r1"] {
+        newer.enter_rebalance(s, second).unwrap();
+    }
+    let superseded = |e: QueueError| match e {
+        e @ QueueError::Superseded { .. } => {
+            let QueueError::Superseded { epoch, newer, .. } = &e else {
+                unreachable!()
+            };
+            assert_eq!((*epoch, *newer), (first, second));
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("epoch {first}"))
+                    && text.contains(&format!("epoch {second}")),
+                "{text}"
+            );
+        }
+        other => panic!("expected Superseded, got {other}"),
+    };
+    superseded(stalled.purge_key("r0", "k").unwrap_err());
+    superseded(stalled.set_fence("r0", &Fence::default()).unwrap_err());
+    superseded(stalled.import_jobs("r1", "r0", "k", &exported).unwrap_err());
+    superseded(
+        stalled
+            .freeze_caught_up("r0", &[("k".to_string(), exported.last().map(|j| j.id))])
+            .unwrap_err(),
+    );
+    superseded(stalled.enter_rebalance("r0", first).unwrap_err());
+    // Nothing of it landed: k's jobs all on r0, still sealed, none on r1.
+    assert_eq!(newer.key_counts("r0", "k").unwrap().depth, 5);
+    assert_eq!(newer.key_counts("r1", "k").unwrap().depth, 0);
+    assert_eq!(newer.fence("r0").unwrap().sealed_keys, sealed.sealed_keys);
+    assert!(newer.fence("r0").unwrap().paused_keys.is_empty());
+    // The newer rebalance's own writes go in.
+    let stored = newer.import_jobs("r1", "r0", "k", &exported).unwrap();
+    assert_eq!(stored.len(), 5);
+    assert_eq!(newer.purge_key("r0", "k").unwrap(), 5);
+    // Producers and owners carry no epoch and are never refused for one.
+    newer.enqueue("r1", 1, &[job("k", "after")]).unwrap();
+    stalled.enqueue("r1", 1, &[job("k", "after-2")]).unwrap();
+    assert_eq!(newer.key_counts("r1", "k").unwrap().depth, 7);
+}
