@@ -992,6 +992,9 @@ where
 {
     let clock = &*options.clock;
     let started_ms = clock.now_ms();
+    // Taken first, while the lock is surely ours (the store checks): a run
+    // stalled before this point gets no epoch once its lock lapsed.
+    let epoch = store.rebalance_epoch()?;
     let mut cur = store.load()?;
     let mut report = RebalanceReport {
         from_version: cur.version,
@@ -1004,7 +1007,6 @@ where
     // may wake and write again: every shard of either map refuses its
     // writes from here on. A shard that does not answer is passed by (its
     // moves fail below; this run's first write there raises it as well).
-    let epoch = store.rebalance_epoch()?;
     if epoch > 0 {
         let names: BTreeSet<&str> = cur
             .shards
@@ -1761,6 +1763,13 @@ where
             .cloned()
             .collect();
         copy_dedup_many(backend, &dedup_keys, ids, &cursors)?;
+        // The copies durable before the freeze (or a forced key's unpause)
+        // sends producers to the new shard: after a power loss there, new
+        // jobs on it must never come before copies it lost.
+        let news: BTreeSet<&str> = left.iter().map(|sw| sw.2.as_str()).collect();
+        for to in news {
+            backend.sync_imports(to)?;
+        }
         if forced {
             set_paused_new(backend, &left, false)?;
             let waited = clock.now_ms().saturating_sub(pause_started_ms);

@@ -381,8 +381,9 @@ impl FsBackend {
             .remove(name);
     }
 
-    /// Makes everything appended so far durable (for `interval` and `none`
-    /// before exit).
+    /// Makes everything this process appended so far durable (for
+    /// `interval` and `none` before exit), but a move's copies, which
+    /// [`QueueBackend::sync_imports`] makes durable.
     pub fn flush(&self) -> Result<(), QueueError> {
         let shards: Vec<Arc<Shard>> = self
             .shards
@@ -634,9 +635,15 @@ impl FsBackend {
                 && r.dedup_until_ms(b) <= now
             {
                 // Its Import records may be the only note of a move's
-                // cursor: saved first, or the segment stays for now.
+                // cursor: saved first, or the segment stays for now. The
+                // log is synced before: the replica's cursors may count
+                // copies a move appended and has not synced yet, and a
+                // saved cursor must never run ahead of durable copies (a
+                // rerun would skip the jobs a power loss took).
                 if !cursors_saved {
-                    if self.save_import_cursors(log.dir(), r).is_err() {
+                    if log.sync_current().is_err()
+                        || self.save_import_cursors(log.dir(), r).is_err()
+                    {
                         break;
                     }
                     cursors_saved = true;

@@ -500,7 +500,15 @@ impl ShardLog {
                 }
                 None if access.writer() => {
                     // A roller died between sealing and creating the next
-                    // segment: create it for them.
+                    // segment: create it for them. It may have died before
+                    // syncing the sealed one, which every later sync counts
+                    // on (only the current segment is ever synced again):
+                    // synced first.
+                    let sealed = self.current_file()?;
+                    sealed.sync().map_err(|e| {
+                        let p = self.segment_path(self.cur_base);
+                        self.poison(QueueError::io(format!("syncing {}", p.display()), e))
+                    })?;
                     let f = self
                         .storage
                         .open(&path, true)

@@ -350,6 +350,24 @@ fn a_disk_that_fails_reads_fails_the_tick_and_the_map_load_naming_the_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Enqueues jobs `000`..`059` to each of four keys routed to shard-1;
+/// returns the keys.
+fn sixty_jobs_of_four_keys_on_shard_1(engine: &Engine) -> Vec<String> {
+    let router = engine.router();
+    let keys: Vec<String> = (0..100)
+        .map(|i| format!("tenant-{i}"))
+        .filter(|k| router.route(k) == "shard-1")
+        .take(4)
+        .collect();
+    assert_eq!(keys.len(), 4);
+    for i in 0..60 {
+        for k in &keys {
+            engine.enqueue(NewJob::new(k, format!("{i:03}"))).unwrap();
+        }
+    }
+    keys
+}
+
 /// A move writes its copies without an fsync per chunk and syncs the new
 /// shard once, before it deletes anything on the old one: a power loss
 /// right after a rebalance that moved a backlog loses no job of it, and
@@ -362,18 +380,7 @@ fn a_power_loss_after_a_move_keeps_every_moved_job_in_order() {
     let crash = CrashStorage::default();
     let keys: Vec<String> = {
         let engine = Engine::open(&dir, opts(Arc::new(crash.clone()), Durability::Fsync)).unwrap();
-        let router = engine.router();
-        let keys: Vec<String> = (0..100)
-            .map(|i| format!("tenant-{i}"))
-            .filter(|k| router.route(k) == "shard-1")
-            .take(4)
-            .collect();
-        assert_eq!(keys.len(), 4);
-        for i in 0..60 {
-            for k in &keys {
-                engine.enqueue(NewJob::new(k, format!("{i:03}"))).unwrap();
-            }
-        }
+        let keys = sixty_jobs_of_four_keys_on_shard_1(&engine);
         let store = FileMapStore::open(&dir).unwrap();
         reshard::remove_shard(&store, "shard-1").unwrap();
         let report = reshard::rebalance(
@@ -411,6 +418,110 @@ fn a_power_loss_after_a_move_keeps_every_moved_job_in_order() {
     let want: Vec<String> = (0..60).map(|i| format!("{i:03}")).collect();
     for k in &keys {
         assert_eq!(seen.get(k), Some(&want), "key {k}");
+    }
+    drop(b);
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A map store whose publishes fail after the first `ok`: a rebalance
+/// stopped between its freeze and its switch.
+struct PublishStops {
+    inner: shardq_fs::map_store::FileMapStore,
+    ok: std::sync::atomic::AtomicUsize,
+}
+
+impl shardq_core::reshard::MapStore for PublishStops {
+    fn load(&self) -> Result<shardq_route::ShardMap, shardq_core::reshard::ReshardError> {
+        self.inner.load()
+    }
+    fn publish(
+        &self,
+        map: &shardq_route::ShardMap,
+        expected: u64,
+    ) -> Result<(), shardq_core::reshard::ReshardError> {
+        use std::sync::atomic::Ordering;
+        if self.ok.load(Ordering::SeqCst) == 0 {
+            return Err(shardq_core::reshard::ReshardError::Invalid(
+                "the switch never came".into(),
+            ));
+        }
+        self.ok.fetch_sub(1, Ordering::SeqCst);
+        self.inner.publish(map, expected)
+    }
+    fn load_target(
+        &self,
+    ) -> Result<Option<shardq_route::ShardMap>, shardq_core::reshard::ReshardError> {
+        self.inner.load_target()
+    }
+    fn store_target(
+        &self,
+        target: Option<&shardq_route::ShardMap>,
+    ) -> Result<(), shardq_core::reshard::ReshardError> {
+        self.inner.store_target(target)
+    }
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, shardq_core::reshard::ReshardError> {
+        self.inner.try_lock_rebalance()
+    }
+    fn load_setting(
+        &self,
+        name: &str,
+    ) -> Result<Option<String>, shardq_core::reshard::ReshardError> {
+        self.inner.load_setting(name)
+    }
+    fn store_setting(
+        &self,
+        name: &str,
+        value: Option<&str>,
+    ) -> Result<(), shardq_core::reshard::ReshardError> {
+        self.inner.store_setting(name, value)
+    }
+}
+
+/// The power fails after a move froze its keys on the old shard (which
+/// from then on sends their producers to the new one) and before the
+/// switch: the new shard still holds every copy the freeze counted on, so
+/// no job sent there can come before one it lost.
+#[test]
+fn a_power_loss_after_a_freeze_keeps_every_copy_it_counted_on() {
+    use shardq_core::reshard::{self, MapStore, RebalanceOptions};
+    use shardq_fs::map_store::FileMapStore;
+    let dir = support::data_dir_n("freeze-power-loss", 2);
+    let crash = CrashStorage::default();
+    {
+        let engine = Engine::open(&dir, opts(Arc::new(crash.clone()), Durability::Fsync)).unwrap();
+        sixty_jobs_of_four_keys_on_shard_1(&engine);
+        let store = PublishStops {
+            inner: FileMapStore::open(&dir).unwrap(),
+            ok: std::sync::atomic::AtomicUsize::new(1),
+        };
+        reshard::remove_shard(&store.inner, "shard-1").unwrap();
+        let err = reshard::rebalance(
+            &*engine.backend(),
+            &store,
+            &RebalanceOptions::default(),
+            &mut |_| {},
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("the switch never came"), "{err}");
+        let _ = store.load();
+    }
+    crash.crash(0).unwrap();
+    let engine = Engine::open(&dir, opts(Arc::new(OsStorage), Durability::Fsync)).unwrap();
+    let b = engine.backend();
+    let fence = b.fence("shard-1").unwrap();
+    let frozen: Vec<&String> = fence
+        .paused_keys
+        .iter()
+        .filter(|k| fence.sealed_keys.contains_key(*k))
+        .collect();
+    assert!(!frozen.is_empty(), "no key was frozen: {fence:?}");
+    for k in frozen {
+        assert_eq!(
+            b.key_counts("shard-0", k).unwrap().depth,
+            60,
+            "key {k} is frozen on shard-1 but shard-0 lost copies"
+        );
     }
     drop(b);
     drop(engine);

@@ -115,6 +115,15 @@ impl RedisCoordinator {
                 }
             }
         }
+        // A script reads a token starting with `@` as a rebalance's epoch.
+        if let Some(owner) = options.owner.as_deref().filter(|o| o.starts_with('@')) {
+            return Err(QueueError::InvalidOption {
+                name: "owner",
+                value: format!("{owner:?}"),
+                allowed: "a name not starting with '@'".into(),
+            }
+            .into());
+        }
         let lease_ms = if options.lease_ms == 0 {
             LEASE_MS_DEFAULT
         } else {

@@ -63,6 +63,8 @@ pub struct RedisMapStore {
     lock_key: String,
     settings_key: String,
     namespace: String,
+    /// The token of the rebalance lock this store holds, while it does.
+    held: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl RedisMapStore {
@@ -106,6 +108,7 @@ impl RedisMapStore {
             lock_key: rebalance_lock_key(namespace),
             settings_key: settings_key(namespace),
             namespace: namespace.to_string(),
+            held: Arc::default(),
         })
     }
 
@@ -198,10 +201,17 @@ struct LockGuard {
     scripts: Arc<Scripts>,
     token: String,
     lock_key: String,
+    held: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        {
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            if held.as_deref() == Some(self.token.as_str()) {
+                *held = None;
+            }
+        }
         drop(self.stop.take());
         if let Some(h) = self.renewer.take() {
             let _ = h.join();
@@ -381,12 +391,37 @@ impl MapStore for RedisMapStore {
     }
 
     fn rebalance_epoch(&self) -> Result<u64, ReshardError> {
-        // A retried INCR after a lost reply skips a number: harmless, the
-        // epochs only need to grow.
-        let key = rebalance_epoch_key(&self.namespace);
-        self.node
-            .run(STORE, |con, _| redis::cmd("INCR").arg(&key).query(con))
-            .map_err(store_err)
+        let token = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                ReshardError::Invalid("a rebalance epoch is taken under the rebalance lock".into())
+            })?;
+        // One script checks the lock is still ours and counts: a holder
+        // stopped past its lease gets no epoch. A retried call after a lost
+        // reply skips a number: harmless, epochs only need to grow.
+        let keys = [self.lock_key.clone(), rebalance_epoch_key(&self.namespace)];
+        let v = self
+            .node
+            .run(STORE, |con, _| {
+                self.scripts.lock_epoch.call(con, &keys, &|c| {
+                    c.arg(&token);
+                })
+            })
+            .map_err(store_err)?;
+        match (
+            reply::status(&v).as_str(),
+            reply::items(&v).get(1).and_then(reply::u64),
+        ) {
+            ("OK", Some(epoch)) => Ok(epoch),
+            _ => Err(ReshardError::Busy {
+                holder: format!(
+                    "this rebalance's lock ({token}) lapsed and was taken over or freed"
+                ),
+            }),
+        }
     }
 
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
@@ -444,6 +479,7 @@ impl MapStore for RedisMapStore {
                 }
             })
             .map_err(|e| ReshardError::io("starting the map lock's renewal thread", e))?;
+        *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(token.clone());
         Ok(Box::new(LockGuard {
             stop: Some(stop),
             renewer: Some(renewer),
@@ -451,6 +487,7 @@ impl MapStore for RedisMapStore {
             scripts: Arc::clone(&self.scripts),
             token,
             lock_key: self.lock_key.clone(),
+            held: Arc::clone(&self.held),
         }))
     }
 }

@@ -1517,6 +1517,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 "#;
 
+/// KEYS[1] the rebalance lock, KEYS[2] the epoch counter, ARGV[1] the
+/// holder's token: the next rebalance epoch, only while the caller still
+/// holds the lock (a holder that stalled past its lease gets none).
+const LOCK_EPOCH: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'LOCKLOST'} end
+return {'OK', redis.call('INCR', KEYS[2])}
+"#;
+
 /// One script: its source and SHA1.
 pub(crate) struct Lua {
     src: String,
@@ -1616,6 +1624,7 @@ pub(crate) struct Scripts {
     pub(crate) next_due: Lua,
     pub(crate) lock_renew: Lua,
     pub(crate) lock_release: Lua,
+    pub(crate) lock_epoch: Lua,
 }
 
 impl Scripts {
@@ -1674,6 +1683,7 @@ impl Scripts {
             next_due: Lua::new(NEXT_DUE, true, Flags::NoWrites),
             lock_renew: Lua::new(LOCK_RENEW, false, Flags::AllowOom),
             lock_release: Lua::new(LOCK_RELEASE, false, Flags::AllowOom),
+            lock_epoch: Lua::new(LOCK_EPOCH, false, Flags::AllowOom),
         }
     }
 }

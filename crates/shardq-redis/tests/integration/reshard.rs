@@ -397,7 +397,11 @@ fn a_rebalance_that_lost_its_lock_cannot_write_behind_the_next_one() {
     let newer = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
     let jobs: Vec<_> = (0..5).map(|i| job("k", &format!("j{i}"))).collect();
     newer.enqueue("r0", 1, &jobs).unwrap();
-    // The first rebalance enters, seals k and copies part of it...
+    // An epoch is only handed out under the lock.
+    assert!(store.rebalance_epoch().is_err());
+    // The first rebalance takes the lock, enters, seals k and copies part
+    // of it...
+    let lock = store.try_lock_rebalance().unwrap();
     let first = store.rebalance_epoch().unwrap();
     for s in ["r0", "r1"] {
         stalled.enter_rebalance(s, first).unwrap();
@@ -407,9 +411,28 @@ fn a_rebalance_that_lost_its_lock_cannot_write_behind_the_next_one() {
     stalled.set_fence("r0", &sealed).unwrap();
     let exported: Vec<MovedJob> = stalled.export_jobs("r0", "k", None, 100).unwrap();
     assert_eq!(exported.len(), 5);
-    // ...then stalls; its lock lapses and the next rebalance enters.
-    let second = store.rebalance_epoch().unwrap();
+    // ...then stalls; its lock lapses (deleted here, as the lease would
+    // let it go) and the next rebalance takes it over and enters.
+    let mut con = redis::Client::open(servers[0].url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(shardq_redis::keys::rebalance_lock_key(
+            shardq_redis::keys::NAMESPACE_DEFAULT,
+        ))
+        .query(&mut con)
+        .unwrap();
+    let other = RedisMapStore::open(&servers[0].url()).unwrap();
+    let _taken = other.try_lock_rebalance().unwrap();
+    let second = other.rebalance_epoch().unwrap();
     assert!(second > first, "epochs grow: {first} then {second}");
+    // The stalled holder, awake, gets no new epoch: its lock is gone.
+    match store.rebalance_epoch() {
+        Err(ReshardError::Busy { holder }) => assert!(holder.contains("lapsed"), "{holder}"),
+        other => panic!("a lapsed holder got an epoch: {other:?}"),
+    }
+    drop(lock);
     for s in ["r0", "r1"] {
         newer.enter_rebalance(s, second).unwrap();
     }
@@ -450,4 +473,25 @@ fn a_rebalance_that_lost_its_lock_cannot_write_behind_the_next_one() {
     newer.enqueue("r1", 1, &[job("k", "after")]).unwrap();
     stalled.enqueue("r1", 1, &[job("k", "after-2")]).unwrap();
     assert_eq!(newer.key_counts("r1", "k").unwrap().depth, 7);
+}
+
+/// An owner name starting with `@` is refused: its lease tokens would read
+/// as a rebalance's epoch in the scripts.
+#[test]
+fn an_owner_named_like_an_epoch_is_refused() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let err = shardq_redis::RedisCoordinator::new(
+        &b,
+        shardq_redis::CoordinatorOptions {
+            owner: Some("@svc".into()),
+            ..Default::default()
+        },
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("\"@svc\""), "{err}");
 }
