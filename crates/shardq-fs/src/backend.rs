@@ -640,7 +640,7 @@ impl FsBackend {
                 // copies a move appended and has not synced yet, and a
                 // saved cursor must never run ahead of durable copies (a
                 // rerun would skip the jobs a power loss took).
-                if !cursors_saved {
+                if !cursors_saved && r.imported().next().is_some() {
                     if log.sync_current().is_err()
                         || self.save_import_cursors(log.dir(), r).is_err()
                     {
@@ -1621,8 +1621,9 @@ impl QueueBackend for FsBackend {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);
         // Whoever appended them (this process, or one a rerun replaces): a
-        // sealed segment was synced when it was sealed, so syncing the
-        // current one makes every copy durable.
+        // sealed segment was synced by its roller, or by the writer that
+        // went on past a roller that died, so syncing the current one makes
+        // every copy durable.
         self.refresh(&mut inner)?;
         inner.log.sync_current()
     }
@@ -1959,31 +1960,28 @@ impl FsBackend {
     /// segment holding Import records is deleted: a rerun of a move then
     /// never imports a job twice after its copies ran and were compacted.
     fn save_import_cursors(&self, dir: &Path, r: &ShardState) -> Result<(), QueueError> {
-        let mut transfers = self.read_transfers(dir)?;
+        let mut on_file: BTreeMap<(String, String), u64> = self
+            .read_transfers(dir)?
+            .into_iter()
+            .map(|t| ((t.from, t.key), t.up_to))
+            .collect();
         let mut changed = false;
         for (from, key, up_to) in r.imported() {
-            match transfers
-                .iter_mut()
-                .find(|t| t.from == from && t.key == key)
-            {
-                Some(t) if t.up_to >= up_to => {}
-                Some(t) => {
-                    t.up_to = up_to;
-                    changed = true;
-                }
-                None => {
-                    transfers.push(Transferred {
-                        from: from.to_string(),
-                        key: key.to_string(),
-                        up_to,
-                    });
-                    changed = true;
-                }
+            let at = on_file
+                .entry((from.to_string(), key.to_string()))
+                .or_default();
+            if *at < up_to {
+                *at = up_to;
+                changed = true;
             }
         }
         if !changed {
             return Ok(());
         }
+        let transfers: Vec<Transferred> = on_file
+            .into_iter()
+            .map(|((from, key), up_to)| Transferred { from, key, up_to })
+            .collect();
         let path = dir.join(TRANSFERS_FILE);
         let text = serde_json::to_vec(&transfers).map_err(|e| QueueError::Internal {
             what: format!("encoding the transfers file: {e}"),
