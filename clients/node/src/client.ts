@@ -242,12 +242,14 @@ export interface PolicyInfo {
   prefix?: string;
 }
 
-/** A flow-control group: a rate shared by every key whose policy names it, over every worker. */
+/** A flow-control group, shared by every key whose policy names it, over every worker: a rate, a number of runs at once, or both. */
 export interface GroupInfo {
-  /** `"20/s"`, `"600/m"`, `"1000/h"`. */
-  rate: string;
-  /** Tokens its bucket holds (one second of the rate unless set). */
-  burst: number;
+  /** `"20/s"`, `"600/m"`, `"1000/h"`; absent: no rate limit. */
+  rate?: string;
+  /** Tokens its bucket holds (one second of the rate unless set); only with a rate. */
+  burst?: number;
+  /** Runs of its keys at once; absent: no limit. */
+  concurrency?: number;
 }
 
 /** Every flow-control setting of the deployment (`client.policies()`). */
@@ -278,10 +280,13 @@ export interface PolicySpec extends PolicyTarget {
   concurrency?: number;
 }
 
-/** A group's limit for `setGroup`. */
+/** A group's limit for `setGroup`: a rate, a concurrency or both. */
 export interface GroupSpec {
-  rate: string;
+  rate?: string;
+  /** Only with a rate. */
   burst?: number;
+  /** Runs of its keys at once, 1 to 10000. */
+  concurrency?: number;
 }
 
 function segment(value: unknown, what: string): string {
@@ -318,8 +323,12 @@ function flowPolicy(doc: unknown, url: string): FlowPolicy {
 
 function groupInfo(doc: unknown, url: string): GroupInfo {
   const g = record(doc, url, "a group");
-  if (typeof g["rate"] !== "string" || typeof g["burst"] !== "number") throw new ShardqError(`${url}: a group lacks its rate or burst: ${JSON.stringify(doc)}`, 200, url);
-  return { rate: g["rate"], burst: g["burst"] };
+  const out: GroupInfo = {};
+  if (typeof g["rate"] === "string") out.rate = g["rate"];
+  if (typeof g["burst"] === "number") out.burst = g["burst"];
+  if (typeof g["concurrency"] === "number") out.concurrency = g["concurrency"];
+  if (out.rate === undefined && out.concurrency === undefined) throw new ShardqError(`${url}: a group has neither a rate nor a concurrency: ${JSON.stringify(doc)}`, 200, url);
+  return out;
 }
 
 function mapOf<T>(doc: unknown, url: string, what: string, each: (v: unknown, url: string) => T): Record<string, T> {
@@ -533,12 +542,16 @@ export class Client {
     return doc === undefined ? undefined : groupInfo(doc, url);
   }
 
-  /** Creates or changes the group `name` (role `admin`): `rate` starts shared by every key whose policy names it, over every worker; `burst` tokens (default: one second of the rate). Resolves to the group stored. */
+  /** Sets the group `name` (role `admin`), replacing what it had: `rate` starts shared by every key whose policy names it, over every worker, with `burst` tokens (default: one second of the rate); `concurrency` runs of its keys at once. At least one of `rate` and `concurrency`. Resolves to the group stored. */
   async setGroup(name: string, spec: GroupSpec): Promise<GroupInfo> {
     const path = `/v1/groups/${segment(name, "setGroup: name")}`;
-    if (typeof spec?.rate !== "string" || spec.rate === "") throw new TypeError(`setGroup: rate must be a string such as "20/s", got ${JSON.stringify(spec?.rate)}`);
-    const body: Record<string, unknown> = { rate: spec.rate };
+    if (spec?.rate !== undefined && (typeof spec.rate !== "string" || spec.rate === "")) throw new TypeError(`setGroup: rate must be a string such as "20/s", got ${JSON.stringify(spec.rate)}`);
+    if (spec?.concurrency !== undefined && !Number.isInteger(spec.concurrency)) throw new TypeError(`setGroup: concurrency must be a whole number from 1 to 10000, got ${JSON.stringify(spec.concurrency)}`);
+    if (spec?.rate === undefined && spec?.concurrency === undefined) throw new TypeError("setGroup: give a rate, a concurrency or both");
+    const body: Record<string, unknown> = {};
+    if (spec.rate !== undefined) body["rate"] = spec.rate;
     if (spec.burst !== undefined) body["burst"] = spec.burst;
+    if (spec.concurrency !== undefined) body["concurrency"] = spec.concurrency;
     const [doc, url] = await this.read("PUT", path, body, false);
     return groupInfo(record(doc, url, "the answer")["group"], url);
   }

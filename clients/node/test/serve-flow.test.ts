@@ -23,6 +23,10 @@ test("groups and policies are set, read back with their source, refused naming t
 
     assert.deepEqual(await client.setGroup("api", { rate: "20/s", burst: 3 }), { rate: "20/s", burst: 3 });
     assert.deepEqual(await client.setGroup("bulk", { rate: "600/m" }), { rate: "600/m", burst: 10 }, "the burst defaults to a second of the rate");
+    assert.deepEqual(await client.setGroup("db", { concurrency: 4 }), { concurrency: 4 }, "runs at once, no rate");
+    assert.deepEqual(await client.setGroup("db", { rate: "5/s", concurrency: 2 }), { rate: "5/s", burst: 5, concurrency: 2 });
+    assert.equal(await client.clearGroup("db"), true);
+    await assert.rejects(client.setGroup("db", {}), TypeError, "a group needs a rate or a concurrency");
     const stored = await client.setPolicy({ prefix: "free:", rate: "10/s", group: "api", weight: 2 });
     assert.deepEqual(stored, { concurrency: 1, rate: "10/s", burst: 10, weight: 2, priority: 0, group: "api" });
     // A key that needs percent-encoding in the path.
@@ -46,6 +50,8 @@ test("groups and policies are set, read back with their source, refused naming t
       [() => client.setPolicy({ key: "k", rate: "5/fortnight" }), "fortnight"],
       [() => client.setPolicy({ key: "k", group: "no-such-group" }), "no-such-group"],
       [() => client.setGroup("g", { rate: "0/s" }), "0/s"],
+      [() => client.setGroup("g", { concurrency: 0 }), "concurrency"],
+      [() => client.setGroup("g", { concurrency: 10_001 }), "10001"],
     ] as const) {
       await assert.rejects(call(), (err: unknown) => err instanceof BadRequest && err.status === 400 && (err.serverError ?? "").includes(named));
     }

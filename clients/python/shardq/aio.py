@@ -298,10 +298,11 @@ class AsyncClient:
                                missing_ok=True)
         return None if doc is None else GroupInfo._of(doc)
 
-    async def set_group(self, name: str, rate: str, burst: Optional[int] = None) -> GroupInfo:
+    async def set_group(self, name: str, rate: Optional[str] = None, burst: Optional[int] = None,
+                        concurrency: Optional[int] = None) -> GroupInfo:
         """:meth:`shardq.Client.set_group` from asyncio code."""
-        doc = await self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}", _group_body(rate, burst),
-                               "setting a group")
+        doc = await self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}",
+                               _group_body(rate, burst, concurrency), "setting a group")
         return GroupInfo._of(doc["group"])
 
     async def clear_group(self, name: str) -> bool:

@@ -704,16 +704,22 @@ class PolicyInfo:
 
 @dataclass(frozen=True)
 class GroupInfo:
-    """A flow-control group: a ``rate`` (``"20/s"``) shared by every key
-    whose policy names the group, over every worker, and its bucket's
-    ``burst`` (one second of the rate unless set)."""
+    """A flow-control group, shared by every key whose policy names it,
+    over every worker: a ``rate`` (``"20/s"``) with its bucket's ``burst``
+    (one second of the rate unless set), a ``concurrency`` (runs of its
+    keys at once), or both; what it lacks is ``None``."""
 
-    rate: str
-    burst: int
+    rate: Optional[str]
+    burst: Optional[int]
+    concurrency: Optional[int] = None
 
     @staticmethod
     def _of(doc: Mapping[str, Any]) -> "GroupInfo":
-        return GroupInfo(rate=str(doc["rate"]), burst=int(doc["burst"]))
+        def opt(v: Any, kind: Any) -> Any:
+            return None if v is None else kind(v)
+
+        return GroupInfo(rate=opt(doc.get("rate"), str), burst=opt(doc.get("burst"), int),
+                         concurrency=opt(doc.get("concurrency"), int))
 
 
 @dataclass(frozen=True)
@@ -778,10 +784,21 @@ def _policy_body(**fields: Any) -> Dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _group_body(rate: str, burst: Optional[int]) -> Dict[str, Any]:
-    if not isinstance(rate, str) or not rate:
-        raise ConfigError(f"invalid group rate {rate!r}: a str such as '20/s', '600/m' or '1000/h'")
-    return {"rate": rate} if burst is None else {"rate": rate, "burst": burst}
+def _group_body(rate: Optional[str], burst: Optional[int], concurrency: Optional[int]) -> Dict[str, Any]:
+    if rate is not None and (not isinstance(rate, str) or not rate):
+        raise ConfigError(f"invalid group rate {rate!r}: a str such as '20/s', '600/m' or '1000/h', or None")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)):
+        raise ConfigError(f"invalid group concurrency {concurrency!r}: an int from 1 to 10000, or None")
+    if rate is None and concurrency is None:
+        raise ConfigError("a group needs a rate, a concurrency or both")
+    body: Dict[str, Any] = {}
+    if rate is not None:
+        body["rate"] = rate
+    if burst is not None:
+        body["burst"] = burst
+    if concurrency is not None:
+        body["concurrency"] = concurrency
+    return body
 
 
 class Client:
@@ -972,13 +989,15 @@ class Client:
                          missing_ok=True)
         return None if doc is None else GroupInfo._of(doc)
 
-    def set_group(self, name: str, rate: str, burst: Optional[int] = None) -> GroupInfo:
-        """Creates or changes the group ``name`` (role ``admin``): ``rate``
-        starts (``"20/s"``) shared by every key whose policy names it, over
-        every worker; ``burst`` tokens (default: one second of the rate).
-        Returns the group stored."""
-        doc = self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}", _group_body(rate, burst),
-                         "setting a group")
+    def set_group(self, name: str, rate: Optional[str] = None, burst: Optional[int] = None,
+                  concurrency: Optional[int] = None) -> GroupInfo:
+        """Sets the group ``name`` (role ``admin``), replacing what it had:
+        ``rate`` starts (``"20/s"``) shared by every key whose policy names
+        it, over every worker, with ``burst`` tokens (default: one second of
+        the rate); ``concurrency`` runs of its keys at once. At least one of
+        ``rate`` and ``concurrency``. Returns the group stored."""
+        doc = self._flow("PUT", f"/v1/groups/{_segment(name, 'group name')}",
+                         _group_body(rate, burst, concurrency), "setting a group")
         return GroupInfo._of(doc["group"])
 
     def clear_group(self, name: str) -> bool:

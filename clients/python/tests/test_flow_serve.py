@@ -61,6 +61,9 @@ def test_groups_and_policies_are_set_read_back_with_their_source_refused_and_cle
 
         assert c.set_group("api", "20/s", burst=3) == GroupInfo("20/s", 3)
         assert c.set_group("bulk", "600/m") == GroupInfo("600/m", 10), "the burst defaults to a second of the rate"
+        assert c.set_group("db", concurrency=4) == GroupInfo(None, None, 4), "runs at once, no rate"
+        assert c.set_group("db", "5/s", concurrency=2) == GroupInfo("5/s", 5, 2)
+        assert c.clear_group("db") is True
         stored = c.set_policy(prefix="free:", rate="10/s", group="api", weight=2)
         assert stored == FlowPolicy(rate="10/s", burst=10, weight=2, group="api"), stored
         # A key that needs percent-encoding in the path.
@@ -86,6 +89,8 @@ def test_groups_and_policies_are_set_read_back_with_their_source_refused_and_cle
             (lambda: c.set_policy("k", group="no-such-group"), "no-such-group"),
             (lambda: c.set_policy("k", weight=0), "weight"),
             (lambda: c.set_group("g", "0/s"), "0/s"),
+            (lambda: c.set_group("g", concurrency=0), "concurrency"),
+            (lambda: c.set_group("g", concurrency=10_001), "10001"),
         ]:
             with pytest.raises(BadRequest) as e:
                 call()
@@ -113,7 +118,8 @@ def test_groups_and_policies_are_set_read_back_with_their_source_refused_and_cle
         # Exactly one target, checked before any request.
         for bad in (lambda: c.set_policy(), lambda: c.set_policy("k", prefix="p"),
                     lambda: c.clear_policy(prefix="p", default=True), lambda: c.policy("k", scope="everything"),
-                    lambda: c.set_group("", "1/s")):
+                    lambda: c.set_group("", "1/s"), lambda: c.set_group("g"),
+                    lambda: c.set_group("g", concurrency="2")):
             with pytest.raises(ConfigError):
                 bad()
     finally:

@@ -68,7 +68,9 @@ pub fn retry_rules() -> crate::retry::RetryRules {
 /// `contract-rate:` start at most 10 a second (burst 2) each; keys starting
 /// with `contract-grp:` share the group `contract-group`, 20 a second
 /// (burst 3); keys starting with `contract-w1:`, `contract-w2:` and
-/// `contract-w4:` have weights 1, 2 and 4, and `contract-vip:` priority 5.
+/// `contract-w4:` have weights 1, 2 and 4, and `contract-vip:` priority 5;
+/// keys starting with `contract-slot:` share the group `contract-slots`,
+/// two runs at once.
 pub fn flow_settings() -> crate::flow::FlowSettings {
     use crate::flow::{FlowPolicy, GroupLimit, Rate};
     let rate = |count: u64| Rate {
@@ -87,8 +89,24 @@ pub fn flow_settings() -> crate::flow::FlowSettings {
     f.groups.insert(
         "contract-group".into(),
         GroupLimit {
-            rate: rate(20),
+            rate: Some(rate(20)),
             burst: Some(3),
+            concurrency: None,
+        },
+    );
+    f.groups.insert(
+        "contract-slots".into(),
+        GroupLimit {
+            rate: None,
+            burst: None,
+            concurrency: Some(2),
+        },
+    );
+    f.prefixes.insert(
+        "contract-slot:".into(),
+        FlowPolicy {
+            group: Some("contract-slots".into()),
+            ..FlowPolicy::default()
         },
     );
     for (prefix, weight) in [
@@ -145,6 +163,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     finished_jobs_are_kept_newest_first(h);
     rate_limits_hold_across_every_claim(h);
     a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
+    a_groups_concurrency_caps_its_runs_over_every_shard(h);
 }
 
 /// The checks of backends that rank ready keys by priority and weight
@@ -370,6 +389,77 @@ pub fn rate_limits_hold_across_every_claim(h: &dyn ContractHarness) {
         (2, 3),
         "after 10 s only the bursts: {fourth:?}"
     );
+}
+
+/// A group's concurrency ([`flow_settings`]: two runs at once) caps the
+/// runs of its keys together, over every shard: a start holds a slot until
+/// its run ends (ack, fail, back-off) or its lease lapses, and other keys
+/// run on meanwhile.
+pub fn a_groups_concurrency_caps_its_runs_over_every_shard(h: &dyn ContractHarness) {
+    use crate::flow::GROUP_SLOT_RECHECK_MS;
+    let (a, b) = (h.fresh_shard(), h.fresh_shard());
+    let be = h.backend();
+    for i in 0..3 {
+        enqueue(h, &a, &format!("contract-slot:a{i}"), "s", 2);
+        enqueue(h, &b, &format!("contract-slot:b{i}"), "s", 2);
+    }
+    enqueue(h, &a, "contract-slotless", "p", 1);
+    const LEASE_MS: u64 = 60_000;
+    let both = || {
+        let mut v = claim(h, &a, 16, LEASE_MS);
+        v.extend(claim(h, &b, 16, LEASE_MS));
+        v
+    };
+    let in_group = |v: &[ClaimedJob]| -> Vec<ClaimedJob> {
+        v.iter()
+            .filter(|r| r.key.starts_with("contract-slot:"))
+            .cloned()
+            .collect()
+    };
+    let first = both();
+    let running = in_group(&first);
+    assert_eq!(running.len(), 2, "two of six keys start: {first:?}");
+    assert!(
+        first.iter().any(|r| r.key == "contract-slotless"),
+        "a key outside the group runs on: {first:?}"
+    );
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    assert!(in_group(&both()).is_empty(), "no third run while two run");
+    // An ack gives its slot back: one more starts.
+    let acked = &running[0];
+    ack_one(h, &acked.shard, acked.receipt());
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let second = in_group(&both());
+    assert_eq!(second.len(), 1, "one slot freed by an ack: {second:?}");
+    // A failure with a retry gives its slot back too.
+    let failed = &running[1];
+    be.fail(&failed.shard, failed.receipt(), "boom", Some(0))
+        .expect("fail");
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let third = in_group(&both());
+    assert_eq!(third.len(), 1, "one slot freed by a failure: {third:?}");
+    // So does a back-off.
+    be.back_off(&third[0].shard, third[0].receipt(), 60_000, false)
+        .expect("back off");
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let fourth = in_group(&both());
+    assert_eq!(fourth.len(), 1, "one slot freed by a back-off: {fourth:?}");
+    // An extended run keeps its slot past its first lease; a run whose
+    // lease lapses gives its slot up with it.
+    h.pass_ms(LEASE_MS / 2);
+    let kept = &second[0];
+    let refused = be
+        .extend(&kept.shard, &[kept.receipt()], LEASE_MS)
+        .expect("extend");
+    assert!(refused.is_empty(), "{refused:?}");
+    h.pass_ms(LEASE_MS / 2 + 1);
+    let fifth = in_group(&both());
+    assert_eq!(
+        fifth.len(),
+        1,
+        "the lapsed run's slot is free, the extended one's is not: {fifth:?}"
+    );
+    assert!(fifth.iter().all(|r| r.key != kept.key), "{fifth:?}");
 }
 
 /// Finished jobs are kept for the retention (harnesses open their backend

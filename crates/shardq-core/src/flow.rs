@@ -23,9 +23,27 @@
 //!   passes through it, whichever worker runs the job. A bucket is created
 //!   full when the key is first seen, so a new owner (after a takeover or a
 //!   move) may let one more burst through than the old one left.
-//! - A group's bucket is shared by every process of the deployment
-//!   ([`GroupBuckets`]): a locked file in the data dir on the embedded
-//!   engine, in memory for the memory backend and the simulation.
+//! - A group's bucket and run slots are shared by every process of the
+//!   deployment ([`GroupBuckets`]): a locked file in the data dir on the
+//!   embedded engine, a hash and a sorted set in the map store's Redis, in
+//!   memory for the memory backend and the simulation.
+//!
+//! # Runs at once per group
+//! A group may also cap its keys' runs at once ([`GroupLimit::concurrency`]),
+//! over every process: a start takes one of the group's run slots, in the
+//! same store and the same atomic step as its token ([`take_group`]), held
+//! by the key (a key runs one job at a time, so the key names its run) until
+//! its run's lease ends. The backend gives it back when the run ends (ack,
+//! fail, back-off: [`FlowControl::runs_ended`]) and renews it when the lease
+//! is extended ([`FlowControl::runs_extended`]); a run that ends any other
+//! way (its worker killed, a takeover) frees its slot when its lease lapses,
+//! exactly when the run itself may start again. A key refused for want of a
+//! slot is asked again at the first slot's lapse, at most
+//! [`GROUP_SLOT_RECHECK_MS`] away: a slot freed by another process is not
+//! announced. A give-back that fails is counted; the slot then lapses with
+//! its lease. One race is left: an ack racing the same key's next start in
+//! another process (a move's new owner) can free the new run's slot, so the
+//! group may run one over its limit until that run ends.
 //!
 //! # When limits are checked
 //! A backend asks [`FlowControl::admit`] for each key it would start, after
@@ -70,6 +88,12 @@ pub const BURST_MAX: u64 = 1_000_000;
 /// Runs of one key at once. One run per key is the queue's order
 /// guarantee; more at once is not offered yet.
 pub const KEY_CONCURRENCY_MAX: u32 = 1;
+/// Most runs of one group's keys at once.
+pub const GROUP_CONCURRENCY_MAX: u32 = 10_000;
+/// Longest a key refused because its group's runs are all taken waits
+/// before it is asked about again (a run that ends elsewhere frees its
+/// slot without telling this process).
+pub const GROUP_SLOT_RECHECK_MS: u64 = 20;
 /// Largest weight.
 pub const WEIGHT_MAX: u32 = 1_000;
 /// Priorities run from `-PRIORITY_MAX` to `PRIORITY_MAX`.
@@ -279,27 +303,66 @@ impl FlowPolicy {
     }
 }
 
-/// A limit shared by every key whose policy names the group.
+/// A limit shared by every key whose policy names the group: a rate, a
+/// number of runs at once, or both.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GroupLimit {
-    /// Starts of all the group's keys together, over every worker.
-    pub rate: Rate,
+    /// Starts of all the group's keys together, over every worker; none:
+    /// only `concurrency` limits the group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<Rate>,
     /// Tokens the group's bucket holds (default: one second of `rate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u64>,
+    /// Runs of the group's keys at once, over every worker (1 to
+    /// [`GROUP_CONCURRENCY_MAX`]); none: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
 }
+
+/// The bucket of a group without a rate: it never runs dry (a million
+/// tokens a millisecond), so only its holds (a handler's back-off) count.
+const UNLIMITED: Rate = Rate {
+    count: RATE_COUNT_MAX,
+    per_ms: 1,
+};
 
 impl GroupLimit {
     /// The bucket's size.
     pub fn burst_or_default(&self) -> u64 {
-        self.burst.unwrap_or_else(|| self.rate.default_burst())
+        match self.rate {
+            Some(r) => self.burst.unwrap_or_else(|| r.default_burst()),
+            None => BURST_MAX,
+        }
+    }
+
+    /// The rate the bucket counts in (a group without a rate: one that
+    /// never runs dry).
+    pub fn bucket_rate(&self) -> Rate {
+        self.rate.unwrap_or(UNLIMITED)
     }
 
     /// Checks every field, naming the one out of range and its value.
     pub fn validate(&self) -> Result<(), QueueError> {
-        self.rate.check()?;
-        check_burst(self.burst, Some(self.rate))
+        if let Some(r) = self.rate {
+            r.check()?;
+        }
+        check_burst(self.burst, self.rate)?;
+        match self.concurrency {
+            Some(n) if n == 0 || n > GROUP_CONCURRENCY_MAX => Err(QueueError::InvalidOption {
+                name: "concurrency",
+                value: n.to_string(),
+                allowed: format!("1 to {GROUP_CONCURRENCY_MAX}"),
+            }),
+            None if self.rate.is_none() => Err(QueueError::InvalidOption {
+                name: "group",
+                value: "no rate and no concurrency".into(),
+                allowed: "a --rate, a --concurrency or both (a group limits nothing without one)"
+                    .into(),
+            }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -619,83 +682,193 @@ impl Bucket {
     }
 }
 
-/// The buckets of groups, shared by every process of a deployment.
+/// A group's shared state: its bucket and the run slots taken in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupState {
+    /// The group's token bucket (also where a handler's hold is kept).
+    #[serde(flatten)]
+    pub bucket: Bucket,
+    /// Run slots taken, by holder (the key whose run holds it), with when
+    /// each lapses (its run's lease): a slot its run never gives back
+    /// frees itself then.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub slots: BTreeMap<String, u64>,
+}
+
+impl GroupState {
+    /// Slots taken at `now_ms` (lapsed ones not counted).
+    pub fn running(&self, now_ms: u64) -> u64 {
+        self.slots.values().filter(|&&t| t > now_ms).count() as u64
+    }
+}
+
+/// A run slot asked for with a start: whose run, and until when it is held
+/// unless renewed (its run's lease).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotAsk<'a> {
+    /// The key whose run takes it. A key runs one job at a time
+    /// ([`KEY_CONCURRENCY_MAX`]), so the key names its run: a key that
+    /// holds a slot already (its last run's, not yet lapsed) keeps it.
+    pub holder: &'a str,
+    /// When the slot lapses unless renewed or given back.
+    pub until_ms: u64,
+}
+
+/// The buckets and run slots of groups, shared by every process of a
+/// deployment.
 pub trait GroupBuckets: Send + Sync {
-    /// Takes one token from `group`'s bucket under `limit` at `now_ms`:
-    /// `Ok(Ok(()))` when taken, `Ok(Err(at))` when none is there before
-    /// `at`. Atomic across processes.
+    /// Takes one token from `group`'s bucket under `limit` at `now_ms`,
+    /// and, when the group limits its runs and `slot` is given, one of its
+    /// run slots: `Ok(Ok(()))` when taken (both), `Ok(Err(at))` when not,
+    /// to be asked again at `at`. Atomic across processes.
     fn take(
         &self,
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
+        slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError>;
 
     /// Holds `group`'s bucket until `until_ms`: no key of the group starts
     /// before then, in any process.
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError>;
 
-    /// `group`'s bucket as stored, changing nothing (none when it has none
-    /// yet: it starts full).
-    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError>;
+    /// `group`'s state as stored, changing nothing (none when it has none
+    /// yet: its bucket starts full, its slots free).
+    fn peek(&self, group: &str) -> Result<Option<GroupState>, QueueError>;
+
+    /// Gives back the run slots `holders` hold in `group` (their runs
+    /// ended); a holder without one changes nothing.
+    fn free_slots(&self, group: &str, holders: &[&str]) -> Result<(), QueueError>;
+
+    /// Moves the lapse of the slots `holders` hold in `group` to
+    /// `until_ms` (their runs' leases were extended); a holder whose slot
+    /// lapsed gets none back.
+    fn renew_slots(&self, group: &str, holders: &[&str], until_ms: u64) -> Result<(), QueueError>;
 }
 
-/// A group's limit and its bucket now, as `shardq status` shows it.
+/// A group's limit and its state now, as `shardq status` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GroupLevel {
     /// The group.
     pub name: String,
-    /// Its rate (`200/s`).
-    pub rate: String,
+    /// Its rate (`200/s`), if it has one.
+    pub rate: Option<String>,
     /// Its bucket's size.
     pub burst: u64,
     /// Tokens in its bucket now (the burst when it has no bucket yet).
     pub tokens: f64,
+    /// Its runs at once, if it limits them.
+    pub concurrency: Option<u32>,
+    /// Its run slots taken now, over every process.
+    pub running: u64,
     /// When a handler's back-off holding the group ends, if it does now.
     pub held_until_ms: Option<u64>,
     /// Why the bucket could not be read, if it could not.
     pub error: Option<String>,
 }
 
-/// Takes a token from `group`'s bucket in `buckets` (a missing one starts
-/// full): the one recipe every [`GroupBuckets`] runs under its own lock.
-pub fn take_group(
-    buckets: &mut BTreeMap<String, Bucket>,
+/// `group`'s state in `states`, new (a full bucket, no slot taken) when it
+/// has none.
+fn state_of<'a>(
+    states: &'a mut BTreeMap<String, GroupState>,
     group: &str,
     limit: &GroupLimit,
     now_ms: u64,
-) -> Result<(), u64> {
-    let burst = limit.burst_or_default();
-    buckets
+) -> &'a mut GroupState {
+    states
         .entry(group.to_string())
-        .or_insert_with(|| Bucket::full(limit.rate, burst, now_ms))
-        .take(limit.rate, burst, now_ms)
+        .or_insert_with(|| GroupState {
+            bucket: Bucket::full(limit.bucket_rate(), limit.burst_or_default(), now_ms),
+            slots: BTreeMap::new(),
+        })
 }
 
-/// Holds `group`'s bucket in `buckets` until `until_ms`.
+/// Takes a token, and a run slot when asked and the group limits its runs,
+/// from `group`'s state in `states`: the one recipe every [`GroupBuckets`]
+/// runs under its own lock (the Redis script is its copy in Lua). The slot
+/// is checked first: a key refused for want of one costs the bucket
+/// nothing. A full group answers the first lapse of its slots, at most
+/// [`GROUP_SLOT_RECHECK_MS`] away (a slot given back elsewhere is not
+/// announced).
+pub fn take_group(
+    states: &mut BTreeMap<String, GroupState>,
+    group: &str,
+    limit: &GroupLimit,
+    now_ms: u64,
+    slot: Option<SlotAsk<'_>>,
+) -> Result<(), u64> {
+    let st = state_of(states, group, limit, now_ms);
+    let slot = slot.filter(|_| limit.concurrency.is_some());
+    if let (Some(n), Some(ask)) = (limit.concurrency, slot) {
+        st.slots.retain(|_, &mut t| t > now_ms);
+        if !st.slots.contains_key(ask.holder) && st.slots.len() >= n as usize {
+            let first = st.slots.values().min().copied().unwrap_or(now_ms);
+            return Err(first
+                .min(now_ms.saturating_add(GROUP_SLOT_RECHECK_MS))
+                .max(now_ms + 1));
+        }
+    }
+    st.bucket
+        .take(limit.bucket_rate(), limit.burst_or_default(), now_ms)?;
+    if let Some(ask) = slot {
+        st.slots.insert(ask.holder.to_string(), ask.until_ms);
+    }
+    Ok(())
+}
+
+/// Holds `group`'s bucket in `states` until `until_ms`.
 pub fn hold_group(
-    buckets: &mut BTreeMap<String, Bucket>,
+    states: &mut BTreeMap<String, GroupState>,
     group: &str,
     limit: &GroupLimit,
     until_ms: u64,
 ) {
-    let burst = limit.burst_or_default();
-    buckets
-        .entry(group.to_string())
-        .or_insert_with(|| Bucket::full(limit.rate, burst, until_ms))
+    state_of(states, group, limit, until_ms)
+        .bucket
         .hold(until_ms);
+}
+
+/// Gives back `holders`' slots in `group`'s state in `states`.
+pub fn free_group_slots(states: &mut BTreeMap<String, GroupState>, group: &str, holders: &[&str]) {
+    if let Some(st) = states.get_mut(group) {
+        for h in holders {
+            st.slots.remove(*h);
+        }
+    }
+}
+
+/// Renews `holders`' slots in `group`'s state in `states` to `until_ms`.
+pub fn renew_group_slots(
+    states: &mut BTreeMap<String, GroupState>,
+    group: &str,
+    holders: &[&str],
+    until_ms: u64,
+) {
+    if let Some(st) = states.get_mut(group) {
+        for h in holders {
+            if let Some(t) = st.slots.get_mut(*h) {
+                *t = (*t).max(until_ms);
+            }
+        }
+    }
 }
 
 /// Group buckets in this process's memory (the memory backend, tests).
 #[derive(Debug, Default)]
 pub struct LocalGroupBuckets {
-    buckets: Mutex<BTreeMap<String, Bucket>>,
+    states: Mutex<BTreeMap<String, GroupState>>,
+}
+
+impl LocalGroupBuckets {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, GroupState>> {
+        self.states.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl GroupBuckets for LocalGroupBuckets {
-    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
-        let b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(b.get(group).copied())
+    fn peek(&self, group: &str) -> Result<Option<GroupState>, QueueError> {
+        Ok(self.lock().get(group).cloned())
     }
 
     fn take(
@@ -703,14 +876,23 @@ impl GroupBuckets for LocalGroupBuckets {
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
+        slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
-        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(take_group(&mut b, group, limit, now_ms))
+        Ok(take_group(&mut self.lock(), group, limit, now_ms, slot))
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
-        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        hold_group(&mut b, group, limit, until_ms);
+        hold_group(&mut self.lock(), group, limit, until_ms);
+        Ok(())
+    }
+
+    fn free_slots(&self, group: &str, holders: &[&str]) -> Result<(), QueueError> {
+        free_group_slots(&mut self.lock(), group, holders);
+        Ok(())
+    }
+
+    fn renew_slots(&self, group: &str, holders: &[&str], until_ms: u64) -> Result<(), QueueError> {
+        renew_group_slots(&mut self.lock(), group, holders, until_ms);
         Ok(())
     }
 }
@@ -894,9 +1076,12 @@ impl FlowControl {
         self.limits.load(Ordering::Relaxed)
     }
 
-    /// Whether a run of `key` may start at `now_ms`; when it may, its
-    /// tokens are taken. See the module header.
-    pub fn admit(&self, key: &str, now_ms: u64) -> Admit {
+    /// Whether a run of `key` may start at `now_ms`, its lease ending at
+    /// `lease_until_ms`; when it may, its tokens are taken, and its group's
+    /// run slot when the group limits its runs (held until the lease ends,
+    /// unless [`FlowControl::runs_ended`] gives it back first or
+    /// [`FlowControl::runs_extended`] renews it). See the module header.
+    pub fn admit(&self, key: &str, now_ms: u64, lease_until_ms: u64) -> Admit {
         if !self.limits_starts() {
             return Admit::Now;
         }
@@ -936,7 +1121,15 @@ impl FlowControl {
                 // Other processes only take tokens: an empty bucket seen
                 // here stays empty at least until then.
                 Some(at) => Err(at),
-                None => match self.groups.take(name, limit, now_ms) {
+                None => match self.groups.take(
+                    name,
+                    limit,
+                    now_ms,
+                    Some(SlotAsk {
+                        holder: key,
+                        until_ms: lease_until_ms,
+                    }),
+                ) {
                     Ok(r) => r,
                     Err(e) => {
                         self.note_error(format!("group {name:?}'s bucket: {e}"));
@@ -985,8 +1178,64 @@ impl FlowControl {
         Some(name.clone())
     }
 
-    /// Every group's limit and its bucket at `now_ms`, read from the
-    /// shared store (the same for every process of the deployment).
+    /// The groups of `keys` that limit their runs, each with its keys.
+    fn slot_groups<'k>(&self, keys: &[&'k str]) -> BTreeMap<String, Vec<&'k str>> {
+        let mut by_group: BTreeMap<String, Vec<&'k str>> = BTreeMap::new();
+        if !self.limits_starts() {
+            return by_group;
+        }
+        let settings = self.settings();
+        for &k in keys {
+            if let Some(g) = (settings.for_key(k).group.as_ref()).filter(|g| {
+                settings
+                    .groups
+                    .get(*g)
+                    .is_some_and(|l| l.concurrency.is_some())
+            }) {
+                by_group.entry(g.clone()).or_default().push(k);
+            }
+        }
+        by_group
+    }
+
+    /// The runs of `keys` ended (acked, failed, backed off): their groups'
+    /// run slots are given back, and this process asks those groups again
+    /// at its next claim. A failure is counted, not returned: the slot then
+    /// lapses with its run's lease.
+    pub fn runs_ended(&self, keys: &[&str]) {
+        for (group, holders) in self.slot_groups(keys) {
+            if let Err(e) = self.groups.free_slots(&group, &holders) {
+                self.note_error(format!("giving back group {group:?}'s run slots: {e}"));
+            }
+            let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            st.held_groups.remove(&group);
+        }
+    }
+
+    /// The runs of `keys` had their leases moved to `until_ms`: so are
+    /// their groups' run slots.
+    pub fn runs_extended(&self, keys: &[&str], until_ms: u64) {
+        for (group, holders) in self.slot_groups(keys) {
+            if let Err(e) = self.groups.renew_slots(&group, &holders, until_ms) {
+                self.note_error(format!("renewing group {group:?}'s run slots: {e}"));
+            }
+        }
+    }
+
+    /// Runs of `group` holding a slot at `now_ms`, over every process (none
+    /// when its store cannot be read).
+    pub fn group_running(&self, group: &str, now_ms: u64) -> Option<u64> {
+        match self.groups.peek(group) {
+            Ok(st) => Some(st.map_or(0, |st| st.running(now_ms))),
+            Err(e) => {
+                self.note_error(format!("group {group:?}'s run slots: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Every group's limit and its state at `now_ms`, read from the shared
+    /// store (the same for every process of the deployment).
     pub fn group_levels(&self, now_ms: u64) -> Vec<GroupLevel> {
         let settings = self.settings();
         (settings.groups.iter())
@@ -994,17 +1243,21 @@ impl FlowControl {
                 let burst = limit.burst_or_default();
                 let mut level = GroupLevel {
                     name: name.clone(),
-                    rate: limit.rate.to_string(),
+                    rate: limit.rate.map(|r| r.to_string()),
                     burst,
                     tokens: burst as f64,
+                    concurrency: limit.concurrency,
+                    running: 0,
                     held_until_ms: None,
                     error: None,
                 };
                 match self.groups.peek(name) {
-                    Ok(Some(mut b)) => {
-                        let _ = b.peek(limit.rate, burst, now_ms);
-                        level.tokens = b.units as f64 / limit.rate.per_ms as f64;
-                        level.held_until_ms = Some(b.held_until_ms).filter(|&t| t > now_ms);
+                    Ok(Some(mut st)) => {
+                        let rate = limit.bucket_rate();
+                        let _ = st.bucket.peek(rate, burst, now_ms);
+                        level.tokens = st.bucket.units as f64 / rate.per_ms as f64;
+                        level.held_until_ms = Some(st.bucket.held_until_ms).filter(|&t| t > now_ms);
+                        level.running = st.running(now_ms);
                     }
                     Ok(None) => {}
                     Err(e) => level.error = Some(e.to_string()),
@@ -1214,8 +1467,9 @@ mod tests {
         s.groups.insert(
             "api".into(),
             GroupLimit {
-                rate: rate("10/s"),
+                rate: Some(rate("10/s")),
                 burst: Some(2),
+                concurrency: None,
             },
         );
         s.prefixes.insert(
@@ -1242,19 +1496,23 @@ mod tests {
         s.validate().expect("valid");
         let g: Arc<dyn GroupBuckets> = Arc::new(LocalGroupBuckets::default());
         let f = FlowControl::new(s, Arc::clone(&g));
-        assert_eq!(f.admit("paid:x", 0), Admit::Now, "no policy");
-        assert_eq!(f.admit("free:a", 0), Admit::Now);
-        assert_eq!(f.admit("free:a", 0), Admit::NotBefore(500));
-        assert_eq!(f.admit("free:b", 0), Admit::Now, "a bucket per key");
+        assert_eq!(f.admit("paid:x", 0, u64::MAX), Admit::Now, "no policy");
+        assert_eq!(f.admit("free:a", 0, u64::MAX), Admit::Now);
+        assert_eq!(f.admit("free:a", 0, u64::MAX), Admit::NotBefore(500));
+        assert_eq!(
+            f.admit("free:b", 0, u64::MAX),
+            Admit::Now,
+            "a bucket per key"
+        );
         // The group: burst 2, then one every 100 ms.
-        assert_eq!(f.admit("free:vip", 0), Admit::Now);
-        assert_eq!(f.admit("free:vip", 0), Admit::Now);
-        assert_eq!(f.admit("free:vip", 0), Admit::NotBefore(100));
-        assert_eq!(f.admit("free:vip", 100), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0, u64::MAX), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0, u64::MAX), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0, u64::MAX), Admit::NotBefore(100));
+        assert_eq!(f.admit("free:vip", 100, u64::MAX), Admit::Now);
         // A group's hold holds every key of it; waits are capped so a
         // changed setting is seen within FLOW_RECHECK_MS.
         assert_eq!(f.hold_group_of("free:vip", 5_000), Some("api".into()));
-        assert_eq!(f.admit("free:vip", 200), Admit::NotBefore(1_200));
+        assert_eq!(f.admit("free:vip", 200, u64::MAX), Admit::NotBefore(1_200));
         assert_eq!(f.hold_group_of("free:a", 5_000), None);
         let st = f.stats();
         assert_eq!(st.group_starts["api"], 3);
@@ -1274,10 +1532,92 @@ mod tests {
             },
         );
         let f = FlowControl::new(s, Arc::new(LocalGroupBuckets::default()));
-        assert_eq!(f.admit("free:vip", 0), Admit::Now);
-        assert_eq!(f.admit("free:vip", 0), Admit::Now);
-        assert_eq!(f.admit("k", 0), Admit::NotBefore(100), "the group is empty");
-        assert_eq!(f.admit("k", 100), Admit::Now, "the key kept its token");
+        assert_eq!(f.admit("free:vip", 0, u64::MAX), Admit::Now);
+        assert_eq!(f.admit("free:vip", 0, u64::MAX), Admit::Now);
+        assert_eq!(
+            f.admit("k", 0, u64::MAX),
+            Admit::NotBefore(100),
+            "the group is empty"
+        );
+        assert_eq!(
+            f.admit("k", 100, u64::MAX),
+            Admit::Now,
+            "the key kept its token"
+        );
+    }
+
+    /// A group's concurrency counts runs over every key of it: a start
+    /// takes a slot until its lease ends, an ended or renewed run gives it
+    /// back or keeps it, a key keeps its own slot, a lapsed one frees.
+    #[test]
+    fn a_groups_runs_are_capped_until_they_end_or_lapse() {
+        let mut s = FlowSettings::default();
+        s.groups.insert(
+            "db".into(),
+            GroupLimit {
+                rate: None,
+                burst: None,
+                concurrency: Some(2),
+            },
+        );
+        s.prefixes.insert(
+            "t:".into(),
+            FlowPolicy {
+                group: Some("db".into()),
+                ..FlowPolicy::default()
+            },
+        );
+        s.validate().expect("valid");
+        let g: Arc<dyn GroupBuckets> = Arc::new(LocalGroupBuckets::default());
+        let f = FlowControl::new(s, Arc::clone(&g));
+        assert_eq!(f.admit("t:a", 0, 1_000), Admit::Now);
+        assert_eq!(f.admit("t:b", 0, 1_000), Admit::Now);
+        assert_eq!(f.admit("t:a", 0, 1_000), Admit::Now, "a key keeps its slot");
+        assert_eq!(
+            f.admit("t:c", 0, 1_000),
+            Admit::NotBefore(GROUP_SLOT_RECHECK_MS),
+            "two runs at once"
+        );
+        assert_eq!(f.admit("other", 1, 1_000), Admit::Now, "no group, no cap");
+        f.runs_ended(&["t:a"]);
+        assert_eq!(f.admit("t:c", 5, 1_000), Admit::Now, "a slot given back");
+        assert_eq!(f.admit("t:d", 6, 1_000), Admit::NotBefore(26));
+        f.runs_extended(&["t:b"], 5_000);
+        // At 1,000 t:c's slot lapses; t:b's was renewed.
+        assert_eq!(f.admit("t:d", 1_000, 9_000), Admit::Now);
+        assert_eq!(f.admit("t:e", 1_001, 9_000), Admit::NotBefore(1_021));
+        let level = &f.group_levels(1_001)[0];
+        assert_eq!((level.running, level.concurrency), (2, Some(2)));
+        assert_eq!(level.rate, None);
+        f.runs_ended(&["t:b", "t:d"]);
+        assert_eq!(f.group_levels(1_001)[0].running, 0);
+        // A back-off's hold still holds a group without a rate.
+        assert_eq!(f.hold_group_of("t:a", 3_000), Some("db".into()));
+        assert_eq!(f.admit("t:a", 2_000, 9_000), Admit::NotBefore(3_000));
+    }
+
+    #[test]
+    fn a_group_limits_something_and_its_concurrency_is_bounded() {
+        let mut g = GroupLimit {
+            rate: None,
+            burst: None,
+            concurrency: None,
+        };
+        let e = g.validate().unwrap_err().to_string();
+        assert!(e.contains("no rate and no concurrency"), "{e}");
+        for n in [0, GROUP_CONCURRENCY_MAX + 1] {
+            g.concurrency = Some(n);
+            let e = g.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("concurrency") && e.contains(&n.to_string()),
+                "{e}"
+            );
+        }
+        g.concurrency = Some(GROUP_CONCURRENCY_MAX);
+        g.validate().expect("in range");
+        g.burst = Some(5);
+        let e = g.validate().unwrap_err().to_string();
+        assert!(e.contains("burst"), "a burst without a rate: {e}");
     }
 
     #[test]
@@ -1290,14 +1630,14 @@ mod tests {
         )
         .with_source(Box::new(move || Ok(src.lock().unwrap().clone())));
         f.refresh(0);
-        assert_eq!(f.admit("k", 0), Admit::Now);
+        assert_eq!(f.admit("k", 0, u64::MAX), Admit::Now);
         s.lock().unwrap().default.rate = Some(rate("1/s"));
         s.lock().unwrap().default.burst = Some(1);
         f.refresh(500);
         assert!(!f.limits_starts(), "not yet read again");
         f.refresh(1_000);
-        assert_eq!(f.admit("k", 1_000), Admit::Now);
-        assert_eq!(f.admit("k", 1_000), Admit::NotBefore(2_000));
+        assert_eq!(f.admit("k", 1_000, u64::MAX), Admit::Now);
+        assert_eq!(f.admit("k", 1_000, u64::MAX), Admit::NotBefore(2_000));
     }
 
     #[test]

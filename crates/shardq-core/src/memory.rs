@@ -142,6 +142,14 @@ pub struct MemoryBackend {
 }
 
 impl MemoryBackend {
+    /// Gives back the group run slots of the runs of `keys` that ended.
+    fn runs_ended(&self, keys: &[String]) {
+        if let Some(f) = self.flow.as_ref().filter(|_| !keys.is_empty()) {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            f.runs_ended(&keys);
+        }
+    }
+
     /// The same backend, telling a rebalance to drain moving keys instead of
     /// moving their backlogs (to test that path, which the Redis backend
     /// takes).
@@ -605,7 +613,10 @@ impl QueueBackend for MemoryBackend {
                 if j.not_before_ms > now || s.held.get(&key).is_some_and(|&at| at > now) {
                     continue;
                 }
-                if let Some(Admit::NotBefore(at)) = self.flow.as_ref().map(|f| f.admit(&key, now)) {
+                let lease_until_ms = now.saturating_add(lease_ms);
+                if let Some(Admit::NotBefore(at)) =
+                    (self.flow.as_ref()).map(|f| f.admit(&key, now, lease_until_ms))
+                {
                     s.held.insert(key, at);
                     continue;
                 }
@@ -624,7 +635,6 @@ impl QueueBackend for MemoryBackend {
                     s.fence.run_fence_min,
                 );
                 s.fence_high = fence;
-                let lease_until_ms = now.saturating_add(lease_ms);
                 out.push(ClaimedJob {
                     shard: shard.to_string(),
                     id,
@@ -662,7 +672,8 @@ impl QueueBackend for MemoryBackend {
 
     fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
         let (now, retention) = (self.clock.now_ms(), self.retention);
-        self.owned(shard, |s| {
+        let mut ended = Vec::new();
+        let out = self.owned(shard, |s| {
             let mut out = AckOutcome::default();
             for r in receipts {
                 if current_run(s, *r).is_err() {
@@ -672,12 +683,15 @@ impl QueueBackend for MemoryBackend {
                 s.in_flight.remove(&r.id);
                 if let Some(j) = s.jobs.remove(&r.id) {
                     s.busy_keys.remove(&j.key);
+                    ended.push(j.key.clone());
                     note_finished(s, r.id, j, Finish::Completed, now, retention);
                 }
                 out.acked += 1;
             }
             Ok(out)
-        })
+        })?;
+        self.runs_ended(&ended);
+        Ok(out)
     }
 
     fn fail(
@@ -689,10 +703,13 @@ impl QueueBackend for MemoryBackend {
     ) -> Result<FailOutcome, QueueError> {
         let now = self.clock.now_ms();
         let (backoff, policy) = (self.backoff, self.dead_policy);
-        self.owned(shard, |s| {
+        let mut ended = Vec::new();
+        let out = self.owned(shard, |s| {
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
-            let backoff = (s.jobs.get(&receipt.id))
+            let job = s.jobs.get(&receipt.id);
+            ended.extend(job.map(|j| j.key.clone()));
+            let backoff = job
                 .and_then(|j| self.retry_rules.for_key(&j.key))
                 .map_or(backoff, |p| p.backoff);
             Ok(finish_failed(
@@ -704,7 +721,9 @@ impl QueueBackend for MemoryBackend {
                 backoff,
                 policy,
             ))
-        })
+        })?;
+        self.runs_ended(&ended);
+        Ok(out)
     }
 
     fn ranks_keys(&self) -> bool {
@@ -740,6 +759,7 @@ impl QueueBackend for MemoryBackend {
                 .push_front(receipt.id);
             Ok(key)
         })?;
+        self.runs_ended(std::slice::from_ref(&key));
         let held = match (&self.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
             _ => None,
@@ -754,18 +774,25 @@ impl QueueBackend for MemoryBackend {
         lease_ms: u64,
     ) -> Result<Vec<Receipt>, QueueError> {
         validate_job_lease_ms(lease_ms)?;
-        let now = self.clock.now_ms();
-        self.owned(shard, |s| {
+        let until = self.clock.now_ms().saturating_add(lease_ms);
+        let mut renewed = Vec::new();
+        let refused = self.owned(shard, |s| {
             let mut refused = Vec::new();
             for r in receipts {
                 if current_run(s, *r).is_err() {
                     refused.push(*r);
                 } else if let Some(run) = s.in_flight.get_mut(&r.id) {
-                    run.lease_until_ms = now.saturating_add(lease_ms);
+                    run.lease_until_ms = until;
+                    renewed.extend(s.jobs.get(&r.id).map(|j| j.key.clone()));
                 }
             }
             Ok(refused)
-        })
+        })?;
+        if let Some(f) = self.flow.as_ref().filter(|_| !renewed.is_empty()) {
+            let keys: Vec<&str> = renewed.iter().map(String::as_str).collect();
+            f.runs_extended(&keys, until);
+        }
+        Ok(refused)
     }
 
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {

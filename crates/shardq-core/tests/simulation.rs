@@ -72,11 +72,12 @@ fn sim_flow() -> FlowSettings {
     f.groups.insert(
         "sim".into(),
         GroupLimit {
-            rate: Rate {
+            rate: Some(Rate {
                 count: 20,
                 per_ms: 1_000,
-            },
+            }),
             burst: Some(3),
+            concurrency: None,
         },
     );
     f.prefixes.insert(
@@ -419,7 +420,7 @@ impl World {
             {
                 let e = series
                     .entry(format!("group {g}"))
-                    .or_insert_with(|| (Vec::new(), limit.rate, limit.burst_or_default()));
+                    .or_insert_with(|| (Vec::new(), limit.bucket_rate(), limit.burst_or_default()));
                 e.0.extend(ts);
             }
         }

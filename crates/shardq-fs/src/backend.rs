@@ -427,6 +427,14 @@ impl FsBackend {
 
     /// Durability of a claim, ack or fail record: see
     /// [`EngineOptions::run_record_sync_ms`].
+    /// Gives back the group run slots of the runs of `keys` that ended (or
+    /// never started).
+    fn runs_ended(&self, keys: &[&str]) {
+        if let Some(f) = self.opts.flow.as_ref().filter(|_| !keys.is_empty()) {
+            f.runs_ended(keys);
+        }
+    }
+
     fn after_run_record(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
         match self.opts.durability {
             Durability::Fsync => {
@@ -1020,6 +1028,7 @@ impl QueueBackend for FsBackend {
         };
         self.note_finished(&shard, &cancelled_done);
         let mut picks: Vec<(Pick, u64)> = Vec::new();
+        let lease_until_ms = now.saturating_add(lease_ms);
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let fence = self.read_fence(&shard, inner)?;
             let floor = fence.run_fence_min;
@@ -1027,7 +1036,7 @@ impl QueueBackend for FsBackend {
             let r = inner.replica.as_mut().expect("owner has a replica");
             let mut last = r.fence_high();
             picks = r
-                .pick(now, max, &sealed, self.opts.flow.as_deref())
+                .pick(now, lease_until_ms, max, &sealed, self.opts.flow.as_deref())
                 .into_iter()
                 .map(|p| {
                     last = next_fence(now.saturating_mul(1000), last, floor);
@@ -1060,10 +1069,12 @@ impl QueueBackend for FsBackend {
                     let only: Vec<Pick> = picks.iter().map(|(p, _)| p.clone()).collect();
                     r.unpick(&only);
                 }
+                // Not started: their group slots go back.
+                let keys: Vec<&str> = picks.iter().map(|(p, _)| &*p.key).collect();
+                self.runs_ended(&keys);
                 return Err(e);
             }
         };
-        let lease_until_ms = now.saturating_add(lease_ms);
         let mut out = Vec::with_capacity(picks.len());
         for (p, fence) in &picks {
             inner
@@ -1137,10 +1148,13 @@ impl QueueBackend for FsBackend {
         // No history kept: nothing to gather per acked job.
         let keep_history = self.opts.retention.finished_jobs > 0;
         let mut finished = Vec::new();
+        let mut ended: Vec<String> = Vec::new();
+        let slots = self.opts.flow.as_ref().is_some_and(|f| f.limits_starts());
         let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
             outcome = AckOutcome::default();
             finished.clear();
+            ended.clear();
             let mut done: Vec<u64> = Vec::new();
             let mut bytes = Vec::with_capacity(receipts.len() * 24);
             for rc in receipts {
@@ -1158,6 +1172,9 @@ impl QueueBackend for FsBackend {
                             },
                         );
                         done.push(rc.id.0);
+                        if slots {
+                            ended.push(run.key.to_string());
+                        }
                     }
                     _ => outcome.stale.push(*rc),
                 }
@@ -1172,6 +1189,7 @@ impl QueueBackend for FsBackend {
             // After the acks are written (and, once synced, durable): a
             // history line never stands for an ack that failed.
             self.note_finished(&shard, &finished);
+            self.runs_ended(&ended.iter().map(String::as_str).collect::<Vec<_>>());
         }
         Ok(outcome)
     }
@@ -1194,6 +1212,7 @@ impl QueueBackend for FsBackend {
         let now = self.opts.clock.now_ms();
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
         let mut outcome = FailOutcome::Dead;
+        let mut key = String::new();
         let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
             let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
@@ -1203,6 +1222,7 @@ impl QueueBackend for FsBackend {
                     r.in_flight(receipt.id.0).map(|x| x.fence),
                 ));
             };
+            key = run.key.to_string();
             let dead = run.attempt >= run.max_attempts;
             let delay = retry_in_ms.unwrap_or_else(|| {
                 let backoff = (self.opts.retry_rules.for_key(run.key))
@@ -1229,6 +1249,7 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
+        self.runs_ended(&[&key]);
         self.after_run_record(&shard, end)?;
         Ok(outcome)
     }
@@ -1271,6 +1292,7 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
+        self.runs_ended(&[&key]);
         self.after_run_record(&shard, end)?;
         let held = match (&self.opts.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
@@ -1294,12 +1316,24 @@ impl QueueBackend for FsBackend {
         // replayed run at adopt, so there is nothing to write. A lapsed run
         // is still current until the next claim ends it.
         let mut stale = Vec::new();
+        let mut renewed: Vec<String> = Vec::new();
+        let slots = self.opts.flow.as_ref().filter(|f| f.limits_starts());
         for rc in receipts {
-            if r.current_run(rc.id.0, rc.fence).is_some() {
+            if let Some(run) = r.current_run(rc.id.0, rc.fence) {
+                if slots.is_some() {
+                    renewed.push(run.key.to_string());
+                }
                 r.set_lease(rc.id.0, until);
             } else {
                 stale.push(*rc);
             }
+        }
+        drop(inner);
+        if let Some(f) = slots.filter(|_| !renewed.is_empty()) {
+            f.runs_extended(
+                &renewed.iter().map(String::as_str).collect::<Vec<_>>(),
+                until,
+            );
         }
         Ok(stale)
     }

@@ -1,15 +1,17 @@
-//! [`FileGroupBuckets`]: the buckets of flow-control groups, shared by every
-//! process of an embedded deployment through one small file.
+//! [`FileGroupBuckets`]: the buckets and run slots of flow-control groups,
+//! shared by every process of an embedded deployment through one small file.
 //!
-//! `flow-groups.json` in the data dir holds every group's [`Bucket`] as
-//! JSON. Each take reads it, changes one bucket and writes it back in place
+//! `flow-groups.json` in the data dir holds every group's [`GroupState`]
+//! (its bucket and the run slots taken, each with when it lapses) as JSON.
+//! Each take reads it, changes one group and writes it back in place
 //! while holding the file's own flock (bounded by
 //! [`GROUP_LOCK_WAIT_MS`]), so starts counted by any process on the host
 //! count for all. It is soft state, written without an fsync: a lost or
 //! unreadable file only refills the buckets (each group may then let one
-//! more burst through), never loses or holds a job for good. A file that
-//! does not parse is written over with fresh buckets, so a flipped byte
-//! costs a refill, not a stuck group.
+//! more burst through, and forgets its slots, so up to its concurrency
+//! more runs may start beside those running), never loses or holds a job
+//! for good. A file that does not parse is written over with fresh groups,
+//! so a flipped byte costs a refill, not a stuck group.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -19,7 +21,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use rustix::fs::{flock, FlockOperation};
-use shardq_core::flow::{hold_group, take_group, Bucket};
+use shardq_core::flow::{
+    free_group_slots, hold_group, renew_group_slots, take_group, GroupState, SlotAsk,
+};
 use shardq_core::{ErrorKind, GroupBuckets, GroupLimit, QueueError};
 
 use crate::error::FsError;
@@ -56,7 +60,7 @@ impl FileGroupBuckets {
     /// back.
     fn with_buckets<T>(
         &self,
-        change: impl FnOnce(&mut BTreeMap<String, Bucket>) -> T,
+        change: impl FnOnce(&mut BTreeMap<String, GroupState>) -> T,
     ) -> Result<T, QueueError> {
         let mut slot = self.file.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
@@ -89,11 +93,12 @@ impl FileGroupBuckets {
             // Unreadable state is refilled (see the header).
             // The first JSON value only: a write cut short between its
             // bytes and the file's new length leaves old bytes after it.
-            let mut buckets: BTreeMap<String, Bucket> = serde_json::Deserializer::from_slice(&text)
-                .into_iter()
-                .next()
-                .and_then(Result::ok)
-                .unwrap_or_default();
+            let mut buckets: BTreeMap<String, GroupState> =
+                serde_json::Deserializer::from_slice(&text)
+                    .into_iter()
+                    .next()
+                    .and_then(Result::ok)
+                    .unwrap_or_default();
             let out = change(&mut buckets);
             let new = serde_json::to_vec(&buckets).map_err(|e| QueueError::Internal {
                 what: format!("encoding group buckets: {e}"),
@@ -119,16 +124,25 @@ impl GroupBuckets for FileGroupBuckets {
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
+        slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
-        self.with_buckets(|b| take_group(b, group, limit, now_ms))
+        self.with_buckets(|b| take_group(b, group, limit, now_ms, slot))
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         self.with_buckets(|b| hold_group(b, group, limit, until_ms))
     }
 
-    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
-        self.with_buckets(|b| b.get(group).copied())
+    fn peek(&self, group: &str) -> Result<Option<GroupState>, QueueError> {
+        self.with_buckets(|b| b.get(group).cloned())
+    }
+
+    fn free_slots(&self, group: &str, holders: &[&str]) -> Result<(), QueueError> {
+        self.with_buckets(|b| free_group_slots(b, group, holders))
+    }
+
+    fn renew_slots(&self, group: &str, holders: &[&str], until_ms: u64) -> Result<(), QueueError> {
+        self.with_buckets(|b| renew_group_slots(b, group, holders, until_ms))
     }
 }
 
@@ -138,8 +152,9 @@ mod tests {
 
     fn limit() -> GroupLimit {
         GroupLimit {
-            rate: "10/s".parse().expect("rate"),
+            rate: Some("10/s".parse().expect("rate")),
             burst: Some(3),
+            concurrency: Some(2),
         }
     }
 
@@ -151,21 +166,60 @@ mod tests {
         let a = FileGroupBuckets::new(dir.path());
         let b = FileGroupBuckets::new(dir.path());
         let l = limit();
-        assert_eq!(a.take("g", &l, 0).unwrap(), Ok(()));
-        assert_eq!(b.take("g", &l, 0).unwrap(), Ok(()));
-        assert_eq!(a.take("g", &l, 0).unwrap(), Ok(()));
-        assert_eq!(b.take("g", &l, 0).unwrap(), Err(100), "the burst is shared");
+        assert_eq!(a.take("g", &l, 0, None).unwrap(), Ok(()));
+        assert_eq!(b.take("g", &l, 0, None).unwrap(), Ok(()));
+        assert_eq!(a.take("g", &l, 0, None).unwrap(), Ok(()));
+        assert_eq!(
+            b.take("g", &l, 0, None).unwrap(),
+            Err(100),
+            "the burst is shared"
+        );
         b.hold("g", &l, 1_000).unwrap();
-        assert_eq!(a.take("g", &l, 500).unwrap(), Err(1_000), "held for all");
+        assert_eq!(
+            a.take("g", &l, 500, None).unwrap(),
+            Err(1_000),
+            "held for all"
+        );
         // Old bytes past a shorter write are ignored.
         let path = dir.path().join(GROUP_BUCKETS_FILE);
         let mut text = std::fs::read(&path).unwrap();
         text.extend_from_slice(b"\"tail\": 1}");
         std::fs::write(&path, &text).unwrap();
-        assert_eq!(a.take("g", &l, 500).unwrap(), Err(1_000), "still held");
+        assert_eq!(
+            a.take("g", &l, 500, None).unwrap(),
+            Err(1_000),
+            "still held"
+        );
         std::fs::write(dir.path().join(GROUP_BUCKETS_FILE), b"{\"g\":{\"units\":").unwrap();
-        assert_eq!(a.take("g", &l, 500).unwrap(), Ok(()), "refilled");
+        assert_eq!(a.take("g", &l, 500, None).unwrap(), Ok(()), "refilled");
         let text = std::fs::read_to_string(dir.path().join(GROUP_BUCKETS_FILE)).unwrap();
         assert!(text.starts_with('{') && text.ends_with('}'), "{text}");
+    }
+
+    /// Run slots are shared by two handles, and given back by either.
+    #[test]
+    fn two_handles_share_run_slots() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let a = FileGroupBuckets::new(dir.path());
+        let b = FileGroupBuckets::new(dir.path());
+        let l = GroupLimit {
+            rate: None,
+            burst: None,
+            concurrency: Some(2),
+        };
+        let ask = |holder| {
+            Some(SlotAsk {
+                holder,
+                until_ms: 1_000,
+            })
+        };
+        assert_eq!(a.take("g", &l, 0, ask("k1")).unwrap(), Ok(()));
+        assert_eq!(b.take("g", &l, 0, ask("k2")).unwrap(), Ok(()));
+        assert_eq!(a.take("g", &l, 0, ask("k3")).unwrap(), Err(20), "full");
+        b.free_slots("g", &["k1"]).unwrap();
+        assert_eq!(a.take("g", &l, 1, ask("k3")).unwrap(), Ok(()));
+        a.renew_slots("g", &["k2"], 5_000).unwrap();
+        let st = b.peek("g").unwrap().expect("stored");
+        assert_eq!(st.running(1_000), 1, "k3 lapsed, k2 renewed: {st:?}");
     }
 }

@@ -1045,6 +1045,7 @@ impl ShardState {
     pub fn pick(
         &mut self,
         now_ms: u64,
+        lease_until_ms: u64,
         max: usize,
         sealed: &dyn Fn(&str) -> bool,
         flow: Option<&FlowControl>,
@@ -1122,7 +1123,9 @@ impl ShardState {
                 self.schedule(k);
                 continue;
             }
-            if let Some(Admit::NotBefore(at)) = limited.map(|f| f.admit(&ks.key, now_ms)) {
+            if let Some(Admit::NotBefore(at)) =
+                limited.map(|f| f.admit(&ks.key, now_ms, lease_until_ms))
+            {
                 // Over its limit: asked again then, the others go on.
                 ks.held_until_ms = at;
                 self.schedule(k);
@@ -1431,14 +1434,14 @@ mod tests {
             DeadPolicy::Continue,
         );
         enqueue(&mut s, 0, "k");
-        let first = s.pick(0, 10, &|_| false, None);
+        let first = s.pick(0, u64::MAX, 10, &|_| false, None);
         assert_eq!(first.len(), 1);
         claim(&mut s, 100, 0, 1, Some(7));
         fail(&mut s, 200, 0, true, "boom");
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
         s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
-        let picks = s.pick(0, 10, &|_| false, None);
+        let picks = s.pick(0, u64::MAX, 10, &|_| false, None);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
     }

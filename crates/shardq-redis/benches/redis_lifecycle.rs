@@ -414,8 +414,9 @@ fn flow_cost(jobs: u64) {
         f.groups.insert(
             "all".into(),
             GroupLimit {
-                rate: high,
+                rate: Some(high),
                 burst: Some(1_000_000),
+                concurrency: None,
             },
         );
         f

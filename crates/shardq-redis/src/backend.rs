@@ -623,6 +623,13 @@ impl RedisBackend {
 
     /// Ends run `r` of `key` ('' when unknown) without using an attempt:
     /// its job waits `ms` at the head of its key. When it may start again.
+    /// Gives back the group run slots of the runs of `keys` that ended.
+    fn runs_ended(&self, keys: &[String]) {
+        if let Some(f) = self.inner.opts.flow.as_deref().filter(|_| !keys.is_empty()) {
+            f.runs_ended(&keys.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+    }
+
     fn give_back(
         &self,
         s: &ShardRef,
@@ -1142,7 +1149,7 @@ impl QueueBackend for RedisBackend {
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
             if let Some(flow) = flow {
-                if let Admit::NotBefore(at) = flow.admit(&rec.key, now) {
+                if let Admit::NotBefore(at) = flow.admit(&rec.key, now, lease_until_ms) {
                     let r = Receipt {
                         id: JobId(id),
                         fence,
@@ -1186,6 +1193,7 @@ impl QueueBackend for RedisBackend {
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let token = held.token.clone();
         let mut outcome = AckOutcome::default();
+        let mut ended: Vec<String> = Vec::new();
         for chunk in receipts.chunks(ACK_BATCH_MAX) {
             let list = receipt_args(chunk, &held.in_flight);
             let retried = std::cell::Cell::new(false);
@@ -1202,21 +1210,27 @@ impl QueueBackend for RedisBackend {
                 other => return Err(self.protocol(s, format!("ack answered {other:?}"))),
             }
             let stale = self.stale_list(s, reply::items(&v).get(1..).unwrap_or(&[]))?;
-            let mut refused = 0u64;
+            let mut refused = Vec::new();
             for (r, why) in stale {
                 // After a lost reply the first attempt may have acked it:
                 // a job that is gone was finished, by this call.
                 if retried.get() && why == "gone" && held.in_flight.contains_key(&r.id.0) {
                     continue;
                 }
-                refused += 1;
+                refused.push(r.id.0);
                 outcome.stale.push(r);
             }
-            outcome.acked += chunk.len() as u64 - refused;
+            outcome.acked += (chunk.len() - refused.len()) as u64;
             for r in chunk {
-                held.in_flight.remove(&r.id.0);
+                if let Some(key) = held.in_flight.remove(&r.id.0) {
+                    if !refused.contains(&r.id.0) {
+                        ended.push(key);
+                    }
+                }
             }
         }
+        drop(guard);
+        self.runs_ended(&ended);
         Ok(outcome)
     }
 
@@ -1260,13 +1274,17 @@ impl QueueBackend for RedisBackend {
         })?;
         match reply::status(&v).as_str() {
             "RETRY" => {
-                held.in_flight.remove(&receipt.id.0);
+                let key = held.in_flight.remove(&receipt.id.0);
+                drop(guard);
+                self.runs_ended(&Vec::from_iter(key));
                 Ok(FailOutcome::Retry {
                     at_ms: reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0),
                 })
             }
             "DEAD" => {
-                held.in_flight.remove(&receipt.id.0);
+                let key = held.in_flight.remove(&receipt.id.0);
+                drop(guard);
+                self.runs_ended(&Vec::from_iter(key));
                 Ok(FailOutcome::Dead)
             }
             "NOTOWNER" => {
@@ -1302,6 +1320,10 @@ impl QueueBackend for RedisBackend {
             }
             other => other?,
         };
+        drop(guard);
+        if !key.is_empty() {
+            self.runs_ended(std::slice::from_ref(&key));
+        }
         let held_group = match (&self.inner.opts.flow, group, key.is_empty()) {
             (Some(f), true, false) => f.hold_group_of(&key, at_ms),
             _ => None,
@@ -1325,6 +1347,8 @@ impl QueueBackend for RedisBackend {
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let token = held.token.clone();
         let mut stale = Vec::new();
+        let slots = (self.inner.opts.flow.as_deref()).filter(|f| f.limits_starts());
+        let mut renewed: Vec<(u64, Vec<String>)> = Vec::new();
         for chunk in receipts.chunks(EXTEND_BATCH_MAX) {
             let list = receipt_args(chunk, &held.in_flight);
             let v = self.script(s, &self.inner.scripts.extend, &token, &|c, _| {
@@ -1338,9 +1362,28 @@ impl QueueBackend for RedisBackend {
                 }
                 other => return Err(self.protocol(s, format!("extend answered {other:?}"))),
             }
+            let before = stale.len();
             for (r, _) in self.stale_list(s, reply::items(&v).get(2..).unwrap_or(&[]))? {
                 held.in_flight.remove(&r.id.0);
                 stale.push(r);
+            }
+            if slots.is_some() {
+                let deadline = reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0);
+                let refused = &stale[before..];
+                let keys = (chunk.iter())
+                    .filter(|r| !refused.iter().any(|x| x.id == r.id))
+                    .filter_map(|r| held.in_flight.get(&r.id.0).cloned())
+                    .collect();
+                renewed.push((deadline, keys));
+            }
+        }
+        drop(guard);
+        if let Some(f) = slots {
+            for (deadline, keys) in &renewed {
+                f.runs_extended(
+                    &keys.iter().map(String::as_str).collect::<Vec<_>>(),
+                    *deadline,
+                );
             }
         }
         Ok(stale)

@@ -62,6 +62,11 @@ pub fn settings_key(ns: &str) -> String {
 pub fn group_bucket_key(ns: &str, group: &str) -> String {
     format!("{}:flow:{group}", settings_key(ns))
 }
+/// Key of a flow-control group's run slots (a sorted set: the key whose
+/// run holds a slot, scored by when the slot lapses, its run's lease).
+pub fn group_slots_key(ns: &str, group: &str) -> String {
+    format!("{}:flowslots:{group}", settings_key(ns))
+}
 /// Key of the rebalance lock (a string: the holder's token, with a TTL).
 pub fn rebalance_lock_key(ns: &str) -> String {
     format!("{NAMESPACE}:{{=map:{ns}}}:rebalance")

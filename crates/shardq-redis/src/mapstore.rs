@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use shardq_core::flow::Bucket;
+use shardq_core::flow::{Bucket, GroupState, SlotAsk, GROUP_SLOT_RECHECK_MS};
 use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_core::{GroupBuckets, GroupLimit, QueueError};
 use shardq_route::ShardMap;
@@ -38,8 +38,8 @@ use crate::backend::RedisOptions;
 use crate::conn::{Limits, Node};
 use crate::error::RedisError;
 use crate::keys::{
-    group_bucket_key, map_key, rebalance_epoch_key, rebalance_lock_key, settings_key, target_key,
-    NAMESPACE_DEFAULT,
+    group_bucket_key, group_slots_key, map_key, rebalance_epoch_key, rebalance_lock_key,
+    settings_key, target_key, NAMESPACE_DEFAULT,
 };
 use crate::scripts::{reply, Scripts};
 
@@ -233,20 +233,34 @@ impl RedisMapStore {
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
-        hold_until: Option<u64>,
+        op: GroupOp<'_>,
     ) -> Result<Result<(), u64>, QueueError> {
-        let keys = [group_bucket_key(&self.namespace, group)];
+        let keys = [
+            group_bucket_key(&self.namespace, group),
+            group_slots_key(&self.namespace, group),
+        ];
+        let rate = limit.bucket_rate();
         let v = self
             .node
             .run(STORE, |con, _| {
                 self.scripts.group_bucket.call(con, &keys, &|c| {
                     c.arg(now_ms)
-                        .arg(limit.rate.count)
-                        .arg(limit.rate.per_ms)
+                        .arg(rate.count)
+                        .arg(rate.per_ms)
                         .arg(limit.burst_or_default());
-                    match hold_until {
-                        Some(t) => c.arg("hold").arg(t),
-                        None => c.arg("take"),
+                    match op {
+                        GroupOp::Hold(t) => c.arg("hold").arg(t),
+                        GroupOp::Take(slot) => {
+                            c.arg("take");
+                            match (limit.concurrency, slot) {
+                                (Some(n), Some(ask)) => c
+                                    .arg(n)
+                                    .arg(ask.holder)
+                                    .arg(ask.until_ms)
+                                    .arg(GROUP_SLOT_RECHECK_MS),
+                                _ => c.arg(0),
+                            }
+                        }
                     };
                 })
             })
@@ -264,43 +278,93 @@ impl RedisMapStore {
     }
 }
 
-/// Group buckets in the map store's Redis: one hash per group, changed by
-/// one script per take, so every process of the deployment, on any host,
-/// counts against the same bucket.
+/// What [`RedisMapStore::group_bucket`] does to a group.
+#[derive(Clone, Copy)]
+enum GroupOp<'a> {
+    /// Takes a token, and a run slot when asked and the group limits runs.
+    Take(Option<SlotAsk<'a>>),
+    /// Holds the bucket until then.
+    Hold(u64),
+}
+
+/// Group buckets and run slots in the map store's Redis: a hash and a
+/// sorted set per group, changed by one script per take, so every process
+/// of the deployment, on any host, counts against the same limits.
 impl GroupBuckets for RedisMapStore {
     fn take(
         &self,
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
+        slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
-        self.group_bucket(group, limit, now_ms, None)
+        self.group_bucket(group, limit, now_ms, GroupOp::Take(slot))
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         // Counted at the hold's own time: the bucket refills meanwhile.
-        self.group_bucket(group, limit, 0, Some(until_ms))
+        self.group_bucket(group, limit, 0, GroupOp::Hold(until_ms))
             .map(|_| ())
     }
 
-    fn peek(&self, group: &str) -> Result<Option<Bucket>, QueueError> {
+    fn free_slots(&self, group: &str, holders: &[&str]) -> Result<(), QueueError> {
+        if holders.is_empty() {
+            return Ok(());
+        }
+        let key = group_slots_key(&self.namespace, group);
+        self.node
+            .run(STORE, |con, _| {
+                redis::cmd("ZREM").arg(&key).arg(holders).query::<()>(con)
+            })
+            .map_err(|e| QueueError::store(e.kind(), e))
+    }
+
+    fn renew_slots(&self, group: &str, holders: &[&str], until_ms: u64) -> Result<(), QueueError> {
+        if holders.is_empty() {
+            return Ok(());
+        }
+        let key = group_slots_key(&self.namespace, group);
+        self.node
+            .run(STORE, |con, _| {
+                let mut c = redis::cmd("ZADD");
+                c.arg(&key).arg("XX");
+                for h in holders {
+                    c.arg(until_ms).arg(*h);
+                }
+                c.query::<()>(con)
+            })
+            .map_err(|e| QueueError::store(e.kind(), e))
+    }
+
+    fn peek(&self, group: &str) -> Result<Option<GroupState>, QueueError> {
         let key = group_bucket_key(&self.namespace, group);
-        let v: Vec<Option<u64>> = self
+        let slots_key = group_slots_key(&self.namespace, group);
+        let (v, slots): (Vec<Option<u64>>, Vec<(String, u64)>) = self
             .node
             .run(STORE, |con, _| {
-                redis::cmd("HMGET")
+                redis::pipe()
+                    .cmd("HMGET")
                     .arg(&key)
                     .arg(&["u", "at", "held", "c", "p"])
+                    .cmd("ZRANGE")
+                    .arg(&slots_key)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
                     .query(con)
             })
             .map_err(|e| QueueError::store(e.kind(), e))?;
+        let slots = slots.into_iter().collect();
         Ok(match v.as_slice() {
-            [Some(units), Some(at_ms), held, Some(count), Some(per_ms)] => Some(Bucket {
-                units: *units,
-                at_ms: *at_ms,
-                held_until_ms: held.unwrap_or(0),
-                count: *count,
-                per_ms: *per_ms,
+            [Some(units), Some(at_ms), held, Some(count), Some(per_ms)] => Some(GroupState {
+                slots,
+                bucket: Bucket {
+                    units: *units,
+                    at_ms: *at_ms,
+                    held_until_ms: held.unwrap_or(0),
+                    count: *count,
+                    per_ms: *per_ms,
+                },
             }),
             _ => None,
         })

@@ -691,15 +691,29 @@ kready(k, q, nbf, now)
 return {'OK', nbf}
 "#;
 
-/// KEYS[1] a flow-control group's bucket (a hash); ARGV[1] now ms,
-/// ARGV[2] the rate's count, ARGV[3] its unit in ms, ARGV[4] the burst,
-/// ARGV[5] `take` or `hold`, ARGV[6] the hold's end. The recipe of
-/// `shardq_core::flow::Bucket` in integer units (a token is `per` units,
-/// every ms adds `count`): replies {'OK'} when a token was taken (or the
-/// hold stored), else {'WAIT', when}. A bucket unused for a day expires
-/// (a new one starts full).
+/// KEYS[1] a flow-control group's bucket (a hash), KEYS[2] its run slots
+/// (a sorted set); ARGV[1] now ms, ARGV[2] the rate's count, ARGV[3] its
+/// unit in ms, ARGV[4] the burst, ARGV[5] `take` or `hold`; for `hold`
+/// ARGV[6] the hold's end; for `take` ARGV[6] the group's concurrency (0:
+/// none), ARGV[7] the key asking for a slot, ARGV[8] when the slot lapses,
+/// ARGV[9] the longest wait for one. The recipe of
+/// `shardq_core::flow::take_group` in integer units (a token is `per`
+/// units, every ms adds `count`; lapsed slots are dropped, a key keeps its
+/// own): replies {'OK'} when a token (and a slot) was taken, or the hold
+/// stored, else {'WAIT', when}. A bucket unused for a day expires (a new
+/// one starts full).
 pub(crate) const GROUP_BUCKET: &str = r#"
 local now, count, per, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local f = function(x) return string.format('%d', x) end
+local slots = ARGV[5] == 'take' and tonumber(ARGV[6]) > 0
+if slots then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if not redis.call('ZSCORE', KEYS[2], ARGV[7]) and redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[6]) then
+    local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+    local at = math.min(tonumber(first[2]), now + tonumber(ARGV[9]))
+    return {'WAIT', f(math.max(at, now + 1))}
+  end
+end
 local v = redis.call('HMGET', KEYS[1], 'u', 'at', 'held', 'c', 'p')
 local cap = burst * per
 local u, at, held = tonumber(v[1]), tonumber(v[2]), tonumber(v[3] or '0')
@@ -716,14 +730,17 @@ if ARGV[5] == 'hold' then
   held = math.max(held, tonumber(ARGV[6]))
   res = {'OK'}
 elseif now < held then
-  res = {'WAIT', string.format('%d', held)}
+  res = {'WAIT', f(held)}
 elseif u >= per then
   u = u - per
   res = {'OK'}
+  if slots then
+    redis.call('ZADD', KEYS[2], ARGV[8], ARGV[7])
+    redis.call('PEXPIRE', KEYS[2], math.max(86400000, tonumber(ARGV[8]) - now))
+  end
 else
-  res = {'WAIT', string.format('%d', now + math.ceil((per - u) / count))}
+  res = {'WAIT', f(now + math.ceil((per - u) / count))}
 end
-local f = function(x) return string.format('%d', x) end
 redis.call('HSET', KEYS[1], 'u', f(u), 'at', f(at), 'held', f(held), 'c', f(count), 'p', f(per))
 redis.call('PEXPIRE', KEYS[1], 86400000)
 return res

@@ -913,10 +913,23 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 (None, Some(t)) => {
                     format!("held by a back-off for {}", human_ms(t.saturating_sub(now)))
                 }
-                (None, None) if g.tokens < 1.0 => "throttled: its bucket is empty".to_string(),
-                (None, None) => format!("{:.1} of {} tokens", g.tokens, g.burst),
+                (None, None) if g.rate.is_some() && g.tokens < 1.0 => {
+                    "throttled: its bucket is empty".to_string()
+                }
+                (None, None) if g.rate.is_some() => {
+                    format!("{:.1} of {} tokens", g.tokens, g.burst)
+                }
+                (None, None) => "not held".to_string(),
             };
-            println!("group {}: {} (burst {}), {state}", g.name, g.rate, g.burst);
+            let rate = match &g.rate {
+                Some(r) => format!("{r} (burst {})", g.burst),
+                None => "no rate limit".into(),
+            };
+            let runs = match g.concurrency {
+                Some(n) => format!(", {} of {n} runs at once", g.running),
+                None => String::new(),
+            };
+            println!("group {}: {rate}{runs}, {state}", g.name);
         }
     }
     if st.failed.is_empty() {

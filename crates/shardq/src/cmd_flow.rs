@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
-use shardq_core::{FlowPolicy, FlowSettings, GroupLimit, PolicyTarget, Rate};
+use shardq_core::{FlowPolicy, FlowSettings, GroupLimit, PolicyTarget, QueueError, Rate};
 
 use crate::cmd_retry::open;
 
@@ -132,14 +132,18 @@ pub enum GroupAction {
         /// The group.
         #[arg(value_name = "NAME")]
         name: String,
-        /// Job starts of all its keys together: N/s, N/m or N/h (needed
-        /// when the group is new).
+        /// Job starts of all its keys together: N/s, N/m or N/h; `none`
+        /// removes it (a new group needs this or --concurrency).
         #[arg(long, value_name = "RATE")]
         rate: Option<String>,
         /// Starts the group may make at once after a quiet time (default:
         /// one second of its rate).
         #[arg(long, value_name = "N")]
         burst: Option<u64>,
+        /// Runs of all its keys at once, over every worker process and
+        /// machine (1 to 10000); `none` removes it.
+        #[arg(long, value_name = "N")]
+        concurrency: Option<String>,
     },
     /// Remove a group (refused while a policy names it).
     Clear {
@@ -169,7 +173,16 @@ pub(crate) fn policy_line(p: &FlowPolicy) -> String {
 }
 
 fn group_line(g: &GroupLimit) -> String {
-    format!("rate {} (burst {})", g.rate, g.burst_or_default())
+    let mut parts = Vec::new();
+    match g.rate {
+        Some(r) => parts.push(format!("rate {r} (burst {})", g.burst_or_default())),
+        None => parts.push("no rate limit".into()),
+    }
+    match g.concurrency {
+        Some(n) => parts.push(format!("{n} at once")),
+        None => parts.push("no concurrency limit".into()),
+    }
+    parts.join(", ")
 }
 
 fn policy_json(p: &FlowPolicy) -> serde_json::Value {
@@ -186,8 +199,9 @@ fn policy_json(p: &FlowPolicy) -> serde_json::Value {
 
 fn group_json(s: &FlowSettings, name: &str, g: &GroupLimit) -> serde_json::Value {
     serde_json::json!({
-        "rate": g.rate.to_string(),
-        "burst": g.burst_or_default(),
+        "rate": g.rate.map(|r| r.to_string()),
+        "burst": g.rate.map(|_| g.burst_or_default()),
+        "concurrency": g.concurrency,
         "used_by": users_of(s, name),
     })
 }
@@ -355,7 +369,9 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::Value::Object(v));
             } else {
                 if shown.is_empty() {
-                    println!("no groups (`shardq group set --data DIR NAME --rate N/s` makes one)");
+                    println!(
+                        "no groups (`shardq group set --data DIR NAME --rate N/s` or `--concurrency N` makes one)"
+                    );
                 }
                 for (n, g) in shown {
                     let users = users_of(&s, n);
@@ -376,21 +392,41 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
             name,
             rate,
             burst,
+            concurrency,
         } => {
             shardq_core::flow::validate_group_name(&name)?;
             let d = open(&data)?;
             let mut s = d.flow_settings()?;
             let old = s.groups.get(&name).cloned();
-            let rate = match (rate, &old) {
-                (Some(r), _) => r.parse::<Rate>()?,
-                (None, Some(g)) => g.rate,
-                (None, None) => {
-                    anyhow::bail!("group {name:?} is new: give it a --rate (N/s, N/m or N/h)")
-                }
+            if old.is_none() && rate.is_none() && concurrency.is_none() {
+                anyhow::bail!(
+                    "group {name:?} is new: give it a --rate (N/s, N/m or N/h), a --concurrency or both"
+                );
+            }
+            let rate = match rate.as_deref().map(str::trim) {
+                Some("none") => None,
+                Some(r) => Some(r.parse::<Rate>()?),
+                None => old.as_ref().and_then(|g| g.rate),
+            };
+            let concurrency = match concurrency.as_deref().map(str::trim) {
+                Some("none") => None,
+                Some(n) => Some(n.parse::<u32>().map_err(|_| QueueError::InvalidOption {
+                    name: "concurrency",
+                    value: format!("{n:?}"),
+                    allowed: format!(
+                        "a whole number from 1 to {}, or none",
+                        shardq_core::flow::GROUP_CONCURRENCY_MAX
+                    ),
+                })?),
+                None => old.as_ref().and_then(|g| g.concurrency),
             };
             let g = GroupLimit {
                 rate,
-                burst: burst.or(old.and_then(|g| g.burst)),
+                // A burst without a rate means nothing: it goes with it.
+                burst: burst
+                    .or(old.and_then(|g| g.burst))
+                    .filter(|_| rate.is_some()),
+                concurrency,
             };
             s.put_group(&name, g.clone())?;
             d.set_flow_settings(&s)?;

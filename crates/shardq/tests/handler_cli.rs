@@ -624,6 +624,48 @@ fn most_in_window(starts: &[u64], window_ms: u64) -> usize {
         .unwrap_or(0)
 }
 
+/// Enqueues `keys` (each with its count of jobs) into the deployment in
+/// `dir`/data, runs two `shardq work --exit-when-idle --concurrency 4`
+/// processes with the handler `script` (`STAMPS` in it names the file it
+/// appends to) and a job lease of `lease_ms` until both exit, and returns
+/// what the handlers wrote.
+fn two_workers_run(dir: &Path, keys: &[(String, u32)], script: &str, lease_ms: u64) -> String {
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    for (key, n) in keys {
+        for i in 0..*n {
+            let args = [
+                "enqueue",
+                "--data",
+                d,
+                "--key",
+                key,
+                "--payload",
+                &i.to_string(),
+            ];
+            let (ok, _, err) = run(&args);
+            assert!(ok, "{args:?}: {err}");
+        }
+    }
+    let stamps = dir.join("stamps");
+    let script = script.replace("STAMPS", &stamps.display().to_string());
+    let lease = lease_ms.to_string();
+    let extra = [
+        "--exit-when-idle",
+        "--concurrency",
+        "4",
+        "--lease-ms",
+        &lease,
+    ];
+    let mut a = start_worker(&data, &extra, &script);
+    let mut b = start_worker(&data, &extra, &script);
+    for w in [&mut a, &mut b] {
+        let (status, err) = wait_exit(w, WAIT_MAX);
+        assert!(status.success(), "{err}");
+    }
+    std::fs::read_to_string(&stamps).unwrap()
+}
+
 /// A key's rate limit and a group's shared limit hold over two worker
 /// processes, each owning one shard, counted by the starts the handlers
 /// saw; keys without a limit run at once meanwhile. Bad values are refused
@@ -677,38 +719,12 @@ fn rate_limits_hold_over_two_worker_processes() {
     let mut keys = vec![("lim:a".to_string(), 12)];
     keys.extend((0..6).map(|i| (format!("grp:{i}"), 5)));
     keys.push(("free".to_string(), 20));
-    for (key, n) in &keys {
-        for i in 0..*n {
-            ok(&[
-                "enqueue",
-                "--data",
-                d,
-                "--key",
-                key,
-                "--payload",
-                &i.to_string(),
-            ]);
-        }
-    }
-    let stamps = dir.join("stamps");
-    let script = format!(
-        "echo \"$SHARDQ_KEY $(date +%s%3N)\" >> {s}",
-        s = stamps.display()
+    let text = two_workers_run(
+        &dir,
+        &keys,
+        "echo \"$SHARDQ_KEY $(date +%s%3N)\" >> STAMPS",
+        1_000,
     );
-    let extra = [
-        "--exit-when-idle",
-        "--concurrency",
-        "4",
-        "--lease-ms",
-        "1000",
-    ];
-    let mut a = start_worker(&data, &extra, &script);
-    let mut b = start_worker(&data, &extra, &script);
-    for w in [&mut a, &mut b] {
-        let (status, err) = wait_exit(w, WAIT_MAX);
-        assert!(status.success(), "{err}");
-    }
-    let text = std::fs::read_to_string(&stamps).unwrap();
     let lim = starts_of(&text, "lim:");
     let grp = starts_of(&text, "grp:");
     assert_eq!(
@@ -741,6 +757,104 @@ fn rate_limits_hold_over_two_worker_processes() {
     assert!((0.0..=2.0).contains(&tokens), "{v}");
     let text = ok(&["status", "--data", d]);
     assert!(text.contains("group api: 20/s (burst 2)"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The most runs at once among "KEY start MS" / "KEY end MS" lines of
+/// keys starting with `key_prefix` (an end before a start at the same ms).
+fn most_at_once(text: &str, key_prefix: &str) -> usize {
+    let mut events: Vec<(u64, i32)> = (text.lines())
+        .filter(|l| l.starts_with(key_prefix))
+        .filter_map(|l| {
+            let mut w = l.split_whitespace().skip(1);
+            let delta = if w.next()? == "start" { 1 } else { -1 };
+            Some((w.next()?.parse().ok()?, delta))
+        })
+        .collect();
+    events.sort_unstable();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, d) in events {
+        now += d;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+/// A group's concurrency holds over two worker processes, each owning one
+/// shard: the group's keys never run more than its limit at once, counted
+/// by the handlers' own start and end stamps, while keys outside it run
+/// meanwhile; a run that ends frees its slot for a key of either process.
+/// Bad values are refused by name.
+#[test]
+fn a_groups_concurrency_holds_over_two_worker_processes() {
+    let dir = temp_dir("h-slots");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "2"]).0);
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = run(args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    for (args, named) in [
+        (vec!["--concurrency", "0"], "0"),
+        (vec!["--concurrency", "10001"], "10001"),
+        (vec!["--concurrency", "two"], "two"),
+        (vec![], "--concurrency"),
+    ] {
+        let mut a = vec!["group", "set", "--data", d, "db"];
+        a.extend(args);
+        let (ok, _, err) = run(&a);
+        assert!(!ok && err.contains(named), "{a:?}: {err}");
+    }
+    let out = ok(&["group", "set", "--data", d, "db", "--concurrency", "2"]);
+    assert!(
+        out.contains("2 at once") && out.contains("no rate limit"),
+        "{out}"
+    );
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", "db:", "--group", "db",
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["group", "show", "--data", d, "--json"])).unwrap();
+    assert_eq!(
+        (&v["db"]["concurrency"], &v["db"]["rate"]),
+        (&2.into(), &serde_json::Value::Null),
+        "{v}"
+    );
+    let mut keys: Vec<(String, u32)> = (0..8).map(|i| (format!("db:{i}"), 2)).collect();
+    keys.push(("free".to_string(), 4));
+    let text = two_workers_run(
+        &dir,
+        &keys,
+        "echo \"$SHARDQ_KEY start $(date +%s%3N)\" >> STAMPS; sleep 0.3; echo \"$SHARDQ_KEY end $(date +%s%3N)\" >> STAMPS",
+        5_000,
+    );
+    let count = |p: &str| {
+        text.lines()
+            .filter(|l| l.starts_with(p) && l.contains(" end "))
+            .count()
+    };
+    assert_eq!((count("db:"), count("free")), (16, 4), "{text}");
+    assert_eq!(
+        most_at_once(&text, "db:"),
+        2,
+        "never more than two of the group at once, and two when ready: {text}"
+    );
+    // Every run ended: no slot is left taken.
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["status", "--data", d, "--json"])).unwrap();
+    let g = &v["groups"][0];
+    assert_eq!(
+        (&g["concurrency"], &g["running"]),
+        (&2.into(), &0.into()),
+        "{v}"
+    );
+    let text = ok(&["status", "--data", d]);
+    assert!(
+        text.contains("group db: no rate limit, 0 of 2 runs at once"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -303,11 +303,12 @@ fn a_groups_limit_holds_across_shards_of_a_cluster() {
     settings.groups.insert(
         "api".into(),
         GroupLimit {
-            rate: Rate {
+            rate: Some(Rate {
                 count: 10,
                 per_ms: 1_000,
-            },
+            }),
             burst: Some(2),
+            concurrency: None,
         },
     );
     settings.default = FlowPolicy {

@@ -99,9 +99,17 @@ fn redis_keeps_the_backend_contract() {
     let b = groups
         .peek("contract-group")
         .expect("peek")
-        .expect("a bucket");
+        .expect("a bucket")
+        .bucket;
     assert_eq!((b.count, b.per_ms), (20, 1_000), "{b:?}");
     assert!(b.units <= 3 * 1_000, "at most the burst: {b:?}");
+    // The contract's slot group left no run slot taken (every run it
+    // started was acked, failed, backed off or lapsed).
+    let slots = groups
+        .peek("contract-slots")
+        .expect("peek")
+        .expect("slots were taken");
+    assert!(slots.slots.len() <= 2, "{slots:?}");
     assert!(groups.peek("no-such-group").expect("peek").is_none());
 }
 

@@ -44,7 +44,11 @@ fn policy_value(p: &FlowPolicy) -> Value {
 }
 
 fn group_value(g: &GroupLimit) -> Value {
-    json!({ "rate": g.rate.to_string(), "burst": g.burst_or_default() })
+    json!({
+        "rate": g.rate.map(|r| r.to_string()),
+        "burst": g.rate.map(|_| g.burst_or_default()),
+        "concurrency": g.concurrency,
+    })
 }
 
 fn settings_value(s: &FlowSettings) -> Value {

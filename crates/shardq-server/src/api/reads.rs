@@ -29,12 +29,17 @@ fn flow_status(app: &App) -> Value {
     let groups: serde_json::Map<String, Value> = (settings.groups.iter())
         .map(|(name, g)| {
             let held = stats.held_groups.get(name).copied().filter(|&t| t > now);
+            // Runs at once are read from the shared store, for the groups
+            // that limit them only.
+            let running = g.concurrency.map(|_| flow.group_running(name, now));
             (
                 name.clone(),
                 json!({
-                    "rate": g.rate.to_string(),
-                    "per_second": g.rate.count as f64 * 1000.0 / g.rate.per_ms as f64,
-                    "burst": g.burst_or_default(),
+                    "rate": g.rate.map(|r| r.to_string()),
+                    "per_second": g.rate.map(|r| r.count as f64 * 1000.0 / r.per_ms as f64),
+                    "burst": g.rate.map(|_| g.burst_or_default()),
+                    "concurrency": g.concurrency,
+                    "running": running,
                     "starts": stats.group_starts.get(name).copied().unwrap_or(0),
                     "throttled": stats.group_throttled.get(name).copied().unwrap_or(0),
                     "held_until_ms": held,
