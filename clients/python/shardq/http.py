@@ -446,13 +446,18 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
     got = doc.get("jobs") if isinstance(doc, dict) else None
     if not isinstance(got, list) or len(got) != len(chunk):
         raise HttpError(url, 200, f"/v1/jobs answered {len(got) if isinstance(got, list) else got!r} jobs for {len(chunk)}")
-    own = (getattr(chunk, "prefix", "") + "-") if maybe_stored else None
+    own = (getattr(chunk, "prefix", "") + "-") if maybe_stored else "-"
+    if own == "-":
+        # No earlier attempt could have stored them: every duplicate is one.
+        return [Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])),
+                         bool(g.get("duplicate", False)), b["dedup_id"])
+                for b, g in zip(chunk, got)]
     out: List[Enqueued] = []
     append = out.append
     for b, g in zip(chunk, got):
         d = b["dedup_id"]
         dup = bool(g.get("duplicate", False))
-        if dup and own is not None and own != "-" and d.startswith(own):
+        if dup and d.startswith(own):
             dup = False
         append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d))
     return out
