@@ -3,7 +3,7 @@
 `shardq work --stdio` processes, real starts (see BENCHMARKS.md).
 
     python3 benchmarks/flow.py accuracy [--backend embedded|redis] [--seconds 60] [--workers 4]
-    python3 benchmarks/flow.py weights  [--seconds 20]
+    python3 benchmarks/flow.py weights  [--backend embedded|redis] [--seconds 20]
     python3 benchmarks/flow.py noisy    [--seconds 30] [--quiet 1000] [--noisy-jobs 1000000]
 
 accuracy: a key limited to 50/s and a group limited to 200/s over 64 keys
@@ -156,22 +156,28 @@ def bench_accuracy(a: argparse.Namespace) -> None:
 
 def bench_weights(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="shardq-bench-weights-") as tmp:
-        data = init_data(tmp, "q", 1)
-        for p, w in [("w1:", 1), ("w2:", 2), ("w4:", 4)]:
-            sh(binary(), "policy", "set", "--data", data, "--prefix", p, "--weight", str(w))
-        n = 3_000 * a.seconds
-        enqueue_lines(data, [f"{k}\t{i}\n" for i in range(n) for k in ("w1:a", "w2:a", "w4:a")])
-        ws = start_workers(data, tmp, 1, "1", 1)
-        time.sleep(a.seconds)
-        starts = stop_workers(ws)
+        redis = RedisServer(tmp) if a.backend == "redis" else None
+        try:
+            data = init_data(tmp, "q", 1, redis.url if redis else None)
+            for p, w in [("w1:", 1), ("w2:", 2), ("w4:", 4)]:
+                sh(binary(), "policy", "set", "--data", data, "--prefix", p, "--weight", str(w))
+            n = 3_000 * a.seconds
+            enqueue_lines(data, [f"{k}\t{i}\n" for i in range(n) for k in ("w1:a", "w2:a", "w4:a")])
+            ws = start_workers(data, tmp, 1, "1", 1)
+            time.sleep(a.seconds)
+            starts = stop_workers(ws)
+        finally:
+            if redis:
+                redis.stop()
     total = len(starts)
     share = {k: sum(1 for s in starts if s[0] == k) / total for k in ("w1:a", "w2:a", "w4:a")}
     want = {"w1:a": 1 / 7, "w2:a": 2 / 7, "w4:a": 4 / 7}
-    row = {"bench": "flow-weights", "starts": total,
+    row = {"bench": "flow-weights", "backend": a.backend, "starts": total,
            **{f"share_{k}": round(v, 4) for k, v in share.items()},
            **{f"error_pct_{k}": round(100 * (share[k] - want[k]) / want[k], 2) for k in share}}
     emit(row)
-    log(f"weights 1:2:4 over {total} starts: " + ", ".join(f"{k} {share[k]:.4f} (want {want[k]:.4f})" for k in share))
+    log(f"weights 1:2:4 ({a.backend}) over {total} starts: "
+        + ", ".join(f"{k} {share[k]:.4f} (want {want[k]:.4f})" for k in share))
 
 
 def bench_noisy(a: argparse.Namespace) -> None:
@@ -215,6 +221,7 @@ def main() -> None:
     acc.add_argument("--seconds", type=int, default=60)
     acc.add_argument("--workers", type=int, default=4)
     w = sub.add_parser("weights")
+    w.add_argument("--backend", choices=["embedded", "redis"], default="embedded")
     w.add_argument("--seconds", type=int, default=20)
     n = sub.add_parser("noisy")
     n.add_argument("--seconds", type=int, default=30)

@@ -166,9 +166,8 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_groups_concurrency_caps_its_runs_over_every_shard(h);
 }
 
-/// The checks of backends that rank ready keys by priority and weight
-/// (memory and the embedded engine; Redis starts ready keys in the order
-/// they became ready).
+/// The checks of ranking ready keys by priority and weight (every backend;
+/// on Redis a claim ranks the first keys of the shard's ready list).
 pub fn run_ranked(h: &dyn ContractHarness) {
     weights_share_slots_and_priorities_go_first(h);
 }

@@ -63,7 +63,10 @@
 //! key's own jobs still in order. A key passed over (over its limit) pays
 //! nothing. Without weights and priorities the backend's own order stands
 //! (round robin). The ranking is per shard: a process that runs several
-//! shards shares its slots among them as before.
+//! shards shares its slots among them as before. A Redis shard's claim
+//! ranks the first keys of its ready list (a bounded read before the
+//! claim script, which then takes exactly the keys chosen, each only if
+//! still ready).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;

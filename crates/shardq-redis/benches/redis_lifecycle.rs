@@ -398,7 +398,8 @@ fn main() {
 /// `SHARDQ_BENCH_FLOW=1`: the life cycle on one instance (4 shards)
 /// without flow control, with it and no policy, with a rate limit on every
 /// key (never reached: the cost is the buckets), and with every key in one
-/// group (never reached: one script on the map store per start), alternated
+/// group (never reached: one script on the map store per start), and with
+/// a weight on every key (each claim ranks the ready keys first), alternated
 /// twice, each on a fresh server; the mean of the two.
 fn flow_cost(jobs: u64) {
     use shardq_core::flow::{FlowPolicy, FlowSettings, GroupLimit, Rate};
@@ -426,6 +427,7 @@ fn flow_cost(jobs: u64) {
         "flow control, no policy",
         "a rate limit on every key",
         "every key in one group",
+        "a weight on every key (ranked claims)",
     ];
     let case = |i: usize| match i {
         0 => Flow::Off,
@@ -435,8 +437,12 @@ fn flow_cost(jobs: u64) {
             burst: Some(1_000_000),
             ..FlowPolicy::default()
         })),
-        _ => Flow::On(every(FlowPolicy {
+        3 => Flow::On(every(FlowPolicy {
             group: Some("all".into()),
+            ..FlowPolicy::default()
+        })),
+        _ => Flow::On(every(FlowPolicy {
+            weight: 2,
             ..FlowPolicy::default()
         })),
     };

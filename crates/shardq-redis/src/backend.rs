@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
+use shardq_core::flow::{FairQueue, Popped};
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock,
     DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
@@ -57,6 +58,10 @@ pub const OPEN_CHECK_BUDGET_MS: u64 = 500;
 pub const CANCEL_WALK_MAX: usize = 100_000;
 /// Most receipts one extend script handles; longer lists are split.
 pub const EXTEND_BATCH_MAX: usize = 1024;
+/// Most ready keys (and most keys whose wait is over) a claim ranks by
+/// priority and weight while flow control ranks keys: the first of the
+/// shard's ready list, in the order they became ready.
+pub const RANK_LOOKAHEAD: usize = 256;
 /// Most jobs one export or import script call moves (a backlog move's
 /// copy goes in calls of this many, or of [`TRANSFER_CALL_BYTES_MAX`]).
 pub const TRANSFER_CALL_JOBS_MAX: usize = 1024;
@@ -216,6 +221,9 @@ pub(crate) struct ShardRef {
     pub(crate) keys: Vec<String>,
     held: Mutex<Option<Held>>,
     marks: Mutex<Marks>,
+    /// The keys' start tags while flow control ranks them (this process's
+    /// memory: a new owner starts every key from the same turn).
+    fair: Mutex<FairQueue<String>>,
 }
 
 /// The high-water marks of one shard this process saw in the store's
@@ -425,6 +433,7 @@ impl RedisBackend {
                 keys: shard_keys,
                 held: Mutex::new(None),
                 marks: Mutex::new(Marks::default()),
+                fair: Mutex::new(FairQueue::default()),
             }));
             added.push(shard.name.clone());
         }
@@ -599,10 +608,6 @@ impl RedisBackend {
         }
     }
 
-    /// Runs a shard script with the common ARGV (time, token, halt,
-    /// deployment) and `extra` after them. A `LOST` reply (the shard's
-    /// deployment record is gone or another) becomes
-    /// [`QueueError::StoreLost`].
     /// This process's flow control, if it has one.
     pub fn flow(&self) -> Option<&Arc<FlowControl>> {
         self.inner.opts.flow.as_ref()
@@ -623,6 +628,49 @@ impl RedisBackend {
 
     /// Ends run `r` of `key` ('' when unknown) without using an attempt:
     /// its job waits `ms` at the head of its key. When it may start again.
+    /// Up to `max` of the shard's ready keys (and keys whose wait is
+    /// over), the first [`RANK_LOOKAHEAD`] of each, in the order flow
+    /// control ranks them (priority, then start-time fair queuing by
+    /// weight); not yet charged: the claim charges the ones it starts.
+    /// Runs whose lease ended are put back first, as a claim does. None
+    /// when `token` no longer owns the shard.
+    fn rank_ready(
+        &self,
+        s: &ShardRef,
+        token: &str,
+        flow: &FlowControl,
+        max: usize,
+    ) -> Result<Option<Vec<Popped<String>>>, QueueError> {
+        let v = self.script(s, &self.inner.scripts.peek_ready, token, &|c, _| {
+            c.arg(RANK_LOOKAHEAD).arg(RECLAIM_BATCH_MAX);
+        })?;
+        match reply::status(&v).as_str() {
+            "OK" => {}
+            "NOTOWNER" => return Ok(None),
+            other => return Err(self.protocol(s, format!("peek answered {other:?}"))),
+        }
+        let parts = reply::items(&v);
+        let mut seen = std::collections::HashSet::new();
+        let mut fair = s.fair.lock().unwrap_or_else(|p| p.into_inner());
+        for part in parts.iter().skip(1).take(2) {
+            for k in reply::items(part).iter().filter_map(reply::string) {
+                if seen.insert(k.clone()) {
+                    let (priority, weight) = flow.rank_of(&k);
+                    fair.push(k, priority, weight);
+                }
+            }
+        }
+        let mut picked = Vec::with_capacity(max.min(seen.len()));
+        while picked.len() < max {
+            match fair.pop() {
+                Some(p) => picked.push(p),
+                None => break,
+            }
+        }
+        fair.drain();
+        Ok(Some(picked))
+    }
+
     /// Gives back the group run slots of the runs of `keys` that ended.
     fn runs_ended(&self, keys: &[String]) {
         if let Some(f) = self.inner.opts.flow.as_deref().filter(|_| !keys.is_empty()) {
@@ -662,6 +710,10 @@ impl RedisBackend {
         }
     }
 
+    /// Runs a shard script with the common ARGV (time, token, halt,
+    /// deployment) and `extra` after them. A `LOST` reply (the shard's
+    /// deployment record is gone or another) becomes
+    /// [`QueueError::StoreLost`].
     fn script(
         &self,
         s: &ShardRef,
@@ -1103,9 +1155,26 @@ impl QueueBackend for RedisBackend {
             return Ok(Vec::new());
         }
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
+        let ranked = (self.inner.opts.flow.as_deref()).filter(|f| f.ranks_keys());
+        let picked = match ranked {
+            Some(f) => match self.rank_ready(s, &held.token, f, max)? {
+                Some(p) => Some(p),
+                None => {
+                    *guard = None;
+                    return Err(Self::not_owner(s));
+                }
+            },
+            None => None,
+        };
         let before = s.marks();
         let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
             c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX);
+            match &picked {
+                None => c.arg("-"),
+                Some(p) => c
+                    .arg(p.len())
+                    .arg(p.iter().map(|x| &x.key).collect::<Vec<_>>()),
+            };
             if attempt == 0 {
                 c.arg("0");
             } else {
@@ -1168,6 +1237,9 @@ impl QueueBackend for RedisBackend {
                         Err(_) => {}
                     }
                 }
+            }
+            if let Some(p) = (picked.as_ref()).and_then(|p| p.iter().find(|p| p.key == rec.key)) {
+                (s.fair.lock().unwrap_or_else(|p| p.into_inner())).charge(p);
             }
             out.push(ClaimedJob {
                 shard: s.name.clone(),
@@ -1294,6 +1366,14 @@ impl QueueBackend for RedisBackend {
             "STALE" => Err(Self::stale_reply(s, receipt, &v)),
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
         }
+    }
+
+    fn ranks_keys(&self) -> bool {
+        self.inner
+            .opts
+            .flow
+            .as_ref()
+            .is_some_and(|f| f.ranks_keys())
     }
 
     fn back_off(

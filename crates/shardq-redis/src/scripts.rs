@@ -421,8 +421,11 @@ return {'OK'}
 "#;
 
 /// ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
-/// `1` when an earlier attempt's reply was lost, then the ids the caller
-/// holds: in-flight jobs it does not know are put back. Replies the lease
+/// `-` to take keys in the shard's own order, else the number P of keys
+/// the caller ranked (flow control's weights and priorities), which follow
+/// in ARGV[9..8+P] and are the only ones taken (each only while ready or
+/// due); then `1` when an earlier attempt's reply was lost, then the ids
+/// the caller holds: in-flight jobs it does not know are put back. Replies the lease
 /// deadline, the shard's job-id sequence (`meta.seq`), then id, record,
 /// fence per job; the attempt being made is the
 /// record's count + 1. Each run's fence is `next_fence(now_us, last, floor)`
@@ -433,9 +436,12 @@ local now = now_ms()
 -- The job-id sequence, for the caller's check that the store did not go
 -- back in time (a lagging replica promoted, an older snapshot restored).
 local seq = redis.call('HGET', K_META, 'seq') or '0'
-if ARGV[8] == '1' then
+local ranked = ARGV[8] ~= '-'
+local lost_at = 9
+if ranked then lost_at = 9 + tonumber(ARGV[8]) end
+if ARGV[lost_at] == '1' then
   local known = {}
-  for i = 9, #ARGV do known[ARGV[i]] = true end
+  for i = lost_at + 1, #ARGV do known[ARGV[i]] = true end
   for _, ids in ipairs(redis.call('ZRANGE', K_INF, 0, -1)) do
     if not known[ids] then requeue(ids, 'claim reply lost', now) end
   end
@@ -450,20 +456,39 @@ local deadline = now + tonumber(ARGV[6])
 -- over its flow-control limit comes back here when its token is due, and
 -- many of them must not crowd out the ready keys; with one to claim, the
 -- clock's parity decides).
-local later_max = max
-if redis.call('LLEN', K_READY) > 0 then
-  later_max = math.floor(max / 2)
-  if max % 2 == 1 and now % 2 == 0 then later_max = later_max + 1 end
-end
 local keys = {}
-if later_max > 0 then
-  keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, later_max)
-end
-if #keys > 0 then redis.call('ZREM', K_LATER, unpack(keys)) end
-if #keys < max then
-  local more = redis.call('LPOP', K_READY, max - #keys)
-  if more then
-    for _, k in ipairs(more) do keys[#keys + 1] = k end
+if ranked then
+  -- The caller's choice, in its order: each key only if it is ready (out
+  -- of the ready list) or its wait is over (out of later).
+  for i = 9, lost_at - 1 do
+    local k = ARGV[i]
+    if #keys < max then
+      if redis.call('LREM', K_READY, 0, k) > 0 then
+        keys[#keys + 1] = k
+      else
+        local at = redis.call('ZSCORE', K_LATER, k)
+        if at and tonumber(at) <= now then
+          redis.call('ZREM', K_LATER, k)
+          keys[#keys + 1] = k
+        end
+      end
+    end
+  end
+else
+  local later_max = max
+  if redis.call('LLEN', K_READY) > 0 then
+    later_max = math.floor(max / 2)
+    if max % 2 == 1 and now % 2 == 0 then later_max = later_max + 1 end
+  end
+  if later_max > 0 then
+    keys = redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, later_max)
+  end
+  if #keys > 0 then redis.call('ZREM', K_LATER, unpack(keys)) end
+  if #keys < max then
+    local more = redis.call('LPOP', K_READY, max - #keys)
+    if more then
+      for _, k in ipairs(more) do keys[#keys + 1] = k end
+    end
   end
 end
 -- Each key once (an unsealed key may still sit in ready from before its
@@ -780,6 +805,20 @@ if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
 for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
+"#;
+
+/// ARGV[5] how many, ARGV[6] reclaim batch. For a claim that ranks keys
+/// itself: first puts back runs whose lease ended (as a claim does, so a
+/// key they free is seen), then replies {'OK', the first keys of the ready
+/// list, the keys whose wait is over}, each list at most that many.
+const PEEK_READY: &str = r#"
+if not owns() then return {'NOTOWNER'} end
+local now = now_ms()
+for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
+  requeue(ids, 'job lease expired', now)
+end
+local n = tonumber(ARGV[5])
+return {'OK', redis.call('LRANGE', K_READY, 0, n - 1), redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, n)}
 "#;
 
 /// The earliest time work may start: now when a key is ready, else the
@@ -1608,6 +1647,7 @@ pub(crate) struct Scripts {
     pub(crate) dedup_export: Lua,
     pub(crate) dedup_import: Lua,
     pub(crate) claim: Lua,
+    pub(crate) peek_ready: Lua,
     pub(crate) ack: Lua,
     pub(crate) fail: Lua,
     pub(crate) back_off: Lua,
@@ -1651,6 +1691,7 @@ impl Scripts {
             dedup_export: Lua::new(DEDUP_EXPORT, true, Flags::NoWrites),
             dedup_import: Lua::new(DEDUP_IMPORT, true, Flags::Write),
             claim: Lua::new(CLAIM, true, Flags::AllowOom),
+            peek_ready: Lua::new(PEEK_READY, true, Flags::AllowOom),
             ack: Lua::new(ACK, true, Flags::AllowOom),
             fail: Lua::new(FAIL, true, Flags::AllowOom),
             back_off: Lua::new(BACK_OFF, true, Flags::AllowOom),

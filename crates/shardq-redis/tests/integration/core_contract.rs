@@ -93,6 +93,7 @@ fn redis_keeps_the_backend_contract() {
         saved: Mutex::default(),
     };
     contract::run_all(&h);
+    contract::run_ranked(&h);
     contract::rewound_store_is_refused(&h);
     // The group's bucket, as `shardq status` reads it.
     use shardq_core::GroupBuckets;
