@@ -459,6 +459,48 @@ pub fn a_groups_concurrency_caps_its_runs_over_every_shard(h: &dyn ContractHarne
         "the lapsed run's slot is free, the extended one's is not: {fifth:?}"
     );
     assert!(fifth.iter().all(|r| r.key != kept.key), "{fifth:?}");
+    // Both slots given back for the next check.
+    ack_one(h, &kept.shard, kept.receipt());
+    ack_one(h, &fifth[0].shard, fifth[0].receipt());
+    an_old_runs_late_end_frees_no_newer_runs_slot(h);
+}
+
+/// A slot names one run: an old run's end that arrives late (an ack sent
+/// twice) never frees the slot of a newer run of the same key, so a third
+/// run never joins the group's two.
+fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
+    use crate::flow::GROUP_SLOT_RECHECK_MS;
+    let shard = h.fresh_shard();
+    let be = h.backend();
+    enqueue(h, &shard, "contract-slot:r", "r1", 1);
+    enqueue(h, &shard, "contract-slot:r", "r2", 1);
+    enqueue(h, &shard, "contract-slot:q", "q", 1);
+    let first = claim(h, &shard, 16, LONG_LEASE_MS);
+    assert_eq!(first.len(), 2, "{first:?}");
+    let r1 = first.iter().find(|r| r.key == "contract-slot:r").expect("r runs");
+    ack_one(h, &shard, r1.receipt());
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let second = claim(h, &shard, 16, LONG_LEASE_MS);
+    assert_eq!(
+        second.iter().map(|r| &r.payload[..]).collect::<Vec<_>>(),
+        [b"r2"],
+        "the slot r1 gave back goes to r's next job"
+    );
+    let late = be.ack(&shard, &[r1.receipt()]).expect("ack");
+    assert_eq!((late.acked, late.stale.len()), (0, 1), "{late:?}");
+    enqueue(h, &shard, "contract-slot:p", "p", 1);
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    assert!(
+        claim(h, &shard, 16, LONG_LEASE_MS).is_empty(),
+        "r1's late ack freed r2's slot: a third run of the group started"
+    );
+    for r in first.iter().filter(|r| r.key != r1.key).chain(&second) {
+        ack_one(h, &shard, r.receipt());
+    }
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let third = claim(h, &shard, 16, LONG_LEASE_MS);
+    assert_eq!(third.len(), 1, "p starts once slots are free: {third:?}");
+    ack_one(h, &shard, third[0].receipt());
 }
 
 /// Finished jobs are kept for the retention (harnesses open their backend

@@ -23,7 +23,7 @@ pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use flow::{
     Admit, FlowControl, FlowPolicy, FlowSettings, FlowStats, GroupBuckets, GroupLevel, GroupLimit,
-    GroupState, LocalGroupBuckets, PolicySource, PolicyTarget, Rate, SlotAsk,
+    GroupState, LocalGroupBuckets, PolicySource, PolicyTarget, Rate, RunStart, SlotAsk,
 };
 pub use job::{
     next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, BackoffKind,

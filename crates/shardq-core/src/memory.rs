@@ -143,10 +143,10 @@ pub struct MemoryBackend {
 
 impl MemoryBackend {
     /// Gives back the group run slots of the runs of `keys` that ended.
-    fn runs_ended(&self, keys: &[String]) {
-        if let Some(f) = self.flow.as_ref().filter(|_| !keys.is_empty()) {
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            f.runs_ended(&keys);
+    fn runs_ended(&self, shard: &str, runs: &[(String, u64)]) {
+        if let Some(f) = self.flow.as_ref().filter(|_| !runs.is_empty()) {
+            let runs: Vec<(&str, u64)> = runs.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+            f.runs_ended(shard, &runs);
         }
     }
 
@@ -614,8 +614,18 @@ impl QueueBackend for MemoryBackend {
                     continue;
                 }
                 let lease_until_ms = now.saturating_add(lease_ms);
+                let fence = next_fence(
+                    now.saturating_mul(1000),
+                    s.fence_high,
+                    s.fence.run_fence_min,
+                );
+                let start = crate::flow::RunStart {
+                    shard,
+                    fence,
+                    lease_until_ms,
+                };
                 if let Some(Admit::NotBefore(at)) =
-                    (self.flow.as_ref()).map(|f| f.admit(&key, now, lease_until_ms))
+                    (self.flow.as_ref()).map(|f| f.admit(&key, now, &start))
                 {
                     s.held.insert(key, at);
                     continue;
@@ -629,11 +639,6 @@ impl QueueBackend for MemoryBackend {
                 };
                 j.attempt += 1;
                 j.starts.push(now);
-                let fence = next_fence(
-                    now.saturating_mul(1000),
-                    s.fence_high,
-                    s.fence.run_fence_min,
-                );
                 s.fence_high = fence;
                 out.push(ClaimedJob {
                     shard: shard.to_string(),
@@ -677,20 +682,22 @@ impl QueueBackend for MemoryBackend {
             let mut out = AckOutcome::default();
             for r in receipts {
                 if current_run(s, *r).is_err() {
+                    // Over (cancelled, lapsed, ended): its slot goes too.
+                    ended.extend(s.jobs.get(&r.id).map(|j| (j.key.clone(), r.fence)));
                     out.stale.push(*r);
                     continue;
                 }
                 s.in_flight.remove(&r.id);
                 if let Some(j) = s.jobs.remove(&r.id) {
                     s.busy_keys.remove(&j.key);
-                    ended.push(j.key.clone());
+                    ended.push((j.key.clone(), r.fence));
                     note_finished(s, r.id, j, Finish::Completed, now, retention);
                 }
                 out.acked += 1;
             }
             Ok(out)
         })?;
-        self.runs_ended(&ended);
+        self.runs_ended(shard, &ended);
         Ok(out)
     }
 
@@ -708,7 +715,7 @@ impl QueueBackend for MemoryBackend {
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
             let job = s.jobs.get(&receipt.id);
-            ended.extend(job.map(|j| j.key.clone()));
+            ended.extend(job.map(|j| (j.key.clone(), receipt.fence)));
             let backoff = job
                 .and_then(|j| self.retry_rules.for_key(&j.key))
                 .map_or(backoff, |p| p.backoff);
@@ -722,7 +729,7 @@ impl QueueBackend for MemoryBackend {
                 policy,
             ))
         })?;
-        self.runs_ended(&ended);
+        self.runs_ended(shard, &ended);
         Ok(out)
     }
 
@@ -759,7 +766,7 @@ impl QueueBackend for MemoryBackend {
                 .push_front(receipt.id);
             Ok(key)
         })?;
-        self.runs_ended(std::slice::from_ref(&key));
+        self.runs_ended(shard, &[(key.clone(), receipt.fence)]);
         let held = match (&self.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
             _ => None,
@@ -783,14 +790,14 @@ impl QueueBackend for MemoryBackend {
                     refused.push(*r);
                 } else if let Some(run) = s.in_flight.get_mut(&r.id) {
                     run.lease_until_ms = until;
-                    renewed.extend(s.jobs.get(&r.id).map(|j| j.key.clone()));
+                    renewed.extend(s.jobs.get(&r.id).map(|j| (j.key.clone(), r.fence)));
                 }
             }
             Ok(refused)
         })?;
         if let Some(f) = self.flow.as_ref().filter(|_| !renewed.is_empty()) {
-            let keys: Vec<&str> = renewed.iter().map(String::as_str).collect();
-            f.runs_extended(&keys, until);
+            let runs: Vec<(&str, u64)> = renewed.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+            f.runs_extended(shard, &runs, until);
         }
         Ok(refused)
     }

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use shardq_core::job::{next_fence, validate_job_lease_ms, DELAY_MS_MAX};
+use shardq_core::job::{validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
     DedupRecord, FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState,
@@ -38,7 +38,7 @@ use shardq_route::validate_shard_name;
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use crate::record::{self, decode, EnqueueDedup, Record};
-use crate::state::{Pick, ShardState};
+use crate::state::{Pick, RunFences, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
 
 /// Most jobs in one enqueue batch.
@@ -425,16 +425,16 @@ impl FsBackend {
         }
     }
 
-    /// Durability of a claim, ack or fail record: see
-    /// [`EngineOptions::run_record_sync_ms`].
-    /// Gives back the group run slots of the runs of `keys` that ended (or
-    /// never started).
-    fn runs_ended(&self, keys: &[&str]) {
-        if let Some(f) = self.opts.flow.as_ref().filter(|_| !keys.is_empty()) {
-            f.runs_ended(keys);
+    /// Gives back the group run slots of the runs `runs` (key, fence) of
+    /// shard `name` that are over (or never started).
+    fn runs_ended(&self, name: &str, runs: &[(&str, u64)]) {
+        if let Some(f) = self.opts.flow.as_ref().filter(|_| !runs.is_empty()) {
+            f.runs_ended(name, runs);
         }
     }
 
+    /// Durability of a claim, ack or fail record: see
+    /// [`EngineOptions::run_record_sync_ms`].
     fn after_run_record(&self, shard: &Shard, end: u64) -> Result<(), QueueError> {
         match self.opts.durability {
             Durability::Fsync => {
@@ -1034,13 +1034,19 @@ impl QueueBackend for FsBackend {
             let floor = fence.run_fence_min;
             let sealed = |k: &str| fence.sealed_keys.contains_key(k);
             let r = inner.replica.as_mut().expect("owner has a replica");
-            let mut last = r.fence_high();
+            let mut runs = RunFences {
+                shard: name,
+                lease_until_ms,
+                now_us: now.saturating_mul(1000),
+                last: r.fence_high(),
+                floor,
+            };
             picks = r
-                .pick(now, lease_until_ms, max, &sealed, self.opts.flow.as_deref())
+                .pick(now, &mut runs, max, &sealed, self.opts.flow.as_deref())
                 .into_iter()
                 .map(|p| {
-                    last = next_fence(now.saturating_mul(1000), last, floor);
-                    (p, last)
+                    let fence = p.fence;
+                    (p, fence)
                 })
                 .collect();
             let mut bytes = Vec::with_capacity(picks.len() * 40);
@@ -1070,8 +1076,8 @@ impl QueueBackend for FsBackend {
                     r.unpick(&only);
                 }
                 // Not started: their group slots go back.
-                let keys: Vec<&str> = picks.iter().map(|(p, _)| &*p.key).collect();
-                self.runs_ended(&keys);
+                let runs: Vec<(&str, u64)> = picks.iter().map(|(p, f)| (&*p.key, *f)).collect();
+                self.runs_ended(name, &runs);
                 return Err(e);
             }
         };
@@ -1148,7 +1154,7 @@ impl QueueBackend for FsBackend {
         // No history kept: nothing to gather per acked job.
         let keep_history = self.opts.retention.finished_jobs > 0;
         let mut finished = Vec::new();
-        let mut ended: Vec<String> = Vec::new();
+        let mut ended: Vec<(String, u64)> = Vec::new();
         let slots = self.opts.flow.as_ref().is_some_and(|f| f.limits_starts());
         let (start, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
@@ -1173,23 +1179,35 @@ impl QueueBackend for FsBackend {
                         );
                         done.push(rc.id.0);
                         if slots {
-                            ended.push(run.key.to_string());
+                            ended.push((run.key.to_string(), rc.fence));
                         }
                     }
-                    _ => outcome.stale.push(*rc),
+                    _ => {
+                        // Over (cancelled, lapsed, ended): its slot goes too.
+                        if let Some(j) = r.live_job(rc.id.0).filter(|_| slots) {
+                            ended.push((j.key.to_string(), rc.fence));
+                        }
+                        outcome.stale.push(*rc)
+                    }
                 }
             }
             outcome.acked = done.len() as u64;
             Ok(bytes)
         })?;
+        let ended: Vec<(&str, u64)> = ended.iter().map(|(k, f)| (k.as_str(), *f)).collect();
         if end > start {
-            self.compact(&mut inner)?;
+            let compacted = self.compact(&mut inner);
             drop(inner);
+            // Written: the runs are over whatever the sync says.
+            self.runs_ended(name, &ended);
+            compacted?;
             self.after_run_record(&shard, end)?;
             // After the acks are written (and, once synced, durable): a
             // history line never stands for an ack that failed.
             self.note_finished(&shard, &finished);
-            self.runs_ended(&ended.iter().map(String::as_str).collect::<Vec<_>>());
+        } else {
+            drop(inner);
+            self.runs_ended(name, &ended);
         }
         Ok(outcome)
     }
@@ -1249,7 +1267,7 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
-        self.runs_ended(&[&key]);
+        self.runs_ended(name, &[(&key, receipt.fence)]);
         self.after_run_record(&shard, end)?;
         Ok(outcome)
     }
@@ -1292,7 +1310,7 @@ impl QueueBackend for FsBackend {
             Ok(bytes)
         })?;
         drop(inner);
-        self.runs_ended(&[&key]);
+        self.runs_ended(name, &[(&key, receipt.fence)]);
         self.after_run_record(&shard, end)?;
         let held = match (&self.opts.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
@@ -1316,12 +1334,12 @@ impl QueueBackend for FsBackend {
         // replayed run at adopt, so there is nothing to write. A lapsed run
         // is still current until the next claim ends it.
         let mut stale = Vec::new();
-        let mut renewed: Vec<String> = Vec::new();
+        let mut renewed: Vec<(String, u64)> = Vec::new();
         let slots = self.opts.flow.as_ref().filter(|f| f.limits_starts());
         for rc in receipts {
             if let Some(run) = r.current_run(rc.id.0, rc.fence) {
                 if slots.is_some() {
-                    renewed.push(run.key.to_string());
+                    renewed.push((run.key.to_string(), rc.fence));
                 }
                 r.set_lease(rc.id.0, until);
             } else {
@@ -1330,10 +1348,8 @@ impl QueueBackend for FsBackend {
         }
         drop(inner);
         if let Some(f) = slots.filter(|_| !renewed.is_empty()) {
-            f.runs_extended(
-                &renewed.iter().map(String::as_str).collect::<Vec<_>>(),
-                until,
-            );
+            let runs: Vec<(&str, u64)> = renewed.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+            f.runs_extended(name, &runs, until);
         }
         Ok(stale)
     }

@@ -181,6 +181,19 @@ pub(crate) struct Pick {
     pub attempt: u32,
     pub max_attempts: u32,
     pub not_before_ms: u64,
+    /// The run's fence.
+    pub fence: u64,
+}
+
+/// What a claim's picks need for their runs: the shard's name, when their
+/// leases end, and the fences (`next_fence(now_us, last, floor)` each, the
+/// last one handed out kept in `last`).
+pub(crate) struct RunFences<'a> {
+    pub shard: &'a str,
+    pub lease_until_ms: u64,
+    pub now_us: u64,
+    pub last: u64,
+    pub floor: u64,
 }
 
 /// Compaction's view of one segment.
@@ -1045,7 +1058,7 @@ impl ShardState {
     pub fn pick(
         &mut self,
         now_ms: u64,
-        lease_until_ms: u64,
+        runs: &mut RunFences<'_>,
         max: usize,
         sealed: &dyn Fn(&str) -> bool,
         flow: Option<&FlowControl>,
@@ -1123,9 +1136,13 @@ impl ShardState {
                 self.schedule(k);
                 continue;
             }
-            if let Some(Admit::NotBefore(at)) =
-                limited.map(|f| f.admit(&ks.key, now_ms, lease_until_ms))
-            {
+            let fence = shardq_core::next_fence(runs.now_us, runs.last, runs.floor);
+            let start = shardq_core::flow::RunStart {
+                shard: runs.shard,
+                fence,
+                lease_until_ms: runs.lease_until_ms,
+            };
+            if let Some(Admit::NotBefore(at)) = limited.map(|f| f.admit(&ks.key, now_ms, &start)) {
                 // Over its limit: asked again then, the others go on.
                 ks.held_until_ms = at;
                 self.schedule(k);
@@ -1135,7 +1152,9 @@ impl ShardState {
                 self.fair.charge(p);
             }
             picked.push(k);
+            runs.last = fence;
             out.push(Pick {
+                fence,
                 id: head.id,
                 key: ks.key.clone(),
                 attempt: head.attempt + 1,
@@ -1411,6 +1430,16 @@ impl Replay for ShardState {
 mod tests {
     use super::*;
 
+    fn test_fences() -> RunFences<'static> {
+        RunFences {
+            shard: "s",
+            lease_until_ms: u64::MAX,
+            now_us: 0,
+            last: 0,
+            floor: 0,
+        }
+    }
+
     fn enqueue(s: &mut ShardState, pos: u64, key: &str) {
         let rec = Record::Enqueue {
             created_ms: 0,
@@ -1434,14 +1463,14 @@ mod tests {
             DeadPolicy::Continue,
         );
         enqueue(&mut s, 0, "k");
-        let first = s.pick(0, u64::MAX, 10, &|_| false, None);
+        let first = s.pick(0, &mut test_fences(), 10, &|_| false, None);
         assert_eq!(first.len(), 1);
         claim(&mut s, 100, 0, 1, Some(7));
         fail(&mut s, 200, 0, true, "boom");
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
         s.apply(400, 0, &Record::DeadRetry { job: 0 }).unwrap();
-        let picks = s.pick(0, u64::MAX, 10, &|_| false, None);
+        let picks = s.pick(0, &mut test_fences(), 10, &|_| false, None);
         let ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![0], "one pick per key, the retried head first");
     }

@@ -650,31 +650,48 @@ impl RedisBackend {
             other => return Err(self.protocol(s, format!("peek answered {other:?}"))),
         }
         let parts = reply::items(&v);
-        let mut seen = std::collections::HashSet::new();
+        let now = parts.get(1).and_then(reply::u64).unwrap_or(0);
+        let ready = parts.get(2).map(reply::items).unwrap_or_default();
+        let due = parts.get(3).map(reply::items).unwrap_or_default();
+        // Keys whose wait is over (many of them may be over their limits,
+        // back every few ms) take at most half the claim while keys are
+        // ready, as in the shard's own order.
+        let mut due_max = max;
+        if !ready.is_empty() {
+            due_max = max / 2 + usize::from(max % 2 == 1 && now % 2 == 0);
+        }
+        let mut seen = std::collections::HashMap::new();
         let mut fair = s.fair.lock().unwrap_or_else(|p| p.into_inner());
-        for part in parts.iter().skip(1).take(2) {
-            for k in reply::items(part).iter().filter_map(reply::string) {
-                if seen.insert(k.clone()) {
+        for (list, was_due) in [(&ready, false), (&due, true)] {
+            for k in list.iter().filter_map(reply::string) {
+                if let std::collections::hash_map::Entry::Vacant(e) = seen.entry(k.clone()) {
+                    e.insert(was_due);
                     let (priority, weight) = flow.rank_of(&k);
                     fair.push(k, priority, weight);
                 }
             }
         }
         let mut picked = Vec::with_capacity(max.min(seen.len()));
+        let mut due_picked = 0;
         while picked.len() < max {
-            match fair.pop() {
-                Some(p) => picked.push(p),
-                None => break,
+            let Some(p) = fair.pop() else { break };
+            if seen.get(&p.key) == Some(&true) {
+                if due_picked >= due_max {
+                    continue;
+                }
+                due_picked += 1;
             }
+            picked.push(p);
         }
         fair.drain();
         Ok(Some(picked))
     }
 
     /// Gives back the group run slots of the runs of `keys` that ended.
-    fn runs_ended(&self, keys: &[String]) {
-        if let Some(f) = self.inner.opts.flow.as_deref().filter(|_| !keys.is_empty()) {
-            f.runs_ended(&keys.iter().map(String::as_str).collect::<Vec<_>>());
+    fn runs_ended(&self, shard: &str, runs: &[(String, u64)]) {
+        if let Some(f) = self.inner.opts.flow.as_deref().filter(|_| !runs.is_empty()) {
+            let runs: Vec<(&str, u64)> = runs.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+            f.runs_ended(shard, &runs);
         }
     }
 
@@ -1218,7 +1235,12 @@ impl QueueBackend for RedisBackend {
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
             if let Some(flow) = flow {
-                if let Admit::NotBefore(at) = flow.admit(&rec.key, now, lease_until_ms) {
+                let start = shardq_core::flow::RunStart {
+                    shard: &s.name,
+                    fence,
+                    lease_until_ms,
+                };
+                if let Admit::NotBefore(at) = flow.admit(&rec.key, now, &start) {
                     let r = Receipt {
                         id: JobId(id),
                         fence,
@@ -1265,45 +1287,52 @@ impl QueueBackend for RedisBackend {
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
         let token = held.token.clone();
         let mut outcome = AckOutcome::default();
-        let mut ended: Vec<String> = Vec::new();
-        for chunk in receipts.chunks(ACK_BATCH_MAX) {
-            let list = receipt_args(chunk, &held.in_flight);
-            let retried = std::cell::Cell::new(false);
-            let v = self.script(s, &self.inner.scripts.ack, &token, &|c, attempt| {
-                retried.set(attempt > 0);
-                c.arg(&list);
-            })?;
-            match reply::status(&v).as_str() {
-                "OK" => {}
-                "NOTOWNER" => {
-                    *guard = None;
-                    return Err(Self::not_owner(s));
+        // Runs over (acked, or refused as not current), whose group slots
+        // go back, whatever a later chunk does.
+        let mut ended: Vec<(String, u64)> = Vec::new();
+        let mut not_owner = false;
+        let res = (|| -> Result<(), QueueError> {
+            for chunk in receipts.chunks(ACK_BATCH_MAX) {
+                let list = receipt_args(chunk, &held.in_flight);
+                let retried = std::cell::Cell::new(false);
+                let v = self.script(s, &self.inner.scripts.ack, &token, &|c, attempt| {
+                    retried.set(attempt > 0);
+                    c.arg(&list);
+                })?;
+                match reply::status(&v).as_str() {
+                    "OK" => {}
+                    "NOTOWNER" => {
+                        not_owner = true;
+                        return Err(Self::not_owner(s));
+                    }
+                    other => return Err(self.protocol(s, format!("ack answered {other:?}"))),
                 }
-                other => return Err(self.protocol(s, format!("ack answered {other:?}"))),
-            }
-            let stale = self.stale_list(s, reply::items(&v).get(1..).unwrap_or(&[]))?;
-            let mut refused = Vec::new();
-            for (r, why) in stale {
-                // After a lost reply the first attempt may have acked it:
-                // a job that is gone was finished, by this call.
-                if retried.get() && why == "gone" && held.in_flight.contains_key(&r.id.0) {
-                    continue;
+                let stale = self.stale_list(s, reply::items(&v).get(1..).unwrap_or(&[]))?;
+                let mut refused = Vec::new();
+                for (r, why) in stale {
+                    // After a lost reply the first attempt may have acked it:
+                    // a job that is gone was finished, by this call.
+                    if retried.get() && why == "gone" && held.in_flight.contains_key(&r.id.0) {
+                        continue;
+                    }
+                    refused.push(r.id.0);
+                    outcome.stale.push(r);
                 }
-                refused.push(r.id.0);
-                outcome.stale.push(r);
-            }
-            outcome.acked += (chunk.len() - refused.len()) as u64;
-            for r in chunk {
-                if let Some(key) = held.in_flight.remove(&r.id.0) {
-                    if !refused.contains(&r.id.0) {
-                        ended.push(key);
+                outcome.acked += (chunk.len() - refused.len()) as u64;
+                for r in chunk {
+                    if let Some(key) = held.in_flight.remove(&r.id.0) {
+                        ended.push((key, r.fence));
                     }
                 }
             }
+            Ok(())
+        })();
+        if not_owner {
+            *guard = None;
         }
         drop(guard);
-        self.runs_ended(&ended);
-        Ok(outcome)
+        self.runs_ended(shard, &ended);
+        res.map(|()| outcome)
     }
 
     fn fail(
@@ -1348,7 +1377,7 @@ impl QueueBackend for RedisBackend {
             "RETRY" => {
                 let key = held.in_flight.remove(&receipt.id.0);
                 drop(guard);
-                self.runs_ended(&Vec::from_iter(key));
+                self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
                 Ok(FailOutcome::Retry {
                     at_ms: reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0),
                 })
@@ -1356,14 +1385,21 @@ impl QueueBackend for RedisBackend {
             "DEAD" => {
                 let key = held.in_flight.remove(&receipt.id.0);
                 drop(guard);
-                self.runs_ended(&Vec::from_iter(key));
+                self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
                 Ok(FailOutcome::Dead)
             }
             "NOTOWNER" => {
                 *guard = None;
                 Err(Self::not_owner(s))
             }
-            "STALE" => Err(Self::stale_reply(s, receipt, &v)),
+            "STALE" => {
+                // Not current (or ended by a first try whose reply was
+                // lost): over either way, so its slot goes.
+                let key = held.in_flight.get(&receipt.id.0).cloned();
+                drop(guard);
+                self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
+                Err(Self::stale_reply(s, receipt, &v))
+            }
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
         }
     }
@@ -1393,17 +1429,17 @@ impl QueueBackend for RedisBackend {
             .get(&receipt.id.0)
             .cloned()
             .unwrap_or_default();
-        let at_ms = match self.give_back(s, held, receipt, &key, retry_in_ms) {
-            Err(QueueError::NotOwner { .. }) => {
-                *guard = None;
-                return Err(Self::not_owner(s));
-            }
-            other => other?,
-        };
-        drop(guard);
-        if !key.is_empty() {
-            self.runs_ended(std::slice::from_ref(&key));
+        let given = self.give_back(s, held, receipt, &key, retry_in_ms);
+        if let Err(QueueError::NotOwner { .. }) = given {
+            *guard = None;
+            return Err(Self::not_owner(s));
         }
+        drop(guard);
+        // Given back, or refused as not current: over either way.
+        if !key.is_empty() && matches!(given, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
+            self.runs_ended(shard, &[(key.clone(), receipt.fence)]);
+        }
+        let at_ms = given?;
         let held_group = match (&self.inner.opts.flow, group, key.is_empty()) {
             (Some(f), true, false) => f.hold_group_of(&key, at_ms),
             _ => None,
@@ -1428,7 +1464,7 @@ impl QueueBackend for RedisBackend {
         let token = held.token.clone();
         let mut stale = Vec::new();
         let slots = (self.inner.opts.flow.as_deref()).filter(|f| f.limits_starts());
-        let mut renewed: Vec<(u64, Vec<String>)> = Vec::new();
+        let mut renewed: Vec<(u64, Vec<(String, u64)>)> = Vec::new();
         for chunk in receipts.chunks(EXTEND_BATCH_MAX) {
             let list = receipt_args(chunk, &held.in_flight);
             let v = self.script(s, &self.inner.scripts.extend, &token, &|c, _| {
@@ -1452,18 +1488,16 @@ impl QueueBackend for RedisBackend {
                 let refused = &stale[before..];
                 let keys = (chunk.iter())
                     .filter(|r| !refused.iter().any(|x| x.id == r.id))
-                    .filter_map(|r| held.in_flight.get(&r.id.0).cloned())
+                    .filter_map(|r| held.in_flight.get(&r.id.0).map(|k| (k.clone(), r.fence)))
                     .collect();
                 renewed.push((deadline, keys));
             }
         }
         drop(guard);
         if let Some(f) = slots {
-            for (deadline, keys) in &renewed {
-                f.runs_extended(
-                    &keys.iter().map(String::as_str).collect::<Vec<_>>(),
-                    *deadline,
-                );
+            for (deadline, runs) in &renewed {
+                let runs: Vec<(&str, u64)> = runs.iter().map(|(k, f)| (k.as_str(), *f)).collect();
+                f.runs_extended(shard, &runs, *deadline);
             }
         }
         Ok(stale)

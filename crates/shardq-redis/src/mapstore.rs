@@ -326,12 +326,19 @@ impl GroupBuckets for RedisMapStore {
         let key = group_slots_key(&self.namespace, group);
         self.node
             .run(STORE, |con, _| {
-                let mut c = redis::cmd("ZADD");
-                c.arg(&key).arg("XX");
+                // Later only (GT); a lapsed one is taken again (the run is
+                // current). Kept past the longest lease and a day.
+                let mut p = redis::pipe();
+                let z = p.cmd("ZADD").arg(&key).arg("GT");
                 for h in holders {
-                    c.arg(until_ms).arg(*h);
+                    z.arg(until_ms).arg(*h);
                 }
-                c.query::<()>(con)
+                p.ignore()
+                    .cmd("PEXPIRE")
+                    .arg(&key)
+                    .arg(shardq_core::job::JOB_LEASE_MS_MAX + 86_400_000)
+                    .ignore();
+                p.query::<()>(con)
             })
             .map_err(|e| QueueError::store(e.kind(), e))
     }

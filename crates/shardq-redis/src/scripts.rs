@@ -463,7 +463,7 @@ if ranked then
   for i = 9, lost_at - 1 do
     local k = ARGV[i]
     if #keys < max then
-      if redis.call('LREM', K_READY, 0, k) > 0 then
+      if redis.call('LREM', K_READY, 1, k) > 0 then
         keys[#keys + 1] = k
       else
         local at = redis.call('ZSCORE', K_LATER, k)
@@ -726,7 +726,7 @@ return {'OK', nbf}
 /// units, every ms adds `count`; lapsed slots are dropped, a key keeps its
 /// own): replies {'OK'} when a token (and a slot) was taken, or the hold
 /// stored, else {'WAIT', when}. A bucket unused for a day expires (a new
-/// one starts full).
+/// one starts full); the slots a day past their latest lapse.
 pub(crate) const GROUP_BUCKET: &str = r#"
 local now, count, per, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local f = function(x) return string.format('%d', x) end
@@ -761,7 +761,8 @@ elseif u >= per then
   res = {'OK'}
   if slots then
     redis.call('ZADD', KEYS[2], ARGV[8], ARGV[7])
-    redis.call('PEXPIRE', KEYS[2], math.max(86400000, tonumber(ARGV[8]) - now))
+    -- Kept a day past its latest slot's lapse (renewals do the same).
+    redis.call('PEXPIRE', KEYS[2], math.max(0, tonumber(ARGV[8]) - now) + 86400000)
   end
 else
   res = {'WAIT', f(now + math.ceil((per - u) / count))}
@@ -809,8 +810,8 @@ return {'OK', #ids}
 
 /// ARGV[5] how many, ARGV[6] reclaim batch. For a claim that ranks keys
 /// itself: first puts back runs whose lease ended (as a claim does, so a
-/// key they free is seen), then replies {'OK', the first keys of the ready
-/// list, the keys whose wait is over}, each list at most that many.
+/// key they free is seen), then replies {'OK', now, the first keys of the
+/// ready list, the keys whose wait is over}, each list at most that many.
 const PEEK_READY: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
@@ -818,7 +819,7 @@ for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0,
   requeue(ids, 'job lease expired', now)
 end
 local n = tonumber(ARGV[5])
-return {'OK', redis.call('LRANGE', K_READY, 0, n - 1), redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, n)}
+return {'OK', now, redis.call('LRANGE', K_READY, 0, n - 1), redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, n)}
 "#;
 
 /// The earliest time work may start: now when a key is ready, else the

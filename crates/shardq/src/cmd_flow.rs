@@ -422,10 +422,9 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
             };
             let g = GroupLimit {
                 rate,
-                // A burst without a rate means nothing: it goes with it.
-                burst: burst
-                    .or(old.and_then(|g| g.burst))
-                    .filter(|_| rate.is_some()),
+                // A burst kept from before goes with its rate; one given
+                // without a rate is refused by name.
+                burst: burst.or(old.and_then(|g| g.burst).filter(|_| rate.is_some())),
                 concurrency,
             };
             s.put_group(&name, g.clone())?;

@@ -46,10 +46,12 @@ fn wait_exit(worker: &mut Worker, bound: Duration) -> (ExitStatus, String) {
         if let Some(s) = worker.child.try_wait().unwrap() {
             break s;
         }
-        assert!(
-            start.elapsed() < bound,
-            "worker still running after {bound:?}"
-        );
+        if start.elapsed() >= bound {
+            // Not left behind holding the test's output open.
+            let _ = worker.child.kill();
+            let _ = worker.child.wait();
+            panic!("worker still running after {bound:?}");
+        }
         std::thread::sleep(Duration::from_millis(10));
     };
     let err = std::fs::read_to_string(&worker.err_path).unwrap();
@@ -797,6 +799,7 @@ fn a_groups_concurrency_holds_over_two_worker_processes() {
         out
     };
     for (args, named) in [
+        (vec!["--concurrency", "2", "--burst", "5"], "burst"),
         (vec!["--concurrency", "0"], "0"),
         (vec!["--concurrency", "10001"], "10001"),
         (vec!["--concurrency", "two"], "two"),
@@ -855,6 +858,82 @@ fn a_groups_concurrency_holds_over_two_worker_processes() {
         text.contains("group db: no rate limit, 0 of 2 runs at once"),
         "{text}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A worker SIGKILLed while its runs hold all of a group's slots leaves no
+/// slot behind for good: with those two jobs cancelled (their keys start
+/// nothing again, so nothing gives the slots back), the slots lapse with
+/// the runs' leases, and the worker that takes over runs the group's other
+/// jobs two at once, never more.
+#[test]
+fn a_killed_workers_group_slots_lapse_with_its_runs() {
+    let dir = temp_dir("h-slots-kill");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = run(args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    ok(&["group", "set", "--data", d, "db", "--concurrency", "2"]);
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", "db:", "--group", "db",
+    ]);
+    for i in 0..6 {
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            &format!("db:{i}"),
+            "--payload",
+            "x",
+        ]);
+    }
+    let leases = [
+        "--lease-ms",
+        "1500",
+        "--job-lease-ms",
+        "1500",
+        "--concurrency",
+        "4",
+    ];
+    let first = dir.join("first");
+    let script = format!(
+        "echo \"$SHARDQ_KEY $SHARDQ_SHARD:$SHARDQ_JOB_ID\" >> {}; sleep 30",
+        first.display()
+    );
+    let mut a = start_worker(&data, &leases, &script);
+    let started = || {
+        std::fs::read_to_string(&first)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    wait_until("two runs of the group", WAIT_MAX, || started() >= 2);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(started(), 2, "four free slots, two runs of the group");
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    for line in std::fs::read_to_string(&first).unwrap().lines() {
+        let id = line.split_whitespace().nth(1).unwrap();
+        ok(&["job", "cancel", "--data", d, id]);
+    }
+    let second = dir.join("second");
+    let script = format!(
+        "echo \"$SHARDQ_KEY start $(date +%s%3N)\" >> {s}; sleep 0.2; echo \"$SHARDQ_KEY end $(date +%s%3N)\" >> {s}",
+        s = second.display()
+    );
+    let mut extra = leases.to_vec();
+    extra.push("--exit-when-idle");
+    let mut b = start_worker(&data, &extra, &script);
+    let (status, err) = wait_exit(&mut b, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    let text = std::fs::read_to_string(&second).unwrap();
+    let ends = text.lines().filter(|l| l.contains(" end ")).count();
+    assert_eq!(ends, 4, "every other job ran to its end: {text}");
+    assert_eq!(most_at_once(&text, "db:"), 2, "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
