@@ -477,7 +477,10 @@ fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
     enqueue(h, &shard, "contract-slot:q", "q", 1);
     let first = claim(h, &shard, 16, LONG_LEASE_MS);
     assert_eq!(first.len(), 2, "{first:?}");
-    let r1 = first.iter().find(|r| r.key == "contract-slot:r").expect("r runs");
+    let r1 = first
+        .iter()
+        .find(|r| r.key == "contract-slot:r")
+        .expect("r runs");
     ack_one(h, &shard, r1.receipt());
     h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
     let second = claim(h, &shard, 16, LONG_LEASE_MS);

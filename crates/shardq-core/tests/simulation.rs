@@ -55,7 +55,8 @@ use shardq_route::{Algorithm, ShardMap};
 
 /// The simulation's flow control: key `t-2` starts at most 5 runs a
 /// second (burst 1); keys starting with `t-1` (`t-1`, `t-10` .. `t-19`)
-/// share the group `sim` at 20 a second (burst 3).
+/// share the group `sim` at 20 a second (burst 3); keys starting with
+/// `t-3` share the group `slots`, two runs at once.
 fn sim_flow() -> FlowSettings {
     let mut f = FlowSettings::default();
     f.keys.insert(
@@ -87,8 +88,26 @@ fn sim_flow() -> FlowSettings {
             ..FlowPolicy::default()
         },
     );
+    f.groups.insert(
+        "slots".into(),
+        GroupLimit {
+            rate: None,
+            burst: None,
+            concurrency: Some(SLOTS),
+        },
+    );
+    f.prefixes.insert(
+        "t-3".into(),
+        FlowPolicy {
+            group: Some("slots".into()),
+            ..FlowPolicy::default()
+        },
+    );
     f
 }
+
+/// Runs at once of the group `slots`.
+const SLOTS: u32 = 2;
 
 /// SplitMix64: a small seeded generator, so a seed replays exactly.
 struct Rng(u64);
@@ -175,6 +194,11 @@ struct Checks {
     starts: BTreeMap<String, Vec<u64>>,
     /// Runs whose handler backed off.
     backed_off: u64,
+    /// Runs of the group `slots` by (shard, fence): when each started, when
+    /// its lease ends (as extended), and when its worker reported it over.
+    slot_runs: BTreeMap<(String, u64), (u64, u64, Option<u64>)>,
+    /// The most runs of the group `slots` live at once.
+    slots_most: usize,
     violations: Vec<String>,
 }
 
@@ -263,7 +287,15 @@ impl World {
                 }
             }
             for (shard, receipts) in per_shard {
-                let _ = self.backend.extend(&shard, &receipts, LEASE_MS);
+                let refused = self
+                    .backend
+                    .extend(&shard, &receipts, LEASE_MS)
+                    .unwrap_or_else(|_| receipts.clone());
+                for r in receipts.iter().filter(|r| !refused.contains(r)) {
+                    if let Some(run) = self.checks.slot_runs.get_mut(&(shard.clone(), r.fence)) {
+                        run.1 = now + LEASE_MS;
+                    }
+                }
             }
             // Claim.
             let shard = SHARDS[self.rng.below(SHARDS.len() as u64) as usize];
@@ -316,6 +348,7 @@ impl World {
                 }
             }
         }
+        self.check_slots(now);
         // Owner restart: every run of one shard ends.
         if self.rng.chance(1) {
             let shards = self.backend.shard_names();
@@ -351,6 +384,12 @@ impl World {
 
     fn started(&mut self, job: &ClaimedJob) {
         let now = self.clock.now_ms();
+        if job.key.starts_with("t-3") {
+            self.checks.slot_runs.insert(
+                (job.shard.clone(), job.fence),
+                (now, job.lease_until_ms, None),
+            );
+        }
         self.checks
             .starts
             .entry(job.key.clone())
@@ -389,6 +428,7 @@ impl World {
     /// The handler backs off (its downstream limits it): the run ends
     /// without using an attempt, for the key or its whole group.
     fn back_off(&mut self, h: Held) {
+        self.run_over(&h.job);
         let ms = 1 + self.rng.below(300);
         let group = self.rng.chance(50);
         self.trace(
@@ -402,6 +442,29 @@ impl World {
             Ok(_) => self.checks.backed_off += 1,
             Err(QueueError::StaleReceipt { .. }) => self.may_die(&h.job),
             Err(e) => self.checks.violations.push(format!("back off: {e}")),
+        }
+    }
+
+    /// The worker is done with run `job` (reported, or given up): from now
+    /// on it is not running.
+    fn run_over(&mut self, job: &ClaimedJob) {
+        let now = self.clock.now_ms();
+        if let Some(run) = (self.checks.slot_runs).get_mut(&(job.shard.clone(), job.fence)) {
+            run.2.get_or_insert(now);
+        }
+    }
+
+    /// Runs of the group `slots` live at `now` (started, not reported over,
+    /// lease not ended): never more than [`SLOTS`].
+    fn check_slots(&mut self, now: u64) {
+        let live = (self.checks.slot_runs.values())
+            .filter(|(start, until, end)| *start <= now && now < *until && end.is_none())
+            .count();
+        self.checks.slots_most = self.checks.slots_most.max(live);
+        if live > SLOTS as usize {
+            self.checks.violations.push(format!(
+                "{live} runs of group slots live at {now} (limit {SLOTS})"
+            ));
         }
     }
 
@@ -447,6 +510,7 @@ impl World {
     }
 
     fn finish(&mut self, h: Held) {
+        self.run_over(&h.job);
         self.trace(
             &h.job.key,
             format!(
@@ -720,6 +784,10 @@ fn simulate(seed: u64) -> (u64, u64, u64, u64) {
     assert!(
         !w.checks.cancelled.is_empty(),
         "seed {seed}: no job was cancelled"
+    );
+    assert_eq!(
+        w.checks.slots_most, SLOTS as usize,
+        "seed {seed}: the group `slots` never ran at its limit (the check saw nothing)"
     );
     (moved, cut_offs, w.checks.redirects, w.checks.backed_off)
 }
