@@ -391,7 +391,8 @@ def test_the_throughput_chart_shows_the_servers_own_counts(browser, deployment, 
 
 def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, deployment, screenshots):
     """A group's limit is shown beside what this server started under it,
-    and a key the group holds back is listed with the group as the reason."""
+    and a key the group holds back is listed with the group as the reason;
+    a group that caps runs at once shows its runs against the cap."""
     api = deployment["api"]
     code, v = api.call("PUT", "/v1/groups/dash-api", {"rate": "1/m", "burst": 2})
     assert code == 200, v
@@ -414,9 +415,35 @@ def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, depl
     assert len(started) == 2, started
     open_page(browser, deployment, READ_TOKEN)
     row = '#flow-groups tr[data-group="dash-api"]'
-    wait(browser, "the group's row", lambda d: "burst 2" in text(d, row))
+    wait(browser, "the group's row", lambda d: "1/m (burst 2)" in text(d, row))
     wait(browser, "a held key with its reason", lambda d: "group dash-api" in text(d, "#flow-held"))
+    # A group that caps runs at once, with no rate, with one run holding a
+    # slot: its row shows the runs against the limit.
+    code, v = api.call("PUT", "/v1/groups/dash-db", {"concurrency": 3})
+    assert code == 200, v
+    code, v = api.call("PUT", "/v1/policies/slottest:?scope=prefix", {"group": "dash-db"})
+    assert code == 200, v
+    # The server reads the settings again within a second.
+    wait_for("the server to use the new group",
+             lambda: "dash-db" in api.get("/v1/status")["flow"]["groups"], timeout_s=20)
+    api.post("/v1/jobs", {"jobs": [{"key": "slottest:a", "payload": "p"}]})
+    running = []
+
+    def one_running():
+        got = api.post("/v1/claim", {"worker": "dash", "max": 16, "wait_ms": 0})["jobs"]
+        for j in got:
+            if j["key"].startswith("slottest:"):
+                running.append(j)
+            else:
+                api.post("/v1/ack", {"receipts": [j["receipt"]]})
+        return bool(running)
+
+    wait_for("a run of the capped group", one_running, timeout_s=20)
+    assert api.get("/v1/status")["flow"]["groups"]["dash-db"]["running"] == 1
+    capped = '#flow-groups tr[data-group="dash-db"]'
+    wait(browser, "the capped group's runs", lambda d: "1 of 3" in text(d, capped) and "none" in text(d, capped))
     browser.save_screenshot(str(screenshots / "07-flow.png"))
+    api.post("/v1/ack", {"receipts": [running[0]["receipt"]]})
 
 
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):

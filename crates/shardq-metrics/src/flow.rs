@@ -26,6 +26,7 @@ pub(crate) struct FlowSeries {
     group_starts: Family<GroupLabel, Counter>,
     group_throttled: Family<GroupLabel, Counter>,
     group_held: Family<GroupLabel, Gauge>,
+    group_running: Family<GroupLabel, Gauge>,
     key_throttled: Counter,
     held_keys: Gauge,
     errors: Counter,
@@ -39,6 +40,7 @@ impl FlowSeries {
             group_starts: Family::default(),
             group_throttled: Family::default(),
             group_held: Family::default(),
+            group_running: Family::default(),
             key_throttled: Counter::default(),
             held_keys: Gauge::default(),
             errors: Counter::default(),
@@ -57,6 +59,11 @@ impl FlowSeries {
             "shardq_flow_group_held",
             "1 while a group's bucket is empty or held (a handler's back-off) as this process last saw it, per group",
             s.group_held.clone(),
+        );
+        r.register(
+            "shardq_flow_group_running",
+            "Runs holding one of a group's run slots now, over every process of the deployment, per group that caps its runs at once",
+            s.group_running.clone(),
         );
         r.register(
             "shardq_flow_key_throttled",
@@ -124,5 +131,17 @@ impl FlowSeries {
             .count();
         self.held_keys.set(held_keys as i64);
         *seen = now;
+        drop(seen);
+        // Read from the shared store: the same for every process.
+        let settings = flow.settings();
+        for (g, limit) in &settings.groups {
+            if limit.concurrency.is_some() {
+                if let Some(n) = flow.group_running(g, now_ms) {
+                    self.group_running
+                        .get_or_create(&GroupLabel { group: g.clone() })
+                        .set(n as i64);
+                }
+            }
+        }
     }
 }

@@ -10,10 +10,12 @@ use super::*;
 
 /// `GET /v1/status`: `Deployment::status()`, serialised.
 pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
-    let a = Arc::clone(&app);
-    let report = blocking(move || Ok(a.deployment.status()?)).await?;
+    // Off the async threads: flow control reads its settings and the
+    // groups' run slots from the store.
+    let (report, flow) =
+        blocking(move || Ok((app.deployment.status()?, flow_status(&app)))).await?;
     let mut v = serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?;
-    v["flow"] = flow_status(&app);
+    v["flow"] = flow;
     ok(v)
 }
 
@@ -24,6 +26,9 @@ fn flow_status(app: &App) -> Value {
         return Value::Null;
     };
     let now = app.clock.now_ms();
+    // Settings read again (at most once a second) even while nothing is
+    // claimed here, so a changed group shows.
+    flow.refresh(now);
     let stats = flow.stats();
     let settings = flow.settings();
     let groups: serde_json::Map<String, Value> = (settings.groups.iter())

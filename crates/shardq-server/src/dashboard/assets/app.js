@@ -420,15 +420,22 @@
       if (prev && prev.groups[name] && now > prev.now_ms) {
         rate = (g.starts - prev.groups[name].starts) * 1000 / (now - prev.now_ms);
       }
-      const load = rate === null ? 0 : Math.min(rate / g.per_second, 1);
+      // A group with a rate is loaded by its starts; one with only a
+      // concurrency by its runs at once.
+      let load = 0;
+      if (g.per_second != null) load = rate === null ? 0 : Math.min(rate / g.per_second, 1);
+      else if (g.concurrency != null && g.running != null) load = Math.min(g.running / g.concurrency, 1);
       const bar = el("div", { class: "bar" });
       bar.appendChild(el("span", { style: "width:" + (load * 100).toFixed(0) + "%;background:" + (load > 0.95 ? "#c0392b" : "#2e86de") }));
       const held = g.held_until_ms && g.held_until_ms > now;
       const tr = el("tr", { "data-group": name });
       tr.appendChild(el("td", null, name));
       tr.appendChild(el("td", { class: "num" }, rate === null ? "…" : rate.toFixed(1)));
-      const limit = g.per_second < 10 ? g.per_second.toFixed(1) : Math.round(g.per_second).toString();
-      tr.appendChild(el("td", { class: "num" }, limit + " (burst " + fmt(g.burst) + ")"));
+      const limit = g.rate == null ? "none" : g.rate + " (burst " + fmt(g.burst) + ")";
+      tr.appendChild(el("td", { class: "num" }, limit));
+      let runs = "no limit";
+      if (g.concurrency != null) runs = (g.running == null ? "?" : fmt(g.running)) + " of " + fmt(g.concurrency);
+      tr.appendChild(el("td", { class: "num runs" }, runs));
       const cell = el("td");
       cell.appendChild(bar);
       tr.appendChild(cell);
