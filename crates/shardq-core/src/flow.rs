@@ -47,7 +47,9 @@
 //! its lease.
 //!
 //! # When limits are checked
-//! A backend asks [`FlowControl::admit`] for each key it would start, after
+//! A backend asks [`FlowControl::admit`] for each key it would start (a
+//! Redis claim asks [`FlowControl::admit_many`] for all of its starts at
+//! once, one store call per group), after
 //! every check of its own (the head is due, nothing in flight, not sealed)
 //! and before the run is written. A refused key is passed over and asked
 //! again at the time the answer names, never later than
@@ -751,6 +753,26 @@ pub trait GroupBuckets: Send + Sync {
         slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError>;
 
+    /// [`GroupBuckets::take`] for several starts at once, in order, each
+    /// with its run's slot (used when the group limits its runs): how many
+    /// of the first were taken, and when to ask again for the rest (a
+    /// bucket or slots that refuse one refuse the ones after it). One
+    /// round trip for a claim's starts; this default takes one at a time.
+    fn take_many(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+        asks: &[SlotAsk<'_>],
+    ) -> Result<(usize, u64), QueueError> {
+        for (i, ask) in asks.iter().enumerate() {
+            if let Err(at) = self.take(group, limit, now_ms, Some(*ask))? {
+                return Ok((i, at));
+            }
+        }
+        Ok((asks.len(), 0))
+    }
+
     /// Holds `group`'s bucket until `until_ms`: no key of the group starts
     /// before then, in any process.
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError>;
@@ -840,6 +862,23 @@ pub fn take_group(
     Ok(())
 }
 
+/// [`take_group`] for `asks` in order, stopping at the first refused:
+/// how many were taken, and when to ask again for the rest.
+pub fn take_group_many(
+    states: &mut BTreeMap<String, GroupState>,
+    group: &str,
+    limit: &GroupLimit,
+    now_ms: u64,
+    asks: &[SlotAsk<'_>],
+) -> (usize, u64) {
+    for (i, ask) in asks.iter().enumerate() {
+        if let Err(at) = take_group(states, group, limit, now_ms, Some(*ask)) {
+            return (i, at);
+        }
+    }
+    (asks.len(), 0)
+}
+
 /// Holds `group`'s bucket in `states` until `until_ms`.
 pub fn hold_group(
     states: &mut BTreeMap<String, GroupState>,
@@ -901,6 +940,22 @@ impl GroupBuckets for LocalGroupBuckets {
         slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
         Ok(take_group(&mut self.lock(), group, limit, now_ms, slot))
+    }
+
+    fn take_many(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+        asks: &[SlotAsk<'_>],
+    ) -> Result<(usize, u64), QueueError> {
+        Ok(take_group_many(
+            &mut self.lock(),
+            group,
+            limit,
+            now_ms,
+            asks,
+        ))
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
@@ -1098,29 +1153,6 @@ impl FlowControl {
         self.limits.load(Ordering::Relaxed)
     }
 
-    /// Whether `key` is held back at `now_ms` as this process last saw it:
-    /// refused by its own rate or its group until later. A claim that ranks
-    /// keys itself passes these over rather than claim them to be refused.
-    pub fn held_now(&self, key: &str, now_ms: u64) -> bool {
-        if !self.limits_starts() {
-            return false;
-        }
-        let st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        if st.held_keys.get(key).is_some_and(|h| h.until_ms > now_ms) {
-            return true;
-        }
-        if st.held_groups.is_empty() {
-            return false;
-        }
-        drop(st);
-        let settings = self.settings();
-        let Some(g) = settings.for_key(key).group.as_ref() else {
-            return false;
-        };
-        let st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        st.held_groups.get(g).is_some_and(|&at| at > now_ms)
-    }
-
     /// Whether the run `start` of `key` may start at `now_ms`; when it may,
     /// its tokens are taken, and its group's run slot when the group limits
     /// its runs (held until the run's lease ends, unless
@@ -1202,6 +1234,102 @@ impl FlowControl {
             let _ = b.take(rate, burst, now_ms);
         }
         Admit::Now
+    }
+
+    /// [`FlowControl::admit`] for the runs a claim would start at once, in
+    /// order, with one call to each group's store for all of them (a
+    /// claim's starts cost one round trip per group, not one per start).
+    /// The answers are those of asking one at a time: a group that refuses
+    /// one start refuses the ones after it. Each key at most once (a claim
+    /// starts one run per key).
+    pub fn admit_many(&self, runs: &[(&str, RunStart<'_>)], now_ms: u64) -> Vec<Admit> {
+        let mut out = vec![Admit::Now; runs.len()];
+        if !self.limits_starts() {
+            return out;
+        }
+        let settings = self.settings();
+        let recheck = now_ms.saturating_add(FLOW_RECHECK_MS);
+        let mut by_group: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        let mut key_limited = Vec::new();
+        {
+            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, (key, _)) in runs.iter().enumerate() {
+                let p = settings.for_key(key);
+                if let Some((rate, burst)) = p.rate.zip(p.burst_or_default()) {
+                    let b = keys
+                        .entry((*key).into())
+                        .or_insert_with(|| Bucket::full(rate, burst, now_ms));
+                    if let Err(at) = b.peek(rate, burst, now_ms) {
+                        let at = at.min(recheck);
+                        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                        st.key_throttled += 1;
+                        st.note_held(key, at, None);
+                        out[i] = Admit::NotBefore(at);
+                        continue;
+                    }
+                    key_limited.push(i);
+                }
+                if let Some(g) = p
+                    .group
+                    .as_deref()
+                    .filter(|g| settings.groups.contains_key(*g))
+                {
+                    by_group.entry(g).or_default().push(i);
+                }
+            }
+        }
+        for (name, idx) in by_group {
+            let limit = &settings.groups[name];
+            let held = (self.stats.lock().unwrap_or_else(|e| e.into_inner()))
+                .held_groups
+                .get(name)
+                .copied()
+                .filter(|&at| at > now_ms);
+            let holders: Vec<String> = idx.iter().map(|&i| runs[i].1.holder()).collect();
+            let asks: Vec<SlotAsk<'_>> = (idx.iter().zip(&holders))
+                .map(|(&i, h)| SlotAsk {
+                    holder: h,
+                    until_ms: runs[i].1.lease_until_ms,
+                })
+                .collect();
+            let (taken, at) = match held {
+                // Other processes only take tokens: an empty bucket seen
+                // here stays empty at least until then.
+                Some(at) => (0, at),
+                None => match self.groups.take_many(name, limit, now_ms, &asks) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        self.note_error(format!("group {name:?}'s bucket: {e}"));
+                        (0, recheck)
+                    }
+                },
+            };
+            let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            *st.group_starts.entry(name.to_string()).or_default() += taken as u64;
+            if taken < idx.len() {
+                let at = at.min(recheck);
+                *st.group_throttled.entry(name.to_string()).or_default() +=
+                    (idx.len() - taken) as u64;
+                st.held_groups.insert(name.to_string(), at);
+                for &i in &idx[taken..] {
+                    st.note_held(runs[i].0, at, Some(name.to_string()));
+                    out[i] = Admit::NotBefore(at);
+                }
+            }
+        }
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        for i in key_limited {
+            if out[i] != Admit::Now {
+                continue;
+            }
+            let p = settings.for_key(runs[i].0);
+            if let (Some((rate, burst)), Some(b)) =
+                (p.rate.zip(p.burst_or_default()), keys.get_mut(runs[i].0))
+            {
+                let _ = b.take(rate, burst, now_ms);
+            }
+        }
+        out
     }
 
     /// A handler's back-off for `key`'s whole group: no key of the group
@@ -1610,27 +1738,35 @@ mod tests {
         );
     }
 
+    /// Puts every key starting with `prefix` in group `name`, of `rate`
+    /// (with its burst) if given and `concurrency` runs at once.
+    fn group_of_prefix(
+        s: &mut FlowSettings,
+        prefix: &str,
+        name: &str,
+        rate: Option<(Rate, u64)>,
+        concurrency: u32,
+    ) {
+        let limit = GroupLimit {
+            rate: rate.map(|r| r.0),
+            burst: rate.map(|r| r.1),
+            concurrency: Some(concurrency),
+        };
+        s.groups.insert(name.into(), limit);
+        let policy = FlowPolicy {
+            group: Some(name.into()),
+            ..FlowPolicy::default()
+        };
+        s.prefixes.insert(prefix.into(), policy);
+    }
+
     /// A group's concurrency counts runs over every key of it: a start
     /// takes a slot until its lease ends, an ended or renewed run gives it
     /// back or keeps it, a holder keeps its own slot, a lapsed one frees.
     #[test]
     fn a_groups_runs_are_capped_until_they_end_or_lapse() {
         let mut s = FlowSettings::default();
-        s.groups.insert(
-            "db".into(),
-            GroupLimit {
-                rate: None,
-                burst: None,
-                concurrency: Some(2),
-            },
-        );
-        s.prefixes.insert(
-            "t:".into(),
-            FlowPolicy {
-                group: Some("db".into()),
-                ..FlowPolicy::default()
-            },
-        );
+        group_of_prefix(&mut s, "t:", "db", None, 2);
         s.validate().expect("valid");
         let g: Arc<dyn GroupBuckets> = Arc::new(LocalGroupBuckets::default());
         let f = FlowControl::new(s, Arc::clone(&g));
@@ -1687,6 +1823,40 @@ mod tests {
             f.admit("t:a", 2_000, &run(9, 9_000)),
             Admit::NotBefore(3_000)
         );
+    }
+
+    /// Asking for a claim's starts at once answers as asking one at a time.
+    #[test]
+    fn admitting_many_at_once_answers_as_one_at_a_time() {
+        let mut s = settings();
+        group_of_prefix(&mut s, "db:", "db", Some((rate("100/s"), 5)), 2);
+        let keys = [
+            "free:a",
+            "free:vip",
+            "db:1",
+            "paid:x",
+            "free:b",
+            "free:vip2",
+            "db:2",
+            "db:3",
+        ];
+        let one = FlowControl::new(s.clone(), Arc::new(LocalGroupBuckets::default()));
+        let many = FlowControl::new(s, Arc::new(LocalGroupBuckets::default()));
+        for now in [0, 50, 100, 700, 5_000] {
+            let runs: Vec<(&str, RunStart<'_>)> = (keys.iter().enumerate())
+                .map(|(i, k)| {
+                    let start = RunStart {
+                        shard: "s",
+                        fence: now * 100 + i as u64,
+                        lease_until_ms: now + 600,
+                    };
+                    (*k, start)
+                })
+                .collect();
+            let each: Vec<Admit> = runs.iter().map(|(k, r)| one.admit(k, now, r)).collect();
+            assert_eq!(many.admit_many(&runs, now), each, "at {now} ms");
+        }
+        assert_eq!(one.stats(), many.stats());
     }
 
     #[test]

@@ -22,7 +22,8 @@ use std::time::Duration;
 
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::flow::{
-    free_group_slots, hold_group, renew_group_slots, take_group, GroupState, SlotAsk,
+    free_group_slots, hold_group, renew_group_slots, take_group, take_group_many, GroupState,
+    SlotAsk,
 };
 use shardq_core::{ErrorKind, GroupBuckets, GroupLimit, QueueError};
 
@@ -127,6 +128,16 @@ impl GroupBuckets for FileGroupBuckets {
         slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
         self.with_buckets(|b| take_group(b, group, limit, now_ms, slot))
+    }
+
+    fn take_many(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+        asks: &[SlotAsk<'_>],
+    ) -> Result<(usize, u64), QueueError> {
+        self.with_buckets(|b| take_group_many(b, group, limit, now_ms, asks))
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {

@@ -1223,7 +1223,7 @@ impl QueueBackend for RedisBackend {
             .map(|j| j.get(2).and_then(reply::u64).unwrap_or(0))
             .collect();
         s.observe(before, seq, seq, &fences)?;
-        let mut out = Vec::with_capacity(jobs.len() / 3);
+        let mut claimed = Vec::with_capacity(jobs.len() / 3);
         for j in jobs.chunks(3) {
             if j.len() != 3 {
                 return Err(bad());
@@ -1234,30 +1234,44 @@ impl QueueBackend for RedisBackend {
                 .ok_or_else(bad)?;
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
             held.in_flight.insert(id, rec.key.clone());
-            if let Some(flow) = flow {
-                let start = shardq_core::flow::RunStart {
-                    shard: &s.name,
+            claimed.push((id, rec, fence));
+        }
+        // Every start's limits asked at once: one call per group.
+        let admits = match flow {
+            Some(flow) => {
+                let runs: Vec<(&str, shardq_core::flow::RunStart<'_>)> = (claimed.iter())
+                    .map(|(_, rec, fence)| {
+                        let start = shardq_core::flow::RunStart {
+                            shard: &s.name,
+                            fence: *fence,
+                            lease_until_ms,
+                        };
+                        (rec.key.as_str(), start)
+                    })
+                    .collect();
+                flow.admit_many(&runs, now)
+            }
+            None => vec![Admit::Now; claimed.len()],
+        };
+        let mut out = Vec::with_capacity(claimed.len());
+        for ((id, rec, fence), admit) in claimed.into_iter().zip(admits) {
+            if let Admit::NotBefore(at) = admit {
+                let r = Receipt {
+                    id: JobId(id),
                     fence,
-                    lease_until_ms,
                 };
-                if let Admit::NotBefore(at) = flow.admit(&rec.key, now, &start) {
-                    let r = Receipt {
-                        id: JobId(id),
-                        fence,
-                    };
-                    match self.give_back(s, held, r, &rec.key, at.saturating_sub(now)) {
-                        Ok(_) => continue,
-                        // Its first try went through and the reply was
-                        // lost: it is given back.
-                        Err(QueueError::StaleReceipt { .. }) => {
-                            held.in_flight.remove(&id);
-                            continue;
-                        }
-                        // Not given back: the run is in flight, so it
-                        // starts now (over the limit by one) rather than
-                        // waiting out its lease and losing an attempt.
-                        Err(_) => {}
+                match self.give_back(s, held, r, &rec.key, at.saturating_sub(now)) {
+                    Ok(_) => continue,
+                    // Its first try went through and the reply was
+                    // lost: it is given back.
+                    Err(QueueError::StaleReceipt { .. }) => {
+                        held.in_flight.remove(&id);
+                        continue;
                     }
+                    // Not given back: the run is in flight, so it
+                    // starts now (over the limit by one) rather than
+                    // waiting out its lease and losing an attempt.
+                    Err(_) => {}
                 }
             }
             if let Some(p) = (picked.as_ref()).and_then(|p| p.iter().find(|p| p.key == rec.key)) {

@@ -227,14 +227,15 @@ impl Drop for LockGuard {
 }
 
 impl RedisMapStore {
-    /// Runs the group-bucket script on `group`'s bucket.
+    /// Runs the group-bucket script on `group`'s bucket and slots: how many
+    /// starts were taken, and when to ask again for the rest.
     fn group_bucket(
         &self,
         group: &str,
         limit: &GroupLimit,
         now_ms: u64,
         op: GroupOp<'_>,
-    ) -> Result<Result<(), u64>, QueueError> {
+    ) -> Result<(usize, u64), QueueError> {
         let keys = [
             group_bucket_key(&self.namespace, group),
             group_slots_key(&self.namespace, group),
@@ -249,28 +250,34 @@ impl RedisMapStore {
                         .arg(rate.per_ms)
                         .arg(limit.burst_or_default());
                     match op {
-                        GroupOp::Hold(t) => c.arg("hold").arg(t),
-                        GroupOp::Take(slot) => {
-                            c.arg("take");
-                            match (limit.concurrency, slot) {
-                                (Some(n), Some(ask)) => c
-                                    .arg(n)
-                                    .arg(ask.holder)
-                                    .arg(ask.until_ms)
-                                    .arg(GROUP_SLOT_RECHECK_MS),
-                                _ => c.arg(0),
+                        GroupOp::Hold(t) => {
+                            c.arg("hold").arg(t);
+                        }
+                        GroupOp::Take { n, asks } => {
+                            let conc = limit.concurrency.filter(|_| !asks.is_empty());
+                            // One claim's runs share their lease's end.
+                            let lapse = asks.iter().map(|a| a.until_ms).max().unwrap_or(0);
+                            c.arg("take")
+                                .arg(conc.unwrap_or(0))
+                                .arg(lapse)
+                                .arg(GROUP_SLOT_RECHECK_MS)
+                                .arg(n);
+                            if conc.is_some() {
+                                for a in asks {
+                                    c.arg(a.holder);
+                                }
                             }
                         }
-                    };
+                    }
                 })
             })
             .map_err(|e| QueueError::store(e.kind(), e))?;
+        let items = reply::items(&v);
         match reply::status(&v).as_str() {
-            "OK" => Ok(Ok(())),
-            "WAIT" => Ok(Err(reply::items(&v)
-                .get(1)
-                .and_then(reply::u64)
-                .unwrap_or(now_ms + 1_000))),
+            "OK" => Ok((
+                items.get(1).and_then(reply::u64).unwrap_or(0) as usize,
+                items.get(2).and_then(reply::u64).unwrap_or(now_ms + 1_000),
+            )),
             other => Err(QueueError::Internal {
                 what: format!("group {group:?}'s bucket answered {other:?}"),
             }),
@@ -281,8 +288,9 @@ impl RedisMapStore {
 /// What [`RedisMapStore::group_bucket`] does to a group.
 #[derive(Clone, Copy)]
 enum GroupOp<'a> {
-    /// Takes a token, and a run slot when asked and the group limits runs.
-    Take(Option<SlotAsk<'a>>),
+    /// Takes `n` starts' tokens, and their run slots (`asks`, one per
+    /// start) when the group limits runs and they are given.
+    Take { n: usize, asks: &'a [SlotAsk<'a>] },
     /// Holds the bucket until then.
     Hold(u64),
 }
@@ -298,7 +306,27 @@ impl GroupBuckets for RedisMapStore {
         now_ms: u64,
         slot: Option<SlotAsk<'_>>,
     ) -> Result<Result<(), u64>, QueueError> {
-        self.group_bucket(group, limit, now_ms, GroupOp::Take(slot))
+        let asks = Vec::from_iter(slot);
+        let one = GroupOp::Take { n: 1, asks: &asks };
+        let (taken, at) = self.group_bucket(group, limit, now_ms, one)?;
+        Ok(if taken == 1 { Ok(()) } else { Err(at) })
+    }
+
+    fn take_many(
+        &self,
+        group: &str,
+        limit: &GroupLimit,
+        now_ms: u64,
+        asks: &[SlotAsk<'_>],
+    ) -> Result<(usize, u64), QueueError> {
+        if asks.is_empty() {
+            return Ok((0, 0));
+        }
+        let all = GroupOp::Take {
+            n: asks.len(),
+            asks,
+        };
+        self.group_bucket(group, limit, now_ms, all)
     }
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
