@@ -239,7 +239,9 @@ fn connections_past_the_limit_are_closed_at_once_and_the_server_keeps_serving() 
     let dir = init_dir(1, "rendezvous");
     let mut o = options();
     o.conn.connections_max = 16;
-    o.conn.header_read_timeout_ms = 1_000;
+    // Long enough that "closed at once" below (within 2.5 s, room for a
+    // loaded machine) cannot be the held ones' own timeout.
+    o.conn.header_read_timeout_ms = 4_000;
     o.worker.lease_ms = 1_000;
     let s = start(dir.path(), o);
     wait_until("the shard is owned", Duration::from_secs(20), || {
@@ -252,7 +254,7 @@ fn connections_past_the_limit_are_closed_at_once_and_the_server_keeps_serving() 
     // One more is accepted and closed at once rather than left waiting.
     let mut extra = TcpStream::connect(s.addr()).unwrap();
     extra
-        .set_read_timeout(Some(Duration::from_millis(900)))
+        .set_read_timeout(Some(Duration::from_millis(2_500)))
         .unwrap();
     let mut b = [0u8; 1];
     assert_eq!(
