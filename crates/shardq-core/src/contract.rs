@@ -466,8 +466,8 @@ pub fn a_groups_concurrency_caps_its_runs_over_every_shard(h: &dyn ContractHarne
 }
 
 /// A slot names one run: an old run's end that arrives late (an ack sent
-/// twice) never frees the slot of a newer run of the same key, so a third
-/// run never joins the group's two.
+/// twice, then a fail and a back-off of it) never frees the slot of a newer
+/// run of the same key, so a third run never joins the group's two.
 fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
     use crate::flow::GROUP_SLOT_RECHECK_MS;
     let shard = h.fresh_shard();
@@ -491,6 +491,16 @@ fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
     );
     let late = be.ack(&shard, &[r1.receipt()]).expect("ack");
     assert_eq!((late.acked, late.stale.len()), (0, 1), "{late:?}");
+    let late_fail = be.fail(&shard, r1.receipt(), "late", None);
+    assert!(
+        matches!(late_fail, Err(QueueError::StaleReceipt { .. })),
+        "{late_fail:?}"
+    );
+    let late_back_off = be.back_off(&shard, r1.receipt(), 1_000, false);
+    assert!(
+        matches!(late_back_off, Err(QueueError::StaleReceipt { .. })),
+        "{late_back_off:?}"
+    );
     enqueue(h, &shard, "contract-slot:p", "p", 1);
     h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
     assert!(
@@ -504,6 +514,31 @@ fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
     let third = claim(h, &shard, 16, LONG_LEASE_MS);
     assert_eq!(third.len(), 1, "p starts once slots are free: {third:?}");
     ack_one(h, &shard, third[0].receipt());
+    // A cancelled run's ack, refused, gives its slot back at once (not at
+    // the end of its long lease).
+    for k in ["c", "d", "e"] {
+        enqueue(h, &shard, &format!("contract-slot:{k}"), k, 1);
+    }
+    let two = claim(h, &shard, 16, LONG_LEASE_MS);
+    assert_eq!(two.len(), 2, "{two:?}");
+    match be.cancel(&shard, two[0].id).expect("cancel") {
+        CancelOutcome::Running => ack_one(h, &shard, two[0].receipt()),
+        CancelOutcome::Stopping => {
+            let out = be.ack(&shard, &[two[0].receipt()]).expect("ack");
+            assert_eq!(out.stale.len(), 1, "a cancelled run's ack is refused");
+        }
+        other => panic!("a running job's cancel answered {other:?}"),
+    }
+    h.pass_ms(GROUP_SLOT_RECHECK_MS + 1);
+    let last = claim(h, &shard, 16, LONG_LEASE_MS);
+    assert_eq!(
+        last.len(),
+        1,
+        "the cancelled run's slot went back: {last:?}"
+    );
+    for r in two.iter().skip(1).chain(&last) {
+        ack_one(h, &shard, r.receipt());
+    }
 }
 
 /// Finished jobs are kept for the retention (harnesses open their backend

@@ -712,10 +712,12 @@ impl QueueBackend for MemoryBackend {
         let (backoff, policy) = (self.backoff, self.dead_policy);
         let mut ended = Vec::new();
         let out = self.owned(shard, |s| {
+            let job = s.jobs.get(&receipt.id);
+            // Over, current or not: its group slot goes back below.
+            ended.extend(job.map(|j| (j.key.clone(), receipt.fence)));
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
             let job = s.jobs.get(&receipt.id);
-            ended.extend(job.map(|j| (j.key.clone(), receipt.fence)));
             let backoff = job
                 .and_then(|j| self.retry_rules.for_key(&j.key))
                 .map_or(backoff, |p| p.backoff);
@@ -728,9 +730,11 @@ impl QueueBackend for MemoryBackend {
                 backoff,
                 policy,
             ))
-        })?;
-        self.runs_ended(shard, &ended);
-        Ok(out)
+        });
+        if matches!(out, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
+            self.runs_ended(shard, &ended);
+        }
+        out
     }
 
     fn ranks_keys(&self) -> bool {
@@ -747,7 +751,14 @@ impl QueueBackend for MemoryBackend {
         crate::flow::validate_backoff_ms(retry_in_ms)?;
         let now = self.clock.now_ms();
         let at_ms = now.saturating_add(retry_in_ms);
+        let mut ended = Vec::new();
         let key = self.owned(shard, |s| {
+            // Over, current or not: its group slot goes back below.
+            ended.extend(
+                s.jobs
+                    .get(&receipt.id)
+                    .map(|j| (j.key.clone(), receipt.fence)),
+            );
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
             let Some(j) = s.jobs.get_mut(&receipt.id) else {
@@ -765,8 +776,11 @@ impl QueueBackend for MemoryBackend {
                 .or_default()
                 .push_front(receipt.id);
             Ok(key)
-        })?;
-        self.runs_ended(shard, &[(key.clone(), receipt.fence)]);
+        });
+        if matches!(key, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
+            self.runs_ended(shard, &ended);
+        }
+        let key = key?;
         let held = match (&self.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
             _ => None,

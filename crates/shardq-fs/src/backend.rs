@@ -1231,9 +1231,14 @@ impl QueueBackend for FsBackend {
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
         let mut outcome = FailOutcome::Dead;
         let mut key = String::new();
-        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+        let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
             let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
+                // Over: its group slot goes back below.
+                key = r
+                    .live_job(receipt.id.0)
+                    .map(|j| j.key.to_string())
+                    .unwrap_or_default();
                 return Err(stale(
                     name,
                     receipt,
@@ -1265,9 +1270,12 @@ impl QueueBackend for FsBackend {
                 },
             );
             Ok(bytes)
-        })?;
+        });
         drop(inner);
-        self.runs_ended(name, &[(&key, receipt.fence)]);
+        if !key.is_empty() && matches!(res, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
+            self.runs_ended(name, &[(&key, receipt.fence)]);
+        }
+        let (_, end) = res?;
         self.after_run_record(&shard, end)?;
         Ok(outcome)
     }
@@ -1288,9 +1296,14 @@ impl QueueBackend for FsBackend {
         let mut inner = self.owned_inner(&shard)?;
         let at_ms = self.opts.clock.now_ms().saturating_add(retry_in_ms);
         let mut key = String::new();
-        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+        let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
             let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
+                // Over: its group slot goes back below.
+                key = r
+                    .live_job(receipt.id.0)
+                    .map(|j| j.key.to_string())
+                    .unwrap_or_default();
                 return Err(stale(
                     name,
                     receipt,
@@ -1308,9 +1321,12 @@ impl QueueBackend for FsBackend {
                 },
             );
             Ok(bytes)
-        })?;
+        });
         drop(inner);
-        self.runs_ended(name, &[(&key, receipt.fence)]);
+        if !key.is_empty() && matches!(res, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
+            self.runs_ended(name, &[(&key, receipt.fence)]);
+        }
+        let (_, end) = res?;
         self.after_run_record(&shard, end)?;
         let held = match (&self.opts.flow, group) {
             (Some(f), true) => f.hold_group_of(&key, at_ms),
