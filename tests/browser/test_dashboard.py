@@ -398,9 +398,13 @@ def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, depl
     assert code == 200, v
     code, v = api.call("PUT", "/v1/policies/flowtest:?scope=prefix", {"group": "dash-api"})
     assert code == 200, v
+    # The server reads the settings again within a second: the jobs go in
+    # once it uses them (before, their claims may start all four).
+    wait_for("the server to use the new group",
+             lambda: "dash-api" in api.get("/v1/status")["flow"]["groups"], timeout_s=20)
     api.post("/v1/jobs", {"jobs": [{"key": f"flowtest:{i}", "payload": "p"} for i in range(4)]})
-    # The server reads the settings again within a second; claim until two
-    # runs of the group started and the others are held back.
+    # Claim until two runs of the group started and the others are held
+    # back.
     started = []
 
     def claimed_two():
