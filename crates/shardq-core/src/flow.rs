@@ -1162,78 +1162,7 @@ impl FlowControl {
         if !self.limits_starts() {
             return Admit::Now;
         }
-        let settings = self.settings();
-        let p = settings.for_key(key);
-        if !p.limits_starts() {
-            return Admit::Now;
-        }
-        let recheck = now_ms.saturating_add(FLOW_RECHECK_MS);
-        let key_limit = p.rate.zip(p.burst_or_default());
-        if let Some((rate, burst)) = key_limit {
-            // Peeked here, taken after the group's answer: the lock is not
-            // held across the group's store (a file lock, a round trip).
-            // Only the shard's owner starts a key, one claim at a time, so
-            // no other start of it comes between.
-            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-            let b = keys
-                .entry(key.into())
-                .or_insert_with(|| Bucket::full(rate, burst, now_ms));
-            if let Err(at) = b.peek(rate, burst, now_ms) {
-                let at = at.min(recheck);
-                let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-                st.key_throttled += 1;
-                st.note_held(key, at, None);
-                return Admit::NotBefore(at);
-            }
-        }
-        if let Some((name, limit)) =
-            (p.group.as_ref()).and_then(|g| settings.groups.get_key_value(g))
-        {
-            let held = (self.stats.lock().unwrap_or_else(|e| e.into_inner()))
-                .held_groups
-                .get(name)
-                .copied()
-                .filter(|&at| at > now_ms);
-            let answer = match held {
-                // Other processes only take tokens: an empty bucket seen
-                // here stays empty at least until then.
-                Some(at) => Err(at),
-                None => match self.groups.take(
-                    name,
-                    limit,
-                    now_ms,
-                    Some(SlotAsk {
-                        holder: &start.holder(),
-                        until_ms: start.lease_until_ms,
-                    }),
-                ) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        self.note_error(format!("group {name:?}'s bucket: {e}"));
-                        Err(recheck)
-                    }
-                },
-            };
-            let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-            match answer {
-                Ok(()) => *st.group_starts.entry(name.clone()).or_default() += 1,
-                Err(at) => {
-                    let at = at.min(recheck);
-                    *st.group_throttled.entry(name.clone()).or_default() += 1;
-                    st.held_groups.insert(name.clone(), at);
-                    st.note_held(key, at, Some(name.clone()));
-                    return Admit::NotBefore(at);
-                }
-            }
-        }
-        if let Some((rate, burst)) = key_limit {
-            let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-            let b = keys
-                .entry(key.into())
-                .or_insert_with(|| Bucket::full(rate, burst, now_ms));
-            let _ = b.take(rate, burst, now_ms);
-        }
-        Admit::Now
+        self.admit_many(&[(key, *start)], now_ms)[0]
     }
 
     /// [`FlowControl::admit`] for the runs a claim would start at once, in
@@ -1251,6 +1180,11 @@ impl FlowControl {
         let recheck = now_ms.saturating_add(FLOW_RECHECK_MS);
         let mut by_group: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         let mut key_limited = Vec::new();
+        // Key buckets are peeked here and charged once the groups have
+        // answered, so the lock is not held across a group's store (a file
+        // lock, a round trip) and a refusal by the group costs the key
+        // nothing. Only the shard's owner starts a key, one claim at a
+        // time, so no other start of it comes between.
         {
             let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
             for (i, (key, _)) in runs.iter().enumerate() {

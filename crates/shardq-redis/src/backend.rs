@@ -687,7 +687,8 @@ impl RedisBackend {
         Ok(Some(picked))
     }
 
-    /// Gives back the group run slots of the runs of `keys` that ended.
+    /// Gives back the group run slots of the runs `runs` (key, fence) of
+    /// `shard` that are over.
     fn runs_ended(&self, shard: &str, runs: &[(String, u64)]) {
         if let Some(f) = self.inner.opts.flow.as_deref().filter(|_| !runs.is_empty()) {
             let runs: Vec<(&str, u64)> = runs.iter().map(|(k, f)| (k.as_str(), *f)).collect();
