@@ -649,16 +649,15 @@ impl Dispatch<'_> {
         // wait in the workers' queue), and only once a whole concurrency's
         // worth is free or nothing runs: claims then come in batches, not
         // one call per finished job.
-        // Ranked keys (flow control): no claim ahead, so a slot freed
-        // goes to the best-ranked key ready then, not to one claimed early.
-        let ahead = if self.backend.ranks_keys() {
-            1
-        } else {
-            CLAIM_AHEAD
-        };
+        // Ranked keys (flow control): no claim ahead, and a claim for each
+        // slot that frees, so it goes to the best-ranked key ready then,
+        // not to one claimed early (nor waits for the other slots).
+        let ranked = self.backend.ranks_keys();
+        let ahead = if ranked { 1 } else { CLAIM_AHEAD };
         let window = self.opts.concurrency.saturating_mul(ahead);
         let room = window - self.in_flight().min(window);
-        if room < self.opts.concurrency && self.in_flight() > 0 {
+        let batch = if ranked { 1 } else { self.opts.concurrency };
+        if room < batch && self.in_flight() > 0 {
             return Ok(false);
         }
         for i in 0..n {

@@ -731,3 +731,69 @@ fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
         );
     }
 }
+
+/// With ranked keys a pool claims for every slot that frees, not once all
+/// are free: a pool of 2 slots whose first run blocks keeps running the
+/// other keys' jobs on its second slot meanwhile (it used to wait for the
+/// blocked run, leaving the slot idle).
+#[test]
+fn a_ranked_pool_refills_a_slot_while_another_run_goes_on() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    use shardq_core::{FlowControl, LocalGroupBuckets};
+    let settings = FlowSettings {
+        default: FlowPolicy {
+            weight: 2,
+            ..FlowPolicy::default()
+        },
+        ..FlowSettings::default()
+    };
+    let flow = Arc::new(FlowControl::new(
+        settings,
+        Arc::new(LocalGroupBuckets::default()),
+    ));
+    let mem = MemoryBackend::new(&["s"], Arc::new(SystemClock)).with_flow(flow);
+    mem.enqueue("s", u64::MAX, &[NewJob::new("slow", "x")])
+        .unwrap();
+    for i in 0..20 {
+        mem.enqueue("s", u64::MAX, &[NewJob::new("quick", i.to_string())])
+            .unwrap();
+    }
+    let release = Arc::new(AtomicBool::new(false));
+    let quick_done = Arc::new(AtomicUsize::new(0));
+    let (r, q) = (Arc::clone(&release), Arc::clone(&quick_done));
+    let handler: Arc<shardq_core::Handler> = Arc::new(move |job: &ClaimedJob| {
+        if job.key == "slow" {
+            while !r.load(Ordering::SeqCst) {
+                thread::sleep(Duration::from_millis(1));
+            }
+        } else {
+            q.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
+    });
+    let opts = PoolOptions {
+        concurrency: 2,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let backend: Arc<dyn QueueBackend> = Arc::new(mem.clone());
+    let pool = run_pool(
+        backend,
+        mem,
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    );
+    let t0 = Instant::now();
+    while quick_done.load(Ordering::SeqCst) < 20 && t0.elapsed() < Duration::from_secs(20) {
+        thread::sleep(Duration::from_millis(2));
+    }
+    let done_while_blocked = quick_done.load(Ordering::SeqCst);
+    release.store(true, Ordering::SeqCst);
+    let report = pool.join().unwrap().unwrap();
+    assert_eq!(report.acked, 21, "{report:?}");
+    assert_eq!(
+        done_while_blocked, 20,
+        "the quick key's jobs run on the free slot while the slow run goes on"
+    );
+}

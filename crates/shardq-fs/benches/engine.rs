@@ -314,6 +314,22 @@ fn main() {
     );
     summary.insert("pool_sync_acks_jobs_per_s".into(), rates[0].round().into());
     summary.insert("pool_jobs_per_s".into(), rates[1].round().into());
+    // 6b. The same pool with a weight on every key: flow control ranks the
+    // ready keys, and the pool claims for each slot that frees instead of
+    // a concurrency's worth ahead (alternated with the unranked pool).
+    let (mut plain, mut ranked) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        plain.push(worker_pool_rate_with(pool_jobs, 50, None));
+        ranked.push(worker_pool_rate_with(pool_jobs, 50, Some(weighted.clone())));
+    }
+    let (plain, ranked) = (median(&mut plain), median(&mut ranked));
+    println!("WorkerPool c=8, 4 shards, no policy:      {plain:>11.0} jobs/s");
+    println!(
+        "WorkerPool c=8, 4 shards, weights (ranked): {ranked:>11.0} jobs/s ({:.2} of no policy)",
+        ranked / plain
+    );
+    summary.insert("pool_ranked_jobs_per_s".into(), ranked.round().into());
+    summary.insert("pool_ranked_of_plain".into(), (ranked / plain).into());
 
     println!("{}", serde_json::Value::Object(summary));
 }
@@ -322,6 +338,12 @@ fn main() {
 /// draining `n` jobs enqueued with fsync, run records synced within
 /// `sync_ms` (0: before each call returns).
 fn worker_pool_rate(n: usize, sync_ms: u64) -> f64 {
+    worker_pool_rate_with(n, sync_ms, None)
+}
+
+/// [`worker_pool_rate`] with flow control asking `flow` (none: no flow
+/// control at all).
+fn worker_pool_rate_with(n: usize, sync_ms: u64, flow: Option<FlowSettings>) -> f64 {
     use shardq_core::PoolOptions;
     use std::sync::atomic::AtomicBool;
     let dir = std::env::temp_dir().join(format!(
@@ -334,6 +356,7 @@ fn worker_pool_rate(n: usize, sync_ms: u64) -> f64 {
     Engine::init(&dir, &map).unwrap();
     let mut o = opts(Durability::Fsync);
     o.run_record_sync_ms = sync_ms;
+    o.flow = flow.map(|s| Arc::new(FlowControl::new(s, Arc::new(LocalGroupBuckets::default()))));
     let engine = Engine::open(&dir, o).unwrap();
     let jobs: Vec<NewJob> = (0..n)
         .map(|i| NewJob::new(format!("key-{}", i % KEYS), vec![b'x'; PAYLOAD_BYTES]))
