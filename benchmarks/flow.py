@@ -3,7 +3,7 @@
 `shardq work --stdio` processes, real starts (see BENCHMARKS.md).
 
     python3 benchmarks/flow.py accuracy [--backend embedded|redis] [--seconds 60] [--workers 4]
-    python3 benchmarks/flow.py weights  [--backend embedded|redis] [--seconds 20]
+    python3 benchmarks/flow.py weights  [--backend embedded|redis] [--seconds 20] [--shards 1]
     python3 benchmarks/flow.py noisy    [--seconds 30] [--quiet 1000] [--noisy-jobs 1000000]
 
 accuracy: a key limited to 50/s and a group limited to 200/s over 64 keys
@@ -12,8 +12,9 @@ handler that records when it started. Reports each limit's measured rate
 over the window (after the first 5 s), its error, and the most starts in
 any 1 s window against rate + burst.
 
-weights: three backlogged keys of weights 1, 2 and 4 on one shard, one
-worker with one slot; reports each key's share of the starts.
+weights: three backlogged keys of weights 1, 2 and 4 on one shard (with
+--shards N, on three different shards of N), one worker with one slot;
+reports each key's share of the starts.
 
 noisy: 1,000 quiet keys each enqueueing one job a second, with and without
 one noisy key holding a backlog of 1,000,000 jobs; reports the quiet
@@ -154,25 +155,42 @@ def bench_accuracy(a: argparse.Namespace) -> None:
             f"{row['max_in_1s_handler_stamps']} by the handlers' stamps)")
 
 
+def weight_keys(data: str, shards: int) -> Dict[str, str]:
+    """A key per weight prefix (w1:, w2:, w4:), each on its own shard when
+    there are several (found with `shardq route`)."""
+    if shards == 1:
+        return {p: p + "a" for p in ("w1:", "w2:", "w4:")}
+    cands = [f"{p}{i}" for p in ("w1:", "w2:", "w4:") for i in range(64)]
+    routed = dict(line.split("\t") for line in sh(binary(), "route", "--map", os.path.join(data, "shardmap.yaml"),
+                                                   *cands).decode().split("\n") if line)
+    keys: Dict[str, str] = {}
+    for p in ("w1:", "w2:", "w4:"):
+        taken = {routed[k] for k in keys.values()}
+        keys[p] = next(k for k in cands if k.startswith(p) and routed[k] not in taken)
+    log("weights keys: " + ", ".join(f"{k} on {routed[k]}" for k in keys.values()))
+    return keys
+
+
 def bench_weights(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="shardq-bench-weights-") as tmp:
         redis = RedisServer(tmp) if a.backend == "redis" else None
         try:
-            data = init_data(tmp, "q", 1, redis.url if redis else None)
+            data = init_data(tmp, "q", a.shards, redis.url if redis else None)
             for p, w in [("w1:", 1), ("w2:", 2), ("w4:", 4)]:
                 sh(binary(), "policy", "set", "--data", data, "--prefix", p, "--weight", str(w))
+            keys = weight_keys(data, a.shards)
             n = 3_000 * a.seconds
-            enqueue_lines(data, [f"{k}\t{i}\n" for i in range(n) for k in ("w1:a", "w2:a", "w4:a")])
-            ws = start_workers(data, tmp, 1, "1", 1)
+            enqueue_lines(data, [f"{k}\t{i}\n" for i in range(n) for k in keys.values()])
+            ws = start_workers(data, tmp, 1, "all", 1)
             time.sleep(a.seconds)
             starts = stop_workers(ws)
         finally:
             if redis:
                 redis.stop()
     total = len(starts)
-    share = {k: sum(1 for s in starts if s[0] == k) / total for k in ("w1:a", "w2:a", "w4:a")}
-    want = {"w1:a": 1 / 7, "w2:a": 2 / 7, "w4:a": 4 / 7}
-    row = {"bench": "flow-weights", "backend": a.backend, "starts": total,
+    share = {k: sum(1 for s in starts if s[0] == k) / total for k in keys.values()}
+    want = {keys["w1:"]: 1 / 7, keys["w2:"]: 2 / 7, keys["w4:"]: 4 / 7}
+    row = {"bench": "flow-weights", "backend": a.backend, "shards": a.shards, "starts": total,
            **{f"share_{k}": round(v, 4) for k, v in share.items()},
            **{f"error_pct_{k}": round(100 * (share[k] - want[k]) / want[k], 2) for k in share}}
     emit(row)
@@ -223,6 +241,7 @@ def main() -> None:
     w = sub.add_parser("weights")
     w.add_argument("--backend", choices=["embedded", "redis"], default="embedded")
     w.add_argument("--seconds", type=int, default=20)
+    w.add_argument("--shards", type=int, default=1, help="shards of the deployment; the three keys on different ones when > 1")
     n = sub.add_parser("noisy")
     n.add_argument("--seconds", type=int, default=30)
     n.add_argument("--quiet", type=int, default=1000)

@@ -57,6 +57,7 @@
 //!   [`QueueBackend::dedup_import`]).
 
 use crate::error::QueueError;
+use crate::flow::Rank;
 use crate::job::{
     AckOutcome, CancelOutcome, ClaimedJob, DeadJob, DedupRecord, FailOutcome, Fence, JobId,
     JobInfo, KeyCounts, MovedJob, NewJob, Receipt, ShardStats, Stored,
@@ -422,6 +423,18 @@ pub trait QueueBackend: Send + Sync {
     /// so that every free slot goes to the best-ranked ready key.
     fn ranks_keys(&self) -> bool {
         false
+    }
+
+    /// While keys are ranked ([`QueueBackend::ranks_keys`]): the ranks of
+    /// up to `max` keys a claim on `shard` would start now, best first
+    /// (runs whose lease lapsed count as ready again; limits are not asked,
+    /// so a key over its rate may be among them). Nothing is claimed or
+    /// charged. A process that runs several shards gives its free slots to
+    /// the shards of the best-ranked keys over all of them. Empty when keys
+    /// are not ranked, and on backends that rank no keys. Needs ownership.
+    fn ready_ranks(&self, shard: &str, max: usize) -> Result<Vec<Rank>, QueueError> {
+        let _ = (shard, max);
+        Ok(Vec::new())
     }
 
     /// Ends a run without using an attempt, because its handler said its

@@ -170,6 +170,55 @@ pub fn run_all(h: &dyn ContractHarness) {
 /// on Redis a claim ranks the first keys of the shard's ready list).
 pub fn run_ranked(h: &dyn ContractHarness) {
     weights_share_slots_and_priorities_go_first(h);
+    ranks_compare_across_the_shards_of_a_process(h);
+}
+
+/// Ranks compare over the shards of one process
+/// ([`QueueBackend::ready_ranks`]): with one slot given each time to the
+/// shard of the best-ranked key, a key of weight 4 on one shard and a key
+/// of weight 1 on another start 4:1. The weight-1 key arrives after the
+/// other ran alone for 40 starts, and starts from the process's virtual
+/// time: no burst to catch up on what it never asked for.
+pub fn ranks_compare_across_the_shards_of_a_process(h: &dyn ContractHarness) {
+    let (a, b) = (h.fresh_shard(), h.fresh_shard());
+    let backend = h.backend();
+    for i in 0..100 {
+        enqueue(h, &b, "contract-w4:x", &i.to_string(), 1);
+    }
+    let start_best = || {
+        let best = [&a, &b]
+            .into_iter()
+            .filter_map(|s| {
+                let r = backend.ready_ranks(s, 1).expect("ready ranks");
+                r.first().map(|r| (*r, s.clone()))
+            })
+            .min()
+            .expect("a ready key on one of the shards");
+        let run = claim(h, &best.1, 1, LONG_LEASE_MS);
+        assert_eq!(run.len(), 1, "the best-ranked shard starts its key");
+        ack_one(h, &best.1, run[0].receipt());
+        run[0].key.clone()
+    };
+    for _ in 0..40 {
+        assert_eq!(start_best(), "contract-w4:x", "alone on its shards");
+    }
+    assert!(
+        backend.ready_ranks(&a, 5).expect("ranks").is_empty(),
+        "an idle shard ranks nothing"
+    );
+    for i in 0..60 {
+        enqueue(h, &a, "contract-w1:x", &i.to_string(), 1);
+    }
+    let mut w1 = 0;
+    for _ in 0..50 {
+        if start_best() == "contract-w1:x" {
+            w1 += 1;
+        }
+    }
+    assert!(
+        (w1 - 10i32).abs() <= 2,
+        "weights 1:4 over two shards, 50 starts: {w1} of the weight-1 key"
+    );
 }
 
 /// Backlogged keys of weights 1, 2 and 4 ([`flow_settings`]) claimed one

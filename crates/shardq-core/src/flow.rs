@@ -1029,6 +1029,9 @@ pub struct FlowControl {
     /// every key it would start.
     limits: AtomicBool,
     ranks: AtomicBool,
+    /// The virtual time of ranking over every shard of this process
+    /// ([`FlowControl::fair_vtime`]).
+    fair_vtime: AtomicU64,
     loaded_ms: AtomicU64,
     source: Option<FlowSource>,
     keys: Mutex<HashMap<Box<str>, Bucket>>,
@@ -1067,6 +1070,7 @@ impl FlowControl {
             }),
             limits: AtomicBool::new(limits),
             ranks: AtomicBool::new(ranks),
+            fair_vtime: AtomicU64::new(0),
             loaded_ms: AtomicU64::new(0),
             source: None,
             keys: Mutex::new(HashMap::new()),
@@ -1138,6 +1142,20 @@ impl FlowControl {
     /// start by [`FairQueue`].
     pub fn ranks_keys(&self) -> bool {
         self.ranks.load(Ordering::Relaxed)
+    }
+
+    /// The virtual time of ranking over every shard of this process: each
+    /// shard's [`FairQueue`] is raised to it before it queues keys
+    /// ([`FairQueue::raise_vtime`]) and raises it after it charges them
+    /// ([`FlowControl::raise_fair_vtime`]), so the start tags, and so the
+    /// [`Rank`]s, of keys on different shards compare.
+    pub fn fair_vtime(&self) -> u64 {
+        self.fair_vtime.load(Ordering::Relaxed)
+    }
+
+    /// Moves the process's virtual time on to `v` if it is later.
+    pub fn raise_fair_vtime(&self, v: u64) {
+        self.fair_vtime.fetch_max(v, Ordering::Relaxed);
     }
 
     /// The (priority, weight) of `key`.
@@ -1411,8 +1429,69 @@ type FairEntry<K> = (i64, u64, u64, u32, K);
 pub struct Popped<K> {
     /// The key.
     pub key: K,
+    priority: i32,
     start: u64,
     weight: u32,
+}
+
+impl<K> Popped<K> {
+    /// Where the key stood in line.
+    pub fn rank(&self) -> Rank {
+        Rank::new(self.priority, self.start)
+    }
+}
+
+/// How many of `free` slots each shard gets when keys are ranked over
+/// several shards: their ready keys' ranks merged, the best `free` counted
+/// per shard; shards in the order of their best key (shards with no rank
+/// among the best get none).
+pub fn shares_by_rank<S: Clone + PartialEq>(
+    ranks: &[(S, Vec<Rank>)],
+    free: usize,
+) -> Vec<(S, usize)> {
+    let mut all: Vec<(Rank, usize)> = (ranks.iter().enumerate())
+        .flat_map(|(i, (_, r))| r.iter().map(move |r| (*r, i)))
+        .collect();
+    all.sort_unstable();
+    let mut shares: Vec<(S, usize)> = Vec::new();
+    for (_, i) in all.into_iter().take(free) {
+        let shard = &ranks[i].0;
+        match shares.iter_mut().find(|(s, _)| s == shard) {
+            Some((_, n)) => *n += 1,
+            None => shares.push((shard.clone(), 1)),
+        }
+    }
+    shares
+}
+
+/// Where a ready key stands in line for a slot: the higher priority first,
+/// then the smaller start tag. Ranks from the shards of one process
+/// compare, as their queues share the process's virtual time
+/// ([`FlowControl::fair_vtime`]): the smaller goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Rank {
+    neg_priority: i64,
+    start: u64,
+}
+
+impl Rank {
+    /// The rank of a key of `priority` whose start tag is `start`.
+    pub fn new(priority: i32, start: u64) -> Rank {
+        Rank {
+            neg_priority: -i64::from(priority),
+            start,
+        }
+    }
+
+    /// The key's priority class.
+    pub fn priority(&self) -> i32 {
+        -self.neg_priority as i32
+    }
+
+    /// The key's start tag (virtual time).
+    pub fn start(&self) -> u64 {
+        self.start
+    }
 }
 
 /// Ready keys in the order they get slots: the highest priority first, and
@@ -1459,12 +1538,49 @@ impl<K: Ord + Clone + std::hash::Hash> FairQueue<K> {
     /// it starts (a key passed over, not due or over its limit, pays
     /// nothing).
     pub fn pop(&mut self) -> Option<Popped<K>> {
-        let std::cmp::Reverse((_, start, _, weight, k)) = self.heap.pop()?;
+        let std::cmp::Reverse((neg_priority, start, _, weight, k)) = self.heap.pop()?;
         Some(Popped {
             key: k,
+            priority: -neg_priority as i32,
             start,
             weight,
         })
+    }
+
+    /// The ranks of the first `max` queued keys that `startable` accepts,
+    /// best first; nothing is taken or charged.
+    pub fn ranks(&self, max: usize, mut startable: impl FnMut(&K) -> bool) -> Vec<Rank> {
+        let mut out: Vec<Rank> = (self.heap.iter())
+            .filter(|std::cmp::Reverse(e)| startable(&e.4))
+            .map(|std::cmp::Reverse(e)| Rank {
+                neg_priority: e.0,
+                start: e.1,
+            })
+            .collect();
+        if out.len() > max {
+            out.select_nth_unstable(max);
+            out.truncate(max);
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The rank key `k` of `priority` would have queued now.
+    pub fn rank_of(&self, k: &K, priority: i32) -> Rank {
+        let start = self.tags.get(k).copied().unwrap_or(0).max(self.vtime);
+        Rank::new(priority, start)
+    }
+
+    /// The virtual time: the start tag of the latest key charged, or
+    /// later when raised.
+    pub fn vtime(&self) -> u64 {
+        self.vtime
+    }
+
+    /// Moves the virtual time on to `v` if it is later (the process's
+    /// virtual time over all its shards), so keys queued next start there.
+    pub fn raise_vtime(&mut self, v: u64) {
+        self.vtime = self.vtime.max(v);
     }
 
     /// Charges a popped key for one start.

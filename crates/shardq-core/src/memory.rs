@@ -13,7 +13,7 @@ use shardq_route::ShardMap;
 use crate::backend::{BackedOff, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
-use crate::flow::{Admit, FlowControl};
+use crate::flow::{Admit, FlowControl, Rank};
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
     DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
@@ -369,6 +369,21 @@ fn finish_failed(
 }
 
 /// The live job `id` as an operator sees it (`None`: not live).
+/// The head job of `key` when a claim may start it at `now`: nothing of
+/// the key running, not halted, not sealed for a move, due, and not held
+/// back by flow control.
+fn startable_head(s: &ShardState, key: &str, now: u64) -> Option<JobId> {
+    if s.busy_keys.contains(key)
+        || s.halted_keys.contains(key)
+        || s.fence.sealed_keys.contains_key(key)
+    {
+        return None;
+    }
+    let id = *s.keys.get(key)?.front()?;
+    let j = s.jobs.get(&id)?;
+    (j.not_before_ms <= now && s.held.get(key).is_none_or(|&at| at <= now)).then_some(id)
+}
+
 fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
     let j = s.jobs.get(&id)?;
     let run = s.in_flight.get(&id);
@@ -581,6 +596,7 @@ impl QueueBackend for MemoryBackend {
             // Ranked: by priority and weight (FairQueue), else key order.
             let ranked = self.flow.as_ref().filter(|f| f.ranks_keys());
             if let Some(f) = ranked {
+                s.fair.raise_vtime(f.fair_vtime());
                 for k in keys.drain(..) {
                     let (priority, weight) = f.rank_of(&k);
                     s.fair.push(k, priority, weight);
@@ -598,21 +614,9 @@ impl QueueBackend for MemoryBackend {
                 else {
                     break;
                 };
-                if s.busy_keys.contains(&key)
-                    || s.halted_keys.contains(&key)
-                    || s.fence.sealed_keys.contains_key(&key)
-                {
-                    continue;
-                }
-                let Some(&id) = s.keys.get(&key).and_then(|q| q.front()) else {
+                let Some(id) = startable_head(s, &key, now) else {
                     continue;
                 };
-                let Some(j) = s.jobs.get_mut(&id) else {
-                    continue;
-                };
-                if j.not_before_ms > now || s.held.get(&key).is_some_and(|&at| at > now) {
-                    continue;
-                }
                 let lease_until_ms = now.saturating_add(lease_ms);
                 let fence = next_fence(
                     now.saturating_mul(1000),
@@ -670,8 +674,36 @@ impl QueueBackend for MemoryBackend {
             }
             // Not started this time: queued again at the next claim.
             s.fair.drain();
+            if let Some(f) = ranked {
+                f.raise_fair_vtime(s.fair.vtime());
+            }
             s.check_not_rewound(shard)?;
             Ok(out)
+        })
+    }
+
+    fn ready_ranks(&self, shard: &str, max: usize) -> Result<Vec<Rank>, QueueError> {
+        let Some(f) = self.flow.as_ref().filter(|f| f.ranks_keys()) else {
+            return Ok(Vec::new());
+        };
+        let now = self.clock.now_ms();
+        let (backoff, policy, retention) = (self.backoff, self.dead_policy, self.retention);
+        f.refresh(now);
+        self.owned(shard, |s| {
+            s.check_not_rewound(shard)?;
+            end_lapsed_runs(s, now, backoff, policy, retention);
+            s.fair.raise_vtime(f.fair_vtime());
+            let keys: Vec<String> = (s.keys.keys())
+                .filter(|k| startable_head(s, k, now).is_some())
+                .cloned()
+                .collect();
+            for k in keys {
+                let (priority, weight) = f.rank_of(&k);
+                s.fair.push(k, priority, weight);
+            }
+            let ranks = s.fair.ranks(max, |_| true);
+            s.fair.drain();
+            Ok(ranks)
         })
     }
 

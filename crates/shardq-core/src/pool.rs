@@ -17,6 +17,7 @@ use std::thread;
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
+use crate::flow::Rank;
 use crate::job::{ClaimedJob, FailOutcome, Receipt, JOB_LEASE_MS_DEFAULT};
 
 /// Largest worker count of one pool.
@@ -660,12 +661,28 @@ impl Dispatch<'_> {
         if room < batch && self.in_flight() > 0 {
             return Ok(false);
         }
-        for i in 0..n {
+        // Ranked over several shards: the free slots go to the shards of
+        // the best-ranked ready keys over all of them, those first; the
+        // other shards then share what is left, in turn.
+        let shares = if ranked && n > 1 {
+            self.ranked_shares(room, now)
+        } else {
+            Vec::new()
+        };
+        let order: Vec<(String, Option<usize>)> = (shares.iter())
+            .map(|(s, k)| (s.clone(), Some(*k)))
+            .chain(
+                (0..n)
+                    .map(|i| self.owned[(rotate + i) % n].clone())
+                    .filter(|s| !shares.iter().any(|(r, _)| r == s))
+                    .map(|s| (s, None)),
+            )
+            .collect();
+        for (i, (shard, ranked_share)) in order.into_iter().enumerate() {
             let free = window - self.in_flight().min(window);
             if free == 0 {
                 break;
             }
-            let shard = self.owned[(rotate + i) % n].clone();
             let mut recovering = false;
             if let Some(f) = self.failed.get(&shard) {
                 if now < f.retry_at_ms {
@@ -681,7 +698,10 @@ impl Dispatch<'_> {
             }
             // Share the free slots between shards so one busy shard cannot
             // starve the others.
-            let share = free.div_ceil(n - i).clamp(1, CLAIM_BATCH_MAX);
+            let share = ranked_share
+                .unwrap_or_else(|| free.div_ceil(n - i))
+                .clamp(1, CLAIM_BATCH_MAX)
+                .min(free);
             let jobs = match self.backend.claim(&shard, share, self.opts.job_lease_ms) {
                 Ok(jobs) => jobs,
                 Err(QueueError::NotOwner { .. }) => continue,
@@ -743,6 +763,25 @@ impl Dispatch<'_> {
             }
         }
         Ok(claimed_any)
+    }
+
+    /// How many of `free` slots each shard gets when keys are ranked
+    /// ([`crate::flow::shares_by_rank`] over every healthy shard). A shard
+    /// whose ranks cannot be read gets none here (its claim, later in the
+    /// round, reports why).
+    fn ranked_shares(&self, free: usize, now: u64) -> Vec<(String, usize)> {
+        let ranks: Vec<(String, Vec<Rank>)> = (self.owned.iter())
+            .filter(|s| {
+                !(self.failed.get(*s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt)
+            })
+            .map(|s| {
+                (
+                    s.clone(),
+                    self.backend.ready_ranks(s, free).unwrap_or_default(),
+                )
+            })
+            .collect();
+        crate::flow::shares_by_rank(&ranks, free)
     }
 
     fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {

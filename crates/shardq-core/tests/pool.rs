@@ -669,20 +669,17 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
     }
 }
 
-/// A pool of one slot over keys of weights 1, 2 and 4 (flow control ranks
-/// them) starts them 1:2:4: with ranked keys it claims only for its free
-/// slot, so every start goes to the best-ranked ready key (claimed ahead,
-/// the two keys in flight would leave one choice, round robin).
-#[test]
-fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
+/// A memory backend over `shards` whose keys with each prefix of
+/// `weights` have that weight (flow control ranks them).
+fn weighted_memory(shards: &[&str], weights: &[(&str, u32)]) -> MemoryBackend {
     use shardq_core::flow::{FlowPolicy, FlowSettings};
     use shardq_core::{FlowControl, LocalGroupBuckets};
     let mut settings = FlowSettings::default();
-    for (p, w) in [("w1:", 1), ("w2:", 2), ("w4:", 4)] {
+    for (p, w) in weights {
         settings.prefixes.insert(
-            p.into(),
+            (*p).into(),
             FlowPolicy {
-                weight: w,
+                weight: *w,
                 ..FlowPolicy::default()
             },
         );
@@ -691,13 +688,12 @@ fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
         settings,
         Arc::new(LocalGroupBuckets::default()),
     ));
-    let mem = MemoryBackend::new(&["s"], Arc::new(SystemClock)).with_flow(flow);
-    for i in 0..100 {
-        for k in ["w1:a", "w2:a", "w4:a"] {
-            mem.enqueue("s", u64::MAX, &[NewJob::new(k, i.to_string())])
-                .unwrap();
-        }
-    }
+    MemoryBackend::new(shards, Arc::new(SystemClock)).with_flow(flow)
+}
+
+/// Runs `mem`'s jobs with a pool of one slot until idle: the keys in the
+/// order their runs started.
+fn one_slot_starts(mem: MemoryBackend) -> Vec<String> {
     let order = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&order);
     let handler: Arc<shardq_core::Handler> = Arc::new(move |job: &ClaimedJob| {
@@ -710,7 +706,7 @@ fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
         ..PoolOptions::default()
     };
     let backend: Arc<dyn QueueBackend> = Arc::new(mem.clone());
-    let report = run_pool(
+    run_pool(
         backend,
         mem,
         handler,
@@ -720,10 +716,33 @@ fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
     .join()
     .unwrap()
     .unwrap();
-    assert_eq!(report.acked, 300);
-    let first: Vec<String> = order.lock().unwrap()[..140].to_vec();
-    let n = |k: &str| first.iter().filter(|x| x.as_str() == k).count() as i64;
-    let got = [n("w1:a"), n("w2:a"), n("w4:a")];
+    let starts = order.lock().unwrap().clone();
+    starts
+}
+
+/// How many of the first `n` of `starts` are of each of `keys`.
+fn counts_of(starts: &[String], n: usize, keys: &[&str]) -> Vec<i64> {
+    (keys.iter())
+        .map(|k| starts[..n].iter().filter(|x| x == k).count() as i64)
+        .collect()
+}
+
+/// A pool of one slot over keys of weights 1, 2 and 4 (flow control ranks
+/// them) starts them 1:2:4: with ranked keys it claims only for its free
+/// slot, so every start goes to the best-ranked ready key (claimed ahead,
+/// the two keys in flight would leave one choice, round robin).
+#[test]
+fn a_pool_of_one_slot_starts_weighted_keys_in_proportion() {
+    let mem = weighted_memory(&["s"], &[("w1:", 1), ("w2:", 2), ("w4:", 4)]);
+    for i in 0..100 {
+        for k in ["w1:a", "w2:a", "w4:a"] {
+            mem.enqueue("s", u64::MAX, &[NewJob::new(k, i.to_string())])
+                .unwrap();
+        }
+    }
+    let starts = one_slot_starts(mem);
+    assert_eq!(starts.len(), 300);
+    let got = counts_of(&starts, 140, &["w1:a", "w2:a", "w4:a"]);
     for (g, want) in got.iter().zip([20, 40, 80]) {
         assert!(
             (g - want).abs() <= 2,
@@ -796,4 +815,28 @@ fn a_ranked_pool_refills_a_slot_while_another_run_goes_on() {
         done_while_blocked, 20,
         "the quick key's jobs run on the free slot while the slow run goes on"
     );
+}
+
+/// Weights hold over every shard of the process, not per shard: a pool of
+/// one slot over two shards, a key of weight 1 on one and a key of weight
+/// 4 on the other, starts them 1:4 (it used to give each shard its turn,
+/// 1:1).
+#[test]
+fn a_pool_shares_its_slots_by_weight_across_its_shards() {
+    let mem = weighted_memory(&["s0", "s1"], &[("w1:", 1), ("w4:", 4)]);
+    for i in 0..100 {
+        mem.enqueue("s0", u64::MAX, &[NewJob::new("w1:a", i.to_string())])
+            .unwrap();
+        mem.enqueue("s1", u64::MAX, &[NewJob::new("w4:a", i.to_string())])
+            .unwrap();
+    }
+    let starts = one_slot_starts(mem);
+    assert_eq!(starts.len(), 200);
+    let got = counts_of(&starts, 100, &["w1:a", "w4:a"]);
+    for (g, want) in got.iter().zip([20, 80]) {
+        assert!(
+            (g - want).abs() <= 2,
+            "the first 100 starts by weight 1:4 over two shards: {got:?}"
+        );
+    }
 }

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use shardq_core::flow::Rank;
 use shardq_core::job::{validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
@@ -1282,6 +1283,22 @@ impl QueueBackend for FsBackend {
 
     fn ranks_keys(&self) -> bool {
         self.opts.flow.as_ref().is_some_and(|f| f.ranks_keys())
+    }
+
+    fn ready_ranks(&self, name: &str, max: usize) -> Result<Vec<Rank>, QueueError> {
+        let Some(flow) = self.opts.flow.as_deref().filter(|f| f.ranks_keys()) else {
+            return Ok(Vec::new());
+        };
+        let shard = self.shard(name)?;
+        let mut inner = self.owned_inner(&shard)?;
+        let now = self.opts.clock.now_ms();
+        flow.refresh(now);
+        // What producers appended since counts: read up to the log's end.
+        self.refresh(&mut inner)?;
+        let fence = self.read_fence(&shard, &mut inner)?;
+        let sealed = |k: &str| fence.sealed_keys.contains_key(k);
+        let r = inner.replica.as_mut().expect("owner has a replica");
+        Ok(r.ranks(now, max, &sealed, flow))
     }
 
     fn back_off(

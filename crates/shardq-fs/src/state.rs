@@ -14,7 +14,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
-use shardq_core::flow::FairQueue;
+use shardq_core::flow::{FairQueue, Rank};
 use shardq_core::{Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, ShardStats};
 use xxhash_rust::xxh3::Xxh3Builder;
 
@@ -1063,33 +1063,9 @@ impl ShardState {
         sealed: &dyn Fn(&str) -> bool,
         flow: Option<&FlowControl>,
     ) -> Vec<Pick> {
-        // Keys passed by while sealed come back once they are not.
-        let parked = std::mem::take(&mut self.parked);
-        for key in parked {
-            match self.lookup(&key) {
-                Some(_) if sealed(&key) => self.parked.push(key),
-                Some(k) => self.schedule(k),
-                None => {}
-            }
-        }
-        while let Some(Reverse((at, k))) = self.timers.peek().copied() {
-            if at > now_ms {
-                break;
-            }
-            self.timers.pop();
-            self.ready.push_back(k);
-        }
         let ranked = flow.filter(|f| f.ranks_keys());
         let limited = flow.filter(|f| f.limits_starts());
-        if let Some(f) = ranked {
-            while let Some(k) = self.ready.pop_front() {
-                let (priority, weight) = f.rank_of(&self.keys[k as usize].key);
-                self.fair.push(k, priority, weight);
-            }
-        } else if !self.fair.is_empty() {
-            // Ranks were cleared: back to round robin.
-            self.ready.extend(self.fair.drain());
-        }
+        self.queue_candidates(now_ms, sealed, ranked);
         let halt = self.policy == DeadPolicy::Halt;
         let mut out: Vec<Pick> = Vec::new();
         // A key can sit in `ready` twice (a dead retry or a takeover that
@@ -1150,6 +1126,9 @@ impl ShardState {
             }
             if let Some(p) = &popped {
                 self.fair.charge(p);
+                if let Some(f) = ranked {
+                    f.raise_fair_vtime(self.fair.vtime());
+                }
             }
             picked.push(k);
             runs.last = fence;
@@ -1162,6 +1141,88 @@ impl ShardState {
                 not_before_ms: head.not_before_ms,
             });
         }
+        out
+    }
+
+    /// Queues the keys a pick may start: those parked while sealed that no
+    /// longer are, those whose timer is due, and (`ranked`) every ready
+    /// key into the fair queue, raised to the process's virtual time.
+    fn queue_candidates(
+        &mut self,
+        now_ms: u64,
+        sealed: &dyn Fn(&str) -> bool,
+        ranked: Option<&FlowControl>,
+    ) {
+        // Keys passed by while sealed come back once they are not.
+        let parked = std::mem::take(&mut self.parked);
+        for key in parked {
+            match self.lookup(&key) {
+                Some(_) if sealed(&key) => self.parked.push(key),
+                Some(k) => self.schedule(k),
+                None => {}
+            }
+        }
+        while let Some(Reverse((at, k))) = self.timers.peek().copied() {
+            if at > now_ms {
+                break;
+            }
+            self.timers.pop();
+            self.ready.push_back(k);
+        }
+        if let Some(f) = ranked {
+            self.fair.raise_vtime(f.fair_vtime());
+            while let Some(k) = self.ready.pop_front() {
+                let (priority, weight) = f.rank_of(&self.keys[k as usize].key);
+                self.fair.push(k, priority, weight);
+            }
+        } else if !self.fair.is_empty() {
+            // Ranks were cleared: back to round robin.
+            self.ready.extend(self.fair.drain());
+        }
+    }
+
+    /// While `flow` ranks keys: the ranks of up to `max` keys a pick would
+    /// start now, best first, with the keys of runs whose lease lapsed by
+    /// `now_ms` (a claim ends those runs first). Limits are not asked and
+    /// nothing is charged.
+    pub fn ranks(
+        &mut self,
+        now_ms: u64,
+        max: usize,
+        sealed: &dyn Fn(&str) -> bool,
+        flow: &FlowControl,
+    ) -> Vec<Rank> {
+        if !flow.ranks_keys() {
+            return Vec::new();
+        }
+        self.queue_candidates(now_ms, sealed, Some(flow));
+        let halt = self.policy == DeadPolicy::Halt;
+        let mut seen = std::collections::HashSet::new();
+        let keys = &self.keys;
+        let cancel_pending = &self.cancel_pending;
+        let mut out = self.fair.ranks(max, |&k| {
+            let ks = &keys[k as usize];
+            let blocked = ks.in_flight || (halt && ks.dead > 0) || sealed(&ks.key);
+            let startable = !blocked
+                && ks.queue.front().is_some_and(|head| {
+                    !cancel_pending.contains(&head.id)
+                        && head.not_before_ms.max(ks.held_until_ms) <= now_ms
+                });
+            startable && seen.insert(k)
+        });
+        for id in self.lapsed(now_ms) {
+            let Some(run) = self.in_flight_ids.get(&id) else {
+                continue;
+            };
+            let ks = &self.keys[run.key as usize];
+            if run.cancelled || sealed(&ks.key) || (halt && ks.dead > 0) {
+                continue;
+            }
+            let (priority, _) = flow.rank_of(&ks.key);
+            out.push(self.fair.rank_of(&run.key, priority));
+        }
+        out.sort_unstable();
+        out.truncate(max);
         out
     }
 

@@ -16,7 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
-use shardq_core::flow::{FairQueue, Popped};
+use shardq_core::flow::{FairQueue, Popped, Rank};
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock,
     DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
@@ -662,6 +662,7 @@ impl RedisBackend {
         }
         let mut seen = std::collections::HashMap::new();
         let mut fair = s.fair.lock().unwrap_or_else(|p| p.into_inner());
+        fair.raise_vtime(flow.fair_vtime());
         for (list, was_due) in [(&ready, false), (&due, true)] {
             for k in list.iter().filter_map(reply::string) {
                 if let std::collections::hash_map::Entry::Vacant(e) = seen.entry(k.clone()) {
@@ -1276,7 +1277,11 @@ impl QueueBackend for RedisBackend {
                 }
             }
             if let Some(p) = (picked.as_ref()).and_then(|p| p.iter().find(|p| p.key == rec.key)) {
-                (s.fair.lock().unwrap_or_else(|p| p.into_inner())).charge(p);
+                let mut fair = s.fair.lock().unwrap_or_else(|p| p.into_inner());
+                fair.charge(p);
+                if let Some(f) = flow {
+                    f.raise_fair_vtime(fair.vtime());
+                }
             }
             out.push(ClaimedJob {
                 shard: s.name.clone(),
@@ -1416,6 +1421,24 @@ impl QueueBackend for RedisBackend {
                 Err(Self::stale_reply(s, receipt, &v))
             }
             other => Err(self.protocol(s, format!("fail answered {other:?}"))),
+        }
+    }
+
+    fn ready_ranks(&self, shard: &str, max: usize) -> Result<Vec<Rank>, QueueError> {
+        let Some(f) = (self.inner.opts.flow.as_deref()).filter(|f| f.ranks_keys()) else {
+            return Ok(Vec::new());
+        };
+        let s = self.shard(shard)?;
+        let s = &*s;
+        // As a claim: its peek may put back lapsed runs.
+        let mut guard = s.held();
+        let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
+        match self.rank_ready(s, &held.token, f, max.min(CLAIM_BATCH_MAX))? {
+            Some(picked) => Ok(picked.iter().map(Popped::rank).collect()),
+            None => {
+                *guard = None;
+                Err(Self::not_owner(s))
+            }
         }
     }
 

@@ -13,8 +13,8 @@ use shardq_server::{routes, Role, Server, Tokens};
 mod support;
 
 use support::{
-    call, claim, enqueue, enqueue_n, get, get_ok, init_dir, options, post, post_ok, start, totals,
-    wait_until,
+    call, claim, enqueue, enqueue_n, get, get_ok, init_dir, options, owned_shards, post, post_ok,
+    start, totals, wait_until,
 };
 
 #[test]
@@ -1191,5 +1191,56 @@ fn a_fail_with_backoff_uses_no_attempt_and_holds_the_key() {
     assert_eq!(
         (&again[0]["id"], &again[0]["attempt"]),
         (&job["id"], &json!(1))
+    );
+}
+
+/// Weights hold over every shard the server runs: one claim of one job at
+/// a time goes to the best-ranked ready key over all of them, so a key of
+/// weight 4 and one of weight 1 on two different shards start 4:1 (each
+/// shard taking its turn, they started 1:1).
+#[test]
+fn weights_share_claims_across_the_servers_shards() {
+    let dir = init_dir(2, "rendezvous");
+    let s = start(dir.path(), options());
+    wait_until(
+        "the server owns its 2 shards",
+        Duration::from_secs(30),
+        || owned_shards(&s) == 2,
+    );
+    let put = |path: &str, body: Value| call(&s, "PUT", path, Some(&body.to_string()), None);
+    for (p, w) in [("w1:", 1), ("w4:", 4)] {
+        let (code, v) = put(
+            &format!("/v1/policies/{p}?scope=prefix"),
+            json!({ "weight": w }),
+        );
+        assert_eq!(code, 200, "{v}");
+    }
+    let map = std::fs::read_to_string(dir.path().join("shardmap.yaml")).unwrap();
+    let router = shardq_route::Router::from_yaml(&map).unwrap();
+    let light = "w1:a";
+    let heavy = (0..64)
+        .map(|i| format!("w4:{i}"))
+        .find(|k| router.route(k) != router.route(light))
+        .expect("a key on another shard");
+    // The server reads the settings again within a second.
+    std::thread::sleep(Duration::from_millis(1_100));
+    enqueue_n(&s, light, 60);
+    enqueue_n(&s, &heavy, 60);
+    let mut light_starts = 0;
+    for _ in 0..50 {
+        let jobs = claim(&s, "w", 1, 1000, 30_000);
+        assert_eq!(jobs.len(), 1, "one job per claim");
+        if jobs[0]["key"] == light {
+            light_starts += 1;
+        }
+        post_ok(
+            &s,
+            "/v1/ack",
+            json!({ "receipts": [jobs[0]["receipt"].clone()] }),
+        );
+    }
+    assert!(
+        (light_starts - 10i32).abs() <= 2,
+        "weights 1:4 over two shards, 50 claims: {light_starts} of the weight-1 key"
     );
 }

@@ -66,8 +66,9 @@ enum Command {
     /// for a key, a key prefix or the default: show, set or clear them.
     #[command(subcommand)]
     Policy(cmd_flow::PolicyAction),
-    /// Groups: a rate limit shared by every key whose policy names the
-    /// group, over every worker: show, set or clear them.
+    /// Groups: a rate limit and/or a cap on runs at once, shared by every
+    /// key whose policy names the group, over every worker: show, set or
+    /// clear them.
     #[command(subcommand)]
     Group(cmd_flow::GroupAction),
     #[command(flatten)]

@@ -13,7 +13,7 @@ use shardq_redis::{RedisBackend, RedisCoordinator};
 
 use crate::common::{init, map_of, opts_manual, owner};
 
-const SHARDS: usize = 32;
+const SHARDS: usize = 40;
 
 struct Redis {
     backend: RedisBackend,

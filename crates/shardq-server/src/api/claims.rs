@@ -378,12 +378,38 @@ impl App {
             .rotate
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             % shards.len();
-        for k in 0..shards.len() {
+        // Ranked keys over several shards: the shards of the best-ranked
+        // ready keys first, each for its share; then the others in turn.
+        let shares = if shards.len() > 1 && self.backend.ranks_keys() {
+            let ranks: Vec<(String, Vec<shardq_core::flow::Rank>)> = (shards.iter())
+                .map(|s| {
+                    (
+                        s.clone(),
+                        self.backend.ready_ranks(s, want).unwrap_or_default(),
+                    )
+                })
+                .collect();
+            shardq_core::flow::shares_by_rank(&ranks, want)
+        } else {
+            Vec::new()
+        };
+        let order: Vec<(&String, Option<usize>)> = (shares.iter())
+            .map(|(s, n)| (s, Some(*n)))
+            .chain(
+                (0..shards.len())
+                    .map(|k| &shards[(start + k) % shards.len()])
+                    .filter(|s| !shares.iter().any(|(r, _)| r == *s))
+                    .map(|s| (s, None)),
+            )
+            .collect();
+        for (shard, share) in order {
             if want == 0 {
                 break;
             }
-            let shard = &shards[(start + k) % shards.len()];
-            match self.backend.claim(shard, want, lease_ms) {
+            match self
+                .backend
+                .claim(shard, share.unwrap_or(want).min(want), lease_ms)
+            {
                 Ok(jobs) => {
                     crate::metrics::claimed(self, &jobs, now);
                     let mut b = book(&self.claims);
