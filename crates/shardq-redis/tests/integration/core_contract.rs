@@ -155,3 +155,88 @@ fn redis_dedup_records_survive_a_restart_for_their_window() {
     let fields = server.cli(&["HLEN", &b.shard_keys("r0").unwrap()[13]]);
     assert_eq!(fields.trim(), "1", "expired records are pruned");
 }
+
+/// The map store's Redis put back to an older state, holding a group's run
+/// slots (two runs at once, `contract-slots`). Slots that come back from
+/// runs long over hold the group only until those runs' leases lapse, then
+/// it runs again; slots that are lost while their runs go on are taken back
+/// by the runs' next heartbeat, after which the cap holds again. (Between
+/// the loss and that heartbeat a claim may start runs beyond the cap: the
+/// store no longer knows of the live ones.)
+#[test]
+fn a_groups_run_slots_come_back_from_an_older_store_within_a_lease() {
+    let server = RedisServer::start();
+    let map = map_of(&[("g0", server.url())]);
+    init(&map);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let mut opts = opts_manual(&clock);
+    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
+    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
+        contract::flow_settings(),
+        std::sync::Arc::new(groups),
+    )));
+    let backend = RedisBackend::open(&map, opts).expect("open");
+    let _owner = owner(&backend, "slots", 600_000);
+    for k in ["a", "b", "c", "d"] {
+        for p in ["1", "2"] {
+            let job = shardq_core::NewJob::new(format!("contract-slot:{k}"), p);
+            backend.enqueue("g0", 1, &[job]).expect("enqueue");
+        }
+    }
+    let lease = 10_000;
+    let mut con = server.connection();
+    let slot_keys = |con: &mut redis::Connection| -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg("*flowslots*")
+            .query(con)
+            .expect("KEYS")
+    };
+    let runs = backend.claim("g0", 10, lease).expect("claim");
+    assert_eq!(runs.len(), 2, "two runs of the group at once");
+    let keys = slot_keys(&mut con);
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let saved: Vec<u8> = redis::cmd("DUMP")
+        .arg(&keys[0])
+        .query(&mut con)
+        .expect("DUMP");
+
+    // 1. Ghosts: the store comes back with the slots of two runs that are
+    // over (acked since). The group starts nothing until their leases end.
+    let receipts: Vec<_> = runs.iter().map(|r| r.receipt()).collect();
+    backend.ack("g0", &receipts).expect("ack");
+    let () = redis::cmd("RESTORE")
+        .arg(&keys[0])
+        .arg(0)
+        .arg(&saved)
+        .arg("REPLACE")
+        .query(&mut con)
+        .expect("RESTORE");
+    for step in [50, 1_000, 5_000] {
+        clock.advance(step);
+        assert!(
+            backend.claim("g0", 10, lease).expect("claim").is_empty(),
+            "the old slots hold the group while their leases run"
+        );
+    }
+    clock.advance(lease);
+    let runs = backend.claim("g0", 10, lease).expect("claim");
+    assert_eq!(runs.len(), 2, "once the old slots lapsed, two runs again");
+
+    // 2. Lost: the store comes back without the slots of the two runs that
+    // go on. Their heartbeat takes the slots back; the cap holds again.
+    let () = redis::cmd("DEL")
+        .arg(&keys[0])
+        .query(&mut con)
+        .expect("DEL");
+    let receipts: Vec<_> = runs.iter().map(|r| r.receipt()).collect();
+    let stale = backend.extend("g0", &receipts, lease).expect("extend");
+    assert!(stale.is_empty(), "the runs are current: {stale:?}");
+    clock.advance(50);
+    assert!(
+        backend.claim("g0", 10, lease).expect("claim").is_empty(),
+        "after the live runs' heartbeat the group is full again"
+    );
+    backend.ack("g0", &receipts).expect("ack");
+    clock.advance(50);
+    assert_eq!(backend.claim("g0", 10, lease).expect("claim").len(), 2);
+}
