@@ -405,10 +405,27 @@ impl Metrics {
     /// times). The claim time is kept (bounded, see [`RunTracker`]) until
     /// the run's ack or fail.
     pub fn run_claimed(&self, s: &str, receipt: Receipt, due_ms: u64, now_ms: u64) {
-        self.flow.claimed.get_or_create(&shard(s)).inc();
-        self.history.claimed(now_ms.saturating_sub(due_ms), now_s());
-        self.wait.observe(seconds(now_ms.saturating_sub(due_ms)));
-        self.tracker().started(s, receipt, now_ms);
+        self.runs_claimed(s, &[(receipt, due_ms)], now_ms);
+    }
+
+    /// [`Metrics::run_claimed`] for every run of one claim on shard `s`
+    /// (run, due time): the shard's counter, the clock and the run book
+    /// each taken once.
+    pub fn runs_claimed(&self, s: &str, runs: &[(Receipt, u64)], now_ms: u64) {
+        if runs.is_empty() {
+            return;
+        }
+        self.flow.claimed.get_or_create(&shard(s)).inc_by(runs.len() as u64);
+        let now_secs = now_s();
+        for &(_, due_ms) in runs {
+            let wait = now_ms.saturating_sub(due_ms);
+            self.history.claimed(wait, now_secs);
+            self.wait.observe(seconds(wait));
+        }
+        let mut book = self.tracker();
+        for &(receipt, _) in runs {
+            book.started(s, receipt, now_ms);
+        }
     }
 
     /// An ack of `receipts` on shard `s` was recorded at `now_ms`; the ones

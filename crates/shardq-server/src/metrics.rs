@@ -30,9 +30,12 @@ pub(crate) fn enqueued(app: &App, placed: &[Placed]) {
 
 /// Runs handed to a remote worker at `now_ms`.
 pub(crate) fn claimed(app: &App, jobs: &[ClaimedJob], now_ms: u64) {
-    for j in jobs {
-        let due = j.created_ms.max(j.not_before_ms);
-        app.metrics.run_claimed(&j.shard, j.receipt(), due, now_ms);
+    // One claim's jobs are of one shard.
+    for chunk in jobs.chunk_by(|a, b| a.shard == b.shard) {
+        let runs: Vec<(shardq_core::Receipt, u64)> = (chunk.iter())
+            .map(|j| (j.receipt(), j.created_ms.max(j.not_before_ms)))
+            .collect();
+        app.metrics.runs_claimed(&chunk[0].shard, &runs, now_ms);
     }
 }
 
