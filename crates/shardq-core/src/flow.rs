@@ -1444,17 +1444,24 @@ impl<K> Popped<K> {
 /// How many of `free` slots each shard gets when keys are ranked over
 /// several shards: their ready keys' ranks merged, the best `free` counted
 /// per shard; shards in the order of their best key (shards with no rank
-/// among the best get none).
+/// among the best get none). Equal ranks on several shards (new keys all
+/// start at the virtual time) go round the shards, from the one at `first`
+/// (a caller turns it from call to call), so no shard takes every tie.
 pub fn shares_by_rank<S: Clone + PartialEq>(
     ranks: &[(S, Vec<Rank>)],
     free: usize,
+    first: usize,
 ) -> Vec<(S, usize)> {
-    let mut all: Vec<(Rank, usize)> = (ranks.iter().enumerate())
-        .flat_map(|(i, (_, r))| r.iter().map(move |r| (*r, i)))
+    let n = ranks.len().max(1);
+    let mut all: Vec<(Rank, usize, usize, usize)> = (ranks.iter().enumerate())
+        .flat_map(|(i, (_, r))| {
+            let turn = (i + n - first % n) % n;
+            r.iter().enumerate().map(move |(j, r)| (*r, j, turn, i))
+        })
         .collect();
     all.sort_unstable();
     let mut shares: Vec<(S, usize)> = Vec::new();
-    for (_, i) in all.into_iter().take(free) {
+    for (_, _, _, i) in all.into_iter().take(free) {
         let shard = &ranks[i].0;
         match shares.iter_mut().find(|(s, _)| s == shard) {
             Some((_, n)) => *n += 1,
@@ -1475,6 +1482,14 @@ pub struct Rank {
 }
 
 impl Rank {
+    /// Before every key's rank: what a shard reports when it must be
+    /// claimed from whatever its keys' ranks (work only a claim does, such
+    /// as ending cancelled runs, or an error only a claim reports).
+    pub const FIRST: Rank = Rank {
+        neg_priority: i64::MIN,
+        start: 0,
+    };
+
     /// The rank of a key of `priority` whose start tag is `start`.
     pub fn new(priority: i32, start: u64) -> Rank {
         Rank {
@@ -1485,7 +1500,7 @@ impl Rank {
 
     /// The key's priority class.
     pub fn priority(&self) -> i32 {
-        -self.neg_priority as i32
+        i32::try_from(self.neg_priority.saturating_neg()).unwrap_or(i32::MAX)
     }
 
     /// The key's start tag (virtual time).
@@ -1548,21 +1563,26 @@ impl<K: Ord + Clone + std::hash::Hash> FairQueue<K> {
     }
 
     /// The ranks of the first `max` queued keys that `startable` accepts,
-    /// best first; nothing is taken or charged.
+    /// best first, a key queued twice counted once at its better place;
+    /// nothing is taken or charged.
     pub fn ranks(&self, max: usize, mut startable: impl FnMut(&K) -> bool) -> Vec<Rank> {
-        let mut out: Vec<Rank> = (self.heap.iter())
+        let mut all: Vec<(Rank, &K)> = (self.heap.iter())
             .filter(|std::cmp::Reverse(e)| startable(&e.4))
-            .map(|std::cmp::Reverse(e)| Rank {
-                neg_priority: e.0,
-                start: e.1,
+            .map(|std::cmp::Reverse(e)| {
+                let rank = Rank {
+                    neg_priority: e.0,
+                    start: e.1,
+                };
+                (rank, &e.4)
             })
             .collect();
-        if out.len() > max {
-            out.select_nth_unstable(max);
-            out.truncate(max);
-        }
-        out.sort_unstable();
-        out
+        all.sort_unstable_by_key(|a| a.0);
+        let mut seen = std::collections::HashSet::new();
+        (all.into_iter())
+            .filter(|(_, k)| seen.insert(*k))
+            .map(|(r, _)| r)
+            .take(max)
+            .collect()
     }
 
     /// The rank key `k` of `priority` would have queued now.
@@ -1632,6 +1652,38 @@ pub fn validate_backoff_ms(ms: u64) -> Result<(), QueueError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Free slots go to the best ranks over every shard; equal ranks go
+    /// round the shards from `first`, one key of each in turn; a shard that
+    /// ranks `Rank::FIRST` (it must be claimed from) goes before all.
+    #[test]
+    fn shares_by_rank_follow_the_best_ranks_and_take_turns_on_ties() {
+        let r = |p: i32, s: u64| Rank::new(p, s);
+        let ranks = vec![
+            ("a", vec![r(0, 5), r(0, 5), r(0, 9)]),
+            ("b", vec![r(0, 5), r(0, 7)]),
+            ("c", vec![r(1, 100)]),
+        ];
+        assert_eq!(
+            shares_by_rank(&ranks, 1, 0),
+            vec![("c", 1)],
+            "priority first"
+        );
+        assert_eq!(shares_by_rank(&ranks, 2, 0), vec![("c", 1), ("a", 1)]);
+        assert_eq!(shares_by_rank(&ranks, 2, 1), vec![("c", 1), ("b", 1)]);
+        assert_eq!(
+            shares_by_rank(&ranks, 4, 0),
+            vec![("c", 1), ("a", 2), ("b", 1)],
+            "ties take turns: a, b, then a again"
+        );
+        assert_eq!(
+            shares_by_rank(&ranks, 9, 0),
+            vec![("c", 1), ("a", 3), ("b", 2)]
+        );
+        let urgent = vec![("a", vec![r(9, 0)]), ("b", vec![Rank::FIRST])];
+        assert_eq!(shares_by_rank(&urgent, 1, 0), vec![("b", 1)]);
+        assert_eq!(Rank::FIRST.priority(), i32::MAX);
+    }
 
     /// A run for checks that do not count runs.
     const ANY_RUN: RunStart<'static> = RunStart {

@@ -368,7 +368,6 @@ fn finish_failed(
     FailOutcome::Retry { at_ms }
 }
 
-/// The live job `id` as an operator sees it (`None`: not live).
 /// The head job of `key` when a claim may start it at `now`: nothing of
 /// the key running, not halted, not sealed for a move, due, and not held
 /// back by flow control.
@@ -384,6 +383,7 @@ fn startable_head(s: &ShardState, key: &str, now: u64) -> Option<JobId> {
     (j.not_before_ms <= now && s.held.get(key).is_none_or(|&at| at <= now)).then_some(id)
 }
 
+/// The live job `id` as an operator sees it (`None`: not live).
 fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
     let j = s.jobs.get(&id)?;
     let run = s.in_flight.get(&id);

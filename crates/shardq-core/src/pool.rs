@@ -665,7 +665,7 @@ impl Dispatch<'_> {
         // the best-ranked ready keys over all of them, those first; the
         // other shards then share what is left, in turn.
         let shares = if ranked && n > 1 {
-            self.ranked_shares(room, now)
+            self.ranked_shares(room, rotate, now)
         } else {
             Vec::new()
         };
@@ -766,22 +766,22 @@ impl Dispatch<'_> {
     }
 
     /// How many of `free` slots each shard gets when keys are ranked
-    /// ([`crate::flow::shares_by_rank`] over every healthy shard). A shard
-    /// whose ranks cannot be read gets none here (its claim, later in the
-    /// round, reports why).
-    fn ranked_shares(&self, free: usize, now: u64) -> Vec<(String, usize)> {
+    /// ([`crate::flow::shares_by_rank`] over every healthy shard, ties
+    /// going round from `rotate`). A shard whose ranks cannot be read ranks
+    /// first ([`Rank::FIRST`]): its claim then reports why (a lost store
+    /// ends the pool, another error rests the shard), never hidden behind
+    /// busier shards.
+    fn ranked_shares(&self, free: usize, rotate: usize, now: u64) -> Vec<(String, usize)> {
         let ranks: Vec<(String, Vec<Rank>)> = (self.owned.iter())
             .filter(|s| {
                 !(self.failed.get(*s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt)
             })
             .map(|s| {
-                (
-                    s.clone(),
-                    self.backend.ready_ranks(s, free).unwrap_or_default(),
-                )
+                let r = (self.backend.ready_ranks(s, free)).unwrap_or_else(|_| vec![Rank::FIRST]);
+                (s.clone(), r)
             })
             .collect();
-        crate::flow::shares_by_rank(&ranks, free)
+        crate::flow::shares_by_rank(&ranks, free, rotate)
     }
 
     fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {

@@ -840,3 +840,28 @@ fn a_pool_shares_its_slots_by_weight_across_its_shards() {
         );
     }
 }
+
+/// Keys of equal rank on several shards (one job per key, so each starts
+/// at the process's virtual time: all tie) take turns over the shards: a
+/// pool of one slot over two shards starts them about half and half, not
+/// one shard's every key before the other's first.
+#[test]
+fn equal_ranks_on_two_shards_take_turns() {
+    let mem = weighted_memory(&["s0", "s1"], &[("t", 2)]);
+    for i in 0..40 {
+        for s in ["s0", "s1"] {
+            let key = format!("t-{s}-{i}");
+            mem.enqueue(s, u64::MAX, &[NewJob::new(key, "x")]).unwrap();
+        }
+    }
+    let starts = one_slot_starts(mem);
+    assert_eq!(starts.len(), 80);
+    let from_s0 = starts[..40]
+        .iter()
+        .filter(|k| k.starts_with("t-s0"))
+        .count();
+    assert!(
+        (15..=25).contains(&from_s0),
+        "the first 40 starts take turns over the shards: {from_s0} from s0"
+    );
+}

@@ -1197,29 +1197,38 @@ impl ShardState {
         }
         self.queue_candidates(now_ms, sealed, Some(flow));
         let halt = self.policy == DeadPolicy::Halt;
-        let mut seen = std::collections::HashSet::new();
         let keys = &self.keys;
         let cancel_pending = &self.cancel_pending;
         let mut out = self.fair.ranks(max, |&k| {
             let ks = &keys[k as usize];
             let blocked = ks.in_flight || (halt && ks.dead > 0) || sealed(&ks.key);
-            let startable = !blocked
+            !blocked
                 && ks.queue.front().is_some_and(|head| {
                     !cancel_pending.contains(&head.id)
                         && head.not_before_ms.max(ks.held_until_ms) <= now_ms
-                });
-            startable && seen.insert(k)
+                })
         });
+        // Cancels only a claim carries out (a previous owner's, or of a run
+        // whose lease lapsed): the shard must be claimed from, whatever its
+        // keys' ranks.
+        let mut must_claim = !self.cancel_pending.is_empty();
         for id in self.lapsed(now_ms) {
             let Some(run) = self.in_flight_ids.get(&id) else {
                 continue;
             };
             let ks = &self.keys[run.key as usize];
-            if run.cancelled || sealed(&ks.key) || (halt && ks.dead > 0) {
+            if run.cancelled {
+                must_claim = true;
+                continue;
+            }
+            if sealed(&ks.key) || (halt && ks.dead > 0) {
                 continue;
             }
             let (priority, _) = flow.rank_of(&ks.key);
             out.push(self.fair.rank_of(&run.key, priority));
+        }
+        if must_claim {
+            out.push(Rank::FIRST);
         }
         out.sort_unstable();
         out.truncate(max);
@@ -1588,6 +1597,39 @@ mod tests {
     /// Replay gives a job its attempts' start times and last reason, keeps
     /// them for a dead letter, never lends them to the key's next job, and a
     /// claim written before start times were recorded adds none.
+    /// A run cancelled while it ran leaves work only a claim does once its
+    /// lease lapses (its job goes): the shard then ranks first, so a
+    /// process ranking keys over its shards claims there even while other
+    /// shards' keys rank better. Before the lapse the key ranks nothing.
+    #[test]
+    fn a_lapsed_cancelled_run_makes_its_shard_rank_first() {
+        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        let flow = FlowControl::new(
+            FlowSettings {
+                default: FlowPolicy {
+                    weight: 2,
+                    ..FlowPolicy::default()
+                },
+                ..FlowSettings::default()
+            },
+            std::sync::Arc::new(LocalGroupBuckets::default()),
+        );
+        let never = |_: &str| false;
+        enqueue(&mut s, 0, "k");
+        assert_eq!(s.ranks(0, 4, &never, &flow).len(), 1, "k is ready");
+        claim(&mut s, 100, 0, 1, Some(0));
+        s.set_lease(0, 1_000);
+        s.apply(200, 0, &Record::CancelRun { job: 0, fence: 100 })
+            .unwrap();
+        assert!(s.ranks(500, 4, &never, &flow).is_empty(), "k runs");
+        assert_eq!(s.ranks(2_000, 4, &never, &flow), vec![Rank::FIRST]);
+    }
+
     #[test]
     fn attempt_times_and_reasons_follow_their_job() {
         let mut s = ShardState::new(

@@ -415,7 +415,10 @@ impl Metrics {
         if runs.is_empty() {
             return;
         }
-        self.flow.claimed.get_or_create(&shard(s)).inc_by(runs.len() as u64);
+        self.flow
+            .claimed
+            .get_or_create(&shard(s))
+            .inc_by(runs.len() as u64);
         let now_secs = now_s();
         for &(_, due_ms) in runs {
             let wait = now_ms.saturating_sub(due_ms);

@@ -1279,7 +1279,8 @@ impl QueueBackend for RedisBackend {
             if let Some(p) = (picked.as_ref()).and_then(|p| p.iter().find(|p| p.key == rec.key)) {
                 let mut fair = s.fair.lock().unwrap_or_else(|p| p.into_inner());
                 fair.charge(p);
-                if let Some(f) = flow {
+                // Picked keys mean ranking, with or without limits.
+                if let Some(f) = self.inner.opts.flow.as_deref() {
                     f.raise_fair_vtime(fair.vtime());
                 }
             }

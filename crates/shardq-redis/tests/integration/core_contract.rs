@@ -64,9 +64,10 @@ impl ContractHarness for Redis {
     }
 }
 
-#[test]
-fn redis_keeps_the_backend_contract() {
-    let server = RedisServer::start();
+/// The contract's harness on `server`: `SHARDS` shards, flow control with
+/// `settings` and its group buckets in the map store's Redis (as a
+/// deployment has them).
+fn harness(server: RedisServer, settings: shardq_core::flow::FlowSettings) -> Redis {
     let names: Vec<(String, String)> = (0..SHARDS)
         .map(|i| (format!("c-{i}"), server.url()))
         .collect();
@@ -76,22 +77,47 @@ fn redis_keeps_the_backend_contract() {
     let clock = ManualClock::new(1_700_000_000_000);
     let mut opts = opts_manual(&clock);
     opts.retry_rules = std::sync::Arc::new(contract::retry_rules());
-    // Group buckets in the map store's Redis, as a deployment has them.
     let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
     opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
-        contract::flow_settings(),
-        std::sync::Arc::new(groups.clone()),
+        settings,
+        std::sync::Arc::new(groups),
     )));
     let backend = RedisBackend::open(&map, opts).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
-    let h = Redis {
+    Redis {
         backend,
         clock,
         next: AtomicUsize::new(0),
         _owner: coordinator,
         server,
         saved: Mutex::default(),
-    };
+    }
+}
+
+/// Ranking over shards with weights alone, no limit set (the claim's
+/// limits path then never runs): the shards still share one virtual time.
+#[test]
+fn redis_ranks_over_shards_with_weights_alone() {
+    let mut settings = contract::flow_settings();
+    settings.groups.clear();
+    settings.prefixes.retain(|_, p| {
+        p.group = None;
+        p.rate = None;
+        p.burst = None;
+        p.weight != 1 || p.priority != 0
+    });
+    settings.default = Default::default();
+    assert!(settings.ranks_keys() && !settings.limits_starts());
+    let h = harness(RedisServer::start(), settings);
+    contract::ranks_compare_across_the_shards_of_a_process(&h);
+}
+
+#[test]
+fn redis_keeps_the_backend_contract() {
+    let server = RedisServer::start();
+    // Group buckets in the map store's Redis, as a deployment has them.
+    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
+    let h = harness(server, contract::flow_settings());
     contract::run_all(&h);
     contract::run_ranked(&h);
     contract::rewound_store_is_refused(&h);

@@ -381,15 +381,17 @@ impl App {
         // Ranked keys over several shards: the shards of the best-ranked
         // ready keys first, each for its share; then the others in turn.
         let shares = if shards.len() > 1 && self.backend.ranks_keys() {
-            let ranks: Vec<(String, Vec<shardq_core::flow::Rank>)> = (shards.iter())
+            use shardq_core::flow::Rank;
+            // A shard whose ranks cannot be read goes first: its claim
+            // reports the error rather than busier shards hiding it.
+            let ranks: Vec<(String, Vec<Rank>)> = (shards.iter())
                 .map(|s| {
-                    (
-                        s.clone(),
-                        self.backend.ready_ranks(s, want).unwrap_or_default(),
-                    )
+                    let r =
+                        (self.backend.ready_ranks(s, want)).unwrap_or_else(|_| vec![Rank::FIRST]);
+                    (s.clone(), r)
                 })
                 .collect();
-            shardq_core::flow::shares_by_rank(&ranks, want)
+            shardq_core::flow::shares_by_rank(&ranks, want, start)
         } else {
             Vec::new()
         };
