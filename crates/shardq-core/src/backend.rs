@@ -600,3 +600,43 @@ pub struct Ownership {
     /// Shards lost in this tick (someone else holds them now).
     pub lost: Vec<String>,
 }
+
+/// The order of one claim round over `shards` (each shard once, `first`
+/// the one whose turn it is), for up to `free` slots: while `backend`
+/// ranks keys and there are several shards, the shards of the best-ranked
+/// ready keys over all of them come first, each with its share
+/// ([`crate::flow::shares_by_rank`], ties going round from `first`); then
+/// the others in turn, with no share (they split what is left). `rankable`
+/// says whose ranks to read (a caller skips shards that are resting). A
+/// shard whose ranks cannot be read ranks [`Rank::FIRST`], so its claim
+/// runs and reports why rather than busier shards hiding it.
+pub fn claim_order(
+    backend: &dyn QueueBackend,
+    shards: &[String],
+    first: usize,
+    free: usize,
+    rankable: impl Fn(&str) -> bool,
+) -> Vec<(String, Option<usize>)> {
+    let n = shards.len();
+    let in_turn = (0..n).map(|i| &shards[(first + i) % n]);
+    let shares = if n > 1 && backend.ranks_keys() {
+        let ranks: Vec<(String, Vec<Rank>)> = (shards.iter())
+            .filter(|s| rankable(s))
+            .map(|s| {
+                let r = (backend.ready_ranks(s, free)).unwrap_or_else(|_| vec![Rank::FIRST]);
+                (s.clone(), r)
+            })
+            .collect();
+        crate::flow::shares_by_rank(&ranks, free, first)
+    } else {
+        Vec::new()
+    };
+    let others: Vec<(String, Option<usize>)> = in_turn
+        .filter(|s| !shares.iter().any(|(r, _)| r == *s))
+        .map(|s| (s.clone(), None))
+        .collect();
+    (shares.into_iter())
+        .map(|(s, k)| (s, Some(k)))
+        .chain(others)
+        .collect()
+}

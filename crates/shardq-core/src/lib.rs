@@ -18,7 +18,7 @@ pub mod producer;
 pub mod reshard;
 pub mod retry;
 
-pub use backend::{BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend};
+pub use backend::{claim_order, BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use flow::{

@@ -17,7 +17,6 @@ use std::thread;
 use crate::backend::{Coordinator, QueueBackend};
 use crate::clock::Clock;
 use crate::error::QueueError;
-use crate::flow::Rank;
 use crate::job::{ClaimedJob, FailOutcome, Receipt, JOB_LEASE_MS_DEFAULT};
 
 /// Largest worker count of one pool.
@@ -661,23 +660,13 @@ impl Dispatch<'_> {
         if room < batch && self.in_flight() > 0 {
             return Ok(false);
         }
-        // Ranked over several shards: the free slots go to the shards of
-        // the best-ranked ready keys over all of them, those first; the
-        // other shards then share what is left, in turn.
-        let shares = if ranked && n > 1 {
-            self.ranked_shares(room, rotate, now)
-        } else {
-            Vec::new()
-        };
-        let order: Vec<(String, Option<usize>)> = (shares.iter())
-            .map(|(s, k)| (s.clone(), Some(*k)))
-            .chain(
-                (0..n)
-                    .map(|i| self.owned[(rotate + i) % n].clone())
-                    .filter(|s| !shares.iter().any(|(r, _)| r == s))
-                    .map(|s| (s, None)),
-            )
-            .collect();
+        // Ranked: the free slots go to the shards of the best-ranked ready
+        // keys over all of them, those first; the others share what is
+        // left, in turn. Resting shards are not asked for their ranks.
+        let resting =
+            |s: &str| (self.failed.get(s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt);
+        let order =
+            crate::backend::claim_order(self.backend, &self.owned, rotate, room, |s| !resting(s));
         for (i, (shard, ranked_share)) in order.into_iter().enumerate() {
             let free = window - self.in_flight().min(window);
             if free == 0 {
@@ -763,25 +752,6 @@ impl Dispatch<'_> {
             }
         }
         Ok(claimed_any)
-    }
-
-    /// How many of `free` slots each shard gets when keys are ranked
-    /// ([`crate::flow::shares_by_rank`] over every healthy shard, ties
-    /// going round from `rotate`). A shard whose ranks cannot be read ranks
-    /// first ([`Rank::FIRST`]): its claim then reports why (a lost store
-    /// ends the pool, another error rests the shard), never hidden behind
-    /// busier shards.
-    fn ranked_shares(&self, free: usize, rotate: usize, now: u64) -> Vec<(String, usize)> {
-        let ranks: Vec<(String, Vec<Rank>)> = (self.owned.iter())
-            .filter(|s| {
-                !(self.failed.get(*s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt)
-            })
-            .map(|s| {
-                let r = (self.backend.ready_ranks(s, free)).unwrap_or_else(|_| vec![Rank::FIRST]);
-                (s.clone(), r)
-            })
-            .collect();
-        crate::flow::shares_by_rank(&ranks, free, rotate)
     }
 
     fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {

@@ -380,37 +380,14 @@ impl App {
             % shards.len();
         // Ranked keys over several shards: the shards of the best-ranked
         // ready keys first, each for its share; then the others in turn.
-        let shares = if shards.len() > 1 && self.backend.ranks_keys() {
-            use shardq_core::flow::Rank;
-            // A shard whose ranks cannot be read goes first: its claim
-            // reports the error rather than busier shards hiding it.
-            let ranks: Vec<(String, Vec<Rank>)> = (shards.iter())
-                .map(|s| {
-                    let r =
-                        (self.backend.ready_ranks(s, want)).unwrap_or_else(|_| vec![Rank::FIRST]);
-                    (s.clone(), r)
-                })
-                .collect();
-            shardq_core::flow::shares_by_rank(&ranks, want, start)
-        } else {
-            Vec::new()
-        };
-        let order: Vec<(&String, Option<usize>)> = (shares.iter())
-            .map(|(s, n)| (s, Some(*n)))
-            .chain(
-                (0..shards.len())
-                    .map(|k| &shards[(start + k) % shards.len()])
-                    .filter(|s| !shares.iter().any(|(r, _)| r == *s))
-                    .map(|s| (s, None)),
-            )
-            .collect();
+        let order = shardq_core::claim_order(self.backend.as_ref(), &shards, start, want, |_| true);
         for (shard, share) in order {
             if want == 0 {
                 break;
             }
             match self
                 .backend
-                .claim(shard, share.unwrap_or(want).min(want), lease_ms)
+                .claim(&shard, share.unwrap_or(want).min(want), lease_ms)
             {
                 Ok(jobs) => {
                     crate::metrics::claimed(self, &jobs, now);
