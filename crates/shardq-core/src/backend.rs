@@ -70,14 +70,19 @@ pub struct BackendLimits {
     pub enqueue_batch_jobs_max: usize,
     /// Most bytes of payloads and keys in one [`QueueBackend::enqueue`].
     pub enqueue_batch_bytes_max: usize,
+    /// Most runs of one key at once the backend can keep apart
+    /// ([`crate::flow::FlowPolicy::concurrency`]): a policy asking more is
+    /// refused where it is set.
+    pub key_concurrency_max: u32,
 }
 
 impl Default for BackendLimits {
-    /// No bound.
+    /// No bound on batches; one run per key.
     fn default() -> Self {
         BackendLimits {
             enqueue_batch_jobs_max: usize::MAX,
             enqueue_batch_bytes_max: usize::MAX,
+            key_concurrency_max: 1,
         }
     }
 }

@@ -70,7 +70,7 @@ pub fn retry_rules() -> crate::retry::RetryRules {
 /// (burst 3); keys starting with `contract-w1:`, `contract-w2:` and
 /// `contract-w4:` have weights 1, 2 and 4, and `contract-vip:` priority 5;
 /// keys starting with `contract-slot:` share the group `contract-slots`,
-/// two runs at once.
+/// two runs at once; keys starting with `contract-c3:` run three at once.
 pub fn flow_settings() -> crate::flow::FlowSettings {
     use crate::flow::{FlowPolicy, GroupLimit, Rate};
     let rate = |count: u64| Rate {
@@ -123,6 +123,13 @@ pub fn flow_settings() -> crate::flow::FlowSettings {
         );
     }
     f.prefixes.insert(
+        "contract-c3:".into(),
+        FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+    );
+    f.prefixes.insert(
         "contract-vip:".into(),
         FlowPolicy {
             priority: 5,
@@ -164,6 +171,124 @@ pub fn run_all(h: &dyn ContractHarness) {
     rate_limits_hold_across_every_claim(h);
     a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
     a_groups_concurrency_caps_its_runs_over_every_shard(h);
+    a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h);
+    lapsed_runs_of_a_concurrent_key_run_again_in_order(h);
+}
+
+/// The payloads of `runs` of `key`, in claim order.
+fn payloads_of(runs: &[ClaimedJob], key: &str) -> Vec<String> {
+    (runs.iter())
+        .filter(|r| r.key == key)
+        .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+        .collect()
+}
+
+/// A key whose policy allows 3 runs at once ([`flow_settings`]) starts its
+/// jobs in enqueue order, never more than 3 at once; a failed job runs
+/// again before the key's later jobs, and while its retry waits nothing
+/// later starts. A backend that keeps one run per key
+/// ([`crate::BackendLimits::key_concurrency_max`] 1) starts one.
+pub fn a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h: &dyn ContractHarness) {
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    let key = "contract-c3:k";
+    for i in 0..7 {
+        enqueue(h, &shard, key, &i.to_string(), 5);
+    }
+    enqueue(h, &shard, "c3-plain", "p0", 5);
+    enqueue(h, &shard, "c3-plain", "p1", 5);
+    let first = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&first, "c3-plain"), ["p0"], "{first:?}");
+    if b.limits().key_concurrency_max < 3 {
+        assert_eq!(
+            payloads_of(&first, key),
+            ["0"],
+            "a backend of one run per key started more: {first:?}"
+        );
+        return;
+    }
+    assert_eq!(payloads_of(&first, key), ["0", "1", "2"], "{first:?}");
+    let counts = b.key_counts(&shard, key).expect("counts");
+    assert_eq!((counts.in_flight, counts.depth), (3, 4), "{counts:?}");
+    let none = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert!(none.is_empty(), "a fourth run started: {none:?}");
+    let run = |p: &str| {
+        first
+            .iter()
+            .find(|r| r.key == key && r.payload == p.as_bytes())
+            .expect("run")
+            .clone()
+    };
+    // The middle one ends: the next job starts, alone.
+    ack_one(h, &shard, run("1").receipt());
+    let next = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&next, key), ["3"], "{next:?}");
+    // A failed job runs again before the key's later jobs.
+    b.fail(&shard, run("0").receipt(), "again", Some(0))
+        .expect("fail");
+    let again = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&again, key), ["0"], "{again:?}");
+    assert_eq!(again[0].attempt, 2, "{again:?}");
+    // A retry that waits holds back the key's later jobs.
+    b.fail(&shard, run("2").receipt(), "later", Some(5_000))
+        .expect("fail");
+    let held = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert!(
+        payloads_of(&held, key).is_empty(),
+        "a later job overtook a waiting retry: {held:?}"
+    );
+    h.pass_ms(5_000);
+    let due = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&due, key), ["2"], "{due:?}");
+    // Three run (0, 3, 2): the rest waits for a slot of the key.
+    for r in again.iter().chain(&next).chain(&due) {
+        ack_one(h, &shard, r.receipt());
+    }
+    let rest = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&rest, key), ["4", "5", "6"], "{rest:?}");
+    for r in rest.iter().filter(|r| r.key == key) {
+        ack_one(h, &shard, r.receipt());
+    }
+    let counts = b.key_counts(&shard, key).expect("counts");
+    assert_eq!((counts.in_flight, counts.depth), (0, 0), "{counts:?}");
+}
+
+/// Runs of a key of concurrency 3 whose job leases lapse run again in key
+/// order, each with a larger fence, and their old receipts are refused.
+pub fn lapsed_runs_of_a_concurrent_key_run_again_in_order(h: &dyn ContractHarness) {
+    if h.backend().limits().key_concurrency_max < 3 {
+        return;
+    }
+    let shard = h.fresh_shard();
+    let key = "contract-c3:lapse";
+    for i in 0..4 {
+        enqueue(h, &shard, key, &i.to_string(), 5);
+    }
+    let lease = h.short_lease_ms();
+    let old = claim(h, &shard, 10, lease);
+    assert_eq!(payloads_of(&old, key), ["0", "1", "2"], "{old:?}");
+    h.pass_ms(lease * 3);
+    let mut again = Vec::new();
+    for _ in 0..200 {
+        again.extend(claim(h, &shard, 10, LONG_LEASE_MS));
+        if again.len() >= 3 {
+            break;
+        }
+        h.pass_ms(lease);
+    }
+    assert_eq!(payloads_of(&again, key), ["0", "1", "2"], "{again:?}");
+    for (o, n) in old.iter().zip(&again) {
+        assert_eq!(o.id, n.id);
+        assert!(n.fence > o.fence && n.attempt > o.attempt, "{o:?} {n:?}");
+    }
+    let out = h.backend().ack(&shard, &[old[1].receipt()]).expect("ack");
+    assert_eq!(out.acked, 0, "a lapsed run's ack must be refused");
+    for r in &again {
+        ack_one(h, &shard, r.receipt());
+    }
+    let last = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
+    ack_one(h, &shard, last[0].receipt());
 }
 
 /// The checks of ranking ready keys by priority and weight (every backend;

@@ -91,9 +91,11 @@ pub const FLOW_GROUPS_MAX: usize = 1_000;
 pub const RATE_COUNT_MAX: u64 = 1_000_000;
 /// Most tokens a bucket may hold.
 pub const BURST_MAX: u64 = 1_000_000;
-/// Runs of one key at once. One run per key is the queue's order
-/// guarantee; more at once is not offered yet.
-pub const KEY_CONCURRENCY_MAX: u32 = 1;
+/// Most runs of one key at once. One run per key (the default) is the
+/// queue's strict order; with more, a key's jobs still start in order, up
+/// to its concurrency at once. A backend may offer less
+/// ([`crate::BackendLimits::key_concurrency_max`]).
+pub const KEY_CONCURRENCY_MAX: u32 = 256;
 /// Most runs of one group's keys at once.
 pub const GROUP_CONCURRENCY_MAX: u32 = 10_000;
 /// Longest a key refused because its group's runs are all taken waits
@@ -209,7 +211,8 @@ fn is_zero(n: &i32) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FlowPolicy {
-    /// Runs of the key at once (only 1: [`KEY_CONCURRENCY_MAX`]).
+    /// Runs of the key at once (1 to [`KEY_CONCURRENCY_MAX`]; 1 is strict
+    /// order, more start the key's jobs in order, this many at once).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub concurrency: u32,
     /// Starts of the key's jobs, over every worker; none: unlimited.
@@ -279,9 +282,7 @@ impl FlowPolicy {
             return Err(QueueError::InvalidOption {
                 name: "concurrency",
                 value: self.concurrency.to_string(),
-                allowed: format!(
-                    "1 to {KEY_CONCURRENCY_MAX} (a key runs one job at a time, in order)"
-                ),
+                allowed: format!("1 to {KEY_CONCURRENCY_MAX}"),
             });
         }
         if let Some(r) = self.rate {
@@ -477,6 +478,13 @@ impl FlowSettings {
         ranked(&self.default)
             || self.keys.values().any(ranked)
             || self.prefixes.values().any(ranked)
+    }
+
+    /// The most runs at once any policy allows a key.
+    pub fn key_concurrency_high(&self) -> u32 {
+        (self.keys.values().chain(self.prefixes.values()))
+            .map(|p| p.concurrency)
+            .fold(self.default.concurrency, u32::max)
     }
 
     /// Whether any policy limits starts (else admission is free).
@@ -1029,6 +1037,8 @@ pub struct FlowControl {
     /// every key it would start.
     limits: AtomicBool,
     ranks: AtomicBool,
+    /// Whether any policy lets a key run more than once at once.
+    several: AtomicBool,
     /// The virtual time of ranking over every shard of this process
     /// ([`FlowControl::fair_vtime`]).
     fair_vtime: AtomicU64,
@@ -1064,12 +1074,14 @@ impl FlowControl {
     pub fn new(settings: FlowSettings, groups: Arc<dyn GroupBuckets>) -> FlowControl {
         let limits = settings.limits_starts();
         let ranks = settings.ranks_keys();
+        let several = settings.key_concurrency_high() > 1;
         FlowControl {
             loaded: RwLock::new(Loaded {
                 settings: Arc::new(settings),
             }),
             limits: AtomicBool::new(limits),
             ranks: AtomicBool::new(ranks),
+            several: AtomicBool::new(several),
             fair_vtime: AtomicU64::new(0),
             loaded_ms: AtomicU64::new(0),
             source: None,
@@ -1101,6 +1113,8 @@ impl FlowControl {
         self.limits
             .store(settings.limits_starts(), Ordering::Relaxed);
         self.ranks.store(settings.ranks_keys(), Ordering::Relaxed);
+        self.several
+            .store(settings.key_concurrency_high() > 1, Ordering::Relaxed);
         l.settings = Arc::new(settings);
         self.loaded_ms.store(now_ms, Ordering::Relaxed);
     }
@@ -1163,6 +1177,14 @@ impl FlowControl {
         let l = self.read();
         let p = l.settings.for_key(key);
         (p.priority, p.weight)
+    }
+
+    /// Runs of `key` allowed at once (1 unless a policy says more).
+    pub fn concurrency_of(&self, key: &str) -> u32 {
+        if !self.several.load(Ordering::Relaxed) {
+            return 1;
+        }
+        self.read().settings.for_key(key).concurrency
     }
 
     /// Whether any policy limits starts (when not, [`FlowControl::admit`]
@@ -2084,11 +2106,19 @@ mod tests {
         for (p, field, value) in [
             (
                 FlowPolicy {
-                    concurrency: 4,
+                    concurrency: 0,
                     ..FlowPolicy::default()
                 },
                 "concurrency",
-                "4",
+                "0",
+            ),
+            (
+                FlowPolicy {
+                    concurrency: KEY_CONCURRENCY_MAX + 1,
+                    ..FlowPolicy::default()
+                },
+                "concurrency",
+                "257",
             ),
             (
                 FlowPolicy {

@@ -52,7 +52,8 @@ struct ShardState {
     /// Pending job ids per key, in key order (a retried job stays at the head).
     keys: BTreeMap<String, VecDeque<JobId>>,
     in_flight: BTreeMap<JobId, Run>,
-    busy_keys: BTreeSet<String>,
+    /// Runs in flight per key (keys with none are absent).
+    busy: BTreeMap<String, u32>,
     /// The largest fence issued.
     fence_high: u64,
     dead: BTreeSet<JobId>,
@@ -328,7 +329,7 @@ fn end_lapsed_runs(
         if run.is_some_and(|r| r.cancelled) {
             // Its cancel takes effect now that no run of it is left.
             if let Some(j) = s.jobs.remove(&id) {
-                s.busy_keys.remove(&j.key);
+                run_over(s, &j.key);
                 note_finished(s, id, j, Finish::Cancelled, now, retention);
             }
             continue;
@@ -348,12 +349,14 @@ fn finish_failed(
     backoff: Backoff,
     policy: DeadPolicy,
 ) -> FailOutcome {
+    let Some(key) = s.jobs.get(&id).map(|j| j.key.clone()) else {
+        return FailOutcome::Dead;
+    };
+    run_over(s, &key);
     let Some(j) = s.jobs.get_mut(&id) else {
         return FailOutcome::Dead;
     };
     j.reason = reason.to_string();
-    let key = j.key.clone();
-    s.busy_keys.remove(&key);
     if j.attempt >= j.max_attempts {
         s.dead.insert(id);
         if policy == DeadPolicy::Halt {
@@ -364,15 +367,40 @@ fn finish_failed(
     let seed = id.0 ^ u64::from(j.attempt).rotate_left(32);
     let at_ms = now + retry_in_ms.unwrap_or_else(|| backoff.delay_for(j.attempt, seed));
     j.not_before_ms = at_ms;
-    s.keys.entry(key).or_default().push_front(id);
+    back_in_order(s, key, id);
     FailOutcome::Retry { at_ms }
 }
 
-/// The head job of `key` when a claim may start it at `now`: nothing of
-/// the key running, not halted, not sealed for a move, due, and not held
-/// back by flow control.
-fn startable_head(s: &ShardState, key: &str, now: u64) -> Option<JobId> {
-    if s.busy_keys.contains(key)
+/// One run of `key` is over.
+fn run_over(s: &mut ShardState, key: &str) {
+    if let Some(n) = s.busy.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            s.busy.remove(key);
+        }
+    }
+}
+
+/// Runs of `key` in flight.
+fn busy_of(s: &ShardState, key: &str) -> u32 {
+    s.busy.get(key).copied().unwrap_or(0)
+}
+
+/// Job `id` back among the pending jobs of `key`, before every later id: a
+/// failed or backed-off job runs before the key's later jobs (with one run
+/// per key it is the head; with more, a job started after it may have
+/// failed back first, or be running still).
+fn back_in_order(s: &mut ShardState, key: String, id: JobId) {
+    let q = s.keys.entry(key).or_default();
+    let pos = q.iter().position(|x| *x > id).unwrap_or(q.len());
+    q.insert(pos, id);
+}
+
+/// The head job of `key` when a claim may start it at `now`: fewer than
+/// `limit` runs of the key in flight, not halted, not sealed for a move,
+/// due, and not held back by flow control.
+fn startable_head(s: &ShardState, key: &str, now: u64, limit: u32) -> Option<JobId> {
+    if busy_of(s, key) >= limit
         || s.halted_keys.contains(key)
         || s.fence.sealed_keys.contains_key(key)
     {
@@ -413,7 +441,7 @@ fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
 
 fn counts(s: &ShardState, key: &str) -> KeyCounts {
     let depth = s.keys.get(key).map_or(0, |q| q.len() as u64);
-    let in_flight = u64::from(s.busy_keys.contains(key));
+    let in_flight = u64::from(busy_of(s, key));
     let dead = s
         .dead
         .iter()
@@ -427,6 +455,13 @@ fn counts(s: &ShardState, key: &str) -> KeyCounts {
 }
 
 impl QueueBackend for MemoryBackend {
+    fn limits(&self) -> crate::BackendLimits {
+        crate::BackendLimits {
+            key_concurrency_max: crate::flow::KEY_CONCURRENCY_MAX,
+            ..crate::BackendLimits::default()
+        }
+    }
+
     fn shard_names(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
     }
@@ -562,11 +597,11 @@ impl QueueBackend for MemoryBackend {
             for (id, run) in runs.into_iter().rev() {
                 if let Some(j) = s.jobs.get(&id) {
                     let key = j.key.clone();
-                    s.busy_keys.remove(&key);
+                    run_over(s, &key);
                     if run.cancelled {
                         s.jobs.remove(&id);
                     } else {
-                        s.keys.entry(key).or_default().push_front(id);
+                        back_in_order(s, key, id);
                     }
                 }
             }
@@ -614,7 +649,8 @@ impl QueueBackend for MemoryBackend {
                 else {
                     break;
                 };
-                let Some(id) = startable_head(s, &key, now) else {
+                let limit = self.flow.as_ref().map_or(1, |f| f.concurrency_of(&key));
+                let Some(id) = startable_head(s, &key, now, limit) else {
                     continue;
                 };
                 let lease_until_ms = now.saturating_add(lease_ms);
@@ -638,6 +674,9 @@ impl QueueBackend for MemoryBackend {
                 if let Some(p) = &popped {
                     s.fair.charge(p);
                 }
+                // A key that may run more than once at once stays in line
+                // for its next job (in its turn, or by its new start tag).
+                let again = limit > 1 && busy_of(s, &key) + 1 < limit;
                 let Some(j) = s.jobs.get_mut(&id) else {
                     continue;
                 };
@@ -656,10 +695,21 @@ impl QueueBackend for MemoryBackend {
                     fence,
                     lease_until_ms,
                 });
+                let mut more = false;
                 if let Some(q) = s.keys.get_mut(&key) {
                     q.pop_front();
+                    more = !q.is_empty();
                     if q.is_empty() {
                         s.keys.remove(&key);
+                    }
+                }
+                if again && more {
+                    match (ranked, &popped) {
+                        (Some(f), Some(_)) => {
+                            let (priority, weight) = f.rank_of(&key);
+                            s.fair.push(key.clone(), priority, weight);
+                        }
+                        _ => keys.push_back(key.clone()),
                     }
                 }
                 s.in_flight.insert(
@@ -670,7 +720,7 @@ impl QueueBackend for MemoryBackend {
                         lease_until_ms,
                     },
                 );
-                s.busy_keys.insert(key);
+                *s.busy.entry(key).or_insert(0) += 1;
             }
             // Not started this time: queued again at the next claim.
             s.fair.drain();
@@ -694,7 +744,7 @@ impl QueueBackend for MemoryBackend {
             end_lapsed_runs(s, now, backoff, policy, retention);
             s.fair.raise_vtime(f.fair_vtime());
             let keys: Vec<String> = (s.keys.keys())
-                .filter(|k| startable_head(s, k, now).is_some())
+                .filter(|k| startable_head(s, k, now, f.concurrency_of(k)).is_some())
                 .cloned()
                 .collect();
             for k in keys {
@@ -721,7 +771,7 @@ impl QueueBackend for MemoryBackend {
                 }
                 s.in_flight.remove(&r.id);
                 if let Some(j) = s.jobs.remove(&r.id) {
-                    s.busy_keys.remove(&j.key);
+                    run_over(s, &j.key);
                     ended.push((j.key.clone(), r.fence));
                     note_finished(s, r.id, j, Finish::Completed, now, retention);
                 }
@@ -802,11 +852,8 @@ impl QueueBackend for MemoryBackend {
             j.starts.pop();
             j.not_before_ms = at_ms;
             let key = j.key.clone();
-            s.busy_keys.remove(&key);
-            s.keys
-                .entry(key.clone())
-                .or_default()
-                .push_front(receipt.id);
+            run_over(s, &key);
+            back_in_order(s, key.clone(), receipt.id);
             Ok(key)
         });
         if matches!(key, Ok(_) | Err(QueueError::StaleReceipt { .. })) {
@@ -852,7 +899,10 @@ impl QueueBackend for MemoryBackend {
         self.with_shard(shard, |s| {
             Ok(s.keys
                 .iter()
-                .filter(|(k, _)| !s.busy_keys.contains(*k) && !s.fence.sealed_keys.contains_key(*k))
+                .filter(|(k, _)| {
+                    let limit = self.flow.as_ref().map_or(1, |f| f.concurrency_of(k));
+                    busy_of(s, k) < limit && !s.fence.sealed_keys.contains_key(*k)
+                })
                 .filter_map(|(k, q)| {
                     q.front()
                         .and_then(|id| s.jobs.get(id))
@@ -888,7 +938,7 @@ impl QueueBackend for MemoryBackend {
                     }
                 }
             }
-            keys.extend(s.busy_keys.iter().cloned());
+            keys.extend(s.busy.keys().cloned());
             stats.keys = keys.len() as u64;
             Ok(stats)
         })
@@ -1202,7 +1252,7 @@ impl KeyInventory for MemoryBackend {
             let keys: BTreeSet<&String> = s
                 .keys
                 .keys()
-                .chain(s.busy_keys.iter())
+                .chain(s.busy.keys())
                 .chain(dead_keys)
                 .collect();
             Ok(keys

@@ -589,6 +589,7 @@ mod tests {
             let limits = BackendLimits {
                 enqueue_batch_jobs_max: jobs_max,
                 enqueue_batch_bytes_max: bytes_max,
+                ..BackendLimits::default()
             };
             assert_eq!(split_by_limits(&all, &jobs, limits), want, "{limits:?}");
         };

@@ -676,6 +676,7 @@ impl QueueBackend for FsBackend {
         shardq_core::BackendLimits {
             enqueue_batch_jobs_max: ENQUEUE_BATCH_JOBS_MAX,
             enqueue_batch_bytes_max: ENQUEUE_BATCH_BYTES_MAX - 64 * ENQUEUE_BATCH_JOBS_MAX,
+            ..shardq_core::BackendLimits::default()
         }
     }
 
