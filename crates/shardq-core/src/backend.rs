@@ -430,6 +430,14 @@ pub trait QueueBackend: Send + Sync {
         false
     }
 
+    /// Runs of `key` a claim lets be in flight at once (its policy's
+    /// concurrency, within [`BackendLimits::key_concurrency_max`]): a pool
+    /// that sees more runs of a key than this knows some of them are over.
+    fn key_concurrency(&self, key: &str) -> u32 {
+        let _ = key;
+        1
+    }
+
     /// While keys are ranked ([`QueueBackend::ranks_keys`]): the ranks of
     /// up to `max` keys a claim on `shard` would start now, best first
     /// (runs whose lease lapsed count as ready again; limits are not asked,

@@ -321,9 +321,11 @@ struct Running {
     started_ms: u64,
     wait_ms: u64,
     signal: Arc<RunSignal>,
-    /// Not handed to a worker yet: an older, cancelled run of its key still
-    /// runs here (its job lease lapsed and the store started this one).
+    /// Not handed to a worker yet: older, cancelled runs here are over
+    /// (their job leases lapsed and the store started this one) and their
+    /// handlers have not returned: `after`, on the same shard.
     parked: Option<ClaimedJob>,
+    after: Vec<Receipt>,
 }
 
 /// A shard that stopped serving, and when to try it again.
@@ -703,30 +705,23 @@ impl Dispatch<'_> {
             if recovering && self.failed.remove(&shard).is_some() {
                 (self.opts.on_event)(PoolEvent::ShardRecovered(shard.clone()));
             }
-            let busy_keys: std::collections::BTreeSet<String> = self
-                .running
-                .iter()
-                .filter(|((s, _), _)| *s == shard)
-                .map(|(_, r)| r.key.clone())
-                .collect();
             for job in jobs {
                 claimed_any = true;
                 let signal = Arc::new(RunSignal::default());
                 let wait_ms = now.saturating_sub(job.created_ms.max(job.not_before_ms));
-                // The store started a new run of a key that still has one
-                // here: that run is over (its job lease lapsed, say in a
-                // stall). Stop its handler, and start this run only once
-                // the handler returned, so a key never has two handlers.
-                let mut older = false;
-                if busy_keys.contains(&job.key) {
-                    for ((s, _), run) in &self.running {
-                        if *s == job.shard && run.key == job.key {
-                            run.signal
-                                .cancel("the run's job lease lapsed and its job runs again");
-                            older = true;
-                        }
+                // The store started a run that runs over the key's
+                // concurrency here, or of a job that runs here: older runs
+                // are over (their job leases lapsed, say in a stall). Stop
+                // their handlers, and start this run only once they
+                // returned, so a key never has more handlers than runs.
+                let after = self.runs_over(&job);
+                for r in &after {
+                    if let Some(run) = self.running.get(&(job.shard.clone(), *r)) {
+                        run.signal
+                            .cancel("the run's job lease lapsed and its job runs again");
                     }
                 }
+                let older = !after.is_empty();
                 (self.opts.on_event)(PoolEvent::RunStarted {
                     shard: job.shard.clone(),
                     wait_ms,
@@ -747,6 +742,7 @@ impl Dispatch<'_> {
                         wait_ms,
                         signal,
                         parked,
+                        after,
                     },
                 );
             }
@@ -760,18 +756,44 @@ impl Dispatch<'_> {
             .map_err(|_| QueueError::WorkersExited)
     }
 
-    /// Hands parked runs whose key has no other run here any more to the
-    /// workers; a parked run cancelled meanwhile fails without running.
+    /// The runs here that the store's new run `job` shows are over: a run
+    /// of the same job, and, when the key's runs here would exceed its
+    /// concurrency, those the store no longer counts as current (all of the
+    /// key's others with one run per key, or when the store cannot say).
+    fn runs_over(&self, job: &ClaimedJob) -> Vec<Receipt> {
+        let mine: Vec<Receipt> = (self.running.iter())
+            .filter(|((s, _), r)| *s == job.shard && r.key == job.key && r.parked.is_none())
+            .map(|((_, receipt), _)| *receipt)
+            .collect();
+        let mut over: Vec<Receipt> = mine.iter().filter(|r| r.id == job.id).copied().collect();
+        let others: Vec<Receipt> = mine.into_iter().filter(|r| r.id != job.id).collect();
+        let limit = self.backend.key_concurrency(&job.key).max(1) as usize;
+        if others.len() < limit {
+            return over;
+        }
+        for r in others {
+            let current = limit > 1
+                && matches!(
+                    self.backend.job(&job.shard, r.id),
+                    Ok(Some(info)) if info.run.is_some_and(|(fence, _)| fence == r.fence)
+                );
+            if !current {
+                over.push(r);
+            }
+        }
+        over
+    }
+
+    /// Hands parked runs whose older runs all returned to the workers; a
+    /// parked run cancelled meanwhile fails without running.
     fn start_parked(&mut self) -> Vec<Outcome> {
         let mut cancelled = Vec::new();
         let ready: Vec<(String, Receipt)> = self
             .running
             .iter()
             .filter(|(_, r)| r.parked.is_some())
-            .filter(|((shard, receipt), r)| {
-                !self.running.iter().any(|((s, other), o)| {
-                    s == shard && other != receipt && o.key == r.key && o.parked.is_none()
-                })
+            .filter(|((shard, _), r)| {
+                (r.after.iter()).all(|a| !self.running.contains_key(&(shard.clone(), *a)))
             })
             .map(|(k, _)| k.clone())
             .collect();

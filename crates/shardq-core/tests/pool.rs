@@ -401,6 +401,12 @@ impl QueueBackend for OneBroken {
     fn dead_purge(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.inner.dead_purge(s, ids)
     }
+    fn key_concurrency(&self, key: &str) -> u32 {
+        self.inner.key_concurrency(key)
+    }
+    fn job(&self, s: &str, id: JobId) -> Result<Option<shardq_core::JobInfo>, QueueError> {
+        self.inner.job(s, id)
+    }
 }
 
 /// Regression: one corrupt shard stopped the whole worker. Now it stops
@@ -667,6 +673,120 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
         let c = backend.key_counts("s0", key).unwrap();
         assert_eq!((c.depth, c.in_flight, c.dead), (0, 0, 0), "key {key}");
     }
+}
+
+/// A stall past the job lease while keys of concurrency 3 run three jobs
+/// each: the store starts their jobs again (key `c:a`) or, their one
+/// attempt used up, the key's next three (`c:b`); the pool runs the new
+/// runs only once the old handlers returned, so no key ever has more than
+/// three handlers at once, and every job is acked once.
+#[test]
+fn a_stall_never_runs_a_key_more_often_at_once_than_its_concurrency() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    use shardq_core::{FlowControl, LocalGroupBuckets};
+    let clock = ManualClock::new(1_000_000);
+    let mut settings = FlowSettings::default();
+    settings.prefixes.insert(
+        "c:".into(),
+        FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+    );
+    let flow = Arc::new(FlowControl::new(
+        settings,
+        Arc::new(LocalGroupBuckets::default()),
+    ));
+    let inner = MemoryBackend::new(&["s0"], Arc::new(clock.clone())).with_flow(flow);
+    for (key, attempts) in [("c:a", 5), ("c:b", 1)] {
+        let jobs: Vec<NewJob> = (0..6)
+            .map(|i| {
+                let mut j = NewJob::new(key, format!("{i}"));
+                j.max_attempts = attempts;
+                j
+            })
+            .collect();
+        inner.enqueue("s0", 1, &jobs).unwrap();
+    }
+    let stall = Arc::new(AtomicU64::new(0));
+    let backend = Arc::new(OneBroken {
+        inner: inner.clone(),
+        broken: String::new(),
+        stall_before_claim: Some((clock.clone(), stall.clone())),
+        extends: Arc::default(),
+    });
+    let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
+    let peak: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
+    let started = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(AtomicBool::new(false));
+    let handler: Arc<shardq_core::Handler> = {
+        let (running, peak, started, release) = (
+            running.clone(),
+            peak.clone(),
+            started.clone(),
+            release.clone(),
+        );
+        Arc::new(move |job: &ClaimedJob| {
+            {
+                let mut r = running.lock().unwrap();
+                let n = r.entry(job.key.clone()).or_default();
+                *n += 1;
+                let mut p = peak.lock().unwrap();
+                let m = p.entry(job.key.clone()).or_default();
+                *m = (*m).max(*n);
+            }
+            started.fetch_add(1, Ordering::SeqCst);
+            let run = current_run().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !release.load(Ordering::SeqCst) && !run.is_cancelled() {
+                assert!(Instant::now() < deadline, "the handler was never released");
+                thread::sleep(Duration::from_millis(1));
+            }
+            *running.lock().unwrap().get_mut(&job.key).unwrap() -= 1;
+            Ok(())
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 16,
+        job_lease_ms: 3_000,
+        idle_poll_ms: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let pool = {
+        let backend: Arc<dyn QueueBackend> = backend.clone();
+        let clock = clock.clone();
+        thread::spawn(move || {
+            let mut coord = MemoryCoordinator::new(inner);
+            let stop = AtomicBool::new(false);
+            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
+        })
+    };
+    wait_for(10, "three jobs of each key to run", || {
+        started.load(Ordering::SeqCst) == 6
+    });
+    stall.store(5_000, Ordering::SeqCst);
+    wait_for(10, "the claim after the stall", || {
+        stall.load(Ordering::SeqCst) == 0
+    });
+    wait_for(10, "the new runs to start", || {
+        started.load(Ordering::SeqCst) >= 12
+    });
+    release.store(true, Ordering::SeqCst);
+    let report = pool.join().unwrap().unwrap();
+    let peak = peak.lock().unwrap().clone();
+    assert_eq!(
+        peak.values().copied().collect::<Vec<_>>(),
+        [3, 3],
+        "handlers of a key at once: {peak:?}"
+    );
+    // c:a: 6 acked (3 of them on their second run); c:b: 3 dead, 3 acked.
+    assert_eq!(report.acked, 9, "{report:?}");
+    assert_eq!(report.stale, 6, "the lapsed runs' results were refused");
+    let a = backend.key_counts("s0", "c:a").unwrap();
+    assert_eq!((a.depth, a.in_flight, a.dead), (0, 0, 0));
+    let b = backend.key_counts("s0", "c:b").unwrap();
+    assert_eq!((b.depth, b.in_flight, b.dead), (0, 0, 3));
 }
 
 /// A memory backend over `shards` whose keys with each prefix of
