@@ -1039,6 +1039,8 @@ pub struct FlowControl {
     ranks: AtomicBool,
     /// Whether any policy lets a key run more than once at once.
     several: AtomicBool,
+    /// Counts the settings put in use ([`FlowControl::version`]).
+    version: AtomicU64,
     /// The virtual time of ranking over every shard of this process
     /// ([`FlowControl::fair_vtime`]).
     fair_vtime: AtomicU64,
@@ -1082,6 +1084,7 @@ impl FlowControl {
             limits: AtomicBool::new(limits),
             ranks: AtomicBool::new(ranks),
             several: AtomicBool::new(several),
+            version: AtomicU64::new(1),
             fair_vtime: AtomicU64::new(0),
             loaded_ms: AtomicU64::new(0),
             source: None,
@@ -1116,6 +1119,7 @@ impl FlowControl {
         self.several
             .store(settings.key_concurrency_high() > 1, Ordering::Relaxed);
         l.settings = Arc::new(settings);
+        self.version.fetch_add(1, Ordering::Relaxed);
         self.loaded_ms.store(now_ms, Ordering::Relaxed);
     }
 
@@ -1177,6 +1181,12 @@ impl FlowControl {
         let l = self.read();
         let p = l.settings.for_key(key);
         (p.priority, p.weight)
+    }
+
+    /// Grows each time settings are put in use (read again or set), from 1:
+    /// what a caller derived from them may need deriving again.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
     }
 
     /// Runs of `key` allowed at once (1 unless a policy says more).

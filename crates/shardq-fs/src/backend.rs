@@ -676,7 +676,7 @@ impl QueueBackend for FsBackend {
         shardq_core::BackendLimits {
             enqueue_batch_jobs_max: ENQUEUE_BATCH_JOBS_MAX,
             enqueue_batch_bytes_max: ENQUEUE_BATCH_BYTES_MAX - 64 * ENQUEUE_BATCH_JOBS_MAX,
-            ..shardq_core::BackendLimits::default()
+            key_concurrency_max: shardq_core::flow::KEY_CONCURRENCY_MAX,
         }
     }
 
@@ -1284,6 +1284,10 @@ impl QueueBackend for FsBackend {
 
     fn ranks_keys(&self) -> bool {
         self.opts.flow.as_ref().is_some_and(|f| f.ranks_keys())
+    }
+
+    fn key_concurrency(&self, key: &str) -> u32 {
+        self.opts.flow.as_ref().map_or(1, |f| f.concurrency_of(key))
     }
 
     fn ready_ranks(&self, name: &str, max: usize) -> Result<Vec<Rank>, QueueError> {

@@ -39,14 +39,15 @@ pub(crate) struct Slot {
 #[derive(Debug, Default)]
 struct KeyState {
     key: Box<str>,
-    /// Pending jobs in id order; when `in_flight`, the head is running.
+    /// Its live jobs that are not dead, running or not, in id order: a
+    /// run that fails keeps its place, so its retry goes before the key's
+    /// later jobs. The runs are those of `in_flight_ids`.
     queue: VecDeque<Slot>,
-    in_flight: bool,
-    /// Whether the queue past its head may be out of id order (a dead
-    /// letter retried in front of a retried head): [`ShardState::key_jobs`]
-    /// then walks instead of searching by halves. Cleared once the queue
-    /// empties.
-    unsorted: bool,
+    /// Jobs of `queue` in flight.
+    running: u32,
+    /// Runs at once the key's policy allowed when last asked (0 means 1):
+    /// a key at it is not scheduled until a run ends or the policy changes.
+    limit: u32,
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
@@ -68,6 +69,26 @@ struct Attempts {
 }
 
 impl KeyState {
+    /// Whether the key runs as many jobs as it may.
+    fn full(&self) -> bool {
+        self.running >= self.limit.max(1)
+    }
+
+    /// The first job of the queue that is not running and not in `skip`
+    /// (picked already), with its index: the one the key starts next.
+    fn next_slot(
+        &self,
+        in_flight: &HashMap<u64, Run, Xxh3Builder>,
+        skip: &[u64],
+    ) -> Option<(usize, Slot)> {
+        if self.running == 0 && skip.is_empty() {
+            return self.queue.front().map(|s| (0, *s));
+        }
+        (self.queue.iter().enumerate())
+            .find(|(_, s)| !skip.contains(&s.id) && !in_flight.contains_key(&s.id))
+            .map(|(i, s)| (i, *s))
+    }
+
     fn attempts_of(&self, id: u64) -> Option<&Attempts> {
         self.history.iter().find(|a| a.job == id)
     }
@@ -137,24 +158,16 @@ pub(crate) struct RunInfo<'a> {
     pub cancelled: bool,
 }
 
-/// Where job `id` is in a key's queue. Behind the head the queue is in id
-/// order (a dead job retried goes back to its place, but never ahead of a
-/// running head, which may then be younger): the head is checked, the rest
-/// searched by halves.
+/// Where job `id` is in a key's queue, which is in id order (jobs are
+/// appended in id order, a failed run's job keeps its place and a dead job
+/// retried goes back to its place): the head is checked, the rest searched
+/// by halves.
 fn queue_position(q: &VecDeque<Slot>, id: u64) -> Option<usize> {
     if q.front()?.id == id {
         return Some(0);
     }
-    let (mut lo, mut hi) = (1usize, q.len());
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        match q[mid].id.cmp(&id) {
-            std::cmp::Ordering::Equal => return Some(mid),
-            std::cmp::Ordering::Less => lo = mid + 1,
-            std::cmp::Ordering::Greater => hi = mid,
-        }
-    }
-    None
+    let i = q.partition_point(|s| s.id < id);
+    (q.get(i)?.id == id).then_some(i)
 }
 
 /// A live job as [`ShardState::live_job`] finds it.
@@ -277,6 +290,8 @@ pub(crate) struct ShardState {
     /// Jobs whose run was cancelled and that a new owner found in flight:
     /// never picked; the owner writes a Cancel record for each.
     cancel_pending: Vec<u64>,
+    /// The [`FlowControl::version`] of the settings keys' `limit` follow.
+    flow_version: u64,
 }
 
 impl ShardState {
@@ -308,6 +323,7 @@ impl ShardState {
             imported: HashMap::with_hasher(TextHash::new()),
             parked: Vec::new(),
             cancel_pending: Vec::new(),
+            flow_version: 0,
         }
     }
 
@@ -332,33 +348,20 @@ impl ShardState {
         };
         let ks = &self.keys[k as usize];
         let above = |id: u64| after.is_none_or(|a| id > a);
-        // Behind the head the queue is in id order: the first job above
-        // `after` is found by halves, not by a walk from the head (a chunk
-        // of a million-job export reads what it returns, not the backlog).
-        let skip = usize::from(ks.in_flight);
+        // The queue is in id order: the first job above `after` is found
+        // by halves, not by a walk from the head (a chunk of a million-job
+        // export reads what it returns, not the backlog).
         let mut out: Vec<(Slot, Option<&str>)> = Vec::new();
-        if let Some(head) = ks.queue.get(skip) {
-            if skip == 0 && above(head.id) {
-                out.push((*head, None));
-            }
-        }
+        let waiting = |s: &&Slot| ks.running == 0 || !self.in_flight_ids.contains_key(&s.id);
         let (a, b) = ks.queue.as_slices();
-        // Past the head (a[0], or b[0] when a is empty).
-        let (a, b) = if a.is_empty() {
-            (a, b.get(1..).unwrap_or(&[]))
-        } else {
-            (&a[1..], b)
-        };
-        if ks.unsorted {
-            // Out of order past the head: every job is looked at.
-            for part in [a, b] {
-                out.extend(part.iter().filter(|s| above(s.id)).map(|s| (*s, None)));
-            }
-        } else {
-            let start = |part: &[Slot]| part.partition_point(|s| !above(s.id));
-            for part in [a, b] {
-                out.extend(part[start(part)..].iter().take(max).map(|s| (*s, None)));
-            }
+        let start = |part: &[Slot]| part.partition_point(|s| !above(s.id));
+        for part in [a, b] {
+            out.extend(
+                (part[start(part)..].iter())
+                    .filter(waiting)
+                    .take(max)
+                    .map(|s| (*s, None)),
+            );
         }
         if ks.dead > 0 {
             let from = after.map_or(0, |a| a.saturating_add(1));
@@ -371,8 +374,7 @@ impl ShardState {
             );
         }
         if out.len() > max {
-            // The `max` lowest ids, without sorting all (a walk of an
-            // unsorted queue gathers every job above the cursor).
+            // The `max` lowest ids, without sorting all.
             out.select_nth_unstable_by_key(max, |(s, _)| s.id);
             out.truncate(max);
         }
@@ -388,7 +390,7 @@ impl ShardState {
             .filter_map(|&id| {
                 self.keys
                     .iter()
-                    .find(|ks| ks.queue.front().is_some_and(|h| h.id == id))
+                    .find(|ks| queue_position(&ks.queue, id).is_some())
                     .map(|ks| (id, &*ks.key))
             })
             .collect()
@@ -400,10 +402,10 @@ impl ShardState {
     pub fn live_job(&self, id: u64) -> Option<LiveJob<'_>> {
         if let Some(run) = self.in_flight_ids.get(&id) {
             let ks = &self.keys[run.key as usize];
-            let head = ks.queue.front().filter(|h| h.id == id)?;
+            let i = queue_position(&ks.queue, id)?;
             return Some(LiveJob {
                 key: &ks.key,
-                slot: *head,
+                slot: ks.queue[i],
                 run: Some((run.fence, run.lease_until_ms)),
                 dead: false,
                 reason: ks.reason_of(id),
@@ -444,11 +446,10 @@ impl ShardState {
         let mut out: Vec<LiveJob<'_>> = ks
             .queue
             .iter()
-            .enumerate()
-            .map(|(i, s)| LiveJob {
+            .map(|s| LiveJob {
                 key: &ks.key,
                 slot: *s,
-                run: (i == 0 && ks.in_flight)
+                run: (ks.running > 0)
                     .then(|| self.in_flight_ids.get(&s.id))
                     .flatten()
                     .map(|r| (r.fence, r.lease_until_ms)),
@@ -563,7 +564,7 @@ impl ShardState {
     /// Forgets a key that has nothing left, so distinct keys do not pile up.
     fn maybe_drop_key(&mut self, k: u32) {
         let ks = &self.keys[k as usize];
-        if ks.queue.is_empty() && !ks.in_flight && ks.dead == 0 && !ks.scheduled {
+        if ks.queue.is_empty() && ks.running == 0 && ks.dead == 0 && !ks.scheduled {
             let key = std::mem::take(&mut self.keys[k as usize].key);
             self.index.remove(&key);
             self.fair.forget(&k);
@@ -574,15 +575,24 @@ impl ShardState {
     fn schedule(&mut self, k: u32) {
         let halt = self.policy == DeadPolicy::Halt;
         let ks = &mut self.keys[k as usize];
-        if ks.scheduled || ks.in_flight || (halt && ks.dead > 0) {
+        if ks.scheduled || ks.full() || (halt && ks.dead > 0) {
             return;
         }
-        let Some(head) = ks.queue.front() else { return };
+        let Some((_, next)) = ks.next_slot(&self.in_flight_ids, &[]) else {
+            return;
+        };
         ks.scheduled = true;
-        // Every key waits in `timers` until its head is due (and flow
+        // Every key waits in `timers` until its next job is due (and flow
         // control lets it start), then in `ready`.
         self.timers
-            .push(Reverse((head.not_before_ms.max(ks.held_until_ms), k)));
+            .push(Reverse((next.not_before_ms.max(ks.held_until_ms), k)));
+    }
+
+    /// Schedules `k` again by its next job (an older entry may stay
+    /// queued; picks pass a key whose next job is not due).
+    fn reschedule(&mut self, k: u32) {
+        self.keys[k as usize].scheduled = false;
+        self.schedule(k);
     }
 
     fn lookup(&self, key: &str) -> Option<u32> {
@@ -600,16 +610,22 @@ impl ShardState {
             Ok(())
         } else {
             Err(format!(
-                "{what} refers to job {id}, which is not at the head of its key"
+                "{what} refers to job {id}, which is not among its key's jobs"
             ))
         }
     }
 
-    fn head_of(&self, key: &str, job: u64) -> Option<u32> {
+    /// The key of `key`'s job `job` and its index in the key's queue.
+    fn slot_of(&self, key: &str, job: u64) -> Option<(u32, usize)> {
         let k = self.lookup(key)?;
-        match self.keys[k as usize].queue.front() {
-            Some(h) if h.id == job => Some(k),
-            _ => None,
+        Some((k, queue_position(&self.keys[k as usize].queue, job)?))
+    }
+
+    /// Job `job` of key `k` is no longer in flight (whatever became of it).
+    fn run_ended(&mut self, k: u32, job: u64) {
+        if self.in_flight_ids.remove(&job).is_some() {
+            let ks = &mut self.keys[k as usize];
+            ks.running = ks.running.saturating_sub(1);
         }
     }
 
@@ -709,14 +725,15 @@ impl ShardState {
                 started_ms,
                 key,
             } => {
-                let Some(k) = self.head_of(key, job) else {
+                let Some((k, i)) = self.slot_of(key, job) else {
                     return self.unknown(job, "claim");
                 };
-                let ks = &mut self.keys[k as usize];
-                ks.in_flight = true;
-                if let Some(h) = ks.queue.front_mut() {
-                    h.attempt = attempt;
+                if self.in_flight_ids.contains_key(&job) {
+                    return Err(format!("claim of job {job}, which is running"));
                 }
+                let ks = &mut self.keys[k as usize];
+                ks.running += 1;
+                ks.queue[i].attempt = attempt;
                 if let Some(t) = started_ms {
                     ks.attempts_mut(job).starts.push(t);
                 }
@@ -731,18 +748,15 @@ impl ShardState {
                 );
             }
             Record::Ack { job, key } => {
-                let Some(k) = self.head_of(key, job) else {
+                let Some((k, i)) = self.slot_of(key, job) else {
                     return self.unknown(job, "ack");
                 };
                 let ks = &mut self.keys[k as usize];
                 ks.take_attempts(job);
-                if ks.queue.pop_front().is_some() {
+                if ks.queue.remove(i).is_some() {
                     self.slot_removed();
                 }
-                let ks = &mut self.keys[k as usize];
-                ks.in_flight = false;
-                ks.unsorted &= !ks.queue.is_empty();
-                self.in_flight_ids.remove(&job);
+                self.run_ended(k, job);
                 self.finish(job);
                 self.schedule(k);
                 self.maybe_drop_key(k);
@@ -754,18 +768,17 @@ impl ShardState {
                 key,
                 reason,
             } => {
-                let Some(k) = self.head_of(key, job) else {
+                let Some((k, i)) = self.slot_of(key, job) else {
                     return self.unknown(job, "fail");
                 };
-                self.in_flight_ids.remove(&job);
+                self.run_ended(k, job);
                 let ks = &mut self.keys[k as usize];
-                ks.in_flight = false;
                 if dead {
                     let starts: Box<[u64]> = ks
                         .take_attempts(job)
                         .map(|a| a.starts.into_boxed_slice())
                         .unwrap_or_default();
-                    let slot = ks.queue.pop_front().expect("head exists");
+                    let slot = ks.queue.remove(i).expect("the slot was found");
                     ks.dead += 1;
                     self.slot_removed();
                     self.dead.insert(
@@ -777,35 +790,32 @@ impl ShardState {
                             starts,
                         },
                     );
-                } else if !ks.queue.is_empty() {
+                } else {
                     ks.attempts_mut(job).reason = Some(reason.into());
-                    if let Some(h) = ks.queue.front_mut() {
-                        h.not_before_ms = retry_at_ms;
-                    }
+                    ks.queue[i].not_before_ms = retry_at_ms;
                     self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 }
-                self.schedule(k);
+                // Its key's next job may be this one again, not yet due.
+                self.reschedule(k);
             }
             Record::BackOff {
                 job,
                 retry_at_ms,
                 key,
             } => {
-                let Some(k) = self.head_of(key, job) else {
+                let Some((k, i)) = self.slot_of(key, job) else {
                     return self.unknown(job, "back-off");
                 };
-                self.in_flight_ids.remove(&job);
+                self.run_ended(k, job);
                 let ks = &mut self.keys[k as usize];
-                ks.in_flight = false;
-                if let Some(h) = ks.queue.front_mut() {
-                    h.attempt = h.attempt.saturating_sub(1);
-                    h.not_before_ms = retry_at_ms;
-                }
+                let slot = &mut ks.queue[i];
+                slot.attempt = slot.attempt.saturating_sub(1);
+                slot.not_before_ms = retry_at_ms;
                 if let Some(a) = ks.history.iter_mut().find(|a| a.job == job) {
                     a.starts.pop();
                 }
                 self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
-                self.schedule(k);
+                self.reschedule(k);
             }
             Record::DeadRetry { job } => {
                 let Some(entry) = self.dead.remove(&job) else {
@@ -818,30 +828,13 @@ impl ShardState {
                     not_before_ms: 0,
                     ..entry.slot
                 };
-                // Back at its place in key order, but never ahead of a
-                // running head.
-                let from = usize::from(ks.in_flight);
-                let at = ks
-                    .queue
-                    .iter()
-                    .skip(from)
-                    .position(|s| s.id > job)
-                    .map_or(ks.queue.len(), |p| p + from);
+                // Back at its place in key order (before running jobs
+                // started after it, which it then follows).
+                let at = ks.queue.partition_point(|s| s.id < job);
                 ks.queue.insert(at, slot);
-                // The pairs past the head that this insert made or shifted.
-                let last = ks.queue.len().saturating_sub(1);
-                for i in at.saturating_sub(1).max(1)..(at + 2).min(last) {
-                    if ks.queue[i].id > ks.queue[i + 1].id {
-                        ks.unsorted = true;
-                    }
-                }
                 self.slot_added(0);
-                let ks = &mut self.keys[entry.key as usize];
-                if at == 0 {
-                    // The head changed: drop a stale timer by rescheduling.
-                    ks.scheduled = false;
-                }
-                self.schedule(entry.key);
+                // The key's next job may have changed: drop a stale timer.
+                self.reschedule(entry.key);
             }
             Record::DeadPurge { job } => {
                 let Some(entry) = self.dead.remove(&job) else {
@@ -899,12 +892,15 @@ impl ShardState {
                     return Ok(());
                 };
                 let ks = &mut self.keys[k as usize];
-                // A running head stays (a move purges only keys it waited on).
-                let from = usize::from(ks.in_flight);
-                let removed: Vec<u64> = ks.queue.drain(from..).map(|s| s.id).collect();
+                // Running jobs stay (a move purges only keys it waited on).
+                let running = &self.in_flight_ids;
+                let removed: Vec<u64> = (ks.queue.iter())
+                    .filter(|s| !running.contains_key(&s.id))
+                    .map(|s| s.id)
+                    .collect();
+                ks.queue.retain(|s| running.contains_key(&s.id));
                 if ks.queue.is_empty() {
                     ks.scheduled = false;
-                    ks.unsorted = false;
                 }
                 for id in &removed {
                     ks.take_attempts(*id);
@@ -933,7 +929,7 @@ impl ShardState {
                 let found = self.lookup(key).and_then(|k| {
                     let ks = &self.keys[k as usize];
                     let i = queue_position(&ks.queue, job)?;
-                    Some((k, i, i == 0 && ks.in_flight))
+                    Some((k, i, self.in_flight_ids.contains_key(&job)))
                 });
                 let Some((k, i, running)) = found else {
                     return self.unknown(job, "cancel");
@@ -944,22 +940,15 @@ impl ShardState {
                     if !self.in_flight_ids.get(&job).is_some_and(|r| r.cancelled) {
                         return Err(format!("cancel refers to job {job}, which is running"));
                     }
-                    self.in_flight_ids.remove(&job);
-                    self.keys[k as usize].in_flight = false;
+                    self.run_ended(k, job);
                 }
                 self.cancel_pending.retain(|&j| j != job);
                 self.keys[k as usize].queue.remove(i);
                 self.keys[k as usize].take_attempts(job);
                 self.slot_removed();
                 self.finish(job);
-                if i == 0 {
-                    // The head changed: schedule the key by its new head (an
-                    // older entry for the old head may stay queued; picks
-                    // pass a key whose head is not due).
-                    let ks = &mut self.keys[k as usize];
-                    ks.scheduled = false;
-                    self.schedule(k);
-                }
+                // The key's next job may have changed: schedule it by that.
+                self.reschedule(k);
                 self.maybe_drop_key(k);
             }
             Record::CancelRun { job, fence } => {
@@ -1025,13 +1014,11 @@ impl ShardState {
             .map(|(&id, _)| id)
             .collect();
         self.cancel_pending.sort_unstable();
-        self.in_flight_ids.clear();
-        for ks in &mut self.keys {
-            if ks.in_flight {
-                ks.in_flight = false;
-                if let Some(h) = ks.queue.front_mut() {
-                    h.not_before_ms = 0;
-                }
+        for (id, run) in std::mem::take(&mut self.in_flight_ids) {
+            let ks = &mut self.keys[run.key as usize];
+            ks.running = 0;
+            if let Some(i) = queue_position(&ks.queue, id) {
+                ks.queue[i].not_before_ms = 0;
             }
         }
         self.rebuild_schedule();
@@ -1052,9 +1039,10 @@ impl ShardState {
         }
     }
 
-    /// Picks up to `max` claimable heads (at most one per key). The caller
-    /// writes a claim record for each and applies it; picks not written must
-    /// be handed back with [`ShardState::unpick`].
+    /// Picks up to `max` claimable jobs, each key's in order and no more
+    /// than its concurrency lets run. The caller writes a claim record for
+    /// each and applies it; picks not written must be handed back with
+    /// [`ShardState::unpick`].
     pub fn pick(
         &mut self,
         now_ms: u64,
@@ -1065,14 +1053,16 @@ impl ShardState {
     ) -> Vec<Pick> {
         let ranked = flow.filter(|f| f.ranks_keys());
         let limited = flow.filter(|f| f.limits_starts());
+        self.relimit(flow);
         self.queue_candidates(now_ms, sealed, ranked);
         let halt = self.policy == DeadPolicy::Halt;
         let mut out: Vec<Pick> = Vec::new();
         // A key can sit in `ready` twice (a dead retry or a takeover that
-        // changed its head reschedules it while an older entry is queued).
-        // Its claim record is applied only after this returns, so guard
-        // here: one pick per key per call, or one job would go out twice.
-        let mut picked: Vec<u32> = Vec::new();
+        // changed its next job reschedules it while an older entry is
+        // queued), and one of concurrency above 1 is queued again after
+        // each pick. Claim records are applied only after this returns, so
+        // the jobs picked here count as running: (key, job) of each.
+        let mut picked: Vec<(u32, u64)> = Vec::new();
         while out.len() < max {
             let mut popped = None;
             let next = match ranked {
@@ -1086,12 +1076,16 @@ impl ShardState {
             let Some(k) = next else {
                 break;
             };
-            if picked.contains(&k) {
-                continue;
-            }
+            let mine: Vec<u64> = (picked.iter())
+                .filter(|(pk, _)| *pk == k)
+                .map(|(_, id)| *id)
+                .collect();
             let ks = &mut self.keys[k as usize];
             ks.scheduled = false;
-            if ks.in_flight || (halt && ks.dead > 0) {
+            if let Some(f) = flow {
+                ks.limit = f.concurrency_of(&ks.key);
+            }
+            if ks.running + mine.len() as u32 >= ks.limit.max(1) || (halt && ks.dead > 0) {
                 continue;
             }
             if sealed(&ks.key) {
@@ -1102,7 +1096,7 @@ impl ShardState {
                 }
                 continue;
             }
-            let Some(head) = ks.queue.front().copied() else {
+            let Some((_, head)) = ks.next_slot(&self.in_flight_ids, &mine) else {
                 continue;
             };
             if self.cancel_pending.contains(&head.id) {
@@ -1130,7 +1124,7 @@ impl ShardState {
                     f.raise_fair_vtime(self.fair.vtime());
                 }
             }
-            picked.push(k);
+            picked.push((k, head.id));
             runs.last = fence;
             out.push(Pick {
                 fence,
@@ -1140,8 +1134,39 @@ impl ShardState {
                 max_attempts: head.max_attempts,
                 not_before_ms: head.not_before_ms,
             });
+            // Room for another run of the key: it queues again, behind the
+            // keys ready now (round robin) or by its new start tag.
+            if ks.running + mine.len() as u32 + 1 < ks.limit.max(1) && !ks.scheduled {
+                ks.scheduled = true;
+                match ranked {
+                    Some(f) => {
+                        let (priority, weight) = f.rank_of(&ks.key);
+                        self.fair.push(k, priority, weight);
+                    }
+                    None => self.ready.push_back(k),
+                }
+            }
         }
         out
+    }
+
+    /// Keys' concurrency after a change of the flow settings: a key with
+    /// runs in flight that may now run more is scheduled (it was left out
+    /// while full).
+    fn relimit(&mut self, flow: Option<&FlowControl>) {
+        let version = flow.map_or(0, |f| f.version());
+        if version == self.flow_version {
+            return;
+        }
+        self.flow_version = version;
+        let busy: Vec<u32> = (self.index.values().copied())
+            .filter(|&k| self.keys[k as usize].running > 0)
+            .collect();
+        for k in busy {
+            let ks = &mut self.keys[k as usize];
+            ks.limit = flow.map_or(1, |f| f.concurrency_of(&ks.key));
+            self.schedule(k);
+        }
     }
 
     /// Queues the keys a pick may start: those parked while sealed that no
@@ -1195,15 +1220,16 @@ impl ShardState {
         if !flow.ranks_keys() {
             return Vec::new();
         }
+        self.relimit(Some(flow));
         self.queue_candidates(now_ms, sealed, Some(flow));
         let halt = self.policy == DeadPolicy::Halt;
         let keys = &self.keys;
-        let cancel_pending = &self.cancel_pending;
+        let (cancel_pending, in_flight) = (&self.cancel_pending, &self.in_flight_ids);
         let mut out = self.fair.ranks(max, |&k| {
             let ks = &keys[k as usize];
-            let blocked = ks.in_flight || (halt && ks.dead > 0) || sealed(&ks.key);
+            let blocked = ks.full() || (halt && ks.dead > 0) || sealed(&ks.key);
             !blocked
-                && ks.queue.front().is_some_and(|head| {
+                && ks.next_slot(in_flight, &[]).is_some_and(|(_, head)| {
                     !cancel_pending.contains(&head.id)
                         && head.not_before_ms.max(ks.held_until_ms) <= now_ms
                 })
@@ -1248,8 +1274,8 @@ impl ShardState {
     pub fn in_flight(&self, id: u64) -> Option<RunInfo<'_>> {
         let run = *self.in_flight_ids.get(&id)?;
         let ks = &self.keys[run.key as usize];
-        let h = ks.queue.front()?;
-        (ks.in_flight && h.id == id).then_some(RunInfo {
+        let h = ks.queue.get(queue_position(&ks.queue, id)?)?;
+        Some(RunInfo {
             key: &ks.key,
             attempt: h.attempt,
             max_attempts: h.max_attempts,
@@ -1309,9 +1335,8 @@ impl ShardState {
             let live = (self.keys.get(k as usize))
                 .filter(|ks| ks.scheduled)
                 .is_some_and(|ks| {
-                    ks.queue
-                        .front()
-                        .is_some_and(|h| h.not_before_ms.max(ks.held_until_ms) == at)
+                    (ks.next_slot(&self.in_flight_ids, &[]))
+                        .is_some_and(|(_, h)| h.not_before_ms.max(ks.held_until_ms) == at)
                 });
             if live {
                 break;
@@ -1331,7 +1356,7 @@ impl ShardState {
             return KeyCounts::default();
         };
         let ks = &self.keys[k as usize];
-        let in_flight = u64::from(ks.in_flight);
+        let in_flight = u64::from(ks.running);
         KeyCounts {
             depth: ks.queue.len() as u64 - in_flight,
             in_flight,
@@ -1363,7 +1388,7 @@ impl ShardState {
         };
         if self.not_before_max_ms <= now_ms {
             // Every waiting job is ready: count without walking the jobs.
-            s.in_flight = self.keys.iter().filter(|ks| ks.in_flight).count() as u64;
+            s.in_flight = self.in_flight_ids.len() as u64;
             s.ready = self.queued - s.in_flight;
             #[cfg(debug_assertions)]
             {
@@ -1384,9 +1409,11 @@ impl ShardState {
     fn walked_stats(&self, now_ms: u64) -> (u64, u64, u64) {
         let (mut ready, mut delayed, mut in_flight) = (0, 0, 0);
         for ks in &self.keys {
-            let skip = usize::from(ks.in_flight);
-            in_flight += skip as u64;
-            for slot in ks.queue.iter().skip(skip) {
+            in_flight += u64::from(ks.running);
+            for slot in ks.queue.iter() {
+                if ks.running > 0 && self.in_flight_ids.contains_key(&slot.id) {
+                    continue;
+                }
                 if slot.not_before_ms > now_ms {
                     delayed += 1;
                 } else {
@@ -1455,13 +1482,15 @@ impl ShardState {
         }
         let r = &self.reclaimed;
         for ks in &mut self.keys {
-            let head_gone = ks.queue.front().is_some_and(|h| r.contains(h.id));
             ks.queue.retain(|s| !r.contains(s.id));
-            if head_gone {
-                ks.in_flight = false;
-            }
         }
         self.in_flight_ids.retain(|&id, _| !r.contains(id));
+        for ks in &mut self.keys {
+            ks.running = 0;
+        }
+        for run in self.in_flight_ids.values() {
+            self.keys[run.key as usize].running += 1;
+        }
         self.queued = self.keys.iter().map(|ks| ks.queue.len() as u64).sum();
         if self.queued == 0 {
             self.not_before_max_ms = 0;
@@ -1594,9 +1623,105 @@ mod tests {
         s.apply(pos, 0, &rec).unwrap();
     }
 
-    /// Replay gives a job its attempts' start times and last reason, keeps
-    /// them for a dead letter, never lends them to the key's next job, and a
-    /// claim written before start times were recorded adds none.
+    /// A key of concurrency 3 runs its first three jobs; one fails with a
+    /// retry that waits: nothing later starts before it. A replay of the
+    /// same records gives the same state, and a new owner (every run back)
+    /// starts them again in key order once the retry is due.
+    #[test]
+    fn runs_of_a_concurrent_key_replay_and_restart_in_order() {
+        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
+        let flow = FlowControl::new(
+            FlowSettings {
+                default: FlowPolicy {
+                    concurrency: 3,
+                    ..FlowPolicy::default()
+                },
+                ..FlowSettings::default()
+            },
+            std::sync::Arc::new(LocalGroupBuckets::default()),
+        );
+        let new_state = || {
+            ShardState::new(
+                0,
+                &crate::reclaim::Reclaimed::default(),
+                DeadPolicy::Continue,
+            )
+        };
+        let never = |_: &str| false;
+        let mut s = new_state();
+        let mut log: Vec<(u64, Record<'static>)> = Vec::new();
+        let mut write = |s: &mut ShardState, pos: u64, rec: Record<'static>| {
+            s.apply(pos, 0, &rec).unwrap();
+            log.push((pos, rec));
+        };
+        for pos in [0, 10, 20, 30] {
+            let rec = Record::Enqueue {
+                created_ms: 0,
+                not_before_ms: 0,
+                max_attempts: 5,
+                key: "k",
+                dedup: None,
+                payload: b"",
+            };
+            write(&mut s, pos, rec);
+        }
+        let ids = |picks: Vec<Pick>| picks.iter().map(|p| p.id).collect::<Vec<u64>>();
+        let picks = s.pick(0, &mut test_fences(), 10, &never, Some(&flow));
+        assert_eq!(ids(picks.clone()), [0, 10, 20], "three at once, in order");
+        for (i, p) in picks.iter().enumerate() {
+            let rec = Record::Claim {
+                job: p.id,
+                attempt: 1,
+                fence: 100 + i as u64,
+                started_ms: Some(0),
+                key: "k",
+            };
+            write(&mut s, 100 + i as u64, rec);
+        }
+        assert!(ids(s.pick(0, &mut test_fences(), 10, &never, Some(&flow))).is_empty());
+        let fail = Record::Fail {
+            job: 10,
+            retry_at_ms: 5_000,
+            dead: false,
+            key: "k",
+            reason: "later",
+        };
+        write(&mut s, 200, fail);
+        write(&mut s, 210, Record::Ack { job: 0, key: "k" });
+        assert!(
+            ids(s.pick(0, &mut test_fences(), 10, &never, Some(&flow))).is_empty(),
+            "job 30 overtook the waiting retry of job 10"
+        );
+        assert_eq!(s.key_counts("k").in_flight, 1);
+        let view = |s: &ShardState| -> Vec<(u64, bool, u64, u32)> {
+            (s.key_live_jobs("k", 10).iter())
+                .map(|j| {
+                    (
+                        j.slot.id,
+                        j.run.is_some(),
+                        j.slot.not_before_ms,
+                        j.slot.attempt,
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(
+            view(&s),
+            [(10, false, 5_000, 1), (20, true, 0, 1), (30, false, 0, 0)]
+        );
+        let mut replayed = new_state();
+        for (pos, rec) in &log {
+            replayed.apply(*pos, 0, rec).unwrap();
+        }
+        assert_eq!(view(&replayed), view(&s), "replay agrees");
+        replayed.reset_in_flight();
+        assert!(ids(replayed.pick(0, &mut test_fences(), 10, &never, Some(&flow))).is_empty());
+        let again = replayed.pick(5_000, &mut test_fences(), 10, &never, Some(&flow));
+        assert_eq!(ids(again), [10, 20, 30], "a new owner starts them in order");
+        let go = s.pick(5_000, &mut test_fences(), 10, &never, Some(&flow));
+        assert_eq!(ids(go), [10, 30], "the retry, then the next job");
+    }
+
     /// A run cancelled while it ran leaves work only a claim does once its
     /// lease lapses (its job goes): the shard then ranks first, so a
     /// process ranking keys over its shards claims there even while other
@@ -1630,6 +1755,9 @@ mod tests {
         assert_eq!(s.ranks(2_000, 4, &never, &flow), vec![Rank::FIRST]);
     }
 
+    /// Replay gives a job its attempts' start times and last reason, keeps
+    /// them for a dead letter, never lends them to the key's next job, and a
+    /// claim written before start times were recorded adds none.
     #[test]
     fn attempt_times_and_reasons_follow_their_job() {
         let mut s = ShardState::new(

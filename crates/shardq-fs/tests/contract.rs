@@ -9,7 +9,7 @@ use shardq_core::{Clock, FlowControl, ManualClock, QueueBackend};
 use shardq_fs::{Engine, EngineOptions, FileGroupBuckets, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 
-const SHARDS: usize = 32;
+const SHARDS: usize = 40;
 
 struct Fs {
     backend: Arc<FsBackend>,
