@@ -9,8 +9,11 @@
 //!
 //! * **Per-key order.** Within a shard, a key's jobs start in the order their
 //!   enqueues completed (their [`JobId`]s grow in that order), and at most one
-//!   job per key is in flight. A failed job is retried before any later job of
-//!   its key; other keys keep flowing meanwhile.
+//!   job per key is in flight, or the key's concurrency
+//!   ([`QueueBackend::key_concurrency`]) where its policy allows more and
+//!   the backend can ([`BackendLimits::key_concurrency_max`]). A failed job
+//!   is retried before any later job of its key (and while its retry waits,
+//!   no later job starts); other keys keep flowing meanwhile.
 //! * **At-least-once.** A job is finished only by [`QueueBackend::ack`] (or by
 //!   being dead-lettered and then purged). A claimed job whose owner vanishes
 //!   is claimed again, with its attempt count raised, by the next owner after

@@ -23,7 +23,7 @@
 //! 2. **Move each key with its backlog**, in batches, on a backend that can
 //!    ([`QueueBackend::moves_backlogs`]: the embedded engine, Redis
 //!    instances and Redis Cluster, the in-memory one): seal the batch on its old shards (no run starts there; enqueues
-//!    still go in), wait for each key's one run in flight there (bounded by
+//!    still go in), wait for each key's runs in flight there (bounded by
 //!    `drain_timeout_ms`; a key still running stays, unsealed, with nothing
 //!    copied), raise the new shards' run-fence floor, copy each key's
 //!    queued, delayed and dead jobs in rounds while its producers keep
@@ -1676,7 +1676,7 @@ where
     // 1. Seal: no run of these keys starts on their old shards from now.
     set_sealed(backend, batch, true)?;
     on_event(RebalanceEvent::Draining { keys: batch.len() });
-    // 2. Wait for the one run each may have in flight there (bounded:
+    // 2. Wait for the runs each may have in flight there (bounded:
     //    a stopped worker's run ends when its job lease lapses).
     let wait_started = clock.now_ms();
     let busy = wait_runs_ended(backend, batch, options, on_event)?;

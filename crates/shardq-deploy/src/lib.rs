@@ -461,6 +461,18 @@ impl Deployment {
     /// restart.
     pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
         settings.validate()?;
+        // A policy asking more runs of a key at once than the backend can
+        // keep apart is refused here, where it is set.
+        let most = self.queue().limits().key_concurrency_max;
+        let high = settings.key_concurrency_high();
+        if high > most {
+            return Err(shardq_core::QueueError::InvalidOption {
+                name: "concurrency",
+                value: high.to_string(),
+                allowed: format!("1 to {most} on this deployment's backend"),
+            }
+            .into());
+        }
         store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
     }
 

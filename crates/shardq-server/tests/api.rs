@@ -1146,6 +1146,47 @@ fn policies_and_groups_are_set_over_http_and_held_by_claims() {
     assert_eq!(get_ok(&s, "/v1/policies/lim:a")["from"], "default");
 }
 
+/// A key's concurrency set over HTTP: HTTP claims hand out that many of
+/// its jobs at once, in order, never more (whether a claim came before the
+/// server read the setting again or after); above the bound it is a 400
+/// naming the value.
+#[test]
+fn a_keys_concurrency_set_over_http_holds_for_claims() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let put = |path: &str, body: Value| call(&s, "PUT", path, Some(&body.to_string()), None);
+    let (code, v) = put("/v1/policies/c:?scope=prefix", json!({"concurrency": 257}));
+    assert!(
+        code == 400 && v["error"].as_str().unwrap().contains("257"),
+        "{v}"
+    );
+    let (code, v) = put("/v1/policies/c:?scope=prefix", json!({"concurrency": 2}));
+    assert_eq!(code, 200, "{v}");
+    let ids: Vec<Value> = enqueue_n(&s, "c:k", 5);
+    let mut got: Vec<Value> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < deadline {
+        got.extend(claim(&s, "w", 16, 100, 30_000));
+    }
+    let id_of = |j: &Value| j["id"].clone();
+    assert_eq!(
+        got.iter().map(id_of).collect::<Vec<_>>(),
+        ids[..2].iter().map(id_of).collect::<Vec<_>>(),
+        "two at once, the first two: {got:?}"
+    );
+    post_ok(
+        &s,
+        "/v1/ack",
+        json!({ "receipts": [got[1]["receipt"].clone()] }),
+    );
+    let next = claim(&s, "w", 16, 100, 30_000);
+    assert_eq!(
+        next.iter().map(id_of).collect::<Vec<_>>(),
+        ids[2..3].iter().map(id_of).collect::<Vec<_>>(),
+        "one slot freed, the next job: {next:?}"
+    );
+}
+
 /// `POST /v1/fail` with `backoff_ms` ends the run without using an
 /// attempt: the job is claimable again only after the wait, with the same
 /// attempt number, and its old receipt is refused.

@@ -67,8 +67,9 @@ pub enum PolicyAction {
         data: PathBuf,
         #[command(flatten)]
         which: PolicyWhich,
-        /// Runs of one key at once (only 1: a key runs its jobs one at a
-        /// time, in order).
+        /// Runs of one key at once, 1 to 256 (default 1: one at a time,
+        /// strictly in order; more start in order and may finish out of
+        /// it). Refused above 1 on a deployment of Redis shards.
         #[arg(long, value_name = "N")]
         concurrency: Option<u32>,
         /// Job starts of each key, counted over every worker: N/s, N/m or

@@ -687,7 +687,7 @@ fn rate_limits_hold_over_two_worker_processes() {
         (vec!["--rate", "0/s"], "rate", "0/s"),
         (vec!["--rate", "5/d"], "rate", "5/d"),
         (vec!["--rate", "5/s", "--burst", "0"], "burst", "0"),
-        (vec!["--concurrency", "2"], "concurrency", "2"),
+        (vec!["--concurrency", "257"], "concurrency", "257"),
         (vec!["--group", "missing"], "group", "missing"),
         (vec!["--weight", "0"], "weight", "0"),
     ] {
@@ -764,6 +764,20 @@ fn rate_limits_hold_over_two_worker_processes() {
 
 /// The most runs at once among "KEY start MS" / "KEY end MS" lines of
 /// keys starting with `key_prefix` (an end before a start at the same ms).
+/// A worker with `leases` that exits when idle and runs every job for
+/// 0.2 s, stamping `KEY start MS PAYLOAD FENCE` and `KEY end MS PAYLOAD`
+/// lines into `stamps`: it takes over from a killed one.
+fn takeover_worker(data: &Path, leases: &[&str], stamps: &Path) -> Worker {
+    let script = format!(
+        "read p; echo \"$SHARDQ_KEY start $(date +%s%3N) $p $SHARDQ_FENCE\" >> {s}; sleep 0.2; \
+         echo \"$SHARDQ_KEY end $(date +%s%3N) $p\" >> {s}",
+        s = stamps.display()
+    );
+    let mut extra = leases.to_vec();
+    extra.push("--exit-when-idle");
+    start_worker(data, &extra, &script)
+}
+
 fn most_at_once(text: &str, key_prefix: &str) -> usize {
     let mut events: Vec<(u64, i32)> = (text.lines())
         .filter(|l| l.starts_with(key_prefix))
@@ -921,19 +935,126 @@ fn a_killed_workers_group_slots_lapse_with_its_runs() {
         ok(&["job", "cancel", "--data", d, id]);
     }
     let second = dir.join("second");
-    let script = format!(
-        "echo \"$SHARDQ_KEY start $(date +%s%3N)\" >> {s}; sleep 0.2; echo \"$SHARDQ_KEY end $(date +%s%3N)\" >> {s}",
-        s = second.display()
-    );
-    let mut extra = leases.to_vec();
-    extra.push("--exit-when-idle");
-    let mut b = start_worker(&data, &extra, &script);
+    let mut b = takeover_worker(&data, &leases, &second);
     let (status, err) = wait_exit(&mut b, WAIT_MAX);
     assert!(status.success(), "{err}");
     let text = std::fs::read_to_string(&second).unwrap();
     let ends = text.lines().filter(|l| l.contains(" end ")).count();
     assert_eq!(ends, 4, "every other job ran to its end: {text}");
     assert_eq!(most_at_once(&text, "db:"), 2, "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A key of concurrency 3 runs three jobs at once in a worker, never more,
+/// while a key without a policy runs one; the worker is SIGKILLed with
+/// those runs in flight, and the worker that takes over runs the key's jobs
+/// again from its first, in order (by their runs' fences), three at once,
+/// each to its end.
+#[test]
+fn a_keys_concurrency_holds_through_a_sigkilled_worker() {
+    let dir = temp_dir("h-key-conc");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = run(args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    ok(&[
+        "policy",
+        "set",
+        "--data",
+        d,
+        "--prefix",
+        "c:",
+        "--concurrency",
+        "3",
+    ]);
+    for i in 0..9 {
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            "c:k",
+            "--payload",
+            &i.to_string(),
+        ]);
+    }
+    for i in 0..3 {
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            "plain",
+            "--payload",
+            &i.to_string(),
+        ]);
+    }
+    let leases = [
+        "--lease-ms",
+        "1500",
+        "--job-lease-ms",
+        "1500",
+        "--concurrency",
+        "8",
+    ];
+    let first = dir.join("first");
+    let script = format!(
+        "read p; echo \"$SHARDQ_KEY $p\" >> {}; sleep 30",
+        first.display()
+    );
+    let mut a = start_worker(&data, &leases, &script);
+    let lines = || std::fs::read_to_string(&first).unwrap_or_default();
+    wait_until("four runs", WAIT_MAX, || lines().lines().count() >= 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let text = lines();
+    let started: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        started.len(),
+        4,
+        "eight slots, three runs of c:k and one of plain: {text}"
+    );
+    let mut ck: Vec<&str> = (started.iter())
+        .filter_map(|l| l.strip_prefix("c:k "))
+        .collect();
+    ck.sort_unstable();
+    assert_eq!(ck, ["0", "1", "2"], "{text}");
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    let second = dir.join("second");
+    let mut b = takeover_worker(&data, &leases, &second);
+    let (status, err) = wait_exit(&mut b, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    let text = std::fs::read_to_string(&second).unwrap();
+    let of = |key: &str, what: &str| -> Vec<u32> {
+        (text.lines())
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .filter(|w| w[0] == key && w[1] == what)
+            .map(|w| w[3].parse().unwrap())
+            .collect()
+    };
+    let mut ended = of("c:k", "end");
+    ended.sort_unstable();
+    assert_eq!(
+        ended,
+        (0..9).collect::<Vec<u32>>(),
+        "each ran to its end: {text}"
+    );
+    // Handlers of one key run at once, so their lines may come in any
+    // order: the runs' fences give the order the store started them in.
+    let mut starts: Vec<(u64, u32)> = (text.lines())
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w[0] == "c:k" && w[1] == "start")
+        .map(|w| (w[4].parse().unwrap(), w[3].parse().unwrap()))
+        .collect();
+    starts.sort_unstable();
+    let order: Vec<u32> = starts.iter().map(|(_, p)| *p).collect();
+    assert_eq!(order, (0..9).collect::<Vec<u32>>(), "in order: {text}");
+    assert_eq!(most_at_once(&text, "c:k"), 3, "{text}");
+    assert_eq!(most_at_once(&text, "plain"), 1, "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
