@@ -34,7 +34,9 @@
 //! a process stopped between a heartbeat and a claim would see it. The
 //! thread schedule is the machine's, the stalls are the seed's; checked: no
 //! two runs of a key overlap, a key's runs start in enqueue order, and
-//! every job is acked exactly once.
+//! every job is acked exactly once. Run again with every key at concurrency
+//! 3: no more than 3 of a key's runs overlap, no job runs twice at once,
+//! and a key's jobs first start in enqueue order (by fence).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1098,7 +1100,11 @@ impl Clock for StallingClock {
     }
 }
 
-fn real_pool_with_stalls(seed: u64) {
+/// With `concurrency` above 1 every key may run that many jobs at once:
+/// checked then that no more of its runs overlap, and that its jobs first
+/// start in enqueue order (by their runs' fences: handlers of one key race
+/// each other to the bookkeeping).
+fn real_pool_with_stalls(seed: u64, concurrency: u32) {
     const KEYS: usize = 12;
     const PER_KEY: usize = 15;
     const JOB_LEASE_MS: u64 = 300;
@@ -1109,7 +1115,19 @@ fn real_pool_with_stalls(seed: u64) {
         stall_ms_max: 2 * JOB_LEASE_MS,
         stalls: AtomicU64::new(0),
     });
-    let backend = MemoryBackend::new(&["s0", "s1"], clock.clone());
+    let mut backend = MemoryBackend::new(&["s0", "s1"], clock.clone());
+    if concurrency > 1 {
+        let settings = FlowSettings {
+            default: FlowPolicy {
+                concurrency,
+                ..FlowPolicy::default()
+            },
+            ..FlowSettings::default()
+        };
+        let groups = Arc::new(LocalGroupBuckets::default());
+        backend = backend.with_flow(Arc::new(FlowControl::new(settings, groups)));
+    }
+    let most = concurrency as usize;
     for k in 0..KEYS {
         let jobs: Vec<NewJob> = (0..PER_KEY)
             .map(|i| {
@@ -1125,21 +1143,32 @@ fn real_pool_with_stalls(seed: u64) {
     // started job's index.
     let running: Arc<Mutex<BTreeMap<String, (usize, usize)>>> = Arc::default();
     let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+    // Per key: (fence, job index) of every start; the jobs in a handler.
+    let starts: Arc<Mutex<BTreeMap<String, Vec<(u64, usize)>>>> = Arc::default();
+    let in_handler: Arc<Mutex<BTreeSet<(String, usize)>>> = Arc::default();
     let rng = Arc::new(Mutex::new(Rng(seed ^ 0xA5A5)));
     let handler: Arc<shardq_core::Handler> = {
         let (running, violations, rng) = (running.clone(), violations.clone(), rng.clone());
+        let (starts, in_handler) = (starts.clone(), in_handler.clone());
         Arc::new(move |job: &ClaimedJob| {
             let seq: usize = String::from_utf8_lossy(&job.payload).parse().unwrap();
+            if !in_handler.lock().unwrap().insert((job.key.clone(), seq)) {
+                violations
+                    .lock()
+                    .unwrap()
+                    .push(format!("{}: job {seq} started while it ran", job.key));
+            }
+            (starts.lock().unwrap().entry(job.key.clone()).or_default()).push((job.fence, seq));
             {
                 let mut r = running.lock().unwrap();
                 let (n, last) = r.entry(job.key.clone()).or_insert((0, 0));
-                if *n > 0 {
+                if *n >= most {
                     violations.lock().unwrap().push(format!(
-                        "{}: job {seq} started while a run of the key ran",
+                        "{}: job {seq} started while {most} runs of the key ran",
                         job.key
                     ));
                 }
-                if seq < *last {
+                if most == 1 && seq < *last {
                     violations.lock().unwrap().push(format!(
                         "{}: job {seq} started after job {}",
                         job.key, *last
@@ -1160,6 +1189,7 @@ fn real_pool_with_stalls(seed: u64) {
                 std::thread::yield_now();
             }
             running.lock().unwrap().get_mut(&job.key).unwrap().0 -= 1;
+            in_handler.lock().unwrap().remove(&(job.key.clone(), seq));
             if fail {
                 Err("a seeded failure".into())
             } else {
@@ -1179,7 +1209,18 @@ fn real_pool_with_stalls(seed: u64) {
     let b: Arc<dyn QueueBackend> = Arc::new(backend.clone());
     let report = WorkerPool::run(b, &mut coord, handler, clock.clone(), opts, &stop)
         .unwrap_or_else(|e| panic!("seed {seed}: the pool failed: {e}"));
-    let v = violations.lock().unwrap();
+    let mut v = violations.lock().unwrap().clone();
+    for (key, mut runs) in starts.lock().unwrap().clone() {
+        runs.sort_unstable();
+        let mut seen = BTreeSet::new();
+        let firsts: Vec<usize> = (runs.iter())
+            .filter(|(_, seq)| seen.insert(*seq))
+            .map(|(_, seq)| *seq)
+            .collect();
+        if firsts != (0..PER_KEY).collect::<Vec<_>>() {
+            v.push(format!("{key}: first starts by fence {firsts:?}"));
+        }
+    }
     assert!(v.is_empty(), "seed {seed}: {v:#?}");
     assert_eq!(
         report.acked,
@@ -1204,11 +1245,22 @@ fn real_pool_with_stalls(seed: u64) {
 #[test]
 fn the_real_pool_keeps_one_run_per_key_in_order_through_seeded_stalls() {
     if let Ok(seed) = std::env::var("SHARDQ_SIM_SEED") {
-        real_pool_with_stalls(seed.parse().expect("SHARDQ_SIM_SEED must be a number"));
+        real_pool_with_stalls(seed.parse().expect("SHARDQ_SIM_SEED must be a number"), 1);
         return;
     }
     for seed in 1..=8 {
-        real_pool_with_stalls(seed);
+        real_pool_with_stalls(seed, 1);
+    }
+}
+
+#[test]
+fn the_real_pool_keeps_a_keys_concurrency_and_order_through_seeded_stalls() {
+    if let Ok(seed) = std::env::var("SHARDQ_SIM_SEED") {
+        real_pool_with_stalls(seed.parse().expect("SHARDQ_SIM_SEED must be a number"), 3);
+        return;
+    }
+    for seed in 1..=8 {
+        real_pool_with_stalls(seed, 3);
     }
 }
 
