@@ -1118,8 +1118,10 @@ impl FlowControl {
         self.ranks.store(settings.ranks_keys(), Ordering::Relaxed);
         self.several
             .store(settings.key_concurrency_high() > 1, Ordering::Relaxed);
-        l.settings = Arc::new(settings);
-        self.version.fetch_add(1, Ordering::Relaxed);
+        if *l.settings != settings {
+            l.settings = Arc::new(settings);
+            self.version.fetch_add(1, Ordering::Relaxed);
+        }
         self.loaded_ms.store(now_ms, Ordering::Relaxed);
     }
 
@@ -1183,8 +1185,8 @@ impl FlowControl {
         (p.priority, p.weight)
     }
 
-    /// Grows each time settings are put in use (read again or set), from 1:
-    /// what a caller derived from them may need deriving again.
+    /// Grows each time settings that differ from those in use are put in
+    /// use, from 1: what a caller derived from them may need deriving again.
     pub fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)
     }

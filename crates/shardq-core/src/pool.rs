@@ -714,8 +714,8 @@ impl Dispatch<'_> {
                 // are over (their job leases lapsed, say in a stall). Stop
                 // their handlers, and start this run only once they
                 // returned, so a key never has more handlers than runs.
-                let after = self.runs_over(&job);
-                for r in &after {
+                let (over, after) = self.runs_over(&job);
+                for r in &over {
                     if let Some(run) = self.running.get(&(job.shard.clone(), *r)) {
                         run.signal
                             .cancel("the run's job lease lapsed and its job runs again");
@@ -756,32 +756,46 @@ impl Dispatch<'_> {
             .map_err(|_| QueueError::WorkersExited)
     }
 
-    /// The runs here that the store's new run `job` shows are over: a run
-    /// of the same job, and, when the key's runs here would exceed its
-    /// concurrency, those the store no longer counts as current (all of the
-    /// key's others with one run per key, or when the store cannot say).
-    fn runs_over(&self, job: &ClaimedJob) -> Vec<Receipt> {
-        let mine: Vec<Receipt> = (self.running.iter())
-            .filter(|((s, _), r)| *s == job.shard && r.key == job.key && r.parked.is_none())
-            .map(|((_, receipt), _)| *receipt)
+    /// What the store's new run `job` shows of the runs of its key here:
+    /// those that are over, to cancel (a run of the same job; and, when the
+    /// key's runs here, parked ones too, reach its concurrency, those the
+    /// store no longer counts current), and those the new run waits for
+    /// (the over ones in a handler, and what the key's older parked runs
+    /// wait for, so its runs start here in the order the store started
+    /// them).
+    fn runs_over(&self, job: &ClaimedJob) -> (Vec<Receipt>, Vec<Receipt>) {
+        let mine: Vec<(Receipt, &Running)> = (self.running.iter())
+            .filter(|((s, _), r)| *s == job.shard && r.key == job.key)
+            .map(|((_, receipt), r)| (*receipt, r))
             .collect();
-        let mut over: Vec<Receipt> = mine.iter().filter(|r| r.id == job.id).copied().collect();
-        let others: Vec<Receipt> = mine.into_iter().filter(|r| r.id != job.id).collect();
+        let mut over: Vec<Receipt> = (mine.iter())
+            .filter(|(r, _)| r.id == job.id)
+            .map(|(r, _)| *r)
+            .collect();
         let limit = self.backend.key_concurrency(&job.key).max(1) as usize;
-        if others.len() < limit {
-            return over;
-        }
-        for r in others {
-            let current = limit > 1
-                && matches!(
+        if mine.len() - over.len() >= limit {
+            for (r, _) in mine.iter().filter(|(r, _)| r.id != job.id) {
+                // A store that cannot say (no job reads) has them all over.
+                let current = matches!(
                     self.backend.job(&job.shard, r.id),
                     Ok(Some(info)) if info.run.is_some_and(|(fence, _)| fence == r.fence)
                 );
-            if !current {
-                over.push(r);
+                if !current {
+                    over.push(*r);
+                }
             }
         }
-        over
+        let mut after: Vec<Receipt> = Vec::new();
+        for (r, run) in &mine {
+            match (over.contains(r), run.parked.is_some()) {
+                (true, false) => after.push(*r),
+                (false, true) => after.extend(run.after.iter().copied()),
+                _ => {}
+            }
+        }
+        after.sort_unstable();
+        after.dedup();
+        (over, after)
     }
 
     /// Hands parked runs whose older runs all returned to the workers; a
@@ -793,7 +807,8 @@ impl Dispatch<'_> {
             .iter()
             .filter(|(_, r)| r.parked.is_some())
             .filter(|((shard, _), r)| {
-                (r.after.iter()).all(|a| !self.running.contains_key(&(shard.clone(), *a)))
+                r.signal.cancelled.load(Ordering::SeqCst)
+                    || (r.after.iter()).all(|a| !self.running.contains_key(&(shard.clone(), *a)))
             })
             .map(|(k, _)| k.clone())
             .collect();

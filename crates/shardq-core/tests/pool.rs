@@ -310,6 +310,8 @@ struct OneBroken {
     stall_before_claim: Option<(ManualClock, Arc<AtomicU64>)>,
     /// Extend calls with at least one receipt (the pool's heartbeats).
     extends: Arc<AtomicUsize>,
+    /// While set, every extend fails (the store unreachable for a moment).
+    extends_fail: Arc<AtomicBool>,
 }
 
 impl OneBroken {
@@ -320,6 +322,7 @@ impl OneBroken {
             broken: String::new(),
             stall_before_claim: None,
             extends: Arc::default(),
+            extends_fail: Arc::default(),
         }
     }
 
@@ -370,6 +373,12 @@ impl QueueBackend for OneBroken {
         self.inner.fail(s, r, why, retry)
     }
     fn extend(&self, s: &str, r: &[Receipt], lease: u64) -> Result<Vec<Receipt>, QueueError> {
+        if self.extends_fail.load(Ordering::SeqCst) {
+            return Err(QueueError::Unavailable {
+                shard: s.to_string(),
+                reason: "extending job leases: the test makes it fail".into(),
+            });
+        }
         let out = self.inner.extend(s, r, lease);
         if !r.is_empty() {
             self.extends.fetch_add(1, Ordering::SeqCst);
@@ -426,6 +435,7 @@ fn one_corrupt_shard_stops_only_itself() {
         broken: "s1".into(),
         stall_before_claim: None,
         extends: Arc::default(),
+        extends_fail: Arc::default(),
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let opts = PoolOptions {
@@ -597,6 +607,7 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
         broken: String::new(),
         stall_before_claim: Some((clock.clone(), stall.clone())),
         extends: Arc::default(),
+        extends_fail: Arc::default(),
     });
     let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let overlaps = Arc::new(AtomicUsize::new(0));
@@ -714,6 +725,7 @@ fn a_stall_never_runs_a_key_more_often_at_once_than_its_concurrency() {
         broken: String::new(),
         stall_before_claim: Some((clock.clone(), stall.clone())),
         extends: Arc::default(),
+        extends_fail: Arc::default(),
     });
     let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let peak: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
@@ -787,6 +799,103 @@ fn a_stall_never_runs_a_key_more_often_at_once_than_its_concurrency() {
     assert_eq!((a.depth, a.in_flight, a.dead), (0, 0, 0));
     let b = backend.key_counts("s0", "c:b").unwrap();
     assert_eq!((b.depth, b.in_flight, b.dead), (0, 0, 3));
+}
+
+/// Two stalls past the job lease while a job's first handler hangs (it
+/// ignores its cancel): the first makes the store run the job again, and
+/// that run waits (parked) for the hung handler; the second makes the
+/// store run it a third time while the second run is still parked. The
+/// parked run is over too: it never runs, and the job has one handler at
+/// a time, the third run's once the first returned.
+#[test]
+fn a_parked_run_whose_job_runs_again_never_starts() {
+    let clock = ManualClock::new(1_000_000);
+    let inner = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
+    let mut job = NewJob::new("a", "x");
+    job.max_attempts = 10;
+    inner.enqueue("s0", 1, &[job]).unwrap();
+    let store = inner.clone();
+    let stall = Arc::new(AtomicU64::new(0));
+    let backend = Arc::new(OneBroken {
+        inner: inner.clone(),
+        broken: String::new(),
+        stall_before_claim: Some((clock.clone(), stall.clone())),
+        extends: Arc::default(),
+        extends_fail: Arc::default(),
+    });
+    let (running, peak, started) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let release = Arc::new(AtomicBool::new(false));
+    let handler: Arc<shardq_core::Handler> = {
+        let (running, peak, started, release) = (
+            running.clone(),
+            peak.clone(),
+            started.clone(),
+            release.clone(),
+        );
+        Arc::new(move |_job: &ClaimedJob| {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now, Ordering::SeqCst);
+            if started.fetch_add(1, Ordering::SeqCst) == 0 {
+                // The first run hangs, deaf to its cancel (bounded: 20 s).
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while !release.load(Ordering::SeqCst) {
+                    assert!(Instant::now() < deadline, "never released");
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+            running.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 4,
+        job_lease_ms: 3_000,
+        idle_poll_ms: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let pool = {
+        let backend: Arc<dyn QueueBackend> = backend.clone();
+        let clock = clock.clone();
+        thread::spawn(move || {
+            let mut coord = MemoryCoordinator::new(inner);
+            let stop = AtomicBool::new(false);
+            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
+        })
+    };
+    wait_for(10, "the first run", || started.load(Ordering::SeqCst) == 1);
+    // The job's current run's fence (0 between runs).
+    let fence_now = || {
+        let jobs = store.key_jobs("s0", "a", 1).unwrap();
+        jobs.first()
+            .and_then(|j| j.run)
+            .map_or(0, |(fence, _)| fence)
+    };
+    // Heartbeats fail from now on, so only claims can tell the pool a run
+    // is over.
+    backend.extends_fail.store(true, Ordering::SeqCst);
+    for _ in 0..2 {
+        let before = fence_now();
+        stall.store(5_000, Ordering::SeqCst);
+        wait_for(10, "a new run after the stall", || fence_now() > before);
+    }
+    release.store(true, Ordering::SeqCst);
+    let report = pool.join().unwrap().unwrap();
+    assert_eq!(
+        peak.load(Ordering::SeqCst),
+        1,
+        "two handlers of one job at once"
+    );
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        2,
+        "the first run and the third ran; the parked second never did"
+    );
+    assert_eq!(report.acked, 1, "{report:?}");
 }
 
 /// A memory backend over `shards` whose keys with each prefix of

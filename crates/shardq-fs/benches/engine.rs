@@ -197,9 +197,10 @@ fn main() {
     // 2b. The cost of flow control on the same life cycle: no flow control
     // at all (as before it existed), flow control with no policy (what
     // every deployment runs now), a rate limit on every key (high enough
-    // never to hold one back: the cost is the buckets), and weights on
-    // every key (ready keys ranked by FairQueue). Alternated five times,
-    // medians.
+    // never to hold one back: the cost is the buckets), weights on every
+    // key (ready keys ranked by FairQueue), and every key at concurrency 4
+    // (a key's next jobs picked past its running ones). Alternated five
+    // times, medians.
     let flow = |f: Option<FlowSettings>| {
         f.map(|s| Arc::new(FlowControl::new(s, Arc::new(LocalGroupBuckets::default()))))
     };
@@ -219,7 +220,11 @@ fn main() {
         weight: 2,
         ..FlowPolicy::default()
     });
-    let mut rates: [Vec<f64>; 4] = Default::default();
+    let several = every_key(FlowPolicy {
+        concurrency: 4,
+        ..FlowPolicy::default()
+    });
+    let mut rates: [Vec<f64>; 5] = Default::default();
     for round in 0..5 {
         let keep = shardq_core::FINISHED_JOBS_KEPT_DEFAULT;
         let cases = [
@@ -227,6 +232,7 @@ fn main() {
             flow(Some(FlowSettings::default())),
             flow(Some(rated.clone())),
             flow(Some(weighted.clone())),
+            flow(Some(several.clone())),
         ];
         for (i, f) in cases.into_iter().enumerate() {
             rates[i].push(run_cycle_with(
@@ -237,7 +243,7 @@ fn main() {
             ));
         }
     }
-    let [none, empty, rate_all, weight_all] = rates.map(|mut v| median(&mut v));
+    let [none, empty, rate_all, weight_all, conc_all] = rates.map(|mut v| median(&mut v));
     println!("life cycle without flow control:          {none:>11.0} jobs/s");
     println!(
         "  flow control, no policy:                {empty:>11.0} jobs/s ({:.2} of none)",
@@ -251,11 +257,16 @@ fn main() {
         "  a weight on every key (ranked):         {weight_all:>11.0} jobs/s ({:.2} of none)",
         weight_all / none
     );
+    println!(
+        "  every key at concurrency 4:             {conc_all:>11.0} jobs/s ({:.2} of none)",
+        conc_all / none
+    );
     for (name, v) in [
         ("lifecycle_no_flow_jobs_per_s", none),
         ("lifecycle_flow_no_policy_jobs_per_s", empty),
         ("lifecycle_rate_every_key_jobs_per_s", rate_all),
         ("lifecycle_weight_every_key_jobs_per_s", weight_all),
+        ("lifecycle_concurrency_4_every_key_jobs_per_s", conc_all),
     ] {
         summary.insert(name.into(), v.round().into());
     }

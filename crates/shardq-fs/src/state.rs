@@ -48,6 +48,8 @@ struct KeyState {
     /// Runs at once the key's policy allowed when last asked (0 means 1):
     /// a key at it is not scheduled until a run ends or the policy changes.
     limit: u32,
+    /// Jobs of the key picked by the pick going on (0 between picks).
+    picked: u32,
     dead: u32,
     /// In `ready` or `timers` (at most once).
     scheduled: bool,
@@ -69,23 +71,29 @@ struct Attempts {
 }
 
 impl KeyState {
-    /// Whether the key runs as many jobs as it may.
+    /// Whether the key runs as many jobs as it may (counting those picked
+    /// by the pick going on).
     fn full(&self) -> bool {
-        self.running >= self.limit.max(1)
+        self.running + self.picked >= self.limit.max(1)
     }
 
-    /// The first job of the queue that is not running and not in `skip`
-    /// (picked already), with its index: the one the key starts next.
+    /// The job the key starts next, with its index: the first of the
+    /// queue that is not running, past the first `picked` such (picked
+    /// already by the pick going on).
     fn next_slot(
         &self,
         in_flight: &HashMap<u64, Run, Xxh3Builder>,
-        skip: &[u64],
+        picked: u32,
     ) -> Option<(usize, Slot)> {
-        if self.running == 0 && skip.is_empty() {
-            return self.queue.front().map(|s| (0, *s));
+        if self.running == 0 {
+            return self
+                .queue
+                .get(picked as usize)
+                .map(|s| (picked as usize, *s));
         }
         (self.queue.iter().enumerate())
-            .find(|(_, s)| !skip.contains(&s.id) && !in_flight.contains_key(&s.id))
+            .filter(|(_, s)| !in_flight.contains_key(&s.id))
+            .nth(picked as usize)
             .map(|(i, s)| (i, *s))
     }
 
@@ -578,7 +586,7 @@ impl ShardState {
         if ks.scheduled || ks.full() || (halt && ks.dead > 0) {
             return;
         }
-        let Some((_, next)) = ks.next_slot(&self.in_flight_ids, &[]) else {
+        let Some((_, next)) = ks.next_slot(&self.in_flight_ids, ks.picked) else {
             return;
         };
         ks.scheduled = true;
@@ -728,11 +736,12 @@ impl ShardState {
                 let Some((k, i)) = self.slot_of(key, job) else {
                     return self.unknown(job, "claim");
                 };
-                if self.in_flight_ids.contains_key(&job) {
-                    return Err(format!("claim of job {job}, which is running"));
-                }
+                // A job still in flight here was left so by an owner that
+                // went away (a new owner drops those runs at adopt without
+                // a record): this run replaces it.
+                let replaces = self.in_flight_ids.contains_key(&job);
                 let ks = &mut self.keys[k as usize];
-                ks.running += 1;
+                ks.running += u32::from(!replaces);
                 ks.queue[i].attempt = attempt;
                 if let Some(t) = started_ms {
                     ks.attempts_mut(job).starts.push(t);
@@ -832,9 +841,14 @@ impl ShardState {
                 // started after it, which it then follows).
                 let at = ks.queue.partition_point(|s| s.id < job);
                 ks.queue.insert(at, slot);
+                let next = ks.next_slot(&self.in_flight_ids, 0).map(|(_, s)| s.id);
                 self.slot_added(0);
-                // The key's next job may have changed: drop a stale timer.
-                self.reschedule(entry.key);
+                if next == Some(job) {
+                    // It is the key's next job: drop a stale timer.
+                    self.reschedule(entry.key);
+                } else {
+                    self.schedule(entry.key);
+                }
             }
             Record::DeadPurge { job } => {
                 let Some(entry) = self.dead.remove(&job) else {
@@ -934,6 +948,8 @@ impl ShardState {
                 let Some((k, i, running)) = found else {
                     return self.unknown(job, "cancel");
                 };
+                let was_next = (self.keys[k as usize].next_slot(&self.in_flight_ids, 0))
+                    .is_some_and(|(_, s)| s.id == job);
                 if running {
                     // Only a run cancelled earlier ends this way (its lease
                     // lapsed, or a new owner found it).
@@ -947,8 +963,10 @@ impl ShardState {
                 self.keys[k as usize].take_attempts(job);
                 self.slot_removed();
                 self.finish(job);
-                // The key's next job may have changed: schedule it by that.
-                self.reschedule(k);
+                if was_next || running {
+                    // The key's next job changed: schedule it by the new one.
+                    self.reschedule(k);
+                }
                 self.maybe_drop_key(k);
             }
             Record::CancelRun { job, fence } => {
@@ -1061,8 +1079,9 @@ impl ShardState {
         // changed its next job reschedules it while an older entry is
         // queued), and one of concurrency above 1 is queued again after
         // each pick. Claim records are applied only after this returns, so
-        // the jobs picked here count as running: (key, job) of each.
-        let mut picked: Vec<(u32, u64)> = Vec::new();
+        // the jobs picked here count as running (`KeyState::picked`, reset
+        // below for the keys in `touched`).
+        let mut touched: Vec<u32> = Vec::new();
         while out.len() < max {
             let mut popped = None;
             let next = match ranked {
@@ -1076,16 +1095,13 @@ impl ShardState {
             let Some(k) = next else {
                 break;
             };
-            let mine: Vec<u64> = (picked.iter())
-                .filter(|(pk, _)| *pk == k)
-                .map(|(_, id)| *id)
-                .collect();
             let ks = &mut self.keys[k as usize];
             ks.scheduled = false;
             if let Some(f) = flow {
                 ks.limit = f.concurrency_of(&ks.key);
             }
-            if ks.running + mine.len() as u32 >= ks.limit.max(1) || (halt && ks.dead > 0) {
+            let mine = ks.picked;
+            if ks.full() || (halt && ks.dead > 0) {
                 continue;
             }
             if sealed(&ks.key) {
@@ -1096,7 +1112,7 @@ impl ShardState {
                 }
                 continue;
             }
-            let Some((_, head)) = ks.next_slot(&self.in_flight_ids, &mine) else {
+            let Some((_, head)) = ks.next_slot(&self.in_flight_ids, mine) else {
                 continue;
             };
             if self.cancel_pending.contains(&head.id) {
@@ -1124,7 +1140,10 @@ impl ShardState {
                     f.raise_fair_vtime(self.fair.vtime());
                 }
             }
-            picked.push((k, head.id));
+            if mine == 0 {
+                touched.push(k);
+            }
+            ks.picked += 1;
             runs.last = fence;
             out.push(Pick {
                 fence,
@@ -1136,7 +1155,7 @@ impl ShardState {
             });
             // Room for another run of the key: it queues again, behind the
             // keys ready now (round robin) or by its new start tag.
-            if ks.running + mine.len() as u32 + 1 < ks.limit.max(1) && !ks.scheduled {
+            if ks.running + ks.picked < ks.limit.max(1) && !ks.scheduled {
                 ks.scheduled = true;
                 match ranked {
                     Some(f) => {
@@ -1146,6 +1165,9 @@ impl ShardState {
                     None => self.ready.push_back(k),
                 }
             }
+        }
+        for k in touched {
+            self.keys[k as usize].picked = 0;
         }
         out
     }
@@ -1159,9 +1181,9 @@ impl ShardState {
             return;
         }
         self.flow_version = version;
-        let busy: Vec<u32> = (self.index.values().copied())
-            .filter(|&k| self.keys[k as usize].running > 0)
-            .collect();
+        let mut busy: Vec<u32> = self.in_flight_ids.values().map(|r| r.key).collect();
+        busy.sort_unstable();
+        busy.dedup();
         for k in busy {
             let ks = &mut self.keys[k as usize];
             ks.limit = flow.map_or(1, |f| f.concurrency_of(&ks.key));
@@ -1229,7 +1251,7 @@ impl ShardState {
             let ks = &keys[k as usize];
             let blocked = ks.full() || (halt && ks.dead > 0) || sealed(&ks.key);
             !blocked
-                && ks.next_slot(in_flight, &[]).is_some_and(|(_, head)| {
+                && ks.next_slot(in_flight, 0).is_some_and(|(_, head)| {
                     !cancel_pending.contains(&head.id)
                         && head.not_before_ms.max(ks.held_until_ms) <= now_ms
                 })
@@ -1327,21 +1349,26 @@ impl ShardState {
         if !self.ready.is_empty() || !self.fair.is_empty() {
             return Some(0);
         }
-        // A timer left for a head that is gone (cancelled, moved, its key
-        // dropped) is stale: the key was scheduled again by its new head,
-        // if it has one. Stale ones on top would report work that is not
-        // there (and keep `--exit-when-idle` waiting for it).
+        // A timer left for a job that is gone or started (cancelled, moved,
+        // its key dropped) is stale: the key was scheduled again by its new
+        // next job, if it has one. Stale ones on top would report work that
+        // is not there (and keep `--exit-when-idle` waiting for it). A key
+        // still marked scheduled is scheduled again by its next job, so no
+        // key is left marked with nothing queued for it.
         while let Some(Reverse((at, k))) = self.timers.peek().copied() {
-            let live = (self.keys.get(k as usize))
-                .filter(|ks| ks.scheduled)
-                .is_some_and(|ks| {
-                    (ks.next_slot(&self.in_flight_ids, &[]))
-                        .is_some_and(|(_, h)| h.not_before_ms.max(ks.held_until_ms) == at)
-                });
-            if live {
+            let Some(ks) = self.keys.get(k as usize) else {
+                self.timers.pop();
+                continue;
+            };
+            let next = (ks.next_slot(&self.in_flight_ids, 0))
+                .map(|(_, h)| h.not_before_ms.max(ks.held_until_ms));
+            if ks.scheduled && next == Some(at) {
                 break;
             }
             self.timers.pop();
+            if ks.scheduled {
+                self.reschedule(k);
+            }
         }
         let timer = self.timers.peek().map(|Reverse((at, _))| *at);
         let lease = self.in_flight_ids.values().map(|r| r.lease_until_ms).min();
@@ -1720,6 +1747,93 @@ mod tests {
         assert_eq!(ids(again), [10, 20, 30], "a new owner starts them in order");
         let go = s.pick(5_000, &mut test_fences(), 10, &never, Some(&flow));
         assert_eq!(ids(go), [10, 30], "the retry, then the next job");
+    }
+
+    /// A new owner claims again a job the log shows in flight (the old
+    /// owner's run ends without a record): the claim replaces that run,
+    /// live and on a replay of the whole log.
+    #[test]
+    fn a_claim_after_a_takeover_replaces_the_old_owners_run() {
+        let new_state = || {
+            ShardState::new(
+                0,
+                &crate::reclaim::Reclaimed::default(),
+                DeadPolicy::Continue,
+            )
+        };
+        let mut s = new_state();
+        enqueue(&mut s, 0, "k");
+        claim(&mut s, 100, 0, 1, Some(0));
+        s.reset_in_flight();
+        claim(&mut s, 200, 0, 2, Some(5));
+        assert_eq!(s.key_counts("k").in_flight, 1);
+        let mut replayed = new_state();
+        enqueue(&mut replayed, 0, "k");
+        claim(&mut replayed, 100, 0, 1, Some(0));
+        claim(&mut replayed, 200, 0, 2, Some(5));
+        assert_eq!(replayed.key_counts("k").in_flight, 1);
+        assert_eq!(replayed.in_flight(0).map(|r| r.fence), Some(200));
+        replayed
+            .apply(300, 0, &Record::Ack { job: 0, key: "k" })
+            .unwrap();
+        assert_eq!(replayed.key_counts("k"), KeyCounts::default());
+    }
+
+    /// A key of concurrency 3 whose second job waits: one pick starts its
+    /// first job and finds the second not due. The key stays scheduled for
+    /// the second's time, through `next_due_ms`, and starts it then.
+    #[test]
+    fn a_keys_later_job_not_due_in_a_pick_that_started_one_is_started_when_due() {
+        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
+        let flow = FlowControl::new(
+            FlowSettings {
+                default: FlowPolicy {
+                    concurrency: 3,
+                    ..FlowPolicy::default()
+                },
+                ..FlowSettings::default()
+            },
+            std::sync::Arc::new(LocalGroupBuckets::default()),
+        );
+        let never = |_: &str| false;
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        let add = |s: &mut ShardState, pos: u64, key: &str, not_before_ms: u64| {
+            let rec = Record::Enqueue {
+                created_ms: 0,
+                not_before_ms,
+                max_attempts: 5,
+                key,
+                dedup: None,
+                payload: b"",
+            };
+            s.apply(pos, 0, &rec).unwrap();
+        };
+        add(&mut s, 0, "k", 0);
+        add(&mut s, 10, "k", 60_000);
+        for (pos, key) in [(20, "a"), (30, "b"), (40, "c")] {
+            add(&mut s, pos, key, 0);
+        }
+        let picks = s.pick(0, &mut test_fences(), 8, &never, Some(&flow));
+        let mut ids: Vec<u64> = picks.iter().map(|p| p.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, [0, 20, 30, 40]);
+        for (i, p) in picks.iter().enumerate() {
+            let rec = Record::Claim {
+                job: p.id,
+                attempt: 1,
+                fence: 100 + i as u64,
+                started_ms: Some(0),
+                key: &p.key,
+            };
+            s.apply(100 + i as u64, 0, &rec).unwrap();
+        }
+        assert_eq!(s.next_due_ms(), Some(60_000), "the waiting job's time");
+        let later = s.pick(60_000, &mut test_fences(), 8, &never, Some(&flow));
+        assert_eq!(later.iter().map(|p| p.id).collect::<Vec<_>>(), [10]);
     }
 
     /// A run cancelled while it ran leaves work only a claim does once its
