@@ -1392,3 +1392,68 @@ fn a_long_wait_for_a_run_keeps_the_progress_record_fresh() {
         );
     }
 }
+
+/// A key of concurrency 3 with three runs in flight is pinned to the other
+/// shard: the move waits for all three runs to end (acked meanwhile), then
+/// takes the key's backlog along, which starts there three at once, in
+/// order; nothing runs twice and nothing stays behind.
+#[test]
+fn a_key_with_several_runs_moves_once_they_all_ended() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    use shardq_core::{FlowControl, LocalGroupBuckets};
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let settings = FlowSettings {
+        default: FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+        ..FlowSettings::default()
+    };
+    let flow = Arc::new(FlowControl::new(
+        settings,
+        Arc::new(LocalGroupBuckets::default()),
+    ));
+    let backend = backend.with_flow(flow);
+    let key = key_on(&store, "s0");
+    let jobs: Vec<NewJob> = (0..6)
+        .map(|i| NewJob::new(key.clone(), i.to_string()))
+        .collect();
+    backend.enqueue("s0", 1, &jobs).unwrap();
+    let running = backend.claim("s0", 10, LEASE_MS).unwrap();
+    assert_eq!(running.len(), 3, "three at once: {running:?}");
+    reshard::pin(&store, &key, "s1").unwrap();
+    let acker = {
+        let (backend, store) = (backend.clone(), store.clone());
+        let receipts: Vec<_> = running.iter().map(|j| j.receipt()).collect();
+        thread::spawn(move || {
+            for r in receipts {
+                thread::sleep(Duration::from_millis(100));
+                // Runs left on s0: the key is not switched yet.
+                let key = key_of(&backend, r);
+                assert!(backend.key_counts("s0", &key).unwrap().in_flight > 0);
+                let route = Router::new(store.load().unwrap()).unwrap();
+                assert_eq!(route.route(&key), "s0", "switched with runs on s0");
+                assert_eq!(backend.ack("s0", &[r]).unwrap().acked, 1);
+            }
+        })
+    };
+    let report =
+        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
+    acker.join().unwrap();
+    assert_eq!(report.moved.len(), 1, "{report:?}");
+    assert_eq!(
+        Router::new(store.load().unwrap()).unwrap().route(&key),
+        "s1"
+    );
+    let old = backend.key_counts("s0", &key).unwrap();
+    assert_eq!((old.depth, old.in_flight, old.dead), (0, 0, 0));
+    let moved = backend.claim("s1", 10, LEASE_MS).unwrap();
+    let payloads: Vec<&[u8]> = moved.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(payloads, [&b"3"[..], b"4", b"5"], "the backlog, in order");
+    assert!(moved.iter().all(|j| j.fence > running[2].fence));
+}
+
+/// The key of the job a receipt names, on `s0`.
+fn key_of(backend: &MemoryBackend, r: shardq_core::Receipt) -> String {
+    backend.job("s0", r.id).unwrap().expect("live").key
+}
