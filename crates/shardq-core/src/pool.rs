@@ -812,6 +812,9 @@ impl Dispatch<'_> {
             })
             .map(|(k, _)| k.clone())
             .collect();
+        // In the order the store started them (by fence), not by job id.
+        let mut ready = ready;
+        ready.sort_by_key(|(_, r)| r.fence);
         for entry in ready {
             let Some(run) = self.running.get_mut(&entry) else {
                 continue;

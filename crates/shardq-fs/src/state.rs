@@ -951,11 +951,12 @@ impl ShardState {
                 let was_next = (self.keys[k as usize].next_slot(&self.in_flight_ids, 0))
                     .is_some_and(|(_, s)| s.id == job);
                 if running {
-                    // Only a run cancelled earlier ends this way (its lease
-                    // lapsed, or a new owner found it).
-                    if !self.in_flight_ids.get(&job).is_some_and(|r| r.cancelled) {
-                        return Err(format!("cancel refers to job {job}, which is running"));
-                    }
+                    // A run cancelled earlier ends this way (its lease
+                    // lapsed, or a new owner found it). An owner cancels
+                    // only jobs it does not run, so a run not cancelled is
+                    // one an owner that went away left in the log (a new
+                    // owner drops those at adopt, without a record): it
+                    // ended then.
                     self.run_ended(k, job);
                 }
                 self.cancel_pending.retain(|&j| j != job);
@@ -1777,6 +1778,27 @@ mod tests {
             .apply(300, 0, &Record::Ack { job: 0, key: "k" })
             .unwrap();
         assert_eq!(replayed.key_counts("k"), KeyCounts::default());
+    }
+
+    /// A new owner cancels a job the old owner left running (the new owner
+    /// dropped that run at adopt, without a record): a replay of the log
+    /// ends the run with the cancel, and the key runs on.
+    #[test]
+    fn a_cancel_after_a_takeover_ends_the_old_owners_run_on_replay() {
+        let mut s = ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        );
+        enqueue(&mut s, 0, "k");
+        enqueue(&mut s, 10, "k");
+        claim(&mut s, 100, 0, 1, Some(0));
+        s.apply(200, 0, &Record::Cancel { job: 0, key: "k" })
+            .expect("a cancel of a run left by an owner that went away");
+        assert_eq!(s.key_counts("k").in_flight, 0);
+        assert_eq!(s.key_counts("k").depth, 1);
+        let picks = s.pick(0, &mut test_fences(), 10, &|_| false, None);
+        assert_eq!(picks.iter().map(|p| p.id).collect::<Vec<_>>(), [10]);
     }
 
     /// A key of concurrency 3 whose second job waits: one pick starts its
