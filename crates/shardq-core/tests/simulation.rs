@@ -1100,6 +1100,9 @@ impl Clock for StallingClock {
     }
 }
 
+/// Per key: (fence, job index) of every start.
+type StartsByKey = BTreeMap<String, Vec<(u64, usize)>>;
+
 /// With `concurrency` above 1 every key may run that many jobs at once:
 /// checked then that no more of its runs overlap, and that its jobs first
 /// start in enqueue order (by their runs' fences: handlers of one key race
@@ -1144,7 +1147,7 @@ fn real_pool_with_stalls(seed: u64, concurrency: u32) {
     let running: Arc<Mutex<BTreeMap<String, (usize, usize)>>> = Arc::default();
     let violations: Arc<Mutex<Vec<String>>> = Arc::default();
     // Per key: (fence, job index) of every start; the jobs in a handler.
-    let starts: Arc<Mutex<BTreeMap<String, Vec<(u64, usize)>>>> = Arc::default();
+    let starts: Arc<Mutex<StartsByKey>> = Arc::default();
     let in_handler: Arc<Mutex<BTreeSet<(String, usize)>>> = Arc::default();
     let rng = Arc::new(Mutex::new(Rng(seed ^ 0xA5A5)));
     let handler: Arc<shardq_core::Handler> = {
