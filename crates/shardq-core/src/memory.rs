@@ -49,7 +49,8 @@ struct Run {
 #[derive(Debug, Default, Clone)]
 struct ShardState {
     jobs: BTreeMap<JobId, StoredJob>,
-    /// Pending job ids per key, in key order (a retried job stays at the head).
+    /// Pending job ids per key, in key order (a retried job goes back to
+    /// its place).
     keys: BTreeMap<String, VecDeque<JobId>>,
     in_flight: BTreeMap<JobId, Run>,
     /// Runs in flight per key (keys with none are absent).
@@ -649,7 +650,7 @@ impl QueueBackend for MemoryBackend {
                 else {
                     break;
                 };
-                let limit = self.flow.as_ref().map_or(1, |f| f.concurrency_of(&key));
+                let limit = self.key_concurrency(&key);
                 let Some(id) = startable_head(s, &key, now, limit) else {
                     continue;
                 };
@@ -904,8 +905,7 @@ impl QueueBackend for MemoryBackend {
             Ok(s.keys
                 .iter()
                 .filter(|(k, _)| {
-                    let limit = self.flow.as_ref().map_or(1, |f| f.concurrency_of(k));
-                    busy_of(s, k) < limit && !s.fence.sealed_keys.contains_key(*k)
+                    busy_of(s, k) < self.key_concurrency(k) && !s.fence.sealed_keys.contains_key(*k)
                 })
                 .filter_map(|(k, q)| {
                     q.front()
@@ -988,10 +988,7 @@ impl QueueBackend for MemoryBackend {
                     j.starts.clear();
                     let key = j.key.clone();
                     s.halted_keys.remove(&key);
-                    // Back at its place in key order: before every later id.
-                    let q = s.keys.entry(key).or_default();
-                    let pos = q.iter().position(|x| x > id).unwrap_or(q.len());
-                    q.insert(pos, *id);
+                    back_in_order(s, key, *id);
                 }
             }
             Ok(chosen.len())

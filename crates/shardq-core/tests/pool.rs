@@ -326,6 +326,17 @@ impl OneBroken {
         }
     }
 
+    /// `inner` whose next claim first moves `clock` on by the returned
+    /// counter's ms (once), as a process stopped before a claim sees it.
+    fn stalling(inner: &MemoryBackend, clock: &ManualClock) -> (Arc<OneBroken>, Arc<AtomicU64>) {
+        let stall = Arc::new(AtomicU64::new(0));
+        let backend = OneBroken {
+            stall_before_claim: Some((clock.clone(), stall.clone())),
+            ..OneBroken::healthy(inner.clone())
+        };
+        (Arc::new(backend), stall)
+    }
+
     fn check(&self, shard: &str) -> Result<(), QueueError> {
         if shard == self.broken {
             return Err(QueueError::Corrupt {
@@ -601,14 +612,7 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
         let jobs: Vec<NewJob> = (0..2).map(|i| NewJob::new(key, format!("{i}"))).collect();
         inner.enqueue("s0", 1, &jobs).unwrap();
     }
-    let stall = Arc::new(AtomicU64::new(0));
-    let backend = Arc::new(OneBroken {
-        inner: inner.clone(),
-        broken: String::new(),
-        stall_before_claim: Some((clock.clone(), stall.clone())),
-        extends: Arc::default(),
-        extends_fail: Arc::default(),
-    });
+    let (backend, stall) = OneBroken::stalling(&inner, &clock);
     let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let overlaps = Arc::new(AtomicUsize::new(0));
     let started = Arc::new(AtomicUsize::new(0));
@@ -641,22 +645,7 @@ fn a_stall_past_the_job_lease_never_runs_a_key_twice_at_once() {
             Ok(())
         })
     };
-    let opts = PoolOptions {
-        concurrency: 4,
-        job_lease_ms: 3_000,
-        idle_poll_ms: 1,
-        exit_when_idle: true,
-        ..PoolOptions::default()
-    };
-    let pool = {
-        let backend: Arc<dyn QueueBackend> = backend.clone();
-        let clock = clock.clone();
-        thread::spawn(move || {
-            let mut coord = MemoryCoordinator::new(inner);
-            let stop = AtomicBool::new(false);
-            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
-        })
-    };
+    let pool = run_stalling_pool(&backend, &clock, 4, handler);
     wait_for(10, "both keys' first jobs to run", || {
         started.load(Ordering::SeqCst) == 2
     });
@@ -719,14 +708,7 @@ fn a_stall_never_runs_a_key_more_often_at_once_than_its_concurrency() {
             .collect();
         inner.enqueue("s0", 1, &jobs).unwrap();
     }
-    let stall = Arc::new(AtomicU64::new(0));
-    let backend = Arc::new(OneBroken {
-        inner: inner.clone(),
-        broken: String::new(),
-        stall_before_claim: Some((clock.clone(), stall.clone())),
-        extends: Arc::default(),
-        extends_fail: Arc::default(),
-    });
+    let (backend, stall) = OneBroken::stalling(&inner, &clock);
     let running: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let peak: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
     let started = Arc::new(AtomicUsize::new(0));
@@ -758,22 +740,7 @@ fn a_stall_never_runs_a_key_more_often_at_once_than_its_concurrency() {
             Ok(())
         })
     };
-    let opts = PoolOptions {
-        concurrency: 16,
-        job_lease_ms: 3_000,
-        idle_poll_ms: 1,
-        exit_when_idle: true,
-        ..PoolOptions::default()
-    };
-    let pool = {
-        let backend: Arc<dyn QueueBackend> = backend.clone();
-        let clock = clock.clone();
-        thread::spawn(move || {
-            let mut coord = MemoryCoordinator::new(inner);
-            let stop = AtomicBool::new(false);
-            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
-        })
-    };
+    let pool = run_stalling_pool(&backend, &clock, 16, handler);
     wait_for(10, "three jobs of each key to run", || {
         started.load(Ordering::SeqCst) == 6
     });
@@ -815,14 +782,7 @@ fn a_parked_run_whose_job_runs_again_never_starts() {
     job.max_attempts = 10;
     inner.enqueue("s0", 1, &[job]).unwrap();
     let store = inner.clone();
-    let stall = Arc::new(AtomicU64::new(0));
-    let backend = Arc::new(OneBroken {
-        inner: inner.clone(),
-        broken: String::new(),
-        stall_before_claim: Some((clock.clone(), stall.clone())),
-        extends: Arc::default(),
-        extends_fail: Arc::default(),
-    });
+    let (backend, stall) = OneBroken::stalling(&inner, &clock);
     let (running, peak, started) = (
         Arc::new(AtomicUsize::new(0)),
         Arc::new(AtomicUsize::new(0)),
@@ -851,22 +811,7 @@ fn a_parked_run_whose_job_runs_again_never_starts() {
             Ok(())
         })
     };
-    let opts = PoolOptions {
-        concurrency: 4,
-        job_lease_ms: 3_000,
-        idle_poll_ms: 1,
-        exit_when_idle: true,
-        ..PoolOptions::default()
-    };
-    let pool = {
-        let backend: Arc<dyn QueueBackend> = backend.clone();
-        let clock = clock.clone();
-        thread::spawn(move || {
-            let mut coord = MemoryCoordinator::new(inner);
-            let stop = AtomicBool::new(false);
-            WorkerPool::run(backend, &mut coord, handler, Arc::new(clock), opts, &stop)
-        })
-    };
+    let pool = run_stalling_pool(&backend, &clock, 4, handler);
     wait_for(10, "the first run", || started.load(Ordering::SeqCst) == 1);
     // The job's current run's fence (0 between runs).
     let fence_now = || {
@@ -896,6 +841,33 @@ fn a_parked_run_whose_job_runs_again_never_starts() {
         "the first run and the third ran; the parked second never did"
     );
     assert_eq!(report.acked, 1, "{report:?}");
+}
+
+/// A pool of `concurrency` slots on `clock` running `handler` over
+/// `backend` (a 3 s job lease, a 1 ms idle poll) until idle.
+fn run_stalling_pool(
+    backend: &Arc<OneBroken>,
+    clock: &ManualClock,
+    concurrency: usize,
+    handler: Arc<shardq_core::Handler>,
+) -> thread::JoinHandle<Result<PoolReport, QueueError>> {
+    let opts = PoolOptions {
+        concurrency,
+        job_lease_ms: 3_000,
+        idle_poll_ms: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let coordinator_of = backend.inner.clone();
+    let backend: Arc<dyn QueueBackend> = backend.clone();
+    run_pool_on(
+        Arc::new(clock.clone()),
+        backend,
+        coordinator_of,
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
 }
 
 /// A memory backend over `shards` whose keys with each prefix of

@@ -1557,6 +1557,25 @@ impl Replay for ShardState {
 mod tests {
     use super::*;
 
+    /// An empty state of a log from its start.
+    fn fresh() -> ShardState {
+        ShardState::new(
+            0,
+            &crate::reclaim::Reclaimed::default(),
+            DeadPolicy::Continue,
+        )
+    }
+
+    /// Flow control giving every key `policy`.
+    fn every_key(policy: shardq_core::flow::FlowPolicy) -> FlowControl {
+        use shardq_core::flow::{FlowSettings, LocalGroupBuckets};
+        let settings = FlowSettings {
+            default: policy,
+            ..FlowSettings::default()
+        };
+        FlowControl::new(settings, std::sync::Arc::new(LocalGroupBuckets::default()))
+    }
+
     fn test_fences() -> RunFences<'static> {
         RunFences {
             shard: "s",
@@ -1584,11 +1603,7 @@ mod tests {
     /// out twice.
     #[test]
     fn a_key_queued_twice_is_picked_once() {
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
+        let mut s = fresh();
         enqueue(&mut s, 0, "k");
         let first = s.pick(0, &mut test_fences(), 10, &|_| false, None);
         assert_eq!(first.len(), 1);
@@ -1607,11 +1622,7 @@ mod tests {
     /// key is due by its own time.
     #[test]
     fn a_cancelled_delayed_head_leaves_no_stale_timer() {
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
+        let mut s = fresh();
         let rec = Record::Enqueue {
             created_ms: 0,
             not_before_ms: 600_000,
@@ -1657,26 +1668,13 @@ mod tests {
     /// starts them again in key order once the retry is due.
     #[test]
     fn runs_of_a_concurrent_key_replay_and_restart_in_order() {
-        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
-        let flow = FlowControl::new(
-            FlowSettings {
-                default: FlowPolicy {
-                    concurrency: 3,
-                    ..FlowPolicy::default()
-                },
-                ..FlowSettings::default()
-            },
-            std::sync::Arc::new(LocalGroupBuckets::default()),
-        );
-        let new_state = || {
-            ShardState::new(
-                0,
-                &crate::reclaim::Reclaimed::default(),
-                DeadPolicy::Continue,
-            )
-        };
+        use shardq_core::flow::FlowPolicy;
+        let flow = every_key(FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        });
         let never = |_: &str| false;
-        let mut s = new_state();
+        let mut s = fresh();
         let mut log: Vec<(u64, Record<'static>)> = Vec::new();
         let mut write = |s: &mut ShardState, pos: u64, rec: Record<'static>| {
             s.apply(pos, 0, &rec).unwrap();
@@ -1737,7 +1735,7 @@ mod tests {
             view(&s),
             [(10, false, 5_000, 1), (20, true, 0, 1), (30, false, 0, 0)]
         );
-        let mut replayed = new_state();
+        let mut replayed = fresh();
         for (pos, rec) in &log {
             replayed.apply(*pos, 0, rec).unwrap();
         }
@@ -1755,20 +1753,13 @@ mod tests {
     /// live and on a replay of the whole log.
     #[test]
     fn a_claim_after_a_takeover_replaces_the_old_owners_run() {
-        let new_state = || {
-            ShardState::new(
-                0,
-                &crate::reclaim::Reclaimed::default(),
-                DeadPolicy::Continue,
-            )
-        };
-        let mut s = new_state();
+        let mut s = fresh();
         enqueue(&mut s, 0, "k");
         claim(&mut s, 100, 0, 1, Some(0));
         s.reset_in_flight();
         claim(&mut s, 200, 0, 2, Some(5));
         assert_eq!(s.key_counts("k").in_flight, 1);
-        let mut replayed = new_state();
+        let mut replayed = fresh();
         enqueue(&mut replayed, 0, "k");
         claim(&mut replayed, 100, 0, 1, Some(0));
         claim(&mut replayed, 200, 0, 2, Some(5));
@@ -1785,11 +1776,7 @@ mod tests {
     /// ends the run with the cancel, and the key runs on.
     #[test]
     fn a_cancel_after_a_takeover_ends_the_old_owners_run_on_replay() {
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
+        let mut s = fresh();
         enqueue(&mut s, 0, "k");
         enqueue(&mut s, 10, "k");
         claim(&mut s, 100, 0, 1, Some(0));
@@ -1806,23 +1793,13 @@ mod tests {
     /// the second's time, through `next_due_ms`, and starts it then.
     #[test]
     fn a_keys_later_job_not_due_in_a_pick_that_started_one_is_started_when_due() {
-        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
-        let flow = FlowControl::new(
-            FlowSettings {
-                default: FlowPolicy {
-                    concurrency: 3,
-                    ..FlowPolicy::default()
-                },
-                ..FlowSettings::default()
-            },
-            std::sync::Arc::new(LocalGroupBuckets::default()),
-        );
+        use shardq_core::flow::FlowPolicy;
+        let flow = every_key(FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        });
         let never = |_: &str| false;
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
+        let mut s = fresh();
         let add = |s: &mut ShardState, pos: u64, key: &str, not_before_ms: u64| {
             let rec = Record::Enqueue {
                 created_ms: 0,
@@ -1864,22 +1841,12 @@ mod tests {
     /// shards' keys rank better. Before the lapse the key ranks nothing.
     #[test]
     fn a_lapsed_cancelled_run_makes_its_shard_rank_first() {
-        use shardq_core::flow::{FlowPolicy, FlowSettings, LocalGroupBuckets};
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
-        let flow = FlowControl::new(
-            FlowSettings {
-                default: FlowPolicy {
-                    weight: 2,
-                    ..FlowPolicy::default()
-                },
-                ..FlowSettings::default()
-            },
-            std::sync::Arc::new(LocalGroupBuckets::default()),
-        );
+        use shardq_core::flow::FlowPolicy;
+        let mut s = fresh();
+        let flow = every_key(FlowPolicy {
+            weight: 2,
+            ..FlowPolicy::default()
+        });
         let never = |_: &str| false;
         enqueue(&mut s, 0, "k");
         assert_eq!(s.ranks(0, 4, &never, &flow).len(), 1, "k is ready");
@@ -1896,11 +1863,7 @@ mod tests {
     /// claim written before start times were recorded adds none.
     #[test]
     fn attempt_times_and_reasons_follow_their_job() {
-        let mut s = ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        );
+        let mut s = fresh();
         enqueue(&mut s, 0, "k");
         enqueue(&mut s, 10, "k");
         claim(&mut s, 100, 0, 1, Some(5));
