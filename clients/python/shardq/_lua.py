@@ -58,30 +58,89 @@ local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
   return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
 end
--- A key's queue: head, tail, depth, job in flight and its run fence (0 for none).
+-- A key's queue: `<head> <tail> <depth>`, then its runs in flight as
+-- `<job> <fence>` pairs in job order (`0 0` for none; fence 0: cancelled
+-- while it ran), then, when above 1, how many runs it may have at once (its
+-- policy's concurrency when a claim last looked). In q: h, t, d, runs (a
+-- list of {job, fence}) and lim.
 local function kparse(s)
-  if not s then return {h = 0, t = 0, d = 0, f = 0, r = 0} end
+  if not s then return {h = 0, t = 0, d = 0, runs = {}, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
-  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f), r = tonumber(r)}
+  if h then
+    local q = {h = tonumber(h), t = tonumber(t), d = tonumber(d), runs = {}, lim = 1}
+    if f ~= '0' then q.runs[1] = {tonumber(f), tonumber(r)} end
+    return q
+  end
+  local x = {}
+  for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
+  local q = {h = x[1], t = x[2], d = x[3], runs = {}, lim = 1}
+  local n = #x
+  if n % 2 == 0 then
+    q.lim = x[n]
+    n = n - 1
+  end
+  for i = 4, n - 1, 2 do
+    if x[i] ~= 0 then q.runs[#q.runs + 1] = {x[i], x[i + 1]} end
+  end
+  return q
 end
-local function kfmt(q) return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.f, q.r) end
+local function kfmt(q)
+  local s = string.format('%d %d %d', q.h, q.t, q.d)
+  if #q.runs == 0 then
+    s = s .. ' 0 0'
+  else
+    for _, x in ipairs(q.runs) do s = s .. string.format(' %d %d', x[1], x[2]) end
+  end
+  if q.lim > 1 then s = s .. string.format(' %d', q.lim) end
+  return s
+end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
-  if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+  if q.d == 0 and #q.runs == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+end
+-- The place of job id among q's runs, or nil.
+local function krun(q, id)
+  for i, x in ipairs(q.runs) do
+    if x[1] == id then return i end
+  end
+  return nil
+end
+-- Adds a run of job id, in job order.
+local function krun_add(q, id, fence)
+  local i = #q.runs + 1
+  while i > 1 and q.runs[i - 1][1] > id do i = i - 1 end
+  table.insert(q.runs, i, {id, fence})
 end
 local function halted(k)
   return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
 end
--- Call only for a key that is in neither ready nor later (it was in flight
--- or had nothing waiting): restores "a key is in ready or later iff it has
--- a waiting job, nothing in flight and no halt". With no start time given
--- the key goes to ready and claim moves it to later if its head must wait.
+-- Whether key k (queue q) belongs in ready or later: a job waits, its runs
+-- are below its limit and no dead job halts it.
+local function kqueued(k, q)
+  return q.d > 0 and #q.runs < q.lim and not halted(k)
+end
+-- Call only for a key that is in neither ready nor later (kqueued was false
+-- before the change): restores "a key is in ready or later iff kqueued"
+-- (ready may also hold stale entries, which claim drops). With no start
+-- time given the key goes to ready and claim moves it to later if its head
+-- must wait.
 local function kready(k, q, nbf, now)
-  if q.d == 0 or q.f ~= 0 or halted(k) then return end
+  if not kqueued(k, q) then return end
   if nbf and nbf > now then
     redis.call('ZADD', K_LATER, nbf, k)
   else
     redis.call('RPUSH', K_READY, k)
+  end
+end
+-- After a run of key k ended and its queue changed: `was` is kqueued
+-- before. A key not scheduled before is scheduled now if it may start; one
+-- waiting in later may have a new, earlier head, so it goes to ready and
+-- the next claim looks at that head.
+local function kwake(k, q, was, nbf, now)
+  if not was then
+    kready(k, q, nbf, now)
+  elseif redis.call('ZREM', K_LATER, k) == 1 then
+    kready(k, q, nil, now)
   end
 end
 -- Back to the head of its key: a failed or reclaimed job runs before the
@@ -168,23 +227,24 @@ local function requeue(ids, why, now)
   if not r then return end
   local n, a, m, _, k = rec_parse(r)
   local q = kparse(redis.call('HGET', K_KEYS, k))
-  local was_flying = q.f == tonumber(ids)
-  if was_flying and q.r == 0 then
+  local was = kqueued(k, q)
+  local run = krun(q, tonumber(ids))
+  if run and q.runs[run][2] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
-    q.f = 0
+    table.remove(q.runs, run)
     if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)
-    kready(k, q, nil, now)
+    kwake(k, q, was, nil, now)
     return
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if was_flying then q.f, q.r = 0, 0 end
+  if run then table.remove(q.runs, run) end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
-  if was_flying then kready(k, q, nil, now) end
+  kwake(k, q, was, nil, now)
 end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).
 local function key_of(ids, k)
@@ -199,12 +259,14 @@ end
 -- lapsed ends here (its job goes back to its key), so it is stale too.
 local function run_check(ids, fence, k, q, now)
   -- A job in flight on its key exists (its record goes with its ack).
-  if not q or q.f ~= tonumber(ids) then
+  local run = q and krun(q, tonumber(ids))
+  if not run then
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
-  if q.r == 0 then return 'the job was cancelled while it ran' end
-  if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
+  local cur = q.runs[run][2]
+  if cur == 0 then return 'the job was cancelled while it ran' end
+  if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
   if until_ms <= now then
     requeue(ids, 'job lease expired', now)
@@ -289,7 +351,7 @@ local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
   local q = kparse(cur[i])
   qs[k] = q
-  fresh[k] = q.d == 0 and q.f == 0
+  fresh[k] = q.d == 0 and #q.runs < q.lim
 end
 local nows = idstr(now)
 local exps = idstr(now + window)

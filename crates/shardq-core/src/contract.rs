@@ -27,6 +27,11 @@ pub trait ContractHarness {
     fn short_lease_ms(&self) -> u64 {
         crate::job::JOB_LEASE_MS_MIN
     }
+    /// The backend's flow control, opened with [`flow_settings`], for the
+    /// checks that change policies while jobs run (none: they are skipped).
+    fn flow(&self) -> Option<&crate::flow::FlowControl> {
+        None
+    }
 }
 
 /// A harness whose store can be put back to an earlier state behind the
@@ -173,6 +178,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_groups_concurrency_caps_its_runs_over_every_shard(h);
     a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h);
     lapsed_runs_of_a_concurrent_key_run_again_in_order(h);
+    a_changed_concurrency_holds_from_the_next_claim(h);
 }
 
 /// The payloads of `runs` of `key`, in claim order.
@@ -289,6 +295,92 @@ pub fn lapsed_runs_of_a_concurrent_key_run_again_in_order(h: &dyn ContractHarnes
     let last = claim(h, &shard, 10, LONG_LEASE_MS);
     assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
     ack_one(h, &shard, last[0].receipt());
+}
+
+/// Settings whose keys resolve their concurrency every way there is: the
+/// default (2), prefixes nested three deep and a multi-byte one, keys whose
+/// own policy agrees with their prefix or the default and keys whose
+/// policy differs, for checks that a store resolves limits as
+/// [`crate::flow::FlowSettings::for_key`] does.
+pub fn mixed_concurrency_settings() -> crate::flow::FlowSettings {
+    use crate::flow::{FlowPolicy, FlowSettings};
+    let conc = |n: u32| FlowPolicy {
+        concurrency: n,
+        ..FlowPolicy::default()
+    };
+    let mut s = FlowSettings {
+        default: conc(2),
+        ..FlowSettings::default()
+    };
+    for (p, n) in [("a", 4), ("ab", 1), ("abc", 8), ("é", 3)] {
+        s.prefixes.insert(p.into(), conc(n));
+    }
+    for (k, n) in [
+        ("abx", 1),
+        ("abcd", 2),
+        ("z", 2),
+        ("ab", 5),
+        ("éa", 3),
+        ("x", 1),
+    ] {
+        s.keys.insert(k.into(), conc(n));
+    }
+    s
+}
+
+/// A key's concurrency raised while it runs at its old limit starts more
+/// at the next claim; lowered while it runs above the new one, nothing new
+/// starts until its runs are below it. The settings are put back at the end.
+pub fn a_changed_concurrency_holds_from_the_next_claim(h: &dyn ContractHarness) {
+    let Some(flow) = h.flow() else { return };
+    if h.backend().limits().key_concurrency_max < 3 {
+        return;
+    }
+    let shard = h.fresh_shard();
+    let key = "contract-relimit:k";
+    let original = flow.settings();
+    let with = |n: u32| {
+        let mut s = (*original).clone();
+        let p = crate::flow::FlowPolicy {
+            concurrency: n,
+            ..crate::flow::FlowPolicy::default()
+        };
+        s.prefixes.insert("contract-relimit:".into(), p);
+        flow.set(s, 0);
+    };
+    for i in 0..6 {
+        enqueue(h, &shard, key, &i.to_string(), 5);
+    }
+    let first = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&first, key), ["0"], "{first:?}");
+    with(3);
+    let more = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&more, key), ["1", "2"], "raised to 3: {more:?}");
+    with(1);
+    let runs: Vec<ClaimedJob> = first.iter().chain(&more).cloned().collect();
+    for (i, r) in runs.iter().enumerate() {
+        let next = claim(h, &shard, 10, LONG_LEASE_MS);
+        assert!(
+            payloads_of(&next, key).is_empty(),
+            "lowered to 1 with {} runs left, one more started: {next:?}",
+            runs.len() - i
+        );
+        ack_one(h, &shard, r.receipt());
+    }
+    let last = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
+    flow.set((*original).clone(), 0);
+    ack_one(h, &shard, last[0].receipt());
+    let rest = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(
+        payloads_of(&rest, key),
+        ["4"],
+        "back to the default: {rest:?}"
+    );
+    ack_one(h, &shard, rest[0].receipt());
+    let end = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&end, key), ["5"], "{end:?}");
+    ack_one(h, &shard, end[0].receipt());
 }
 
 /// The checks of ranking ready keys by priority and weight (every backend;
@@ -1986,6 +2078,7 @@ mod tests {
         clock: ManualClock,
         next: AtomicUsize,
         saved: std::sync::Mutex<Option<crate::memory::MemoryCheckpoint>>,
+        flow: Arc<crate::flow::FlowControl>,
     }
 
     impl RewindHarness for Memory {
@@ -2010,21 +2103,26 @@ mod tests {
         fn pass_ms(&self, ms: u64) {
             self.clock.advance(ms);
         }
+        fn flow(&self) -> Option<&crate::flow::FlowControl> {
+            Some(&self.flow)
+        }
     }
 
     #[test]
     fn the_memory_backend_keeps_the_contract() {
         let clock = ManualClock::new(1_700_000_000_000);
+        let flow = Arc::new(crate::flow::FlowControl::new(
+            flow_settings(),
+            Arc::new(crate::flow::LocalGroupBuckets::default()),
+        ));
         let h = Memory {
             backend: MemoryBackend::new(&[], Arc::new(clock.clone()))
                 .with_retry_rules(retry_rules())
-                .with_flow(Arc::new(crate::flow::FlowControl::new(
-                    flow_settings(),
-                    Arc::new(crate::flow::LocalGroupBuckets::default()),
-                ))),
+                .with_flow(Arc::clone(&flow)),
             clock,
             next: AtomicUsize::new(0),
             saved: Default::default(),
+            flow,
         };
         run_all(&h);
         run_ranked(&h);

@@ -412,6 +412,33 @@ fn is_default_policy(p: &FlowPolicy) -> bool {
     *p == FlowPolicy::default()
 }
 
+/// Every key's run limit in a form a store can resolve by itself (the
+/// Redis claim script does): a key's own entry, else the first prefix of
+/// it in `prefixes`, else `default`. The same answer as
+/// [`FlowSettings::for_key`]'s `concurrency` for every key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConcurrencyRules {
+    /// The concurrency of a key no entry matches.
+    pub default: u32,
+    /// Keys whose own policy gives another concurrency than their prefix
+    /// or the default would (the others need no entry).
+    pub keys: Vec<(String, u32)>,
+    /// Every prefix policy's concurrency, longest prefix first.
+    pub prefixes: Vec<(String, u32)>,
+}
+
+impl ConcurrencyRules {
+    /// The concurrency of `key` by these rules.
+    pub fn of(&self, key: &str) -> u32 {
+        if let Some((_, n)) = self.keys.iter().find(|(k, _)| k == key) {
+            return *n;
+        }
+        (self.prefixes.iter())
+            .find(|(p, _)| key.starts_with(p.as_str()))
+            .map_or(self.default, |(_, n)| *n)
+    }
+}
+
 /// Which policy a change is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PolicyTarget {
@@ -485,6 +512,31 @@ impl FlowSettings {
         (self.keys.values().chain(self.prefixes.values()))
             .map(|p| p.concurrency)
             .fold(self.default.concurrency, u32::max)
+    }
+
+    /// Every key's run limit as a store that resolves it itself needs it
+    /// (none when every key runs once at a time): see [`ConcurrencyRules`].
+    pub fn concurrency_rules(&self) -> Option<ConcurrencyRules> {
+        if self.key_concurrency_high() <= 1 {
+            return None;
+        }
+        let by_prefix = |key: &str| {
+            prefix_rule_for(&self.prefixes, key)
+                .map_or(self.default.concurrency, |(_, p)| p.concurrency)
+        };
+        let keys = (self.keys.iter())
+            .filter(|(k, p)| p.concurrency != by_prefix(k))
+            .map(|(k, p)| (k.clone(), p.concurrency))
+            .collect();
+        let mut prefixes: Vec<(String, u32)> = (self.prefixes.iter())
+            .map(|(k, p)| (k.clone(), p.concurrency))
+            .collect();
+        prefixes.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        Some(ConcurrencyRules {
+            default: self.default.concurrency,
+            keys,
+            prefixes,
+        })
     }
 
     /// Whether any policy limits starts (else admission is free).
@@ -1191,6 +1243,14 @@ impl FlowControl {
         self.version.load(Ordering::Relaxed)
     }
 
+    /// [`FlowSettings::concurrency_rules`] of the settings in use.
+    pub fn concurrency_rules(&self) -> Option<ConcurrencyRules> {
+        if !self.several.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.read().settings.concurrency_rules()
+    }
+
     /// Runs of `key` allowed at once (1 unless a policy says more).
     pub fn concurrency_of(&self, key: &str) -> u32 {
         if !self.several.load(Ordering::Relaxed) {
@@ -1686,6 +1746,36 @@ pub fn validate_backoff_ms(ms: u64) -> Result<(), QueueError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rules a store resolves by itself give every key the concurrency
+    /// its policy gives, and leave out the key entries that change nothing.
+    #[test]
+    fn concurrency_rules_agree_with_the_policies() {
+        let plain = FlowSettings::default();
+        assert_eq!(
+            plain.concurrency_rules(),
+            None,
+            "one run per key needs no rules"
+        );
+        let s = crate::contract::mixed_concurrency_settings();
+        let r = s.concurrency_rules().expect("rules");
+        let mut listed: Vec<&str> = r.keys.iter().map(|(k, _)| k.as_str()).collect();
+        listed.sort();
+        assert_eq!(listed, ["ab", "abcd", "x"], "{r:?}");
+        assert_eq!(r.prefixes[0].0, "abc", "longest first: {r:?}");
+        let alphabet = ["a", "b", "c", "d", "x", "z", "é"];
+        let mut keys = vec![String::new()];
+        for _ in 0..4 {
+            let longer: Vec<String> = (keys.iter())
+                .flat_map(|k| alphabet.iter().map(move |c| format!("{k}{c}")))
+                .collect();
+            keys.extend(longer);
+        }
+        keys.dedup();
+        for k in keys.iter().filter(|k| !k.is_empty()) {
+            assert_eq!(r.of(k), s.for_key(k).concurrency, "key {k:?}");
+        }
+    }
 
     /// Free slots go to the best ranks over every shard; equal ranks go
     /// round the shards from `first`, one key of each in turn; a shard that

@@ -15,6 +15,7 @@ struct Fs {
     backend: Arc<FsBackend>,
     clock: ManualClock,
     next: AtomicUsize,
+    flow: Arc<FlowControl>,
 }
 
 impl ContractHarness for Fs {
@@ -29,6 +30,9 @@ impl ContractHarness for Fs {
     fn pass_ms(&self, ms: u64) {
         self.clock.advance(ms);
     }
+    fn flow(&self) -> Option<&FlowControl> {
+        Some(&self.flow)
+    }
 }
 
 #[test]
@@ -40,15 +44,16 @@ fn the_embedded_engine_keeps_the_backend_contract() {
         ShardMap::with_shards(Algorithm::Rendezvous, names.iter().map(String::as_str)).unwrap();
     Engine::init(&dir, &map).unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
+    let flow = Arc::new(FlowControl::new(
+        contract::flow_settings(),
+        Arc::new(FileGroupBuckets::new(&dir)),
+    ));
     let engine = Engine::open(
         &dir,
         EngineOptions {
             clock: Arc::new(clock.clone()),
             retry_rules: Arc::new(contract::retry_rules()),
-            flow: Some(Arc::new(FlowControl::new(
-                contract::flow_settings(),
-                Arc::new(FileGroupBuckets::new(&dir)),
-            ))),
+            flow: Some(Arc::clone(&flow)),
             ..EngineOptions::default()
         },
     )
@@ -61,6 +66,7 @@ fn the_embedded_engine_keeps_the_backend_contract() {
         backend,
         clock,
         next: AtomicUsize::new(0),
+        flow,
     };
     contract::run_all(&h);
     contract::run_ranked(&h);

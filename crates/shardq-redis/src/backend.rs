@@ -44,6 +44,8 @@ pub const ACK_BATCH_MAX: usize = 1024;
 const FINISHED_PAGE: usize = 256;
 /// In-flight jobs whose lease ran out that one claim puts back.
 pub const RECLAIM_BATCH_MAX: usize = 128;
+/// Most keys one relimit script call gives a new run limit.
+pub const RELIMIT_BATCH_MAX: usize = 512;
 /// Dead jobs moved by one script in `dead_retry`/`dead_purge` of all.
 pub const DEAD_BATCH_MAX: usize = 512;
 /// Most dead jobs one `dead_list` returns.
@@ -209,9 +211,12 @@ impl RedisOptions {
 struct Held {
     token: String,
     /// Jobs handed out and not yet acked or failed here, with their routing
-    /// keys: an ack names the key, so the script checks the key's one job in
-    /// flight instead of reading the job.
+    /// keys: an ack names the key, so the script checks the key's runs
+    /// instead of reading the job.
     in_flight: HashMap<u64, String>,
+    /// The flow settings' version whose run limits the keys with runs here
+    /// were last given ([`RedisBackend::relimit`]).
+    limits_version: u64,
 }
 
 pub(crate) struct ShardRef {
@@ -305,6 +310,9 @@ pub(crate) struct Inner {
     /// The rebalance epoch this process's move writes carry (0: none; see
     /// [`QueueBackend::enter_rebalance`]).
     epoch: std::sync::atomic::AtomicU64,
+    /// The claim script's run limits (its `LIMITS` argument) and the flow
+    /// settings' version they were written from.
+    limits: Mutex<(u64, Arc<str>)>,
 }
 
 /// The Redis backend. Cheap to clone; clones share connections and state.
@@ -347,6 +355,7 @@ impl RedisBackend {
                 deployment: RwLock::new(deployment),
                 scripts: Scripts::new(),
                 epoch: std::sync::atomic::AtomicU64::new(0),
+                limits: Mutex::new((0, Arc::from(""))),
             }),
         };
         backend.sync_shards(map)?;
@@ -686,6 +695,69 @@ impl RedisBackend {
         }
         fair.drain();
         Ok(Some(picked))
+    }
+
+    /// The claim script's `LIMITS` argument for the flow settings in use:
+    /// empty when every key runs once at a time, else the default's
+    /// concurrency, then `\n=<n>\t<key>` and `\n^<n>\t<prefix>` per entry
+    /// of [`shardq_core::flow::ConcurrencyRules`] (keys and prefixes hold no
+    /// control characters). Written again only when the settings change.
+    fn limits_arg(&self) -> Arc<str> {
+        let Some(f) = self.inner.opts.flow.as_deref() else {
+            return Arc::from("");
+        };
+        let mut cache = self.inner.limits.lock().unwrap_or_else(|p| p.into_inner());
+        let version = f.version();
+        if cache.0 != version {
+            let text = match f.concurrency_rules() {
+                None => String::new(),
+                Some(r) => {
+                    let mut t = r.default.to_string();
+                    for (k, n) in &r.keys {
+                        t.push_str(&format!("\n={n}\t{k}"));
+                    }
+                    for (p, n) in &r.prefixes {
+                        t.push_str(&format!("\n^{n}\t{p}"));
+                    }
+                    t
+                }
+            };
+            *cache = (version, Arc::from(text));
+        }
+        Arc::clone(&cache.1)
+    }
+
+    /// Gives each key with runs held here its run limit under the flow
+    /// settings in use (they changed since the last time): a key whose
+    /// limit rose may start more at once, and the scripts that end runs
+    /// judge whether to schedule a key by the new limit. False when the
+    /// shard is no longer this process's.
+    fn relimit(
+        &self,
+        s: &ShardRef,
+        held: &mut Held,
+        flow: &FlowControl,
+    ) -> Result<bool, QueueError> {
+        let version = flow.version();
+        let keys: std::collections::BTreeSet<&str> =
+            held.in_flight.values().map(String::as_str).collect();
+        let pairs: Vec<(&str, u32)> = (keys.into_iter())
+            .map(|k| (k, flow.concurrency_of(k)))
+            .collect();
+        for chunk in pairs.chunks(RELIMIT_BATCH_MAX) {
+            let v = self.script(s, &self.inner.scripts.relimit, &held.token, &|c, _| {
+                for (k, n) in chunk {
+                    c.arg(*k).arg(*n);
+                }
+            })?;
+            match reply::status(&v).as_str() {
+                "OK" => {}
+                "NOTOWNER" => return Ok(false),
+                other => return Err(self.protocol(s, format!("relimit answered {other:?}"))),
+            }
+        }
+        held.limits_version = version;
+        Ok(true)
     }
 
     /// Gives back the group run slots of the runs `runs` (key, fence) of
@@ -1032,6 +1104,7 @@ impl QueueBackend for RedisBackend {
     fn limits(&self) -> shardq_core::BackendLimits {
         shardq_core::BackendLimits {
             enqueue_batch_jobs_max: ENQUEUE_BATCH_MAX,
+            key_concurrency_max: shardq_core::flow::KEY_CONCURRENCY_MAX,
             ..shardq_core::BackendLimits::default()
         }
     }
@@ -1150,6 +1223,7 @@ impl QueueBackend for RedisBackend {
         *s.held() = Some(Held {
             token,
             in_flight: HashMap::new(),
+            limits_version: 0,
         });
         Ok(())
     }
@@ -1173,6 +1247,13 @@ impl QueueBackend for RedisBackend {
         if max == 0 {
             return Ok(Vec::new());
         }
+        // Before ranking: a key whose limit rose is ready again.
+        if let Some(f) = self.inner.opts.flow.as_deref() {
+            if held.limits_version != f.version() && !self.relimit(s, held, f)? {
+                *guard = None;
+                return Err(Self::not_owner(s));
+            }
+        }
         let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
         let ranked = (self.inner.opts.flow.as_deref()).filter(|f| f.ranks_keys());
         let picked = match ranked {
@@ -1185,9 +1266,13 @@ impl QueueBackend for RedisBackend {
             },
             None => None,
         };
+        let limits = self.limits_arg();
         let before = s.marks();
         let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
-            c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX);
+            c.arg(max)
+                .arg(lease_ms)
+                .arg(RECLAIM_BATCH_MAX)
+                .arg(&*limits);
             match &picked {
                 None => c.arg("-"),
                 Some(p) => c
@@ -1449,6 +1534,14 @@ impl QueueBackend for RedisBackend {
             .flow
             .as_ref()
             .is_some_and(|f| f.ranks_keys())
+    }
+
+    fn key_concurrency(&self, key: &str) -> u32 {
+        self.inner
+            .opts
+            .flow
+            .as_ref()
+            .map_or(1, |f| f.concurrency_of(key))
     }
 
     fn back_off(

@@ -92,11 +92,14 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   `attempts` counts finished attempts: claim does not rewrite the record,
 ///   the attempt in flight is `attempts + 1` until a fail or reclaim writes
 ///   it back.
-/// * `keys` hash: routing key -> `<head> <tail> <depth> <in flight> <fence>`,
-///   the key's queue of waiting jobs (ids, 0 for none), the id of its one
-///   job in flight (0 for none) and that run's fence (0 for none): the
-///   receipt check of ack, fail and extend. Present iff the key has a
-///   waiting job or one in flight.
+/// * `keys` hash: routing key -> `<head> <tail> <depth>`, the key's queue
+///   of waiting jobs (ids, 0 for none), then its runs in flight as `<job>
+///   <fence>` pairs in job order (`0 0` for none; fence 0: cancelled while
+///   it ran), the receipt check of ack, fail and extend, then the most
+///   runs it may have at once when above 1 (its policy's concurrency as a
+///   claim last read it; a record without it means 1, so a record of one
+///   run per key, `<head> <tail> <depth> <job> <fence>`, reads the same).
+///   Present iff the key has a waiting job or one in flight.
 /// * `next` hash: job id -> id of the job after it in its key's queue.
 /// * `ready` list: routing keys that may start now, oldest first.
 /// * `later` zset: routing key -> not-before (ms) of its head, for heads

@@ -72,30 +72,89 @@ local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
   return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
 end
--- A key's queue: head, tail, depth, job in flight and its run fence (0 for none).
+-- A key's queue: `<head> <tail> <depth>`, then its runs in flight as
+-- `<job> <fence>` pairs in job order (`0 0` for none; fence 0: cancelled
+-- while it ran), then, when above 1, how many runs it may have at once (its
+-- policy's concurrency when a claim last looked). In q: h, t, d, runs (a
+-- list of {job, fence}) and lim.
 local function kparse(s)
-  if not s then return {h = 0, t = 0, d = 0, f = 0, r = 0} end
+  if not s then return {h = 0, t = 0, d = 0, runs = {}, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
-  return {h = tonumber(h), t = tonumber(t), d = tonumber(d), f = tonumber(f), r = tonumber(r)}
+  if h then
+    local q = {h = tonumber(h), t = tonumber(t), d = tonumber(d), runs = {}, lim = 1}
+    if f ~= '0' then q.runs[1] = {tonumber(f), tonumber(r)} end
+    return q
+  end
+  local x = {}
+  for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
+  local q = {h = x[1], t = x[2], d = x[3], runs = {}, lim = 1}
+  local n = #x
+  if n % 2 == 0 then
+    q.lim = x[n]
+    n = n - 1
+  end
+  for i = 4, n - 1, 2 do
+    if x[i] ~= 0 then q.runs[#q.runs + 1] = {x[i], x[i + 1]} end
+  end
+  return q
 end
-local function kfmt(q) return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.f, q.r) end
+local function kfmt(q)
+  local s = string.format('%d %d %d', q.h, q.t, q.d)
+  if #q.runs == 0 then
+    s = s .. ' 0 0'
+  else
+    for _, x in ipairs(q.runs) do s = s .. string.format(' %d %d', x[1], x[2]) end
+  end
+  if q.lim > 1 then s = s .. string.format(' %d', q.lim) end
+  return s
+end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
-  if q.d == 0 and q.f == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+  if q.d == 0 and #q.runs == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+end
+-- The place of job id among q's runs, or nil.
+local function krun(q, id)
+  for i, x in ipairs(q.runs) do
+    if x[1] == id then return i end
+  end
+  return nil
+end
+-- Adds a run of job id, in job order.
+local function krun_add(q, id, fence)
+  local i = #q.runs + 1
+  while i > 1 and q.runs[i - 1][1] > id do i = i - 1 end
+  table.insert(q.runs, i, {id, fence})
 end
 local function halted(k)
   return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
 end
--- Call only for a key that is in neither ready nor later (it was in flight
--- or had nothing waiting): restores "a key is in ready or later iff it has
--- a waiting job, nothing in flight and no halt". With no start time given
--- the key goes to ready and claim moves it to later if its head must wait.
+-- Whether key k (queue q) belongs in ready or later: a job waits, its runs
+-- are below its limit and no dead job halts it.
+local function kqueued(k, q)
+  return q.d > 0 and #q.runs < q.lim and not halted(k)
+end
+-- Call only for a key that is in neither ready nor later (kqueued was false
+-- before the change): restores "a key is in ready or later iff kqueued"
+-- (ready may also hold stale entries, which claim drops). With no start
+-- time given the key goes to ready and claim moves it to later if its head
+-- must wait.
 local function kready(k, q, nbf, now)
-  if q.d == 0 or q.f ~= 0 or halted(k) then return end
+  if not kqueued(k, q) then return end
   if nbf and nbf > now then
     redis.call('ZADD', K_LATER, nbf, k)
   else
     redis.call('RPUSH', K_READY, k)
+  end
+end
+-- After a run of key k ended and its queue changed: `was` is kqueued
+-- before. A key not scheduled before is scheduled now if it may start; one
+-- waiting in later may have a new, earlier head, so it goes to ready and
+-- the next claim looks at that head.
+local function kwake(k, q, was, nbf, now)
+  if not was then
+    kready(k, q, nbf, now)
+  elseif redis.call('ZREM', K_LATER, k) == 1 then
+    kready(k, q, nil, now)
   end
 end
 -- Back to the head of its key: a failed or reclaimed job runs before the
@@ -182,23 +241,24 @@ local function requeue(ids, why, now)
   if not r then return end
   local n, a, m, _, k = rec_parse(r)
   local q = kparse(redis.call('HGET', K_KEYS, k))
-  local was_flying = q.f == tonumber(ids)
-  if was_flying and q.r == 0 then
+  local was = kqueued(k, q)
+  local run = krun(q, tonumber(ids))
+  if run and q.runs[run][2] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
-    q.f = 0
+    table.remove(q.runs, run)
     if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)
-    kready(k, q, nil, now)
+    kwake(k, q, was, nil, now)
     return
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if was_flying then q.f, q.r = 0, 0 end
+  if run then table.remove(q.runs, run) end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
-  if was_flying then kready(k, q, nil, now) end
+  kwake(k, q, was, nil, now)
 end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).
 local function key_of(ids, k)
@@ -213,12 +273,14 @@ end
 -- lapsed ends here (its job goes back to its key), so it is stale too.
 local function run_check(ids, fence, k, q, now)
   -- A job in flight on its key exists (its record goes with its ack).
-  if not q or q.f ~= tonumber(ids) then
+  local run = q and krun(q, tonumber(ids))
+  if not run then
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
-  if q.r == 0 then return 'the job was cancelled while it ran' end
-  if q.r ~= tonumber(fence) then return 'run ' .. idstr(q.r) .. ' is current' end
+  local cur = q.runs[run][2]
+  if cur == 0 then return 'the job was cancelled while it ran' end
+  if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
   if until_ms <= now then
     requeue(ids, 'job lease expired', now)
@@ -307,7 +369,7 @@ local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
   local q = kparse(cur[i])
   qs[k] = q
-  fresh[k] = q.d == 0 and q.f == 0
+  fresh[k] = q.d == 0 and #q.runs < q.lim
 end
 local nows = idstr(now)
 local exps = idstr(now + window)
@@ -421,24 +483,56 @@ return {'OK'}
 "#;
 
 /// ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
-/// `-` to take keys in the shard's own order, else the number P of keys
-/// the caller ranked (flow control's weights and priorities), which follow
-/// in ARGV[9..8+P] and are the only ones taken (each only while ready or
-/// due); then `1` when an earlier attempt's reply was lost, then the ids
-/// the caller holds: in-flight jobs it does not know are put back. Replies the lease
-/// deadline, the shard's job-id sequence (`meta.seq`), then id, record,
-/// fence per job; the attempt being made is the
-/// record's count + 1. Each run's fence is `next_fence(now_us, last, floor)`
-/// (`shardq_core::next_fence`), the last kept in `meta.flast`.
+/// the keys' run limits (empty: one run per key; else see `LIMITS` below),
+/// ARGV[9] `-` to take keys in the shard's own order, else the number P of
+/// keys the caller ranked (flow control's weights and priorities), which
+/// follow in ARGV[10..9+P] and are the only ones taken (each only while
+/// ready or due); then `1` when an earlier attempt's reply was lost, then
+/// the ids the caller holds: in-flight jobs it does not know are put back.
+/// Replies the lease deadline, the shard's job-id sequence (`meta.seq`),
+/// then id, record, fence per job, a key's jobs in job order; the attempt
+/// being made is the record's count + 1. Each run's fence is
+/// `next_fence(now_us, last, floor)` (`shardq_core::next_fence`), the last
+/// kept in `meta.flast`. A key below its limit starts one job per turn:
+/// every key taken gets a turn before any gets a second, and a key still
+/// below its limit with work waiting goes back to the end of `ready` (or
+/// to `later` when its head must wait).
 const CLAIM: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 -- The job-id sequence, for the caller's check that the store did not go
 -- back in time (a lagging replica promoted, an older snapshot restored).
 local seq = redis.call('HGET', K_META, 'seq') or '0'
-local ranked = ARGV[8] ~= '-'
-local lost_at = 9
-if ranked then lost_at = 9 + tonumber(ARGV[8]) end
+-- LIMITS: the deployment's default limit, then `\n=<n>\t<key>` per key
+-- whose own policy sets another limit than its prefix or the default
+-- would, then `\n^<n>\t<prefix>` per prefix policy, longest first (keys
+-- hold no control characters, so the separators are unambiguous).
+local lim_default, lim_keys, lim_prefixes = 1, nil, {}
+if ARGV[8] ~= '' then
+  lim_keys = {}
+  for line in string.gmatch(ARGV[8], '[^\n]+') do
+    local kind, n, text = string.match(line, '^([=^])(%d+)\t(.*)$')
+    if kind == '=' then
+      lim_keys[text] = tonumber(n)
+    elseif kind == '^' then
+      lim_prefixes[#lim_prefixes + 1] = {text, tonumber(n)}
+    else
+      lim_default = tonumber(line) or 1
+    end
+  end
+end
+local function limit_of(k)
+  if not lim_keys then return 1 end
+  local n = lim_keys[k]
+  if n then return n end
+  for _, p in ipairs(lim_prefixes) do
+    if string.sub(k, 1, #p[1]) == p[1] then return p[2] end
+  end
+  return lim_default
+end
+local ranked = ARGV[9] ~= '-'
+local lost_at = 10
+if ranked then lost_at = 10 + tonumber(ARGV[9]) end
 if ARGV[lost_at] == '1' then
   local known = {}
   for i = lost_at + 1, #ARGV do known[ARGV[i]] = true end
@@ -460,7 +554,7 @@ local keys = {}
 if ranked then
   -- The caller's choice, in its order: each key only if it is ready (out
   -- of the ready list) or its wait is over (out of later).
-  for i = 9, lost_at - 1 do
+  for i = 10, lost_at - 1 do
     local k = ARGV[i]
     if #keys < max then
       if redis.call('LREM', K_READY, 1, k) > 0 then
@@ -504,56 +598,108 @@ end
 keys = uniq
 if #keys == 0 then return {'OK', deadline, seq} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
-local cand, qs, heads = {}, {}, {}
+-- A key taken is a candidate while a job waits, its runs are below its
+-- limit (read afresh from its policy) and no dead job halts it; the others
+-- were stale entries. A changed limit is written back either way, so the
+-- scripts that end runs judge by it.
+local cand, qs, heads, kq = {}, {}, {}, {}
 for i, k in ipairs(keys) do
   local q = kparse(cur[i])
-  if q.d > 0 and q.f == 0 and q.h ~= 0 then
+  local lim = limit_of(k)
+  if cur[i] and lim ~= q.lim then
+    q.lim = lim
+    kq[k] = q
+  end
+  if q.d > 0 and q.h ~= 0 and #q.runs < lim and not halted(k) then
     cand[#cand + 1] = k
     qs[#qs + 1] = q
     heads[#heads + 1] = idstr(q.h)
   end
 end
-if #cand == 0 then return {'OK', deadline, seq} end
-local rs = redis.call('HMGET', K_JOBS, unpack(heads))
-local nx = redis.call('HMGET', K_NEXT, unpack(heads))
+local out, inf, unlink, later, ids = {'OK', deadline, seq}, {}, {}, {}, {}
+local rs, nx = {}, {}
+if #cand > 0 then
+  rs = redis.call('HMGET', K_JOBS, unpack(heads))
+  nx = redis.call('HMGET', K_NEXT, unpack(heads))
+end
 local us = now_us()
 local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
 local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
-local out, kq, inf, unlink, later, ids = {'OK', deadline, seq}, {}, {}, {}, {}, {}
-for i, k in ipairs(cand) do
-  local r, q = rs[i], qs[i]
-  if r then
-    local nbf = rec_nbf(r)
-    if nbf > now then
-      later[#later + 1] = nbf
-      later[#later + 1] = k
-    else
-      local id = heads[i]
-      if nx[i] then
-        q.h = tonumber(nx[i])
-        unlink[#unlink + 1] = id
-      else
-        q.h, q.t = 0, 0
+-- Starts the head of candidate i (record r, next id nx): false when the
+-- head must wait (the key goes to later) or is gone.
+local started = {}
+local function start(i, r, nxs)
+  local k, q = cand[i], qs[i]
+  if not r then return false end
+  local nbf = rec_nbf(r)
+  if nbf > now then
+    later[#later + 1] = nbf
+    later[#later + 1] = k
+    return false
+  end
+  local id = idstr(q.h)
+  if nxs then
+    q.h = tonumber(nxs)
+    unlink[#unlink + 1] = id
+  else
+    q.h, q.t = 0, 0
+  end
+  q.d = q.d - 1
+  last = math.max(us, last + 1, floor)
+  krun_add(q, tonumber(id), last)
+  kq[k] = q
+  inf[#inf + 1] = deadline
+  inf[#inf + 1] = id
+  ids[#ids + 1] = id
+  started[k] = started[k] or {}
+  local st = started[k]
+  st[#st + 1] = id
+  st[#st + 1] = r
+  st[#st + 1] = idstr(last)
+  return true
+end
+-- Turns: every candidate's head first (read in one call), then one more
+-- job of each key still below its limit per round, until the claim is full.
+local live = {}
+for i = 1, #cand do
+  if #ids < max and start(i, rs[i], nx[i]) then live[#live + 1] = i end
+end
+while #ids < max and #live > 0 do
+  local next_live = {}
+  for _, i in ipairs(live) do
+    local q = qs[i]
+    if #ids < max and q.h ~= 0 and #q.runs < q.lim then
+      local id = idstr(q.h)
+      if start(i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id)) then
+        next_live[#next_live + 1] = i
       end
-      q.d = q.d - 1
-      q.f = tonumber(id)
-      last = math.max(us, last + 1, floor)
-      q.r = last
-      kq[#kq + 1] = k
-      kq[#kq + 1] = kfmt(q)
-      inf[#inf + 1] = deadline
-      inf[#inf + 1] = id
-      ids[#ids + 1] = id
-      out[#out + 1] = id
-      out[#out + 1] = r
-      out[#out + 1] = idstr(last)
     end
+  end
+  live = next_live
+end
+-- A candidate whose head did not go to later and that may start more goes
+-- back to the end of ready.
+local waits = {}
+for x = 2, #later, 2 do waits[later[x]] = true end
+local again = {}
+for i, k in ipairs(cand) do
+  local q = qs[i]
+  if not waits[k] and q.d > 0 and #q.runs < q.lim then again[#again + 1] = k end
+  local st = started[k]
+  if st then
+    for _, v in ipairs(st) do out[#out + 1] = v end
   end
 end
 if #later > 0 then redis.call('ZADD', K_LATER, unpack(later)) end
+if #again > 0 then redis.call('RPUSH', K_READY, unpack(again)) end
+local kw = {}
+for k, q in pairs(kq) do
+  kw[#kw + 1] = k
+  kw[#kw + 1] = kfmt(q)
+end
+if #kw > 0 then redis.call('HSET', K_KEYS, unpack(kw)) end
 if #ids == 0 then return out end
 redis.call('HSET', K_META, 'flast', idstr(last))
-redis.call('HSET', K_KEYS, unpack(kq))
 if #unlink > 0 then redis.call('HDEL', K_NEXT, unpack(unlink)) end
 -- Each started attempt's time, after the job's earlier ones.
 local at = {}
@@ -598,14 +744,15 @@ for i = 5, #ARGV - 2, 3 do
     out[#out + 1] = fence
     out[#out + 1] = why
   else
-    q.f, q.r = 0, 0
+    local was = kqueued(k, q)
+    table.remove(q.runs, krun(q, tonumber(ids)))
     done[#done + 1] = ids
     -- Written at once: a later receipt of this batch reads the key afresh
-    -- (and finds nothing in flight, so a repeated receipt is stale).
+    -- (and finds the run gone, so a repeated receipt is stale).
     kstore(k, q)
     qs[k] = nil
     -- Claim checks the next head's start time.
-    if q.d > 0 and not halted(k) then freed[#freed + 1] = k end
+    if not was and kqueued(k, q) then freed[#freed + 1] = k end
   end
 end
 -- The acked jobs leave in one call per structure (the batch is bounded).
@@ -654,12 +801,13 @@ local _, a, m = rec_parse(r)
 a = a + 1
 redis.call('ZREM', K_INF, id)
 redis.call('HSET', K_REASON, id, ARGV[7])
-q.f, q.r = 0, 0
+local was = kqueued(k, q)
+table.remove(q.runs, krun(q, tonumber(id)))
 if a >= m then
   redis.call('HSET', K_JOBS, id, rec_set(r, now, a))
   bury(id, k, ARGV[7])
   kstore(k, q)
-  kready(k, q, nil, now)
+  kwake(k, q, was, nil, now)
   return {'DEAD'}
 end
 local delay
@@ -679,7 +827,7 @@ redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
 push_head(q, tonumber(id))
 if delay > 0 then redis.call('ZADD', K_DELAYED, nbf, id) end
 kstore(k, q)
-kready(k, q, nbf, now)
+kwake(k, q, was, nbf, now)
 return {'RETRY', nbf}
 "#;
 
@@ -700,7 +848,8 @@ if why then return {'STALE', why} end
 local r = redis.call('HGET', K_JOBS, id)
 local _, a = rec_parse(r)
 redis.call('ZREM', K_INF, id)
-q.f, q.r = 0, 0
+local was = kqueued(k, q)
+table.remove(q.runs, krun(q, tonumber(id)))
 local at = id .. '@'
 local had = redis.call('HGET', K_REASON, at)
 if had then
@@ -712,7 +861,7 @@ redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
 push_head(q, tonumber(id))
 if nbf > now then redis.call('ZADD', K_DELAYED, nbf, id) end
 kstore(k, q)
-kready(k, q, nbf, now)
+kwake(k, q, was, nbf, now)
 return {'OK', nbf}
 "#;
 
@@ -810,6 +959,32 @@ end
 return out
 "#;
 
+/// ARGV[5..] pairs of routing key and the most runs it may have at once
+/// (its policy's concurrency, after a change of policies). Writes each limit
+/// into its key's queue and schedules a key that may now start more. A key
+/// with no queue (nothing waiting, nothing in flight) is left alone: a claim
+/// reads its limit afresh.
+const RELIMIT: &str = r#"
+if not owns() then return {'NOTOWNER'} end
+local now = now_ms()
+local n = 0
+for i = 5, #ARGV - 1, 2 do
+  local k, lim = ARGV[i], tonumber(ARGV[i + 1])
+  local s = redis.call('HGET', K_KEYS, k)
+  if s then
+    local q = kparse(s)
+    if q.lim ~= lim then
+      local was = kqueued(k, q)
+      q.lim = lim
+      kstore(k, q)
+      if not was and not (redis.call('HEXISTS', K_SEALED, k) == 1) then kready(k, q, nil, now) end
+      n = n + 1
+    end
+  end
+end
+return {'OK', n}
+"#;
+
 /// Puts every in-flight job back (a previous owner's), under the new token.
 const ADOPT: &str = r#"
 if not owns() then return {'NOTOWNER'} end
@@ -849,13 +1024,11 @@ if f[1] and (not due or tonumber(f[2]) < due) then due = tonumber(f[2]) end
 return due
 "#;
 
-/// ARGV[5] routing key: depth, in flight (0/1), dead.
+/// ARGV[5] routing key: depth, runs in flight, dead.
 const KEY_COUNTS: &str = r#"
 local k = ARGV[5]
 local q = kparse(redis.call('HGET', K_KEYS, k))
-local f = 0
-if q.f ~= 0 then f = 1 end
-return {q.d, f, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
+return {q.d, #q.runs, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
 "#;
 
 /// Ready, delayed, in flight, dead, distinct keys, the last run fence.
@@ -1068,7 +1241,7 @@ for _, pl in ipairs(plan) do
   if pl.top > pl.done then
     local k = pl.k
     local q = kparse(redis.call('HGET', K_KEYS, k))
-    local fresh = q.d == 0 and q.f == 0
+    local was = kqueued(k, q)
     local head_nbf = nil
     local top = pl.done
     for j = 0, pl.c - 1 do
@@ -1107,7 +1280,7 @@ for _, pl in ipairs(plan) do
     cur[#cur + 1] = pl.cf
     cur[#cur + 1] = idstr(top)
     kstore(k, q)
-    if fresh and head_nbf then kready(k, q, head_nbf, now) end
+    if not was and head_nbf then kready(k, q, head_nbf, now) end
   end
 end
 flush(jobs, 'HSET', K_JOBS)
@@ -1245,7 +1418,8 @@ local function live(ids)
   if lease then
     local q = kparse(redis.call('HGET', K_KEYS, k))
     local fence = 0
-    if q.f == tonumber(ids) then fence = q.r end
+    local run = krun(q, tonumber(ids))
+    if run then fence = q.runs[run][2] end
     return {'RUN', r, reason, idstr(fence), lease, starts_of(ids)}
   end
   if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0', starts_of(ids)} end
@@ -1261,7 +1435,7 @@ if not row then return {'NONE'} end
 return row
 "#;
 
-/// ARGV[5] key, ARGV[6] at most this many: the key's run in flight, then its
+/// ARGV[5] key, ARGV[6] at most this many: the key's runs in flight, then its
 /// waiting and dead jobs in id order (the export's walk), stopping once
 /// their records hold ARGV[7] bytes. Reply `OK`, then per job its id and
 /// [`JOB_GET`]'s six fields. Read-only.
@@ -1276,7 +1450,7 @@ local function add(ids)
   end
 end
 local q = kparse(redis.call('HGET', K_KEYS, k))
-if q.f ~= 0 then add(idstr(q.f)) end
+for _, x in ipairs(q.runs) do add(idstr(x[1])) end
 local rows = export_key(k, 0, max, tonumber(ARGV[7]))
 for i = 1, #rows, 3 do add(rows[i]) end
 return out
@@ -1299,8 +1473,9 @@ if redis.call('ZSCORE', K_INF, ids) then
   -- Asked to stop: its run fence cleared, its results are refused, and the
   -- job ends with the run (requeue deletes it when its job lease lapses).
   local q = kparse(redis.call('HGET', K_KEYS, k))
-  if q.f == n and q.r ~= 0 then
-    q.r = 0
+  local run = krun(q, n)
+  if run and q.runs[run][2] ~= 0 then
+    q.runs[run][2] = 0
     kstore(k, q)
   end
   return {'STOPPING'}
@@ -1312,7 +1487,7 @@ local function head_nbf()
   return rec_nbf(redis.call('HGET', K_JOBS, idstr(q.h)))
 end
 if redis.call('ZSCORE', K_DEAD, ids) then
-  local startable = q.d > 0 and q.f == 0 and not halted(k)
+  local startable = kqueued(k, q)
   redis.call('ZREM', K_DEAD, ids)
   if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
   local _, a = rec_parse(r)
@@ -1418,7 +1593,7 @@ for _, id in ipairs(ids) do
       if not q then
         q = kparse(redis.call('HGET', K_KEYS, k))
         qs[k] = q
-        startable[k] = q.d > 0 and q.f == 0 and not halted(k)
+        startable[k] = kqueued(k, q)
         touched[#touched + 1] = k
       end
       if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
@@ -1470,11 +1645,9 @@ if phase == 'k' then
   for i = 1, #kv, 2 do
     local k = kv[i]
     local q = kparse(kv[i + 1])
-    local f = 0
-    if q.f ~= 0 then f = 1 end
     out[#out + 1] = k
     out[#out + 1] = q.d
-    out[#out + 1] = f
+    out[#out + 1] = #q.runs
     out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
   end
 else
@@ -1667,6 +1840,7 @@ pub(crate) struct Scripts {
     pub(crate) back_off: Lua,
     pub(crate) group_bucket: Lua,
     pub(crate) extend: Lua,
+    pub(crate) relimit: Lua,
     pub(crate) adopt: Lua,
     pub(crate) init_shard: Lua,
     pub(crate) shard_record: Lua,
@@ -1711,6 +1885,7 @@ impl Scripts {
             back_off: Lua::new(BACK_OFF, true, Flags::AllowOom),
             group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
             extend: Lua::new(EXTEND, true, Flags::AllowOom),
+            relimit: Lua::new(RELIMIT, true, Flags::AllowOom),
             adopt: Lua::new(ADOPT, true, Flags::AllowOom),
             init_shard: Lua::new(INIT_SHARD, false, Flags::Write),
             shard_record: Lua::new(SHARD_RECORD, false, Flags::NoWrites),

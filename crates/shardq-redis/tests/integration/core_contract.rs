@@ -21,6 +21,7 @@ struct Redis {
     next: AtomicUsize,
     _owner: RedisCoordinator,
     server: RedisServer,
+    flow: std::sync::Arc<shardq_core::FlowControl>,
     /// Every key of the server and its `DUMP`, at the last checkpoint.
     saved: Mutex<Vec<(String, Vec<u8>)>>,
 }
@@ -62,6 +63,9 @@ impl ContractHarness for Redis {
     fn pass_ms(&self, ms: u64) {
         self.clock.advance(ms);
     }
+    fn flow(&self) -> Option<&shardq_core::FlowControl> {
+        Some(&self.flow)
+    }
 }
 
 /// The contract's harness on `server`: `SHARDS` shards, flow control with
@@ -78,10 +82,11 @@ fn harness(server: RedisServer, settings: shardq_core::flow::FlowSettings) -> Re
     let mut opts = opts_manual(&clock);
     opts.retry_rules = std::sync::Arc::new(contract::retry_rules());
     let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
-    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
+    let flow = std::sync::Arc::new(shardq_core::FlowControl::new(
         settings,
         std::sync::Arc::new(groups),
-    )));
+    ));
+    opts.flow = Some(std::sync::Arc::clone(&flow));
     let backend = RedisBackend::open(&map, opts).expect("open");
     let coordinator = owner(&backend, "contract", 600_000);
     Redis {
@@ -91,6 +96,7 @@ fn harness(server: RedisServer, settings: shardq_core::flow::FlowSettings) -> Re
         _owner: coordinator,
         server,
         saved: Mutex::default(),
+        flow,
     }
 }
 
@@ -265,4 +271,49 @@ fn a_groups_run_slots_come_back_from_an_older_store_within_a_lease() {
     backend.ack("g0", &receipts).expect("ack");
     clock.advance(50);
     assert_eq!(backend.claim("g0", 10, lease).expect("claim").len(), 2);
+}
+
+/// The claim script resolves each key's run limit as its policy does (the
+/// key's own, else its longest prefix's, else the default): one claim of
+/// every key's ten jobs starts exactly that many of each, whatever order
+/// the policies were written in, with multi-byte keys and prefixes.
+#[test]
+fn the_claim_script_gives_every_key_the_concurrency_of_its_policy() {
+    let server = RedisServer::start();
+    let map = map_of(&[("l0", server.url())]);
+    init(&map);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let settings = contract::mixed_concurrency_settings();
+    let mut opts = opts_manual(&clock);
+    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
+    let flow = std::sync::Arc::new(shardq_core::FlowControl::new(
+        settings.clone(),
+        std::sync::Arc::new(groups),
+    ));
+    opts.flow = Some(flow);
+    let b = RedisBackend::open(&map, opts).expect("open");
+    let _owner = owner(&b, "limits", 600_000);
+    let keys = [
+        "a", "ab", "abc", "abcd", "abx", "abcx", "x", "xa", "z", "é", "éa", "éb", "b", "abcé",
+    ];
+    for k in keys {
+        let jobs: Vec<_> = (0..10)
+            .map(|i| crate::common::job(k, &i.to_string()))
+            .collect();
+        b.enqueue("l0", 1, &jobs).expect("enqueue");
+    }
+    let runs = b.claim("l0", 1000, 600_000).expect("claim");
+    for k in keys {
+        let started: Vec<String> = (runs.iter())
+            .filter(|r| r.key == k)
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect();
+        let want = settings.for_key(k).concurrency as usize;
+        let first: Vec<String> = (0..want).map(|i| i.to_string()).collect();
+        assert_eq!(started, first, "key {k:?}: its first {want} jobs, in order");
+    }
+    assert!(
+        b.claim("l0", 1000, 600_000).expect("claim").is_empty(),
+        "every key is at its limit"
+    );
 }
