@@ -952,10 +952,27 @@ fn a_killed_workers_group_slots_lapse_with_its_runs() {
 /// each to its end.
 #[test]
 fn a_keys_concurrency_holds_through_a_sigkilled_worker() {
-    let dir = temp_dir("h-key-conc");
+    key_concurrency_through_a_sigkill("h-key-conc", &[]);
+}
+
+/// The same on a Redis shard: the key's record holds its three runs, each
+/// with its own fence, and the worker that takes over starts them again.
+#[test]
+fn a_keys_concurrency_holds_through_a_sigkilled_worker_on_redis() {
+    let server = shardq_redis::testing::RedisServer::start();
+    key_concurrency_through_a_sigkill("h-key-conc-redis", &["--redis", &server.url()]);
+}
+
+/// A deployment of one shard (`init` with `init_extra`) whose key `c:k`
+/// may run three jobs at once; see the tests above.
+fn key_concurrency_through_a_sigkill(name: &str, init_extra: &[&str]) {
+    let dir = temp_dir(name);
     let data = dir.join("data");
     let d = data.to_str().unwrap();
-    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
+    let mut init = vec!["init", "--data", d, "--shards", "1"];
+    init.extend_from_slice(init_extra);
+    let (ok, _, err) = run(&init);
+    assert!(ok, "{err}");
     let ok = |args: &[&str]| {
         let (ok, out, err) = run(args);
         assert!(ok, "{args:?}: {err}");

@@ -495,3 +495,72 @@ fn an_owner_named_like_an_epoch_is_refused() {
     .expect("refused");
     assert!(err.to_string().contains("\"@svc\""), "{err}");
 }
+
+/// A key of concurrency 3 with three runs in flight on its Redis shard is
+/// pinned to the other instance: the move waits for all three runs to end
+/// (acked one by one meanwhile, the route unchanged while any is left),
+/// then takes the backlog along, which starts there three at once, in
+/// order, and nothing stays behind.
+#[test]
+fn a_key_with_several_runs_moves_once_they_all_ended() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    init(&map);
+    let store = RedisMapStore::open(&servers[0].url()).unwrap();
+    store.publish(&map, 0).unwrap();
+    let settings = FlowSettings {
+        default: FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+        ..FlowSettings::default()
+    };
+    let mut opts = opts_manual(&clock);
+    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
+        settings,
+        std::sync::Arc::new(RedisMapStore::open(&servers[0].url()).unwrap()),
+    )));
+    let b = RedisBackend::open(&map, opts).unwrap();
+    let _c = owner(&b, "w1", 600_000);
+    let router = Router::new(map.clone()).unwrap();
+    let key = (0..100)
+        .map(|i| format!("c{i}"))
+        .find(|k| router.route(k) == "r0")
+        .expect("a key on r0");
+    let jobs: Vec<_> = (0..6).map(|i| job(&key, &i.to_string())).collect();
+    b.enqueue("r0", 1, &jobs).unwrap();
+    let running = b.claim("r0", 10, 600_000).unwrap();
+    assert_eq!(crate::common::payloads(&running), ["0", "1", "2"]);
+    reshard::pin(&store, &key, "r1").unwrap();
+    let acker = {
+        let (b, store, key) = (b.clone(), store.clone(), key.clone());
+        let receipts: Vec<_> = running.iter().map(|j| j.receipt()).collect();
+        std::thread::spawn(move || {
+            for r in receipts {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                assert!(b.key_counts("r0", &key).unwrap().in_flight > 0);
+                let route = Router::new(store.load().unwrap()).unwrap();
+                assert_eq!(route.route(&key), "r0", "switched with runs on r0");
+                assert_eq!(b.ack("r0", &[r]).unwrap().acked, 1);
+            }
+        })
+    };
+    let report = rebalance_in_batches_of_8(&b, &store);
+    acker.join().unwrap();
+    assert_eq!(report.moved.len(), 1, "{report:?}");
+    let now = Router::new(store.load().unwrap()).unwrap();
+    assert_eq!(now.route(&key), "r1");
+    assert_eq!(b.key_counts("r0", &key).unwrap(), counts(0, 0, 0));
+    let moved = b.claim("r1", 10, 600_000).unwrap();
+    let order: Vec<String> = (moved.iter())
+        .map(|j| String::from_utf8_lossy(&j.payload).into_owned())
+        .collect();
+    assert_eq!(order, ["3", "4", "5"], "the backlog, in order");
+    assert!(
+        moved.windows(2).all(|w| w[0].fence < w[1].fence),
+        "{moved:?}"
+    );
+    assert_eq!(b.key_counts("r1", &key).unwrap(), counts(0, 3, 0));
+}
