@@ -4,7 +4,7 @@
 
     python3 benchmarks/flow.py accuracy [--backend embedded|redis] [--seconds 60] [--workers 4]
     python3 benchmarks/flow.py weights  [--backend embedded|redis] [--seconds 20] [--shards 1]
-    python3 benchmarks/flow.py noisy    [--seconds 30] [--quiet 1000] [--noisy-jobs 1000000] [--noisy-concurrency 64]
+    python3 benchmarks/flow.py noisy    [--backend embedded|redis] [--seconds 30] [--quiet 1000] [--noisy-jobs 1000000] [--noisy-concurrency 64]
 
 accuracy: a key limited to 50/s and a group limited to 200/s over 64 keys
 on 8 shards, run by N worker processes (2 shards each), every job a
@@ -202,21 +202,29 @@ def bench_weights(a: argparse.Namespace) -> None:
 def bench_noisy(a: argparse.Namespace) -> None:
     def run(noisy: bool) -> Dict[str, float]:
         with tempfile.TemporaryDirectory(prefix="shardq-bench-noisy-") as tmp:
-            data = init_data(tmp, "q", 4)
-            if noisy:
-                enqueue_lines(data, [f"noisy\t0\n" for _ in range(a.noisy_jobs)])
-                sh(binary(), "policy", "set", "--data", data, "noisy",
-                   "--concurrency", str(a.noisy_concurrency))
-            ws = start_workers(data, tmp, 1, "all", 64)
-            t_end = time.time() + a.seconds
-            while time.time() < t_end:
-                # One job per quiet key per second, the enqueue time as payload.
-                now = time.time_ns() // 1_000_000
-                lines = "".join(f"quiet-{k}\t{now}\n" for k in range(a.quiet)).encode()
-                sh(binary(), "enqueue", "--data", data, "--durability", "interval", "--stdin", stdin=lines)
-                time.sleep(max(0.0, 1.0 - (time.time_ns() // 1_000_000 - now) / 1000))
-            time.sleep(2)
-            starts = stop_workers(ws)
+            redis = RedisServer(tmp) if a.backend == "redis" else None
+            try:
+                return measure(tmp, noisy, redis.url if redis else None)
+            finally:
+                if redis:
+                    redis.stop()
+
+    def measure(tmp: str, noisy: bool, redis_url: "str | None") -> Dict[str, float]:
+        data = init_data(tmp, "q", 4, redis_url)
+        if noisy:
+            enqueue_lines(data, [f"noisy\t0\n" for _ in range(a.noisy_jobs)])
+            sh(binary(), "policy", "set", "--data", data, "noisy",
+               "--concurrency", str(a.noisy_concurrency))
+        ws = start_workers(data, tmp, 1, "all", 64)
+        t_end = time.time() + a.seconds
+        while time.time() < t_end:
+            # One job per quiet key per second, the enqueue time as payload.
+            now = time.time_ns() // 1_000_000
+            lines = "".join(f"quiet-{k}\t{now}\n" for k in range(a.quiet)).encode()
+            sh(binary(), "enqueue", "--data", data, "--durability", "interval", "--stdin", stdin=lines)
+            time.sleep(max(0.0, 1.0 - (time.time_ns() // 1_000_000 - now) / 1000))
+        time.sleep(2)
+        starts = stop_workers(ws)
         lat = sorted(t - int(p) for k, t, p in starts if k.startswith("quiet-") and p.isdigit())
         pct = lambda q: lat[min(len(lat) - 1, int(q / 100 * len(lat)))]
         return {"p50_ms": pct(50), "p99_ms": pct(99), "quiet_starts": len(lat),
@@ -224,7 +232,7 @@ def bench_noisy(a: argparse.Namespace) -> None:
 
     alone = run(False)
     beside = run(True)
-    row = {"bench": "flow-noisy", "quiet_keys": a.quiet, "noisy_jobs": a.noisy_jobs,
+    row = {"bench": "flow-noisy", "backend": a.backend, "quiet_keys": a.quiet, "noisy_jobs": a.noisy_jobs,
            "noisy_concurrency": a.noisy_concurrency,
            "p50_ms_alone": alone["p50_ms"], "p99_ms_alone": alone["p99_ms"],
            "p50_ms_beside_noisy": beside["p50_ms"], "p99_ms_beside_noisy": beside["p99_ms"],
@@ -247,6 +255,7 @@ def main() -> None:
     w.add_argument("--seconds", type=int, default=20)
     w.add_argument("--shards", type=int, default=1, help="shards of the deployment; the three keys on different ones when > 1")
     n = sub.add_parser("noisy")
+    n.add_argument("--backend", choices=["embedded", "redis"], default="embedded")
     n.add_argument("--seconds", type=int, default=30)
     n.add_argument("--quiet", type=int, default=1000)
     n.add_argument("--noisy-jobs", type=int, default=1_000_000)

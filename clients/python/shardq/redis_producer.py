@@ -61,7 +61,11 @@ from .errors import (
 _T = TypeVar("_T")
 
 #: Key layout version this client writes (``keys::LAYOUT_VERSION``).
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
+#: The layout versions this client reads (``keys::LAYOUT_VERSIONS_READ``):
+#: 3 is 2 with keys that may run several jobs at once, which its enqueue
+#: script reads too.
+LAYOUT_VERSIONS_READ = (2, 3)
 #: Default queue (``keys::QUEUE_DEFAULT``).
 QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
@@ -457,9 +461,10 @@ class RedisProducer:
                 f"map store at {self._store.url}: no deployment record {key}: namespace "
                 f"{self.namespace!r} was never initialised there, or the server lost its state"
             )
-        if layout is None or int(layout) != LAYOUT_VERSION:
+        if layout is None or int(layout) not in LAYOUT_VERSIONS_READ:
             raise ConfigError(
-                f"{key} at {self._store.url}: layout {layout!r} is not supported (this client writes {LAYOUT_VERSION})"
+                f"{key} at {self._store.url}: layout {layout!r} is not supported (this client reads "
+                f"{' and '.join(map(str, LAYOUT_VERSIONS_READ))})"
             )
         return _s(dep)
 

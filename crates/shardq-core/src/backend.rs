@@ -324,6 +324,14 @@ pub trait QueueBackend: Send + Sync {
         Ok(())
     }
 
+    /// Called before settings that let a key run more than once at once
+    /// are stored: a backend whose stored form changes with that marks its
+    /// stores, so processes too old to read them refuse them. Default:
+    /// nothing (the form does not change).
+    fn prepare_key_concurrency(&self) -> Result<(), QueueError> {
+        Ok(())
+    }
+
     /// Makes the copies [`QueueBackend::import_jobs`] and
     /// [`QueueBackend::import_many`] stored on `shard` durable, whoever
     /// wrote them, where the backend defers that: the embedded engine syncs

@@ -135,6 +135,15 @@ pub fn flow_settings() -> crate::flow::FlowSettings {
         },
     );
     f.prefixes.insert(
+        "contract-c3r:".into(),
+        FlowPolicy {
+            concurrency: 3,
+            rate: Some(rate(2)),
+            burst: Some(2),
+            ..FlowPolicy::default()
+        },
+    );
+    f.prefixes.insert(
         "contract-vip:".into(),
         FlowPolicy {
             priority: 5,
@@ -179,6 +188,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h);
     lapsed_runs_of_a_concurrent_key_run_again_in_order(h);
     a_changed_concurrency_holds_from_the_next_claim(h);
+    a_concurrent_keys_starts_share_its_rate(h);
 }
 
 /// The payloads of `runs` of `key`, in claim order.
@@ -292,6 +302,37 @@ pub fn lapsed_runs_of_a_concurrent_key_run_again_in_order(h: &dyn ContractHarnes
     for r in &again {
         ack_one(h, &shard, r.receipt());
     }
+    let last = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
+    ack_one(h, &shard, last[0].receipt());
+}
+
+/// A key of concurrency 3 limited to 2 starts a second (burst 2): one
+/// claim starts two of its jobs, not three (its runs share its tokens), the
+/// next nothing until a token is due, then the third, in order.
+pub fn a_concurrent_keys_starts_share_its_rate(h: &dyn ContractHarness) {
+    if h.backend().limits().key_concurrency_max < 3 {
+        return;
+    }
+    let shard = h.fresh_shard();
+    let key = "contract-c3r:k";
+    for i in 0..4 {
+        enqueue(h, &shard, key, &i.to_string(), 5);
+    }
+    let first = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&first, key), ["0", "1"], "the burst: {first:?}");
+    let none = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert!(
+        payloads_of(&none, key).is_empty(),
+        "over the rate: {none:?}"
+    );
+    h.pass_ms(500);
+    let third = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&third, key), ["2"], "a token later: {third:?}");
+    for r in first.iter().chain(&third) {
+        ack_one(h, &shard, r.receipt());
+    }
+    h.pass_ms(500);
     let last = claim(h, &shard, 10, LONG_LEASE_MS);
     assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
     ack_one(h, &shard, last[0].receipt());

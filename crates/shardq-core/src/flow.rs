@@ -723,15 +723,28 @@ impl Bucket {
 
     /// `Ok` if a token is there at `now_ms` (not taken), else when one will be.
     pub fn peek(&mut self, rate: Rate, burst: u64, now_ms: u64) -> Result<(), u64> {
+        self.peek_after(rate, burst, now_ms, 0)
+    }
+
+    /// [`Bucket::peek`] with `reserved` tokens already promised to earlier
+    /// starts (not yet taken): `Ok` if one more is there.
+    pub fn peek_after(
+        &mut self,
+        rate: Rate,
+        burst: u64,
+        now_ms: u64,
+        reserved: u64,
+    ) -> Result<(), u64> {
         self.refill(rate, burst, now_ms);
         if now_ms < self.held_until_ms {
             return Err(self.held_until_ms);
         }
-        if self.units >= rate.per_ms {
+        let need = reserved.saturating_add(1).saturating_mul(rate.per_ms);
+        if self.units >= need {
             Ok(())
         } else {
-            let missing = rate.per_ms - self.units;
-            Err(now_ms + missing.div_ceil(rate.count))
+            let missing = need - self.units;
+            Err(now_ms.saturating_add(missing.div_ceil(rate.count)))
         }
     }
 
@@ -1281,8 +1294,10 @@ impl FlowControl {
     /// order, with one call to each group's store for all of them (a
     /// claim's starts cost one round trip per group, not one per start).
     /// The answers are those of asking one at a time: a group that refuses
-    /// one start refuses the ones after it. Each key at most once (a claim
-    /// starts one run per key).
+    /// one start refuses the ones after it, and a key's start refused
+    /// refuses its later ones (a claim of a key of concurrency above 1 may
+    /// start several of its runs, in order: each counts the tokens its
+    /// earlier ones took).
     pub fn admit_many(&self, runs: &[(&str, RunStart<'_>)], now_ms: u64) -> Vec<Admit> {
         let mut out = vec![Admit::Now; runs.len()];
         if !self.limits_starts() {
@@ -1292,6 +1307,10 @@ impl FlowControl {
         let recheck = now_ms.saturating_add(FLOW_RECHECK_MS);
         let mut by_group: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         let mut key_limited = Vec::new();
+        // Per key in this call: tokens promised to its earlier runs, and
+        // when its first refused run may start (its later ones wait too).
+        let mut promised: HashMap<&str, u64> = HashMap::new();
+        let mut refused: HashMap<&str, u64> = HashMap::new();
         // Key buckets are peeked here and charged once the groups have
         // answered, so the lock is not held across a group's store (a file
         // lock, a round trip) and a refusal by the group costs the key
@@ -1300,19 +1319,29 @@ impl FlowControl {
         {
             let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
             for (i, (key, _)) in runs.iter().enumerate() {
+                if let Some(&at) = refused.get(key) {
+                    let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                    st.key_throttled += 1;
+                    st.note_held(key, at, None);
+                    out[i] = Admit::NotBefore(at);
+                    continue;
+                }
                 let p = settings.for_key(key);
                 if let Some((rate, burst)) = p.rate.zip(p.burst_or_default()) {
                     let b = keys
                         .entry((*key).into())
                         .or_insert_with(|| Bucket::full(rate, burst, now_ms));
-                    if let Err(at) = b.peek(rate, burst, now_ms) {
+                    let before = promised.entry(key).or_default();
+                    if let Err(at) = b.peek_after(rate, burst, now_ms, *before) {
                         let at = at.min(recheck);
                         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
                         st.key_throttled += 1;
                         st.note_held(key, at, None);
                         out[i] = Admit::NotBefore(at);
+                        refused.insert(key, at);
                         continue;
                     }
+                    *before += 1;
                     key_limited.push(i);
                 }
                 if let Some(g) = p
@@ -2051,20 +2080,39 @@ mod tests {
         );
     }
 
-    /// Asking for a claim's starts at once answers as asking one at a time.
+    /// Asking for a claim's starts at once answers as asking one at a time,
+    /// also for several runs of one key (a key of concurrency above 1): each
+    /// counts the tokens its key's earlier runs took.
     #[test]
     fn admitting_many_at_once_answers_as_one_at_a_time() {
         let mut s = settings();
         group_of_prefix(&mut s, "db:", "db", Some((rate("100/s"), 5)), 2);
+        s.keys.insert(
+            "b3".into(),
+            FlowPolicy {
+                rate: Some(rate("2/s")),
+                burst: Some(3),
+                ..FlowPolicy::default()
+            },
+        );
         let keys = [
+            "b3",
             "free:a",
             "free:vip",
+            "b3",
             "db:1",
+            "free:a",
+            "b3",
+            "b3",
             "paid:x",
             "free:b",
+            "free:a",
             "free:vip2",
             "db:2",
+            "db:1",
             "db:3",
+            "free:a",
+            "b3",
         ];
         let one = FlowControl::new(s.clone(), Arc::new(LocalGroupBuckets::default()));
         let many = FlowControl::new(s, Arc::new(LocalGroupBuckets::default()));

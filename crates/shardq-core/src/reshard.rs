@@ -167,6 +167,12 @@ pub trait MapStore: Send + Sync {
             "this map store keeps no deployment settings".into(),
         ))
     }
+    /// [`crate::QueueBackend::prepare_key_concurrency`] for the
+    /// deployment's own record, where the store keeps one that clients
+    /// check. Default: nothing.
+    fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
+        Ok(())
+    }
 }
 
 /// The deployment setting holding the retry backoff (a `Backoff` as JSON).

@@ -473,6 +473,10 @@ impl Deployment {
             }
             .into());
         }
+        if high > 1 {
+            self.queue().prepare_key_concurrency()?;
+            self.maps.prepare_key_concurrency()?;
+        }
         store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
     }
 

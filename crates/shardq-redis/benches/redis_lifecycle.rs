@@ -399,7 +399,8 @@ fn main() {
 /// without flow control, with it and no policy, with a rate limit on every
 /// key (never reached: the cost is the buckets), and with every key in one
 /// group (never reached: one script on the map store per start), and with
-/// a weight on every key (each claim ranks the ready keys first), alternated
+/// a weight on every key (each claim ranks the ready keys first), and with
+/// every key at concurrency 4 (the claim script resolves limits), alternated
 /// twice, each on a fresh server; the mean of the two.
 fn flow_cost(jobs: u64) {
     use shardq_core::flow::{FlowPolicy, FlowSettings, GroupLimit, Rate};
@@ -428,6 +429,7 @@ fn flow_cost(jobs: u64) {
         "a rate limit on every key",
         "every key in one group",
         "a weight on every key (ranked claims)",
+        "every key at concurrency 4",
     ];
     let case = |i: usize| match i {
         0 => Flow::Off,
@@ -441,8 +443,12 @@ fn flow_cost(jobs: u64) {
             group: Some("all".into()),
             ..FlowPolicy::default()
         })),
-        _ => Flow::On(every(FlowPolicy {
+        4 => Flow::On(every(FlowPolicy {
             weight: 2,
+            ..FlowPolicy::default()
+        })),
+        _ => Flow::On(every(FlowPolicy {
+            concurrency: 4,
             ..FlowPolicy::default()
         })),
     };

@@ -31,7 +31,7 @@ use crate::conn::{
     RETRY_BUDGET_MS_DEFAULT, SCHEME_CLUSTER, SCHEME_INSTANCE,
 };
 use crate::error::RedisError;
-use crate::keys::{self, LAYOUT_VERSION, NAMESPACE_DEFAULT, QUEUE_DEFAULT};
+use crate::keys::{self, LAYOUT_VERSION, LAYOUT_VERSIONS_READ, NAMESPACE_DEFAULT, QUEUE_DEFAULT};
 use crate::scripts::{reply, Scripts};
 
 /// Most jobs in one enqueue call (one script; Lua's `unpack` bounds it).
@@ -313,6 +313,10 @@ pub(crate) struct Inner {
     /// The claim script's run limits (its `LIMITS` argument) and the flow
     /// settings' version they were written from.
     limits: Mutex<(u64, Arc<str>)>,
+    /// The server's time at the last claim reply, and when it came: a
+    /// claim reads the flow settings again (when due) before it starts, by
+    /// this estimate of the server's time.
+    server_time: Mutex<Option<(u64, std::time::Instant)>>,
 }
 
 /// The Redis backend. Cheap to clone; clones share connections and state.
@@ -356,6 +360,7 @@ impl RedisBackend {
                 scripts: Scripts::new(),
                 epoch: std::sync::atomic::AtomicU64::new(0),
                 limits: Mutex::new((0, Arc::from(""))),
+                server_time: Mutex::new(None),
             }),
         };
         backend.sync_shards(map)?;
@@ -481,7 +486,7 @@ impl RedisBackend {
             .into());
         };
         let layout = layout.unwrap_or_default();
-        if layout != LAYOUT_VERSION.to_string() {
+        if !(LAYOUT_VERSIONS_READ.iter()).any(|v| v.to_string() == layout) {
             return Err(QueueError::UnknownFormat {
                 what: format!("shard {shard:?} at {url} ({})", shard_keys[0]),
                 found: if layout.is_empty() {
@@ -489,7 +494,10 @@ impl RedisBackend {
                 } else {
                     layout
                 },
-                supported: LAYOUT_VERSION.to_string(),
+                supported: (LAYOUT_VERSIONS_READ.iter())
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" or "),
             }
             .into());
         }
@@ -1249,6 +1257,21 @@ impl QueueBackend for RedisBackend {
         }
         // Before ranking: a key whose limit rose is ready again.
         if let Some(f) = self.inner.opts.flow.as_deref() {
+            // Settings changed since the last claim are used by this one:
+            // read again (when due) by the scripts' clock, or an estimate
+            // of the server's from its last reply.
+            let now = match self.inner.opts.clock.as_ref() {
+                Some(c) => Some(c.now_ms()),
+                None => (*self
+                    .inner
+                    .server_time
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()))
+                .map(|(ms, at)| ms.saturating_add(at.elapsed().as_millis() as u64)),
+            };
+            if let Some(now) = now {
+                f.refresh(now);
+            }
             if held.limits_version != f.version() && !self.relimit(s, held, f)? {
                 *guard = None;
                 return Err(Self::not_owner(s));
@@ -1299,6 +1322,11 @@ impl QueueBackend for RedisBackend {
         // The server's now (the lease deadline less the lease): flow
         // control reads its settings and counts its buckets in it.
         let now = lease_until_ms.saturating_sub(lease_ms);
+        *self
+            .inner
+            .server_time
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some((now, std::time::Instant::now()));
         let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
             f.refresh(now);
             f.limits_starts()
@@ -1542,6 +1570,22 @@ impl QueueBackend for RedisBackend {
             .flow
             .as_ref()
             .map_or(1, |f| f.concurrency_of(key))
+    }
+
+    /// Raises every shard's layout to [`LAYOUT_VERSION`], whose key records
+    /// may hold several runs: a process that reads only an older layout
+    /// refuses the shards from then on.
+    fn prepare_key_concurrency(&self) -> Result<(), QueueError> {
+        for name in self.shard_names() {
+            let s = self.shard(&name)?;
+            let v = self.script(&s, &self.inner.scripts.layout_raise, "", &|c, _| {
+                c.arg(LAYOUT_VERSION);
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(self.protocol(&s, "the layout raise answered something else"));
+            }
+        }
+        Ok(())
     }
 
     fn back_off(

@@ -626,11 +626,15 @@ local us = now_us()
 local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
 local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
 -- Starts the head of candidate i (record r, next id nx): false when the
--- head must wait (the key goes to later) or is gone.
-local started = {}
+-- head must wait (the key goes to later) or is gone (the key is dropped, as
+-- a key whose record is missing always was).
+local started, gone = {}, {}
 local function start(i, r, nxs)
   local k, q = cand[i], qs[i]
-  if not r then return false end
+  if not r then
+    gone[k] = true
+    return false
+  end
   local nbf = rec_nbf(r)
   if nbf > now then
     later[#later + 1] = nbf
@@ -684,7 +688,7 @@ for x = 2, #later, 2 do waits[later[x]] = true end
 local again = {}
 for i, k in ipairs(cand) do
   local q = qs[i]
-  if not waits[k] and q.d > 0 and #q.runs < q.lim then again[#again + 1] = k end
+  if not waits[k] and not gone[k] and q.d > 0 and #q.runs < q.lim then again[#again + 1] = k end
   local st = started[k]
   if st then
     for _, v in ipairs(st) do out[#out + 1] = v end
@@ -983,6 +987,14 @@ for i = 5, #ARGV - 1, 2 do
   end
 end
 return {'OK', n}
+"#;
+
+/// ARGV[5] a layout version: the shard's `layout` becomes it unless it is
+/// already that or newer.
+const LAYOUT_RAISE: &str = r#"
+local now = tonumber(redis.call('HGET', K_META, 'layout') or '0')
+if now < tonumber(ARGV[5]) then redis.call('HSET', K_META, 'layout', ARGV[5]) end
+return {'OK'}
 "#;
 
 /// Puts every in-flight job back (a previous owner's), under the new token.
@@ -1841,6 +1853,7 @@ pub(crate) struct Scripts {
     pub(crate) group_bucket: Lua,
     pub(crate) extend: Lua,
     pub(crate) relimit: Lua,
+    pub(crate) layout_raise: Lua,
     pub(crate) adopt: Lua,
     pub(crate) init_shard: Lua,
     pub(crate) shard_record: Lua,
@@ -1886,6 +1899,7 @@ impl Scripts {
             group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
             extend: Lua::new(EXTEND, true, Flags::AllowOom),
             relimit: Lua::new(RELIMIT, true, Flags::AllowOom),
+            layout_raise: Lua::new(LAYOUT_RAISE, true, Flags::AllowOom),
             adopt: Lua::new(ADOPT, true, Flags::AllowOom),
             init_shard: Lua::new(INIT_SHARD, false, Flags::Write),
             shard_record: Lua::new(SHARD_RECORD, false, Flags::NoWrites),

@@ -317,3 +317,45 @@ fn the_claim_script_gives_every_key_the_concurrency_of_its_policy() {
         "every key is at its limit"
     );
 }
+
+/// Flow settings changed in their store are used by the first claim after
+/// they are due to be read again, however long no claim ran: a key's
+/// concurrency raised from 1 to 3 while its one run goes on starts two
+/// more at that claim.
+#[test]
+fn a_claim_reads_changed_settings_before_it_starts_anything() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings, FLOW_RECHECK_MS};
+    let server = RedisServer::start();
+    let map = map_of(&[("f0", server.url())]);
+    init(&map);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let stored = std::sync::Arc::new(Mutex::new(FlowSettings::default()));
+    let source = {
+        let stored = std::sync::Arc::clone(&stored);
+        Box::new(move || Ok(stored.lock().unwrap().clone())) as shardq_core::flow::FlowSource
+    };
+    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
+    let flow = shardq_core::FlowControl::new(FlowSettings::default(), std::sync::Arc::new(groups))
+        .with_source(source);
+    let mut opts = opts_manual(&clock);
+    opts.flow = Some(std::sync::Arc::new(flow));
+    let b = RedisBackend::open(&map, opts).expect("open");
+    let _owner = owner(&b, "settings", 600_000);
+    let jobs: Vec<_> = (0..5)
+        .map(|i| crate::common::job("k", &i.to_string()))
+        .collect();
+    b.enqueue("f0", 1, &jobs).expect("enqueue");
+    let first = b.claim("f0", 10, 600_000).expect("claim");
+    assert_eq!(crate::common::payloads(&first), ["0"]);
+    stored.lock().unwrap().default = FlowPolicy {
+        concurrency: 3,
+        ..FlowPolicy::default()
+    };
+    clock.advance(FLOW_RECHECK_MS * 10);
+    let more = b.claim("f0", 10, 600_000).expect("claim");
+    assert_eq!(
+        crate::common::payloads(&more),
+        ["1", "2"],
+        "the new limit, at once"
+    );
+}
