@@ -75,55 +75,78 @@ end
 -- A key's queue: `<head> <tail> <depth>`, then its runs in flight as
 -- `<job> <fence>` pairs in job order (`0 0` for none; fence 0: cancelled
 -- while it ran), then, when above 1, how many runs it may have at once (its
--- policy's concurrency when a claim last looked). In q: h, t, d, runs (a
--- list of {job, fence}) and lim.
+-- policy's concurrency when a claim last looked). In q: h, t, d, n (the
+-- number of runs), runs (nil for none, else job, fence, job, fence, ...)
+-- and lim.
 local function kparse(s)
-  if not s then return {h = 0, t = 0, d = 0, runs = {}, lim = 1} end
+  if not s then return {h = 0, t = 0, d = 0, n = 0, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   if h then
-    local q = {h = tonumber(h), t = tonumber(t), d = tonumber(d), runs = {}, lim = 1}
-    if f ~= '0' then q.runs[1] = {tonumber(f), tonumber(r)} end
-    return q
+    if f == '0' then return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 0, lim = 1} end
+    return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 1, runs = {tonumber(f), tonumber(r)}, lim = 1}
   end
   local x = {}
   for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
-  local q = {h = x[1], t = x[2], d = x[3], runs = {}, lim = 1}
-  local n = #x
-  if n % 2 == 0 then
-    q.lim = x[n]
-    n = n - 1
+  local q = {h = x[1], t = x[2], d = x[3], n = 0, lim = 1}
+  local last = #x
+  if last % 2 == 0 then
+    q.lim = x[last]
+    last = last - 1
   end
-  for i = 4, n - 1, 2 do
-    if x[i] ~= 0 then q.runs[#q.runs + 1] = {x[i], x[i + 1]} end
+  for i = 4, last - 1, 2 do
+    if x[i] ~= 0 then
+      q.runs = q.runs or {}
+      q.runs[#q.runs + 1] = x[i]
+      q.runs[#q.runs + 1] = x[i + 1]
+      q.n = q.n + 1
+    end
   end
   return q
 end
 local function kfmt(q)
+  if q.lim <= 1 then
+    if q.n == 0 then return string.format('%d %d %d 0 0', q.h, q.t, q.d) end
+    if q.n == 1 then return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.runs[1], q.runs[2]) end
+  end
   local s = string.format('%d %d %d', q.h, q.t, q.d)
-  if #q.runs == 0 then
+  if q.n == 0 then
     s = s .. ' 0 0'
   else
-    for _, x in ipairs(q.runs) do s = s .. string.format(' %d %d', x[1], x[2]) end
+    for i = 1, 2 * q.n, 2 do s = s .. string.format(' %d %d', q.runs[i], q.runs[i + 1]) end
   end
   if q.lim > 1 then s = s .. string.format(' %d', q.lim) end
   return s
 end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
-  if q.d == 0 and #q.runs == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+  if q.d == 0 and q.n == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
 end
--- The place of job id among q's runs, or nil.
+-- Where job id's run is in q.runs (its fence is the next entry), or nil.
 local function krun(q, id)
-  for i, x in ipairs(q.runs) do
-    if x[1] == id then return i end
+  if q.n == 0 then return nil end
+  for i = 1, 2 * q.n, 2 do
+    if q.runs[i] == id then return i end
   end
   return nil
 end
 -- Adds a run of job id, in job order.
 local function krun_add(q, id, fence)
-  local i = #q.runs + 1
-  while i > 1 and q.runs[i - 1][1] > id do i = i - 1 end
-  table.insert(q.runs, i, {id, fence})
+  if q.n == 0 then
+    q.runs = {id, fence}
+  else
+    local i = 2 * q.n + 1
+    while i > 1 and q.runs[i - 2] > id do i = i - 2 end
+    table.insert(q.runs, i, fence)
+    table.insert(q.runs, i, id)
+  end
+  q.n = q.n + 1
+end
+-- Ends the run at i (from krun).
+local function krun_end(q, i)
+  table.remove(q.runs, i + 1)
+  table.remove(q.runs, i)
+  q.n = q.n - 1
+  if q.n == 0 then q.runs = nil end
 end
 local function halted(k)
   return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
@@ -131,7 +154,7 @@ end
 -- Whether key k (queue q) belongs in ready or later: a job waits, its runs
 -- are below its limit and no dead job halts it.
 local function kqueued(k, q)
-  return q.d > 0 and #q.runs < q.lim and not halted(k)
+  return q.d > 0 and q.n < q.lim and not halted(k)
 end
 -- Call only for a key that is in neither ready nor later (kqueued was false
 -- before the change): restores "a key is in ready or later iff kqueued"
@@ -243,9 +266,9 @@ local function requeue(ids, why, now)
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local was = kqueued(k, q)
   local run = krun(q, tonumber(ids))
-  if run and q.runs[run][2] == 0 then
+  if run and q.runs[run + 1] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
-    table.remove(q.runs, run)
+    krun_end(q, run)
     if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
@@ -255,7 +278,7 @@ local function requeue(ids, why, now)
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if run then table.remove(q.runs, run) end
+  if run then krun_end(q, run) end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
   kwake(k, q, was, nil, now)
@@ -278,7 +301,7 @@ local function run_check(ids, fence, k, q, now)
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
-  local cur = q.runs[run][2]
+  local cur = q.runs[run + 1]
   if cur == 0 then return 'the job was cancelled while it ran' end
   if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
@@ -369,7 +392,7 @@ local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
   local q = kparse(cur[i])
   qs[k] = q
-  fresh[k] = q.d == 0 and #q.runs < q.lim
+  fresh[k] = q.d == 0 and q.n < q.lim
 end
 local nows = idstr(now)
 local exps = idstr(now + window)
@@ -490,7 +513,8 @@ return {'OK'}
 /// ready or due); then `1` when an earlier attempt's reply was lost, then
 /// the ids the caller holds: in-flight jobs it does not know are put back.
 /// Replies the lease deadline, the shard's job-id sequence (`meta.seq`),
-/// then id, record, fence per job, a key's jobs in job order; the attempt
+/// then id, record, fence per job (a key's jobs in job order, keys
+/// interleaved as their turns came); the attempt
 /// being made is the record's count + 1. Each run's fence is
 /// `next_fence(now_us, last, floor)` (`shardq_core::next_fence`), the last
 /// kept in `meta.flast`. A key below its limit starts one job per turn:
@@ -610,7 +634,7 @@ for i, k in ipairs(keys) do
     q.lim = lim
     kq[k] = q
   end
-  if q.d > 0 and q.h ~= 0 and #q.runs < lim and not halted(k) then
+  if q.d > 0 and q.h ~= 0 and q.n < lim and not halted(k) then
     cand[#cand + 1] = k
     qs[#qs + 1] = q
     heads[#heads + 1] = idstr(q.h)
@@ -628,7 +652,7 @@ local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
 -- Starts the head of candidate i (record r, next id nx): false when the
 -- head must wait (the key goes to later) or is gone (the key is dropped, as
 -- a key whose record is missing always was).
-local started, gone = {}, {}
+local gone = {}
 local function start(i, r, nxs)
   local k, q = cand[i], qs[i]
   if not r then
@@ -655,24 +679,24 @@ local function start(i, r, nxs)
   inf[#inf + 1] = deadline
   inf[#inf + 1] = id
   ids[#ids + 1] = id
-  started[k] = started[k] or {}
-  local st = started[k]
-  st[#st + 1] = id
-  st[#st + 1] = r
-  st[#st + 1] = idstr(last)
+  out[#out + 1] = id
+  out[#out + 1] = r
+  out[#out + 1] = idstr(last)
   return true
 end
--- Turns: every candidate's head first (read in one call), then one more
--- job of each key still below its limit per round, until the claim is full.
+-- Turns: every candidate's head first (read in one call), then, when some
+-- key may run more than one job, one more job of each key still below its
+-- limit per round, until the claim is full.
+local several = lim_keys ~= nil
 local live = {}
 for i = 1, #cand do
-  if #ids < max and start(i, rs[i], nx[i]) then live[#live + 1] = i end
+  if #ids < max and start(i, rs[i], nx[i]) and several then live[#live + 1] = i end
 end
 while #ids < max and #live > 0 do
   local next_live = {}
   for _, i in ipairs(live) do
     local q = qs[i]
-    if #ids < max and q.h ~= 0 and #q.runs < q.lim then
+    if #ids < max and q.h ~= 0 and q.n < q.lim then
       local id = idstr(q.h)
       if start(i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id)) then
         next_live[#next_live + 1] = i
@@ -682,16 +706,14 @@ while #ids < max and #live > 0 do
   live = next_live
 end
 -- A candidate whose head did not go to later and that may start more goes
--- back to the end of ready.
-local waits = {}
-for x = 2, #later, 2 do waits[later[x]] = true end
+-- back to the end of ready (with one run per key, none may).
 local again = {}
-for i, k in ipairs(cand) do
-  local q = qs[i]
-  if not waits[k] and not gone[k] and q.d > 0 and #q.runs < q.lim then again[#again + 1] = k end
-  local st = started[k]
-  if st then
-    for _, v in ipairs(st) do out[#out + 1] = v end
+if several then
+  local waits = {}
+  for x = 2, #later, 2 do waits[later[x]] = true end
+  for i, k in ipairs(cand) do
+    local q = qs[i]
+    if not waits[k] and not gone[k] and q.d > 0 and q.n < q.lim then again[#again + 1] = k end
   end
 end
 if #later > 0 then redis.call('ZADD', K_LATER, unpack(later)) end
@@ -749,7 +771,7 @@ for i = 5, #ARGV - 2, 3 do
     out[#out + 1] = why
   else
     local was = kqueued(k, q)
-    table.remove(q.runs, krun(q, tonumber(ids)))
+    krun_end(q, krun(q, tonumber(ids)))
     done[#done + 1] = ids
     -- Written at once: a later receipt of this batch reads the key afresh
     -- (and finds the run gone, so a repeated receipt is stale).
@@ -806,7 +828,7 @@ a = a + 1
 redis.call('ZREM', K_INF, id)
 redis.call('HSET', K_REASON, id, ARGV[7])
 local was = kqueued(k, q)
-table.remove(q.runs, krun(q, tonumber(id)))
+krun_end(q, krun(q, tonumber(id)))
 if a >= m then
   redis.call('HSET', K_JOBS, id, rec_set(r, now, a))
   bury(id, k, ARGV[7])
@@ -853,7 +875,7 @@ local r = redis.call('HGET', K_JOBS, id)
 local _, a = rec_parse(r)
 redis.call('ZREM', K_INF, id)
 local was = kqueued(k, q)
-table.remove(q.runs, krun(q, tonumber(id)))
+krun_end(q, krun(q, tonumber(id)))
 local at = id .. '@'
 local had = redis.call('HGET', K_REASON, at)
 if had then
@@ -1040,7 +1062,7 @@ return due
 const KEY_COUNTS: &str = r#"
 local k = ARGV[5]
 local q = kparse(redis.call('HGET', K_KEYS, k))
-return {q.d, #q.runs, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
+return {q.d, q.n, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
 "#;
 
 /// Ready, delayed, in flight, dead, distinct keys, the last run fence.
@@ -1431,7 +1453,7 @@ local function live(ids)
     local q = kparse(redis.call('HGET', K_KEYS, k))
     local fence = 0
     local run = krun(q, tonumber(ids))
-    if run then fence = q.runs[run][2] end
+    if run then fence = q.runs[run + 1] end
     return {'RUN', r, reason, idstr(fence), lease, starts_of(ids)}
   end
   if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0', starts_of(ids)} end
@@ -1462,7 +1484,7 @@ local function add(ids)
   end
 end
 local q = kparse(redis.call('HGET', K_KEYS, k))
-for _, x in ipairs(q.runs) do add(idstr(x[1])) end
+for i = 1, 2 * q.n, 2 do add(idstr(q.runs[i])) end
 local rows = export_key(k, 0, max, tonumber(ARGV[7]))
 for i = 1, #rows, 3 do add(rows[i]) end
 return out
@@ -1486,8 +1508,8 @@ if redis.call('ZSCORE', K_INF, ids) then
   -- job ends with the run (requeue deletes it when its job lease lapses).
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local run = krun(q, n)
-  if run and q.runs[run][2] ~= 0 then
-    q.runs[run][2] = 0
+  if run and q.runs[run + 1] ~= 0 then
+    q.runs[run + 1] = 0
     kstore(k, q)
   end
   return {'STOPPING'}
@@ -1659,7 +1681,7 @@ if phase == 'k' then
     local q = kparse(kv[i + 1])
     out[#out + 1] = k
     out[#out + 1] = q.d
-    out[#out + 1] = #q.runs
+    out[#out + 1] = q.n
     out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
   end
 else
