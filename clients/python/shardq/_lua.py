@@ -61,55 +61,78 @@ end
 -- A key's queue: `<head> <tail> <depth>`, then its runs in flight as
 -- `<job> <fence>` pairs in job order (`0 0` for none; fence 0: cancelled
 -- while it ran), then, when above 1, how many runs it may have at once (its
--- policy's concurrency when a claim last looked). In q: h, t, d, runs (a
--- list of {job, fence}) and lim.
+-- policy's concurrency when a claim last looked). In q: h, t, d, n (the
+-- number of runs), runs (nil for none, else job, fence, job, fence, ...)
+-- and lim.
 local function kparse(s)
-  if not s then return {h = 0, t = 0, d = 0, runs = {}, lim = 1} end
+  if not s then return {h = 0, t = 0, d = 0, n = 0, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   if h then
-    local q = {h = tonumber(h), t = tonumber(t), d = tonumber(d), runs = {}, lim = 1}
-    if f ~= '0' then q.runs[1] = {tonumber(f), tonumber(r)} end
-    return q
+    if f == '0' then return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 0, lim = 1} end
+    return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 1, runs = {tonumber(f), tonumber(r)}, lim = 1}
   end
   local x = {}
   for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
-  local q = {h = x[1], t = x[2], d = x[3], runs = {}, lim = 1}
-  local n = #x
-  if n % 2 == 0 then
-    q.lim = x[n]
-    n = n - 1
+  local q = {h = x[1], t = x[2], d = x[3], n = 0, lim = 1}
+  local last = #x
+  if last % 2 == 0 then
+    q.lim = x[last]
+    last = last - 1
   end
-  for i = 4, n - 1, 2 do
-    if x[i] ~= 0 then q.runs[#q.runs + 1] = {x[i], x[i + 1]} end
+  for i = 4, last - 1, 2 do
+    if x[i] ~= 0 then
+      q.runs = q.runs or {}
+      q.runs[#q.runs + 1] = x[i]
+      q.runs[#q.runs + 1] = x[i + 1]
+      q.n = q.n + 1
+    end
   end
   return q
 end
 local function kfmt(q)
+  if q.lim <= 1 then
+    if q.n == 0 then return string.format('%d %d %d 0 0', q.h, q.t, q.d) end
+    if q.n == 1 then return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.runs[1], q.runs[2]) end
+  end
   local s = string.format('%d %d %d', q.h, q.t, q.d)
-  if #q.runs == 0 then
+  if q.n == 0 then
     s = s .. ' 0 0'
   else
-    for _, x in ipairs(q.runs) do s = s .. string.format(' %d %d', x[1], x[2]) end
+    for i = 1, 2 * q.n, 2 do s = s .. string.format(' %d %d', q.runs[i], q.runs[i + 1]) end
   end
   if q.lim > 1 then s = s .. string.format(' %d', q.lim) end
   return s
 end
 -- A key with nothing waiting and nothing in flight has no entry at all.
 local function kstore(k, q)
-  if q.d == 0 and #q.runs == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
+  if q.d == 0 and q.n == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
 end
--- The place of job id among q's runs, or nil.
+-- Where job id's run is in q.runs (its fence is the next entry), or nil.
 local function krun(q, id)
-  for i, x in ipairs(q.runs) do
-    if x[1] == id then return i end
+  if q.n == 0 then return nil end
+  for i = 1, 2 * q.n, 2 do
+    if q.runs[i] == id then return i end
   end
   return nil
 end
 -- Adds a run of job id, in job order.
 local function krun_add(q, id, fence)
-  local i = #q.runs + 1
-  while i > 1 and q.runs[i - 1][1] > id do i = i - 1 end
-  table.insert(q.runs, i, {id, fence})
+  if q.n == 0 then
+    q.runs = {id, fence}
+  else
+    local i = 2 * q.n + 1
+    while i > 1 and q.runs[i - 2] > id do i = i - 2 end
+    table.insert(q.runs, i, fence)
+    table.insert(q.runs, i, id)
+  end
+  q.n = q.n + 1
+end
+-- Ends the run at i (from krun).
+local function krun_end(q, i)
+  table.remove(q.runs, i + 1)
+  table.remove(q.runs, i)
+  q.n = q.n - 1
+  if q.n == 0 then q.runs = nil end
 end
 local function halted(k)
   return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
@@ -117,7 +140,7 @@ end
 -- Whether key k (queue q) belongs in ready or later: a job waits, its runs
 -- are below its limit and no dead job halts it.
 local function kqueued(k, q)
-  return q.d > 0 and #q.runs < q.lim and not halted(k)
+  return q.d > 0 and q.n < q.lim and not halted(k)
 end
 -- Call only for a key that is in neither ready nor later (kqueued was false
 -- before the change): restores "a key is in ready or later iff kqueued"
@@ -229,9 +252,9 @@ local function requeue(ids, why, now)
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local was = kqueued(k, q)
   local run = krun(q, tonumber(ids))
-  if run and q.runs[run][2] == 0 then
+  if run and q.runs[run + 1] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
-    table.remove(q.runs, run)
+    krun_end(q, run)
     if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
@@ -241,7 +264,7 @@ local function requeue(ids, why, now)
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if run then table.remove(q.runs, run) end
+  if run then krun_end(q, run) end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
   kwake(k, q, was, nil, now)
@@ -264,7 +287,7 @@ local function run_check(ids, fence, k, q, now)
     if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
     return 'not in flight'
   end
-  local cur = q.runs[run][2]
+  local cur = q.runs[run + 1]
   if cur == 0 then return 'the job was cancelled while it ran' end
   if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
   local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
@@ -351,7 +374,7 @@ local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
   local q = kparse(cur[i])
   qs[k] = q
-  fresh[k] = q.d == 0 and #q.runs < q.lim
+  fresh[k] = q.d == 0 and q.n < q.lim
 end
 local nows = idstr(now)
 local exps = idstr(now + window)

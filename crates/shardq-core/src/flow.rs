@@ -1297,7 +1297,10 @@ impl FlowControl {
     /// one start refuses the ones after it, and a key's start refused
     /// refuses its later ones (a claim of a key of concurrency above 1 may
     /// start several of its runs, in order: each counts the tokens its
-    /// earlier ones took).
+    /// earlier ones were promised). One difference, never looser: when a
+    /// group refuses a run of a key with a rate of its own, a later run of
+    /// that key may be refused by the key (its tokens counted as promised
+    /// to the refused run) where asking one at a time would name the group.
     pub fn admit_many(&self, runs: &[(&str, RunStart<'_>)], now_ms: u64) -> Vec<Admit> {
         let mut out = vec![Admit::Now; runs.len()];
         if !self.limits_starts() {
@@ -1398,9 +1401,11 @@ impl FlowControl {
                 continue;
             }
             let p = settings.for_key(runs[i].0);
-            if let (Some((rate, burst)), Some(b)) =
-                (p.rate.zip(p.burst_or_default()), keys.get_mut(runs[i].0))
-            {
+            if let Some((rate, burst)) = p.rate.zip(p.burst_or_default()) {
+                // A full bucket forgotten by a refresh meanwhile is the
+                // same as a new one: the start is charged either way.
+                let b = (keys.entry(runs[i].0.into()))
+                    .or_insert_with(|| Bucket::full(rate, burst, now_ms));
                 let _ = b.take(rate, burst, now_ms);
             }
         }

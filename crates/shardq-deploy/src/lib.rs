@@ -473,7 +473,10 @@ impl Deployment {
             }
             .into());
         }
-        if high > 1 {
+        // The first policy of more than one run per key marks the stores
+        // (on Redis: key layout 3), before it is stored; a claim that
+        // finds it also marks the shard it claims from.
+        if high > 1 && self.flow_settings()?.key_concurrency_high() <= 1 {
             self.queue().prepare_key_concurrency()?;
             self.maps.prepare_key_concurrency()?;
         }

@@ -89,8 +89,8 @@ pub fn init_deployment(
             return Err(exists_error(name, url, &namespace, &shard_keys[i]));
         }
     }
-    for (name, url, node, shard_keys) in &shards {
-        init_one(&scripts, name, url, node, shard_keys, &namespace, &id)?;
+    for shard in &shards {
+        init_one(&scripts, shard, &namespace, &id, LAYOUT_VERSION)?;
     }
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -130,24 +130,32 @@ pub fn init_shards(map: &ShardMap, options: &RedisOptions) -> Result<Vec<String>
         .into());
     };
     let scripts = Scripts::new();
-    let mut done = Vec::new();
+    // A new shard takes the oldest layout of the deployment's shards (its
+    // records read the same), so processes that still read only that one
+    // keep opening the deployment while it grows.
+    let mut layout: Option<u32> = None;
+    let mut fresh = Vec::new();
     for (name, url, node, shard_keys) in redis_shards(map, options)? {
-        let dep: Option<String> = node.run(&name, |con, _| {
-            redis::cmd("HGET").arg(&shard_keys[0]).arg("dep").query(con)
+        let (dep, has): (Option<String>, Option<u32>) = node.run(&name, |con, _| {
+            redis::cmd("HMGET")
+                .arg(&shard_keys[0])
+                .arg("dep")
+                .arg("layout")
+                .query(con)
         })?;
         if dep.as_deref() == Some(id.as_str()) {
+            if let Some(v) = has {
+                layout = Some(layout.map_or(v, |l| l.min(v)));
+            }
             continue;
         }
-        init_one(
-            &scripts,
-            &name,
-            &url,
-            &node,
-            &shard_keys,
-            &options.namespace,
-            &id,
-        )?;
-        done.push(name);
+        fresh.push((name, url, node, shard_keys));
+    }
+    let layout = layout.unwrap_or(LAYOUT_VERSION);
+    let mut done = Vec::new();
+    for shard in fresh {
+        init_one(&scripts, &shard, &options.namespace, &id, layout)?;
+        done.push(shard.0);
     }
     Ok(done)
 }
@@ -190,18 +198,17 @@ fn exists_error(shard: &str, url: &str, namespace: &str, key: &str) -> RedisErro
     .into()
 }
 
+/// Writes the deployment record of one shard, at key layout `layout`.
 fn init_one(
     scripts: &Scripts,
-    name: &str,
-    url: &str,
-    node: &Node,
-    shard_keys: &[String],
+    (name, url, node, shard_keys): &ShardTarget,
     namespace: &str,
     id: &str,
+    layout: u32,
 ) -> Result<(), RedisError> {
     let v = node.run(name, |con, _| {
         scripts.init_shard.call(con, shard_keys, &|c| {
-            c.arg("").arg("").arg("0").arg(id).arg(LAYOUT_VERSION);
+            c.arg("").arg("").arg("0").arg(id).arg(layout);
         })
     })?;
     match reply::status(&v).as_str() {

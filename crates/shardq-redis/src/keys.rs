@@ -43,7 +43,10 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// version 2 is read as it is and raised to 3 when a policy first lets a
 /// key run more than once at once (`QueueBackend::prepare_key_concurrency`
 /// on the shards, `MapStore::prepare_key_concurrency` on the deployment
-/// record), so older processes and clients refuse it from then on.
+/// record; a claim under such a policy raises its shard too), so older
+/// processes and clients started from then on refuse it (one already
+/// running does not look again). A shard added later takes the oldest
+/// layout of the deployment's shards.
 pub const LAYOUT_VERSION: u32 = 3;
 /// The layout versions this build reads.
 pub const LAYOUT_VERSIONS_READ: [u32; 2] = [2, 3];

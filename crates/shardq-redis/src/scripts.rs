@@ -554,6 +554,12 @@ local function limit_of(k)
   end
   return lim_default
 end
+-- A record with several runs or a limit is key layout 3 (keys.rs
+-- LAYOUT_VERSION): a shard still at 2 is raised before it holds one, so
+-- processes that read only 2 refuse it.
+if lim_keys and redis.call('HGET', K_META, 'layout') == '2' then
+  redis.call('HSET', K_META, 'layout', '3')
+end
 local ranked = ARGV[9] ~= '-'
 local lost_at = 10
 if ranked then lost_at = 10 + tonumber(ARGV[9]) end
@@ -2008,5 +2014,21 @@ pub(crate) mod reply {
     /// The status word leading a reply.
     pub(crate) fn status(v: &Value) -> String {
         items(v).first().and_then(string).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The claim script raises a shard's layout by number: it must be the
+    /// one this build writes, raised from the one before.
+    #[test]
+    fn the_claims_layout_raise_names_this_builds_layouts() {
+        use crate::keys::{LAYOUT_VERSION, LAYOUT_VERSIONS_READ};
+        let raise = format!(
+            "if lim_keys and redis.call('HGET', K_META, 'layout') == '{}' then\n  redis.call('HSET', K_META, 'layout', '{}')",
+            LAYOUT_VERSIONS_READ[0], LAYOUT_VERSION
+        );
+        assert!(super::CLAIM.contains(&raise), "{raise}");
+        assert_eq!(LAYOUT_VERSIONS_READ, [LAYOUT_VERSION - 1, LAYOUT_VERSION]);
     }
 }

@@ -357,3 +357,48 @@ fn a_groups_limit_holds_across_shards_of_a_cluster() {
         .sum();
     assert_eq!(left, 5, "runs handed back wait, none lost");
 }
+
+/// A key of concurrency 3 on shards of two masters of a cluster: each
+/// claim starts its next jobs in order, three at once, and one more as one
+/// ends (the key's record and its runs live in the shard's slot).
+#[test]
+fn a_keys_concurrency_holds_on_shards_of_a_cluster() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    use shardq_core::{FlowControl, ManualClock};
+    let cluster = RedisCluster::start(3);
+    let url = cluster.url();
+    let a = name_where("ca", |s| s < 5_000);
+    let b = name_where("cb", |s| s > 11_000);
+    let map = map_of(&[(a.as_str(), url.clone()), (b.as_str(), url.clone())]);
+    init(&map);
+    let settings = FlowSettings {
+        default: FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+        ..FlowSettings::default()
+    };
+    let clock = ManualClock::new(1_700_000_000_000);
+    let mut opts = crate::common::opts_manual(&clock);
+    let store = RedisMapStore::open(&url).expect("map store");
+    opts.flow = Some(Arc::new(FlowControl::new(settings, Arc::new(store))));
+    let backend = RedisBackend::open(&map, opts).expect("open");
+    let mut c = owner(&backend, "conc", 600_000);
+    tick_adopt(&backend, &mut c);
+    let in_order = |runs: &[shardq_core::ClaimedJob]| -> Vec<String> {
+        runs.iter()
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect()
+    };
+    for shard in [&a, &b] {
+        let jobs: Vec<_> = (0..5).map(|n| job("k", &n.to_string())).collect();
+        backend.enqueue(shard, u64::MAX, &jobs).expect("enqueue");
+        let first = backend.claim(shard, 10, 600_000).expect("claim");
+        assert_eq!(in_order(&first), ["0", "1", "2"], "{shard}");
+        assert!(backend.claim(shard, 10, 600_000).expect("claim").is_empty());
+        backend.ack(shard, &[first[1].receipt()]).expect("ack");
+        let next = backend.claim(shard, 10, 600_000).expect("claim");
+        assert_eq!(in_order(&next), ["3"], "{shard}");
+        assert_eq!(backend.key_counts(shard, "k").expect("counts").in_flight, 3);
+    }
+}

@@ -564,3 +564,57 @@ fn a_key_with_several_runs_moves_once_they_all_ended() {
     );
     assert_eq!(b.key_counts("r1", &key).unwrap(), counts(0, 3, 0));
 }
+
+/// A shard added to a deployment whose shards are at key layout 2 is
+/// written at 2 too (a process that reads only 2 still opens the whole
+/// deployment); the first claim that may start several runs of a key
+/// raises the shard it claims from to 3.
+#[test]
+fn an_added_shard_takes_the_deployments_layout_and_a_claim_raises_it() {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
+    let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let map = map_of(&[("r0", servers[0].url())]);
+    init(&map);
+    let store = RedisMapStore::open(&servers[0].url()).unwrap();
+    store.publish(&map, 0).unwrap();
+    let clock = ManualClock::new(T0);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let meta = |shard: &str| b.shard_keys(shard).unwrap()[0].clone();
+    servers[0].cli(&["HSET", &meta("r0"), "layout", "2"]);
+    reshard::add_shard(&store, "r1", 1, Some(servers[1].url())).unwrap();
+    let opts = shardq_redis::RedisOptions {
+        deployment: b.deployment_id(),
+        ..shardq_redis::RedisOptions::default()
+    };
+    shardq_redis::init_shards(&store.load().unwrap(), &opts).unwrap();
+    b.sync_shards(&store.load().unwrap()).unwrap();
+    let layout = |i: usize, shard: &str| servers[i].cli(&["HGET", &meta(shard), "layout"]);
+    assert_eq!(
+        layout(1, "r1").trim(),
+        "2",
+        "the deployment's oldest layout"
+    );
+    // A worker whose policies let a key run three jobs at once.
+    let settings = FlowSettings {
+        default: FlowPolicy {
+            concurrency: 3,
+            ..FlowPolicy::default()
+        },
+        ..FlowSettings::default()
+    };
+    let mut opts = opts_manual(&clock);
+    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
+        settings,
+        std::sync::Arc::new(RedisMapStore::open(&servers[0].url()).unwrap()),
+    )));
+    let w = RedisBackend::open(&store.load().unwrap(), opts).unwrap();
+    let mut c = owner(&w, "w", 600_000);
+    tick_adopt(&w, &mut c);
+    w.claim("r1", 10, 600_000).unwrap();
+    assert_eq!(layout(1, "r1").trim(), "3", "raised by the claim");
+    assert_eq!(
+        layout(0, "r0").trim(),
+        "2",
+        "a shard not claimed from stays"
+    );
+}
