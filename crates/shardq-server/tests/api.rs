@@ -1153,7 +1153,26 @@ fn policies_and_groups_are_set_over_http_and_held_by_claims() {
 #[test]
 fn a_keys_concurrency_set_over_http_holds_for_claims() {
     let dir = init_dir(1, "rendezvous");
-    let s = start(dir.path(), options());
+    concurrency_over_http(dir.path());
+}
+
+/// The same on a Redis shard (the claim script starts the key's jobs two
+/// at once).
+#[test]
+fn a_keys_concurrency_set_over_http_holds_for_claims_on_redis() {
+    let redis = shardq_redis::testing::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let map = shardq_deploy::spec::init_map(1, "rendezvous", None).unwrap();
+    shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
+        .unwrap();
+    concurrency_over_http(&data);
+}
+
+/// A concurrency of 2 put over HTTP on a prefix: claims get the key's first
+/// two jobs, then one more as one is acked; 257 is refused, naming it.
+fn concurrency_over_http(data: &std::path::Path) {
+    let s = start(data, options());
     let put = |path: &str, body: Value| call(&s, "PUT", path, Some(&body.to_string()), None);
     let (code, v) = put("/v1/policies/c:?scope=prefix", json!({"concurrency": 257}));
     assert!(
