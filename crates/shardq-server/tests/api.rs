@@ -868,14 +868,24 @@ fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
     assert!(phases.contains("finished"), "{phases:?}");
 }
 
+/// A data dir (in `dir`) of a deployment of `shards` shards on `redis`.
+fn init_redis_dir(
+    dir: &tempfile::TempDir,
+    redis: &shardq_redis::testing::RedisServer,
+    shards: usize,
+) -> std::path::PathBuf {
+    let data = dir.path().join("data");
+    let map = shardq_deploy::spec::init_map(shards, "rendezvous", None).unwrap();
+    shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
+        .unwrap();
+    data
+}
+
 #[test]
 fn redis_round_trip_with_dedup() {
     let redis = shardq_redis::testing::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let map = shardq_deploy::spec::init_map(2, "rendezvous", None).unwrap();
-    shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
-        .unwrap();
+    let data = init_redis_dir(&dir, &redis, 2);
     let mut o = options();
     o.limits.jobs_per_request_max = 3000;
     let s = start(&data, o);
@@ -1162,11 +1172,7 @@ fn a_keys_concurrency_set_over_http_holds_for_claims() {
 fn a_keys_concurrency_set_over_http_holds_for_claims_on_redis() {
     let redis = shardq_redis::testing::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let map = shardq_deploy::spec::init_map(1, "rendezvous", None).unwrap();
-    shardq_deploy::init_redis(&data, map, &[redis.url()], None, false, &Default::default())
-        .unwrap();
-    concurrency_over_http(&data);
+    concurrency_over_http(&init_redis_dir(&dir, &redis, 1));
 }
 
 /// A concurrency of 2 put over HTTP on a prefix: claims get the key's first

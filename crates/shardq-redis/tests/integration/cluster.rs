@@ -363,25 +363,16 @@ fn a_groups_limit_holds_across_shards_of_a_cluster() {
 /// ends (the key's record and its runs live in the shard's slot).
 #[test]
 fn a_keys_concurrency_holds_on_shards_of_a_cluster() {
-    use shardq_core::flow::{FlowPolicy, FlowSettings};
-    use shardq_core::{FlowControl, ManualClock};
+    use shardq_core::ManualClock;
     let cluster = RedisCluster::start(3);
     let url = cluster.url();
     let a = name_where("ca", |s| s < 5_000);
     let b = name_where("cb", |s| s > 11_000);
     let map = map_of(&[(a.as_str(), url.clone()), (b.as_str(), url.clone())]);
     init(&map);
-    let settings = FlowSettings {
-        default: FlowPolicy {
-            concurrency: 3,
-            ..FlowPolicy::default()
-        },
-        ..FlowSettings::default()
-    };
     let clock = ManualClock::new(1_700_000_000_000);
-    let mut opts = crate::common::opts_manual(&clock);
-    let store = RedisMapStore::open(&url).expect("map store");
-    opts.flow = Some(Arc::new(FlowControl::new(settings, Arc::new(store))));
+    let settings = crate::common::concurrency_settings(3);
+    let opts = crate::common::opts_with_flow(&clock, settings, &url);
     let backend = RedisBackend::open(&map, opts).expect("open");
     let mut c = owner(&backend, "conc", 600_000);
     tick_adopt(&backend, &mut c);

@@ -44,6 +44,34 @@ pub fn opts_manual(clock: &ManualClock) -> RedisOptions {
     }
 }
 
+/// Options on a manual clock with flow control of `settings`, its group
+/// buckets in the map store at `store_url` (as a deployment has them).
+pub fn opts_with_flow(
+    clock: &ManualClock,
+    settings: shardq_core::flow::FlowSettings,
+    store_url: &str,
+) -> RedisOptions {
+    let store = shardq_redis::RedisMapStore::open(store_url).expect("map store");
+    RedisOptions {
+        flow: Some(Arc::new(shardq_core::FlowControl::new(
+            settings,
+            Arc::new(store),
+        ))),
+        ..opts_manual(clock)
+    }
+}
+
+/// Flow settings that let every key run `n` jobs at once.
+pub fn concurrency_settings(n: u32) -> shardq_core::flow::FlowSettings {
+    shardq_core::flow::FlowSettings {
+        default: shardq_core::flow::FlowPolicy {
+            concurrency: n,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
 /// A coordinator that owns every shard it can, adopting what it gains.
 pub fn owner(backend: &RedisBackend, name: &str, lease_ms: u64) -> RedisCoordinator {
     let mut c = RedisCoordinator::new(

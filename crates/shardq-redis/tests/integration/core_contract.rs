@@ -284,13 +284,7 @@ fn the_claim_script_gives_every_key_the_concurrency_of_its_policy() {
     init(&map);
     let clock = ManualClock::new(1_700_000_000_000);
     let settings = contract::mixed_concurrency_settings();
-    let mut opts = opts_manual(&clock);
-    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
-    let flow = std::sync::Arc::new(shardq_core::FlowControl::new(
-        settings.clone(),
-        std::sync::Arc::new(groups),
-    ));
-    opts.flow = Some(flow);
+    let opts = crate::common::opts_with_flow(&clock, settings.clone(), &server.url());
     let b = RedisBackend::open(&map, opts).expect("open");
     let _owner = owner(&b, "limits", 600_000);
     let keys = [

@@ -10,7 +10,9 @@ use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisMapStore};
 use shardq_route::Router;
 
-use crate::common::{init, job, map_of, opts_manual, owner, tick_adopt};
+use crate::common::{
+    concurrency_settings, init, job, map_of, opts_manual, opts_with_flow, owner, tick_adopt,
+};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -503,25 +505,13 @@ fn an_owner_named_like_an_epoch_is_refused() {
 /// order, and nothing stays behind.
 #[test]
 fn a_key_with_several_runs_moves_once_they_all_ended() {
-    use shardq_core::flow::{FlowPolicy, FlowSettings};
     let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
     let clock = ManualClock::new(T0);
     let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
     init(&map);
     let store = RedisMapStore::open(&servers[0].url()).unwrap();
     store.publish(&map, 0).unwrap();
-    let settings = FlowSettings {
-        default: FlowPolicy {
-            concurrency: 3,
-            ..FlowPolicy::default()
-        },
-        ..FlowSettings::default()
-    };
-    let mut opts = opts_manual(&clock);
-    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
-        settings,
-        std::sync::Arc::new(RedisMapStore::open(&servers[0].url()).unwrap()),
-    )));
+    let opts = opts_with_flow(&clock, concurrency_settings(3), &servers[0].url());
     let b = RedisBackend::open(&map, opts).unwrap();
     let _c = owner(&b, "w1", 600_000);
     let router = Router::new(map.clone()).unwrap();
@@ -571,7 +561,6 @@ fn a_key_with_several_runs_moves_once_they_all_ended() {
 /// raises the shard it claims from to 3.
 #[test]
 fn an_added_shard_takes_the_deployments_layout_and_a_claim_raises_it() {
-    use shardq_core::flow::{FlowPolicy, FlowSettings};
     let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
     let map = map_of(&[("r0", servers[0].url())]);
     init(&map);
@@ -595,18 +584,7 @@ fn an_added_shard_takes_the_deployments_layout_and_a_claim_raises_it() {
         "the deployment's oldest layout"
     );
     // A worker whose policies let a key run three jobs at once.
-    let settings = FlowSettings {
-        default: FlowPolicy {
-            concurrency: 3,
-            ..FlowPolicy::default()
-        },
-        ..FlowSettings::default()
-    };
-    let mut opts = opts_manual(&clock);
-    opts.flow = Some(std::sync::Arc::new(shardq_core::FlowControl::new(
-        settings,
-        std::sync::Arc::new(RedisMapStore::open(&servers[0].url()).unwrap()),
-    )));
+    let opts = opts_with_flow(&clock, concurrency_settings(3), &servers[0].url());
     let w = RedisBackend::open(&store.load().unwrap(), opts).unwrap();
     let mut c = owner(&w, "w", 600_000);
     tick_adopt(&w, &mut c);
