@@ -20,8 +20,9 @@ local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9]
 local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 -- Expired dedup records forgotten per enqueue, at most.
 local DEDUP_PRUNE = 64
--- The dedup field of (key, id): the key's length, then key and id.
-local function dfield(k, d) return #k .. '|' .. k .. d end
+-- The `keys` hash's one field that names no routing key (keys hold no
+-- control characters); see `keys_pin_value` in scripts.rs.
+local KEYS_PIN = string.char(0)
 local HALT = ARGV[3] == '1'
 local DEP = redis.call('HGET', K_META, 'dep')
 if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
@@ -37,6 +38,19 @@ local function now_us()
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
+-- The text of small numbers (key lengths, attempt counts), each formatted
+-- once per call: a script formats them for every job it writes.
+local NSTR = {}
+local function nstr(n)
+  local s = NSTR[n]
+  if not s then
+    s = idstr(n)
+    NSTR[n] = s
+  end
+  return s
+end
+-- The dedup field of (key, id): the key's length, then key and id.
+local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
 -- A rebalance's writes carry its epoch as the token, `@N`: refused once
 -- this shard has seen a newer rebalance's (which took over the lock while
 -- this one stalled); the newest seen is meta `repoch`.
@@ -187,19 +201,58 @@ local function push_head(q, id)
   q.d = q.d + 1
   redis.call('HINCRBY', K_META, 'pend', 1)
 end
--- A job's last failure reason is the field `id` of the reason hash, the
--- start times of its attempts (ms, comma-separated) the field `id@`: both
--- leave with the job (`forget`).
+-- A job's last failure reason is the field `id` of the reason hash. Its
+-- attempts' start times (ms): the field `id@` holds those of its ended
+-- attempts, comma-separated; a running attempt started in its run fence's
+-- millisecond unless the field `id^` names its start. A claim draws fences
+-- from the server's microsecond clock (`next_fence`): the clock it read,
+-- plus one per run it started before, so that millisecond is the claim's
+-- time or the next. It writes `id^` when the fence is a millisecond or more
+-- past its clock (a raised floor, a long claim) or the caller's clock
+-- drives the scripts; a cancel writes it when it clears the fence. So a
+-- claim and an ack on the common path write no start time.
+-- All leave with the job (`forget`); a hash with no field is no key, and
+-- the common path then reads nothing either.
 local function forget(list, i, j)
   i = i or 1
   j = j or #list
-  if j < i then return end
+  if j < i or redis.call('EXISTS', K_REASON) == 0 then return end
   redis.call('HDEL', K_REASON, unpack(list, i, j))
-  local at = {}
-  for x = i, j do at[#at + 1] = list[x] .. '@' end
-  redis.call('HDEL', K_REASON, unpack(at))
+  for _, sfx in ipairs({'@', '^'}) do
+    local at = {}
+    for x = i, j do at[#at + 1] = list[x] .. sfx end
+    redis.call('HDEL', K_REASON, unpack(at))
+  end
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
+-- When the running attempt of job ids (run fence `fence`) started: its
+-- `id^`, else its fence's millisecond (a fence as text drops its last three
+-- digits: every fence issued is a time in microseconds, far above 1000);
+-- nil for a cleared fence without one.
+local function run_start(ids, fence, explicit)
+  if explicit == nil then explicit = redis.call('HGET', K_REASON, ids .. '^') end
+  if explicit then return explicit end
+  if type(fence) == 'string' then
+    if #fence > 3 then return string.sub(fence, 1, -4) end
+    fence = tonumber(fence)
+  end
+  if fence == 0 then return nil end
+  return idstr(math.floor(fence / 1000))
+end
+local function with_start(starts, s)
+  if not s then return starts end
+  if starts == '' then return s end
+  return starts .. ',' .. s
+end
+-- The run of job ids ended as an attempt: its start joins the ended ones.
+local function settle_start(ids, fence)
+  local s = run_start(ids, fence)
+  if s then
+    local at = ids .. '@'
+    redis.call('HSET', K_REASON, at, with_start(redis.call('HGET', K_REASON, at) or '', s))
+  end
+  redis.call('HDEL', K_REASON, ids .. '^')
+end
 -- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
 -- most `donemax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
@@ -212,12 +265,15 @@ local function done_line(ids, k, outcome, attempts, now, starts, why)
     for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
     if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
   end
-  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    starts .. '|' .. #k .. '|' .. k .. (why or '')
+  return ids .. '|' .. outcome .. '|' .. nstr(attempts) .. '|' .. now .. '|' ..
+    starts .. '|' .. nstr(#k) .. '|' .. k .. (why or '')
 end
-local function done_entry(ids, r, outcome, attempts, now)
+-- fence: the job's run that ends with it (nil: none ran).
+local function done_entry(ids, r, outcome, attempts, now, fence)
   local _, _, _, _, k = rec_parse(r)
-  return done_line(ids, k, outcome, attempts, now, starts_of(ids), redis.call('HGET', K_REASON, ids))
+  local starts = starts_of(ids)
+  if fence then starts = with_start(starts, run_start(ids, fence)) end
+  return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
 local function keep_done(entries)
@@ -255,7 +311,7 @@ local function requeue(ids, why, now)
   if run and q.runs[run + 1] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     krun_end(q, run)
-    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
+    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now, 0)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)
@@ -264,7 +320,10 @@ local function requeue(ids, why, now)
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if run then krun_end(q, run) end
+  if run then
+    settle_start(ids, q.runs[run + 1])
+    krun_end(q, run)
+  end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
   kwake(k, q, was, nil, now)
@@ -329,12 +388,27 @@ if window > 0 then
     redis.call('ZREM', K_DEDUPX, unpack(old))
   end
 end
+-- The batch's dedup records in one read: fs[i] is job i's field.
+local fs, rs = {}, {}
+if window > 0 then
+  local list, at = {}, {}
+  for i = 0, n - 1 do
+    local d = ARGV[A + 4 + 5 * i]
+    if d ~= '' then
+      fs[i] = dfield(ARGV[A + 5 * i], d)
+      list[#list + 1] = fs[i]
+      at[#list] = i
+    end
+  end
+  if #list > 0 then
+    for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
+  end
+end
 local batch, inb = {}, {}
 for i = 0, n - 1 do
-  local k, d = ARGV[A + 5 * i], ARGV[A + 4 + 5 * i]
-  if d ~= '' and window > 0 then
-    local f = dfield(k, d)
-    local r = redis.call('HGET', K_DEDUP, f)
+  local f = fs[i]
+  if f then
+    local r = rs[i]
     local dup = nil
     if r then
       local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
@@ -388,17 +462,16 @@ for j, i in ipairs(keep) do
   if d > 0 then
     nbf = now + d
     nbfs = idstr(nbf)
-    dly[#dly + 1] = nbf
+    dly[#dly + 1] = nbfs
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[A + 1 + 5 * i]
-  local did = ARGV[A + 4 + 5 * i]
-  if did ~= '' and window > 0 then
-    local f = dfield(k, did)
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local f = fs[i]
+  if f then
     dd[#dd + 1] = f
     dd[#dd + 1] = ids .. '|' .. exps .. '|'
-    dx[#dx + 1] = now + window
+    dx[#dx + 1] = exps
     dx[#dx + 1] = f
   end
   local q = qs[k]

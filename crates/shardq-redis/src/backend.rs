@@ -1223,7 +1223,9 @@ impl QueueBackend for RedisBackend {
             .ok_or_else(|| Self::not_owner(s))?;
         let keep = self.inner.opts.retention;
         let v = self.script(s, &self.inner.scripts.adopt, &token, &|c, _| {
-            c.arg(keep.finished_jobs).arg(keep.finished_age_ms);
+            c.arg(keep.finished_jobs)
+                .arg(keep.finished_age_ms)
+                .arg(crate::scripts::keys_pin_value());
         })?;
         if reply::status(&v) != "OK" {
             return Err(Self::not_owner(s));

@@ -208,7 +208,7 @@ fn init_one(
 ) -> Result<(), RedisError> {
     let v = node.run(name, |con, _| {
         scripts.init_shard.call(con, shard_keys, &|c| {
-            c.arg("").arg("").arg("0").arg(id).arg(layout);
+            (c.arg("").arg("").arg("0").arg(id).arg(layout)).arg(crate::scripts::keys_pin_value());
         })
     })?;
     match reply::status(&v).as_str() {

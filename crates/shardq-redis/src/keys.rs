@@ -110,7 +110,10 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   runs it may have at once when above 1 (its policy's concurrency as a
 ///   claim last read it; a record without it means 1, so a record of one
 ///   run per key, `<head> <tail> <depth> <job> <fence>`, reads the same).
-///   Present iff the key has a waiting job or one in flight.
+///   Present iff the key has a waiting job or one in flight. One more
+///   field, named by a NUL byte (no routing key holds one), is the hash's
+///   pin (`scripts::keys_pin_value`): a value too long for a listpack keeps
+///   the hash in its hash-table encoding. Counts and inventories skip it.
 /// * `next` hash: job id -> id of the job after it in its key's queue.
 /// * `ready` list: routing keys that may start now, oldest first.
 /// * `later` zset: routing key -> not-before (ms) of its head, for heads
@@ -129,7 +132,11 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// * `lease` hash: `owner` (`host@pid`), `token` (`<owner>#<epoch>#<n>`, the
 ///   holder's random epoch makes it unique across store restarts), `until`
 ///   (ms).
-/// * `reason` hash: job id -> last failure reason.
+/// * `reason` hash: job id -> last failure reason; `<id>@` -> the start
+///   times (ms, comma-separated) of the job's ended attempts; `<id>^` -> its
+///   running attempt's start when the run fence does not tell it (see
+///   `run_start` in the scripts). Usually absent: a run that starts and is
+///   acked writes nothing here.
 /// * `dedup` hash: `<key len>|<key><dedup id>` -> `<job>|<expires_ms>|<shard>`,
 ///   the job that `(key, id)` was enqueued as (shard empty: this shard; set
 ///   by a move's import otherwise). Live until `expires_ms`; checked and

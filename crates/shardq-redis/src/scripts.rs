@@ -34,8 +34,9 @@ local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9]
 local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 -- Expired dedup records forgotten per enqueue, at most.
 local DEDUP_PRUNE = 64
--- The dedup field of (key, id): the key's length, then key and id.
-local function dfield(k, d) return #k .. '|' .. k .. d end
+-- The `keys` hash's one field that names no routing key (keys hold no
+-- control characters); see `keys_pin_value` in scripts.rs.
+local KEYS_PIN = string.char(0)
 local HALT = ARGV[3] == '1'
 local DEP = redis.call('HGET', K_META, 'dep')
 if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
@@ -51,6 +52,19 @@ local function now_us()
 end
 local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
 local function idstr(n) return string.format('%d', n) end
+-- The text of small numbers (key lengths, attempt counts), each formatted
+-- once per call: a script formats them for every job it writes.
+local NSTR = {}
+local function nstr(n)
+  local s = NSTR[n]
+  if not s then
+    s = idstr(n)
+    NSTR[n] = s
+  end
+  return s
+end
+-- The dedup field of (key, id): the key's length, then key and id.
+local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
 -- A rebalance's writes carry its epoch as the token, `@N`: refused once
 -- this shard has seen a newer rebalance's (which took over the lock while
 -- this one stalled); the newest seen is meta `repoch`.
@@ -201,19 +215,58 @@ local function push_head(q, id)
   q.d = q.d + 1
   redis.call('HINCRBY', K_META, 'pend', 1)
 end
--- A job's last failure reason is the field `id` of the reason hash, the
--- start times of its attempts (ms, comma-separated) the field `id@`: both
--- leave with the job (`forget`).
+-- A job's last failure reason is the field `id` of the reason hash. Its
+-- attempts' start times (ms): the field `id@` holds those of its ended
+-- attempts, comma-separated; a running attempt started in its run fence's
+-- millisecond unless the field `id^` names its start. A claim draws fences
+-- from the server's microsecond clock (`next_fence`): the clock it read,
+-- plus one per run it started before, so that millisecond is the claim's
+-- time or the next. It writes `id^` when the fence is a millisecond or more
+-- past its clock (a raised floor, a long claim) or the caller's clock
+-- drives the scripts; a cancel writes it when it clears the fence. So a
+-- claim and an ack on the common path write no start time.
+-- All leave with the job (`forget`); a hash with no field is no key, and
+-- the common path then reads nothing either.
 local function forget(list, i, j)
   i = i or 1
   j = j or #list
-  if j < i then return end
+  if j < i or redis.call('EXISTS', K_REASON) == 0 then return end
   redis.call('HDEL', K_REASON, unpack(list, i, j))
-  local at = {}
-  for x = i, j do at[#at + 1] = list[x] .. '@' end
-  redis.call('HDEL', K_REASON, unpack(at))
+  for _, sfx in ipairs({'@', '^'}) do
+    local at = {}
+    for x = i, j do at[#at + 1] = list[x] .. sfx end
+    redis.call('HDEL', K_REASON, unpack(at))
+  end
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
+-- When the running attempt of job ids (run fence `fence`) started: its
+-- `id^`, else its fence's millisecond (a fence as text drops its last three
+-- digits: every fence issued is a time in microseconds, far above 1000);
+-- nil for a cleared fence without one.
+local function run_start(ids, fence, explicit)
+  if explicit == nil then explicit = redis.call('HGET', K_REASON, ids .. '^') end
+  if explicit then return explicit end
+  if type(fence) == 'string' then
+    if #fence > 3 then return string.sub(fence, 1, -4) end
+    fence = tonumber(fence)
+  end
+  if fence == 0 then return nil end
+  return idstr(math.floor(fence / 1000))
+end
+local function with_start(starts, s)
+  if not s then return starts end
+  if starts == '' then return s end
+  return starts .. ',' .. s
+end
+-- The run of job ids ended as an attempt: its start joins the ended ones.
+local function settle_start(ids, fence)
+  local s = run_start(ids, fence)
+  if s then
+    local at = ids .. '@'
+    redis.call('HSET', K_REASON, at, with_start(redis.call('HGET', K_REASON, at) or '', s))
+  end
+  redis.call('HDEL', K_REASON, ids .. '^')
+end
 -- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
 -- most `donemax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
@@ -226,12 +279,15 @@ local function done_line(ids, k, outcome, attempts, now, starts, why)
     for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
     if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
   end
-  return ids .. '|' .. outcome .. '|' .. idstr(attempts) .. '|' .. idstr(now) .. '|' ..
-    starts .. '|' .. #k .. '|' .. k .. (why or '')
+  return ids .. '|' .. outcome .. '|' .. nstr(attempts) .. '|' .. now .. '|' ..
+    starts .. '|' .. nstr(#k) .. '|' .. k .. (why or '')
 end
-local function done_entry(ids, r, outcome, attempts, now)
+-- fence: the job's run that ends with it (nil: none ran).
+local function done_entry(ids, r, outcome, attempts, now, fence)
   local _, _, _, _, k = rec_parse(r)
-  return done_line(ids, k, outcome, attempts, now, starts_of(ids), redis.call('HGET', K_REASON, ids))
+  local starts = starts_of(ids)
+  if fence then starts = with_start(starts, run_start(ids, fence)) end
+  return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
 local function keep_done(entries)
@@ -269,7 +325,7 @@ local function requeue(ids, why, now)
   if run and q.runs[run + 1] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     krun_end(q, run)
-    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now)}) end
+    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now, 0)}) end
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)
@@ -278,7 +334,10 @@ local function requeue(ids, why, now)
   end
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if run then krun_end(q, run) end
+  if run then
+    settle_start(ids, q.runs[run + 1])
+    krun_end(q, run)
+  end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
   kstore(k, q)
   kwake(k, q, was, nil, now)
@@ -347,12 +406,27 @@ if window > 0 then
     redis.call('ZREM', K_DEDUPX, unpack(old))
   end
 end
+-- The batch's dedup records in one read: fs[i] is job i's field.
+local fs, rs = {}, {}
+if window > 0 then
+  local list, at = {}, {}
+  for i = 0, n - 1 do
+    local d = ARGV[A + 4 + 5 * i]
+    if d ~= '' then
+      fs[i] = dfield(ARGV[A + 5 * i], d)
+      list[#list + 1] = fs[i]
+      at[#list] = i
+    end
+  end
+  if #list > 0 then
+    for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
+  end
+end
 local batch, inb = {}, {}
 for i = 0, n - 1 do
-  local k, d = ARGV[A + 5 * i], ARGV[A + 4 + 5 * i]
-  if d ~= '' and window > 0 then
-    local f = dfield(k, d)
-    local r = redis.call('HGET', K_DEDUP, f)
+  local f = fs[i]
+  if f then
+    local r = rs[i]
     local dup = nil
     if r then
       local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
@@ -406,17 +480,16 @@ for j, i in ipairs(keep) do
   if d > 0 then
     nbf = now + d
     nbfs = idstr(nbf)
-    dly[#dly + 1] = nbf
+    dly[#dly + 1] = nbfs
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. #k .. '|' .. k .. ARGV[A + 1 + 5 * i]
-  local did = ARGV[A + 4 + 5 * i]
-  if did ~= '' and window > 0 then
-    local f = dfield(k, did)
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local f = fs[i]
+  if f then
     dd[#dd + 1] = f
     dd[#dd + 1] = ids .. '|' .. exps .. '|'
-    dx[#dx + 1] = now + window
+    dx[#dx + 1] = exps
     dx[#dx + 1] = f
   end
   local q = qs[k]
@@ -523,7 +596,10 @@ return {'OK'}
 /// to `later` when its head must wait).
 const CLAIM: &str = r#"
 if not owns() then return {'NOTOWNER'} end
-local now = now_ms()
+-- One reading of the server's clock for the time and the fences.
+local us = now_us()
+local now = math.floor(us / 1000)
+if ARGV[1] ~= '' then now = tonumber(ARGV[1]) end
 -- The job-id sequence, for the caller's check that the store did not go
 -- back in time (a lagging replica promoted, an older snapshot restored).
 local seq = redis.call('HGET', K_META, 'seq') or '0'
@@ -647,18 +723,18 @@ for i, k in ipairs(keys) do
   end
 end
 local out, inf, unlink, later, ids = {'OK', deadline, seq}, {}, {}, {}, {}
+local deadlines = idstr(deadline)
 local rs, nx = {}, {}
 if #cand > 0 then
   rs = redis.call('HMGET', K_JOBS, unpack(heads))
   nx = redis.call('HMGET', K_NEXT, unpack(heads))
 end
-local us = now_us()
 local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
 local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
 -- Starts the head of candidate i (record r, next id nx): false when the
 -- head must wait (the key goes to later) or is gone (the key is dropped, as
 -- a key whose record is missing always was).
-local gone = {}
+local gone, starts = {}, {}
 local function start(i, r, nxs)
   local k, q = cand[i], qs[i]
   if not r then
@@ -682,9 +758,14 @@ local function start(i, r, nxs)
   last = math.max(us, last + 1, floor)
   krun_add(q, tonumber(id), last)
   kq[k] = q
-  inf[#inf + 1] = deadline
+  inf[#inf + 1] = deadlines
   inf[#inf + 1] = id
   ids[#ids + 1] = id
+  if ARGV[1] ~= '' or last >= us + 1000 then
+    -- The fence does not tell the start time (see `run_start`).
+    starts[#starts + 1] = id .. '^'
+    starts[#starts + 1] = idstr(now)
+  end
   out[#out + 1] = id
   out[#out + 1] = r
   out[#out + 1] = idstr(last)
@@ -733,16 +814,7 @@ if #kw > 0 then redis.call('HSET', K_KEYS, unpack(kw)) end
 if #ids == 0 then return out end
 redis.call('HSET', K_META, 'flast', idstr(last))
 if #unlink > 0 then redis.call('HDEL', K_NEXT, unpack(unlink)) end
--- Each started attempt's time, after the job's earlier ones.
-local at = {}
-for x, id in ipairs(ids) do at[x] = id .. '@' end
-local had = redis.call('HMGET', K_REASON, unpack(at))
-local put = {}
-for x, f in ipairs(at) do
-  put[#put + 1] = f
-  put[#put + 1] = (had[x] and (had[x] .. ',') or '') .. idstr(now)
-end
-redis.call('HSET', K_REASON, unpack(put))
+if #starts > 0 then redis.call('HSET', K_REASON, unpack(starts)) end
 redis.call('ZADD', K_INF, unpack(inf))
 redis.call('HINCRBY', K_META, 'pend', -#ids)
 if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpack(ids)) end
@@ -756,7 +828,7 @@ const ACK: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 local out = {'OK'}
-local done, freed, qs = {}, {}, {}
+local done, fences, freed, qs = {}, {}, {}, {}
 for i = 5, #ARGV - 2, 3 do
   local ids, fence = ARGV[i], ARGV[i + 1]
   local k = key_of(ids, ARGV[i + 2])
@@ -779,6 +851,7 @@ for i = 5, #ARGV - 2, 3 do
     local was = kqueued(k, q)
     krun_end(q, krun(q, tonumber(ids)))
     done[#done + 1] = ids
+    fences[#fences + 1] = fence
     -- Written at once: a later receipt of this batch reads the key afresh
     -- (and finds the run gone, so a repeated receipt is stale).
     kstore(k, q)
@@ -790,19 +863,28 @@ end
 -- The acked jobs leave in one call per structure (the batch is bounded).
 if #done > 0 then
   if done_max() > 0 then
-    -- Two reads for the whole batch: the records, then reasons and starts.
+    -- Two reads for the whole batch at most: the records, then reasons
+    -- and start times when any job has one (see `forget`).
     local recs = redis.call('HMGET', K_JOBS, unpack(done))
-    local f = {}
-    for x = 1, #done do
-      f[#f + 1] = done[x]
-      f[#f + 1] = done[x] .. '@'
+    local rs = nil
+    if redis.call('EXISTS', K_REASON) == 1 then
+      local f = {}
+      for x = 1, #done do
+        f[#f + 1] = done[x]
+        f[#f + 1] = done[x] .. '@'
+        f[#f + 1] = done[x] .. '^'
+      end
+      rs = redis.call('HMGET', K_REASON, unpack(f))
     end
-    local rs = redis.call('HMGET', K_REASON, unpack(f))
     local entries = {}
+    local nows = idstr(now)
     -- Pushed in ack order: the last one acked ends at the head.
     for x = 1, #done do
       local _, a, _, _, k = rec_parse(recs[x])
-      entries[#entries + 1] = done_line(done[x], k, 'c', a + 1, now, rs[2 * x], rs[2 * x - 1])
+      local why, starts, explicit = nil, '', false
+      if rs then why, starts, explicit = rs[3 * x - 2], rs[3 * x - 1] or '', rs[3 * x] end
+      starts = with_start(starts, run_start(done[x], fences[x], explicit))
+      entries[#entries + 1] = done_line(done[x], k, 'c', a + 1, nows, starts, why)
     end
     keep_done(entries)
   end
@@ -833,6 +915,7 @@ local _, a, m = rec_parse(r)
 a = a + 1
 redis.call('ZREM', K_INF, id)
 redis.call('HSET', K_REASON, id, ARGV[7])
+settle_start(id, ARGV[6])
 local was = kqueued(k, q)
 krun_end(q, krun(q, tonumber(id)))
 if a >= m then
@@ -882,12 +965,7 @@ local _, a = rec_parse(r)
 redis.call('ZREM', K_INF, id)
 local was = kqueued(k, q)
 krun_end(q, krun(q, tonumber(id)))
-local at = id .. '@'
-local had = redis.call('HGET', K_REASON, at)
-if had then
-  local kept = string.match(had, '^(.*),[^,]*$')
-  if kept then redis.call('HSET', K_REASON, at, kept) else redis.call('HDEL', K_REASON, at) end
-end
+redis.call('HDEL', K_REASON, id .. '^')
 local nbf = now + tonumber(ARGV[8])
 redis.call('HSET', K_JOBS, id, rec_set(r, nbf, a))
 push_head(q, tonumber(id))
@@ -1026,11 +1104,15 @@ return {'OK'}
 "#;
 
 /// Puts every in-flight job back (a previous owner's), under the new token.
+/// ARGV[5] and ARGV[6] the finished jobs kept (count, age ms), ARGV[7] the
+/// `keys` hash's pin ([`keys_pin_value`]), written when missing.
 const ADOPT: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 redis.call('HSET', K_META, 'donemax', ARGV[5], 'doneage', ARGV[6])
 if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
+-- A shard written before the `keys` hash had its pin gets it now.
+redis.call('HSETNX', K_KEYS, KEYS_PIN, ARGV[7])
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
 for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
 return {'OK', #ids}
@@ -1076,7 +1158,7 @@ const STATS: &str = r#"
 local now = now_ms()
 local pending = tonumber(redis.call('HGET', K_META, 'pend') or '0')
 local delayed = redis.call('ZCOUNT', K_DELAYED, '(' .. idstr(now), '+inf')
-local keys = redis.call('HLEN', K_KEYS)
+local keys = redis.call('HLEN', K_KEYS) - redis.call('HEXISTS', K_KEYS, KEYS_PIN)
 for _, k in ipairs(redis.call('HKEYS', K_DEADN)) do
   if redis.call('HEXISTS', K_KEYS, k) == 0 then keys = keys + 1 end
 end
@@ -1460,7 +1542,7 @@ local function live(ids)
     local fence = 0
     local run = krun(q, tonumber(ids))
     if run then fence = q.runs[run + 1] end
-    return {'RUN', r, reason, idstr(fence), lease, starts_of(ids)}
+    return {'RUN', r, reason, idstr(fence), lease, with_start(starts_of(ids), run_start(ids, fence))}
   end
   if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0', starts_of(ids)} end
   if nbf > now then return {'DELAYED', r, reason, '0', '0', starts_of(ids)} end
@@ -1515,6 +1597,8 @@ if redis.call('ZSCORE', K_INF, ids) then
   local q = kparse(redis.call('HGET', K_KEYS, k))
   local run = krun(q, n)
   if run and q.runs[run + 1] ~= 0 then
+    -- The run's start outlives its fence (see `run_start`).
+    redis.call('HSETNX', K_REASON, ids .. '^', idstr(math.floor(q.runs[run + 1] / 1000)))
     q.runs[run + 1] = 0
     kstore(k, q)
   end
@@ -1684,11 +1768,13 @@ if phase == 'k' then
   local kv = r[2]
   for i = 1, #kv, 2 do
     local k = kv[i]
-    local q = kparse(kv[i + 1])
-    out[#out + 1] = k
-    out[#out + 1] = q.d
-    out[#out + 1] = q.n
-    out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+    if k ~= KEYS_PIN then
+      local q = kparse(kv[i + 1])
+      out[#out + 1] = k
+      out[#out + 1] = q.d
+      out[#out + 1] = q.n
+      out[#out + 1] = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+    end
   end
 else
   local r = redis.call('HSCAN', K_DEADN, cur, 'COUNT', tonumber(ARGV[6]))
@@ -1708,7 +1794,8 @@ return out
 "#;
 
 /// Writes a new shard's deployment record (ARGV[4] the deployment id,
-/// ARGV[5] the layout version), refusing a shard any of whose keys exist:
+/// ARGV[5] the layout version) and the `keys` hash's pin (ARGV[6],
+/// [`keys_pin_value`]), refusing a shard any of whose keys exist:
 /// init never writes over another deployment's (or a lost) shard.
 const INIT_SHARD: &str = r#"
 local K_META = KEYS[1]
@@ -1718,6 +1805,7 @@ for _, k in ipairs(KEYS) do
   end
 end
 redis.call('HSET', K_META, 'dep', ARGV[4], 'layout', ARGV[5], 'seq', '0', 'pend', '0', 'flast', '0')
+redis.call('HSET', KEYS[3], string.char(0), ARGV[6])
 return {'OK'}
 "#;
 
@@ -1866,6 +1954,26 @@ impl Lua {
             other => other,
         }
     }
+}
+
+/// How many bytes the `keys` hash's pin holds ([`keys_pin_value`]).
+pub(crate) const KEYS_PIN_BYTES: usize = 1024;
+
+/// The value of the `keys` hash's pin: one field (named by a NUL byte, which
+/// no routing key holds) whose value is longer than Redis's bound for a
+/// listpack hash (`hash-max-listpack-value`, 64 bytes by default), so the
+/// hash keeps its hash-table encoding. A small hash is otherwise a listpack
+/// (up to `hash-max-listpack-entries` fields, 512 by default), searched
+/// field by field: a shard of a few hundred keys then spent about a fifth of
+/// redis-server's time in that search. The value reads as a key with
+/// nothing waiting and nothing in flight (`0 0 0 0 0`, then spaces), so a
+/// process built before the pin lists it as an empty key and is not
+/// confused. Written at init and at adopt; the scripts that list or count
+/// keys skip it.
+pub(crate) fn keys_pin_value() -> String {
+    let mut v = String::from("0 0 0 0 0");
+    v.push_str(&" ".repeat(KEYS_PIN_BYTES - v.len()));
+    v
 }
 
 /// Every script, built once per backend.

@@ -468,3 +468,184 @@ fn a_taken_port_is_an_error_not_a_panic_nor_someone_elses_server() {
     }
     drop(listener);
 }
+
+/// The server's clock in ms, as the scripts read it.
+fn server_ms(url: &str) -> u64 {
+    let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut con).unwrap();
+    s * 1000 + us / 1000
+}
+
+/// On the server's clock (no caller clock), a claim writes no start time:
+/// a running attempt's start is its fence's millisecond. Every attempt's
+/// start still reads back within the claim that made it (the fence's
+/// millisecond may be the next one), through a failure, a back-off (whose
+/// start is dropped), a cancel while running and a lapse; and nothing is
+/// left in the reason hash once the jobs are gone.
+#[test]
+fn start_times_on_the_servers_clock_hold_through_fail_back_off_cancel_and_ack() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    let within = |start: u64, (lo, hi): (u64, u64)| start >= lo && start <= hi + 1;
+    let claim = |max: usize, lease: u64| {
+        let lo = server_ms(&url);
+        let jobs = b.claim("r0", max, lease).unwrap();
+        (jobs, (lo, server_ms(&url)))
+    };
+    b.enqueue("r0", 1, &[job("a", "a1"), job("b", "b1"), job("c", "c1")])
+        .unwrap();
+
+    // a fails once, b backs off, c is cancelled while it runs (its run
+    // lapses after SHORT ms).
+    const SHORT: u64 = 1_500;
+    let (first, w1) = claim(10, SHORT);
+    assert_eq!(first.len(), 3);
+    let by = |k: &str| first.iter().find(|j| j.key == k).unwrap().clone();
+    let (a, bb, cc) = (by("a"), by("b"), by("c"));
+    let running = b.job("r0", a.id).unwrap().unwrap();
+    assert_eq!(running.attempt_starts_ms.len(), 1, "{running:?}");
+    assert!(
+        within(running.attempt_starts_ms[0], w1),
+        "{running:?} {w1:?}"
+    );
+    assert!(matches!(
+        b.fail("r0", a.receipt(), "flaky", Some(0)).unwrap(),
+        FailOutcome::Retry { .. }
+    ));
+    b.back_off("r0", bb.receipt(), 0, false).unwrap();
+    let backed = b.job("r0", bb.id).unwrap().unwrap();
+    assert!(backed.attempt_starts_ms.is_empty(), "{backed:?}");
+    assert_eq!(
+        b.cancel("r0", cc.id).unwrap(),
+        shardq_core::CancelOutcome::Stopping
+    );
+    // The cleared fence no longer tells the start; the cancel kept it.
+    let stopping = b.job("r0", cc.id).unwrap().unwrap();
+    assert_eq!(stopping.attempt_starts_ms, running_start(&b, cc.id, w1));
+
+    // The second round: a's retry and b's run, then both acked.
+    let (second, w2) = claim(10, LEASE);
+    let ids: Vec<_> = second.iter().map(|j| j.id).collect();
+    assert!(ids.contains(&a.id) && ids.contains(&bb.id), "{second:?}");
+    let a2 = b.job("r0", a.id).unwrap().unwrap();
+    assert_eq!(a2.attempt_starts_ms.len(), 2, "{a2:?}");
+    assert!(within(a2.attempt_starts_ms[0], w1), "{a2:?}");
+    assert!(within(a2.attempt_starts_ms[1], w2), "{a2:?} {w2:?}");
+    let receipts: Vec<_> = second.iter().map(|j| j.receipt()).collect();
+    assert!(b.ack("r0", &receipts).unwrap().stale.is_empty());
+    let done = b.finished("r0", None, 10).unwrap();
+    let of = |id| done.iter().find(|f| f.id == id).unwrap().clone();
+    assert_eq!(of(a.id).attempt_starts_ms, a2.attempt_starts_ms);
+    let b_done = of(bb.id);
+    assert_eq!(b_done.attempt_starts_ms.len(), 1, "{b_done:?}");
+    assert!(within(b_done.attempt_starts_ms[0], w2), "{b_done:?}");
+
+    // c's run ends when its lease lapses: it finishes cancelled, with the
+    // start its cancel kept.
+    while server_ms(&url) <= w1.1 + SHORT + 1 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (none, _) = claim(10, LEASE);
+    assert!(none.is_empty(), "{none:?}");
+    let done = b.finished("r0", None, 10).unwrap();
+    let c_done = done.iter().find(|f| f.id == cc.id).expect("c finished");
+    assert_eq!(c_done.attempt_starts_ms, stopping.attempt_starts_ms);
+    assert!(within(c_done.attempt_starts_ms[0], w1), "{c_done:?}");
+
+    // No reason, start or explicit start is left behind.
+    let keys =
+        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
+    let reason = keys.iter().find(|k| k.ends_with(":reason")).unwrap();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let left: Vec<String> = redis::cmd("HKEYS").arg(reason).query(&mut con).unwrap();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// The start of job `id`'s running attempt, checked to fall in `window`.
+fn running_start(b: &RedisBackend, id: shardq_core::JobId, window: (u64, u64)) -> Vec<u64> {
+    let info = b.job("r0", id).unwrap().unwrap();
+    assert_eq!(info.attempt_starts_ms.len(), 1, "{info:?}");
+    let s = info.attempt_starts_ms[0];
+    assert!(s >= window.0 && s <= window.1 + 1, "{info:?} {window:?}");
+    info.attempt_starts_ms
+}
+
+/// A shard's `keys` hash keeps the hash-table encoding from init on (its
+/// pin), so a key's lookup never walks every key; counts and the key
+/// inventory leave the pin out; a shard written without it (an older
+/// build) gets it from the next owner's adopt.
+#[test]
+fn the_keys_hash_stays_a_hash_table_and_its_pin_is_never_a_key() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let keys =
+        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
+    let hash = keys.iter().find(|k| k.ends_with(":keys")).unwrap().clone();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let encoding = |con: &mut redis::Connection| -> String {
+        redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(&hash)
+            .query(con)
+            .unwrap()
+    };
+    assert_eq!(encoding(&mut con), "hashtable");
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    b.enqueue("r0", 1, &[job("a", "1"), job("b", "2"), job("b", "3")])
+        .unwrap();
+    assert_eq!(encoding(&mut con), "hashtable");
+    assert_eq!(b.shard_stats("r0").unwrap().keys, 2);
+    let inv: Vec<String> = b
+        .keys_with_work("r0")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(inv.len(), 2, "{inv:?}");
+    // Drained, the shard counts no key, and the hash is still a table.
+    let jobs = b.claim("r0", 10, LEASE).unwrap();
+    b.ack("r0", &jobs.iter().map(|j| j.receipt()).collect::<Vec<_>>())
+        .unwrap();
+    let jobs = b.claim("r0", 10, LEASE).unwrap();
+    b.ack("r0", &jobs.iter().map(|j| j.receipt()).collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(b.shard_stats("r0").unwrap().keys, 0);
+    assert!(b.keys_with_work("r0").unwrap().is_empty());
+    assert_eq!(encoding(&mut con), "hashtable");
+
+    // A shard written before the pin: its hash is gone once drained (as an
+    // older build leaves it); the next owner's adopt writes the pin again.
+    let _: () = redis::cmd("DEL").arg(&hash).query(&mut con).unwrap();
+    c.release_all().unwrap();
+    let b2 = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c2 = coordinator(&b2, "w@2", 10_000);
+    assert_eq!(tick_adopt(&b2, &mut c2), ["r0"]);
+    assert_eq!(encoding(&mut con), "hashtable");
+    let pin: Option<String> = redis::cmd("HGET")
+        .arg(&hash)
+        .arg("\0")
+        .query(&mut con)
+        .unwrap();
+    let pin = pin.expect("the pin");
+    assert!(
+        pin.len() > 64 && pin.starts_with("0 0 0 0 0"),
+        "{}",
+        pin.len()
+    );
+    assert_eq!(b2.shard_stats("r0").unwrap().keys, 0);
+}
