@@ -339,7 +339,9 @@ end
 -- Whether receipt (ids, fence) names the current run of its job on key k,
 -- whose queue is q: nil if it does, else why not. A run whose job lease
 -- lapsed ends here (its job goes back to its key), so it is stale too.
-local function run_check(ids, fence, k, q, now)
+-- until_ms: the job's lease deadline when the caller read it (nil: read
+-- here; false: not in flight).
+local function run_check(ids, fence, k, q, now, until_ms)
   -- A job in flight on its key exists (its record goes with its ack).
   local run = q and krun(q, tonumber(ids))
   if not run then
@@ -349,7 +351,8 @@ local function run_check(ids, fence, k, q, now)
   local cur = q.runs[run + 1]
   if cur == 0 then return 'the job was cancelled while it ran' end
   if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
-  local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
+  if until_ms == nil then until_ms = redis.call('ZSCORE', K_INF, ids) end
+  until_ms = tonumber(until_ms or '0')
   if until_ms <= now then
     requeue(ids, 'job lease expired', now)
     return 'job lease lapsed'

@@ -11,7 +11,7 @@
 
 use crate::backend::QueueBackend;
 use crate::error::QueueError;
-use crate::job::{CancelOutcome, ClaimedJob, JobId, JobState, NewJob, Receipt};
+use crate::job::{CancelOutcome, ClaimedJob, JobId, JobState, KeyCounts, NewJob, Receipt};
 
 /// A backend under test and a way to let its time pass.
 pub trait ContractHarness {
@@ -187,6 +187,7 @@ pub fn run_all(h: &dyn ContractHarness) {
     a_groups_concurrency_caps_its_runs_over_every_shard(h);
     a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h);
     lapsed_runs_of_a_concurrent_key_run_again_in_order(h);
+    an_ack_batch_with_a_live_and_a_lapsed_run_of_one_key(h);
     a_changed_concurrency_holds_from_the_next_claim(h);
     a_concurrent_keys_starts_share_its_rate(h);
 }
@@ -305,6 +306,67 @@ pub fn lapsed_runs_of_a_concurrent_key_run_again_in_order(h: &dyn ContractHarnes
     let last = claim(h, &shard, 10, LONG_LEASE_MS);
     assert_eq!(payloads_of(&last, key), ["3"], "{last:?}");
     ack_one(h, &shard, last[0].receipt());
+}
+
+/// One ack batch names a live run and a lapsed run of one key (concurrency
+/// 3): the live one is acked; the lapsed one is refused (its job runs again
+/// before the key's later jobs) or, on a backend that ends a lapsed run only
+/// when it is reclaimed, acked. Either way no run is left behind in flight
+/// (a backend that changes a key's queue in memory for the batch must not
+/// lose the ack when the lapse writes the key).
+pub fn an_ack_batch_with_a_live_and_a_lapsed_run_of_one_key(h: &dyn ContractHarness) {
+    if h.backend().limits().key_concurrency_max < 3 {
+        return;
+    }
+    let shard = h.fresh_shard();
+    let key = "contract-c3:mixed";
+    for i in 0..4 {
+        enqueue(h, &shard, key, &i.to_string(), 5);
+    }
+    let lease = h.short_lease_ms();
+    let runs = claim(h, &shard, 10, lease);
+    assert_eq!(payloads_of(&runs, key), ["0", "1", "2"], "{runs:?}");
+    let b = h.backend();
+    let kept = b
+        .extend(&shard, &[runs[0].receipt()], LONG_LEASE_MS)
+        .expect("extend");
+    assert!(kept.is_empty(), "{kept:?}");
+    h.pass_ms(lease * 3);
+    let out = b
+        .ack(&shard, &[runs[0].receipt(), runs[1].receipt()])
+        .expect("ack");
+    assert!(!out.stale.contains(&runs[0].receipt()), "{out:?}");
+    let refused = out.stale.contains(&runs[1].receipt());
+    assert_eq!(out.acked, if refused { 1 } else { 2 }, "{out:?}");
+    let want: &[&str] = if refused {
+        &["1", "2", "3"]
+    } else {
+        &["2", "3"]
+    };
+    let mut again = Vec::new();
+    for _ in 0..200 {
+        again.extend(claim(h, &shard, 10, LONG_LEASE_MS));
+        if again.len() >= want.len() {
+            break;
+        }
+        h.pass_ms(lease);
+    }
+    assert_eq!(payloads_of(&again, key), want, "{again:?}");
+    let attempts: Vec<u32> = again.iter().map(|r| r.attempt).collect();
+    let lapsed: &[u32] = if refused { &[2, 2, 1] } else { &[2, 1] };
+    assert_eq!(
+        attempts, lapsed,
+        "the lapsed runs' jobs run again first: {again:?}"
+    );
+    for r in &again {
+        ack_one(h, &shard, r.receipt());
+    }
+    assert_eq!(
+        b.key_counts(&shard, key).expect("key counts"),
+        KeyCounts::default(),
+        "nothing of the key is left waiting or in flight"
+    );
+    assert!(claim(h, &shard, 10, LONG_LEASE_MS).is_empty());
 }
 
 /// A key of concurrency 3 limited to 2 starts a second (burst 2): one

@@ -207,13 +207,21 @@ impl RedisOptions {
     }
 }
 
+/// A run this process handed out: its job's routing key, and the attempt it
+/// is (the claim's record count + 1).
+struct Run {
+    key: String,
+    attempt: u32,
+}
+
 /// What this process holds of an adopted shard.
 struct Held {
     token: String,
     /// Jobs handed out and not yet acked or failed here, with their routing
-    /// keys: an ack names the key, so the script checks the key's runs
-    /// instead of reading the job.
-    in_flight: HashMap<u64, String>,
+    /// keys and attempts: an ack names both, so the script checks the key's
+    /// runs instead of reading the job, and writes the finished job's entry
+    /// without reading its record (payload and all).
+    in_flight: HashMap<u64, Run>,
     /// The flow settings' version whose run limits the keys with runs here
     /// were last given ([`RedisBackend::relimit`]).
     limits_version: u64,
@@ -748,7 +756,7 @@ impl RedisBackend {
     ) -> Result<bool, QueueError> {
         let version = flow.version();
         let keys: std::collections::BTreeSet<&str> =
-            held.in_flight.values().map(String::as_str).collect();
+            held.in_flight.values().map(|r| r.key.as_str()).collect();
         let pairs: Vec<(&str, u32)> = (keys.into_iter())
             .map(|k| (k, flow.concurrency_of(k)))
             .collect();
@@ -1350,7 +1358,11 @@ impl QueueBackend for RedisBackend {
                 .and_then(JobRecord::parse)
                 .ok_or_else(bad)?;
             let fence = reply::u64(&j[2]).ok_or_else(bad)?;
-            held.in_flight.insert(id, rec.key.clone());
+            let run = Run {
+                key: rec.key.clone(),
+                attempt: rec.attempts.saturating_add(1),
+            };
+            held.in_flight.insert(id, run);
             claimed.push((id, rec, fence));
         }
         // Every start's limits asked at once: one call per group.
@@ -1429,7 +1441,7 @@ impl QueueBackend for RedisBackend {
         let mut not_owner = false;
         let res = (|| -> Result<(), QueueError> {
             for chunk in receipts.chunks(ACK_BATCH_MAX) {
-                let list = receipt_args(chunk, &held.in_flight);
+                let list = ack_args(chunk, &held.in_flight);
                 let retried = std::cell::Cell::new(false);
                 let v = self.script(s, &self.inner.scripts.ack, &token, &|c, attempt| {
                     retried.set(attempt > 0);
@@ -1456,8 +1468,8 @@ impl QueueBackend for RedisBackend {
                 }
                 outcome.acked += (chunk.len() - refused.len()) as u64;
                 for r in chunk {
-                    if let Some(key) = held.in_flight.remove(&r.id.0) {
-                        ended.push((key, r.fence));
+                    if let Some(run) = held.in_flight.remove(&r.id.0) {
+                        ended.push((run.key, r.fence));
                     }
                 }
             }
@@ -1493,7 +1505,7 @@ impl QueueBackend for RedisBackend {
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
         let opts = &self.inner.opts;
         let backoff = (held.in_flight.get(&receipt.id.0))
-            .and_then(|key| opts.retry_rules.for_key(key))
+            .and_then(|run| opts.retry_rules.for_key(&run.key))
             .map_or(opts.backoff, |p| p.backoff);
         let retry = retry_in_ms.map(|m| m.to_string()).unwrap_or_default();
         let v = self.script(s, &self.inner.scripts.fail, &held.token, &|c, _| {
@@ -1511,7 +1523,7 @@ impl QueueBackend for RedisBackend {
         })?;
         match reply::status(&v).as_str() {
             "RETRY" => {
-                let key = held.in_flight.remove(&receipt.id.0);
+                let key = held.in_flight.remove(&receipt.id.0).map(|r| r.key);
                 drop(guard);
                 self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
                 Ok(FailOutcome::Retry {
@@ -1519,7 +1531,7 @@ impl QueueBackend for RedisBackend {
                 })
             }
             "DEAD" => {
-                let key = held.in_flight.remove(&receipt.id.0);
+                let key = held.in_flight.remove(&receipt.id.0).map(|r| r.key);
                 drop(guard);
                 self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
                 Ok(FailOutcome::Dead)
@@ -1531,7 +1543,7 @@ impl QueueBackend for RedisBackend {
             "STALE" => {
                 // Not current (or ended by a first try whose reply was
                 // lost): over either way, so its slot goes.
-                let key = held.in_flight.get(&receipt.id.0).cloned();
+                let key = held.in_flight.get(&receipt.id.0).map(|r| r.key.clone());
                 drop(guard);
                 self.runs_ended(shard, &Vec::from_iter(key.map(|k| (k, receipt.fence))));
                 Err(Self::stale_reply(s, receipt, &v))
@@ -1602,10 +1614,8 @@ impl QueueBackend for RedisBackend {
         let s = &*s;
         let mut guard = s.held();
         let held = guard.as_mut().ok_or_else(|| Self::not_owner(s))?;
-        let key = held
-            .in_flight
-            .get(&receipt.id.0)
-            .cloned()
+        let key = (held.in_flight.get(&receipt.id.0))
+            .map(|r| r.key.clone())
             .unwrap_or_default();
         let given = self.give_back(s, held, receipt, &key, retry_in_ms);
         if let Err(QueueError::NotOwner { .. }) = given {
@@ -1666,7 +1676,7 @@ impl QueueBackend for RedisBackend {
                 let refused = &stale[before..];
                 let keys = (chunk.iter())
                     .filter(|r| !refused.iter().any(|x| x.id == r.id))
-                    .filter_map(|r| held.in_flight.get(&r.id.0).map(|k| (k.clone(), r.fence)))
+                    .filter_map(|r| (held.in_flight.get(&r.id.0)).map(|x| (x.key.clone(), r.fence)))
                     .collect();
                 renewed.push((deadline, keys));
             }
@@ -2216,12 +2226,35 @@ impl QueueBackend for RedisBackend {
 
 /// ARGV of receipts: id, fence and the key when this process knows it (the
 /// script looks the key up in the job's record otherwise).
-fn receipt_args(receipts: &[Receipt], known: &HashMap<u64, String>) -> Vec<String> {
+fn receipt_args(receipts: &[Receipt], known: &HashMap<u64, Run>) -> Vec<String> {
     let mut list = Vec::with_capacity(receipts.len() * 3);
     for r in receipts {
         list.push(r.id.0.to_string());
         list.push(r.fence.to_string());
-        list.push(known.get(&r.id.0).cloned().unwrap_or_default());
+        list.push(
+            known
+                .get(&r.id.0)
+                .map(|x| x.key.clone())
+                .unwrap_or_default(),
+        );
+    }
+    list
+}
+
+/// The ack script's arguments: id, fence, key and attempt per receipt (key
+/// and attempt empty for a run this process did not hand out).
+fn ack_args(receipts: &[Receipt], known: &HashMap<u64, Run>) -> Vec<String> {
+    let mut list = Vec::with_capacity(receipts.len() * 4);
+    for r in receipts {
+        list.push(r.id.0.to_string());
+        list.push(r.fence.to_string());
+        match known.get(&r.id.0) {
+            Some(run) => {
+                list.push(run.key.clone());
+                list.push(run.attempt.to_string());
+            }
+            None => list.extend([String::new(), String::new()]),
+        }
     }
     list
 }

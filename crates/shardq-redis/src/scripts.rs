@@ -353,7 +353,9 @@ end
 -- Whether receipt (ids, fence) names the current run of its job on key k,
 -- whose queue is q: nil if it does, else why not. A run whose job lease
 -- lapsed ends here (its job goes back to its key), so it is stale too.
-local function run_check(ids, fence, k, q, now)
+-- until_ms: the job's lease deadline when the caller read it (nil: read
+-- here; false: not in flight).
+local function run_check(ids, fence, k, q, now, until_ms)
   -- A job in flight on its key exists (its record goes with its ack).
   local run = q and krun(q, tonumber(ids))
   if not run then
@@ -363,7 +365,8 @@ local function run_check(ids, fence, k, q, now)
   local cur = q.runs[run + 1]
   if cur == 0 then return 'the job was cancelled while it ran' end
   if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
-  local until_ms = tonumber(redis.call('ZSCORE', K_INF, ids) or '0')
+  if until_ms == nil then until_ms = redis.call('ZSCORE', K_INF, ids) end
+  until_ms = tonumber(until_ms or '0')
   if until_ms <= now then
     requeue(ids, 'job lease expired', now)
     return 'job lease lapsed'
@@ -821,17 +824,39 @@ if redis.call('EXISTS', K_DELAYED) == 1 then redis.call('ZREM', K_DELAYED, unpac
 return out
 "#;
 
-/// ARGV[5..] triples of job id, run fence and routing key (empty when the
-/// caller does not know it). Acks the receipts that name their job's
-/// current run; replies {'OK', id, fence, why, ...} for the others.
+/// ARGV[5..] quadruples of job id, run fence, routing key and the attempt
+/// the run is (the claim's record count + 1; key and attempt empty when the
+/// caller does not know them: the job's record tells). Acks the receipts
+/// that name their job's current run; replies {'OK', id, fence, why, ...}
+/// for the others.
 const ACK: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 local out = {'OK'}
-local done, fences, freed, qs = {}, {}, {}, {}
-for i = 5, #ARGV - 2, 3 do
-  local ids, fence = ARGV[i], ARGV[i + 1]
+local done, fences, dkeys, datt, freed = {}, {}, {}, {}, {}
+-- One read for every receipt's job lease and one for their keys' queues.
+-- The queues change in memory (a repeated receipt finds its run gone, so it
+-- is stale) and are written once at the end, or before a lapsed run goes
+-- back to its key (requeue reads and writes the key itself).
+local rids, rkeys, klist, qs, dirty = {}, {}, {}, {}, {}
+for i = 5, #ARGV - 3, 4 do
+  local ids = ARGV[i]
   local k = key_of(ids, ARGV[i + 2])
+  rids[#rids + 1] = ids
+  rkeys[#rkeys + 1] = k
+  if k ~= '' and not qs[k] then
+    qs[k] = true
+    klist[#klist + 1] = k
+  end
+end
+local leases = {}
+if #rids > 0 then leases = redis.call('ZMSCORE', K_INF, unpack(rids)) end
+if #klist > 0 then
+  for x, r in ipairs(redis.call('HMGET', K_KEYS, unpack(klist))) do qs[klist[x]] = kparse(r or nil) end
+end
+for x, ids in ipairs(rids) do
+  local i = 1 + 4 * x
+  local fence, k = ARGV[i + 1], rkeys[x]
   local q = nil
   if k ~= '' then
     q = qs[k]
@@ -840,10 +865,15 @@ for i = 5, #ARGV - 2, 3 do
       qs[k] = q
     end
   end
-  local why = run_check(ids, fence, k, q, now)
+  local lapsed = q and tonumber(leases[x] or '0') <= now
+  if lapsed and dirty[k] then
+    kstore(k, q)
+    dirty[k] = nil
+  end
+  local why = run_check(ids, fence, k, q, now, leases[x])
   if why then
     -- A lapsed run was put back: the key's queue changed under us.
-    if k ~= '' then qs[k] = nil end
+    if lapsed then qs[k] = nil end
     out[#out + 1] = ids
     out[#out + 1] = fence
     out[#out + 1] = why
@@ -851,21 +881,44 @@ for i = 5, #ARGV - 2, 3 do
     local was = kqueued(k, q)
     krun_end(q, krun(q, tonumber(ids)))
     done[#done + 1] = ids
-    fences[#fences + 1] = fence
-    -- Written at once: a later receipt of this batch reads the key afresh
-    -- (and finds the run gone, so a repeated receipt is stale).
-    kstore(k, q)
-    qs[k] = nil
+    fences[#done] = fence
+    dkeys[#done] = k
+    if ARGV[i + 3] ~= '' then datt[#done] = ARGV[i + 3] end
+    dirty[k] = true
     -- Claim checks the next head's start time.
     if not was and kqueued(k, q) then freed[#freed + 1] = k end
   end
 end
+local put, del = {}, {}
+for k in pairs(dirty) do
+  local q = qs[k]
+  if q.d == 0 and q.n == 0 then
+    del[#del + 1] = k
+  else
+    put[#put + 1] = k
+    put[#put + 1] = kfmt(q)
+  end
+end
+if #put > 0 then redis.call('HSET', K_KEYS, unpack(put)) end
+if #del > 0 then redis.call('HDEL', K_KEYS, unpack(del)) end
 -- The acked jobs leave in one call per structure (the batch is bounded).
 if #done > 0 then
   if done_max() > 0 then
-    -- Two reads for the whole batch at most: the records, then reasons
-    -- and start times when any job has one (see `forget`).
-    local recs = redis.call('HMGET', K_JOBS, unpack(done))
+    -- Two reads for the whole batch at most: the records of runs whose
+    -- attempt the caller did not know, then reasons and start times when
+    -- any job has one (see `forget`).
+    local unknown = {}
+    for x = 1, #done do
+      if not datt[x] then unknown[#unknown + 1] = x end
+    end
+    if #unknown > 0 then
+      local want = {}
+      for y, x in ipairs(unknown) do want[y] = done[x] end
+      for y, r in ipairs(redis.call('HMGET', K_JOBS, unpack(want))) do
+        local _, a = rec_parse(r)
+        datt[unknown[y]] = a + 1
+      end
+    end
     local rs = nil
     if redis.call('EXISTS', K_REASON) == 1 then
       local f = {}
@@ -880,11 +933,10 @@ if #done > 0 then
     local nows = idstr(now)
     -- Pushed in ack order: the last one acked ends at the head.
     for x = 1, #done do
-      local _, a, _, _, k = rec_parse(recs[x])
       local why, starts, explicit = nil, '', false
       if rs then why, starts, explicit = rs[3 * x - 2], rs[3 * x - 1] or '', rs[3 * x] end
       starts = with_start(starts, run_start(done[x], fences[x], explicit))
-      entries[#entries + 1] = done_line(done[x], k, 'c', a + 1, nows, starts, why)
+      entries[#entries + 1] = done_line(done[x], dkeys[x], 'c', datt[x], nows, starts, why)
     end
     keep_done(entries)
   end
