@@ -738,7 +738,7 @@ local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
 -- head must wait (the key goes to later) or is gone (the key is dropped, as
 -- a key whose record is missing always was).
 local gone, starts = {}, {}
-local function start(i, r, nxs)
+local function start(i, r, nxs, id)
   local k, q = cand[i], qs[i]
   if not r then
     gone[k] = true
@@ -750,7 +750,8 @@ local function start(i, r, nxs)
     later[#later + 1] = k
     return false
   end
-  local id = idstr(q.h)
+  local n = q.h
+  id = id or idstr(n)
   if nxs then
     q.h = tonumber(nxs)
     unlink[#unlink + 1] = id
@@ -759,7 +760,7 @@ local function start(i, r, nxs)
   end
   q.d = q.d - 1
   last = math.max(us, last + 1, floor)
-  krun_add(q, tonumber(id), last)
+  krun_add(q, n, last)
   kq[k] = q
   inf[#inf + 1] = deadlines
   inf[#inf + 1] = id
@@ -771,7 +772,8 @@ local function start(i, r, nxs)
   end
   out[#out + 1] = id
   out[#out + 1] = r
-  out[#out + 1] = idstr(last)
+  -- A number replies as an integer (exact: fences stay below 2^53).
+  out[#out + 1] = last
   return true
 end
 -- Turns: every candidate's head first (read in one call), then, when some
@@ -780,7 +782,7 @@ end
 local several = lim_keys ~= nil
 local live = {}
 for i = 1, #cand do
-  if #ids < max and start(i, rs[i], nx[i]) and several then live[#live + 1] = i end
+  if #ids < max and start(i, rs[i], nx[i], heads[i]) and several then live[#live + 1] = i end
 end
 while #ids < max and #live > 0 do
   local next_live = {}
@@ -788,7 +790,7 @@ while #ids < max and #live > 0 do
     local q = qs[i]
     if #ids < max and q.h ~= 0 and q.n < q.lim then
       local id = idstr(q.h)
-      if start(i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id)) then
+      if start(i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id), id) then
         next_live[#next_live + 1] = i
       end
     end
