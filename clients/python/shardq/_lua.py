@@ -225,31 +225,43 @@ local function forget(list, i, j)
   end
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
--- When the running attempt of job ids (run fence `fence`) started: its
--- `id^`, else its fence's millisecond (a fence as text drops its last three
--- digits: every fence issued is a time in microseconds, far above 1000);
--- nil for a cleared fence without one.
-local function run_start(ids, fence, explicit)
+-- When the running attempt of job ids (run fence `fence`, a number or its
+-- text) started, as read at `now`: its `id^` (`<fence>:<ms>`) when that
+-- names this run (a cleared fence takes any: the cancel that cleared it
+-- wrote it), else its fence's millisecond (the text without its last three
+-- digits: fences are times in microseconds), but never later than now (a
+-- claim's later fences may fall in the next millisecond); nil for a
+-- cleared fence without one.
+local function run_start(ids, fence, now, explicit)
   if explicit == nil then explicit = redis.call('HGET', K_REASON, ids .. '^') end
-  if explicit then return explicit end
-  if type(fence) == 'string' then
-    if #fence > 3 then return string.sub(fence, 1, -4) end
-    fence = tonumber(fence)
+  local fs = fence
+  if type(fs) ~= 'string' then fs = idstr(fs) end
+  if explicit then
+    local f, ms = string.match(explicit, '^(%d+):(%d+)$')
+    if ms and (f == fs or fs == '0') then return ms end
   end
-  if fence == 0 then return nil end
-  return idstr(math.floor(fence / 1000))
+  if fs == '0' then return nil end
+  if #fs <= 3 then return '0' end
+  local ms = string.sub(fs, 1, -4)
+  if tonumber(ms) > now then return idstr(now) end
+  return ms
 end
 local function with_start(starts, s)
   if not s then return starts end
   if starts == '' then return s end
   return starts .. ',' .. s
 end
--- The run of job ids ended as an attempt: its start joins the ended ones.
-local function settle_start(ids, fence)
-  local s = run_start(ids, fence)
-  if s then
-    local at = ids .. '@'
-    redis.call('HSET', K_REASON, at, with_start(redis.call('HGET', K_REASON, at) or '', s))
+-- The run of job ids ended as an attempt (`a` attempts ended before it):
+-- its start joins the ended ones. A run an older build claimed is in
+-- `id@` already (which then holds more than `a` starts).
+local function settle_start(ids, fence, now, a)
+  local at = ids .. '@'
+  local had = redis.call('HGET', K_REASON, at) or ''
+  local n = 0
+  if had ~= '' then n = select(2, string.gsub(had, ',', ',')) + 1 end
+  if n <= a then
+    local s = run_start(ids, fence, now)
+    if s then redis.call('HSET', K_REASON, at, with_start(had, s)) end
   end
   redis.call('HDEL', K_REASON, ids .. '^')
 end
@@ -272,7 +284,7 @@ end
 local function done_entry(ids, r, outcome, attempts, now, fence)
   local _, _, _, _, k = rec_parse(r)
   local starts = starts_of(ids)
-  if fence then starts = with_start(starts, run_start(ids, fence)) end
+  if fence then starts = with_start(starts, run_start(ids, fence, now)) end
   return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
@@ -321,7 +333,7 @@ local function requeue(ids, why, now)
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   if run then
-    settle_start(ids, q.runs[run + 1])
+    settle_start(ids, q.runs[run + 1], now, a - 1)
     krun_end(q, run)
   end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
@@ -367,6 +379,11 @@ local now = now_ms()
 local n = tonumber(ARGV[6])
 local window = tonumber(ARGV[7])
 local A = 8
+-- The keys hash's pin is no routing key (producers refuse control
+-- characters; this guards the store from one that does not).
+for i = 0, n - 1 do
+  if ARGV[A + 5 * i] == KEYS_PIN then return redis.error_reply('shardq: a routing key holds no NUL byte') end
+end
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
 if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then

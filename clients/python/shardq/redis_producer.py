@@ -164,6 +164,27 @@ class Placed:
 JobLike = Union[Job, Tuple[str, Union[bytes, str]]]
 
 
+# Characters no key holds (as ``shardq_core::job::is_unshowable``): control
+# characters, line separators and invisible formatting characters.
+_INVISIBLE = frozenset(
+    [0x061C, 0x180E, 0xFEFF]
+    + list(range(0x200B, 0x2010))
+    + list(range(0x2028, 0x202F))
+    + list(range(0x2060, 0x2065))
+    + list(range(0x2066, 0x206A))
+)
+
+
+def _unshowable(key: str) -> Optional[Tuple[int, str]]:
+    """The byte offset and character of the first character no key may
+    hold, if any."""
+    for i, c in enumerate(key):
+        o = ord(c)
+        if o < 0x20 or 0x7F <= o <= 0x9F or o in _INVISIBLE:
+            return len(key[:i].encode("utf-8")), c
+    return None
+
+
 def _as_job(j: JobLike, payload_bytes_max: int) -> Tuple[str, bytes, int, int]:
     if isinstance(j, Job):
         key, payload, delay, attempts = j.key, j.payload, j.delay_ms, j.max_attempts
@@ -182,6 +203,13 @@ def _as_job(j: JobLike, payload_bytes_max: int) -> Tuple[str, bytes, int, int]:
         raise InvalidJob("a key must not be empty")
     if kb > KEY_BYTES_MAX:
         raise InvalidJob(f"key {key[:32]!r}... has {kb} bytes; a key is at most {KEY_BYTES_MAX}")
+    bad = _unshowable(key)
+    if bad is not None:
+        at, c = bad
+        raise InvalidJob(
+            f"key {key[:64]!r}: a key holds no control character, line separator or invisible "
+            f"formatting character; this one has {c!r} (U+{ord(c):04X}) at byte {at}"
+        )
     if len(payload) > payload_bytes_max:
         raise InvalidJob(
             f"payload of key {key!r} has {len(payload)} bytes; the limit is {payload_bytes_max}"

@@ -78,6 +78,20 @@ def test_a_bad_key_is_invalid_job_from_every_client(key):
         _as_job(Job(key, b"x"), 1 << 20)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key, shown", [("\0", "U+0000"), ("a\nb", "U+000A"), ("t\x1b[2J", "U+001B"),
+                                        ("x\u202ey", "U+202E"), ("\x85", "U+0085")])
+def test_the_redis_producer_refuses_the_keys_the_server_refuses(key, shown):
+    # The Redis producer writes to the store itself: it holds keys to the
+    # grammar the server and the Rust producer check (and a NUL key would
+    # be the store's own pin field of the keys hash).
+    from shardq.redis_producer import Job, _as_job
+
+    with pytest.raises(InvalidJob) as e:
+        _as_job(Job(key, b"x"), 1 << 20)
+    assert shown in str(e.value)
+    assert _as_job(Job("tenant-\u00e9", b"x"), 1 << 20)[0] == "tenant-\u00e9"
+
+
 def test_one_error_hierarchy_and_the_asyncio_clients_at_the_top_level():
     assert issubclass(InvalidJob, ShardqError) and issubclass(ConfigError, ShardqError)
     for bad in (lambda: Client("ftp://x"), lambda: Client([]), lambda: Worker("nope"),

@@ -239,31 +239,43 @@ local function forget(list, i, j)
   end
 end
 local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
--- When the running attempt of job ids (run fence `fence`) started: its
--- `id^`, else its fence's millisecond (a fence as text drops its last three
--- digits: every fence issued is a time in microseconds, far above 1000);
--- nil for a cleared fence without one.
-local function run_start(ids, fence, explicit)
+-- When the running attempt of job ids (run fence `fence`, a number or its
+-- text) started, as read at `now`: its `id^` (`<fence>:<ms>`) when that
+-- names this run (a cleared fence takes any: the cancel that cleared it
+-- wrote it), else its fence's millisecond (the text without its last three
+-- digits: fences are times in microseconds), but never later than now (a
+-- claim's later fences may fall in the next millisecond); nil for a
+-- cleared fence without one.
+local function run_start(ids, fence, now, explicit)
   if explicit == nil then explicit = redis.call('HGET', K_REASON, ids .. '^') end
-  if explicit then return explicit end
-  if type(fence) == 'string' then
-    if #fence > 3 then return string.sub(fence, 1, -4) end
-    fence = tonumber(fence)
+  local fs = fence
+  if type(fs) ~= 'string' then fs = idstr(fs) end
+  if explicit then
+    local f, ms = string.match(explicit, '^(%d+):(%d+)$')
+    if ms and (f == fs or fs == '0') then return ms end
   end
-  if fence == 0 then return nil end
-  return idstr(math.floor(fence / 1000))
+  if fs == '0' then return nil end
+  if #fs <= 3 then return '0' end
+  local ms = string.sub(fs, 1, -4)
+  if tonumber(ms) > now then return idstr(now) end
+  return ms
 end
 local function with_start(starts, s)
   if not s then return starts end
   if starts == '' then return s end
   return starts .. ',' .. s
 end
--- The run of job ids ended as an attempt: its start joins the ended ones.
-local function settle_start(ids, fence)
-  local s = run_start(ids, fence)
-  if s then
-    local at = ids .. '@'
-    redis.call('HSET', K_REASON, at, with_start(redis.call('HGET', K_REASON, at) or '', s))
+-- The run of job ids ended as an attempt (`a` attempts ended before it):
+-- its start joins the ended ones. A run an older build claimed is in
+-- `id@` already (which then holds more than `a` starts).
+local function settle_start(ids, fence, now, a)
+  local at = ids .. '@'
+  local had = redis.call('HGET', K_REASON, at) or ''
+  local n = 0
+  if had ~= '' then n = select(2, string.gsub(had, ',', ',')) + 1 end
+  if n <= a then
+    local s = run_start(ids, fence, now)
+    if s then redis.call('HSET', K_REASON, at, with_start(had, s)) end
   end
   redis.call('HDEL', K_REASON, ids .. '^')
 end
@@ -286,7 +298,7 @@ end
 local function done_entry(ids, r, outcome, attempts, now, fence)
   local _, _, _, _, k = rec_parse(r)
   local starts = starts_of(ids)
-  if fence then starts = with_start(starts, run_start(ids, fence)) end
+  if fence then starts = with_start(starts, run_start(ids, fence, now)) end
   return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
 end
 local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
@@ -335,7 +347,7 @@ local function requeue(ids, why, now)
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   if run then
-    settle_start(ids, q.runs[run + 1])
+    settle_start(ids, q.runs[run + 1], now, a - 1)
     krun_end(q, run)
   end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
@@ -385,6 +397,11 @@ local now = now_ms()
 local n = tonumber(ARGV[6])
 local window = tonumber(ARGV[7])
 local A = 8
+-- The keys hash's pin is no routing key (producers refuse control
+-- characters; this guards the store from one that does not).
+for i = 0, n - 1 do
+  if ARGV[A + 5 * i] == KEYS_PIN then return redis.error_reply('shardq: a routing key holds no NUL byte') end
+end
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
 if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
 if redis.call('SCARD', K_PAUSED) > 0 then
@@ -768,7 +785,7 @@ local function start(i, r, nxs, id)
   if ARGV[1] ~= '' or last >= us + 1000 then
     -- The fence does not tell the start time (see `run_start`).
     starts[#starts + 1] = id .. '^'
-    starts[#starts + 1] = idstr(now)
+    starts[#starts + 1] = idstr(last) .. ':' .. idstr(now)
   end
   out[#out + 1] = id
   out[#out + 1] = r
@@ -937,7 +954,7 @@ if #done > 0 then
     for x = 1, #done do
       local why, starts, explicit = nil, '', false
       if rs then why, starts, explicit = rs[3 * x - 2], rs[3 * x - 1] or '', rs[3 * x] end
-      starts = with_start(starts, run_start(done[x], fences[x], explicit))
+      starts = with_start(starts, run_start(done[x], fences[x], now, explicit))
       entries[#entries + 1] = done_line(done[x], dkeys[x], 'c', datt[x], nows, starts, why)
     end
     keep_done(entries)
@@ -969,7 +986,7 @@ local _, a, m = rec_parse(r)
 a = a + 1
 redis.call('ZREM', K_INF, id)
 redis.call('HSET', K_REASON, id, ARGV[7])
-settle_start(id, ARGV[6])
+settle_start(id, ARGV[6], now, a - 1)
 local was = kqueued(k, q)
 krun_end(q, krun(q, tonumber(id)))
 if a >= m then
@@ -1596,7 +1613,7 @@ local function live(ids)
     local fence = 0
     local run = krun(q, tonumber(ids))
     if run then fence = q.runs[run + 1] end
-    return {'RUN', r, reason, idstr(fence), lease, with_start(starts_of(ids), run_start(ids, fence))}
+    return {'RUN', r, reason, idstr(fence), lease, with_start(starts_of(ids), run_start(ids, fence, now))}
   end
   if redis.call('ZSCORE', K_DEAD, ids) then return {'DEAD', r, reason, '0', '0', starts_of(ids)} end
   if nbf > now then return {'DELAYED', r, reason, '0', '0', starts_of(ids)} end
@@ -1652,7 +1669,8 @@ if redis.call('ZSCORE', K_INF, ids) then
   local run = krun(q, n)
   if run and q.runs[run + 1] ~= 0 then
     -- The run's start outlives its fence (see `run_start`).
-    redis.call('HSETNX', K_REASON, ids .. '^', idstr(math.floor(q.runs[run + 1] / 1000)))
+    local f = q.runs[run + 1]
+    redis.call('HSETNX', K_REASON, ids .. '^', idstr(f) .. ':' .. idstr(math.min(math.floor(f / 1000), now)))
     q.runs[run + 1] = 0
     kstore(k, q)
   end
@@ -2020,13 +2038,15 @@ pub(crate) const KEYS_PIN_BYTES: usize = 1024;
 /// (up to `hash-max-listpack-entries` fields, 512 by default), searched
 /// field by field: a shard of a few hundred keys then spent about a fifth of
 /// redis-server's time in that search. The value reads as a key with
-/// nothing waiting and nothing in flight (`0 0 0 0 0`, then spaces), so a
-/// process built before the pin lists it as an empty key and is not
-/// confused. Written at init and at adopt; the scripts that list or count
-/// keys skip it.
+/// nothing waiting and nothing in flight (`0 0 0 0 ` then zeros: five
+/// numbers, every one 0, for the strict parser of builds that read key
+/// layout 2 only as for the later ones), so a process built before the pin
+/// lists it as a key with nothing in it (one more key in its counts) and its
+/// replies stay well formed. Written at init and at adopt; the scripts that
+/// list or count keys skip it, and the enqueue script refuses it as a key.
 pub(crate) fn keys_pin_value() -> String {
-    let mut v = String::from("0 0 0 0 0");
-    v.push_str(&" ".repeat(KEYS_PIN_BYTES - v.len()));
+    let mut v = String::from("0 0 0 0 ");
+    v.push_str(&"0".repeat(KEYS_PIN_BYTES - v.len()));
     v
 }
 

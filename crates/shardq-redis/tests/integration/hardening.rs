@@ -649,3 +649,64 @@ fn the_keys_hash_stays_a_hash_table_and_its_pin_is_never_a_key() {
     );
     assert_eq!(b2.shard_stats("r0").unwrap().keys, 0);
 }
+
+/// Start times written by an older build stay right: a run it claimed put
+/// its start in `<id>@` already, so the new owner's adopt does not add it
+/// twice; a stale `<id>^` naming another run is ignored.
+#[test]
+fn start_times_an_older_build_wrote_are_not_doubled() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    b.enqueue("r0", 1, &[job("old", "x")]).unwrap();
+    let run = b.claim("r0", 10, LEASE).unwrap().remove(0);
+    // As an older build's claim leaves it: the running start in `@`.
+    let keys =
+        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
+    let reason = keys
+        .iter()
+        .find(|k| k.ends_with(":reason"))
+        .unwrap()
+        .clone();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let old_start = run.fence / 1000 - 5;
+    let _: () = redis::cmd("HSET")
+        .arg(&reason)
+        .arg(format!("{}@", run.id.0))
+        .arg(old_start.to_string())
+        .query(&mut con)
+        .unwrap();
+    // The owner goes; the next one adopts the shard and puts the run back.
+    c.release_all().unwrap();
+    let b2 = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c2 = coordinator(&b2, "w@2", 10_000);
+    assert_eq!(tick_adopt(&b2, &mut c2), ["r0"]);
+    let back = b2.job("r0", run.id).unwrap().unwrap();
+    assert_eq!(
+        (back.attempts, back.attempt_starts_ms.clone()),
+        (1, vec![old_start]),
+        "{back:?}"
+    );
+    let _: () = redis::cmd("HSET")
+        .arg(&reason)
+        .arg(format!("{}^", run.id.0))
+        .arg("12345678:42")
+        .query(&mut con)
+        .unwrap();
+    let again = b2.claim("r0", 10, LEASE).unwrap().remove(0);
+    // A leftover `^` of another run (an older build's) is not this run's.
+    let running = b2.job("r0", run.id).unwrap().unwrap();
+    assert_eq!(running.attempt_starts_ms.len(), 2, "{running:?}");
+    assert_ne!(running.attempt_starts_ms[1], 42, "a stale `^` was used");
+    b2.ack("r0", &[again.receipt()]).unwrap();
+    let done = b2.finished("r0", None, 10).unwrap();
+    assert_eq!(done[0].attempt_starts_ms, running.attempt_starts_ms);
+    assert_eq!(done[0].attempts, 2);
+}
