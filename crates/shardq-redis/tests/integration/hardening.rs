@@ -469,10 +469,23 @@ fn a_taken_port_is_an_error_not_a_panic_nor_someone_elses_server() {
     drop(listener);
 }
 
+/// A plain connection to the server at `url`.
+fn connect(url: &str) -> redis::Connection {
+    redis::Client::open(url).unwrap().get_connection().unwrap()
+}
+
+/// The Redis key of part `part` (`keys`, `reason`, ...) of shard `r0` of
+/// the default deployment.
+fn r0_part(part: &str) -> String {
+    let keys =
+        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
+    let suffix = format!(":{part}");
+    keys.into_iter().find(|k| k.ends_with(&suffix)).unwrap()
+}
+
 /// The server's clock in ms, as the scripts read it.
 fn server_ms(url: &str) -> u64 {
-    let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
-    let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut con).unwrap();
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut connect(url)).unwrap();
     s * 1000 + us / 1000
 }
 
@@ -558,14 +571,9 @@ fn start_times_on_the_servers_clock_hold_through_fail_back_off_cancel_and_ack() 
     assert!(within(c_done.attempt_starts_ms[0], w1), "{c_done:?}");
 
     // No reason, start or explicit start is left behind.
-    let keys =
-        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
-    let reason = keys.iter().find(|k| k.ends_with(":reason")).unwrap();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_connection()
+    let left: Vec<String> = (redis::cmd("HKEYS").arg(r0_part("reason")))
+        .query(&mut connect(&url))
         .unwrap();
-    let left: Vec<String> = redis::cmd("HKEYS").arg(reason).query(&mut con).unwrap();
     assert!(left.is_empty(), "{left:?}");
 }
 
@@ -588,13 +596,8 @@ fn the_keys_hash_stays_a_hash_table_and_its_pin_is_never_a_key() {
     let url = server.url();
     let map = map_of(&[("r0", url.clone())]);
     init(&map);
-    let keys =
-        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
-    let hash = keys.iter().find(|k| k.ends_with(":keys")).unwrap().clone();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let hash = r0_part("keys");
+    let mut con = connect(&url);
     let encoding = |con: &mut redis::Connection| -> String {
         redis::cmd("OBJECT")
             .arg("ENCODING")
@@ -665,17 +668,8 @@ fn start_times_an_older_build_wrote_are_not_doubled() {
     b.enqueue("r0", 1, &[job("old", "x")]).unwrap();
     let run = b.claim("r0", 10, LEASE).unwrap().remove(0);
     // As an older build's claim leaves it: the running start in `@`.
-    let keys =
-        shardq_redis::keys::shard_keys(shardq_redis::keys::NAMESPACE_DEFAULT, "default", "r0");
-    let reason = keys
-        .iter()
-        .find(|k| k.ends_with(":reason"))
-        .unwrap()
-        .clone();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let reason = r0_part("reason");
+    let mut con = connect(&url);
     let old_start = run.fence / 1000 - 5;
     let _: () = redis::cmd("HSET")
         .arg(&reason)
