@@ -49,6 +49,13 @@ local function nstr(n)
   end
   return s
 end
+-- A record that is not this grammar (a flipped byte, a foreign write) is
+-- refused with an error `CORRUPT record: ...` naming the key and the
+-- record (Redis may put the script's line before it).
+local function corrupt(what, s)
+  local shown = string.gsub(string.sub(s, 1, 64), '[^%w%p ]', '?')
+  error({err = 'CORRUPT record: ' .. what .. ' is malformed: "' .. shown .. '"'})
+end
 -- The dedup field of (key, id): the key's length, then key and id.
 local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
 -- A rebalance's writes carry its epoch as the token, `@N`: refused once
@@ -63,10 +70,15 @@ end
 -- A job record: not_before|attempts|max_attempts|created|key length|key payload.
 local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+  if not n then corrupt('a job record', r) end
   kl = tonumber(kl)
   return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
-local function rec_nbf(r) return tonumber(string.match(r, '^(%d+)')) end
+local function rec_nbf(r)
+  local n = string.match(r, '^(%d+)|')
+  if not n then corrupt('a job record', r) end
+  return tonumber(n)
+end
 -- The record with a new not-before and attempt count; key and payload kept.
 local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
@@ -78,12 +90,15 @@ end
 -- policy's concurrency when a claim last looked). In q: h, t, d, n (the
 -- number of runs), runs (nil for none, else job, fence, job, fence, ...)
 -- and lim.
-local function kparse(s)
+local function kparse(s, k)
   if not s then return {h = 0, t = 0, d = 0, n = 0, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   if h then
     if f == '0' then return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 0, lim = 1} end
     return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 1, runs = {tonumber(f), tonumber(r)}, lim = 1}
+  end
+  if not string.match(s, '^%d+ %d+ %d+ %d+ %d+[ %d]*$') or string.match(s, '  ') or string.match(s, ' $') then
+    corrupt('the queue record of key "' .. string.gsub(k or '?', '[^%w%p ]', '?') .. '"', s)
   end
   local x = {}
   for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
@@ -313,11 +328,15 @@ end
 -- Out of flight without an ack (the run ended): the attempt counts; back to
 -- the head of its key, or dead when out of attempts.
 local function requeue(ids, why, now)
-  redis.call('ZREM', K_INF, ids)
   local r = redis.call('HGET', K_JOBS, ids)
-  if not r then return end
+  if not r then
+    redis.call('ZREM', K_INF, ids)
+    return
+  end
+  -- Read and parsed before the first write (a corrupt record stops here).
   local n, a, m, _, k = rec_parse(r)
-  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local q = kparse(redis.call('HGET', K_KEYS, k), k)
+  redis.call('ZREM', K_INF, ids)
   local was = kqueued(k, q)
   local run = krun(q, tonumber(ids))
   if run and q.runs[run + 1] == 0 then
@@ -451,8 +470,6 @@ if m == 0 then
   for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
   return out
 end
-local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
-redis.call('HINCRBY', K_META, 'pend', m)
 local cand, qs = {}, {}
 for _, i in ipairs(keep) do
   local k = ARGV[A + 5 * i]
@@ -466,10 +483,13 @@ end
 local cur = redis.call('HMGET', K_KEYS, unpack(cand))
 local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
-  local q = kparse(cur[i])
+  local q = kparse(cur[i], k)
   qs[k] = q
   fresh[k] = q.d == 0 and q.n < q.lim
 end
+-- Ids and counts only once every key's record read well.
+local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
+redis.call('HINCRBY', K_META, 'pend', m)
 local nows = idstr(now)
 local exps = idstr(now + window)
 local jobs, nxt, dly = {}, {}, {}

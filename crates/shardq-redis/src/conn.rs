@@ -414,6 +414,16 @@ impl Node {
                             cause: e.to_string(),
                         });
                     }
+                    // A script's `CORRUPT record:` error (Redis puts the
+                    // script's line before the text of an error raised
+                    // inside a function).
+                    if e.code() == Some("CORRUPT") || e.to_string().contains("CORRUPT record: ") {
+                        return Err(RedisError::CorruptRecord {
+                            shard: shard.to_string(),
+                            url: self.url.clone(),
+                            cause: e.to_string(),
+                        });
+                    }
                     return Err(RedisError::Command {
                         shard: shard.to_string(),
                         url: self.url.clone(),

@@ -64,6 +64,18 @@ pub enum RedisError {
         /// The server's error.
         cause: String,
     },
+    /// A script found a record of the shard that is not its grammar (a
+    /// flipped byte, a write by something else): the shard's data needs a
+    /// look. Becomes a store error of kind corrupt.
+    #[error("shard {shard:?} at {url}: {cause}; the shard's data is damaged: inspect the record named (redis-cli), fix or delete it")]
+    CorruptRecord {
+        /// Shard.
+        shard: String,
+        /// URL of the instance or cluster.
+        url: String,
+        /// The script's error, naming the record.
+        cause: String,
+    },
     /// The server refused a command for a reason retrying does not cure.
     #[error("shard {shard:?} at {url}: Redis refused the command: {cause}")]
     Command {
@@ -156,6 +168,7 @@ impl RedisError {
             | RedisError::NoRedisShards { .. }
             | RedisError::Map { .. } => ErrorKind::BadInput,
             RedisError::VersionConflict { .. } => ErrorKind::Conflict,
+            RedisError::CorruptRecord { .. } => ErrorKind::Corrupt,
             RedisError::Queue(q) => q.kind(),
             _ => ErrorKind::Internal,
         }

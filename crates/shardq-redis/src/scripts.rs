@@ -63,6 +63,13 @@ local function nstr(n)
   end
   return s
 end
+-- A record that is not this grammar (a flipped byte, a foreign write) is
+-- refused with an error `CORRUPT record: ...` naming the key and the
+-- record (Redis may put the script's line before it).
+local function corrupt(what, s)
+  local shown = string.gsub(string.sub(s, 1, 64), '[^%w%p ]', '?')
+  error({err = 'CORRUPT record: ' .. what .. ' is malformed: "' .. shown .. '"'})
+end
 -- The dedup field of (key, id): the key's length, then key and id.
 local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
 -- A rebalance's writes carry its epoch as the token, `@N`: refused once
@@ -77,10 +84,15 @@ end
 -- A job record: not_before|attempts|max_attempts|created|key length|key payload.
 local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+  if not n then corrupt('a job record', r) end
   kl = tonumber(kl)
   return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
-local function rec_nbf(r) return tonumber(string.match(r, '^(%d+)')) end
+local function rec_nbf(r)
+  local n = string.match(r, '^(%d+)|')
+  if not n then corrupt('a job record', r) end
+  return tonumber(n)
+end
 -- The record with a new not-before and attempt count; key and payload kept.
 local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
@@ -92,12 +104,15 @@ end
 -- policy's concurrency when a claim last looked). In q: h, t, d, n (the
 -- number of runs), runs (nil for none, else job, fence, job, fence, ...)
 -- and lim.
-local function kparse(s)
+local function kparse(s, k)
   if not s then return {h = 0, t = 0, d = 0, n = 0, lim = 1} end
   local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
   if h then
     if f == '0' then return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 0, lim = 1} end
     return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 1, runs = {tonumber(f), tonumber(r)}, lim = 1}
+  end
+  if not string.match(s, '^%d+ %d+ %d+ %d+ %d+[ %d]*$') or string.match(s, '  ') or string.match(s, ' $') then
+    corrupt('the queue record of key "' .. string.gsub(k or '?', '[^%w%p ]', '?') .. '"', s)
   end
   local x = {}
   for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
@@ -327,11 +342,15 @@ end
 -- Out of flight without an ack (the run ended): the attempt counts; back to
 -- the head of its key, or dead when out of attempts.
 local function requeue(ids, why, now)
-  redis.call('ZREM', K_INF, ids)
   local r = redis.call('HGET', K_JOBS, ids)
-  if not r then return end
+  if not r then
+    redis.call('ZREM', K_INF, ids)
+    return
+  end
+  -- Read and parsed before the first write (a corrupt record stops here).
   local n, a, m, _, k = rec_parse(r)
-  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local q = kparse(redis.call('HGET', K_KEYS, k), k)
+  redis.call('ZREM', K_INF, ids)
   local was = kqueued(k, q)
   local run = krun(q, tonumber(ids))
   if run and q.runs[run + 1] == 0 then
@@ -469,8 +488,6 @@ if m == 0 then
   for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
   return out
 end
-local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
-redis.call('HINCRBY', K_META, 'pend', m)
 local cand, qs = {}, {}
 for _, i in ipairs(keep) do
   local k = ARGV[A + 5 * i]
@@ -484,10 +501,13 @@ end
 local cur = redis.call('HMGET', K_KEYS, unpack(cand))
 local fresh, hnbf = {}, {}
 for i, k in ipairs(cand) do
-  local q = kparse(cur[i])
+  local q = kparse(cur[i], k)
   qs[k] = q
   fresh[k] = q.d == 0 and q.n < q.lim
 end
+-- Ids and counts only once every key's record read well.
+local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
+redis.call('HINCRBY', K_META, 'pend', m)
 local nows = idstr(now)
 local exps = idstr(now + window)
 local jobs, nxt, dly = {}, {}, {}
@@ -724,13 +744,20 @@ end
 keys = uniq
 if #keys == 0 then return {'OK', deadline, seq} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
+-- A corrupt record refuses the claim, and the keys it took go back to
+-- ready first (a script's writes before an error stay).
+local function refuse(e)
+  redis.call('RPUSH', K_READY, unpack(keys))
+  error(e)
+end
 -- A key taken is a candidate while a job waits, its runs are below its
 -- limit (read afresh from its policy) and no dead job halts it; the others
 -- were stale entries. A changed limit is written back either way, so the
 -- scripts that end runs judge by it.
 local cand, qs, heads, kq = {}, {}, {}, {}
 for i, k in ipairs(keys) do
-  local q = kparse(cur[i])
+  local ok, q = pcall(kparse, cur[i], k)
+  if not ok then refuse(q) end
   local lim = limit_of(k)
   if cur[i] and lim ~= q.lim then
     q.lim = lim
@@ -748,6 +775,12 @@ local rs, nx = {}, {}
 if #cand > 0 then
   rs = redis.call('HMGET', K_JOBS, unpack(heads))
   nx = redis.call('HMGET', K_NEXT, unpack(heads))
+  for _, r in ipairs(rs) do
+    if r then
+      local ok, e = pcall(rec_nbf, r)
+      if not ok then refuse(e) end
+    end
+  end
 end
 local last = tonumber(redis.call('HGET', K_META, 'flast') or '0')
 local floor = tonumber(redis.call('HGET', K_META, 'ffloor') or '0')
@@ -871,7 +904,7 @@ end
 local leases = {}
 if #rids > 0 then leases = redis.call('ZMSCORE', K_INF, unpack(rids)) end
 if #klist > 0 then
-  for x, r in ipairs(redis.call('HMGET', K_KEYS, unpack(klist))) do qs[klist[x]] = kparse(r or nil) end
+  for x, r in ipairs(redis.call('HMGET', K_KEYS, unpack(klist))) do qs[klist[x]] = kparse(r or nil, klist[x]) end
 end
 for x, ids in ipairs(rids) do
   local i = 1 + 4 * x
@@ -880,7 +913,7 @@ for x, ids in ipairs(rids) do
   if k ~= '' then
     q = qs[k]
     if not q then
-      q = kparse(redis.call('HGET', K_KEYS, k))
+      q = kparse(redis.call('HGET', K_KEYS, k), k)
       qs[k] = q
     end
   end
@@ -978,7 +1011,7 @@ local now = now_ms()
 local id = ARGV[5]
 local k = key_of(id, '')
 local q = nil
-if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k), k) end
 local why = run_check(id, ARGV[6], k, q, now)
 if why then return {'STALE', why} end
 local r = redis.call('HGET', K_JOBS, id)
@@ -1028,7 +1061,7 @@ local now = now_ms()
 local id = ARGV[5]
 local k = key_of(id, ARGV[7])
 local q = nil
-if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k), k) end
 local why = run_check(id, ARGV[6], k, q, now)
 if why then return {'STALE', why} end
 local r = redis.call('HGET', K_JOBS, id)
@@ -1127,7 +1160,7 @@ for i = 6, #ARGV - 2, 3 do
   local ids, fence = ARGV[i], ARGV[i + 1]
   local k = key_of(ids, ARGV[i + 2])
   local q = nil
-  if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k)) end
+  if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k), k) end
   local why = run_check(ids, fence, k, q, now)
   if why then
     out[#out + 1] = ids
@@ -1153,7 +1186,7 @@ for i = 5, #ARGV - 1, 2 do
   local k, lim = ARGV[i], tonumber(ARGV[i + 1])
   local s = redis.call('HGET', K_KEYS, k)
   if s then
-    local q = kparse(s)
+    local q = kparse(s, k)
     if q.lim ~= lim then
       local was = kqueued(k, q)
       q.lim = lim
@@ -1220,7 +1253,7 @@ return due
 /// ARGV[5] routing key: depth, runs in flight, dead.
 const KEY_COUNTS: &str = r#"
 local k = ARGV[5]
-local q = kparse(redis.call('HGET', K_KEYS, k))
+local q = kparse(redis.call('HGET', K_KEYS, k), k)
 return {q.d, q.n, tonumber(redis.call('HGET', K_DEADN, k) or '0')}
 "#;
 
@@ -1258,7 +1291,7 @@ for i = 1, #had, 2 do
   local k = had[i]
   if not want[k] then
     redis.call('HDEL', K_SEALED, k)
-    kready(k, kparse(redis.call('HGET', K_KEYS, k)), nil, now)
+    kready(k, kparse(redis.call('HGET', K_KEYS, k), k), nil, now)
   end
 end
 for k, to in pairs(want) do
@@ -1299,7 +1332,7 @@ local function export_key(k, after, max, budget)
     end
   end
   local waiting = {}
-  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local q = kparse(redis.call('HGET', K_KEYS, k), k)
   local id = q.h
   if after > 0 and q.h ~= 0 and after >= q.h then
     local nx = redis.call('HGET', K_NEXT, idstr(after))
@@ -1433,7 +1466,7 @@ end
 for _, pl in ipairs(plan) do
   if pl.top > pl.done then
     local k = pl.k
-    local q = kparse(redis.call('HGET', K_KEYS, k))
+    local q = kparse(redis.call('HGET', K_KEYS, k), k)
     local was = kqueued(k, q)
     local head_nbf = nil
     local top = pl.done
@@ -1498,7 +1531,7 @@ return {'OK', redis.call('HGET', K_IMPORTED, #ARGV[5] .. '|' .. ARGV[5] .. ARGV[
 const PURGE_KEY: &str = r#"
 local K_MOVED = KEYS[18]
 local k, max = ARGV[5], tonumber(ARGV[6])
-local q = kparse(redis.call('HGET', K_KEYS, k))
+local q = kparse(redis.call('HGET', K_KEYS, k), k)
 local gone = {}
 while q.h ~= 0 and #gone < max do
   local ids = idstr(q.h)
@@ -1609,7 +1642,7 @@ local function live(ids)
   local reason = redis.call('HGET', K_REASON, ids) or ''
   local lease = redis.call('ZSCORE', K_INF, ids)
   if lease then
-    local q = kparse(redis.call('HGET', K_KEYS, k))
+    local q = kparse(redis.call('HGET', K_KEYS, k), k)
     local fence = 0
     local run = krun(q, tonumber(ids))
     if run then fence = q.runs[run + 1] end
@@ -1642,7 +1675,7 @@ local function add(ids)
     for _, v in ipairs(row) do out[#out + 1] = v end
   end
 end
-local q = kparse(redis.call('HGET', K_KEYS, k))
+local q = kparse(redis.call('HGET', K_KEYS, k), k)
 for i = 1, 2 * q.n, 2 do add(idstr(q.runs[i])) end
 local rows = export_key(k, 0, max, tonumber(ARGV[7]))
 for i = 1, #rows, 3 do add(rows[i]) end
@@ -1665,7 +1698,7 @@ local _, _, _, _, k = rec_parse(r)
 if redis.call('ZSCORE', K_INF, ids) then
   -- Asked to stop: its run fence cleared, its results are refused, and the
   -- job ends with the run (requeue deletes it when its job lease lapses).
-  local q = kparse(redis.call('HGET', K_KEYS, k))
+  local q = kparse(redis.call('HGET', K_KEYS, k), k)
   local run = krun(q, n)
   if run and q.runs[run + 1] ~= 0 then
     -- The run's start outlives its fence (see `run_start`).
@@ -1677,7 +1710,7 @@ if redis.call('ZSCORE', K_INF, ids) then
   return {'STOPPING'}
 end
 if redis.call('HEXISTS', K_SEALED, k) == 1 then return {'MOVING'} end
-local q = kparse(redis.call('HGET', K_KEYS, k))
+local q = kparse(redis.call('HGET', K_KEYS, k), k)
 local function head_nbf()
   if q.h == 0 then return nil end
   return rec_nbf(redis.call('HGET', K_JOBS, idstr(q.h)))
@@ -1787,7 +1820,7 @@ for _, id in ipairs(ids) do
       local _, _, _, _, k = rec_parse(r)
       local q = qs[k]
       if not q then
-        q = kparse(redis.call('HGET', K_KEYS, k))
+        q = kparse(redis.call('HGET', K_KEYS, k), k)
         qs[k] = q
         startable[k] = kqueued(k, q)
         touched[#touched + 1] = k
@@ -1841,7 +1874,7 @@ if phase == 'k' then
   for i = 1, #kv, 2 do
     local k = kv[i]
     if k ~= KEYS_PIN then
-      local q = kparse(kv[i + 1])
+      local q = kparse(kv[i + 1], k)
       out[#out + 1] = k
       out[#out + 1] = q.d
       out[#out + 1] = q.n

@@ -704,3 +704,70 @@ fn start_times_an_older_build_wrote_are_not_doubled() {
     assert_eq!(done[0].attempt_starts_ms, running.attempt_starts_ms);
     assert_eq!(done[0].attempts, 2);
 }
+
+/// A flipped byte in a key's queue record or in a job record is refused by
+/// name (kind corrupt: the record's key and its text), by the scripts that
+/// read it, before they write anything for it; put right, the shard works
+/// on with every job.
+#[test]
+fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    b.enqueue("r0", 1, &[job("tenant-a", "1"), job("tenant-a", "2")])
+        .unwrap();
+    let mut con = connect(&url);
+    let keys_hash = r0_part("keys");
+    let good: String = (redis::cmd("HGET").arg(&keys_hash).arg("tenant-a"))
+        .query(&mut con)
+        .unwrap();
+    let flipped = good.replacen(' ', "\u{1}", 1);
+    let _: () = (redis::cmd("HSET")
+        .arg(&keys_hash)
+        .arg("tenant-a")
+        .arg(&flipped))
+    .query(&mut con)
+    .unwrap();
+    let corrupt = |e: QueueError, what: &str| {
+        assert_eq!(e.kind(), shardq_core::ErrorKind::Corrupt, "{e}");
+        let text = e.to_string();
+        assert!(text.contains(what) && text.contains("\"r0\""), "{text}");
+    };
+    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "key \"tenant-a\"");
+    corrupt(
+        b.enqueue("r0", 1, &[job("tenant-a", "3")]).unwrap_err(),
+        "key \"tenant-a\"",
+    );
+    // Put right, the shard goes on: both jobs, in order.
+    let _: () = (redis::cmd("HSET")
+        .arg(&keys_hash)
+        .arg("tenant-a")
+        .arg(&good))
+    .query(&mut con)
+    .unwrap();
+    let first = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&first), ["1"]);
+
+    // A job record: the next head's.
+    let jobs_hash = r0_part("jobs");
+    let next_id = (first[0].id.0 + 1).to_string();
+    let rec: Vec<u8> = (redis::cmd("HGET").arg(&jobs_hash).arg(&next_id))
+        .query(&mut con)
+        .unwrap();
+    let mut bad = rec.clone();
+    bad[0] = b'x';
+    let _: () = (redis::cmd("HSET").arg(&jobs_hash).arg(&next_id).arg(&bad))
+        .query(&mut con)
+        .unwrap();
+    b.ack("r0", &[first[0].receipt()]).unwrap();
+    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
+    let _: () = (redis::cmd("HSET").arg(&jobs_hash).arg(&next_id).arg(&rec))
+        .query(&mut con)
+        .unwrap();
+    let second = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&second), ["2"]);
+}
