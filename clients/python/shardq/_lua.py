@@ -18,8 +18,11 @@ PRELUDE = """
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
--- Expired dedup records forgotten per enqueue, at most.
+-- Expired dedup records forgotten per enqueue, at most: one by one from
+-- `dedupx`, and whole enqueue batches from `dedupm` (two, so the index
+-- shrinks faster than one enqueue a call grows it).
 local DEDUP_PRUNE = 64
+local DEDUP_PRUNE_BATCHES = 2
 -- The `keys` hash's one field that names no routing key (keys hold no
 -- control characters); see `keys_pin_value` in scripts.rs.
 local KEYS_PIN = string.char(0)
@@ -418,6 +421,12 @@ if redis.call('SCARD', K_PAUSED) > 0 then
 end
 -- Dedup: forget a bounded number of expired records, then look each id up.
 -- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
+-- Records expire through two indexes: `dedupx` has one entry per record
+-- (written by a move's import and by older builds), `dedupm` (KEYS[20])
+-- one per enqueue batch, `#<first job id>` then the batch's fields, a line
+-- each, scored by their common expiry.
+local K_DEDUPM = KEYS[20]
+local NL = string.char(10)
 local out, keep = {'OK'}, {}
 local dd, dx = {}, {}
 if window > 0 then
@@ -425,6 +434,23 @@ if window > 0 then
   if #old > 0 then
     redis.call('HDEL', K_DEDUP, unpack(old))
     redis.call('ZREM', K_DEDUPX, unpack(old))
+  end
+  local marks = {}
+  if K_DEDUPM then marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES) end
+  for _, mark in ipairs(marks) do
+    local fl = {}
+    for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
+    table.remove(fl, 1)
+    -- A field stored again since (its record expired first) is not this
+    -- batch's any more: only expired records go.
+    local gone = {}
+    if #fl > 0 then
+      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
+        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
+      end
+    end
+    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    redis.call('ZREM', K_DEDUPM, mark)
   end
 end
 -- The batch's dedup records in one read: fs[i] is job i's field.
@@ -443,7 +469,7 @@ if window > 0 then
     for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
   end
 end
-local batch, inb = {}, {}
+local batch, inb, expired = {}, {}, {}
 for i = 0, n - 1 do
   local f = fs[i]
   if f then
@@ -451,7 +477,12 @@ for i = 0, n - 1 do
     local dup = nil
     if r then
       local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
-      if tonumber(exp) > now then dup = 'D' .. job .. '|' .. sh end
+      if tonumber(exp) > now then
+        dup = 'D' .. job .. '|' .. sh
+      else
+        -- Stored again below: its old `dedupx` entry must not forget it.
+        expired[#expired + 1] = f
+      end
     end
     if dup then
       out[i + 2] = dup
@@ -511,7 +542,6 @@ for j, i in ipairs(keep) do
   if f then
     dd[#dd + 1] = f
     dd[#dd + 1] = ids .. '|' .. exps .. '|'
-    dx[#dx + 1] = exps
     dx[#dx + 1] = f
   end
   local q = qs[k]
@@ -531,8 +561,19 @@ redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
 if #dd > 0 then
   redis.call('HSET', K_DEDUP, unpack(dd))
-  redis.call('ZADD', K_DEDUPX, unpack(dx))
+  if K_DEDUPM then
+    redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
+  else
+    -- A caller that passed the first 19 parts only: one entry per record.
+    local px = {}
+    for _, f in ipairs(dx) do
+      px[#px + 1] = exps
+      px[#px + 1] = f
+    end
+    redis.call('ZADD', K_DEDUPX, unpack(px))
+  end
 end
+if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do
   kq[#kq + 1] = k

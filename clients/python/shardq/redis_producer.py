@@ -72,6 +72,7 @@ QUEUE_DEFAULT = "default"
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
+    "dedupm",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).
 ENQUEUE_BATCH_MAX = 1024

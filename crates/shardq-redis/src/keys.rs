@@ -142,7 +142,15 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   by a move's import otherwise). Live until `expires_ms`; checked and
 ///   written by the enqueue script.
 /// * `dedupx` zset: dedup field -> `expires_ms`, so each enqueue forgets a
-///   bounded number of expired records.
+///   bounded number of expired records: the records a move's import wrote
+///   (and those of builds before `dedupm`).
+/// * `dedupm` zset (the 20th part): one entry per enqueue batch that stored
+///   dedup records, `#<first job id>` then the batch's dedup fields, one a
+///   line, scored by their common expiry. Each enqueue forgets at most two
+///   expired batches, deleting only the records that expired (a field
+///   stored again since keeps its new record). One entry per batch instead
+///   of one per record: the per-record sorted-set entry was the enqueue
+///   script's largest single cost.
 /// * `sealed` hash: routing key -> the shard its backlog moves to. A
 ///   sealed key starts no run here (the fence's `sealed_keys`); enqueues
 ///   still append to it, and a move copies them.
@@ -163,12 +171,18 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   retention's count, written by each owner when it adopts the shard);
 ///   readers drop those past the retention's age.
 ///
-/// The last four came after the enqueue script, which touches none of
-/// them: a producer that passes only the first 15 parts (an older client)
-/// still enqueues correctly.
-pub const SHARD_PARTS: [&str; 19] = [
+/// The four before `dedupm` came after the enqueue script, which touches
+/// none of them: a producer that passes only the first 15 parts (an older
+/// client, with its own script) still enqueues correctly. This build's
+/// enqueue script uses `dedupm`, and without it indexes its records in
+/// `dedupx` one by one, as before. An older build's enqueue never reads
+/// `dedupm`; the records it indexes in `dedupx` are the ones it forgets,
+/// and a record this build stores again over an expired one leaves
+/// `dedupx`, so an older build's forgetting never drops a live record.
+pub const SHARD_PARTS: [&str; 20] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
+    "dedupm",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].

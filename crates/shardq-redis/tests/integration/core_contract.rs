@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use shardq_core::contract::{self, ContractHarness, RewindHarness};
-use shardq_core::{ManualClock, QueueBackend};
+use shardq_core::{Clock, ManualClock, QueueBackend};
 use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisCoordinator};
 
@@ -186,6 +186,69 @@ fn redis_dedup_records_survive_a_restart_for_their_window() {
     assert_eq!(records[0].id, "inv-1");
     let fields = server.cli(&["HLEN", &b.shard_keys("r0").unwrap()[13]]);
     assert_eq!(fields.trim(), "1", "expired records are pruned");
+}
+
+/// Dedup records expire through one index entry per enqueue batch. A
+/// batch's expired entry forgets only the records still expired: an id
+/// stored again before its old batch was forgotten keeps its new record.
+/// Records an older build indexed one by one (`dedupx`) are forgotten as
+/// before, and one stored again over such an expired record leaves that
+/// index, so an older build's forgetting cannot drop the new record.
+#[test]
+fn redis_dedup_batches_forget_only_what_expired() {
+    let server = RedisServer::start();
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let window = 60_000;
+    let job = |d: &str| shardq_core::NewJob::new("k", "p").with_dedup_id(d);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
+    let parts = b.shard_keys("r0").unwrap();
+    let (dedup, dedupx) = (&parts[13], &parts[14]);
+    for d in ["a", "b", "c"] {
+        b.enqueue_dedup("r0", 1, &[job(d)], window).unwrap();
+    }
+    // As an older build leaves them: 65 records indexed one by one, "old"
+    // expiring last.
+    let t0 = clock.now_ms();
+    for i in 0..65u64 {
+        let d = if i == 64 {
+            "old".to_string()
+        } else {
+            format!("x{i}")
+        };
+        let field = format!("1|k{d}");
+        let exp = (t0 + 1_000 + i).to_string();
+        server.cli(&["HSET", dedup, &field, &format!("{}|{exp}|", 900 + i)]);
+        server.cli(&["ZADD", dedupx, &exp, &field]);
+    }
+    clock.advance(window + 1);
+    // This enqueue forgets two of the three batches (a, b) and 64 of the
+    // 65 older records, then stores c and "old" again over their expired
+    // records.
+    let again = b
+        .enqueue_dedup("r0", 1, &[job("c"), job("old")], window)
+        .unwrap();
+    assert!(again.iter().all(|s| !s.duplicate), "{again:?}");
+    // The next ones forget c's old batch and whatever is left of the
+    // older index: c's and old's new records stay.
+    b.enqueue_dedup("r0", 1, &[job("d")], window).unwrap();
+    b.enqueue_dedup("r0", 1, &[job("e")], window).unwrap();
+    let retry = b
+        .enqueue_dedup("r0", 1, &[job("c"), job("old")], window)
+        .unwrap();
+    assert!(retry.iter().all(|s| s.duplicate), "{retry:?}");
+    assert_eq!((retry[0].id, retry[1].id), (again[0].id, again[1].id));
+    let mut left: Vec<String> = b
+        .dedup_export("r0", "k")
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    left.sort();
+    assert_eq!(left, ["c", "d", "e", "old"]);
+    let fields = server.cli(&["HLEN", dedup]);
+    assert_eq!(fields.trim(), "4", "expired records are forgotten");
 }
 
 /// The map store's Redis put back to an older state, holding a group's run
