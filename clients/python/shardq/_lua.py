@@ -362,6 +362,18 @@ local function requeue(ids, why, now)
   kstore(k, q)
   kwake(k, q, was, nil, now)
 end
+-- How long a run whose job record is corrupt, or a key whose queue record
+-- is, is set aside before a claim tries it again (and reports it again).
+local CORRUPT_PARK_MS = 60000
+-- requeue, but a corrupt record parks the run (its job lease moved on by
+-- CORRUPT_PARK_MS) so the shard's other work goes on; returns the error
+-- (nil when the run went back).
+local function requeue_or_park(ids, why, now)
+  local ok, e = pcall(requeue, ids, why, now)
+  if ok then return nil end
+  redis.call('ZADD', K_INF, 'XX', now + CORRUPT_PARK_MS, ids)
+  return e
+end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).
 local function key_of(ids, k)
   if k ~= '' then return k end
@@ -430,9 +442,21 @@ local NL = string.char(10)
 local out, keep = {'OK'}, {}
 local dd, dx = {}, {}
 if window > 0 then
+  -- Each index forgets a record only when the record itself expired: the
+  -- other index (or an older build) may have stored it again since.
+  local function forget_expired(fl)
+    local gone = {}
+    if #fl > 0 then
+      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
+        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
+      end
+    end
+    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    return gone
+  end
   local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
   if #old > 0 then
-    redis.call('HDEL', K_DEDUP, unpack(old))
+    forget_expired(old)
     redis.call('ZREM', K_DEDUPX, unpack(old))
   end
   local marks = {}
@@ -441,15 +465,10 @@ if window > 0 then
     local fl = {}
     for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
     table.remove(fl, 1)
-    -- A field stored again since (its record expired first) is not this
-    -- batch's any more: only expired records go.
-    local gone = {}
-    if #fl > 0 then
-      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
-        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
-      end
-    end
-    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    -- A record forgotten here leaves `dedupx` too (a move may have put an
+    -- entry there), so no entry outlives its record.
+    local gone = forget_expired(fl)
+    if #gone > 0 then redis.call('ZREM', K_DEDUPX, unpack(gone)) end
     redis.call('ZREM', K_DEDUPM, mark)
   end
 end
@@ -559,6 +578,8 @@ end
 for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
 redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+-- Stored again over an expired record: its old `dedupx` entry goes first.
+if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 if #dd > 0 then
   redis.call('HSET', K_DEDUP, unpack(dd))
   if K_DEDUPM then
@@ -573,7 +594,6 @@ if #dd > 0 then
     redis.call('ZADD', K_DEDUPX, unpack(px))
   end
 end
-if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do
   kq[#kq + 1] = k

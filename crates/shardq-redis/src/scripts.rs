@@ -376,6 +376,18 @@ local function requeue(ids, why, now)
   kstore(k, q)
   kwake(k, q, was, nil, now)
 end
+-- How long a run whose job record is corrupt, or a key whose queue record
+-- is, is set aside before a claim tries it again (and reports it again).
+local CORRUPT_PARK_MS = 60000
+-- requeue, but a corrupt record parks the run (its job lease moved on by
+-- CORRUPT_PARK_MS) so the shard's other work goes on; returns the error
+-- (nil when the run went back).
+local function requeue_or_park(ids, why, now)
+  local ok, e = pcall(requeue, ids, why, now)
+  if ok then return nil end
+  redis.call('ZADD', K_INF, 'XX', now + CORRUPT_PARK_MS, ids)
+  return e
+end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).
 local function key_of(ids, k)
   if k ~= '' then return k end
@@ -448,9 +460,21 @@ local NL = string.char(10)
 local out, keep = {'OK'}, {}
 local dd, dx = {}, {}
 if window > 0 then
+  -- Each index forgets a record only when the record itself expired: the
+  -- other index (or an older build) may have stored it again since.
+  local function forget_expired(fl)
+    local gone = {}
+    if #fl > 0 then
+      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
+        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
+      end
+    end
+    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    return gone
+  end
   local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
   if #old > 0 then
-    redis.call('HDEL', K_DEDUP, unpack(old))
+    forget_expired(old)
     redis.call('ZREM', K_DEDUPX, unpack(old))
   end
   local marks = {}
@@ -459,15 +483,10 @@ if window > 0 then
     local fl = {}
     for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
     table.remove(fl, 1)
-    -- A field stored again since (its record expired first) is not this
-    -- batch's any more: only expired records go.
-    local gone = {}
-    if #fl > 0 then
-      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
-        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
-      end
-    end
-    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    -- A record forgotten here leaves `dedupx` too (a move may have put an
+    -- entry there), so no entry outlives its record.
+    local gone = forget_expired(fl)
+    if #gone > 0 then redis.call('ZREM', K_DEDUPX, unpack(gone)) end
     redis.call('ZREM', K_DEDUPM, mark)
   end
 end
@@ -577,6 +596,8 @@ end
 for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
 redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+-- Stored again over an expired record: its old `dedupx` entry goes first.
+if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 if #dd > 0 then
   redis.call('HSET', K_DEDUP, unpack(dd))
   if K_DEDUPM then
@@ -591,7 +612,6 @@ if #dd > 0 then
     redis.call('ZADD', K_DEDUPX, unpack(px))
   end
 end
-if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do
   kq[#kq + 1] = k
@@ -718,18 +738,22 @@ if lim_keys and redis.call('HGET', K_META, 'layout') == '2' then
   redis.call('HSET', K_META, 'layout', '3')
 end
 local ranked = ARGV[9] ~= '-'
+local bad = nil
 local lost_at = 10
 if ranked then lost_at = 10 + tonumber(ARGV[9]) end
 if ARGV[lost_at] == '1' then
   local known = {}
   for i = lost_at + 1, #ARGV do known[ARGV[i]] = true end
   for _, ids in ipairs(redis.call('ZRANGE', K_INF, 0, -1)) do
-    if not known[ids] then requeue(ids, 'claim reply lost', now) end
+    if not known[ids] then bad = requeue_or_park(ids, 'claim reply lost', now) or bad end
   end
 end
 for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
-  requeue(ids, 'job lease expired', now)
+  bad = requeue_or_park(ids, 'job lease expired', now) or bad
 end
+-- A corrupt record among them refuses this claim by name (the others went
+-- back; it is parked, so the next claims go on).
+if bad then error(bad) end
 local max = tonumber(ARGV[5])
 local deadline = now + tonumber(ARGV[6])
 -- Keys whose wait is over first, then keys in the order they became ready;
@@ -787,8 +811,14 @@ if #keys == 0 then return {'OK', deadline, seq} end
 local cur = redis.call('HMGET', K_KEYS, unpack(keys))
 -- A corrupt record refuses the claim, and the keys it took go back to
 -- ready first (a script's writes before an error stay).
-local function refuse(e)
-  redis.call('RPUSH', K_READY, unpack(keys))
+local function refuse(e, k)
+  local back = {}
+  for _, x in ipairs(keys) do
+    if x ~= k then back[#back + 1] = x end
+  end
+  if #back > 0 then redis.call('RPUSH', K_READY, unpack(back)) end
+  -- The corrupt one is parked, so the shard's other keys run meanwhile.
+  redis.call('ZADD', K_LATER, now + CORRUPT_PARK_MS, k)
   error(e)
 end
 -- A key taken is a candidate while a job waits, its runs are below its
@@ -798,7 +828,7 @@ end
 local cand, qs, heads, kq = {}, {}, {}, {}
 for i, k in ipairs(keys) do
   local ok, q = pcall(kparse, cur[i], k)
-  if not ok then refuse(q) end
+  if not ok then refuse(q, k) end
   local lim = limit_of(k)
   if cur[i] and lim ~= q.lim then
     q.lim = lim
@@ -816,10 +846,10 @@ local rs, nx = {}, {}
 if #cand > 0 then
   rs = redis.call('HMGET', K_JOBS, unpack(heads))
   nx = redis.call('HMGET', K_NEXT, unpack(heads))
-  for _, r in ipairs(rs) do
+  for i, r in ipairs(rs) do
     if r then
       local ok, e = pcall(rec_nbf, r)
-      if not ok then refuse(e) end
+      if not ok then refuse(e, cand[i]) end
     end
   end
 end
@@ -881,9 +911,9 @@ while #ids < max and #live > 0 do
     local q = qs[i]
     if #ids < max and q.h ~= 0 and q.n < q.lim then
       local id = idstr(q.h)
-      if start(i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id), id) then
-        next_live[#next_live + 1] = i
-      end
+      local ok, started = pcall(start, i, redis.call('HGET', K_JOBS, id), redis.call('HGET', K_NEXT, id), id)
+      if not ok then refuse(started, cand[i]) end
+      if started then next_live[#next_live + 1] = i end
     end
   end
   live = next_live
@@ -1257,9 +1287,10 @@ local now = now_ms()
 redis.call('HSET', K_META, 'donemax', ARGV[5], 'doneage', ARGV[6])
 if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
 -- A shard written before the `keys` hash had its pin gets it now.
-redis.call('HSETNX', K_KEYS, KEYS_PIN, ARGV[7])
+if redis.call('HGET', K_KEYS, KEYS_PIN) ~= ARGV[7] then redis.call('HSET', K_KEYS, KEYS_PIN, ARGV[7]) end
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
-for _, id in ipairs(ids) do requeue(id, 'owner lost', now) end
+-- A corrupt record parks its run: the next claims report it.
+for _, id in ipairs(ids) do requeue_or_park(id, 'owner lost', now) end
 return {'OK', #ids}
 "#;
 
@@ -1270,9 +1301,11 @@ return {'OK', #ids}
 const PEEK_READY: &str = r#"
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
+local bad = nil
 for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
-  requeue(ids, 'job lease expired', now)
+  bad = requeue_or_park(ids, 'job lease expired', now) or bad
 end
+if bad then error(bad) end
 local n = tonumber(ARGV[5])
 return {'OK', now, redis.call('LRANGE', K_READY, 0, n - 1), redis.call('ZRANGEBYSCORE', K_LATER, '-inf', now, 'LIMIT', 0, n)}
 "#;

@@ -191,9 +191,10 @@ fn redis_dedup_records_survive_a_restart_for_their_window() {
 /// Dedup records expire through one index entry per enqueue batch. A
 /// batch's expired entry forgets only the records still expired: an id
 /// stored again before its old batch was forgotten keeps its new record.
-/// Records an older build indexed one by one (`dedupx`) are forgotten as
-/// before, and one stored again over such an expired record leaves that
-/// index, so an older build's forgetting cannot drop the new record.
+/// Records indexed one by one (`dedupx`: a move's import, an older build)
+/// are forgotten only once expired themselves, and one stored again over
+/// such an expired record leaves that index, so an older build's
+/// forgetting cannot drop the new record.
 #[test]
 fn redis_dedup_batches_forget_only_what_expired() {
     let server = RedisServer::start();
@@ -230,6 +231,10 @@ fn redis_dedup_batches_forget_only_what_expired() {
         .enqueue_dedup("r0", 1, &[job("c"), job("old")], window)
         .unwrap();
     assert!(again.iter().all(|s| !s.duplicate), "{again:?}");
+    // An entry of the one-by-one index for c's live record, as a move's
+    // import leaves one (expired, for an earlier copy): forgetting it
+    // keeps the live record.
+    server.cli(&["ZADD", dedupx, &t0.to_string(), "1|kc"]);
     // The next ones forget c's old batch and whatever is left of the
     // older index: c's and old's new records stay.
     b.enqueue_dedup("r0", 1, &[job("d")], window).unwrap();

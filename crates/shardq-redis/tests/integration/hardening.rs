@@ -706,19 +706,23 @@ fn start_times_an_older_build_wrote_are_not_doubled() {
 }
 
 /// A flipped byte in a key's queue record or in a job record is refused by
-/// name (kind corrupt: the record's key and its text), by the scripts that
-/// read it, before they write anything for it; put right, the shard works
-/// on with every job.
+/// name (kind corrupt: the record's key and its text), once: the record's
+/// key (or run) is set aside for a minute, so the shard's other keys run
+/// meanwhile, and nothing is lost; put right, the shard works on with every
+/// job, in order.
 #[test]
 fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
     let server = RedisServer::start();
     let url = server.url();
     let map = map_of(&[("r0", url.clone())]);
     init(&map);
-    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
+    let clock = shardq_core::ManualClock::new(1_700_000_000_000);
+    let b = RedisBackend::open(&map, crate::common::opts_manual(&clock)).unwrap();
     let mut c = coordinator(&b, "w@1", 10_000);
     tick_adopt(&b, &mut c);
-    b.enqueue("r0", 1, &[job("tenant-a", "1"), job("tenant-a", "2")])
+    b.enqueue("r0", 1, &[job("tenant-a", "a1"), job("tenant-a", "a2")])
+        .unwrap();
+    b.enqueue("r0", 1, &[job("tenant-b", "b1"), job("tenant-b", "b2")])
         .unwrap();
     let mut con = connect(&url);
     let keys_hash = r0_part("keys");
@@ -739,35 +743,71 @@ fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
     };
     corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "key \"tenant-a\"");
     corrupt(
-        b.enqueue("r0", 1, &[job("tenant-a", "3")]).unwrap_err(),
+        b.enqueue("r0", 1, &[job("tenant-a", "a3")]).unwrap_err(),
         "key \"tenant-a\"",
     );
-    // Put right, the shard goes on: both jobs, in order.
+    // The next claim goes on with the other key.
+    const LONG: u64 = 200_000;
+    let b_runs = b.claim("r0", 10, LONG).unwrap();
+    assert_eq!(payloads(&b_runs), ["b1"]);
+    // Put right, the key runs again once its minute aside is over.
     let _: () = (redis::cmd("HSET")
         .arg(&keys_hash)
         .arg("tenant-a")
         .arg(&good))
     .query(&mut con)
     .unwrap();
+    clock.advance(60_001);
     let first = b.claim("r0", 10, LEASE).unwrap();
-    assert_eq!(payloads(&first), ["1"]);
+    assert_eq!(payloads(&first), ["a1"], "{first:?}");
 
-    // A job record: the next head's.
+    // A job record: the next head's, while b1's run lapses with a corrupt
+    // record of its own.
     let jobs_hash = r0_part("jobs");
-    let next_id = (first[0].id.0 + 1).to_string();
-    let rec: Vec<u8> = (redis::cmd("HGET").arg(&jobs_hash).arg(&next_id))
-        .query(&mut con)
+    let flip = |con: &mut redis::Connection, id: u64| -> Vec<u8> {
+        let rec: Vec<u8> = (redis::cmd("HGET").arg(&jobs_hash).arg(id.to_string()))
+            .query(con)
+            .unwrap();
+        let mut bad = rec.clone();
+        bad[0] = b'x';
+        let _: () = (redis::cmd("HSET")
+            .arg(&jobs_hash)
+            .arg(id.to_string())
+            .arg(&bad))
+        .query(con)
         .unwrap();
-    let mut bad = rec.clone();
-    bad[0] = b'x';
-    let _: () = (redis::cmd("HSET").arg(&jobs_hash).arg(&next_id).arg(&bad))
-        .query(&mut con)
+        rec
+    };
+    let put_back = |con: &mut redis::Connection, id: u64, rec: &[u8]| {
+        let _: () = (redis::cmd("HSET")
+            .arg(&jobs_hash)
+            .arg(id.to_string())
+            .arg(rec))
+        .query(con)
         .unwrap();
+    };
+    let a2 = first[0].id.0 + 1;
+    let a2_rec = flip(&mut con, a2);
     b.ack("r0", &[first[0].receipt()]).unwrap();
     corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
-    let _: () = (redis::cmd("HSET").arg(&jobs_hash).arg(&next_id).arg(&rec))
-        .query(&mut con)
-        .unwrap();
+    put_back(&mut con, a2, &a2_rec);
+    let b1 = b_runs[0].id.0;
+    let b1_rec = flip(&mut con, b1);
+    clock.advance(LONG);
+    // b1's lapsed run meets its corrupt record: refused once, then set
+    // aside while a2 runs.
+    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
     let second = b.claim("r0", 10, LEASE).unwrap();
-    assert_eq!(payloads(&second), ["2"]);
+    assert_eq!(payloads(&second), ["a2"], "{second:?}");
+    b.ack("r0", &[second[0].receipt()]).unwrap();
+    put_back(&mut con, b1, &b1_rec);
+    clock.advance(60_001);
+    let last: Vec<_> = (0..3)
+        .flat_map(|_| b.claim("r0", 10, LEASE).unwrap())
+        .collect();
+    assert_eq!(payloads(&last), ["b1"], "b1 runs again: {last:?}");
+    assert_eq!(last[0].attempt, 2);
+    b.ack("r0", &[last[0].receipt()]).unwrap();
+    let tail = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&tail), ["b2"]);
 }
