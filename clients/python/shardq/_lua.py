@@ -75,12 +75,19 @@ local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
   if not n then corrupt('a job record', r) end
   kl = tonumber(kl)
+  if p + kl - 1 > #r then corrupt('a job record', r) end
   return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
 local function rec_nbf(r)
   local n = string.match(r, '^(%d+)|')
   if not n then corrupt('a job record', r) end
   return tonumber(n)
+end
+-- The whole grammar of a job record (its numbers and that its key fits),
+-- before a claim hands it out: the worker refuses a malformed one.
+local function rec_check(r)
+  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|()')
+  if not kl or p + tonumber(kl) - 1 > #r then corrupt('a job record', r) end
 end
 -- The record with a new not-before and attempt count; key and payload kept.
 local function rec_set(r, n, a)
@@ -371,7 +378,10 @@ local CORRUPT_PARK_MS = 60000
 local function requeue_or_park(ids, why, now)
   local ok, e = pcall(requeue, ids, why, now)
   if ok then return nil end
-  redis.call('ZADD', K_INF, 'XX', now + CORRUPT_PARK_MS, ids)
+  -- Still in flight: it failed before its first write and waits aside.
+  -- Otherwise it failed halfway, which must not pass unseen.
+  if redis.call('ZADD', K_INF, 'XX', 'CH', now + CORRUPT_PARK_MS, ids) == 0 and
+    not redis.call('ZSCORE', K_INF, ids) then error(e) end
   return e
 end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).

@@ -89,12 +89,19 @@ local function rec_parse(r)
   local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
   if not n then corrupt('a job record', r) end
   kl = tonumber(kl)
+  if p + kl - 1 > #r then corrupt('a job record', r) end
   return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
 local function rec_nbf(r)
   local n = string.match(r, '^(%d+)|')
   if not n then corrupt('a job record', r) end
   return tonumber(n)
+end
+-- The whole grammar of a job record (its numbers and that its key fits),
+-- before a claim hands it out: the worker refuses a malformed one.
+local function rec_check(r)
+  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|()')
+  if not kl or p + tonumber(kl) - 1 > #r then corrupt('a job record', r) end
 end
 -- The record with a new not-before and attempt count; key and payload kept.
 local function rec_set(r, n, a)
@@ -385,7 +392,10 @@ local CORRUPT_PARK_MS = 60000
 local function requeue_or_park(ids, why, now)
   local ok, e = pcall(requeue, ids, why, now)
   if ok then return nil end
-  redis.call('ZADD', K_INF, 'XX', now + CORRUPT_PARK_MS, ids)
+  -- Still in flight: it failed before its first write and waits aside.
+  -- Otherwise it failed halfway, which must not pass unseen.
+  if redis.call('ZADD', K_INF, 'XX', 'CH', now + CORRUPT_PARK_MS, ids) == 0 and
+    not redis.call('ZSCORE', K_INF, ids) then error(e) end
   return e
 end
 -- The key of job ids: the caller's guess, else the job's record ('' if gone).
@@ -745,11 +755,15 @@ if ARGV[lost_at] == '1' then
   local known = {}
   for i = lost_at + 1, #ARGV do known[ARGV[i]] = true end
   for _, ids in ipairs(redis.call('ZRANGE', K_INF, 0, -1)) do
-    if not known[ids] then bad = requeue_or_park(ids, 'claim reply lost', now) or bad end
+    if not known[ids] then
+      local e = requeue_or_park(ids, 'claim reply lost', now)
+      bad = bad or e
+    end
   end
 end
 for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
-  bad = requeue_or_park(ids, 'job lease expired', now) or bad
+  local e = requeue_or_park(ids, 'job lease expired', now)
+  bad = bad or e
 end
 -- A corrupt record among them refuses this claim by name (the others went
 -- back; it is parked, so the next claims go on).
@@ -848,7 +862,10 @@ if #cand > 0 then
   nx = redis.call('HMGET', K_NEXT, unpack(heads))
   for i, r in ipairs(rs) do
     if r then
-      local ok, e = pcall(rec_nbf, r)
+      local ok, e = pcall(rec_check, r)
+      if ok and nx[i] and not string.match(nx[i], '^%d+$') then
+        ok, e = pcall(corrupt, 'the next job after ' .. heads[i], nx[i])
+      end
       if not ok then refuse(e, cand[i]) end
     end
   end
@@ -875,6 +892,7 @@ local function start(i, r, nxs, id)
   id = id or idstr(n)
   if nxs then
     q.h = tonumber(nxs)
+    if not q.h then corrupt('the next job after ' .. id, nxs) end
     unlink[#unlink + 1] = id
   else
     q.h, q.t = 0, 0
@@ -1303,7 +1321,8 @@ if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 local bad = nil
 for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_INF, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
-  bad = requeue_or_park(ids, 'job lease expired', now) or bad
+  local e = requeue_or_park(ids, 'job lease expired', now)
+  bad = bad or e
 end
 if bad then error(bad) end
 local n = tonumber(ARGV[5])

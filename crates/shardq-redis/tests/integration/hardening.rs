@@ -811,3 +811,59 @@ fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
     let tail = b.claim("r0", 10, LEASE).unwrap();
     assert_eq!(payloads(&tail), ["b2"]);
 }
+
+/// A flipped byte anywhere in a head's job record (not only its first
+/// field), or in the link to the key's next job, is refused before the
+/// claim hands anything out, and nothing of the key is lost.
+#[test]
+fn a_claim_checks_the_whole_record_and_the_next_link_before_it_starts() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let clock = shardq_core::ManualClock::new(1_700_000_000_000);
+    let b = RedisBackend::open(&map, crate::common::opts_manual(&clock)).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    let ids = b
+        .enqueue("r0", 1, &[job("k", "one"), job("k", "two")])
+        .unwrap();
+    let (one, two) = (ids[0].to_string(), ids[1].to_string());
+    let mut con = connect(&url);
+    let (jobs, next) = (r0_part("jobs"), r0_part("next"));
+    let hget = |con: &mut redis::Connection, h: &str, f: &str| -> Vec<u8> {
+        redis::cmd("HGET").arg(h).arg(f).query(con).unwrap()
+    };
+    let hset = |con: &mut redis::Connection, h: &str, f: &str, v: &[u8]| {
+        let _: () = redis::cmd("HSET").arg(h).arg(f).arg(v).query(con).unwrap();
+    };
+    let refused = |e: QueueError| {
+        assert_eq!(e.kind(), shardq_core::ErrorKind::Corrupt, "{e}");
+    };
+    // The attempts field, then the key's length (past the record's end).
+    let rec = hget(&mut con, &jobs, &one);
+    let text = String::from_utf8(rec.clone()).unwrap();
+    let fields: Vec<&str> = text.splitn(6, '|').collect();
+    for bad in [
+        format!("{}|x|{}", fields[0], fields[2..].join("|")),
+        format!("{}|999|{}", fields[..4].join("|"), fields[5]),
+    ] {
+        hset(&mut con, &jobs, &one, bad.as_bytes());
+        refused(b.claim("r0", 10, LEASE).unwrap_err());
+        hset(&mut con, &jobs, &one, &rec);
+        clock.advance(60_001);
+    }
+    // The link to the next job.
+    let link = hget(&mut con, &next, &one);
+    hset(&mut con, &next, &one, b"zz");
+    let e = b.claim("r0", 10, LEASE).unwrap_err();
+    refused(e);
+    hset(&mut con, &next, &one, &link);
+    clock.advance(60_001);
+    let first = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&first), ["one"]);
+    b.ack("r0", &[first[0].receipt()]).unwrap();
+    let second = b.claim("r0", 10, LEASE).unwrap();
+    assert_eq!(payloads(&second), ["two"]);
+    assert_eq!(second[0].id.to_string(), two);
+}
