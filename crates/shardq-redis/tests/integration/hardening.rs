@@ -483,6 +483,45 @@ fn r0_part(part: &str) -> String {
     keys.into_iter().find(|k| k.ends_with(&suffix)).unwrap()
 }
 
+/// A server holding one initialised shard `r0` (its map), a backend on
+/// `opts`, and a coordinator (`w@1`) that owns and adopted the shard.
+fn owned_r0(
+    opts: RedisOptions,
+) -> (
+    RedisServer,
+    String,
+    shardq_route::ShardMap,
+    RedisBackend,
+    RedisCoordinator,
+) {
+    let server = RedisServer::start();
+    let url = server.url();
+    let map = map_of(&[("r0", url.clone())]);
+    init(&map);
+    let b = RedisBackend::open(&map, opts).unwrap();
+    let mut c = coordinator(&b, "w@1", 10_000);
+    tick_adopt(&b, &mut c);
+    (server, url, map, b, c)
+}
+
+/// Field `f` of hash `h`, raw (empty when missing).
+fn hget(con: &mut redis::Connection, h: &str, f: &str) -> Vec<u8> {
+    redis::cmd("HGET").arg(h).arg(f).query(con).unwrap()
+}
+
+/// Writes field `f` of hash `h` as it is, as a foreign writer (or a
+/// flipped byte) would.
+fn hset(con: &mut redis::Connection, h: &str, f: &str, v: &[u8]) {
+    let _: () = redis::cmd("HSET").arg(h).arg(f).arg(v).query(con).unwrap();
+}
+
+/// `e` is a corrupt-record error of shard `r0` whose text holds `what`.
+fn assert_corrupt(e: QueueError, what: &str) {
+    assert_eq!(e.kind(), shardq_core::ErrorKind::Corrupt, "{e}");
+    let text = e.to_string();
+    assert!(text.contains(what) && text.contains("\"r0\""), "{text}");
+}
+
 /// The server's clock in ms, as the scripts read it.
 fn server_ms(url: &str) -> u64 {
     let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut connect(url)).unwrap();
@@ -497,13 +536,7 @@ fn server_ms(url: &str) -> u64 {
 /// left in the reason hash once the jobs are gone.
 #[test]
 fn start_times_on_the_servers_clock_hold_through_fail_back_off_cancel_and_ack() {
-    let server = RedisServer::start();
-    let url = server.url();
-    let map = map_of(&[("r0", url.clone())]);
-    init(&map);
-    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
-    let mut c = coordinator(&b, "w@1", 10_000);
-    tick_adopt(&b, &mut c);
+    let (_server, url, _map, b, _c) = owned_r0(RedisOptions::default());
     let within = |start: u64, (lo, hi): (u64, u64)| start >= lo && start <= hi + 1;
     let claim = |max: usize, lease: u64| {
         let lo = server_ms(&url);
@@ -658,13 +691,7 @@ fn the_keys_hash_stays_a_hash_table_and_its_pin_is_never_a_key() {
 /// twice; a stale `<id>^` naming another run is ignored.
 #[test]
 fn start_times_an_older_build_wrote_are_not_doubled() {
-    let server = RedisServer::start();
-    let url = server.url();
-    let map = map_of(&[("r0", url.clone())]);
-    init(&map);
-    let b = RedisBackend::open(&map, RedisOptions::default()).unwrap();
-    let mut c = coordinator(&b, "w@1", 10_000);
-    tick_adopt(&b, &mut c);
+    let (_server, url, map, b, mut c) = owned_r0(RedisOptions::default());
     b.enqueue("r0", 1, &[job("old", "x")]).unwrap();
     let run = b.claim("r0", 10, LEASE).unwrap().remove(0);
     // As an older build's claim leaves it: the running start in `@`.
@@ -712,37 +739,21 @@ fn start_times_an_older_build_wrote_are_not_doubled() {
 /// job, in order.
 #[test]
 fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
-    let server = RedisServer::start();
-    let url = server.url();
-    let map = map_of(&[("r0", url.clone())]);
-    init(&map);
     let clock = shardq_core::ManualClock::new(1_700_000_000_000);
-    let b = RedisBackend::open(&map, crate::common::opts_manual(&clock)).unwrap();
-    let mut c = coordinator(&b, "w@1", 10_000);
-    tick_adopt(&b, &mut c);
+    let (_server, url, _map, b, _c) = owned_r0(crate::common::opts_manual(&clock));
     b.enqueue("r0", 1, &[job("tenant-a", "a1"), job("tenant-a", "a2")])
         .unwrap();
     b.enqueue("r0", 1, &[job("tenant-b", "b1"), job("tenant-b", "b2")])
         .unwrap();
     let mut con = connect(&url);
     let keys_hash = r0_part("keys");
-    let good: String = (redis::cmd("HGET").arg(&keys_hash).arg("tenant-a"))
-        .query(&mut con)
-        .unwrap();
-    let flipped = good.replacen(' ', "\u{1}", 1);
-    let _: () = (redis::cmd("HSET")
-        .arg(&keys_hash)
-        .arg("tenant-a")
-        .arg(&flipped))
-    .query(&mut con)
-    .unwrap();
-    let corrupt = |e: QueueError, what: &str| {
-        assert_eq!(e.kind(), shardq_core::ErrorKind::Corrupt, "{e}");
-        let text = e.to_string();
-        assert!(text.contains(what) && text.contains("\"r0\""), "{text}");
-    };
-    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "key \"tenant-a\"");
-    corrupt(
+    let good = hget(&mut con, &keys_hash, "tenant-a");
+    let mut flipped = good.clone();
+    let space = flipped.iter().position(|&c| c == b' ').unwrap();
+    flipped[space] = 1;
+    hset(&mut con, &keys_hash, "tenant-a", &flipped);
+    assert_corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "key \"tenant-a\"");
+    assert_corrupt(
         b.enqueue("r0", 1, &[job("tenant-a", "a3")]).unwrap_err(),
         "key \"tenant-a\"",
     );
@@ -751,12 +762,7 @@ fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
     let b_runs = b.claim("r0", 10, LONG).unwrap();
     assert_eq!(payloads(&b_runs), ["b1"]);
     // Put right, the key runs again once its minute aside is over.
-    let _: () = (redis::cmd("HSET")
-        .arg(&keys_hash)
-        .arg("tenant-a")
-        .arg(&good))
-    .query(&mut con)
-    .unwrap();
+    hset(&mut con, &keys_hash, "tenant-a", &good);
     clock.advance(60_001);
     let first = b.claim("r0", 10, LEASE).unwrap();
     assert_eq!(payloads(&first), ["a1"], "{first:?}");
@@ -765,38 +771,26 @@ fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
     // record of its own.
     let jobs_hash = r0_part("jobs");
     let flip = |con: &mut redis::Connection, id: u64| -> Vec<u8> {
-        let rec: Vec<u8> = (redis::cmd("HGET").arg(&jobs_hash).arg(id.to_string()))
-            .query(con)
-            .unwrap();
+        let rec = hget(con, &jobs_hash, &id.to_string());
         let mut bad = rec.clone();
         bad[0] = b'x';
-        let _: () = (redis::cmd("HSET")
-            .arg(&jobs_hash)
-            .arg(id.to_string())
-            .arg(&bad))
-        .query(con)
-        .unwrap();
+        hset(con, &jobs_hash, &id.to_string(), &bad);
         rec
     };
     let put_back = |con: &mut redis::Connection, id: u64, rec: &[u8]| {
-        let _: () = (redis::cmd("HSET")
-            .arg(&jobs_hash)
-            .arg(id.to_string())
-            .arg(rec))
-        .query(con)
-        .unwrap();
+        hset(con, &jobs_hash, &id.to_string(), rec);
     };
     let a2 = first[0].id.0 + 1;
     let a2_rec = flip(&mut con, a2);
     b.ack("r0", &[first[0].receipt()]).unwrap();
-    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
+    assert_corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
     put_back(&mut con, a2, &a2_rec);
     let b1 = b_runs[0].id.0;
     let b1_rec = flip(&mut con, b1);
     clock.advance(LONG);
     // b1's lapsed run meets its corrupt record: refused once, then set
     // aside while a2 runs.
-    corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
+    assert_corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
     let second = b.claim("r0", 10, LEASE).unwrap();
     assert_eq!(payloads(&second), ["a2"], "{second:?}");
     b.ack("r0", &[second[0].receipt()]).unwrap();
@@ -817,29 +811,14 @@ fn a_flipped_byte_in_a_record_is_a_named_corrupt_error_and_loses_nothing() {
 /// claim hands anything out, and nothing of the key is lost.
 #[test]
 fn a_claim_checks_the_whole_record_and_the_next_link_before_it_starts() {
-    let server = RedisServer::start();
-    let url = server.url();
-    let map = map_of(&[("r0", url.clone())]);
-    init(&map);
     let clock = shardq_core::ManualClock::new(1_700_000_000_000);
-    let b = RedisBackend::open(&map, crate::common::opts_manual(&clock)).unwrap();
-    let mut c = coordinator(&b, "w@1", 10_000);
-    tick_adopt(&b, &mut c);
+    let (_server, url, _map, b, _c) = owned_r0(crate::common::opts_manual(&clock));
     let ids = b
         .enqueue("r0", 1, &[job("k", "one"), job("k", "two")])
         .unwrap();
     let (one, two) = (ids[0].to_string(), ids[1].to_string());
     let mut con = connect(&url);
     let (jobs, next) = (r0_part("jobs"), r0_part("next"));
-    let hget = |con: &mut redis::Connection, h: &str, f: &str| -> Vec<u8> {
-        redis::cmd("HGET").arg(h).arg(f).query(con).unwrap()
-    };
-    let hset = |con: &mut redis::Connection, h: &str, f: &str, v: &[u8]| {
-        let _: () = redis::cmd("HSET").arg(h).arg(f).arg(v).query(con).unwrap();
-    };
-    let refused = |e: QueueError| {
-        assert_eq!(e.kind(), shardq_core::ErrorKind::Corrupt, "{e}");
-    };
     // The attempts field, then the key's length (past the record's end).
     let rec = hget(&mut con, &jobs, &one);
     let text = String::from_utf8(rec.clone()).unwrap();
@@ -849,15 +828,14 @@ fn a_claim_checks_the_whole_record_and_the_next_link_before_it_starts() {
         format!("{}|999|{}", fields[..4].join("|"), fields[5]),
     ] {
         hset(&mut con, &jobs, &one, bad.as_bytes());
-        refused(b.claim("r0", 10, LEASE).unwrap_err());
+        assert_corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "a job record");
         hset(&mut con, &jobs, &one, &rec);
         clock.advance(60_001);
     }
     // The link to the next job.
     let link = hget(&mut con, &next, &one);
     hset(&mut con, &next, &one, b"zz");
-    let e = b.claim("r0", 10, LEASE).unwrap_err();
-    refused(e);
+    assert_corrupt(b.claim("r0", 10, LEASE).unwrap_err(), "the next job after");
     hset(&mut con, &next, &one, &link);
     clock.advance(60_001);
     let first = b.claim("r0", 10, LEASE).unwrap();
