@@ -2167,6 +2167,69 @@ pub fn rewound_store_is_refused(h: &dyn RewindHarness) {
     );
 }
 
+/// The map store's settings: [`crate::reshard::update_setting`] over
+/// [`crate::reshard::MapStore::swap_setting`] loses no change. Writers in
+/// threads, each through one of `stores` (several handles on one store
+/// stand for several processes or servers), each add their own entries to
+/// one setting and clear another behind each other: every acknowledged
+/// entry is stored once, and no reader ever sees a text that does not
+/// parse.
+pub fn settings_changes_are_never_lost(stores: &[std::sync::Arc<dyn crate::reshard::MapStore>]) {
+    use crate::reshard::{update_setting, ReshardError};
+    const WRITERS: usize = 8;
+    const CHANGES: usize = 25;
+    let name = "contract-settings";
+    let read = |t: Option<&str>| -> Vec<String> {
+        t.map(|t| serde_json::from_str(t).unwrap_or_else(|e| panic!("{t:?} does not parse: {e}")))
+            .unwrap_or_default()
+    };
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let mut reads = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let t = stores[0].load_setting(name).unwrap();
+                read(t.as_deref());
+                reads += 1;
+            }
+            reads
+        });
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let store = &stores[w % stores.len()];
+                scope.spawn(move || {
+                    for i in 0..CHANGES {
+                        update_setting(&**store, name, |cur| {
+                            let mut all = read(cur);
+                            all.push(format!("w{w}-{i}"));
+                            Ok::<_, ReshardError>((Some(serde_json::to_string(&all).unwrap()), ()))
+                        })
+                        .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(reader.join().unwrap() > 0);
+    });
+    let all = read(stores[0].load_setting(name).unwrap().as_deref());
+    assert_eq!(all.len(), WRITERS * CHANGES, "changes lost: {all:?}");
+    let unique: std::collections::BTreeSet<_> = all.iter().collect();
+    assert_eq!(unique.len(), all.len(), "a change stored twice: {all:?}");
+    // A compare-and-set against a text no longer there stores nothing.
+    assert!(!stores[0].swap_setting(name, Some("[]"), None).unwrap());
+    assert_eq!(
+        read(stores[0].load_setting(name).unwrap().as_deref()).len(),
+        all.len()
+    );
+    // Clearing goes through the same primitive.
+    stores[0].store_setting(name, None).unwrap();
+    assert_eq!(stores[0].load_setting(name).unwrap(), None);
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};

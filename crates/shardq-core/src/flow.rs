@@ -375,6 +375,17 @@ impl GroupLimit {
 
 /// Checks a group name: the key grammar, at most 128 bytes.
 pub fn validate_group_name(name: &str) -> Result<(), QueueError> {
+    // `policy set --group none` means "in no group": a group of that name
+    // could never be joined.
+    if name == GROUP_NONE {
+        return Err(QueueError::InvalidOption {
+            name: "group",
+            value: format!("{name:?}"),
+            allowed: format!(
+                "any name but {GROUP_NONE:?}, which `policy set --group` reads as \"in no group\""
+            ),
+        });
+    }
     if name.len() > 128 {
         return Err(QueueError::InvalidOption {
             name: "group",
@@ -388,6 +399,10 @@ pub fn validate_group_name(name: &str) -> Result<(), QueueError> {
         allowed: "a non-empty name without control or invisible characters".into(),
     })
 }
+
+/// The word `policy set --group` takes for "in no group"; no group may
+/// have it as its name.
+pub const GROUP_NONE: &str = "none";
 
 /// A deployment's flow settings.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

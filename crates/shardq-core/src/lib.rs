@@ -17,6 +17,7 @@ pub mod pool;
 pub mod producer;
 pub mod reshard;
 pub mod retry;
+pub mod secret;
 
 pub use backend::{claim_order, BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};

@@ -1334,14 +1334,22 @@ impl MapStore for MemoryMapStore {
         Ok(settings.get(name).cloned())
     }
 
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
         crate::reshard::validate_setting_name(name)?;
         let mut settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+        if settings.get(name).map(String::as_str) != expected {
+            return Ok(false);
+        }
         match value {
             Some(v) => settings.insert(name.to_string(), v.to_string()),
             None => settings.remove(name),
         };
-        Ok(())
+        Ok(true)
     }
 
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {

@@ -159,13 +159,33 @@ pub trait MapStore: Send + Sync {
         let _ = name;
         Ok(None)
     }
-    /// Stores (or, with `None`, clears) a deployment setting, for every
-    /// process of the deployment to read.
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
-        let _ = (name, value);
+    /// Compare-and-set of a deployment setting: replaces it with `value`
+    /// (`None` clears it) only if it still holds `expected` (`None`: it is
+    /// unset). `Ok(true)` once stored, for every process of the deployment
+    /// to read; `Ok(false)` when another writer changed it first, and
+    /// nothing was stored. The one primitive every settings change goes
+    /// through ([`update_setting`]), so no acknowledged change is lost to
+    /// a concurrent writer in this process, another process or another
+    /// server.
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
+        let _ = (name, expected, value);
         Err(ReshardError::Invalid(
             "this map store keeps no deployment settings".into(),
         ))
+    }
+    /// Stores (or, with `None`, clears) a deployment setting whatever it
+    /// holds: for a writer that owns the whole setting (a rebalance's
+    /// progress). Changes that read the setting first use
+    /// [`update_setting`].
+    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+        update_setting(self, name, |_| {
+            Ok::<_, ReshardError>((value.map(str::to_string), ()))
+        })
     }
     /// [`crate::QueueBackend::prepare_key_concurrency`] for the
     /// deployment's own record, where the store keeps one that clients
@@ -173,6 +193,48 @@ pub trait MapStore: Send + Sync {
     fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
         Ok(())
     }
+}
+
+/// Compare-and-set rounds [`update_setting`] tries before it reports the
+/// setting as too busy: each lost round means another writer's change was
+/// stored, so this bounds only a writer that keeps losing.
+pub const SETTING_SWAP_TRIES: u32 = 200;
+
+/// Changes deployment setting `name` atomically against every other
+/// writer: reads it, asks `change` for the new text (given the current
+/// one) and stores it with [`MapStore::swap_setting`]; when another
+/// writer got there first, reads again and asks again. `change` returns
+/// the new text (`None` clears the setting) and a result for the caller;
+/// a new text equal to the current one writes nothing. An `Ok` means
+/// the change is stored.
+pub fn update_setting<S, R, E>(
+    store: &S,
+    name: &str,
+    mut change: impl FnMut(Option<&str>) -> Result<(Option<String>, R), E>,
+) -> Result<R, E>
+where
+    S: MapStore + ?Sized,
+    E: From<ReshardError>,
+{
+    for round in 0..SETTING_SWAP_TRIES {
+        let current = store.load_setting(name)?;
+        let (next, out) = change(current.as_deref())?;
+        if next == current {
+            return Ok(out);
+        }
+        if store.swap_setting(name, current.as_deref(), next.as_deref())? {
+            return Ok(out);
+        }
+        // Lost to another writer: a short, growing pause spreads the
+        // retries of many writers racing on one setting.
+        std::thread::sleep(std::time::Duration::from_micros(
+            50 * u64::from(round.min(40) + 1),
+        ));
+    }
+    Err(ReshardError::Unavailable(format!(
+        "the deployment setting {name:?} changed under this change {SETTING_SWAP_TRIES} times in          a row (other writers keep changing it); nothing was stored: try again"
+    ))
+    .into())
 }
 
 /// The deployment setting holding the retry backoff (a `Backoff` as JSON).

@@ -1050,11 +1050,16 @@ impl MapStore for PublishFails {
     fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
         self.inner.load_setting(name)
     }
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
         if self.settings_fail {
             return Err(ReshardError::Unavailable("settings are read-only".into()));
         }
-        self.inner.store_setting(name, value)
+        self.inner.swap_setting(name, expected, value)
     }
 }
 
@@ -1456,4 +1461,14 @@ fn a_key_with_several_runs_moves_once_they_all_ended() {
 /// The key of the job a receipt names, on `s0`.
 fn key_of(backend: &MemoryBackend, r: shardq_core::Receipt) -> String {
     backend.job("s0", r.id).unwrap().expect("live").key
+}
+
+/// Settings changes on the memory map store lose nothing to concurrent
+/// writers (the contract check written once in core).
+#[test]
+fn memory_settings_changes_are_never_lost() {
+    let store: Arc<dyn MapStore> = Arc::new(MemoryMapStore::new(
+        ShardMap::with_shards(Algorithm::Rendezvous, ["a"]).unwrap(),
+    ));
+    shardq_core::contract::settings_changes_are_never_lost(&[store]);
 }

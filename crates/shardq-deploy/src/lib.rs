@@ -131,25 +131,65 @@ impl std::fmt::Debug for Deployment {
     }
 }
 
-/// The deployment setting `name` of `maps` as `parse` reads it, or the
-/// default when unset; a setting that does not parse names itself and the
-/// command that sets it again.
-fn json_setting<T: Default>(
+/// The text stored for `value` (the default clears the setting).
+fn setting_text<T: serde::Serialize + Default + PartialEq>(
+    value: &T,
+) -> Result<Option<String>, DeployError> {
+    if *value == T::default() {
+        return Ok(None);
+    }
+    let text = serde_json::to_string(value).map_err(|e| DeployError::Invalid(e.to_string()))?;
+    Ok(Some(text))
+}
+
+/// Changes deployment setting `name` of `maps` atomically against every
+/// other writer ([`shardq_core::reshard::update_setting`]): `read` parses
+/// the current text (or gives the default), `change` edits a copy and
+/// says what to report, `check` refuses a result that may not be stored.
+/// Another writer's change in between makes it read and edit again, so
+/// no acknowledged change is lost; an `Ok` means stored.
+fn update_json_setting<T, R, E>(
     maps: &dyn MapStore,
     name: &str,
+    read: impl Fn(Option<&str>) -> Result<T, DeployError>,
+    mut change: impl FnMut(&mut T) -> Result<R, E>,
+    check: impl Fn(&T, &T) -> Result<(), DeployError>,
+) -> Result<R, E>
+where
+    T: serde::Serialize + Default + PartialEq + Clone,
+    E: From<DeployError> + From<shardq_core::reshard::ReshardError>,
+{
+    shardq_core::reshard::update_setting(maps, name, |current| {
+        let before = read(current)?;
+        let mut after = before.clone();
+        let out = change(&mut after)?;
+        if after == before {
+            return Ok((current.map(str::to_string), out));
+        }
+        check(&before, &after)?;
+        Ok((setting_text(&after)?, out))
+    })
+}
+
+/// Reads a setting's text as `parse` does (the default when unset); a
+/// text that does not parse names the setting and the command that sets
+/// it again.
+fn parse_setting<T: Default>(
+    name: &str,
+    text: Option<&str>,
     parse: fn(&str) -> Result<T, serde_json::Error>,
 ) -> Result<T, DeployError> {
-    let Some(text) = maps.load_setting(name)? else {
+    let Some(text) = text else {
         return Ok(T::default());
     };
-    parse(&text).map_err(|e| {
+    parse(text).map_err(|e| {
         let again = match name {
             shardq_core::reshard::SETTING_FLOW => {
                 "start over with `shardq policy reset`".to_string()
             }
             _ => format!("set it again with `shardq {name} set`"),
         };
-        let shown = shardq_core::job::cut_at_char(&text, 200);
+        let shown = shardq_core::job::cut_at_char(text, 200);
         let more = if shown.len() < text.len() { "..." } else { "" };
         DeployError::Invalid(format!(
             "the deployment's {name} setting {shown:?}{more} does not parse ({e}); {again}"
@@ -157,53 +197,59 @@ fn json_setting<T: Default>(
     })
 }
 
-/// Stores `value` as the deployment setting `name` (the default clears it).
-fn store_json_setting<T: serde::Serialize + Default + PartialEq>(
-    maps: &dyn MapStore,
-    name: &str,
-    value: &T,
-) -> Result<(), DeployError> {
-    let text = if *value == T::default() {
-        None
-    } else {
-        Some(serde_json::to_string(value).map_err(|e| DeployError::Invalid(e.to_string()))?)
-    };
-    maps.store_setting(name, text.as_deref())?;
-    Ok(())
-}
-
-/// The `retry` setting of `maps`, parsed and checked; the defaults when
-/// unset.
-pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, DeployError> {
-    let s = json_setting(
-        maps,
+fn read_retry(text: Option<&str>) -> Result<RetrySettings, DeployError> {
+    let s = parse_setting(
         shardq_core::reshard::SETTING_RETRY,
+        text,
         RetrySettings::parse,
     )?;
     s.validate()?;
     Ok(s)
 }
 
-/// The `retention` setting of `maps`, parsed and checked; the default
-/// when unset.
-pub(crate) fn retention_setting(maps: &dyn MapStore) -> Result<Retention, DeployError> {
-    let r: Retention = json_setting(maps, shardq_core::reshard::SETTING_RETENTION, |t| {
+fn read_retention(text: Option<&str>) -> Result<Retention, DeployError> {
+    let r: Retention = parse_setting(shardq_core::reshard::SETTING_RETENTION, text, |t| {
         serde_json::from_str(t)
     })?;
     r.validate()?;
     Ok(r)
 }
 
-/// The `flow` setting of `maps`, parsed and checked; the default (no
-/// limits) when unset.
-pub(crate) fn flow_setting(maps: &dyn MapStore) -> Result<FlowSettings, DeployError> {
-    let f = json_setting(
-        maps,
+fn read_flow(text: Option<&str>) -> Result<FlowSettings, DeployError> {
+    let f = parse_setting(
         shardq_core::reshard::SETTING_FLOW,
+        text,
         FlowSettings::parse,
     )?;
     f.validate()?;
     Ok(f)
+}
+
+/// The `retry` setting of `maps`, parsed and checked; the defaults when
+/// unset.
+pub(crate) fn retry_setting(maps: &dyn MapStore) -> Result<RetrySettings, DeployError> {
+    read_retry(
+        maps.load_setting(shardq_core::reshard::SETTING_RETRY)?
+            .as_deref(),
+    )
+}
+
+/// The `retention` setting of `maps`, parsed and checked; the default
+/// when unset.
+pub(crate) fn retention_setting(maps: &dyn MapStore) -> Result<Retention, DeployError> {
+    read_retention(
+        maps.load_setting(shardq_core::reshard::SETTING_RETENTION)?
+            .as_deref(),
+    )
+}
+
+/// The `flow` setting of `maps`, parsed and checked; the default (no
+/// limits) when unset.
+pub(crate) fn flow_setting(maps: &dyn MapStore) -> Result<FlowSettings, DeployError> {
+    read_flow(
+        maps.load_setting(shardq_core::reshard::SETTING_FLOW)?
+            .as_deref(),
+    )
 }
 
 /// Flow control over `maps`'s `flow` setting, read again every
@@ -257,13 +303,14 @@ pub fn check_all(map: &ShardMap, redis: bool) -> Result<(), DeployError> {
             return Err(DeployError::Invalid(format!(
                 "shard {:?} (url {:?}) is {got} while the other shards are {want}: a map mixing the embedded engine and Redis is not supported; give every shard the same kind of url",
                 s.name,
-                s.url.as_deref().unwrap_or("none")
+                shardq_core::secret::redact(s.url.as_deref().unwrap_or("none"))
             )));
         }
         if !redis && !url.is_empty() && !url.starts_with("file:") {
             return Err(DeployError::Invalid(format!(
-                "shard {:?} has url {url:?}: expected none, file:, redis://host:port/db or redis+cluster://host:port,...",
-                s.name
+                "shard {:?} has url {:?}: expected none, file:, redis://host:port/db or redis+cluster://host:port,...",
+                s.name,
+                shardq_core::secret::redact(url)
             )));
         }
     }
@@ -443,10 +490,34 @@ impl Deployment {
     }
 
     /// Stores the deployment's retry policies, checked first (the defaults
-    /// clear the setting); workers and servers started after this use them.
+    /// clear the setting), replacing whatever is stored; workers and
+    /// servers started after this use them.
     pub fn set_retry_settings(&self, settings: &RetrySettings) -> Result<(), DeployError> {
-        settings.validate()?;
-        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_RETRY, settings)
+        let new = settings.clone();
+        self.update_retry_settings(|s| {
+            *s = new.clone();
+            Ok::<_, DeployError>(())
+        })
+    }
+
+    /// Edits the deployment's retry policies atomically against every
+    /// other writer: `change` edits the current settings (it may run more
+    /// than once, each time on the settings then stored); the result is
+    /// checked and stored. An `Ok` means stored.
+    pub fn update_retry_settings<R, E>(
+        &self,
+        change: impl FnMut(&mut RetrySettings) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<DeployError> + From<shardq_core::reshard::ReshardError>,
+    {
+        update_json_setting(
+            &*self.maps,
+            shardq_core::reshard::SETTING_RETRY,
+            read_retry,
+            change,
+            |_, after| Ok(after.validate()?),
+        )
     }
 
     /// The deployment's flow control settings (its `flow` setting:
@@ -456,15 +527,46 @@ impl Deployment {
     }
 
     /// Stores the deployment's flow settings, checked first (the defaults
-    /// clear the setting); every worker and server of the deployment uses
-    /// them within [`shardq_core::flow::FLOW_RECHECK_MS`], without a
-    /// restart.
+    /// clear the setting), replacing whatever is stored; every worker and
+    /// server of the deployment uses them within
+    /// [`shardq_core::flow::FLOW_RECHECK_MS`], without a restart.
     pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
-        settings.validate()?;
+        let new = settings.clone();
+        self.update_flow_settings(|s| {
+            *s = new.clone();
+            Ok::<_, DeployError>(())
+        })
+    }
+
+    /// Edits the deployment's flow settings atomically against every other
+    /// writer (policies, groups; in this process, another process or
+    /// another server): `change` edits the settings stored now (it may run
+    /// more than once, each time on the settings then stored), the result
+    /// is checked as [`Deployment::set_flow_settings`] checks, and stored.
+    /// An `Ok` means stored.
+    pub fn update_flow_settings<R, E>(
+        &self,
+        change: impl FnMut(&mut FlowSettings) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<DeployError> + From<shardq_core::reshard::ReshardError>,
+    {
+        update_json_setting(
+            &*self.maps,
+            shardq_core::reshard::SETTING_FLOW,
+            read_flow,
+            change,
+            |before, after| self.check_flow(before, after),
+        )
+    }
+
+    /// Checks flow settings `after` before they replace `before`.
+    fn check_flow(&self, before: &FlowSettings, after: &FlowSettings) -> Result<(), DeployError> {
+        after.validate()?;
         // A policy asking more runs of a key at once than the backend can
         // keep apart is refused here, where it is set.
         let most = self.queue().limits().key_concurrency_max;
-        let high = settings.key_concurrency_high();
+        let high = after.key_concurrency_high();
         if high > most {
             return Err(shardq_core::QueueError::InvalidOption {
                 name: "concurrency",
@@ -476,22 +578,20 @@ impl Deployment {
         // The first policy of more than one run per key marks the stores
         // (on Redis: key layout 3), before it is stored; a claim that
         // finds it also marks the shard it claims from.
-        if high > 1 && self.flow_settings()?.key_concurrency_high() <= 1 {
+        if high > 1 && before.key_concurrency_high() <= 1 {
             self.queue().prepare_key_concurrency()?;
             self.maps.prepare_key_concurrency()?;
         }
-        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_FLOW, settings)
+        Ok(())
     }
 
     /// Clears the deployment's flow settings without reading them (every
     /// policy and group goes): the way out of a stored setting that does
     /// not read.
     pub fn reset_flow_settings(&self) -> Result<(), DeployError> {
-        store_json_setting(
-            &*self.maps,
-            shardq_core::reshard::SETTING_FLOW,
-            &FlowSettings::default(),
-        )
+        self.maps
+            .store_setting(shardq_core::reshard::SETTING_FLOW, None)?;
+        Ok(())
     }
 
     /// This process's flow control (what it admitted and holds back), when
@@ -510,7 +610,11 @@ impl Deployment {
     /// clears the setting); workers and servers started after this use it.
     pub fn set_retention(&self, r: &Retention) -> Result<(), DeployError> {
         r.validate()?;
-        store_json_setting(&*self.maps, shardq_core::reshard::SETTING_RETENTION, r)
+        self.maps.store_setting(
+            shardq_core::reshard::SETTING_RETENTION,
+            setting_text(r)?.as_deref(),
+        )?;
+        Ok(())
     }
 
     /// The data dir.

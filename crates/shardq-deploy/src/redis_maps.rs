@@ -85,8 +85,13 @@ impl MapStore for RedisMaps {
         self.store.load_setting(name)
     }
 
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
-        self.store.store_setting(name, value)
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
+        self.store.swap_setting(name, expected, value)
     }
 
     fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
@@ -111,7 +116,7 @@ pub fn open(
 ) -> Result<(RedisBackend, Arc<RedisMaps>), DeployError> {
     let store = RedisMapStore::open_in(&remote.map_url, &remote.namespace, &opts).map_err(|e| {
         DeployError::RemoteMap {
-            url: remote.map_url.clone(),
+            url: shardq_core::secret::redacted(&remote.map_url),
             named_by: dir.join(REMOTE_FILE).display().to_string(),
             source: Box::new(e),
         }

@@ -92,7 +92,7 @@ impl Remote {
             invalid!(
                 "{}: map_url {:?} is not a redis:// or redis+cluster:// URL",
                 path.display(),
-                r.map_url
+                shardq_core::secret::redact(&r.map_url)
             );
         }
         Ok(Some(r))

@@ -74,21 +74,42 @@ pub struct Membership {
 }
 
 /// Writes `bytes` to `path` atomically: temp file, fsync, rename, fsync dir.
+///
+/// The temp file's name is unique to this call (process id and a counter),
+/// so writers in several threads or processes never share one: each
+/// rename puts one whole file in place. The file is created with mode 0600
+/// whatever the umask: the data dir's files may hold store URLs with
+/// passwords (`remote.json`, `shardmap.yaml`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(
-        ".{}.tmp-{}",
+        ".{}.tmp-{}-{}",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-        std::process::id()
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
     ));
-    {
-        let mut f = File::create(&tmp)?;
+    let written = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
     }
-    fs::rename(&tmp, path)?;
+    written?;
     File::open(dir)?.sync_all()
 }
+
+/// Mode of every file [`write_atomic`] writes: the owner's only.
+pub const FILE_MODE: u32 = 0o600;
 
 /// Creates a data directory for `map` (all shards unowned, empty logs).
 pub fn init(dir: &Path, map: &ShardMap) -> Result<(), FsError> {

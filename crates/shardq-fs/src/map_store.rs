@@ -6,8 +6,9 @@
 //!   writers can never both publish version N+1.
 //! - `shardmap.target.yaml`: the map a pending rebalance must reach (absent
 //!   when none is pending).
-//! - `settings.NAME.json`: a deployment setting (the retry backoff), written
-//!   whole and renamed into place like the map.
+//! - `settings.NAME.json`: a deployment setting (retry, retention, flow,
+//!   rebalance progress), written whole and renamed into place like the
+//!   map, each change a compare-and-set under `.settings.lock` (a flock).
 //! - `.rebalance.lock`: flock held by the one running rebalance; it holds the
 //!   holder's `host@pid` for the error a second one gets. The kernel drops a
 //!   flock when its holder dies, so a killed coordinator never blocks a rerun.
@@ -33,6 +34,8 @@ use crate::storage::{OsStorage, Storage, SEGMENT_SUFFIX};
 pub const MAP_LOCK_FILE: &str = ".shardmap.lock";
 /// The pending rebalance target.
 pub const TARGET_FILE: &str = "shardmap.target.yaml";
+/// Lock file held for each compare-and-set of a deployment setting.
+pub const SETTINGS_LOCK_FILE: &str = ".settings.lock";
 /// Lock file held by the running rebalance.
 pub const REBALANCE_LOCK_FILE: &str = ".rebalance.lock";
 /// Longest wait for [`MAP_LOCK_FILE`], in ms: a publish holds it for one
@@ -80,6 +83,26 @@ impl FileMapStore {
     }
 }
 
+impl FileMapStore {
+    /// Takes flock `file` (the `what` lock) within [`MAP_LOCK_WAIT_MS`];
+    /// past it the holder is stalled and the caller's change is refused,
+    /// saying nothing was `done`.
+    fn lock_within(&self, file: &str, what: &str, done: &str) -> Result<FlockGuard, ReshardError> {
+        let lock = self.open_lock(file)?;
+        let lock_path = self.dir.join(file);
+        let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
+            .map_err(|e| ReshardError::io(format!("locking {}", lock_path.display()), e))?;
+        if !held {
+            return Err(ReshardError::Unavailable(format!(
+                "the {what} lock {} is held by another process (stalled?): not free after \
+                 {MAP_LOCK_WAIT_MS} ms; nothing was {done}",
+                lock_path.display()
+            )));
+        }
+        Ok(FlockGuard(lock))
+    }
+}
+
 fn store_err(e: FsError) -> ReshardError {
     ReshardError::store(e.kind(), e)
 }
@@ -108,18 +131,7 @@ impl MapStore for FileMapStore {
 
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
         map.validate()?;
-        let lock = self.open_lock(MAP_LOCK_FILE)?;
-        let lock_path = self.dir.join(MAP_LOCK_FILE);
-        let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
-            .map_err(|e| ReshardError::io(format!("locking {}", lock_path.display()), e))?;
-        if !held {
-            return Err(ReshardError::Unavailable(format!(
-                "the map lock {} is held by another process (stalled?): not free after \
-                 {MAP_LOCK_WAIT_MS} ms; nothing was published",
-                lock_path.display()
-            )));
-        }
-        let _guard = FlockGuard(lock);
+        let _guard = self.lock_within(MAP_LOCK_FILE, "map", "published")?;
         let current = self.load()?;
         if current.version != expected_version {
             return Err(ReshardError::Conflict {
@@ -180,20 +192,34 @@ impl MapStore for FileMapStore {
         }
     }
 
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+    /// Under [`SETTINGS_LOCK_FILE`] (a flock, so every thread and process
+    /// of the data dir takes turns, and a dead holder frees it): read,
+    /// compare, write whole and rename. Readers take no lock: the rename
+    /// shows them the old text or the new one.
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
         shardq_core::reshard::validate_setting_name(name)?;
+        let _guard = self.lock_within(SETTINGS_LOCK_FILE, "settings", "stored")?;
+        if self.load_setting(name)?.as_deref() != expected {
+            return Ok(false);
+        }
         let path = self.dir.join(format!("settings.{name}.json"));
         match value {
             Some(v) => self
                 .storage
                 .write_file_atomic(&path, v.as_bytes())
-                .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e)),
+                .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e))?,
             None => match fs::remove_file(&path) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(ReshardError::io(format!("removing {}", path.display()), e)),
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ReshardError::io(format!("removing {}", path.display()), e)),
             },
         }
+        Ok(true)
     }
 
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {

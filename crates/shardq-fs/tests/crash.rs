@@ -469,12 +469,13 @@ impl shardq_core::reshard::MapStore for PublishStops {
     ) -> Result<Option<String>, shardq_core::reshard::ReshardError> {
         self.inner.load_setting(name)
     }
-    fn store_setting(
+    fn swap_setting(
         &self,
         name: &str,
+        expected: Option<&str>,
         value: Option<&str>,
-    ) -> Result<(), shardq_core::reshard::ReshardError> {
-        self.inner.store_setting(name, value)
+    ) -> Result<bool, shardq_core::reshard::ReshardError> {
+        self.inner.swap_setting(name, expected, value)
     }
 }
 

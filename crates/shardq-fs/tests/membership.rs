@@ -98,3 +98,18 @@ fn a_shard_in_the_map_without_a_membership_entry_gets_one() {
     assert_eq!(a.tick().unwrap().owned, ["shard-0", "shard-1"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Settings changes in a data dir lose nothing: writers in threads through
+/// three handles on the dir (as three processes would be), each change a
+/// compare-and-set under the settings lock; readers never see a torn file.
+#[test]
+fn settings_changes_in_a_data_dir_are_never_lost() {
+    let dir = data_dir_with("settings-cas", &["shard-0"]);
+    let stores: Vec<Arc<dyn shardq_core::reshard::MapStore>> = (0..3)
+        .map(|_| {
+            Arc::new(shardq_fs::map_store::FileMapStore::open(&dir).unwrap())
+                as Arc<dyn shardq_core::reshard::MapStore>
+        })
+        .collect();
+    shardq_core::contract::settings_changes_are_never_lost(&stores);
+}

@@ -412,7 +412,7 @@ impl RedisBackend {
             if self.inner.opts.wait_replicas > 0 && url.starts_with(SCHEME_CLUSTER) {
                 return Err(RedisError::InvalidUrl {
                     shard: shard.name.clone(),
-                    url: url.to_string(),
+                    url: shardq_core::secret::redacted(url),
                     reason: "waiting for replicas (--redis-wait-replicas) is supported on \
                              redis:// instances only"
                         .into(),
@@ -430,7 +430,13 @@ impl RedisBackend {
                 &self.inner.opts.queue,
                 &shard.name,
             );
-            match self.check_record(&shard.name, url, &node, &shard_keys, OPEN_CHECK_BUDGET_MS) {
+            match self.check_record(
+                &shard.name,
+                &node.url,
+                &node,
+                &shard_keys,
+                OPEN_CHECK_BUDGET_MS,
+            ) {
                 Ok(()) => answered += 1,
                 Err(e) if e.kind() == shardq_core::ErrorKind::Retryable => {
                     unreachable.get_or_insert(e);
@@ -450,7 +456,8 @@ impl RedisBackend {
             reg.index.insert(shard.name.clone(), i);
             reg.shards.push(Arc::new(ShardRef {
                 name: shard.name.clone(),
-                url: url.to_string(),
+                // As shown in errors: without the password.
+                url: node.url.clone(),
                 node,
                 keys: shard_keys,
                 held: Mutex::new(None),

@@ -113,6 +113,8 @@ impl Conn {
 
 /// One Redis instance or cluster, shared by the shards on it.
 pub(crate) struct Node {
+    /// The URL as shown: its password replaced by
+    /// [`shardq_core::secret::MASK`].
     pub(crate) url: String,
     pub(crate) cluster: bool,
     endpoint: Endpoint,
@@ -234,10 +236,13 @@ impl Node {
     /// A node for `url`; does not connect yet. `shard` names the first shard
     /// using it, for errors.
     pub(crate) fn new(shard: &str, url: &str, limits: Limits) -> Result<Node, RedisError> {
+        // Errors and messages show the URL without its password: the
+        // credentials stay in the endpoint only.
+        let shown = shardq_core::secret::redacted(url);
         let invalid = |reason: String| RedisError::InvalidUrl {
             shard: shard.to_string(),
-            url: url.to_string(),
-            reason,
+            url: shown.clone(),
+            reason: shardq_core::secret::redacted(&reason),
         };
         let limits = Limits {
             retry_attempts: limits.retry_attempts.max(1),
@@ -277,7 +282,7 @@ impl Node {
             )));
         };
         Ok(Node {
-            url: url.to_string(),
+            url: shown,
             cluster,
             endpoint,
             idle: Mutex::new(Vec::new()),

@@ -177,7 +177,9 @@ fn redis_shards(map: &ShardMap, opts: &RedisOptions) -> Result<Vec<ShardTarget>,
         })?;
         let node = Node::new(&shard.name, url, opts.limits())?;
         let shard_keys = keys::shard_keys(&opts.namespace, &opts.queue, &shard.name);
-        out.push((shard.name.clone(), url.to_string(), node, shard_keys));
+        // The URL as shown in errors: without its password.
+        let shown = node.url.clone();
+        out.push((shard.name.clone(), shown, node, shard_keys));
     }
     if out.is_empty() {
         return Err(RedisError::NoRedisShards {

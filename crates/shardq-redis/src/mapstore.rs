@@ -494,21 +494,30 @@ impl MapStore for RedisMapStore {
             .map_err(store_err)
     }
 
-    fn store_setting(&self, name: &str, value: Option<&str>) -> Result<(), ReshardError> {
+    /// One script compares and writes. A retried call after a lost reply
+    /// finds its own write and answers 0: the caller reads again, finds
+    /// its change in place and writes nothing more.
+    fn swap_setting(
+        &self,
+        name: &str,
+        expected: Option<&str>,
+        value: Option<&str>,
+    ) -> Result<bool, ReshardError> {
         shardq_core::reshard::validate_setting_name(name)?;
-        self.node
-            .run(STORE, |con, _| match value {
-                Some(v) => redis::cmd("HSET")
-                    .arg(&self.settings_key)
-                    .arg(name)
-                    .arg(v)
-                    .query::<()>(con),
-                None => redis::cmd("HDEL")
-                    .arg(&self.settings_key)
-                    .arg(name)
-                    .query::<()>(con),
+        let keys = [self.settings_key.clone()];
+        let v = self
+            .node
+            .run(STORE, |con, _| {
+                self.scripts.setting_swap.call(con, &keys, &|c| {
+                    c.arg(name)
+                        .arg(if expected.is_some() { "1" } else { "0" })
+                        .arg(expected.unwrap_or(""))
+                        .arg(if value.is_some() { "1" } else { "0" })
+                        .arg(value.unwrap_or(""));
+                })
             })
-            .map_err(store_err)
+            .map_err(store_err)?;
+        Ok(reply::u64(&v) == Some(1))
     }
 
     fn rebalance_epoch(&self) -> Result<u64, ReshardError> {

@@ -2094,6 +2094,26 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'LOCKLOST'} end
 return {'OK', redis.call('INCR', KEYS[2])}
 "#;
 
+/// Compare-and-set of one deployment setting (a field of the settings
+/// hash). KEYS: the settings hash. ARGV: name, `1` when a current text is
+/// expected (else the field must be absent), that text, `1` to store
+/// (else clear), the new text. Replies 1 once changed, 0 when the field
+/// holds something else (nothing written).
+const SETTING_SWAP: &str = r#"
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] == '1' then
+  if cur ~= ARGV[3] then return 0 end
+elseif cur then
+  return 0
+end
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[5])
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 1
+"#;
+
 /// One script: its source and SHA1.
 pub(crate) struct Lua {
     src: String,
@@ -2219,6 +2239,7 @@ pub(crate) struct Scripts {
     pub(crate) lock_renew: Lua,
     pub(crate) lock_release: Lua,
     pub(crate) lock_epoch: Lua,
+    pub(crate) setting_swap: Lua,
 }
 
 impl Scripts {
@@ -2281,6 +2302,7 @@ impl Scripts {
             lock_renew: Lua::new(LOCK_RENEW, false, Flags::AllowOom),
             lock_release: Lua::new(LOCK_RELEASE, false, Flags::AllowOom),
             lock_epoch: Lua::new(LOCK_EPOCH, false, Flags::AllowOom),
+            setting_swap: Lua::new(SETTING_SWAP, false, Flags::Write),
         }
     }
 }

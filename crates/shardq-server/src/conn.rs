@@ -1,6 +1,8 @@
 //! The connection loop: accepts TCP connections, serves each with hyper's
 //! HTTP/1 server, and bounds what a client can hold without sending work:
 //!
+//! * a request's header must fit in [`READ_BUFFER_BYTES_MAX`], so a
+//!   header that never ends costs at most that much memory;
 //! * a connection must send a whole request header within
 //!   [`HEADER_READ_TIMEOUT_MS`], and an idle keep-alive connection is
 //!   closed after the same time (hyper starts the timer again after each
@@ -40,6 +42,13 @@ pub const HEADER_READ_TIMEOUT_MS: u64 = 20_000;
 /// Longest a write may make no progress before its connection is closed
 /// (20 s).
 pub const WRITE_STALL_MS_DEFAULT: u64 = 20_000;
+/// Most bytes a connection's read buffer may hold (16 KiB): a request
+/// line and its headers must fit (the longest key, a token and the usual
+/// headers take a few KiB); a header that does not end within it is
+/// refused (431) instead of growing the buffer. So unfinished headers cost
+/// at most this per connection, [`CONNECTIONS_MAX_DEFAULT`] x 16 KiB =
+/// 64 MiB in all. Bodies stream past it (their own bound is the router's).
+pub const READ_BUFFER_BYTES_MAX: usize = 16 * 1024;
 /// Default most connections open at once.
 pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
 /// File descriptors kept free of connections for the store, the leases,
@@ -167,6 +176,7 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
+                .max_buf_size(READ_BUFFER_BYTES_MAX)
                 .keep_alive(true);
             let io = StallBound::new(stream, write_stall);
             let conn = builder.serve_connection(TokioIo::new(io), service);

@@ -93,9 +93,22 @@ impl ApiError {
 }
 
 impl IntoResponse for ApiError {
+    /// The body, with the credentials of any URL in its text masked
+    /// ([`shardq_core::secret::redact`]): no error a store gave names a
+    /// password to a client, whatever built its words.
     fn into_response(self) -> Response {
         let mut body = self.extra;
-        body.insert("error".into(), Value::String(self.message));
+        for v in body.values_mut() {
+            if let Value::String(s) = v {
+                if let std::borrow::Cow::Owned(r) = shardq_core::secret::redact(s) {
+                    *s = r;
+                }
+            }
+        }
+        body.insert(
+            "error".into(),
+            Value::String(shardq_core::secret::redacted(&self.message)),
+        );
         (self.status, axum::Json(Value::Object(body))).into_response()
     }
 }

@@ -1310,3 +1310,80 @@ fn weights_share_claims_across_the_servers_shards() {
         "weights 1:4 over two shards, 50 claims: {light_starts} of the weight-1 key"
     );
 }
+
+/// Every acknowledged settings change is stored: 40 concurrent `PUT
+/// /v1/policies/KEY` spread over two servers of one data dir all answer
+/// 200 and all are there afterwards; a group deleted while policies
+/// naming it are put either stays (the policies name it) or goes (no
+/// policy names it): never a policy naming a group that is gone.
+#[test]
+fn concurrent_settings_changes_on_two_servers_are_all_stored() {
+    let dir = init_dir(2, "rendezvous");
+    let a = start(dir.path(), options());
+    let b = start(dir.path(), options());
+    let servers = [&a, &b];
+    std::thread::scope(|scope| {
+        for i in 0..40 {
+            let s = servers[i % 2];
+            scope.spawn(move || {
+                let (code, v) = call(
+                    s,
+                    "PUT",
+                    &format!("/v1/policies/k{i}"),
+                    Some(r#"{"concurrency":2,"rate":"5/s"}"#),
+                    None,
+                );
+                assert_eq!(code, 200, "PUT k{i}: {v}");
+            });
+        }
+    });
+    let all = get_ok(&a, "/v1/policies");
+    for i in 0..40 {
+        assert_eq!(
+            all["keys"][format!("k{i}")]["concurrency"],
+            2,
+            "k{i} lost: {all}"
+        );
+    }
+    for round in 0..10 {
+        let g = format!("g{round}");
+        let (code, v) = call(
+            &a,
+            "PUT",
+            &format!("/v1/groups/{g}"),
+            Some(r#"{"concurrency":3}"#),
+            None,
+        );
+        assert_eq!(code, 200, "{v}");
+        let body = format!(r#"{{"group":"{g}"}}"#);
+        let (put, del) = std::thread::scope(|scope| {
+            let put = scope.spawn(|| {
+                call(
+                    &b,
+                    "PUT",
+                    &format!("/v1/policies/p{round}"),
+                    Some(&body),
+                    None,
+                )
+            });
+            let del = scope.spawn(|| call(&a, "DELETE", &format!("/v1/groups/{g}"), None, None));
+            (put.join().unwrap(), del.join().unwrap())
+        });
+        let all = get_ok(&a, "/v1/policies");
+        let stored_policy = all["keys"][format!("p{round}")]["group"] == g.as_str();
+        let group_there = all["groups"].get(&g).is_some();
+        // A policy naming a group keeps it: the delete is refused (400)
+        // once the policy is stored, or the policy is refused once the
+        // group is gone; both answered, neither lost.
+        assert_eq!(put.0 == 200, stored_policy, "put {put:?}, stored: {all}");
+        assert_eq!(
+            del.0 == 200 && del.1["removed"] == true,
+            !group_there,
+            "delete {del:?}, stored: {all}"
+        );
+        assert!(
+            !stored_policy || group_there,
+            "policy names a deleted group: {all}"
+        );
+    }
+}

@@ -597,3 +597,106 @@ fn a_client_that_never_reads_its_answers_is_closed_after_the_write_bound() {
     });
     drop(stalled);
 }
+
+/// The Redis password never reaches a client, with or without a token:
+/// with a password in the shard URL and the Redis server stopped, every
+/// route's answer (the 503s of `/readyz`, reads, enqueues, moves) names
+/// the server without its password, and the data dir's files that hold
+/// the URL are the owner's only.
+#[test]
+fn the_redis_password_reaches_no_answer_and_no_readable_file() {
+    use std::os::unix::fs::PermissionsExt;
+    const PW: &str = "pw-Xq7-never-shown";
+    let mut redis = shardq_redis::testing::RedisServer::start();
+    redis.cli(&["CONFIG", "SET", "requirepass", PW]);
+    let url = format!("redis://:{PW}@127.0.0.1:{}/0", redis.port());
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let map = shardq_deploy::spec::init_map(2, "rendezvous", None).unwrap();
+    shardq_deploy::init_redis(&data, map, &[url], None, false, &Default::default()).unwrap();
+    for name in ["remote.json", "shardmap.yaml"] {
+        let path = data.join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        if text.contains(PW) {
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{name} holds the password with mode {mode:o}");
+        }
+    }
+    let tokens = "admin-token-0123456789a admin\nread-token-0123456789ab read\n";
+    let mut o = options();
+    o.tokens = Some(Tokens::parse(tokens, "test").unwrap());
+    o.open.redis.retry_attempts = 2;
+    o.open.redis.retry_budget_ms = 100;
+    let s = start(&data, o);
+    // Stop the server: every answer that needs it fails, naming it.
+    redis.kill();
+    let mut failed = 0;
+    for route in shardq_server::routes() {
+        let path = route
+            .path
+            .replace("{key}", "t-1")
+            .replace("{id}", "shard-0:1")
+            .replace("{name}", "g1");
+        if path == "/" || path.starts_with("/dashboard/") {
+            continue;
+        }
+        let body = match (route.method, route.path) {
+            ("GET", _) => None,
+            ("POST", "/v1/jobs") => Some(r#"{"jobs":[{"key":"t-1","payload":"x"}]}"#),
+            _ => Some("{}"),
+        };
+        for token in [None, Some("admin-token-0123456789a")] {
+            let (code, v) = call(&s, route.method, &path, body, token);
+            let text = v.to_string();
+            assert!(
+                !text.contains(PW),
+                "{} {path} ({code}) shows the password: {text}",
+                route.method
+            );
+            if code >= 500 {
+                failed += 1;
+            }
+        }
+    }
+    // The stopped server was met (not every route failed before asking).
+    assert!(
+        failed >= 5,
+        "only {failed} answers failed with Redis stopped"
+    );
+    let (code, v) = get(&s, "/readyz");
+    assert_eq!(code, 503, "{v}");
+    assert!(v.to_string().contains(":***@127.0.0.1"), "{v}");
+}
+
+/// A header that never ends costs at most the read buffer's bound: past
+/// `READ_BUFFER_BYTES_MAX` the server answers 431 and closes, long before
+/// the client has sent what it means to (here 200 KiB, once ~400 KB were
+/// buffered per connection).
+#[test]
+fn a_header_that_never_ends_is_refused_at_the_read_buffers_bound() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let mut c = TcpStream::connect(s.addr()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {}\r\nX-Long: ", s.addr()).as_bytes())
+        .unwrap();
+    let chunk = vec![b'a'; 1024];
+    let mut sent = 0usize;
+    for _ in 0..200 {
+        if c.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += chunk.len();
+    }
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    assert!(
+        text.starts_with("HTTP/1.1 431"),
+        "after {sent} bytes of one header: {text:?}"
+    );
+    // The server goes on serving.
+    assert_eq!(get(&s, "/healthz").0, 200);
+    const { assert!(shardq_server::conn::READ_BUFFER_BYTES_MAX <= 64 * 1024) };
+}

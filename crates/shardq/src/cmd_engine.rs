@@ -313,10 +313,11 @@ pub fn run(cmd: EngineCommand) -> anyhow::Result<ExitCode> {
             let verb = if done.joined { "joined" } else { "initialised" };
             match (&done.map_url, &done.namespace) {
                 (Some(url), Some(ns)) => println!(
-                    "{verb} {} with {} shards on Redis (map version {}, published at {url}, namespace {ns})",
+                    "{verb} {} with {} shards on Redis (map version {}, published at {}, namespace {ns})",
                     data.display(),
                     done.map.shards.len(),
-                    done.map.version
+                    done.map.version,
+                    shardq_core::secret::redact(url)
                 ),
                 _ => println!(
                     "{verb} {} with {} shards (map version {})",
@@ -1160,7 +1161,7 @@ fn repair(dir: &Path, shard: &str) -> anyhow::Result<ExitCode> {
         bail!(
             "repair cuts corrupt records out of the embedded engine's logs; the shards of {} live on Redis ({}), which has no such log: check the server's own persistence instead",
             dir.display(),
-            remote.map_url
+            shardq_core::secret::redact(&remote.map_url)
         );
     }
     let report = shardq_fs::repair::repair(dir, shard)?;

@@ -302,31 +302,34 @@ pub fn policy(action: PolicyAction) -> anyhow::Result<ExitCode> {
         } => {
             let target = which.target()?;
             let d = open(&data)?;
-            let mut s = d.flow_settings()?;
-            let mut p = s.policy_of(&target);
-            if let Some(n) = concurrency {
-                p.concurrency = n;
-            }
-            if let Some(r) = rate {
-                p.rate = rate_arg(&r)?;
-                if p.rate.is_none() {
-                    p.burst = None;
+            // Run again on the settings then stored if another writer
+            // changed them meanwhile.
+            let p = d.update_flow_settings(|s| -> anyhow::Result<_> {
+                let mut p = s.policy_of(&target);
+                if let Some(n) = concurrency {
+                    p.concurrency = n;
                 }
-            }
-            if let Some(b) = burst {
-                p.burst = Some(b);
-            }
-            if let Some(w) = weight {
-                p.weight = w;
-            }
-            if let Some(pr) = priority {
-                p.priority = pr;
-            }
-            if let Some(g) = group {
-                p.group = (g != "none").then_some(g);
-            }
-            s.put_policy(&target, p.clone())?;
-            d.set_flow_settings(&s)?;
+                if let Some(r) = &rate {
+                    p.rate = rate_arg(r)?;
+                    if p.rate.is_none() {
+                        p.burst = None;
+                    }
+                }
+                if let Some(b) = burst {
+                    p.burst = Some(b);
+                }
+                if let Some(w) = weight {
+                    p.weight = w;
+                }
+                if let Some(pr) = priority {
+                    p.priority = pr;
+                }
+                if let Some(g) = &group {
+                    p.group = (g != "none").then(|| g.clone());
+                }
+                s.put_policy(&target, p.clone())?;
+                Ok(p)
+            })?;
             println!(
                 "policy ({target}): {}; every worker uses it within a second",
                 policy_line(&p)
@@ -339,12 +342,12 @@ pub fn policy(action: PolicyAction) -> anyhow::Result<ExitCode> {
         PolicyAction::Clear { data, which } => {
             let target = which.target()?;
             let d = open(&data)?;
-            let mut s = d.flow_settings()?;
-            if !s.remove_policy(&target) {
+            let removed =
+                d.update_flow_settings(|s| Ok::<_, anyhow::Error>(s.remove_policy(&target)))?;
+            if !removed {
                 println!("{target} has no policy; nothing changed");
                 return Ok(ExitCode::SUCCESS);
             }
-            d.set_flow_settings(&s)?;
             println!("policy ({target}) removed; every worker follows it within a second");
         }
     }
@@ -398,39 +401,42 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
         } => {
             shardq_core::flow::validate_group_name(&name)?;
             let d = open(&data)?;
-            let mut s = d.flow_settings()?;
-            let old = s.groups.get(&name).cloned();
-            if old.is_none() && rate.is_none() && concurrency.is_none() {
-                anyhow::bail!(
-                    "group {name:?} is new: give it a --rate (N/s, N/m or N/h), a --concurrency or both"
-                );
-            }
-            let rate = match rate.as_deref().map(str::trim) {
-                Some("none") => None,
-                Some(r) => Some(r.parse::<Rate>()?),
-                None => old.as_ref().and_then(|g| g.rate),
-            };
-            let concurrency = match concurrency.as_deref().map(str::trim) {
-                Some("none") => None,
-                Some(n) => Some(n.parse::<u32>().map_err(|_| QueueError::InvalidOption {
-                    name: "concurrency",
-                    value: format!("{n:?}"),
-                    allowed: format!(
-                        "a whole number from 1 to {}, or none",
-                        shardq_core::flow::GROUP_CONCURRENCY_MAX
-                    ),
-                })?),
-                None => old.as_ref().and_then(|g| g.concurrency),
-            };
-            let g = GroupLimit {
-                rate,
-                // A burst kept from before goes with its rate; one given
-                // without a rate is refused by name.
-                burst: burst.or(old.and_then(|g| g.burst).filter(|_| rate.is_some())),
-                concurrency,
-            };
-            s.put_group(&name, g.clone())?;
-            d.set_flow_settings(&s)?;
+            // Run again on the settings then stored if another writer
+            // changed them meanwhile.
+            let g = d.update_flow_settings(|s| -> anyhow::Result<_> {
+                let old = s.groups.get(&name).cloned();
+                if old.is_none() && rate.is_none() && concurrency.is_none() {
+                    anyhow::bail!(
+                        "group {name:?} is new: give it a --rate (N/s, N/m or N/h), a --concurrency or both"
+                    );
+                }
+                let rate = match rate.as_deref().map(str::trim) {
+                    Some("none") => None,
+                    Some(r) => Some(r.parse::<Rate>()?),
+                    None => old.as_ref().and_then(|g| g.rate),
+                };
+                let concurrency = match concurrency.as_deref().map(str::trim) {
+                    Some("none") => None,
+                    Some(n) => Some(n.parse::<u32>().map_err(|_| QueueError::InvalidOption {
+                        name: "concurrency",
+                        value: format!("{n:?}"),
+                        allowed: format!(
+                            "a whole number from 1 to {}, or none",
+                            shardq_core::flow::GROUP_CONCURRENCY_MAX
+                        ),
+                    })?),
+                    None => old.as_ref().and_then(|g| g.concurrency),
+                };
+                let g = GroupLimit {
+                    rate,
+                    // A burst kept from before goes with its rate; one given
+                    // without a rate is refused by name.
+                    burst: burst.or(old.and_then(|g| g.burst).filter(|_| rate.is_some())),
+                    concurrency,
+                };
+                s.put_group(&name, g.clone())?;
+                Ok(g)
+            })?;
             println!(
                 "group {name}: {}; every worker uses it within a second",
                 group_line(&g)
@@ -438,12 +444,12 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
         }
         GroupAction::Clear { data, name } => {
             let d = open(&data)?;
-            let mut s = d.flow_settings()?;
-            if !s.remove_group(&name)? {
+            let removed =
+                d.update_flow_settings(|s| Ok::<_, anyhow::Error>(s.remove_group(&name)?))?;
+            if !removed {
                 println!("no group {name:?}; nothing changed");
                 return Ok(ExitCode::SUCCESS);
             }
-            d.set_flow_settings(&s)?;
             println!("group {name} removed");
         }
     }

@@ -221,56 +221,59 @@ pub fn run(action: RetryAction) -> anyhow::Result<ExitCode> {
             jitter_pct,
         } => {
             let d = open(&data)?;
-            let mut s = d.retry_settings()?;
-            for t in target.key.iter().chain(target.prefix.iter()) {
-                shardq_core::validate_key(t)?;
-            }
-            // What the target gets today is where its new policy starts.
-            let mut p = match (&target.key, &target.prefix) {
-                (Some(k), _) => *s.for_key(k),
-                (None, Some(pre)) => *s.rules.prefixes.get(pre).unwrap_or(s.for_key(pre)),
-                (None, None) => s.default,
-            };
-            if let Some(n) = max_attempts {
-                p.max_attempts = n;
-            }
-            if let Some(k) = backoff {
-                p.backoff.kind = match k.as_str() {
-                    "exponential" => BackoffKind::Exponential,
-                    "fixed" => BackoffKind::Fixed,
-                    other => {
-                        anyhow::bail!("--backoff {other:?}: expected `exponential` or `fixed`")
-                    }
+            // Run again on the settings then stored if another writer
+            // changed them meanwhile.
+            let (what, p) = d.update_retry_settings(|s| -> anyhow::Result<_> {
+                for t in target.key.iter().chain(target.prefix.iter()) {
+                    shardq_core::validate_key(t)?;
+                }
+                // What the target gets today is where its new policy starts.
+                let mut p = match (&target.key, &target.prefix) {
+                    (Some(k), _) => *s.for_key(k),
+                    (None, Some(pre)) => *s.rules.prefixes.get(pre).unwrap_or(s.for_key(pre)),
+                    (None, None) => s.default,
                 };
-            }
-            if let Some(v) = base_ms {
-                p.backoff.base_ms = v;
-                // A cap below a new base follows it up.
-                if max_ms.is_none() && p.backoff.max_ms < v {
+                if let Some(n) = max_attempts {
+                    p.max_attempts = n;
+                }
+                if let Some(k) = &backoff {
+                    p.backoff.kind = match k.as_str() {
+                        "exponential" => BackoffKind::Exponential,
+                        "fixed" => BackoffKind::Fixed,
+                        other => {
+                            anyhow::bail!("--backoff {other:?}: expected `exponential` or `fixed`")
+                        }
+                    };
+                }
+                if let Some(v) = base_ms {
+                    p.backoff.base_ms = v;
+                    // A cap below a new base follows it up.
+                    if max_ms.is_none() && p.backoff.max_ms < v {
+                        p.backoff.max_ms = v;
+                    }
+                }
+                if let Some(v) = max_ms {
                     p.backoff.max_ms = v;
                 }
-            }
-            if let Some(v) = max_ms {
-                p.backoff.max_ms = v;
-            }
-            if let Some(v) = jitter_pct {
-                p.backoff.jitter_pct = v;
-            }
-            let what = match (&target.key, &target.prefix) {
-                (Some(k), _) => {
-                    s.rules.keys.insert(k.clone(), p);
-                    format!("key {k:?}")
+                if let Some(v) = jitter_pct {
+                    p.backoff.jitter_pct = v;
                 }
-                (None, Some(pre)) => {
-                    s.rules.prefixes.insert(pre.clone(), p);
-                    format!("prefix {pre:?}")
-                }
-                (None, None) => {
-                    s.default = p;
-                    "default".into()
-                }
-            };
-            d.set_retry_settings(&s)?;
+                let what = match (&target.key, &target.prefix) {
+                    (Some(k), _) => {
+                        s.rules.keys.insert(k.clone(), p);
+                        format!("key {k:?}")
+                    }
+                    (None, Some(pre)) => {
+                        s.rules.prefixes.insert(pre.clone(), p);
+                        format!("prefix {pre:?}")
+                    }
+                    (None, None) => {
+                        s.default = p;
+                        "default".into()
+                    }
+                };
+                Ok((what, p))
+            })?;
             println!(
                 "retry policy ({what}): {}; workers and servers started from now use it",
                 policy_line(&p)
@@ -278,28 +281,37 @@ pub fn run(action: RetryAction) -> anyhow::Result<ExitCode> {
         }
         RetryAction::Clear { data, target } => {
             let d = open(&data)?;
-            let mut s = d.retry_settings()?;
-            let what = match (&target.key, &target.prefix) {
-                (Some(k), _) => {
-                    if s.rules.keys.remove(k).is_none() {
-                        println!("key {k:?} has no retry rule; nothing changed");
-                        return Ok(ExitCode::SUCCESS);
+            let what = d.update_retry_settings(|s| -> anyhow::Result<_> {
+                let what = match (&target.key, &target.prefix) {
+                    (Some(k), _) => {
+                        if s.rules.keys.remove(k).is_none() {
+                            return Ok(None);
+                        }
+                        format!("key {k:?}: its rule removed")
                     }
-                    format!("key {k:?}: its rule removed")
-                }
-                (None, Some(pre)) => {
-                    if s.rules.prefixes.remove(pre).is_none() {
-                        println!("prefix {pre:?} has no retry rule; nothing changed");
-                        return Ok(ExitCode::SUCCESS);
+                    (None, Some(pre)) => {
+                        if s.rules.prefixes.remove(pre).is_none() {
+                            return Ok(None);
+                        }
+                        format!("prefix {pre:?}: its rule removed")
                     }
-                    format!("prefix {pre:?}: its rule removed")
+                    (None, None) => {
+                        s.default = RetryPolicy::default();
+                        format!("default: back to {}", policy_line(&s.default))
+                    }
+                };
+                Ok(Some(what))
+            })?;
+            let Some(what) = what else {
+                match (&target.key, &target.prefix) {
+                    (Some(k), _) => println!("key {k:?} has no retry rule; nothing changed"),
+                    (None, Some(pre)) => {
+                        println!("prefix {pre:?} has no retry rule; nothing changed")
+                    }
+                    (None, None) => {}
                 }
-                (None, None) => {
-                    s.default = RetryPolicy::default();
-                    format!("default: back to {}", policy_line(&s.default))
-                }
+                return Ok(ExitCode::SUCCESS);
             };
-            d.set_retry_settings(&s)?;
             println!("retry policy, {what}");
         }
     }

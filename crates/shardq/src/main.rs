@@ -125,7 +125,10 @@ fn main() -> ExitCode {
         // A closed pipe (`shardq route ... | head`) is the reader's choice, not a failure.
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("shardq: error: {}", chain_text(&err));
+            eprintln!(
+                "shardq: error: {}",
+                shardq_core::secret::redact(&chain_text(&err))
+            );
             ExitCode::from(exit_code(&err))
         }
     }

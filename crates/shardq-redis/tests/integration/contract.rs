@@ -311,6 +311,20 @@ fn unreachable_server_names_shard_and_url() {
     assert!(matches!(q, QueueError::Unavailable { ref shard, .. } if shard == "gone-0"));
 }
 
+/// Settings changes on Redis lose nothing: writers through three map
+/// store handles (three processes' connections) racing on one setting.
+#[test]
+fn settings_changes_on_redis_are_never_lost() {
+    let server = RedisServer::start();
+    let stores: Vec<std::sync::Arc<dyn shardq_core::reshard::MapStore>> = (0..3)
+        .map(|_| {
+            std::sync::Arc::new(RedisMapStore::open(&server.url()).unwrap())
+                as std::sync::Arc<dyn shardq_core::reshard::MapStore>
+        })
+        .collect();
+    shardq_core::contract::settings_changes_are_never_lost(&stores);
+}
+
 #[test]
 fn map_store_publishes_by_compare_and_set() {
     let server = RedisServer::start();

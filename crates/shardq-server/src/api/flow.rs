@@ -1,7 +1,9 @@
 //! Flow control over HTTP: the deployment's policies (`/v1/policies`,
 //! `/v1/policies/{key}`, with `?scope=prefix` or `?scope=default`) and
 //! groups (`/v1/groups`, `/v1/groups/{name}`). Reads need `read`, changes
-//! `admin`; every change goes through core's checked edits and reaches
+//! `admin`; every change goes through core's checked edits, is a
+//! compare-and-set of the stored settings (`Deployment::update_flow_settings`:
+//! a 200 means stored, whatever other writers did meanwhile), and reaches
 //! every worker and server within a second.
 
 use super::*;
@@ -113,9 +115,8 @@ pub async fn policy_put(
 ) -> ApiResult {
     let t = target(key, &scope)?;
     let v = blocking(move || {
-        let mut s = app.deployment.flow_settings()?;
-        s.put_policy(&t, p.clone())?;
-        app.deployment.set_flow_settings(&s)?;
+        app.deployment
+            .update_flow_settings(|s| s.put_policy(&t, p.clone()).map_err(ApiError::from))?;
         Ok(json!({ "target": t.to_string(), "policy": policy_value(&p) }))
     })
     .await?;
@@ -131,12 +132,8 @@ pub async fn policy_delete(
 ) -> ApiResult {
     let t = target(key, &scope)?;
     let removed = blocking(move || {
-        let mut s = app.deployment.flow_settings()?;
-        let removed = s.remove_policy(&t);
-        if removed {
-            app.deployment.set_flow_settings(&s)?;
-        }
-        Ok(removed)
+        app.deployment
+            .update_flow_settings(|s| Ok::<_, ApiError>(s.remove_policy(&t)))
     })
     .await?;
     ok(json!({ "removed": removed }))
@@ -169,9 +166,8 @@ pub async fn group_put(
 ) -> ApiResult {
     shardq_core::flow::validate_group_name(&name)?;
     let v = blocking(move || {
-        let mut s = app.deployment.flow_settings()?;
-        s.put_group(&name, g.clone())?;
-        app.deployment.set_flow_settings(&s)?;
+        app.deployment
+            .update_flow_settings(|s| s.put_group(&name, g.clone()).map_err(ApiError::from))?;
         Ok(json!({ "name": name, "group": group_value(&g) }))
     })
     .await?;
@@ -182,12 +178,8 @@ pub async fn group_put(
 pub async fn group_delete(State(app): State<Arc<App>>, PathParam(name): PathParam) -> ApiResult {
     shardq_core::flow::validate_group_name(&name)?;
     let removed = blocking(move || {
-        let mut s = app.deployment.flow_settings()?;
-        let removed = s.remove_group(&name)?;
-        if removed {
-            app.deployment.set_flow_settings(&s)?;
-        }
-        Ok(removed)
+        app.deployment
+            .update_flow_settings(|s| s.remove_group(&name).map_err(ApiError::from))
     })
     .await?;
     ok(json!({ "removed": removed }))

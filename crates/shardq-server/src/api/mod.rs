@@ -119,7 +119,7 @@ pub async fn readyz(State(app): State<Arc<App>>) -> ApiResult {
             "ready": true,
             "map_version": map.version,
             "owned": app.owned.list(),
-            "lease_error": app.owned.last_error(),
+            "lease_error": app.owned.last_error().map(|e| shardq_core::secret::redacted(&e)),
         }))
     })
     .await?;
