@@ -1,687 +1,77 @@
-"""The Lua text of the Redis backend's scripts this client runs, copied from
-``crates/shardq-redis/src/scripts.rs``: the enqueue script (``PRELUDE`` and
-``ENQUEUE``), and the ones a producer needs to lift an orphaned fence the
-way the Rust producer does (``FENCE_GET``, ``MAP_PUBLISH``, ``LOCK_RENEW``
-and ``LOCK_RELEASE``).
+"""The Redis backend's scripts this client runs, read from the one copy the
+Rust backend also runs: ``crates/shardq-redis/lua/`` in the repository,
+shipped in the wheel as ``shardq/lua/``. Nothing here is Lua: this module
+only reads the files and composes them the way ``Lua::new`` in
+``crates/shardq-redis/src/scripts.rs`` does (the ``#!lua`` line with the
+script's flags, the shared ``prelude.lua`` for a shard script, then the
+script), so both languages send the same text under the same SHA1.
 
-It must be kept in sync with that file: ``tests/test_lua_sync.py`` extracts
-every constant from the Rust source and fails when one differs, and checks
-that each ``*_SCRIPT`` is assembled the way ``Lua::new`` assembles it (so
-both languages send the same text and the same SHA1). Regenerate it by
-copying the raw strings verbatim; do not edit the Lua here.
+The scripts: ``enqueue.lua``, and the ones a producer needs to lift an
+orphaned fence the way the Rust producer does (``fence_get.lua``,
+``map_publish.lua``, ``lock_renew.lua``, ``lock_release.lua``). Each file's
+header says its KEYS and ARGV; the key grammar is docs/redis-protocol.md.
 """
 
 import hashlib
+import os
 
-#: Shared helpers of every shard script (``PRELUDE`` in scripts.rs).
-PRELUDE = """
-local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
--- Expired dedup records forgotten per enqueue, at most: one by one from
--- `dedupx`, and whole enqueue batches from `dedupm` (two, so the index
--- shrinks faster than one enqueue a call grows it).
-local DEDUP_PRUNE = 64
-local DEDUP_PRUNE_BATCHES = 2
--- The `keys` hash's one field that names no routing key (keys hold no
--- control characters); see `keys_pin_value` in scripts.rs.
-local KEYS_PIN = string.char(0)
-local HALT = ARGV[3] == '1'
-local DEP = redis.call('HGET', K_META, 'dep')
-if DEP ~= ARGV[4] then return {'LOST', DEP or ''} end
-local function now_ms()
-  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
--- Server time in microseconds: below 2^53, exact in a Lua number.
-local function now_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local function owns() return redis.call('HGET', K_LEASE, 'token') == ARGV[2] end
-local function idstr(n) return string.format('%d', n) end
--- The text of small numbers (key lengths, attempt counts), each formatted
--- once per call: a script formats them for every job it writes.
-local NSTR = {}
-local function nstr(n)
-  local s = NSTR[n]
-  if not s then
-    s = idstr(n)
-    NSTR[n] = s
-  end
-  return s
-end
--- A record that is not this grammar (a flipped byte, a foreign write) is
--- refused with an error `CORRUPT record: ...` naming the key and the
--- record (Redis may put the script's line before it).
-local function corrupt(what, s)
-  local shown = string.gsub(string.sub(s, 1, 64), '[^%w%p ]', '?')
-  error({err = 'CORRUPT record: ' .. what .. ' is malformed: "' .. shown .. '"'})
-end
--- The dedup field of (key, id): the key's length, then key and id.
-local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
--- A rebalance's writes carry its epoch as the token, `@N`: refused once
--- this shard has seen a newer rebalance's (which took over the lock while
--- this one stalled); the newest seen is meta `repoch`.
-if string.sub(ARGV[2], 1, 1) == '@' then
-  local e = tonumber(string.sub(ARGV[2], 2)) or 0
-  local seen = tonumber(redis.call('HGET', K_META, 'repoch') or '0')
-  if e < seen then return {'SUPERSEDED', idstr(seen)} end
-  if e > seen then redis.call('HSET', K_META, 'repoch', idstr(e)) end
-end
--- A job record: not_before|attempts|max_attempts|created|key length|key payload.
-local function rec_parse(r)
-  local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
-  if not n then corrupt('a job record', r) end
-  kl = tonumber(kl)
-  if p + kl - 1 > #r then corrupt('a job record', r) end
-  return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
-end
-local function rec_nbf(r)
-  local n = string.match(r, '^(%d+)|')
-  if not n then corrupt('a job record', r) end
-  return tonumber(n)
-end
--- The whole grammar of a job record (its numbers and that its key fits),
--- before a claim hands it out: the worker refuses a malformed one.
-local function rec_check(r)
-  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|()')
-  if not kl or p + tonumber(kl) - 1 > #r then corrupt('a job record', r) end
-end
--- The record with a new not-before and attempt count; key and payload kept.
-local function rec_set(r, n, a)
-  local p = string.match(r, '^%d+|%d+|()')
-  return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)
-end
--- A key's queue: `<head> <tail> <depth>`, then its runs in flight as
--- `<job> <fence>` pairs in job order (`0 0` for none; fence 0: cancelled
--- while it ran), then, when above 1, how many runs it may have at once (its
--- policy's concurrency when a claim last looked). In q: h, t, d, n (the
--- number of runs), runs (nil for none, else job, fence, job, fence, ...)
--- and lim.
-local function kparse(s, k)
-  if not s then return {h = 0, t = 0, d = 0, n = 0, lim = 1} end
-  local h, t, d, f, r = string.match(s, '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
-  if h then
-    if f == '0' then return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 0, lim = 1} end
-    return {h = tonumber(h), t = tonumber(t), d = tonumber(d), n = 1, runs = {tonumber(f), tonumber(r)}, lim = 1}
-  end
-  if not string.match(s, '^%d+ %d+ %d+ %d+ %d+[ %d]*$') or string.match(s, '  ') or string.match(s, ' $') then
-    corrupt('the queue record of key "' .. string.gsub(k or '?', '[^%w%p ]', '?') .. '"', s)
-  end
-  local x = {}
-  for v in string.gmatch(s, '%d+') do x[#x + 1] = tonumber(v) end
-  local q = {h = x[1], t = x[2], d = x[3], n = 0, lim = 1}
-  local last = #x
-  if last % 2 == 0 then
-    q.lim = x[last]
-    last = last - 1
-  end
-  for i = 4, last - 1, 2 do
-    if x[i] ~= 0 then
-      q.runs = q.runs or {}
-      q.runs[#q.runs + 1] = x[i]
-      q.runs[#q.runs + 1] = x[i + 1]
-      q.n = q.n + 1
-    end
-  end
-  return q
-end
-local function kfmt(q)
-  if q.lim <= 1 then
-    if q.n == 0 then return string.format('%d %d %d 0 0', q.h, q.t, q.d) end
-    if q.n == 1 then return string.format('%d %d %d %d %d', q.h, q.t, q.d, q.runs[1], q.runs[2]) end
-  end
-  local s = string.format('%d %d %d', q.h, q.t, q.d)
-  if q.n == 0 then
-    s = s .. ' 0 0'
-  else
-    for i = 1, 2 * q.n, 2 do s = s .. string.format(' %d %d', q.runs[i], q.runs[i + 1]) end
-  end
-  if q.lim > 1 then s = s .. string.format(' %d', q.lim) end
-  return s
-end
--- A key with nothing waiting and nothing in flight has no entry at all.
-local function kstore(k, q)
-  if q.d == 0 and q.n == 0 then redis.call('HDEL', K_KEYS, k) else redis.call('HSET', K_KEYS, k, kfmt(q)) end
-end
--- Where job id's run is in q.runs (its fence is the next entry), or nil.
-local function krun(q, id)
-  if q.n == 0 then return nil end
-  for i = 1, 2 * q.n, 2 do
-    if q.runs[i] == id then return i end
-  end
-  return nil
-end
--- Adds a run of job id, in job order.
-local function krun_add(q, id, fence)
-  if q.n == 0 then
-    q.runs = {id, fence}
-  else
-    local i = 2 * q.n + 1
-    while i > 1 and q.runs[i - 2] > id do i = i - 2 end
-    table.insert(q.runs, i, fence)
-    table.insert(q.runs, i, id)
-  end
-  q.n = q.n + 1
-end
--- Ends the run at i (from krun).
-local function krun_end(q, i)
-  table.remove(q.runs, i + 1)
-  table.remove(q.runs, i)
-  q.n = q.n - 1
-  if q.n == 0 then q.runs = nil end
-end
-local function halted(k)
-  return HALT and tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0
-end
--- Whether key k (queue q) belongs in ready or later: a job waits, its runs
--- are below its limit and no dead job halts it.
-local function kqueued(k, q)
-  return q.d > 0 and q.n < q.lim and not halted(k)
-end
--- Call only for a key that is in neither ready nor later (kqueued was false
--- before the change): restores "a key is in ready or later iff kqueued"
--- (ready may also hold stale entries, which claim drops). With no start
--- time given the key goes to ready and claim moves it to later if its head
--- must wait.
-local function kready(k, q, nbf, now)
-  if not kqueued(k, q) then return end
-  if nbf and nbf > now then
-    redis.call('ZADD', K_LATER, nbf, k)
-  else
-    redis.call('RPUSH', K_READY, k)
-  end
-end
--- After a run of key k ended and its queue changed: `was` is kqueued
--- before. A key not scheduled before is scheduled now if it may start; one
--- waiting in later may have a new, earlier head, so it goes to ready and
--- the next claim looks at that head.
-local function kwake(k, q, was, nbf, now)
-  if not was then
-    kready(k, q, nbf, now)
-  elseif redis.call('ZREM', K_LATER, k) == 1 then
-    kready(k, q, nil, now)
-  end
-end
--- Back to the head of its key: a failed or reclaimed job runs before the
--- key's later jobs. Only an earlier job (a dead letter retried while this
--- one ran) stays before it: every key's list stays in id order, which an
--- export's walk from its cursor relies on.
-local function push_head(q, id)
-  if q.h ~= 0 and q.h < id then
-    local prev = q.h
-    local at = tonumber(redis.call('HGET', K_NEXT, idstr(prev)) or '0')
-    while at ~= 0 and at < id do
-      prev = at
-      at = tonumber(redis.call('HGET', K_NEXT, idstr(at)) or '0')
-    end
-    if at ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(at)) else q.t = id end
-    redis.call('HSET', K_NEXT, idstr(prev), idstr(id))
-  else
-    if q.h ~= 0 then redis.call('HSET', K_NEXT, idstr(id), idstr(q.h)) else q.t = id end
-    q.h = id
-  end
-  q.d = q.d + 1
-  redis.call('HINCRBY', K_META, 'pend', 1)
-end
--- A job's last failure reason is the field `id` of the reason hash. Its
--- attempts' start times (ms): the field `id@` holds those of its ended
--- attempts, comma-separated; a running attempt started in its run fence's
--- millisecond unless the field `id^` names its start. A claim draws fences
--- from the server's microsecond clock (`next_fence`): the clock it read,
--- plus one per run it started before, so that millisecond is the claim's
--- time or the next. It writes `id^` when the fence is a millisecond or more
--- past its clock (a raised floor, a long claim) or the caller's clock
--- drives the scripts; a cancel writes it when it clears the fence. So a
--- claim and an ack on the common path write no start time.
--- All leave with the job (`forget`); a hash with no field is no key, and
--- the common path then reads nothing either.
-local function forget(list, i, j)
-  i = i or 1
-  j = j or #list
-  if j < i or redis.call('EXISTS', K_REASON) == 0 then return end
-  redis.call('HDEL', K_REASON, unpack(list, i, j))
-  for _, sfx in ipairs({'@', '^'}) do
-    local at = {}
-    for x = i, j do at[#at + 1] = list[x] .. sfx end
-    redis.call('HDEL', K_REASON, unpack(at))
-  end
-end
-local function starts_of(ids) return redis.call('HGET', K_REASON, ids .. '@') or '' end
--- When the running attempt of job ids (run fence `fence`, a number or its
--- text) started, as read at `now`: its `id^` (`<fence>:<ms>`) when that
--- names this run (a cleared fence takes any: the cancel that cleared it
--- wrote it), else its fence's millisecond (the text without its last three
--- digits: fences are times in microseconds), but never later than now (a
--- claim's later fences may fall in the next millisecond); nil for a
--- cleared fence without one.
-local function run_start(ids, fence, now, explicit)
-  if explicit == nil then explicit = redis.call('HGET', K_REASON, ids .. '^') end
-  local fs = fence
-  if type(fs) ~= 'string' then fs = idstr(fs) end
-  if explicit then
-    local f, ms = string.match(explicit, '^(%d+):(%d+)$')
-    if ms and (f == fs or fs == '0') then return ms end
-  end
-  if fs == '0' then return nil end
-  if #fs <= 3 then return '0' end
-  local ms = string.sub(fs, 1, -4)
-  if tonumber(ms) > now then return idstr(now) end
-  return ms
-end
-local function with_start(starts, s)
-  if not s then return starts end
-  if starts == '' then return s end
-  return starts .. ',' .. s
-end
--- The run of job ids ended as an attempt (`a` attempts ended before it):
--- its start joins the ended ones. A run an older build claimed is in
--- `id@` already (which then holds more than `a` starts).
-local function settle_start(ids, fence, now, a)
-  local at = ids .. '@'
-  local had = redis.call('HGET', K_REASON, at) or ''
-  local n = 0
-  if had ~= '' then n = select(2, string.gsub(had, ',', ',')) + 1 end
-  if n <= a then
-    local s = run_start(ids, fence, now)
-    if s then redis.call('HSET', K_REASON, at, with_start(had, s)) end
-  end
-  redis.call('HDEL', K_REASON, ids .. '^')
-end
--- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
--- most `donemax` of meta (the owner's retention, set at adopt) entries:
--- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
--- length>|<key><last failure reason>`. Read before `forget`.
-local function done_line(ids, k, outcome, attempts, now, starts, why)
-  starts = starts or ''
-  if #starts > 200 then
-    -- Only the last 16 start times are kept (core's FINISHED_STARTS_KEPT).
-    local t = {}
-    for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
-    if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
-  end
-  return ids .. '|' .. outcome .. '|' .. nstr(attempts) .. '|' .. now .. '|' ..
-    starts .. '|' .. nstr(#k) .. '|' .. k .. (why or '')
-end
--- fence: the job's run that ends with it (nil: none ran).
-local function done_entry(ids, r, outcome, attempts, now, fence)
-  local _, _, _, _, k = rec_parse(r)
-  local starts = starts_of(ids)
-  if fence then starts = with_start(starts, run_start(ids, fence, now)) end
-  return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
-end
-local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
-local function keep_done(entries)
-  local max = done_max()
-  if max <= 0 or #entries == 0 then return end
-  redis.call('LPUSH', KEYS[19], unpack(entries))
-  redis.call('LTRIM', KEYS[19], 0, max - 1)
-  -- Entries past the retention's age leave from the tail, a few per call.
-  local age = tonumber(redis.call('HGET', K_META, 'doneage') or '0')
-  if age > 0 then
-    local oldest = now_ms() - age
-    for _ = 1, 16 do
-      local e = redis.call('LINDEX', KEYS[19], -1)
-      local at = e and tonumber(string.match(e, '^%d+|%a|%d+|(%d+)|'))
-      if not at or at >= oldest then break end
-      redis.call('RPOP', KEYS[19])
-    end
-  end
-end
-local function bury(ids, k, why)
-  redis.call('ZADD', K_DEAD, tonumber(ids), ids)
-  redis.call('HINCRBY', K_DEADN, k, 1)
-  redis.call('HSET', K_REASON, ids, why)
-end
--- Out of flight without an ack (the run ended): the attempt counts; back to
--- the head of its key, or dead when out of attempts.
-local function requeue(ids, why, now)
-  local r = redis.call('HGET', K_JOBS, ids)
-  if not r then
-    redis.call('ZREM', K_INF, ids)
-    return
-  end
-  -- Read and parsed before the first write (a corrupt record stops here).
-  local n, a, m, _, k = rec_parse(r)
-  local q = kparse(redis.call('HGET', K_KEYS, k), k)
-  redis.call('ZREM', K_INF, ids)
-  local was = kqueued(k, q)
-  local run = krun(q, tonumber(ids))
-  if run and q.runs[run + 1] == 0 then
-    -- Cancelled while it ran (its run fence cleared): the job ends with it.
-    krun_end(q, run)
-    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now, 0)}) end
-    redis.call('HDEL', K_JOBS, ids)
-    forget({ids})
-    kstore(k, q)
-    kwake(k, q, was, nil, now)
-    return
-  end
-  a = a + 1
-  redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
-  if run then
-    settle_start(ids, q.runs[run + 1], now, a - 1)
-    krun_end(q, run)
-  end
-  if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end
-  kstore(k, q)
-  kwake(k, q, was, nil, now)
-end
--- How long a run whose job record is corrupt, or a key whose queue record
--- is, is set aside before a claim tries it again (and reports it again).
-local CORRUPT_PARK_MS = 60000
--- requeue, but a corrupt record parks the run (its job lease moved on by
--- CORRUPT_PARK_MS) so the shard's other work goes on; returns the error
--- (nil when the run went back).
-local function requeue_or_park(ids, why, now)
-  local ok, e = pcall(requeue, ids, why, now)
-  if ok then return nil end
-  -- Still in flight: it failed before its first write and waits aside.
-  -- Otherwise it failed halfway, which must not pass unseen.
-  if redis.call('ZADD', K_INF, 'XX', 'CH', now + CORRUPT_PARK_MS, ids) == 0 and
-    not redis.call('ZSCORE', K_INF, ids) then error(e) end
-  return e
-end
--- The key of job ids: the caller's guess, else the job's record ('' if gone).
-local function key_of(ids, k)
-  if k ~= '' then return k end
-  local r = redis.call('HGET', K_JOBS, ids)
-  if not r then return '' end
-  local _, _, _, _, rk = rec_parse(r)
-  return rk
-end
--- Whether receipt (ids, fence) names the current run of its job on key k,
--- whose queue is q: nil if it does, else why not. A run whose job lease
--- lapsed ends here (its job goes back to its key), so it is stale too.
--- until_ms: the job's lease deadline when the caller read it (nil: read
--- here; false: not in flight).
-local function run_check(ids, fence, k, q, now, until_ms)
-  -- A job in flight on its key exists (its record goes with its ack).
-  local run = q and krun(q, tonumber(ids))
-  if not run then
-    if redis.call('HEXISTS', K_JOBS, ids) == 0 then return 'gone' end
-    return 'not in flight'
-  end
-  local cur = q.runs[run + 1]
-  if cur == 0 then return 'the job was cancelled while it ran' end
-  if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
-  if until_ms == nil then until_ms = redis.call('ZSCORE', K_INF, ids) end
-  until_ms = tonumber(until_ms or '0')
-  if until_ms <= now then
-    requeue(ids, 'job lease expired', now)
-    return 'job lease lapsed'
-  end
-  return nil
-end
-"""
-
-#: The enqueue script's body (``ENQUEUE`` in scripts.rs).
-ENQUEUE = """
-local now = now_ms()
-local n = tonumber(ARGV[6])
-local window = tonumber(ARGV[7])
-local A = 8
--- The keys hash's pin is no routing key (producers refuse control
--- characters; this guards the store from one that does not).
-for i = 0, n - 1 do
-  if ARGV[A + 5 * i] == KEYS_PIN then return redis.error_reply('shardq: a routing key holds no NUL byte') end
-end
-local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
-if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
-if redis.call('SCARD', K_PAUSED) > 0 then
-  for i = 0, n - 1 do
-    local k = ARGV[A + 5 * i]
-    if redis.call('SISMEMBER', K_PAUSED, k) == 1 then
-      -- Paused and sealed: frozen, its backlog is on the shard it moves to.
-      local to = K_SEALED and redis.call('HGET', K_SEALED, k)
-      if to then return {'MOVED', k, to} end
-      return {'PAUSED', k}
-    end
-  end
-end
--- Dedup: forget a bounded number of expired records, then look each id up.
--- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
--- Records expire through two indexes: `dedupx` has one entry per record
--- (written by a move's import and by older builds), `dedupm` (KEYS[20])
--- one per enqueue batch, `#<first job id>` then the batch's fields, a line
--- each, scored by their common expiry.
-local K_DEDUPM = KEYS[20]
-local NL = string.char(10)
-local out, keep = {'OK'}, {}
-local dd, dx = {}, {}
-if window > 0 then
-  -- Each index forgets a record only when the record itself expired: the
-  -- other index (or an older build) may have stored it again since.
-  local function forget_expired(fl)
-    local gone = {}
-    if #fl > 0 then
-      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
-        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
-      end
-    end
-    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
-    return gone
-  end
-  local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
-  if #old > 0 then
-    forget_expired(old)
-    redis.call('ZREM', K_DEDUPX, unpack(old))
-  end
-  local marks = {}
-  if K_DEDUPM then marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES) end
-  for _, mark in ipairs(marks) do
-    local fl = {}
-    for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
-    table.remove(fl, 1)
-    -- A record forgotten here leaves `dedupx` too (a move may have put an
-    -- entry there), so no entry outlives its record.
-    local gone = forget_expired(fl)
-    if #gone > 0 then redis.call('ZREM', K_DEDUPX, unpack(gone)) end
-    redis.call('ZREM', K_DEDUPM, mark)
-  end
-end
--- The batch's dedup records in one read: fs[i] is job i's field.
-local fs, rs = {}, {}
-if window > 0 then
-  local list, at = {}, {}
-  for i = 0, n - 1 do
-    local d = ARGV[A + 4 + 5 * i]
-    if d ~= '' then
-      fs[i] = dfield(ARGV[A + 5 * i], d)
-      list[#list + 1] = fs[i]
-      at[#list] = i
-    end
-  end
-  if #list > 0 then
-    for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
-  end
-end
-local batch, inb, expired = {}, {}, {}
-for i = 0, n - 1 do
-  local f = fs[i]
-  if f then
-    local r = rs[i]
-    local dup = nil
-    if r then
-      local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
-      if tonumber(exp) > now then
-        dup = 'D' .. job .. '|' .. sh
-      else
-        -- Stored again below: its old `dedupx` entry must not forget it.
-        expired[#expired + 1] = f
-      end
-    end
-    if dup then
-      out[i + 2] = dup
-    elseif batch[f] then
-      inb[i] = batch[f]
-    else
-      batch[f] = i
-      keep[#keep + 1] = i
-    end
-  else
-    keep[#keep + 1] = i
-  end
-end
-local m = #keep
-if m == 0 then
-  for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
-  return out
-end
-local cand, qs = {}, {}
-for _, i in ipairs(keep) do
-  local k = ARGV[A + 5 * i]
-  if not qs[k] then
-    qs[k] = true
-    cand[#cand + 1] = k
-  end
-end
--- A key with nothing waiting and nothing in flight was in neither ready nor
--- later: its first job in this batch becomes its head.
-local cur = redis.call('HMGET', K_KEYS, unpack(cand))
-local fresh, hnbf = {}, {}
-for i, k in ipairs(cand) do
-  local q = kparse(cur[i], k)
-  qs[k] = q
-  fresh[k] = q.d == 0 and q.n < q.lim
-end
--- Ids and counts only once every key's record read well.
-local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
-redis.call('HINCRBY', K_META, 'pend', m)
-local nows = idstr(now)
-local exps = idstr(now + window)
-local jobs, nxt, dly = {}, {}, {}
-for j, i in ipairs(keep) do
-  local k, d = ARGV[A + 5 * i], tonumber(ARGV[A + 2 + 5 * i])
-  local id = first + j - 1
-  local ids = idstr(id)
-  out[i + 2] = ids
-  local nbf, nbfs = now, nows
-  if d > 0 then
-    nbf = now + d
-    nbfs = idstr(nbf)
-    dly[#dly + 1] = nbfs
-    dly[#dly + 1] = ids
-  end
-  jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. k .. ARGV[A + 1 + 5 * i]
-  local f = fs[i]
-  if f then
-    dd[#dd + 1] = f
-    dd[#dd + 1] = ids .. '|' .. exps .. '|'
-    dx[#dx + 1] = f
-  end
-  local q = qs[k]
-  if q.t ~= 0 then
-    nxt[#nxt + 1] = idstr(q.t)
-    nxt[#nxt + 1] = ids
-  else
-    q.h = id
-    hnbf[k] = nbf
-  end
-  q.t = id
-  q.d = q.d + 1
-end
--- A duplicate within the batch names the job stored for the first of it.
-for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
-redis.call('HSET', K_JOBS, unpack(jobs))
-if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
--- Stored again over an expired record: its old `dedupx` entry goes first.
-if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
-if #dd > 0 then
-  redis.call('HSET', K_DEDUP, unpack(dd))
-  if K_DEDUPM then
-    redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
-  else
-    -- A caller that passed the first 19 parts only: one entry per record.
-    local px = {}
-    for _, f in ipairs(dx) do
-      px[#px + 1] = exps
-      px[#px + 1] = f
-    end
-    redis.call('ZADD', K_DEDUPX, unpack(px))
-  end
-end
-local kq, rl, lz = {}, {}, {}
-for _, k in ipairs(cand) do
-  kq[#kq + 1] = k
-  kq[#kq + 1] = kfmt(qs[k])
-  if fresh[k] and not halted(k) then
-    if hnbf[k] > now then
-      lz[#lz + 1] = hnbf[k]
-      lz[#lz + 1] = k
-    else
-      rl[#rl + 1] = k
-    end
-  end
-end
-redis.call('HSET', K_KEYS, unpack(kq))
-if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
-if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
-if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
-return out
-"""
-
-#: The script as the server receives it: the Redis 7 ``#!lua`` line (no
-#: flags: a server at ``maxmemory`` refuses it with ``OOM``), the prelude and
-#: the body, joined exactly as ``Lua::new(ENQUEUE, true, Flags::Write)`` does.
-ENQUEUE_SCRIPT = "#!lua\n" + PRELUDE + "\n" + ENQUEUE
-
-#: SHA1 of :data:`ENQUEUE_SCRIPT`, the name ``EVALSHA`` runs it by.
-ENQUEUE_SHA1 = hashlib.sha1(ENQUEUE_SCRIPT.encode("utf-8")).hexdigest()
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: Where the scripts are looked for: the wheel's package data, then the
+#: repository's copy beside this source tree.
+_PLACES = (
+    os.path.join(_HERE, "lua"),
+    os.path.normpath(os.path.join(_HERE, "..", "..", "..", "crates", "shardq-redis", "lua")),
+)
 
 
-#: A shard's fence (``FENCE_GET`` in scripts.rs): ``{fmin, paused keys,
-#: ffloor, sealed keys}``, or ``{'LOST', dep}`` from the prelude.
-FENCE_GET = """
-return {tonumber(redis.call('HGET', K_META, 'fmin') or '0'), redis.call('SMEMBERS', K_PAUSED), redis.call('HGET', K_META, 'ffloor') or '0', redis.call('HGETALL', K_SEALED)}
-"""
+def _scripts_dir() -> str:
+    for d in _PLACES:
+        if os.path.isfile(os.path.join(d, "prelude.lua")):
+            return d
+    raise ImportError(
+        "shardq's Redis scripts were not found (looked in " + ", ".join(_PLACES) + "); "
+        "install the package from a wheel, or use it from a checkout of the repository"
+    )
 
-#: Compare-and-set publish of the map (``MAP_PUBLISH`` in scripts.rs).
-#: KEYS[1] the map key; ARGV[1] the expected version (0: none stored),
-#: ARGV[2] the new version, ARGV[3] the YAML.
-MAP_PUBLISH = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if cur ~= tonumber(ARGV[1]) then return {'CONFLICT', cur} end
-if tonumber(ARGV[2]) <= cur then return {'STALE', cur} end
-redis.call('HSET', KEYS[1], 'version', ARGV[2], 'yaml', ARGV[3])
-return {'OK'}
-"""
 
-#: Extends the rebalance lock only while the caller still holds it
-#: (``LOCK_RENEW`` in scripts.rs). KEYS[1] the lock; ARGV[1] the token,
-#: ARGV[2] the lifetime in ms.
-LOCK_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-#: Releases the rebalance lock only if the caller still holds it, never a
-#: successor's (``LOCK_RELEASE`` in scripts.rs). KEYS[1] the lock; ARGV[1]
-#: the token.
-LOCK_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+def _read(name: str) -> str:
+    with open(os.path.join(_scripts_dir(), name + ".lua"), encoding="utf-8") as f:
+        return f.read()
 
 
 def _sha1(script: str) -> str:
     return hashlib.sha1(script.encode("utf-8")).hexdigest()
 
 
+def compose(name: str, flags: str, prelude: bool) -> str:
+    """Script ``name`` as the server receives it: ``#!lua`` with ``flags``
+    (``""``, ``"allow-oom"`` or ``"no-writes"``), then ``prelude.lua`` for
+    a shard script, then the script (``Lua::new``'s recipe)."""
+    shebang = "#!lua" + (" flags=" + flags if flags else "")
+    if prelude:
+        return shebang + "\n" + PRELUDE + "\n" + _read(name)
+    return shebang + "\n" + _read(name)
+
+
+#: Shared helpers of every shard script.
+PRELUDE = _read("prelude")
+#: The body of the enqueue script.
+ENQUEUE = _read("enqueue")
+
+#: As ``Lua::new(ENQUEUE, true, Flags::Write)`` builds it: no flags, so a
+#: server at ``maxmemory`` refuses it with ``OOM``.
+ENQUEUE_SCRIPT = compose("enqueue", "", True)
+#: SHA1 of :data:`ENQUEUE_SCRIPT`, the name ``EVALSHA`` runs it by.
+ENQUEUE_SHA1 = _sha1(ENQUEUE_SCRIPT)
 #: As ``Lua::new(FENCE_GET, true, Flags::NoWrites)`` builds it.
-FENCE_GET_SCRIPT = "#!lua flags=no-writes\n" + PRELUDE + "\n" + FENCE_GET
+FENCE_GET_SCRIPT = compose("fence_get", "no-writes", True)
 FENCE_GET_SHA1 = _sha1(FENCE_GET_SCRIPT)
 #: As ``Lua::new(MAP_PUBLISH, false, Flags::Write)`` builds it.
-MAP_PUBLISH_SCRIPT = "#!lua\n" + MAP_PUBLISH
+MAP_PUBLISH_SCRIPT = compose("map_publish", "", False)
 MAP_PUBLISH_SHA1 = _sha1(MAP_PUBLISH_SCRIPT)
 #: As ``Lua::new(LOCK_RENEW, false, Flags::AllowOom)`` builds it.
-LOCK_RENEW_SCRIPT = "#!lua flags=allow-oom\n" + LOCK_RENEW
+LOCK_RENEW_SCRIPT = compose("lock_renew", "allow-oom", False)
 LOCK_RENEW_SHA1 = _sha1(LOCK_RENEW_SCRIPT)
 #: As ``Lua::new(LOCK_RELEASE, false, Flags::AllowOom)`` builds it.
-LOCK_RELEASE_SCRIPT = "#!lua flags=allow-oom\n" + LOCK_RELEASE
+LOCK_RELEASE_SCRIPT = compose("lock_release", "allow-oom", False)
 LOCK_RELEASE_SHA1 = _sha1(LOCK_RELEASE_SCRIPT)

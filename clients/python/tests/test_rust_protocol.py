@@ -1,8 +1,8 @@
-"""The Python copies of the Redis scripts (the enqueue script, and the fence
-read, map publish and rebalance-lock scripts of the orphaned-fence lift) must
-be the Rust ones, byte for byte, and the lift's constants and lock key the
-Rust producer's and map store's: this fails CI when
-``crates/shardq-redis/src/scripts.rs`` (or those constants) change and
+"""The Python Redis producer speaks the Rust backend's protocol: it runs the
+very script files the Rust backend runs (``crates/shardq-redis/lua/``, read
+by ``shardq/_lua.py``), composed as ``Lua::new`` composes them, with the
+Rust side's shard parts, layout version, batch bound, lift constants and
+lock key. This fails CI when the Rust side changes and
 ``clients/python/shardq`` does not follow."""
 
 import hashlib
@@ -35,20 +35,19 @@ def read(path: str) -> str:
         return f.read()
 
 
-def raw_const(src: str, name: str) -> str:
-    m = re.search(r'const %s: &str = r#"(.*?)"#;' % re.escape(name), src, re.S)
-    assert m, f"const {name} (a r#\"...\"# string) not found in {SCRIPTS_RS}"
-    return m.group(1)
+LUA_DIR = os.path.join(REPO_ROOT, "crates", "shardq-redis", "lua")
 
 
-def test_prelude_and_enqueue_match_scripts_rs():
+def lua_file(name: str) -> str:
+    return read(os.path.join(LUA_DIR, name.lower() + ".lua"))
+
+
+def test_the_client_reads_the_backends_own_script_files():
+    assert _lua.PRELUDE == lua_file("PRELUDE")
+    assert _lua.ENQUEUE == lua_file("ENQUEUE")
     src = read(SCRIPTS_RS)
-    assert _lua.PRELUDE == raw_const(src, "PRELUDE"), (
-        "shardq/_lua.py PRELUDE differs from scripts.rs: copy the raw string again"
-    )
-    assert _lua.ENQUEUE == raw_const(src, "ENQUEUE"), (
-        "shardq/_lua.py ENQUEUE differs from scripts.rs: copy the raw string again"
-    )
+    for name in ("PRELUDE", "ENQUEUE", "FENCE_GET", "MAP_PUBLISH", "LOCK_RENEW", "LOCK_RELEASE"):
+        assert f'const {name}: &str = include_str!("../lua/{name.lower()}.lua");' in src, name
 
 
 def test_script_is_assembled_like_lua_new():
@@ -58,7 +57,7 @@ def test_script_is_assembled_like_lua_new():
     assert 'Flags::Write => "#!lua"' in src
     # ... and Lua::new joins shebang, prelude and body with newlines.
     assert 'format!("{shebang}\\n{PRELUDE}\\n{body}")' in src
-    assert _lua.ENQUEUE_SCRIPT == "#!lua\n" + raw_const(src, "PRELUDE") + "\n" + raw_const(src, "ENQUEUE")
+    assert _lua.ENQUEUE_SCRIPT == "#!lua\n" + lua_file("PRELUDE") + "\n" + lua_file("ENQUEUE")
     assert _lua.ENQUEUE_SHA1 == hashlib.sha1(_lua.ENQUEUE_SCRIPT.encode()).hexdigest()
 
 
@@ -85,18 +84,15 @@ LIFT_SCRIPTS = [
 ]
 
 
-def test_lift_scripts_match_scripts_rs_and_are_assembled_like_lua_new():
+def test_lift_scripts_are_assembled_like_lua_new():
     src = read(SCRIPTS_RS)
     assert 'Flags::AllowOom => "#!lua flags=allow-oom"' in src
     assert 'Flags::NoWrites => "#!lua flags=no-writes"' in src
     assert 'format!("{shebang}\\n{body}")' in src
     for name, built, shebang, prelude in LIFT_SCRIPTS:
-        body = raw_const(src, name)
-        assert getattr(_lua, name) == body, (
-            f"shardq/_lua.py {name} differs from scripts.rs: copy the raw string again"
-        )
+        body = lua_file(name)
         assert built in src, f"scripts.rs no longer builds {name} as `{built}`: follow it in shardq/_lua.py"
-        want = shebang + "\n" + (raw_const(src, "PRELUDE") + "\n" if prelude else "") + body
+        want = shebang + "\n" + (lua_file("PRELUDE") + "\n" if prelude else "") + body
         assert getattr(_lua, f"{name}_SCRIPT") == want, name
         assert getattr(_lua, f"{name}_SHA1") == hashlib.sha1(want.encode()).hexdigest(), name
 

@@ -1,0 +1,212 @@
+-- enqueue.lua
+-- KEYS: the shard's keys in SHARD_PARTS order (docs/redis-protocol.md).
+-- ARGV[1..4]: now ms (empty: the server's TIME), the caller's lease
+-- token, `1` when a dead job halts its key, the deployment id.
+-- ARGV[5] map version, ARGV[6] job count n, ARGV[7] dedup window in ms
+-- (0 when no job has a dedup id), then per job: key, payload, delay_ms,
+-- max_attempts, dedup id (empty for none). Fence check, dedup check and
+-- append in one step. The reply after `OK` has one item per job: its new
+-- id, or `D<job>|<shard>` for a duplicate (shard empty: this shard).
+local now = now_ms()
+local n = tonumber(ARGV[6])
+local window = tonumber(ARGV[7])
+local A = 8
+-- The keys hash's pin is no routing key (producers refuse control
+-- characters; this guards the store from one that does not).
+for i = 0, n - 1 do
+  if ARGV[A + 5 * i] == KEYS_PIN then return redis.error_reply('shardq: a routing key holds no NUL byte') end
+end
+local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
+if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end
+if redis.call('SCARD', K_PAUSED) > 0 then
+  for i = 0, n - 1 do
+    local k = ARGV[A + 5 * i]
+    if redis.call('SISMEMBER', K_PAUSED, k) == 1 then
+      -- Paused and sealed: frozen, its backlog is on the shard it moves to.
+      local to = K_SEALED and redis.call('HGET', K_SEALED, k)
+      if to then return {'MOVED', k, to} end
+      return {'PAUSED', k}
+    end
+  end
+end
+-- Dedup: forget a bounded number of expired records, then look each id up.
+-- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
+-- Records expire through two indexes: `dedupx` has one entry per record
+-- (written by a move's import and by older builds), `dedupm` (KEYS[20])
+-- one per enqueue batch, `#<first job id>` then the batch's fields, a line
+-- each, scored by their common expiry.
+local K_DEDUPM = KEYS[20]
+local NL = string.char(10)
+local out, keep = {'OK'}, {}
+local dd, dx = {}, {}
+if window > 0 then
+  -- Each index forgets a record only when the record itself expired: the
+  -- other index (or an older build) may have stored it again since.
+  local function forget_expired(fl)
+    local gone = {}
+    if #fl > 0 then
+      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
+        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
+      end
+    end
+    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    return gone
+  end
+  local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
+  if #old > 0 then
+    forget_expired(old)
+    redis.call('ZREM', K_DEDUPX, unpack(old))
+  end
+  local marks = {}
+  if K_DEDUPM then marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES) end
+  for _, mark in ipairs(marks) do
+    local fl = {}
+    for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
+    table.remove(fl, 1)
+    -- A record forgotten here leaves `dedupx` too (a move may have put an
+    -- entry there), so no entry outlives its record.
+    local gone = forget_expired(fl)
+    if #gone > 0 then redis.call('ZREM', K_DEDUPX, unpack(gone)) end
+    redis.call('ZREM', K_DEDUPM, mark)
+  end
+end
+-- The batch's dedup records in one read: fs[i] is job i's field.
+local fs, rs = {}, {}
+if window > 0 then
+  local list, at = {}, {}
+  for i = 0, n - 1 do
+    local d = ARGV[A + 4 + 5 * i]
+    if d ~= '' then
+      fs[i] = dfield(ARGV[A + 5 * i], d)
+      list[#list + 1] = fs[i]
+      at[#list] = i
+    end
+  end
+  if #list > 0 then
+    for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
+  end
+end
+local batch, inb, expired = {}, {}, {}
+for i = 0, n - 1 do
+  local f = fs[i]
+  if f then
+    local r = rs[i]
+    local dup = nil
+    if r then
+      local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
+      if tonumber(exp) > now then
+        dup = 'D' .. job .. '|' .. sh
+      else
+        -- Stored again below: its old `dedupx` entry must not forget it.
+        expired[#expired + 1] = f
+      end
+    end
+    if dup then
+      out[i + 2] = dup
+    elseif batch[f] then
+      inb[i] = batch[f]
+    else
+      batch[f] = i
+      keep[#keep + 1] = i
+    end
+  else
+    keep[#keep + 1] = i
+  end
+end
+local m = #keep
+if m == 0 then
+  for i, j in pairs(inb) do out[i + 2] = out[j + 2] end
+  return out
+end
+local cand, qs = {}, {}
+for _, i in ipairs(keep) do
+  local k = ARGV[A + 5 * i]
+  if not qs[k] then
+    qs[k] = true
+    cand[#cand + 1] = k
+  end
+end
+-- A key with nothing waiting and nothing in flight was in neither ready nor
+-- later: its first job in this batch becomes its head.
+local cur = redis.call('HMGET', K_KEYS, unpack(cand))
+local fresh, hnbf = {}, {}
+for i, k in ipairs(cand) do
+  local q = kparse(cur[i], k)
+  qs[k] = q
+  fresh[k] = q.d == 0 and q.n < q.lim
+end
+-- Ids and counts only once every key's record read well.
+local first = redis.call('HINCRBY', K_META, 'seq', m) - m + 1
+redis.call('HINCRBY', K_META, 'pend', m)
+local nows = idstr(now)
+local exps = idstr(now + window)
+local jobs, nxt, dly = {}, {}, {}
+for j, i in ipairs(keep) do
+  local k, d = ARGV[A + 5 * i], tonumber(ARGV[A + 2 + 5 * i])
+  local id = first + j - 1
+  local ids = idstr(id)
+  out[i + 2] = ids
+  local nbf, nbfs = now, nows
+  if d > 0 then
+    nbf = now + d
+    nbfs = idstr(nbf)
+    dly[#dly + 1] = nbfs
+    dly[#dly + 1] = ids
+  end
+  jobs[#jobs + 1] = ids
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local f = fs[i]
+  if f then
+    dd[#dd + 1] = f
+    dd[#dd + 1] = ids .. '|' .. exps .. '|'
+    dx[#dx + 1] = f
+  end
+  local q = qs[k]
+  if q.t ~= 0 then
+    nxt[#nxt + 1] = idstr(q.t)
+    nxt[#nxt + 1] = ids
+  else
+    q.h = id
+    hnbf[k] = nbf
+  end
+  q.t = id
+  q.d = q.d + 1
+end
+-- A duplicate within the batch names the job stored for the first of it.
+for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
+redis.call('HSET', K_JOBS, unpack(jobs))
+if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
+-- Stored again over an expired record: its old `dedupx` entry goes first.
+if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
+if #dd > 0 then
+  redis.call('HSET', K_DEDUP, unpack(dd))
+  if K_DEDUPM then
+    redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
+  else
+    -- A caller that passed the first 19 parts only: one entry per record.
+    local px = {}
+    for _, f in ipairs(dx) do
+      px[#px + 1] = exps
+      px[#px + 1] = f
+    end
+    redis.call('ZADD', K_DEDUPX, unpack(px))
+  end
+end
+local kq, rl, lz = {}, {}, {}
+for _, k in ipairs(cand) do
+  kq[#kq + 1] = k
+  kq[#kq + 1] = kfmt(qs[k])
+  if fresh[k] and not halted(k) then
+    if hnbf[k] > now then
+      lz[#lz + 1] = hnbf[k]
+      lz[#lz + 1] = k
+    else
+      rl[#rl + 1] = k
+    end
+  end
+end
+redis.call('HSET', K_KEYS, unpack(kq))
+if #dly > 0 then redis.call('ZADD', K_DELAYED, unpack(dly)) end
+if #rl > 0 then redis.call('RPUSH', K_READY, unpack(rl)) end
+if #lz > 0 then redis.call('ZADD', K_LATER, unpack(lz)) end
+return out

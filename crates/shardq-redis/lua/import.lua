@@ -1,0 +1,96 @@
+-- import.lua
+-- KEYS: the shard's keys in SHARD_PARTS order (docs/redis-protocol.md).
+-- ARGV[1..4]: now ms (empty: the server's TIME), the caller's lease
+-- token, `1` when a dead job halts its key, the deployment id.
+-- ARGV[5] the shard the jobs come from, ARGV[6] number of keys, then per
+-- key: the key, its job count c, then c times `source id, not_before,
+-- attempts, max_attempts, created, payload, reason` (reason empty: a
+-- waiting job, else a dead one). Appends each key's jobs at its tail with
+-- new ids, skipping source ids at or below the key's import cursor
+-- (`imported` field `<from len>|<from><key>`), so a rerun stores nothing
+-- twice. Reply: `OK`, then `key, source id, new id` per job stored.
+local now = now_ms()
+local from = ARGV[5]
+local nk = tonumber(ARGV[6])
+-- First pass: each key's cursor and how many of its jobs are new, so the
+-- ids come from one HINCRBY and the writes go in a few bulk calls.
+local p = 7
+local plan, fresh_n = {}, 0
+for _ = 1, nk do
+  local k, c = ARGV[p], tonumber(ARGV[p + 1])
+  local cf = #from .. '|' .. from .. k
+  local done = tonumber(redis.call('HGET', K_IMPORTED, cf) or '0')
+  local top, n = done, 0
+  for j = 0, c - 1 do
+    local src = tonumber(ARGV[p + 2 + 7 * j])
+    if src > top then
+      top = src
+      n = n + 1
+    end
+  end
+  plan[#plan + 1] = {k = k, c = c, p = p + 2, cf = cf, done = done, top = top}
+  fresh_n = fresh_n + n
+  p = p + 2 + 7 * c
+end
+local out = {'OK'}
+if fresh_n == 0 then return out end
+local id = redis.call('HINCRBY', K_META, 'seq', fresh_n) - fresh_n
+local jobs, nxt, dly, cur = {}, {}, {}, {}
+local stored = 0
+local function flush(t, cmd, key)
+  for i = 1, #t, 4000 do
+    redis.call(cmd, key, unpack(t, i, math.min(i + 3999, #t)))
+  end
+end
+for _, pl in ipairs(plan) do
+  if pl.top > pl.done then
+    local k = pl.k
+    local q = kparse(redis.call('HGET', K_KEYS, k), k)
+    local was = kqueued(k, q)
+    local head_nbf = nil
+    local top = pl.done
+    for j = 0, pl.c - 1 do
+      local b = pl.p + 7 * j
+      local src = tonumber(ARGV[b])
+      if src > top then
+        top = src
+        id = id + 1
+        local ids = idstr(id)
+        local nbf, why = ARGV[b + 1], ARGV[b + 6]
+        jobs[#jobs + 1] = ids
+        jobs[#jobs + 1] = nbf .. '|' .. ARGV[b + 2] .. '|' .. ARGV[b + 3] .. '|' .. ARGV[b + 4] .. '|' .. #k .. '|' .. k .. ARGV[b + 5]
+        if why ~= '' then
+          bury(ids, k, why)
+        else
+          if q.t ~= 0 then
+            nxt[#nxt + 1] = idstr(q.t)
+            nxt[#nxt + 1] = ids
+          else
+            q.h = id
+            head_nbf = tonumber(nbf)
+          end
+          q.t = id
+          q.d = q.d + 1
+          stored = stored + 1
+          if tonumber(nbf) > now then
+            dly[#dly + 1] = tonumber(nbf)
+            dly[#dly + 1] = ids
+          end
+        end
+        out[#out + 1] = k
+        out[#out + 1] = ARGV[b]
+        out[#out + 1] = ids
+      end
+    end
+    cur[#cur + 1] = pl.cf
+    cur[#cur + 1] = idstr(top)
+    kstore(k, q)
+    if not was and head_nbf then kready(k, q, head_nbf, now) end
+  end
+end
+flush(jobs, 'HSET', K_JOBS)
+flush(nxt, 'HSET', K_NEXT)
+flush(dly, 'ZADD', K_DELAYED)
+flush(cur, 'HSET', K_IMPORTED)
+if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
+return out

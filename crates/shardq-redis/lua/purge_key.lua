@@ -1,0 +1,80 @@
+-- purge_key.lua
+-- KEYS: the shard's keys in SHARD_PARTS order (docs/redis-protocol.md).
+-- ARGV[1..4]: now ms (empty: the server's TIME), the caller's lease
+-- token, `1` when a dead job halts its key, the deployment id.
+-- ARGV[5] key, ARGV[6] at most this many jobs per call: deletes the key's
+-- jobs that are not running, waiting ones from the head, then (once none
+-- waits) dead ones. Reply: `OK`, how many were deleted, `1` if some are
+-- left (call again). What a move left behind on the old shard of a sealed
+-- key, whose list no longer changes.
+local K_MOVED = KEYS[18]
+local k, max = ARGV[5], tonumber(ARGV[6])
+local q = kparse(redis.call('HGET', K_KEYS, k), k)
+local gone = {}
+while q.h ~= 0 and #gone < max do
+  local ids = idstr(q.h)
+  gone[#gone + 1] = ids
+  q.h = tonumber(redis.call('HGET', K_NEXT, ids) or '0')
+  q.d = q.d - 1
+end
+local n = #gone
+for i = 1, n, 4000 do
+  local j = math.min(i + 3999, n)
+  redis.call('HDEL', K_JOBS, unpack(gone, i, j))
+  redis.call('HDEL', K_NEXT, unpack(gone, i, j))
+  forget(gone, i, j)
+  redis.call('ZREM', K_DELAYED, unpack(gone, i, j))
+end
+if n > 0 then redis.call('HINCRBY', K_META, 'pend', -n) end
+if q.h == 0 then
+  q.t, q.d = 0, 0
+  redis.call('ZREM', K_LATER, k)
+end
+kstore(k, q)
+local dead = tonumber(redis.call('HGET', K_DEADN, k) or '0')
+if q.h == 0 and dead > 0 and n < max then
+  for _, ids in ipairs(redis.call('ZRANGE', K_DEAD, 0, -1)) do
+    if n >= max or dead == 0 then break end
+    local r = redis.call('HGET', K_JOBS, ids)
+    local rk = ''
+    if r then
+      local _, _, _, _, x = rec_parse(r)
+      rk = x
+    end
+    if rk == k then
+      redis.call('ZREM', K_DEAD, ids)
+      redis.call('HDEL', K_JOBS, ids)
+      forget({ids})
+      gone[#gone + 1] = ids
+      dead = dead - 1
+      n = n + 1
+    end
+  end
+  if dead > 0 then redis.call('HSET', K_DEADN, k, dead) else redis.call('HDEL', K_DEADN, k) end
+end
+-- The ids deleted are remembered as moved away with the key (`moved`:
+-- `<count>|<lowest id>|<highest id>|<key length>|<key>,<id>,...,` per
+-- call), the oldest entries dropped past MOVED_KEYS_KEPT entries or
+-- MOVED_IDS_KEPT ids (`movedn` in meta counts them).
+if n > 0 then
+  local lo, hi = math.huge, 0
+  for _, ids in ipairs(gone) do
+    local x = tonumber(ids)
+    if x < lo then lo = x end
+    if x > hi then hi = x end
+  end
+  redis.call('RPUSH', K_MOVED, n .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ',')
+  local total = redis.call('HINCRBY', K_META, 'movedn', n)
+  local len = redis.call('LLEN', K_MOVED)
+  while len > 1 and (len > MOVED_KEYS_KEPT or total > MOVED_IDS_KEPT) do
+    local old = redis.call('LPOP', K_MOVED)
+    total = redis.call('HINCRBY', K_META, 'movedn', -(tonumber(string.match(old, '^(%d+)|')) or 0))
+    len = len - 1
+  end
+  -- A count out of step with the list (the list lost by hand) is set
+  -- right once the list is down to this call's entry.
+  if len == 1 and total ~= n then redis.call('HSET', K_META, 'movedn', n) end
+end
+local more = 0
+if q.h ~= 0 or dead > 0 then more = 1 end
+return {'OK', n, more}
