@@ -6,8 +6,7 @@
  * enqueue the job twice (a dedup id belongs to its key: the same id under
  * two keys is two jobs). Long lists go in several requests, split by count
  * and by bytes under the server's limits. Failures with no response, 408,
- * 409 (a dedup id being enqueued by another request), 425, 429 and 5xx are
- * retried a bounded number of times with backoff, each try on the next URL;
+ * 425, 429 and 5xx are retried a bounded number of times with backoff, each try on the next URL;
  * anything else (400, 401, 403, 413, ...) fails at once.
  */
 
@@ -595,9 +594,7 @@ export class Client {
         const reply = await transport.post("/v1/jobs", text, { serverWaitMs: ENQUEUE_SERVER_WAIT_MS });
         return parseResults(reply, sent, transport.base);
       } catch (err) {
-        // 409: another request holds one of the dedup ids at this moment (an
-        // earlier try of this batch, say); trying again is safe.
-        if (!(err instanceof ShardqError) || !(err.retryable || err.status === 409)) throw err;
+        if (!(err instanceof ShardqError) || !err.retryable) throw err;
         last = err;
         causes.set(transport.base, err.message);
         // The next try goes to the next server.

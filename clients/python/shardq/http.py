@@ -83,11 +83,6 @@ TIMEOUT_MARGIN_S = 5.0
 #: shorter than the server's longest wait, so that a request the server is
 #: still working on (and may yet store) is not given up and sent elsewhere.
 REQUEST_TIMEOUT_S = SERVER_WAIT_MAX_S + TIMEOUT_MARGIN_S
-#: The longest a server of an earlier version kept a dedup id reserved
-#: for a request storing it (120 s; servers now check dedup ids in the
-#: backend, atomically with the append, and never answer 409 for one): an
-#: enqueue answered 409 (an id busy) is retried at least that long.
-DEDUP_PENDING_S = 120.0
 #: Rounds over every URL before an enqueue gives up.
 RETRY_ROUNDS_DEFAULT = 5
 #: Backoff between rounds, in ms: doubles from the first to the cap, with jitter.
@@ -466,10 +461,8 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
 class _Attempts:
     """The retry rule of a request sent to any URL, the same for both
     clients: rounds over every URL, with backoff between rounds, at most
-    ``rounds`` of them; an enqueue answered 409 (a dedup id is being stored
-    by another request, an earlier try of this one, say) goes on until that
-    reservation must have ended (``DEDUP_PENDING_S``) whatever the rounds.
-    A status that retrying cannot change raises at once."""
+    ``rounds`` of them. A status that retrying cannot change (409 among
+    them) raises at once."""
 
     def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = (), maybe_done: bool = False) -> None:
         self.path = path
@@ -478,7 +471,6 @@ class _Attempts:
         self.dedup_ids = dedup_ids
         self.causes: Dict[str, str] = {}
         self.last: Optional[BaseException] = None
-        self.busy_since: Optional[float] = None
         #: Whether an attempt may have been carried out unanswered (a
         #: transport error, a timeout, a 5xx), here or at the request this
         #: one is half of.
@@ -490,11 +482,8 @@ class _Attempts:
         self.maybe_done = True
 
     def refused(self, url: str, status: int, doc: Any) -> None:
-        busy = status == 409 and self.path == "/v1/jobs"
-        if not _retryable(status) and not busy:
+        if not _retryable(status):
             _raise_for(url, status, doc)
-        if busy and self.busy_since is None:
-            self.busy_since = time.monotonic()
         if status >= 500 or status == 408:
             self.maybe_done = True
         self.causes[url] = f"{url}: {status} {_error_of(doc)}"
@@ -502,8 +491,7 @@ class _Attempts:
     def pause(self) -> Optional[float]:
         """Seconds to wait before the next round, or ``None``: give up."""
         self.round += 1
-        busy = self.busy_since is not None and time.monotonic() - self.busy_since < DEDUP_PENDING_S + TIMEOUT_MARGIN_S
-        if self.round >= self.rounds and not busy:
+        if self.round >= self.rounds:
             return None
         return _backoff_ms(min(self.round - 1, 10)) / 1000
 

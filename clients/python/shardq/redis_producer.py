@@ -37,6 +37,7 @@ import re
 import socket
 import threading
 import time
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 from urllib.parse import urlparse
@@ -60,12 +61,8 @@ from .errors import (
 
 _T = TypeVar("_T")
 
-#: Key layout version this client writes (``keys::LAYOUT_VERSION``).
-LAYOUT_VERSION = 3
-#: The layout versions this client reads (``keys::LAYOUT_VERSIONS_READ``):
-#: 3 is 2 with keys that may run several jobs at once, which its enqueue
-#: script reads too.
-LAYOUT_VERSIONS_READ = (2, 3)
+#: The key layout version this client reads and writes (``keys::LAYOUT_VERSION``).
+LAYOUT_VERSION = 1
 #: Default queue (``keys::QUEUE_DEFAULT``).
 QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
@@ -166,22 +163,24 @@ JobLike = Union[Job, Tuple[str, Union[bytes, str]]]
 
 
 # Characters no key holds (as ``shardq_core::job::is_unshowable``): control
-# characters, line separators and invisible formatting characters.
-_INVISIBLE = frozenset(
-    [0x061C, 0x180E, 0xFEFF]
-    + list(range(0x200B, 0x2010))
-    + list(range(0x2028, 0x202F))
-    + list(range(0x2060, 0x2065))
-    + list(range(0x2066, 0x206A))
-)
+# characters (Cc), line and paragraph separators (Zl, Zp), format
+# characters (Cf), and the characters that show as nothing (``BLANKS``).
+_UNSHOWABLE_CATEGORIES = frozenset(["Cc", "Cf", "Zl", "Zp"])
+_BLANKS = frozenset([0x115F, 0x1160, 0x180E, 0x2800, 0x3164, 0xFFA0])
 
 
 def _unshowable(key: str) -> Optional[Tuple[int, str]]:
     """The byte offset and character of the first character no key may
-    hold, if any."""
+    hold, if any; a key may not start with a combining mark either."""
+    if key.isascii():
+        for i, c in enumerate(key):
+            if ord(c) < 0x20 or ord(c) == 0x7F:
+                return i, c
+        return None
+    if unicodedata.category(key[0]).startswith("M"):
+        return 0, key[0]
     for i, c in enumerate(key):
-        o = ord(c)
-        if o < 0x20 or 0x7F <= o <= 0x9F or o in _INVISIBLE:
+        if unicodedata.category(c) in _UNSHOWABLE_CATEGORIES or ord(c) in _BLANKS:
             return len(key[:i].encode("utf-8")), c
     return None
 
@@ -208,8 +207,9 @@ def _as_job(j: JobLike, payload_bytes_max: int) -> Tuple[str, bytes, int, int]:
     if bad is not None:
         at, c = bad
         raise InvalidJob(
-            f"key {key[:64]!r}: a key holds no control character, line separator or invisible "
-            f"formatting character; this one has {c!r} (U+{ord(c):04X}) at byte {at}"
+            f"key {key[:64]!r}: a key holds no control character, line separator, invisible "
+            f"formatting or blank character, nor starts with a combining mark; this one has "
+            f"{c!r} (U+{ord(c):04X}) at byte {at}"
         )
     if len(payload) > payload_bytes_max:
         raise InvalidJob(
@@ -490,10 +490,10 @@ class RedisProducer:
                 f"map store at {self._store.url}: no deployment record {key}: namespace "
                 f"{self.namespace!r} was never initialised there, or the server lost its state"
             )
-        if layout is None or int(layout) not in LAYOUT_VERSIONS_READ:
+        if layout is None or _s(layout) != str(LAYOUT_VERSION):
             raise ConfigError(
-                f"{key} at {self._store.url}: layout {layout!r} is not supported (this client reads "
-                f"{' and '.join(map(str, LAYOUT_VERSIONS_READ))})"
+                f"{key} at {self._store.url}: key layout {layout!r} is not supported: this client "
+                f"reads layout {LAYOUT_VERSION} only; use a client of the deployment's release"
             )
         return _s(dep)
 

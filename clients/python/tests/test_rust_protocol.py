@@ -13,7 +13,6 @@ from shardq import _lua
 from shardq.redis_producer import (
     ENQUEUE_BATCH_MAX,
     LAYOUT_VERSION,
-    LAYOUT_VERSIONS_READ,
     ORPHAN_FENCE_AFTER_MS,
     REBALANCE_LOCK_MS,
     REBALANCE_LOCK_RENEWALS,
@@ -68,8 +67,6 @@ def test_key_parts_layout_and_batch_limit_match_rust():
     assert int(m.group(1)) == len(SHARD_PARTS)
     assert tuple(re.findall(r'"([a-z]+)"', m.group(2))) == SHARD_PARTS
     assert f"pub const LAYOUT_VERSION: u32 = {LAYOUT_VERSION};" in keys
-    read_versions = ", ".join(map(str, LAYOUT_VERSIONS_READ))
-    assert f"pub const LAYOUT_VERSIONS_READ: [u32; {len(LAYOUT_VERSIONS_READ)}] = [{read_versions}];" in keys
     assert f"pub const ENQUEUE_BATCH_MAX: usize = {ENQUEUE_BATCH_MAX};" in read(BACKEND_RS)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
-from shardq import AsyncClient, AsyncWorker, ClaimedJob, Client, ConfigError, NewJob, Unauthorized, Worker
+from shardq import AsyncClient, AsyncWorker, ClaimedJob, Client, ConfigError, NewJob, ShardqError, Unauthorized, Worker
 from shardq import http as h
 
 from support import REPO_ROOT, WAIT_S, all_done, read_lines, stop_process, totals_of, wait_until, write_tokens
@@ -307,9 +307,6 @@ def test_the_request_timeout_covers_the_longest_wait_of_the_server():
     pause_ms = int(_rust_const("crates/shardq-core/src/producer.rs", "PAUSE_WAIT_MS_DEFAULT"))
     assert h.SERVER_WAIT_MAX_S * 1000 == server_ms >= pause_ms and server_ms >= wait_max
     assert h.REQUEST_TIMEOUT_S >= h.SERVER_WAIT_MAX_S + 1
-    # Servers before dedup moved into the backends reserved an id for up
-    # to 120 s (their 409 "being enqueued"); the client still waits it out.
-    assert h.DEDUP_PENDING_S == 120.0
     for make in (lambda: Client("http://127.0.0.1:1", timeout_s=10), lambda: Worker("http://127.0.0.1:1", timeout_s=10),
                  lambda: AsyncClient("http://127.0.0.1:1", timeout_s=10)):
         with pytest.raises(ConfigError, match="at least 90 s"):
@@ -346,15 +343,17 @@ def test_a_timed_out_enqueue_is_sent_again_with_the_same_ids_and_reported_stored
     assert len(f.jobs) == 2
 
 
-def test_an_enqueue_answered_busy_is_retried_past_the_rounds_until_stored(fakes):
+def test_an_enqueue_answered_409_is_not_retried(fakes):
+    # The server checks dedup ids in the backend, atomically with the
+    # append: a 409 on an enqueue is a conflict retrying cannot cure.
     f = fakes("a")
-    until = time.monotonic() + 1.5
 
-    def busy(path: str, doc: Any) -> Any:
-        if path == "/v1/jobs" and time.monotonic() < until:
-            return 409, {"error": "jobs[0].dedup_id: x is being enqueued by another request right now; retry shortly"}
+    def conflict(path: str, doc: Any) -> Any:
+        if path == "/v1/jobs":
+            return 409, {"error": "conflict", "kind": "conflict"}
         return None
 
-    f.intercept = busy
-    got = Client([f.url], retry_rounds=2).enqueue("k", "x")
-    assert not got.duplicate and len(f.jobs) == 1 and f.count("/v1/jobs") >= 3
+    f.intercept = conflict
+    with pytest.raises(ShardqError):
+        Client([f.url], retry_rounds=3).enqueue("k", "x")
+    assert f.count("/v1/jobs") == 1, "refused at once"

@@ -221,14 +221,6 @@ pub trait QueueBackend: Send + Sync {
         Ok(Vec::new())
     }
 
-    /// Whether this backend moves a key's backlog with the key
-    /// ([`QueueBackend::export_jobs`], [`QueueBackend::import_jobs`],
-    /// [`QueueBackend::purge_key`], and claims that pass sealed keys by).
-    /// Without it a rebalance drains a moving key on its old shard first.
-    fn moves_backlogs(&self) -> bool {
-        false
-    }
-
     /// Up to `max` of `key`'s jobs on `shard` that are not running, queued
     /// or delayed or dead, with an id above `after`, in id order (which is
     /// key order). Only for a key sealed on `shard`, whose set of such jobs
@@ -321,14 +313,6 @@ pub trait QueueBackend: Send + Sync {
     /// does, has no stale holder to fence off).
     fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {
         let _ = (shard, epoch);
-        Ok(())
-    }
-
-    /// Called before settings that let a key run more than once at once
-    /// are stored: a backend whose stored form changes with that marks its
-    /// stores, so processes too old to read them refuse them. Default:
-    /// nothing (the form does not change).
-    fn prepare_key_concurrency(&self) -> Result<(), QueueError> {
         Ok(())
     }
 

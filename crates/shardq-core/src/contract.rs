@@ -1063,9 +1063,6 @@ pub fn a_keys_retry_rule_decides_its_wait(h: &dyn ContractHarness) {
 /// freezes, and lifting the seal lifts the freeze.
 pub fn a_moving_key_freezes_only_once_copied(h: &dyn ContractHarness) {
     let b = h.backend();
-    if !b.moves_backlogs() {
-        return;
-    }
     let (from, to) = (h.fresh_shard(), h.fresh_shard());
     enqueue(h, &from, "k", "a", 5);
     enqueue(h, &from, "k", "b", 1);
@@ -1145,16 +1142,6 @@ pub fn a_moving_key_freezes_only_once_copied(h: &dyn ContractHarness) {
 pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
     let b = h.backend();
     let (from, to) = (h.fresh_shard(), h.fresh_shard());
-    if !b.moves_backlogs() {
-        assert!(
-            matches!(
-                b.export_jobs(&from, "k", None, 10),
-                Err(QueueError::Unsupported { .. })
-            ),
-            "a backend that does not move backlogs must refuse an export"
-        );
-        return;
-    }
     // a: a dead letter; b: retried once, at the head; c: queued; d: delayed.
     enqueue(h, &from, "k", "a", 1);
     let run = claim(h, &from, 1, LONG_LEASE_MS).remove(0);

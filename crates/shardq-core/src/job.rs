@@ -108,23 +108,38 @@ impl NewJob {
 }
 
 /// Whether `c` may not appear in a name shown to people (keys, dedup ids,
-/// worker names): a control character (Unicode category Cc: NUL, tab,
-/// newline, ESC, DEL, C1 controls), a line or paragraph separator, or an
-/// invisible formatting character that changes how text around it reads
-/// (zero-width spaces and joiners, the byte-order mark, the bidirectional
-/// embeddings, overrides, isolates and marks).
+/// worker and group names): a control character (Unicode category Cc: NUL,
+/// tab, newline, ESC, DEL, C1 controls), a line or paragraph separator (Zl,
+/// Zp), any format character (Cf: zero-width spaces and joiners, the soft
+/// hyphen, the byte-order mark, the bidirectional controls, tags,
+/// interlinear annotations), or one of the [`BLANKS`].
 pub fn is_unshowable(c: char) -> bool {
+    use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
     c.is_control()
+        || BLANKS.contains(&c)
         || matches!(
-            c,
-            '\u{061C}'
-                | '\u{180E}'
-                | '\u{200B}'..='\u{200F}'
-                | '\u{2028}'..='\u{202E}'
-                | '\u{2060}'..='\u{2064}'
-                | '\u{2066}'..='\u{2069}'
-                | '\u{FEFF}'
+            c.general_category(),
+            GeneralCategory::Format
+                | GeneralCategory::LineSeparator
+                | GeneralCategory::ParagraphSeparator
         )
+}
+
+/// Characters that are letters or symbols by category but show as nothing
+/// (a name made of them looks empty or like another): the Hangul fillers
+/// U+115F, U+1160, U+3164 and U+FFA0, the braille blank U+2800, and the
+/// Mongolian vowel separator U+180E.
+pub const BLANKS: [char; 6] = [
+    '\u{115F}', '\u{1160}', '\u{180E}', '\u{2800}', '\u{3164}', '\u{FFA0}',
+];
+
+/// Whether `s` starts with a combining mark (categories Mn, Mc, Me): a
+/// mark with nothing to combine with draws over what is shown before it.
+pub fn starts_with_mark(s: &str) -> bool {
+    use unicode_properties::{GeneralCategoryGroup, UnicodeGeneralCategory};
+    s.chars()
+        .next()
+        .is_some_and(|c| c.general_category_group() == GeneralCategoryGroup::Mark)
 }
 
 /// Whether `s` holds an unshowable character ([`is_unshowable`]). ASCII
@@ -231,6 +246,16 @@ pub fn validate_key(key: &str) -> Result<(), QueueError> {
             reason: format!(
                 "a key is at most {KEY_BYTES_MAX} bytes, this one has {}",
                 key.len()
+            ),
+        });
+    }
+    if !key.is_ascii() && starts_with_mark(key) {
+        let c = key.chars().next().unwrap_or_default();
+        return Err(QueueError::InvalidKey {
+            key: shown_key(cut_at_char(key, 64)),
+            reason: format!(
+                "a key does not start with a combining mark; this one starts with U+{:04X}",
+                c as u32
             ),
         });
     }
@@ -769,6 +794,40 @@ impl Fence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys holding a format character (any of category Cf, not a fixed
+    /// list), a blank or a leading combining mark are refused by name;
+    /// ordinary letters of every script, marks after a letter, emoji and
+    /// spaces are not.
+    #[test]
+    fn invisible_blank_and_lone_mark_keys_are_refused() {
+        for (key, what) in [
+            ("a\u{00AD}b", "U+00AD"),
+            ("tenant\u{E0061}", "U+E0061"),
+            ("x\u{FFF9}y", "U+FFF9"),
+            ("\u{3164}", "U+3164"),
+            ("a\u{2800}", "U+2800"),
+            ("\u{0301}abc", "U+0301"),
+            ("id\u{200D}", "U+200D"),
+            ("k\u{1B}[2J", "U+001B"),
+        ] {
+            let e = validate_key(key).unwrap_err().to_string();
+            assert!(e.contains(what), "{key:?}: {e}");
+        }
+        for key in [
+            "tenant-1",
+            "テナント",
+            "e\u{0301}cole",
+            "ünïcode",
+            "a b",
+            "🙂",
+            "имя",
+        ] {
+            validate_key(key).unwrap_or_else(|e| panic!("{key:?}: {e}"));
+        }
+        assert!(validate_dedup_id("k", "a\u{00AD}").is_err());
+        assert!(crate::flow::validate_group_name("g\u{E0061}").is_err());
+    }
 
     #[test]
     fn the_ascii_fast_path_agrees_with_every_character() {

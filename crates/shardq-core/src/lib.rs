@@ -7,6 +7,7 @@
 //! implement the trait, and the pool, the CLI and resharding only see the trait.
 
 pub mod backend;
+pub mod backoff;
 pub mod clock;
 pub mod contract;
 pub mod error;

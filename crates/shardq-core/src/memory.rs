@@ -136,9 +136,6 @@ pub struct MemoryBackend {
     retry_rules: Arc<RetryRules>,
     retention: Retention,
     dead_policy: DeadPolicy,
-    /// Whether a rebalance moves backlogs (the default) or drains moving
-    /// keys first, as a backend without the capability makes it do.
-    moves_backlogs: bool,
     /// Which keys may start now.
     flow: Option<Arc<FlowControl>>,
 }
@@ -150,14 +147,6 @@ impl MemoryBackend {
             let runs: Vec<(&str, u64)> = runs.iter().map(|(k, f)| (k.as_str(), *f)).collect();
             f.runs_ended(shard, &runs);
         }
-    }
-
-    /// The same backend, telling a rebalance to drain moving keys instead of
-    /// moving their backlogs (to test that path, which the Redis backend
-    /// takes).
-    pub fn draining_moves(mut self) -> MemoryBackend {
-        self.moves_backlogs = false;
-        self
     }
 
     /// The same backend with per-key and per-prefix retry rules: a failed
@@ -205,7 +194,6 @@ impl MemoryBackend {
             retry_rules: Arc::default(),
             retention: Retention::default(),
             dead_policy: DeadPolicy::Continue,
-            moves_backlogs: true,
             flow: None,
         }
     }
@@ -993,10 +981,6 @@ impl QueueBackend for MemoryBackend {
             }
             Ok(chosen.len())
         })
-    }
-
-    fn moves_backlogs(&self) -> bool {
-        self.moves_backlogs
     }
 
     fn export_jobs(

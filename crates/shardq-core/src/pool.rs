@@ -423,6 +423,7 @@ impl WorkerPool {
             owned: Vec::new(),
             failed: BTreeMap::new(),
             max_shards: coordinator.max_shards(),
+            backoffs: crate::backoff::BackOffs::default(),
         };
         let result = state.run_loop(coordinator, &*clock, stop, &out_rx);
         // Never give a shard up while one of its handlers runs: cancel what
@@ -471,6 +472,8 @@ struct Dispatch<'a> {
     failed: BTreeMap<String, Failed>,
     /// The coordinator's bound of shards for this process.
     max_shards: usize,
+    /// Each job's back-offs in a row ([`crate::backoff`]).
+    backoffs: crate::backoff::BackOffs,
 }
 
 impl Dispatch<'_> {
@@ -1016,7 +1019,23 @@ impl Dispatch<'_> {
                 .remove(&(out.shard.clone(), out.receipt))
                 .map(|r| (r.wait_ms, now.saturating_sub(r.started_ms)))
                 .unwrap_or((0, 0));
-            let outcome = match out.result {
+            // A back-off past the bound in a row is a failed attempt.
+            let result = match out.result {
+                Err(Failure::BackOff(b)) => {
+                    match self.backoffs.note(&out.shard, out.receipt.id, b.ms) {
+                        Ok(()) => Err(Failure::BackOff(BackOff {
+                            ms: crate::backoff::floored_ms(b.ms),
+                            ..b
+                        })),
+                        Err(why) => Err(Failure::Failed(why)),
+                    }
+                }
+                other => {
+                    self.backoffs.ended(&out.shard, out.receipt.id);
+                    other
+                }
+            };
+            let outcome = match result {
                 Ok(()) => {
                     acks.entry(out.shard)
                         .or_default()

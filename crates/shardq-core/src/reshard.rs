@@ -20,9 +20,9 @@
 //!    queued anywhere, so nothing can be overtaken; before the publish every
 //!    target shard's run-fence floor is raised above every shard's highest
 //!    fence, so their next runs get larger fences than their last ones.
-//! 2. **Move each key with its backlog**, in batches, on a backend that can
-//!    ([`QueueBackend::moves_backlogs`]: the embedded engine, Redis
-//!    instances and Redis Cluster, the in-memory one): seal the batch on its old shards (no run starts there; enqueues
+//! 2. **Move each key with its backlog**, in batches (every backend moves
+//!    backlogs: the embedded engine, Redis instances and Redis Cluster, the
+//!    in-memory one): seal the batch on its old shards (no run starts there; enqueues
 //!    still go in), wait for each key's runs in flight there (bounded by
 //!    `drain_timeout_ms`; a key still running stays, unsealed, with nothing
 //!    copied), raise the new shards' run-fence floor, copy each key's
@@ -54,29 +54,13 @@
 //!    where they are, the others move, and the run ends with
 //!    [`ReshardError::ShardsFailed`] naming it; the rerun finishes.
 //!
-//!    **Drain, then switch**, on a backend that cannot (no shipped backend
-//!    today; the in-memory one's `draining_moves()` tests it), in batches: pause the batch's enqueues on their
-//!    old shards, wait until each key's depth and in-flight count there are
-//!    zero, raise the new shards' run-fence floor above the old shards'
-//!    highest fence (so a moved key's next run has a larger fence than its
-//!    last one), copy each key's live dedup records from its old shard to
-//!    its new one (the key is paused on the old shard and still routes
-//!    there, so the copy is complete; an import keeps records already
-//!    there, so a rerun is harmless), publish a version whose overrides send the batch to the
-//!    target owner, fence the old shards at that version, and lift the
-//!    pause. A key that gains a dead letter while it drains is not switched:
-//!    it is un-paused, stays pinned, and is held back like any key with dead
-//!    letters.
 //! 3. **Finish.** Publish the target itself (removed shards gone, the
 //!    temporary pins gone, the operator's pins kept even where they equal the
 //!    computed owner) and clear the stored target. A backstop first checks
 //!    that the final map routes every key with work to the shard that holds it.
 //!
-//! "Work" is queued, delayed and in-flight jobs, and dead letters. With
-//! drain-then-switch a dead job retried later runs on the shard that holds
-//! it, so a key with one stays pinned there (the rebalance ends with
-//! [`ReshardError::DeadLetters`]) until an operator retries or purges it and
-//! reruns the rebalance; a backlog move takes it along instead.
+//! "Work" is queued, delayed and in-flight jobs, and dead letters; a
+//! backlog move takes a key's dead letters along.
 //!
 //! Every step is idempotent and the phase is derived from (published map,
 //! target), never from memory, so a coordinator killed anywhere can be rerun
@@ -110,7 +94,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::error::{ErrorKind, QueueError};
 use crate::job::{DedupRecord, JobId, KeyCounts, MovedJob};
 
-/// Default keys moved per drain-then-switch batch.
+/// Default keys moved per batch.
 pub const BATCH_DEFAULT: usize = 64;
 /// Largest batch.
 pub const BATCH_MAX: usize = 4096;
@@ -186,12 +170,6 @@ pub trait MapStore: Send + Sync {
         update_setting(self, name, |_| {
             Ok::<_, ReshardError>((value.map(str::to_string), ()))
         })
-    }
-    /// [`crate::QueueBackend::prepare_key_concurrency`] for the
-    /// deployment's own record, where the store keeps one that clients
-    /// check. Default: nothing.
-    fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
-        Ok(())
     }
 }
 
@@ -299,14 +277,6 @@ pub enum ReshardError {
         /// How long we waited.
         waited_ms: u64,
     },
-    /// Keys hold dead letters on their old shard; they stay pinned there.
-    #[error("{count} keys hold dead letters on their old shard and stay pinned there (first: {keys:?}); retry or purge them (`shardq dead ... retry|purge`) and rerun `rebalance`; every other key has moved")]
-    DeadLetters {
-        /// How many keys are held back.
-        count: usize,
-        /// The first few of them.
-        keys: Vec<String>,
-    },
     /// Shards failed during the moves (unreadable, unreachable): the keys
     /// that move from or to them stay where they are; every other key moved.
     #[error("{}", shards_failed_text(*.count, .shards, .keys))]
@@ -386,8 +356,7 @@ impl ReshardError {
             ReshardError::Store { kind, .. } | ReshardError::ShardsFailed { kind, .. } => *kind,
             ReshardError::Busy { .. }
             | ReshardError::Conflict { .. }
-            | ReshardError::DrainTimeout { .. }
-            | ReshardError::DeadLetters { .. } => ErrorKind::Conflict,
+            | ReshardError::DrainTimeout { .. } => ErrorKind::Conflict,
             ReshardError::Unavailable(_) => ErrorKind::Retryable,
             ReshardError::Io { .. } => ErrorKind::Internal,
         }
@@ -416,7 +385,7 @@ impl ReshardError {
 /// Options of [`rebalance`].
 #[derive(Debug, Clone)]
 pub struct RebalanceOptions {
-    /// Keys per drain-then-switch batch (1..=[`BATCH_MAX`]).
+    /// Keys per move batch (1..=[`BATCH_MAX`]).
     pub batch: usize,
     /// Longest wait for one batch to drain, in ms.
     pub drain_timeout_ms: u64,
@@ -510,7 +479,7 @@ impl RebalanceProgress {
                 self.phase = "moving".into();
                 self.keys_to_move = pinned;
             }
-            RebalanceEvent::Draining { .. } | RebalanceEvent::Waiting { .. } => {
+            RebalanceEvent::Moving { .. } | RebalanceEvent::Waiting { .. } => {
                 self.phase = "moving".into()
             }
             RebalanceEvent::Switched {
@@ -624,8 +593,7 @@ pub struct MovedKey {
     pub to: String,
     /// How long its enqueues were paused, in ms.
     pub pause_ms: f64,
-    /// Jobs (queued, delayed and dead) copied to its new shard with it; 0
-    /// when it moved by drain-then-switch.
+    /// Jobs (queued, delayed and dead) copied to its new shard with it.
     #[serde(default)]
     pub jobs_moved: u64,
     /// How long the move waited for the key's run in flight on its old
@@ -640,18 +608,18 @@ pub struct MovedKey {
 pub enum RebalanceEvent {
     /// Phase 1 done: `pinned` keys with work will move, map published at `version`.
     Pinned {
-        /// Keys to drain and switch.
+        /// Keys to move.
         pinned: usize,
         /// Version of the intermediate map.
         version: u64,
     },
-    /// A batch's enqueues were paused and its drain began.
-    Draining {
-        /// Keys paused in this batch.
+    /// A batch was sealed on its old shards and its move began.
+    Moving {
+        /// Keys of this batch.
         keys: usize,
     },
     /// A batch still waits, `waited_ms` in, for `keys` of its keys: their
-    /// runs on their old shards (a move), or their backlogs (a drain).
+    /// runs on their old shards.
     /// Sent every [`WAIT_EVENT_EVERY_MS`] of the wait, so a long one is
     /// seen as alive.
     Waiting {
@@ -670,7 +638,7 @@ pub enum RebalanceEvent {
         keys: usize,
         /// How long this batch's keys were paused, in ms.
         pause_ms: f64,
-        /// Jobs copied with this batch's keys (0 for drain-then-switch).
+        /// Jobs copied with this batch's keys.
         jobs: u64,
     },
     /// The target map is published at `version`.
@@ -687,7 +655,7 @@ pub struct RebalanceReport {
     pub from_version: u64,
     /// Published version after.
     pub to_version: u64,
-    /// Keys with work that were drained and switched.
+    /// Keys with work that moved, with their backlogs.
     pub moved: Vec<MovedKey>,
     /// Wall time, in ms.
     pub elapsed_ms: f64,
@@ -813,7 +781,7 @@ pub fn set_weight(store: &dyn MapStore, name: &str, weight: u32) -> Result<(), R
     save_target(store, &target)
 }
 
-/// Records a pin of `key` to `shard`; [`rebalance`] moves it with drain-then-switch.
+/// Records a pin of `key` to `shard`; [`rebalance`] moves it with its backlog.
 pub fn pin(store: &dyn MapStore, key: &str, shard: &str) -> Result<(), ReshardError> {
     let _lock = store.try_lock_rebalance()?;
     let mut target = current_target(store)?;
@@ -1188,96 +1156,17 @@ where
         pinned: switches.len(),
         version: cur.version,
     });
-    if backend.moves_backlogs() {
-        // Phase 2, moving each key's backlog with it: no drain, no holdback.
-        cur = move_with_backlogs(
-            backend,
-            store,
-            cur,
-            &target,
-            switches,
-            options,
-            on_event,
-            &mut report,
-        )?;
-        return finish(
-            backend, store, cur, &target, report, started_ms, clock, on_event,
-        );
-    }
-
-    // Phase 2: drain, then switch, in batches. A key holding dead letters
-    // on its old shard stays pinned there until an operator retries or
-    // purges them (they would run out of order, or be stranded, otherwise).
-    let mut held: Vec<String> = Vec::new();
-    let mut movable = Vec::with_capacity(switches.len());
-    for sw in switches {
-        if backend.key_counts(&sw.1, &sw.0)?.dead > 0 {
-            held.push(sw.0);
-        } else {
-            movable.push(sw);
-        }
-    }
-    let switches = movable;
-    let total = switches.len();
-    let mut done = 0usize;
-    for batch in switches.chunks(options.batch) {
-        let pause_started_ms = clock.now_ms();
-        set_paused(backend, batch, true, None)?;
-        on_event(RebalanceEvent::Draining { keys: batch.len() });
-        let dead = match wait_drained(backend, batch, options, on_event) {
-            Ok(dead) => dead,
-            Err(e) => {
-                // Do not leave producers stalled: lift the pause, keep the pins.
-                set_paused(backend, batch, false, None)?;
-                return Err(e);
-            }
-        };
-        // A key that dead-lettered while draining keeps its pin: un-pause
-        // it where it is and hold it back.
-        let (gone_dead, batch): (Vec<_>, Vec<_>) =
-            batch.iter().cloned().partition(|sw| dead.contains(&sw.0));
-        if !gone_dead.is_empty() {
-            set_paused(backend, &gone_dead, false, None)?;
-            held.extend(gone_dead.into_iter().map(|sw| sw.0));
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        let batch = &batch[..];
-        raise_fence_floors(backend, batch)?;
-        copy_dedup_records(backend, batch)?;
-        // Other pins stay; the switched keys now follow the target.
-        let next = switched_map(&cur, &target, batch);
-        publish_next(store, &cur, &next)?;
-        set_paused(backend, batch, false, Some(next.version))?;
-        let pause_ms = clock.now_ms().saturating_sub(pause_started_ms) as f64;
-        for (key, from, to) in batch {
-            report.moved.push(MovedKey {
-                key: key.clone(),
-                from: from.clone(),
-                to: to.clone(),
-                pause_ms,
-                jobs_moved: 0,
-                run_wait_ms: 0.0,
-            });
-        }
-        done += batch.len();
-        on_event(RebalanceEvent::Switched {
-            done,
-            total,
-            keys: batch.len(),
-            pause_ms,
-            jobs: 0,
-        });
-        cur = next;
-    }
-
-    if !held.is_empty() {
-        return Err(ReshardError::DeadLetters {
-            count: held.len(),
-            keys: held.into_iter().take(8).collect(),
-        });
-    }
+    // Phase 2, moving each key's backlog with it: no drain, no holdback.
+    cur = move_with_backlogs(
+        backend,
+        store,
+        cur,
+        &target,
+        switches,
+        options,
+        on_event,
+        &mut report,
+    )?;
     finish(
         backend, store, cur, &target, report, started_ms, clock, on_event,
     )
@@ -1743,7 +1632,7 @@ where
     let clock = &*options.clock;
     // 1. Seal: no run of these keys starts on their old shards from now.
     set_sealed(backend, batch, true)?;
-    on_event(RebalanceEvent::Draining { keys: batch.len() });
+    on_event(RebalanceEvent::Moving { keys: batch.len() });
     // 2. Wait for the runs each may have in flight there (bounded:
     //    a stopped worker's run ends when its job lease lapses).
     let wait_started = clock.now_ms();
@@ -2160,46 +2049,6 @@ fn wait_runs_ended<B: QueueBackend + ?Sized>(
     }
 }
 
-/// Pauses or resumes a batch's keys on their old shards; when resuming,
-/// `fence_at` raises the old shards' minimum map version first, so that a
-/// producer still routing with the old pin is refused and reloads.
-fn set_paused<B: QueueBackend + ?Sized>(
-    backend: &B,
-    batch: &[(String, String, String)],
-    pause: bool,
-    fence_at: Option<u64>,
-) -> Result<(), ReshardError> {
-    update_old_fences(backend, batch, &mut |fence, key, _| {
-        if let Some(v) = fence_at {
-            fence.map_version_min = fence.map_version_min.max(v);
-        }
-        if pause {
-            fence.paused_keys.insert(key.to_string());
-        } else {
-            fence.paused_keys.remove(key);
-        }
-    })
-}
-
-/// Copies each batch key's live dedup records from its old shard to its new
-/// one, before the switch is published: the key is paused on the old shard
-/// (no record can be added there meanwhile) and still routes there (none is
-/// added on the new shard), so the copy is complete. Importing keeps a
-/// record the new shard already holds, so a rerun after a crash changes
-/// nothing.
-fn copy_dedup_records<B: QueueBackend + ?Sized>(
-    backend: &B,
-    batch: &[(String, String, String)],
-) -> Result<(), ReshardError> {
-    for (key, from, to) in batch {
-        let records = backend.dedup_export(from, key)?;
-        if !records.is_empty() {
-            backend.dedup_import(to, &records)?;
-        }
-    }
-    Ok(())
-}
-
 /// Raises the run-fence floor of each batch key's new shard above the
 /// highest fence its old shard issued, before the switch is published: the
 /// old shard ran the key's last jobs (it is drained), so the key's next run,
@@ -2225,50 +2074,6 @@ fn raise_fence_floors<B: QueueBackend + ?Sized>(
         }
     }
     Ok(())
-}
-
-/// Waits until every key of the batch has nothing queued or in flight on
-/// its old shard. Returns the keys that hold dead letters there once
-/// drained (one may have dead-lettered during the wait): those must not be
-/// switched. Waits and time go through the options' clock.
-fn wait_drained<B: QueueBackend + ?Sized>(
-    backend: &B,
-    batch: &[(String, String, String)],
-    options: &RebalanceOptions,
-    on_event: &mut dyn FnMut(RebalanceEvent),
-) -> Result<BTreeSet<String>, ReshardError> {
-    let clock = &*options.clock;
-    let started_ms = clock.now_ms();
-    let mut said_ms = started_ms;
-    let mut busy: BTreeSet<(String, String)> = batch
-        .iter()
-        .map(|(k, from, _)| (k.clone(), from.clone()))
-        .collect();
-    let mut dead = BTreeSet::new();
-    loop {
-        let mut still = BTreeSet::new();
-        for (key, shard) in busy {
-            let c = backend.key_counts(&shard, &key)?;
-            if c.depth + c.in_flight > 0 {
-                still.insert((key, shard));
-            } else if c.dead > 0 {
-                dead.insert(key);
-            }
-        }
-        busy = still;
-        if busy.is_empty() {
-            return Ok(dead);
-        }
-        let waited_ms = clock.now_ms().saturating_sub(started_ms);
-        if waited_ms >= options.drain_timeout_ms {
-            return Err(ReshardError::DrainTimeout {
-                keys: busy.into_iter().take(8).map(|(k, _)| k).collect(),
-                waited_ms,
-            });
-        }
-        say_waiting(clock, started_ms, &mut said_ms, busy.len(), on_event);
-        clock.sleep_ms(options.poll_ms.max(1));
-    }
 }
 
 /// Sends [`RebalanceEvent::Waiting`] when [`WAIT_EVENT_EVERY_MS`] passed

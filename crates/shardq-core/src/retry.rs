@@ -162,8 +162,8 @@ impl RetrySettings {
         self.rules.validate()
     }
 
-    /// Parses the `retry` setting's JSON: this form, or the older one that
-    /// held the default backoff alone (a bare [`Backoff`]).
+    /// Parses the `retry` setting's JSON: `default`, and the `keys` and
+    /// `prefixes` rules (each optional); any other field is refused.
     pub fn parse(text: &str) -> Result<RetrySettings, serde_json::Error> {
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -174,32 +174,12 @@ impl RetrySettings {
             #[serde(default)]
             prefixes: BTreeMap<String, RetryPolicy>,
         }
-        enum Either {
-            Whole(Form),
-            Backoff(Backoff),
-        }
-        // The form is told by its `default` field, so a mistake in either
-        // is reported by its own fields, not as "no form matched".
-        let v: serde_json::Value = serde_json::from_str(text)?;
-        let either = if v.get("default").is_some() {
-            Either::Whole(serde_json::from_value(v)?)
-        } else {
-            Either::Backoff(serde_json::from_value(v)?)
-        };
-        Ok(match either {
-            Either::Whole(f) => RetrySettings {
-                default: f.default,
-                rules: RetryRules {
-                    keys: f.keys,
-                    prefixes: f.prefixes,
-                },
-            },
-            Either::Backoff(backoff) => RetrySettings {
-                default: RetryPolicy {
-                    backoff,
-                    ..RetryPolicy::default()
-                },
-                rules: RetryRules::default(),
+        let f: Form = serde_json::from_str(text)?;
+        Ok(RetrySettings {
+            default: f.default,
+            rules: RetryRules {
+                keys: f.keys,
+                prefixes: f.prefixes,
             },
         })
     }
@@ -242,11 +222,10 @@ mod tests {
     }
 
     #[test]
-    fn the_setting_reads_both_forms_and_refuses_unknown_fields() {
-        let old = r#"{"base_ms":5,"max_ms":50,"kind":"fixed","jitter_pct":3}"#;
-        let s = RetrySettings::parse(old).expect("old form");
-        assert_eq!(s.default.backoff.base_ms, 5);
-        assert_eq!(s.default.max_attempts, MAX_ATTEMPTS_DEFAULT);
+    fn the_setting_reads_its_one_form_and_refuses_unknown_fields() {
+        // A bare backoff is no retry setting.
+        let bare = r#"{"base_ms":5,"max_ms":50,"kind":"fixed","jitter_pct":3}"#;
+        assert!(RetrySettings::parse(bare).is_err());
         let mut w = RetrySettings::default();
         w.rules.keys.insert("k".into(), policy(7, 9));
         let text = serde_json::to_string(&w).expect("json");

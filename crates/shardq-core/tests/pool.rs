@@ -1066,3 +1066,60 @@ fn equal_ranks_on_two_shards_take_turns() {
         "the first 40 starts take turns over the shards: {from_s0} from s0"
     );
 }
+
+/// A handler that always backs off, for 0 ms, neither spins its key nor
+/// keeps its job forever: every back-off holds the key at least
+/// `BACKOFF_MS_MIN` (by the clock the pool runs on), and past
+/// `BACKOFFS_IN_A_ROW_MAX` in a row the next is a failed attempt, so the
+/// job ends in the dead letters with a reason that says why.
+#[test]
+fn a_handler_that_always_backs_off_ends_in_the_dead_letters() {
+    use shardq_core::backoff::{BACKOFFS_IN_A_ROW_MAX, BACKOFF_MS_MIN};
+    let clock = ManualClock::new(1_000_000);
+    let backend = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
+    let mut job = NewJob::new("k", "x");
+    job.max_attempts = 2;
+    backend.enqueue("s0", 1, &[job]).unwrap();
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let handler: Arc<shardq_core::Handler> = {
+        let (starts, clock) = (starts.clone(), clock.clone());
+        Arc::new(move |_job: &ClaimedJob| {
+            starts.lock().unwrap().push(clock.now_ms());
+            Err(Box::new(shardq_core::BackOff {
+                ms: 0,
+                group: false,
+            }))
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 1,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    let _ticker = Ticker::start(&clock, 50);
+    let report = run_pool_on(
+        Arc::new(clock.clone()),
+        Arc::new(backend.clone()),
+        backend.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    let dead = backend.dead_list("s0", 10).unwrap();
+    assert_eq!(dead.len(), 1, "{report:?}");
+    assert!(dead[0].reason.contains("times in a row"), "{}", dead[0].reason);
+    let starts = starts.lock().unwrap();
+    // Two attempts, each ending after the bound of back-offs.
+    assert_eq!(starts.len() as u32, 2 * (BACKOFFS_IN_A_ROW_MAX + 1), "{report:?}");
+    assert_eq!(report.backed_off as u32, 2 * BACKOFFS_IN_A_ROW_MAX);
+    // No back-off started its key again sooner than the floor.
+    let backed: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    let too_soon = (0..backed.len())
+        .filter(|i| (i + 1) % (BACKOFFS_IN_A_ROW_MAX as usize + 1) != 0)
+        .filter(|&i| backed[i] < BACKOFF_MS_MIN)
+        .count();
+    assert_eq!(too_soon, 0, "gaps {backed:?}");
+}

@@ -412,61 +412,6 @@ fn only_one_rebalance_at_a_time() {
 }
 
 #[test]
-fn a_rebalance_interrupted_after_pinning_finishes_when_rerun() {
-    // Simulate a coordinator killed after phase 1 and after one switch: the
-    // published map carries pins, some keys paused. A rerun must finish.
-    let clock = Arc::new(SystemClock);
-    let backend = MemoryBackend::new(&["s0", "s1", "s2", "s3"], clock).draining_moves();
-    let store = MemoryMapStore::new(
-        ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1", "s2", "s3"]).unwrap(),
-    );
-    let mut p = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions::default(),
-    )
-    .unwrap();
-    for k in keys().iter().take(2000) {
-        p.enqueue(&NewJob::new(k.clone(), "a")).unwrap();
-    }
-    backend.add_shard("s4");
-    reshard::add_shard(&store, "s4", 1, None).unwrap();
-    // A drain timeout of zero makes the first run stop right after pinning.
-    let quick = RebalanceOptions {
-        drain_timeout_ms: 0,
-        ..RebalanceOptions::default()
-    };
-    let err = reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap_err();
-    assert!(matches!(err, ReshardError::DrainTimeout { .. }), "{err}");
-    let pinned = store.load().unwrap();
-    assert!(
-        !pinned.overrides.is_empty(),
-        "phase 1 must have pinned keys with work"
-    );
-    // Jobs still on their old shards: enqueue more while pinned, they stay in order there.
-    let mut p = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions::default(),
-    )
-    .unwrap();
-    for k in keys().iter().take(2000) {
-        p.enqueue(&NewJob::new(k.clone(), "b")).unwrap();
-    }
-    // Drain everything by hand, then rerun.
-    drain_all(&backend);
-    let report =
-        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(report.moved.len(), pinned.overrides.len());
-    let fin = store.load().unwrap();
-    assert!(fin.overrides.is_empty());
-    assert!(fin
-        .shards
-        .iter()
-        .all(|s| s.state == shardq_route::ShardState::Active));
-}
-
-#[test]
 fn paused_keys_in_a_batch_are_all_named_and_the_other_keys_go_in() {
     let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
     let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0"]).unwrap());
@@ -497,113 +442,12 @@ fn paused_keys_in_a_batch_are_all_named_and_the_other_keys_go_in() {
     }
 }
 
-/// Two shards whose rebalances drain moving keys (the path of a backend
-/// that cannot move backlogs).
-fn two_shard_store() -> (MemoryBackend, MemoryMapStore) {
-    let (backend, store) = two_shard_store_moving_backlogs();
-    (backend.draining_moves(), store)
-}
-
 /// Two shards whose rebalances move backlogs with their keys.
 fn two_shard_store_moving_backlogs() -> (MemoryBackend, MemoryMapStore) {
     let backend = MemoryBackend::new(&["s0", "s1"], Arc::new(SystemClock));
     let store =
         MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["s0", "s1"]).unwrap());
     (backend, store)
-}
-
-fn drain_all(backend: &MemoryBackend) {
-    for shard in backend.shard_names() {
-        loop {
-            let jobs = backend.claim(&shard, 1024, LEASE_MS).unwrap();
-            if jobs.is_empty() {
-                break;
-            }
-            let receipts: Vec<_> = jobs.iter().map(|j| j.receipt()).collect();
-            backend.ack(&shard, &receipts).unwrap();
-        }
-    }
-}
-
-#[test]
-fn a_pin_of_a_key_with_work_drains_it_before_the_switch() {
-    let (backend, store) = two_shard_store();
-    let router = Router::new(store.load().unwrap()).unwrap();
-    let old = router.route("t-1").to_string();
-    let new = if old == "s0" { "s1" } else { "s0" };
-    let mut p = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions::default(),
-    )
-    .unwrap();
-    p.enqueue(&NewJob::new("t-1", "a")).unwrap();
-    reshard::pin(&store, "t-1", new).unwrap();
-    // Nothing drains the key: the rebalance must wait for it, not switch it.
-    let quick = RebalanceOptions {
-        drain_timeout_ms: 0,
-        ..RebalanceOptions::default()
-    };
-    let err = reshard::rebalance(&backend, &store, &quick, &mut |_| {}).unwrap_err();
-    assert!(matches!(err, ReshardError::DrainTimeout { .. }), "{err}");
-    let published = Router::new(store.load().unwrap()).unwrap();
-    assert_eq!(
-        published.route("t-1"),
-        old,
-        "the key must stay where its work is"
-    );
-    drain_all(&backend);
-    let report =
-        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(report.moved.len(), 1);
-    assert_eq!(
-        Router::new(store.load().unwrap()).unwrap().route("t-1"),
-        new
-    );
-}
-
-#[test]
-fn a_key_with_dead_letters_stays_pinned_until_they_are_handled() {
-    let (backend, store) = two_shard_store();
-    let mut p = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions::default(),
-    )
-    .unwrap();
-    let router = Router::new(store.load().unwrap()).unwrap();
-    // A key on s1 whose only job is dead, then remove s1.
-    let key = (0..)
-        .map(|i| format!("t-{i}"))
-        .find(|k| router.route(k) == "s1")
-        .unwrap();
-    let mut job = NewJob::new(key.clone(), "x");
-    job.max_attempts = 1;
-    p.enqueue(&job).unwrap();
-    let claimed = backend.claim("s1", 10, LEASE_MS).unwrap();
-    backend
-        .fail("s1", claimed[0].receipt(), "boom", None)
-        .unwrap();
-    assert_eq!(backend.key_counts("s1", &key).unwrap().dead, 1);
-    reshard::remove_shard(&store, "s1").unwrap();
-    let err = reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
-        .unwrap_err();
-    assert!(
-        matches!(err, ReshardError::DeadLetters { count: 1, .. }),
-        "{err}"
-    );
-    let map = store.load().unwrap();
-    assert_eq!(
-        map.shard("s1").unwrap().state,
-        shardq_route::ShardState::Draining
-    );
-    assert_eq!(map.overrides.get(&key).map(String::as_str), Some("s1"));
-    // The operator retries the dead job; it runs on s1, then the move finishes.
-    backend.dead_retry("s1", None).unwrap();
-    drain_all(&backend);
-    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    let fin = store.load().unwrap();
-    assert!(fin.shard("s1").is_none() && fin.overrides.is_empty());
 }
 
 /// A key on `shard` of the published map.
@@ -615,69 +459,12 @@ fn key_on(store: &MemoryMapStore, shard: &str) -> String {
         .unwrap()
 }
 
-/// Regression: a job that dead-lettered while `rebalance` drained its key
-/// counted as drained; the key was switched, its dead job stayed behind,
-/// and after `dead retry` the key ran on two shards at once.
-#[test]
-fn dead_letter_during_drain_keeps_the_key_pinned() {
-    let (backend, store) = two_shard_store();
-    let key = key_on(&store, "s1");
-    let mut job = NewJob::new(key.clone(), "x");
-    job.max_attempts = 1;
-    backend.enqueue("s1", 1, &[job]).unwrap();
-    let running = backend.claim("s1", 10, LEASE_MS).unwrap();
-    assert_eq!(running.len(), 1);
-    reshard::remove_shard(&store, "s1").unwrap();
-    // The rebalance pins the key and waits for it to drain; meanwhile its
-    // one running job fails for good.
-    let rb = {
-        let (backend, store) = (backend.clone(), store.clone());
-        thread::spawn(move || {
-            reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {})
-        })
-    };
-    let pinned_by = std::time::Instant::now() + Duration::from_secs(10);
-    while !store.load().unwrap().overrides.contains_key(&key) {
-        assert!(std::time::Instant::now() < pinned_by, "key never pinned");
-        thread::sleep(Duration::from_millis(1));
-    }
-    thread::sleep(Duration::from_millis(20));
-    backend
-        .fail("s1", running[0].receipt(), "boom", None)
-        .unwrap();
-    let err = rb.join().unwrap().unwrap_err();
-    assert!(
-        matches!(err, ReshardError::DeadLetters { count: 1, .. }),
-        "{err}"
-    );
-    // The key still routes to the shard holding its dead job, unpaused.
-    let map = store.load().unwrap();
-    assert_eq!(map.overrides.get(&key).map(String::as_str), Some("s1"));
-    assert!(backend.fence("s1").unwrap().paused_keys.is_empty());
-    let router = Router::new(map).unwrap();
-    assert_eq!(router.route(&key), "s1");
-    // A later job of the key lands behind the dead one, on the same shard,
-    // and a retried dead job runs before it: one shard, one order.
-    backend
-        .enqueue("s1", router.version(), &[NewJob::new(key.clone(), "y")])
-        .unwrap();
-    backend.dead_retry("s1", None).unwrap();
-    let first = backend.claim("s1", 10, LEASE_MS).unwrap();
-    assert_eq!(first.len(), 1, "one run of the key at a time");
-    assert_eq!(first[0].payload, b"x");
-    backend.ack("s1", &[first[0].receipt()]).unwrap();
-    drain_all(&backend);
-    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    let fin = store.load().unwrap();
-    assert!(fin.shard("s1").is_none() && fin.overrides.is_empty());
-}
-
 /// Regression: `pin KEY SHARD` where KEY already routed to SHARD was dropped
 /// by the finish step, so `unpin` said it was not pinned and a later
 /// rebalance moved the key.
 #[test]
 fn a_pin_to_the_computed_owner_survives_the_rebalance() {
-    let (backend, store) = two_shard_store();
+    let (backend, store) = two_shard_store_moving_backlogs();
     let key = key_on(&store, "s0");
     reshard::pin(&store, &key, "s0").unwrap();
     reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
@@ -700,138 +487,6 @@ fn a_pin_to_the_computed_owner_survives_the_rebalance() {
         !reshard::unpin(&store, &key).unwrap(),
         "unpinned already: nothing to do"
     );
-}
-
-/// A moved key's first run on its new shard has a larger fence than its
-/// last run on the old one, even when the old shard's fences ran far ahead
-/// of the new shard's clock.
-#[test]
-fn fences_keep_growing_when_a_key_moves() {
-    let (backend, store) = two_shard_store();
-    let key = key_on(&store, "s1");
-    // s1 issues fences far above the clock.
-    let far = 1u64 << 60;
-    backend
-        .set_fence(
-            "s1",
-            &Fence {
-                run_fence_min: far,
-                ..backend.fence("s1").unwrap()
-            },
-        )
-        .unwrap();
-    backend
-        .enqueue("s1", 1, &[NewJob::new(key.clone(), "a")])
-        .unwrap();
-    let a = backend.claim("s1", 1, LEASE_MS).unwrap().remove(0);
-    assert!(a.fence >= far);
-    backend.ack("s1", &[a.receipt()]).unwrap();
-    // Queue one more so the key has work and is drained-and-switched.
-    backend
-        .enqueue("s1", 1, &[NewJob::new(key.clone(), "b")])
-        .unwrap();
-    reshard::remove_shard(&store, "s1").unwrap();
-    let worker = {
-        let backend = backend.clone();
-        thread::spawn(move || {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while std::time::Instant::now() < deadline {
-                let jobs = backend.claim("s1", 1, LEASE_MS).unwrap();
-                if let Some(j) = jobs.first() {
-                    backend.ack("s1", &[j.receipt()]).unwrap();
-                    return j.fence;
-                }
-                thread::sleep(Duration::from_millis(1));
-            }
-            panic!("job b never ran on s1");
-        })
-    };
-    reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    let b_fence = worker.join().unwrap();
-    let router = Router::new(store.load().unwrap()).unwrap();
-    assert_eq!(router.route(&key), "s0");
-    backend
-        .enqueue("s0", router.version(), &[NewJob::new(key.clone(), "c")])
-        .unwrap();
-    let c = backend.claim("s0", 1, LEASE_MS).unwrap().remove(0);
-    assert!(
-        c.fence > b_fence && b_fence > a.fence,
-        "fences {} then {} then {}",
-        a.fence,
-        b_fence,
-        c.fence
-    );
-}
-
-/// Dedup records move with their key: a key whose jobs all ran (no work,
-/// only records) and a key with a backlog are both moved by pins, and on
-/// their new shard the same `(key, id)` is answered with the original job
-/// (on the old shard) instead of being stored again. A rerun of the
-/// rebalance changes nothing.
-#[test]
-fn dedup_records_move_with_their_key() {
-    let (backend, store) = two_shard_store();
-    let idle = key_on(&store, "s0");
-    let busy = format!("{idle}-busy");
-    let mut p = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions::default(),
-    )
-    .unwrap();
-    let first_idle = p
-        .enqueue(&NewJob::new(idle.as_str(), "a").with_dedup_id("d1"))
-        .unwrap();
-    assert!(!first_idle.duplicate);
-    drain_all(&backend);
-    let first_busy = p
-        .enqueue(&NewJob::new(busy.as_str(), "b").with_dedup_id("d1"))
-        .unwrap();
-    let old_busy = first_busy.shard.clone();
-    let new_busy = if old_busy == "s0" { "s1" } else { "s0" };
-    reshard::pin(&store, &idle, "s1").unwrap();
-    reshard::pin(&store, &busy, new_busy).unwrap();
-    let busy_drain = {
-        // The busy key drains while the rebalance waits for it.
-        let backend = backend.clone();
-        thread::spawn(move || {
-            thread::sleep(Duration::from_millis(50));
-            drain_all(&backend);
-        })
-    };
-    let report =
-        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    busy_drain.join().unwrap();
-    let moved: Vec<&str> = report.moved.iter().map(|m| m.key.as_str()).collect();
-    assert!(
-        moved.contains(&idle.as_str()),
-        "a key with records only moves too: {moved:?}"
-    );
-    assert!(moved.contains(&busy.as_str()), "{moved:?}");
-    let router = Router::new(store.load().unwrap()).unwrap();
-    assert_eq!(router.route(&idle), "s1");
-    assert_eq!(router.route(&busy), new_busy);
-    p.reload().unwrap();
-    for (key, first) in [(&idle, &first_idle), (&busy, &first_busy)] {
-        let again = p
-            .enqueue(&NewJob::new(key.as_str(), "x").with_dedup_id("d1"))
-            .unwrap();
-        assert!(again.duplicate, "{key}: the record moved with the key");
-        assert_eq!(
-            (again.shard.as_str(), again.id),
-            (first.shard.as_str(), first.id)
-        );
-        assert_eq!(backend.key_counts(router.route(key), key).unwrap().depth, 0);
-    }
-    // Another id of the moved key is stored on its new shard.
-    let fresh = p
-        .enqueue(&NewJob::new(idle.as_str(), "y").with_dedup_id("d2"))
-        .unwrap();
-    assert!(!fresh.duplicate);
-    assert_eq!(fresh.shard, "s1");
-    let rerun =
-        reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    assert!(rerun.moved.is_empty(), "{:?}", rerun.moved);
 }
 
 /// Enqueues `payloads` for `key` through its current route.

@@ -713,15 +713,6 @@ fn simulate(seed: u64) -> (u64, u64, u64, u64) {
                 let _ = e;
                 step(50);
             }
-            // Dead letters keep their keys pinned: the operator retries
-            // them, lets them run, and reruns the rebalance.
-            Err(ReshardError::DeadLetters { .. }) if attempt < 20 => {
-                let mut w = world.lock().unwrap();
-                w.dead_faults = false;
-                w.retry_dead();
-                drop(w);
-                step(200);
-            }
             Err(e) => panic!("seed {seed}: rebalance: {e}"),
         }
     }
@@ -889,9 +880,6 @@ impl QueueBackend for Crashing {
     fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
         self.reach(shard)?;
         self.inner.dedup_keys(shard)
-    }
-    fn moves_backlogs(&self) -> bool {
-        self.inner.moves_backlogs()
     }
     fn export_jobs(
         &self,

@@ -131,14 +131,32 @@ impl std::fmt::Debug for Deployment {
     }
 }
 
-/// The text stored for `value` (the default clears the setting).
+/// Format version of the settings documents (`retry`, `retention`,
+/// `flow`): every stored document carries it as its `version` field, and a
+/// document of another version (or none) is refused, naming both. From
+/// the first release on, a change of a document's form is a numbered
+/// migration (docs/design.md, "Format versions").
+pub const SETTINGS_VERSION: u64 = 1;
+
+/// The text stored for `value` (the default clears the setting): its JSON
+/// object with a `"version": SETTINGS_VERSION` field.
 fn setting_text<T: serde::Serialize + Default + PartialEq>(
     value: &T,
 ) -> Result<Option<String>, DeployError> {
     if *value == T::default() {
         return Ok(None);
     }
-    let text = serde_json::to_string(value).map_err(|e| DeployError::Invalid(e.to_string()))?;
+    let body = serde_json::to_value(value).map_err(|e| DeployError::Invalid(e.to_string()))?;
+    let serde_json::Value::Object(fields) = body else {
+        return Err(DeployError::Invalid(format!(
+            "a setting must be stored as a JSON object, not {body}"
+        )));
+    };
+    let mut doc = serde_json::Map::new();
+    doc.insert("version".into(), SETTINGS_VERSION.into());
+    doc.extend(fields);
+    let text = serde_json::to_string(&serde_json::Value::Object(doc))
+        .map_err(|e| DeployError::Invalid(e.to_string()))?;
     Ok(Some(text))
 }
 
@@ -182,19 +200,31 @@ fn parse_setting<T: Default>(
     let Some(text) = text else {
         return Ok(T::default());
     };
-    parse(text).map_err(|e| {
-        let again = match name {
-            shardq_core::reshard::SETTING_FLOW => {
-                "start over with `shardq policy reset`".to_string()
-            }
-            _ => format!("set it again with `shardq {name} set`"),
-        };
-        let shown = shardq_core::job::cut_at_char(text, 200);
-        let more = if shown.len() < text.len() { "..." } else { "" };
+    let again = match name {
+        shardq_core::reshard::SETTING_FLOW => "start over with `shardq policy reset`".to_string(),
+        _ => format!("set it again with `shardq {name} set`"),
+    };
+    let shown = shardq_core::job::cut_at_char(text, 200);
+    let more = if shown.len() < text.len() { "..." } else { "" };
+    let refused = |why: String| {
         DeployError::Invalid(format!(
-            "the deployment's {name} setting {shown:?}{more} does not parse ({e}); {again}"
+            "the deployment's {name} setting {shown:?}{more} {why}; {again}"
         ))
-    })
+    };
+    let mut doc: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| refused(format!("does not parse ({e})")))?;
+    match doc.remove("version") {
+        Some(v) if v.as_u64() == Some(SETTINGS_VERSION) => {}
+        found => {
+            let found = found.map_or("none".to_string(), |v| v.to_string());
+            return Err(refused(format!(
+                "is of settings format version {found}, and this build reads version \
+                 {SETTINGS_VERSION} only"
+            )));
+        }
+    }
+    let body = serde_json::Value::Object(doc).to_string();
+    parse(&body).map_err(|e| refused(format!("does not parse ({e})")))
 }
 
 fn read_retry(text: Option<&str>) -> Result<RetrySettings, DeployError> {
@@ -556,12 +586,12 @@ impl Deployment {
             shardq_core::reshard::SETTING_FLOW,
             read_flow,
             change,
-            |before, after| self.check_flow(before, after),
+            |_, after| self.check_flow(after),
         )
     }
 
-    /// Checks flow settings `after` before they replace `before`.
-    fn check_flow(&self, before: &FlowSettings, after: &FlowSettings) -> Result<(), DeployError> {
+    /// Checks flow settings `after` before they are stored.
+    fn check_flow(&self, after: &FlowSettings) -> Result<(), DeployError> {
         after.validate()?;
         // A policy asking more runs of a key at once than the backend can
         // keep apart is refused here, where it is set.
@@ -574,13 +604,6 @@ impl Deployment {
                 allowed: format!("1 to {most} on this deployment's backend"),
             }
             .into());
-        }
-        // The first policy of more than one run per key marks the stores
-        // (on Redis: key layout 3), before it is stored; a claim that
-        // finds it also marks the shard it claims from.
-        if high > 1 && before.key_concurrency_high() <= 1 {
-            self.queue().prepare_key_concurrency()?;
-            self.maps.prepare_key_concurrency()?;
         }
         Ok(())
     }
@@ -827,5 +850,54 @@ impl Deployment {
             Store::Embedded(_) => None,
             Store::Redis { backend, maps } => Some((backend.clone(), maps.clone())),
         }
+    }
+}
+
+#[cfg(test)]
+mod settings_format {
+    use super::*;
+
+    /// A stored settings document carries its format version; one of
+    /// another version, or with none, is refused naming both versions and
+    /// the command that writes it again; a stored document reads back.
+    #[test]
+    fn settings_documents_carry_their_version_and_others_are_refused() {
+        let mut f = FlowSettings::default();
+        f.put_group(
+            "g",
+            shardq_core::GroupLimit {
+                rate: None,
+                burst: None,
+                concurrency: Some(2),
+            },
+        )
+        .unwrap();
+        let text = setting_text(&f).unwrap().unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(doc["version"], 1, "{text}");
+        assert_eq!(read_flow(Some(&text)).unwrap(), f);
+        assert_eq!(read_flow(None).unwrap(), FlowSettings::default());
+        let old = text.replace(r#","version":1"#, "");
+        assert!(!old.contains("version"), "{old}");
+        let e = read_flow(Some(&old)).unwrap_err().to_string();
+        assert!(
+            e.contains("version none") && e.contains("version 1") && e.contains("policy reset"),
+            "{e}"
+        );
+        let newer = text.replace(r#""version":1"#, r#""version":2"#);
+        assert_ne!(newer, text);
+        let e = read_flow(Some(&newer)).unwrap_err().to_string();
+        assert!(e.contains("version 2") && e.contains("version 1"), "{e}");
+        let e = read_retry(Some("[]")).unwrap_err().to_string();
+        assert!(
+            e.contains("does not parse") && e.contains("shardq retry set"),
+            "{e}"
+        );
+        let r = RetrySettings::default();
+        assert_eq!(
+            setting_text(&r).unwrap(),
+            None,
+            "the defaults clear the setting"
+        );
     }
 }

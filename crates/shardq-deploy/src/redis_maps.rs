@@ -94,10 +94,6 @@ impl MapStore for RedisMaps {
         self.store.swap_setting(name, expected, value)
     }
 
-    fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
-        self.store.prepare_key_concurrency()
-    }
-
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
         self.store.try_lock_rebalance()
     }

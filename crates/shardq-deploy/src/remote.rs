@@ -14,8 +14,8 @@ use crate::error::{invalid, DeployError};
 pub const REMOTE_FILE: &str = "remote.json";
 /// `format` field of [`REMOTE_FILE`].
 pub const REMOTE_FORMAT: &str = "shardq-remote";
-/// Version of the [`REMOTE_FILE`] format (2: namespace and deployment id).
-pub const REMOTE_VERSION: u32 = 2;
+/// Version of the [`REMOTE_FILE`] format.
+pub const REMOTE_VERSION: u32 = 1;
 /// Longest `remote.json` read, in bytes: it holds a few short strings.
 const REMOTE_BYTES_MAX: u64 = 64 << 10;
 

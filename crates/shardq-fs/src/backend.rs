@@ -1550,10 +1550,6 @@ impl QueueBackend for FsBackend {
             .collect())
     }
 
-    fn moves_backlogs(&self) -> bool {
-        true
-    }
-
     fn export_jobs(
         &self,
         name: &str,

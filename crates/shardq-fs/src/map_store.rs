@@ -259,15 +259,59 @@ fn host_name() -> String {
         .into_owned()
 }
 
-/// Creates the directory of a new shard (empty log, lock files) and its
-/// membership entry, so that it can join the map. Idempotent: an existing,
-/// complete shard directory is left as it is.
+/// Suffixes of the data dir's own files (and of files people keep beside
+/// them): no shard directory takes such a name.
+pub const RESERVED_SUFFIXES: [&str; 6] = [".json", ".yaml", ".yml", ".lock", ".seg", ".tmp"];
+/// Names of files a data dir may hold besides those suffixes.
+pub const RESERVED_NAMES: [&str; 1] = ["tokens"];
+
+/// Refuses a shard name that would collide with what data dir `dir` holds
+/// or may hold: a hidden name, a name of the data dir's files (by
+/// [`RESERVED_SUFFIXES`] and [`RESERVED_NAMES`]), or a path that exists
+/// and is not a shard's directory (one with its lock file, as an add that
+/// died halfway leaves it, is taken again).
+pub fn check_free_name(dir: &Path, name: &str) -> Result<(), FsError> {
+    let refused = |reason: String| FsError::Foreign {
+        dir: dir.join(name),
+        reason: format!("shard name {name:?} {reason}; choose another name"),
+    };
+    let lower = name.to_ascii_lowercase();
+    if name.starts_with('.') {
+        return Err(refused(
+            "starts with `.`, as the data dir's lock files do".into(),
+        ));
+    }
+    if let Some(sfx) = RESERVED_SUFFIXES.iter().find(|s| lower.ends_with(*s)) {
+        return Err(refused(format!(
+            "ends with {sfx:?}, as the data dir's files do"
+        )));
+    }
+    if RESERVED_NAMES.contains(&lower.as_str()) {
+        return Err(refused("is the name of a file a data dir may hold".into()));
+    }
+    let path = dir.join(name);
+    match fs::symlink_metadata(&path) {
+        Ok(m) if m.is_dir() && path.join(SHARD_LOCK_FILE).exists() => Ok(()),
+        Ok(m) if m.is_dir() => Err(refused(format!(
+            "names a directory of {} that is no shard's",
+            dir.display()
+        ))),
+        Ok(_) => Err(refused(format!("names a file of {}", dir.display()))),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Makes shard directory `name` in data dir `dir` (its lock files and
+/// first segment) and a membership entry for it, refusing a name that
+/// collides with the data dir's files ([`check_free_name`]). Idempotent:
+/// a rerun after a crash finishes what the first run began.
 pub fn deploy_shard(dir: &Path, name: &str) -> Result<(), FsError> {
     validate_shard_name(name).map_err(|reason| FsError::Foreign {
         dir: dir.join(name),
         reason: format!("invalid shard name {name:?}: {reason}"),
     })?;
     layout::check(dir)?;
+    check_free_name(dir, name)?;
     let sdir = dir.join(name);
     fs::create_dir_all(&sdir)
         .map_err(|e| FsError::io(format!("creating {}", sdir.display()), e))?;

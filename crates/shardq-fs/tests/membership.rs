@@ -113,3 +113,38 @@ fn settings_changes_in_a_data_dir_are_never_lost() {
         .collect();
     shardq_core::contract::settings_changes_are_never_lost(&stores);
 }
+
+/// A shard name that collides with what a data dir holds (its files, a
+/// hidden lock file, a file of another program, a directory that is no
+/// shard's) is refused as bad input, naming it, and nothing is created; a
+/// shard directory an interrupted add left is taken again.
+#[test]
+fn shard_names_that_collide_with_the_data_dirs_files_are_refused() {
+    let dir = data_dir_with("names", &["shard-0"]);
+    std::fs::write(dir.join("notes"), b"x").unwrap();
+    std::fs::create_dir(dir.join("backup")).unwrap();
+    for name in [
+        "membership.json",
+        ".membership.lock",
+        "shardmap.yaml",
+        "tokens",
+        "a.seg",
+        "notes",
+        "backup",
+        "settings.flow.json",
+    ] {
+        let e = deploy_shard(&dir, name).unwrap_err();
+        assert_eq!(e.kind(), shardq_core::ErrorKind::BadInput, "{name}: {e}");
+        assert!(e.to_string().contains(name), "{e}");
+        let m = read_membership(&dir).unwrap();
+        assert!(!m.shards.contains_key(name), "{name}");
+    }
+    assert!(std::fs::metadata(dir.join("notes")).unwrap().is_file());
+    deploy_shard(&dir, "shard-1").unwrap();
+    // Rerun, as after a crash halfway: taken again.
+    deploy_shard(&dir, "shard-1").unwrap();
+    assert!(read_membership(&dir)
+        .unwrap()
+        .shards
+        .contains_key("shard-1"));
+}

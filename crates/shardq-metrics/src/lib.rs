@@ -511,7 +511,7 @@ impl Metrics {
                 self.set_phase("moving");
                 r.keys_to_move.set(gauge(*pinned));
             }
-            RebalanceEvent::Draining { keys } => {
+            RebalanceEvent::Moving { keys } => {
                 r.keys_paused.set(gauge(*keys));
             }
             RebalanceEvent::Switched {

@@ -81,7 +81,7 @@ fn a_fixed_state_renders_as_documented() {
         pinned: 4,
         version: 8,
     });
-    m.rebalance_event(&RebalanceEvent::Draining { keys: 2 });
+    m.rebalance_event(&RebalanceEvent::Moving { keys: 2 });
     let t = m.render();
     assert_eq!(
         lines_of(&t, "shardq_rebalance_keys_paused"),

@@ -53,12 +53,6 @@ local function limit_of(k)
   end
   return lim_default
 end
--- A record with several runs or a limit is key layout 3 (keys.rs
--- LAYOUT_VERSION): a shard still at 2 is raised before it holds one, so
--- processes that read only 2 refuse it.
-if lim_keys and redis.call('HGET', K_META, 'layout') == '2' then
-  redis.call('HSET', K_META, 'layout', '3')
-end
 local ranked = ARGV[9] ~= '-'
 local bad = nil
 local lost_at = 10

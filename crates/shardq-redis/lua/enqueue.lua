@@ -23,7 +23,7 @@ if redis.call('SCARD', K_PAUSED) > 0 then
     local k = ARGV[A + 5 * i]
     if redis.call('SISMEMBER', K_PAUSED, k) == 1 then
       -- Paused and sealed: frozen, its backlog is on the shard it moves to.
-      local to = K_SEALED and redis.call('HGET', K_SEALED, k)
+      local to = redis.call('HGET', K_SEALED, k)
       if to then return {'MOVED', k, to} end
       return {'PAUSED', k}
     end
@@ -32,16 +32,16 @@ end
 -- Dedup: forget a bounded number of expired records, then look each id up.
 -- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
 -- Records expire through two indexes: `dedupx` has one entry per record
--- (written by a move's import and by older builds), `dedupm` (KEYS[20])
--- one per enqueue batch, `#<first job id>` then the batch's fields, a line
--- each, scored by their common expiry.
+-- (written by a move's import), `dedupm` (KEYS[20]) one per enqueue batch,
+-- `#<first job id>` then the batch's fields, a line each, scored by their
+-- common expiry.
 local K_DEDUPM = KEYS[20]
 local NL = string.char(10)
 local out, keep = {'OK'}, {}
 local dd, dx = {}, {}
 if window > 0 then
   -- Each index forgets a record only when the record itself expired: the
-  -- other index (or an older build) may have stored it again since.
+  -- other index may have stored it again since.
   local function forget_expired(fl)
     local gone = {}
     if #fl > 0 then
@@ -57,8 +57,7 @@ if window > 0 then
     forget_expired(old)
     redis.call('ZREM', K_DEDUPX, unpack(old))
   end
-  local marks = {}
-  if K_DEDUPM then marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES) end
+  local marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES)
   for _, mark in ipairs(marks) do
     local fl = {}
     for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
@@ -180,17 +179,7 @@ if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
 if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 if #dd > 0 then
   redis.call('HSET', K_DEDUP, unpack(dd))
-  if K_DEDUPM then
-    redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
-  else
-    -- A caller that passed the first 19 parts only: one entry per record.
-    local px = {}
-    for _, f in ipairs(dx) do
-      px[#px + 1] = exps
-      px[#px + 1] = f
-    end
-    redis.call('ZADD', K_DEDUPX, unpack(px))
-  end
+  redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
 end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do

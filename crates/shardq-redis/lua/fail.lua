@@ -20,7 +20,7 @@ local _, a, m = rec_parse(r)
 a = a + 1
 redis.call('ZREM', K_INF, id)
 redis.call('HSET', K_REASON, id, ARGV[7])
-settle_start(id, ARGV[6], now, a - 1)
+settle_start(id, ARGV[6], now)
 local was = kqueued(k, q)
 krun_end(q, krun(q, tonumber(id)))
 if a >= m then

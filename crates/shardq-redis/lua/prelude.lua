@@ -261,17 +261,12 @@ local function with_start(starts, s)
   if starts == '' then return s end
   return starts .. ',' .. s
 end
--- The run of job ids ended as an attempt (`a` attempts ended before it):
--- its start joins the ended ones. A run an older build claimed is in
--- `id@` already (which then holds more than `a` starts).
-local function settle_start(ids, fence, now, a)
-  local at = ids .. '@'
-  local had = redis.call('HGET', K_REASON, at) or ''
-  local n = 0
-  if had ~= '' then n = select(2, string.gsub(had, ',', ',')) + 1 end
-  if n <= a then
-    local s = run_start(ids, fence, now)
-    if s then redis.call('HSET', K_REASON, at, with_start(had, s)) end
+-- The run of job ids ended as an attempt: its start joins the ended ones.
+local function settle_start(ids, fence, now)
+  local s = run_start(ids, fence, now)
+  if s then
+    local at = ids .. '@'
+    redis.call('HSET', K_REASON, at, with_start(redis.call('HGET', K_REASON, at) or '', s))
   end
   redis.call('HDEL', K_REASON, ids .. '^')
 end
@@ -347,7 +342,7 @@ local function requeue(ids, why, now)
   a = a + 1
   redis.call('HSET', K_JOBS, ids, rec_set(r, n, a))
   if run then
-    settle_start(ids, q.runs[run + 1], now, a - 1)
+    settle_start(ids, q.runs[run + 1], now)
     krun_end(q, run)
   end
   if a >= m then bury(ids, k, why) else push_head(q, tonumber(ids)) end

@@ -31,7 +31,7 @@ use crate::conn::{
     RETRY_BUDGET_MS_DEFAULT, SCHEME_CLUSTER, SCHEME_INSTANCE,
 };
 use crate::error::RedisError;
-use crate::keys::{self, LAYOUT_VERSION, LAYOUT_VERSIONS_READ, NAMESPACE_DEFAULT, QUEUE_DEFAULT};
+use crate::keys::{self, LAYOUT_VERSION, NAMESPACE_DEFAULT, QUEUE_DEFAULT};
 use crate::scripts::{reply, Scripts};
 
 /// Most jobs in one enqueue call (one script; Lua's `unpack` bounds it).
@@ -501,7 +501,7 @@ impl RedisBackend {
             .into());
         };
         let layout = layout.unwrap_or_default();
-        if !(LAYOUT_VERSIONS_READ.iter()).any(|v| v.to_string() == layout) {
+        if layout != LAYOUT_VERSION.to_string() {
             return Err(QueueError::UnknownFormat {
                 what: format!("shard {shard:?} at {url} ({})", shard_keys[0]),
                 found: if layout.is_empty() {
@@ -509,10 +509,7 @@ impl RedisBackend {
                 } else {
                     layout
                 },
-                supported: (LAYOUT_VERSIONS_READ.iter())
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(" or "),
+                supported: LAYOUT_VERSION.to_string(),
             }
             .into());
         }
@@ -1593,22 +1590,6 @@ impl QueueBackend for RedisBackend {
             .map_or(1, |f| f.concurrency_of(key))
     }
 
-    /// Raises every shard's layout to [`LAYOUT_VERSION`], whose key records
-    /// may hold several runs: a process that reads only an older layout
-    /// refuses the shards from then on.
-    fn prepare_key_concurrency(&self) -> Result<(), QueueError> {
-        for name in self.shard_names() {
-            let s = self.shard(&name)?;
-            let v = self.script(&s, &self.inner.scripts.layout_raise, "", &|c, _| {
-                c.arg(LAYOUT_VERSION);
-            })?;
-            if reply::status(&v) != "OK" {
-                return Err(self.protocol(&s, "the layout raise answered something else"));
-            }
-        }
-        Ok(())
-    }
-
     fn back_off(
         &self,
         shard: &str,
@@ -1777,10 +1758,6 @@ impl QueueBackend for RedisBackend {
             }
         })?;
         Ok(())
-    }
-
-    fn moves_backlogs(&self) -> bool {
-        true
     }
 
     fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {

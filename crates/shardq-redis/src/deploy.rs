@@ -130,31 +130,19 @@ pub fn init_shards(map: &ShardMap, options: &RedisOptions) -> Result<Vec<String>
         .into());
     };
     let scripts = Scripts::new();
-    // A new shard takes the oldest layout of the deployment's shards (its
-    // records read the same), so processes that still read only that one
-    // keep opening the deployment while it grows.
-    let mut layout: Option<u32> = None;
     let mut fresh = Vec::new();
     for (name, url, node, shard_keys) in redis_shards(map, options)? {
-        let (dep, has): (Option<String>, Option<u32>) = node.run(&name, |con, _| {
-            redis::cmd("HMGET")
-                .arg(&shard_keys[0])
-                .arg("dep")
-                .arg("layout")
-                .query(con)
+        let dep: Option<String> = node.run(&name, |con, _| {
+            redis::cmd("HGET").arg(&shard_keys[0]).arg("dep").query(con)
         })?;
         if dep.as_deref() == Some(id.as_str()) {
-            if let Some(v) = has {
-                layout = Some(layout.map_or(v, |l| l.min(v)));
-            }
             continue;
         }
         fresh.push((name, url, node, shard_keys));
     }
-    let layout = layout.unwrap_or(LAYOUT_VERSION);
     let mut done = Vec::new();
     for shard in fresh {
-        init_one(&scripts, &shard, &options.namespace, &id, layout)?;
+        init_one(&scripts, &shard, &options.namespace, &id, LAYOUT_VERSION)?;
         done.push(shard.0);
     }
     Ok(done)

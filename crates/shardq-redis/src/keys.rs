@@ -35,21 +35,13 @@ pub const QUEUE_DEFAULT: &str = "default";
 /// servers); [`crate::init_deployment`] derives a fresh one from the
 /// deployment id unless told otherwise.
 pub const NAMESPACE_DEFAULT: &str = "default";
-/// Version of the key layout this build writes, stored in the deployment
-/// record and in every shard's `meta` (`layout`). Version 2 added the
-/// namespace, the deployment id, run fences and per-run receipts; version 3
-/// lets a key's record hold several runs and a run limit (per-key
-/// concurrency), which a process of version 2 cannot read. A deployment of
-/// version 2 is read as it is and raised to 3 when a policy first lets a
-/// key run more than once at once (`QueueBackend::prepare_key_concurrency`
-/// on the shards, `MapStore::prepare_key_concurrency` on the deployment
-/// record; a claim under such a policy raises its shard too), so older
-/// processes and clients started from then on refuse it (one already
-/// running does not look again). A shard added later takes the oldest
-/// layout of the deployment's shards.
-pub const LAYOUT_VERSION: u32 = 3;
-/// The layout versions this build reads.
-pub const LAYOUT_VERSIONS_READ: [u32; 2] = [2, 3];
+/// Version of the key layout, stored in the deployment record and in every
+/// shard's `meta` (`layout`), the grammar of docs/redis-protocol.md. This
+/// build reads and writes exactly this version and refuses any other at
+/// open, naming both. shardq has had no release: from the first one on, a
+/// change of layout is a numbered migration (`docs/design.md`, "Format
+/// versions"), never a branch in the scripts.
+pub const LAYOUT_VERSION: u32 = 1;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {

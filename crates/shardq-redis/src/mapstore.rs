@@ -472,28 +472,6 @@ impl MapStore for RedisMapStore {
             .map_err(store_err)
     }
 
-    /// Raises the deployment record's layout to
-    /// [`crate::keys::LAYOUT_VERSION`] (the key records of its shards may
-    /// then hold several runs), so clients that read only an older layout
-    /// refuse the deployment. A namespace without a record is left alone.
-    fn prepare_key_concurrency(&self) -> Result<(), ReshardError> {
-        let key = crate::keys::deployment_key(&self.namespace);
-        let want = crate::keys::LAYOUT_VERSION;
-        self.node
-            .run(STORE, |con, _| {
-                let now: Option<u32> = redis::cmd("HGET").arg(&key).arg("layout").query(con)?;
-                if now.is_some_and(|v| v < want) {
-                    redis::cmd("HSET")
-                        .arg(&key)
-                        .arg("layout")
-                        .arg(want)
-                        .query::<()>(con)?;
-                }
-                Ok(())
-            })
-            .map_err(store_err)
-    }
-
     /// One script compares and writes. A retried call after a lost reply
     /// finds its own write and answers 0: the caller reads again, finds
     /// its change in place and writes nothing more.

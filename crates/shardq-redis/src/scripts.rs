@@ -60,9 +60,6 @@ const EXTEND: &str = include_str!("../lua/extend.lua");
 /// `lua/relimit.lua`.
 const RELIMIT: &str = include_str!("../lua/relimit.lua");
 
-/// `lua/layout_raise.lua`.
-const LAYOUT_RAISE: &str = include_str!("../lua/layout_raise.lua");
-
 /// `lua/adopt.lua`.
 const ADOPT: &str = include_str!("../lua/adopt.lua");
 
@@ -280,7 +277,6 @@ scripts! {
     group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
     extend: Lua::new(EXTEND, true, Flags::AllowOom),
     relimit: Lua::new(RELIMIT, true, Flags::AllowOom),
-    layout_raise: Lua::new(LAYOUT_RAISE, true, Flags::AllowOom),
     adopt: Lua::new(ADOPT, true, Flags::AllowOom),
     init_shard: Lua::new(INIT_SHARD, false, Flags::Write),
     shard_record: Lua::new(SHARD_RECORD, false, Flags::NoWrites),
@@ -354,22 +350,6 @@ pub(crate) mod reply {
 }
 
 #[cfg(test)]
-mod tests {
-    /// The claim script raises a shard's layout by number: it must be the
-    /// one this build writes, raised from the one before.
-    #[test]
-    fn the_claims_layout_raise_names_this_builds_layouts() {
-        use crate::keys::{LAYOUT_VERSION, LAYOUT_VERSIONS_READ};
-        let raise = format!(
-            "if lim_keys and redis.call('HGET', K_META, 'layout') == '{}' then\n  redis.call('HSET', K_META, 'layout', '{}')",
-            LAYOUT_VERSIONS_READ[0], LAYOUT_VERSION
-        );
-        assert!(super::CLAIM.contains(&raise), "{raise}");
-        assert_eq!(LAYOUT_VERSIONS_READ, [LAYOUT_VERSION - 1, LAYOUT_VERSION]);
-    }
-}
-
-#[cfg(test)]
 mod lint {
     use super::Scripts;
 
@@ -394,7 +374,9 @@ mod lint {
             .args(&files)
             .output()
             .unwrap_or_else(|e| {
-                panic!("running luacheck: {e}; install Debian's lua-check (apt-get install lua-check)")
+                panic!(
+                    "running luacheck: {e}; install Debian's lua-check (apt-get install lua-check)"
+                )
             });
         let _ = std::fs::remove_dir_all(&dir);
         assert!(

@@ -19,7 +19,8 @@ use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
 
-/// A JSON request body; an empty body reads as `{}`.
+/// A JSON request body: a JSON object (anything else is refused with a
+/// 400 naming it); an empty body reads as `{}`.
 pub struct JsonBody<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
@@ -63,6 +64,16 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
         } else {
             &bytes
         };
+        // Every route's body is a JSON object: serde would read an array
+        // into a struct by position (`[3, "5/s"]` as a policy), so anything
+        // else is refused before it is parsed.
+        let first = text.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'{') {
+            let shown = String::from_utf8_lossy(&text[..text.len().min(40)]).into_owned();
+            return Err(ApiError::bad(format!(
+                "invalid JSON body: expected a JSON object ({{...}}), got {shown:?}"
+            )));
+        }
         // The common case parses once, untracked; only a body that fails is
         // parsed again with path tracking, for the error to name the field.
         if let Ok(value) = serde_json::from_slice::<T>(text) {

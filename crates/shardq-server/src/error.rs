@@ -109,7 +109,25 @@ impl IntoResponse for ApiError {
             "error".into(),
             Value::String(shardq_core::secret::redacted(&self.message)),
         );
+        body.entry("kind")
+            .or_insert_with(|| Value::from(status_kind(self.status)));
         (self.status, axum::Json(Value::Object(body))).into_response()
+    }
+}
+
+/// The `kind` of an error body that no library error gave one: every error
+/// body carries a kind, so a client decides without reading the words.
+/// The library kinds ([`ErrorKind::name`]) for the statuses they map to,
+/// and `unauthorized`, `forbidden`, `not_found` for the server's own.
+pub fn status_kind(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "unauthorized",
+        403 => "forbidden",
+        404 => "not_found",
+        408 | 425 | 429 | 503 => ErrorKind::Retryable.name(),
+        409 => ErrorKind::Conflict.name(),
+        400..=499 => ErrorKind::BadInput.name(),
+        _ => ErrorKind::Internal.name(),
     }
 }
 

@@ -115,6 +115,8 @@ pub struct App {
     work_gen: AtomicU64,
     /// When a claim round last found nothing, and at which generation.
     last_empty_poll: Mutex<Option<(Instant, u64)>>,
+    /// Each job's back-offs in a row through this server.
+    backoffs: shardq_core::backoff::BackOffs,
 }
 
 impl App {
@@ -203,6 +205,7 @@ impl App {
             rotate: AtomicUsize::new(0),
             work_gen: AtomicU64::new(0),
             last_empty_poll: Mutex::new(None),
+            backoffs: shardq_core::backoff::BackOffs::default(),
         })
     }
 }

@@ -700,3 +700,75 @@ fn a_header_that_never_ends_is_refused_at_the_read_buffers_bound() {
     assert_eq!(get(&s, "/healthz").0, 200);
     const { assert!(shardq_server::conn::READ_BUFFER_BYTES_MAX <= 64 * 1024) };
 }
+
+/// Every object route refuses a body that is not a JSON object (an array
+/// would be read into the object by position), with a 400 naming it and
+/// changing nothing; every error body, whatever its status, carries a
+/// `kind`.
+#[test]
+fn bodies_that_are_not_objects_are_refused_and_every_error_has_a_kind() {
+    let dir = init_dir(1, "rendezvous");
+    // Without tokens every route is open to loopback.
+    let s = start(dir.path(), options());
+    let admin = None;
+    let (code, v) = call(
+        &s,
+        "PUT",
+        "/v1/policies/k1",
+        Some(r#"{"concurrency":3}"#),
+        admin,
+    );
+    assert_eq!(code, 200, "{v}");
+    let mut routes = 0;
+    for route in shardq_server::routes() {
+        if route.method == "GET" || route.method == "DELETE" {
+            continue;
+        }
+        let path = route
+            .path
+            .replace("{key}", "k1")
+            .replace("{id}", "shard-0:1")
+            .replace("{name}", "g1");
+        for body in ["[]", r#"[3,"5/s"]"#, "7", r#""x""#, "null"] {
+            let (code, v) = call(&s, route.method, &path, Some(body), admin);
+            assert_eq!(code, 400, "{} {path} {body}: {v}", route.method);
+            assert!(v["error"].as_str().unwrap().contains("JSON object"), "{v}");
+            assert_eq!(v["kind"], "bad_input", "{v}");
+        }
+        routes += 1;
+    }
+    assert!(routes >= 10, "{routes} routes with bodies");
+    // The policy is as it was.
+    let (code, v) = call(&s, "GET", "/v1/policies/k1", None, admin);
+    assert_eq!(code, 200);
+    assert_eq!(v["policy"]["concurrency"], 3, "{v}");
+    // Errors of every origin carry a kind.
+    let dir2 = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.tokens = Some(Tokens::parse("read-token-0123456789ab read\n", "test").unwrap());
+    let t = start(dir2.path(), o);
+    let (code, v) = call(&t, "GET", "/v1/status", None, None);
+    assert_eq!(
+        (code, v["kind"].as_str()),
+        (401, Some("unauthorized")),
+        "{v}"
+    );
+    let (code, v) = call(
+        &t,
+        "PUT",
+        "/v1/groups/g1",
+        Some("{}"),
+        Some("read-token-0123456789ab"),
+    );
+    assert_eq!((code, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
+    let (code, v) = call(&s, "GET", "/v1/policies/k1?scope=bogus", None, admin);
+    assert_eq!((code, v["kind"].as_str()), (400, Some("bad_input")), "{v}");
+    let (code, v) = call(
+        &s,
+        "PUT",
+        "/v1/policies/k1",
+        Some(r#"{"rate":"0/s"}"#),
+        admin,
+    );
+    assert_eq!((code, v["kind"].as_str()), (400, Some("bad_input")), "{v}");
+}

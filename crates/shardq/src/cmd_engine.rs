@@ -1137,7 +1137,9 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
                             d.id,
                             shardq_core::job::shown_key(&d.key),
                             d.attempts,
-                            d.reason
+                            // A handler's words: escaped, so no control
+                            // character reaches the terminal.
+                            shardq_core::job::shown_key(&d.reason)
                         );
                     }
                 }

@@ -3,7 +3,7 @@
 //!
 //! Glue over `shardq_core::reshard`: the operations record a target map, and
 //! `rebalance` (run by remove-shard, set-weight, pin and unpin too) moves the
-//! keys with drain-then-switch. Nothing here changes routing by itself.
+//! keys with their backlogs. Nothing here changes routing by itself.
 //! Works on embedded and Redis data dirs alike (`shardq_deploy` opens either).
 
 use std::collections::BTreeMap;
@@ -310,21 +310,12 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             bar.suspend(|| eprintln!("rebalance: {text}"));
         }
     };
-    let moves_backlogs = env.backend.moves_backlogs();
     let report = reshard::rebalance(&*env.backend, &*env.store, &options, &mut |ev| match ev {
         RebalanceEvent::Pinned { pinned, version } => {
             bar.set_length(pinned as u64);
-            bar.set_message(if moves_backlogs {
-                "move with backlogs"
-            } else {
-                "drain, then switch"
-            });
+            bar.set_message("move with backlogs");
             if lines {
-                let how = if moves_backlogs {
-                    "move with their backlogs"
-                } else {
-                    "drain and switch"
-                };
+                let how = "move with their backlogs";
                 say(
                     serde_json::json!({"event": "pinned", "keys": pinned, "map_version": version}),
                     format!("{pinned} keys with work to {how} (map version {version})"),
@@ -332,38 +323,24 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             }
             let orphans = shards_without_owner(&env.deployment);
             if pinned > 0 && !orphans.is_empty() {
-                let why = if moves_backlogs {
-                    "a key with a run in flight there moves only once a worker (`shardq work`, `shardq serve`) ends that run"
-                } else {
-                    "their keys drain only once a worker (`shardq work`, `shardq serve`) runs them"
-                };
+                let why = "a key with a run in flight there moves only once a worker (`shardq work`, `shardq serve`) ends that run";
                 say(
                     serde_json::json!({"event": "no_owner", "shards": orphans}),
                     format!("shards {orphans:?} have no owner: {why}"),
                 );
             }
         }
-        RebalanceEvent::Draining { keys } if lines => say(
-            serde_json::json!({"event": "draining", "keys": keys}),
-            if moves_backlogs {
-                format!("moving a batch of {keys} keys")
-            } else {
-                format!("draining a batch of {keys} keys")
-            },
+        RebalanceEvent::Moving { keys } if lines => say(
+            serde_json::json!({"event": "moving", "keys": keys}),
+            format!("moving a batch of {keys} keys"),
         ),
-        RebalanceEvent::Waiting { keys, waited_ms } if lines => {
-            say(
-                serde_json::json!({"event": "waiting", "keys": keys, "waited_ms": waited_ms}),
-                if moves_backlogs {
-                    format!("{keys} keys still have a run in flight on their old shard ({:.0} s waited)", waited_ms as f64 / 1000.0)
-                } else {
-                    format!(
-                        "{keys} keys still draining ({:.0} s waited)",
-                        waited_ms as f64 / 1000.0
-                    )
-                },
-            )
-        }
+        RebalanceEvent::Waiting { keys, waited_ms } if lines => say(
+            serde_json::json!({"event": "waiting", "keys": keys, "waited_ms": waited_ms}),
+            format!(
+                "{keys} keys still have a run in flight on their old shard ({:.0} s waited)",
+                waited_ms as f64 / 1000.0
+            ),
+        ),
         RebalanceEvent::Switched {
             done, total, jobs, ..
         } => {

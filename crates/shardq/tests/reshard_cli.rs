@@ -1252,7 +1252,7 @@ fn a_piped_rebalance_reports_progress_and_names_shards_without_an_owner() {
         .collect();
     let names: Vec<&str> = events.iter().filter_map(|e| e["event"].as_str()).collect();
     assert!(
-        names.contains(&"no_owner") && names.contains(&"draining"),
+        names.contains(&"no_owner") && names.contains(&"moving"),
         "{err}"
     );
 }

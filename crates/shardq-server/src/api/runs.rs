@@ -80,6 +80,7 @@ pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest
                     let mut b = book(&a.claims);
                     for r in &receipts {
                         b.finish(&shard, *r);
+                        a.backoffs.ended(&shard, r.id);
                     }
                     stale.extend(out.stale.iter().map(|r| receipt_string(&shard, *r)));
                 }
@@ -119,6 +120,11 @@ async fn back_off(app: Arc<App>, req: FailRequest, ms: u64) -> ApiResult {
         ));
     }
     shardq_core::flow::validate_backoff_ms(ms)?;
+    if let Err(why) = app.backoffs.note(&shard, r.id, ms) {
+        // Past the bound of back-offs in a row: a failed attempt.
+        return fail_run(app, req.receipt, shard, r, why, None).await;
+    }
+    let ms = shardq_core::backoff::floored_ms(ms);
     let group = req.backoff_group.unwrap_or(false);
     let done = end_run(
         &app,
@@ -157,10 +163,22 @@ pub async fn fail(State(app): State<Arc<App>>, JsonBody(req): JsonBody<FailReque
             )));
         }
     }
-    let retry_in_ms = req.retry_in_ms;
+    fail_run(app, req.receipt, shard, r, reason, req.retry_in_ms).await
+}
+
+/// Ends run `r` as a failed attempt for `reason`.
+async fn fail_run(
+    app: Arc<App>,
+    receipt: String,
+    shard: String,
+    r: Receipt,
+    reason: String,
+    retry_in_ms: Option<u64>,
+) -> ApiResult {
+    app.backoffs.ended(&shard, r.id);
     let outcome = end_run(
         &app,
-        req.receipt,
+        receipt,
         shard,
         r,
         move |a, shard| a.backend.fail(shard, r, &reason, retry_in_ms),
