@@ -63,6 +63,8 @@ _T = TypeVar("_T")
 
 #: The key layout version this client reads and writes (``keys::LAYOUT_VERSION``).
 LAYOUT_VERSION = 1
+#: The ``remote.json`` format version this client reads (``remote::REMOTE_VERSION``).
+REMOTE_VERSION = 1
 #: Default queue (``keys::QUEUE_DEFAULT``).
 QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
@@ -223,7 +225,8 @@ def _as_job(j: JobLike, payload_bytes_max: int) -> Tuple[str, bytes, int, int]:
 
 
 def read_remote(data_dir: str) -> Dict[str, str]:
-    """Reads ``<data_dir>/remote.json`` (format ``shardq-remote``, version 2)."""
+    """Reads ``<data_dir>/remote.json`` (format ``shardq-remote``, version
+    ``REMOTE_VERSION``, as ``shardq_deploy::remote::REMOTE_VERSION``)."""
     path = os.path.join(data_dir, "remote.json")
     try:
         with open(path, "r", encoding="utf-8") as f:
@@ -234,8 +237,10 @@ def read_remote(data_dir: str) -> Dict[str, str]:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != "shardq-remote":
         raise ConfigError(f"{path}: not a 'shardq-remote' file")
-    if doc.get("version") != 2:
-        raise ConfigError(f"{path}: version {doc.get('version')!r} is not supported (this client reads 2)")
+    if doc.get("version") != REMOTE_VERSION:
+        raise ConfigError(
+            f"{path}: version {doc.get('version')!r} is not supported (this client reads {REMOTE_VERSION})"
+        )
     for field in ("map_url", "namespace", "deployment", "queue"):
         if not isinstance(doc.get(field), str):
             raise ConfigError(f"{path}: field {field!r} is missing or not a string")

@@ -13,6 +13,7 @@ from shardq import _lua
 from shardq.redis_producer import (
     ENQUEUE_BATCH_MAX,
     LAYOUT_VERSION,
+    REMOTE_VERSION,
     ORPHAN_FENCE_AFTER_MS,
     REBALANCE_LOCK_MS,
     REBALANCE_LOCK_RENEWALS,
@@ -68,6 +69,8 @@ def test_key_parts_layout_and_batch_limit_match_rust():
     assert tuple(re.findall(r'"([a-z]+)"', m.group(2))) == SHARD_PARTS
     assert f"pub const LAYOUT_VERSION: u32 = {LAYOUT_VERSION};" in keys
     assert f"pub const ENQUEUE_BATCH_MAX: usize = {ENQUEUE_BATCH_MAX};" in read(BACKEND_RS)
+    remote_rs = os.path.join(REPO_ROOT, "crates", "shardq-deploy", "src", "remote.rs")
+    assert f"pub const REMOTE_VERSION: u32 = {REMOTE_VERSION};" in read(remote_rs)
 
 
 # The scripts the orphaned-fence lift runs: the constant's name (the same in
