@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A private, loopback-only RabbitMQ broker for the consistent-hash harness
-# (`shardq bench chx --rabbitmq ...`) and its test.
+# (`shardq-bench chx --rabbitmq ...`) and its test.
 #
 #   scripts/rabbitmq.sh start  [PORT]   install if missing, start, wait for AMQP
 #   scripts/rabbitmq.sh stop   [PORT]   stop the broker started on PORT

@@ -84,7 +84,10 @@ mod tests {
             b.note("s", JobId(1), 0).unwrap();
         }
         let why = b.note("s", JobId(1), 0).unwrap_err();
-        assert!(why.contains("101 times in a row") && why.contains("0 ms"), "{why}");
+        assert!(
+            why.contains("101 times in a row") && why.contains("0 ms"),
+            "{why}"
+        );
         // The count starts over, and is per job.
         b.note("s", JobId(1), 0).unwrap();
         b.note("s", JobId(2), 0).unwrap();

@@ -1110,10 +1110,18 @@ fn a_handler_that_always_backs_off_ends_in_the_dead_letters() {
     .unwrap();
     let dead = backend.dead_list("s0", 10).unwrap();
     assert_eq!(dead.len(), 1, "{report:?}");
-    assert!(dead[0].reason.contains("times in a row"), "{}", dead[0].reason);
+    assert!(
+        dead[0].reason.contains("times in a row"),
+        "{}",
+        dead[0].reason
+    );
     let starts = starts.lock().unwrap();
     // Two attempts, each ending after the bound of back-offs.
-    assert_eq!(starts.len() as u32, 2 * (BACKOFFS_IN_A_ROW_MAX + 1), "{report:?}");
+    assert_eq!(
+        starts.len() as u32,
+        2 * (BACKOFFS_IN_A_ROW_MAX + 1),
+        "{report:?}"
+    );
     assert_eq!(report.backed_off as u32, 2 * BACKOFFS_IN_A_ROW_MAX);
     // No back-off started its key again sooner than the floor.
     let backed: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();

@@ -5,7 +5,7 @@
 //!
 //! Longer inputs go to the `blake2` crate. `tests::matches_the_blake2_crate`
 //! pins this function to the crate's output for every length up to the
-//! block size; `shardq bench route` measures the gain. It must never be used
+//! block size; `shardq-bench route` measures the gain. It must never be used
 //! for anything but the 8-byte, unkeyed digest.
 
 /// One BLAKE2b block, in bytes.

@@ -27,6 +27,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        // The body's bytes are reserved in the server's budget before it
+        // is read, and given back once it is parsed.
+        let _reserved = match req.extensions().get::<BodyBudget>() {
+            Some(budget) => Some(budget.reserve(&req)?),
+            None => None,
+        };
         let timeout = req
             .extensions()
             .get::<BodyReadTimeout>()
@@ -92,6 +98,80 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
         de.end()
             .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))?;
         Ok(JsonBody(value))
+    }
+}
+
+/// The bytes of request bodies being read at once, over every request,
+/// and their bound (a request extension set by the router).
+#[derive(Debug, Clone)]
+pub struct BodyBudget {
+    in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    max: usize,
+    /// What a body of unknown length (chunked) is counted as: the largest
+    /// body.
+    unknown: usize,
+}
+
+/// Bytes of a [`BodyBudget`] held by one request until dropped.
+#[derive(Debug)]
+pub struct Reserved {
+    in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    bytes: usize,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.in_flight
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl BodyBudget {
+    /// A budget of `max` bytes; a body of unknown length counts as
+    /// `body_bytes_max`.
+    pub fn new(max: usize, body_bytes_max: usize) -> BodyBudget {
+        BodyBudget {
+            in_flight: Default::default(),
+            max,
+            unknown: body_bytes_max,
+        }
+    }
+
+    /// Reserves the body of `req` (its `Content-Length`, else the largest
+    /// body); refused with 503 and `Retry-After` when it does not fit.
+    pub fn reserve(&self, req: &Request) -> Result<Reserved, ApiError> {
+        use std::sync::atomic::Ordering;
+        let declared = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        let bytes = declared.unwrap_or(self.unknown).min(self.unknown);
+        let mut now = self.in_flight.load(Ordering::SeqCst);
+        loop {
+            if now + bytes > self.max && bytes > 0 {
+                return Err(ApiError::unavailable(format!(
+                    "the server is reading {now} bytes of request bodies, and a body of {bytes} \
+                     more is over its budget of {} bytes: retry shortly",
+                    self.max
+                ))
+                .with("retry_after_s", serde_json::json!(1)));
+            }
+            match self.in_flight.compare_exchange(
+                now,
+                now + bytes,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => {
+                    return Ok(Reserved {
+                        in_flight: self.in_flight.clone(),
+                        bytes,
+                    })
+                }
+                Err(seen) => now = seen,
+            }
+        }
     }
 }
 

@@ -111,7 +111,15 @@ impl IntoResponse for ApiError {
         );
         body.entry("kind")
             .or_insert_with(|| Value::from(status_kind(self.status)));
-        (self.status, axum::Json(Value::Object(body))).into_response()
+        let retry_after = body.get("retry_after_s").and_then(Value::as_u64);
+        let mut response = (self.status, axum::Json(Value::Object(body))).into_response();
+        if let Some(s) = retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(s),
+            );
+        }
+        response
     }
 }
 

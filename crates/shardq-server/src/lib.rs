@@ -334,11 +334,14 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     // route its own) and slow requests never hold back a probe.
     let concurrency =
         tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.concurrency_max.max(1));
+    // Claims (long polls that may wait 30 s idle) have a budget of their
+    // own: they never hold a slot an enqueue, an ack or a read needs.
+    let polls = tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.polls_max.max(1));
     for (info, handler) in table() {
-        let handler = if matches!(info.path, "/healthz" | "/readyz") {
-            handler
-        } else {
-            handler.route_layer(concurrency.clone())
+        let handler = match info.path {
+            "/healthz" | "/readyz" => handler,
+            "/v1/claim" => handler.route_layer(polls.clone()),
+            _ => handler.route_layer(concurrency.clone()),
         };
         let handler = match info.role {
             Some(role) => handler.route_layer(axum::middleware::from_fn_with_state(
@@ -369,6 +372,10 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
         )
     })
     .layer(DefaultBodyLimit::max(limits.body_bytes_max))
+    .layer(axum::Extension(body::BodyBudget::new(
+        limits.body_bytes_in_flight_max,
+        limits.body_bytes_max,
+    )))
     .layer(axum::Extension(body::BodyReadTimeout(
         Duration::from_millis(limits.body_read_timeout_ms.max(1)),
     )))
@@ -418,6 +425,7 @@ impl Server {
         }
         if l.body_bytes_max == 0
             || l.concurrency_max == 0
+            || l.polls_max == 0
             || l.claims_per_worker_max == 0
             || l.claims_per_token_max == 0
             || l.body_read_timeout_ms == 0
@@ -426,8 +434,14 @@ impl Server {
             || opts.conn.write_stall_ms == 0
         {
             return Err(ServerError::Config(
-                "body size, concurrency, claims per worker and per token, body read timeout, connections, header read timeout and write stall must each be at least 1".into(),
+                "body size, concurrency, polls, claims per worker and per token, body read timeout, connections, header read timeout and write stall must each be at least 1".into(),
             ));
+        }
+        if l.body_bytes_in_flight_max < l.body_bytes_max {
+            return Err(ServerError::Config(format!(
+                "invalid body bytes in flight {}: must be at least the largest body, {} bytes",
+                l.body_bytes_in_flight_max, l.body_bytes_max
+            )));
         }
         let deployment = Arc::new(Deployment::open(dir, &opts.open)?);
         let listener = conn::bind(opts.listen).map_err(|e| ServerError::Io {

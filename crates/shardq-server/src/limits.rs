@@ -18,6 +18,16 @@ pub const CLAIM_MAX_LIMIT: usize = 1000;
 /// Default requests served at once (a tower concurrency limit; further
 /// requests wait for a slot).
 pub const CONCURRENCY_MAX_DEFAULT: usize = 1024;
+/// Default claims served at once (`/v1/claim`, long polls included): a
+/// budget of their own, so idle long polls never take the slots of
+/// [`CONCURRENCY_MAX_DEFAULT`] that enqueues, acks and reads need.
+pub const POLLS_MAX_DEFAULT: usize = 1024;
+/// Default most bytes of request bodies being read at once, over every
+/// request (64 MiB, four bodies of the largest default size): a request
+/// whose body (its `Content-Length`, or the largest body when it gives
+/// none) does not fit is answered 503 with `Retry-After` before its body
+/// is read, so buffered bodies cannot take the machine's memory.
+pub const BODY_BYTES_IN_FLIGHT_MAX_DEFAULT: usize = 4 * BODY_BYTES_MAX_DEFAULT;
 /// Default most runs one `worker` name may hold at once.
 pub const CLAIMS_PER_WORKER_MAX_DEFAULT: usize = 10_000;
 /// Default dedup window (5 minutes): how long a `dedup_id` is remembered.
@@ -67,8 +77,12 @@ pub struct Limits {
     pub body_bytes_max: usize,
     /// Most jobs per enqueue request.
     pub jobs_per_request_max: usize,
-    /// Requests served at once.
+    /// Requests served at once (claims aside).
     pub concurrency_max: usize,
+    /// Claims served at once, long polls included.
+    pub polls_max: usize,
+    /// Bytes of request bodies read at once, over every request.
+    pub body_bytes_in_flight_max: usize,
     /// Most runs held by one worker name.
     pub claims_per_worker_max: usize,
     /// Most runs held by the workers of one token.
@@ -85,6 +99,8 @@ impl Default for Limits {
             body_bytes_max: BODY_BYTES_MAX_DEFAULT,
             jobs_per_request_max: JOBS_PER_REQUEST_MAX_DEFAULT,
             concurrency_max: CONCURRENCY_MAX_DEFAULT,
+            polls_max: POLLS_MAX_DEFAULT,
+            body_bytes_in_flight_max: BODY_BYTES_IN_FLIGHT_MAX_DEFAULT,
             claims_per_worker_max: CLAIMS_PER_WORKER_MAX_DEFAULT,
             claims_per_token_max: CLAIMS_PER_TOKEN_MAX_DEFAULT,
             body_read_timeout_ms: BODY_READ_TIMEOUT_MS_DEFAULT,

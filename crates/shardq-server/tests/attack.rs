@@ -772,3 +772,89 @@ fn bodies_that_are_not_objects_are_refused_and_every_error_has_a_kind() {
     );
     assert_eq!((code, v["kind"].as_str()), (400, Some("bad_input")), "{v}");
 }
+
+/// Idle long polls never take the slots producers need: with room for 2
+/// requests at once, 6 claims long-polling an empty queue leave an enqueue
+/// its slot, and it is answered while they still wait.
+#[test]
+fn idle_long_polls_do_not_hold_the_slots_of_producers() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.limits.concurrency_max = 2;
+    o.limits.polls_max = 8;
+    let s = start(dir.path(), o);
+    let polls: Vec<_> = (0..6)
+        .map(|i| {
+            let url = s.url();
+            std::thread::spawn(move || {
+                ureq::post(&format!("{url}/v1/claim"))
+                    .timeout(Duration::from_secs(30))
+                    .send_json(json!({"worker": format!("w{i}"), "max": 1, "wait_ms": 4000, "lease_ms": 30000}))
+                    .map(|r| r.status())
+                    .unwrap_or(0)
+            })
+        })
+        .collect();
+    // The polls are in (each found nothing and waits).
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let (code, v) = call(&s, "GET", "/v1/status", None, None);
+    assert_eq!(code, 200, "{v}");
+    let status_ms = t.elapsed().as_millis();
+    let done_early = polls.iter().filter(|p| p.is_finished()).count();
+    assert_eq!(done_early, 0, "the polls should still wait");
+    assert!(
+        status_ms < 2000,
+        "a read waited {status_ms} ms behind idle polls"
+    );
+    enqueue_n(&s, "k", 1);
+    for p in polls {
+        assert_eq!(p.join().unwrap(), 200);
+    }
+}
+
+/// Bodies being read are bounded in bytes over every request: a request
+/// whose body does not fit beside the ones in flight is refused at once
+/// with 503 and `Retry-After`, before its body is read, and goes in once
+/// the others are done.
+#[test]
+fn bodies_in_flight_are_bounded_in_bytes() {
+    let dir = init_dir(1, "rendezvous");
+    let mut o = options();
+    o.limits.body_bytes_max = 1 << 20;
+    o.limits.body_bytes_in_flight_max = 1 << 20;
+    let s = start(dir.path(), o);
+    // A body of 1 MiB, announced and sent only in part.
+    let mut slow = TcpStream::connect(s.addr()).unwrap();
+    slow.write_all(
+        format!(
+            "POST /v1/jobs HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"jobs\":[",
+            s.addr(),
+            1 << 20
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let body = json!({"jobs": [{"key": "k", "payload": "x".repeat(1000)}]}).to_string();
+    let r = ureq::post(&format!("{}/v1/jobs", s.url()))
+        .set("Content-Type", "application/json")
+        .send_string(&body);
+    match r {
+        Err(ureq::Error::Status(503, resp)) => {
+            assert_eq!(resp.header("Retry-After"), Some("1"));
+            let v: Value = resp.into_json().unwrap();
+            assert_eq!(v["kind"], "retryable", "{v}");
+            assert!(v["error"].as_str().unwrap().contains("budget"), "{v}");
+        }
+        other => panic!("expected 503, got {other:?}"),
+    }
+    drop(slow);
+    // Once the slow body is gone, the same request goes in.
+    wait_until("the budget to free", Duration::from_secs(10), || {
+        ureq::post(&format!("{}/v1/jobs", s.url()))
+            .set("Content-Type", "application/json")
+            .send_string(&body)
+            .is_ok()
+    });
+}

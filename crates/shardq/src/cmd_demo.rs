@@ -1,6 +1,6 @@
 //! `shardq demo`: argument parsing, the progress line and the report. The
 //! demo itself (load, order and loss checks, the live rebalance, and the
-//! backends it runs on) is `shardq_bench::demo`. With `--serve`, the
+//! backends it runs on) is [`crate::demo`]. With `--serve`, the
 //! dashboard (`shardq_server::dashboard`) watches the demo's deployment
 //! while it runs and for `--serve-after-s` seconds after the report.
 
@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use shardq_bench::demo::envs::{shard_names, DeploymentEnv, MemoryEnv};
-use shardq_bench::demo::{self, DemoEnv, DemoParams};
+
+use crate::demo::envs::{shard_names, DeploymentEnv, MemoryEnv};
+use crate::demo::{self, DemoEnv, DemoParams};
 
 /// Where the demo's shards live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -51,7 +52,7 @@ pub struct DemoArgs {
     /// Worker pool concurrency.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
-    /// Keys per drain-then-switch batch.
+    /// Keys per move batch.
     #[arg(long, default_value_t = 64)]
     batch: usize,
     /// Backend to run on.

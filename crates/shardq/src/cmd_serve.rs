@@ -36,9 +36,17 @@ pub struct ServeArgs {
     /// Most jobs per enqueue request.
     #[arg(long, default_value_t = limits::JOBS_PER_REQUEST_MAX_DEFAULT)]
     jobs_per_request_max: usize,
-    /// Requests served at once (more wait for a slot).
+    /// Requests served at once, claims aside (more wait for a slot).
     #[arg(long, default_value_t = limits::CONCURRENCY_MAX_DEFAULT)]
     concurrency_max: usize,
+    /// Claims served at once, long polls included (a budget of their own,
+    /// so idle polls never hold the slots producers need).
+    #[arg(long, default_value_t = limits::POLLS_MAX_DEFAULT)]
+    polls_max: usize,
+    /// Bytes of request bodies read at once over every request (503 with
+    /// Retry-After past it).
+    #[arg(long, default_value_t = limits::BODY_BYTES_IN_FLIGHT_MAX_DEFAULT)]
+    body_bytes_in_flight_max: usize,
     /// Most runs one worker name may hold at once.
     #[arg(long, default_value_t = limits::CLAIMS_PER_WORKER_MAX_DEFAULT)]
     claims_per_worker_max: usize,
@@ -126,6 +134,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             body_bytes_max: args.body_bytes_max,
             jobs_per_request_max: args.jobs_per_request_max,
             concurrency_max: args.concurrency_max,
+            polls_max: args.polls_max,
+            body_bytes_in_flight_max: args.body_bytes_in_flight_max,
             claims_per_worker_max: args.claims_per_worker_max,
             claims_per_token_max: args.claims_per_token_max,
             body_read_timeout_ms: args.body_read_timeout_ms,

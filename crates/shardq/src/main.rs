@@ -9,9 +9,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
-mod bench_chx;
-mod bench_route;
-mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine;
 mod cmd_flow;
@@ -21,6 +18,7 @@ mod cmd_retention;
 mod cmd_retry;
 mod cmd_route;
 mod cmd_serve;
+mod demo;
 mod handler_proc;
 mod stdio_worker;
 
@@ -41,9 +39,6 @@ enum Command {
     Slot(cmd_route::SlotArgs),
     /// Show how many keys move, and where, between two shard maps.
     Plan(cmd_route::PlanArgs),
-    /// Benchmarks: routing speed, and the consistent-hash harness.
-    #[command(subcommand)]
-    Bench(cmd_bench::BenchCommand),
     /// Run the whole story: load, add a shard, rebalance live, and report.
     Demo(cmd_demo::DemoArgs),
     #[command(flatten)]
@@ -108,7 +103,6 @@ fn main() -> ExitCode {
         Command::Route(args) => cmd_route::route(args),
         Command::Slot(args) => cmd_route::slot(args),
         Command::Plan(args) => cmd_route::plan(args),
-        Command::Bench(cmd) => cmd_bench::run(cmd),
         Command::Demo(args) => cmd_demo::run(args),
         Command::Engine(cmd) => cmd_engine::run(cmd),
         Command::Job(action) => cmd_jobs::job(action),

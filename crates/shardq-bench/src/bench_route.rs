@@ -1,4 +1,4 @@
-//! `shardq bench route`: nanoseconds per lookup for every algorithm and hash
+//! `shardq-bench route`: nanoseconds per lookup for every algorithm and hash
 //! at several shard counts, against a bare-hash baseline measured in the same
 //! process run, so the ratio survives a noisy or slower machine.
 //!

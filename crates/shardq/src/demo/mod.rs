@@ -9,9 +9,9 @@
 //!
 //! The demo is generic over a [`DemoEnv`] ([`envs`] has the embedded
 //! engine, Redis on local servers, and memory), so the same story runs on
-//! each; it holds no queue logic itself. Like the rest of this crate it never
-//! prints: progress goes to the caller's observer, and [`render`] turns the
-//! report into text.
+//! each; it holds no queue logic itself. It never prints: progress goes to
+//! the caller's observer, and [`render`] turns the report into text
+//! (`cmd_demo.rs` does the printing).
 
 pub mod envs;
 

@@ -1,4 +1,4 @@
-//! `shardq bench chx`: the consistent-hash harness (seed 001's experiments A,
+//! `shardq-bench chx`: the consistent-hash harness (seed 001's experiments A,
 //! B and C) over shardq's routers, the embedded queue and, when a broker URL
 //! is given, RabbitMQ's `x-consistent-hash` exchange.
 //!
@@ -145,13 +145,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let asked = r.system != "rabbitmq" || args.rabbitmq.is_some();
         if !r.complete() && asked {
             eprintln!(
-                "shardq: {}: {}",
+                "shardq-bench: {}: {}",
                 r.system,
                 r.note.as_deref().unwrap_or("incomplete")
             );
             failed = true;
         } else if let Some(n) = &r.note {
-            eprintln!("shardq: note: {}: {n}", r.system);
+            eprintln!("shardq-bench: note: {}: {n}", r.system);
         }
     }
     Ok(if failed {
