@@ -450,7 +450,12 @@ impl Server {
         })?;
         let owner = if opts.take_shards {
             let coordinator = deployment.coordinator(&opts.worker)?;
-            Some(OwnerThread::start(coordinator, deployment.queue()))
+            let maps = deployment.maps();
+            Some(OwnerThread::start(
+                coordinator,
+                deployment.queue(),
+                Box::new(move || maps.load().ok().map(|m| m.version)),
+            ))
         } else {
             None
         };

@@ -1,5 +1,7 @@
 //! Which shards this server runs: a dedicated thread ticks the deployment's
-//! coordinator every `tick_interval_ms`, adopts gained shards
+//! coordinator every `tick_interval_ms`, and within [`MAP_CHECK_MS`] of a
+//! new published map (a shard added or removed, a rebalance's switch),
+//! adopts gained shards
 //! (`backend.adopt`) and releases lost ones (`backend.release`), and keeps
 //! the set of adopted shards that claims poll. On stop it stops claiming,
 //! releases every shard and gives up the leases. It must never claim,
@@ -13,6 +15,15 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use shardq_core::{Coordinator, QueueBackend, QueueError};
+
+/// How often the lease thread looks at the published map's version, in
+/// ms: a new version makes it tick at once, so a shard added live is run
+/// here within about this, not a whole tick interval later.
+pub const MAP_CHECK_MS: u64 = 250;
+
+/// The published map's version, read by the lease thread (`None` when the
+/// map does not read: the next regular tick deals with it).
+pub type MapVersion = Box<dyn FnMut() -> Option<u64> + Send>;
 
 /// The shards adopted by this server, shared with the request handlers.
 #[derive(Debug, Default)]
@@ -77,18 +88,30 @@ impl OwnerThread {
     pub fn start(
         mut coordinator: Box<dyn Coordinator>,
         backend: Arc<dyn QueueBackend>,
+        mut map_version: MapVersion,
     ) -> OwnerThread {
         let owned = Arc::new(Owned::default());
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let mut unadopted: BTreeSet<String> = BTreeSet::new();
+        let mut seen = map_version();
         tick(&mut *coordinator, &*backend, &owned, &mut unadopted);
         let o = Arc::clone(&owned);
         let handle = std::thread::Builder::new()
             .name("shardq-serve-leases".into())
             .spawn(move || {
                 let interval = Duration::from_millis(coordinator.tick_interval_ms().max(1));
-                while let Err(RecvTimeoutError::Timeout) = stop_rx.recv_timeout(interval) {
-                    tick(&mut *coordinator, &*backend, &o, &mut unadopted);
+                let check = interval.min(Duration::from_millis(MAP_CHECK_MS));
+                let mut last = std::time::Instant::now();
+                while let Err(RecvTimeoutError::Timeout) = stop_rx.recv_timeout(check) {
+                    let now = map_version();
+                    let changed = now.is_some() && now != seen;
+                    if changed || last.elapsed() >= interval {
+                        if changed {
+                            seen = now;
+                        }
+                        tick(&mut *coordinator, &*backend, &o, &mut unadopted);
+                        last = std::time::Instant::now();
+                    }
                 }
                 coordinator.stop_claiming();
                 let shards: Vec<String> = std::mem::take(&mut *o.write()).into_iter().collect();
@@ -179,6 +202,7 @@ fn tick(
         match backend.adopt(&s) {
             Ok(()) => {
                 unadopted.remove(&s);
+                eprintln!("shardq serve: running shard {s:?}");
                 owned.write().insert(s);
             }
             Err(e) => {

@@ -1387,3 +1387,24 @@ fn concurrent_settings_changes_on_two_servers_are_all_stored() {
         );
     }
 }
+
+/// A shard added live is run by a server within about a second of being
+/// published, not a whole lease tick later: with 30 s leases (a 10 s
+/// tick), the new shard is owned well before the next regular tick.
+#[test]
+fn a_shard_added_live_is_taken_within_a_second_or_so() {
+    let dir = init_dir(2, "rendezvous");
+    let mut o = options();
+    o.worker.lease_ms = 30_000;
+    let s = start(dir.path(), o);
+    assert_eq!(owned_shards(&s), 2);
+    // Past the first tick, so the next regular one is ~10 s away.
+    std::thread::sleep(Duration::from_millis(500));
+    let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
+    assert_eq!(code, 200, "{v}");
+    let t = std::time::Instant::now();
+    wait_until("the new shard to be run", Duration::from_secs(5), || {
+        owned_shards(&s) == 3
+    });
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
