@@ -76,9 +76,9 @@ const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
 /// (acked or cancelled), a [`FinishedJob`], oldest first, for
 /// [`QueueBackend::finished`]. Appended after the record that finished the
 /// jobs, without an fsync (it is what happened, not what must run: a crash
-/// may lose its last lines, never a job); past
-/// [`FINISHED_FILE_BYTES_PER_JOB`] bytes per kept job it is rewritten with
-/// what the [`Retention`] keeps.
+/// may lose its last lines, never a job); past its cut size it is
+/// rewritten with what the [`Retention`] keeps: its `finished_jobs` newest
+/// lines whatever their length, up to [`FINISHED_FILE_BYTES_MAX`].
 pub const FINISHED_FILE: &str = "finished.jsonl";
 /// Bytes per job of the retention past which the finished file is cut back
 /// (a line takes about 120 to 300 bytes), and never below
@@ -88,6 +88,11 @@ const FINISHED_FILE_BYTES_PER_JOB: u64 = 512;
 /// end and replaces the file (an fsync), so it must be rare under a busy
 /// shard (about every 30,000 acks).
 const FINISHED_FILE_CUT_BYTES_MIN: u64 = 8 << 20;
+
+/// Most bytes of finished lines a shard keeps (256 MiB): the retention's
+/// `finished_jobs` newest jobs are kept whatever their lines' length (a
+/// long key or failure reason makes a line up to ~9 KiB), up to this.
+pub const FINISHED_FILE_BYTES_MAX: u64 = 256 << 20;
 
 /// The size past which the finished file is cut for `keep`. A cut keeps at
 /// most half of it (the newest lines, at most `keep.finished_jobs` of
@@ -240,7 +245,11 @@ struct Shard {
     moved: Mutex<Option<(u64, Arc<MovedAway>)>>,
     /// Held while this process appends to or cuts [`FINISHED_FILE`], so
     /// two threads never cut it at once or append into a file being cut.
-    finished: Mutex<()>,
+    /// Held by the one writer of the finished file; the size past which
+    /// it is cut next: at least [`finished_cut_bytes`], and twice what the
+    /// last cut kept, so lines longer than planned still keep the whole
+    /// retention and cuts stay rare.
+    finished: Mutex<u64>,
 }
 
 type Shards = RwLock<BTreeMap<String, Arc<Shard>>>;
@@ -367,7 +376,7 @@ impl FsBackend {
                 failed: AtomicBool::new(false),
             },
             moved: Mutex::new(None),
-            finished: Mutex::new(()),
+            finished: Mutex::new(0),
         });
         map.insert(name.to_string(), Arc::clone(&shard));
         Ok(shard)
@@ -1535,8 +1544,14 @@ impl QueueBackend for FsBackend {
         let now = self.opts.clock.now_ms();
         let keep = self.opts.retention;
         let path = shard.dir.join(FINISHED_FILE);
+        // The whole file up to its bound: a cut leaves the retention's
+        // count of lines, however long they are.
         let bytes = self
-            .read_tail(&path, finished_cut_bytes(keep) + FINISHED_BATCH_BYTES_MAX)
+            .read_tail(
+                &path,
+                2 * FINISHED_FILE_BYTES_MAX.max(finished_cut_bytes(keep))
+                    + FINISHED_BATCH_BYTES_MAX,
+            )
             .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?;
         // Newest first, parsing only the lines the retention keeps; a line
         // that does not parse (torn by a crash, damaged) is skipped.
@@ -1936,17 +1951,28 @@ impl FsBackend {
             text.push(b'\n');
         }
         let added = text.len() as u64;
-        let _one_writer = lock(&shard.finished);
+        let mut cut_at = lock(&shard.finished);
         let (_, len) = self.append_lines(&path, text).map_err(io)?;
-        let cut_at = finished_cut_bytes(keep);
-        if len + added > cut_at {
-            // Keep the newest lines, at most half the cut size and the
-            // retention's count, found by bytes alone; then drop the
-            // oldest of them while past the retention's age (lines are in
-            // finish order, so only those are parsed).
-            let bytes = self.read_tail(&path, cut_at / 2).map_err(io)?;
-            let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
-            let mut from = (memchr_rev_nth(body, keep.finished_jobs)).map_or(0, |at| at + 1);
+        *cut_at = (*cut_at).max(finished_cut_bytes(keep));
+        if len + added > *cut_at {
+            // Keep the retention's count of newest lines, whatever their
+            // length (reading more of the file's end until they are all
+            // in, up to FINISHED_FILE_BYTES_MAX); then drop the oldest of
+            // them while past the retention's age (lines are in finish
+            // order, so only those are parsed).
+            let mut want = finished_cut_bytes(keep) / 2;
+            let (bytes, mut from) = loop {
+                let bytes = self.read_tail(&path, want).map_err(io)?;
+                let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+                match memchr_rev_nth(body, keep.finished_jobs) {
+                    Some(at) => break (bytes, at + 1),
+                    // The whole file was read (or the bound): keep it all.
+                    None if want >= len + added || want >= FINISHED_FILE_BYTES_MAX => {
+                        break (bytes, 0)
+                    }
+                    None => want = (want * 2).min(FINISHED_FILE_BYTES_MAX),
+                }
+            };
             let now = self.opts.clock.now_ms();
             while from < bytes.len() {
                 let end = (bytes[from..].iter().position(|&b| b == b'\n'))
@@ -1962,6 +1988,7 @@ impl FsBackend {
                 .storage
                 .write_file_atomic(&path, &bytes[from..])
                 .map_err(io)?;
+            *cut_at = finished_cut_bytes(keep).max(2 * (bytes.len() - from) as u64);
         }
         Ok(())
     }

@@ -936,3 +936,49 @@ fn the_finished_file_is_cut_to_the_retention_and_survives_damage() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The retention keeps its count of finished jobs whatever their lines'
+/// length: with 1,000-byte keys (lines of ~1.1 KB, past the 512 bytes a
+/// line was once planned at) the newest `finished_jobs` are all kept,
+/// through the cuts, and read back newest first by another process.
+#[test]
+fn long_finished_lines_still_keep_the_whole_retention() {
+    let dir = data_dir_n("finished-long", 1);
+    let clock = ManualClock::new(1_000_000);
+    let mut o = opts(&clock);
+    o.retention.finished_jobs = 5_000;
+    let engine = Engine::open(&dir, o.clone()).unwrap();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    let mut acked = Vec::new();
+    for round in 0..120 {
+        let jobs: Vec<NewJob> = (0..100)
+            .map(|i| {
+                job(
+                    &format!("{i:03}-{}", "k".repeat(996)),
+                    &format!("{round}"),
+                    3,
+                )
+            })
+            .collect();
+        b.enqueue("shard-0", 1, &jobs).unwrap();
+        let runs = b.claim("shard-0", 100, LEASE_MS).unwrap();
+        assert_eq!(runs.len(), 100);
+        acked.extend(runs.iter().map(|r| r.id));
+        let rs: Vec<Receipt> = runs.iter().map(|r| r.receipt()).collect();
+        assert_eq!(b.ack("shard-0", &rs).unwrap().acked, 100);
+    }
+    let path = dir.join("shard-0").join(shardq_fs::FINISHED_FILE);
+    let size = std::fs::metadata(&path).unwrap().len();
+    assert!(size < 12_000 * 1_100, "never cut: {size} bytes");
+    drop(engine);
+    let engine = Engine::open(&dir, o).unwrap();
+    let got = engine.backend().finished("shard-0", None, 10_000).unwrap();
+    assert_eq!(
+        got.len(),
+        5_000,
+        "the retention's count, not what fits in bytes"
+    );
+    let want: Vec<_> = acked.iter().rev().take(5_000).copied().collect();
+    assert_eq!(got.iter().map(|f| f.id).collect::<Vec<_>>(), want);
+}
