@@ -609,6 +609,48 @@ pub struct Ownership {
     pub lost: Vec<String>,
 }
 
+/// The `max` newest finished jobs of `key` over `shards` (newest first,
+/// each with the shard that keeps it), and the shards whose history could
+/// not be read with why: a key's history stays where its jobs finished, so
+/// after a move its older finished jobs are on its old shard, and a
+/// reader that looked only where the key routes now would miss them.
+#[allow(clippy::type_complexity)]
+pub fn key_history<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shards: &[String],
+    key: &str,
+    max: usize,
+) -> (
+    Vec<(String, crate::job::FinishedJob)>,
+    Vec<(String, QueueError)>,
+) {
+    let mut all = Vec::new();
+    let mut failed = Vec::new();
+    for shard in shards {
+        match backend.finished(shard, Some(key), max) {
+            Ok(list) => all.extend(list.into_iter().map(|f| (shard.clone(), f))),
+            Err(e) => failed.push((shard.clone(), e)),
+        }
+    }
+    all.sort_by_key(|(_, f)| std::cmp::Reverse(f.finished_ms));
+    all.truncate(max);
+    (all, failed)
+}
+
+/// Finished (acked or cancelled) job `id` of `shard`, while the shard's
+/// retention keeps it ([`QueueBackend::finished`]): what `job show` and
+/// `GET /v1/jobs/{id}` answer for a job that is no longer live.
+pub fn finished_job<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shard: &str,
+    id: JobId,
+) -> Result<Option<crate::job::FinishedJob>, QueueError> {
+    Ok(backend
+        .finished(shard, None, crate::job::FINISHED_JOBS_KEPT_MAX)?
+        .into_iter()
+        .find(|f| f.id == id))
+}
+
 /// The order of one claim round over `shards` (each shard once, `first`
 /// the one whose turn it is), for up to `free` slots: while `backend`
 /// ranks keys and there are several shards, the shards of the best-ranked

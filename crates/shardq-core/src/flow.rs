@@ -774,6 +774,11 @@ impl Bucket {
     pub fn hold(&mut self, until_ms: u64) {
         self.held_until_ms = self.held_until_ms.max(until_ms);
     }
+
+    /// Lifts a hold: the bucket gives tokens again at once.
+    pub fn resume(&mut self) {
+        self.held_until_ms = 0;
+    }
 }
 
 /// A group's shared state: its bucket and the run slots taken in it.
@@ -864,6 +869,11 @@ pub trait GroupBuckets: Send + Sync {
     /// Holds `group`'s bucket until `until_ms`: no key of the group starts
     /// before then, in any process.
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError>;
+
+    /// Lifts a hold of `group`'s bucket (an operator's `group resume`, or
+    /// the group's removal): its keys start again at once, in every
+    /// process (each re-reads the store within [`FLOW_RECHECK_MS`]).
+    fn resume(&self, group: &str, limit: &GroupLimit) -> Result<(), QueueError>;
 
     /// `group`'s state as stored, changing nothing (none when it has none
     /// yet: its bucket starts full, its slots free).
@@ -979,6 +989,13 @@ pub fn hold_group(
         .hold(until_ms);
 }
 
+/// Lifts a hold of `group`'s bucket in `states` (none: nothing to lift).
+pub fn resume_group(states: &mut BTreeMap<String, GroupState>, group: &str) {
+    if let Some(st) = states.get_mut(group) {
+        st.bucket.resume();
+    }
+}
+
 /// Gives back `holders`' slots in `group`'s state in `states`.
 pub fn free_group_slots(states: &mut BTreeMap<String, GroupState>, group: &str, holders: &[&str]) {
     if let Some(st) = states.get_mut(group) {
@@ -1048,6 +1065,11 @@ impl GroupBuckets for LocalGroupBuckets {
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         hold_group(&mut self.lock(), group, limit, until_ms);
+        Ok(())
+    }
+
+    fn resume(&self, group: &str, _limit: &GroupLimit) -> Result<(), QueueError> {
+        resume_group(&mut self.lock(), group);
         Ok(())
     }
 
@@ -1440,10 +1462,26 @@ impl FlowControl {
             self.note_error(format!("holding group {name:?}: {e}"));
             return None;
         }
-        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        let held = st.held_groups.entry(name.clone()).or_default();
-        *held = (*held).max(until_ms);
+        // Not remembered here past the next look at the store: the hold
+        // lives there, where `group resume` lifts it for every process.
         Some(name.clone())
+    }
+
+    /// Lifts `group`'s hold (a handler's group back-off) in the shared
+    /// store and in this process: its keys start again at once here, and
+    /// within [`FLOW_RECHECK_MS`] in every other process. A group the
+    /// settings do not name (removed) is lifted as one without limits.
+    pub fn resume_group(&self, group: &str) -> Result<(), QueueError> {
+        let settings = self.settings();
+        let limit = settings.groups.get(group).cloned().unwrap_or(GroupLimit {
+            rate: None,
+            burst: None,
+            concurrency: None,
+        });
+        self.groups.resume(group, &limit)?;
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        st.held_groups.remove(group);
+        Ok(())
     }
 
     /// The groups that limit their runs of the runs `runs` (key, fence) of
@@ -1795,36 +1833,6 @@ pub fn validate_backoff_ms(ms: u64) -> Result<(), QueueError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The rules a store resolves by itself give every key the concurrency
-    /// its policy gives, and leave out the key entries that change nothing.
-    #[test]
-    fn concurrency_rules_agree_with_the_policies() {
-        let plain = FlowSettings::default();
-        assert_eq!(
-            plain.concurrency_rules(),
-            None,
-            "one run per key needs no rules"
-        );
-        let s = crate::contract::mixed_concurrency_settings();
-        let r = s.concurrency_rules().expect("rules");
-        let mut listed: Vec<&str> = r.keys.iter().map(|(k, _)| k.as_str()).collect();
-        listed.sort();
-        assert_eq!(listed, ["ab", "abcd", "x"], "{r:?}");
-        assert_eq!(r.prefixes[0].0, "abc", "longest first: {r:?}");
-        let alphabet = ["a", "b", "c", "d", "x", "z", "é"];
-        let mut keys = vec![String::new()];
-        for _ in 0..4 {
-            let longer: Vec<String> = (keys.iter())
-                .flat_map(|k| alphabet.iter().map(move |c| format!("{k}{c}")))
-                .collect();
-            keys.extend(longer);
-        }
-        keys.dedup();
-        for k in keys.iter().filter(|k| !k.is_empty()) {
-            assert_eq!(r.of(k), s.for_key(k).concurrency, "key {k:?}");
-        }
-    }
 
     /// Free slots go to the best ranks over every shard; equal ranks go
     /// round the shards from `first`, one key of each in turn; a shard that

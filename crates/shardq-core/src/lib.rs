@@ -9,7 +9,6 @@
 pub mod backend;
 pub mod backoff;
 pub mod clock;
-pub mod contract;
 pub mod error;
 pub mod flow;
 pub mod job;
@@ -41,4 +40,4 @@ pub use pool::{
     current_run, BackOff, Handler, HandlerError, PoolEvent, PoolOptions, PoolReport, RunContext,
     RunOutcome, WorkerPool,
 };
-pub use retry::{RetryPolicy, RetryRules, RetrySettings, RETRY_RULES_MAX};
+pub use retry::{RetryChange, RetryPolicy, RetryRules, RetrySettings, RETRY_RULES_MAX};

@@ -1119,11 +1119,36 @@ fn key_of(backend: &MemoryBackend, r: shardq_core::Receipt) -> String {
 }
 
 /// Settings changes on the memory map store lose nothing to concurrent
-/// writers (the contract check written once in core).
+/// writers (the contract check written once in `shardq_testkit`).
 #[test]
 fn memory_settings_changes_are_never_lost() {
     let store: Arc<dyn MapStore> = Arc::new(MemoryMapStore::new(
         ShardMap::with_shards(Algorithm::Rendezvous, ["a"]).unwrap(),
     ));
-    shardq_core::contract::settings_changes_are_never_lost(&[store]);
+    shardq_testkit::contract::settings_changes_are_never_lost(&[store]);
+}
+
+/// A key's finished history is read from every shard: after the key moved
+/// (its older jobs finished on its old shard, its newer on the new one),
+/// `key_history` lists them all, newest first, each with its shard.
+#[test]
+fn a_keys_history_is_found_on_every_shard_it_finished_on() {
+    let clock = shardq_core::ManualClock::new(1_000_000);
+    let backend = MemoryBackend::new(&["s0", "s1"], Arc::new(clock.clone()));
+    for (shard, payload) in [("s0", "old"), ("s1", "new")] {
+        backend
+            .enqueue(shard, 1, &[NewJob::new("k", payload)])
+            .unwrap();
+        let run = backend.claim(shard, 1, 30_000).unwrap().remove(0);
+        backend.ack(shard, &[run.receipt()]).unwrap();
+        clock.advance(1_000);
+    }
+    let shards = vec!["s0".to_string(), "s1".to_string()];
+    let (all, failed) = shardq_core::backend::key_history(&backend, &shards, "k", 10);
+    assert!(failed.is_empty());
+    let where_: Vec<&str> = all.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(where_, ["s1", "s0"], "newest first, over both shards");
+    let (one, _) = shardq_core::backend::key_history(&backend, &shards, "k", 1);
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].0, "s1");
 }

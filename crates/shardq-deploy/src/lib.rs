@@ -617,6 +617,30 @@ impl Deployment {
         Ok(())
     }
 
+    /// Lifts the hold a handler's group back-off put on `group`: its keys
+    /// start again at once here and within a second in every process.
+    /// A deployment without flow control has no hold to lift.
+    pub fn resume_group(&self, group: &str) -> Result<(), DeployError> {
+        shardq_core::flow::validate_group_name(group)?;
+        if let Some(f) = &self.flow {
+            f.resume_group(group)?;
+        }
+        Ok(())
+    }
+
+    /// Removes `group` (refused while a policy names it) and lifts its
+    /// hold, so a group made again later starts without one. Whether there
+    /// was one.
+    pub fn remove_group(&self, group: &str) -> Result<bool, DeployError> {
+        shardq_core::flow::validate_group_name(group)?;
+        let removed =
+            self.update_flow_settings(|s| Ok::<_, DeployError>(s.remove_group(group)?))?;
+        if removed {
+            self.resume_group(group)?;
+        }
+        Ok(removed)
+    }
+
     /// This process's flow control (what it admitted and holds back), when
     /// its backend asks one.
     pub fn flow(&self) -> Option<&Arc<FlowControl>> {

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use rustix::fs::{flock, FlockOperation};
 use shardq_core::flow::{
-    free_group_slots, hold_group, renew_group_slots, take_group, take_group_many, GroupState,
-    SlotAsk,
+    free_group_slots, hold_group, renew_group_slots, resume_group, take_group, take_group_many,
+    GroupState, SlotAsk,
 };
 use shardq_core::{ErrorKind, GroupBuckets, GroupLimit, QueueError};
 
@@ -142,6 +142,10 @@ impl GroupBuckets for FileGroupBuckets {
 
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         self.with_buckets(|b| hold_group(b, group, limit, until_ms))
+    }
+
+    fn resume(&self, group: &str, _limit: &GroupLimit) -> Result<(), QueueError> {
+        self.with_buckets(|b| resume_group(b, group))
     }
 
     fn peek(&self, group: &str) -> Result<Option<GroupState>, QueueError> {

@@ -1,13 +1,15 @@
-//! The backend contract (`shardq_core::contract`), written once in core, run
-//! on the embedded engine with a manual clock.
+//! The backend contract (`shardq_testkit::contract`) on the embedded engine
+//! with a manual clock: one test per check, each on an engine of its own in
+//! a data dir of its own (`cargo test -p shardq-fs --test contract
+//! one_run_per_key` runs one).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use shardq_core::contract::{self, ContractHarness};
 use shardq_core::{Clock, FlowControl, ManualClock, QueueBackend};
 use shardq_fs::{Engine, EngineOptions, FileGroupBuckets, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
+use shardq_testkit::contract::{self, ContractHarness};
 
 const SHARDS: usize = 40;
 
@@ -16,6 +18,9 @@ struct Fs {
     clock: ManualClock,
     next: AtomicUsize,
     flow: Arc<FlowControl>,
+    _engine: Engine,
+    /// Removed once the engine above is dropped (fields drop in order).
+    _dir: tempfile::TempDir,
 }
 
 impl ContractHarness for Fs {
@@ -35,21 +40,25 @@ impl ContractHarness for Fs {
     }
 }
 
-#[test]
-fn the_embedded_engine_keeps_the_backend_contract() {
-    let dir = std::env::temp_dir().join(format!("shardq-fs-contract-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+/// An engine in a new temporary data dir, with `SHARDS` shards adopted,
+/// the contract's retry rules and flow settings (group buckets in the data
+/// dir, as a deployment has them).
+fn engine() -> Fs {
+    let dir = tempfile::Builder::new()
+        .prefix("shardq-fs-contract-")
+        .tempdir()
+        .unwrap();
     let names: Vec<String> = (0..SHARDS).map(|i| format!("c-{i}")).collect();
     let map =
         ShardMap::with_shards(Algorithm::Rendezvous, names.iter().map(String::as_str)).unwrap();
-    Engine::init(&dir, &map).unwrap();
+    Engine::init(dir.path(), &map).unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
     let flow = Arc::new(FlowControl::new(
         contract::flow_settings(),
-        Arc::new(FileGroupBuckets::new(&dir)),
+        Arc::new(FileGroupBuckets::new(dir.path())),
     ));
     let engine = Engine::open(
-        &dir,
+        dir.path(),
         EngineOptions {
             clock: Arc::new(clock.clone()),
             retry_rules: Arc::new(contract::retry_rules()),
@@ -62,16 +71,17 @@ fn the_embedded_engine_keeps_the_backend_contract() {
     for n in &names {
         backend.adopt(n).unwrap();
     }
-    let h = Fs {
+    Fs {
         backend,
         clock,
         next: AtomicUsize::new(0),
         flow,
-    };
-    contract::run_all(&h);
-    contract::run_ranked(&h);
-    let _ = std::fs::remove_dir_all(&dir);
+        _engine: engine,
+        _dir: dir,
+    }
 }
+
+shardq_testkit::contract_tests!(engine());
 
 /// Dedup records live in the shard's log: a reopened engine (another
 /// process, a restart) still answers with the original job, after the job

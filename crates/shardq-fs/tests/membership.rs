@@ -111,7 +111,7 @@ fn settings_changes_in_a_data_dir_are_never_lost() {
                 as Arc<dyn shardq_core::reshard::MapStore>
         })
         .collect();
-    shardq_core::contract::settings_changes_are_never_lost(&stores);
+    shardq_testkit::contract::settings_changes_are_never_lost(&stores);
 }
 
 /// A shard name that collides with what a data dir holds (its files, a

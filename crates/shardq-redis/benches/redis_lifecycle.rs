@@ -13,9 +13,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use shardq_core::{Coordinator, NewJob, QueueBackend, Receipt};
-use shardq_redis::testing::{RedisCluster, RedisServer};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::{Algorithm, Router, Shard, ShardMap};
+use shardq_testkit::redis::{RedisCluster, RedisServer};
 
 /// Jobs per scenario unless `SHARDQ_BENCH_JOBS` says otherwise.
 const JOBS_DEFAULT: u64 = 200_000;

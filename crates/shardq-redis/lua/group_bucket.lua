@@ -1,8 +1,8 @@
 -- group_bucket.lua
 -- KEYS[1] a flow-control group's bucket (a hash), KEYS[2] its run slots
 -- (a sorted set); ARGV[1] now ms, ARGV[2] the rate's count, ARGV[3] its
--- unit in ms, ARGV[4] the burst, ARGV[5] `take` or `hold`; for `hold`
--- ARGV[6] the hold's end; for `take` ARGV[6] the group's concurrency (0:
+-- unit in ms, ARGV[4] the burst, ARGV[5] `take`, `hold` or `resume`
+-- (lifts a hold); for `hold` ARGV[6] the hold's end; for `take` ARGV[6] the group's concurrency (0:
 -- none), ARGV[7] when the slots taken lapse, ARGV[8] the longest wait for
 -- a slot, ARGV[9] how many starts N, then (with a concurrency) the N runs
 -- asking for a slot. The recipe of `shardq_core::flow::take_group_many`
@@ -27,6 +27,8 @@ if u > cap then u = cap end
 local taken, wait = 0, 0
 if ARGV[5] == 'hold' then
   held = math.max(held, tonumber(ARGV[6]))
+elseif ARGV[5] == 'resume' then
+  held = 0
 else
   local conc, n, lapse = tonumber(ARGV[6]), tonumber(ARGV[9]), ARGV[7]
   local used = 0

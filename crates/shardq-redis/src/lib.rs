@@ -19,7 +19,8 @@
 //!   `QueueError::StoreLost`.
 //! * [`RedisMapStore`] keeps the shard map YAML and its version in Redis,
 //!   published by compare-and-set.
-//! * [`testing`] starts real `redis-server` processes for tests.
+//! * [`local`] starts `redis-server` processes on this host's loopback
+//!   ports (what `shardq demo --backend redis` runs on).
 //!
 //! This crate must never decide routing (that is `shardq-route`) and never
 //! talk to any server but those the shard map or the caller names.
@@ -30,9 +31,9 @@ pub mod coord;
 pub mod deploy;
 pub mod error;
 pub mod keys;
+pub mod local;
 pub mod mapstore;
 mod scripts;
-pub mod testing;
 
 pub use backend::{
     is_redis_url, RedisBackend, RedisOptions, ACK_BATCH_MAX, CLAIM_BATCH_MAX, ENQUEUE_BATCH_MAX,

@@ -253,6 +253,9 @@ impl RedisMapStore {
                         GroupOp::Hold(t) => {
                             c.arg("hold").arg(t);
                         }
+                        GroupOp::Resume => {
+                            c.arg("resume");
+                        }
                         GroupOp::Take { n, asks } => {
                             let conc = limit.concurrency.filter(|_| !asks.is_empty());
                             // One claim's runs share their lease's end.
@@ -293,6 +296,8 @@ enum GroupOp<'a> {
     Take { n: usize, asks: &'a [SlotAsk<'a>] },
     /// Holds the bucket until then.
     Hold(u64),
+    /// Lifts a hold.
+    Resume,
 }
 
 /// Group buckets and run slots in the map store's Redis: a hash and a
@@ -332,6 +337,13 @@ impl GroupBuckets for RedisMapStore {
     fn hold(&self, group: &str, limit: &GroupLimit, until_ms: u64) -> Result<(), QueueError> {
         // Counted at the hold's own time: the bucket refills meanwhile.
         self.group_bucket(group, limit, 0, GroupOp::Hold(until_ms))
+            .map(|_| ())
+    }
+
+    fn resume(&self, group: &str, limit: &GroupLimit) -> Result<(), QueueError> {
+        // As a hold: counted at no time of its own (the bucket refills at
+        // the next take).
+        self.group_bucket(group, limit, 0, GroupOp::Resume)
             .map(|_| ())
     }
 

@@ -275,6 +275,10 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
             r("DELETE", "/v1/groups/{name}", Some(Admin)),
             delete(api::group_delete),
         ),
+        (
+            r("POST", "/v1/groups/{name}/resume", Some(Admin)),
+            post(api::group_resume),
+        ),
         (r("GET", "/v1/dead", Some(Read)), get(api::dead_list)),
         (
             r("POST", "/v1/dead/retry", Some(Admin)),

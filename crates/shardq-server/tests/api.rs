@@ -871,7 +871,7 @@ fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
 /// A data dir (in `dir`) of a deployment of `shards` shards on `redis`.
 fn init_redis_dir(
     dir: &tempfile::TempDir,
-    redis: &shardq_redis::testing::RedisServer,
+    redis: &shardq_testkit::redis::RedisServer,
     shards: usize,
 ) -> std::path::PathBuf {
     let data = dir.path().join("data");
@@ -883,7 +883,7 @@ fn init_redis_dir(
 
 #[test]
 fn redis_round_trip_with_dedup() {
-    let redis = shardq_redis::testing::RedisServer::start();
+    let redis = shardq_testkit::redis::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let data = init_redis_dir(&dir, &redis, 2);
     let mut o = options();
@@ -1170,7 +1170,7 @@ fn a_keys_concurrency_set_over_http_holds_for_claims() {
 /// at once).
 #[test]
 fn a_keys_concurrency_set_over_http_holds_for_claims_on_redis() {
-    let redis = shardq_redis::testing::RedisServer::start();
+    let redis = shardq_testkit::redis::RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     concurrency_over_http(&init_redis_dir(&dir, &redis, 1));
 }
@@ -1407,4 +1407,29 @@ fn a_shard_added_live_is_taken_within_a_second_or_so() {
         owned_shards(&s) == 3
     });
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+/// A finished job is answered by `GET /v1/jobs/{id}` while the retention
+/// keeps it (its outcome and attempts), and a cancelled one too.
+#[test]
+fn finished_and_cancelled_jobs_are_shown_by_id() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let jobs = enqueue_n(&s, "k", 2);
+    let first = jobs[0]["id"].as_str().unwrap().to_string();
+    let second = jobs[1]["id"].as_str().unwrap().to_string();
+    let run = claim(&s, "w", 1, 0, 30_000).remove(0);
+    post_ok(&s, "/v1/ack", json!({ "receipts": [run["receipt"]] }));
+    let (code, v) = call(&s, "DELETE", &format!("/v1/jobs/{second}"), None, None);
+    assert_eq!(code, 200, "{v}");
+    let v = get_ok(&s, &format!("/v1/jobs/{first}"));
+    assert_eq!(
+        (&v["outcome"], &v["attempts"]),
+        (&json!("completed"), &json!(1)),
+        "{v}"
+    );
+    let v = get_ok(&s, &format!("/v1/jobs/{second}"));
+    assert_eq!(v["outcome"], "cancelled", "{v}");
+    let (code, v) = get(&s, "/v1/jobs/shard-0:999");
+    assert_eq!(code, 404, "{v}");
 }

@@ -607,7 +607,7 @@ fn a_client_that_never_reads_its_answers_is_closed_after_the_write_bound() {
 fn the_redis_password_reaches_no_answer_and_no_readable_file() {
     use std::os::unix::fs::PermissionsExt;
     const PW: &str = "pw-Xq7-never-shown";
-    let mut redis = shardq_redis::testing::RedisServer::start();
+    let mut redis = shardq_testkit::redis::RedisServer::start();
     redis.cli(&["CONFIG", "SET", "requirepass", PW]);
     let url = format!("redis://:{PW}@127.0.0.1:{}/0", redis.port());
     let dir = tempfile::tempdir().unwrap();

@@ -4,7 +4,8 @@
 //! they live (embedded engine or Redis): parse, check input, call the
 //! library, print, with the same output either way. Bad input gets an error naming
 //! the option and value; nothing here writes a log record or a Redis key
-//! itself. `work` runs handler commands through `handler_proc`.
+//! itself. `work` runs handler commands through `shardq-worker`, which also
+//! checks the options of its handlers (`WorkOptions::validate`).
 
 use std::fs::OpenOptions;
 use std::io::{self, BufRead, Read, Write};
@@ -12,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
@@ -22,8 +22,8 @@ use shardq_deploy::spec::{cluster_url, init_map, instance_urls};
 use shardq_deploy::{Deployment, StatusReport, WorkerOptions};
 use shardq_fs::{Durability, EngineOptions};
 use shardq_redis::RedisOptions;
+use shardq_worker::WorkOptions;
 
-use crate::handler_proc;
 /// Most jobs sent as one batch by `enqueue --stdin`.
 const STDIN_BATCH_MAX: usize = 4096;
 /// Longest `KEY<TAB>PAYLOAD` line, in bytes (payload limit plus key and tab).
@@ -260,7 +260,7 @@ pub struct WorkArgs {
     stdio: bool,
     /// With --stdio: jobs written ahead to each handler process (1..=64);
     /// the worker runs concurrency x pipeline jobs at once.
-    #[arg(long, default_value_t = 4, requires = "stdio")]
+    #[arg(long, default_value_t = shardq_worker::STDIO_PIPELINE_DEFAULT, requires = "stdio")]
     stdio_pipeline: usize,
     /// Test and benchmark only: instead of CMD, append
     /// "KEY JOB_ID ATTEMPT SHARD PAYLOAD" lines to FILE (`append:FILE`; the payload escaped).
@@ -627,13 +627,13 @@ fn parse_stdin_line(
 }
 
 fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
-    if args.concurrency == 0 || args.concurrency > shardq_core::pool::CONCURRENCY_MAX {
-        bail!(
-            "invalid --concurrency {}: must be 1..={}",
-            args.concurrency,
-            shardq_core::pool::CONCURRENCY_MAX
-        );
-    }
+    let options = WorkOptions {
+        concurrency: args.concurrency,
+        stdio_pipeline: args.stdio.then_some(args.stdio_pipeline),
+        job_timeout_ms: args.job_timeout_ms,
+        job_lease_ms: args.job_lease_ms,
+    };
+    options.validate()?;
     let max_local_shards = match args.max_local_shards.as_str() {
         "all" => usize::MAX,
         n => match n.parse::<usize>() {
@@ -646,24 +646,12 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         "halt" => DeadPolicy::Halt,
         other => bail!("invalid --on-dead {other:?}: expected continue or halt"),
     };
-    let job_timeout = match args.job_timeout_ms {
-        None => None,
-        Some(ms) if (1..=handler_proc::JOB_TIMEOUT_MS_MAX).contains(&ms) => {
-            Some(Duration::from_millis(ms))
-        }
-        Some(ms) => bail!(
-            "invalid --job-timeout-ms {ms}: must be 1..={}",
-            handler_proc::JOB_TIMEOUT_MS_MAX
-        ),
-    };
-    shardq_core::validate_job_lease_ms(args.job_lease_ms)
-        .map_err(|e| anyhow::anyhow!("--job-lease-ms: {e}"))?;
     if args.handler_builtin.is_none() && !args.cmd.is_empty() {
-        handler_proc::check_command(&args.cmd).map_err(anyhow::Error::msg)?;
+        shardq_worker::check_command(&args.cmd).map_err(anyhow::Error::msg)?;
     }
     let stop = Arc::new(AtomicBool::new(false));
     let handler: Arc<shardq_core::Handler> = match (&args.handler_builtin, args.cmd.is_empty()) {
-        (Some(_), _) if job_timeout.is_some() => {
+        (Some(_), _) if options.job_timeout_ms.is_some() => {
             bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
         }
         (Some(_), _) if args.stdio => {
@@ -675,15 +663,9 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
         ),
         (None, false) if args.stdio => {
-            if !(1..=64).contains(&args.stdio_pipeline) {
-                bail!(
-                    "invalid --stdio-pipeline {}: must be 1..=64",
-                    args.stdio_pipeline
-                );
-            }
-            crate::stdio_worker::stdio_handler(args.cmd.clone(), args.concurrency)
+            shardq_worker::stdio_handler(args.cmd.clone(), options.concurrency)
         }
-        (None, false) => command_handler(args.cmd.clone()),
+        (None, false) => shardq_worker::command_handler(args.cmd.clone()),
     };
     let metrics_addr = match &args.metrics_listen {
         Some(a) => Some(
@@ -711,14 +693,9 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             .context("installing signal handlers")?;
     }
     let mut pool = pool_options(&args, metrics);
-    pool.job_timeout_ms = job_timeout.map(|d| d.as_millis() as u64);
-    pool.job_lease_ms = args.job_lease_ms;
-    if args.stdio {
-        pool.concurrency = args
-            .concurrency
-            .saturating_mul(args.stdio_pipeline)
-            .min(shardq_core::pool::CONCURRENCY_MAX);
-    }
+    pool.job_timeout_ms = options.job_timeout_ms;
+    pool.job_lease_ms = options.job_lease_ms;
+    pool.concurrency = options.pool_concurrency();
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.
@@ -835,24 +812,6 @@ fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
         payload_bytes_max: common.payload_bytes_max,
         wait_replicas: common.redis_wait_replicas,
         ..RedisOptions::default()
-    })
-}
-
-/// A handler running `cmd` once per job (see `handler_proc`): killed, and
-/// waited for, once the pool cancels the run (job timeout, lost shard,
-/// drain timeout); the error then says why.
-fn command_handler(cmd: Vec<String>) -> Arc<shardq_core::Handler> {
-    Arc::new(move |job: &ClaimedJob| {
-        let run = shardq_core::current_run();
-        let cancelled = || run.as_ref().is_some_and(|r| r.is_cancelled());
-        match handler_proc::run_job_command(&cmd, job, &cancelled, None) {
-            Err(_) if cancelled() => Err(format!(
-                "killed: {}",
-                run.as_ref().map(|r| r.cancel_reason()).unwrap_or_default()
-            )
-            .into()),
-            other => other,
-        }
     })
 }
 

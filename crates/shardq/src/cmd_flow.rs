@@ -147,7 +147,17 @@ pub enum GroupAction {
         #[arg(long, value_name = "N")]
         concurrency: Option<String>,
     },
-    /// Remove a group (refused while a policy names it).
+    /// Lift the hold a handler's group back-off put on a group: its keys
+    /// start again at once (every worker and server within a second).
+    Resume {
+        /// Data dir of the deployment (`shardq init` made it).
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The group.
+        #[arg(value_name = "NAME")]
+        name: String,
+    },
+    /// Remove a group (refused while a policy names it) and lift its hold.
     Clear {
         /// Data dir of the deployment (`shardq init` made it).
         #[arg(long, value_name = "DIR")]
@@ -442,10 +452,13 @@ pub fn group(action: GroupAction) -> anyhow::Result<ExitCode> {
                 group_line(&g)
             );
         }
+        GroupAction::Resume { data, name } => {
+            open(&data)?.resume_group(&name)?;
+            println!("group {name} resumed: its keys start again (every worker within a second)");
+        }
         GroupAction::Clear { data, name } => {
             let d = open(&data)?;
-            let removed =
-                d.update_flow_settings(|s| Ok::<_, anyhow::Error>(s.remove_group(&name)?))?;
+            let removed = d.remove_group(&name)?;
             if !removed {
                 println!("no group {name:?}; nothing changed");
                 return Ok(ExitCode::SUCCESS);

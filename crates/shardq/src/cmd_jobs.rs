@@ -117,6 +117,36 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+fn print_finished(shard: &str, f: &shardq_core::FinishedJob) {
+    let now = now_ms();
+    println!("id\t{shard}:{}", f.id.0);
+    println!("key\t{}", shardq_core::job::shown_key(&f.key));
+    println!(
+        "state\t{}",
+        match f.outcome {
+            shardq_core::Finish::Completed => "completed",
+            shardq_core::Finish::Cancelled => "cancelled",
+        }
+    );
+    println!("attempts\t{}", f.attempts);
+    println!(
+        "finished\t{} ({})",
+        f.finished_ms,
+        relative(f.finished_ms, now)
+    );
+    let first = (f.attempts as usize).saturating_sub(f.attempt_starts_ms.len()) + 1;
+    for (n, at) in f.attempt_starts_ms.iter().enumerate() {
+        println!(
+            "attempt {}\tstarted {at} ({})",
+            first + n,
+            relative(*at, now)
+        );
+    }
+    if let Some(r) = &f.reason {
+        println!("reason\t{}", shardq_core::job::shown_key(r));
+    }
+}
+
 fn print_job(shard: &str, j: &JobInfo) {
     let now = now_ms();
     println!("id\t{shard}:{}", j.id.0);
@@ -174,7 +204,7 @@ fn print_job(shard: &str, j: &JobInfo) {
 }
 
 /// Why an id that no shard remembers as moved is not live.
-const NOT_LIVE_WHY: &str = "it finished, was cancelled, moved away with its key longer ago than its shard remembers, or never existed";
+const NOT_LIVE_WHY: &str = "it finished or was cancelled longer ago than the retention keeps (`shardq retention show`), moved away with its key longer ago than its shard remembers, or never existed";
 
 /// What `job show` and `job cancel` say of a job that left its shard with
 /// its key.
@@ -199,6 +229,19 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 Some(j) if json => println!("{}", job_value(&shard, j)),
                 Some(j) => print_job(&shard, &j),
                 None => {
+                    // Finished or cancelled: shown while the retention
+                    // keeps it.
+                    let done =
+                        shardq_core::backend::finished_job(&*deployment.queue(), &shard, job)
+                            .with_context(|| format!("reading job {id}"))?;
+                    if let Some(f) = done {
+                        if json {
+                            println!("{}", finished_value(&shard, f));
+                        } else {
+                            print_finished(&shard, &f);
+                        }
+                        return Ok(ExitCode::SUCCESS);
+                    }
                     // Where it went is a courtesy: a failed lookup says no more.
                     let moved = deployment.moved_job(&shard, job).unwrap_or(None);
                     match moved {
@@ -207,7 +250,7 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                             json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })
                         ),
                         Some((key, now)) => eprintln!("shardq: {}", moved_text(&id, &key, &now)),
-                        None => eprintln!("shardq: no live job {id}: {NOT_LIVE_WHY}"),
+                        None => eprintln!("shardq: no job {id} here: {NOT_LIVE_WHY}"),
                     }
                     return Ok(ExitCode::from(1));
                 }
@@ -278,25 +321,29 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         .queue()
         .key_jobs(&shard, &args.key, args.limit)
         .with_context(|| format!("listing the jobs of key {:?} on {shard}", args.key))?;
-    // History that cannot be read leaves the live jobs listed.
+    // The key's history from every shard (it stays where its jobs
+    // finished, before a move too); history that cannot be read leaves
+    // the live jobs listed.
+    let shards: Vec<String> = router.map().shards.iter().map(|s| s.name.clone()).collect();
     let recent = match args.recent {
         0 => Vec::new(),
-        n => match deployment.queue().finished(&shard, Some(&args.key), n) {
-            Ok(list) => list,
-            Err(e) => {
+        n => {
+            let (list, failed) =
+                shardq_core::backend::key_history(&*deployment.queue(), &shards, &args.key, n);
+            for (s, e) in failed {
                 eprintln!(
-                    "shardq: the finished jobs of key {:?} on {shard} could not be read: {e}",
+                    "shardq: the finished jobs of key {:?} on {s} could not be read: {e}",
                     args.key
                 );
-                Vec::new()
             }
-        },
+            list
+        }
     };
     if args.json {
         let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
         let done: Vec<serde_json::Value> = recent
             .into_iter()
-            .map(|f| finished_value(&shard, f))
+            .map(|(s, f)| finished_value(&s, f))
             .collect();
         println!(
             "{}",
@@ -325,11 +372,11 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         println!();
         println!("RECENT\tOUTCOME\tATTEMPTS\tFINISHED\tLAST_FAILURE");
         if recent.is_empty() {
-            println!("(no finished job of this key is kept: see `shardq retention show`)");
+            println!("(no shard keeps a finished job of this key: none finished within the retention, see `shardq retention show`)");
         }
-        for f in &recent {
+        for (s, f) in &recent {
             println!(
-                "{shard}:{}\t{}\t{}\t{}\t{}",
+                "{s}:{}\t{}\t{}\t{}\t{}",
                 f.id.0,
                 match f.outcome {
                     shardq_core::Finish::Completed => "completed",

@@ -2,13 +2,14 @@
 //! default, and rules for a key or for every key starting with a prefix),
 //! kept beside its map (embedded: `settings.retry.json`; Redis: the
 //! deployment's settings hash), read by every worker and server when it
-//! starts. Glue: parse, check, call `shardq-deploy`, print.
+//! starts. Glue: parse, call `shardq-deploy` with the edits of
+//! `shardq-core` (`RetrySettings::put_policy` and `remove_policy`), print.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
-use shardq_core::{BackoffKind, RetryPolicy, RetrySettings};
+use shardq_core::{BackoffKind, PolicyTarget, RetryChange, RetryPolicy, RetrySettings};
 use shardq_deploy::Deployment;
 
 /// Which policy a command is about: the default, one key's, or a prefix's.
@@ -21,6 +22,26 @@ pub struct Target {
     /// prefix wins), so tiers such as `free:` need no rule per key.
     #[arg(long, value_name = "PREFIX")]
     prefix: Option<String>,
+}
+
+impl Target {
+    /// The policy the flags name: a key's, a prefix's, or the default.
+    fn target(&self) -> PolicyTarget {
+        match (&self.key, &self.prefix) {
+            (Some(k), _) => PolicyTarget::Key(k.clone()),
+            (None, Some(p)) => PolicyTarget::Prefix(p.clone()),
+            (None, None) => PolicyTarget::Default,
+        }
+    }
+}
+
+/// The `--backoff` word.
+fn backoff_kind(word: &str) -> anyhow::Result<BackoffKind> {
+    match word {
+        "exponential" => Ok(BackoffKind::Exponential),
+        "fixed" => Ok(BackoffKind::Fixed),
+        other => anyhow::bail!("--backoff {other:?}: expected `exponential` or `fixed`"),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -221,98 +242,40 @@ pub fn run(action: RetryAction) -> anyhow::Result<ExitCode> {
             jitter_pct,
         } => {
             let d = open(&data)?;
+            let target = target.target();
+            // The key or prefix first, then the words (as they are read).
+            target.validate()?;
+            let change = RetryChange {
+                max_attempts,
+                kind: backoff.as_deref().map(backoff_kind).transpose()?,
+                base_ms,
+                max_ms,
+                jitter_pct,
+            };
             // Run again on the settings then stored if another writer
             // changed them meanwhile.
-            let (what, p) = d.update_retry_settings(|s| -> anyhow::Result<_> {
-                for t in target.key.iter().chain(target.prefix.iter()) {
-                    shardq_core::validate_key(t)?;
-                }
-                // What the target gets today is where its new policy starts.
-                let mut p = match (&target.key, &target.prefix) {
-                    (Some(k), _) => *s.for_key(k),
-                    (None, Some(pre)) => *s.rules.prefixes.get(pre).unwrap_or(s.for_key(pre)),
-                    (None, None) => s.default,
-                };
-                if let Some(n) = max_attempts {
-                    p.max_attempts = n;
-                }
-                if let Some(k) = &backoff {
-                    p.backoff.kind = match k.as_str() {
-                        "exponential" => BackoffKind::Exponential,
-                        "fixed" => BackoffKind::Fixed,
-                        other => {
-                            anyhow::bail!("--backoff {other:?}: expected `exponential` or `fixed`")
-                        }
-                    };
-                }
-                if let Some(v) = base_ms {
-                    p.backoff.base_ms = v;
-                    // A cap below a new base follows it up.
-                    if max_ms.is_none() && p.backoff.max_ms < v {
-                        p.backoff.max_ms = v;
-                    }
-                }
-                if let Some(v) = max_ms {
-                    p.backoff.max_ms = v;
-                }
-                if let Some(v) = jitter_pct {
-                    p.backoff.jitter_pct = v;
-                }
-                let what = match (&target.key, &target.prefix) {
-                    (Some(k), _) => {
-                        s.rules.keys.insert(k.clone(), p);
-                        format!("key {k:?}")
-                    }
-                    (None, Some(pre)) => {
-                        s.rules.prefixes.insert(pre.clone(), p);
-                        format!("prefix {pre:?}")
-                    }
-                    (None, None) => {
-                        s.default = p;
-                        "default".into()
-                    }
-                };
-                Ok((what, p))
+            let p = d.update_retry_settings(|s| -> anyhow::Result<_> {
+                Ok(s.put_policy(&target, &change)?)
             })?;
             println!(
-                "retry policy ({what}): {}; workers and servers started from now use it",
+                "retry policy ({target}): {}; workers and servers started from now use it",
                 policy_line(&p)
             );
         }
         RetryAction::Clear { data, target } => {
             let d = open(&data)?;
-            let what = d.update_retry_settings(|s| -> anyhow::Result<_> {
-                let what = match (&target.key, &target.prefix) {
-                    (Some(k), _) => {
-                        if s.rules.keys.remove(k).is_none() {
-                            return Ok(None);
-                        }
-                        format!("key {k:?}: its rule removed")
-                    }
-                    (None, Some(pre)) => {
-                        if s.rules.prefixes.remove(pre).is_none() {
-                            return Ok(None);
-                        }
-                        format!("prefix {pre:?}: its rule removed")
-                    }
-                    (None, None) => {
-                        s.default = RetryPolicy::default();
-                        format!("default: back to {}", policy_line(&s.default))
-                    }
-                };
-                Ok(Some(what))
-            })?;
-            let Some(what) = what else {
-                match (&target.key, &target.prefix) {
-                    (Some(k), _) => println!("key {k:?} has no retry rule; nothing changed"),
-                    (None, Some(pre)) => {
-                        println!("prefix {pre:?} has no retry rule; nothing changed")
-                    }
-                    (None, None) => {}
-                }
-                return Ok(ExitCode::SUCCESS);
-            };
-            println!("retry policy, {what}");
+            let target = target.target();
+            let removed =
+                d.update_retry_settings(|s| Ok::<_, anyhow::Error>(s.remove_policy(&target)))?;
+            match target {
+                // The default is put back whether or not it was changed.
+                PolicyTarget::Default => println!(
+                    "retry policy, default: back to {}",
+                    policy_line(&RetryPolicy::default())
+                ),
+                _ if !removed => println!("{target} has no retry rule; nothing changed"),
+                _ => println!("retry policy, {target}: its rule removed"),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -19,8 +19,6 @@ mod cmd_retry;
 mod cmd_route;
 mod cmd_serve;
 mod demo;
-mod handler_proc;
-mod stdio_worker;
 
 /// shardq: a sharded job queue that routes each key to a shard with
 /// consistent hashing, keeps each key's jobs in order, and reshards live.
@@ -174,6 +172,9 @@ fn error_kind(err: &anyhow::Error) -> Option<shardq_core::ErrorKind> {
             return Some(e.kind());
         }
         if let Some(e) = e.downcast_ref::<shardq_redis::RedisError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<shardq_worker::OptionError>() {
             return Some(e.kind());
         }
         e.downcast_ref::<shardq_server::ServerError>()

@@ -613,8 +613,9 @@ fn a_job_id_from_before_a_move_says_where_its_job_went() {
 
 /// An operator reads a job by the id `enqueue` printed, lists its key's
 /// jobs in order, and cancels one: the worker then runs the others, in
-/// order, and never the cancelled one; a second cancel and a show of it
-/// find nothing (exit 1), and a malformed id is refused naming it (exit 2).
+/// order, and never the cancelled one; a second cancel finds nothing (exit
+/// 1), a show of it shows it cancelled (and of a job that ran, completed),
+/// and a malformed id is refused naming it (exit 2).
 #[test]
 fn an_operator_shows_lists_and_cancels_jobs_by_id() {
     let dir = temp_dir("jobs-cli");
@@ -645,8 +646,21 @@ fn an_operator_shows_lists_and_cancels_jobs_by_id() {
     assert!(out.contains("cancelled"), "{out}");
     let again = support::output(&["job", "cancel", "--data", d, &ids[1]]);
     assert_eq!(again.status.code(), Some(1), "a second cancel");
+    // A cancelled job is shown, as the retention keeps it.
     let show = support::output(&["job", "show", "--data", d, &ids[1]]);
-    assert_eq!(show.status.code(), Some(1), "a cancelled job is not live");
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        show.status.success() && text.contains("state\tcancelled"),
+        "{text}"
+    );
+    let (ok, out, err) = run(&["job", "show", "--data", d, &ids[1], "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["outcome"], &v["key"]),
+        (&"cancelled".into(), &"k".into()),
+        "{v}"
+    );
     let bad = support::output(&["job", "show", "--data", d, "17"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("\"17\""));
@@ -675,5 +689,12 @@ fn an_operator_shows_lists_and_cancels_jobs_by_id() {
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(v["jobs"].as_array().unwrap().is_empty(), "{v}");
+    let show = support::output(&["job", "show", "--data", d, &ids[0]]);
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        show.status.success() && text.contains("state\tcompleted"),
+        "{text}"
+    );
+    assert!(text.contains("attempts\t1"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

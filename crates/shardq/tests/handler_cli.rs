@@ -39,6 +39,45 @@ impl Worker {
     }
 }
 
+/// Runs `shardq ARGS`, which must succeed; its stdout.
+fn ok(args: &[&str]) -> String {
+    let (ok, out, err) = run(args);
+    assert!(ok, "{args:?}: {err}");
+    out
+}
+
+/// A one-shard deployment in a scratch dir named by `tag` whose keys
+/// starting `GROUP:` are in group GROUP of `concurrency` runs at once: the
+/// dir and the data dir.
+fn grouped_deployment(tag: &str, group: &str, concurrency: &str) -> (PathBuf, PathBuf) {
+    let dir = temp_dir(tag);
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    ok(&["init", "--data", d, "--shards", "1"]);
+    ok(&[
+        "group",
+        "set",
+        "--data",
+        d,
+        group,
+        "--concurrency",
+        concurrency,
+    ]);
+    let prefix = format!("{group}:");
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", &prefix, "--group", group,
+    ]);
+    (dir, data)
+}
+
+/// A worker a failed test leaves is not left running.
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Waits (bounded) for the worker to exit; returns its status and stderr.
 fn wait_exit(worker: &mut Worker, bound: Duration) -> (ExitStatus, String) {
     let start = Instant::now();
@@ -882,19 +921,8 @@ fn a_groups_concurrency_holds_over_two_worker_processes() {
 /// jobs two at once, never more.
 #[test]
 fn a_killed_workers_group_slots_lapse_with_its_runs() {
-    let dir = temp_dir("h-slots-kill");
-    let data = dir.join("data");
+    let (dir, data) = grouped_deployment("h-slots-kill", "db", "2");
     let d = data.to_str().unwrap();
-    assert!(run(&["init", "--data", d, "--shards", "1"]).0);
-    let ok = |args: &[&str]| {
-        let (ok, out, err) = run(args);
-        assert!(ok, "{args:?}: {err}");
-        out
-    };
-    ok(&["group", "set", "--data", d, "db", "--concurrency", "2"]);
-    ok(&[
-        "policy", "set", "--data", d, "--prefix", "db:", "--group", "db",
-    ]);
     for i in 0..6 {
         ok(&[
             "enqueue",
@@ -959,7 +987,7 @@ fn a_keys_concurrency_holds_through_a_sigkilled_worker() {
 /// with its own fence, and the worker that takes over starts them again.
 #[test]
 fn a_keys_concurrency_holds_through_a_sigkilled_worker_on_redis() {
-    let server = shardq_redis::testing::RedisServer::start();
+    let server = shardq_testkit::redis::RedisServer::start();
     key_concurrency_through_a_sigkill("h-key-conc-redis", &["--redis", &server.url()]);
 }
 
@@ -1147,5 +1175,78 @@ fn a_command_handler_backs_off_without_using_an_attempt() {
     );
     let (ok, out, _) = run(&["dead", "--data", d, "list", "--json"]);
     assert!(ok && !out.contains("\"bo\""), "nothing dead: {out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A group back-off of a day is lifted by `group resume` (the group's
+/// other keys start again within seconds, with the worker running on; the
+/// key that backed off keeps its own wait), and a group removed by `group
+/// clear` takes its hold along: a group made again with the same name
+/// starts without one.
+#[test]
+fn a_group_back_off_is_lifted_by_group_resume_and_by_group_clear() {
+    let (dir, data) = grouped_deployment("h-group-resume", "g", "4");
+    let d = data.to_str().unwrap();
+    ok(&["enqueue", "--data", d, "--key", "g:a", "--payload", "hold"]);
+    let bs: Vec<String> = (1..=8).map(|i| format!("b{i}")).collect();
+    for p in &bs {
+        ok(&["enqueue", "--data", d, "--key", "g:b", "--payload", p]);
+    }
+    let stamps = dir.join("stamps");
+    let held = dir.join("held");
+    let script = format!(
+        "read p; if [ \"$p\" = hold ]; then touch {h}; \
+           echo 'shardq-backoff: 86400000 group' >&2; exit 75; fi; \
+         echo \"$p\" >> {s}",
+        h = held.display(),
+        s = stamps.display()
+    );
+    let mut worker = start_worker(&data, &["--concurrency", "1"], &script);
+    wait_until("the group back-off", WAIT_MAX, || held.exists());
+    // Held for a day: the group's other key stops (a run or two claimed
+    // with the back-off's may still end).
+    std::thread::sleep(Duration::from_millis(1500));
+    let ran = || std::fs::read_to_string(&stamps).map_or(0, |t| t.lines().count());
+    let before = ran();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(ran(), before, "a held group went on running");
+    assert!(before < 3, "{before} of 8 ran while held");
+    let out = ok(&["status", "--data", d, "--json"]);
+    assert!(out.contains("held_until_ms"), "{out}");
+    ok(&["group", "resume", "--data", d, "g"]);
+    wait_until("the group's other key to run", WAIT_MAX, || ran() == 8);
+    let order: Vec<String> = std::fs::read_to_string(&stamps)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(order, bs, "in order");
+
+    // Held again by a new back-off, then the group is removed and made
+    // again: its keys run, no hold left.
+    std::fs::remove_file(&held).unwrap();
+    ok(&["enqueue", "--data", d, "--key", "g:c", "--payload", "hold"]);
+    wait_until("the second group back-off", WAIT_MAX, || held.exists());
+    ok(&["enqueue", "--data", d, "--key", "g:b", "--payload", "b9"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(ran(), 8, "held again");
+    ok(&["policy", "clear", "--data", d, "--prefix", "g:"]);
+    ok(&["group", "clear", "--data", d, "g"]);
+    ok(&["group", "set", "--data", d, "g", "--concurrency", "4"]);
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", "g:", "--group", "g",
+    ]);
+    // The remade group has no hold in the shared store.
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["status", "--data", d, "--json"])).unwrap();
+    let g = v["groups"]
+        .as_array()
+        .and_then(|a| a.iter().find(|g| g["name"] == "g"))
+        .cloned()
+        .unwrap_or_else(|| panic!("no group g in {v}"));
+    assert!(g["held_until_ms"].is_null(), "the old hold stayed: {g}");
+    wait_until("the remade group's key to run", WAIT_MAX, || ran() == 9);
+    let _ = worker.child.kill();
+    let _ = worker.child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use shardq_redis::testing::RedisServer;
+use shardq_testkit::redis::RedisServer;
 use support::{
     enqueue_lines, init_shards_with, process_alive, run, status_json, temp_dir, wait_until, BIN,
     WAIT_MAX,

@@ -1,5 +1,5 @@
 //! The command line on Redis shards, with real `redis-server` processes the
-//! tests start on free loopback ports (`shardq_redis::testing`; a missing
+//! tests start on free loopback ports (`shardq_testkit::redis`; a missing
 //! `redis-server` fails the tests with a message saying what to install):
 //! init over four instances, enqueue, work, status; two workers with
 //! different data dirs sharing the shards, one of them SIGKILLed; a live
@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_redis::testing::RedisServer;
 use shardq_route::{Router, ShardMap};
+use shardq_testkit::redis::RedisServer;
 
 const BIN: &str = env!("CARGO_BIN_EXE_shardq");
 /// Bound on every wait in these tests.
@@ -622,7 +622,7 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
 /// handing out job ids again.
 #[test]
 fn a_worker_stops_on_a_promoted_lagging_replica_and_wait_replicas_refuses_unconfirmed_enqueues() {
-    use shardq_redis::testing::TcpProxy;
+    use shardq_testkit::redis::TcpProxy;
     let mut primary = RedisServer::start();
     let replica = primary.start_replica();
     let proxy = TcpProxy::start(primary.port());

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use shardq_core::{QueueBackend, Receipt};
 use shardq_redis::keys::{map_key, shard_keys, shard_slot, NAMESPACE_DEFAULT as NS, QUEUE_DEFAULT};
-use shardq_redis::testing::{slot_ranges, RedisCluster};
 use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
+use shardq_testkit::redis::{slot_ranges, RedisCluster};
 
 use crate::common::{check_order, init, job, map_of, owner, payloads, tick_adopt};
 

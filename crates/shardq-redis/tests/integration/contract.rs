@@ -6,8 +6,8 @@ use shardq_core::{
     Coordinator, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, ManualClock, QueueBackend,
     QueueError, Receipt, JOB_LEASE_MS_DEFAULT as LEASE,
 };
-use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisError, RedisMapStore, RedisOptions};
+use shardq_testkit::redis::RedisServer;
 
 use crate::common::{init, job, map_of, opts_manual, owner, payloads, tick_adopt};
 
@@ -322,7 +322,7 @@ fn settings_changes_on_redis_are_never_lost() {
                 as std::sync::Arc<dyn shardq_core::reshard::MapStore>
         })
         .collect();
-    shardq_core::contract::settings_changes_are_never_lost(&stores);
+    shardq_testkit::contract::settings_changes_are_never_lost(&stores);
 }
 
 #[test]

@@ -1,15 +1,17 @@
-//! The backend contract (`shardq_core::contract`), written once in core, run
-//! on one redis-server with a manual clock; the store is rewound by
-//! `FLUSHALL` and `RESTORE` of the shard's keys as `DUMP`ed earlier (what a
-//! restore from an older snapshot or a promoted lagging replica shows).
+//! The backend contract (`shardq_testkit::contract`) on Redis with a manual
+//! clock: one test per check, each on a redis-server of its own (`cargo
+//! test -p shardq-redis --test integration one_run_per_key` runs one). The
+//! store is rewound by `FLUSHALL` and `RESTORE` of the shard's keys as
+//! `DUMP`ed earlier (what a restore from an older snapshot or a promoted
+//! lagging replica shows).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use shardq_core::contract::{self, ContractHarness, RewindHarness};
 use shardq_core::{Clock, ManualClock, QueueBackend};
-use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisCoordinator};
+use shardq_testkit::contract::{self, ContractHarness, RewindHarness};
+use shardq_testkit::redis::{RedisServer, ServerOptions};
 
 use crate::common::{init, map_of, opts_manual, owner};
 
@@ -118,31 +120,50 @@ fn redis_ranks_over_shards_with_weights_alone() {
     contract::ranks_compare_across_the_shards_of_a_process(&h);
 }
 
-#[test]
-fn redis_keeps_the_backend_contract() {
-    let server = RedisServer::start();
-    // Group buckets in the map store's Redis, as a deployment has them.
-    let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
-    let h = harness(server, contract::flow_settings());
-    contract::run_all(&h);
-    contract::run_ranked(&h);
-    contract::rewound_store_is_refused(&h);
-    // The group's bucket, as `shardq status` reads it.
+shardq_testkit::contract_tests!(
+    harness(RedisServer::start(), contract::flow_settings()),
+    rewind,
+    after = group_state_reads_back,
+);
+
+/// The checks that start runs of keys in the group `contract-group` (rate
+/// limited), and of keys in `contract-slots` (two runs at once): each
+/// leaves that group's state stored.
+const RATE_GROUP_CHECKS: &[&str] = &[
+    "rate_limits_hold_across_every_claim",
+    "a_backed_off_run_keeps_its_attempt_and_holds_its_key",
+];
+const SLOT_GROUP_CHECKS: &[&str] = &["a_groups_concurrency_caps_its_runs_over_every_shard"];
+
+/// After each check, the group state it left in the map store's Redis (as
+/// a deployment keeps it), read as `shardq status` reads it: the rate
+/// group's bucket has its rate and at most its burst; the slot group holds
+/// no more run slots than its two (every run a check started was acked,
+/// failed, backed off or lapsed); a group no key names has no state.
+fn group_state_reads_back(h: &Redis, check: &str) {
     use shardq_core::GroupBuckets;
-    let b = groups
-        .peek("contract-group")
-        .expect("peek")
-        .expect("a bucket")
-        .bucket;
-    assert_eq!((b.count, b.per_ms), (20, 1_000), "{b:?}");
-    assert!(b.units <= 3 * 1_000, "at most the burst: {b:?}");
-    // The contract's slot group left no run slot taken (every run it
-    // started was acked, failed, backed off or lapsed).
-    let slots = groups
-        .peek("contract-slots")
-        .expect("peek")
-        .expect("slots were taken");
-    assert!(slots.slots.len() <= 2, "{slots:?}");
+    let groups = shardq_redis::RedisMapStore::open(&h.server.url()).expect("map store");
+    match groups.peek("contract-group").expect("peek") {
+        Some(state) => {
+            let b = state.bucket;
+            assert_eq!((b.count, b.per_ms), (20, 1_000), "after {check}: {b:?}");
+            assert!(
+                b.units <= 3 * 1_000,
+                "at most the burst after {check}: {b:?}"
+            );
+        }
+        None => assert!(
+            !RATE_GROUP_CHECKS.contains(&check),
+            "{check} started runs in contract-group, yet it has no bucket"
+        ),
+    }
+    match groups.peek("contract-slots").expect("peek") {
+        Some(slots) => assert!(slots.slots.len() <= 2, "after {check}: {slots:?}"),
+        None => assert!(
+            !SLOT_GROUP_CHECKS.contains(&check),
+            "{check} started runs in contract-slots, yet no slot was taken"
+        ),
+    }
     assert!(groups.peek("no-such-group").expect("peek").is_none());
 }
 
@@ -151,7 +172,7 @@ fn redis_keeps_the_backend_contract() {
 /// window ends; the enqueue script prunes expired records as it goes.
 #[test]
 fn redis_dedup_records_survive_a_restart_for_their_window() {
-    let mut server = RedisServer::start_with(shardq_redis::testing::ServerOptions {
+    let mut server = RedisServer::start_with(ServerOptions {
         aof_always: true,
         ..Default::default()
     });

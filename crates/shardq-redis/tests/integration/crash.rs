@@ -10,8 +10,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use shardq_core::{QueueBackend, Receipt};
-use shardq_redis::testing::{RedisServer, ServerOptions};
 use shardq_redis::{RedisBackend, RedisOptions};
+use shardq_testkit::redis::{RedisServer, ServerOptions};
 
 use crate::common::{check_order, init, job, map_of, owner};
 

@@ -10,9 +10,9 @@
 use std::collections::BTreeSet;
 
 use shardq_core::{ErrorKind, QueueBackend, QueueError, Receipt};
-use shardq_redis::testing::{RedisServer, TcpProxy};
 use shardq_redis::{RedisBackend, RedisOptions};
 use shardq_route::ShardMap;
+use shardq_testkit::redis::{RedisServer, TcpProxy};
 
 use crate::common::{init, job, map_of, owner};
 

@@ -10,10 +10,10 @@ use shardq_core::reshard::KeyInventory;
 use shardq_core::{
     Coordinator, FailOutcome, KeyCounts, QueueBackend, QueueError, JOB_LEASE_MS_DEFAULT as LEASE,
 };
-use shardq_redis::testing::{RedisServer, ServerOptions};
 use shardq_redis::{
     init_deployment, CoordinatorOptions, RedisBackend, RedisCoordinator, RedisError, RedisOptions,
 };
+use shardq_testkit::redis::{RedisServer, ServerOptions};
 
 use crate::common::{init, job, map_of, payloads, tick_adopt};
 
@@ -449,18 +449,20 @@ fn dead_only_keys_stay_in_the_key_inventory() {
     assert_eq!(inv.len(), 1, "{inv:?}");
 }
 
-/// A server asked for a port that another process holds (a listener, or
-/// another redis-server) fails to start with an error naming the port,
-/// never a panic, and never takes the other server for its own.
+/// A local server (`shardq_redis::local`, what the demo runs on) asked for
+/// a port that another process holds (a listener, or another
+/// redis-server) fails to start with an error naming the port, never a
+/// panic, and never takes the other server for its own.
 #[test]
 fn a_taken_port_is_an_error_not_a_panic_nor_someone_elses_server() {
+    use shardq_redis::local::{LocalOptions, LocalServer};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let held = listener.local_addr().unwrap().port();
     let other = RedisServer::start();
     for port in [held, other.port()] {
-        let err = RedisServer::try_start_with(ServerOptions {
+        let err = LocalServer::start(LocalOptions {
             port: Some(port),
-            ..ServerOptions::default()
+            ..LocalOptions::default()
         })
         .map(|s| s.port())
         .unwrap_err();

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 
 use shardq_core::reshard::{self, KeyInventory, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{KeyCounts, ManualClock, QueueBackend};
-use shardq_redis::testing::RedisServer;
 use shardq_redis::{RedisBackend, RedisMapStore};
 use shardq_route::Router;
+use shardq_testkit::redis::RedisServer;
 
 use crate::common::{
     concurrency_settings, init, job, map_of, opts_manual, opts_with_flow, owner, tick_adopt,

@@ -9,9 +9,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use shardq_core::{ClaimedJob, PoolOptions, QueueBackend, SystemClock, WorkerPool};
-use shardq_redis::testing::RedisServer;
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::Router;
+use shardq_testkit::redis::RedisServer;
 
 use crate::common::{check_order, init, job, map_of};
 

@@ -9,6 +9,11 @@
 use super::*;
 use shardq_core::{FlowPolicy, FlowSettings, GroupLimit, PolicySource, PolicyTarget};
 
+/// A body with nothing in it (`{}`, or none).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoFields {}
+
 /// `?scope=` of the policy routes.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -177,10 +182,19 @@ pub async fn group_put(
 /// `DELETE /v1/groups/{name}`: refused (400) while a policy names it.
 pub async fn group_delete(State(app): State<Arc<App>>, PathParam(name): PathParam) -> ApiResult {
     shardq_core::flow::validate_group_name(&name)?;
-    let removed = blocking(move || {
-        app.deployment
-            .update_flow_settings(|s| s.remove_group(&name).map_err(ApiError::from))
-    })
-    .await?;
+    let removed = blocking(move || Ok(app.deployment.remove_group(&name)?)).await?;
     ok(json!({ "removed": removed }))
+}
+
+/// `POST /v1/groups/{name}/resume`: lifts the hold a handler's group
+/// back-off put on the group; its keys start again at once.
+pub async fn group_resume(
+    State(app): State<Arc<App>>,
+    PathParam(name): PathParam,
+    JsonBody(_): JsonBody<NoFields>,
+) -> ApiResult {
+    shardq_core::flow::validate_group_name(&name)?;
+    let n = name.clone();
+    blocking(move || Ok(app.deployment.resume_group(&n)?)).await?;
+    ok(json!({ "name": name, "resumed": true }))
 }

@@ -136,7 +136,7 @@ fn not_live(app: &App, shard: &str, job: JobId, id: &str) -> ApiError {
         Ok(None) | Err(_) => ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
-                "id: no live job {}: it finished, was cancelled, moved away with its key longer ago than this shard remembers, or never existed",
+                "id: no job {} here: it finished or was cancelled longer ago than the retention keeps, moved away with its key longer ago than this shard remembers, or never existed",
                 shown(id)
             ),
         ),
@@ -148,8 +148,12 @@ pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> 
     let v = blocking(move || {
         let (shard, job) = job_ref(&app, &id)?;
         match app.backend.job(&shard, job)? {
-            Some(j) => Ok(job_out(&shard, j)),
-            None => Err(not_live(&app, &shard, job, &id)),
+            Some(j) => Ok(serde_json::to_value(job_out(&shard, j)).unwrap_or(Value::Null)),
+            // Finished or cancelled: answered while the retention keeps it.
+            None => match shardq_core::backend::finished_job(&*app.backend, &shard, job)? {
+                Some(f) => Ok(finished_value(&shard, f)),
+                None => Err(not_live(&app, &shard, job, &id)),
+            },
         }
     })
     .await?;
@@ -197,17 +201,27 @@ pub async fn key_jobs(
             .collect();
         // History that cannot be read leaves the live jobs listed, and
         // says why beside them.
+        // From every shard: a key's history stays where its jobs
+        // finished, before a move too.
+        let shards: Vec<String> = router.map().shards.iter().map(|s| s.name.clone()).collect();
         let (finished, recent_error) = match recent {
             0 => (Vec::new(), None),
-            n => match app.backend.finished(&shard, Some(&key), n) {
-                Ok(list) => (
-                    list.into_iter()
-                        .map(|f| finished_value(&shard, f))
-                        .collect(),
-                    None,
-                ),
-                Err(e) => (Vec::<Value>::new(), Some(e.to_string())),
-            },
+            n => {
+                let (list, failed) =
+                    shardq_core::backend::key_history(&*app.backend, &shards, &key, n);
+                let list: Vec<Value> = list
+                    .into_iter()
+                    .map(|(s, f)| finished_value(&s, f))
+                    .collect();
+                let why = (!failed.is_empty()).then(|| {
+                    failed
+                        .iter()
+                        .map(|(s, e)| format!("{s}: {e}"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                });
+                (list, why)
+            }
         };
         let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "recent": finished });
         if let Some(e) = recent_error {

@@ -13,7 +13,7 @@ use shardq_core::reshard::{MapStore, ReshardBackend};
 use shardq_core::{Clock, Coordinator, SystemClock};
 use shardq_deploy::{Deployment, OpenOptions, WorkerOptions};
 use shardq_fs::{Durability, EngineOptions};
-use shardq_redis::testing::RedisServer;
+use shardq_redis::local::{port_free, LocalOptions, LocalServer};
 use shardq_redis::RedisOptions;
 use shardq_route::{Algorithm, ShardMap};
 
@@ -78,7 +78,7 @@ pub struct DeploymentEnv {
     /// Removed on drop when the data is not kept.
     temp: bool,
     /// Kept alive for the demo; dropping one stops its server.
-    servers: Vec<RedisServer>,
+    servers: Vec<LocalServer>,
 }
 
 fn demo_dir(keep: Option<PathBuf>, kind: &str) -> (PathBuf, bool) {
@@ -125,7 +125,8 @@ impl DeploymentEnv {
         names: &[String],
         ports: Option<(u16, u16)>,
     ) -> Result<DeploymentEnv, DemoError> {
-        // The harness panics when the binary is missing; say it as an error.
+        // A missing binary is said once, in the demo's words, before any
+        // server starts.
         Command::new("redis-server")
             .arg("--version")
             .stdout(Stdio::null())
@@ -140,10 +141,7 @@ impl DeploymentEnv {
         let chosen: Vec<Option<u16>> = match ports {
             None => vec![None; wanted],
             Some((lo, hi)) => {
-                let free: Vec<u16> = (lo..=hi)
-                    .filter(|&p| shardq_redis::testing::port_free(p))
-                    .take(wanted)
-                    .collect();
+                let free: Vec<u16> = (lo..=hi).filter(|&p| port_free(p)).take(wanted).collect();
                 if free.len() < wanted {
                     return Err(DemoError::Invalid(format!(
                         "--redis-ports {lo}-{hi}: {} free loopback ports in it, the demo needs {wanted} (one per shard and one for the added shard)",
@@ -156,18 +154,18 @@ impl DeploymentEnv {
         let servers = chosen
             .into_iter()
             .map(|port| {
-                RedisServer::try_start_with(shardq_redis::testing::ServerOptions {
+                LocalServer::start(LocalOptions {
                     port,
-                    ..Default::default()
+                    ..LocalOptions::default()
                 })
                 .map_err(DemoError::Invalid)
             })
-            .collect::<Result<Vec<RedisServer>, DemoError>>()?;
+            .collect::<Result<Vec<LocalServer>, DemoError>>()?;
         let (dir, temp) = demo_dir(keep, "redis-");
         let map = ShardMap::with_shards(Algorithm::Rendezvous, names.iter().cloned())?;
         let urls: Vec<String> = servers[..names.len()]
             .iter()
-            .map(RedisServer::url)
+            .map(LocalServer::url)
             .collect();
         shardq_deploy::init_redis(&dir, map, &urls, None, false, &RedisOptions::default())?;
         Ok(DeploymentEnv {
@@ -212,7 +210,7 @@ impl DemoEnv for DeploymentEnv {
     }
     fn deploy_shard(&self, name: &str) -> Result<(), DemoError> {
         // On Redis the demo adds the shard by name; it lives on the spare.
-        let url = self.servers.last().map(RedisServer::url);
+        let url = self.servers.last().map(LocalServer::url);
         Ok(self.deployment.deploy_shard(name, url.as_deref())?)
     }
     fn location(&self) -> String {

@@ -474,3 +474,286 @@ pub fn stdio_handler(cmd: Vec<String>, procs: usize) -> Arc<shardq_core::Handler
         procs.run(slot, job)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::testing::{alive, job, python, wait_for};
+
+    /// A stdio handler that logs `PID KEY` per job line it reads to
+    /// `argv[1]` and answers by the job's key:
+    /// `fail` fails with a reason naming the job id, `backoff` and
+    /// `backoff-group` back off, `env` fails with its `SHARDQ_STDIO` and
+    /// `SHARDQ_SLOT`, `stranger` answers for a receipt it was not given,
+    /// `twice` answers twice, `slow` takes 20 ms; `die-after-next` and
+    /// `garbage-after-next` touch `argv[1].got`, read one more job line and
+    /// then exit or write a line that is no result; anything else is ok.
+    const HANDLER: &str = r#"
+import json, os, sys
+log = sys.argv[1]
+def note(job):
+    with open(log, "a") as f:
+        f.write("%d %s\n" % (os.getpid(), job["key"]))
+def say(reply):
+    sys.stdout.write(json.dumps(reply) + "\n")
+    sys.stdout.flush()
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    job = json.loads(line)
+    note(job)
+    key, receipt = job["key"], job["receipt"]
+    if key in ("die-after-next", "garbage-after-next"):
+        open(log + ".got", "w").close()
+        note(json.loads(sys.stdin.readline()))
+        if key == "die-after-next":
+            sys.exit(3)
+        say("hello")
+        continue
+    if key == "fail":
+        say({"receipt": receipt, "ok": False, "reason": "nope " + job["id"]})
+    elif key.startswith("backoff"):
+        say({"receipt": receipt, "ok": False, "backoff_ms": 250,
+             "backoff_group": key == "backoff-group"})
+    elif key == "env":
+        say({"receipt": receipt, "ok": False,
+             "reason": os.environ["SHARDQ_STDIO"] + " " + os.environ["SHARDQ_SLOT"]})
+    elif key == "stranger":
+        say({"receipt": "shard-9:1.1", "ok": True})
+    elif key == "twice":
+        say({"receipt": receipt, "ok": True})
+        say({"receipt": receipt, "ok": True})
+    else:
+        if key == "slow":
+            import time
+            time.sleep(0.02)
+        say({"receipt": receipt, "ok": True})
+"#;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        log: PathBuf,
+        handler: Arc<shardq_core::Handler>,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("log");
+        let cmd = python(HANDLER, &[log.to_str().expect("utf-8 path")]);
+        Fixture {
+            handler: stdio_handler(cmd, 1),
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// The `(pid, key)` lines the handlers logged, in order.
+    fn logged(log: &Path) -> Vec<(u32, String)> {
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let (pid, key) = l.split_once(' ').expect("PID KEY");
+                (pid.parse().expect("pid"), key.to_string())
+            })
+            .collect()
+    }
+
+    fn pids(log: &Path) -> Vec<u32> {
+        let mut p: Vec<u32> = logged(log).into_iter().map(|(pid, _)| pid).collect();
+        p.dedup();
+        p
+    }
+
+    #[test]
+    fn one_handler_answers_the_jobs_in_order() {
+        let f = fixture();
+        let keys = ["a", "b", "fail", "c", "env", "d"];
+        let results: Vec<_> = (keys.iter().enumerate())
+            .map(|(i, k)| (f.handler)(&job(i as u64 + 1, k, b"x")))
+            .collect();
+        assert!(results[0].is_ok() && results[1].is_ok() && results[3].is_ok());
+        assert_eq!(
+            results[2].as_ref().unwrap_err().to_string(),
+            "nope shard-0:3"
+        );
+        assert_eq!(results[4].as_ref().unwrap_err().to_string(), "1 0");
+        assert!(results[5].is_ok());
+        let seen = logged(&f.log);
+        let order: Vec<&str> = seen.iter().map(|(_, k)| k.as_str()).collect();
+        assert_eq!(order, keys);
+        // One long-lived process ran them all.
+        assert_eq!(pids(&f.log).len(), 1, "{seen:?}");
+    }
+
+    #[test]
+    fn pipelined_jobs_get_their_own_answers() {
+        let f = fixture();
+        // Eight pool threads share the one process: jobs are written ahead
+        // and each answer must reach the run it names. Like a pool's, the
+        // threads live on until every job is done: the handler process
+        // dies with the thread that started it.
+        let all_done = Arc::new(std::sync::Barrier::new(8));
+        let threads: Vec<_> = (1..=8u64)
+            .map(|id| {
+                let handler = Arc::clone(&f.handler);
+                let all_done = Arc::clone(&all_done);
+                thread::spawn(move || {
+                    let key = if id % 2 == 0 { "fail" } else { "slow" };
+                    let result = handler(&job(id, key, b""));
+                    all_done.wait();
+                    (id, result)
+                })
+            })
+            .collect();
+        for t in threads {
+            let (id, result) = t.join().expect("thread");
+            if id % 2 == 0 {
+                let e = result.unwrap_err().to_string();
+                assert_eq!(e, format!("nope shard-0:{id}"));
+            } else {
+                result.expect("ok");
+            }
+        }
+        assert_eq!(logged(&f.log).len(), 8);
+        assert_eq!(pids(&f.log).len(), 1);
+    }
+
+    #[test]
+    fn a_backoff_answer_backs_off() {
+        let f = fixture();
+        let e = (f.handler)(&job(1, "backoff", b"")).unwrap_err();
+        assert_eq!(
+            e.downcast_ref::<BackOff>(),
+            Some(&BackOff {
+                ms: 250,
+                group: false
+            })
+        );
+        let e = (f.handler)(&job(2, "backoff-group", b"")).unwrap_err();
+        assert_eq!(
+            e.downcast_ref::<BackOff>(),
+            Some(&BackOff {
+                ms: 250,
+                group: true
+            })
+        );
+    }
+
+    /// Job 1 makes the handler break once job 2 was written ahead to it:
+    /// job 1 fails, job 2 runs on a new process without losing its run.
+    fn breaks_with_a_job_written_ahead(poison: &str, why: &str) {
+        let f = fixture();
+        let first = {
+            let handler = Arc::clone(&f.handler);
+            let poison = poison.to_string();
+            thread::spawn(move || handler(&job(1, &poison, b"")))
+        };
+        let got = f.log.with_extension("got");
+        assert!(
+            wait_for(Duration::from_secs(10), || got.exists()),
+            "the handler never read job 1"
+        );
+        let second = {
+            let handler = Arc::clone(&f.handler);
+            thread::spawn(move || handler(&job(2, "after", b"")))
+        };
+        let e = first.join().expect("thread").unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+        second
+            .join()
+            .expect("thread")
+            .expect("job 2 ran again and acked");
+        let seen = logged(&f.log);
+        let after: Vec<u32> = (seen.iter())
+            .filter(|(_, k)| k == "after")
+            .map(|(p, _)| *p)
+            .collect();
+        let broken = seen[0].0;
+        assert_eq!(seen[0].1, poison);
+        // Read by the broken process, then again by its replacement.
+        assert_eq!(after.len(), 2, "{seen:?}");
+        assert_eq!(after[0], broken, "{seen:?}");
+        assert_ne!(after[1], broken, "{seen:?}");
+        assert!(!alive(broken), "the broken handler {broken} still runs");
+    }
+
+    #[test]
+    fn a_handler_dying_mid_job_is_replaced_and_no_job_is_lost() {
+        breaks_with_a_job_written_ahead("die-after-next", "exited (closed its stdout)");
+    }
+
+    #[test]
+    fn a_handler_writing_garbage_is_replaced_and_no_job_is_lost() {
+        breaks_with_a_job_written_ahead("garbage-after-next", "not a result line");
+    }
+
+    #[test]
+    fn an_answer_for_an_unknown_receipt_is_refused() {
+        let f = fixture();
+        let e = (f.handler)(&job(1, "stranger", b""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(r#"answered for receipt "shard-9:1.1", which it was not running"#),
+            "{e}"
+        );
+        let broken = pids(&f.log)[0];
+        assert!(!alive(broken), "the handler {broken} was left running");
+        (f.handler)(&job(2, "next", b"")).expect("a new handler runs the next job");
+        assert_eq!(pids(&f.log).len(), 2, "{:?}", logged(&f.log));
+    }
+
+    #[test]
+    fn a_second_answer_for_a_job_is_refused() {
+        let f = fixture();
+        (f.handler)(&job(1, "twice", b"")).expect("the first answer counts");
+        let first = pids(&f.log)[0];
+        assert!(
+            wait_for(Duration::from_secs(10), || !alive(first)),
+            "the handler {first} answered twice and kept running"
+        );
+        (f.handler)(&job(2, "next", b"")).expect("a new handler runs the next job");
+        let p = pids(&f.log);
+        assert_eq!(p.len(), 2, "{:?}", logged(&f.log));
+        assert_eq!(p[0], first);
+        assert_ne!(p[1], first);
+    }
+
+    #[test]
+    fn no_handler_outlives_the_worker_that_started_it() {
+        let f = fixture();
+        (f.handler)(&job(1, "a", b"")).expect("ok");
+        let pid = pids(&f.log)[0];
+        assert!(alive(pid), "a long-lived handler stays between jobs");
+        drop(f.handler);
+        assert!(!alive(pid), "the handler {pid} outlived its worker");
+    }
+
+    #[test]
+    fn the_job_line_is_the_claim_object() {
+        let j = job(17, "tenant-a", "héllo".as_bytes());
+        let line = serde_json::to_value(StdioJob::of(&j)).expect("json");
+        assert_eq!(
+            line,
+            serde_json::json!({
+                "id": "shard-0:17",
+                "shard": "shard-0",
+                "key": "tenant-a",
+                "payload": "héllo",
+                "attempt": 2,
+                "receipt": "shard-0:17.7",
+                "fence": 7,
+                "lease_expires_ms": 31_000,
+            })
+        );
+        // Bytes that are not UTF-8 go in base64.
+        let j = job(18, "tenant-a", &[0xff, 0x00, 0x41]);
+        let line = serde_json::to_value(StdioJob::of(&j)).expect("json");
+        assert_eq!(line["payload_b64"], "/wBB");
+        assert!(line.get("payload").is_none());
+    }
+}

@@ -29,11 +29,11 @@
 use std::io::{self, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{BackOff, ClaimedJob, HandlerError};
+use shardq_core::{BackOff, ClaimedJob, Handler, HandlerError};
 
 /// How often a running handler is checked (exit, stop, timeout).
 pub const POLL_MS: u64 = 5;
@@ -50,23 +50,30 @@ pub const STDERR_TAIL_BYTES: usize = 768;
 /// After the handler's group is gone, longest wait for the end of its
 /// stderr (only a process outside the group can still hold it open).
 pub const STDERR_DRAIN_WAIT_MS: u64 = 200;
-/// Longest `--job-timeout-ms` accepted (7 days).
-pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
+/// A handler running `cmd` once per job (see [`run_job_command`]): killed,
+/// and waited for, once the pool cancels the run (job timeout, lost shard,
+/// drain timeout); the error then says why, as `killed: REASON`.
+pub fn command_handler(cmd: Vec<String>) -> Arc<Handler> {
+    Arc::new(move |job: &ClaimedJob| {
+        let run = shardq_core::current_run();
+        let cancelled = || run.as_ref().is_some_and(|r| r.is_cancelled());
+        match run_job_command(&cmd, job, &cancelled, None) {
+            Err(_) if cancelled() => Err(format!(
+                "killed: {}",
+                run.as_ref().map(|r| r.cancel_reason()).unwrap_or_default()
+            )
+            .into()),
+            other => other,
+        }
+    })
+}
 
 /// The job's fence as the handler sees it in `SHARDQ_FENCE`.
 fn job_fence(job: &ClaimedJob) -> Option<String> {
     Some(job.fence.to_string())
 }
 
-/// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,
-/// `SHARDQ_ATTEMPT`, `SHARDQ_SHARD`, `SHARDQ_PAYLOAD_BYTES` (and
-/// `SHARDQ_FENCE` when the job has one) in its environment.
-///
-/// Ok only if the handler exited 0 and its payload was written in full (or
-/// it closed its stdin early). When `should_stop()` turns true or `timeout`
-/// passes, the handler's process group is killed with SIGKILL and waited
-/// for, and the error says why (`killed: job timeout 500 ms`, `killed:
-/// worker stopping`). Never returns with the child unreaped.
 /// Checks, before any job is claimed, that `cmd`'s program can be run: a
 /// path (with a `/`) must be an executable file; a bare name must be one on
 /// `$PATH`. A handler that cannot start is the worker's error, not a job's
@@ -106,6 +113,18 @@ pub fn check_command(cmd: &[String]) -> Result<(), String> {
     ))
 }
 
+/// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,
+/// `SHARDQ_ATTEMPT`, `SHARDQ_SHARD`, `SHARDQ_PAYLOAD_BYTES` (and
+/// `SHARDQ_FENCE` when the job has one) in its environment.
+///
+/// Ok only if the handler exited 0 and its payload was written in full (or
+/// it closed its stdin early). When `should_stop()` turns true or `timeout`
+/// passes, the handler's process group is killed with SIGKILL and waited
+/// for, and the error says why (`killed: job timeout 500 ms`, `killed:
+/// worker stopping`). Never returns with the child unreaped.
+///
+/// Exit [`BACKOFF_EXIT_CODE`] with a [`BACKOFF_LINE`] on stderr is a
+/// back-off: the error is a [`BackOff`] (see [`backoff_asked`]).
 pub fn run_job_command(
     cmd: &[String],
     job: &ClaimedJob,
@@ -449,5 +468,265 @@ fn describe(status: ExitStatus) -> String {
         (Some(code), _) => format!("exited with status {code}"),
         (None, Some(sig)) => format!("was killed by signal {sig}"),
         (None, None) => format!("ended with {status}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::testing::{alive, job, python, read_pid, sh};
+
+    fn never() -> bool {
+        false
+    }
+
+    fn run(cmd: &[String], payload: &[u8], timeout: Option<Duration>) -> Result<(), HandlerError> {
+        run_job_command(cmd, &job(17, "tenant-a", payload), &never, timeout)
+    }
+
+    #[test]
+    fn exit_zero_acks_once_the_payload_was_read() {
+        let reads = sh(r#"test "$(cat)" = "hello world""#, &[]);
+        run(&reads, b"hello world", None).expect("exit 0 acks");
+        // The same handler fails on another payload: the ack above is not
+        // just any exit.
+        let e = run(&reads, b"something else", None).unwrap_err();
+        assert_eq!(e.to_string(), r#"handler "sh" exited with status 1"#);
+        assert!(e.downcast_ref::<BackOff>().is_none());
+    }
+
+    #[test]
+    fn a_failure_names_the_status_and_ends_with_the_stderr_tail() {
+        // 2,000 bytes of noise, then the words that matter.
+        let cmd = sh(
+            r#"i=0; while [ $i -lt 200 ]; do printf 'noise-%04d' $i >&2; i=$((i+1)); done
+               printf '\ndisk full\n' >&2; exit 3"#,
+            &[],
+        );
+        let e = run(&cmd, b"", None).unwrap_err().to_string();
+        assert!(
+            e.starts_with(r#"handler "sh" exited with status 3; its stderr ended: "#),
+            "{e}"
+        );
+        // The tail's newline is escaped: the reason stays one line.
+        assert!(e.ends_with(r"noise-0199\ndisk full"), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        // Only the end is kept.
+        assert!(!e.contains("noise-0000"), "{e}");
+        assert!(e.len() < STDERR_TAIL_BYTES + 100, "{} bytes: {e}", e.len());
+    }
+
+    #[test]
+    fn a_handler_killed_by_a_signal_says_so() {
+        let e = run(&sh("kill -9 $$", &[]), b"", None).unwrap_err();
+        assert_eq!(e.to_string(), r#"handler "sh" was killed by signal 9"#);
+    }
+
+    #[test]
+    fn the_handler_sees_the_job_in_its_environment_and_on_stdin() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("seen.json");
+        let cmd = python(
+            r#"
+import json, os, sys
+payload = sys.stdin.buffer.read()
+names = ["SHARDQ_KEY", "SHARDQ_JOB_ID", "SHARDQ_ATTEMPT", "SHARDQ_SHARD",
+         "SHARDQ_PAYLOAD_BYTES", "SHARDQ_FENCE"]
+seen = {n: os.environ.get(n) for n in names}
+seen["payload"] = payload.decode()
+seen["pgid_is_pid"] = os.getpgid(0) == os.getpid()
+open(sys.argv[1], "w").write(json.dumps(seen))
+"#,
+            &[out.to_str().expect("utf-8 path")],
+        );
+        run(&cmd, "héllo".as_bytes(), None).expect("ok");
+        let seen: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).expect("written")).expect("json");
+        assert_eq!(seen["SHARDQ_KEY"], "tenant-a");
+        assert_eq!(seen["SHARDQ_JOB_ID"], "17");
+        assert_eq!(seen["SHARDQ_ATTEMPT"], "2");
+        assert_eq!(seen["SHARDQ_SHARD"], "shard-0");
+        // Bytes, not characters.
+        assert_eq!(seen["SHARDQ_PAYLOAD_BYTES"], "6");
+        assert_eq!(seen["SHARDQ_FENCE"], "7");
+        assert_eq!(seen["payload"], "héllo");
+        // The handler leads a process group of its own.
+        assert_eq!(seen["pgid_is_pid"], true);
+    }
+
+    #[test]
+    fn past_its_timeout_the_whole_process_group_is_killed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pid_file = dir.path().join("grandchild.pid");
+        let cmd = sh(
+            r#"sleep 30 & echo $! > "$1"; wait"#,
+            &[pid_file.to_str().expect("utf-8 path")],
+        );
+        let started = Instant::now();
+        let e = run(&cmd, b"", Some(Duration::from_millis(300))).unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            e.to_string().starts_with("killed: job timeout 300 ms"),
+            "{e}"
+        );
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        let grandchild = read_pid(&pid_file);
+        assert!(
+            !alive(grandchild),
+            "the grandchild sleep {grandchild} survived"
+        );
+    }
+
+    #[test]
+    fn what_a_handler_leaves_running_dies_with_its_attempt() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pid_file = dir.path().join("left.pid");
+        let cmd = sh(
+            r#"sleep 30 >/dev/null 2>&1 & echo $! > "$1"; exit 0"#,
+            &[pid_file.to_str().expect("utf-8 path")],
+        );
+        run(&cmd, b"", None).expect("exit 0 acks");
+        let left = read_pid(&pid_file);
+        assert!(!alive(left), "the background sleep {left} survived");
+    }
+
+    #[test]
+    fn a_stopping_worker_kills_its_handler() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let setter = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            flag.store(true, Ordering::SeqCst);
+        });
+        let started = Instant::now();
+        let should_stop = || stop.load(Ordering::SeqCst);
+        let e = run_job_command(&sh("sleep 30", &[]), &job(1, "k", b""), &should_stop, None)
+            .unwrap_err();
+        setter.join().expect("setter");
+        assert_eq!(e.to_string(), "killed: worker stopping");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_handler_that_closes_its_stdin_early_still_acks() {
+        // A payload larger than any pipe buffer, never read.
+        let payload = vec![b'x'; 4 << 20];
+        run(&sh("exec 0<&-; exit 0", &[]), &payload, None).expect("its choice");
+    }
+
+    #[test]
+    fn exit_75_with_a_backoff_line_backs_off() {
+        let e = run(
+            &sh("echo 'shardq-backoff: 250' >&2; exit 75", &[]),
+            b"",
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.downcast_ref::<BackOff>(),
+            Some(&BackOff {
+                ms: 250,
+                group: false
+            })
+        );
+        let e = run(
+            &sh(
+                "echo 'shardq-backoff: 100' >&2; echo 'shardq-backoff: 1500 group' >&2; exit 75",
+                &[],
+            ),
+            b"",
+            None,
+        )
+        .unwrap_err();
+        // The last line counts.
+        assert_eq!(
+            e.downcast_ref::<BackOff>(),
+            Some(&BackOff {
+                ms: 1500,
+                group: true
+            })
+        );
+    }
+
+    #[test]
+    fn exit_75_without_a_backoff_line_is_a_failed_attempt() {
+        let e = run(&sh("echo 'busy' >&2; exit 75", &[]), b"", None).unwrap_err();
+        assert!(e.downcast_ref::<BackOff>().is_none());
+        assert_eq!(
+            e.to_string(),
+            r#"handler "sh" exited with status 75; its stderr ended: busy"#
+        );
+        // The line with another status is no back-off either.
+        let e = run(
+            &sh("echo 'shardq-backoff: 250' >&2; exit 1", &[]),
+            b"",
+            None,
+        )
+        .unwrap_err();
+        assert!(e.downcast_ref::<BackOff>().is_none());
+        assert!(e.to_string().contains("exited with status 1"), "{e}");
+        run(
+            &sh("echo 'shardq-backoff: 250' >&2; exit 0", &[]),
+            b"",
+            None,
+        )
+        .expect("exit 0 acks whatever stderr says");
+    }
+
+    #[test]
+    fn a_backoff_line_that_does_not_read_fails_the_attempt_naming_it() {
+        let e = run(
+            &sh("echo 'shardq-backoff: soon' >&2; exit 75", &[]),
+            b"",
+            None,
+        )
+        .unwrap_err();
+        assert!(e.downcast_ref::<BackOff>().is_none());
+        assert!(e.to_string().contains("no whole number of ms"), "{e}");
+        let e = backoff_asked("shardq-backoff: 10 everyone").unwrap_err();
+        assert!(e.contains("the scope is `key` or `group`"), "{e}");
+        let over = shardq_core::flow::BACKOFF_MS_MAX + 1;
+        let e = backoff_asked(&format!("shardq-backoff: {over}")).unwrap_err();
+        assert!(e.contains(&over.to_string()), "{e}");
+        assert_eq!(
+            backoff_asked("noise\n  shardq-backoff: 40 key  \nmore noise"),
+            Ok(Some(BackOff {
+                ms: 40,
+                group: false
+            }))
+        );
+        assert_eq!(backoff_asked("nothing to see"), Ok(None));
+    }
+
+    #[test]
+    fn a_command_that_cannot_run_is_refused_before_any_job() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plain = dir.path().join("plain.sh");
+        std::fs::write(&plain, "#!/bin/sh\nexit 0\n").expect("write");
+        let plain = plain.to_str().expect("utf-8 path").to_string();
+        let e = check_command(std::slice::from_ref(&plain)).unwrap_err();
+        assert!(e.contains("not executable") && e.contains(&plain), "{e}");
+        let missing = format!("{}/missing.sh", dir.path().display());
+        let e = check_command(&[missing]).unwrap_err();
+        assert!(
+            e.contains("cannot be run") && e.contains("no job was claimed"),
+            "{e}"
+        );
+        let e = check_command(&[dir.path().display().to_string()]).unwrap_err();
+        assert!(e.contains("not a file"), "{e}");
+        let e = check_command(&["shardq-no-such-program".to_string()]).unwrap_err();
+        assert!(e.contains("no executable of that name on $PATH"), "{e}");
+        assert_eq!(check_command(&[]).unwrap_err(), "no handler command given");
+        check_command(&["sh".to_string()]).expect("sh is on $PATH");
+    }
+
+    #[test]
+    fn the_command_handler_runs_a_job_outside_a_pool() {
+        let handler = command_handler(sh(r#"[ "$SHARDQ_KEY" = tenant-a ]"#, &[]));
+        handler(&job(1, "tenant-a", b"")).expect("ok");
+        assert!(handler(&job(2, "tenant-b", b"")).is_err());
     }
 }

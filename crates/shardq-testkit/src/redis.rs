@@ -1,37 +1,34 @@
-//! Real `redis-server` processes for tests: standalone instances and small
-//! clusters on free loopback ports, in temporary directories, killed when
-//! dropped.
+//! Real `redis-server` processes for tests: standalone instances, replicas
+//! and small clusters on free loopback ports, in temporary directories,
+//! killed when dropped, and a switchable TCP proxy in front of them.
 //!
-//! Used by this crate's tests and by other crates' (the CLI's). Servers bind
-//! 127.0.0.1 only and never persist unless asked (AOF for crash tests). A
-//! missing `redis-server` is a test failure with a clear message, never a
-//! silent pass. This module must never touch a server it did not start.
+//! Used by the Redis backend's tests and benches and by other crates' tests
+//! (the server's, the CLI's). A server is a [`LocalServer`] of
+//! `shardq_redis::local` (what the demo runs on) with what tests do to it:
+//! crash and restart it, snapshot and restore it, pause it, replicate and
+//! promote it. Servers bind 127.0.0.1 only and never persist unless asked
+//! (AOF for crash tests). A missing `redis-server` is a test failure with a
+//! clear message, never a silent pass. This module must never touch a
+//! server it did not start.
 
-use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::Command;
+use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// How long a server may take to answer PING after it was spawned.
-pub const SERVER_START_TIMEOUT_MS: u64 = 10_000;
+pub use shardq_redis::local::SERVER_START_TIMEOUT_MS;
+use shardq_redis::local::{free_port, port_free, LocalOptions, LocalServer};
+
 /// How long a new cluster may take to agree on its slots.
 pub const CLUSTER_READY_TIMEOUT_MS: u64 = 20_000;
-/// Lowest port tried; the cluster bus uses port + 10000, so ports stay
-/// below 55535.
-pub const PORT_MIN: u16 = 21_000;
-/// Number of ports in the range tried.
-pub const PORT_SPAN: u16 = 20_000;
-/// Ports tried before giving up.
-pub const PORT_TRIES_MAX: u32 = 200;
+/// Ports tried for a cluster node (its port and its bus port free) before
+/// giving up.
+pub const CLUSTER_PORT_TRIES_MAX: u32 = 200;
 const POLL_MS: u64 = 20;
 
-static NEXT: AtomicU32 = AtomicU32::new(0);
-
-const MISSING: &str = "redis-server was not found on PATH: the Redis backend tests need a real \
-server; install the Debian package `redis-server` (apt-get install -y redis-server)";
+const NEEDED: &str = "the Redis tests need a real redis-server";
 
 /// How to run one server.
 #[derive(Debug, Clone, Copy, Default)]
@@ -42,38 +39,46 @@ pub struct ServerOptions {
     pub cluster: bool,
     /// More `redis-server` arguments (e.g. `--rename-command CONFIG ""`).
     pub extra_args: &'static [&'static str],
-    /// This port instead of a free one picked here (the caller checked it
-    /// is free: `shardq demo --redis-ports`).
-    pub port: Option<u16>,
+}
+
+impl ServerOptions {
+    /// The `redis-server` arguments these options add, with `--replicaof`
+    /// for a replica of `primary`.
+    fn args(&self, primary: Option<u16>) -> Vec<String> {
+        let mut args: Vec<String> = Vec::new();
+        if self.aof_always {
+            args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
+        }
+        if self.cluster {
+            // The node's config file is `nodes.conf` in the server's
+            // working directory (redis-server's default, relative to it).
+            args.extend(
+                ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"].map(String::from),
+            );
+        }
+        if let Some(p) = primary {
+            args.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
+        }
+        args.extend(self.extra_args.iter().map(|a| a.to_string()));
+        args
+    }
 }
 
 /// One `redis-server` child process.
 #[derive(Debug)]
 pub struct RedisServer {
-    port: u16,
-    dir: PathBuf,
-    opts: ServerOptions,
-    /// The primary's port, for a replica.
-    primary: Option<u16>,
-    child: Option<Child>,
+    server: LocalServer,
 }
 
-/// Whether nothing listens on loopback `port` (a bind succeeds).
-pub fn port_free(port: u16) -> bool {
-    TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-fn pick_port(bus: bool) -> u16 {
-    for _ in 0..PORT_TRIES_MAX {
-        let n = NEXT.fetch_add(1, Ordering::SeqCst);
-        // Spread processes apart so parallel test binaries rarely collide.
-        let seed = std::process::id().wrapping_mul(7919).wrapping_add(n * 131);
-        let port = PORT_MIN + (seed % PORT_SPAN as u32) as u16;
-        if port_free(port) && (!bus || port_free(port + 10_000)) {
+/// A free loopback port whose cluster bus port (port + 10000) is free too.
+fn cluster_port() -> u16 {
+    for _ in 0..CLUSTER_PORT_TRIES_MAX {
+        let port = free_port().unwrap_or_else(|e| panic!("{e}"));
+        if port_free(port + 10_000) {
             return port;
         }
     }
-    panic!("no free loopback port found after {PORT_TRIES_MAX} tries");
+    panic!("no free loopback port with a free bus port after {CLUSTER_PORT_TRIES_MAX} tries");
 }
 
 /// Runs `redis-cli -p port args...` and returns its output.
@@ -85,7 +90,7 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
         .arg(port.to_string())
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("running redis-cli: {e}; {MISSING}"));
+        .unwrap_or_else(|e| panic!("running redis-cli: {e}; {NEEDED} and redis-cli on PATH"));
     let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
     s.push_str(&String::from_utf8_lossy(&out.stderr));
     s
@@ -105,7 +110,7 @@ impl RedisServer {
     /// A replica of this server (`--replicaof`), returned once its link to
     /// the primary is up and the initial sync is done.
     pub fn start_replica(&self) -> RedisServer {
-        let replica = RedisServer::start_inner(ServerOptions::default(), Some(self.port));
+        let replica = RedisServer::start_inner(ServerOptions::default(), Some(self.port()));
         let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
         while !replica
             .cli(&["info", "replication"])
@@ -114,8 +119,8 @@ impl RedisServer {
             assert!(
                 Instant::now() < deadline,
                 "replica on port {} did not sync with port {} within {SERVER_START_TIMEOUT_MS} ms",
-                replica.port,
-                self.port
+                replica.port(),
+                self.port()
             );
             thread::sleep(Duration::from_millis(POLL_MS));
         }
@@ -126,17 +131,17 @@ impl RedisServer {
     /// write of its own, then `WAIT`).
     pub fn wait_replicated(&self, replicas: u32) {
         let out = self.cli(&["set", "shardq-test:replicated", "1"]);
-        assert!(out.trim() == "OK", "SET on port {}: {out}", self.port);
+        assert!(out.trim() == "OK", "SET on port {}: {out}", self.port());
         let mut con = self.connection();
-        let n: u64 = redis::cmd("WAIT")
+        let n: u64 = ::redis::cmd("WAIT")
             .arg(replicas)
             .arg(SERVER_START_TIMEOUT_MS)
             .query(&mut con)
-            .unwrap_or_else(|e| panic!("WAIT on port {}: {e}", self.port));
+            .unwrap_or_else(|e| panic!("WAIT on port {}: {e}", self.port()));
         assert!(
             n >= u64::from(replicas),
             "only {n} of {replicas} replicas of port {} caught up",
-            self.port
+            self.port()
         );
     }
 
@@ -146,173 +151,58 @@ impl RedisServer {
         assert!(
             out.trim() == "OK",
             "REPLICAOF NO ONE on port {}: {out}",
-            self.port
+            self.port()
         );
     }
 
     fn start_inner(opts: ServerOptions, primary: Option<u16>) -> RedisServer {
-        RedisServer::try_start_inner(opts, primary).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// [`RedisServer::start_with`], with a failure to start (no binary, a
-    /// port someone else took, no answer in time) as an error naming the
-    /// port instead of a panic.
-    pub fn try_start_with(opts: ServerOptions) -> Result<RedisServer, String> {
-        RedisServer::try_start_inner(opts, None)
-    }
-
-    fn try_start_inner(opts: ServerOptions, primary: Option<u16>) -> Result<RedisServer, String> {
-        let port = opts.port.unwrap_or_else(|| pick_port(opts.cluster));
-        let n = NEXT.fetch_add(1, Ordering::SeqCst);
-        let dir =
-            std::env::temp_dir().join(format!("shardq-redis-{}-{n}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        let mut server = RedisServer {
-            port,
-            dir,
-            opts,
-            primary,
-            child: None,
+        let local = LocalOptions {
+            port: opts.cluster.then(cluster_port),
+            args: opts.args(primary),
         };
-        server.try_spawn()?;
-        Ok(server)
-    }
-
-    fn try_spawn(&mut self) -> Result<(), String> {
-        let mut cmd = Command::new("redis-server");
-        cmd.arg("--port")
-            .arg(self.port.to_string())
-            .arg("--bind")
-            .arg("127.0.0.1")
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--save")
-            .arg("")
-            .arg("--daemonize")
-            .arg("no")
-            .arg("--logfile")
-            .arg(self.dir.join("redis.log"));
-        if self.opts.aof_always {
-            cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
-        } else {
-            cmd.args(["--appendonly", "no"]);
-        }
-        if self.opts.cluster {
-            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"])
-                .arg("--cluster-config-file")
-                .arg(self.dir.join("nodes.conf"));
-        }
-        if let Some(p) = self.primary {
-            cmd.arg("--replicaof").arg("127.0.0.1").arg(p.to_string());
-        }
-        cmd.args(self.opts.extra_args);
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(MISSING.into()),
-            Err(e) => return Err(format!("starting redis-server: {e}")),
-        };
-        self.child = Some(child);
-        self.wait_ready()
-    }
-
-    fn spawn(&mut self) {
-        self.try_spawn().unwrap_or_else(|e| panic!("{e}"));
-    }
-
-    /// Waits until the server this started answers; a server of another
-    /// process on the same port (it took the port first) is not taken for
-    /// it: the answer must come from this child's process id.
-    fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
-        let pid = self.child.as_ref().map(Child::id);
-        loop {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    let mut err = String::new();
-                    if let Some(mut e) = child.stderr.take() {
-                        let _ = e.read_to_string(&mut err);
-                    }
-                    let log =
-                        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
-                    // Reaped: nothing is left to stop.
-                    self.child = None;
-                    return Err(format!(
-                        "redis-server on port {} exited with {status}: {err}\n{log}",
-                        self.port
-                    ));
-                }
-            }
-            if let Ok(client) = redis::Client::open(self.url()) {
-                if let Ok(mut con) = client.get_connection_with_timeout(Duration::from_millis(200))
-                {
-                    // Whatever holds the port may accept and never answer.
-                    let _ = con.set_read_timeout(Some(Duration::from_millis(200)));
-                    let _ = con.set_write_timeout(Some(Duration::from_millis(200)));
-                    if let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut con) {
-                        let theirs = info
-                            .lines()
-                            .find_map(|l| l.strip_prefix("process_id:"))
-                            .and_then(|v| v.trim().parse::<u32>().ok());
-                        if theirs == pid {
-                            return Ok(());
-                        }
-                    }
-                }
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "redis-server on port {} did not answer within {SERVER_START_TIMEOUT_MS} ms (another process may hold the port)",
-                    self.port
-                ));
-            }
-            thread::sleep(Duration::from_millis(POLL_MS));
-        }
+        let server = LocalServer::start(local).unwrap_or_else(|e| panic!("{e} ({NEEDED})"));
+        RedisServer { server }
     }
 
     /// The server's port on 127.0.0.1.
     pub fn port(&self) -> u16 {
-        self.port
+        self.server.port()
     }
 
     /// `redis://127.0.0.1:<port>/0`.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        self.server.url()
     }
 
     /// The server's working directory.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.server.dir()
     }
 
     /// A fresh connection (for assertions).
-    pub fn connection(&self) -> redis::Connection {
-        redis::Client::open(self.url())
+    pub fn connection(&self) -> ::redis::Connection {
+        ::redis::Client::open(self.url())
             .and_then(|c| c.get_connection())
             .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.url()))
     }
 
     /// Runs `redis-cli` against this server.
     pub fn cli(&self, args: &[&str]) -> String {
-        redis_cli(self.port, args)
+        redis_cli(self.port(), args)
     }
 
     /// SIGKILL, as a crash would; the data dir stays.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.server.stop();
     }
 
     /// Starts the server again on the same port and directory (with AOF
     /// on, it reloads what it had acknowledged; without, it loads
     /// `dump.rdb` if there is one).
     pub fn restart(&mut self) {
-        self.kill();
-        self.spawn();
+        self.server
+            .start_again()
+            .unwrap_or_else(|e| panic!("{e} ({NEEDED})"));
     }
 
     /// Kills the server and starts it again from the RDB snapshot at
@@ -320,20 +210,20 @@ impl RedisServer {
     /// old backup would.
     pub fn restart_from_snapshot(&mut self, snapshot: &Path) {
         self.kill();
-        let dump = self.dir.join("dump.rdb");
+        let dump = self.dir().join("dump.rdb");
         std::fs::copy(snapshot, &dump).unwrap_or_else(|e| {
             panic!("copying {} to {}: {e}", snapshot.display(), dump.display())
         });
-        self.spawn();
+        self.restart();
     }
 
     /// Runs `SAVE` and copies the snapshot to `name` in the server's
     /// directory; returns its path.
     pub fn snapshot(&self, name: &str) -> PathBuf {
         let out = self.cli(&["save"]);
-        assert!(out.trim() == "OK", "SAVE on port {}: {out}", self.port);
-        let to = self.dir.join(name);
-        std::fs::copy(self.dir.join("dump.rdb"), &to)
+        assert!(out.trim() == "OK", "SAVE on port {}: {out}", self.port());
+        let to = self.dir().join(name);
+        std::fs::copy(self.dir().join("dump.rdb"), &to)
             .unwrap_or_else(|e| panic!("copying the snapshot to {}: {e}", to.display()));
         to
     }
@@ -351,10 +241,9 @@ impl RedisServer {
 
     fn signal(&self, sig: &str) {
         let pid = self
-            .child
-            .as_ref()
-            .map(|c| c.id())
-            .unwrap_or_else(|| panic!("redis-server on port {} is not running", self.port));
+            .server
+            .pid()
+            .unwrap_or_else(|| panic!("redis-server on port {} is not running", self.port()));
         let status = Command::new("kill")
             .arg(sig)
             .arg(pid.to_string())
@@ -366,18 +255,15 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        // A paused server would not die of SIGKILL any later, but resume
-        // anyway so nothing waits on it.
-        if self.child.is_some() {
-            let _ = self.child.as_ref().map(|c| {
-                Command::new("kill")
-                    .arg("-CONT")
-                    .arg(c.id().to_string())
-                    .status()
-            });
+        // A paused server dies of SIGKILL all the same, but resume it first
+        // so nothing waits on it; the server itself then kills the process
+        // and removes its directory.
+        if let Some(pid) = self.server.pid() {
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(pid.to_string())
+                .status();
         }
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -467,29 +353,29 @@ impl RedisCluster {
 
 /// (first slot, last slot, port) per range, from CLUSTER SLOTS at `port`.
 pub fn slot_ranges(port: u16) -> Vec<(u16, u16, u16)> {
-    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
+    let Ok(client) = ::redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
         return Vec::new();
     };
     let Ok(mut con) = client.get_connection_with_timeout(Duration::from_millis(500)) else {
         return Vec::new();
     };
-    let v: redis::Value = match redis::cmd("CLUSTER").arg("SLOTS").query(&mut con) {
+    let v: ::redis::Value = match ::redis::cmd("CLUSTER").arg("SLOTS").query(&mut con) {
         Ok(v) => v,
         Err(_) => return Vec::new(),
     };
     let mut out = Vec::new();
-    if let redis::Value::Array(ranges) = v {
+    if let ::redis::Value::Array(ranges) = v {
         for r in ranges {
-            if let redis::Value::Array(parts) = r {
-                let int = |v: &redis::Value| match v {
-                    redis::Value::Int(i) => *i,
+            if let ::redis::Value::Array(parts) = r {
+                let int = |v: &::redis::Value| match v {
+                    ::redis::Value::Int(i) => *i,
                     _ => -1,
                 };
                 if parts.len() < 3 {
                     continue;
                 }
                 let master = match &parts[2] {
-                    redis::Value::Array(m) if m.len() >= 2 => int(&m[1]),
+                    ::redis::Value::Array(m) if m.len() >= 2 => int(&m[1]),
                     _ => -1,
                 };
                 out.push((int(&parts[0]) as u16, int(&parts[1]) as u16, master as u16));

@@ -1,17 +1,18 @@
 //! The backend contract as executable checks, written once and run against
-//! every [`QueueBackend`] (in memory here, the embedded engine and Redis in
-//! their own test suites).
+//! every [`QueueBackend`]: the memory backend (`shardq-core`'s tests), the
+//! embedded engine (`shardq-fs`'s) and Redis (`shardq-redis`'s).
 //!
 //! Each check starts from an empty shard the harness owns and asserts an
 //! invariant a user relies on (per-key order, one run per key, receipts,
 //! job leases, dead letters as work, growing fences), never a mechanism.
-//! The checks panic with a message naming the broken promise. This module
-//! is test support: it does no I/O of its own and is never used by the
-//! queue at run time.
+//! The checks panic with a message naming the broken promise. A backend's
+//! test file runs them with [`contract_tests!`](crate::contract_tests), one
+//! test per check, each on a harness of its own; [`CHECKS`] names them
+//! all. This module does no I/O of its own.
 
-use crate::backend::QueueBackend;
-use crate::error::QueueError;
-use crate::job::{CancelOutcome, ClaimedJob, JobId, JobState, KeyCounts, NewJob, Receipt};
+use shardq_core::backend::QueueBackend;
+use shardq_core::error::QueueError;
+use shardq_core::job::{CancelOutcome, ClaimedJob, JobId, JobState, KeyCounts, NewJob, Receipt};
 
 /// A backend under test and a way to let its time pass.
 pub trait ContractHarness {
@@ -25,11 +26,11 @@ pub trait ContractHarness {
     fn pass_ms(&self, ms: u64);
     /// The shortest job lease the backend can be tested with, in ms.
     fn short_lease_ms(&self) -> u64 {
-        crate::job::JOB_LEASE_MS_MIN
+        shardq_core::job::JOB_LEASE_MS_MIN
     }
     /// The backend's flow control, opened with [`flow_settings`], for the
     /// checks that change policies while jobs run (none: they are skipped).
-    fn flow(&self) -> Option<&crate::flow::FlowControl> {
+    fn flow(&self) -> Option<&shardq_core::flow::FlowControl> {
         None
     }
 }
@@ -45,6 +46,18 @@ pub trait RewindHarness: ContractHarness {
     fn rewind(&self, shard: &str);
 }
 
+/// The name of every check on a [`ContractHarness`], in the order the
+/// generated tests are written.
+pub const CHECKS: &[&str] = crate::__contract_checks! { __contract_check_names () };
+
+/// The name of every check on a [`RewindHarness`] only.
+pub const REWIND_CHECKS: &[&str] = crate::__contract_rewind_checks! { __contract_check_names () };
+
+/// What [`contract_tests!`](crate::contract_tests) runs after each check
+/// when the caller gives nothing: nothing.
+#[doc(hidden)]
+pub fn nothing_after<H: ?Sized>(_harness: &H, _check: &str) {}
+
 /// A job lease long enough never to lapse within one check.
 const LONG_LEASE_MS: u64 = 600_000;
 
@@ -52,17 +65,17 @@ const LONG_LEASE_MS: u64 = 600_000;
 /// [`a_keys_retry_rule_decides_its_wait`]: keys starting with
 /// `contract-slow:` wait an hour after a failure, and the key
 /// `contract-slow:fast` (its own rule beats the prefix) a millisecond.
-pub fn retry_rules() -> crate::retry::RetryRules {
-    let fixed = |ms: u64| crate::retry::RetryPolicy {
+pub fn retry_rules() -> shardq_core::retry::RetryRules {
+    let fixed = |ms: u64| shardq_core::retry::RetryPolicy {
         max_attempts: 5,
-        backoff: crate::job::Backoff {
+        backoff: shardq_core::job::Backoff {
             base_ms: ms,
             max_ms: ms,
-            kind: crate::job::BackoffKind::Fixed,
+            kind: shardq_core::job::BackoffKind::Fixed,
             jitter_pct: 0,
         },
     };
-    let mut r = crate::retry::RetryRules::default();
+    let mut r = shardq_core::retry::RetryRules::default();
     r.prefixes.insert("contract-slow:".into(), fixed(3_600_000));
     r.keys.insert("contract-slow:fast".into(), fixed(1));
     r
@@ -76,13 +89,13 @@ pub fn retry_rules() -> crate::retry::RetryRules {
 /// `contract-w4:` have weights 1, 2 and 4, and `contract-vip:` priority 5;
 /// keys starting with `contract-slot:` share the group `contract-slots`,
 /// two runs at once; keys starting with `contract-c3:` run three at once.
-pub fn flow_settings() -> crate::flow::FlowSettings {
-    use crate::flow::{FlowPolicy, GroupLimit, Rate};
+pub fn flow_settings() -> shardq_core::flow::FlowSettings {
+    use shardq_core::flow::{FlowPolicy, GroupLimit, Rate};
     let rate = |count: u64| Rate {
         count,
         per_ms: 1_000,
     };
-    let mut f = crate::flow::FlowSettings::default();
+    let mut f = shardq_core::flow::FlowSettings::default();
     f.prefixes.insert(
         "contract-rate:".into(),
         FlowPolicy {
@@ -160,38 +173,6 @@ pub fn flow_settings() -> crate::flow::FlowSettings {
     f
 }
 
-/// Runs every check.
-pub fn run_all(h: &dyn ContractHarness) {
-    keys_start_in_enqueue_order(h);
-    one_run_per_key(h);
-    stale_receipts_change_nothing(h);
-    lapsed_job_lease_runs_again_and_old_receipt_is_refused(h);
-    extend_keeps_a_long_run_alive(h);
-    dead_letters_count_as_work(h);
-    dead_letters_of_a_sealed_key_stay_as_they_are(h);
-    exports_find_every_job_above_a_cursor(h);
-    purged_jobs_say_they_moved_away(h);
-    fences_grow_for_every_new_run(h);
-    fail_with_retry_in_runs_again_first(h);
-    dedup_ids_belong_to_their_key(h);
-    dedup_is_atomic_with_the_append(h);
-    dedup_records_move_with_export_and_import(h);
-    backlogs_move_with_their_key(h);
-    a_moving_key_freezes_only_once_copied(h);
-    jobs_can_be_read_and_cancelled(h);
-    a_running_job_cancelled_ends_with_its_run(h);
-    a_keys_retry_rule_decides_its_wait(h);
-    finished_jobs_are_kept_newest_first(h);
-    rate_limits_hold_across_every_claim(h);
-    a_backed_off_run_keeps_its_attempt_and_holds_its_key(h);
-    a_groups_concurrency_caps_its_runs_over_every_shard(h);
-    a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h);
-    lapsed_runs_of_a_concurrent_key_run_again_in_order(h);
-    an_ack_batch_with_a_live_and_a_lapsed_run_of_one_key(h);
-    a_changed_concurrency_holds_from_the_next_claim(h);
-    a_concurrent_keys_starts_share_its_rate(h);
-}
-
 /// The payloads of `runs` of `key`, in claim order.
 fn payloads_of(runs: &[ClaimedJob], key: &str) -> Vec<String> {
     (runs.iter())
@@ -204,7 +185,7 @@ fn payloads_of(runs: &[ClaimedJob], key: &str) -> Vec<String> {
 /// jobs in enqueue order, never more than 3 at once; a failed job runs
 /// again before the key's later jobs, and while its retry waits nothing
 /// later starts. A backend that keeps one run per key
-/// ([`crate::BackendLimits::key_concurrency_max`] 1) starts one.
+/// ([`shardq_core::BackendLimits::key_concurrency_max`] 1) starts one.
 pub fn a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once(h: &dyn ContractHarness) {
     let shard = h.fresh_shard();
     let b = h.backend();
@@ -404,9 +385,9 @@ pub fn a_concurrent_keys_starts_share_its_rate(h: &dyn ContractHarness) {
 /// default (2), prefixes nested three deep and a multi-byte one, keys whose
 /// own policy agrees with their prefix or the default and keys whose
 /// policy differs, for checks that a store resolves limits as
-/// [`crate::flow::FlowSettings::for_key`] does.
-pub fn mixed_concurrency_settings() -> crate::flow::FlowSettings {
-    use crate::flow::{FlowPolicy, FlowSettings};
+/// [`shardq_core::flow::FlowSettings::for_key`] does.
+pub fn mixed_concurrency_settings() -> shardq_core::flow::FlowSettings {
+    use shardq_core::flow::{FlowPolicy, FlowSettings};
     let conc = |n: u32| FlowPolicy {
         concurrency: n,
         ..FlowPolicy::default()
@@ -444,9 +425,9 @@ pub fn a_changed_concurrency_holds_from_the_next_claim(h: &dyn ContractHarness) 
     let original = flow.settings();
     let with = |n: u32| {
         let mut s = (*original).clone();
-        let p = crate::flow::FlowPolicy {
+        let p = shardq_core::flow::FlowPolicy {
             concurrency: n,
-            ..crate::flow::FlowPolicy::default()
+            ..shardq_core::flow::FlowPolicy::default()
         };
         s.prefixes.insert("contract-relimit:".into(), p);
         flow.set(s, 0);
@@ -484,13 +465,6 @@ pub fn a_changed_concurrency_holds_from_the_next_claim(h: &dyn ContractHarness) 
     let end = claim(h, &shard, 10, LONG_LEASE_MS);
     assert_eq!(payloads_of(&end, key), ["5"], "{end:?}");
     ack_one(h, &shard, end[0].receipt());
-}
-
-/// The checks of ranking ready keys by priority and weight (every backend;
-/// on Redis a claim ranks the first keys of the shard's ready list).
-pub fn run_ranked(h: &dyn ContractHarness) {
-    weights_share_slots_and_priorities_go_first(h);
-    ranks_compare_across_the_shards_of_a_process(h);
 }
 
 /// Ranks compare over the shards of one process
@@ -764,7 +738,7 @@ pub fn rate_limits_hold_across_every_claim(h: &dyn ContractHarness) {
 /// its run ends (ack, fail, back-off) or its lease lapses, and other keys
 /// run on meanwhile.
 pub fn a_groups_concurrency_caps_its_runs_over_every_shard(h: &dyn ContractHarness) {
-    use crate::flow::GROUP_SLOT_RECHECK_MS;
+    use shardq_core::flow::GROUP_SLOT_RECHECK_MS;
     let (a, b) = (h.fresh_shard(), h.fresh_shard());
     let be = h.backend();
     for i in 0..3 {
@@ -838,7 +812,7 @@ pub fn a_groups_concurrency_caps_its_runs_over_every_shard(h: &dyn ContractHarne
 /// twice, then a fail and a back-off of it) never frees the slot of a newer
 /// run of the same key, so a third run never joins the group's two.
 fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
-    use crate::flow::GROUP_SLOT_RECHECK_MS;
+    use shardq_core::flow::GROUP_SLOT_RECHECK_MS;
     let shard = h.fresh_shard();
     let be = h.backend();
     enqueue(h, &shard, "contract-slot:r", "r1", 1);
@@ -916,7 +890,7 @@ fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
 /// running until its run ends) as cancelled; newest first, by key or all;
 /// live jobs are not among them; past the retention's age they are gone.
 pub fn finished_jobs_are_kept_newest_first(h: &dyn ContractHarness) {
-    use crate::job::Finish;
+    use shardq_core::job::Finish;
     let shard = h.fresh_shard();
     let b = h.backend();
     assert!(b.finished(&shard, None, 10).expect("finished").is_empty());
@@ -998,7 +972,7 @@ pub fn finished_jobs_are_kept_newest_first(h: &dyn ContractHarness) {
     let want: Vec<JobId> = order.iter().rev().map(|r| r.id).collect();
     assert_eq!(newest, want, "a batch's acks, newest (last) first");
     // Past the retention's age they are forgotten.
-    h.pass_ms(crate::job::FINISHED_AGE_MS_DEFAULT + 1);
+    h.pass_ms(shardq_core::job::FINISHED_AGE_MS_DEFAULT + 1);
     assert!(
         b.finished(&shard, None, 10).expect("finished").is_empty(),
         "kept past the retention's age"
@@ -1027,7 +1001,7 @@ pub fn a_keys_retry_rule_decides_its_wait(h: &dyn ContractHarness) {
     for r in &runs {
         let named = (r.key == "contract-slow:named").then_some(5);
         match b.fail(&shard, r.receipt(), "down", named).expect("fail") {
-            crate::job::FailOutcome::Retry { at_ms } => at.insert(r.key.as_str(), at_ms),
+            shardq_core::job::FailOutcome::Retry { at_ms } => at.insert(r.key.as_str(), at_ms),
             other => panic!(
                 "{}: a first failure of five attempts must retry, got {other:?}",
                 r.key
@@ -1046,7 +1020,7 @@ pub fn a_keys_retry_rule_decides_its_wait(h: &dyn ContractHarness) {
         "the prefix rule's hour: retry at {slow}, the key rule's 1 ms at {fast}"
     );
     assert!(
-        slow >= plain + 3_540_000 - crate::job::BACKOFF_MAX_MS_DEFAULT.min(60_000),
+        slow >= plain + 3_540_000 - shardq_core::job::BACKOFF_MAX_MS_DEFAULT.min(60_000),
         "a key without a rule must not wait its neighbour's hour: {plain} vs {slow}"
     );
     assert!(
@@ -1219,7 +1193,7 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
         enqueue(h, &from, "m1", &format!("x{i}"), 5);
         enqueue(h, &from, "m2", &format!("y{i}"), 5);
     }
-    let items: Vec<(String, Vec<crate::job::MovedJob>)> = ["m1", "m2"]
+    let items: Vec<(String, Vec<shardq_core::job::MovedJob>)> = ["m1", "m2"]
         .into_iter()
         .map(|k| {
             (
@@ -1318,7 +1292,7 @@ fn enqueue_dedup(
     shard: &str,
     jobs: &[(&str, &str)],
     window_ms: u64,
-) -> Vec<crate::job::Stored> {
+) -> Vec<shardq_core::job::Stored> {
     let jobs: Vec<NewJob> = jobs
         .iter()
         .map(|(k, d)| NewJob::new(*k, "p").with_dedup_id(*d))
@@ -1427,7 +1401,7 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
 pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {
     let shard = h.fresh_shard();
     let backend = h.backend();
-    let results: Vec<Vec<crate::job::Stored>> = std::thread::scope(|sc| {
+    let results: Vec<Vec<shardq_core::job::Stored>> = std::thread::scope(|sc| {
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let shard = &shard;
@@ -1452,7 +1426,7 @@ pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {
             .map(|t| t.join().expect("thread"))
             .collect()
     });
-    let all: Vec<&crate::job::Stored> = results.iter().flatten().collect();
+    let all: Vec<&shardq_core::job::Stored> = results.iter().flatten().collect();
     assert_eq!(all.len(), 40);
     assert_eq!(
         all.iter().filter(|s| !s.duplicate).count(),
@@ -2154,15 +2128,17 @@ pub fn rewound_store_is_refused(h: &dyn RewindHarness) {
     );
 }
 
-/// The map store's settings: [`crate::reshard::update_setting`] over
-/// [`crate::reshard::MapStore::swap_setting`] loses no change. Writers in
+/// The map store's settings: [`shardq_core::reshard::update_setting`] over
+/// [`shardq_core::reshard::MapStore::swap_setting`] loses no change. Writers in
 /// threads, each through one of `stores` (several handles on one store
 /// stand for several processes or servers), each add their own entries to
 /// one setting and clear another behind each other: every acknowledged
 /// entry is stored once, and no reader ever sees a text that does not
 /// parse.
-pub fn settings_changes_are_never_lost(stores: &[std::sync::Arc<dyn crate::reshard::MapStore>]) {
-    use crate::reshard::{update_setting, ReshardError};
+pub fn settings_changes_are_never_lost(
+    stores: &[std::sync::Arc<dyn shardq_core::reshard::MapStore>],
+) {
+    use shardq_core::reshard::{update_setting, ReshardError};
     const WRITERS: usize = 8;
     const CHANGES: usize = 25;
     let name = "contract-settings";
@@ -2215,70 +2191,4 @@ pub fn settings_changes_are_never_lost(stores: &[std::sync::Arc<dyn crate::resha
     // Clearing goes through the same primitive.
     stores[0].store_setting(name, None).unwrap();
     assert_eq!(stores[0].load_setting(name).unwrap(), None);
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-
-    use super::*;
-    use crate::clock::ManualClock;
-    use crate::memory::MemoryBackend;
-
-    struct Memory {
-        backend: MemoryBackend,
-        clock: ManualClock,
-        next: AtomicUsize,
-        saved: std::sync::Mutex<Option<crate::memory::MemoryCheckpoint>>,
-        flow: Arc<crate::flow::FlowControl>,
-    }
-
-    impl RewindHarness for Memory {
-        fn checkpoint(&self, shard: &str) {
-            *self.saved.lock().unwrap() = self.backend.checkpoint(shard);
-        }
-        fn rewind(&self, shard: &str) {
-            let saved = self.saved.lock().unwrap().take().expect("a checkpoint");
-            self.backend.rewind(shard, &saved);
-        }
-    }
-
-    impl ContractHarness for Memory {
-        fn backend(&self) -> &dyn QueueBackend {
-            &self.backend
-        }
-        fn fresh_shard(&self) -> String {
-            let name = format!("c-{}", self.next.fetch_add(1, Ordering::SeqCst));
-            self.backend.add_shard(&name);
-            name
-        }
-        fn pass_ms(&self, ms: u64) {
-            self.clock.advance(ms);
-        }
-        fn flow(&self) -> Option<&crate::flow::FlowControl> {
-            Some(&self.flow)
-        }
-    }
-
-    #[test]
-    fn the_memory_backend_keeps_the_contract() {
-        let clock = ManualClock::new(1_700_000_000_000);
-        let flow = Arc::new(crate::flow::FlowControl::new(
-            flow_settings(),
-            Arc::new(crate::flow::LocalGroupBuckets::default()),
-        ));
-        let h = Memory {
-            backend: MemoryBackend::new(&[], Arc::new(clock.clone()))
-                .with_retry_rules(retry_rules())
-                .with_flow(Arc::clone(&flow)),
-            clock,
-            next: AtomicUsize::new(0),
-            saved: Default::default(),
-            flow,
-        };
-        run_all(&h);
-        run_ranked(&h);
-        rewound_store_is_refused(&h);
-    }
 }

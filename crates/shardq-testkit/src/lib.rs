@@ -1,0 +1,20 @@
+//! shardq-testkit: what the workspace's tests share, kept out of the
+//! product libraries.
+//!
+//! * [`contract`] is the backend contract as executable checks, and
+//!   [`contract_tests!`] turns them into one named test per check on a
+//!   backend's harness (`cargo test -p shardq-fs --test contract
+//!   one_run_per_key` runs one).
+//! * `redis` (feature `redis`) starts real `redis-server` processes
+//!   (standalone, replicas, clusters) and a switchable TCP proxy for the
+//!   Redis tests.
+//!
+//! Product crates name this crate only under `[dev-dependencies]`; the
+//! `shardq` binary never links it.
+
+pub mod contract;
+mod macros;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+pub use contract::{ContractHarness, RewindHarness, CHECKS, REWIND_CHECKS};
