@@ -189,6 +189,11 @@ export interface FinishedInfo {
   reason?: string;
 }
 
+/** Whether a `GET /v1/jobs/{id}` answer is a finished job (it has an `outcome`). */
+function isFinished(doc: unknown): boolean {
+  return typeof doc === "object" && doc !== null && "outcome" in doc;
+}
+
 function finishedInfo(doc: unknown, url: string): FinishedInfo {
   const j = (doc ?? {}) as Record<string, unknown>;
   const num = (name: string): number => {
@@ -422,7 +427,14 @@ export class Client {
   async job(id: string): Promise<JobInfo | undefined> {
     const path = `/v1/jobs/${encodeURIComponent(id)}`;
     const [doc, url] = await this.read("GET", path, undefined);
-    return doc === undefined ? undefined : jobInfo(doc, url);
+    return doc === undefined || isFinished(doc) ? undefined : jobInfo(doc, url);
+  }
+
+  /** Job `id` once it finished or was cancelled, while the deployment's retention keeps it; `undefined` for a live job, and for one no longer kept, moved away, or never existed. */
+  async finished(id: string): Promise<FinishedInfo | undefined> {
+    const path = `/v1/jobs/${encodeURIComponent(id)}`;
+    const [doc, url] = await this.read("GET", path, undefined);
+    return doc !== undefined && isFinished(doc) ? finishedInfo(doc, url) : undefined;
   }
 
   /**

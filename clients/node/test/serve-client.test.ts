@@ -100,6 +100,7 @@ test("an operator reads a job by id, lists its key's jobs and cancels one, and a
     assert.equal(await client.cancel(ids[1]!), true);
     assert.equal(await client.cancel(ids[1]!), false, "a second cancel finds nothing");
     assert.equal(await client.job(ids[1]!), undefined);
+    assert.equal((await client.finished(ids[1]!))?.outcome, "cancelled");
     await assert.rejects(client.keyJobs("op-k", 0), TypeError);
 
     const ran: string[] = [];

@@ -233,7 +233,12 @@ class AsyncClient:
     async def job(self, id: str) -> Optional[JobInfo]:
         """:meth:`shardq.Client.job` from asyncio code."""
         status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
-        return None if status == 404 else JobInfo._of(doc)
+        return None if status == 404 or "outcome" in doc else JobInfo._of(doc)
+
+    async def finished(self, id: str) -> Optional[FinishedInfo]:
+        """:meth:`shardq.Client.finished` from asyncio code."""
+        status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return FinishedInfo._of(doc) if status != 404 and "outcome" in doc else None
 
     async def moved(self, id: str) -> Optional[Moved]:
         """:meth:`shardq.Client.moved` from asyncio code."""

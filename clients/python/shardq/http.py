@@ -894,7 +894,15 @@ class Client:
         ``None`` when no live job has the id (it finished, was cancelled,
         moved away with its key, or never existed)."""
         status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
-        return None if status == 404 else JobInfo._of(doc)
+        return None if status == 404 or "outcome" in doc else JobInfo._of(doc)
+
+    def finished(self, id: str) -> Optional[FinishedInfo]:
+        """Job ``id`` once it finished or was cancelled, while the
+        deployment's retention keeps it; ``None`` for a live job, and for
+        one the retention no longer keeps, that moved away, or never
+        existed."""
+        status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
+        return FinishedInfo._of(doc) if status != 404 and "outcome" in doc else None
 
     def moved(self, id: str) -> Optional[Moved]:
         """Where job ``id`` went when it left its shard with its key in a

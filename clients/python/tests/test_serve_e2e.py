@@ -297,6 +297,9 @@ def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
         assert c.cancel(ids[1]) is True
         assert c.cancel(ids[1]) is False, "a second cancel finds nothing"
         assert c.job(ids[1]) is None
+        done = c.finished(ids[1])
+        assert done is not None and done.outcome == "cancelled", done
+        assert c.finished(ids[0]) is None, "a live job is not finished"
 
         gate = threading.Event()
         started = threading.Event()

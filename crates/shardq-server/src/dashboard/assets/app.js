@@ -650,17 +650,20 @@
       out.hidden = false;
       $("job-id").textContent = j.id;
       $("job-key").textContent = j.key;
-      $("job-state").textContent = j.state;
-      $("job-attempts").textContent = j.attempts + " of " + j.max_attempts + (j.state === "running" ? " (attempt " + (j.attempts + 1) + " running)" : "");
+      // A finished or cancelled job (kept by the retention) has an outcome
+      // and no live fields.
+      const done = j.outcome !== undefined;
+      $("job-state").textContent = done ? j.outcome + " (finished " + ago(j.finished_ms) + ")" : j.state;
+      $("job-attempts").textContent = done ? String(j.attempts) : j.attempts + " of " + j.max_attempts + (j.state === "running" ? " (attempt " + (j.attempts + 1) + " running)" : "");
       const starts = j.attempt_starts_ms || [];
       $("job-starts").textContent = starts.length ? starts.map(ago).join(", ") : "–";
-      $("job-created").textContent = ago(j.created_ms);
+      $("job-created").textContent = done ? "–" : ago(j.created_ms);
       $("job-due").textContent = (j.state === "queued" || j.state === "delayed") ? ago(j.not_before_ms) : "–";
       $("job-run").textContent = j.run ? "fence " + j.run.fence + (j.run.lease_expires_ms ? ", job lease ends " + ago(j.run.lease_expires_ms) : "") : "–";
       $("job-reason").textContent = j.reason || "–";
-      const text = j.payload !== undefined ? j.payload : "(" + j.payload_b64.length + " characters of base64: not UTF-8)";
+      const text = done ? "(not kept once finished)" : j.payload !== undefined ? j.payload : "(" + j.payload_b64.length + " characters of base64: not UTF-8)";
       $("job-payload").textContent = text.length > PAYLOAD_SHOWN ? text.slice(0, PAYLOAD_SHOWN) + "… (" + text.length + " characters)" : text;
-      cancel.hidden = false;
+      cancel.hidden = done;
       cancel.textContent = j.state === "running" ? "Stop and cancel" : "Cancel job";
     } catch (e) {
       state.job = null;
