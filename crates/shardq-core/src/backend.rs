@@ -425,6 +425,14 @@ pub trait QueueBackend: Send + Sync {
         false
     }
 
+    /// Whether a claim takes rate tokens or group slots now (some policy
+    /// sets a rate or a group): a pool then claims only for handlers that
+    /// start at once, so the tokens are taken when the handler starts and a
+    /// group's limit holds for the starts its downstream sees.
+    fn limits_starts(&self) -> bool {
+        false
+    }
+
     /// Runs of `key` a claim lets be in flight at once (its policy's
     /// concurrency, within [`BackendLimits::key_concurrency_max`]): a pool
     /// that sees more runs of a key than this knows some of them are over.

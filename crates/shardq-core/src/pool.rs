@@ -232,6 +232,11 @@ pub enum PoolEvent {
 pub struct PoolOptions {
     /// Handlers running at once, over all owned shards (1..=[`CONCURRENCY_MAX`]).
     pub concurrency: usize,
+    /// Handlers that run at once when fewer than `concurrency` (a stdio
+    /// handler's pipeline: the other runs wait written ahead to it). While
+    /// the backend limits starts ([`QueueBackend::limits_starts`]) the pool
+    /// keeps no more runs than this in flight. `None`: `concurrency`.
+    pub handlers: Option<usize>,
     /// How long shutdown waits for in-flight jobs, in ms.
     pub drain_timeout_ms: u64,
     /// Longest idle sleep between looks for new jobs, in ms.
@@ -259,6 +264,7 @@ impl Default for PoolOptions {
     fn default() -> Self {
         PoolOptions {
             concurrency: 1,
+            handlers: None,
             drain_timeout_ms: DRAIN_TIMEOUT_MS_DEFAULT,
             idle_poll_ms: IDLE_POLL_MS_DEFAULT,
             job_lease_ms: JOB_LEASE_MS_DEFAULT,
@@ -273,6 +279,7 @@ impl std::fmt::Debug for PoolOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PoolOptions")
             .field("concurrency", &self.concurrency)
+            .field("handlers", &self.handlers)
             .field("drain_timeout_ms", &self.drain_timeout_ms)
             .field("idle_poll_ms", &self.idle_poll_ms)
             .field("job_lease_ms", &self.job_lease_ms)
@@ -657,11 +664,28 @@ impl Dispatch<'_> {
         // Ranked keys (flow control): no claim ahead, and a claim for each
         // slot that frees, so it goes to the best-ranked key ready then,
         // not to one claimed early (nor waits for the other slots).
+        // Limited starts (rates, groups): the store takes a run's tokens
+        // when it is claimed, so a run claimed ahead would take them long
+        // before its handler starts and let a bucketful start at once
+        // later. Claims are then only for handlers that start at once:
+        // at most `handlers` runs in flight, one claim per freed slot.
         let ranked = self.backend.ranks_keys();
-        let ahead = if ranked { 1 } else { CLAIM_AHEAD };
-        let window = self.opts.concurrency.saturating_mul(ahead);
+        let limited = self.backend.limits_starts();
+        let window = if limited {
+            (self.opts.handlers)
+                .unwrap_or(self.opts.concurrency)
+                .clamp(1, self.opts.concurrency)
+        } else if ranked {
+            self.opts.concurrency
+        } else {
+            self.opts.concurrency.saturating_mul(CLAIM_AHEAD)
+        };
         let room = window - self.in_flight().min(window);
-        let batch = if ranked { 1 } else { self.opts.concurrency };
+        let batch = if ranked || limited {
+            1
+        } else {
+            self.opts.concurrency
+        };
         if room < batch && self.in_flight() > 0 {
             return Ok(false);
         }

@@ -1295,6 +1295,10 @@ impl QueueBackend for FsBackend {
         self.opts.flow.as_ref().is_some_and(|f| f.ranks_keys())
     }
 
+    fn limits_starts(&self) -> bool {
+        self.opts.flow.as_ref().is_some_and(|f| f.limits_starts())
+    }
+
     fn key_concurrency(&self, key: &str) -> u32 {
         self.opts.flow.as_ref().map_or(1, |f| f.concurrency_of(key))
     }

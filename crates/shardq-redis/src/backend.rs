@@ -1582,6 +1582,14 @@ impl QueueBackend for RedisBackend {
             .is_some_and(|f| f.ranks_keys())
     }
 
+    fn limits_starts(&self) -> bool {
+        self.inner
+            .opts
+            .flow
+            .as_ref()
+            .is_some_and(|f| f.limits_starts())
+    }
+
     fn key_concurrency(&self, key: &str) -> u32 {
         self.inner
             .opts

@@ -24,12 +24,10 @@
 //! worker is done with it, and knows nothing of queues beyond the job it is
 //! given.
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -291,6 +289,20 @@ fn read_answers(stdout: std::process::ChildStdout, shared: &Mutex<Shared>, progr
 struct Procs {
     cmd: Vec<String>,
     slots: Vec<Mutex<Option<Proc>>>,
+    /// Runs inside each slot now (written to its handler or about to be).
+    load: Mutex<Vec<usize>>,
+}
+
+/// A run's hold on its slot, given back when the run returns.
+struct SlotHeld<'a> {
+    procs: &'a Procs,
+    slot: usize,
+}
+
+impl Drop for SlotHeld<'_> {
+    fn drop(&mut self) {
+        lock(&self.procs.load)[self.slot] -= 1;
+    }
 }
 
 /// How often one run is given back to a new handler before it fails anyway
@@ -298,11 +310,24 @@ struct Procs {
 const GIVE_BACKS_MAX: u32 = 3;
 
 impl Procs {
-    /// Runs `job` on handler process `slot` (starting one if needed). A
+    /// The slot with the fewest runs in it (the first of those): an idle
+    /// handler gets a job before any is written ahead to a busy one, so as
+    /// long as no more runs are in flight than handlers, none waits in a
+    /// pipe (a rate's tokens are taken as the handler starts).
+    fn take_slot(&self) -> SlotHeld<'_> {
+        let mut load = lock(&self.load);
+        let slot = (0..load.len()).min_by_key(|&i| load[i]).unwrap_or(0);
+        load[slot] += 1;
+        SlotHeld { procs: self, slot }
+    }
+
+    /// Runs `job` on the least busy handler process (starting one if needed). A
     /// handler that fails the protocol, dies, or holds a cancelled run is
     /// killed and reaped at once; the job it was running fails, the jobs
     /// written ahead to it run on the slot's next handler.
-    fn run(&self, slot: usize, job: &ClaimedJob) -> Result<(), HandlerError> {
+    fn run(&self, job: &ClaimedJob) -> Result<(), HandlerError> {
+        let held = self.take_slot();
+        let slot = held.slot;
         let run = shardq_core::current_run();
         let line = serde_json::to_string(&StdioJob::of(job))
             .map_err(|e| format!("encoding job {}: {e}", job.id))?;
@@ -450,29 +475,17 @@ impl Procs {
     }
 }
 
-thread_local! {
-    /// Which handler process this worker thread writes to.
-    static SLOT_OF_THREAD: RefCell<Option<usize>> = const { RefCell::new(None) };
-}
-
 /// The handler of `work --stdio`: CMD runs as `procs` long-lived processes;
-/// each pool worker thread writes to one of them, so with `pipeline` threads
-/// per process a handler has up to that many jobs written ahead (it still
-/// reads and answers them one by one, in order).
+/// each run goes to the one with the fewest runs in it, so with `pipeline`
+/// pool threads per process a handler has up to that many jobs written
+/// ahead (it still reads and answers them one by one, in order).
 pub fn stdio_handler(cmd: Vec<String>, procs: usize) -> Arc<shardq_core::Handler> {
     let procs = Arc::new(Procs {
         cmd,
         slots: (0..procs.max(1)).map(|_| Mutex::new(None)).collect(),
+        load: Mutex::new(vec![0; procs.max(1)]),
     });
-    let next = Arc::new(AtomicUsize::new(0));
-    Arc::new(move |job: &ClaimedJob| {
-        let n = procs.slots.len();
-        let slot = SLOT_OF_THREAD.with(|s| {
-            *s.borrow_mut()
-                .get_or_insert_with(|| next.fetch_add(1, Ordering::SeqCst) % n)
-        });
-        procs.run(slot, job)
-    })
+    Arc::new(move |job: &ClaimedJob| procs.run(job))
 }
 
 #[cfg(test)]

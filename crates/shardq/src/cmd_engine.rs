@@ -696,6 +696,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     pool.job_timeout_ms = options.job_timeout_ms;
     pool.job_lease_ms = options.job_lease_ms;
     pool.concurrency = options.pool_concurrency();
+    pool.handlers = Some(options.concurrency);
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.

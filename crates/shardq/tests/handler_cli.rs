@@ -1250,3 +1250,88 @@ fn a_group_back_off_is_lifted_by_group_resume_and_by_group_clear() {
     let _ = worker.child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A group's rate holds for the handler starts its downstream sees while
+/// every slot is busy: 4 slots held 3 s by jobs outside the group, then
+/// the group's jobs, at 1/s with a burst of 3. No run of the group is
+/// claimed while no handler can start it (its token would be taken at the
+/// claim and a bucketful would start at once when the slots free), so over
+/// any window of w seconds the group starts at most burst + rate x w jobs
+/// (one more for the handlers' own stamps).
+#[test]
+fn a_groups_rate_holds_for_handler_starts_with_busy_slots() {
+    group_starts_with_busy_slots("h-group-busy", &[], false);
+}
+
+/// The same with `--stdio` handlers and jobs written ahead to them: a run
+/// goes to an idle handler, never behind a busy one's job.
+#[test]
+fn a_groups_rate_holds_for_stdio_handler_starts_with_busy_slots() {
+    group_starts_with_busy_slots("h-group-busy-stdio", &[], true);
+}
+
+/// The same on a Redis shard.
+#[test]
+fn a_groups_rate_holds_for_handler_starts_with_busy_slots_on_redis() {
+    let server = shardq_testkit::redis::RedisServer::start();
+    group_starts_with_busy_slots("h-group-busy-redis", &["--redis", &server.url()], false);
+}
+
+fn group_starts_with_busy_slots(name: &str, init_extra: &[&str], stdio: bool) {
+    let dir = temp_dir(name);
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    let mut init = vec!["init", "--data", d, "--shards", "1"];
+    init.extend_from_slice(init_extra);
+    ok(&init);
+    ok(&["group", "set", "--data", d, "g", "--rate", "1/s", "--burst", "3"]);
+    ok(&["policy", "set", "--data", d, "--prefix", "g:", "--group", "g"]);
+    for i in 0..4 {
+        ok(&["enqueue", "--data", d, "--key", &format!("b{i}"), "--payload", "busy"]);
+    }
+    for i in 0..8 {
+        ok(&["enqueue", "--data", d, "--key", &format!("g:{i}"), "--payload", "g"]);
+    }
+    let stamps = dir.join("stamps");
+    let s = stamps.display();
+    let mut extra = vec!["--concurrency", "4", "--exit-when-idle"];
+    let script = if stdio {
+        extra.extend(["--stdio", "--stdio-pipeline", "4"]);
+        let handler = dir.join("handler.py");
+        std::fs::write(
+            &handler,
+            format!(
+                "import json, sys, time\n\
+                 for line in sys.stdin:\n\
+                 \x20   job = json.loads(line)\n\
+                 \x20   if job['payload'] == 'busy':\n\
+                 \x20       time.sleep(3)\n\
+                 \x20   else:\n\
+                 \x20       with open('{s}', 'a') as f:\n\
+                 \x20           f.write('%s %d\\n' % (job['key'], time.time() * 1000))\n\
+                 \x20   print(json.dumps({{'receipt': job['receipt'], 'ok': True}}), flush=True)\n"
+            ),
+        )
+        .unwrap();
+        format!("exec python3 {}", handler.display())
+    } else {
+        format!(
+            "read p; if [ \"$p\" = busy ]; then sleep 3; \
+             else echo \"$SHARDQ_KEY $(date +%s%3N)\" >> {s}; fi"
+        )
+    };
+    let mut worker = start_worker(&data, &extra, &script);
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    let text = std::fs::read_to_string(&stamps).unwrap();
+    let starts = starts_of(&text, "g:");
+    assert_eq!(starts.len(), 8, "{text}");
+    for w in [500, 1_000, 2_000] {
+        let bound = 3 + w as usize / 1_000 + 1;
+        assert!(
+            most_in_window(&starts, w) <= bound,
+            "more than burst 3 + 1/s x {w} ms (+1) starts: {starts:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
