@@ -557,7 +557,8 @@ pub trait QueueBackend: Send + Sync {
     /// atomically with respect to claims: a cancelled job never starts. A
     /// running job's run is asked to stop ([`CancelOutcome::Stopping`]): its
     /// results are refused from then, and the job is deleted when the run
-    /// ends (its job lease lapsing, or a new owner finding it), never
+    /// ends (its failure, which says its handler is over; its job lease
+    /// lapsing; or a new owner finding it), never
     /// retried; the key's next job starts only after that, so the key's one
     /// run is never overlapped by a store write its handler cannot see.
     /// Needs no ownership.

@@ -316,15 +316,21 @@ fn end_lapsed_runs(
     for id in lapsed {
         let run = s.in_flight.remove(&id);
         if run.is_some_and(|r| r.cancelled) {
-            // Its cancel takes effect now that no run of it is left.
-            if let Some(j) = s.jobs.remove(&id) {
-                run_over(s, &j.key);
-                note_finished(s, id, j, Finish::Cancelled, now, retention);
-            }
+            end_cancelled_run(s, id, now, retention);
             continue;
         }
         // The run vanished rather than failed: retry at once.
         finish_failed(s, id, "job lease lapsed", now, Some(0), backoff, policy);
+    }
+}
+
+/// A cancelled run is over (its lease lapsed, or its handler failed): its
+/// cancel takes effect now that no run of the job is left.
+fn end_cancelled_run(s: &mut ShardState, id: JobId, now: u64, retention: Retention) {
+    s.in_flight.remove(&id);
+    if let Some(j) = s.jobs.remove(&id) {
+        run_over(s, &j.key);
+        note_finished(s, id, j, Finish::Cancelled, now, retention);
     }
 }
 
@@ -781,11 +787,21 @@ impl QueueBackend for MemoryBackend {
     ) -> Result<FailOutcome, QueueError> {
         let now = self.clock.now_ms();
         let (backoff, policy) = (self.backoff, self.dead_policy);
+        let retention = self.retention;
         let mut ended = Vec::new();
         let out = self.owned(shard, |s| {
             let job = s.jobs.get(&receipt.id);
             // Over, current or not: its group slot goes back below.
             ended.extend(job.map(|j| (j.key.clone(), receipt.fence)));
+            if let Some(run) =
+                (s.in_flight.get(&receipt.id)).filter(|r| r.cancelled && r.fence == receipt.fence)
+            {
+                // The run a cancel stopped, over now that its handler
+                // failed: its job goes at once, not when its lease lapses.
+                let why = format!("the job was cancelled while it ran (run {})", run.fence);
+                end_cancelled_run(s, receipt.id, now, retention);
+                return Err(stale(shard, receipt, why));
+            }
             current_run(s, receipt).map_err(|why| stale(shard, receipt, why))?;
             s.in_flight.remove(&receipt.id);
             let job = s.jobs.get(&receipt.id);

@@ -1242,8 +1242,30 @@ impl QueueBackend for FsBackend {
         let reason = shardq_core::job::cut_at_char(reason, shardq_core::job::FAIL_REASON_BYTES_MAX);
         let mut outcome = FailOutcome::Dead;
         let mut key = String::new();
+        let mut cancelled = None;
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
+            cancelled = None;
+            if let Some(run) = (r.in_flight(receipt.id.0))
+                .filter(|run| run.cancelled && run.fence == receipt.fence)
+            {
+                // The run a cancel stopped, over now that its handler
+                // failed: its job goes at once (as when its lease lapses),
+                // so the key's next job need not wait for the lease.
+                key = run.key.to_string();
+                cancelled = r
+                    .live_job(receipt.id.0)
+                    .map(|j| finished_job(&j, Finish::Cancelled, now));
+                let mut bytes = Vec::new();
+                record::encode(
+                    &mut bytes,
+                    &Record::Cancel {
+                        job: receipt.id.0,
+                        key: run.key,
+                    },
+                );
+                return Ok(bytes);
+            }
             let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
                 // Over: its group slot goes back below.
                 key = r
@@ -1288,6 +1310,15 @@ impl QueueBackend for FsBackend {
         }
         let (_, end) = res?;
         self.after_run_record(&shard, end)?;
+        if let Some(job) = cancelled {
+            self.note_finished(&shard, &[job]);
+            return Err(QueueError::StaleReceipt {
+                shard: name.to_string(),
+                id: receipt.id.0,
+                fence: receipt.fence,
+                reason: "the job was cancelled while it ran".into(),
+            });
+        }
         Ok(outcome)
     }
 

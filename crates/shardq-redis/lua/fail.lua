@@ -14,7 +14,12 @@ local k = key_of(id, '')
 local q = nil
 if k ~= '' then q = kparse(redis.call('HGET', K_KEYS, k), k) end
 local why = run_check(id, ARGV[6], k, q, now)
-if why then return {'STALE', why} end
+if why then
+  -- The run a cancel stopped failed: its handler is over, so its job ends
+  -- now rather than when its lease lapses.
+  if why == CANCELLED_RUN and cancelled_run_is(id, ARGV[6]) then requeue(id, why, now) end
+  return {'STALE', why}
+end
 local r = redis.call('HGET', K_JOBS, id)
 local _, a, m = rec_parse(r)
 a = a + 1

@@ -372,6 +372,15 @@ local function key_of(ids, k)
   local _, _, _, _, rk = rec_parse(r)
   return rk
 end
+-- Why a result of a run a cancel stopped is refused.
+local CANCELLED_RUN = 'the job was cancelled while it ran'
+-- Whether (ids, fence) names the run a cancel stopped: the cancel cleared
+-- its fence and kept it in `id^` (cancel.lua). Once its handler is over
+-- the job ends (requeue deletes it) and the key's next job may start.
+local function cancelled_run_is(ids, fence)
+  local kept = redis.call('HGET', K_REASON, ids .. '^')
+  return kept and string.match(kept, '^(%d+):') == fence
+end
 -- Whether receipt (ids, fence) names the current run of its job on key k,
 -- whose queue is q: nil if it does, else why not. A run whose job lease
 -- lapsed ends here (its job goes back to its key), so it is stale too.
@@ -385,7 +394,7 @@ local function run_check(ids, fence, k, q, now, until_ms)
     return 'not in flight'
   end
   local cur = q.runs[run + 1]
-  if cur == 0 then return 'the job was cancelled while it ran' end
+  if cur == 0 then return CANCELLED_RUN end
   if cur ~= tonumber(fence) then return 'run ' .. idstr(cur) .. ' is current' end
   if until_ms == nil then until_ms = redis.call('ZSCORE', K_INF, ids) end
   until_ms = tonumber(until_ms or '0')

@@ -1695,6 +1695,63 @@ pub fn a_running_job_cancelled_ends_with_its_run(h: &dyn ContractHarness) {
     assert!(claim(h, &shard, 10, LONG_LEASE_MS).is_empty());
 }
 
+/// A cancelled run whose handler stopped and failed is over: the failure
+/// is refused (the job was cancelled, never retried), the job is gone at
+/// once and kept as cancelled, and the key's next job starts without
+/// waiting for the cancelled run's job lease. An older run's late failure
+/// ends nothing.
+pub fn a_cancelled_runs_failure_ends_it_at_once(h: &dyn ContractHarness) {
+    let b = h.backend();
+    let shard = h.fresh_shard();
+    enqueue(h, &shard, "k", "c1", 5);
+    enqueue(h, &shard, "k", "c2", 5);
+    let lease = h.short_lease_ms();
+    // A first run that lapses, so a late result of an older run exists.
+    let old = claim(h, &shard, 10, lease).remove(0);
+    h.pass_ms(lease + 1);
+    let run = claim(h, &shard, 10, LONG_LEASE_MS).remove(0);
+    assert_eq!((&run.payload[..], run.id), (&b"c1"[..], old.id));
+    match b.cancel(&shard, run.id).expect("cancel") {
+        // A backend that cannot stop a run changes nothing.
+        CancelOutcome::Running => return,
+        CancelOutcome::Stopping => {}
+        other => panic!("a running job's cancel answered {other:?}"),
+    }
+    let late = b.fail(&shard, old.receipt(), "late", None);
+    assert!(
+        matches!(late, Err(QueueError::StaleReceipt { .. })),
+        "an older run's failure: {late:?}"
+    );
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "an older run's late failure ended the cancelled run"
+    );
+    let failed = b.fail(&shard, run.receipt(), "killed: cancelled", None);
+    assert!(
+        matches!(failed, Err(QueueError::StaleReceipt { .. })),
+        "a cancelled run's failure must be refused: {failed:?}"
+    );
+    assert_eq!(
+        b.job(&shard, run.id).expect("job"),
+        None,
+        "the cancelled job is gone once its run failed"
+    );
+    let next = claim(h, &shard, 10, LONG_LEASE_MS);
+    let got: Vec<&[u8]> = next.iter().map(|j| &j.payload[..]).collect();
+    assert_eq!(
+        got,
+        [b"c2"],
+        "the key's next job waited for the cancelled run's lease"
+    );
+    let kept = b.finished(&shard, Some("k"), 10).expect("finished");
+    assert!(
+        kept.iter()
+            .any(|f| f.id == run.id && f.outcome == shardq_core::job::Finish::Cancelled),
+        "the cancelled job is kept as cancelled: {kept:?}"
+    );
+    ack_one(h, &shard, next[0].receipt());
+}
+
 fn enqueue(h: &dyn ContractHarness, shard: &str, key: &str, payload: &str, attempts: u32) {
     let mut job = NewJob::new(key, payload);
     job.max_attempts = attempts;

@@ -69,6 +69,7 @@ macro_rules! __contract_checks {
             a_moving_key_freezes_only_once_copied
             jobs_can_be_read_and_cancelled
             a_running_job_cancelled_ends_with_its_run
+            a_cancelled_runs_failure_ends_it_at_once
             a_keys_retry_rule_decides_its_wait
             finished_jobs_are_kept_newest_first
             rate_limits_hold_across_every_claim

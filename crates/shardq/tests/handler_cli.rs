@@ -1284,13 +1284,33 @@ fn group_starts_with_busy_slots(name: &str, init_extra: &[&str], stdio: bool) {
     let mut init = vec!["init", "--data", d, "--shards", "1"];
     init.extend_from_slice(init_extra);
     ok(&init);
-    ok(&["group", "set", "--data", d, "g", "--rate", "1/s", "--burst", "3"]);
-    ok(&["policy", "set", "--data", d, "--prefix", "g:", "--group", "g"]);
+    ok(&[
+        "group", "set", "--data", d, "g", "--rate", "1/s", "--burst", "3",
+    ]);
+    ok(&[
+        "policy", "set", "--data", d, "--prefix", "g:", "--group", "g",
+    ]);
     for i in 0..4 {
-        ok(&["enqueue", "--data", d, "--key", &format!("b{i}"), "--payload", "busy"]);
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            &format!("b{i}"),
+            "--payload",
+            "busy",
+        ]);
     }
     for i in 0..8 {
-        ok(&["enqueue", "--data", d, "--key", &format!("g:{i}"), "--payload", "g"]);
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            &format!("g:{i}"),
+            "--payload",
+            "g",
+        ]);
     }
     let stamps = dir.join("stamps");
     let s = stamps.display();
@@ -1333,5 +1353,42 @@ fn group_starts_with_busy_slots(name: &str, init_extra: &[&str], stdio: bool) {
             "more than burst 3 + 1/s x {w} ms (+1) starts: {starts:?}"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A running job cancelled from another process: its handler is stopped,
+/// and the key's next job starts as soon as the handler is gone, not when
+/// the cancelled run's 30 s job lease lapses; the cancelled job is kept as
+/// cancelled and never runs again.
+#[test]
+fn a_cancelled_runs_key_goes_on_once_its_handler_is_gone() {
+    let dir = temp_dir("h-cancel-run");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    ok(&["init", "--data", d, "--shards", "1"]);
+    let hold = ok(&["enqueue", "--data", d, "--key", "k", "--payload", "hold"]);
+    ok(&["enqueue", "--data", d, "--key", "k", "--payload", "next"]);
+    let stamps = dir.join("stamps");
+    let script = format!(
+        "read p; echo \"$p\" >> {s}; if [ \"$p\" = hold ]; then sleep 60; fi",
+        s = stamps.display()
+    );
+    let mut worker = start_worker(&data, &["--exit-when-idle", "--lease-ms", "30000"], &script);
+    let ran = || std::fs::read_to_string(&stamps).unwrap_or_default();
+    wait_until("the held job to start", WAIT_MAX, || ran().contains("hold"));
+    let cancelled_at = Instant::now();
+    ok(&["job", "cancel", "--data", d, hold.trim()]);
+    wait_until("the key's next job", WAIT_MAX, || ran().contains("next"));
+    let waited = cancelled_at.elapsed();
+    assert!(
+        waited < Duration::from_secs(20),
+        "the next job waited {waited:?}, as long as the cancelled run's lease"
+    );
+    let (status, err) = wait_exit(&mut worker, WAIT_MAX);
+    assert!(status.success(), "{err}");
+    assert_eq!(ran(), "hold\nnext\n", "the cancelled job ran once");
+    let out = ok(&["job", "show", "--data", d, hold.trim(), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["outcome"], "cancelled", "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
