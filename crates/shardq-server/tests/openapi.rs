@@ -1,0 +1,371 @@
+//! `openapi.json` against what the server does, route by route: every JSON
+//! answer of a documented route is checked against the schema the document
+//! gives it, and every integer bound of a request body is tried at its
+//! edges (the bound taken, one past it refused naming the field).
+//!
+//! The check is a small validator of the OpenAPI 3.0 schema subset the
+//! document uses (`$ref`, `oneOf`, `type`, `nullable`, `enum`, `minimum`,
+//! `maximum`, `required`, `properties`, `additionalProperties`, `items`).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+mod support;
+
+use support::{call, claim, init_dir, options, post_ok, start, wait_until};
+
+fn doc() -> Value {
+    serde_json::from_str(shardq_server::OPENAPI_JSON).unwrap()
+}
+
+fn resolve<'a>(doc: &'a Value, schema: &'a Value) -> &'a Value {
+    match schema.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let name = r
+                .strip_prefix("#/components/schemas/")
+                .expect("a local ref");
+            let s = &doc["components"]["schemas"][name];
+            assert!(!s.is_null(), "{r} names no schema");
+            resolve(doc, s)
+        }
+        None => schema,
+    }
+}
+
+/// Where `v` breaks `schema`, as "PATH: what" lines.
+fn check(doc: &Value, schema: &Value, v: &Value, at: &str, errs: &mut Vec<String>) {
+    let schema = resolve(doc, schema);
+    if let Some(options) = schema.get("oneOf").and_then(Value::as_array) {
+        let fits = options.iter().any(|o| {
+            let mut e = Vec::new();
+            check(doc, o, v, at, &mut e);
+            e.is_empty()
+        });
+        if !fits {
+            errs.push(format!("{at}: {v} fits none of oneOf"));
+        }
+        return;
+    }
+    if v.is_null() {
+        if schema["nullable"] != json!(true) && schema.get("type").is_some() {
+            errs.push(format!("{at}: null, but the document says not nullable"));
+        }
+        return;
+    }
+    let ty = schema.get("type").and_then(Value::as_str);
+    let type_ok = match ty {
+        None => true,
+        Some("object") => v.is_object(),
+        Some("array") => v.is_array(),
+        Some("string") => v.is_string(),
+        Some("integer") => v.is_i64() || v.is_u64(),
+        Some("number") => v.is_number(),
+        Some("boolean") => v.is_boolean(),
+        Some(other) => panic!("{at}: a type the validator does not know: {other}"),
+    };
+    if !type_ok {
+        errs.push(format!("{at}: {v} is not of type {}", ty.unwrap_or("")));
+        return;
+    }
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        if !values.contains(v) {
+            errs.push(format!("{at}: {v} is not one of {values:?}"));
+        }
+    }
+    if let Some(n) = v.as_f64() {
+        if let Some(min) = schema.get("minimum").and_then(Value::as_f64) {
+            if n < min {
+                errs.push(format!("{at}: {n} below the documented minimum {min}"));
+            }
+        }
+        if let Some(max) = schema.get("maximum").and_then(Value::as_f64) {
+            if n > max {
+                errs.push(format!("{at}: {n} above the documented maximum {max}"));
+            }
+        }
+    }
+    if let Some(obj) = v.as_object() {
+        for r in schema["required"].as_array().into_iter().flatten() {
+            let r = r.as_str().unwrap();
+            if !obj.contains_key(r) {
+                errs.push(format!("{at}: required field {r:?} missing"));
+            }
+        }
+        let props = schema["properties"].as_object();
+        for (k, fv) in obj {
+            match props.and_then(|p| p.get(k)) {
+                Some(s) => check(doc, s, fv, &format!("{at}.{k}"), errs),
+                None => match schema.get("additionalProperties") {
+                    Some(Value::Bool(false)) => {
+                        errs.push(format!("{at}: field {k:?} is not documented"))
+                    }
+                    Some(s @ Value::Object(_)) => check(doc, s, fv, &format!("{at}.{k}"), errs),
+                    _ => {}
+                },
+            }
+        }
+    }
+    if let (Some(items), Some(list)) = (schema.get("items"), v.as_array()) {
+        for (i, item) in list.iter().enumerate() {
+            check(doc, items, item, &format!("{at}[{i}]"), errs);
+        }
+    }
+}
+
+/// The documented schema of `method path`'s answer `code`.
+fn answer_schema<'a>(doc: &'a Value, method: &str, path: &str, code: u16) -> &'a Value {
+    let op = &doc["paths"][path][method.to_lowercase()];
+    assert!(!op.is_null(), "{method} {path} is not documented");
+    let s = &op["responses"][code.to_string()]["content"]["application/json"]["schema"];
+    assert!(
+        !s.is_null(),
+        "{method} {path} documents no JSON answer {code}"
+    );
+    s
+}
+
+/// Calls `method target` (the documented `path` with its parameters
+/// filled in) and checks the answer against the document; returns it.
+fn checked(
+    s: &shardq_server::Running,
+    method: &str,
+    path: &str,
+    target: &str,
+    body: Option<Value>,
+    errs: &mut Vec<String>,
+) -> (u16, Value) {
+    let doc = doc();
+    let text = body.map(|b| b.to_string());
+    let (code, v) = call(s, method, target, text.as_deref(), None);
+    let schema = answer_schema(&doc, method, path, code);
+    check(&doc, schema, &v, &format!("{method} {target} {code}"), errs);
+    (code, v)
+}
+
+/// Every documented route with a JSON answer, called on a deployment with
+/// live, running, finished and dead jobs, a policy without a burst and a
+/// group: each answer fits its schema.
+#[test]
+fn every_answer_fits_its_documented_schema() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let mut errs = Vec::new();
+    let e = &mut errs;
+    checked(
+        &s,
+        "PUT",
+        "/v1/groups/{name}",
+        "/v1/groups/g",
+        Some(json!({"rate": "5/s"})),
+        e,
+    );
+    let policy = json!({"concurrency": 256, "rate": "10/s", "group": "g"});
+    checked(
+        &s,
+        "PUT",
+        "/v1/policies/{key}",
+        "/v1/policies/k",
+        Some(policy),
+        e,
+    );
+    let body = json!({"jobs": [
+        {"key": "k", "payload": "a"},
+        {"key": "k", "payload": "b"},
+        {"key": "d", "payload": "dead", "max_attempts": 1},
+        {"key": "later", "payload": "x", "delay_ms": 600000},
+    ]});
+    let (_, placed) = checked(&s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
+    let ids: Vec<String> = (placed["jobs"].as_array().unwrap().iter())
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut runs = Vec::new();
+    wait_until("three runs", Duration::from_secs(10), || {
+        runs.extend(claim(&s, "w", 10, 500, 30_000));
+        runs.len() >= 3
+    });
+    let receipt = |key: &str, payload: &str| {
+        let r = (runs.iter())
+            .find(|j| j["key"] == key && j["payload"] == payload)
+            .unwrap_or_else(|| panic!("no run of {key} {payload}: {runs:?}"));
+        r["receipt"].as_str().unwrap().to_string()
+    };
+    let dead = receipt("d", "dead");
+    let acked = receipt("k", "a");
+    let running = receipt("k", "b");
+    checked(
+        &s,
+        "POST",
+        "/v1/fail",
+        "/v1/fail",
+        Some(json!({"receipt": dead, "reason": "no"})),
+        e,
+    );
+    checked(
+        &s,
+        "POST",
+        "/v1/ack",
+        "/v1/ack",
+        Some(json!({"receipts": [acked]})),
+        e,
+    );
+    let ext = json!({"receipts": [running], "lease_ms": 30000});
+    checked(&s, "POST", "/v1/extend", "/v1/extend", Some(ext), e);
+    let claim_body = json!({"worker": "w2", "max": 1, "wait_ms": 0});
+    checked(&s, "POST", "/v1/claim", "/v1/claim", Some(claim_body), e);
+    for (path, target) in [
+        ("/healthz", "/healthz".to_string()),
+        ("/readyz", "/readyz".to_string()),
+        ("/v1/status", "/v1/status".to_string()),
+        ("/v1/keys", "/v1/keys?prefix=k".to_string()),
+        ("/v1/keys/{key}", "/v1/keys/k".to_string()),
+        (
+            "/v1/keys/{key}/jobs",
+            "/v1/keys/k/jobs?recent=5".to_string(),
+        ),
+        ("/v1/jobs/{id}", format!("/v1/jobs/{}", ids[0])),
+        ("/v1/jobs/{id}", format!("/v1/jobs/{}", ids[1])),
+        ("/v1/jobs/{id}", format!("/v1/jobs/{}", ids[3])),
+        ("/v1/dead", "/v1/dead".to_string()),
+        ("/v1/ring", "/v1/ring".to_string()),
+        ("/v1/hot", "/v1/hot".to_string()),
+        ("/v1/history", "/v1/history?seconds=60".to_string()),
+        ("/v1/reshard", "/v1/reshard".to_string()),
+        ("/v1/admin/rebalance", "/v1/admin/rebalance".to_string()),
+        ("/v1/policies", "/v1/policies".to_string()),
+        ("/v1/policies/{key}", "/v1/policies/k".to_string()),
+        ("/v1/groups", "/v1/groups".to_string()),
+        ("/v1/groups/{name}", "/v1/groups/g".to_string()),
+    ] {
+        let (code, v) = checked(&s, "GET", path, &target, None, e);
+        assert_eq!(code, 200, "GET {target}: {v}");
+    }
+    let (code, v) = checked(
+        &s,
+        "DELETE",
+        "/v1/jobs/{id}",
+        &format!("/v1/jobs/{}", ids[3]),
+        Some(json!({})),
+        e,
+    );
+    assert_eq!(code, 200, "{v}");
+    let (code, v) = checked(
+        &s,
+        "GET",
+        "/v1/jobs/{id}",
+        &format!("/v1/jobs/{}", ids[3]),
+        None,
+        e,
+    );
+    assert_eq!(code, 200, "a cancelled job is shown: {v}");
+    checked(
+        &s,
+        "POST",
+        "/v1/groups/{name}/resume",
+        "/v1/groups/g/resume",
+        Some(json!({})),
+        e,
+    );
+    checked(
+        &s,
+        "DELETE",
+        "/v1/policies/{key}",
+        "/v1/policies/k",
+        Some(json!({})),
+        e,
+    );
+    checked(
+        &s,
+        "DELETE",
+        "/v1/groups/{name}",
+        "/v1/groups/g",
+        Some(json!({})),
+        e,
+    );
+    checked(
+        &s,
+        "POST",
+        "/v1/dead/purge",
+        "/v1/dead/purge",
+        Some(json!({"all": true})),
+        e,
+    );
+    assert!(
+        errs.is_empty(),
+        "answers the document does not describe:\n{}",
+        errs.join("\n")
+    );
+}
+
+/// Every integer bound of the policy and group bodies, tried at its edges:
+/// the documented bound is taken, one past it is refused naming the field.
+#[test]
+fn documented_body_bounds_are_the_servers() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let doc = doc();
+    post_ok(
+        &s,
+        "/v1/jobs",
+        json!({"jobs": [{"key": "warm", "payload": "x"}]}),
+    );
+    for (schema, path) in [
+        ("FlowPolicy", "/v1/policies/k"),
+        ("GroupLimit", "/v1/groups/g"),
+    ] {
+        let props = doc["components"]["schemas"][schema]["properties"]
+            .as_object()
+            .unwrap();
+        for (field, p) in props {
+            if p["type"] != "integer" {
+                continue;
+            }
+            // A burst needs a rate beside it.
+            let with = |n: i64| {
+                let mut body = json!({ field.as_str(): n });
+                if field == "burst" {
+                    body["rate"] = json!("5/s");
+                }
+                body.to_string()
+            };
+            for (edge, past) in [("minimum", -1), ("maximum", 1)] {
+                let Some(n) = p[edge].as_i64() else { continue };
+                let (code, v) = call(&s, "PUT", path, Some(&with(n)), None);
+                assert_eq!(
+                    code, 200,
+                    "{schema}.{field} at its documented {edge} {n}: {v}"
+                );
+                let (code, v) = call(&s, "PUT", path, Some(&with(n + past)), None);
+                assert_eq!(
+                    code, 400,
+                    "{schema}.{field} past its documented {edge}: {v}"
+                );
+                let msg = v["error"].as_str().unwrap_or("");
+                assert!(msg.contains(field.as_str()), "{schema}.{field}: {v}");
+            }
+        }
+    }
+}
+
+/// A request line hyper cannot parse (a space, `<` or `>` in its target)
+/// gets a bare 400 and the connection closed, before any route: the
+/// document says so, and so does the server.
+#[test]
+fn an_unparsable_request_line_gets_the_documented_bare_400() {
+    let doc = doc();
+    let said = doc["info"]["description"].as_str().unwrap();
+    assert!(said.contains("cannot parse"), "{said}");
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let addr = s.url().trim_start_matches("http://").to_string();
+    for target in ["/v1/keys/a b", "/v1/keys/<k>"] {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(c, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut got = String::new();
+        let _ = c.read_to_string(&mut got);
+        assert!(got.starts_with("HTTP/1.1 400"), "{target}: {got}");
+    }
+}
