@@ -660,6 +660,47 @@ pub fn finished_job<B: QueueBackend + ?Sized>(
         .find(|f| f.id == id))
 }
 
+/// Dead letters of `shard` that a retry or purge of `ids` (`None`: every
+/// one) leaves as they are because their key is moving now (sealed by a
+/// rebalance; [`QueueBackend::dead_retry`] skips them): how many, and their
+/// keys. Read after the change, so a caller can say what to rerun.
+pub fn dead_left_moving<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shard: &str,
+    ids: Option<&[JobId]>,
+) -> Result<(u64, Vec<String>), QueueError> {
+    let fence = backend.fence(shard)?;
+    let mut left = 0;
+    let mut keys = std::collections::BTreeSet::new();
+    if fence.sealed_keys.is_empty() {
+        return Ok((0, Vec::new()));
+    }
+    match ids {
+        None => {
+            for key in fence.sealed_keys.keys() {
+                let dead = backend.key_counts(shard, key)?.dead;
+                if dead > 0 {
+                    left += dead;
+                    keys.insert(key.clone());
+                }
+            }
+        }
+        Some(ids) => {
+            for id in ids {
+                if let Some(j) = backend.job(shard, *id)? {
+                    if j.state == crate::job::JobState::Dead
+                        && fence.sealed_keys.contains_key(&j.key)
+                    {
+                        left += 1;
+                        keys.insert(j.key);
+                    }
+                }
+            }
+        }
+    }
+    Ok((left, keys.into_iter().collect()))
+}
+
 /// The order of one claim round over `shards` (each shard once, `first`
 /// the one whose turn it is), for up to `free` slots: while `backend`
 /// ranks keys and there are several shards, the shards of the best-ranked

@@ -1984,10 +1984,17 @@ pub fn dead_letters_of_a_sealed_key_stay_as_they_are(h: &dyn ContractHarness) {
     );
     let dead = |k: &str| b.key_counts(&shard, k).expect("counts").dead;
     assert_eq!((dead("s"), dead("f")), (1, 0));
+    // What a caller reports as left for a rerun, for every and for named ids.
+    let left = |ids: Option<&[JobId]>| {
+        shardq_core::backend::dead_left_moving(b, &shard, ids).expect("left")
+    };
+    assert_eq!(left(None), (1, vec!["s".to_string()]));
+    assert_eq!(left(Some(&[sealed_id])), (1, vec!["s".to_string()]));
     fence.sealed_keys.remove("s");
     b.set_fence(&shard, &fence).expect("unseal");
     assert_eq!(b.dead_retry(&shard, Some(&[sealed_id])).expect("retry"), 1);
     assert_eq!(dead("s"), 0);
+    assert_eq!(left(None), (0, Vec::new()));
 }
 
 /// An export from a cursor returns every job of the key above it, in id

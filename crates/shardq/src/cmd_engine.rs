@@ -1052,7 +1052,7 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
         Some(s) if all.contains(s) => vec![s.clone()],
         Some(s) => bail!("unknown --shard {s:?}: the map has {}", all.join(", ")),
     };
-    let change = |which: &DeadWhich, retry: bool| -> anyhow::Result<usize> {
+    let change = |which: &DeadWhich, retry: bool| -> anyhow::Result<(usize, u64, Vec<String>)> {
         let mut plan: std::collections::BTreeMap<String, Option<Vec<JobId>>> = Default::default();
         if which.all {
             for s in &shards {
@@ -1073,15 +1073,36 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
                     .push(id);
             }
         }
-        let mut n = 0;
+        let (mut n, mut left, mut keys) = (0, 0, Vec::new());
         for (s, ids) in plan {
             n += if retry {
                 backend.dead_retry(&s, ids.as_deref())?
             } else {
                 backend.dead_purge(&s, ids.as_deref())?
             };
+            let (l, k) = shardq_core::backend::dead_left_moving(&*backend, &s, ids.as_deref())?;
+            left += l;
+            keys.extend(k);
         }
-        Ok(n)
+        Ok((n, left, keys))
+    };
+    // Dead letters of a key moving now are left as they are: said, and
+    // exit 75 (a rerun once the move is done does the rest), as `job
+    // cancel` of such a job does.
+    let report = |done: &str, (n, left, keys): (usize, u64, Vec<String>)| {
+        println!("{done} {n} dead jobs");
+        if left == 0 {
+            return ExitCode::SUCCESS;
+        }
+        let keys: Vec<String> = keys
+            .iter()
+            .map(|k| shardq_core::job::shown_key(k))
+            .collect();
+        eprintln!(
+            "shardq: {left} dead jobs of keys moving to another shard now were left as they are ({}): rerun once the move is done",
+            keys.join(", ")
+        );
+        ExitCode::from(75)
     };
     match &action {
         DeadAction::List { json, .. } => {
@@ -1108,12 +1129,8 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::json!({ "dead": rows }));
             }
         }
-        DeadAction::Retry { which, .. } => {
-            println!("retried {} dead jobs", change(which, true)?);
-        }
-        DeadAction::Purge { which, .. } => {
-            println!("purged {} dead jobs", change(which, false)?);
-        }
+        DeadAction::Retry { which, .. } => return Ok(report("retried", change(which, true)?)),
+        DeadAction::Purge { which, .. } => return Ok(report("purged", change(which, false)?)),
     }
     Ok(ExitCode::SUCCESS)
 }

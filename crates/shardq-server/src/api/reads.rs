@@ -209,22 +209,24 @@ async fn dead_change(app: Arc<App>, req: DeadChange, retry: bool) -> ApiResult {
                 }
             }
         }
-        let mut n = 0usize;
+        let (mut n, mut left, mut keys) = (0usize, 0u64, Vec::new());
         for (shard, ids) in plan {
             n += if retry {
                 app.backend.dead_retry(&shard, ids.as_deref())?
             } else {
                 app.backend.dead_purge(&shard, ids.as_deref())?
             };
+            let (l, k) =
+                shardq_core::backend::dead_left_moving(&*app.backend, &shard, ids.as_deref())?;
+            left += l;
+            keys.extend(k);
         }
-        Ok(n)
+        Ok((n, left, keys))
     })
     .await?;
-    if retry {
-        ok(json!({ "retried": n }))
-    } else {
-        ok(json!({ "purged": n }))
-    }
+    let (n, left, keys) = n;
+    let done = if retry { "retried" } else { "purged" };
+    ok(json!({ done: n, "left_moving": left, "moving_keys": keys }))
 }
 
 /// `POST /v1/dead/retry`.
