@@ -401,6 +401,24 @@ pub const JOB_LEASE_MS_MIN: u64 = 100;
 /// Longest job lease accepted (one day); longer jobs extend theirs.
 pub const JOB_LEASE_MS_MAX: u64 = 24 * 3600 * 1000;
 
+/// Shortest job timeout accepted (`work --job-timeout-ms`, a claim's
+/// `timeout_ms`), in ms.
+pub const JOB_TIMEOUT_MS_MIN: u64 = 1;
+/// Longest job timeout accepted (7 days).
+pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
+/// Checks a job timeout against [`JOB_TIMEOUT_MS_MIN`]..=[`JOB_TIMEOUT_MS_MAX`].
+pub fn validate_job_timeout_ms(ms: u64) -> Result<(), QueueError> {
+    if !(JOB_TIMEOUT_MS_MIN..=JOB_TIMEOUT_MS_MAX).contains(&ms) {
+        return Err(QueueError::InvalidOption {
+            name: "job timeout",
+            value: format!("{ms} ms"),
+            allowed: format!("{JOB_TIMEOUT_MS_MIN}..={JOB_TIMEOUT_MS_MAX} ms"),
+        });
+    }
+    Ok(())
+}
+
 /// Checks a job lease length against [`JOB_LEASE_MS_MIN`]..=[`JOB_LEASE_MS_MAX`].
 pub fn validate_job_lease_ms(lease_ms: u64) -> Result<(), QueueError> {
     if !(JOB_LEASE_MS_MIN..=JOB_LEASE_MS_MAX).contains(&lease_ms) {

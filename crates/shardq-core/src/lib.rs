@@ -27,9 +27,9 @@ pub use flow::{
     GroupState, LocalGroupBuckets, PolicySource, PolicyTarget, Rate, RunStart, SlotAsk,
 };
 pub use job::{
-    next_fence, validate_job_lease_ms, validate_key, AckOutcome, Backoff, BackoffKind,
-    CancelOutcome, ClaimedJob, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish,
-    FinishedJob, JobId, JobInfo, JobState, KeyCounts, MovedAway, MovedJob, NewJob, Receipt,
+    next_fence, validate_job_lease_ms, validate_job_timeout_ms, validate_key, AckOutcome, Backoff,
+    BackoffKind, CancelOutcome, ClaimedJob, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
+    Finish, FinishedJob, JobId, JobInfo, JobState, KeyCounts, MovedAway, MovedJob, NewJob, Receipt,
     Retention, ShardStats, Stored, DEDUP_ID_BYTES_MAX, DEDUP_WINDOW_MS_DEFAULT,
     DEDUP_WINDOW_MS_MAX, FINISHED_AGE_MS_DEFAULT, FINISHED_JOBS_KEPT_DEFAULT,
     FINISHED_JOBS_KEPT_MAX, FINISHED_STARTS_KEPT, JOB_LEASE_MS_DEFAULT, JOB_LEASE_MS_MAX,

@@ -530,6 +530,7 @@ impl Server {
                 source: e,
             })?;
         let owned = app.owned.clone();
+        let sweeper = tokio::spawn(api::sweep_timeouts(Arc::clone(&app)));
         let a = Arc::clone(&app);
         let stop_claims = async move {
             shutdown.await;
@@ -544,6 +545,7 @@ impl Server {
             stop_claims,
         )
         .await;
+        sweeper.abort();
         if let Some(mut owner) = owner {
             owner.stop_claiming();
             let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;

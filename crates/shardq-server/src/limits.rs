@@ -69,6 +69,8 @@ pub const BODY_READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// worker, without tokens): a client cannot pass the per-worker bound by
 /// inventing worker names.
 pub const CLAIMS_PER_TOKEN_MAX_DEFAULT: usize = 50_000;
+/// How often the server looks for runs past their job timeout, in ms.
+pub const TIMEOUT_SWEEP_MS: u64 = 50;
 
 /// The limits one server applies.
 #[derive(Debug, Clone)]
@@ -91,6 +93,9 @@ pub struct Limits {
     pub body_read_timeout_ms: u64,
     /// Largest payload, in bytes (the deployment's own limit).
     pub payload_bytes_max: usize,
+    /// Job timeout of runs claimed without `timeout_ms`, in ms (`serve
+    /// --job-timeout-ms`; `None`: none, a run lasts while it is extended).
+    pub job_timeout_ms: Option<u64>,
 }
 
 impl Default for Limits {
@@ -105,6 +110,7 @@ impl Default for Limits {
             claims_per_token_max: CLAIMS_PER_TOKEN_MAX_DEFAULT,
             body_read_timeout_ms: BODY_READ_TIMEOUT_MS_DEFAULT,
             payload_bytes_max: shardq_core::PAYLOAD_BYTES_MAX_DEFAULT,
+            job_timeout_ms: None,
         }
     }
 }

@@ -1441,3 +1441,125 @@ fn finished_and_cancelled_jobs_are_shown_by_id() {
     let (code, v) = get(&s, "/v1/jobs/shard-0:999");
     assert_eq!(code, 404, "{v}");
 }
+
+/// A claim's `timeout_ms` is kept by the server: a worker that keeps
+/// extending a hung run past it still has the run failed at its deadline
+/// (an attempt used, the reason says so), its late extend and ack are
+/// refused (409), and the key's next attempt starts; out of attempts the
+/// job is dead. A bad timeout is refused naming the field.
+#[test]
+fn a_claims_job_timeout_fails_the_run_whatever_its_extends() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let (code, v) = post(&s, "/v1/claim", json!({"worker": "w", "timeout_ms": 0}));
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("timeout_ms"), "{v}");
+    enqueue(
+        &s,
+        json!([{"key": "k", "payload": "hang", "max_attempts": 2}]),
+    );
+    let take = || {
+        let mut got = Vec::new();
+        wait_until("a run", Duration::from_secs(10), || {
+            got = post_ok(
+                &s,
+                "/v1/claim",
+                json!({"worker": "w", "max": 1, "wait_ms": 500, "timeout_ms": 400}),
+            )["jobs"]
+                .as_array()
+                .unwrap()
+                .clone();
+            !got.is_empty()
+        });
+        got.remove(0)
+    };
+    let run = take();
+    assert!(run["timeout_expires_ms"].as_u64().is_some(), "{run}");
+    let receipt = run["receipt"].as_str().unwrap().to_string();
+    let started = Instant::now();
+    // A worker whose handler hangs, extending every 100 ms.
+    let refused_after = loop {
+        let (code, _) = post(
+            &s,
+            "/v1/extend",
+            json!({"receipts": [receipt], "lease_ms": 30000}),
+        );
+        if code == 409 {
+            break started.elapsed();
+        }
+        assert_eq!(code, 200);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never timed out"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        refused_after >= Duration::from_millis(350),
+        "timed out early: {refused_after:?}"
+    );
+    let (code, v) = post(&s, "/v1/ack", json!({"receipts": [receipt]}));
+    assert_eq!(code, 409, "a late ack: {v}");
+    let id = run["id"].as_str().unwrap();
+    let job = get_ok(&s, &format!("/v1/jobs/{id}"));
+    assert_eq!(job["attempts"], 1, "{job}");
+    // The second attempt times out too: dead, with the reason.
+    let again = take();
+    assert_eq!(
+        (again["id"].as_str(), again["attempt"].as_u64()),
+        (Some(id), Some(2))
+    );
+    wait_until("the job dead", Duration::from_secs(5), || {
+        let d = get_ok(&s, "/v1/dead");
+        d["dead"].as_array().is_some_and(|l| {
+            l.iter().any(|j| {
+                j["id"] == id
+                    && j["reason"]
+                        .as_str()
+                        .unwrap_or("")
+                        .contains("job timeout of 400 ms")
+            })
+        })
+    });
+}
+
+/// `serve --on-dead halt`: a key with a dead job starts none of its later
+/// jobs until the dead job is retried or purged; other keys run on.
+#[test]
+fn halt_on_dead_holds_the_key_for_http_workers() {
+    let dir = init_dir(1, "rendezvous");
+    let mut opts = options();
+    opts.open.engine.dead_policy = shardq_core::DeadPolicy::Halt;
+    let s = start(dir.path(), opts);
+    enqueue(
+        &s,
+        json!([
+            {"key": "k", "payload": "poison", "max_attempts": 1},
+            {"key": "k", "payload": "after"},
+        ]),
+    );
+    let mut got = Vec::new();
+    wait_until("the poison job", Duration::from_secs(10), || {
+        got.extend(claim(&s, "w", 10, 500, 30_000));
+        !got.is_empty()
+    });
+    assert_eq!(got.len(), 1, "one run of k at a time: {got:?}");
+    let r = got[0]["receipt"].clone();
+    let out = post_ok(&s, "/v1/fail", json!({"receipt": r, "reason": "bad"}));
+    assert_eq!(out["outcome"], "dead");
+    enqueue(&s, json!([{"key": "other", "payload": "x"}]));
+    let mut later = Vec::new();
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        later.extend(claim(&s, "w", 10, 300, 30_000));
+    }
+    let keys: Vec<&str> = later.iter().map(|j| j["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["other"], "k halted behind its dead job");
+    post_ok(&s, "/v1/dead/purge", json!({"all": true}));
+    let mut next = Vec::new();
+    wait_until("k's next job", Duration::from_secs(10), || {
+        next.extend(claim(&s, "w", 10, 500, 30_000));
+        !next.is_empty()
+    });
+    assert_eq!(next[0]["payload"], "after");
+}

@@ -22,10 +22,10 @@ pub const STDIO_PIPELINE_MIN: usize = 1;
 pub const STDIO_PIPELINE_MAX: usize = 64;
 /// Jobs written ahead to one stdio handler unless told otherwise.
 pub const STDIO_PIPELINE_DEFAULT: usize = 4;
-/// Shortest `--job-timeout-ms` accepted.
-pub const JOB_TIMEOUT_MS_MIN: u64 = 1;
+/// Shortest `--job-timeout-ms` accepted (core's, shared with the server).
+pub const JOB_TIMEOUT_MS_MIN: u64 = shardq_core::job::JOB_TIMEOUT_MS_MIN;
 /// Longest `--job-timeout-ms` accepted (7 days).
-pub const JOB_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+pub const JOB_TIMEOUT_MS_MAX: u64 = shardq_core::job::JOB_TIMEOUT_MS_MAX;
 
 /// Why an option was refused. Its text names the flag and the value.
 #[derive(Debug, thiserror::Error)]

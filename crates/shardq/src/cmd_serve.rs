@@ -85,6 +85,17 @@ pub struct ServeArgs {
     /// read, reshard) while `shardq work` or other servers run the shards.
     #[arg(long)]
     no_shards: bool,
+    /// Job timeout of runs whose claim gives no `timeout_ms`, in ms: past
+    /// it the server fails the run (an attempt used, retried or
+    /// dead-lettered), whatever the worker's extends, and refuses its late
+    /// result. Default: none.
+    #[arg(long, value_name = "MS")]
+    job_timeout_ms: Option<u64>,
+    /// What a dead job does to its key's later jobs: `continue` (the
+    /// default) runs them; `halt` holds the key until its dead jobs are
+    /// retried or purged (as `shardq work --on-dead halt`).
+    #[arg(long, default_value = "continue", value_parser = ["continue", "halt"])]
+    on_dead: String,
     /// Redis only: after every write, wait until N replicas have it (Redis
     /// `WAIT`, at most 1 s), so acknowledged enqueues, claims and acks
     /// survive a failover; a write the replicas do not confirm fails as
@@ -95,6 +106,13 @@ pub struct ServeArgs {
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if let Some(ms) = args.job_timeout_ms {
+        shardq_core::validate_job_timeout_ms(ms).context("--job-timeout-ms")?;
+    }
+    let dead_policy = match args.on_dead.as_str() {
+        "halt" => shardq_core::DeadPolicy::Halt,
+        _ => shardq_core::DeadPolicy::Continue,
+    };
     let tokens_path = args
         .tokens
         .clone()
@@ -139,6 +157,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             claims_per_worker_max: args.claims_per_worker_max,
             claims_per_token_max: args.claims_per_token_max,
             body_read_timeout_ms: args.body_read_timeout_ms,
+            job_timeout_ms: args.job_timeout_ms,
             ..shardq_server::Limits::default()
         },
         allowed_hosts: args.allowed_hosts,
@@ -153,9 +172,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         open: shardq_deploy::OpenOptions {
             redis: shardq_redis::RedisOptions {
                 wait_replicas: args.redis_wait_replicas,
+                dead_policy,
                 ..shardq_redis::RedisOptions::default()
             },
-            ..shardq_deploy::OpenOptions::default()
+            engine: shardq_fs::EngineOptions {
+                dead_policy,
+                ..shardq_fs::EngineOptions::default()
+            },
         },
     };
     shardq_server::serve_until_signal(&args.data, opts)

@@ -16,14 +16,29 @@ type RunKey = (u32, u64);
 /// the receipts of shards not owned here.
 pub(super) type Grouped = (BTreeMap<String, Vec<(Receipt, String)>>, Vec<String>);
 
-/// One run handed out: who holds it, its fence and lease end.
+/// One run handed out: who holds it, its fence and lease end, and its
+/// job timeout (the claim's `timeout_ms`) when it has one.
 #[derive(Debug, Clone, Copy)]
 struct HeldRun {
     worker: u32,
     principal: Principal,
     fence: u64,
     until: u64,
+    /// (deadline, timeout ms): past the deadline the server fails the run.
+    timeout: Option<(u64, u64)>,
 }
+
+/// A run's fence, lease end and job timeout, as the book is given them.
+#[derive(Debug, Clone, Copy)]
+struct RunTerms {
+    fence: u64,
+    until: u64,
+    /// (deadline, timeout ms).
+    timeout: Option<(u64, u64)>,
+}
+
+/// A run past its job timeout, to be failed: shard, receipt, timeout ms.
+pub(crate) type TimedOut = (Arc<str>, Receipt, u64);
 
 /// Runs handed out, for the per-worker and per-token bounds. Shard and
 /// worker names are numbered once (shards for good: there are few; a
@@ -42,6 +57,10 @@ pub struct ClaimBook {
     runs: HashMap<RunKey, HeldRun, RandomState>,
     /// (lease end, run, fence) of every run in `runs`.
     lapse: std::collections::BTreeSet<(u64, RunKey, u64)>,
+    /// (deadline, run, fence) of every run in `runs` with a job timeout.
+    deadlines: std::collections::BTreeSet<(u64, RunKey, u64)>,
+    /// Shard names by number.
+    shard_names: Vec<Arc<str>>,
     /// Runs that claims in progress may still add, per worker name and per
     /// token: counted against the bounds, so that concurrent claims of one
     /// worker cannot pass them together.
@@ -55,7 +74,9 @@ impl ClaimBook {
             return n;
         }
         let n = self.shards.len() as u32;
-        self.shards.insert(Arc::from(shard), n);
+        let name: Arc<str> = Arc::from(shard);
+        self.shards.insert(Arc::clone(&name), n);
+        self.shard_names.push(name);
         n
     }
 
@@ -76,11 +97,47 @@ impl ClaimBook {
         }
     }
 
+    /// Takes the runs whose job timeout passed by `now_ms` out of the
+    /// book: the caller fails each.
+    pub(crate) fn timed_out(&mut self, now_ms: u64) -> Vec<TimedOut> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, k, fence)) = self.deadlines.first() {
+            if deadline > now_ms {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(run) = self.runs.get(&k).filter(|r| r.fence == fence).copied() else {
+                continue;
+            };
+            let ms = run.timeout.map_or(0, |(_, ms)| ms);
+            self.remove(k);
+            if let Some(name) = self.shard_names.get(k.0 as usize) {
+                out.push((
+                    Arc::clone(name),
+                    Receipt {
+                        id: JobId(k.1),
+                        fence,
+                    },
+                    ms,
+                ));
+            }
+        }
+        out
+    }
+
+    /// Whether a run's job timeout may have passed by `now_ms`.
+    pub(crate) fn any_timed_out(&self, now_ms: u64) -> bool {
+        self.deadlines.first().is_some_and(|&(d, _, _)| d <= now_ms)
+    }
+
     fn remove(&mut self, k: RunKey) {
         let Some(run) = self.runs.remove(&k) else {
             return;
         };
         self.lapse.remove(&(run.until, k, run.fence));
+        if let Some((deadline, _)) = run.timeout {
+            self.deadlines.remove(&(deadline, k, run.fence));
+        }
         if let Some(n) = self.by_principal.get_mut(&run.principal) {
             *n -= 1;
             if *n == 0 {
@@ -166,15 +223,12 @@ impl ClaimBook {
         }
     }
 
-    fn add(
-        &mut self,
-        worker: &str,
-        principal: Principal,
-        shard: &str,
-        id: u64,
-        fence: u64,
-        until: u64,
-    ) {
+    fn add(&mut self, worker: &str, principal: Principal, shard: &str, id: u64, terms: RunTerms) {
+        let RunTerms {
+            fence,
+            until,
+            timeout,
+        } = terms;
         let k = (self.shard_no(shard), id);
         // A run claimed again (its old run lapsed) replaces the old one.
         self.remove(k);
@@ -200,9 +254,13 @@ impl ClaimBook {
                 principal,
                 fence,
                 until,
+                timeout,
             },
         );
         self.lapse.insert((until, k, fence));
+        if let Some((deadline, _)) = timeout {
+            self.deadlines.insert((deadline, k, fence));
+        }
     }
 
     pub(super) fn finish(&mut self, shard: &str, r: Receipt) {
@@ -242,6 +300,9 @@ pub struct ClaimRequest {
     max: Option<u64>,
     wait_ms: Option<u64>,
     lease_ms: Option<u64>,
+    /// The runs' job timeout, in ms (default: `serve --job-timeout-ms`):
+    /// past it the server fails the run, whatever its extends.
+    timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -258,6 +319,9 @@ struct ClaimedOut {
     receipt: String,
     fence: u64,
     lease_expires_ms: u64,
+    /// When the server fails the run if it has not ended (its job timeout).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeout_expires_ms: Option<u64>,
 }
 
 /// `POST /v1/claim`: long-polls the owned shards until something is
@@ -289,6 +353,11 @@ pub async fn claim(
     }
     let lease_ms = req.lease_ms.unwrap_or(JOB_LEASE_MS_DEFAULT);
     validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
+    let timeout_ms = req.timeout_ms.or(app.limits.job_timeout_ms);
+    if let Some(ms) = req.timeout_ms {
+        shardq_core::validate_job_timeout_ms(ms)
+            .map_err(|e| ApiError::bad(format!("timeout_ms: {e}")))?;
+    }
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     let worker = req.worker.clone();
     // Waiting claims poll with a backoff and skip a poll that another
@@ -307,8 +376,10 @@ pub async fn claim(
         if woken || !app.polled_empty_within(generation, interval_ms) {
             let a = Arc::clone(&app);
             let wk = worker.clone();
-            let (jobs, err) =
-                blocking(move || Ok(a.claim_once(&wk, principal, max as usize, lease_ms))).await?;
+            let (jobs, err) = blocking(move || {
+                Ok(a.claim_once(&wk, principal, max as usize, lease_ms, timeout_ms))
+            })
+            .await?;
             if let Some(e) = err {
                 if jobs.is_empty() {
                     return Err(e);
@@ -344,6 +415,7 @@ impl App {
         principal: Principal,
         max: usize,
         lease_ms: u64,
+        timeout_ms: Option<u64>,
     ) -> (Vec<ClaimedOut>, Option<ApiError>) {
         let now = self.clock.now_ms();
         let caps = (
@@ -354,7 +426,7 @@ impl App {
             Ok(n) => n,
             Err(e) => return (Vec::new(), Some(e)),
         };
-        let claimed = self.claim_reserved(worker, principal, reserved, lease_ms, now);
+        let claimed = self.claim_reserved(worker, principal, reserved, lease_ms, timeout_ms, now);
         book(&self.claims).unreserve(worker, principal, reserved);
         claimed
     }
@@ -366,6 +438,7 @@ impl App {
         principal: Principal,
         mut want: usize,
         lease_ms: u64,
+        timeout_ms: Option<u64>,
         now: u64,
     ) -> (Vec<ClaimedOut>, Option<ApiError>) {
         let shards = self.owned.list();
@@ -399,8 +472,11 @@ impl App {
                             principal,
                             &j.shard,
                             j.id.0,
-                            j.fence,
-                            j.lease_until_ms,
+                            RunTerms {
+                                fence: j.fence,
+                                until: j.lease_until_ms,
+                                timeout: timeout_ms.map(|ms| (now.saturating_add(ms), ms)),
+                            },
                         );
                         let (payload, payload_b64) = match String::from_utf8(j.payload) {
                             Ok(s) => (Some(s), None),
@@ -429,6 +505,7 @@ impl App {
                             max_attempts: j.max_attempts,
                             fence: j.fence,
                             lease_expires_ms: j.lease_until_ms,
+                            timeout_expires_ms: timeout_ms.map(|ms| now.saturating_add(ms)),
                         });
                     }
                 }
@@ -472,6 +549,14 @@ mod tests {
 
     use super::*;
 
+    fn terms(fence: u64, until: u64, timeout: Option<(u64, u64)>) -> RunTerms {
+        RunTerms {
+            fence,
+            until,
+            timeout,
+        }
+    }
+
     fn r(id: u64, fence: u64) -> Receipt {
         Receipt {
             id: JobId(id),
@@ -483,9 +568,9 @@ mod tests {
     fn the_claim_book_counts_each_workers_live_runs() {
         let p = crate::auth::ANONYMOUS;
         let mut b = ClaimBook::default();
-        b.add("w1", p, "s0", 1, 10, 1_000);
-        b.add("w1", p, "s1", 1, 11, 1_000);
-        b.add("w2", p, "s0", 2, 12, 5_000);
+        b.add("w1", p, "s0", 1, terms(10, 1_000, None));
+        b.add("w1", p, "s1", 1, terms(11, 1_000, None));
+        b.add("w2", p, "s0", 2, terms(12, 5_000, None));
         let held = |b: &mut ClaimBook, w: &str, now: u64| b.held(w, p, now).0;
         assert_eq!(
             (
@@ -511,7 +596,7 @@ mod tests {
         );
         assert!(!b.workers.contains_key("w2"), "w2 is forgotten");
         // A run claimed again by another worker moves to it.
-        b.add("w3", p, "s1", 1, 13, 9_000);
+        b.add("w3", p, "s1", 1, terms(13, 9_000, None));
         assert_eq!(
             (held(&mut b, "w1", 6_000), held(&mut b, "w3", 6_000)),
             (0, 1)
@@ -540,7 +625,7 @@ mod tests {
         // Runs added and reservations ended: the bound counts the runs.
         b.unreserve("w", p, 3);
         b.unreserve("x", p, 1);
-        b.add("w", p, "s0", 1, 1, 1_000);
+        b.add("w", p, "s0", 1, terms(1, 1_000, None));
         assert_eq!(b.reserve("w", p, 0, 5, (3, 100)).unwrap(), 2);
         assert!(b.reserve("w", p, 0, 5, (3, 100)).is_err());
     }
@@ -550,12 +635,31 @@ mod tests {
         let (a, z) = (crate::auth::Principal(0), crate::auth::Principal(1));
         let mut b = ClaimBook::default();
         for i in 0..100u64 {
-            b.add(&format!("w{i}"), a, "s0", i, i + 1, 1_000);
+            b.add(&format!("w{i}"), a, "s0", i, terms(i + 1, 1_000, None));
         }
         assert_eq!(b.held("fresh-name", a, 0), (0, 100));
         assert_eq!(b.held("fresh-name", z, 0), (0, 0));
         // Lapsed runs leave the token's count without any worker claiming.
         assert_eq!(b.held("w0", a, 1_000), (0, 0));
         assert!(b.workers.is_empty());
+    }
+
+    #[test]
+    fn runs_past_their_job_timeout_leave_the_book_once() {
+        let mut b = ClaimBook::default();
+        let p = ANONYMOUS;
+        b.add("w", p, "s0", 1, terms(10, 60_000, Some((1_000, 1_000))));
+        b.add("w", p, "s0", 2, terms(11, 60_000, Some((5_000, 5_000))));
+        b.add("w", p, "s1", 3, terms(12, 60_000, None));
+        assert!(!b.any_timed_out(999));
+        assert!(b.timed_out(999).is_empty());
+        let out = b.timed_out(1_000);
+        assert_eq!(out.len(), 1);
+        assert_eq!((&*out[0].0, out[0].1, out[0].2), ("s0", r(1, 10), 1_000));
+        assert!(b.timed_out(1_000).is_empty(), "once");
+        // An acked run leaves its deadline too.
+        b.finish("s0", r(2, 11));
+        assert!(!b.any_timed_out(u64::MAX));
+        assert_eq!(b.held("w", p, 0), (1, 1));
     }
 }

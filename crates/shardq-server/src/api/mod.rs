@@ -21,6 +21,7 @@ pub use enqueue::*;
 pub use flow::*;
 pub use jobs::*;
 pub use reads::*;
+pub(crate) use runs::sweep_timeouts;
 pub use runs::*;
 
 use std::collections::{BTreeMap, HashMap};

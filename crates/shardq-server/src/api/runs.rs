@@ -62,12 +62,58 @@ fn refused_or_ok(
     .with("not_owned", json!(not_owned)))
 }
 
+impl App {
+    /// Fails every run past its job timeout (a claim's `timeout_ms`) as an
+    /// attempt that timed out, whatever its extends: the server's side of
+    /// a timeout an HTTP worker cannot be trusted to keep. Its late ack is
+    /// then refused (409). Runs first, in ack and extend, so a result that
+    /// comes after the deadline never counts.
+    pub(crate) fn fail_timed_out(&self) {
+        let now = self.clock.now_ms();
+        if !book(&self.claims).any_timed_out(now) {
+            return;
+        }
+        let due = book(&self.claims).timed_out(now);
+        for (shard, r, ms) in due {
+            self.backoffs.ended(&shard, r.id);
+            let reason = format!("timed out: the run passed its job timeout of {ms} ms");
+            match self.backend.fail(&shard, r, &reason, None) {
+                Ok(o) => crate::metrics::failed(self, &shard, r, Ok(&o)),
+                // Ended meanwhile, or no longer ours: nothing to fail.
+                Err(QueueError::StaleReceipt { .. } | QueueError::NotOwner { .. }) => {}
+                Err(e) => eprintln!(
+                    "shardq serve: failing run {} of shard {shard} at its job timeout: {e}",
+                    receipt_string(&shard, r)
+                ),
+            }
+        }
+        self.work_arrived();
+    }
+}
+
+/// Fails runs past their job timeout every [`TIMEOUT_SWEEP_MS`], until the
+/// server stops.
+pub(crate) async fn sweep_timeouts(app: Arc<App>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(crate::limits::TIMEOUT_SWEEP_MS)).await;
+        if book(&app.claims).any_timed_out(app.clock.now_ms()) {
+            let a = Arc::clone(&app);
+            let _ = blocking(move || {
+                a.fail_timed_out();
+                Ok(())
+            })
+            .await;
+        }
+    }
+}
+
 /// `POST /v1/ack`: the valid receipts are acked; any stale or not-owned
 /// one makes the reply a 409 that lists them.
 pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest>) -> ApiResult {
     check_receipts(&req.receipts.0)?;
     let a = Arc::clone(&app);
     let (acked, stale, not_owned) = blocking(move || {
+        a.fail_timed_out();
         let (groups, mut not_owned) = a.group_receipts(&req.receipts.0)?;
         let mut acked = 0u64;
         let mut stale = Vec::new();
@@ -251,6 +297,7 @@ pub async fn extend(
     let lease_ms = req.lease_ms.unwrap_or(JOB_LEASE_MS_DEFAULT);
     validate_job_lease_ms(lease_ms).map_err(|e| ApiError::bad(format!("lease_ms: {e}")))?;
     let (extended, stale, not_owned) = blocking(move || {
+        app.fail_timed_out();
         let (groups, mut not_owned) = app.group_receipts(&req.receipts.0)?;
         let mut extended = 0u64;
         let mut stale = Vec::new();
