@@ -233,11 +233,13 @@ class Run {
   readonly acking = new Set<string>();
   /** Reports (ack and fail requests) under way. */
   readonly reports = new Set<Promise<void>>();
+  /** Extends under way: the heartbeat does not wait for them, the end of the run does. */
+  readonly extends = new Set<Promise<void>>();
   /** Aborted at the stop: ends the backoff sleeps of the pollers. */
   readonly claims = new AbortController();
   /** The claims under way: when each was sent, and how to cancel it. */
   readonly polls = new Set<{ sent: number; cancel: AbortController }>();
-  /** Aborted when jobs are left behind: cuts the reports off. */
+  /** Aborted when jobs are left behind, and at the end of the run: cuts the reports and extends off. */
   readonly cutoff = new AbortController();
   draining = false;
   abandoned = false;
@@ -296,7 +298,10 @@ export class Worker {
     else this.beginDrain(run);
   }
 
-  /** Closes the keep-alive connections (after `run` resolved); a later request opens new ones. */
+  /**
+   * Closes the keep-alive connections; a later request opens new ones.
+   * `run` does this itself when it ends, so nothing is left open after it.
+   */
   close(): void {
     for (const t of this.transports.values()) t.close();
   }
@@ -494,6 +499,13 @@ export class Worker {
         process.off("SIGTERM", onTerm);
         process.off("SIGINT", onInt);
       }
+      // Every job is reported or left behind: an extend still waiting for
+      // its answer (up to lease/3) serves nothing now, and would keep the
+      // process alive after `run` resolved. Cut it off and wait for it, then
+      // close the connections, so a program whose last work was `run` exits.
+      run.cutoff.abort();
+      await Promise.allSettled(run.extends);
+      this.close();
       this.current = undefined;
       this.lastStats = stats;
     }
@@ -653,7 +665,16 @@ export class Worker {
       this.extending.add(server);
       const sends = [];
       for (let i = 0; i < list.length; i += RECEIPTS_MAX) sends.push(this.extend(run, server, list.slice(i, i + RECEIPTS_MAX), leaseMs));
-      void Promise.all(sends).finally(() => this.extending.delete(server));
+      const p: Promise<void> = Promise.all(sends)
+        .then(
+          () => undefined,
+          (err: unknown) => this.log.error(`extend on ${server}: ${String(err)}`),
+        )
+        .finally(() => {
+          this.extending.delete(server);
+          run.extends.delete(p);
+        });
+      run.extends.add(p);
     }
   }
 

@@ -246,6 +246,48 @@ test("SIGTERM drains a worker process: the running job is acked and the process 
   }
 });
 
+test("nothing holds a drained worker process: an extend the server has not answered is cut off when run resolves", { timeout: 30_000 }, async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueue("k", "x");
+    // A lease of 9 s: the first extend goes out at 3 s and may wait 3 s
+    // (lease/3) for its answer; the server sits on it for 3.5 s, so only
+    // the cut-off at the end of run can release it sooner.
+    s.delay.set("/v1/extend", [3_500]);
+    const index = join(dirname(fileURLToPath(import.meta.url)), "..", "src", "index.js");
+    const script = `
+      import { Worker } from ${JSON.stringify(index)};
+      const w = new Worker([process.env.URL]);
+      await w.run(async () => { process.stdout.write("started\\n"); await new Promise(r => setTimeout(r, 3300)); }, { leaseMs: 9000, waitMs: 50 });
+      process.stdout.write("drained\\n");`;
+    const child = spawn(process.execPath, ["--input-type=module", "-e", script], { env: { ...process.env, URL: s.url }, stdio: ["ignore", "pipe", "pipe"] });
+    let out = "";
+    let err = "";
+    let drainedAt = 0;
+    child.stdout.on("data", (d) => {
+      out += d;
+      if (drainedAt === 0 && out.includes("drained")) drainedAt = Date.now();
+    });
+    child.stderr.on("data", (d) => (err += d));
+    const exited = new Promise<number | string | null>((resolve) => child.on("exit", (c, sig) => resolve(c ?? sig)));
+    const deadline = Date.now() + 15_000;
+    // SIGTERM once the extend is waiting on the server, while the handler still runs.
+    while (!(out.includes("started") && s.delay.get("/v1/extend")!.length === 0)) {
+      if (Date.now() > deadline) throw new Error(`no extend: ${out} ${err}`);
+      await sleep(10);
+    }
+    child.kill("SIGTERM");
+    const code = await exited;
+    const lingered = Date.now() - drainedAt;
+    assert.equal(code, 0, `${err}\n${out}`);
+    assert.ok(drainedAt > 0, out);
+    assert.equal(s.acked.length, 1);
+    assert.ok(lingered < 1000, `the process lived ${lingered} ms after run resolved`);
+  } finally {
+    await s.close();
+  }
+});
+
 test("a claim's timeout is its long poll plus timeoutMs; a job carries maxAttempts", async () => {
   const s = await new FakeServer("s").start();
   try {
