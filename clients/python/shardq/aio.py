@@ -14,9 +14,12 @@ A handler is ``async def handler(job: ClaimedJob) -> None``: returning acks
 the job, raising :class:`shardq.Retry` fails it with that retry delay,
 raising :class:`shardq.BackOff` ends the run without using an attempt and
 holds its key (or its whole group) for the time asked, any other exception
-fails the attempt. A stop without draining cancels it
-(``asyncio.CancelledError`` in the handler; ``job.lost`` is set too). A
-blocking handler stalls the loop: run blocking work with
+fails the attempt (logged with its traceback, which the reason sent
+carries, bounded as by :class:`shardq.Worker`). A stop without draining
+cancels it (``asyncio.CancelledError`` in the handler; ``job.lost`` is set
+too), and so does its run's job timeout (``run(..., timeout_ms=...)``, or
+the server's default): the server fails the run at it. A blocking handler
+stalls the loop (and no timeout can cancel it): run blocking work with
 ``asyncio.to_thread`` (or use :class:`shardq.Worker`).
 
 .. _aiohttp: https://docs.aiohttp.org/
@@ -65,6 +68,7 @@ from .http import (
     _batch_body,
     _batches,
     _check_batch_limits,
+    _check_job_timeout,
     _check_timeout,
     _claimed_of,
     _dumps,
@@ -84,9 +88,11 @@ from .http import (
     _policy_shown,
     _policy_target,
     _raise_for,
+    _refused,
     _refuses_worker,
     _retryable,
     _segment,
+    _set_deadlines,
     _settle_acks,
     _SignalStops,
     _SlotBook,
@@ -408,17 +414,29 @@ class AsyncWorker(_SignalStops):
         wait_ms: int = CLAIM_WAIT_MS_DEFAULT,
         install_signal_handlers: bool = True,
         drain_timeout_s: Optional[float] = None,
+        timeout_ms: Optional[int] = None,
     ) -> WorkerStats:
         """Runs ``handler`` until stopped; after a stop the handlers get
         ``drain_timeout_s`` (default: no limit) to finish before they are
-        cancelled as by ``stop(drain=False)``. Raises the error that stopped
-        it, if any: :class:`shardq.Unauthorized` for a refused token."""
+        cancelled as by ``stop(drain=False)``.
+
+        ``timeout_ms`` (1 ms to 7 days; default: the server's ``serve
+        --job-timeout-ms``, if any) is each run's job timeout, sent with
+        every claim: past it the server fails the run itself (an attempt
+        used: the job runs again, or dies on its last attempt), whatever the
+        extends, and this worker cancels the handler's task
+        (``asyncio.CancelledError`` in the handler, ``job.lost`` set), sends
+        nothing for it and counts it in ``stats.timed_out``; a handler that
+        swallows the cancellation keeps its slot until it returns. Raises
+        the error that stopped it, if any: :class:`shardq.Unauthorized` for
+        a refused token."""
         if concurrency < 1:
             raise ConfigError(f"invalid concurrency {concurrency}: at least 1")
         if lease_ms < 100:
             raise ConfigError(f"invalid lease_ms {lease_ms}: at least 100")
         if drain_timeout_s is not None and drain_timeout_s < 0:
             raise ConfigError(f"invalid drain_timeout_s {drain_timeout_s}: at least 0")
+        timeout_ms = _check_job_timeout(timeout_ms)
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._abandoned = asyncio.Event()
@@ -442,7 +460,7 @@ class AsyncWorker(_SignalStops):
         most = min(concurrency, CLAIM_MAX)
         try:
             claimers = [
-                asyncio.ensure_future(self._claim_loop(u, handler, most, lease_ms, wait_ms))
+                asyncio.ensure_future(self._claim_loop(u, handler, most, lease_ms, wait_ms, timeout_ms))
                 for u in self.urls
             ]
             await asyncio.gather(*claimers)
@@ -501,17 +519,21 @@ class AsyncWorker(_SignalStops):
             f.cancel()
             stop.cancel()
 
-    async def _claim_loop(self, url: str, handler: AsyncHandler, most: int, lease_ms: int, wait_ms: int) -> None:
+    async def _claim_loop(self, url: str, handler: AsyncHandler, most: int, lease_ms: int, wait_ms: int,
+                          timeout_ms: Optional[int]) -> None:
         assert self._stopping is not None and self._slot_free is not None
         failures = 0
+        body: Dict[str, Any] = {"worker": self.worker_id, "max": 1, "wait_ms": wait_ms, "lease_ms": lease_ms}
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
         while not self._stopping.is_set():
             want, own = self._book.take(url, most)
             if not want:
                 self._slot_free.clear()
                 await self._until_stopped(self._slot_free.wait())
                 continue
-            body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
-            poll = asyncio.ensure_future(self._http.post(url, "/v1/claim", body, self.timeout_s))
+            body["max"] = want
+            poll = asyncio.ensure_future(self._http.post(url, "/v1/claim", dict(body), self.timeout_s))
             self._polls.add(poll)
             jobs: List[ClaimedJob] = []
             try:
@@ -519,6 +541,7 @@ class AsyncWorker(_SignalStops):
                 if status != 200:
                     _raise_for(url, status, doc)
                 jobs = _claimed_of(url, doc)
+                _set_deadlines(jobs, lease_ms, timeout_ms, time.monotonic())
                 failures = 0
             except asyncio.CancelledError:
                 self._give_back(lambda: self._book.claimed(url, want, own, []))
@@ -554,7 +577,14 @@ class AsyncWorker(_SignalStops):
         try:
             result: Any = handler(job)
             if inspect.isawaitable(result):
-                await result
+                if job._timeout_until is None:
+                    await result
+                elif await self._cancelled_at_timeout(result, job):
+                    self._running.pop(id(job), None)
+                    self._give_back(lambda: self._book.release(job))
+                    if not self._abandoned.is_set():
+                        self.stats.timed_out += 1
+                    return  # the server failed the run: nothing to send
         except asyncio.CancelledError as e:
             if self._abandoned.is_set():
                 self._give_back(lambda: self._book.release(job))
@@ -574,6 +604,34 @@ class AsyncWorker(_SignalStops):
         else:
             await self._report(job, *outcome)
 
+    async def _cancelled_at_timeout(self, aw: Awaitable[Any], job: ClaimedJob) -> bool:
+        """Awaits the handler's ``aw`` as a task of its own until the run's
+        job timeout: ``False`` when it ended before (what it raised is
+        raised), ``True`` when the timeout passed first: its task was
+        cancelled (``job.lost`` set first) and has ended."""
+        assert job._timeout_until is not None
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait({task}, timeout=max(0.0, job._timeout_until - time.monotonic()))
+            if task.done():
+                task.result()
+                return False
+            job._timed_out = True
+            job.lost.set()
+            task.cancel()
+            log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run passed its job timeout of %s ms: "
+                        "its handler is cancelled (the server fails the run)", job.id, job.key, job.shard, job.url,
+                        job._timeout_ms)
+            # A handler that swallows its cancellation holds its slot until
+            # it returns, as a running one does.
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: its result no longer counts
+            return True
+        except asyncio.CancelledError:
+            task.cancel()  # a stop without draining: the handler too
+            raise
+
     async def _report(self, job: ClaimedJob, path: str, body: Dict[str, Any]) -> None:
         for attempt in range(RESULT_ATTEMPTS):
             try:
@@ -589,9 +647,10 @@ class AsyncWorker(_SignalStops):
                     self.stats.failed += 1
                 return
             if status == 409:
-                log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (%s refused: %s)",
-                            job.id, job.key, job.shard, job.url, path, _error_of(doc))
-                self.stats.lost += 1
+                if _refused(job, path, doc):
+                    self.stats.timed_out += 1
+                else:
+                    self.stats.lost += 1
                 return
             if not _retryable(status):
                 log.error("shardq worker: %s of job %s at %s refused with %s: %s", path, job.id, job.url, status, _error_of(doc))
@@ -624,10 +683,12 @@ class AsyncWorker(_SignalStops):
                 log.warning("shardq worker: ack of %d jobs to %s failed: %s", len(jobs), url, e)
                 await asyncio.sleep(_backoff_ms(attempt) / 1000)
                 continue
-            lost = _settle_acks(url, jobs, status, doc)
-            if lost is not None:
+            refused = _settle_acks(url, jobs, status, doc)
+            if refused is not None:
+                lost, timed_out = refused
                 self.stats.lost += lost
-                self.stats.acked += len(jobs) - lost
+                self.stats.timed_out += timed_out
+                self.stats.acked += len(jobs) - lost - timed_out
                 self.stats.ack_requests += 1
                 return
             if not _retryable(status):
@@ -643,7 +704,8 @@ class AsyncWorker(_SignalStops):
             await asyncio.sleep(every)
             by_url: Dict[str, List[ClaimedJob]] = {}
             for j in list(self._running.values()):
-                by_url.setdefault(j.url, []).append(j)
+                if not j._timed_out:  # the server refuses its extend
+                    by_url.setdefault(j.url, []).append(j)
             for url, jobs in by_url.items():
                 await self._extend(url, jobs, lease_ms)
 

@@ -11,10 +11,13 @@ token is given):
 * ``/v1/jobs`` ``{"jobs": [{"key", "payload" | "payload_b64", "delay_ms",
   "max_attempts", "dedup_id"}]}`` -> ``{"jobs": [{"id", "shard", "key",
   "duplicate"}]}``; a job id is the string ``SHARD:ID``
-* ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms"}`` -> ``{"jobs":
-  [{"id", "shard", "key", "payload" | "payload_b64", "attempt",
-  "max_attempts", "receipt", "fence", "lease_expires_ms"}]}``; a receipt is
-  the string ``SHARD:ID.FENCE``
+* ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms", "timeout_ms"?}``
+  -> ``{"jobs": [{"id", "shard", "key", "payload" | "payload_b64",
+  "attempt", "max_attempts", "receipt", "fence", "lease_expires_ms",
+  "timeout_expires_ms"?}]}``; a receipt is the string ``SHARD:ID.FENCE``;
+  past a run's ``timeout_ms`` (or ``serve --job-timeout-ms``) the server
+  fails the run itself, whatever its extends, and answers its late ack or
+  extend 409
 * ``/v1/ack`` ``{"receipts": [...]}`` -> ``{"acked": n}``, ``/v1/fail``
   ``{"receipt", "reason", "retry_in_ms"?}`` (or, to back off without using
   an attempt, ``{"receipt", "reason", "backoff_ms", "backoff_group"}``),
@@ -49,6 +52,7 @@ import socket
 import queue
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -99,6 +103,17 @@ ENQUEUE_BATCH_BYTES_MAX = 16 << 20
 CLAIM_MAX = 1000
 #: Default long-poll wait of a claim, in ms.
 CLAIM_WAIT_MS_DEFAULT = 5_000
+#: Bounds of a claim's ``timeout_ms`` (a run's job timeout), in ms: the
+#: server's ``JOB_TIMEOUT_MS_MIN``..=``JOB_TIMEOUT_MS_MAX`` (1 ms to 7 days).
+JOB_TIMEOUT_MS_MIN = 1
+JOB_TIMEOUT_MS_MAX = 604_800_000
+#: Longest reason a worker sends with a failed attempt, in bytes of UTF-8:
+#: what the server's store keeps of one (``FAIL_REASON_BYTES_MAX`` of
+#: shardq-core, 1 KiB; the store cuts a longer one at its end, which is
+#: where a traceback's failing frame is). A longer reason keeps its head line
+#: (``Type: message``, at most half of it) and the end of the traceback,
+#: cut on a character boundary; the log record has the whole traceback.
+FAIL_REASON_BYTES_MAX = 1024
 #: Attempts at an ack or fail before leaving the run to its lease.
 RESULT_ATTEMPTS = 5
 #: Most receipts one batched ``/v1/ack`` carries (the server's bound).
@@ -149,6 +164,20 @@ def _check_timeout(timeout_s: float) -> float:
             f"take over a request (a shorter one gives up on requests the server may still carry out)"
         )
     return float(timeout_s)
+
+
+def _check_job_timeout(timeout_ms: Optional[int]) -> Optional[int]:
+    """A worker's ``timeout_ms``: ``None`` (the server's default, if any)
+    or a whole number of ms the server takes."""
+    if timeout_ms is None:
+        return None
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) \
+            or not JOB_TIMEOUT_MS_MIN <= timeout_ms <= JOB_TIMEOUT_MS_MAX:
+        raise ConfigError(
+            f"invalid timeout_ms {timeout_ms!r}: a whole number of ms from {JOB_TIMEOUT_MS_MIN} to "
+            f"{JOB_TIMEOUT_MS_MAX} (7 days), or None for the server's default"
+        )
+    return timeout_ms
 
 
 #: Errors of a request on a kept-alive connection that the server had
@@ -506,21 +535,126 @@ def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
         ClaimedJob(
             str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
             str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
+            j.get("timeout_expires_ms"),
         )
         for j in (doc or {}).get("jobs", [])
     ]
 
 
+def _set_deadlines(jobs: Sequence["ClaimedJob"], lease_ms: int, timeout_ms: Optional[int], answered: float) -> None:
+    """Sets when the leases of ``jobs``, claimed by a request answered at
+    ``answered`` (``time.monotonic()``), end here, and when their runs pass
+    their job timeout: the worker's ``timeout_ms``, else the server's
+    default, which the claim's answer shows (``timeout_expires_ms`` and
+    ``lease_expires_ms`` are of one clock, the server's). The server
+    started both just before it answered, so these are never early."""
+    until = answered + lease_ms / 1000
+    for j in jobs:
+        j._lease_until = until
+        ms: Optional[int] = timeout_ms
+        if ms is None and j.timeout_expires_ms is not None and j.lease_expires_ms is not None:
+            ms = max(1, int(j.timeout_expires_ms) - int(j.lease_expires_ms) + lease_ms)
+        if ms is not None:
+            j._timeout_ms = ms
+            j._timeout_until = answered + ms / 1000
+
+
+def _past_timeout(job: "ClaimedJob", now: Optional[float] = None) -> bool:
+    """Whether ``job``'s run has passed its job timeout (then the server
+    fails it, and refuses its late result)."""
+    until = job._timeout_until
+    return until is not None and (time.monotonic() if now is None else now) >= until
+
+
+def _utf8(text: str) -> bytes:
+    # A lone surrogate (from a bytes path, say) cannot go in JSON as is.
+    return text.encode("utf-8", "backslashreplace")
+
+
+def _head_of(data: bytes, most: int) -> str:
+    """The longest prefix of ``data`` (UTF-8) of at most ``most`` bytes
+    that ends on a character boundary."""
+    return data[:max(0, most)].decode("utf-8", "ignore")
+
+
+def _tail_of(data: bytes, most: int) -> str:
+    """The longest suffix of ``data`` (UTF-8) of at most ``most`` bytes
+    that starts on a character boundary, from the start of a line when one
+    starts in its first quarter."""
+    if most <= 0:
+        return ""
+    tail = data[-most:]
+    line = tail.find(b"\n", 0, len(tail) // 4)
+    if line != -1:
+        tail = tail[line + 1:]
+    return tail.decode("utf-8", "ignore")
+
+
+#: What stands for the part of a traceback cut from a failure's reason.
+REASON_CUT_MARK = "\n[... traceback cut ...]\n"
+
+
+def _str_of(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # a broken __str__ is no reason to lose the failure
+        return f"<{type(error).__name__}: str() failed>"
+
+
+def _traceback_of(error: BaseException) -> str:
+    """The traceback of ``error`` as Python prints it (its causes and
+    context first), without the closing ``Type: message`` lines, which
+    the reason's head line already says; empty for an error never raised."""
+    if error.__traceback__ is None:
+        return ""
+    te = traceback.TracebackException.from_exception(error)
+    lines = list(te.format())
+    last = list(te.format_exception_only())
+    if last and lines[-len(last):] == last:
+        del lines[-len(last):]
+    return "".join(lines)
+
+
+def _failure_reason(error: BaseException, bytes_max: int = FAIL_REASON_BYTES_MAX) -> str:
+    """The reason a worker sends for an attempt whose handler raised
+    ``error``: ``"{Type}: {message}"``, then the traceback (the failing
+    frame last), at most ``bytes_max`` bytes of UTF-8. When it is longer,
+    the head line is kept (cut at half of ``bytes_max``), then
+    :data:`REASON_CUT_MARK`, then as much of the traceback's end as fits,
+    cut on a character boundary."""
+    head = f"{type(error).__name__}: {_str_of(error)}"
+    trace = _traceback_of(error)
+    whole = _utf8(f"{head}\n{trace}".rstrip("\n") if trace else head)
+    if len(whole) <= bytes_max:
+        return whole.decode("utf-8")
+    head_bytes = _utf8(head)
+    if not trace:
+        return _head_of(head_bytes, bytes_max)
+    if len(head_bytes) > bytes_max // 2:
+        head = _head_of(head_bytes, bytes_max // 2 - 3) + "..."
+        head_bytes = _utf8(head)
+    room = bytes_max - len(head_bytes) - len(_utf8(REASON_CUT_MARK))
+    return head + REASON_CUT_MARK + _tail_of(_utf8(trace.rstrip("\n")), room)
+
+
 def _outcome_of(job: "ClaimedJob", error: Optional[BaseException]) -> Optional[Tuple[str, Dict[str, Any]]]:
-    """``None`` for a handler that returned (an ack), else the fail request."""
+    """``None`` for a handler that returned (an ack), else the fail request
+    (logged: a failed attempt with its traceback, at WARNING)."""
     if error is None:
         return None
     if isinstance(error, Retry):
-        return ("/v1/fail", {"receipt": job.receipt, "reason": str(error), "retry_in_ms": int(error.retry_in_ms)})
+        log.info("shardq worker: job %s (key %r, attempt %d) at %s: the handler asked for a retry in %d ms: %s",
+                    job.id, job.key, job.attempt, job.url, error.retry_in_ms, error)
+        return ("/v1/fail", {"receipt": job.receipt, "reason": _head_of(_utf8(_str_of(error)), FAIL_REASON_BYTES_MAX),
+                             "retry_in_ms": int(error.retry_in_ms)})
     if isinstance(error, BackOff):
-        return ("/v1/fail", {"receipt": job.receipt, "reason": str(error)[:1024], "backoff_ms": error.ms,
-                             "backoff_group": error.group})
-    return ("/v1/fail", {"receipt": job.receipt, "reason": f"{type(error).__name__}: {error}"[:1024]})
+        log.info("shardq worker: job %s (key %r) at %s: the handler backs off: %s", job.id, job.key, job.url, error)
+        return ("/v1/fail", {"receipt": job.receipt, "reason": _head_of(_utf8(str(error)), FAIL_REASON_BYTES_MAX),
+                             "backoff_ms": error.ms, "backoff_group": error.group})
+    log.warning("shardq worker: job %s (key %r, shard %s, attempt %d of %s) at %s failed: %s: %s",
+                job.id, job.key, job.shard, job.attempt, job.max_attempts if job.max_attempts is not None else "?",
+                job.url, type(error).__name__, _str_of(error), exc_info=error)
+    return ("/v1/fail", {"receipt": job.receipt, "reason": _failure_reason(error)})
 
 
 def _lost_of(jobs: List["ClaimedJob"], doc: Any) -> List["ClaimedJob"]:
@@ -1060,7 +1194,17 @@ class ClaimedJob:
     lease_expires_ms: Optional[int]
     url: str
     max_attempts: Optional[int] = None
+    #: When the server fails the run if it has not ended (its job timeout:
+    #: the worker's ``timeout_ms`` or the server's default), in ms since the
+    #: epoch on the server's clock; ``None`` without one.
+    timeout_expires_ms: Optional[int] = None
     _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
+    #: The run's job timeout in ms, and when it passes as this process
+    #: knows it (``time.monotonic()``); ``None`` without one.
+    _timeout_ms: Optional[int] = field(default=None, repr=False, compare=False)
+    _timeout_until: Optional[float] = field(default=None, repr=False, compare=False)
+    #: Whether the worker saw the run pass its job timeout.
+    _timed_out: bool = field(default=False, repr=False, compare=False)
     #: When the lease ends as this process knows it (``time.monotonic()``:
     #: the claim's answer, or the last extend's send, plus the lease). A
     #: prefetched job not started by then is not run.
@@ -1074,7 +1218,8 @@ class ClaimedJob:
     def lost(self) -> threading.Event:
         """Set when this run is over for this worker and its result will not
         be taken: a heartbeat learned the server no longer counts it (an
-        extend was refused: the lease lapsed, the job runs again), or the
+        extend was refused: the lease lapsed, the job runs again), the run
+        passed its job timeout (``timeout_ms``: the server failed it), or the
         worker stopped without draining (a second signal, ``stop(drain=False)``
         or the drain timeout). A long handler checks ``job.lost.is_set()``
         (or waits on it) and returns early. Made on first use: most jobs
@@ -1136,6 +1281,12 @@ class WorkerStats:
     #: Runs ended by a handler's :class:`BackOff` (the server confirmed
     #: them; no attempt was used).
     backed_off: int = 0
+    #: Runs that passed their job timeout (``timeout_ms``, or the server's
+    #: ``--job-timeout-ms``): the server failed them (an attempt used) and
+    #: refused their late result (:class:`Worker`), or the handler was
+    #: cancelled at it and nothing was sent (:class:`shardq.AsyncWorker`).
+    #: Not counted in ``lost`` nor ``failed``.
+    timed_out: int = 0
 
 
 Handler = Callable[[ClaimedJob], object]
@@ -1225,9 +1376,12 @@ class Worker(_SignalStops):
     lease/3, and acks (or fails, when the handler raises) on the server that
     gave the job: :class:`Retry` picks the retry's wait, :class:`BackOff`
     ends the run without using an attempt and holds the key (or its group)
-    for the time asked. :meth:`run` returns after :meth:`stop` or
-    SIGTERM/SIGINT once every claimed job has run and its result has been
-    sent; a second signal stops without waiting for the handlers."""
+    for the time asked. Each failed attempt is logged (``shardq`` logger,
+    WARNING, with its traceback) and its reason sent is the error and its
+    traceback, at most :data:`FAIL_REASON_BYTES_MAX` bytes. :meth:`run`
+    returns after :meth:`stop` or SIGTERM/SIGINT once every claimed job has
+    run and its result has been sent; a second signal stops without waiting
+    for the handlers."""
 
     def __init__(
         self,
@@ -1290,6 +1444,7 @@ class Worker(_SignalStops):
         install_signal_handlers: bool = True,
         prefetch: Optional[int] = None,
         drain_timeout_s: Optional[float] = None,
+        timeout_ms: Optional[int] = None,
     ) -> WorkerStats:
         """Runs ``handler`` (a plain ``def``; an ``async def`` one is
         refused: use :class:`shardq.AsyncWorker`) on ``concurrency``
@@ -1300,8 +1455,19 @@ class Worker(_SignalStops):
         ``prefetch=0`` claims only for idle threads (for long jobs that
         another worker could start sooner). After a stop, the handlers get
         ``drain_timeout_s`` (default: no limit) to finish before they are
-        abandoned as by ``stop(drain=False)``. Raises the error that stopped
-        it, if any: :class:`Unauthorized` for a refused token."""
+        abandoned as by ``stop(drain=False)``.
+
+        ``timeout_ms`` (1 ms to 7 days; default: the server's ``serve
+        --job-timeout-ms``, if any) is each run's job timeout, sent with
+        every claim: past it the server fails the run itself (an attempt
+        used: the job runs again, or dies on its last attempt), whatever the
+        heartbeat's extends, and refuses its late result (counted in
+        ``stats.timed_out`` and logged). A thread cannot be stopped: the
+        handler runs on to its end, holding its thread, while the key's next
+        run may already start elsewhere; ``job.lost`` is set at the timeout,
+        so a handler that checks it can return early. A prefetched job whose
+        timeout passes before a thread is free is not run. Raises the error
+        that stopped it, if any: :class:`Unauthorized` for a refused token."""
         if _is_async_callable(handler):
             raise ConfigError(
                 f"handler {getattr(handler, '__name__', handler)!r} is an async def function: the threaded "
@@ -1317,6 +1483,7 @@ class Worker(_SignalStops):
             raise ConfigError(f"invalid lease_ms {lease_ms}: at least 100")
         if drain_timeout_s is not None and drain_timeout_s < 0:
             raise ConfigError(f"invalid drain_timeout_s {drain_timeout_s}: at least 0")
+        timeout_ms = _check_job_timeout(timeout_ms)
         self._stop.clear()
         self._abandon.clear()
         self._fatal = None
@@ -1332,7 +1499,8 @@ class Worker(_SignalStops):
         for r in runners:
             r.start()
         beat_stop = threading.Event()
-        beat = threading.Thread(target=self._heartbeat, args=(lease_ms, beat_stop), name="shardq-extend", daemon=True)
+        beat = threading.Thread(target=self._heartbeat, args=(lease_ms, beat_stop, timeout_ms), name="shardq-extend",
+                                daemon=True)
         beat.start()
         # One acker per server: acks of jobs that finished meanwhile go in
         # one request, instead of one request per job.
@@ -1346,7 +1514,7 @@ class Worker(_SignalStops):
         most = max(1, min(slots, CLAIM_MAX))
         claimers = [
             threading.Thread(
-                target=self._claim_loop, args=(url, most, work, lease_ms, wait_ms),
+                target=self._claim_loop, args=(url, most, work, lease_ms, wait_ms, timeout_ms),
                 name=f"shardq-claim-{i}", daemon=True,
             )
             for i, url in enumerate(self.urls)
@@ -1466,9 +1634,12 @@ class Worker(_SignalStops):
         raise AssertionError("unreachable")
 
     def _claim_loop(self, url: str, most: int, work: "queue.SimpleQueue[Optional[ClaimedJob]]",
-                    lease_ms: int, wait_ms: int) -> None:
+                    lease_ms: int, wait_ms: int, timeout_ms: Optional[int]) -> None:
         t = self._transports[url]
         failures = 0
+        body: Dict[str, Any] = {"worker": self.worker_id, "max": 1, "wait_ms": wait_ms, "lease_ms": lease_ms}
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
         while True:
             # Reserve the free slots (at least one) and ask for that many.
             got = self._take_slots(url, most)
@@ -1477,16 +1648,15 @@ class Worker(_SignalStops):
             want, own = got
             jobs: List[ClaimedJob] = []
             try:
-                body = {"worker": self.worker_id, "max": want, "wait_ms": wait_ms, "lease_ms": lease_ms}
+                body["max"] = want
                 status, doc = self._poll(t, body, self.timeout_s)
                 if status != 200:
                     _raise_for(url, status, doc)
                 jobs = _claimed_of(url, doc)
-                # The server started the leases just before it answered (a
-                # long poll may answer late in its wait, so not at the send).
-                until = time.monotonic() + lease_ms / 1000
-                for j in jobs:
-                    j._lease_until = until
+                # The server started the leases (and job timeouts) just
+                # before it answered (a long poll may answer late in its
+                # wait, so not at the send).
+                _set_deadlines(jobs, lease_ms, timeout_ms, time.monotonic())
                 failures = 0
             except _Stopped:
                 self._settle(url, want, own, [])
@@ -1535,14 +1705,24 @@ class Worker(_SignalStops):
         server gives it out again, and running it now could overlap the
         next run of its key."""
         lost = job._lost is not None and job._lost.is_set()
-        if not lost and time.monotonic() < job._lease_until:
+        now = time.monotonic()
+        timed_out = job._timed_out or _past_timeout(job, now)
+        if not lost and not timed_out and now < job._lease_until:
             return False
         with self._lock:
             self._running.pop(id(job), None)
-            self.stats.lost += 1
-        log.warning("shardq worker: job %s (key %r, shard %s) at %s: %s before a thread was free; not run "
-                    "(the server runs it again)", job.id, job.key, job.shard, job.url,
-                    "its run was lost" if lost else "its lease passed")
+            if timed_out:
+                self.stats.timed_out += 1
+            else:
+                self.stats.lost += 1
+        if timed_out:
+            log.warning("shardq worker: job %s (key %r, shard %s) at %s: its job timeout of %s ms passed before a "
+                        "thread was free; not run (the server failed the run)", job.id, job.key, job.shard, job.url,
+                        job._timeout_ms)
+        else:
+            log.warning("shardq worker: job %s (key %r, shard %s) at %s: %s before a thread was free; not run "
+                        "(the server runs it again)", job.id, job.key, job.shard, job.url,
+                        "its run was lost" if lost else "its lease passed")
         return True
 
     def _run_one(self, handler: Handler, job: ClaimedJob) -> None:
@@ -1593,11 +1773,14 @@ class Worker(_SignalStops):
                         self.stats.failed += 1
                 return
             if status == 409:
-                # Not retried: another run of the job is current (or was).
-                log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (%s refused: %s)",
-                            job.id, job.key, job.shard, job.url, path, _error_of(doc))
+                # Not retried: another run of the job is current (or was),
+                # or the run passed its job timeout and the server failed it.
+                timed_out = _refused(job, path, doc)
                 with self._lock:
-                    self.stats.lost += 1
+                    if timed_out:
+                        self.stats.timed_out += 1
+                    else:
+                        self.stats.lost += 1
                 return
             if not _retryable(status):
                 log.error("shardq worker: %s of job %s at %s refused with %s: %s", path, job.id, job.url, status, _error_of(doc))
@@ -1639,11 +1822,13 @@ class Worker(_SignalStops):
                 log.warning("shardq worker: ack of %d jobs to %s failed: %s", len(jobs), url, e)
                 time.sleep(_backoff_ms(attempt) / 1000)
                 continue
-            lost = _settle_acks(url, jobs, status, doc)
-            if lost is not None:
+            refused = _settle_acks(url, jobs, status, doc)
+            if refused is not None:
+                lost, timed_out = refused
                 with self._lock:
                     self.stats.lost += lost
-                    self.stats.acked += len(jobs) - lost
+                    self.stats.timed_out += timed_out
+                    self.stats.acked += len(jobs) - lost - timed_out
                     self.stats.ack_requests += 1
                 return
             if not _retryable(status):
@@ -1654,13 +1839,35 @@ class Worker(_SignalStops):
             self.stats.unreported += len(jobs)
         log.error("shardq worker: gave up acking %d jobs at %s; their leases decide", len(jobs), url)
 
-    def _heartbeat(self, lease_ms: int, stop: threading.Event) -> None:
+    def _heartbeat(self, lease_ms: int, stop: threading.Event, timeout_ms: Optional[int]) -> None:
+        """Extends the leases of the running and prefetched jobs every
+        lease/3 (not those past their job timeout: the server refuses
+        them), and sets ``job.lost`` on the runs past it: looked for every
+        tenth of ``timeout_ms`` (50 ms to lease/3), else at each extend."""
         every = lease_ms / 3 / 1000
-        while not stop.wait(every):
+        tick = every if timeout_ms is None else min(every, max(0.05, timeout_ms / 10_000))
+        next_beat = time.monotonic() + every
+        while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic()))):
+            now = time.monotonic()
+            beat = now >= next_beat
+            if beat:
+                next_beat = now + every
+            by_url: Dict[str, List[ClaimedJob]] = {}
+            timed_out: List[ClaimedJob] = []
             with self._lock:
-                by_url: Dict[str, List[ClaimedJob]] = {}
                 for j in self._running.values():
-                    by_url.setdefault(j.url, []).append(j)
+                    if j._timed_out:
+                        continue
+                    if j._timeout_until is not None and now >= j._timeout_until:
+                        j._timed_out = True
+                        timed_out.append(j)
+                    elif beat:
+                        by_url.setdefault(j.url, []).append(j)
+            for j in timed_out:
+                j.lost.set()
+                log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run passed its job timeout of %s ms: "
+                            "the server fails it (job.lost is set; a thread running its handler runs on, and its "
+                            "result will be refused)", j.id, j.key, j.shard, j.url, j._timeout_ms)
             for url, jobs in by_url.items():
                 self._extend(url, jobs, lease_ms)
 
@@ -1697,19 +1904,36 @@ def _stale_of(doc: Any) -> List[str]:
     return out
 
 
-def _settle_acks(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -> Optional[int]:
+def _settle_acks(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -> Optional[Tuple[int, int]]:
     """For an answered batched ack (200, or 409: the valid receipts were
-    acked, the others' runs were lost): logs the lost runs and returns how
-    many; ``None`` for any other status."""
+    acked, the others' runs were over): logs the refused runs and returns
+    how many were lost and how many had passed their job timeout; ``None``
+    for any other status."""
     if status == 200:
-        return 0
+        return 0, 0
     if status != 409:
         return None
-    lost = _lost_of(jobs, doc)
-    for j in lost:
-        log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (ack refused: %s)",
-                    j.id, j.key, j.shard, url, _error_of(doc))
-    return len(lost)
+    lost = timed_out = 0
+    for j in _lost_of(jobs, doc):
+        if _refused(j, "/v1/ack", doc):
+            timed_out += 1
+        else:
+            lost += 1
+    return lost, timed_out
+
+
+def _refused(job: "ClaimedJob", path: str, doc: Any) -> bool:
+    """Logs a result of ``job`` that the server refused (409); whether its
+    run had passed its job timeout (the server failed it: counted in
+    ``timed_out``), rather than been lost otherwise (``lost``)."""
+    if _past_timeout(job):
+        log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run passed its job timeout of %s ms: "
+                    "the server failed it and refused its result (%s: %s)",
+                    job.id, job.key, job.shard, job.url, job._timeout_ms, path, _error_of(doc))
+        return True
+    log.warning("shardq worker: job %s (key %r, shard %s) at %s: the run was lost (%s refused: %s)",
+                job.id, job.key, job.shard, job.url, path, _error_of(doc))
+    return False
 
 
 def _extend_refused(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -> Optional[List[str]]:

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 SHAPES: Dict[str, Dict[str, Tuple[type, ...]]] = {
-    "/v1/claim": {"worker": (str,), "max": (int,), "wait_ms": (int,), "lease_ms": (int,)},
+    "/v1/claim": {"worker": (str,), "max": (int,), "wait_ms": (int,), "lease_ms": (int,), "timeout_ms": (int,)},
     "/v1/ack": {"receipts": (list,)},
     "/v1/fail": {"receipt": (str,), "reason": (str,), "retry_in_ms": (int,)},
     "/v1/extend": {"receipts": (list,), "lease_ms": (int,)},

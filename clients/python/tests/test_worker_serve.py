@@ -357,3 +357,178 @@ def test_an_enqueue_answered_409_is_not_retried(fakes):
     with pytest.raises(ShardqError):
         Client([f.url], retry_rounds=3).enqueue("k", "x")
     assert f.count("/v1/jobs") == 1, "refused at once"
+
+
+# --------------------------------------------------------------- job timeouts and failure reasons
+
+TIMEOUT_REASON = "timed out: the run passed its job timeout of 500 ms"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hung_handler_is_failed_at_timeout_ms_and_its_keys_next_job_runs(serve, kind, caplog):
+    # A handler that hangs (30 s, not watching job.lost) on a job with one
+    # attempt, leases of 5 s extended every 1.7 s: only the job timeout
+    # ends the run, at 500 ms, and the key's next job runs meanwhile.
+    c = Client([serve.url])
+    hung = c.enqueue("tenant-h", "hang", max_attempts=1)
+    nxt = c.enqueue("tenant-h", "next")
+    started: Dict[str, float] = {}
+    ran: List[str] = []
+    hung_job: List[ClaimedJob] = []
+    release = threading.Event()
+    cancelled: List[bool] = []
+
+    def thread_handler(job: ClaimedJob) -> None:
+        started.setdefault(job.payload.decode(), time.monotonic())
+        if job.payload == b"hang":
+            hung_job.append(job)
+            release.wait(30)  # a thread cannot be stopped: it runs on
+        ran.append(job.payload.decode())
+
+    async def aio_handler(job: ClaimedJob) -> None:
+        started.setdefault(job.payload.decode(), time.monotonic())
+        if job.payload == b"hang":
+            hung_job.append(job)
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(job.lost.is_set())
+                raise
+        ran.append(job.payload.decode())
+
+    with caplog.at_level(logging.WARNING, logger="shardq"):
+        r = Running(kind, [serve.url], thread_handler if kind == "thread" else aio_handler,
+                    concurrency=2, lease_ms=5000, wait_ms=200, timeout_ms=500)
+        try:
+            wait_until("the key's next job to run", lambda: "next" in ran, timeout_s=15)
+            took = time.monotonic() - started["hang"]
+            assert took < 5.0, f"the key's next job started {took:.1f} s after the hung one"
+            dead = c.job(hung.id)
+            assert dead is not None and dead.state == "dead", dead
+            assert dead.reason is not None and dead.reason.startswith(TIMEOUT_REASON), dead.reason
+            assert dead.attempts == 1 and c.job(nxt.id) is None
+            if kind == "thread":
+                # The run's job.lost was set at the timeout; the handler,
+                # released, returns: its ack is refused, counted, logged,
+                # and the worker runs on.
+                assert hung_job[0].lost.wait(5), "job.lost was not set at the job timeout"
+                assert ran == ["next"]
+                release.set()
+                wait_until("the late ack to be refused", lambda: r.w.stats.timed_out == 1, timeout_s=10)
+            else:
+                wait_until("the handler to be cancelled", lambda: bool(cancelled), timeout_s=5)
+                assert cancelled == [True], "job.lost is set before the cancellation"
+                assert ran == ["next"] and r.w.stats.timed_out == 1
+            later = c.enqueue("tenant-h", "later")
+            wait_until("a job after the timeout to run", lambda: "later" in ran and all_done(serve.url), timeout_s=15)
+            assert c.job(later.id) is None
+        finally:
+            release.set()
+            r.stop()
+            r.join()
+    assert r.error is None, r.error
+    s = r.stats
+    assert (s.acked, s.failed, s.lost, s.timed_out, s.unreported) == (2, 0, 0, 1, 0), s
+    said = [rec.getMessage() for rec in caplog.records if "job timeout of 500 ms" in rec.getMessage()]
+    assert said and all(hung.id in m for m in said), said
+    assert serve.totals()["dead"] == 1
+
+
+def _parse_invoice_total(payload: bytes, long: bool) -> int:
+    text = payload.decode()
+    if "total" not in text:
+        why = "x" * 3000 if long else "the payload says nothing of it"
+        raise ValueError(f"no total in invoice {text!r}: {why}")
+    return 0
+
+
+def _invoice_step(payload: bytes, depth: int, long: bool) -> int:
+    if depth:
+        return _invoice_step(payload, depth - 1, long)
+    return _parse_invoice_total(payload, long)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_attempt_is_logged_with_its_traceback_which_its_reason_carries_bounded(serve, kind, caplog):
+    # Two jobs of one attempt whose handler raises ValueError three helper
+    # calls deep; the second's message (3 kB) makes the reason longer than
+    # the bound: its head and the traceback's end are kept.
+    c = Client([serve.url])
+    short = c.enqueue("inv-1", "invoice 1", max_attempts=1)
+    longer = c.enqueue("inv-2", "invoice 2", max_attempts=1)
+
+    def handle(job: ClaimedJob) -> None:
+        _invoice_step(job.payload, 3, job.key == "inv-2")
+
+    with caplog.at_level(logging.WARNING, logger="shardq"):
+        r = Running(kind, [serve.url], handle, concurrency=2, lease_ms=5000, wait_ms=200)
+        try:
+            wait_until("both dead letters", lambda: serve.totals()["dead"] == 2, timeout_s=15)
+        finally:
+            r.stop()
+            r.join()
+    assert r.error is None, r.error
+    assert (r.stats.failed, r.stats.acked) == (2, 0), r.stats
+    for enq, head in ((short, "ValueError: no total in invoice 'invoice 1': the payload says nothing of it\n"),
+                      (longer, "ValueError: no total in invoice 'invoice 2': xxxx")):
+        dead = c.job(enq.id)
+        assert dead is not None and dead.state == "dead" and dead.reason is not None, dead
+        reason = dead.reason
+        assert reason.startswith(head), reason[:200]
+        assert len(reason.encode("utf-8")) <= h.FAIL_REASON_BYTES_MAX, len(reason.encode("utf-8"))
+        # The traceback's end, where the failing frame is, is kept.
+        assert "in _parse_invoice_total\n" in reason and "in _invoice_step\n" in reason, reason
+        assert reason.rstrip().endswith('raise ValueError(f"no total in invoice {text!r}: {why}")'), reason[-300:]
+    long_reason = c.job(longer.id).reason  # type: ignore[union-attr]
+    assert h.REASON_CUT_MARK in long_reason and len(long_reason.encode("utf-8")) > 900, long_reason
+    logged = [rec for rec in caplog.records if rec.levelno == logging.WARNING and rec.exc_info
+              and rec.exc_info[0] is ValueError]
+    assert sorted(next(j for j in (short.id, longer.id) if j in rec.getMessage()) for rec in logged) \
+        == sorted([short.id, longer.id]), [rec.getMessage() for rec in caplog.records]
+    assert all("_parse_invoice_total" in logging.Formatter().format(rec) for rec in logged)
+
+
+def test_a_failure_reason_is_cut_to_its_bound_on_a_character_boundary():
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)
+        raise RuntimeError("é€😀 " * 400)
+
+    try:
+        deep(5)
+    except RuntimeError as e:
+        error = e
+    whole = h._failure_reason(error, 1 << 20)
+    assert whole.startswith("RuntimeError: é€😀") and "in deep\n" in whole
+    for bound in range(60, 1200, 7):
+        got = h._failure_reason(error, bound)
+        assert len(got.encode("utf-8")) <= bound, bound
+        assert got.startswith("RuntimeError: é") and h.REASON_CUT_MARK in got, (bound, got)
+        # The end of the traceback is kept: the failing frame's source line.
+        assert whole.endswith(got.split(h.REASON_CUT_MARK, 1)[1]), bound
+    # An error never raised has no traceback: its head line alone, cut.
+    assert h._failure_reason(ValueError("ü" * 1000), 101).encode("utf-8") == ("ValueError: " + "ü" * 44).encode()
+    assert h._failure_reason(ValueError("short")) == "ValueError: short"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_timeout_ms_is_refused_naming_it(kind):
+    url = "http://127.0.0.1:1"  # never reached: refused before any request
+    for bad in (0, -1, h.JOB_TIMEOUT_MS_MAX + 1, 1.5, True, "500"):
+        with pytest.raises(ConfigError, match=re.escape(f"invalid timeout_ms {bad!r}")):
+            if kind == "thread":
+                Worker(url).run(lambda job: None, install_signal_handlers=False, timeout_ms=bad)  # type: ignore[arg-type]
+            else:
+                asyncio.run(AsyncWorker(url).run(_noop, install_signal_handlers=False, timeout_ms=bad))  # type: ignore[arg-type]
+
+
+async def _noop(job: ClaimedJob) -> None:
+    return None
+
+
+def test_the_job_timeout_and_reason_bounds_are_the_servers():
+    job_rs = "crates/shardq-core/src/job.rs"
+    assert h.JOB_TIMEOUT_MS_MIN == int(_rust_const(job_rs, "JOB_TIMEOUT_MS_MIN"))
+    assert h.JOB_TIMEOUT_MS_MAX == eval(_rust_const(job_rs, "JOB_TIMEOUT_MS_MAX"), {})  # "7 * 24 * 3600 * 1000"
+    # What the store keeps of a reason: sending more would lose the end.
+    assert h.FAIL_REASON_BYTES_MAX == int(_rust_const(job_rs, "FAIL_REASON_BYTES_MAX"))
