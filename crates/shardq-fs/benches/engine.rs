@@ -167,6 +167,41 @@ fn main() {
         "memory_bytes_per_pending_job".into(),
         per_job.round().into(),
     );
+    // 5b. Reads on that shard cost what they return: a key's first job
+    // against its first 10,000 (the most one read returns), and a job
+    // looked up by an id that names none (a finished one, say), which once
+    // walked every key's queue.
+    let b = engine.backend();
+    let reads = 200u32;
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        for _ in 0..reads {
+            f();
+        }
+        t.elapsed().as_secs_f64() * 1e6 / f64::from(reads)
+    };
+    let first = time(&|| assert_eq!(b.key_jobs("shard-0", "key-7", 1).unwrap().len(), 1));
+    let page = time(&|| {
+        let max = shardq_core::job::KEY_JOBS_MAX;
+        assert!(!b.key_jobs("shard-0", "key-7", max).unwrap().is_empty());
+    });
+    let unknown = time(&|| {
+        assert!(b
+            .job("shard-0", shardq_core::JobId(u64::MAX / 2))
+            .unwrap()
+            .is_none())
+    });
+    println!(
+        "a key's first job:                       {first:>12.1} us ({:.0}x less than its first {})",
+        page / first,
+        shardq_core::job::KEY_JOBS_MAX
+    );
+    println!(
+        "a job by an id that names none:         {unknown:>12.1} us ({jobs} jobs, {KEYS} keys)"
+    );
+    summary.insert("key_first_job_us".into(), first.into());
+    summary.insert("key_jobs_page_us".into(), page.into());
+    summary.insert("unknown_job_lookup_us".into(), unknown.into());
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 

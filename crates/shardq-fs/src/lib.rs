@@ -45,6 +45,7 @@ pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod flow_groups;
+mod id_index;
 pub mod layout;
 mod log;
 pub mod map_store;

@@ -274,6 +274,9 @@ pub(crate) struct ShardState {
     /// Ranges cut out by repair: references into them are to lost jobs.
     holes: Vec<(u64, u64)>,
     in_flight_ids: HashMap<u64, Run, Xxh3Builder>,
+    /// The key (slot in `keys`) of every job in a key's queue, so a job is
+    /// found by id without a walk of every key ([`ShardState::live_job`]).
+    job_keys: crate::id_index::IdIndex,
     /// Largest run fence seen in a claim record (or recorded with the
     /// reclaimed ranges, for claims in deleted segments).
     fence_high: u64,
@@ -322,6 +325,7 @@ impl ShardState {
             reclaimed,
             holes: Vec::new(),
             in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
+            job_keys: crate::id_index::IdIndex::default(),
             fence_high,
             policy,
             queued: 0,
@@ -430,17 +434,15 @@ impl ShardState {
                 starts: &e.starts,
             });
         }
-        self.index.values().find_map(|&k| {
-            let ks = &self.keys[k as usize];
-            let i = queue_position(&ks.queue, id)?;
-            Some(LiveJob {
-                key: &ks.key,
-                slot: ks.queue[i],
-                run: None,
-                dead: false,
-                reason: ks.reason_of(id),
-                starts: ks.starts_of(id),
-            })
+        let ks = &self.keys[self.job_keys.get(id)? as usize];
+        let i = queue_position(&ks.queue, id)?;
+        Some(LiveJob {
+            key: &ks.key,
+            slot: ks.queue[i],
+            run: None,
+            dead: false,
+            reason: ks.reason_of(id),
+            starts: ks.starts_of(id),
         })
     }
 
@@ -451,9 +453,13 @@ impl ShardState {
             return Vec::new();
         };
         let ks = &self.keys[k as usize];
+        // The queue is in id order but for a retried dead letter ahead of
+        // a retried head (see `KeyState::queue`): its first `max + 2` hold
+        // the `max` lowest ids, so a read costs what it returns.
         let mut out: Vec<LiveJob<'_>> = ks
             .queue
             .iter()
+            .take(max.saturating_add(2))
             .map(|s| LiveJob {
                 key: &ks.key,
                 slot: *s,
@@ -471,6 +477,7 @@ impl ShardState {
                 self.dead
                     .iter()
                     .filter(|(_, e)| e.key == k)
+                    .take(max)
                     .map(|(_, e)| LiveJob {
                         key: &ks.key,
                         slot: e.slot,
@@ -535,12 +542,14 @@ impl ShardState {
         self.segs.get(&base).map_or(0, |s| s.dedup_until_ms)
     }
 
-    fn slot_added(&mut self, not_before_ms: u64) {
+    fn slot_added(&mut self, id: u64, k: u32, not_before_ms: u64) {
         self.queued += 1;
         self.not_before_max_ms = self.not_before_max_ms.max(not_before_ms);
+        self.job_keys.insert(id, k);
     }
 
-    fn slot_removed(&mut self) {
+    fn slot_removed(&mut self, id: u64) {
+        self.job_keys.remove(id);
         self.queued -= 1;
         if self.queued == 0 {
             self.not_before_max_ms = 0;
@@ -722,7 +731,7 @@ impl ShardState {
                     attempt: 0,
                     max_attempts,
                 });
-                self.slot_added(not_before_ms);
+                self.slot_added(pos, k, not_before_ms);
                 self.segs.entry(seg_base).or_default().live += 1;
                 self.schedule(k);
             }
@@ -763,7 +772,7 @@ impl ShardState {
                 let ks = &mut self.keys[k as usize];
                 ks.take_attempts(job);
                 if ks.queue.remove(i).is_some() {
-                    self.slot_removed();
+                    self.slot_removed(job);
                 }
                 self.run_ended(k, job);
                 self.finish(job);
@@ -789,7 +798,7 @@ impl ShardState {
                         .unwrap_or_default();
                     let slot = ks.queue.remove(i).expect("the slot was found");
                     ks.dead += 1;
-                    self.slot_removed();
+                    self.slot_removed(job);
                     self.dead.insert(
                         job,
                         DeadEntry {
@@ -842,7 +851,7 @@ impl ShardState {
                 let at = ks.queue.partition_point(|s| s.id < job);
                 ks.queue.insert(at, slot);
                 let next = ks.next_slot(&self.in_flight_ids, 0).map(|(_, s)| s.id);
-                self.slot_added(0);
+                self.slot_added(job, entry.key, 0);
                 if next == Some(job) {
                     // It is the key's next job: drop a stale timer.
                     self.reschedule(entry.key);
@@ -896,7 +905,7 @@ impl ShardState {
                     );
                 } else {
                     self.keys[k as usize].queue.push_back(slot);
-                    self.slot_added(not_before_ms);
+                    self.slot_added(slot.id, k, not_before_ms);
                     self.schedule(k);
                 }
                 self.segs.entry(seg_base).or_default().live += 1;
@@ -920,7 +929,7 @@ impl ShardState {
                     ks.take_attempts(*id);
                 }
                 for id in &removed {
-                    self.slot_removed();
+                    self.slot_removed(*id);
                     self.finish(*id);
                     self.note_ref(seg_base, *id);
                 }
@@ -962,7 +971,7 @@ impl ShardState {
                 self.cancel_pending.retain(|&j| j != job);
                 self.keys[k as usize].queue.remove(i);
                 self.keys[k as usize].take_attempts(job);
-                self.slot_removed();
+                self.slot_removed(job);
                 self.finish(job);
                 if was_next || running {
                     // The key's next job changed: schedule it by the new one.
@@ -1512,6 +1521,7 @@ impl ShardState {
         for ks in &mut self.keys {
             ks.queue.retain(|s| !r.contains(s.id));
         }
+        self.job_keys.retain(|id| !r.contains(id));
         self.in_flight_ids.retain(|&id, _| !r.contains(id));
         for ks in &mut self.keys {
             ks.running = 0;
@@ -1596,6 +1606,42 @@ mod tests {
             payload: b"",
         };
         s.apply(pos, 0, &rec).unwrap();
+    }
+
+    /// A job is found by id through the id index wherever it stands
+    /// (queued, running, dead, retried back to its key's head) and not once
+    /// it finished; a key's first jobs come in id order from the head of
+    /// its queue, a retried dead letter among them.
+    #[test]
+    fn jobs_are_found_by_id_and_a_keys_first_jobs_from_its_head() {
+        let mut s = fresh();
+        for pos in [0, 10, 20, 30] {
+            enqueue(&mut s, pos, "k");
+        }
+        enqueue(&mut s, 40, "other");
+        let found = |s: &ShardState, id| s.live_job(id).map(|j| (j.key.to_string(), j.dead));
+        assert_eq!(found(&s, 10), Some(("k".into(), false)));
+        assert_eq!(found(&s, 40), Some(("other".into(), false)));
+        assert_eq!(found(&s, 11), None, "no job has that id");
+        let _ = s.pick(0, &mut test_fences(), 10, &|_| false, None);
+        claim(&mut s, 100, 0, 1, Some(7));
+        assert!(found(&s, 0).is_some(), "running");
+        fail(&mut s, 200, 0, true, "boom");
+        assert_eq!(found(&s, 0), Some(("k".into(), true)), "dead");
+        s.apply(300, 0, &Record::DeadRetry { job: 0 }).unwrap();
+        assert_eq!(found(&s, 0), Some(("k".into(), false)), "retried");
+        let first: Vec<u64> = (s.key_live_jobs("k", 2).iter())
+            .map(|j| j.slot.id)
+            .collect();
+        assert_eq!(first, [0, 10]);
+        s.apply(400, 0, &Record::Cancel { job: 10, key: "k" })
+            .unwrap();
+        assert_eq!(found(&s, 10), None, "cancelled");
+        let first: Vec<u64> = (s.key_live_jobs("k", 2).iter())
+            .map(|j| j.slot.id)
+            .collect();
+        assert_eq!(first, [0, 20]);
+        assert_eq!(s.job_keys.len(), 4, "one index entry per queued job");
     }
 
     /// Regression: a dead job retried to the head of a key that was already
