@@ -76,6 +76,7 @@ impl IdIndex {
     }
 
     /// Queued jobs indexed.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.ids.len() - self.gone
     }
