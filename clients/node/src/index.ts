@@ -27,6 +27,10 @@ export {
 } from "./client.js";
 export {
   BACKOFF_MS_MAX,
+  FAIL_REASON_BYTES_MAX,
+  JOB_TIMEOUT_MS_MAX,
+  JOB_TIMEOUT_MS_MIN,
+  JobTimeout,
   BackOff,
   CLAIM_MAX,
   RetryLater,

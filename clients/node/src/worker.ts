@@ -12,6 +12,17 @@
  * lapsed and the job went to another run): it is logged, the handler's
  * `signal` is aborted, and nothing is retried.
  *
+ * `timeoutMs` (or the server's `serve --job-timeout-ms`) is each run's job
+ * timeout, sent with every claim: past it the server fails the run itself
+ * (an attempt used, with the reason `timed out: ...`), whatever the
+ * extends. At that moment the worker aborts the handler's `signal` (its
+ * reason a `JobTimeout`), frees its slot, sends nothing for it (a late
+ * result is dropped) and counts it in `stats.timedOut`.
+ *
+ * A handler that throws fails the attempt: the failure is logged (`warn`,
+ * with the stack) and its reason is the error's stack, at most
+ * `FAIL_REASON_BYTES_MAX` bytes of UTF-8 (see `failureReason`).
+ *
  * SIGTERM and SIGINT (or `stop()`) drain: the long polls are cancelled at
  * once, every claimed job runs and is reported, then `run` resolves. A
  * second signal (or `stop({ drain: false })`), or the drain timeout, stops
@@ -48,12 +59,24 @@ export interface ClaimedJob {
   receipt: string;
   fence: number | string;
   leaseExpiresMs: number | undefined;
+  /**
+   * When the server fails the run if it has not ended (its job timeout: the
+   * run's `timeoutMs` or the server's default), in ms since the epoch on the
+   * server's clock; undefined without one.
+   */
+  timeoutExpiresMs: number | undefined;
   /** The server (base URL) that gave the job; its ack goes there. */
   server: string;
 }
 
 export interface JobContext {
-  /** Aborted when the run is lost (a 409 on extend) or left behind (drain timeout, a stop without draining). */
+  /**
+   * Aborted when the run is over for this worker and its result will not be
+   * taken: the run is lost (a 409 on extend), passed its job timeout
+   * (`timeoutMs`; `signal.reason` is then a `JobTimeout`), or is left behind
+   * (drain timeout, a stop without draining). Pass it to `fetch()` and
+   * friends, or check `signal.aborted`, to return early.
+   */
   signal: AbortSignal;
 }
 
@@ -97,6 +120,144 @@ export class BackOff extends Error {
   }
 }
 
+/** Shortest job timeout a claim may ask for, in ms (the server's `JOB_TIMEOUT_MS_MIN`). */
+export const JOB_TIMEOUT_MS_MIN = 1;
+/** Longest job timeout a claim may ask for, in ms: 7 days (the server's `JOB_TIMEOUT_MS_MAX`). */
+export const JOB_TIMEOUT_MS_MAX = 604_800_000;
+
+/**
+ * The reason a handler's `signal` is aborted with when its run passes its
+ * job timeout: the server has failed the run (an attempt used), and the
+ * handler's result, whenever it comes, is not sent.
+ */
+export class JobTimeout extends Error {
+  override name = "JobTimeout";
+  constructor(
+    /** The run's job timeout, in ms. */
+    readonly timeoutMs: number,
+  ) {
+    super(`the run passed its job timeout of ${timeoutMs} ms`);
+  }
+}
+
+/**
+ * Longest reason a worker sends with a failed attempt, in bytes of UTF-8:
+ * what the server's store keeps of one (`FAIL_REASON_BYTES_MAX` of
+ * shardq-core, 1 KiB).
+ */
+export const FAIL_REASON_BYTES_MAX = 1024;
+
+/** What stands for the part of a stack cut from a failure's reason. */
+const REASON_CUT_MARK = "\n[... stack cut ...]";
+/** Causes (`error.cause`) a reason follows, at most. */
+const CAUSES_MAX = 4;
+
+function utf8Bytes(text: string): number {
+  return Buffer.byteLength(text, "utf8");
+}
+
+/**
+ * The longest prefix of `text` of at most `most` bytes of UTF-8 that ends on
+ * a character boundary (a lone surrogate counts as U+FFFD, as it is sent).
+ */
+export function utf8Prefix(text: string, most: number): string {
+  if (most <= 0) return "";
+  const bytes = Buffer.from(text, "utf8");
+  if (bytes.length <= most) return bytes.toString("utf8");
+  let end = most;
+  // Back off to the first byte of the character cut (never a continuation byte 10xxxxxx).
+  while (end > 0 && (bytes[end]! & 0xc0) === 0x80) end--;
+  return bytes.subarray(0, end).toString("utf8");
+}
+
+/** `Type: message` of a thrown value, never throwing itself. */
+function headOf(err: unknown): string {
+  try {
+    if (err instanceof Error) return String(err);
+    if (typeof err === "object" && err !== null) {
+      const { name, message } = err as { name?: unknown; message?: unknown };
+      if (typeof message === "string") {
+        const n = typeof name === "string" && name !== "" ? name : "Error";
+        return message === "" ? n : `${n}: ${message}`;
+      }
+      const json = JSON.stringify(err);
+      return `thrown ${json ?? String(err)}`;
+    }
+    return typeof err === "string" ? err : `thrown ${String(err)}`;
+  } catch {
+    return `thrown ${typeof err} (its text could not be read)`;
+  }
+}
+
+/** The frames of `err.stack` (the lines after its header, innermost first), empty without a stack. */
+function framesOf(err: unknown, head: string): string {
+  let stack: unknown;
+  try {
+    stack = (err as { stack?: unknown } | null | undefined)?.stack;
+  } catch {
+    return "";
+  }
+  if (typeof stack !== "string") return "";
+  let frames: string;
+  if (stack.startsWith(head)) frames = stack.slice(head.length);
+  else {
+    // A header that differs from `head` (a message changed after the stack was taken): the frames start at the first `at` line.
+    const at = /\n\s+at /.exec(stack);
+    frames = at === null ? "" : stack.slice(at.index);
+  }
+  return frames.replace(/^\n+/, "").trimEnd();
+}
+
+/** Head line and frames of `err`, then of each of its causes. */
+function traceOf(err: unknown): { head: string; trace: string } {
+  const head = headOf(err) || "handler failed";
+  const parts = [framesOf(err, head)];
+  const seen = new Set<unknown>([err]);
+  let at: unknown = err;
+  for (let i = 0; i < CAUSES_MAX; i++) {
+    let cause: unknown;
+    try {
+      cause = (at as { cause?: unknown } | null | undefined)?.cause;
+    } catch {
+      break;
+    }
+    if (cause === undefined || seen.has(cause)) break;
+    seen.add(cause);
+    const h = headOf(cause);
+    const f = framesOf(cause, h);
+    parts.push(`Caused by: ${h}${f === "" ? "" : `\n${f}`}`);
+    at = cause;
+  }
+  return { head, trace: parts.filter((p) => p !== "").join("\n") };
+}
+
+/**
+ * The reason a worker sends for an attempt whose handler threw `err`: its
+ * `Type: message` line, then its stack's frames (innermost first, where
+ * the failing function is) and its causes', at most `bytesMax` bytes of
+ * UTF-8. A longer one keeps its head line (cut to half of `bytesMax`,
+ * ending `...`, when longer), then the frames: all of them when they fit,
+ * else as many of the first ones as fit (whole lines when one ends near
+ * the cut) and `[... stack cut ...]`; every cut falls on a character
+ * boundary. A thrown non-error is its text (`thrown 42` for a primitive).
+ */
+export function failureReason(err: unknown, bytesMax: number = FAIL_REASON_BYTES_MAX): string {
+  let { head, trace } = traceOf(err);
+  const whole = trace === "" ? head : `${head}\n${trace}`;
+  if (utf8Bytes(whole) <= bytesMax) return whole;
+  if (trace === "") return utf8Prefix(head, bytesMax);
+  const half = Math.floor(bytesMax / 2);
+  if (utf8Bytes(head) > half) head = `${utf8Prefix(head, half - 3)}...`;
+  // The head alone was too long: the whole stack may fit after the cut head.
+  if (utf8Bytes(head) + 1 + utf8Bytes(trace) <= bytesMax) return `${head}\n${trace}`;
+  const room = bytesMax - utf8Bytes(head) - 1 - utf8Bytes(REASON_CUT_MARK);
+  if (room <= 0) return utf8Prefix(head, bytesMax);
+  let kept = utf8Prefix(trace, room);
+  const line = kept.lastIndexOf("\n");
+  if (line > (kept.length * 3) / 4) kept = kept.slice(0, line);
+  return `${head}\n${kept}${REASON_CUT_MARK}`;
+}
+
 export interface Logger {
   info(message: string): void;
   warn(message: string): void;
@@ -130,6 +291,14 @@ export interface RunOptions {
   handleSignals?: boolean;
   /** Tries of an ack or fail that got no answer or a 5xx (default 5). */
   reportTries?: number;
+  /**
+   * Each run's job timeout in ms, sent as `timeout_ms` with every claim
+   * (`JOB_TIMEOUT_MS_MIN` to `JOB_TIMEOUT_MS_MAX`, 1 ms to 7 days; default:
+   * the server's `serve --job-timeout-ms`, if any). Past it the server fails
+   * the run (an attempt used), and the worker aborts the handler's `signal`
+   * with a `JobTimeout`, frees its slot and sends nothing for it.
+   */
+  timeoutMs?: number;
 }
 
 export interface StopOptions {
@@ -156,9 +325,19 @@ export interface WorkerStats {
   ackRequests: number;
   /** Runs ended by a handler's `BackOff` (the server confirmed them; no attempt was used). */
   backedOff: number;
+  /**
+   * Runs that passed their job timeout (`timeoutMs`, or the server's
+   * default): the server failed them (an attempt used); the worker aborted
+   * their handlers' signals and sent nothing for them (or the server refused
+   * a result sent just before the worker saw the deadline pass). Not counted
+   * in `lost` nor `failed`.
+   */
+  timedOut: number;
 }
 
-const REASON_BYTES_MAX = 1000;
+function emptyStats(): WorkerStats {
+  return { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0, timedOut: 0 };
+}
 /** Most jobs one claim may ask for (the server's `CLAIM_MAX_LIMIT`). */
 export const CLAIM_MAX = 1000;
 /** Most receipts in one ack or extend (the server's `RECEIPTS_PER_REQUEST_MAX`). */
@@ -179,6 +358,27 @@ const LAST_ACKS_TIMEOUT_MS = 2_000;
 function checkInt(value: number, name: string, min: number, max = Number.MAX_SAFE_INTEGER): number {
   if (!Number.isSafeInteger(value) || value < min || value > max) {
     throw new TypeError(`Worker.run: ${name} must be an integer from ${min} to ${max}, got ${value}`);
+  }
+  return value;
+}
+
+/** A printable form of a bad option value: strings quoted, others as `String()` shows them. */
+function shown(value: unknown): string {
+  if (typeof value === "string") return JSON.stringify(value);
+  try {
+    return String(value);
+  } catch {
+    return typeof value;
+  }
+}
+
+/** A run's `timeoutMs`: undefined (the server's default, if any) or a whole number of ms the server takes. */
+function checkTimeoutMs(value: unknown): number | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== "number" || !Number.isSafeInteger(value) || value < JOB_TIMEOUT_MS_MIN || value > JOB_TIMEOUT_MS_MAX) {
+    throw new TypeError(
+      `Worker.run: invalid timeoutMs ${shown(value)}: a whole number of ms from ${JOB_TIMEOUT_MS_MIN} to ${JOB_TIMEOUT_MS_MAX} (7 days), or undefined for the server's default`,
+    );
   }
   return value;
 }
@@ -204,6 +404,7 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
     receipt: j["receipt"],
     fence: j["fence"] as number | string,
     leaseExpiresMs: typeof j["lease_expires_ms"] === "number" ? j["lease_expires_ms"] : undefined,
+    timeoutExpiresMs: typeof j["timeout_expires_ms"] === "number" ? j["timeout_expires_ms"] : undefined,
     server,
   };
 }
@@ -217,11 +418,30 @@ interface Held {
   lost: boolean;
   /** Set while the handler runs. */
   abort: AbortController | undefined;
+  /** The run's job timeout in ms, undefined without one. */
+  timeoutMs: number | undefined;
+  /** `performance.now()` at which the run passes its job timeout (the claim's answer plus the timeout: for a `timeoutMs` of the run, never before the server's deadline). */
+  timeoutUntil: number | undefined;
+  /** Fires at `timeoutUntil`. */
+  timer: NodeJS.Timeout | undefined;
+  /** Set when the worker saw the run pass its job timeout. */
+  timedOut: boolean;
+}
+
+/** Whether `held`'s run has passed its job timeout as this process knows it. */
+function pastTimeout(held: Held, now = performance.now()): boolean {
+  return held.timedOut || (held.timeoutUntil !== undefined && now >= held.timeoutUntil);
+}
+
+/** Forgets `held`'s job timeout timer. */
+function clearTimer(held: Held): void {
+  if (held.timer !== undefined) clearTimeout(held.timer);
+  held.timer = undefined;
 }
 
 /** One `run`'s state. */
 class Run {
-  readonly stats: WorkerStats = { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0 };
+  readonly stats: WorkerStats = emptyStats();
   /** Claimed, not finished: running or waiting for a handler. */
   readonly held = new Map<string, Held>();
   readonly waiting: Held[] = [];
@@ -278,7 +498,7 @@ export class Worker {
 
   /** The counts of the run under way, or of the last one. */
   get stats(): WorkerStats {
-    return { ...(this.current?.stats ?? this.lastStats ?? { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0 }) };
+    return { ...(this.current?.stats ?? this.lastStats ?? emptyStats()) };
   }
 
   /**
@@ -320,6 +540,7 @@ export class Worker {
     const waitMs = checkInt(runOpts.waitMs ?? 5_000, "waitMs", 0, WAIT_MS_MAX);
     const drainTimeoutMs = checkInt(runOpts.drainTimeoutMs ?? 30_000, "drainTimeoutMs", 0);
     const reportTries = checkInt(runOpts.reportTries ?? 5, "reportTries", 1);
+    const timeoutMs = checkTimeoutMs(runOpts.timeoutMs);
     const handleSignals = runOpts.handleSignals ?? true;
     const capacity = concurrency + prefetch;
 
@@ -354,38 +575,105 @@ export class Worker {
       run.reports.add(p);
     };
 
+    /** `job ... (key, shard, attempt a of m) at server`, for the log. */
+    const about = (job: ClaimedJob): string =>
+      `job ${job.id} (key ${JSON.stringify(job.key)}, shard ${job.shard}, attempt ${job.attempt} of ${job.maxAttempts ?? "?"}) at ${job.server}`;
+
+    /**
+     * What to send for a handler that threw `err` (logged here): a
+     * `BackOff` or `RetryLater` sends its own message (at `info`), any other
+     * error its stack, bounded (at `warn`, with the whole stack).
+     */
+    const failureOf = (job: ClaimedJob, err: unknown): Record<string, unknown> => {
+      const { retryInMs: retry, backoffMs: backoff, backoffGroup } = (typeof err === "object" && err !== null ? err : {}) as {
+        retryInMs?: unknown;
+        backoffMs?: unknown;
+        backoffGroup?: unknown;
+      };
+      const body: Record<string, unknown> = { receipt: job.receipt };
+      const message = () => {
+        const m = (err as { message?: unknown } | null | undefined)?.message;
+        return (typeof m === "string" ? m : headOf(err)) || "handler failed";
+      };
+      if (typeof backoff === "number" && Number.isFinite(backoff) && backoff >= 0) {
+        body["reason"] = utf8Prefix(message(), FAIL_REASON_BYTES_MAX);
+        body["backoff_ms"] = Math.round(backoff);
+        body["backoff_group"] = backoffGroup === true;
+        log.info(`${about(job)}: the handler backs off ${body["backoff_ms"]} ms: ${message()}`);
+      } else if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) {
+        body["reason"] = utf8Prefix(message(), FAIL_REASON_BYTES_MAX);
+        body["retry_in_ms"] = Math.round(retry);
+        log.info(`${about(job)}: the handler asked for a retry in ${body["retry_in_ms"]} ms: ${message()}`);
+      } else {
+        body["reason"] = failureReason(err);
+        log.warn(`${about(job)} failed: ${failureReason(err, Number.POSITIVE_INFINITY)}`);
+      }
+      return body;
+    };
+
     const runJob = async (held: Held): Promise<void> => {
       const { job } = held;
       const abort = new AbortController();
       held.abort = abort;
-      let outcome: { ok: true } | { ok: false; reason: string; retryInMs?: number; backoffMs?: number; backoffGroup?: boolean };
+      let failed = false;
+      let error: unknown;
       try {
         await handler(job, { signal: abort.signal });
-        outcome = { ok: true };
       } catch (err) {
-        const reason = (err instanceof Error ? err.message : String(err)) || "handler failed";
-        const { retryInMs: retry, backoffMs: backoff, backoffGroup } = (err ?? {}) as { retryInMs?: unknown; backoffMs?: unknown; backoffGroup?: unknown };
-        outcome = { ok: false, reason: reason.slice(0, REASON_BYTES_MAX) };
-        if (typeof backoff === "number" && Number.isFinite(backoff) && backoff >= 0) {
-          outcome.backoffMs = Math.round(backoff);
-          outcome.backoffGroup = backoffGroup === true;
-        } else if (typeof retry === "number" && Number.isFinite(retry) && retry >= 0) outcome.retryInMs = Math.round(retry);
+        failed = true;
+        error = err;
       }
       held.abort = undefined;
+      clearTimer(held);
+      if (held.timedOut) {
+        // The timeout freed the slot and counted the run: the server failed it, and would refuse this result.
+        log.info(
+          `${about(job)}: the handler ended after the run's job timeout of ${held.timeoutMs} ms (${failed ? `it threw ${headOf(error)}` : "it returned"}); nothing is sent`,
+        );
+        return;
+      }
       // Left behind (drain timeout, a stop without draining): counted then, never reported.
       if (!run.held.delete(job.receipt)) return;
       run.running--;
       if (held.lost) {
         // The extend that found the run over logged and counted it.
-      } else if (outcome.ok) {
+      } else if (pastTimeout(held)) {
+        // Ended as its deadline passed, before the timer ran: the server failed the run.
+        held.timedOut = true;
+        stats.timedOut++;
+        log.warn(`${about(job)}: the run passed its job timeout of ${held.timeoutMs} ms as its handler ended; nothing is sent (the server fails the run)`);
+      } else if (!failed) {
         this.queueAck(run, held, reportTries);
       } else {
-        const body: Record<string, unknown> = { receipt: job.receipt, reason: outcome.reason };
-        if (outcome.backoffMs !== undefined) {
-          body["backoff_ms"] = outcome.backoffMs;
-          body["backoff_group"] = outcome.backoffGroup === true;
-        } else if (outcome.retryInMs !== undefined) body["retry_in_ms"] = outcome.retryInMs;
-        sendReport(held, "/v1/fail", body);
+        sendReport(held, "/v1/fail", failureOf(job, error));
+      }
+      dispatch();
+      run.notify();
+    };
+
+    /**
+     * `held`'s run passed its job timeout: the server fails it. A running
+     * handler's signal is aborted with a `JobTimeout` and its slot freed (a
+     * handler that ignores its signal runs on, its result dropped); a job
+     * claimed ahead is not run.
+     */
+    const timeUp = (held: Held): void => {
+      held.timer = undefined;
+      // Finished, left behind, or found lost by an extend (counted there).
+      if (run.held.get(held.job.receipt) !== held || held.lost) return;
+      held.timedOut = true;
+      stats.timedOut++;
+      run.held.delete(held.job.receipt);
+      const what = `${about(held.job)}: the run passed its job timeout of ${held.timeoutMs} ms`;
+      const abort = held.abort;
+      if (abort !== undefined) {
+        run.running--;
+        log.warn(`${what}: its handler's signal is aborted, its slot freed, and its result will not be sent (the server fails the run)`);
+        abort.abort(new JobTimeout(held.timeoutMs!));
+      } else {
+        const i = run.waiting.indexOf(held);
+        if (i >= 0) run.waiting.splice(i, 1);
+        log.warn(`${what} before a handler was free; not run (the server fails the run)`);
       }
       dispatch();
       run.notify();
@@ -394,8 +682,19 @@ export class Worker {
     const dispatch = (): void => {
       while (run.running < concurrency && run.waiting.length > 0 && !run.abandoned) {
         const held = run.waiting.shift()!;
+        if (!held.lost && pastTimeout(held)) {
+          // Its timer has not run yet.
+          clearTimer(held);
+          run.held.delete(held.job.receipt);
+          held.timedOut = true;
+          stats.timedOut++;
+          log.warn(`${about(held.job)}: the run passed its job timeout of ${held.timeoutMs} ms before a handler was free; not run (the server fails the run)`);
+          run.notify();
+          continue;
+        }
         if (held.lost || performance.now() >= held.leaseUntil) {
           // Running it now could overlap the key's next run elsewhere.
+          clearTimer(held);
           run.held.delete(held.job.receipt);
           stats.lost++;
           log.warn(
@@ -425,10 +724,9 @@ export class Worker {
         const pending = { sent: performance.now(), cancel: new AbortController() };
         run.polls.add(pending);
         try {
-          const reply = await transport.post(
-            "/v1/claim",
-            { worker: this.name, max: want, wait_ms: waitMs, lease_ms: leaseMs },
-            { serverWaitMs: waitMs, signal: pending.cancel.signal },
+          const claim: Record<string, unknown> = { worker: this.name, max: want, wait_ms: waitMs, lease_ms: leaseMs };
+          if (timeoutMs !== undefined) claim["timeout_ms"] = timeoutMs;
+          const reply = await transport.post("/v1/claim", claim, { serverWaitMs: waitMs, signal: pending.cancel.signal },
           ).finally(() => run.polls.delete(pending));
           const raw = (reply as { jobs?: unknown } | null)?.jobs;
           if (!Array.isArray(raw)) {
@@ -452,16 +750,29 @@ export class Worker {
         run.reserved -= want;
         stats.claimRequests++;
         stats.claimed += jobs.length;
-        // The server started the leases just before it answered.
-        const leaseUntil = performance.now() + leaseMs;
+        // The server started the leases, and the job timeouts, just before it answered.
+        const answered = performance.now();
+        const leaseUntil = answered + leaseMs;
         for (const job of jobs) {
-          const held: Held = { job, leaseUntil, lost: false, abort: undefined };
+          // The run's job timeout: ours, else the server's default, which the answer shows
+          // (`timeout_expires_ms` and `lease_expires_ms` are of one clock, the server's).
+          let ms = timeoutMs;
+          if (ms === undefined && job.timeoutExpiresMs !== undefined && job.leaseExpiresMs !== undefined) {
+            ms = Math.max(1, job.timeoutExpiresMs - job.leaseExpiresMs + leaseMs);
+          }
+          const held: Held = { job, leaseUntil, lost: false, abort: undefined, timeoutMs: ms, timeoutUntil: undefined, timer: undefined, timedOut: false };
           run.held.set(job.receipt, held);
           if (run.abandoned) {
             // A claim answered after the stop left everything behind.
             run.held.delete(job.receipt);
             stats.abandoned++;
-          } else run.waiting.push(held);
+            continue;
+          }
+          if (ms !== undefined) {
+            held.timeoutUntil = answered + ms;
+            held.timer = setTimeout(() => timeUp(held), ms);
+          }
+          run.waiting.push(held);
         }
         dispatch();
         run.notify();
@@ -504,6 +815,7 @@ export class Worker {
       // process alive after `run` resolved. Cut it off and wait for it, then
       // close the connections, so a program whose last work was `run` exits.
       run.cutoff.abort();
+      for (const h of run.held.values()) clearTimer(h);
       await Promise.allSettled(run.extends);
       this.close();
       this.current = undefined;
@@ -534,7 +846,10 @@ export class Worker {
     run.abandoned = true;
     const running = [...run.held.values()].filter((h) => h.abort !== undefined);
     const ahead = run.waiting.length;
-    for (const h of run.held.values()) h.abort?.abort(new Error(why));
+    for (const h of run.held.values()) {
+      clearTimer(h);
+      h.abort?.abort(new Error(why));
+    }
     run.stats.abandoned += run.held.size;
     run.held.clear();
     run.waiting.length = 0;
@@ -598,10 +913,15 @@ export class Worker {
         if (err instanceof StaleReceipt) {
           // The valid receipts were acked; the listed ones' runs were over.
           const refused = new Set([...err.stale, ...err.notOwned]);
-          const lost = refused.size > 0 ? batch.filter((h) => refused.has(h.job.receipt)) : batch;
-          for (const h of lost) this.logLost(h.job, `ack${attempt > 0 ? " (retried: an earlier try may have acked it)" : ""}`, err);
-          stats.lost += lost.length;
-          stats.acked += batch.length - lost.length;
+          const refusedOnes = refused.size > 0 ? batch.filter((h) => refused.has(h.job.receipt)) : batch;
+          let timedOut = 0;
+          for (const h of refusedOnes) {
+            if (this.refusedPastTimeout(h, "ack", err)) timedOut++;
+            else this.logLost(h.job, `ack${attempt > 0 ? " (retried: an earlier try may have acked it)" : ""}`, err);
+          }
+          stats.timedOut += timedOut;
+          stats.lost += refusedOnes.length - timedOut;
+          stats.acked += batch.length - refusedOnes.length;
           stats.ackRequests++;
           return;
         }
@@ -628,8 +948,11 @@ export class Worker {
         return;
       } catch (err) {
         if (err instanceof StaleReceipt) {
-          this.logLost(job, "fail", err);
-          run.stats.lost++;
+          if (this.refusedPastTimeout(held, "fail", err)) run.stats.timedOut++;
+          else {
+            this.logLost(job, "fail", err);
+            run.stats.lost++;
+          }
           return;
         }
         if (err instanceof Cancelled) break;
@@ -644,6 +967,20 @@ export class Worker {
     run.stats.unreported++;
   }
 
+  /**
+   * Whether a result of `held` that the server refused (409) came after its
+   * run's job timeout (the server failed the run: counted in `timedOut`,
+   * logged here) rather than after the run was lost otherwise.
+   */
+  private refusedPastTimeout(held: Held, what: string, err: ShardqError): boolean {
+    if (!pastTimeout(held)) return false;
+    const { job } = held;
+    this.log.warn(
+      `job ${job.id} (key ${JSON.stringify(job.key)}, shard ${job.shard}) at ${job.server}: the run passed its job timeout of ${held.timeoutMs} ms: the server failed it and refused its ${what} (${err.message})`,
+    );
+    return true;
+  }
+
   private logLost(job: ClaimedJob, what: string, err: ShardqError): void {
     this.log.warn(`job ${job.id} (key ${JSON.stringify(job.key)}, shard ${job.shard}) lost its run on ${what}: ${err.message}`);
   }
@@ -653,8 +990,11 @@ export class Worker {
   /** One extend per server for every held job (running or claimed ahead), at most RECEIPTS_MAX receipts each. */
   private extendAll(run: Run, leaseMs: number): void {
     const byServer = new Map<string, Held[]>();
+    const now = performance.now();
     for (const h of run.held.values()) {
       if (h.lost) continue;
+      // A lease that lasts past the job timeout needs no extend: the server ends the run first.
+      if (h.timeoutUntil !== undefined && (h.leaseUntil >= h.timeoutUntil || now >= h.timeoutUntil)) continue;
       let list = byServer.get(h.job.server);
       if (list === undefined) byServer.set(h.job.server, (list = []));
       list.push(h);
@@ -706,6 +1046,8 @@ export class Worker {
         }
         // A job that finished meanwhile was acked or failed with that receipt: its run is over, not lost.
         if (h.lost || run.held.get(h.job.receipt) !== h) continue;
+        // Refused as its job timeout passed: its timer ends the run (counted in `timedOut`).
+        if (pastTimeout(h)) continue;
         h.lost = true;
         if (h.abort !== undefined) {
           run.stats.lost++;

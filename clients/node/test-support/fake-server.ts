@@ -153,9 +153,12 @@ export class FakeServer {
         return after(200, { jobs: out });
       }
       case "/v1/claim": {
-        if (keysOnly(body, ["worker", "max", "wait_ms", "lease_ms"]).length > 0) return problem("unknown field in claim");
+        if (keysOnly(body, ["worker", "max", "wait_ms", "lease_ms", "timeout_ms"]).length > 0) return problem("unknown field in claim");
         if (typeof body["worker"] !== "string" || !isInt(body["max"], 1) || !isInt(body["wait_ms"], 0) || !isInt(body["lease_ms"], 1)) {
           return problem("claim needs worker, max >= 1, wait_ms, lease_ms");
+        }
+        if (body["timeout_ms"] !== undefined && (!isInt(body["timeout_ms"], 1) || (body["timeout_ms"] as number) > 604_800_000)) {
+          return problem("timeout_ms: 1 to 604800000 ms");
         }
         const deadline = Date.now() + (body["wait_ms"] as number);
         // As the real server: a poll whose client went away claims nothing more.

@@ -2,12 +2,16 @@
 // few the slots (two servers over one data dir, work on one of them only),
 // a refused token rejects `run`, a drain timeout cancels and never reports
 // the runs it leaves, prefetched jobs are extended while they wait, acks
-// are batched, and a stop cancels the long polls at once.
+// are batched, and a stop cancels the long polls at once. Job timeouts:
+// a handler hung for 30 s with `timeoutMs: 500` is a dead letter with the
+// server's timeout reason within seconds, and its slot runs the key's next
+// job; a failed attempt's reason is its stack, bounded, naming the function
+// that threw.
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Client, Unauthorized, Worker, type ClaimedJob } from "../src/index.js";
+import { Client, FAIL_REASON_BYTES_MAX, JobTimeout, Unauthorized, Worker, type ClaimedJob } from "../src/index.js";
 import { cluster, collectingLogger, TOKEN, until } from "../test-support/cluster.js";
 import { PRODUCE_ONLY_TOKEN } from "../test-support/shardq-bin.js";
 
@@ -110,7 +114,7 @@ test("the drain timeout cancels the runs it leaves through their signals, report
     worker.stop();
     const stats = await ran;
     assert.equal(aborted, 1, "the running handler's signal was aborted");
-    assert.deepEqual({ ...stats, claimRequests: 0, ackRequests: 0 }, { claimed: 2, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 2, claimRequests: 0, ackRequests: 0, backedOff: 0 });
+    assert.deepEqual({ ...stats, claimRequests: 0, ackRequests: 0 }, { claimed: 2, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 2, claimRequests: 0, ackRequests: 0, backedOff: 0, timedOut: 0 });
     assert.ok(
       log.lines.some((l) => /drain timeout \(200 ms\): 1 running handler\(s\) cancelled through their signals and 1 claimed job\(s\) not started; none of them is acked/.test(l)),
       log.lines.join("\n"),
@@ -221,6 +225,149 @@ test("a stop cancels the long polls at once; stop({ drain: false }) cancels runn
     assert.ok(cancelled);
     assert.equal(stats.abandoned, 1);
     assert.equal(stats.failed + stats.acked, 0, "a cancelled run is not reported");
+  } finally {
+    await c.close();
+  }
+});
+
+const TIMEOUT_REASON = "timed out: the run passed its job timeout of 500 ms";
+
+test("timeoutMs: a handler hung for 30 s is a dead letter with the server's timeout reason within seconds, its signal aborted with a JobTimeout, and its freed slot runs the key's next job", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  const releases: (() => void)[] = [];
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    const hung = await client.enqueue("tenant-h", "hang", { maxAttempts: 1 });
+    const next = await client.enqueue("tenant-h", "next");
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const started = new Map<string, number>();
+    const ended: string[] = [];
+    let abortedWith: unknown;
+    // One slot, nothing claimed ahead, leases of 5 s extended every 1.7 s:
+    // only the job timeout ends the hung run, and only a freed slot lets
+    // this worker run the key's next job.
+    const ran = worker.run(
+      async (job, { signal }) => {
+        const body = job.payload.toString();
+        if (!started.has(body)) started.set(body, Date.now());
+        if (body === "hang") {
+          signal.addEventListener("abort", () => (abortedWith = signal.reason));
+          // Hangs for 30 s, ignoring its signal (until the test lets it go).
+          await new Promise<void>((resolve) => {
+            const t = setTimeout(resolve, 30_000);
+            releases.push(() => {
+              clearTimeout(t);
+              resolve();
+            });
+          });
+        }
+        ended.push(body);
+      },
+      { concurrency: 1, prefetch: 0, leaseMs: 5000, waitMs: 200, timeoutMs: 500, handleSignals: false },
+    );
+    try {
+      await until(() => ended.includes("next"), 15_000, `the key's next job to run:\n${log.lines.join("\n")}`);
+      const took = started.get("next")! - started.get("hang")!;
+      assert.ok(took < 5_000, `the key's next job started ${took} ms after the hung one`);
+      const dead = await client.job(String(hung.id));
+      assert.equal(dead?.state, "dead", JSON.stringify(dead));
+      assert.ok(dead.reason?.startsWith(TIMEOUT_REASON), dead.reason);
+      assert.equal(dead.attempts, 1);
+      assert.equal(await client.job(String(next.id)), undefined, "the next job was acked");
+      assert.ok(abortedWith instanceof JobTimeout, `the hung handler's signal was aborted with ${String(abortedWith)}`);
+      assert.equal(abortedWith.timeoutMs, 500);
+      assert.deepEqual(ended, ["next"], "the hung handler is still running");
+      // Let it go: its late result is not sent (the server would refuse it).
+      for (const r of releases) r();
+      await until(() => ended.includes("hang"), 5_000, "the hung handler to return");
+      const later = await client.enqueue("tenant-h", "later");
+      await until(() => ended.includes("later") && worker.stats.acked === 2, 15_000, "a job of the key after the timeout to run");
+      assert.equal(await client.job(String(later.id)), undefined);
+    } finally {
+      worker.stop();
+    }
+    const stats = await ran;
+    const lines = log.lines.join("\n");
+    assert.deepEqual(
+      { acked: stats.acked, failed: stats.failed, lost: stats.lost, timedOut: stats.timedOut, unreported: stats.unreported },
+      { acked: 2, failed: 0, lost: 0, timedOut: 1, unreported: 0 },
+      lines,
+    );
+    assert.ok(log.lines.some((l) => l.startsWith("warn ") && l.includes(`job ${hung.id} `) && l.includes("passed its job timeout of 500 ms")), lines);
+    assert.ok(log.lines.some((l) => l.startsWith("info ") && l.includes(`job ${hung.id} `) && l.includes("nothing is sent")), lines);
+    await s.settle({ ready: 0, delayed: 0, in_flight: 0, dead: 1 });
+  } finally {
+    for (const r of releases) r();
+    await c.close();
+  }
+});
+
+// Three functions deep, as a handler's own code would be.
+function readInvoice(text: string, long: boolean): number {
+  return parseLines(text.split("\n"), long);
+}
+
+function parseLines(lines: string[], long: boolean): number {
+  return parseInvoiceTotal(lines.join(" "), long);
+}
+
+function parseInvoiceTotal(text: string, long: boolean): number {
+  if (!text.includes("total")) {
+    const why = long ? "é€😀 ".repeat(300) : "the payload says nothing of it";
+    throw new Error(`no total in invoice ${JSON.stringify(text)}: ${why}`);
+  }
+  return 0;
+}
+
+test("a failed attempt is logged with its stack, which its reason carries within FAIL_REASON_BYTES_MAX, naming the function that threw", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    // The second one's message (3 kB of multi-byte characters) makes the reason longer than the bound.
+    const short = await client.enqueue("inv-1", "invoice 1", { maxAttempts: 1 });
+    const longer = await client.enqueue("inv-2", "invoice 2", { maxAttempts: 1 });
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const ran = worker.run(async (job) => void readInvoice(job.payload.toString(), job.key === "inv-2"), {
+      concurrency: 2,
+      leaseMs: 5000,
+      waitMs: 200,
+      handleSignals: false,
+    });
+    try {
+      await until(async () => (await s.status()).totals["dead"] === 2, 15_000, "both dead letters");
+    } finally {
+      worker.stop();
+    }
+    const stats = await ran;
+    const lines = log.lines.join("\n");
+    assert.deepEqual([stats.failed, stats.acked], [2, 0], lines);
+    for (const [enq, head] of [
+      [short, 'Error: no total in invoice "invoice 1": the payload says nothing of it\n    at parseInvoiceTotal ('],
+      [longer, 'Error: no total in invoice "invoice 2": é€😀 é€😀 '],
+    ] as const) {
+      const dead = await client.job(String(enq.id));
+      assert.equal(dead?.state, "dead", JSON.stringify(dead));
+      const reason = dead.reason ?? "";
+      assert.ok(reason.startsWith(head), reason);
+      assert.ok(Buffer.byteLength(reason) <= FAIL_REASON_BYTES_MAX, `${Buffer.byteLength(reason)} bytes`);
+      assert.ok(!reason.includes("\uFFFD"), `no character cut in two: ${reason}`);
+      // The stack's first frames, where the failing function is, are kept.
+      assert.match(reason, /\n {4}at parseInvoiceTotal \(.*\n {4}at parseLines \(.*\n {4}at readInvoice \(/, reason);
+      // Logged with its whole stack.
+      assert.ok(
+        log.lines.some((l) => l.startsWith(`warn job ${enq.id} `) && l.includes("failed: Error: no total in invoice") && l.includes("at parseInvoiceTotal (")),
+        lines,
+      );
+    }
+    const cut = (await client.job(String(longer.id)))!.reason!;
+    assert.ok(cut.includes("...\n    at parseInvoiceTotal (") && cut.endsWith("\n[... stack cut ...]"), cut);
+    assert.ok(Buffer.byteLength(cut) > 880, `${Buffer.byteLength(cut)} bytes: the bound is used`);
+    // The log has the whole message, which the reason had to cut.
+    assert.ok(log.lines.some((l) => l.includes("é€😀 ".repeat(300))), "the whole message logged");
   } finally {
     await c.close();
   }

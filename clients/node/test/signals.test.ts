@@ -21,7 +21,7 @@ test("SIGINT on an idle worker stops it at once; on a busy one a second SIGTERM 
     const took = Date.now() - t0;
     assert.ok(took < 1000, `an idle worker took ${took} ms to stop on SIGINT`);
     assert.match(idle.err(), /SIGINT: draining \(0 job\(s\) running, 0 claimed ahead\)/);
-    assert.deepEqual(idle.stats(), { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0 });
+    assert.deepEqual(idle.stats(), { claimed: 0, acked: 0, failed: 0, lost: 0, unreported: 0, abandoned: 0, claimRequests: 0, ackRequests: 0, backedOff: 0, timedOut: 0 });
 
     await new Client(urls).enqueueMany([
       { key: "long-1", payload: JSON.stringify({ seq: 0 }) },

@@ -1,6 +1,8 @@
 // Worker against fake servers: claims on every URL under one concurrency
 // limit, per-key order, acks to the server that gave the job, heartbeats,
-// failures with a retry delay, 409 as a lost run, drain on stop and SIGTERM.
+// failures with a retry delay, 409 as a lost run, drain on stop and SIGTERM;
+// `timeoutMs` in every claim, a bad one refused naming it; failure reasons
+// cut to their bound on character boundaries; the bounds equal the server's.
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
@@ -8,8 +10,12 @@ import { dirname, join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { Client, RetryLater, Worker, type ClaimedJob, type Logger } from "../src/index.js";
+import { readFileSync } from "node:fs";
+
+import { Client, FAIL_REASON_BYTES_MAX, JOB_TIMEOUT_MS_MAX, JOB_TIMEOUT_MS_MIN, JobTimeout, RetryLater, Worker, type ClaimedJob, type Logger } from "../src/index.js";
+import { failureReason, utf8Prefix } from "../src/worker.js";
 import { FakeServer } from "../test-support/fake-server.js";
+import { REPO_ROOT } from "../test-support/shardq-bin.js";
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
@@ -307,4 +313,144 @@ test("a claim's timeout is its long poll plus timeoutMs; a job carries maxAttemp
   } finally {
     await s.close();
   }
+});
+
+test("timeoutMs goes with every claim; at the deadline the handler's signal aborts with a JobTimeout and nothing is sent; a job claimed ahead past it is not run", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    await new Client([s.url]).enqueueMany([
+      { key: "a", payload: "slow" },
+      { key: "b", payload: "quick" },
+    ]);
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const started: string[] = [];
+    const reasons: unknown[] = [];
+    // One handler, one job claimed ahead: both claimed at once, so both pass their 300 ms then.
+    const ran = worker.run(
+      async (job, { signal }) => {
+        started.push(job.key);
+        if (job.payload.toString() === "slow") {
+          await new Promise<void>((resolve) => signal.addEventListener("abort", () => (reasons.push(signal.reason), resolve())));
+        }
+      },
+      { concurrency: 1, prefetch: 1, leaseMs: 5000, waitMs: 20, timeoutMs: 300, handleSignals: false },
+    );
+    await stopWhen(worker, () => worker.stats.timedOut === 2);
+    const stats = await ran;
+    const lines = log.lines.join("\n");
+    assert.deepEqual(started, ["a"], lines);
+    assert.equal(reasons.length, 1);
+    assert.ok(reasons[0] instanceof JobTimeout && reasons[0].timeoutMs === 300, String(reasons[0]));
+    assert.deepEqual([stats.claimed, stats.timedOut, stats.acked, stats.failed, stats.lost], [2, 2, 0, 0, 0], lines);
+    assert.equal(s.count("/v1/ack") + s.count("/v1/fail"), 0, "nothing sent for a run past its timeout");
+    const claims = s.requests.filter((r) => r.path === "/v1/claim");
+    assert.ok(claims.length >= 1 && claims.every((r) => r.body["timeout_ms"] === 300), JSON.stringify(claims.map((r) => r.body)));
+    assert.ok(log.lines.some((l) => l.startsWith("warn job ") && l.includes("key \"b\"") && l.includes("before a handler was free; not run")), lines);
+
+    // Without timeoutMs, no timeout_ms; the longest one is sent as is, and a job that ends in time is acked.
+    for (const timeoutMs of [undefined, JOB_TIMEOUT_MS_MAX]) {
+      const t = await new FakeServer("t").start();
+      try {
+        await new Client([t.url]).enqueue("c", "x");
+        const w = new Worker([t.url], { logger: collectingLogger() });
+        const r = w.run(async () => {}, { waitMs: 20, timeoutMs, handleSignals: false });
+        await stopWhen(w, () => t.acked.length === 1);
+        assert.equal((await r).timedOut, 0);
+        const bodies = t.requests.filter((q) => q.path === "/v1/claim").map((q) => q.body);
+        assert.ok(bodies.length >= 1 && bodies.every((b) => b["timeout_ms"] === timeoutMs && ("timeout_ms" in b) === (timeoutMs !== undefined)), JSON.stringify(bodies));
+      } finally {
+        await t.close();
+      }
+    }
+  } finally {
+    await s.close();
+  }
+});
+
+test("a bad timeoutMs is refused naming it and the value, before any request", async () => {
+  const s = await new FakeServer("s").start();
+  try {
+    for (const [bad, shown] of [
+      [0, "0"],
+      [-1, "-1"],
+      [JOB_TIMEOUT_MS_MAX + 1, "604800001"],
+      [1.5, "1.5"],
+      [Number.NaN, "NaN"],
+      [Number.POSITIVE_INFINITY, "Infinity"],
+      ["500", '"500"'],
+      [null, "null"],
+      [true, "true"],
+    ] as const) {
+      const worker = new Worker([s.url], { logger: collectingLogger() });
+      await assert.rejects(worker.run(async () => {}, { timeoutMs: bad as unknown as number, handleSignals: false }), (err: unknown) => {
+        assert.ok(err instanceof TypeError, String(err));
+        assert.ok(err.message.includes(`invalid timeoutMs ${shown}:`), err.message);
+        assert.ok(err.message.includes(`from ${JOB_TIMEOUT_MS_MIN} to ${JOB_TIMEOUT_MS_MAX}`), err.message);
+        return true;
+      });
+    }
+    assert.equal(s.requests.length, 0);
+  } finally {
+    await s.close();
+  }
+});
+
+function deep(n: number): never {
+  if (n > 0) return deep(n - 1);
+  throw new RangeError("é€😀 ".repeat(400));
+}
+
+test("a failure reason is its stack, cut to its bound on a character boundary: the head line and the first frames", () => {
+  let error: unknown;
+  try {
+    deep(5);
+  } catch (err) {
+    error = err;
+  }
+  const MARK = "\n[... stack cut ...]";
+  const whole = failureReason(error, 1 << 20);
+  assert.ok(failureReason(error, 200).endsWith(MARK), "a stack longer than its room is cut");
+  assert.ok(whole.startsWith("RangeError: é€😀 ") && whole.includes("\n    at deep ("), whole);
+  const trace = whole.slice(whole.indexOf("\n    at ") + 1);
+  for (let bound = 60; bound < 1200; bound += 7) {
+    const got = failureReason(error, bound);
+    const bytes = Buffer.from(got, "utf8");
+    assert.ok(bytes.length <= bound, `${bytes.length} bytes for a bound of ${bound}`);
+    // Nothing cut in two: no U+FFFD, no lone surrogate (which UTF-8 would turn into U+FFFD).
+    assert.ok(!got.includes("\uFFFD") && bytes.toString("utf8") === got, `bound ${bound}: ${JSON.stringify(got.slice(-8))}`);
+    assert.ok(got.startsWith("RangeError: é"), `bound ${bound}: ${got}`);
+    // The head line is cut to half the bound; what follows is the start of the stack, where the failing frame is:
+    // all of it when it fits, else its first frames and the mark.
+    const head = got.slice(0, got.indexOf("\n"));
+    assert.ok(Buffer.byteLength(head) <= Math.floor(bound / 2) && head.endsWith("..."), `bound ${bound}: ${head}`);
+    const kept = got.endsWith(MARK) ? got.slice(head.length + 1, got.length - MARK.length) : got.slice(head.length + 1);
+    assert.ok(got.endsWith(MARK) ? trace.startsWith(kept) : kept === trace, `bound ${bound}: ${kept}`);
+    if (bound >= 400) assert.ok(kept.startsWith("    at deep ("), `bound ${bound}: ${kept}`);
+  }
+  // A whole reason within the bound is sent as is.
+  const ok = failureReason(new Error("short"));
+  assert.ok(ok.startsWith("Error: short\n    at ") && Buffer.byteLength(ok) <= FAIL_REASON_BYTES_MAX, ok);
+  // A thrown non-error is its text, cut alone.
+  assert.equal(failureReason("ü".repeat(1000), 101), "ü".repeat(50));
+  assert.equal(failureReason("😀".repeat(100), 10), "😀😀");
+  assert.equal(utf8Prefix("a😀", 4), "a");
+  assert.equal(utf8Prefix("€é", 4), "€");
+  // Causes follow the error's own frames.
+  const caused = failureReason(new Error("outer", { cause: new TypeError("inner") }), 1 << 20);
+  assert.match(caused, /^Error: outer\n {4}at [\s\S]*\nCaused by: TypeError: inner\n {4}at /);
+});
+
+test("the job timeout and reason bounds are the server's", () => {
+  const job = readFileSync(`${REPO_ROOT}/crates/shardq-core/src/job.rs`, "utf8");
+  const constant = (name: string): number => {
+    const m = new RegExp(`pub const ${name}: \\w+ = ([^;]+);`).exec(job);
+    assert.ok(m !== null, `${name} in job.rs`);
+    // "7 * 24 * 3600 * 1000" or a number.
+    return m[1]!.split("*").reduce((p, f) => p * Number(f.trim().replace(/_/g, "")), 1);
+  };
+  assert.equal(JOB_TIMEOUT_MS_MIN, constant("JOB_TIMEOUT_MS_MIN"));
+  assert.equal(JOB_TIMEOUT_MS_MAX, constant("JOB_TIMEOUT_MS_MAX"));
+  // What the store keeps of a reason: sending more would lose its end.
+  assert.equal(FAIL_REASON_BYTES_MAX, constant("FAIL_REASON_BYTES_MAX"));
 });
