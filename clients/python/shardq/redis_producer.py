@@ -106,7 +106,7 @@ ORPHAN_FENCE_AFTER_MS = 2_000
 #: Lifetime of the rebalance lock without renewal, in ms, and renewals per
 #: lifetime (``REBALANCE_LOCK_MS`` and ``REBALANCE_LOCK_RENEWALS`` of the
 #: Rust map store).
-REBALANCE_LOCK_MS = 30_000
+REBALANCE_LOCK_MS = 10_000
 REBALANCE_LOCK_RENEWALS = 3
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
@@ -338,9 +338,45 @@ def _eval(c: "redis.Redis", script: str, sha1: str, keys: Sequence[str], args: S
 _LOCK_NONCE = itertools.count()
 
 
+def _host_name() -> str:
+    """This host's name as lock tokens carry it (the Rust side reads
+    ``/proc/sys/kernel/hostname`` first)."""
+    try:
+        with open("/proc/sys/kernel/hostname", encoding="utf-8") as f:
+            name = f.read().strip()
+        if name:
+            return name
+    except OSError:
+        pass
+    return socket.gethostname() or "localhost"
+
+
 def _lock_owner() -> str:
     """``host@pid``, the holder the Rust side names in its lock tokens."""
-    return f"{socket.gethostname() or 'localhost'}@{os.getpid()}"
+    return f"{_host_name()}@{os.getpid()}"
+
+
+def _holder_dead_here(token: str) -> bool:
+    """Whether lock token ``host@pid#nonce`` names a process of this host
+    that is gone (no ``/proc/<pid>``, or a zombie): the Rust map store's
+    ``holder_dead_here``. Another host's token, this process's, or one
+    that does not parse is never dead: its lock lapses by its lease."""
+    host, sep, rest = token.partition("@")
+    pid_text = rest.split("#", 1)[0]
+    if not sep or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if host != _host_name() or pid in (0, os.getpid()) or not os.path.exists("/proc/self/stat"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    at = stat.rfind(")")
+    return at >= 0 and stat[at + 1:].lstrip()[:1] in ("Z", "X")
 
 
 class _RebalanceLock:
@@ -366,6 +402,13 @@ class _RebalanceLock:
         token = f"{_lock_owner()}#{next(_LOCK_NONCE)}"
         # A retried SET after a lost reply finds our own token: that is ours.
         got = store.run(lambda c: c.set(key, token, nx=True, px=REBALANCE_LOCK_MS, get=True))
+        if got is not None and _s(got) != token and _holder_dead_here(_s(got)):
+            # A holder of this host that is gone frees its lock now, not
+            # when its lease lapses: released only while it still holds
+            # that dead token, then taken once more.
+            dead = _s(got)
+            store.run(lambda c: _eval(c, _lua.LOCK_RELEASE_SCRIPT, _lua.LOCK_RELEASE_SHA1, [key], [dead]))
+            got = store.run(lambda c: c.set(key, token, nx=True, px=REBALANCE_LOCK_MS, get=True))
         if got is not None and _s(got) != token:
             return None
         return cls(store, key, token)

@@ -407,6 +407,45 @@ def test_an_orphaned_fence_is_not_lifted_while_a_rebalance_holds_the_lock(tmp, s
     assert got.map_version == v + 1 and got.shard == before.route("k")
 
 
+def _dead_local_token() -> str:
+    """A rebalance lock token naming a process of this host that is gone,
+    as a SIGKILLed ``shardq rebalance`` leaves it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open("/proc/sys/kernel/hostname", encoding="utf-8") as f:
+        host = f.read().strip()
+    return f"{host}@{dead.pid}#0"
+
+
+def test_a_fence_left_by_a_killed_local_rebalance_is_lifted_without_waiting_for_its_lease(tmp, servers):
+    # A rebalance SIGKILLed between its fence and its publish leaves the
+    # shards fenced and its lock held for the rest of its lease. Producers
+    # of the same host see the holder is gone and lift the fence at their
+    # first check, the Rust CLI and the Python producer alike; nothing is
+    # refused.
+    (srv,) = servers(1)
+    data, r = _deployment(tmp, srv, shards=3)
+    lock = rebalance_lock_key("default")
+    before = Router.from_yaml(r.hget(map_key("default"), "yaml").decode())
+    v = before.map.version
+    for round_, produce in enumerate(
+        [
+            lambda: shardq("enqueue", "--data", data, "--key", "k", "--payload", "rust"),
+            lambda: RedisProducer.from_data_dir(data).enqueue("k", "python"),
+        ]
+    ):
+        version = v + 1 + round_
+        _fence_every_shard(r, before, version)
+        r.set(lock, _dead_local_token(), px=60_000)
+        t0 = time.monotonic()
+        produce()
+        took = time.monotonic() - t0
+        assert took < ORPHAN_FENCE_AFTER_MS / 1000 + 3, f"round {round_}: took {took:.1f} s"
+        assert int(r.hget(map_key("default"), "version")) == version
+        assert not r.exists(lock), "the lift gave the lock back"
+    assert r.hget(shard_keys("default", "default", before.route("k"))[0], "seq") == b"2"
+
+
 def test_a_lift_republishes_only_a_map_that_validates_with_only_its_version_changed():
     text = (
         "version: 4\nalgorithm: ring\nhash: xxh3\nvnodes: 64\nshards:\n"

@@ -1327,9 +1327,22 @@ impl MapStore for MemoryMapStore {
         Ok(self.state().1.clone())
     }
 
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
-        self.state().1 = target.cloned();
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
+        self.state().1 = Some(target.clone());
         Ok(())
+    }
+
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        let mut st = self.state();
+        if st
+            .1
+            .as_ref()
+            .is_some_and(|t| !crate::reshard::same_target(t, reached))
+        {
+            return Ok(false);
+        }
+        st.1 = None;
+        Ok(true)
     }
 
     fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {

@@ -570,8 +570,11 @@ mod tests {
         fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
             self.inner.load_target()
         }
-        fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+        fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
             self.inner.store_target(target)
+        }
+        fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+            self.inner.clear_target(reached)
         }
         fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
             self.inner.try_lock_rebalance()

@@ -124,8 +124,23 @@ pub trait MapStore: Send + Sync {
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError>;
     /// The map a rebalance should reach, if one is pending.
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError>;
-    /// Records (or, with `None`, clears) the pending target.
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError>;
+    /// Records `target` as the pending target (under the rebalance lock:
+    /// every operation that changes the target holds it).
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError>;
+    /// Clears the pending target if it is still `reached` (the target a
+    /// finished rebalance published; versions aside): compare-and-delete,
+    /// so a target recorded while the rebalance ran (its lock lapsed and
+    /// an operator's change took it) is never erased. `Ok(true)` when
+    /// cleared or none is pending; `Ok(false)` when another target is
+    /// pending, and it stays.
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError>;
+    /// Under the lock: fails ([`ReshardError::LockLost`]) once the store knows
+    /// the lock was lost (a renewal found another holder or none). A
+    /// rebalance asks between its steps and stops; a store whose lock
+    /// lasts exactly as long as its holder never loses it (the default).
+    fn check_lock(&self) -> Result<(), ReshardError> {
+        Ok(())
+    }
     /// Takes the rebalance lock; the guard releases it on drop. A second
     /// holder gets [`ReshardError::Busy`].
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError>;
@@ -261,6 +276,13 @@ pub enum ReshardError {
         /// Who holds the lock, as far as known.
         holder: String,
     },
+    /// This rebalance's lock lapsed while it ran (its holder stalled past
+    /// the lease, or a renewal failed): it writes nothing more.
+    #[error("this rebalance lost its lock: {reason}; it stopped and wrote nothing more: run rebalance again")]
+    LockLost {
+        /// What showed the loss.
+        reason: String,
+    },
     /// The published map changed under us.
     #[error("the shard map changed while rebalancing (expected version {expected}, found {found}); rerun the rebalance")]
     Conflict {
@@ -355,6 +377,7 @@ impl ReshardError {
             ReshardError::BadTarget { .. } => ErrorKind::Corrupt,
             ReshardError::Store { kind, .. } | ReshardError::ShardsFailed { kind, .. } => *kind,
             ReshardError::Busy { .. }
+            | ReshardError::LockLost { .. }
             | ReshardError::Conflict { .. }
             | ReshardError::DrainTimeout { .. } => ErrorKind::Conflict,
             ReshardError::Unavailable(_) => ErrorKind::Retryable,
@@ -709,12 +732,18 @@ pub fn implied_target(map: &ShardMap) -> ShardMap {
     t
 }
 
+/// Whether two targets are the same map, their versions aside (a stored
+/// target carries version 0): what [`MapStore::clear_target`] compares.
+pub fn same_target(a: &ShardMap, b: &ShardMap) -> bool {
+    with_version(a, 0) == with_version(b, 0)
+}
+
 fn save_target(store: &dyn MapStore, target: &ShardMap) -> Result<(), ReshardError> {
     let mut checked = target.clone();
     // Validation needs an active shard; the version is irrelevant for a target.
     checked.validate()?;
     checked.version = 0;
-    store.store_target(Some(&checked))
+    store.store_target(&checked)
 }
 
 /// Deploys shard `name` as `warming` (visible, receiving nothing) and makes
@@ -1229,7 +1258,14 @@ where
     } else {
         report.nothing_to_do = report.moved.is_empty() && report.from_version == cur.version;
     }
-    store.store_target(None)?;
+    if !store.clear_target(target)? {
+        return Err(ReshardError::LockLost {
+            reason: format!(
+                "another change recorded a new target while it ran; map version {} is published and the new target stays pending",
+                cur.version
+            ),
+        });
+    }
     on_event(RebalanceEvent::Finished {
         version: cur.version,
     });
@@ -1326,6 +1362,9 @@ where
     let mut stuck: Vec<String> = Vec::new();
     let mut waited_most = 0u64;
     for batch in all.chunks(options.batch) {
+        // A run whose lock lapsed (a renewal found it gone) stops here,
+        // between batches, with nothing of the next batch sealed.
+        store.check_lock()?;
         let (skip, mut batch): (Vec<_>, Vec<_>) =
             batch.iter().cloned().partition(|sw| failed.involves(sw));
         failed.keys.extend(skip.into_iter().map(|sw| sw.0));
@@ -1636,7 +1675,7 @@ where
     // 2. Wait for the runs each may have in flight there (bounded:
     //    a stopped worker's run ends when its job lease lapses).
     let wait_started = clock.now_ms();
-    let busy = wait_runs_ended(backend, batch, options, on_event)?;
+    let busy = wait_runs_ended(backend, store, batch, options, on_event)?;
     let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
     let (late, batch): (Vec<_>, Vec<_>) =
         batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
@@ -2021,6 +2060,7 @@ fn update_old_fences<B: QueueBackend + ?Sized>(
 /// up to the drain timeout; returns the keys still running then.
 fn wait_runs_ended<B: QueueBackend + ?Sized>(
     backend: &B,
+    store: &dyn MapStore,
     batch: &[(String, String, String)],
     options: &RebalanceOptions,
     on_event: &mut dyn FnMut(RebalanceEvent),
@@ -2045,6 +2085,7 @@ fn wait_runs_ended<B: QueueBackend + ?Sized>(
             return Ok(busy.into_iter().map(|(k, _)| k.to_string()).collect());
         }
         say_waiting(clock, started_ms, &mut said_ms, busy.len(), on_event);
+        store.check_lock()?;
         clock.sleep_ms(options.poll_ms.max(1));
     }
 }

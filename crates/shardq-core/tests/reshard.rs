@@ -696,8 +696,11 @@ impl MapStore for PublishFails {
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
         self.inner.load_target()
     }
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
         self.inner.store_target(target)
+    }
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        self.inner.clear_target(reached)
     }
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
         self.inner.try_lock_rebalance()
@@ -1151,4 +1154,89 @@ fn a_keys_history_is_found_on_every_shard_it_finished_on() {
     let (one, _) = shardq_core::backend::key_history(&backend, &shards, "k", 1);
     assert_eq!(one.len(), 1);
     assert_eq!(one[0].0, "s1");
+}
+
+/// A map store where an operator records a new target while the
+/// rebalance runs (on Redis: its lock lapsed while it stalled, and a
+/// `set-weight` took the lock for its own write).
+struct TargetChangesMidRun {
+    inner: MemoryMapStore,
+    newer: ShardMap,
+    publishes: std::sync::atomic::AtomicU32,
+}
+
+impl MapStore for TargetChangesMidRun {
+    fn load(&self) -> Result<ShardMap, ReshardError> {
+        self.inner.load()
+    }
+    fn publish(&self, map: &ShardMap, expected: u64) -> Result<(), ReshardError> {
+        if self.publishes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.inner.store_target(&self.newer)?;
+        }
+        self.inner.publish(map, expected)
+    }
+    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
+        self.inner.load_target()
+    }
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
+        self.inner.store_target(target)
+    }
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        self.inner.clear_target(reached)
+    }
+    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
+        self.inner.try_lock_rebalance()
+    }
+}
+
+/// A rebalance never erases a target recorded after it started: it
+/// publishes what it reached, ends with `LockLost` naming the newer
+/// target as pending, and the rerun reaches the newer one.
+#[test]
+fn a_target_recorded_during_a_rebalance_is_never_erased() {
+    let clock = Arc::new(shardq_core::ManualClock::new(1_700_000_000_000));
+    let backend = MemoryBackend::new(&["a", "b"], clock.clone());
+    let inner =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+    let router = Router::new(inner.load().unwrap()).unwrap();
+    for i in 0..40 {
+        let k = format!("t-{i}");
+        backend
+            .enqueue(router.route(&k), 1, &[NewJob::new(k.as_str(), "x")])
+            .unwrap();
+    }
+    reshard::add_shard(&inner, "c", 1, None).unwrap();
+    backend.add_shard("c");
+    let mut newer = inner.load_target().unwrap().unwrap();
+    newer
+        .shards
+        .iter_mut()
+        .find(|s| s.name == "c")
+        .unwrap()
+        .weight = 5;
+    let store = TargetChangesMidRun {
+        inner: inner.clone(),
+        newer: newer.clone(),
+        publishes: Default::default(),
+    };
+    let opts = RebalanceOptions {
+        poll_ms: 1,
+        clock: clock.clone(),
+        ..RebalanceOptions::default()
+    };
+    let err = reshard::rebalance(&backend, &store, &opts, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, ReshardError::LockLost { .. }), "{err}");
+    assert!(
+        err.to_string().contains("new target stays pending"),
+        "{err}"
+    );
+    let pending = inner
+        .load_target()
+        .unwrap()
+        .expect("the newer target is kept");
+    assert!(reshard::same_target(&pending, &newer));
+    // The rerun reaches it and only then clears it.
+    reshard::rebalance(&backend, &inner, &opts, &mut |_| {}).unwrap();
+    assert_eq!(inner.load_target().unwrap(), None);
+    assert_eq!(inner.load().unwrap().shard("c").unwrap().weight, 5);
 }

@@ -77,9 +77,14 @@ impl MapStore for RedisMaps {
     fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
         self.store.load_target()
     }
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
-        let target = target.map(|t| self.with_urls(t));
-        self.store.store_target(target.as_ref())
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
+        self.store.store_target(&self.with_urls(target))
+    }
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        self.store.clear_target(&self.with_urls(reached))
+    }
+    fn check_lock(&self) -> Result<(), ReshardError> {
+        self.store.check_lock()
     }
     fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
         self.store.load_setting(name)

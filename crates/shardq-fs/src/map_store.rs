@@ -167,18 +167,27 @@ impl MapStore for FileMapStore {
         }
     }
 
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
         let path = self.dir.join(TARGET_FILE);
-        match target {
-            Some(t) => self
-                .storage
-                .write_file_atomic(&path, t.to_yaml().as_bytes())
-                .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e)),
-            None => match fs::remove_file(&path) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(ReshardError::io(format!("removing {}", path.display()), e)),
-            },
+        self.storage
+            .write_file_atomic(&path, target.to_yaml().as_bytes())
+            .map_err(|e| ReshardError::io(format!("writing {}", path.display()), e))
+    }
+
+    /// Read, compare, remove: every writer of the target holds the
+    /// rebalance lock (a flock, held exactly as long as its holder lives),
+    /// and so does the rebalance that clears it.
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        if let Some(pending) = self.load_target()? {
+            if !shardq_core::reshard::same_target(&pending, reached) {
+                return Ok(false);
+            }
+        }
+        let path = self.dir.join(TARGET_FILE);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(ReshardError::io(format!("removing {}", path.display()), e)),
         }
     }
 

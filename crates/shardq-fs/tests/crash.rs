@@ -456,9 +456,15 @@ impl shardq_core::reshard::MapStore for PublishStops {
     }
     fn store_target(
         &self,
-        target: Option<&shardq_route::ShardMap>,
+        target: &shardq_route::ShardMap,
     ) -> Result<(), shardq_core::reshard::ReshardError> {
         self.inner.store_target(target)
+    }
+    fn clear_target(
+        &self,
+        reached: &shardq_route::ShardMap,
+    ) -> Result<bool, shardq_core::reshard::ReshardError> {
+        self.inner.clear_target(reached)
     }
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, shardq_core::reshard::ReshardError> {
         self.inner.try_lock_rebalance()

@@ -65,15 +65,48 @@ pub struct RedisCoordinator {
     others: BTreeMap<String, String>,
 }
 
-/// `host@pid` of this process.
-pub fn default_owner() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+/// This host's name, as lock and lease tokens carry it.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".to_string());
-    format!("{host}@{}", std::process::id())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// `host@pid` of this process.
+pub fn default_owner() -> String {
+    format!("{}@{}", host_name(), std::process::id())
+}
+
+/// Whether a lock token (`host@pid#nonce`, as [`default_owner`] starts
+/// it) names a process of this host that is gone: no `/proc/<pid>`, or a
+/// zombie. Only where `/proc` shows this host's processes (Linux); a
+/// token of another host, of this process, or one that does not parse is
+/// never called dead, so the lock then lapses by its lease alone. A pid
+/// reused by a new process reads as alive: the lease decides, as before.
+pub fn holder_dead_here(token: &str) -> bool {
+    let Some((host, rest)) = token.split_once('@') else {
+        return false;
+    };
+    let Some(pid) = rest.split('#').next().and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
+    if host != host_name() || pid == std::process::id() || pid == 0 {
+        return false;
+    }
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => match stat.rfind(')') {
+            Some(i) => matches!(stat[i + 1..].trim_start().chars().next(), Some('Z' | 'X')),
+            None => false,
+        },
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 enum Lease {

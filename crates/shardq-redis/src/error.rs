@@ -133,6 +133,15 @@ pub enum RedisError {
         reason: String,
     },
     /// Compare-and-set publish lost: someone published another version first.
+    /// A map write under the rebalance lock found the lock lapsed: no
+    /// longer this process's.
+    #[error("shard map in Redis at {url}: {what} refused: this process's rebalance lock lapsed (its holder stalled past the lease) and is no longer its own")]
+    LockLost {
+        /// The store's URL.
+        url: String,
+        /// What was refused.
+        what: String,
+    },
     #[error("shard map in Redis at {url} is at version {found}, not the expected {expected}: reload the map, reapply the change and publish again")]
     VersionConflict {
         /// URL of the map store.
@@ -167,7 +176,7 @@ impl RedisError {
             | RedisError::InvalidName { .. }
             | RedisError::NoRedisShards { .. }
             | RedisError::Map { .. } => ErrorKind::BadInput,
-            RedisError::VersionConflict { .. } => ErrorKind::Conflict,
+            RedisError::VersionConflict { .. } | RedisError::LockLost { .. } => ErrorKind::Conflict,
             RedisError::CorruptRecord { .. } => ErrorKind::Corrupt,
             RedisError::Queue(q) => q.kind(),
             _ => ErrorKind::Internal,

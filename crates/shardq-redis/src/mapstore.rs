@@ -23,7 +23,7 @@
 //! This module must never publish a map it has not validated, and never
 //! release or extend a lock whose token is not its own.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread;
@@ -45,9 +45,13 @@ use crate::scripts::{reply, Scripts};
 
 const STORE: &str = "map store";
 
-/// Lifetime of the rebalance lock without renewal, in ms (30 s): how long a
-/// killed coordinator blocks the next `rebalance`.
-pub const REBALANCE_LOCK_MS: u64 = 30_000;
+/// Lifetime of the rebalance lock without renewal, in ms (10 s): how long a
+/// killed coordinator of another host blocks the next `rebalance` and the
+/// producers' lift of its orphaned fence (one of this host is seen dead
+/// at once: [`crate::coord::holder_dead_here`]). A holder that only
+/// stalls past it loses the lock and, by the epoch, every write it would
+/// make after the next holder's ([`MapStore::rebalance_epoch`]).
+pub const REBALANCE_LOCK_MS: u64 = 10_000;
 /// Renewals per lock lifetime: a lock survives two missed renewals.
 pub const REBALANCE_LOCK_RENEWALS: u64 = 3;
 
@@ -65,6 +69,9 @@ pub struct RedisMapStore {
     namespace: String,
     /// The token of the rebalance lock this store holds, while it does.
     held: Arc<std::sync::Mutex<Option<String>>>,
+    /// Set by the renewal thread when a renewal found the lock gone or
+    /// another holder's: [`MapStore::check_lock`] then fails.
+    lost: Arc<AtomicBool>,
 }
 
 impl RedisMapStore {
@@ -109,7 +116,29 @@ impl RedisMapStore {
             settings_key: settings_key(namespace),
             namespace: namespace.to_string(),
             held: Arc::default(),
+            lost: Arc::default(),
         })
+    }
+
+    /// The token of the rebalance lock this store holds, or "" (then map
+    /// writes check no lock).
+    fn held_token(&self) -> String {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
+    }
+
+    fn lock_lost(&self, what: &str) -> RedisError {
+        RedisError::LockLost {
+            url: self.node.url.clone(),
+            what: what.to_string(),
+        }
+    }
+
+    fn lock_lost_reshard(&self, what: &str) -> ReshardError {
+        store_err(self.lock_lost(what))
     }
 
     /// The URL of the store.
@@ -153,10 +182,14 @@ impl RedisMapStore {
             reason: format!("refusing to publish an invalid map: {e}"),
         })?;
         let yaml = map.to_yaml();
-        let keys = [self.map_key.clone()];
+        let keys = [self.map_key.clone(), self.lock_key.clone()];
+        let token = self.held_token();
         let v = self.node.run(STORE, |con, _| {
             self.scripts.map_publish.call(con, &keys, &|c| {
-                c.arg(expected_version).arg(map.version).arg(&yaml);
+                c.arg(expected_version)
+                    .arg(map.version)
+                    .arg(&yaml)
+                    .arg(&token);
             })
         })?;
         let found = reply::items(&v).get(1).and_then(reply::u64).unwrap_or(0);
@@ -167,6 +200,7 @@ impl RedisMapStore {
                 expected: expected_version,
                 found,
             }),
+            "LOCKLOST" => Err(self.lock_lost("publishing the map")),
             "STALE" => Err(RedisError::Map {
                 url: self.node.url.clone(),
                 reason: format!(
@@ -188,6 +222,9 @@ fn store_err(e: RedisError) -> ReshardError {
             expected, found, ..
         } => ReshardError::Conflict { expected, found },
         e @ RedisError::Unreachable { .. } => ReshardError::Unavailable(e.to_string()),
+        e @ RedisError::LockLost { .. } => ReshardError::LockLost {
+            reason: e.to_string(),
+        },
         other => ReshardError::store(other.kind(), other),
     }
 }
@@ -450,26 +487,62 @@ impl MapStore for RedisMapStore {
         }
     }
 
-    fn store_target(&self, target: Option<&ShardMap>) -> Result<(), ReshardError> {
-        match target {
-            Some(t) => {
-                let yaml = t.to_yaml();
-                self.node
-                    .run(STORE, |con, _| {
-                        redis::cmd("SET")
-                            .arg(&self.target_key)
-                            .arg(&yaml)
-                            .query::<()>(con)
-                    })
-                    .map_err(store_err)
-            }
-            None => self
-                .node
-                .run(STORE, |con, _| {
-                    redis::cmd("DEL").arg(&self.target_key).query::<()>(con)
+    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
+        let yaml = target.to_yaml();
+        let keys = [self.target_key.clone(), self.lock_key.clone()];
+        let token = self.held_token();
+        let v = self
+            .node
+            .run(STORE, |con, _| {
+                self.scripts.target_set.call(con, &keys, &|c| {
+                    c.arg(&yaml).arg(&token);
                 })
-                .map_err(store_err),
+            })
+            .map_err(store_err)?;
+        match reply::status(&v).as_str() {
+            "OK" => Ok(()),
+            _ => Err(self.lock_lost_reshard("recording the target")),
         }
+    }
+
+    /// Reads the target, compares it with `reached` here, and deletes it
+    /// with a script that checks it still holds the very text read (and
+    /// that the lock is still this store's).
+    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
+        let text: Option<String> = self
+            .node
+            .run(STORE, |con, _| {
+                redis::cmd("GET").arg(&self.target_key).query(con)
+            })
+            .map_err(store_err)?;
+        if let Some(t) = &text {
+            match ShardMap::from_yaml(t) {
+                Ok(pending) if shardq_core::reshard::same_target(&pending, reached) => {}
+                _ => return Ok(false),
+            }
+        }
+        let keys = [self.target_key.clone(), self.lock_key.clone()];
+        let token = self.held_token();
+        let v = self
+            .node
+            .run(STORE, |con, _| {
+                self.scripts.target_clear.call(con, &keys, &|c| {
+                    c.arg(text.as_deref().unwrap_or("")).arg(&token);
+                })
+            })
+            .map_err(store_err)?;
+        match reply::status(&v).as_str() {
+            "OK" => Ok(true),
+            "CHANGED" => Ok(false),
+            _ => Err(self.lock_lost_reshard("clearing the target")),
+        }
+    }
+
+    fn check_lock(&self) -> Result<(), ReshardError> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(self.lock_lost_reshard("going on"));
+        }
+        Ok(())
     }
 
     fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
@@ -551,19 +624,38 @@ impl MapStore for RedisMapStore {
             LOCK_NONCE.fetch_add(1, Ordering::SeqCst)
         );
         // A retried SET after a lost reply finds our own token: that is ours.
-        let got: Option<String> = self
-            .node
-            .run(STORE, |con, _| {
-                redis::cmd("SET")
-                    .arg(&self.lock_key)
-                    .arg(&token)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(REBALANCE_LOCK_MS)
-                    .arg("GET")
-                    .query(con)
-            })
-            .map_err(store_err)?;
+        let take = || -> Result<Option<String>, ReshardError> {
+            self.node
+                .run(STORE, |con, _| {
+                    redis::cmd("SET")
+                        .arg(&self.lock_key)
+                        .arg(&token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(REBALANCE_LOCK_MS)
+                        .arg("GET")
+                        .query(con)
+                })
+                .map_err(store_err)
+        };
+        let mut got = take()?;
+        // A holder of this host that is gone (killed) frees its lock now,
+        // not when its lease lapses: released only while it still holds
+        // that dead token, then taken once more.
+        if let Some(dead) = got
+            .clone()
+            .filter(|h| *h != token && crate::coord::holder_dead_here(h))
+        {
+            let keys = [self.lock_key.clone()];
+            self.node
+                .run(STORE, |con, _| {
+                    self.scripts.lock_release.call(con, &keys, &|c| {
+                        c.arg(&dead);
+                    })
+                })
+                .map_err(store_err)?;
+            got = take()?;
+        }
         if let Some(holder) = got.filter(|h| *h != token) {
             let ttl: i64 = self
                 .node
@@ -583,19 +675,30 @@ impl MapStore for RedisMapStore {
         let scripts = Arc::clone(&self.scripts);
         let renew_token = token.clone();
         let lock_key = self.lock_key.clone();
+        let lost = Arc::clone(&self.lost);
+        lost.store(false, Ordering::SeqCst);
         let every = Duration::from_millis(REBALANCE_LOCK_MS / REBALANCE_LOCK_RENEWALS);
         let renewer = thread::Builder::new()
             .name("shardq-rebalance-lock".into())
             .spawn(move || {
                 let keys = [lock_key];
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
-                    // A failed renewal is retried next period; the lock
-                    // lapses only after two more misses.
-                    let _ = node.run(STORE, |con, _| {
+                    // A renewal that could not reach Redis is retried next
+                    // period (the lock lapses only after two more misses);
+                    // one that found the lock gone or another holder's
+                    // marks it lost, and the rebalance stops at its next
+                    // step (`check_lock`).
+                    let renewed = node.run(STORE, |con, _| {
                         scripts.lock_renew.call(con, &keys, &|c| {
                             c.arg(&renew_token).arg(REBALANCE_LOCK_MS);
                         })
                     });
+                    if let Ok(v) = renewed {
+                        if reply::u64(&v) == Some(0) {
+                            lost.store(true, Ordering::SeqCst);
+                            break;
+                        }
+                    }
                 }
             })
             .map_err(|e| ReshardError::io("starting the map lock's renewal thread", e))?;

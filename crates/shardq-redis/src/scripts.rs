@@ -156,6 +156,12 @@ const LOCK_RELEASE: &str = include_str!("../lua/lock_release.lua");
 /// `lua/lock_epoch.lua`.
 const LOCK_EPOCH: &str = include_str!("../lua/lock_epoch.lua");
 
+/// `lua/target_set.lua`.
+const TARGET_SET: &str = include_str!("../lua/target_set.lua");
+
+/// `lua/target_clear.lua`.
+const TARGET_CLEAR: &str = include_str!("../lua/target_clear.lua");
+
 /// `lua/setting_swap.lua`.
 const SETTING_SWAP: &str = include_str!("../lua/setting_swap.lua");
 
@@ -307,6 +313,8 @@ scripts! {
     lock_release: Lua::new(LOCK_RELEASE, false, Flags::AllowOom),
     lock_epoch: Lua::new(LOCK_EPOCH, false, Flags::AllowOom),
     setting_swap: Lua::new(SETTING_SWAP, false, Flags::Write),
+    target_set: Lua::new(TARGET_SET, false, Flags::Write),
+    target_clear: Lua::new(TARGET_CLEAR, false, Flags::AllowOom),
 }
 
 /// Reads replies of the scripts above.

@@ -109,10 +109,16 @@ fn map_store_cas_target_and_rebalance_lock() {
     store.publish(&next, 1).unwrap();
 
     assert_eq!(store.load_target().unwrap(), None);
-    store.store_target(Some(&map)).unwrap();
+    store.store_target(&map).unwrap();
     assert_eq!(store.load_target().unwrap(), Some(map.clone()));
-    store.store_target(None).unwrap();
+    // Cleared only by the rebalance that reached that very target.
+    let mut other_target = map.clone();
+    other_target.shards[0].weight = 7;
+    assert!(!store.clear_target(&other_target).unwrap());
+    assert_eq!(store.load_target().unwrap(), Some(map.clone()));
+    assert!(store.clear_target(&map).unwrap());
     assert_eq!(store.load_target().unwrap(), None);
+    assert!(store.clear_target(&map).unwrap(), "none pending: cleared");
 
     let other = RedisMapStore::open(&server.url()).unwrap();
     let held = store.try_lock_rebalance().unwrap();
@@ -553,4 +559,127 @@ fn a_key_with_several_runs_moves_once_they_all_ended() {
         "{moved:?}"
     );
     assert_eq!(b.key_counts("r1", &key).unwrap(), counts(0, 3, 0));
+}
+
+fn drop_lock_key(url: &str) {
+    let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(shardq_redis::keys::rebalance_lock_key(
+            shardq_redis::keys::NAMESPACE_DEFAULT,
+        ))
+        .query(&mut con)
+        .unwrap();
+}
+
+/// A rebalance stalled past its lock's lease (the lease lets the lock go;
+/// here it is deleted) while an operator's `set-weight` took the lock and
+/// recorded a new target: on waking, the stalled one can publish no map,
+/// record no target and erase the newer one, and its renewal marks the
+/// lock lost so it stops at its next step.
+#[test]
+fn a_rebalance_whose_lock_lapsed_publishes_nothing_and_keeps_the_newer_target() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = RedisMapStore::open(&url).unwrap();
+    let map = map_of(&[("r0", url.clone()), ("r1", url.clone())]);
+    store.publish(&map, 0).unwrap();
+    let stalled_lock = store.try_lock_rebalance().unwrap();
+    let reached = reshard::current_target(&store).unwrap();
+    store.check_lock().unwrap();
+    drop_lock_key(&url);
+    let operator = RedisMapStore::open(&url).unwrap();
+    reshard::set_weight(&operator, "r1", 4).unwrap();
+    let newer = operator
+        .load_target()
+        .unwrap()
+        .expect("the operator's target");
+
+    let mut next = map.clone();
+    next.version = 2;
+    let lost = |e: ReshardError| {
+        assert!(matches!(e, ReshardError::LockLost { .. }), "{e}");
+        assert!(e.to_string().contains("lock lapsed"), "{e}");
+    };
+    lost(store.publish(&next, 1).unwrap_err());
+    lost(store.store_target(&reached).unwrap_err());
+    assert!(!store.clear_target(&reached).unwrap());
+    assert_eq!(store.load().unwrap().version, 1, "nothing published");
+    assert_eq!(store.load_target().unwrap(), Some(newer.clone()));
+    // The renewal (every REBALANCE_LOCK_MS / REBALANCE_LOCK_RENEWALS) finds
+    // the lock gone and marks it lost: the run stops at its next step.
+    let every =
+        shardq_redis::mapstore::REBALANCE_LOCK_MS / shardq_redis::mapstore::REBALANCE_LOCK_RENEWALS;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(every * 2 + 2_000);
+    loop {
+        match store.check_lock() {
+            Err(e) => {
+                lost(e);
+                break;
+            }
+            Ok(()) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(50))
+            }
+            Ok(()) => panic!("no renewal found the lock lost within {every} ms x 2"),
+        }
+    }
+    drop(stalled_lock);
+    // Another process's map writes, with no lock, go in as before.
+    operator.publish(&next, 1).unwrap();
+    assert_eq!(operator.load_target().unwrap(), Some(newer));
+}
+
+/// A lock held by a process of this host that is gone (SIGKILLed, so it
+/// released nothing) is taken at once, not after its lease; a live
+/// holder's, or another host's, is not.
+#[test]
+fn a_dead_local_holders_rebalance_lock_is_taken_at_once() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = RedisMapStore::open(&url).unwrap();
+    store.publish(&map_of(&[("r0", url.clone())]), 0).unwrap();
+    let me = shardq_redis::coord::default_owner();
+    let host = me.split('@').next().unwrap().to_string();
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let mut alive = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let key = shardq_redis::keys::rebalance_lock_key(shardq_redis::keys::NAMESPACE_DEFAULT);
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let mut hold = |token: &str| {
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg(token)
+            .arg("PX")
+            .arg(60_000)
+            .query(&mut con)
+            .unwrap();
+    };
+    for busy in [
+        format!("{host}@{}#0", alive.id()),
+        format!("another-host-{host}@{dead_pid}#0"),
+        "not-a-token".to_string(),
+    ] {
+        hold(&busy);
+        match store.try_lock_rebalance() {
+            Err(ReshardError::Busy { holder }) => assert!(holder.contains(&busy), "{holder}"),
+            Err(e) => panic!("expected Busy for {busy}, got {e}"),
+            Ok(_) => panic!("took the lock of a holder that may live: {busy}"),
+        }
+    }
+    hold(&format!("{host}@{dead_pid}#3"));
+    let started = std::time::Instant::now();
+    let lock = store
+        .try_lock_rebalance()
+        .expect("a dead holder's lock is free");
+    assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    assert!(store.rebalance_epoch().unwrap() > 0);
+    drop(lock);
+    alive.kill().unwrap();
+    let _ = alive.wait();
 }
