@@ -23,9 +23,11 @@
 //! 2. **Move each key with its backlog**, in batches (every backend moves
 //!    backlogs: the embedded engine, Redis instances and Redis Cluster, the
 //!    in-memory one): seal the batch on its old shards (no run starts there; enqueues
-//!    still go in), wait for each key's runs in flight there (bounded by
-//!    `drain_timeout_ms`; a key still running stays, unsealed, with nothing
-//!    copied), raise the new shards' run-fence floor, copy each key's
+//!    still go in); a key with a run in flight there waits for it, sealed,
+//!    on its own (bounded by `drain_timeout_ms`; a key still running then
+//!    stays, unsealed, with nothing copied) while the others of its batch
+//!    go on, and joins a later batch once its run ended. Then raise the
+//!    new shards' run-fence floor, copy each key's
 //!    queued, delayed and dead jobs in rounds while its producers keep
 //!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
 //!    chunks; the new shard may run the copies at once; a backend may defer
@@ -1361,13 +1363,72 @@ where
     let mut done = 0usize;
     let mut stuck: Vec<String> = Vec::new();
     let mut waited_most = 0u64;
-    for batch in all.chunks(options.batch) {
+    let clock = &*options.clock;
+    // Keys not sealed yet, in order; and keys sealed whose runs on their
+    // old shards had not ended, with when each was sealed. A key waits
+    // only for its own runs: the next batch takes the keys whose runs
+    // ended and fills up with new ones, so one long run holds up its own
+    // key and no other.
+    let mut pending: std::collections::VecDeque<Switch> = all.into_iter().collect();
+    let mut waiting: Vec<(Switch, u64)> = Vec::new();
+    let mut said_ms = clock.now_ms();
+    loop {
         // A run whose lock lapsed (a renewal found it gone) stops here,
         // between batches, with nothing of the next batch sealed.
         store.check_lock()?;
-        let (skip, mut batch): (Vec<_>, Vec<_>) =
-            batch.iter().cloned().partition(|sw| failed.involves(sw));
-        failed.keys.extend(skip.into_iter().map(|sw| sw.0));
+        let now = clock.now_ms();
+        let mut batch: Vec<Switch> = Vec::new();
+        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
+        if !waiting.is_empty() {
+            let mut still = Vec::with_capacity(waiting.len());
+            let mut late = Vec::new();
+            for (sw, since) in std::mem::take(&mut waiting) {
+                if failed.involves(&sw) {
+                    failed.keys.push(sw.0);
+                    continue;
+                }
+                match backend.key_counts(&sw.1, &sw.0) {
+                    Ok(c) if c.in_flight == 0 && batch.len() < options.batch => {
+                        sealed_at.insert(sw.0.clone(), since);
+                        batch.push(sw);
+                    }
+                    Ok(c)
+                        if c.in_flight > 0
+                            && now.saturating_sub(since) >= options.drain_timeout_ms =>
+                    {
+                        waited_most = waited_most.max(now.saturating_sub(since));
+                        late.push(sw);
+                    }
+                    Ok(_) => still.push((sw, since)),
+                    Err(e) => {
+                        failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?;
+                        failed.keys.push(sw.0);
+                    }
+                }
+            }
+            waiting = still;
+            stuck.extend(leave_late(backend, &late)?);
+        }
+        while batch.len() < options.batch {
+            let Some(sw) = pending.pop_front() else {
+                break;
+            };
+            if failed.involves(&sw) {
+                failed.keys.push(sw.0);
+            } else {
+                batch.push(sw);
+            }
+        }
+        if batch.is_empty() {
+            if waiting.is_empty() && pending.is_empty() {
+                break;
+            }
+            let oldest = waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
+            say_waiting(clock, oldest, &mut said_ms, waiting.len(), on_event);
+            clock.sleep_ms(options.poll_ms.max(1));
+            continue;
+        }
+        let batch_started = clock.now_ms();
         // Per key: the jobs copied, and whether an import of it was sent
         // (its new shard may then hold copies, whatever it answered).
         let mut copied: BTreeMap<String, u64> = BTreeMap::new();
@@ -1427,10 +1488,12 @@ where
         let Some(moved) = moved else {
             continue;
         };
-        stuck.extend(moved.late);
-        if moved.had_late {
-            waited_most = waited_most.max(moved.run_wait_ms);
-        }
+        // Keys with runs in flight stay sealed and wait, each on its own.
+        let sealed_now = clock.now_ms();
+        waiting.extend(moved.busy.into_iter().map(|sw| {
+            let since = sealed_at.get(&sw.0).copied().unwrap_or(sealed_now);
+            (sw, since)
+        }));
         let Some((next, pauses, batch)) = moved.switched else {
             continue;
         };
@@ -1508,7 +1571,10 @@ where
                 to: to.clone(),
                 pause_ms: pauses.get(key).copied().unwrap_or(0) as f64,
                 jobs_moved: n,
-                run_wait_ms: moved.run_wait_ms as f64,
+                run_wait_ms: sealed_at
+                    .get(key)
+                    .map_or(0, |at| batch_started.saturating_sub(*at))
+                    as f64,
             });
         }
         report.jobs_moved += jobs;
@@ -1637,10 +1703,9 @@ type Switch = (String, String, String);
 
 /// What [`move_batch`] did with a batch.
 struct BatchMoved {
-    /// Keys whose run outlived the wait: they stay (see there).
-    late: Vec<String>,
-    had_late: bool,
-    run_wait_ms: u64,
+    /// Keys with a run in flight on their old shard: left sealed, for the
+    /// caller to move once their runs end.
+    busy: Vec<Switch>,
     /// The published map, each forced key's producer pause (keys frozen
     /// without one are not listed), and the keys switched.
     switched: Option<(ShardMap, BTreeMap<String, u64>, Vec<Switch>)>,
@@ -1672,46 +1737,26 @@ where
     // 1. Seal: no run of these keys starts on their old shards from now.
     set_sealed(backend, batch, true)?;
     on_event(RebalanceEvent::Moving { keys: batch.len() });
-    // 2. Wait for the runs each may have in flight there (bounded:
-    //    a stopped worker's run ends when its job lease lapses).
-    let wait_started = clock.now_ms();
-    let busy = wait_runs_ended(backend, store, batch, options, on_event)?;
-    let run_wait_ms = clock.now_ms().saturating_sub(wait_started);
-    let (late, batch): (Vec<_>, Vec<_>) =
-        batch.iter().cloned().partition(|sw| busy.contains(&sw.0));
+    // 2. A key with a run in flight on its old shard goes back to the
+    //    caller, sealed, to wait for it (bounded there: a stopped worker's
+    //    run ends when its job lease lapses); the others go on at once.
+    let mut busy = Vec::new();
+    let mut idle = Vec::with_capacity(batch.len());
+    for sw in batch {
+        if backend.key_counts(&sw.1, &sw.0)?.in_flight > 0 {
+            busy.push(sw.clone());
+        } else {
+            idle.push(sw.clone());
+        }
+    }
     let mut out = BatchMoved {
-        had_late: !late.is_empty(),
-        late: Vec::new(),
-        run_wait_ms,
+        busy,
         switched: None,
     };
-    if !late.is_empty() {
-        // Their runs outlived the bound: they stay. A key the new shard
-        // already holds copies of (a killed run got that far) stays
-        // sealed, so its old shard never runs what was copied; a rerun
-        // finishes it. The others are unsealed: nothing of them moved.
-        let mut unseal = Vec::new();
-        for sw in late {
-            let (key, from, to) = (&sw.0, &sw.1, &sw.2);
-            let copied = touched.contains(key)
-                || match backend.imported_up_to(to, from, key)? {
-                    None => false,
-                    Some(up_to) => backend
-                        .export_jobs(from, key, None, 1)?
-                        .first()
-                        .is_some_and(|j| j.id <= up_to),
-                };
-            if !copied {
-                unseal.push(sw.clone());
-            }
-            out.late.push(sw.0);
-        }
-        set_sealed(backend, &unseal, false)?;
-    }
-    if batch.is_empty() {
+    if idle.is_empty() {
         return Ok(out);
     }
-    let batch = &batch[..];
+    let batch = &idle[..];
     // 3. The new shards' next runs of these keys get larger fences than
     //    every run on the old ones (which are over, and sealed).
     raise_fence_floors(backend, batch)?;
@@ -2056,38 +2101,31 @@ fn update_old_fences<B: QueueBackend + ?Sized>(
     Ok(())
 }
 
-/// Waits until no key of the batch has a run in flight on its old shard,
-/// up to the drain timeout; returns the keys still running then.
-fn wait_runs_ended<B: QueueBackend + ?Sized>(
+/// Keys whose runs on their old shards outlived `drain_timeout_ms`:
+/// they stay. A key its new shard already holds copies of (a killed run
+/// got that far) stays sealed, so its old shard never runs what was
+/// copied; a rerun finishes it. The others are unsealed: nothing of them
+/// moved. Returns their names.
+fn leave_late<B: QueueBackend + ?Sized>(
     backend: &B,
-    store: &dyn MapStore,
-    batch: &[(String, String, String)],
-    options: &RebalanceOptions,
-    on_event: &mut dyn FnMut(RebalanceEvent),
-) -> Result<BTreeSet<String>, ReshardError> {
-    let clock = &*options.clock;
-    let started_ms = clock.now_ms();
-    let mut said_ms = started_ms;
-    let mut busy: Vec<(&str, &str)> = batch
-        .iter()
-        .map(|(k, from, _)| (k.as_str(), from.as_str()))
-        .collect();
-    loop {
-        let mut still = Vec::new();
-        for (key, shard) in busy {
-            if backend.key_counts(shard, key)?.in_flight > 0 {
-                still.push((key, shard));
-            }
+    late: &[Switch],
+) -> Result<Vec<String>, ReshardError> {
+    let mut unseal = Vec::new();
+    for sw in late {
+        let (key, from, to) = (&sw.0, &sw.1, &sw.2);
+        let copied = match backend.imported_up_to(to, from, key)? {
+            None => false,
+            Some(up_to) => backend
+                .export_jobs(from, key, None, 1)?
+                .first()
+                .is_some_and(|j| j.id <= up_to),
+        };
+        if !copied {
+            unseal.push(sw.clone());
         }
-        busy = still;
-        if busy.is_empty() || clock.now_ms().saturating_sub(started_ms) >= options.drain_timeout_ms
-        {
-            return Ok(busy.into_iter().map(|(k, _)| k.to_string()).collect());
-        }
-        say_waiting(clock, started_ms, &mut said_ms, busy.len(), on_event);
-        store.check_lock()?;
-        clock.sleep_ms(options.poll_ms.max(1));
     }
+    set_sealed(backend, &unseal, false)?;
+    Ok(late.iter().map(|sw| sw.0.clone()).collect())
 }
 
 /// Raises the run-fence floor of each batch key's new shard above the

@@ -1240,3 +1240,69 @@ fn a_target_recorded_during_a_rebalance_is_never_erased() {
     assert_eq!(inner.load_target().unwrap(), None);
     assert_eq!(inner.load().unwrap().shard("c").unwrap().weight, 5);
 }
+
+/// A key waits only for its own runs: with one long run among a batch of
+/// moving keys, every other key of the batch moves (its switch published,
+/// its backlog on the new shard) while that run goes on; the running key
+/// moves once its run is acked, in the same rebalance.
+#[test]
+fn one_long_run_holds_up_its_own_key_and_no_other_of_its_batch() {
+    let (backend, store) = two_shard_store_moving_backlogs();
+    let router = Router::new(store.load().unwrap()).unwrap();
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("t-{i}"))
+        .filter(|k| router.route(k) == "s1")
+        .take(12)
+        .collect();
+    // The first key's first job runs, long.
+    enqueue_all(&backend, &store, &keys[0], &["a".into(), "b".into()]);
+    let long = backend.claim("s1", 1, LEASE_MS).unwrap().remove(0);
+    assert_eq!(long.key, keys[0]);
+    for k in &keys[1..] {
+        enqueue_all(&backend, &store, k, &["a".into(), "b".into()]);
+    }
+    reshard::remove_shard(&store, "s1").unwrap();
+    let rebalance = {
+        let (backend, store) = (backend.clone(), store.clone());
+        thread::spawn(move || {
+            let opts = RebalanceOptions {
+                batch: 64,
+                drain_timeout_ms: 30_000,
+                ..RebalanceOptions::default()
+            };
+            reshard::rebalance(&backend, &store, &opts, &mut |_| {})
+        })
+    };
+    // Every other key moves while the long run is still in flight.
+    let t0 = std::time::Instant::now();
+    let others_moved = || {
+        keys[1..].iter().all(|k| {
+            backend.key_counts("s0", k).unwrap().depth == 2
+                && store
+                    .load()
+                    .unwrap()
+                    .overrides
+                    .get(k)
+                    .is_none_or(|s| s == "s0")
+        })
+    };
+    while !others_moved() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the other keys of the batch waited for one key's run"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !rebalance.is_finished(),
+        "the long run's key has not moved yet"
+    );
+    assert_eq!(backend.key_counts("s1", &keys[0]).unwrap().in_flight, 1);
+    assert_eq!(backend.key_counts("s0", &keys[0]).unwrap().depth, 0);
+    backend.ack("s1", &[long.receipt()]).unwrap();
+    let report = rebalance.join().unwrap().unwrap();
+    assert_eq!(report.moved.len(), keys.len());
+    let waited = report.moved.iter().find(|m| m.key == keys[0]).unwrap();
+    assert!(waited.run_wait_ms > 0.0, "{waited:?}");
+    assert_eq!(backend.key_counts("s0", &keys[0]).unwrap().depth, 1);
+}
