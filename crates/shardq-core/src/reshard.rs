@@ -759,14 +759,21 @@ pub fn add_shard(
     let _lock = store.try_lock_rebalance()?;
     let cur = store.load()?;
     let mut target = current_target(store)?;
-    if cur.shard(name).is_some() || target.shard(name).is_some() {
+    let mut shard = Shard::new(name);
+    shard.weight = weight;
+    shard.url = url;
+    // An add stopped between recording the target and publishing the
+    // warming map left the shard in the target only: the same add, run
+    // again, finishes it.
+    let half_done = cur.shard(name).is_none()
+        && target
+            .shard(name)
+            .is_some_and(|s| s.weight == shard.weight && s.url == shard.url);
+    if cur.shard(name).is_some() || (target.shard(name).is_some() && !half_done) {
         return Err(ReshardError::Invalid(format!(
             "shard {name:?} already exists in the map"
         )));
     }
-    let mut shard = Shard::new(name);
-    shard.weight = weight;
-    shard.url = url;
     let mut next = cur.clone();
     next.version = cur.version + 1;
     next.shards.push(Shard {
@@ -774,8 +781,10 @@ pub fn add_shard(
         ..shard.clone()
     });
     next.validate()?;
-    target.shards.push(shard);
-    save_target(store, &target)?;
+    if !half_done {
+        target.shards.push(shard);
+        save_target(store, &target)?;
+    }
     store.publish(&next, cur.version)?;
     Ok(next.version)
 }
@@ -787,8 +796,10 @@ pub fn remove_shard(store: &dyn MapStore, name: &str) -> Result<(), ReshardError
     let before = target.shards.len();
     target.shards.retain(|s| s.name != name);
     if target.shards.len() == before {
+        let shards: Vec<&str> = target.shards.iter().map(|s| s.name.as_str()).collect();
         return Err(ReshardError::Invalid(format!(
-            "no shard {name:?} in the target map"
+            "no shard {name:?} in the target map (its shards: {}); a shard whose `add-shard` was stopped before it published the map is not in it: rerun that `add-shard` to finish adding it",
+            shards.join(", ")
         )));
     }
     if let Some((key, _)) = target.overrides.iter().find(|(_, s)| *s == name) {

@@ -1306,3 +1306,53 @@ fn one_long_run_holds_up_its_own_key_and_no_other_of_its_batch() {
     assert!(waited.run_wait_ms > 0.0, "{waited:?}");
     assert_eq!(backend.key_counts("s0", &keys[0]).unwrap().depth, 1);
 }
+
+/// An `add-shard` stopped between recording its target and publishing the
+/// warming map is finished by the same `add-shard` run again; another
+/// weight for that name is still refused, and so is a second add.
+#[test]
+fn an_add_stopped_before_its_publish_is_finished_by_running_it_again() {
+    let inner =
+        MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
+    let stopped = PublishFails {
+        inner: inner.clone(),
+        ok: std::sync::atomic::AtomicU32::new(0),
+        settings_fail: false,
+    };
+    let err = reshard::add_shard(&stopped, "c", 2, None).unwrap_err();
+    assert!(err.to_string().contains("stopped answering"), "{err}");
+    assert!(inner.load().unwrap().shard("c").is_none());
+    assert!(inner.load_target().unwrap().unwrap().shard("c").is_some());
+    let other_weight = reshard::add_shard(&inner, "c", 3, None).unwrap_err();
+    assert!(
+        other_weight.to_string().contains("already exists"),
+        "{other_weight}"
+    );
+    let version = reshard::add_shard(&inner, "c", 2, None).unwrap();
+    let map = inner.load().unwrap();
+    assert_eq!(map.version, version);
+    assert_eq!(
+        map.shard("c").unwrap().state,
+        shardq_route::ShardState::Warming
+    );
+    let again = reshard::add_shard(&inner, "c", 2, None).unwrap_err();
+    assert!(again.to_string().contains("already exists"), "{again}");
+    // A shard in neither map: the refusal names the shards there are.
+    let none = reshard::remove_shard(&inner, "zz").unwrap_err();
+    assert!(none.to_string().contains("its shards: a, b, c"), "{none}");
+    reshard::rebalance(
+        &backend_for(&["a", "b", "c"]),
+        &inner,
+        &RebalanceOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        inner.load().unwrap().shard("c").unwrap().state,
+        shardq_route::ShardState::Active
+    );
+}
+
+fn backend_for(shards: &[&str]) -> MemoryBackend {
+    MemoryBackend::new(shards, Arc::new(SystemClock))
+}
