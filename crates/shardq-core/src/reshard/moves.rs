@@ -1,0 +1,418 @@
+//! Phase 2: moving each key with its backlog in batches; transfers a killed
+//! run left are finished first, a key with a run in flight waits on its own,
+//! and a failing shard is set aside (`FailedShards`).
+
+use super::*;
+
+/// Phase 2 on a backend that moves backlogs: each batch of keys is sealed
+/// on its old shards, waits for its runs in flight there, has its backlog
+/// copied in rounds while its producers keep writing, then, under a pause
+/// of one last short round, switches; the copies left behind are deleted.
+/// Transfers a killed run left sealed are finished first, to the shard
+/// their copies went to. Returns the published map.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn move_with_backlogs<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    mut cur: ShardMap,
+    target: &ShardMap,
+    switches: Vec<(String, String, String)>,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+    report: &mut RebalanceReport,
+) -> Result<ShardMap, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    // Shards that failed here (unreadable, unreachable), with their first
+    // error: the keys that move from or to one stay where they are, and
+    // the other keys move on.
+    let mut failed = FailedShards::default();
+    // Transfers a killed rebalance left sealed go on to where their copies
+    // went, whatever the target says now (the next rebalance moves them on).
+    let mut todo: BTreeMap<String, (String, String)> = switches
+        .into_iter()
+        .map(|(k, from, to)| (k, (from, to)))
+        .collect();
+    let router = Router::new(cur.clone())?;
+    for shard in &cur.shards {
+        let fence = match backend.fence(&shard.name) {
+            Ok(f) => f,
+            Err(e) => {
+                failed.note_or_raise(backend, &[shard.name.as_str()], e.into())?;
+                continue;
+            }
+        };
+        for (key, to) in &fence.sealed_keys {
+            if router.route(key) == to.as_str() {
+                // Switched already: what a producer still routing with the
+                // old map stored here before the fence is copied, then the
+                // copies here are deleted.
+                let finished = (|| -> Result<(), ReshardError> {
+                    let mut ids = BTreeMap::new();
+                    let mut touched = BTreeSet::new();
+                    copy_backlog(
+                        backend,
+                        key,
+                        &shard.name,
+                        to,
+                        &mut ids,
+                        &mut None,
+                        &mut touched,
+                    )?;
+                    // The copies durable before their sources go.
+                    backend.sync_imports(to)?;
+                    backend.purge_key(&shard.name, key)?;
+                    let mut f = backend.fence(&shard.name)?;
+                    // The floor is raised in the same write: unsealed
+                    // under an older one, the key would take a stale
+                    // producer's job here, where it no longer runs.
+                    f.map_version_min = f.map_version_min.max(cur.version);
+                    f.unseal(key);
+                    backend.set_fence(&shard.name, &f)?;
+                    Ok(())
+                })();
+                if let Err(e) = finished {
+                    // Left sealed: a rerun finishes it.
+                    failed.note_or_raise(backend, &[shard.name.as_str(), to.as_str()], e)?;
+                    failed.keys.push(key.clone());
+                }
+                todo.remove(key);
+            } else {
+                todo.insert(key.clone(), (shard.name.clone(), to.clone()));
+            }
+        }
+    }
+    let all: Vec<(String, String, String)> = todo
+        .into_iter()
+        .map(|(k, (from, to))| (k, from, to))
+        .collect();
+    let total = all.len();
+    let mut done = 0usize;
+    let mut stuck: Vec<String> = Vec::new();
+    let mut waited_most = 0u64;
+    let clock = &*options.clock;
+    // Keys not sealed yet, in order; and keys sealed whose runs on their
+    // old shards had not ended, with when each was sealed. A key waits
+    // only for its own runs: the next batch takes the keys whose runs
+    // ended and fills up with new ones, so one long run holds up its own
+    // key and no other.
+    let mut pending: std::collections::VecDeque<Switch> = all.into_iter().collect();
+    let mut waiting: Vec<(Switch, u64)> = Vec::new();
+    let mut said_ms = clock.now_ms();
+    loop {
+        // A run whose lock lapsed (a renewal found it gone) stops here,
+        // between batches, with nothing of the next batch sealed.
+        store.check_lock()?;
+        let now = clock.now_ms();
+        let mut batch: Vec<Switch> = Vec::new();
+        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
+        if !waiting.is_empty() {
+            let mut still = Vec::with_capacity(waiting.len());
+            let mut late = Vec::new();
+            for (sw, since) in std::mem::take(&mut waiting) {
+                if failed.involves(&sw) {
+                    failed.keys.push(sw.0);
+                    continue;
+                }
+                match backend.key_counts(&sw.1, &sw.0) {
+                    Ok(c) if c.in_flight == 0 && batch.len() < options.batch => {
+                        sealed_at.insert(sw.0.clone(), since);
+                        batch.push(sw);
+                    }
+                    Ok(c)
+                        if c.in_flight > 0
+                            && now.saturating_sub(since) >= options.drain_timeout_ms =>
+                    {
+                        waited_most = waited_most.max(now.saturating_sub(since));
+                        late.push(sw);
+                    }
+                    Ok(_) => still.push((sw, since)),
+                    Err(e) => {
+                        failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?;
+                        failed.keys.push(sw.0);
+                    }
+                }
+            }
+            waiting = still;
+            stuck.extend(leave_late(backend, &late)?);
+        }
+        while batch.len() < options.batch {
+            let Some(sw) = pending.pop_front() else {
+                break;
+            };
+            if failed.involves(&sw) {
+                failed.keys.push(sw.0);
+            } else {
+                batch.push(sw);
+            }
+        }
+        if batch.is_empty() {
+            if waiting.is_empty() && pending.is_empty() {
+                break;
+            }
+            let oldest = waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
+            say_waiting(clock, oldest, &mut said_ms, waiting.len(), on_event);
+            clock.sleep_ms(options.poll_ms.max(1));
+            continue;
+        }
+        let batch_started = clock.now_ms();
+        // Per key: the jobs copied, and whether an import of it was sent
+        // (its new shard may then hold copies, whatever it answered).
+        let mut copied: BTreeMap<String, u64> = BTreeMap::new();
+        let mut touched: BTreeSet<String> = BTreeSet::new();
+        // (key, source id) -> id on the new shard, of every copy this run
+        // made: kept across a retry of the batch, whose dedup records must
+        // still name the copies made before it.
+        let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+        let moved = loop {
+            if batch.is_empty() {
+                break None;
+            }
+            let attempt = move_batch(
+                backend,
+                store,
+                &cur,
+                target,
+                &batch,
+                options,
+                on_event,
+                &mut copied,
+                &mut touched,
+                &mut ids,
+            );
+            match attempt {
+                Ok(moved) => break Some(moved),
+                Err(e) => {
+                    // Pauses stay as they are: a frozen key's producers go
+                    // to its new shard (no wait), and a key paused on its
+                    // new shard mid forced round stays so until a rerun has
+                    // copied the rest, or its order would break. The keys
+                    // stay sealed.
+                    let shards: BTreeSet<&str> = batch
+                        .iter()
+                        .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
+                        .collect();
+                    let shards: Vec<&str> = shards.into_iter().collect();
+                    failed.note_or_raise(backend, &shards, e)?;
+                    let (drop, keep): (Vec<_>, Vec<_>) =
+                        batch.into_iter().partition(|sw| failed.involves(sw));
+                    // The keys that stay where they are lose their seal too
+                    // when no copy of them can exist: they run there again.
+                    let clean: Vec<_> = drop
+                        .iter()
+                        .filter(|sw| {
+                            !touched.contains(&sw.0)
+                                && !may_hold_copies(backend, &sw.0, &sw.1, &sw.2)
+                        })
+                        .cloned()
+                        .collect();
+                    let _ = set_sealed_each(backend, &clean, false);
+                    failed.keys.extend(drop.into_iter().map(|sw| sw.0));
+                    batch = keep;
+                }
+            }
+        };
+        let Some(moved) = moved else {
+            continue;
+        };
+        // Keys with runs in flight stay sealed and wait, each on its own.
+        let sealed_now = clock.now_ms();
+        waiting.extend(moved.busy.into_iter().map(|sw| {
+            let since = sealed_at.get(&sw.0).copied().unwrap_or(sealed_now);
+            (sw, since)
+        }));
+        let Some((next, pauses, batch)) = moved.switched else {
+            continue;
+        };
+        // Published: the keys follow the new map. Their old shards' fences
+        // now refuse producers still routing with the old one (they reload
+        // and route to the new shards); the keys stay frozen there until
+        // their copies are gone.
+        let version = next.version;
+        cur = next;
+        let olds: Vec<String> = batch
+            .iter()
+            .map(|sw| sw.1.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let olds: Vec<&str> = olds.iter().map(String::as_str).collect();
+        if let Err(e) = each_old_shard(&batch, |part| {
+            update_old_fences(backend, part, &mut |fence, _, _| {
+                fence.map_version_min = fence.map_version_min.max(version);
+            })
+        }) {
+            failed.note_or_raise(backend, &olds, e)?;
+        }
+        let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
+        // 6. Delete the copies left on the old shards, then unseal. The
+        //    switch is published: a key whose old shard fails here keeps its
+        //    copies there sealed (and frozen), and a rerun deletes them
+        //    (above). Not on an old shard whose fence could not be raised:
+        //    unsealed there, the key would take a stale producer's job on
+        //    the shard it no longer runs on.
+        let mut cleaned = Vec::with_capacity(batch.len());
+        // The copies are made durable before any source is deleted, once
+        // per new shard for the whole batch: a new shard that fails that
+        // keeps its keys' sources where they are, sealed, for the rerun.
+        let mut synced: BTreeMap<&str, bool> = BTreeMap::new();
+        for sw in &batch {
+            if !synced.contains_key(sw.2.as_str()) {
+                let ok = match backend.sync_imports(&sw.2) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failed.note_or_raise(backend, &[sw.2.as_str()], e.into())?;
+                        false
+                    }
+                };
+                synced.insert(&sw.2, ok);
+            }
+        }
+        for sw in &batch {
+            if failed.shards.contains_key(&sw.1) || !synced[sw.2.as_str()] {
+                failed.keys.push(sw.0.clone());
+                continue;
+            }
+            match backend.purge_key(&sw.1, &sw.0) {
+                Ok(_) => cleaned.push(sw.clone()),
+                Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
+            }
+        }
+        if let Err(e) = each_old_shard(&cleaned, |part| {
+            update_old_fences(backend, part, &mut |fence, key, _| {
+                // Raised again in the same write, so no unseal is ever seen
+                // under the old floor.
+                fence.map_version_min = fence.map_version_min.max(version);
+                fence.unseal(key);
+            })
+        }) {
+            failed.note_or_raise(backend, &olds, e)?;
+        }
+        let mut jobs = 0u64;
+        for (key, from, to) in &batch {
+            let n = copied.get(key).copied().unwrap_or(0);
+            jobs += n;
+            report.moved.push(MovedKey {
+                key: key.clone(),
+                from: from.clone(),
+                to: to.clone(),
+                pause_ms: pauses.get(key).copied().unwrap_or(0) as f64,
+                jobs_moved: n,
+                run_wait_ms: sealed_at
+                    .get(key)
+                    .map_or(0, |at| batch_started.saturating_sub(*at))
+                    as f64,
+            });
+        }
+        report.jobs_moved += jobs;
+        done += batch.len();
+        on_event(RebalanceEvent::Switched {
+            done,
+            total,
+            keys: batch.len(),
+            pause_ms,
+            jobs,
+        });
+    }
+    if let Some(e) = failed.into_error() {
+        return Err(e);
+    }
+    if !stuck.is_empty() {
+        return Err(ReshardError::DrainTimeout {
+            keys: stuck.into_iter().take(8).collect(),
+            waited_ms: waited_most,
+        });
+    }
+    Ok(cur)
+}
+
+/// Shards a rebalance found failing, and the keys left where they are
+/// because they move from or to one.
+#[derive(Default)]
+pub(super) struct FailedShards {
+    pub(super) shards: BTreeMap<String, ReshardError>,
+    pub(super) keys: Vec<String>,
+}
+
+impl FailedShards {
+    fn involves(&self, sw: &(String, String, String)) -> bool {
+        self.shards.contains_key(&sw.1) || self.shards.contains_key(&sw.2)
+    }
+
+    /// After `e`: when it is a store's failure (unreachable, damaged,
+    /// lost), each of `shards` is read once to learn which fail; those are
+    /// noted and `Ok` comes back. Any other error, or one no shard of
+    /// `shards` explains, is returned: the rebalance stops as before.
+    fn note_or_raise<B: QueueBackend + ?Sized>(
+        &mut self,
+        backend: &B,
+        shards: &[&str],
+        e: ReshardError,
+    ) -> Result<(), ReshardError> {
+        if !matches!(
+            e.kind(),
+            ErrorKind::Retryable | ErrorKind::Corrupt | ErrorKind::Lost
+        ) {
+            return Err(e);
+        }
+        let mut found = false;
+        for &shard in shards {
+            if self.shards.contains_key(shard) {
+                found = true;
+                continue;
+            }
+            if let Err(probe) = backend.shard_stats(shard) {
+                self.shards.insert(shard.to_string(), probe.into());
+                found = true;
+            }
+        }
+        if found {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+
+    fn into_error(self) -> Option<ReshardError> {
+        if self.shards.is_empty() {
+            return None;
+        }
+        let kind = self
+            .shards
+            .values()
+            .next()
+            .map_or(ErrorKind::Retryable, ReshardError::kind);
+        Some(ReshardError::ShardsFailed {
+            kind,
+            shards: self
+                .shards
+                .into_iter()
+                .map(|(name, e)| format!("{name}: {e}"))
+                .collect(),
+            count: self.keys.len(),
+            keys: self.keys.into_iter().take(8).collect(),
+        })
+    }
+}
+
+/// Whether `to` may hold copies of `key` from `from` (a killed run got that
+/// far): true unless both shards answer that it holds none of the jobs
+/// still on `from`.
+pub(super) fn may_hold_copies<B: QueueBackend + ?Sized>(
+    backend: &B,
+    key: &str,
+    from: &str,
+    to: &str,
+) -> bool {
+    let check = || -> Result<bool, QueueError> {
+        Ok(match backend.imported_up_to(to, from, key)? {
+            None => false,
+            Some(up_to) => backend
+                .export_jobs(from, key, None, 1)?
+                .first()
+                .is_none_or(|j| j.id <= up_to),
+        })
+    };
+    check().unwrap_or(true)
+}
