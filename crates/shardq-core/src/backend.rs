@@ -110,6 +110,40 @@ pub fn import_jobs_by_many<B: QueueBackend + ?Sized>(
 /// Jobs per `export_jobs` call of the default [`QueueBackend::export_many`].
 pub const EXPORT_CHUNK_JOBS: usize = 4096;
 
+/// Waiting jobs of a key, from its head, that [`QueueBackend::key_hold`]
+/// and [`QueueBackend::resume_key`] look at. A back-off puts its job back
+/// at the head of its key, so a key's backed-off jobs are its first waiting
+/// ones: at most its concurrency of them
+/// ([`crate::flow::KEY_CONCURRENCY_MAX`]), behind any dead letter retried in
+/// front of them.
+pub const KEY_HOLD_SCAN_JOBS: usize = 2 * crate::flow::KEY_CONCURRENCY_MAX as usize;
+
+/// A handler's back-off standing on a key now ([`QueueBackend::key_hold`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyHold {
+    /// The key's waiting jobs a back-off put back and whose wait has not
+    /// ended, in key order (one, unless the key runs several at once).
+    pub jobs: Vec<JobId>,
+    /// When the last of them may start again (ms since the epoch).
+    pub until_ms: u64,
+}
+
+/// What [`QueueBackend::resume_key`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyResume {
+    /// The back-off is lifted: its jobs are due now.
+    Resumed(KeyHold),
+    /// No handler's back-off holds the key: nothing changed. Its jobs may
+    /// still wait for a delay their producer gave or for a retry after a
+    /// failure, which a resume leaves as they are.
+    NotHeld,
+    /// The key is moving to another shard (sealed for a rebalance), which
+    /// may already hold a copy of its jobs: nothing changed. The move
+    /// carries each job with its wait, which its new shard keeps as a
+    /// plain delay: a resume there does not lift it.
+    Moving,
+}
+
 /// The queue operations of one storage engine, over all shards it holds.
 ///
 /// Implementations are shared between threads (`Send + Sync`); every method
@@ -473,6 +507,35 @@ pub trait QueueBackend: Send + Sync {
         let _ = (shard, receipt, retry_in_ms, group);
         Err(QueueError::Unsupported {
             what: "backing off a run",
+        })
+    }
+
+    /// The handler's back-off holding `key` on `shard` now, if one does:
+    /// its waiting jobs (among its first [`KEY_HOLD_SCAN_JOBS`]) that a
+    /// [`QueueBackend::back_off`] put back and whose wait has not ended. A
+    /// job delayed by its producer, or waiting for a retry after a failure,
+    /// is not held by a back-off; nor is a job whose wait a flow-control
+    /// refusal (a rate, a group's slots) set. Needs no ownership.
+    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "reading a key's back-off",
+        })
+    }
+
+    /// Lifts the back-off holding `key` on `shard`: every job
+    /// [`QueueBackend::key_hold`] names is due now, keeping its place and
+    /// its attempt count, so the key starts again at its shard owner's next
+    /// claim, whichever process calls this. Jobs waiting for a producer's
+    /// delay or a retry's backoff are left as they are, and so is the
+    /// hold on the key's flow-control group a back-off for the group put
+    /// ([`crate::flow::FlowControl::resume_group`] lifts that). A key
+    /// sealed for a move answers [`KeyResume::Moving`] and changes
+    /// nothing. Atomic with respect to claims. Needs no ownership.
+    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "resuming a key",
         })
     }
 

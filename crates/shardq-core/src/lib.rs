@@ -19,7 +19,10 @@ pub mod reshard;
 pub mod retry;
 pub mod secret;
 
-pub use backend::{claim_order, BackedOff, BackendLimits, Coordinator, Ownership, QueueBackend};
+pub use backend::{
+    claim_order, BackedOff, BackendLimits, Coordinator, KeyHold, KeyResume, Ownership,
+    QueueBackend, KEY_HOLD_SCAN_JOBS,
+};
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};
 pub use flow::{

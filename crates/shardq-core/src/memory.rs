@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardq_route::ShardMap;
 
-use crate::backend::{BackedOff, QueueBackend};
+use crate::backend::{BackedOff, KeyHold, KeyResume, QueueBackend, KEY_HOLD_SCAN_JOBS};
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::flow::{Admit, FlowControl, Rank};
@@ -34,6 +34,9 @@ struct StoredJob {
     reason: String,
     /// When each attempt started.
     starts: Vec<u64>,
+    /// Its wait (`not_before_ms`) is a handler's back-off, which
+    /// [`QueueBackend::resume_key`] lifts; cleared when it starts again.
+    backed_off: bool,
 }
 
 /// The current run of an in-flight job.
@@ -434,6 +437,22 @@ fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
     })
 }
 
+/// The back-off holding `key` at `now`: its first waiting jobs that a
+/// handler's back-off put back and whose wait has not ended.
+fn hold_of(s: &ShardState, key: &str, now: u64) -> Option<KeyHold> {
+    let mut hold = KeyHold {
+        jobs: Vec::new(),
+        until_ms: 0,
+    };
+    for id in s.keys.get(key)?.iter().take(KEY_HOLD_SCAN_JOBS) {
+        if let Some(j) = (s.jobs.get(id)).filter(|j| j.backed_off && j.not_before_ms > now) {
+            hold.jobs.push(*id);
+            hold.until_ms = hold.until_ms.max(j.not_before_ms);
+        }
+    }
+    (!hold.jobs.is_empty()).then_some(hold)
+}
+
 fn counts(s: &ShardState, key: &str) -> KeyCounts {
     let depth = s.keys.get(key).map_or(0, |q| q.len() as u64);
     let in_flight = u64::from(busy_of(s, key));
@@ -516,6 +535,7 @@ impl QueueBackend for MemoryBackend {
                         not_before_ms: now + j.delay_ms,
                         reason: String::new(),
                         starts: Vec::new(),
+                        backed_off: false,
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
@@ -677,6 +697,7 @@ impl QueueBackend for MemoryBackend {
                 };
                 j.attempt += 1;
                 j.starts.push(now);
+                j.backed_off = false;
                 s.fence_high = fence;
                 out.push(ClaimedJob {
                     shard: shard.to_string(),
@@ -864,6 +885,7 @@ impl QueueBackend for MemoryBackend {
             j.attempt = j.attempt.saturating_sub(1);
             j.starts.pop();
             j.not_before_ms = at_ms;
+            j.backed_off = true;
             let key = j.key.clone();
             run_over(s, &key);
             back_in_order(s, key.clone(), receipt.id);
@@ -878,6 +900,30 @@ impl QueueBackend for MemoryBackend {
             _ => None,
         };
         Ok(BackedOff { at_ms, group: held })
+    }
+
+    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| Ok(hold_of(s, key, now)))
+    }
+
+    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            if s.fence.sealed_keys.contains_key(key) {
+                return Ok(KeyResume::Moving);
+            }
+            let Some(hold) = hold_of(s, key, now) else {
+                return Ok(KeyResume::NotHeld);
+            };
+            for id in &hold.jobs {
+                if let Some(j) = s.jobs.get_mut(id) {
+                    j.not_before_ms = now;
+                    j.backed_off = false;
+                }
+            }
+            Ok(KeyResume::Resumed(hold))
+        })
     }
 
     fn extend(
@@ -1071,6 +1117,7 @@ impl QueueBackend for MemoryBackend {
                         not_before_ms: j.not_before_ms,
                         reason: j.dead.clone().unwrap_or_default(),
                         starts: Vec::new(),
+                        backed_off: false,
                     },
                 );
                 if j.dead.is_some() {

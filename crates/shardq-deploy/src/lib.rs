@@ -724,6 +724,26 @@ impl Deployment {
         Ok(Some((key, now)))
     }
 
+    /// Lifts the handler's back-off holding `key` on the shard the
+    /// published map routes it to: its backed-off jobs are due now, and the
+    /// shard's owner starts the key at its next claim, in whatever process
+    /// it runs ([`shardq_core::QueueBackend::resume_key`]). A key moving
+    /// now is routed to its old shard, which answers
+    /// [`shardq_core::KeyResume::Moving`]. The shard, and what was done.
+    pub fn resume_key(&self, key: &str) -> Result<(String, shardq_core::KeyResume), DeployError> {
+        shardq_core::validate_key(key)?;
+        let shard = self.route(key)?;
+        let done = self.queue().resume_key(&shard, key)?;
+        Ok((shard, done))
+    }
+
+    /// The shard the published map routes `key` to.
+    fn route(&self, key: &str) -> Result<String, DeployError> {
+        Ok(shardq_route::Router::new(self.map()?)?
+            .route(key)
+            .to_string())
+    }
+
     /// Names of the shards of the published map.
     pub fn shard_names(&self) -> Result<Vec<String>, DeployError> {
         Ok(self.map()?.shards.into_iter().map(|s| s.name).collect())

@@ -30,9 +30,9 @@ use shardq_core::job::{validate_job_lease_ms, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
     DedupRecord, FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState,
-    KeyCounts, MovedAway, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention,
-    RetryRules, ShardStats, Stored, SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT, MOVED_KEYS_KEPT,
-    PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
+    KeyCounts, KeyHold, KeyResume, MovedAway, MovedJob, NewJob, QueueBackend, QueueError, Receipt,
+    Retention, RetryRules, ShardStats, Stored, SystemClock, KEY_JOBS_MAX, MOVED_IDS_KEPT,
+    MOVED_KEYS_KEPT, PAYLOAD_BYTES_LIMIT, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_route::validate_shard_name;
 
@@ -1399,6 +1399,54 @@ impl QueueBackend for FsBackend {
             _ => None,
         };
         Ok(BackedOff { at_ms, group: held })
+    }
+
+    fn key_hold(&self, name: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let now = self.opts.clock.now_ms();
+        let r = inner.replica.as_ref().expect("refreshed");
+        Ok(r.key_hold(key, now))
+    }
+
+    fn resume_key(&self, name: &str, key: &str) -> Result<KeyResume, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        self.refresh(&mut inner)?;
+        let mut outcome = KeyResume::NotHeld;
+        // Read and written under the append lock: no claim of the key's
+        // jobs comes between.
+        let (_, end) = self.append_with(&shard, &mut inner, &mut |inner, _| {
+            let fence = self.read_fence(&shard, inner)?;
+            let r = inner.replica.as_ref().expect("refreshed");
+            let now = self.opts.clock.now_ms();
+            let mut bytes = Vec::new();
+            outcome = if fence.sealed_keys.contains_key(key) {
+                KeyResume::Moving
+            } else {
+                match r.key_hold(key, now) {
+                    None => KeyResume::NotHeld,
+                    Some(hold) => {
+                        for id in &hold.jobs {
+                            record::encode(
+                                &mut bytes,
+                                &Record::Resume {
+                                    job: id.0,
+                                    at_ms: now,
+                                    key,
+                                },
+                            );
+                        }
+                        KeyResume::Resumed(hold)
+                    }
+                }
+            };
+            Ok(bytes)
+        })?;
+        drop(inner);
+        self.after_append(&shard, end)?;
+        Ok(outcome)
     }
 
     fn extend(

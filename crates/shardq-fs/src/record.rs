@@ -113,8 +113,9 @@ const T_CANCEL_RUN: u8 = 13;
 const T_ENQUEUE_DEDUP: u8 = 14;
 const T_CLAIM_AT: u8 = 15;
 const T_BACK_OFF: u8 = 16;
+const T_RESUME: u8 = 17;
 /// The highest record type this build writes.
-const T_LAST: u8 = T_BACK_OFF;
+const T_LAST: u8 = T_RESUME;
 
 /// The dedup id an Enqueue record carries: the job and its id are one
 /// record, so one append, one checksum and one header hold both.
@@ -189,6 +190,17 @@ pub enum Record<'a> {
         job: u64,
         /// Earliest start again.
         retry_at_ms: u64,
+        /// The job's key.
+        key: &'a str,
+    },
+    /// An operator lifted a handler's back-off (`shardq key resume`): the
+    /// waiting job `job`, put back by a BackOff record, is due from `at_ms`
+    /// (the time of the resume) instead of its back-off's end.
+    Resume {
+        /// Job id.
+        job: u64,
+        /// Its earliest start now.
+        at_ms: u64,
         /// The job's key.
         key: &'a str,
     },
@@ -361,6 +373,12 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             out.push(T_BACK_OFF);
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&retry_at_ms.to_le_bytes());
+            put_str16(out, key);
+        }
+        Record::Resume { job, at_ms, key } => {
+            out.push(T_RESUME);
+            out.extend_from_slice(&job.to_le_bytes());
+            out.extend_from_slice(&at_ms.to_le_bytes());
             put_str16(out, key);
         }
         Record::Seal => out.push(T_SEAL),
@@ -587,6 +605,11 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             retry_at_ms: c.u64()?,
             key: c.str16()?,
         },
+        T_RESUME => Record::Resume {
+            job: c.u64()?,
+            at_ms: c.u64()?,
+            key: c.str16()?,
+        },
         T_SEAL => Record::Seal,
         T_DEAD_RETRY => Record::DeadRetry { job: c.u64()? },
         T_DEAD_PURGE => Record::DeadPurge { job: c.u64()? },
@@ -712,6 +735,11 @@ mod tests {
             job: 9,
             retry_at_ms: 77,
             key: "k",
+        });
+        roundtrip(Record::Resume {
+            job: 9,
+            at_ms: 78,
+            key: "tenant-1",
         });
         roundtrip(Record::Seal);
         roundtrip(Record::DeadRetry { job: 1 });

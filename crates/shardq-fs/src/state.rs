@@ -15,7 +15,10 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use shardq_core::flow::{FairQueue, Rank};
-use shardq_core::{Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, ShardStats};
+use shardq_core::{
+    Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, KeyHold, ShardStats,
+    KEY_HOLD_SCAN_JOBS,
+};
 use xxhash_rust::xxh3::Xxh3Builder;
 
 /// The hasher of maps keyed by text a producer chose (keys, dedup ids):
@@ -303,6 +306,10 @@ pub(crate) struct ShardState {
     cancel_pending: Vec<u64>,
     /// The [`FlowControl::version`] of the settings keys' `limit` follow.
     flow_version: u64,
+    /// Waiting jobs whose wait a handler's back-off set (a BackOff record),
+    /// with its end: what `key resume` lifts. A job leaves it when it is
+    /// claimed again, resumed, cancelled or purged.
+    backed_off: HashMap<u64, u64, Xxh3Builder>,
 }
 
 impl ShardState {
@@ -336,6 +343,7 @@ impl ShardState {
             parked: Vec::new(),
             cancel_pending: Vec::new(),
             flow_version: 0,
+            backed_off: HashMap::with_hasher(Xxh3Builder::new()),
         }
     }
 
@@ -672,6 +680,7 @@ impl ShardState {
             | Record::Ack { job, .. }
             | Record::Fail { job, .. }
             | Record::BackOff { job, .. }
+            | Record::Resume { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job }
             | Record::Cancel { job, .. }
@@ -749,6 +758,7 @@ impl ShardState {
                 // went away (a new owner drops those runs at adopt without
                 // a record): this run replaces it.
                 let replaces = self.in_flight_ids.contains_key(&job);
+                self.backed_off.remove(&job);
                 let ks = &mut self.keys[k as usize];
                 ks.running += u32::from(!replaces);
                 ks.queue[i].attempt = attempt;
@@ -825,6 +835,7 @@ impl ShardState {
                     return self.unknown(job, "back-off");
                 };
                 self.run_ended(k, job);
+                self.backed_off.insert(job, retry_at_ms);
                 let ks = &mut self.keys[k as usize];
                 let slot = &mut ks.queue[i];
                 slot.attempt = slot.attempt.saturating_sub(1);
@@ -834,6 +845,21 @@ impl ShardState {
                 }
                 self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
                 self.reschedule(k);
+            }
+            Record::Resume { job, at_ms, key } => {
+                let Some((k, i)) = self.slot_of(key, job) else {
+                    return self.unknown(job, "resume");
+                };
+                // Written under the append lock while the job waited on its
+                // back-off; a run of it since (none can start before this
+                // record) would have nothing to lift.
+                if self.backed_off.remove(&job).is_some() && !self.in_flight_ids.contains_key(&job)
+                {
+                    let slot = &mut self.keys[k as usize].queue[i];
+                    slot.not_before_ms = slot.not_before_ms.min(at_ms);
+                    // Its key's next job may be due now: drop its timer.
+                    self.reschedule(k);
+                }
             }
             Record::DeadRetry { job } => {
                 let Some(entry) = self.dead.remove(&job) else {
@@ -927,6 +953,7 @@ impl ShardState {
                 }
                 for id in &removed {
                     ks.take_attempts(*id);
+                    self.backed_off.remove(id);
                 }
                 for id in &removed {
                     self.slot_removed(*id);
@@ -969,6 +996,7 @@ impl ShardState {
                     self.run_ended(k, job);
                 }
                 self.cancel_pending.retain(|&j| j != job);
+                self.backed_off.remove(&job);
                 self.keys[k as usize].queue.remove(i);
                 self.keys[k as usize].take_attempts(job);
                 self.slot_removed(job);
@@ -1386,6 +1414,30 @@ impl ShardState {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// The handler's back-off holding `key` at `now_ms`: its first
+    /// [`KEY_HOLD_SCAN_JOBS`] waiting jobs whose wait a BackOff record set
+    /// and has not ended.
+    pub fn key_hold(&self, key: &str, now_ms: u64) -> Option<KeyHold> {
+        if self.backed_off.is_empty() {
+            return None;
+        }
+        let ks = &self.keys[self.lookup(key)? as usize];
+        let mut hold = KeyHold {
+            jobs: Vec::new(),
+            until_ms: 0,
+        };
+        let waiting = (ks.queue.iter())
+            .filter(|s| ks.running == 0 || !self.in_flight_ids.contains_key(&s.id))
+            .take(KEY_HOLD_SCAN_JOBS);
+        for s in waiting {
+            if s.not_before_ms > now_ms && self.backed_off.contains_key(&s.id) {
+                hold.jobs.push(JobId(s.id));
+                hold.until_ms = hold.until_ms.max(s.not_before_ms);
+            }
+        }
+        (!hold.jobs.is_empty()).then_some(hold)
     }
 
     pub fn key_counts(&self, key: &str) -> KeyCounts {

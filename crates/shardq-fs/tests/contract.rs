@@ -409,3 +409,80 @@ fn a_back_off_survives_a_restart_with_its_wait_and_its_attempt() {
     assert_eq!(next[0].payload, b"second", "the key's order holds");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A resume from another process than the shard's owner (`shardq key
+/// resume`) is a record in the shard's log: the owner starts the backed-off
+/// job at its next claim, its attempt unused, while another key's back-off
+/// stands; a restart replays the back-offs and the resume alike, and
+/// compacts past them.
+#[test]
+fn a_resume_from_another_process_holds_for_the_owner_and_across_a_restart() {
+    let (dir, clock) = one_shard_dir("resume");
+    let open = || open_small(&dir, &clock, 4096);
+    let payload = |p: &str| format!("{p}{}", "-".repeat(700));
+    let (held_id, other_id) = {
+        let owner = open();
+        let operator = open();
+        let (o, op) = (owner.backend(), operator.backend());
+        o.adopt("s0").unwrap();
+        for (k, p) in [("k", "a"), ("k", "b"), ("other", "x")] {
+            o.enqueue("s0", 1, &[shardq_core::NewJob::new(k, payload(p))])
+                .unwrap();
+        }
+        let runs = o.claim("s0", 10, 60_000).unwrap();
+        assert_eq!(runs.len(), 2);
+        for r in &runs {
+            o.back_off("s0", r.receipt(), 3_600_000, false).unwrap();
+        }
+        let id_of = |k: &str| runs.iter().find(|r| r.key == k).unwrap().id;
+        let hold = op
+            .key_hold("s0", "k")
+            .unwrap()
+            .expect("the operator sees it");
+        assert_eq!(hold.jobs, [id_of("k")]);
+        assert_eq!(
+            op.resume_key("s0", "k").unwrap(),
+            shardq_core::KeyResume::Resumed(hold)
+        );
+        clock.advance(10);
+        let next = o.claim("s0", 10, 60_000).unwrap();
+        assert_eq!(next.len(), 1, "only the resumed key starts: {next:?}");
+        assert_eq!((next[0].id, next[0].attempt), (id_of("k"), 1));
+        o.ack("s0", &[next[0].receipt()]).unwrap();
+        assert!(o.key_hold("s0", "other").unwrap().is_some());
+        o.flush().unwrap();
+        (id_of("k"), id_of("other"))
+    };
+    let engine = open();
+    let b = engine.backend();
+    b.adopt("s0").unwrap();
+    assert_eq!(b.job("s0", held_id).unwrap(), None, "acked before");
+    assert_eq!(b.key_hold("s0", "k").unwrap(), None);
+    assert_eq!(
+        b.key_hold("s0", "other").unwrap().map(|h| h.jobs),
+        Some(vec![other_id]),
+        "the other back-off is replayed as one"
+    );
+    let run = b.claim("s0", 10, 60_000).unwrap();
+    assert_eq!(run.len(), 1);
+    assert_eq!(run[0].payload, payload("b").into_bytes());
+    b.ack("s0", &[run[0].receipt()]).unwrap();
+    assert_eq!(
+        b.resume_key("s0", "other").unwrap(),
+        shardq_core::KeyResume::Resumed(shardq_core::KeyHold {
+            jobs: vec![other_id],
+            until_ms: 1_700_000_000_000 + 3_600_000,
+        })
+    );
+    let run = b.claim("s0", 10, 60_000).unwrap();
+    assert_eq!(run.len(), 1);
+    b.ack("s0", &[run[0].receipt()]).unwrap();
+    b.flush().unwrap();
+    drop(engine);
+    let again = open();
+    let b = again.backend();
+    assert!(b.key_jobs("s0", "k", 10).unwrap().is_empty());
+    assert!(b.key_jobs("s0", "other", 10).unwrap().is_empty());
+    drop(again);
+    let _ = std::fs::remove_dir_all(&dir);
+}

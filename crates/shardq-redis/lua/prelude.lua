@@ -220,7 +220,9 @@ end
 -- time or the next. It writes `id^` when the fence is a millisecond or more
 -- past its clock (a raised floor, a long claim) or the caller's clock
 -- drives the scripts; a cancel writes it when it clears the fence. So a
--- claim and an ack on the common path write no start time.
+-- claim and an ack on the common path write no start time. The field
+-- `id~` holds the not-before a handler's back-off gave the job
+-- (back_off.lua), for `key resume`.
 -- All leave with the job (`forget`); a hash with no field is no key, and
 -- the common path then reads nothing either.
 local function forget(list, i, j)
@@ -228,7 +230,7 @@ local function forget(list, i, j)
   j = j or #list
   if j < i or redis.call('EXISTS', K_REASON) == 0 then return end
   redis.call('HDEL', K_REASON, unpack(list, i, j))
-  for _, sfx in ipairs({'@', '^'}) do
+  for _, sfx in ipairs({'@', '^', '~'}) do
     local at = {}
     for x = i, j do at[#at + 1] = list[x] .. sfx end
     redis.call('HDEL', K_REASON, unpack(at))

@@ -789,6 +789,9 @@ impl RedisBackend {
         }
     }
 
+    /// Ends run `r` without using an attempt, its job not due before `ms`
+    /// from now; `handler` when its handler backed off (a wait `key resume`
+    /// lifts), not flow control. When it is due.
     fn give_back(
         &self,
         s: &ShardRef,
@@ -796,9 +799,14 @@ impl RedisBackend {
         r: Receipt,
         key: &str,
         ms: u64,
+        handler: bool,
     ) -> Result<u64, QueueError> {
         let v = self.script(s, &self.inner.scripts.back_off, &held.token, &|c, _| {
-            c.arg(r.id.0).arg(r.fence).arg(key).arg(ms);
+            c.arg(r.id.0)
+                .arg(r.fence)
+                .arg(key)
+                .arg(ms)
+                .arg(if handler { "1" } else { "" });
         })?;
         match reply::status(&v).as_str() {
             "OK" => {
@@ -809,6 +817,27 @@ impl RedisBackend {
             "STALE" => Err(Self::stale_reply(s, r, &v)),
             other => Err(self.protocol(s, format!("back-off answered {other:?}"))),
         }
+    }
+
+    /// The hold of a `key_resume.lua` reply `OK[, latest, id...]`.
+    fn parse_hold(
+        &self,
+        s: &ShardRef,
+        v: &Value,
+    ) -> Result<Option<shardq_core::KeyHold>, QueueError> {
+        let items = reply::items(v);
+        if items.len() < 2 {
+            return Ok(None);
+        }
+        let num = |x: &Value| {
+            reply::u64(x).ok_or_else(|| self.protocol(s, format!("key hold answered {v:?}")))
+        };
+        Ok(Some(shardq_core::KeyHold {
+            until_ms: num(&items[1])?,
+            jobs: (items[2..].iter())
+                .map(|x| num(x).map(JobId))
+                .collect::<Result<_, _>>()?,
+        }))
     }
 
     /// The token a move's writes pass: `@EPOCH` under a rebalance that has
@@ -1393,7 +1422,7 @@ impl QueueBackend for RedisBackend {
                     id: JobId(id),
                     fence,
                 };
-                match self.give_back(s, held, r, &rec.key, at.saturating_sub(now)) {
+                match self.give_back(s, held, r, &rec.key, at.saturating_sub(now), false) {
                     Ok(_) => continue,
                     // Its first try went through and the reply was
                     // lost: it is given back.
@@ -1613,7 +1642,7 @@ impl QueueBackend for RedisBackend {
         let key = (held.in_flight.get(&receipt.id.0))
             .map(|r| r.key.clone())
             .unwrap_or_default();
-        let given = self.give_back(s, held, receipt, &key, retry_in_ms);
+        let given = self.give_back(s, held, receipt, &key, retry_in_ms, true);
         if let Err(QueueError::NotOwner { .. }) = given {
             *guard = None;
             return Err(Self::not_owner(s));
@@ -2189,6 +2218,34 @@ impl QueueBackend for RedisBackend {
         out.sort_by_key(|j| j.id);
         out.truncate(max);
         Ok(out)
+    }
+
+    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<shardq_core::KeyHold>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.key_hold, "", &|c, _| {
+            c.arg(key).arg(shardq_core::KEY_HOLD_SCAN_JOBS);
+        })?;
+        match reply::status(&v).as_str() {
+            "OK" => self.parse_hold(s, &v),
+            other => Err(self.protocol(s, format!("key hold answered {other:?}"))),
+        }
+    }
+
+    fn resume_key(&self, shard: &str, key: &str) -> Result<shardq_core::KeyResume, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.key_resume, "", &|c, _| {
+            c.arg(key).arg(shardq_core::KEY_HOLD_SCAN_JOBS);
+        })?;
+        match reply::status(&v).as_str() {
+            "OK" => Ok(match self.parse_hold(s, &v)? {
+                Some(hold) => shardq_core::KeyResume::Resumed(hold),
+                None => shardq_core::KeyResume::NotHeld,
+            }),
+            "MOVING" => Ok(shardq_core::KeyResume::Moving),
+            other => Err(self.protocol(s, format!("key resume answered {other:?}"))),
+        }
     }
 
     fn cancel(&self, shard: &str, id: JobId) -> Result<CancelOutcome, QueueError> {

@@ -120,6 +120,9 @@ const KEY_JOBS: &str = include_str!("../lua/key_jobs.lua");
 /// `lua/cancel.lua`.
 const CANCEL: &str = include_str!("../lua/cancel.lua");
 
+/// `lua/key_resume.lua`.
+const KEY_RESUME: &str = include_str!("../lua/key_resume.lua");
+
 /// `lua/finished.lua`.
 const FINISHED: &str = include_str!("../lua/finished.lua");
 
@@ -303,6 +306,8 @@ scripts! {
     job_show: Lua::new(&format!("{JOB_GET}{JOB_SHOW}"), true, Flags::NoWrites),
     key_jobs: Lua::new( &format!("{JOB_GET}{EXPORT_KEY_FN}{KEY_JOBS}"), true, Flags::NoWrites, ),
     cancel: Lua::new(CANCEL, true, Flags::AllowOom),
+    key_hold: Lua::new(&format!("local LIFT = false\n{KEY_RESUME}"), true, Flags::NoWrites),
+    key_resume: Lua::new(&format!("local LIFT = true\n{KEY_RESUME}"), true, Flags::AllowOom),
     dead_move: Lua::new(DEAD_MOVE, true, Flags::AllowOom),
     lease: Lua::new(LEASE, false, Flags::AllowOom),
     lease_release: Lua::new(LEASE_RELEASE, false, Flags::AllowOom),

@@ -244,6 +244,10 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
             r("GET", "/v1/keys/{key}/jobs", Some(Read)),
             get(api::key_jobs),
         ),
+        (
+            r("POST", "/v1/keys/{key}/resume", Some(Admin)),
+            post(api::key_resume),
+        ),
         (r("GET", "/v1/jobs/{id}", Some(Read)), get(api::job_show)),
         (
             r("DELETE", "/v1/jobs/{id}", Some(Admin)),

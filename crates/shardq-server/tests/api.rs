@@ -1262,6 +1262,111 @@ fn a_fail_with_backoff_uses_no_attempt_and_holds_the_key() {
     );
 }
 
+/// An operator lifts a handler's back-off of a key over HTTP
+/// (`POST /v1/keys/{key}/resume`, admin: the role test covers every route):
+/// the key's job starts at the next claim, its attempt unused, while
+/// another key's back-off stands; both key views show a back-off until it
+/// is lifted. A key none holds answers `resumed: false`; a bad or empty
+/// key or a body with fields is a 400, a key moving to another shard a 409
+/// with `state: moving`, a path below the route a 404, each with its kind.
+#[test]
+fn a_keys_back_off_is_lifted_over_http() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    enqueue(
+        &s,
+        json!([{"key": "held", "payload": "h"}, {"key": "other", "payload": "o"}]),
+    );
+    let mut runs = Vec::new();
+    wait_until("two runs", Duration::from_secs(10), || {
+        runs.extend(claim(&s, "w", 2, 500, 30_000));
+        runs.len() >= 2
+    });
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for r in &runs {
+        let v = post_ok(
+            &s,
+            "/v1/fail",
+            json!({"receipt": r["receipt"], "backoff_ms": 600_000}),
+        );
+        assert_eq!(v["outcome"], "backoff", "{v}");
+    }
+    let id_of = |k: &str| runs.iter().find(|r| r["key"] == k).unwrap()["id"].clone();
+    for path in ["/v1/keys/held", "/v1/keys/held/jobs"] {
+        let v = get_ok(&s, path);
+        assert_eq!(v["back_off"]["jobs"], json!([id_of("held")]), "{path}: {v}");
+        let until = v["back_off"]["until_ms"].as_u64().unwrap();
+        assert!(until >= now + 590_000, "{path}: {v}");
+    }
+    let v = post_ok(&s, "/v1/keys/held/resume", json!({}));
+    assert_eq!(v["resumed"], true, "{v}");
+    assert_eq!(v["back_off"]["jobs"], json!([id_of("held")]), "{v}");
+    assert_eq!(v["shard"], runs[0]["shard"], "{v}");
+    for path in ["/v1/keys/held", "/v1/keys/held/jobs"] {
+        assert_eq!(get_ok(&s, path)["back_off"], Value::Null, "{path}");
+    }
+    let t = Instant::now();
+    let again = claim(&s, "w", 2, 5_000, 30_000);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(again.len(), 1, "only the resumed key starts: {again:?}");
+    assert_eq!(
+        (&again[0]["id"], &again[0]["attempt"]),
+        (&id_of("held"), &json!(1))
+    );
+    post_ok(&s, "/v1/ack", json!({"receipts": [again[0]["receipt"]]}));
+    assert!(!get_ok(&s, "/v1/keys/other")["back_off"].is_null());
+    // No back-off: nothing changes, and it says so.
+    for key in ["held", "never-seen"] {
+        let v = post_ok(&s, &format!("/v1/keys/{key}/resume"), json!({}));
+        assert_eq!(
+            (&v["resumed"], &v["back_off"]),
+            (&json!(false), &Value::Null)
+        );
+    }
+    // Refusals, each with its kind.
+    let long = "k".repeat(shardq_core::KEY_BYTES_MAX + 1);
+    for (path, body) in [
+        (format!("/v1/keys/{long}/resume"), "{}"),
+        ("/v1/keys//resume".to_string(), "{}"),
+        ("/v1/keys/other/resume".to_string(), r#"{"all":true}"#),
+    ] {
+        let (code, v) = call(&s, "POST", &path, Some(body), None);
+        assert_eq!((code, &v["kind"]), (400, &json!("bad_input")), "{v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains(if body == "{}" { "key" } else { "all" }),
+            "{v}"
+        );
+    }
+    let (code, v) = call(&s, "POST", "/v1/keys/other/resume/now", Some("{}"), None);
+    assert_eq!((code, &v["kind"]), (404, &json!("not_found")), "{v}");
+    // A key moving to another shard (sealed for a rebalance) is left as it is.
+    let d = shardq_deploy::Deployment::open(dir.path(), &Default::default()).unwrap();
+    let (q, shard) = (d.queue(), runs[0]["shard"].as_str().unwrap().to_string());
+    let mut fence = q.fence(&shard).unwrap();
+    fence.sealed_keys.insert("other".into(), "elsewhere".into());
+    q.set_fence(&shard, &fence).unwrap();
+    let (code, v) = post(&s, "/v1/keys/other/resume", json!({}));
+    assert_eq!(
+        (code, &v["kind"], &v["state"]),
+        (409, &json!("conflict"), &json!("moving")),
+        "{v}"
+    );
+    assert!(!get_ok(&s, "/v1/keys/other")["back_off"].is_null());
+    fence.sealed_keys.remove("other");
+    q.set_fence(&shard, &fence).unwrap();
+    let v = post_ok(&s, "/v1/keys/other/resume", json!({}));
+    assert_eq!(v["back_off"]["jobs"], json!([id_of("other")]), "{v}");
+    let last = claim(&s, "w", 2, 5_000, 30_000);
+    assert_eq!(last.len(), 1, "{last:?}");
+    assert_eq!(last[0]["id"], id_of("other"));
+}
+
 /// Weights hold over every shard the server runs: one claim of one job at
 /// a time goes to the best-ranked ready key over all of them, so a key of
 /// weight 4 and one of weight 1 on two different shards start 4:1 (each

@@ -146,8 +146,8 @@ fn checked(
 }
 
 /// Every documented route with a JSON answer, called on a deployment with
-/// live, running, finished and dead jobs, a policy without a burst and a
-/// group: each answer fits its schema.
+/// live, running, finished and dead jobs, a key held by a back-off, a
+/// policy without a burst and a group: each answer fits its schema.
 #[test]
 fn every_answer_fits_its_documented_schema() {
     let dir = init_dir(1, "rendezvous");
@@ -241,6 +241,37 @@ fn every_answer_fits_its_documented_schema() {
     ] {
         let (code, v) = checked(&s, "GET", path, &target, None, e);
         assert_eq!(code, 200, "GET {target}: {v}");
+    }
+    // A key held by a handler's back-off: shown by both key views, lifted.
+    post_ok(
+        &s,
+        "/v1/jobs",
+        json!({"jobs": [{"key": "bo", "payload": "h"}]}),
+    );
+    let mut held = Vec::new();
+    wait_until("the run of bo", Duration::from_secs(10), || {
+        held.extend((claim(&s, "w3", 1, 500, 30_000).into_iter()).filter(|j| j["key"] == "bo"));
+        !held.is_empty()
+    });
+    let back_off = json!({"receipt": held[0]["receipt"], "backoff_ms": 600000});
+    checked(&s, "POST", "/v1/fail", "/v1/fail", Some(back_off), e);
+    for (path, target) in [
+        ("/v1/keys/{key}", "/v1/keys/bo"),
+        ("/v1/keys/{key}/jobs", "/v1/keys/bo/jobs"),
+    ] {
+        let (code, v) = checked(&s, "GET", path, target, None, e);
+        assert!(code == 200 && !v["back_off"].is_null(), "GET {target}: {v}");
+    }
+    for resumed in [true, false] {
+        let (code, v) = checked(
+            &s,
+            "POST",
+            "/v1/keys/{key}/resume",
+            "/v1/keys/bo/resume",
+            Some(json!({})),
+            e,
+        );
+        assert_eq!((code, &v["resumed"]), (200, &json!(resumed)), "{v}");
     }
     let (code, v) = checked(
         &s,

@@ -639,6 +639,103 @@ pub fn a_backed_off_run_keeps_its_attempt_and_holds_its_key(h: &dyn ContractHarn
     );
 }
 
+/// An operator's resume lifts a handler's back-off of a key at once
+/// ([`QueueBackend::resume_key`]): the backed-off job starts at the next
+/// claim with its attempt unused, while another key's back-off stands. A
+/// wait a resume does not own is left as it is: a delay its producer gave,
+/// a retry's backoff after a failure (of a job that backed off before too),
+/// a back-off that is over. A key held by none answers `NotHeld`, a key
+/// sealed for a move `Moving`, and neither changes anything.
+pub fn a_resumed_key_starts_at_once_and_other_waits_stand(h: &dyn ContractHarness) {
+    use shardq_core::{KeyHold, KeyResume};
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    enqueue(h, &shard, "rk-a", "a", 3);
+    enqueue(h, &shard, "rk-b", "b", 3);
+    enqueue(h, &shard, "rk-retry", "r", 3);
+    let mut delayed = NewJob::new("rk-delay", "d");
+    delayed.delay_ms = 60_000;
+    b.enqueue(&shard, u64::MAX, &[delayed]).expect("enqueue");
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    let run = |k: &str| {
+        (runs.iter().find(|r| r.key == k))
+            .unwrap_or_else(|| panic!("{k} runs: {runs:?}"))
+            .clone()
+    };
+    assert_eq!(runs.len(), 3, "the delayed job waits: {runs:?}");
+    let (a, bb) = (run("rk-a"), run("rk-b"));
+    let until = (b.back_off(&shard, a.receipt(), 60_000, false))
+        .expect("back off a")
+        .at_ms;
+    b.back_off(&shard, bb.receipt(), 60_000, false)
+        .expect("back off b");
+    b.fail(&shard, run("rk-retry").receipt(), "later", Some(60_000))
+        .expect("fail");
+    let hold = |k: &str| b.key_hold(&shard, k).expect("key hold");
+    let held_a = KeyHold {
+        jobs: vec![a.id],
+        until_ms: until,
+    };
+    assert_eq!(hold("rk-a"), Some(held_a.clone()));
+    assert_eq!(hold("rk-b").map(|x| x.jobs), Some(vec![bb.id]));
+    for k in ["rk-retry", "rk-delay", "rk-none"] {
+        assert_eq!(hold(k), None, "{k} is not held by a back-off");
+    }
+    h.pass_ms(1_000);
+    assert!(claim(h, &shard, 10, LONG_LEASE_MS).is_empty());
+    let resume = |k: &str| b.resume_key(&shard, k).expect("resume");
+    assert_eq!(resume("rk-a"), KeyResume::Resumed(held_a));
+    assert_eq!(hold("rk-a"), None, "a resumed key is held no more");
+    let again = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(again.len(), 1, "only the resumed key starts: {again:?}");
+    assert_eq!(
+        (again[0].id, again[0].attempt),
+        (a.id, 1),
+        "the backed-off job, its attempt unused"
+    );
+    assert_eq!(resume("rk-a"), KeyResume::NotHeld, "it runs");
+    for k in ["rk-retry", "rk-delay", "rk-none"] {
+        assert_eq!(resume(k), KeyResume::NotHeld, "{k}");
+    }
+    // A job that backed off, then failed: its retry's wait is not lifted.
+    b.fail(&shard, again[0].receipt(), "later", Some(60_000))
+        .expect("fail");
+    assert_eq!(hold("rk-a"), None, "a retry is not a back-off");
+    assert_eq!(resume("rk-a"), KeyResume::NotHeld);
+    assert!(
+        claim(h, &shard, 10, LONG_LEASE_MS).is_empty(),
+        "the other waits stand"
+    );
+    // A key moving to another shard is left as it is.
+    let mut fence = b.fence(&shard).expect("fence");
+    fence.sealed_keys.insert("rk-b".into(), "elsewhere".into());
+    b.set_fence(&shard, &fence).expect("seal");
+    assert_eq!(resume("rk-b"), KeyResume::Moving);
+    assert!(hold("rk-b").is_some(), "a moving key keeps its back-off");
+    fence.sealed_keys.remove("rk-b");
+    b.set_fence(&shard, &fence).expect("unseal");
+    assert!(matches!(resume("rk-b"), KeyResume::Resumed(_)));
+    let b_run = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(payloads_of(&b_run, "rk-b"), ["b"], "{b_run:?}");
+    // A back-off that is over holds nothing.
+    b.back_off(&shard, b_run[0].receipt(), 1_000, false)
+        .expect("back off b again");
+    assert!(hold("rk-b").is_some());
+    h.pass_ms(1_000);
+    assert_eq!(hold("rk-b"), None, "its wait is over");
+    assert_eq!(resume("rk-b"), KeyResume::NotHeld);
+    // The other waits end when they were to.
+    h.pass_ms(60_000);
+    let rest = run_until_held(h, &shard);
+    let mut rest_keys = rest.clone();
+    rest_keys.sort();
+    assert_eq!(
+        rest_keys,
+        ["rk-a", "rk-b", "rk-delay", "rk-retry"],
+        "{rest:?}"
+    );
+}
+
 /// Claims and acks everything claimable of `shard` until a claim finds
 /// nothing, without letting time pass; the keys started, in order.
 fn run_until_held(h: &dyn ContractHarness, shard: &str) -> Vec<String> {

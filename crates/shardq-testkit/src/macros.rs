@@ -74,6 +74,7 @@ macro_rules! __contract_checks {
             finished_jobs_are_kept_newest_first
             rate_limits_hold_across_every_claim
             a_backed_off_run_keeps_its_attempt_and_holds_its_key
+            a_resumed_key_starts_at_once_and_other_waits_stand
             a_groups_concurrency_caps_its_runs_over_every_shard
             a_keys_concurrency_runs_its_jobs_in_order_that_many_at_once
             lapsed_runs_of_a_concurrent_key_run_again_in_order

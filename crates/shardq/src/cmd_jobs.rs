@@ -1,7 +1,8 @@
-//! Jobs one at a time, for operators: `job show ID`, `job cancel ID` and
-//! `jobs --key KEY`, over any deployment (embedded or Redis), in the same
-//! words and `--json` forms as `GET /v1/jobs/{id}`, `DELETE /v1/jobs/{id}`
-//! and `GET /v1/keys/{key}/jobs`. Glue: parse, call the backend, print.
+//! Jobs one at a time, for operators: `job show ID`, `job cancel ID`,
+//! `jobs --key KEY` and `key resume KEY`, over any deployment (embedded or
+//! Redis), in the same words and `--json` forms as `GET /v1/jobs/{id}`,
+//! `DELETE /v1/jobs/{id}`, `GET /v1/keys/{key}/jobs` and
+//! `POST /v1/keys/{key}/resume`. Glue: parse, call the backend, print.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,7 +12,7 @@ use clap::Subcommand;
 use serde_json::json;
 use shardq_core::{CancelOutcome, JobId, JobInfo, JobState, KEY_JOBS_MAX};
 use shardq_deploy::Deployment;
-use shardq_server::api::{finished_value, job_value};
+use shardq_server::api::{back_off_value, finished_value, job_value};
 
 /// Jobs `jobs` lists when `--limit` is not given.
 const JOBS_LIMIT_DEFAULT: usize = 100;
@@ -54,6 +55,88 @@ pub enum JobAction {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeyAction {
+    /// Lift a handler's back-off of a key: the key's jobs its handler put
+    /// back with a back-off (a command handler's exit 75 with
+    /// `shardq-backoff: MS`, a stdio or HTTP worker's `backoff_ms`) are due
+    /// now, and the key starts again at its shard owner's next claim,
+    /// whichever process runs it. Only a back-off is lifted: a delay its
+    /// producer gave (`enqueue --delay-ms`), a retry's wait after a failed
+    /// attempt and a group's hold (`shardq group resume`) stay. A key that
+    /// no back-off holds: nothing changes, exit 0 ("resumed": false with
+    /// --json). A key moving to another shard now: nothing changes, exit 3
+    /// (the move carries its jobs with their waits; its new shard keeps a
+    /// back-off's as a plain delay).
+    Resume {
+        /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
+        #[arg(long, value_name = "DIR")]
+        data: PathBuf,
+        /// The routing key (on the shard the published map routes it to).
+        key: String,
+        /// One JSON object (as `POST /v1/keys/{key}/resume`) instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `shardq key resume`.
+pub fn key(action: KeyAction) -> anyhow::Result<ExitCode> {
+    let KeyAction::Resume { data, key, json } = action;
+    shardq_core::validate_key(&key).with_context(|| format!("key {key:?}"))?;
+    let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+    let (shard, done) = deployment
+        .resume_key(&key)
+        .with_context(|| format!("resuming key {key:?}"))?;
+    let shown = shardq_core::job::shown_key(&key);
+    let lifted = match done {
+        shardq_core::KeyResume::Resumed(hold) => Some(hold),
+        shardq_core::KeyResume::NotHeld => None,
+        shardq_core::KeyResume::Moving => {
+            if json {
+                println!(
+                    "{}",
+                    json!({ "key": key, "shard": shard, "resumed": false, "state": "moving" })
+                );
+            } else {
+                eprintln!(
+                    "shardq: key {shown} is moving from shard {shard} to another shard now; nothing changed (the move carries its jobs with their waits, which its new shard keeps as plain delays)"
+                );
+            }
+            return Ok(ExitCode::from(3));
+        }
+    };
+    if json {
+        println!(
+            "{}",
+            json!({
+                "key": key,
+                "shard": shard,
+                "resumed": lifted.is_some(),
+                "back_off": back_off_value(&shard, lifted.as_ref()),
+            })
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    match lifted {
+        Some(hold) => {
+            let ids: Vec<String> = (hold.jobs.iter())
+                .map(|id| format!("{shard}:{}", id.0))
+                .collect();
+            println!(
+                "resumed key {shown} on {shard}: {} held by a back-off until {} ({}) due now",
+                ids.join(", "),
+                hold.until_ms,
+                relative(hold.until_ms, now_ms())
+            );
+        }
+        None => println!(
+            "key {shown} on {shard}: no back-off holds it; nothing changed (a delay or a retry's wait is not lifted: `shardq jobs --key` shows what its jobs wait for)"
+        ),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `shardq jobs`: a key's live jobs.
@@ -321,6 +404,10 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         .queue()
         .key_jobs(&shard, &args.key, args.limit)
         .with_context(|| format!("listing the jobs of key {:?} on {shard}", args.key))?;
+    let hold = deployment
+        .queue()
+        .key_hold(&shard, &args.key)
+        .with_context(|| format!("reading the back-off of key {:?} on {shard}", args.key))?;
     // The key's history from every shard (it stays where its jobs
     // finished, before a move too); history that cannot be read leaves
     // the live jobs listed.
@@ -345,9 +432,10 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             .into_iter()
             .map(|(s, f)| finished_value(&s, f))
             .collect();
+        let back_off = back_off_value(&shard, hold.as_ref());
         println!(
             "{}",
-            json!({ "key": args.key, "shard": shard, "jobs": list, "recent": done })
+            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "recent": done })
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -366,6 +454,20 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
                 .as_deref()
                 .map(shardq_core::job::shown_key)
                 .unwrap_or_default()
+        );
+    }
+    if let Some(h) = &hold {
+        println!();
+        let ids: Vec<String> = h
+            .jobs
+            .iter()
+            .map(|id| format!("{shard}:{}", id.0))
+            .collect();
+        println!(
+            "BACK-OFF\t{} held by a handler's back-off until {} ({}): `shardq key resume` lifts it",
+            ids.join(", "),
+            h.until_ms,
+            relative(h.until_ms, now)
         );
     }
     if args.recent > 0 {

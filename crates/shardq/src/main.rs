@@ -47,6 +47,9 @@ enum Command {
     /// A key's live jobs, in key order: its run in flight, queued, delayed
     /// and dead jobs.
     Jobs(cmd_jobs::JobsArgs),
+    /// A key: lift a handler's back-off of it (`key resume`).
+    #[command(subcommand)]
+    Key(cmd_jobs::KeyAction),
     /// Retry policies (attempts and backoff): the default, per key and per
     /// key prefix: show, set or clear them.
     #[command(subcommand)]
@@ -105,6 +108,7 @@ fn main() -> ExitCode {
         Command::Engine(cmd) => cmd_engine::run(cmd),
         Command::Job(action) => cmd_jobs::job(action),
         Command::Jobs(args) => cmd_jobs::jobs(args),
+        Command::Key(action) => cmd_jobs::key(action),
         Command::Retry(action) => cmd_retry::run(action),
         Command::Retention(action) => cmd_retention::run(action),
         Command::Policy(action) => cmd_flow::policy(action),

@@ -1251,6 +1251,183 @@ fn a_group_back_off_is_lifted_by_group_resume_and_by_group_clear() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A handler backs off two keys for a minute; `shardq key resume` from
+/// another process lifts one while the worker runs: that key's job starts
+/// again within a second or two with its attempt unused, while the other
+/// key's back-off stands. `jobs --key` shows a back-off until it is lifted;
+/// a key no back-off holds (resumed already, or a job its producer
+/// delayed) is answered so with exit 0 and changes nothing; a key sealed
+/// for a move exits 3 and changes nothing.
+#[test]
+fn a_keys_back_off_is_lifted_by_key_resume() {
+    key_resume_lifts_one_keys_back_off("h-key-resume", &[]);
+}
+
+/// The same on Redis shards.
+#[test]
+fn a_keys_back_off_is_lifted_by_key_resume_on_redis() {
+    let server = shardq_testkit::redis::RedisServer::start();
+    key_resume_lifts_one_keys_back_off("h-key-resume-redis", &["--redis", &server.url()]);
+}
+
+fn key_resume_lifts_one_keys_back_off(name: &str, init_extra: &[&str]) {
+    let dir = temp_dir(name);
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    let mut init = vec!["init", "--data", d, "--shards", "2"];
+    init.extend_from_slice(init_extra);
+    ok(&init);
+    for key in ["held", "other"] {
+        ok(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            key,
+            "--payload",
+            "first",
+            "--max-attempts",
+            "1",
+        ]);
+    }
+    ok(&[
+        "enqueue",
+        "--data",
+        d,
+        "--key",
+        "later",
+        "--payload",
+        "x",
+        "--delay-ms",
+        "60000",
+    ]);
+    let stamps = dir.join("stamps");
+    let script = format!(
+        "read p; now=$(date +%s%3N); \
+         if [ ! -e {dir}/$SHARDQ_KEY.backed ]; then touch {dir}/$SHARDQ_KEY.backed; \
+           echo \"$SHARDQ_KEY backoff $SHARDQ_ATTEMPT $now\" >> {s}; \
+           echo 'shardq-backoff: 60000' >&2; exit 75; fi; \
+         echo \"$SHARDQ_KEY $p $SHARDQ_ATTEMPT $now\" >> {s}",
+        dir = dir.display(),
+        s = stamps.display()
+    );
+    let mut worker = start_worker(
+        &data,
+        &["--concurrency", "2", "--max-local-shards", "all"],
+        &script,
+    );
+    let backed = |k: &str| dir.join(format!("{k}.backed")).exists();
+    wait_until("both back-offs", WAIT_MAX, || {
+        backed("held") && backed("other")
+    });
+    let lines = || std::fs::read_to_string(&stamps).unwrap_or_default();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(lines().lines().count(), 2, "held keys ran: {}", lines());
+    let jobs = |k: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&["jobs", "--data", d, "--key", k, "--json"])).unwrap()
+    };
+    let held = jobs("held");
+    let held_id = held["jobs"][0]["id"].clone();
+    assert_eq!(
+        held["back_off"]["jobs"],
+        serde_json::json!([held_id]),
+        "{held}"
+    );
+    let text = ok(&["jobs", "--data", d, "--key", "held"]);
+    assert!(
+        text.contains("BACK-OFF") && text.contains("key resume"),
+        "{text}"
+    );
+    assert!(
+        jobs("later")["back_off"].is_null(),
+        "a delay is not a back-off"
+    );
+
+    let resumed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let out = ok(&["key", "resume", "--data", d, "held"]);
+    assert!(
+        out.contains("resumed key held") && out.contains(held_id.as_str().unwrap()),
+        "{out}"
+    );
+    wait_until("the resumed key's job", Duration::from_secs(5), || {
+        lines().contains("held first")
+    });
+    let text = lines();
+    let started: Vec<&str> = (text.lines())
+        .find(|l| l.starts_with("held first"))
+        .unwrap()
+        .split(' ')
+        .collect();
+    assert_eq!(
+        started[2], "1",
+        "its one attempt, unused by the back-off: {text}"
+    );
+    let at: u64 = started[3].parse().unwrap();
+    assert!(
+        at < resumed_at + 2_000,
+        "started {} ms after the resume: {text}",
+        at.saturating_sub(resumed_at)
+    );
+    assert!(jobs("held")["back_off"].is_null());
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        !lines().contains("other first"),
+        "the other key's back-off stands: {}",
+        lines()
+    );
+    assert!(!jobs("other")["back_off"].is_null());
+
+    // Nothing to lift: said so, exit 0, nothing changes.
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["key", "resume", "--data", d, "held", "--json"])).unwrap();
+    assert_eq!(
+        (&v["resumed"], &v["back_off"]),
+        (&serde_json::json!(false), &serde_json::Value::Null),
+        "{v}"
+    );
+    let out = ok(&["key", "resume", "--data", d, "later"]);
+    assert!(out.contains("no back-off holds it"), "{out}");
+    assert_eq!(jobs("later")["jobs"][0]["state"], "delayed");
+    let (fine, _, err) = run(&["key", "resume", "--data", d, ""]);
+    assert!(!fine && err.contains("empty"), "{err}");
+    assert_eq!(
+        support::output(&["key", "resume", "--data", d, ""])
+            .status
+            .code(),
+        Some(2)
+    );
+
+    // A key moving to another shard (sealed for a rebalance): exit 3,
+    // nothing changed.
+    let other_shard = jobs("other")["shard"].as_str().unwrap().to_string();
+    let deployment = shardq_deploy::Deployment::open(&data, &Default::default()).unwrap();
+    let q = deployment.queue();
+    let mut fence = q.fence(&other_shard).unwrap();
+    fence.sealed_keys.insert("other".into(), "elsewhere".into());
+    q.set_fence(&other_shard, &fence).unwrap();
+    let o = support::output(&["key", "resume", "--data", d, "other"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("moving") && err.contains("nothing changed"),
+        "{err}"
+    );
+    assert!(!jobs("other")["back_off"].is_null(), "still held");
+    fence.sealed_keys.remove("other");
+    q.set_fence(&other_shard, &fence).unwrap();
+
+    ok(&["key", "resume", "--data", d, "other"]);
+    wait_until("the other key's job", Duration::from_secs(5), || {
+        lines().contains("other first")
+    });
+    let _ = worker.child.kill();
+    let _ = worker.child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A group's rate holds for the handler starts its downstream sees while
 /// every slot is busy: 4 slots held 3 s by jobs outside the group, then
 /// the group's jobs, at 1/s with a burst of 3. No run of the group is

@@ -1,7 +1,9 @@
 //! Flow control over HTTP: the deployment's policies (`/v1/policies`,
 //! `/v1/policies/{key}`, with `?scope=prefix` or `?scope=default`) and
-//! groups (`/v1/groups`, `/v1/groups/{name}`). Reads need `read`, changes
-//! `admin`; every change goes through core's checked edits, is a
+//! groups (`/v1/groups`, `/v1/groups/{name}`), and lifting a handler's
+//! back-off of a group or a key (`/v1/groups/{name}/resume`,
+//! `/v1/keys/{key}/resume`). Reads need `read`, changes
+//! `admin`; every settings change goes through core's checked edits, is a
 //! compare-and-set of the stored settings (`Deployment::update_flow_settings`:
 //! a 200 means stored, whatever other writers did meanwhile), and reaches
 //! every worker and server within a second.
@@ -197,4 +199,55 @@ pub async fn group_resume(
     let n = name.clone();
     blocking(move || Ok(app.deployment.resume_group(&n)?)).await?;
     ok(json!({ "name": name, "resumed": true }))
+}
+
+/// A key's back-off in the wire form of `back_off` (`GET /v1/keys/{key}`,
+/// `GET /v1/keys/{key}/jobs`, `POST /v1/keys/{key}/resume`, and the CLI's
+/// `--json`): `{"until_ms", "jobs": [SHARD:ID...]}`, or null for none.
+pub fn back_off_value(shard: &str, hold: Option<&shardq_core::KeyHold>) -> Value {
+    match hold {
+        None => Value::Null,
+        Some(h) => json!({
+            "until_ms": h.until_ms,
+            "jobs": h.jobs.iter().map(|id| job_string(shard, *id)).collect::<Vec<_>>(),
+        }),
+    }
+}
+
+/// `POST /v1/keys/{key}/resume`: lifts the handler's back-off holding the
+/// key on the shard it routes to; its backed-off jobs are due now. A key
+/// no back-off holds answers `"resumed": false` and changes nothing (a
+/// producer's delay or a retry's wait is not lifted); a key moving to
+/// another shard is a 409 with `"state": "moving"`.
+pub async fn key_resume(
+    State(app): State<Arc<App>>,
+    PathParam(key): PathParam,
+    JsonBody(_): JsonBody<NoFields>,
+) -> ApiResult {
+    validate_key(&key).map_err(|e| ApiError::bad(format!("key: {e}")))?;
+    let a = Arc::clone(&app);
+    let k = key.clone();
+    let (shard, done) = blocking(move || Ok(a.deployment.resume_key(&k)?)).await?;
+    let lifted = match done {
+        shardq_core::KeyResume::Resumed(hold) => Some(hold),
+        shardq_core::KeyResume::NotHeld => None,
+        shardq_core::KeyResume::Moving => {
+            return Err(ApiError::conflict(format!(
+                "key: {} is moving to another shard now; nothing changed (the move carries its jobs with their waits, which its new shard keeps as plain delays)",
+                shown(&key)
+            ))
+            .with("state", json!("moving"))
+            .with("shard", json!(shard)))
+        }
+    };
+    if lifted.is_some() {
+        // The key's next job is due now.
+        app.work_arrived();
+    }
+    ok(json!({
+        "key": key,
+        "shard": shard,
+        "resumed": lifted.is_some(),
+        "back_off": back_off_value(&shard, lifted.as_ref()),
+    }))
 }

@@ -169,8 +169,9 @@ pub struct KeyJobsQuery {
 }
 
 /// `GET /v1/keys/{key}/jobs?limit=&recent=`: the key's live jobs on the
-/// shard it routes to, in key order, and its `recent` finished jobs
-/// (acked or cancelled, within the deployment's retention), newest first.
+/// shard it routes to, in key order, the handler's back-off holding it
+/// (`back_off`, null for none), and its `recent` finished jobs (acked or
+/// cancelled, within the deployment's retention), newest first.
 pub async fn key_jobs(
     State(app): State<Arc<App>>,
     PathParam(key): PathParam,
@@ -199,6 +200,7 @@ pub async fn key_jobs(
             .into_iter()
             .map(|j| job_out(&shard, j))
             .collect();
+        let hold = app.backend.key_hold(&shard, &key)?;
         // History that cannot be read leaves the live jobs listed, and
         // says why beside them.
         // From every shard: a key's history stays where its jobs
@@ -223,7 +225,8 @@ pub async fn key_jobs(
                 (list, why)
             }
         };
-        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "recent": finished });
+        let back_off = super::back_off_value(&shard, hold.as_ref());
+        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "back_off": back_off, "recent": finished });
         if let Some(e) = recent_error {
             v["recent_error"] = e.into();
         }

@@ -66,7 +66,8 @@ fn flow_status(app: &App) -> Value {
     })
 }
 
-/// `GET /v1/keys/{key}`: route, override and counts of one key.
+/// `GET /v1/keys/{key}`: route, override and counts of one key, and the
+/// handler's back-off holding it, if one does.
 pub async fn key(State(app): State<Arc<App>>, PathParam(key): PathParam) -> ApiResult {
     validate_key(&key).map_err(|e| ApiError::bad(format!("key: {e}")))?;
     let v = blocking(move || {
@@ -77,6 +78,7 @@ pub async fn key(State(app): State<Arc<App>>, PathParam(key): PathParam) -> ApiR
         let shard = router.route(&key).to_string();
         let computed = router.computed(&key).to_string();
         let counts = app.backend.key_counts(&shard, &key)?;
+        let hold = app.backend.key_hold(&shard, &key)?;
         Ok(json!({
             "key": key,
             "map_version": version,
@@ -87,6 +89,7 @@ pub async fn key(State(app): State<Arc<App>>, PathParam(key): PathParam) -> ApiR
             "depth": counts.depth,
             "in_flight": counts.in_flight,
             "dead": counts.dead,
+            "back_off": super::back_off_value(&shard, hold.as_ref()),
         }))
     })
     .await?;

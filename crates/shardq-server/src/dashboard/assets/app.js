@@ -23,6 +23,7 @@
     deadArmed: null,     // id whose purge waits for a second click
     cancelArmed: null,   // id whose cancel waits for a second click
     job: null,           // the job shown in the job panel
+    key: null,           // the key shown in the key panel
     flowSeconds: 600,    // the throughput chart's window
     flowPrev: null,      // { now_ms, groups } of the last status poll's flow
   };
@@ -550,6 +551,7 @@
   async function lookup(ev) {
     ev.preventDefault();
     const key = $("key-input").value;
+    keyNote("", "");
     const err = $("key-error");
     const out = $("key-result");
     if (!key) { err.hidden = false; err.textContent = "Type a key first."; out.hidden = true; return; }
@@ -565,12 +567,50 @@
       $("key-dead").textContent = fmt(k.dead);
       $("key-owned").textContent = k.owned_here ? "yes" : "no";
       $("key-version").textContent = "v" + k.map_version;
+      showBackOff(k);
       await lookupJobs(key);
     } catch (e) {
       out.hidden = true;
       err.hidden = false;
       err.textContent = authMessage(e) || ("Lookup failed: " + e.message);
     }
+  }
+
+  // A handler's back-off holding the key (a wait `key resume` lifts).
+  function showBackOff(k) {
+    state.key = k.key;
+    const b = k.back_off;
+    const dd = $("key-backoff");
+    dd.setAttribute("data-held", b ? "yes" : "no");
+    dd.textContent = b ? "held until " + new Date(b.until_ms).toLocaleTimeString() + " (" + ago(b.until_ms) + "): " + b.jobs.join(", ") : "none";
+    $("key-resume").hidden = !b;
+  }
+
+  function keyNote(kind, text) {
+    const m = $("key-msg");
+    m.hidden = !text;
+    m.className = "note " + kind;
+    m.textContent = text || "";
+  }
+
+  async function resumeKey() {
+    const key = state.key;
+    if (key === null) return;
+    try {
+      const r = await api("POST", "/v1/keys/" + encodeURIComponent(key) + "/resume", {});
+      keyNote("ok", r.resumed
+        ? "Resumed " + key + ": " + r.back_off.jobs.join(", ") + " due now."
+        : "No back-off holds " + key + " now: nothing changed.");
+    } catch (e) {
+      if (e.status === 401 || e.status === 403) {
+        keyNote("bad", "Refused (" + e.status + "): resume needs a token with the admin role. " + e.message);
+      } else {
+        keyNote("bad", "Resume of " + key + " refused: " + e.message);
+      }
+      return;
+    }
+    try { showBackOff(await api("GET", "/v1/keys/" + encodeURIComponent(key))); } catch (e) { /* the lookup shows errors */ }
+    await lookupJobs(key);
   }
 
   // --------------------------------------------------------------- history
@@ -823,6 +863,7 @@
   $("token-clear").addEventListener("click", () => { setToken(""); poll(); });
   $("key-form").addEventListener("submit", lookup);
   $("key-search").addEventListener("click", searchKeys);
+  $("key-resume").addEventListener("click", resumeKey);
   $("dead-retry-all").addEventListener("click", () => deadAll("retry", $("dead-retry-all")));
   $("dead-purge-all").addEventListener("click", () => deadAll("purge", $("dead-purge-all")));
   $("flow-600").addEventListener("click", () => pickFlow(600));
