@@ -5,6 +5,7 @@
     python3 benchmarks/flow.py accuracy [--backend embedded|redis] [--seconds 60] [--workers 4]
     python3 benchmarks/flow.py weights  [--backend embedded|redis] [--seconds 20] [--shards 1]
     python3 benchmarks/flow.py noisy    [--backend embedded|redis] [--seconds 30] [--quiet 1000] [--noisy-jobs 1000000] [--noisy-concurrency 64]
+    python3 benchmarks/flow.py policies [--jobs 10000] [--keys 1000] [--shards 4] [--repeat 3] [--baseline-bin OLD]
 
 accuracy: a key limited to 50/s and a group limited to 200/s over 64 keys
 on 8 shards, run by N worker processes (2 shards each), every job a
@@ -20,6 +21,21 @@ noisy: 1,000 quiet keys each enqueueing one job a second, with and without
 one noisy key holding a backlog of 1,000,000 jobs at concurrency 64 (its
 policy lets 64 of its jobs run at once); reports the quiet keys'
 enqueue-to-start p50 and p99 both ways.
+
+policies (Redis only): what the number of policies costs a claim. For
+each case a fresh redis-server and deployment, --jobs jobs over --keys
+keys (`k-0`, `k-1`, ...), then one timed `shardq work --stdio
+--exit-when-idle` (a Python handler) draining them. Cases: no policy; one
+prefix policy `k-` at concurrency 2 (every key with jobs at 2, the cost of
+running two at once by itself); 1,000 and 10,000 key policies at
+concurrency 2 (the first 1,000 name the keys with jobs); 10,000 prefix
+policies at concurrency 2 that match no key with jobs. The 10,000 are
+written straight into the settings hash as one document (`shardq policy
+set` per policy would rewrite the whole document each time), and `shardq
+policy show` must read them back. Cases alternate, --repeat rounds (with
+--baseline-bin, the other build's run follows each), and each case is
+reported as its median jobs/s and its ratio to no policy of the same
+build.
 
 Everything runs on loopback in a temporary directory, with the release
 binary; one JSON line per result on stdout, a summary on stderr.
@@ -38,7 +54,7 @@ import time
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import RedisServer, binary, emit, init_data, log, sh  # noqa: E402
+from bench import PY_HANDLER, RedisServer, binary, emit, init_data, log, sh  # noqa: E402
 
 HANDLER = r'''
 import json, sys, time
@@ -243,6 +259,93 @@ def bench_noisy(a: argparse.Namespace) -> None:
         f"{a.noisy_jobs}-job key ({row['p99_ratio']}x)")
 
 
+POLICY_CASES = ["none", "prefix-all", "keys-1000", "keys-10000", "prefixes-10000-unmatched"]
+
+
+def redis_cmd(port: int, *args: str) -> bytes:
+    """One command to the redis-server on loopback `port` (RESP by hand, so
+    no client package is needed); a bulk or simple reply's bytes."""
+    import socket
+    msg = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(x.encode()), x.encode()) for x in args)
+    with socket.create_connection(("127.0.0.1", port), 10) as c:
+        c.sendall(msg)
+        buf = b""
+        while b"\r\n" not in buf:
+            buf += c.recv(65536)
+        head, rest = buf.split(b"\r\n", 1)
+        if head[:1] == b"$":
+            n = int(head[1:])
+            if n < 0:
+                return b""
+            while len(rest) < n + 2:
+                rest += c.recv(65536)
+            return rest[:n]
+        if head[:1] == b"-":
+            raise SystemExit(f"redis {args[0]}: {head.decode()}")
+        return head[1:]
+
+
+def policies_once(exe: str, case: str, a: argparse.Namespace) -> Dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="shardq-bench-policies-") as tmp:
+        redis = RedisServer(tmp)
+        try:
+            data = os.path.join(tmp, "q")
+            sh(exe, "init", "--data", data, "--shards", str(a.shards), "--redis", redis.url, "--namespace", "q")
+            if case != "none":
+                # One policy through the CLI gives the stored document's form.
+                sh(exe, "policy", "set", "--data", data, "--prefix", "k-", "--concurrency", "2")
+            if case in ("keys-1000", "keys-10000", "prefixes-10000-unmatched"):
+                field = "sq:{=map:q}:settings"
+                doc = json.loads(redis_cmd(redis.port, "HGET", field, "flow"))
+                doc["prefixes"] = {}
+                if case.startswith("keys-"):
+                    doc["keys"] = {f"k-{i}": {"concurrency": 2} for i in range(int(case.split("-")[1]))}
+                else:
+                    doc["prefixes"] = {f"none-{i}:": {"concurrency": 2} for i in range(10_000)}
+                redis_cmd(redis.port, "HSET", field, "flow", json.dumps(doc))
+                shown = json.loads(sh(exe, "policy", "show", "--data", data, "--json"))
+                n = len(shown.get("keys", {})) + len(shown.get("prefixes", {}))
+                if n != (1000 if case == "keys-1000" else 10_000):
+                    raise SystemExit(f"{case}: policy show reads back {n} policies")
+            lines = "".join(f"k-{i % a.keys}\t{{\"seq\":{i // a.keys}}}\n" for i in range(a.jobs)).encode()
+            sh(exe, "enqueue", "--data", data, "--stdin", stdin=lines)
+            t0 = time.monotonic()
+            sh(exe, "work", "--data", data, "--concurrency", str(a.concurrency), "--max-local-shards", "all",
+               "--exit-when-idle", "--stdio", "--", sys.executable, PY_HANDLER)
+            dt = time.monotonic() - t0
+            totals = json.loads(sh(exe, "status", "--data", data, "--json"))["totals"]
+            if totals != {"ready": 0, "delayed": 0, "in_flight": 0, "dead": 0}:
+                raise SystemExit(f"{case}: work left jobs behind: {totals}")
+            return {"jobs_per_s": a.jobs / dt, "seconds": dt}
+        finally:
+            redis.stop()
+
+
+def bench_policies(a: argparse.Namespace) -> None:
+    builds = [("this build", binary())]
+    if a.baseline_bin:
+        builds.append(("baseline", a.baseline_bin))
+    runs: Dict[Tuple[str, str], List[float]] = {}
+    for rep in range(a.repeat):
+        cases = POLICY_CASES if rep % 2 == 0 else list(reversed(POLICY_CASES))
+        for case in cases:
+            for label, exe in (builds if rep % 2 == 0 else list(reversed(builds))):
+                r = policies_once(exe, case, a)
+                runs.setdefault((label, case), []).append(r["jobs_per_s"])
+                log(f"policies rep {rep} {label} {case}: {r['jobs_per_s']:.0f} jobs/s ({r['seconds']:.2f} s)")
+    import statistics
+    for label, _ in builds:
+        base = statistics.median(runs[(label, "none")])
+        for case in POLICY_CASES:
+            xs = runs[(label, case)]
+            med = statistics.median(xs)
+            row = {"bench": "flow-policies", "build": label, "case": case, "jobs": a.jobs, "keys": a.keys,
+                   "shards": a.shards, "concurrency": a.concurrency, "jobs_per_s_median": round(med),
+                   "jobs_per_s": [round(x) for x in xs], "ratio_to_none": round(med / base, 3)}
+            emit(row)
+            log(f"  {label} {case}: median {med:.0f} jobs/s ({min(xs):.0f}-{max(xs):.0f}), {med / base:.2f} of none")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -260,8 +363,16 @@ def main() -> None:
     n.add_argument("--quiet", type=int, default=1000)
     n.add_argument("--noisy-jobs", type=int, default=1_000_000)
     n.add_argument("--noisy-concurrency", type=int, default=64, help="the noisy key's runs at once (its policy)")
+    pol = sub.add_parser("policies")
+    pol.add_argument("--jobs", type=int, default=10_000)
+    pol.add_argument("--keys", type=int, default=1000)
+    pol.add_argument("--shards", type=int, default=4)
+    pol.add_argument("--concurrency", type=int, default=8, help="the worker's --concurrency")
+    pol.add_argument("--repeat", type=int, default=3)
+    pol.add_argument("--baseline-bin", default=None, help="another shardq binary to run the same cases on")
     a = ap.parse_args()
-    {"accuracy": bench_accuracy, "weights": bench_weights, "noisy": bench_noisy}[a.cmd](a)
+    {"accuracy": bench_accuracy, "weights": bench_weights, "noisy": bench_noisy,
+     "policies": bench_policies}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@
 -- ARGV[1..4]: now ms (empty: the server's TIME), the caller's lease
 -- token, `1` when a dead job halts its key, the deployment id.
 -- ARGV[5] max jobs, ARGV[6] job lease ms, ARGV[7] reclaim batch, ARGV[8]
--- the keys' run limits (empty: one run per key; else see `LIMITS` below),
+-- the version of the run limits the caller uses (empty: one run per key;
+-- else they are read from the shard's `limits` copy, see `LIMITS` below),
 -- ARGV[9] `-` to take keys in the shard's own order, else the number P of
 -- keys the caller ranked (flow control's weights and priorities), which
 -- follow in ARGV[10..9+P] and are the only ones taken (each only while
 -- ready or due); then `1` when an earlier attempt's reply was lost, then
 -- the ids the caller holds: in-flight jobs it does not know are put back.
--- Replies the lease deadline, the shard's job-id sequence (`meta.seq`),
+-- Replies {'LIMITS', the version found} and changes nothing when the
+-- shard's copy of the limits is not that version (the caller writes it,
+-- `limits_put.lua`, and claims again); else 'OK', the lease deadline, the
+-- shard's job-id sequence (`meta.seq`),
 -- then id, record, fence per job (a key's jobs in job order, keys
 -- interleaved as their turns came); the attempt
 -- being made is the record's count + 1. Each run's fence is
@@ -26,32 +30,56 @@ if ARGV[1] ~= '' then now = tonumber(ARGV[1]) end
 -- The job-id sequence, for the caller's check that the store did not go
 -- back in time (a lagging replica promoted, an older snapshot restored).
 local seq = redis.call('HGET', K_META, 'seq') or '0'
--- LIMITS: the deployment's default limit, then `\n=<n>\t<key>` per key
--- whose own policy sets another limit than its prefix or the default
--- would, then `\n^<n>\t<prefix>` per prefix policy, longest first (keys
--- hold no control characters, so the separators are unambiguous).
-local lim_default, lim_keys, lim_prefixes = 1, nil, {}
-if ARGV[8] ~= '' then
-  lim_keys = {}
-  for line in string.gmatch(ARGV[8], '[^\n]+') do
-    local kind, n, text = string.match(line, '^([=^])(%d+)\t(.*)$')
-    if kind == '=' then
-      lim_keys[text] = tonumber(n)
-    elseif kind == '^' then
-      lim_prefixes[#lim_prefixes + 1] = {text, tonumber(n)}
-    else
-      lim_default = tonumber(line) or 1
+-- LIMITS: a key's run limit is its own entry `=<key>` in `limits`, else
+-- that of its longest prefix with an entry `^<prefix>`, else the default
+-- (`\0d`). Only the prefix lengths some prefix has (byte n of `\0l` is `1`)
+-- are looked up, so a key taken costs at most 1 + its length in fields
+-- (keys are at most KEY_BYTES_MAX = 1024 bytes), whatever the number of
+-- policies, and a key no policy names reads one field per prefix length in
+-- use. The copy must be the caller's version: the first reads of the
+-- claim, before any write.
+local several = ARGV[8] ~= ''
+local lim_default, lim_lens = 1, ''
+if several then
+  local m = redis.call('HMGET', K_LIMITS, LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS)
+  if m[1] ~= ARGV[8] then return {'LIMITS', m[1] or ''} end
+  lim_default = tonumber(m[2]) or 1
+  lim_lens = m[3] or ''
+end
+-- The run limits of keys ks, in order (HMGET in calls of at most
+-- LIM_FIELDS_PER_CALL fields: unpack's bound).
+local LIM_FIELDS_PER_CALL = 4096
+local function limits_of(ks)
+  local out = {}
+  if not several then
+    for i = 1, #ks do out[i] = 1 end
+    return out
+  end
+  local fields, first = {}, {}
+  for i, k in ipairs(ks) do
+    first[i] = #fields + 1
+    fields[#fields + 1] = '=' .. k
+    for n = math.min(#k, #lim_lens), 1, -1 do
+      if string.byte(lim_lens, n) == 49 then fields[#fields + 1] = '^' .. string.sub(k, 1, n) end
     end
   end
-end
-local function limit_of(k)
-  if not lim_keys then return 1 end
-  local n = lim_keys[k]
-  if n then return n end
-  for _, p in ipairs(lim_prefixes) do
-    if string.sub(k, 1, #p[1]) == p[1] then return p[2] end
+  first[#ks + 1] = #fields + 1
+  local got = {}
+  for i = 1, #fields, LIM_FIELDS_PER_CALL do
+    local part = redis.call('HMGET', K_LIMITS, unpack(fields, i, math.min(i + LIM_FIELDS_PER_CALL - 1, #fields)))
+    for j = 1, #part do got[i + j - 1] = part[j] end
   end
-  return lim_default
+  for i = 1, #ks do
+    local lim = lim_default
+    for j = first[i], first[i + 1] - 1 do
+      if got[j] then
+        lim = tonumber(got[j]) or lim_default
+        break
+      end
+    end
+    out[i] = lim
+  end
+  return out
 end
 local ranked = ARGV[9] ~= '-'
 local bad = nil
@@ -146,10 +174,11 @@ end
 -- were stale entries. A changed limit is written back either way, so the
 -- scripts that end runs judge by it.
 local cand, qs, heads, kq = {}, {}, {}, {}
+local lims = limits_of(keys)
 for i, k in ipairs(keys) do
   local ok, q = pcall(kparse, cur[i], k)
   if not ok then refuse(q, k) end
-  local lim = limit_of(k)
+  local lim = lims[i]
   if cur[i] and lim ~= q.lim then
     q.lim = lim
     kq[k] = q
@@ -224,7 +253,6 @@ end
 -- Turns: every candidate's head first (read in one call), then, when some
 -- key may run more than one job, one more job of each key still below its
 -- limit per round, until the claim is full.
-local several = lim_keys ~= nil
 local live = {}
 for i = 1, #cand do
   if #ids < max and start(i, rs[i], nx[i], heads[i]) and several then live[#live + 1] = i end

@@ -3,6 +3,11 @@
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
+-- The shard's copy of the flow settings' run limits (`limits`, see keys.rs):
+-- `=<key>` and `^<prefix>` entries, and its version, default limit and
+-- prefix lengths under fields no routing key can name.
+local K_LIMITS = KEYS[21]
+local LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS = string.char(0) .. 'v', string.char(0) .. 'd', string.char(0) .. 'l'
 -- Expired dedup records forgotten per enqueue, at most: one by one from
 -- `dedupx`, and whole enqueue batches from `dedupm` (two, so the index
 -- shrinks faster than one enqueue a call grows it).

@@ -16,7 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redis::Value;
-use shardq_core::flow::{FairQueue, Popped, Rank};
+use shardq_core::flow::{ConcurrencyRules, FairQueue, Popped, Rank};
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock,
     DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
@@ -46,6 +46,10 @@ const FINISHED_PAGE: usize = 256;
 pub const RECLAIM_BATCH_MAX: usize = 128;
 /// Most keys one relimit script call gives a new run limit.
 pub const RELIMIT_BATCH_MAX: usize = 512;
+/// Most entries (key and prefix limits) one call writes into a shard's
+/// copy of the run limits (`limits_put.lua`): a copy of
+/// [`shardq_core::flow::FLOW_RULES_MAX`] entries takes ten calls.
+pub const LIMITS_BATCH_MAX: usize = 1024;
 /// Dead jobs moved by one script in `dead_retry`/`dead_purge` of all.
 pub const DEAD_BATCH_MAX: usize = 512;
 /// Most dead jobs one `dead_list` returns.
@@ -227,6 +231,54 @@ struct Held {
     limits_version: u64,
 }
 
+/// A shard's copy of the run limits (the `limits` part, see `keys.rs`), as
+/// built from one [`ConcurrencyRules`].
+pub(crate) struct LimitsCopy {
+    /// Names these rules in the copy: a digest of everything below, the
+    /// same in every process that holds the same rules.
+    pub(crate) version: String,
+    /// The limit of a key no entry matches.
+    pub(crate) default: u32,
+    /// Byte `n - 1` is `1` when some prefix is `n` bytes long, else `0`; as
+    /// long as the longest prefix (empty without prefixes).
+    pub(crate) lengths: String,
+    /// `=<key>` and `^<prefix>` fields with their limits.
+    pub(crate) entries: Vec<(String, u32)>,
+}
+
+impl LimitsCopy {
+    pub(crate) fn of(r: &ConcurrencyRules) -> LimitsCopy {
+        // An empty prefix matches no key (as `FlowSettings::for_key` has it).
+        let prefixes = || r.prefixes.iter().filter(|(p, _)| !p.is_empty());
+        let longest = prefixes().map(|(p, _)| p.len()).max().unwrap_or(0);
+        let mut lengths = vec![b'0'; longest];
+        for (p, _) in prefixes() {
+            lengths[p.len() - 1] = b'1';
+        }
+        let lengths = String::from_utf8(lengths).unwrap_or_default();
+        let entries: Vec<(String, u32)> = (r.keys.iter().map(|(k, n)| (format!("={k}"), *n)))
+            .chain(prefixes().map(|(p, n)| (format!("^{p}"), *n)))
+            .collect();
+        // Fields hold no control character, so `\n` and `\t` separate.
+        let mut text = format!("{}\n{lengths}", r.default);
+        for (field, n) in &entries {
+            text.push_str(&format!("\n{n}\t{field}"));
+        }
+        let version = format!(
+            "{:016x}{:016x}-{}",
+            shardq_route::hash::blake2b64(text.as_bytes()),
+            shardq_route::hash::fnv1a64(text.as_bytes()),
+            entries.len()
+        );
+        LimitsCopy {
+            version,
+            default: r.default,
+            lengths,
+            entries,
+        }
+    }
+}
+
 pub(crate) struct ShardRef {
     pub(crate) name: String,
     pub(crate) url: String,
@@ -318,9 +370,9 @@ pub(crate) struct Inner {
     /// The rebalance epoch this process's move writes carry (0: none; see
     /// [`QueueBackend::enter_rebalance`]).
     epoch: std::sync::atomic::AtomicU64,
-    /// The claim script's run limits (its `LIMITS` argument) and the flow
-    /// settings' version they were written from.
-    limits: Mutex<(u64, Arc<str>)>,
+    /// The run limits the shards' copies must hold (none: every key runs
+    /// once at a time) and the flow settings' version they were built from.
+    limits: Mutex<(u64, Option<Arc<LimitsCopy>>)>,
     /// The server's time at the last claim reply, and when it came: a
     /// claim reads the flow settings again (when due) before it starts, by
     /// this estimate of the server's time.
@@ -367,7 +419,7 @@ impl RedisBackend {
                 deployment: RwLock::new(deployment),
                 scripts: Scripts::new(),
                 epoch: std::sync::atomic::AtomicU64::new(0),
-                limits: Mutex::new((0, Arc::from(""))),
+                limits: Mutex::new((0, None)),
                 server_time: Mutex::new(None),
             }),
         };
@@ -717,34 +769,50 @@ impl RedisBackend {
         Ok(Some(picked))
     }
 
-    /// The claim script's `LIMITS` argument for the flow settings in use:
-    /// empty when every key runs once at a time, else the default's
-    /// concurrency, then `\n=<n>\t<key>` and `\n^<n>\t<prefix>` per entry
-    /// of [`shardq_core::flow::ConcurrencyRules`] (keys and prefixes hold no
-    /// control characters). Written again only when the settings change.
-    fn limits_arg(&self) -> Arc<str> {
-        let Some(f) = self.inner.opts.flow.as_deref() else {
-            return Arc::from("");
-        };
+    /// The run limits of the flow settings in use, as each shard's copy
+    /// holds them (none when every key runs once at a time). Built again
+    /// only when the settings change.
+    fn limits_copy(&self) -> Option<Arc<LimitsCopy>> {
+        let f = self.inner.opts.flow.as_deref()?;
         let mut cache = self.inner.limits.lock().unwrap_or_else(|p| p.into_inner());
         let version = f.version();
         if cache.0 != version {
-            let text = match f.concurrency_rules() {
-                None => String::new(),
-                Some(r) => {
-                    let mut t = r.default.to_string();
-                    for (k, n) in &r.keys {
-                        t.push_str(&format!("\n={n}\t{k}"));
-                    }
-                    for (p, n) in &r.prefixes {
-                        t.push_str(&format!("\n^{n}\t{p}"));
-                    }
-                    t
-                }
-            };
-            *cache = (version, Arc::from(text));
+            *cache = (
+                version,
+                f.concurrency_rules().map(|r| Arc::new(LimitsCopy::of(&r))),
+            );
         }
-        Arc::clone(&cache.1)
+        cache.1.clone()
+    }
+
+    /// Writes `copy` as shard `s`'s copy of the run limits (`limits_put`,
+    /// at most [`LIMITS_BATCH_MAX`] entries a call; the version goes with
+    /// the last, so a claim never reads a half-written copy). False when
+    /// the shard is no longer this process's.
+    fn put_limits(&self, s: &ShardRef, token: &str, copy: &LimitsCopy) -> Result<bool, QueueError> {
+        let chunks: Vec<&[(String, u32)]> = if copy.entries.is_empty() {
+            vec![&[]]
+        } else {
+            copy.entries.chunks(LIMITS_BATCH_MAX).collect()
+        };
+        for (i, chunk) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            let v = self.script(s, &self.inner.scripts.limits_put, token, &|c, _| {
+                c.arg(if i == 0 { "1" } else { "0" })
+                    .arg(if last { copy.version.as_str() } else { "" })
+                    .arg(copy.default)
+                    .arg(&copy.lengths);
+                for (field, n) in *chunk {
+                    c.arg(field).arg(*n);
+                }
+            })?;
+            match reply::status(&v).as_str() {
+                "OK" => {}
+                "NOTOWNER" => return Ok(false),
+                other => return Err(self.protocol(s, format!("limits_put answered {other:?}"))),
+            }
+        }
+        Ok(true)
     }
 
     /// Gives each key with runs held here its run limit under the flow
@@ -1332,33 +1400,47 @@ impl QueueBackend for RedisBackend {
             },
             None => None,
         };
-        let limits = self.limits_arg();
-        let before = s.marks();
-        let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
-            c.arg(max)
-                .arg(lease_ms)
-                .arg(RECLAIM_BATCH_MAX)
-                .arg(&*limits);
-            match &picked {
-                None => c.arg("-"),
-                Some(p) => c
-                    .arg(p.len())
-                    .arg(p.iter().map(|x| &x.key).collect::<Vec<_>>()),
-            };
-            if attempt == 0 {
-                c.arg("0");
-            } else {
-                c.arg("1").arg(&known);
+        let limits = self.limits_copy();
+        let version = limits.as_ref().map_or("", |l| l.version.as_str());
+        let mut rewritten = false;
+        let (v, before) = loop {
+            let before = s.marks();
+            let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
+                c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX).arg(version);
+                match &picked {
+                    None => c.arg("-"),
+                    Some(p) => c
+                        .arg(p.len())
+                        .arg(p.iter().map(|x| &x.key).collect::<Vec<_>>()),
+                };
+                if attempt == 0 {
+                    c.arg("0");
+                } else {
+                    c.arg("1").arg(&known);
+                }
+            })?;
+            match reply::status(&v).as_str() {
+                "OK" => break (v, before),
+                "NOTOWNER" => {
+                    *guard = None;
+                    return Err(Self::not_owner(s));
+                }
+                // The shard's copy of the run limits is another version
+                // (the settings changed, or another owner wrote its own):
+                // written once, then the claim goes again.
+                "LIMITS" if !rewritten => {
+                    let copy = limits.as_deref().ok_or_else(|| {
+                        self.protocol(s, "claim asked for run limits it was not given")
+                    })?;
+                    if !self.put_limits(s, &held.token, copy)? {
+                        *guard = None;
+                        return Err(Self::not_owner(s));
+                    }
+                    rewritten = true;
+                }
+                other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
             }
-        })?;
-        match reply::status(&v).as_str() {
-            "OK" => {}
-            "NOTOWNER" => {
-                *guard = None;
-                return Err(Self::not_owner(s));
-            }
-            other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
-        }
+        };
         let it = reply::items(&v);
         let bad = || self.protocol(s, "claim reply has a malformed job");
         let lease_until_ms = it.get(1).and_then(reply::u64).ok_or_else(bad)?;

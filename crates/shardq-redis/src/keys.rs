@@ -40,8 +40,9 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// build reads and writes exactly this version and refuses any other at
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
-/// versions"), never a branch in the scripts.
-pub const LAYOUT_VERSION: u32 = 1;
+/// versions"), never a branch in the scripts. Layout 2 added the
+/// `limits` part.
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {
@@ -163,6 +164,23 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   retention's count, written by each owner when it adopts the shard);
 ///   readers drop those past the retention's age.
 ///
+/// * `limits` hash (the 21st part, new in layout 2): the shard's copy of
+///   the flow settings' run limits (`shardq_core::flow::ConcurrencyRules`),
+///   which the claim script reads per key instead of receiving every rule
+///   with every claim. `=<key>` -> a key's own limit (only where it differs
+///   from what its prefix or the default gives), `^<prefix>` -> a prefix
+///   policy's limit, and three fields named by a NUL byte and a letter (no
+///   routing key holds a NUL): `\0v` the version of the rules it holds (a
+///   digest of them), `\0d` the default limit, `\0l` the prefix lengths,
+///   one byte per length (byte `n` is `1` when some prefix is `n` bytes
+///   long, else `0`; as long as the longest prefix). A claim passes the
+///   version it expects and is answered `LIMITS` when the copy is another
+///   (or half written: no `\0v`); the owner then rewrites it, at most
+///   `LIMITS_BATCH_MAX` entries per call, the first call dropping the old
+///   copy and the last writing `\0v`. Unread while every key runs one
+///   job at a time (a copy written before stays until the next rewrite).
+///   At most `FLOW_RULES_MAX` entries.
+///
 /// The four before `dedupm` came after the enqueue script, which touches
 /// none of them: a producer that passes only the first 15 parts (an older
 /// client, with its own script) still enqueues correctly. This build's
@@ -171,14 +189,16 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// `dedupm`; the records it indexes in `dedupx` are the ones it forgets,
 /// and a record this build stores again over an expired one leaves
 /// `dedupx`, so an older build's forgetting never drops a live record.
-pub const SHARD_PARTS: [&str; 20] = [
+pub const SHARD_PARTS: [&str; 21] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
-    "dedupm",
+    "dedupm", "limits",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].
 pub const LEASE_PART: usize = 11;
+/// Index of the `limits` part in [`SHARD_PARTS`].
+pub const LIMITS_PART: usize = 20;
 
 /// Checks a queue name: 1 to [`QUEUE_NAME_BYTES_MAX`] bytes of ASCII
 /// letters, digits, `-`, `_` and `.`. `{`, `}` and `:` are excluded so the
@@ -267,5 +287,6 @@ mod tests {
             assert_eq!(shardq_route::slot(k.as_bytes()), slot, "{k}");
         }
         assert_eq!(SHARD_PARTS[LEASE_PART], "lease");
+        assert_eq!(SHARD_PARTS[LIMITS_PART], "limits");
     }
 }

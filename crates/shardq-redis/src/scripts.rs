@@ -17,9 +17,12 @@
 //! scripts that let a worker drain a full store (claim, ack, fail, extend,
 //! adopt, the lease, dead-letter moves, the fence) carry `allow-oom`: they
 //! write a few bytes (an in-flight entry, a list push) but free far more
-//! over a job's life. Enqueue and init carry no flag, so a server at
-//! `maxmemory` refuses them before they run (`OOM`, reported as
-//! `QueueError::StoreFull`). Read-only scripts carry `no-writes`.
+//! over a job's life. So does `limits_put`, without which a claim cannot
+//! run after a policy change: it replaces the shard's copy of the run
+//! limits, at most `FLOW_RULES_MAX` entries. Enqueue and init carry no
+//! flag, so a server at `maxmemory` refuses them before they run (`OOM`,
+//! reported as `QueueError::StoreFull`). Read-only scripts carry
+//! `no-writes`.
 //!
 //! Replies are arrays led by a status word, never Lua errors, so refusals
 //! keep their detail. Scripts must stay bounded: every loop runs over a
@@ -59,6 +62,9 @@ const EXTEND: &str = include_str!("../lua/extend.lua");
 
 /// `lua/relimit.lua`.
 const RELIMIT: &str = include_str!("../lua/relimit.lua");
+
+/// `lua/limits_put.lua`.
+const LIMITS_PUT: &str = include_str!("../lua/limits_put.lua");
 
 /// `lua/adopt.lua`.
 const ADOPT: &str = include_str!("../lua/adopt.lua");
@@ -286,6 +292,7 @@ scripts! {
     group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
     extend: Lua::new(EXTEND, true, Flags::AllowOom),
     relimit: Lua::new(RELIMIT, true, Flags::AllowOom),
+    limits_put: Lua::new(LIMITS_PUT, true, Flags::AllowOom),
     adopt: Lua::new(ADOPT, true, Flags::AllowOom),
     init_shard: Lua::new(INIT_SHARD, false, Flags::Write),
     shard_record: Lua::new(SHARD_RECORD, false, Flags::NoWrites),

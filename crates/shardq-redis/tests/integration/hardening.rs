@@ -389,23 +389,26 @@ fn namespaces_keep_two_deployments_on_one_server_apart() {
         Err(QueueError::StoreLost(m)) if m.contains("never-init")
     ));
 
-    // A layout version this build does not know.
+    // A layout version this build does not know: an older build's (1,
+    // before the `limits` part) or a newer one's.
     let meta = &b2.shard_keys("r0").unwrap()[0];
-    server.cli(&["hset", meta, "layout", "99"]);
-    match RedisBackend::open(
-        &map,
-        RedisOptions {
-            namespace: d2.namespace.clone(),
-            ..RedisOptions::default()
-        },
-    ) {
-        Err(RedisError::Queue(QueueError::UnknownFormat {
-            found, supported, ..
-        })) => {
-            assert_eq!(found, "99");
-            assert_eq!(supported, "1");
+    for found_layout in ["1", "99"] {
+        server.cli(&["hset", meta, "layout", found_layout]);
+        match RedisBackend::open(
+            &map,
+            RedisOptions {
+                namespace: d2.namespace.clone(),
+                ..RedisOptions::default()
+            },
+        ) {
+            Err(RedisError::Queue(QueueError::UnknownFormat {
+                found, supported, ..
+            })) => {
+                assert_eq!(found, found_layout);
+                assert_eq!(supported, shardq_redis::keys::LAYOUT_VERSION.to_string());
+            }
+            other => panic!("expected UnknownFormat, got {other:?}"),
         }
-        other => panic!("expected UnknownFormat, got {other:?}"),
     }
 }
 

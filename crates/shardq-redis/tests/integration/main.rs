@@ -8,5 +8,6 @@ mod core_contract;
 mod crash;
 mod failover;
 mod hardening;
+mod policies;
 mod reshard;
 mod sharing;
