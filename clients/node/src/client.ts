@@ -264,6 +264,31 @@ export interface FlowSettings {
   groups: Record<string, GroupInfo>;
 }
 
+/**
+ * A handler's back-off of a key, as `client.resumeKey(key)` lifted it: the
+ * jobs it held are due now.
+ */
+export interface KeyHold {
+  key: string;
+  /** The shard the key routes to. */
+  shard: string;
+  /** When the back-off would have ended, ms since the epoch on the server's clock. */
+  untilMs: number;
+  /** The jobs it held (`SHARD:ID`), in key order. */
+  jobs: string[];
+}
+
+/** The hold a `/v1/keys/{key}/resume` answer lifted; `undefined` when it lifted none (`"resumed": false`, `back_off` null). */
+function keyHold(doc: unknown, url: string): KeyHold | undefined {
+  const d = record(doc, url, "the answer");
+  if (typeof d["resumed"] !== "boolean") throw new ShardqError(`${url}: the answer has no resumed flag: ${JSON.stringify(doc)}`, 200, url);
+  const hold = d["back_off"];
+  if (!d["resumed"] || hold === null || hold === undefined) return undefined;
+  const h = record(hold, url, "back_off");
+  if (typeof h["until_ms"] !== "number" || !Array.isArray(h["jobs"])) throw new ShardqError(`${url}: back_off is not {until_ms, jobs}: ${JSON.stringify(hold)}`, 200, url);
+  return { key: String(d["key"]), shard: String(d["shard"]), untilMs: h["until_ms"], jobs: h["jobs"].map(String) };
+}
+
 /** Exactly one of a key, a prefix (every key starting with it) or the deployment's default. */
 export interface PolicyTarget {
   key?: string;
@@ -571,6 +596,42 @@ export class Client {
   async clearGroup(name: string): Promise<boolean> {
     const [doc, url] = await this.read("DELETE", `/v1/groups/${segment(name, "clearGroup: name")}`, {}, false);
     return removed(doc, url);
+  }
+
+  /**
+   * Lifts the hold a handler's group back-off (`new BackOff(ms, { group:
+   * true })`) put on the group `name` (role `admin`): every worker and
+   * server starts the group's keys again within a second. The key whose
+   * handler backed off keeps its own wait (`resumeKey` lifts that).
+   * Resolves to `true`, as the server answers whether a hold was there or
+   * not (lifting none changes nothing). A bad name (`"none"`, over 128
+   * bytes) rejects with `BadRequest`, an empty one with a `TypeError`
+   * before any request.
+   */
+  async resumeGroup(name: string): Promise<boolean> {
+    const [doc, url] = await this.read("POST", `/v1/groups/${segment(name, "resumeGroup: name")}/resume`, {}, false);
+    const r = record(doc, url, "the answer")["resumed"];
+    if (typeof r !== "boolean") throw new ShardqError(`${url}: the answer has no resumed flag: ${JSON.stringify(doc)}`, 200, url);
+    return r;
+  }
+
+  /**
+   * Lifts the back-off a handler (`new BackOff(ms)`) put on `key` (role
+   * `admin`), whichever process runs the key's shard: the jobs it held are
+   * due now, keep their place and their attempt counts, and the key starts
+   * at its shard owner's next claim. Resolves to the hold it lifted
+   * (`KeyHold`: `untilMs`, the held `jobs`), or `undefined` when no
+   * back-off held the key (its wait was over, it was resumed already, by an
+   * earlier try on another server too, or it never backed off), and
+   * nothing changed. Only a back-off is lifted: a producer's delay, a
+   * retry's wait and the hold of the key's group (`resumeGroup`) stay. A
+   * key moving to another shard rejects with `KeyNotResumed` (`state`
+   * `"moving"`); a bad key (over 1024 bytes, say) with `BadRequest`, an
+   * empty one with a `TypeError` before any request.
+   */
+  async resumeKey(key: string): Promise<KeyHold | undefined> {
+    const [doc, url] = await this.read("POST", `/v1/keys/${segment(key, "resumeKey: key")}/resume`, {}, false);
+    return keyHold(doc, url);
   }
 
   /** One read or change at the first server that answers (a 404 is an answer, `undefined`, unless `notFound` is false). */

@@ -86,6 +86,32 @@ export class JobNotCancelled extends ShardqError {
 }
 
 /**
+ * 409 on a key resume (`client.resumeKey`): the key is moving to another
+ * shard now (`state` `"moving"`; `shard` the shard it is leaving, when the
+ * server said). Nothing changed. The move carries the key's jobs with
+ * their waits, and the new shard keeps a back-off's wait as a plain delay,
+ * which a resume does not lift there.
+ */
+export class KeyNotResumed extends ShardqError {
+  override name = "KeyNotResumed";
+  constructor(
+    message: string,
+    status: number,
+    url: string,
+    serverError: string | undefined,
+    readonly state: string,
+    readonly shard: string | undefined,
+  ) {
+    super(message, status, url, serverError);
+  }
+}
+
+/** Whether `url` ends with `/v1/keys/{key}/resume` (the key one percent-encoded segment). */
+function isKeyResume(url: string): boolean {
+  return /\/v1\/keys\/[^/?]+\/resume$/.test(url);
+}
+
+/**
  * No usable answer: no response, a timeout, 408, 425, 429 or 5xx; after the
  * retries, `causes` holds the last failure of each server.
  */
@@ -319,6 +345,10 @@ function parseReply(method: string, url: string, status: number, statusText: str
   if (status === 401 || status === 403) throw new Unauthorized(message, status, url, serverError);
   if (status === 409 && method === "DELETE") {
     throw new JobNotCancelled(message, status, url, serverError, typeof doc["state"] === "string" ? doc["state"] : "");
+  }
+  if (status === 409 && method === "POST" && isKeyResume(url)) {
+    const shard = typeof doc["shard"] === "string" ? doc["shard"] : undefined;
+    throw new KeyNotResumed(message, status, url, serverError, typeof doc["state"] === "string" ? doc["state"] : "", shard);
   }
   if (status === 409 && !url.endsWith("/v1/jobs")) {
     const list = (v: unknown) => (Array.isArray(v) ? v.map(String) : []);

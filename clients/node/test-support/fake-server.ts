@@ -36,6 +36,8 @@ export class FakeServer {
   readonly inject = new Map<string, number[]>();
   /** Milliseconds to wait before answering the next requests of a path (a server waiting on a paused key). */
   readonly delay = new Map<string, number[]>();
+  /** Fixed answers to paths outside the worker's contract (the admin routes), by path as sent. */
+  readonly answers = new Map<string, { status: number; body: unknown }>();
   /** Statuses to answer *after* doing the work (a lost reply). */
   readonly injectAfter = new Map<string, number[]>();
   readonly queues = new Map<string, StoredJob[]>();
@@ -97,6 +99,8 @@ export class FakeServer {
       if (auth === undefined) return send(401, { error: "missing bearer token" });
       if (auth !== `Bearer ${this.token}`) return send(403, { error: "wrong token" });
     }
+    const fixed = this.answers.get(path);
+    if (fixed !== undefined) return send(fixed.status, fixed.body);
     const wait = this.delay.get(path)?.shift();
     if (wait !== undefined) await new Promise((r) => setTimeout(r, wait));
     const injected = this.inject.get(path)?.shift();

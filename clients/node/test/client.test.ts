@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
-import { BadRequest, Client, ServerUnavailable, ShardqError, Unauthorized } from "../src/index.js";
+import { BadRequest, Client, KeyNotResumed, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized } from "../src/index.js";
 import { FakeServer } from "../test-support/fake-server.js";
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/;
@@ -146,4 +146,35 @@ test("bad arguments name the field and the value", async () => {
   await assert.rejects(client.enqueueMany([{ key: "k", payload: "x", delayMs: -1 }]), /jobs\[0\]\.delayMs must be a non-negative integer, got -1/);
   await assert.rejects(client.enqueueMany([{ key: "k", payload: 5 as unknown as string }]), /jobs\[0\]\.payload must be a string or a Uint8Array, got number/);
   await assert.rejects(client.enqueueMany([{ key: "k", payload: "x", maxAttempts: 0 }]), /maxAttempts must be at least 1/);
+});
+
+test("a key resume while the key moves rejects with KeyNotResumed and asks no other server", async () => {
+  // The real server answers so while a rebalance has sealed the key
+  // (crates/shardq-server/tests/api.rs seals one by hand); nothing changed.
+  const path = "/v1/keys/k%2F1/resume";
+  a.answers.set(path, {
+    status: 409,
+    body: { error: 'key: "k/1" is moving to another shard now; nothing changed', kind: "conflict", state: "moving", shard: "shard-a" },
+  });
+  b.answers.set(path, { status: 200, body: { key: "k/1", shard: "shard-b", resumed: true, back_off: { until_ms: 1, jobs: ["shard-b:1"] } } });
+  const client = new Client([a.url, b.url], { token: "s3cret" });
+  const [seenA, seenB] = [a.requests.length, b.requests.length];
+  try {
+    await assert.rejects(client.resumeKey("k/1"), (err: unknown) => {
+      assert.ok(err instanceof KeyNotResumed && err instanceof ShardqError, String(err));
+      assert.ok(!(err instanceof StaleReceipt), "not a receipt's refusal");
+      assert.deepEqual([err.status, err.state, err.shard], [409, "moving", "shard-a"]);
+      assert.match(err.serverError ?? "", /moving/);
+      return true;
+    });
+    assert.deepEqual(
+      a.requests.slice(seenA).map((r) => [r.path, r.body]),
+      [[path, {}]],
+    );
+    assert.equal(b.requests.length, seenB, "a 409 is an answer: no other server is asked");
+  } finally {
+    a.answers.delete(path);
+    b.answers.delete(path);
+    client.close();
+  }
 });

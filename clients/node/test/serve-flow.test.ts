@@ -165,3 +165,126 @@ test("a group BackOff holds every key of the group, and a rate of 2/s with a bur
     await c.close();
   }
 });
+
+/** How soon a resumed key's or group's job must start: the server's claims wake at once for a key (its jobs are due now), within a second for a group (FLOW_RECHECK_MS); the rest is the worker's claim and the margin. */
+const RESUMED_START_MS = 2_500;
+/** A handler's back-off the tests lift: far longer than any of them runs. */
+const LONG_BACK_OFF_MS = 60_000;
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+test("resumeKey lifts a handler's back-off: it reports the hold and the job runs at once; a key none holds reports nothing", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  const s = c.servers[0]!;
+  const client = new Client([s.url]);
+  try {
+    const placed = await client.enqueue("held", "x", { maxAttempts: 1 });
+    const runs: { attempt: number; at: number }[] = [];
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const ran = worker.run(
+      async (job) => {
+        runs.push({ attempt: job.attempt, at: performance.now() });
+        if (runs.length === 1) throw new BackOff(LONG_BACK_OFF_MS);
+      },
+      { waitMs: 200, leaseMs: 5000, handleSignals: false },
+    );
+    let resumed = 0;
+    try {
+      await until(() => worker.stats.backedOff === 1, 15_000, "the handler's back-off");
+      await sleep(500);
+      assert.equal(runs.length, 1, "the key is held by its back-off");
+      const now = Date.now();
+      const hold = await client.resumeKey("held");
+      resumed = performance.now();
+      assert.ok(hold !== undefined, "the back-off was lifted");
+      assert.deepEqual([hold.key, hold.shard, hold.jobs], ["held", placed.shard, [placed.id]]);
+      assert.ok(
+        hold.untilMs >= now + LONG_BACK_OFF_MS - 10_000 && hold.untilMs <= now + LONG_BACK_OFF_MS + 1_000,
+        `untilMs ${hold.untilMs - now} ms from now`,
+      );
+      await until(() => runs.length === 2 && worker.stats.acked === 1, 10_000, "the resumed job to run and be acked");
+      // Nothing holds the key now: nothing is lifted, and it says so.
+      assert.equal(await client.resumeKey("held"), undefined);
+      assert.equal(await client.resumeKey("never-seen"), undefined);
+      assert.equal(await client.resumeKey("vip/1 ü?x"), undefined, "a key that needs percent-encoding");
+      // A bad key: 400, the message names the key; an empty one is refused before any request.
+      await assert.rejects(client.resumeKey("k".repeat(1025)), (err: unknown) => err instanceof BadRequest && err.status === 400 && (err.serverError ?? "").includes("key"));
+      await assert.rejects(client.resumeKey(""), TypeError);
+    } finally {
+      worker.stop();
+    }
+    const stats = await ran;
+    assert.deepEqual(runs.map((r) => r.attempt), [1, 1], "a back-off uses no attempt, and a resume none either");
+    assert.ok(runs[1]!.at - resumed < RESUMED_START_MS, `the resumed job started ${Math.round(runs[1]!.at - resumed)} ms after the resume`);
+    assert.deepEqual([stats.backedOff, stats.failed, stats.acked], [1, 0, 1], log.lines.join("\n"));
+    await s.settle({ ready: 0, delayed: 0, in_flight: 0, dead: 0 });
+  } finally {
+    client.close();
+    await c.close();
+  }
+});
+
+test("resumeGroup lifts a group BackOff: the group's other key runs at once, the key that backed off waits until resumeKey", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  const s = c.servers[0]!;
+  const client = new Client([s.url]);
+  try {
+    await client.setGroup("partner", { rate: "1000/s" });
+    await client.setPolicy({ prefix: "p:", group: "partner" });
+    await sleep(SETTINGS_REACH_MS);
+    const first = await client.enqueue("p:a", "x");
+    const starts = new Map<string, number[]>();
+    const log = collectingLogger();
+    const worker = new Worker([s.url], { logger: log });
+    const ran = worker.run(
+      async (job) => {
+        const seen = starts.get(job.key) ?? [];
+        seen.push(performance.now());
+        starts.set(job.key, seen);
+        if (job.key === "p:a" && seen.length === 1) throw new BackOff(LONG_BACK_OFF_MS, { group: true });
+      },
+      { concurrency: 2, prefetch: 0, waitMs: 200, leaseMs: 5000, handleSignals: false },
+    );
+    try {
+      await until(() => worker.stats.backedOff === 1, 15_000, "the group's back-off");
+      // The group's other key waits; a key of no group runs.
+      await client.enqueueMany([
+        { key: "p:b", payload: "x" },
+        { key: "free", payload: "x" },
+      ]);
+      await until(() => starts.has("free"), 10_000, "the key of no group to run");
+      await sleep(1_000);
+      assert.equal(starts.has("p:b"), false, "the group's hold lets none of its keys start");
+      assert.equal(await client.resumeGroup("partner"), true);
+      let resumed = performance.now();
+      await until(() => starts.has("p:b"), 10_000, "the group's other key to run");
+      const pb = starts.get("p:b")![0]! - resumed;
+      assert.ok(pb < RESUMED_START_MS, `the group's other key started ${Math.round(pb)} ms after the resume`);
+      // The key that backed off keeps its own wait, which resumeKey lifts.
+      await sleep(500);
+      assert.equal(starts.get("p:a")!.length, 1, "the group's resume leaves the key's own back-off");
+      const hold = await client.resumeKey("p:a");
+      resumed = performance.now();
+      assert.deepEqual(hold?.jobs, [first.id]);
+      await until(() => worker.stats.acked === 3, 10_000, "every job to run");
+      const pa = starts.get("p:a")![1]! - resumed;
+      assert.ok(pa < RESUMED_START_MS, `the key started ${Math.round(pa)} ms after its resume`);
+      // A group with no hold, or none at all: nothing to lift, answered the same.
+      assert.equal(await client.resumeGroup("partner"), true);
+      assert.equal(await client.resumeGroup("no-such-group"), true);
+      for (const bad of ["none", "g".repeat(129)]) {
+        await assert.rejects(client.resumeGroup(bad), (err: unknown) => err instanceof BadRequest && err.status === 400 && (err.serverError ?? "").includes("group"));
+      }
+      await assert.rejects(client.resumeGroup(""), TypeError);
+    } finally {
+      worker.stop();
+    }
+    const stats = await ran;
+    assert.deepEqual([stats.backedOff, stats.failed, stats.acked], [1, 0, 3], log.lines.join("\n"));
+    await s.settle({ ready: 0, delayed: 0, in_flight: 0, dead: 0 });
+  } finally {
+    client.close();
+    await c.close();
+  }
+});

@@ -57,6 +57,7 @@ from .http import (
     GroupInfo,
     JobInfo,
     JobLike,
+    KeyHold,
     Moved,
     NewJob,
     Payload,
@@ -76,9 +77,11 @@ from .http import (
     _error_of,
     _extend_refused,
     _group_body,
+    _group_resume_path,
     _groups_of,
     _halves,
     _is_answer,
+    _key_resume_path,
     _job_bodies,
     _loads,
     _mark_lost,
@@ -321,6 +324,15 @@ class AsyncClient:
         doc = await self._flow("DELETE", f"/v1/groups/{_segment(name, 'group name')}", {}, "removing a group")
         return bool(doc["removed"])
 
+    async def resume_group(self, name: str) -> bool:
+        """:meth:`shardq.Client.resume_group` from asyncio code."""
+        doc = await self._flow("POST", _group_resume_path(name), {}, "resuming a group")
+        return bool(doc["resumed"])
+
+    async def resume_key(self, key: str) -> Optional[KeyHold]:
+        """:meth:`shardq.Client.resume_key` from asyncio code."""
+        return KeyHold._of(await self._flow("POST", _key_resume_path(key), {}, "resuming a key"))
+
     async def _flow(self, method: str, path: str, body: Optional[Dict[str, Any]], what: str,
                     missing_ok: bool = False) -> Any:
         status, doc, url = await self._call_at(method, path, body, what)
@@ -345,7 +357,7 @@ class AsyncClient:
                 causes.append(f"{url}: {e}")
                 last = e
                 continue
-            if _is_answer(url, method, status, doc, causes):
+            if _is_answer(url, method, status, doc, causes, path):
                 return status, doc, url + path
         raise ServerUnavailable(what, causes, last)
 

@@ -118,6 +118,19 @@ class JobNotCancelled(HttpError):
         self.state = state
 
 
+class KeyNotResumed(HttpError):
+    """409 on a key resume (:meth:`shardq.Client.resume_key`): the key is
+    moving to another shard now (``state`` ``"moving"``; ``shard`` is the
+    shard it is leaving, when the server said). Nothing changed. The move
+    carries the key's jobs with their waits, and the new shard keeps a
+    back-off's wait as a plain delay, which a resume does not lift there."""
+
+    def __init__(self, url: str, status: int, error: str, state: str, shard: Optional[str] = None):
+        super().__init__(url, status, error)
+        self.state = state
+        self.shard = shard
+
+
 class ServerUnavailable(ShardqError):
     """No URL answered within the retry budget; ``causes`` holds the last
     error of each URL. For an enqueue, the jobs may or may not have been

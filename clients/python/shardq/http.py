@@ -31,6 +31,12 @@ token is given):
   ``/v1/groups`` -> ``{NAME: {"rate", "burst"}}``, ``/v1/groups/{name}``
   (``PUT`` ``{"rate", "burst"?}`` -> ``{"name", "group"}``, ``DELETE`` ->
   ``{"removed"}``, 400 while a policy names the group)
+* lifting a handler's back-off (``admin``; ``POST``, no body needed):
+  ``/v1/groups/{name}/resume`` -> ``{"name", "resumed": true}`` (the hold
+  a group back-off put on the group); ``/v1/keys/{key}/resume`` ->
+  ``{"key", "shard", "resumed", "back_off": {"until_ms", "jobs"} | null}``
+  (the key's back-off; ``"resumed": false`` and a null ``back_off`` when
+  none held it), 409 ``{"state": "moving"}`` while the key moves
 * 409 for a stale receipt; with several receipts the valid ones take effect
   and the body lists the others: ``{"error", "acked" | "extended", "stale":
   [...], "not_owned": [...]}``. 409 on ``/v1/jobs``: a job's dedup id is
@@ -64,6 +70,7 @@ from .errors import (
     HttpError,
     InvalidJob,
     JobNotCancelled,
+    KeyNotResumed,
     PartialEnqueue,
     ServerUnavailable,
     ShardqError,
@@ -285,18 +292,31 @@ def _raise_for(url: str, status: int, doc: Any) -> None:
     raise HttpError(url, status, msg)
 
 
-def _is_answer(url: str, method: str, status: int, doc: Any, causes: List[str]) -> bool:
-    """For the job reads and cancels of both clients: whether ``status``
-    is an answer (200, or 404: no live job); a status worth another URL is
-    noted in ``causes``; any other raises."""
+def _is_key_resume(path: str) -> bool:
+    """Whether ``path`` is ``/v1/keys/{key}/resume`` (the key one segment,
+    percent-encoded)."""
+    parts = path.split("?", 1)[0].split("/")
+    return len(parts) == 5 and parts[:3] == ["", "v1", "keys"] and parts[3] != "" and parts[4] == "resume"
+
+
+def _is_answer(url: str, method: str, status: int, doc: Any, causes: List[str], path: str = "") -> bool:
+    """For the reads, cancels and flow-control calls of both clients:
+    whether ``status`` is an answer (200, or 404: no live job); a status
+    worth another URL is noted in ``causes``; any other raises (a 409 of a
+    cancel as :class:`JobNotCancelled`, of a key resume as
+    :class:`KeyNotResumed`)."""
     if status in (200, 404):
         return True
     if _retryable(status):
         causes.append(f"{url} answered {status}: {_error_of(doc)}")
         return False
-    if status == 409 and method == "DELETE":
+    if status == 409:
         state = doc.get("state", "") if isinstance(doc, dict) else ""
-        raise JobNotCancelled(url, status, _error_of(doc), state)
+        if method == "DELETE":
+            raise JobNotCancelled(url, status, _error_of(doc), state)
+        if method == "POST" and _is_key_resume(path):
+            shard = doc.get("shard") if isinstance(doc, dict) else None
+            raise KeyNotResumed(url, status, _error_of(doc), state, None if shard is None else str(shard))
     _raise_for(url, status, doc)
     return False
 
@@ -875,6 +895,38 @@ def _groups_of(doc: Any) -> Dict[str, GroupInfo]:
     return {str(n): GroupInfo._of(g) for n, g in (doc or {}).items()}
 
 
+@dataclass(frozen=True)
+class KeyHold:
+    """A handler's back-off of a key, as :meth:`Client.resume_key` lifted
+    it: the ``key``, the ``shard`` it routes to, when the back-off would
+    have ended (``until_ms``, ms since the epoch on the server's clock) and
+    the jobs it held (``jobs``: ``SHARD:ID`` ids, in key order), which are
+    due now."""
+
+    key: str
+    shard: str
+    until_ms: int
+    jobs: Tuple[str, ...]
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "Optional[KeyHold]":
+        """The hold a ``/v1/keys/{key}/resume`` answer lifted; ``None`` when
+        it lifted none (``"resumed": false``, ``back_off`` null)."""
+        hold = doc.get("back_off")
+        if not doc.get("resumed") or not isinstance(hold, Mapping):
+            return None
+        return KeyHold(key=str(doc["key"]), shard=str(doc["shard"]), until_ms=int(hold["until_ms"]),
+                       jobs=tuple(str(j) for j in hold.get("jobs") or ()))
+
+
+def _group_resume_path(name: str) -> str:
+    return f"/v1/groups/{_segment(name, 'group name')}/resume"
+
+
+def _key_resume_path(key: str) -> str:
+    return f"/v1/keys/{_segment(key, 'key')}/resume"
+
+
 _POLICY_SCOPES = ("key", "prefix", "default")
 
 
@@ -1141,6 +1193,36 @@ class Client:
         doc = self._flow("DELETE", f"/v1/groups/{_segment(name, 'group name')}", {}, "removing a group")
         return bool(doc["removed"])
 
+    def resume_group(self, name: str) -> bool:
+        """Lifts the hold a handler's group back-off (``BackOff(ms,
+        group=True)``) put on the group ``name`` (role ``admin``): every
+        worker and server starts the group's keys again within a second.
+        The key whose handler backed off keeps its own wait
+        (:meth:`resume_key` lifts that). Returns ``True``, as the server
+        answers whether a hold was there or not (lifting none changes
+        nothing). A bad name (``"none"``, over 128 bytes) raises
+        :class:`BadRequest`, an empty one :class:`ConfigError` before any
+        request."""
+        doc = self._flow("POST", _group_resume_path(name), {}, "resuming a group")
+        return bool(doc["resumed"])
+
+    def resume_key(self, key: str) -> Optional[KeyHold]:
+        """Lifts the back-off a handler (``BackOff(ms)``) put on ``key``
+        (role ``admin``), whichever process runs the key's shard: the jobs
+        it held are due now, keep their place and their attempt counts, and
+        the key starts at its shard owner's next claim. Returns the hold it
+        lifted (:class:`KeyHold`: ``until_ms``, the held ``jobs``), or
+        ``None`` when no back-off held the key (its wait was over, it was
+        resumed already, by an earlier try of this call on another URL
+        too, or it never backed off), and nothing changed. Only a
+        back-off is lifted: a producer's delay, a retry's wait and the
+        hold of the key's group (:meth:`resume_group`) stay. A key moving
+        to another shard raises :class:`KeyNotResumed` (``state``
+        ``"moving"``); a bad key (over 1024 bytes, say)
+        :class:`BadRequest`, an empty one :class:`ConfigError` before any
+        request."""
+        return KeyHold._of(self._flow("POST", _key_resume_path(key), {}, "resuming a key"))
+
     def _flow(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str,
               missing_ok: bool = False) -> Any:
         """The answer of one flow-control request; a 404 is ``None`` when
@@ -1170,7 +1252,7 @@ class Client:
                 causes.append(f"{t.url}: {e}")
                 last = e
                 continue
-            if _is_answer(t.url, method, status, doc, causes):
+            if _is_answer(t.url, method, status, doc, causes, path):
                 return status, doc, t.url + path
         raise ServerUnavailable(what, causes, last)
 

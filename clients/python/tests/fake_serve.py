@@ -51,6 +51,9 @@ class FakeServe:
         self.acked: List[int] = []
         #: Hook: (path, body) -> optional (status, body) to answer instead.
         self.intercept: Optional[Callable[[str, Any], Optional[Tuple[int, Any]]]] = None
+        #: Fixed answers (status, body) to POSTs of paths outside the
+        #: worker's contract (the admin routes), by path as sent.
+        self.answers: Dict[str, Tuple[int, Any]] = {}
         server = self
 
         class H(BaseHTTPRequestHandler):
@@ -120,6 +123,8 @@ class FakeServe:
                 return 401, {"error": "missing bearer token"}
             if auth != f"Bearer {self.token}":
                 return 403, {"error": "wrong token"}
+        if path in self.answers:
+            return self.answers[path]
         bad = self._shape(path, doc)
         if bad:
             with self.lock:

@@ -3,13 +3,14 @@ and policies set, read back with where they come from, refused with a
 message naming the bad value, a used group kept; and a handler's
 :class:`shardq.BackOff`, which runs its job again after the wait on the
 same attempt (never a dead letter), holds its whole group when asked, while
-a key's rate limit spaces its starts."""
+a key's rate limit spaces its starts; and an operator's resume of a key's or
+a group's back-off, after which the held jobs run at once."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import pytest
 
@@ -22,6 +23,7 @@ from shardq import (
     ConfigError,
     FlowPolicy,
     GroupInfo,
+    KeyHold,
     NewJob,
     PolicyInfo,
 )
@@ -38,9 +40,9 @@ class _Blocking:
     """An :class:`AsyncClient` called like a :class:`Client`, each call
     run to its end on one event loop of its own."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, urls: Union[str, List[str]]) -> None:
         self.loop = asyncio.new_event_loop()
-        self.c = AsyncClient([url])
+        self.c = AsyncClient(urls)
 
     def __getattr__(self, name: str) -> Any:
         f = getattr(self.c, name)
@@ -194,3 +196,116 @@ def test_a_group_back_off_holds_every_key_of_the_group_and_a_rate_spaces_a_key(s
     slow = starts["slow"]
     assert len(slow) == 3 and slow[2] - slow[0] >= 0.9, f"2/s with a burst of 1: {[t - slow[0] for t in slow]}"
     assert r.stats.backed_off == 1 and r.stats.acked == 5, r.stats
+
+
+#: How soon a resumed key's or group's job must start: the server's claims
+#: wake at once for a key (its jobs are due now), within a second for a
+#: group (FLOW_RECHECK_MS); the rest is the worker's claim and the margin.
+RESUMED_START_S = 2.5
+#: A handler's back-off the tests lift: far longer than any of them runs.
+LONG_BACK_OFF_MS = 60_000
+
+
+def _pair(kind: str, url: str) -> Tuple[Any, str]:
+    """A client of ``kind`` (``sync``: :class:`Client`, ``aio``:
+    :class:`AsyncClient` called blocking) and the worker kind to go with it."""
+    return (Client([url]), "thread") if kind == "sync" else (_Blocking(url), "aio")
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_resume_key_lifts_a_handlers_back_off_and_the_job_runs_at_once(serve, kind):
+    c, worker_kind = _pair(kind, serve.url)
+    placed = Client([serve.url]).enqueue("held", "x", max_attempts=1)
+    runs: List[Tuple[int, float]] = []
+
+    def on_job(job: ClaimedJob) -> None:
+        runs.append((job.attempt, time.monotonic()))
+        if len(runs) == 1:
+            raise BackOff(LONG_BACK_OFF_MS)
+
+    r = Running(worker_kind, [serve.url], on_job, lease_ms=5000, wait_ms=200)
+    try:
+        wait_until("the handler's back-off", lambda: r.w.stats.backed_off == 1, timeout_s=15)
+        time.sleep(0.5)
+        assert len(runs) == 1, "the key is held by its back-off"
+        now_ms = int(time.time() * 1000)
+        hold = c.resume_key("held")
+        resumed = time.monotonic()
+        assert isinstance(hold, KeyHold), hold
+        assert (hold.key, hold.shard, hold.jobs) == ("held", placed.shard, (placed.id,)), hold
+        assert now_ms + LONG_BACK_OFF_MS - 10_000 <= hold.until_ms <= now_ms + LONG_BACK_OFF_MS + 1_000, \
+            (hold.until_ms - now_ms)
+        wait_until("the resumed job to run and be acked", lambda: len(runs) == 2 and all_done(serve.url),
+                   timeout_s=10)
+        # Nothing holds the key now: nothing is lifted, and it says so.
+        assert c.resume_key("held") is None
+        assert c.resume_key("never-seen") is None
+        assert c.resume_key("vip/1 ü?x") is None, "a key that needs percent-encoding"
+        # A bad key: 400, the message names the key; an empty one is refused before any request.
+        with pytest.raises(BadRequest) as e:
+            c.resume_key("k" * 1025)
+        assert e.value.status == 400 and "key" in e.value.error, e.value
+        with pytest.raises(ConfigError):
+            c.resume_key("")
+    finally:
+        r.stop()
+        r.join()
+        c.close()
+    assert r.error is None, r.error
+    (first, _), (second, t2) = runs
+    assert first == second == 1, "a back-off uses no attempt, and a resume none either"
+    assert t2 - resumed < RESUMED_START_S, f"the resumed job started {t2 - resumed:.3f} s after the resume"
+    assert (r.stats.backed_off, r.stats.failed, r.stats.acked) == (1, 0, 1), r.stats
+    assert totals_of(serve.url)["dead"] == 0
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_resume_group_lifts_a_group_back_off_and_the_key_keeps_its_own_until_resumed(serve, kind):
+    c, worker_kind = _pair(kind, serve.url)
+    producer = Client([serve.url])
+    c.set_group("partner", "1000/s")
+    c.set_policy(prefix="p:", group="partner")
+    time.sleep(SETTINGS_REACH_S)
+    first = producer.enqueue("p:a", "x")
+    starts: Dict[str, List[float]] = {}
+
+    def on_job(job: ClaimedJob) -> None:
+        starts.setdefault(job.key, []).append(time.monotonic())
+        if job.key == "p:a" and len(starts["p:a"]) == 1:
+            raise BackOff(LONG_BACK_OFF_MS, group=True)
+
+    r = Running(worker_kind, [serve.url], on_job, concurrency=2, prefetch=0, lease_ms=5000, wait_ms=200)
+    try:
+        wait_until("the group's back-off", lambda: r.w.stats.backed_off == 1, timeout_s=15)
+        # The group's other key waits; a key of no group runs.
+        producer.enqueue_many([NewJob("p:b", "x"), NewJob("free", "x")])
+        wait_until("the key of no group to run", lambda: "free" in starts, timeout_s=10)
+        time.sleep(1.0)
+        assert "p:b" not in starts, "the group's hold lets none of its keys start"
+        assert c.resume_group("partner") is True
+        resumed = time.monotonic()
+        wait_until("the group's other key to run", lambda: "p:b" in starts, timeout_s=10)
+        assert starts["p:b"][0] - resumed < RESUMED_START_S, \
+            f"the group's other key started {starts['p:b'][0] - resumed:.3f} s after the resume"
+        # The key that backed off keeps its own wait, which resume_key lifts.
+        time.sleep(0.5)
+        assert len(starts["p:a"]) == 1, "the group's resume leaves the key's own back-off"
+        hold = c.resume_key("p:a")
+        resumed = time.monotonic()
+        assert hold is not None and hold.jobs == (first.id,), hold
+        wait_until("every job to run", lambda: r.w.stats.acked == 3 and all_done(serve.url), timeout_s=10)
+        assert starts["p:a"][1] - resumed < RESUMED_START_S, starts
+        # A group with no hold, or none at all: nothing to lift, answered the same.
+        assert c.resume_group("partner") is True and c.resume_group("no-such-group") is True
+        for bad in ("none", "g" * 129):
+            with pytest.raises(BadRequest) as e:
+                c.resume_group(bad)
+            assert e.value.status == 400 and "group" in e.value.error, e.value
+        with pytest.raises(ConfigError):
+            c.resume_group("")
+    finally:
+        r.stop()
+        r.join()
+        c.close()
+    assert r.error is None, r.error
+    assert (r.stats.backed_off, r.stats.failed, r.stats.acked) == (1, 0, 3), r.stats

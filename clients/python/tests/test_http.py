@@ -13,13 +13,24 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Dict, List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import pytest
 
-from shardq import BadRequest, ClaimedJob, Client, NewJob, ServerUnavailable, Unauthorized, Worker
+from shardq import (
+    BadRequest,
+    ClaimedJob,
+    Client,
+    KeyNotResumed,
+    NewJob,
+    ServerUnavailable,
+    StaleReceipt,
+    Unauthorized,
+    Worker,
+)
 
 from support import check_two_server_round_trip, free_port, read_lines, wait_until
+from test_flow_serve import _Blocking
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -292,6 +303,27 @@ def handler(job):
 stats = Worker([sys.argv[1]]).run(handler, concurrency=3, lease_ms=10000, wait_ms=200)
 out.write(f"exit acked={stats.acked}\n")
 """
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_a_key_resume_while_the_key_moves_raises_key_not_resumed_and_is_not_retried(fakes, kind):
+    # The real server answers so while a rebalance has sealed the key
+    # (crates/shardq-server/tests/api.rs seals one by hand); nothing changed.
+    a, b = fakes("a"), fakes("b")
+    path = "/v1/keys/k%2F1/resume"
+    a.answers[path] = (409, {"error": 'key: "k/1" is moving to another shard now; nothing changed',
+                             "kind": "conflict", "state": "moving", "shard": "a"})
+    b.answers[path] = (200, {"key": "k/1", "shard": "b", "resumed": True,
+                             "back_off": {"until_ms": 1, "jobs": ["b:1"]}})
+    c: Any = Client([a.url, b.url]) if kind == "sync" else _Blocking([a.url, b.url])
+    try:
+        with pytest.raises(KeyNotResumed) as e:
+            c.resume_key("k/1")
+    finally:
+        c.close()
+    assert (e.value.status, e.value.state, e.value.shard) == (409, "moving", "a"), e.value
+    assert "moving" in e.value.error and not isinstance(e.value, StaleReceipt)
+    assert a.requests == [(path, {})] and b.requests == [], "a 409 is an answer: no other URL is asked"
 
 
 def test_sigterm_stops_claiming_and_finishes_running_jobs(fakes, tmp_path):
