@@ -36,8 +36,7 @@ local function head_nbf()
 end
 if redis.call('ZSCORE', K_DEAD, ids) then
   local startable = kqueued(k, q)
-  redis.call('ZREM', K_DEAD, ids)
-  if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+  unbury(ids, k)
   local _, a = rec_parse(r)
   keep_done({done_entry(ids, r, 'x', a, now)})
   redis.call('HDEL', K_JOBS, ids)

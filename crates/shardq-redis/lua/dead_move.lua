@@ -21,24 +21,22 @@ for _, id in ipairs(ids) do
   -- A dead job of a key sealed for a move stays as it is: its copy goes (or
   -- went) with the key, and a retry or purge here would be lost with the
   -- copies left behind.
-  local r0 = redis.call('HGET', K_JOBS, id)
-  local sealed = false
-  if r0 then
-    local _, _, _, _, k0 = rec_parse(r0)
-    sealed = redis.call('HEXISTS', K_SEALED, k0) == 1
-  end
-  if not sealed and redis.call('ZREM', K_DEAD, id) == 1 then
-    local r = redis.call('HGET', K_JOBS, id)
-    if r then
-      local _, _, _, _, k = rec_parse(r)
+  local r = redis.call('HGET', K_JOBS, id)
+  if not r then
+    -- No record (a foreign write): its key is unknown, it only leaves `dead`.
+    redis.call('ZREM', K_DEAD, id)
+  else
+    local _, _, _, _, k = rec_parse(r)
+    if redis.call('HEXISTS', K_SEALED, k) == 0 and redis.call('ZSCORE', K_DEAD, id) then
       local q = qs[k]
       if not q then
+        -- Whether it may start is read before its dead count falls.
         q = kparse(redis.call('HGET', K_KEYS, k), k)
         qs[k] = q
         startable[k] = kqueued(k, q)
         touched[#touched + 1] = k
       end
-      if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+      unbury(id, k)
       if ARGV[5] == 'retry' then
         redis.call('HSET', K_JOBS, id, rec_set(r, now, 0))
         local n = tonumber(id)

@@ -11,10 +11,11 @@ local now = now_ms()
 local n = tonumber(ARGV[6])
 local window = tonumber(ARGV[7])
 local A = 8
--- The keys hash's pin is no routing key (producers refuse control
--- characters; this guards the store from one that does not).
+-- A routing key holds no NUL byte: the keys hash's pin is named by one,
+-- and `deadk` separates a key from its ids with one (producers refuse
+-- control characters; this guards the store from one that does not).
 for i = 0, n - 1 do
-  if ARGV[A + 5 * i] == KEYS_PIN then return redis.error_reply('shardq: a routing key holds no NUL byte') end
+  if string.find(ARGV[A + 5 * i], KEYS_PIN, 1, true) then return redis.error_reply('shardq: a routing key holds no NUL byte') end
 end
 local fmin = tonumber(redis.call('HGET', K_META, 'fmin') or '0')
 if tonumber(ARGV[5]) < fmin then return {'FENCED', ARGV[A], fmin} end

@@ -6,16 +6,18 @@
 -- last id exported when that one still waits.
 -- Up to max of key k's jobs above id after, dead or waiting, in id order,
 -- stopping once their records hold budget bytes: a flat list of
--- `id, record, reason`, and the bytes it holds.
+-- `id, record, reason`, and the bytes it holds. The dead ones come from
+-- the key's own range of `deadk` (at most max entries read, whatever the
+-- shard's other keys hold), the waiting ones from its list (at most max).
 local function export_key(k, after, max, budget)
   local dead = {}
   if tonumber(redis.call('HGET', K_DEADN, k) or '0') > 0 then
-    for _, ids in ipairs(redis.call('ZRANGEBYSCORE', K_DEAD, '(' .. idstr(after), '+inf')) do
-      if #dead >= max then break end
-      local r = redis.call('HGET', K_JOBS, ids)
-      if r then
-        local _, _, _, _, rk = rec_parse(r)
-        if rk == k then dead[#dead + 1] = {tonumber(ids), r, redis.call('HGET', K_REASON, ids) or 'dead'} end
+    local ids = dead_of(k, after, max)
+    if #ids > 0 then
+      local recs = redis.call('HMGET', K_JOBS, unpack(ids))
+      local whys = redis.call('HMGET', K_REASON, unpack(ids))
+      for x, ids_x in ipairs(ids) do
+        if recs[x] then dead[#dead + 1] = {tonumber(ids_x), recs[x], whys[x] or 'dead'} end
       end
     end
   end

@@ -7,6 +7,15 @@ local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KE
 -- `=<key>` and `^<prefix>` entries, and its version, default limit and
 -- prefix lengths under fields no routing key can name.
 local K_LIMITS = KEYS[21]
+-- The dead jobs by key (`deadk`, see keys.rs): `<key>` NUL `<id>` with the
+-- id zero-padded to DEADK_ID_DIGITS digits, all at score 0, so one key's
+-- dead jobs above an id are one ZRANGEBYLEX, in id order. A routing key
+-- holds no NUL byte (enqueue.lua refuses one), so the range of key k holds
+-- k's members only. `dead`, `deadn` and `deadk` change together: through
+-- `bury` and `unbury` below, and in purge_key.lua.
+local K_DEADK = KEYS[22]
+local DEADK_ID_DIGITS = 16
+local DEADK_SEP, DEADK_END = string.char(0), string.char(1)
 local LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS = string.char(0) .. 'v', string.char(0) .. 'd', string.char(0) .. 'l'
 -- Expired dedup records forgotten per enqueue, at most: one by one from
 -- `dedupx`, and whole enqueue batches from `dedupm` (two, so the index
@@ -317,10 +326,34 @@ local function keep_done(entries)
     end
   end
 end
+-- The `deadk` member of dead job id (a number or its text) of key k.
+local function deadk_of(k, id)
+  return k .. DEADK_SEP .. string.format('%0' .. DEADK_ID_DIGITS .. 'd', tonumber(id))
+end
+-- Up to max of key k's dead job ids above id after, in id order (texts,
+-- as `dead` holds them): one range read of `deadk`, at most max entries.
+local function dead_of(k, after, max)
+  local out = {}
+  if max <= 0 then return out end
+  local w = #k + 2
+  for x, m in ipairs(redis.call('ZRANGEBYLEX', K_DEADK, '(' .. deadk_of(k, after), '(' .. k .. DEADK_END, 'LIMIT', 0, max)) do
+    out[x] = idstr(tonumber(string.sub(m, w)))
+  end
+  return out
+end
 local function bury(ids, k, why)
   redis.call('ZADD', K_DEAD, tonumber(ids), ids)
+  redis.call('ZADD', K_DEADK, 0, deadk_of(k, ids))
   redis.call('HINCRBY', K_DEADN, k, 1)
   redis.call('HSET', K_REASON, ids, why)
+end
+-- Takes dead job ids of key k off the dead letters (`dead`, `deadk` and
+-- its count in `deadn`); the job record stays. Returns whether it was dead.
+local function unbury(ids, k)
+  if redis.call('ZREM', K_DEAD, ids) == 0 then return false end
+  redis.call('ZREM', K_DEADK, deadk_of(k, ids))
+  if redis.call('HINCRBY', K_DEADN, k, -1) <= 0 then redis.call('HDEL', K_DEADN, k) end
+  return true
 end
 -- Out of flight without an ack (the run ended): the attempt counts; back to
 -- the head of its key, or dead when out of attempts.

@@ -4,9 +4,11 @@
 -- token, `1` when a dead job halts its key, the deployment id.
 -- ARGV[5] key, ARGV[6] at most this many jobs per call: deletes the key's
 -- jobs that are not running, waiting ones from the head, then (once none
--- waits) dead ones. Reply: `OK`, how many were deleted, `1` if some are
--- left (call again). What a move left behind on the old shard of a sealed
--- key, whose list no longer changes.
+-- waits) dead ones, read from the key's range of `deadk` (so a call reads
+-- at most ARGV[6] of them, however many the shard's other keys hold).
+-- Reply: `OK`, how many were deleted, `1` if some may be left (call
+-- again). What a move left behind on the old shard of a sealed key, whose
+-- list no longer changes.
 local K_MOVED = KEYS[18]
 local k, max = ARGV[5], tonumber(ARGV[6])
 local q = kparse(redis.call('HGET', K_KEYS, k), k)
@@ -31,26 +33,28 @@ if q.h == 0 then
   redis.call('ZREM', K_LATER, k)
 end
 kstore(k, q)
-local dead = tonumber(redis.call('HGET', K_DEADN, k) or '0')
-if q.h == 0 and dead > 0 and n < max then
-  for _, ids in ipairs(redis.call('ZRANGE', K_DEAD, 0, -1)) do
-    if n >= max or dead == 0 then break end
-    local r = redis.call('HGET', K_JOBS, ids)
-    local rk = ''
-    if r then
-      local _, _, _, _, x = rec_parse(r)
-      rk = x
-    end
-    if rk == k then
-      redis.call('ZREM', K_DEAD, ids)
-      redis.call('HDEL', K_JOBS, ids)
-      forget({ids})
-      gone[#gone + 1] = ids
-      dead = dead - 1
-      n = n + 1
-    end
+-- A full page of dead jobs may have more behind it.
+local more_dead = false
+if q.h == 0 and n < max then
+  local want = max - n
+  local dead = dead_of(k, 0, want)
+  local m = #dead
+  for i = 1, m, 4000 do
+    local j = math.min(i + 3999, m)
+    local members = {}
+    for x = i, j do members[#members + 1] = deadk_of(k, dead[x]) end
+    redis.call('ZREM', K_DEAD, unpack(dead, i, j))
+    redis.call('ZREM', K_DEADK, unpack(members))
+    redis.call('HDEL', K_JOBS, unpack(dead, i, j))
+    forget(dead, i, j)
+    for x = i, j do gone[#gone + 1] = dead[x] end
   end
-  if dead > 0 then redis.call('HSET', K_DEADN, k, dead) else redis.call('HDEL', K_DEADN, k) end
+  n = n + m
+  more_dead = m == want
+  -- The count follows the index: none left once a page comes back short.
+  local left = 0
+  if more_dead then left = math.max(tonumber(redis.call('HGET', K_DEADN, k) or '0') - m, 0) end
+  if left > 0 then redis.call('HSET', K_DEADN, k, left) else redis.call('HDEL', K_DEADN, k) end
 end
 -- The ids deleted are remembered as moved away with the key (`moved`:
 -- `<count>|<lowest id>|<highest id>|<key length>|<key>,<id>,...,` per
@@ -76,5 +80,5 @@ if n > 0 then
   if len == 1 and total ~= n then redis.call('HSET', K_META, 'movedn', n) end
 end
 local more = 0
-if q.h ~= 0 or dead > 0 then more = 1 end
+if q.h ~= 0 or more_dead then more = 1 end
 return {'OK', n, more}

@@ -70,14 +70,19 @@ pub const EXTEND_BATCH_MAX: usize = 1024;
 pub const RANK_LOOKAHEAD: usize = 256;
 /// Most jobs one export or import script call moves (a backlog move's
 /// copy goes in calls of this many, or of [`TRANSFER_CALL_BYTES_MAX`]).
+/// An export call reads at most this many of the key's dead jobs (from the
+/// shard's by-key index, `deadk`) and as many of its waiting ones, however
+/// many dead jobs the shard's other keys hold; a multi-key export call at
+/// most twice this many jobs in all, whatever its number of keys.
 pub const TRANSFER_CALL_JOBS_MAX: usize = 1024;
 /// Most record bytes one export reply or import call carries (at least one
 /// job): no single Redis call of a move holds much more than this.
 pub const TRANSFER_CALL_BYTES_MAX: usize = 4 << 20;
 /// Most keys one multi-key export call reads (the last round of a move).
 pub const EXPORT_MANY_KEYS_MAX: usize = 256;
-/// Most jobs one purge script call deletes (a moved key's copies left
-/// behind go in calls of this many, so no call blocks the server long).
+/// Most jobs one purge script call deletes, waiting and dead ones (a moved
+/// key's copies left behind go in calls of this many, so no call blocks the
+/// server long; its dead jobs are read from the by-key index, `deadk`).
 pub const PURGE_BATCH_MAX: usize = 8192;
 /// Longest wait for the replicas after a write with
 /// [`RedisOptions::wait_replicas`], in ms (1 s). Kept below the reply

@@ -41,8 +41,8 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
 /// versions"), never a branch in the scripts. Layout 2 added the
-/// `limits` part.
-pub const LAYOUT_VERSION: u32 = 2;
+/// `limits` part, layout 3 the `deadk` part.
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {
@@ -119,6 +119,16 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// * `inflight` zset: job id -> job lease deadline (ms).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
+/// * `deadk` zset (the 22nd part, new in layout 3): the dead jobs again,
+///   by key: `<key>` NUL `<id>`, the id zero-padded to 16 digits
+///   (`DEADK_ID_DIGITS` in the scripts; ids stay below 2^53), every member
+///   at score 0, so a `ZRANGEBYLEX` from `(<key>\0<id>` to `(<key>\1` reads
+///   one key's dead jobs above an id in id order, no other key's. A key
+///   holds no NUL byte (the enqueue script refuses one), so no other key's
+///   member falls in that range. A move's export, freeze and purge and a
+///   key's job list read a key's dead jobs only there, at most the call's
+///   bound of them; every script that adds or removes a dead job writes
+///   `dead`, `deadn` and `deadk` together.
 /// * `delayed` zset: job id -> not-before, for jobs enqueued or retried with
 ///   a delay (counts only; stale entries are harmless).
 /// * `paused` set: routing keys whose enqueues are paused (the fence).
@@ -189,16 +199,18 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// `dedupm`; the records it indexes in `dedupx` are the ones it forgets,
 /// and a record this build stores again over an expired one leaves
 /// `dedupx`, so an older build's forgetting never drops a live record.
-pub const SHARD_PARTS: [&str; 21] = [
+pub const SHARD_PARTS: [&str; 22] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
-    "dedupm", "limits",
+    "dedupm", "limits", "deadk",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].
 pub const LEASE_PART: usize = 11;
 /// Index of the `limits` part in [`SHARD_PARTS`].
 pub const LIMITS_PART: usize = 20;
+/// Index of the `deadk` part in [`SHARD_PARTS`].
+pub const DEADK_PART: usize = 21;
 
 /// Checks a queue name: 1 to [`QUEUE_NAME_BYTES_MAX`] bytes of ASCII
 /// letters, digits, `-`, `_` and `.`. `{`, `}` and `:` are excluded so the
@@ -288,5 +300,6 @@ mod tests {
         }
         assert_eq!(SHARD_PARTS[LEASE_PART], "lease");
         assert_eq!(SHARD_PARTS[LIMITS_PART], "limits");
+        assert_eq!(SHARD_PARTS[DEADK_PART], "deadk");
     }
 }

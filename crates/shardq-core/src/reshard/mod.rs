@@ -54,7 +54,12 @@
 //!    their key, so no key is held back. A shard that fails mid-move (its
 //!    read fails once a batch step failed) is set aside: its keys stay
 //!    where they are, the others move, and the run ends with
-//!    [`ReshardError::ShardsFailed`] naming it; the rerun finishes.
+//!    [`ReshardError::ShardsFailed`] naming it; the rerun finishes. A run
+//!    that ends in any error but a conflict (a script error, a reply
+//!    timeout no failing shard explains) first unseals every key it sealed
+//!    and did not switch of which no copy can exist (no import of it was
+//!    sent; for a key a killed run left sealed, its new shard holds none
+//!    of what is left): such a key runs where it is until a rerun moves it.
 //!
 //! 3. **Finish.** Publish the target itself (removed shards gone, the
 //!    temporary pins gone, the operator's pins kept even where they equal the

@@ -10,8 +10,81 @@ use super::*;
 /// of one last short round, switches; the copies left behind are deleted.
 /// Transfers a killed run left sealed are finished first, to the shard
 /// their copies went to. Returns the published map.
+///
+/// A run that stops with an error (a script error, a reply timeout, a
+/// shard that fails) first unseals every key it sealed and did not switch
+/// that no copy of can exist ([`OpenSeals`]): such a key runs where it is
+/// until a rerun moves it, instead of waiting sealed, unrun, for one. Not
+/// after a conflict (the lock lapsed, a newer rebalance took over): that
+/// run writes nothing more.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn move_with_backlogs<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    cur: ShardMap,
+    target: &ShardMap,
+    switches: Vec<(String, String, String)>,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+    report: &mut RebalanceReport,
+) -> Result<ShardMap, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    let mut open = OpenSeals::default();
+    let out = move_all(
+        backend, store, cur, target, switches, options, on_event, report, &mut open,
+    );
+    if let Err(e) = &out {
+        if e.kind() != ErrorKind::Conflict {
+            let clean = open.clean(backend, open.keys.values());
+            let _ = set_sealed_each(backend, &clean, false);
+        }
+    }
+    out
+}
+
+/// The keys a run sealed (or found sealed by a killed one) and has not
+/// switched yet, and which of them may have copies on their new shards.
+#[derive(Default)]
+pub(super) struct OpenSeals {
+    /// Key -> its move, from its seal until its switch is published (or it
+    /// was left where it is and unsealed).
+    pub(super) keys: BTreeMap<String, Switch>,
+    /// Keys an import was sent for in this run: their new shards may hold
+    /// copies, whatever the calls answered.
+    pub(super) touched: BTreeSet<String>,
+    /// Keys found sealed when this run began (a killed run's transfers):
+    /// an earlier run may have copied them.
+    pub(super) carried: BTreeSet<String>,
+}
+
+impl OpenSeals {
+    /// Those of `moves` that no copy of can exist: nothing was sent for
+    /// them in this run, and a key found sealed also has none on its new
+    /// shard as far as both shards answer ([`may_hold_copies`]). A key this
+    /// run sealed and sent nothing for holds no copy anywhere: a key with
+    /// copies stays sealed until its move ends, so a killed run's keys are
+    /// the carried ones.
+    pub(super) fn clean<'a, B: QueueBackend + ?Sized>(
+        &self,
+        backend: &B,
+        moves: impl IntoIterator<Item = &'a Switch>,
+    ) -> Vec<Switch> {
+        moves
+            .into_iter()
+            .filter(|sw| {
+                !self.touched.contains(&sw.0)
+                    && (!self.carried.contains(&sw.0)
+                        || !may_hold_copies(backend, &sw.0, &sw.1, &sw.2))
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn move_all<B>(
     backend: &B,
     store: &dyn MapStore,
     mut cur: ShardMap,
@@ -20,6 +93,7 @@ pub(super) fn move_with_backlogs<B>(
     options: &RebalanceOptions,
     on_event: &mut dyn FnMut(RebalanceEvent),
     report: &mut RebalanceReport,
+    open: &mut OpenSeals,
 ) -> Result<ShardMap, ReshardError>
 where
     B: QueueBackend + KeyInventory + ?Sized,
@@ -80,6 +154,7 @@ where
                 todo.remove(key);
             } else {
                 todo.insert(key.clone(), (shard.name.clone(), to.clone()));
+                open.carried.insert(key.clone());
             }
         }
     }
@@ -135,6 +210,9 @@ where
                 }
             }
             waiting = still;
+            for sw in &late {
+                open.keys.remove(&sw.0);
+            }
             stuck.extend(leave_late(backend, &late)?);
         }
         while batch.len() < options.batch {
@@ -157,10 +235,12 @@ where
             continue;
         }
         let batch_started = clock.now_ms();
-        // Per key: the jobs copied, and whether an import of it was sent
-        // (its new shard may then hold copies, whatever it answered).
+        // Sealed from here (the batch's first step) until switched.
+        for sw in &batch {
+            open.keys.insert(sw.0.clone(), sw.clone());
+        }
+        // Per key: the jobs copied.
         let mut copied: BTreeMap<String, u64> = BTreeMap::new();
-        let mut touched: BTreeSet<String> = BTreeSet::new();
         // (key, source id) -> id on the new shard, of every copy this run
         // made: kept across a retry of the batch, whose dedup records must
         // still name the copies made before it.
@@ -178,7 +258,7 @@ where
                 options,
                 on_event,
                 &mut copied,
-                &mut touched,
+                &mut open.touched,
                 &mut ids,
             );
             match attempt {
@@ -194,20 +274,21 @@ where
                         .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
                         .collect();
                     let shards: Vec<&str> = shards.into_iter().collect();
+                    // An error no failing shard explains stops the run
+                    // (the caller unseals what holds no copies).
                     failed.note_or_raise(backend, &shards, e)?;
                     let (drop, keep): (Vec<_>, Vec<_>) =
                         batch.into_iter().partition(|sw| failed.involves(sw));
                     // The keys that stay where they are lose their seal too
                     // when no copy of them can exist: they run there again.
-                    let clean: Vec<_> = drop
-                        .iter()
-                        .filter(|sw| {
-                            !touched.contains(&sw.0)
-                                && !may_hold_copies(backend, &sw.0, &sw.1, &sw.2)
-                        })
-                        .cloned()
-                        .collect();
-                    let _ = set_sealed_each(backend, &clean, false);
+                    // One whose old shard does not answer now stays open,
+                    // for the unseal when the run ends.
+                    let clean = open.clean(backend, &drop);
+                    if set_sealed_each(backend, &clean, false).is_ok() {
+                        for sw in &clean {
+                            open.keys.remove(&sw.0);
+                        }
+                    }
                     failed.keys.extend(drop.into_iter().map(|sw| sw.0));
                     batch = keep;
                 }
@@ -225,6 +306,10 @@ where
         let Some((next, pauses, batch)) = moved.switched else {
             continue;
         };
+        // Published: these keys finish their move, by this run or a rerun.
+        for sw in &batch {
+            open.keys.remove(&sw.0);
+        }
         // Published: the keys follow the new map. Their old shards' fences
         // now refuse producers still routing with the old one (they reload
         // and route to the new shards); the keys stay frozen there until

@@ -6,6 +6,7 @@ mod common;
 mod contract;
 mod core_contract;
 mod crash;
+mod dead_letters;
 mod failover;
 mod hardening;
 mod policies;
