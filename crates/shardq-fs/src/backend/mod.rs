@@ -1085,19 +1085,7 @@ impl QueueBackend for FsBackend {
                 );
                 return Ok(bytes);
             }
-            let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
-                // Over: its group slot goes back below.
-                key = r
-                    .live_job(receipt.id.0)
-                    .map(|j| j.key.to_string())
-                    .unwrap_or_default();
-                return Err(stale(
-                    name,
-                    receipt,
-                    r.in_flight(receipt.id.0).map(|x| x.fence),
-                ));
-            };
-            key = run.key.to_string();
+            let run = current_run_or_stale(r, name, receipt, &mut key)?;
             let dead = run.attempt >= run.max_attempts;
             let delay = retry_in_ms.unwrap_or_else(|| {
                 let backoff = (self.opts.retry_rules.for_key(run.key))
@@ -1183,19 +1171,7 @@ impl QueueBackend for FsBackend {
         let mut key = String::new();
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
             let r = inner.replica.as_ref().expect("owner has a replica");
-            let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
-                // Over: its group slot goes back below.
-                key = r
-                    .live_job(receipt.id.0)
-                    .map(|j| j.key.to_string())
-                    .unwrap_or_default();
-                return Err(stale(
-                    name,
-                    receipt,
-                    r.in_flight(receipt.id.0).map(|x| x.fence),
-                ));
-            };
-            key = run.key.to_string();
+            let run = current_run_or_stale(r, name, receipt, &mut key)?;
             let mut bytes = Vec::new();
             record::encode(
                 &mut bytes,
@@ -1760,6 +1736,30 @@ fn cut_reason(reason: &str) -> &str {
         end -= 1;
     }
     &reason[..end]
+}
+
+/// The run `receipt` names, if it is its job's current run on `r`, with
+/// `key` set to its key; else the stale-receipt error, with `key` set to
+/// the job's key while the job is live (its group slot goes back).
+fn current_run_or_stale<'r>(
+    r: &'r ShardState,
+    name: &str,
+    receipt: Receipt,
+    key: &mut String,
+) -> Result<crate::state::RunInfo<'r>, QueueError> {
+    let Some(run) = r.current_run(receipt.id.0, receipt.fence) else {
+        *key = r
+            .live_job(receipt.id.0)
+            .map(|j| j.key.to_string())
+            .unwrap_or_default();
+        return Err(stale(
+            name,
+            receipt,
+            r.in_flight(receipt.id.0).map(|x| x.fence),
+        ));
+    };
+    *key = run.key.to_string();
+    Ok(run)
 }
 
 /// The error for a receipt that is not its job's current run.
