@@ -30,49 +30,15 @@ if redis.call('SCARD', K_PAUSED) > 0 then
     end
   end
 end
--- Dedup: forget a bounded number of expired records, then look each id up.
--- A record `<job>|<expires_ms>|<shard>` counts only before it expires.
--- Records expire through two indexes: `dedupx` has one entry per record
--- (written by a move's import), `dedupm` (KEYS[20]) one per enqueue batch,
--- `#<first job id>` then the batch's fields, a line each, scored by their
--- common expiry.
-local K_DEDUPM = KEYS[20]
-local NL = string.char(10)
+-- Dedup: forget a bounded number of expired records (`dedup_forget`), then
+-- look each id up. A record `<job>|<expires_ms>|<shard>` counts only before
+-- it expires.
 local out, keep = {'OK'}, {}
 local dd, dx = {}, {}
-if window > 0 then
-  -- Each index forgets a record only when the record itself expired: the
-  -- other index may have stored it again since.
-  local function forget_expired(fl)
-    local gone = {}
-    if #fl > 0 then
-      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
-        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
-      end
-    end
-    if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
-    return gone
-  end
-  local old = redis.call('ZRANGEBYSCORE', K_DEDUPX, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE)
-  if #old > 0 then
-    forget_expired(old)
-    redis.call('ZREM', K_DEDUPX, unpack(old))
-  end
-  local marks = redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_PRUNE_BATCHES)
-  for _, mark in ipairs(marks) do
-    local fl = {}
-    for f in string.gmatch(mark, '[^' .. NL .. ']+') do fl[#fl + 1] = f end
-    table.remove(fl, 1)
-    -- A record forgotten here leaves `dedupx` too (a move may have put an
-    -- entry there), so no entry outlives its record.
-    local gone = forget_expired(fl)
-    if #gone > 0 then redis.call('ZREM', K_DEDUPX, unpack(gone)) end
-    redis.call('ZREM', K_DEDUPM, mark)
-  end
-end
 -- The batch's dedup records in one read: fs[i] is job i's field.
 local fs, rs = {}, {}
 if window > 0 then
+  dedup_forget(now)
   local list, at = {}, {}
   for i = 0, n - 1 do
     local d = ARGV[A + 4 + 5 * i]
@@ -86,7 +52,7 @@ if window > 0 then
     for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(list))) do rs[at[x]] = r end
   end
 end
-local batch, inb, expired = {}, {}, {}
+local batch, inb = {}, {}
 for i = 0, n - 1 do
   local f = fs[i]
   if f then
@@ -94,12 +60,7 @@ for i = 0, n - 1 do
     local dup = nil
     if r then
       local job, exp, sh = string.match(r, '^(%d+)|(%d+)|(.*)$')
-      if tonumber(exp) > now then
-        dup = 'D' .. job .. '|' .. sh
-      else
-        -- Stored again below: its old `dedupx` entry must not forget it.
-        expired[#expired + 1] = f
-      end
+      if tonumber(exp) > now then dup = 'D' .. job .. '|' .. sh end
     end
     if dup then
       out[i + 2] = dup
@@ -176,11 +137,9 @@ end
 for i, j in pairs(inb) do out[i + 2] = 'D' .. out[j + 2] .. '|' end
 redis.call('HSET', K_JOBS, unpack(jobs))
 if #nxt > 0 then redis.call('HSET', K_NEXT, unpack(nxt)) end
--- Stored again over an expired record: its old `dedupx` entry goes first.
-if #expired > 0 then redis.call('ZREM', K_DEDUPX, unpack(expired)) end
 if #dd > 0 then
   redis.call('HSET', K_DEDUP, unpack(dd))
-  redis.call('ZADD', K_DEDUPM, exps, '#' .. idstr(first) .. NL .. table.concat(dx, NL))
+  dedup_mark('#' .. idstr(first), exps, dx)
 end
 local kq, rl, lz = {}, {}, {}
 for _, k in ipairs(cand) do

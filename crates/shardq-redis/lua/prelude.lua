@@ -2,26 +2,25 @@
 -- Helpers shared by the shard scripts.
 local K_META, K_JOBS, K_KEYS, K_NEXT, K_READY, K_LATER, K_INF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local K_DEAD, K_DEADN, K_DELAYED, K_PAUSED, K_LEASE, K_REASON = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
-local K_DEDUP, K_DEDUPX, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
+local K_DEDUP, K_DEDUPM, K_SEALED, K_IMPORTED = KEYS[14], KEYS[15], KEYS[16], KEYS[17]
 -- The shard's copy of the flow settings' run limits (`limits`, see keys.rs):
 -- `=<key>` and `^<prefix>` entries, and its version, default limit and
 -- prefix lengths under fields no routing key can name.
-local K_LIMITS = KEYS[21]
+local K_LIMITS = KEYS[20]
+local LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS = string.char(0) .. 'v', string.char(0) .. 'd', string.char(0) .. 'l'
 -- The dead jobs by key (`deadk`, see keys.rs): `<key>` NUL `<id>` with the
 -- id zero-padded to DEADK_ID_DIGITS digits, all at score 0, so one key's
 -- dead jobs above an id are one ZRANGEBYLEX, in id order. A routing key
 -- holds no NUL byte (enqueue.lua refuses one), so the range of key k holds
 -- k's members only. `dead`, `deadn` and `deadk` change together: through
 -- `bury` and `unbury` below, and in purge_key.lua.
-local K_DEADK = KEYS[22]
+local K_DEADK = KEYS[21]
 local DEADK_ID_DIGITS = 16
 local DEADK_SEP, DEADK_END = string.char(0), string.char(1)
-local LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS = string.char(0) .. 'v', string.char(0) .. 'd', string.char(0) .. 'l'
--- Expired dedup records forgotten per enqueue, at most: one by one from
--- `dedupx`, and whole enqueue batches from `dedupm` (two, so the index
--- shrinks faster than one enqueue a call grows it).
-local DEDUP_PRUNE = 64
-local DEDUP_PRUNE_BATCHES = 2
+-- Expired marks of `dedupm` forgotten per enqueue and per dedup import, at
+-- most: two, so the index shrinks faster than one enqueue grows it (a mark
+-- names at most one call's records, ENQUEUE_BATCH_MAX).
+local DEDUP_FORGET_MARKS = 2
 -- The `keys` hash's one field that names no routing key (keys hold no
 -- control characters); see `keys_pin_value` in scripts.rs.
 local KEYS_PIN = string.char(0)
@@ -60,6 +59,32 @@ local function corrupt(what, s)
 end
 -- The dedup field of (key, id): the key's length, then key and id.
 local function dfield(k, d) return nstr(#k) .. '|' .. k .. d end
+-- Dedup records expire through `dedupm` (keys.rs): one mark per group of
+-- records written with one expiry, scored by it: `head` (`#<first job id>`
+-- for an enqueue batch, `@<expiry>` for a group of one import call), then
+-- the fields, one a line (no key or dedup id holds a control character).
+local DEDUP_NL = string.char(10)
+local function dedup_mark(head, exp, fields)
+  redis.call('ZADD', K_DEDUPM, exp, head .. DEDUP_NL .. table.concat(fields, DEDUP_NL))
+end
+-- Forgets up to DEDUP_FORGET_MARKS marks expired at now, deleting each
+-- record one names only when the record itself has expired: a field stored
+-- again since keeps its new record, which a later mark names.
+local function dedup_forget(now)
+  for _, mark in ipairs(redis.call('ZRANGEBYSCORE', K_DEDUPM, '-inf', now, 'LIMIT', 0, DEDUP_FORGET_MARKS)) do
+    local fl = {}
+    for f in string.gmatch(mark, '[^' .. DEDUP_NL .. ']+') do fl[#fl + 1] = f end
+    table.remove(fl, 1)
+    if #fl > 0 then
+      local gone = {}
+      for x, r in ipairs(redis.call('HMGET', K_DEDUP, unpack(fl))) do
+        if r and tonumber(string.match(r, '^%d+|(%d+)|') or '0') <= now then gone[#gone + 1] = fl[x] end
+      end
+      if #gone > 0 then redis.call('HDEL', K_DEDUP, unpack(gone)) end
+    end
+    redis.call('ZREM', K_DEDUPM, mark)
+  end
+end
 -- A rebalance's writes carry its epoch as the token, `@N`: refused once
 -- this shard has seen a newer rebalance's (which took over the lock while
 -- this one stalled); the newest seen is meta `repoch`.

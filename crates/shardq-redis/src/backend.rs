@@ -1296,6 +1296,9 @@ impl QueueBackend for RedisBackend {
             shardq_core::validate_key(&rec.key)?;
             shardq_core::job::validate_dedup_id(&rec.key, &rec.id)?;
         }
+        // In calls of at most ENQUEUE_BATCH_MAX records, as an enqueue: a
+        // mark of `dedupm` then names at most that many, which bounds what
+        // an enqueue forgets.
         for part in records.chunks(ENQUEUE_BATCH_MAX) {
             let v = self.script(s, &self.inner.scripts.dedup_import, &token, &|c, _| {
                 c.arg(part.len());

@@ -41,8 +41,9 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
 /// versions"), never a branch in the scripts. Layout 2 added the
-/// `limits` part, layout 3 the `deadk` part.
-pub const LAYOUT_VERSION: u32 = 3;
+/// `limits` part, layout 3 the `deadk` part, layout 4 dropped `dedupx`
+/// (dedup records expire through `dedupm` alone).
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {
@@ -119,7 +120,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// * `inflight` zset: job id -> job lease deadline (ms).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
-/// * `deadk` zset (the 22nd part, new in layout 3): the dead jobs again,
+/// * `deadk` zset (the 21st part, new in layout 3): the dead jobs again,
 ///   by key: `<key>` NUL `<id>`, the id zero-padded to 16 digits
 ///   (`DEADK_ID_DIGITS` in the scripts; ids stay below 2^53), every member
 ///   at score 0, so a `ZRANGEBYLEX` from `(<key>\0<id>` to `(<key>\1` reads
@@ -144,15 +145,16 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   the job that `(key, id)` was enqueued as (shard empty: this shard; set
 ///   by a move's import otherwise). Live until `expires_ms`; checked and
 ///   written by the enqueue script.
-/// * `dedupx` zset: dedup field -> `expires_ms`, so each enqueue forgets a
-///   bounded number of expired records: the records a move's import wrote
-///   (and those of builds before `dedupm`).
-/// * `dedupm` zset (the 20th part): one entry per enqueue batch that stored
-///   dedup records, `#<first job id>` then the batch's dedup fields, one a
-///   line, scored by their common expiry. Each enqueue forgets at most two
-///   expired batches, deleting only the records that expired (a field
-///   stored again since keeps its new record). One entry per batch instead
-///   of one per record: the per-record sorted-set entry was the enqueue
+/// * `dedupm` zset: the expiry index of `dedup`, one entry (a *mark*) per
+///   group of records written together with one expiry, scored by it: per
+///   enqueue batch that stored records, `#<first job id>`, and per expiry
+///   among the records one import call stored, `@<expires_ms>`; then the
+///   group's fields, one a line. Each enqueue and each dedup import
+///   forgets at most `DEDUP_FORGET_MARKS` (2) expired marks, so at most
+///   2 x [`crate::backend::ENQUEUE_BATCH_MAX`] records per call, deleting
+///   only the records that expired (a field stored again since keeps its
+///   new record, which a later mark names). One entry per group instead of
+///   one per record: a sorted-set entry per record was the enqueue
 ///   script's largest single cost.
 /// * `sealed` hash: routing key -> the shard its backlog moves to. A
 ///   sealed key starts no run here (the fence's `sealed_keys`); enqueues
@@ -174,7 +176,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   retention's count, written by each owner when it adopts the shard);
 ///   readers drop those past the retention's age.
 ///
-/// * `limits` hash (the 21st part, new in layout 2): the shard's copy of
+/// * `limits` hash (the 20th part, new in layout 2): the shard's copy of
 ///   the flow settings' run limits (`shardq_core::flow::ConcurrencyRules`),
 ///   which the claim script reads per key instead of receiving every rule
 ///   with every claim. `=<key>` -> a key's own limit (only where it differs
@@ -190,27 +192,18 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   copy and the last writing `\0v`. Unread while every key runs one
 ///   job at a time (a copy written before stays until the next rewrite).
 ///   At most `FLOW_RULES_MAX` entries.
-///
-/// The four before `dedupm` came after the enqueue script, which touches
-/// none of them: a producer that passes only the first 15 parts (an older
-/// client, with its own script) still enqueues correctly. This build's
-/// enqueue script uses `dedupm`, and without it indexes its records in
-/// `dedupx` one by one, as before. An older build's enqueue never reads
-/// `dedupm`; the records it indexes in `dedupx` are the ones it forgets,
-/// and a record this build stores again over an expired one leaves
-/// `dedupx`, so an older build's forgetting never drops a live record.
-pub const SHARD_PARTS: [&str; 22] = [
+pub const SHARD_PARTS: [&str; 21] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupx", "sealed", "imported", "moved", "done",
-    "dedupm", "limits", "deadk",
+    "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "done",
+    "limits", "deadk",
 ];
 
 /// Index of the `lease` part in [`SHARD_PARTS`].
 pub const LEASE_PART: usize = 11;
 /// Index of the `limits` part in [`SHARD_PARTS`].
-pub const LIMITS_PART: usize = 20;
+pub const LIMITS_PART: usize = 19;
 /// Index of the `deadk` part in [`SHARD_PARTS`].
-pub const DEADK_PART: usize = 21;
+pub const DEADK_PART: usize = 20;
 
 /// Checks a queue name: 1 to [`QUEUE_NAME_BYTES_MAX`] bytes of ASCII
 /// letters, digits, `-`, `_` and `.`. `{`, `}` and `:` are excluded so the

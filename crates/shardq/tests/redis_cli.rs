@@ -1043,8 +1043,8 @@ fn a_deployment_of_another_layout_is_refused_by_name() {
     };
     assert_eq!(
         layouts(),
-        ["3", "3", "3"],
-        "a new deployment is written at 3"
+        ["4", "4", "4"],
+        "a new deployment is written at 4"
     );
     ok(&[
         "policy",
@@ -1056,12 +1056,12 @@ fn a_deployment_of_another_layout_is_refused_by_name() {
         "--concurrency",
         "3",
     ]);
-    assert_eq!(layouts(), ["3", "3", "3"], "a policy changes no record");
+    assert_eq!(layouts(), ["4", "4", "4"], "a policy changes no record");
     ok(&["enqueue", "--data", d, "--key", "c:k", "--payload", "0"]);
     let meta = &records()[0];
     cli(&["HSET", meta, "layout", "9"]);
     let err = shardq(&["status", "--data", d]);
     assert!(!err.status.success());
     let text = String::from_utf8_lossy(&err.stderr);
-    assert!(text.contains("9") && text.contains("3"), "{text}");
+    assert!(text.contains("9") && text.contains("4"), "{text}");
 }

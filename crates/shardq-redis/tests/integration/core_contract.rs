@@ -209,15 +209,15 @@ fn redis_dedup_records_survive_a_restart_for_their_window() {
     assert_eq!(fields.trim(), "1", "expired records are pruned");
 }
 
-/// Dedup records expire through one index entry per enqueue batch. A
-/// batch's expired entry forgets only the records still expired: an id
-/// stored again before its old batch was forgotten keeps its new record.
-/// Records indexed one by one (`dedupx`: a move's import, an older build)
-/// are forgotten only once expired themselves, and one stored again over
-/// such an expired record leaves that index, so an older build's
-/// forgetting cannot drop the new record.
+/// Dedup records expire through one index, `dedupm`: a mark per enqueue
+/// batch, and per expiry among the records one import call stored (a
+/// move's). Each enqueue forgets at most two expired marks, oldest first,
+/// and a mark forgets only the records still expired: an id stored again
+/// keeps its new record. Imported records are answered as duplicates
+/// within their window and forgotten once expired, as enqueued ones are.
 #[test]
-fn redis_dedup_batches_forget_only_what_expired() {
+fn redis_dedup_marks_forget_only_what_expired() {
+    use shardq_core::{DedupRecord, JobId};
     let server = RedisServer::start();
     let map = map_of(&[("r0", server.url())]);
     init(&map);
@@ -226,40 +226,64 @@ fn redis_dedup_batches_forget_only_what_expired() {
     let job = |d: &str| shardq_core::NewJob::new("k", "p").with_dedup_id(d);
     let b = RedisBackend::open(&map, opts_manual(&clock)).expect("open");
     let parts = b.shard_keys("r0").unwrap();
-    let (dedup, dedupx) = (&parts[13], &parts[14]);
+    let (dedup, dedupm) = (&parts[13], &parts[14]);
+    assert_eq!(shardq_redis::keys::SHARD_PARTS[14], "dedupm");
+    let count = |cmd: &str, key: &str| -> u64 { server.cli(&[cmd, key]).trim().parse().unwrap() };
+    let mut first = Vec::new();
     for d in ["a", "b", "c"] {
-        b.enqueue_dedup("r0", 1, &[job(d)], window).unwrap();
+        first.extend(b.enqueue_dedup("r0", 1, &[job(d)], window).unwrap());
     }
-    // As an older build leaves them: 65 records indexed one by one, "old"
-    // expiring last.
+    assert_eq!(count("ZCARD", dedupm), 3, "a mark per batch");
+    // A move brings records of two expiries, and one for c, whose live
+    // record here stays.
     let t0 = clock.now_ms();
-    for i in 0..65u64 {
-        let d = if i == 64 {
-            "old".to_string()
-        } else {
-            format!("x{i}")
-        };
-        let field = format!("1|k{d}");
-        let exp = (t0 + 1_000 + i).to_string();
-        server.cli(&["HSET", dedup, &field, &format!("{}|{exp}|", 900 + i)]);
-        server.cli(&["ZADD", dedupx, &exp, &field]);
-    }
+    let rec = |d: &str, expires_ms: u64, job: u64| DedupRecord {
+        key: "k".into(),
+        id: d.into(),
+        shard: "elsewhere".into(),
+        job: JobId(job),
+        expires_ms,
+    };
+    b.dedup_import(
+        "r0",
+        &[
+            rec("i1", t0 + 1_000, 900),
+            rec("i2", t0 + 1_000, 901),
+            rec("old", t0 + 2_000, 902),
+            rec("c", t0 + 5_000, 903),
+        ],
+    )
+    .unwrap();
+    assert_eq!(count("HLEN", dedup), 6);
+    let marks = server.cli(&["ZRANGE", dedupm, "0", "-1"]);
+    let imported = marks.lines().filter(|l| l.starts_with('@')).count();
+    assert_eq!(imported, 2, "a mark per expiry of the import: {marks}");
+    let dups = b
+        .enqueue_dedup("r0", 1, &[job("c"), job("i1")], window)
+        .unwrap();
+    assert!(dups.iter().all(|s| s.duplicate), "{dups:?}");
+    assert_eq!((dups[0].id, dups[0].shard.as_str()), (first[2].id, "r0"));
+    assert_eq!(
+        (dups[1].id, dups[1].shard.as_str()),
+        (JobId(900), "elsewhere")
+    );
+
     clock.advance(window + 1);
-    // This enqueue forgets two of the three batches (a, b) and 64 of the
-    // 65 older records, then stores c and "old" again over their expired
-    // records.
+    // Every record expired. This enqueue forgets the two oldest marks (the
+    // import's: i1, i2 and old), then stores c and old again over their
+    // expired records.
     let again = b
         .enqueue_dedup("r0", 1, &[job("c"), job("old")], window)
         .unwrap();
     assert!(again.iter().all(|s| !s.duplicate), "{again:?}");
-    // An entry of the one-by-one index for c's live record, as a move's
-    // import leaves one (expired, for an earlier copy): forgetting it
-    // keeps the live record.
-    server.cli(&["ZADD", dedupx, &t0.to_string(), "1|kc"]);
-    // The next ones forget c's old batch and whatever is left of the
-    // older index: c's and old's new records stay.
+    assert_eq!(count("ZCARD", dedupm), 4, "two forgotten, one written");
+    assert_eq!(count("HLEN", dedup), 4, "a, b (expired), c, old");
+    // The next ones forget a's and b's batches, then c's old one, which
+    // keeps c's new record.
     b.enqueue_dedup("r0", 1, &[job("d")], window).unwrap();
+    assert_eq!(count("HLEN", dedup), 3, "c, old, d");
     b.enqueue_dedup("r0", 1, &[job("e")], window).unwrap();
+    assert_eq!(count("ZCARD", dedupm), 3, "the live batches' marks");
     let retry = b
         .enqueue_dedup("r0", 1, &[job("c"), job("old")], window)
         .unwrap();
@@ -273,8 +297,7 @@ fn redis_dedup_batches_forget_only_what_expired() {
         .collect();
     left.sort();
     assert_eq!(left, ["c", "d", "e", "old"]);
-    let fields = server.cli(&["HLEN", dedup]);
-    assert_eq!(fields.trim(), "4", "expired records are forgotten");
+    assert_eq!(count("HLEN", dedup), 4, "expired records are forgotten");
 }
 
 /// The map store's Redis put back to an older state, holding a group's run
