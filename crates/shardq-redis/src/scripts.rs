@@ -243,13 +243,11 @@ pub(crate) const KEYS_PIN_BYTES: usize = 1024;
 /// hash keeps its hash-table encoding. A small hash is otherwise a listpack
 /// (up to `hash-max-listpack-entries` fields, 512 by default), searched
 /// field by field: a shard of a few hundred keys then spent about a fifth of
-/// redis-server's time in that search. The value reads as a key with
-/// nothing waiting and nothing in flight (`0 0 0 0 ` then zeros: five
-/// numbers, every one 0, for the strict parser of builds that read key
-/// layout 2 only as for the later ones), so a process built before the pin
-/// lists it as a key with nothing in it (one more key in its counts) and its
-/// replies stay well formed. Written at init and at adopt; the scripts that
-/// list or count keys skip it, and the enqueue script refuses it as a key.
+/// redis-server's time in that search. The value is a well-formed key
+/// record with nothing waiting and nothing in flight (`0 0 0 0 ` then
+/// zeros), so a read that does not skip it still parses it as an empty key
+/// rather than failing. Written at init and at adopt; the scripts that list
+/// or count keys skip it, and the enqueue script refuses it as a key.
 pub(crate) fn keys_pin_value() -> String {
     let mut v = String::from("0 0 0 0 ");
     v.push_str(&"0".repeat(KEYS_PIN_BYTES - v.len()));
