@@ -83,6 +83,10 @@ impl OpenSeals {
     }
 }
 
+/// The batch loop of [`move_with_backlogs`]: each turn takes the waiting
+/// keys whose runs ended and fills up with new keys, moves that batch,
+/// cleans up after its switch and notes it; it ends when no key is left
+/// to move or wait for.
 #[allow(clippy::too_many_arguments)]
 fn move_all<B>(
     backend: &B,
@@ -102,8 +106,245 @@ where
     // error: the keys that move from or to one stay where they are, and
     // the other keys move on.
     let mut failed = FailedShards::default();
-    // Transfers a killed rebalance left sealed go on to where their copies
-    // went, whatever the target says now (the next rebalance moves them on).
+    let all = take_over_sealed(backend, &cur, switches, &mut failed, open)?;
+    let total = all.len();
+    let mut done = 0usize;
+    let mut stuck: Vec<String> = Vec::new();
+    let mut waited_most = 0u64;
+    let clock = &*options.clock;
+    // Keys not sealed yet, in order; and keys sealed whose runs on their
+    // old shards had not ended, with when each was sealed. A key waits
+    // only for its own runs: the next batch takes the keys whose runs
+    // ended and fills up with new ones, so one long run holds up its own
+    // key and no other.
+    let mut pending: std::collections::VecDeque<Switch> = all.into_iter().collect();
+    let mut waiting: Vec<(Switch, u64)> = Vec::new();
+    let mut said_ms = clock.now_ms();
+    loop {
+        // A run whose lock lapsed (a renewal found it gone) stops here,
+        // between batches, with nothing of the next batch sealed.
+        store.check_lock()?;
+        let now = clock.now_ms();
+        let mut batch: Vec<Switch> = Vec::new();
+        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
+        if !waiting.is_empty() {
+            let late = take_ended(
+                backend,
+                options,
+                now,
+                &mut waiting,
+                &mut batch,
+                &mut sealed_at,
+                &mut failed,
+            )?;
+            for (sw, since) in &late {
+                waited_most = waited_most.max(now.saturating_sub(*since));
+                open.keys.remove(&sw.0);
+            }
+            let late: Vec<Switch> = late.into_iter().map(|(sw, _)| sw).collect();
+            stuck.extend(leave_late(backend, &late)?);
+        }
+        while batch.len() < options.batch {
+            let Some(sw) = pending.pop_front() else {
+                break;
+            };
+            if failed.involves(&sw) {
+                failed.keys.push(sw.0);
+            } else {
+                batch.push(sw);
+            }
+        }
+        if batch.is_empty() {
+            if waiting.is_empty() && pending.is_empty() {
+                break;
+            }
+            let oldest = waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
+            say_waiting(clock, oldest, &mut said_ms, waiting.len(), on_event);
+            clock.sleep_ms(options.poll_ms.max(1));
+            continue;
+        }
+        let batch_started = clock.now_ms();
+        // Sealed from here (the batch's first step) until switched.
+        for sw in &batch {
+            open.keys.insert(sw.0.clone(), sw.clone());
+        }
+        // Per key: the jobs copied.
+        let mut copied: BTreeMap<String, u64> = BTreeMap::new();
+        let moved = move_batch_or_set_aside(
+            backend,
+            store,
+            &cur,
+            target,
+            batch,
+            options,
+            on_event,
+            &mut copied,
+            open,
+            &mut failed,
+        )?;
+        let Some(moved) = moved else {
+            continue;
+        };
+        // Keys with runs in flight stay sealed and wait, each on its own.
+        let sealed_now = clock.now_ms();
+        waiting.extend(moved.busy.into_iter().map(|sw| {
+            let since = sealed_at.get(&sw.0).copied().unwrap_or(sealed_now);
+            (sw, since)
+        }));
+        let Some((next, pauses, batch)) = moved.switched else {
+            continue;
+        };
+        // Published: these keys finish their move, by this run or a rerun.
+        for sw in &batch {
+            open.keys.remove(&sw.0);
+        }
+        // Published: the keys follow the new map. Their old shards' fences
+        // now refuse producers still routing with the old one (they reload
+        // and route to the new shards); the keys stay frozen there until
+        // their copies are gone.
+        let version = next.version;
+        cur = next;
+        clean_up_switched(backend, &batch, version, &mut failed)?;
+        let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
+        let jobs = note_moved(report, &batch, &copied, &pauses, &sealed_at, batch_started);
+        report.jobs_moved += jobs;
+        done += batch.len();
+        on_event(RebalanceEvent::Switched {
+            done,
+            total,
+            keys: batch.len(),
+            pause_ms,
+            jobs,
+        });
+    }
+    if let Some(e) = failed.into_error() {
+        return Err(e);
+    }
+    if !stuck.is_empty() {
+        return Err(ReshardError::DrainTimeout {
+            keys: stuck.into_iter().take(8).collect(),
+            waited_ms: waited_most,
+        });
+    }
+    Ok(cur)
+}
+
+/// Adds the keys of a switched batch to `report` (jobs copied, producer
+/// pause, wait for runs since each key's seal); returns the jobs copied.
+fn note_moved(
+    report: &mut RebalanceReport,
+    batch: &[Switch],
+    copied: &BTreeMap<String, u64>,
+    pauses: &BTreeMap<String, u64>,
+    sealed_at: &BTreeMap<String, u64>,
+    batch_started: u64,
+) -> u64 {
+    let mut jobs = 0u64;
+    for (key, from, to) in batch {
+        let n = copied.get(key).copied().unwrap_or(0);
+        jobs += n;
+        report.moved.push(MovedKey {
+            key: key.clone(),
+            from: from.clone(),
+            to: to.clone(),
+            pause_ms: pauses.get(key).copied().unwrap_or(0) as f64,
+            jobs_moved: n,
+            run_wait_ms: sealed_at
+                .get(key)
+                .map_or(0, |at| batch_started.saturating_sub(*at)) as f64,
+        });
+    }
+    jobs
+}
+
+/// One batch's move ([`move_batch`]), tried again without the keys of a
+/// shard that failed in it (set aside in `failed`, unsealed where no copy
+/// of them can exist) until it moves or none is left. `None`: no key of
+/// the batch was left to move.
+#[allow(clippy::too_many_arguments)]
+fn move_batch_or_set_aside<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    cur: &ShardMap,
+    target: &ShardMap,
+    mut batch: Vec<Switch>,
+    options: &RebalanceOptions,
+    on_event: &mut dyn FnMut(RebalanceEvent),
+    copied: &mut BTreeMap<String, u64>,
+    open: &mut OpenSeals,
+    failed: &mut FailedShards,
+) -> Result<Option<BatchMoved>, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    // (key, source id) -> id on the new shard, of every copy this run
+    // made: kept across a retry of the batch, whose dedup records must
+    // still name the copies made before it.
+    let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+    loop {
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        let attempt = move_batch(
+            backend,
+            store,
+            cur,
+            target,
+            &batch,
+            options,
+            on_event,
+            copied,
+            &mut open.touched,
+            &mut ids,
+        );
+        match attempt {
+            Ok(moved) => return Ok(Some(moved)),
+            Err(e) => {
+                // Pauses stay as they are: a frozen key's producers go
+                // to its new shard (no wait), and a key paused on its
+                // new shard mid forced round stays so until a rerun has
+                // copied the rest, or its order would break. The keys
+                // stay sealed.
+                let shards: BTreeSet<&str> = batch
+                    .iter()
+                    .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
+                    .collect();
+                let shards: Vec<&str> = shards.into_iter().collect();
+                // An error no failing shard explains stops the run
+                // (the caller unseals what holds no copies).
+                failed.note_or_raise(backend, &shards, e)?;
+                let (drop, keep): (Vec<_>, Vec<_>) =
+                    batch.into_iter().partition(|sw| failed.involves(sw));
+                // The keys that stay where they are lose their seal too
+                // when no copy of them can exist: they run there again.
+                // One whose old shard does not answer now stays open,
+                // for the unseal when the run ends.
+                let clean = open.clean(backend, &drop);
+                if set_sealed_each(backend, &clean, false).is_ok() {
+                    for sw in &clean {
+                        open.keys.remove(&sw.0);
+                    }
+                }
+                failed.keys.extend(drop.into_iter().map(|sw| sw.0));
+                batch = keep;
+            }
+        }
+    }
+}
+
+/// The moves to make, from `switches` and the transfers a killed rebalance
+/// left sealed: those it switched already are finished here (what a
+/// producer still routing with the old map stored on the old shard is
+/// copied, then the copies there are deleted and the key unsealed); the
+/// others go on to where their copies went, whatever the target says now
+/// (the next rebalance moves them on), and are noted as carried.
+fn take_over_sealed<B: QueueBackend + ?Sized>(
+    backend: &B,
+    cur: &ShardMap,
+    switches: Vec<Switch>,
+    failed: &mut FailedShards,
+    open: &mut OpenSeals,
+) -> Result<Vec<Switch>, ReshardError> {
     let mut todo: BTreeMap<String, (String, String)> = switches
         .into_iter()
         .map(|(k, from, to)| (k, (from, to)))
@@ -158,258 +399,121 @@ where
             }
         }
     }
-    let all: Vec<(String, String, String)> = todo
+    Ok(todo
         .into_iter()
         .map(|(k, (from, to))| (k, from, to))
-        .collect();
-    let total = all.len();
-    let mut done = 0usize;
-    let mut stuck: Vec<String> = Vec::new();
-    let mut waited_most = 0u64;
-    let clock = &*options.clock;
-    // Keys not sealed yet, in order; and keys sealed whose runs on their
-    // old shards had not ended, with when each was sealed. A key waits
-    // only for its own runs: the next batch takes the keys whose runs
-    // ended and fills up with new ones, so one long run holds up its own
-    // key and no other.
-    let mut pending: std::collections::VecDeque<Switch> = all.into_iter().collect();
-    let mut waiting: Vec<(Switch, u64)> = Vec::new();
-    let mut said_ms = clock.now_ms();
-    loop {
-        // A run whose lock lapsed (a renewal found it gone) stops here,
-        // between batches, with nothing of the next batch sealed.
-        store.check_lock()?;
-        let now = clock.now_ms();
-        let mut batch: Vec<Switch> = Vec::new();
-        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
-        if !waiting.is_empty() {
-            let mut still = Vec::with_capacity(waiting.len());
-            let mut late = Vec::new();
-            for (sw, since) in std::mem::take(&mut waiting) {
-                if failed.involves(&sw) {
-                    failed.keys.push(sw.0);
-                    continue;
-                }
-                match backend.key_counts(&sw.1, &sw.0) {
-                    Ok(c) if c.in_flight == 0 && batch.len() < options.batch => {
-                        sealed_at.insert(sw.0.clone(), since);
-                        batch.push(sw);
-                    }
-                    Ok(c)
-                        if c.in_flight > 0
-                            && now.saturating_sub(since) >= options.drain_timeout_ms =>
-                    {
-                        waited_most = waited_most.max(now.saturating_sub(since));
-                        late.push(sw);
-                    }
-                    Ok(_) => still.push((sw, since)),
-                    Err(e) => {
-                        failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?;
-                        failed.keys.push(sw.0);
-                    }
-                }
-            }
-            waiting = still;
-            for sw in &late {
-                open.keys.remove(&sw.0);
-            }
-            stuck.extend(leave_late(backend, &late)?);
+        .collect())
+}
+
+/// Of the keys `waiting` for their runs on their old shards: those whose
+/// runs ended join `batch` (up to the batch size, with when each was
+/// sealed in `sealed_at`); those still running past `drain_timeout_ms`
+/// from their seal are returned (with their seal time) to be left where
+/// they are; the others keep waiting.
+#[allow(clippy::too_many_arguments)]
+fn take_ended<B: QueueBackend + ?Sized>(
+    backend: &B,
+    options: &RebalanceOptions,
+    now: u64,
+    waiting: &mut Vec<(Switch, u64)>,
+    batch: &mut Vec<Switch>,
+    sealed_at: &mut BTreeMap<String, u64>,
+    failed: &mut FailedShards,
+) -> Result<Vec<(Switch, u64)>, ReshardError> {
+    let mut still = Vec::with_capacity(waiting.len());
+    let mut late = Vec::new();
+    for (sw, since) in std::mem::take(waiting) {
+        if failed.involves(&sw) {
+            failed.keys.push(sw.0);
+            continue;
         }
-        while batch.len() < options.batch {
-            let Some(sw) = pending.pop_front() else {
-                break;
-            };
-            if failed.involves(&sw) {
-                failed.keys.push(sw.0);
-            } else {
+        match backend.key_counts(&sw.1, &sw.0) {
+            Ok(c) if c.in_flight == 0 && batch.len() < options.batch => {
+                sealed_at.insert(sw.0.clone(), since);
                 batch.push(sw);
             }
-        }
-        if batch.is_empty() {
-            if waiting.is_empty() && pending.is_empty() {
-                break;
+            Ok(c) if c.in_flight > 0 && now.saturating_sub(since) >= options.drain_timeout_ms => {
+                late.push((sw, since));
             }
-            let oldest = waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
-            say_waiting(clock, oldest, &mut said_ms, waiting.len(), on_event);
-            clock.sleep_ms(options.poll_ms.max(1));
-            continue;
-        }
-        let batch_started = clock.now_ms();
-        // Sealed from here (the batch's first step) until switched.
-        for sw in &batch {
-            open.keys.insert(sw.0.clone(), sw.clone());
-        }
-        // Per key: the jobs copied.
-        let mut copied: BTreeMap<String, u64> = BTreeMap::new();
-        // (key, source id) -> id on the new shard, of every copy this run
-        // made: kept across a retry of the batch, whose dedup records must
-        // still name the copies made before it.
-        let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
-        let moved = loop {
-            if batch.is_empty() {
-                break None;
+            Ok(_) => still.push((sw, since)),
+            Err(e) => {
+                failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?;
+                failed.keys.push(sw.0);
             }
-            let attempt = move_batch(
-                backend,
-                store,
-                &cur,
-                target,
-                &batch,
-                options,
-                on_event,
-                &mut copied,
-                &mut open.touched,
-                &mut ids,
-            );
-            match attempt {
-                Ok(moved) => break Some(moved),
+        }
+    }
+    *waiting = still;
+    Ok(late)
+}
+
+/// After a batch's switch is published at `version`: the old shards'
+/// fences raised to it, the copies left there deleted (once the new shards
+/// made theirs durable) and the keys unsealed. A shard that fails here is
+/// set aside in `failed`, its keys left sealed (and frozen) for a rerun.
+fn clean_up_switched<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    version: u64,
+    failed: &mut FailedShards,
+) -> Result<(), ReshardError> {
+    let olds: Vec<String> = batch
+        .iter()
+        .map(|sw| sw.1.clone())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let olds: Vec<&str> = olds.iter().map(String::as_str).collect();
+    if let Err(e) = each_old_shard(batch, |part| {
+        update_old_fences(backend, part, &mut |fence, _, _| {
+            fence.map_version_min = fence.map_version_min.max(version);
+        })
+    }) {
+        failed.note_or_raise(backend, &olds, e)?;
+    }
+    // 6. Delete the copies left on the old shards, then unseal. The
+    //    switch is published: a key whose old shard fails here keeps its
+    //    copies there sealed (and frozen), and a rerun deletes them
+    //    (above). Not on an old shard whose fence could not be raised:
+    //    unsealed there, the key would take a stale producer's job on
+    //    the shard it no longer runs on.
+    let mut cleaned = Vec::with_capacity(batch.len());
+    // The copies are made durable before any source is deleted, once
+    // per new shard for the whole batch: a new shard that fails that
+    // keeps its keys' sources where they are, sealed, for the rerun.
+    let mut synced: BTreeMap<&str, bool> = BTreeMap::new();
+    for sw in batch {
+        if !synced.contains_key(sw.2.as_str()) {
+            let ok = match backend.sync_imports(&sw.2) {
+                Ok(()) => true,
                 Err(e) => {
-                    // Pauses stay as they are: a frozen key's producers go
-                    // to its new shard (no wait), and a key paused on its
-                    // new shard mid forced round stays so until a rerun has
-                    // copied the rest, or its order would break. The keys
-                    // stay sealed.
-                    let shards: BTreeSet<&str> = batch
-                        .iter()
-                        .flat_map(|(_, from, to)| [from.as_str(), to.as_str()])
-                        .collect();
-                    let shards: Vec<&str> = shards.into_iter().collect();
-                    // An error no failing shard explains stops the run
-                    // (the caller unseals what holds no copies).
-                    failed.note_or_raise(backend, &shards, e)?;
-                    let (drop, keep): (Vec<_>, Vec<_>) =
-                        batch.into_iter().partition(|sw| failed.involves(sw));
-                    // The keys that stay where they are lose their seal too
-                    // when no copy of them can exist: they run there again.
-                    // One whose old shard does not answer now stays open,
-                    // for the unseal when the run ends.
-                    let clean = open.clean(backend, &drop);
-                    if set_sealed_each(backend, &clean, false).is_ok() {
-                        for sw in &clean {
-                            open.keys.remove(&sw.0);
-                        }
-                    }
-                    failed.keys.extend(drop.into_iter().map(|sw| sw.0));
-                    batch = keep;
+                    failed.note_or_raise(backend, &[sw.2.as_str()], e.into())?;
+                    false
                 }
-            }
-        };
-        let Some(moved) = moved else {
+            };
+            synced.insert(&sw.2, ok);
+        }
+    }
+    for sw in batch {
+        if failed.shards.contains_key(&sw.1) || !synced[sw.2.as_str()] {
+            failed.keys.push(sw.0.clone());
             continue;
-        };
-        // Keys with runs in flight stay sealed and wait, each on its own.
-        let sealed_now = clock.now_ms();
-        waiting.extend(moved.busy.into_iter().map(|sw| {
-            let since = sealed_at.get(&sw.0).copied().unwrap_or(sealed_now);
-            (sw, since)
-        }));
-        let Some((next, pauses, batch)) = moved.switched else {
-            continue;
-        };
-        // Published: these keys finish their move, by this run or a rerun.
-        for sw in &batch {
-            open.keys.remove(&sw.0);
         }
-        // Published: the keys follow the new map. Their old shards' fences
-        // now refuse producers still routing with the old one (they reload
-        // and route to the new shards); the keys stay frozen there until
-        // their copies are gone.
-        let version = next.version;
-        cur = next;
-        let olds: Vec<String> = batch
-            .iter()
-            .map(|sw| sw.1.clone())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let olds: Vec<&str> = olds.iter().map(String::as_str).collect();
-        if let Err(e) = each_old_shard(&batch, |part| {
-            update_old_fences(backend, part, &mut |fence, _, _| {
-                fence.map_version_min = fence.map_version_min.max(version);
-            })
-        }) {
-            failed.note_or_raise(backend, &olds, e)?;
+        match backend.purge_key(&sw.1, &sw.0) {
+            Ok(_) => cleaned.push(sw.clone()),
+            Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
         }
-        let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
-        // 6. Delete the copies left on the old shards, then unseal. The
-        //    switch is published: a key whose old shard fails here keeps its
-        //    copies there sealed (and frozen), and a rerun deletes them
-        //    (above). Not on an old shard whose fence could not be raised:
-        //    unsealed there, the key would take a stale producer's job on
-        //    the shard it no longer runs on.
-        let mut cleaned = Vec::with_capacity(batch.len());
-        // The copies are made durable before any source is deleted, once
-        // per new shard for the whole batch: a new shard that fails that
-        // keeps its keys' sources where they are, sealed, for the rerun.
-        let mut synced: BTreeMap<&str, bool> = BTreeMap::new();
-        for sw in &batch {
-            if !synced.contains_key(sw.2.as_str()) {
-                let ok = match backend.sync_imports(&sw.2) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        failed.note_or_raise(backend, &[sw.2.as_str()], e.into())?;
-                        false
-                    }
-                };
-                synced.insert(&sw.2, ok);
-            }
-        }
-        for sw in &batch {
-            if failed.shards.contains_key(&sw.1) || !synced[sw.2.as_str()] {
-                failed.keys.push(sw.0.clone());
-                continue;
-            }
-            match backend.purge_key(&sw.1, &sw.0) {
-                Ok(_) => cleaned.push(sw.clone()),
-                Err(e) => failed.note_or_raise(backend, &[sw.1.as_str()], e.into())?,
-            }
-        }
-        if let Err(e) = each_old_shard(&cleaned, |part| {
-            update_old_fences(backend, part, &mut |fence, key, _| {
-                // Raised again in the same write, so no unseal is ever seen
-                // under the old floor.
-                fence.map_version_min = fence.map_version_min.max(version);
-                fence.unseal(key);
-            })
-        }) {
-            failed.note_or_raise(backend, &olds, e)?;
-        }
-        let mut jobs = 0u64;
-        for (key, from, to) in &batch {
-            let n = copied.get(key).copied().unwrap_or(0);
-            jobs += n;
-            report.moved.push(MovedKey {
-                key: key.clone(),
-                from: from.clone(),
-                to: to.clone(),
-                pause_ms: pauses.get(key).copied().unwrap_or(0) as f64,
-                jobs_moved: n,
-                run_wait_ms: sealed_at
-                    .get(key)
-                    .map_or(0, |at| batch_started.saturating_sub(*at))
-                    as f64,
-            });
-        }
-        report.jobs_moved += jobs;
-        done += batch.len();
-        on_event(RebalanceEvent::Switched {
-            done,
-            total,
-            keys: batch.len(),
-            pause_ms,
-            jobs,
-        });
     }
-    if let Some(e) = failed.into_error() {
-        return Err(e);
+    if let Err(e) = each_old_shard(&cleaned, |part| {
+        update_old_fences(backend, part, &mut |fence, key, _| {
+            // Raised again in the same write, so no unseal is ever seen
+            // under the old floor.
+            fence.map_version_min = fence.map_version_min.max(version);
+            fence.unseal(key);
+        })
+    }) {
+        failed.note_or_raise(backend, &olds, e)?;
     }
-    if !stuck.is_empty() {
-        return Err(ReshardError::DrainTimeout {
-            keys: stuck.into_iter().take(8).collect(),
-            waited_ms: waited_most,
-        });
-    }
-    Ok(cur)
+    Ok(())
 }
 
 /// Shards a rebalance found failing, and the keys left where they are
