@@ -5,40 +5,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardq");
+mod support;
+use support::{init_shards as init, output as shardq, temp_dir, BIN};
+
 /// Bound on every wait in these tests.
 const WAIT_MAX: Duration = Duration::from_secs(60);
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn shardq(args: &[&str]) -> std::process::Output {
-    Command::new(BIN).args(args).output().expect("runs shardq")
-}
-
-fn init(data: &Path, shards: usize) {
-    let out = shardq(&[
-        "init",
-        "--data",
-        data.to_str().unwrap(),
-        "--shards",
-        &shards.to_string(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// Starts a producer fed `lines` on stdin; returns the child.
 fn producer(data: &Path, lines: String) -> Child {

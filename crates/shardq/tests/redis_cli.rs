@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use shardq_route::{Router, ShardMap};
 use shardq_testkit::redis::RedisServer;
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardq");
+mod support;
+use support::{ok, output as shardq, status_json, temp_dir, BIN};
+
 /// Bound on every wait in these tests.
 const WAIT_MAX: Duration = Duration::from_secs(60);
 /// Worker lease: short, so a killed worker's shards are taken over quickly
@@ -28,27 +30,6 @@ const LEASE_MS: &str = "1000";
 const ROUNDS_AFTER: usize = 5;
 /// Interval between producer rounds, in ms.
 const FEED_EVERY_MS: u64 = 100;
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardq-redis-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn shardq(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("runs shardq")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = shardq(args);
-    assert!(
-        out.status.success(),
-        "shardq {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn servers(n: usize) -> Vec<RedisServer> {
     (0..n).map(|_| RedisServer::start()).collect()
@@ -72,10 +53,6 @@ fn init(data: &Path, shards: usize, servers: &[RedisServer]) -> String {
         "--redis",
         &urls(servers),
     ])
-}
-
-fn status_json(data: &Path) -> serde_json::Value {
-    serde_json::from_str(&ok(&["status", "--data", data.to_str().unwrap(), "--json"])).unwrap()
 }
 
 fn worker(data: &Path, out: &Path, max_shards: &str, exit_when_idle: bool) -> Child {
@@ -213,12 +190,9 @@ fn verdict(expected: &BTreeMap<String, Vec<String>>, runs: &[Run]) -> Verdict {
     v
 }
 
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < WAIT_MAX, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(20));
-    }
+/// [`support::wait_until`] within this file's bound.
+fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    support::wait_until(what, WAIT_MAX, done)
 }
 
 fn sigterm_and_wait(child: &mut Child) {

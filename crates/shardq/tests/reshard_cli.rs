@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
@@ -29,11 +29,11 @@ use shardq_fs::map_store::TARGET_FILE;
 use shardq_fs::{Engine, EngineOptions};
 use shardq_route::{Algorithm, Router, ShardMap, ShardState};
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardq");
+mod support;
+use support::{ok as run_ok, output as run, BIN};
+
 /// Bound on every wait in these tests.
 const WAIT_MAX: Duration = Duration::from_secs(60);
-/// Interval of condition polls.
-const POLL: Duration = Duration::from_millis(2);
 /// Tenants `t-0..` over which the moved fraction is computed from the maps.
 const TENANTS: usize = 10_000;
 /// Allowed distance of the moved fraction from its expected value.
@@ -135,30 +135,8 @@ impl Drop for Proc {
     }
 }
 
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < WAIT_MAX,
-            "timed out after {WAIT_MAX:?} waiting for {what}"
-        );
-        thread::sleep(POLL);
-    }
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("runs shardq")
-}
-
-/// Runs shardq, asserts success, returns stdout.
-fn run_ok(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "shardq {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+fn wait_until(what: &str, cond: impl FnMut() -> bool) {
+    support::wait_until(what, WAIT_MAX, cond)
 }
 
 fn json(stdout: &str) -> serde_json::Value {

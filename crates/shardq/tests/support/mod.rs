@@ -36,6 +36,18 @@ pub fn run(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// Runs `shardq ARGS`, asserting it succeeds (the failure names the
+/// arguments and stderr); returns stdout.
+pub fn ok(args: &[&str]) -> String {
+    let out = output(args);
+    assert!(
+        out.status.success(),
+        "shardq {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Runs `shardq ARGS` and returns its whole output.
 pub fn output(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().expect("runs shardq")
