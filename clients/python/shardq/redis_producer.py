@@ -139,6 +139,15 @@ def shard_keys(ns: str, queue: str, shard: str) -> List[str]:
     return [f"sq:{{{ns}:{queue}:{shard}}}:{part}" for part in SHARD_PARTS]
 
 
+def shard_key(ns: str, queue: str, shard: str, part: str) -> str:
+    """The key of one part of a shard, named (``"meta"``, ``"sealed"``...),
+    never numbered; a part :data:`SHARD_PARTS` does not list raises
+    ``ValueError``."""
+    if part not in SHARD_PARTS:
+        raise ValueError(f"no shard part {part!r}; the parts are {', '.join(SHARD_PARTS)}")
+    return f"sq:{{{ns}:{queue}:{shard}}}:{part}"
+
+
 @dataclass(frozen=True)
 class Job:
     """A job to enqueue. ``payload`` is bytes (``str`` is sent as UTF-8)."""

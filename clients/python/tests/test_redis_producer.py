@@ -38,7 +38,7 @@ from shardq.redis_producer import (
     _map_yaml_at_version,
     map_key,
     rebalance_lock_key,
-    shard_keys,
+    shard_key,
 )
 from shardq.routing import Router
 
@@ -235,7 +235,7 @@ def test_fenced_until_a_newer_map_is_published(tmp, servers):
     data, r = _deployment(tmp, srv)
     p = RedisProducer.from_data_dir(data, fence_wait_ms=300)
     shard = p.router.route("k")
-    meta = shard_keys("default", "default", shard)[0]
+    meta = shard_key("default", "default", shard, "meta")
     r.hset(meta, "fmin", 2)
     t0 = time.monotonic()
     with pytest.raises(FencedTooLong) as e:
@@ -255,7 +255,7 @@ def test_paused_key_waits_then_gives_up_without_holding_back_others(tmp, servers
     (srv,) = servers(1)
     data, r = _deployment(tmp, srv, shards=1)
     p = RedisProducer.from_data_dir(data, pause_wait_ms=300)
-    paused = shard_keys("default", "default", "shard-0")[10]
+    paused = shard_key("default", "default", "shard-0", "paused")
     r.sadd(paused, "slow")
     with pytest.raises(PausedTooLong) as e:
         p.enqueue_many([Job("a", "1"), Job("slow", "1"), Job("b", "1"), Job("a", "2")])
@@ -277,9 +277,7 @@ def test_a_frozen_key_sends_its_jobs_to_the_shard_that_holds_it_at_once(tmp, ser
     old = p.router.route("k")
     new = next(s.name for s in p.router.map.shards if s.name != old)
     other = next(k for k in (f"o{i}" for i in range(1000)) if p.router.route(k) == old)
-    parts = shard_keys("default", "default", old)
-    paused, sealed = parts[10], parts[15]
-    assert sealed.endswith("sealed") and paused.endswith("paused")
+    paused, sealed, meta = (shard_key("default", "default", old, part) for part in ("paused", "sealed", "meta"))
     r.hset(sealed, "k", new)
     r.sadd(paused, "k")
     t0 = time.monotonic()
@@ -288,7 +286,7 @@ def test_a_frozen_key_sends_its_jobs_to_the_shard_that_holds_it_at_once(tmp, ser
     assert [(g.key, g.shard) for g in got] == [("k", new), (other, old), ("k", new)]
     assert got[0].id < got[2].id, "the key's jobs kept their order on its new shard"
     # Its old shard stored nothing of it; a later call goes to D directly.
-    assert r.hget(parts[0], "seq") == b"1", "only the other key's job went to the old shard"
+    assert r.hget(meta, "seq") == b"1", "only the other key's job went to the old shard"
     assert p.enqueue("k", "3").shard == new
     # A key only paused (not sealed) still waits, and gives up at its bound.
     r.hdel(sealed, "k")
@@ -305,7 +303,7 @@ def test_lost_store_full_store_and_evicting_server_are_refused(tmp, servers):
     with pytest.raises(StoreFull, match="OOM"):
         p.enqueue("k", "x")
     r.config_set("maxmemory", 0)
-    meta = shard_keys("default", "default", p.router.route("k"))[0]
+    meta = shard_key("default", "default", p.router.route("k"), "meta")
     r.hdel(meta, "dep")
     with pytest.raises(StoreLost, match="deployment record"):
         p.enqueue("k", "x")
@@ -323,7 +321,7 @@ def _fence_every_shard(r: redis.Redis, router: Router, version: int) -> None:
     field of the shard's ``meta`` hash) at the next version, no map
     published at it and no rebalance lock held."""
     for s in router.map.shards:
-        r.hset(shard_keys("default", "default", s.name)[0], "fmin", version)
+        r.hset(shard_key("default", "default", s.name, "meta"), "fmin", version)
 
 
 def _set_calls(r: redis.Redis) -> int:
@@ -348,7 +346,7 @@ def test_an_orphaned_fence_is_lifted_by_republishing_the_same_map(tmp, servers):
     # fence_wait_ms.
     assert ORPHAN_FENCE_AFTER_MS / 1000 <= took < 10, f"took {took:.1f} s"
     assert got.map_version == v + 1 and got.shard == before.route("k")
-    assert r.hget(shard_keys("default", "default", got.shard)[0], "seq") == b"1"
+    assert r.hget(shard_key("default", "default", got.shard, "meta"), "seq") == b"1"
 
     # The published map is the same map at the fence's version: only its
     # version line changed, and every key routes as before.
@@ -399,7 +397,7 @@ def test_an_orphaned_fence_is_not_lifted_while_a_rebalance_holds_the_lock(tmp, s
     assert r.hmget(map_key("default"), "version", "yaml") == [str(v).encode(), before_yaml.encode()]
     assert r.get(lock) == holder and r.pttl(lock) > 0
     for s in before.map.shards:
-        assert r.hget(shard_keys("default", "default", s.name)[0], "seq") in (None, b"0")
+        assert r.hget(shard_key("default", "default", s.name, "meta"), "seq") in (None, b"0")
 
     # Once the rebalance is gone (its lock lapsed), the same wait lifts it.
     r.delete(lock)
@@ -443,7 +441,7 @@ def test_a_fence_left_by_a_killed_local_rebalance_is_lifted_without_waiting_for_
         assert took < ORPHAN_FENCE_AFTER_MS / 1000 + 3, f"round {round_}: took {took:.1f} s"
         assert int(r.hget(map_key("default"), "version")) == version
         assert not r.exists(lock), "the lift gave the lock back"
-    assert r.hget(shard_keys("default", "default", before.route("k"))[0], "seq") == b"2"
+    assert r.hget(shard_key("default", "default", before.route("k"), "meta"), "seq") == b"2"
 
 
 def test_a_lift_republishes_only_a_map_that_validates_with_only_its_version_changed():

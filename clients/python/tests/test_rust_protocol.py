@@ -25,7 +25,7 @@ from support import REPO_ROOT
 
 SCRIPTS_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "scripts.rs")
 KEYS_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "keys.rs")
-BACKEND_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "backend.rs")
+BACKEND_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "backend", "mod.rs")
 MAPSTORE_RS = os.path.join(REPO_ROOT, "crates", "shardq-redis", "src", "mapstore.rs")
 PRODUCER_RS = os.path.join(REPO_ROOT, "crates", "shardq-core", "src", "producer.rs")
 

@@ -198,6 +198,12 @@ pub const SHARD_PARTS: [&str; 21] = [
     "limits", "deadk",
 ];
 
+/// Index of part `name` in [`SHARD_PARTS`]: how code and tests name a
+/// part, never by its number.
+pub fn part_index(name: &str) -> Option<usize> {
+    SHARD_PARTS.iter().position(|p| *p == name)
+}
+
 /// Index of the `lease` part in [`SHARD_PARTS`].
 pub const LEASE_PART: usize = 11;
 /// Index of the `limits` part in [`SHARD_PARTS`].
