@@ -296,8 +296,18 @@ pub(crate) fn flow_control(
         Err(e) => (FlowSettings::default(), Some(e.to_string())),
     };
     let source = Arc::clone(maps);
+    // The text last read: a recheck that finds it unchanged (the common
+    // case, every second in every process) parses nothing.
+    let last: std::sync::Mutex<Option<Option<String>>> = std::sync::Mutex::new(None);
     let flow = FlowControl::new(first, groups).with_source(Box::new(move || {
-        flow_setting(&*source).map_err(|e| e.into())
+        let text = source.load_setting(shardq_core::reshard::SETTING_FLOW)?;
+        let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.as_ref() == Some(&text) {
+            return Ok(None);
+        }
+        let settings = read_flow(text.as_deref())?;
+        *last = Some(text);
+        Ok(Some(settings))
     }));
     if let Some(e) = error {
         flow.note_error(format!("reading the flow settings: {e}"));
@@ -900,6 +910,71 @@ impl Deployment {
 #[cfg(test)]
 mod settings_format {
     use super::*;
+
+    /// Flow control over a map store rereads the `flow` setting every
+    /// recheck: a changed text is put in use, an unchanged one is not
+    /// parsed again (the settings in use, and their version, stay), a text
+    /// that does not read keeps the settings in use and says why.
+    #[test]
+    fn flow_control_puts_changed_settings_in_use_and_skips_unchanged_ones() {
+        use shardq_core::flow::{LocalGroupBuckets, FLOW_RECHECK_MS};
+        let maps: Arc<dyn MapStore> = Arc::new(shardq_core::memory::MemoryMapStore::new(
+            ShardMap::with_shards(shardq_route::Algorithm::Rendezvous, ["s0"]).unwrap(),
+        ));
+        let store = |f: &FlowSettings| {
+            maps.store_setting(
+                shardq_core::reshard::SETTING_FLOW,
+                setting_text(f).unwrap().as_deref(),
+            )
+            .unwrap()
+        };
+        let mut many = FlowSettings::default();
+        for i in 0..10_000 {
+            many.prefixes.insert(
+                format!("p{i}:"),
+                shardq_core::FlowPolicy {
+                    concurrency: 2,
+                    ..Default::default()
+                },
+            );
+        }
+        store(&many);
+        let flow = flow_control(&maps, Arc::new(LocalGroupBuckets::default())).unwrap();
+        assert_eq!(*flow.settings(), many);
+        let v = flow.version();
+        let mut t = 0;
+        let mut recheck = || {
+            t += FLOW_RECHECK_MS;
+            flow.refresh(t);
+        };
+        for _ in 0..5 {
+            recheck();
+        }
+        assert_eq!(
+            flow.version(),
+            v,
+            "unchanged settings are not put in use again"
+        );
+        let mut fewer = many.clone();
+        fewer.prefixes.remove("p0:");
+        store(&fewer);
+        recheck();
+        assert_eq!(*flow.settings(), fewer);
+        assert_eq!(flow.version(), v + 1);
+        maps.store_setting(shardq_core::reshard::SETTING_FLOW, Some("{"))
+            .unwrap();
+        recheck();
+        assert_eq!(
+            *flow.settings(),
+            fewer,
+            "a text that does not read changes nothing"
+        );
+        let err = flow.stats().last_error.expect("the error is kept");
+        assert!(err.contains("flow"), "{err}");
+        store(&many);
+        recheck();
+        assert_eq!(*flow.settings(), many);
+    }
 
     /// A stored settings document carries its format version; one of
     /// another version, or with none, is refused naming both versions and

@@ -32,9 +32,14 @@ pub enum Admit {
     NotBefore(u64),
 }
 
-/// Where settings come from when they are read again.
-pub type FlowSource =
-    Box<dyn Fn() -> Result<FlowSettings, Box<dyn std::error::Error + Send + Sync>> + Send + Sync>;
+/// Where settings come from when they are read again: `Ok(None)` when
+/// they did not change since the source's last answer (so a recheck of
+/// unchanged settings costs no parse and no comparison of every policy).
+pub type FlowSource = Box<
+    dyn Fn() -> Result<Option<FlowSettings>, Box<dyn std::error::Error + Send + Sync>>
+        + Send
+        + Sync,
+>;
 
 /// A group's limit and its state now, as `shardq status` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -195,7 +200,8 @@ impl FlowControl {
             return;
         }
         match self.source.as_ref().map(|source| source()) {
-            Some(Ok(s)) => self.set(s, now_ms),
+            Some(Ok(Some(s))) => self.set(s, now_ms),
+            Some(Ok(None)) => self.loaded_ms.store(now_ms, Ordering::Relaxed),
             Some(Err(e)) => {
                 self.note_error(format!("reading the flow settings: {e}"));
                 self.loaded_ms.store(now_ms, Ordering::Relaxed);
@@ -794,7 +800,7 @@ mod tests {
             FlowSettings::default(),
             Arc::new(LocalGroupBuckets::default()),
         )
-        .with_source(Box::new(move || Ok(src.lock().unwrap().clone())));
+        .with_source(Box::new(move || Ok(Some(src.lock().unwrap().clone()))));
         f.refresh(0);
         assert_eq!(f.admit("k", 0, &ANY_RUN), Admit::Now);
         s.lock().unwrap().default.rate = Some(rate("1/s"));

@@ -438,7 +438,7 @@ fn a_claim_reads_changed_settings_before_it_starts_anything() {
     let stored = std::sync::Arc::new(Mutex::new(FlowSettings::default()));
     let source = {
         let stored = std::sync::Arc::clone(&stored);
-        Box::new(move || Ok(stored.lock().unwrap().clone())) as shardq_core::flow::FlowSource
+        Box::new(move || Ok(Some(stored.lock().unwrap().clone()))) as shardq_core::flow::FlowSource
     };
     let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
     let flow = shardq_core::FlowControl::new(FlowSettings::default(), std::sync::Arc::new(groups))

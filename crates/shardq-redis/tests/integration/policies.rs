@@ -62,7 +62,8 @@ fn a_policy_change_reaches_every_workers_claims_within_a_second() {
     let worker = |name: &str, shard: &str| {
         let source = {
             let stored = Arc::clone(&stored);
-            Box::new(move || Ok(stored.lock().unwrap().clone())) as shardq_core::flow::FlowSource
+            Box::new(move || Ok(Some(stored.lock().unwrap().clone())))
+                as shardq_core::flow::FlowSource
         };
         let groups = shardq_redis::RedisMapStore::open(&server.url()).expect("map store");
         let first = stored.lock().unwrap().clone();
