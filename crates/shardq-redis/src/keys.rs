@@ -40,9 +40,7 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// build reads and writes exactly this version and refuses any other at
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
-/// versions"), never a branch in the scripts. Layout 2 added the
-/// `limits` part, layout 3 the `deadk` part, layout 4 dropped `dedupx`
-/// (dedup records expire through `dedupm` alone).
+/// versions"), never a branch in the scripts.
 pub const LAYOUT_VERSION: u32 = 4;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
