@@ -30,14 +30,14 @@ import urllib.request
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
+from bench_support import free_port, log
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PY_HANDLER = os.path.join(ROOT, "examples", "handlers", "python", "stdio_handler.py")
 WAIT_S = 600
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def emit(row: Dict[str, Any]) -> None:
@@ -81,10 +81,6 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sh(*args: str, stdin: Optional[bytes] = None) -> bytes:

@@ -55,11 +55,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
+
+from bench_support import free_port, log, proc_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -67,27 +68,10 @@ MB = 1_000_000
 CHUNK = 256 * 1024
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind((HOST, 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
-def proc_status(pid: int) -> Dict[str, int]:
-    """VmRSS and VmHWM of `pid`, in bytes."""
-    out: Dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                name, value = line.split(":", 1)
-                out[name] = int(value.split()[0]) * 1024
-    return out
 
 
 class Sampler:
@@ -107,7 +91,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                rss = proc_status(self.pid)["VmRSS"]
+                rss = proc_memory(self.pid)["VmRSS"]
             except (OSError, KeyError):
                 return
             with self._lock:
@@ -116,7 +100,7 @@ class Sampler:
             self._stop.wait(self.interval)
 
     def now(self) -> int:
-        rss = proc_status(self.pid)["VmRSS"]
+        rss = proc_memory(self.pid)["VmRSS"]
         with self._lock:
             self.peak = max(self.peak, rss)
         return rss
@@ -406,7 +390,7 @@ def run_one(binary: str, name: str, kind: str, args: argparse.Namespace, run: in
         time.sleep(args.settle_s)
         after = sampler.now()
         peak = sampler.peak
-        hwm = proc_status(pid)["VmHWM"]
+        hwm = proc_memory(pid)["VmHWM"]
         alive = server.proc.poll() is None
     finally:
         for c in conns:

@@ -58,12 +58,13 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
+
+from bench_support import free_port, log, proc_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -75,16 +76,8 @@ ENQ_KEYS = 100
 PHASES = ("none", "both", "key", "id", "health")
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind((HOST, 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def pct(sorted_ms: List[float], p: float) -> Optional[float]:
@@ -99,17 +92,6 @@ def r3(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 3)
 
 
-def vm_status(pid: int) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    name, kb = line.split(":", 1)
-                    out[name] = int(kb.split()[0]) * 1024 / 1_000_000
-    except OSError:
-        pass
-    return out
 
 
 # ---------------------------------------------------------------- readers
@@ -306,7 +288,7 @@ def run_phase(srv: Server, prod: Producer, phase: str, seconds: float, readers: 
             bad[k] = bad.get(k, 0) + v
     if bad:
         raise RuntimeError("readers got unexpected answers: %r" % bad)
-    mem = vm_status(srv.proc.pid)
+    mem = {k: v / 1_000_000 for k, v in proc_memory(srv.proc.pid).items()}
     row = {
         "phase": phase,
         "readers": len(procs),
