@@ -17,6 +17,7 @@ pub mod pool;
 pub mod producer;
 pub mod reshard;
 pub mod retry;
+pub mod schedule;
 pub mod secret;
 
 pub use backend::{

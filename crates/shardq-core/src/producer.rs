@@ -246,6 +246,12 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         Ok(())
     }
 
+    /// The shard `key` routes to with the map in use (re-read when stale).
+    pub fn shard_of(&mut self, key: &str) -> Result<String, ProduceError> {
+        self.reload_if_stale()?;
+        Ok(self.router.route(key).to_string())
+    }
+
     /// Routes `job` and enqueues it; returns where it landed.
     pub fn enqueue(&mut self, job: &NewJob) -> Result<Placed, ProduceError> {
         let mut placed = self.enqueue_batch(std::slice::from_ref(job))?;

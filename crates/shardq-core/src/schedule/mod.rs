@@ -1,0 +1,401 @@
+//! Recurring schedules: a durable object that enqueues one job per tick.
+//!
+//! A [`Schedule`] names a key, a recurrence ([`When`]: a cron expression in
+//! an IANA time zone, or a fixed interval anchored to a start), a payload
+//! and policies. Schedules are a deployment setting (`schedules`, changed
+//! by compare-and-set like every setting, so no acknowledged change is
+//! lost), read again by every worker within [`SCHEDULE_RECHECK_MS`].
+//!
+//! **Who fires a tick.** No leader: each worker fires the schedules whose
+//! key routes to a shard it owns ([`Scheduler::pass`]), so a schedule
+//! follows its key through a rebalance and is run by whoever owns the
+//! key's shard now.
+//!
+//! **Exactly one job per tick.** The job of tick `t` of schedule `id`
+//! carries the dedup id `schedule:{id}@{t}` ([`tick_dedup_id`]) and is
+//! enqueued with a dedup window of [`SCHEDULE_DEDUP_WINDOW_MS`]. The dedup
+//! check is atomic with the append on every backend and dedup records move
+//! with their key (the backend contract), so any number of fires of one
+//! tick (a worker killed after the enqueue and before it recorded the
+//! fire, two processes that both believe they own the shard, a stale map
+//! sending the fire to the key's old shard, a backfill over fired ticks)
+//! store one job. A worker records the ticks it decided in the
+//! `schedule-state` setting ([`ScheduleState::decided_ms`], merged by
+//! maximum, so concurrent writers never move it back) and keeps the same
+//! cursor in memory: a tick at or below the cursor is never considered
+//! again, whatever the clock does afterwards.
+//!
+//! **Catch-up.** A tick is due at `t + jitter(t)`. A tick found due more
+//! than `catch_up_ms` after `t` (every worker was down) is not fired and is
+//! counted in [`ScheduleState::missed`]; one within it fires as the
+//! [`Overlap`] policy allows. The jitter of a tick is a fixed function of
+//! the schedule id and `t`, so every process agrees on it.
+//!
+//! **Time.** Cron expressions are parsed by `croner` (five fields, or six
+//! with seconds first; names of months and days; ranges, lists, steps)
+//! and evaluated in the schedule's zone (`chrono-tz`, the IANA database).
+//! At daylight-saving changes: a local time skipped by the spring-forward
+//! change fires once, at the first instant after the gap (02:30 fires at
+//! 03:00 when 02:00-03:00 does not exist); a local time that occurs twice
+//! at the fall-back change fires once, at its first occurrence. An
+//! interval (`every_ms`) is anchored: the Nth tick is `anchor + N x every`
+//! (the anchor is the start time, else the Unix epoch), never the last
+//! run plus the interval, so it does not drift.
+
+mod runner;
+mod ticks;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::QueueError;
+
+pub use runner::{backfill, trigger, FireReport, ScheduleStore, Scheduler, SchedulerOptions};
+pub use ticks::{parse_cron, parse_zone, Compiled};
+
+/// Most schedules a deployment may hold.
+pub const SCHEDULES_MAX: usize = 10_000;
+/// Longest schedule id, in bytes.
+pub const SCHEDULE_ID_BYTES_MAX: usize = 128;
+/// Shortest interval of an `every` schedule (1 s).
+pub const EVERY_MS_MIN: u64 = 1_000;
+/// Longest interval of an `every` schedule (366 days).
+pub const EVERY_MS_MAX: u64 = 366 * 24 * 3600 * 1000;
+/// Default catch-up window (5 minutes): a tick found due later than this
+/// after its time is counted missed, not fired.
+pub const CATCH_UP_MS_DEFAULT: u64 = 5 * 60 * 1000;
+/// Longest catch-up window (1 day).
+pub const CATCH_UP_MS_MAX: u64 = 24 * 3600 * 1000;
+/// Longest jitter (1 hour).
+pub const JITTER_MS_MAX: u64 = 3600 * 1000;
+/// How long the dedup id of a tick's job is remembered (2 days): longer
+/// than any tick can still be fired (catch-up plus jitter, under a day
+/// and an hour), with room for a clock stepped back by most of a day.
+pub const SCHEDULE_DEDUP_WINDOW_MS: u64 = 2 * 24 * 3600 * 1000;
+/// How often a worker reads the schedules again (a change takes effect
+/// within this on every worker).
+pub const SCHEDULE_RECHECK_MS: u64 = 1_000;
+/// Most ticks one schedule fires in one pass (a backfill or an `all`
+/// catch-up longer than this continues at the next pass).
+pub const TICKS_PER_PASS_MAX: usize = 1_000;
+/// Most ticks a backfill may ask for.
+pub const BACKFILL_TICKS_MAX: usize = 10_000;
+/// The deployment setting holding the schedules ([`Schedules`]).
+pub const SETTING_SCHEDULES: &str = "schedules";
+/// The deployment setting holding each schedule's fire state
+/// ([`ScheduleStates`]).
+pub const SETTING_SCHEDULE_STATE: &str = "schedule-state";
+/// Format version of both schedule documents: a document of another
+/// version is refused, naming both.
+pub const SCHEDULES_VERSION: u64 = 1;
+
+/// What a schedule does while the job of its previous tick is still live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// No tick while the previous job is queued, delayed or running (the
+    /// default); of several ticks due at once only the newest fires.
+    #[default]
+    Skip,
+    /// At most one job waiting: a tick fires while the previous job runs
+    /// (the new one waits behind it in its key), not while it waits.
+    One,
+    /// Every tick fires.
+    All,
+}
+
+impl Overlap {
+    /// Parses `skip`, `one` or `all`.
+    pub fn parse(s: &str) -> Result<Overlap, QueueError> {
+        match s {
+            "skip" => Ok(Overlap::Skip),
+            "one" => Ok(Overlap::One),
+            "all" => Ok(Overlap::All),
+            _ => Err(QueueError::InvalidOption {
+                name: "overlap",
+                value: s.to_string(),
+                allowed: "skip, one or all".into(),
+            }),
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Overlap::Skip => "skip",
+            Overlap::One => "one",
+            Overlap::All => "all",
+        }
+    }
+}
+
+/// When a schedule ticks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum When {
+    /// A cron expression evaluated in an IANA zone (`UTC` by default).
+    Cron {
+        /// The expression, as given.
+        expr: String,
+        /// The zone's IANA name.
+        tz: String,
+    },
+    /// Every `every_ms`, anchored at the schedule's start (else the epoch).
+    Every {
+        /// The interval, in ms ([`EVERY_MS_MIN`]..=[`EVERY_MS_MAX`]).
+        every_ms: u64,
+    },
+}
+
+/// One recurring schedule, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Schedule {
+    /// The key whose jobs it enqueues (and whose shard runs it).
+    pub key: String,
+    /// When it ticks.
+    pub when: When,
+    /// The payload of every job, as UTF-8 text.
+    pub payload: String,
+    /// What a tick does while the previous job is live.
+    #[serde(default)]
+    pub overlap: Overlap,
+    /// How late a tick may still fire, in ms.
+    pub catch_up_ms: u64,
+    /// Largest delay added to a tick's fire (0..=[`JITTER_MS_MAX`]), the
+    /// same for every process.
+    #[serde(default)]
+    pub jitter_ms: u64,
+    /// No tick before this (ms since the epoch).
+    #[serde(default)]
+    pub start_ms: Option<u64>,
+    /// No tick after this (ms since the epoch).
+    #[serde(default)]
+    pub end_ms: Option<u64>,
+    /// Attempts of each job.
+    pub max_attempts: u32,
+    /// Paused: no tick fires.
+    #[serde(default)]
+    pub paused: bool,
+    /// Ticks at or before this never fire (ms): the time the schedule was
+    /// set or last resumed, so neither fires ticks of the past.
+    pub since_ms: u64,
+}
+
+impl Schedule {
+    /// Checks every field, naming the field and the value it refuses.
+    pub fn validate(&self, id: &str) -> Result<(), QueueError> {
+        validate_schedule_id(id)?;
+        crate::job::validate_key(&self.key)?;
+        Compiled::new(id, self)?;
+        let bad = |name: &'static str, value: String, allowed: String| {
+            Err(QueueError::InvalidOption {
+                name,
+                value,
+                allowed,
+            })
+        };
+        if self.catch_up_ms > CATCH_UP_MS_MAX {
+            return bad(
+                "catch-up",
+                format!("{} ms", self.catch_up_ms),
+                format!("0 to {CATCH_UP_MS_MAX} ms (1 day)"),
+            );
+        }
+        if self.jitter_ms > JITTER_MS_MAX {
+            return bad(
+                "jitter",
+                format!("{} ms", self.jitter_ms),
+                format!("0 to {JITTER_MS_MAX} ms (1 hour)"),
+            );
+        }
+        if let (Some(s), Some(e)) = (self.start_ms, self.end_ms) {
+            if s > e {
+                return bad(
+                    "start",
+                    format!("{s} ms (after the end, {e} ms)"),
+                    "a time at or before the end".into(),
+                );
+            }
+        }
+        if self.max_attempts == 0 || self.max_attempts > crate::job::MAX_ATTEMPTS_LIMIT {
+            return Err(QueueError::InvalidMaxAttempts {
+                value: self.max_attempts,
+                max: crate::job::MAX_ATTEMPTS_LIMIT,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Checks a schedule id: 1..=[`SCHEDULE_ID_BYTES_MAX`] bytes of ASCII
+/// letters, digits and `-_.:`, so it fits in a dedup id, a URL path and a
+/// file name alike.
+pub fn validate_schedule_id(id: &str) -> Result<(), QueueError> {
+    let ok = !id.is_empty()
+        && id.len() <= SCHEDULE_ID_BYTES_MAX
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    if ok {
+        return Ok(());
+    }
+    Err(QueueError::InvalidOption {
+        name: "schedule id",
+        value: format!("{id:?}"),
+        allowed: format!(
+            "1 to {SCHEDULE_ID_BYTES_MAX} bytes of ASCII letters, digits and - _ . :"
+        ),
+    })
+}
+
+/// The dedup id of the job of tick `tick_ms` of schedule `id`.
+pub fn tick_dedup_id(id: &str, tick_ms: u64) -> String {
+    format!("schedule:{id}@{tick_ms}")
+}
+
+/// The dedup id of a manual trigger of schedule `id` at `now_ms`.
+pub fn trigger_dedup_id(id: &str, now_ms: u64) -> String {
+    format!("schedule:{id}!{now_ms}")
+}
+
+/// Every schedule of a deployment, by id (the `schedules` setting).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Schedules {
+    /// The schedules.
+    #[serde(default)]
+    pub schedules: BTreeMap<String, Schedule>,
+}
+
+impl Schedules {
+    /// Checks every schedule and the bound on their number.
+    pub fn validate(&self) -> Result<(), QueueError> {
+        if self.schedules.len() > SCHEDULES_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "schedules",
+                value: self.schedules.len().to_string(),
+                allowed: format!("at most {SCHEDULES_MAX} per deployment"),
+            });
+        }
+        for (id, s) in &self.schedules {
+            s.validate(id)?;
+        }
+        Ok(())
+    }
+
+    /// Parses the stored text (with its `version`), checked.
+    pub fn parse(text: &str) -> Result<Schedules, QueueError> {
+        let s: Schedules = parse_versioned(SETTING_SCHEDULES, text)?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// The text to store (`None` when there is no schedule).
+    pub fn to_text(&self) -> Option<String> {
+        (!self.schedules.is_empty()).then(|| versioned_text(self))
+    }
+}
+
+/// Where the job of a schedule's latest fire went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LastFire {
+    /// The tick it was fired for (ms), or the time of a trigger.
+    pub tick_ms: u64,
+    /// When it was enqueued (ms).
+    pub at_ms: u64,
+    /// The shard that stored it.
+    pub shard: String,
+    /// Its id there.
+    pub job: u64,
+}
+
+/// What workers recorded of one schedule's fires.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleState {
+    /// Every tick at or before this has been decided (fired, skipped by the
+    /// overlap policy, or missed) and is never considered again.
+    pub decided_ms: u64,
+    /// The latest fire, if any.
+    #[serde(default)]
+    pub last: Option<LastFire>,
+    /// Ticks that stored a job.
+    #[serde(default)]
+    pub fired: u64,
+    /// Ticks not fired because the previous job was live ([`Overlap`]).
+    #[serde(default)]
+    pub skipped: u64,
+    /// Ticks found past their catch-up window (every worker was down).
+    #[serde(default)]
+    pub missed: u64,
+}
+
+impl ScheduleState {
+    /// Keeps whichever of `self` and `other` decided further (two writers'
+    /// states of one schedule never move it back).
+    pub fn merge(&mut self, other: &ScheduleState) {
+        if other.decided_ms > self.decided_ms
+            || (other.decided_ms == self.decided_ms && other.fired > self.fired)
+        {
+            *self = other.clone();
+        }
+    }
+}
+
+/// Every schedule's state (the `schedule-state` setting).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleStates {
+    /// The states, by schedule id.
+    #[serde(default)]
+    pub states: BTreeMap<String, ScheduleState>,
+}
+
+impl ScheduleStates {
+    /// Parses the stored text (with its `version`).
+    pub fn parse(text: &str) -> Result<ScheduleStates, QueueError> {
+        parse_versioned(SETTING_SCHEDULE_STATE, text)
+    }
+
+    /// The text to store.
+    pub fn to_text(&self) -> Option<String> {
+        (!self.states.is_empty()).then(|| versioned_text(self))
+    }
+}
+
+fn versioned_text<T: Serialize>(value: &T) -> String {
+    let mut doc = serde_json::Map::new();
+    doc.insert("version".into(), SCHEDULES_VERSION.into());
+    if let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(value) {
+        doc.extend(fields);
+    }
+    serde_json::Value::Object(doc).to_string()
+}
+
+fn parse_versioned<T: serde::de::DeserializeOwned>(
+    name: &str,
+    text: &str,
+) -> Result<T, QueueError> {
+    let refused = |reason: String| QueueError::BadFile {
+        path: format!("the deployment's {name:?} setting"),
+        what: "schedules document",
+        reason,
+    };
+    let mut doc: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| refused(format!("does not parse ({e})")))?;
+    match doc.remove("version") {
+        Some(v) if v.as_u64() == Some(SCHEDULES_VERSION) => {}
+        found => {
+            return Err(QueueError::UnknownFormat {
+                what: format!("the deployment's {name:?} setting"),
+                found: found.map_or("none".to_string(), |v| v.to_string()),
+                supported: SCHEDULES_VERSION.to_string(),
+            });
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(doc))
+        .map_err(|e| refused(format!("does not parse ({e})")))
+}

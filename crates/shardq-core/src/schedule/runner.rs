@@ -1,0 +1,426 @@
+//! Firing schedules: the [`Scheduler`] a worker runs beside its pool, the
+//! settings it reads and writes, and the one-off fires (trigger, backfill).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use super::{
+    tick_dedup_id, trigger_dedup_id, Compiled, LastFire, Overlap, Schedule, ScheduleState,
+    ScheduleStates, Schedules, BACKFILL_TICKS_MAX, SCHEDULE_DEDUP_WINDOW_MS,
+    SCHEDULE_RECHECK_MS, SETTING_SCHEDULES, SETTING_SCHEDULE_STATE, TICKS_PER_PASS_MAX,
+};
+use crate::backend::QueueBackend;
+use crate::clock::Clock;
+use crate::error::QueueError;
+use crate::job::{JobId, JobState, NewJob};
+use crate::producer::{Placed, ProduceError, Producer, ProducerOptions};
+use crate::reshard::{update_setting, MapStore, ReshardError};
+
+/// Most missed ticks one schedule counts in one pass (a longer outage is
+/// counted over the next passes).
+const MISSED_PER_PASS_MAX: u64 = 100_000;
+
+/// Reading and changing the two schedule settings of a deployment.
+pub struct ScheduleStore;
+
+impl ScheduleStore {
+    /// The deployment's schedules (none when unset).
+    pub fn load(maps: &dyn MapStore) -> Result<Schedules, ReshardError> {
+        match maps.load_setting(SETTING_SCHEDULES)? {
+            None => Ok(Schedules::default()),
+            Some(text) => Ok(Schedules::parse(&text)?),
+        }
+    }
+
+    /// Edits the schedules atomically against every other writer:
+    /// `change` edits the schedules stored now (it may run more than once),
+    /// the result is checked and stored. An `Ok` means stored.
+    pub fn update<R, E>(
+        maps: &dyn MapStore,
+        mut change: impl FnMut(&mut Schedules) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<ReshardError> + From<QueueError>,
+    {
+        update_setting(maps, SETTING_SCHEDULES, |current| {
+            let mut s = match current {
+                None => Schedules::default(),
+                Some(text) => Schedules::parse(text)?,
+            };
+            let out = change(&mut s)?;
+            s.validate()?;
+            Ok((s.to_text(), out))
+        })
+    }
+
+    /// Every schedule's recorded state.
+    pub fn states(maps: &dyn MapStore) -> Result<ScheduleStates, ReshardError> {
+        match maps.load_setting(SETTING_SCHEDULE_STATE)? {
+            None => Ok(ScheduleStates::default()),
+            Some(text) => Ok(ScheduleStates::parse(&text)?),
+        }
+    }
+
+    /// Merges `states` into the stored ones ([`ScheduleState::merge`]: a
+    /// schedule's state never moves back) and drops the states of ids not
+    /// in `keep`.
+    pub fn record(
+        maps: &dyn MapStore,
+        states: &BTreeMap<String, ScheduleState>,
+        keep: &BTreeSet<String>,
+    ) -> Result<(), ReshardError> {
+        update_setting(maps, SETTING_SCHEDULE_STATE, |current| {
+            let mut all = match current {
+                None => ScheduleStates::default(),
+                Some(text) => ScheduleStates::parse(text)?,
+            };
+            for (id, s) in states {
+                all.states.entry(id.clone()).or_default().merge(s);
+            }
+            all.states.retain(|id, _| keep.contains(id));
+            Ok::<_, ReshardError>((all.to_text(), ()))
+        })
+    }
+}
+
+/// Options of a [`Scheduler`].
+#[derive(Debug, Clone)]
+pub struct SchedulerOptions {
+    /// Time for ticks and waits (a manual clock in simulations).
+    pub clock: Arc<dyn Clock>,
+}
+
+/// What one [`Scheduler::pass`] did.
+#[derive(Debug, Clone, Default)]
+pub struct FireReport {
+    /// Each stored job: schedule id, tick, where it went.
+    pub fired: Vec<(String, u64, Placed)>,
+    /// Fires that found their tick's job already stored (another process
+    /// fired it first).
+    pub duplicates: u64,
+    /// Ticks not fired by the overlap policy.
+    pub skipped: u64,
+    /// Ticks past their catch-up window.
+    pub missed: u64,
+    /// Schedules whose fire failed this pass, with why (they are tried
+    /// again at the next pass; nothing was decided for them).
+    pub errors: Vec<(String, String)>,
+    /// The earliest fire due among the schedules this process runs.
+    pub next_due_ms: Option<u64>,
+}
+
+struct Loaded {
+    id: String,
+    schedule: Schedule,
+    compiled: Compiled,
+}
+
+/// Fires the schedules whose key routes to a shard this process owns.
+pub struct Scheduler {
+    maps: Arc<dyn MapStore>,
+    backend: Arc<dyn QueueBackend>,
+    producer: Producer<dyn QueueBackend>,
+    clock: Arc<dyn Clock>,
+    text: Option<Option<String>>,
+    loaded: Vec<Loaded>,
+    /// Each schedule's state as this process knows it: the stored one
+    /// merged with its own fires. Its cursor never moves back.
+    local: BTreeMap<String, ScheduleState>,
+    dirty: BTreeSet<String>,
+    checked_ms: Option<u64>,
+}
+
+impl Scheduler {
+    /// A scheduler over `backend` and the deployment's map store `maps`.
+    pub fn new(
+        backend: Arc<dyn QueueBackend>,
+        maps: Arc<dyn MapStore>,
+        opts: SchedulerOptions,
+    ) -> Result<Scheduler, ProduceError> {
+        let producer = Producer::new(
+            Arc::clone(&backend),
+            Arc::clone(&maps),
+            ProducerOptions {
+                clock: Arc::clone(&opts.clock),
+                dedup_window_ms: SCHEDULE_DEDUP_WINDOW_MS,
+                ..ProducerOptions::default()
+            },
+        )?;
+        Ok(Scheduler {
+            maps,
+            backend,
+            producer,
+            clock: opts.clock,
+            text: None,
+            loaded: Vec::new(),
+            local: BTreeMap::new(),
+            dirty: BTreeSet::new(),
+            checked_ms: None,
+        })
+    }
+
+    /// How many schedules are loaded.
+    pub fn len(&self) -> usize {
+        self.loaded.len()
+    }
+
+    /// Whether no schedule is loaded.
+    pub fn is_empty(&self) -> bool {
+        self.loaded.is_empty()
+    }
+
+    /// Reads the schedules (when changed) and every state again, at most
+    /// every [`SCHEDULE_RECHECK_MS`] unless `force`.
+    fn refresh(&mut self, now: u64, force: bool) -> Result<(), ReshardError> {
+        if !force && self.checked_ms.is_some_and(|t| now.saturating_sub(t) < SCHEDULE_RECHECK_MS)
+        {
+            return Ok(());
+        }
+        let text = self.maps.load_setting(SETTING_SCHEDULES)?;
+        if self.text.as_ref() != Some(&text) {
+            let schedules = match &text {
+                None => Schedules::default(),
+                Some(t) => Schedules::parse(t)?,
+            };
+            let mut loaded = Vec::with_capacity(schedules.schedules.len());
+            for (id, schedule) in schedules.schedules {
+                let compiled = Compiled::new(&id, &schedule)?;
+                loaded.push(Loaded {
+                    id,
+                    schedule,
+                    compiled,
+                });
+            }
+            self.loaded = loaded;
+            self.text = Some(text);
+            let ids: BTreeSet<&String> = self.loaded.iter().map(|l| &l.id).collect();
+            self.local.retain(|id, _| ids.contains(id));
+        }
+        for (id, stored) in ScheduleStore::states(&*self.maps)?.states {
+            if self.loaded.iter().any(|l| l.id == id) {
+                self.local.entry(id).or_default().merge(&stored);
+            }
+        }
+        self.checked_ms = Some(now);
+        Ok(())
+    }
+
+    /// Whether the job of `last` is live, and whether it waits (queued or
+    /// delayed) rather than runs. A job not found (finished, or moved
+    /// away with its key) counts as ended.
+    fn previous(&self, last: Option<&LastFire>) -> Result<(bool, bool), QueueError> {
+        let Some(last) = last else {
+            return Ok((false, false));
+        };
+        match self.backend.job(&last.shard, JobId(last.job))? {
+            Some(info) => match info.state {
+                JobState::Queued | JobState::Delayed => Ok((true, true)),
+                JobState::Running => Ok((true, false)),
+                JobState::Dead => Ok((false, false)),
+            },
+            None => Ok((false, false)),
+        }
+    }
+
+    /// One pass: fires every due tick of the schedules whose key routes
+    /// to a shard in `owned`, as their overlap policies allow, counts the
+    /// ticks past their catch-up window as missed, and records what it
+    /// decided. Safe to run in any number of processes at once: a tick's
+    /// job is stored once wherever it is fired from.
+    pub fn pass(&mut self, owned: &BTreeSet<String>) -> Result<FireReport, ProduceError> {
+        let now = self.clock.now_ms();
+        self.refresh(now, false)?;
+        let mut report = FireReport::default();
+        for i in 0..self.loaded.len() {
+            let shard = self.producer.shard_of(&self.loaded[i].schedule.key)?;
+            if !owned.contains(&shard) {
+                continue;
+            }
+            if let Err(e) = self.run_one(i, now, &mut report) {
+                report
+                    .errors
+                    .push((self.loaded[i].id.clone(), e.to_string()));
+            }
+        }
+        if !self.dirty.is_empty() {
+            let changed: BTreeMap<String, ScheduleState> = self
+                .dirty
+                .iter()
+                .filter_map(|id| self.local.get(id).map(|s| (id.clone(), s.clone())))
+                .collect();
+            let keep: BTreeSet<String> = self.loaded.iter().map(|l| l.id.clone()).collect();
+            ScheduleStore::record(&*self.maps, &changed, &keep)?;
+            self.dirty.clear();
+        }
+        Ok(report)
+    }
+
+    fn run_one(&mut self, i: usize, now: u64, report: &mut FireReport) -> Result<(), ProduceError> {
+        let l = &self.loaded[i];
+        let state = self.local.get(&l.id).cloned().unwrap_or_default();
+        let cursor = state.decided_ms.max(l.schedule.since_ms);
+        if l.schedule.paused {
+            return Ok(());
+        }
+        // The ticks due now: missed ones counted, the others collected.
+        let mut missed = 0u64;
+        let mut due: Vec<u64> = Vec::new();
+        let mut t = cursor;
+        let mut decided = cursor;
+        while let Some(next) = l.compiled.next_after(t) {
+            let fire_at = next.saturating_add(l.compiled.jitter(next));
+            if fire_at > now {
+                let at = report.next_due_ms.get_or_insert(fire_at);
+                *at = (*at).min(fire_at);
+                break;
+            }
+            t = next;
+            if now > fire_at.saturating_add(l.schedule.catch_up_ms) {
+                missed += 1;
+                decided = next;
+                if missed >= MISSED_PER_PASS_MAX {
+                    break;
+                }
+                continue;
+            }
+            due.push(next);
+            if due.len() >= TICKS_PER_PASS_MAX {
+                break;
+            }
+        }
+        let mut skipped = 0u64;
+        let fire: Vec<u64> = match l.schedule.overlap {
+            Overlap::All => due.clone(),
+            Overlap::Skip | Overlap::One if due.is_empty() => Vec::new(),
+            policy => {
+                let (live, waiting) = self.previous(state.last.as_ref())?;
+                let hold = match policy {
+                    Overlap::Skip => live,
+                    _ => waiting,
+                };
+                if hold {
+                    skipped = due.len() as u64;
+                    Vec::new()
+                } else {
+                    skipped = due.len() as u64 - 1;
+                    due.last().copied().into_iter().collect()
+                }
+            }
+        };
+        let mut st = state;
+        if let Some(&last) = due.last() {
+            if fire.is_empty() {
+                decided = decided.max(last);
+            }
+        }
+        if !fire.is_empty() {
+            let jobs: Vec<NewJob> = fire
+                .iter()
+                .map(|&tick| NewJob {
+                    key: l.schedule.key.clone(),
+                    payload: l.schedule.payload.clone().into_bytes(),
+                    delay_ms: 0,
+                    max_attempts: l.schedule.max_attempts,
+                    dedup_id: Some(tick_dedup_id(&l.id, tick)),
+                })
+                .collect();
+            let id = l.id.clone();
+            let placed = self.producer.enqueue_batch(&jobs)?;
+            for p in placed {
+                let tick = fire[p.index];
+                if p.duplicate {
+                    report.duplicates += 1;
+                } else {
+                    st.fired += 1;
+                }
+                st.last = Some(LastFire {
+                    tick_ms: tick,
+                    at_ms: now,
+                    shard: p.shard.clone(),
+                    job: p.id.0,
+                });
+                decided = decided.max(tick);
+                if !p.duplicate {
+                    report.fired.push((id.clone(), tick, p));
+                }
+            }
+        }
+        if decided > st.decided_ms || missed > 0 || skipped > 0 {
+            st.decided_ms = st.decided_ms.max(decided);
+            st.missed += missed;
+            st.skipped += skipped;
+            report.missed += missed;
+            report.skipped += skipped;
+            let id = self.loaded[i].id.clone();
+            self.local.insert(id.clone(), st);
+            self.dirty.insert(id);
+        }
+        Ok(())
+    }
+}
+
+/// Enqueues one job of schedule `id` now, outside its ticks (a manual
+/// trigger): the overlap policy does not apply. Where it went.
+pub fn trigger<B: QueueBackend + ?Sized>(
+    producer: &mut Producer<B>,
+    id: &str,
+    s: &Schedule,
+    now_ms: u64,
+) -> Result<Placed, ProduceError> {
+    producer.enqueue(&NewJob {
+        key: s.key.clone(),
+        payload: s.payload.clone().into_bytes(),
+        delay_ms: 0,
+        max_attempts: s.max_attempts,
+        dedup_id: Some(trigger_dedup_id(id, now_ms)),
+    })
+}
+
+/// Enqueues the job of every tick of schedule `id` in `from_ms..=to_ms`,
+/// in order, each with its tick's dedup id: a tick whose job is already
+/// stored (fired, or backfilled before, within the dedup window) is not
+/// stored again. At most [`BACKFILL_TICKS_MAX`] ticks. The placements.
+pub fn backfill<B: QueueBackend + ?Sized>(
+    producer: &mut Producer<B>,
+    id: &str,
+    s: &Schedule,
+    from_ms: u64,
+    to_ms: u64,
+) -> Result<Vec<(u64, Placed)>, ProduceError> {
+    let compiled = Compiled::new(id, s)?;
+    let mut ticks = Vec::new();
+    let mut t = from_ms.saturating_sub(1);
+    while let Some(next) = compiled.next_after(t) {
+        if next > to_ms {
+            break;
+        }
+        if ticks.len() == BACKFILL_TICKS_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "backfill range",
+                value: format!("{from_ms}..={to_ms} ms"),
+                allowed: format!("a range of at most {BACKFILL_TICKS_MAX} ticks"),
+            }
+            .into());
+        }
+        ticks.push(next);
+        t = next;
+    }
+    let jobs: Vec<NewJob> = ticks
+        .iter()
+        .map(|&tick| NewJob {
+            key: s.key.clone(),
+            payload: s.payload.clone().into_bytes(),
+            delay_ms: 0,
+            max_attempts: s.max_attempts,
+            dedup_id: Some(tick_dedup_id(id, tick)),
+        })
+        .collect();
+    let mut out = Vec::with_capacity(jobs.len());
+    for chunk in jobs.chunks(500) {
+        let base = out.len();
+        for p in producer.enqueue_batch(chunk)? {
+            out.push((ticks[base + p.index], p));
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,276 @@
+//! Schedules on the in-memory backend and a manual clock: every tick
+//! stores exactly one job whatever fires it, whatever the clock does and
+//! wherever its key moves; overlap and catch-up as documented in
+//! `shardq_core::schedule`.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use shardq_core::memory::{MemoryBackend, MemoryMapStore};
+use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
+use shardq_core::schedule::{
+    tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
+    SCHEDULE_DEDUP_WINDOW_MS, SETTING_SCHEDULE_STATE,
+};
+use shardq_core::{Clock, ManualClock, NewJob, QueueBackend};
+use shardq_route::{Algorithm, ShardMap};
+
+const T0: u64 = 1_800_000_000_000;
+
+struct World {
+    clock: Arc<ManualClock>,
+    backend: Arc<MemoryBackend>,
+    maps: Arc<MemoryMapStore>,
+}
+
+fn world() -> World {
+    let clock = Arc::new(ManualClock::new(T0));
+    let backend = Arc::new(MemoryBackend::new(&["a", "b"], clock.clone()));
+    let maps = Arc::new(MemoryMapStore::new(
+        ShardMap::with_shards(Algorithm::Jump, ["a", "b"]).unwrap(),
+    ));
+    World {
+        clock,
+        backend,
+        maps,
+    }
+}
+
+fn every(key: &str, every_ms: u64, overlap: Overlap, catch_up_ms: u64) -> Schedule {
+    Schedule {
+        key: key.into(),
+        when: When::Every { every_ms },
+        payload: "tick".into(),
+        overlap,
+        catch_up_ms,
+        jitter_ms: 0,
+        start_ms: None,
+        end_ms: None,
+        max_attempts: 3,
+        paused: false,
+        since_ms: T0,
+    }
+}
+
+fn set(w: &World, id: &str, s: Schedule) {
+    ScheduleStore::update(&*w.maps, |all| {
+        all.schedules.insert(id.to_string(), s.clone());
+        Ok::<_, ReshardError>(())
+    })
+    .unwrap();
+}
+
+fn scheduler(w: &World) -> Scheduler {
+    Scheduler::new(
+        w.backend.clone(),
+        w.maps.clone(),
+        SchedulerOptions {
+            clock: w.clock.clone(),
+        },
+    )
+    .unwrap()
+}
+
+fn owned(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+/// Jobs of `key` on every shard (queued, delayed, running or dead).
+fn jobs_of(w: &World, key: &str) -> u64 {
+    ["a", "b"]
+        .iter()
+        .map(|s| {
+            let c = w.backend.key_counts(s, key).unwrap();
+            c.depth + c.in_flight + c.dead
+        })
+        .sum()
+}
+
+/// Whether tick `t`'s job of schedule `id` is stored: a fire of it now is
+/// a duplicate.
+fn stored(w: &World, id: &str, key: &str, t: u64) -> bool {
+    let shard = shardq_route::Router::new(w.maps.load().unwrap())
+        .unwrap()
+        .route(key)
+        .to_string();
+    let version = w.maps.load().unwrap().version;
+    let out = w
+        .backend
+        .enqueue_dedup(
+            &shard,
+            version,
+            &[NewJob::new(key, "probe").with_dedup_id(tick_dedup_id(id, t))],
+            SCHEDULE_DEDUP_WINDOW_MS,
+        )
+        .unwrap();
+    out[0].duplicate
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Three schedulers fire one schedule while its key is pinned back and
+/// forth between two shards (each move a full rebalance), one of them
+/// restarts with no memory, the recorded state is put back to an older
+/// copy, and the clock steps back and forward. Invariant: the ticks that
+/// stored a job are exactly the ticks up to the latest time a pass saw,
+/// each once.
+#[test]
+fn every_tick_stores_one_job_through_moves_restarts_old_state_and_clock_steps() {
+    for seed in 1..=12u64 {
+        let w = world();
+        set(&w, "s1", every("tenant-7", 1_000, Overlap::All, 60_000));
+        let mut rng = Rng(0x9E37_79B9 ^ seed.wrapping_mul(0x1234_5678_9ABC));
+        // A owns a, B owns b, C believes it owns both (a stale owner).
+        let mut a = scheduler(&w);
+        let mut b = scheduler(&w);
+        let mut c = scheduler(&w);
+        let mut snapshot: Option<String> = None;
+        let mut latest = T0;
+        let mut pinned_to = "a";
+        for _ in 0..150 {
+            match rng.below(10) {
+                0 => w.clock.set(w.clock.now_ms().saturating_sub(rng.below(20_000))),
+                _ => w.clock.advance(rng.below(1_500)),
+            }
+            match rng.below(12) {
+                0 => a = scheduler(&w),
+                1 => snapshot = w.maps.load_setting(SETTING_SCHEDULE_STATE).unwrap(),
+                2 => {
+                    let now = w.maps.load_setting(SETTING_SCHEDULE_STATE).unwrap();
+                    let _ = w.maps.swap_setting(
+                        SETTING_SCHEDULE_STATE,
+                        now.as_deref(),
+                        snapshot.as_deref(),
+                    );
+                    a = scheduler(&w);
+                    b = scheduler(&w);
+                }
+                3 | 4 => {
+                    pinned_to = if pinned_to == "a" { "b" } else { "a" };
+                    reshard::pin(&*w.maps, "tenant-7", pinned_to).unwrap();
+                    reshard::rebalance(
+                        &*w.backend,
+                        &*w.maps,
+                        &RebalanceOptions::default(),
+                        &mut |_| {},
+                    )
+                    .unwrap();
+                }
+                _ => {}
+            }
+            let mut order = [0, 1, 2];
+            order.swap(0, rng.below(3) as usize);
+            for who in order {
+                match who {
+                    0 => a.pass(&owned(&["a"])).unwrap(),
+                    1 => b.pass(&owned(&["b"])).unwrap(),
+                    _ => c.pass(&owned(&["a", "b"])).unwrap(),
+                };
+            }
+            latest = latest.max(w.clock.now_ms());
+        }
+        let expected = (latest - T0) / 1_000;
+        assert_eq!(jobs_of(&w, "tenant-7"), expected, "seed {seed}");
+        for n in 1..=expected {
+            assert!(stored(&w, "s1", "tenant-7", T0 + n * 1_000), "seed {seed} tick {n}");
+        }
+    }
+}
+
+#[test]
+fn ticks_past_the_catch_up_window_are_counted_missed_and_the_rest_fire() {
+    let w = world();
+    set(&w, "all", every("k-all", 1_000, Overlap::All, 10_000));
+    set(&w, "skip", every("k-skip", 1_000, Overlap::Skip, 10_000));
+    let mut s = scheduler(&w);
+    w.clock.advance(60_000);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    // 60 ticks due: 49 are more than 10 s late; 11 (10 s late or less)
+    // fire (all), or the newest fires and 10 are skipped (skip).
+    assert_eq!(jobs_of(&w, "k-all"), 11);
+    assert_eq!(jobs_of(&w, "k-skip"), 1);
+    assert_eq!(r.missed, 98);
+    assert_eq!(r.skipped, 10);
+    let states = ScheduleStore::states(&*w.maps).unwrap().states;
+    assert_eq!(states["all"].missed, 49);
+    assert_eq!(states["all"].fired, 11);
+    assert_eq!(states["skip"].skipped, 10);
+    assert_eq!(states["skip"].decided_ms, T0 + 60_000);
+    // A new process decides nothing twice.
+    let mut again = scheduler(&w);
+    let r = again.pass(&owned(&["a", "b"])).unwrap();
+    assert!(r.fired.is_empty() && r.missed == 0 && r.duplicates == 0, "{r:?}");
+}
+
+#[test]
+fn overlap_skip_waits_for_the_previous_job_and_one_keeps_one_waiting() {
+    let w = world();
+    set(&w, "skip", every("k-skip", 1_000, Overlap::Skip, 60_000));
+    set(&w, "one", every("k-one", 1_000, Overlap::One, 60_000));
+    let all = owned(&["a", "b"]);
+    let shard_of = |key: &str| {
+        shardq_route::Router::new(w.maps.load().unwrap())
+            .unwrap()
+            .route(key)
+            .to_string()
+    };
+    let mut s = scheduler(&w);
+    w.clock.advance(1_000);
+    s.pass(&all).unwrap();
+    assert_eq!((jobs_of(&w, "k-skip"), jobs_of(&w, "k-one")), (1, 1));
+    // Both first jobs wait: neither schedule fires.
+    w.clock.advance(1_000);
+    s.pass(&all).unwrap();
+    assert_eq!((jobs_of(&w, "k-skip"), jobs_of(&w, "k-one")), (1, 1));
+    // Both start running: `one` queues one more, `skip` still waits.
+    let runs: Vec<_> = ["k-skip", "k-one"]
+        .iter()
+        .flat_map(|k| w.backend.claim(&shard_of(k), 10, 30_000).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 2);
+    w.clock.advance(1_000);
+    s.pass(&all).unwrap();
+    assert_eq!((jobs_of(&w, "k-skip"), jobs_of(&w, "k-one")), (1, 2));
+    // `one` keeps one waiting, however many ticks pass.
+    w.clock.advance(3_000);
+    s.pass(&all).unwrap();
+    assert_eq!(jobs_of(&w, "k-one"), 2);
+    // The runs end: each fires at its next tick.
+    for r in runs {
+        w.backend.ack(&r.shard, &[r.receipt()]).unwrap();
+    }
+    w.clock.advance(1_000);
+    s.pass(&all).unwrap();
+    assert_eq!(jobs_of(&w, "k-skip"), 1, "the ended job is gone, the new one waits");
+    assert_eq!(jobs_of(&w, "k-one"), 1, "the waiting one still waits: no new one");
+}
+
+#[test]
+fn a_paused_schedule_fires_nothing_and_resuming_fires_no_past_tick() {
+    let w = world();
+    let mut sch = every("k", 1_000, Overlap::All, 60_000);
+    sch.paused = true;
+    set(&w, "p", sch.clone());
+    let mut s = scheduler(&w);
+    w.clock.advance(5_000);
+    s.pass(&owned(&["a", "b"])).unwrap();
+    assert_eq!(jobs_of(&w, "k"), 0);
+    sch.paused = false;
+    sch.since_ms = w.clock.now_ms();
+    set(&w, "p", sch);
+    w.clock.advance(2_000);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    assert_eq!(jobs_of(&w, "k"), 2, "{r:?}");
+    assert_eq!(r.missed, 0);
+}
