@@ -140,7 +140,9 @@ fn every_tick_stores_one_job_through_moves_restarts_old_state_and_clock_steps() 
         let mut pinned_to = "a";
         for _ in 0..150 {
             match rng.below(10) {
-                0 => w.clock.set(w.clock.now_ms().saturating_sub(rng.below(20_000))),
+                0 => w
+                    .clock
+                    .set(w.clock.now_ms().saturating_sub(rng.below(20_000))),
                 _ => w.clock.advance(rng.below(1_500)),
             }
             match rng.below(12) {
@@ -183,7 +185,10 @@ fn every_tick_stores_one_job_through_moves_restarts_old_state_and_clock_steps() 
         let expected = (latest - T0) / 1_000;
         assert_eq!(jobs_of(&w, "tenant-7"), expected, "seed {seed}");
         for n in 1..=expected {
-            assert!(stored(&w, "s1", "tenant-7", T0 + n * 1_000), "seed {seed} tick {n}");
+            assert!(
+                stored(&w, "s1", "tenant-7", T0 + n * 1_000),
+                "seed {seed} tick {n}"
+            );
         }
     }
 }
@@ -210,7 +215,10 @@ fn ticks_past_the_catch_up_window_are_counted_missed_and_the_rest_fire() {
     // A new process decides nothing twice.
     let mut again = scheduler(&w);
     let r = again.pass(&owned(&["a", "b"])).unwrap();
-    assert!(r.fired.is_empty() && r.missed == 0 && r.duplicates == 0, "{r:?}");
+    assert!(
+        r.fired.is_empty() && r.missed == 0 && r.duplicates == 0,
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -252,8 +260,16 @@ fn overlap_skip_waits_for_the_previous_job_and_one_keeps_one_waiting() {
     }
     w.clock.advance(1_000);
     s.pass(&all).unwrap();
-    assert_eq!(jobs_of(&w, "k-skip"), 1, "the ended job is gone, the new one waits");
-    assert_eq!(jobs_of(&w, "k-one"), 1, "the waiting one still waits: no new one");
+    assert_eq!(
+        jobs_of(&w, "k-skip"),
+        1,
+        "the ended job is gone, the new one waits"
+    );
+    assert_eq!(
+        jobs_of(&w, "k-one"),
+        1,
+        "the waiting one still waits: no new one"
+    );
 }
 
 #[test]

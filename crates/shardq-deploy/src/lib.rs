@@ -24,6 +24,8 @@
 
 mod error;
 pub mod redis_maps;
+mod scheduler;
+pub use scheduler::OwnedShards;
 pub mod remote;
 pub mod spec;
 pub mod status;

@@ -1493,6 +1493,54 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
     assert_eq!(depth(h, &shard, "f"), 2);
 }
 
+/// What schedules stand on (`shardq_core::schedule`): a tick's job, fired
+/// again and again with its tick's dedup id and the schedules' window (two
+/// days), is stored once, and is read back live while it waits and runs
+/// (the overlap policies ask for it by id).
+pub fn schedule_ticks_store_once(h: &dyn ContractHarness) {
+    use shardq_core::schedule::{tick_dedup_id, SCHEDULE_DEDUP_WINDOW_MS};
+    let shard = h.fresh_shard();
+    let fire = |tick: u64| {
+        h.backend()
+            .enqueue_dedup(
+                &shard,
+                u64::MAX,
+                &[NewJob::new("sched-key", "tick").with_dedup_id(tick_dedup_id("s-1", tick))],
+                SCHEDULE_DEDUP_WINDOW_MS,
+            )
+            .expect("fire")
+            .remove(0)
+    };
+    let first = fire(1_000);
+    assert!(!first.duplicate);
+    h.pass_ms(300);
+    let again = fire(1_000);
+    assert!(again.duplicate, "a tick fired again is not stored again");
+    assert_eq!(again.id, first.id);
+    assert!(!fire(2_000).duplicate, "the next tick is its own job");
+    assert_eq!(depth(h, &shard, "sched-key"), 2);
+    let info = h
+        .backend()
+        .job(&shard, first.id)
+        .expect("job")
+        .expect("live");
+    assert_eq!(info.state, shardq_core::JobState::Queued);
+    let run = claim(h, &shard, 1, 30_000);
+    assert_eq!(run.len(), 1);
+    let info = h
+        .backend()
+        .job(&shard, first.id)
+        .expect("job")
+        .expect("live");
+    assert_eq!(info.state, shardq_core::JobState::Running);
+    ack_one(h, &shard, run[0].receipt());
+    assert!(h.backend().job(&shard, first.id).expect("job").is_none());
+    assert!(
+        fire(1_000).duplicate,
+        "an ended tick's job is still not stored again"
+    );
+}
+
 /// Many threads enqueueing one `(key, id)` at once store exactly one job,
 /// and every one of them is told its id.
 pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {

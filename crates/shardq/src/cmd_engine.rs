@@ -701,7 +701,34 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.
     warn_unowned_work(&deployment, max_local_shards, &args.max_local_shards);
+    // Schedules fire beside the pool, for the shards it owns now.
+    let owned: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> = Arc::default();
+    let inner = Arc::clone(&pool.on_event);
+    let seen = Arc::clone(&owned);
+    pool.on_event = Arc::new(move |ev| {
+        match &ev {
+            PoolEvent::Gained(s) => {
+                seen.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(s.clone());
+            }
+            PoolEvent::Lost(s) => {
+                seen.lock().unwrap_or_else(|e| e.into_inner()).remove(s);
+            }
+            _ => {}
+        }
+        inner(ev)
+    });
+    let schedules_stop = Arc::new(AtomicBool::new(false));
+    let read = Arc::clone(&owned);
+    let schedules = deployment.spawn_scheduler(
+        Arc::new(move || read.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+        Arc::clone(&schedules_stop),
+        Arc::new(|e| eprintln!("shardq: warning: {e}")),
+    )?;
     let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
+    schedules_stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = schedules.join();
     let report = report?;
     eprintln!(
         "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",

@@ -17,6 +17,7 @@ mod cmd_reshard;
 mod cmd_retention;
 mod cmd_retry;
 mod cmd_route;
+mod cmd_schedule;
 mod cmd_serve;
 mod demo;
 
@@ -58,6 +59,12 @@ enum Command {
     /// --key` shows as recent): show, set or clear it.
     #[command(subcommand)]
     Retention(cmd_retention::RetentionAction),
+    /// Recurring schedules: a key's job enqueued once per tick of a cron
+    /// expression (in a time zone) or an interval, by whichever worker
+    /// runs the key's shard: set, list, show, pause, resume, trigger,
+    /// backfill or delete them.
+    #[command(subcommand)]
+    Schedule(cmd_schedule::ScheduleAction),
     /// Flow control per key: rate limits, a group, weight and priority,
     /// for a key, a key prefix or the default: show, set or clear them.
     #[command(subcommand)]
@@ -111,6 +118,7 @@ fn main() -> ExitCode {
         Command::Key(action) => cmd_jobs::key(action),
         Command::Retry(action) => cmd_retry::run(action),
         Command::Retention(action) => cmd_retention::run(action),
+        Command::Schedule(action) => cmd_schedule::run(action),
         Command::Policy(action) => cmd_flow::policy(action),
         Command::Group(action) => cmd_flow::group(action),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),

@@ -51,7 +51,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::QueueError;
 
-pub use runner::{backfill, trigger, FireReport, ScheduleStore, Scheduler, SchedulerOptions};
+pub use runner::{
+    backfill, run_scheduler, trigger, FireReport, ScheduleStore, Scheduler, SchedulerOptions,
+};
 pub use ticks::{parse_cron, parse_zone, Compiled};
 
 /// Most schedules a deployment may hold.
@@ -244,9 +246,7 @@ pub fn validate_schedule_id(id: &str) -> Result<(), QueueError> {
     Err(QueueError::InvalidOption {
         name: "schedule id",
         value: format!("{id:?}"),
-        allowed: format!(
-            "1 to {SCHEDULE_ID_BYTES_MAX} bytes of ASCII letters, digits and - _ . :"
-        ),
+        allowed: format!("1 to {SCHEDULE_ID_BYTES_MAX} bytes of ASCII letters, digits and - _ . :"),
     })
 }
 
@@ -345,6 +345,22 @@ impl ScheduleState {
     }
 }
 
+/// A schedule as operators read it: the schedule, what workers recorded
+/// of it, and when it fires next.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleView {
+    /// Its id.
+    pub id: String,
+    /// The schedule.
+    #[serde(flatten)]
+    pub schedule: Schedule,
+    /// Its fires, skips and misses.
+    pub state: ScheduleState,
+    /// When its next tick is due (ms; in the past while overdue), none while
+    /// paused or past its end.
+    pub next_fire_ms: Option<u64>,
+}
+
 /// Every schedule's state (the `schedule-state` setting).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -398,4 +414,58 @@ fn parse_versioned<T: serde::de::DeserializeOwned>(
     }
     serde_json::from_value(serde_json::Value::Object(doc))
         .map_err(|e| refused(format!("does not parse ({e})")))
+}
+
+/// Parses a duration as people write it: a whole number and a unit, `ms`,
+/// `s`, `m`, `h` or `d` (`250ms`, `30s`, `5m`, `2h`, `1d`), or `0`.
+/// `name` is the option, for the error.
+pub fn parse_duration_ms(name: &'static str, text: &str) -> Result<u64, QueueError> {
+    let bad = || QueueError::InvalidOption {
+        name,
+        value: format!("{text:?}"),
+        allowed: "a whole number and a unit: ms, s, m, h or d (250ms, 30s, 5m, 2h, 1d)".into(),
+    };
+    let t = text.trim();
+    if t == "0" {
+        return Ok(0);
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let per = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(per).ok_or_else(bad)
+}
+
+/// Parses a time: RFC 3339 (`2026-12-06T02:00:00Z`, `2026-12-06T02:00:00+01:00`)
+/// or ms since the Unix epoch. `name` is the option, for the error.
+pub fn parse_time_ms(name: &'static str, text: &str) -> Result<u64, QueueError> {
+    if let Ok(ms) = text.trim().parse::<u64>() {
+        return Ok(ms);
+    }
+    chrono::DateTime::parse_from_rfc3339(text.trim())
+        .ok()
+        .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
+        .ok_or_else(|| QueueError::InvalidOption {
+            name,
+            value: format!("{text:?}"),
+            allowed: "an RFC 3339 time (2026-12-06T02:00:00Z) or ms since the Unix epoch".into(),
+        })
+}
+
+/// `ms` since the epoch as an RFC 3339 UTC time, for people.
+pub fn show_time(ms: u64) -> String {
+    i64::try_from(ms)
+        .ok()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .map_or_else(
+            || format!("{ms} ms"),
+            |t| t.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
+        )
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use super::{
     tick_dedup_id, trigger_dedup_id, Compiled, LastFire, Overlap, Schedule, ScheduleState,
-    ScheduleStates, Schedules, BACKFILL_TICKS_MAX, SCHEDULE_DEDUP_WINDOW_MS,
-    SCHEDULE_RECHECK_MS, SETTING_SCHEDULES, SETTING_SCHEDULE_STATE, TICKS_PER_PASS_MAX,
+    ScheduleStates, Schedules, BACKFILL_TICKS_MAX, SCHEDULE_DEDUP_WINDOW_MS, SCHEDULE_RECHECK_MS,
+    SETTING_SCHEDULES, SETTING_SCHEDULE_STATE, TICKS_PER_PASS_MAX,
 };
 use crate::backend::QueueBackend;
 use crate::clock::Clock;
@@ -80,6 +80,99 @@ impl ScheduleStore {
             all.states.retain(|id, _| keep.contains(id));
             Ok::<_, ReshardError>((all.to_text(), ()))
         })
+    }
+}
+
+fn unknown(id: &str) -> QueueError {
+    QueueError::InvalidOption {
+        name: "schedule",
+        value: format!("{id:?}"),
+        allowed: "the id of one of the deployment's schedules (see `shardq schedule list`)".into(),
+    }
+}
+
+impl ScheduleStore {
+    /// Creates or replaces schedule `id` with `s` (checked). A schedule
+    /// replaced keeps its `since_ms` and whether it is paused, so ticks
+    /// already due are not lost to an edit; a new one starts at `now_ms`.
+    /// The schedule stored.
+    pub fn put(
+        maps: &dyn MapStore,
+        id: &str,
+        s: &Schedule,
+        now_ms: u64,
+    ) -> Result<Schedule, ReshardError> {
+        super::validate_schedule_id(id)?;
+        Self::update(maps, |all| {
+            let mut new = s.clone();
+            match all.schedules.get(id) {
+                Some(old) => {
+                    new.since_ms = old.since_ms;
+                    new.paused = old.paused;
+                }
+                None => new.since_ms = now_ms,
+            }
+            new.validate(id)?;
+            all.schedules.insert(id.to_string(), new.clone());
+            Ok::<_, ReshardError>(new)
+        })
+    }
+
+    /// Pauses or resumes schedule `id`. A resumed schedule fires no tick
+    /// of its pause (its `since_ms` becomes `now_ms`). The schedule stored.
+    pub fn set_paused(
+        maps: &dyn MapStore,
+        id: &str,
+        paused: bool,
+        now_ms: u64,
+    ) -> Result<Schedule, ReshardError> {
+        Self::update(maps, |all| {
+            let s = all.schedules.get_mut(id).ok_or_else(|| unknown(id))?;
+            if s.paused && !paused {
+                s.since_ms = s.since_ms.max(now_ms);
+            }
+            s.paused = paused;
+            Ok::<_, ReshardError>(s.clone())
+        })
+    }
+
+    /// Deletes schedule `id`; whether it existed.
+    pub fn delete(maps: &dyn MapStore, id: &str) -> Result<bool, ReshardError> {
+        Self::update(maps, |all| {
+            Ok::<_, ReshardError>(all.schedules.remove(id).is_some())
+        })
+    }
+
+    /// Schedule `id`, or an error naming it.
+    pub fn get(maps: &dyn MapStore, id: &str) -> Result<Schedule, ReshardError> {
+        Ok(Self::load(maps)?
+            .schedules
+            .remove(id)
+            .ok_or_else(|| unknown(id))?)
+    }
+
+    /// Every schedule with its state and next fire, by id.
+    pub fn views(maps: &dyn MapStore) -> Result<Vec<super::ScheduleView>, ReshardError> {
+        let all = Self::load(maps)?;
+        let mut states = Self::states(maps)?.states;
+        let mut out = Vec::with_capacity(all.schedules.len());
+        for (id, schedule) in all.schedules {
+            let state = states.remove(&id).unwrap_or_default();
+            let next_fire_ms = if schedule.paused {
+                None
+            } else {
+                let c = Compiled::new(&id, &schedule)?;
+                c.next_after(state.decided_ms.max(schedule.since_ms))
+                    .map(|t| t + c.jitter(t))
+            };
+            out.push(super::ScheduleView {
+                id,
+                schedule,
+                state,
+                next_fire_ms,
+            });
+        }
+        Ok(out)
     }
 }
 
@@ -172,7 +265,10 @@ impl Scheduler {
     /// Reads the schedules (when changed) and every state again, at most
     /// every [`SCHEDULE_RECHECK_MS`] unless `force`.
     fn refresh(&mut self, now: u64, force: bool) -> Result<(), ReshardError> {
-        if !force && self.checked_ms.is_some_and(|t| now.saturating_sub(t) < SCHEDULE_RECHECK_MS)
+        if !force
+            && self
+                .checked_ms
+                .is_some_and(|t| now.saturating_sub(t) < SCHEDULE_RECHECK_MS)
         {
             return Ok(());
         }
@@ -423,4 +519,36 @@ pub fn backfill<B: QueueBackend + ?Sized>(
         }
     }
     Ok(out)
+}
+
+/// Runs `scheduler` until `stop`: a pass over the shards `owned()` names
+/// now, then a sleep until the next fire is due (at most
+/// [`SCHEDULE_RECHECK_MS`] / 4, so a changed schedule is read within
+/// [`SCHEDULE_RECHECK_MS`]). A failed pass is reported to `on_error` and
+/// tried again at the next.
+pub fn run_scheduler(
+    mut scheduler: Scheduler,
+    owned: &dyn Fn() -> BTreeSet<String>,
+    stop: &std::sync::atomic::AtomicBool,
+    on_error: &dyn Fn(String),
+) {
+    let clock = Arc::clone(&scheduler.clock);
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let mine = owned();
+        let mut wait = SCHEDULE_RECHECK_MS / 4;
+        if !mine.is_empty() {
+            match scheduler.pass(&mine) {
+                Ok(r) => {
+                    for (id, e) in &r.errors {
+                        on_error(format!("schedule {id:?}: {e}"));
+                    }
+                    if let Some(due) = r.next_due_ms {
+                        wait = wait.min(due.saturating_sub(clock.now_ms()));
+                    }
+                }
+                Err(e) => on_error(format!("schedules: {e}")),
+            }
+        }
+        clock.sleep_ms(wait.max(1));
+    }
 }

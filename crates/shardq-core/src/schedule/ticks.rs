@@ -86,15 +86,16 @@ impl Compiled {
             seed: seed_of(id),
         };
         if let Recur::Cron(_, _) = c.recur {
-            c.cron_next(s.start_ms.unwrap_or(s.since_ms))
-                .map_err(|e| QueueError::InvalidOption {
+            c.cron_next(s.start_ms.unwrap_or(s.since_ms)).map_err(|e| {
+                QueueError::InvalidOption {
                     name: "cron",
                     value: match &s.when {
                         When::Cron { expr, .. } => format!("{expr:?}"),
                         When::Every { .. } => String::new(),
                     },
                     allowed: format!("an expression that matches some time ({e})"),
-                })?;
+                }
+            })?;
         }
         Ok(c)
     }
@@ -107,7 +108,10 @@ impl Compiled {
             _ => after_ms,
         };
         let t = match &self.recur {
-            Recur::Every { every_ms, anchor_ms } => {
+            Recur::Every {
+                every_ms,
+                anchor_ms,
+            } => {
                 if floor < *anchor_ms {
                     *anchor_ms
                 } else {
@@ -224,13 +228,21 @@ mod tests {
                 ticks(&c, from, from + 23 * 3600 * 1000)
             };
             let spring_ticks = day(spring);
-            assert_eq!(spring_ticks, vec![ms(tz, spring.0, spring.1, spring.2, 3, 0)], "{tz}");
+            assert_eq!(
+                spring_ticks,
+                vec![ms(tz, spring.0, spring.1, spring.2, 3, 0)],
+                "{tz}"
+            );
             let fall_ticks = day(fall);
             assert_eq!(fall_ticks.len(), 1, "{tz}: {fall_ticks:?}");
             assert_eq!(fall_ticks[0], ms(tz, fall.0, fall.1, fall.2, 2, 30), "{tz}");
             // The days around keep one tick each.
             let from = ms(tz, fall.0, fall.1, fall.2, 0, 0) - 3 * 24 * 3600 * 1000;
-            assert_eq!(ticks(&c, from, from + 7 * 24 * 3600 * 1000).len(), 7, "{tz}");
+            assert_eq!(
+                ticks(&c, from, from + 7 * 24 * 3600 * 1000).len(),
+                7,
+                "{tz}"
+            );
         }
     }
 
@@ -251,7 +263,10 @@ mod tests {
             let e = Compiled::new("x", &cron(expr, tz)).err().expect(expr);
             let text = e.to_string();
             assert!(text.contains(&format!("invalid {name}")), "{text}");
-            assert!(text.contains(if name == "tz" { tz } else { expr }), "{text}");
+            assert!(
+                text.contains(if name == "tz" { tz } else { expr }),
+                "{text}"
+            );
         }
     }
 

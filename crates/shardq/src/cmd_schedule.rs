@@ -1,0 +1,360 @@
+//! `shardq schedule set|list|show|pause|resume|trigger|backfill|delete`:
+//! recurring schedules (`shardq_core::schedule`). Glue: parse, call the
+//! core's `ScheduleStore`, `trigger` and `backfill` on the data dir's
+//! deployment, print. Workers (`shardq work`) and servers fire them.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use shardq_core::producer::ProducerOptions;
+use shardq_core::schedule::{
+    self, parse_duration_ms, parse_time_ms, show_time, Overlap, Schedule, ScheduleStore,
+    ScheduleView, When, CATCH_UP_MS_DEFAULT, SCHEDULE_DEDUP_WINDOW_MS,
+};
+use shardq_core::MAX_ATTEMPTS_DEFAULT;
+
+use crate::cmd_retry::open;
+
+#[derive(Debug, Args)]
+pub struct DataArg {
+    /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
+    #[arg(long, value_name = "DIR")]
+    data: PathBuf,
+    /// One JSON document instead of lines.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    #[command(flatten)]
+    common: DataArg,
+    /// The schedule's id (ASCII letters, digits and - _ . :).
+    id: String,
+    /// The key its jobs are enqueued for (the schedule runs on that key's
+    /// shard, and moves with it).
+    #[arg(long)]
+    key: String,
+    /// A cron expression: 5 fields (minute hour day month weekday) or 6
+    /// with seconds first; names (MON, JAN) and ranges allowed.
+    #[arg(long, value_name = "EXPR", conflicts_with = "every")]
+    cron: Option<String>,
+    /// The IANA time zone of the cron expression (default UTC).
+    #[arg(long, value_name = "ZONE", requires = "cron")]
+    tz: Option<String>,
+    /// A fixed interval (at least 1s), anchored at --start (else the Unix
+    /// epoch): 30s, 5m, 1h.
+    #[arg(long, value_name = "DURATION")]
+    every: Option<String>,
+    /// The payload of every job (default empty).
+    #[arg(long, value_name = "P", conflicts_with = "payload_file")]
+    payload: Option<String>,
+    /// Read the payload from a file (UTF-8 text).
+    #[arg(long, value_name = "F")]
+    payload_file: Option<PathBuf>,
+    /// While the previous job is live: skip (no tick while it is queued or
+    /// running; the default), one (keep at most one waiting), all.
+    #[arg(long, value_name = "POLICY", default_value = "skip")]
+    overlap: String,
+    /// How late a tick may still fire after every worker was down; later
+    /// ticks are counted missed (default 5m, at most 1d).
+    #[arg(long, value_name = "DURATION")]
+    catch_up: Option<String>,
+    /// Spread each fire by up to this after its tick (the same delay in
+    /// every process; at most 1h).
+    #[arg(long, value_name = "DURATION")]
+    jitter: Option<String>,
+    /// No tick before this (RFC 3339, or ms since the epoch).
+    #[arg(long, value_name = "TIME")]
+    start: Option<String>,
+    /// No tick after this (RFC 3339, or ms since the epoch).
+    #[arg(long, value_name = "TIME")]
+    end: Option<String>,
+    /// Attempts of each job (1 to 1000; default 5).
+    #[arg(long, value_name = "N")]
+    max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScheduleAction {
+    /// Create a schedule, or replace one (it keeps its state and whether
+    /// it is paused). Every worker uses it within a second.
+    Set(Box<SetArgs>),
+    /// Every schedule: its key, when it ticks, its next and last fires,
+    /// and its fired, skipped and missed counts.
+    List {
+        #[command(flatten)]
+        common: DataArg,
+    },
+    /// One schedule in full.
+    Show {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+    },
+    /// Stop a schedule's ticks until it is resumed.
+    Pause {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+    },
+    /// Start a paused schedule again; the ticks of its pause never fire.
+    Resume {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+    },
+    /// Enqueue one job of the schedule now (outside its ticks; the
+    /// overlap policy does not apply).
+    Trigger {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+    },
+    /// Enqueue the job of every tick in a past range, in order; a tick
+    /// whose job was already stored (fired or backfilled within 2 days) is
+    /// not stored again.
+    Backfill {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+        /// First time of the range (RFC 3339, or ms since the epoch).
+        #[arg(long, value_name = "TIME")]
+        from: String,
+        /// Last time of the range (inclusive).
+        #[arg(long, value_name = "TIME")]
+        to: String,
+    },
+    /// Delete a schedule (jobs it enqueued stay).
+    Delete {
+        #[command(flatten)]
+        common: DataArg,
+        /// The schedule's id.
+        id: String,
+    },
+}
+
+fn schedule_of(a: &SetArgs) -> anyhow::Result<Schedule> {
+    let when = match (&a.cron, &a.every) {
+        (Some(expr), None) => When::Cron {
+            expr: expr.clone(),
+            tz: a.tz.clone().unwrap_or_else(|| "UTC".into()),
+        },
+        (None, Some(every)) => When::Every {
+            every_ms: parse_duration_ms("every", every)?,
+        },
+        _ => bail!("give when the schedule ticks: --cron EXPR [--tz ZONE] or --every DURATION"),
+    };
+    let payload = match (&a.payload, &a.payload_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => {
+            let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+            String::from_utf8(bytes).map_err(|_| {
+                anyhow::anyhow!(
+                    "--payload-file {}: a schedule's payload is UTF-8 text, and this file is not",
+                    f.display()
+                )
+            })?
+        }
+        (None, None) => String::new(),
+    };
+    let dur = |name, v: &Option<String>, default| -> anyhow::Result<u64> {
+        Ok(match v {
+            Some(t) => parse_duration_ms(name, t)?,
+            None => default,
+        })
+    };
+    let time = |name, v: &Option<String>| -> anyhow::Result<Option<u64>> {
+        Ok(match v {
+            Some(t) => Some(parse_time_ms(name, t)?),
+            None => None,
+        })
+    };
+    Ok(Schedule {
+        key: a.key.clone(),
+        when,
+        payload,
+        overlap: Overlap::parse(&a.overlap)?,
+        catch_up_ms: dur("catch-up", &a.catch_up, CATCH_UP_MS_DEFAULT)?,
+        jitter_ms: dur("jitter", &a.jitter, 0)?,
+        start_ms: time("start", &a.start)?,
+        end_ms: time("end", &a.end)?,
+        max_attempts: a.max_attempts.unwrap_or(MAX_ATTEMPTS_DEFAULT),
+        paused: false,
+        since_ms: 0,
+    })
+}
+
+fn when_text(w: &When) -> String {
+    match w {
+        When::Cron { expr, tz } => format!("cron {expr:?} in {tz}"),
+        When::Every { every_ms } => format!("every {every_ms} ms"),
+    }
+}
+
+fn view_line(v: &ScheduleView) -> String {
+    let next = match (v.schedule.paused, v.next_fire_ms) {
+        (true, _) => "paused".to_string(),
+        (false, Some(t)) => format!("next {}", show_time(t)),
+        (false, None) => "ended".to_string(),
+    };
+    let last = v
+        .state
+        .last
+        .as_ref()
+        .map_or("never fired".to_string(), |l| {
+            format!(
+                "last {} (job {} on {})",
+                show_time(l.tick_ms),
+                l.job,
+                l.shard
+            )
+        });
+    format!(
+        "{}\tkey {}\t{}\toverlap {}\t{next}\t{last}\tfired {} skipped {} missed {}",
+        v.id,
+        v.schedule.key,
+        when_text(&v.schedule.when),
+        v.schedule.overlap.name(),
+        v.state.fired,
+        v.state.skipped,
+        v.state.missed
+    )
+}
+
+pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
+    match action {
+        ScheduleAction::Set(a) => {
+            let s = schedule_of(&a)?;
+            let d = open(&a.common.data)?;
+            let now = d.clock().now_ms();
+            let stored = ScheduleStore::put(&*d.maps(), &a.id, &s, now)?;
+            if a.common.json {
+                println!("{}", serde_json::json!({"id": a.id, "schedule": stored}));
+            } else {
+                println!(
+                    "schedule {} set: key {}, {}, overlap {}, catch-up {} ms",
+                    a.id,
+                    stored.key,
+                    when_text(&stored.when),
+                    stored.overlap.name(),
+                    stored.catch_up_ms
+                );
+            }
+        }
+        ScheduleAction::List { common } => {
+            let views = ScheduleStore::views(&*open(&common.data)?.maps())?;
+            if common.json {
+                println!("{}", serde_json::json!({ "schedules": views }));
+            } else if views.is_empty() {
+                println!("no schedules");
+            } else {
+                for v in &views {
+                    println!("{}", view_line(v));
+                }
+            }
+        }
+        ScheduleAction::Show { common, id } => {
+            let d = open(&common.data)?;
+            ScheduleStore::get(&*d.maps(), &id)?;
+            let views = ScheduleStore::views(&*d.maps())?;
+            let Some(v) = views.into_iter().find(|v| v.id == id) else {
+                bail!("schedule {id:?} was deleted meanwhile");
+            };
+            if common.json {
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                println!("{}", view_line(&v));
+            }
+        }
+        ScheduleAction::Pause { common, id } => pause(&common, &id, true)?,
+        ScheduleAction::Resume { common, id } => pause(&common, &id, false)?,
+        ScheduleAction::Trigger { common, id } => {
+            let d = open(&common.data)?;
+            let s = ScheduleStore::get(&*d.maps(), &id)?;
+            let mut producer = producer(&d)?;
+            let p = schedule::trigger(&mut producer, &id, &s, d.clock().now_ms())?;
+            d.flush()?;
+            if common.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"id": id, "shard": p.shard, "job": p.id.0})
+                );
+            } else {
+                println!("schedule {id} triggered: job {} on {}", p.id, p.shard);
+            }
+        }
+        ScheduleAction::Backfill {
+            common,
+            id,
+            from,
+            to,
+        } => {
+            let (from, to) = (parse_time_ms("from", &from)?, parse_time_ms("to", &to)?);
+            if from > to {
+                bail!("invalid --from {from} ms: it is after --to ({to} ms)");
+            }
+            let d = open(&common.data)?;
+            let s = ScheduleStore::get(&*d.maps(), &id)?;
+            let mut producer = producer(&d)?;
+            let placed = schedule::backfill(&mut producer, &id, &s, from, to)?;
+            d.flush()?;
+            let stored = placed.iter().filter(|(_, p)| !p.duplicate).count();
+            let already = placed.len() - stored;
+            if common.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"id": id, "ticks": placed.len(), "stored": stored, "already_stored": already})
+                );
+            } else {
+                println!(
+                    "schedule {id}: {} ticks from {} to {}: {stored} jobs stored, {already} already stored",
+                    placed.len(),
+                    show_time(from),
+                    show_time(to)
+                );
+            }
+        }
+        ScheduleAction::Delete { common, id } => {
+            let existed = ScheduleStore::delete(&*open(&common.data)?.maps(), &id)?;
+            if common.json {
+                println!("{}", serde_json::json!({"id": id, "deleted": existed}));
+            } else if existed {
+                println!("schedule {id} deleted");
+            } else {
+                println!("no schedule {id}: nothing to delete");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A producer whose dedup window is the schedules' (a tick's id is
+/// remembered as long as a worker's fire of it is).
+fn producer(
+    d: &shardq_deploy::Deployment,
+) -> anyhow::Result<shardq_core::producer::Producer<dyn shardq_core::reshard::ReshardBackend>> {
+    Ok(d.producer(ProducerOptions {
+        dedup_window_ms: SCHEDULE_DEDUP_WINDOW_MS,
+        ..ProducerOptions::default()
+    })?)
+}
+
+fn pause(common: &DataArg, id: &str, paused: bool) -> anyhow::Result<()> {
+    let d = open(&common.data)?;
+    let s = ScheduleStore::set_paused(&*d.maps(), id, paused, d.clock().now_ms())?;
+    let word = if paused { "paused" } else { "resumed" };
+    if common.json {
+        println!("{}", serde_json::json!({"id": id, "schedule": s}));
+    } else {
+        println!("schedule {id} {word}");
+    }
+    Ok(())
+}

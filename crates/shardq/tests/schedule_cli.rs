@@ -1,0 +1,326 @@
+//! Schedules through the real binary: `schedule set|list|show|pause|
+//! resume|trigger|backfill|delete`, and exactly one job per tick while
+//! two workers are SIGKILLed, restarted and SIGSTOPped around the ticks,
+//! on the embedded engine and on Redis. The invariant is read from the
+//! handler's own log and from a backfill over the whole range: every tick
+//! up to the last decided one stored exactly one job.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shardq_testkit::redis::RedisServer;
+use support::{ok, run, temp_dir, wait_until, BIN, WAIT_MAX};
+
+fn worker(data: &Path, log: &Path, extra: &[&str]) -> Child {
+    let line = format!("echo \"$SHARDQ_SHARD:$SHARDQ_JOB_ID\" >> {}", log.display());
+    Command::new(BIN)
+        .args([
+            "work",
+            "--data",
+            data.to_str().unwrap(),
+            "--max-local-shards",
+            "all",
+        ])
+        .args(["--lease-ms", "2000"])
+        .args(extra)
+        .args(["--", "sh", "-c", &line])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starts a worker")
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a child this test started and has not reaped.
+    unsafe {
+        libc::kill(child.id() as i32, sig);
+    }
+}
+
+fn show(data: &Path, id: &str) -> serde_json::Value {
+    let out = ok(&[
+        "schedule",
+        "show",
+        "--data",
+        data.to_str().unwrap(),
+        id,
+        "--json",
+    ]);
+    serde_json::from_str(&out).unwrap()
+}
+
+/// Runs the attack on an initialised data dir `data`.
+fn ticks_survive_kills_and_stops(data: &Path, dir: &Path) {
+    let d = data.to_str().unwrap();
+    ok(&[
+        "schedule",
+        "set",
+        "--data",
+        d,
+        "every-second",
+        "--key",
+        "tenant-42",
+        "--every",
+        "1s",
+        "--overlap",
+        "all",
+        "--catch-up",
+        "1m",
+        "--payload",
+        "tick",
+    ]);
+    let log = dir.join("handled.log");
+    let mut workers = vec![worker(data, &log, &[]), worker(data, &log, &[])];
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(12) {
+        std::thread::sleep(Duration::from_millis(300 + next() % 900));
+        let i = (next() % 2) as usize;
+        match next() % 3 {
+            0 => {
+                signal(&workers[i], libc::SIGKILL);
+                let _ = workers[i].wait();
+                workers[i] = worker(data, &log, &[]);
+            }
+            1 => {
+                signal(&workers[i], libc::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(500 + next() % 2500));
+                signal(&workers[i], libc::SIGCONT);
+            }
+            _ => {}
+        }
+    }
+    for w in &mut workers {
+        signal(w, libc::SIGKILL);
+        let _ = w.wait();
+    }
+    // One worker catches up every due tick and stops cleanly (its last
+    // pass recorded), then the schedule pauses and the backlog drains.
+    let mut last = worker(data, &log, &[]);
+    let before = show(data, "every-second")["state"]["decided_ms"]
+        .as_u64()
+        .unwrap();
+    wait_until("the last worker catches up", WAIT_MAX, || {
+        show(data, "every-second")["state"]["decided_ms"]
+            .as_u64()
+            .unwrap()
+            > before + 2_000
+    });
+    signal(&last, libc::SIGTERM);
+    assert!(last.wait().unwrap().success());
+    ok(&["schedule", "pause", "--data", d, "every-second"]);
+    let drained = Command::new(BIN)
+        .args([
+            "work",
+            "--data",
+            d,
+            "--max-local-shards",
+            "all",
+            "--exit-when-idle",
+        ])
+        .args(["--", "sh", "-c"])
+        .arg(format!(
+            "echo \"$SHARDQ_SHARD:$SHARDQ_JOB_ID\" >> {}",
+            log.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        drained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drained.stderr)
+    );
+
+    let view = show(data, "every-second");
+    let since = view["since_ms"].as_u64().unwrap();
+    let decided = view["state"]["decided_ms"].as_u64().unwrap();
+    let expected = decided / 1_000 - since / 1_000;
+    assert!(expected >= 12, "ticks decided: {expected}");
+    assert_eq!(
+        view["state"]["missed"], 0,
+        "no tick was past its catch-up: {view}"
+    );
+    // Every job that ran, once per job however many times it ran.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let mut runs: BTreeMap<&str, u32> = BTreeMap::new();
+    for l in text.lines() {
+        *runs.entry(l).or_default() += 1;
+    }
+    assert_eq!(
+        runs.len() as u64,
+        expected,
+        "jobs that ran vs ticks decided ({} runs in all)",
+        text.lines().count()
+    );
+    // And no tick without its job: a backfill over every decided tick
+    // stores nothing new.
+    let out = ok(&[
+        "schedule",
+        "backfill",
+        "--data",
+        d,
+        "every-second",
+        "--from",
+        &(since + 1).to_string(),
+        "--to",
+        &decided.to_string(),
+        "--json",
+    ]);
+    let b: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(b["ticks"].as_u64(), Some(expected), "{b}");
+    assert_eq!(b["stored"], 0, "a decided tick had no job: {b}");
+}
+
+#[test]
+fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_the_embedded_engine() {
+    let dir = temp_dir("schedule-embedded");
+    let data = dir.join("data");
+    ok(&["init", "--data", data.to_str().unwrap(), "--shards", "2"]);
+    ticks_survive_kills_and_stops(&data, &dir);
+}
+
+#[test]
+fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_redis() {
+    let dir = temp_dir("schedule-redis");
+    let data = dir.join("data");
+    let a = RedisServer::start();
+    let b = RedisServer::start();
+    ok(&[
+        "init",
+        "--data",
+        data.to_str().unwrap(),
+        "--shards",
+        "2",
+        "--redis",
+        &format!("{},{}", a.url(), b.url()),
+    ]);
+    ticks_survive_kills_and_stops(&data, &dir);
+}
+
+#[test]
+fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
+    let dir = temp_dir("schedule-commands");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    ok(&["init", "--data", d, "--shards", "2"]);
+    for (args, words) in [
+        (vec!["--cron", "0 0 31 2 *"], "invalid cron \"0 0 31 2 *\""),
+        (vec!["--cron", "* * *"], "invalid cron \"* * *\""),
+        (
+            vec!["--cron", "0 2 * * *", "--tz", "Europe/Atlantis"],
+            "invalid tz \"Europe/Atlantis\"",
+        ),
+        (vec!["--every", "999ms"], "invalid every 999 ms"),
+        (vec!["--every", "5 parsecs"], "invalid every \"5 parsecs\""),
+        (
+            vec![
+                "--every",
+                "1m",
+                "--start",
+                "2030-01-02T00:00:00Z",
+                "--end",
+                "2030-01-01T00:00:00Z",
+            ],
+            "invalid start",
+        ),
+        (
+            vec!["--every", "1m", "--catch-up", "2d"],
+            "invalid catch-up 172800000 ms",
+        ),
+        (
+            vec!["--every", "1m", "--overlap", "sometimes"],
+            "invalid overlap sometimes",
+        ),
+        (vec!["--every", "1m", "--max-attempts", "0"], "max"),
+    ] {
+        let mut all = vec!["schedule", "set", "--data", d, "s", "--key", "k"];
+        all.extend(args.iter());
+        let (good, _, err) = run(&all);
+        assert!(!good, "{args:?} was accepted");
+        assert!(err.contains(words), "{args:?}: {err}");
+    }
+    let (good, _, err) = run(&[
+        "schedule", "set", "--data", d, "bad id", "--key", "k", "--every", "1m",
+    ]);
+    assert!(
+        !good && err.contains("invalid schedule id \"bad id\""),
+        "{err}"
+    );
+    // Nothing was stored by the refusals.
+    assert_eq!(
+        ok(&["schedule", "list", "--data", d]).trim(),
+        "no schedules"
+    );
+
+    ok(&[
+        "schedule",
+        "set",
+        "--data",
+        d,
+        "nightly",
+        "--key",
+        "tenant-1",
+        "--cron",
+        "30 2 * * *",
+        "--tz",
+        "Europe/Berlin",
+        "--payload",
+        "bill",
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["schedule", "show", "--data", d, "nightly", "--json"])).unwrap();
+    assert_eq!(v["when"]["cron"]["tz"], "Europe/Berlin");
+    assert!(v["next_fire_ms"].as_u64().is_some());
+    ok(&["schedule", "pause", "--data", d, "nightly"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["schedule", "show", "--data", d, "nightly", "--json"])).unwrap();
+    assert_eq!(v["paused"], true);
+    assert!(v["next_fire_ms"].is_null());
+    // A trigger enqueues one job now, paused or not.
+    let t: serde_json::Value = serde_json::from_str(&ok(&[
+        "schedule", "trigger", "--data", d, "nightly", "--json",
+    ]))
+    .unwrap();
+    assert!(t["job"].as_u64().is_some(), "{t}");
+    let jobs = ok(&["jobs", "--data", d, "--key", "tenant-1", "--json"]);
+    assert!(
+        jobs.contains("bill") || jobs.contains(&t["job"].to_string()),
+        "{jobs}"
+    );
+    // A backfill of two nights stores two jobs, and again none.
+    let range = [
+        "--from",
+        "2026-03-28T00:00:00Z",
+        "--to",
+        "2026-03-30T00:00:00Z",
+        "--json",
+    ];
+    let mut args = vec!["schedule", "backfill", "--data", d, "nightly"];
+    args.extend(range);
+    let first: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(
+        (first["ticks"].as_u64(), first["stored"].as_u64()),
+        (Some(2), Some(2)),
+        "{first}"
+    );
+    let again: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(again["stored"], 0, "{again}");
+    ok(&["schedule", "resume", "--data", d, "nightly"]);
+    let (good, _, err) = run(&["schedule", "pause", "--data", d, "nope"]);
+    assert!(!good && err.contains("invalid schedule \"nope\""), "{err}");
+    assert!(ok(&["schedule", "delete", "--data", d, "nightly"]).contains("deleted"));
+    assert_eq!(
+        ok(&["schedule", "list", "--data", d]).trim(),
+        "no schedules"
+    );
+}
