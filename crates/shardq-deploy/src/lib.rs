@@ -25,7 +25,7 @@
 mod error;
 pub mod redis_maps;
 mod scheduler;
-pub use scheduler::OwnedShards;
+pub use scheduler::{OwnedShards, ScheduleThread};
 pub mod remote;
 pub mod spec;
 pub mod status;

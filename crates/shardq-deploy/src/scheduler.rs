@@ -13,16 +13,40 @@ use crate::{DeployError, Deployment};
 /// The shards a process owns now, as its pool or owner thread reports them.
 pub type OwnedShards = Arc<dyn Fn() -> BTreeSet<String> + Send + Sync>;
 
+/// A running schedule thread; stopped (and waited for, its pass finished
+/// and recorded) when dropped.
+pub struct ScheduleThread {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ScheduleThread {
+    /// Stops the thread and waits for it.
+    pub fn stop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for ScheduleThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 impl Deployment {
     /// Starts a thread that fires the schedules whose key routes to a shard
-    /// in `owned()` until `stop`; errors go to `on_error` (a log line), and
-    /// the thread keeps going.
+    /// in `owned()` until it is stopped; errors go to `on_error` (a log
+    /// line), and the thread keeps going.
     pub fn spawn_scheduler(
         &self,
         owned: OwnedShards,
-        stop: Arc<AtomicBool>,
         on_error: Arc<dyn Fn(String) + Send + Sync>,
-    ) -> Result<JoinHandle<()>, DeployError> {
+    ) -> Result<ScheduleThread, DeployError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
         let scheduler = Scheduler::new(
             self.queue(),
             self.maps(),
@@ -30,12 +54,16 @@ impl Deployment {
                 clock: self.clock(),
             },
         )?;
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("shardq-schedules".into())
-            .spawn(move || run_scheduler(scheduler, &*owned, &stop, &*on_error))
+            .spawn(move || run_scheduler(scheduler, &*owned, &flag, &*on_error))
             .map_err(|e| DeployError::Io {
                 context: "starting the schedule thread".into(),
                 source: e,
-            })
+            })?;
+        Ok(ScheduleThread {
+            stop,
+            handle: Some(handle),
+        })
     }
 }

@@ -283,6 +283,35 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
             r("POST", "/v1/groups/{name}/resume", Some(Admin)),
             post(api::group_resume),
         ),
+        (r("GET", "/v1/schedules", Some(Read)), get(api::schedules)),
+        (
+            r("GET", "/v1/schedules/{id}", Some(Read)),
+            get(api::schedule_show),
+        ),
+        (
+            r("PUT", "/v1/schedules/{id}", Some(Admin)),
+            put(api::schedule_put),
+        ),
+        (
+            r("DELETE", "/v1/schedules/{id}", Some(Admin)),
+            delete(api::schedule_delete),
+        ),
+        (
+            r("POST", "/v1/schedules/{id}/pause", Some(Admin)),
+            post(api::schedule_pause),
+        ),
+        (
+            r("POST", "/v1/schedules/{id}/resume", Some(Admin)),
+            post(api::schedule_resume),
+        ),
+        (
+            r("POST", "/v1/schedules/{id}/trigger", Some(Admin)),
+            post(api::schedule_trigger),
+        ),
+        (
+            r("POST", "/v1/schedules/{id}/backfill", Some(Admin)),
+            post(api::schedule_backfill),
+        ),
         (r("GET", "/v1/dead", Some(Read)), get(api::dead_list)),
         (
             r("POST", "/v1/dead/retry", Some(Admin)),
@@ -399,6 +428,8 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
 pub struct Server {
     app: Arc<App>,
     owner: Option<OwnerThread>,
+    /// Fires the schedules of the shards the owner thread runs.
+    schedules: Option<shardq_deploy::ScheduleThread>,
     listener: std::net::TcpListener,
     tokens: Option<Arc<Tokens>>,
     hosts: Arc<edge::Hosts>,
@@ -470,6 +501,17 @@ impl Server {
         let owned = owner
             .as_ref()
             .map_or_else(|| Arc::new(Owned::default()), OwnerThread::owned);
+        // Schedules fire for the shards this server runs.
+        let schedules = match &owner {
+            Some(_) => {
+                let of = Arc::clone(&owned);
+                Some(deployment.spawn_scheduler(
+                    Arc::new(move || of.list().into_iter().collect()),
+                    Arc::new(|e| eprintln!("shardq serve: {e}")),
+                )?)
+            }
+            None => None,
+        };
         let app = Arc::new(App::new(&opts, deployment, owned)?);
         let hosts = Arc::new(edge::Hosts::new(
             listener.local_addr().unwrap_or(opts.listen),
@@ -480,6 +522,7 @@ impl Server {
         Ok(Server {
             app,
             owner,
+            schedules,
             listener,
             tokens: opts.tokens.map(Arc::new),
             hosts,
@@ -522,6 +565,7 @@ impl Server {
         let Server {
             app,
             owner,
+            schedules,
             listener,
             tokens,
             hosts,
@@ -550,6 +594,9 @@ impl Server {
         )
         .await;
         sweeper.abort();
+        if let Some(mut schedules) = schedules {
+            let _ = tokio::task::spawn_blocking(move || schedules.stop()).await;
+        }
         if let Some(mut owner) = owner {
             owner.stop_claiming();
             let stopped = tokio::task::spawn_blocking(move || owner.stop()).await;

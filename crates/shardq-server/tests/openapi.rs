@@ -323,6 +323,62 @@ fn every_answer_fits_its_documented_schema() {
         Some(json!({"all": true})),
         e,
     );
+    // Schedules: set, read, pause, resume, trigger, backfill, delete.
+    let spec = json!({"key": "sched-k", "cron": "30 2 * * *", "tz": "Europe/Berlin",
+        "payload": "p", "start": 1_700_000_000_000u64});
+    checked(
+        &s,
+        "PUT",
+        "/v1/schedules/{id}",
+        "/v1/schedules/n1",
+        Some(spec),
+        e,
+    );
+    for (path, target) in [
+        ("/v1/schedules", "/v1/schedules"),
+        ("/v1/schedules/{id}", "/v1/schedules/n1"),
+    ] {
+        let (code, v) = checked(&s, "GET", path, target, None, e);
+        assert_eq!(code, 200, "GET {target}: {v}");
+    }
+    for action in ["pause", "resume", "trigger"] {
+        let (code, v) = checked(
+            &s,
+            "POST",
+            &format!("/v1/schedules/{{id}}/{action}"),
+            &format!("/v1/schedules/n1/{action}"),
+            Some(json!({})),
+            e,
+        );
+        assert_eq!(code, 200, "{action}: {v}");
+    }
+    let range = json!({"from": "2026-03-28T00:00:00Z", "to": 1_774_828_800_000u64});
+    let (code, v) = checked(
+        &s,
+        "POST",
+        "/v1/schedules/{id}/backfill",
+        "/v1/schedules/n1/backfill",
+        Some(range),
+        e,
+    );
+    assert_eq!((code, &v["ticks"]), (200, &json!(2)), "{v}");
+    let (code, _) = checked(
+        &s,
+        "GET",
+        "/v1/schedules/{id}",
+        "/v1/schedules/nope",
+        None,
+        e,
+    );
+    assert_eq!(code, 404);
+    checked(
+        &s,
+        "DELETE",
+        "/v1/schedules/{id}",
+        "/v1/schedules/n1",
+        Some(json!({})),
+        e,
+    );
     assert!(
         errs.is_empty(),
         "answers the document does not describe:\n{}",

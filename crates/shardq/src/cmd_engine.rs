@@ -719,16 +719,13 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         }
         inner(ev)
     });
-    let schedules_stop = Arc::new(AtomicBool::new(false));
     let read = Arc::clone(&owned);
-    let schedules = deployment.spawn_scheduler(
+    let mut schedules = deployment.spawn_scheduler(
         Arc::new(move || read.lock().unwrap_or_else(|e| e.into_inner()).clone()),
-        Arc::clone(&schedules_stop),
         Arc::new(|e| eprintln!("shardq: warning: {e}")),
     )?;
     let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
-    schedules_stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let _ = schedules.join();
+    schedules.stop();
     let report = report?;
     eprintln!(
         "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",

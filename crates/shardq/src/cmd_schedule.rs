@@ -10,10 +10,9 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use shardq_core::producer::ProducerOptions;
 use shardq_core::schedule::{
-    self, parse_duration_ms, parse_time_ms, show_time, Overlap, Schedule, ScheduleStore,
-    ScheduleView, When, CATCH_UP_MS_DEFAULT, SCHEDULE_DEDUP_WINDOW_MS,
+    self, parse_time_ms, show_time, Schedule, ScheduleSpec, ScheduleStore, ScheduleView, TimeArg,
+    When, SCHEDULE_DEDUP_WINDOW_MS,
 };
-use shardq_core::MAX_ATTEMPTS_DEFAULT;
 
 use crate::cmd_retry::open;
 
@@ -142,16 +141,6 @@ pub enum ScheduleAction {
 }
 
 fn schedule_of(a: &SetArgs) -> anyhow::Result<Schedule> {
-    let when = match (&a.cron, &a.every) {
-        (Some(expr), None) => When::Cron {
-            expr: expr.clone(),
-            tz: a.tz.clone().unwrap_or_else(|| "UTC".into()),
-        },
-        (None, Some(every)) => When::Every {
-            every_ms: parse_duration_ms("every", every)?,
-        },
-        _ => bail!("give when the schedule ticks: --cron EXPR [--tz ZONE] or --every DURATION"),
-    };
     let payload = match (&a.payload, &a.payload_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => {
@@ -165,31 +154,23 @@ fn schedule_of(a: &SetArgs) -> anyhow::Result<Schedule> {
         }
         (None, None) => String::new(),
     };
-    let dur = |name, v: &Option<String>, default| -> anyhow::Result<u64> {
-        Ok(match v {
-            Some(t) => parse_duration_ms(name, t)?,
-            None => default,
-        })
-    };
-    let time = |name, v: &Option<String>| -> anyhow::Result<Option<u64>> {
-        Ok(match v {
-            Some(t) => Some(parse_time_ms(name, t)?),
-            None => None,
-        })
-    };
-    Ok(Schedule {
+    if a.cron.is_none() && a.every.is_none() {
+        bail!("give when the schedule ticks: --cron EXPR [--tz ZONE] or --every DURATION");
+    }
+    let spec = ScheduleSpec {
         key: a.key.clone(),
-        when,
+        cron: a.cron.clone(),
+        tz: a.tz.clone(),
+        every: a.every.clone(),
         payload,
-        overlap: Overlap::parse(&a.overlap)?,
-        catch_up_ms: dur("catch-up", &a.catch_up, CATCH_UP_MS_DEFAULT)?,
-        jitter_ms: dur("jitter", &a.jitter, 0)?,
-        start_ms: time("start", &a.start)?,
-        end_ms: time("end", &a.end)?,
-        max_attempts: a.max_attempts.unwrap_or(MAX_ATTEMPTS_DEFAULT),
-        paused: false,
-        since_ms: 0,
-    })
+        overlap: Some(a.overlap.clone()),
+        catch_up: a.catch_up.clone(),
+        jitter: a.jitter.clone(),
+        start: a.start.clone().map(TimeArg::Text),
+        end: a.end.clone().map(TimeArg::Text),
+        max_attempts: a.max_attempts,
+    };
+    Ok(spec.build(&a.id)?)
 }
 
 fn when_text(w: &When) -> String {

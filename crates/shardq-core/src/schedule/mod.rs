@@ -469,3 +469,112 @@ pub fn show_time(ms: u64) -> String {
             |t| t.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
         )
 }
+
+/// A time as a caller gives it: ms since the epoch, or RFC 3339 text.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum TimeArg {
+    /// Ms since the Unix epoch.
+    Ms(u64),
+    /// RFC 3339, or ms as text.
+    Text(String),
+}
+
+impl TimeArg {
+    /// The time in ms; `name` is the field, for the error.
+    pub fn ms(&self, name: &'static str) -> Result<u64, QueueError> {
+        match self {
+            TimeArg::Ms(ms) => Ok(*ms),
+            TimeArg::Text(t) => parse_time_ms(name, t),
+        }
+    }
+}
+
+/// A schedule as people write it (the CLI's flags, the API's body): the
+/// recurrence and the policies in words and durations (`5m`), turned into
+/// a checked [`Schedule`] by [`ScheduleSpec::build`], one reading for
+/// every front end.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    /// The key its jobs are enqueued for.
+    pub key: String,
+    /// A cron expression (exclusive with `every`).
+    #[serde(default)]
+    pub cron: Option<String>,
+    /// The cron expression's IANA zone (default `UTC`).
+    #[serde(default)]
+    pub tz: Option<String>,
+    /// A fixed interval (`30s`, `5m`).
+    #[serde(default)]
+    pub every: Option<String>,
+    /// The payload of every job (UTF-8 text).
+    #[serde(default)]
+    pub payload: String,
+    /// `skip` (default), `one` or `all`.
+    #[serde(default)]
+    pub overlap: Option<String>,
+    /// How late a tick may still fire (default 5m).
+    #[serde(default)]
+    pub catch_up: Option<String>,
+    /// Largest delay added to a fire (default 0).
+    #[serde(default)]
+    pub jitter: Option<String>,
+    /// No tick before this.
+    #[serde(default)]
+    pub start: Option<TimeArg>,
+    /// No tick after this.
+    #[serde(default)]
+    pub end: Option<TimeArg>,
+    /// Attempts of each job (default 5).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+}
+
+impl ScheduleSpec {
+    /// The schedule it describes, checked (`since_ms` and `paused` are set
+    /// where it is stored, [`ScheduleStore::put`]).
+    pub fn build(&self, id: &str) -> Result<Schedule, QueueError> {
+        let when = match (&self.cron, &self.every, &self.tz) {
+            (Some(expr), None, tz) => When::Cron {
+                expr: expr.clone(),
+                tz: tz.clone().unwrap_or_else(|| "UTC".into()),
+            },
+            (None, Some(every), None) => When::Every {
+                every_ms: parse_duration_ms("every", every)?,
+            },
+            (c, e, tz) => {
+                return Err(QueueError::InvalidOption {
+                    name: "recurrence",
+                    value: format!("cron {c:?}, every {e:?}, tz {tz:?}",),
+                    allowed: "either cron (with an optional tz) or every, not both or neither"
+                        .into(),
+                })
+            }
+        };
+        let dur = |name, v: &Option<String>, default| match v {
+            Some(t) => parse_duration_ms(name, t),
+            None => Ok(default),
+        };
+        let s = Schedule {
+            key: self.key.clone(),
+            when,
+            payload: self.payload.clone(),
+            overlap: match &self.overlap {
+                Some(o) => Overlap::parse(o)?,
+                None => Overlap::default(),
+            },
+            catch_up_ms: dur("catch-up", &self.catch_up, CATCH_UP_MS_DEFAULT)?,
+            jitter_ms: dur("jitter", &self.jitter, 0)?,
+            start_ms: self.start.as_ref().map(|t| t.ms("start")).transpose()?,
+            end_ms: self.end.as_ref().map(|t| t.ms("end")).transpose()?,
+            max_attempts: self
+                .max_attempts
+                .unwrap_or(crate::job::MAX_ATTEMPTS_DEFAULT),
+            paused: false,
+            since_ms: 0,
+        };
+        s.validate(id)?;
+        Ok(s)
+    }
+}

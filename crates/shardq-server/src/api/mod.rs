@@ -2,7 +2,7 @@
 //! request: `enqueue` (with dedup), `claims` (long-poll, the book of runs
 //! handed out), `runs` (ack, fail, extend), `reads` (status, keys, dead
 //! letters), `jobs` (one job: show, a key's jobs, cancel), `flow`
-//! (policies and groups) and `admin` (resharding); health and the OpenAPI document here.
+//! (policies and groups), `schedules` (recurring schedules) and `admin` (resharding); health and the OpenAPI document here.
 //! Every library call runs on a blocking thread (`spawn_blocking`);
 //! handlers validate all input before they store anything, and must never
 //! block the async executor or panic on input.
@@ -14,6 +14,7 @@ mod flow;
 mod jobs;
 mod reads;
 mod runs;
+mod schedules;
 
 pub use admin::*;
 pub use claims::*;
@@ -23,6 +24,7 @@ pub use jobs::*;
 pub use reads::*;
 pub(crate) use runs::sweep_timeouts;
 pub use runs::*;
+pub use schedules::*;
 
 use std::collections::{BTreeMap, HashMap};
 
