@@ -827,6 +827,12 @@ impl Deployment {
     /// Counts, owners and leases of every shard of the published map; a
     /// shard that cannot be read is reported on its row, not as an error.
     pub fn status(&self) -> Result<StatusReport, DeployError> {
+        let mut report = self.shard_status()?;
+        report.schedules = shardq_core::schedule::ScheduleStore::totals(&*self.maps()).ok();
+        Ok(report)
+    }
+
+    fn shard_status(&self) -> Result<StatusReport, DeployError> {
         let names = self.shard_names()?;
         match &self.store {
             Store::Embedded(fs) => {

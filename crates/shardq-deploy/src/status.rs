@@ -17,6 +17,9 @@ pub struct StatusReport {
     pub totals: StatusTotals,
     /// Names of the shards that could not be read.
     pub failed: Vec<String>,
+    /// Sums over the deployment's schedules; `None` when they could not
+    /// be read.
+    pub schedules: Option<shardq_core::schedule::ScheduleTotals>,
 }
 
 /// One shard in `status`: counts are `None` when the shard could not be
@@ -59,6 +62,7 @@ pub fn collect(
         shards: Vec::with_capacity(names.len()),
         totals: StatusTotals::default(),
         failed: Vec::new(),
+        schedules: None,
     };
     for name in names {
         let stats = stats(name);

@@ -76,6 +76,8 @@ pub(crate) struct ShardGauges {
     map_version: Gauge,
     status_up: Gauge,
     read_seconds: Gauge<f64, AtomicU64>,
+    /// Schedules: how many, paused, and the ticks fired, skipped, missed.
+    schedules: [Gauge; 5],
 }
 
 fn int(v: u64) -> i64 {
@@ -105,6 +107,7 @@ impl ShardGauges {
             map_version: Gauge::default(),
             status_up: Gauge::default(),
             read_seconds: Gauge::default(),
+            schedules: Default::default(),
         };
         if g.source.is_none() {
             return g;
@@ -163,6 +166,25 @@ impl ShardGauges {
             "How long the last status read took",
             g.read_seconds.clone(),
         );
+        let schedule_series = [
+            ("shardq_schedules", "Recurring schedules of the deployment"),
+            ("shardq_schedules_paused", "Schedules paused"),
+            (
+                "shardq_schedule_ticks_fired",
+                "Ticks that stored a job, over every schedule (grows)",
+            ),
+            (
+                "shardq_schedule_ticks_skipped",
+                "Ticks not fired because the previous job was live (overlap), over every schedule (grows)",
+            ),
+            (
+                "shardq_schedule_ticks_missed",
+                "Ticks found past their catch-up window (no worker ran them in time), over every schedule (grows)",
+            ),
+        ];
+        for ((name, help), gauge) in schedule_series.into_iter().zip(&g.schedules) {
+            r.register(name, help, gauge.clone());
+        }
         g
     }
 
@@ -208,6 +230,12 @@ impl ShardGauges {
         };
         self.status_up.set(1);
         self.map_version.set(int(snap.map_version));
+        if let Some(t) = snap.report.schedules {
+            let values = [t.schedules, t.paused, t.fired, t.skipped, t.missed];
+            for (gauge, v) in self.schedules.iter().zip(values) {
+                gauge.set(int(v));
+            }
+        }
         for row in &snap.report.shards {
             let l = ShardLabel {
                 shard: row.name.clone(),

@@ -34,6 +34,13 @@ fn fixed() -> StatusSnapshot {
             ],
             totals: Default::default(),
             failed: vec!["s1".into()],
+            schedules: Some(shardq_core::schedule::ScheduleTotals {
+                schedules: 3,
+                paused: 1,
+                fired: 40,
+                skipped: 2,
+                missed: 5,
+            }),
         },
     }
 }
@@ -151,6 +158,18 @@ fn a_fixed_state_renders_as_documented() {
         "shardq_status_up",
         &["# TYPE shardq_status_up gauge", "shardq_status_up 1"],
     );
+    for (name, v) in [
+        ("shardq_schedules", 3),
+        ("shardq_schedules_paused", 1),
+        ("shardq_schedule_ticks_fired", 40),
+        ("shardq_schedule_ticks_skipped", 2),
+        ("shardq_schedule_ticks_missed", 5),
+    ] {
+        expect(
+            name,
+            &[&format!("# TYPE {name} gauge"), &format!("{name} {v}")],
+        );
+    }
     expect(
         "shardq_jobs_enqueued_total",
         &[

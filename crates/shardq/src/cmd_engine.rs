@@ -892,6 +892,12 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         if let Some(p) = &rebalance {
             println!("{}", rebalance_line(p, now));
         }
+        if let Some(t) = st.schedules.filter(|t| t.schedules > 0) {
+            println!(
+                "schedules: {} ({} paused); ticks fired {}, skipped {} (overlap), missed {} (past catch-up); `shardq schedule list` for each",
+                t.schedules, t.paused, t.fired, t.skipped, t.missed
+            );
+        }
         for g in &groups {
             let state = match (&g.error, g.held_until_ms) {
                 (Some(e), _) => format!("its bucket cannot be read: {e}"),

@@ -209,7 +209,7 @@ fn every_documented_command_and_option_exists() {
 /// does not have (servers, files of the reader's own, long-running
 /// processes): such lines are checked by the test above only.
 fn runs_here(words: &[String]) -> bool {
-    const RUN: [&str; 18] = [
+    const RUN: [&str; 19] = [
         "route",
         "slot",
         "plan",
@@ -220,6 +220,7 @@ fn runs_here(words: &[String]) -> bool {
         "job",
         "jobs",
         "retry",
+        "schedule",
         "add-shard",
         "rebalance",
         "remove-shard",

@@ -578,3 +578,37 @@ impl ScheduleSpec {
         Ok(s)
     }
 }
+
+/// Sums over every schedule of a deployment, for `status` and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct ScheduleTotals {
+    /// Schedules.
+    pub schedules: u64,
+    /// Of them, paused.
+    pub paused: u64,
+    /// Ticks that stored a job.
+    pub fired: u64,
+    /// Ticks not fired by an overlap policy.
+    pub skipped: u64,
+    /// Ticks past their catch-up window.
+    pub missed: u64,
+}
+
+impl ScheduleTotals {
+    /// The sums of `schedules` and `states`.
+    pub fn of(schedules: &Schedules, states: &ScheduleStates) -> ScheduleTotals {
+        let mut t = ScheduleTotals {
+            schedules: schedules.schedules.len() as u64,
+            paused: schedules.schedules.values().filter(|s| s.paused).count() as u64,
+            ..ScheduleTotals::default()
+        };
+        for (id, s) in &states.states {
+            if schedules.schedules.contains_key(id) {
+                t.fired += s.fired;
+                t.skipped += s.skipped;
+                t.missed += s.missed;
+            }
+        }
+        t
+    }
+}

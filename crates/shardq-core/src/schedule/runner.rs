@@ -151,6 +151,14 @@ impl ScheduleStore {
             .ok_or_else(|| unknown(id))?)
     }
 
+    /// The sums over every schedule and its state.
+    pub fn totals(maps: &dyn MapStore) -> Result<super::ScheduleTotals, ReshardError> {
+        Ok(super::ScheduleTotals::of(
+            &Self::load(maps)?,
+            &Self::states(maps)?,
+        ))
+    }
+
     /// Every schedule with its state and next fire, by id.
     pub fn views(maps: &dyn MapStore) -> Result<Vec<super::ScheduleView>, ReshardError> {
         let all = Self::load(maps)?;
