@@ -450,6 +450,30 @@ def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, depl
     api.post("/v1/ack", {"receipts": [running[0]["receipt"]]})
 
 
+def test_the_schedules_panel_shows_fires_and_pauses_a_schedule(browser, deployment, screenshots):
+    """A schedule firing every second shows its fires, its last job and
+    its next fire; Pause needs admin, and the row then says paused while
+    the stored schedule is paused."""
+    api = deployment["api"]
+    code, v = api.call("PUT", "/v1/schedules/dash-beat", {"key": "sched:dash", "every": "1s", "overlap": "all"})
+    assert code == 200, v
+    wait_for("two fires", lambda: api.get("/v1/schedules/dash-beat")["state"]["fired"] >= 2, timeout_s=30)
+    open_page(browser, deployment, READ_TOKEN)
+    row = '#schedules tr[data-schedule="dash-beat"]'
+    wait(browser, "the schedule's row", lambda d: "every 1 s" in text(d, row) and "sched:dash" in text(d, row))
+    wait(browser, "its last job", lambda d: "→" in text(d, row))
+    click(browser, "the pause button", row + " button.pause")
+    wait(browser, "the refusal", lambda d: "403" in text(d, "#schedules-msg"))
+    assert api.get("/v1/schedules/dash-beat")["paused"] is False
+    use_token(browser, ADMIN_TOKEN)
+    click(browser, "the pause button", row + " button.pause")
+    wait(browser, "paused", lambda d: "paused" in text(d, row))
+    assert api.get("/v1/schedules/dash-beat")["paused"] is True
+    browser.save_screenshot(str(screenshots / "08-schedules.png"))
+    code, v = api.call("DELETE", "/v1/schedules/dash-beat", {})
+    assert code == 200, v
+
+
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
     open_page(browser, deployment, READ_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")

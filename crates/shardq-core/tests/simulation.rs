@@ -25,6 +25,12 @@
 //! answering; each checks that the key's jobs run once, in the order
 //! stored, on one shard.
 //!
+//! Schedules get a seeded scenario of their own: three schedulers (one a
+//! stale owner of every shard) fire eight every-second schedules at seeded
+//! moments, restarting and reading a clock stepped back now and then,
+//! while a rebalance moving the schedules' keys is killed at seeded writes
+//! and rerun; every decided tick must have stored exactly one job.
+//!
 //! `SHARDQ_SIM_SEED=N cargo test -p shardq-core --test simulation` replays
 //! seed N alone; CI runs a fixed set of seeds.
 //!
@@ -1014,6 +1020,10 @@ impl QueueBackend for Crashing {
         self.reach(shard)?;
         self.inner.dead_list(shard, limit)
     }
+    fn job(&self, shard: &str, id: JobId) -> Result<Option<shardq_core::JobInfo>, QueueError> {
+        self.reach(shard)?;
+        self.inner.job(shard, id)
+    }
     fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.reach(shard)?;
         self.inner.dead_retry(shard, ids)
@@ -1615,4 +1625,187 @@ fn a_rerun_moves_its_keys_past_a_shard_that_stopped_answering() {
         pinned > 0,
         "no kill came after the pinned map (the test lost its point)"
     );
+}
+
+/// Schedules in the seeded world: eight schedules firing every second on
+/// their own keys, fired by three schedulers (two owning part of the
+/// shards, one believing it owns them all, as a process past its lease
+/// would), each pass at a seeded moment, while a rebalance that moves the
+/// schedules' keys to a new shard is killed at seeded writes and rerun,
+/// and the scheduler's own clock readings step back now and then. Every
+/// step of the rebalance's copies lets the schedulers run, so ticks are
+/// fired while their key is sealed, copied, frozen and switched. At the
+/// end, for every schedule, the ticks that stored a job are exactly the
+/// ticks it decided, each once.
+fn schedules_through_a_killed_rebalance(seed: u64) {
+    use shardq_core::schedule::{
+        tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
+        SCHEDULE_DEDUP_WINDOW_MS,
+    };
+    const T0: u64 = 1_700_000_000_000;
+    let clock = Arc::new(SimClock::default());
+    clock.now_ms.store(T0, Ordering::SeqCst);
+    let backend = MemoryBackend::new(&SHARDS, clock.clone());
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, SHARDS).unwrap());
+    let ids: Vec<String> = (0..8).map(|i| format!("sim-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let s = Schedule {
+            key: format!("sched-{i}"),
+            when: When::Every { every_ms: 1_000 },
+            payload: "tick".into(),
+            overlap: Overlap::All,
+            catch_up_ms: 600_000,
+            jitter_ms: if i % 2 == 0 { 0 } else { 300 },
+            start_ms: None,
+            end_ms: None,
+            max_attempts: 3,
+            paused: false,
+            since_ms: 0,
+        };
+        ScheduleStore::put(&store, id, &s, T0).unwrap();
+    }
+    let scheduler = || {
+        Scheduler::new(
+            Arc::new(backend.clone()),
+            Arc::new(store.clone()),
+            SchedulerOptions {
+                clock: clock.clone(),
+            },
+        )
+        .unwrap()
+    };
+    let owned =
+        |names: &[&str]| -> BTreeSet<String> { names.iter().map(|s| s.to_string()).collect() };
+    let views: [BTreeSet<String>; 3] = [
+        owned(&["s0", "s1"]),
+        owned(&["s2", "s3"]),
+        owned(&["s0", "s1", "s2", "s3"]),
+    ];
+    let schedulers = Arc::new(Mutex::new((
+        vec![scheduler(), scheduler(), scheduler()],
+        Rng(seed ^ 0x5c4e_d01e),
+    )));
+    let run_step = {
+        let schedulers = schedulers.clone();
+        let clock = clock.clone();
+        let backend = backend.clone();
+        let store = store.clone();
+        move || {
+            let mut g = schedulers.lock().unwrap();
+            let (list, rng) = &mut *g;
+            clock.now_ms.fetch_add(1 + rng.below(250), Ordering::SeqCst);
+            let who = rng.below(3) as usize;
+            // A scheduler restarts now and then, with nothing in memory.
+            if rng.chance(3) {
+                list[who] = Scheduler::new(
+                    Arc::new(backend.clone()),
+                    Arc::new(store.clone()),
+                    SchedulerOptions {
+                        clock: clock.clone(),
+                    },
+                )
+                .unwrap();
+            }
+            // Its clock reading steps back for this pass.
+            let back = if rng.chance(5) { rng.below(5_000) } else { 0 };
+            clock.now_ms.fetch_sub(back, Ordering::SeqCst);
+            let r = list[who].pass(&views[who]);
+            clock.now_ms.fetch_add(back, Ordering::SeqCst);
+            if let Err(e) = r {
+                panic!("seed {seed}: a pass failed: {e}");
+            }
+        }
+    };
+    *clock.step.lock().unwrap() = Some(Box::new(run_step.clone()));
+    for _ in 0..100 {
+        let _hook = clock.step.lock().unwrap();
+        run_step();
+    }
+    reshard::add_shard(&store, "s3", 1, None).unwrap();
+    backend.add_shard("s3");
+    for i in 0..8 {
+        reshard::pin(&store, &format!("sched-{i}"), "s3").unwrap();
+    }
+    let opts = RebalanceOptions {
+        batch: 2,
+        drain_timeout_ms: 60_000,
+        poll_ms: 1,
+        clock: clock.clone(),
+        runner: "simulation".into(),
+    };
+    let crashing = Crashing::new(backend.clone(), clock.clone());
+    let mut crash_rng = Rng(seed ^ 0xdead);
+    for attempt in 0.. {
+        crashing.writes.store(0, Ordering::SeqCst);
+        let at = if attempt < 3 {
+            1 + crash_rng.below(30)
+        } else {
+            0
+        };
+        crashing.crash_at.store(at, Ordering::SeqCst);
+        match reshard::rebalance(&crashing, &store, &opts, &mut |_| {}) {
+            Ok(_) => break,
+            Err(_) if at != 0 && crashing.writes.load(Ordering::SeqCst) >= at => {
+                for _ in 0..20 {
+                    let _hook = clock.step.lock().unwrap();
+                    run_step();
+                }
+            }
+            Err(e) => panic!("seed {seed}: rebalance: {e}"),
+        }
+    }
+    for _ in 0..100 {
+        let _hook = clock.step.lock().unwrap();
+        run_step();
+    }
+    *clock.step.lock().unwrap() = None;
+    // One last pass by a process owning every shard decides every due tick.
+    let mut last = scheduler();
+    last.pass(&owned(&["s0", "s1", "s2", "s3"])).unwrap();
+    let states = ScheduleStore::states(&store).unwrap().states;
+    let version = store.load().unwrap().version;
+    for (i, id) in ids.iter().enumerate() {
+        let key = format!("sched-{i}");
+        let decided = states[id].decided_ms;
+        let ticks = decided / 1_000 - T0 / 1_000;
+        let jobs: u64 = backend
+            .shard_names()
+            .iter()
+            .map(|s| {
+                let c = backend.key_counts(s, &key).unwrap();
+                c.depth + c.in_flight + c.dead
+            })
+            .sum();
+        assert!(ticks > 20, "seed {seed}: {id} decided only {ticks} ticks");
+        assert_eq!(jobs, ticks, "seed {seed}: {id}: jobs vs ticks decided");
+        assert_eq!(states[id].missed, 0, "seed {seed}: {id} missed ticks");
+        for n in 1..=ticks {
+            let stored = backend
+                .enqueue_dedup(
+                    "s3",
+                    version,
+                    &[NewJob::new(key.clone(), "probe")
+                        .with_dedup_id(tick_dedup_id(id, T0 + n * 1_000))],
+                    SCHEDULE_DEDUP_WINDOW_MS,
+                )
+                .unwrap();
+            assert!(
+                stored[0].duplicate,
+                "seed {seed}: {id}: tick {n} has no job"
+            );
+        }
+    }
+}
+
+#[test]
+fn seeded_schedules_fire_each_tick_once_through_a_killed_rebalance() {
+    if let Ok(seed) = std::env::var("SHARDQ_SIM_SEED") {
+        schedules_through_a_killed_rebalance(
+            seed.parse().expect("SHARDQ_SIM_SEED must be a number"),
+        );
+        return;
+    }
+    for seed in 1..=16 {
+        schedules_through_a_killed_rebalance(seed);
+    }
 }

@@ -459,6 +459,85 @@
     }
   }
 
+  // ------------------------------------------------------------- schedules
+  function whenText(w) {
+    if (w.cron) return "cron " + w.cron.expr + " (" + w.cron.tz + ")";
+    if (w.every) return "every " + fmtMs(w.every.every_ms);
+    return "?";
+  }
+
+  function fmtMs(ms) {
+    if (ms % 86400000 === 0) return (ms / 86400000) + " d";
+    if (ms % 3600000 === 0) return (ms / 3600000) + " h";
+    if (ms % 60000 === 0) return (ms / 60000) + " min";
+    return (ms / 1000) + " s";
+  }
+
+  function when(ms) { return new Date(ms).toISOString().replace(".000Z", "Z"); }
+
+  function scheduleNote(kind, text) {
+    const m = $("schedules-msg");
+    m.hidden = !text;
+    m.className = "note " + kind;
+    m.textContent = text || "";
+  }
+
+  async function scheduleAction(id, action, button) {
+    button.disabled = true;
+    try {
+      const r = await api("POST", "/v1/schedules/" + encodeURIComponent(id) + "/" + action, {});
+      const what = action === "trigger" ? "triggered: job " + r.job : action + "d";
+      scheduleNote("ok", "Schedule " + id + " " + what + ".");
+      refreshSchedules();
+    } catch (e) {
+      scheduleNote("error", authMessage(e) || (action + " failed: " + e.message));
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  function renderSchedules(list) {
+    const body = $("schedules").querySelector("tbody");
+    clear(body);
+    const all = (list && list.schedules) || [];
+    $("schedules-empty").hidden = all.length > 0;
+    for (const s of all) {
+      const tr = el("tr", { "data-schedule": s.id });
+      tr.appendChild(el("td", null, s.id));
+      tr.appendChild(el("td", null, s.key));
+      tr.appendChild(el("td", null, whenText(s.when) + " · overlap " + s.overlap));
+      let next = "ended";
+      if (s.paused) next = "paused";
+      else if (s.next_fire_ms != null) next = when(s.next_fire_ms);
+      tr.appendChild(el("td", { class: s.paused ? "muted" : "" }, next));
+      const last = s.state.last;
+      const lastCell = el("td");
+      if (last) {
+        lastCell.appendChild(document.createTextNode(when(last.tick_ms) + " → "));
+        lastCell.appendChild(jobLink(last.shard + ":" + last.job));
+      } else {
+        lastCell.textContent = "never";
+      }
+      tr.appendChild(lastCell);
+      tr.appendChild(el("td", { class: "num" }, fmt(s.state.fired)));
+      tr.appendChild(el("td", { class: "num" }, fmt(s.state.skipped)));
+      tr.appendChild(el("td", { class: "num" + (s.state.missed ? " error" : "") }, fmt(s.state.missed)));
+      const actions = el("td");
+      const toggle = el("button", { type: "button", class: s.paused ? "resume" : "pause" }, s.paused ? "Resume" : "Pause");
+      toggle.addEventListener("click", () => scheduleAction(s.id, s.paused ? "resume" : "pause", toggle));
+      const trigger = el("button", { type: "button", class: "trigger" }, "Run now");
+      trigger.addEventListener("click", () => scheduleAction(s.id, "trigger", trigger));
+      actions.appendChild(toggle);
+      actions.appendChild(trigger);
+      tr.appendChild(actions);
+      body.appendChild(tr);
+    }
+  }
+
+  async function refreshSchedules() {
+    try { renderSchedules(await api("GET", "/v1/schedules")); } catch (e) { /* shown by the poll */ }
+  }
+
   // ------------------------------------------------------------------ dead
   function deadNote(kind, text) {
     const m = $("dead-msg");
@@ -821,6 +900,7 @@
       jobs.ring = api("GET", "/v1/ring");
       jobs.hot = api("GET", "/v1/hot?top=10");
       jobs.dead = api("GET", "/v1/dead?limit=20");
+      jobs.schedules = api("GET", "/v1/schedules");
     }
     const names = Object.keys(jobs);
     const results = await Promise.allSettled(names.map((n) => jobs[n]));
@@ -837,6 +917,7 @@
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
+    if (got.schedules) renderSchedules(got.schedules);
     if (got.history) renderHistory(got.history);
     if (problem) {
       setConn(false, authMessage(problem) || ("Reading failed: " + problem.message));
