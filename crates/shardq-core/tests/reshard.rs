@@ -18,6 +18,7 @@ use shardq_core::{
     WorkerPool,
 };
 use shardq_route::{Algorithm, Router, ShardMap};
+use shardq_testkit::maps::HookedMaps;
 
 const KEYS: usize = 10_000;
 const LEASE_MS: u64 = shardq_core::JOB_LEASE_MS_DEFAULT;
@@ -674,51 +675,28 @@ fn a_lapsed_run_moves_as_a_retry_and_its_late_ack_is_refused() {
 /// A map store that refuses every publish after the first `ok`, as one that
 /// stops answering mid-rebalance would, and, with `settings_fail`, every
 /// write of a setting.
-struct PublishFails {
+fn publish_fails(
     inner: MemoryMapStore,
-    ok: std::sync::atomic::AtomicU32,
+    ok: u32,
     settings_fail: bool,
-}
-
-impl MapStore for PublishFails {
-    fn load(&self) -> Result<ShardMap, ReshardError> {
-        self.inner.load()
-    }
-    fn publish(&self, map: &ShardMap, expected: u64) -> Result<(), ReshardError> {
-        if self.ok.fetch_sub(1, Ordering::SeqCst) == 0 {
-            self.ok.store(0, Ordering::SeqCst);
-            return Err(ReshardError::Unavailable(
-                "the map store stopped answering".into(),
-            ));
-        }
-        self.inner.publish(map, expected)
-    }
-    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
-        self.inner.load_target()
-    }
-    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
-        self.inner.store_target(target)
-    }
-    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
-        self.inner.clear_target(reached)
-    }
-    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
-        self.inner.try_lock_rebalance()
-    }
-    fn load_setting(&self, name: &str) -> Result<Option<String>, ReshardError> {
-        self.inner.load_setting(name)
-    }
-    fn swap_setting(
-        &self,
-        name: &str,
-        expected: Option<&str>,
-        value: Option<&str>,
-    ) -> Result<bool, ReshardError> {
-        if self.settings_fail {
-            return Err(ReshardError::Unavailable("settings are read-only".into()));
-        }
-        self.inner.swap_setting(name, expected, value)
-    }
+) -> HookedMaps<MemoryMapStore> {
+    let ok = std::sync::atomic::AtomicU32::new(ok);
+    HookedMaps::new(inner)
+        .on_publish(move |inner, map, expected| {
+            if ok.fetch_sub(1, Ordering::SeqCst) == 0 {
+                ok.store(0, Ordering::SeqCst);
+                return Err(ReshardError::Unavailable(
+                    "the map store stopped answering".into(),
+                ));
+            }
+            inner.publish(map, expected)
+        })
+        .on_swap_setting(move |inner, name, expected, value| {
+            if settings_fail {
+                return Err(ReshardError::Unavailable("settings are read-only".into()));
+            }
+            inner.swap_setting(name, expected, value)
+        })
 }
 
 /// A move whose switch cannot be published (the map store fails, not a
@@ -742,11 +720,7 @@ fn a_failed_switch_leaves_no_producer_paused_and_the_rerun_finishes() {
     reshard::add_shard(&inner, "c", 1, None).unwrap();
     backend.add_shard("c");
     // The intermediate map publishes; the first switch does not.
-    let store = PublishFails {
-        inner: inner.clone(),
-        ok: std::sync::atomic::AtomicU32::new(1),
-        settings_fail: false,
-    };
+    let store = publish_fails(inner.clone(), 1, false);
     let opts = RebalanceOptions {
         batch: 4,
         drain_timeout_ms: 1_000,
@@ -887,11 +861,7 @@ fn every_rebalance_leaves_its_progress_in_the_map_store() {
 #[test]
 fn a_failed_rebalance_says_why_and_a_progress_write_never_fails_one() {
     let (backend, store) = growing_store();
-    let down = PublishFails {
-        inner: store.clone(),
-        ok: std::sync::atomic::AtomicU32::new(0),
-        settings_fail: false,
-    };
+    let down = publish_fails(store.clone(), 0, false);
     let err =
         reshard::rebalance(&backend, &down, &RebalanceOptions::default(), &mut |_| {}).unwrap_err();
     let p = reshard::stored_progress(&store).unwrap().unwrap();
@@ -900,11 +870,7 @@ fn a_failed_rebalance_says_why_and_a_progress_write_never_fails_one() {
     assert!(p.finished_ms.is_some());
 
     // Settings refused: the rebalance itself goes through.
-    let read_only = PublishFails {
-        inner: store.clone(),
-        ok: std::sync::atomic::AtomicU32::new(u32::MAX),
-        settings_fail: true,
-    };
+    let read_only = publish_fails(store.clone(), u32::MAX, true);
     let report = reshard::rebalance(
         &backend,
         &read_only,
@@ -1159,34 +1125,14 @@ fn a_keys_history_is_found_on_every_shard_it_finished_on() {
 /// A map store where an operator records a new target while the
 /// rebalance runs (on Redis: its lock lapsed while it stalled, and a
 /// `set-weight` took the lock for its own write).
-struct TargetChangesMidRun {
-    inner: MemoryMapStore,
-    newer: ShardMap,
-    publishes: std::sync::atomic::AtomicU32,
-}
-
-impl MapStore for TargetChangesMidRun {
-    fn load(&self) -> Result<ShardMap, ReshardError> {
-        self.inner.load()
-    }
-    fn publish(&self, map: &ShardMap, expected: u64) -> Result<(), ReshardError> {
-        if self.publishes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.inner.store_target(&self.newer)?;
+fn target_changes_mid_run(inner: MemoryMapStore, newer: ShardMap) -> HookedMaps<MemoryMapStore> {
+    let publishes = std::sync::atomic::AtomicU32::new(0);
+    HookedMaps::new(inner).on_publish(move |inner, map, expected| {
+        if publishes.fetch_add(1, Ordering::SeqCst) == 0 {
+            inner.store_target(&newer)?;
         }
-        self.inner.publish(map, expected)
-    }
-    fn load_target(&self) -> Result<Option<ShardMap>, ReshardError> {
-        self.inner.load_target()
-    }
-    fn store_target(&self, target: &ShardMap) -> Result<(), ReshardError> {
-        self.inner.store_target(target)
-    }
-    fn clear_target(&self, reached: &ShardMap) -> Result<bool, ReshardError> {
-        self.inner.clear_target(reached)
-    }
-    fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError> {
-        self.inner.try_lock_rebalance()
-    }
+        inner.publish(map, expected)
+    })
 }
 
 /// A rebalance never erases a target recorded after it started: it
@@ -1214,11 +1160,7 @@ fn a_target_recorded_during_a_rebalance_is_never_erased() {
         .find(|s| s.name == "c")
         .unwrap()
         .weight = 5;
-    let store = TargetChangesMidRun {
-        inner: inner.clone(),
-        newer: newer.clone(),
-        publishes: Default::default(),
-    };
+    let store = target_changes_mid_run(inner.clone(), newer.clone());
     let opts = RebalanceOptions {
         poll_ms: 1,
         clock: clock.clone(),
@@ -1314,11 +1256,7 @@ fn one_long_run_holds_up_its_own_key_and_no_other_of_its_batch() {
 fn an_add_stopped_before_its_publish_is_finished_by_running_it_again() {
     let inner =
         MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, ["a", "b"]).unwrap());
-    let stopped = PublishFails {
-        inner: inner.clone(),
-        ok: std::sync::atomic::AtomicU32::new(0),
-        settings_fail: false,
-    };
+    let stopped = publish_fails(inner.clone(), 0, false);
     let err = reshard::add_shard(&stopped, "c", 2, None).unwrap_err();
     assert!(err.to_string().contains("stopped answering"), "{err}");
     assert!(inner.load().unwrap().shard("c").is_none());

@@ -5,6 +5,8 @@
 //!   [`contract_tests!`] turns them into one named test per check on a
 //!   backend's harness (`cargo test -p shardq-fs --test contract
 //!   one_run_per_key` runs one).
+//! * [`maps::HookedMaps`] is a map store that passes every call on but
+//!   the ones a test hooks (a publish that fails, read-only settings).
 //! * `redis` (feature `redis`) starts real `redis-server` processes
 //!   (standalone, replicas, clusters) and a switchable TCP proxy for the
 //!   Redis tests.
@@ -14,6 +16,7 @@
 
 pub mod contract;
 mod macros;
+pub mod maps;
 #[cfg(feature = "redis")]
 pub mod redis;
 
