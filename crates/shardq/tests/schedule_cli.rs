@@ -1,7 +1,7 @@
 //! Schedules through the real binary: `schedule set|list|show|pause|
 //! resume|trigger|backfill|delete`, and exactly one job per tick while
 //! two workers are SIGKILLed, restarted and SIGSTOPped around the ticks,
-//! on the embedded engine and on Redis. The invariant is read from the
+//! on the embedded engine, on Redis instances and on a Redis Cluster. The invariant is read from the
 //! handler's own log and from a backfill over the whole range: every tick
 //! up to the last decided one stored exactly one job.
 
@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use shardq_testkit::redis::RedisServer;
+use shardq_testkit::redis::{RedisCluster, RedisServer};
 use support::{ok, run, temp_dir, wait_until, BIN, WAIT_MAX};
 
 fn worker(data: &Path, log: &Path, extra: &[&str]) -> Child {
@@ -203,6 +203,24 @@ fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_redis() {
         "2",
         "--redis",
         &format!("{},{}", a.url(), b.url()),
+    ]);
+    ticks_survive_kills_and_stops(&data, &dir);
+}
+
+#[test]
+fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_a_redis_cluster() {
+    let dir = temp_dir("schedule-cluster");
+    let data = dir.join("data");
+    let cluster = RedisCluster::start(3);
+    let seeds: Vec<String> = cluster.nodes.iter().map(RedisServer::url).collect();
+    ok(&[
+        "init",
+        "--data",
+        data.to_str().unwrap(),
+        "--shards",
+        "3",
+        "--redis-cluster",
+        &seeds.join(","),
     ]);
     ticks_survive_kills_and_stops(&data, &dir);
 }
