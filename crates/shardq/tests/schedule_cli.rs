@@ -53,8 +53,36 @@ fn show(data: &Path, id: &str) -> serde_json::Value {
     serde_json::from_str(&out).unwrap()
 }
 
-/// Runs the attack on an initialised data dir `data`.
+/// SIGKILLs and restarts a worker, or SIGSTOPs one for up to 3 s, or
+/// leaves them be (`roll` picks).
+fn kill_or_stop(data: &Path) -> impl FnMut(&mut Vec<Child>, u64, &Path) + '_ {
+    move |workers, roll, log| {
+        let i = (roll % 2) as usize;
+        match (roll >> 8) % 3 {
+            0 => {
+                signal(&workers[i], libc::SIGKILL);
+                let _ = workers[i].wait();
+                workers[i] = worker(data, log, &[]);
+            }
+            1 => {
+                signal(&workers[i], libc::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(500 + (roll >> 16) % 2500));
+                signal(&workers[i], libc::SIGCONT);
+            }
+            _ => {}
+        }
+    }
+}
+
 fn ticks_survive_kills_and_stops(data: &Path, dir: &Path) {
+    ticks_survive(data, dir, kill_or_stop(data));
+}
+
+/// Sets a 1 s schedule on an initialised data dir `data`, runs two workers
+/// for 12 s while `disturb` (given the workers, a random number and the
+/// handler log) acts every 0.3 to 1.2 s, then checks every decided tick
+/// stored exactly one job.
+fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child>, u64, &Path)) {
     let d = data.to_str().unwrap();
     ok(&[
         "schedule",
@@ -85,20 +113,7 @@ fn ticks_survive_kills_and_stops(data: &Path, dir: &Path) {
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(12) {
         std::thread::sleep(Duration::from_millis(300 + next() % 900));
-        let i = (next() % 2) as usize;
-        match next() % 3 {
-            0 => {
-                signal(&workers[i], libc::SIGKILL);
-                let _ = workers[i].wait();
-                workers[i] = worker(data, &log, &[]);
-            }
-            1 => {
-                signal(&workers[i], libc::SIGSTOP);
-                std::thread::sleep(Duration::from_millis(500 + next() % 2500));
-                signal(&workers[i], libc::SIGCONT);
-            }
-            _ => {}
-        }
+        disturb(&mut workers, next(), &log);
     }
     for w in &mut workers {
         signal(w, libc::SIGKILL);
@@ -187,6 +202,26 @@ fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_the_embedded_engine()
     let data = dir.join("data");
     ok(&["init", "--data", data.to_str().unwrap(), "--shards", "2"]);
     ticks_survive_kills_and_stops(&data, &dir);
+}
+
+/// The schedule's key pinned to the other shard and rebalanced, again and
+/// again, while two workers fire its ticks: the key, its backlog and its
+/// ticks' dedup records move under the ticks, and every tick still stores
+/// one job.
+#[test]
+fn each_tick_stores_one_job_while_pins_move_its_key_between_shards() {
+    let dir = temp_dir("schedule-pins");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap().to_string();
+    ok(&["init", "--data", &d, "--shards", "3"]);
+    let mut to = 0;
+    ticks_survive(&data, &dir, move |_, _, _| {
+        to = (to + 1) % 3;
+        ok(&["pin", "--data", &d, "tenant-42", &format!("shard-{to}")]);
+        ok(&["rebalance", "--data", &d]);
+    });
+    let moved = std::fs::read_to_string(dir.join("data").join("shardmap.yaml")).unwrap();
+    assert!(moved.contains("tenant-42"), "the key was pinned: {moved}");
 }
 
 #[test]
