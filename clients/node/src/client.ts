@@ -370,6 +370,213 @@ function removed(doc: unknown, url: string): boolean {
   return r;
 }
 
+/** What a schedule's tick does while the previous tick's job is live: no job (`"skip"`), at most one waiting (`"one"`), or a job every tick (`"all"`). */
+export type ScheduleOverlap = "skip" | "one" | "all";
+
+/** A time for the schedule calls: ms since the epoch, RFC 3339 text (`"2026-03-28T00:00:00Z"`) or a `Date`. */
+export type ScheduleTime = number | string | Date;
+
+/** A schedule for `setSchedule`: its key, exactly one of `cron` and `every`, and the fields given (the others at their defaults). */
+export interface ScheduleSpec {
+  /** The key whose jobs it enqueues (and whose shard's server fires it). */
+  key: string;
+  /** A cron expression: 5 fields, or 6 with seconds first. */
+  cron?: string;
+  /** The cron expression's IANA zone (default `UTC`); only with `cron`. */
+  tz?: string;
+  /** A fixed interval such as `"30s"` or `"5m"` (at least 1 s), anchored at `start`, else the epoch. */
+  every?: string;
+  /** Every job's payload (text; bytes must be UTF-8). */
+  payload?: Payload;
+  /** Default `"skip"`. */
+  overlap?: ScheduleOverlap;
+  /** How late a tick may still fire (default `"5m"`, at most `"1d"`). */
+  catchUp?: string;
+  /** Largest delay added to a fire (default none, at most `"1h"`). */
+  jitter?: string;
+  /** No tick before this. */
+  start?: ScheduleTime;
+  /** No tick after this. */
+  end?: ScheduleTime;
+  /** Attempts of each job (default 5). */
+  maxAttempts?: number;
+}
+
+/** A recurring schedule as the server stores it (times in ms since the epoch). */
+export interface Schedule {
+  key: string;
+  /** Its cron expression and zone, or its interval (`everyMs`). */
+  cron?: string;
+  tz?: string;
+  everyMs?: number;
+  payload: string;
+  overlap: ScheduleOverlap;
+  catchUpMs: number;
+  jitterMs: number;
+  startMs?: number;
+  endMs?: number;
+  maxAttempts: number;
+  paused: boolean;
+  /** When it was set or last resumed: no earlier tick fires. */
+  sinceMs: number;
+}
+
+/** A schedule's latest fire. */
+export interface ScheduleFire {
+  /** The tick it was for (or the time of a trigger). */
+  tickMs: number;
+  /** When its job was stored. */
+  atMs: number;
+  shard: string;
+  /** The job's id, `SHARD:ID` (as `client.job(id)` takes it). */
+  job: string;
+}
+
+/** What the servers and workers recorded of a schedule's ticks. */
+export interface ScheduleState {
+  /** Every tick at or before this was decided for good: fired, skipped or missed. */
+  decidedMs: number;
+  /** The latest fire; absent before the first. */
+  last?: ScheduleFire;
+  /** Ticks that stored a job. */
+  fired: number;
+  /** Ticks not fired by the overlap policy (the previous job was live). */
+  skipped: number;
+  /** Ticks past their catch-up window (nothing ran the key's shard). */
+  missed: number;
+}
+
+/** A schedule as `client.schedule(id)` and `client.schedules()` show it: the schedule, its id, its state and next fire. */
+export interface ScheduleInfo extends Schedule {
+  id: string;
+  state: ScheduleState;
+  /** When its next tick is due (in the past while overdue); absent while paused or past its end. */
+  nextFireMs?: number;
+}
+
+/** The job a `triggerSchedule(id)` enqueued. */
+export interface ScheduleTriggered {
+  /** The schedule's id. */
+  id: string;
+  shard: string;
+  /** `SHARD:ID`. */
+  job: string;
+}
+
+/** What a `backfillSchedule` did: the ticks in its range, the jobs it stored, and the ticks whose job was stored already. */
+export interface ScheduleBackfilled {
+  /** The schedule's id. */
+  id: string;
+  ticks: number;
+  stored: number;
+  alreadyStored: number;
+}
+
+const OVERLAPS: readonly string[] = ["skip", "one", "all"];
+
+function schedulePath(id: unknown, what: string, action = ""): string {
+  const path = `/v1/schedules/${segment(id, `${what}: id`)}`;
+  return action === "" ? path : `${path}/${action}`;
+}
+
+/** `value` as the server reads a time: ms (a number) or RFC 3339 text. */
+function scheduleTime(value: unknown, what: string): number | string {
+  if (value instanceof Date) {
+    const ms = value.getTime();
+    if (!Number.isFinite(ms)) throw new TypeError(`${what} is an invalid Date`);
+    return ms;
+  }
+  if (typeof value === "string") return value;
+  if (typeof value !== "number" || !Number.isSafeInteger(value) || value < 0) {
+    throw new TypeError(`${what} must be ms since the epoch (a non-negative integer), RFC 3339 text or a Date, got ${JSON.stringify(value)}`);
+  }
+  return value;
+}
+
+/** The `PUT /v1/schedules/{id}` body of `spec`; what only the server can check (cron fields, zones, durations), it checks, naming the field and the value. */
+function scheduleBody(spec: ScheduleSpec): Record<string, unknown> {
+  if (spec === null || typeof spec !== "object") throw new TypeError(`setSchedule: the spec must be an object, got ${JSON.stringify(spec)}`);
+  if (typeof spec.key !== "string" || spec.key === "") throw new TypeError(`setSchedule: key must be a non-empty string, got ${JSON.stringify(spec.key)}`);
+  if ((spec.cron === undefined) === (spec.every === undefined)) {
+    throw new TypeError(`setSchedule: give exactly one of cron and every (got cron ${JSON.stringify(spec.cron)}, every ${JSON.stringify(spec.every)})`);
+  }
+  if (spec.tz !== undefined && spec.cron === undefined) throw new TypeError(`setSchedule: tz ${JSON.stringify(spec.tz)} goes with a cron expression, not with every`);
+  if (spec.overlap !== undefined && !OVERLAPS.includes(spec.overlap)) throw new TypeError(`setSchedule: overlap must be skip, one or all, got ${JSON.stringify(spec.overlap)}`);
+  const body: Record<string, unknown> = { key: spec.key };
+  for (const [field, name] of [
+    ["cron", "cron"],
+    ["tz", "tz"],
+    ["every", "every"],
+    ["overlap", "overlap"],
+    ["catchUp", "catch_up"],
+    ["jitter", "jitter"],
+    ["maxAttempts", "max_attempts"],
+  ] as const) {
+    if (spec[field] !== undefined) body[name] = spec[field];
+  }
+  if (spec.payload !== undefined) {
+    if (typeof spec.payload === "string") body["payload"] = spec.payload;
+    else if (spec.payload instanceof Uint8Array) {
+      try {
+        body["payload"] = new TextDecoder("utf-8", { fatal: true }).decode(spec.payload);
+      } catch {
+        throw new TypeError("setSchedule: the server keeps a schedule's payload as text, so a Uint8Array payload must be UTF-8");
+      }
+    } else throw new TypeError(`setSchedule: payload must be a string or a Uint8Array, got ${typeof spec.payload}`);
+  }
+  if (spec.start !== undefined) body["start"] = scheduleTime(spec.start, "setSchedule: start");
+  if (spec.end !== undefined) body["end"] = scheduleTime(spec.end, "setSchedule: end");
+  return body;
+}
+
+function fieldNumber(d: Record<string, unknown>, name: string, url: string, what: string): number {
+  const v = d[name];
+  if (typeof v !== "number") throw new ShardqError(`${url}: ${what}'s ${name} is not a number: ${JSON.stringify(v)}`, 200, url);
+  return v;
+}
+
+function scheduleOf(doc: unknown, url: string): Schedule {
+  const d = record(doc, url, "a schedule");
+  const when = record(d["when"], url, "a schedule's when");
+  const out: Schedule = {
+    key: String(d["key"]),
+    payload: typeof d["payload"] === "string" ? d["payload"] : "",
+    overlap: (typeof d["overlap"] === "string" ? d["overlap"] : "skip") as ScheduleOverlap,
+    catchUpMs: fieldNumber(d, "catch_up_ms", url, "a schedule"),
+    jitterMs: typeof d["jitter_ms"] === "number" ? d["jitter_ms"] : 0,
+    maxAttempts: fieldNumber(d, "max_attempts", url, "a schedule"),
+    paused: d["paused"] === true,
+    sinceMs: fieldNumber(d, "since_ms", url, "a schedule"),
+  };
+  if (when["cron"] !== undefined) {
+    const c = record(when["cron"], url, "a schedule's cron");
+    out.cron = String(c["expr"]);
+    out.tz = String(c["tz"]);
+  } else if (when["every"] !== undefined) {
+    out.everyMs = fieldNumber(record(when["every"], url, "a schedule's every"), "every_ms", url, "a schedule");
+  } else {
+    throw new ShardqError(`${url}: a schedule's when is neither cron nor every: ${JSON.stringify(d["when"])}`, 200, url);
+  }
+  if (typeof d["start_ms"] === "number") out.startMs = d["start_ms"];
+  if (typeof d["end_ms"] === "number") out.endMs = d["end_ms"];
+  return out;
+}
+
+function scheduleInfoOf(doc: unknown, url: string): ScheduleInfo {
+  const d = record(doc, url, "a schedule");
+  const s = d["state"] === undefined || d["state"] === null ? {} : record(d["state"], url, "a schedule's state");
+  const count = (name: string): number => (typeof s[name] === "number" ? (s[name] as number) : 0);
+  const state: ScheduleState = { decidedMs: count("decided_ms"), fired: count("fired"), skipped: count("skipped"), missed: count("missed") };
+  if (s["last"] !== undefined && s["last"] !== null) {
+    const l = record(s["last"], url, "a schedule's last fire");
+    const shard = String(l["shard"]);
+    state.last = { tickMs: fieldNumber(l, "tick_ms", url, "a fire"), atMs: fieldNumber(l, "at_ms", url, "a fire"), shard, job: `${shard}:${String(l["job"])}` };
+  }
+  const info: ScheduleInfo = { ...scheduleOf(d, url), id: String(d["id"]), state };
+  if (typeof d["next_fire_ms"] === "number") info.nextFireMs = d["next_fire_ms"];
+  return info;
+}
+
 /** Most jobs one `keyJobs` call returns. */
 export const KEY_JOBS_MAX = 1000;
 const READ_SERVER_WAIT_MS = 30_000;
@@ -632,6 +839,95 @@ export class Client {
   async resumeKey(key: string): Promise<KeyHold | undefined> {
     const [doc, url] = await this.read("POST", `/v1/keys/${segment(key, "resumeKey: key")}/resume`, {}, false);
     return keyHold(doc, url);
+  }
+
+  /** Every recurring schedule of the deployment, by id, with its state and next fire (role `read`). */
+  async schedules(): Promise<ScheduleInfo[]> {
+    const [doc, url] = await this.read("GET", "/v1/schedules", undefined, false);
+    const list = record(doc, url, "the answer")["schedules"];
+    if (!Array.isArray(list)) throw new ShardqError(`${url}: the answer has no schedules list: ${JSON.stringify(doc)}`, 200, url);
+    return list.map((v) => scheduleInfoOf(v, url));
+  }
+
+  /**
+   * The schedule `id` with its state (`state.fired`, `state.last`, ...) and
+   * next fire (role `read`). An unknown id rejects with a `BadRequest`
+   * whose `status` is 404.
+   */
+  async schedule(id: string): Promise<ScheduleInfo> {
+    const [doc, url] = await this.read("GET", schedulePath(id, "schedule"), undefined, false);
+    return scheduleInfoOf(doc, url);
+  }
+
+  /**
+   * Creates the schedule `id` (1 to 128 ASCII letters, digits and `-_.:`),
+   * or replaces it whole (role `admin`; a replaced one keeps its state and
+   * whether it is paused): every tick enqueues one job of `spec.key`. It
+   * ticks on exactly one of `cron` (in the zone `tz`, default UTC) and
+   * `every` (`"30s"`, `"5m"`); naming both or neither throws a `TypeError`
+   * before any request. Resolves to the schedule stored; a bad value
+   * rejects with `BadRequest` whose `serverError` names the field and the
+   * value (`invalid cron "0 25 * * *": ...`). Every server fires it within a
+   * second, the one that runs its key's shard.
+   */
+  async setSchedule(id: string, spec: ScheduleSpec): Promise<Schedule> {
+    const path = schedulePath(id, "setSchedule");
+    const [doc, url] = await this.read("PUT", path, scheduleBody(spec), false);
+    return scheduleOf(record(doc, url, "the answer")["schedule"], url);
+  }
+
+  /** Deletes the schedule `id` (role `admin`); whether there was one. The jobs it enqueued stay. */
+  async deleteSchedule(id: string): Promise<boolean> {
+    const [doc, url] = await this.read("DELETE", schedulePath(id, "deleteSchedule"), {}, false);
+    const r = record(doc, url, "the answer")["deleted"];
+    if (typeof r !== "boolean") throw new ShardqError(`${url}: the answer has no deleted flag: ${JSON.stringify(doc)}`, 200, url);
+    return r;
+  }
+
+  /** Pauses the schedule `id` (role `admin`): no tick fires until `resumeSchedule`. Resolves to the schedule stored; an unknown id rejects with a 404. */
+  async pauseSchedule(id: string): Promise<Schedule> {
+    const [doc, url] = await this.read("POST", schedulePath(id, "pauseSchedule", "pause"), {}, false);
+    return scheduleOf(record(doc, url, "the answer")["schedule"], url);
+  }
+
+  /** Resumes the schedule `id` (role `admin`); the ticks of its pause never fire. Resolves to the schedule stored; an unknown id rejects with a 404. */
+  async resumeSchedule(id: string): Promise<Schedule> {
+    const [doc, url] = await this.read("POST", schedulePath(id, "resumeSchedule", "resume"), {}, false);
+    return scheduleOf(record(doc, url, "the answer")["schedule"], url);
+  }
+
+  /**
+   * Enqueues one job of the schedule `id` now, outside its ticks and its
+   * overlap policy (role `admin`); resolves to where it went. An unknown id
+   * rejects with a 404. Each call is a job of its own: a call retried on
+   * another server after an answer was lost may have enqueued one there too.
+   */
+  async triggerSchedule(id: string): Promise<ScheduleTriggered> {
+    const [doc, url] = await this.read("POST", schedulePath(id, "triggerSchedule", "trigger"), {}, false);
+    const d = record(doc, url, "the answer");
+    if (typeof d["shard"] !== "string" || typeof d["job"] !== "string") throw new ShardqError(`${url}: the answer lacks a shard or a job: ${JSON.stringify(doc)}`, 200, url);
+    return { id: String(d["id"]), shard: d["shard"], job: d["job"] };
+  }
+
+  /**
+   * Enqueues the job of every tick of the schedule `id` from `from` to `to`
+   * (both included; ms since the epoch, RFC 3339 text or a `Date`), in
+   * order, at most 10,000 ticks (role `admin`). A tick whose job is stored
+   * already (fired or backfilled within 2 days) is not stored again, so a
+   * backfill may be repeated. An unknown id rejects with a 404, a bad range
+   * with `BadRequest`.
+   */
+  async backfillSchedule(id: string, from: ScheduleTime, to: ScheduleTime): Promise<ScheduleBackfilled> {
+    const path = schedulePath(id, "backfillSchedule", "backfill");
+    const body = { from: scheduleTime(from, "backfillSchedule: from"), to: scheduleTime(to, "backfillSchedule: to") };
+    const [doc, url] = await this.read("POST", path, body, false);
+    const d = record(doc, url, "the answer");
+    return {
+      id: String(d["id"]),
+      ticks: fieldNumber(d, "ticks", url, "a backfill"),
+      stored: fieldNumber(d, "stored", url, "a backfill"),
+      alreadyStored: fieldNumber(d, "already_stored", url, "a backfill"),
+    };
   }
 
   /** One read or change at the first server that answers (a 404 is an answer, `undefined`, unless `notFound` is false). */

@@ -111,6 +111,11 @@ function isKeyResume(url: string): boolean {
   return /\/v1\/keys\/[^/?]+\/resume$/.test(url);
 }
 
+/** Whether `url` ends with one of the `/v1/schedules...` paths. */
+function isSchedule(url: string): boolean {
+  return /\/v1\/schedules(\/[^/?]+(\/[a-z]+)?)?$/.test(url);
+}
+
 /**
  * No usable answer: no response, a timeout, 408, 425, 429 or 5xx; after the
  * retries, `causes` holds the last failure of each server.
@@ -343,6 +348,8 @@ function parseReply(method: string, url: string, status: number, statusText: str
   const detail = serverError ?? (text.length > 0 ? text.slice(0, 200) : statusText);
   const message = `${method} ${url}: ${status} ${statusText}: ${detail}`;
   if (status === 401 || status === 403) throw new Unauthorized(message, status, url, serverError);
+  // A conflict of a schedule call is neither a cancel's nor a receipt's.
+  if (status === 409 && isSchedule(url)) throw new ShardqError(message, status, url, serverError);
   if (status === 409 && method === "DELETE") {
     throw new JobNotCancelled(message, status, url, serverError, typeof doc["state"] === "string" ? doc["state"] : "");
   }

@@ -25,6 +25,15 @@ export {
   type PolicyScope,
   type PolicySpec,
   type PolicyTarget,
+  type Schedule,
+  type ScheduleBackfilled,
+  type ScheduleFire,
+  type ScheduleInfo,
+  type ScheduleOverlap,
+  type ScheduleSpec,
+  type ScheduleState,
+  type ScheduleTime,
+  type ScheduleTriggered,
 } from "./client.js";
 export {
   BACKOFF_MS_MAX,

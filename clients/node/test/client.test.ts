@@ -148,6 +148,42 @@ test("bad arguments name the field and the value", async () => {
   await assert.rejects(client.enqueueMany([{ key: "k", payload: "x", maxAttempts: 0 }]), /maxAttempts must be at least 1/);
 });
 
+test("a schedule call answered 503 goes to the next server, and one answered 409 is a plain ShardqError", async () => {
+  const trigger = "/v1/schedules/beat/trigger";
+  const backfill = "/v1/schedules/beat/backfill";
+  a.answers.set(trigger, { status: 503, body: { error: "the store is unavailable", kind: "retryable" } });
+  b.answers.set(trigger, { status: 200, body: { id: "beat", shard: "shard-b", job: "shard-b:7" } });
+  a.answers.set(backfill, { status: 409, body: { error: "busy", kind: "conflict" } });
+  const client = new Client([a.url, b.url], { token: "s3cret" });
+  const [seenA, seenB] = [a.requests.length, b.requests.length];
+  try {
+    assert.deepEqual(await client.triggerSchedule("beat"), { id: "beat", shard: "shard-b", job: "shard-b:7" });
+    await assert.rejects(client.backfillSchedule("beat", 1000, "2026-03-30T00:00:00Z"), (err: unknown) => {
+      assert.ok(err instanceof ShardqError && err.constructor === ShardqError, String(err));
+      assert.equal(err.status, 409);
+      return true;
+    });
+    assert.deepEqual(
+      a.requests.slice(seenA).map((r) => [r.path, r.body]),
+      [
+        [trigger, {}],
+        [backfill, { from: 1000, to: "2026-03-30T00:00:00Z" }],
+      ],
+    );
+    assert.deepEqual(
+      b.requests.slice(seenB).map((r) => r.path),
+      [trigger],
+      "a 409 is an answer: no other server is asked",
+    );
+  } finally {
+    for (const p of [trigger, backfill]) {
+      a.answers.delete(p);
+      b.answers.delete(p);
+    }
+    client.close();
+  }
+});
+
 test("a key resume while the key moves rejects with KeyNotResumed and asks no other server", async () => {
   // The real server answers so while a rebalance has sealed the key
   // (crates/shardq-server/tests/api.rs seals one by hand); nothing changed.

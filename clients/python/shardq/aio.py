@@ -62,8 +62,14 @@ from .http import (
     NewJob,
     Payload,
     PolicyInfo,
+    Schedule,
+    ScheduleBackfilled,
+    ScheduleInfo,
+    ScheduleTime,
+    ScheduleTriggered,
     WorkerStats,
     _Attempts,
+    _backfill_body,
     _backoff_ms,
     _Batch,
     _batch_body,
@@ -94,6 +100,9 @@ from .http import (
     _refused,
     _refuses_worker,
     _retryable,
+    _schedule_body,
+    _schedule_path,
+    _schedules_of,
     _segment,
     _set_deadlines,
     _settle_acks,
@@ -332,6 +341,49 @@ class AsyncClient:
     async def resume_key(self, key: str) -> Optional[KeyHold]:
         """:meth:`shardq.Client.resume_key` from asyncio code."""
         return KeyHold._of(await self._flow("POST", _key_resume_path(key), {}, "resuming a key"))
+
+    # --- recurring schedules --------------------------------------------
+
+    async def schedules(self) -> List[ScheduleInfo]:
+        """:meth:`shardq.Client.schedules` from asyncio code."""
+        return _schedules_of(await self._flow("GET", "/v1/schedules", None, "reading the schedules"))
+
+    async def schedule(self, id: str) -> ScheduleInfo:
+        """:meth:`shardq.Client.schedule` from asyncio code."""
+        return ScheduleInfo._of(await self._flow("GET", _schedule_path(id), None, "reading a schedule"))
+
+    async def set_schedule(self, id: str, key: str, *, cron: Optional[str] = None, tz: Optional[str] = None,
+                           every: Optional[str] = None, payload: Optional[Payload] = None,
+                           overlap: Optional[str] = None, catch_up: Optional[str] = None,
+                           jitter: Optional[str] = None, start: Optional[ScheduleTime] = None,
+                           end: Optional[ScheduleTime] = None, max_attempts: Optional[int] = None) -> Schedule:
+        """:meth:`shardq.Client.set_schedule` from asyncio code."""
+        body = _schedule_body(key, cron, tz, every, payload, overlap, catch_up, jitter, start, end, max_attempts)
+        return Schedule._of((await self._flow("PUT", _schedule_path(id), body, "setting a schedule"))["schedule"])
+
+    async def delete_schedule(self, id: str) -> bool:
+        """:meth:`shardq.Client.delete_schedule` from asyncio code."""
+        return bool((await self._flow("DELETE", _schedule_path(id), {}, "deleting a schedule"))["deleted"])
+
+    async def pause_schedule(self, id: str) -> Schedule:
+        """:meth:`shardq.Client.pause_schedule` from asyncio code."""
+        doc = await self._flow("POST", _schedule_path(id, "pause"), {}, "pausing a schedule")
+        return Schedule._of(doc["schedule"])
+
+    async def resume_schedule(self, id: str) -> Schedule:
+        """:meth:`shardq.Client.resume_schedule` from asyncio code."""
+        doc = await self._flow("POST", _schedule_path(id, "resume"), {}, "resuming a schedule")
+        return Schedule._of(doc["schedule"])
+
+    async def trigger_schedule(self, id: str) -> ScheduleTriggered:
+        """:meth:`shardq.Client.trigger_schedule` from asyncio code."""
+        return ScheduleTriggered._of(await self._flow("POST", _schedule_path(id, "trigger"), {},
+                                                      "triggering a schedule"))
+
+    async def backfill_schedule(self, id: str, start: ScheduleTime, end: ScheduleTime) -> ScheduleBackfilled:
+        """:meth:`shardq.Client.backfill_schedule` from asyncio code."""
+        return ScheduleBackfilled._of(await self._flow("POST", _schedule_path(id, "backfill"),
+                                                       _backfill_body(start, end), "backfilling a schedule"))
 
     async def _flow(self, method: str, path: str, body: Optional[Dict[str, Any]], what: str,
                     missing_ok: bool = False) -> Any:

@@ -37,6 +37,18 @@ token is given):
   ``{"key", "shard", "resumed", "back_off": {"until_ms", "jobs"} | null}``
   (the key's back-off; ``"resumed": false`` and a null ``back_off`` when
   none held it), 409 ``{"state": "moving"}`` while the key moves
+* recurring schedules (``read`` to look, ``admin`` to change):
+  ``GET /v1/schedules`` -> ``{"schedules": [view]}``; ``GET``, ``PUT``,
+  ``DELETE`` ``/v1/schedules/{id}`` (a view, 404 for an unknown id; ``PUT``
+  ``{"key", "cron" | "every", "tz", "payload", "overlap", "catch_up",
+  "jitter", "start", "end", "max_attempts"}`` -> ``{"id", "schedule"}``;
+  ``DELETE`` -> ``{"id", "deleted"}``); ``POST`` ``.../pause`` and
+  ``.../resume`` -> ``{"id", "schedule"}``, ``.../trigger`` -> ``{"id",
+  "shard", "job"}``, ``.../backfill`` ``{"from", "to"}`` -> ``{"id",
+  "ticks", "stored", "already_stored"}``. A view is the schedule (``when``:
+  ``{"cron": {"expr", "tz"}}`` or ``{"every": {"every_ms"}}``) with its
+  ``id``, ``state`` ``{"decided_ms", "last", "fired", "skipped",
+  "missed"}`` and ``next_fire_ms``
 * 409 for a stale receipt; with several receipts the valid ones take effect
   and the body lists the others: ``{"error", "acked" | "extended", "stale":
   [...], "not_owned": [...]}``. 409 on ``/v1/jobs``: a job's dedup id is
@@ -61,6 +73,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 from urllib.parse import quote, urlparse
 
@@ -299,17 +312,24 @@ def _is_key_resume(path: str) -> bool:
     return len(parts) == 5 and parts[:3] == ["", "v1", "keys"] and parts[3] != "" and parts[4] == "resume"
 
 
+def _is_schedule_path(path: str) -> bool:
+    """Whether ``path`` is one of ``/v1/schedules...``."""
+    return path == "/v1/schedules" or path.startswith("/v1/schedules/")
+
+
 def _is_answer(url: str, method: str, status: int, doc: Any, causes: List[str], path: str = "") -> bool:
-    """For the reads, cancels and flow-control calls of both clients:
-    whether ``status`` is an answer (200, or 404: no live job); a status
-    worth another URL is noted in ``causes``; any other raises (a 409 of a
-    cancel as :class:`JobNotCancelled`, of a key resume as
-    :class:`KeyNotResumed`)."""
+    """For the reads, cancels, flow-control and schedule calls of both
+    clients: whether ``status`` is an answer (200, or 404: no live job);
+    a status worth another URL is noted in ``causes``; any other raises (a
+    409 of a cancel as :class:`JobNotCancelled`, of a key resume as
+    :class:`KeyNotResumed`, of a schedule call as :class:`HttpError`)."""
     if status in (200, 404):
         return True
     if _retryable(status):
         causes.append(f"{url} answered {status}: {_error_of(doc)}")
         return False
+    if status == 409 and _is_schedule_path(path):
+        raise HttpError(url, status, _error_of(doc))
     if status == 409:
         state = doc.get("state", "") if isinstance(doc, dict) else ""
         if method == "DELETE":
@@ -980,6 +1000,220 @@ def _group_body(rate: Optional[str], burst: Optional[int], concurrency: Optional
     return body
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A recurring schedule as the server stores it: every tick enqueues one
+    job of ``key`` with ``payload`` (its dedup id ``schedule:ID@TICK_MS``,
+    so a tick stores one job wherever it is fired from). It ticks on a
+    ``cron`` expression in the IANA zone ``tz``, or every ``every_ms``
+    (the other two are ``None``). ``overlap`` says what a tick does while
+    the previous tick's job is live: ``"skip"`` (no job), ``"one"`` (at
+    most one waiting) or ``"all"``; ``catch_up_ms`` how late a tick may
+    still fire; ``jitter_ms`` the largest delay added to a fire;
+    ``start_ms`` and ``end_ms`` (``None``: unbounded) the range of its
+    ticks; ``max_attempts`` each job's attempts; ``since_ms`` when it was
+    set or last resumed (no earlier tick fires). Times are ms since the
+    epoch."""
+
+    key: str
+    cron: Optional[str]
+    tz: Optional[str]
+    every_ms: Optional[int]
+    payload: str
+    overlap: str
+    catch_up_ms: int
+    jitter_ms: int
+    start_ms: Optional[int]
+    end_ms: Optional[int]
+    max_attempts: int
+    paused: bool
+    since_ms: int
+
+    @staticmethod
+    def _fields(doc: Mapping[str, Any]) -> Dict[str, Any]:
+        when = doc.get("when")
+        if not isinstance(when, Mapping):
+            raise ValueError(f"a schedule without its when: {doc!r}")
+        cron = when.get("cron")
+        every = when.get("every")
+        if isinstance(cron, Mapping):
+            c: Tuple[Optional[str], Optional[str], Optional[int]] = (str(cron["expr"]), str(cron["tz"]), None)
+        elif isinstance(every, Mapping):
+            c = (None, None, int(every["every_ms"]))
+        else:
+            raise ValueError(f"a schedule's when is neither cron nor every: {when!r}")
+
+        def opt_int(name: str) -> Optional[int]:
+            v = doc.get(name)
+            return None if v is None else int(v)
+
+        return dict(
+            key=str(doc["key"]), cron=c[0], tz=c[1], every_ms=c[2], payload=str(doc.get("payload") or ""),
+            overlap=str(doc.get("overlap", "skip")), catch_up_ms=int(doc["catch_up_ms"]),
+            jitter_ms=int(doc.get("jitter_ms", 0)), start_ms=opt_int("start_ms"), end_ms=opt_int("end_ms"),
+            max_attempts=int(doc["max_attempts"]), paused=bool(doc.get("paused", False)),
+            since_ms=int(doc["since_ms"]),
+        )
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "Schedule":
+        return Schedule(**Schedule._fields(doc))
+
+
+@dataclass(frozen=True)
+class ScheduleFire:
+    """A schedule's latest fire: the tick it was for (``tick_ms``, or the
+    time of a trigger), when its job was stored (``at_ms``), the ``shard``
+    and the ``job`` (``SHARD:ID``, as :meth:`Client.job` takes it)."""
+
+    tick_ms: int
+    at_ms: int
+    shard: str
+    job: str
+
+
+@dataclass(frozen=True)
+class ScheduleState:
+    """What the servers and workers recorded of a schedule's ticks: every
+    tick at or before ``decided_ms`` was decided for good, as ``fired``
+    (stored a job), ``skipped`` (the overlap policy: the previous job was
+    live) or ``missed`` (past its catch-up window: nothing ran the key's
+    shard); ``last`` is the latest fire (``None`` before the first)."""
+
+    decided_ms: int
+    last: Optional[ScheduleFire]
+    fired: int
+    skipped: int
+    missed: int
+
+    @staticmethod
+    def _of(doc: Any) -> "ScheduleState":
+        doc = doc if isinstance(doc, Mapping) else {}
+        last = doc.get("last")
+        fire = None
+        if isinstance(last, Mapping):
+            shard = str(last["shard"])
+            fire = ScheduleFire(tick_ms=int(last["tick_ms"]), at_ms=int(last["at_ms"]), shard=shard,
+                                job=f"{shard}:{last['job']}")
+        return ScheduleState(decided_ms=int(doc.get("decided_ms", 0)), last=fire, fired=int(doc.get("fired", 0)),
+                             skipped=int(doc.get("skipped", 0)), missed=int(doc.get("missed", 0)))
+
+
+@dataclass(frozen=True)
+class ScheduleInfo(Schedule):
+    """A schedule as :meth:`Client.schedule` and :meth:`Client.schedules`
+    show it: the :class:`Schedule`'s fields, its ``id``, its ``state``
+    (:class:`ScheduleState`) and when its next tick is due
+    (``next_fire_ms``, ms since the epoch, in the past while overdue;
+    ``None`` while paused or past its end)."""
+
+    id: str
+    state: ScheduleState
+    next_fire_ms: Optional[int]
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "ScheduleInfo":
+        nxt = doc.get("next_fire_ms")
+        return ScheduleInfo(**Schedule._fields(doc), id=str(doc["id"]), state=ScheduleState._of(doc.get("state")),
+                            next_fire_ms=None if nxt is None else int(nxt))
+
+
+@dataclass(frozen=True)
+class ScheduleTriggered:
+    """The job a :meth:`Client.trigger_schedule` enqueued for the schedule
+    ``id``: its ``shard`` and ``job`` id (``SHARD:ID``)."""
+
+    id: str
+    shard: str
+    job: str
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "ScheduleTriggered":
+        return ScheduleTriggered(id=str(doc["id"]), shard=str(doc["shard"]), job=str(doc["job"]))
+
+
+@dataclass(frozen=True)
+class ScheduleBackfilled:
+    """What a :meth:`Client.backfill_schedule` did: the ``ticks`` in its
+    range, the jobs it ``stored``, and the ticks whose job was stored
+    already (``already_stored``: fired or backfilled before, within the
+    dedup window of schedule jobs, 2 days)."""
+
+    id: str
+    ticks: int
+    stored: int
+    already_stored: int
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "ScheduleBackfilled":
+        return ScheduleBackfilled(id=str(doc["id"]), ticks=int(doc["ticks"]), stored=int(doc["stored"]),
+                                  already_stored=int(doc["already_stored"]))
+
+
+#: A time as the schedule calls take it: ms since the epoch, RFC 3339 text
+#: (``"2026-03-28T00:00:00Z"``) or a timezone-aware ``datetime``.
+ScheduleTime = Union[int, str, datetime]
+
+_OVERLAPS = ("skip", "one", "all")
+
+
+def _schedule_path(id: str, action: str = "") -> str:
+    path = f"/v1/schedules/{_segment(id, 'schedule id')}"
+    return f"{path}/{action}" if action else path
+
+
+def _schedule_time(value: Any, what: str) -> Union[int, str]:
+    """``value`` as the server reads a time: ms (an int) or RFC 3339 text."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ConfigError(f"invalid {what} {value!r}: a datetime with its timezone is needed "
+                              f"(datetime.now(timezone.utc), say), a naive one names no instant")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"invalid {what} {value!r}: ms since the epoch (an int), RFC 3339 text or an aware datetime")
+    return value
+
+
+def _schedule_body(key: str, cron: Optional[str], tz: Optional[str], every: Optional[str], payload: Optional[Payload],
+                   overlap: Optional[str], catch_up: Optional[str], jitter: Optional[str],
+                   start: Optional[ScheduleTime], end: Optional[ScheduleTime],
+                   max_attempts: Optional[int]) -> Dict[str, Any]:
+    """The ``PUT /v1/schedules/{id}`` body of the fields given; what the
+    server alone can check (the cron fields, the zone, the durations) it
+    checks, naming the field and the value."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"invalid schedule key {key!r}: a non-empty str is needed")
+    if (cron is None) == (every is None):
+        raise ConfigError(f"a schedule needs exactly one of cron and every (got cron {cron!r}, every {every!r})")
+    if tz is not None and cron is None:
+        raise ConfigError(f"invalid tz {tz!r}: a zone goes with a cron expression, not with every")
+    if overlap is not None and overlap not in _OVERLAPS:
+        raise ConfigError(f"invalid overlap {overlap!r}: one of {', '.join(_OVERLAPS)}")
+    body: Dict[str, Any] = {"key": key}
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        try:
+            payload = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("invalid schedule payload: the server keeps it as text, so bytes must be UTF-8") from None
+    for name, value in (("cron", cron), ("tz", tz), ("every", every), ("payload", payload), ("overlap", overlap),
+                        ("catch_up", catch_up), ("jitter", jitter), ("max_attempts", max_attempts)):
+        if value is not None:
+            body[name] = value
+    if start is not None:
+        body["start"] = _schedule_time(start, "start")
+    if end is not None:
+        body["end"] = _schedule_time(end, "end")
+    return body
+
+
+def _backfill_body(start: ScheduleTime, end: ScheduleTime) -> Dict[str, Any]:
+    return {"from": _schedule_time(start, "start"), "to": _schedule_time(end, "end")}
+
+
+def _schedules_of(doc: Any) -> List[ScheduleInfo]:
+    return [ScheduleInfo._of(v) for v in (doc or {}).get("schedules") or ()]
+
+
 class Client:
     """Enqueues over HTTP. ``urls``: one or more server URLs (a list or a
     comma-separated string); each request goes to the first that answers,
@@ -1223,11 +1457,89 @@ class Client:
         request."""
         return KeyHold._of(self._flow("POST", _key_resume_path(key), {}, "resuming a key"))
 
+    # --- recurring schedules --------------------------------------------
+
+    def schedules(self) -> List[ScheduleInfo]:
+        """Every recurring schedule of the deployment, by id, with its state
+        and next fire (role ``read``)."""
+        return _schedules_of(self._flow("GET", "/v1/schedules", None, "reading the schedules"))
+
+    def schedule(self, id: str) -> ScheduleInfo:
+        """The schedule ``id`` with its state (``state.fired``,
+        ``state.last``, ...) and next fire (role ``read``). An unknown id
+        raises :class:`HttpError` with ``status`` 404."""
+        return ScheduleInfo._of(self._flow("GET", _schedule_path(id), None, "reading a schedule"))
+
+    def set_schedule(self, id: str, key: str, *, cron: Optional[str] = None, tz: Optional[str] = None,
+                     every: Optional[str] = None, payload: Optional[Payload] = None, overlap: Optional[str] = None,
+                     catch_up: Optional[str] = None, jitter: Optional[str] = None, start: Optional[ScheduleTime] = None,
+                     end: Optional[ScheduleTime] = None, max_attempts: Optional[int] = None) -> Schedule:
+        """Creates the schedule ``id`` (1 to 128 ASCII letters, digits and
+        ``-_.:``), or replaces it whole (role ``admin``): every tick
+        enqueues one job of ``key`` with ``payload`` (text; bytes must be
+        UTF-8). It ticks on exactly one of ``cron`` (5 fields, or 6 with
+        seconds first, in the IANA zone ``tz``, default UTC) and ``every``
+        (an interval such as ``"30s"`` or ``"5m"``, at least 1 s, anchored
+        at ``start``, else the epoch). ``overlap``: ``"skip"`` (default:
+        no tick while the previous tick's job is live), ``"one"`` or
+        ``"all"``; ``catch_up`` (default ``"5m"``) how late a tick may
+        still fire; ``jitter`` (default none) the largest delay added to a
+        fire; ``start`` and ``end`` (ms since the epoch, RFC 3339 text or
+        an aware ``datetime``) bound its ticks; ``max_attempts`` (default
+        5) each job's attempts. A schedule replaced keeps its state and
+        whether it is paused. Returns the :class:`Schedule` stored; a bad
+        value raises :class:`BadRequest` naming the field and the value
+        (``invalid cron "0 25 * * *": ...``), giving both or neither of
+        ``cron`` and ``every`` :class:`ConfigError` before any request.
+        Every server and worker fires it within a second, the ones that
+        run its key's shard."""
+        body = _schedule_body(key, cron, tz, every, payload, overlap, catch_up, jitter, start, end, max_attempts)
+        return Schedule._of(self._flow("PUT", _schedule_path(id), body, "setting a schedule")["schedule"])
+
+    def delete_schedule(self, id: str) -> bool:
+        """Deletes the schedule ``id`` (role ``admin``); whether there was
+        one. The jobs it enqueued stay."""
+        return bool(self._flow("DELETE", _schedule_path(id), {}, "deleting a schedule")["deleted"])
+
+    def pause_schedule(self, id: str) -> Schedule:
+        """Pauses the schedule ``id`` (role ``admin``): no tick fires until
+        :meth:`resume_schedule`. Returns the schedule stored; an unknown id
+        raises :class:`HttpError` with ``status`` 404."""
+        return Schedule._of(self._flow("POST", _schedule_path(id, "pause"), {}, "pausing a schedule")["schedule"])
+
+    def resume_schedule(self, id: str) -> Schedule:
+        """Resumes the schedule ``id`` (role ``admin``); the ticks of its
+        pause never fire. Returns the schedule stored; an unknown id raises
+        :class:`HttpError` with ``status`` 404."""
+        return Schedule._of(self._flow("POST", _schedule_path(id, "resume"), {}, "resuming a schedule")["schedule"])
+
+    def trigger_schedule(self, id: str) -> ScheduleTriggered:
+        """Enqueues one job of the schedule ``id`` now, outside its ticks
+        and its overlap policy (role ``admin``). Returns where it went
+        (:class:`ScheduleTriggered`: ``shard``, ``job``); an unknown id
+        raises :class:`HttpError` with ``status`` 404. Each call is a job
+        of its own: a call retried on another URL after an answer was lost
+        may have enqueued one there too."""
+        return ScheduleTriggered._of(self._flow("POST", _schedule_path(id, "trigger"), {}, "triggering a schedule"))
+
+    def backfill_schedule(self, id: str, start: ScheduleTime, end: ScheduleTime) -> ScheduleBackfilled:
+        """Enqueues the job of every tick of the schedule ``id`` from
+        ``start`` to ``end`` (both included; ms since the epoch, RFC 3339
+        text or an aware ``datetime``), in order, at most 10,000 ticks
+        (role ``admin``). A tick whose job is stored already (fired or
+        backfilled within 2 days) is not stored again, so a backfill may
+        be repeated. Returns the counts (:class:`ScheduleBackfilled`); an
+        unknown id raises :class:`HttpError` with ``status`` 404, a bad
+        range :class:`BadRequest`."""
+        return ScheduleBackfilled._of(self._flow("POST", _schedule_path(id, "backfill"), _backfill_body(start, end),
+                                                 "backfilling a schedule"))
+
     def _flow(self, method: str, path: str, body: Optional[Mapping[str, Any]], what: str,
               missing_ok: bool = False) -> Any:
-        """The answer of one flow-control request; a 404 is ``None`` when
-        ``missing_ok`` (no such prefix policy or group), else an
-        :class:`HttpError` (a server without flow control)."""
+        """The answer of one flow-control or schedule request; a 404 is
+        ``None`` when ``missing_ok`` (no such prefix policy or group), else
+        an :class:`HttpError` (no such schedule, or a server without these
+        routes)."""
         status, doc, url = self._call_at(method, path, body, what)
         if status == 404:
             if missing_ok:

@@ -21,8 +21,10 @@ from shardq import (
     BadRequest,
     ClaimedJob,
     Client,
+    HttpError,
     KeyNotResumed,
     NewJob,
+    ScheduleTriggered,
     ServerUnavailable,
     StaleReceipt,
     Unauthorized,
@@ -324,6 +326,25 @@ def test_a_key_resume_while_the_key_moves_raises_key_not_resumed_and_is_not_retr
     assert (e.value.status, e.value.state, e.value.shard) == (409, "moving", "a"), e.value
     assert "moving" in e.value.error and not isinstance(e.value, StaleReceipt)
     assert a.requests == [(path, {})] and b.requests == [], "a 409 is an answer: no other URL is asked"
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_schedule_calls_go_to_the_next_url_on_a_503_and_a_409_is_a_plain_http_error(fakes, kind):
+    a, b = fakes("a"), fakes("b")
+    trigger, backfill = "/v1/schedules/beat/trigger", "/v1/schedules/beat/backfill"
+    a.answers[trigger] = (503, {"error": "the store is unavailable", "kind": "retryable"})
+    b.answers[trigger] = (200, {"id": "beat", "shard": "shard-1", "job": "shard-1:7"})
+    a.answers[backfill] = (409, {"error": "busy", "kind": "conflict"})
+    c: Any = Client([a.url, b.url]) if kind == "sync" else _Blocking([a.url, b.url])
+    try:
+        assert c.trigger_schedule("beat") == ScheduleTriggered(id="beat", shard="shard-1", job="shard-1:7")
+        with pytest.raises(HttpError) as e:
+            c.backfill_schedule("beat", 1_000, "2026-03-30T00:00:00Z")
+    finally:
+        c.close()
+    assert e.value.status == 409 and type(e.value) is HttpError, e.value
+    assert a.requests == [(trigger, {}), (backfill, {"from": 1_000, "to": "2026-03-30T00:00:00Z"})]
+    assert b.requests == [(trigger, {})], "a 409 is an answer: no other URL is asked"
 
 
 def test_sigterm_stops_claiming_and_finishes_running_jobs(fakes, tmp_path):
