@@ -214,6 +214,23 @@ struct Loaded {
     id: String,
     schedule: Schedule,
     compiled: Compiled,
+    /// The first tick after a cursor, as last computed: `(cursor, tick)`.
+    /// Most passes find nothing due, and a cron tick costs a calendar walk,
+    /// so it is worked out once per cursor, not once per pass.
+    first: std::cell::Cell<Option<(u64, Option<u64>)>>,
+}
+
+impl Loaded {
+    fn first_after(&self, cursor: u64) -> Option<u64> {
+        match self.first.get() {
+            Some((c, tick)) if c == cursor => tick,
+            _ => {
+                let tick = self.compiled.next_after(cursor);
+                self.first.set(Some((cursor, tick)));
+                tick
+            }
+        }
+    }
 }
 
 /// Fires the schedules whose key routes to a shard this process owns.
@@ -293,6 +310,7 @@ impl Scheduler {
                     id,
                     schedule,
                     compiled,
+                    first: std::cell::Cell::new(None),
                 });
             }
             self.loaded = loaded;
@@ -369,16 +387,16 @@ impl Scheduler {
         // The ticks due now: missed ones counted, the others collected.
         let mut missed = 0u64;
         let mut due: Vec<u64> = Vec::new();
-        let mut t = cursor;
         let mut decided = cursor;
-        while let Some(next) = l.compiled.next_after(t) {
+        let mut next_tick = l.first_after(cursor);
+        while let Some(next) = next_tick.take() {
             let fire_at = next.saturating_add(l.compiled.jitter(next));
             if fire_at > now {
                 let at = report.next_due_ms.get_or_insert(fire_at);
                 *at = (*at).min(fire_at);
                 break;
             }
-            t = next;
+            next_tick = l.compiled.next_after(next);
             if now > fire_at.saturating_add(l.schedule.catch_up_ms) {
                 missed += 1;
                 decided = next;
