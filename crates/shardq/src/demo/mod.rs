@@ -288,21 +288,7 @@ pub fn run(
     p: &DemoParams,
     observe: &(dyn Fn(&str) + Sync),
 ) -> Result<DemoReport, DemoError> {
-    if p.tenants == 0 || p.tenants > TENANTS_MAX {
-        bail!("--tenants {}: must be 1..={TENANTS_MAX}", p.tenants);
-    }
-    if p.producers == 0 || p.producers > 64 {
-        bail!("--producers {}: must be 1..=64", p.producers);
-    }
-    if p.burst == 0 || p.burst > RATE_SLICE {
-        bail!("--burst {}: must be 1..={RATE_SLICE}", p.burst);
-    }
-    if p.rate == 0 {
-        bail!("--rate must be at least 1 job/s");
-    }
-    if !(p.phase_s > 0.0 && p.phase_s <= 3600.0) {
-        bail!("--phase-s {}: must be in (0, 3600]", p.phase_s);
-    }
+    check(p)?;
     let backend = env.backend();
     let store = env.store();
     let before_map = store
@@ -314,143 +300,13 @@ pub fn run(
 
     let tracker = Arc::new(Tracker::new());
     let stop_pool = Arc::new(AtomicBool::new(false));
-    let pool = {
-        let backend: Arc<dyn QueueBackend> = backend.clone();
-        let tracker = tracker.clone();
-        let stop = stop_pool.clone();
-        let mut coordinator = env.coordinator()?;
-        let clock = env.clock();
-        let work_us = p.work_us;
-        let opts = PoolOptions {
-            concurrency: p.concurrency,
-            idle_poll_ms: 1,
-            ..PoolOptions::default()
-        };
-        thread::Builder::new()
-            .name("demo-pool".into())
-            .spawn(move || {
-                let handler = move |job: &ClaimedJob| {
-                    if work_us > 0 {
-                        thread::sleep(Duration::from_micros(work_us));
-                    }
-                    tracker.record(job).map_err(Into::into)
-                };
-                WorkerPool::run(
-                    backend,
-                    &mut *coordinator,
-                    Arc::new(handler),
-                    clock,
-                    opts,
-                    &stop,
-                )
-            })?
-    };
-
-    let stop_producers = Arc::new(AtomicBool::new(false));
-    let enqueued = Arc::new(AtomicU64::new(0));
-    let enqueue_errors = Arc::new(AtomicU64::new(0));
-    let last_error: Arc<Mutex<Option<String>>> = Arc::default();
-    // Each enqueue call's start and length, and the refusals the producers
-    // met: what a producer saw of the move, measured where it waits.
-    let calls: Arc<Mutex<Vec<(Instant, f32)>>> = Arc::default();
-    let refused_paused = Arc::new(AtomicU64::new(0));
-    let refused_moved = Arc::new(AtomicU64::new(0));
+    let pool = spawn_pool(&*env, &backend, &tracker, &stop_pool, p)?;
+    let shared = Produced::default();
     let mut producers = Vec::new();
     for i in 0..p.producers {
-        let backend = backend.clone();
-        let store = store.clone();
-        let stop = stop_producers.clone();
-        let enqueued = enqueued.clone();
-        let errors = enqueue_errors.clone();
-        let last_error = last_error.clone();
-        let calls = calls.clone();
-        let (refused_paused, refused_moved) = (refused_paused.clone(), refused_moved.clone());
-        let burst = p.burst.max(1);
-        let per_producer_rate = (p.rate as f64 / p.producers as f64).max(1.0);
-        let mine: Vec<String> = (i..p.tenants)
-            .step_by(p.producers)
-            .map(|t| format!("t-{t}"))
-            .collect();
-        producers.push(
-            thread::Builder::new()
-                .name(format!("demo-producer-{i}"))
-                .spawn(move || -> Result<BTreeMap<String, u64>, DemoError> {
-                    let mut next: BTreeMap<String, u64> = BTreeMap::new();
-                    if mine.is_empty() {
-                        return Ok(next);
-                    }
-                    let mut producer =
-                        Producer::new(backend.clone(), store.clone(), ProducerOptions::default())?;
-                    let started = Instant::now();
-                    let mut sent = 0u64;
-                    let mut cursor = 0usize;
-                    while !stop.load(Ordering::SeqCst) {
-                        // One slice is one batch: one append (and fsync) per shard.
-                        let mut batch = Vec::with_capacity(RATE_SLICE as usize);
-                        let mut tentative: BTreeMap<String, u64> = BTreeMap::new();
-                        for n in 0..RATE_SLICE {
-                            let key = &mine[cursor % mine.len()];
-                            if (n + 1) % burst == 0 {
-                                cursor += 1;
-                            }
-                            let seq = tentative
-                                .get(key)
-                                .copied()
-                                .unwrap_or_else(|| next.get(key).copied().unwrap_or(0));
-                            batch.push(NewJob::new(key.clone(), seq.to_string()));
-                            tentative.insert(key.clone(), seq + 1);
-                        }
-                        sent += batch.len() as u64;
-                        let call_started = Instant::now();
-                        let outcome = producer.enqueue_batch(&batch);
-                        let took_ms = call_started.elapsed().as_secs_f32() * 1000.0;
-                        if let Ok(mut c) = calls.lock() {
-                            c.push((call_started, took_ms));
-                        }
-                        let r = producer.take_refusals();
-                        refused_paused.fetch_add(r.paused.values().sum(), Ordering::Relaxed);
-                        refused_moved.fetch_add(r.moved.values().sum(), Ordering::Relaxed);
-                        // A key's jobs of one call land all together or not at
-                        // all; keys whose jobs did not land keep their numbering.
-                        let placed: Vec<usize> = match &outcome {
-                            Ok(placed) => placed.iter().map(|p| p.index).collect(),
-                            Err(
-                                ProduceError::PausedTooLong { placed, .. }
-                                | ProduceError::Partial { placed, .. },
-                            ) => placed.iter().map(|p| p.index).collect(),
-                            Err(_) => Vec::new(),
-                        };
-                        let mut landed: BTreeMap<&str, bool> = BTreeMap::new();
-                        for (i, job) in batch.iter().enumerate() {
-                            let ok = placed.binary_search(&i).is_ok();
-                            let e = landed.entry(job.key.as_str()).or_insert(true);
-                            *e &= ok;
-                        }
-                        for (key, ok) in landed {
-                            if ok {
-                                if let Some(seq) = tentative.get(key) {
-                                    next.insert(key.to_string(), *seq);
-                                }
-                            }
-                        }
-                        enqueued.fetch_add(placed.len() as u64, Ordering::Relaxed);
-                        if let Err(e) = outcome {
-                            errors
-                                .fetch_add((batch.len() - placed.len()) as u64, Ordering::Relaxed);
-                            if let Ok(mut l) = last_error.lock() {
-                                *l = Some(e.to_string());
-                            }
-                        }
-                        let due = Duration::from_secs_f64(sent as f64 / per_producer_rate);
-                        if let Some(wait) = due.checked_sub(started.elapsed()) {
-                            thread::sleep(wait);
-                        }
-                    }
-                    Ok(next)
-                })?,
-        );
+        producers.push(spawn_producer(i, p, &backend, &store, &shared)?);
     }
-
+    let (enqueued, enqueue_errors) = (&shared.enqueued, &shared.errors);
     let show = |phase: &str, extra: &str| {
         let e = enqueued.load(Ordering::Relaxed);
         let r = tracker.first_runs.load(Ordering::Relaxed);
@@ -515,7 +371,7 @@ pub fn run(
     let ran3 = tracker.first_runs.load(Ordering::Relaxed);
     let shard_jobs_end = tracker.shard_counts();
 
-    stop_producers.store(true, Ordering::SeqCst);
+    shared.stop.store(true, Ordering::SeqCst);
     let mut expected: BTreeMap<String, u64> = BTreeMap::new();
     for h in producers {
         let next = h
@@ -571,31 +427,246 @@ pub fn run(
         map_version_after: after_map.version,
         ..DemoReport::default()
     };
-    {
-        let calls = calls
+    shared.measure(&mut out, [t0, t1, t2])?;
+    let mut pauses: Vec<f64> = report.moved.iter().map(|m| m.pause_ms).collect();
+    out.pause_ms_p50 = percentile(&mut pauses, 50.0);
+    out.pause_ms_p99 = percentile(&mut pauses, 99.0);
+    out.pause_ms_max = pauses.iter().copied().fold(0.0, f64::max);
+    count_moves(&mut out, p.tenants, &before, &after, &new_shard);
+    for (shard, n) in &shard_jobs_before {
+        out.shards.entry(shard.clone()).or_default().jobs_before = *n;
+    }
+    for (shard, n) in &shard_jobs_end {
+        let mid = shard_jobs_mid.get(shard).copied().unwrap_or(0);
+        out.shards.entry(shard.clone()).or_default().jobs_after = n - mid;
+    }
+    Ok(out)
+}
+
+/// Refuses parameters out of their bounds, naming the flag.
+fn check(p: &DemoParams) -> Result<(), DemoError> {
+    if p.tenants == 0 || p.tenants > TENANTS_MAX {
+        bail!("--tenants {}: must be 1..={TENANTS_MAX}", p.tenants);
+    }
+    if p.producers == 0 || p.producers > 64 {
+        bail!("--producers {}: must be 1..=64", p.producers);
+    }
+    if p.burst == 0 || p.burst > RATE_SLICE {
+        bail!("--burst {}: must be 1..={RATE_SLICE}", p.burst);
+    }
+    if p.rate == 0 {
+        bail!("--rate must be at least 1 job/s");
+    }
+    if !(p.phase_s > 0.0 && p.phase_s <= 3600.0) {
+        bail!("--phase-s {}: must be in (0, 3600]", p.phase_s);
+    }
+    Ok(())
+}
+
+/// Starts the worker pool on its own thread: every job checked against its
+/// tenant's order by `tracker`, until `stop`.
+fn spawn_pool(
+    env: &dyn DemoEnv,
+    backend: &Arc<dyn ReshardBackend>,
+    tracker: &Arc<Tracker>,
+    stop: &Arc<AtomicBool>,
+    p: &DemoParams,
+) -> Result<thread::JoinHandle<Result<shardq_core::PoolReport, shardq_core::QueueError>>, DemoError>
+{
+    let backend: Arc<dyn QueueBackend> = backend.clone();
+    let tracker = tracker.clone();
+    let stop = stop.clone();
+    let mut coordinator = env.coordinator()?;
+    let clock = env.clock();
+    let work_us = p.work_us;
+    let opts = PoolOptions {
+        concurrency: p.concurrency,
+        idle_poll_ms: 1,
+        ..PoolOptions::default()
+    };
+    Ok(thread::Builder::new()
+        .name("demo-pool".into())
+        .spawn(move || {
+            let handler = move |job: &ClaimedJob| {
+                if work_us > 0 {
+                    thread::sleep(Duration::from_micros(work_us));
+                }
+                tracker.record(job).map_err(Into::into)
+            };
+            WorkerPool::run(
+                backend,
+                &mut *coordinator,
+                Arc::new(handler),
+                clock,
+                opts,
+                &stop,
+            )
+        })?)
+}
+
+/// What the producer threads share with the demo: the stop flag, counts,
+/// the last error, each enqueue call's start and length, and the
+/// refusals met (what a producer saw of the move, measured where it
+/// waits).
+#[derive(Default, Clone)]
+struct Produced {
+    stop: Arc<AtomicBool>,
+    enqueued: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+    last_error: Arc<Mutex<Option<String>>>,
+    calls: Arc<Mutex<Vec<(Instant, f32)>>>,
+    refused_paused: Arc<AtomicU64>,
+    refused_moved: Arc<AtomicU64>,
+}
+
+impl Produced {
+    /// The producers' side of the report: enqueue call times before and
+    /// during the rebalance (`at` = its start, the rebalance's start and
+    /// end), refusals, the last error.
+    fn measure(&self, out: &mut DemoReport, at: [Instant; 3]) -> Result<(), DemoError> {
+        let calls = self
+            .calls
             .lock()
             .map_err(|_| DemoError::failed("measuring", "a producer panicked"))?;
         let window = |from: Instant, to: Instant| -> Vec<f64> {
             calls
                 .iter()
-                .filter(|(at, _)| *at >= from && *at < to)
+                .filter(|(t, _)| *t >= from && *t < to)
                 .map(|(_, ms)| f64::from(*ms))
                 .collect()
         };
-        let (mut before, mut during) = (window(t0, t1), window(t1, t2));
+        let (mut before, mut during) = (window(at[0], at[1]), window(at[1], at[2]));
         out.enqueue_ms_p99_before = percentile(&mut before, 99.0);
         out.enqueue_ms_p99_during = percentile(&mut during, 99.0);
         out.enqueue_ms_max_during = during.iter().copied().fold(0.0, f64::max);
+        out.enqueues_refused_paused = self.refused_paused.load(Ordering::Relaxed);
+        out.enqueues_sent_on = self.refused_moved.load(Ordering::Relaxed);
+        if out.enqueue_errors > 0 {
+            out.last_enqueue_error = self.last_error.lock().ok().and_then(|l| l.clone());
+        }
+        Ok(())
     }
-    out.enqueues_refused_paused = refused_paused.load(Ordering::Relaxed);
-    out.enqueues_sent_on = refused_moved.load(Ordering::Relaxed);
-    let mut pauses: Vec<f64> = report.moved.iter().map(|m| m.pause_ms).collect();
-    out.pause_ms_p50 = percentile(&mut pauses, 50.0);
-    out.pause_ms_p99 = percentile(&mut pauses, 99.0);
-    out.pause_ms_max = pauses.iter().copied().fold(0.0, f64::max);
+}
+
+/// A producer thread: each of its tenants' next number, once stopped.
+type ProducerThread = thread::JoinHandle<Result<BTreeMap<String, u64>, DemoError>>;
+
+/// Starts producer `i` of `p.producers`: it enqueues numbered jobs for its
+/// share of the tenants at its share of the rate until `shared.stop`, and
+/// returns each tenant's next number (every number below it was stored).
+fn spawn_producer(
+    i: usize,
+    p: &DemoParams,
+    backend: &Arc<dyn ReshardBackend>,
+    store: &Arc<dyn MapStore>,
+    shared: &Produced,
+) -> Result<ProducerThread, DemoError> {
+    let backend = backend.clone();
+    let store = store.clone();
+    let shared = shared.clone();
+    let burst = p.burst.max(1);
+    let per_producer_rate = (p.rate as f64 / p.producers as f64).max(1.0);
+    let mine: Vec<String> = (i..p.tenants)
+        .step_by(p.producers)
+        .map(|t| format!("t-{t}"))
+        .collect();
+    Ok(thread::Builder::new()
+        .name(format!("demo-producer-{i}"))
+        .spawn(move || -> Result<BTreeMap<String, u64>, DemoError> {
+            let mut next: BTreeMap<String, u64> = BTreeMap::new();
+            if mine.is_empty() {
+                return Ok(next);
+            }
+            let mut producer =
+                Producer::new(backend.clone(), store.clone(), ProducerOptions::default())?;
+            let started = Instant::now();
+            let mut sent = 0u64;
+            let mut cursor = 0usize;
+            while !shared.stop.load(Ordering::SeqCst) {
+                // One slice is one batch: one append (and fsync) per shard.
+                let mut batch = Vec::with_capacity(RATE_SLICE as usize);
+                let mut tentative: BTreeMap<String, u64> = BTreeMap::new();
+                for n in 0..RATE_SLICE {
+                    let key = &mine[cursor % mine.len()];
+                    if (n + 1) % burst == 0 {
+                        cursor += 1;
+                    }
+                    let seq = tentative
+                        .get(key)
+                        .copied()
+                        .unwrap_or_else(|| next.get(key).copied().unwrap_or(0));
+                    batch.push(NewJob::new(key.clone(), seq.to_string()));
+                    tentative.insert(key.clone(), seq + 1);
+                }
+                sent += batch.len() as u64;
+                let call_started = Instant::now();
+                let outcome = producer.enqueue_batch(&batch);
+                let took_ms = call_started.elapsed().as_secs_f32() * 1000.0;
+                if let Ok(mut c) = shared.calls.lock() {
+                    c.push((call_started, took_ms));
+                }
+                let r = producer.take_refusals();
+                shared
+                    .refused_paused
+                    .fetch_add(r.paused.values().sum(), Ordering::Relaxed);
+                shared
+                    .refused_moved
+                    .fetch_add(r.moved.values().sum(), Ordering::Relaxed);
+                // A key's jobs of one call land all together or not at
+                // all; keys whose jobs did not land keep their numbering.
+                let placed: Vec<usize> = match &outcome {
+                    Ok(placed) => placed.iter().map(|p| p.index).collect(),
+                    Err(
+                        ProduceError::PausedTooLong { placed, .. }
+                        | ProduceError::Partial { placed, .. },
+                    ) => placed.iter().map(|p| p.index).collect(),
+                    Err(_) => Vec::new(),
+                };
+                let mut landed: BTreeMap<&str, bool> = BTreeMap::new();
+                for (i, job) in batch.iter().enumerate() {
+                    let ok = placed.binary_search(&i).is_ok();
+                    let e = landed.entry(job.key.as_str()).or_insert(true);
+                    *e &= ok;
+                }
+                for (key, ok) in landed {
+                    if ok {
+                        if let Some(seq) = tentative.get(key) {
+                            next.insert(key.to_string(), *seq);
+                        }
+                    }
+                }
+                shared
+                    .enqueued
+                    .fetch_add(placed.len() as u64, Ordering::Relaxed);
+                if let Err(e) = outcome {
+                    shared
+                        .errors
+                        .fetch_add((batch.len() - placed.len()) as u64, Ordering::Relaxed);
+                    if let Ok(mut l) = shared.last_error.lock() {
+                        *l = Some(e.to_string());
+                    }
+                }
+                let due = Duration::from_secs_f64(sent as f64 / per_producer_rate);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    thread::sleep(wait);
+                }
+            }
+            Ok(next)
+        })?)
+}
+
+/// Counts the tenants that moved, and those that moved to the new shard,
+/// and each shard's tenants before and after.
+fn count_moves(
+    out: &mut DemoReport,
+    tenants: usize,
+    before: &Router,
+    after: &Router,
+    new_shard: &str,
+) {
     let mut moved = 0u64;
     let mut moved_to_new = 0u64;
-    for t in 0..p.tenants {
+    for t in 0..tenants {
         let k = format!("t-{t}");
         let (a, b) = (before.route(&k), after.route(&k));
         out.shards.entry(a.to_string()).or_default().tenants_before += 1;
@@ -605,23 +676,12 @@ pub fn run(
             moved_to_new += u64::from(b == new_shard);
         }
     }
-    out.moved_fraction = moved as f64 / p.tenants as f64;
+    out.moved_fraction = moved as f64 / tenants as f64;
     out.moved_to_new_fraction = if moved == 0 {
         0.0
     } else {
         moved_to_new as f64 / moved as f64
     };
-    for (shard, n) in &shard_jobs_before {
-        out.shards.entry(shard.clone()).or_default().jobs_before = *n;
-    }
-    for (shard, n) in &shard_jobs_end {
-        let mid = shard_jobs_mid.get(shard).copied().unwrap_or(0);
-        out.shards.entry(shard.clone()).or_default().jobs_after = n - mid;
-    }
-    if out.enqueue_errors > 0 {
-        out.last_enqueue_error = last_error.lock().ok().and_then(|l| l.clone());
-    }
-    Ok(out)
 }
 
 /// The report for people, as printed by `shardq demo`.
