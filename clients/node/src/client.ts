@@ -913,8 +913,9 @@ export class Client {
    * Enqueues the job of every tick of the schedule `id` from `from` to `to`
    * (both included; ms since the epoch, RFC 3339 text or a `Date`), in
    * order, at most 10,000 ticks (role `admin`). A tick whose job is stored
-   * already (fired or backfilled within 2 days) is not stored again, so a
-   * backfill may be repeated. An unknown id rejects with a 404, a bad range
+   * already (fired or backfilled within the schedule's dedup window: its
+   * catch-up, its jitter and 10 minutes) is not stored again, so a
+   * backfill may be repeated at once. An unknown id rejects with a 404, a bad range
    * with `BadRequest`.
    */
   async backfillSchedule(id: string, from: ScheduleTime, to: ScheduleTime): Promise<ScheduleBackfilled> {

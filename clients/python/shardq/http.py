@@ -1137,7 +1137,8 @@ class ScheduleBackfilled:
     """What a :meth:`Client.backfill_schedule` did: the ``ticks`` in its
     range, the jobs it ``stored``, and the ticks whose job was stored
     already (``already_stored``: fired or backfilled before, within the
-    dedup window of schedule jobs, 2 days)."""
+    dedup window of the schedule: its catch-up, its jitter and 10
+    minutes)."""
 
     id: str
     ticks: int
@@ -1527,8 +1528,9 @@ class Client:
         ``start`` to ``end`` (both included; ms since the epoch, RFC 3339
         text or an aware ``datetime``), in order, at most 10,000 ticks
         (role ``admin``). A tick whose job is stored already (fired or
-        backfilled within 2 days) is not stored again, so a backfill may
-        be repeated. Returns the counts (:class:`ScheduleBackfilled`); an
+        backfilled within the schedule's dedup window: its catch-up, its
+        jitter and 10 minutes) is not stored again, so a backfill may be
+        repeated at once. Returns the counts (:class:`ScheduleBackfilled`); an
         unknown id raises :class:`HttpError` with ``status`` 404, a bad
         range :class:`BadRequest`."""
         return ScheduleBackfilled._of(self._flow("POST", _schedule_path(id, "backfill"), _backfill_body(start, end),

@@ -246,6 +246,12 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         Ok(())
     }
 
+    /// Sets how long the backend remembers the dedup ids of the jobs this
+    /// producer enqueues from now on, in ms.
+    pub fn set_dedup_window_ms(&mut self, window_ms: u64) {
+        self.options.dedup_window_ms = window_ms;
+    }
+
     /// The shard `key` routes to with the map in use (re-read when stale).
     pub fn shard_of(&mut self, key: &str) -> Result<String, ProduceError> {
         self.reload_if_stale()?;

@@ -10,7 +10,7 @@ use shardq_core::memory::{MemoryBackend, MemoryMapStore};
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::schedule::{
     tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
-    SCHEDULE_DEDUP_WINDOW_MS, SETTING_SCHEDULE_STATE,
+    SCHEDULE_DEDUP_MARGIN_MS, SETTING_SCHEDULE_STATE,
 };
 use shardq_core::{Clock, ManualClock, NewJob, QueueBackend};
 use shardq_route::{Algorithm, ShardMap};
@@ -100,7 +100,7 @@ fn stored(w: &World, id: &str, key: &str, t: u64) -> bool {
             &shard,
             version,
             &[NewJob::new(key, "probe").with_dedup_id(tick_dedup_id(id, t))],
-            SCHEDULE_DEDUP_WINDOW_MS,
+            60_000 + SCHEDULE_DEDUP_MARGIN_MS,
         )
         .unwrap();
     out[0].duplicate

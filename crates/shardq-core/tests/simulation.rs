@@ -1640,7 +1640,7 @@ fn a_rerun_moves_its_keys_past_a_shard_that_stopped_answering() {
 fn schedules_through_a_killed_rebalance(seed: u64) {
     use shardq_core::schedule::{
         tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
-        SCHEDULE_DEDUP_WINDOW_MS,
+        SCHEDULE_DEDUP_MARGIN_MS,
     };
     const T0: u64 = 1_700_000_000_000;
     let clock = Arc::new(SimClock::default());
@@ -1786,7 +1786,7 @@ fn schedules_through_a_killed_rebalance(seed: u64) {
                     version,
                     &[NewJob::new(key.clone(), "probe")
                         .with_dedup_id(tick_dedup_id(id, T0 + n * 1_000))],
-                    SCHEDULE_DEDUP_WINDOW_MS,
+                    600_000 + SCHEDULE_DEDUP_MARGIN_MS,
                 )
                 .unwrap();
             assert!(

@@ -1494,11 +1494,11 @@ pub fn dedup_ids_belong_to_their_key(h: &dyn ContractHarness) {
 }
 
 /// What schedules stand on (`shardq_core::schedule`): a tick's job, fired
-/// again and again with its tick's dedup id and the schedules' window (two
-/// days), is stored once, and is read back live while it waits and runs
+/// again and again with its tick's dedup id and a schedule's window (the
+/// default catch-up plus the margin), is stored once, and is read back live while it waits and runs
 /// (the overlap policies ask for it by id).
 pub fn schedule_ticks_store_once(h: &dyn ContractHarness) {
-    use shardq_core::schedule::{tick_dedup_id, SCHEDULE_DEDUP_WINDOW_MS};
+    use shardq_core::schedule::{tick_dedup_id, CATCH_UP_MS_DEFAULT, SCHEDULE_DEDUP_MARGIN_MS};
     let shard = h.fresh_shard();
     let fire = |tick: u64| {
         h.backend()
@@ -1506,7 +1506,7 @@ pub fn schedule_ticks_store_once(h: &dyn ContractHarness) {
                 &shard,
                 u64::MAX,
                 &[NewJob::new("sched-key", "tick").with_dedup_id(tick_dedup_id("s-1", tick))],
-                SCHEDULE_DEDUP_WINDOW_MS,
+                CATCH_UP_MS_DEFAULT + SCHEDULE_DEDUP_MARGIN_MS,
             )
             .expect("fire")
             .remove(0)

@@ -11,7 +11,7 @@ use clap::{Args, Subcommand};
 use shardq_core::producer::ProducerOptions;
 use shardq_core::schedule::{
     self, parse_time_ms, show_time, Schedule, ScheduleSpec, ScheduleStore, ScheduleView, TimeArg,
-    When, SCHEDULE_DEDUP_WINDOW_MS,
+    When,
 };
 
 use crate::cmd_retry::open;
@@ -117,7 +117,8 @@ pub enum ScheduleAction {
         id: String,
     },
     /// Enqueue the job of every tick in a past range, in order; a tick
-    /// whose job was already stored (fired or backfilled within 2 days) is
+    /// whose job was already stored (fired or backfilled within the
+    /// schedule's dedup window: its catch-up, its jitter and 10 minutes) is
     /// not stored again.
     Backfill {
         #[command(flatten)]
@@ -317,15 +318,12 @@ pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A producer whose dedup window is the schedules' (a tick's id is
-/// remembered as long as a worker's fire of it is).
+/// A producer for a trigger or a backfill (each sets the dedup window to
+/// its schedule's).
 fn producer(
     d: &shardq_deploy::Deployment,
 ) -> anyhow::Result<shardq_core::producer::Producer<dyn shardq_core::reshard::ReshardBackend>> {
-    Ok(d.producer(ProducerOptions {
-        dedup_window_ms: SCHEDULE_DEDUP_WINDOW_MS,
-        ..ProducerOptions::default()
-    })?)
+    Ok(d.producer(ProducerOptions::default())?)
 }
 
 fn pause(common: &DataArg, id: &str, paused: bool) -> anyhow::Result<()> {

@@ -13,7 +13,9 @@
 //!
 //! **Exactly one job per tick.** The job of tick `t` of schedule `id`
 //! carries the dedup id `schedule:{id}@{t}` ([`tick_dedup_id`]) and is
-//! enqueued with a dedup window of [`SCHEDULE_DEDUP_WINDOW_MS`]. The dedup
+//! enqueued with the schedule's dedup window ([`Schedule::dedup_window_ms`]:
+//! its catch-up, its jitter and [`SCHEDULE_DEDUP_MARGIN_MS`], so as long
+//! as the tick could be fired at all, plus a margin). The dedup
 //! check is atomic with the append on every backend and dedup records move
 //! with their key (the backend contract), so any number of fires of one
 //! tick (a worker killed after the enqueue and before it recorded the
@@ -71,10 +73,13 @@ pub const CATCH_UP_MS_DEFAULT: u64 = 5 * 60 * 1000;
 pub const CATCH_UP_MS_MAX: u64 = 24 * 3600 * 1000;
 /// Longest jitter (1 hour).
 pub const JITTER_MS_MAX: u64 = 3600 * 1000;
-/// How long the dedup id of a tick's job is remembered (2 days): longer
-/// than any tick can still be fired (catch-up plus jitter, under a day
-/// and an hour), with room for a clock stepped back by most of a day.
-pub const SCHEDULE_DEDUP_WINDOW_MS: u64 = 2 * 24 * 3600 * 1000;
+/// How much longer than a tick can still be fired (its catch-up and
+/// jitter) the dedup id of its job is remembered (10 minutes): room for a
+/// process that fired it and stalled before recording it, and for a
+/// recorded state put back to an older copy. The window is kept short
+/// because every tick's record is kept that long: a 1 s schedule with the
+/// default catch-up keeps about 900 records, a 1 min schedule 15.
+pub const SCHEDULE_DEDUP_MARGIN_MS: u64 = 10 * 60 * 1000;
 /// How often a worker reads the schedules again (a change takes effect
 /// within this on every worker).
 pub const SCHEDULE_RECHECK_MS: u64 = 1_000;
@@ -186,6 +191,14 @@ pub struct Schedule {
 }
 
 impl Schedule {
+    /// How long the dedup id of one of its ticks' jobs is remembered: its
+    /// catch-up, its jitter and [`SCHEDULE_DEDUP_MARGIN_MS`].
+    pub fn dedup_window_ms(&self) -> u64 {
+        self.catch_up_ms
+            .saturating_add(self.jitter_ms)
+            .saturating_add(SCHEDULE_DEDUP_MARGIN_MS)
+    }
+
     /// Checks every field, naming the field and the value it refuses.
     pub fn validate(&self, id: &str) -> Result<(), QueueError> {
         validate_schedule_id(id)?;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use super::{
     tick_dedup_id, trigger_dedup_id, Compiled, LastFire, Overlap, Schedule, ScheduleState,
-    ScheduleStates, Schedules, BACKFILL_TICKS_MAX, SCHEDULE_DEDUP_WINDOW_MS, SCHEDULE_RECHECK_MS,
-    SETTING_SCHEDULES, SETTING_SCHEDULE_STATE, TICKS_PER_PASS_MAX,
+    ScheduleStates, Schedules, BACKFILL_TICKS_MAX, SCHEDULE_RECHECK_MS, SETTING_SCHEDULES,
+    SETTING_SCHEDULE_STATE, TICKS_PER_PASS_MAX,
 };
 use crate::backend::QueueBackend;
 use crate::clock::Clock;
@@ -260,7 +260,6 @@ impl Scheduler {
             Arc::clone(&maps),
             ProducerOptions {
                 clock: Arc::clone(&opts.clock),
-                dedup_window_ms: SCHEDULE_DEDUP_WINDOW_MS,
                 ..ProducerOptions::default()
             },
         )?;
@@ -447,6 +446,8 @@ impl Scheduler {
                 })
                 .collect();
             let id = l.id.clone();
+            self.producer
+                .set_dedup_window_ms(l.schedule.dedup_window_ms());
             let placed = self.producer.enqueue_batch(&jobs)?;
             for p in placed {
                 let tick = fire[p.index];
@@ -482,13 +483,15 @@ impl Scheduler {
 }
 
 /// Enqueues one job of schedule `id` now, outside its ticks (a manual
-/// trigger): the overlap policy does not apply. Where it went.
+/// trigger): the overlap policy does not apply. Where it went. Sets the
+/// producer's dedup window to the schedule's.
 pub fn trigger<B: QueueBackend + ?Sized>(
     producer: &mut Producer<B>,
     id: &str,
     s: &Schedule,
     now_ms: u64,
 ) -> Result<Placed, ProduceError> {
+    producer.set_dedup_window_ms(s.dedup_window_ms());
     producer.enqueue(&NewJob {
         key: s.key.clone(),
         payload: s.payload.clone().into_bytes(),
@@ -500,8 +503,10 @@ pub fn trigger<B: QueueBackend + ?Sized>(
 
 /// Enqueues the job of every tick of schedule `id` in `from_ms..=to_ms`,
 /// in order, each with its tick's dedup id: a tick whose job is already
-/// stored (fired, or backfilled before, within the dedup window) is not
-/// stored again. At most [`BACKFILL_TICKS_MAX`] ticks. The placements.
+/// stored (fired, or backfilled before, within the schedule's dedup
+/// window, [`Schedule::dedup_window_ms`]) is not stored again. At most
+/// [`BACKFILL_TICKS_MAX`] ticks. The placements. Sets the producer's
+/// dedup window to the schedule's.
 pub fn backfill<B: QueueBackend + ?Sized>(
     producer: &mut Producer<B>,
     id: &str,
@@ -510,6 +515,7 @@ pub fn backfill<B: QueueBackend + ?Sized>(
     to_ms: u64,
 ) -> Result<Vec<(u64, Placed)>, ProduceError> {
     let compiled = Compiled::new(id, s)?;
+    producer.set_dedup_window_ms(s.dedup_window_ms());
     let mut ticks = Vec::new();
     let mut t = from_ms.saturating_sub(1);
     while let Some(next) = compiled.next_after(t) {

@@ -7,9 +7,7 @@
 
 use super::*;
 use shardq_core::producer::ProducerOptions;
-use shardq_core::schedule::{
-    self, validate_schedule_id, ScheduleSpec, ScheduleStore, SCHEDULE_DEDUP_WINDOW_MS,
-};
+use shardq_core::schedule::{self, validate_schedule_id, ScheduleSpec, ScheduleStore};
 
 use super::flow::NoFields;
 
@@ -32,10 +30,7 @@ fn existing(app: &App, id: &str) -> Result<schedule::Schedule, ApiError> {
 fn producer(
     app: &App,
 ) -> Result<shardq_core::producer::Producer<dyn shardq_core::reshard::ReshardBackend>, ApiError> {
-    Ok(app.deployment.producer(ProducerOptions {
-        dedup_window_ms: SCHEDULE_DEDUP_WINDOW_MS,
-        ..ProducerOptions::default()
-    })?)
+    Ok(app.deployment.producer(ProducerOptions::default())?)
 }
 
 /// `GET /v1/schedules`: every schedule with its state and next fire.
