@@ -290,3 +290,40 @@ fn a_paused_schedule_fires_nothing_and_resuming_fires_no_past_tick() {
     assert_eq!(jobs_of(&w, "k"), 2, "{r:?}");
     assert_eq!(r.missed, 0);
 }
+
+#[test]
+fn more_schedules_than_the_bound_are_refused_and_nothing_is_stored() {
+    use shardq_core::schedule::SCHEDULES_MAX;
+    let w = world();
+    let err = ScheduleStore::update(&*w.maps, |all| {
+        for i in 0..=SCHEDULES_MAX {
+            all.schedules.insert(
+                format!("s-{i}"),
+                every(&format!("k-{i}"), 60_000, Overlap::All, 60_000),
+            );
+        }
+        Ok::<_, ReshardError>(())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains(&format!("invalid schedules {}", SCHEDULES_MAX + 1)),
+        "{err}"
+    );
+    assert!(ScheduleStore::load(&*w.maps).unwrap().schedules.is_empty());
+    // At the bound it is taken.
+    ScheduleStore::update(&*w.maps, |all| {
+        for i in 0..SCHEDULES_MAX {
+            all.schedules.insert(
+                format!("s-{i}"),
+                every(&format!("k-{i}"), 60_000, Overlap::All, 60_000),
+            );
+        }
+        Ok::<_, ReshardError>(())
+    })
+    .unwrap();
+    assert_eq!(
+        ScheduleStore::load(&*w.maps).unwrap().schedules.len(),
+        SCHEDULES_MAX
+    );
+}
