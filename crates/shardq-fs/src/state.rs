@@ -722,291 +722,33 @@ impl ShardState {
                 key,
                 dedup,
                 ..
-            } => {
-                if let Some(d) = dedup {
-                    // Kept even when the job is reclaimed: the id answers
-                    // until it expires.
-                    self.note_dedup(seg_base, pos, d.expires_ms, key, d.id, "");
-                }
-                if self.reclaimed.contains(pos) {
-                    // Reclaimed: finished, and so are all records about it.
-                    self.segs.entry(seg_base).or_default();
-                    return Ok(());
-                }
-                let k = self.key_index(key);
-                self.keys[k as usize].queue.push_back(Slot {
-                    id: pos,
-                    not_before_ms,
-                    attempt: 0,
-                    max_attempts,
-                });
-                self.slot_added(pos, k, not_before_ms);
-                self.segs.entry(seg_base).or_default().live += 1;
-                self.schedule(k);
-            }
+            } => self.on_enqueue(pos, seg_base, not_before_ms, max_attempts, key, dedup)?,
             Record::Claim {
                 job,
                 attempt,
                 fence,
                 started_ms,
                 key,
-            } => {
-                let Some((k, i)) = self.slot_of(key, job) else {
-                    return self.unknown(job, "claim");
-                };
-                // A job still in flight here was left so by an owner that
-                // went away (a new owner drops those runs at adopt without
-                // a record): this run replaces it.
-                let replaces = self.in_flight_ids.contains_key(&job);
-                self.backed_off.remove(&job);
-                let ks = &mut self.keys[k as usize];
-                ks.running += u32::from(!replaces);
-                ks.queue[i].attempt = attempt;
-                if let Some(t) = started_ms {
-                    ks.attempts_mut(job).starts.push(t);
-                }
-                self.in_flight_ids.insert(
-                    job,
-                    Run {
-                        key: k,
-                        fence,
-                        lease_until_ms: u64::MAX,
-                        cancelled: false,
-                    },
-                );
-            }
-            Record::Ack { job, key } => {
-                let Some((k, i)) = self.slot_of(key, job) else {
-                    return self.unknown(job, "ack");
-                };
-                let ks = &mut self.keys[k as usize];
-                ks.take_attempts(job);
-                if ks.queue.remove(i).is_some() {
-                    self.slot_removed(job);
-                }
-                self.run_ended(k, job);
-                self.finish(job);
-                self.schedule(k);
-                self.maybe_drop_key(k);
-            }
+            } => self.on_claim(job, attempt, fence, started_ms, key)?,
+            Record::Ack { job, key } => self.on_ack(job, key)?,
             Record::Fail {
                 job,
                 retry_at_ms,
                 dead,
                 key,
                 reason,
-            } => {
-                let Some((k, i)) = self.slot_of(key, job) else {
-                    return self.unknown(job, "fail");
-                };
-                self.run_ended(k, job);
-                let ks = &mut self.keys[k as usize];
-                if dead {
-                    let starts: Box<[u64]> = ks
-                        .take_attempts(job)
-                        .map(|a| a.starts.into_boxed_slice())
-                        .unwrap_or_default();
-                    let slot = ks.queue.remove(i).expect("the slot was found");
-                    ks.dead += 1;
-                    self.slot_removed(job);
-                    self.dead.insert(
-                        job,
-                        DeadEntry {
-                            key: k,
-                            slot,
-                            reason: reason.into(),
-                            starts,
-                        },
-                    );
-                } else {
-                    ks.attempts_mut(job).reason = Some(reason.into());
-                    ks.queue[i].not_before_ms = retry_at_ms;
-                    self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
-                }
-                // Its key's next job may be this one again, not yet due.
-                self.reschedule(k);
-            }
+            } => self.on_fail(job, retry_at_ms, dead, key, reason)?,
             Record::BackOff {
                 job,
                 retry_at_ms,
                 key,
-            } => {
-                let Some((k, i)) = self.slot_of(key, job) else {
-                    return self.unknown(job, "back-off");
-                };
-                self.run_ended(k, job);
-                self.backed_off.insert(job, retry_at_ms);
-                let ks = &mut self.keys[k as usize];
-                let slot = &mut ks.queue[i];
-                slot.attempt = slot.attempt.saturating_sub(1);
-                slot.not_before_ms = retry_at_ms;
-                if let Some(a) = ks.history.iter_mut().find(|a| a.job == job) {
-                    a.starts.pop();
-                }
-                self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
-                self.reschedule(k);
-            }
-            Record::Resume { job, at_ms, key } => {
-                let Some((k, i)) = self.slot_of(key, job) else {
-                    return self.unknown(job, "resume");
-                };
-                // Written under the append lock while the job waited on its
-                // back-off; a run of it since (none can start before this
-                // record) would have nothing to lift.
-                if self.backed_off.remove(&job).is_some() && !self.in_flight_ids.contains_key(&job)
-                {
-                    let slot = &mut self.keys[k as usize].queue[i];
-                    slot.not_before_ms = slot.not_before_ms.min(at_ms);
-                    // Its key's next job may be due now: drop its timer.
-                    self.reschedule(k);
-                }
-            }
-            Record::DeadRetry { job } => {
-                let Some(entry) = self.dead.remove(&job) else {
-                    return self.unknown(job, "dead retry");
-                };
-                let ks = &mut self.keys[entry.key as usize];
-                ks.dead -= 1;
-                let slot = Slot {
-                    attempt: 0,
-                    not_before_ms: 0,
-                    ..entry.slot
-                };
-                // Back at its place in key order (before running jobs
-                // started after it, which it then follows).
-                let at = ks.queue.partition_point(|s| s.id < job);
-                ks.queue.insert(at, slot);
-                let next = ks.next_slot(&self.in_flight_ids, 0).map(|(_, s)| s.id);
-                self.slot_added(job, entry.key, 0);
-                if next == Some(job) {
-                    // It is the key's next job: drop a stale timer.
-                    self.reschedule(entry.key);
-                } else {
-                    self.schedule(entry.key);
-                }
-            }
-            Record::DeadPurge { job } => {
-                let Some(entry) = self.dead.remove(&job) else {
-                    return self.unknown(job, "dead purge");
-                };
-                self.keys[entry.key as usize].dead -= 1;
-                self.finish(job);
-                self.schedule(entry.key);
-                self.maybe_drop_key(entry.key);
-            }
-            Record::Import {
-                source_id,
-                not_before_ms,
-                attempt,
-                max_attempts,
-                dead,
-                from,
-                key,
-                reason,
-                ..
-            } => {
-                let cursor = self.imported.entry((from.into(), key.into())).or_insert(0);
-                *cursor = (*cursor).max(source_id);
-                if self.reclaimed.contains(pos) {
-                    self.segs.entry(seg_base).or_default();
-                    return Ok(());
-                }
-                let k = self.key_index(key);
-                let slot = Slot {
-                    id: pos,
-                    not_before_ms,
-                    attempt,
-                    max_attempts,
-                };
-                if dead {
-                    self.keys[k as usize].dead += 1;
-                    self.dead.insert(
-                        pos,
-                        DeadEntry {
-                            key: k,
-                            slot,
-                            reason: reason.into(),
-                            starts: Box::default(),
-                        },
-                    );
-                } else {
-                    self.keys[k as usize].queue.push_back(slot);
-                    self.slot_added(slot.id, k, not_before_ms);
-                    self.schedule(k);
-                }
-                self.segs.entry(seg_base).or_default().live += 1;
-            }
-            Record::PurgeKey { key } => {
-                let Some(k) = self.lookup(key) else {
-                    return Ok(());
-                };
-                let ks = &mut self.keys[k as usize];
-                // Running jobs stay (a move purges only keys it waited on).
-                let running = &self.in_flight_ids;
-                let removed: Vec<u64> = (ks.queue.iter())
-                    .filter(|s| !running.contains_key(&s.id))
-                    .map(|s| s.id)
-                    .collect();
-                ks.queue.retain(|s| running.contains_key(&s.id));
-                if ks.queue.is_empty() {
-                    ks.scheduled = false;
-                }
-                for id in &removed {
-                    ks.take_attempts(*id);
-                    self.backed_off.remove(id);
-                }
-                for id in &removed {
-                    self.slot_removed(*id);
-                    self.finish(*id);
-                    self.note_ref(seg_base, *id);
-                }
-                let dead: Vec<u64> = self
-                    .dead
-                    .iter()
-                    .filter(|(_, e)| e.key == k)
-                    .map(|(id, _)| *id)
-                    .collect();
-                for id in dead {
-                    self.dead.remove(&id);
-                    self.keys[k as usize].dead -= 1;
-                    self.finish(id);
-                    self.note_ref(seg_base, id);
-                }
-                self.schedule(k);
-                self.maybe_drop_key(k);
-            }
-            Record::Cancel { job, key } => {
-                let found = self.lookup(key).and_then(|k| {
-                    let ks = &self.keys[k as usize];
-                    let i = queue_position(&ks.queue, job)?;
-                    Some((k, i, self.in_flight_ids.contains_key(&job)))
-                });
-                let Some((k, i, running)) = found else {
-                    return self.unknown(job, "cancel");
-                };
-                let was_next = (self.keys[k as usize].next_slot(&self.in_flight_ids, 0))
-                    .is_some_and(|(_, s)| s.id == job);
-                if running {
-                    // A run cancelled earlier ends this way (its lease
-                    // lapsed, or a new owner found it). An owner cancels
-                    // only jobs it does not run, so a run not cancelled is
-                    // one an owner that went away left in the log (a new
-                    // owner drops those at adopt, without a record): it
-                    // ended then.
-                    self.run_ended(k, job);
-                }
-                self.cancel_pending.retain(|&j| j != job);
-                self.backed_off.remove(&job);
-                self.keys[k as usize].queue.remove(i);
-                self.keys[k as usize].take_attempts(job);
-                self.slot_removed(job);
-                self.finish(job);
-                if was_next || running {
-                    // The key's next job changed: schedule it by the new one.
-                    self.reschedule(k);
-                }
-                self.maybe_drop_key(k);
-            }
+            } => self.on_back_off(job, retry_at_ms, key)?,
+            Record::Resume { job, at_ms, key } => self.on_resume(job, at_ms, key)?,
+            Record::DeadRetry { job } => self.on_dead_retry(job)?,
+            Record::DeadPurge { job } => self.on_dead_purge(job)?,
+            Record::Import { .. } => self.on_import(pos, seg_base, rec)?,
+            Record::PurgeKey { key } => self.on_purge_key(seg_base, key)?,
+            Record::Cancel { job, key } => self.on_cancel(job, key)?,
             Record::CancelRun { job, fence } => {
                 // A run that ended before this record needs nothing.
                 if let Some(run) = self.in_flight_ids.get_mut(&job) {
@@ -1025,6 +767,334 @@ impl ShardState {
                 shard,
             } => self.note_dedup(seg_base, job, expires_ms, key, id, shard),
         }
+        Ok(())
+    }
+
+    /// A job enqueued: its key's queue gains it (and its dedup record is noted).
+    fn on_enqueue(
+        &mut self,
+        pos: u64,
+        seg_base: u64,
+        not_before_ms: u64,
+        max_attempts: u32,
+        key: &str,
+        dedup: Option<crate::record::EnqueueDedup<'_>>,
+    ) -> Result<(), String> {
+        if let Some(d) = dedup {
+            // Kept even when the job is reclaimed: the id answers
+            // until it expires.
+            self.note_dedup(seg_base, pos, d.expires_ms, key, d.id, "");
+        }
+        if self.reclaimed.contains(pos) {
+            // Reclaimed: finished, and so are all records about it.
+            self.segs.entry(seg_base).or_default();
+            return Ok(());
+        }
+        let k = self.key_index(key);
+        self.keys[k as usize].queue.push_back(Slot {
+            id: pos,
+            not_before_ms,
+            attempt: 0,
+            max_attempts,
+        });
+        self.slot_added(pos, k, not_before_ms);
+        self.segs.entry(seg_base).or_default().live += 1;
+        self.schedule(k);
+        Ok(())
+    }
+
+    /// A run started.
+    fn on_claim(
+        &mut self,
+        job: u64,
+        attempt: u32,
+        fence: u64,
+        started_ms: Option<u64>,
+        key: &str,
+    ) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "claim");
+        };
+        // A job still in flight here was left so by an owner that
+        // went away (a new owner drops those runs at adopt without
+        // a record): this run replaces it.
+        let replaces = self.in_flight_ids.contains_key(&job);
+        self.backed_off.remove(&job);
+        let ks = &mut self.keys[k as usize];
+        ks.running += u32::from(!replaces);
+        ks.queue[i].attempt = attempt;
+        if let Some(t) = started_ms {
+            ks.attempts_mut(job).starts.push(t);
+        }
+        self.in_flight_ids.insert(
+            job,
+            Run {
+                key: k,
+                fence,
+                lease_until_ms: u64::MAX,
+                cancelled: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// A run acked: the job is finished.
+    fn on_ack(&mut self, job: u64, key: &str) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "ack");
+        };
+        let ks = &mut self.keys[k as usize];
+        ks.take_attempts(job);
+        if ks.queue.remove(i).is_some() {
+            self.slot_removed(job);
+        }
+        self.run_ended(k, job);
+        self.finish(job);
+        self.schedule(k);
+        self.maybe_drop_key(k);
+        Ok(())
+    }
+
+    /// A run failed: the job waits for its retry, or is a dead letter.
+    fn on_fail(
+        &mut self,
+        job: u64,
+        retry_at_ms: u64,
+        dead: bool,
+        key: &str,
+        reason: &str,
+    ) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "fail");
+        };
+        self.run_ended(k, job);
+        let ks = &mut self.keys[k as usize];
+        if dead {
+            let starts: Box<[u64]> = ks
+                .take_attempts(job)
+                .map(|a| a.starts.into_boxed_slice())
+                .unwrap_or_default();
+            let slot = ks.queue.remove(i).expect("the slot was found");
+            ks.dead += 1;
+            self.slot_removed(job);
+            self.dead.insert(
+                job,
+                DeadEntry {
+                    key: k,
+                    slot,
+                    reason: reason.into(),
+                    starts,
+                },
+            );
+        } else {
+            ks.attempts_mut(job).reason = Some(reason.into());
+            ks.queue[i].not_before_ms = retry_at_ms;
+            self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
+        }
+        // Its key's next job may be this one again, not yet due.
+        self.reschedule(k);
+        Ok(())
+    }
+
+    /// A handler backed off: the run ends without using its attempt.
+    fn on_back_off(&mut self, job: u64, retry_at_ms: u64, key: &str) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "back-off");
+        };
+        self.run_ended(k, job);
+        self.backed_off.insert(job, retry_at_ms);
+        let ks = &mut self.keys[k as usize];
+        let slot = &mut ks.queue[i];
+        slot.attempt = slot.attempt.saturating_sub(1);
+        slot.not_before_ms = retry_at_ms;
+        if let Some(a) = ks.history.iter_mut().find(|a| a.job == job) {
+            a.starts.pop();
+        }
+        self.not_before_max_ms = self.not_before_max_ms.max(retry_at_ms);
+        self.reschedule(k);
+        Ok(())
+    }
+
+    /// A back-off lifted (`key resume`).
+    fn on_resume(&mut self, job: u64, at_ms: u64, key: &str) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "resume");
+        };
+        // Written under the append lock while the job waited on its
+        // back-off; a run of it since (none can start before this
+        // record) would have nothing to lift.
+        if self.backed_off.remove(&job).is_some() && !self.in_flight_ids.contains_key(&job) {
+            let slot = &mut self.keys[k as usize].queue[i];
+            slot.not_before_ms = slot.not_before_ms.min(at_ms);
+            // Its key's next job may be due now: drop its timer.
+            self.reschedule(k);
+        }
+        Ok(())
+    }
+
+    /// A dead letter put back in its key's order.
+    fn on_dead_retry(&mut self, job: u64) -> Result<(), String> {
+        let Some(entry) = self.dead.remove(&job) else {
+            return self.unknown(job, "dead retry");
+        };
+        let ks = &mut self.keys[entry.key as usize];
+        ks.dead -= 1;
+        let slot = Slot {
+            attempt: 0,
+            not_before_ms: 0,
+            ..entry.slot
+        };
+        // Back at its place in key order (before running jobs
+        // started after it, which it then follows).
+        let at = ks.queue.partition_point(|s| s.id < job);
+        ks.queue.insert(at, slot);
+        let next = ks.next_slot(&self.in_flight_ids, 0).map(|(_, s)| s.id);
+        self.slot_added(job, entry.key, 0);
+        if next == Some(job) {
+            // It is the key's next job: drop a stale timer.
+            self.reschedule(entry.key);
+        } else {
+            self.schedule(entry.key);
+        }
+        Ok(())
+    }
+
+    /// A dead letter purged.
+    fn on_dead_purge(&mut self, job: u64) -> Result<(), String> {
+        let Some(entry) = self.dead.remove(&job) else {
+            return self.unknown(job, "dead purge");
+        };
+        self.keys[entry.key as usize].dead -= 1;
+        self.finish(job);
+        self.schedule(entry.key);
+        self.maybe_drop_key(entry.key);
+        Ok(())
+    }
+
+    /// A job copied in by a move (waiting, or a dead letter): `rec`, an
+    /// Import record.
+    fn on_import(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
+        let Record::Import {
+            source_id,
+            not_before_ms,
+            attempt,
+            max_attempts,
+            dead,
+            from,
+            key,
+            reason,
+            ..
+        } = *rec
+        else {
+            return Err(format!("record at {pos} is not an Import record"));
+        };
+        let cursor = self.imported.entry((from.into(), key.into())).or_insert(0);
+        *cursor = (*cursor).max(source_id);
+        if self.reclaimed.contains(pos) {
+            self.segs.entry(seg_base).or_default();
+            return Ok(());
+        }
+        let k = self.key_index(key);
+        let slot = Slot {
+            id: pos,
+            not_before_ms,
+            attempt,
+            max_attempts,
+        };
+        if dead {
+            self.keys[k as usize].dead += 1;
+            self.dead.insert(
+                pos,
+                DeadEntry {
+                    key: k,
+                    slot,
+                    reason: reason.into(),
+                    starts: Box::default(),
+                },
+            );
+        } else {
+            self.keys[k as usize].queue.push_back(slot);
+            self.slot_added(slot.id, k, not_before_ms);
+            self.schedule(k);
+        }
+        self.segs.entry(seg_base).or_default().live += 1;
+        Ok(())
+    }
+
+    /// A moved key's copies purged: its jobs that are not running, and its dead letters.
+    fn on_purge_key(&mut self, seg_base: u64, key: &str) -> Result<(), String> {
+        let Some(k) = self.lookup(key) else {
+            return Ok(());
+        };
+        let ks = &mut self.keys[k as usize];
+        // Running jobs stay (a move purges only keys it waited on).
+        let running = &self.in_flight_ids;
+        let removed: Vec<u64> = (ks.queue.iter())
+            .filter(|s| !running.contains_key(&s.id))
+            .map(|s| s.id)
+            .collect();
+        ks.queue.retain(|s| running.contains_key(&s.id));
+        if ks.queue.is_empty() {
+            ks.scheduled = false;
+        }
+        for id in &removed {
+            ks.take_attempts(*id);
+            self.backed_off.remove(id);
+        }
+        for id in &removed {
+            self.slot_removed(*id);
+            self.finish(*id);
+            self.note_ref(seg_base, *id);
+        }
+        let dead: Vec<u64> = self
+            .dead
+            .iter()
+            .filter(|(_, e)| e.key == k)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dead {
+            self.dead.remove(&id);
+            self.keys[k as usize].dead -= 1;
+            self.finish(id);
+            self.note_ref(seg_base, id);
+        }
+        self.schedule(k);
+        self.maybe_drop_key(k);
+        Ok(())
+    }
+
+    /// A job cancelled (a running one ends with its run).
+    fn on_cancel(&mut self, job: u64, key: &str) -> Result<(), String> {
+        let found = self.lookup(key).and_then(|k| {
+            let ks = &self.keys[k as usize];
+            let i = queue_position(&ks.queue, job)?;
+            Some((k, i, self.in_flight_ids.contains_key(&job)))
+        });
+        let Some((k, i, running)) = found else {
+            return self.unknown(job, "cancel");
+        };
+        let was_next = (self.keys[k as usize].next_slot(&self.in_flight_ids, 0))
+            .is_some_and(|(_, s)| s.id == job);
+        if running {
+            // A run cancelled earlier ends this way (its lease
+            // lapsed, or a new owner found it). An owner cancels
+            // only jobs it does not run, so a run not cancelled is
+            // one an owner that went away left in the log (a new
+            // owner drops those at adopt, without a record): it
+            // ended then.
+            self.run_ended(k, job);
+        }
+        self.cancel_pending.retain(|&j| j != job);
+        self.backed_off.remove(&job);
+        self.keys[k as usize].queue.remove(i);
+        self.keys[k as usize].take_attempts(job);
+        self.slot_removed(job);
+        self.finish(job);
+        if was_next || running {
+            // The key's next job changed: schedule it by the new one.
+            self.reschedule(k);
+        }
+        self.maybe_drop_key(k);
         Ok(())
     }
 
