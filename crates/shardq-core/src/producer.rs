@@ -311,8 +311,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let mut paused_since: BTreeMap<String, u64> = BTreeMap::new();
         let mut hops: BTreeMap<String, u32> = BTreeMap::new();
         let mut gave_up: Vec<(String, String)> = Vec::new();
-        let mut last_heal_ms = 0u64;
-        let mut fenced_since: Option<u64> = None;
+        let mut fence_wait = FenceWait::default();
         while !pending.is_empty() {
             let version = self.router.version();
             // Taken out for this round (groups borrow it), put back after.
@@ -359,24 +358,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 let mut parts = split_by_limits(&group, jobs, limits).into_iter();
                 while let Some(idxs) = parts.next() {
                     let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
-                    let result = if batch.iter().any(|j| j.dedup_id.is_some()) {
-                        self.backend.enqueue_dedup(
-                            &shard,
-                            version,
-                            &batch,
-                            self.options.dedup_window_ms,
-                        )
-                    } else {
-                        self.backend.enqueue(&shard, version, &batch).map(|ids| {
-                            ids.into_iter()
-                                .map(|id| crate::job::Stored {
-                                    id,
-                                    shard: shard.clone(),
-                                    duplicate: false,
-                                })
-                                .collect()
-                        })
-                    };
+                    let result = self.send(&shard, version, &batch);
                     // A key refused for now (paused, or sent on too often),
                     // waited on within the bound.
                     let waits_on: Option<String> = match result {
@@ -468,36 +450,7 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 if self.reload()? {
                     hops.clear();
                 } else {
-                    let waited_ms = clock.now_ms().saturating_sub(started_ms);
-                    // A fence no map follows for a while: its rebalance may
-                    // have died between the two; lifted when no rebalance
-                    // runs (at most one try per interval, counted from the
-                    // first fence this call met).
-                    let fenced_ms = clock
-                        .now_ms()
-                        .saturating_sub(*fenced_since.get_or_insert(clock.now_ms()));
-                    if fenced_ms >= ORPHAN_FENCE_AFTER_MS
-                        && fenced_ms >= last_heal_ms.saturating_add(ORPHAN_FENCE_AFTER_MS)
-                    {
-                        last_heal_ms = fenced_ms;
-                        // Its failure (a shard not answering) changes nothing:
-                        // the wait goes on.
-                        if matches!(
-                            crate::reshard::lift_orphaned_fence(&*self.backend, &*self.store),
-                            Ok(true)
-                        ) {
-                            self.reload()?;
-                            continue;
-                        }
-                    }
-                    if waited_ms >= self.options.fence_wait_ms {
-                        return Err(ProduceError::FencedTooLong {
-                            shard,
-                            map_version: version,
-                            waited_ms,
-                        });
-                    }
-                    clock.sleep_ms(RETRY_SLEEP_MS);
+                    self.wait_out_fence(shard, version, started_ms, &mut fence_wait)?;
                 }
             } else if pending.iter().all(|&i| paused.contains(&jobs[i].key)) {
                 clock.sleep_ms(RETRY_SLEEP_MS);
@@ -511,6 +464,83 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
             }
         }
         Ok(gave_up)
+    }
+}
+
+/// How long one call has waited on fences: since the first fence it met,
+/// and when it last tried to lift an orphaned one (ms after that).
+#[derive(Debug, Default)]
+struct FenceWait {
+    since_ms: Option<u64>,
+    last_heal_ms: u64,
+}
+
+impl<B: QueueBackend + ?Sized> Producer<B> {
+    /// One append of `batch` to `shard` (through the dedup path when any
+    /// job carries a dedup id).
+    fn send(
+        &self,
+        shard: &str,
+        version: u64,
+        batch: &[NewJob],
+    ) -> Result<Vec<crate::job::Stored>, QueueError> {
+        if batch.iter().any(|j| j.dedup_id.is_some()) {
+            return self
+                .backend
+                .enqueue_dedup(shard, version, batch, self.options.dedup_window_ms);
+        }
+        let ids = self.backend.enqueue(shard, version, batch)?;
+        Ok(ids
+            .into_iter()
+            .map(|id| crate::job::Stored {
+                id,
+                shard: shard.to_string(),
+                duplicate: false,
+            })
+            .collect())
+    }
+
+    /// After a fence with no newer map to follow: a fence no map follows
+    /// for a while may be one a rebalance left as it died between the two,
+    /// lifted when no rebalance runs (at most one try per
+    /// [`ORPHAN_FENCE_AFTER_MS`], counted from the first fence this call
+    /// met); past the fence wait the call gives up; else a short sleep
+    /// before the next try.
+    fn wait_out_fence(
+        &mut self,
+        shard: String,
+        version: u64,
+        started_ms: u64,
+        wait: &mut FenceWait,
+    ) -> Result<(), ProduceError> {
+        let clock = Arc::clone(&self.options.clock);
+        let waited_ms = clock.now_ms().saturating_sub(started_ms);
+        let fenced_ms = clock
+            .now_ms()
+            .saturating_sub(*wait.since_ms.get_or_insert(clock.now_ms()));
+        if fenced_ms >= ORPHAN_FENCE_AFTER_MS
+            && fenced_ms >= wait.last_heal_ms.saturating_add(ORPHAN_FENCE_AFTER_MS)
+        {
+            wait.last_heal_ms = fenced_ms;
+            // Its failure (a shard not answering) changes nothing: the wait
+            // goes on.
+            if matches!(
+                crate::reshard::lift_orphaned_fence(&*self.backend, &*self.store),
+                Ok(true)
+            ) {
+                self.reload()?;
+                return Ok(());
+            }
+        }
+        if waited_ms >= self.options.fence_wait_ms {
+            return Err(ProduceError::FencedTooLong {
+                shard,
+                map_version: version,
+                waited_ms,
+            });
+        }
+        clock.sleep_ms(RETRY_SLEEP_MS);
+        Ok(())
     }
 }
 
