@@ -24,11 +24,13 @@ const MISSED_PER_PASS_MAX: u64 = 100_000;
 pub struct ScheduleStore;
 
 impl ScheduleStore {
-    /// The deployment's schedules (none when unset).
+    /// The deployment's schedules (none when unset), as stored (each was
+    /// checked when it was; a worker checks them all again when they
+    /// change, [`Scheduler::pass`]).
     pub fn load(maps: &dyn MapStore) -> Result<Schedules, ReshardError> {
         match maps.load_setting(SETTING_SCHEDULES)? {
             None => Ok(Schedules::default()),
-            Some(text) => Ok(Schedules::parse(&text)?),
+            Some(text) => Ok(Schedules::read(&text)?),
         }
     }
 
@@ -43,12 +45,13 @@ impl ScheduleStore {
         E: From<ReshardError> + From<QueueError>,
     {
         update_setting(maps, SETTING_SCHEDULES, |current| {
-            let mut s = match current {
+            let before = match current {
                 None => Schedules::default(),
-                Some(text) => Schedules::parse(text)?,
+                Some(text) => Schedules::read(text)?,
             };
+            let mut s = before.clone();
             let out = change(&mut s)?;
-            s.validate()?;
+            s.validate_changes(&before)?;
             Ok((s.to_text(), out))
         })
     }
