@@ -327,3 +327,28 @@ fn more_schedules_than_the_bound_are_refused_and_nothing_is_stored() {
         SCHEDULES_MAX
     );
 }
+
+#[test]
+fn a_schedule_edited_by_hand_into_nonsense_is_reported_and_the_others_run() {
+    use shardq_core::schedule::SETTING_SCHEDULES;
+    let w = world();
+    set(&w, "good", every("k-good", 1_000, Overlap::All, 60_000));
+    set(&w, "bad", every("k-bad", 2_000, Overlap::All, 60_000));
+    let text = w.maps.load_setting(SETTING_SCHEDULES).unwrap().unwrap();
+    let edited = text.replace("\"every_ms\":2000", "\"every_ms\":20");
+    assert_ne!(edited, text);
+    assert!(w
+        .maps
+        .swap_setting(SETTING_SCHEDULES, Some(&text), Some(&edited))
+        .unwrap());
+    let mut s = scheduler(&w);
+    w.clock.advance(3_000);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    assert_eq!(jobs_of(&w, "k-good"), 3);
+    assert_eq!(jobs_of(&w, "k-bad"), 0);
+    assert_eq!(r.errors.len(), 1, "{r:?}");
+    assert!(
+        r.errors[0].0 == "bad" && r.errors[0].1.contains("invalid every 20 ms"),
+        "{r:?}"
+    );
+}

@@ -291,7 +291,12 @@ impl Scheduler {
 
     /// Reads the schedules (when changed) and every state again, at most
     /// every [`SCHEDULE_RECHECK_MS`] unless `force`.
-    fn refresh(&mut self, now: u64, force: bool) -> Result<(), ReshardError> {
+    fn refresh(
+        &mut self,
+        now: u64,
+        force: bool,
+        invalid: &mut Vec<(String, String)>,
+    ) -> Result<(), ReshardError> {
         if !force
             && self
                 .checked_ms
@@ -303,11 +308,22 @@ impl Scheduler {
         if self.text.as_ref() != Some(&text) {
             let schedules = match &text {
                 None => Schedules::default(),
-                Some(t) => Schedules::parse(t)?,
+                Some(t) => Schedules::read(t)?,
             };
+            // A schedule that does not check (a document edited by hand)
+            // is left out and reported; the others run.
             let mut loaded = Vec::with_capacity(schedules.schedules.len());
             for (id, schedule) in schedules.schedules {
-                let compiled = Compiled::new(&id, &schedule)?;
+                let compiled = match schedule
+                    .validate(&id)
+                    .and_then(|()| Compiled::new(&id, &schedule))
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        invalid.push((id, format!("not run: {e}")));
+                        continue;
+                    }
+                };
                 loaded.push(Loaded {
                     id,
                     schedule,
@@ -321,7 +337,12 @@ impl Scheduler {
             self.local.retain(|id, _| ids.contains(id));
         }
         for (id, stored) in ScheduleStore::states(&*self.maps)?.states {
-            if self.loaded.iter().any(|l| l.id == id) {
+            // `loaded` is in id order (read from a map by id).
+            if self
+                .loaded
+                .binary_search_by(|l| l.id.as_str().cmp(id.as_str()))
+                .is_ok()
+            {
                 self.local.entry(id).or_default().merge(&stored);
             }
         }
@@ -353,8 +374,8 @@ impl Scheduler {
     /// job is stored once wherever it is fired from.
     pub fn pass(&mut self, owned: &BTreeSet<String>) -> Result<FireReport, ProduceError> {
         let now = self.clock.now_ms();
-        self.refresh(now, false)?;
         let mut report = FireReport::default();
+        self.refresh(now, false, &mut report.errors)?;
         for i in 0..self.loaded.len() {
             let shard = self.producer.shard_of(&self.loaded[i].schedule.key)?;
             if !owned.contains(&shard) {
