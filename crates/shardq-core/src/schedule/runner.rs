@@ -402,11 +402,23 @@ impl Scheduler {
 
     fn run_one(&mut self, i: usize, now: u64, report: &mut FireReport) -> Result<(), ProduceError> {
         let l = &self.loaded[i];
-        let state = self.local.get(&l.id).cloned().unwrap_or_default();
-        let cursor = state.decided_ms.max(l.schedule.since_ms);
         if l.schedule.paused {
             return Ok(());
         }
+        let decided_ms = self.local.get(&l.id).map_or(0, |s| s.decided_ms);
+        let cursor = decided_ms.max(l.schedule.since_ms);
+        // The common pass: the next tick is not due yet, nothing to do.
+        if let Some(next) = l.first_after(cursor) {
+            let fire_at = next.saturating_add(l.compiled.jitter(next));
+            if fire_at > now {
+                let at = report.next_due_ms.get_or_insert(fire_at);
+                *at = (*at).min(fire_at);
+                return Ok(());
+            }
+        } else {
+            return Ok(());
+        }
+        let state = self.local.get(&l.id).cloned().unwrap_or_default();
         // The ticks due now: missed ones counted, the others collected.
         let mut missed = 0u64;
         let mut due: Vec<u64> = Vec::new();
