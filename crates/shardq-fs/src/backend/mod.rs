@@ -367,6 +367,141 @@ impl FsBackend {
         Ok((start, end))
     }
 
+    /// The first step of a claim: runs whose job lease lapsed end, each as
+    /// a failed attempt (written, so replay agrees): their jobs go back to
+    /// the head of their keys, or dead-letter when out of attempts; runs
+    /// cancelled meanwhile (and those a previous owner left cancelled) end
+    /// their jobs. Only the owner starts and ends runs, so its replica
+    /// knows every run even before it reads what producers appended: with
+    /// none lapsed, this step needs no lock and no read. The log positions
+    /// it wrote between.
+    fn end_lapsed_runs(
+        &self,
+        shard: &Shard,
+        inner: &mut Inner,
+        now: u64,
+    ) -> Result<(u64, u64), QueueError> {
+        let mut cancelled_done = Vec::new();
+        let any_lapsed = inner
+            .replica
+            .as_ref()
+            .is_some_and(|r| !r.lapsed(now).is_empty() || !r.cancel_pending().is_empty());
+        let written = if !any_lapsed {
+            let at = inner.log.end_pos();
+            (at, at)
+        } else {
+            self.append_with(shard, inner, &mut |inner, _| {
+                let r = inner.replica.as_ref().expect("owner has a replica");
+                let mut bytes = Vec::new();
+                cancelled_done.clear();
+                // Cancelled runs a previous owner left: their jobs go now.
+                for (job, key) in r.cancel_pending() {
+                    if let Some(j) = r.live_job(job) {
+                        cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
+                    }
+                    record::encode(&mut bytes, &Record::Cancel { job, key });
+                }
+                for id in r.lapsed(now) {
+                    let run = r.in_flight(id).expect("lapsed runs are in flight");
+                    if run.cancelled {
+                        // Its cancel takes effect now that the run is over.
+                        if let Some(j) = r.live_job(id) {
+                            cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
+                        }
+                        record::encode(
+                            &mut bytes,
+                            &Record::Cancel {
+                                job: id,
+                                key: run.key,
+                            },
+                        );
+                        continue;
+                    }
+                    let reason = format!(
+                        "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
+                        run.lease_until_ms, run.fence
+                    );
+                    record::encode(
+                        &mut bytes,
+                        &Record::Fail {
+                            job: id,
+                            retry_at_ms: now,
+                            dead: run.attempt >= run.max_attempts,
+                            key: run.key,
+                            reason: &reason,
+                        },
+                    );
+                }
+                Ok(bytes)
+            })?
+        };
+        self.note_finished(shard, &cancelled_done);
+        Ok(written)
+    }
+
+    /// A claimed job as its handler gets it: its key and payload read back
+    /// from its enqueue (or import) record, checked against the replica.
+    fn claimed_job(
+        &self,
+        shard: &Shard,
+        inner: &mut Inner,
+        p: &Pick,
+        fence: u64,
+        lease_until_ms: u64,
+    ) -> Result<ClaimedJob, QueueError> {
+        let name = shard.name.as_str();
+        let bytes = inner.log.read_record_at(p.id)?;
+        let (rec, _) = decode(&bytes).map_err(|e| QueueError::Inconsistent {
+            shard: shard.name.clone(),
+            segment: "?".into(),
+            offset: p.id,
+            reason: format!("the enqueue record read back for a claim does not decode: {e:?}"),
+        })?;
+        let (Record::Enqueue {
+            created_ms,
+            key,
+            payload,
+            ..
+        }
+        | Record::Import {
+            created_ms,
+            key,
+            payload,
+            ..
+        }) = rec
+        else {
+            return Err(QueueError::Inconsistent {
+                shard: name.to_string(),
+                segment: "-".into(),
+                offset: p.id,
+                reason: "a claimed job's position does not hold an enqueue record".into(),
+            });
+        };
+        if key != &*p.key {
+            return Err(QueueError::Inconsistent {
+                shard: name.to_string(),
+                segment: "-".into(),
+                offset: p.id,
+                reason: format!(
+                    "the enqueue record of claimed job {} has key {key:?}, the replica has {:?}",
+                    p.id, p.key
+                ),
+            });
+        }
+        Ok(ClaimedJob {
+            shard: name.to_string(),
+            id: JobId(p.id),
+            key: key.to_string(),
+            payload: payload.to_vec(),
+            attempt: p.attempt,
+            max_attempts: p.max_attempts,
+            created_ms,
+            not_before_ms: p.not_before_ms,
+            fence,
+            lease_until_ms,
+        })
+    }
+
     fn owned_inner<'a>(&self, shard: &'a Shard) -> Result<MutexGuard<'a, Inner>, QueueError> {
         let inner = lock(&shard.inner);
         if !inner.owned {
@@ -796,67 +931,8 @@ impl QueueBackend for FsBackend {
         if let Some(f) = &self.opts.flow {
             f.refresh(now);
         }
-        // Runs whose job lease lapsed end first, each as a failed attempt
-        // (written, so replay agrees): their jobs go back to the head of
-        // their keys, or dead-letter when out of attempts.
-        // Only the owner starts and ends runs, so its replica knows every
-        // run even before it reads what producers appended: with none
-        // lapsed, this step needs no lock and no read.
-        let any_lapsed = inner
-            .replica
-            .as_ref()
-            .is_some_and(|r| !r.lapsed(now).is_empty() || !r.cancel_pending().is_empty());
-        let mut cancelled_done = Vec::new();
-        let (lapse_start, mut end) = if !any_lapsed {
-            let at = inner.log.end_pos();
-            (at, at)
-        } else {
-            self.append_with(&shard, &mut inner, &mut |inner, _| {
-                let r = inner.replica.as_ref().expect("owner has a replica");
-                let mut bytes = Vec::new();
-                cancelled_done.clear();
-                // Cancelled runs a previous owner left: their jobs go now.
-                for (job, key) in r.cancel_pending() {
-                    if let Some(j) = r.live_job(job) {
-                        cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
-                    }
-                    record::encode(&mut bytes, &Record::Cancel { job, key });
-                }
-                for id in r.lapsed(now) {
-                    let run = r.in_flight(id).expect("lapsed runs are in flight");
-                    if run.cancelled {
-                        // Its cancel takes effect now that the run is over.
-                        if let Some(j) = r.live_job(id) {
-                            cancelled_done.push(finished_job(&j, Finish::Cancelled, now));
-                        }
-                        record::encode(
-                            &mut bytes,
-                            &Record::Cancel {
-                                job: id,
-                                key: run.key,
-                            },
-                        );
-                        continue;
-                    }
-                    let reason = format!(
-                        "job lease lapsed at {} ms (run fence {}) without an ack, fail or extend",
-                        run.lease_until_ms, run.fence
-                    );
-                    record::encode(
-                        &mut bytes,
-                        &Record::Fail {
-                            job: id,
-                            retry_at_ms: now,
-                            dead: run.attempt >= run.max_attempts,
-                            key: run.key,
-                            reason: &reason,
-                        },
-                    );
-                }
-                Ok(bytes)
-            })?
-        };
-        self.note_finished(&shard, &cancelled_done);
+        // Runs whose job lease lapsed end first.
+        let (lapse_start, mut end) = self.end_lapsed_runs(&shard, &mut inner, now)?;
         let mut picks: Vec<(Pick, u64)> = Vec::new();
         let lease_until_ms = now.saturating_add(lease_ms);
         let res = self.append_with(&shard, &mut inner, &mut |inner, _| {
@@ -918,56 +994,7 @@ impl QueueBackend for FsBackend {
                 .as_mut()
                 .expect("owner has a replica")
                 .set_lease(p.id, lease_until_ms);
-            let bytes = inner.log.read_record_at(p.id)?;
-            let (rec, _) = decode(&bytes).map_err(|e| QueueError::Inconsistent {
-                shard: shard.name.clone(),
-                segment: "?".into(),
-                offset: p.id,
-                reason: format!("the enqueue record read back for a claim does not decode: {e:?}"),
-            })?;
-            let (Record::Enqueue {
-                created_ms,
-                key,
-                payload,
-                ..
-            }
-            | Record::Import {
-                created_ms,
-                key,
-                payload,
-                ..
-            }) = rec
-            else {
-                return Err(QueueError::Inconsistent {
-                    shard: name.to_string(),
-                    segment: "-".into(),
-                    offset: p.id,
-                    reason: "a claimed job's position does not hold an enqueue record".into(),
-                });
-            };
-            if key != &*p.key {
-                return Err(QueueError::Inconsistent {
-                    shard: name.to_string(),
-                    segment: "-".into(),
-                    offset: p.id,
-                    reason: format!(
-                        "the enqueue record of claimed job {} has key {key:?}, the replica has {:?}",
-                        p.id, p.key
-                    ),
-                });
-            }
-            out.push(ClaimedJob {
-                shard: name.to_string(),
-                id: JobId(p.id),
-                key: key.to_string(),
-                payload: payload.to_vec(),
-                attempt: p.attempt,
-                max_attempts: p.max_attempts,
-                created_ms,
-                not_before_ms: p.not_before_ms,
-                fence: *fence,
-                lease_until_ms,
-            });
+            out.push(self.claimed_job(&shard, &mut inner, p, *fence, lease_until_ms)?);
         }
         drop(inner);
         if wrote {
