@@ -363,6 +363,58 @@ impl RedisBackend {
     /// weight); not yet charged: the claim charges the ones it starts.
     /// Runs whose lease ended are put back first, as a claim does. None
     /// when `token` no longer owns the shard.
+    /// The claim script, with the shard's copy of the run limits written
+    /// once and the call made again when the script finds it is another
+    /// version (the settings changed, or another owner wrote its own).
+    /// Its reply and the marks before it; `None` when this process no
+    /// longer owns the shard.
+    fn claim_script(
+        &self,
+        s: &ShardRef,
+        held: &Held,
+        max: usize,
+        lease_ms: u64,
+        picked: Option<&[Popped<String>]>,
+    ) -> Result<Option<(Value, Marks)>, QueueError> {
+        // A retried call (its reply lost) names the runs this process
+        // knows, so the script puts back only the others.
+        let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
+        let limits = self.limits_copy();
+        let version = limits.as_ref().map_or("", |l| l.version.as_str());
+        let mut rewritten = false;
+        loop {
+            let before = s.marks();
+            let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
+                c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX).arg(version);
+                match picked {
+                    None => c.arg("-"),
+                    Some(p) => c
+                        .arg(p.len())
+                        .arg(p.iter().map(|x| &x.key).collect::<Vec<_>>()),
+                };
+                if attempt == 0 {
+                    c.arg("0");
+                } else {
+                    c.arg("1").arg(&known);
+                }
+            })?;
+            match reply::status(&v).as_str() {
+                "OK" => return Ok(Some((v, before))),
+                "NOTOWNER" => return Ok(None),
+                "LIMITS" if !rewritten => {
+                    let copy = limits.as_deref().ok_or_else(|| {
+                        self.protocol(s, "claim asked for run limits it was not given")
+                    })?;
+                    if !self.put_limits(s, &held.token, copy)? {
+                        return Ok(None);
+                    }
+                    rewritten = true;
+                }
+                other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
+            }
+        }
+    }
+
     fn rank_ready(
         &self,
         s: &ShardRef,
@@ -960,7 +1012,6 @@ impl QueueBackend for RedisBackend {
                 return Err(Self::not_owner(s));
             }
         }
-        let known: Vec<String> = held.in_flight.keys().map(|i| i.to_string()).collect();
         let ranked = (self.inner.opts.flow.as_deref()).filter(|f| f.ranks_keys());
         let picked = match ranked {
             Some(f) => match self.rank_ready(s, &held.token, f, max)? {
@@ -972,46 +1023,10 @@ impl QueueBackend for RedisBackend {
             },
             None => None,
         };
-        let limits = self.limits_copy();
-        let version = limits.as_ref().map_or("", |l| l.version.as_str());
-        let mut rewritten = false;
-        let (v, before) = loop {
-            let before = s.marks();
-            let v = self.script(s, &self.inner.scripts.claim, &held.token, &|c, attempt| {
-                c.arg(max).arg(lease_ms).arg(RECLAIM_BATCH_MAX).arg(version);
-                match &picked {
-                    None => c.arg("-"),
-                    Some(p) => c
-                        .arg(p.len())
-                        .arg(p.iter().map(|x| &x.key).collect::<Vec<_>>()),
-                };
-                if attempt == 0 {
-                    c.arg("0");
-                } else {
-                    c.arg("1").arg(&known);
-                }
-            })?;
-            match reply::status(&v).as_str() {
-                "OK" => break (v, before),
-                "NOTOWNER" => {
-                    *guard = None;
-                    return Err(Self::not_owner(s));
-                }
-                // The shard's copy of the run limits is another version
-                // (the settings changed, or another owner wrote its own):
-                // written once, then the claim goes again.
-                "LIMITS" if !rewritten => {
-                    let copy = limits.as_deref().ok_or_else(|| {
-                        self.protocol(s, "claim asked for run limits it was not given")
-                    })?;
-                    if !self.put_limits(s, &held.token, copy)? {
-                        *guard = None;
-                        return Err(Self::not_owner(s));
-                    }
-                    rewritten = true;
-                }
-                other => return Err(self.protocol(s, format!("claim answered {other:?}"))),
-            }
+        let Some((v, before)) = self.claim_script(s, held, max, lease_ms, picked.as_deref())?
+        else {
+            *guard = None;
+            return Err(Self::not_owner(s));
         };
         let it = reply::items(&v);
         let bad = || self.protocol(s, "claim reply has a malformed job");
