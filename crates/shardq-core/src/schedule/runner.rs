@@ -16,6 +16,9 @@ use crate::job::{JobId, JobState, NewJob};
 use crate::producer::{Placed, ProduceError, Producer, ProducerOptions};
 use crate::reshard::{update_setting, MapStore, ReshardError};
 
+/// Longest wait of a pass for a key paused by a move (1 s).
+const SCHEDULE_PAUSE_WAIT_MS: u64 = 1_000;
+
 /// Most missed ticks one schedule counts in one pass (a longer outage is
 /// counted over the next passes).
 const MISSED_PER_PASS_MAX: u64 = 100_000;
@@ -263,6 +266,10 @@ impl Scheduler {
             Arc::clone(&maps),
             ProducerOptions {
                 clock: Arc::clone(&opts.clock),
+                // A key paused by a move holds up this thread's other
+                // schedules while it waits: its tick is given up on soon
+                // (nothing is decided for it) and fired at a later pass.
+                pause_wait_ms: SCHEDULE_PAUSE_WAIT_MS,
                 ..ProducerOptions::default()
             },
         )?;
