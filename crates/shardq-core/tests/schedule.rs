@@ -352,3 +352,38 @@ fn a_schedule_edited_by_hand_into_nonsense_is_reported_and_the_others_run() {
         "{r:?}"
     );
 }
+
+#[test]
+fn a_writer_with_a_stale_list_keeps_a_new_schedules_state_and_delete_drops_it() {
+    let w = world();
+    // Ticks at T0 + 500, T0 + 1500, ...
+    let mut old = every("k-old", 1_000, Overlap::All, 60_000);
+    old.start_ms = Some(T0 + 500);
+    set(&w, "old", old);
+    let all = owned(&["a", "b"]);
+    let mut stale = scheduler(&w);
+    w.clock.advance(1_000);
+    stale.pass(&all).unwrap();
+    // Set after `stale` read the list (it reads it again only after 1 s),
+    // and fired at once by another process.
+    set(&w, "new", every("k-new", 1_000, Overlap::All, 60_000));
+    scheduler(&w).pass(&all).unwrap();
+    assert_eq!(
+        ScheduleStore::states(&*w.maps).unwrap().states["new"].fired,
+        1
+    );
+    // `stale` fires its own tick and records its state, list unread.
+    w.clock.advance(500);
+    let r = stale.pass(&all).unwrap();
+    assert_eq!(r.fired.len(), 1, "{r:?}");
+    let states = ScheduleStore::states(&*w.maps).unwrap().states;
+    assert!(
+        states.contains_key("new"),
+        "the stale writer erased it: {states:?}"
+    );
+    assert!(ScheduleStore::delete(&*w.maps, "new").unwrap());
+    assert!(!ScheduleStore::states(&*w.maps)
+        .unwrap()
+        .states
+        .contains_key("new"));
+}

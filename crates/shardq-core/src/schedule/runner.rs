@@ -68,12 +68,12 @@ impl ScheduleStore {
     }
 
     /// Merges `states` into the stored ones ([`ScheduleState::merge`]: a
-    /// schedule's state never moves back) and drops the states of ids not
-    /// in `keep`.
+    /// schedule's state never moves back). It drops nothing: a writer whose
+    /// list of schedules is a second old must not erase the state of one
+    /// set since; [`ScheduleStore::delete`] drops a schedule's state.
     pub fn record(
         maps: &dyn MapStore,
         states: &BTreeMap<String, ScheduleState>,
-        keep: &BTreeSet<String>,
     ) -> Result<(), ReshardError> {
         update_setting(maps, SETTING_SCHEDULE_STATE, |current| {
             let mut all = match current {
@@ -83,7 +83,6 @@ impl ScheduleStore {
             for (id, s) in states {
                 all.states.entry(id.clone()).or_default().merge(s);
             }
-            all.states.retain(|id, _| keep.contains(id));
             Ok::<_, ReshardError>((all.to_text(), ()))
         })
     }
@@ -144,9 +143,21 @@ impl ScheduleStore {
 
     /// Deletes schedule `id`; whether it existed.
     pub fn delete(maps: &dyn MapStore, id: &str) -> Result<bool, ReshardError> {
-        Self::update(maps, |all| {
+        let existed = Self::update(maps, |all| {
             Ok::<_, ReshardError>(all.schedules.remove(id).is_some())
-        })
+        })?;
+        // Its state after it (a worker that fired it a moment ago may
+        // still write one back; a schedule set again under this id starts
+        // after its own set time whatever that state says).
+        update_setting(maps, SETTING_SCHEDULE_STATE, |current| {
+            let mut all = match current {
+                None => ScheduleStates::default(),
+                Some(text) => ScheduleStates::parse(text)?,
+            };
+            all.states.remove(id);
+            Ok::<_, ReshardError>((all.to_text(), ()))
+        })?;
+        Ok(existed)
     }
 
     /// Schedule `id`, or an error naming it.
@@ -400,8 +411,7 @@ impl Scheduler {
                 .iter()
                 .filter_map(|id| self.local.get(id).map(|s| (id.clone(), s.clone())))
                 .collect();
-            let keep: BTreeSet<String> = self.loaded.iter().map(|l| l.id.clone()).collect();
-            ScheduleStore::record(&*self.maps, &changed, &keep)?;
+            ScheduleStore::record(&*self.maps, &changed)?;
             self.dirty.clear();
         }
         Ok(report)
