@@ -387,3 +387,127 @@ fn a_writer_with_a_stale_list_keeps_a_new_schedules_state_and_delete_drops_it() 
         .states
         .contains_key("new"));
 }
+
+/// A schedule whose every fire is refused by the store (a payload over the
+/// backend's bound, set behind the checks) still counts the ticks that
+/// pass their catch-up as missed: none is dropped silently.
+#[test]
+fn ticks_that_cannot_be_stored_are_counted_missed_once_past_catch_up() {
+    let w = world();
+    let mut big = every("k-big", 1_000, Overlap::All, 10_000);
+    big.payload = "x".repeat(shardq_core::PAYLOAD_BYTES_MAX_DEFAULT + 1);
+    set(&w, "big", big);
+    let mut s = scheduler(&w);
+    w.clock.advance(30_000);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    assert_eq!(r.errors.len(), 1, "{r:?}");
+    assert!(r.errors[0].1.contains("payload"), "{r:?}");
+    assert_eq!(jobs_of(&w, "k-big"), 0);
+    // Ticks 1..=19 were more than 10 s late: missed, recorded.
+    let st = &ScheduleStore::states(&*w.maps).unwrap().states["big"];
+    assert_eq!((st.missed, st.fired), (19, 0), "{st:?}");
+    w.clock.advance(5_000);
+    s.pass(&owned(&["a", "b"])).unwrap();
+    let st = &ScheduleStore::states(&*w.maps).unwrap().states["big"];
+    assert_eq!(st.missed, 24, "{st:?}");
+}
+
+/// A pass held up past a tick's catch-up between reading the clock and
+/// storing (a stalled process: here the map read takes 20 minutes) does
+/// not fire that tick, whose dedup record may be gone: it is missed.
+#[test]
+fn a_pass_stalled_past_the_catch_up_fires_nothing_late() {
+    let clock = Arc::new(ManualClock::new(T0));
+    let backend = Arc::new(MemoryBackend::new(&["a", "b"], clock.clone()));
+    let inner = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Jump, ["a", "b"]).unwrap());
+    let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (c, st) = (clock.clone(), stall.clone());
+    let maps = Arc::new(
+        shardq_testkit::maps::HookedMaps::new(inner).on_load(move |inner| {
+            if st.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                c.advance(20 * 60_000);
+            }
+            inner.load()
+        }),
+    );
+    ScheduleStore::update(&*maps, |all| {
+        all.schedules
+            .insert("s".into(), every("k", 1_000, Overlap::All, 60_000));
+        Ok::<_, ReshardError>(())
+    })
+    .unwrap();
+    let mut s = Scheduler::new(
+        backend.clone(),
+        maps.clone(),
+        SchedulerOptions {
+            clock: clock.clone(),
+        },
+    )
+    .unwrap();
+    clock.advance(5_000);
+    stall.store(true, std::sync::atomic::Ordering::SeqCst);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    assert!(r.fired.is_empty(), "{r:?}");
+    let c: u64 = ["a", "b"]
+        .iter()
+        .map(|sh| backend.key_counts(sh, "k").unwrap().depth)
+        .sum();
+    assert_eq!(c, 0);
+    assert_eq!(ScheduleStore::states(&*maps).unwrap().states["s"].missed, 5);
+}
+
+#[test]
+fn a_changed_key_starts_after_a_gap_and_a_backfill_of_the_future_is_refused() {
+    use shardq_core::schedule::KEY_CHANGE_GAP_MS;
+    let w = world();
+    let now = w.clock.now_ms();
+    let s1 = ScheduleStore::put(
+        &*w.maps,
+        "s",
+        &every("k1", 1_000, Overlap::All, 60_000),
+        now,
+        1024,
+    )
+    .unwrap();
+    assert_eq!(s1.since_ms, now);
+    w.clock.advance(10_000);
+    let now = w.clock.now_ms();
+    let same = ScheduleStore::put(
+        &*w.maps,
+        "s",
+        &every("k1", 1_000, Overlap::One, 60_000),
+        now,
+        1024,
+    )
+    .unwrap();
+    assert_eq!(
+        same.since_ms, s1.since_ms,
+        "an edit keeps the ticks already due"
+    );
+    let moved = ScheduleStore::put(
+        &*w.maps,
+        "s",
+        &every("k2", 1_000, Overlap::One, 60_000),
+        now,
+        1024,
+    )
+    .unwrap();
+    assert_eq!(moved.since_ms, now + KEY_CHANGE_GAP_MS);
+    let big = every("k3", 1_000, Overlap::All, 60_000);
+    let mut big = big;
+    big.payload = "x".repeat(2048);
+    let err = ScheduleStore::put(&*w.maps, "b", &big, now, 1024)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("invalid payload of 2048 bytes"), "{err}");
+    let mut p = shardq_core::producer::Producer::new(
+        w.backend.clone(),
+        w.maps.clone(),
+        shardq_core::producer::ProducerOptions::default(),
+    )
+    .unwrap();
+    let err = shardq_core::schedule::backfill(&mut p, "s", &moved, now - 5_000, now + 5_000, now)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("invalid backfill end"), "{err}");
+}

@@ -1662,7 +1662,7 @@ fn schedules_through_a_killed_rebalance(seed: u64) {
             paused: false,
             since_ms: 0,
         };
-        ScheduleStore::put(&store, id, &s, T0).unwrap();
+        ScheduleStore::put(&store, id, &s, T0, 1 << 20).unwrap();
     }
     let scheduler = || {
         Scheduler::new(

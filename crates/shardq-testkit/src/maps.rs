@@ -1,12 +1,14 @@
 //! [`HookedMaps`]: a map store that passes every call to another, except
 //! the ones a test takes over, so a test's faulty store (one whose publish
 //! fails, whose settings are read-only, whose target changes under a run)
-//! is a hook, not a hand-written copy of the whole trait.
+//! is a hook, not a hand-written copy of the whole trait. A map read can
+//! be hooked too (to let time pass in the middle of a caller's work).
 
 use shardq_core::reshard::{MapStore, ReshardError};
 use shardq_route::ShardMap;
 
 type PublishHook<S> = Box<dyn Fn(&S, &ShardMap, u64) -> Result<(), ReshardError> + Send + Sync>;
+type LoadHook<S> = Box<dyn Fn(&S) -> Result<ShardMap, ReshardError> + Send + Sync>;
 type SwapHook<S> =
     Box<dyn Fn(&S, &str, Option<&str>, Option<&str>) -> Result<bool, ReshardError> + Send + Sync>;
 
@@ -14,6 +16,7 @@ type SwapHook<S> =
 pub struct HookedMaps<S> {
     /// The store every call goes to, hooked or not.
     pub inner: S,
+    load: Option<LoadHook<S>>,
     publish: Option<PublishHook<S>>,
     swap_setting: Option<SwapHook<S>>,
 }
@@ -23,9 +26,19 @@ impl<S: MapStore> HookedMaps<S> {
     pub fn new(inner: S) -> HookedMaps<S> {
         HookedMaps {
             inner,
+            load: None,
             publish: None,
             swap_setting: None,
         }
+    }
+
+    /// Every read of the map goes to `f` (given the inner store) instead.
+    pub fn on_load(
+        mut self,
+        f: impl Fn(&S) -> Result<ShardMap, ReshardError> + Send + Sync + 'static,
+    ) -> Self {
+        self.load = Some(Box::new(f));
+        self
     }
 
     /// Every publish goes to `f` (given the inner store) instead.
@@ -53,7 +66,10 @@ impl<S: MapStore> HookedMaps<S> {
 
 impl<S: MapStore> MapStore for HookedMaps<S> {
     fn load(&self) -> Result<ShardMap, ReshardError> {
-        self.inner.load()
+        match &self.load {
+            Some(f) => f(&self.inner),
+            None => self.inner.load(),
+        }
     }
     fn publish(&self, map: &ShardMap, expected_version: u64) -> Result<(), ReshardError> {
         match &self.publish {

@@ -62,7 +62,7 @@ pub struct SetArgs {
     #[arg(long, value_name = "DURATION")]
     catch_up: Option<String>,
     /// Spread each fire by up to this after its tick (the same delay in
-    /// every process; at most 1h).
+    /// every process; at most 1h and at most the catch-up).
     #[arg(long, value_name = "DURATION")]
     jitter: Option<String>,
     /// No tick before this (RFC 3339, or ms since the epoch).
@@ -217,7 +217,8 @@ pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
             let s = schedule_of(&a)?;
             let d = open(&a.common.data)?;
             let now = d.clock().now_ms();
-            let stored = ScheduleStore::put(&*d.maps(), &a.id, &s, now)?;
+            let max = d.payload_bytes_max(&shardq_deploy::OpenOptions::default());
+            let stored = ScheduleStore::put(&*d.maps(), &a.id, &s, now, max)?;
             if a.common.json {
                 println!("{}", serde_json::json!({"id": a.id, "schedule": stored}));
             } else {
@@ -286,7 +287,8 @@ pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
             let d = open(&common.data)?;
             let s = ScheduleStore::get(&*d.maps(), &id)?;
             let mut producer = producer(&d)?;
-            let placed = schedule::backfill(&mut producer, &id, &s, from, to)?;
+            let now = d.clock().now_ms();
+            let placed = schedule::backfill(&mut producer, &id, &s, from, to, now)?;
             d.flush()?;
             let stored = placed.iter().filter(|(_, p)| !p.duplicate).count();
             let already = placed.len() - stored;

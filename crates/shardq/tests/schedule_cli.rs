@@ -266,6 +266,8 @@ fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
     let data = dir.join("data");
     let d = data.to_str().unwrap();
     ok(&["init", "--data", d, "--shards", "2"]);
+    let big_file = dir.join("big.txt").to_string_lossy().into_owned();
+    std::fs::write(&big_file, "x".repeat((1 << 20) + 1)).unwrap();
     for (args, words) in [
         (vec!["--cron", "0 0 31 2 *"], "invalid cron \"0 0 31 2 *\""),
         (vec!["--cron", "* * *"], "invalid cron \"* * *\""),
@@ -295,6 +297,14 @@ fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
             "invalid overlap sometimes",
         ),
         (vec!["--every", "1m", "--max-attempts", "0"], "max"),
+        (
+            vec!["--every", "1m", "--jitter", "6m"],
+            "invalid jitter 360000 ms: must be at most the catch-up (300000 ms)",
+        ),
+        (
+            vec!["--every", "1m", "--payload-file", &big_file],
+            "invalid payload of 1048577 bytes",
+        ),
     ] {
         let mut all = vec!["schedule", "set", "--data", d, "s", "--key", "k"];
         all.extend(args.iter());
@@ -367,6 +377,18 @@ fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
         "{first}"
     );
     let again: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    let (good, _, err) = run(&[
+        "schedule",
+        "backfill",
+        "--data",
+        d,
+        "nightly",
+        "--from",
+        "2026-03-28T00:00:00Z",
+        "--to",
+        "2999-01-01T00:00:00Z",
+    ]);
+    assert!(!good && err.contains("invalid backfill end"), "{err}");
     assert_eq!(again["stored"], 0, "{again}");
     ok(&["schedule", "resume", "--data", d, "nightly"]);
     let (good, _, err) = run(&["schedule", "pause", "--data", d, "nope"]);

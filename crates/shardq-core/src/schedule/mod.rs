@@ -55,6 +55,7 @@ use crate::error::QueueError;
 
 pub use runner::{
     backfill, run_scheduler, trigger, FireReport, ScheduleStore, Scheduler, SchedulerOptions,
+    KEY_CHANGE_GAP_MS,
 };
 pub use ticks::{parse_cron, parse_zone, Compiled};
 
@@ -223,6 +224,16 @@ impl Schedule {
                 "jitter",
                 format!("{} ms", self.jitter_ms),
                 format!("0 to {JITTER_MS_MAX} ms (1 hour)"),
+            );
+        }
+        // Ticks fire in order: a tick waits for the one before it, which
+        // may draw up to the whole jitter; with a jitter under the catch-up
+        // no tick is ever found past its catch-up while workers run.
+        if self.jitter_ms > self.catch_up_ms {
+            return bad(
+                "jitter",
+                format!("{} ms", self.jitter_ms),
+                format!("at most the catch-up ({} ms)", self.catch_up_ms),
             );
         }
         if let (Some(s), Some(e)) = (self.start_ms, self.end_ms) {

@@ -18,6 +18,12 @@ use crate::reshard::{update_setting, MapStore, ReshardError};
 
 /// Longest wait of a pass for a key paused by a move (1 s).
 const SCHEDULE_PAUSE_WAIT_MS: u64 = 1_000;
+/// Longest wait of a pass for a newer map after a fence (5 s): the
+/// others' ticks wait meanwhile.
+const SCHEDULE_FENCE_WAIT_MS: u64 = 5_000;
+/// How long after a change of its key a schedule starts again (2 s, two
+/// re-reads of the list).
+pub const KEY_CHANGE_GAP_MS: u64 = 2 * SCHEDULE_RECHECK_MS;
 
 /// Most missed ticks one schedule counts in one pass (a longer outage is
 /// counted over the next passes).
@@ -101,16 +107,36 @@ impl ScheduleStore {
     /// replaced keeps its `since_ms` and whether it is paused, so ticks
     /// already due are not lost to an edit; a new one starts at `now_ms`.
     /// The schedule stored.
+    ///
+    /// A schedule whose key changes starts again [`KEY_CHANGE_GAP_MS`]
+    /// after `now_ms`: a worker still holding the old list may fire the
+    /// ticks up to then for the old key, and the tick's dedup record, kept
+    /// per key, could not stop the new key's owner from firing them too.
+    /// A payload over `payload_bytes_max` (the deployment's bound) is
+    /// refused, since no tick of it could be stored.
     pub fn put(
         maps: &dyn MapStore,
         id: &str,
         s: &Schedule,
         now_ms: u64,
+        payload_bytes_max: usize,
     ) -> Result<Schedule, ReshardError> {
         super::validate_schedule_id(id)?;
+        if s.payload.len() > payload_bytes_max {
+            return Err(QueueError::InvalidOption {
+                name: "payload",
+                value: format!("of {} bytes", s.payload.len()),
+                allowed: format!("at most {payload_bytes_max} bytes on this deployment"),
+            }
+            .into());
+        }
         Self::update(maps, |all| {
             let mut new = s.clone();
             match all.schedules.get(id) {
+                Some(old) if old.key != new.key => {
+                    new.since_ms = now_ms.saturating_add(KEY_CHANGE_GAP_MS);
+                    new.paused = old.paused;
+                }
                 Some(old) => {
                     new.since_ms = old.since_ms;
                     new.paused = old.paused;
@@ -188,7 +214,7 @@ impl ScheduleStore {
             } else {
                 let c = Compiled::new(&id, &schedule)?;
                 c.next_after(state.decided_ms.max(schedule.since_ms))
-                    .map(|t| t + c.jitter(t))
+                    .map(|t| t.saturating_add(c.jitter(t)))
             };
             out.push(super::ScheduleView {
                 id,
@@ -281,6 +307,7 @@ impl Scheduler {
                 // schedules while it waits: its tick is given up on soon
                 // (nothing is decided for it) and fired at a later pass.
                 pause_wait_ms: SCHEDULE_PAUSE_WAIT_MS,
+                fence_wait_ms: SCHEDULE_FENCE_WAIT_MS,
                 ..ProducerOptions::default()
             },
         )?;
@@ -349,10 +376,23 @@ impl Scheduler {
                     first: std::cell::Cell::new(None),
                 });
             }
+            // A schedule set again (deleted and set, or its key changed)
+            // has a new `since_ms`: what this process remembered of the
+            // one before is dropped (the stored state is merged below).
+            let before: BTreeMap<&str, u64> = (self.loaded.iter())
+                .map(|l| (l.id.as_str(), l.schedule.since_ms))
+                .collect();
+            let keep: BTreeSet<String> = (loaded.iter())
+                .filter(|l| {
+                    before
+                        .get(l.id.as_str())
+                        .is_none_or(|&s| s == l.schedule.since_ms)
+                })
+                .map(|l| l.id.clone())
+                .collect();
+            self.local.retain(|id, _| keep.contains(id));
             self.loaded = loaded;
             self.text = Some(text);
-            let ids: BTreeSet<&String> = self.loaded.iter().map(|l| &l.id).collect();
-            self.local.retain(|id, _| ids.contains(id));
         }
         for (id, stored) in ScheduleStore::states(&*self.maps)?.states {
             // `loaded` is in id order (read from a map by id).
@@ -487,7 +527,23 @@ impl Scheduler {
                 decided = decided.max(last);
             }
         }
-        if !fire.is_empty() {
+        // The clock read again: a pass held up since `now` (a fence, a
+        // stopped process) must not fire a tick past its catch-up, whose
+        // dedup record may be gone by now; such a tick is missed.
+        let late_now = self.clock.now_ms();
+        let deadline = |t: u64| {
+            t.saturating_add(l.compiled.jitter(t))
+                .saturating_add(l.schedule.catch_up_ms)
+        };
+        let (fire, late): (Vec<u64>, Vec<u64>) =
+            fire.into_iter().partition(|&t| late_now <= deadline(t));
+        missed += late.len() as u64;
+        if let Some(&t) = late.iter().max() {
+            decided = decided.max(t);
+        }
+        let outcome = if fire.is_empty() {
+            Ok(())
+        } else {
             let jobs: Vec<NewJob> = fire
                 .iter()
                 .map(|&tick| NewJob {
@@ -501,26 +557,37 @@ impl Scheduler {
             let id = l.id.clone();
             self.producer
                 .set_dedup_window_ms(l.schedule.dedup_window_ms());
-            let placed = self.producer.enqueue_batch(&jobs)?;
-            for p in placed {
-                let tick = fire[p.index];
-                if p.duplicate {
-                    report.duplicates += 1;
-                } else {
-                    st.fired += 1;
+            match self.producer.enqueue_batch(&jobs) {
+                Ok(placed) => {
+                    for p in placed {
+                        let tick = fire[p.index];
+                        if p.duplicate {
+                            report.duplicates += 1;
+                        } else {
+                            st.fired += 1;
+                        }
+                        st.last = Some(LastFire {
+                            tick_ms: tick,
+                            at_ms: now,
+                            shard: p.shard.clone(),
+                            job: p.id.0,
+                        });
+                        decided = decided.max(tick);
+                        if !p.duplicate {
+                            report.fired.push((id.clone(), tick, p));
+                        }
+                    }
+                    Ok(())
                 }
-                st.last = Some(LastFire {
-                    tick_ms: tick,
-                    at_ms: now,
-                    shard: p.shard.clone(),
-                    job: p.id.0,
-                });
-                decided = decided.max(tick);
-                if !p.duplicate {
-                    report.fired.push((id.clone(), tick, p));
+                // The ticks to fire stay undecided (a later pass fires them,
+                // or counts them missed); what was decided before them
+                // (missed and skipped ticks) is recorded all the same.
+                Err(e) => {
+                    decided = decided.min(fire[0].saturating_sub(1)).max(cursor);
+                    Err(e)
                 }
             }
-        }
+        };
         if decided > st.decided_ms || missed > 0 || skipped > 0 {
             st.decided_ms = st.decided_ms.max(decided);
             st.missed += missed;
@@ -531,7 +598,7 @@ impl Scheduler {
             self.local.insert(id.clone(), st);
             self.dirty.insert(id);
         }
-        Ok(())
+        outcome
     }
 }
 
@@ -566,7 +633,18 @@ pub fn backfill<B: QueueBackend + ?Sized>(
     s: &Schedule,
     from_ms: u64,
     to_ms: u64,
+    now_ms: u64,
 ) -> Result<Vec<(u64, Placed)>, ProduceError> {
+    if to_ms > now_ms {
+        return Err(QueueError::InvalidOption {
+            name: "backfill end",
+            value: format!("{to_ms} ms"),
+            allowed: format!(
+                "a time in the past (now is {now_ms} ms): the ticks to come fire on their own"
+            ),
+        }
+        .into());
+    }
     let compiled = Compiled::new(id, s)?;
     producer.set_dedup_window_ms(s.dedup_window_ms());
     let mut ticks = Vec::new();

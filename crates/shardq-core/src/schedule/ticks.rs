@@ -127,20 +127,40 @@ impl Compiled {
         }
     }
 
+    /// The first cron match strictly after `after_ms`, on a whole second.
+    /// `croner` keeps the milliseconds of the time it starts from, so the
+    /// search starts from the whole second at or before `after_ms` (a tick
+    /// must not depend on when it was asked for: its dedup id holds it);
+    /// and at a fall-back change, asked from inside the repeated hour, it
+    /// answers the first occurrence of a fixed local time (which fires
+    /// once, at that occurrence) though `after_ms` is already past it: it
+    /// is then asked again from an hour after that answer, past the
+    /// repeated hour, until the answer is later than `after_ms`.
     fn cron_next(&self, after_ms: u64) -> Result<u64, String> {
         let Recur::Cron(cron, zone) = &self.recur else {
             return Err("not a cron schedule".into());
         };
-        let after = i64::try_from(after_ms).map_err(|_| "time out of range".to_string())?;
-        let at = Utc
-            .timestamp_millis_opt(after)
-            .single()
-            .ok_or("time out of range")?
-            .with_timezone(zone);
-        let next = cron
-            .find_next_occurrence(&at, false)
-            .map_err(|e| e.to_string())?;
-        u64::try_from(next.timestamp_millis()).map_err(|_| "time out of range".to_string())
+        let mut from = after_ms - after_ms % 1000;
+        for _ in 0..4 {
+            let secs = i64::try_from(from / 1000).map_err(|_| "time out of range".to_string())?;
+            let at = Utc
+                .timestamp_opt(secs, 0)
+                .single()
+                .ok_or("time out of range")?
+                .with_timezone(zone);
+            let next = cron
+                .find_next_occurrence(&at, false)
+                .map_err(|e| e.to_string())?;
+            let ms = u64::try_from(next.timestamp())
+                .ok()
+                .and_then(|s| s.checked_mul(1000))
+                .ok_or("time out of range")?;
+            if ms > after_ms {
+                return Ok(ms);
+            }
+            from = ms.max(from).saturating_add(3_600_000);
+        }
+        Err(format!("no match after {after_ms} ms"))
     }
 
     /// The delay of tick `tick_ms`'s fire after the tick: a fixed function
@@ -244,6 +264,49 @@ mod tests {
                 "{tz}"
             );
         }
+    }
+
+    #[test]
+    fn a_cron_tick_is_on_a_whole_second_whatever_it_is_asked_from() {
+        let c = Compiled::new("n", &cron("30 2 * * *", "Europe/Berlin")).unwrap();
+        let tick = ms("Europe/Berlin", 2026, 3, 28, 2, 30);
+        for after in [
+            tick - 86_400_000 + 437,
+            tick - 1,
+            tick - 999,
+            tick - 60_000 + 1,
+        ] {
+            assert_eq!(c.next_after(after), Some(tick), "from {after}");
+        }
+        assert_eq!(
+            c.next_after(tick),
+            Some(ms("Europe/Berlin", 2026, 3, 29, 3, 0))
+        );
+        let c = Compiled::new("s", &cron("*/15 * * * * *", "UTC")).unwrap();
+        assert_eq!(c.next_after(15_001), Some(30_000));
+        assert_eq!(c.next_after(14_999), Some(15_000));
+    }
+
+    #[test]
+    fn after_a_repeated_local_time_the_next_tick_is_later_not_its_first_occurrence() {
+        // Berlin, 2026-10-25: 02:00-03:00 CEST, then 02:00-03:00 CET again.
+        // From 02:10 CET (the second 02:10), the 02:30 tick of that day is
+        // past (it was 02:30 CEST): the next is the day after.
+        let zone: Tz = "Europe/Berlin".parse().unwrap();
+        let second_0210 = zone
+            .with_ymd_and_hms(2026, 10, 25, 2, 10, 0)
+            .latest()
+            .unwrap()
+            .timestamp_millis() as u64;
+        let c = Compiled::new("f", &cron("30 2 * * *", "Europe/Berlin")).unwrap();
+        let next = c.next_after(second_0210).unwrap();
+        assert!(next > second_0210);
+        assert_eq!(next, ms("Europe/Berlin", 2026, 10, 26, 2, 30));
+        // Every five minutes through the repeated hour: strictly rising.
+        let c = Compiled::new("f5", &cron("*/5 * * * *", "Europe/Berlin")).unwrap();
+        let from = ms("Europe/Berlin", 2026, 10, 25, 1, 0);
+        let all = ticks(&c, from, from + 4 * 3600 * 1000);
+        assert!(all.windows(2).all(|w| w[1] > w[0]), "{all:?}");
     }
 
     #[test]

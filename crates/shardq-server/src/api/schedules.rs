@@ -62,7 +62,13 @@ pub async fn schedule_put(
     let v = blocking(move || {
         let s = spec.build(&id)?;
         let now = app.deployment.clock().now_ms();
-        let stored = ScheduleStore::put(&*app.deployment.maps(), &id, &s, now)?;
+        let stored = ScheduleStore::put(
+            &*app.deployment.maps(),
+            &id,
+            &s,
+            now,
+            app.limits.payload_bytes_max,
+        )?;
         Ok(json!({ "id": id, "schedule": stored }))
     })
     .await?;
@@ -154,7 +160,8 @@ pub async fn schedule_backfill(
                 "from: {from} ms is after to ({to} ms)"
             )));
         }
-        let placed = schedule::backfill(&mut producer(&a)?, &id, &s, from, to)?;
+        let now = a.deployment.clock().now_ms();
+        let placed = schedule::backfill(&mut producer(&a)?, &id, &s, from, to, now)?;
         let stored = placed.iter().filter(|(_, p)| !p.duplicate).count();
         Ok(json!({
             "id": id,
