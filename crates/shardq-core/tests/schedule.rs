@@ -511,3 +511,30 @@ fn a_changed_key_starts_after_a_gap_and_a_backfill_of_the_future_is_refused() {
         .to_string();
     assert!(err.contains("invalid backfill end"), "{err}");
 }
+
+/// Fires of one pass go to the store together; one the store refuses (an
+/// oversized payload, set behind the checks) does not hold up the others.
+#[test]
+fn one_schedule_the_store_refuses_does_not_hold_up_the_others() {
+    let w = world();
+    let mut big = every("k-big", 1_000, Overlap::All, 60_000);
+    big.payload = "x".repeat(shardq_core::PAYLOAD_BYTES_MAX_DEFAULT + 1);
+    set(&w, "big", big);
+    for i in 0..5 {
+        set(
+            &w,
+            &format!("ok-{i}"),
+            every(&format!("k-{i}"), 1_000, Overlap::All, 60_000),
+        );
+    }
+    let mut s = scheduler(&w);
+    w.clock.advance(3_000);
+    let r = s.pass(&owned(&["a", "b"])).unwrap();
+    assert_eq!(r.fired.len(), 15, "{r:?}");
+    for i in 0..5 {
+        assert_eq!(jobs_of(&w, &format!("k-{i}")), 3);
+    }
+    assert_eq!(jobs_of(&w, "k-big"), 0);
+    assert_eq!(r.errors.len(), 1, "{r:?}");
+    assert_eq!(r.errors[0].0, "big");
+}

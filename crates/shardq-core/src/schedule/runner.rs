@@ -434,16 +434,23 @@ impl Scheduler {
         let now = self.clock.now_ms();
         let mut report = FireReport::default();
         self.refresh(now, false, &mut report.errors)?;
+        let mut plans = Vec::new();
         for i in 0..self.loaded.len() {
             let shard = self.producer.shard_of(&self.loaded[i].schedule.key)?;
             if !owned.contains(&shard) {
                 continue;
             }
-            if let Err(e) = self.run_one(i, now, &mut report) {
-                report
+            match self.plan_one(i, now, &mut report) {
+                Ok(Some(plan)) => plans.push(plan),
+                Ok(None) => {}
+                Err(e) => report
                     .errors
-                    .push((self.loaded[i].id.clone(), e.to_string()));
+                    .push((self.loaded[i].id.clone(), e.to_string())),
             }
+        }
+        let stored = self.store_fires(&plans);
+        for (plan, outcome) in plans.into_iter().zip(stored) {
+            self.finish_one(plan, outcome, now, &mut report);
         }
         if !self.dirty.is_empty() {
             let changed: BTreeMap<String, ScheduleState> = self
@@ -457,23 +464,32 @@ impl Scheduler {
         Ok(report)
     }
 
-    fn run_one(&mut self, i: usize, now: u64, report: &mut FireReport) -> Result<(), ProduceError> {
+    /// What is due for schedule `i` at `now`: the ticks to fire, those
+    /// missed and skipped, and the cursor they would move it to; `None`
+    /// when nothing is due (the common pass).
+    fn plan_one(
+        &mut self,
+        i: usize,
+        now: u64,
+        report: &mut FireReport,
+    ) -> Result<Option<Plan>, ProduceError> {
         let l = &self.loaded[i];
         if l.schedule.paused {
-            return Ok(());
+            return Ok(None);
         }
         let decided_ms = self.local.get(&l.id).map_or(0, |s| s.decided_ms);
         let cursor = decided_ms.max(l.schedule.since_ms);
         // The common pass: the next tick is not due yet, nothing to do.
-        if let Some(next) = l.first_after(cursor) {
-            let fire_at = next.saturating_add(l.compiled.jitter(next));
-            if fire_at > now {
-                let at = report.next_due_ms.get_or_insert(fire_at);
-                *at = (*at).min(fire_at);
-                return Ok(());
+        match l.first_after(cursor) {
+            Some(next) => {
+                let fire_at = next.saturating_add(l.compiled.jitter(next));
+                if fire_at > now {
+                    let at = report.next_due_ms.get_or_insert(fire_at);
+                    *at = (*at).min(fire_at);
+                    return Ok(None);
+                }
             }
-        } else {
-            return Ok(());
+            None => return Ok(None),
         }
         let state = self.local.get(&l.id).cloned().unwrap_or_default();
         // The ticks due now: missed ones counted, the others collected.
@@ -521,85 +537,201 @@ impl Scheduler {
                 }
             }
         };
-        let mut st = state;
         if let Some(&last) = due.last() {
             if fire.is_empty() {
                 decided = decided.max(last);
             }
         }
-        // The clock read again: a pass held up since `now` (a fence, a
-        // stopped process) must not fire a tick past its catch-up, whose
-        // dedup record may be gone by now; such a tick is missed.
+        Ok(Some(Plan {
+            i,
+            st: state,
+            cursor,
+            decided,
+            missed,
+            skipped,
+            fire,
+        }))
+    }
+
+    /// Stores the fires of every plan: the clock read again first (a pass
+    /// held up since it planned, by a fence or a stopped process, must not
+    /// store a tick past its catch-up, whose dedup record may be gone:
+    /// such a tick is left out, and counted missed), then one call per
+    /// dedup window (most schedules share one), so the producer sends one
+    /// append per shard for all of them rather than one per schedule.
+    /// Per plan, each tick's placement (`None`: not stored) or why none.
+    fn store_fires(&mut self, plans: &[Plan]) -> Vec<Fired> {
         let late_now = self.clock.now_ms();
-        let deadline = |t: u64| {
-            t.saturating_add(l.compiled.jitter(t))
-                .saturating_add(l.schedule.catch_up_ms)
-        };
-        let (fire, late): (Vec<u64>, Vec<u64>) =
-            fire.into_iter().partition(|&t| late_now <= deadline(t));
-        missed += late.len() as u64;
-        if let Some(&t) = late.iter().max() {
-            decided = decided.max(t);
+        let mut out: Vec<Fired> = plans
+            .iter()
+            .map(|p| Fired {
+                late: Vec::new(),
+                placed: vec![None; p.fire.len()],
+                error: None,
+            })
+            .collect();
+        let mut by_window: BTreeMap<u64, Vec<(usize, usize)>> = BTreeMap::new();
+        for (pi, plan) in plans.iter().enumerate() {
+            let l = &self.loaded[plan.i];
+            for (ti, &t) in plan.fire.iter().enumerate() {
+                let deadline = t
+                    .saturating_add(l.compiled.jitter(t))
+                    .saturating_add(l.schedule.catch_up_ms);
+                if late_now > deadline {
+                    out[pi].late.push(ti);
+                } else {
+                    by_window
+                        .entry(l.schedule.dedup_window_ms())
+                        .or_default()
+                        .push((pi, ti));
+                }
+            }
         }
-        let outcome = if fire.is_empty() {
-            Ok(())
-        } else {
-            let jobs: Vec<NewJob> = fire
-                .iter()
-                .map(|&tick| NewJob {
+        for (window, fires) in by_window {
+            self.producer.set_dedup_window_ms(window);
+            let refused = self.send_fires(plans, &fires, &mut out);
+            // Refused whole (a job the store will not take): each plan on
+            // its own, so one schedule cannot hold up the others.
+            if refused {
+                let mut of_plan: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+                for &(pi, ti) in &fires {
+                    of_plan.entry(pi).or_default().push((pi, ti));
+                }
+                if of_plan.len() > 1 {
+                    for one in of_plan.values() {
+                        self.send_fires(plans, one, &mut out);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// One enqueue call for `fires` (plan, tick) of `plans`, filling `out`;
+    /// whether it was refused with nothing stored.
+    fn send_fires(&mut self, plans: &[Plan], fires: &[(usize, usize)], out: &mut [Fired]) -> bool {
+        let jobs: Vec<NewJob> = fires
+            .iter()
+            .map(|&(pi, ti)| {
+                let l = &self.loaded[plans[pi].i];
+                NewJob {
                     key: l.schedule.key.clone(),
                     payload: l.schedule.payload.clone().into_bytes(),
                     delay_ms: 0,
                     max_attempts: l.schedule.max_attempts,
-                    dedup_id: Some(tick_dedup_id(&l.id, tick)),
-                })
-                .collect();
-            let id = l.id.clone();
-            self.producer
-                .set_dedup_window_ms(l.schedule.dedup_window_ms());
-            match self.producer.enqueue_batch(&jobs) {
-                Ok(placed) => {
-                    for p in placed {
-                        let tick = fire[p.index];
-                        if p.duplicate {
-                            report.duplicates += 1;
-                        } else {
-                            st.fired += 1;
-                        }
-                        st.last = Some(LastFire {
-                            tick_ms: tick,
-                            at_ms: now,
-                            shard: p.shard.clone(),
-                            job: p.id.0,
-                        });
-                        decided = decided.max(tick);
-                        if !p.duplicate {
-                            report.fired.push((id.clone(), tick, p));
-                        }
-                    }
-                    Ok(())
+                    dedup_id: Some(tick_dedup_id(&l.id, plans[pi].fire[ti])),
                 }
-                // The ticks to fire stay undecided (a later pass fires them,
-                // or counts them missed); what was decided before them
-                // (missed and skipped ticks) is recorded all the same.
-                Err(e) => {
-                    decided = decided.min(fire[0].saturating_sub(1)).max(cursor);
-                    Err(e)
+            })
+            .collect();
+        let result = self.producer.enqueue_batch(&jobs);
+        let error = result.as_ref().err().map(ToString::to_string);
+        let placed = match result {
+            Ok(placed)
+            | Err(
+                ProduceError::Partial { placed, .. } | ProduceError::PausedTooLong { placed, .. },
+            ) => placed,
+            Err(_) => Vec::new(),
+        };
+        let none = placed.is_empty();
+        for p in placed {
+            let (pi, ti) = fires[p.index];
+            out[pi].placed[ti] = Some(p);
+        }
+        if let Some(e) = &error {
+            for &(pi, ti) in fires {
+                if out[pi].placed[ti].is_none() {
+                    out[pi].error = Some(e.clone());
                 }
             }
-        };
+        }
+        error.is_some() && none
+    }
+
+    /// Applies what was stored for `plan` to its schedule's state: the
+    /// cursor moves over every tick decided, up to the first tick to fire
+    /// that was not stored (a later pass fires it, or counts it missed).
+    fn finish_one(&mut self, plan: Plan, fired: Fired, now: u64, report: &mut FireReport) {
+        let Plan {
+            i,
+            mut st,
+            cursor,
+            mut decided,
+            mut missed,
+            skipped,
+            fire,
+        } = plan;
+        let id = self.loaded[i].id.clone();
+        missed += fired.late.len() as u64;
+        let mut first_unstored: Option<u64> = None;
+        for (ti, &tick) in fire.iter().enumerate() {
+            if fired.late.contains(&ti) {
+                decided = decided.max(tick);
+                continue;
+            }
+            match &fired.placed[ti] {
+                Some(p) => {
+                    if p.duplicate {
+                        report.duplicates += 1;
+                    } else {
+                        st.fired += 1;
+                        report.fired.push((id.clone(), tick, p.clone()));
+                    }
+                    st.last = Some(LastFire {
+                        tick_ms: tick,
+                        at_ms: now,
+                        shard: p.shard.clone(),
+                        job: p.id.0,
+                    });
+                    decided = decided.max(tick);
+                }
+                None => {
+                    first_unstored.get_or_insert(tick);
+                }
+            }
+        }
+        if let Some(t) = first_unstored {
+            decided = decided.min(t.saturating_sub(1)).max(cursor);
+            let why = fired.error.unwrap_or_else(|| "not stored".into());
+            report.errors.push((id.clone(), why));
+        }
         if decided > st.decided_ms || missed > 0 || skipped > 0 {
             st.decided_ms = st.decided_ms.max(decided);
             st.missed += missed;
             st.skipped += skipped;
             report.missed += missed;
             report.skipped += skipped;
-            let id = self.loaded[i].id.clone();
             self.local.insert(id.clone(), st);
             self.dirty.insert(id);
         }
-        outcome
     }
+}
+
+/// What a pass decided for one schedule before storing anything.
+struct Plan {
+    /// The schedule, by its place in the loaded list.
+    i: usize,
+    /// Its state, to be updated.
+    st: ScheduleState,
+    /// Its cursor before the pass.
+    cursor: u64,
+    /// The cursor over the ticks decided without storing (missed,
+    /// skipped).
+    decided: u64,
+    missed: u64,
+    skipped: u64,
+    /// The ticks to fire, in order.
+    fire: Vec<u64>,
+}
+
+/// What became of one plan's fires.
+struct Fired {
+    /// Ticks (by index into the plan's `fire`) left out as past their
+    /// catch-up by the time they were to be stored.
+    late: Vec<usize>,
+    /// Each tick's placement; `None` for one not stored.
+    placed: Vec<Option<Placed>>,
+    /// Why some tick was not stored.
+    error: Option<String>,
 }
 
 /// Enqueues one job of schedule `id` now, outside its ticks (a manual
