@@ -7,6 +7,7 @@ docs/schedules.md).
 
     python3 benchmarks/schedules.py [--bin PATH] [--part many|accuracy|both]
                                     [--schedules N] [--minutes M] [--set-budget-s S]
+                                    [--lead-s L] [--tail-s T] [--keep]
                                     [--accuracy-minutes A] [--out FILE] [--json]
 
 Part "many" (--schedules, 10,000; at most 10,000, the deployment's bound):
@@ -40,7 +41,8 @@ Part "many" (--schedules, 10,000; at most 10,000, the deployment's bound):
      The worker's CPU time (utime + stime of /proc/PID/stat) is sampled
      every 0.25 s; "CPU s per minute" is the mean over the whole minutes
      between its first and last boundary (each holds one tick's burst),
-     the ratio is that of a schedules run over the empty run.
+     the ratio is that of a schedules run over the empty run; the CPU of
+     the 10 s after each tick (its burst of fires) is shown beside it.
   4. After each schedules run, `shardq serve --no-shards` (it fires no
      schedule) on a free loopback port answers `GET
      /v1/keys/tenant-I/jobs?limit=1000&recent=1000` for every key: the
@@ -48,8 +50,9 @@ Part "many" (--schedules, 10,000; at most 10,000, the deployment's bound):
      attempt starts. `schedule list --json` before and after each run gives
      each schedule's cursor and its fired / missed counts.
   Ticks: the whole minutes after a schedule's cursor (its last decided tick,
-  else when it was set) up to the stop. Ticks older than the catch-up
-  window (5 min) when the worker started are expected to be counted missed;
+  else when it was set, and not before its --start) up to the stop. Ticks
+  older than the catch-up window (5 min) when the worker started are
+  expected to be counted missed;
   the others up to the worker's start are fired at its start (catch-up);
   those after its start are "on time". Per key, the run's jobs in id order
   are paired with the expected ticks in order (a key's schedule enqueues in
