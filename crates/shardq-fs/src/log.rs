@@ -237,6 +237,22 @@ impl ShardLog {
             // Read after listing: a file missing from the listing was
             // recorded before it was deleted.
             self.reclaimed = Reclaimed::load(&*self.storage, &self.name, &self.dir)?;
+            if !self.reclaimed.covers(0, first) {
+                // Compaction records a range before it deletes a segment in
+                // it: a first segment past an unrecorded gap means files
+                // were lost, not reclaimed.
+                return Err(QueueError::Corrupt {
+                    shard: self.name.clone(),
+                    segment: segment_name(0),
+                    offset: 0,
+                    reason: format!(
+                        "the log starts at {} but the segments before it are not recorded \
+                         as reclaimed in {} (restore the files from a backup)",
+                        segment_name(first),
+                        crate::reclaim::RECLAIMED_FILE
+                    ),
+                });
+            }
             self.segments = opened;
             self.cur_base = if from_start {
                 first
@@ -253,15 +269,6 @@ impl ShardLog {
                 "segments kept vanishing while opening them",
             ),
         ))
-    }
-
-    /// Position of the first segment still kept.
-    pub fn first_base(&self) -> u64 {
-        self.segments
-            .keys()
-            .next()
-            .copied()
-            .unwrap_or(self.cur_base)
     }
 
     /// The reclaimed list as last read.

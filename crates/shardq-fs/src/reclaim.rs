@@ -20,7 +20,7 @@ pub const RECLAIMED_FILE: &str = "reclaimed.json";
 /// Value of the `format` field.
 pub const RECLAIMED_FORMAT: &str = "shardq-reclaimed";
 /// Current format version.
-pub const RECLAIMED_VERSION: u32 = 1;
+pub const RECLAIMED_VERSION: u32 = 2;
 /// Largest file read (4 MiB, about 90,000 ranges): bounds a corrupt file.
 const RECLAIMED_BYTES_MAX: u64 = 4 << 20;
 
@@ -38,8 +38,6 @@ struct ReclaimedFile {
     format: String,
     version: u32,
     ranges: Vec<(u64, u64)>,
-    /// Added after version 1 shipped; absent means 0.
-    #[serde(default)]
     fence_high: u64,
 }
 

@@ -31,7 +31,7 @@ pub const SEAL_BYTES: usize = HEADER_BYTES + 1;
 /// First bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"SHARDQLG";
 /// The segment format this build reads and writes.
-pub const SEGMENT_FORMAT_VERSION: u32 = 1;
+pub const SEGMENT_FORMAT_VERSION: u32 = 2;
 /// Bytes of the segment header: magic, version, checksum.
 pub const SEGMENT_HEADER_BYTES: usize = 16;
 
@@ -111,9 +111,8 @@ const T_PURGE_KEY: u8 = 11;
 const T_CANCEL: u8 = 12;
 const T_CANCEL_RUN: u8 = 13;
 const T_ENQUEUE_DEDUP: u8 = 14;
-const T_CLAIM_AT: u8 = 15;
-const T_BACK_OFF: u8 = 16;
-const T_RESUME: u8 = 17;
+const T_BACK_OFF: u8 = 15;
+const T_RESUME: u8 = 16;
 /// The highest record type this build writes.
 const T_LAST: u8 = T_RESUME;
 
@@ -147,9 +146,8 @@ pub enum Record<'a> {
         /// Payload.
         payload: &'a [u8],
     },
-    /// The owner started attempt `attempt` of `job`: a run with fence `fence`.
-    /// With a start time it is written as type 15 (this build always
-    /// writes one; type 2, without, is read in older logs).
+    /// The owner started attempt `attempt` of `job` at `started_ms`: a run
+    /// with fence `fence`.
     Claim {
         /// Job id.
         job: u64,
@@ -157,8 +155,8 @@ pub enum Record<'a> {
         attempt: u32,
         /// The run's fencing token (the shard's high-water after it).
         fence: u64,
-        /// When the attempt started (ms since the epoch), if recorded.
-        started_ms: Option<u64>,
+        /// When the attempt started (ms since the epoch).
+        started_ms: u64,
         /// The job's key.
         key: &'a str,
     },
@@ -333,17 +331,11 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             started_ms,
             key,
         } => {
-            out.push(if started_ms.is_some() {
-                T_CLAIM_AT
-            } else {
-                T_CLAIM
-            });
+            out.push(T_CLAIM);
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&attempt.to_le_bytes());
             out.extend_from_slice(&fence.to_le_bytes());
-            if let Some(t) = started_ms {
-                out.extend_from_slice(&t.to_le_bytes());
-            }
+            out.extend_from_slice(&started_ms.to_le_bytes());
             put_str16(out, key);
         }
         Record::Ack { job, key } => {
@@ -578,15 +570,11 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
                 payload,
             }
         }
-        T_CLAIM | T_CLAIM_AT => Record::Claim {
+        T_CLAIM => Record::Claim {
             job: c.u64()?,
             attempt: c.u32()?,
             fence: c.u64()?,
-            started_ms: if ty == T_CLAIM_AT {
-                Some(c.u64()?)
-            } else {
-                None
-            },
+            started_ms: c.u64()?,
             key: c.str16()?,
         },
         T_ACK => Record::Ack {
@@ -711,16 +699,9 @@ mod tests {
         });
         roundtrip(Record::Claim {
             job: 9,
-            attempt: 2,
-            fence: 1_700_000_000_000_000,
-            started_ms: None,
-            key: "k",
-        });
-        roundtrip(Record::Claim {
-            job: 9,
             attempt: 3,
             fence: 1_700_000_000_000_001,
-            started_ms: Some(1_700_000_000_123),
+            started_ms: 1_700_000_000_123,
             key: "tenant-1",
         });
         roundtrip(Record::Ack { job: 9, key: "kk" });
@@ -794,7 +775,7 @@ mod tests {
                 job: 7,
                 attempt: 1,
                 fence: 99,
-                started_ms: Some(5),
+                started_ms: 5,
                 key: "key",
             },
             Record::Enqueue {
@@ -845,14 +826,18 @@ mod tests {
         assert!(
             matches!(check_segment_header(&bad), Err(HeaderError::Invalid(r)) if r.contains("magic"))
         );
-        let mut v2 = h;
-        v2[8..12].copy_from_slice(&2u32.to_le_bytes());
-        let crc = crc32c::crc32c(&v2[0..12]);
-        v2[12..16].copy_from_slice(&crc.to_le_bytes());
-        assert_eq!(
-            check_segment_header(&v2),
-            Err(HeaderError::UnknownVersion(2))
-        );
+        // An older development build's segments and a newer build's are
+        // both refused by their version, not read.
+        for other in [SEGMENT_FORMAT_VERSION - 1, SEGMENT_FORMAT_VERSION + 1] {
+            let mut v = h;
+            v[8..12].copy_from_slice(&other.to_le_bytes());
+            let crc = crc32c::crc32c(&v[0..12]);
+            v[12..16].copy_from_slice(&crc.to_le_bytes());
+            assert_eq!(
+                check_segment_header(&v),
+                Err(HeaderError::UnknownVersion(other))
+            );
+        }
         let mut flipped = h;
         flipped[9] ^= 4;
         assert!(

@@ -313,12 +313,10 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
-    /// A state for a log whose first kept segment starts at `base`.
-    pub fn new(base: u64, reclaimed: &Reclaimed, policy: DeadPolicy) -> ShardState {
-        let mut reclaimed = reclaimed.clone();
-        // Segments before the first kept one were deleted finished (older
-        // versions deleted only such prefixes, without recording them).
-        reclaimed.insert(0, base);
+    /// A state for a log whose deleted segments are `reclaimed` (the log
+    /// refuses to open when a deleted prefix is not recorded there).
+    pub fn new(reclaimed: &Reclaimed, policy: DeadPolicy) -> ShardState {
+        let reclaimed = reclaimed.clone();
         let fence_high = reclaimed.fence_high();
         ShardState {
             keys: Vec::new(),
@@ -809,7 +807,7 @@ impl ShardState {
         job: u64,
         attempt: u32,
         fence: u64,
-        started_ms: Option<u64>,
+        started_ms: u64,
         key: &str,
     ) -> Result<(), String> {
         let Some((k, i)) = self.slot_of(key, job) else {
@@ -823,9 +821,7 @@ impl ShardState {
         let ks = &mut self.keys[k as usize];
         ks.running += u32::from(!replaces);
         ks.queue[i].attempt = attempt;
-        if let Some(t) = started_ms {
-            ks.attempts_mut(job).starts.push(t);
-        }
+        ks.attempts_mut(job).starts.push(started_ms);
         self.in_flight_ids.insert(
             job,
             Run {
@@ -1691,11 +1687,7 @@ mod tests {
 
     /// An empty state of a log from its start.
     fn fresh() -> ShardState {
-        ShardState::new(
-            0,
-            &crate::reclaim::Reclaimed::default(),
-            DeadPolicy::Continue,
-        )
+        ShardState::new(&crate::reclaim::Reclaimed::default(), DeadPolicy::Continue)
     }
 
     /// Flow control giving every key `policy`.
@@ -1746,7 +1738,7 @@ mod tests {
         assert_eq!(found(&s, 40), Some(("other".into(), false)));
         assert_eq!(found(&s, 11), None, "no job has that id");
         let _ = s.pick(0, &mut test_fences(), 10, &|_| false, None);
-        claim(&mut s, 100, 0, 1, Some(7));
+        claim(&mut s, 100, 0, 1, 7);
         assert!(found(&s, 0).is_some(), "running");
         fail(&mut s, 200, 0, true, "boom");
         assert_eq!(found(&s, 0), Some(("k".into(), true)), "dead");
@@ -1775,7 +1767,7 @@ mod tests {
         enqueue(&mut s, 0, "k");
         let first = s.pick(0, &mut test_fences(), 10, &|_| false, None);
         assert_eq!(first.len(), 1);
-        claim(&mut s, 100, 0, 1, Some(7));
+        claim(&mut s, 100, 0, 1, 7);
         fail(&mut s, 200, 0, true, "boom");
         enqueue(&mut s, 300, "k");
         // The key is scheduled for job 300; retrying job 0 puts it at the head.
@@ -1808,7 +1800,7 @@ mod tests {
         assert_eq!(s.next_due_ms(), Some(0), "the key's new job is due now");
     }
 
-    fn claim(s: &mut ShardState, pos: u64, job: u64, attempt: u32, at: Option<u64>) {
+    fn claim(s: &mut ShardState, pos: u64, job: u64, attempt: u32, at: u64) {
         let rec = Record::Claim {
             job,
             attempt,
@@ -1867,7 +1859,7 @@ mod tests {
                 job: p.id,
                 attempt: 1,
                 fence: 100 + i as u64,
-                started_ms: Some(0),
+                started_ms: 0,
                 key: "k",
             };
             write(&mut s, 100 + i as u64, rec);
@@ -1923,14 +1915,14 @@ mod tests {
     fn a_claim_after_a_takeover_replaces_the_old_owners_run() {
         let mut s = fresh();
         enqueue(&mut s, 0, "k");
-        claim(&mut s, 100, 0, 1, Some(0));
+        claim(&mut s, 100, 0, 1, 0);
         s.reset_in_flight();
-        claim(&mut s, 200, 0, 2, Some(5));
+        claim(&mut s, 200, 0, 2, 5);
         assert_eq!(s.key_counts("k").in_flight, 1);
         let mut replayed = fresh();
         enqueue(&mut replayed, 0, "k");
-        claim(&mut replayed, 100, 0, 1, Some(0));
-        claim(&mut replayed, 200, 0, 2, Some(5));
+        claim(&mut replayed, 100, 0, 1, 0);
+        claim(&mut replayed, 200, 0, 2, 5);
         assert_eq!(replayed.key_counts("k").in_flight, 1);
         assert_eq!(replayed.in_flight(0).map(|r| r.fence), Some(200));
         replayed
@@ -1947,7 +1939,7 @@ mod tests {
         let mut s = fresh();
         enqueue(&mut s, 0, "k");
         enqueue(&mut s, 10, "k");
-        claim(&mut s, 100, 0, 1, Some(0));
+        claim(&mut s, 100, 0, 1, 0);
         s.apply(200, 0, &Record::Cancel { job: 0, key: "k" })
             .expect("a cancel of a run left by an owner that went away");
         assert_eq!(s.key_counts("k").in_flight, 0);
@@ -1993,7 +1985,7 @@ mod tests {
                 job: p.id,
                 attempt: 1,
                 fence: 100 + i as u64,
-                started_ms: Some(0),
+                started_ms: 0,
                 key: &p.key,
             };
             s.apply(100 + i as u64, 0, &rec).unwrap();
@@ -2018,7 +2010,7 @@ mod tests {
         let never = |_: &str| false;
         enqueue(&mut s, 0, "k");
         assert_eq!(s.ranks(0, 4, &never, &flow).len(), 1, "k is ready");
-        claim(&mut s, 100, 0, 1, Some(0));
+        claim(&mut s, 100, 0, 1, 0);
         s.set_lease(0, 1_000);
         s.apply(200, 0, &Record::CancelRun { job: 0, fence: 100 })
             .unwrap();
@@ -2027,27 +2019,26 @@ mod tests {
     }
 
     /// Replay gives a job its attempts' start times and last reason, keeps
-    /// them for a dead letter, never lends them to the key's next job, and a
-    /// claim written before start times were recorded adds none.
+    /// them for a dead letter and never lends them to the key's next job.
     #[test]
     fn attempt_times_and_reasons_follow_their_job() {
         let mut s = fresh();
         enqueue(&mut s, 0, "k");
         enqueue(&mut s, 10, "k");
-        claim(&mut s, 100, 0, 1, Some(5));
+        claim(&mut s, 100, 0, 1, 5);
         fail(&mut s, 110, 0, false, "first");
-        claim(&mut s, 120, 0, 2, None);
+        claim(&mut s, 120, 0, 2, 7);
         fail(&mut s, 130, 0, false, "second");
-        claim(&mut s, 140, 0, 3, Some(9));
+        claim(&mut s, 140, 0, 3, 9);
         let head = s.live_job(0).unwrap();
-        assert_eq!((head.starts, head.reason), (&[5, 9][..], Some("second")));
+        assert_eq!((head.starts, head.reason), (&[5, 7, 9][..], Some("second")));
         assert_eq!(s.live_job(10).unwrap().starts, &[] as &[u64]);
         fail(&mut s, 150, 0, true, "third");
         let dead = s.live_job(0).unwrap();
-        assert_eq!((dead.starts, dead.reason), (&[5, 9][..], Some("third")));
-        assert_eq!(s.dead_list("s", 10)[0].attempt_starts_ms, vec![5, 9]);
+        assert_eq!((dead.starts, dead.reason), (&[5, 7, 9][..], Some("third")));
+        assert_eq!(s.dead_list("s", 10)[0].attempt_starts_ms, vec![5, 7, 9]);
         // The next job starts with a clean history.
-        claim(&mut s, 160, 10, 1, Some(20));
+        claim(&mut s, 160, 10, 1, 20);
         let next = s.live_job(10).unwrap();
         assert_eq!((next.starts, next.reason), (&[20][..], None));
         // The dead letter retried goes before it (older id); its own run
@@ -2059,7 +2050,7 @@ mod tests {
             &[] as &[u64],
             "attempts reset"
         );
-        claim(&mut s, 190, 0, 1, Some(30));
+        claim(&mut s, 190, 0, 1, 30);
         fail(&mut s, 200, 0, false, "zero again");
         let ten = s.live_job(10).unwrap();
         assert_eq!((ten.starts, ten.reason), (&[20][..], Some("ten failed")));

@@ -251,7 +251,9 @@ fn segment_with_unknown_version_is_unknown_format() {
     let seg = last_segment(&dir);
     let mut header = std::fs::read(&seg).unwrap();
     assert_eq!(header.len(), shardq_fs::record::SEGMENT_HEADER_BYTES);
-    header[8..12].copy_from_slice(&7u32.to_le_bytes());
+    // Version 1: what an earlier development build wrote (a Claim without
+    // its start time). Refused, never read by a second path.
+    header[8..12].copy_from_slice(&1u32.to_le_bytes());
     let crc = crc32c_of(&header[0..12]);
     header[12..16].copy_from_slice(&crc.to_le_bytes());
     std::fs::write(&seg, &header).unwrap();
@@ -262,13 +264,69 @@ fn segment_with_unknown_version_is_unknown_format() {
             supported,
         } => {
             assert!(what.contains(&segment_name(0)), "{what}");
-            assert_eq!((found.as_str(), supported.as_str()), ("7", "1"));
+            assert_eq!((found.as_str(), supported.as_str()), ("1", "2"));
         }
         other => panic!("expected UnknownFormat, got {other}"),
     }
     let engine = Engine::open(&dir, EngineOptions::default()).unwrap();
     assert!(engine.enqueue(NewJob::new("k", "p")).is_err());
     assert_eq!(std::fs::read(&seg).unwrap(), header, "nothing appended");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A log whose first segments are gone without a reclaimed range covering
+/// them lost files: it is refused as corrupt, never read as if the missing
+/// jobs had finished. A `reclaimed.json` of an earlier version is refused
+/// naming both versions.
+#[test]
+fn a_missing_unrecorded_prefix_and_an_old_reclaimed_file_are_refused() {
+    let dir = data_dir("lost-prefix");
+    let small = EngineOptions {
+        segment_bytes_max: 2048,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::open(&dir, small.clone()).unwrap();
+    for i in 0..40 {
+        engine
+            .enqueue(NewJob::new("k", format!("job {i:03} {}", "x".repeat(100))))
+            .unwrap();
+    }
+    drop(engine);
+    let sdir = dir.join("shard-0");
+    let bases = list_segments(&sdir).unwrap();
+    assert!(bases.len() >= 3, "segments: {bases:?}");
+    std::fs::remove_file(sdir.join(segment_name(0))).unwrap();
+    match status_err(&dir) {
+        QueueError::Corrupt { reason, .. } => {
+            assert!(reason.contains("not recorded"), "{reason}");
+            assert!(reason.contains(&segment_name(bases[1])), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other}"),
+    }
+    // Recording the gap (what compaction does before it deletes) makes the
+    // log open; an earlier version of the same file is refused.
+    let range = format!(
+        r#"{{"format":"shardq-reclaimed","version":{{}},"ranges":[[0,{}]],"fence_high":0}}"#,
+        bases[1]
+    );
+    std::fs::write(sdir.join("reclaimed.json"), range.replace("{}", "1")).unwrap();
+    match status_err(&dir) {
+        QueueError::UnknownFormat {
+            found, supported, ..
+        } => {
+            assert_eq!((found.as_str(), supported.as_str()), ("1", "2"))
+        }
+        QueueError::Corrupt { reason, .. } => {
+            assert!(
+                reason.contains("version 1") && reason.contains("version 2"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected the reclaimed file refused, got {other}"),
+    }
+    std::fs::write(sdir.join("reclaimed.json"), range.replace("{}", "2")).unwrap();
+    let engine = Engine::open(&dir, small).unwrap();
+    engine.status().expect("a recorded gap is stepped over");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

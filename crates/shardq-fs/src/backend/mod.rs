@@ -290,7 +290,7 @@ impl FsBackend {
                 self.opts.append_lock_wait_ms,
                 true,
             )?;
-            let replica = ShardState::new(log.first_base(), log.reclaimed(), self.opts.dead_policy);
+            let replica = ShardState::new(log.reclaimed(), self.opts.dead_policy);
             inner.log = log;
             inner.replica = Some(replica);
         }
@@ -963,7 +963,7 @@ impl QueueBackend for FsBackend {
                         job: p.id,
                         attempt: p.attempt,
                         fence: *fence,
-                        started_ms: Some(now),
+                        started_ms: now,
                         key: &p.key,
                     },
                 );
