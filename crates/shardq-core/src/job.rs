@@ -730,12 +730,10 @@ pub struct Fence {
     /// `sealed_keys` is *frozen* (its backlog has moved; its enqueues are
     /// sent on with [`QueueError::Moved`]), any other is paused
     /// ([`QueueError::Paused`]: retry shortly).
-    #[serde(default)]
     pub paused_keys: BTreeSet<String>,
     /// The smallest run fence this shard may issue: a rebalance raises it
     /// above the fences of the shards a key moved from, so a key's fences
     /// keep growing when it changes shard.
-    #[serde(default)]
     pub run_fence_min: u64,
     /// Keys being moved away, each with the shard its backlog goes to: no
     /// run of theirs starts here (claims pass them by), while their
