@@ -472,6 +472,16 @@ export interface ScheduleBackfilled {
   alreadyStored: number;
 }
 
+/** What an `applySchedules` did (or, with `dryRun`, would do), by schedule id. */
+export interface SchedulesApplied {
+  dryRun: boolean;
+  added: string[];
+  changed: string[];
+  unchanged: string[];
+  /** Deleted by `prune`. */
+  removed: string[];
+}
+
 const OVERLAPS: readonly string[] = ["skip", "one", "all"];
 
 function schedulePath(id: unknown, what: string, action = ""): string {
@@ -874,6 +884,41 @@ export class Client {
     const path = schedulePath(id, "setSchedule");
     const [doc, url] = await this.read("PUT", path, scheduleBody(spec), false);
     return scheduleOf(record(doc, url, "the answer")["schedule"], url);
+  }
+
+  /**
+   * Sets many schedules in one change (role `admin`): `schedules` maps each
+   * id to a `ScheduleSpec`, checked as `setSchedule` checks it. A schedule
+   * already there keeps its state and its pause. `prune` also deletes every
+   * schedule not named; `dryRun` stores nothing and resolves to what would
+   * change. All of it is stored or nothing: a bad schedule rejects with
+   * `BadRequest` naming it.
+   */
+  async applySchedules(schedules: Record<string, ScheduleSpec>, options: { prune?: boolean; dryRun?: boolean } = {}): Promise<SchedulesApplied> {
+    if (schedules === null || typeof schedules !== "object" || Array.isArray(schedules)) {
+      throw new TypeError(`applySchedules: schedules must be an object of id to spec, got ${JSON.stringify(schedules)}`);
+    }
+    const body: Record<string, unknown> = {};
+    for (const [id, spec] of Object.entries(schedules)) {
+      segment(id, "applySchedules: id");
+      try {
+        body[id] = scheduleBody(spec);
+      } catch (e) {
+        throw new TypeError(`applySchedules: schedule ${JSON.stringify(id)}: ${(e as Error).message}`);
+      }
+    }
+    const prune = options.prune === true;
+    const dryRun = options.dryRun === true;
+    const [doc, url] = await this.read("PUT", "/v1/schedules", { schedules: body, prune, dry_run: dryRun }, false);
+    const a = record(record(doc, url, "the answer")["applied"], url, "applied");
+    const ids = (name: string): string[] => {
+      const v = a[name];
+      if (!Array.isArray(v) || !v.every((x) => typeof x === "string")) {
+        throw new ShardqError(`${url}: the answer's applied.${name} is not a list of ids: ${JSON.stringify(doc)}`, 200, url);
+      }
+      return v as string[];
+    };
+    return { dryRun, added: ids("added"), changed: ids("changed"), unchanged: ids("unchanged"), removed: ids("removed") };
   }
 
   /** Deletes the schedule `id` (role `admin`); whether there was one. The jobs it enqueued stay. */

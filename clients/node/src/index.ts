@@ -27,6 +27,7 @@ export {
   type PolicyTarget,
   type Schedule,
   type ScheduleBackfilled,
+  type SchedulesApplied,
   type ScheduleFire,
   type ScheduleInfo,
   type ScheduleOverlap,

@@ -145,3 +145,33 @@ test("a schedule fires, is listed, paused, triggered, backfilled, refused when b
     await c.close();
   }
 });
+
+test("applySchedules sets many in one change, prunes, keeps a pause, and refuses a bad one whole", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  const client = new Client([c.servers[0]!.url]);
+  try {
+    await client.setSchedule("manual", { key: "k0", every: "1m" });
+    const file = {
+      nightly: { key: "t-1", cron: "30 2 * * *", tz: "Europe/Berlin", payload: "bill" },
+      poll: { key: "feeds", every: "5m", overlap: "one" as const },
+    };
+    const dry = await client.applySchedules(file, { prune: true, dryRun: true });
+    assert.deepEqual(dry, { dryRun: true, added: ["nightly", "poll"], changed: [], unchanged: [], removed: ["manual"] });
+    assert.deepEqual((await client.schedules()).map((s) => s.id), ["manual"], "a dry run stored nothing");
+    const done = await client.applySchedules(file);
+    assert.deepEqual([done.added, done.removed], [["nightly", "poll"], []]);
+    await client.pauseSchedule("poll");
+    const again = await client.applySchedules(file, { prune: true });
+    assert.deepEqual([again.unchanged, again.removed], [["nightly", "poll"], ["manual"]]);
+    assert.equal((await client.schedule("poll")).paused, true, "an applied schedule keeps its pause");
+    await assert.rejects(
+      client.applySchedules({ fine: { key: "k", every: "1m" }, broken: { key: "k", cron: "61 * * * *" } }),
+      (err: unknown) => err instanceof BadRequest && /"broken"/.test(err.message),
+    );
+    await assert.rejects(client.applySchedules({ y: { key: "k", every: "1m", cron: "* * * * *" } }), TypeError);
+    assert.deepEqual((await client.schedules()).map((s) => s.id).sort(), ["nightly", "poll"]);
+  } finally {
+    client.close();
+    await c.close();
+  }
+});

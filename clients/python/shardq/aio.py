@@ -35,7 +35,7 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 from urllib.parse import quote
 
 from .errors import ConfigError, HttpError, PartialEnqueue, ServerUnavailable, ShardqError, TooLarge
@@ -65,10 +65,12 @@ from .http import (
     Schedule,
     ScheduleBackfilled,
     ScheduleInfo,
+    SchedulesApplied,
     ScheduleTime,
     ScheduleTriggered,
     WorkerStats,
     _Attempts,
+    _apply_body,
     _backfill_body,
     _backoff_ms,
     _Batch,
@@ -360,6 +362,12 @@ class AsyncClient:
         """:meth:`shardq.Client.set_schedule` from asyncio code."""
         body = _schedule_body(key, cron, tz, every, payload, overlap, catch_up, jitter, start, end, max_attempts)
         return Schedule._of((await self._flow("PUT", _schedule_path(id), body, "setting a schedule"))["schedule"])
+
+    async def apply_schedules(self, schedules: Mapping[str, Mapping[str, Any]], *, prune: bool = False,
+                              dry_run: bool = False) -> SchedulesApplied:
+        """:meth:`shardq.Client.apply_schedules` from asyncio code."""
+        body = _apply_body(schedules, prune, dry_run)
+        return SchedulesApplied._of(await self._flow("PUT", "/v1/schedules", body, "applying schedules"))
 
     async def delete_schedule(self, id: str) -> bool:
         """:meth:`shardq.Client.delete_schedule` from asyncio code."""

@@ -1151,6 +1151,25 @@ class ScheduleBackfilled:
                                   already_stored=int(doc["already_stored"]))
 
 
+@dataclass(frozen=True)
+class SchedulesApplied:
+    """What a :meth:`Client.apply_schedules` did (or, with ``dry_run``,
+    would do), by schedule id: ``added``, ``changed``, ``unchanged`` and
+    ``removed`` (deleted by ``prune``)."""
+
+    dry_run: bool
+    added: Tuple[str, ...]
+    changed: Tuple[str, ...]
+    unchanged: Tuple[str, ...]
+    removed: Tuple[str, ...]
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "SchedulesApplied":
+        a = doc["applied"]
+        return SchedulesApplied(dry_run=bool(doc["dry_run"]), added=tuple(a["added"]), changed=tuple(a["changed"]),
+                                unchanged=tuple(a["unchanged"]), removed=tuple(a["removed"]))
+
+
 #: A time as the schedule calls take it: ms since the epoch, RFC 3339 text
 #: (``"2026-03-28T00:00:00Z"``) or a timezone-aware ``datetime``.
 ScheduleTime = Union[int, str, datetime]
@@ -1205,6 +1224,33 @@ def _schedule_body(key: str, cron: Optional[str], tz: Optional[str], every: Opti
     if end is not None:
         body["end"] = _schedule_time(end, "end")
     return body
+
+
+_SCHEDULE_FIELDS = ("key", "cron", "tz", "every", "payload", "overlap", "catch_up", "jitter", "start", "end",
+                    "max_attempts")
+
+
+def _apply_body(schedules: Mapping[str, Mapping[str, Any]], prune: bool, dry_run: bool) -> Dict[str, Any]:
+    """The ``PUT /v1/schedules`` body: each schedule's fields checked as
+    :meth:`Client.set_schedule` checks them, an unknown one named."""
+    if not isinstance(schedules, Mapping):
+        raise ConfigError(f"invalid schedules {type(schedules).__name__}: a mapping of id to fields is needed")
+    out: Dict[str, Any] = {}
+    for id, fields in schedules.items():
+        _segment(id, "schedule id")
+        if not isinstance(fields, Mapping):
+            raise ConfigError(f"invalid schedule {id!r}: a mapping of fields is needed")
+        unknown = sorted(set(fields) - set(_SCHEDULE_FIELDS))
+        if unknown:
+            raise ConfigError(f"invalid schedule {id!r}: unknown field {unknown[0]!r} "
+                              f"(fields: {', '.join(_SCHEDULE_FIELDS)})")
+        g = fields.get
+        try:
+            out[id] = _schedule_body(fields.get("key", ""), g("cron"), g("tz"), g("every"), g("payload"), g("overlap"),
+                                     g("catch_up"), g("jitter"), g("start"), g("end"), g("max_attempts"))
+        except ConfigError as e:
+            raise ConfigError(f"schedule {id!r}: {e}") from None
+    return {"schedules": out, "prune": bool(prune), "dry_run": bool(dry_run)}
 
 
 def _backfill_body(start: ScheduleTime, end: ScheduleTime) -> Dict[str, Any]:
@@ -1496,6 +1542,18 @@ class Client:
         run its key's shard."""
         body = _schedule_body(key, cron, tz, every, payload, overlap, catch_up, jitter, start, end, max_attempts)
         return Schedule._of(self._flow("PUT", _schedule_path(id), body, "setting a schedule")["schedule"])
+
+    def apply_schedules(self, schedules: Mapping[str, Mapping[str, Any]], *, prune: bool = False,
+                        dry_run: bool = False) -> "SchedulesApplied":
+        """Sets many schedules in one change (role ``admin``):
+        ``schedules`` maps each id to the keyword arguments of
+        :meth:`set_schedule` (``{"nightly": {"key": "t-1", "cron": "0 2 * *
+        *"}}``). A schedule already there keeps its state and its pause.
+        ``prune`` also deletes every schedule not named; ``dry_run`` stores
+        nothing and answers what would change. All of it is stored or
+        nothing: a bad schedule raises :class:`BadRequest` naming it."""
+        body = _apply_body(schedules, prune, dry_run)
+        return SchedulesApplied._of(self._flow("PUT", "/v1/schedules", body, "applying schedules"))
 
     def delete_schedule(self, id: str) -> bool:
         """Deletes the schedule ``id`` (role ``admin``); whether there was

@@ -21,6 +21,7 @@ from shardq import (
     Schedule,
     ScheduleBackfilled,
     ScheduleInfo,
+    SchedulesApplied,
     ScheduleTriggered,
 )
 
@@ -133,5 +134,35 @@ def test_a_schedule_fires_is_listed_paused_triggered_backfilled_refused_and_dele
         assert gone.value.status == 404
         assert c.delete_schedule("nightly") is True and c.delete_schedule("bounded") is True
         assert c.schedules() == []
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_apply_schedules_sets_many_in_one_change_prunes_and_refuses_a_bad_one_whole(serve, kind):
+    c: Any = Client([serve.url]) if kind == "sync" else _Blocking(serve.url)
+    try:
+        c.set_schedule("manual", "k0", every="1m")
+        file = {"nightly": {"key": "t-1", "cron": "30 2 * * *", "tz": "Europe/Berlin", "payload": "bill"},
+                "poll": {"key": "feeds", "every": "5m", "overlap": "one"}}
+        dry = c.apply_schedules(file, prune=True, dry_run=True)
+        assert dry == SchedulesApplied(dry_run=True, added=("nightly", "poll"), changed=(), unchanged=(),
+                                       removed=("manual",)), dry
+        assert [s.id for s in c.schedules()] == ["manual"], "a dry run stored nothing"
+        done = c.apply_schedules(file)
+        assert (done.dry_run, done.added, done.removed) == (False, ("nightly", "poll"), ()), done
+        c.pause_schedule("poll")
+        again = c.apply_schedules(file, prune=True)
+        assert (again.unchanged, again.removed) == (("nightly", "poll"), ("manual",)), again
+        assert c.schedule("poll").paused is True, "an applied schedule keeps its pause"
+        # A bad schedule among good ones: refused naming it, nothing stored.
+        with pytest.raises(BadRequest, match='"broken"'):
+            c.apply_schedules({"fine": {"key": "k", "every": "1m"}, "broken": {"key": "k", "cron": "61 * * * *"}})
+        # Refused before any request: an unknown field, both cron and every.
+        with pytest.raises(ConfigError, match="colour"):
+            c.apply_schedules({"x": {"key": "k", "every": "1m", "colour": "red"}})
+        with pytest.raises(ConfigError, match="'y'"):
+            c.apply_schedules({"y": {"key": "k", "every": "1m", "cron": "* * * * *"}})
+        assert sorted(s.id for s in c.schedules()) == ["nightly", "poll"]
     finally:
         c.close()

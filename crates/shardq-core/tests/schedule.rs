@@ -538,3 +538,94 @@ fn one_schedule_the_store_refuses_does_not_hold_up_the_others() {
     assert_eq!(r.errors.len(), 1, "{r:?}");
     assert_eq!(r.errors[0].0, "big");
 }
+
+/// `apply` sets a whole file in one change: a replaced schedule keeps its
+/// pause and its start, an unchanged one is reported so, `prune` deletes
+/// the others with their state, a bad schedule anywhere stores nothing,
+/// and applies racing puts from other threads lose none of them.
+#[test]
+fn apply_sets_a_file_in_one_change_and_loses_no_racing_change() {
+    use std::collections::BTreeMap;
+    let w = world();
+    let all = owned(&["a", "b"]);
+    set(&w, "old", every("k-old", 1_000, Overlap::All, 60_000));
+    w.clock.advance(1_000);
+    scheduler(&w).pass(&all).unwrap();
+    assert!(ScheduleStore::states(&*w.maps)
+        .unwrap()
+        .states
+        .contains_key("old"));
+    ScheduleStore::set_paused(&*w.maps, "kept", true, T0).unwrap_err();
+    let mut file: BTreeMap<String, Schedule> = BTreeMap::new();
+    file.insert("kept".into(), every("k1", 5_000, Overlap::Skip, 60_000));
+    file.insert("other".into(), every("k2", 5_000, Overlap::Skip, 60_000));
+    let now = w.clock.now_ms();
+    let a = ScheduleStore::apply(&*w.maps, &file, false, false, now, 1 << 20).unwrap();
+    assert_eq!(
+        (a.added.len(), a.changed.len(), a.removed.len()),
+        (2, 0, 0),
+        "{a:?}"
+    );
+    ScheduleStore::set_paused(&*w.maps, "kept", true, now).unwrap();
+    // The same file again: unchanged, still paused, same start.
+    w.clock.advance(10_000);
+    let a = ScheduleStore::apply(&*w.maps, &file, false, false, w.clock.now_ms(), 1 << 20).unwrap();
+    assert_eq!(a.unchanged.len(), 2, "{a:?}");
+    let kept = ScheduleStore::get(&*w.maps, "kept").unwrap();
+    assert!(kept.paused && kept.since_ms == now, "{kept:?}");
+    // A dry run with prune says what it would delete and deletes nothing.
+    let dry = ScheduleStore::apply(&*w.maps, &file, true, true, w.clock.now_ms(), 1 << 20).unwrap();
+    assert_eq!(dry.removed, vec!["old".to_string()]);
+    assert!(ScheduleStore::get(&*w.maps, "old").is_ok());
+    // A bad schedule (payload over the bound) stores nothing of the file.
+    let mut bad = file.clone();
+    bad.get_mut("other").unwrap().payload = "x".repeat(100);
+    bad.insert("new".into(), every("k3", 5_000, Overlap::Skip, 60_000));
+    let err = ScheduleStore::apply(&*w.maps, &bad, true, false, w.clock.now_ms(), 10).unwrap_err();
+    assert!(err.to_string().contains("\"other\""), "{err}");
+    assert!(
+        ScheduleStore::get(&*w.maps, "new").is_err() && ScheduleStore::get(&*w.maps, "old").is_ok()
+    );
+    // Prune: "old" and its state go; a changed schedule is reported.
+    file.get_mut("other").unwrap().payload = "v2".into();
+    let a = ScheduleStore::apply(&*w.maps, &file, true, false, w.clock.now_ms(), 1 << 20).unwrap();
+    assert_eq!(
+        (a.changed.clone(), a.removed.clone()),
+        (vec!["other".to_string()], vec!["old".to_string()])
+    );
+    assert!(!ScheduleStore::states(&*w.maps)
+        .unwrap()
+        .states
+        .contains_key("old"));
+    // Racing writers: 4 threads apply files of their own ids while 4 put
+    // single ones; every change each was told was stored is there.
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let maps = w.maps.clone();
+            std::thread::spawn(move || {
+                for i in 0..10 {
+                    let id = format!("t{t}-{i}");
+                    let s = every(&format!("k{t}"), 5_000, Overlap::Skip, 60_000);
+                    if t % 2 == 0 {
+                        let one = BTreeMap::from([(id, s)]);
+                        ScheduleStore::apply(&*maps, &one, false, false, T0, 1 << 20).unwrap();
+                    } else {
+                        ScheduleStore::put(&*maps, &id, &s, T0, 1 << 20).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stored = ScheduleStore::load(&*w.maps).unwrap();
+    for t in 0..8 {
+        for i in 0..10 {
+            assert!(
+                stored.schedules.contains_key(&format!("t{t}-{i}")),
+                "t{t}-{i} lost"
+            );
+        }
+    }
+}

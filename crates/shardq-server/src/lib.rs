@@ -285,6 +285,10 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         ),
         (r("GET", "/v1/schedules", Some(Read)), get(api::schedules)),
         (
+            r("PUT", "/v1/schedules", Some(Admin)),
+            put(api::schedules_apply),
+        ),
+        (
             r("GET", "/v1/schedules/{id}", Some(Read)),
             get(api::schedule_show),
         ),

@@ -379,6 +379,35 @@ fn every_answer_fits_its_documented_schema() {
         Some(json!({})),
         e,
     );
+    // Many at once: a dry run, a stored apply, a pruning one, a bad one.
+    let file =
+        json!({"n2": {"key": "k2", "every": "1m"}, "n3": {"key": "k3", "cron": "0 * * * *"}});
+    for (body, added, removed) in [
+        (json!({"schedules": file, "dry_run": true}), 2, 0),
+        (json!({"schedules": file}), 2, 0),
+        (
+            json!({"schedules": {"n2": {"key": "k2", "every": "1m"}}, "prune": true}),
+            0,
+            1,
+        ),
+    ] {
+        let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(body), e);
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(
+            v["applied"]["added"].as_array().unwrap().len(),
+            added,
+            "{v}"
+        );
+        assert_eq!(
+            v["applied"]["removed"].as_array().unwrap().len(),
+            removed,
+            "{v}"
+        );
+    }
+    let bad = json!({"schedules": {"n4": {"key": "k", "every": "500ms"}}});
+    let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(bad), e);
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("\"n4\""), "{v}");
     assert!(
         errs.is_empty(),
         "answers the document does not describe:\n{}",

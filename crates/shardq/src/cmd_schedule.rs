@@ -1,4 +1,4 @@
-//! `shardq schedule set|list|show|pause|resume|trigger|backfill|delete`:
+//! `shardq schedule set|apply|list|show|pause|resume|trigger|backfill|delete`:
 //! recurring schedules (`shardq_core::schedule`). Glue: parse, call the
 //! core's `ScheduleStore`, `trigger` and `backfill` on the data dir's
 //! deployment, print. Workers (`shardq work`) and servers fire them.
@@ -10,8 +10,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use shardq_core::producer::ProducerOptions;
 use shardq_core::schedule::{
-    self, parse_time_ms, show_time, Schedule, ScheduleSpec, ScheduleStore, ScheduleView, TimeArg,
-    When,
+    self, parse_time_ms, show_time, Schedule, ScheduleFile, ScheduleSpec, ScheduleStore,
+    ScheduleView, TimeArg, When,
 };
 
 use crate::cmd_retry::open;
@@ -81,6 +81,23 @@ pub enum ScheduleAction {
     /// Create a schedule, or replace one (it keeps its state and whether
     /// it is paused). Every worker uses it within a second.
     Set(Box<SetArgs>),
+    /// Set every schedule of a file in one change (YAML, or JSON when the
+    /// name ends in .json): `schedules:` then, per id, the fields of
+    /// `schedule set` (key, cron, tz, every, payload, overlap, catch_up,
+    /// jitter, start, end, max_attempts). All of it is stored or nothing.
+    Apply {
+        #[command(flatten)]
+        common: DataArg,
+        /// The file of schedules.
+        #[arg(long, value_name = "F")]
+        file: PathBuf,
+        /// Also delete every schedule the file does not name.
+        #[arg(long)]
+        prune: bool,
+        /// Say what would change; store nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Every schedule: its key, when it ticks, its next and last fires,
     /// and its fired, skipped and missed counts.
     List {
@@ -232,6 +249,12 @@ pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
                 );
             }
         }
+        ScheduleAction::Apply {
+            common,
+            file,
+            prune,
+            dry_run,
+        } => apply(&common, &file, prune, dry_run)?,
         ScheduleAction::List { common } => {
             let views = ScheduleStore::views(&*open(&common.data)?.maps())?;
             if common.json {
@@ -336,6 +359,73 @@ fn pause(common: &DataArg, id: &str, paused: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::json!({"id": id, "schedule": s}));
     } else {
         println!("schedule {id} {word}");
+    }
+    Ok(())
+}
+
+/// Reads a file of schedules: JSON when its name ends in `.json`, else
+/// YAML; an unknown field or a missing key is refused naming the file.
+fn read_schedule_file(file: &std::path::Path) -> anyhow::Result<ScheduleFile> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let parsed = if file.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{e}"))
+    } else {
+        serde_yaml_ng::from_str(&text).map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    parsed.with_context(|| format!("{}: not a file of schedules", file.display()))
+}
+
+/// Ids listed per kind of change by `apply` without `--json`.
+const LISTED_MAX: usize = 20;
+
+fn apply(
+    common: &DataArg,
+    file: &std::path::Path,
+    prune: bool,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    let wanted = read_schedule_file(file)?
+        .build()
+        .with_context(|| format!("in {}", file.display()))?;
+    let d = open(&common.data)?;
+    let now = d.clock().now_ms();
+    let max = d.payload_bytes_max(&shardq_deploy::OpenOptions::default());
+    let applied = ScheduleStore::apply(&*d.maps(), &wanted, prune, dry_run, now, max)?;
+    if common.json {
+        println!(
+            "{}",
+            serde_json::json!({"dry_run": dry_run, "applied": applied})
+        );
+    } else {
+        let verb = if dry_run {
+            " (dry run: nothing stored)"
+        } else {
+            ""
+        };
+        println!(
+            "{}: added {}, changed {}, unchanged {}, deleted {}{verb}",
+            file.display(),
+            applied.added.len(),
+            applied.changed.len(),
+            applied.unchanged.len(),
+            applied.removed.len()
+        );
+        for (word, ids) in [
+            ("added", &applied.added),
+            ("changed", &applied.changed),
+            ("deleted", &applied.removed),
+        ] {
+            for id in ids.iter().take(LISTED_MAX) {
+                println!("  {word} {id}");
+            }
+            if ids.len() > LISTED_MAX {
+                println!(
+                    "  ... and {} more {word} (--json lists all)",
+                    ids.len() - LISTED_MAX
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -399,3 +399,111 @@ fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
         "no schedules"
     );
 }
+
+/// `schedule apply --file`: a YAML or JSON file of schedules set in one
+/// change, a dry run that stores nothing, `--prune`, and a bad file (an
+/// unknown field, a bad schedule among good ones) refused naming the
+/// field or the schedule, storing nothing.
+#[test]
+fn schedule_apply_sets_a_file_whole_or_not_at_all() {
+    let dir = temp_dir("schedule-apply");
+    let data = dir.join("data");
+    let d = data.to_str().unwrap();
+    ok(&["init", "--data", d, "--shards", "2"]);
+    ok(&[
+        "schedule", "set", "--data", d, "manual", "--key", "k0", "--every", "1m",
+    ]);
+    let file = dir.join("schedules.yaml");
+    std::fs::write(
+        &file,
+        "schedules:\n  nightly:\n    key: tenant-1\n    cron: \"30 2 * * *\"\n    tz: Europe/Berlin\n    payload: bill\n  poll:\n    key: feeds\n    every: 5m\n    overlap: one\n",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let json = |args: &[&str]| -> serde_json::Value { serde_json::from_str(&ok(args)).unwrap() };
+    let dry = json(&[
+        "schedule",
+        "apply",
+        "--data",
+        d,
+        "--file",
+        f,
+        "--prune",
+        "--dry-run",
+        "--json",
+    ]);
+    assert_eq!(
+        dry["applied"]["added"],
+        serde_json::json!(["nightly", "poll"]),
+        "{dry}"
+    );
+    assert_eq!(
+        dry["applied"]["removed"],
+        serde_json::json!(["manual"]),
+        "{dry}"
+    );
+    let list = ok(&["schedule", "list", "--data", d]);
+    assert!(
+        list.contains("manual") && !list.contains("nightly"),
+        "the dry run stored: {list}"
+    );
+    let done = ok(&["schedule", "apply", "--data", d, "--file", f]);
+    assert!(
+        done.contains("added 2, changed 0, unchanged 0, deleted 0"),
+        "{done}"
+    );
+    let again = json(&[
+        "schedule", "apply", "--data", d, "--file", f, "--prune", "--json",
+    ]);
+    assert_eq!(
+        again["applied"]["unchanged"],
+        serde_json::json!(["nightly", "poll"]),
+        "{again}"
+    );
+    assert_eq!(
+        again["applied"]["removed"],
+        serde_json::json!(["manual"]),
+        "{again}"
+    );
+    let v = show(&data, "nightly");
+    assert_eq!(v["when"]["cron"]["tz"], "Europe/Berlin", "{v}");
+    // JSON by its name; a bad schedule among good ones stores nothing.
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"schedules": {"fine": {"key": "k", "every": "1m"}, "broken": {"key": "k", "cron": "61 * * * *"}}}"#,
+    )
+    .unwrap();
+    let (good, _, err) = run(&[
+        "schedule",
+        "apply",
+        "--data",
+        d,
+        "--file",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(
+        !good && err.contains("schedule \"broken\": invalid cron \"61 * * * *\""),
+        "{err}"
+    );
+    let odd = dir.join("odd.yaml");
+    std::fs::write(
+        &odd,
+        "schedules:\n  x:\n    key: k\n    every: 1m\n    colour: red\n",
+    )
+    .unwrap();
+    let (good, _, err) = run(&[
+        "schedule",
+        "apply",
+        "--data",
+        d,
+        "--file",
+        odd.to_str().unwrap(),
+    ]);
+    assert!(!good && err.contains("unknown field `colour`"), "{err}");
+    let list = ok(&["schedule", "list", "--data", d]);
+    assert!(
+        !list.contains("fine") && !list.contains("\nx\t"),
+        "a refused file stored: {list}"
+    );
+}

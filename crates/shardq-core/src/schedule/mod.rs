@@ -54,8 +54,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::QueueError;
 
 pub use runner::{
-    backfill, run_scheduler, trigger, FireReport, ScheduleStore, Scheduler, SchedulerOptions,
-    KEY_CHANGE_GAP_MS,
+    backfill, run_scheduler, trigger, Applied, FireReport, ScheduleStore, Scheduler,
+    SchedulerOptions, KEY_CHANGE_GAP_MS,
 };
 pub use ticks::{parse_cron, parse_zone, Compiled};
 
@@ -615,6 +615,53 @@ impl ScheduleSpec {
         };
         s.validate(id)?;
         Ok(s)
+    }
+}
+
+/// A file of schedules (`shardq schedule apply --file`, the body of
+/// `PUT /v1/schedules`): each schedule as people write it, by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleFile {
+    /// The schedules, by id.
+    pub schedules: BTreeMap<String, ScheduleSpec>,
+}
+
+/// A schedule of a [`ScheduleFile`] that does not build: its id and why.
+#[derive(Debug, thiserror::Error)]
+#[error("schedule {id:?}: {error}")]
+pub struct BadSchedule {
+    /// The schedule's id in the file.
+    pub id: String,
+    /// What is wrong with it.
+    pub error: QueueError,
+}
+
+impl ScheduleFile {
+    /// Every schedule, checked; the first that does not build is named.
+    /// More than [`SCHEDULES_MAX`] is refused before any is built.
+    pub fn build(&self) -> Result<BTreeMap<String, Schedule>, BadSchedule> {
+        if self.schedules.len() > SCHEDULES_MAX {
+            return Err(BadSchedule {
+                id: format!("{} schedules", self.schedules.len()),
+                error: QueueError::InvalidOption {
+                    name: "schedules",
+                    value: self.schedules.len().to_string(),
+                    allowed: format!("at most {SCHEDULES_MAX} per deployment"),
+                },
+            });
+        }
+        self.schedules
+            .iter()
+            .map(|(id, spec)| {
+                spec.build(id)
+                    .map(|s| (id.clone(), s))
+                    .map_err(|error| BadSchedule {
+                        id: id.clone(),
+                        error,
+                    })
+            })
+            .collect()
     }
 }
 

@@ -94,6 +94,68 @@ impl ScheduleStore {
     }
 }
 
+/// What [`ScheduleStore::apply`] did, by schedule id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Applied {
+    /// Schedules that did not exist.
+    pub added: Vec<String>,
+    /// Schedules replaced by a different one.
+    pub changed: Vec<String>,
+    /// Schedules already as asked.
+    pub unchanged: Vec<String>,
+    /// Schedules deleted because the file did not name them (`prune`).
+    pub removed: Vec<String>,
+}
+
+/// Checks what a put can check before it reads the stored schedules.
+fn check_put(id: &str, s: &Schedule, payload_bytes_max: usize) -> Result<(), QueueError> {
+    super::validate_schedule_id(id)?;
+    if s.payload.len() > payload_bytes_max {
+        return Err(QueueError::InvalidOption {
+            name: "payload",
+            value: format!("of schedule {id:?}: {} bytes", s.payload.len()),
+            allowed: format!("at most {payload_bytes_max} bytes on this deployment"),
+        });
+    }
+    Ok(())
+}
+
+/// `s` as it is stored over what `all` holds under `id`: a replaced
+/// schedule keeps its pause and its `since_ms`, unless its key changes
+/// (then it starts again [`KEY_CHANGE_GAP_MS`] after `now_ms`); a new one
+/// starts at `now_ms`.
+fn merged(all: &Schedules, id: &str, s: &Schedule, now_ms: u64) -> Schedule {
+    let mut new = s.clone();
+    match all.schedules.get(id) {
+        Some(old) if old.key != new.key => {
+            new.since_ms = now_ms.saturating_add(KEY_CHANGE_GAP_MS);
+            new.paused = old.paused;
+        }
+        Some(old) => {
+            new.since_ms = old.since_ms;
+            new.paused = old.paused;
+        }
+        None => new.since_ms = now_ms,
+    }
+    new
+}
+
+/// Drops the states of deleted schedules `ids` (a worker that fired one a
+/// moment ago may still write its state back; a schedule set again under
+/// the id starts after its own set time whatever that state says).
+fn drop_states(maps: &dyn MapStore, ids: &[String]) -> Result<(), ReshardError> {
+    update_setting(maps, SETTING_SCHEDULE_STATE, |current| {
+        let mut all = match current {
+            None => ScheduleStates::default(),
+            Some(text) => ScheduleStates::parse(text)?,
+        };
+        for id in ids {
+            all.states.remove(id);
+        }
+        Ok::<_, ReshardError>((all.to_text(), ()))
+    })
+}
+
 fn unknown(id: &str) -> QueueError {
     QueueError::InvalidOption {
         name: "schedule",
@@ -121,32 +183,79 @@ impl ScheduleStore {
         now_ms: u64,
         payload_bytes_max: usize,
     ) -> Result<Schedule, ReshardError> {
-        super::validate_schedule_id(id)?;
-        if s.payload.len() > payload_bytes_max {
-            return Err(QueueError::InvalidOption {
-                name: "payload",
-                value: format!("of {} bytes", s.payload.len()),
-                allowed: format!("at most {payload_bytes_max} bytes on this deployment"),
-            }
-            .into());
-        }
+        check_put(id, s, payload_bytes_max)?;
         Self::update(maps, |all| {
-            let mut new = s.clone();
-            match all.schedules.get(id) {
-                Some(old) if old.key != new.key => {
-                    new.since_ms = now_ms.saturating_add(KEY_CHANGE_GAP_MS);
-                    new.paused = old.paused;
-                }
-                Some(old) => {
-                    new.since_ms = old.since_ms;
-                    new.paused = old.paused;
-                }
-                None => new.since_ms = now_ms,
-            }
+            let new = merged(all, id, s, now_ms);
             new.validate(id)?;
             all.schedules.insert(id.to_string(), new.clone());
             Ok::<_, ReshardError>(new)
         })
+    }
+
+    /// Sets every schedule of `wanted` in one compare-and-set (as
+    /// [`ScheduleStore::put`] sets one: a replaced schedule keeps its
+    /// state and pause), and with `prune` deletes every other schedule
+    /// and its state: the deployment's schedules become those of a file.
+    /// Either all of it is stored or nothing (the first bad schedule is
+    /// named); a `dry_run` checks the same and stores nothing. What
+    /// changed (or would), by id.
+    pub fn apply(
+        maps: &dyn MapStore,
+        wanted: &BTreeMap<String, Schedule>,
+        prune: bool,
+        dry_run: bool,
+        now_ms: u64,
+        payload_bytes_max: usize,
+    ) -> Result<Applied, ReshardError> {
+        for (id, s) in wanted {
+            check_put(id, s, payload_bytes_max)?;
+        }
+        if dry_run {
+            let before = Self::load(maps)?;
+            let mut all = before.clone();
+            let applied = Self::apply_to(&mut all, wanted, prune, now_ms);
+            all.validate_changes(&before)?;
+            return Ok(applied);
+        }
+        let applied = Self::update(maps, |all| {
+            Ok::<_, ReshardError>(Self::apply_to(all, wanted, prune, now_ms))
+        })?;
+        if !applied.removed.is_empty() {
+            drop_states(maps, &applied.removed)?;
+        }
+        Ok(applied)
+    }
+
+    /// What [`ScheduleStore::apply`] does to the schedules `all`, in
+    /// memory.
+    pub fn apply_to(
+        all: &mut Schedules,
+        wanted: &BTreeMap<String, Schedule>,
+        prune: bool,
+        now_ms: u64,
+    ) -> Applied {
+        let mut out = Applied::default();
+        for (id, s) in wanted {
+            let new = merged(all, id, s, now_ms);
+            match all.schedules.get(id) {
+                None => out.added.push(id.clone()),
+                Some(old) if *old == new => out.unchanged.push(id.clone()),
+                Some(_) => out.changed.push(id.clone()),
+            }
+            all.schedules.insert(id.clone(), new);
+        }
+        if prune {
+            out.removed = all
+                .schedules
+                .keys()
+                .filter(|id| !wanted.contains_key(*id))
+                .cloned()
+                .collect();
+            for id in &out.removed {
+                all.schedules.remove(id);
+            }
+        }
+        out
     }
 
     /// Pauses or resumes schedule `id`. A resumed schedule fires no tick
@@ -172,17 +281,7 @@ impl ScheduleStore {
         let existed = Self::update(maps, |all| {
             Ok::<_, ReshardError>(all.schedules.remove(id).is_some())
         })?;
-        // Its state after it (a worker that fired it a moment ago may
-        // still write one back; a schedule set again under this id starts
-        // after its own set time whatever that state says).
-        update_setting(maps, SETTING_SCHEDULE_STATE, |current| {
-            let mut all = match current {
-                None => ScheduleStates::default(),
-                Some(text) => ScheduleStates::parse(text)?,
-            };
-            all.states.remove(id);
-            Ok::<_, ReshardError>((all.to_text(), ()))
-        })?;
+        drop_states(maps, &[id.to_string()])?;
         Ok(existed)
     }
 

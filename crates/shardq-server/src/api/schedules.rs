@@ -1,5 +1,6 @@
 //! Recurring schedules over HTTP (`/v1/schedules`): list and show need
-//! `read`; set, delete, pause, resume, trigger and backfill need `admin`.
+//! `read`; set (one, or many with `PUT /v1/schedules`), delete, pause,
+//! resume, trigger and backfill need `admin`.
 //! The body of a set is the core's `ScheduleSpec`, read the same way as
 //! the CLI's flags; every change is a compare-and-set of the deployment's
 //! `schedules` setting (a 200 means stored) and reaches every worker and
@@ -7,7 +8,9 @@
 
 use super::*;
 use shardq_core::producer::ProducerOptions;
-use shardq_core::schedule::{self, validate_schedule_id, ScheduleSpec, ScheduleStore};
+use shardq_core::schedule::{
+    self, validate_schedule_id, ScheduleFile, ScheduleSpec, ScheduleStore,
+};
 
 use super::flow::NoFields;
 
@@ -70,6 +73,43 @@ pub async fn schedule_put(
             app.limits.payload_bytes_max,
         )?;
         Ok(json!({ "id": id, "schedule": stored }))
+    })
+    .await?;
+    ok(v)
+}
+
+/// The body of `PUT /v1/schedules`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyBody {
+    /// The schedules, by id.
+    schedules: std::collections::BTreeMap<String, ScheduleSpec>,
+    /// Also delete every schedule not named.
+    #[serde(default)]
+    prune: bool,
+    /// Store nothing; answer what would change.
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// `PUT /v1/schedules`: many schedules in one change (the CLI's `schedule
+/// apply`); all stored or none.
+pub async fn schedules_apply(
+    State(app): State<Arc<App>>,
+    JsonBody(body): JsonBody<ApplyBody>,
+) -> ApiResult {
+    let v = blocking(move || {
+        let file = ScheduleFile {
+            schedules: body.schedules,
+        };
+        let wanted = file
+            .build()
+            .map_err(|e| ApiError::bad(format!("schedules: {e}")))?;
+        let now = app.deployment.clock().now_ms();
+        let maps = app.deployment.maps();
+        let max = app.limits.payload_bytes_max;
+        let applied = ScheduleStore::apply(&*maps, &wanted, body.prune, body.dry_run, now, max)?;
+        Ok(json!({ "dry_run": body.dry_run, "applied": applied }))
     })
     .await?;
     ok(v)
