@@ -149,6 +149,22 @@ export interface Moved {
   shard: string;
 }
 
+/** The schedule and tick a schedule's job was enqueued for (`tickMs`: ms since the epoch, or the time of a trigger). */
+export interface ScheduleTick {
+  id: string;
+  tickMs: number;
+  /** An operator's trigger rather than a tick. */
+  triggered: boolean;
+}
+
+/** The `schedule` field of a job or a claim, if it is a schedule's. */
+export function scheduleTickOf(v: unknown): ScheduleTick | undefined {
+  if (v === null || typeof v !== "object") return undefined;
+  const t = v as Record<string, unknown>;
+  if (typeof t["id"] !== "string" || typeof t["tick_ms"] !== "number") return undefined;
+  return { id: t["id"], tickMs: t["tick_ms"], triggered: t["triggered"] === true };
+}
+
 /** A live job as `GET /v1/jobs/{id}` shows it. */
 export interface JobInfo {
   /** `SHARD:ID`. */
@@ -170,6 +186,10 @@ export interface JobInfo {
   /** When each attempt started, ms since the epoch, oldest first (empty for a job not started yet; a job moved with its key keeps its count of attempts, not their times). */
   attemptStartsMs: number[];
   payload: Buffer;
+  /** The dedup id it was enqueued with. */
+  dedupId?: string;
+  /** A schedule's job: its schedule and tick. */
+  schedule?: ScheduleTick;
 }
 
 /** A job that finished, as `recent` of `GET /v1/keys/{key}/jobs` shows it (kept for the deployment's retention, `shardq retention`). */
@@ -615,6 +635,9 @@ function jobInfo(doc: unknown, url: string): JobInfo {
   };
   if (run) info.run = { fence: Number(run["fence"]), leaseExpiresMs: Number(run["lease_expires_ms"]) };
   if (typeof j["reason"] === "string") info.reason = j["reason"];
+  if (typeof j["dedup_id"] === "string") info.dedupId = j["dedup_id"];
+  const tick = scheduleTickOf(j["schedule"]);
+  if (tick) info.schedule = tick;
   return info;
 }
 

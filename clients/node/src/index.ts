@@ -28,6 +28,7 @@ export {
   type Schedule,
   type ScheduleBackfilled,
   type SchedulesApplied,
+  type ScheduleTick,
   type ScheduleFire,
   type ScheduleInfo,
   type ScheduleOverlap,

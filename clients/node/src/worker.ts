@@ -46,6 +46,7 @@ import {
   Unauthorized,
   type HttpOptions,
 } from "./http.js";
+import { scheduleTickOf, type ScheduleTick } from "./client.js";
 
 export interface ClaimedJob {
   id: number | string;
@@ -65,6 +66,10 @@ export interface ClaimedJob {
    * server's clock; undefined without one.
    */
   timeoutExpiresMs: number | undefined;
+  /** The dedup id the job was enqueued with (undefined: none): a handler's own idempotency key. */
+  dedupId: string | undefined;
+  /** A schedule's job: its schedule and tick (undefined for other jobs). */
+  schedule: ScheduleTick | undefined;
   /** The server (base URL) that gave the job; its ack goes there. */
   server: string;
 }
@@ -405,6 +410,8 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
     fence: j["fence"] as number | string,
     leaseExpiresMs: typeof j["lease_expires_ms"] === "number" ? j["lease_expires_ms"] : undefined,
     timeoutExpiresMs: typeof j["timeout_expires_ms"] === "number" ? j["timeout_expires_ms"] : undefined,
+    dedupId: typeof j["dedup_id"] === "string" ? j["dedup_id"] : undefined,
+    schedule: scheduleTickOf(j["schedule"]),
     server,
   };
 }

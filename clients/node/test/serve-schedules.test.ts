@@ -38,7 +38,10 @@ test("a schedule fires, is listed, paused, triggered, backfilled, refused when b
     assert.equal(typeof shown.nextFireMs, "number");
     assert.ok(shown.state.last !== undefined && shown.state.last.job.startsWith(`${shown.state.last.shard}:`), JSON.stringify(shown));
     assert.ok(shown.state.decidedMs >= shown.state.last.tickMs);
-    assert.notEqual(await client.job(shown.state.last.job), undefined, "the last fire's job id is one the client reads");
+    const lastJob = await client.job(shown.state.last.job);
+    assert.notEqual(lastJob, undefined, "the last fire's job id is one the client reads");
+    assert.deepEqual(lastJob && "schedule" in lastJob ? lastJob.schedule : undefined, { id: "beat", tickMs: shown.state.last.tickMs, triggered: false });
+    assert.equal(lastJob && "dedupId" in lastJob ? lastJob.dedupId : undefined, `schedule:beat@${shown.state.last.tickMs}`);
     assert.deepEqual(
       (await client.schedules()).map((s) => s.id),
       ["beat"],
@@ -57,6 +60,7 @@ test("a schedule fires, is listed, paused, triggered, backfilled, refused when b
     const job = await client.job(t.job);
     assert.equal(job?.key, "tenant-beat");
     assert.equal(job?.payload.toString("utf8"), '{"tick":true}');
+    assert.equal(job && "schedule" in job ? job.schedule?.triggered : undefined, true, "a trigger's job says so");
 
     const resumed = await client.resumeSchedule("beat");
     assert.equal(resumed.paused, false);

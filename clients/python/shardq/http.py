@@ -575,7 +575,7 @@ def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
         ClaimedJob(
             str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
             str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
-            j.get("timeout_expires_ms"),
+            j.get("timeout_expires_ms"), j.get("dedup_id"), ScheduleTick._of(j.get("schedule")),
         )
         for j in (doc or {}).get("jobs", [])
     ]
@@ -786,6 +786,23 @@ class FinishedInfo:
 
 
 @dataclass(frozen=True)
+class ScheduleTick:
+    """The schedule and tick a schedule's job was enqueued for: the
+    schedule's ``id``, the tick (``tick_ms``, ms since the epoch, or the
+    time of a trigger) and whether an operator ``triggered`` it."""
+
+    id: str
+    tick_ms: int
+    triggered: bool = False
+
+    @staticmethod
+    def _of(doc: Any) -> "Optional[ScheduleTick]":
+        if not doc:
+            return None
+        return ScheduleTick(id=str(doc["id"]), tick_ms=int(doc["tick_ms"]), triggered=bool(doc.get("triggered")))
+
+
+@dataclass(frozen=True)
 class JobInfo:
     """A live job as ``GET /v1/jobs/{id}`` shows it: ``state`` is
     ``queued``, ``delayed``, ``running`` or ``dead``; ``attempts`` counts
@@ -807,6 +824,10 @@ class JobInfo:
     reason: Optional[str]
     payload: bytes
     attempt_starts_ms: Tuple[int, ...] = ()
+    #: The dedup id it was enqueued with (``None``: none).
+    dedup_id: Optional[str] = None
+    #: A schedule's job: its schedule and tick.
+    schedule: Optional[ScheduleTick] = None
 
     @staticmethod
     def _of(doc: Mapping[str, Any]) -> "JobInfo":
@@ -818,6 +839,7 @@ class JobInfo:
             run=(int(run["fence"]), int(run["lease_expires_ms"])) if run else None,
             reason=doc.get("reason"), payload=_decode_payload(doc),
             attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
+            dedup_id=doc.get("dedup_id"), schedule=ScheduleTick._of(doc.get("schedule")),
         )
 
 
@@ -1652,6 +1674,11 @@ class ClaimedJob:
     #: the worker's ``timeout_ms`` or the server's default), in ms since the
     #: epoch on the server's clock; ``None`` without one.
     timeout_expires_ms: Optional[int] = None
+    #: The dedup id the job was enqueued with (``None``: none): a handler's
+    #: own idempotency key.
+    dedup_id: Optional[str] = None
+    #: A schedule's job: its schedule and tick (:class:`ScheduleTick`).
+    schedule: Optional[ScheduleTick] = None
     _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
     #: The run's job timeout in ms, and when it passes as this process
     #: knows it (``time.monotonic()``); ``None`` without one.

@@ -62,7 +62,7 @@ from .errors import (
 _T = TypeVar("_T")
 
 #: The key layout version this client reads and writes (``keys::LAYOUT_VERSION``).
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 #: The ``remote.json`` format version this client reads (``remote::REMOTE_VERSION``).
 REMOTE_VERSION = 1
 #: Default queue (``keys::QUEUE_DEFAULT``).

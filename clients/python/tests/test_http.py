@@ -402,3 +402,19 @@ else:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
     assert r.returncode == 0, r.stderr
+
+
+def test_a_claimed_job_carries_its_dedup_id_and_a_schedules_tick():
+    from shardq.http import _claimed_of
+    from shardq import ScheduleTick
+    doc = {"jobs": [
+        {"id": "s:1", "shard": "s", "key": "k", "payload": "p", "attempt": 1, "receipt": "s:1.5", "fence": 5,
+         "lease_expires_ms": 9, "dedup_id": "schedule:nightly@1800000000000",
+         "schedule": {"id": "nightly", "tick_ms": 1800000000000, "triggered": False}},
+        {"id": "s:2", "shard": "s", "key": "k", "payload": "p", "attempt": 1, "receipt": "s:2.6", "fence": 6,
+         "lease_expires_ms": 9},
+    ]}
+    tick, plain = _claimed_of("http://x", doc)
+    assert tick.dedup_id == "schedule:nightly@1800000000000"
+    assert tick.schedule == ScheduleTick("nightly", 1800000000000, False)
+    assert plain.dedup_id is None and plain.schedule is None

@@ -22,6 +22,7 @@ from shardq import (
     ScheduleBackfilled,
     ScheduleInfo,
     SchedulesApplied,
+    ScheduleTick,
     ScheduleTriggered,
 )
 
@@ -52,7 +53,10 @@ def test_a_schedule_fires_is_listed_paused_triggered_backfilled_refused_and_dele
         assert isinstance(shown, ScheduleInfo) and shown.id == "beat" and shown.next_fire_ms is not None
         assert shown.state.last is not None and shown.state.last.job.startswith(shown.state.last.shard + ":")
         assert shown.state.decided_ms >= shown.state.last.tick_ms
-        assert c.job(shown.state.last.job) is not None, "the last fire's job id is one the client reads"
+        last_job = c.job(shown.state.last.job)
+        assert last_job is not None, "the last fire's job id is one the client reads"
+        assert last_job.schedule == ScheduleTick("beat", shown.state.last.tick_ms, False), last_job
+        assert last_job.dedup_id == f"schedule:beat@{shown.state.last.tick_ms}", last_job
         assert [s.id for s in c.schedules()] == ["beat"]
 
         paused = c.pause_schedule("beat")
@@ -66,6 +70,7 @@ def test_a_schedule_fires_is_listed_paused_triggered_backfilled_refused_and_dele
         assert t.job.startswith(t.shard + ":"), t
         job = c.job(t.job)
         assert job is not None and job.key == "tenant-beat" and job.payload == b'{"tick": true}'
+        assert job.schedule is not None and job.schedule.id == "beat" and job.schedule.triggered, job
 
         resumed = c.resume_schedule("beat")
         assert resumed.paused is False and resumed.since_ms >= beat.since_ms

@@ -331,6 +331,11 @@ pub struct ClaimedJob {
     /// When this run's job lease ends (ms, on the backend's clock) unless it
     /// is extended with [`crate::QueueBackend::extend`].
     pub lease_until_ms: u64,
+    /// The dedup id the job was enqueued with, if any: the handler's own
+    /// idempotency key, and the schedule and tick of a scheduled job
+    /// ([`crate::schedule::ScheduleTick::of_dedup_id`]). Kept through
+    /// retries and moves.
+    pub dedup_id: Option<String>,
 }
 
 impl ClaimedJob {
@@ -548,6 +553,8 @@ pub struct JobInfo {
     pub attempt_starts_ms: Vec<u64>,
     /// The payload bytes.
     pub payload: Vec<u8>,
+    /// The dedup id it was enqueued with, if any.
+    pub dedup_id: Option<String>,
 }
 
 /// How a finished job ended, as [`FinishedJob`] records it.
@@ -763,6 +770,9 @@ pub struct MovedJob {
     pub payload: Vec<u8>,
     /// `Some(reason)` for a dead letter.
     pub dead: Option<String>,
+    /// The dedup id it was enqueued with, if any (the copy keeps it, so a
+    /// scheduled job still names its schedule and tick after a move).
+    pub dedup_id: Option<String>,
 }
 
 impl Fence {

@@ -37,6 +37,8 @@ struct StoredJob {
     /// Its wait (`not_before_ms`) is a handler's back-off, which
     /// [`QueueBackend::resume_key`] lifts; cleared when it starts again.
     backed_off: bool,
+    /// The dedup id it was enqueued with.
+    dedup_id: Option<String>,
 }
 
 /// The current run of an in-flight job.
@@ -434,6 +436,7 @@ fn job_info(s: &ShardState, id: JobId, now: u64) -> Option<JobInfo> {
         reason: (!j.reason.is_empty()).then(|| j.reason.clone()),
         attempt_starts_ms: j.starts.clone(),
         payload: j.payload.clone(),
+        dedup_id: j.dedup_id.clone(),
     })
 }
 
@@ -536,6 +539,7 @@ impl QueueBackend for MemoryBackend {
                         reason: String::new(),
                         starts: Vec::new(),
                         backed_off: false,
+                        dedup_id: j.dedup_id.clone(),
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
@@ -710,6 +714,7 @@ impl QueueBackend for MemoryBackend {
                     not_before_ms: j.not_before_ms,
                     fence,
                     lease_until_ms,
+                    dedup_id: j.dedup_id.clone(),
                 });
                 let mut more = false;
                 if let Some(q) = s.keys.get_mut(&key) {
@@ -1081,6 +1086,7 @@ impl QueueBackend for MemoryBackend {
                         max_attempts: j.max_attempts,
                         payload: j.payload.clone(),
                         dead: s.dead.contains(&id).then(|| j.reason.clone()),
+                        dedup_id: j.dedup_id.clone(),
                     })
                 })
                 .collect())
@@ -1095,6 +1101,9 @@ impl QueueBackend for MemoryBackend {
         jobs: &[MovedJob],
     ) -> Result<Vec<(JobId, JobId)>, QueueError> {
         crate::job::validate_key(key)?;
+        for d in jobs.iter().filter_map(|j| j.dedup_id.as_deref()) {
+            crate::job::validate_dedup_id(key, d)?;
+        }
         self.with_shard(shard, |s| {
             s.check_not_rewound(shard)?;
             let cursor = (from.to_string(), key.to_string());
@@ -1118,6 +1127,7 @@ impl QueueBackend for MemoryBackend {
                         reason: j.dead.clone().unwrap_or_default(),
                         starts: Vec::new(),
                         backed_off: false,
+                        dedup_id: j.dedup_id.clone(),
                     },
                 );
                 if j.dead.is_some() {

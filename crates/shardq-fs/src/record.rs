@@ -257,6 +257,9 @@ pub enum Record<'a> {
         key: &'a str,
         /// Why it died (empty when not dead).
         reason: &'a str,
+        /// The dedup id it was enqueued with (empty: none). Data of the
+        /// job only: the dedup *record* moves on its own (a Dedup record).
+        dedup_id: &'a str,
         /// Payload.
         payload: &'a [u8],
     },
@@ -407,6 +410,7 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             from,
             key,
             reason,
+            dedup_id,
             payload,
         } => {
             out.push(T_IMPORT);
@@ -419,6 +423,7 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             put_str16(out, from);
             put_str16(out, key);
             put_str16(out, reason);
+            put_str16(out, dedup_id);
             out.extend_from_slice(payload);
         }
         Record::PurgeKey { key } => {
@@ -625,6 +630,7 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             let from = c.str16()?;
             let key = c.str16()?;
             let reason = c.str16()?;
+            let dedup_id = c.str16()?;
             let payload = c.buf;
             c.buf = &[];
             Record::Import {
@@ -637,6 +643,7 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
                 from,
                 key,
                 reason,
+                dedup_id,
                 payload,
             }
         }
@@ -749,6 +756,7 @@ mod tests {
             from: "shard-1",
             key: "tenant-1",
             reason: "exited with status 3",
+            dedup_id: "schedule:nightly@1800000000000",
             payload: b"{\"n\":1}",
         });
         roundtrip(Record::PurgeKey { key: "tenant-1" });

@@ -115,7 +115,8 @@ for j, i in ipairs(keep) do
     dly[#dly + 1] = ids
   end
   jobs[#jobs + 1] = ids
-  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. k .. ARGV[A + 1 + 5 * i]
+  local did = ARGV[A + 4 + 5 * i]
+  jobs[#jobs + 1] = nbfs .. '|0|' .. ARGV[A + 3 + 5 * i] .. '|' .. nows .. '|' .. nstr(#k) .. '|' .. nstr(#did) .. '|' .. k .. did .. ARGV[A + 1 + 5 * i]
   local f = fs[i]
   if f then
     dd[#dd + 1] = f

@@ -4,8 +4,8 @@
 -- token, `1` when a dead job halts its key, the deployment id.
 -- ARGV[5] the shard the jobs come from, ARGV[6] number of keys, then per
 -- key: the key, its job count c, then c times `source id, not_before,
--- attempts, max_attempts, created, payload, reason` (reason empty: a
--- waiting job, else a dead one). Appends each key's jobs at its tail with
+-- attempts, max_attempts, created, payload, reason, dedup id` (reason
+-- empty: a waiting job, else a dead one; dedup id empty: none). Appends each key's jobs at its tail with
 -- new ids, skipping source ids at or below the key's import cursor
 -- (`imported` field `<from len>|<from><key>`), so a rerun stores nothing
 -- twice. Reply: `OK`, then `key, source id, new id` per job stored.
@@ -22,7 +22,7 @@ for _ = 1, nk do
   local done = tonumber(redis.call('HGET', K_IMPORTED, cf) or '0')
   local top, n = done, 0
   for j = 0, c - 1 do
-    local src = tonumber(ARGV[p + 2 + 7 * j])
+    local src = tonumber(ARGV[p + 2 + 8 * j])
     if src > top then
       top = src
       n = n + 1
@@ -30,7 +30,7 @@ for _ = 1, nk do
   end
   plan[#plan + 1] = {k = k, c = c, p = p + 2, cf = cf, done = done, top = top}
   fresh_n = fresh_n + n
-  p = p + 2 + 7 * c
+  p = p + 2 + 8 * c
 end
 local out = {'OK'}
 if fresh_n == 0 then return out end
@@ -50,7 +50,7 @@ for _, pl in ipairs(plan) do
     local head_nbf = nil
     local top = pl.done
     for j = 0, pl.c - 1 do
-      local b = pl.p + 7 * j
+      local b = pl.p + 8 * j
       local src = tonumber(ARGV[b])
       if src > top then
         top = src
@@ -58,7 +58,8 @@ for _, pl in ipairs(plan) do
         local ids = idstr(id)
         local nbf, why = ARGV[b + 1], ARGV[b + 6]
         jobs[#jobs + 1] = ids
-        jobs[#jobs + 1] = nbf .. '|' .. ARGV[b + 2] .. '|' .. ARGV[b + 3] .. '|' .. ARGV[b + 4] .. '|' .. #k .. '|' .. k .. ARGV[b + 5]
+        local did = ARGV[b + 7]
+        jobs[#jobs + 1] = nbf .. '|' .. ARGV[b + 2] .. '|' .. ARGV[b + 3] .. '|' .. ARGV[b + 4] .. '|' .. #k .. '|' .. #did .. '|' .. k .. did .. ARGV[b + 5]
         if why ~= '' then
           bury(ids, k, why)
         else

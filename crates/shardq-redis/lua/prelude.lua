@@ -94,12 +94,13 @@ if string.sub(ARGV[2], 1, 1) == '@' then
   if e < seen then return {'SUPERSEDED', idstr(seen)} end
   if e > seen then redis.call('HSET', K_META, 'repoch', idstr(e)) end
 end
--- A job record: not_before|attempts|max_attempts|created|key length|key payload.
+-- A job record: not_before|attempts|max_attempts|created|key length|dedup
+-- id length|key dedup-id payload.
 local function rec_parse(r)
-  local n, a, m, c, kl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+  local n, a, m, c, kl, dl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
   if not n then corrupt('a job record', r) end
   kl = tonumber(kl)
-  if p + kl - 1 > #r then corrupt('a job record', r) end
+  if p + kl + tonumber(dl) - 1 > #r then corrupt('a job record', r) end
   return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
 end
 local function rec_nbf(r)
@@ -110,10 +111,10 @@ end
 -- The whole grammar of a job record (its numbers and that its key fits),
 -- before a claim hands it out: the worker refuses a malformed one.
 local function rec_check(r)
-  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|()')
-  if not kl or p + tonumber(kl) - 1 > #r then corrupt('a job record', r) end
+  local kl, dl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|(%d+)|()')
+  if not kl or p + tonumber(kl) + tonumber(dl) - 1 > #r then corrupt('a job record', r) end
 end
--- The record with a new not-before and attempt count; key and payload kept.
+-- The record with a new not-before and attempt count; the rest kept.
 local function rec_set(r, n, a)
   local p = string.match(r, '^%d+|%d+|()')
   return idstr(n) .. '|' .. idstr(a) .. '|' .. string.sub(r, p)

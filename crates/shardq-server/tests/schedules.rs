@@ -63,6 +63,59 @@ fn a_schedule_set_over_http_fires_once_per_tick_in_the_owning_servers() {
         (200, &json!(0), &json!(ticks)),
         "{v}"
     );
+    // Each job names its schedule and its own tick, in the listing and in
+    // the claim a worker gets.
+    let listed = jobs["jobs"].as_array().unwrap();
+    let mut seen: Vec<u64> = listed
+        .iter()
+        .map(|j| {
+            assert_eq!(j["schedule"]["id"], "beat", "{j}");
+            assert_eq!(j["schedule"]["triggered"], false, "{j}");
+            let t = j["schedule"]["tick_ms"].as_u64().unwrap();
+            assert_eq!(j["dedup_id"], format!("schedule:beat@{t}"), "{j}");
+            assert!(t % 1000 == 0 && t > since && t <= decided, "{j}");
+            t
+        })
+        .collect();
+    seen.dedup();
+    assert_eq!(seen.len() as u64, ticks, "a tick per job: {seen:?}");
+    // The key's shard is run by one of the two servers: ask both.
+    let mut claimed = Vec::new();
+    for srv in [&a, &b] {
+        let (code, v) = call(
+            srv,
+            "POST",
+            "/v1/claim",
+            Some(&json!({"worker": "w-1", "max": 16, "wait_ms": 1000}).to_string()),
+            None,
+        );
+        assert_eq!(code, 200, "{v}");
+        claimed.extend(v["jobs"].as_array().unwrap().iter().cloned());
+    }
+    assert!(!claimed.is_empty(), "no scheduled job was claimed");
+    for j in &claimed {
+        assert_eq!(j["schedule"]["id"], "beat", "{j}");
+        assert!(
+            seen.contains(&j["schedule"]["tick_ms"].as_u64().unwrap()),
+            "{j}"
+        );
+    }
+    // A producer may not pass its job off as a schedule's.
+    let (code, v) = call(
+        &a,
+        "POST",
+        "/v1/jobs",
+        Some(&json!({"jobs": [{"key": "tenant-9", "payload": "x", "dedup_id": "schedule:beat@1000"}]}).to_string()),
+        None,
+    );
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("kept for the jobs of schedules"),
+        "{v}"
+    );
 }
 
 #[test]

@@ -1541,6 +1541,71 @@ pub fn schedule_ticks_store_once(h: &dyn ContractHarness) {
     );
 }
 
+/// A job keeps the dedup id it was enqueued with, and its claim, its view
+/// and its copy in a move carry it: a retried run, a dead letter and a
+/// job moved to another shard still name it (a schedule's job, its
+/// schedule and tick). A job enqueued without one has none.
+pub fn a_jobs_dedup_id_follows_it_through_claims_and_moves(h: &dyn ContractHarness) {
+    use shardq_core::schedule::{tick_dedup_id, ScheduleTick};
+    let b = h.backend();
+    let (from, to) = (h.fresh_shard(), h.fresh_shard());
+    let tick = tick_dedup_id("nightly", 1_800_000_000_000);
+    let mut dies = NewJob::new("dk", "dead").with_dedup_id("order-17");
+    dies.max_attempts = 1;
+    let jobs = [
+        dies,
+        NewJob::new("dk", "tick").with_dedup_id(tick.clone()),
+        NewJob::new("dk", "plain"),
+    ];
+    let stored = b
+        .enqueue_dedup(&from, u64::MAX, &jobs, DEDUP_WINDOW_MS)
+        .expect("enqueue");
+    let dedup_of = |shard: &str, id| b.job(shard, id).expect("job").expect("live").dedup_id;
+    assert_eq!(dedup_of(&from, stored[0].id).as_deref(), Some("order-17"));
+    assert_eq!(dedup_of(&from, stored[2].id), None);
+    // The first dies on its one attempt; the second's run lapses and it
+    // runs again: every claim names its id.
+    let run = claim(h, &from, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(run.dedup_id.as_deref(), Some("order-17"));
+    b.fail(&from, run.receipt(), "boom", None).expect("fail");
+    let dead = b.job(&from, stored[0].id).expect("job").expect("kept");
+    assert_eq!(
+        (dead.state, dead.dedup_id.as_deref()),
+        (JobState::Dead, Some("order-17"))
+    );
+    let first = claim(h, &from, 1, 1_000).remove(0);
+    assert_eq!(first.dedup_id.as_deref(), Some(tick.as_str()));
+    h.pass_ms(1_001);
+    let again = claim(h, &from, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!(
+        (again.id, again.attempt),
+        (first.id, 2),
+        "the lapsed run again"
+    );
+    let named =
+        ScheduleTick::of_dedup_id(again.dedup_id.as_deref().expect("kept")).expect("a schedule's");
+    assert_eq!(
+        (named.id.as_str(), named.tick_ms),
+        ("nightly", 1_800_000_000_000)
+    );
+    b.fail(&from, again.receipt(), "later", Some(3_600_000))
+        .expect("fail");
+    // Moved: the copies keep their ids, dead letter included.
+    let moved = b.export_jobs(&from, "dk", None, 10).expect("export");
+    let ids: Vec<Option<&str>> = moved.iter().map(|j| j.dedup_id.as_deref()).collect();
+    assert_eq!(ids, [Some("order-17"), Some(tick.as_str()), None]);
+    let pairs = b.import_jobs(&to, &from, "dk", &moved).expect("import");
+    assert_eq!(pairs.len(), 3);
+    for ((_, new), want) in pairs.iter().zip(&ids) {
+        assert_eq!(dedup_of(&to, *new).as_deref(), *want);
+    }
+    // A moved job with a dedup id no backend could hold is refused whole.
+    let mut bad = moved[2].clone();
+    bad.id = JobId(bad.id.0 + 1_000);
+    bad.dedup_id = Some("x".repeat(shardq_core::job::DEDUP_ID_BYTES_MAX + 1));
+    assert!(b.import_jobs(&to, &from, "dk", &[bad]).is_err());
+}
+
 /// Many threads enqueueing one `(key, id)` at once store exactly one job,
 /// and every one of them is told its id.
 pub fn dedup_is_atomic_with_the_append(h: &dyn ContractHarness) {

@@ -64,6 +64,7 @@ macro_rules! __contract_checks {
             fail_with_retry_in_runs_again_first
             dedup_ids_belong_to_their_key
             schedule_ticks_store_once
+            a_jobs_dedup_id_follows_it_through_claims_and_moves
             dedup_is_atomic_with_the_append
             dedup_records_move_with_export_and_import
             backlogs_move_with_their_key

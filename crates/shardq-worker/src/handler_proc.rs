@@ -74,6 +74,36 @@ fn job_fence(job: &ClaimedJob) -> Option<String> {
     Some(job.fence.to_string())
 }
 
+/// Where a job came from, for its handler's environment: its dedup id
+/// (`SHARDQ_DEDUP_ID`) and, for a schedule's job, the schedule
+/// (`SHARDQ_SCHEDULE`), its tick as RFC 3339 (`SHARDQ_SCHEDULE_TIME`) and
+/// in ms (`SHARDQ_SCHEDULE_TIME_MS`), and `SHARDQ_SCHEDULE_TRIGGERED=1` for
+/// an operator's trigger. An absent one is removed from the environment
+/// the worker passes on.
+pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 5] {
+    let tick = job
+        .dedup_id
+        .as_deref()
+        .and_then(shardq_core::schedule::ScheduleTick::of_dedup_id);
+    [
+        ("SHARDQ_DEDUP_ID", job.dedup_id.clone()),
+        ("SHARDQ_SCHEDULE", tick.as_ref().map(|t| t.id.clone())),
+        (
+            "SHARDQ_SCHEDULE_TIME",
+            tick.as_ref()
+                .map(|t| shardq_core::schedule::show_time(t.tick_ms)),
+        ),
+        (
+            "SHARDQ_SCHEDULE_TIME_MS",
+            tick.as_ref().map(|t| t.tick_ms.to_string()),
+        ),
+        (
+            "SHARDQ_SCHEDULE_TRIGGERED",
+            tick.as_ref().filter(|t| t.triggered).map(|_| "1".into()),
+        ),
+    ]
+}
+
 /// Checks, before any job is claimed, that `cmd`'s program can be run: a
 /// path (with a `/`) must be an executable file; a bare name must be one on
 /// `$PATH`. A handler that cannot start is the worker's error, not a job's
@@ -115,7 +145,8 @@ pub fn check_command(cmd: &[String]) -> Result<(), String> {
 
 /// Runs `cmd` for `job`: payload on stdin; `SHARDQ_KEY`, `SHARDQ_JOB_ID`,
 /// `SHARDQ_ATTEMPT`, `SHARDQ_SHARD`, `SHARDQ_PAYLOAD_BYTES` (and
-/// `SHARDQ_FENCE` when the job has one) in its environment.
+/// `SHARDQ_FENCE` when the job has one, and [`job_origin_env`]) in its
+/// environment.
 ///
 /// Ok only if the handler exited 0 and its payload was written in full (or
 /// it closed its stdin early). When `should_stop()` turns true or `timeout`
@@ -149,6 +180,12 @@ pub fn run_job_command(
         Some(fence) => command.env("SHARDQ_FENCE", fence),
         None => command.env_remove("SHARDQ_FENCE"),
     };
+    for (name, value) in job_origin_env(job) {
+        match value {
+            Some(v) => command.env(name, v),
+            None => command.env_remove(name),
+        };
+    }
     die_with_parent(&mut command);
     let started = Instant::now();
     let mut child = command
@@ -533,7 +570,8 @@ mod tests {
 import json, os, sys
 payload = sys.stdin.buffer.read()
 names = ["SHARDQ_KEY", "SHARDQ_JOB_ID", "SHARDQ_ATTEMPT", "SHARDQ_SHARD",
-         "SHARDQ_PAYLOAD_BYTES", "SHARDQ_FENCE"]
+         "SHARDQ_PAYLOAD_BYTES", "SHARDQ_FENCE", "SHARDQ_DEDUP_ID", "SHARDQ_SCHEDULE",
+         "SHARDQ_SCHEDULE_TIME", "SHARDQ_SCHEDULE_TIME_MS", "SHARDQ_SCHEDULE_TRIGGERED"]
 seen = {n: os.environ.get(n) for n in names}
 seen["payload"] = payload.decode()
 seen["pgid_is_pid"] = os.getpgid(0) == os.getpid()
@@ -551,6 +589,12 @@ open(sys.argv[1], "w").write(json.dumps(seen))
         // Bytes, not characters.
         assert_eq!(seen["SHARDQ_PAYLOAD_BYTES"], "6");
         assert_eq!(seen["SHARDQ_FENCE"], "7");
+        // A schedule's job names its schedule and tick.
+        assert_eq!(seen["SHARDQ_DEDUP_ID"], "schedule:nightly@1800000000000");
+        assert_eq!(seen["SHARDQ_SCHEDULE"], "nightly");
+        assert_eq!(seen["SHARDQ_SCHEDULE_TIME"], "2027-01-15T08:00:00.000Z");
+        assert_eq!(seen["SHARDQ_SCHEDULE_TIME_MS"], "1800000000000");
+        assert_eq!(seen["SHARDQ_SCHEDULE_TRIGGERED"], serde_json::Value::Null);
         assert_eq!(seen["payload"], "héllo");
         // The handler leads a process group of its own.
         assert_eq!(seen["pgid_is_pid"], true);

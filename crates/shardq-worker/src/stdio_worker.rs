@@ -4,7 +4,8 @@
 //! The protocol (docs/stdio-protocol.md): shardq writes one JSON object per
 //! job on the handler's stdin, the job object of the server's `/v1/claim`
 //! (`id`, `shard`, `key`, `payload` when the payload is UTF-8 or else
-//! `payload_b64`, `attempt`, `receipt`, `fence`, `lease_expires_ms`), and
+//! `payload_b64`, `attempt`, `receipt`, `fence`, `lease_expires_ms`, and
+//! `dedup_id` and `schedule` when the job has them), and
 //! reads one result line per job from its stdout:
 //! `{"receipt":"...","ok":true}` or `{"receipt":"...","ok":false,"reason":"..."}`.
 //! Up to `--stdio-pipeline` jobs are written ahead to each process (of
@@ -35,6 +36,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
+use shardq_core::schedule::ScheduleTick;
 use shardq_core::{BackOff, ClaimedJob, HandlerError};
 
 /// Longest result line read from a handler (1 MiB); a longer one is a
@@ -67,6 +69,12 @@ pub struct StdioJob<'a> {
     /// When the run's job lease ends unless extended (shardq extends it
     /// while the handler works).
     pub lease_expires_ms: u64,
+    /// The dedup id the job was enqueued with, when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dedup_id: Option<&'a str>,
+    /// The schedule and tick of a schedule's job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleTick>,
 }
 
 impl<'a> StdioJob<'a> {
@@ -89,6 +97,8 @@ impl<'a> StdioJob<'a> {
             receipt: format!("{}:{}", job.shard, job.receipt()),
             fence: job.fence,
             lease_expires_ms: job.lease_until_ms,
+            dedup_id: job.dedup_id.as_deref(),
+            schedule: job.dedup_id.as_deref().and_then(ScheduleTick::of_dedup_id),
         }
     }
 }
@@ -761,6 +771,8 @@ while True:
                 "receipt": "shard-0:17.7",
                 "fence": 7,
                 "lease_expires_ms": 31_000,
+                "dedup_id": "schedule:nightly@1800000000000",
+                "schedule": {"id": "nightly", "tick_ms": 1_800_000_000_000u64, "triggered": false},
             })
         );
         // Bytes that are not UTF-8 go in base64.

@@ -19,6 +19,7 @@ pub fn job(id: u64, key: &str, payload: &[u8]) -> ClaimedJob {
         not_before_ms: 1_000,
         fence: 7,
         lease_until_ms: 31_000,
+        dedup_id: Some("schedule:nightly@1800000000000".to_string()),
     }
 }
 

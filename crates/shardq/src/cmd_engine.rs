@@ -273,7 +273,9 @@ pub struct WorkArgs {
     /// on stdin; SHARDQ_KEY, SHARDQ_JOB_ID, SHARDQ_ATTEMPT, SHARDQ_SHARD,
     /// SHARDQ_PAYLOAD_BYTES (the payload's length: compare it with what was
     /// read, a worker that dies mid-write leaves a short stdin) and, where
-    /// the backend provides it, SHARDQ_FENCE in its environment. Exit 0 acks,
+    /// the backend provides it, SHARDQ_FENCE in its environment; with a
+    /// dedup id, SHARDQ_DEDUP_ID; for a schedule's job, SHARDQ_SCHEDULE,
+    /// SHARDQ_SCHEDULE_TIME (RFC 3339) and SHARDQ_SCHEDULE_TIME_MS. Exit 0 acks,
     /// unless writing the payload failed (other than the handler closing its
     /// stdin early).
     #[arg(last = true)]

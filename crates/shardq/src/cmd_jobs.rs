@@ -272,6 +272,17 @@ fn print_job(shard: &str, j: &JobInfo) {
     if let Some(r) = &j.reason {
         println!("reason\t{}", shardq_core::job::shown_key(r));
     }
+    if let Some(d) = &j.dedup_id {
+        println!("dedup id\t{}", shardq_core::job::shown_key(d));
+        if let Some(t) = shardq_core::schedule::ScheduleTick::of_dedup_id(d) {
+            let how = if t.triggered { "triggered at" } else { "tick" };
+            println!(
+                "schedule\t{} {how} {}",
+                t.id,
+                shardq_core::schedule::show_time(t.tick_ms)
+            );
+        }
+    }
     match std::str::from_utf8(&j.payload) {
         Ok(text) if text.len() <= SHOWN_PAYLOAD_BYTES => println!("payload\t{text:?}"),
         Ok(text) => println!(

@@ -15,8 +15,17 @@ use std::time::{Duration, Instant};
 use shardq_testkit::redis::{RedisCluster, RedisServer};
 use support::{ok, run, temp_dir, wait_until, BIN, WAIT_MAX};
 
+/// The handler's line per run: the job, then the schedule and the tick
+/// the job names (`SHARDQ_SCHEDULE`, `SHARDQ_SCHEDULE_TIME_MS`).
+fn handler_line(log: &Path) -> String {
+    format!(
+        "echo \"$SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_SCHEDULE $SHARDQ_SCHEDULE_TIME_MS\" >> {}",
+        log.display()
+    )
+}
+
 fn worker(data: &Path, log: &Path, extra: &[&str]) -> Child {
-    let line = format!("echo \"$SHARDQ_SHARD:$SHARDQ_JOB_ID\" >> {}", log.display());
+    let line = handler_line(log);
     Command::new(BIN)
         .args([
             "work",
@@ -144,10 +153,7 @@ fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child
             "--exit-when-idle",
         ])
         .args(["--", "sh", "-c"])
-        .arg(format!(
-            "echo \"$SHARDQ_SHARD:$SHARDQ_JOB_ID\" >> {}",
-            log.display()
-        ))
+        .arg(handler_line(&log))
         .output()
         .unwrap();
     assert!(
@@ -165,11 +171,20 @@ fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child
         view["state"]["missed"], 0,
         "no tick was past its catch-up: {view}"
     );
-    // Every job that ran, once per job however many times it ran.
+    // Every job that ran, once per job however many times it ran, and
+    // the tick each names, from the handler's own log: the ticks that
+    // produced a job are exactly the decided ones, each by one job.
     let text = std::fs::read_to_string(&log).unwrap();
-    let mut runs: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut runs: BTreeMap<&str, u64> = BTreeMap::new();
     for l in text.lines() {
-        *runs.entry(l).or_default() += 1;
+        let mut f = l.split(' ');
+        let (job, sched, tick) = (f.next().unwrap(), f.next(), f.next());
+        assert_eq!(sched, Some("every-second"), "{l}");
+        let tick: u64 = tick
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{l}"));
+        let was = runs.insert(job, tick);
+        assert!(was.is_none_or(|t| t == tick), "job {job} named two ticks");
     }
     assert_eq!(
         runs.len() as u64,
@@ -177,6 +192,11 @@ fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child
         "jobs that ran vs ticks decided ({} runs in all)",
         text.lines().count()
     );
+    let ticks: std::collections::BTreeSet<u64> = runs.values().copied().collect();
+    let want: std::collections::BTreeSet<u64> = (since / 1_000 + 1..=decided / 1_000)
+        .map(|s| s * 1_000)
+        .collect();
+    assert_eq!(ticks, want, "the ticks the handler saw vs the decided ones");
     // And no tick without its job: a backfill over every decided tick
     // stores nothing new.
     let out = ok(&[

@@ -274,14 +274,68 @@ pub fn validate_schedule_id(id: &str) -> Result<(), QueueError> {
     })
 }
 
+/// The start of every dedup id a schedule's job carries. Producers'
+/// own dedup ids may not start with it (the CLI and the server refuse
+/// one), so a job that carries it was enqueued by a schedule.
+pub const SCHEDULE_DEDUP_PREFIX: &str = "schedule:";
+
 /// The dedup id of the job of tick `tick_ms` of schedule `id`.
 pub fn tick_dedup_id(id: &str, tick_ms: u64) -> String {
-    format!("schedule:{id}@{tick_ms}")
+    format!("{SCHEDULE_DEDUP_PREFIX}{id}@{tick_ms}")
 }
 
 /// The dedup id of a manual trigger of schedule `id` at `now_ms`.
 pub fn trigger_dedup_id(id: &str, now_ms: u64) -> String {
-    format!("schedule:{id}!{now_ms}")
+    format!("{SCHEDULE_DEDUP_PREFIX}{id}!{now_ms}")
+}
+
+/// Refuses a producer's dedup id in the schedules' namespace
+/// ([`SCHEDULE_DEDUP_PREFIX`]): a job enqueued with one would tell its
+/// handler it came from a schedule.
+pub fn refuse_schedule_dedup_id(id: &str) -> Result<(), QueueError> {
+    if id.starts_with(SCHEDULE_DEDUP_PREFIX) {
+        return Err(QueueError::InvalidOption {
+            name: "dedup id",
+            value: format!("{id:?}"),
+            allowed: format!(
+                "an id not starting with {SCHEDULE_DEDUP_PREFIX:?} (kept for the jobs of schedules)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The schedule and tick a scheduled job was enqueued for, read from its
+/// dedup id: what a handler is told (`SHARDQ_SCHEDULE`,
+/// `SHARDQ_SCHEDULE_TIME`, the `schedule` fields of a claim).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleTick {
+    /// The schedule's id.
+    pub id: String,
+    /// The tick (ms since the epoch), or the time of a manual trigger.
+    pub tick_ms: u64,
+    /// Whether an operator triggered it (`schedule trigger`) rather than a
+    /// tick (a backfilled tick is a tick).
+    pub triggered: bool,
+}
+
+impl ScheduleTick {
+    /// The tick a job's dedup id names, if it is a schedule's.
+    pub fn of_dedup_id(dedup_id: &str) -> Option<ScheduleTick> {
+        let rest = dedup_id.strip_prefix(SCHEDULE_DEDUP_PREFIX)?;
+        // Schedule ids hold neither `@` nor `!`: the last one splits.
+        let at = rest.rfind(['@', '!'])?;
+        let (id, ms) = (&rest[..at], &rest[at + 1..]);
+        validate_schedule_id(id).ok()?;
+        if ms.is_empty() || !ms.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        Some(ScheduleTick {
+            id: id.to_string(),
+            tick_ms: ms.parse().ok()?,
+            triggered: rest.as_bytes()[at] == b'!',
+        })
+    }
 }
 
 /// Every schedule of a deployment, by id (the `schedules` setting).
@@ -696,5 +750,39 @@ impl ScheduleTotals {
             }
         }
         t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jobs_dedup_id_names_its_schedule_and_tick_only_when_it_is_one() {
+        let tick = ScheduleTick::of_dedup_id(&tick_dedup_id("bill:eu.1", 1_800_000_000_000));
+        assert_eq!(
+            tick,
+            Some(ScheduleTick {
+                id: "bill:eu.1".into(),
+                tick_ms: 1_800_000_000_000,
+                triggered: false
+            })
+        );
+        let t = ScheduleTick::of_dedup_id(&trigger_dedup_id("x", 5)).unwrap();
+        assert!(t.triggered && t.tick_ms == 5 && t.id == "x");
+        for other in [
+            "order-17",
+            "schedule:",
+            "schedule:x",
+            "schedule:x@",
+            "schedule:x@12a",
+            "schedule:@12",
+            "schedule:a b@12",
+            "schedule:x@99999999999999999999999",
+        ] {
+            assert_eq!(ScheduleTick::of_dedup_id(other), None, "{other}");
+        }
+        assert!(refuse_schedule_dedup_id("schedule:x@1").is_err());
+        assert!(refuse_schedule_dedup_id("order-17").is_ok());
     }
 }

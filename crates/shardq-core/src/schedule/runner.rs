@@ -113,7 +113,7 @@ fn check_put(id: &str, s: &Schedule, payload_bytes_max: usize) -> Result<(), Que
     if s.payload.len() > payload_bytes_max {
         return Err(QueueError::InvalidOption {
             name: "payload",
-            value: format!("of schedule {id:?}: {} bytes", s.payload.len()),
+            value: format!("of {} bytes (schedule {id:?})", s.payload.len()),
             allowed: format!("at most {payload_bytes_max} bytes on this deployment"),
         });
     }

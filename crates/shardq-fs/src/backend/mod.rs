@@ -450,55 +450,19 @@ impl FsBackend {
         lease_until_ms: u64,
     ) -> Result<ClaimedJob, QueueError> {
         let name = shard.name.as_str();
-        let bytes = inner.log.read_record_at(p.id)?;
-        let (rec, _) = decode(&bytes).map_err(|e| QueueError::Inconsistent {
-            shard: shard.name.clone(),
-            segment: "?".into(),
-            offset: p.id,
-            reason: format!("the enqueue record read back for a claim does not decode: {e:?}"),
-        })?;
-        let (Record::Enqueue {
-            created_ms,
-            key,
-            payload,
-            ..
-        }
-        | Record::Import {
-            created_ms,
-            key,
-            payload,
-            ..
-        }) = rec
-        else {
-            return Err(QueueError::Inconsistent {
-                shard: name.to_string(),
-                segment: "-".into(),
-                offset: p.id,
-                reason: "a claimed job's position does not hold an enqueue record".into(),
-            });
-        };
-        if key != &*p.key {
-            return Err(QueueError::Inconsistent {
-                shard: name.to_string(),
-                segment: "-".into(),
-                offset: p.id,
-                reason: format!(
-                    "the enqueue record of claimed job {} has key {key:?}, the replica has {:?}",
-                    p.id, p.key
-                ),
-            });
-        }
+        let r = records::read_job(name, &mut inner.log, p.id, &p.key)?;
         Ok(ClaimedJob {
             shard: name.to_string(),
             id: JobId(p.id),
-            key: key.to_string(),
-            payload: payload.to_vec(),
+            key: p.key.to_string(),
+            payload: r.payload,
             attempt: p.attempt,
             max_attempts: p.max_attempts,
-            created_ms,
+            created_ms: r.created_ms,
             not_before_ms: p.not_before_ms,
             fence,
             lease_until_ms,
+            dedup_id: r.dedup_id,
         })
     }
 
@@ -1499,15 +1463,16 @@ impl QueueBackend for FsBackend {
         drop(inner);
         let mut out = Vec::with_capacity(picked.len());
         for ((slot, dead), at) in picked.into_iter().zip(places) {
-            let (created_ms, payload) = job_of_record(name, &at.read()?, slot.id, key)?;
+            let r = job_of_record(name, &at.read()?, slot.id, key)?;
             out.push(MovedJob {
                 id: JobId(slot.id),
-                created_ms,
+                created_ms: r.created_ms,
                 not_before_ms: slot.not_before_ms,
                 attempt: slot.attempt,
                 max_attempts: slot.max_attempts,
-                payload,
+                payload: r.payload,
                 dead,
+                dedup_id: r.dedup_id,
             });
         }
         Ok(out)
@@ -1543,6 +1508,9 @@ impl QueueBackend for FsBackend {
                         bytes: j.payload.len(),
                         max: PAYLOAD_BYTES_LIMIT,
                     });
+                }
+                if let Some(d) = &j.dedup_id {
+                    shardq_core::job::validate_dedup_id(key, d)?;
                 }
             }
         }
@@ -1602,6 +1570,7 @@ impl QueueBackend for FsBackend {
                             from,
                             key,
                             reason: cut_reason(j.dead.as_deref().unwrap_or("")),
+                            dedup_id: j.dedup_id.as_deref().unwrap_or(""),
                             payload: &j.payload,
                         },
                     );

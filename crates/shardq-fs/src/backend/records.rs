@@ -50,24 +50,34 @@ impl FsBackend {
     }
 }
 
-/// The enqueue time and payload of job `id` of `key`, read back from its
-/// Enqueue or Import record (the state keeps neither).
+/// What a job's own record holds that the replayed state does not keep.
+pub(super) struct Recorded {
+    /// Enqueue time.
+    pub created_ms: u64,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// The dedup id it was enqueued with.
+    pub dedup_id: Option<String>,
+}
+
+/// Job `id` of `key` as its Enqueue or Import record holds it (the state
+/// keeps none of it).
 pub(super) fn read_job(
     name: &str,
     log: &mut ShardLog,
     id: u64,
     key: &str,
-) -> Result<(u64, Vec<u8>), QueueError> {
+) -> Result<Recorded, QueueError> {
     job_of_record(name, &log.read_record_at(id)?, id, key)
 }
 
-/// The enqueue time and payload in `bytes`, the record of job `id` of `key`.
+/// Job `id` of `key` as `bytes`, its record, hold it.
 pub(super) fn job_of_record(
     name: &str,
     bytes: &[u8],
     id: u64,
     key: &str,
-) -> Result<(u64, Vec<u8>), QueueError> {
+) -> Result<Recorded, QueueError> {
     let bad = |reason: String| QueueError::Inconsistent {
         shard: name.to_string(),
         segment: "-".into(),
@@ -76,23 +86,42 @@ pub(super) fn job_of_record(
     };
     let (rec, _) =
         decode(bytes).map_err(|e| bad(format!("the record of job {id} does not decode: {e:?}")))?;
-    match rec {
+    let (created_ms, k, payload, dedup_id) = match rec {
         Record::Enqueue {
             created_ms,
-            key: k,
+            key,
             payload,
+            dedup,
             ..
-        }
-        | Record::Import {
+        } => (created_ms, key, payload, dedup.map(|d| d.id)),
+        Record::Import {
             created_ms,
-            key: k,
+            key,
             payload,
+            dedup_id,
             ..
-        } if k == key => Ok((created_ms, payload.to_vec())),
-        _ => Err(bad(format!(
-            "job {id} of key {key:?} does not start at an enqueue of that key"
-        ))),
+        } => (
+            created_ms,
+            key,
+            payload,
+            Some(dedup_id).filter(|d| !d.is_empty()),
+        ),
+        _ => {
+            return Err(bad(format!(
+                "job {id} of key {key:?} does not start at an enqueue"
+            )))
+        }
+    };
+    if k != key {
+        return Err(bad(format!(
+            "the enqueue record of job {id} has key {k:?}, the replica has {key:?}"
+        )));
     }
+    Ok(Recorded {
+        created_ms,
+        payload: payload.to_vec(),
+        dedup_id: dedup_id.map(str::to_string),
+    })
 }
 
 /// A live job that just finished, as the finished file keeps it.
@@ -123,7 +152,11 @@ pub(super) fn job_info(
     j: &crate::state::LiveJob<'_>,
     now: u64,
 ) -> Result<JobInfo, QueueError> {
-    let (created_ms, payload) = read_job(name, log, j.slot.id, j.key)?;
+    let Recorded {
+        created_ms,
+        payload,
+        dedup_id,
+    } = read_job(name, log, j.slot.id, j.key)?;
     let (state, attempts) = if j.run.is_some() {
         (JobState::Running, j.slot.attempt.saturating_sub(1))
     } else if j.dead {
@@ -145,5 +178,6 @@ pub(super) fn job_info(
         reason: j.reason.map(str::to_string),
         attempt_starts_ms: j.starts.to_vec(),
         payload,
+        dedup_id,
     })
 }

@@ -1125,6 +1125,7 @@ impl QueueBackend for RedisBackend {
                 payload: rec.payload.to_vec(),
                 fence,
                 lease_until_ms,
+                dedup_id: rec.dedup_id,
             });
         }
         Ok(out)
@@ -1605,8 +1606,11 @@ impl QueueBackend for RedisBackend {
         let token = self.move_token();
         let s = self.shard(shard)?;
         let s = &*s;
-        for (key, _) in items {
+        for (key, jobs) in items {
             shardq_core::validate_key(key)?;
+            for d in jobs.iter().filter_map(|j| j.dedup_id.as_deref()) {
+                shardq_core::job::validate_dedup_id(key, d)?;
+            }
         }
         // Calls of at most TRANSFER_CALL_JOBS_MAX jobs and about
         // TRANSFER_CALL_BYTES_MAX bytes, each key's jobs in order: every
@@ -1657,7 +1661,8 @@ impl QueueBackend for RedisBackend {
                                 } else {
                                     r
                                 }
-                            }));
+                            }))
+                            .arg(j.dedup_id.as_deref().unwrap_or(""));
                     }
                 }
             })?;

@@ -4,7 +4,7 @@
 use super::*;
 
 /// One job's record in the shard's `jobs` hash:
-/// `<not_before_ms>|<attempts>|<max_attempts>|<created_ms>|<key len>|<key><payload>`
+/// `<not_before_ms>|<attempts>|<max_attempts>|<created_ms>|<key len>|<dedup id len>|<key><dedup id><payload>`
 /// (the scripts in `scripts.rs` write it).
 #[derive(Debug, PartialEq)]
 pub(crate) struct JobRecord<'a> {
@@ -14,6 +14,8 @@ pub(crate) struct JobRecord<'a> {
     pub(crate) max_attempts: u32,
     pub(crate) created_ms: u64,
     pub(crate) key: String,
+    /// The dedup id the job was enqueued with (`None` when empty).
+    pub(crate) dedup_id: Option<String>,
     pub(crate) payload: &'a [u8],
 }
 
@@ -32,16 +34,22 @@ impl JobRecord<'_> {
         let max_attempts = u32::try_from(num()?).ok()?;
         let created_ms = num()?;
         let key_len = usize::try_from(num()?).ok()?;
-        if rest.len() < key_len {
+        let dedup_len = usize::try_from(num()?).ok()?;
+        if rest.len() < key_len.checked_add(dedup_len)? {
             return None;
         }
-        let (key, payload) = rest.split_at(key_len);
+        let (key, rest) = rest.split_at(key_len);
+        let (dedup, payload) = rest.split_at(dedup_len);
         Some(JobRecord {
             not_before_ms,
             attempts,
             max_attempts,
             created_ms,
             key: String::from_utf8(key.to_vec()).ok()?,
+            dedup_id: match dedup_len {
+                0 => None,
+                _ => Some(String::from_utf8(dedup.to_vec()).ok()?),
+            },
             payload,
         })
     }
@@ -133,6 +141,7 @@ pub(super) fn job_info(id: JobId, f: &[Value]) -> Option<JobInfo> {
         reason,
         attempt_starts_ms: parse_starts(&f[5])?,
         payload: rec.payload.to_vec(),
+        dedup_id: rec.dedup_id,
     })
 }
 
@@ -159,6 +168,7 @@ pub(super) fn moved_job(
         max_attempts: rec.max_attempts,
         payload: rec.payload.to_vec(),
         dead: (!reason.is_empty()).then_some(reason),
+        dedup_id: rec.dedup_id,
     })
 }
 
@@ -210,19 +220,27 @@ mod tests {
             max_attempts: 3,
             created_ms: 4,
             key: key.to_string(),
+            dedup_id: None,
             payload,
         })
     }
 
     #[test]
     pub(super) fn job_records() {
-        check(b"5|0|3|4|1|kp", job(0, "k", b"p"));
-        // Keys and payloads may hold the separator; the key length decides.
-        check(b"5|1|3|4|3|a|b|x|", job(1, "a|b", b"|x|"));
-        check(b"5|0|3|4|2|ab", job(0, "ab", b""));
-        check(b"5|0|3|4|3|ab", None);
+        check(b"5|0|3|4|1|0|kp", job(0, "k", b"p"));
+        // Keys and payloads may hold the separator; the lengths decide.
+        check(b"5|1|3|4|3|0|a|b|x|", job(1, "a|b", b"|x|"));
+        check(b"5|0|3|4|2|0|ab", job(0, "ab", b""));
+        let with_id = job(0, "k", b"|p").map(|mut j| {
+            j.dedup_id = Some("schedule:s@1|2".into());
+            j
+        });
+        check(b"5|0|3|4|1|14|kschedule:s@1|2|p", with_id);
+        check(b"5|0|3|4|3|0|ab", None);
+        check(b"5|0|3|4|1|5|kab", None);
+        check(b"5|0|3|4|1|kp", None);
         check(b"5|0|3|4|", None);
-        check(b"5|x|3|4|1|k", None);
+        check(b"5|x|3|4|1|0|k", None);
         check(b"", None);
     }
 }

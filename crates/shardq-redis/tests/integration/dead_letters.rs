@@ -31,7 +31,7 @@ local per = {}
 for _, id in ipairs(ids) do
   local r = redis.call('HGET', jobs, id)
   if not r then return {'dead job ' .. id .. ' has no record'} end
-  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|()')
+  local kl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|%d+|()')
   local k = string.sub(r, p, p + tonumber(kl) - 1)
   per[k] = (per[k] or 0) + 1
   local m = k .. string.char(0) .. string.format('%016d', tonumber(id))
@@ -101,6 +101,7 @@ fn moved(id: u64, payload: &str, dead: Option<&str>) -> MovedJob {
         max_attempts: 1,
         payload: payload.as_bytes().to_vec(),
         dead: dead.map(str::to_string),
+        dedup_id: None,
     }
 }
 

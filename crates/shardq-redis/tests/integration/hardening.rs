@@ -390,10 +390,10 @@ fn namespaces_keep_two_deployments_on_one_server_apart() {
     ));
 
     // A layout version this build does not know: an older build's (1,
-    // before the `limits` part; 2, before `deadk`; 3, with `dedupx`) or a
-    // newer one's.
+    // before the `limits` part; 2, before `deadk`; 3, with `dedupx`; 4,
+    // job records without their dedup id) or a newer one's.
     let meta = &b2.shard_keys("r0").unwrap()[0];
-    for found_layout in ["1", "2", "3", "99"] {
+    for found_layout in ["1", "2", "3", "4", "99"] {
         server.cli(&["hset", meta, "layout", found_layout]);
         match RedisBackend::open(
             &map,

@@ -322,6 +322,12 @@ struct ClaimedOut {
     /// When the server fails the run if it has not ended (its job timeout).
     #[serde(skip_serializing_if = "Option::is_none")]
     timeout_expires_ms: Option<u64>,
+    /// The dedup id the job was enqueued with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dedup_id: Option<String>,
+    /// A schedule's job: its schedule and tick.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    schedule: Option<shardq_core::schedule::ScheduleTick>,
 }
 
 /// `POST /v1/claim`: long-polls the owned shards until something is
@@ -506,6 +512,11 @@ impl App {
                             fence: j.fence,
                             lease_expires_ms: j.lease_until_ms,
                             timeout_expires_ms: timeout_ms.map(|ms| now.saturating_add(ms)),
+                            schedule: j
+                                .dedup_id
+                                .as_deref()
+                                .and_then(shardq_core::schedule::ScheduleTick::of_dedup_id),
+                            dedup_id: j.dedup_id,
                         });
                     }
                 }

@@ -42,7 +42,8 @@ fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
             shown(id)
         )));
     }
-    Ok(())
+    shardq_core::schedule::refuse_schedule_dedup_id(id)
+        .map_err(|e| ApiError::bad(format!("{field}: {e}")))
 }
 
 fn to_new_job(

@@ -31,6 +31,10 @@ struct JobOut {
     payload: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     payload_b64: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dedup_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    schedule: Option<shardq_core::schedule::ScheduleTick>,
 }
 
 fn job_out(shard: &str, j: JobInfo) -> JobOut {
@@ -59,6 +63,11 @@ fn job_out(shard: &str, j: JobInfo) -> JobOut {
         attempt_starts_ms: j.attempt_starts_ms,
         payload,
         payload_b64,
+        schedule: j
+            .dedup_id
+            .as_deref()
+            .and_then(shardq_core::schedule::ScheduleTick::of_dedup_id),
+        dedup_id: j.dedup_id,
     }
 }
 
