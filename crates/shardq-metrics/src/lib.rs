@@ -149,6 +149,9 @@ fn seconds(ms: u64) -> f64 {
 impl Metrics {
     /// Metrics with per-shard gauges read from `source` (at most once per
     /// `ttl`), or without them (`None`).
+    ///
+    /// Long on purpose: it registers every metric family, each with its
+    /// help text, in one list in the order docs/metrics.md gives them.
     pub fn new(source: Option<StatusSource>, ttl: Duration) -> Metrics {
         let mut registry = Registry::default();
         let flow = Flow::default();

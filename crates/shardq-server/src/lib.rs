@@ -222,6 +222,9 @@ pub struct RouteInfo {
     pub role: Option<Role>,
 }
 
+/// The route table: every path, its method, the role it needs and its
+/// handler. Long on purpose: one entry per route, the single list that
+/// routing, authorization and the OpenAPI test all read.
 fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
     use Role::*;
     let r = |method, path, role| RouteInfo { method, path, role };

@@ -355,6 +355,13 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
         _ => {}
     })?;
     bar.finish_and_clear();
+    print_rebalance(&report, opts.json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints what a rebalance did: one JSON document with `--json`, else a
+/// summary line, the moves per pair of shards and the pauses.
+fn print_rebalance(report: &RebalanceReport, json: bool) -> anyhow::Result<()> {
     let mut moves: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for m in &report.moved {
         *moves
@@ -380,9 +387,9 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             .map(|m| m.run_wait_ms)
             .fold(0.0, f64::max),
         elapsed_ms: report.elapsed_ms,
-        _report: &report,
+        _report: report,
     };
-    if opts.json {
+    if json {
         println!("{}", serde_json::to_string(&out)?);
     } else if out.nothing_to_do {
         println!(
@@ -406,7 +413,7 @@ fn rebalance(env: &Env, opts: &MoveOpts) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 #[derive(Serialize)]
