@@ -21,8 +21,15 @@ export interface EnqueueOptions {
   delayMs?: number;
   /** Attempts before the job becomes a dead letter. */
   maxAttempts?: number;
-  /** Idempotency key; generated when absent. */
+  /** Idempotency key; generated when absent (none for a unique or debounced job). */
   dedupId?: string;
+  /** A unique job: nothing is stored while the key's job with this id waits (or, with `uniqueWhile: "running"`, waits or runs); the answer is that job (`duplicate`). */
+  uniqueId?: string;
+  uniqueWhile?: "queued" | "running";
+  /** A debounced job: the key's waiting job with this id takes this payload and starts `debounceMs` later, at most `debounceMaxMs` after the burst's first. */
+  debounceId?: string;
+  debounceMs?: number;
+  debounceMaxMs?: number;
 }
 
 export interface JobSpec extends EnqueueOptions {
@@ -110,7 +117,23 @@ function encodeJob(job: JobSpec, index: number): Record<string, unknown> {
   if (job.dedupId !== undefined && (typeof job.dedupId !== "string" || job.dedupId.length === 0)) {
     throw new TypeError(`jobs[${index}].dedupId must be a non-empty string, got ${JSON.stringify(job.dedupId)}`);
   }
-  out["dedup_id"] = job.dedupId ?? randomUUID();
+  const keyed = job.uniqueId !== undefined || job.uniqueWhile !== undefined || job.debounceId !== undefined || job.debounceMs !== undefined || job.debounceMaxMs !== undefined;
+  if (!keyed) {
+    out["dedup_id"] = job.dedupId ?? randomUUID();
+    return out;
+  }
+  // A keyed job's id is its dedup id: a retry of a unique job is answered as its duplicate, one of a debounced job gives the waiting job the same payload again.
+  if (job.dedupId !== undefined) throw new TypeError(`jobs[${index}]: a unique or debounced job has no dedupId of its own (got ${JSON.stringify(job.dedupId)})`);
+  for (const [field, name] of [["uniqueId", "unique_id"], ["uniqueWhile", "unique_while"], ["debounceId", "debounce_id"]] as const) {
+    const v = job[field];
+    if (v === undefined) continue;
+    if (typeof v !== "string") throw new TypeError(`jobs[${index}].${field} must be a string, got ${JSON.stringify(v)}`);
+    out[name] = v;
+  }
+  checkNonNegativeInt(job.debounceMs, "debounceMs", index);
+  checkNonNegativeInt(job.debounceMaxMs, "debounceMaxMs", index);
+  if (job.debounceMs !== undefined) out["debounce_ms"] = job.debounceMs;
+  if (job.debounceMaxMs !== undefined) out["debounce_max_ms"] = job.debounceMaxMs;
   return out;
 }
 
@@ -133,7 +156,7 @@ function parseResults(reply: unknown, sent: Record<string, unknown>[], url: stri
       shard: r.shard,
       key: typeof r.key === "string" ? r.key : (sent[i]!["key"] as string),
       duplicate: r.duplicate === true,
-      dedupId: sent[i]!["dedup_id"] as string,
+      dedupId: (sent[i]!["dedup_id"] as string | undefined) ?? "",
     };
   });
 }

@@ -179,3 +179,23 @@ test("applySchedules sets many in one change, prunes, keeps a pause, and refuses
     await c.close();
   }
 });
+
+test("unique and debounced jobs through the client", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  const client = new Client([c.servers[0]!.url]);
+  try {
+    const first = await client.enqueue("tenant-u", "a", { uniqueId: "sync", delayMs: 60_000 });
+    const again = await client.enqueue("tenant-u", "b", { uniqueId: "sync" });
+    assert.equal(first.duplicate, false);
+    assert.deepEqual([again.duplicate, again.id], [true, first.id]);
+    const burst = await client.enqueueMany([0, 1, 2, 3].map((i) => ({ key: "tenant-d", payload: `v${i}`, debounceId: "recalc", debounceMs: 60_000 })));
+    assert.deepEqual(new Set(burst.map((b) => b.id)).size, 1, JSON.stringify(burst));
+    const job = await client.job(String(burst[0]!.id));
+    assert.equal(job && "payload" in job ? job.payload.toString("utf8") : undefined, "v3");
+    await assert.rejects(client.enqueue("k", "x", { uniqueId: "a", debounceId: "b", debounceMs: 5 }), (e: unknown) => e instanceof BadRequest && /not both/.test(e.message));
+    await assert.rejects(client.enqueue("k", "x", { uniqueId: "a", dedupId: "mine" }), TypeError);
+  } finally {
+    client.close();
+    await c.close();
+  }
+});

@@ -203,9 +203,17 @@ class AsyncClient:
         delay_ms: int = 0,
         max_attempts: Optional[int] = None,
         dedup_id: Optional[str] = None,
+        *,
+        unique_id: Optional[str] = None,
+        unique_while: Optional[str] = None,
+        debounce_id: Optional[str] = None,
+        debounce_ms: Optional[int] = None,
+        debounce_max_ms: Optional[int] = None,
     ) -> Enqueued:
-        """Enqueues one job."""
-        return (await self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id)]))[0]
+        """Enqueues one job (the fields are :class:`shardq.NewJob`'s)."""
+        job = NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while, debounce_id,
+                     debounce_ms, debounce_max_ms)
+        return (await self.enqueue_many([job]))[0]
 
     async def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` in order, as :meth:`shardq.Client.enqueue_many`."""
@@ -229,7 +237,7 @@ class AsyncClient:
         return await self._send(first) + await self._send(second)
 
     async def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch], batch.maybe_stored)
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j.get("dedup_id", "") for j in batch], batch.maybe_stored)
         body = _batch_body(batch)
         while True:
             for url in self.urls:

@@ -441,12 +441,40 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
             b["delay_ms"] = int(j.delay_ms)
         if j.max_attempts is not None:
             b["max_attempts"] = int(j.max_attempts)
+        if (j.unique_id, j.unique_while, j.debounce_id, j.debounce_ms, j.debounce_max_ms) != _NOT_KEYED:
+            _keyed_fields(j, b, n)
+            append(b)
+            continue
         d = j.dedup_id
         if d is None:
             d = j.dedup_id = f"{prefix}-{n}"
         b["dedup_id"] = d
         append(b)
     return out
+
+
+_NOT_KEYED = (None, None, None, None, None)
+
+
+def _keyed_fields(j: "NewJob", b: Dict[str, Any], n: int) -> None:
+    """The unique or debounce fields of job ``n`` into its body ``b``
+    (the server checks their values, naming them); a keyed job sends no
+    dedup id: a retry of a unique job is answered as its duplicate, one of
+    a debounced job gives the waiting job the same payload again."""
+    if j.dedup_id is not None:
+        raise InvalidJob(f"job {n}: a unique or debounced job has no dedup_id of its own (got {j.dedup_id!r})")
+    for name in ("unique_id", "unique_while", "debounce_id"):
+        v = getattr(j, name)
+        if v is not None:
+            if not isinstance(v, str):
+                raise InvalidJob(f"job {n}: invalid {name} {v!r}: a str is needed")
+            b[name] = v
+    for name in ("debounce_ms", "debounce_max_ms"):
+        v = getattr(j, name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidJob(f"job {n}: invalid {name} {v!r}: a non-negative int (ms) is needed")
+            b[name] = v
 
 
 def _batches(jobs: List[Dict[str, Any]], count_max: int, bytes_max: int) -> Iterator[_Batch]:
@@ -514,14 +542,14 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
     if own == "-":
         # No earlier attempt could have stored them: every duplicate is one.
         return [Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])),
-                         bool(g.get("duplicate", False)), b["dedup_id"])
+                         bool(g.get("duplicate", False)), b.get("dedup_id", ""))
                 for b, g in zip(chunk, got)]
     out: List[Enqueued] = []
     append = out.append
     for b, g in zip(chunk, got):
-        d = b["dedup_id"]
+        d = b.get("dedup_id", "")
         dup = bool(g.get("duplicate", False))
-        if dup and d.startswith(own):
+        if dup and d and d.startswith(own):
             dup = False
         append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d))
     return out
@@ -723,13 +751,24 @@ class Enqueued(NamedTuple):
 class NewJob:
     """A job for :meth:`Client.enqueue_many`. ``dedup_id`` names the job
     under its key (the same id under another key is another job); when
-    ``None``, the enqueue generates one and sets it here."""
+    ``None``, the enqueue generates one and sets it here. ``unique_id``
+    makes it a unique job (nothing stored while the key's job with that id
+    waits, or with ``unique_while="running"`` waits or runs: the answer is
+    that job, ``duplicate``); ``debounce_id`` with ``debounce_ms`` a
+    debounced one (the key's waiting job with that id takes this payload
+    and starts ``debounce_ms`` later, at most ``debounce_max_ms`` after the
+    burst's first). A keyed job has no dedup id of its own."""
 
     key: str
     payload: Payload = b""
     delay_ms: int = 0
     max_attempts: Optional[int] = None
     dedup_id: Optional[str] = None
+    unique_id: Optional[str] = None
+    unique_while: Optional[str] = None
+    debounce_id: Optional[str] = None
+    debounce_ms: Optional[int] = None
+    debounce_max_ms: Optional[int] = None
 
 
 JobLike = Union[NewJob, Mapping[str, Any]]
@@ -1325,9 +1364,16 @@ class Client:
         delay_ms: int = 0,
         max_attempts: Optional[int] = None,
         dedup_id: Optional[str] = None,
+        *,
+        unique_id: Optional[str] = None,
+        unique_while: Optional[str] = None,
+        debounce_id: Optional[str] = None,
+        debounce_ms: Optional[int] = None,
+        debounce_max_ms: Optional[int] = None,
     ) -> Enqueued:
-        """Enqueues one job."""
-        return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id)])[0]
+        """Enqueues one job (the fields are :class:`NewJob`'s)."""
+        return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while,
+                                         debounce_id, debounce_ms, debounce_max_ms)])[0]
 
     def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
@@ -1354,7 +1400,7 @@ class Client:
         return self._send(first) + self._send(second)
 
     def _post_jobs(self, batch: _Batch) -> List[Enqueued]:
-        att = _Attempts("/v1/jobs", self.retry_rounds, [j["dedup_id"] for j in batch], batch.maybe_stored)
+        att = _Attempts("/v1/jobs", self.retry_rounds, [j.get("dedup_id", "") for j in batch], batch.maybe_stored)
         try:
             doc = self._post_any(att, _batch_body(batch))
         except TooLarge:

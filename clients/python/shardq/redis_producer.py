@@ -71,7 +71,7 @@ QUEUE_DEFAULT = "default"
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "done",
-    "limits", "deadk",
+    "limits", "deadk", "keyed",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).
 ENQUEUE_BATCH_MAX = 1024
@@ -829,10 +829,11 @@ class RedisProducer:
         # ARGV: time ('' = the server's TIME), lease token ('' = none: a
         # producer), halt flag, deployment id, map version, job count, then
         # the dedup window (0: no dedup ids), then key, payload, delay_ms,
-        # max_attempts and dedup id ('' = none) per job.
+        # max_attempts, dedup id ('' = none) and keyed mode ('' = none) per
+        # job.
         args: List[Union[str, bytes, int]] = ["", "", self.halt_arg, self.deployment, version, len(jobs), 0]
         for key, payload, delay, attempts in jobs:
-            args.extend((key, payload, delay, attempts, ""))
+            args.extend((key, payload, delay, attempts, "", ""))
 
         def call(c: "redis.Redis") -> Any:
             try:

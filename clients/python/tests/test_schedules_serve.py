@@ -18,6 +18,8 @@ from shardq import (
     Client,
     ConfigError,
     HttpError,
+    InvalidJob,
+    NewJob,
     Schedule,
     ScheduleBackfilled,
     ScheduleInfo,
@@ -169,5 +171,25 @@ def test_apply_schedules_sets_many_in_one_change_prunes_and_refuses_a_bad_one_wh
         with pytest.raises(ConfigError, match="'y'"):
             c.apply_schedules({"y": {"key": "k", "every": "1m", "cron": "* * * * *"}})
         assert sorted(s.id for s in c.schedules()) == ["nightly", "poll"]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "aio"])
+def test_unique_and_debounced_jobs_through_the_client(serve, kind):
+    c: Any = Client([serve.url]) if kind == "sync" else _Blocking(serve.url)
+    try:
+        first = c.enqueue("tenant-u", "a", unique_id=f"sync-{kind}", delay_ms=60_000)
+        again = c.enqueue("tenant-u", "b", unique_id=f"sync-{kind}")
+        assert not first.duplicate and again.duplicate and again.id == first.id, (first, again)
+        burst = c.enqueue_many([NewJob(f"tenant-d-{kind}", f"v{i}", debounce_id="recalc", debounce_ms=60_000)
+                                for i in range(5)])
+        assert {e.id for e in burst} == {burst[0].id} and not any(e.duplicate for e in burst), burst
+        job = c.job(burst[0].id)
+        assert job is not None and job.payload == b"v4" and job.dedup_id == "debounce:recalc", job
+        with pytest.raises(BadRequest, match="not both"):
+            c.enqueue("k", "x", unique_id="a", debounce_id="b", debounce_ms=5)
+        with pytest.raises(InvalidJob, match="dedup_id"):
+            c.enqueue("k", "x", dedup_id="mine", unique_id="a")
     finally:
         c.close()

@@ -191,6 +191,19 @@ pub trait QueueBackend: Send + Sync {
     /// second job of `jobs` with the same `(key, id)` is a duplicate of the
     /// first. A fence or pause refuses the whole batch, duplicates included.
     ///
+    /// A keyed job ([`NewJob::keyed`], its dedup id a [`crate::job::keyed_id`])
+    /// is checked against the key's live job with the same id on `shard`,
+    /// not against a dedup record, and leaves none: a unique job whose id a
+    /// waiting (or, asked for, running) job holds is not stored (its
+    /// [`Stored`] names that job, `duplicate: true`); a debounced job whose
+    /// id a waiting job holds is not stored either: that job takes its
+    /// payload and starts at `min(now + delay_ms, created_ms + max_ms)`,
+    /// keeping its id and place (its [`Stored`] names it, `duplicate:
+    /// false`); a debounce of a key being copied away ([`Fence::sealed_keys`](crate::Fence))
+    /// is refused with [`QueueError::Paused`]. A stored debounced job starts
+    /// at `now + min(delay_ms, max_ms)`. Jobs keep their id through moves,
+    /// so the check follows the key.
+    ///
     /// The default stores jobs without dedup ids through `enqueue` and
     /// refuses any that carry one.
     fn enqueue_dedup(

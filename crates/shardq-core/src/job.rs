@@ -57,6 +57,210 @@ pub struct NewJob {
     /// [`crate::QueueBackend::enqueue_dedup`]); 1..=[`DEDUP_ID_BYTES_MAX`]
     /// bytes without unshowable characters ([`is_unshowable`]).
     pub dedup_id: Option<String>,
+    /// A unique or debounced job ([`Keyed`]): its `dedup_id` is then the
+    /// job's id within its key ([`keyed_id`]), checked against the key's
+    /// live job with that id instead of a dedup window.
+    pub keyed: Option<Keyed>,
+}
+
+/// What an enqueue of a keyed job does when its key has a live job with
+/// the same id (see [`QueueBackend::enqueue_dedup`](crate::QueueBackend::enqueue_dedup)).
+/// The check is atomic with the append, on every backend, and the id moves
+/// with its job when its key moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keyed {
+    /// A unique job: while the key's job with this id waits (queued or
+    /// delayed, a retry's wait included) or, with `running`, runs, the
+    /// enqueue stores nothing and answers that job (`duplicate`). A dead
+    /// or finished job does not count.
+    Unique {
+        /// Whether a running job counts too (`--unique-while running`).
+        running: bool,
+    },
+    /// A debounced job: the key's job with this id that waits (not
+    /// running) takes the new payload and starts at `now + delay_ms`, but
+    /// never later than `max_ms` after the first enqueue of the burst (its
+    /// `created_ms`); it keeps its id and its place. With none waiting (or
+    /// one running) the job is stored, starting at `now + min(delay_ms,
+    /// max_ms)`.
+    Debounce {
+        /// The longest a burst may hold its job back, in ms.
+        max_ms: u64,
+    },
+}
+
+/// The start of a unique job's id (see [`keyed_id`]).
+pub const UNIQUE_PREFIX: &str = "unique:";
+/// The start of a debounced job's id (see [`keyed_id`]).
+pub const DEBOUNCE_PREFIX: &str = "debounce:";
+/// Longest unique or debounce id a caller gives, in bytes (its dedup id,
+/// with the prefix, stays within [`DEDUP_ID_BYTES_MAX`]).
+pub const KEYED_ID_BYTES_MAX: usize = 128;
+/// Longest debounce window or max, in ms (one day).
+pub const DEBOUNCE_MS_MAX: u64 = 24 * 3600 * 1000;
+
+/// The dedup id a keyed job carries for the caller's id `id`: `unique:ID`
+/// or `debounce:ID`, so a backend (and a replay) knows a keyed job by its
+/// id alone, and a unique and a debounced id never meet.
+pub fn keyed_id(mode: &Keyed, id: &str) -> String {
+    match mode {
+        Keyed::Unique { .. } => format!("{UNIQUE_PREFIX}{id}"),
+        Keyed::Debounce { .. } => format!("{DEBOUNCE_PREFIX}{id}"),
+    }
+}
+
+/// Whether `dedup_id` is a keyed job's id ([`keyed_id`]).
+pub fn is_keyed_id(dedup_id: &str) -> bool {
+    dedup_id.starts_with(UNIQUE_PREFIX) || dedup_id.starts_with(DEBOUNCE_PREFIX)
+}
+
+/// The keyed options of one enqueue as people give them (the CLI's
+/// flags, the API's fields), read once for every front end by
+/// [`KeyedSpec::apply`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyedSpec {
+    /// `--unique-id`: the job's id within its key.
+    pub unique_id: Option<String>,
+    /// `--unique-while`: `queued` (the default) or `running`.
+    pub unique_while: Option<String>,
+    /// `--debounce-id`: the burst's id within its key.
+    pub debounce_id: Option<String>,
+    /// `--debounce`: how long after the burst's last enqueue it runs (ms).
+    pub debounce_ms: Option<u64>,
+    /// `--debounce-max`: the longest a burst holds its job back (ms;
+    /// default [`debounce_max_default_ms`]).
+    pub debounce_max_ms: Option<u64>,
+}
+
+/// The `--debounce-max` of a debounce of `debounce_ms` when none is
+/// given: ten times the debounce, within 1 s and a day.
+pub fn debounce_max_default_ms(debounce_ms: u64) -> u64 {
+    debounce_ms.saturating_mul(10).clamp(1_000, DEBOUNCE_MS_MAX)
+}
+
+impl KeyedSpec {
+    /// Whether any keyed option is given.
+    pub fn is_empty(&self) -> bool {
+        *self == KeyedSpec::default()
+    }
+
+    /// `job` made unique or debounced as asked (unchanged when nothing
+    /// is); a mix, a missing half or a bad value is refused naming the
+    /// option. A job with its own dedup id cannot be keyed.
+    pub fn apply(&self, job: NewJob) -> Result<NewJob, QueueError> {
+        let bad = |name: &'static str, value: String, allowed: &str| QueueError::InvalidOption {
+            name,
+            value,
+            allowed: allowed.to_string(),
+        };
+        if self.is_empty() {
+            return Ok(job);
+        }
+        if job.dedup_id.is_some() {
+            return Err(bad(
+                "dedup id",
+                format!("{:?}", job.dedup_id.as_deref().unwrap_or("")),
+                "absent on a unique or debounced job (its id is its dedup id)",
+            ));
+        }
+        for (name, id) in [
+            ("unique id", &self.unique_id),
+            ("debounce id", &self.debounce_id),
+        ] {
+            if let Some(id) = id {
+                if id.is_empty() || id.len() > KEYED_ID_BYTES_MAX || has_unshowable(id) {
+                    return Err(bad(
+                        name,
+                        format!("{:?}", shown_key(cut_at_char(id, 64))),
+                        &format!(
+                            "1..={KEYED_ID_BYTES_MAX} bytes without control or invisible formatting characters"
+                        ),
+                    ));
+                }
+            }
+        }
+        let unique = self.unique_id.is_some() || self.unique_while.is_some();
+        let debounce = self.debounce_id.is_some()
+            || self.debounce_ms.is_some()
+            || self.debounce_max_ms.is_some();
+        let job = match (unique, debounce) {
+            (true, true) => {
+                return Err(bad(
+                    "unique id",
+                    format!(
+                        "{:?} with debounce id {:?}",
+                        self.unique_id, self.debounce_id
+                    ),
+                    "either a unique job or a debounced one, not both",
+                ))
+            }
+            (true, false) => {
+                let Some(id) = &self.unique_id else {
+                    return Err(bad(
+                        "unique while",
+                        format!("{:?}", self.unique_while),
+                        "given with a unique id",
+                    ));
+                };
+                let running = match self.unique_while.as_deref().unwrap_or("queued") {
+                    "queued" => false,
+                    "running" => true,
+                    other => {
+                        return Err(bad(
+                            "unique while",
+                            format!("{other:?}"),
+                            "queued or running",
+                        ))
+                    }
+                };
+                job.unique(id, running)
+            }
+            _ => {
+                let (Some(id), Some(ms)) = (&self.debounce_id, self.debounce_ms) else {
+                    return Err(bad(
+                        "debounce",
+                        format!(
+                            "id {:?}, debounce {:?} ms",
+                            self.debounce_id, self.debounce_ms
+                        ),
+                        "a debounce id and a debounce duration, both",
+                    ));
+                };
+                let max = self
+                    .debounce_max_ms
+                    .unwrap_or_else(|| debounce_max_default_ms(ms));
+                if job.delay_ms != 0 {
+                    return Err(bad(
+                        "delay",
+                        format!("{} ms", job.delay_ms),
+                        "0 on a debounced job (its delay is the debounce)",
+                    ));
+                }
+                job.debounced(id, ms, max)
+            }
+        };
+        if let Some(d) = &job.dedup_id {
+            validate_dedup_id(&job.key, d)?;
+        }
+        job.validate_keyed()?;
+        Ok(job)
+    }
+}
+
+/// Refuses a producer's plain dedup id in the namespaces of keyed and
+/// scheduled jobs: such an id would be taken for what it is not.
+pub fn refuse_reserved_dedup_id(id: &str) -> Result<(), QueueError> {
+    crate::schedule::refuse_schedule_dedup_id(id)?;
+    if is_keyed_id(id) {
+        return Err(QueueError::InvalidOption {
+            name: "dedup id",
+            value: format!("{id:?}"),
+            allowed: format!(
+                "an id not starting with {UNIQUE_PREFIX:?} or {DEBOUNCE_PREFIX:?} (kept for unique and debounced jobs)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 impl NewJob {
@@ -68,12 +272,34 @@ impl NewJob {
             delay_ms: 0,
             max_attempts: MAX_ATTEMPTS_DEFAULT,
             dedup_id: None,
+            keyed: None,
         }
     }
 
     /// The same job with dedup id `id` (scoped to its key).
     pub fn with_dedup_id(mut self, id: impl Into<String>) -> NewJob {
         self.dedup_id = Some(id.into());
+        self
+    }
+
+    /// The same job made unique under `id` within its key ([`Keyed::Unique`]).
+    pub fn unique(mut self, id: &str, while_running: bool) -> NewJob {
+        let mode = Keyed::Unique {
+            running: while_running,
+        };
+        self.dedup_id = Some(keyed_id(&mode, id));
+        self.keyed = Some(mode);
+        self
+    }
+
+    /// The same job debounced under `id` within its key: held back
+    /// `delay_ms` after the burst's last enqueue, at most `max_ms` after its
+    /// first ([`Keyed::Debounce`]).
+    pub fn debounced(mut self, id: &str, delay_ms: u64, max_ms: u64) -> NewJob {
+        let mode = Keyed::Debounce { max_ms };
+        self.dedup_id = Some(keyed_id(&mode, id));
+        self.keyed = Some(mode);
+        self.delay_ms = delay_ms;
         self
     }
 
@@ -84,6 +310,7 @@ impl NewJob {
         if let Some(id) = &self.dedup_id {
             validate_dedup_id(&self.key, id)?;
         }
+        self.validate_keyed()?;
         if self.payload.len() > payload_bytes_max {
             return Err(QueueError::PayloadTooLarge {
                 key: self.key.clone(),
@@ -101,6 +328,51 @@ impl NewJob {
             return Err(QueueError::InvalidDelay {
                 delay_ms: self.delay_ms,
                 max: DELAY_MS_MAX,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl NewJob {
+    /// A keyed job's id and mode agree ([`keyed_id`]), and a debounce's
+    /// bounds hold; a job that is not keyed has no keyed id.
+    fn validate_keyed(&self) -> Result<(), QueueError> {
+        let id = self.dedup_id.as_deref().unwrap_or("");
+        let (prefix, ok) = match self.keyed {
+            None => {
+                return match is_keyed_id(id) {
+                    true => Err(QueueError::InvalidDedupId {
+                        key: cut_at_char(&self.key, 64).to_string(),
+                        id: shown_key(cut_at_char(id, 64)),
+                        reason: "a keyed job's id on a job that is not keyed".into(),
+                    }),
+                    false => Ok(()),
+                }
+            }
+            Some(Keyed::Unique { .. }) => (UNIQUE_PREFIX, true),
+            Some(Keyed::Debounce { max_ms }) => (
+                DEBOUNCE_PREFIX,
+                max_ms > 0 && max_ms <= DEBOUNCE_MS_MAX && self.delay_ms <= DEBOUNCE_MS_MAX,
+            ),
+        };
+        if id.len() <= prefix.len() || !id.starts_with(prefix) {
+            return Err(QueueError::InvalidDedupId {
+                key: cut_at_char(&self.key, 64).to_string(),
+                id: shown_key(cut_at_char(id, 64)),
+                reason: format!("a keyed job's id starts with {prefix:?} and names something"),
+            });
+        }
+        if !ok {
+            let Some(Keyed::Debounce { max_ms }) = self.keyed else {
+                unreachable!("only a debounce has bounds")
+            };
+            return Err(QueueError::InvalidOption {
+                name: "debounce",
+                value: format!("{} ms, max {max_ms} ms", self.delay_ms),
+                allowed: format!(
+                    "a debounce and a max of 0..={DEBOUNCE_MS_MAX} ms, the max above 0"
+                ),
             });
         }
         Ok(())

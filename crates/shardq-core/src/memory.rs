@@ -17,8 +17,8 @@ use crate::flow::{Admit, FlowControl, Rank};
 use crate::job::{
     next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
     DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
-    KeyCounts, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored, FINISHED_STARTS_KEPT,
-    KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
+    KeyCounts, Keyed, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored,
+    FINISHED_STARTS_KEPT, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 use crate::retry::RetryRules;
@@ -73,6 +73,9 @@ struct ShardState {
     seen: (u64, u64),
     /// Dedup records by (key, dedup id).
     dedup: BTreeMap<(String, String), DedupRecord>,
+    /// The newest job stored (enqueued or imported) under each keyed id,
+    /// by (key, id): the job a keyed enqueue meets while it is live.
+    keyed: BTreeMap<(String, String), JobId>,
     /// Per (shard copied from, key), the largest source id imported.
     imported: BTreeMap<(String, String), JobId>,
     /// Ids of keys moved away (`purge_key`).
@@ -83,6 +86,51 @@ struct ShardState {
     held: BTreeMap<String, u64>,
     /// Finish tags of keys, when flow control ranks them.
     fair: crate::flow::FairQueue<String>,
+}
+
+/// What a keyed job `j` (id `d`, `mode`) meets on its key: the answer when
+/// the key's live job with that id takes it (a unique job's duplicate, or
+/// a debounce that hands that waiting job the new payload and start), or
+/// `None` when `j` is to be stored. A debounce of a job whose key is being
+/// copied away is refused as paused (the producer retries, and then finds
+/// the copy on the key's new shard).
+fn keyed_hit(
+    s: &mut ShardState,
+    shard: &str,
+    j: &NewJob,
+    d: &str,
+    mode: Keyed,
+    now: u64,
+) -> Result<Option<Stored>, QueueError> {
+    let live = s
+        .keyed
+        .get(&(j.key.clone(), d.to_string()))
+        .filter(|id| s.jobs.contains_key(id) && !s.dead.contains(id))
+        .map(|&id| (id, s.in_flight.contains_key(&id)));
+    let hit = |id| Stored {
+        id,
+        shard: shard.to_string(),
+        duplicate: matches!(mode, Keyed::Unique { .. }),
+    };
+    match (mode, live) {
+        (Keyed::Unique { running }, Some((id, busy))) if running || !busy => Ok(Some(hit(id))),
+        (Keyed::Debounce { max_ms }, Some((id, false))) => {
+            if s.fence.sealed_keys.contains_key(&j.key) {
+                return Err(QueueError::Paused {
+                    shard: shard.to_string(),
+                    key: j.key.clone(),
+                });
+            }
+            let x = s.jobs.get_mut(&id).expect("found above");
+            x.payload = j.payload.clone();
+            x.not_before_ms = now
+                .saturating_add(j.delay_ms)
+                .min(x.created_ms.saturating_add(max_ms));
+            x.backed_off = false;
+            Ok(Some(hit(id)))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Keeps the finished job `j` (newest first), within `retention`.
@@ -515,7 +563,20 @@ impl QueueBackend for MemoryBackend {
             s.dedup.retain(|_, r| r.expires_ms > now);
             let mut out = Vec::with_capacity(jobs.len());
             for j in jobs {
-                if let Some(d) = &j.dedup_id {
+                let mut not_before_ms = now + j.delay_ms;
+                if let (Some(mode), Some(d)) = (j.keyed, &j.dedup_id) {
+                    match keyed_hit(s, shard, j, d, mode, now)? {
+                        Some(hit) => {
+                            out.push(hit);
+                            continue;
+                        }
+                        None => {
+                            if let Keyed::Debounce { max_ms } = mode {
+                                not_before_ms = now + j.delay_ms.min(max_ms);
+                            }
+                        }
+                    }
+                } else if let Some(d) = &j.dedup_id {
                     if let Some(r) = s.dedup.get(&(j.key.clone(), d.clone())) {
                         out.push(Stored {
                             id: r.job,
@@ -535,7 +596,7 @@ impl QueueBackend for MemoryBackend {
                         attempt: 0,
                         max_attempts: j.max_attempts,
                         created_ms: now,
-                        not_before_ms: now + j.delay_ms,
+                        not_before_ms,
                         reason: String::new(),
                         starts: Vec::new(),
                         backed_off: false,
@@ -543,7 +604,10 @@ impl QueueBackend for MemoryBackend {
                     },
                 );
                 s.keys.entry(j.key.clone()).or_default().push_back(id);
-                if let Some(d) = &j.dedup_id {
+                if let (Some(d), Some(_)) = (&j.dedup_id, j.keyed) {
+                    s.keyed.insert((j.key.clone(), d.clone()), id);
+                }
+                if let (Some(d), None) = (&j.dedup_id, j.keyed) {
                     s.dedup.insert(
                         (j.key.clone(), d.clone()),
                         DedupRecord {
@@ -1130,6 +1194,9 @@ impl QueueBackend for MemoryBackend {
                         dedup_id: j.dedup_id.clone(),
                     },
                 );
+                if let Some(d) = j.dedup_id.as_deref().filter(|d| crate::job::is_keyed_id(d)) {
+                    s.keyed.insert((key.to_string(), d.to_string()), id);
+                }
                 if j.dead.is_some() {
                     s.dead.insert(id);
                 } else {

@@ -113,8 +113,9 @@ const T_CANCEL_RUN: u8 = 13;
 const T_ENQUEUE_DEDUP: u8 = 14;
 const T_BACK_OFF: u8 = 15;
 const T_RESUME: u8 = 16;
+const T_DEBOUNCE: u8 = 17;
 /// The highest record type this build writes.
-const T_LAST: u8 = T_RESUME;
+const T_LAST: u8 = T_DEBOUNCE;
 
 /// The dedup id an Enqueue record carries: the job and its id are one
 /// record, so one append, one checksum and one header hold both.
@@ -201,6 +202,19 @@ pub enum Record<'a> {
         at_ms: u64,
         /// The job's key.
         key: &'a str,
+    },
+    /// A debounced enqueue met waiting job `job` of its key with its id:
+    /// the job's payload is this record's from now on, and it is due from
+    /// `not_before_ms`.
+    Debounce {
+        /// Job id.
+        job: u64,
+        /// Its earliest start now.
+        not_before_ms: u64,
+        /// The job's key.
+        key: &'a str,
+        /// Its payload now.
+        payload: &'a [u8],
     },
     /// End of this segment; the log continues in the next one.
     Seal,
@@ -379,6 +393,18 @@ pub fn encode(out: &mut Vec<u8>, rec: &Record<'_>) {
             out.extend_from_slice(&job.to_le_bytes());
             out.extend_from_slice(&at_ms.to_le_bytes());
             put_str16(out, key);
+        }
+        Record::Debounce {
+            job,
+            not_before_ms,
+            key,
+            payload,
+        } => {
+            out.push(T_DEBOUNCE);
+            out.extend_from_slice(&job.to_le_bytes());
+            out.extend_from_slice(&not_before_ms.to_le_bytes());
+            put_str16(out, key);
+            out.extend_from_slice(payload);
         }
         Record::Seal => out.push(T_SEAL),
         Record::DeadRetry { job } => {
@@ -607,6 +633,19 @@ fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
             at_ms: c.u64()?,
             key: c.str16()?,
         },
+        T_DEBOUNCE => {
+            let job = c.u64()?;
+            let not_before_ms = c.u64()?;
+            let key = c.str16()?;
+            let payload = c.buf;
+            c.buf = &[];
+            Record::Debounce {
+                job,
+                not_before_ms,
+                key,
+                payload,
+            }
+        }
         T_SEAL => Record::Seal,
         T_DEAD_RETRY => Record::DeadRetry { job: c.u64()? },
         T_DEAD_PURGE => Record::DeadPurge { job: c.u64()? },
@@ -732,6 +771,12 @@ mod tests {
             job: 9,
             at_ms: 78,
             key: "tenant-1",
+        });
+        roundtrip(Record::Debounce {
+            job: 9,
+            not_before_ms: 1_700_000_005_000,
+            key: "tenant-1",
+            payload: b"{\"v\":5}",
         });
         roundtrip(Record::Seal);
         roundtrip(Record::DeadRetry { job: 1 });

@@ -195,6 +195,8 @@ pub(crate) struct LiveJob<'a> {
     pub reason: Option<&'a str>,
     /// When its attempts started (those the log recorded), oldest first.
     pub starts: &'a [u64],
+    /// Where its payload is when a debounce gave it one.
+    pub payload_at: Option<u64>,
 }
 
 /// A job picked for claiming.
@@ -310,6 +312,27 @@ pub(crate) struct ShardState {
     /// with its end: what `key resume` lifts. A job leaves it when it is
     /// claimed again, resumed, cancelled or purged.
     backed_off: HashMap<u64, u64, Xxh3Builder>,
+    /// Keyed jobs (unique, debounced) by [`dedup_slot`] of key and id: the
+    /// newest job stored with the id and its enqueue time. A keyed enqueue
+    /// meets it while it is live; it leaves when the job finishes.
+    keyed: HashMap<Box<str>, (u64, u64), TextHash>,
+    /// The slot in `keyed` of each keyed job.
+    keyed_of: HashMap<u64, Box<str>, Xxh3Builder>,
+    /// Debounced jobs whose payload is a Debounce record's: the record's
+    /// position. Its segment counts the job as live until the job
+    /// finishes or a newer Debounce record takes over.
+    payload_at: HashMap<u64, u64, Xxh3Builder>,
+}
+
+/// The live job a keyed enqueue meets ([`ShardState::keyed_live`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyedLive {
+    /// Its id.
+    pub job: u64,
+    /// When it was enqueued (the burst's first enqueue, for a debounce).
+    pub created_ms: u64,
+    /// Whether a run of it is in flight.
+    pub running: bool,
 }
 
 impl ShardState {
@@ -342,6 +365,47 @@ impl ShardState {
             cancel_pending: Vec::new(),
             flow_version: 0,
             backed_off: HashMap::with_hasher(Xxh3Builder::new()),
+            keyed: HashMap::with_hasher(TextHash::new()),
+            keyed_of: HashMap::with_hasher(Xxh3Builder::new()),
+            payload_at: HashMap::with_hasher(Xxh3Builder::new()),
+        }
+    }
+
+    /// The key's newest job stored with keyed id `id`, if it is live and
+    /// not dead.
+    pub fn keyed_live(&self, key: &str, id: &str) -> Option<KeyedLive> {
+        let &(job, created_ms) = self.keyed.get(&*dedup_slot(key, id))?;
+        self.slot_of(key, job)?;
+        Some(KeyedLive {
+            job,
+            created_ms,
+            running: self.in_flight_ids.contains_key(&job),
+        })
+    }
+
+    /// Where a debounced job's payload is now (a Debounce record), if not
+    /// in its own record.
+    pub fn payload_at(&self, job: u64) -> Option<u64> {
+        self.payload_at.get(&job).copied()
+    }
+
+    /// Notes keyed job `job` of `key` (enqueued at `created_ms`) as the
+    /// newest with its id.
+    fn note_keyed(&mut self, job: u64, key: &str, id: &str, created_ms: u64) {
+        let slot = dedup_slot(key, id);
+        self.keyed_of.insert(job, slot.clone());
+        self.keyed.insert(slot, (job, created_ms));
+    }
+
+    /// Counts one more (`+1`) or one fewer live holder of the segment that
+    /// holds position `pos`.
+    fn seg_live_at(&mut self, pos: u64, up: bool) {
+        if let Some((_, seg)) = self.segs.range_mut(..=pos).next_back() {
+            seg.live = if up {
+                seg.live + 1
+            } else {
+                seg.live.saturating_sub(1)
+            };
         }
     }
 
@@ -428,6 +492,7 @@ impl ShardState {
                 dead: false,
                 reason: ks.reason_of(id),
                 starts: ks.starts_of(id),
+                payload_at: self.payload_at(id),
             });
         }
         if let Some(e) = self.dead.get(&id) {
@@ -438,6 +503,7 @@ impl ShardState {
                 dead: true,
                 reason: Some(&e.reason),
                 starts: &e.starts,
+                payload_at: self.payload_at(id),
             });
         }
         let ks = &self.keys[self.job_keys.get(id)? as usize];
@@ -449,6 +515,7 @@ impl ShardState {
             dead: false,
             reason: ks.reason_of(id),
             starts: ks.starts_of(id),
+            payload_at: self.payload_at(id),
         })
     }
 
@@ -476,6 +543,7 @@ impl ShardState {
                 dead: false,
                 reason: ks.reason_of(s.id),
                 starts: ks.starts_of(s.id),
+                payload_at: self.payload_at(s.id),
             })
             .collect();
         if ks.dead > 0 {
@@ -491,6 +559,7 @@ impl ShardState {
                         dead: true,
                         reason: Some(&e.reason),
                         starts: &e.starts,
+                        payload_at: self.payload_at(e.slot.id),
                     }),
             );
         }
@@ -653,8 +722,14 @@ impl ShardState {
     }
 
     fn finish(&mut self, id: u64) {
-        if let Some((_, seg)) = self.segs.range_mut(..=id).next_back() {
-            seg.live = seg.live.saturating_sub(1);
+        self.seg_live_at(id, false);
+        if let Some(at) = self.payload_at.remove(&id) {
+            self.seg_live_at(at, false);
+        }
+        if let Some(slot) = self.keyed_of.remove(&id) {
+            if self.keyed.get(&slot).is_some_and(|&(j, _)| j == id) {
+                self.keyed.remove(&slot);
+            }
         }
     }
 
@@ -679,6 +754,7 @@ impl ShardState {
             | Record::Fail { job, .. }
             | Record::BackOff { job, .. }
             | Record::Resume { job, .. }
+            | Record::Debounce { job, .. }
             | Record::DeadRetry { job }
             | Record::DeadPurge { job }
             | Record::Cancel { job, .. }
@@ -715,12 +791,20 @@ impl ShardState {
     fn apply_inner(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
         match *rec {
             Record::Enqueue {
+                created_ms,
                 not_before_ms,
                 max_attempts,
                 key,
                 dedup,
                 ..
-            } => self.on_enqueue(pos, seg_base, not_before_ms, max_attempts, key, dedup)?,
+            } => self.on_enqueue(
+                pos,
+                seg_base,
+                (created_ms, not_before_ms),
+                max_attempts,
+                key,
+                dedup,
+            )?,
             Record::Claim {
                 job,
                 attempt,
@@ -742,6 +826,12 @@ impl ShardState {
                 key,
             } => self.on_back_off(job, retry_at_ms, key)?,
             Record::Resume { job, at_ms, key } => self.on_resume(job, at_ms, key)?,
+            Record::Debounce {
+                job,
+                not_before_ms,
+                key,
+                ..
+            } => self.on_debounce(pos, seg_base, job, not_before_ms, key)?,
             Record::DeadRetry { job } => self.on_dead_retry(job)?,
             Record::DeadPurge { job } => self.on_dead_purge(job)?,
             Record::Import { .. } => self.on_import(pos, seg_base, rec)?,
@@ -773,12 +863,13 @@ impl ShardState {
         &mut self,
         pos: u64,
         seg_base: u64,
-        not_before_ms: u64,
+        (created_ms, not_before_ms): (u64, u64),
         max_attempts: u32,
         key: &str,
         dedup: Option<crate::record::EnqueueDedup<'_>>,
     ) -> Result<(), String> {
-        if let Some(d) = dedup {
+        let keyed = dedup.filter(|d| shardq_core::job::is_keyed_id(d.id));
+        if let Some(d) = dedup.filter(|_| keyed.is_none()) {
             // Kept even when the job is reclaimed: the id answers
             // until it expires.
             self.note_dedup(seg_base, pos, d.expires_ms, key, d.id, "");
@@ -797,7 +888,35 @@ impl ShardState {
         });
         self.slot_added(pos, k, not_before_ms);
         self.segs.entry(seg_base).or_default().live += 1;
+        if let Some(d) = keyed {
+            self.note_keyed(pos, key, d.id, created_ms);
+        }
         self.schedule(k);
+        Ok(())
+    }
+
+    /// A debounced enqueue gave waiting job `job` its payload (this
+    /// record's) and start. Written under the append lock for a job not in
+    /// flight; the record's segment holds the payload while the job lives.
+    fn on_debounce(
+        &mut self,
+        pos: u64,
+        seg_base: u64,
+        job: u64,
+        not_before_ms: u64,
+        key: &str,
+    ) -> Result<(), String> {
+        let Some((k, i)) = self.slot_of(key, job) else {
+            return self.unknown(job, "debounce");
+        };
+        self.backed_off.remove(&job);
+        self.keys[k as usize].queue[i].not_before_ms = not_before_ms;
+        self.not_before_max_ms = self.not_before_max_ms.max(not_before_ms);
+        self.segs.entry(seg_base).or_default().live += 1;
+        if let Some(old) = self.payload_at.insert(job, pos) {
+            self.seg_live_at(old, false);
+        }
+        self.reschedule(k);
         Ok(())
     }
 
@@ -972,6 +1091,7 @@ impl ShardState {
     fn on_import(&mut self, pos: u64, seg_base: u64, rec: &Record<'_>) -> Result<(), String> {
         let Record::Import {
             source_id,
+            created_ms,
             not_before_ms,
             attempt,
             max_attempts,
@@ -979,6 +1099,7 @@ impl ShardState {
             from,
             key,
             reason,
+            dedup_id,
             ..
         } = *rec
         else {
@@ -1011,6 +1132,9 @@ impl ShardState {
         } else {
             self.keys[k as usize].queue.push_back(slot);
             self.slot_added(slot.id, k, not_before_ms);
+            if shardq_core::job::is_keyed_id(dedup_id) {
+                self.note_keyed(pos, key, dedup_id, created_ms);
+            }
             self.schedule(k);
         }
         self.segs.entry(seg_base).or_default().live += 1;

@@ -982,3 +982,96 @@ fn long_finished_lines_still_keep_the_whole_retention() {
     let want: Vec<_> = acked.iter().rev().take(5_000).copied().collect();
     assert_eq!(got.iter().map(|f| f.id).collect::<Vec<_>>(), want);
 }
+
+/// A debounced job's payload lives in its last Debounce record: traffic
+/// that fills and compacts many segments around it, and restarts, keep the
+/// burst's last payload and start, and the job runs once with it; once it
+/// ran, the segments holding its Debounce records go too. A unique id
+/// holds across the restart.
+#[test]
+fn a_debounced_payload_survives_restarts_and_compaction() {
+    let dir = data_dir_n("debounce", 1);
+    let clock = ManualClock::new(1_000_000);
+    let storage: Arc<dyn shardq_fs::storage::Storage> = Arc::new(shardq_fs::storage::OsStorage);
+    let open = || Engine::open(&dir, small_segments(&clock, Arc::clone(&storage))).unwrap();
+    let debounced = |p: &str| NewJob::new("d", p.to_string()).debounced("recalc", 60_000, 600_000);
+    let traffic = |b: &shardq_fs::FsBackend, n: usize| {
+        for round in 0..n {
+            let jobs: Vec<NewJob> = (0..10)
+                .map(|i| NewJob::new(format!("k{i}"), vec![round as u8; 100]))
+                .collect();
+            b.enqueue("shard-0", 1, &jobs).unwrap();
+            let claimed = b.claim("shard-0", 100, LEASE_MS).unwrap();
+            assert!(
+                claimed.iter().all(|c| c.key != "d"),
+                "the debounced job is not due"
+            );
+            let r: Vec<Receipt> = claimed.iter().map(|c| c.receipt()).collect();
+            b.ack("shard-0", &r).unwrap();
+        }
+    };
+    let id = {
+        let engine = open();
+        let b = engine.backend();
+        b.adopt("shard-0").unwrap();
+        let first = b
+            .enqueue_dedup("shard-0", 1, &[debounced("v0")], 1)
+            .unwrap()[0]
+            .id;
+        let mut unique = NewJob::new("u", "once").unique("import-7", false);
+        unique.delay_ms = 3_600_000;
+        assert!(!b.enqueue_dedup("shard-0", 1, &[unique], 1).unwrap()[0].duplicate);
+        for v in 1..=5 {
+            traffic(&b, 20);
+            clock.advance(1_000);
+            let st = b
+                .enqueue_dedup("shard-0", 1, &[debounced(&format!("v{v}"))], 1)
+                .unwrap();
+            assert_eq!(st[0].id, first);
+        }
+        traffic(&b, 40);
+        first
+    };
+    let segments_before = list_segments(&dir.join("shard-0")).unwrap();
+    assert!(
+        segments_before.len() < 30,
+        "compaction ran: {segments_before:?}"
+    );
+    let engine = open();
+    let b = engine.backend();
+    b.adopt("shard-0").unwrap();
+    let j = b
+        .job("shard-0", id)
+        .unwrap()
+        .expect("live after the restart");
+    assert_eq!(
+        j.payload, b"v5",
+        "the last payload after restart and compaction"
+    );
+    assert_eq!(j.not_before_ms, 1_000_000 + 5_000 + 60_000);
+    let unique = NewJob::new("u", "twice").unique("import-7", false);
+    let held = b
+        .enqueue_dedup("shard-0", 1, &[unique], 1)
+        .unwrap()
+        .remove(0);
+    assert!(held.duplicate, "a unique id holds across the restart");
+    b.cancel("shard-0", held.id).unwrap();
+    clock.advance(60_000);
+    let runs = b.claim("shard-0", 10, LEASE_MS).unwrap();
+    let run = runs.iter().find(|r| r.key == "d").expect("due");
+    assert_eq!((run.id, &run.payload[..]), (id, &b"v5"[..]));
+    let all: Vec<Receipt> = runs.iter().map(|r| r.receipt()).collect();
+    b.ack("shard-0", &all).unwrap();
+    traffic(&b, 60);
+    drop(engine);
+    let first_kept = list_segments(&dir.join("shard-0")).unwrap()[0];
+    assert!(
+        first_kept > id.0,
+        "the burst's segments were kept after it ran"
+    );
+    let engine = open();
+    assert_eq!(
+        engine.backend().key_counts("shard-0", "d").unwrap().depth,
+        0
+    );
+}

@@ -118,6 +118,12 @@ if #done > 0 then
     keep_done(entries)
   end
   redis.call('ZREM', K_INF, unpack(done))
+  -- Keyed jobs leave `keyed` (read only on a shard that holds any).
+  if redis.call('EXISTS', K_KEYED) == 1 then
+    for x, r in ipairs(redis.call('HMGET', K_JOBS, unpack(done))) do
+      if r then unkey(done[x], r) end
+    end
+  end
   redis.call('HDEL', K_JOBS, unpack(done))
   forget(done)
 end

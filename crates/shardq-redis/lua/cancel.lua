@@ -39,6 +39,7 @@ if redis.call('ZSCORE', K_DEAD, ids) then
   unbury(ids, k)
   local _, a = rec_parse(r)
   keep_done({done_entry(ids, r, 'x', a, now)})
+  unkey(ids, r)
   redis.call('HDEL', K_JOBS, ids)
   forget({ids})
   -- A key halted by its dead letters may start again.
@@ -68,6 +69,7 @@ q.d = q.d - 1
 redis.call('HINCRBY', K_META, 'pend', -1)
 local _, a = rec_parse(r)
 keep_done({done_entry(ids, r, 'x', a, now)})
+unkey(ids, r)
 redis.call('HDEL', K_JOBS, ids)
 forget({ids})
 redis.call('ZREM', K_DELAYED, ids)

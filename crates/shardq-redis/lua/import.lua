@@ -35,7 +35,7 @@ end
 local out = {'OK'}
 if fresh_n == 0 then return out end
 local id = redis.call('HINCRBY', K_META, 'seq', fresh_n) - fresh_n
-local jobs, nxt, dly, cur = {}, {}, {}, {}
+local jobs, nxt, dly, cur, kk = {}, {}, {}, {}, {}
 local stored = 0
 local function flush(t, cmd, key)
   for i = 1, #t, 4000 do
@@ -63,6 +63,11 @@ for _, pl in ipairs(plan) do
         if why ~= '' then
           bury(ids, k, why)
         else
+          -- A keyed job copied here holds its id here.
+          if string.sub(did, 1, 7) == 'unique:' or string.sub(did, 1, 9) == 'debounce:' then
+            kk[#kk + 1] = dfield(k, did)
+            kk[#kk + 1] = ids
+          end
           if q.t ~= 0 then
             nxt[#nxt + 1] = idstr(q.t)
             nxt[#nxt + 1] = ids
@@ -93,5 +98,6 @@ flush(jobs, 'HSET', K_JOBS)
 flush(nxt, 'HSET', K_NEXT)
 flush(dly, 'ZADD', K_DELAYED)
 flush(cur, 'HSET', K_IMPORTED)
+flush(kk, 'HSET', K_KEYED)
 if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
 return out

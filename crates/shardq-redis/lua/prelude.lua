@@ -15,6 +15,10 @@ local LIM_VERSION, LIM_DEFAULT, LIM_LENGTHS = string.char(0) .. 'v', string.char
 -- k's members only. `dead`, `deadn` and `deadk` change together: through
 -- `bury` and `unbury` below, and in purge_key.lua.
 local K_DEADK = KEYS[21]
+-- Keyed jobs (unique, debounced; see keys.rs): `<key len>|<key><id>` ->
+-- the newest job stored with that id, met by a keyed enqueue while it
+-- lives (checked there: an entry may outlive its job).
+local K_KEYED = KEYS[22]
 local DEADK_ID_DIGITS = 16
 local DEADK_SEP, DEADK_END = string.char(0), string.char(1)
 -- Expired marks of `dedupm` forgotten per enqueue and per dedup import, at
@@ -99,9 +103,10 @@ end
 local function rec_parse(r)
   local n, a, m, c, kl, dl, p = string.match(r, '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|()')
   if not n then corrupt('a job record', r) end
-  kl = tonumber(kl)
-  if p + kl + tonumber(dl) - 1 > #r then corrupt('a job record', r) end
-  return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1)
+  kl, dl = tonumber(kl), tonumber(dl)
+  if p + kl + dl - 1 > #r then corrupt('a job record', r) end
+  return tonumber(n), tonumber(a), tonumber(m), tonumber(c), string.sub(r, p, p + kl - 1),
+    string.sub(r, p + kl, p + kl + dl - 1)
 end
 local function rec_nbf(r)
   local n = string.match(r, '^(%d+)|')
@@ -113,6 +118,23 @@ end
 local function rec_check(r)
   local kl, dl, p = string.match(r, '^%d+|%d+|%d+|%d+|(%d+)|(%d+)|()')
   if not kl or p + tonumber(kl) + tonumber(dl) - 1 > #r then corrupt('a job record', r) end
+end
+-- The live job a keyed enqueue meets for field kf (`dfield(key, id)`): its
+-- id and whether it runs; nil when the entry names a job that ended or
+-- died.
+local function keyed_live(kf)
+  local e = redis.call('HGET', K_KEYED, kf)
+  if not e then return nil end
+  if redis.call('HEXISTS', K_JOBS, e) == 0 or redis.call('ZSCORE', K_DEAD, e) then return nil end
+  return e, redis.call('ZSCORE', K_INF, e) ~= false
+end
+-- Job ids (a job that ended, record r) leaves `keyed` when it is the
+-- entry of its id.
+local function unkey(ids, r)
+  local _, _, _, _, k, d = rec_parse(r)
+  if d == '' or not (string.sub(d, 1, 7) == 'unique:' or string.sub(d, 1, 9) == 'debounce:') then return end
+  local f = dfield(k, d)
+  if redis.call('HGET', K_KEYED, f) == ids then redis.call('HDEL', K_KEYED, f) end
 end
 -- The record with a new not-before and attempt count; the rest kept.
 local function rec_set(r, n, a)
@@ -399,6 +421,7 @@ local function requeue(ids, why, now)
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     krun_end(q, run)
     if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now, 0)}) end
+    unkey(ids, r)
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})
     kstore(k, q)

@@ -128,6 +128,13 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   key's job list read a key's dead jobs only there, at most the call's
 ///   bound of them; every script that adds or removes a dead job writes
 ///   `dead`, `deadn` and `deadk` together.
+/// * `keyed` hash (the 22nd part, new in layout 5): unique and debounced
+///   jobs, `<key len>|<key><keyed id>` (`unique:ID` or `debounce:ID`, the
+///   job's dedup id) -> the newest job stored with that id on this shard,
+///   by enqueue or by a move's import. A keyed enqueue meets that job
+///   while it lives (its record exists and it is not dead); ack and cancel
+///   remove the entry of a job that ends, other ends leave a stale entry
+///   that the check ignores and the next job with the id overwrites.
 /// * `delayed` zset: job id -> not-before, for jobs enqueued or retried with
 ///   a delay (counts only; stale entries are harmless).
 /// * `paused` set: routing keys whose enqueues are paused (the fence).
@@ -190,10 +197,10 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   copy and the last writing `\0v`. Unread while every key runs one
 ///   job at a time (a copy written before stays until the next rewrite).
 ///   At most `FLOW_RULES_MAX` entries.
-pub const SHARD_PARTS: [&str; 21] = [
+pub const SHARD_PARTS: [&str; 22] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "done",
-    "limits", "deadk",
+    "limits", "deadk", "keyed",
 ];
 
 /// Index of part `name` in [`SHARD_PARTS`]: how code and tests name a

@@ -1668,3 +1668,86 @@ fn halt_on_dead_holds_the_key_for_http_workers() {
     });
     assert_eq!(next[0]["payload"], "after");
 }
+
+/// Unique and debounced jobs over `POST /v1/jobs`: a unique job answers
+/// the waiting one (`duplicate`), a burst of debounced jobs in one request
+/// and across requests leaves one job with the last payload and its start
+/// pushed; mixes and bad values are refused naming the job and the field,
+/// and a plain dedup id in the keyed namespaces is refused.
+#[test]
+fn unique_and_debounced_jobs_over_http() {
+    let dir = init_dir(2, "rendezvous");
+    let s = start(dir.path(), options());
+    let u = enqueue(
+        &s,
+        json!([{"key": "t-u", "payload": "a", "unique_id": "sync"},
+               {"key": "t-u", "payload": "b", "unique_id": "sync", "unique_while": "running"}]),
+    );
+    assert_eq!(
+        (u[0]["duplicate"].clone(), u[1]["duplicate"].clone()),
+        (json!(false), json!(true))
+    );
+    assert_eq!(u[0]["id"], u[1]["id"], "{u:?}");
+    let burst: Vec<Value> = (0..5)
+        .map(|i| json!({"key": "t-d", "payload": format!("v{i}"), "debounce_id": "recalc", "debounce_ms": 60_000}))
+        .collect();
+    let d = enqueue(&s, Value::Array(burst));
+    let later = enqueue(
+        &s,
+        json!([{"key": "t-d", "payload": "last", "debounce_id": "recalc", "debounce_ms": 60_000}]),
+    );
+    assert!(
+        d.iter()
+            .chain(&later)
+            .all(|x| x["id"] == d[0]["id"] && x["duplicate"] == false),
+        "{d:?} {later:?}"
+    );
+    let job = get_ok(&s, &format!("/v1/jobs/{}", d[0]["id"].as_str().unwrap()));
+    assert_eq!(
+        (job["payload"].clone(), job["state"].clone()),
+        (json!("last"), json!("delayed")),
+        "{job}"
+    );
+    assert_eq!(job["dedup_id"], "debounce:recalc");
+    let listed = get_ok(&s, "/v1/keys/t-d/jobs");
+    assert_eq!(listed["jobs"].as_array().unwrap().len(), 1, "{listed}");
+    for (body, words) in [
+        (
+            json!({"key": "k", "payload": "x", "unique_id": "a", "debounce_id": "b", "debounce_ms": 5}),
+            "not both",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "debounce_id": "b"}),
+            "debounce",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "unique_id": "a", "unique_while": "later"}),
+            "queued or running",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "unique_id": "a", "dedup_id": "c"}),
+            "dedup id",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "debounce_id": "b", "debounce_ms": 5, "delay_ms": 7}),
+            "delay",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "debounce_id": "b", "debounce_ms": 90_000_000}),
+            "debounce",
+        ),
+        (
+            json!({"key": "k", "payload": "x", "dedup_id": "unique:a"}),
+            "kept for unique",
+        ),
+    ] {
+        let (code, v) = post(
+            &s,
+            "/v1/jobs",
+            json!({"jobs": [{"key": "ok", "payload": "y"}, body]}),
+        );
+        assert_eq!(code, 400, "{v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(e.contains("jobs[1]") && e.contains(words), "{words}: {e}");
+    }
+}

@@ -65,6 +65,8 @@ macro_rules! __contract_checks {
             dedup_ids_belong_to_their_key
             schedule_ticks_store_once
             a_jobs_dedup_id_follows_it_through_claims_and_moves
+            unique_jobs_hold_their_id_while_they_wait_or_run
+            debounced_jobs_take_the_last_payload_and_run_once
             dedup_is_atomic_with_the_append
             dedup_records_move_with_export_and_import
             backlogs_move_with_their_key

@@ -205,8 +205,52 @@ pub struct EnqueueArgs {
     /// see `shardq retry show`; 5 unless changed).
     #[arg(long, value_name = "N")]
     max_attempts: Option<u32>,
+    /// A unique job: while the key's job with this id waits (or, with
+    /// `--unique-while running`, waits or runs), nothing is stored and
+    /// that job's SHARD:ID is printed.
+    #[arg(long, value_name = "ID", conflicts_with = "debounce_id")]
+    unique_id: Option<String>,
+    /// `queued` (default) or `running`.
+    #[arg(long, value_name = "WHEN", requires = "unique_id")]
+    unique_while: Option<String>,
+    /// A debounced job: the key's waiting job with this id takes this
+    /// payload and runs --debounce after this enqueue (never later than
+    /// --debounce-max after the burst's first); with none waiting, a new
+    /// job. A burst runs once, with its last payload.
+    #[arg(
+        long,
+        value_name = "ID",
+        requires = "debounce",
+        conflicts_with = "delay_ms"
+    )]
+    debounce_id: Option<String>,
+    /// How long after the burst's last enqueue its job runs: 500ms, 5s, 1m.
+    #[arg(long, value_name = "DURATION", requires = "debounce_id")]
+    debounce: Option<String>,
+    /// The longest a burst holds its job back (default ten times
+    /// --debounce, within 1s and 1d).
+    #[arg(long, value_name = "DURATION", requires = "debounce_id")]
+    debounce_max: Option<String>,
     #[command(flatten)]
     common: CommonOpts,
+}
+
+impl EnqueueArgs {
+    /// The keyed options, durations read.
+    fn keyed(&self) -> anyhow::Result<shardq_core::KeyedSpec> {
+        let ms = |name, v: &Option<String>| {
+            v.as_deref()
+                .map(|t| shardq_core::schedule::parse_duration_ms(name, t))
+                .transpose()
+        };
+        Ok(shardq_core::KeyedSpec {
+            unique_id: self.unique_id.clone(),
+            unique_while: self.unique_while.clone(),
+            debounce_id: self.debounce_id.clone(),
+            debounce_ms: ms("debounce", &self.debounce)?,
+            debounce_max_ms: ms("debounce-max", &self.debounce_max)?,
+        })
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -503,13 +547,14 @@ fn enqueue_with(
     if !args.stdin {
         let key = args.key.clone().unwrap_or_default();
         let max_attempts = (args.max_attempts).unwrap_or_else(|| retry.for_key(&key).max_attempts);
-        let job = NewJob {
+        let job = args.keyed()?.apply(NewJob {
             key,
             payload: args.payload.clone().unwrap_or_default().into_bytes(),
             delay_ms: args.delay_ms,
             max_attempts,
             dedup_id: None,
-        };
+            keyed: None,
+        })?;
         let stored = place(std::slice::from_ref(&job));
         if let Some((_, shard, id)) = stored.placed.first() {
             println!("{shard}:{id}");
@@ -616,13 +661,14 @@ fn parse_stdin_line(
     let Some((key, payload)) = text.split_once('\t') else {
         bail!("stdin line {line_no} {text:?} has no TAB: expected KEY<TAB>PAYLOAD");
     };
-    let job = NewJob {
+    let job = args.keyed()?.apply(NewJob {
         key: key.to_string(),
         payload: payload.as_bytes().to_vec(),
         delay_ms: args.delay_ms,
         max_attempts: (args.max_attempts).unwrap_or_else(|| retry.for_key(key).max_attempts),
         dedup_id: None,
-    };
+        keyed: None,
+    })?;
     job.validate(args.common.payload_bytes_max)
         .with_context(|| format!("stdin line {line_no}"))?;
     Ok(job)

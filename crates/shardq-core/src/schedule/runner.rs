@@ -719,6 +719,7 @@ impl Scheduler {
                     delay_ms: 0,
                     max_attempts: l.schedule.max_attempts,
                     dedup_id: Some(tick_dedup_id(&l.id, plans[pi].fire[ti])),
+                    keyed: None,
                 }
             })
             .collect();
@@ -849,6 +850,7 @@ pub fn trigger<B: QueueBackend + ?Sized>(
         delay_ms: 0,
         max_attempts: s.max_attempts,
         dedup_id: Some(trigger_dedup_id(id, now_ms)),
+        keyed: None,
     })
 }
 
@@ -903,6 +905,7 @@ pub fn backfill<B: QueueBackend + ?Sized>(
             delay_ms: 0,
             max_attempts: s.max_attempts,
             dedup_id: Some(tick_dedup_id(id, tick)),
+            keyed: None,
         })
         .collect();
     let mut out = Vec::with_capacity(jobs.len());

@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use shardq_core::flow::Rank;
-use shardq_core::job::{validate_job_lease_ms, DELAY_MS_MAX};
+use shardq_core::job::{validate_job_lease_ms, Keyed, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
     DedupRecord, FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState,
@@ -39,7 +39,7 @@ use shardq_route::validate_shard_name;
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use crate::record::{self, decode, EnqueueDedup, Record};
-use crate::state::{Pick, RunFences, ShardState};
+use crate::state::{KeyedLive, Pick, RunFences, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
 
 mod files;
@@ -450,7 +450,8 @@ impl FsBackend {
         lease_until_ms: u64,
     ) -> Result<ClaimedJob, QueueError> {
         let name = shard.name.as_str();
-        let r = records::read_job(name, &mut inner.log, p.id, &p.key)?;
+        let payload_at = inner.replica.as_ref().and_then(|r| r.payload_at(p.id));
+        let r = records::read_job(name, &mut inner.log, p.id, &p.key, payload_at)?;
         Ok(ClaimedJob {
             shard: name.to_string(),
             id: JobId(p.id),
@@ -728,8 +729,58 @@ impl QueueBackend for FsBackend {
             if jobs.len() > 1 {
                 in_batch.reserve(jobs.len());
             }
+            // Keyed jobs stored earlier in this batch, the newest per id.
+            let mut keyed_batch: HashMap<(&str, &str), KeyedLive, ahash::RandomState> =
+                HashMap::with_hasher(ahash::RandomState::new());
             for job in jobs {
-                if let Some(d) = job.dedup_id.as_deref() {
+                let mut not_before_ms = now + job.delay_ms;
+                if let (Some(mode), Some(d)) = (job.keyed, job.dedup_id.as_deref()) {
+                    let live = keyed_batch
+                        .get(&(job.key.as_str(), d))
+                        .copied()
+                        .or_else(|| r.keyed_live(&job.key, d));
+                    match (mode, live) {
+                        (Keyed::Unique { running }, Some(e)) if running || !e.running => {
+                            out.push(Stored {
+                                id: JobId(e.job),
+                                shard: shard_name.to_string(),
+                                duplicate: true,
+                            });
+                            continue;
+                        }
+                        (Keyed::Debounce { max_ms }, Some(e)) if !e.running => {
+                            if fence.sealed_keys.contains_key(&job.key) {
+                                // Its copy on the new shard would miss the
+                                // payload: the producer waits for the move.
+                                return Err(QueueError::Paused {
+                                    shard: shard_name.to_string(),
+                                    key: job.key.clone(),
+                                });
+                            }
+                            record::encode(
+                                &mut bytes,
+                                &Record::Debounce {
+                                    job: e.job,
+                                    not_before_ms: now
+                                        .saturating_add(job.delay_ms)
+                                        .min(e.created_ms.saturating_add(max_ms)),
+                                    key: &job.key,
+                                    payload: &job.payload,
+                                },
+                            );
+                            out.push(Stored {
+                                id: JobId(e.job),
+                                shard: shard_name.to_string(),
+                                duplicate: false,
+                            });
+                            continue;
+                        }
+                        (Keyed::Debounce { max_ms }, _) => {
+                            not_before_ms = now + job.delay_ms.min(max_ms);
+                        }
+                        (Keyed::Unique { .. }, _) => {}
+                    }
+                } else if let Some(d) = job.dedup_id.as_deref() {
                     let known = r
                         .dedup_lookup(&job.key, d, now)
                         .map(|e| (e.job, e.shard.as_deref().unwrap_or(shard_name).to_string()));
@@ -750,11 +801,14 @@ impl QueueBackend for FsBackend {
                 let pos = start + bytes.len() as u64;
                 // The dedup id is a field of its job's record: one append,
                 // one checksum, so neither exists without the other.
+                // A keyed id leaves no dedup record (it answers while its
+                // job lives): written as expired.
+                let expires_ms = if job.keyed.is_some() { now } else { expires_ms };
                 record::encode(
                     &mut bytes,
                     &Record::Enqueue {
                         created_ms: now,
-                        not_before_ms: now + job.delay_ms,
+                        not_before_ms,
                         max_attempts: job.max_attempts,
                         key: &job.key,
                         dedup: job
@@ -765,7 +819,14 @@ impl QueueBackend for FsBackend {
                     },
                 );
                 if let Some(d) = job.dedup_id.as_deref() {
-                    if jobs.len() > 1 {
+                    if job.keyed.is_some() {
+                        let live = KeyedLive {
+                            job: pos,
+                            created_ms: now,
+                            running: false,
+                        };
+                        keyed_batch.insert((job.key.as_str(), d), live);
+                    } else if jobs.len() > 1 {
                         in_batch.insert((job.key.as_str(), d), pos);
                     }
                 }
@@ -1452,9 +1513,21 @@ impl QueueBackend for FsBackend {
             .into_iter()
             .map(|(s, reason)| (s, reason.map(str::to_string)))
             .collect();
+        let replica = inner.replica.as_ref().expect("refreshed");
+        let payload_ats: Vec<Option<u64>> = picked
+            .iter()
+            .map(|(slot, _)| replica.payload_at(slot.id))
+            .collect();
         let places = picked
             .iter()
             .map(|(slot, _)| inner.log.locate(slot.id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let payload_places = payload_ats
+            .iter()
+            .map(|at| {
+                at.map(|at| inner.log.locate(at).map(|p| (at, p)))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>, _>>()?;
         // The payloads are read without the shard's lock, so enqueues and
         // claims go on meanwhile: a sealed key's records stay where they
@@ -1462,8 +1535,11 @@ impl QueueBackend for FsBackend {
         // compaction drops them, and the handles outlive a deleted file).
         drop(inner);
         let mut out = Vec::with_capacity(picked.len());
-        for ((slot, dead), at) in picked.into_iter().zip(places) {
-            let r = job_of_record(name, &at.read()?, slot.id, key)?;
+        for (((slot, dead), at), payload) in picked.into_iter().zip(places).zip(payload_places) {
+            let mut r = job_of_record(name, &at.read()?, slot.id, key)?;
+            if let Some((pos, place)) = payload {
+                r.payload = debounced_payload(name, &place.read()?, pos, slot.id)?;
+            }
             out.push(MovedJob {
                 id: JobId(slot.id),
                 created_ms: r.created_ms,

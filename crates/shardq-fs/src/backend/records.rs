@@ -61,14 +61,41 @@ pub(super) struct Recorded {
 }
 
 /// Job `id` of `key` as its Enqueue or Import record holds it (the state
-/// keeps none of it).
+/// keeps none of it), with the payload of the Debounce record at
+/// `payload_at` when a debounce gave it one.
 pub(super) fn read_job(
     name: &str,
     log: &mut ShardLog,
     id: u64,
     key: &str,
+    payload_at: Option<u64>,
 ) -> Result<Recorded, QueueError> {
-    job_of_record(name, &log.read_record_at(id)?, id, key)
+    let mut job = job_of_record(name, &log.read_record_at(id)?, id, key)?;
+    if let Some(at) = payload_at {
+        job.payload = debounced_payload(name, &log.read_record_at(at)?, at, id)?;
+    }
+    Ok(job)
+}
+
+/// The payload a Debounce record (`bytes`, at `at`) gave job `id`.
+pub(super) fn debounced_payload(
+    name: &str,
+    bytes: &[u8],
+    at: u64,
+    id: u64,
+) -> Result<Vec<u8>, QueueError> {
+    match decode(bytes) {
+        Ok((Record::Debounce { job, payload, .. }, _)) if job == id => Ok(payload.to_vec()),
+        other => Err(QueueError::Inconsistent {
+            shard: name.to_string(),
+            segment: "-".into(),
+            offset: at,
+            reason: format!(
+                "the payload of job {id} should be the Debounce record at {at}, found {:?}",
+                other.map(|(r, _)| format!("{r:?}").chars().take(80).collect::<String>())
+            ),
+        }),
+    }
 }
 
 /// Job `id` of `key` as `bytes`, its record, hold it.
@@ -156,7 +183,7 @@ pub(super) fn job_info(
         created_ms,
         payload,
         dedup_id,
-    } = read_job(name, log, j.slot.id, j.key)?;
+    } = read_job(name, log, j.slot.id, j.key, j.payload_at)?;
     let (state, attempts) = if j.run.is_some() {
         (JobState::Running, j.slot.attempt.saturating_sub(1))
     } else if j.dead {

@@ -20,7 +20,7 @@ use shardq_core::flow::{ConcurrencyRules, FairQueue, Popped, Rank};
 use shardq_core::{
     validate_job_lease_ms, AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock,
     DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
-    JobState, KeyCounts, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention,
+    JobState, KeyCounts, Keyed, MovedJob, NewJob, QueueBackend, QueueError, Receipt, Retention,
     RetryRules, ShardStats, Stored, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use shardq_core::{Admit, FlowControl};
@@ -631,7 +631,13 @@ impl RedisBackend {
                     .arg(&job.payload[..])
                     .arg(job.delay_ms)
                     .arg(job.max_attempts)
-                    .arg(job.dedup_id.as_deref().unwrap_or(""));
+                    .arg(job.dedup_id.as_deref().unwrap_or(""))
+                    .arg(match job.keyed {
+                        None => String::new(),
+                        Some(Keyed::Unique { running: false }) => "u".into(),
+                        Some(Keyed::Unique { running: true }) => "U".into(),
+                        Some(Keyed::Debounce { max_ms }) => format!("d{max_ms}"),
+                    });
             }
         })?;
         let it = reply::items(&v);
@@ -640,40 +646,42 @@ impl RedisBackend {
                 if it.len() != jobs.len() + 1 {
                     return Err(self.protocol(s, "enqueue answered for another number of jobs"));
                 }
-                let stored: Vec<Stored> = it[1..]
+                // Each answer, and whether it is a new id of the sequence.
+                let answers: Vec<(Stored, bool)> = it[1..]
                     .iter()
                     .map(|item| {
                         let text = reply::string(item)
                             .ok_or_else(|| self.protocol(s, "enqueue without an id"))?;
                         let bad = || self.protocol(s, format!("enqueue answered {text:?}"));
-                        match text.strip_prefix('D') {
-                            Some(dup) => {
-                                let (job, on) = dup.split_once('|').ok_or_else(bad)?;
-                                Ok(Stored {
-                                    id: JobId(job.parse().map_err(|_| bad())?),
-                                    shard: if on.is_empty() {
-                                        s.name.clone()
-                                    } else {
-                                        on.to_string()
-                                    },
-                                    duplicate: true,
-                                })
-                            }
-                            None => Ok(Stored {
-                                id: JobId(text.parse().map_err(|_| bad())?),
+                        let here = |job: &str, duplicate| -> Result<Stored, QueueError> {
+                            Ok(Stored {
+                                id: JobId(job.parse().map_err(|_| bad())?),
                                 shard: s.name.clone(),
-                                duplicate: false,
-                            }),
+                                duplicate,
+                            })
+                        };
+                        if let Some(job) = text.strip_prefix('B') {
+                            // A debounce gave a waiting job its payload.
+                            return Ok((here(job, false)?, false));
                         }
+                        let Some(dup) = text.strip_prefix('D') else {
+                            return Ok((here(&text, false)?, true));
+                        };
+                        let (job, on) = dup.split_once('|').ok_or_else(bad)?;
+                        let mut st = here(job, true)?;
+                        if !on.is_empty() {
+                            st.shard = on.to_string();
+                        }
+                        Ok((st, false))
                     })
                     .collect::<Result<_, QueueError>>()?;
                 // The new ids are the sequence's next values: one lower
                 // than this process saw means the store went back in time.
-                let fresh = stored.iter().filter(|x| !x.duplicate).map(|x| x.id.0);
+                let fresh = answers.iter().filter(|(_, new)| *new).map(|(x, _)| x.id.0);
                 if let (Some(lo), Some(hi)) = (fresh.clone().min(), fresh.max()) {
                     s.observe(before, lo.saturating_sub(1), hi, &[])?;
                 }
-                Ok(stored)
+                Ok(answers.into_iter().map(|(x, _)| x).collect())
             }
             "FENCED" => Err(QueueError::Fenced {
                 shard: s.name.clone(),

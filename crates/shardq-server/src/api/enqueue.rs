@@ -25,6 +25,11 @@ struct JobIn {
     delay_ms: Option<u64>,
     max_attempts: Option<u32>,
     dedup_id: Option<String>,
+    unique_id: Option<String>,
+    unique_while: Option<String>,
+    debounce_id: Option<String>,
+    debounce_ms: Option<u64>,
+    debounce_max_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -42,7 +47,7 @@ fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
             shown(id)
         )));
     }
-    shardq_core::schedule::refuse_schedule_dedup_id(id)
+    shardq_core::job::refuse_reserved_dedup_id(id)
         .map_err(|e| ApiError::bad(format!("{field}: {e}")))
 }
 
@@ -87,13 +92,23 @@ fn to_new_job(
         check_dedup_id(d, &f("dedup_id"))?;
     }
     let max_attempts = (j.max_attempts).unwrap_or_else(|| retry.for_key(&j.key).max_attempts);
-    let job = NewJob {
-        key: j.key,
-        payload,
-        delay_ms: j.delay_ms.unwrap_or(0),
-        max_attempts,
-        dedup_id: j.dedup_id,
+    let keyed = shardq_core::KeyedSpec {
+        unique_id: j.unique_id,
+        unique_while: j.unique_while,
+        debounce_id: j.debounce_id,
+        debounce_ms: j.debounce_ms,
+        debounce_max_ms: j.debounce_max_ms,
     };
+    let job = keyed
+        .apply(NewJob {
+            key: j.key,
+            payload,
+            delay_ms: j.delay_ms.unwrap_or(0),
+            max_attempts,
+            dedup_id: j.dedup_id,
+            keyed: None,
+        })
+        .map_err(|e| ApiError::bad(format!("jobs[{i}]: {e}")))?;
     job.validate(payload_max).map_err(|e| {
         let field = match e {
             QueueError::InvalidMaxAttempts { .. } => "max_attempts",
@@ -127,7 +142,8 @@ pub async fn enqueue(
     let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, j) in jobs_in.into_iter().enumerate() {
         let job = to_new_job(i, j, app.limits.payload_bytes_max, &app.retry)?;
-        if let Some(id) = &job.dedup_id {
+        // A burst of one key's keyed jobs may share an id in one request.
+        if let Some(id) = job.dedup_id.as_ref().filter(|_| job.keyed.is_none()) {
             if let Some(first) = seen.insert((job.key.clone(), id.clone()), i) {
                 return Err(ApiError::bad(format!(
                     "jobs[{i}].dedup_id: {} already used by jobs[{first}] of this request, for the same key",
