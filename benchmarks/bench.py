@@ -373,11 +373,11 @@ def bench_latency(a: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- move
 
 def bench_move(a: argparse.Namespace) -> None:
-    """`remove-shard` of a shard holding a backlog, with a worker running
-    (the builtin handler, so the worker is as fast as it gets) or none: the
-    wall time of the CLI command, the jobs it moved, and the worker's runs
-    checked for order afterwards. With --baseline-bin, the same data on that
-    binary right after (a build that drains instead of moving)."""
+    """`remove-shard` of a shard holding a backlog, with --workers worker
+    processes running (the builtin handler, so each worker is as fast as it
+    gets) or none: the wall time of the CLI command and the jobs it moved
+    (the workers' runs are not checked). With --baseline-bin, the same data
+    on that binary right after (a build that drains instead of moving)."""
     bins = [("this", binary())] + ([("baseline", a.baseline_bin)] if a.baseline_bin else [])
     for rep in range(a.repeat):
         for label, exe in bins:
@@ -406,24 +406,23 @@ def bench_move_one(a: argparse.Namespace, exe: str, label: str, rep: int, tmp: s
     enqueue_s = time.monotonic() - t0
     status = json.loads(sh(exe, "status", "--data", data, "--json"))
     held = {r["name"]: r["ready"] + r["delayed"] for r in status["shards"]}
-    runs = os.path.join(tmp, "runs.txt")
-    worker = None
-    if a.workers:
-        worker = subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all",
-                                   "--concurrency", "8", *durability,
-                                   "--handler-builtin", f"append:{runs}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = [subprocess.Popen([exe, "work", "--data", data, "--max-local-shards", "all",
+                                 "--concurrency", "8", *durability,
+                                 "--handler-builtin", f"append:{os.path.join(tmp, f'runs-{i}.txt')}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i in range(a.workers)]
+    if workers:
         time.sleep(0.5)
     t0 = time.monotonic()
     out = sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
     move_s = time.monotonic() - t0
     report = json.loads(out.decode().strip().splitlines()[-1])
-    if worker is not None:
-        stop(worker)
+    for w in workers:
+        stop(w)
     moved = report.get("jobs_moved", 0)
     row = {"bench": "move", "backend": a.backend, "binary": label, "repeat": rep, "jobs": a.jobs,
            "keys": a.keys,
-           "on_removed_shard": held.get("shard-1", 0), "worker": bool(a.workers),
+           "on_removed_shard": held.get("shard-1", 0), "workers": a.workers,
            "remove_shard_s": round(move_s, 2), "jobs_moved": moved,
            "moved_per_s": round(moved / move_s) if moved else None,
            "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2)}
@@ -556,7 +555,7 @@ def main() -> None:
     m = sub.add_parser("move")
     m.add_argument("--jobs", type=int, default=2_000_000, help="jobs over 2 shards; about half on the removed one")
     m.add_argument("--keys", type=int, default=1000)
-    m.add_argument("--workers", type=int, default=1, help="1: a worker runs jobs during the move; 0: none")
+    m.add_argument("--workers", type=int, default=1, help="N: N worker processes run jobs during the move; 0: none")
     m.add_argument("--backend", choices=["embedded", "redis"], default="embedded",
                    help="redis: the two shards on two local redis-server processes")
     m.add_argument("--baseline-bin", default=None, help="another shardq binary to run the same on")
