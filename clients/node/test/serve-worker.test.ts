@@ -275,7 +275,9 @@ test("timeoutMs: a handler hung for 30 s is a dead letter with the server's time
       assert.equal(dead?.state, "dead", JSON.stringify(dead));
       assert.ok(dead.reason?.startsWith(TIMEOUT_REASON), dead.reason);
       assert.equal(dead.attempts, 1);
-      assert.equal(await client.job(String(next.id)), undefined, "the next job was acked");
+      // The handler returned before its ack reached the server: wait for
+      // the ack rather than read the job in between.
+      await until(async () => (await client.job(String(next.id))) === undefined, 10_000, "the next job to be acked");
       assert.ok(abortedWith instanceof JobTimeout, `the hung handler's signal was aborted with ${String(abortedWith)}`);
       assert.equal(abortedWith.timeoutMs, 500);
       assert.deepEqual(ended, ["next"], "the hung handler is still running");
