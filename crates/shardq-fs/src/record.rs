@@ -65,20 +65,8 @@ pub fn check_segment_header(buf: &[u8]) -> Result<(), HeaderError> {
         )));
     };
     if h[0..8] != SEGMENT_MAGIC {
-        // A whole record, or the start of one with a sane length and type.
-        let looks_like_record = match decode(buf) {
-            Ok(_) => true,
-            Err(DecodeError::Incomplete) => (T_ENQUEUE..=T_LAST).contains(&buf[HEADER_BYTES]),
-            Err(DecodeError::Invalid(_)) => false,
-        };
-        let hint = if looks_like_record {
-            " (it starts with a valid record: a segment written before segment headers, \
-             which this build does not read)"
-        } else {
-            ""
-        };
         return Err(HeaderError::Invalid(format!(
-            "wrong magic {:02x?}, expected {:?}{hint}",
+            "wrong magic {:02x?}, expected {:?}",
             &h[0..8],
             std::str::from_utf8(&SEGMENT_MAGIC).unwrap_or("?")
         )));
@@ -114,8 +102,6 @@ const T_ENQUEUE_DEDUP: u8 = 14;
 const T_BACK_OFF: u8 = 15;
 const T_RESUME: u8 = 16;
 const T_DEBOUNCE: u8 = 17;
-/// The highest record type this build writes.
-const T_LAST: u8 = T_DEBOUNCE;
 
 /// The dedup id an Enqueue record carries: the job and its id are one
 /// record, so one append, one checksum and one header hold both.

@@ -226,10 +226,11 @@ fn segment_with_wrong_magic_is_corrupt_naming_the_segment() {
     }
     assert_eq!(snapshot(&dir), before);
 
-    // A segment from before headers existed is named as such.
-    let mut legacy = Vec::new();
+    // A file that starts with a record instead of a header is refused
+    // the same way.
+    let mut headless = Vec::new();
     encode(
-        &mut legacy,
+        &mut headless,
         &Record::Enqueue {
             created_ms: 1,
             not_before_ms: 1,
@@ -239,9 +240,9 @@ fn segment_with_wrong_magic_is_corrupt_naming_the_segment() {
             payload: b"old",
         },
     );
-    std::fs::write(&seg, &legacy).unwrap();
+    std::fs::write(&seg, &headless).unwrap();
     let err = status_err(&dir).to_string();
-    assert!(err.contains("before segment headers"), "{err}");
+    assert!(err.contains("wrong magic"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -9,7 +9,7 @@ if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 redis.call('HSET', K_META, 'donemax', ARGV[5], 'doneage', ARGV[6])
 if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
--- A shard written before the `keys` hash had its pin gets it now.
+-- A `keys` hash without its pin (lost with the hash) gets it back.
 if redis.call('HGET', K_KEYS, KEYS_PIN) ~= ARGV[7] then redis.call('HSET', K_KEYS, KEYS_PIN, ARGV[7]) end
 local ids = redis.call('ZRANGE', K_INF, 0, -1)
 -- A corrupt record parks its run: the next claims report it.

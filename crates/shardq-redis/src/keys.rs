@@ -118,7 +118,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 /// * `inflight` zset: job id -> job lease deadline (ms).
 /// * `dead` zset: dead job id -> id (oldest first).
 /// * `deadn` hash: routing key -> number of its dead jobs.
-/// * `deadk` zset (the 21st part, new in layout 3): the dead jobs again,
+/// * `deadk` zset (the 21st part): the dead jobs again,
 ///   by key: `<key>` NUL `<id>`, the id zero-padded to 16 digits
 ///   (`DEADK_ID_DIGITS` in the scripts; ids stay below 2^53), every member
 ///   at score 0, so a `ZRANGEBYLEX` from `(<key>\0<id>` to `(<key>\1` reads
@@ -128,7 +128,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   key's job list read a key's dead jobs only there, at most the call's
 ///   bound of them; every script that adds or removes a dead job writes
 ///   `dead`, `deadn` and `deadk` together.
-/// * `keyed` hash (the 22nd part, new in layout 5): unique and debounced
+/// * `keyed` hash (the 22nd part): unique and debounced
 ///   jobs, `<key len>|<key><keyed id>` (`unique:ID` or `debounce:ID`, the
 ///   job's dedup id) -> the newest job stored with that id on this shard,
 ///   by enqueue or by a move's import. A keyed enqueue meets that job
@@ -181,7 +181,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   retention's count, written by each owner when it adopts the shard);
 ///   readers drop those past the retention's age.
 ///
-/// * `limits` hash (the 20th part, new in layout 2): the shard's copy of
+/// * `limits` hash (the 20th part): the shard's copy of
 ///   the flow settings' run limits (`shardq_core::flow::ConcurrencyRules`),
 ///   which the claim script reads per key instead of receiving every rule
 ///   with every claim. `=<key>` -> a key's own limit (only where it differs
