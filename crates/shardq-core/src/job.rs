@@ -89,6 +89,61 @@ pub enum Keyed {
     },
 }
 
+/// The key's newest live job with a keyed id, as a backend finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyedLive {
+    /// Its id.
+    pub job: JobId,
+    /// When it was enqueued (a debounce burst's first enqueue).
+    pub created_ms: u64,
+    /// Whether a run of it is in flight.
+    pub running: bool,
+}
+
+/// What a keyed enqueue does ([`Keyed`]), decided once for every backend
+/// by [`keyed_meets`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedMeets {
+    /// Nothing stored: the answer is this job, a duplicate.
+    Duplicate(JobId),
+    /// Nothing stored: this waiting job takes the payload and starts at
+    /// `not_before_ms` (refused as paused while its key is copied away).
+    Debounce {
+        /// The waiting job.
+        job: JobId,
+        /// Its start now.
+        not_before_ms: u64,
+    },
+    /// A new job, starting at `not_before_ms`.
+    Store {
+        /// Its start.
+        not_before_ms: u64,
+    },
+}
+
+/// The decision of [`QueueBackend::enqueue_dedup`](crate::QueueBackend::enqueue_dedup)
+/// for a job in `mode` with a delay of `delay_ms`, when the key's newest
+/// live job with its id is `live`, at `now_ms`.
+pub fn keyed_meets(mode: Keyed, live: Option<KeyedLive>, delay_ms: u64, now_ms: u64) -> KeyedMeets {
+    match (mode, live) {
+        (Keyed::Unique { running }, Some(e)) if running || !e.running => {
+            KeyedMeets::Duplicate(e.job)
+        }
+        (Keyed::Debounce { max_ms }, Some(e)) if !e.running => KeyedMeets::Debounce {
+            job: e.job,
+            not_before_ms: now_ms
+                .saturating_add(delay_ms)
+                .min(e.created_ms.saturating_add(max_ms)),
+        },
+        (Keyed::Debounce { max_ms }, _) => KeyedMeets::Store {
+            not_before_ms: now_ms.saturating_add(delay_ms.min(max_ms)),
+        },
+        (Keyed::Unique { .. }, _) => KeyedMeets::Store {
+            not_before_ms: now_ms.saturating_add(delay_ms),
+        },
+    }
+}
+
 /// The start of a unique job's id (see [`keyed_id`]).
 pub const UNIQUE_PREFIX: &str = "unique:";
 /// The start of a debounced job's id (see [`keyed_id`]).

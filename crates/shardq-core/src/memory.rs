@@ -15,10 +15,10 @@ use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::flow::{Admit, FlowControl, Rank};
 use crate::job::{
-    next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob, DeadJob,
-    DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo, JobState,
-    KeyCounts, Keyed, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored,
-    FINISHED_STARTS_KEPT, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
+    keyed_meets, next_fence, validate_job_lease_ms, AckOutcome, Backoff, CancelOutcome, ClaimedJob,
+    DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence, Finish, FinishedJob, JobId, JobInfo,
+    JobState, KeyCounts, Keyed, KeyedLive, KeyedMeets, MovedJob, NewJob, Receipt, Retention,
+    ShardStats, Stored, FINISHED_STARTS_KEPT, KEY_JOBS_MAX, PAYLOAD_BYTES_MAX_DEFAULT,
 };
 use crate::reshard::{KeyInventory, MapStore, ReshardError};
 use crate::retry::RetryRules;
@@ -88,12 +88,11 @@ struct ShardState {
     fair: crate::flow::FairQueue<String>,
 }
 
-/// What a keyed job `j` (id `d`, `mode`) meets on its key: the answer when
-/// the key's live job with that id takes it (a unique job's duplicate, or
-/// a debounce that hands that waiting job the new payload and start), or
-/// `None` when `j` is to be stored. A debounce of a job whose key is being
-/// copied away is refused as paused (the producer retries, and then finds
-/// the copy on the key's new shard).
+/// What a keyed job `j` (id `d`, `mode`) meets on its key
+/// ([`crate::job::keyed_meets`]): the answer when the key's live job with
+/// that id takes it (after a debounce has given that job the payload and
+/// start), or the start of a new job. A debounce of a job whose key is
+/// being copied away is refused as paused.
 fn keyed_hit(
     s: &mut ShardState,
     shard: &str,
@@ -101,35 +100,38 @@ fn keyed_hit(
     d: &str,
     mode: Keyed,
     now: u64,
-) -> Result<Option<Stored>, QueueError> {
+) -> Result<Result<Stored, u64>, QueueError> {
     let live = s
         .keyed
         .get(&(j.key.clone(), d.to_string()))
-        .filter(|id| s.jobs.contains_key(id) && !s.dead.contains(id))
-        .map(|&id| (id, s.in_flight.contains_key(&id)));
-    let hit = |id| Stored {
+        .filter(|id| !s.dead.contains(id))
+        .and_then(|id| s.jobs.get(id).map(|x| (*id, x)))
+        .map(|(id, x)| KeyedLive {
+            job: id,
+            created_ms: x.created_ms,
+            running: s.in_flight.contains_key(&id),
+        });
+    let here = |id, duplicate| Stored {
         id,
         shard: shard.to_string(),
-        duplicate: matches!(mode, Keyed::Unique { .. }),
+        duplicate,
     };
-    match (mode, live) {
-        (Keyed::Unique { running }, Some((id, busy))) if running || !busy => Ok(Some(hit(id))),
-        (Keyed::Debounce { max_ms }, Some((id, false))) => {
+    match keyed_meets(mode, live, j.delay_ms, now) {
+        KeyedMeets::Duplicate(id) => Ok(Ok(here(id, true))),
+        KeyedMeets::Debounce { job, not_before_ms } => {
             if s.fence.sealed_keys.contains_key(&j.key) {
                 return Err(QueueError::Paused {
                     shard: shard.to_string(),
                     key: j.key.clone(),
                 });
             }
-            let x = s.jobs.get_mut(&id).expect("found above");
+            let x = s.jobs.get_mut(&job).expect("found above");
             x.payload = j.payload.clone();
-            x.not_before_ms = now
-                .saturating_add(j.delay_ms)
-                .min(x.created_ms.saturating_add(max_ms));
+            x.not_before_ms = not_before_ms;
             x.backed_off = false;
-            Ok(Some(hit(id)))
+            Ok(Ok(here(job, false)))
         }
-        _ => Ok(None),
+        KeyedMeets::Store { not_before_ms } => Ok(Err(not_before_ms)),
     }
 }
 
@@ -566,15 +568,11 @@ impl QueueBackend for MemoryBackend {
                 let mut not_before_ms = now + j.delay_ms;
                 if let (Some(mode), Some(d)) = (j.keyed, &j.dedup_id) {
                     match keyed_hit(s, shard, j, d, mode, now)? {
-                        Some(hit) => {
+                        Ok(hit) => {
                             out.push(hit);
                             continue;
                         }
-                        None => {
-                            if let Keyed::Debounce { max_ms } = mode {
-                                not_before_ms = now + j.delay_ms.min(max_ms);
-                            }
-                        }
+                        Err(start) => not_before_ms = start,
                     }
                 } else if let Some(d) = &j.dedup_id {
                     if let Some(r) = s.dedup.get(&(j.key.clone(), d.clone())) {

@@ -324,17 +324,6 @@ pub(crate) struct ShardState {
     payload_at: HashMap<u64, u64, Xxh3Builder>,
 }
 
-/// The live job a keyed enqueue meets ([`ShardState::keyed_live`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyedLive {
-    /// Its id.
-    pub job: u64,
-    /// When it was enqueued (the burst's first enqueue, for a debounce).
-    pub created_ms: u64,
-    /// Whether a run of it is in flight.
-    pub running: bool,
-}
-
 impl ShardState {
     /// A state for a log whose deleted segments are `reclaimed` (the log
     /// refuses to open when a deleted prefix is not recorded there).
@@ -373,11 +362,11 @@ impl ShardState {
 
     /// The key's newest job stored with keyed id `id`, if it is live and
     /// not dead.
-    pub fn keyed_live(&self, key: &str, id: &str) -> Option<KeyedLive> {
+    pub fn keyed_live(&self, key: &str, id: &str) -> Option<shardq_core::KeyedLive> {
         let &(job, created_ms) = self.keyed.get(&*dedup_slot(key, id))?;
         self.slot_of(key, job)?;
-        Some(KeyedLive {
-            job,
+        Some(shardq_core::KeyedLive {
+            job: shardq_core::JobId(job),
             created_ms,
             running: self.in_flight_ids.contains_key(&job),
         })

@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use shardq_core::flow::Rank;
-use shardq_core::job::{validate_job_lease_ms, Keyed, DELAY_MS_MAX};
+use shardq_core::job::{keyed_meets, validate_job_lease_ms, KeyedLive, KeyedMeets, DELAY_MS_MAX};
 use shardq_core::{
     AckOutcome, BackedOff, Backoff, CancelOutcome, ClaimedJob, Clock, DeadJob, DeadPolicy,
     DedupRecord, FailOutcome, Fence, Finish, FinishedJob, FlowControl, JobId, JobInfo, JobState,
@@ -39,7 +39,7 @@ use shardq_route::validate_shard_name;
 use crate::log::{Access, ShardLog, Tail, Validate, SEGMENT_BYTES_DEFAULT};
 pub use crate::log::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use crate::record::{self, decode, EnqueueDedup, Record};
-use crate::state::{KeyedLive, Pick, RunFences, ShardState};
+use crate::state::{Pick, RunFences, ShardState};
 use crate::storage::{LogFile, OsStorage, Storage};
 
 mod files;
@@ -739,16 +739,19 @@ impl QueueBackend for FsBackend {
                         .get(&(job.key.as_str(), d))
                         .copied()
                         .or_else(|| r.keyed_live(&job.key, d));
-                    match (mode, live) {
-                        (Keyed::Unique { running }, Some(e)) if running || !e.running => {
+                    match keyed_meets(mode, live, job.delay_ms, now) {
+                        KeyedMeets::Duplicate(id) => {
                             out.push(Stored {
-                                id: JobId(e.job),
+                                id,
                                 shard: shard_name.to_string(),
                                 duplicate: true,
                             });
                             continue;
                         }
-                        (Keyed::Debounce { max_ms }, Some(e)) if !e.running => {
+                        KeyedMeets::Debounce {
+                            job: waiting,
+                            not_before_ms,
+                        } => {
                             if fence.sealed_keys.contains_key(&job.key) {
                                 // Its copy on the new shard would miss the
                                 // payload: the producer waits for the move.
@@ -760,25 +763,22 @@ impl QueueBackend for FsBackend {
                             record::encode(
                                 &mut bytes,
                                 &Record::Debounce {
-                                    job: e.job,
-                                    not_before_ms: now
-                                        .saturating_add(job.delay_ms)
-                                        .min(e.created_ms.saturating_add(max_ms)),
+                                    job: waiting.0,
+                                    not_before_ms,
                                     key: &job.key,
                                     payload: &job.payload,
                                 },
                             );
                             out.push(Stored {
-                                id: JobId(e.job),
+                                id: waiting,
                                 shard: shard_name.to_string(),
                                 duplicate: false,
                             });
                             continue;
                         }
-                        (Keyed::Debounce { max_ms }, _) => {
-                            not_before_ms = now + job.delay_ms.min(max_ms);
-                        }
-                        (Keyed::Unique { .. }, _) => {}
+                        KeyedMeets::Store {
+                            not_before_ms: start,
+                        } => not_before_ms = start,
                     }
                 } else if let Some(d) = job.dedup_id.as_deref() {
                     let known = r
@@ -821,7 +821,7 @@ impl QueueBackend for FsBackend {
                 if let Some(d) = job.dedup_id.as_deref() {
                     if job.keyed.is_some() {
                         let live = KeyedLive {
-                            job: pos,
+                            job: JobId(pos),
                             created_ms: now,
                             running: false,
                         };
