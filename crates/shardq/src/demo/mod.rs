@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
-use shardq_core::reshard::{self, MapStore, RebalanceEvent, RebalanceOptions, ReshardBackend};
+use shardq_core::reshard::{
+    self, MapStore, RebalanceEvent, RebalanceOptions, RebalanceReport, ReshardBackend,
+};
 use shardq_core::{ClaimedJob, Clock, Coordinator, NewJob, PoolOptions, QueueBackend, WorkerPool};
 use shardq_route::Router;
 
@@ -335,32 +337,7 @@ pub fn run(
     // During: add a shard and rebalance while producers and workers run.
     env.deploy_shard(&new_shard)?;
     reshard::add_shard(&*store, &new_shard, 1, None)?;
-    let moved_so_far = AtomicU64::new(0);
-    let to_move = AtomicU64::new(0);
-    let opts = RebalanceOptions {
-        batch: p.batch,
-        runner: format!("shardq demo (pid {})", std::process::id()),
-        ..RebalanceOptions::default()
-    };
-    let report = reshard::rebalance(&*backend, &*store, &opts, &mut |ev| {
-        match ev {
-            RebalanceEvent::Pinned { pinned, .. } => {
-                to_move.store(pinned as u64, Ordering::Relaxed)
-            }
-            RebalanceEvent::Switched { done, .. } => {
-                moved_so_far.store(done as u64, Ordering::Relaxed)
-            }
-            _ => {}
-        }
-        show(
-            "rebalance",
-            &format!(
-                "  moved {}/{}",
-                moved_so_far.load(Ordering::Relaxed),
-                to_move.load(Ordering::Relaxed)
-            ),
-        );
-    })?;
+    let report = rebalance_showing_progress(&*backend, &*store, p.batch, &show)?;
     let t2 = Instant::now();
     let ran2 = tracker.first_runs.load(Ordering::Relaxed);
     let shard_jobs_mid = tracker.shard_counts();
@@ -372,38 +349,10 @@ pub fn run(
     let shard_jobs_end = tracker.shard_counts();
 
     shared.stop.store(true, Ordering::SeqCst);
-    let mut expected: BTreeMap<String, u64> = BTreeMap::new();
-    for h in producers {
-        let next = h
-            .join()
-            .map_err(|_| DemoError::failed("producing", "a producer thread panicked"))??;
-        expected.extend(next);
-    }
+    let expected = join_producers(producers)?;
     let total: u64 = expected.values().sum();
-    let drain_started = Instant::now();
-    while tracker.first_runs.load(Ordering::Relaxed) < total
-        && drain_started.elapsed() < Duration::from_millis(FINAL_DRAIN_MS)
-        && !pool.is_finished()
-    {
-        show("draining", "");
-        thread::sleep(Duration::from_millis(20));
-    }
-    stop_pool.store(true, Ordering::SeqCst);
-    let pool_result = pool
-        .join()
-        .map_err(|_| DemoError::failed("running jobs", "the worker pool panicked"))?;
-    pool_result.map_err(|e| DemoError::failed("worker pool", e))?;
-
-    // Loss: every enqueued sequence number below `next` must have run.
-    let mut lost = 0u64;
-    for (key, n) in &expected {
-        let stripe = tracker
-            .stripe(key)
-            .lock()
-            .map_err(|_| DemoError::failed("checking order", "tracker lock poisoned"))?;
-        let ran_next = stripe.get(key).map_or(0, |t| t.next);
-        lost += n.saturating_sub(ran_next);
-    }
+    drain_and_stop_pool(&tracker, total, pool, &stop_pool, &show)?;
+    let lost = count_lost(&tracker, &expected)?;
 
     let after_map = store.load()?;
     let after = Router::new(after_map.clone())?;
@@ -428,19 +377,130 @@ pub fn run(
         ..DemoReport::default()
     };
     shared.measure(&mut out, [t0, t1, t2])?;
+    record_pauses(&mut out, &report);
+    count_moves(&mut out, p.tenants, &before, &after, &new_shard);
+    record_shard_jobs(
+        &mut out,
+        &shard_jobs_before,
+        &shard_jobs_mid,
+        &shard_jobs_end,
+    );
+    Ok(out)
+}
+
+/// Rebalances onto the map with the new shard, showing how many keys have
+/// moved as it goes.
+fn rebalance_showing_progress(
+    backend: &dyn ReshardBackend,
+    store: &dyn MapStore,
+    batch: usize,
+    show: &dyn Fn(&str, &str),
+) -> Result<RebalanceReport, DemoError> {
+    let moved_so_far = AtomicU64::new(0);
+    let to_move = AtomicU64::new(0);
+    let opts = RebalanceOptions {
+        batch,
+        runner: format!("shardq demo (pid {})", std::process::id()),
+        ..RebalanceOptions::default()
+    };
+    let report = reshard::rebalance(backend, store, &opts, &mut |ev| {
+        match ev {
+            RebalanceEvent::Pinned { pinned, .. } => {
+                to_move.store(pinned as u64, Ordering::Relaxed)
+            }
+            RebalanceEvent::Switched { done, .. } => {
+                moved_so_far.store(done as u64, Ordering::Relaxed)
+            }
+            _ => {}
+        }
+        show(
+            "rebalance",
+            &format!(
+                "  moved {}/{}",
+                moved_so_far.load(Ordering::Relaxed),
+                to_move.load(Ordering::Relaxed)
+            ),
+        );
+    })?;
+    Ok(report)
+}
+
+/// Waits for the producer threads; returns the next sequence number of
+/// every key they enqueued for.
+fn join_producers(producers: Vec<ProducerThread>) -> Result<BTreeMap<String, u64>, DemoError> {
+    let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+    for h in producers {
+        let next = h
+            .join()
+            .map_err(|_| DemoError::failed("producing", "a producer thread panicked"))??;
+        expected.extend(next);
+    }
+    Ok(expected)
+}
+
+/// Waits (bounded) for the `total` jobs enqueued to run, then stops the
+/// pool and returns its failure if it had one.
+fn drain_and_stop_pool(
+    tracker: &Tracker,
+    total: u64,
+    pool: thread::JoinHandle<Result<shardq_core::PoolReport, shardq_core::QueueError>>,
+    stop_pool: &AtomicBool,
+    show: &dyn Fn(&str, &str),
+) -> Result<(), DemoError> {
+    let drain_started = Instant::now();
+    while tracker.first_runs.load(Ordering::Relaxed) < total
+        && drain_started.elapsed() < Duration::from_millis(FINAL_DRAIN_MS)
+        && !pool.is_finished()
+    {
+        show("draining", "");
+        thread::sleep(Duration::from_millis(20));
+    }
+    stop_pool.store(true, Ordering::SeqCst);
+    let pool_result = pool
+        .join()
+        .map_err(|_| DemoError::failed("running jobs", "the worker pool panicked"))?;
+    pool_result.map_err(|e| DemoError::failed("worker pool", e))?;
+    Ok(())
+}
+
+/// Jobs enqueued that never ran: every sequence number below a key's
+/// `expected` next one must have run.
+fn count_lost(tracker: &Tracker, expected: &BTreeMap<String, u64>) -> Result<u64, DemoError> {
+    let mut lost = 0u64;
+    for (key, n) in expected {
+        let stripe = tracker
+            .stripe(key)
+            .lock()
+            .map_err(|_| DemoError::failed("checking order", "tracker lock poisoned"))?;
+        let ran_next = stripe.get(key).map_or(0, |t| t.next);
+        lost += n.saturating_sub(ran_next);
+    }
+    Ok(lost)
+}
+
+/// Fills in the per-key pause figures of the moves.
+fn record_pauses(out: &mut DemoReport, report: &RebalanceReport) {
     let mut pauses: Vec<f64> = report.moved.iter().map(|m| m.pause_ms).collect();
     out.pause_ms_p50 = percentile(&mut pauses, 50.0);
     out.pause_ms_p99 = percentile(&mut pauses, 99.0);
     out.pause_ms_max = pauses.iter().copied().fold(0.0, f64::max);
-    count_moves(&mut out, p.tenants, &before, &after, &new_shard);
-    for (shard, n) in &shard_jobs_before {
+}
+
+/// Fills in the jobs each shard ran before the change and after it (the
+/// runs counted at the end less those counted when the rebalance ended).
+fn record_shard_jobs(
+    out: &mut DemoReport,
+    before: &BTreeMap<String, u64>,
+    mid: &BTreeMap<String, u64>,
+    end: &BTreeMap<String, u64>,
+) {
+    for (shard, n) in before {
         out.shards.entry(shard.clone()).or_default().jobs_before = *n;
     }
-    for (shard, n) in &shard_jobs_end {
-        let mid = shard_jobs_mid.get(shard).copied().unwrap_or(0);
+    for (shard, n) in end {
+        let mid = mid.get(shard).copied().unwrap_or(0);
         out.shards.entry(shard.clone()).or_default().jobs_after = n - mid;
     }
-    Ok(out)
 }
 
 /// Refuses parameters out of their bounds, naming the flag.
