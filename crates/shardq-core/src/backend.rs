@@ -10,21 +10,21 @@
 //! * **Per-key order.** Within a shard, a key's jobs start in the order their
 //!   enqueues completed (their [`JobId`]s grow in that order), and at most one
 //!   job per key is in flight, or the key's concurrency
-//!   ([`QueueBackend::key_concurrency`]) where its policy allows more and
+//!   ([`RunJobs::key_concurrency`]) where its policy allows more and
 //!   the backend can ([`BackendLimits::key_concurrency_max`]). A failed job
 //!   is retried before any later job of its key (and while its retry waits,
 //!   no later job starts); other keys keep flowing meanwhile.
-//! * **At-least-once.** A job is finished only by [`QueueBackend::ack`] (or by
+//! * **At-least-once.** A job is finished only by [`RunJobs::ack`] (or by
 //!   being dead-lettered and then purged). A claimed job whose owner vanishes
 //!   is claimed again, with its attempt count raised, by the next owner after
-//!   [`QueueBackend::adopt`].
+//!   [`RunJobs::adopt`].
 //! * **Fencing.** Every enqueue carries the shard-map version the producer
 //!   routed with. A shard refuses it with [`QueueError::Fenced`] if the
 //!   version is older than its [`Fence::map_version_min`], and with
 //!   [`QueueError::Paused`] if the key is paused; the check and the append
-//!   are atomic with respect to [`QueueBackend::set_fence`], so once
+//!   are atomic with respect to [`MoveKeys::set_fence`], so once
 //!   `set_fence` returns, no refused enqueue can land afterwards.
-//! * **Drain.** [`QueueBackend::key_counts`] reports a key's depth and
+//! * **Drain.** [`InspectJobs::key_counts`] reports a key's depth and
 //!   in-flight count as the shard sees it now; drain-then-switch pauses the
 //!   key, waits until both are zero, then switches the route.
 //! * **One run per key, named by a receipt.** A claim starts a *run*: the
@@ -33,7 +33,7 @@
 //!   extend it; any other receipt (an earlier attempt, a lapsed lease, an
 //!   earlier owner, a run already finished) is refused with
 //!   [`QueueError::StaleReceipt`] or listed as stale, and changes nothing.
-//!   A run whose job lease lapses without an [`QueueBackend::extend`] ends
+//!   A run whose job lease lapses without an [`RunJobs::extend`] ends
 //!   at the next claim on its shard: its job goes back to the head of its
 //!   key with attempt + 1 and the key stays blocked until then, so two runs
 //!   of a key never overlap while their leases are honoured. (Until that
@@ -47,17 +47,17 @@
 //!   `run_fence_min` above the old shard's [`ShardStats::fence_high`] before
 //!   a moved key's first job there can run.
 //! * **Ownership.** Any process may enqueue to any shard. Only a process that
-//!   has adopted a shard ([`QueueBackend::adopt`]) claims, acks and fails its
+//!   has adopted a shard ([`RunJobs::adopt`]) claims, acks and fails its
 //!   jobs; others get [`QueueError::NotOwner`]. Who may adopt is decided by a
 //!   [`Coordinator`] (leases), not by the backend.
-//! * **Dedup ids belong to their key.** [`QueueBackend::enqueue_dedup`]
+//! * **Dedup ids belong to their key.** [`RunJobs::enqueue_dedup`]
 //!   checks each job's `(key, dedup_id)` against the shard's dedup records
 //!   atomically with the append (the same lock, or the same script): of
 //!   any number of concurrent enqueues of one `(key, id)` within the
 //!   window, exactly one stores a job and the others are told its id. The
 //!   records are as durable as the jobs, survive restarts for their window,
-//!   and move with their key in a rebalance ([`QueueBackend::dedup_export`],
-//!   [`QueueBackend::dedup_import`]).
+//!   and move with their key in a rebalance ([`MoveKeys::dedup_export`],
+//!   [`MoveKeys::dedup_import`]).
 
 use crate::error::QueueError;
 use crate::flow::Rank;
@@ -66,12 +66,12 @@ use crate::job::{
     JobInfo, KeyCounts, MovedJob, NewJob, Receipt, ShardStats, Stored,
 };
 
-/// The bounds of one call of a backend ([`QueueBackend::limits`]).
+/// The bounds of one call of a backend ([`RunJobs::limits`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackendLimits {
-    /// Most jobs in one [`QueueBackend::enqueue`].
+    /// Most jobs in one [`RunJobs::enqueue`].
     pub enqueue_batch_jobs_max: usize,
-    /// Most bytes of payloads and keys in one [`QueueBackend::enqueue`].
+    /// Most bytes of payloads and keys in one [`RunJobs::enqueue`].
     pub enqueue_batch_bytes_max: usize,
     /// Most runs of one key at once the backend can keep apart
     /// ([`crate::flow::FlowPolicy::concurrency`]): a policy asking more is
@@ -90,8 +90,8 @@ impl Default for BackendLimits {
     }
 }
 
-/// [`QueueBackend::import_jobs`] for a backend whose
-/// [`QueueBackend::import_many`] does the work: the one key as a batch of one.
+/// [`MoveKeys::import_jobs`] for a backend whose
+/// [`MoveKeys::import_many`] does the work: the one key as a batch of one.
 pub fn import_jobs_by_many<B: QueueBackend + ?Sized>(
     backend: &B,
     shard: &str,
@@ -107,18 +107,18 @@ pub fn import_jobs_by_many<B: QueueBackend + ?Sized>(
         .collect())
 }
 
-/// Jobs per `export_jobs` call of the default [`QueueBackend::export_many`].
+/// Jobs per `export_jobs` call of the default [`MoveKeys::export_many`].
 pub const EXPORT_CHUNK_JOBS: usize = 4096;
 
-/// Waiting jobs of a key, from its head, that [`QueueBackend::key_hold`]
-/// and [`QueueBackend::resume_key`] look at. A back-off puts its job back
+/// Waiting jobs of a key, from its head, that [`InspectJobs::key_hold`]
+/// and [`InspectJobs::resume_key`] look at. A back-off puts its job back
 /// at the head of its key, so a key's backed-off jobs are its first waiting
 /// ones: at most its concurrency of them
 /// ([`crate::flow::KEY_CONCURRENCY_MAX`]), behind any dead letter retried in
 /// front of them.
 pub const KEY_HOLD_SCAN_JOBS: usize = 2 * crate::flow::KEY_CONCURRENCY_MAX as usize;
 
-/// A handler's back-off standing on a key now ([`QueueBackend::key_hold`]).
+/// A handler's back-off standing on a key now ([`InspectJobs::key_hold`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyHold {
     /// The key's waiting jobs a back-off put back and whose wait has not
@@ -128,7 +128,7 @@ pub struct KeyHold {
     pub until_ms: u64,
 }
 
-/// What [`QueueBackend::resume_key`] did.
+/// What [`InspectJobs::resume_key`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyResume {
     /// The back-off is lifted: its jobs are due now.
@@ -144,11 +144,7 @@ pub enum KeyResume {
     Moving,
 }
 
-/// The queue operations of one storage engine, over all shards it holds.
-///
-/// Implementations are shared between threads (`Send + Sync`); every method
-/// takes `&self`. Shard names are those of the shard map.
-/// What [`QueueBackend::back_off`] did.
+/// What [`RunJobs::back_off`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackedOff {
     /// When the job (and its key) may start again.
@@ -158,7 +154,23 @@ pub struct BackedOff {
     pub group: Option<String>,
 }
 
-pub trait QueueBackend: Send + Sync {
+/// The queue operations of one storage engine, over all shards it holds:
+/// the three narrower traits together. Every backend implements all three;
+/// code that needs only one part asks for that trait ([`RunJobs`] for a
+/// worker pool, [`MoveKeys`] for a move, [`InspectJobs`] for operators'
+/// reads and actions), so each part's contract can be read and checked
+/// alone.
+///
+/// Implementations are shared between threads (`Send + Sync`); every method
+/// takes `&self`. Shard names are those of the shard map.
+pub trait QueueBackend: RunJobs + MoveKeys + InspectJobs {}
+
+impl<T: RunJobs + MoveKeys + InspectJobs + ?Sized> QueueBackend for T {}
+
+/// Running a shard's jobs: enqueue, claim, ack, fail, extend and back off,
+/// and taking or giving up a shard ([`RunJobs::adopt`]). What a producer
+/// and a worker pool need.
+pub trait RunJobs: Send + Sync {
     /// Names of the shards this backend holds, in map order.
     fn shard_names(&self) -> Vec<String>;
 
@@ -182,7 +194,7 @@ pub trait QueueBackend: Send + Sync {
         jobs: &[NewJob],
     ) -> Result<Vec<JobId>, QueueError>;
 
-    /// Appends `jobs` like [`QueueBackend::enqueue`], except that a job whose
+    /// Appends `jobs` like [`RunJobs::enqueue`], except that a job whose
     /// `(key, dedup_id)` has a live record on `shard` is not stored: its
     /// [`Stored`] names the job it was enqueued as (`duplicate: true`,
     /// maybe on another shard after a move). The check and the records of
@@ -224,210 +236,6 @@ pub trait QueueBackend: Send + Sync {
                 duplicate: false,
             })
             .collect())
-    }
-
-    /// The live dedup records of `key` on `shard` (for a move).
-    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
-        let _ = (shard, key);
-        Ok(Vec::new())
-    }
-
-    /// The live dedup records of each of `keys` on `shard`, in as few reads
-    /// as the backend can (Redis: one scan of the shard's records for all
-    /// of them, where [`QueueBackend::dedup_export`] scans once per key), as
-    /// the last round of a move under a pause needs.
-    fn dedup_export_many(
-        &self,
-        shard: &str,
-        keys: &[&str],
-    ) -> Result<Vec<DedupRecord>, QueueError> {
-        let mut out = Vec::new();
-        for key in keys {
-            out.extend(self.dedup_export(shard, key)?);
-        }
-        Ok(out)
-    }
-
-    /// Stores `records` on `shard`, atomically; a `(key, id)` that already
-    /// has a live record there keeps it, so a rerun of a copy changes
-    /// nothing. Expired records are dropped.
-    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
-        let _ = shard;
-        if records.is_empty() {
-            return Ok(());
-        }
-        Err(QueueError::Unsupported {
-            what: "dedup records",
-        })
-    }
-
-    /// Keys with live dedup records on `shard` (a rebalance moves them with
-    /// drain-then-switch even when they have no jobs).
-    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
-        let _ = shard;
-        Ok(Vec::new())
-    }
-
-    /// Up to `max` of `key`'s jobs on `shard` that are not running, queued
-    /// or delayed or dead, with an id above `after`, in id order (which is
-    /// key order). Only for a key sealed on `shard`, whose set of such jobs
-    /// then only grows, at the top, as enqueues arrive.
-    fn export_jobs(
-        &self,
-        shard: &str,
-        key: &str,
-        after: Option<JobId>,
-        max: usize,
-    ) -> Result<Vec<MovedJob>, QueueError> {
-        let _ = (shard, key, after, max);
-        Err(QueueError::Unsupported {
-            what: "moving a backlog",
-        })
-    }
-
-    /// Appends `jobs`, copied from shard `from`, to `key` on `shard`, in
-    /// order, atomically: payload, times, attempts and dead letters as
-    /// given, new ids here. A job whose source id is at or below
-    /// [`QueueBackend::imported_up_to`] is skipped, so a rerun of a copy
-    /// stores nothing twice. Returns (source id, new id) per job stored.
-    fn import_jobs(
-        &self,
-        shard: &str,
-        from: &str,
-        key: &str,
-        jobs: &[MovedJob],
-    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
-        let _ = (shard, from, key, jobs);
-        Err(QueueError::Unsupported {
-            what: "moving a backlog",
-        })
-    }
-
-    /// Every job [`QueueBackend::export_jobs`] would give for each of
-    /// `items` (a key and its cursor) on `shard`, all of them, in as few
-    /// reads as the backend can (Redis: one script call for many keys), as
-    /// the last round of a move under a pause needs.
-    fn export_many(
-        &self,
-        shard: &str,
-        items: &[(String, Option<JobId>)],
-    ) -> Result<Vec<(String, Vec<MovedJob>)>, QueueError> {
-        let mut out = Vec::new();
-        for (key, after) in items {
-            let mut after = *after;
-            let mut jobs = Vec::new();
-            loop {
-                let chunk = self.export_jobs(shard, key, after, EXPORT_CHUNK_JOBS)?;
-                let full = chunk.len() == EXPORT_CHUNK_JOBS;
-                after = chunk.last().map(|j| j.id).or(after);
-                jobs.extend(chunk);
-                if !full {
-                    break;
-                }
-            }
-            out.push((key.clone(), jobs));
-        }
-        Ok(out)
-    }
-
-    /// [`QueueBackend::import_jobs`] for several keys copied from the same
-    /// shard, in as few writes as the backend can (the embedded engine: one
-    /// append, one sync), as a move's last round under a pause needs.
-    /// Returns (key, source id, new id) per job stored.
-    fn import_many(
-        &self,
-        shard: &str,
-        from: &str,
-        items: &[(String, Vec<MovedJob>)],
-    ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
-        let mut out = Vec::new();
-        for (key, jobs) in items {
-            for (src, new) in self.import_jobs(shard, from, key, jobs)? {
-                out.push((key.clone(), src, new));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Makes this backend's later writes for a move (fences, copies,
-    /// freezes, purges) carry rebalance epoch `epoch`
-    /// ([`MapStore::rebalance_epoch`](crate::reshard::MapStore::rebalance_epoch)),
-    /// and raises `shard`'s epoch to it: from then on `shard` refuses such
-    /// writes of an older epoch ([`QueueError::Superseded`]), so a
-    /// rebalance that stalled past its lock's lease cannot write behind the
-    /// one that took over. Default: nothing (a backend whose rebalance lock
-    /// lives as long as its holder, as the embedded engine's file lock
-    /// does, has no stale holder to fence off).
-    fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {
-        let _ = (shard, epoch);
-        Ok(())
-    }
-
-    /// Makes the copies [`QueueBackend::import_jobs`] and
-    /// [`QueueBackend::import_many`] stored on `shard` durable, whoever
-    /// wrote them, where the backend defers that: the embedded engine syncs
-    /// its log once for a move's backlog rather than once per chunk, since
-    /// each sync of a big copy holds up the syncs of the shards' producers.
-    /// A move calls it on the new shard before it deletes anything on the
-    /// old one. Default: nothing to do (each import was durable as it
-    /// returned).
-    fn sync_imports(&self, shard: &str) -> Result<(), QueueError> {
-        let _ = shard;
-        Ok(())
-    }
-
-    /// The largest source id `shard` has taken from shard `from` for `key`.
-    fn imported_up_to(
-        &self,
-        shard: &str,
-        from: &str,
-        key: &str,
-    ) -> Result<Option<JobId>, QueueError> {
-        let _ = (shard, from, key);
-        Err(QueueError::Unsupported {
-            what: "moving a backlog",
-        })
-    }
-
-    /// Deletes `key`'s jobs on `shard` that are not running (queued,
-    /// delayed and dead), atomically: the copies left behind by a move.
-    /// The shard remembers their ids as moved away with `key`
-    /// ([`QueueBackend::moved_away`]). Returns how many.
-    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
-        let _ = (shard, key);
-        Err(QueueError::Unsupported {
-            what: "moving a backlog",
-        })
-    }
-
-    /// The key a job of `shard` moved away with, when `id` is no longer
-    /// live there because [`QueueBackend::purge_key`] deleted it after its
-    /// key's move (its copy is on the key's new shard): for the last
-    /// [`crate::MOVED_KEYS_KEPT`] keys purged, at most
-    /// [`crate::MOVED_IDS_KEPT`] ids. `None` for any other id. Needs no
-    /// ownership.
-    fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
-        let _ = (shard, id);
-        Ok(None)
-    }
-
-    /// Freezes each of `items`' keys on `shard` (a key sealed there for a
-    /// move, with the largest id of it its new shard took: its cursor)
-    /// when none of its jobs there that is not running has a larger id,
-    /// atomically with enqueues: no job arrives between the check and the
-    /// freeze. A frozen key's enqueues are refused with
-    /// [`QueueError::Moved`] naming its new shard, which holds its whole
-    /// backlog. Returns the keys frozen (one frozen before counts); a key
-    /// not sealed here is never frozen.
-    fn freeze_caught_up(
-        &self,
-        shard: &str,
-        items: &[(String, Option<JobId>)],
-    ) -> Result<Vec<String>, QueueError> {
-        let _ = (shard, items);
-        Err(QueueError::Unsupported {
-            what: "freezing a moving key",
-        })
     }
 
     /// Makes this process the runner of `shard`: loads its backlog, and puts
@@ -488,7 +296,7 @@ pub trait QueueBackend: Send + Sync {
         1
     }
 
-    /// While keys are ranked ([`QueueBackend::ranks_keys`]): the ranks of
+    /// While keys are ranked ([`RunJobs::ranks_keys`]): the ranks of
     /// up to `max` keys a claim on `shard` would start now, best first
     /// (runs whose lease lapsed count as ready again; limits are not asked,
     /// so a key over its rate may be among them). Nothing is claimed or
@@ -523,35 +331,6 @@ pub trait QueueBackend: Send + Sync {
         })
     }
 
-    /// The handler's back-off holding `key` on `shard` now, if one does:
-    /// its waiting jobs (among its first [`KEY_HOLD_SCAN_JOBS`]) that a
-    /// [`QueueBackend::back_off`] put back and whose wait has not ended. A
-    /// job delayed by its producer, or waiting for a retry after a failure,
-    /// is not held by a back-off; nor is a job whose wait a flow-control
-    /// refusal (a rate, a group's slots) set. Needs no ownership.
-    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
-        let _ = (shard, key);
-        Err(QueueError::Unsupported {
-            what: "reading a key's back-off",
-        })
-    }
-
-    /// Lifts the back-off holding `key` on `shard`: every job
-    /// [`QueueBackend::key_hold`] names is due now, keeping its place and
-    /// its attempt count, so the key starts again at its shard owner's next
-    /// claim, whichever process calls this. Jobs waiting for a producer's
-    /// delay or a retry's backoff are left as they are, and so is the
-    /// hold on the key's flow-control group a back-off for the group put
-    /// ([`crate::flow::FlowControl::resume_group`] lifts that). A key
-    /// sealed for a move answers [`KeyResume::Moving`] and changes
-    /// nothing. Atomic with respect to claims. Needs no ownership.
-    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
-        let _ = (shard, key);
-        Err(QueueError::Unsupported {
-            what: "resuming a key",
-        })
-    }
-
     /// Extends the job leases of running runs to `lease_ms` from now (the
     /// heartbeat of a long handler). Returns the receipts refused as stale;
     /// their runs are over and their handlers should stop. Needs ownership.
@@ -569,6 +348,255 @@ pub trait QueueBackend: Send + Sync {
     /// waiting and nothing is in flight. Lets a pool sleep instead of
     /// polling, and tells it whether it is idle. Needs no ownership.
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError>;
+}
+
+/// Moving keys between shards with their backlogs: fences, the copy of
+/// jobs and dedup records, the freeze of a caught-up key and the purge of
+/// the copies left behind (the protocol in [`crate::reshard`]).
+pub trait MoveKeys: Send + Sync {
+    /// The live dedup records of `key` on `shard` (for a move).
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
+        let _ = (shard, key);
+        Ok(Vec::new())
+    }
+
+    /// The live dedup records of each of `keys` on `shard`, in as few reads
+    /// as the backend can (Redis: one scan of the shard's records for all
+    /// of them, where [`MoveKeys::dedup_export`] scans once per key), as
+    /// the last round of a move under a pause needs.
+    fn dedup_export_many(
+        &self,
+        shard: &str,
+        keys: &[&str],
+    ) -> Result<Vec<DedupRecord>, QueueError> {
+        let mut out = Vec::new();
+        for key in keys {
+            out.extend(self.dedup_export(shard, key)?);
+        }
+        Ok(out)
+    }
+
+    /// Stores `records` on `shard`, atomically; a `(key, id)` that already
+    /// has a live record there keeps it, so a rerun of a copy changes
+    /// nothing. Expired records are dropped.
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        let _ = shard;
+        if records.is_empty() {
+            return Ok(());
+        }
+        Err(QueueError::Unsupported {
+            what: "dedup records",
+        })
+    }
+
+    /// Keys with live dedup records on `shard` (a rebalance moves them with
+    /// drain-then-switch even when they have no jobs).
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        let _ = shard;
+        Ok(Vec::new())
+    }
+
+    /// Up to `max` of `key`'s jobs on `shard` that are not running, queued
+    /// or delayed or dead, with an id above `after`, in id order (which is
+    /// key order). Only for a key sealed on `shard`, whose set of such jobs
+    /// then only grows, at the top, as enqueues arrive.
+    fn export_jobs(
+        &self,
+        shard: &str,
+        key: &str,
+        after: Option<JobId>,
+        max: usize,
+    ) -> Result<Vec<MovedJob>, QueueError> {
+        let _ = (shard, key, after, max);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// Appends `jobs`, copied from shard `from`, to `key` on `shard`, in
+    /// order, atomically: payload, times, attempts and dead letters as
+    /// given, new ids here. A job whose source id is at or below
+    /// [`MoveKeys::imported_up_to`] is skipped, so a rerun of a copy
+    /// stores nothing twice. Returns (source id, new id) per job stored.
+    fn import_jobs(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+        jobs: &[MovedJob],
+    ) -> Result<Vec<(JobId, JobId)>, QueueError> {
+        let _ = (shard, from, key, jobs);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// Every job [`MoveKeys::export_jobs`] would give for each of
+    /// `items` (a key and its cursor) on `shard`, all of them, in as few
+    /// reads as the backend can (Redis: one script call for many keys), as
+    /// the last round of a move under a pause needs.
+    fn export_many(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<(String, Vec<MovedJob>)>, QueueError> {
+        let mut out = Vec::new();
+        for (key, after) in items {
+            let mut after = *after;
+            let mut jobs = Vec::new();
+            loop {
+                let chunk = self.export_jobs(shard, key, after, EXPORT_CHUNK_JOBS)?;
+                let full = chunk.len() == EXPORT_CHUNK_JOBS;
+                after = chunk.last().map(|j| j.id).or(after);
+                jobs.extend(chunk);
+                if !full {
+                    break;
+                }
+            }
+            out.push((key.clone(), jobs));
+        }
+        Ok(out)
+    }
+
+    /// [`MoveKeys::import_jobs`] for several keys copied from the same
+    /// shard, in as few writes as the backend can (the embedded engine: one
+    /// append, one sync), as a move's last round under a pause needs.
+    /// Returns (key, source id, new id) per job stored.
+    fn import_many(
+        &self,
+        shard: &str,
+        from: &str,
+        items: &[(String, Vec<MovedJob>)],
+    ) -> Result<Vec<(String, JobId, JobId)>, QueueError> {
+        let mut out = Vec::new();
+        for (key, jobs) in items {
+            for (src, new) in self.import_jobs(shard, from, key, jobs)? {
+                out.push((key.clone(), src, new));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes this backend's later writes for a move (fences, copies,
+    /// freezes, purges) carry rebalance epoch `epoch`
+    /// ([`MapStore::rebalance_epoch`](crate::reshard::MapStore::rebalance_epoch)),
+    /// and raises `shard`'s epoch to it: from then on `shard` refuses such
+    /// writes of an older epoch ([`QueueError::Superseded`]), so a
+    /// rebalance that stalled past its lock's lease cannot write behind the
+    /// one that took over. Default: nothing (a backend whose rebalance lock
+    /// lives as long as its holder, as the embedded engine's file lock
+    /// does, has no stale holder to fence off).
+    fn enter_rebalance(&self, shard: &str, epoch: u64) -> Result<(), QueueError> {
+        let _ = (shard, epoch);
+        Ok(())
+    }
+
+    /// Makes the copies [`MoveKeys::import_jobs`] and
+    /// [`MoveKeys::import_many`] stored on `shard` durable, whoever
+    /// wrote them, where the backend defers that: the embedded engine syncs
+    /// its log once for a move's backlog rather than once per chunk, since
+    /// each sync of a big copy holds up the syncs of the shards' producers.
+    /// A move calls it on the new shard before it deletes anything on the
+    /// old one. Default: nothing to do (each import was durable as it
+    /// returned).
+    fn sync_imports(&self, shard: &str) -> Result<(), QueueError> {
+        let _ = shard;
+        Ok(())
+    }
+
+    /// The largest source id `shard` has taken from shard `from` for `key`.
+    fn imported_up_to(
+        &self,
+        shard: &str,
+        from: &str,
+        key: &str,
+    ) -> Result<Option<JobId>, QueueError> {
+        let _ = (shard, from, key);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// Deletes `key`'s jobs on `shard` that are not running (queued,
+    /// delayed and dead), atomically: the copies left behind by a move.
+    /// The shard remembers their ids as moved away with `key`
+    /// ([`MoveKeys::moved_away`]). Returns how many.
+    fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "moving a backlog",
+        })
+    }
+
+    /// The key a job of `shard` moved away with, when `id` is no longer
+    /// live there because [`MoveKeys::purge_key`] deleted it after its
+    /// key's move (its copy is on the key's new shard): for the last
+    /// [`crate::MOVED_KEYS_KEPT`] keys purged, at most
+    /// [`crate::MOVED_IDS_KEPT`] ids. `None` for any other id. Needs no
+    /// ownership.
+    fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
+        let _ = (shard, id);
+        Ok(None)
+    }
+
+    /// Freezes each of `items`' keys on `shard` (a key sealed there for a
+    /// move, with the largest id of it its new shard took: its cursor)
+    /// when none of its jobs there that is not running has a larger id,
+    /// atomically with enqueues: no job arrives between the check and the
+    /// freeze. A frozen key's enqueues are refused with
+    /// [`QueueError::Moved`] naming its new shard, which holds its whole
+    /// backlog. Returns the keys frozen (one frozen before counts); a key
+    /// not sealed here is never frozen.
+    fn freeze_caught_up(
+        &self,
+        shard: &str,
+        items: &[(String, Option<JobId>)],
+    ) -> Result<Vec<String>, QueueError> {
+        let _ = (shard, items);
+        Err(QueueError::Unsupported {
+            what: "freezing a moving key",
+        })
+    }
+
+    /// The shard's current fence.
+    fn fence(&self, shard: &str) -> Result<Fence, QueueError>;
+
+    /// Replaces the shard's fence, atomically with respect to enqueues.
+    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError>;
+}
+
+/// What operators read and do to jobs: counts, a job or a key's jobs, the
+/// finished jobs, dead letters (retry, purge), cancel, and a key's
+/// back-off (read, resume). Needs no ownership of the shard.
+pub trait InspectJobs: Send + Sync {
+    /// The handler's back-off holding `key` on `shard` now, if one does:
+    /// its waiting jobs (among its first [`KEY_HOLD_SCAN_JOBS`]) that a
+    /// [`RunJobs::back_off`] put back and whose wait has not ended. A
+    /// job delayed by its producer, or waiting for a retry after a failure,
+    /// is not held by a back-off; nor is a job whose wait a flow-control
+    /// refusal (a rate, a group's slots) set. Needs no ownership.
+    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "reading a key's back-off",
+        })
+    }
+
+    /// Lifts the back-off holding `key` on `shard`: every job
+    /// [`InspectJobs::key_hold`] names is due now, keeping its place and
+    /// its attempt count, so the key starts again at its shard owner's next
+    /// claim, whichever process calls this. Jobs waiting for a producer's
+    /// delay or a retry's backoff are left as they are, and so is the
+    /// hold on the key's flow-control group a back-off for the group put
+    /// ([`crate::flow::FlowControl::resume_group`] lifts that). A key
+    /// sealed for a move answers [`KeyResume::Moving`] and changes
+    /// nothing. Atomic with respect to claims. Needs no ownership.
+    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
+        let _ = (shard, key);
+        Err(QueueError::Unsupported {
+            what: "resuming a key",
+        })
+    }
 
     /// A key's depth, in-flight and dead counts on `shard`, as of now
     /// (including enqueues made by other processes).
@@ -576,12 +604,6 @@ pub trait QueueBackend: Send + Sync {
 
     /// Counts for `status`.
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError>;
-
-    /// The shard's current fence.
-    fn fence(&self, shard: &str) -> Result<Fence, QueueError>;
-
-    /// Replaces the shard's fence, atomically with respect to enqueues.
-    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError>;
 
     /// Up to `limit` dead-lettered jobs of `shard`, oldest first.
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError>;
@@ -723,7 +745,7 @@ pub fn key_history<B: QueueBackend + ?Sized>(
 }
 
 /// Finished (acked or cancelled) job `id` of `shard`, while the shard's
-/// retention keeps it ([`QueueBackend::finished`]): what `job show` and
+/// retention keeps it ([`InspectJobs::finished`]): what `job show` and
 /// `GET /v1/jobs/{id}` answer for a job that is no longer live.
 pub fn finished_job<B: QueueBackend + ?Sized>(
     backend: &B,
@@ -738,7 +760,7 @@ pub fn finished_job<B: QueueBackend + ?Sized>(
 
 /// Dead letters of `shard` that a retry or purge of `ids` (`None`: every
 /// one) leaves as they are because their key is moving now (sealed by a
-/// rebalance; [`QueueBackend::dead_retry`] skips them): how many, and their
+/// rebalance; [`InspectJobs::dead_retry`] skips them): how many, and their
 /// keys. Read after the change, so a caller can say what to rerun.
 pub fn dead_left_moving<B: QueueBackend + ?Sized>(
     backend: &B,

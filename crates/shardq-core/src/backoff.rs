@@ -2,7 +2,7 @@
 //! a bound on how many a job may take in a row.
 //!
 //! A handler backs off ("my downstream limits me, retry in N ms") without
-//! using an attempt ([`crate::QueueBackend::back_off`]). Without bounds a
+//! using an attempt ([`crate::RunJobs::back_off`]). Without bounds a
 //! handler that always answers "back off 0" starts its key again at once,
 //! forever, and its job never reaches the dead letters. So every back-off
 //! holds its key at least [`BACKOFF_MS_MIN`], and [`BackOffs`] counts the

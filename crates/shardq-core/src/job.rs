@@ -54,7 +54,7 @@ pub struct NewJob {
     pub max_attempts: u32,
     /// Idempotency id, scoped to the key: a second job with the same
     /// `(key, dedup_id)` within the dedup window is not stored again (see
-    /// [`crate::QueueBackend::enqueue_dedup`]); 1..=[`DEDUP_ID_BYTES_MAX`]
+    /// [`crate::RunJobs::enqueue_dedup`]); 1..=[`DEDUP_ID_BYTES_MAX`]
     /// bytes without unshowable characters ([`is_unshowable`]).
     pub dedup_id: Option<String>,
     /// A unique or debounced job ([`Keyed`]): its `dedup_id` is then the
@@ -64,7 +64,7 @@ pub struct NewJob {
 }
 
 /// What an enqueue of a keyed job does when its key has a live job with
-/// the same id (see [`QueueBackend::enqueue_dedup`](crate::QueueBackend::enqueue_dedup)).
+/// the same id (see [`RunJobs::enqueue_dedup`](crate::RunJobs::enqueue_dedup)).
 /// The check is atomic with the append, on every backend, and the id moves
 /// with its job when its key moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +121,7 @@ pub enum KeyedMeets {
     },
 }
 
-/// The decision of [`QueueBackend::enqueue_dedup`](crate::QueueBackend::enqueue_dedup)
+/// The decision of [`RunJobs::enqueue_dedup`](crate::RunJobs::enqueue_dedup)
 /// for a job in `mode` with a delay of `delay_ms`, when the key's newest
 /// live job with its id is `live`, at `now_ms`.
 pub fn keyed_meets(mode: Keyed, live: Option<KeyedLive>, delay_ms: u64, now_ms: u64) -> KeyedMeets {
@@ -516,7 +516,7 @@ pub fn validate_dedup_window_ms(window_ms: u64) -> Result<(), QueueError> {
 }
 
 /// Refuses jobs carrying a dedup id in a plain enqueue: they go through
-/// [`crate::QueueBackend::enqueue_dedup`], which checks the id.
+/// [`crate::RunJobs::enqueue_dedup`], which checks the id.
 pub fn refuse_dedup_ids(jobs: &[NewJob]) -> Result<(), QueueError> {
     match jobs.iter().find(|j| j.dedup_id.is_some()) {
         Some(j) => Err(QueueError::InvalidDedupId {
@@ -544,7 +544,7 @@ pub struct DedupRecord {
     pub expires_ms: u64,
 }
 
-/// What [`crate::QueueBackend::enqueue_dedup`] did with one job.
+/// What [`crate::RunJobs::enqueue_dedup`] did with one job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stored {
     /// The job's id: the new job, or for a duplicate the one it was enqueued as.
@@ -630,7 +630,7 @@ pub fn cut_at_char(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// A job handed to a worker by [`crate::QueueBackend::claim`].
+/// A job handed to a worker by [`crate::RunJobs::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimedJob {
     /// Shard the job lives on.
@@ -656,7 +656,7 @@ pub struct ClaimedJob {
     /// runner's late write loses.
     pub fence: u64,
     /// When this run's job lease ends (ms, on the backend's clock) unless it
-    /// is extended with [`crate::QueueBackend::extend`].
+    /// is extended with [`crate::RunJobs::extend`].
     pub lease_until_ms: u64,
     /// The dedup id the job was enqueued with, if any: the handler's own
     /// idempotency key, and the schedule and tick of a scheduled job
@@ -675,7 +675,7 @@ impl ClaimedJob {
     }
 }
 
-/// Names one run of one job: what [`crate::QueueBackend::ack`], `fail` and
+/// Names one run of one job: what [`crate::RunJobs::ack`], `fail` and
 /// `extend` finish or prolong. A receipt is valid only while its run is the
 /// job's current run; any other receipt is refused and changes nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -706,7 +706,7 @@ impl std::str::FromStr for Receipt {
     }
 }
 
-/// What [`crate::QueueBackend::ack`] did with a batch of receipts.
+/// What [`crate::RunJobs::ack`] did with a batch of receipts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AckOutcome {
     /// Runs finished by this call.
@@ -725,7 +725,7 @@ pub fn next_fence(now_us: u64, last_issued: u64, floor: u64) -> u64 {
 }
 
 /// Default job lease (30 s): how long a claimed run stays the job's run
-/// without an [`crate::QueueBackend::extend`]. A lapsed run's job goes back
+/// without an [`crate::RunJobs::extend`]. A lapsed run's job goes back
 /// to the head of its key with attempt + 1.
 pub const JOB_LEASE_MS_DEFAULT: u64 = 30_000;
 /// Shortest job lease accepted (100 ms).
@@ -837,7 +837,7 @@ pub struct DeadJob {
     pub attempt_starts_ms: Vec<u64>,
 }
 
-/// Where a live job stands, as [`crate::QueueBackend::job`] shows it.
+/// Where a live job stands, as [`crate::InspectJobs::job`] shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
@@ -896,7 +896,7 @@ pub enum Finish {
 }
 
 /// A job that finished, kept for a while so that an operator can see what
-/// happened to it ([`crate::QueueBackend::finished`]; the retention is
+/// happened to it ([`crate::InspectJobs::finished`]; the retention is
 /// [`Retention`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FinishedJob {
@@ -927,7 +927,7 @@ pub const FINISHED_AGE_MS_DEFAULT: u64 = 86_400_000;
 pub const FINISHED_STARTS_KEPT: usize = 16;
 
 /// How long finished jobs are kept per shard, for
-/// [`crate::QueueBackend::finished`]: the newest `finished_jobs` of them,
+/// [`crate::InspectJobs::finished`]: the newest `finished_jobs` of them,
 /// none older than `finished_age_ms`. Then they are forgotten (compacted
 /// away). `finished_jobs: 0` keeps none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -974,10 +974,10 @@ impl Retention {
     }
 }
 
-/// Most live jobs one [`crate::QueueBackend::key_jobs`] call returns.
+/// Most live jobs one [`crate::InspectJobs::key_jobs`] call returns.
 pub const KEY_JOBS_MAX: usize = 1000;
 
-/// What [`crate::QueueBackend::cancel`] did.
+/// What [`crate::InspectJobs::cancel`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CancelOutcome {

@@ -21,8 +21,8 @@ pub mod schedule;
 pub mod secret;
 
 pub use backend::{
-    claim_order, BackedOff, BackendLimits, Coordinator, KeyHold, KeyResume, Ownership,
-    QueueBackend, KEY_HOLD_SCAN_JOBS,
+    claim_order, BackedOff, BackendLimits, Coordinator, InspectJobs, KeyHold, KeyResume, MoveKeys,
+    Ownership, QueueBackend, RunJobs, KEY_HOLD_SCAN_JOBS,
 };
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_WAIT_SLICE_MS};
 pub use error::{ErrorKind, QueueError};

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardq_route::ShardMap;
 
-use crate::backend::{BackedOff, KeyHold, KeyResume, QueueBackend, KEY_HOLD_SCAN_JOBS};
+use crate::backend::{
+    BackedOff, InspectJobs, KeyHold, KeyResume, MoveKeys, RunJobs, KEY_HOLD_SCAN_JOBS,
+};
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::flow::{Admit, FlowControl, Rank};
@@ -35,7 +37,7 @@ struct StoredJob {
     /// When each attempt started.
     starts: Vec<u64>,
     /// Its wait (`not_before_ms`) is a handler's back-off, which
-    /// [`QueueBackend::resume_key`] lifts; cleared when it starts again.
+    /// [`InspectJobs::resume_key`] lifts; cleared when it starts again.
     backed_off: bool,
     /// The dedup id it was enqueued with.
     dedup_id: Option<String>,
@@ -521,7 +523,7 @@ fn counts(s: &ShardState, key: &str) -> KeyCounts {
     }
 }
 
-impl QueueBackend for MemoryBackend {
+impl RunJobs for MemoryBackend {
     fn limits(&self) -> crate::BackendLimits {
         crate::BackendLimits {
             key_concurrency_max: crate::flow::KEY_CONCURRENCY_MAX,
@@ -625,47 +627,6 @@ impl QueueBackend for MemoryBackend {
             }
             s.check_not_rewound(shard)?;
             Ok(out)
-        })
-    }
-
-    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
-        let now = self.clock.now_ms();
-        self.with_shard(shard, |s| {
-            Ok(s.dedup
-                .values()
-                .filter(|r| r.key == key && r.expires_ms > now)
-                .cloned()
-                .collect())
-        })
-    }
-
-    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
-        let now = self.clock.now_ms();
-        self.with_shard(shard, |s| {
-            for r in records.iter().filter(|r| r.expires_ms > now) {
-                crate::job::validate_dedup_id(&r.key, &r.id)?;
-                let live = s
-                    .dedup
-                    .get(&(r.key.clone(), r.id.clone()))
-                    .is_some_and(|old| old.expires_ms > now);
-                if !live {
-                    s.dedup.insert((r.key.clone(), r.id.clone()), r.clone());
-                }
-            }
-            Ok(())
-        })
-    }
-
-    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
-        let now = self.clock.now_ms();
-        self.with_shard(shard, |s| {
-            let keys: BTreeSet<String> = s
-                .dedup
-                .values()
-                .filter(|r| r.expires_ms > now)
-                .map(|r| r.key.clone())
-                .collect();
-            Ok(keys.into_iter().collect())
         })
     }
 
@@ -969,30 +930,6 @@ impl QueueBackend for MemoryBackend {
         Ok(BackedOff { at_ms, group: held })
     }
 
-    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
-        let now = self.clock.now_ms();
-        self.with_shard(shard, |s| Ok(hold_of(s, key, now)))
-    }
-
-    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
-        let now = self.clock.now_ms();
-        self.with_shard(shard, |s| {
-            if s.fence.sealed_keys.contains_key(key) {
-                return Ok(KeyResume::Moving);
-            }
-            let Some(hold) = hold_of(s, key, now) else {
-                return Ok(KeyResume::NotHeld);
-            };
-            for id in &hold.jobs {
-                if let Some(j) = s.jobs.get_mut(id) {
-                    j.not_before_ms = now;
-                    j.backed_off = false;
-                }
-            }
-            Ok(KeyResume::Resumed(hold))
-        })
-    }
-
     fn extend(
         &self,
         shard: &str,
@@ -1037,35 +974,47 @@ impl QueueBackend for MemoryBackend {
                 .min())
         })
     }
+}
 
-    fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
-        self.with_shard(shard, |s| Ok(counts(s, key)))
-    }
-
-    fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
+impl MoveKeys for MemoryBackend {
+    fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
         let now = self.clock.now_ms();
         self.with_shard(shard, |s| {
-            let mut stats = ShardStats {
-                name: shard.to_string(),
-                in_flight: s.in_flight.len() as u64,
-                dead: s.dead.len() as u64,
-                fence_high: s.fence_high,
-                ..ShardStats::default()
-            };
-            let mut keys = BTreeSet::new();
-            for (k, q) in &s.keys {
-                keys.insert(k.clone());
-                for id in q {
-                    match s.jobs.get(id) {
-                        Some(j) if j.not_before_ms > now => stats.delayed += 1,
-                        Some(_) => stats.ready += 1,
-                        None => {}
-                    }
+            Ok(s.dedup
+                .values()
+                .filter(|r| r.key == key && r.expires_ms > now)
+                .cloned()
+                .collect())
+        })
+    }
+
+    fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            for r in records.iter().filter(|r| r.expires_ms > now) {
+                crate::job::validate_dedup_id(&r.key, &r.id)?;
+                let live = s
+                    .dedup
+                    .get(&(r.key.clone(), r.id.clone()))
+                    .is_some_and(|old| old.expires_ms > now);
+                if !live {
+                    s.dedup.insert((r.key.clone(), r.id.clone()), r.clone());
                 }
             }
-            keys.extend(s.busy.keys().cloned());
-            stats.keys = keys.len() as u64;
-            Ok(stats)
+            Ok(())
+        })
+    }
+
+    fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            let keys: BTreeSet<String> = s
+                .dedup
+                .values()
+                .filter(|r| r.expires_ms > now)
+                .map(|r| r.key.clone())
+                .collect();
+            Ok(keys.into_iter().collect())
         })
     }
 
@@ -1077,42 +1026,6 @@ impl QueueBackend for MemoryBackend {
         self.with_shard(shard, |s| {
             s.fence = fence.clone();
             Ok(())
-        })
-    }
-
-    fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
-        self.with_shard(shard, |s| {
-            Ok(s.dead
-                .iter()
-                .take(limit)
-                .filter_map(|id| {
-                    s.jobs.get(id).map(|j| DeadJob {
-                        shard: shard.to_string(),
-                        id: *id,
-                        key: j.key.clone(),
-                        attempts: j.attempt,
-                        reason: j.reason.clone(),
-                        attempt_starts_ms: j.starts.clone(),
-                    })
-                })
-                .collect())
-        })
-    }
-
-    fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
-        self.with_shard(shard, |s| {
-            let chosen = chosen_dead(s, ids);
-            for id in chosen.iter().rev() {
-                s.dead.remove(id);
-                if let Some(j) = s.jobs.get_mut(id) {
-                    j.attempt = 0;
-                    j.starts.clear();
-                    let key = j.key.clone();
-                    s.halted_keys.remove(&key);
-                    back_in_order(s, key, *id);
-                }
-            }
-            Ok(chosen.len())
         })
     }
 
@@ -1281,6 +1194,99 @@ impl QueueBackend for MemoryBackend {
 
     fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
         self.with_shard(shard, |s| Ok(s.moved.key_of(id.0).map(str::to_string)))
+    }
+}
+
+impl InspectJobs for MemoryBackend {
+    fn key_hold(&self, shard: &str, key: &str) -> Result<Option<KeyHold>, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| Ok(hold_of(s, key, now)))
+    }
+
+    fn resume_key(&self, shard: &str, key: &str) -> Result<KeyResume, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            if s.fence.sealed_keys.contains_key(key) {
+                return Ok(KeyResume::Moving);
+            }
+            let Some(hold) = hold_of(s, key, now) else {
+                return Ok(KeyResume::NotHeld);
+            };
+            for id in &hold.jobs {
+                if let Some(j) = s.jobs.get_mut(id) {
+                    j.not_before_ms = now;
+                    j.backed_off = false;
+                }
+            }
+            Ok(KeyResume::Resumed(hold))
+        })
+    }
+
+    fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.with_shard(shard, |s| Ok(counts(s, key)))
+    }
+
+    fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
+        let now = self.clock.now_ms();
+        self.with_shard(shard, |s| {
+            let mut stats = ShardStats {
+                name: shard.to_string(),
+                in_flight: s.in_flight.len() as u64,
+                dead: s.dead.len() as u64,
+                fence_high: s.fence_high,
+                ..ShardStats::default()
+            };
+            let mut keys = BTreeSet::new();
+            for (k, q) in &s.keys {
+                keys.insert(k.clone());
+                for id in q {
+                    match s.jobs.get(id) {
+                        Some(j) if j.not_before_ms > now => stats.delayed += 1,
+                        Some(_) => stats.ready += 1,
+                        None => {}
+                    }
+                }
+            }
+            keys.extend(s.busy.keys().cloned());
+            stats.keys = keys.len() as u64;
+            Ok(stats)
+        })
+    }
+
+    fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok(s.dead
+                .iter()
+                .take(limit)
+                .filter_map(|id| {
+                    s.jobs.get(id).map(|j| DeadJob {
+                        shard: shard.to_string(),
+                        id: *id,
+                        key: j.key.clone(),
+                        attempts: j.attempt,
+                        reason: j.reason.clone(),
+                        attempt_starts_ms: j.starts.clone(),
+                    })
+                })
+                .collect())
+        })
+    }
+
+    fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.with_shard(shard, |s| {
+            let chosen = chosen_dead(s, ids);
+            for id in chosen.iter().rev() {
+                s.dead.remove(id);
+                if let Some(j) = s.jobs.get_mut(id) {
+                    j.attempt = 0;
+                    j.starts.clear();
+                    let key = j.key.clone();
+                    s.halted_keys.remove(&key);
+                    back_in_order(s, key, *id);
+                }
+            }
+            Ok(chosen.len())
+        })
     }
 
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {

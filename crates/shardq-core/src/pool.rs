@@ -50,7 +50,7 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A handler's answer that its downstream is limiting it ("retry in
 /// `ms`"): returned as its error, it ends the run without using an attempt
-/// ([`QueueBackend::back_off`]); the job goes back to the head of its key
+/// ([`RunJobs::back_off`]); the job goes back to the head of its key
 /// and the key (with `group`, every key of its flow-control group) starts
 /// nothing for `ms`, while other keys run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,7 +234,7 @@ pub struct PoolOptions {
     pub concurrency: usize,
     /// Handlers that run at once when fewer than `concurrency` (a stdio
     /// handler's pipeline: the other runs wait written ahead to it). While
-    /// the backend limits starts ([`QueueBackend::limits_starts`]) the pool
+    /// the backend limits starts ([`RunJobs::limits_starts`]) the pool
     /// keeps no more runs than this in flight. `None`: `concurrency`.
     pub handlers: Option<usize>,
     /// How long shutdown waits for in-flight jobs, in ms.
@@ -657,6 +657,55 @@ impl Dispatch<'_> {
     fn claim_round(&mut self, rotate: usize, now: u64) -> Result<bool, QueueError> {
         let mut claimed_any = false;
         let n = self.owned.len();
+        let (window, batch) = self.claim_window();
+        let room = window - self.in_flight().min(window);
+        if room < batch && self.in_flight() > 0 {
+            return Ok(false);
+        }
+        // Ranked: the free slots go to the shards of the best-ranked ready
+        // keys over all of them, those first; the others share what is
+        // left, in turn. Resting shards are not asked for their ranks.
+        let resting =
+            |s: &str| (self.failed.get(s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt);
+        let order =
+            crate::backend::claim_order(self.backend, &self.owned, rotate, room, |s| !resting(s));
+        for (i, (shard, ranked_share)) in order.into_iter().enumerate() {
+            let free = window - self.in_flight().min(window);
+            if free == 0 {
+                break;
+            }
+            let Some(recovering) = self.claimable(&shard, now) else {
+                continue;
+            };
+            // Share the free slots between shards so one busy shard cannot
+            // starve the others.
+            let share = ranked_share
+                .unwrap_or_else(|| free.div_ceil(n - i))
+                .clamp(1, CLAIM_BATCH_MAX)
+                .min(free);
+            let jobs = match self.backend.claim(&shard, share, self.opts.job_lease_ms) {
+                Ok(jobs) => jobs,
+                Err(QueueError::NotOwner { .. }) => continue,
+                Err(e @ QueueError::StoreLost(_)) => return Err(e),
+                Err(e) => {
+                    self.shard_failed(&shard, &e, now, false);
+                    continue;
+                }
+            };
+            if recovering && self.failed.remove(&shard).is_some() {
+                (self.opts.on_event)(PoolEvent::ShardRecovered(shard.clone()));
+            }
+            for job in jobs {
+                claimed_any = true;
+                self.take_run(job, now)?;
+            }
+        }
+        Ok(claimed_any)
+    }
+
+    /// The most runs in flight a claim may fill up to, and the fewest free
+    /// slots worth a claim call while some run.
+    fn claim_window(&self) -> (usize, usize) {
         // Claim ahead up to CLAIM_AHEAD x concurrency runs (the extra ones
         // wait in the workers' queue), and only once a whole concurrency's
         // worth is free or nothing runs: claims then come in batches, not
@@ -680,101 +729,74 @@ impl Dispatch<'_> {
         } else {
             self.opts.concurrency.saturating_mul(CLAIM_AHEAD)
         };
-        let room = window - self.in_flight().min(window);
         let batch = if ranked || limited {
             1
         } else {
             self.opts.concurrency
         };
-        if room < batch && self.in_flight() > 0 {
-            return Ok(false);
+        (window, batch)
+    }
+
+    /// Whether to claim from `shard` now (`None`: it rests, or adopting it
+    /// failed again), and whether it is recovering from a failure.
+    fn claimable(&mut self, shard: &str, now: u64) -> Option<bool> {
+        let Some(f) = self.failed.get(shard) else {
+            return Some(false);
+        };
+        if now < f.retry_at_ms {
+            return None;
         }
-        // Ranked: the free slots go to the shards of the best-ranked ready
-        // keys over all of them, those first; the others share what is
-        // left, in turn. Resting shards are not asked for their ranks.
-        let resting =
-            |s: &str| (self.failed.get(s)).is_some_and(|f| now < f.retry_at_ms || f.needs_adopt);
-        let order =
-            crate::backend::claim_order(self.backend, &self.owned, rotate, room, |s| !resting(s));
-        for (i, (shard, ranked_share)) in order.into_iter().enumerate() {
-            let free = window - self.in_flight().min(window);
-            if free == 0 {
-                break;
-            }
-            let mut recovering = false;
-            if let Some(f) = self.failed.get(&shard) {
-                if now < f.retry_at_ms {
-                    continue;
-                }
-                if f.needs_adopt {
-                    self.adopt(&shard, now);
-                    if self.failed.contains_key(&shard) {
-                        continue;
-                    }
-                }
-                recovering = true;
-            }
-            // Share the free slots between shards so one busy shard cannot
-            // starve the others.
-            let share = ranked_share
-                .unwrap_or_else(|| free.div_ceil(n - i))
-                .clamp(1, CLAIM_BATCH_MAX)
-                .min(free);
-            let jobs = match self.backend.claim(&shard, share, self.opts.job_lease_ms) {
-                Ok(jobs) => jobs,
-                Err(QueueError::NotOwner { .. }) => continue,
-                Err(e @ QueueError::StoreLost(_)) => return Err(e),
-                Err(e) => {
-                    self.shard_failed(&shard, &e, now, false);
-                    continue;
-                }
-            };
-            if recovering && self.failed.remove(&shard).is_some() {
-                (self.opts.on_event)(PoolEvent::ShardRecovered(shard.clone()));
-            }
-            for job in jobs {
-                claimed_any = true;
-                let signal = Arc::new(RunSignal::default());
-                let wait_ms = now.saturating_sub(job.created_ms.max(job.not_before_ms));
-                // The store started a run that runs over the key's
-                // concurrency here, or of a job that runs here: older runs
-                // are over (their job leases lapsed, say in a stall). Stop
-                // their handlers, and start this run only once they
-                // returned, so a key never has more handlers than runs.
-                let (over, after) = self.runs_over(&job);
-                for r in &over {
-                    if let Some(run) = self.running.get(&(job.shard.clone(), *r)) {
-                        run.signal
-                            .cancel("the run's job lease lapsed and its job runs again");
-                    }
-                }
-                let older = !after.is_empty();
-                (self.opts.on_event)(PoolEvent::RunStarted {
-                    shard: job.shard.clone(),
-                    wait_ms,
-                });
-                let entry = (job.shard.clone(), job.receipt());
-                let key = job.key.clone();
-                let parked = if older {
-                    Some(job)
-                } else {
-                    self.start(job, Arc::clone(&signal))?;
-                    None
-                };
-                self.running.insert(
-                    entry,
-                    Running {
-                        key,
-                        started_ms: now,
-                        wait_ms,
-                        signal,
-                        parked,
-                        after,
-                    },
-                );
+        if f.needs_adopt {
+            self.adopt(shard, now);
+            if self.failed.contains_key(shard) {
+                return None;
             }
         }
-        Ok(claimed_any)
+        Some(true)
+    }
+
+    /// Takes one claimed run: starts it, or parks it until the older runs
+    /// it overlaps here have returned.
+    fn take_run(&mut self, job: ClaimedJob, now: u64) -> Result<(), QueueError> {
+        let signal = Arc::new(RunSignal::default());
+        let wait_ms = now.saturating_sub(job.created_ms.max(job.not_before_ms));
+        // The store started a run that runs over the key's
+        // concurrency here, or of a job that runs here: older runs
+        // are over (their job leases lapsed, say in a stall). Stop
+        // their handlers, and start this run only once they
+        // returned, so a key never has more handlers than runs.
+        let (over, after) = self.runs_over(&job);
+        for r in &over {
+            if let Some(run) = self.running.get(&(job.shard.clone(), *r)) {
+                run.signal
+                    .cancel("the run's job lease lapsed and its job runs again");
+            }
+        }
+        let older = !after.is_empty();
+        (self.opts.on_event)(PoolEvent::RunStarted {
+            shard: job.shard.clone(),
+            wait_ms,
+        });
+        let entry = (job.shard.clone(), job.receipt());
+        let key = job.key.clone();
+        let parked = if older {
+            Some(job)
+        } else {
+            self.start(job, Arc::clone(&signal))?;
+            None
+        };
+        self.running.insert(
+            entry,
+            Running {
+                key,
+                started_ms: now,
+                wait_ms,
+                signal,
+                parked,
+                after,
+            },
+        );
+        Ok(())
     }
 
     fn start(&self, job: ClaimedJob, signal: Arc<RunSignal>) -> Result<(), QueueError> {

@@ -3,11 +3,12 @@
 //! stalled past its job lease and wakes up after the job ran again cannot
 //! overwrite the newer run's result.
 
+use shardq_core::RunJobs;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use shardq_core::memory::MemoryBackend;
-use shardq_core::{ManualClock, NewJob, QueueBackend};
+use shardq_core::{ManualClock, NewJob};
 
 /// The handler's own database: one row per key, written only by a run
 /// whose fence is newer than the one stored

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use shardq_core::memory::{MemoryBackend, MemoryCoordinator};
 use shardq_core::{
-    current_run, AckOutcome, ClaimedJob, Clock, DeadJob, FailOutcome, Fence, JobId, KeyCounts,
-    ManualClock, NewJob, PoolEvent, PoolOptions, PoolReport, QueueBackend, QueueError, Receipt,
-    RunOutcome, ShardStats, SystemClock, WorkerPool,
+    current_run, AckOutcome, ClaimedJob, Clock, DeadJob, FailOutcome, Fence, InspectJobs, JobId,
+    KeyCounts, ManualClock, MoveKeys, NewJob, PoolEvent, PoolOptions, PoolReport, QueueBackend,
+    QueueError, Receipt, RunJobs, RunOutcome, ShardStats, SystemClock, WorkerPool,
 };
 
 fn run_pool(
@@ -350,20 +350,24 @@ impl OneBroken {
     }
 }
 
-impl QueueBackend for OneBroken {
+impl RunJobs for OneBroken {
     fn shard_names(&self) -> Vec<String> {
         self.inner.shard_names()
     }
+
     fn enqueue(&self, s: &str, v: u64, jobs: &[NewJob]) -> Result<Vec<JobId>, QueueError> {
         self.inner.enqueue(s, v, jobs)
     }
+
     fn adopt(&self, s: &str) -> Result<(), QueueError> {
         self.check(s)?;
         self.inner.adopt(s)
     }
+
     fn release(&self, s: &str) -> Result<(), QueueError> {
         self.inner.release(s)
     }
+
     fn claim(&self, s: &str, max: usize, lease: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         self.check(s)?;
         if let Some((clock, ms)) = &self.stall_before_claim {
@@ -371,9 +375,11 @@ impl QueueBackend for OneBroken {
         }
         self.inner.claim(s, max, lease)
     }
+
     fn ack(&self, s: &str, r: &[Receipt]) -> Result<AckOutcome, QueueError> {
         self.inner.ack(s, r)
     }
+
     fn fail(
         &self,
         s: &str,
@@ -383,6 +389,7 @@ impl QueueBackend for OneBroken {
     ) -> Result<FailOutcome, QueueError> {
         self.inner.fail(s, r, why, retry)
     }
+
     fn extend(&self, s: &str, r: &[Receipt], lease: u64) -> Result<Vec<Receipt>, QueueError> {
         if self.extends_fail.load(Ordering::SeqCst) {
             return Err(QueueError::Unavailable {
@@ -396,34 +403,48 @@ impl QueueBackend for OneBroken {
         }
         out
     }
+
     fn next_due_ms(&self, s: &str) -> Result<Option<u64>, QueueError> {
         self.check(s)?;
         self.inner.next_due_ms(s)
     }
-    fn key_counts(&self, s: &str, key: &str) -> Result<KeyCounts, QueueError> {
-        self.inner.key_counts(s, key)
-    }
-    fn shard_stats(&self, s: &str) -> Result<ShardStats, QueueError> {
-        self.inner.shard_stats(s)
-    }
-    fn fence(&self, s: &str) -> Result<Fence, QueueError> {
-        self.inner.fence(s)
-    }
-    fn set_fence(&self, s: &str, f: &Fence) -> Result<(), QueueError> {
-        self.inner.set_fence(s, f)
-    }
-    fn dead_list(&self, s: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
-        self.inner.dead_list(s, limit)
-    }
-    fn dead_retry(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
-        self.inner.dead_retry(s, ids)
-    }
-    fn dead_purge(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
-        self.inner.dead_purge(s, ids)
-    }
+
     fn key_concurrency(&self, key: &str) -> u32 {
         self.inner.key_concurrency(key)
     }
+}
+
+impl MoveKeys for OneBroken {
+    fn fence(&self, s: &str) -> Result<Fence, QueueError> {
+        self.inner.fence(s)
+    }
+
+    fn set_fence(&self, s: &str, f: &Fence) -> Result<(), QueueError> {
+        self.inner.set_fence(s, f)
+    }
+}
+
+impl InspectJobs for OneBroken {
+    fn key_counts(&self, s: &str, key: &str) -> Result<KeyCounts, QueueError> {
+        self.inner.key_counts(s, key)
+    }
+
+    fn shard_stats(&self, s: &str) -> Result<ShardStats, QueueError> {
+        self.inner.shard_stats(s)
+    }
+
+    fn dead_list(&self, s: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
+        self.inner.dead_list(s, limit)
+    }
+
+    fn dead_retry(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_retry(s, ids)
+    }
+
+    fn dead_purge(&self, s: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
+        self.inner.dead_purge(s, ids)
+    }
+
     fn job(&self, s: &str, id: JobId) -> Result<Option<shardq_core::JobInfo>, QueueError> {
         self.inner.job(s, id)
     }

@@ -14,8 +14,8 @@ use shardq_core::memory::{MemoryBackend, MemoryCoordinator, MemoryMapStore};
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{
-    ClaimedJob, Clock, Fence, NewJob, PoolOptions, QueueBackend, QueueError, SystemClock,
-    WorkerPool,
+    ClaimedJob, Clock, Fence, InspectJobs, MoveKeys, NewJob, PoolOptions, QueueError, RunJobs,
+    SystemClock, WorkerPool,
 };
 use shardq_route::{Algorithm, Router, ShardMap};
 use shardq_testkit::maps::HookedMaps;

@@ -12,7 +12,7 @@ use shardq_core::schedule::{
     tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
     SCHEDULE_DEDUP_MARGIN_MS, SETTING_SCHEDULE_STATE,
 };
-use shardq_core::{Clock, ManualClock, NewJob, QueueBackend};
+use shardq_core::{Clock, InspectJobs, ManualClock, NewJob, RunJobs};
 use shardq_route::{Algorithm, ShardMap};
 
 const T0: u64 = 1_800_000_000_000;

@@ -55,8 +55,8 @@ use shardq_core::reshard::KeyInventory;
 use shardq_core::reshard::{self, MapStore, RebalanceOptions, ReshardError};
 use shardq_core::{
     current_run, AckOutcome, CancelOutcome, ClaimedJob, Clock, DeadJob, DedupRecord, FailOutcome,
-    Fence, JobId, KeyCounts, MovedJob, NewJob, PoolOptions, QueueBackend, QueueError, Receipt,
-    ShardStats, Stored, WorkerPool,
+    Fence, InspectJobs, JobId, KeyCounts, MoveKeys, MovedJob, NewJob, PoolOptions, QueueBackend,
+    QueueError, Receipt, RunJobs, ShardStats, Stored, WorkerPool,
 };
 use shardq_core::{FlowControl, LocalGroupBuckets};
 use shardq_route::{Algorithm, ShardMap};
@@ -856,14 +856,16 @@ impl KeyInventory for Crashing {
     }
 }
 
-impl QueueBackend for Crashing {
+impl RunJobs for Crashing {
     fn shard_names(&self) -> Vec<String> {
         self.inner.shard_names()
     }
+
     fn enqueue(&self, shard: &str, v: u64, jobs: &[NewJob]) -> Result<Vec<JobId>, QueueError> {
         self.reach(shard)?;
         self.inner.enqueue(shard, v, jobs)
     }
+
     fn enqueue_dedup(
         &self,
         shard: &str,
@@ -874,19 +876,71 @@ impl QueueBackend for Crashing {
         self.reach(shard)?;
         self.inner.enqueue_dedup(shard, v, jobs, window_ms)
     }
+
+    fn adopt(&self, shard: &str) -> Result<(), QueueError> {
+        self.reach(shard)?;
+        self.inner.adopt(shard)
+    }
+
+    fn release(&self, shard: &str) -> Result<(), QueueError> {
+        self.reach(shard)?;
+        self.inner.release(shard)
+    }
+
+    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
+        self.reach(shard)?;
+        self.inner.claim(shard, max, lease_ms)
+    }
+
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        self.reach(shard)?;
+        self.inner.ack(shard, receipts)
+    }
+
+    fn fail(
+        &self,
+        shard: &str,
+        receipt: Receipt,
+        reason: &str,
+        retry_in_ms: Option<u64>,
+    ) -> Result<FailOutcome, QueueError> {
+        self.reach(shard)?;
+        self.inner.fail(shard, receipt, reason, retry_in_ms)
+    }
+
+    fn extend(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        lease_ms: u64,
+    ) -> Result<Vec<Receipt>, QueueError> {
+        self.reach(shard)?;
+        self.inner.extend(shard, receipts, lease_ms)
+    }
+
+    fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
+        self.reach(shard)?;
+        self.inner.next_due_ms(shard)
+    }
+}
+
+impl MoveKeys for Crashing {
     fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
         self.reach(shard)?;
         self.inner.dedup_export(shard, key)
     }
+
     fn dedup_import(&self, shard: &str, records: &[DedupRecord]) -> Result<(), QueueError> {
         self.reach(shard)?;
         self.write(shard)?;
         self.inner.dedup_import(shard, records)
     }
+
     fn dedup_keys(&self, shard: &str) -> Result<Vec<String>, QueueError> {
         self.reach(shard)?;
         self.inner.dedup_keys(shard)
     }
+
     fn export_jobs(
         &self,
         shard: &str,
@@ -898,6 +952,7 @@ impl QueueBackend for Crashing {
         self.clock.sleep_ms(1);
         self.inner.export_jobs(shard, key, after, max)
     }
+
     fn import_jobs(
         &self,
         shard: &str,
@@ -910,6 +965,7 @@ impl QueueBackend for Crashing {
         self.write(shard)?;
         self.inner.import_jobs(shard, from, key, jobs)
     }
+
     fn imported_up_to(
         &self,
         shard: &str,
@@ -919,10 +975,12 @@ impl QueueBackend for Crashing {
         self.reach(shard)?;
         self.inner.imported_up_to(shard, from, key)
     }
+
     fn sync_imports(&self, shard: &str) -> Result<(), QueueError> {
         self.reach(shard)?;
         self.inner.sync_imports(shard)
     }
+
     fn freeze_caught_up(
         &self,
         shard: &str,
@@ -935,54 +993,40 @@ impl QueueBackend for Crashing {
         self.write(shard)?;
         self.inner.freeze_caught_up(shard, items)
     }
+
     fn purge_key(&self, shard: &str, key: &str) -> Result<u64, QueueError> {
         self.reach(shard)?;
         self.write(shard)?;
         self.inner.purge_key(shard, key)
     }
-    fn adopt(&self, shard: &str) -> Result<(), QueueError> {
+
+    fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
         self.reach(shard)?;
-        self.inner.adopt(shard)
+        self.inner.fence(shard)
     }
-    fn release(&self, shard: &str) -> Result<(), QueueError> {
+
+    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
         self.reach(shard)?;
-        self.inner.release(shard)
+        self.write(shard)?;
+        if let Some((name, version, fired)) = &mut *self.blip.lock().unwrap() {
+            if name == shard && !*fired && fence.map_version_min >= *version {
+                *fired = true;
+                return Err(QueueError::Unavailable {
+                    shard: shard.to_string(),
+                    reason: "the store dropped out for a moment".into(),
+                });
+            }
+        }
+        self.inner.set_fence(shard, fence)
     }
-    fn claim(&self, shard: &str, max: usize, lease_ms: u64) -> Result<Vec<ClaimedJob>, QueueError> {
-        self.reach(shard)?;
-        self.inner.claim(shard, max, lease_ms)
-    }
-    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
-        self.reach(shard)?;
-        self.inner.ack(shard, receipts)
-    }
-    fn fail(
-        &self,
-        shard: &str,
-        receipt: Receipt,
-        reason: &str,
-        retry_in_ms: Option<u64>,
-    ) -> Result<FailOutcome, QueueError> {
-        self.reach(shard)?;
-        self.inner.fail(shard, receipt, reason, retry_in_ms)
-    }
-    fn extend(
-        &self,
-        shard: &str,
-        receipts: &[Receipt],
-        lease_ms: u64,
-    ) -> Result<Vec<Receipt>, QueueError> {
-        self.reach(shard)?;
-        self.inner.extend(shard, receipts, lease_ms)
-    }
-    fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
-        self.reach(shard)?;
-        self.inner.next_due_ms(shard)
-    }
+}
+
+impl InspectJobs for Crashing {
     fn key_counts(&self, shard: &str, key: &str) -> Result<KeyCounts, QueueError> {
         self.reach(shard)?;
         self.inner.key_counts(shard, key)
     }
+
     fn shard_stats(&self, shard: &str) -> Result<ShardStats, QueueError> {
         self.reach(shard)?;
         let mut blip = self.blip.lock().unwrap();
@@ -998,36 +1042,22 @@ impl QueueBackend for Crashing {
         drop(blip);
         self.inner.shard_stats(shard)
     }
-    fn fence(&self, shard: &str) -> Result<Fence, QueueError> {
-        self.reach(shard)?;
-        self.inner.fence(shard)
-    }
-    fn set_fence(&self, shard: &str, fence: &Fence) -> Result<(), QueueError> {
-        self.reach(shard)?;
-        self.write(shard)?;
-        if let Some((name, version, fired)) = &mut *self.blip.lock().unwrap() {
-            if name == shard && !*fired && fence.map_version_min >= *version {
-                *fired = true;
-                return Err(QueueError::Unavailable {
-                    shard: shard.to_string(),
-                    reason: "the store dropped out for a moment".into(),
-                });
-            }
-        }
-        self.inner.set_fence(shard, fence)
-    }
+
     fn dead_list(&self, shard: &str, limit: usize) -> Result<Vec<DeadJob>, QueueError> {
         self.reach(shard)?;
         self.inner.dead_list(shard, limit)
     }
+
     fn job(&self, shard: &str, id: JobId) -> Result<Option<shardq_core::JobInfo>, QueueError> {
         self.reach(shard)?;
         self.inner.job(shard, id)
     }
+
     fn dead_retry(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.reach(shard)?;
         self.inner.dead_retry(shard, ids)
     }
+
     fn dead_purge(&self, shard: &str, ids: Option<&[JobId]>) -> Result<usize, QueueError> {
         self.reach(shard)?;
         self.inner.dead_purge(shard, ids)

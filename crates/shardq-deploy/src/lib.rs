@@ -36,8 +36,8 @@ use std::sync::Arc;
 use shardq_core::producer::{Producer, ProducerOptions};
 use shardq_core::reshard::{MapStore, ReshardBackend};
 use shardq_core::{
-    Clock, Coordinator, FlowControl, FlowSettings, GroupBuckets, QueueBackend, Retention,
-    RetrySettings, SystemClock,
+    Clock, Coordinator, FlowControl, FlowSettings, GroupBuckets, InspectJobs, QueueBackend,
+    Retention, RetrySettings, SystemClock,
 };
 use shardq_fs::map_store::FileMapStore;
 use shardq_fs::{EngineOptions, FsBackend, FsCoordinator, MemberOptions};
@@ -739,7 +739,7 @@ impl Deployment {
     /// Lifts the handler's back-off holding `key` on the shard the
     /// published map routes it to: its backed-off jobs are due now, and the
     /// shard's owner starts the key at its next claim, in whatever process
-    /// it runs ([`shardq_core::QueueBackend::resume_key`]). A key moving
+    /// it runs ([`shardq_core::InspectJobs::resume_key`]). A key moving
     /// now is routed to its old shard, which answers
     /// [`shardq_core::KeyResume::Moving`]. The shard, and what was done.
     pub fn resume_key(&self, key: &str) -> Result<(String, shardq_core::KeyResume), DeployError> {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shardq_core::flow::{FlowControl, FlowPolicy, FlowSettings, LocalGroupBuckets, Rate};
-use shardq_core::{NewJob, QueueBackend, Receipt, JOB_LEASE_MS_DEFAULT};
+use shardq_core::{InspectJobs, NewJob, Receipt, RunJobs, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::{Durability, Engine, EngineOptions};
 use shardq_route::{Algorithm, ShardMap};
 

@@ -12,8 +12,8 @@ use serde::Serialize;
 use shardq_core::producer::{ProduceError, Producer, ProducerOptions};
 use shardq_core::reshard::MapStore;
 use shardq_core::{
-    Handler, JobId, NewJob, PoolOptions, PoolReport, QueueBackend, QueueError, ShardStats,
-    WorkerPool,
+    Handler, InspectJobs, JobId, NewJob, PoolOptions, PoolReport, QueueBackend, QueueError,
+    ShardStats, WorkerPool,
 };
 use shardq_route::{Router, ShardMap};
 

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use shardq_core::{Clock, FlowControl, ManualClock, QueueBackend};
+use shardq_core::{Clock, FlowControl, InspectJobs, ManualClock, QueueBackend, RunJobs};
 use shardq_fs::{Engine, EngineOptions, FileGroupBuckets, FsBackend};
 use shardq_route::{Algorithm, ShardMap};
 use shardq_testkit::contract::{self, ContractHarness};

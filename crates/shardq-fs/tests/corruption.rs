@@ -8,7 +8,7 @@ use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use shardq_core::{NewJob, QueueBackend, QueueError};
+use shardq_core::{InspectJobs, NewJob, QueueError, RunJobs};
 use shardq_fs::record::{encode, Record};
 use shardq_fs::storage::{list_segments, segment_name};
 use shardq_fs::{Engine, EngineOptions, FsError};

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use shardq_core::{NewJob, QueueBackend, Receipt, JOB_LEASE_MS_DEFAULT};
+use shardq_core::{InspectJobs, MoveKeys, NewJob, Receipt, RunJobs, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::storage::{list_segments, segment_name, CrashStorage, OsStorage};
 use shardq_fs::{Durability, Engine, EngineOptions};
 

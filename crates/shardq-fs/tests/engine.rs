@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use shardq_core::{
-    Coordinator, DeadPolicy, FailOutcome, Fence, ManualClock, NewJob, PoolOptions, QueueBackend,
-    QueueError, Receipt,
+    Coordinator, DeadPolicy, FailOutcome, Fence, InspectJobs, ManualClock, MoveKeys, NewJob,
+    PoolOptions, QueueError, Receipt, RunJobs,
 };
 use shardq_fs::storage::{list_segments, FaultyStorage};
 use shardq_fs::{Engine, EngineOptions, FsCoordinator, FsError, MemberOptions};

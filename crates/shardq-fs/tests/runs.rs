@@ -4,7 +4,8 @@
 //! clock stepped back and compaction, and respect `run_fence_min`.
 
 use shardq_core::{
-    ClaimedJob, FailOutcome, Fence, ManualClock, NewJob, QueueBackend, QueueError, Receipt,
+    ClaimedJob, FailOutcome, Fence, InspectJobs, ManualClock, MoveKeys, NewJob, QueueError,
+    Receipt, RunJobs,
 };
 use shardq_fs::{Engine, EngineOptions};
 

@@ -9,8 +9,8 @@ use std::fs::OpenOptions;
 use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
-use shardq_core::{Coordinator, SystemClock};
-use shardq_core::{NewJob, QueueBackend, QueueError, Receipt, JOB_LEASE_MS_DEFAULT};
+use shardq_core::{Coordinator, InspectJobs, RunJobs, SystemClock};
+use shardq_core::{NewJob, QueueError, Receipt, JOB_LEASE_MS_DEFAULT};
 use shardq_fs::backend::{APPEND_LOCK_FILE, APPEND_LOCK_WAIT_MS_DEFAULT};
 use shardq_fs::layout::{MEMBERSHIP_LOCK_FILE, MEMBERSHIP_LOCK_WAIT_MS};
 use shardq_fs::{Durability, Engine, EngineOptions, FsCoordinator};

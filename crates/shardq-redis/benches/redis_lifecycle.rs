@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{Coordinator, NewJob, QueueBackend, Receipt};
+use shardq_core::{Coordinator, NewJob, Receipt, RunJobs};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::{Algorithm, Router, Shard, ShardMap};
 use shardq_testkit::redis::{RedisCluster, RedisServer};

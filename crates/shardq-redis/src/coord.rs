@@ -140,7 +140,7 @@ impl RedisCoordinator {
         backend: &RedisBackend,
         options: CoordinatorOptions,
     ) -> Result<RedisCoordinator, RedisError> {
-        let all = shardq_core::QueueBackend::shard_names(backend);
+        let all = shardq_core::RunJobs::shard_names(backend);
         if let Some(list) = &options.shards {
             for s in list {
                 if !all.contains(s) {
@@ -246,7 +246,7 @@ impl Coordinator for RedisCoordinator {
         let mut failures = 0;
         let shards = match &self.shards {
             Some(list) => list.clone(),
-            None => shardq_core::QueueBackend::shard_names(&self.backend),
+            None => shardq_core::RunJobs::shard_names(&self.backend),
         };
         let total = shards.len();
         for shard in shards {

@@ -18,7 +18,7 @@
 //! * [`rebalance_epoch_key`] string: a counter each rebalance `INCR`s
 //!   under the lock for its epoch. A holder that only stalled past the
 //!   lock's lease still holds its older epoch, which the shards refuse
-//!   once the next holder entered them (`QueueBackend::enter_rebalance`).
+//!   once the next holder entered them (`MoveKeys::enter_rebalance`).
 //!
 //! This module must never publish a map it has not validated, and never
 //! release or extend a lock whose token is not its own.

@@ -468,7 +468,7 @@ pub fn a_changed_concurrency_holds_from_the_next_claim(h: &dyn ContractHarness) 
 }
 
 /// Ranks compare over the shards of one process
-/// ([`QueueBackend::ready_ranks`]): with one slot given each time to the
+/// ([`RunJobs::ready_ranks`]): with one slot given each time to the
 /// shard of the best-ranked key, a key of weight 4 on one shard and a key
 /// of weight 1 on another start 4:1. The weight-1 key arrives after the
 /// other ran alone for 40 starts, and starts from the process's virtual
@@ -640,7 +640,7 @@ pub fn a_backed_off_run_keeps_its_attempt_and_holds_its_key(h: &dyn ContractHarn
 }
 
 /// An operator's resume lifts a handler's back-off of a key at once
-/// ([`QueueBackend::resume_key`]): the backed-off job starts at the next
+/// ([`InspectJobs::resume_key`]): the backed-off job starts at the next
 /// claim with its attempt unused, while another key's back-off stands. A
 /// wait a resume does not own is left as it is: a delay its producer gave,
 /// a retry's backoff after a failure (of a job that backed off before too),

@@ -23,7 +23,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use shardq_core::producer::ProducerOptions;
-use shardq_core::{NewJob, QueueBackend};
+use shardq_core::{InspectJobs, MoveKeys, NewJob};
 use shardq_fs::layout::SHARD_MAP_FILE;
 use shardq_fs::map_store::TARGET_FILE;
 use shardq_fs::{Engine, EngineOptions};

@@ -31,11 +31,11 @@
 //!    queued, delayed and dead jobs in rounds while its producers keep
 //!    writing ([`TRANSFER_ROUNDS_MAX`] rounds of [`TRANSFER_CHUNK_JOBS`]-job
 //!    chunks; the new shard may run the copies at once; a backend may defer
-//!    their durability to [`QueueBackend::sync_imports`], called on each new
+//!    their durability to [`MoveKeys::sync_imports`], called on each new
 //!    shard before any source is deleted), then a last round
 //!    (with the key's dedup records; one read per old shard for the batch,
 //!    from the cursors the rounds kept) and a *freeze*: one atomic step on
-//!    the old shard ([`QueueBackend::freeze_caught_up`]) that checks no job
+//!    the old shard ([`MoveKeys::freeze_caught_up`]) that checks no job
 //!    of the key arrived since and marks it frozen, so its next enqueues
 //!    there are sent to the new shard ([`QueueError::Moved`]) at once. No
 //!    producer waits. A key that gets a job before every one of
@@ -45,7 +45,7 @@
 //!    left behind and unseal (which unfreezes). A frozen key is never
 //!    unsealed otherwise: it must finish its move. Every
 //!    copy is idempotent: the new shard skips source ids at or below what it
-//!    took from that shard for that key ([`QueueBackend::imported_up_to`]),
+//!    took from that shard for that key ([`MoveKeys::imported_up_to`]),
 //!    and a rerun first finishes every transfer a killed run left sealed,
 //!    to the shard the seal names (keeping the pauses of sealed keys, and
 //!    pinning such a key where the published map sends its producers, even
@@ -75,7 +75,7 @@
 //! ([`MapStore::try_lock_rebalance`]). Where the lock is a lease that can
 //! lapse while its holder lives (Redis: a holder stopped or paused past
 //! it), each run also takes a larger *epoch* ([`MapStore::rebalance_epoch`])
-//! and first raises every shard's to it ([`QueueBackend::enter_rebalance`]):
+//! and first raises every shard's to it ([`MoveKeys::enter_rebalance`]):
 //! from then on the shards refuse the stalled holder's writes
 //! ([`QueueError::Superseded`]), so it cannot unseal, purge, copy or freeze
 //! behind the run that took over. Under the lock, each run keeps a

@@ -35,7 +35,7 @@ pub trait MapStore: Send + Sync {
     fn try_lock_rebalance(&self) -> Result<Box<dyn Send>, ReshardError>;
     /// Under the lock: a number larger than every earlier rebalance's
     /// (its *epoch*), which its writes to the shards carry
-    /// ([`QueueBackend::enter_rebalance`]). A store whose lock can lapse
+    /// ([`MoveKeys::enter_rebalance`]). A store whose lock can lapse
     /// while its holder lives (a lease, as on Redis) must give one; 0
     /// (the default) means the lock lasts exactly as long as its holder.
     fn rebalance_epoch(&self) -> Result<u64, ReshardError> {

@@ -20,7 +20,7 @@ pub(super) const TRANSFERS_FILE_BYTES_MAX: u64 = 64 << 20;
 /// File in a shard's directory: one JSON line per key a move purged here,
 /// `{"key": KEY, "ids": [ID, ...]}` (the ids it deleted, whose copies run on
 /// the key's new shard), oldest first, so that an id from before a move
-/// still answers where its job went ([`QueueBackend::moved_away`]). Once
+/// still answers where its job went ([`MoveKeys::moved_away`]). Once
 /// past [`MOVED_FILE_REWRITE_BYTES`] it is rewritten with what the bounds
 /// of [`MovedAway`] keep; a line holds at most `MOVED_IDS_KEPT` ids.
 pub const MOVED_FILE: &str = "moved.jsonl";
@@ -32,7 +32,7 @@ pub(super) const MOVED_FILE_BYTES_MAX: u64 = 96 << 20;
 
 /// File in a shard's directory: one JSON line per job that finished here
 /// (acked or cancelled), a [`FinishedJob`], oldest first, for
-/// [`QueueBackend::finished`]. Appended after the record that finished the
+/// [`InspectJobs::finished`]. Appended after the record that finished the
 /// jobs, without an fsync (it is what happened, not what must run: a crash
 /// may lose its last lines, never a job); past its cut size it is
 /// rewritten with what the [`Retention`] keeps: its `finished_jobs` newest

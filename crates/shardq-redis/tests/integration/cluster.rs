@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{QueueBackend, Receipt};
+use shardq_core::{InspectJobs, Receipt, RunJobs};
 use shardq_redis::keys::{map_key, shard_keys, shard_slot, NAMESPACE_DEFAULT as NS, QUEUE_DEFAULT};
 use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 use shardq_testkit::redis::{slot_ranges, RedisCluster};

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use shardq_core::{ClaimedJob, Clock, Coordinator, ManualClock, NewJob, QueueBackend};
+use shardq_core::{ClaimedJob, Clock, Coordinator, ManualClock, NewJob, RunJobs};
 use shardq_redis::{
     init_deployment, CoordinatorOptions, Deployment, RedisBackend, RedisCoordinator, RedisOptions,
 };

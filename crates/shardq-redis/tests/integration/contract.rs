@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use shardq_core::{
-    Coordinator, DeadPolicy, FailOutcome, Fence, JobId, KeyCounts, ManualClock, QueueBackend,
-    QueueError, Receipt, JOB_LEASE_MS_DEFAULT as LEASE,
+    Coordinator, DeadPolicy, FailOutcome, Fence, InspectJobs, JobId, KeyCounts, ManualClock,
+    MoveKeys, QueueError, Receipt, RunJobs, JOB_LEASE_MS_DEFAULT as LEASE,
 };
 use shardq_redis::{RedisBackend, RedisError, RedisMapStore, RedisOptions};
 use shardq_testkit::redis::RedisServer;

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use shardq_core::{Clock, ManualClock, QueueBackend};
+use shardq_core::{Clock, InspectJobs, ManualClock, MoveKeys, QueueBackend, RunJobs};
 use shardq_redis::{RedisBackend, RedisCoordinator};
 use shardq_testkit::contract::{self, ContractHarness, RewindHarness};
 use shardq_testkit::redis::{RedisServer, ServerOptions};

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{QueueBackend, Receipt};
+use shardq_core::{Receipt, RunJobs};
 use shardq_redis::{RedisBackend, RedisOptions};
 use shardq_testkit::redis::{RedisServer, ServerOptions};
 

@@ -8,8 +8,8 @@ use std::io::{Read, Write};
 
 use shardq_core::reshard::{self, MapStore, RebalanceEvent, RebalanceOptions};
 use shardq_core::{
-    CancelOutcome, DeadPolicy, ErrorKind, FailOutcome, JobId, KeyCounts, ManualClock, MovedJob,
-    QueueBackend,
+    CancelOutcome, DeadPolicy, ErrorKind, FailOutcome, InspectJobs, JobId, KeyCounts, ManualClock,
+    MoveKeys, MovedJob, RunJobs,
 };
 use shardq_redis::{RedisBackend, RedisMapStore, RedisOptions};
 use shardq_route::Router;

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeSet;
 
-use shardq_core::{ErrorKind, QueueBackend, QueueError, Receipt};
+use shardq_core::{ErrorKind, QueueError, Receipt, RunJobs};
 use shardq_redis::{RedisBackend, RedisOptions};
 use shardq_route::ShardMap;
 use shardq_testkit::redis::{RedisServer, TcpProxy};

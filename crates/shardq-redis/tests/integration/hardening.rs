@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use shardq_core::reshard::KeyInventory;
 use shardq_core::{
-    Coordinator, FailOutcome, KeyCounts, QueueBackend, QueueError, JOB_LEASE_MS_DEFAULT as LEASE,
+    Coordinator, FailOutcome, InspectJobs, KeyCounts, QueueError, RunJobs,
+    JOB_LEASE_MS_DEFAULT as LEASE,
 };
 use shardq_redis::{
     init_deployment, CoordinatorOptions, RedisBackend, RedisCoordinator, RedisError, RedisOptions,

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use shardq_core::flow::{FlowPolicy, FlowSettings, FLOW_RECHECK_MS, FLOW_RULES_MAX};
-use shardq_core::{ClaimedJob, FlowControl, ManualClock, QueueBackend};
+use shardq_core::{ClaimedJob, FlowControl, ManualClock, RunJobs};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_testkit::redis::RedisServer;
 

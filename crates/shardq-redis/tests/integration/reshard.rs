@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use shardq_core::reshard::{self, KeyInventory, MapStore, RebalanceOptions, ReshardError};
-use shardq_core::{KeyCounts, ManualClock, QueueBackend};
+use shardq_core::{InspectJobs, KeyCounts, ManualClock, MoveKeys, RunJobs};
 use shardq_redis::{RedisBackend, RedisMapStore};
 use shardq_route::Router;
 use shardq_testkit::redis::RedisServer;

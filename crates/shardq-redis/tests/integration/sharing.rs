@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use shardq_core::{ClaimedJob, PoolOptions, QueueBackend, SystemClock, WorkerPool};
+use shardq_core::{ClaimedJob, InspectJobs, PoolOptions, RunJobs, SystemClock, WorkerPool};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_route::Router;
 use shardq_testkit::redis::RedisServer;
