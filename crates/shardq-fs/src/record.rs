@@ -559,6 +559,11 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// The record a body (the bytes after the record header) holds.
+///
+/// Long on purpose: a flat match with one arm per record type, the decoding
+/// side of [`encode`], so each type's fields read in one place beside the
+/// others.
 fn decode_body(body: &[u8]) -> Result<Record<'_>, String> {
     let mut c = Cursor { buf: body };
     let ty = c.u8()?;

@@ -60,6 +60,20 @@ pub fn repair(dir: &Path, shard: &str) -> Result<RepairReport, FsError> {
             reason: "a running process owns it; stop it first".into(),
         });
     };
+    let _append_lock = lock_appends(&sdir)?;
+    let bases =
+        list_segments(&sdir).map_err(|e| FsError::io(format!("listing {}", sdir.display()), e))?;
+    let mut report = RepairReport::default();
+    for (i, &base) in bases.iter().enumerate() {
+        let last = i + 1 == bases.len();
+        repair_segment(&sdir, shard, base, last, &mut report)?;
+    }
+    Ok(report)
+}
+
+/// Opens the shard's append lock file and holds its lock (released when the
+/// file is dropped).
+fn lock_appends(sdir: &Path) -> Result<fs::File, FsError> {
     let lock_file = fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -74,107 +88,131 @@ pub fn repair(dir: &Path, shard: &str) -> Result<RepairReport, FsError> {
         })?;
     rustix::fs::flock(&lock_file, rustix::fs::FlockOperation::LockExclusive)
         .map_err(|e| FsError::io("locking the append lock", e.into()))?;
-    let bases =
-        list_segments(&sdir).map_err(|e| FsError::io(format!("listing {}", sdir.display()), e))?;
-    let mut report = RepairReport::default();
-    for (i, &base) in bases.iter().enumerate() {
-        let last = i + 1 == bases.len();
-        let path = sdir.join(segment_name(base));
-        let file = OsStorage
-            .open(&path, false)
-            .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
-        let bytes =
-            fs::read(&path).map_err(|e| FsError::io(format!("reading {}", path.display()), e))?;
-        let header = segment_header();
-        if bytes.len() < SEGMENT_HEADER_BYTES && bytes[..] == header[..bytes.len()] && last {
-            // A roll that died before its header was written: complete it.
-            file.truncate(0)
-                .and_then(|()| file.append(&header))
+    Ok(lock_file)
+}
+
+/// Repairs one segment (the shard's `last` one or not), adding its cuts to
+/// `report`.
+fn repair_segment(
+    sdir: &Path,
+    shard: &str,
+    base: u64,
+    last: bool,
+    report: &mut RepairReport,
+) -> Result<(), FsError> {
+    let path = sdir.join(segment_name(base));
+    let file = OsStorage
+        .open(&path, false)
+        .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
+    let bytes =
+        fs::read(&path).map_err(|e| FsError::io(format!("reading {}", path.display()), e))?;
+    let header = segment_header();
+    if bytes.len() < SEGMENT_HEADER_BYTES && bytes[..] == header[..bytes.len()] && last {
+        // A roll that died before its header was written: complete it.
+        file.truncate(0)
+            .and_then(|()| file.append(&header))
+            .and_then(|()| file.sync())
+            .map_err(|e| FsError::io(format!("writing the header of {}", path.display()), e))?;
+        return Ok(());
+    }
+    refuse_bad_header(shard, base, &bytes)?;
+    let mut off = SEGMENT_HEADER_BYTES;
+    while off < bytes.len() {
+        let reason = match decode(&bytes[off..]) {
+            Ok((Record::Seal, _)) => break,
+            Ok((_, n)) => {
+                off += n;
+                continue;
+            }
+            Err(DecodeError::Incomplete) => "record is cut short".to_string(),
+            Err(DecodeError::Invalid(r)) => r,
+        };
+        let resync = (off + 1..bytes.len()).find(|&r| chains_to_end(&bytes[r..]));
+        let end = resync.unwrap_or(bytes.len());
+        let saved_to = quarantine(sdir, &segment_name(base), off, &bytes[off..end])?;
+        let cut_len = (end - off) as u64;
+        if resync.is_none() && last {
+            // Nothing valid follows: cut the tail off.
+            file.truncate(off as u64)
                 .and_then(|()| file.sync())
-                .map_err(|e| FsError::io(format!("writing the header of {}", path.display()), e))?;
-            continue;
+                .map_err(|e| FsError::io(format!("truncating {}", path.display()), e))?;
+        } else {
+            let patch = hole_patch(shard, base, off, end, resync.is_none())?;
+            write_patch(&*file, &patch, off as u64)
+                .map_err(|e| FsError::io(format!("patching {}", path.display()), e))?;
         }
-        match check_segment_header(&bytes) {
-            Ok(()) => {}
-            Err(HeaderError::UnknownVersion(v)) => {
-                return Err(FsError::RepairRefused {
-                    shard: shard.into(),
-                    reason: format!(
-                        "segment {} has format version {v}, this build reads version \
-                         {SEGMENT_FORMAT_VERSION} (use the shardq that wrote it)",
-                        segment_name(base)
-                    ),
-                })
-            }
-            Err(HeaderError::Invalid(reason)) => {
-                return Err(FsError::RepairRefused {
-                    shard: shard.into(),
-                    reason: format!(
-                        "segment {} has a bad header ({reason}); it is not cut by repair: \
-                         restore the file from a backup",
-                        segment_name(base)
-                    ),
-                })
-            }
+        report.cuts.push(Cut {
+            segment: segment_name(base),
+            offset: off as u64,
+            bytes: cut_len,
+            reason,
+            saved_to,
+        });
+        off = end;
+    }
+    Ok(())
+}
+
+/// Refuses a segment whose header is of another format version or is
+/// damaged (repair does not cut headers).
+fn refuse_bad_header(shard: &str, base: u64, bytes: &[u8]) -> Result<(), FsError> {
+    match check_segment_header(bytes) {
+        Ok(()) => {}
+        Err(HeaderError::UnknownVersion(v)) => {
+            return Err(FsError::RepairRefused {
+                shard: shard.into(),
+                reason: format!(
+                    "segment {} has format version {v}, this build reads version \
+                     {SEGMENT_FORMAT_VERSION} (use the shardq that wrote it)",
+                    segment_name(base)
+                ),
+            })
         }
-        let mut off = SEGMENT_HEADER_BYTES;
-        while off < bytes.len() {
-            let reason = match decode(&bytes[off..]) {
-                Ok((Record::Seal, _)) => break,
-                Ok((_, n)) => {
-                    off += n;
-                    continue;
-                }
-                Err(DecodeError::Incomplete) => "record is cut short".to_string(),
-                Err(DecodeError::Invalid(r)) => r,
-            };
-            let resync = (off + 1..bytes.len()).find(|&r| chains_to_end(&bytes[r..]));
-            let end = resync.unwrap_or(bytes.len());
-            let saved_to = quarantine(&sdir, &segment_name(base), off, &bytes[off..end])?;
-            let cut_len = (end - off) as u64;
-            if resync.is_none() && last {
-                // Nothing valid follows: cut the tail off.
-                file.truncate(off as u64)
-                    .and_then(|()| file.sync())
-                    .map_err(|e| FsError::io(format!("truncating {}", path.display()), e))?;
-            } else {
-                let mut patch = Vec::new();
-                let hole_len = if resync.is_none() {
-                    end - off - SEAL_BYTES
-                } else {
-                    end - off
-                };
-                if hole_len <= HEADER_BYTES
-                    || (resync.is_none() && end - off < SEAL_BYTES + HEADER_BYTES + 1)
-                {
-                    return Err(FsError::RepairRefused {
-                        shard: shard.into(),
-                        reason: format!(
-                            "the bad range at {} offset {off} is {} bytes, too short to replace with a hole record",
-                            segment_name(base),
-                            end - off
-                        ),
-                    });
-                }
-                patch.extend_from_slice(&encode_hole(hole_len));
-                if resync.is_none() {
-                    // A sealed segment must still end with its seal.
-                    encode(&mut patch, &Record::Seal);
-                }
-                write_patch(&*file, &patch, off as u64)
-                    .map_err(|e| FsError::io(format!("patching {}", path.display()), e))?;
-            }
-            report.cuts.push(Cut {
-                segment: segment_name(base),
-                offset: off as u64,
-                bytes: cut_len,
-                reason,
-                saved_to,
-            });
-            off = end;
+        Err(HeaderError::Invalid(reason)) => {
+            return Err(FsError::RepairRefused {
+                shard: shard.into(),
+                reason: format!(
+                    "segment {} has a bad header ({reason}); it is not cut by repair: \
+                     restore the file from a backup",
+                    segment_name(base)
+                ),
+            })
         }
     }
-    Ok(report)
+    Ok(())
+}
+
+/// The bytes that replace the bad range `off..end`: a hole record, then a
+/// seal when the range runs `to_end` of a segment that must end sealed.
+fn hole_patch(
+    shard: &str,
+    base: u64,
+    off: usize,
+    end: usize,
+    to_end: bool,
+) -> Result<Vec<u8>, FsError> {
+    let mut patch = Vec::new();
+    let hole_len = if to_end {
+        end - off - SEAL_BYTES
+    } else {
+        end - off
+    };
+    if hole_len <= HEADER_BYTES || (to_end && end - off < SEAL_BYTES + HEADER_BYTES + 1) {
+        return Err(FsError::RepairRefused {
+            shard: shard.into(),
+            reason: format!(
+                "the bad range at {} offset {off} is {} bytes, too short to replace with a hole record",
+                segment_name(base),
+                end - off
+            ),
+        });
+    }
+    patch.extend_from_slice(&encode_hole(hole_len));
+    if to_end {
+        // A sealed segment must still end with its seal.
+        encode(&mut patch, &Record::Seal);
+    }
+    Ok(patch)
 }
 
 fn write_patch(file: &dyn LogFile, patch: &[u8], off: u64) -> std::io::Result<()> {
