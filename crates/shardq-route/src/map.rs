@@ -23,7 +23,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-use serde_yaml_ng::Value;
+use serde_yaml_ng::{Mapping, Value};
 
 use crate::error::MapError;
 use crate::hash::HashFn;
@@ -248,6 +248,95 @@ fn as_str<'a>(value: &'a Value, field: &str, reason: &str) -> Result<&'a str, Ma
         .ok_or_else(|| MapError::invalid(field, render(value), reason))
 }
 
+/// Refuses a top-level field the map does not have.
+fn refuse_unknown_fields(top: &Mapping) -> Result<(), MapError> {
+    let known = [
+        "version",
+        "algorithm",
+        "hash",
+        "vnodes",
+        "shards",
+        "overrides",
+    ];
+    for k in top.keys() {
+        let name = k.as_str().unwrap_or("");
+        if !known.contains(&name) {
+            return Err(MapError::invalid(
+                render(k),
+                "(field name)",
+                format!("unknown field; expected one of {}", known.join(", ")),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The named choice in string field `field` (an algorithm, a hash), or the
+/// default when the field is absent.
+fn parse_named<T>(top: &Mapping, field: &str) -> Result<T, MapError>
+where
+    T: FromStr<Err = String> + Default,
+{
+    match top.get(field) {
+        None | Some(Value::Null) => Ok(T::default()),
+        Some(v) => {
+            let s = as_str(v, field, "expected a string")?;
+            s.parse()
+                .map_err(|reason: String| MapError::invalid(field, render(v), reason))
+        }
+    }
+}
+
+/// The `vnodes` field (1 to [`VNODES_MAX`]), or its default when absent.
+fn parse_vnodes(top: &Mapping) -> Result<u32, MapError> {
+    match top.get("vnodes") {
+        None | Some(Value::Null) => Ok(VNODES_DEFAULT),
+        Some(v) => {
+            let reason = format!("vnodes must be an integer from 1 to {VNODES_MAX}");
+            let n = as_u64(v, "vnodes", &reason)?;
+            if n == 0 || n > u64::from(VNODES_MAX) {
+                return Err(MapError::invalid("vnodes", render(v), reason));
+            }
+            Ok(n as u32)
+        }
+    }
+}
+
+/// The `overrides` field, key to shard name (none when absent).
+fn parse_overrides(top: &Mapping) -> Result<BTreeMap<String, String>, MapError> {
+    let mut overrides = BTreeMap::new();
+    match top.get("overrides") {
+        None | Some(Value::Null) => {}
+        Some(Value::Mapping(m)) => {
+            for (k, v) in m {
+                let key = match k {
+                    Value::String(s) => s.clone(),
+                    // YAML reads `123: shard-0` as a number; keys are strings.
+                    Value::Number(n) => n.to_string(),
+                    other => {
+                        return Err(MapError::invalid(
+                            "overrides",
+                            render(other),
+                            "override keys must be strings",
+                        ))
+                    }
+                };
+                let field = format!("overrides.{key}");
+                let shard = as_str(v, &field, "an override must name a shard")?;
+                overrides.insert(key, shard.to_string());
+            }
+        }
+        Some(v) => {
+            return Err(MapError::invalid(
+                "overrides",
+                render(v),
+                "overrides must be a mapping of key: shard",
+            ))
+        }
+    }
+    Ok(overrides)
+}
+
 fn parse_slot_range(value: &Value, field: &str) -> Result<SlotRange, MapError> {
     let reason = "expected a slot (0-16383) or an inclusive range such as \"0-5460\"";
     let bad = || MapError::invalid(field, render(value), reason);
@@ -307,24 +396,7 @@ impl ShardMap {
                 "the shard map must be a YAML mapping",
             )
         })?;
-        let known = [
-            "version",
-            "algorithm",
-            "hash",
-            "vnodes",
-            "shards",
-            "overrides",
-        ];
-        for k in top.keys() {
-            let name = k.as_str().unwrap_or("");
-            if !known.contains(&name) {
-                return Err(MapError::invalid(
-                    render(k),
-                    "(field name)",
-                    format!("unknown field; expected one of {}", known.join(", ")),
-                ));
-            }
-        }
+        refuse_unknown_fields(top)?;
         let version = match top.get("version") {
             None | Some(Value::Null) => {
                 return Err(MapError::Missing {
@@ -333,33 +405,9 @@ impl ShardMap {
             }
             Some(v) => as_u64(v, "version", "version must be a non-negative integer")?,
         };
-        let algorithm = match top.get("algorithm") {
-            None | Some(Value::Null) => Algorithm::default(),
-            Some(v) => {
-                let s = as_str(v, "algorithm", "expected a string")?;
-                s.parse()
-                    .map_err(|reason: String| MapError::invalid("algorithm", render(v), reason))?
-            }
-        };
-        let hash = match top.get("hash") {
-            None | Some(Value::Null) => HashFn::default(),
-            Some(v) => {
-                let s = as_str(v, "hash", "expected a string")?;
-                s.parse()
-                    .map_err(|reason: String| MapError::invalid("hash", render(v), reason))?
-            }
-        };
-        let vnodes = match top.get("vnodes") {
-            None | Some(Value::Null) => VNODES_DEFAULT,
-            Some(v) => {
-                let reason = format!("vnodes must be an integer from 1 to {VNODES_MAX}");
-                let n = as_u64(v, "vnodes", &reason)?;
-                if n == 0 || n > u64::from(VNODES_MAX) {
-                    return Err(MapError::invalid("vnodes", render(v), reason));
-                }
-                n as u32
-            }
-        };
+        let algorithm: Algorithm = parse_named(top, "algorithm")?;
+        let hash: HashFn = parse_named(top, "hash")?;
+        let vnodes = parse_vnodes(top)?;
         let shard_values = match top.get("shards") {
             None | Some(Value::Null) => {
                 return Err(MapError::Missing {
@@ -379,36 +427,7 @@ impl ShardMap {
         for (i, sv) in shard_values.iter().enumerate() {
             shards.push(Self::parse_shard(i, sv)?);
         }
-        let mut overrides = BTreeMap::new();
-        match top.get("overrides") {
-            None | Some(Value::Null) => {}
-            Some(Value::Mapping(m)) => {
-                for (k, v) in m {
-                    let key = match k {
-                        Value::String(s) => s.clone(),
-                        // YAML reads `123: shard-0` as a number; keys are strings.
-                        Value::Number(n) => n.to_string(),
-                        other => {
-                            return Err(MapError::invalid(
-                                "overrides",
-                                render(other),
-                                "override keys must be strings",
-                            ))
-                        }
-                    };
-                    let field = format!("overrides.{key}");
-                    let shard = as_str(v, &field, "an override must name a shard")?;
-                    overrides.insert(key, shard.to_string());
-                }
-            }
-            Some(v) => {
-                return Err(MapError::invalid(
-                    "overrides",
-                    render(v),
-                    "overrides must be a mapping of key: shard",
-                ))
-            }
-        }
+        let overrides = parse_overrides(top)?;
         let map = ShardMap {
             version,
             algorithm,
