@@ -55,6 +55,10 @@ fn lines_of<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// One fixed state, then the lines of every family it renders.
+///
+/// Long on purpose: it reads as one story, the state built up and then each
+/// family's lines in turn, checked against the same state.
 #[test]
 fn a_fixed_state_renders_as_documented() {
     let m = Metrics::new(Some(Arc::new(|| Ok(fixed()))), STATUS_TTL);

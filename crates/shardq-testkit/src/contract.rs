@@ -1285,17 +1285,25 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
     let c = b.key_counts(&from, "other").expect("counts");
     assert_eq!(c.in_flight, 1, "the purge touched another key");
 
+    several_keys_move_in_one_import(h, &from, &to);
+    an_unsealed_key_runs_where_it_is(h, &from, &to);
+}
+
+/// The batched export and import of [`backlogs_move_with_their_key`], from
+/// `from` to `to`.
+fn several_keys_move_in_one_import(h: &dyn ContractHarness, from: &str, to: &str) {
+    let b = h.backend();
     // Several keys in one import: each key's jobs land in order, once.
     for i in 0..3 {
-        enqueue(h, &from, "m1", &format!("x{i}"), 5);
-        enqueue(h, &from, "m2", &format!("y{i}"), 5);
+        enqueue(h, from, "m1", &format!("x{i}"), 5);
+        enqueue(h, from, "m2", &format!("y{i}"), 5);
     }
     let items: Vec<(String, Vec<shardq_core::job::MovedJob>)> = ["m1", "m2"]
         .into_iter()
         .map(|k| {
             (
                 k.to_string(),
-                b.export_jobs(&from, k, None, 10).expect("export"),
+                b.export_jobs(from, k, None, 10).expect("export"),
             )
         })
         .collect();
@@ -1303,7 +1311,7 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
     let m2_after = items[1].1[0].id;
     let many = b
         .export_many(
-            &from,
+            from,
             &[("m1".to_string(), None), ("m2".to_string(), Some(m2_after))],
         )
         .expect("export many");
@@ -1313,14 +1321,11 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
         (many[1].0.as_str(), &many[1].1[..]),
         ("m2", &items[1].1[1..])
     );
-    assert_eq!(b.import_many(&to, &from, &items).expect("import").len(), 6);
-    assert!(b
-        .import_many(&to, &from, &items)
-        .expect("import")
-        .is_empty());
+    assert_eq!(b.import_many(to, from, &items).expect("import").len(), 6);
+    assert!(b.import_many(to, from, &items).expect("import").is_empty());
     let mut ran: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     loop {
-        let jobs = claim(h, &to, 10, LONG_LEASE_MS);
+        let jobs = claim(h, to, 10, LONG_LEASE_MS);
         if jobs.is_empty() {
             break;
         }
@@ -1328,36 +1333,44 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
             ran.entry(j.key.clone())
                 .or_default()
                 .push(String::from_utf8_lossy(&j.payload).into_owned());
-            ack_one(h, &to, j.receipt());
+            ack_one(h, to, j.receipt());
         }
     }
     for (k, first) in [("m1", "x"), ("m2", "y")] {
         let want: Vec<String> = (0..3).map(|i| format!("{first}{i}")).collect();
         assert_eq!(ran.get(k), Some(&want), "key {k} after a batched import");
     }
+}
 
+/// The move given up of [`backlogs_move_with_their_key`], on `to` (sealed
+/// towards `from`).
+fn an_unsealed_key_runs_where_it_is(h: &dyn ContractHarness, from: &str, to: &str) {
+    let b = h.backend();
     // A move given up: unsealed, a key runs where it is again, one run at a
     // time, whether a claim passed it by while sealed ("u") or not ("w").
     for (k, p) in [("u", "u0"), ("u", "u1"), ("w", "w0"), ("w", "w1")] {
-        enqueue(h, &to, k, p, 5);
+        enqueue(h, to, k, p, 5);
     }
     let seal = |keys: &[&str]| {
-        let mut f = b.fence(&to).expect("fence");
-        f.sealed_keys = keys.iter().map(|k| (k.to_string(), from.clone())).collect();
-        b.set_fence(&to, &f).expect("fence");
+        let mut f = b.fence(to).expect("fence");
+        f.sealed_keys = keys
+            .iter()
+            .map(|k| (k.to_string(), from.to_string()))
+            .collect();
+        b.set_fence(to, &f).expect("fence");
     };
     seal(&["u"]);
     let mut order: Vec<String> = Vec::new();
-    for j in claim(h, &to, 10, LONG_LEASE_MS) {
+    for j in claim(h, to, 10, LONG_LEASE_MS) {
         assert_eq!(j.key, "w", "a sealed key started a run");
         order.push(String::from_utf8_lossy(&j.payload).into_owned());
-        ack_one(h, &to, j.receipt());
+        ack_one(h, to, j.receipt());
     }
     seal(&["w"]);
     seal(&[]);
-    assert!(b.fence(&to).expect("fence").sealed_keys.is_empty());
+    assert!(b.fence(to).expect("fence").sealed_keys.is_empty());
     loop {
-        let jobs = claim(h, &to, 10, LONG_LEASE_MS);
+        let jobs = claim(h, to, 10, LONG_LEASE_MS);
         if jobs.is_empty() {
             break;
         }
@@ -1368,7 +1381,7 @@ pub fn backlogs_move_with_their_key(h: &dyn ContractHarness) {
         assert_eq!(keys.len(), n, "one claim started two runs of a key");
         for j in jobs {
             order.push(String::from_utf8_lossy(&j.payload).into_owned());
-            ack_one(h, &to, j.receipt());
+            ack_one(h, to, j.receipt());
         }
     }
     for k in ["u", "w"] {
