@@ -307,152 +307,47 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
         let clock = Arc::clone(&self.options.clock);
         let started_ms = clock.now_ms();
         let mut pending: Vec<usize> = (0..jobs.len()).collect();
-        let mut paused: BTreeSet<String> = BTreeSet::new();
-        let mut paused_since: BTreeMap<String, u64> = BTreeMap::new();
-        let mut hops: BTreeMap<String, u32> = BTreeMap::new();
-        let mut gave_up: Vec<(String, String)> = Vec::new();
+        let mut call = Placing {
+            jobs,
+            placed,
+            paused: BTreeSet::new(),
+            paused_since: BTreeMap::new(),
+            hops: BTreeMap::new(),
+            gave_up: Vec::new(),
+        };
         let mut fence_wait = FenceWait::default();
         while !pending.is_empty() {
             let version = self.router.version();
             // Taken out for this round (groups borrow it), put back after.
             let moved = std::mem::take(&mut self.moved);
-            let mut new_moves: Vec<(String, String)> = Vec::new();
-            // One group per shard; a paused key gets a group of its own so
-            // that its refusal does not hold back the others.
-            let mut groups: BTreeMap<(Dest<'_>, Option<&str>), Vec<usize>> = BTreeMap::new();
-            for &i in &pending {
-                let key = jobs[i].key.as_str();
-                let own = paused.contains(key).then_some(key);
-                if let Some(to) = moved.get(key) {
-                    groups
-                        .entry((Dest::Moved(to.as_str()), own))
-                        .or_default()
-                        .push(i);
-                    continue;
-                }
-                let at = match self.route_cache.get(key) {
-                    Some(&at) => at,
-                    None => {
-                        let at = self.router.route_index(key.as_bytes());
-                        if self.route_cache.len() >= ROUTE_CACHE_KEYS_MAX {
-                            self.route_cache.clear();
-                        }
-                        self.route_cache.insert(key.into(), at);
-                        at
-                    }
-                };
-                groups.entry((Dest::At(at), own)).or_default().push(i);
-            }
-            let mut retry: Vec<usize> = Vec::new();
-            let mut fenced: Option<String> = None;
-            let limits = self.backend.limits();
+            let groups = self.group_pending(jobs, &pending, &call.paused, &moved);
+            let mut round = Round {
+                version,
+                limits: self.backend.limits(),
+                retry: Vec::new(),
+                fenced: None,
+                new_moves: Vec::new(),
+            };
             for ((dest, own), group) in groups {
                 let shard = match dest {
                     Dest::At(at) => self.router.map().shards[at].name.clone(),
                     Dest::Moved(to) => to.to_string(),
                 };
-                // The backend's bounds per call: parts in order, so a key's
-                // jobs still go in one after another; once a part is refused
-                // the later ones are not sent (they go again with it), so
-                // none of them overtakes it.
-                let mut parts = split_by_limits(&group, jobs, limits).into_iter();
-                while let Some(idxs) = parts.next() {
-                    let batch: Vec<NewJob> = idxs.iter().map(|&i| jobs[i].clone()).collect();
-                    let result = self.send(&shard, version, &batch);
-                    // A key refused for now (paused, or sent on too often),
-                    // waited on within the bound.
-                    let waits_on: Option<String> = match result {
-                        Ok(stored) => {
-                            for (&i, st) in idxs.iter().zip(stored) {
-                                placed[i] = Some(Placed {
-                                    index: i,
-                                    shard: st.shard,
-                                    id: st.id,
-                                    map_version: version,
-                                    duplicate: st.duplicate,
-                                });
-                                paused.remove(&jobs[i].key);
-                            }
-                            continue;
-                        }
-                        Err(QueueError::Fenced { .. }) => {
-                            *self.refusals.fenced.entry(shard.clone()).or_default() += 1;
-                            fenced = Some(shard.clone());
-                            retry.extend(idxs);
-                            None
-                        }
-                        Err(QueueError::Moved { key, to, .. }) => {
-                            // Its backlog is on `to` now: its jobs go there
-                            // at once, the chunk's others again where they
-                            // route (order kept: none of the chunk went in).
-                            *self.refusals.moved.entry(shard.clone()).or_default() += 1;
-                            let n = hops.entry(key.clone()).or_default();
-                            *n += 1;
-                            if *n <= MOVED_HOPS_MAX {
-                                paused.remove(&key);
-                                new_moves.push((key, to));
-                                retry.extend(idxs);
-                                None
-                            } else {
-                                // Sent on more often than any move sends a
-                                // key: waited on as a pause is, and given up
-                                // on after as long (never an endless loop).
-                                Some(key)
-                            }
-                        }
-                        Err(QueueError::Paused { key, .. }) => {
-                            *self.refusals.paused.entry(shard.clone()).or_default() += 1;
-                            Some(key)
-                        }
-                        // (The moved keys are forgotten: a shard tells
-                        // them again.)
-                        Err(e) => return Err(e.into()),
-                    };
-                    if let Some(key) = waits_on {
-                        let since_ms = *paused_since
-                            .entry(key.clone())
-                            .or_insert_with(|| clock.now_ms());
-                        // Give up only on a group that holds this key
-                        // alone: a mixed group is split next round, so
-                        // the other keys' jobs still go in.
-                        if own == Some(key.as_str())
-                            && clock.now_ms().saturating_sub(since_ms) >= self.options.pause_wait_ms
-                        {
-                            if !gave_up.iter().any(|(k, _)| *k == key) {
-                                gave_up.push((key, shard.clone()));
-                            }
-                            // The later parts hold this key alone too.
-                            break;
-                        }
-                        paused.insert(key);
-                        retry.extend(idxs);
-                    }
-                    // Refused: the rest of the group goes again with it.
-                    for rest in parts.by_ref() {
-                        retry.extend(rest);
-                    }
-                    break;
-                }
+                self.send_group(&mut call, &mut round, &group, &shard, own)?;
             }
-            self.moved = moved;
-            if self.moved.len() + new_moves.len() > ROUTE_CACHE_KEYS_MAX {
-                self.moved.clear();
-            }
-            for (key, to) in new_moves {
-                self.moved.insert(key.into(), to);
-            }
-            retry.sort_unstable();
-            pending = retry;
+            self.keep_moves(moved, round.new_moves);
+            round.retry.sort_unstable();
+            pending = round.retry;
             if pending.is_empty() {
                 break;
             }
-            if let Some(shard) = fenced {
+            if let Some(shard) = round.fenced {
                 if self.reload()? {
-                    hops.clear();
+                    call.hops.clear();
                 } else {
                     self.wait_out_fence(shard, version, started_ms, &mut fence_wait)?;
                 }
-            } else if pending.iter().all(|&i| paused.contains(&jobs[i].key)) {
+            } else if pending.iter().all(|&i| call.paused.contains(&jobs[i].key)) {
                 clock.sleep_ms(RETRY_SLEEP_MS);
                 // Not a reload per retry: a pause is lifted together with a
                 // raise of the old shard's fence (the retry is then Fenced
@@ -463,8 +358,233 @@ impl<B: QueueBackend + ?Sized> Producer<B> {
                 self.reload_if_stale()?;
             }
         }
-        Ok(gave_up)
+        Ok(call.gave_up)
     }
+
+    /// The pending jobs grouped by destination: one group per shard, and a
+    /// group of its own for each paused key.
+    fn group_pending<'a>(
+        &mut self,
+        jobs: &'a [NewJob],
+        pending: &[usize],
+        paused: &BTreeSet<String>,
+        moved: &'a MovedKeys,
+    ) -> BTreeMap<(Dest<'a>, Option<&'a str>), Vec<usize>> {
+        // A paused key gets a group of its own so that its refusal does not
+        // hold back the others.
+        let mut groups: BTreeMap<(Dest<'a>, Option<&'a str>), Vec<usize>> = BTreeMap::new();
+        for &i in pending {
+            let key = jobs[i].key.as_str();
+            let own = paused.contains(key).then_some(key);
+            if let Some(to) = moved.get(key) {
+                groups
+                    .entry((Dest::Moved(to.as_str()), own))
+                    .or_default()
+                    .push(i);
+                continue;
+            }
+            let at = self.route_index_cached(key);
+            groups.entry((Dest::At(at), own)).or_default().push(i);
+        }
+        groups
+    }
+
+    /// The map index `key` routes to, remembered in `route_cache`.
+    fn route_index_cached(&mut self, key: &str) -> usize {
+        match self.route_cache.get(key) {
+            Some(&at) => at,
+            None => {
+                let at = self.router.route_index(key.as_bytes());
+                if self.route_cache.len() >= ROUTE_CACHE_KEYS_MAX {
+                    self.route_cache.clear();
+                }
+                self.route_cache.insert(key.into(), at);
+                at
+            }
+        }
+    }
+
+    /// Sends one group's jobs to `shard` part by part; from the first part
+    /// refused on, the group goes to `round.retry` (unless given up on).
+    fn send_group(
+        &mut self,
+        call: &mut Placing<'_>,
+        round: &mut Round,
+        group: &[usize],
+        shard: &str,
+        own: Option<&str>,
+    ) -> Result<(), ProduceError> {
+        // The backend's bounds per call: parts in order, so a key's jobs
+        // still go in one after another; once a part is refused the later
+        // ones are not sent (they go again with it), so none of them
+        // overtakes it.
+        let mut parts = split_by_limits(group, call.jobs, round.limits).into_iter();
+        while let Some(idxs) = parts.next() {
+            let batch: Vec<NewJob> = idxs.iter().map(|&i| call.jobs[i].clone()).collect();
+            // A key refused for now (paused, or sent on too often), waited
+            // on within the bound.
+            let waits_on = match self.send(shard, round.version, &batch) {
+                Ok(stored) => {
+                    call.land(idxs, stored, round.version);
+                    continue;
+                }
+                Err(e) => self.refused(e, shard, idxs, call, round)?,
+            };
+            if let Some(key) = waits_on {
+                if self.wait_or_give_up(call, round, key, shard, own, idxs) {
+                    // The later parts hold this key alone too.
+                    break;
+                }
+            }
+            // Refused: the rest of the group goes again with it.
+            for rest in parts.by_ref() {
+                round.retry.extend(rest);
+            }
+            break;
+        }
+        Ok(())
+    }
+
+    /// Books a refused part: counts the refusal and queues the part again
+    /// when it can go at once (fenced, moved); returns the key to wait on
+    /// (paused, or sent on too often).
+    fn refused(
+        &mut self,
+        err: QueueError,
+        shard: &str,
+        idxs: &[usize],
+        call: &mut Placing<'_>,
+        round: &mut Round,
+    ) -> Result<Option<String>, ProduceError> {
+        match err {
+            QueueError::Fenced { .. } => {
+                *self.refusals.fenced.entry(shard.to_string()).or_default() += 1;
+                round.fenced = Some(shard.to_string());
+                round.retry.extend(idxs);
+                Ok(None)
+            }
+            QueueError::Moved { key, to, .. } => {
+                // Its backlog is on `to` now: its jobs go there at once, the
+                // chunk's others again where they route (order kept: none of
+                // the chunk went in).
+                *self.refusals.moved.entry(shard.to_string()).or_default() += 1;
+                let n = call.hops.entry(key.clone()).or_default();
+                *n += 1;
+                if *n <= MOVED_HOPS_MAX {
+                    call.paused.remove(&key);
+                    round.new_moves.push((key, to));
+                    round.retry.extend(idxs);
+                    Ok(None)
+                } else {
+                    // Sent on more often than any move sends a key: waited
+                    // on as a pause is, and given up on after as long (never
+                    // an endless loop).
+                    Ok(Some(key))
+                }
+            }
+            QueueError::Paused { key, .. } => {
+                *self.refusals.paused.entry(shard.to_string()).or_default() += 1;
+                Ok(Some(key))
+            }
+            // (The moved keys are forgotten: a shard tells them again.)
+            e => Err(e.into()),
+        }
+    }
+
+    /// Waits on `key`, refused for now: true when it is given up on (past
+    /// the pause wait, in a group of its own), else marks it paused and
+    /// queues the part again.
+    fn wait_or_give_up(
+        &self,
+        call: &mut Placing<'_>,
+        round: &mut Round,
+        key: String,
+        shard: &str,
+        own: Option<&str>,
+        idxs: &[usize],
+    ) -> bool {
+        let clock = &self.options.clock;
+        let since_ms = *call
+            .paused_since
+            .entry(key.clone())
+            .or_insert_with(|| clock.now_ms());
+        // Give up only on a group that holds this key alone: a mixed group
+        // is split next round, so the other keys' jobs still go in.
+        if own == Some(key.as_str())
+            && clock.now_ms().saturating_sub(since_ms) >= self.options.pause_wait_ms
+        {
+            if !call.gave_up.iter().any(|(k, _)| *k == key) {
+                call.gave_up.push((key, shard.to_string()));
+            }
+            return true;
+        }
+        call.paused.insert(key);
+        round.retry.extend(idxs);
+        false
+    }
+
+    /// Puts `moved` back with this round's moved keys added (forgetting the
+    /// old ones first when they would be too many).
+    fn keep_moves(&mut self, moved: MovedKeys, new_moves: Vec<(String, String)>) {
+        self.moved = moved;
+        if self.moved.len() + new_moves.len() > ROUTE_CACHE_KEYS_MAX {
+            self.moved.clear();
+        }
+        for (key, to) in new_moves {
+            self.moved.insert(key.into(), to);
+        }
+    }
+}
+
+/// Keys a shard answered [`QueueError::Moved`] for, with the shard that
+/// holds them now.
+type MovedKeys = HashMap<Box<str>, String, ahash::RandomState>;
+
+/// One call of [`Producer::place_batch`]: its jobs, where they landed, and
+/// what it carries from round to round.
+struct Placing<'a> {
+    jobs: &'a [NewJob],
+    placed: &'a mut [Option<Placed>],
+    /// Keys refused for now: each gets a group of its own.
+    paused: BTreeSet<String>,
+    /// When each key waited on was first refused.
+    paused_since: BTreeMap<String, u64>,
+    /// [`QueueError::Moved`] answers followed per key.
+    hops: BTreeMap<String, u32>,
+    /// Keys given up on, with the shard that refused them.
+    gave_up: Vec<(String, String)>,
+}
+
+impl Placing<'_> {
+    /// Records where the jobs of an accepted part landed (their keys are no
+    /// longer paused).
+    fn land(&mut self, idxs: &[usize], stored: Vec<crate::job::Stored>, version: u64) {
+        for (&i, st) in idxs.iter().zip(stored) {
+            self.placed[i] = Some(Placed {
+                index: i,
+                shard: st.shard,
+                id: st.id,
+                map_version: version,
+                duplicate: st.duplicate,
+            });
+            self.paused.remove(&self.jobs[i].key);
+        }
+    }
+}
+
+/// One round of [`Producer::place_batch`]: what it sends with, and what it
+/// leaves for the next.
+struct Round {
+    /// The map version the round routes with.
+    version: u64,
+    /// The backend's bounds per call.
+    limits: BackendLimits,
+    /// Jobs to send again.
+    retry: Vec<usize>,
+    /// A shard that refused the round's map version.
+    fenced: Option<String>,
+    /// Keys a shard said moved, with the shard that holds them now.
+    new_moves: Vec<(String, String)>,
 }
 
 /// How long one call has waited on fences: since the first fence it met,

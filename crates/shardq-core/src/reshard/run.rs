@@ -97,75 +97,154 @@ where
     };
     let target = current_target(store)?;
     let target_router = Router::new(with_version(&target, cur.version))?;
+    if epoch > 0 {
+        shut_out_stalled_runs(backend, epoch, &cur, &target)?;
+    }
+    // Phase 1: pin the keys with work, fence, publish the intermediate map.
+    if !is_intermediate(&cur, &target) {
+        cur = pin_and_publish(backend, store, &cur, &target)?;
+    }
+    settle_left_pauses(backend, &cur)?;
+    let switches = pending_switches(&cur, &target_router);
+    on_event(RebalanceEvent::Pinned {
+        pinned: switches.len(),
+        version: cur.version,
+    });
+    // Phase 2, moving each key's backlog with it: no drain, no holdback.
+    cur = move_with_backlogs(
+        backend,
+        store,
+        cur,
+        &target,
+        switches,
+        options,
+        on_event,
+        &mut report,
+    )?;
+    finish(
+        backend, store, cur, &target, report, started_ms, clock, on_event,
+    )
+}
 
+/// Has every shard of either map refuse the writes of older runs (those
+/// with an epoch below `epoch`).
+fn shut_out_stalled_runs<B>(
+    backend: &B,
+    epoch: u64,
+    cur: &ShardMap,
+    target: &ShardMap,
+) -> Result<(), ReshardError>
+where
+    B: QueueBackend + ?Sized,
+{
     // A rebalance that stalled past its lock's lease (stopped, paused)
     // may wake and write again: every shard of either map refuses its
     // writes from here on. A shard that does not answer is passed by (its
     // moves fail below; this run's first write there raises it as well).
-    if epoch > 0 {
-        let names: BTreeSet<&str> = cur
-            .shards
-            .iter()
-            .chain(&target.shards)
-            .map(|s| s.name.as_str())
-            .collect();
-        for name in names {
-            if let Err(e @ QueueError::Superseded { .. }) = backend.enter_rebalance(name, epoch) {
-                return Err(e.into());
+    let names: BTreeSet<&str> = cur
+        .shards
+        .iter()
+        .chain(&target.shards)
+        .map(|s| s.name.as_str())
+        .collect();
+    for name in names {
+        if let Err(e @ QueueError::Superseded { .. }) = backend.enter_rebalance(name, epoch) {
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+/// Phase 1: pins the keys with work where they are, fences the shards of
+/// `cur`, and publishes the intermediate map, which it returns.
+fn pin_and_publish<B>(
+    backend: &B,
+    store: &dyn MapStore,
+    cur: &ShardMap,
+    target: &ShardMap,
+) -> Result<ShardMap, ReshardError>
+where
+    B: QueueBackend + KeyInventory + ?Sized,
+{
+    let next_version = cur.version + 1;
+    let first = plan_moves(backend, cur, target)?;
+    for shard in &cur.shards {
+        let mut fence = backend.fence(&shard.name)?;
+        fence.map_version_min = fence.map_version_min.max(next_version);
+        backend.set_fence(&shard.name, &fence)?;
+    }
+    // Enqueues that landed between the scan and the fence.
+    let second = plan_moves(backend, cur, target)?;
+    let mut pins: BTreeMap<String, String> = first
+        .into_iter()
+        .chain(second)
+        .map(|m| (m.key, m.from))
+        .collect();
+    pin_sealed_where_routed(backend, cur, &mut pins)?;
+    raise_run_fences(backend, cur, target)?;
+    let next = intermediate(cur, target, &pins);
+    publish_next(store, cur, &next)?;
+    Ok(next)
+}
+
+/// Pins a key whose transfer a killed run left sealed where the published
+/// map sends its producers.
+fn pin_sealed_where_routed<B>(
+    backend: &B,
+    cur: &ShardMap,
+    pins: &mut BTreeMap<String, String>,
+) -> Result<(), ReshardError>
+where
+    B: QueueBackend + ?Sized,
+{
+    // A transfer a killed run left sealed has work on both sides (the
+    // new shard may run copies already): the key stays pinned where the
+    // published map sends its producers, never where its copies are
+    // while its old shard still holds the rest, or its new jobs would
+    // overtake them. Phase 2 finishes the transfer first.
+    let now = Router::new(cur.clone())?;
+    for shard in &cur.shards {
+        for (key, to) in backend.fence(&shard.name)?.sealed_keys {
+            if let Some(pin) = pins.get_mut(&key) {
+                *pin = if now.route(&key) == to.as_str() {
+                    to
+                } else {
+                    shard.name.clone()
+                };
             }
         }
     }
+    Ok(())
+}
 
-    // Phase 1: pin the keys with work, fence, publish the intermediate map.
-    if !is_intermediate(&cur, &target) {
-        let next_version = cur.version + 1;
-        let first = plan_moves(backend, &cur, &target)?;
-        for shard in &cur.shards {
-            let mut fence = backend.fence(&shard.name)?;
-            fence.map_version_min = fence.map_version_min.max(next_version);
+/// Raises the run fence of every target shard above every run so far on
+/// the shards of `cur`.
+fn raise_run_fences<B>(backend: &B, cur: &ShardMap, target: &ShardMap) -> Result<(), ReshardError>
+where
+    B: QueueBackend + ?Sized,
+{
+    // Keys without work follow the target at once: their next run, on
+    // any shard, must get a larger fence than every run so far.
+    let mut high = 0u64;
+    for shard in &cur.shards {
+        high = high.max(backend.shard_stats(&shard.name)?.fence_high);
+    }
+    for shard in &target.shards {
+        let mut fence = backend.fence(&shard.name)?;
+        if fence.run_fence_min <= high {
+            fence.run_fence_min = high.saturating_add(1);
             backend.set_fence(&shard.name, &fence)?;
         }
-        // Enqueues that landed between the scan and the fence.
-        let second = plan_moves(backend, &cur, &target)?;
-        let mut pins: BTreeMap<String, String> = first
-            .into_iter()
-            .chain(second)
-            .map(|m| (m.key, m.from))
-            .collect();
-        // A transfer a killed run left sealed has work on both sides (the
-        // new shard may run copies already): the key stays pinned where the
-        // published map sends its producers, never where its copies are
-        // while its old shard still holds the rest, or its new jobs would
-        // overtake them. Phase 2 finishes the transfer first.
-        let now = Router::new(cur.clone())?;
-        for shard in &cur.shards {
-            for (key, to) in backend.fence(&shard.name)?.sealed_keys {
-                if let Some(pin) = pins.get_mut(&key) {
-                    *pin = if now.route(&key) == to.as_str() {
-                        to
-                    } else {
-                        shard.name.clone()
-                    };
-                }
-            }
-        }
-        // Keys without work follow the target at once: their next run, on
-        // any shard, must get a larger fence than every run so far.
-        let mut high = 0u64;
-        for shard in &cur.shards {
-            high = high.max(backend.shard_stats(&shard.name)?.fence_high);
-        }
-        for shard in &target.shards {
-            let mut fence = backend.fence(&shard.name)?;
-            if fence.run_fence_min <= high {
-                fence.run_fence_min = high.saturating_add(1);
-                backend.set_fence(&shard.name, &fence)?;
-            }
-        }
-        let next = intermediate(&cur, &target, &pins);
-        publish_next(store, &cur, &next)?;
-        cur = next;
     }
+    Ok(())
+}
+
+/// Fences every shard of `cur` at its version and lifts the pauses a killed
+/// run left behind, keeping those of a transfer still under way.
+fn settle_left_pauses<B>(backend: &B, cur: &ShardMap) -> Result<(), ReshardError>
+where
+    B: QueueBackend + ?Sized,
+{
     // A run killed between a switch and its un-pause leaves keys paused and
     // old shards unfenced: fence every shard at the published version (stale
     // producers reload) and lift the pauses; the batches re-pause what they
@@ -210,25 +289,7 @@ where
             }
         }
     }
-    let switches = pending_switches(&cur, &target_router);
-    on_event(RebalanceEvent::Pinned {
-        pinned: switches.len(),
-        version: cur.version,
-    });
-    // Phase 2, moving each key's backlog with it: no drain, no holdback.
-    cur = move_with_backlogs(
-        backend,
-        store,
-        cur,
-        &target,
-        switches,
-        options,
-        on_event,
-        &mut report,
-    )?;
-    finish(
-        backend, store, cur, &target, report, started_ms, clock, on_event,
-    )
+    Ok(())
 }
 
 /// Phase 3: publishes the target itself and clears it.
