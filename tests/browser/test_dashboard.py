@@ -252,9 +252,9 @@ def test_a_keys_jobs_a_job_page_and_a_cancel(browser, deployment, screenshots):
     click(browser, "the row's confirm", row)
     wait(browser, "the cancel", lambda d: "Cancelled " + ids[1] in text(d, "#job-msg"))
     wait(browser, "the row gone", lambda d: not d.find_elements(By.CSS_SELECTOR, f'#key-jobs tbody tr[data-job="{ids[1]}"]'))
-    # The cancelled job now shows among the key's recent outcomes.
-    wait(browser, "the recent outcome", lambda d: d.find_elements(
-        By.CSS_SELECTOR, f'#key-recent tbody tr[data-job="{ids[1]}"][data-outcome="cancelled"]'))
+    # The cancelled job now shows among the key's finished jobs.
+    wait(browser, "the finished job", lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'#key-finished tbody tr[data-job="{ids[1]}"][data-outcome="cancelled"]'))
     code, v = api.call("GET", "/v1/jobs/" + ids[1])
     assert code == 200 and v["outcome"] == "cancelled", v
     for i in (ids[0], ids[2]):

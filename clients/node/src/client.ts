@@ -215,7 +215,7 @@ export interface JobInfo {
   schedule?: ScheduleTick;
 }
 
-/** A job that finished, as `recent` of `GET /v1/keys/{key}/jobs` shows it (kept for the deployment's retention, `shardq retention`). */
+/** A job that finished, as `finished` of `GET /v1/keys/{key}/jobs` shows it (kept for the deployment's retention, `shardq retention`). */
 export interface FinishedInfo {
   /** `SHARD:ID`. */
   id: string;
@@ -753,14 +753,14 @@ export class Client {
   }
 
   /** `key`'s newest finished jobs (acked or cancelled), newest first, at most `limit` (1 to 1000), as far as the deployment's retention keeps them. */
-  async recent(key: string, limit = 20): Promise<FinishedInfo[]> {
+  async keyFinished(key: string, limit = 20): Promise<FinishedInfo[]> {
     if (!Number.isSafeInteger(limit) || limit < 1 || limit > KEY_JOBS_MAX) {
-      throw new TypeError(`recent: limit must be an integer from 1 to ${KEY_JOBS_MAX}, got ${limit}`);
+      throw new TypeError(`keyFinished: limit must be an integer from 1 to ${KEY_JOBS_MAX}, got ${limit}`);
     }
-    const [doc, url] = await this.read("GET", `/v1/keys/${encodeURIComponent(key)}/jobs?limit=1&recent=${limit}`, undefined);
-    const recent = (doc as Record<string, unknown> | undefined)?.["recent"];
-    if (!Array.isArray(recent)) throw new ShardqError(`${url}: the reply has no recent list`, 200, url);
-    return recent.map((j) => finishedInfo(j, url));
+    const [doc, url] = await this.read("GET", `/v1/keys/${encodeURIComponent(key)}/jobs?limit=1&finished=${limit}`, undefined);
+    const finished = (doc as Record<string, unknown> | undefined)?.["finished"];
+    if (!Array.isArray(finished)) throw new ShardqError(`${url}: the reply has no finished list`, 200, url);
+    return finished.map((j) => finishedInfo(j, url));
   }
 
   /**

@@ -129,18 +129,18 @@ test("an operator reads a job by id, lists its key's jobs and cancels one, and a
     assert.deepEqual(ran, ["p0", "p2"]);
     assert.equal(await client.job(ids[0]!), undefined);
     // What became of each job stays readable, newest first.
-    const recent = await client.recent("op-k");
+    const finished = await client.keyFinished("op-k");
     assert.deepEqual(
-      recent.map((f) => [f.id, f.outcome]),
+      finished.map((f) => [f.id, f.outcome]),
       [
         [ids[2], "completed"],
         [ids[0], "cancelled"],
         [ids[1], "cancelled"],
       ],
     );
-    assert.equal(recent[0]!.attempts, 1);
-    assert.equal((await client.recent("op-k", 1)).length, 1);
-    await assert.rejects(client.recent("op-k", 0), TypeError);
+    assert.equal(finished[0]!.attempts, 1);
+    assert.equal((await client.keyFinished("op-k", 1)).length, 1);
+    await assert.rejects(client.keyFinished("op-k", 0), TypeError);
     client.close();
   } finally {
     await c.close();

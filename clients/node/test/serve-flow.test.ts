@@ -114,7 +114,7 @@ test("a handler's BackOff runs its job again after the wait on the same attempt,
     assert.ok(runs[1]!.at - runs[0]!.at >= 580, `ran again ${runs[1]!.at - runs[0]!.at} ms later, before the 600 ms back-off`);
     assert.deepEqual([stats.backedOff, stats.failed, stats.acked], [1, 0, 1], log.lines.join("\n"));
     await s.settle({ ready: 0, delayed: 0, in_flight: 0, dead: 0 });
-    assert.deepEqual((await client.recent("bo")).map((f) => f.id), [placed.id]);
+    assert.deepEqual((await client.keyFinished("bo")).map((f) => f.id), [placed.id]);
     client.close();
   } finally {
     await c.close();

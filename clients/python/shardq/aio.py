@@ -264,7 +264,7 @@ class AsyncClient:
         return None if status == 404 or "outcome" in doc else JobInfo._of(doc)
 
     async def finished(self, id: str) -> Optional[FinishedInfo]:
-        """:meth:`shardq.Client.finished` from asyncio code."""
+        """:meth:`shardq.Client.key_finished` from asyncio code."""
         status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
         return FinishedInfo._of(doc) if status != 404 and "outcome" in doc else None
 
@@ -281,13 +281,13 @@ class AsyncClient:
                                   "listing a key's jobs")
         return [JobInfo._of(j) for j in doc["jobs"]]
 
-    async def recent(self, key: str, limit: int = 20) -> List[FinishedInfo]:
-        """:meth:`shardq.Client.recent` from asyncio code."""
+    async def key_finished(self, key: str, limit: int = 20) -> List[FinishedInfo]:
+        """:meth:`shardq.Client.key_finished` from asyncio code."""
         if not 1 <= limit <= 1000:
             raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
-        _, doc = await self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&recent={limit}", None,
+        _, doc = await self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&finished={limit}", None,
                                   "listing a key's finished jobs")
-        return [FinishedInfo._of(j) for j in doc["recent"]]
+        return [FinishedInfo._of(j) for j in doc["finished"]]
 
     async def cancel(self, id: str) -> bool:
         """:meth:`shardq.Client.cancel` from asyncio code."""

@@ -799,7 +799,7 @@ class Moved(NamedTuple):
 
 @dataclass(frozen=True)
 class FinishedInfo:
-    """A job that finished, as ``recent`` of ``GET /v1/keys/{key}/jobs``
+    """A job that finished, as ``finished`` of ``GET /v1/keys/{key}/jobs``
     shows it, kept for the deployment's retention (``shardq retention``):
     ``outcome`` is ``completed`` or ``cancelled``; ``attempts`` those
     started; ``finished_ms`` and ``attempt_starts_ms`` ms since the epoch;
@@ -1457,15 +1457,15 @@ class Client:
                             "listing a key's jobs")
         return [JobInfo._of(j) for j in doc["jobs"]]
 
-    def recent(self, key: str, limit: int = 20) -> List[FinishedInfo]:
+    def key_finished(self, key: str, limit: int = 20) -> List[FinishedInfo]:
         """``key``'s newest finished jobs (acked or cancelled), newest
         first, at most ``limit`` (1 to 1000), as far as the deployment's
         retention keeps them."""
         if not 1 <= limit <= 1000:
             raise ConfigError(f"invalid limit {limit!r}: 1 to 1000")
-        _, doc = self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&recent={limit}", None,
+        _, doc = self._call("GET", f"/v1/keys/{quote(key, safe='')}/jobs?limit=1&finished={limit}", None,
                             "listing a key's finished jobs")
-        return [FinishedInfo._of(j) for j in doc["recent"]]
+        return [FinishedInfo._of(j) for j in doc["finished"]]
 
     def cancel(self, id: str) -> bool:
         """Cancels the job ``id``: a queued, delayed or dead one is deleted

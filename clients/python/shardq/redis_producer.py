@@ -62,7 +62,7 @@ from .errors import (
 _T = TypeVar("_T")
 
 #: The key layout version this client reads and writes (``keys::LAYOUT_VERSION``).
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 #: The ``remote.json`` format version this client reads (``remote::REMOTE_VERSION``).
 REMOTE_VERSION = 1
 #: Default queue (``keys::QUEUE_DEFAULT``).
@@ -70,7 +70,7 @@ QUEUE_DEFAULT = "default"
 #: The parts of a shard, in the order the scripts take them as KEYS.
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "done",
+    "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "finished",
     "limits", "deadk", "keyed",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).

@@ -158,7 +158,7 @@ def test_a_handler_backing_off_runs_its_job_again_after_the_wait_on_the_same_att
     stats = r.stats
     assert (stats.backed_off, stats.failed, stats.acked) == (1, 0, 1), stats
     assert totals_of(serve.url)["dead"] == 0
-    assert [f.id for f in Client([serve.url]).recent("bo")] == [placed.id]
+    assert [f.id for f in Client([serve.url]).key_finished("bo")] == [placed.id]
 
 
 def test_a_group_back_off_holds_every_key_of_the_group_and_a_rate_spaces_a_key(serve):

@@ -334,12 +334,12 @@ def test_an_operator_reads_lists_and_cancels_jobs_by_id(serve):
         assert c.job(ids[0]) is None
         # What became of each job stays readable: newest first, the
         # cancelled ones and the one that ran.
-        recent = c.recent("op-k")
-        assert [(f.id, f.outcome) for f in recent] == [
+        finished = c.key_finished("op-k")
+        assert [(f.id, f.outcome) for f in finished] == [
             (ids[2], "completed"), (ids[0], "cancelled"), (ids[1], "cancelled")
-        ], recent
-        assert recent[0].attempts == 1 and len(recent[0].attempt_starts_ms) == 1, recent[0]
-        assert len(c.recent("op-k", limit=1)) == 1
+        ], finished
+        assert finished[0].attempts == 1 and len(finished[0].attempt_starts_ms) == 1, finished[0]
+        assert len(c.key_finished("op-k", limit=1)) == 1
 
 
 def test_the_async_client_reads_and_cancels_jobs_too(serve):
@@ -354,7 +354,7 @@ def test_the_async_client_reads_and_cancels_jobs_too(serve):
             assert j is not None and (j.state, j.payload) == ("queued", b"b")
             assert [x.id for x in await c.key_jobs("aio-k")] == [p.id for p in placed]
             assert await c.cancel(placed[1].id) is True
-            assert [(f.id, f.outcome) for f in await c.recent("aio-k")] == [(placed[1].id, "cancelled")]
+            assert [(f.id, f.outcome) for f in await c.key_finished("aio-k")] == [(placed[1].id, "cancelled")]
             assert await c.cancel(placed[1].id) is False
             assert await c.job(placed[1].id) is None
             assert await c.job("shard-0:999999999") is None

@@ -717,12 +717,12 @@ pub struct Ownership {
 }
 
 /// The `max` newest finished jobs of `key` over `shards` (newest first,
-/// each with the shard that keeps it), and the shards whose history could
-/// not be read with why: a key's history stays where its jobs finished, so
-/// after a move its older finished jobs are on its old shard, and a
+/// each with the shard that keeps it), and the shards whose finished jobs
+/// could not be read with why: a finished job stays where it finished, so
+/// after a move a key's older finished jobs are on its old shard, and a
 /// reader that looked only where the key routes now would miss them.
 #[allow(clippy::type_complexity)]
-pub fn key_history<B: QueueBackend + ?Sized>(
+pub fn key_finished<B: QueueBackend + ?Sized>(
     backend: &B,
     shards: &[String],
     key: &str,

@@ -52,7 +52,7 @@ pub struct ProducerOptions {
     /// Time for the waits (a manual clock in simulations).
     pub clock: Arc<dyn Clock>,
     /// How long the backend remembers a job's dedup id, in ms (jobs with
-    /// one go through [`QueueBackend::enqueue_dedup`]).
+    /// one go through [`RunJobs::enqueue_dedup`]).
     pub dedup_window_ms: u64,
 }
 
@@ -707,6 +707,7 @@ fn split_by_limits<'a>(
 
 #[cfg(test)]
 mod tests {
+    use crate::backend::MoveKeys;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use shardq_route::{Algorithm, ShardMap};

@@ -1097,11 +1097,11 @@ fn memory_settings_changes_are_never_lost() {
     shardq_testkit::contract::settings_changes_are_never_lost(&[store]);
 }
 
-/// A key's finished history is read from every shard: after the key moved
+/// A key's finished jobs are read from every shard: after the key moved
 /// (its older jobs finished on its old shard, its newer on the new one),
-/// `key_history` lists them all, newest first, each with its shard.
+/// `key_finished` lists them all, newest first, each with its shard.
 #[test]
-fn a_keys_history_is_found_on_every_shard_it_finished_on() {
+fn a_keys_finished_jobs_are_found_on_every_shard_they_finished_on() {
     let clock = shardq_core::ManualClock::new(1_000_000);
     let backend = MemoryBackend::new(&["s0", "s1"], Arc::new(clock.clone()));
     for (shard, payload) in [("s0", "old"), ("s1", "new")] {
@@ -1113,11 +1113,11 @@ fn a_keys_history_is_found_on_every_shard_it_finished_on() {
         clock.advance(1_000);
     }
     let shards = vec!["s0".to_string(), "s1".to_string()];
-    let (all, failed) = shardq_core::backend::key_history(&backend, &shards, "k", 10);
+    let (all, failed) = shardq_core::backend::key_finished(&backend, &shards, "k", 10);
     assert!(failed.is_empty());
     let where_: Vec<&str> = all.iter().map(|(s, _)| s.as_str()).collect();
     assert_eq!(where_, ["s1", "s0"], "newest first, over both shards");
-    let (one, _) = shardq_core::backend::key_history(&backend, &shards, "k", 1);
+    let (one, _) = shardq_core::backend::key_finished(&backend, &shards, "k", 1);
     assert_eq!(one.len(), 1);
     assert_eq!(one[0].0, "s1");
 }

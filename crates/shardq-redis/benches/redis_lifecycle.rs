@@ -337,7 +337,7 @@ fn main() {
         results.push(plain_list(&server.url(), jobs));
     }
     {
-        // The same without the finished jobs' history (the `done` list).
+        // The same without the finished jobs (the `finished` list).
         let server = RedisServer::start();
         results.push(shardq_keeping(
             "shardq, 1 instance (4 shards), no history",

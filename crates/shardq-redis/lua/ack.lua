@@ -10,7 +10,7 @@
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 local out = {'OK'}
-local done, fences, dkeys, datt, freed = {}, {}, {}, {}, {}
+local acked, fences, dkeys, datt, freed = {}, {}, {}, {}, {}
 -- One read for every receipt's job lease and one for their keys' queues.
 -- The queues change in memory (a repeated receipt finds its run gone, so it
 -- is stale) and are written once at the end, or before a lapsed run goes
@@ -57,10 +57,10 @@ for x, ids in ipairs(rids) do
   else
     local was = kqueued(k, q)
     krun_end(q, krun(q, tonumber(ids)))
-    done[#done + 1] = ids
-    fences[#done] = fence
-    dkeys[#done] = k
-    if ARGV[i + 3] ~= '' then datt[#done] = ARGV[i + 3] end
+    acked[#acked + 1] = ids
+    fences[#acked] = fence
+    dkeys[#acked] = k
+    if ARGV[i + 3] ~= '' then datt[#acked] = ARGV[i + 3] end
     dirty[k] = true
     -- Claim checks the next head's start time.
     if not was and kqueued(k, q) then freed[#freed + 1] = k end
@@ -79,18 +79,18 @@ end
 if #put > 0 then redis.call('HSET', K_KEYS, unpack(put)) end
 if #del > 0 then redis.call('HDEL', K_KEYS, unpack(del)) end
 -- The acked jobs leave in one call per structure (the batch is bounded).
-if #done > 0 then
-  if done_max() > 0 then
+if #acked > 0 then
+  if finished_max() > 0 then
     -- Two reads for the whole batch at most: the records of runs whose
     -- attempt the caller did not know, then reasons and start times when
     -- any job has one (see `forget`).
     local unknown = {}
-    for x = 1, #done do
+    for x = 1, #acked do
       if not datt[x] then unknown[#unknown + 1] = x end
     end
     if #unknown > 0 then
       local want = {}
-      for y, x in ipairs(unknown) do want[y] = done[x] end
+      for y, x in ipairs(unknown) do want[y] = acked[x] end
       for y, r in ipairs(redis.call('HMGET', K_JOBS, unpack(want))) do
         local _, a = rec_parse(r)
         datt[unknown[y]] = a + 1
@@ -99,33 +99,33 @@ if #done > 0 then
     local rs = nil
     if redis.call('EXISTS', K_REASON) == 1 then
       local f = {}
-      for x = 1, #done do
-        f[#f + 1] = done[x]
-        f[#f + 1] = done[x] .. '@'
-        f[#f + 1] = done[x] .. '^'
+      for x = 1, #acked do
+        f[#f + 1] = acked[x]
+        f[#f + 1] = acked[x] .. '@'
+        f[#f + 1] = acked[x] .. '^'
       end
       rs = redis.call('HMGET', K_REASON, unpack(f))
     end
     local entries = {}
     local nows = idstr(now)
     -- Pushed in ack order: the last one acked ends at the head.
-    for x = 1, #done do
+    for x = 1, #acked do
       local why, starts, explicit = nil, '', false
       if rs then why, starts, explicit = rs[3 * x - 2], rs[3 * x - 1] or '', rs[3 * x] end
-      starts = with_start(starts, run_start(done[x], fences[x], now, explicit))
-      entries[#entries + 1] = done_line(done[x], dkeys[x], 'c', datt[x], nows, starts, why)
+      starts = with_start(starts, run_start(acked[x], fences[x], now, explicit))
+      entries[#entries + 1] = finished_line(acked[x], dkeys[x], 'c', datt[x], nows, starts, why)
     end
-    keep_done(entries)
+    keep_finished(entries)
   end
-  redis.call('ZREM', K_INF, unpack(done))
+  redis.call('ZREM', K_INF, unpack(acked))
   -- Keyed jobs leave `keyed` (read only on a shard that holds any).
   if redis.call('EXISTS', K_KEYED) == 1 then
-    for x, r in ipairs(redis.call('HMGET', K_JOBS, unpack(done))) do
-      if r then unkey(done[x], r) end
+    for x, r in ipairs(redis.call('HMGET', K_JOBS, unpack(acked))) do
+      if r then unkey(acked[x], r) end
     end
   end
-  redis.call('HDEL', K_JOBS, unpack(done))
-  forget(done)
+  redis.call('HDEL', K_JOBS, unpack(acked))
+  forget(acked)
 end
 if #freed > 0 then redis.call('RPUSH', K_READY, unpack(freed)) end
 return out

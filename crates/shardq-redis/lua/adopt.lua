@@ -7,7 +7,7 @@
 -- `keys` hash's pin (`keys_pin_value`), written when missing.
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
-redis.call('HSET', K_META, 'donemax', ARGV[5], 'doneage', ARGV[6])
+redis.call('HSET', K_META, 'finishedmax', ARGV[5], 'finishedage', ARGV[6])
 if ARGV[5] == '0' then redis.call('DEL', KEYS[19]) end
 -- A `keys` hash without its pin (lost with the hash) gets it back.
 if redis.call('HGET', K_KEYS, KEYS_PIN) ~= ARGV[7] then redis.call('HSET', K_KEYS, KEYS_PIN, ARGV[7]) end

@@ -38,7 +38,7 @@ if redis.call('ZSCORE', K_DEAD, ids) then
   local startable = kqueued(k, q)
   unbury(ids, k)
   local _, a = rec_parse(r)
-  keep_done({done_entry(ids, r, 'x', a, now)})
+  keep_finished({finished_entry(ids, r, 'x', a, now)})
   unkey(ids, r)
   redis.call('HDEL', K_JOBS, ids)
   forget({ids})
@@ -68,7 +68,7 @@ if q.d == 1 then q.h, q.t = 0, 0 end
 q.d = q.d - 1
 redis.call('HINCRBY', K_META, 'pend', -1)
 local _, a = rec_parse(r)
-keep_done({done_entry(ids, r, 'x', a, now)})
+keep_finished({finished_entry(ids, r, 'x', a, now)})
 unkey(ids, r)
 redis.call('HDEL', K_JOBS, ids)
 forget({ids})

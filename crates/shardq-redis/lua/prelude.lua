@@ -334,11 +334,11 @@ local function settle_start(ids, fence, now)
   end
   redis.call('HDEL', K_REASON, ids .. '^')
 end
--- Finished jobs are kept newest first in the `done` list (KEYS[19]), at
--- most `donemax` of meta (the owner's retention, set at adopt) entries:
+-- Finished jobs are kept newest first in the `finished` list (KEYS[19]), at
+-- most `finishedmax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
 -- length>|<key><last failure reason>`. Read before `forget`.
-local function done_line(ids, k, outcome, attempts, now, starts, why)
+local function finished_line(ids, k, outcome, attempts, now, starts, why)
   starts = starts or ''
   if #starts > 200 then
     -- Only the last 16 start times are kept (core's FINISHED_STARTS_KEPT).
@@ -350,20 +350,20 @@ local function done_line(ids, k, outcome, attempts, now, starts, why)
     starts .. '|' .. nstr(#k) .. '|' .. k .. (why or '')
 end
 -- fence: the job's run that ends with it (nil: none ran).
-local function done_entry(ids, r, outcome, attempts, now, fence)
+local function finished_entry(ids, r, outcome, attempts, now, fence)
   local _, _, _, _, k = rec_parse(r)
   local starts = starts_of(ids)
   if fence then starts = with_start(starts, run_start(ids, fence, now)) end
-  return done_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
+  return finished_line(ids, k, outcome, attempts, idstr(now), starts, redis.call('HGET', K_REASON, ids))
 end
-local function done_max() return tonumber(redis.call('HGET', K_META, 'donemax') or '0') end
-local function keep_done(entries)
-  local max = done_max()
+local function finished_max() return tonumber(redis.call('HGET', K_META, 'finishedmax') or '0') end
+local function keep_finished(entries)
+  local max = finished_max()
   if max <= 0 or #entries == 0 then return end
   redis.call('LPUSH', KEYS[19], unpack(entries))
   redis.call('LTRIM', KEYS[19], 0, max - 1)
   -- Entries past the retention's age leave from the tail, a few per call.
-  local age = tonumber(redis.call('HGET', K_META, 'doneage') or '0')
+  local age = tonumber(redis.call('HGET', K_META, 'finishedage') or '0')
   if age > 0 then
     local oldest = now_ms() - age
     for _ = 1, 16 do
@@ -420,7 +420,7 @@ local function requeue(ids, why, now)
   if run and q.runs[run + 1] == 0 then
     -- Cancelled while it ran (its run fence cleared): the job ends with it.
     krun_end(q, run)
-    if done_max() > 0 then keep_done({done_entry(ids, r, 'x', a + 1, now, 0)}) end
+    if finished_max() > 0 then keep_finished({finished_entry(ids, r, 'x', a + 1, now, 0)}) end
     unkey(ids, r)
     redis.call('HDEL', K_JOBS, ids)
     forget({ids})

@@ -41,7 +41,7 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
 /// versions"), never a branch in the scripts.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {
@@ -175,9 +175,9 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   `meta` counts them), so an id from before a move answers where its
 ///   job went.
 ///
-/// * `done` list: jobs that finished here (acked or cancelled), newest
+/// * `finished` list: jobs that finished here (acked or cancelled), newest
 ///   first, `<id>|<c or x>|<attempts>|<finished ms>|<starts>|<key
-///   length>|<key><last failure reason>`, at most `donemax` of `meta` (the
+///   length>|<key><last failure reason>`, at most `finishedmax` of `meta` (the
 ///   retention's count, written by each owner when it adopts the shard);
 ///   readers drop those past the retention's age.
 ///
@@ -199,7 +199,7 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   At most `FLOW_RULES_MAX` entries.
 pub const SHARD_PARTS: [&str; 22] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
-    "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "done",
+    "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "finished",
     "limits", "deadk", "keyed",
 ];
 

@@ -52,9 +52,9 @@ pub const DEAD_LIST_MAX: usize = 10_000;
 /// Default `limit` of `GET /v1/keys/{key}/jobs` (the largest is core's
 /// `KEY_JOBS_MAX`).
 pub const KEY_JOBS_DEFAULT: usize = 100;
-/// Default `recent` of `GET /v1/keys/{key}/jobs`: the key's finished jobs
+/// Default `finished` of `GET /v1/keys/{key}/jobs`: the key's finished jobs
 /// shown, newest first (0 to core's `KEY_JOBS_MAX`).
-pub const KEY_RECENT_DEFAULT: usize = 20;
+pub const KEY_FINISHED_DEFAULT: usize = 20;
 /// Longest a request may take before the server answers 408 (the longest
 /// long-poll plus room for the store's own bounds).
 pub const REQUEST_TIMEOUT_MS: u64 = WAIT_MS_MAX + 60_000;

@@ -223,7 +223,7 @@ fn every_answer_fits_its_documented_schema() {
         ("/v1/keys/{key}", "/v1/keys/k".to_string()),
         (
             "/v1/keys/{key}/jobs",
-            "/v1/keys/k/jobs?recent=5".to_string(),
+            "/v1/keys/k/jobs?finished=5".to_string(),
         ),
         ("/v1/jobs/{id}", format!("/v1/jobs/{}", ids[0])),
         ("/v1/jobs/{id}", format!("/v1/jobs/{}", ids[1])),

@@ -16,8 +16,8 @@ use shardq_server::api::{back_off_value, finished_value, job_value};
 
 /// Jobs `jobs` lists when `--limit` is not given.
 const JOBS_LIMIT_DEFAULT: usize = 100;
-/// Finished jobs `jobs` lists when `--recent` is not given.
-const RECENT_DEFAULT: usize = 20;
+/// Finished jobs `jobs` lists when `--finished` is not given.
+const FINISHED_DEFAULT: usize = 20;
 /// Payload bytes `job show` prints as text before cutting (all of it with
 /// `--json`).
 const SHOWN_PAYLOAD_BYTES: usize = 4096;
@@ -153,8 +153,8 @@ pub struct JobsArgs {
     limit: usize,
     /// Also the key's newest finished jobs (acked or cancelled, kept for
     /// `shardq retention`), at most this many (0 to 1000).
-    #[arg(long, value_name = "N", default_value_t = RECENT_DEFAULT)]
-    recent: usize,
+    #[arg(long, value_name = "N", default_value_t = FINISHED_DEFAULT)]
+    finished: usize,
     /// One JSON object (as `GET /v1/keys/{key}/jobs`) instead of a table.
     #[arg(long)]
     json: bool,
@@ -404,8 +404,11 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     if args.limit == 0 || args.limit > KEY_JOBS_MAX {
         bail!("--limit {}: out of range 1..={KEY_JOBS_MAX}", args.limit);
     }
-    if args.recent > KEY_JOBS_MAX {
-        bail!("--recent {}: out of range 0..={KEY_JOBS_MAX}", args.recent);
+    if args.finished > KEY_JOBS_MAX {
+        bail!(
+            "--finished {}: out of range 0..={KEY_JOBS_MAX}",
+            args.finished
+        );
     }
     shardq_core::validate_key(&args.key).with_context(|| format!("--key {:?}", args.key))?;
     let deployment = Deployment::open(&args.data, &shardq_deploy::OpenOptions::default())?;
@@ -419,15 +422,15 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         .queue()
         .key_hold(&shard, &args.key)
         .with_context(|| format!("reading the back-off of key {:?} on {shard}", args.key))?;
-    // The key's history from every shard (it stays where its jobs
-    // finished, before a move too); history that cannot be read leaves
+    // The key's finished jobs from every shard (they stay where they
+    // finished, before a move too); a shard that cannot be read leaves
     // the live jobs listed.
     let shards: Vec<String> = router.map().shards.iter().map(|s| s.name.clone()).collect();
-    let recent = match args.recent {
+    let finished = match args.finished {
         0 => Vec::new(),
         n => {
             let (list, failed) =
-                shardq_core::backend::key_history(&*deployment.queue(), &shards, &args.key, n);
+                shardq_core::backend::key_finished(&*deployment.queue(), &shards, &args.key, n);
             for (s, e) in failed {
                 eprintln!(
                     "shardq: the finished jobs of key {:?} on {s} could not be read: {e}",
@@ -439,14 +442,14 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     };
     if args.json {
         let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
-        let done: Vec<serde_json::Value> = recent
+        let finished: Vec<serde_json::Value> = finished
             .into_iter()
             .map(|(s, f)| finished_value(&s, f))
             .collect();
         let back_off = back_off_value(&shard, hold.as_ref());
         println!(
             "{}",
-            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "recent": done })
+            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "finished": finished })
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -481,13 +484,13 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             relative(h.until_ms, now)
         );
     }
-    if args.recent > 0 {
+    if args.finished > 0 {
         println!();
-        println!("RECENT\tOUTCOME\tATTEMPTS\tFINISHED\tLAST_FAILURE");
-        if recent.is_empty() {
+        println!("FINISHED\tOUTCOME\tATTEMPTS\tAT\tLAST_FAILURE");
+        if finished.is_empty() {
             println!("(no shard keeps a finished job of this key: none finished within the retention, see `shardq retention show`)");
         }
-        for (s, f) in &recent {
+        for (s, f) in &finished {
             println!(
                 "{s}:{}\t{}\t{}\t{}\t{}",
                 f.id.0,

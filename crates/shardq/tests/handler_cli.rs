@@ -523,8 +523,8 @@ fn a_worker_waits_each_keys_retry_policy() {
 /// their attempts and last failure, and a cancelled one; the retention's
 /// count and age bound what it shows.
 #[test]
-fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
-    let dir = temp_dir("h-recent");
+fn a_keys_finished_jobs_outlive_the_worker_within_the_retention() {
+    let dir = temp_dir("h-finished");
     let data = dir.join("data");
     let d = data.to_str().unwrap();
     assert!(run(&["init", "--data", d, "--shards", "1"]).0);
@@ -561,7 +561,7 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     wait_until("the two jobs of k done", WAIT_MAX, || {
         let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
         serde_json::from_str::<serde_json::Value>(&out)
-            .is_ok_and(|v| v["recent"].as_array().is_some_and(|r| r.len() == 2))
+            .is_ok_and(|v| v["finished"].as_array().is_some_and(|r| r.len() == 2))
     });
     // The delayed job keeps the worker from being idle until another
     // process cancels it; then it exits, and the job is kept as cancelled.
@@ -572,8 +572,8 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     let (ok, out, err) = run(&["jobs", "--data", d, "--key", "other", "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["recent"][0]["id"], late.trim(), "{v}");
-    assert_eq!(v["recent"][0]["outcome"], "cancelled", "{v}");
+    assert_eq!(v["finished"][0]["id"], late.trim(), "{v}");
+    assert_eq!(v["finished"][0]["outcome"], "cancelled", "{v}");
     let (ok, cancelled, err) = run(&[
         "enqueue",
         "--data",
@@ -593,8 +593,8 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["jobs"].as_array().map(Vec::len), Some(0), "{v}");
-    let recent = v["recent"].as_array().unwrap();
-    let seen: Vec<(&str, u64)> = recent
+    let finished = v["finished"].as_array().unwrap();
+    let seen: Vec<(&str, u64)> = finished
         .iter()
         .map(|f| {
             (
@@ -608,8 +608,8 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
         [("cancelled", 0), ("completed", 1), ("completed", 2)],
         "{v}"
     );
-    assert_eq!(recent[0]["id"], late.trim(), "{v}");
-    let flaky = &recent[2];
+    assert_eq!(finished[0]["id"], late.trim(), "{v}");
+    let flaky = &finished[2];
     assert!(
         flaky["reason"].as_str().unwrap().contains("upstream down"),
         "the last failure's stderr: {flaky}"
@@ -621,7 +621,7 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     );
     let (ok, table, err) = run(&["jobs", "--data", d, "--key", "k"]);
     assert!(
-        ok && table.contains("RECENT") && table.contains("completed"),
+        ok && table.contains("FINISHED\tOUTCOME") && table.contains("completed"),
         "{table}{err}"
     );
     // The retention bounds what is shown: its count, then its age.
@@ -629,13 +629,13 @@ fn a_keys_recent_outcomes_outlive_the_worker_within_the_retention() {
     assert!(ok, "{err}");
     let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["recent"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["finished"].as_array().map(Vec::len), Some(1), "{v}");
     let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-age-ms", "1"]);
     assert!(ok, "{err}");
     std::thread::sleep(std::time::Duration::from_millis(20));
     let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["recent"].as_array().map(Vec::len), Some(0), "{v}");
+    assert_eq!(v["finished"].as_array().map(Vec::len), Some(0), "{v}");
     let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-jobs", "100001"]);
     assert!(!ok && err.contains("100001"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,6 +1,6 @@
 //! The state files a shard keeps beside its log: `fence.json`,
 //! `transfers.json` (import cursors), `moved.jsonl` (ids that moved away) and
-//! `finished.jsonl` (finished-job history, cut to the retention).
+//! `finished.jsonl` (finished jobs, cut to the retention).
 
 use super::*;
 
@@ -147,7 +147,7 @@ impl FsBackend {
     /// back to the retention once large. Best effort: the records that
     /// finished them are written already, and the caller must not be told
     /// that an ack failed when it did not, so a failure here (a full disk)
-    /// costs only these lines of history.
+    /// costs only these lines of finished jobs.
     pub(super) fn note_finished(&self, shard: &Shard, jobs: &[FinishedJob]) {
         let keep = self.opts.retention;
         if jobs.is_empty() || keep.finished_jobs == 0 {

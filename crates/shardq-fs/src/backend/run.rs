@@ -266,7 +266,7 @@ impl RunJobs for FsBackend {
         r.reset_in_flight();
         inner.owned = true;
         if self.opts.retention.finished_jobs == 0 {
-            // No history kept: none is left on disk either.
+            // No finished jobs kept: none is left on disk either.
             let _ = self.opts.storage.remove(&shard.dir.join(FINISHED_FILE));
         }
         Ok(())
@@ -363,8 +363,8 @@ impl RunJobs for FsBackend {
         let mut inner = self.owned_inner(&shard)?;
         let mut outcome = AckOutcome::default();
         let now = self.opts.clock.now_ms();
-        // No history kept: nothing to gather per acked job.
-        let keep_history = self.opts.retention.finished_jobs > 0;
+        // No finished jobs kept: nothing to gather per acked job.
+        let keep_finished = self.opts.retention.finished_jobs > 0;
         let mut finished = Vec::new();
         let mut ended: Vec<(String, u64)> = Vec::new();
         let slots = self.opts.flow.as_ref().is_some_and(|f| f.limits_starts());
@@ -379,7 +379,7 @@ impl RunJobs for FsBackend {
                 // A receipt given twice in one batch finishes its run once.
                 match r.current_run(rc.id.0, rc.fence) {
                     Some(run) if !done.contains(&rc.id.0) => {
-                        if let Some(j) = r.live_job(rc.id.0).filter(|_| keep_history) {
+                        if let Some(j) = r.live_job(rc.id.0).filter(|_| keep_finished) {
                             finished.push(finished_job(&j, Finish::Completed, now));
                         }
                         record::encode(
@@ -415,7 +415,7 @@ impl RunJobs for FsBackend {
             compacted?;
             self.after_run_record(&shard, end)?;
             // After the acks are written (and, once synced, durable): a
-            // history line never stands for an ack that failed.
+            // finished line never stands for an ack that failed.
             self.note_finished(&shard, &finished);
         } else {
             drop(inner);

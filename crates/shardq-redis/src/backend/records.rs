@@ -57,7 +57,7 @@ impl JobRecord<'_> {
 
 /// The start times of a job's attempts, as the scripts keep them (ms,
 /// comma-separated, oldest first; empty for none); `None` when malformed.
-/// One entry of a shard's `done` list (see `keys::SHARD_PARTS`).
+/// One entry of a shard's `finished` list (see `keys::SHARD_PARTS`).
 pub(super) fn parse_done(e: &[u8]) -> Option<FinishedJob> {
     let mut at = 0;
     let mut field = || {

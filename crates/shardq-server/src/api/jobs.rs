@@ -71,7 +71,7 @@ fn job_out(shard: &str, j: JobInfo) -> JobOut {
     }
 }
 
-/// A finished job on the wire (`recent` of `GET /v1/keys/{key}/jobs`).
+/// A finished job on the wire (`finished` of `GET /v1/keys/{key}/jobs`).
 #[derive(Debug, Serialize)]
 struct FinishedOut {
     id: String,
@@ -84,7 +84,7 @@ struct FinishedOut {
     reason: Option<String>,
 }
 
-/// A finished job of `shard` in the wire form of `recent` in
+/// A finished job of `shard` in the wire form of `finished` in
 /// `GET /v1/keys/{key}/jobs`, for every place that prints one.
 pub fn finished_value(shard: &str, f: FinishedJob) -> Value {
     serde_json::to_value(FinishedOut {
@@ -174,12 +174,12 @@ pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> 
 #[serde(deny_unknown_fields)]
 pub struct KeyJobsQuery {
     limit: Option<usize>,
-    recent: Option<usize>,
+    finished: Option<usize>,
 }
 
-/// `GET /v1/keys/{key}/jobs?limit=&recent=`: the key's live jobs on the
+/// `GET /v1/keys/{key}/jobs?limit=&finished=`: the key's live jobs on the
 /// shard it routes to, in key order, the handler's back-off holding it
-/// (`back_off`, null for none), and its `recent` finished jobs (acked or
+/// (`back_off`, null for none), and its `finished` jobs (acked or
 /// cancelled, within the deployment's retention), newest first.
 pub async fn key_jobs(
     State(app): State<Arc<App>>,
@@ -193,10 +193,10 @@ pub async fn key_jobs(
             "limit: {limit} is out of range 1..={KEY_JOBS_MAX}"
         )));
     }
-    let recent = q.recent.unwrap_or(KEY_RECENT_DEFAULT);
-    if recent > KEY_JOBS_MAX {
+    let finished = q.finished.unwrap_or(KEY_FINISHED_DEFAULT);
+    if finished > KEY_JOBS_MAX {
         return Err(ApiError::bad(format!(
-            "recent: {recent} is out of range 0..={KEY_JOBS_MAX}"
+            "finished: {finished} is out of range 0..={KEY_JOBS_MAX}"
         )));
     }
     let v = blocking(move || {
@@ -210,16 +210,15 @@ pub async fn key_jobs(
             .map(|j| job_out(&shard, j))
             .collect();
         let hold = app.backend.key_hold(&shard, &key)?;
-        // History that cannot be read leaves the live jobs listed, and
-        // says why beside them.
-        // From every shard: a key's history stays where its jobs
-        // finished, before a move too.
+        // Finished jobs that cannot be read leave the live jobs listed,
+        // and say why beside them. From every shard: a finished job stays
+        // where it finished, before a move too.
         let shards: Vec<String> = router.map().shards.iter().map(|s| s.name.clone()).collect();
-        let (finished, recent_error) = match recent {
+        let (finished, finished_error) = match finished {
             0 => (Vec::new(), None),
             n => {
                 let (list, failed) =
-                    shardq_core::backend::key_history(&*app.backend, &shards, &key, n);
+                    shardq_core::backend::key_finished(&*app.backend, &shards, &key, n);
                 let list: Vec<Value> = list
                     .into_iter()
                     .map(|(s, f)| finished_value(&s, f))
@@ -235,9 +234,9 @@ pub async fn key_jobs(
             }
         };
         let back_off = super::back_off_value(&shard, hold.as_ref());
-        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "back_off": back_off, "recent": finished });
-        if let Some(e) = recent_error {
-            v["recent_error"] = e.into();
+        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "back_off": back_off, "finished": finished });
+        if let Some(e) = finished_error {
+            v["finished_error"] = e.into();
         }
         Ok(v)
     })

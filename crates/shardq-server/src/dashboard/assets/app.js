@@ -838,12 +838,12 @@
       tbody.appendChild(tr);
     }
     // What became of the key's finished jobs, as far as the retention keeps them.
-    const recent = $("key-recent");
-    const rbody = recent.querySelector("tbody");
+    const table = $("key-finished");
+    const rbody = table.querySelector("tbody");
     clear(rbody);
-    const done = list.recent || [];
-    recent.hidden = done.length === 0;
-    for (const f of done) {
+    const finished = list.finished || [];
+    table.hidden = finished.length === 0;
+    for (const f of finished) {
       const tr = el("tr", { "data-job": f.id, "data-outcome": f.outcome });
       tr.appendChild(el("td", null, f.id));
       tr.appendChild(el("td", null, f.outcome));
@@ -855,7 +855,7 @@
   }
 
   async function lookupJobs(key) {
-    try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50&recent=20")); } catch (e) { /* the lookup shows errors */ }
+    try { renderKeyJobs(await api("GET", "/v1/keys/" + encodeURIComponent(key) + "/jobs?limit=50&finished=20")); } catch (e) { /* the lookup shows errors */ }
   }
 
   // The keys with work starting with what was typed; each looks itself up.
