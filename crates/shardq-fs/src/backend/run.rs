@@ -121,133 +121,17 @@ impl RunJobs for FsBackend {
             // record of these ids until this append is written.
             r.prune_dedup(now);
             out.clear();
-            let mut bytes = Vec::with_capacity(
-                jobs.iter()
-                    .map(|j| j.payload.len() + j.key.len() + 64)
-                    .sum(),
-            );
-            // Ids met earlier in this batch (not in the replica until it
-            // is written); allocated only when a batch holds more than one.
-            // Seeded at random per process: the ids are the producer's.
-            let mut in_batch: HashMap<(&str, &str), u64, ahash::RandomState> =
-                HashMap::with_hasher(ahash::RandomState::new());
-            if jobs.len() > 1 {
-                in_batch.reserve(jobs.len());
-            }
-            // Keyed jobs stored earlier in this batch, the newest per id.
-            let mut keyed_batch: HashMap<(&str, &str), KeyedLive, ahash::RandomState> =
-                HashMap::with_hasher(ahash::RandomState::new());
+            let mut batch = DedupBatch::new(shard_name, jobs, now, expires_ms, start);
             for job in jobs {
-                let mut not_before_ms = now + job.delay_ms;
-                if let (Some(mode), Some(d)) = (job.keyed, job.dedup_id.as_deref()) {
-                    let live = keyed_batch
-                        .get(&(job.key.as_str(), d))
-                        .copied()
-                        .or_else(|| r.keyed_live(&job.key, d));
-                    match keyed_meets(mode, live, job.delay_ms, now) {
-                        KeyedMeets::Duplicate(id) => {
-                            out.push(Stored {
-                                id,
-                                shard: shard_name.to_string(),
-                                duplicate: true,
-                            });
-                            continue;
-                        }
-                        KeyedMeets::Debounce {
-                            job: waiting,
-                            not_before_ms,
-                        } => {
-                            if fence.sealed_keys.contains_key(&job.key) {
-                                // Its copy on the new shard would miss the
-                                // payload: the producer waits for the move.
-                                return Err(QueueError::Paused {
-                                    shard: shard_name.to_string(),
-                                    key: job.key.clone(),
-                                });
-                            }
-                            record::encode(
-                                &mut bytes,
-                                &Record::Debounce {
-                                    job: waiting.0,
-                                    not_before_ms,
-                                    key: &job.key,
-                                    payload: &job.payload,
-                                },
-                            );
-                            out.push(Stored {
-                                id: waiting,
-                                shard: shard_name.to_string(),
-                                duplicate: false,
-                            });
-                            continue;
-                        }
-                        KeyedMeets::Store {
-                            not_before_ms: start,
-                        } => not_before_ms = start,
-                    }
-                } else if let Some(d) = job.dedup_id.as_deref() {
-                    let known = r
-                        .dedup_lookup(&job.key, d, now)
-                        .map(|e| (e.job, e.shard.as_deref().unwrap_or(shard_name).to_string()));
-                    let known = known.or_else(|| {
-                        in_batch
-                            .get(&(job.key.as_str(), d))
-                            .map(|&id| (id, shard_name.to_string()))
-                    });
-                    if let Some((id, on)) = known {
-                        out.push(Stored {
-                            id: JobId(id),
-                            shard: on,
-                            duplicate: true,
-                        });
-                        continue;
-                    }
-                }
-                let pos = start + bytes.len() as u64;
-                // The dedup id is a field of its job's record: one append,
-                // one checksum, so neither exists without the other.
-                // A keyed id leaves no dedup record (it answers while its
-                // job lives): written as expired.
-                let expires_ms = if job.keyed.is_some() { now } else { expires_ms };
-                record::encode(
-                    &mut bytes,
-                    &Record::Enqueue {
-                        created_ms: now,
-                        not_before_ms,
-                        max_attempts: job.max_attempts,
-                        key: &job.key,
-                        dedup: job
-                            .dedup_id
-                            .as_deref()
-                            .map(|id| EnqueueDedup { id, expires_ms }),
-                        payload: &job.payload,
-                    },
-                );
-                if let Some(d) = job.dedup_id.as_deref() {
-                    if job.keyed.is_some() {
-                        let live = KeyedLive {
-                            job: JobId(pos),
-                            created_ms: now,
-                            running: false,
-                        };
-                        keyed_batch.insert((job.key.as_str(), d), live);
-                    } else if jobs.len() > 1 {
-                        in_batch.insert((job.key.as_str(), d), pos);
-                    }
-                }
-                out.push(Stored {
-                    id: JobId(pos),
-                    shard: shard_name.to_string(),
-                    duplicate: false,
-                });
+                out.push(batch.place(job, r, &fence)?);
             }
-            if bytes.len() > ENQUEUE_BATCH_BYTES_MAX {
+            if batch.bytes.len() > ENQUEUE_BATCH_BYTES_MAX {
                 return Err(QueueError::BatchTooLarge {
                     jobs: jobs.len(),
                     max: ENQUEUE_BATCH_JOBS_MAX,
                 });
             }
-            Ok(bytes)
+            Ok(batch.bytes)
         })?;
         drop(inner);
         self.after_append(&shard, end)?;
@@ -618,5 +502,151 @@ impl RunJobs for FsBackend {
         let mut inner = lock(&shard.inner);
         self.refresh(&mut inner)?;
         Ok(inner.replica.as_mut().and_then(|r| r.next_due_ms()))
+    }
+}
+
+/// One [`RunJobs::enqueue_dedup`] batch as it is encoded under the append
+/// lock: the records' bytes, and the ids met earlier in the batch (not in
+/// the replayed state until the batch is written).
+struct DedupBatch<'a> {
+    shard: &'a str,
+    now: u64,
+    /// When this batch's dedup records expire.
+    expires_ms: u64,
+    /// Where the batch's first record lands in the log (job ids are
+    /// positions).
+    start: u64,
+    multi: bool,
+    bytes: Vec<u8>,
+    /// Dedup ids stored earlier in this batch; allocated only when a batch
+    /// holds more than one job. Seeded at random per process: the ids are
+    /// the producer's.
+    in_batch: HashMap<(&'a str, &'a str), u64, ahash::RandomState>,
+    /// Keyed jobs stored earlier in this batch, the newest per id.
+    keyed_batch: HashMap<(&'a str, &'a str), KeyedLive, ahash::RandomState>,
+}
+
+impl<'a> DedupBatch<'a> {
+    fn new(shard: &'a str, jobs: &[NewJob], now: u64, expires_ms: u64, start: u64) -> Self {
+        let bytes = Vec::with_capacity(
+            jobs.iter()
+                .map(|j| j.payload.len() + j.key.len() + 64)
+                .sum(),
+        );
+        let mut in_batch = HashMap::with_hasher(ahash::RandomState::new());
+        if jobs.len() > 1 {
+            in_batch.reserve(jobs.len());
+        }
+        DedupBatch {
+            shard,
+            now,
+            expires_ms,
+            start,
+            multi: jobs.len() > 1,
+            bytes,
+            in_batch,
+            keyed_batch: HashMap::with_hasher(ahash::RandomState::new()),
+        }
+    }
+
+    fn stored(&self, id: JobId, duplicate: bool) -> Stored {
+        Stored {
+            id,
+            shard: self.shard.to_string(),
+            duplicate,
+        }
+    }
+
+    /// Encodes `job` (or the Debounce record of the waiting job it meets)
+    /// and says what became of it.
+    fn place(
+        &mut self,
+        job: &'a NewJob,
+        r: &ShardState,
+        fence: &Fence,
+    ) -> Result<Stored, QueueError> {
+        let now = self.now;
+        let mut not_before_ms = now + job.delay_ms;
+        if let (Some(mode), Some(d)) = (job.keyed, job.dedup_id.as_deref()) {
+            let live = (self.keyed_batch.get(&(job.key.as_str(), d)).copied())
+                .or_else(|| r.keyed_live(&job.key, d));
+            match keyed_meets(mode, live, job.delay_ms, now) {
+                KeyedMeets::Duplicate(id) => return Ok(self.stored(id, true)),
+                KeyedMeets::Debounce {
+                    job: waiting,
+                    not_before_ms,
+                } => {
+                    if fence.sealed_keys.contains_key(&job.key) {
+                        // Its copy on the new shard would miss the
+                        // payload: the producer waits for the move.
+                        return Err(QueueError::Paused {
+                            shard: self.shard.to_string(),
+                            key: job.key.clone(),
+                        });
+                    }
+                    record::encode(
+                        &mut self.bytes,
+                        &Record::Debounce {
+                            job: waiting.0,
+                            not_before_ms,
+                            key: &job.key,
+                            payload: &job.payload,
+                        },
+                    );
+                    return Ok(self.stored(waiting, false));
+                }
+                KeyedMeets::Store {
+                    not_before_ms: start,
+                } => not_before_ms = start,
+            }
+        } else if let Some(d) = job.dedup_id.as_deref() {
+            let known = r
+                .dedup_lookup(&job.key, d, now)
+                .map(|e| (e.job, e.shard.as_deref().unwrap_or(self.shard).to_string()));
+            let known = known.or_else(|| {
+                (self.in_batch.get(&(job.key.as_str(), d))).map(|&id| (id, self.shard.to_string()))
+            });
+            if let Some((id, on)) = known {
+                return Ok(Stored {
+                    id: JobId(id),
+                    shard: on,
+                    duplicate: true,
+                });
+            }
+        }
+        let pos = self.start + self.bytes.len() as u64;
+        // The dedup id is a field of its job's record: one append, one
+        // checksum, so neither exists without the other. A keyed id leaves
+        // no dedup record (it answers while its job lives): written as
+        // expired.
+        let expires_ms = if job.keyed.is_some() {
+            now
+        } else {
+            self.expires_ms
+        };
+        record::encode(
+            &mut self.bytes,
+            &Record::Enqueue {
+                created_ms: now,
+                not_before_ms,
+                max_attempts: job.max_attempts,
+                key: &job.key,
+                dedup: (job.dedup_id.as_deref()).map(|id| EnqueueDedup { id, expires_ms }),
+                payload: &job.payload,
+            },
+        );
+        if let Some(d) = job.dedup_id.as_deref() {
+            if job.keyed.is_some() {
+                let live = KeyedLive {
+                    job: JobId(pos),
+                    created_ms: now,
+                    running: false,
+                };
+                self.keyed_batch.insert((job.key.as_str(), d), live);
+            } else if self.multi {
+                self.in_batch.insert((job.key.as_str(), d), pos);
+            }
+        }
+        Ok(self.stored(JobId(pos), false))
     }
 }

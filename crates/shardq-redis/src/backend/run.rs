@@ -89,26 +89,9 @@ impl RunJobs for RedisBackend {
             return Ok(Vec::new());
         }
         // Before ranking: a key whose limit rose is ready again.
-        if let Some(f) = self.inner.opts.flow.as_deref() {
-            // Settings changed since the last claim are used by this one:
-            // read again (when due) by the scripts' clock, or an estimate
-            // of the server's from its last reply.
-            let now = match self.inner.opts.clock.as_ref() {
-                Some(c) => Some(c.now_ms()),
-                None => (*self
-                    .inner
-                    .server_time
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()))
-                .map(|(ms, at)| ms.saturating_add(at.elapsed().as_millis() as u64)),
-            };
-            if let Some(now) = now {
-                f.refresh(now);
-            }
-            if held.limits_version != f.version() && !self.relimit(s, held, f)? {
-                *guard = None;
-                return Err(Self::not_owner(s));
-            }
+        if !self.refresh_limits(s, held)? {
+            *guard = None;
+            return Err(Self::not_owner(s));
         }
         let ranked = (self.inner.opts.flow.as_deref()).filter(|f| f.ranks_keys());
         let picked = match ranked {
@@ -137,51 +120,9 @@ impl RunJobs for RedisBackend {
             .server_time
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some((now, std::time::Instant::now()));
-        let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
-            f.refresh(now);
-            f.limits_starts()
-        });
         let seq = it.get(2).and_then(reply::u64).ok_or_else(bad)?;
-        let jobs = it.get(3..).unwrap_or(&[]);
-        let fences: Vec<u64> = jobs
-            .chunks(3)
-            .map(|j| j.get(2).and_then(reply::u64).unwrap_or(0))
-            .collect();
-        s.observe(before, seq, seq, &fences)?;
-        let mut claimed = Vec::with_capacity(jobs.len() / 3);
-        for j in jobs.chunks(3) {
-            if j.len() != 3 {
-                return Err(bad());
-            }
-            let id = reply::u64(&j[0]).ok_or_else(bad)?;
-            let rec = reply::bytes(&j[1])
-                .and_then(JobRecord::parse)
-                .ok_or_else(bad)?;
-            let fence = reply::u64(&j[2]).ok_or_else(bad)?;
-            let run = Run {
-                key: rec.key.clone(),
-                attempt: rec.attempts.saturating_add(1),
-            };
-            held.in_flight.insert(id, run);
-            claimed.push((id, rec, fence));
-        }
-        // Every start's limits asked at once: one call per group.
-        let admits = match flow {
-            Some(flow) => {
-                let runs: Vec<(&str, shardq_core::flow::RunStart<'_>)> = (claimed.iter())
-                    .map(|(_, rec, fence)| {
-                        let start = shardq_core::flow::RunStart {
-                            shard: &s.name,
-                            fence: *fence,
-                            lease_until_ms,
-                        };
-                        (rec.key.as_str(), start)
-                    })
-                    .collect();
-                flow.admit_many(&runs, now)
-            }
-            None => vec![Admit::Now; claimed.len()],
-        };
+        let claimed = self.take_claimed(s, held, before, seq, it.get(3..).unwrap_or(&[]))?;
+        let admits = self.admit_claimed(s, &claimed, now, lease_until_ms);
         let mut out = Vec::with_capacity(claimed.len());
         for ((id, rec, fence), admit) in claimed.into_iter().zip(admits) {
             if let Admit::NotBefore(at) = admit {
@@ -489,5 +430,102 @@ impl RunJobs for RedisBackend {
         let s = &*s;
         let v = self.script(s, &self.inner.scripts.next_due, "", &|_, _| {})?;
         Ok(reply::u64(&v))
+    }
+}
+
+/// The parts of a claim on Redis around its script.
+impl RedisBackend {
+    /// Puts flow-control settings changed since the last claim in use
+    /// (read again when due, by the scripts' clock or an estimate of the
+    /// server's from its last reply) and rewrites the shard's copy of the
+    /// run limits when its version is not ours. False when the shard was
+    /// lost meanwhile.
+    fn refresh_limits(&self, s: &ShardRef, held: &mut Held) -> Result<bool, QueueError> {
+        let Some(f) = self.inner.opts.flow.as_deref() else {
+            return Ok(true);
+        };
+        let now = match self.inner.opts.clock.as_ref() {
+            Some(c) => Some(c.now_ms()),
+            None => (*self
+                .inner
+                .server_time
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()))
+            .map(|(ms, at)| ms.saturating_add(at.elapsed().as_millis() as u64)),
+        };
+        if let Some(now) = now {
+            f.refresh(now);
+        }
+        if held.limits_version != f.version() {
+            return self.relimit(s, held, f);
+        }
+        Ok(true)
+    }
+
+    /// Reads the claim script's jobs (`<id> <record> <fence>` each),
+    /// checks the store has not rewound ([`ShardRef::observe`]), and
+    /// records each run as in flight here: (id, record, fence) per job.
+    fn take_claimed<'a>(
+        &self,
+        s: &ShardRef,
+        held: &mut Held,
+        before: Marks,
+        seq: u64,
+        jobs: &'a [redis::Value],
+    ) -> Result<Vec<(u64, JobRecord<'a>, u64)>, QueueError> {
+        let bad = || self.protocol(s, "claim reply has a malformed job");
+        let fences: Vec<u64> = jobs
+            .chunks(3)
+            .map(|j| j.get(2).and_then(reply::u64).unwrap_or(0))
+            .collect();
+        s.observe(before, seq, seq, &fences)?;
+        let mut claimed = Vec::with_capacity(jobs.len() / 3);
+        for j in jobs.chunks(3) {
+            if j.len() != 3 {
+                return Err(bad());
+            }
+            let id = reply::u64(&j[0]).ok_or_else(bad)?;
+            let rec = reply::bytes(&j[1])
+                .and_then(JobRecord::parse)
+                .ok_or_else(bad)?;
+            let fence = reply::u64(&j[2]).ok_or_else(bad)?;
+            let run = Run {
+                key: rec.key.clone(),
+                attempt: rec.attempts.saturating_add(1),
+            };
+            held.in_flight.insert(id, run);
+            claimed.push((id, rec, fence));
+        }
+        Ok(claimed)
+    }
+
+    /// Flow control's answer for each claimed run's start, asked at once
+    /// (one call per group); every run starts now when no policy limits
+    /// starts.
+    fn admit_claimed(
+        &self,
+        s: &ShardRef,
+        claimed: &[(u64, JobRecord<'_>, u64)],
+        now: u64,
+        lease_until_ms: u64,
+    ) -> Vec<Admit> {
+        let flow = (self.inner.opts.flow.as_deref()).filter(|f| {
+            f.refresh(now);
+            f.limits_starts()
+        });
+        let Some(flow) = flow else {
+            return vec![Admit::Now; claimed.len()];
+        };
+        let runs: Vec<(&str, shardq_core::flow::RunStart<'_>)> = (claimed.iter())
+            .map(|(_, rec, fence)| {
+                let start = shardq_core::flow::RunStart {
+                    shard: &s.name,
+                    fence: *fence,
+                    lease_until_ms,
+                };
+                (rec.key.as_str(), start)
+            })
+            .collect();
+        flow.admit_many(&runs, now)
     }
 }
