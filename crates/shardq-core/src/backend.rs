@@ -259,7 +259,23 @@ pub trait RunJobs: Send + Sync {
     /// Finishes runs. Receipts that are not their job's current run are
     /// refused one by one (listed in [`AckOutcome::stale`]); the others are
     /// acked. Needs ownership.
-    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError>;
+    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+        self.ack_results(shard, receipts, &[])
+    }
+
+    /// [`RunJobs::ack`], keeping `results[i]` (when given) with the job
+    /// `receipts[i]` finished as its [`FinishedJob::result`](crate::job::FinishedJob)
+    /// for the shard's retention. `results` is empty (no results) or as
+    /// long as `receipts`; each result is at most
+    /// [`crate::job::RESULT_BYTES_MAX`] (larger is refused as
+    /// [`QueueError::InvalidInput`], nothing acked). A stale receipt's
+    /// result is dropped with it.
+    fn ack_results(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError>;
 
     /// Records a failed run: the job is retried after `retry_in_ms` (or the
     /// backoff), ahead of its key's later jobs, or dead-lettered once out of

@@ -915,6 +915,88 @@ pub struct FinishedJob {
     pub attempt_starts_ms: Vec<u64>,
     /// The reason of its last failed attempt, if one failed.
     pub reason: Option<String>,
+    /// What its handler returned with its ack (a completed job only; at
+    /// most [`RESULT_BYTES_MAX`]). Stored as base64 where a finished job
+    /// is written as JSON.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "result_base64"
+    )]
+    pub result: Option<Vec<u8>>,
+}
+
+/// A result's bytes as one base64 string in JSON.
+mod result_base64 {
+    use base64::Engine as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            Some(t) => base64::engine::general_purpose::STANDARD
+                .decode(t)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Most bytes of one job's result ([`FinishedJob::result`]): 64 KiB. A
+/// handler that returns more fails its attempt with a reason that says
+/// so ([`check_result`]); a result is kept with the finished job for the
+/// shard's [`Retention`], so its bound bounds what the retention holds.
+pub const RESULT_BYTES_MAX: usize = 64 * 1024;
+
+/// Refuses a result over [`RESULT_BYTES_MAX`] (or over a smaller `max`
+/// the caller set), naming both sizes: the reason its attempt fails with.
+pub fn check_result(result: &[u8], max: usize) -> Result<(), String> {
+    let max = max.min(RESULT_BYTES_MAX);
+    if result.len() > max {
+        return Err(format!(
+            "the handler's result is {} bytes, over the {max}-byte bound on results",
+            result.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The checks of [`crate::RunJobs::ack_results`]' arguments, for every
+/// backend: `results` empty or one per receipt, each within
+/// [`RESULT_BYTES_MAX`].
+pub fn check_ack_results(
+    receipts: &[Receipt],
+    results: &[Option<Vec<u8>>],
+) -> Result<(), QueueError> {
+    if !results.is_empty() && results.len() != receipts.len() {
+        return Err(QueueError::InvalidOption {
+            name: "results",
+            value: format!("{} for {} receipts", results.len(), receipts.len()),
+            allowed: "none, or one per receipt".into(),
+        });
+    }
+    for r in results.iter().flatten() {
+        if r.len() > RESULT_BYTES_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "result",
+                value: format!("{} bytes", r.len()),
+                allowed: format!("at most {RESULT_BYTES_MAX} bytes"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The result given for receipt `i` of an ack, if any.
+pub fn result_at(results: &[Option<Vec<u8>>], i: usize) -> Option<Vec<u8>> {
+    results.get(i).cloned().flatten()
 }
 
 /// Most finished jobs a shard keeps ([`Retention::finished_jobs`]).

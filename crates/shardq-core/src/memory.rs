@@ -145,6 +145,7 @@ fn note_finished(
     outcome: Finish,
     now: u64,
     retention: Retention,
+    result: Option<Vec<u8>>,
 ) {
     if retention.finished_jobs == 0 {
         return;
@@ -159,6 +160,7 @@ fn note_finished(
         finished_ms: now,
         attempt_starts_ms: starts,
         reason: (!j.reason.is_empty()).then_some(j.reason),
+        result,
     });
     s.finished.truncate(retention.finished_jobs);
 }
@@ -387,7 +389,7 @@ fn end_cancelled_run(s: &mut ShardState, id: JobId, now: u64, retention: Retenti
     s.in_flight.remove(&id);
     if let Some(j) = s.jobs.remove(&id) {
         run_over(s, &j.key);
-        note_finished(s, id, j, Finish::Cancelled, now, retention);
+        note_finished(s, id, j, Finish::Cancelled, now, retention, None);
     }
 }
 
@@ -801,12 +803,18 @@ impl RunJobs for MemoryBackend {
         })
     }
 
-    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+    fn ack_results(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError> {
+        crate::job::check_ack_results(receipts, results)?;
         let (now, retention) = (self.clock.now_ms(), self.retention);
         let mut ended = Vec::new();
         let out = self.owned(shard, |s| {
             let mut out = AckOutcome::default();
-            for r in receipts {
+            for (i, r) in receipts.iter().enumerate() {
                 if current_run(s, *r).is_err() {
                     // Over (cancelled, lapsed, ended): its slot goes too.
                     ended.extend(s.jobs.get(&r.id).map(|j| (j.key.clone(), r.fence)));
@@ -817,7 +825,8 @@ impl RunJobs for MemoryBackend {
                 if let Some(j) = s.jobs.remove(&r.id) {
                     run_over(s, &j.key);
                     ended.push((j.key.clone(), r.fence));
-                    note_finished(s, r.id, j, Finish::Completed, now, retention);
+                    let result = crate::job::result_at(results, i);
+                    note_finished(s, r.id, j, Finish::Completed, now, retention, result);
                 }
                 out.acked += 1;
             }
@@ -1348,7 +1357,7 @@ impl InspectJobs for MemoryBackend {
                 }
             }
             if let Some(j) = s.jobs.remove(&id) {
-                note_finished(s, id, j, Finish::Cancelled, now, retention);
+                note_finished(s, id, j, Finish::Cancelled, now, retention, None);
             }
             Ok(CancelOutcome::Cancelled)
         })

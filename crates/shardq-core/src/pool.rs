@@ -145,6 +145,19 @@ impl RunContext {
 
 thread_local! {
     static CURRENT_RUN: RefCell<Option<RunContext>> = const { RefCell::new(None) };
+    static RUN_RESULT: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
+}
+
+/// Gives the calling handler's run a result: kept with the job when the
+/// handler returns `Ok` and the ack is recorded
+/// ([`crate::job::FinishedJob::result`]), dropped on a failure. A later
+/// call replaces an earlier one. A result over the pool's
+/// [`PoolOptions::result_bytes_max`] fails the attempt with a reason that
+/// says so. Outside a pool's worker thread it does nothing.
+pub fn set_result(result: impl Into<Vec<u8>>) {
+    if current_run().is_some() {
+        RUN_RESULT.with(|r| *r.borrow_mut() = Some(result.into()));
+    }
 }
 
 /// The run the calling handler executes, when called from a pool's worker
@@ -256,6 +269,10 @@ pub struct PoolOptions {
     /// still have work (`left_on_other_shards`). A process that owns
     /// nothing keeps waiting, since a lease may lapse.
     pub exit_when_idle: bool,
+    /// Most bytes of a handler's result ([`set_result`]; at most
+    /// [`crate::job::RESULT_BYTES_MAX`], the default): a larger one fails
+    /// its attempt.
+    pub result_bytes_max: usize,
     /// Called for each [`PoolEvent`].
     pub on_event: Arc<dyn Fn(PoolEvent) + Send + Sync>,
 }
@@ -270,6 +287,7 @@ impl Default for PoolOptions {
             job_lease_ms: JOB_LEASE_MS_DEFAULT,
             job_timeout_ms: None,
             exit_when_idle: false,
+            result_bytes_max: crate::job::RESULT_BYTES_MAX,
             on_event: Arc::new(|_| {}),
         }
     }
@@ -319,6 +337,8 @@ struct Outcome {
     shard: String,
     receipt: Receipt,
     result: Result<(), Failure>,
+    /// What the handler gave [`set_result`], on success.
+    value: Option<Vec<u8>>,
 }
 
 /// A run claimed and not yet recorded: handed to a worker thread, or
@@ -380,6 +400,7 @@ impl WorkerPool {
             let job_rx = Arc::clone(&job_rx);
             let out_tx = out_tx.clone();
             let handler = Arc::clone(&handler);
+            let result_bytes_max = opts.result_bytes_max;
             let spawned = thread::Builder::new()
                 .name(format!("shardq-worker-{i}"))
                 .spawn(move || loop {
@@ -393,6 +414,7 @@ impl WorkerPool {
                     };
                     let ctx = RunContext { signal };
                     CURRENT_RUN.with(|c| *c.borrow_mut() = Some(ctx.clone()));
+                    RUN_RESULT.with(|r| *r.borrow_mut() = None);
                     let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
                     peak.fetch_max(now_running, Ordering::SeqCst);
                     let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
@@ -405,10 +427,20 @@ impl WorkerPool {
                         // timeout means the attempt failed.
                         result = Err(format!("cancelled: {}", ctx.cancel_reason()).into());
                     }
+                    let mut value = RUN_RESULT.with(|r| r.borrow_mut().take());
+                    if let (Ok(()), Some(v)) = (&result, &value) {
+                        if let Err(why) = crate::job::check_result(v, result_bytes_max) {
+                            result = Err(why.into());
+                        }
+                    }
+                    if result.is_err() {
+                        value = None;
+                    }
                     let sent = out_tx.send(Outcome {
                         shard: job.shard.clone(),
                         receipt: job.receipt(),
                         result,
+                        value,
                     });
                     if sent.is_err() {
                         return;
@@ -878,6 +910,7 @@ impl Dispatch<'_> {
                     result: Err(
                         format!("cancelled before it started: {}", run.signal.reason()).into(),
                     ),
+                    value: None,
                 });
                 continue;
             }
@@ -1059,6 +1092,7 @@ impl Dispatch<'_> {
 
     fn record_batch(&mut self, outcomes: Vec<Outcome>, now: u64) {
         let mut acks: BTreeMap<String, Vec<(Receipt, u64, u64)>> = BTreeMap::new();
+        let mut values: BTreeMap<String, Vec<Option<Vec<u8>>>> = BTreeMap::new();
         for out in outcomes {
             let (wait_ms, run_ms) = self
                 .running
@@ -1083,6 +1117,7 @@ impl Dispatch<'_> {
             };
             let outcome = match result {
                 Ok(()) => {
+                    values.entry(out.shard.clone()).or_default().push(out.value);
                     acks.entry(out.shard)
                         .or_default()
                         .push((out.receipt, wait_ms, run_ms));
@@ -1131,7 +1166,13 @@ impl Dispatch<'_> {
         }
         for (shard, runs) in acks {
             let receipts: Vec<Receipt> = runs.iter().map(|r| r.0).collect();
-            match self.backend.ack(&shard, &receipts) {
+            let results = values.remove(&shard).unwrap_or_default();
+            let results = if results.iter().any(Option::is_some) {
+                results
+            } else {
+                Vec::new()
+            };
+            match self.backend.ack_results(&shard, &receipts, &results) {
                 Ok(out) => {
                     self.report.acked += out.acked;
                     self.report.stale += out.stale.len() as u64;

@@ -2,21 +2,22 @@
 -- KEYS: the shard's keys in SHARD_PARTS order (docs/redis-protocol.md).
 -- ARGV[1..4]: now ms (empty: the server's TIME), the caller's lease
 -- token, `1` when a dead job halts its key, the deployment id.
--- ARGV[5..] quadruples of job id, run fence, routing key and the attempt
--- the run is (the claim's record count + 1; key and attempt empty when the
--- caller does not know them: the job's record tells). Acks the receipts
+-- ARGV[5..] quintuples of job id, run fence, routing key, the attempt the
+-- run is (the claim's record count + 1; key and attempt empty when the
+-- caller does not know them: the job's record tells) and the handler's
+-- result (empty: none; else `+` and its bytes, kept in the finished entry). Acks the receipts
 -- that name their job's current run; replies {'OK', id, fence, why, ...}
 -- for the others.
 if not owns() then return {'NOTOWNER'} end
 local now = now_ms()
 local out = {'OK'}
-local acked, fences, dkeys, datt, freed = {}, {}, {}, {}, {}
+local acked, fences, dkeys, datt, dres, freed = {}, {}, {}, {}, {}, {}
 -- One read for every receipt's job lease and one for their keys' queues.
 -- The queues change in memory (a repeated receipt finds its run gone, so it
 -- is stale) and are written once at the end, or before a lapsed run goes
 -- back to its key (requeue reads and writes the key itself).
 local rids, rkeys, klist, qs, dirty = {}, {}, {}, {}, {}
-for i = 5, #ARGV - 3, 4 do
+for i = 5, #ARGV - 4, 5 do
   local ids = ARGV[i]
   local k = key_of(ids, ARGV[i + 2])
   rids[#rids + 1] = ids
@@ -32,7 +33,7 @@ if #klist > 0 then
   for x, r in ipairs(redis.call('HMGET', K_KEYS, unpack(klist))) do qs[klist[x]] = kparse(r or nil, klist[x]) end
 end
 for x, ids in ipairs(rids) do
-  local i = 1 + 4 * x
+  local i = 5 * x
   local fence, k = ARGV[i + 1], rkeys[x]
   local q = nil
   if k ~= '' then
@@ -61,6 +62,7 @@ for x, ids in ipairs(rids) do
     fences[#acked] = fence
     dkeys[#acked] = k
     if ARGV[i + 3] ~= '' then datt[#acked] = ARGV[i + 3] end
+    if ARGV[i + 4] ~= '' then dres[#acked] = string.sub(ARGV[i + 4], 2) end
     dirty[k] = true
     -- Claim checks the next head's start time.
     if not was and kqueued(k, q) then freed[#freed + 1] = k end
@@ -113,7 +115,7 @@ if #acked > 0 then
       local why, starts, explicit = nil, '', false
       if rs then why, starts, explicit = rs[3 * x - 2], rs[3 * x - 1] or '', rs[3 * x] end
       starts = with_start(starts, run_start(acked[x], fences[x], now, explicit))
-      entries[#entries + 1] = finished_line(acked[x], dkeys[x], 'c', datt[x], nows, starts, why)
+      entries[#entries + 1] = finished_line(acked[x], dkeys[x], 'c', datt[x], nows, starts, why, dres[x])
     end
     keep_finished(entries)
   end

@@ -337,8 +337,9 @@ end
 -- Finished jobs are kept newest first in the `finished` list (KEYS[19]), at
 -- most `finishedmax` of meta (the owner's retention, set at adopt) entries:
 -- `<id>|<c: completed, x: cancelled>|<attempts>|<finished ms>|<starts>|<key
--- length>|<key><last failure reason>`. Read before `forget`.
-local function finished_line(ids, k, outcome, attempts, now, starts, why)
+-- length>|<reason length>|<result length, empty for none>|<key><last
+-- failure reason><result>`. Read before `forget`.
+local function finished_line(ids, k, outcome, attempts, now, starts, why, result)
   starts = starts or ''
   if #starts > 200 then
     -- Only the last 16 start times are kept (core's FINISHED_STARTS_KEPT).
@@ -346,8 +347,11 @@ local function finished_line(ids, k, outcome, attempts, now, starts, why)
     for x in string.gmatch(starts, '[^,]+') do t[#t + 1] = x end
     if #t > 16 then starts = table.concat(t, ',', #t - 15, #t) end
   end
+  why = why or ''
+  local rlen = ''
+  if result then rlen = nstr(#result) end
   return ids .. '|' .. outcome .. '|' .. nstr(attempts) .. '|' .. now .. '|' ..
-    starts .. '|' .. nstr(#k) .. '|' .. k .. (why or '')
+    starts .. '|' .. nstr(#k) .. '|' .. nstr(#why) .. '|' .. rlen .. '|' .. k .. why .. (result or '')
 end
 -- fence: the job's run that ends with it (nil: none ran).
 local function finished_entry(ids, r, outcome, attempts, now, fence)

@@ -253,6 +253,10 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         ),
         (r("GET", "/v1/jobs/{id}", Some(Read)), get(api::job_show)),
         (
+            r("GET", "/v1/jobs/{id}/result", Some(Read)),
+            get(api::job_result),
+        ),
+        (
             r("DELETE", "/v1/jobs/{id}", Some(Admin)),
             delete(api::job_cancel),
         ),
@@ -378,13 +382,14 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     // route its own) and slow requests never hold back a probe.
     let concurrency =
         tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.concurrency_max.max(1));
-    // Claims (long polls that may wait 30 s idle) have a budget of their
-    // own: they never hold a slot an enqueue, an ack or a read needs.
+    // Claims and result waits (long polls that may wait 30 s idle) have a
+    // budget of their own: they never hold a slot an enqueue, an ack or a
+    // read needs.
     let polls = tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.polls_max.max(1));
     for (info, handler) in table() {
         let handler = match info.path {
             "/healthz" | "/readyz" => handler,
-            "/v1/claim" => handler.route_layer(polls.clone()),
+            "/v1/claim" | "/v1/jobs/{id}/result" => handler.route_layer(polls.clone()),
             _ => handler.route_layer(concurrency.clone()),
         };
         let handler = match info.role {

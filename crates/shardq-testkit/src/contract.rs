@@ -986,6 +986,63 @@ fn an_old_runs_late_end_frees_no_newer_runs_slot(h: &dyn ContractHarness) {
 /// their starts and its last failure's reason; a cancelled one (queued, or
 /// running until its run ends) as cancelled; newest first, by key or all;
 /// live jobs are not among them; past the retention's age they are gone.
+/// A result given with an ack is kept with the finished job, byte for
+/// byte (any bytes, the separators of a store's own format included); a
+/// job acked without one has none; a result over the bound is refused
+/// with nothing acked; a stale receipt's result is dropped with it.
+pub fn a_handlers_result_is_kept_with_its_finished_job(h: &dyn ContractHarness) {
+    use shardq_core::job::{Finish, RESULT_BYTES_MAX};
+    let shard = h.fresh_shard();
+    let b = h.backend();
+    for k in ["ra", "rb", "rc"] {
+        enqueue(h, &shard, k, k, 3);
+    }
+    let runs = claim(h, &shard, 10, LONG_LEASE_MS);
+    assert_eq!(runs.len(), 3);
+    let by_key = |k: &str| runs.iter().find(|r| r.key == k).expect("claimed").clone();
+    let (ra, rb, rc) = (by_key("ra"), by_key("rb"), by_key("rc"));
+    // Over the bound: refused, nothing acked.
+    let big = vec![b'x'; RESULT_BYTES_MAX + 1];
+    let err = b
+        .ack_results(&shard, &[ra.receipt()], &[Some(big)])
+        .expect_err("a result over the bound is refused");
+    assert!(err.to_string().contains("result"), "{err}");
+    assert_eq!(
+        b.job(&shard, ra.id).expect("job").map(|j| j.id),
+        Some(ra.id)
+    );
+    // Results that are not text, and that hold the store's separators.
+    let odd: Vec<u8> = b"a|b\n\"c\"\x00\xff|9|".to_vec();
+    let full = vec![b'z'; RESULT_BYTES_MAX];
+    let out = b
+        .ack_results(
+            &shard,
+            &[ra.receipt(), rb.receipt(), rc.receipt()],
+            &[Some(odd.clone()), None, Some(full.clone())],
+        )
+        .expect("ack with results");
+    assert_eq!((out.acked, out.stale.len()), (3, 0));
+    let got = |k: &str| {
+        let f = b.finished(&shard, Some(k), 10).expect("finished");
+        assert_eq!(f.len(), 1, "{k}: {f:?}");
+        assert_eq!(f[0].outcome, Finish::Completed);
+        f[0].result.clone()
+    };
+    assert_eq!(got("ra"), Some(odd), "bytes kept as given");
+    assert_eq!(got("rb"), None, "no result given, none kept");
+    assert_eq!(got("rc").map(|r| r.len()), Some(RESULT_BYTES_MAX));
+    // A stale receipt's result is dropped with it.
+    enqueue(h, &shard, "rd", "rd", 3);
+    let rd = claim(h, &shard, 10, LONG_LEASE_MS).remove(0);
+    ack_one(h, &shard, rd.receipt());
+    let again = b
+        .ack_results(&shard, &[rd.receipt()], &[Some(b"late".to_vec())])
+        .expect("a stale ack answers");
+    assert_eq!((again.acked, again.stale.len()), (0, 1));
+    let f = b.finished(&shard, Some("rd"), 10).expect("finished");
+    assert_eq!((f.len(), f[0].result.clone()), (1, None));
+}
+
 pub fn finished_jobs_are_kept_newest_first(h: &dyn ContractHarness) {
     use shardq_core::job::Finish;
     let shard = h.fresh_shard();

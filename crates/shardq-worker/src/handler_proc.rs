@@ -20,6 +20,13 @@
 //! with them, so a dead letter says what the handler said, not only its
 //! exit status.
 //!
+//! A handler may leave a result: the file `SHARDQ_RESULT_FILE` names,
+//! written before it exits 0, is read ([`ResultFile::take`], at most
+//! [`shardq_core::job::RESULT_BYTES_MAX`]) and given to the pool
+//! ([`shardq_core::pool::set_result`]), which keeps it with the finished
+//! job; the file is removed whatever the outcome. The files live in a
+//! directory of this process only its user can read.
+//!
 //! This module must never return while a child it started is unreaped, and
 //! must never signal a process group other than the one it created (the
 //! group is killed only while its leader is a zombie or alive, so its id
@@ -180,6 +187,8 @@ pub fn run_job_command(
         Some(fence) => command.env("SHARDQ_FENCE", fence),
         None => command.env_remove("SHARDQ_FENCE"),
     };
+    let result_file = ResultFile::for_run(job)?;
+    command.env("SHARDQ_RESULT_FILE", &result_file.path);
     for (name, value) in job_origin_env(job) {
         match value {
             Some(v) => command.env(name, v),
@@ -260,14 +269,75 @@ pub fn run_job_command(
         return Err(format!("handler {program:?} {}{}", describe(status), said()).into());
     }
     match written {
-        None | Some(Ok(())) => Ok(()),
+        None | Some(Ok(())) => {}
         // The handler closed its stdin before reading all of it: its choice.
-        Some(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
-        Some(Err(e)) => Err(format!(
+        Some(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => {}
+        Some(Err(e)) => {
+            return Err(format!(
             "writing the {}-byte payload to handler {program:?}: {e}; the handler may have seen a truncated payload",
             job.payload.len()
         )
-        .into()),
+            .into())
+        }
+    }
+    if let Some(result) = result_file.take()? {
+        shardq_core::pool::set_result(result);
+    }
+    Ok(())
+}
+
+/// The file a command handler may write its result to
+/// (`SHARDQ_RESULT_FILE`): one per run, in a directory of this process
+/// that only its user can enter; removed when dropped.
+pub struct ResultFile {
+    /// Where the handler writes (it does not exist until it does).
+    pub path: std::path::PathBuf,
+}
+
+impl ResultFile {
+    /// The result file of `job`'s run (its directory made when missing).
+    pub fn for_run(job: &ClaimedJob) -> Result<ResultFile, String> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = std::env::temp_dir().join(format!("shardq-results-{}", std::process::id()));
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| format!("making the result directory {}: {e}", dir.display()))?;
+        let path = dir.join(format!("{}-{}-{}", job.shard, job.id.0, job.fence));
+        let _ = std::fs::remove_file(&path);
+        Ok(ResultFile { path })
+    }
+
+    /// The result the handler wrote, if it wrote one; a result over
+    /// [`shardq_core::job::RESULT_BYTES_MAX`] is refused (read no further)
+    /// with a reason that says so.
+    pub fn take(&self) -> Result<Option<Vec<u8>>, String> {
+        let len = match std::fs::metadata(&self.path) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(format!(
+                    "reading the result file {}: {e}",
+                    self.path.display()
+                ))
+            }
+        };
+        let max = shardq_core::job::RESULT_BYTES_MAX;
+        if len > max as u64 {
+            return Err(format!(
+                "the handler's result file is {len} bytes, over the {max}-byte bound on results"
+            ));
+        }
+        std::fs::read(&self.path)
+            .map(Some)
+            .map_err(|e| format!("reading the result file {}: {e}", self.path.display()))
+    }
+}
+
+impl Drop for ResultFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 

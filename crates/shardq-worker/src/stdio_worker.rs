@@ -7,7 +7,9 @@
 //! `payload_b64`, `attempt`, `receipt`, `fence`, `lease_expires_ms`, and
 //! `dedup_id` and `schedule` when the job has them), and
 //! reads one result line per job from its stdout:
-//! `{"receipt":"...","ok":true}` or `{"receipt":"...","ok":false,"reason":"..."}`.
+//! `{"receipt":"...","ok":true}` or `{"receipt":"...","ok":false,"reason":"..."}`;
+//! an `ok: true` line may carry the job's result, `result` (text) or
+//! `result_b64` (bytes), kept with the finished job.
 //! Up to `--stdio-pipeline` jobs are written ahead to each process (of
 //! different keys: the pool never runs two jobs of a key at once), so the
 //! round trip through the pipes does not idle the handler; it still reads
@@ -118,6 +120,30 @@ struct StdioResult {
     /// With `backoff_ms`: hold the key's whole flow-control group.
     #[serde(default)]
     backoff_group: bool,
+    /// With `ok: true`: the job's result, as text.
+    #[serde(default)]
+    result: Option<String>,
+    /// With `ok: true`: the job's result, in base64 (bytes that are not
+    /// text).
+    #[serde(default)]
+    result_b64: Option<String>,
+}
+
+impl StdioResult {
+    /// The result bytes an `ok: true` line carries, if any.
+    fn result_bytes(&self) -> Result<Option<Vec<u8>>, String> {
+        match (&self.result, &self.result_b64) {
+            (Some(_), Some(_)) => {
+                Err("the handler answered both result and result_b64; the attempt fails".into())
+            }
+            (Some(t), None) => Ok(Some(t.clone().into_bytes())),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .map(Some)
+                .map_err(|e| format!("the handler's result_b64 is not base64: {e}")),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 /// What a waiting run gets back.
@@ -384,7 +410,12 @@ impl Procs {
                          the attempt fails"
                         .into())
                 }
-                Answer::Done(r) if r.ok => return Ok(()),
+                Answer::Done(r) if r.ok => {
+                    if let Some(result) = r.result_bytes()? {
+                        shardq_core::pool::set_result(result);
+                    }
+                    return Ok(());
+                }
                 Answer::Done(StdioResult {
                     backoff_ms: Some(ms),
                     backoff_group,

@@ -228,6 +228,20 @@ fn print_finished(shard: &str, f: &shardq_core::FinishedJob) {
     if let Some(r) = &f.reason {
         println!("reason\t{}", shardq_core::job::shown_key(r));
     }
+    if let Some(b) = &f.result {
+        match std::str::from_utf8(b) {
+            Ok(text) if text.len() <= SHOWN_PAYLOAD_BYTES => println!("result\t{text:?}"),
+            Ok(text) => println!(
+                "result\t{:?}... ({} bytes; --json shows all)",
+                shardq_core::job::cut_at_char(text, SHOWN_PAYLOAD_BYTES),
+                b.len()
+            ),
+            Err(_) => println!(
+                "result\t{} bytes, not UTF-8 (--json gives them in base64)",
+                b.len()
+            ),
+        }
+    }
 }
 
 fn print_job(shard: &str, j: &JobInfo) {

@@ -169,6 +169,7 @@ pub(super) fn finished_job(
         finished_ms: now,
         attempt_starts_ms: starts.to_vec(),
         reason: j.reason.map(str::to_string),
+        result: None,
     }
 }
 

@@ -242,7 +242,13 @@ impl RunJobs for FsBackend {
         Ok(out)
     }
 
-    fn ack(&self, name: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+    fn ack_results(
+        &self,
+        name: &str,
+        receipts: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError> {
+        shardq_core::job::check_ack_results(receipts, results)?;
         let shard = self.shard(name)?;
         let mut inner = self.owned_inner(&shard)?;
         let mut outcome = AckOutcome::default();
@@ -259,12 +265,14 @@ impl RunJobs for FsBackend {
             ended.clear();
             let mut done: Vec<u64> = Vec::new();
             let mut bytes = Vec::with_capacity(receipts.len() * 24);
-            for rc in receipts {
+            for (i, rc) in receipts.iter().enumerate() {
                 // A receipt given twice in one batch finishes its run once.
                 match r.current_run(rc.id.0, rc.fence) {
                     Some(run) if !done.contains(&rc.id.0) => {
                         if let Some(j) = r.live_job(rc.id.0).filter(|_| keep_finished) {
-                            finished.push(finished_job(&j, Finish::Completed, now));
+                            let mut f = finished_job(&j, Finish::Completed, now);
+                            f.result = shardq_core::job::result_at(results, i);
+                            finished.push(f);
                         }
                         record::encode(
                             &mut bytes,

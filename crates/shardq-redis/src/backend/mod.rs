@@ -868,18 +868,50 @@ fn receipt_args(receipts: &[Receipt], known: &HashMap<u64, Run>) -> Vec<String> 
 
 /// The ack script's arguments: id, fence, key and attempt per receipt (key
 /// and attempt empty for a run this process did not hand out).
-fn ack_args(receipts: &[Receipt], known: &HashMap<u64, Run>) -> Vec<String> {
-    let mut list = Vec::with_capacity(receipts.len() * 4);
-    for r in receipts {
-        list.push(r.id.0.to_string());
-        list.push(r.fence.to_string());
+fn ack_args(
+    receipts: &[Receipt],
+    results: &[Option<Vec<u8>>],
+    known: &HashMap<u64, Run>,
+) -> Vec<Vec<u8>> {
+    let mut list = Vec::with_capacity(receipts.len() * 5);
+    for (i, r) in receipts.iter().enumerate() {
+        list.push(r.id.0.to_string().into_bytes());
+        list.push(r.fence.to_string().into_bytes());
         match known.get(&r.id.0) {
             Some(run) => {
-                list.push(run.key.clone());
-                list.push(run.attempt.to_string());
+                list.push(run.key.clone().into_bytes());
+                list.push(run.attempt.to_string().into_bytes());
             }
-            None => list.extend([String::new(), String::new()]),
+            None => list.extend([Vec::new(), Vec::new()]),
         }
+        list.push(match results.get(i).and_then(Option::as_deref) {
+            Some(b) => [b"+".as_slice(), b].concat(),
+            None => Vec::new(),
+        });
     }
     list
+}
+
+/// Most bytes of results one ack script call carries (more receipts go in
+/// the next call): bounds the script's argument and its time.
+const ACK_RESULT_BYTES_MAX: usize = 1 << 20;
+
+/// `receipts` (with their `results`, when given) in chunks of at most
+/// [`ACK_BATCH_MAX`] receipts and about [`ACK_RESULT_BYTES_MAX`] bytes of
+/// results: (start, end) index pairs.
+fn ack_chunks(receipts: &[Receipt], results: &[Option<Vec<u8>>]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0usize);
+    for i in 0..receipts.len() {
+        let b = results.get(i).and_then(Option::as_ref).map_or(0, Vec::len);
+        if i > start && (i - start == ACK_BATCH_MAX || bytes + b > ACK_RESULT_BYTES_MAX) {
+            out.push((start, i));
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < receipts.len() {
+        out.push((start, receipts.len()));
+    }
+    out
 }

@@ -55,8 +55,6 @@ impl JobRecord<'_> {
     }
 }
 
-/// The start times of a job's attempts, as the scripts keep them (ms,
-/// comma-separated, oldest first; empty for none); `None` when malformed.
 /// One entry of a shard's `finished` list (see `keys::SHARD_PARTS`).
 pub(super) fn parse_done(e: &[u8]) -> Option<FinishedJob> {
     let mut at = 0;
@@ -76,8 +74,19 @@ pub(super) fn parse_done(e: &[u8]) -> Option<FinishedJob> {
     let finished_ms: u64 = field()?.parse().ok()?;
     let starts = field()?;
     let key_len: usize = field()?.parse().ok()?;
+    let reason_len: usize = field()?.parse().ok()?;
+    let result_len: Option<usize> = match field()? {
+        "" => None,
+        n => Some(n.parse().ok()?),
+    };
     let key = std::str::from_utf8(e.get(at..at.checked_add(key_len)?)?).ok()?;
-    let reason = String::from_utf8_lossy(&e[at + key_len..]).into_owned();
+    let at = at + key_len;
+    let reason = String::from_utf8_lossy(e.get(at..at.checked_add(reason_len)?)?).into_owned();
+    let at = at + reason_len;
+    let result = match result_len {
+        Some(n) => Some(e.get(at..at.checked_add(n)?)?.to_vec()),
+        None => None,
+    };
     let starts: Vec<u64> = (starts.split(',').filter(|t| !t.is_empty()))
         .map(|t| t.parse().ok())
         .collect::<Option<_>>()?;
@@ -92,9 +101,12 @@ pub(super) fn parse_done(e: &[u8]) -> Option<FinishedJob> {
         finished_ms,
         attempt_starts_ms: starts[cut..].to_vec(),
         reason: (!reason.is_empty()).then_some(reason),
+        result,
     })
 }
 
+/// The start times of a job's attempts, as the scripts keep them (ms,
+/// comma-separated, oldest first; empty for none); `None` when malformed.
 pub(super) fn parse_starts(v: &Value) -> Option<Vec<u64>> {
     let text = reply::string(v)?;
     if text.is_empty() {

@@ -170,7 +170,13 @@ impl RunJobs for RedisBackend {
         Ok(out)
     }
 
-    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+    fn ack_results(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError> {
+        shardq_core::job::check_ack_results(receipts, results)?;
         let s = self.shard(shard)?;
         let s = &*s;
         let mut guard = s.held();
@@ -182,8 +188,9 @@ impl RunJobs for RedisBackend {
         let mut ended: Vec<(String, u64)> = Vec::new();
         let mut not_owner = false;
         let res = (|| -> Result<(), QueueError> {
-            for chunk in receipts.chunks(ACK_BATCH_MAX) {
-                let list = ack_args(chunk, &held.in_flight);
+            for (from, to) in ack_chunks(receipts, results) {
+                let chunk = &receipts[from..to];
+                let list = ack_args(chunk, results.get(from..to).unwrap_or(&[]), &held.in_flight);
                 let retried = std::cell::Cell::new(false);
                 let v = self.script(s, &self.inner.scripts.ack, &token, &|c, attempt| {
                     retried.set(attempt > 0);

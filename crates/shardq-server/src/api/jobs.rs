@@ -82,6 +82,12 @@ struct FinishedOut {
     finished_ms: u64,
     attempt_starts_ms: Vec<u64>,
     reason: Option<String>,
+    /// The handler's result when it is text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<String>,
+    /// The handler's result in base64 when it is not text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result_b64: Option<String>,
 }
 
 /// A finished job of `shard` in the wire form of `finished` in
@@ -96,6 +102,10 @@ pub fn finished_value(shard: &str, f: FinishedJob) -> Value {
         finished_ms: f.finished_ms,
         attempt_starts_ms: f.attempt_starts_ms,
         reason: f.reason,
+        result: (f.result.as_ref()).and_then(|b| std::str::from_utf8(b).ok().map(str::to_string)),
+        result_b64: (f.result.as_ref())
+            .filter(|b| std::str::from_utf8(b).is_err())
+            .map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
     })
     .unwrap_or(Value::Null)
 }
@@ -167,6 +177,66 @@ pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> 
     })
     .await?;
     Ok(Json(v).into_response())
+}
+
+/// `GET /v1/jobs/{id}/result` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResultQuery {
+    wait_ms: Option<u64>,
+}
+
+/// How often a waiting result looks at the store again, for acks made
+/// by other processes (this server's own acks wake it at once).
+const RESULT_RECHECK_MS: u64 = 250;
+
+/// `GET /v1/jobs/{id}/result?wait_ms=`: the job once it finished
+/// (`outcome`, and `result` or `result_b64` when its handler gave one),
+/// waiting up to `wait_ms` (at most the long-poll bound) while it is
+/// queued, delayed or running; woken by this server's acks, and looking
+/// again every 250 ms for other processes'. A job still live at the end
+/// of the wait, or dead-lettered, is answered as `GET /v1/jobs/{id}`
+/// answers it (a `state`, no `outcome`).
+pub async fn job_result(
+    State(app): State<Arc<App>>,
+    PathParam(id): PathParam,
+    QueryParams(q): QueryParams<ResultQuery>,
+) -> ApiResult {
+    let wait_ms = q.wait_ms.unwrap_or(0);
+    if wait_ms > crate::limits::WAIT_MS_MAX {
+        return Err(ApiError::bad(format!(
+            "wait_ms: {wait_ms} is over the longest long-poll of {} ms",
+            crate::limits::WAIT_MS_MAX
+        )));
+    }
+    let (shard, job) = job_ref(&app, &id)?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+    loop {
+        let notified = app.wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let (a, s, i) = (Arc::clone(&app), shard.clone(), id.clone());
+        let (v, waiting) = blocking(move || match a.backend.job(&s, job)? {
+            Some(j) => {
+                let waiting = j.state != JobState::Dead;
+                Ok((
+                    serde_json::to_value(job_out(&s, j)).unwrap_or(Value::Null),
+                    waiting,
+                ))
+            }
+            None => match shardq_core::backend::finished_job(&*a.backend, &s, job)? {
+                Some(f) => Ok((finished_value(&s, f), false)),
+                None => Err(not_live(&a, &s, job, &i)),
+            },
+        })
+        .await?;
+        let now = std::time::Instant::now();
+        if !waiting || now >= deadline || app.owned.stopping() {
+            return Ok(Json(v).into_response());
+        }
+        let nap = (deadline - now).min(std::time::Duration::from_millis(RESULT_RECHECK_MS));
+        let _ = tokio::time::timeout(nap, notified).await;
+    }
 }
 
 /// `GET /v1/keys/{key}/jobs` query.

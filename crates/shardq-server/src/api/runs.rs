@@ -25,6 +25,67 @@ fn check_receipts(receipts: &[String]) -> Result<(), ApiError> {
 #[serde(deny_unknown_fields)]
 pub struct AckRequest {
     receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
+    /// One per receipt, when given: the job's result, kept with the
+    /// finished job (null for none).
+    #[serde(default)]
+    results: Option<Vec<Option<AckResult>>>,
+}
+
+/// A job's result in `POST /v1/ack`: text, or bytes in base64.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AckResult {
+    result: Option<String>,
+    result_b64: Option<String>,
+}
+
+/// The bytes of each receipt's result (`results[i]` of an ack), checked:
+/// as many as the receipts, one form each, within the bound on results.
+fn ack_results(
+    receipts: &[String],
+    results: Option<Vec<Option<AckResult>>>,
+) -> Result<Vec<Option<Vec<u8>>>, ApiError> {
+    let Some(results) = results else {
+        return Ok(Vec::new());
+    };
+    if results.len() != receipts.len() {
+        return Err(ApiError::bad(format!(
+            "results: {} results for {} receipts; give one per receipt (null for none)",
+            results.len(),
+            receipts.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(results.len());
+    for (i, r) in results.into_iter().enumerate() {
+        let bytes = match r {
+            None => None,
+            Some(AckResult {
+                result: Some(t),
+                result_b64: None,
+            }) => Some(t.into_bytes()),
+            Some(AckResult {
+                result: None,
+                result_b64: Some(b),
+            }) => Some(
+                base64::engine::general_purpose::STANDARD
+                    .decode(&b)
+                    .map_err(|e| {
+                        ApiError::bad(format!("results[{i}].result_b64: invalid base64: {e}"))
+                    })?,
+            ),
+            Some(_) => {
+                return Err(ApiError::bad(format!(
+                    "results[{i}]: give result (text) or result_b64 (bytes), one of them"
+                )))
+            }
+        };
+        if let Some(b) = &bytes {
+            shardq_core::job::check_result(b, shardq_core::job::RESULT_BYTES_MAX)
+                .map_err(|why| ApiError::bad(format!("results[{i}]: {why}")))?;
+        }
+        out.push(bytes);
+    }
+    Ok(out)
 }
 
 /// 409 listing refused receipts, or 200.
@@ -111,15 +172,27 @@ pub(crate) async fn sweep_timeouts(app: Arc<App>) {
 /// one makes the reply a 409 that lists them.
 pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest>) -> ApiResult {
     check_receipts(&req.receipts.0)?;
+    let results = ack_results(&req.receipts.0, req.results)?;
     let a = Arc::clone(&app);
     let (acked, stale, not_owned) = blocking(move || {
         a.fail_timed_out();
         let (groups, mut not_owned) = a.group_receipts(&req.receipts.0)?;
+        let by_receipt: std::collections::HashMap<&str, Vec<u8>> = (req.receipts.0.iter())
+            .zip(results)
+            .filter_map(|(s, r)| r.map(|r| (s.as_str(), r)))
+            .collect();
         let mut acked = 0u64;
         let mut stale = Vec::new();
         for (shard, rs) in groups {
             let receipts: Vec<Receipt> = rs.iter().map(|(r, _)| *r).collect();
-            match a.backend.ack(&shard, &receipts) {
+            let results: Vec<Option<Vec<u8>>> = if by_receipt.is_empty() {
+                Vec::new()
+            } else {
+                rs.iter()
+                    .map(|(_, s)| by_receipt.get(s.as_str()).cloned())
+                    .collect()
+            };
+            match a.backend.ack_results(&shard, &receipts, &results) {
                 Ok(out) => {
                     acked += out.acked;
                     crate::metrics::acked(&a, &shard, &receipts, &out.stale);
