@@ -10,6 +10,8 @@
 //! * `redis` (feature `redis`) starts real `redis-server` processes
 //!   (standalone, replicas, clusters) and a switchable TCP proxy for the
 //!   Redis tests.
+//! * [`wait::wait_until`] waits on a condition up to a bound, failing
+//!   with what it waited for.
 //!
 //! Product crates name this crate only under `[dev-dependencies]`; the
 //! `shardq` binary never links it.
@@ -19,5 +21,7 @@ mod macros;
 pub mod maps;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod wait;
 
 pub use contract::{ContractHarness, RewindHarness, CHECKS, REWIND_CHECKS};
+pub use wait::{wait_until, WAIT_MAX};
