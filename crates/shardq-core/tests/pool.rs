@@ -258,7 +258,8 @@ fn shutdown_waits_for_cancelled_handlers_before_giving_up_shards() {
                 clock.advance(5);
                 thread::sleep(Duration::from_millis(1));
             }
-            // Cleanup takes a while after the cancel (a child being killed).
+            // Real time: clean-up takes a while after the cancel (a child
+            // being killed), which the pool must wait out.
             thread::sleep(Duration::from_millis(200));
             returned.store(true, Ordering::SeqCst);
             Ok(())

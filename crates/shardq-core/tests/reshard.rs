@@ -5,7 +5,7 @@
 //! move may move.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -19,6 +19,7 @@ use shardq_core::{
 };
 use shardq_route::{Algorithm, Router, ShardMap};
 use shardq_testkit::maps::HookedMaps;
+use shardq_testkit::{wait_until, WAIT_MAX};
 
 const KEYS: usize = 10_000;
 const LEASE_MS: u64 = shardq_core::JOB_LEASE_MS_DEFAULT;
@@ -82,11 +83,13 @@ fn under_load(
 
     // Two producers, each cycling over half of the keys, numbering each key's jobs.
     let stop_producers = Arc::new(AtomicBool::new(false));
+    let produced = Arc::new(AtomicU64::new(0));
     let mut producers = Vec::new();
     for half in 0..2usize {
         let backend = backend.clone();
         let store = store.clone();
         let stop = stop_producers.clone();
+        let produced = produced.clone();
         producers.push(thread::spawn(move || {
             let mine: Vec<String> = keys().into_iter().skip(half).step_by(2).collect();
             let mut next: BTreeMap<String, u64> = BTreeMap::new();
@@ -106,13 +109,26 @@ fn under_load(
                         .enqueue(&NewJob::new(key.clone(), seq.to_string()))
                         .unwrap();
                     *seq += 1;
+                    produced.fetch_add(1, Ordering::SeqCst);
                 }
             }
             next
         }));
     }
 
-    thread::sleep(Duration::from_millis(150));
+    // Under load: the producers write on before, through and after the rebalance.
+    let produce_more = |n: u64| {
+        let from = produced.load(Ordering::SeqCst);
+        wait_until(
+            &format!("the producers to enqueue {n} more jobs"),
+            WAIT_MAX,
+            || {
+                produced.load(Ordering::SeqCst) >= from + n
+                    || producers.iter().any(|p| p.is_finished())
+            },
+        );
+    };
+    produce_more(500);
     change(&store, &backend);
     let report = reshard::rebalance(
         &backend,
@@ -124,7 +140,7 @@ fn under_load(
         &mut |_| {},
     )
     .unwrap();
-    thread::sleep(Duration::from_millis(150));
+    produce_more(500);
     stop_producers.store(true, Ordering::SeqCst);
     let mut enqueued: BTreeMap<String, u64> = BTreeMap::new();
     for p in producers {
@@ -907,8 +923,10 @@ fn moving_keys_take_their_producers_along_without_a_pause() {
         }
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let produce = |key: &'static str, gap_ms: u64| {
+    let counts = [Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0))];
+    let produce = |key: &'static str, gap_ms: u64, count: &Arc<AtomicU64>| {
         let (backend, store, stop) = (backend.clone(), store.clone(), stop.clone());
+        let count = count.clone();
         thread::spawn(move || {
             let mut p = Producer::new(
                 Arc::new(backend),
@@ -922,6 +940,7 @@ fn moving_keys_take_their_producers_along_without_a_pause() {
                 let payload = format!("{key}-{}", sent.len());
                 p.enqueue(&NewJob::new(key, payload.clone())).unwrap();
                 sent.push(payload);
+                count.fetch_add(1, Ordering::SeqCst);
                 paused += p.take_refusals().paused.values().sum::<u64>();
                 if gap_ms > 0 {
                     thread::sleep(Duration::from_millis(gap_ms));
@@ -933,13 +952,31 @@ fn moving_keys_take_their_producers_along_without_a_pause() {
     // The calm key gets a job every 25 ms: a freeze attempt (a last round
     // and the freeze, well under that) rarely has one land inside it, and
     // four times running is as good as never, even on a loaded machine.
-    let (calm, hot) = (produce("calm", 25), produce("hot", 0));
-    thread::sleep(Duration::from_millis(50));
+    let (calm, hot) = (
+        produce("calm", 25, &counts[0]),
+        produce("hot", 0, &counts[1]),
+    );
+    // Both producers write on before and after the rebalance: the calm one
+    // two jobs, the hot one a hundred.
+    let both_produce = || {
+        let from: Vec<u64> = counts.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+        wait_until(
+            "the calm and hot producers to enqueue more",
+            WAIT_MAX,
+            || {
+                let now: Vec<u64> = counts.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+                (now[0] >= from[0] + 2 && now[1] >= from[1] + 100)
+                    || calm.is_finished()
+                    || hot.is_finished()
+            },
+        );
+    };
+    both_produce();
     reshard::pin(&store, "calm", to("calm")).unwrap();
     reshard::pin(&store, "hot", to("hot")).unwrap();
     let report =
         reshard::rebalance(&backend, &store, &RebalanceOptions::default(), &mut |_| {}).unwrap();
-    thread::sleep(Duration::from_millis(50));
+    both_produce();
     stop.store(true, Ordering::SeqCst);
     let (calm_sent, calm_paused) = calm.join().unwrap();
     let (hot_sent, _) = hot.join().unwrap();

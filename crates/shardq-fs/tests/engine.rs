@@ -446,6 +446,7 @@ fn pool_limit_is_shared_by_all_owned_shards() {
                 let now = r.fetch_add(1, Ordering::SeqCst) + 1;
                 p.fetch_max(now, Ordering::SeqCst);
                 s.lock().unwrap().insert(job.shard.clone());
+                // Real time: each run lasts a moment, so runs overlap and reach the limit.
                 std::thread::sleep(std::time::Duration::from_micros(200));
                 r.fetch_sub(1, Ordering::SeqCst);
                 Ok(())
