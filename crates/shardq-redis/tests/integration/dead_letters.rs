@@ -391,6 +391,11 @@ fn a_move_whose_old_shard_times_out_leaves_the_key_running_there() {
     // that follows; then it answers again. The busy script is written to
     // the server before the rebalance goes on, so it runs first.
     let mut busy = std::net::TcpStream::connect(("127.0.0.1", servers[0].port())).unwrap();
+    // A PING on the probe goes unanswered while the script holds the server.
+    let mut probe = std::net::TcpStream::connect(("127.0.0.1", servers[0].port())).unwrap();
+    probe
+        .set_read_timeout(Some(std::time::Duration::from_millis(100)))
+        .unwrap();
     let mut sent = false;
     let err = reshard::rebalance(&impatient, &store, &RebalanceOptions::default(), &mut |e| {
         if matches!(e, RebalanceEvent::Moving { .. }) && !sent {
@@ -404,7 +409,15 @@ fn a_move_whose_old_shard_times_out_leaves_the_key_running_there() {
                 arg("1300")
             );
             busy.write_all(cmd.as_bytes()).unwrap();
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            shardq_testkit::wait_until(
+                "the busy script to hold the old shard's server",
+                std::time::Duration::from_secs(10),
+                || {
+                    probe.write_all(b"PING\r\n").unwrap();
+                    let mut pong = [0u8; 7];
+                    probe.read_exact(&mut pong).is_err()
+                },
+            );
         }
     })
     .expect_err("the old shard stopped answering");

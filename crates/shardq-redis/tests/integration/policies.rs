@@ -2,7 +2,7 @@
 //! (`limits`) follows a policy change in every worker within a second, and
 //! many policies cost a claim nothing for the keys they do not match.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,6 +10,7 @@ use shardq_core::flow::{FlowPolicy, FlowSettings, FLOW_RECHECK_MS, FLOW_RULES_MA
 use shardq_core::{ClaimedJob, FlowControl, ManualClock, RunJobs};
 use shardq_redis::{CoordinatorOptions, RedisBackend, RedisCoordinator, RedisOptions};
 use shardq_testkit::redis::RedisServer;
+use shardq_testkit::wait_until;
 
 use crate::common::{init, job, map_of, tick_adopt};
 
@@ -83,9 +84,11 @@ fn a_policy_change_reaches_every_workers_claims_within_a_second() {
     // Runs held per worker, and when it first held 5.
     let limit = Arc::new(Mutex::new(2usize));
     let stop = Arc::new(AtomicBool::new(false));
-    let run = |b: RedisBackend, shard: &'static str| {
+    let holding = [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))];
+    let run = |b: RedisBackend, shard: &'static str, holding: &Arc<AtomicUsize>| {
         let limit = Arc::clone(&limit);
         let stop = Arc::clone(&stop);
+        let holding = Arc::clone(holding);
         std::thread::spawn(move || {
             let mut held: Vec<ClaimedJob> = Vec::new();
             let mut five_at = None;
@@ -97,6 +100,7 @@ fn a_policy_change_reaches_every_workers_claims_within_a_second() {
                     "{shard}: {} runs of a key limited to {allowed}",
                     held.len()
                 );
+                holding.store(held.len(), Ordering::SeqCst);
                 if held.len() == 5 && five_at.is_none() {
                     five_at = Some(Instant::now());
                 }
@@ -108,17 +112,34 @@ fn a_policy_change_reaches_every_workers_claims_within_a_second() {
             (payloads, five_at)
         })
     };
-    let t0 = run(b0, "w0");
-    let t1 = run(b1, "w1");
-    std::thread::sleep(Duration::from_millis(1_500));
+    let t0 = run(b0, "w0", &holding[0]);
+    let t1 = run(b1, "w1", &holding[1]);
+    // Both hold n runs (or a worker thread ended: its join says why).
+    let hold = |n: usize| {
+        wait_until(
+            &format!("both workers to hold {n} runs"),
+            Duration::from_secs(30),
+            || {
+                holding.iter().all(|h| h.load(Ordering::SeqCst) >= n)
+                    || t0.is_finished()
+                    || t1.is_finished()
+            },
+        )
+    };
+    hold(2);
+    // A negative check: no third run may start through a read of the
+    // settings (every FLOW_RECHECK_MS).
+    std::thread::sleep(Duration::from_millis(FLOW_RECHECK_MS + 500));
     // Raised: the limit the checks allow goes up first.
     *limit.lock().unwrap() = 5;
     let changed = Instant::now();
     set_hot(5);
-    std::thread::sleep(Duration::from_millis(2_500));
+    hold(5);
     // Lowered while 5 run: no claim may start any more.
     set_hot(2);
-    std::thread::sleep(Duration::from_millis(1_500));
+    // A negative check: no sixth run may start through a read of the
+    // settings (every FLOW_RECHECK_MS).
+    std::thread::sleep(Duration::from_millis(FLOW_RECHECK_MS + 500));
     stop.store(true, Ordering::SeqCst);
     for (shard, t) in [("w0", t0), ("w1", t1)] {
         let (payloads, five_at) = t.join().expect("worker thread");
