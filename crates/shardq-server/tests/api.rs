@@ -416,8 +416,15 @@ fn jobs_are_shown_listed_and_cancelled_by_id() {
         claim(&s, "w", 10, 0, 60_000).is_empty(),
         "the next job started under the run"
     );
-    std::thread::sleep(std::time::Duration::from_millis(600));
-    let next = claim(&s, "w", 10, 0, 60_000);
+    let mut next = Vec::new();
+    wait_until(
+        "the next job to start once the cancelled run's 500 ms lease lapsed",
+        Duration::from_secs(30),
+        || {
+            next = claim(&s, "w", 10, 0, 60_000);
+            !next.is_empty()
+        },
+    );
     let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
     assert_eq!(
         got,
@@ -810,8 +817,10 @@ fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
         })
     };
     let claimed_new = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicUsize::new(0));
     let worker = {
         let (s, stop, claimed_new) = (Arc::clone(&s), Arc::clone(&stop), Arc::clone(&claimed_new));
+        let acked = Arc::clone(&acked);
         std::thread::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
                 let jobs = claim(&s, "w", 50, 100, 30_000);
@@ -824,10 +833,15 @@ fn add_shard_and_rebalance_under_load_reach_the_new_shard() {
                 let rs: Vec<Value> = jobs.iter().map(|j| j["receipt"].clone()).collect();
                 let (code, v) = post(&s, "/v1/ack", json!({ "receipts": rs }));
                 assert_eq!(code, 200, "{v}");
+                acked.fetch_add(rs.len(), Ordering::SeqCst);
             }
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until(
+        "the load to run: 200 jobs acked",
+        Duration::from_secs(30),
+        || acked.load(Ordering::SeqCst) >= 200 || worker.is_finished() || producer.is_finished(),
+    );
     let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["state"], "warming");
@@ -1395,7 +1409,8 @@ fn weights_share_claims_across_the_servers_shards() {
         .map(|i| format!("w4:{i}"))
         .find(|k| router.route(k) != router.route(light))
         .expect("a key on another shard");
-    // The server reads the settings again within a second.
+    // Real time: the server reads the settings again within a second, and
+    // no answer shows which ones it has read.
     std::thread::sleep(Duration::from_millis(1_100));
     enqueue_n(&s, light, 60);
     enqueue_n(&s, &heavy, 60);
@@ -1505,7 +1520,7 @@ fn a_shard_added_live_is_taken_within_a_second_or_so() {
     o.worker.lease_ms = 30_000;
     let s = start(dir.path(), o);
     assert_eq!(owned_shards(&s), 2);
-    // Past the first tick, so the next regular one is ~10 s away.
+    // Real time: past the first tick, so the next regular one is ~10 s away.
     std::thread::sleep(Duration::from_millis(500));
     let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
     assert_eq!(code, 200, "{v}");

@@ -251,6 +251,8 @@ fn connections_past_the_limit_are_closed_at_once_and_the_server_keeps_serving() 
     let held: Vec<TcpStream> = (0..16)
         .map(|_| TcpStream::connect(s.addr()).unwrap())
         .collect();
+    // Real time: the server takes the 16 in; no answer shows it has (a
+    // request would need a slot of its own).
     std::thread::sleep(Duration::from_millis(100));
     // More are accepted and closed at once rather than left waiting. A
     // connection made before the flood (a client's keep-alive from the
@@ -301,6 +303,8 @@ fn slow_bodies_hold_at_most_the_servers_concurrency_and_time_out() {
             c
         })
         .collect();
+    // Real time: the server starts reading both bodies (taking both
+    // slots); no answer shows it has without a slot of its own.
     std::thread::sleep(Duration::from_millis(100));
     // The health probes hold no slot: they answer at once.
     let (code, _) = get(&s, "/healthz");
@@ -795,7 +799,8 @@ fn idle_long_polls_do_not_hold_the_slots_of_producers() {
             })
         })
         .collect();
-    // The polls are in (each found nothing and waits).
+    // Real time: the polls get in (each finds nothing and waits); no
+    // answer shows a poll waiting before it ends.
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
     let (code, v) = call(&s, "GET", "/v1/status", None, None);
@@ -835,6 +840,8 @@ fn bodies_in_flight_are_bounded_in_bytes() {
         .as_bytes(),
     )
     .unwrap();
+    // Real time: the server takes in the head and reserves the body's
+    // bytes; no answer shows it has but the refusal tested below.
     std::thread::sleep(Duration::from_millis(200));
     let body = json!({"jobs": [{"key": "k", "payload": "x".repeat(1000)}]}).to_string();
     let r = ureq::post(&format!("{}/v1/jobs", s.url()))

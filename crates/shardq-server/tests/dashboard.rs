@@ -4,14 +4,13 @@
 //! leases). The page itself is tested in a browser (`tests/browser/`).
 
 use std::path::Path;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 use shardq_server::{dashboard, spawn, Running};
 
 mod support;
 
-use support::{enqueue_n, get, get_ok, init_dir, options, post};
+use support::{enqueue_n, get, get_ok, init_dir, options, post, wait_until, WAIT_MAX};
 
 #[test]
 fn the_page_and_its_assets_are_served_from_the_binary() {
@@ -69,19 +68,18 @@ fn ring_shares_follow_weights_and_cover_the_circle() {
         json!({"name": "shard-9", "weight": 2}),
     );
     assert_eq!(code, 200, "{r}");
-    let ok = (0..50).any(|_| {
-        let v = get_ok(&s, "/v1/ring");
-        let found = v["shards"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|x| x["name"] == "shard-9" && x["state"] == "warming" && x["share"] == 0.0);
-        if !found {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        found
-    });
-    assert!(ok, "the warming shard never showed in /v1/ring");
+    wait_until(
+        "the warming shard to show in /v1/ring with no share",
+        WAIT_MAX,
+        || {
+            let v = get_ok(&s, "/v1/ring");
+            v["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x["name"] == "shard-9" && x["state"] == "warming" && x["share"] == 0.0)
+        },
+    );
 }
 
 #[test]
@@ -130,15 +128,10 @@ fn reshard_shows_a_pending_target_and_idle_without_one() {
     let (code, r) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-5"}));
     assert_eq!(code, 200, "{r}");
     let mut last = Value::Null;
-    let ok = (0..50).any(|_| {
+    wait_until("/v1/reshard to show the target pending", WAIT_MAX, || {
         last = get_ok(&s, "/v1/reshard");
-        let done = last["phase"] == "pending";
-        if !done {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        done
+        last["phase"] == "pending"
     });
-    assert!(ok, "{last}");
     assert!(last["target_version"].as_u64().is_some(), "{last}");
 }
 

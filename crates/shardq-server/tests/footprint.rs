@@ -96,8 +96,11 @@ fn idle_long_polls_cost_next_to_no_cpu() {
             })
         })
         .collect();
+    // Real time: the 300 polls get in and settle into their wait; no
+    // answer shows a poll waiting before it ends.
     std::thread::sleep(Duration::from_millis(700));
     let (c0, t0) = (cpu_s(), Instant::now());
+    // Real time: the window the idle polls' CPU is measured over.
     std::thread::sleep(Duration::from_millis(2000));
     let cores = (cpu_s() - c0) / t0.elapsed().as_secs_f64();
     eprintln!("{WAITERS} idle long polls: {cores:.3} cores");

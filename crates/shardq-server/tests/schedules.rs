@@ -40,7 +40,8 @@ fn a_schedule_set_over_http_fires_once_per_tick_in_the_owning_servers() {
     });
     let (code, _) = call(&a, "POST", "/v1/schedules/beat/pause", Some("{}"), None);
     assert_eq!(code, 200);
-    // A pass in flight when the pause was stored may still record a fire.
+    // Real time: a pass in flight when the pause was stored may still
+    // record a fire; 1.5 s outlasts a pass of the 1 s schedule.
     std::thread::sleep(Duration::from_millis(1_500));
     let view = get_ok(&a, "/v1/schedules/beat");
     let since = view["since_ms"].as_u64().unwrap();

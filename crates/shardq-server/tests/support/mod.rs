@@ -7,11 +7,14 @@
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use shardq_deploy::WorkerOptions;
 use shardq_server::{spawn, Running, ServerOptions};
+// Not every test file waits.
+#[allow(unused_imports)]
+pub use shardq_testkit::wait::{wait_until, WAIT_MAX};
 
 /// An embedded data dir of `shards` shards routed by `algorithm`.
 pub fn init_dir(shards: usize, algorithm: &str) -> tempfile::TempDir {
@@ -136,15 +139,4 @@ pub fn owned_shards(s: &Running) -> usize {
     get(s, "/readyz").1["owned"]
         .as_array()
         .map_or(0, |a| a.len())
-}
-
-pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
