@@ -79,18 +79,10 @@ where
     // 3. The new shards' next runs of these keys get larger fences than
     //    every run on the old ones (which are over, and sealed).
     raise_fence_floors(backend, batch)?;
-    // 4. Copy rounds while producers still write to the old shards.
-    let mut cursors: BTreeMap<String, Option<Option<JobId>>> = BTreeMap::new();
-    for (key, from, to) in batch {
-        let cursor = cursors.entry(key.clone()).or_default();
-        for _ in 0..TRANSFER_ROUNDS_MAX {
-            let n = copy_backlog(backend, key, from, to, ids, cursor, touched)?;
-            *copied.entry(key.clone()).or_default() += n;
-            if n < TRANSFER_CHUNK_JOBS as u64 {
-                break;
-            }
-        }
-    }
+    // 4. Copy rounds while producers still write to the old shards, the
+    //    exports running ahead of the imports.
+    let mut cursors: Cursors = BTreeMap::new();
+    copy_rounds(backend, batch, &mut cursors, ids, copied, touched)?;
     // 5. Freeze each key on its old shard once its new shard holds all of
     //    it: a last round copies what arrived since the rounds (and the
     //    key's dedup records), then one atomic step on the old shard checks
@@ -100,6 +92,38 @@ where
     //    its freeze (a hot one) is paused on its new shard instead, frozen
     //    unconditionally, copied once more and un-paused: its producers
     //    wait for that one round only.
+    let pause_ms = freeze_rounds(backend, clock, batch, &mut cursors, ids, copied, touched)?;
+    // A pause on a new shard that a killed forced round left goes: every
+    // key of the batch is frozen on its old shard and copied in full now.
+    lift_new_pauses(backend, batch)?;
+    let mut next = switched_map(cur, target, batch);
+    // A key pinned to where its backlog went, if the target differs
+    // (a transfer a killed run left): it stays there for now.
+    let next_router = Router::new(next.clone())?;
+    for (key, _, to) in batch {
+        if next_router.route(key) != to.as_str() {
+            next.overrides.insert(key.clone(), to.clone());
+        }
+    }
+    publish_next(store, cur, &next)?;
+    out.switched = Some((next, pause_ms, batch.to_vec()));
+    Ok(out)
+}
+
+/// Step 5 of a batch ([`move_batch`]): last rounds, each followed by a try
+/// to freeze the keys caught up on their old shards, until all are frozen;
+/// after [`FREEZE_ATTEMPTS_MAX`] tries the keys left are paused on their new
+/// shards for one forced round. Returns each forced key's producer pause
+/// in ms.
+fn freeze_rounds<B: QueueBackend + ?Sized>(
+    backend: &B,
+    clock: &dyn Clock,
+    batch: &[Switch],
+    cursors: &mut Cursors,
+    ids: &mut BTreeMap<(String, JobId), JobId>,
+    copied: &mut BTreeMap<String, u64>,
+    touched: &mut BTreeSet<String>,
+) -> Result<BTreeMap<String, u64>, ReshardError> {
     let mut left: Vec<Switch> = batch.to_vec();
     let mut pause_ms: BTreeMap<String, u64> = BTreeMap::new();
     for attempt in 0..=FREEZE_ATTEMPTS_MAX {
@@ -114,7 +138,7 @@ where
                 fence.paused_keys.insert(key.to_string());
             })?;
         }
-        let fresh = last_round(backend, &left, &mut cursors, ids, copied, touched)?;
+        let fresh = last_round(backend, &left, cursors, ids, copied, touched)?;
         // Dedup records come into being with their jobs: a key that got no
         // job since the last copy of its records has no new one.
         let dedup_keys: Vec<Switch> = left
@@ -122,7 +146,7 @@ where
             .filter(|sw| attempt == 0 || fresh.contains(&sw.0))
             .cloned()
             .collect();
-        copy_dedup_many(backend, &dedup_keys, ids, &cursors)?;
+        copy_dedup_many(backend, &dedup_keys, ids, cursors)?;
         // The copies durable before the freeze (or a forced key's unpause)
         // sends producers to the new shard: after a power loss there, new
         // jobs on it must never come before copies it lost.
@@ -152,21 +176,7 @@ where
         }
         left.retain(|sw| !frozen.contains(&sw.0));
     }
-    // A pause on a new shard that a killed forced round left goes: every
-    // key of the batch is frozen on its old shard and copied in full now.
-    lift_new_pauses(backend, batch)?;
-    let mut next = switched_map(cur, target, batch);
-    // A key pinned to where its backlog went, if the target differs
-    // (a transfer a killed run left): it stays there for now.
-    let next_router = Router::new(next.clone())?;
-    for (key, _, to) in batch {
-        if next_router.route(key) != to.as_str() {
-            next.overrides.insert(key.clone(), to.clone());
-        }
-    }
-    publish_next(store, cur, &next)?;
-    out.switched = Some((next, pause_ms, batch.to_vec()));
-    Ok(out)
+    Ok(pause_ms)
 }
 
 /// A key and jobs of it, as one import takes them.
@@ -309,6 +319,121 @@ pub(super) fn lift_new_pauses<B: QueueBackend + ?Sized>(
     batch: &[Switch],
 ) -> Result<(), ReshardError> {
     set_paused_new(backend, batch, false)
+}
+
+/// What the export side of [`copy_rounds`] hands its import side, in order.
+enum Exported {
+    /// A chunk of the jobs of the batch's `.0`th key, in key order.
+    Chunk(usize, Vec<MovedJob>),
+    /// The rounds of the batch's `.0`th key are over: the largest id
+    /// exported (`None`: none, nor any copy before), the key's cursor once
+    /// every chunk before this message is imported.
+    Done(usize, Option<JobId>),
+}
+
+/// Step 4 of a batch: each key's copy rounds (up to [`TRANSFER_ROUNDS_MAX`]
+/// rounds of [`TRANSFER_CHUNK_JOBS`]-job chunks; a round ends at a short
+/// chunk, the rounds at a short round), the keys one after the other. The
+/// exports run on a thread of their own, at most [`COPY_AHEAD_CHUNKS`]
+/// chunks ahead of the imports on this one, so the old shard reads the next
+/// chunk while the new shard stores this one (on Redis, two servers at
+/// work at once instead of in turn). Nothing else changes: the imports go
+/// in the exports' order (a key's chunks in key order, each call as
+/// [`copy_backlog`] would make it), a key is in `touched` before its first
+/// import is sent, and its cursor is set only once its last chunk is
+/// imported. The exports only read, and their cursors start from
+/// [`MoveKeys::imported_up_to`](crate::MoveKeys::imported_up_to), so a
+/// rerun after a kill anywhere copies from where the new shard is. An
+/// error on either side ends both (the exports stop at their next chunk)
+/// and comes back; records (key, source id) -> new id in `ids` and the
+/// jobs stored per key in `copied`.
+pub(super) fn copy_rounds<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    cursors: &mut Cursors,
+    ids: &mut BTreeMap<(String, JobId), JobId>,
+    copied: &mut BTreeMap<String, u64>,
+    touched: &mut BTreeSet<String>,
+) -> Result<(), ReshardError> {
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(COPY_AHEAD_CHUNKS);
+        scope.spawn(move || {
+            if let Err(e) = export_rounds(backend, batch, &tx) {
+                // The import side may be gone (it failed): nothing to tell.
+                let _ = tx.send(Err(e));
+            }
+        });
+        let mut done = 0usize;
+        let out = (|| -> Result<(), ReshardError> {
+            for msg in rx.iter() {
+                match msg? {
+                    Exported::Chunk(i, jobs) => {
+                        let (key, from, to) = &batch[i];
+                        // From here the new shard may hold copies, whatever
+                        // the call answers.
+                        touched.insert(key.clone());
+                        let n = copied.entry(key.clone()).or_default();
+                        for (src, new) in backend.import_jobs(to, from, key, &jobs)? {
+                            ids.insert((key.clone(), src), new);
+                            *n += 1;
+                        }
+                    }
+                    Exported::Done(i, after) => {
+                        cursors.insert(batch[i].0.clone(), Some(after));
+                        done += 1;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Dropped before the export thread is joined: a send it is blocked
+        // in (or its next one) fails, and it stops.
+        drop(rx);
+        out?;
+        if done != batch.len() {
+            return Err(QueueError::Internal {
+                what: "a move's exports ended before their last key's".into(),
+            }
+            .into());
+        }
+        Ok(())
+    })
+}
+
+/// The export side of [`copy_rounds`]: each key's cursor on its new shard,
+/// then its chunks, sent in order; stops when the import side is gone.
+fn export_rounds<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    tx: &std::sync::mpsc::SyncSender<Result<Exported, ReshardError>>,
+) -> Result<(), ReshardError> {
+    for (i, (key, from, to)) in batch.iter().enumerate() {
+        let mut after = backend.imported_up_to(to, from, key)?;
+        for _ in 0..TRANSFER_ROUNDS_MAX {
+            let mut round = 0usize;
+            loop {
+                let chunk = backend.export_jobs(from, key, after, TRANSFER_CHUNK_JOBS)?;
+                let len = chunk.len();
+                if let Some(last) = chunk.last() {
+                    after = Some(last.id);
+                    round += len;
+                    if tx.send(Ok(Exported::Chunk(i, chunk))).is_err() {
+                        return Ok(());
+                    }
+                }
+                if len < TRANSFER_CHUNK_JOBS {
+                    break;
+                }
+            }
+            if round < TRANSFER_CHUNK_JOBS {
+                break;
+            }
+        }
+        if tx.send(Ok(Exported::Done(i, after))).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
 }
 
 /// Copies `key`'s jobs from `from` that `to` does not have yet, in chunks,

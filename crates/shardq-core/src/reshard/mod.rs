@@ -111,6 +111,11 @@ pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 300_000;
 pub const DRAIN_POLL_MS_DEFAULT: u64 = 2;
 /// Jobs per export and import call of a backlog transfer.
 pub const TRANSFER_CHUNK_JOBS: usize = 4096;
+/// Chunks a move's exports may run ahead of its imports (besides the one
+/// being exported and the one being imported): what a batch's copy rounds
+/// hold in memory at most, and what overlaps the old shard's reads with the
+/// new shard's writes.
+pub const COPY_AHEAD_CHUNKS: usize = 1;
 /// How often a waiting batch says so ([`RebalanceEvent::Waiting`]), in ms.
 pub const WAIT_EVENT_EVERY_MS: u64 = 1_000;
 /// Last rounds (each followed by a try to freeze the key) before a key that

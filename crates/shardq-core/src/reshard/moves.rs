@@ -84,9 +84,9 @@ impl OpenSeals {
 }
 
 /// The batch loop of [`move_with_backlogs`]: each turn takes the waiting
-/// keys whose runs ended and fills up with new keys, moves that batch,
-/// cleans up after its switch and notes it; it ends when no key is left
-/// to move or wait for.
+/// keys whose runs ended and fills up with new keys ([`Todo::next_batch`]),
+/// moves that batch, cleans up after its switch and notes it
+/// ([`finish_switched`]); it ends when no key is left to move or wait for.
 #[allow(clippy::too_many_arguments)]
 fn move_all<B>(
     backend: &B,
@@ -109,57 +109,26 @@ where
     let all = take_over_sealed(backend, &cur, switches, &mut failed, open)?;
     let total = all.len();
     let mut done = 0usize;
-    let mut stuck: Vec<String> = Vec::new();
-    let mut waited_most = 0u64;
     let clock = &*options.clock;
-    // Keys not sealed yet, in order; and keys sealed whose runs on their
-    // old shards had not ended, with when each was sealed. A key waits
-    // only for its own runs: the next batch takes the keys whose runs
-    // ended and fills up with new ones, so one long run holds up its own
-    // key and no other.
-    let mut pending: std::collections::VecDeque<Switch> = all.into_iter().collect();
-    let mut waiting: Vec<(Switch, u64)> = Vec::new();
+    let mut todo = Todo {
+        pending: all.into_iter().collect(),
+        waiting: Vec::new(),
+        stuck: Vec::new(),
+        waited_most: 0,
+    };
     let mut said_ms = clock.now_ms();
     loop {
         // A run whose lock lapsed (a renewal found it gone) stops here,
         // between batches, with nothing of the next batch sealed.
         store.check_lock()?;
         let now = clock.now_ms();
-        let mut batch: Vec<Switch> = Vec::new();
-        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
-        if !waiting.is_empty() {
-            let late = take_ended(
-                backend,
-                options,
-                now,
-                &mut waiting,
-                &mut batch,
-                &mut sealed_at,
-                &mut failed,
-            )?;
-            for (sw, since) in &late {
-                waited_most = waited_most.max(now.saturating_sub(*since));
-                open.keys.remove(&sw.0);
-            }
-            let late: Vec<Switch> = late.into_iter().map(|(sw, _)| sw).collect();
-            stuck.extend(leave_late(backend, &late)?);
-        }
-        while batch.len() < options.batch {
-            let Some(sw) = pending.pop_front() else {
-                break;
-            };
-            if failed.involves(&sw) {
-                failed.keys.push(sw.0);
-            } else {
-                batch.push(sw);
-            }
-        }
+        let (batch, sealed_at) = todo.next_batch(backend, options, now, &mut failed, open)?;
         if batch.is_empty() {
-            if waiting.is_empty() && pending.is_empty() {
+            if todo.waiting.is_empty() && todo.pending.is_empty() {
                 break;
             }
-            let oldest = waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
-            say_waiting(clock, oldest, &mut said_ms, waiting.len(), on_event);
+            let oldest = todo.waiting.iter().map(|(_, at)| *at).min().unwrap_or(now);
+            say_waiting(clock, oldest, &mut said_ms, todo.waiting.len(), on_event);
             clock.sleep_ms(options.poll_ms.max(1));
             continue;
         }
@@ -187,32 +156,34 @@ where
         };
         // Keys with runs in flight stay sealed and wait, each on its own.
         let sealed_now = clock.now_ms();
-        waiting.extend(moved.busy.into_iter().map(|sw| {
+        todo.waiting.extend(moved.busy.into_iter().map(|sw| {
             let since = sealed_at.get(&sw.0).copied().unwrap_or(sealed_now);
             (sw, since)
         }));
         let Some((next, pauses, batch)) = moved.switched else {
             continue;
         };
-        // Published: these keys finish their move, by this run or a rerun.
-        for sw in &batch {
-            open.keys.remove(&sw.0);
-        }
-        // Published: the keys follow the new map. Their old shards' fences
-        // now refuse producers still routing with the old one (they reload
-        // and route to the new shards); the keys stay frozen there until
-        // their copies are gone.
-        let version = next.version;
+        let moved = Moved {
+            copied: &copied,
+            pauses: &pauses,
+            sealed_at: &sealed_at,
+            batch_started,
+        };
         cur = next;
-        clean_up_switched(backend, &batch, version, &mut failed)?;
-        let pause_ms = pauses.values().copied().max().unwrap_or(0) as f64;
-        let jobs = note_moved(report, &batch, &copied, &pauses, &sealed_at, batch_started);
-        report.jobs_moved += jobs;
-        done += batch.len();
+        let (keys, pause_ms, jobs) = finish_switched(
+            backend,
+            &batch,
+            cur.version,
+            &moved,
+            open,
+            &mut failed,
+            report,
+        )?;
+        done += keys;
         on_event(RebalanceEvent::Switched {
             done,
             total,
-            keys: batch.len(),
+            keys,
             pause_ms,
             jobs,
         });
@@ -220,13 +191,121 @@ where
     if let Some(e) = failed.into_error() {
         return Err(e);
     }
-    if !stuck.is_empty() {
+    if !todo.stuck.is_empty() {
         return Err(ReshardError::DrainTimeout {
-            keys: stuck.into_iter().take(8).collect(),
-            waited_ms: waited_most,
+            keys: todo.stuck.into_iter().take(8).collect(),
+            waited_ms: todo.waited_most,
         });
     }
     Ok(cur)
+}
+
+/// The keys [`move_all`] has yet to move. A key waits only for its own
+/// runs: the next batch takes the keys whose runs ended and fills up with
+/// new ones, so one long run holds up its own key and no other.
+struct Todo {
+    /// Keys not sealed yet, in order.
+    pending: std::collections::VecDeque<Switch>,
+    /// Keys sealed whose runs on their old shards had not ended, with when
+    /// each was sealed.
+    waiting: Vec<(Switch, u64)>,
+    /// Keys left where they are because their runs outlived the drain
+    /// timeout ([`leave_late`]).
+    stuck: Vec<String>,
+    /// The longest wait of those, in ms.
+    waited_most: u64,
+}
+
+impl Todo {
+    /// The next batch: the waiting keys whose runs ended (with when each
+    /// was sealed, in the map), then new keys up to the batch size. Keys of
+    /// a failed shard go to `failed`; those that waited past the drain
+    /// timeout are left where they are ([`leave_late`]) and noted stuck.
+    fn next_batch<B: QueueBackend + ?Sized>(
+        &mut self,
+        backend: &B,
+        options: &RebalanceOptions,
+        now: u64,
+        failed: &mut FailedShards,
+        open: &mut OpenSeals,
+    ) -> Result<(Vec<Switch>, BTreeMap<String, u64>), ReshardError> {
+        let mut batch: Vec<Switch> = Vec::new();
+        let mut sealed_at: BTreeMap<String, u64> = BTreeMap::new();
+        if !self.waiting.is_empty() {
+            let late = take_ended(
+                backend,
+                options,
+                now,
+                &mut self.waiting,
+                &mut batch,
+                &mut sealed_at,
+                failed,
+            )?;
+            for (sw, since) in &late {
+                self.waited_most = self.waited_most.max(now.saturating_sub(*since));
+                open.keys.remove(&sw.0);
+            }
+            let late: Vec<Switch> = late.into_iter().map(|(sw, _)| sw).collect();
+            self.stuck.extend(leave_late(backend, &late)?);
+        }
+        while batch.len() < options.batch {
+            let Some(sw) = self.pending.pop_front() else {
+                break;
+            };
+            if failed.involves(&sw) {
+                failed.keys.push(sw.0);
+            } else {
+                batch.push(sw);
+            }
+        }
+        Ok((batch, sealed_at))
+    }
+}
+
+/// What a switched batch's report needs ([`note_moved`]).
+struct Moved<'a> {
+    /// Per key: the jobs copied.
+    copied: &'a BTreeMap<String, u64>,
+    /// Each forced key's producer pause.
+    pauses: &'a BTreeMap<String, u64>,
+    /// When each key that waited for its runs was sealed.
+    sealed_at: &'a BTreeMap<String, u64>,
+    batch_started: u64,
+}
+
+/// After `batch`'s switch was published at `version`: its keys finish
+/// their move (by this run or a rerun), so they leave `open`; the old
+/// shards are cleaned up ([`clean_up_switched`]) and the batch noted in
+/// `report`. Returns the keys switched, the longest producer pause (ms)
+/// and the jobs copied.
+fn finish_switched<B: QueueBackend + ?Sized>(
+    backend: &B,
+    batch: &[Switch],
+    version: u64,
+    moved: &Moved<'_>,
+    open: &mut OpenSeals,
+    failed: &mut FailedShards,
+    report: &mut RebalanceReport,
+) -> Result<(usize, f64, u64), ReshardError> {
+    for sw in batch {
+        open.keys.remove(&sw.0);
+    }
+    // Published: the keys follow the new map. Their old shards' fences
+    // now refuse producers still routing with the old one (they reload
+    // and route to the new shards); the keys stay frozen there until
+    // their copies are gone.
+    clean_up_switched(backend, batch, version, failed)?;
+    let pause_ms = moved.pauses.values().copied().max().unwrap_or(0) as f64;
+    let jobs = note_moved(
+        report,
+        batch,
+        moved.copied,
+        moved.pauses,
+        moved.sealed_at,
+        moved.batch_started,
+    );
+    report.jobs_moved += jobs;
+    Ok((batch.len(), pause_ms, jobs))
 }
 
 /// Adds the keys of a switched batch to `report` (jobs copied, producer

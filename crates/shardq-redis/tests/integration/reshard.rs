@@ -683,3 +683,108 @@ fn a_dead_local_holders_rebalance_lock_is_taken_at_once() {
     alive.kill().unwrap();
     let _ = alive.wait();
 }
+
+/// A move whose copy stops mid-way, its exports running ahead of its
+/// imports, and a rerun: keys of several chunks each (more than
+/// [`reshard::TRANSFER_CHUNK_JOBS`] jobs) leave a shard whose store
+/// (`victim` 0) or whose keys' new shard's store (`victim` 1) is killed
+/// (SIGKILL, AOF with fsync always) as soon as the new shard took the
+/// first chunk, so chunks exported and not yet imported are dropped with
+/// the run. After a restart and a rerun every key's jobs are on its new
+/// shard once each, in order, and none is left on the old one.
+fn a_move_killed_mid_copy_loses_and_repeats_nothing(victim: usize) {
+    use shardq_testkit::redis::ServerOptions;
+    let mut servers: Vec<RedisServer> = (0..2)
+        .map(|_| {
+            RedisServer::start_with(ServerOptions {
+                aof_always: true,
+                ..ServerOptions::default()
+            })
+        })
+        .collect();
+    let store_server = RedisServer::start();
+    let map = map_of(&[("r0", servers[0].url()), ("r1", servers[1].url())]);
+    init(&map);
+    let store = RedisMapStore::open(&store_server.url()).unwrap();
+    store.publish(&map, 0).unwrap();
+    let b = RedisBackend::open(&map, shardq_redis::RedisOptions::default()).unwrap();
+    let router = Router::new(map.clone()).unwrap();
+    let keys: Vec<String> = (0..40)
+        .map(|i| format!("t{i}"))
+        .filter(|k| router.route(k) == "r0")
+        .take(3)
+        .collect();
+    assert_eq!(keys.len(), 3);
+    let per_key = 2 * reshard::TRANSFER_CHUNK_JOBS + 800;
+    for k in &keys {
+        let jobs: Vec<_> = (0..per_key).map(|s| job(k, &s.to_string())).collect();
+        for part in jobs.chunks(1000) {
+            b.enqueue("r0", 1, part).unwrap();
+        }
+    }
+    reshard::remove_shard(&store, "r0").unwrap();
+
+    let mover = {
+        let (b, store) = (b.clone(), RedisMapStore::open(&store_server.url()).unwrap());
+        std::thread::spawn(move || {
+            reshard::rebalance(&b, &store, &RebalanceOptions::default(), &mut |_| {})
+        })
+    };
+    let watch = RedisBackend::open(&map, shardq_redis::RedisOptions::default()).unwrap();
+    let started = std::time::Instant::now();
+    while watch.key_counts("r1", &keys[0]).unwrap().depth == 0 {
+        assert!(started.elapsed().as_secs() < 60, "no copy arrived");
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    servers[victim].kill();
+    let first = mover.join().unwrap();
+    assert!(
+        first.is_err(),
+        "the run went on without its store: {first:?}"
+    );
+    servers[victim].restart();
+    let report = reshard::rebalance(&b, &store, &RebalanceOptions::default(), &mut |_| {})
+        .expect("the rerun finishes the move");
+    assert!(report.moved.iter().any(|m| m.key == keys[2]), "{report:?}");
+
+    let mut c = owner(&b, "w1", 600_000);
+    tick_adopt(&b, &mut c);
+    let mut seen: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    loop {
+        let jobs = b.claim("r1", 1024, 600_000).unwrap();
+        if jobs.is_empty() {
+            break;
+        }
+        for j in &jobs {
+            let seq: usize = String::from_utf8_lossy(&j.payload).parse().unwrap();
+            seen.entry(j.key.clone()).or_default().push(seq);
+        }
+        let receipts: Vec<_> = jobs.iter().map(|j| j.receipt()).collect();
+        b.ack("r1", &receipts).unwrap();
+    }
+    for k in &keys {
+        let got = seen.get(k).map(Vec::as_slice).unwrap_or(&[]);
+        let want: Vec<usize> = (0..per_key).collect();
+        assert!(
+            got == want.as_slice(),
+            "key {k}: {} jobs, first out of place at {:?}",
+            got.len(),
+            got.iter().zip(&want).position(|(a, b)| a != b)
+        );
+        assert_eq!(
+            b.key_counts("r0", k).unwrap(),
+            counts(0, 0, 0),
+            "{k} left on r0"
+        );
+    }
+}
+
+#[test]
+fn a_move_whose_new_shard_is_killed_mid_copy_loses_and_repeats_nothing() {
+    a_move_killed_mid_copy_loses_and_repeats_nothing(1);
+}
+
+#[test]
+fn a_move_whose_old_shard_is_killed_mid_copy_loses_and_repeats_nothing() {
+    a_move_killed_mid_copy_loses_and_repeats_nothing(0);
+}
