@@ -132,8 +132,9 @@ impl MoveKeys for RedisBackend {
         let s = &*s;
         let mut out: Vec<MovedJob> = Vec::new();
         let mut after = after.map_or(0, |a| a.0);
-        // In calls of bounded size; a short call (the byte budget) is not
-        // the end: only an empty one is, or `max` reached.
+        // In calls of bounded size, until `max` is reached or a call says
+        // the key has no more (a short call for the byte budget is not the
+        // end).
         while out.len() < max {
             let want = (max - out.len()).min(TRANSFER_CALL_JOBS_MAX);
             let v = self.script(s, &self.inner.scripts.export, "", &|c, _| {
@@ -142,10 +143,11 @@ impl MoveKeys for RedisBackend {
             if reply::status(&v) != "OK" {
                 return Err(self.protocol(s, "export refused"));
             }
-            let items = &reply::items(&v)[1..];
-            if items.is_empty() {
-                break;
-            }
+            let more = reply::items(&v)
+                .get(1)
+                .and_then(reply::u64)
+                .ok_or_else(|| self.protocol(s, "export reply is malformed"))?;
+            let items = &reply::items(&v)[2..];
             for j in items.chunks(3) {
                 let job = (j.len() == 3)
                     .then(|| moved_job(&j[0], &j[1], &j[2], key, after))
@@ -155,6 +157,9 @@ impl MoveKeys for RedisBackend {
                     })?;
                 after = job.id.0;
                 out.push(job);
+            }
+            if more == 0 || items.is_empty() {
+                break;
             }
         }
         Ok(out)
