@@ -12,8 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::{
-    data_dir_with_corrupt_shard_1, enqueue_lines, init_shards, status_json, temp_dir, wait_until,
-    BIN, WAIT_MAX,
+    data_dir_with_corrupt_shard_1, enqueue_lines, init_shards, signal, status_json, temp_dir,
+    wait_until, BIN, WAIT_MAX,
 };
 
 /// A handler logging `start KEY SEQ` and `end KEY SEQ` around `sleep`.
@@ -63,14 +63,6 @@ fn check_log(log: &Path) -> BTreeMap<String, Vec<u64>> {
         }
     }
     starts
-}
-
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
 }
 
 /// Regression (Redis item 5, on the embedded engine too): a handler longer
@@ -133,7 +125,7 @@ fn a_worker_stopped_past_its_lease_is_not_run_over() {
     let mut b_args = common.to_vec();
     b_args.push("--exit-when-idle");
     let mut b = worker(&data, &b_args, &script, &dir.join("b.err"));
-    // Several of A's leases pass while A is stopped.
+    // Real time: several of A's 400 ms shard leases must lapse while A is stopped.
     std::thread::sleep(Duration::from_millis(1500));
     signal(a.id(), "-CONT");
     wait_until("every job to run", WAIT_MAX, || {

@@ -1,45 +1,26 @@
 //! The routing commands as a user runs them: `shardq route`, `slot`, `plan`.
 
+mod support;
+
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-fn shardq() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_shardq"))
-}
+use support::{output, run_stdin, temp_dir, BIN};
 
-fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+/// The path of the example map `name`.
+fn example(name: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../examples/maps")
-        .join(name)
-}
-
-fn run_with_stdin(cmd: &mut Command, input: &[u8]) -> std::process::Output {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_vec();
-    let writer = std::thread::spawn(move || stdin.write_all(&input));
-    let out = child.wait_with_output().unwrap();
-    writer.join().unwrap().unwrap();
-    out
+        .join(name);
+    path.to_str().unwrap().to_string()
 }
 
 #[test]
 fn route_from_stdin_keeps_input_order_and_matches_args() {
     let keys: Vec<String> = (0..5000).map(|i| format!("t-{i}")).collect();
     let input = keys.join("\n") + "\n";
-    let out = run_with_stdin(
-        shardq()
-            .arg("route")
-            .arg("--map")
-            .arg(example("ring-4.yaml")),
-        input.as_bytes(),
-    );
+    let map = example("ring-4.yaml");
+    let out = run_stdin(&["route", "--map", &map], input.as_bytes());
     assert!(
         out.status.success(),
         "{}",
@@ -54,23 +35,16 @@ fn route_from_stdin_keeps_input_order_and_matches_args() {
         assert!(shard.starts_with("redis-") && shard != "redis-4");
     }
     // The same keys as arguments give the same shards.
-    let args_out = shardq()
-        .arg("route")
-        .arg("--map")
-        .arg(example("ring-4.yaml"))
-        .args(&keys[..50])
-        .output()
-        .unwrap();
+    let mut args = vec!["route", "--map", &map];
+    args.extend(keys[..50].iter().map(String::as_str));
+    let args_out = output(&args);
     let args_text = String::from_utf8(args_out.stdout).unwrap();
     assert_eq!(args_text.lines().collect::<Vec<_>>(), lines[..50]);
 }
 
 #[test]
 fn slot_prints_redis_cluster_slots() {
-    let out = shardq()
-        .args(["slot", "123456789", "{user1000}.following", "foo{hash_tag}"])
-        .output()
-        .unwrap();
+    let out = output(&["slot", "123456789", "{user1000}.following", "foo{hash_tag}"]);
     assert_eq!(
         String::from_utf8(out.stdout).unwrap(),
         "123456789\t12739\n{user1000}.following\t3443\nfoo{hash_tag}\t2515\n"
@@ -86,15 +60,20 @@ fn plan_reproduces_the_seed_numbers() {
         ("rendezvous", 0.19, 0.21, true),
     ];
     for (alg, lo, hi, all_to_new) in cases {
-        let out = shardq()
-            .arg("plan")
-            .arg("--from")
-            .arg(example(&format!("{alg}-4.yaml")))
-            .arg("--to")
-            .arg(example(&format!("{alg}-5.yaml")))
-            .args(["--generate", "100000", "--json"])
-            .output()
-            .unwrap();
+        let (from, to) = (
+            example(&format!("{alg}-4.yaml")),
+            example(&format!("{alg}-5.yaml")),
+        );
+        let out = output(&[
+            "plan",
+            "--from",
+            &from,
+            "--to",
+            &to,
+            "--generate",
+            "100000",
+            "--json",
+        ]);
         assert!(
             out.status.success(),
             "{}",
@@ -121,8 +100,7 @@ fn plan_reproduces_the_seed_numbers() {
 
 #[test]
 fn bad_map_is_a_clear_error_not_a_panic() {
-    let dir = std::env::temp_dir().join(format!("shardq-cli-route-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir("route-bad-map");
     let cases = [
         (
             "version: 1\nshards: [{name: a, weight: 0}]\n",
@@ -137,22 +115,13 @@ fn bad_map_is_a_clear_error_not_a_panic() {
     for (i, (yaml, want)) in cases.iter().enumerate() {
         let path = dir.join(format!("map{i}.yaml"));
         std::fs::write(&path, yaml).unwrap();
-        let out = shardq()
-            .arg("route")
-            .arg("--map")
-            .arg(&path)
-            .arg("k")
-            .output()
-            .unwrap();
+        let out = output(&["route", "--map", path.to_str().unwrap(), "k"]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains(want) && err.contains("map"), "{err}");
         assert!(!err.contains("panicked"), "{err}");
     }
-    let out = shardq()
-        .args(["route", "--map", "/nonexistent/map.yaml", "k"])
-        .output()
-        .unwrap();
+    let out = output(&["route", "--map", "/nonexistent/map.yaml", "k"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read shard map"));
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -162,7 +131,7 @@ fn route_exits_quietly_when_its_reader_closes_early() {
     use std::io::{BufRead, BufReader};
     use std::os::unix::process::ExitStatusExt;
 
-    let mut child = shardq()
+    let mut child = Command::new(BIN)
         .arg("route")
         .arg("--map")
         .arg(example("ring-4.yaml"))

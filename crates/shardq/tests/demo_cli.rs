@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{run, BIN, WAIT_MAX};
+use support::{free_port, run, BIN, WAIT_MAX};
 
 /// A small, quick demo: few tenants, short phases, a light load.
 const QUICK: &[&str] = &[
@@ -82,11 +82,7 @@ fn a_redis_demo_starts_its_servers_on_the_ports_it_is_given() {
 
 #[test]
 fn the_demo_dashboard_still_shows_its_rebalance_after_the_report() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut args = QUICK.to_vec();
     args.extend(["--serve", "--listen", &listen, "--serve-after-s", "20"]);

@@ -11,7 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 mod support;
-use support::{init_shards as init, output as shardq, temp_dir, BIN};
+use support::{init_shards as init, output as shardq, temp_dir, wait_exit, BIN};
 
 /// Bound on every wait in these tests.
 const WAIT_MAX: Duration = Duration::from_secs(60);
@@ -59,20 +59,6 @@ fn worker(data: &Path, out: &Path, exit_when_idle: bool) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-fn wait_bounded(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            start.elapsed() < WAIT_MAX,
-            "{what} did not finish within {WAIT_MAX:?}"
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn count_lines(path: &Path) -> usize {
@@ -152,7 +138,7 @@ fn worker_killed_mid_run_is_taken_over_without_loss_or_reordering() {
     assert_eq!(acked.len(), JOBS);
 
     let mut w2 = worker(&data, &out, true);
-    let status = wait_bounded(&mut w2, "second worker");
+    let status = wait_exit(&mut w2, "the second worker", WAIT_MAX);
     let mut err = String::new();
     std::io::Read::read_to_string(&mut w2.stderr.take().unwrap(), &mut err).unwrap();
     assert!(status.success(), "second worker failed: {err}");
@@ -251,7 +237,7 @@ fn producer_killed_mid_enqueue_keeps_every_reported_job() {
     let _ = feeder.join();
 
     let mut w = worker(&data, &out, true);
-    let status = wait_bounded(&mut w, "worker");
+    let status = wait_exit(&mut w, "the worker", WAIT_MAX);
     assert!(status.success());
     let ran: BTreeSet<(String, u64)> = parse_runs(&out)
         .into_iter()

@@ -10,7 +10,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 mod support;
-use support::{process_alive, read_pids, run, status_json, temp_dir, wait_until, BIN, WAIT_MAX};
+use support::{
+    ok, process_alive, read_pids, run, signal, status_json, temp_dir, wait_until, BIN, WAIT_MAX,
+};
 
 /// Starts `shardq work --data DATA EXTRA -- sh -c SCRIPT`. Its stderr goes
 /// to a file next to DATA, not a pipe: a handler inherits it, and reading a
@@ -37,13 +39,6 @@ impl Worker {
     fn id(&self) -> u32 {
         self.child.id()
     }
-}
-
-/// Runs `shardq ARGS`, which must succeed; its stdout.
-fn ok(args: &[&str]) -> String {
-    let (ok, out, err) = run(args);
-    assert!(ok, "{args:?}: {err}");
-    out
 }
 
 /// A one-shard deployment in a scratch dir named by `tag` whose keys
@@ -80,29 +75,9 @@ impl Drop for Worker {
 
 /// Waits (bounded) for the worker to exit; returns its status and stderr.
 fn wait_exit(worker: &mut Worker, bound: Duration) -> (ExitStatus, String) {
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = worker.child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() >= bound {
-            // Not left behind holding the test's output open.
-            let _ = worker.child.kill();
-            let _ = worker.child.wait();
-            panic!("worker still running after {bound:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = support::wait_exit(&mut worker.child, "the worker", bound);
     let err = std::fs::read_to_string(&worker.err_path).unwrap();
     (status, err)
-}
-
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
 }
 
 fn init_with_job(data: &Path, extra: &[&str]) {
@@ -632,6 +607,7 @@ fn a_keys_finished_jobs_outlive_the_worker_within_the_retention() {
     assert_eq!(v["finished"].as_array().map(Vec::len), Some(1), "{v}");
     let (ok, _, err) = run(&["retention", "set", "--data", d, "--finished-age-ms", "1"]);
     assert!(ok, "{err}");
+    // Real time: the finished jobs must grow older than the 1 ms retention.
     std::thread::sleep(std::time::Duration::from_millis(20));
     let (_, out, _) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -954,6 +930,7 @@ fn a_killed_workers_group_slots_lapse_with_its_runs() {
             .unwrap_or(0)
     };
     wait_until("two runs of the group", WAIT_MAX, || started() >= 2);
+    // A negative check: no third run of the group may start within 0.5 s.
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(started(), 2, "four free slots, two runs of the group");
     a.child.kill().unwrap();
@@ -1054,6 +1031,7 @@ fn key_concurrency_through_a_sigkill(name: &str, init_extra: &[&str]) {
     let mut a = start_worker(&data, &leases, &script);
     let lines = || std::fs::read_to_string(&first).unwrap_or_default();
     wait_until("four runs", WAIT_MAX, || lines().lines().count() >= 4);
+    // A negative check: no fifth run may start within 0.5 s.
     std::thread::sleep(Duration::from_millis(500));
     let text = lines();
     let started: Vec<&str> = text.lines().collect();
@@ -1204,10 +1182,11 @@ fn a_group_back_off_is_lifted_by_group_resume_and_by_group_clear() {
     let mut worker = start_worker(&data, &["--concurrency", "1"], &script);
     wait_until("the group back-off", WAIT_MAX, || held.exists());
     // Held for a day: the group's other key stops (a run or two claimed
-    // with the back-off's may still end).
+    // with the back-off's may still end). Real time: 1.5 s for those to end.
     std::thread::sleep(Duration::from_millis(1500));
     let ran = || std::fs::read_to_string(&stamps).map_or(0, |t| t.lines().count());
     let before = ran();
+    // A negative check: no run of the held group may start within 1.5 s.
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(ran(), before, "a held group went on running");
     assert!(before < 3, "{before} of 8 ran while held");
@@ -1228,6 +1207,7 @@ fn a_group_back_off_is_lifted_by_group_resume_and_by_group_clear() {
     ok(&["enqueue", "--data", d, "--key", "g:c", "--payload", "hold"]);
     wait_until("the second group back-off", WAIT_MAX, || held.exists());
     ok(&["enqueue", "--data", d, "--key", "g:b", "--payload", "b9"]);
+    // A negative check: the held group's new job may not start within 1.5 s.
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(ran(), 8, "held again");
     ok(&["policy", "clear", "--data", d, "--prefix", "g:"]);
@@ -1321,6 +1301,7 @@ fn key_resume_lifts_one_keys_back_off(name: &str, init_extra: &[&str]) {
         backed("held") && backed("other")
     });
     let lines = || std::fs::read_to_string(&stamps).unwrap_or_default();
+    // A negative check: neither backed-off key may run again within 1 s.
     std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(lines().lines().count(), 2, "held keys ran: {}", lines());
     let jobs = |k: &str| -> serde_json::Value {
@@ -1372,6 +1353,7 @@ fn key_resume_lifts_one_keys_back_off(name: &str, init_extra: &[&str]) {
         at.saturating_sub(resumed_at)
     );
     assert!(jobs("held")["back_off"].is_null());
+    // A negative check: the other key may not run within 1 s of the resume.
     std::thread::sleep(Duration::from_millis(1000));
     assert!(
         !lines().contains("other first"),

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use shardq_testkit::redis::RedisServer;
 use support::{
-    enqueue_lines, init_shards_with, process_alive, run, status_json, temp_dir, wait_until, BIN,
-    WAIT_MAX,
+    enqueue_lines, init_shards_with, process_alive, run, signal, status_json, temp_dir, wait_exit,
+    wait_until, BIN, WAIT_MAX,
 };
 
 /// A per-job handler: logs `start|overlap KEY ATTEMPT PID` (overlap when
@@ -102,22 +102,9 @@ fn worker_log(dir: &Path, name: &str) -> String {
     std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
 }
 
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success(), "kill {sig} {pid}");
-}
-
 /// Waits (bounded) for `child` to exit; returns whether it succeeded.
 fn exits(child: &mut Child, what: &str) -> bool {
-    let mut status = None;
-    wait_until(what, WAIT_MAX, || {
-        status = child.try_wait().unwrap();
-        status.is_some()
-    });
-    status.unwrap().success()
+    wait_exit(child, what, WAIT_MAX).success()
 }
 
 /// No two runs of a key overlapped; every job was acked (nothing ready, in
@@ -161,7 +148,7 @@ fn a_worker_stalled_past_the_job_lease_runs_each_key_once_at_a_time() {
         log_lines(&dir).len() >= 4
     });
     signal(w.id(), "-STOP");
-    // The stall itself: two job leases, so the runs lapse in Redis.
+    // Real time: the stall itself, two 1.5 s job leases, so the runs lapse in Redis.
     std::thread::sleep(Duration::from_millis(3_000));
     signal(w.id(), "-CONT");
     assert!(

@@ -19,7 +19,7 @@ use shardq_route::{Router, ShardMap};
 use shardq_testkit::redis::RedisServer;
 
 mod support;
-use support::{ok, output as shardq, status_json, temp_dir, BIN};
+use support::{ok, output as shardq, signal, status_json, temp_dir, BIN};
 
 /// Bound on every wait in these tests.
 const WAIT_MAX: Duration = Duration::from_secs(60);
@@ -196,16 +196,8 @@ fn wait_until(what: &str, done: impl FnMut() -> bool) {
 }
 
 fn sigterm_and_wait(child: &mut Child) {
-    let pid = child.id().to_string();
-    let _ = Command::new("kill").args(["-TERM", &pid]).status();
-    let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return;
-        }
-        assert!(start.elapsed() < WAIT_MAX, "worker {pid} did not stop");
-        thread::sleep(Duration::from_millis(20));
-    }
+    signal(child.id(), "-TERM");
+    support::wait_exit(child, &format!("worker {}", child.id()), WAIT_MAX);
 }
 
 /// `enqueue --stdin` of `input` (KEY<TAB>PAYLOAD lines), which must succeed.

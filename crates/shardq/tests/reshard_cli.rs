@@ -99,22 +99,11 @@ impl Proc {
     }
 
     fn wait_bounded(&mut self) -> ExitStatus {
-        let what = self.what.clone();
-        let mut status = None;
-        wait_until(&format!("{what} to exit"), || {
-            status = self.child.try_wait().unwrap();
-            status.is_some()
-        });
-        status.unwrap()
+        support::wait_exit(&mut self.child, &self.what, WAIT_MAX)
     }
 
     fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig} {}", self.what);
+        support::signal(self.child.id(), sig);
     }
 
     fn read_stderr(&mut self) -> String {
@@ -1271,7 +1260,8 @@ fn a_hot_tenant_moves_with_its_backlog_while_its_producer_keeps_writing() {
         "{report}"
     );
     // The producer writes on, now to the new shard.
-    thread::sleep(Duration::from_millis(300));
+    let cycles = producer.cycles();
+    wait_cycles(std::slice::from_ref(&producer), &[cycles + 6]);
     let acks = producer.finish();
     // Every job before the switch on the old shard, every one after on the new.
     let mut shards: Vec<&str> = Vec::new();

@@ -75,6 +75,7 @@ fn kill_or_stop(data: &Path) -> impl FnMut(&mut Vec<Child>, u64, &Path) + '_ {
             }
             1 => {
                 signal(&workers[i], libc::SIGSTOP);
+                // Real time: the stall is the disturbance; its leases lapse meanwhile.
                 std::thread::sleep(Duration::from_millis(500 + (roll >> 16) % 2500));
                 signal(&workers[i], libc::SIGCONT);
             }

@@ -12,15 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{run, temp_dir, BIN, WAIT_MAX};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use support::{free_port, run, temp_dir, BIN, WAIT_MAX};
 
 fn serve(data: &Path, port: u16, extra: &[&str]) -> Child {
     let mut args = vec![
@@ -175,8 +167,8 @@ fn a_flood_of_idle_sockets_leaves_the_leases_and_the_server_working() {
         .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok())
         .collect();
     assert!(flood.len() >= 300, "{} connected", flood.len());
-    // Through three lease periods and past the header timeout: the server
-    // answers again and still holds both shards.
+    // Real time: through three 1 s lease periods and past the 1.5 s header
+    // timeout, after which the server answers again and still holds both shards.
     std::thread::sleep(Duration::from_millis(3_500));
     wait_owned(port, 2);
     let (code, v) = post(
@@ -228,7 +220,7 @@ fn a_front_server_takes_no_shard_and_its_enqueues_reach_the_workers() {
     .unwrap();
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["jobs"].as_array().map(Vec::len), Some(1), "{v}");
-    // Still nothing for the front after the lease period.
+    // A negative check: the front takes no shard over a 1 s lease period.
     std::thread::sleep(Duration::from_millis(1_500));
     assert_eq!(owned(front_port), Some(0));
     // The owner names what kind of process holds the leases.

@@ -1,6 +1,7 @@
 //! Helpers shared by the process-level tests that run the real `shardq`
-//! binary: temp dirs, running a command, `status --json`, bounded waits and
-//! "is this process still alive".
+//! binary: temp dirs, running a command, `status --json`, signals, free
+//! ports, bounded waits (on a condition, on a child's exit) and "is this
+//! process still alive".
 //!
 //! Each test file compiles this module on its own and uses part of it.
 //! Nothing here may sleep for a fixed time to let something happen: waits
@@ -10,13 +11,15 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+// Not every test file waits.
+#[allow(unused_imports)]
+pub use shardq_testkit::wait::{wait_until, WAIT_MAX};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_shardq");
-/// Bound on every wait in these tests.
-pub const WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// A fresh empty directory for test `name`, unique to this process.
 pub fn temp_dir(name: &str) -> PathBuf {
@@ -60,16 +63,40 @@ pub fn status_json(data: &Path) -> serde_json::Value {
     serde_json::from_str(&out).unwrap()
 }
 
-/// Polls `cond` every 10 ms until it holds; panics naming `what` after `bound`.
-pub fn wait_until(what: &str, bound: Duration, mut cond: impl FnMut() -> bool) {
+/// Waits until `child` exits, up to `bound`; its status. Past the bound
+/// the child is killed (not left behind holding the test's output open)
+/// and the test fails naming `what`.
+pub fn wait_exit(child: &mut Child, what: &str, bound: Duration) -> ExitStatus {
     let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < bound,
-            "gave up after {bound:?} waiting for {what}"
-        );
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() >= bound {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("gave up after {bound:?} waiting for {what} to exit");
+        }
         thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// `kill SIG PID` (say `-STOP`), asserting it is delivered.
+pub fn signal(pid: u32, sig: &str) {
+    let sent = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill {sig} {pid}");
+}
+
+/// A loopback port free now (the OS's pick for port 0, released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Whether process `pid` exists and is not a zombie (a killed orphan may
