@@ -12,7 +12,7 @@
 
 import { randomUUID } from "node:crypto";
 
-import { backoffMs, ENQUEUE_SERVER_WAIT_MS, normaliseUrls, NotFoundReply, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
+import { backoffMs, ENQUEUE_SERVER_WAIT_MS, JobDied, normaliseUrls, NotFoundReply, ResultTimeout, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
 
 export type Payload = string | Uint8Array;
 
@@ -230,6 +230,10 @@ export interface FinishedInfo {
   attemptStartsMs: number[];
   /** The last failed attempt's reason, if one failed. */
   reason?: string;
+  /** What the handler returned with its ack (absent: nothing), as bytes; `resultText` decodes it. */
+  result?: Buffer;
+  /** The result as UTF-8 text (absent without one). */
+  resultText?: string;
 }
 
 /** Whether a `GET /v1/jobs/{id}` answer is a finished job (it has an `outcome`). */
@@ -254,6 +258,9 @@ function finishedInfo(doc: unknown, url: string): FinishedInfo {
     attemptStartsMs: Array.isArray(j["attempt_starts_ms"]) ? (j["attempt_starts_ms"] as unknown[]).map(Number) : [],
   };
   if (typeof j["reason"] === "string") info.reason = j["reason"];
+  if (typeof j["result"] === "string") info.result = Buffer.from(j["result"], "utf8");
+  else if (typeof j["result_b64"] === "string") info.result = Buffer.from(j["result_b64"], "base64");
+  if (info.result !== undefined) info.resultText = info.result.toString("utf8");
   return info;
 }
 
@@ -719,6 +726,25 @@ export class Client {
   }
 
   /** Job `id` once it finished or was cancelled, while the deployment's retention keeps it; `undefined` for a live job, and for one no longer kept, moved away, or never existed. */
+  /**
+   * Waits up to `timeoutMs` for job `id` to finish and resolves to it (`outcome`, and `result`: what its handler
+   * returned, absent for nothing or a cancelled job). The server answers as soon as the job is acked (long polls of
+   * `GET /v1/jobs/{id}/result`, at most 30 s each), not by polling from here. Rejects with `ResultTimeout` when it has
+   * not finished by then, `JobDied` for a dead letter, and a 404 `ShardqError` for an id with no job.
+   */
+  async result(id: string, timeoutMs = 30_000): Promise<FinishedInfo> {
+    const deadline = Date.now() + Math.max(0, timeoutMs);
+    for (;;) {
+      const waitMs = Math.max(0, Math.min(deadline - Date.now(), 30_000));
+      const path = `/v1/jobs/${encodeURIComponent(id)}/result?wait_ms=${Math.floor(waitMs)}`;
+      const [doc, url] = await this.read("GET", path, undefined, false);
+      if (isFinished(doc)) return finishedInfo(doc, url);
+      const d = (doc ?? {}) as Record<string, unknown>;
+      if (d["state"] === "dead") throw new JobDied(id, typeof d["reason"] === "string" ? d["reason"] : undefined, url);
+      if (Date.now() >= deadline) throw new ResultTimeout(id, String(d["state"]), url);
+    }
+  }
+
   async finished(id: string): Promise<FinishedInfo | undefined> {
     const path = `/v1/jobs/${encodeURIComponent(id)}`;
     const [doc, url] = await this.read("GET", path, undefined);

@@ -38,6 +38,30 @@ export class ShardqError extends Error {
   }
 }
 
+/** `Client.result`: the job had not finished when the wait ended; `state` is its state then (`queued`, `delayed`, `running`). */
+export class ResultTimeout extends ShardqError {
+  override name = "ResultTimeout";
+  constructor(
+    readonly id: string,
+    readonly state: string,
+    url: string,
+  ) {
+    super(`job ${id} did not finish within the wait (it is ${state})`, 200, url);
+  }
+}
+
+/** `Client.result`: the job ran out of attempts and is a dead letter (`reason` its last failure's); it has no result. */
+export class JobDied extends ShardqError {
+  override name = "JobDied";
+  constructor(
+    readonly id: string,
+    readonly reason: string | undefined,
+    url: string,
+  ) {
+    super(`job ${id} is dead: ${reason ?? "its attempts failed"}`, 200, url);
+  }
+}
+
 /** 400, 413, 415 and other 4xx without a class of their own: the server refused the request's content (never retried). */
 export class BadRequest extends ShardqError {
   override name = "BadRequest";

@@ -2,7 +2,7 @@ export * from "./hashes.js";
 export * from "./map.js";
 export * from "./router.js";
 export { lnCorrectlyRounded } from "./ln.js";
-export { BadRequest, JobNotCancelled, KeyNotResumed, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
+export { BadRequest, JobDied, JobNotCancelled, KeyNotResumed, ResultTimeout, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
 export {
   Client,
   ENQUEUE_BATCH_BYTES_MAX,

@@ -152,6 +152,32 @@ export class JobTimeout extends Error {
  */
 export const FAIL_REASON_BYTES_MAX = 1024;
 
+/** Most bytes of a job's result (the server's bound): a handler that returns more fails its attempt, saying so. */
+export const RESULT_BYTES_MAX = 64 * 1024;
+
+/**
+ * The wire form of a handler's return value in `POST /v1/ack`: undefined (and null) for none, a string as text, a
+ * `Uint8Array` (a `Buffer`) in base64, anything else as its JSON text. Throws (the attempt fails) for a value JSON
+ * cannot write or a result over `RESULT_BYTES_MAX`.
+ */
+export function resultField(value: unknown): Record<string, string> | undefined {
+  if (value === undefined || value === null) return undefined;
+  let field: Record<string, string>;
+  let bytes: number;
+  if (value instanceof Uint8Array) {
+    const b = Buffer.from(value.buffer, value.byteOffset, value.byteLength);
+    field = { result_b64: b.toString("base64") };
+    bytes = b.byteLength;
+  } else {
+    const text = typeof value === "string" ? value : JSON.stringify(value);
+    if (typeof text !== "string") throw new TypeError(`the handler returned a ${typeof value}, which JSON cannot write; return undefined for no result`);
+    field = { result: text };
+    bytes = Buffer.byteLength(text, "utf8");
+  }
+  if (bytes > RESULT_BYTES_MAX) throw new RangeError(`the handler's result is ${bytes} bytes, over the ${RESULT_BYTES_MAX}-byte bound on results`);
+  return field;
+}
+
 /** What stands for the part of a stack cut from a failure's reason. */
 const REASON_CUT_MARK = "\n[... stack cut ...]";
 /** Causes (`error.cause`) a reason follows, at most. */
@@ -419,6 +445,8 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
 /** A claimed job as the worker tracks it. */
 interface Held {
   job: ClaimedJob;
+  /** The handler's result in its `POST /v1/ack` form (see `resultField`). */
+  result?: Record<string, string>;
   /** `performance.now()` past which the lease may have lapsed (claim answer or last extend's send, plus the lease). */
   leaseUntil: number;
   /** Set when the server said the run is over (extend refused). */
@@ -625,7 +653,9 @@ export class Worker {
       let failed = false;
       let error: unknown;
       try {
-        await handler(job, { signal: abort.signal });
+        const value = await handler(job, { signal: abort.signal });
+        const result = resultField(value);
+        if (result !== undefined) held.result = result;
       } catch (err) {
         failed = true;
         error = err;
@@ -908,7 +938,8 @@ export class Worker {
 
   private async sendAcks(run: Run, server: string, batch: Held[], tries: number, timeoutMs: number | undefined): Promise<void> {
     const transport = this.transports.get(server)!;
-    const body = { receipts: batch.map((h) => h.job.receipt) };
+    const body: Record<string, unknown> = { receipts: batch.map((h) => h.job.receipt) };
+    if (batch.some((h) => h.result !== undefined)) body["results"] = batch.map((h) => h.result ?? null);
     const stats = run.stats;
     for (let attempt = 0; attempt < tries; attempt++) {
       try {

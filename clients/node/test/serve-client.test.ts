@@ -5,7 +5,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { BadRequest, Client, ShardqError, Worker } from "../src/index.js";
+import { BadRequest, Client, JobDied, ResultTimeout, ShardqError, Worker } from "../src/index.js";
 import { cluster, collectingLogger, until } from "../test-support/cluster.js";
 import { shardq } from "../test-support/shardq-bin.js";
 
@@ -142,6 +142,53 @@ test("an operator reads a job by id, lists its key's jobs and cancels one, and a
     assert.equal((await client.keyFinished("op-k", 1)).length, 1);
     await assert.rejects(client.keyFinished("op-k", 0), TypeError);
     client.close();
+  } finally {
+    await c.close();
+  }
+});
+
+test("a handler's return value is its job's result, and result() waits for it", { timeout: 60_000 }, async () => {
+  const c = await cluster(2, 1);
+  try {
+    const s = c.servers[0]!;
+    const client = new Client([s.url]);
+    const placed = await client.enqueueMany([
+      { key: "res-t", payload: "a" },
+      { key: "res-b", payload: "b" },
+      { key: "res-j", payload: "c" },
+      { key: "res-n", payload: "d" },
+      { key: "res-x", payload: "e", maxAttempts: 1 },
+      { key: "res-big", payload: "f", maxAttempts: 1 },
+    ]);
+    const ids = placed.map((p) => String(p.id));
+    // Not run yet: the wait ends without it.
+    await assert.rejects(client.result(ids[0]!, 300), (err: unknown) => err instanceof ResultTimeout && err.state === "queued");
+    const waiting = client.result(ids[0]!, 30_000);
+    const worker = new Worker([s.url], { logger: collectingLogger() });
+    const ran = worker.run(
+      async (job) => {
+        const p = job.payload.toString();
+        if (job.key === "res-t") return `text:${p}`;
+        if (job.key === "res-b") return Buffer.concat([Buffer.from([0xff, 0x00]), job.payload]);
+        if (job.key === "res-j") return { n: 3, ok: true };
+        if (job.key === "res-x") throw new Error("broken on purpose");
+        if (job.key === "res-big") return "z".repeat(70_000);
+        return undefined;
+      },
+      { concurrency: 2, waitMs: 100, handleSignals: false },
+    );
+    const t = await waiting;
+    assert.equal(t.outcome, "completed");
+    assert.equal(t.resultText, "text:a");
+    assert.deepEqual((await client.result(ids[1]!)).result, Buffer.from([0xff, 0x00, 0x62]));
+    assert.deepEqual(JSON.parse((await client.result(ids[2]!)).resultText ?? ""), { n: 3, ok: true });
+    const none = await client.result(ids[3]!);
+    assert.equal(none.outcome, "completed");
+    assert.equal(none.result, undefined);
+    await assert.rejects(client.result(ids[4]!), (err: unknown) => err instanceof JobDied && (err.reason ?? "").includes("broken on purpose"));
+    await assert.rejects(client.result(ids[5]!), (err: unknown) => err instanceof JobDied && (err.reason ?? "").includes("over the 65536-byte bound"));
+    worker.stop();
+    await ran;
   } finally {
     await c.close();
   }

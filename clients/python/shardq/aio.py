@@ -70,6 +70,7 @@ from .http import (
     ScheduleTriggered,
     WorkerStats,
     _Attempts,
+    _ack_body,
     _apply_body,
     _backfill_body,
     _backoff_ms,
@@ -78,6 +79,8 @@ from .http import (
     _batches,
     _check_batch_limits,
     _check_job_timeout,
+    _result_field,
+    _result_of,
     _check_timeout,
     _claimed_of,
     _dumps,
@@ -264,9 +267,20 @@ class AsyncClient:
         return None if status == 404 or "outcome" in doc else JobInfo._of(doc)
 
     async def finished(self, id: str) -> Optional[FinishedInfo]:
-        """:meth:`shardq.Client.key_finished` from asyncio code."""
+        """:meth:`shardq.Client.finished` from asyncio code."""
         status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
         return FinishedInfo._of(doc) if status != 404 and "outcome" in doc else None
+
+    async def result(self, id: str, timeout: float = 30.0) -> FinishedInfo:
+        """:meth:`shardq.Client.result` from asyncio code."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            wait_ms = int(max(0.0, min(deadline - time.monotonic(), 30.0)) * 1000)
+            _, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}/result?wait_ms={wait_ms}", None,
+                                      "waiting for a job's result")
+            done = _result_of(id, timeout, doc, time.monotonic() >= deadline)
+            if done is not None:
+                return done
 
     async def moved(self, id: str) -> Optional[Moved]:
         """:meth:`shardq.Client.moved` from asyncio code."""
@@ -656,10 +670,12 @@ class AsyncWorker(_SignalStops):
         error: Optional[BaseException] = None
         try:
             result: Any = handler(job)
-            if inspect.isawaitable(result):
-                if job._timeout_until is None:
-                    await result
-                elif await self._cancelled_at_timeout(result, job):
+            if not inspect.isawaitable(result):
+                job._result = _result_field(result)
+            elif job._timeout_until is None:
+                job._result = _result_field(await result)
+            else:
+                if await self._cancelled_at_timeout(result, job):
                     self._running.pop(id(job), None)
                     self._give_back(lambda: self._book.release(job))
                     if not self._abandoned.is_set():
@@ -694,7 +710,7 @@ class AsyncWorker(_SignalStops):
         try:
             await asyncio.wait({task}, timeout=max(0.0, job._timeout_until - time.monotonic()))
             if task.done():
-                task.result()
+                job._result = _result_field(task.result())
                 return False
             job._timed_out = True
             job.lost.set()
@@ -755,7 +771,7 @@ class AsyncWorker(_SignalStops):
                 return
 
     async def _send_acks(self, url: str, jobs: List[ClaimedJob]) -> None:
-        body = {"receipts": [j.receipt for j in jobs]}
+        body = _ack_body(jobs)
         for attempt in range(RESULT_ATTEMPTS):
             try:
                 status, doc = await self._http.post(url, "/v1/ack", body, self.timeout_s)

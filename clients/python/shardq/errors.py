@@ -108,6 +108,27 @@ class StaleReceipt(HttpError):
     the job ran again elsewhere)."""
 
 
+class ResultTimeout(ShardqError, TimeoutError):
+    """:meth:`shardq.Client.result` waited its ``timeout`` and the job had
+    not finished; ``state`` is the job's then (``queued``, ``delayed`` or
+    ``running``)."""
+
+    def __init__(self, id: str, timeout: float, state: str):
+        super().__init__(f"job {id} did not finish within {timeout} s (it is {state})")
+        self.id = id
+        self.state = state
+
+
+class JobDied(ShardqError):
+    """:meth:`shardq.Client.result`: the job ran out of attempts and is a
+    dead letter (``reason`` its last failure's); it has no result."""
+
+    def __init__(self, id: str, reason: Optional[str]):
+        super().__init__(f"job {id} is dead: {reason or 'its attempts failed'}")
+        self.id = id
+        self.reason = reason
+
+
 class JobNotCancelled(HttpError):
     """409 on a cancel: the job's key is moving to another shard (``state``
     ``"moving"``: cancel it there once the move is done), or a server that

@@ -82,9 +82,11 @@ from .errors import (
     ConfigError,
     HttpError,
     InvalidJob,
+    JobDied,
     JobNotCancelled,
     KeyNotResumed,
     PartialEnqueue,
+    ResultTimeout,
     ServerUnavailable,
     ShardqError,
     StaleReceipt,
@@ -705,6 +707,57 @@ def _failure_reason(error: BaseException, bytes_max: int = FAIL_REASON_BYTES_MAX
     return head + REASON_CUT_MARK + _tail_of(_utf8(trace.rstrip("\n")), room)
 
 
+#: Most bytes of a job's result (the server's bound): a handler that
+#: returns more fails its attempt, saying so.
+RESULT_BYTES_MAX = 64 * 1024
+
+
+def _result_field(value: Any) -> Optional[Dict[str, str]]:
+    """The wire form of a handler's return value in ``POST /v1/ack``:
+    ``None`` for none, ``str`` as text, ``bytes`` in base64, anything else
+    as its JSON text. Raises ``ValueError`` (the attempt fails) for a value
+    that is none of these or is over :data:`RESULT_BYTES_MAX`."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        field = {"result_b64": base64.b64encode(raw).decode("ascii")}
+    else:
+        if isinstance(value, str):
+            text = value
+        else:
+            try:
+                text = json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"the handler returned a {type(value).__name__}, which is not str, bytes or "
+                                 f"JSON ({e}); return None for no result") from e
+        raw = text.encode("utf-8", "surrogatepass")
+        field = {"result": text}
+    if len(raw) > RESULT_BYTES_MAX:
+        raise ValueError(f"the handler's result is {len(raw)} bytes, over the {RESULT_BYTES_MAX}-byte bound on results")
+    return field
+
+
+def _result_of(id: str, timeout: float, doc: Any, past: bool) -> Optional["FinishedInfo"]:
+    """What :meth:`Client.result` makes of one answer: the finished job,
+    ``None`` to wait on, or the error it raises."""
+    if "outcome" in doc:
+        return FinishedInfo._of(doc)
+    if doc.get("state") == "dead":
+        raise JobDied(id, doc.get("reason"))
+    if past:
+        raise ResultTimeout(id, timeout, str(doc.get("state")))
+    return None
+
+
+def _ack_body(jobs: List["ClaimedJob"]) -> Dict[str, Any]:
+    """``POST /v1/ack`` of ``jobs``, with their results when any has one."""
+    body: Dict[str, Any] = {"receipts": [j.receipt for j in jobs]}
+    if any(j._result is not None for j in jobs):
+        body["results"] = [j._result for j in jobs]
+    return body
+
+
 def _outcome_of(job: "ClaimedJob", error: Optional[BaseException]) -> Optional[Tuple[str, Dict[str, Any]]]:
     """``None`` for a handler that returned (an ack), else the fail request
     (logged: a failed attempt with its traceback, at WARNING)."""
@@ -813,14 +866,28 @@ class FinishedInfo:
     finished_ms: int
     reason: Optional[str]
     attempt_starts_ms: Tuple[int, ...] = ()
+    #: What the handler returned with its ack (``None``: nothing), as bytes;
+    #: :attr:`result_text` decodes it.
+    result: Optional[bytes] = None
+
+    @property
+    def result_text(self) -> Optional[str]:
+        """The result as UTF-8 text (``None`` without one)."""
+        return None if self.result is None else self.result.decode("utf-8", "replace")
 
     @staticmethod
     def _of(doc: Mapping[str, Any]) -> "FinishedInfo":
+        result: Optional[bytes] = None
+        if doc.get("result") is not None:
+            result = str(doc["result"]).encode("utf-8", "surrogatepass")
+        elif doc.get("result_b64") is not None:
+            result = base64.b64decode(str(doc["result_b64"]))
         return FinishedInfo(
             id=str(doc["id"]), shard=str(doc["shard"]), key=str(doc["key"]),
             outcome=str(doc["outcome"]), attempts=int(doc["attempts"]),
             finished_ms=int(doc["finished_ms"]), reason=doc.get("reason"),
             attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
+            result=result,
         )
 
 
@@ -1439,6 +1506,25 @@ class Client:
         status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
         return FinishedInfo._of(doc) if status != 404 and "outcome" in doc else None
 
+    def result(self, id: str, timeout: float = 30.0) -> FinishedInfo:
+        """Waits up to ``timeout`` seconds for job ``id`` to finish and
+        returns it (``outcome`` and ``result``: what its handler returned,
+        ``None`` for nothing or a cancelled job). The server answers as soon
+        as the job is acked (long polls of ``GET /v1/jobs/{id}/result``, at
+        most 30 s each), not by polling from here. Raises
+        :class:`ResultTimeout` when it has not finished by then,
+        :class:`JobDied` for a dead letter, and :class:`HttpError` (404) for
+        an id with no job (finished longer ago than the retention keeps,
+        moved away with its key, or never existed)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            wait_ms = int(max(0.0, min(deadline - time.monotonic(), 30.0)) * 1000)
+            _, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}/result?wait_ms={wait_ms}", None,
+                                "waiting for a job's result")
+            done = _result_of(id, timeout, doc, time.monotonic() >= deadline)
+            if done is not None:
+                return done
+
     def moved(self, id: str) -> Optional[Moved]:
         """Where job ``id`` went when it left its shard with its key in a
         rebalance (its old id is no longer live; its copy has a new id on
@@ -1740,6 +1826,8 @@ class ClaimedJob:
     _own_slot: bool = field(default=False, repr=False, compare=False)
     #: Whether its slot went back to the worker's book.
     _released: bool = field(default=False, repr=False, compare=False)
+    #: The handler's result in its ``/v1/ack`` form (see ``_result_field``).
+    _result: Optional[Dict[str, str]] = field(default=None, repr=False, compare=False)
 
     @property
     def lost(self) -> threading.Event:
@@ -2265,6 +2353,8 @@ class Worker(_SignalStops):
                 error = ConfigError(f"the handler returned an awaitable ({type(result).__name__}) without running "
                                     f"it: async handlers run with shardq.AsyncWorker")
                 self._fail_run(error)
+            else:
+                job._result = _result_field(result)
         except Exception as e:  # the attempt fails; the server retries it
             error = e
         if self._abandon.is_set():
@@ -2341,7 +2431,7 @@ class Worker(_SignalStops):
 
     def _send_acks(self, url: str, jobs: List[ClaimedJob]) -> None:
         t = self._transports[url]
-        body = {"receipts": [j.receipt for j in jobs]}
+        body = _ack_body(jobs)
         for attempt in range(RESULT_ATTEMPTS):
             try:
                 status, doc = t.post("/v1/ack", body, self.timeout_s)

@@ -360,3 +360,86 @@ def test_the_async_client_reads_and_cancels_jobs_too(serve):
             assert await c.job("shard-0:999999999") is None
 
     asyncio.run(go())
+
+
+def test_a_handlers_return_value_is_its_jobs_result(serve):
+    """What a handler returns is kept with its finished job: text as text,
+    bytes as bytes, other values as JSON; ``result`` waits for it (woken
+    by the ack), a dead letter raises JobDied, and a job still queued at
+    the end of the wait raises ResultTimeout."""
+    from shardq import JobDied, ResultTimeout
+
+    with Client([serve.url]) as c:
+        placed = c.enqueue_many([NewJob("res-t", b"a"), NewJob("res-b", b"b"), NewJob("res-j", b"c"),
+                                 NewJob("res-n", b"d"), NewJob("res-x", b"e", max_attempts=1),
+                                 NewJob("res-big", b"f", max_attempts=1)])
+        ids = [p.id for p in placed]
+        # Not run yet: the wait ends without it.
+        try:
+            c.result(ids[0], timeout=0.3)
+            raise AssertionError("a queued job has no result")
+        except ResultTimeout as e:
+            assert e.state == "queued", e
+
+        def handler(job: ClaimedJob) -> Any:
+            if job.key == "res-t":
+                return "text:" + job.payload.decode()
+            if job.key == "res-b":
+                return b"\xff\x00" + job.payload
+            if job.key == "res-j":
+                return {"n": 3, "ok": True}
+            if job.key == "res-x":
+                raise RuntimeError("broken on purpose")
+            if job.key == "res-big":
+                return "z" * 70_000
+            return None
+
+        got: Dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: got.update(r=c.result(ids[0], timeout=WAIT_S)), daemon=True)
+        reader.start()
+        w = Worker([serve.url], worker_id="res-worker")
+        t = threading.Thread(target=w.run, args=(handler,),
+                             kwargs=dict(concurrency=2, lease_ms=5000, wait_ms=200,
+                                         install_signal_handlers=False), daemon=True)
+        t.start()
+        reader.join(WAIT_S)
+        assert got["r"].outcome == "completed" and got["r"].result_text == "text:a", got
+        assert c.result(ids[1]).result == b"\xff\x00b"
+        assert json.loads(c.result(ids[2]).result_text or "") == {"n": 3, "ok": True}
+        none = c.result(ids[3])
+        assert none.outcome == "completed" and none.result is None, none
+        try:
+            c.result(ids[4], timeout=WAIT_S)
+            raise AssertionError("a dead letter has no result")
+        except JobDied as e:
+            assert "broken on purpose" in (e.reason or ""), e
+        try:
+            c.result(ids[5], timeout=WAIT_S)
+            raise AssertionError("an oversized result fails its attempt")
+        except JobDied as e:
+            assert "over the 65536-byte bound" in (e.reason or ""), e
+        w.stop()
+        t.join(WAIT_S)
+
+
+def test_an_async_handlers_return_value_is_its_jobs_result(serve):
+    import asyncio
+
+    from shardq.aio import AsyncClient, AsyncWorker
+
+    async def go() -> None:
+        async with AsyncClient([serve.url]) as c:
+            placed = await c.enqueue_many([NewJob("ares", b"q")])
+
+            async def handler(job: ClaimedJob) -> str:
+                return "async:" + job.payload.decode()
+
+            w = AsyncWorker([serve.url], worker_id="ares-worker")
+            task = asyncio.ensure_future(w.run(handler, concurrency=1, lease_ms=5000, wait_ms=200,
+                                               install_signal_handlers=False))
+            r = await c.result(placed[0].id, timeout=WAIT_S)
+            assert (r.outcome, r.result_text) == ("completed", "async:q"), r
+            w.stop()
+            await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(go())

@@ -377,8 +377,13 @@ impl RunJobs for OneBroken {
         self.inner.claim(s, max, lease)
     }
 
-    fn ack(&self, s: &str, r: &[Receipt]) -> Result<AckOutcome, QueueError> {
-        self.inner.ack(s, r)
+    fn ack_results(
+        &self,
+        s: &str,
+        r: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError> {
+        self.inner.ack_results(s, r, results)
     }
 
     fn fail(
@@ -1152,4 +1157,62 @@ fn a_handler_that_always_backs_off_ends_in_the_dead_letters() {
         .filter(|&i| backed[i] < BACKOFF_MS_MIN)
         .count();
     assert_eq!(too_soon, 0, "gaps {backed:?}");
+}
+
+/// A handler's `set_result` is kept with its finished job; a result over
+/// the pool's bound fails the attempt (the job dies with the reason rather
+/// than finishing without its result); a failed run's result is dropped.
+#[test]
+fn a_handlers_result_is_kept_and_one_over_the_bound_fails_its_attempt() {
+    let inner = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let mut jobs: Vec<NewJob> = ["ok", "big", "fails"]
+        .iter()
+        .map(|k| NewJob::new(*k, "p"))
+        .collect();
+    for j in &mut jobs[1..] {
+        j.max_attempts = 1;
+    }
+    inner.enqueue("s0", 1, &jobs).unwrap();
+    let handler: Arc<shardq_core::Handler> = Arc::new(|job: &ClaimedJob| {
+        match job.key.as_str() {
+            "ok" => shardq_core::pool::set_result(b"done".to_vec()),
+            "big" => shardq_core::pool::set_result(vec![0u8; 9]),
+            _ => {
+                shardq_core::pool::set_result(b"never kept".to_vec());
+                return Err("broken".into());
+            }
+        }
+        Ok(())
+    });
+    let opts = PoolOptions {
+        exit_when_idle: true,
+        result_bytes_max: 8,
+        ..PoolOptions::default()
+    };
+    run_pool(
+        Arc::new(inner.clone()),
+        inner.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    let ok = inner.finished("s0", Some("ok"), 10).unwrap();
+    assert_eq!(ok[0].result.as_deref(), Some(&b"done"[..]));
+    let dead = inner.dead_list("s0", 10).unwrap();
+    let why = |k: &str| {
+        dead.iter()
+            .find(|d| d.key == k)
+            .expect("dead")
+            .reason
+            .clone()
+    };
+    assert!(
+        why("big").contains("9 bytes, over the 8-byte bound"),
+        "{dead:?}"
+    );
+    assert_eq!(why("fails"), "broken");
+    assert!(inner.finished("s0", Some("fails"), 10).unwrap().is_empty());
 }

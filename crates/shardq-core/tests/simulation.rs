@@ -892,9 +892,14 @@ impl RunJobs for Crashing {
         self.inner.claim(shard, max, lease_ms)
     }
 
-    fn ack(&self, shard: &str, receipts: &[Receipt]) -> Result<AckOutcome, QueueError> {
+    fn ack_results(
+        &self,
+        shard: &str,
+        receipts: &[Receipt],
+        results: &[Option<Vec<u8>>],
+    ) -> Result<AckOutcome, QueueError> {
         self.reach(shard)?;
-        self.inner.ack(shard, receipts)
+        self.inner.ack_results(shard, receipts, results)
     }
 
     fn fail(

@@ -72,7 +72,13 @@ pub struct WorkOptions {
     pub job_timeout_ms: Option<u64>,
     /// Job lease of each run, in ms (bounded by `shardq_core`).
     pub job_lease_ms: u64,
+    /// Most bytes of a handler's result (1..=[`RESULT_BYTES_MAX`]): a
+    /// larger one fails its attempt.
+    pub result_bytes_max: usize,
 }
+
+/// The largest result a handler may give: core's bound.
+pub use shardq_core::job::RESULT_BYTES_MAX;
 
 impl Default for WorkOptions {
     fn default() -> Self {
@@ -81,14 +87,15 @@ impl Default for WorkOptions {
             stdio_pipeline: None,
             job_timeout_ms: None,
             job_lease_ms: shardq_core::JOB_LEASE_MS_DEFAULT,
+            result_bytes_max: RESULT_BYTES_MAX,
         }
     }
 }
 
 impl WorkOptions {
     /// Checks every option against its bounds, in the order `concurrency`,
-    /// `job_timeout_ms`, `job_lease_ms`, `stdio_pipeline`; the first one
-    /// refused is named with its value.
+    /// `job_timeout_ms`, `job_lease_ms`, `stdio_pipeline`,
+    /// `result_bytes_max`; the first one refused is named with its value.
     pub fn validate(&self) -> Result<(), OptionError> {
         if !(CONCURRENCY_MIN..=CONCURRENCY_MAX).contains(&self.concurrency) {
             return Err(OptionError::OutOfRange {
@@ -120,6 +127,13 @@ impl WorkOptions {
                     allowed: format!("{STDIO_PIPELINE_MIN}..={STDIO_PIPELINE_MAX}"),
                 });
             }
+        }
+        if !(1..=RESULT_BYTES_MAX).contains(&self.result_bytes_max) {
+            return Err(OptionError::OutOfRange {
+                option: "--result-bytes-max",
+                value: self.result_bytes_max.to_string(),
+                allowed: format!("1..={RESULT_BYTES_MAX}"),
+            });
         }
         Ok(())
     }

@@ -284,6 +284,11 @@ pub struct WorkArgs {
     /// the job runs again elsewhere after it, with a larger SHARDQ_FENCE.
     #[arg(long, value_name = "MS", default_value_t = shardq_core::JOB_LEASE_MS_DEFAULT)]
     job_lease_ms: u64,
+    /// Most bytes of a handler's result ($SHARDQ_RESULT_FILE, a stdio
+    /// line's result), kept with its finished job (1 to 65536); a larger
+    /// one fails the attempt.
+    #[arg(long, value_name = "BYTES", default_value_t = shardq_core::job::RESULT_BYTES_MAX)]
+    result_bytes_max: usize,
     /// Exit once idle: no shard has a job ready or delayed, or a run in
     /// flight (a run of any process, a dead one's too, can lapse back into
     /// work).
@@ -680,6 +685,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         stdio_pipeline: args.stdio.then_some(args.stdio_pipeline),
         job_timeout_ms: args.job_timeout_ms,
         job_lease_ms: args.job_lease_ms,
+        result_bytes_max: args.result_bytes_max,
     };
     options.validate()?;
     let max_local_shards = match args.max_local_shards.as_str() {
@@ -743,6 +749,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     let mut pool = pool_options(&args, metrics);
     pool.job_timeout_ms = options.job_timeout_ms;
     pool.job_lease_ms = options.job_lease_ms;
+    pool.result_bytes_max = options.result_bytes_max;
     pool.concurrency = options.pool_concurrency();
     pool.handlers = Some(options.concurrency);
     // The pool cancels runs past the job timeout, on a lost shard and past

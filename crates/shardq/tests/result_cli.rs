@@ -6,7 +6,7 @@
 
 mod support;
 
-use support::{enqueue_lines, init_shards, ok, run, temp_dir};
+use support::{init_shards, ok, run, temp_dir};
 
 fn show(d: &str, id: &str) -> serde_json::Value {
     serde_json::from_str(&ok(&["job", "show", "--data", d, id, "--json"])).unwrap()
@@ -137,4 +137,42 @@ for line in sys.stdin:
     assert_eq!(v["result"], "len=5", "{v}");
     let v = show(d, &placed[1]);
     assert_eq!(v["result_b64"], "/wBieXRlcw==", "{v}");
+}
+
+#[test]
+fn result_bytes_max_lowers_the_bound_and_out_of_range_is_refused() {
+    let dir = temp_dir("result-max");
+    let data = dir.join("q");
+    init_shards(&data, 1);
+    let d = data.to_str().unwrap();
+    for bad in ["0", "65537"] {
+        let (good, _, err) = run(&["work", "--data", d, "--result-bytes-max", bad, "--", "true"]);
+        assert!(
+            !good && err.contains("--result-bytes-max") && err.contains(bad),
+            "{err}"
+        );
+    }
+    let placed = ids(d, "k\tp\n", &["--max-attempts", "1"]);
+    let (good, _, err) = run(&[
+        "work",
+        "--data",
+        d,
+        "--exit-when-idle",
+        "--result-bytes-max",
+        "4",
+        "--",
+        "sh",
+        "-c",
+        "printf 'too long' > \"$SHARDQ_RESULT_FILE\"",
+    ]);
+    assert!(good, "{err}");
+    let v = show(d, &placed[0]);
+    assert_eq!(v["state"], "dead", "{v}");
+    assert!(
+        v["reason"]
+            .as_str()
+            .unwrap()
+            .contains("8 bytes, over the 4-byte bound"),
+        "{v}"
+    );
 }
