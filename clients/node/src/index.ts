@@ -56,3 +56,4 @@ export {
   type WorkerOptions,
   type WorkerStats,
 } from "./worker.js";
+export { enqueuePg, type PgEnqueueOptions, type PgQueryable } from "./pg.js";

@@ -306,6 +306,15 @@ impl KeyedSpec {
 /// scheduled jobs: such an id would be taken for what it is not.
 pub fn refuse_reserved_dedup_id(id: &str) -> Result<(), QueueError> {
     crate::schedule::refuse_schedule_dedup_id(id)?;
+    if id.starts_with(OUTBOX_PREFIX) {
+        return Err(QueueError::InvalidOption {
+            name: "dedup id",
+            value: format!("{id:?}"),
+            allowed: format!(
+                "an id not starting with {OUTBOX_PREFIX:?} (kept for the Postgres outbox's rows)"
+            ),
+        });
+    }
     if is_keyed_id(id) {
         return Err(QueueError::InvalidOption {
             name: "dedup id",
@@ -479,6 +488,11 @@ pub fn has_unshowable(s: &str) -> bool {
         s.chars().any(is_unshowable)
     }
 }
+
+/// The dedup id prefix of a job relayed from the Postgres outbox
+/// (`pg:<schema>:<row id>`, when its row named no dedup id of its own):
+/// refused from producers, so no producer's job takes a row's id.
+pub const OUTBOX_PREFIX: &str = "pg:";
 
 /// Longest dedup id, in bytes.
 pub const DEDUP_ID_BYTES_MAX: usize = 256;

@@ -1755,6 +1755,10 @@ fn unique_and_debounced_jobs_over_http() {
             json!({"key": "k", "payload": "x", "dedup_id": "unique:a"}),
             "kept for unique",
         ),
+        (
+            json!({"key": "k", "payload": "x", "dedup_id": "pg:shardq:7"}),
+            "kept for the Postgres outbox",
+        ),
     ] {
         let (code, v) = post(
             &s,

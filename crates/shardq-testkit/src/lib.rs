@@ -10,6 +10,8 @@
 //! * `redis` (feature `redis`) starts real `redis-server` processes
 //!   (standalone, replicas, clusters) and a switchable TCP proxy for the
 //!   Redis tests.
+//! * [`pg::PgServer`] starts a real PostgreSQL server for the outbox's
+//!   tests.
 //! * [`wait::wait_until`] waits on a condition up to a bound, failing
 //!   with what it waited for.
 //!
@@ -19,6 +21,7 @@
 pub mod contract;
 mod macros;
 pub mod maps;
+pub mod pg;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod wait;

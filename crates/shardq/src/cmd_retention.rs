@@ -1,5 +1,5 @@
 //! `shardq retention show|set|clear`: how many finished jobs each shard
-//! keeps and for how long (what `jobs --key` shows as recent), a setting
+//! keeps and for how long (what `jobs --key` lists as finished), a setting
 //! kept beside the map like the retry policies. Glue: parse, check, call
 //! `shardq-deploy`, print.
 

@@ -13,6 +13,7 @@ mod cmd_demo;
 mod cmd_engine;
 mod cmd_flow;
 mod cmd_jobs;
+mod cmd_pg;
 mod cmd_reshard;
 mod cmd_retention;
 mod cmd_retry;
@@ -56,9 +57,14 @@ enum Command {
     #[command(subcommand)]
     Retry(cmd_retry::RetryAction),
     /// How many finished jobs each shard keeps, and how long (what `jobs
-    /// --key` shows as recent): show, set or clear it.
+    /// --key` lists as finished): show, set or clear it.
     #[command(subcommand)]
     Retention(cmd_retention::RetentionAction),
+    /// Enqueue inside your own Postgres transaction: install the outbox
+    /// (a table and the SQL function shardq.enqueue), run the relay that
+    /// moves committed rows into this deployment, or show its status.
+    #[command(subcommand)]
+    Pg(cmd_pg::PgAction),
     /// Recurring schedules: a key's job enqueued once per tick of a cron
     /// expression (in a time zone) or an interval, by whichever worker
     /// runs the key's shard: set, list, show, pause, resume, trigger,
@@ -118,6 +124,7 @@ fn main() -> ExitCode {
         Command::Key(action) => cmd_jobs::key(action),
         Command::Retry(action) => cmd_retry::run(action),
         Command::Retention(action) => cmd_retention::run(action),
+        Command::Pg(action) => cmd_pg::run(action),
         Command::Schedule(action) => cmd_schedule::run(action),
         Command::Policy(action) => cmd_flow::policy(action),
         Command::Group(action) => cmd_flow::group(action),
@@ -187,6 +194,9 @@ fn error_kind(err: &anyhow::Error) -> Option<shardq_core::ErrorKind> {
             return Some(e.kind());
         }
         if let Some(e) = e.downcast_ref::<shardq_worker::OptionError>() {
+            return Some(e.kind());
+        }
+        if let Some(e) = e.downcast_ref::<shardq_pg::PgError>() {
             return Some(e.kind());
         }
         e.downcast_ref::<shardq_server::ServerError>()

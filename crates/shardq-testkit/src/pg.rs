@@ -1,0 +1,206 @@
+//! A real PostgreSQL server for the outbox's tests: `initdb` into a new
+//! temporary directory, `postgres` on a free loopback port (its socket in
+//! that directory), trust authentication for the `postgres` user, stopped
+//! and removed on drop. Run as root, the server runs as the `postgres`
+//! user (PostgreSQL refuses root).
+//!
+//! Needs Debian's `postgresql` package (`.ci/run` installs it): the
+//! binaries are found in `/usr/lib/postgresql/<version>/bin`, newest
+//! first, or on `PATH`.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Longest wait for a server to accept connections.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What the tests need, said when it is missing.
+const NEEDED: &str = "the Postgres outbox's tests need PostgreSQL's initdb and postgres (Debian's postgresql package)";
+
+/// One running PostgreSQL server.
+pub struct PgServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    port: u16,
+}
+
+/// The directory holding `initdb` and `postgres`.
+fn bin_dir() -> PathBuf {
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let v: u32 = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("postgres").exists().then_some((v, bin))
+        })
+        .collect();
+    versions.sort();
+    if let Some((_, bin)) = versions.pop() {
+        return bin;
+    }
+    let found = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .find(|d| d.join("postgres").exists() && d.join("initdb").exists());
+    found.unwrap_or_else(|| panic!("{NEEDED}: not found"))
+}
+
+/// The `postgres` user's uid and gid, when this process is root.
+fn pg_user() -> Option<(u32, u32)> {
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    // SAFETY: a NUL-terminated name; the record is read at once, before
+    // any other call of the passwd functions in this process.
+    let pw = unsafe { libc::getpwnam(c"postgres".as_ptr()) };
+    assert!(
+        !pw.is_null(),
+        "{NEEDED}: no postgres user to run it as (root may not)"
+    );
+    // SAFETY: non-null, from getpwnam above.
+    Some(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
+}
+
+/// A command for `program` of `bin`, as the `postgres` user when this
+/// process is root.
+fn as_pg_user(bin: &Path, program: &str) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut c = Command::new(bin.join(program));
+    if let Some((uid, gid)) = pg_user() {
+        c.uid(uid).gid(gid);
+    }
+    c
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
+}
+
+impl PgServer {
+    /// A new server on a free loopback port, accepting connections.
+    pub fn start() -> PgServer {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let bin = bin_dir();
+        let dir = std::env::temp_dir().join(format!(
+            "shardq-pg-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("making the server's directory");
+        if let Some((uid, gid)) = pg_user() {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
+                .unwrap_or_else(|e| panic!("{NEEDED}: chown to the postgres user: {e}"));
+        }
+        let data = dir.join("data");
+        let out = as_pg_user(&bin, "initdb")
+            .args([
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+                "-D",
+            ])
+            .arg(&data)
+            .output()
+            .unwrap_or_else(|e| panic!("{NEEDED}: initdb: {e}"));
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = free_port();
+        let child = as_pg_user(&bin, "postgres")
+            .arg("-D")
+            .arg(&data)
+            .args(["-p", &port.to_string(), "-k"])
+            .arg(&dir)
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+                "-c",
+                "max_connections=50",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{NEEDED}: postgres: {e}"));
+        let server = PgServer {
+            child: Some(child),
+            dir,
+            port,
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+            || !server.accepts_queries()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "postgres on port {port} did not accept connections within {START_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    /// Whether a login works (the server is past its start-up).
+    fn accepts_queries(&self) -> bool {
+        Command::new("psql")
+            .arg(self.url())
+            .args(["-XAtc", "SELECT 1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Its loopback port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A URL for the `postgres` database as the `postgres` user.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SIGINT is the fast shutdown.
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

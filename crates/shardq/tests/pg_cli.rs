@@ -1,0 +1,340 @@
+//! The Postgres outbox through the real binary and a real PostgreSQL: a
+//! job exists if and only if the transaction that enqueued it committed;
+//! bad input is refused inside the caller's transaction; each key's rows
+//! run in commit order and an open transaction holds back only its own
+//! key; relays SIGKILLed at any point, two at a time, store every
+//! committed row exactly once and in order.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shardq_testkit::pg::PgServer;
+use support::{init_shards, ok, run, temp_dir, BIN};
+
+fn client(pg: &PgServer) -> postgres::Client {
+    postgres::Client::connect(&pg.url(), postgres::NoTls).expect("connects to the test server")
+}
+
+fn install(d: &str, pg: &PgServer) -> String {
+    ok(&["pg", "install", "--data", d, "--postgres", &pg.url()])
+}
+
+fn status(pg: &PgServer) -> serde_json::Value {
+    serde_json::from_str(&ok(&["pg", "status", "--postgres", &pg.url(), "--json"])).unwrap()
+}
+
+fn drain(d: &str, pg: &PgServer) -> serde_json::Value {
+    let out = ok(&[
+        "pg",
+        "relay",
+        "--data",
+        d,
+        "--postgres",
+        &pg.url(),
+        "--exit-when-empty",
+        "--json",
+    ]);
+    serde_json::from_str(out.lines().last().unwrap()).unwrap()
+}
+
+fn key_jobs(d: &str, key: &str) -> Vec<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(&ok(&[
+        "jobs", "--data", d, "--key", key, "--limit", "1000", "--json",
+    ]))
+    .unwrap();
+    v["jobs"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn an_outbox_job_exists_if_and_only_if_its_transaction_committed() {
+    let pg = PgServer::start();
+    let dir = temp_dir("pg-commit");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    assert!(install(d, &pg).contains("applied migration 1"));
+    assert!(
+        install(d, &pg).contains("up to date"),
+        "a second install changes nothing"
+    );
+    let mut c = client(&pg);
+    // Rolled back: no row, no job.
+    let mut tx = c.transaction().unwrap();
+    tx.execute("SELECT shardq.enqueue('k1', 'rolled back')", &[])
+        .unwrap();
+    tx.rollback().unwrap();
+    // Committed: the three payload forms.
+    let mut tx = c.transaction().unwrap();
+    tx.execute("SELECT shardq.enqueue('k1', 'committed')", &[])
+        .unwrap();
+    tx.execute("SELECT shardq.enqueue('k1', '{\"n\": 1}'::jsonb)", &[])
+        .unwrap();
+    tx.execute(
+        "SELECT shardq.enqueue('k2', '\\xff00'::bytea, dedup_id => 'order-7', max_attempts => 2)",
+        &[],
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    // Bad input: refused in the caller's transaction, naming the field.
+    let big = "x".repeat((1 << 20) + 1);
+    for (sql, says) in [
+        (
+            "SELECT shardq.enqueue('', 'p')".to_string(),
+            "key must not be empty",
+        ),
+        (
+            "SELECT shardq.enqueue(E'a\\tb', 'p')".into(),
+            "control or invisible",
+        ),
+        (
+            format!("SELECT shardq.enqueue('{}', 'p')", "k".repeat(1025)),
+            "at most 1024",
+        ),
+        (
+            format!("SELECT shardq.enqueue('kb', '{big}')"),
+            "at most 1048576",
+        ),
+        (
+            "SELECT shardq.enqueue('k', 'p', dedup_id => 'pg:shardq:1')".into(),
+            "prefix shardq keeps",
+        ),
+        (
+            "SELECT shardq.enqueue('k', 'p', delay_ms => -1)".into(),
+            "delay_ms -1",
+        ),
+        (
+            "SELECT shardq.enqueue('k', 'p', max_attempts => 0)".into(),
+            "max_attempts 0",
+        ),
+    ] {
+        let mut tx = c.transaction().unwrap();
+        tx.execute(
+            "SELECT shardq.enqueue('k1', 'lost with the failed transaction')",
+            &[],
+        )
+        .unwrap();
+        let e = tx.execute(sql.as_str(), &[]).expect_err(says);
+        let text = e
+            .as_db_error()
+            .map(|d| d.message().to_string())
+            .unwrap_or_default();
+        assert!(text.contains(says), "{says}: {text}");
+        tx.rollback().unwrap();
+    }
+    let st = status(&pg);
+    assert_eq!(st["depth"], 3, "{st}");
+    assert_eq!(st["relay_active"], false, "{st}");
+    let report = drain(d, &pg);
+    assert_eq!(
+        (
+            report["relayed"].as_u64(),
+            report["already_stored"].as_u64()
+        ),
+        (Some(3), Some(0)),
+        "{report}"
+    );
+    let k1 = key_jobs(d, "k1");
+    let payloads: Vec<&str> = k1.iter().map(|j| j["payload"].as_str().unwrap()).collect();
+    assert_eq!(payloads, ["committed", "{\"n\": 1}"], "{k1:?}");
+    assert!(
+        k1[0]["dedup_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("pg:shardq:"),
+        "{k1:?}"
+    );
+    let k2 = key_jobs(d, "k2");
+    assert_eq!(
+        (
+            k2[0]["payload_b64"].as_str(),
+            k2[0]["dedup_id"].as_str(),
+            k2[0]["max_attempts"].as_u64()
+        ),
+        (Some("/wA="), Some("order-7"), Some(2)),
+        "{k2:?}"
+    );
+    assert_eq!(status(&pg)["depth"], 0);
+    assert_eq!(drain(d, &pg)["relayed"], 0, "nothing is relayed twice");
+    // Another schema name is refused before anything is written.
+    let (good, _, err) = run(&[
+        "pg",
+        "install",
+        "--data",
+        d,
+        "--postgres",
+        &pg.url(),
+        "--schema",
+        "Bad-Name",
+    ]);
+    assert!(!good && err.contains("--schema"), "{err}");
+}
+
+#[test]
+fn each_keys_rows_run_in_commit_order_and_an_open_transaction_holds_back_only_its_key() {
+    let pg = PgServer::start();
+    let dir = temp_dir("pg-order");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    install(d, &pg);
+    let mut first = client(&pg);
+    let mut t1 = first.transaction().unwrap();
+    t1.execute("SELECT shardq.enqueue('k', 'first')", &[])
+        .unwrap();
+    // A second transaction of the same key waits for the first's lock.
+    let url = pg.url();
+    let second = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut t2 = c.transaction().unwrap();
+        t2.execute("SELECT shardq.enqueue('k', 'second')", &[])
+            .unwrap();
+        let enqueued = Instant::now();
+        t2.commit().unwrap();
+        enqueued
+    });
+    let mut other = client(&pg);
+    shardq_testkit::wait_until(
+        "the second transaction to wait on the key",
+        Duration::from_secs(20),
+        || {
+            other
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%second%'",
+                &[],
+            )
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+        },
+    );
+    other
+        .execute("SELECT shardq.enqueue('other', 'free')", &[])
+        .unwrap();
+    let st = status(&pg);
+    assert!(st["open_transactions"].as_i64() >= Some(1), "{st}");
+    // Only the other key's row is committed: it goes, k's wait.
+    assert_eq!(drain(d, &pg)["relayed"], 1);
+    assert_eq!(key_jobs(d, "other").len(), 1);
+    assert!(key_jobs(d, "k").is_empty());
+    let committed_first = Instant::now();
+    t1.commit().unwrap();
+    let enqueued_second = second.join().unwrap();
+    assert!(
+        enqueued_second >= committed_first,
+        "the second row was written only after the first committed"
+    );
+    assert_eq!(drain(d, &pg)["relayed"], 2);
+    let k: Vec<String> = key_jobs(d, "k")
+        .iter()
+        .map(|j| j["payload"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(k, ["first", "second"]);
+}
+
+/// A relay process of the outbox (`--batch` small, so kills land mid-way).
+fn relay(d: &str, pg: &PgServer) -> Child {
+    Command::new(BIN)
+        .args([
+            "pg",
+            "relay",
+            "--data",
+            d,
+            "--postgres",
+            &pg.url(),
+            "--batch",
+            "37",
+            "--poll-ms",
+            "50",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starts a relay")
+}
+
+#[test]
+fn relays_sigkilled_at_any_point_store_every_committed_row_once_in_order() {
+    const KEYS: usize = 12;
+    const ROWS: usize = 1_500;
+    let pg = PgServer::start();
+    let dir = temp_dir("pg-kill");
+    let data = dir.join("q");
+    init_shards(&data, 3);
+    let d = data.to_str().unwrap().to_string();
+    install(&d, &pg);
+    // A producer commits rows (some transactions rolled back) while
+    // relays run two at a time and are SIGKILLed.
+    let url = pg.url();
+    let producer = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut seq = vec![0usize; KEYS];
+        let mut n = 0;
+        let mut round = 0u64;
+        while n < ROWS {
+            round += 1;
+            let mut tx = c.transaction().unwrap();
+            let mut staged = Vec::new();
+            for i in 0..5 {
+                let k = (n + i * 7 + round as usize) % KEYS;
+                let p = format!(
+                    "{k}:{}",
+                    seq[k] + staged.iter().filter(|&&s| s == k).count()
+                );
+                tx.execute("SELECT shardq.enqueue($1, $2)", &[&format!("key-{k}"), &p])
+                    .unwrap();
+                staged.push(k);
+            }
+            if round % 4 == 0 {
+                tx.rollback().unwrap();
+                continue;
+            }
+            tx.commit().unwrap();
+            for k in staged {
+                seq[k] += 1;
+            }
+            n += 5;
+        }
+        seq
+    });
+    let mut roll = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        roll ^= roll << 13;
+        roll ^= roll >> 7;
+        roll ^= roll << 17;
+        roll
+    };
+    while !producer.is_finished() {
+        let mut pair = [relay(&d, &pg), relay(&d, &pg)];
+        std::thread::sleep(Duration::from_millis(60 + next() % 250));
+        let victim = (next() % 2) as usize;
+        support::signal(pair[victim].id(), "-KILL");
+        std::thread::sleep(Duration::from_millis(next() % 120));
+        for c in &mut pair {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    let committed = producer.join().unwrap();
+    drain(&d, &pg);
+    assert_eq!(status(&pg)["depth"], 0);
+    // Every committed row is one job, each key's in commit order.
+    let mut seen: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for k in 0..KEYS {
+        for j in key_jobs(&d, &format!("key-{k}")) {
+            let p = j["payload"].as_str().unwrap();
+            let (kk, s) = p.split_once(':').unwrap();
+            assert_eq!(kk.parse::<usize>().unwrap(), k);
+            seen.entry(k).or_default().push(s.parse().unwrap());
+        }
+    }
+    for (k, want) in committed.iter().enumerate() {
+        let got = seen.remove(&k).unwrap_or_default();
+        assert_eq!(
+            got,
+            (0..*want).collect::<Vec<_>>(),
+            "key-{k}: every committed row once, in order"
+        );
+    }
+}
