@@ -20,6 +20,7 @@
 
 pub mod flow;
 pub mod history;
+pub mod outbox;
 pub mod runs;
 pub mod serve;
 pub mod shards;
@@ -121,6 +122,7 @@ pub struct Metrics {
     runs: Mutex<RunTracker>,
     history: History,
     flow_control: flow::FlowSeries,
+    outbox: Option<outbox::OutboxGauges>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -280,6 +282,7 @@ impl Metrics {
             runs: Mutex::new(RunTracker::default()),
             history: History::default(),
             flow_control,
+            outbox: None,
         };
         m.set_phase("idle");
         m
@@ -288,9 +291,25 @@ impl Metrics {
     /// Metrics over `deployment`: per-shard gauges from its `status()`,
     /// cached for [`STATUS_TTL`].
     pub fn for_deployment(deployment: Arc<Deployment>) -> Metrics {
+        Metrics::for_deployment_with(deployment, None)
+    }
+
+    /// [`Metrics::for_deployment`], with the Postgres outbox's gauges read
+    /// from `outbox` (at most once per [`STATUS_TTL`]) when given.
+    pub fn for_deployment_with(
+        deployment: Arc<Deployment>,
+        outbox: Option<outbox::OutboxSource>,
+    ) -> Metrics {
         let names = deployment.shard_names().unwrap_or_default();
         let flow = deployment.flow().cloned();
-        let m = Metrics::new(Some(shards::deployment_source(deployment)), STATUS_TTL);
+        let mut m = Metrics::new(Some(shards::deployment_source(deployment)), STATUS_TTL);
+        if let Some(source) = outbox {
+            m.outbox = Some(outbox::OutboxGauges::register(
+                &mut m.registry,
+                source,
+                STATUS_TTL,
+            ));
+        }
         m.start_at_zero(&names);
         if let Some(f) = flow {
             m.flow_control.set_source(f);
@@ -330,6 +349,9 @@ impl Metrics {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         self.flow_control.update(now_ms);
+        if let Some(o) = &self.outbox {
+            o.refresh();
+        }
         self.shards.render(&self.registry)
     }
 

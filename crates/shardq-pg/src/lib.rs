@@ -132,3 +132,40 @@ pub fn status(client: &mut postgres::Client, schema: &str) -> Result<Status, PgE
         dead_tuples: dead,
     })
 }
+
+/// Reads [`status`] again and again over one connection, made again after
+/// a failure (for a server's status and metrics).
+pub struct StatusReader {
+    url: String,
+    schema: String,
+    client: std::sync::Mutex<Option<postgres::Client>>,
+}
+
+impl StatusReader {
+    /// A reader of `schema`'s outbox at `url` (connects at its first read).
+    pub fn new(url: &str, schema: &str) -> Result<StatusReader, PgError> {
+        check_schema(schema)?;
+        Ok(StatusReader {
+            url: url.to_string(),
+            schema: schema.to_string(),
+            client: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The outbox's state now; an error drops the connection, so the next
+    /// read connects again.
+    pub fn read(&self) -> Result<Status, PgError> {
+        let mut slot = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(connect(&self.url)?);
+        }
+        let Some(client) = slot.as_mut() else {
+            return Err(PgError::BadInput("no connection".into()));
+        };
+        let read = status(client, &self.schema);
+        if read.is_err() {
+            *slot = None;
+        }
+        read
+    }
+}

@@ -74,6 +74,9 @@ pub struct ServerOptions {
     /// only, which enqueues, reads and reshards but owns no shard (its
     /// claims find nothing), so it takes no shard from the workers.
     pub take_shards: bool,
+    /// A Postgres outbox to show in `/v1/status`, the metrics and the
+    /// dashboard: its URL and schema.
+    pub outbox: Option<(String, String)>,
 }
 
 impl Default for ServerOptions {
@@ -88,6 +91,7 @@ impl Default for ServerOptions {
             allowed_hosts: Vec::new(),
             conn: conn::ConnLimits::default(),
             take_shards: true,
+            outbox: None,
         }
     }
 }
@@ -109,6 +113,8 @@ pub struct App {
     clock: Arc<dyn Clock>,
     rotate: AtomicUsize,
     metrics: Arc<shardq_metrics::Metrics>,
+    /// The Postgres outbox shown beside the deployment, if any.
+    pub(crate) outbox: Option<shardq_metrics::outbox::OutboxSource>,
     /// Bumped whenever work may have arrived here (enqueue, ack, fail,
     /// dead-letter retry): a claim round that found nothing stands for
     /// the waiters only while it is unchanged.
@@ -171,6 +177,29 @@ impl App {
     }
 }
 
+/// The outbox's state for the status, the metrics and the dashboard, read
+/// over one connection (made again after a failure); errors say why, with
+/// the URL's password masked.
+fn outbox_source(
+    url: &str,
+    schema: &str,
+) -> Result<shardq_metrics::outbox::OutboxSource, ServerError> {
+    let reader = shardq_pg::StatusReader::new(url, schema)
+        .map_err(|e| ServerError::Config(format!("--outbox-schema: {e}")))?;
+    Ok(Arc::new(move || {
+        reader
+            .read()
+            .map(|s| shardq_metrics::outbox::OutboxSnapshot {
+                depth: s.depth,
+                oldest_age_ms: s.oldest_age_ms,
+                relay_active: s.relay_active,
+                open_transactions: s.open_transactions,
+                dead_tuples: s.dead_tuples,
+            })
+            .map_err(|e| shardq_core::secret::redacted(&e.to_string()))
+    }))
+}
+
 impl App {
     /// The state the handlers share over an open `deployment`: the
     /// request limits (payload bound by the deployment's own), the dedup
@@ -187,11 +216,17 @@ impl App {
             .payload_bytes_max(&opts.open)
             .min(limits.payload_bytes_max.max(1));
         let retry = deployment.retry_settings()?;
+        let outbox = match &opts.outbox {
+            Some((url, schema)) => Some(outbox_source(url, schema)?),
+            None => None,
+        };
         Ok(App {
             owned,
-            metrics: Arc::new(shardq_metrics::Metrics::for_deployment(Arc::clone(
-                &deployment,
-            ))),
+            metrics: Arc::new(shardq_metrics::Metrics::for_deployment_with(
+                Arc::clone(&deployment),
+                outbox.clone(),
+            )),
+            outbox,
             backend: deployment.backend(),
             deployment,
             producers: Mutex::new(Vec::new()),

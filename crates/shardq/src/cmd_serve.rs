@@ -85,6 +85,14 @@ pub struct ServeArgs {
     /// read, reshard) while `shardq work` or other servers run the shards.
     #[arg(long)]
     no_shards: bool,
+    /// Show a Postgres outbox (`shardq pg install`) in /v1/status, the
+    /// metrics and the dashboard: its depth, lag, relay and the
+    /// transactions holding keys. A postgres:// URL.
+    #[arg(long, value_name = "URL")]
+    outbox_postgres: Option<String>,
+    /// The outbox's schema.
+    #[arg(long, default_value = "shardq", requires = "outbox_postgres")]
+    outbox_schema: String,
     /// Job timeout of runs whose claim gives no `timeout_ms`, in ms: past
     /// it the server fails the run (an attempt used, retried or
     /// dead-lettered), whatever the worker's extends, and refuses its late
@@ -162,6 +170,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         allowed_hosts: args.allowed_hosts,
         take_shards: !args.no_shards,
+        outbox: args.outbox_postgres.map(|url| (url, args.outbox_schema)),
         conn: shardq_server::conn::ConnLimits {
             connections_max: args.connections_max,
             header_read_timeout_ms: args.header_read_timeout_ms,

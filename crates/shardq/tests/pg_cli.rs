@@ -338,3 +338,90 @@ fn relays_sigkilled_at_any_point_store_every_committed_row_once_in_order() {
         );
     }
 }
+
+/// `shardq serve` with an outbox to watch.
+fn serve_with_outbox(d: &str, url: &str) -> (Child, u16) {
+    let port = support::free_port();
+    let child = Command::new(BIN)
+        .args([
+            "serve",
+            "--data",
+            d,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--no-shards",
+        ])
+        .args(["--outbox-postgres", url])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starts the server");
+    shardq_testkit::wait_until("the server to answer", Duration::from_secs(30), || {
+        ureq::get(&format!("http://127.0.0.1:{port}/healthz"))
+            .call()
+            .is_ok()
+    });
+    (child, port)
+}
+
+fn get_text(port: u16, path: &str) -> String {
+    ureq::get(&format!("http://127.0.0.1:{port}{path}"))
+        .call()
+        .expect("answers")
+        .into_string()
+        .unwrap()
+}
+
+#[test]
+fn the_server_shows_the_outbox_in_its_status_and_metrics_and_masks_its_password() {
+    let pg = PgServer::start();
+    let dir = temp_dir("pg-serve");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    install(d, &pg);
+    let mut c = client(&pg);
+    c.execute(
+        "SELECT shardq.enqueue('a', 'one'), shardq.enqueue('b', 'two')",
+        &[],
+    )
+    .unwrap();
+    let (mut server, port) = serve_with_outbox(d, &pg.url());
+    let status: serde_json::Value = serde_json::from_str(&get_text(port, "/v1/status")).unwrap();
+    let o = &status["outbox"];
+    assert_eq!(
+        (o["depth"].as_i64(), o["relay_active"].as_bool()),
+        (Some(2), Some(false)),
+        "{status}"
+    );
+    assert!(o["oldest_age_ms"].as_i64() >= Some(0), "{o}");
+    let metrics = get_text(port, "/metrics");
+    assert!(
+        metrics.contains("shardq_outbox_depth 2") && metrics.contains("shardq_outbox_up 1"),
+        "{metrics}"
+    );
+    // Relayed: the gauges follow within the metrics' cache time.
+    drain(d, &pg);
+    shardq_testkit::wait_until(
+        "the metrics to show an empty outbox",
+        Duration::from_secs(10),
+        || get_text(port, "/metrics").contains("shardq_outbox_depth 0"),
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    // An outbox that cannot be reached: said in the status, its password
+    // masked; the deployment's status is answered all the same.
+    let (mut server, port) = serve_with_outbox(d, "postgres://app:s3cr3t-pw@127.0.0.1:1/app");
+    let text = get_text(port, "/v1/status");
+    let status: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(status["outbox"]["error"].is_string(), "{status}");
+    assert!(
+        status["shards"].is_array() || status["shards"].is_object(),
+        "{status}"
+    );
+    let metrics = get_text(port, "/metrics");
+    assert!(metrics.contains("shardq_outbox_up 0"), "{metrics}");
+    assert!(!text.contains("s3cr3t-pw") && !metrics.contains("s3cr3t-pw"));
+    let _ = server.kill();
+    let _ = server.wait();
+}

@@ -12,10 +12,19 @@ use super::*;
 pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
     // Off the async threads: flow control reads its settings and the
     // groups' run slots from the store.
-    let (report, flow) =
-        blocking(move || Ok((app.deployment.status()?, flow_status(&app)))).await?;
+    let (report, flow, outbox) = blocking(move || {
+        let outbox = app.outbox.as_ref().map(|read| match read() {
+            Ok(s) => serde_json::to_value(s).unwrap_or(Value::Null),
+            Err(why) => json!({ "error": why }),
+        });
+        Ok((app.deployment.status()?, flow_status(&app), outbox))
+    })
+    .await?;
     let mut v = serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?;
     v["flow"] = flow;
+    if let Some(o) = outbox {
+        v["outbox"] = o;
+    }
     ok(v)
 }
 

@@ -886,6 +886,25 @@
     }
   }
 
+  // ----------------------------------------------------------------- outbox
+  // The Postgres outbox, when the server was started with --outbox-postgres.
+  function renderOutbox(o) {
+    const panel = $("outbox-panel");
+    panel.hidden = !o;
+    if (!o) return;
+    const err = $("outbox-error");
+    err.hidden = !o.error;
+    err.textContent = o.error ? "Cannot read the outbox: " + o.error : "";
+    if (o.error) return;
+    $("outbox-depth").textContent = String(o.depth);
+    $("outbox-lag").textContent = o.oldest_age_ms == null ? "empty" : (o.oldest_age_ms / 1000).toFixed(1) + " s";
+    const relay = $("outbox-relay");
+    relay.textContent = o.relay_active ? "active" : "none active: rows wait";
+    relay.className = o.relay_active ? "" : "bad";
+    $("outbox-open").textContent = String(o.open_transactions);
+    $("outbox-dead").textContent = String(o.dead_tuples);
+  }
+
   // ------------------------------------------------------------------- poll
   async function poll() {
     const slow = Date.now() - state.lastSlow >= SLOW_MS || !state.ringIndex.length;
@@ -914,6 +933,7 @@
     if (got.ring) renderRing(got.ring);
     if (got.status) renderShards(got.status);
     if (got.status) renderFlow(got.status.flow);
+    if (got.status) renderOutbox(got.status.outbox || null);
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
