@@ -425,3 +425,82 @@ fn the_server_shows_the_outbox_in_its_status_and_metrics_and_masks_its_password(
     let _ = server.kill();
     let _ = server.wait();
 }
+
+#[test]
+fn a_relay_into_redis_keeps_order_and_one_that_cannot_reach_postgres_says_why_and_retries() {
+    let pg = PgServer::start();
+    let redis = shardq_testkit::redis::RedisServer::start();
+    let dir = temp_dir("pg-redis");
+    let data = dir.join("q");
+    support::init_shards_with(&data, 3, &["--redis", &redis.url()]);
+    let d = data.to_str().unwrap();
+    install(d, &pg);
+    let mut c = client(&pg);
+    let mut tx = c.transaction().unwrap();
+    for i in 0..300 {
+        tx.execute(
+            "SELECT shardq.enqueue($1, $2)",
+            &[&format!("r-{}", i % 7), &i.to_string()],
+        )
+        .unwrap();
+    }
+    tx.commit().unwrap();
+    assert_eq!(drain(d, &pg)["relayed"], 300);
+    for k in 0..7 {
+        let got: Vec<u64> = key_jobs(d, &format!("r-{k}"))
+            .iter()
+            .map(|j| j["payload"].as_str().unwrap().parse().unwrap())
+            .collect();
+        let want: Vec<u64> = (0..300).filter(|i| i % 7 == k).collect();
+        assert_eq!(got, want, "r-{k}");
+    }
+    // Postgres unreachable: the relay says why and tries again, until
+    // stopped.
+    let mut relay = Command::new(BIN)
+        .args([
+            "pg",
+            "relay",
+            "--data",
+            d,
+            "--postgres",
+            "postgres://app:pw@127.0.0.1:1/app",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = relay.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let failed: Vec<String> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(20))
+                .expect("a failure line")
+        })
+        .collect();
+    support::signal(relay.id(), "-TERM");
+    let status = relay.wait().unwrap();
+    reader.join().unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&rx.try_iter().last().expect("a report")).unwrap();
+    assert_eq!(report["relayed"], 0, "{report}");
+    for l in &failed {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["event"], "failed", "{l}");
+        assert!(
+            v["retry_ms"].as_u64() > Some(0) && v["why"].as_str().unwrap().contains("postgres"),
+            "{l}"
+        );
+        assert!(!l.contains(":pw@"), "{l}");
+    }
+    assert!(
+        status.success(),
+        "a stopped relay exits cleanly: {status:?}"
+    );
+}
