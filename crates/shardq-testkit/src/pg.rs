@@ -25,6 +25,7 @@ pub struct PgServer {
     child: Option<Child>,
     dir: PathBuf,
     port: u16,
+    bin: PathBuf,
 }
 
 /// The directory holding `initdb` and `postgres`.
@@ -122,12 +123,25 @@ impl PgServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let port = free_port();
-        let child = as_pg_user(&bin, "postgres")
+        let mut server = PgServer {
+            child: None,
+            dir,
+            port: free_port(),
+            bin,
+        };
+        server.start_again();
+        server
+    }
+
+    /// Starts the server again on its port and data (after [`PgServer::stop`]),
+    /// returning once it accepts connections.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "the server is running");
+        let child = as_pg_user(&self.bin, "postgres")
             .arg("-D")
-            .arg(&data)
-            .args(["-p", &port.to_string(), "-k"])
-            .arg(&dir)
+            .arg(self.dir.join("data"))
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(&self.dir)
             .args([
                 "-c",
                 "listen_addresses=127.0.0.1",
@@ -140,22 +154,42 @@ impl PgServer {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("{NEEDED}: postgres: {e}"));
-        let server = PgServer {
-            child: Some(child),
-            dir,
-            port,
-        };
+        self.child = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
-            || !server.accepts_queries()
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err()
+            || !self.accepts_queries()
         {
             assert!(
                 Instant::now() < deadline,
-                "postgres on port {port} did not accept connections within {START_TIMEOUT:?}"
+                "postgres on port {} did not accept connections within {START_TIMEOUT:?}",
+                self.port
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        server
+    }
+
+    /// Stops the server (a fast shutdown: open sessions end, committed
+    /// work stays), returning once it has exited.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SIGINT is the fast shutdown.
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                }
+            }
+        }
     }
 
     /// Whether a login works (the server is past its start-up).
@@ -182,25 +216,7 @@ impl PgServer {
 
 impl Drop for PgServer {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // SIGINT is the fast shutdown.
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(20))
-                    }
-                    _ => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break;
-                    }
-                }
-            }
-        }
+        self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -504,3 +504,174 @@ fn a_relay_into_redis_keeps_order_and_one_that_cannot_reach_postgres_says_why_an
         "a stopped relay exits cleanly: {status:?}"
     );
 }
+
+/// A producer of outbox rows over `keys` keys in small transactions, as
+/// long as `run` holds and not while `pause` does (it says so in
+/// `paused`): a commit it saw succeed is counted in `committed[key]`.
+/// After Postgres restarts, it connects again before its next
+/// transaction (nothing it counted is in doubt: it never commits while
+/// the server may go away).
+struct Producer {
+    run: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pause: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    total: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    handle: std::thread::JoinHandle<Vec<usize>>,
+}
+
+fn producer(url: String, keys: usize) -> Producer {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    let run = Arc::new(AtomicBool::new(true));
+    let pause = Arc::new(AtomicBool::new(false));
+    let paused = Arc::new(AtomicBool::new(false));
+    let total = Arc::new(AtomicUsize::new(0));
+    let (r, p, pd, t) = (run.clone(), pause.clone(), paused.clone(), total.clone());
+    let handle = std::thread::spawn(move || {
+        let mut committed = vec![0usize; keys];
+        let mut conn: Option<postgres::Client> = None;
+        let mut round = 0usize;
+        while r.load(SeqCst) {
+            if p.load(SeqCst) {
+                conn = None;
+                pd.store(true, SeqCst);
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            pd.store(false, SeqCst);
+            let c = match conn.as_mut() {
+                Some(c) => c,
+                None => match postgres::Client::connect(&url, postgres::NoTls) {
+                    Ok(c) => conn.insert(c),
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                },
+            };
+            round += 1;
+            let picked: Vec<usize> = (0..3).map(|i| (round * 5 + i * 3) % keys).collect();
+            let mut next = committed.clone();
+            let mut tx = c.transaction().expect("a transaction on a live server");
+            for &k in &picked {
+                let payload = format!("{k}:{}", next[k]);
+                tx.execute(
+                    "SELECT shardq.enqueue($1, $2)",
+                    &[&format!("m-{k}"), &payload],
+                )
+                .expect("enqueue on a live server");
+                next[k] += 1;
+            }
+            tx.commit().expect("commit on a live server");
+            committed = next;
+            t.fetch_add(picked.len(), SeqCst);
+        }
+        committed
+    });
+    Producer {
+        run,
+        pause,
+        paused,
+        total,
+        handle,
+    }
+}
+
+impl Producer {
+    fn wait_for(&self, more: usize) {
+        let want = self.total.load(std::sync::atomic::Ordering::SeqCst) + more;
+        shardq_testkit::wait_until(
+            "the producer to commit more rows",
+            Duration::from_secs(60),
+            || self.total.load(std::sync::atomic::Ordering::SeqCst) >= want,
+        );
+    }
+
+    fn hold(&self) {
+        self.pause.store(true, std::sync::atomic::Ordering::SeqCst);
+        shardq_testkit::wait_until("the producer to pause", Duration::from_secs(20), || {
+            self.paused.load(std::sync::atomic::Ordering::SeqCst)
+        });
+    }
+
+    fn go_on(&self) {
+        self.pause.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn finish(self) -> Vec<usize> {
+        self.run.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.handle.join().unwrap()
+    }
+}
+
+#[test]
+fn the_relay_rides_out_a_postgres_restart_a_sigstop_and_a_rebalance_without_loss_or_reorder() {
+    const KEYS: usize = 8;
+    let mut pg = PgServer::start();
+    let dir = temp_dir("pg-chaos");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap().to_string();
+    install(&d, &pg);
+    let mut relay = Command::new(BIN)
+        .args([
+            "pg",
+            "relay",
+            "--data",
+            &d,
+            "--postgres",
+            &pg.url(),
+            "--batch",
+            "50",
+            "--poll-ms",
+            "100",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let p = producer(pg.url(), KEYS);
+    p.wait_for(150);
+    // Postgres stops for 5 s with rows waiting, and comes back.
+    p.hold();
+    pg.stop();
+    // Real time: the relay must ride out an outage of this length.
+    std::thread::sleep(Duration::from_secs(5));
+    pg.start_again();
+    p.go_on();
+    p.wait_for(150);
+    // The relay stopped (SIGSTOP) while rows keep coming.
+    support::signal(relay.id(), "-STOP");
+    p.wait_for(150);
+    assert!(
+        status(&pg)["depth"].as_i64() > Some(0),
+        "rows wait while the relay is stopped"
+    );
+    support::signal(relay.id(), "-CONT");
+    // A shard added and the keys moved while rows are relayed.
+    ok(&["add-shard", "--data", &d, "shard-2"]);
+    ok(&["rebalance", "--data", &d]);
+    p.wait_for(150);
+    let committed = p.finish();
+    shardq_testkit::wait_until(
+        "the relay to empty the outbox",
+        Duration::from_secs(60),
+        || status(&pg)["depth"] == 0,
+    );
+    support::signal(relay.id(), "-TERM");
+    let _ = relay.wait();
+    for (k, n) in committed.iter().enumerate() {
+        let got: Vec<usize> = key_jobs(&d, &format!("m-{k}"))
+            .iter()
+            .map(|j| {
+                let p = j["payload"].as_str().unwrap();
+                p.split_once(':').unwrap().1.parse().unwrap()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            (0..*n).collect::<Vec<_>>(),
+            "m-{k}: each committed row once, in commit order"
+        );
+    }
+}
