@@ -675,3 +675,71 @@ fn the_relay_rides_out_a_postgres_restart_a_sigstop_and_a_rebalance_without_loss
         );
     }
 }
+
+#[test]
+fn rows_wait_in_the_outbox_while_the_store_is_down_and_go_once_it_is_back() {
+    const KEYS: usize = 6;
+    let pg = PgServer::start();
+    let mut redis =
+        shardq_testkit::redis::RedisServer::start_with(shardq_testkit::redis::ServerOptions {
+            aof_always: true,
+            ..Default::default()
+        });
+    let dir = temp_dir("pg-store-down");
+    let data = dir.join("q");
+    support::init_shards_with(&data, 2, &["--redis", &redis.url()]);
+    let d = data.to_str().unwrap().to_string();
+    install(&d, &pg);
+    let mut relay = Command::new(BIN)
+        .args([
+            "pg",
+            "relay",
+            "--data",
+            &d,
+            "--postgres",
+            &pg.url(),
+            "--batch",
+            "40",
+            "--poll-ms",
+            "100",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let p = producer(pg.url(), KEYS);
+    p.wait_for(120);
+    // The store crashes (SIGKILL; it keeps what it acknowledged, AOF on):
+    // committed rows pile up in the outbox, none is lost or deleted.
+    redis.kill();
+    p.wait_for(120);
+    shardq_testkit::wait_until(
+        "rows to wait in the outbox",
+        Duration::from_secs(20),
+        || status(&pg)["depth"].as_i64() >= Some(60),
+    );
+    redis.restart();
+    p.wait_for(60);
+    let committed = p.finish();
+    shardq_testkit::wait_until(
+        "the relay to empty the outbox",
+        Duration::from_secs(60),
+        || status(&pg)["depth"] == 0,
+    );
+    support::signal(relay.id(), "-TERM");
+    let _ = relay.wait();
+    for (k, n) in committed.iter().enumerate() {
+        let got: Vec<usize> = key_jobs(&d, &format!("m-{k}"))
+            .iter()
+            .map(|j| {
+                let p = j["payload"].as_str().unwrap();
+                p.split_once(':').unwrap().1.parse().unwrap()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            (0..*n).collect::<Vec<_>>(),
+            "m-{k}: each committed row once, in commit order"
+        );
+    }
+}
