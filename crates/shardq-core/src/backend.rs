@@ -493,6 +493,15 @@ pub trait MoveKeys: Send + Sync {
         Ok(out)
     }
 
+    /// Whether a move's copy should export the next chunk from the old
+    /// shard while the new shard stores this one, on a second thread: for
+    /// a backend whose shards are separate servers (Redis), which then
+    /// work at once. Default: no (one thread, export then import, which
+    /// keeps a seeded simulation's history fixed).
+    fn overlaps_copies(&self) -> bool {
+        false
+    }
+
     /// Makes this backend's later writes for a move (fences, copies,
     /// freezes, purges) carry rebalance epoch `epoch`
     /// ([`MapStore::rebalance_epoch`](crate::reshard::MapStore::rebalance_epoch)),

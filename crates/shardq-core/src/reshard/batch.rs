@@ -355,49 +355,65 @@ pub(super) fn copy_rounds<B: QueueBackend + ?Sized>(
     copied: &mut BTreeMap<String, u64>,
     touched: &mut BTreeSet<String>,
 ) -> Result<(), ReshardError> {
-    std::thread::scope(|scope| {
-        let (tx, rx) = std::sync::mpsc::sync_channel(COPY_AHEAD_CHUNKS);
-        scope.spawn(move || {
-            if let Err(e) = export_rounds(backend, batch, &tx) {
-                // The import side may be gone (it failed): nothing to tell.
-                let _ = tx.send(Err(e));
-            }
-        });
-        let mut done = 0usize;
-        let out = (|| -> Result<(), ReshardError> {
-            for msg in rx.iter() {
-                match msg? {
-                    Exported::Chunk(i, jobs) => {
-                        let (key, from, to) = &batch[i];
-                        // From here the new shard may hold copies, whatever
-                        // the call answers.
-                        touched.insert(key.clone());
-                        let n = copied.entry(key.clone()).or_default();
-                        for (src, new) in backend.import_jobs(to, from, key, &jobs)? {
-                            ids.insert((key.clone(), src), new);
-                            *n += 1;
-                        }
-                    }
-                    Exported::Done(i, after) => {
-                        cursors.insert(batch[i].0.clone(), Some(after));
-                        done += 1;
-                    }
+    let mut done = 0usize;
+    // What the import side does with each message, in order.
+    let mut take = |msg: Result<Exported, ReshardError>| -> Result<(), ReshardError> {
+        match msg? {
+            Exported::Chunk(i, jobs) => {
+                let (key, from, to) = &batch[i];
+                // From here the new shard may hold copies, whatever the
+                // call answers.
+                touched.insert(key.clone());
+                let n = copied.entry(key.clone()).or_default();
+                for (src, new) in backend.import_jobs(to, from, key, &jobs)? {
+                    ids.insert((key.clone(), src), new);
+                    *n += 1;
                 }
             }
-            Ok(())
-        })();
-        // Dropped before the export thread is joined: a send it is blocked
-        // in (or its next one) fails, and it stops.
-        drop(rx);
-        out?;
-        if done != batch.len() {
-            return Err(QueueError::Internal {
-                what: "a move's exports ended before their last key's".into(),
+            Exported::Done(i, after) => {
+                cursors.insert(batch[i].0.clone(), Some(after));
+                done += 1;
             }
-            .into());
         }
         Ok(())
-    })
+    };
+    if !backend.overlaps_copies() {
+        // One thread, in the same order: export a chunk, import it.
+        let mut failed = None;
+        export_rounds(backend, batch, &mut |msg| match take(msg) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+    } else {
+        std::thread::scope(|scope| -> Result<(), ReshardError> {
+            let (tx, rx) = std::sync::mpsc::sync_channel(COPY_AHEAD_CHUNKS);
+            scope.spawn(move || {
+                let mut send = |msg| tx.send(msg).is_ok();
+                if let Err(e) = export_rounds(backend, batch, &mut send) {
+                    // The import side may be gone (it failed): nothing to tell.
+                    send(Err(e));
+                }
+            });
+            let out = rx.iter().try_for_each(&mut take);
+            // Dropped before the export thread is joined: a send it is
+            // blocked in (or its next one) fails, and it stops.
+            drop(rx);
+            out
+        })?;
+    }
+    if done != batch.len() {
+        return Err(QueueError::Internal {
+            what: "a move's exports ended before their last key's".into(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// The export side of [`copy_rounds`]: each key's cursor on its new shard,
@@ -405,7 +421,7 @@ pub(super) fn copy_rounds<B: QueueBackend + ?Sized>(
 fn export_rounds<B: QueueBackend + ?Sized>(
     backend: &B,
     batch: &[Switch],
-    tx: &std::sync::mpsc::SyncSender<Result<Exported, ReshardError>>,
+    send: &mut dyn FnMut(Result<Exported, ReshardError>) -> bool,
 ) -> Result<(), ReshardError> {
     for (i, (key, from, to)) in batch.iter().enumerate() {
         let mut after = backend.imported_up_to(to, from, key)?;
@@ -417,7 +433,7 @@ fn export_rounds<B: QueueBackend + ?Sized>(
                 if let Some(last) = chunk.last() {
                     after = Some(last.id);
                     round += len;
-                    if tx.send(Ok(Exported::Chunk(i, chunk))).is_err() {
+                    if !send(Ok(Exported::Chunk(i, chunk))) {
                         return Ok(());
                     }
                 }
@@ -429,7 +445,7 @@ fn export_rounds<B: QueueBackend + ?Sized>(
                 break;
             }
         }
-        if tx.send(Ok(Exported::Done(i, after))).is_err() {
+        if !send(Ok(Exported::Done(i, after))) {
             return Ok(());
         }
     }

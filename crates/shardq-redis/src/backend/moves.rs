@@ -3,6 +3,10 @@
 use super::*;
 
 impl MoveKeys for RedisBackend {
+    fn overlaps_copies(&self) -> bool {
+        true
+    }
+
     fn dedup_export(&self, shard: &str, key: &str) -> Result<Vec<DedupRecord>, QueueError> {
         Ok(self
             .dedup_scan(shard, key)?
