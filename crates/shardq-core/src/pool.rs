@@ -166,6 +166,45 @@ pub fn current_run() -> Option<RunContext> {
     CURRENT_RUN.with(|c| c.borrow().clone())
 }
 
+/// Runs `handler` on `job` in this worker thread, as the run `signal`
+/// names ([`current_run`] and [`set_result`] work inside it): its outcome,
+/// with the result it set when it succeeded within `result_bytes_max`. A
+/// panic, or a success of a run the pool cancelled, fails the attempt.
+fn run_handler(
+    handler: &Handler,
+    job: &ClaimedJob,
+    signal: Arc<RunSignal>,
+    result_bytes_max: usize,
+) -> Outcome {
+    let ctx = RunContext { signal };
+    CURRENT_RUN.with(|c| *c.borrow_mut() = Some(ctx.clone()));
+    RUN_RESULT.with(|r| *r.borrow_mut() = None);
+    let mut result = catch_unwind(AssertUnwindSafe(|| handler(job)))
+        .unwrap_or_else(|_| Err("handler panicked".into()))
+        .map_err(Failure::from);
+    CURRENT_RUN.with(|c| *c.borrow_mut() = None);
+    if !matches!(result, Err(Failure::Failed(_))) && ctx.is_cancelled() {
+        // A cancelled run's success is not trusted: a job timeout means
+        // the attempt failed.
+        result = Err(format!("cancelled: {}", ctx.cancel_reason()).into());
+    }
+    let mut value = RUN_RESULT.with(|r| r.borrow_mut().take());
+    if let (Ok(()), Some(v)) = (&result, &value) {
+        if let Err(why) = crate::job::check_result(v, result_bytes_max) {
+            result = Err(why.into());
+        }
+    }
+    if result.is_err() {
+        value = None;
+    }
+    Outcome {
+        shard: job.shard.clone(),
+        receipt: job.receipt(),
+        result,
+        value,
+    }
+}
+
 /// How a finished run was recorded (see [`PoolEvent::RunFinished`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -412,37 +451,11 @@ impl WorkerPool {
                         },
                         Err(_) => return,
                     };
-                    let ctx = RunContext { signal };
-                    CURRENT_RUN.with(|c| *c.borrow_mut() = Some(ctx.clone()));
-                    RUN_RESULT.with(|r| *r.borrow_mut() = None);
                     let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
                     peak.fetch_max(now_running, Ordering::SeqCst);
-                    let mut result = catch_unwind(AssertUnwindSafe(|| handler(&job)))
-                        .unwrap_or_else(|_| Err("handler panicked".into()))
-                        .map_err(Failure::from);
+                    let outcome = run_handler(&*handler, &job, signal, result_bytes_max);
                     running.fetch_sub(1, Ordering::SeqCst);
-                    CURRENT_RUN.with(|c| *c.borrow_mut() = None);
-                    if !matches!(result, Err(Failure::Failed(_))) && ctx.is_cancelled() {
-                        // A cancelled run's success is not trusted: a job
-                        // timeout means the attempt failed.
-                        result = Err(format!("cancelled: {}", ctx.cancel_reason()).into());
-                    }
-                    let mut value = RUN_RESULT.with(|r| r.borrow_mut().take());
-                    if let (Ok(()), Some(v)) = (&result, &value) {
-                        if let Err(why) = crate::job::check_result(v, result_bytes_max) {
-                            result = Err(why.into());
-                        }
-                    }
-                    if result.is_err() {
-                        value = None;
-                    }
-                    let sent = out_tx.send(Outcome {
-                        shard: job.shard.clone(),
-                        receipt: job.receipt(),
-                        result,
-                        value,
-                    });
-                    if sent.is_err() {
+                    if out_tx.send(outcome).is_err() {
                         return;
                     }
                 });

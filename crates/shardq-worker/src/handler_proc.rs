@@ -268,15 +268,27 @@ pub fn run_job_command(
     if !status.success() {
         return Err(format!("handler {program:?} {}{}", describe(status), said()).into());
     }
+    succeeded(written, &result_file, program, job)
+}
+
+/// A handler that exited 0: its attempt succeeds if its payload was
+/// written in full (or it closed its stdin early), with the result it
+/// left in its result file.
+fn succeeded(
+    written: Option<io::Result<()>>,
+    result_file: &ResultFile,
+    program: &str,
+    job: &ClaimedJob,
+) -> Result<(), HandlerError> {
     match written {
         None | Some(Ok(())) => {}
         // The handler closed its stdin before reading all of it: its choice.
         Some(Err(e)) if e.kind() == io::ErrorKind::BrokenPipe => {}
         Some(Err(e)) => {
             return Err(format!(
-            "writing the {}-byte payload to handler {program:?}: {e}; the handler may have seen a truncated payload",
-            job.payload.len()
-        )
+                "writing the {}-byte payload to handler {program:?}: {e}; the handler may have seen a truncated payload",
+                job.payload.len()
+            )
             .into())
         }
     }
