@@ -235,23 +235,37 @@ fn each_keys_rows_run_in_commit_order_and_an_open_transaction_holds_back_only_it
 
 /// A relay process of the outbox (`--batch` small, so kills land mid-way).
 fn relay(d: &str, pg: &PgServer) -> Child {
+    relay_with(d, pg, "37", "50")
+}
+
+/// A relay process with `--batch` and `--poll-ms`, quiet.
+fn relay_with(d: &str, pg: &PgServer, batch: &str, poll_ms: &str) -> Child {
     Command::new(BIN)
-        .args([
-            "pg",
-            "relay",
-            "--data",
-            d,
-            "--postgres",
-            &pg.url(),
-            "--batch",
-            "37",
-            "--poll-ms",
-            "50",
-        ])
+        .args(["pg", "relay", "--data", d, "--postgres", &pg.url()])
+        .args(["--batch", batch, "--poll-ms", poll_ms])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("starts a relay")
+}
+
+/// Every committed row of `m-K` (`committed[K]` of them, payloads
+/// `K:0`, `K:1`, ...) is one job of the key, in commit order.
+fn assert_each_committed_row_once_in_order(d: &str, committed: &[usize]) {
+    for (k, n) in committed.iter().enumerate() {
+        let got: Vec<usize> = key_jobs(d, &format!("m-{k}"))
+            .iter()
+            .map(|j| {
+                let p = j["payload"].as_str().unwrap();
+                p.split_once(':').unwrap().1.parse().unwrap()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            (0..*n).collect::<Vec<_>>(),
+            "m-{k}: each committed row once, in commit order"
+        );
+    }
 }
 
 #[test]
@@ -613,23 +627,7 @@ fn the_relay_rides_out_a_postgres_restart_a_sigstop_and_a_rebalance_without_loss
     init_shards(&data, 2);
     let d = data.to_str().unwrap().to_string();
     install(&d, &pg);
-    let mut relay = Command::new(BIN)
-        .args([
-            "pg",
-            "relay",
-            "--data",
-            &d,
-            "--postgres",
-            &pg.url(),
-            "--batch",
-            "50",
-            "--poll-ms",
-            "100",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut relay = relay_with(&d, &pg, "50", "100");
     let p = producer(pg.url(), KEYS);
     p.wait_for(150);
     // Postgres stops for 5 s with rows waiting, and comes back.
@@ -660,20 +658,7 @@ fn the_relay_rides_out_a_postgres_restart_a_sigstop_and_a_rebalance_without_loss
     );
     support::signal(relay.id(), "-TERM");
     let _ = relay.wait();
-    for (k, n) in committed.iter().enumerate() {
-        let got: Vec<usize> = key_jobs(&d, &format!("m-{k}"))
-            .iter()
-            .map(|j| {
-                let p = j["payload"].as_str().unwrap();
-                p.split_once(':').unwrap().1.parse().unwrap()
-            })
-            .collect();
-        assert_eq!(
-            got,
-            (0..*n).collect::<Vec<_>>(),
-            "m-{k}: each committed row once, in commit order"
-        );
-    }
+    assert_each_committed_row_once_in_order(&d, &committed);
 }
 
 #[test]
@@ -690,23 +675,7 @@ fn rows_wait_in_the_outbox_while_the_store_is_down_and_go_once_it_is_back() {
     support::init_shards_with(&data, 2, &["--redis", &redis.url()]);
     let d = data.to_str().unwrap().to_string();
     install(&d, &pg);
-    let mut relay = Command::new(BIN)
-        .args([
-            "pg",
-            "relay",
-            "--data",
-            &d,
-            "--postgres",
-            &pg.url(),
-            "--batch",
-            "40",
-            "--poll-ms",
-            "100",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut relay = relay_with(&d, &pg, "40", "100");
     let p = producer(pg.url(), KEYS);
     p.wait_for(120);
     // The store crashes (SIGKILL; it keeps what it acknowledged, AOF on):
@@ -728,18 +697,5 @@ fn rows_wait_in_the_outbox_while_the_store_is_down_and_go_once_it_is_back() {
     );
     support::signal(relay.id(), "-TERM");
     let _ = relay.wait();
-    for (k, n) in committed.iter().enumerate() {
-        let got: Vec<usize> = key_jobs(&d, &format!("m-{k}"))
-            .iter()
-            .map(|j| {
-                let p = j["payload"].as_str().unwrap();
-                p.split_once(':').unwrap().1.parse().unwrap()
-            })
-            .collect();
-        assert_eq!(
-            got,
-            (0..*n).collect::<Vec<_>>(),
-            "m-{k}: each committed row once, in commit order"
-        );
-    }
+    assert_each_committed_row_once_in_order(&d, &committed);
 }
