@@ -838,11 +838,11 @@
       tbody.appendChild(tr);
     }
     // What became of the key's finished jobs, as far as the retention keeps them.
-    const table = $("key-finished");
-    const rbody = table.querySelector("tbody");
+    const finishedTable = $("key-finished");
+    const rbody = finishedTable.querySelector("tbody");
     clear(rbody);
     const finished = list.finished || [];
-    table.hidden = finished.length === 0;
+    finishedTable.hidden = finished.length === 0;
     for (const f of finished) {
       const tr = el("tr", { "data-job": f.id, "data-outcome": f.outcome });
       tr.appendChild(el("td", null, f.id));
