@@ -42,6 +42,10 @@ pub const RELAY_DEDUP_WINDOW_MS: u64 = 3_600_000;
 pub const RELAY_BATCH_DEFAULT: usize = 2_000;
 /// Most rows per round.
 pub const RELAY_BATCH_MAX: usize = 10_000;
+/// Most payload bytes a round reads (a round takes fewer rows than
+/// `--batch` when their payloads are large; always at least one row): the
+/// relay's memory bound.
+pub const RELAY_BATCH_BYTES_MAX: i64 = 64 << 20;
 /// Default longest wait between two reads of the table, in ms.
 pub const RELAY_POLL_MS_DEFAULT: u64 = 1_000;
 /// Longest wait before a relay that failed tries again, in ms.
@@ -211,13 +215,19 @@ fn session(
         dedup_window_ms: RELAY_DEDUP_WINDOW_MS,
         ..ProducerOptions::default()
     })?;
+    // The oldest rows by id, at most `limit` of them and, past the first,
+    // at most RELAY_BATCH_BYTES_MAX of payload.
     let select = client.prepare(&format!(
-        "SELECT id, key, payload, dedup_id, delay_ms, max_attempts FROM {schema}.outbox ORDER BY id LIMIT $1"
+        "SELECT id, key, payload, dedup_id, delay_ms, max_attempts FROM (
+           SELECT id, key, payload, dedup_id, delay_ms, max_attempts,
+                  sum(octet_length(payload)) OVER (ORDER BY id) AS upto
+           FROM (SELECT * FROM {schema}.outbox ORDER BY id LIMIT $1) oldest
+         ) r WHERE upto - octet_length(payload) < $2 ORDER BY id"
     ))?;
     let delete = client.prepare(&format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"))?;
     let limit = opts.batch as i64;
     while !stop.load(Ordering::SeqCst) {
-        let rows = client.query(&select, &[&limit])?;
+        let rows = client.query(&select, &[&limit, &RELAY_BATCH_BYTES_MAX])?;
         if rows.is_empty() {
             if opts.exit_when_empty {
                 return Ok(());
