@@ -20,6 +20,7 @@
 
 pub mod flow;
 pub mod history;
+pub mod http;
 pub mod outbox;
 pub mod runs;
 pub mod serve;
@@ -123,6 +124,7 @@ pub struct Metrics {
     history: History,
     flow_control: flow::FlowSeries,
     outbox: Option<outbox::OutboxGauges>,
+    http: Option<http::HttpGauges>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -283,6 +285,7 @@ impl Metrics {
             history: History::default(),
             flow_control,
             outbox: None,
+            http: None,
         };
         m.set_phase("idle");
         m
@@ -341,6 +344,13 @@ impl Metrics {
         }
     }
 
+    /// Adds the HTTP server's load gauges, read from `source` at every
+    /// scrape ([`http`]).
+    pub fn with_http(mut self, source: http::HttpSource) -> Metrics {
+        self.http = Some(http::HttpGauges::register(&mut self.registry, source));
+        self
+    }
+
     /// Every series in the Prometheus text format. Reads the status first
     /// when the cached one is older than the TTL (one read at a time; a
     /// scrape arriving meanwhile waits for it and uses its result).
@@ -351,6 +361,9 @@ impl Metrics {
         self.flow_control.update(now_ms);
         if let Some(o) = &self.outbox {
             o.refresh();
+        }
+        if let Some(h) = &self.http {
+            h.refresh();
         }
         self.shards.render(&self.registry)
     }

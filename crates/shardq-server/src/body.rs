@@ -127,11 +127,15 @@ impl Drop for Reserved {
 }
 
 impl BodyBudget {
-    /// A budget of `max` bytes; a body of unknown length counts as
-    /// `body_bytes_max`.
-    pub fn new(max: usize, body_bytes_max: usize) -> BodyBudget {
+    /// A budget of `max` bytes counted in `in_flight`; a body of unknown
+    /// length counts as `body_bytes_max`.
+    pub fn new(
+        in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        max: usize,
+        body_bytes_max: usize,
+    ) -> BodyBudget {
         BodyBudget {
-            in_flight: Default::default(),
+            in_flight,
             max,
             unknown: body_bytes_max,
         }

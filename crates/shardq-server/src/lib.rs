@@ -20,6 +20,7 @@ pub mod edge;
 pub mod error;
 pub mod ids;
 pub mod limits;
+pub mod load;
 pub mod metrics;
 pub mod owner;
 
@@ -113,6 +114,8 @@ pub struct App {
     clock: Arc<dyn Clock>,
     rotate: AtomicUsize,
     metrics: Arc<shardq_metrics::Metrics>,
+    /// What the server is serving now (the `shardq_http_*` gauges).
+    load: Arc<load::Load>,
     /// The Postgres outbox shown beside the deployment, if any.
     pub(crate) outbox: Option<shardq_metrics::outbox::OutboxSource>,
     /// Bumped whenever work may have arrived here (enqueue, ack, fail,
@@ -220,12 +223,17 @@ impl App {
             Some((url, schema)) => Some(outbox_source(url, schema)?),
             None => None,
         };
+        let load = Arc::new(load::Load::default());
         Ok(App {
             owned,
-            metrics: Arc::new(shardq_metrics::Metrics::for_deployment_with(
-                Arc::clone(&deployment),
-                outbox.clone(),
-            )),
+            metrics: Arc::new(
+                shardq_metrics::Metrics::for_deployment_with(
+                    Arc::clone(&deployment),
+                    outbox.clone(),
+                )
+                .with_http(load.source()),
+            ),
+            load,
             outbox,
             backend: deployment.backend(),
             deployment,
@@ -421,11 +429,22 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     // budget of their own: they never hold a slot an enqueue, an ack or a
     // read needs.
     let polls = tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.polls_max.max(1));
+    // Each counted inside its limit: only admitted requests count.
+    let (requests, polls_in) = (
+        axum::middleware::from_fn_with_state(Arc::clone(&app.load.requests), load::count),
+        axum::middleware::from_fn_with_state(Arc::clone(&app.load.polls), load::count),
+    );
     for (info, handler) in table() {
         let handler = match info.path {
-            "/healthz" | "/readyz" => handler,
-            "/v1/claim" | "/v1/jobs/{id}/result" => handler.route_layer(polls.clone()),
-            _ => handler.route_layer(concurrency.clone()),
+            // The probes and the metrics answer however busy the server
+            // is: that is when they are wanted.
+            "/healthz" | "/readyz" | "/metrics" => handler,
+            "/v1/claim" | "/v1/jobs/{id}/result" => handler
+                .route_layer(polls_in.clone())
+                .route_layer(polls.clone()),
+            _ => handler
+                .route_layer(requests.clone())
+                .route_layer(concurrency.clone()),
         };
         let handler = match info.role {
             Some(role) => handler.route_layer(axum::middleware::from_fn_with_state(
@@ -457,6 +476,7 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     })
     .layer(DefaultBodyLimit::max(limits.body_bytes_max))
     .layer(axum::Extension(body::BodyBudget::new(
+        Arc::clone(&app.load.body_bytes),
         limits.body_bytes_in_flight_max,
         limits.body_bytes_max,
     )))
@@ -567,14 +587,14 @@ impl Server {
         let mut conn = opts.conn.clone();
         conn.connections_max = conn::connections_that_fit(conn.connections_max);
         Ok(Server {
-            app,
             owner,
             schedules,
             listener,
             tokens: opts.tokens.map(Arc::new),
             hosts,
             conn,
-            conn_stats: Arc::new(conn::ConnStats::default()),
+            conn_stats: Arc::clone(&app.load.conn),
+            app,
         })
     }
 
@@ -658,6 +678,7 @@ impl Server {
 /// A server running on a thread of its own (tests, embedding).
 pub struct Running {
     addr: SocketAddr,
+    load: Arc<load::Load>,
     stop_tx: Option<tokio::sync::oneshot::Sender<()>>,
     handle: Option<std::thread::JoinHandle<Result<(), ServerError>>>,
 }
@@ -671,6 +692,13 @@ impl Running {
     /// `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// What it serves now, as the `shardq_http_*` gauges show it: tests
+    /// wait on it where no answer shows the server's state (a connection
+    /// held, a long poll waiting, a body being read).
+    pub fn load(&self) -> shardq_metrics::http::HttpSnapshot {
+        (self.load.source())()
     }
 
     /// Shuts it down gracefully and waits.
@@ -701,6 +729,7 @@ impl Drop for Running {
 pub fn spawn(dir: &Path, opts: ServerOptions) -> Result<Running, ServerError> {
     let server = Server::open(dir, opts)?;
     let addr = server.local_addr()?;
+    let load = Arc::clone(&server.app.load);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let dir: PathBuf = dir.to_path_buf();
     let handle = std::thread::Builder::new()
@@ -724,6 +753,7 @@ pub fn spawn(dir: &Path, opts: ServerOptions) -> Result<Running, ServerError> {
         })?;
     Ok(Running {
         addr,
+        load,
         stop_tx: Some(stop_tx),
         handle: Some(handle),
     })

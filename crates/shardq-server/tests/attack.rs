@@ -251,9 +251,9 @@ fn connections_past_the_limit_are_closed_at_once_and_the_server_keeps_serving() 
     let held: Vec<TcpStream> = (0..16)
         .map(|_| TcpStream::connect(s.addr()).unwrap())
         .collect();
-    // Real time: the server takes the 16 in; no answer shows it has (a
-    // request would need a slot of its own).
-    std::thread::sleep(Duration::from_millis(100));
+    wait_until("the server holds the 16", WAIT_MAX, || {
+        s.load().connections_open >= 16
+    });
     // More are accepted and closed at once rather than left waiting. A
     // connection made before the flood (a client's keep-alive from the
     // wait above) may end during it and free one slot, which one extra
@@ -303,17 +303,29 @@ fn slow_bodies_hold_at_most_the_servers_concurrency_and_time_out() {
             c
         })
         .collect();
-    // Real time: the server starts reading both bodies (taking both
-    // slots); no answer shows it has without a slot of its own.
-    std::thread::sleep(Duration::from_millis(100));
-    // The health probes hold no slot: they answer at once.
+    wait_until("both slow bodies in service", WAIT_MAX, || {
+        let l = s.load();
+        l.requests_in_service == 2 && l.body_bytes_reading == 200
+    });
+    // The health probes and the metrics hold no slot: they answer at
+    // once, and the metrics show what holds the slots.
     let (code, _) = get(&s, "/healthz");
+    assert_eq!(code, 200);
+    let (code, m) = get(&s, "/metrics");
     assert_eq!(code, 200);
     assert!(
         t0.elapsed() < Duration::from_millis(600),
-        "/healthz waited {:?} behind the slow bodies",
+        "/healthz or /metrics waited {:?} behind the slow bodies",
         t0.elapsed()
     );
+    let m = m.as_str().unwrap();
+    for line in [
+        "shardq_http_requests_in_service 2",
+        "shardq_http_body_bytes_reading 200",
+        "shardq_http_polls_in_service 0",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} in:\n{m}");
+    }
     let (code, _) = get(&s, "/v1/status");
     let waited = t0.elapsed();
     assert_eq!(code, 200);
@@ -799,9 +811,17 @@ fn idle_long_polls_do_not_hold_the_slots_of_producers() {
             })
         })
         .collect();
-    // Real time: the polls get in (each finds nothing and waits); no
-    // answer shows a poll waiting before it ends.
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("the 6 polls waiting", WAIT_MAX, || {
+        s.load().polls_waiting == 6
+    });
+    let (_, m) = get(&s, "/metrics");
+    let m = m.as_str().unwrap();
+    for line in [
+        "shardq_http_polls_in_service 6",
+        "shardq_http_polls_waiting 6",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} in:\n{m}");
+    }
     let t = Instant::now();
     let (code, v) = call(&s, "GET", "/v1/status", None, None);
     assert_eq!(code, 200, "{v}");
@@ -840,9 +860,9 @@ fn bodies_in_flight_are_bounded_in_bytes() {
         .as_bytes(),
     )
     .unwrap();
-    // Real time: the server takes in the head and reserves the body's
-    // bytes; no answer shows it has but the refusal tested below.
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until("the slow body's bytes reserved", WAIT_MAX, || {
+        s.load().body_bytes_reading == 1 << 20
+    });
     let body = json!({"jobs": [{"key": "k", "payload": "x".repeat(1000)}]}).to_string();
     let r = ureq::post(&format!("{}/v1/jobs", s.url()))
         .set("Content-Type", "application/json")

@@ -96,9 +96,9 @@ fn idle_long_polls_cost_next_to_no_cpu() {
             })
         })
         .collect();
-    // Real time: the 300 polls get in and settle into their wait; no
-    // answer shows a poll waiting before it ends.
-    std::thread::sleep(Duration::from_millis(700));
+    wait_until("the polls waiting", WAIT_MAX, || {
+        s.load().polls_waiting == WAITERS as u64
+    });
     let (c0, t0) = (cpu_s(), Instant::now());
     // Real time: the window the idle polls' CPU is measured over.
     std::thread::sleep(Duration::from_millis(2000));

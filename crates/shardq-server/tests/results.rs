@@ -9,7 +9,7 @@ use serde_json::json;
 
 mod support;
 
-use support::{claim, enqueue, get, get_ok, init_dir, options, post, start};
+use support::{claim, enqueue, get, get_ok, init_dir, options, post, start, wait_until, WAIT_MAX};
 
 #[test]
 fn a_result_given_with_the_ack_is_kept_and_a_waiting_reader_is_woken() {
@@ -73,9 +73,11 @@ fn a_result_given_with_the_ack_is_kept_and_a_waiting_reader_is_woken() {
             .unwrap();
         (started.elapsed(), body)
     });
-    // Real time: lets the reader's request start waiting before the ack
-    // (one that came later would be answered at once, as checked below).
-    std::thread::sleep(Duration::from_millis(300));
+    // The reader waits before the ack (one that came later would be
+    // answered at once, as checked below).
+    wait_until("the reader waiting", WAIT_MAX, || {
+        s.load().polls_waiting == 1
+    });
     let (code, v) = post(
         &s,
         "/v1/ack",

@@ -371,6 +371,7 @@ pub async fn claim(
     // thousand idle long polls cost about one claim round per interval.
     let mut interval_ms = CLAIM_POLL_MS;
     let mut woken = true;
+    let mut waiting = None;
     loop {
         let notified = app.wake.notified();
         tokio::pin!(notified);
@@ -400,6 +401,7 @@ pub async fn claim(
             return ok(json!({ "jobs": [] }));
         }
         let left = deadline.saturating_duration_since(Instant::now());
+        waiting.get_or_insert_with(|| app.load.waiting());
         tokio::select! {
             _ = &mut notified => {
                 woken = true;

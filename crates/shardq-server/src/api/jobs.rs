@@ -211,6 +211,7 @@ pub async fn job_result(
     }
     let (shard, job) = job_ref(&app, &id)?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+    let mut in_wait = None;
     loop {
         let notified = app.wake.notified();
         tokio::pin!(notified);
@@ -234,6 +235,7 @@ pub async fn job_result(
         if !waiting || now >= deadline || app.owned.stopping() {
             return Ok(Json(v).into_response());
         }
+        in_wait.get_or_insert_with(|| app.load.waiting());
         let nap = (deadline - now).min(std::time::Duration::from_millis(RESULT_RECHECK_MS));
         let _ = tokio::time::timeout(nap, notified).await;
     }

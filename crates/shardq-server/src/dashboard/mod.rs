@@ -460,6 +460,7 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
     let mut conn = opts.conn.clone();
     conn.connections_max = crate::conn::connections_that_fit(conn.connections_max);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let load = Arc::clone(&app.load);
     let handle = std::thread::Builder::new()
         .name("shardq-dashboard".into())
         .spawn(move || {
@@ -471,11 +472,12 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)
                     .map_err(io("registering the listening socket"))?;
+                let conn_stats = Arc::clone(&app.load.conn);
                 crate::conn::serve(
                     listener,
                     crate::router(app, tokens, hosts),
                     conn,
-                    Arc::new(crate::conn::ConnStats::default()),
+                    conn_stats,
                     async move {
                         let _ = stop_rx.await;
                     },
@@ -487,6 +489,7 @@ pub fn spawn_viewer(dir: &Path, opts: ServerOptions) -> Result<Running, ServerEr
         .map_err(io("starting the dashboard thread"))?;
     Ok(Running {
         addr,
+        load,
         stop_tx: Some(stop_tx),
         handle: Some(handle),
     })
