@@ -725,7 +725,6 @@ export class Client {
     return doc === undefined || isFinished(doc) ? undefined : jobInfo(doc, url);
   }
 
-  /** Job `id` once it finished or was cancelled, while the deployment's retention keeps it; `undefined` for a live job, and for one no longer kept, moved away, or never existed. */
   /**
    * Waits up to `timeoutMs` for job `id` to finish and resolves to it (`outcome`, and `result`: what its handler
    * returned, absent for nothing or a cancelled job). The server answers as soon as the job is acked (long polls of
@@ -752,16 +751,17 @@ export class Client {
   }
 
   /**
-   * Where job `id` went when it left its shard with its key in a rebalance
-   * (its old id is no longer live; its copy has a new id on the key's new
-   * shard, where `keyJobs` lists it): the key and the shard it is on now.
-   * `undefined` for a live job, and for one that finished, was cancelled,
-   * or never existed.
+   * Where job `id` went when it left its shard with its key in a rebalance:
+   * the key and the shard it is on now. Its copy has a new id there, where
+   * `keyJobs` lists it and `job` and `result` of the old id find it (while
+   * the shards remember the move). `undefined` for a job that did not move,
+   * finished, was cancelled, or never existed.
    */
   async moved(id: string): Promise<Moved | undefined> {
     const [doc] = await this.read("GET", `/v1/jobs/${encodeURIComponent(id)}`, undefined, "body");
-    if (!(doc instanceof NotFoundReply)) return undefined;
-    const m = doc.doc["moved"];
+    // The copy found under its new id, or a 404 that names the key's shard.
+    const body = doc instanceof NotFoundReply ? doc.doc : (doc as Record<string, unknown> | undefined);
+    const m = body?.["moved"];
     if (m === null || typeof m !== "object") return undefined;
     const { key, shard } = m as Record<string, unknown>;
     return typeof key === "string" && typeof shard === "string" ? { key, shard } : undefined;

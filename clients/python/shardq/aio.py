@@ -285,7 +285,7 @@ class AsyncClient:
     async def moved(self, id: str) -> Optional[Moved]:
         """:meth:`shardq.Client.moved` from asyncio code."""
         status, doc = await self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
-        return Moved._of(doc) if status == 404 else None
+        return Moved._of(doc) if status in (200, 404) else None
 
     async def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
         """:meth:`shardq.Client.key_jobs` from asyncio code."""

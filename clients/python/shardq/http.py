@@ -836,8 +836,9 @@ def _check_batch_limits(batch_max: int, batch_bytes_max: int) -> None:
 
 class Moved(NamedTuple):
     """A job that left its shard with its key in a rebalance: the key, and
-    the shard the key is on now (``GET /v1/jobs/{id}`` answers 404 with a
-    ``moved`` object)."""
+    the shard the key is on now (``GET /v1/jobs/{id}`` of its old id
+    answers its copy with a ``moved`` object, or 404 with one when the
+    copy is no longer remembered)."""
 
     key: str
     shard: str
@@ -1527,12 +1528,12 @@ class Client:
 
     def moved(self, id: str) -> Optional[Moved]:
         """Where job ``id`` went when it left its shard with its key in a
-        rebalance (its old id is no longer live; its copy has a new id on
-        the key's new shard, where :meth:`key_jobs` lists it); ``None`` for
-        a live job, and for one that finished, was cancelled, or never
-        existed."""
+        rebalance: its copy has a new id on the key's new shard, where
+        :meth:`key_jobs` lists it and :meth:`job` and :meth:`result` of the
+        old id find it (while the shards remember the move); ``None`` for a
+        job that did not move, finished, was cancelled, or never existed."""
         status, doc = self._call("GET", f"/v1/jobs/{quote(id, safe=':')}", None, "reading a job")
-        return Moved._of(doc) if status == 404 else None
+        return Moved._of(doc) if status in (200, 404) else None
 
     def key_jobs(self, key: str, limit: int = 100) -> List[JobInfo]:
         """``key``'s live jobs in key order (its run in flight, queued,

@@ -62,7 +62,7 @@ from .errors import (
 _T = TypeVar("_T")
 
 #: The key layout version this client reads and writes (``keys::LAYOUT_VERSION``).
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 #: The ``remote.json`` format version this client reads (``remote::REMOTE_VERSION``).
 REMOTE_VERSION = 1
 #: Default queue (``keys::QUEUE_DEFAULT``).
@@ -71,7 +71,7 @@ QUEUE_DEFAULT = "default"
 SHARD_PARTS = (
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "finished",
-    "limits", "deadk", "keyed",
+    "limits", "deadk", "keyed", "movedin",
 )
 #: Most jobs per enqueue script call (``ENQUEUE_BATCH_MAX``).
 ENQUEUE_BATCH_MAX = 1024

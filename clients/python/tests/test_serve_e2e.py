@@ -256,11 +256,11 @@ def test_a_sigkilled_server_remembers_every_dedup_id_it_acknowledged(serve):
     assert n <= stored <= n + kills * batch, (stored, n)
 
 
-def test_an_id_from_before_a_move_says_where_its_job_went(serve):
-    """A key's jobs moved to another shard by a rebalance: their old ids are
-    no longer live, and ``moved`` names the key and the shard it is on now,
-    where ``key_jobs`` lists the jobs (sync and async clients alike); a live
-    job's id and a finished one's answer ``None``."""
+def test_an_id_from_before_a_move_finds_its_copy(serve):
+    """A key's jobs moved to another shard by a rebalance: their old ids
+    find the copies (``job``), and ``moved`` names the key and the shard it
+    is on now, where ``key_jobs`` lists the jobs (sync and async clients
+    alike); a live job's id and an unknown one answer ``None``."""
     import asyncio
 
     with Client([serve.url]) as c:
@@ -270,7 +270,9 @@ def test_an_id_from_before_a_move_says_where_its_job_went(serve):
         assert c.moved(ids[0]) is None, "a live job did not move"
         shardq("pin", "--data", serve.data, "mv-k", new)
         shardq("rebalance", "--data", serve.data)
-        assert c.job(ids[1]) is None
+        copy = c.job(ids[1])
+        assert copy is not None and (copy.shard, copy.payload) == (new, b"p1"), copy
+        assert copy.id != ids[1], "the copy has its own id"
         assert c.moved(ids[1]) == Moved(key="mv-k", shard=new)
         assert [j.payload for j in c.key_jobs("mv-k")] == [b"p0", b"p1", b"p2"]
         assert all(j.shard == new for j in c.key_jobs("mv-k"))

@@ -564,6 +564,22 @@ pub trait MoveKeys: Send + Sync {
         Ok(None)
     }
 
+    /// The id under which `shard` stored its copy of job `source_id` of
+    /// shard `from` ([`MoveKeys::import_jobs`], [`MoveKeys::import_many`]),
+    /// for the last [`crate::MOVED_KEYS_KEPT`] imports, at most
+    /// [`crate::MOVED_IDS_KEPT`] jobs: with [`MoveKeys::moved_away`] on the
+    /// old shard, how an id from before a move finds its job
+    /// ([`follow_moves`]). `None` for any other. Needs no ownership.
+    fn imported_as(
+        &self,
+        shard: &str,
+        from: &str,
+        source_id: JobId,
+    ) -> Result<Option<JobId>, QueueError> {
+        let _ = (shard, from, source_id);
+        Ok(None)
+    }
+
     /// Freezes each of `items`' keys on `shard` (a key sealed there for a
     /// move, with the largest id of it its new shard took: its cursor)
     /// when none of its jobs there that is not running has a larger id,
@@ -767,6 +783,47 @@ pub fn key_finished<B: QueueBackend + ?Sized>(
     all.sort_by_key(|(_, f)| std::cmp::Reverse(f.finished_ms));
     all.truncate(max);
     (all, failed)
+}
+
+/// Most moves [`follow_moves`] follows from one id (a key moved back and
+/// forth more often than this since the id was given is not followed).
+pub const MOVE_HOPS_MAX: usize = 16;
+
+/// Where job `id` of `shard` went when it left with its key in a move:
+/// the shard that stored its copy and the copy's id, followed through
+/// later moves of the copy (at most [`MOVE_HOPS_MAX`]), looking for the
+/// copy on each of `shards`. `None` when `id` did not move away (it is
+/// live or finished where it is, or unknown), or when no shard remembers
+/// storing its copy ([`MoveKeys::moved_away`] and [`MoveKeys::imported_as`]
+/// keep bounded histories). Read-only: needs no ownership.
+pub fn follow_moves<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shards: &[String],
+    shard: &str,
+    id: JobId,
+) -> Result<Option<(String, JobId)>, QueueError> {
+    let mut at = (shard.to_string(), id);
+    let mut moved = false;
+    for _ in 0..MOVE_HOPS_MAX {
+        if backend.moved_away(&at.0, at.1)?.is_none() {
+            break;
+        }
+        let mut next = None;
+        for s in shards.iter().filter(|s| **s != at.0) {
+            if let Some(copy) = backend.imported_as(s, &at.0, at.1)? {
+                next = Some((s.clone(), copy));
+                break;
+            }
+        }
+        match next {
+            Some(n) => {
+                at = n;
+                moved = true;
+            }
+            None => return Ok(None),
+        }
+    }
+    Ok(moved.then_some(at))
 }
 
 /// Finished (acked or cancelled) job `id` of `shard`, while the shard's

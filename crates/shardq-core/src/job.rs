@@ -1145,6 +1145,56 @@ impl MovedAway {
     }
 }
 
+/// One import [`MovedIn`] remembers: the shard copied from, and (source
+/// id, new id) per job, by source id.
+type Import = (Box<str>, Box<[(u64, u64)]>);
+
+/// The jobs a shard stored as copies of other shards' jobs (a move's
+/// imports), so that an id from before a move still finds its copy: for
+/// each of the last [`MOVED_KEYS_KEPT`] imports, at most [`MOVED_IDS_KEPT`]
+/// jobs in all, the shard copied from and (source id, new id) per job.
+#[derive(Debug, Clone, Default)]
+pub struct MovedIn {
+    imports: std::collections::VecDeque<Import>,
+    ids: usize,
+}
+
+impl MovedIn {
+    /// Remembers that the jobs `pairs` (source id, new id) came from
+    /// `from`; forgets the oldest imports beyond the bounds.
+    pub fn note(&mut self, from: &str, mut pairs: Vec<(u64, u64)>) {
+        if pairs.is_empty() {
+            return;
+        }
+        pairs.sort_unstable();
+        self.ids += pairs.len();
+        self.imports
+            .push_back((from.into(), pairs.into_boxed_slice()));
+        while self.imports.len() > 1
+            && (self.imports.len() > MOVED_KEYS_KEPT || self.ids > MOVED_IDS_KEPT)
+        {
+            if let Some((_, old)) = self.imports.pop_front() {
+                self.ids -= old.len();
+            }
+        }
+    }
+
+    /// The id of the copy of job `source_id` of shard `from`, if
+    /// remembered.
+    pub fn new_id_of(&self, from: &str, source_id: u64) -> Option<u64> {
+        self.imports
+            .iter()
+            .rev()
+            .filter(|(f, _)| &**f == from)
+            .find_map(|(_, pairs)| {
+                pairs
+                    .binary_search_by_key(&source_id, |&(src, _)| src)
+                    .ok()
+                    .map(|i| pairs[i].1)
+            })
+    }
+}
+
 /// What a shard accepts, set by resharding (drain-then-switch).
 ///
 /// An enqueue carries the map version it routed with. A shard refuses it with

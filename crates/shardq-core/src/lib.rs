@@ -34,7 +34,7 @@ pub use job::{
     next_fence, validate_job_lease_ms, validate_job_timeout_ms, validate_key, AckOutcome, Backoff,
     BackoffKind, CancelOutcome, ClaimedJob, DeadJob, DeadPolicy, DedupRecord, FailOutcome, Fence,
     Finish, FinishedJob, JobId, JobInfo, JobState, KeyCounts, Keyed, KeyedLive, KeyedMeets,
-    KeyedSpec, MovedAway, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored,
+    KeyedSpec, MovedAway, MovedIn, MovedJob, NewJob, Receipt, Retention, ShardStats, Stored,
     DEDUP_ID_BYTES_MAX, DEDUP_WINDOW_MS_DEFAULT, DEDUP_WINDOW_MS_MAX, FINISHED_AGE_MS_DEFAULT,
     FINISHED_JOBS_KEPT_DEFAULT, FINISHED_JOBS_KEPT_MAX, FINISHED_STARTS_KEPT, JOB_LEASE_MS_DEFAULT,
     JOB_LEASE_MS_MAX, JOB_LEASE_MS_MIN, KEY_BYTES_MAX, KEY_JOBS_MAX, MAX_ATTEMPTS_DEFAULT,

@@ -82,6 +82,8 @@ struct ShardState {
     imported: BTreeMap<(String, String), JobId>,
     /// Ids of keys moved away (`purge_key`).
     moved: crate::job::MovedAway,
+    /// Copies stored by imports, by source.
+    moved_in: crate::job::MovedIn,
     /// Jobs that finished, newest first, within the retention.
     finished: VecDeque<FinishedJob>,
     /// Keys flow control refused, until when (this process's memory).
@@ -1128,6 +1130,8 @@ impl MoveKeys for MemoryBackend {
             if let Some(d) = done {
                 s.imported.insert(cursor, d);
             }
+            s.moved_in
+                .note(from, out.iter().map(|(src, new)| (src.0, new.0)).collect());
             s.check_not_rewound(shard)?;
             Ok(out)
         })
@@ -1203,6 +1207,17 @@ impl MoveKeys for MemoryBackend {
 
     fn moved_away(&self, shard: &str, id: JobId) -> Result<Option<String>, QueueError> {
         self.with_shard(shard, |s| Ok(s.moved.key_of(id.0).map(str::to_string)))
+    }
+
+    fn imported_as(
+        &self,
+        shard: &str,
+        from: &str,
+        source_id: JobId,
+    ) -> Result<Option<JobId>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok(s.moved_in.new_id_of(from, source_id.0).map(JobId))
+        })
     }
 }
 

@@ -112,6 +112,26 @@ enum Store {
     },
 }
 
+/// What [`Deployment::find_job`] found for an id.
+#[derive(Debug, Clone)]
+pub enum JobLookup {
+    /// Live (queued, delayed, running or dead) on the shard named.
+    Live(String, shardq_core::JobInfo),
+    /// Finished or cancelled on the shard named, within its retention.
+    Finished(String, shardq_core::FinishedJob),
+    /// It left with `key` in a move and no copy was found: the shard the
+    /// map routes the key to now.
+    Moved {
+        /// Its key.
+        key: String,
+        /// Where the key runs now.
+        shard: String,
+    },
+    /// Not known: finished longer ago than the retention keeps, moved
+    /// longer ago than the shards remember, or never handed out.
+    Unknown,
+}
+
 /// An open deployment. See the crate docs.
 pub struct Deployment {
     dir: PathBuf,
@@ -734,6 +754,38 @@ impl Deployment {
             .route(&key)
             .to_string();
         Ok(Some((key, now)))
+    }
+
+    /// Where job `id` of `shard` is: live or finished there while the
+    /// retention keeps it; else, when it left with its key in a move, its
+    /// copy on the shard that stored it, followed through later moves
+    /// ([`shardq_core::backend::follow_moves`]), live or finished there;
+    /// else, a move this shard remembers with no copy found, the key and
+    /// where the map routes it now ([`Deployment::moved_job`]).
+    pub fn find_job(&self, shard: &str, id: shardq_core::JobId) -> Result<JobLookup, DeployError> {
+        let queue = self.queue();
+        let here = |s: &str, id| -> Result<Option<JobLookup>, DeployError> {
+            if let Some(job) = queue.job(s, id)? {
+                return Ok(Some(JobLookup::Live(s.to_string(), job)));
+            }
+            Ok(shardq_core::backend::finished_job(&*queue, s, id)?
+                .map(|job| JobLookup::Finished(s.to_string(), job)))
+        };
+        if let Some(found) = here(shard, id)? {
+            return Ok(found);
+        }
+        // Where it went is a courtesy: a lookup that fails says no more.
+        let shards = self.shard_names().unwrap_or_default();
+        if let Ok(Some((s, copy))) = shardq_core::backend::follow_moves(&*queue, &shards, shard, id)
+        {
+            if let Some(found) = here(&s, copy)? {
+                return Ok(found);
+            }
+        }
+        Ok(match self.moved_job(shard, id).unwrap_or(None) {
+            Some((key, now)) => JobLookup::Moved { key, shard: now },
+            None => JobLookup::Unknown,
+        })
     }
 
     /// Lifts the handler's back-off holding `key` on the shard the

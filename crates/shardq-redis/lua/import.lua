@@ -8,7 +8,12 @@
 -- empty: a waiting job, else a dead one; dedup id empty: none). Appends each key's jobs at its tail with
 -- new ids, skipping source ids at or below the key's import cursor
 -- (`imported` field `<from len>|<from><key>`), so a rerun stores nothing
--- twice. Reply: `OK`, then `key, source id, new id` per job stored.
+-- twice. Each call's stored jobs go to the `movedin` list as one entry,
+-- `<count>|<lowest source id>|<highest source id>|<from byte length>|<from>,<source id>:<new id>,...,`,
+-- within MOVED_KEYS_KEPT entries and MOVED_IDS_KEPT ids (`movedinn` in
+-- `meta` counts them), so an id from before a move finds its copy
+-- (imported_as.lua). Reply: `OK`, then `key, source id, new id` per job
+-- stored.
 local now = now_ms()
 local from = ARGV[5]
 local nk = tonumber(ARGV[6])
@@ -100,4 +105,17 @@ flush(dly, 'ZADD', K_DELAYED)
 flush(cur, 'HSET', K_IMPORTED)
 flush(kk, 'HSET', K_KEYED)
 if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
+-- The copies' ids, by source id.
+local K_MOVEDIN = KEYS[23]
+local pairs_, lo, hi = {}, nil, nil
+for i = 2, #out, 3 do
+  local src = tonumber(out[i + 1])
+  pairs_[#pairs_ + 1] = out[i + 1] .. ':' .. out[i + 2]
+  if not lo or src < lo then lo = src end
+  if not hi or src > hi then hi = src end
+end
+if #pairs_ > 0 then
+  local entry = #pairs_ .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #from .. '|' .. from .. ',' .. table.concat(pairs_, ',') .. ','
+  history_push(K_MOVEDIN, 'movedinn', entry, #pairs_, MOVED_KEYS_KEPT, MOVED_IDS_KEPT)
+end
 return out

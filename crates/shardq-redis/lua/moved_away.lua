@@ -8,21 +8,15 @@
 local K_MOVED = KEYS[18]
 local needle = ',' .. ARGV[5] .. ','
 local id = tonumber(ARGV[5])
-local n = redis.call('LLEN', K_MOVED)
-local hi = n - 1
-while hi >= 0 do
-  local lo = math.max(0, hi - 63)
-  local page = redis.call('LRANGE', K_MOVED, lo, hi)
-  for i = #page, 1, -1 do
-    local e = page[i]
-    local first, last, len, p = string.match(e, '^%d+|(%d+)|(%d+)|(%d+)|()')
-    if len and id >= tonumber(first) and id <= tonumber(last) then
-      local keyend = p + tonumber(len) - 1
-      if string.find(e, needle, keyend + 1, true) then
-        return {'OK', string.sub(e, p, keyend)}
-      end
+local key = history_find(K_MOVED, function(e)
+  local first, last, len, p = string.match(e, '^%d+|(%d+)|(%d+)|(%d+)|()')
+  if len and id >= tonumber(first) and id <= tonumber(last) then
+    local keyend = p + tonumber(len) - 1
+    if string.find(e, needle, keyend + 1, true) then
+      return string.sub(e, p, keyend)
     end
   end
-  hi = lo - 1
-end
+  return nil
+end)
+if key then return {'OK', key} end
 return {'NONE'}

@@ -497,3 +497,35 @@ local function run_check(ids, fence, k, q, now, until_ms)
   end
   return nil
 end
+-- The move histories (`moved`, `movedin`: lists of entries that begin
+-- `<count>|`, oldest first). history_push appends `entry`, which holds
+-- `n` ids, and drops the oldest entries past `keys_max` entries or
+-- `ids_max` ids in all, counted in `meta` field `countf`.
+local function history_push(list, countf, entry, n, keys_max, ids_max)
+  redis.call('RPUSH', list, entry)
+  local total = redis.call('HINCRBY', K_META, countf, n)
+  local len = redis.call('LLEN', list)
+  while len > 1 and (len > keys_max or total > ids_max) do
+    local old = redis.call('LPOP', list)
+    total = redis.call('HINCRBY', K_META, countf, -(tonumber(string.match(old, '^(%d+)|')) or 0))
+    len = len - 1
+  end
+  -- A count out of step with the list (the list lost by hand) is set
+  -- right once the list is down to this call's entry.
+  if len == 1 and total ~= n then redis.call('HSET', K_META, countf, n) end
+end
+-- history_find walks a history list newest first, a page of 64 entries
+-- at a time, and returns the first answer `look(entry)` gives (nil: none).
+local function history_find(list, look)
+  local hi = redis.call('LLEN', list) - 1
+  while hi >= 0 do
+    local lo = math.max(0, hi - 63)
+    local page = redis.call('LRANGE', list, lo, hi)
+    for i = #page, 1, -1 do
+      local found = look(page[i])
+      if found then return found end
+    end
+    hi = lo - 1
+  end
+  return nil
+end

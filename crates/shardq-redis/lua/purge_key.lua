@@ -67,17 +67,8 @@ if n > 0 then
     if x < lo then lo = x end
     if x > hi then hi = x end
   end
-  redis.call('RPUSH', K_MOVED, n .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ',')
-  local total = redis.call('HINCRBY', K_META, 'movedn', n)
-  local len = redis.call('LLEN', K_MOVED)
-  while len > 1 and (len > MOVED_KEYS_KEPT or total > MOVED_IDS_KEPT) do
-    local old = redis.call('LPOP', K_MOVED)
-    total = redis.call('HINCRBY', K_META, 'movedn', -(tonumber(string.match(old, '^(%d+)|')) or 0))
-    len = len - 1
-  end
-  -- A count out of step with the list (the list lost by hand) is set
-  -- right once the list is down to this call's entry.
-  if len == 1 and total ~= n then redis.call('HSET', K_META, 'movedn', n) end
+  local entry = n .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #k .. '|' .. k .. ',' .. table.concat(gone, ',') .. ','
+  history_push(K_MOVED, 'movedn', entry, n, MOVED_KEYS_KEPT, MOVED_IDS_KEPT)
 end
 local more = 0
 if q.h ~= 0 or more_dead then more = 1 end

@@ -41,7 +41,7 @@ pub const NAMESPACE_DEFAULT: &str = "default";
 /// open, naming both. shardq has had no release: from the first one on, a
 /// change of layout is a numbered migration (`docs/design.md`, "Format
 /// versions"), never a branch in the scripts.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 /// Key of a namespace's deployment record (hash: `id`, `layout`, `created_ms`).
 pub fn deployment_key(ns: &str) -> String {
@@ -174,6 +174,11 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   `MOVED_KEYS_KEPT` entries and `MOVED_IDS_KEPT` ids (`movedn` in
 ///   `meta` counts them), so an id from before a move answers where its
 ///   job went.
+/// * `movedin` list (the 23rd part): per import call of a move, `<count>|<lowest
+///   source id>|<highest source id>|<from length>|<from>,<source id>:<new
+///   id>,...,`, oldest first, within the same bounds (`movedinn` in
+///   `meta`), so an id from before a move finds its copy here
+///   (`imported_as.lua`).
 ///
 /// * `finished` list: jobs that finished here (acked or cancelled), newest
 ///   first, `<id>|<c or x>|<attempts>|<finished ms>|<starts>|<key
@@ -197,10 +202,10 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   copy and the last writing `\0v`. Unread while every key runs one
 ///   job at a time (a copy written before stays until the next rewrite).
 ///   At most `FLOW_RULES_MAX` entries.
-pub const SHARD_PARTS: [&str; 22] = [
+pub const SHARD_PARTS: [&str; 23] = [
     "meta", "jobs", "keys", "next", "ready", "later", "inflight", "dead", "deadn", "delayed",
     "paused", "lease", "reason", "dedup", "dedupm", "sealed", "imported", "moved", "finished",
-    "limits", "deadk", "keyed",
+    "limits", "deadk", "keyed", "movedin",
 ];
 
 /// Index of part `name` in [`SHARD_PARTS`]: how code and tests name a

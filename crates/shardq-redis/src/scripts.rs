@@ -113,6 +113,8 @@ const PURGE_KEY: &str = include_str!("../lua/purge_key.lua");
 
 /// `lua/moved_away.lua`.
 const MOVED_AWAY: &str = include_str!("../lua/moved_away.lua");
+/// `lua/imported_as.lua`.
+const IMPORTED_AS: &str = include_str!("../lua/imported_as.lua");
 
 /// `lua/job_get.lua`.
 const JOB_GET: &str = include_str!("../lua/job_get.lua");
@@ -302,10 +304,11 @@ scripts! {
     export: Lua::new(&format!("{EXPORT_KEY_FN}{EXPORT}"), true, Flags::NoWrites),
     export_many: Lua::new( &format!("{EXPORT_KEY_FN}{EXPORT_MANY}"), true, Flags::NoWrites, ),
     freeze: Lua::new(&format!("{EXPORT_KEY_FN}{FREEZE}"), true, Flags::AllowOom),
-    import: Lua::new(IMPORT, true, Flags::Write),
+    import: Lua::new( &format!( "local MOVED_KEYS_KEPT, MOVED_IDS_KEPT = {}, {}\n{IMPORT}", shardq_core::MOVED_KEYS_KEPT, shardq_core::MOVED_IDS_KEPT ), true, Flags::Write, ),
     imported_up_to: Lua::new(IMPORTED_UP_TO, true, Flags::NoWrites),
     purge_key: Lua::new( &format!( "local MOVED_KEYS_KEPT, MOVED_IDS_KEPT = {}, {}\n{PURGE_KEY}", shardq_core::MOVED_KEYS_KEPT, shardq_core::MOVED_IDS_KEPT ), true, Flags::AllowOom, ),
     moved_away: Lua::new(MOVED_AWAY, true, Flags::NoWrites),
+    imported_as: Lua::new(IMPORTED_AS, true, Flags::NoWrites),
     finished: Lua::new(FINISHED, true, Flags::NoWrites),
     dead_list: Lua::new(DEAD_LIST, true, Flags::NoWrites),
     job_show: Lua::new(&format!("{JOB_GET}{JOB_SHOW}"), true, Flags::NoWrites),

@@ -211,7 +211,10 @@ fn extend_keeps_a_run_and_fail_retries_later() {
         );
         std::thread::sleep(Duration::from_millis(80));
     }
-    // Fail it with a retry delay: the next attempt comes no sooner.
+    // Fail it with a retry delay: the next attempt comes no sooner. Timed
+    // from before the request: the server's clock at the fail is no
+    // earlier, however late its answer arrives on a loaded machine.
+    let failed_at = Instant::now();
     let (code, v) = post(
         &s,
         "/v1/fail",
@@ -219,7 +222,6 @@ fn extend_keeps_a_run_and_fail_retries_later() {
     );
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["outcome"], "retry");
-    let failed_at = Instant::now();
     let (code, v) = post(&s, "/v1/fail", json!({ "receipt": r, "reason": "again" }));
     assert_eq!(code, 409, "a second fail of the same run: {v}");
     let mut next = Vec::new();

@@ -2518,6 +2518,79 @@ pub fn purged_jobs_say_they_moved_away(h: &dyn ContractHarness) {
     }
 }
 
+/// An id from before a move finds its job's copy, through two moves
+/// (a -> b -> c), with [`shardq_core::backend::follow_moves`] over the
+/// backend's `moved_away` and `imported_as`; the copy's result is kept
+/// under its new id. A job that never moved, and an id never handed out,
+/// follow to nothing; a shard answers only for its own imports.
+pub fn an_old_id_finds_its_copy_after_moves(h: &dyn ContractHarness) {
+    use shardq_core::backend::follow_moves;
+    let b = h.backend();
+    let (sa, sb, sc) = (h.fresh_shard(), h.fresh_shard(), h.fresh_shard());
+    let shards = [sa.clone(), sb.clone(), sc.clone()];
+    for p in ["1", "2", "3"] {
+        enqueue(h, &sa, "mv", p, 3);
+    }
+    enqueue(h, &sa, "st", "s", 3);
+    let old: Vec<JobId> = b
+        .key_jobs(&sa, "mv", 10)
+        .expect("key_jobs")
+        .iter()
+        .map(|j| j.id)
+        .collect();
+    let stays = b.key_jobs(&sa, "st", 1).expect("key_jobs")[0].id;
+    let move_key = |from: &str, to: &str| -> Vec<(JobId, JobId)> {
+        let jobs = b.export_jobs(from, "mv", None, 10).expect("export");
+        let pairs = b.import_jobs(to, from, "mv", &jobs).expect("import");
+        b.purge_key(from, "mv").expect("purge");
+        pairs
+    };
+    let ab = move_key(&sa, &sb);
+    assert_eq!(ab.len(), 3);
+    for (src, new) in &ab {
+        assert_eq!(
+            follow_moves(b, &shards, &sa, *src).expect("follow"),
+            Some((sb.clone(), *new)),
+            "job {src} of {sa} after one move"
+        );
+        assert_eq!(
+            b.imported_as(&sb, &sa, *src).expect("imported_as"),
+            Some(*new)
+        );
+        assert_eq!(b.imported_as(&sc, &sa, *src).expect("imported_as"), None);
+    }
+    let bc = move_key(&sb, &sc);
+    let now: Vec<(String, JobId)> = old
+        .iter()
+        .map(|id| {
+            follow_moves(b, &shards, &sa, *id)
+                .expect("follow")
+                .expect("found")
+        })
+        .collect();
+    let want: Vec<(String, JobId)> = bc.iter().map(|(_, new)| (sc.clone(), *new)).collect();
+    assert_eq!(now, want, "each old id follows to its copy on {sc}");
+    // The copy runs and finishes with a result: the old id reaches it.
+    let run = claim(h, &sc, 1, LONG_LEASE_MS).remove(0);
+    assert_eq!((run.key.as_str(), run.id), ("mv", now[0].1));
+    b.ack_results(&sc, &[run.receipt()], &[Some(b"r1".to_vec())])
+        .expect("ack");
+    let (at, id) = follow_moves(b, &shards, &sa, old[0])
+        .expect("follow")
+        .expect("found");
+    let f = shardq_core::backend::finished_job(b, &at, id)
+        .expect("finished")
+        .expect("kept");
+    assert_eq!(f.result.as_deref(), Some(&b"r1"[..]));
+    for id in [stays, JobId(u64::MAX / 2)] {
+        assert_eq!(
+            follow_moves(b, &shards, &sa, id).expect("follow"),
+            None,
+            "job {id}"
+        );
+    }
+}
+
 /// Every new run of a key gets a larger fence, and the shard reports the
 /// largest it issued.
 pub fn fences_grow_for_every_new_run(h: &dyn ContractHarness) {

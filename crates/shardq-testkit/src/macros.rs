@@ -60,6 +60,7 @@ macro_rules! __contract_checks {
             dead_letters_of_a_sealed_key_stay_as_they_are
             exports_find_every_job_above_a_cursor
             purged_jobs_say_they_moved_away
+            an_old_id_finds_its_copy_after_moves
             fences_grow_for_every_new_run
             fail_with_retry_in_runs_again_first
             dedup_ids_belong_to_their_key

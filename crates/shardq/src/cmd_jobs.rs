@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::json;
 use shardq_core::{CancelOutcome, JobId, JobInfo, JobState, KEY_JOBS_MAX};
-use shardq_deploy::Deployment;
+use shardq_deploy::{Deployment, JobLookup};
 use shardq_server::api::{back_off_value, finished_value, job_value};
 
 /// Jobs `jobs` lists when `--limit` is not given.
@@ -329,41 +329,30 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
         JobAction::Show { data, id, json } => {
             let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
             let (shard, job) = parse_id(&deployment, &id)?;
+            // Live or finished here, or its copy after a move.
             let found = deployment
-                .queue()
-                .job(&shard, job)
+                .find_job(&shard, job)
                 .with_context(|| format!("reading job {id}"))?;
+            let shown = matches!(found, JobLookup::Live(..) | JobLookup::Finished(..));
             match found {
-                Some(j) if json => println!("{}", job_value(&shard, j)),
-                Some(j) => print_job(&shard, &j),
-                None => {
-                    // Finished or cancelled: shown while the retention
-                    // keeps it.
-                    let done =
-                        shardq_core::backend::finished_job(&*deployment.queue(), &shard, job)
-                            .with_context(|| format!("reading job {id}"))?;
-                    if let Some(f) = done {
-                        if json {
-                            println!("{}", finished_value(&shard, f));
-                        } else {
-                            print_finished(&shard, &f);
-                        }
-                        return Ok(ExitCode::SUCCESS);
-                    }
-                    // Where it went is a courtesy: a failed lookup says no more.
-                    let moved = deployment.moved_job(&shard, job).unwrap_or(None);
-                    match moved {
-                        Some((key, now)) if json => println!(
-                            "{}",
-                            json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })
-                        ),
-                        Some((key, now)) => eprintln!("shardq: {}", moved_text(&id, &key, &now)),
-                        None => eprintln!("shardq: no job {id} here: {NOT_LIVE_WHY}"),
-                    }
-                    return Ok(ExitCode::from(1));
+                JobLookup::Live(at, j) if json => println!("{}", job_value(&at, j)),
+                JobLookup::Live(at, j) => print_job(&at, &j),
+                JobLookup::Finished(at, f) if json => println!("{}", finished_value(&at, f)),
+                JobLookup::Finished(at, f) => print_finished(&at, &f),
+                JobLookup::Moved { key, shard: now } if json => println!(
+                    "{}",
+                    json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })
+                ),
+                JobLookup::Moved { key, shard: now } => {
+                    eprintln!("shardq: {}", moved_text(&id, &key, &now))
                 }
+                JobLookup::Unknown => eprintln!("shardq: no job {id} here: {NOT_LIVE_WHY}"),
             }
-            Ok(ExitCode::SUCCESS)
+            Ok(if shown {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         JobAction::Cancel { data, id, json } => {
             let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;

@@ -561,11 +561,14 @@ fn enqueue_each(d: &str, key: &str, payloads: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// A job id from before its key moved still answers: `job show` and `job
-/// cancel` of it say which key it left with and the shard that key is on
-/// now (exit 1, with `--json` as an object), where `jobs --key` lists it.
+/// A job id from before its key moved still finds its job: `job show` of
+/// it shows the copy on the key's new shard (under the copy's id), and,
+/// once the copy ran, its outcome and result. When the new shard no
+/// longer remembers the copy, `job show` and `job cancel` of the old id
+/// say which key it left with and the shard that key is on now (exit 1,
+/// with `--json` as an object), where `jobs --key` lists it.
 #[test]
-fn a_job_id_from_before_a_move_says_where_its_job_went() {
+fn a_job_id_from_before_a_move_finds_its_copy_or_says_where_it_went() {
     let dir = temp_dir("jobs-moved");
     let data = dir.join("data");
     let d = data.to_str().unwrap();
@@ -580,6 +583,52 @@ fn a_job_id_from_before_a_move_says_where_its_job_went() {
     assert!(run(&["pin", "--data", d, "k", to]).0);
     let (ok, _, err) = run(&["rebalance", "--data", d]);
     assert!(ok, "{err}");
+    let show_json = |id: &str| -> serde_json::Value {
+        let (ok, out, err) = run(&["job", "show", "--data", d, id, "--json"]);
+        assert!(ok, "job show {id}: {err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let copy = show_json(&ids[1]);
+    assert_eq!(
+        (
+            copy["shard"].as_str(),
+            copy["payload"].as_str(),
+            copy["state"].as_str()
+        ),
+        (Some(to), Some("b"), Some("queued")),
+        "{copy}"
+    );
+    assert_ne!(
+        copy["id"].as_str(),
+        Some(ids[1].as_str()),
+        "the copy's own id"
+    );
+    // The jobs run on the new shard and leave results.
+    let (ok, _, err) = run(&[
+        "work",
+        "--data",
+        d,
+        "--max-local-shards",
+        "all",
+        "--exit-when-idle",
+        "--",
+        "sh",
+        "-c",
+        r#"read p; printf 'done:%s' "$p" > "$SHARDQ_RESULT_FILE""#,
+    ]);
+    assert!(ok, "{err}");
+    let done = show_json(&ids[0]);
+    assert_eq!(
+        (
+            done["outcome"].as_str(),
+            done["result"].as_str(),
+            done["shard"].as_str()
+        ),
+        (Some("completed"), Some("done:a"), Some(to)),
+        "{done}"
+    );
+    // The new shard forgets its imports: the old ids say where they went.
+    std::fs::remove_file(data.join(to).join("moved_in.jsonl")).unwrap();
     let show = support::output(&["job", "show", "--data", d, &ids[1]]);
     assert_eq!(show.status.code(), Some(1));
     let text = String::from_utf8_lossy(&show.stderr);
@@ -601,14 +650,13 @@ fn a_job_id_from_before_a_move_says_where_its_job_went() {
     let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let listed: Vec<&str> = v["jobs"]
+    let finished: Vec<&str> = v["finished"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|j| j["payload"].as_str().unwrap())
+        .map(|j| j["shard"].as_str().unwrap())
         .collect();
-    assert_eq!(listed, ["a", "b", "c"], "{v}");
-    assert!(v["jobs"][0]["id"].as_str().unwrap().starts_with(to), "{v}");
+    assert_eq!(finished, [to, to, to], "{v}");
 }
 
 /// An operator reads a job by the id `enqueue` printed, lists its key's

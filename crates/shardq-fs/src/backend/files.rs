@@ -1,6 +1,7 @@
 //! The state files a shard keeps beside its log: `fence.json`,
-//! `transfers.json` (import cursors), `moved.jsonl` (ids that moved away) and
-//! `finished.jsonl` (finished jobs, cut to the retention).
+//! `transfers.json` (import cursors), `moved.jsonl` (ids that moved away),
+//! `moved_in.jsonl` (ids of the copies imports stored) and `finished.jsonl`
+//! (finished jobs, cut to the retention).
 
 use super::*;
 
@@ -66,11 +67,49 @@ pub(super) fn finished_cut_bytes(keep: Retention) -> u64 {
 /// reads past the cut size.
 pub(super) const FINISHED_BATCH_BYTES_MAX: u64 = 10 << 20;
 
+/// File in a shard's directory: one JSON line per import a move made here,
+/// `{"from": SHARD, "pairs": [[SOURCE ID, NEW ID], ...]}`, oldest first, so
+/// that an id from before a move finds its copy
+/// ([`MoveKeys::imported_as`]). Appended after the Import records, synced
+/// with them by [`MoveKeys::sync_imports`] (before the old shard forgets
+/// the jobs); cut back like [`MOVED_FILE`] to the bounds of
+/// [`shardq_core::MovedIn`]. A pair takes at most 43 bytes.
+pub const MOVED_IN_FILE: &str = "moved_in.jsonl";
+/// Size past which the moved-in file is cut back to the bounds.
+pub(super) const MOVED_IN_FILE_REWRITE_BYTES: u64 = 96 << 20;
+/// Largest moved-in file read: a full one plus one line.
+pub(super) const MOVED_IN_FILE_BYTES_MAX: u64 = 192 << 20;
+
 /// One line of [`MOVED_FILE`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct MovedLine {
     pub(super) key: String,
     pub(super) ids: Vec<u64>,
+}
+
+/// One line of [`MOVED_IN_FILE`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct MovedInLine {
+    pub(super) from: String,
+    pub(super) pairs: Vec<(u64, u64)>,
+}
+
+/// A line of a bounded JSON-lines history ([`MOVED_FILE`],
+/// [`MOVED_IN_FILE`]): how many ids it holds, for the bounds.
+pub(super) trait Counted: serde::Serialize + serde::de::DeserializeOwned {
+    fn ids(&self) -> usize;
+}
+
+impl Counted for MovedLine {
+    fn ids(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+impl Counted for MovedInLine {
+    fn ids(&self) -> usize {
+        self.pairs.len()
+    }
 }
 
 /// One line of [`TRANSFERS_FILE`].
@@ -139,8 +178,38 @@ impl FsBackend {
         Ok((file, len))
     }
 
+    /// The history file `name` of `shard` as `build` reads it, from
+    /// `cache` while the file's length is unchanged (a lookup of an id
+    /// that is not live must not parse the file each time); `None` when
+    /// there is no such file.
+    pub(super) fn cached_history<T>(
+        &self,
+        shard: &Shard,
+        name: &str,
+        cache: &Mutex<Option<(u64, Arc<T>)>>,
+        build: impl FnOnce() -> Result<T, QueueError>,
+    ) -> Result<Option<Arc<T>>, QueueError> {
+        let path = shard.dir.join(name);
+        let io = |e| QueueError::io(format!("reading {}", path.display()), e);
+        let len = match self.opts.storage.open(&path, false) {
+            Ok(file) => file.len().map_err(io)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(e)),
+        };
+        if let Some((_, m)) = lock(cache).as_ref().filter(|(at, _)| *at == len) {
+            return Ok(Some(Arc::clone(m)));
+        }
+        let m = Arc::new(build()?);
+        *lock(cache) = Some((len, Arc::clone(&m)));
+        Ok(Some(m))
+    }
+
     pub(super) fn read_moved(&self, shard: &Shard) -> Result<Vec<MovedLine>, QueueError> {
         self.read_lines(shard, MOVED_FILE, MOVED_FILE_BYTES_MAX)
+    }
+
+    pub(super) fn read_moved_in(&self, shard: &Shard) -> Result<Vec<MovedInLine>, QueueError> {
+        self.read_lines(shard, MOVED_IN_FILE, MOVED_IN_FILE_BYTES_MAX)
     }
 
     /// Appends `jobs` to [`FINISHED_FILE`] (no fsync), cutting the file
@@ -252,26 +321,67 @@ impl FsBackend {
             let cut = line.ids.len() - MOVED_IDS_KEPT;
             line.ids.drain(..cut);
         }
-        let path = shard.dir.join(MOVED_FILE);
+        self.note_bounded(shard, MOVED_FILE, MOVED_FILE_REWRITE_BYTES, &line, true)
+    }
+
+    /// Appends `line` to [`MOVED_IN_FILE`] (synced by
+    /// [`MoveKeys::sync_imports`]); past [`MOVED_IN_FILE_REWRITE_BYTES`]
+    /// the file is rewritten with what the bounds of
+    /// [`shardq_core::MovedIn`] keep.
+    pub(super) fn note_moved_in(
+        &self,
+        shard: &Shard,
+        mut line: MovedInLine,
+    ) -> Result<(), QueueError> {
+        if line.pairs.is_empty() {
+            return Ok(());
+        }
+        if line.pairs.len() > MOVED_IDS_KEPT {
+            let cut = line.pairs.len() - MOVED_IDS_KEPT;
+            line.pairs.drain(..cut);
+        }
+        self.note_bounded(
+            shard,
+            MOVED_IN_FILE,
+            MOVED_IN_FILE_REWRITE_BYTES,
+            &line,
+            false,
+        )
+    }
+
+    /// Appends `line` to the JSON-lines file `name` of `shard` (synced when
+    /// `sync`); once past `rewrite_bytes`, rewrites it with its newest
+    /// lines within [`MOVED_KEYS_KEPT`] lines and [`MOVED_IDS_KEPT`] ids.
+    fn note_bounded<L: Counted>(
+        &self,
+        shard: &Shard,
+        name: &str,
+        rewrite_bytes: u64,
+        line: &L,
+        sync: bool,
+    ) -> Result<(), QueueError> {
+        let path = shard.dir.join(name);
         let io = |e| QueueError::io(format!("writing {}", path.display()), e);
-        let mut text = serde_json::to_vec(&line).map_err(|e| QueueError::Internal {
-            what: format!("encoding a line of the moved file: {e}"),
+        let mut text = serde_json::to_vec(line).map_err(|e| QueueError::Internal {
+            what: format!("encoding a line of {name}: {e}"),
         })?;
         text.push(b'\n');
         let (file, _) = self.append_lines(&path, text).map_err(io)?;
-        file.sync().map_err(io)?;
-        // Read back and cut only once large: a rebalance purges many keys,
-        // and each purge must not read the whole file.
-        if file.len().map_err(io)? > MOVED_FILE_REWRITE_BYTES {
-            let lines = self.read_moved(shard)?;
+        if sync {
+            file.sync().map_err(io)?;
+        }
+        // Read back and cut only once large: a rebalance purges and
+        // imports many keys, and each must not read the whole file.
+        if file.len().map_err(io)? > rewrite_bytes {
+            let lines: Vec<L> = self.read_lines(shard, name, 2 * rewrite_bytes)?;
             let mut kept = Vec::new();
             let (mut n, mut total) = (0usize, 0usize);
             for l in lines.iter().rev() {
-                if n > 0 && (n >= MOVED_KEYS_KEPT || total + l.ids.len() > MOVED_IDS_KEPT) {
+                if n > 0 && (n >= MOVED_KEYS_KEPT || total + l.ids() > MOVED_IDS_KEPT) {
                     break;
                 }
                 n += 1;
-                total += l.ids.len();
+                total += l.ids();
                 kept.push(l);
             }
             let mut out = Vec::new();

@@ -82,6 +82,8 @@ struct Shard {
     /// only once it changed (a lookup of an id that is not live must not
     /// parse the file each time).
     moved: Mutex<Option<(u64, Arc<MovedAway>)>>,
+    /// [`MOVED_IN_FILE`] as last read, with the length it had then.
+    moved_in: Mutex<Option<(u64, Arc<shardq_core::MovedIn>)>>,
     /// Held while this process appends to or cuts [`FINISHED_FILE`], so
     /// two threads never cut it at once or append into a file being cut.
     /// Held by the one writer of the finished file; the size past which
@@ -198,6 +200,7 @@ impl FsBackend {
                 failed: AtomicBool::new(false),
             },
             moved: Mutex::new(None),
+            moved_in: Mutex::new(None),
             finished: Mutex::new(0),
         });
         map.insert(name.to_string(), Arc::clone(&shard));

@@ -255,6 +255,13 @@ impl MoveKeys for FsBackend {
             self.append_records(&shard, &mut inner, &mut build, false)?;
             out.extend(stored);
         }
+        self.note_moved_in(
+            &shard,
+            MovedInLine {
+                from: from.to_string(),
+                pairs: out.iter().map(|(_, src, new)| (src.0, new.0)).collect(),
+            },
+        )?;
         // Written, not yet synced: a move makes a whole backlog's copies
         // durable at once ([`MoveKeys::sync_imports`]) before it deletes
         // the sources, instead of an fsync per chunk, which every fsync of
@@ -272,7 +279,15 @@ impl MoveKeys for FsBackend {
         // went on past a roller that died, so syncing the current one makes
         // every copy durable.
         self.refresh(&mut inner)?;
-        inner.log.sync_current()
+        inner.log.sync_current()?;
+        // The copies' ids, before the old shard forgets the jobs.
+        let path = shard.dir.join(MOVED_IN_FILE);
+        let io = |e| QueueError::io(format!("syncing {}", path.display()), e);
+        match self.opts.storage.open(&path, false) {
+            Ok(file) => file.sync().map_err(io),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io(e)),
+        }
     }
 
     fn imported_up_to(
@@ -299,31 +314,31 @@ impl MoveKeys for FsBackend {
 
     fn moved_away(&self, name: &str, id: JobId) -> Result<Option<String>, QueueError> {
         let shard = self.shard(name)?;
-        let path = shard.dir.join(MOVED_FILE);
-        let len = match self.opts.storage.open(&path, false) {
-            Ok(file) => file
-                .len()
-                .map_err(|e| QueueError::io(format!("reading {}", path.display()), e))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(QueueError::io(format!("reading {}", path.display()), e)),
-        };
-        let cached = lock(&shard.moved)
-            .as_ref()
-            .filter(|(at, _)| *at == len)
-            .map(|(_, m)| Arc::clone(m));
-        let moved = match cached {
-            Some(m) => m,
-            None => {
-                let mut m = MovedAway::default();
-                for line in self.read_moved(&shard)? {
-                    m.note(&line.key, line.ids);
-                }
-                let m = Arc::new(m);
-                *lock(&shard.moved) = Some((len, Arc::clone(&m)));
-                m
+        let moved = self.cached_history(&shard, MOVED_FILE, &shard.moved, || {
+            let mut m = MovedAway::default();
+            for line in self.read_moved(&shard)? {
+                m.note(&line.key, line.ids);
             }
-        };
-        Ok(moved.key_of(id.0).map(str::to_string))
+            Ok(m)
+        })?;
+        Ok(moved.and_then(|m| m.key_of(id.0).map(str::to_string)))
+    }
+
+    fn imported_as(
+        &self,
+        name: &str,
+        from: &str,
+        source_id: JobId,
+    ) -> Result<Option<JobId>, QueueError> {
+        let shard = self.shard(name)?;
+        let moved_in = self.cached_history(&shard, MOVED_IN_FILE, &shard.moved_in, || {
+            let mut m = shardq_core::MovedIn::default();
+            for line in self.read_moved_in(&shard)? {
+                m.note(&line.from, line.pairs);
+            }
+            Ok(m)
+        })?;
+        Ok(moved_in.and_then(|m| m.new_id_of(from, source_id.0).map(JobId)))
     }
 
     fn freeze_caught_up(

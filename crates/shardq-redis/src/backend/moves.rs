@@ -423,4 +423,25 @@ impl MoveKeys for RedisBackend {
             _ => Err(self.protocol(s, "moved-away reply is malformed")),
         }
     }
+
+    fn imported_as(
+        &self,
+        shard: &str,
+        from: &str,
+        source_id: JobId,
+    ) -> Result<Option<JobId>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let v = self.script(s, &self.inner.scripts.imported_as, "", &|c, _| {
+            c.arg(from).arg(source_id.0);
+        })?;
+        match (reply::status(&v).as_str(), reply::items(&v).get(1)) {
+            ("NONE", _) => Ok(None),
+            ("OK", Some(id)) => reply::string(id)
+                .and_then(|t| t.parse().ok())
+                .map(|id| Some(JobId(id)))
+                .ok_or_else(|| self.protocol(s, "imported-as reply is malformed")),
+            _ => Err(self.protocol(s, "imported-as reply is malformed")),
+        }
+    }
 }

@@ -5,6 +5,7 @@
 
 use super::*;
 use shardq_core::{CancelOutcome, Finish, FinishedJob, JobInfo, JobState, KEY_JOBS_MAX};
+use shardq_deploy::JobLookup;
 
 /// A job's run in flight.
 #[derive(Debug, Serialize)]
@@ -138,11 +139,42 @@ fn job_ref(app: &App, id: &str) -> Result<(String, JobId), ApiError> {
     Ok((shard, job))
 }
 
+/// Job `job` of `shard` as `GET /v1/jobs/{id}` answers it: live or
+/// finished there, or its copy after a move
+/// ([`shardq_deploy::Deployment::find_job`]);
+/// with whether it may still change (not finished, not dead). The 404 of
+/// an id not found says where its key went, when a move is remembered.
+fn find(app: &App, shard: &str, job: JobId, id: &str) -> Result<(Value, bool), ApiError> {
+    // A copy found after a move says so: `moved` names its key, the shard
+    // it is on and the id asked for.
+    let moved = |at: &str, found: JobId, key: &str, mut v: Value| {
+        if at != shard || found != job {
+            v["moved"] = json!({ "key": key, "shard": at, "from": id });
+        }
+        v
+    };
+    match app.deployment.find_job(shard, job)? {
+        JobLookup::Live(at, j) => {
+            let waiting = j.state != JobState::Dead;
+            let (found, key) = (j.id, j.key.clone());
+            let v = serde_json::to_value(job_out(&at, j)).unwrap_or(Value::Null);
+            Ok((moved(&at, found, &key, v), waiting))
+        }
+        JobLookup::Finished(at, f) => {
+            let (found, key) = (f.id, f.key.clone());
+            Ok((moved(&at, found, &key, finished_value(&at, f)), false))
+        }
+        JobLookup::Moved { key, shard: now } => Err(gone(id, Some((key, now)))),
+        JobLookup::Unknown => Err(gone(id, None)),
+    }
+}
+
 /// The 404 of a job that is not live on its shard: where it went when it
-/// left with its key in a move, else why it may be gone.
-fn not_live(app: &App, shard: &str, job: JobId, id: &str) -> ApiError {
-    match app.deployment.moved_job(shard, job) {
-        Ok(Some((key, now))) => ApiError::new(
+/// left with its key in a move (`moved`: its key and the shard the map
+/// routes it to now), else why it may be gone.
+fn gone(id: &str, moved: Option<(String, String)>) -> ApiError {
+    match moved {
+        Some((key, now)) => ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
                 "id: job {} is no longer on its shard: it moved with its key {} to shard {now}, where it runs or ran under a new id (GET /v1/keys/{{key}}/jobs lists the key's jobs there)",
@@ -151,29 +183,23 @@ fn not_live(app: &App, shard: &str, job: JobId, id: &str) -> ApiError {
             ),
         )
         .with("moved", json!({ "key": key, "shard": now })),
-        // Where it went is a courtesy: a lookup that fails leaves the 404.
-        Ok(None) | Err(_) => ApiError::new(
+        None => ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
-                "id: no job {} here: it finished or was cancelled longer ago than the retention keeps, moved away with its key longer ago than this shard remembers, or never existed",
+                "id: no job {} here: it finished or was cancelled longer ago than the retention keeps, moved away with its key longer ago than the shards remember, or never existed",
                 shown(id)
             ),
         ),
     }
 }
 
-/// `GET /v1/jobs/{id}`: a live job (queued, delayed, running or dead).
+/// `GET /v1/jobs/{id}`: a live job (queued, delayed, running or dead), a
+/// finished one while the retention keeps it, or the copy of one that
+/// moved with its key (answered under the copy's id).
 pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
     let v = blocking(move || {
         let (shard, job) = job_ref(&app, &id)?;
-        match app.backend.job(&shard, job)? {
-            Some(j) => Ok(serde_json::to_value(job_out(&shard, j)).unwrap_or(Value::Null)),
-            // Finished or cancelled: answered while the retention keeps it.
-            None => match shardq_core::backend::finished_job(&*app.backend, &shard, job)? {
-                Some(f) => Ok(finished_value(&shard, f)),
-                None => Err(not_live(&app, &shard, job, &id)),
-            },
-        }
+        Ok(find(&app, &shard, job, &id)?.0)
     })
     .await?;
     Ok(Json(v).into_response())
@@ -217,20 +243,7 @@ pub async fn job_result(
         tokio::pin!(notified);
         notified.as_mut().enable();
         let (a, s, i) = (Arc::clone(&app), shard.clone(), id.clone());
-        let (v, waiting) = blocking(move || match a.backend.job(&s, job)? {
-            Some(j) => {
-                let waiting = j.state != JobState::Dead;
-                Ok((
-                    serde_json::to_value(job_out(&s, j)).unwrap_or(Value::Null),
-                    waiting,
-                ))
-            }
-            None => match shardq_core::backend::finished_job(&*a.backend, &s, job)? {
-                Some(f) => Ok((finished_value(&s, f), false)),
-                None => Err(not_live(&a, &s, job, &i)),
-            },
-        })
-        .await?;
+        let (v, waiting) = blocking(move || find(&a, &s, job, &i)).await?;
         let now = std::time::Instant::now();
         if !waiting || now >= deadline || app.owned.stopping() {
             return Ok(Json(v).into_response());
@@ -340,7 +353,11 @@ pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -
                 shown(&id)
             ))
             .with("state", json!("moving"))),
-            CancelOutcome::NotFound => Err(not_live(&a, &shard, job, &id)),
+            // Where it went is a courtesy: a lookup that fails says no more.
+            CancelOutcome::NotFound => Err(gone(
+                &id,
+                a.deployment.moved_job(&shard, job).unwrap_or(None),
+            )),
         }
     })
     .await?;
