@@ -788,6 +788,28 @@ impl Deployment {
         })
     }
 
+    /// Cancels job `id` of `shard` ([`shardq_core::InspectJobs::cancel`]);
+    /// when it is no longer there because it left with its key in a move,
+    /// cancels its copy on the shard that stored it
+    /// ([`shardq_core::backend::follow_moves`]). The shard and id acted
+    /// on, and the outcome.
+    pub fn cancel_job(
+        &self,
+        shard: &str,
+        id: shardq_core::JobId,
+    ) -> Result<(String, shardq_core::JobId, shardq_core::CancelOutcome), DeployError> {
+        let queue = self.queue();
+        let outcome = queue.cancel(shard, id)?;
+        if outcome != shardq_core::CancelOutcome::NotFound {
+            return Ok((shard.to_string(), id, outcome));
+        }
+        let shards = self.shard_names().unwrap_or_default();
+        match shardq_core::backend::follow_moves(&*queue, &shards, shard, id).unwrap_or(None) {
+            Some((at, copy)) => Ok((at.clone(), copy, queue.cancel(&at, copy)?)),
+            None => Ok((shard.to_string(), id, outcome)),
+        }
+    }
+
     /// Lifts the handler's back-off holding `key` on the shard the
     /// published map routes it to: its backed-off jobs are due now, and the
     /// shard's owner starts the key at its next claim, in whatever process

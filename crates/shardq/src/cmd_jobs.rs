@@ -357,21 +357,27 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
         JobAction::Cancel { data, id, json } => {
             let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
             let (shard, job) = parse_id(&deployment, &id)?;
-            let outcome = deployment
-                .queue()
-                .cancel(&shard, job)
+            // The job, or its copy when it moved with its key.
+            let (at, acted, outcome) = deployment
+                .cancel_job(&shard, job)
                 .with_context(|| format!("cancelling job {id}"))?;
+            let copy = ((at.as_str(), acted) != (shard.as_str(), job))
+                .then(|| format!("{at}:{}", acted.0));
+            let named = match &copy {
+                Some(c) => format!("{c} (the copy of {id}, which moved with its key)"),
+                None => id.clone(),
+            };
             let (word, code, text) = match outcome {
-                CancelOutcome::Cancelled => ("cancelled", 0, format!("cancelled {id}")),
+                CancelOutcome::Cancelled => ("cancelled", 0, format!("cancelled {named}")),
                 CancelOutcome::Stopping => (
                     "stopping",
                     0,
-                    format!("cancelled {id}: its run is asked to stop (its results are refused from now), and the job is deleted when the run ends, at the latest when its job lease lapses"),
+                    format!("cancelled {named}: its run is asked to stop (its results are refused from now), and the job is deleted when the run ends, at the latest when its job lease lapses"),
                 ),
                 CancelOutcome::Running => (
                     "running",
                     3,
-                    format!("job {id} is running and was not cancelled: cancel it after its run ends"),
+                    format!("job {named} is running and was not cancelled: cancel it after its run ends"),
                 ),
                 CancelOutcome::Moving => (
                     "moving",
@@ -388,10 +394,11 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 },
             };
             if json {
-                println!(
-                    "{}",
-                    json!({ "id": id, "cancelled": code == 0, "outcome": word })
-                );
+                let mut v = json!({ "id": id, "cancelled": code == 0, "outcome": word });
+                if let Some(c) = copy {
+                    v["copy"] = json!(c);
+                }
+                println!("{v}");
             } else if code == 0 {
                 println!("{text}");
             }

@@ -563,10 +563,11 @@ fn enqueue_each(d: &str, key: &str, payloads: &[&str]) -> Vec<String> {
 
 /// A job id from before its key moved still finds its job: `job show` of
 /// it shows the copy on the key's new shard (under the copy's id), and,
-/// once the copy ran, its outcome and result. When the new shard no
-/// longer remembers the copy, `job show` and `job cancel` of the old id
-/// say which key it left with and the shard that key is on now (exit 1,
-/// with `--json` as an object), where `jobs --key` lists it.
+/// once the copy ran, its outcome and result; `job cancel` of it cancels
+/// the copy. When the new shard no longer remembers the copy, `job show`
+/// and `job cancel` of the old id say which key it left with and the
+/// shard that key is on now (exit 1, with `--json` as an object), where
+/// `jobs --key` lists it.
 #[test]
 fn a_job_id_from_before_a_move_finds_its_copy_or_says_where_it_went() {
     let dir = temp_dir("jobs-moved");
@@ -603,6 +604,13 @@ fn a_job_id_from_before_a_move_finds_its_copy_or_says_where_it_went() {
         Some(ids[1].as_str()),
         "the copy's own id"
     );
+    // A cancel of an old id cancels the copy.
+    let (ok, out, err) = run(&["job", "cancel", "--data", d, &ids[2], "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let cancelled = v["copy"].as_str().expect("the copy named").to_string();
+    assert!(cancelled.starts_with(to), "{v}");
+    assert_eq!(show_json(&ids[2])["outcome"], "cancelled");
     // The jobs run on the new shard and leave results.
     let (ok, _, err) = run(&[
         "work",
@@ -644,19 +652,23 @@ fn a_job_id_from_before_a_move_finds_its_copy_or_says_where_it_went() {
         (&"k".into(), &to.into()),
         "{v}"
     );
-    let cancel = support::output(&["job", "cancel", "--data", d, &ids[2]]);
+    let cancel = support::output(&["job", "cancel", "--data", d, &ids[1]]);
     assert_eq!(cancel.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&cancel.stderr).contains(&format!("to shard {to}")));
     let (ok, out, err) = run(&["jobs", "--data", d, "--key", "k", "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let finished: Vec<&str> = v["finished"]
+    let finished: Vec<(&str, &str)> = v["finished"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|j| j["shard"].as_str().unwrap())
+        .map(|j| (j["shard"].as_str().unwrap(), j["outcome"].as_str().unwrap()))
         .collect();
-    assert_eq!(finished, [to, to, to], "{v}");
+    assert_eq!(
+        finished,
+        [(to, "completed"), (to, "completed"), (to, "cancelled")],
+        "newest first: {v}"
+    );
 }
 
 /// An operator reads a job by the id `enqueue` printed, lists its key's

@@ -335,14 +335,20 @@ pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -
     let a = Arc::clone(&app);
     let v = blocking(move || {
         let (shard, job) = job_ref(&a, &id)?;
-        match a.backend.cancel(&shard, job)? {
-            CancelOutcome::Cancelled => {
-                Ok(json!({ "id": id, "cancelled": true, "stopping": false }))
+        // The job, or its copy when it moved with its key.
+        let (at, acted, outcome) = a.deployment.cancel_job(&shard, job)?;
+        let answer = |stopping: bool| {
+            let mut v = json!({ "id": id, "cancelled": true, "stopping": stopping });
+            if (at.as_str(), acted) != (shard.as_str(), job) {
+                v["id"] = json!(format!("{at}:{}", acted.0));
+                v["moved"] = json!({ "shard": at, "from": id });
             }
+            v
+        };
+        match outcome {
+            CancelOutcome::Cancelled => Ok(answer(false)),
             // Its run is asked to stop; the job goes when the run ends.
-            CancelOutcome::Stopping => {
-                Ok(json!({ "id": id, "cancelled": true, "stopping": true }))
-            }
+            CancelOutcome::Stopping => Ok(answer(true)),
             CancelOutcome::Running => Err(ApiError::conflict(format!(
                 "id: job {} is running; a running job is not cancelled (its key's one run is never cut short): cancel it after its run ends, or let its handler fail it",
                 shown(&id)
