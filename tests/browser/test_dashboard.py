@@ -450,6 +450,32 @@ def test_the_flow_panel_shows_a_groups_limit_and_the_keys_it_holds(browser, depl
     api.post("/v1/ack", {"receipts": [running[0]["receipt"]]})
 
 
+def test_the_server_panel_shows_a_waiting_reader_against_its_bound(browser, deployment, screenshots):
+    """A client waiting for a job's result (a long poll of a job that is
+    not due for a minute) shows in the server panel as a poll in service
+    and waiting, against the server's bound, and leaves it once answered."""
+    import threading
+
+    api = deployment["api"]
+    placed = api.post("/v1/jobs", {"jobs": [{"key": "dash-later", "payload": "x", "delay_ms": 60000}]})
+    job = placed["jobs"][0]["id"]
+    open_page(browser, deployment, READ_TOKEN)
+    polls = '#server-polls'
+    wait(browser, "the panel", lambda d: "0 waiting" in text(d, polls) and " of " in text(d, polls))
+    answered = []
+    reader = threading.Thread(target=lambda: answered.append(api.get(f"/v1/jobs/{job}/result?wait_ms=6000")))
+    reader.start()
+    wait_for("the server to count the waiting reader",
+             lambda: api.get("/v1/status")["server"]["polls_waiting"] == 1, timeout_s=20)
+    wait(browser, "the waiting reader", lambda d: "1 waiting" in text(d, polls))
+    browser.save_screenshot(str(screenshots / "09-server.png"))
+    reader.join(30)
+    assert answered and answered[0]["state"] == "delayed", answered
+    wait(browser, "the reader gone", lambda d: "0 waiting" in text(d, polls))
+    code, v = api.call("DELETE", f"/v1/jobs/{job}", {})
+    assert code == 200, v
+
+
 def test_the_schedules_panel_shows_fires_and_pauses_a_schedule(browser, deployment, screenshots):
     """A schedule firing every second shows its fires, its last job and
     its next fire; Pause needs admin, and the row then says paused while

@@ -12,6 +12,11 @@ use super::*;
 pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
     // Off the async threads: flow control reads its settings and the
     // groups' run slots from the store.
+    // This server's load, with the bounds it is held to.
+    let mut server = serde_json::to_value((app.load.source())()).unwrap_or(Value::Null);
+    server["requests_max"] = json!(app.limits.concurrency_max);
+    server["polls_max"] = json!(app.limits.polls_max);
+    server["body_bytes_max"] = json!(app.limits.body_bytes_in_flight_max);
     let (report, flow, outbox) = blocking(move || {
         let outbox = app.outbox.as_ref().map(|read| match read() {
             Ok(s) => serde_json::to_value(s).unwrap_or(Value::Null),
@@ -22,6 +27,7 @@ pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
     .await?;
     let mut v = serde_json::to_value(report).map_err(|e| ApiError::internal(e.to_string()))?;
     v["flow"] = flow;
+    v["server"] = server;
     if let Some(o) = outbox {
         v["outbox"] = o;
     }

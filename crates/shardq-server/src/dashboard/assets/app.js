@@ -905,6 +905,20 @@
     $("outbox-dead").textContent = String(o.dead_tuples);
   }
 
+  // ----------------------------------------------------------------- server
+  // This server's load against its bounds (the shardq_http_* gauges).
+  function renderServer(s) {
+    const panel = $("server-panel");
+    panel.hidden = !s;
+    if (!s) return;
+    const mib = (b) => (b / 1048576).toFixed(1) + " MiB";
+    const refused = s.connections_refused ? " (" + fmt(s.connections_refused) + " refused since the start)" : "";
+    $("server-connections").textContent = fmt(s.connections_open) + refused;
+    $("server-requests").textContent = fmt(s.requests_in_service) + " of " + fmt(s.requests_max);
+    $("server-polls").textContent = fmt(s.polls_in_service) + " of " + fmt(s.polls_max) + ", " + fmt(s.polls_waiting) + " waiting";
+    $("server-bodies").textContent = mib(s.body_bytes_reading) + " of " + mib(s.body_bytes_max);
+  }
+
   // ------------------------------------------------------------------- poll
   async function poll() {
     const slow = Date.now() - state.lastSlow >= SLOW_MS || !state.ringIndex.length;
@@ -934,6 +948,7 @@
     if (got.status) renderShards(got.status);
     if (got.status) renderFlow(got.status.flow);
     if (got.status) renderOutbox(got.status.outbox || null);
+    if (got.status) renderServer(got.status.server || null);
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
