@@ -3,7 +3,7 @@
 //!
 //! The list of checks is written once, in `__contract_checks!`; it feeds
 //! both the generated tests and [`crate::CHECKS`], and a unit test of this
-//! crate compares it with the checks `contract.rs` defines, so a check
+//! crate compares it with the checks `contract/` defines, so a check
 //! added there and not here fails.
 
 /// One `#[test]` per contract check, each on a harness of its own.
@@ -135,10 +135,18 @@ macro_rules! __contract_check_names {
 
 #[cfg(test)]
 mod tests {
-    /// The names of the `pub fn`s of `contract.rs` whose one parameter is a
+    /// The names of the `pub fn`s of `contract/` whose one parameter is a
     /// `&dyn $harness`.
     fn checks_taking(harness: &str) -> Vec<String> {
-        let src = include_str!("contract.rs");
+        let src = [
+            include_str!("contract/mod.rs"),
+            include_str!("contract/dedup.rs"),
+            include_str!("contract/flow.rs"),
+            include_str!("contract/inspect.rs"),
+            include_str!("contract/moves.rs"),
+            include_str!("contract/run.rs"),
+        ]
+        .concat();
         let want = format!("h:&dyn{harness}");
         let mut out = Vec::new();
         for part in src.split("\npub fn ").skip(1) {
@@ -163,7 +171,7 @@ mod tests {
         v
     }
 
-    /// Every check `contract.rs` defines is listed once for the generated
+    /// Every check `contract/` defines is listed once for the generated
     /// tests, and nothing else is.
     #[test]
     fn the_macros_list_every_check_of_the_contract() {
