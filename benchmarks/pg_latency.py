@@ -7,6 +7,7 @@ the servers and helpers are those of benchmarks/pg_relay.py.
     python3 benchmarks/pg_latency.py [--bin PATH] [--pg-bin DIR] [--rates 1000,5000]
         [--seconds 60] [--warmup-s 10] [--rows-per-tx 10] [--producers 4] [--keys 1000]
         [--app-seconds 20] [--app-clients 4] [--app-repeat 2] [--app-notify]
+        [--wake notify|poll] [--relay-poll-ms MS]
         [--skip-latency] [--skip-app-cost] [--pg-set NAME=VALUE] [--json]
 
 One PostgreSQL 15 server (pg_relay.py's: initdb into a temporary directory,
@@ -224,6 +225,7 @@ class Latency:
     def __init__(self, a: argparse.Namespace, tmp: str, pg: Postgres) -> None:
         self.a, self.tmp, self.pg = a, tmp, pg
         self.exe = a.bin
+        self.install_args, self.relay_args = install_args(a), relay_args(a)
         self.n = 0
         self.handler = os.path.join(tmp, "handler.py")
         with open(self.handler, "w") as f:
@@ -242,9 +244,9 @@ class Latency:
         errf = open(os.path.join(self.tmp, f"errors{self.n}.log"), "wb")
         if mode == "outbox":
             self.pg.q("DROP SCHEMA IF EXISTS shardq CASCADE")
-            sh(self.exe, "pg", "install", "--data", data, "--postgres", self.pg.url)
-            relay = subprocess.Popen([self.exe, "pg", "relay", "--data", data, "--postgres", self.pg.url, "--json"],
-                                     stdout=errf, stderr=errf)
+            sh(self.exe, "pg", "install", "--data", data, "--postgres", self.pg.url, *self.install_args)
+            relay = subprocess.Popen([self.exe, "pg", "relay", "--data", data, "--postgres", self.pg.url, "--json",
+                                      *self.relay_args], stdout=errf, stderr=errf)
         worker = subprocess.Popen([self.exe, "work", "--data", data, "--max-local-shards", "all", "--stdio",
                                    "--", sys.executable, self.handler],
                                   env=dict(os.environ, LAT_LOG=hlog), stdout=errf, stderr=errf)
@@ -402,10 +404,20 @@ END;
 """
 
 
+def install_args(a: argparse.Namespace) -> List[str]:
+    """`pg install`'s wake option."""
+    return ["--wake", a.wake]
+
+
+def relay_args(a: argparse.Namespace) -> List[str]:
+    """`pg relay`'s poll interval, when given."""
+    return ["--poll-ms", str(a.relay_poll_ms)] if a.relay_poll_ms else []
+
+
 def app_cost(a: argparse.Namespace, tmp: str, pg: Postgres, b: Latency) -> Dict:
     data = b.fresh()
     pg.q("DROP SCHEMA IF EXISTS shardq CASCADE")
-    sh(a.bin, "pg", "install", "--data", data, "--postgres", pg.url)
+    sh(a.bin, "pg", "install", "--data", data, "--postgres", pg.url, *install_args(a))
     pg.q("DROP TABLE IF EXISTS app_orders")
     pg.q("CREATE TABLE app_orders (id bigserial PRIMARY KEY, k text NOT NULL, note text, "
          "created timestamptz NOT NULL DEFAULT now())")
@@ -419,8 +431,8 @@ def app_cost(a: argparse.Namespace, tmp: str, pg: Postgres, b: Latency) -> Dict:
             f.write(text)
         scripts[name] = path
     errf = open(os.path.join(tmp, "relay-app.log"), "wb")
-    relay = subprocess.Popen([a.bin, "pg", "relay", "--data", data, "--postgres", pg.url, "--json"],
-                             stdout=errf, stderr=errf)
+    relay = subprocess.Popen([a.bin, "pg", "relay", "--data", data, "--postgres", pg.url, "--json",
+                              *relay_args(a)], stdout=errf, stderr=errf)
     runs = []
     try:
         for rep in range(a.app_repeat):
@@ -469,8 +481,11 @@ def app_cost(a: argparse.Namespace, tmp: str, pg: Postgres, b: Latency) -> Dict:
 
 
 def report(res: Dict) -> str:
+    wake = res["args"]["wake"]
+    poll = res["args"]["relay_poll_ms"] or "the relay's default"
     out = [f"PostgreSQL {res['pg']['server_version']}, fsync {res['pg']['fsync']}, synchronous_commit "
-           f"{res['pg']['synchronous_commit']}; nproc {res['nproc']}", ""]
+           f"{res['pg']['synchronous_commit']}; nproc {res['nproc']}; pg install --wake {wake}, "
+           f"relay --poll-ms {poll}", ""]
 
     def load(xs: List[float]) -> str:
         return " / ".join(str(x) for x in xs)
@@ -531,6 +546,10 @@ def main() -> None:
     p.add_argument("--app-repeat", type=int, default=2)
     p.add_argument("--app-notify", action="store_true",
                    help="also a script that inserts the row and calls pg_notify on the outbox's channel")
+    p.add_argument("--wake", choices=["notify", "poll"], default="notify",
+                   help="pg install --wake: whether enqueue notifies the relay")
+    p.add_argument("--relay-poll-ms", type=int, default=0,
+                   help="pg relay --poll-ms (default: the relay's own)")
     p.add_argument("--skip-latency", action="store_true")
     p.add_argument("--skip-app-cost", action="store_true")
     p.add_argument("--json", action="store_true")

@@ -83,6 +83,9 @@ pub struct Status {
     /// Dead tuples of the outbox table as the statistics collector counts
     /// them (a table that grows them without bound needs vacuum).
     pub dead_tuples: i64,
+    /// Whether `enqueue` notifies the relay at commit (`pg install
+    /// --wake notify`) or the relay polls (`--wake poll`).
+    pub wake: String,
 }
 
 /// Reads the outbox's state in `schema`.
@@ -120,7 +123,15 @@ pub fn status(client: &mut postgres::Client, schema: &str) -> Result<Status, PgE
             &[&schema],
         )?
         .get(0);
+    let notifies: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_proc WHERE pronamespace = $1::text::regnamespace
+               AND proname = 'enqueue' AND prosrc LIKE '%pg_notify%')",
+            &[&schema],
+        )?
+        .get(0);
     Ok(Status {
+        wake: if notifies { "notify" } else { "poll" }.to_string(),
         schema: schema.to_string(),
         installed_version: installed,
         latest_version: latest_version(),

@@ -94,11 +94,28 @@ pub fn channel(schema: &str) -> String {
     format!("{schema}_outbox")
 }
 
-/// The bounds the `enqueue` functions check, in the caller's transaction.
+/// What the `enqueue` functions check, in the caller's transaction, and
+/// how they wake the relay.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
     /// Largest payload, in bytes (the deployment's).
     pub payload_bytes_max: usize,
+    /// Whether a transaction that enqueues wakes the relay at its commit.
+    pub wake: Wake,
+}
+
+/// How the relay hears of committed rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// `enqueue` calls `pg_notify`: the relay reads as soon as the
+    /// transaction commits. PostgreSQL then commits notifying transactions
+    /// one at a time (a lock held from just before the commit until it is
+    /// flushed), which costs the application's enqueueing transactions
+    /// throughput when many commit at once (`docs/postgres.md`).
+    Notify,
+    /// `enqueue` does not notify: the relay finds rows by reading the
+    /// table every `--poll-ms`, which bounds the added latency instead.
+    Poll,
 }
 
 /// Applies the migrations `schema` lacks and writes the functions, in one
@@ -223,6 +240,10 @@ fn functions_sql(schema: &str, bounds: Bounds) -> String {
     let class = lock_class(schema);
     let channel = channel(schema);
     let payload_max = bounds.payload_bytes_max;
+    let notify = match bounds.wake {
+        Wake::Notify => format!("  PERFORM pg_notify('{channel}', '');\n"),
+        Wake::Poll => String::new(),
+    };
     format!(
         r#"
 CREATE OR REPLACE FUNCTION {schema}.enqueue(key text, payload bytea, dedup_id text DEFAULT NULL,
@@ -274,8 +295,7 @@ BEGIN
   PERFORM pg_advisory_xact_lock({class}, hashtext(key));
   INSERT INTO {schema}.outbox (key, payload, dedup_id, delay_ms, max_attempts)
     VALUES (key, payload, dedup_id, delay_ms, max_attempts) RETURNING id INTO new_id;
-  PERFORM pg_notify('{channel}', '');
-  RETURN new_id;
+{notify}  RETURN new_id;
 END
 $shardq$;
 

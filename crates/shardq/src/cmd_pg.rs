@@ -29,6 +29,13 @@ pub enum PgAction {
         /// Schema of the outbox.
         #[arg(long, default_value = "shardq")]
         schema: String,
+        /// How the relay hears of commits: `notify` (enqueue calls
+        /// pg_notify: lowest latency, but PostgreSQL commits notifying
+        /// transactions one at a time) or `poll` (no notification: the
+        /// relay reads every --poll-ms; cheaper for the application's
+        /// transactions; run the relay with a short --poll-ms).
+        #[arg(long, value_enum, default_value_t = WakeArg::Notify)]
+        wake: WakeArg,
     },
     /// Move committed outbox rows into the deployment, each key's in
     /// commit order, and delete them; runs until SIGINT/SIGTERM. Several
@@ -79,16 +86,30 @@ fn open(data: &Path) -> anyhow::Result<(Deployment, OpenOptions)> {
     Ok((d, opts))
 }
 
+/// `--wake` of `pg install`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum WakeArg {
+    /// enqueue notifies the relay at commit.
+    Notify,
+    /// The relay polls; enqueue does not notify.
+    Poll,
+}
+
 pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
     match action {
         PgAction::Install {
             data,
             postgres,
             schema,
+            wake,
         } => {
             let (d, opts) = open(&data)?;
             let bounds = Bounds {
                 payload_bytes_max: d.payload_bytes_max(&opts),
+                wake: match wake {
+                    WakeArg::Notify => shardq_pg::schema::Wake::Notify,
+                    WakeArg::Poll => shardq_pg::schema::Wake::Poll,
+                },
             };
             let mut client = shardq_pg::connect(&postgres)?;
             let applied = shardq_pg::schema::install(&mut client, &schema, bounds)?;
@@ -166,6 +187,14 @@ pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
                 s.schema, s.installed_version, s.latest_version
             );
             println!("depth\t{} rows", s.depth);
+            println!(
+                "wake\t{}",
+                if s.wake == "notify" {
+                    "enqueue notifies the relay at commit"
+                } else {
+                    "the relay polls (enqueue does not notify): its --poll-ms bounds the lag"
+                }
+            );
             match s.oldest_age_ms {
                 Some(ms) => println!("oldest row\t{ms} ms old (the relay's lag)"),
                 None => println!("oldest row\tnone"),

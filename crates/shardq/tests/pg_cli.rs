@@ -233,6 +233,61 @@ fn each_keys_rows_run_in_commit_order_and_an_open_transaction_holds_back_only_it
     assert_eq!(k, ["first", "second"]);
 }
 
+/// An outbox installed with `--wake poll` has an `enqueue` that does not
+/// notify (`pg status` says so); a relay polling it every 100 ms still
+/// relays each committed row; installing again with the default puts the
+/// notification back.
+#[test]
+fn an_outbox_installed_to_poll_does_not_notify_and_its_relay_polls() {
+    let pg = PgServer::start();
+    let dir = temp_dir("pg-poll");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    ok(&[
+        "pg",
+        "install",
+        "--data",
+        d,
+        "--postgres",
+        &pg.url(),
+        "--wake",
+        "poll",
+    ]);
+    assert_eq!(status(&pg)["wake"], "poll");
+    let mut c = client(&pg);
+    let notifies = |c: &mut postgres::Client| -> bool {
+        c.query_one(
+            "SELECT bool_or(prosrc LIKE '%pg_notify%') FROM pg_proc WHERE proname = 'enqueue' AND pronamespace = 'shardq'::regnamespace",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    assert!(!notifies(&mut c));
+    let mut relay = relay_with(d, &pg, "100", "100");
+    for i in 0..3 {
+        c.execute(
+            "SELECT shardq.enqueue('polled', $1::text)",
+            &[&i.to_string()],
+        )
+        .unwrap();
+    }
+    shardq_testkit::wait_until("the polled rows relayed", Duration::from_secs(20), || {
+        key_jobs(d, "polled").len() == 3
+    });
+    relay.kill().unwrap();
+    relay.wait().unwrap();
+    let payloads: Vec<String> = key_jobs(d, "polled")
+        .iter()
+        .map(|j| j["payload"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(payloads, ["0", "1", "2"]);
+    install(d, &pg);
+    assert_eq!(status(&pg)["wake"], "notify");
+    assert!(notifies(&mut c));
+}
+
 /// A relay process of the outbox (`--batch` small, so kills land mid-way).
 fn relay(d: &str, pg: &PgServer) -> Child {
     relay_with(d, pg, "37", "50")
