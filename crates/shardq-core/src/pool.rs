@@ -37,6 +37,12 @@ pub const CLAIM_AHEAD: usize = 2;
 /// Job leases are extended this many times per lease period, so a run
 /// survives two missed heartbeats.
 pub const HEARTBEATS_PER_LEASE: u64 = 3;
+/// How long acks refused for a transient reason (a shard's append lock
+/// held by a stalled process, an unreachable store) wait before they are
+/// sent again. They are kept until they are stored, their runs turn stale
+/// (a lapsed job lease) or the shard is lost: a finished run is not run
+/// again only because its ack could not be stored at once.
+pub const ACK_RETRY_MS: u64 = 250;
 
 /// A job handler: `Ok` acks the job, `Err(e)` fails the attempt with `e`'s
 /// text as the reason (any error converts with `?`, a `String` with
@@ -476,6 +482,7 @@ impl WorkerPool {
             failed: BTreeMap::new(),
             max_shards: coordinator.max_shards(),
             backoffs: crate::backoff::BackOffs::default(),
+            unacked: BTreeMap::new(),
         };
         let result = state.run_loop(coordinator, &*clock, stop, &out_rx);
         // Never give a shard up while one of its handlers runs: cancel what
@@ -526,11 +533,28 @@ struct Dispatch<'a> {
     max_shards: usize,
     /// Each job's back-offs in a row ([`crate::backoff`]).
     backoffs: crate::backoff::BackOffs,
+    /// Acks refused for a transient reason, by shard, sent again at
+    /// [`ACK_RETRY_MS`] intervals ([`Dispatch::retry_acks`]).
+    unacked: BTreeMap<String, Unacked>,
+}
+
+/// Finished runs of one shard whose ack waits to be sent again.
+struct Unacked {
+    /// (receipt, wait ms, run ms) per run, and the results in step.
+    runs: Vec<(Receipt, u64, u64)>,
+    results: Vec<Option<Vec<u8>>>,
+    retry_at_ms: u64,
 }
 
 impl Dispatch<'_> {
     fn in_flight(&self) -> usize {
         self.running.len()
+    }
+
+    /// Runs this process still answers for: running, or finished with an
+    /// ack not stored yet.
+    fn unfinished(&self) -> usize {
+        self.running.len() + self.unacked.values().map(|u| u.runs.len()).sum::<usize>()
     }
 
     fn run_loop(
@@ -578,9 +602,10 @@ impl Dispatch<'_> {
             if !finished.is_empty() {
                 self.record(finished, now);
             }
+            self.retry_acks(now);
 
             if let Some(deadline) = drain_deadline_ms {
-                if self.in_flight() == 0 {
+                if self.unfinished() == 0 {
                     return Ok(());
                 }
                 if now >= deadline {
@@ -598,7 +623,7 @@ impl Dispatch<'_> {
             if self.opts.exit_when_idle
                 && drain_deadline_ms.is_none()
                 && !claimed_any
-                && self.in_flight() == 0
+                && self.unfinished() == 0
                 && !self.owned.is_empty()
                 && self.all_idle(now)
             {
@@ -621,6 +646,9 @@ impl Dispatch<'_> {
             }
             if let Some(due) = self.next_due(now) {
                 wait_ms = wait_ms.min(due.saturating_sub(now).max(1));
+            }
+            if let Some(at) = self.unacked.values().map(|u| u.retry_at_ms).min() {
+                wait_ms = wait_ms.min(at.saturating_sub(now).max(1));
             }
             match out_rx.recv_timeout(clock.event_wait(wait_ms)) {
                 Ok(out) => {
@@ -1178,33 +1206,96 @@ impl Dispatch<'_> {
             });
         }
         for (shard, runs) in acks {
-            let receipts: Vec<Receipt> = runs.iter().map(|r| r.0).collect();
             let results = values.remove(&shard).unwrap_or_default();
             let results = if results.iter().any(Option::is_some) {
                 results
             } else {
                 Vec::new()
             };
-            match self.backend.ack_results(&shard, &receipts, &results) {
-                Ok(out) => {
-                    self.report.acked += out.acked;
-                    self.report.stale += out.stale.len() as u64;
-                    for (receipt, wait_ms, run_ms) in runs {
-                        let outcome = if out.stale.contains(&receipt) {
-                            RunOutcome::Stale
-                        } else {
-                            RunOutcome::Acked
-                        };
-                        (self.opts.on_event)(PoolEvent::RunFinished {
-                            shard: shard.clone(),
-                            outcome,
-                            wait_ms,
-                            run_ms,
-                        });
-                    }
+            self.send_acks(shard, runs, results, now, false);
+        }
+    }
+
+    /// Acks `runs` of `shard` with `results` (empty: none). Refused for a
+    /// transient reason, they are kept and sent again
+    /// ([`Dispatch::retry_acks`], `retry`: this is such a send; the
+    /// refusal was reported at the first); refused otherwise, they are
+    /// reported and dropped (their runs end when their job leases lapse).
+    fn send_acks(
+        &mut self,
+        shard: String,
+        runs: Vec<(Receipt, u64, u64)>,
+        results: Vec<Option<Vec<u8>>>,
+        now: u64,
+        retry: bool,
+    ) {
+        let receipts: Vec<Receipt> = runs.iter().map(|r| r.0).collect();
+        match self.backend.ack_results(&shard, &receipts, &results) {
+            Ok(out) => {
+                self.report.acked += out.acked;
+                self.report.stale += out.stale.len() as u64;
+                for (receipt, wait_ms, run_ms) in runs {
+                    let outcome = if out.stale.contains(&receipt) {
+                        RunOutcome::Stale
+                    } else {
+                        RunOutcome::Acked
+                    };
+                    (self.opts.on_event)(PoolEvent::RunFinished {
+                        shard: shard.clone(),
+                        outcome,
+                        wait_ms,
+                        run_ms,
+                    });
                 }
-                Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
             }
+            Err(e) if e.is_transient() && self.owned.contains(&shard) => {
+                if !retry && !self.unacked.contains_key(&shard) {
+                    (self.opts.on_event)(PoolEvent::RecordFailed(format!(
+                        "acking {} runs: {e} (kept; sent again every {ACK_RETRY_MS} ms while their job leases last)",
+                        runs.len()
+                    )));
+                }
+                let u = self.unacked.entry(shard).or_insert_with(|| Unacked {
+                    runs: Vec::new(),
+                    results: Vec::new(),
+                    retry_at_ms: 0,
+                });
+                // Results stay in step with their runs: none given is None.
+                if !results.is_empty() || !u.results.is_empty() {
+                    u.results.resize(u.runs.len(), None);
+                    let mut results = results;
+                    results.resize(runs.len(), None);
+                    u.results.extend(results);
+                }
+                u.runs.extend(runs);
+                u.retry_at_ms = now.saturating_add(ACK_RETRY_MS);
+            }
+            Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(e.to_string())),
+        }
+    }
+
+    /// Sends again the acks a transient refusal kept, for each shard whose
+    /// wait is over; those of a shard no longer owned are dropped (their
+    /// receipts are stale there: the jobs run again under the new owner).
+    fn retry_acks(&mut self, now: u64) {
+        let due: Vec<String> = self
+            .unacked
+            .iter()
+            .filter(|(_, u)| u.retry_at_ms <= now)
+            .map(|(s, _)| s.clone())
+            .collect();
+        for shard in due {
+            let Some(u) = self.unacked.remove(&shard) else {
+                continue;
+            };
+            if !self.owned.contains(&shard) {
+                (self.opts.on_event)(PoolEvent::RecordFailed(format!(
+                    "{} acks of shard {shard} dropped: this process no longer holds it",
+                    u.runs.len()
+                )));
+                continue;
+            }
+            self.send_acks(shard, u.runs, u.results, now, true);
         }
     }
 }

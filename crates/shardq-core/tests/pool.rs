@@ -313,6 +313,9 @@ struct OneBroken {
     extends: Arc<AtomicUsize>,
     /// While set, every extend fails (the store unreachable for a moment).
     extends_fail: Arc<AtomicBool>,
+    /// This many of the next ack calls fail as unavailable (a shard's
+    /// append lock held by a stalled process).
+    acks_fail: Arc<AtomicU64>,
 }
 
 impl OneBroken {
@@ -324,6 +327,7 @@ impl OneBroken {
             stall_before_claim: None,
             extends: Arc::default(),
             extends_fail: Arc::default(),
+            acks_fail: Arc::default(),
         }
     }
 
@@ -383,6 +387,16 @@ impl RunJobs for OneBroken {
         r: &[Receipt],
         results: &[Option<Vec<u8>>],
     ) -> Result<AckOutcome, QueueError> {
+        let refuse = self
+            .acks_fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refuse {
+            return Err(QueueError::Unavailable {
+                shard: s.to_string(),
+                reason: "its append lock is held by another process (stalled?)".into(),
+            });
+        }
         self.inner.ack_results(s, r, results)
     }
 
@@ -456,6 +470,65 @@ impl InspectJobs for OneBroken {
     }
 }
 
+/// Acks refused for a moment (a shard's append lock held by a stalled
+/// process) are kept and sent again: every job runs once, none waits for
+/// its job lease to lapse and runs again, and the results given with the
+/// refused acks are kept.
+#[test]
+fn acks_refused_for_a_moment_are_sent_again_and_no_job_runs_twice() {
+    let inner = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let jobs: Vec<NewJob> = (0..30)
+        .map(|i| NewJob::new(format!("k{}", i % 6), format!("{i}")))
+        .collect();
+    let ids = inner.enqueue("s0", 1, &jobs).unwrap();
+    let backend = OneBroken::healthy(inner.clone());
+    backend.acks_fail.store(4, Ordering::SeqCst);
+    let acks_fail = backend.acks_fail.clone();
+    let runs: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
+    let handler: Arc<shardq_core::Handler> = {
+        let runs = runs.clone();
+        Arc::new(move |job: &ClaimedJob| {
+            runs.lock().unwrap().push((
+                String::from_utf8_lossy(&job.payload).into_owned(),
+                job.attempt,
+            ));
+            shardq_core::pool::set_result(format!("r{}", String::from_utf8_lossy(&job.payload)));
+            Ok(())
+        })
+    };
+    let (_events, mut opts) = idle_exiting_pool_recording_events();
+    // Long enough that a dropped ack's job would run again within the test
+    // only by a bug (its lease lapsing), short enough to see it if it did.
+    opts.job_lease_ms = 3_000;
+    let report = run_pool(
+        Arc::new(backend),
+        inner.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .unwrap();
+    assert_eq!(acks_fail.load(Ordering::SeqCst), 0, "the refusals happened");
+    let runs = runs.lock().unwrap().clone();
+    let mut payloads: Vec<u32> = runs.iter().map(|(p, _)| p.parse().unwrap()).collect();
+    payloads.sort_unstable();
+    assert_eq!(
+        payloads,
+        (0..30).collect::<Vec<u32>>(),
+        "each job ran once: {runs:?}"
+    );
+    assert!(runs.iter().all(|(_, a)| *a == 1), "{runs:?}");
+    assert_eq!(report.acked, 30);
+    let f = inner.finished("s0", None, 100).unwrap();
+    assert_eq!(f.len(), 30);
+    for id in ids {
+        let done = f.iter().find(|j| j.id == id).expect("finished");
+        assert!(done.result.is_some(), "job {id} kept its result");
+    }
+}
+
 /// Regression: one corrupt shard stopped the whole worker. Now it stops
 /// that shard only (reported once), the others run all their jobs, and a
 /// batch run ends with an error naming the failed shard.
@@ -474,6 +547,7 @@ fn one_corrupt_shard_stops_only_itself() {
         stall_before_claim: None,
         extends: Arc::default(),
         extends_fail: Arc::default(),
+        acks_fail: Arc::default(),
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let opts = PoolOptions {

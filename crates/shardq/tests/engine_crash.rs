@@ -1,7 +1,8 @@
 //! Crash tests of the embedded engine with real processes: a worker killed
-//! with SIGKILL mid-run and taken over by another, and a producer killed
-//! mid-enqueue. Every job must run, in key order, and every enqueue that
-//! reported success must be there.
+//! with SIGKILL mid-run and taken over by another, a producer killed
+//! mid-enqueue, and a process stalled while it holds a shard's append
+//! lock. Every job must run, in key order, and every enqueue that reported
+//! success must be there.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{BufRead, BufReader, Write};
@@ -257,4 +258,59 @@ fn producer_killed_mid_enqueue_keeps_every_reported_job() {
     );
     assert!(ran.len() >= reported.len());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A process stalled while it holds a shard's append lock (a rebalance or
+/// a producer SIGSTOPped mid-append; here the test holds the lock for 3 s)
+/// makes the worker's acks wait, not fail: every job runs exactly once, at
+/// its first attempt, and the worker serves the shard again afterwards
+/// (before, the refused acks were dropped and their jobs ran again once
+/// their job leases lapsed).
+#[test]
+fn a_stalled_append_lock_holder_makes_no_job_run_twice() {
+    use std::os::fd::AsRawFd;
+    let dir = temp_dir("stalled-lock");
+    let data = dir.join("q");
+    init(&data, 1);
+    let lines: String = (0..600).map(|i| format!("k{}\t{i}\n", i % 20)).collect();
+    let p = producer(&data, lines).wait_with_output().unwrap();
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let runs = dir.join("runs.txt");
+    let mut w = worker(&data, &runs, true);
+    let start = Instant::now();
+    while count_lines(&runs) < 60 {
+        assert!(start.elapsed() < WAIT_MAX, "the worker never ran 60 jobs");
+        thread::sleep(Duration::from_millis(5));
+    }
+    let lock = std::fs::File::open(data.join("shard-0").join(".append.lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns; it is released when
+    // the file is closed.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let during = count_lines(&runs);
+    // Real time: the stall itself, shorter than the 30 s job lease.
+    thread::sleep(Duration::from_secs(3));
+    drop(lock);
+    wait_exit(&mut w, "the worker", WAIT_MAX);
+    let mut err = String::new();
+    use std::io::Read;
+    let _ = w.stderr.take().unwrap().read_to_string(&mut err);
+    let lines = std::fs::read_to_string(&runs).unwrap();
+    let mut seen: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    for l in lines.lines() {
+        let f: Vec<&str> = l.splitn(5, ' ').collect();
+        seen.entry(f[1].parse().unwrap())
+            .or_default()
+            .push(f[2].to_string());
+    }
+    assert_eq!(seen.len(), 600, "every job ran: {err}");
+    let twice: Vec<_> = seen
+        .iter()
+        .filter(|(_, a)| a.len() > 1 || a[0] != "1")
+        .collect();
+    assert!(twice.is_empty(), "jobs run again: {twice:?}\n{err}");
+    assert!(
+        during < 600,
+        "the lock was taken while jobs were left to run"
+    );
+    assert!(err.contains("acking"), "the held acks were reported: {err}");
 }
