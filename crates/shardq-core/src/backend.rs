@@ -792,25 +792,36 @@ pub const MOVE_HOPS_MAX: usize = 16;
 /// Where job `id` of `shard` went when it left with its key in a move:
 /// the shard that stored its copy and the copy's id, followed through
 /// later moves of the copy (at most [`MOVE_HOPS_MAX`]), looking for the
-/// copy on each of `shards`. `None` when `id` did not move away (it is
+/// copy on the shard `routed` names for the key first, then on each of
+/// `shards` (one that cannot be read is passed over). `None` when `id` did not move away (it is
 /// live or finished where it is, or unknown), or when no shard remembers
 /// storing its copy ([`MoveKeys::moved_away`] and [`MoveKeys::imported_as`]
 /// keep bounded histories). Read-only: needs no ownership.
 pub fn follow_moves<B: QueueBackend + ?Sized>(
     backend: &B,
     shards: &[String],
+    routed: &dyn Fn(&str) -> Option<String>,
     shard: &str,
     id: JobId,
 ) -> Result<Option<(String, JobId)>, QueueError> {
     let mut at = (shard.to_string(), id);
     let mut moved = false;
     for _ in 0..MOVE_HOPS_MAX {
-        if backend.moved_away(&at.0, at.1)?.is_none() {
+        let Some(key) = backend.moved_away(&at.0, at.1)? else {
             break;
-        }
+        };
+        // The shard the key routes to now first (the copy is there unless
+        // the key moved on), then the others; one that cannot be read is
+        // passed over.
+        let first = routed(&key).filter(|s| *s != at.0);
+        let order = first.iter().chain(
+            shards
+                .iter()
+                .filter(|s| **s != at.0 && Some(*s) != first.as_ref()),
+        );
         let mut next = None;
-        for s in shards.iter().filter(|s| **s != at.0) {
-            if let Some(copy) = backend.imported_as(s, &at.0, at.1)? {
+        for s in order {
+            if let Ok(Some(copy)) = backend.imported_as(s, &at.0, at.1) {
                 next = Some((s.clone(), copy));
                 break;
             }

@@ -776,9 +776,12 @@ impl Deployment {
         }
         // Where it went is a courtesy: a lookup that fails says no more.
         let shards = self.shard_names().unwrap_or_default();
-        if let Ok(Some((s, copy))) = shardq_core::backend::follow_moves(&*queue, &shards, shard, id)
+        let routed = |key: &str| self.route(key).ok();
+        if let Ok(Some((s, copy))) =
+            shardq_core::backend::follow_moves(&*queue, &shards, &routed, shard, id)
         {
-            if let Some(found) = here(&s, copy)? {
+            // A copy that cannot be read now is answered as a move.
+            if let Ok(Some(found)) = here(&s, copy) {
                 return Ok(found);
             }
         }
@@ -804,7 +807,10 @@ impl Deployment {
             return Ok((shard.to_string(), id, outcome));
         }
         let shards = self.shard_names().unwrap_or_default();
-        match shardq_core::backend::follow_moves(&*queue, &shards, shard, id).unwrap_or(None) {
+        let routed = |key: &str| self.route(key).ok();
+        match shardq_core::backend::follow_moves(&*queue, &shards, &routed, shard, id)
+            .unwrap_or(None)
+        {
             Some((at, copy)) => Ok((at.clone(), copy, queue.cancel(&at, copy)?)),
             None => Ok((shard.to_string(), id, outcome)),
         }

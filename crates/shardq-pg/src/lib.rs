@@ -123,15 +123,12 @@ pub fn status(client: &mut postgres::Client, schema: &str) -> Result<Status, PgE
             &[&schema],
         )?
         .get(0);
-    let notifies: bool = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_proc WHERE pronamespace = $1::text::regnamespace
-               AND proname = 'enqueue' AND prosrc LIKE '%pg_notify%')",
-            &[&schema],
-        )?
-        .get(0);
+    let wake = match crate::schema::installed_wake(client, schema)? {
+        Some(crate::schema::Wake::Poll) => "poll",
+        _ => "notify",
+    };
     Ok(Status {
-        wake: if notifies { "notify" } else { "poll" }.to_string(),
+        wake: wake.to_string(),
         schema: schema.to_string(),
         installed_version: installed,
         latest_version: latest_version(),

@@ -167,6 +167,26 @@ pub fn install(
     Ok(applied)
 }
 
+/// How `schema`'s installed `enqueue` wakes the relay; `None` when it has
+/// none.
+pub fn installed_wake(
+    client: &mut impl GenericClient,
+    schema: &str,
+) -> Result<Option<Wake>, PgError> {
+    check_schema(schema)?;
+    let row = client.query_one(
+        "SELECT count(*), coalesce(bool_or(prosrc LIKE '%pg_notify%'), false) FROM pg_proc
+         WHERE proname = 'enqueue' AND pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = $1)",
+        &[&schema],
+    )?;
+    let (functions, notifies): (i64, bool) = (row.get(0), row.get(1));
+    Ok(match (functions, notifies) {
+        (0, _) => None,
+        (_, true) => Some(Wake::Notify),
+        (_, false) => Some(Wake::Poll),
+    })
+}
+
 /// The versions recorded in `schema` (none when it was never installed).
 pub fn installed_version(client: &mut impl GenericClient, schema: &str) -> Result<i32, PgError> {
     check_schema(schema)?;

@@ -429,6 +429,10 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
     // budget of their own: they never hold a slot an enqueue, an ack or a
     // read needs.
     let polls = tower::limit::GlobalConcurrencyLimitLayer::new(app.limits.polls_max.max(1));
+    // Scrapes have a small budget of their own: they answer however busy
+    // the other routes are, and a flood of them cannot take the blocking
+    // threads every handler needs.
+    let scrapes = tower::limit::GlobalConcurrencyLimitLayer::new(limits::METRICS_SCRAPES_MAX);
     // Each counted inside its limit: only admitted requests count.
     let (requests, polls_in) = (
         axum::middleware::from_fn_with_state(Arc::clone(&app.load.requests), load::count),
@@ -438,7 +442,8 @@ fn router(app: Arc<App>, tokens: Option<Arc<Tokens>>, hosts: Arc<edge::Hosts>) -
         let handler = match info.path {
             // The probes and the metrics answer however busy the server
             // is: that is when they are wanted.
-            "/healthz" | "/readyz" | "/metrics" => handler,
+            "/healthz" | "/readyz" => handler,
+            "/metrics" => handler.route_layer(scrapes.clone()),
             "/v1/claim" | "/v1/jobs/{id}/result" => handler
                 .route_layer(polls_in.clone())
                 .route_layer(polls.clone()),

@@ -69,6 +69,10 @@ pub const BODY_READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// worker, without tokens): a client cannot pass the per-worker bound by
 /// inventing worker names.
 pub const CLAIMS_PER_TOKEN_MAX_DEFAULT: usize = 50_000;
+/// Scrapes of `/metrics` served at once (outside `--concurrency-max`, so
+/// the metrics answer while the server is busy; bounded, so a flood of
+/// scrapes cannot take the threads every other request needs).
+pub const METRICS_SCRAPES_MAX: usize = 4;
 /// How often the server looks for runs past their job timeout, in ms.
 pub const TIMEOUT_SWEEP_MS: u64 = 50;
 

@@ -334,11 +334,34 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
                 .find_job(&shard, job)
                 .with_context(|| format!("reading job {id}"))?;
             let shown = matches!(found, JobLookup::Live(..) | JobLookup::Finished(..));
+            // A copy found after a move says so (as GET /v1/jobs/{id} does).
+            let moved = |at: &str, found: JobId, key: &str, mut v: serde_json::Value| {
+                if (at, found) != (shard.as_str(), job) {
+                    v["moved"] = json!({ "key": key, "shard": at, "from": id });
+                }
+                v
+            };
             match found {
-                JobLookup::Live(at, j) if json => println!("{}", job_value(&at, j)),
-                JobLookup::Live(at, j) => print_job(&at, &j),
-                JobLookup::Finished(at, f) if json => println!("{}", finished_value(&at, f)),
-                JobLookup::Finished(at, f) => print_finished(&at, &f),
+                JobLookup::Live(at, j) if json => {
+                    let (found, key) = (j.id, j.key.clone());
+                    println!("{}", moved(&at, found, &key, job_value(&at, j)))
+                }
+                JobLookup::Live(at, j) => {
+                    if (at.as_str(), j.id) != (shard.as_str(), job) {
+                        println!("{id} moved with its key: its copy is {at}:{}", j.id.0);
+                    }
+                    print_job(&at, &j)
+                }
+                JobLookup::Finished(at, f) if json => {
+                    let (found, key) = (f.id, f.key.clone());
+                    println!("{}", moved(&at, found, &key, finished_value(&at, f)))
+                }
+                JobLookup::Finished(at, f) => {
+                    if (at.as_str(), f.id) != (shard.as_str(), job) {
+                        println!("{id} moved with its key: its copy is {at}:{}", f.id.0);
+                    }
+                    print_finished(&at, &f)
+                }
                 JobLookup::Moved { key, shard: now } if json => println!(
                     "{}",
                     json!({ "id": id, "live": false, "moved": { "key": key, "shard": now } })

@@ -33,9 +33,10 @@ pub enum PgAction {
         /// pg_notify: lowest latency, but PostgreSQL commits notifying
         /// transactions one at a time) or `poll` (no notification: the
         /// relay reads every --poll-ms; cheaper for the application's
-        /// transactions; run the relay with a short --poll-ms).
-        #[arg(long, value_enum, default_value_t = WakeArg::Notify)]
-        wake: WakeArg,
+        /// transactions; run the relay with a short --poll-ms). Default:
+        /// what the schema has now, `notify` for a new one.
+        #[arg(long, value_enum)]
+        wake: Option<WakeArg>,
     },
     /// Move committed outbox rows into the deployment, each key's in
     /// commit order, and delete them; runs until SIGINT/SIGTERM. Several
@@ -104,14 +105,18 @@ pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
             wake,
         } => {
             let (d, opts) = open(&data)?;
+            let mut client = shardq_pg::connect(&postgres)?;
+            let wake = match wake {
+                Some(WakeArg::Notify) => shardq_pg::schema::Wake::Notify,
+                Some(WakeArg::Poll) => shardq_pg::schema::Wake::Poll,
+                // A new install notifies; an existing one keeps its mode.
+                None => shardq_pg::schema::installed_wake(&mut client, &schema)?
+                    .unwrap_or(shardq_pg::schema::Wake::Notify),
+            };
             let bounds = Bounds {
                 payload_bytes_max: d.payload_bytes_max(&opts),
-                wake: match wake {
-                    WakeArg::Notify => shardq_pg::schema::Wake::Notify,
-                    WakeArg::Poll => shardq_pg::schema::Wake::Poll,
-                },
+                wake,
             };
-            let mut client = shardq_pg::connect(&postgres)?;
             let applied = shardq_pg::schema::install(&mut client, &schema, bounds)?;
             if applied.is_empty() {
                 println!(

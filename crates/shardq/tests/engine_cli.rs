@@ -592,6 +592,14 @@ fn a_job_id_from_before_a_move_finds_its_copy_or_says_where_it_went() {
     let copy = show_json(&ids[1]);
     assert_eq!(
         (
+            copy["moved"]["from"].as_str(),
+            copy["moved"]["key"].as_str()
+        ),
+        (Some(ids[1].as_str()), Some("k")),
+        "the copy says it is one: {copy}"
+    );
+    assert_eq!(
+        (
             copy["shard"].as_str(),
             copy["payload"].as_str(),
             copy["state"].as_str()

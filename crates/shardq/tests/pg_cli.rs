@@ -235,8 +235,8 @@ fn each_keys_rows_run_in_commit_order_and_an_open_transaction_holds_back_only_it
 
 /// An outbox installed with `--wake poll` has an `enqueue` that does not
 /// notify (`pg status` says so); a relay polling it every 100 ms still
-/// relays each committed row; installing again with the default puts the
-/// notification back.
+/// relays each committed row; installing again without `--wake` keeps the
+/// mode, and `--wake notify` puts the notification back.
 #[test]
 fn an_outbox_installed_to_poll_does_not_notify_and_its_relay_polls() {
     let pg = PgServer::start();
@@ -284,6 +284,22 @@ fn an_outbox_installed_to_poll_does_not_notify_and_its_relay_polls() {
         .collect();
     assert_eq!(payloads, ["0", "1", "2"]);
     install(d, &pg);
+    assert_eq!(
+        status(&pg)["wake"],
+        "poll",
+        "an install without --wake keeps the mode"
+    );
+    assert!(!notifies(&mut c));
+    ok(&[
+        "pg",
+        "install",
+        "--data",
+        d,
+        "--postgres",
+        &pg.url(),
+        "--wake",
+        "notify",
+    ]);
     assert_eq!(status(&pg)["wake"], "notify");
     assert!(notifies(&mut c));
 }

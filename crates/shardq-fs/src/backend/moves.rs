@@ -253,15 +253,17 @@ impl MoveKeys for FsBackend {
                 Ok(bytes)
             };
             self.append_records(&shard, &mut inner, &mut build, false)?;
+            // Each chunk's copies are noted as soon as they are written, so
+            // a move killed between chunks loses no earlier chunk's ids.
+            self.note_moved_in(
+                &shard,
+                MovedInLine {
+                    from: from.to_string(),
+                    pairs: stored.iter().map(|(_, src, new)| (src.0, new.0)).collect(),
+                },
+            )?;
             out.extend(stored);
         }
-        self.note_moved_in(
-            &shard,
-            MovedInLine {
-                from: from.to_string(),
-                pairs: out.iter().map(|(_, src, new)| (src.0, new.0)).collect(),
-            },
-        )?;
         // Written, not yet synced: a move makes a whole backlog's copies
         // durable at once ([`MoveKeys::sync_imports`]) before it deletes
         // the sources, instead of an fsync per chunk, which every fsync of
