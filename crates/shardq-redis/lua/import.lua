@@ -11,7 +11,9 @@
 -- twice. Each call's stored jobs go to the `movedin` list as one entry,
 -- `<count>|<lowest source id>|<highest source id>|<from byte length>|<from>,<source id>:<new id>,...,`,
 -- within MOVED_KEYS_KEPT entries and MOVED_IDS_KEPT ids (`movedinn` in
--- `meta` counts them), so an id from before a move finds its copy
+-- `meta` counts them), and each pair to the `imported` hash as
+-- `#<from byte length>|<from><source id>` -> new id (dropped with its list
+-- entry), so an id from before a move finds its copy in one read
 -- (imported_as.lua). Reply: `OK`, then `key, source id, new id` per job
 -- stored.
 local now = now_ms()
@@ -107,15 +109,32 @@ flush(kk, 'HSET', K_KEYED)
 if stored > 0 then redis.call('HINCRBY', K_META, 'pend', stored) end
 -- The copies' ids, by source id.
 local K_MOVEDIN = KEYS[23]
-local pairs_, lo, hi = {}, nil, nil
+local pairs_, index, lo, hi = {}, {}, nil, nil
+local ix = '#' .. #from .. '|' .. from
 for i = 2, #out, 3 do
   local src = tonumber(out[i + 1])
   pairs_[#pairs_ + 1] = out[i + 1] .. ':' .. out[i + 2]
+  index[#index + 1] = ix .. out[i + 1]
+  index[#index + 1] = out[i + 2]
   if not lo or src < lo then lo = src end
   if not hi or src > hi then hi = src end
 end
 if #pairs_ > 0 then
+  flush(index, 'HSET', K_IMPORTED)
   local entry = #pairs_ .. '|' .. idstr(lo) .. '|' .. idstr(hi) .. '|' .. #from .. '|' .. from .. ',' .. table.concat(pairs_, ',') .. ','
-  history_push(K_MOVEDIN, 'movedinn', entry, #pairs_, MOVED_KEYS_KEPT, MOVED_IDS_KEPT)
+  -- An entry dropped from the list takes its pairs out of the index.
+  local function unindex(old)
+    local len, rest = string.match(old, '^%d+|%d+|%d+|(%d+)|()')
+    if not len then return end
+    local src_shard = string.sub(old, rest, rest + tonumber(len) - 1)
+    local gone = {}
+    for src in string.gmatch(string.sub(old, rest + tonumber(len)), ',(%d+):') do
+      gone[#gone + 1] = '#' .. len .. '|' .. src_shard .. src
+    end
+    for i = 1, #gone, 4000 do
+      redis.call('HDEL', K_IMPORTED, unpack(gone, i, math.min(i + 3999, #gone)))
+    end
+  end
+  history_push(K_MOVEDIN, 'movedinn', entry, #pairs_, MOVED_KEYS_KEPT, MOVED_IDS_KEPT, unindex)
 end
 return out

@@ -500,13 +500,15 @@ end
 -- The move histories (`moved`, `movedin`: lists of entries that begin
 -- `<count>|`, oldest first). history_push appends `entry`, which holds
 -- `n` ids, and drops the oldest entries past `keys_max` entries or
--- `ids_max` ids in all, counted in `meta` field `countf`.
-local function history_push(list, countf, entry, n, keys_max, ids_max)
+-- `ids_max` ids in all, counted in `meta` field `countf`, calling
+-- `dropped(entry)` (when given) for each entry it drops.
+local function history_push(list, countf, entry, n, keys_max, ids_max, dropped)
   redis.call('RPUSH', list, entry)
   local total = redis.call('HINCRBY', K_META, countf, n)
   local len = redis.call('LLEN', list)
   while len > 1 and (len > keys_max or total > ids_max) do
     local old = redis.call('LPOP', list)
+    if dropped then dropped(old) end
     total = redis.call('HINCRBY', K_META, countf, -(tonumber(string.match(old, '^(%d+)|')) or 0))
     len = len - 1
   end

@@ -166,7 +166,9 @@ pub fn rebalance_epoch_key(ns: &str) -> String {
 ///   still append to it, and a move copies them.
 /// * `imported` hash: `<from len>|<from><key>` -> the largest job id of
 ///   shard `from` copied into this shard for that key (a move's cursor:
-///   an import skips what it already took).
+///   an import skips what it already took); and `#<from len>|<from><source
+///   id>` -> the copy's id here, for each copy the `movedin` list names
+///   (dropped with its list entry): how an old id finds its copy.
 ///
 /// * `moved` list: per purge of a key moved away, `<count>|<lowest
 ///   id>|<highest id>|<key length>|<key>,<id>,...,` (the ids it deleted; a

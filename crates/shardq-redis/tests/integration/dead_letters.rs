@@ -2,7 +2,8 @@
 //! `deadn` after every operation that adds or removes a dead job, a key
 //! moves off a shard that holds many other keys' dead letters in calls that
 //! each touch a bounded number of them, and a move whose old shard stops
-//! answering leaves the key unsealed and running there.
+//! answering leaves the key unsealed and running there. Also the other
+//! per-shard index a move keeps, of moved-in copies, trimmed with its list.
 
 use std::io::{Read, Write};
 
@@ -449,4 +450,56 @@ fn a_move_whose_old_shard_times_out_leaves_the_key_running_there() {
         b.ack("r1", &[j.receipt()]).unwrap();
     }
     assert_eq!(ran, ["1", "2", "3", "4"]);
+}
+
+/// The index of moved-in copies keeps what the `movedin` list names and
+/// no more: past MOVED_KEYS_KEPT imports the oldest import's copies are
+/// forgotten (their `#` fields in `imported` deleted with the list entry),
+/// the newest are found in one read, and source ids of another shard with
+/// the same numbers find nothing.
+#[test]
+fn the_moved_in_index_is_trimmed_with_its_list() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let map = map_of(&[("r0", server.url())]);
+    init(&map);
+    let b = RedisBackend::open(&map, opts_manual(&clock)).unwrap();
+    let _c = owner(&b, "w1", 600_000);
+    let n = shardq_core::MOVED_KEYS_KEPT as u64 + 3;
+    let mut copies = Vec::new();
+    for i in 1..=n {
+        let pairs = b
+            .import_jobs("r0", "src", &format!("k{}", i % 50), &[moved(i, "p", None)])
+            .unwrap();
+        copies.push(pairs[0].1);
+    }
+    for i in 1..=3u64 {
+        assert_eq!(
+            b.imported_as("r0", "src", JobId(i)).unwrap(),
+            None,
+            "import {i} forgotten"
+        );
+    }
+    for i in [4u64, n / 2, n] {
+        assert_eq!(
+            b.imported_as("r0", "src", JobId(i)).unwrap(),
+            Some(copies[i as usize - 1]),
+            "import {i}"
+        );
+        assert_eq!(b.imported_as("r0", "src2", JobId(i)).unwrap(), None);
+        assert_eq!(b.imported_as("r0", "sr", JobId(i)).unwrap(), None);
+    }
+    let parts = b.shard_keys("r0").unwrap();
+    let imported = &parts[shardq_redis::keys::part_index("imported").unwrap()];
+    let mut con = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(imported).query(&mut con).unwrap();
+    let index = fields.iter().filter(|f| f.starts_with('#')).count();
+    assert_eq!(
+        index,
+        shardq_core::MOVED_KEYS_KEPT,
+        "one index field per remembered copy"
+    );
 }
