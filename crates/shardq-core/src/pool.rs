@@ -365,8 +365,9 @@ pub struct PoolReport {
     pub dead: u64,
     /// Most handlers seen running at once.
     pub peak_in_flight: usize,
-    /// Runs cancelled because the drain timeout ran out (their jobs run
-    /// again under the next owner; the pool waited for their handlers).
+    /// Runs cancelled because the drain timeout ran out, and finished runs
+    /// whose acks could not be stored by then (their jobs run again under
+    /// the next owner; the pool waited for their handlers).
     pub abandoned: usize,
     /// Results refused because their run was no longer current (a lapsed
     /// job lease, a lost shard): they changed nothing.
@@ -609,7 +610,7 @@ impl Dispatch<'_> {
                     return Ok(());
                 }
                 if now >= deadline {
-                    self.report.abandoned = self.in_flight();
+                    self.report.abandoned = self.unfinished();
                     return Ok(());
                 }
             }
