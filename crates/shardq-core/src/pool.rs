@@ -43,6 +43,9 @@ pub const HEARTBEATS_PER_LEASE: u64 = 3;
 /// (a lapsed job lease) or the shard is lost: a finished run is not run
 /// again only because its ack could not be stored at once.
 pub const ACK_RETRY_MS: u64 = 250;
+/// How long a pool that exits when idle waits for a shard that failed for
+/// a transient reason before it ends with [`QueueError::ShardFailed`].
+pub const TRANSIENT_SHARD_WAIT_MS: u64 = 30_000;
 
 /// A job handler: `Ok` acks the job, `Err(e)` fails the attempt with `e`'s
 /// text as the reason (any error converts with `?`, a `String` with
@@ -405,6 +408,10 @@ struct Running {
 struct Failed {
     retry_at_ms: u64,
     needs_adopt: bool,
+    /// Until when a transient failure (a held append lock, an unreachable
+    /// store) keeps an idle-exiting pool waiting for the shard instead of
+    /// ending with [`QueueError::ShardFailed`]; 0 for a lasting failure.
+    wait_until_ms: u64,
 }
 
 /// The worker pool. See the module docs.
@@ -628,12 +635,18 @@ impl Dispatch<'_> {
                 && !self.owned.is_empty()
                 && self.all_idle(now)
             {
-                if let Some((shard, _)) = self.failed.iter().next() {
+                // A shard failed for a moment (a stalled lock holder, the
+                // store restarting) is waited for, within a bound; one that
+                // failed for good ends the run naming it.
+                if self.failed.values().any(|f| now < f.wait_until_ms) {
+                    // Not idle yet: wait for the shard's retry.
+                } else if let Some((shard, _)) = self.failed.iter().next() {
                     return Err(QueueError::ShardFailed {
                         shard: shard.clone(),
                     });
+                } else {
+                    return Ok(());
                 }
-                return Ok(());
             }
 
             if claimed_any && self.in_flight() < self.opts.concurrency {
@@ -712,11 +725,18 @@ impl Dispatch<'_> {
 
     fn shard_failed(&mut self, shard: &str, error: &QueueError, now: u64, needs_adopt: bool) {
         let first = !self.failed.contains_key(shard);
+        // A transient failure keeps the wait it started with.
+        let wait_until_ms = match self.failed.get(shard) {
+            Some(f) if error.is_transient() => f.wait_until_ms,
+            _ if error.is_transient() => now.saturating_add(TRANSIENT_SHARD_WAIT_MS),
+            _ => 0,
+        };
         self.failed.insert(
             shard.to_string(),
             Failed {
                 retry_at_ms: now.saturating_add(SHARD_RETRY_MS),
                 needs_adopt,
+                wait_until_ms,
             },
         );
         if first {
