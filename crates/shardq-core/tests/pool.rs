@@ -316,6 +316,8 @@ struct OneBroken {
     /// This many of the next ack calls fail as unavailable (a shard's
     /// append lock held by a stalled process).
     acks_fail: Arc<AtomicU64>,
+    /// This many of the next claim calls fail as unavailable.
+    claims_fail: Arc<AtomicU64>,
 }
 
 impl OneBroken {
@@ -328,6 +330,7 @@ impl OneBroken {
             extends: Arc::default(),
             extends_fail: Arc::default(),
             acks_fail: Arc::default(),
+            claims_fail: Arc::default(),
         }
     }
 
@@ -375,6 +378,16 @@ impl RunJobs for OneBroken {
 
     fn claim(&self, s: &str, max: usize, lease: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         self.check(s)?;
+        let refuse = self
+            .claims_fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refuse {
+            return Err(QueueError::Unavailable {
+                shard: s.to_string(),
+                reason: "its append lock is held by another process (stalled?)".into(),
+            });
+        }
         if let Some((clock, ms)) = &self.stall_before_claim {
             clock.advance(ms.swap(0, Ordering::SeqCst));
         }
@@ -529,6 +542,41 @@ fn acks_refused_for_a_moment_are_sent_again_and_no_job_runs_twice() {
     }
 }
 
+/// A pool that exits when idle waits for a shard whose claim failed for a
+/// moment (its append lock held) and runs its jobs at the shard's retry,
+/// instead of ending with the shard failed while its jobs wait.
+#[test]
+fn an_idle_exiting_pool_waits_for_a_shard_that_failed_for_a_moment() {
+    let clock = ManualClock::new(1_000_000);
+    let inner = MemoryBackend::new(&["s0"], Arc::new(clock.clone()));
+    let jobs: Vec<NewJob> = (0..5).map(|i| NewJob::new(format!("k{i}"), "x")).collect();
+    inner.enqueue("s0", 1, &jobs).unwrap();
+    let backend = OneBroken::healthy(inner.clone());
+    backend.claims_fail.store(1, Ordering::SeqCst);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let handler: Arc<shardq_core::Handler> = {
+        let ran = ran.clone();
+        Arc::new(move |_: &ClaimedJob| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    };
+    let (_events, opts) = idle_exiting_pool_recording_events();
+    let _ticker = Ticker::start(&clock, 20);
+    let report = run_pool_on(
+        Arc::new(clock.clone()),
+        Arc::new(backend),
+        inner.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
+    .unwrap()
+    .expect("the pool waits for the shard's retry and ends cleanly");
+    assert_eq!((report.acked, ran.load(Ordering::SeqCst)), (5, 5));
+}
+
 /// Regression: one corrupt shard stopped the whole worker. Now it stops
 /// that shard only (reported once), the others run all their jobs, and a
 /// batch run ends with an error naming the failed shard.
@@ -548,6 +596,7 @@ fn one_corrupt_shard_stops_only_itself() {
         extends: Arc::default(),
         extends_fail: Arc::default(),
         acks_fail: Arc::default(),
+        claims_fail: Arc::default(),
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let opts = PoolOptions {
