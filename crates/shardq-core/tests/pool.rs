@@ -358,6 +358,21 @@ impl OneBroken {
     }
 }
 
+/// Takes one from `left` and fails as unavailable (a shard's append lock
+/// held by a stalled process) while there was one to take.
+fn refuse_one(left: &AtomicU64, shard: &str) -> Result<(), QueueError> {
+    if left
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return Err(QueueError::Unavailable {
+            shard: shard.to_string(),
+            reason: "its append lock is held by another process (stalled?)".into(),
+        });
+    }
+    Ok(())
+}
+
 impl RunJobs for OneBroken {
     fn shard_names(&self) -> Vec<String> {
         self.inner.shard_names()
@@ -378,16 +393,7 @@ impl RunJobs for OneBroken {
 
     fn claim(&self, s: &str, max: usize, lease: u64) -> Result<Vec<ClaimedJob>, QueueError> {
         self.check(s)?;
-        let refuse = self
-            .claims_fail
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if refuse {
-            return Err(QueueError::Unavailable {
-                shard: s.to_string(),
-                reason: "its append lock is held by another process (stalled?)".into(),
-            });
-        }
+        refuse_one(&self.claims_fail, s)?;
         if let Some((clock, ms)) = &self.stall_before_claim {
             clock.advance(ms.swap(0, Ordering::SeqCst));
         }
@@ -400,16 +406,7 @@ impl RunJobs for OneBroken {
         r: &[Receipt],
         results: &[Option<Vec<u8>>],
     ) -> Result<AckOutcome, QueueError> {
-        let refuse = self
-            .acks_fail
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if refuse {
-            return Err(QueueError::Unavailable {
-                shard: s.to_string(),
-                reason: "its append lock is held by another process (stalled?)".into(),
-            });
-        }
+        refuse_one(&self.acks_fail, s)?;
         self.inner.ack_results(s, r, results)
     }
 

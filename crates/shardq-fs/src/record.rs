@@ -874,8 +874,8 @@ mod tests {
         assert!(
             matches!(check_segment_header(&bad), Err(HeaderError::Invalid(r)) if r.contains("magic"))
         );
-        // An older development build's segments and a newer build's are
-        // both refused by their version, not read.
+        // A segment of any other format version, lower or higher, is
+        // refused by its version, not read.
         for other in [SEGMENT_FORMAT_VERSION - 1, SEGMENT_FORMAT_VERSION + 1] {
             let mut v = h;
             v[8..12].copy_from_slice(&other.to_le_bytes());
