@@ -22,6 +22,20 @@ fn install(d: &str, pg: &PgServer) -> String {
     ok(&["pg", "install", "--data", d, "--postgres", &pg.url()])
 }
 
+/// `pg install` with `--wake WAKE`.
+fn install_waking(d: &str, pg: &PgServer, wake: &str) -> String {
+    ok(&[
+        "pg",
+        "install",
+        "--data",
+        d,
+        "--postgres",
+        &pg.url(),
+        "--wake",
+        wake,
+    ])
+}
+
 fn status(pg: &PgServer) -> serde_json::Value {
     serde_json::from_str(&ok(&["pg", "status", "--postgres", &pg.url(), "--json"])).unwrap()
 }
@@ -244,16 +258,7 @@ fn an_outbox_installed_to_poll_does_not_notify_and_its_relay_polls() {
     let data = dir.join("q");
     init_shards(&data, 2);
     let d = data.to_str().unwrap();
-    ok(&[
-        "pg",
-        "install",
-        "--data",
-        d,
-        "--postgres",
-        &pg.url(),
-        "--wake",
-        "poll",
-    ]);
+    install_waking(d, &pg, "poll");
     assert_eq!(status(&pg)["wake"], "poll");
     let mut c = client(&pg);
     let notifies = |c: &mut postgres::Client| -> bool {
@@ -290,16 +295,7 @@ fn an_outbox_installed_to_poll_does_not_notify_and_its_relay_polls() {
         "an install without --wake keeps the mode"
     );
     assert!(!notifies(&mut c));
-    ok(&[
-        "pg",
-        "install",
-        "--data",
-        d,
-        "--postgres",
-        &pg.url(),
-        "--wake",
-        "notify",
-    ]);
+    install_waking(d, &pg, "notify");
     assert_eq!(status(&pg)["wake"], "notify");
     assert!(notifies(&mut c));
 }
