@@ -785,6 +785,66 @@ pub fn key_finished<B: QueueBackend + ?Sized>(
     (all, failed)
 }
 
+/// What [`find_job`] found for an id.
+#[derive(Debug, Clone)]
+pub enum JobLookup {
+    /// Live (queued, delayed, running or dead) on the shard named.
+    Live(String, crate::job::JobInfo),
+    /// Finished or cancelled on the shard named, within its retention.
+    Finished(String, crate::job::FinishedJob),
+    /// It left with `key` in a move and no copy was found: the shard the
+    /// map routes the key to now.
+    Moved {
+        /// Its key.
+        key: String,
+        /// Where the key runs now.
+        shard: String,
+    },
+    /// Not known: finished longer ago than the retention keeps, moved
+    /// longer ago than the shards remember, or never handed out.
+    Unknown,
+}
+
+/// Where job `id` of `shard` is: live or finished there while the
+/// retention keeps it; else, when it left with its key in a move, its copy
+/// on the shard that stored it ([`follow_moves`]), live or finished there;
+/// else, a move `shard` remembers with no copy found, the key and the
+/// shard `routed` names for it now. `finished` reads a shard's finished
+/// job by id (a caller looking many up reads each shard's list once).
+/// Read-only: needs no ownership.
+pub fn find_job<B: QueueBackend + ?Sized>(
+    backend: &B,
+    shards: &[String],
+    routed: &dyn Fn(&str) -> Option<String>,
+    finished: &mut dyn FnMut(&str, JobId) -> Result<Option<crate::job::FinishedJob>, QueueError>,
+    shard: &str,
+    id: JobId,
+) -> Result<JobLookup, QueueError> {
+    let mut here = |s: &str, id| -> Result<Option<JobLookup>, QueueError> {
+        if let Some(job) = backend.job(s, id)? {
+            return Ok(Some(JobLookup::Live(s.to_string(), job)));
+        }
+        Ok(finished(s, id)?.map(|job| JobLookup::Finished(s.to_string(), job)))
+    };
+    if let Some(found) = here(shard, id)? {
+        return Ok(found);
+    }
+    // Where it went is a courtesy: a lookup that fails says no more.
+    if let Ok(Some((s, copy))) = follow_moves(backend, shards, routed, shard, id) {
+        // A copy that cannot be read now is answered as a move.
+        if let Ok(Some(found)) = here(&s, copy) {
+            return Ok(found);
+        }
+    }
+    Ok(match backend.moved_away(shard, id).unwrap_or(None) {
+        Some(key) => match routed(&key) {
+            Some(now) => JobLookup::Moved { key, shard: now },
+            None => JobLookup::Unknown,
+        },
+        None => JobLookup::Unknown,
+    })
+}
+
 /// Most moves [`follow_moves`] follows from one id (a key moved back and
 /// forth more often than this since the id was given is not followed).
 pub const MOVE_HOPS_MAX: usize = 16;

@@ -315,6 +315,16 @@ pub fn refuse_reserved_dedup_id(id: &str) -> Result<(), QueueError> {
             ),
         });
     }
+    if id.starts_with(crate::workflow::AFTER_PREFIX) {
+        return Err(QueueError::InvalidOption {
+            name: "dedup id",
+            value: format!("{id:?}"),
+            allowed: format!(
+                "an id not starting with {:?} (kept for released dependents)",
+                crate::workflow::AFTER_PREFIX
+            ),
+        });
+    }
     if is_keyed_id(id) {
         return Err(QueueError::InvalidOption {
             name: "dedup id",

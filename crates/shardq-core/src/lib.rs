@@ -19,6 +19,7 @@ pub mod reshard;
 pub mod retry;
 pub mod schedule;
 pub mod secret;
+pub mod workflow;
 
 pub use backend::{
     claim_order, BackedOff, BackendLimits, Coordinator, InspectJobs, KeyHold, KeyResume, MoveKeys,

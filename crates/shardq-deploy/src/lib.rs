@@ -112,25 +112,7 @@ enum Store {
     },
 }
 
-/// What [`Deployment::find_job`] found for an id.
-#[derive(Debug, Clone)]
-pub enum JobLookup {
-    /// Live (queued, delayed, running or dead) on the shard named.
-    Live(String, shardq_core::JobInfo),
-    /// Finished or cancelled on the shard named, within its retention.
-    Finished(String, shardq_core::FinishedJob),
-    /// It left with `key` in a move and no copy was found: the shard the
-    /// map routes the key to now.
-    Moved {
-        /// Its key.
-        key: String,
-        /// Where the key runs now.
-        shard: String,
-    },
-    /// Not known: finished longer ago than the retention keeps, moved
-    /// longer ago than the shards remember, or never handed out.
-    Unknown,
-}
+pub use shardq_core::backend::JobLookup;
 
 /// An open deployment. See the crate docs.
 pub struct Deployment {
@@ -764,31 +746,17 @@ impl Deployment {
     /// where the map routes it now ([`Deployment::moved_job`]).
     pub fn find_job(&self, shard: &str, id: shardq_core::JobId) -> Result<JobLookup, DeployError> {
         let queue = self.queue();
-        let here = |s: &str, id| -> Result<Option<JobLookup>, DeployError> {
-            if let Some(job) = queue.job(s, id)? {
-                return Ok(Some(JobLookup::Live(s.to_string(), job)));
-            }
-            Ok(shardq_core::backend::finished_job(&*queue, s, id)?
-                .map(|job| JobLookup::Finished(s.to_string(), job)))
-        };
-        if let Some(found) = here(shard, id)? {
-            return Ok(found);
-        }
-        // Where it went is a courtesy: a lookup that fails says no more.
         let shards = self.shard_names().unwrap_or_default();
         let routed = |key: &str| self.route(key).ok();
-        if let Ok(Some((s, copy))) =
-            shardq_core::backend::follow_moves(&*queue, &shards, &routed, shard, id)
-        {
-            // A copy that cannot be read now is answered as a move.
-            if let Ok(Some(found)) = here(&s, copy) {
-                return Ok(found);
-            }
-        }
-        Ok(match self.moved_job(shard, id).unwrap_or(None) {
-            Some((key, now)) => JobLookup::Moved { key, shard: now },
-            None => JobLookup::Unknown,
-        })
+        let mut finished = |s: &str, id| shardq_core::backend::finished_job(&*queue, s, id);
+        Ok(shardq_core::backend::find_job(
+            &*queue,
+            &shards,
+            &routed,
+            &mut finished,
+            shard,
+            id,
+        )?)
     }
 
     /// Cancels job `id` of `shard` ([`shardq_core::InspectJobs::cancel`]);

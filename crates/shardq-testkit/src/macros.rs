@@ -78,6 +78,7 @@ macro_rules! __contract_checks {
             a_keys_retry_rule_decides_its_wait
             finished_jobs_are_kept_newest_first
             a_handlers_result_is_kept_with_its_finished_job
+            dependents_run_once_after_their_dependencies
             rate_limits_hold_across_every_claim
             a_backed_off_run_keeps_its_attempt_and_holds_its_key
             a_resumed_key_starts_at_once_and_other_waits_stand

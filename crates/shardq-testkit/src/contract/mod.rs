@@ -19,12 +19,14 @@ mod flow;
 mod inspect;
 mod moves;
 mod run;
+mod workflow;
 
 pub use dedup::*;
 pub use flow::*;
 pub use inspect::*;
 pub use moves::*;
 pub use run::*;
+pub use workflow::*;
 
 /// A backend under test and a way to let its time pass.
 pub trait ContractHarness {

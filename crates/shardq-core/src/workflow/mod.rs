@@ -1,0 +1,108 @@
+//! Dependencies: a job that waits until other jobs have ended, then runs
+//! with their outcomes and results.
+//!
+//! A *dependent* is enqueued with `after` (job ids `SHARD:ID`, or the ids
+//! of other dependents, `@N`) and a policy for a dependency that did not
+//! succeed ([`OnDependencyFailure`]). Until every dependency has ended it
+//! is not on any shard: it is a [`Waiting`] record in the deployment's
+//! `waiting` setting ([`SETTING_WAITING`]), the document every process
+//! of the deployment reads and changes by compare-and-set
+//! ([`crate::reshard::update_setting`]), the same primitive that settings
+//! and schedules use. So a dependent does not hold up its key's later jobs
+//! while it waits (it joins its key's order when it is released, as a job
+//! enqueued at that moment would), and a move of its key or of any
+//! dependency's key strands nothing: the record is on no shard.
+//!
+//! # How a dependent is resolved (`resolve.rs`)
+//!
+//! Every worker and server runs a [`Resolver`] pass every
+//! [`RESOLVE_EVERY_MS`]. A pass looks up each unresolved dependency where
+//! a job is found (live or finished on its shard, else its copy after a
+//! move: [`crate::backend::find_job`]) and records its end as it sees it:
+//! `completed` (with its result), `cancelled`, `dead`, a dependent that
+//! `failed`, or `forgotten` (see below). Recorded outcomes never change, so
+//! a dependency retried from the dead-letter list, or one the retention
+//! forgets later, cannot change a decision made. When every dependency has
+//! an outcome, the pass decides: under [`OnDependencyFailure::Fail`] a
+//! dependency that did not complete ends the dependent as failed, with a
+//! reason naming it; otherwise the dependent is enqueued on its key.
+//!
+//! # Why each dependent starts once
+//!
+//! The release enqueues the job with the dedup id `after:@N`
+//! ([`release_dedup_id`]) and a dedup window of [`RELEASE_DEDUP_WINDOW_MS`],
+//! then records where it landed. Two passes releasing at once (two
+//! processes), or a pass killed between its enqueue and its record, store
+//! the job once: the second enqueue is a duplicate and answers the first
+//! one's id, on whatever shard the key has moved to since (dedup records
+//! move with their key). A pass that loses the compare-and-set reads the
+//! document again and applies its findings to what it finds; a finding
+//! never overwrites one recorded earlier.
+//!
+//! # Why nothing waits forever
+//!
+//! Every end of a job is visible to the lookup: an ack or a cancel leaves
+//! a finished job, a dead letter stays on its shard, a dependent that
+//! failed stays in the document. A job that is nowhere (purged, or
+//! finished and forgotten by the retention before a pass saw it) was seen
+//! at enqueue (an id no shard knows is refused), so it has ended: after
+//! it has been missing for [`FORGOTTEN_AFTER_MS`] its outcome is
+//! `forgotten`, which is not a success. The retention keeps the newest
+//! [`crate::job::Retention::finished_jobs`] finished jobs per shard; a
+//! shard that finishes more than that between two passes can turn a
+//! completion into `forgotten`, so keep it above a shard's finishes per
+//! second (docs/workflows.md).
+//!
+//! # Bounds
+//!
+//! [`DEPENDENCIES_MAX`] dependencies per job, [`WAITING_MAX`] dependents
+//! waiting at once in a deployment, [`COLLECTED_RESULT_BYTES_MAX`] of
+//! dependencies' results kept per dependent (results past it are dropped
+//! and the dependency says so), ended records kept for
+//! [`ENDED_KEPT_MS`] and at most [`ENDED_KEPT_MAX`] of them.
+
+mod record;
+mod resolve;
+
+pub use record::{
+    check_after, parse_dependency, DepOutcome, DepRef, Dependency, NewDependent,
+    OnDependencyFailure, WaitState, Waiting, WaitingFile, WaitingStore, WAITING_FORMAT,
+};
+pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver};
+
+/// The deployment setting that holds the waiting dependents.
+pub const SETTING_WAITING: &str = "waiting";
+/// Most dependencies of one job.
+pub const DEPENDENCIES_MAX: usize = 1_000;
+/// Most dependents waiting at once in a deployment.
+pub const WAITING_MAX: usize = 10_000;
+/// Most bytes of dependencies' results one dependent collects (1 MiB).
+pub const COLLECTED_RESULT_BYTES_MAX: usize = 1 << 20;
+/// How long a released, failed or cancelled dependent's record is kept,
+/// so its id still answers (one day).
+pub const ENDED_KEPT_MS: u64 = 86_400_000;
+/// Most ended dependents' records kept (the oldest go first).
+pub const ENDED_KEPT_MAX: usize = 10_000;
+/// How often a resolver pass runs (100 ms).
+pub const RESOLVE_EVERY_MS: u64 = 100;
+/// How long a dependency must be missing from every shard before its
+/// outcome is `forgotten` (2 s: longer than a move's switch).
+pub const FORGOTTEN_AFTER_MS: u64 = 2_000;
+/// The dedup window of a release (7 days, the longest a dedup id is kept).
+pub const RELEASE_DEDUP_WINDOW_MS: u64 = crate::job::DEDUP_WINDOW_MS_MAX;
+/// The dedup id prefix of a released dependent; refused from producers.
+pub const AFTER_PREFIX: &str = "after:";
+
+/// The dedup id a dependent is released with: `after:@N`.
+pub fn release_dedup_id(id: u64) -> String {
+    format!("{AFTER_PREFIX}@{id}")
+}
+
+/// The dependent a released job was, from its dedup id (`after:@N`).
+pub fn dependent_of_dedup_id(dedup_id: &str) -> Option<u64> {
+    dedup_id
+        .strip_prefix(AFTER_PREFIX)?
+        .strip_prefix('@')?
+        .parse()
+        .ok()
+}

@@ -1,0 +1,675 @@
+//! The waiting dependents' document (`settings.waiting`), its records and
+//! the one way a dependent is added ([`WaitingStore::add`]).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    COLLECTED_RESULT_BYTES_MAX, DEPENDENCIES_MAX, ENDED_KEPT_MAX, ENDED_KEPT_MS, SETTING_WAITING,
+    WAITING_MAX,
+};
+use crate::backend::JobLookup;
+use crate::error::QueueError;
+use crate::job::{JobId, JobState, NewJob};
+use crate::reshard::{update_setting, MapStore, ReshardError};
+
+/// The waiting document's format version; another one is refused.
+pub const WAITING_FORMAT: u32 = 1;
+
+/// What a dependent does when a dependency did not complete (it was
+/// cancelled, dead-lettered, purged or forgotten, or is a dependent that
+/// failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDependencyFailure {
+    /// End the dependent as failed, naming the dependency (the default).
+    #[default]
+    Fail,
+    /// Run it, without that dependency's result.
+    Ignore,
+    /// Run it, with every dependency's outcome.
+    Run,
+}
+
+impl OnDependencyFailure {
+    /// Parses `fail`, `ignore` or `run`, naming the value when it is none.
+    pub fn parse(s: &str) -> Result<Self, QueueError> {
+        match s {
+            "fail" => Ok(Self::Fail),
+            "ignore" => Ok(Self::Ignore),
+            "run" => Ok(Self::Run),
+            _ => Err(QueueError::InvalidOption {
+                name: "on dependency failure",
+                value: format!("{s:?}"),
+                allowed: "fail, ignore or run".into(),
+            }),
+        }
+    }
+}
+
+/// How a dependency ended, as a resolver pass saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DepOutcome {
+    /// A run of it was acked.
+    Completed,
+    /// It was cancelled.
+    Cancelled,
+    /// It ran out of attempts (dead-lettered).
+    Dead,
+    /// A dependent that failed (or was cancelled) before it was released.
+    Failed,
+    /// It was nowhere for [`super::FORGOTTEN_AFTER_MS`]: purged, or
+    /// finished and forgotten by the retention before a pass saw it.
+    Forgotten,
+}
+
+impl DepOutcome {
+    /// The word used in answers and reasons.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DepOutcome::Completed => "completed",
+            DepOutcome::Cancelled => "cancelled",
+            DepOutcome::Dead => "dead",
+            DepOutcome::Failed => "failed",
+            DepOutcome::Forgotten => "forgotten",
+        }
+    }
+}
+
+/// A dependency as given: a job (`SHARD:ID`) or another dependent (`@N`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DepRef {
+    /// A job on a shard.
+    Job(String, JobId),
+    /// A dependent, by its number.
+    Waiting(u64),
+    /// The dependent at this index of the same [`WaitingStore::add`]
+    /// call (a tree or a graph sent at once).
+    Node(usize),
+}
+
+impl fmt::Display for DepRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DepRef::Job(s, id) => write!(f, "{s}:{}", id.0),
+            DepRef::Waiting(n) => write!(f, "@{n}"),
+            DepRef::Node(i) => write!(f, "node {i}"),
+        }
+    }
+}
+
+/// Parses one dependency id: `SHARD:ID` or `@N`.
+pub fn parse_dependency(s: &str) -> Result<DepRef, QueueError> {
+    let bad = || QueueError::InvalidOption {
+        name: "after",
+        value: format!("{s:?}"),
+        allowed: "job ids SHARD:ID (as enqueue prints them) or dependents' ids @N".into(),
+    };
+    if let Some(n) = s.strip_prefix('@') {
+        return n.parse().map(DepRef::Waiting).map_err(|_| bad());
+    }
+    let (shard, id) = s.rsplit_once(':').ok_or_else(bad)?;
+    if shard.is_empty() {
+        return Err(bad());
+    }
+    Ok(DepRef::Job(
+        shard.to_string(),
+        JobId(id.parse().map_err(|_| bad())?),
+    ))
+}
+
+/// One dependency of a dependent and, once a pass saw it end, how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dependency {
+    /// As given (`SHARD:ID` or `@N`).
+    pub id: String,
+    /// How it ended; `None` while it has not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<DepOutcome>,
+    /// Where it ended when that is not `id` (its copy after a move, or
+    /// the job a dependent was released as).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    /// Its handler's result (a completed job's), base64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_b64: Option<String>,
+    /// True when its result was dropped: the dependent had collected
+    /// [`COLLECTED_RESULT_BYTES_MAX`] already.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub result_dropped: bool,
+    /// The reason of its last failed attempt, or why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Where a dependent stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitState {
+    /// Some dependency has not ended.
+    Waiting,
+    /// Enqueued on its key (`released` names the job).
+    Released,
+    /// Ended without running: a dependency did not complete under
+    /// [`OnDependencyFailure::Fail`].
+    Failed,
+    /// Cancelled while it waited.
+    Cancelled,
+}
+
+/// A dependent: the job it becomes, what it waits for, where it stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiting {
+    /// Its key.
+    pub key: String,
+    /// Its payload, base64.
+    pub payload_b64: String,
+    /// Attempts of the job it becomes.
+    pub max_attempts: u32,
+    /// Delay of the job it becomes, from its release.
+    #[serde(default)]
+    pub delay_ms: u64,
+    /// What a dependency that did not complete does to it.
+    pub on_failure: OnDependencyFailure,
+    /// Its dependencies, in the order given.
+    pub after: Vec<Dependency>,
+    /// When it was enqueued (ms since the epoch).
+    pub created_ms: u64,
+    /// Where it stands.
+    pub state: WaitState,
+    /// The job it was released as (`SHARD:ID`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<String>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When it was released, failed or cancelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_ms: Option<u64>,
+}
+
+impl Waiting {
+    /// Bytes of dependencies' results it holds (decoded size).
+    pub fn collected_bytes(&self) -> usize {
+        self.after
+            .iter()
+            .filter_map(|d| d.result_b64.as_ref())
+            .map(|b| b.len() / 4 * 3)
+            .sum()
+    }
+
+    /// Its payload bytes.
+    pub fn payload(&self) -> Vec<u8> {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD
+            .decode(&self.payload_b64)
+            .unwrap_or_default()
+    }
+}
+
+/// The `waiting` document: every dependent by number, and the next number.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitingFile {
+    /// [`WAITING_FORMAT`].
+    pub format: u32,
+    /// The number the next dependent gets.
+    pub next: u64,
+    /// Dependents by number.
+    pub jobs: BTreeMap<u64, Waiting>,
+}
+
+impl Default for WaitingFile {
+    fn default() -> Self {
+        WaitingFile {
+            format: WAITING_FORMAT,
+            next: 1,
+            jobs: BTreeMap::new(),
+        }
+    }
+}
+
+impl WaitingFile {
+    /// Parses the stored text, refusing another format version.
+    pub fn parse(text: &str) -> Result<WaitingFile, ReshardError> {
+        let f: WaitingFile = serde_json::from_str(text).map_err(|e| {
+            ReshardError::Invalid(format!(
+                "the waiting dependents' setting does not parse: {e}"
+            ))
+        })?;
+        if f.format != WAITING_FORMAT {
+            return Err(ReshardError::Invalid(format!(
+                "the waiting dependents' setting is format {}; this shardq reads format {WAITING_FORMAT}",
+                f.format
+            )));
+        }
+        Ok(f)
+    }
+
+    /// The stored text.
+    pub fn to_text(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Dependents still waiting.
+    pub fn waiting(&self) -> usize {
+        self.jobs
+            .values()
+            .filter(|w| w.state == WaitState::Waiting)
+            .count()
+    }
+
+    /// Drops ended records older than [`ENDED_KEPT_MS`] at `now_ms`, and
+    /// the oldest past [`ENDED_KEPT_MAX`].
+    pub fn trim(&mut self, now_ms: u64) {
+        self.jobs.retain(|_, w| {
+            w.ended_ms
+                .is_none_or(|t| now_ms.saturating_sub(t) <= ENDED_KEPT_MS)
+        });
+        let ended: Vec<(u64, u64)> = self
+            .jobs
+            .iter()
+            .filter_map(|(n, w)| w.ended_ms.map(|t| (t, *n)))
+            .collect();
+        if ended.len() > ENDED_KEPT_MAX {
+            let mut ended = ended;
+            ended.sort_unstable();
+            for (_, n) in &ended[..ended.len() - ENDED_KEPT_MAX] {
+                self.jobs.remove(n);
+            }
+        }
+    }
+}
+
+/// A dependent to add: its job, what it waits for and its policy.
+#[derive(Debug, Clone)]
+pub struct NewDependent {
+    /// The job it becomes (its dedup id must be unset).
+    pub job: NewJob,
+    /// Its dependencies.
+    pub after: Vec<DepRef>,
+    /// What a dependency that did not complete does to it.
+    pub on_failure: OnDependencyFailure,
+}
+
+/// Checks a list of dependencies: 1 to [`DEPENDENCIES_MAX`], none twice.
+pub fn check_after(after: &[DepRef]) -> Result<(), QueueError> {
+    if after.is_empty() || after.len() > DEPENDENCIES_MAX {
+        return Err(QueueError::InvalidOption {
+            name: "after",
+            value: format!("{} dependencies", after.len()),
+            allowed: format!("1 to {DEPENDENCIES_MAX} job ids"),
+        });
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for d in after {
+        if !seen.insert(d) {
+            return Err(QueueError::InvalidOption {
+                name: "after",
+                value: d.to_string(),
+                allowed: "each job id once".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reading and changing the waiting document.
+pub struct WaitingStore;
+
+impl WaitingStore {
+    /// The document (empty when unset).
+    pub fn load(maps: &dyn MapStore) -> Result<WaitingFile, ReshardError> {
+        match maps.load_setting(SETTING_WAITING)? {
+            None => Ok(WaitingFile::default()),
+            Some(text) => WaitingFile::parse(&text),
+        }
+    }
+
+    /// Changes the document atomically against every other writer
+    /// (`change` may run more than once). An `Ok` means stored.
+    pub fn update<R, E>(
+        maps: &dyn MapStore,
+        mut change: impl FnMut(&mut WaitingFile) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<ReshardError>,
+    {
+        update_setting(maps, SETTING_WAITING, |current| {
+            let mut f = match current {
+                None => WaitingFile::default(),
+                Some(text) => WaitingFile::parse(text)?,
+            };
+            let out = change(&mut f)?;
+            Ok((Some(f.to_text()), out))
+        })
+    }
+
+    /// Adds dependents that wait for each other or for jobs, in one
+    /// compare-and-set, and returns their numbers. A `DepRef::Node(i)`
+    /// names the `i`-th dependent of this call (a tree or a graph sent at
+    /// once); cycles are refused. Each job dependency must be found
+    /// (`lookup` answers whether it is live, finished, or copied after a
+    /// move); an unknown one is refused, naming it.
+    pub fn add(
+        maps: &dyn MapStore,
+        lookup: &mut dyn FnMut(&str, JobId) -> Result<JobLookup, QueueError>,
+        now_ms: u64,
+        deps: &[NewDependent],
+    ) -> Result<Vec<u64>, ReshardError> {
+        if deps.is_empty() {
+            return Ok(Vec::new());
+        }
+        if deps.len() > WAITING_MAX {
+            return Err(QueueError::InvalidOption {
+                name: "dependents",
+                value: deps.len().to_string(),
+                allowed: format!("at most {WAITING_MAX} in one call"),
+            }
+            .into());
+        }
+        for d in deps {
+            check_after(&d.after)?;
+            if let Some(DepRef::Node(i)) = d
+                .after
+                .iter()
+                .find(|a| matches!(a, DepRef::Node(i) if *i >= deps.len()))
+            {
+                return Err(QueueError::InvalidOption {
+                    name: "after",
+                    value: format!("node {i}"),
+                    allowed: format!("nodes 0 to {} of this graph", deps.len() - 1),
+                }
+                .into());
+            }
+            if d.job.dedup_id.is_some() || d.job.keyed.is_some() {
+                return Err(QueueError::InvalidOption {
+                    name: "after",
+                    value: "a job with a dedup id, unique or debounce id".into(),
+                    allowed: "a dependent without one (its release is deduplicated by its own id)"
+                        .into(),
+                }
+                .into());
+            }
+        }
+        refuse_cycles(deps)?;
+        // Every job dependency must exist now (outside the swap: lookups
+        // read the shards).
+        for d in deps {
+            for a in &d.after {
+                if let DepRef::Job(shard, id) = a {
+                    if let JobLookup::Unknown = lookup(shard, *id)? {
+                        return Err(QueueError::InvalidOption {
+                            name: "after",
+                            value: a.to_string(),
+                            allowed: "ids of jobs that exist (this one is not live, not finished within the retention and not known to have moved)".into(),
+                        }
+                        .into());
+                    }
+                }
+            }
+        }
+        Self::update(
+            maps,
+            |f: &mut WaitingFile| -> Result<Vec<u64>, ReshardError> {
+                f.trim(now_ms);
+                if f.waiting() + deps.len() > WAITING_MAX {
+                    return Err(ReshardError::Unavailable(format!(
+                    "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
+                    f.waiting()
+                )));
+                }
+                let base = f.next;
+                let numbers: Vec<u64> = (0..deps.len() as u64).map(|i| base + i).collect();
+                for d in deps {
+                    for a in &d.after {
+                        if let DepRef::Waiting(n) = a {
+                            if !f.jobs.contains_key(n) {
+                                return Err(QueueError::InvalidOption {
+                                name: "after",
+                                value: a.to_string(),
+                                allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
+                            }
+                            .into());
+                            }
+                        }
+                    }
+                }
+                for (d, n) in deps.iter().zip(&numbers) {
+                    use base64::Engine as _;
+                    let after = d
+                        .after
+                        .iter()
+                        .map(|a| {
+                            let id = match a {
+                                DepRef::Node(i) => format!("@{}", numbers[*i]),
+                                other => other.to_string(),
+                            };
+                            Dependency {
+                                id,
+                                outcome: None,
+                                at: None,
+                                result_b64: None,
+                                result_dropped: false,
+                                reason: None,
+                            }
+                        })
+                        .collect();
+                    f.jobs.insert(
+                        *n,
+                        Waiting {
+                            key: d.job.key.clone(),
+                            payload_b64: base64::engine::general_purpose::STANDARD
+                                .encode(&d.job.payload),
+                            max_attempts: d.job.max_attempts,
+                            delay_ms: d.job.delay_ms,
+                            on_failure: d.on_failure,
+                            after,
+                            created_ms: now_ms,
+                            state: WaitState::Waiting,
+                            released: None,
+                            reason: None,
+                            ended_ms: None,
+                        },
+                    );
+                }
+                f.next = base + deps.len() as u64;
+                Ok(numbers)
+            },
+        )
+    }
+
+    /// Cancels dependent `n` if it still waits: `Some(state)` it had
+    /// (`Waiting` when this call cancelled it), `None` if unknown.
+    pub fn cancel(
+        maps: &dyn MapStore,
+        n: u64,
+        now_ms: u64,
+    ) -> Result<Option<Waiting>, ReshardError> {
+        Self::update(maps, |f: &mut WaitingFile| {
+            let Some(w) = f.jobs.get_mut(&n) else {
+                return Ok::<_, ReshardError>(None);
+            };
+            let before = w.clone();
+            if w.state == WaitState::Waiting {
+                w.state = WaitState::Cancelled;
+                w.ended_ms = Some(now_ms);
+                w.reason = Some("cancelled while it waited".into());
+            }
+            Ok(Some(before))
+        })
+    }
+
+    /// A dependent's record.
+    pub fn get(maps: &dyn MapStore, n: u64) -> Result<Option<Waiting>, ReshardError> {
+        Ok(Self::load(maps)?.jobs.remove(&n))
+    }
+}
+
+/// Refuses a graph sent at once whose in-call references loop.
+fn refuse_cycles(deps: &[NewDependent]) -> Result<(), QueueError> {
+    // Depth-first over in-call references: 0 unseen, 1 on the path, 2 done.
+    let n = deps.len();
+    let mut mark = vec![0u8; n];
+    for start in 0..n {
+        if mark[start] != 0 {
+            continue;
+        }
+        let mut stack = vec![(start, 0usize)];
+        mark[start] = 1;
+        while let Some((node, next)) = stack.last_mut() {
+            let node = *node;
+            let edges: Vec<usize> = deps[node]
+                .after
+                .iter()
+                .filter_map(|a| match a {
+                    DepRef::Node(i) => Some(*i),
+                    _ => None,
+                })
+                .collect();
+            if *next < edges.len() {
+                let to = edges[*next];
+                *next += 1;
+                match mark[to] {
+                    0 => {
+                        mark[to] = 1;
+                        stack.push((to, 0));
+                    }
+                    1 => {
+                        return Err(QueueError::InvalidOption {
+                            name: "after",
+                            value: format!("node {to} (reached again from node {node})"),
+                            allowed: "a graph without cycles".into(),
+                        })
+                    }
+                    _ => {}
+                }
+            } else {
+                mark[node] = 2;
+                stack.pop();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How a found job ended, if it has: the outcome, its result, its reason.
+pub(super) fn ended(found: &JobLookup) -> Option<(DepOutcome, Option<Vec<u8>>, Option<String>)> {
+    match found {
+        JobLookup::Live(_, j) if j.state == JobState::Dead => {
+            Some((DepOutcome::Dead, None, j.reason.clone()))
+        }
+        JobLookup::Live(..) => None,
+        JobLookup::Finished(_, f) => Some(match f.outcome {
+            crate::job::Finish::Completed => (DepOutcome::Completed, f.result.clone(), None),
+            crate::job::Finish::Cancelled => (DepOutcome::Cancelled, None, f.reason.clone()),
+        }),
+        JobLookup::Moved { .. } | JobLookup::Unknown => None,
+    }
+}
+
+/// Most bytes of results a dependent may still collect.
+pub(super) fn room(w: &Waiting) -> usize {
+    COLLECTED_RESULT_BYTES_MAX.saturating_sub(w.collected_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dep(after: Vec<DepRef>) -> NewDependent {
+        NewDependent {
+            job: NewJob::new("k", "p"),
+            after,
+            on_failure: OnDependencyFailure::Fail,
+        }
+    }
+
+    #[test]
+    fn ids_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            parse_dependency("shard-0:17").unwrap(),
+            DepRef::Job("shard-0".into(), JobId(17))
+        );
+        assert_eq!(parse_dependency("@4").unwrap(), DepRef::Waiting(4));
+        for bad in ["", "17", ":3", "s:x", "@", "@x", "@-1"] {
+            let e = parse_dependency(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("after") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            OnDependencyFailure::parse("run").unwrap(),
+            OnDependencyFailure::Run
+        );
+        let e = OnDependencyFailure::parse("retry").unwrap_err().to_string();
+        assert!(
+            e.contains("\"retry\"") && e.contains("fail, ignore or run"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn lists_are_bounded_and_cycles_refused() {
+        assert!(check_after(&[]).is_err());
+        let many: Vec<DepRef> = (0..=DEPENDENCIES_MAX as u64).map(DepRef::Waiting).collect();
+        let e = check_after(&many).unwrap_err().to_string();
+        assert!(e.contains("1001 dependencies"), "{e}");
+        let twice = [DepRef::Waiting(1), DepRef::Waiting(1)];
+        assert!(check_after(&twice).unwrap_err().to_string().contains("@1"));
+        // 0 -> 1 -> 2 -> 0 loops; 0 -> 1 -> 2 does not.
+        let cyc = [
+            dep(vec![DepRef::Node(1)]),
+            dep(vec![DepRef::Node(2)]),
+            dep(vec![DepRef::Node(0)]),
+        ];
+        assert!(refuse_cycles(&cyc)
+            .unwrap_err()
+            .to_string()
+            .contains("cycles"));
+        let dag = [
+            dep(vec![DepRef::Node(1), DepRef::Node(2)]),
+            dep(vec![DepRef::Node(2)]),
+            dep(vec![DepRef::Job("s".into(), JobId(1))]),
+        ];
+        refuse_cycles(&dag).unwrap();
+        let own = [dep(vec![DepRef::Node(0)])];
+        assert!(refuse_cycles(&own).is_err());
+    }
+
+    #[test]
+    fn ended_records_are_trimmed_by_age_and_count() {
+        let mut f = WaitingFile::default();
+        let w = |ended: Option<u64>| Waiting {
+            key: "k".into(),
+            payload_b64: String::new(),
+            max_attempts: 1,
+            delay_ms: 0,
+            on_failure: OnDependencyFailure::Fail,
+            after: Vec::new(),
+            created_ms: 0,
+            state: if ended.is_some() {
+                WaitState::Released
+            } else {
+                WaitState::Waiting
+            },
+            released: None,
+            reason: None,
+            ended_ms: ended,
+        };
+        f.jobs.insert(1, w(Some(0)));
+        f.jobs.insert(2, w(None));
+        f.jobs.insert(3, w(Some(ENDED_KEPT_MS)));
+        f.trim(ENDED_KEPT_MS + 1);
+        assert_eq!(f.jobs.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+        let text = f.to_text();
+        assert_eq!(WaitingFile::parse(&text).unwrap(), f);
+        let other = text.replace("\"format\":1", "\"format\":2");
+        let e = WaitingFile::parse(&other).unwrap_err().to_string();
+        assert!(e.contains("format 2") && e.contains("format 1"), "{e}");
+    }
+}

@@ -1,0 +1,432 @@
+//! The resolver: the pass every worker and server runs that records the
+//! ends of dependencies and releases (or fails) the dependents whose
+//! dependencies have all ended. The argument is in `mod.rs`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use base64::Engine as _;
+
+use super::record::{ended, room};
+use super::{
+    parse_dependency, release_dedup_id, DepOutcome, DepRef, OnDependencyFailure, WaitState,
+    Waiting, WaitingFile, WaitingStore, FORGOTTEN_AFTER_MS, RELEASE_DEDUP_WINDOW_MS,
+    RESOLVE_EVERY_MS,
+};
+use crate::backend::{find_job, JobLookup, QueueBackend};
+use crate::clock::Clock;
+use crate::error::QueueError;
+use crate::job::{FinishedJob, JobId, NewJob, FINISHED_JOBS_KEPT_MAX};
+use crate::producer::{ProduceError, Producer, ProducerOptions};
+use crate::reshard::{MapStore, ReshardError};
+
+/// Most dependencies one pass looks up (the rest wait for the next).
+const LOOKUPS_PER_PASS_MAX: usize = 20_000;
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PassReport {
+    /// Dependency ends recorded.
+    pub recorded: usize,
+    /// Dependents released: their number and the job (`SHARD:ID`).
+    pub released: Vec<(u64, String)>,
+    /// Dependents failed: their number and why.
+    pub failed: Vec<(u64, String)>,
+    /// Dependents still waiting after the pass.
+    pub waiting: usize,
+    /// Lookups or releases that failed (tried again next pass).
+    pub errors: Vec<String>,
+}
+
+/// One finding of a pass: dependency `idx` of dependent `n` ended.
+struct Finding {
+    n: u64,
+    idx: usize,
+    outcome: DepOutcome,
+    at: Option<String>,
+    result: Option<Vec<u8>>,
+    reason: Option<String>,
+}
+
+/// How a pass enqueues a released dependent: a routing producer in a
+/// worker ([`Producer`], with the release's dedup window), a fixed shard in
+/// the contract's check. The shard and id stored (a duplicate's: the
+/// first release's).
+pub trait Release {
+    /// Enqueues `job` (it carries its dedup id `after:@N`).
+    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String>;
+}
+
+impl Release for Producer<dyn QueueBackend> {
+    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+        self.enqueue(job)
+            .map(|p| (p.shard, p.id))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A producer for releases: the release's dedup window, and a short wait
+/// for a key paused by a move (the release is tried again next pass).
+pub fn release_producer(
+    backend: Arc<dyn QueueBackend>,
+    maps: Arc<dyn MapStore>,
+    clock: Arc<dyn Clock>,
+) -> Result<Producer<dyn QueueBackend>, ProduceError> {
+    Producer::new(
+        backend,
+        maps,
+        ProducerOptions {
+            clock,
+            dedup_window_ms: RELEASE_DEDUP_WINDOW_MS,
+            pause_wait_ms: 1_000,
+            ..ProducerOptions::default()
+        },
+    )
+}
+
+/// Resolves the deployment's dependents (see the module header).
+pub struct Resolver {
+    maps: Arc<dyn MapStore>,
+    clock: Arc<dyn Clock>,
+    /// When each (dependent, dependency) was first found nowhere.
+    missing_since: HashMap<(u64, usize), u64>,
+}
+
+impl Resolver {
+    /// A resolver over the deployment's map store (its map routes the
+    /// lookups; its `waiting` setting holds the dependents).
+    pub fn new(maps: Arc<dyn MapStore>, clock: Arc<dyn Clock>) -> Resolver {
+        Resolver {
+            maps,
+            clock,
+            missing_since: HashMap::new(),
+        }
+    }
+
+    /// One pass over `backend`: records what ended, then decides each
+    /// dependent whose dependencies all have an outcome, from the stored
+    /// outcomes only, releasing through `release`.
+    pub fn pass(
+        &mut self,
+        backend: &dyn QueueBackend,
+        release: &mut dyn Release,
+    ) -> Result<PassReport, ReshardError> {
+        let mut report = PassReport::default();
+        let file = WaitingStore::load(&*self.maps)?;
+        if file.waiting() == 0 {
+            return Ok(report);
+        }
+        let findings = self.look(backend, &file, &mut report)?;
+        report.recorded = findings.len();
+        let stored = if findings.is_empty() {
+            file
+        } else {
+            let now = self.clock.now_ms();
+            WaitingStore::update(&*self.maps, |f: &mut WaitingFile| {
+                apply(f, &findings);
+                f.trim(now);
+                Ok::<_, ReshardError>(f.clone())
+            })?
+        };
+        self.decide(backend, release, &stored, &mut report)?;
+        report.waiting = WaitingStore::load(&*self.maps)?.waiting();
+        Ok(report)
+    }
+
+    /// Looks up every unresolved dependency (up to the per-pass bound).
+    fn look(
+        &mut self,
+        backend: &dyn QueueBackend,
+        file: &WaitingFile,
+        report: &mut PassReport,
+    ) -> Result<Vec<Finding>, ReshardError> {
+        let map = self.maps.load()?;
+        let router = shardq_route::Router::new(map.clone())?;
+        let shards: Vec<String> = map.shards.iter().map(|s| s.name.clone()).collect();
+        let routed = |key: &str| Some(router.route(key).to_string());
+        let mut lists: HashMap<String, HashMap<JobId, FinishedJob>> = HashMap::new();
+        let mut finished = |s: &str, id: JobId| -> Result<Option<FinishedJob>, QueueError> {
+            if !lists.contains_key(s) {
+                let list = backend.finished(s, None, FINISHED_JOBS_KEPT_MAX)?;
+                lists.insert(s.to_string(), list.into_iter().map(|f| (f.id, f)).collect());
+            }
+            Ok(lists.get(s).and_then(|m| m.get(&id)).cloned())
+        };
+        let now = self.clock.now_ms();
+        let mut out = Vec::new();
+        let mut looked = 0;
+        for (n, w) in file
+            .jobs
+            .iter()
+            .filter(|(_, w)| w.state == WaitState::Waiting)
+        {
+            for (idx, d) in w.after.iter().enumerate() {
+                if d.outcome.is_some() {
+                    continue;
+                }
+                if looked >= LOOKUPS_PER_PASS_MAX {
+                    return Ok(out);
+                }
+                looked += 1;
+                let Ok(dep) = parse_dependency(&d.id) else {
+                    continue;
+                };
+                // A dependent: ended when it failed, else the job it was
+                // released as.
+                let (shard, id, at) = match dep {
+                    DepRef::Job(s, id) => (s, id, None),
+                    DepRef::Node(_) => continue,
+                    DepRef::Waiting(m) => match file.jobs.get(&m) {
+                        Some(o) => match o.state {
+                            WaitState::Waiting => continue,
+                            WaitState::Failed | WaitState::Cancelled => {
+                                out.push(Finding {
+                                    n: *n,
+                                    idx,
+                                    outcome: DepOutcome::Failed,
+                                    at: None,
+                                    result: None,
+                                    reason: o.reason.clone(),
+                                });
+                                continue;
+                            }
+                            WaitState::Released => {
+                                match o.released.as_deref().map(parse_dependency) {
+                                    Some(Ok(DepRef::Job(s, id))) => {
+                                        let at = format!("{s}:{}", id.0);
+                                        (s, id, Some(at))
+                                    }
+                                    _ => continue,
+                                }
+                            }
+                        },
+                        None => {
+                            if let Some(f) = self.missing(*n, idx, now) {
+                                out.push(f);
+                            }
+                            continue;
+                        }
+                    },
+                };
+                let found = match find_job(backend, &shards, &routed, &mut finished, &shard, id) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        report
+                            .errors
+                            .push(format!("dependency {} of @{n}: {e}", d.id));
+                        continue;
+                    }
+                };
+                let place = match &found {
+                    JobLookup::Live(s, j) => Some(format!("{s}:{}", j.id.0)),
+                    JobLookup::Finished(s, f) => Some(format!("{s}:{}", f.id.0)),
+                    _ => None,
+                };
+                match ended(&found) {
+                    Some((outcome, result, reason)) => {
+                        self.missing_since.remove(&(*n, idx));
+                        let at = at.or(place).filter(|p| *p != d.id);
+                        out.push(Finding {
+                            n: *n,
+                            idx,
+                            outcome,
+                            at,
+                            result,
+                            reason,
+                        });
+                    }
+                    None if matches!(found, JobLookup::Live(..)) => {
+                        self.missing_since.remove(&(*n, idx));
+                    }
+                    None => {
+                        if let Some(f) = self.missing(*n, idx, now) {
+                            out.push(f);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A dependency found nowhere: `forgotten` once it has been missing
+    /// for [`FORGOTTEN_AFTER_MS`] (seen by this resolver).
+    fn missing(&mut self, n: u64, idx: usize, now: u64) -> Option<Finding> {
+        let since = *self.missing_since.entry((n, idx)).or_insert(now);
+        if now.saturating_sub(since) < FORGOTTEN_AFTER_MS {
+            return None;
+        }
+        self.missing_since.remove(&(n, idx));
+        Some(Finding {
+            n,
+            idx,
+            outcome: DepOutcome::Forgotten,
+            at: None,
+            result: None,
+            reason: Some(
+                "it was nowhere: purged, or finished and forgotten by the retention before it was seen"
+                    .into(),
+            ),
+        })
+    }
+
+    /// Releases or fails each waiting dependent whose stored dependencies
+    /// all have an outcome, and records it.
+    fn decide(
+        &mut self,
+        backend: &dyn QueueBackend,
+        release: &mut dyn Release,
+        stored: &WaitingFile,
+        report: &mut PassReport,
+    ) -> Result<(), ReshardError> {
+        let mut released: BTreeMap<u64, String> = BTreeMap::new();
+        let mut failed: BTreeMap<u64, String> = BTreeMap::new();
+        for (n, w) in stored
+            .jobs
+            .iter()
+            .filter(|(_, w)| w.state == WaitState::Waiting)
+        {
+            if w.after.iter().any(|d| d.outcome.is_none()) {
+                continue;
+            }
+            if let Some(why) = failure(w) {
+                failed.insert(*n, why);
+                continue;
+            }
+            let job = NewJob {
+                key: w.key.clone(),
+                payload: w.payload(),
+                delay_ms: w.delay_ms,
+                max_attempts: w.max_attempts,
+                dedup_id: Some(release_dedup_id(*n)),
+                keyed: None,
+            };
+            match release.release(&job) {
+                Ok((shard, id)) => {
+                    released.insert(*n, format!("{shard}:{}", id.0));
+                }
+                Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
+            }
+        }
+        if released.is_empty() && failed.is_empty() {
+            return Ok(());
+        }
+        let now = self.clock.now_ms();
+        // A dependent cancelled while it was released: its job is cancelled.
+        let late = WaitingStore::update(&*self.maps, |f: &mut WaitingFile| {
+            let mut late = Vec::new();
+            for (n, at) in &released {
+                match f.jobs.get_mut(n) {
+                    Some(w) if w.state == WaitState::Waiting => {
+                        w.state = WaitState::Released;
+                        w.released = Some(at.clone());
+                        w.ended_ms = Some(now);
+                    }
+                    Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
+                    _ => {}
+                }
+            }
+            for (n, why) in &failed {
+                if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
+                    w.state = WaitState::Failed;
+                    w.reason = Some(why.clone());
+                    w.ended_ms = Some(now);
+                }
+            }
+            f.trim(now);
+            Ok::<_, ReshardError>(late)
+        })?;
+        for at in late {
+            if let Ok(DepRef::Job(s, id)) = parse_dependency(&at) {
+                let _ = backend.cancel(&s, id);
+            }
+        }
+        report.released = released.into_iter().collect();
+        report.failed = failed.into_iter().collect();
+        Ok(())
+    }
+}
+
+/// Why a dependent whose dependencies all ended fails, under
+/// [`OnDependencyFailure::Fail`]: the first that did not complete.
+fn failure(w: &Waiting) -> Option<String> {
+    if w.on_failure != OnDependencyFailure::Fail {
+        return None;
+    }
+    let d = w
+        .after
+        .iter()
+        .find(|d| d.outcome.is_some_and(|o| o != DepOutcome::Completed))?;
+    let outcome = d.outcome.map(DepOutcome::as_str).unwrap_or("unknown");
+    Some(match &d.reason {
+        Some(r) => format!("dependency {} ended {outcome}: {r}", d.id),
+        None => format!("dependency {} ended {outcome}", d.id),
+    })
+}
+
+/// Records findings in `f`: a dependency's outcome is set once, and a
+/// dependent that no longer waits takes none.
+fn apply(f: &mut WaitingFile, findings: &[Finding]) {
+    for x in findings {
+        let Some(w) = f
+            .jobs
+            .get_mut(&x.n)
+            .filter(|w| w.state == WaitState::Waiting)
+        else {
+            continue;
+        };
+        let left = room(w);
+        let ignore = w.on_failure == OnDependencyFailure::Ignore;
+        let Some(d) = w.after.get_mut(x.idx).filter(|d| d.outcome.is_none()) else {
+            continue;
+        };
+        d.outcome = Some(x.outcome);
+        d.at = x.at.clone();
+        d.reason = x
+            .reason
+            .as_ref()
+            .map(|r| crate::job::cut_at_char(r, 512).to_string());
+        if let Some(r) = &x.result {
+            if ignore && x.outcome != DepOutcome::Completed {
+                continue;
+            }
+            if r.len() <= left {
+                d.result_b64 = Some(base64::engine::general_purpose::STANDARD.encode(r));
+            } else {
+                d.result_dropped = true;
+            }
+        }
+    }
+}
+
+/// Runs resolver passes until `stop` is set: every
+/// [`RESOLVE_EVERY_MS`] while dependents wait, four times as seldom
+/// while none does. Errors go to `on_error`; the loop keeps going.
+pub fn run_resolver(
+    mut resolver: Resolver,
+    backend: Arc<dyn QueueBackend>,
+    mut release: Producer<dyn QueueBackend>,
+    stop: &std::sync::atomic::AtomicBool,
+    on_error: &dyn Fn(String),
+) {
+    let clock = Arc::clone(&resolver.clock);
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let wait = match resolver.pass(&*backend, &mut release) {
+            Ok(r) => {
+                for e in &r.errors {
+                    on_error(format!("dependents: {e}"));
+                }
+                if r.waiting > 0 {
+                    RESOLVE_EVERY_MS
+                } else {
+                    4 * RESOLVE_EVERY_MS
+                }
+            }
+            Err(e) => {
+                on_error(format!("dependents: {e}"));
+                4 * RESOLVE_EVERY_MS
+            }
+        };
+        clock.sleep_ms(wait);
+    }
+}
