@@ -317,6 +317,9 @@ pub struct PoolOptions {
     /// still have work (`left_on_other_shards`). A process that owns
     /// nothing keeps waiting, since a lease may lapse.
     pub exit_when_idle: bool,
+    /// Work this pool cannot see on its shards that an idle exit waits
+    /// for while it answers true (dependents waiting to be released).
+    pub pending_elsewhere: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     /// Most bytes of a handler's result ([`set_result`]; at most
     /// [`crate::job::RESULT_BYTES_MAX`], the default): a larger one fails
     /// its attempt.
@@ -335,6 +338,7 @@ impl Default for PoolOptions {
             job_lease_ms: JOB_LEASE_MS_DEFAULT,
             job_timeout_ms: None,
             exit_when_idle: false,
+            pending_elsewhere: None,
             result_bytes_max: crate::job::RESULT_BYTES_MAX,
             on_event: Arc::new(|_| {}),
         }
@@ -634,6 +638,7 @@ impl Dispatch<'_> {
                 && self.unfinished() == 0
                 && !self.owned.is_empty()
                 && self.all_idle(now)
+                && !self.opts.pending_elsewhere.as_ref().is_some_and(|p| p())
             {
                 // A shard failed for a moment (a stalled lock holder, the
                 // store restarting) is waited for, within a bound; one that

@@ -1,5 +1,6 @@
-//! The schedule thread a worker or a server runs beside its shards: the
-//! core's `run_scheduler` over this deployment's backend and map store.
+//! The threads a worker or a server runs beside its shards: the core's
+//! `run_scheduler` (schedules) and `run_resolver` (dependents) over this
+//! deployment's backend and map store.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicBool;
@@ -13,18 +14,18 @@ use crate::{DeployError, Deployment};
 /// The shards a process owns now, as its pool or owner thread reports them.
 pub type OwnedShards = Arc<dyn Fn() -> BTreeSet<String> + Send + Sync>;
 
-/// A running schedule thread; stopped (and waited for, its pass finished
-/// and recorded) when dropped.
+/// The running schedule and dependents threads; stopped (and waited for,
+/// their passes finished and recorded) when dropped.
 pub struct ScheduleThread {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<()>>,
+    handles: Vec<JoinHandle<()>>,
 }
 
 impl ScheduleThread {
-    /// Stops the thread and waits for it.
+    /// Stops the threads and waits for them.
     pub fn stop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(h) = self.handle.take() {
+        for h in self.handles.drain(..) {
             let _ = h.join();
         }
     }
@@ -38,8 +39,11 @@ impl Drop for ScheduleThread {
 
 impl Deployment {
     /// Starts a thread that fires the schedules whose key routes to a shard
-    /// in `owned()` until it is stopped; errors go to `on_error` (a log
-    /// line), and the thread keeps going.
+    /// in `owned()`, and one that resolves the deployment's dependents
+    /// (every process resolves all of them: a release is deduplicated and
+    /// outcomes are recorded by compare-and-set, so passes of several
+    /// processes agree), until stopped; errors go to `on_error` (a log
+    /// line), and the threads keep going.
     pub fn spawn_scheduler(
         &self,
         owned: OwnedShards,
@@ -54,16 +58,29 @@ impl Deployment {
                 clock: self.clock(),
             },
         )?;
+        let spawn_err = |e| DeployError::Io {
+            context: "starting the schedule and dependents threads".into(),
+            source: e,
+        };
+        let resolver = shardq_core::workflow::Resolver::new(self.maps(), self.clock());
+        let release =
+            shardq_core::workflow::release_producer(self.queue(), self.maps(), self.clock())?;
+        let (backend, flag2, on_error2) = (self.queue(), Arc::clone(&flag), Arc::clone(&on_error));
         let handle = std::thread::Builder::new()
             .name("shardq-schedules".into())
             .spawn(move || run_scheduler(scheduler, &*owned, &flag, &*on_error))
-            .map_err(|e| DeployError::Io {
-                context: "starting the schedule thread".into(),
-                source: e,
-            })?;
-        Ok(ScheduleThread {
+            .map_err(spawn_err)?;
+        let mut thread = ScheduleThread {
             stop,
-            handle: Some(handle),
-        })
+            handles: vec![handle],
+        };
+        let resolving = std::thread::Builder::new()
+            .name("shardq-dependents".into())
+            .spawn(move || {
+                shardq_core::workflow::run_resolver(resolver, backend, release, &flag2, &*on_error2)
+            })
+            .map_err(spawn_err)?;
+        thread.handles.push(resolving);
+        Ok(thread)
     }
 }

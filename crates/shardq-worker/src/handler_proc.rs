@@ -84,10 +84,12 @@ fn job_fence(job: &ClaimedJob) -> Option<String> {
 /// Where a job came from, for its handler's environment: its dedup id
 /// (`SHARDQ_DEDUP_ID`) and, for a schedule's job, the schedule
 /// (`SHARDQ_SCHEDULE`), its tick as RFC 3339 (`SHARDQ_SCHEDULE_TIME`) and
-/// in ms (`SHARDQ_SCHEDULE_TIME_MS`), and `SHARDQ_SCHEDULE_TRIGGERED=1` for
-/// an operator's trigger. An absent one is removed from the environment
-/// the worker passes on.
-pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 5] {
+/// in ms (`SHARDQ_SCHEDULE_TIME_MS`), `SHARDQ_SCHEDULE_TRIGGERED=1` for
+/// an operator's trigger, and for a released dependent its id
+/// (`SHARDQ_DEPENDENT=@N`: `shardq job show @N --json` lists its
+/// dependencies' outcomes and results). An absent one is removed from the
+/// environment the worker passes on.
+pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 6] {
     let tick = job
         .dedup_id
         .as_deref()
@@ -107,6 +109,13 @@ pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 5] {
         (
             "SHARDQ_SCHEDULE_TRIGGERED",
             tick.as_ref().filter(|t| t.triggered).map(|_| "1".into()),
+        ),
+        (
+            "SHARDQ_DEPENDENT",
+            job.dedup_id
+                .as_deref()
+                .and_then(shardq_core::workflow::dependent_of_dedup_id)
+                .map(|n| format!("@{n}")),
         ),
     ]
 }

@@ -77,6 +77,10 @@ pub struct StdioJob<'a> {
     /// The schedule and tick of a schedule's job.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub schedule: Option<ScheduleTick>,
+    /// A released dependent's id, `@N` (its dependencies' outcomes and
+    /// results: `shardq job show @N --json`, `GET /v1/jobs/@N`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dependent: Option<String>,
 }
 
 impl<'a> StdioJob<'a> {
@@ -101,6 +105,9 @@ impl<'a> StdioJob<'a> {
             lease_expires_ms: job.lease_until_ms,
             dedup_id: job.dedup_id.as_deref(),
             schedule: job.dedup_id.as_deref().and_then(ScheduleTick::of_dedup_id),
+            dependent: (job.dedup_id.as_deref())
+                .and_then(shardq_core::workflow::dependent_of_dedup_id)
+                .map(|n| format!("@{n}")),
         }
     }
 }

@@ -231,6 +231,25 @@ pub struct EnqueueArgs {
     /// --debounce, within 1s and 1d).
     #[arg(long, value_name = "DURATION", requires = "debounce_id")]
     debounce_max: Option<String>,
+    /// A dependent: the job waits (state `waiting`, on no shard, not
+    /// holding up its key) until every job named here has ended, then is
+    /// enqueued on its key; ids are SHARD:ID or a dependent's @N, comma
+    /// separated, at most 1000. Prints the dependent's id, @N (`shardq job
+    /// show @N` lists its dependencies' outcomes and results). A worker or
+    /// an owning server must run for it to be released.
+    #[arg(
+        long,
+        value_name = "ID,...",
+        value_delimiter = ',',
+        conflicts_with_all = ["stdin", "unique_id", "debounce_id"]
+    )]
+    after: Vec<String>,
+    /// What a dependency that did not complete (cancelled, dead, purged,
+    /// forgotten, or a dependent that failed) does: `fail` (default: the
+    /// dependent fails, naming it), `ignore` (it runs, without that
+    /// result) or `run` (it runs, with every outcome).
+    #[arg(long, value_name = "POLICY", requires = "after")]
+    on_dependency_failure: Option<String>,
     #[command(flatten)]
     common: CommonOpts,
 }
@@ -478,6 +497,9 @@ fn open(dir: &Path, common: &CommonOpts, dead_policy: DeadPolicy) -> anyhow::Res
 
 fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     let deployment = open(&args.data, &args.common, DeadPolicy::default())?;
+    if !args.after.is_empty() {
+        return enqueue_after(&args, &deployment);
+    }
     let mut producer = deployment.producer(ProducerOptions::default())?;
     let retry = deployment.retry_settings()?;
     enqueue_with(&args, &retry, &mut |jobs| {
@@ -496,6 +518,37 @@ fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
         }
         all
     })
+}
+
+/// `enqueue --after`: adds one dependent and prints its id, `@N`.
+fn enqueue_after(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<ExitCode> {
+    use shardq_core::workflow::{parse_dependency, NewDependent, OnDependencyFailure};
+    let key = args.key.clone().unwrap_or_default();
+    let retry = deployment.retry_settings()?;
+    let job = NewJob {
+        max_attempts: (args.max_attempts).unwrap_or_else(|| retry.for_key(&key).max_attempts),
+        delay_ms: args.delay_ms,
+        ..NewJob::new(key, args.payload.clone().unwrap_or_default())
+    };
+    job.validate(shardq_core::job::PAYLOAD_BYTES_MAX_DEFAULT)?;
+    let after = args
+        .after
+        .iter()
+        .map(|a| parse_dependency(a.trim()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let on_failure = match &args.on_dependency_failure {
+        Some(p) => OnDependencyFailure::parse(p)?,
+        None => OnDependencyFailure::default(),
+    };
+    let n = deployment
+        .add_dependents(&[NewDependent {
+            job,
+            after,
+            on_failure,
+        }])
+        .context("the dependent was NOT enqueued")?;
+    println!("@{}", n[0]);
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `1-3, 7, 9-12`: sorted line numbers as ranges.
@@ -752,6 +805,12 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     pool.result_bytes_max = options.result_bytes_max;
     pool.concurrency = options.pool_concurrency();
     pool.handlers = Some(options.concurrency);
+    // An idle exit waits for dependents still to be released (a store
+    // that cannot be read counts as none: the exit is not held by it).
+    let maps = deployment.maps();
+    pool.pending_elsewhere = Some(Arc::new(move || {
+        shardq_core::workflow::WaitingStore::load(&*maps).is_ok_and(|f| f.waiting() > 0)
+    }));
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited
     // for, and the pool gives no shard up before its handlers returned.

@@ -12,7 +12,7 @@ use clap::Subcommand;
 use serde_json::json;
 use shardq_core::{CancelOutcome, JobId, JobInfo, JobState, KEY_JOBS_MAX};
 use shardq_deploy::{Deployment, JobLookup};
-use shardq_server::api::{back_off_value, finished_value, job_value};
+use shardq_server::api::{back_off_value, dependent_value, finished_value, job_value};
 
 /// Jobs `jobs` lists when `--limit` is not given.
 const JOBS_LIMIT_DEFAULT: usize = 100;
@@ -175,6 +175,101 @@ fn parse_id(deployment: &Deployment, s: &str) -> anyhow::Result<(String, JobId)>
     Ok((shard.to_string(), JobId(id)))
 }
 
+/// A dependent's id, `@N`, if `s` is one.
+fn dependent_id(s: &str) -> anyhow::Result<Option<u64>> {
+    match s.strip_prefix('@') {
+        None => Ok(None),
+        Some(n) => Ok(Some(n.parse().map_err(|_| {
+            anyhow::anyhow!("job id {s:?}: a dependent's id is @N, e.g. @17")
+        })?)),
+    }
+}
+
+/// `job show @N`: the dependent, each dependency's outcome and result,
+/// and the job it was released as.
+fn show_dependent(deployment: &Deployment, n: u64, json: bool) -> anyhow::Result<ExitCode> {
+    let Some(w) = deployment
+        .dependent(n)
+        .with_context(|| format!("reading dependent @{n}"))?
+    else {
+        eprintln!("shardq: no dependent @{n} here: it ended longer ago than dependents are kept (a day), or never existed");
+        return Ok(ExitCode::from(1));
+    };
+    let v = dependent_value(n, &w);
+    if json {
+        println!("{v}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("id\t@{n}");
+    println!("key\t{}", shardq_core::job::shown_key(&w.key));
+    println!("state\t{}", v["state"].as_str().unwrap_or(""));
+    println!(
+        "on dependency failure\t{}",
+        v["on_dependency_failure"].as_str().unwrap_or("")
+    );
+    if let Some(r) = &w.released {
+        println!("released as\t{r}");
+    }
+    if let Some(r) = &w.reason {
+        println!("reason\t{r}");
+    }
+    println!("DEPENDENCY\tOUTCOME\tAT\tRESULT");
+    for d in v["after"].as_array().into_iter().flatten() {
+        let result = match (d.get("result"), d.get("result_b64")) {
+            (Some(t), _) => format!("{t}"),
+            (None, Some(_)) => "(bytes; --json gives them in base64)".into(),
+            _ if d.get("result_dropped").is_some() => {
+                "(dropped: over the 1 MiB a dependent collects)".into()
+            }
+            _ => String::new(),
+        };
+        println!(
+            "{}\t{}\t{}\t{result}",
+            d["id"].as_str().unwrap_or(""),
+            d["outcome"].as_str().unwrap_or("-"),
+            d.get("at").and_then(|a| a.as_str()).unwrap_or("")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `job cancel @N`: a waiting dependent ends as cancelled; a released one's
+/// job is cancelled.
+fn cancel_dependent(deployment: &Deployment, n: u64, json: bool) -> anyhow::Result<ExitCode> {
+    let (before, job) = deployment
+        .cancel_dependent(n)
+        .with_context(|| format!("cancelling dependent @{n}"))?;
+    let Some(w) = before else {
+        bail!("no dependent @{n} here: it ended longer ago than dependents are kept (a day), or never existed");
+    };
+    let (word, code, text) = match (w.state, &job) {
+        (shardq_core::workflow::WaitState::Waiting, _) => {
+            ("cancelled", 0, format!("cancelled @{n} while it waited"))
+        }
+        (shardq_core::workflow::WaitState::Released, Some((at, acted, outcome))) => match outcome {
+            CancelOutcome::Cancelled | CancelOutcome::Stopping => (
+                "cancelled",
+                0,
+                format!("cancelled @{n}'s job {at}:{}", acted.0),
+            ),
+            _ => (
+                "not_cancelled",
+                3,
+                format!("@{n} was released as {at}:{}, which is running, moving or finished: not cancelled", acted.0),
+            ),
+        },
+        _ => ("ended", 3, format!("@{n} has ended and is not cancelled again")),
+    };
+    if json {
+        println!("{}", json!({ "id": format!("@{n}"), "outcome": word }));
+    } else if code == 0 {
+        println!("{text}");
+    } else {
+        eprintln!("shardq: {text}");
+    }
+    Ok(ExitCode::from(code))
+}
+
 fn state_word(s: JobState) -> &'static str {
     match s {
         JobState::Queued => "queued",
@@ -328,6 +423,9 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
     match action {
         JobAction::Show { data, id, json } => {
             let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            if let Some(n) = dependent_id(&id)? {
+                return show_dependent(&deployment, n, json);
+            }
             let (shard, job) = parse_id(&deployment, &id)?;
             // Live or finished here, or its copy after a move.
             let found = deployment
@@ -379,6 +477,9 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
         }
         JobAction::Cancel { data, id, json } => {
             let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            if let Some(n) = dependent_id(&id)? {
+                return cancel_dependent(&deployment, n, json);
+            }
             let (shard, job) = parse_id(&deployment, &id)?;
             // The job, or its copy when it moved with its key.
             let (at, acted, outcome) = deployment
@@ -473,6 +574,10 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             list
         }
     };
+    // Its dependents still waiting (on no shard yet).
+    let waiting = deployment
+        .waiting_of_key(&args.key)
+        .with_context(|| format!("listing the waiting dependents of key {:?}", args.key))?;
     if args.json {
         let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
         let finished: Vec<serde_json::Value> = finished
@@ -480,14 +585,27 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             .map(|(s, f)| finished_value(&s, f))
             .collect();
         let back_off = back_off_value(&shard, hold.as_ref());
+        let waiting: Vec<serde_json::Value> = waiting
+            .iter()
+            .map(|(n, w)| dependent_value(*n, w))
+            .collect();
         println!(
             "{}",
-            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "finished": finished })
+            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "finished": finished, "waiting": waiting })
         );
         return Ok(ExitCode::SUCCESS);
     }
     let now = now_ms();
     println!("ID\tSTATE\tATTEMPTS\tCREATED\tNOT_BEFORE\tREASON");
+    for (n, w) in &waiting {
+        let left = w.after.iter().filter(|d| d.outcome.is_none()).count();
+        println!(
+            "@{n}\twaiting\t0/{}\t{}\t-\tafter {left} of {} dependencies",
+            w.max_attempts,
+            relative(w.created_ms, now),
+            w.after.len()
+        );
+    }
     for j in &jobs {
         println!(
             "{shard}:{}\t{}\t{}/{}\t{}\t{}\t{}",

@@ -56,7 +56,9 @@
 //! # Bounds
 //!
 //! [`DEPENDENCIES_MAX`] dependencies per job, [`WAITING_MAX`] dependents
-//! waiting at once in a deployment, [`COLLECTED_RESULT_BYTES_MAX`] of
+//! waiting at once in a deployment, a payload of at most
+//! [`DEPENDENT_PAYLOAD_BYTES_MAX`], the document at most
+//! [`WAITING_BYTES_MAX`] after an enqueue, [`COLLECTED_RESULT_BYTES_MAX`] of
 //! dependencies' results kept per dependent (results past it are dropped
 //! and the dependency says so), ended records kept for
 //! [`ENDED_KEPT_MS`] and at most [`ENDED_KEPT_MAX`] of them.
@@ -76,6 +78,12 @@ pub const SETTING_WAITING: &str = "waiting";
 pub const DEPENDENCIES_MAX: usize = 1_000;
 /// Most dependents waiting at once in a deployment.
 pub const WAITING_MAX: usize = 10_000;
+/// Largest payload of a dependent (64 KiB): it is kept in the shared
+/// document until released.
+pub const DEPENDENT_PAYLOAD_BYTES_MAX: usize = 64 * 1024;
+/// Largest the waiting document may grow by an enqueue (32 MiB); past it
+/// new dependents are refused as retryable until some are released.
+pub const WAITING_BYTES_MAX: usize = 32 << 20;
 /// Most bytes of dependencies' results one dependent collects (1 MiB).
 pub const COLLECTED_RESULT_BYTES_MAX: usize = 1 << 20;
 /// How long a released, failed or cancelled dependent's record is kept,

@@ -7,8 +7,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    COLLECTED_RESULT_BYTES_MAX, DEPENDENCIES_MAX, ENDED_KEPT_MAX, ENDED_KEPT_MS, SETTING_WAITING,
-    WAITING_MAX,
+    COLLECTED_RESULT_BYTES_MAX, DEPENDENCIES_MAX, DEPENDENT_PAYLOAD_BYTES_MAX, ENDED_KEPT_MAX,
+    ENDED_KEPT_MS, SETTING_WAITING, WAITING_BYTES_MAX, WAITING_MAX,
 };
 use crate::backend::JobLookup;
 use crate::error::QueueError;
@@ -295,13 +295,14 @@ pub struct NewDependent {
     pub on_failure: OnDependencyFailure,
 }
 
-/// Checks a list of dependencies: 1 to [`DEPENDENCIES_MAX`], none twice.
+/// Checks a list of dependencies: at most [`DEPENDENCIES_MAX`], none
+/// twice. An empty list is a graph's root: released at the next pass.
 pub fn check_after(after: &[DepRef]) -> Result<(), QueueError> {
-    if after.is_empty() || after.len() > DEPENDENCIES_MAX {
+    if after.len() > DEPENDENCIES_MAX {
         return Err(QueueError::InvalidOption {
             name: "after",
             value: format!("{} dependencies", after.len()),
-            allowed: format!("1 to {DEPENDENCIES_MAX} job ids"),
+            allowed: format!("0 to {DEPENDENCIES_MAX} job ids"),
         });
     }
     let mut seen = std::collections::BTreeSet::new();
@@ -373,6 +374,7 @@ impl WaitingStore {
         }
         for d in deps {
             check_after(&d.after)?;
+            d.job.validate(DEPENDENT_PAYLOAD_BYTES_MAX)?;
             if let Some(DepRef::Node(i)) = d
                 .after
                 .iter()
@@ -477,6 +479,12 @@ impl WaitingStore {
                     );
                 }
                 f.next = base + deps.len() as u64;
+                let size = f.to_text().len();
+                if size > WAITING_BYTES_MAX {
+                    return Err(ReshardError::Unavailable(format!(
+                        "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
+                    )));
+                }
                 Ok(numbers)
             },
         )
@@ -615,7 +623,7 @@ mod tests {
 
     #[test]
     fn lists_are_bounded_and_cycles_refused() {
-        assert!(check_after(&[]).is_err());
+        check_after(&[]).unwrap();
         let many: Vec<DepRef> = (0..=DEPENDENCIES_MAX as u64).map(DepRef::Waiting).collect();
         let e = check_after(&many).unwrap_err().to_string();
         assert!(e.contains("1001 dependencies"), "{e}");

@@ -328,6 +328,10 @@ struct ClaimedOut {
     /// A schedule's job: its schedule and tick.
     #[serde(skip_serializing_if = "Option::is_none")]
     schedule: Option<shardq_core::schedule::ScheduleTick>,
+    /// A released dependent: its id, `@N` (`GET /v1/jobs/@N` lists its
+    /// dependencies' outcomes and results).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dependent: Option<String>,
 }
 
 /// `POST /v1/claim`: long-polls the owned shards until something is
@@ -518,6 +522,9 @@ impl App {
                                 .dedup_id
                                 .as_deref()
                                 .and_then(shardq_core::schedule::ScheduleTick::of_dedup_id),
+                            dependent: (j.dedup_id.as_deref())
+                                .and_then(shardq_core::workflow::dependent_of_dedup_id)
+                                .map(|n| format!("@{n}")),
                             dedup_id: j.dedup_id,
                         });
                     }

@@ -30,6 +30,12 @@ struct JobIn {
     debounce_id: Option<String>,
     debounce_ms: Option<u64>,
     debounce_max_ms: Option<u64>,
+    /// Dependencies: ids (`SHARD:ID`, `@N`) and indexes of this request's
+    /// jobs. A request where any job has it stores every job as a
+    /// dependent, in one compare-and-set (jobs without it are released at
+    /// the next pass): a graph sent at once.
+    after: Option<Vec<Value>>,
+    on_dependency_failure: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -138,6 +144,17 @@ pub async fn enqueue(
             app.limits.jobs_per_request_max
         )));
     }
+    if jobs_in.iter().any(|j| j.after.is_some()) {
+        return enqueue_graph(app, jobs_in).await;
+    }
+    if let Some(i) = jobs_in
+        .iter()
+        .position(|j| j.on_dependency_failure.is_some())
+    {
+        return Err(ApiError::bad(format!(
+            "jobs[{i}].on_dependency_failure: given without after; it applies to a job with dependencies"
+        )));
+    }
     let mut jobs = Vec::with_capacity(n);
     let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, j) in jobs_in.into_iter().enumerate() {
@@ -156,6 +173,39 @@ pub async fn enqueue(
     let a = Arc::clone(&app);
     let out = blocking(move || a.enqueue_blocking(jobs)).await?;
     app.work_arrived();
+    ok_jobs(out)
+}
+
+/// A request with `after`: every job a dependent, stored at once. Answers
+/// each with its id `@N`, `shard` empty (it is on no shard until
+/// released) and `waiting: true`.
+async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
+    let n = jobs_in.len();
+    let mut deps = Vec::with_capacity(n);
+    for (i, mut j) in jobs_in.into_iter().enumerate() {
+        let after = super::dependents::parse_after(i, &j.after.take().unwrap_or_default(), n)?;
+        let on_failure =
+            super::dependents::parse_on_failure(i, j.on_dependency_failure.take().as_deref())?;
+        if j.dedup_id.is_some() || j.unique_id.is_some() || j.debounce_id.is_some() {
+            return Err(ApiError::bad(format!(
+                "jobs[{i}]: a job with after takes no dedup_id, unique_id or debounce_id (its release is deduplicated by its own id)"
+            )));
+        }
+        let job = to_new_job(i, j, app.limits.payload_bytes_max, &app.retry)?;
+        deps.push(shardq_core::workflow::NewDependent {
+            job,
+            after,
+            on_failure,
+        });
+    }
+    let keys: Vec<String> = deps.iter().map(|d| d.job.key.clone()).collect();
+    let a = Arc::clone(&app);
+    let ids = blocking(move || a.add_dependents_blocking(deps)).await?;
+    let out: Vec<Value> = ids
+        .iter()
+        .zip(keys)
+        .map(|(n, key)| json!({ "id": format!("@{n}"), "shard": "", "key": key, "duplicate": false, "waiting": true }))
+        .collect();
     ok_jobs(out)
 }
 

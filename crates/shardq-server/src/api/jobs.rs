@@ -144,6 +144,15 @@ fn job_ref(app: &App, id: &str) -> Result<(String, JobId), ApiError> {
 /// ([`shardq_deploy::Deployment::find_job`]);
 /// with whether it may still change (not finished, not dead). The 404 of
 /// an id not found says where its key went, when a move is remembered.
+pub(crate) fn find_in(
+    app: &App,
+    shard: &str,
+    job: JobId,
+    id: &str,
+) -> Result<(Value, bool), ApiError> {
+    find(app, shard, job, id)
+}
+
 fn find(app: &App, shard: &str, job: JobId, id: &str) -> Result<(Value, bool), ApiError> {
     // A copy found after a move says so: `moved` names its key, the shard
     // it is on and the id asked for.
@@ -198,6 +207,9 @@ fn gone(id: &str, moved: Option<(String, String)>) -> ApiError {
 /// moved with its key (answered under the copy's id).
 pub async fn job_show(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
     let v = blocking(move || {
+        if let Some(n) = super::dependents::dependent_ref(&id)? {
+            return Ok(app.show_dependent(n)?.0);
+        }
         let (shard, job) = job_ref(&app, &id)?;
         Ok(find(&app, &shard, job, &id)?.0)
     })
@@ -235,7 +247,11 @@ pub async fn job_result(
             crate::limits::WAIT_MS_MAX
         )));
     }
-    let (shard, job) = job_ref(&app, &id)?;
+    let dependent = super::dependents::dependent_ref(&id)?;
+    let (shard, job) = match dependent {
+        Some(_) => (String::new(), JobId(0)),
+        None => job_ref(&app, &id)?,
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
     let mut in_wait = None;
     loop {
@@ -243,7 +259,11 @@ pub async fn job_result(
         tokio::pin!(notified);
         notified.as_mut().enable();
         let (a, s, i) = (Arc::clone(&app), shard.clone(), id.clone());
-        let (v, waiting) = blocking(move || find(&a, &s, job, &i)).await?;
+        let (v, waiting) = blocking(move || match dependent {
+            Some(n) => a.dependent_result(n),
+            None => find(&a, &s, job, &i),
+        })
+        .await?;
         let now = std::time::Instant::now();
         if !waiting || now >= deadline || app.owned.stopping() {
             return Ok(Json(v).into_response());
@@ -334,6 +354,9 @@ pub async fn key_jobs(
 pub async fn job_cancel(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
     let a = Arc::clone(&app);
     let v = blocking(move || {
+        if let Some(n) = super::dependents::dependent_ref(&id)? {
+            return a.cancel_dependent(n);
+        }
         let (shard, job) = job_ref(&a, &id)?;
         // The job, or its copy when it moved with its key.
         let (at, acted, outcome) = a.deployment.cancel_job(&shard, job)?;

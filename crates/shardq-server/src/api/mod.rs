@@ -1,7 +1,8 @@
 //! The request handlers and their wire types, one module per kind of
 //! request: `enqueue` (with dedup), `claims` (long-poll, the book of runs
 //! handed out), `runs` (ack, fail, extend), `reads` (status, keys, dead
-//! letters), `jobs` (one job: show, a key's jobs, cancel), `flow`
+//! letters), `jobs` (one job: show, a key's jobs, cancel), `dependents` (jobs
+//! that wait for others: `after`, `@N` ids), `flow`
 //! (policies and groups), `schedules` (recurring schedules) and `admin` (resharding); health and the OpenAPI document here.
 //! Every library call runs on a blocking thread (`spawn_blocking`);
 //! handlers validate all input before they store anything, and must never
@@ -9,6 +10,7 @@
 
 mod admin;
 mod claims;
+mod dependents;
 mod enqueue;
 mod flow;
 mod jobs;
@@ -18,6 +20,7 @@ mod schedules;
 
 pub use admin::*;
 pub use claims::*;
+pub use dependents::{dependent_value, parse_after};
 pub use enqueue::*;
 pub use flow::*;
 pub use jobs::*;

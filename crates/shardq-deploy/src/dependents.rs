@@ -1,0 +1,75 @@
+//! Dependents through a deployment: adding them (each job dependency
+//! looked up where it is, or where it went), reading and cancelling them,
+//! and a key's waiting ones. The resolver runs beside the schedules
+//! (`scheduler.rs`); the semantics are the core's (`shardq_core::workflow`).
+
+use shardq_core::workflow::{NewDependent, WaitState, Waiting, WaitingStore};
+
+use crate::{DeployError, Deployment, JobLookup};
+
+impl Deployment {
+    /// Adds dependents in one compare-and-set (see
+    /// [`WaitingStore::add`]): their numbers (`@N`). A job dependency
+    /// no shard knows is refused, naming it.
+    pub fn add_dependents(&self, deps: &[NewDependent]) -> Result<Vec<u64>, DeployError> {
+        let mut lookup = |s: &str, id| -> Result<JobLookup, shardq_core::QueueError> {
+            self.find_job(s, id).map_err(|e| match e {
+                DeployError::Queue(q) => q,
+                other => shardq_core::QueueError::Internal {
+                    what: other.to_string(),
+                },
+            })
+        };
+        let now = self.clock().now_ms();
+        Ok(WaitingStore::add(&*self.maps(), &mut lookup, now, deps)?)
+    }
+
+    /// Dependent `n`'s record, while it waits and for a day after it
+    /// ended.
+    pub fn dependent(&self, n: u64) -> Result<Option<Waiting>, DeployError> {
+        Ok(WaitingStore::get(&*self.maps(), n)?)
+    }
+
+    /// Cancels dependent `n`: while it waits it ends as cancelled (its
+    /// dependents see it fail); once released, its job is cancelled
+    /// ([`Deployment::cancel_job`]). The record before the call (`None`:
+    /// unknown) and, for a released one, the cancel of its job.
+    pub fn cancel_dependent(
+        &self,
+        n: u64,
+    ) -> Result<
+        (
+            Option<Waiting>,
+            Option<(String, shardq_core::JobId, shardq_core::CancelOutcome)>,
+        ),
+        DeployError,
+    > {
+        let now = self.clock().now_ms();
+        let before = WaitingStore::cancel(&*self.maps(), n, now)?;
+        let job = match before.as_ref() {
+            Some(w) if w.state == WaitState::Released => {
+                match w
+                    .released
+                    .as_deref()
+                    .map(shardq_core::workflow::parse_dependency)
+                {
+                    Some(Ok(shardq_core::workflow::DepRef::Job(s, id))) => {
+                        Some(self.cancel_job(&s, id)?)
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        Ok((before, job))
+    }
+
+    /// The dependents of `key` still waiting, by number.
+    pub fn waiting_of_key(&self, key: &str) -> Result<Vec<(u64, Waiting)>, DeployError> {
+        Ok(WaitingStore::load(&*self.maps())?
+            .jobs
+            .into_iter()
+            .filter(|(_, w)| w.key == key && w.state == WaitState::Waiting)
+            .collect())
+    }
+}
