@@ -32,7 +32,9 @@ pub enum JobAction {
         /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
-        /// The job's id, SHARD:ID, as `enqueue`, `dead list` and the API give it.
+        /// The job's id, SHARD:ID, as `enqueue`, `dead list` and the API
+        /// give it, or a dependent's @N (`enqueue --after`): its state and
+        /// each dependency's outcome and result.
         id: String,
         /// One JSON object (the API's `Job`) instead of lines.
         #[arg(long)]
@@ -49,7 +51,8 @@ pub enum JobAction {
         /// Data dir of the deployment (embedded or Redis: `shardq init` made it).
         #[arg(long, value_name = "DIR")]
         data: PathBuf,
-        /// The job's id, SHARD:ID.
+        /// The job's id, SHARD:ID, or a dependent's @N (cancelled while it
+        /// waits; once released, its job).
         id: String,
         /// One JSON object instead of a line.
         #[arg(long)]

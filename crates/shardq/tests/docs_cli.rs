@@ -235,7 +235,8 @@ fn runs_here(words: &[String]) -> bool {
         "--redis-cluster",
         "--url",
         "OLD.yaml",
-        "$URL",
+        // A shell variable set by an earlier line (`$URL`, a job id).
+        "$",
         "./rq",
         "DIR",
         "--stdin",
