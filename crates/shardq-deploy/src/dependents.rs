@@ -64,6 +64,19 @@ impl Deployment {
         Ok((before, job))
     }
 
+    /// Asks this process's resolver for a pass now: a job ended here
+    /// (acked, failed, cancelled), which may let a dependent go. Ends in
+    /// other processes are seen by the next periodic pass.
+    pub fn nudge_dependents(&self) {
+        self.dependents_wake.wake();
+    }
+
+    /// What [`Deployment::nudge_dependents`] wakes, for a caller that
+    /// outlives a borrow (a pool's event hook).
+    pub fn dependents_wake(&self) -> std::sync::Arc<shardq_core::workflow::Wake> {
+        std::sync::Arc::clone(&self.dependents_wake)
+    }
+
     /// The dependents of `key` still waiting, by number.
     pub fn waiting_of_key(&self, key: &str) -> Result<Vec<(u64, Waiting)>, DeployError> {
         Ok(WaitingStore::load(&*self.maps())?

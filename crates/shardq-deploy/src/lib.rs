@@ -125,6 +125,8 @@ pub struct Deployment {
     clock: Arc<dyn Clock>,
     /// The flow control its backend asks before each start.
     flow: Option<Arc<FlowControl>>,
+    /// Wakes this process's dependents resolver (`nudge_dependents`).
+    dependents_wake: Arc<shardq_core::workflow::Wake>,
 }
 
 impl std::fmt::Debug for Deployment {
@@ -509,6 +511,7 @@ impl Deployment {
                     store: Store::Embedded(backend),
                     maps,
                     flow,
+                    dependents_wake: Arc::default(),
                 })
             }
             Kind::Redis(remote) => {
@@ -522,6 +525,7 @@ impl Deployment {
                     maps: maps.clone(),
                     flow: backend.flow().cloned(),
                     store: Store::Redis { backend, maps },
+                    dependents_wake: Arc::default(),
                 })
             }
         }

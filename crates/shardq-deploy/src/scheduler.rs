@@ -66,6 +66,7 @@ impl Deployment {
         let release =
             shardq_core::workflow::release_producer(self.queue(), self.maps(), self.clock())?;
         let (backend, flag2, on_error2) = (self.queue(), Arc::clone(&flag), Arc::clone(&on_error));
+        let wake = self.dependents_wake();
         let handle = std::thread::Builder::new()
             .name("shardq-schedules".into())
             .spawn(move || run_scheduler(scheduler, &*owned, &flag, &*on_error))
@@ -77,7 +78,14 @@ impl Deployment {
         let resolving = std::thread::Builder::new()
             .name("shardq-dependents".into())
             .spawn(move || {
-                shardq_core::workflow::run_resolver(resolver, backend, release, &flag2, &*on_error2)
+                shardq_core::workflow::run_resolver(
+                    resolver,
+                    backend,
+                    release,
+                    &flag2,
+                    &*on_error2,
+                    &wake,
+                )
             })
             .map_err(spawn_err)?;
         thread.handles.push(resolving);

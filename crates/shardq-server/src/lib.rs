@@ -148,6 +148,8 @@ impl App {
     pub(crate) fn work_arrived(&self) {
         self.work_gen.fetch_add(1, Ordering::Release);
         self.wake.notify_waiters();
+        // An ack, fail or cancel may let a dependent go.
+        self.deployment.nudge_dependents();
     }
 
     pub(crate) fn work_generation(&self) -> u64 {

@@ -819,8 +819,11 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     let owned: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> = Arc::default();
     let inner = Arc::clone(&pool.on_event);
     let seen = Arc::clone(&owned);
+    let dependents = deployment.dependents_wake();
     pool.on_event = Arc::new(move |ev| {
         match &ev {
+            // A job ended here: a dependent may go now.
+            PoolEvent::RunFinished { .. } => dependents.wake(),
             PoolEvent::Gained(s) => {
                 seen.lock()
                     .unwrap_or_else(|e| e.into_inner())

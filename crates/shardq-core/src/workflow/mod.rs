@@ -70,7 +70,7 @@ pub use record::{
     check_after, parse_dependency, DepOutcome, DepRef, Dependency, NewDependent,
     OnDependencyFailure, WaitState, Waiting, WaitingFile, WaitingStore, WAITING_FORMAT,
 };
-pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver};
+pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver, Wake};
 
 /// The deployment setting that holds the waiting dependents.
 pub const SETTING_WAITING: &str = "waiting";

@@ -399,17 +399,51 @@ fn apply(f: &mut WaitingFile, findings: &[Finding]) {
     }
 }
 
+/// Wakes a resolver before its next pass is due: this process ended a
+/// job (an ack, a fail, a cancel), which may let a dependent go.
+#[derive(Debug, Default)]
+pub struct Wake {
+    woken: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Wake {
+    /// Asks for a pass now.
+    pub fn wake(&self) {
+        *self.woken.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits up to `ms` (real time) or until woken.
+    fn wait_ms(&self, ms: u64) {
+        let mut woken = self.woken.lock().unwrap_or_else(|e| e.into_inner());
+        if !*woken {
+            woken = self
+                .cv
+                .wait_timeout(woken, std::time::Duration::from_millis(ms))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *woken = false;
+    }
+}
+
+/// Shortest gap between two passes woken by this process's acks (10 ms),
+/// so a stream of acks does not run passes back to back.
+const WOKEN_GAP_MS: u64 = 10;
+
 /// Runs resolver passes until `stop` is set: every
-/// [`RESOLVE_EVERY_MS`] while dependents wait, four times as seldom
-/// while none does. Errors go to `on_error`; the loop keeps going.
+/// [`RESOLVE_EVERY_MS`] while dependents wait (sooner when `wake` is
+/// woken, at most every [`WOKEN_GAP_MS`]), four times as seldom while none
+/// does. Errors go to `on_error`; the loop keeps going.
 pub fn run_resolver(
     mut resolver: Resolver,
     backend: Arc<dyn QueueBackend>,
     mut release: Producer<dyn QueueBackend>,
     stop: &std::sync::atomic::AtomicBool,
     on_error: &dyn Fn(String),
+    wake: &Wake,
 ) {
-    let clock = Arc::clone(&resolver.clock);
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
         let wait = match resolver.pass(&*backend, &mut release) {
             Ok(r) => {
@@ -427,6 +461,7 @@ pub fn run_resolver(
                 4 * RESOLVE_EVERY_MS
             }
         };
-        clock.sleep_ms(wait);
+        std::thread::sleep(std::time::Duration::from_millis(WOKEN_GAP_MS));
+        wake.wait_ms(wait.saturating_sub(WOKEN_GAP_MS));
     }
 }
