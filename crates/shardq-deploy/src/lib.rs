@@ -882,6 +882,9 @@ impl Deployment {
     pub fn status(&self) -> Result<StatusReport, DeployError> {
         let mut report = self.shard_status()?;
         report.schedules = shardq_core::schedule::ScheduleStore::totals(&*self.maps()).ok();
+        report.dependents = shardq_core::workflow::WaitingStore::load(&*self.maps())
+            .ok()
+            .map(|f| f.totals());
         Ok(report)
     }
 

@@ -20,6 +20,9 @@ pub struct StatusReport {
     /// Sums over the deployment's schedules; `None` when they could not
     /// be read.
     pub schedules: Option<shardq_core::schedule::ScheduleTotals>,
+    /// The deployment's dependents (waiting now; released and failed, ever);
+    /// `None` when they could not be read.
+    pub dependents: Option<shardq_core::workflow::DependentTotals>,
 }
 
 /// One shard in `status`: counts are `None` when the shard could not be
@@ -63,6 +66,7 @@ pub fn collect(
         totals: StatusTotals::default(),
         failed: Vec::new(),
         schedules: None,
+        dependents: None,
     };
     for name in names {
         let stats = stats(name);

@@ -78,6 +78,7 @@ pub(crate) struct ShardGauges {
     read_seconds: Gauge<f64, AtomicU64>,
     /// Schedules: how many, paused, and the ticks fired, skipped, missed.
     schedules: [Gauge; 5],
+    dependents: [Gauge; 3],
 }
 
 fn int(v: u64) -> i64 {
@@ -108,6 +109,7 @@ impl ShardGauges {
             status_up: Gauge::default(),
             read_seconds: Gauge::default(),
             schedules: Default::default(),
+            dependents: Default::default(),
         };
         if g.source.is_none() {
             return g;
@@ -185,6 +187,23 @@ impl ShardGauges {
         for ((name, help), gauge) in schedule_series.into_iter().zip(&g.schedules) {
             r.register(name, help, gauge.clone());
         }
+        let dependent_series = [
+            (
+                "shardq_dependents_waiting",
+                "Dependents (jobs enqueued with after) waiting for their dependencies",
+            ),
+            (
+                "shardq_dependents_released",
+                "Dependents released onto their key once every dependency ended (grows)",
+            ),
+            (
+                "shardq_dependents_failed",
+                "Dependents that ended without running: a dependency did not complete under the fail policy, or cancelled while waiting (grows)",
+            ),
+        ];
+        for ((name, help), gauge) in dependent_series.into_iter().zip(&g.dependents) {
+            r.register(name, help, gauge.clone());
+        }
         g
     }
 
@@ -233,6 +252,15 @@ impl ShardGauges {
         if let Some(t) = snap.report.schedules {
             let values = [t.schedules, t.paused, t.fired, t.skipped, t.missed];
             for (gauge, v) in self.schedules.iter().zip(values) {
+                gauge.set(int(v));
+            }
+        }
+        if let Some(t) = snap.report.dependents {
+            for (gauge, v) in self
+                .dependents
+                .iter()
+                .zip([t.waiting, t.released, t.failed])
+            {
                 gauge.set(int(v));
             }
         }

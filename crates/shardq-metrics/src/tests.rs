@@ -41,6 +41,11 @@ fn fixed() -> StatusSnapshot {
                 skipped: 2,
                 missed: 5,
             }),
+            dependents: Some(shardq_core::workflow::DependentTotals {
+                waiting: 4,
+                released: 11,
+                failed: 1,
+            }),
         },
     }
 }
@@ -168,6 +173,9 @@ fn a_fixed_state_renders_as_documented() {
         ("shardq_schedule_ticks_fired", 40),
         ("shardq_schedule_ticks_skipped", 2),
         ("shardq_schedule_ticks_missed", 5),
+        ("shardq_dependents_waiting", 4),
+        ("shardq_dependents_released", 11),
+        ("shardq_dependents_failed", 1),
     ] {
         expect(
             name,

@@ -1015,6 +1015,15 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 t.schedules, t.paused, t.fired, t.skipped, t.missed
             );
         }
+        if let Some(t) = st
+            .dependents
+            .filter(|t| t.waiting + t.released + t.failed > 0)
+        {
+            println!(
+                "dependents: {} waiting; {} released and {} failed so far (`shardq jobs --key KEY` lists a key's waiting ones)",
+                t.waiting, t.released, t.failed
+            );
+        }
         for g in &groups {
             let state = match (&g.error, g.held_until_ms) {
                 (Some(e), _) => format!("its bucket cannot be read: {e}"),

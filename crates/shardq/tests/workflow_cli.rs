@@ -308,6 +308,15 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let out = ok(&["jobs", "--data", d, "--key", "fan-in", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["waiting"].as_array().map(Vec::len), Some(0), "{v}");
+    // status counts them: 9 released (the fan-in, 6 links, run, ignore)
+    // and 2 failed in this trial, none waiting.
+    let st = support::status_json(Path::new(d));
+    let t = &st["dependents"];
+    assert_eq!(t["waiting"], 0, "{t}");
+    assert!(
+        t["released"].as_u64() >= Some(9) && t["failed"].as_u64() >= Some(2),
+        "{t}"
+    );
     let _ = std::fs::remove_file(log);
 }
 

@@ -67,7 +67,7 @@ mod record;
 mod resolve;
 
 pub use record::{
-    check_after, parse_dependency, DepOutcome, DepRef, Dependency, NewDependent,
+    check_after, parse_dependency, DepOutcome, DepRef, Dependency, DependentTotals, NewDependent,
     OnDependencyFailure, WaitState, Waiting, WaitingFile, WaitingStore, WAITING_FORMAT,
 };
 pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver, Wake};

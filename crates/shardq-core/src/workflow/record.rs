@@ -220,6 +220,23 @@ pub struct WaitingFile {
     pub next: u64,
     /// Dependents by number.
     pub jobs: BTreeMap<u64, Waiting>,
+    /// Dependents ever released (grows).
+    #[serde(default)]
+    pub released_total: u64,
+    /// Dependents ever failed or cancelled before release (grows).
+    #[serde(default)]
+    pub failed_total: u64,
+}
+
+/// The dependents of a deployment in numbers, for `status` and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DependentTotals {
+    /// Waiting now.
+    pub waiting: u64,
+    /// Released since the deployment began (grows).
+    pub released: u64,
+    /// Failed or cancelled before release since it began (grows).
+    pub failed: u64,
 }
 
 impl Default for WaitingFile {
@@ -228,6 +245,8 @@ impl Default for WaitingFile {
             format: WAITING_FORMAT,
             next: 1,
             jobs: BTreeMap::new(),
+            released_total: 0,
+            failed_total: 0,
         }
     }
 }
@@ -252,6 +271,15 @@ impl WaitingFile {
     /// The stored text.
     pub fn to_text(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Its numbers.
+    pub fn totals(&self) -> DependentTotals {
+        DependentTotals {
+            waiting: self.waiting() as u64,
+            released: self.released_total,
+            failed: self.failed_total,
+        }
     }
 
     /// Dependents still waiting.
@@ -506,6 +534,7 @@ impl WaitingStore {
                 w.state = WaitState::Cancelled;
                 w.ended_ms = Some(now_ms);
                 w.reason = Some("cancelled while it waited".into());
+                f.failed_total += 1;
             }
             Ok(Some(before))
         })

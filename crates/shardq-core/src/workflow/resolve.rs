@@ -321,6 +321,7 @@ impl Resolver {
                         w.state = WaitState::Released;
                         w.released = Some(at.clone());
                         w.ended_ms = Some(now);
+                        f.released_total += 1;
                     }
                     Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
                     _ => {}
@@ -331,6 +332,7 @@ impl Resolver {
                     w.state = WaitState::Failed;
                     w.reason = Some(why.clone());
                     w.ended_ms = Some(now);
+                    f.failed_total += 1;
                 }
             }
             f.trim(now);
