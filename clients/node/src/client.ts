@@ -8,11 +8,17 @@
  * and by bytes under the server's limits. Failures with no response, 408,
  * 425, 429 and 5xx are retried a bounded number of times with backoff, each try on the next URL;
  * anything else (400, 401, 403, 413, ...) fails at once.
+ *
+ * Jobs with `after` are dependents: they run once every job they name has
+ * ended. A call where any job has `after` goes in one request (its indexes
+ * name jobs of the same request), where every job is a dependent and none
+ * carries a dedup id; so it is tried again only when a try surely stored
+ * nothing (a refused connection, 425, 429).
  */
 
 import { randomUUID } from "node:crypto";
 
-import { backoffMs, ENQUEUE_SERVER_WAIT_MS, JobDied, normaliseUrls, NotFoundReply, ResultTimeout, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
+import { backoffMs, ENQUEUE_SERVER_WAIT_MS, JobDied, JobNotCancelled, normaliseUrls, NotFoundReply, ResultTimeout, ServerUnavailable, ShardqError, sleep, Transport, type HttpOptions } from "./http.js";
 
 export type Payload = string | Uint8Array;
 
@@ -30,7 +36,29 @@ export interface EnqueueOptions {
   debounceId?: string;
   debounceMs?: number;
   debounceMaxMs?: number;
+  /**
+   * Makes it a dependent: it runs once every job named has ended. Job ids
+   * (`"SHARD:ID"`, a dependent's `"@N"`) or, in `enqueueMany` and
+   * `enqueueGraph`, indexes of other jobs of the same call; at most 1000.
+   * A call where any job has `after` goes in one request, where every job
+   * is a dependent (one without `after` is released at the next resolver
+   * pass, about 100 ms) and none takes a dedup, unique or debounce id.
+   */
+  after?: readonly (string | number)[];
+  /** With `after` only: what a dependency that did not complete does (default `"fail"`). */
+  onDependencyFailure?: DependencyFailurePolicy;
 }
+
+/**
+ * What a dependent does when a dependency did not complete: `"fail"` (it
+ * fails and never runs; its reason names the dependency), `"ignore"` (it
+ * runs without that result) or `"run"` (it runs with every outcome).
+ */
+export type DependencyFailurePolicy = "fail" | "ignore" | "run";
+
+const DEPENDENCY_FAILURE_POLICIES: readonly string[] = ["fail", "ignore", "run"];
+/** Most dependencies of one dependent (the server's bound). */
+export const DEPENDENCIES_MAX = 1000;
 
 export interface JobSpec extends EnqueueOptions {
   key: string;
@@ -43,8 +71,58 @@ export interface EnqueueResult {
   key: string;
   /** True when the server already had a job with this dedup id. */
   duplicate: boolean;
-  /** The dedup id sent (the generated one when none was given). */
+  /** The dedup id sent (the generated one when none was given; empty for a dependent). */
   dedupId: string;
+  /** A dependent (a job of a request with `after`): its id is `"@N"` and its shard empty until it is released. */
+  waiting: boolean;
+}
+
+/** One dependency of a dependent, as `client.dependent(id)` shows it. */
+export interface DependencyOutcome {
+  /** The id as named in `after` (`SHARD:ID` or `@N`; an index shows as that job's `@N`). */
+  id: string;
+  /**
+   * How it ended: `completed`, `cancelled`, `dead`, `failed` (a dependent
+   * that failed or was cancelled) or `forgotten` (gone before it was seen
+   * to end); absent while it has not ended.
+   */
+  outcome?: "completed" | "cancelled" | "dead" | "failed" | "forgotten";
+  /** Where it ended, when that is another id (it moved with its key, or it is a dependent's released job). */
+  at?: string;
+  /** What its handler returned (a completed one); `resultText` decodes it. */
+  result?: Buffer;
+  resultText?: string;
+  /** Its result was dropped: past the dependent's bound on the results it collects (1 MiB). */
+  resultDropped: boolean;
+  /** Why it did not complete. */
+  reason?: string;
+}
+
+/** A dependent (a job enqueued with `after`), as `client.dependent(id)` shows it. */
+export interface DependentInfo {
+  /** `@N`. */
+  id: string;
+  key: string;
+  /**
+   * `waiting` (on no shard: some dependency has not ended), `released`
+   * (enqueued as the job `released`), `failed` (a dependency did not
+   * complete under the policy `fail`; `reason` names it; it never runs) or
+   * `cancelled`.
+   */
+  state: "waiting" | "released" | "failed" | "cancelled";
+  /** The job it was released as, `SHARD:ID` (`job`, `finished` and `result` of either id follow it). */
+  released?: string;
+  reason?: string;
+  /** Each dependency's outcome, in the order named. */
+  after: DependencyOutcome[];
+  onDependencyFailure: DependencyFailurePolicy;
+  /** Ms since the epoch. */
+  createdMs: number;
+  /** When it stopped waiting, ms since the epoch; absent while it waits. */
+  endedMs?: number;
+  maxAttempts?: number;
+  delayMs: number;
+  payload: Buffer;
 }
 
 export interface ClientOptions extends HttpOptions {
@@ -103,7 +181,7 @@ function checkNonNegativeInt(value: number | undefined, field: string, index: nu
   }
 }
 
-function encodeJob(job: JobSpec, index: number): Record<string, unknown> {
+function encodeJob(job: JobSpec, index: number, graph?: { count: number; edges: number[][] }): Record<string, unknown> {
   if (typeof job.key !== "string") throw new TypeError(`jobs[${index}].key must be a string, got ${typeof job.key}`);
   const out: Record<string, unknown> = { key: job.key };
   if (typeof job.payload === "string") out["payload"] = job.payload;
@@ -117,6 +195,7 @@ function encodeJob(job: JobSpec, index: number): Record<string, unknown> {
   if (job.dedupId !== undefined && (typeof job.dedupId !== "string" || job.dedupId.length === 0)) {
     throw new TypeError(`jobs[${index}].dedupId must be a non-empty string, got ${JSON.stringify(job.dedupId)}`);
   }
+  if (graph !== undefined) return encodeDependent(job, index, graph, out);
   const keyed = job.uniqueId !== undefined || job.uniqueWhile !== undefined || job.debounceId !== undefined || job.debounceMs !== undefined || job.debounceMaxMs !== undefined;
   if (!keyed) {
     out["dedup_id"] = job.dedupId ?? randomUUID();
@@ -135,6 +214,135 @@ function encodeJob(job: JobSpec, index: number): Record<string, unknown> {
   if (job.debounceMs !== undefined) out["debounce_ms"] = job.debounceMs;
   if (job.debounceMaxMs !== undefined) out["debounce_max_ms"] = job.debounceMaxMs;
   return out;
+}
+
+/** Whether `job` makes its request a graph's (it has `after` or `onDependencyFailure`). */
+function isDependent(job: JobSpec): boolean {
+  return job !== null && typeof job === "object" && (job.after !== undefined || job.onDependencyFailure !== undefined);
+}
+
+/**
+ * The rest of job `index` of a request with `after` into `out`: no dedup id
+ * (the server refuses one), `after` checked (ids, or indexes of the
+ * request's other jobs, each once; the indexes go in `graph.edges`).
+ */
+function encodeDependent(job: JobSpec, index: number, graph: { count: number; edges: number[][] }, out: Record<string, unknown>): Record<string, unknown> {
+  const where = `jobs[${index}] (key ${JSON.stringify(job.key)})`;
+  const named = (["dedupId", "uniqueId", "debounceId"] as const).filter((f) => job[f] !== undefined).map((f) => `${f} ${JSON.stringify(job[f])}`);
+  if (named.length > 0) {
+    throw new TypeError(`${where}: a job of a request with after takes no ${named.join(", ")}: every job of such a request is a dependent, released once under its own id (enqueue it in a request of its own, without after)`);
+  }
+  const indexes: number[] = [];
+  if (job.after !== undefined) {
+    const after: unknown = job.after;
+    if (!Array.isArray(after)) {
+      throw new TypeError(`${where}.after must be an array of job ids ("SHARD:ID", "@N") and indexes of this request's jobs, got ${JSON.stringify(after)}${typeof after === "string" ? ` (one id goes in an array: [${JSON.stringify(after)}])` : ""}`);
+    }
+    const seen = new Set<string | number>();
+    after.forEach((item: unknown, i: number) => {
+      if (typeof item === "number") {
+        if (item === index) throw new TypeError(`${where}.after[${i}]: ${item} is its own index; a job cannot wait for itself`);
+        if (!Number.isSafeInteger(item) || item < 0 || item >= graph.count) {
+          throw new TypeError(`${where}.after[${i}]: ${item} is not an index of this request's jobs (0 to ${graph.count - 1})`);
+        }
+        indexes.push(item);
+      } else if (typeof item !== "string" || item === "") {
+        throw new TypeError(`${where}.after[${i}] must be a job id ("SHARD:ID", "@N") or the index of another job of this request, got ${JSON.stringify(item)}`);
+      }
+      if (seen.has(item)) throw new TypeError(`${where}.after[${i}]: ${JSON.stringify(item)} is named twice; name each dependency once`);
+      seen.add(item);
+    });
+    if (after.length > DEPENDENCIES_MAX) throw new TypeError(`${where}.after: ${after.length} dependencies, over the bound of ${DEPENDENCIES_MAX} per job`);
+    out["after"] = [...after];
+  }
+  if (job.onDependencyFailure !== undefined) {
+    if (job.after === undefined) {
+      throw new TypeError(`${where}: onDependencyFailure ${JSON.stringify(job.onDependencyFailure)} without after: it applies to a job with dependencies`);
+    }
+    if (!DEPENDENCY_FAILURE_POLICIES.includes(job.onDependencyFailure)) {
+      throw new TypeError(`${where}.onDependencyFailure must be fail, ignore or run, got ${JSON.stringify(job.onDependencyFailure)}`);
+    }
+    out["on_dependency_failure"] = job.onDependencyFailure;
+  }
+  graph.edges.push(indexes);
+  return out;
+}
+
+/**
+ * A cycle of the graph whose node `n` waits for `edges[n]`, as its nodes
+ * from the first one again to itself (`[0, 2, 0]`); empty without one.
+ * Iterative, so a long chain is no recursion.
+ */
+function cycleOf(edges: readonly (readonly number[])[]): number[] {
+  const state = new Array<number>(edges.length).fill(0); // 0: not seen, 1: on the current path, 2: done
+  for (let start = 0; start < edges.length; start++) {
+    if (state[start] !== 0) continue;
+    const path = [start];
+    const nexts = [0];
+    state[start] = 1;
+    while (path.length > 0) {
+      const node = path[path.length - 1]!;
+      const out = edges[node]!;
+      const k = nexts[nexts.length - 1]!;
+      if (k < out.length) {
+        const to = out[k]!;
+        nexts[nexts.length - 1] = k + 1;
+        if (state[to] === 1) return [...path.slice(path.indexOf(to)), to];
+        if (state[to] === 0) {
+          state[to] = 1;
+          path.push(to);
+          nexts.push(0);
+        }
+      } else {
+        state[node] = 2;
+        path.pop();
+        nexts.pop();
+      }
+    }
+  }
+  return [];
+}
+
+function dependencyOutcome(doc: unknown, url: string): DependencyOutcome {
+  const d = record(doc, url, "a dependency");
+  const out: DependencyOutcome = { id: String(d["id"]), resultDropped: d["result_dropped"] === true };
+  if (typeof d["outcome"] === "string") out.outcome = d["outcome"] as DependencyOutcome["outcome"];
+  if (typeof d["at"] === "string") out.at = d["at"];
+  if (typeof d["result"] === "string") out.result = Buffer.from(d["result"], "utf8");
+  else if (typeof d["result_b64"] === "string") out.result = Buffer.from(d["result_b64"], "base64");
+  if (out.result !== undefined) out.resultText = out.result.toString("utf8");
+  if (typeof d["reason"] === "string") out.reason = d["reason"];
+  return out;
+}
+
+function dependentInfo(doc: unknown, url: string): DependentInfo {
+  const d = record(doc, url, "a dependent");
+  const info: DependentInfo = {
+    id: String(d["id"]),
+    key: String(d["key"]),
+    state: String(d["state"]) as DependentInfo["state"],
+    after: Array.isArray(d["after"]) ? d["after"].map((a) => dependencyOutcome(a, url)) : [],
+    onDependencyFailure: (typeof d["on_dependency_failure"] === "string" ? d["on_dependency_failure"] : "fail") as DependencyFailurePolicy,
+    createdMs: typeof d["created_ms"] === "number" ? d["created_ms"] : 0,
+    delayMs: typeof d["delay_ms"] === "number" ? d["delay_ms"] : 0,
+    payload: typeof d["payload_b64"] === "string" ? Buffer.from(d["payload_b64"], "base64") : Buffer.from(String(d["payload"] ?? ""), "utf8"),
+  };
+  if (typeof d["released"] === "string") info.released = d["released"];
+  if (typeof d["reason"] === "string") info.reason = d["reason"];
+  if (typeof d["ended_ms"] === "number") info.endedMs = d["ended_ms"];
+  if (typeof d["max_attempts"] === "number") info.maxAttempts = d["max_attempts"];
+  return info;
+}
+
+const DEPENDENT_ID = /^@[0-9]+$/;
+/** The states a 409 on cancelling a dependent names when it had ended (its job `finished`, or it `failed` or was `cancelled` while waiting). */
+const DEPENDENT_ENDED: readonly string[] = ["finished", "failed", "cancelled"];
+
+/** Whether a try that failed with `err` surely did not reach the server (a refused connection, a name not resolved) or was refused unread (425, 429). */
+function surelyNotStored(err: ShardqError): boolean {
+  if (err.status !== undefined) return err.status === 425 || err.status === 429;
+  const code = (err.cause as { code?: unknown } | undefined)?.code;
+  return code === "ECONNREFUSED" || code === "ENOTFOUND" || code === "EAI_AGAIN";
 }
 
 function parseResults(reply: unknown, sent: Record<string, unknown>[], url: string): EnqueueResult[] {
@@ -157,6 +365,7 @@ function parseResults(reply: unknown, sent: Record<string, unknown>[], url: stri
       key: typeof r.key === "string" ? r.key : (sent[i]!["key"] as string),
       duplicate: r.duplicate === true,
       dedupId: (sent[i]!["dedup_id"] as string | undefined) ?? "",
+      waiting: (r as { waiting?: unknown }).waiting === true,
     };
   });
 }
@@ -694,7 +903,12 @@ export class Client {
     for (const t of this.transports) t.close();
   }
 
-  /** Enqueues one job. */
+  /**
+   * Enqueues one job. With `after` (ids: `"SHARD:ID"`, `"@N"`) it is a
+   * dependent: it runs once every job named has ended, and its result has
+   * the id `"@N"` (for `dependent`, `result`, `cancel`), no shard, and
+   * `waiting`.
+   */
   async enqueue(key: string, payload: Payload, opts: EnqueueOptions = {}): Promise<EnqueueResult> {
     const [result] = await this.enqueueMany([{ ...opts, key, payload }]);
     return result!;
@@ -704,8 +918,11 @@ export class Client {
    * Enqueues jobs in order, in as many requests as the server's limits need
    * (`batchJobsMax` jobs, `batchBytesMax` bytes); results in the same order.
    * A failed request stops there: the earlier requests' jobs are stored.
+   * When any job has `after`, the jobs go as `enqueueGraph` sends them: in
+   * one request, all dependents.
    */
   async enqueueMany(jobs: readonly JobSpec[]): Promise<EnqueueResult[]> {
+    if (jobs.some(isDependent)) return this.sendGraph(jobs);
     const encoded: Encoded[] = jobs.map((job, i) => {
       const body = encodeJob(job, i);
       const json = JSON.stringify(body);
@@ -716,6 +933,47 @@ export class Client {
       results.push(...(await this.post(batch)));
     }
     return results;
+  }
+
+  /**
+   * Enqueues a graph of dependents in one request, atomically (all of it is
+   * stored or nothing): `after` names other jobs of `jobs` by their index,
+   * and jobs stored before by their ids (`"SHARD:ID"`, `"@N"`). Every job is
+   * a dependent, answered `@N` and `waiting`; one without `after` (a root)
+   * is released at the next resolver pass (about 100 ms, by a worker or a
+   * `shardq serve` that owns shards), each other once every job it names
+   * has ended. Checked before anything is sent, each throwing a `TypeError`
+   * that names the jobs: a cycle, a bad `after` item, a dedup, unique or
+   * debounce id (dependents carry none), more jobs than `batchJobsMax` or
+   * bytes than `batchBytesMax` (the request is never split: its indexes
+   * name jobs of the same request). At least one job must have `after`.
+   *
+   * With no dedup ids, the request is tried again only when a try surely
+   * stored nothing (a refused connection, 425, 429); after one that may
+   * have (no answer, a timeout, 408, 5xx) it rejects with
+   * `ServerUnavailable` saying so.
+   */
+  async enqueueGraph(jobs: readonly JobSpec[]): Promise<EnqueueResult[]> {
+    if (!Array.isArray(jobs)) throw new TypeError(`enqueueGraph: jobs must be an array, got ${JSON.stringify(jobs)}`);
+    if (!jobs.some(isDependent)) throw new TypeError(`enqueueGraph: none of the ${jobs.length} jobs has after; enqueueMany enqueues jobs without dependencies`);
+    return this.sendGraph(jobs);
+  }
+
+  /**
+   * The dependent `id` (`"@N"`, as an enqueue with `after` gives it and
+   * `ClaimedJob.dependent` carries it): its state, the job it was released
+   * as, and each dependency's outcome and result; `undefined` when no
+   * dependent has the id (it ended longer ago than dependents are kept, a
+   * day, or never existed). A handler of a released dependent reads its
+   * dependencies' results here. An id not of the form `@N` throws a
+   * `TypeError` before any request.
+   */
+  async dependent(id: string): Promise<DependentInfo | undefined> {
+    if (typeof id !== "string" || !DEPENDENT_ID.test(id)) {
+      throw new TypeError(`dependent: id must be "@N", as an enqueue with after gives it (and ClaimedJob.dependent carries it), got ${JSON.stringify(id)}`);
+    }
+    const [doc, url] = await this.read("GET", `/v1/jobs/${encodeURIComponent(id)}`, undefined);
+    return doc === undefined ? undefined : dependentInfo(doc, url);
   }
 
   /** The live job `id` (`SHARD:ID`); `undefined` when no live job has it (finished, cancelled, moved away with its key, or never existed). */
@@ -739,7 +997,9 @@ export class Client {
       const [doc, url] = await this.read("GET", path, undefined, false);
       if (isFinished(doc)) return finishedInfo(doc, url);
       const d = (doc ?? {}) as Record<string, unknown>;
-      if (d["state"] === "dead") throw new JobDied(id, typeof d["reason"] === "string" ? d["reason"] : undefined, url);
+      if (d["state"] === "dead") {
+        throw new JobDied(id, typeof d["reason"] === "string" ? d["reason"] : undefined, url, typeof d["dependent_state"] === "string" ? d["dependent_state"] : undefined);
+      }
       if (Date.now() >= deadline) throw new ResultTimeout(id, String(d["state"]), url);
     }
   }
@@ -796,10 +1056,20 @@ export class Client {
    * cancelled it; `false` when no live job had the id (it finished, or an
    * earlier try on another server cancelled it). A job whose key is moving
    * rejects with `JobNotCancelled` (`state` says why).
+   *
+   * A dependent (`"@N"`) that waits is cancelled (it never runs; its own
+   * dependents see it as `failed`); once released, its job is. `false`
+   * when it had ended: its job finished, or it failed or was cancelled
+   * while it waited.
    */
   async cancel(id: string): Promise<boolean> {
-    const [doc] = await this.read("DELETE", `/v1/jobs/${encodeURIComponent(id)}`, {});
-    return doc !== undefined;
+    try {
+      const [doc] = await this.read("DELETE", `/v1/jobs/${encodeURIComponent(id)}`, {});
+      return doc !== undefined;
+    } catch (err) {
+      if (err instanceof JobNotCancelled && DEPENDENT_ID.test(id) && DEPENDENT_ENDED.includes(err.state)) return false;
+      throw err;
+    }
   }
 
   /** Every flow-control setting of the deployment: the default policy, the policies by prefix and by key, and the groups (role `read`). */
@@ -1066,6 +1336,62 @@ export class Client {
       cause: last,
     });
     error.causes = causes;
+    throw error;
+  }
+
+  /** The jobs of a request with `after`, checked and sent as one request (see `enqueueGraph`). */
+  private async sendGraph(jobs: readonly JobSpec[]): Promise<EnqueueResult[]> {
+    const graph = { count: jobs.length, edges: [] as number[][] };
+    const sent = jobs.map((job, i) => encodeJob(job, i, graph));
+    const cycle = cycleOf(graph.edges);
+    if (cycle.length > 0) {
+      const path = cycle.map((i) => `${i} (key ${JSON.stringify(jobs[i]!.key)})`).join(" -> ");
+      throw new TypeError(`invalid after: jobs ${path} form a cycle (each waits for the next): a job cannot wait for itself, even through others; nothing was sent`);
+    }
+    if (sent.length > this.batchJobsMax) {
+      throw new TypeError(
+        `a request with after has ${sent.length} jobs, over this client's batchJobsMax of ${this.batchJobsMax}: its indexes name jobs of the same request, so it is not split; send at most ${this.batchJobsMax} (later ones may name earlier ones by their @N ids), or raise batchJobsMax up to the server's --jobs-per-request-max`,
+      );
+    }
+    const text = JSON.stringify({ jobs: sent });
+    const bytes = Buffer.byteLength(text);
+    if (bytes > this.batchBytesMax) {
+      throw new TypeError(`a request with after of ${sent.length} jobs is ${bytes} bytes of JSON, over this client's batchBytesMax of ${this.batchBytesMax}: its indexes name jobs of the same request, so it is not split`);
+    }
+    const causes = new Map<string, string>();
+    let last: ShardqError | undefined;
+    for (let attempt = 0; attempt <= this.retries; attempt++) {
+      const transport = this.transports[this.next % this.transports.length]!;
+      try {
+        const reply = await transport.post("/v1/jobs", text, { serverWaitMs: ENQUEUE_SERVER_WAIT_MS });
+        return parseResults(reply, sent, transport.base);
+      } catch (err) {
+        if (!(err instanceof ShardqError) || !err.retryable) throw err;
+        last = err;
+        causes.set(transport.base, err.message);
+        this.next++;
+        if (!surelyNotStored(err)) {
+          const error = new ServerUnavailable(
+            `enqueue with after not sent again: the try may have stored its dependents, which carry no dedup id, so a second send could store them twice (\`shardq jobs --key KEY\` lists a key's waiting dependents); ${err.message}`,
+            err.status,
+            err.url,
+            err.serverError,
+            { cause: err },
+          );
+          error.causes = [...causes.values()];
+          throw error;
+        }
+        if (attempt < this.retries) await sleep(backoffMs(attempt, this.opts.backoffMs ?? 50, this.opts.maxBackoffMs ?? 2000));
+      }
+    }
+    const error = new ServerUnavailable(
+      `enqueue with after failed after ${this.retries + 1} tries over ${this.urls.length} server(s); last: ${last?.message ?? "?"}`,
+      last?.status,
+      last?.url ?? "",
+      last?.serverError,
+      { cause: last },
+    );
+    error.causes = [...causes.values()];
     throw error;
   }
 

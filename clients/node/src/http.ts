@@ -50,13 +50,20 @@ export class ResultTimeout extends ShardqError {
   }
 }
 
-/** `Client.result`: the job ran out of attempts and is a dead letter (`reason` its last failure's); it has no result. */
+/**
+ * `Client.result`: the job ran out of attempts and is a dead letter
+ * (`reason` its last failure's); it has no result. For a dependent (`@N`)
+ * that will never run, `dependentState` says why: `"failed"` (a dependency
+ * did not complete, under the policy `"fail"`: `reason` names it) or
+ * `"cancelled"`.
+ */
 export class JobDied extends ShardqError {
   override name = "JobDied";
   constructor(
     readonly id: string,
     readonly reason: string | undefined,
     url: string,
+    readonly dependentState?: string,
   ) {
     super(`job ${id} is dead: ${reason ?? "its attempts failed"}`, 200, url);
   }

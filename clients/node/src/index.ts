@@ -5,10 +5,14 @@ export { lnCorrectlyRounded } from "./ln.js";
 export { BadRequest, JobDied, JobNotCancelled, KeyNotResumed, ResultTimeout, ServerUnavailable, ShardqError, StaleReceipt, Unauthorized, type HttpOptions } from "./http.js";
 export {
   Client,
+  DEPENDENCIES_MAX,
   ENQUEUE_BATCH_BYTES_MAX,
   ENQUEUE_BATCH_MAX,
   KEY_JOBS_MAX,
   type ClientOptions,
+  type DependencyFailurePolicy,
+  type DependencyOutcome,
+  type DependentInfo,
   type FinishedInfo,
   type FlowPolicy,
   type FlowSettings,

@@ -70,6 +70,8 @@ export interface ClaimedJob {
   dedupId: string | undefined;
   /** A schedule's job: its schedule and tick (undefined for other jobs). */
   schedule: ScheduleTick | undefined;
+  /** A released dependent's job: the dependent's id (`"@N"`); `client.dependent(id)` gives its dependencies' outcomes and results. */
+  dependent: string | undefined;
   /** The server (base URL) that gave the job; its ack goes there. */
   server: string;
 }
@@ -438,6 +440,7 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
     timeoutExpiresMs: typeof j["timeout_expires_ms"] === "number" ? j["timeout_expires_ms"] : undefined,
     dedupId: typeof j["dedup_id"] === "string" ? j["dedup_id"] : undefined,
     schedule: scheduleTickOf(j["schedule"]),
+    dependent: typeof j["dependent"] === "string" ? j["dependent"] : undefined,
     server,
   };
 }

@@ -38,7 +38,16 @@ import uuid
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 from urllib.parse import quote
 
-from .errors import ConfigError, HttpError, PartialEnqueue, ServerUnavailable, ShardqError, TooLarge
+from .errors import (
+    ConfigError,
+    HttpError,
+    InvalidJob,
+    JobNotCancelled,
+    PartialEnqueue,
+    ServerUnavailable,
+    ShardqError,
+    TooLarge,
+)
 from .http import (
     ABANDON_ACK_FLUSH_S,
     ACK_BATCH_MAX,
@@ -50,6 +59,7 @@ from .http import (
     RESULT_ATTEMPTS,
     RETRY_ROUNDS_DEFAULT,
     ClaimedJob,
+    DependentInfo,
     Enqueued,
     FinishedInfo,
     FlowPolicy,
@@ -69,7 +79,9 @@ from .http import (
     ScheduleTime,
     ScheduleTriggered,
     WorkerStats,
+    _DEPENDENT_ENDED,
     _Attempts,
+    _Bodies,
     _ack_body,
     _apply_body,
     _backfill_body,
@@ -83,6 +95,10 @@ from .http import (
     _result_of,
     _check_timeout,
     _claimed_of,
+    _dependent_path,
+    _graph_request,
+    _graph_too_large,
+    _is_dependent_id,
     _dumps,
     _enqueued_of,
     _error_of,
@@ -212,16 +228,23 @@ class AsyncClient:
         debounce_id: Optional[str] = None,
         debounce_ms: Optional[int] = None,
         debounce_max_ms: Optional[int] = None,
+        after: Optional[Sequence[Union[str, int]]] = None,
+        on_dependency_failure: Optional[str] = None,
     ) -> Enqueued:
-        """Enqueues one job (the fields are :class:`shardq.NewJob`'s)."""
+        """Enqueues one job (the fields are :class:`shardq.NewJob`'s), as
+        :meth:`shardq.Client.enqueue`."""
         job = NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while, debounce_id,
-                     debounce_ms, debounce_max_ms)
+                     debounce_ms, debounce_max_ms, after, on_dependency_failure)
         return (await self.enqueue_many([job]))[0]
 
     async def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
-        """Enqueues ``jobs`` in order, as :meth:`shardq.Client.enqueue_many`."""
+        """Enqueues ``jobs`` in order, as :meth:`shardq.Client.enqueue_many`
+        (with ``after``: in one request, as :meth:`enqueue_graph`)."""
+        bodies = _job_bodies(jobs)
+        if bodies.graph:
+            return await self._send_graph(bodies)
         out: List[Enqueued] = []
-        for batch in _batches(_job_bodies(jobs), self.batch_max, self.batch_bytes_max):
+        for batch in _batches(bodies, self.batch_max, self.batch_bytes_max):
             try:
                 out.extend(await self._send(batch))
             except ShardqError as e:
@@ -229,6 +252,43 @@ class AsyncClient:
                     raise PartialEnqueue(out, e) from e
                 raise
         return out
+
+    async def enqueue_graph(self, jobs: Sequence[JobLike]) -> List[Enqueued]:
+        """:meth:`shardq.Client.enqueue_graph` from asyncio code: a graph of
+        dependents (``after`` naming other jobs of ``jobs`` by index) in
+        one atomic request, a cycle refused before anything is sent."""
+        bodies = _job_bodies(jobs)
+        if not bodies.graph:
+            raise InvalidJob(f"enqueue_graph: none of the {len(bodies)} jobs has after; enqueue_many enqueues jobs "
+                             f"without dependencies")
+        return await self._send_graph(bodies)
+
+    async def _send_graph(self, bodies: _Bodies) -> List[Enqueued]:
+        batch = _graph_request(bodies, self.batch_max, self.batch_bytes_max)
+        att = _Attempts("/v1/jobs", self.retry_rounds, once=True)
+        body = _batch_body(batch)
+        while True:
+            for url in self.urls:
+                try:
+                    status, doc = await self._http.post(url, att.path, body, self.timeout_s)
+                except _TRANSPORT_ERRORS as e:
+                    att.failed(url, e)
+                    continue
+                if status == 200:
+                    return _enqueued_of(self.urls[0], batch, doc, False)
+                try:
+                    att.refused(url, status, doc)
+                except TooLarge as e:
+                    raise _graph_too_large(batch, e) from e
+            pause = att.pause()
+            if pause is None:
+                raise att.error()
+            await asyncio.sleep(pause)
+
+    async def dependent(self, id: str) -> Optional[DependentInfo]:
+        """:meth:`shardq.Client.dependent` from asyncio code."""
+        status, doc = await self._call("GET", _dependent_path(id), None, "reading a dependent")
+        return None if status == 404 else DependentInfo._of(doc)
 
     async def _send(self, batch: _Batch) -> List[Enqueued]:
         try:
@@ -305,7 +365,12 @@ class AsyncClient:
 
     async def cancel(self, id: str) -> bool:
         """:meth:`shardq.Client.cancel` from asyncio code."""
-        status, _ = await self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        try:
+            status, _ = await self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        except JobNotCancelled as e:
+            if _is_dependent_id(id) and e.state in _DEPENDENT_ENDED:
+                return False
+            raise
         return status != 404
 
     # --- flow control ---------------------------------------------------

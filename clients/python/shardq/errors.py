@@ -121,12 +121,16 @@ class ResultTimeout(ShardqError, TimeoutError):
 
 class JobDied(ShardqError):
     """:meth:`shardq.Client.result`: the job ran out of attempts and is a
-    dead letter (``reason`` its last failure's); it has no result."""
+    dead letter (``reason`` its last failure's); it has no result. For a
+    dependent (``@N``) that will never run, ``dependent_state`` says why:
+    ``"failed"`` (a dependency did not complete, under the policy
+    ``"fail"``: ``reason`` names it) or ``"cancelled"``."""
 
-    def __init__(self, id: str, reason: Optional[str]):
+    def __init__(self, id: str, reason: Optional[str], dependent_state: Optional[str] = None):
         super().__init__(f"job {id} is dead: {reason or 'its attempts failed'}")
         self.id = id
         self.reason = reason
+        self.dependent_state = dependent_state
 
 
 class JobNotCancelled(HttpError):

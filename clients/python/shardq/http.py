@@ -11,6 +11,19 @@ token is given):
 * ``/v1/jobs`` ``{"jobs": [{"key", "payload" | "payload_b64", "delay_ms",
   "max_attempts", "dedup_id"}]}`` -> ``{"jobs": [{"id", "shard", "key",
   "duplicate"}]}``; a job id is the string ``SHARD:ID``
+* dependents: a job of ``/v1/jobs`` may carry ``"after"`` (job ids
+  ``SHARD:ID``, dependents' ids ``@N``, or indexes of the request's own
+  jobs) and ``"on_dependency_failure"`` (``fail``, ``ignore``, ``run``);
+  a request where any job has ``after`` stores every one of its jobs as a
+  dependent in one write, none with a dedup id, each answered ``{"id":
+  "@N", "shard": "", "key", "duplicate": false, "waiting": true}``.
+  ``GET /v1/jobs/@N`` -> ``{"id", "key", "state", "on_dependency_failure",
+  "after": [{"id", "outcome", "at"?, "result" | "result_b64"?,
+  "result_dropped"?, "reason"?}], "created_ms", "released", "reason",
+  "ended_ms", ...}``; ``GET /v1/jobs/@N/result`` answers the released
+  job's result (a failed or cancelled dependent as a dead job),
+  ``DELETE /v1/jobs/@N`` cancels it (409 once it ended); a claimed job
+  that is a released dependent carries ``"dependent": "@N"``
 * ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms", "timeout_ms"?}``
   -> ``{"jobs": [{"id", "shard", "key", "payload" | "payload_b64",
   "attempt", "max_attempts", "receipt", "fence", "lease_expires_ms",
@@ -65,6 +78,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import queue
@@ -121,6 +135,12 @@ ENQUEUE_BATCH_MAX = 1000
 #: ``--body-bytes-max``, 16 MiB); a batch is split to stay within it, and
 #: halved again when a server with a lower limit answers 413.
 ENQUEUE_BATCH_BYTES_MAX = 16 << 20
+#: Most dependencies of one dependent (``after``; the server's bound).
+DEPENDENCIES_MAX = 1000
+#: What a dependent does when a dependency did not complete (``fail``: it
+#: fails and never runs; ``ignore``: it runs without that result; ``run``:
+#: it runs with every outcome).
+DEPENDENCY_FAILURE_POLICIES = ("fail", "ignore", "run")
 #: Most jobs asked for by one claim (the server's ``CLAIM_MAX_LIMIT``).
 CLAIM_MAX = 1000
 #: Default long-poll wait of a claim, in ms.
@@ -383,9 +403,11 @@ class _Bodies(List[Dict[str, Any]]):
     """The ``/v1/jobs`` objects of one enqueue call, with the prefix of the
     dedup ids it generated (``{prefix}-{index}``): an id with it was made
     by this call, so its duplicate after an unanswered attempt is the
-    call's own earlier attempt."""
+    call's own earlier attempt. ``graph``: some job has ``after``, so the
+    jobs go in one request, all of them dependents, with no dedup ids."""
 
     prefix: str = ""
+    graph: bool = False
 
 
 class _Batch(List[Dict[str, Any]]):
@@ -421,10 +443,13 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
     uuid per job, and safe across fork()); a :class:`NewJob` without an id
     keeps the generated one, so sending it again after an error re-sends
     that id."""
+    items = jobs if isinstance(jobs, list) else list(jobs)
+    if any(_is_dependent(j) for j in items):
+        return _graph_bodies(items)
     out = _Bodies()
     prefix = out.prefix = os.urandom(12).hex()
     append = out.append
-    for n, j in enumerate(jobs):
+    for n, j in enumerate(items):
         if not isinstance(j, NewJob):
             try:
                 j = NewJob(**dict(j))
@@ -456,6 +481,158 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
 
 
 _NOT_KEYED = (None, None, None, None, None)
+
+
+def _is_dependent(j: Any) -> bool:
+    """Whether job ``j`` (a :class:`NewJob` or a mapping) has ``after`` or
+    ``on_dependency_failure`` (then its request is a graph's)."""
+    if isinstance(j, NewJob):
+        return j.after is not None or j.on_dependency_failure is not None
+    if isinstance(j, Mapping):
+        return j.get("after") is not None or j.get("on_dependency_failure") is not None
+    return False
+
+
+def _graph_bodies(items: Sequence[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
+    """The ``/v1/jobs`` objects of a request with ``after``: every job a
+    dependent (one without ``after`` is a root, released at the server's
+    next resolver pass), none with a dedup id (the server refuses one),
+    ``after`` checked here: its items are ids (``str``) or indexes of other
+    jobs of ``items``, each once, at most :data:`DEPENDENCIES_MAX`, and the
+    indexes form no cycle (one raises :class:`InvalidJob` naming the jobs
+    of the cycle before anything is sent)."""
+    out = _Bodies()
+    out.graph = True
+    jobs: List[NewJob] = []
+    for n, j in enumerate(items):
+        if not isinstance(j, NewJob):
+            try:
+                j = NewJob(**dict(j))
+            except TypeError as e:
+                raise InvalidJob(f"job {n}: {e}") from None
+        jobs.append(j)
+    edges: List[List[int]] = []
+    for n, j in enumerate(jobs):
+        key = j.key
+        if not isinstance(key, str) or not key:
+            raise InvalidJob(f"invalid job key {key!r}: a non-empty str is needed")
+        b: Dict[str, Any] = {"key": key}
+        _encode_payload(j.payload, b, key)
+        if j.delay_ms:
+            b["delay_ms"] = int(j.delay_ms)
+        if j.max_attempts is not None:
+            b["max_attempts"] = int(j.max_attempts)
+        named = [f"{name} {getattr(j, name)!r}" for name in ("dedup_id", "unique_id", "debounce_id")
+                 if getattr(j, name) is not None]
+        if named:
+            raise InvalidJob(f"job {n} (key {key!r}): a job of a request with after takes no {', '.join(named)}: "
+                             f"every job of such a request is a dependent, released once under its own id "
+                             f"(enqueue it in a request of its own, without after)")
+        indexes: List[int] = []
+        if j.after is not None:
+            b["after"] = _after_items(j.after, n, key, len(jobs), indexes)
+        policy = j.on_dependency_failure
+        if policy is not None:
+            if j.after is None:
+                raise InvalidJob(f"job {n} (key {key!r}): on_dependency_failure {policy!r} without after: it applies "
+                                 f"to a job with dependencies")
+            if policy not in DEPENDENCY_FAILURE_POLICIES:
+                raise InvalidJob(f"job {n} (key {key!r}): invalid on_dependency_failure {policy!r}: one of "
+                                 f"{', '.join(DEPENDENCY_FAILURE_POLICIES)}")
+            b["on_dependency_failure"] = policy
+        edges.append(indexes)
+        out.append(b)
+    cycle = _cycle_of(edges)
+    if cycle:
+        path = " -> ".join(f"{i} (key {jobs[i].key!r})" for i in cycle)
+        raise InvalidJob(f"invalid after: jobs {path} form a cycle (each waits for the next): a job cannot wait "
+                         f"for itself, even through others; nothing was sent")
+    return out
+
+
+def _after_items(after: Any, n: int, key: str, count: int, indexes: List[int]) -> List[Union[str, int]]:
+    """Job ``n``'s ``after`` as sent: ids (non-empty ``str``: ``SHARD:ID``
+    or ``@N``, which the server checks) and indexes of the other ``count``
+    jobs of its request (appended to ``indexes``), each once."""
+    where = f"job {n} (key {key!r})"
+    if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+        raise InvalidJob(f"{where}: invalid after {after!r}: a list of job ids (\"SHARD:ID\", \"@N\") and indexes "
+                         f"of this request's jobs is needed (one id goes in a list: after=[{after!r}])")
+    out: List[Union[str, int]] = []
+    seen: set[Union[str, int]] = set()
+    for i, item in enumerate(after):
+        if isinstance(item, bool) or not isinstance(item, (str, int)):
+            raise InvalidJob(f"{where}: invalid after[{i}] {item!r}: a job id (\"SHARD:ID\", \"@N\") or the index "
+                             f"of another job of this request is needed")
+        if isinstance(item, int):
+            if item == n:
+                raise InvalidJob(f"{where}: invalid after[{i}] {item}: its own index; a job cannot wait for itself")
+            if not 0 <= item < count:
+                raise InvalidJob(f"{where}: invalid after[{i}] {item}: not an index of this request's jobs "
+                                 f"(0 to {count - 1})")
+            indexes.append(item)
+        elif not item:
+            raise InvalidJob(f"{where}: invalid after[{i}] '': a job id (\"SHARD:ID\", \"@N\") is needed")
+        if item in seen:
+            raise InvalidJob(f"{where}: invalid after[{i}] {item!r}: named twice; name each dependency once")
+        seen.add(item)
+        out.append(item)
+    if len(out) > DEPENDENCIES_MAX:
+        raise InvalidJob(f"{where}: {len(out)} dependencies in after, over the bound of {DEPENDENCIES_MAX} per job")
+    return out
+
+
+def _cycle_of(edges: Sequence[Sequence[int]]) -> List[int]:
+    """A cycle of the graph whose node ``n`` points at ``edges[n]``, as
+    its nodes from the first one again to itself (``[0, 2, 0]``); empty
+    when there is none. Iterative, so a long chain is no recursion."""
+    state = [0] * len(edges)  # 0: not seen, 1: on the current path, 2: done
+    for start in range(len(edges)):
+        if state[start]:
+            continue
+        path = [start]
+        nexts = [0]
+        state[start] = 1
+        while path:
+            node = path[-1]
+            if nexts[-1] < len(edges[node]):
+                to = edges[node][nexts[-1]]
+                nexts[-1] += 1
+                if state[to] == 1:
+                    return path[path.index(to):] + [to]
+                if state[to] == 0:
+                    state[to] = 1
+                    path.append(to)
+                    nexts.append(0)
+            else:
+                state[node] = 2
+                path.pop()
+                nexts.pop()
+    return []
+
+
+def _graph_request(bodies: _Bodies, count_max: int, bytes_max: int) -> _Batch:
+    """The one request of a graph's ``bodies``, encoded: its indexes name
+    jobs of the same request, so it is never split; over the client's batch
+    limits it raises :class:`InvalidJob` naming the count."""
+    if len(bodies) > count_max:
+        raise InvalidJob(f"a request with after has {len(bodies)} jobs, over this client's batch_max of {count_max}: "
+                         f"its indexes name jobs of the same request, so it is not split; send at most {count_max} "
+                         f"(later ones may name earlier ones by their @N ids), or raise batch_max up to the "
+                         f"server's --jobs-per-request-max")
+    batch = _batch_of(bodies, "")
+    batch.encoded = _batch_body(batch)
+    if len(batch.encoded) > bytes_max:
+        raise InvalidJob(f"a request with after of {len(bodies)} jobs is {len(batch.encoded)} bytes of JSON, over "
+                         f"this client's batch_bytes_max of {bytes_max}: its indexes name jobs of the same request, "
+                         f"so it is not split")
+    return batch
+
+
+def _graph_too_large(batch: _Batch, e: HttpError) -> InvalidJob:
+    return InvalidJob(f"a request with after of {len(batch)} jobs ({len(batch.encoded or b'')} bytes of JSON) is over "
+                      f"the body limit of {e.url}: {e.error}; it is not split (its indexes name jobs of the same "
+                      f"request)")
 
 
 def _keyed_fields(j: "NewJob", b: Dict[str, Any], n: int) -> None:
@@ -544,7 +721,7 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
     if own == "-":
         # No earlier attempt could have stored them: every duplicate is one.
         return [Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])),
-                         bool(g.get("duplicate", False)), b.get("dedup_id", ""))
+                         bool(g.get("duplicate", False)), b.get("dedup_id", ""), bool(g.get("waiting", False)))
                 for b, g in zip(chunk, got)]
     out: List[Enqueued] = []
     append = out.append
@@ -553,7 +730,8 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
         dup = bool(g.get("duplicate", False))
         if dup and d and d.startswith(own):
             dup = False
-        append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d))
+        append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d,
+                        bool(g.get("waiting", False))))
     return out
 
 
@@ -563,7 +741,8 @@ class _Attempts:
     ``rounds`` of them. A status that retrying cannot change (409 among
     them) raises at once."""
 
-    def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = (), maybe_done: bool = False) -> None:
+    def __init__(self, path: str, rounds: int, dedup_ids: Sequence[str] = (), maybe_done: bool = False,
+                 once: bool = False) -> None:
         self.path = path
         self.rounds = rounds
         self.round = 0
@@ -574,11 +753,19 @@ class _Attempts:
         #: transport error, a timeout, a 5xx), here or at the request this
         #: one is half of.
         self.maybe_done = maybe_done
+        #: A request that carries no dedup ids (dependents): not sent again
+        #: once an attempt may have been carried out (only after a refused
+        #: connection, a name not resolved or a 4xx worth retrying).
+        self.once = once
 
     def failed(self, url: str, e: BaseException) -> None:
         self.causes[url] = f"{url}: {type(e).__name__}: {e}"
         self.last = e
+        if self.once and _never_sent(e):
+            return
         self.maybe_done = True
+        if self.once:
+            raise self.error()
 
     def refused(self, url: str, status: int, doc: Any) -> None:
         if not _retryable(status):
@@ -586,6 +773,8 @@ class _Attempts:
         if status >= 500 or status == 408:
             self.maybe_done = True
         self.causes[url] = f"{url}: {status} {_error_of(doc)}"
+        if self.once and self.maybe_done:
+            raise self.error()
 
     def pause(self) -> Optional[float]:
         """Seconds to wait before the next round, or ``None``: give up."""
@@ -595,8 +784,22 @@ class _Attempts:
         return _backoff_ms(min(self.round - 1, 10)) / 1000
 
     def error(self) -> ServerUnavailable:
+        if self.once and self.maybe_done:
+            return ServerUnavailable(
+                f"POST {self.path} with after (not sent again: the attempt may have stored its dependents, which "
+                f"carry no dedup id, so a second send could store them twice; `shardq jobs --key KEY` lists a "
+                f"key's waiting dependents)",
+                list(self.causes.values()), self.last)
         return ServerUnavailable(f"POST {self.path} ({self.round} rounds)", list(self.causes.values()), self.last,
                                  self.dedup_ids)
+
+
+def _never_sent(e: BaseException) -> bool:
+    """Whether transport error ``e`` shows the request never reached the
+    server (a refused connection, a name not resolved): aiohttp's connect
+    errors carry the cause as ``os_error``."""
+    cause = getattr(e, "os_error", e)
+    return isinstance(cause, (ConnectionRefusedError, socket.gaierror))
 
 
 def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
@@ -606,6 +809,7 @@ def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
             str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
             str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
             j.get("timeout_expires_ms"), j.get("dedup_id"), ScheduleTick._of(j.get("schedule")),
+            j.get("dependent"),
         )
         for j in (doc or {}).get("jobs", [])
     ]
@@ -744,7 +948,7 @@ def _result_of(id: str, timeout: float, doc: Any, past: bool) -> Optional["Finis
     if "outcome" in doc:
         return FinishedInfo._of(doc)
     if doc.get("state") == "dead":
-        raise JobDied(id, doc.get("reason"))
+        raise JobDied(id, doc.get("reason"), doc.get("dependent_state"))
     if past:
         raise ResultTimeout(id, timeout, str(doc.get("state")))
     return None
@@ -790,14 +994,17 @@ class Enqueued(NamedTuple):
     already had a job with its dedup id under its key before this call
     (this call stored nothing new; a retry of this call finding its own
     earlier attempt's job is not a duplicate when the id was generated).
-    Immutable; a named tuple (a frozen dataclass cost more to make than the
-    rest of an enqueue per job)."""
+    A dependent (a job of a request with ``after``) is ``waiting``: its id
+    is ``@N``, its ``shard`` empty (it is on no shard until released) and
+    its ``dedup_id`` empty. Immutable; a named tuple (a frozen dataclass
+    cost more to make than the rest of an enqueue per job)."""
 
     id: str
     shard: str
     key: str
     duplicate: bool
     dedup_id: str
+    waiting: bool = False
 
 
 @dataclass
@@ -810,7 +1017,20 @@ class NewJob:
     that job, ``duplicate``); ``debounce_id`` with ``debounce_ms`` a
     debounced one (the key's waiting job with that id takes this payload
     and starts ``debounce_ms`` later, at most ``debounce_max_ms`` after the
-    burst's first). A keyed job has no dedup id of its own."""
+    burst's first). A keyed job has no dedup id of its own.
+
+    ``after`` makes it a dependent: it runs once every job it names has
+    ended. Its items are job ids (``"SHARD:ID"`` as :meth:`Client.enqueue`
+    gives them, or dependents' ids ``"@N"``) or ``int`` indexes of other
+    jobs of the same :meth:`Client.enqueue_many` call (or
+    :meth:`Client.enqueue_graph`). ``on_dependency_failure`` (with
+    ``after`` only) says what a dependency that did not complete does:
+    ``"fail"`` (the default: the dependent fails and never runs),
+    ``"ignore"`` (it runs without that result) or ``"run"`` (it runs with
+    every outcome). Both are sent only when set. A call with any job with
+    ``after`` goes in one request, where every job is a dependent (one
+    without ``after`` is released at the next resolver pass, about 100
+    ms) and none takes a dedup, unique or debounce id."""
 
     key: str
     payload: Payload = b""
@@ -822,6 +1042,8 @@ class NewJob:
     debounce_id: Optional[str] = None
     debounce_ms: Optional[int] = None
     debounce_max_ms: Optional[int] = None
+    after: Optional[Sequence[Union[str, int]]] = None
+    on_dependency_failure: Optional[str] = None
 
 
 JobLike = Union[NewJob, Mapping[str, Any]]
@@ -878,11 +1100,7 @@ class FinishedInfo:
 
     @staticmethod
     def _of(doc: Mapping[str, Any]) -> "FinishedInfo":
-        result: Optional[bytes] = None
-        if doc.get("result") is not None:
-            result = str(doc["result"]).encode("utf-8", "surrogatepass")
-        elif doc.get("result_b64") is not None:
-            result = base64.b64decode(str(doc["result_b64"]))
+        result = _result_bytes(doc)
         return FinishedInfo(
             id=str(doc["id"]), shard=str(doc["shard"]), key=str(doc["key"]),
             outcome=str(doc["outcome"]), attempts=int(doc["attempts"]),
@@ -890,6 +1108,119 @@ class FinishedInfo:
             attempt_starts_ms=tuple(int(t) for t in doc.get("attempt_starts_ms") or ()),
             result=result,
         )
+
+
+def _result_bytes(doc: Mapping[str, Any]) -> Optional[bytes]:
+    """A ``result`` (text) or ``result_b64`` (bytes) field as bytes."""
+    if doc.get("result") is not None:
+        return str(doc["result"]).encode("utf-8", "surrogatepass")
+    if doc.get("result_b64") is not None:
+        return base64.b64decode(str(doc["result_b64"]))
+    return None
+
+
+@dataclass(frozen=True)
+class DependencyOutcome:
+    """One dependency of a dependent, as :meth:`Client.dependent` shows it:
+    its ``id`` as named in ``after`` (``SHARD:ID`` or ``@N``; an index of
+    the enqueue's request shows as that job's ``@N``); its ``outcome``
+    once it ended (``"completed"``, ``"cancelled"``, ``"dead"``,
+    ``"failed"``: a dependent that failed or was cancelled, or
+    ``"forgotten"``: gone before it was seen to end), ``None`` while it
+    has not; ``at`` the job where it ended when that is another id (it
+    moved with its key, or it is a dependent's released job); ``result``
+    what its handler returned (a completed one; ``None`` for nothing, and
+    when it was dropped: ``result_dropped``, past the dependent's bound on
+    results); ``reason`` why it did not complete."""
+
+    id: str
+    outcome: Optional[str]
+    at: Optional[str] = None
+    result: Optional[bytes] = None
+    reason: Optional[str] = None
+    result_dropped: bool = False
+
+    @property
+    def result_text(self) -> Optional[str]:
+        """The result as UTF-8 text (``None`` without one)."""
+        return None if self.result is None else self.result.decode("utf-8", "replace")
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "DependencyOutcome":
+        outcome = doc.get("outcome")
+        at = doc.get("at")
+        reason = doc.get("reason")
+        return DependencyOutcome(
+            id=str(doc["id"]), outcome=None if outcome is None else str(outcome), at=None if at is None else str(at),
+            result=_result_bytes(doc), reason=None if reason is None else str(reason),
+            result_dropped=bool(doc.get("result_dropped", False)),
+        )
+
+
+@dataclass(frozen=True)
+class DependentInfo:
+    """A dependent (a job enqueued with ``after``) as :meth:`Client.dependent`
+    shows it: its ``id`` (``@N``) and ``key``; its ``state``:
+    ``"waiting"`` (on no shard yet: some dependency has not ended),
+    ``"released"`` (enqueued on its key as the job ``released``,
+    ``SHARD:ID``: :meth:`Client.job`, :meth:`Client.finished` and
+    :meth:`Client.result` of either id follow it), ``"failed"`` (a
+    dependency did not complete under the policy ``"fail"``; ``reason``
+    names it; it never runs) or ``"cancelled"``; ``after`` each
+    dependency's :class:`DependencyOutcome`, in the order named;
+    ``on_dependency_failure`` its policy; the job's ``payload``,
+    ``max_attempts`` and ``delay_ms`` as enqueued; ``created_ms`` and
+    ``ended_ms`` (when it stopped waiting; ``None`` while it waits), ms
+    since the epoch."""
+
+    id: str
+    key: str
+    state: str
+    released: Optional[str]
+    reason: Optional[str]
+    after: Tuple[DependencyOutcome, ...]
+    on_dependency_failure: str = "fail"
+    created_ms: int = 0
+    ended_ms: Optional[int] = None
+    max_attempts: Optional[int] = None
+    delay_ms: int = 0
+    payload: bytes = b""
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "DependentInfo":
+        def opt_int(name: str) -> Optional[int]:
+            v = doc.get(name)
+            return None if v is None else int(v)
+
+        released = doc.get("released")
+        reason = doc.get("reason")
+        return DependentInfo(
+            id=str(doc["id"]), key=str(doc["key"]), state=str(doc["state"]),
+            released=None if released is None else str(released), reason=None if reason is None else str(reason),
+            after=tuple(DependencyOutcome._of(d) for d in doc.get("after") or ()),
+            on_dependency_failure=str(doc.get("on_dependency_failure") or "fail"),
+            created_ms=int(doc.get("created_ms") or 0), ended_ms=opt_int("ended_ms"),
+            max_attempts=opt_int("max_attempts"), delay_ms=int(doc.get("delay_ms") or 0),
+            payload=_decode_payload(doc),
+        )
+
+
+_DEPENDENT_ID = re.compile(r"@[0-9]+")
+#: The states a 409 on cancelling a dependent names when it had ended (its
+#: job ``finished``, or it ``failed`` or was ``cancelled`` while waiting).
+_DEPENDENT_ENDED = ("finished", "failed", "cancelled")
+
+
+def _dependent_path(id: Any) -> str:
+    """``/v1/jobs/@N`` of a dependent's id, checked."""
+    if not isinstance(id, str) or not _DEPENDENT_ID.fullmatch(id):
+        raise ConfigError(f"invalid dependent id {id!r}: \"@N\" is needed, as an enqueue with after gives it "
+                          f"(Enqueued.id) and a claimed job carries it (ClaimedJob.dependent)")
+    return f"/v1/jobs/{quote(id, safe=':')}"
+
+
+def _is_dependent_id(id: str) -> bool:
+    return isinstance(id, str) and _DEPENDENT_ID.fullmatch(id) is not None
 
 
 @dataclass(frozen=True)
@@ -1438,18 +1769,30 @@ class Client:
         debounce_id: Optional[str] = None,
         debounce_ms: Optional[int] = None,
         debounce_max_ms: Optional[int] = None,
+        after: Optional[Sequence[Union[str, int]]] = None,
+        on_dependency_failure: Optional[str] = None,
     ) -> Enqueued:
-        """Enqueues one job (the fields are :class:`NewJob`'s)."""
+        """Enqueues one job (the fields are :class:`NewJob`'s). With
+        ``after`` (ids: ``"SHARD:ID"``, ``"@N"``) it is a dependent: it runs
+        once every job named has ended, and its :class:`Enqueued` has the
+        id ``"@N"`` (for :meth:`dependent`, :meth:`result`,
+        :meth:`cancel`), no shard, and ``waiting``."""
         return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while,
-                                         debounce_id, debounce_ms, debounce_max_ms)])[0]
+                                         debounce_id, debounce_ms, debounce_max_ms, after,
+                                         on_dependency_failure)])[0]
 
     def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
         fields) in order, in requests within the batch limits; returns one
         :class:`Enqueued` per job. An error after some requests were stored
-        raises :class:`PartialEnqueue` (``placed``: those jobs)."""
+        raises :class:`PartialEnqueue` (``placed``: those jobs). When any
+        job has ``after``, the jobs go as :meth:`enqueue_graph` sends them:
+        in one request, all dependents."""
+        bodies = _job_bodies(jobs)
+        if bodies.graph:
+            return self._send_graph(bodies)
         out: List[Enqueued] = []
-        for batch in _batches(_job_bodies(jobs), self.batch_max, self.batch_bytes_max):
+        for batch in _batches(bodies, self.batch_max, self.batch_bytes_max):
             try:
                 out.extend(self._send(batch))
             except ShardqError as e:
@@ -1457,6 +1800,53 @@ class Client:
                     raise PartialEnqueue(out, e) from e
                 raise
         return out
+
+    def enqueue_graph(self, jobs: Sequence[JobLike]) -> List[Enqueued]:
+        """Enqueues a graph of dependents in one request, atomically (all
+        of it is stored or nothing): ``jobs`` are ``NewJob`` values (or
+        dicts with the same fields) whose ``after`` names other jobs of
+        ``jobs`` by their index (``int``), and jobs stored before by their
+        ids (``"SHARD:ID"``, ``"@N"``). Every job is a dependent, answered
+        ``@N`` and ``waiting``; one without ``after`` (a root) is released
+        at the next resolver pass (about 100 ms, by a worker or a ``shardq
+        serve`` that owns shards), each other once every job it names has
+        ended. ``after`` is checked before anything is sent: a cycle
+        raises :class:`InvalidJob` naming its jobs, as do a bad item, a
+        dedup, unique or debounce id (dependents carry none), and more
+        jobs than ``batch_max`` (or bytes than ``batch_bytes_max``): the
+        request is never split, its indexes name jobs of the same request.
+        At least one job must have ``after``.
+
+        With no dedup id, such a request is not sent again once an attempt
+        may have stored it (no answer, a timeout, a 5xx): that raises
+        :class:`ServerUnavailable` saying so, as only a send that surely
+        stored nothing is retried (a refused connection, a 429)."""
+        bodies = _job_bodies(jobs)
+        if not bodies.graph:
+            raise InvalidJob(f"enqueue_graph: none of the {len(bodies)} jobs has after; enqueue_many enqueues jobs "
+                             f"without dependencies")
+        return self._send_graph(bodies)
+
+    def _send_graph(self, bodies: _Bodies) -> List[Enqueued]:
+        batch = _graph_request(bodies, self.batch_max, self.batch_bytes_max)
+        att = _Attempts("/v1/jobs", self.retry_rounds, once=True)
+        try:
+            doc = self._post_any(att, _batch_body(batch))
+        except TooLarge as e:
+            raise _graph_too_large(batch, e) from e
+        return _enqueued_of(self.urls[0], batch, doc, False)
+
+    def dependent(self, id: str) -> Optional[DependentInfo]:
+        """The dependent ``id`` (``"@N"``, as an enqueue with ``after``
+        gives it and :attr:`ClaimedJob.dependent` carries it): its state,
+        the job it was released as, and each dependency's outcome and
+        result (:class:`DependentInfo`); ``None`` when no dependent has the
+        id (it ended longer ago than dependents are kept, a day, or never
+        existed). A handler of a released dependent reads its
+        dependencies' results here. An id not of the form ``@N`` raises
+        :class:`ConfigError` before any request."""
+        status, doc = self._call("GET", _dependent_path(id), None, "reading a dependent")
+        return None if status == 404 else DependentInfo._of(doc)
 
     def _send(self, batch: _Batch) -> List[Enqueued]:
         try:
@@ -1561,8 +1951,18 @@ class Client:
         ``True`` when this call cancelled it, ``False`` when no live job had
         the id (it finished, or an earlier try of this call on another URL
         cancelled it). A job whose key is moving raises
-        :class:`JobNotCancelled` (``state`` says why)."""
-        status, _ = self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        :class:`JobNotCancelled` (``state`` says why).
+
+        A dependent (``"@N"``) that waits is cancelled (it never runs; its
+        own dependents see it as ``failed``); once released, its job is.
+        ``False`` when it had ended: its job finished, or it failed or was
+        cancelled while it waited."""
+        try:
+            status, _ = self._call("DELETE", f"/v1/jobs/{quote(id, safe=':')}", {}, "cancelling a job")
+        except JobNotCancelled as e:
+            if _is_dependent_id(id) and e.state in _DEPENDENT_ENDED:
+                return False
+            raise
         return status != 404
 
     # --- flow control ---------------------------------------------------
@@ -1812,6 +2212,10 @@ class ClaimedJob:
     dedup_id: Optional[str] = None
     #: A schedule's job: its schedule and tick (:class:`ScheduleTick`).
     schedule: Optional[ScheduleTick] = None
+    #: A released dependent's job: the dependent's id (``"@N"``);
+    #: :meth:`Client.dependent` of it gives its dependencies' outcomes and
+    #: results.
+    dependent: Optional[str] = None
     _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
     #: The run's job timeout in ms, and when it passes as this process
     #: knows it (``time.monotonic()``); ``None`` without one.
