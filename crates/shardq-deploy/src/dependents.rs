@@ -20,6 +20,16 @@ impl Deployment {
                 },
             })
         };
+        // A deployment that keeps no finished job could never see a
+        // dependency complete: every one would be forgotten.
+        if !deps.is_empty() && self.retention()?.finished_jobs == 0 {
+            return Err(shardq_core::QueueError::InvalidOption {
+                name: "after",
+                value: "a dependent".into(),
+                allowed: "a deployment that keeps finished jobs: its retention keeps none (`shardq retention show`), so no dependency could be seen completing".into(),
+            }
+            .into());
+        }
         let now = self.clock().now_ms();
         Ok(WaitingStore::add(&*self.maps(), &mut lookup, now, deps)?)
     }

@@ -96,6 +96,10 @@ pub const RESOLVE_EVERY_MS: u64 = 100;
 /// How long a dependency must be missing from every shard before its
 /// outcome is `forgotten` (2 s: longer than a move's switch).
 pub const FORGOTTEN_AFTER_MS: u64 = 2_000;
+/// As [`FORGOTTEN_AFTER_MS`], for a dependency its shard remembers as
+/// moved away with its key whose copy is not found (60 s: the copy's shard
+/// may be down for a while).
+pub const FORGOTTEN_MOVED_AFTER_MS: u64 = 60_000;
 /// The dedup window of a release (7 days, the longest a dedup id is kept).
 pub const RELEASE_DEDUP_WINDOW_MS: u64 = crate::job::DEDUP_WINDOW_MS_MAX;
 /// The dedup id prefix of a released dependent; refused from producers.

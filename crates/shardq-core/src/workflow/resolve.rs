@@ -10,8 +10,8 @@ use base64::Engine as _;
 use super::record::{ended, room};
 use super::{
     parse_dependency, release_dedup_id, DepOutcome, DepRef, OnDependencyFailure, WaitState,
-    Waiting, WaitingFile, WaitingStore, FORGOTTEN_AFTER_MS, RELEASE_DEDUP_WINDOW_MS,
-    RESOLVE_EVERY_MS,
+    Waiting, WaitingFile, WaitingStore, FORGOTTEN_AFTER_MS, FORGOTTEN_MOVED_AFTER_MS,
+    RELEASE_DEDUP_WINDOW_MS, RESOLVE_EVERY_MS,
 };
 use crate::backend::{find_job, JobLookup, QueueBackend};
 use crate::clock::Clock;
@@ -238,6 +238,13 @@ impl Resolver {
                     None if matches!(found, JobLookup::Live(..)) => {
                         self.missing_since.remove(&(*n, idx));
                     }
+                    // Moved with its key and no copy found: its new shard
+                    // may not answer for a while, so the grace is longer.
+                    None if matches!(found, JobLookup::Moved { .. }) => {
+                        if let Some(f) = self.missing_for(*n, idx, now, FORGOTTEN_MOVED_AFTER_MS) {
+                            out.push(f);
+                        }
+                    }
                     None => {
                         if let Some(f) = self.missing(*n, idx, now) {
                             out.push(f);
@@ -252,8 +259,13 @@ impl Resolver {
     /// A dependency found nowhere: `forgotten` once it has been missing
     /// for [`FORGOTTEN_AFTER_MS`] (seen by this resolver).
     fn missing(&mut self, n: u64, idx: usize, now: u64) -> Option<Finding> {
+        self.missing_for(n, idx, now, FORGOTTEN_AFTER_MS)
+    }
+
+    /// As [`Resolver::missing`], with a grace of `grace_ms`.
+    fn missing_for(&mut self, n: u64, idx: usize, now: u64, grace_ms: u64) -> Option<Finding> {
         let since = *self.missing_since.entry((n, idx)).or_insert(now);
-        if now.saturating_sub(since) < FORGOTTEN_AFTER_MS {
+        if now.saturating_sub(since) < grace_ms {
             return None;
         }
         self.missing_since.remove(&(n, idx));

@@ -24,7 +24,7 @@ pub fn dependent_ref(id: &str) -> Result<Option<u64>, ApiError> {
 /// The dependencies in a job's `after`: ids (`SHARD:ID`, `@N`) and
 /// indexes of jobs earlier or later in the same request.
 pub fn parse_after(i: usize, after: &[Value], jobs: usize) -> Result<Vec<DepRef>, ApiError> {
-    after
+    let deps: Vec<DepRef> = after
         .iter()
         .enumerate()
         .map(|(k, v)| {
@@ -48,7 +48,24 @@ pub fn parse_after(i: usize, after: &[Value], jobs: usize) -> Result<Vec<DepRef>
                 ))),
             }
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let mut seen = std::collections::BTreeMap::new();
+    for (k, d) in deps.iter().enumerate() {
+        if let Some(first) = seen.insert(d, k) {
+            return Err(ApiError::bad(format!(
+                "jobs[{i}].after[{k}]: {} is already after[{first}]; name each dependency once",
+                after[k]
+            )));
+        }
+    }
+    if deps.len() > shardq_core::workflow::DEPENDENCIES_MAX {
+        return Err(ApiError::bad(format!(
+            "jobs[{i}].after: {} dependencies, over the limit of {}",
+            deps.len(),
+            shardq_core::workflow::DEPENDENCIES_MAX
+        )));
+    }
+    Ok(deps)
 }
 
 /// The `on_dependency_failure` field.

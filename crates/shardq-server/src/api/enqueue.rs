@@ -183,6 +183,11 @@ async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
     let n = jobs_in.len();
     let mut deps = Vec::with_capacity(n);
     for (i, mut j) in jobs_in.into_iter().enumerate() {
+        if j.after.is_none() && j.on_dependency_failure.is_some() {
+            return Err(ApiError::bad(format!(
+                "jobs[{i}].on_dependency_failure: given without after; it applies to a job with dependencies"
+            )));
+        }
         let after = super::dependents::parse_after(i, &j.after.take().unwrap_or_default(), n)?;
         let on_failure =
             super::dependents::parse_on_failure(i, j.on_dependency_failure.take().as_deref())?;

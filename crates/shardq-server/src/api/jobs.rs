@@ -339,7 +339,14 @@ pub async fn key_jobs(
             }
         };
         let back_off = super::back_off_value(&shard, hold.as_ref());
-        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "back_off": back_off, "finished": finished });
+        // Its dependents still waiting (on no shard yet).
+        let waiting: Vec<Value> = app
+            .deployment
+            .waiting_of_key(&key)?
+            .iter()
+            .map(|(n, w)| super::dependent_value(*n, w))
+            .collect();
+        let mut v = json!({ "key": key, "shard": shard, "jobs": jobs, "back_off": back_off, "finished": finished, "waiting": waiting });
         if let Some(e) = finished_error {
             v["finished_error"] = e.into();
         }
