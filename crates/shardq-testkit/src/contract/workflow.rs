@@ -12,7 +12,7 @@ use shardq_core::memory::MemoryMapStore;
 use shardq_core::reshard::MapStore;
 use shardq_core::workflow::{
     release_dedup_id, DepOutcome, DepRef, NewDependent, OnDependencyFailure, Release, Resolver,
-    WaitState, WaitingStore, FORGOTTEN_AFTER_MS, RELEASE_DEDUP_WINDOW_MS,
+    WaitState, WaitingStore, FORGOTTEN_AFTER_MS, FORGOTTEN_MOVED_AFTER_MS, RELEASE_DEDUP_WINDOW_MS,
 };
 
 use super::{claim, enqueue, ContractHarness, LONG_LEASE_MS};
@@ -228,14 +228,22 @@ pub fn dependents_run_once_after_their_dependencies(h: &dyn ContractHarness) {
     let wd = &WaitingStore::load(&*maps).expect("load").jobs[&d];
     assert_eq!(wd.after[0].at, wc.released, "d's dependency ran as c's job");
     assert_eq!(wd.after[0].result_b64.as_deref(), Some("cmM="));
-    // y was purged before it ran: g fails as forgotten, only once y has
-    // been missing for the grace period.
+    // y was purged before it ran, as a move purges what it copied: its
+    // shard remembers it as moved away with its key, and no copy is found;
+    // g fails as forgotten, only once y has been missing for the longer
+    // grace of a moved job (its new shard may be down).
     assert_eq!(
         stored.jobs[&g].state,
         WaitState::Waiting,
         "forgotten at once"
     );
     clock.advance(FORGOTTEN_AFTER_MS + 1);
+    let r = one.pass(b, &mut rel).expect("pass");
+    assert!(
+        r.failed.is_empty(),
+        "forgotten after the short grace: {r:?}"
+    );
+    clock.advance(FORGOTTEN_MOVED_AFTER_MS);
     let r = one.pass(b, &mut rel).expect("pass");
     assert_eq!(
         r.failed.iter().map(|p| p.0).collect::<Vec<_>>(),
