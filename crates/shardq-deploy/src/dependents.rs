@@ -9,9 +9,10 @@ use crate::{DeployError, Deployment, JobLookup};
 
 impl Deployment {
     /// Adds dependents in one compare-and-set (see
-    /// [`WaitingStore::add`]): their numbers (`@N`). A job dependency
-    /// no shard knows is refused, naming it.
-    pub fn add_dependents(&self, deps: &[NewDependent]) -> Result<Vec<u64>, DeployError> {
+    /// [`WaitingStore::add`]): their numbers (`@N`), each with whether it
+    /// was a duplicate of one stored with its key's dedup id. A job
+    /// dependency no shard knows is refused, naming it.
+    pub fn add_dependents(&self, deps: &[NewDependent]) -> Result<Vec<(u64, bool)>, DeployError> {
         let mut lookup = |s: &str, id| -> Result<JobLookup, shardq_core::QueueError> {
             self.find_job(s, id).map_err(|e| match e {
                 DeployError::Queue(q) => q,

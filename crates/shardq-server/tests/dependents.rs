@@ -140,8 +140,8 @@ fn bad_graphs_and_ids_are_refused_naming_them_and_nothing_is_stored() {
             "jobs[0].after[0]",
         ),
         (
-            json!([{"key": "a", "payload": "x", "after": [job], "dedup_id": "d"}]),
-            "dedup_id",
+            json!([{"key": "a", "payload": "x", "after": [job], "unique_id": "u"}]),
+            "unique_id",
         ),
         (
             json!([{"key": "a", "payload": "x", "after": [job], "on_dependency_failure": "maybe"}]),
@@ -168,6 +168,34 @@ fn bad_graphs_and_ids_are_refused_naming_them_and_nothing_is_stored() {
     }
     let st = get_ok(&s, "/v1/status");
     assert_eq!(st["dependents"]["waiting"], 0, "{st}");
+    // A graph whose jobs carry dedup ids, sent again after a lost answer,
+    // is stored once.
+    let graph = json!({ "jobs": [
+        {"key": "d-root", "payload": "r", "dedup_id": "order-7/root"},
+        {"key": "d-end", "payload": "e", "dedup_id": "order-7/end", "after": [0, job]},
+    ]});
+    let first = post_ok(&s, "/v1/jobs", graph.clone());
+    let again = post_ok(&s, "/v1/jobs", graph);
+    for i in 0..2 {
+        assert_eq!(
+            first["jobs"][i]["id"], again["jobs"][i]["id"],
+            "{first} {again}"
+        );
+        assert_eq!(
+            (
+                &first["jobs"][i]["duplicate"],
+                &again["jobs"][i]["duplicate"]
+            ),
+            (&json!(false), &json!(true))
+        );
+    }
+    let st = get_ok(&s, "/v1/status");
+    assert_eq!(
+        st["dependents"]["waiting"].as_u64().unwrap_or(0)
+            + st["dependents"]["released"].as_u64().unwrap_or(0),
+        2,
+        "{st}"
+    );
     let (code, v) = get(&s, "/v1/jobs/@x");
     assert_eq!(code, 400, "{v}");
     let (code, v) = get(&s, "/v1/jobs/@999");

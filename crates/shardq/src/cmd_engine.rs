@@ -547,7 +547,7 @@ fn enqueue_after(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<
             on_failure,
         }])
         .context("the dependent was NOT enqueued")?;
-    println!("@{}", n[0]);
+    println!("@{}", n[0].0);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -189,6 +189,10 @@ pub struct Waiting {
     /// When it was released, failed or cancelled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_ms: Option<u64>,
+    /// The dedup id it was enqueued with: a second enqueue of its key
+    /// with the same id answers this dependent while its record is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedup_id: Option<String>,
 }
 
 impl Waiting {
@@ -378,7 +382,11 @@ impl WaitingStore {
     }
 
     /// Adds dependents that wait for each other or for jobs, in one
-    /// compare-and-set, and returns their numbers. A `DepRef::Node(i)`
+    /// compare-and-set, and returns their numbers, each with whether it
+    /// was a duplicate: a dependent whose key already has one with its
+    /// dedup id (kept while that one's record is) is not stored again and
+    /// answers that one's number, so a graph sent again after a lost
+    /// answer stores nothing twice. A `DepRef::Node(i)`
     /// names the `i`-th dependent of this call (a tree or a graph sent at
     /// once); cycles are refused. Each job dependency must be found
     /// (`lookup` answers whether it is live, finished, or copied after a
@@ -388,7 +396,7 @@ impl WaitingStore {
         lookup: &mut dyn FnMut(&str, JobId) -> Result<JobLookup, QueueError>,
         now_ms: u64,
         deps: &[NewDependent],
-    ) -> Result<Vec<u64>, ReshardError> {
+    ) -> Result<Vec<(u64, bool)>, ReshardError> {
         if deps.is_empty() {
             return Ok(Vec::new());
         }
@@ -415,11 +423,11 @@ impl WaitingStore {
                 }
                 .into());
             }
-            if d.job.dedup_id.is_some() || d.job.keyed.is_some() {
+            if d.job.keyed.is_some() {
                 return Err(QueueError::InvalidOption {
                     name: "after",
-                    value: "a job with a dedup id, unique or debounce id".into(),
-                    allowed: "a dependent without one (its release is deduplicated by its own id)"
+                    value: "a unique or debounced job".into(),
+                    allowed: "a dependent without a unique or debounce id (a dedup id is fine)"
                         .into(),
                 }
                 .into());
@@ -444,8 +452,19 @@ impl WaitingStore {
         }
         Self::update(
             maps,
-            |f: &mut WaitingFile| -> Result<Vec<u64>, ReshardError> {
+            |f: &mut WaitingFile| -> Result<Vec<(u64, bool)>, ReshardError> {
                 f.trim(now_ms);
+                // Duplicates by (key, dedup id): their numbers, stored once.
+                let found: Vec<Option<u64>> = deps
+                    .iter()
+                    .map(|d| {
+                        let id = d.job.dedup_id.as_ref()?;
+                        f.jobs
+                            .iter()
+                            .find(|(_, w)| w.key == d.job.key && w.dedup_id.as_ref() == Some(id))
+                            .map(|(n, _)| *n)
+                    })
+                    .collect();
                 if f.waiting() + deps.len() > WAITING_MAX {
                     return Err(ReshardError::Unavailable(format!(
                     "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
@@ -453,7 +472,16 @@ impl WaitingStore {
                 )));
                 }
                 let base = f.next;
-                let numbers: Vec<u64> = (0..deps.len() as u64).map(|i| base + i).collect();
+                let mut next = base;
+                let numbers: Vec<u64> = found
+                    .iter()
+                    .map(|dup| {
+                        dup.unwrap_or_else(|| {
+                            next += 1;
+                            next - 1
+                        })
+                    })
+                    .collect();
                 for d in deps {
                     for a in &d.after {
                         if let DepRef::Waiting(n) = a {
@@ -468,8 +496,11 @@ impl WaitingStore {
                         }
                     }
                 }
-                for (d, n) in deps.iter().zip(&numbers) {
+                for ((d, n), dup) in deps.iter().zip(&numbers).zip(&found) {
                     use base64::Engine as _;
+                    if dup.is_some() {
+                        continue;
+                    }
                     let after = d
                         .after
                         .iter()
@@ -503,17 +534,22 @@ impl WaitingStore {
                             released: None,
                             reason: None,
                             ended_ms: None,
+                            dedup_id: d.job.dedup_id.clone(),
                         },
                     );
                 }
-                f.next = base + deps.len() as u64;
+                f.next = next;
                 let size = f.to_text().len();
                 if size > WAITING_BYTES_MAX {
                     return Err(ReshardError::Unavailable(format!(
                         "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
                     )));
                 }
-                Ok(numbers)
+                Ok(numbers
+                    .into_iter()
+                    .zip(found)
+                    .map(|(n, dup)| (n, dup.is_some()))
+                    .collect())
             },
         )
     }
@@ -697,6 +733,7 @@ mod tests {
             released: None,
             reason: None,
             ended_ms: ended,
+            dedup_id: None,
         };
         f.jobs.insert(1, w(Some(0)));
         f.jobs.insert(2, w(None));

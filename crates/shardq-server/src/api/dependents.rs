@@ -155,7 +155,7 @@ impl App {
     pub(crate) fn add_dependents_blocking(
         &self,
         deps: Vec<NewDependent>,
-    ) -> Result<Vec<u64>, ApiError> {
+    ) -> Result<Vec<(u64, bool)>, ApiError> {
         Ok(self.deployment.add_dependents(&deps)?)
     }
 

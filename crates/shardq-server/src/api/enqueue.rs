@@ -178,7 +178,9 @@ pub async fn enqueue(
 
 /// A request with `after`: every job a dependent, stored at once. Answers
 /// each with its id `@N`, `shard` empty (it is on no shard until
-/// released) and `waiting: true`.
+/// released) and `waiting: true`; a job whose key has a dependent with
+/// its `dedup_id` answers that one (`duplicate: true`), so a graph whose
+/// jobs carry dedup ids can be sent again after a lost answer.
 async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
     let n = jobs_in.len();
     let mut deps = Vec::with_capacity(n);
@@ -191,9 +193,9 @@ async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
         let after = super::dependents::parse_after(i, &j.after.take().unwrap_or_default(), n)?;
         let on_failure =
             super::dependents::parse_on_failure(i, j.on_dependency_failure.take().as_deref())?;
-        if j.dedup_id.is_some() || j.unique_id.is_some() || j.debounce_id.is_some() {
+        if j.unique_id.is_some() || j.debounce_id.is_some() {
             return Err(ApiError::bad(format!(
-                "jobs[{i}]: a job with after takes no dedup_id, unique_id or debounce_id (its release is deduplicated by its own id)"
+                "jobs[{i}]: a job of a request with after takes no unique_id or debounce_id (a dedup_id makes it safe to send again)"
             )));
         }
         let job = to_new_job(i, j, app.limits.payload_bytes_max, &app.retry)?;
@@ -209,7 +211,7 @@ async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
     let out: Vec<Value> = ids
         .iter()
         .zip(keys)
-        .map(|(n, key)| json!({ "id": format!("@{n}"), "shard": "", "key": key, "duplicate": false, "waiting": true }))
+        .map(|((n, dup), key)| json!({ "id": format!("@{n}"), "shard": "", "key": key, "duplicate": dup, "waiting": true }))
         .collect();
     ok_jobs(out)
 }

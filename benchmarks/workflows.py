@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Dependents, measured on the user's path (`enqueue --after`, `work
+--stdio`): the latency of a chain's links across shards, the time from a
+fan-in's last child to the fan-in's start, and what the fan-in costs
+against the same children without it.
+
+    python3 benchmarks/workflows.py [--bin PATH] [--links 1000]
+        [--children 1000] [--keys 100] [--repeat 3]
+        [--backends embedded,redis] [--json]
+
+Per backend (a fresh deployment of 4 shards each run; `--redis URL` on one
+local `redis-server` of its own for Redis):
+
+- chain: a root job on key `chain-0`, then --links dependents, link i on
+  key `chain-i` after link i-1 (`enqueue --after`): the keys spread over
+  the shards, so most links cross shards. One `work --stdio
+  --concurrency 8 --max-local-shards all --exit-when-idle`; its handler
+  logs when each job arrived and when it answered. A link's latency is
+  from the answer (the ack) of the link before it to its own arrival:
+  release by the resolver, the claim, the stdio hand-off. p50 and p99
+  over the links of every repeat.
+- fan-in: --children jobs over --keys keys, and one dependent after all of
+  them (1,000 is the bound of dependencies per job), against the same
+  children alone, alternated per repeat: the worker's wall time for each
+  (its start and idle check included), and for the fan-in run the time
+  from the last child's answer to the fan-in's arrival.
+
+Every run checks the invariants it relies on: each job arrives once,
+each link after the one before it answered, the fan-in after every child
+answered. Every server started is stopped and the directory removed.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_support import log  # noqa: E402
+from results import Redis, sh  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Logs "ARRIVED_NS ANSWERED_NS PAYLOAD" per job, then acks it.
+HANDLER = r"""
+import json, os, sys, time
+log = open(os.environ["JOB_LOG"], "a", buffering=1)
+out = sys.stdout
+for line in sys.stdin:
+    t0 = time.time_ns()
+    job = json.loads(line)
+    out.write(json.dumps({"receipt": job["receipt"], "ok": True}) + "\n")
+    out.flush()
+    log.write(f"{t0} {time.time_ns()} {job.get('payload')}\n")
+"""
+
+
+def pct(xs: List[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def deployment(a: argparse.Namespace, tmp: str, name: str, redis: "Redis | None") -> str:
+    data = os.path.join(tmp, name)
+    init = [a.bin, "init", "--data", data, "--shards", "4"]
+    if redis is not None:
+        redis.flush()
+        init += ["--redis", redis.url]
+    sh(*init)
+    return data
+
+
+def work(a: argparse.Namespace, data: str, handler: str, job_log: str) -> float:
+    env = dict(os.environ, JOB_LOG=job_log)
+    t0 = time.perf_counter()
+    p = subprocess.run([a.bin, "work", "--data", data, "--max-local-shards", "all", "--exit-when-idle",
+                        "--concurrency", "8", "--stdio", "--", sys.executable, handler],
+                       capture_output=True, text=True, env=env)
+    secs = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"work exited {p.returncode}: {p.stderr[-2000:]}")
+    return secs
+
+
+def read_log(path: str) -> Dict[str, Tuple[int, int]]:
+    seen: Dict[str, Tuple[int, int]] = {}
+    with open(path) as f:
+        for line in f:
+            got, answered, payload = line.split()
+            if payload in seen:
+                raise SystemExit(f"job {payload} arrived twice")
+            seen[payload] = (int(got), int(answered))
+    return seen
+
+
+def chain(a: argparse.Namespace, tmp: str, n: int, redis: "Redis | None", handler: str) -> List[float]:
+    data = deployment(a, tmp, f"chain{n}", redis)
+    prev = sh(a.bin, "enqueue", "--data", data, "--key", "chain-0", "--payload", "l0").strip()
+    for i in range(1, a.links + 1):
+        prev = sh(a.bin, "enqueue", "--data", data, "--key", f"chain-{i}", "--payload", f"l{i}",
+                  "--after", prev).strip()
+    job_log = os.path.join(tmp, f"chain{n}.log")
+    secs = work(a, data, handler, job_log)
+    seen = read_log(job_log)
+    lat = []
+    for i in range(1, a.links + 1):
+        got, _ = seen[f"l{i}"]
+        _, before = seen[f"l{i - 1}"]
+        if got <= before:
+            raise SystemExit(f"link {i} arrived before link {i - 1} answered")
+        lat.append((got - before) / 1e6)
+    shutil.rmtree(data, ignore_errors=True)
+    log(f"chain: {a.links} links in {secs:.1f} s, p50 {pct(lat, 50):.1f} ms, p99 {pct(lat, 99):.1f} ms")
+    return lat
+
+
+def fan(a: argparse.Namespace, tmp: str, n: int, redis: "Redis | None", handler: str, with_fan_in: bool) -> Dict:
+    data = deployment(a, tmp, f"fan{n}", redis)
+    lines = "".join(f"k{i % a.keys}\tc{i}\n" for i in range(a.children))
+    ids = [line.split("\t")[1] for line in sh(a.bin, "enqueue", "--data", data, "--stdin", stdin=lines).split("\n")
+           if line]
+    if with_fan_in:
+        sh(a.bin, "enqueue", "--data", data, "--key", "fan-in", "--payload", "fan", "--after", ",".join(ids))
+    job_log = os.path.join(tmp, f"fan{n}.log")
+    secs = work(a, data, handler, job_log)
+    seen = read_log(job_log)
+    out = {"mode": "fan-in" if with_fan_in else "children only", "seconds": round(secs, 3)}
+    if with_fan_in:
+        last = max(seen[f"c{i}"][1] for i in range(a.children))
+        got = seen["fan"][0]
+        if got <= last:
+            raise SystemExit("the fan-in arrived before its last child answered")
+        out["last_child_to_fan_in_ms"] = round((got - last) / 1e6, 2)
+    shutil.rmtree(data, ignore_errors=True)
+    log(f"fan: {out}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bin", default=os.environ.get("SHARDQ_BIN") or os.path.join(ROOT, "target", "release", "shardq"))
+    p.add_argument("--links", type=int, default=1000)
+    p.add_argument("--children", type=int, default=1000)
+    p.add_argument("--keys", type=int, default=100)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--backends", default="embedded,redis")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    if not os.path.exists(a.bin):
+        raise SystemExit(f"{a.bin}: no such binary (cargo build --release -p shardq)")
+    tmp = tempfile.mkdtemp(prefix="workflows-bench-")
+    redis = None
+    result: Dict[str, Dict] = {}
+    try:
+        handler = os.path.join(tmp, "handler.py")
+        with open(handler, "w") as f:
+            f.write(HANDLER)
+        n = 0
+        for backend in a.backends.split(","):
+            if backend == "redis" and redis is None:
+                redis = Redis(tmp)
+            r = redis if backend == "redis" else None
+            lat: List[float] = []
+            fans: List[Dict] = []
+            for rep in range(a.repeat):
+                n += 1
+                lat += chain(a, tmp, n, r, handler)
+                order = [True, False] if rep % 2 == 0 else [False, True]
+                for with_fan_in in order:
+                    n += 1
+                    fans.append(fan(a, tmp, n, r, handler, with_fan_in) | {"repeat": rep})
+            med = {m: statistics.median(f["seconds"] for f in fans if f["mode"] == m)
+                   for m in ("fan-in", "children only")}
+            result[backend] = {
+                "chain_links": len(lat),
+                "link_p50_ms": round(pct(lat, 50), 2),
+                "link_p99_ms": round(pct(lat, 99), 2),
+                "link_max_ms": round(max(lat), 2),
+                "fan_runs": fans,
+                "fan_in_after_last_child_ms": [f["last_child_to_fan_in_ms"] for f in fans if f["mode"] == "fan-in"],
+                "fan_in_seconds_median": med["fan-in"],
+                "children_only_seconds_median": med["children only"],
+                "ratio": round(med["children only"] / med["fan-in"], 3),
+            }
+    finally:
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if a.json:
+        print(json.dumps(result))
+        return
+    print(f"chain of {a.links} links on {a.links + 1} keys; fan-in over {a.children} children on {a.keys} keys; "
+          f"4 shards, `work --stdio --concurrency 8`; nproc {os.cpu_count()}\n")
+    print("| backend | link p50 | link p99 | link max | last child -> fan-in (each run) | "
+          "fan-in run / children only (median s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for b, s in result.items():
+        print(f"| {b} | {s['link_p50_ms']} ms | {s['link_p99_ms']} ms | {s['link_max_ms']} ms | "
+              f"{', '.join(f'{x} ms' for x in s['fan_in_after_last_child_ms'])} | "
+              f"{s['fan_in_seconds_median']} / {s['children_only_seconds_median']} (x{s['ratio']}) |")
+
+
+if __name__ == "__main__":
+    main()
