@@ -22,6 +22,17 @@ use crate::reshard::{MapStore, ReshardError};
 
 /// Most dependencies one pass looks up (the rest wait for the next).
 const LOOKUPS_PER_PASS_MAX: usize = 20_000;
+/// Most dependencies a pass looks up by id (live, or followed through
+/// moves) when their shards' finished and dead lists do not show them
+/// ended: a thousand queued children would cost a thousand reads a pass
+/// otherwise, and a slow pass lets the retention forget what it has not
+/// seen yet. The next pass goes on from there.
+const PROBES_PER_PASS: usize = 64;
+/// Shortest time between two probes of one dependency (1 s).
+const PROBE_GAP_MS: u64 = 1_000;
+/// Most dead letters of a shard a pass reads (the rest are found by
+/// probes).
+const DEAD_READ_MAX: usize = 1_000;
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -90,6 +101,11 @@ pub struct Resolver {
     clock: Arc<dyn Clock>,
     /// When each (dependent, dependency) was first found nowhere.
     missing_since: HashMap<(u64, usize), u64>,
+    /// When each (dependent, dependency) was last probed.
+    probed_at: HashMap<(u64, usize), u64>,
+    /// Where a probe last found a dependency that moved with its key (its
+    /// copy), whose shard's lists the fast path then reads.
+    located: HashMap<(u64, usize), (String, JobId)>,
 }
 
 impl Resolver {
@@ -100,6 +116,8 @@ impl Resolver {
             maps,
             clock,
             missing_since: HashMap::new(),
+            probed_at: HashMap::new(),
+            located: HashMap::new(),
         }
     }
 
@@ -140,6 +158,16 @@ impl Resolver {
         file: &WaitingFile,
         report: &mut PassReport,
     ) -> Result<Vec<Finding>, ReshardError> {
+        // What this resolver remembers of dependents that no longer wait
+        // goes.
+        let waits = |n: &u64| {
+            file.jobs
+                .get(n)
+                .is_some_and(|w| w.state == WaitState::Waiting)
+        };
+        self.probed_at.retain(|(n, _), _| waits(n));
+        self.located.retain(|(n, _), _| waits(n));
+        self.missing_since.retain(|(n, _), _| waits(n));
         let map = self.maps.load()?;
         let router = shardq_route::Router::new(map.clone())?;
         let shards: Vec<String> = map.shards.iter().map(|s| s.name.clone()).collect();
@@ -152,14 +180,30 @@ impl Resolver {
             }
             Ok(lists.get(s).and_then(|m| m.get(&id)).cloned())
         };
+        // Each shard's dead letters, read once a pass (bounded).
+        let mut deads: HashMap<String, HashMap<JobId, Option<String>>> = HashMap::new();
+        let mut dead = |s: &str, id: JobId| -> Result<Option<Option<String>>, QueueError> {
+            if !deads.contains_key(s) {
+                let list = backend.dead_list(s, DEAD_READ_MAX)?;
+                deads.insert(
+                    s.to_string(),
+                    list.into_iter().map(|d| (d.id, Some(d.reason))).collect(),
+                );
+            }
+            Ok(deads.get(s).and_then(|m| m.get(&id)).cloned())
+        };
         let now = self.clock.now_ms();
         let mut out = Vec::new();
         let mut looked = 0;
+        let mut probes = 0;
         for (n, w) in file
             .jobs
             .iter()
             .filter(|(_, w)| w.state == WaitState::Waiting)
         {
+            // Ends in the shards' finished and dead lists are seen every
+            // pass; probes (a job looked up by id, followed through moves)
+            // are bounded per pass and per dependency.
             for (idx, d) in w.after.iter().enumerate() {
                 if d.outcome.is_some() {
                     continue;
@@ -208,7 +252,47 @@ impl Resolver {
                         }
                     },
                 };
-                let found = match find_job(backend, &shards, &routed, &mut finished, &shard, id) {
+                // The fast path: where it ran (its copy, once a probe found
+                // it moved), as listed once a pass.
+                let (shard, id) = self.located.get(&(*n, idx)).cloned().unwrap_or((shard, id));
+                let listed = match finished(&shard, id) {
+                    Ok(Some(f)) => Some(JobLookup::Finished(shard.clone(), f)),
+                    Ok(None) => match dead(&shard, id) {
+                        Ok(Some(reason)) => {
+                            self.missing_since.remove(&(*n, idx));
+                            out.push(Finding {
+                                n: *n,
+                                idx,
+                                outcome: DepOutcome::Dead,
+                                at,
+                                result: None,
+                                reason,
+                            });
+                            continue;
+                        }
+                        _ => None,
+                    },
+                    Err(e) => {
+                        report
+                            .errors
+                            .push(format!("dependency {} of @{n}: {e}", d.id));
+                        continue;
+                    }
+                };
+                if listed.is_none() {
+                    let recent = self
+                        .probed_at
+                        .get(&(*n, idx))
+                        .is_some_and(|t| now.saturating_sub(*t) < PROBE_GAP_MS);
+                    if recent || probes >= PROBES_PER_PASS {
+                        continue;
+                    }
+                    probes += 1;
+                    self.probed_at.insert((*n, idx), now);
+                }
+                let found = match listed.map(Ok).unwrap_or_else(|| {
+                    find_job(backend, &shards, &routed, &mut finished, &shard, id)
+                }) {
                     Ok(found) => found,
                     Err(e) => {
                         report
@@ -237,6 +321,11 @@ impl Resolver {
                     }
                     None if matches!(found, JobLookup::Live(..)) => {
                         self.missing_since.remove(&(*n, idx));
+                        if let JobLookup::Live(s, j) = &found {
+                            if (s.as_str(), j.id) != (shard.as_str(), id) {
+                                self.located.insert((*n, idx), (s.clone(), j.id));
+                            }
+                        }
                     }
                     // Moved with its key and no copy found: its new shard
                     // may not answer for a while, so the grace is longer.
