@@ -500,6 +500,50 @@ def test_the_schedules_panel_shows_fires_and_pauses_a_schedule(browser, deployme
     assert code == 200, v
 
 
+def test_a_dependent_shows_as_a_small_graph_of_its_dependencies(browser, deployment, screenshots):
+    """A dependent's @N id opens the job panel with its dependencies drawn
+    as nodes coloured by outcome (one pending, one cancelled) and the
+    dependent waiting; once the last dependency ends the graph shows it
+    released, and the shards panel counts the deployment's dependents."""
+    api = deployment["api"]
+    placed = api.post("/v1/jobs", {"jobs": [
+        {"key": "dep-a", "payload": "a", "delay_ms": 3_600_000},
+        {"key": "dep-b", "payload": "b", "delay_ms": 3_600_000},
+    ]})["jobs"]
+    a, b = placed[0]["id"], placed[1]["id"]
+    dep = api.post("/v1/jobs", {"jobs": [
+        {"key": "dep-end", "payload": "end", "after": [a, b], "on_dependency_failure": "run"},
+    ]})["jobs"][0]["id"]
+    assert dep.startswith("@"), dep
+    code, v = api.call("DELETE", f"/v1/jobs/{b}", {})
+    assert code == 200, v
+    wait_for("b's end to be recorded",
+             lambda: api.get(f"/v1/jobs/{dep}")["after"][1]["outcome"] == "cancelled", timeout_s=20)
+    open_page(browser, deployment, READ_TOKEN)
+    box = browser.find_element(By.ID, "job-input")
+    box.clear()
+    box.send_keys(dep)
+    browser.find_element(By.ID, "job-go").click()
+    node = '#job-graph-svg g[data-dep="{}"]'
+    wait(browser, "the graph", lambda d: d.find_elements(By.CSS_SELECTOR, node.format(a)))
+    outcome = lambda d, i: d.find_element(By.CSS_SELECTOR, node.format(i)).get_attribute("data-outcome")
+    assert (outcome(browser, a), outcome(browser, b)) == ("pending", "cancelled")
+    me = f'#job-graph-svg g[data-dependent="{dep}"]'
+    assert browser.find_element(By.CSS_SELECTOR, me).get_attribute("data-state") == "waiting"
+    assert "2 dependencies, 1 not ended" in text(browser, "#job-graph-note")
+    wait(browser, "the dependents line", lambda d: "waiting for their dependencies" in text(d, "#dependents-line"))
+    browser.save_screenshot(str(screenshots / "10-dependent.png"))
+    code, v = api.call("DELETE", f"/v1/jobs/{a}", {})
+    assert code == 200, v
+    wait_for("the dependent's release", lambda: api.get(f"/v1/jobs/{dep}")["state"] == "released", timeout_s=20)
+    browser.find_element(By.ID, "job-go").click()
+    wait(browser, "the graph updated",
+         lambda d: d.find_element(By.CSS_SELECTOR, me).get_attribute("data-state") == "released")
+    assert outcome(browser, a) == "cancelled"
+    code, v = api.call("DELETE", f"/v1/jobs/{dep}", {})
+    assert code == 200, v
+
+
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
     open_page(browser, deployment, READ_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")

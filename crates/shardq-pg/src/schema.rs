@@ -300,8 +300,8 @@ BEGIN
     RAISE EXCEPTION 'shardq: dedup_id % must be 1 to {DEDUP_ID_BYTES_MAX} bytes without control or invisible formatting characters',
       quote_literal(left(dedup_id, 64)) USING ERRCODE = '22023';
   END IF;
-  IF dedup_id ~ '^(schedule|unique|debounce|pg):' THEN
-    RAISE EXCEPTION 'shardq: dedup_id % starts with a prefix shardq keeps for itself (schedule:, unique:, debounce:, pg:)',
+  IF dedup_id ~ '^(schedule|unique|debounce|pg|after):' THEN
+    RAISE EXCEPTION 'shardq: dedup_id % starts with a prefix shardq keeps for itself (schedule:, unique:, debounce:, pg:, after:)',
       quote_literal(left(dedup_id, 64)) USING ERRCODE = '22023';
   END IF;
   IF delay_ms IS NOT NULL AND (delay_ms < 0 OR delay_ms > {DELAY_MS_MAX}) THEN

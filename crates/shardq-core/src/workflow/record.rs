@@ -297,13 +297,26 @@ impl WaitingFile {
     /// Drops ended records older than [`ENDED_KEPT_MS`] at `now_ms`, and
     /// the oldest past [`ENDED_KEPT_MAX`].
     pub fn trim(&mut self, now_ms: u64) {
-        self.jobs.retain(|_, w| {
-            w.ended_ms
-                .is_none_or(|t| now_ms.saturating_sub(t) <= ENDED_KEPT_MS)
+        // A record a waiting dependent still needs (it names it and has
+        // not seen it end) stays, however old: dropping it would turn
+        // a dependency that has not run yet into a forgotten one.
+        let needed: std::collections::BTreeSet<u64> = self
+            .jobs
+            .values()
+            .filter(|w| w.state == WaitState::Waiting)
+            .flat_map(|w| w.after.iter())
+            .filter(|d| d.outcome.is_none())
+            .filter_map(|d| d.id.strip_prefix('@')?.parse().ok())
+            .collect();
+        self.jobs.retain(|n, w| {
+            needed.contains(n)
+                || w.ended_ms
+                    .is_none_or(|t| now_ms.saturating_sub(t) <= ENDED_KEPT_MS)
         });
         let ended: Vec<(u64, u64)> = self
             .jobs
             .iter()
+            .filter(|(n, _)| !needed.contains(n))
             .filter_map(|(n, w)| w.ended_ms.map(|t| (t, *n)))
             .collect();
         if ended.len() > ENDED_KEPT_MAX {
@@ -566,6 +579,14 @@ impl WaitingStore {
                 return Ok::<_, ReshardError>(None);
             };
             let before = w.clone();
+            // Every dependency has an outcome: a pass may be releasing it
+            // now (its job enqueued, not yet recorded); a cancel here could
+            // not stop that job. Refused: cancel its job once released.
+            if w.state == WaitState::Waiting && w.after.iter().all(|d| d.outcome.is_some()) {
+                return Err(ReshardError::Unavailable(format!(
+                    "dependent @{n} is being released (every dependency has ended): try again in a moment, and cancel the job it becomes"
+                )));
+            }
             if w.state == WaitState::Waiting {
                 w.state = WaitState::Cancelled;
                 w.ended_ms = Some(now_ms);
@@ -712,6 +733,66 @@ mod tests {
         refuse_cycles(&dag).unwrap();
         let own = [dep(vec![DepRef::Node(0)])];
         assert!(refuse_cycles(&own).is_err());
+    }
+
+    fn waiting_on(id: &str) -> Waiting {
+        Waiting {
+            key: "k".into(),
+            payload_b64: String::new(),
+            max_attempts: 1,
+            delay_ms: 0,
+            on_failure: OnDependencyFailure::Fail,
+            after: vec![Dependency {
+                id: id.into(),
+                outcome: None,
+                at: None,
+                result_b64: None,
+                result_dropped: false,
+                reason: None,
+            }],
+            created_ms: 0,
+            state: WaitState::Waiting,
+            released: None,
+            reason: None,
+            ended_ms: None,
+            dedup_id: None,
+        }
+    }
+
+    #[test]
+    fn a_record_a_waiting_dependent_needs_is_never_trimmed() {
+        let mut f = WaitingFile::default();
+        let mut old = waiting_on("s:1");
+        old.state = WaitState::Released;
+        old.ended_ms = Some(0);
+        f.jobs.insert(1, old.clone());
+        f.jobs.insert(2, old);
+        f.jobs.insert(3, waiting_on("@1"));
+        f.trim(10 * ENDED_KEPT_MS);
+        assert_eq!(f.jobs.keys().copied().collect::<Vec<_>>(), vec![1, 3]);
+    }
+
+    #[test]
+    fn a_cancel_is_refused_while_a_release_may_be_in_flight() {
+        use crate::reshard::MapStore as _;
+        let map = shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["s"])
+            .expect("map");
+        let maps = crate::memory::MemoryMapStore::new(map);
+        let mut f = WaitingFile::default();
+        f.jobs.insert(1, waiting_on("s:1"));
+        let mut ready = waiting_on("s:2");
+        ready.after[0].outcome = Some(DepOutcome::Completed);
+        f.jobs.insert(2, ready);
+        maps.store_setting(SETTING_WAITING, Some(&f.to_text()))
+            .unwrap();
+        let was = WaitingStore::cancel(&maps, 1, 5).unwrap().unwrap();
+        assert_eq!(was.state, WaitState::Waiting);
+        let e = WaitingStore::cancel(&maps, 2, 5).unwrap_err().to_string();
+        assert!(e.contains("@2") && e.contains("being released"), "{e}");
+        let now = WaitingStore::load(&maps).unwrap();
+        assert_eq!(now.jobs[&1].state, WaitState::Cancelled);
+        assert_eq!(now.jobs[&2].state, WaitState::Waiting);
+        assert_eq!(now.failed_total, 1);
     }
 
     #[test]

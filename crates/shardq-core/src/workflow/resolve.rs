@@ -28,6 +28,10 @@ const LOOKUPS_PER_PASS_MAX: usize = 20_000;
 /// otherwise, and a slow pass lets the retention forget what it has not
 /// seen yet. The next pass goes on from there.
 const PROBES_PER_PASS: usize = 64;
+/// Newest finished jobs of a shard a pass reads ...
+const FINISHED_READ_RECENT: usize = 2_000;
+/// ... and how often it reads all the shard keeps instead (2 s).
+const FULL_READ_EVERY_MS: u64 = 2_000;
 /// Shortest time between two probes of one dependency (1 s).
 const PROBE_GAP_MS: u64 = 1_000;
 /// Most dead letters of a shard a pass reads (the rest are found by
@@ -101,6 +105,11 @@ pub struct Resolver {
     clock: Arc<dyn Clock>,
     /// When each (dependent, dependency) was first found nowhere.
     missing_since: HashMap<(u64, usize), u64>,
+    /// The dependent the next pass starts at (where this one ran out of
+    /// lookups or probes; 0: the first).
+    cursor: u64,
+    /// When each shard's finished jobs were last read whole.
+    full_read_at: HashMap<String, u64>,
     /// When each (dependent, dependency) was last probed.
     probed_at: HashMap<(u64, usize), u64>,
     /// Where a probe last found a dependency that moved with its key (its
@@ -116,6 +125,8 @@ impl Resolver {
             maps,
             clock,
             missing_since: HashMap::new(),
+            cursor: 0,
+            full_read_at: HashMap::new(),
             probed_at: HashMap::new(),
             located: HashMap::new(),
         }
@@ -172,10 +183,31 @@ impl Resolver {
         let router = shardq_route::Router::new(map.clone())?;
         let shards: Vec<String> = map.shards.iter().map(|s| s.name.clone()).collect();
         let routed = |key: &str| Some(router.route(key).to_string());
+        // Each shard's newest finished jobs, read once a pass; all it
+        // keeps every FULL_READ_EVERY_MS (what finished since the last
+        // pass is among the newest unless the shard finished more). A
+        // shard not read this pass had no dependency to miss.
+        let now_read = self.clock.now_ms();
+        let mut full: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for s in &shards {
+            let due = self
+                .full_read_at
+                .get(s)
+                .is_none_or(|t| now_read.saturating_sub(*t) >= FULL_READ_EVERY_MS);
+            if due {
+                self.full_read_at.insert(s.clone(), now_read);
+                full.insert(s.clone());
+            }
+        }
         let mut lists: HashMap<String, HashMap<JobId, FinishedJob>> = HashMap::new();
         let mut finished = |s: &str, id: JobId| -> Result<Option<FinishedJob>, QueueError> {
             if !lists.contains_key(s) {
-                let list = backend.finished(s, None, FINISHED_JOBS_KEPT_MAX)?;
+                let max = if full.contains(s) {
+                    FINISHED_JOBS_KEPT_MAX
+                } else {
+                    FINISHED_READ_RECENT
+                };
+                let list = backend.finished(s, None, max)?;
                 lists.insert(s.to_string(), list.into_iter().map(|f| (f.id, f)).collect());
             }
             Ok(lists.get(s).and_then(|m| m.get(&id)).cloned())
@@ -196,11 +228,18 @@ impl Resolver {
         let mut out = Vec::new();
         let mut looked = 0;
         let mut probes = 0;
-        for (n, w) in file
+        // From where the last pass ran out of its bounds, round the
+        // waiting dependents, so a later one is not left behind by earlier
+        // ones with many dependencies.
+        let cursor = self.cursor;
+        let waiting: Vec<(&u64, &Waiting)> = file
             .jobs
-            .iter()
+            .range(cursor..)
+            .chain(file.jobs.range(..cursor))
             .filter(|(_, w)| w.state == WaitState::Waiting)
-        {
+            .collect();
+        self.cursor = 0;
+        'dependents: for (n, w) in waiting {
             // Ends in the shards' finished and dead lists are seen every
             // pass; probes (a job looked up by id, followed through moves)
             // are bounded per pass and per dependency.
@@ -209,7 +248,8 @@ impl Resolver {
                     continue;
                 }
                 if looked >= LOOKUPS_PER_PASS_MAX {
-                    return Ok(out);
+                    self.cursor = *n;
+                    break 'dependents;
                 }
                 looked += 1;
                 let Ok(dep) = parse_dependency(&d.id) else {
@@ -284,7 +324,13 @@ impl Resolver {
                         .probed_at
                         .get(&(*n, idx))
                         .is_some_and(|t| now.saturating_sub(*t) < PROBE_GAP_MS);
-                    if recent || probes >= PROBES_PER_PASS {
+                    if recent {
+                        continue;
+                    }
+                    if probes >= PROBES_PER_PASS {
+                        if self.cursor == 0 {
+                            self.cursor = *n;
+                        }
                         continue;
                     }
                     probes += 1;
@@ -422,6 +468,8 @@ impl Resolver {
                         w.state = WaitState::Released;
                         w.released = Some(at.clone());
                         w.ended_ms = Some(now);
+                        // The job carries it now.
+                        w.payload_b64 = String::new();
                         f.released_total += 1;
                     }
                     Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
@@ -470,6 +518,8 @@ fn failure(w: &Waiting) -> Option<String> {
 /// Records findings in `f`: a dependency's outcome is set once, and a
 /// dependent that no longer waits takes none.
 fn apply(f: &mut WaitingFile, findings: &[Finding]) {
+    // Results are kept while the document stays within its bound.
+    let mut size = f.to_text().len();
     for x in findings {
         let Some(w) = f
             .jobs
@@ -493,8 +543,10 @@ fn apply(f: &mut WaitingFile, findings: &[Finding]) {
             if ignore && x.outcome != DepOutcome::Completed {
                 continue;
             }
-            if r.len() <= left {
+            let grows = r.len().div_ceil(3) * 4 + 16;
+            if r.len() <= left && size + grows <= super::WAITING_BYTES_MAX {
                 d.result_b64 = Some(base64::engine::general_purpose::STANDARD.encode(r));
+                size += grows;
             } else {
                 d.result_dropped = true;
             }

@@ -325,6 +325,36 @@ fn settings_changes_on_redis_are_never_lost() {
     shardq_testkit::contract::settings_changes_are_never_lost(&stores);
 }
 
+/// A settings swap sent again after its reply was lost (the script ran,
+/// the answer did not arrive) finds its own write and answers stored, so
+/// the caller does not apply its change a second time; a swap whose
+/// expected text is gone and whose new text is not there still fails.
+#[test]
+fn a_settings_swap_retried_after_a_lost_reply_answers_stored() {
+    use shardq_core::reshard::MapStore;
+    let server = RedisServer::start();
+    let store = RedisMapStore::open(&server.url()).unwrap();
+    assert!(store.swap_setting("waiting", None, Some("v1")).unwrap());
+    // The same call again: the field holds v1, not "absent".
+    assert!(store.swap_setting("waiting", None, Some("v1")).unwrap());
+    assert!(store
+        .swap_setting("waiting", Some("v1"), Some("v2"))
+        .unwrap());
+    assert!(store
+        .swap_setting("waiting", Some("v1"), Some("v2"))
+        .unwrap());
+    assert!(!store
+        .swap_setting("waiting", Some("v1"), Some("v3"))
+        .unwrap());
+    assert_eq!(
+        store.load_setting("waiting").unwrap().as_deref(),
+        Some("v2")
+    );
+    assert!(store.swap_setting("waiting", Some("v2"), None).unwrap());
+    assert!(store.swap_setting("waiting", Some("v2"), None).unwrap());
+    assert_eq!(store.load_setting("waiting").unwrap(), None);
+}
+
 #[test]
 fn map_store_publishes_by_compare_and_set() {
     let server = RedisServer::start();

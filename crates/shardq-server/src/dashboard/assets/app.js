@@ -756,17 +756,78 @@
     m.textContent = text || "";
   }
 
+  // A dependent (@N) as a small graph: its dependencies on the left, each
+  // coloured by its outcome, and arrows to it on the right.
+  const GRAPH_NODES = 24;
+  function renderDependent(j) {
+    const box = $("job-graph");
+    const svg = $("job-graph-svg");
+    box.hidden = false;
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    const NS = "http://www.w3.org/2000/svg";
+    const node = (x, y, w, label, cls, data) => {
+      const g = document.createElementNS(NS, "g");
+      g.setAttribute("class", cls);
+      for (const [k, v] of Object.entries(data)) g.setAttribute(k, v);
+      const r = document.createElementNS(NS, "rect");
+      r.setAttribute("x", x); r.setAttribute("y", y); r.setAttribute("width", w); r.setAttribute("height", 18);
+      const t = document.createElementNS(NS, "text");
+      t.setAttribute("x", x + 5); t.setAttribute("y", y + 13);
+      t.textContent = label;
+      g.appendChild(r); g.appendChild(t);
+      svg.appendChild(g);
+    };
+    const shown = j.after.slice(0, GRAPH_NODES);
+    const rows = Math.max(shown.length, 1);
+    const height = rows * 24 + 6;
+    svg.setAttribute("viewBox", "0 0 520 " + height);
+    svg.setAttribute("height", String(Math.min(height, 600)));
+    const mid = height / 2 - 9;
+    shown.forEach((d, i) => {
+      const y = 3 + i * 24;
+      const outcome = d.outcome || "pending";
+      const line = document.createElementNS(NS, "line");
+      line.setAttribute("x1", 230); line.setAttribute("y1", y + 9);
+      line.setAttribute("x2", 330); line.setAttribute("y2", mid + 9);
+      svg.appendChild(line);
+      node(4, y, 226, d.id + " · " + outcome, "node-" + outcome, { "data-dep": d.id, "data-outcome": outcome });
+    });
+    node(330, mid, 186, j.id + " · " + j.state, "node-" + j.state, { "data-dependent": j.id, "data-state": j.state });
+    const left = j.after.filter((d) => !d.outcome).length;
+    $("job-graph-note").textContent = j.after.length + " dependencies, " + left + " not ended" +
+      (j.after.length > GRAPH_NODES ? " (the first " + GRAPH_NODES + " drawn)" : "") +
+      "; on a dependency that did not complete: " + j.on_dependency_failure;
+  }
+
   async function showJob(id) {
     const err = $("job-error");
     const out = $("job-result");
     const cancel = $("job-cancel");
     state.cancelArmed = null;
     cancel.textContent = "Cancel job";
+    $("job-graph").hidden = true;
     try {
       const j = await api("GET", "/v1/jobs/" + encodeURIComponent(id));
       state.job = j;
       err.hidden = true;
       out.hidden = false;
+      if (j.after !== undefined) {
+        // A dependent: what it waits for, and the job it became.
+        $("job-id").textContent = j.id;
+        $("job-key").textContent = j.key;
+        $("job-state").textContent = j.state + (j.released ? " as " + j.released : "");
+        $("job-attempts").textContent = j.job ? String(j.job.attempts) : "–";
+        $("job-starts").textContent = "–";
+        $("job-created").textContent = ago(j.created_ms);
+        $("job-due").textContent = "–";
+        $("job-run").textContent = "–";
+        $("job-reason").textContent = j.reason || "–";
+        const text = j.payload !== null && j.payload !== undefined ? j.payload : "(base64: not UTF-8)";
+        $("job-payload").textContent = text.length > PAYLOAD_SHOWN ? text.slice(0, PAYLOAD_SHOWN) + "…" : text;
+        cancel.hidden = j.state !== "waiting";
+        renderDependent(j);
+        return;
+      }
       $("job-id").textContent = j.id;
       $("job-key").textContent = j.key;
       // A finished or cancelled job (kept by the retention) has an outcome
@@ -905,6 +966,15 @@
     $("outbox-dead").textContent = String(o.dead_tuples);
   }
 
+  // Dependents of the deployment, when it has had any.
+  function renderDependentsLine(t) {
+    const p = $("dependents-line");
+    p.hidden = !t || (t.waiting + t.released + t.failed === 0);
+    if (p.hidden) return;
+    p.textContent = "Dependents: " + fmt(t.waiting) + " waiting for their dependencies; " + fmt(t.released) +
+      " released and " + fmt(t.failed) + " failed so far (show one by its @N id under Job).";
+  }
+
   // ----------------------------------------------------------------- server
   // This server's load against its bounds (the shardq_http_* gauges).
   function renderServer(s) {
@@ -949,6 +1019,7 @@
     if (got.status) renderFlow(got.status.flow);
     if (got.status) renderOutbox(got.status.outbox || null);
     if (got.status) renderServer(got.status.server || null);
+    if (got.status) renderDependentsLine(got.status.dependents || null);
     if (got.admin || got.reshard) renderRebalance(got.admin || null, got.reshard || null);
     if (got.hot) renderHot(got.hot);
     if (got.dead) renderDead(got.dead);
