@@ -785,6 +785,10 @@ pub fn key_finished<B: QueueBackend + ?Sized>(
     (all, failed)
 }
 
+/// How [`find_job`] reads a shard's finished job by id.
+pub type FinishedLookup<'a> =
+    dyn FnMut(&str, JobId) -> Result<Option<crate::job::FinishedJob>, QueueError> + 'a;
+
 /// What [`find_job`] found for an id.
 #[derive(Debug, Clone)]
 pub enum JobLookup {
@@ -816,7 +820,7 @@ pub fn find_job<B: QueueBackend + ?Sized>(
     backend: &B,
     shards: &[String],
     routed: &dyn Fn(&str) -> Option<String>,
-    finished: &mut dyn FnMut(&str, JobId) -> Result<Option<crate::job::FinishedJob>, QueueError>,
+    finished: &mut FinishedLookup<'_>,
     shard: &str,
     id: JobId,
 ) -> Result<JobLookup, QueueError> {

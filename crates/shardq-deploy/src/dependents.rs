@@ -7,6 +7,9 @@ use shardq_core::workflow::{NewDependent, WaitState, Waiting, WaitingStore};
 
 use crate::{DeployError, Deployment, JobLookup};
 
+/// A cancel of a job: the shard and id acted on, and the outcome.
+pub type JobCancelled = (String, shardq_core::JobId, shardq_core::CancelOutcome);
+
 impl Deployment {
     /// Adds dependents in one compare-and-set (see
     /// [`WaitingStore::add`]): their numbers (`@N`), each with whether it
@@ -48,13 +51,7 @@ impl Deployment {
     pub fn cancel_dependent(
         &self,
         n: u64,
-    ) -> Result<
-        (
-            Option<Waiting>,
-            Option<(String, shardq_core::JobId, shardq_core::CancelOutcome)>,
-        ),
-        DeployError,
-    > {
+    ) -> Result<(Option<Waiting>, Option<JobCancelled>), DeployError> {
         let now = self.clock().now_ms();
         let before = WaitingStore::cancel(&*self.maps(), n, now)?;
         let job = match before.as_ref() {

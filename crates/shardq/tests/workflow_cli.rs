@@ -174,7 +174,7 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
         ));
     }
     let failing = enqueue_after(d, "g", "gfail", &[bad.clone(), children[1].clone()], "fail");
-    let running = enqueue_after(d, "h", "hrun", &[bad.clone()], "run");
+    let running = enqueue_after(d, "h", "hrun", std::slice::from_ref(&bad), "run");
     let ignoring = enqueue_after(
         d,
         "i",
@@ -183,7 +183,7 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
         "ignore",
     );
     // A dependent after a failed one fails too.
-    let after_failed = enqueue_after(d, "j", "jnext", &[failing.clone()], "fail");
+    let after_failed = enqueue_after(d, "j", "jnext", std::slice::from_ref(&failing), "fail");
 
     let mut w = worker(d, log, false);
     // The disturbance after 0-600 ms, the SIGKILL 200-900 ms after it.
@@ -437,7 +437,7 @@ fn bad_dependencies_are_refused_naming_them() {
     assert!(!good && err.contains("65536"), "{err}");
     // A waiting dependent is cancelled; its own dependent then fails.
     let a = enqueue_after(d, "a", "pa", &[id.to_string()], "fail");
-    let b = enqueue_after(d, "b", "pb", &[a.clone()], "fail");
+    let b = enqueue_after(d, "b", "pb", std::slice::from_ref(&a), "fail");
     let out = ok(&["job", "cancel", "--data", d, &a]);
     assert!(out.contains("cancelled"), "{out}");
     let mut w = worker(d, &dir.join("log"), true);
