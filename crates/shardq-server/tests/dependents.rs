@@ -156,6 +156,10 @@ fn bad_graphs_and_ids_are_refused_naming_them_and_nothing_is_stored() {
             "jobs[1].on_dependency_failure",
         ),
         (
+            json!([{"key": "a", "payload": "x", "dedup_id": "d", "after": [job]}, {"key": "a", "payload": "y", "dedup_id": "d", "after": [job]}]),
+            "jobs[1].dedup_id",
+        ),
+        (
             json!([{"key": "a", "payload": "x".repeat(70_000), "after": [job]}]),
             "65536",
         ),

@@ -228,6 +228,9 @@ impl Resolver {
         let mut out = Vec::new();
         let mut looked = 0;
         let mut probes = 0;
+        // Whether every shard of the map answers, read once a pass when
+        // needed.
+        let mut all_readable: Option<bool> = None;
         // From where the last pass ran out of its bounds, round the
         // waiting dependents, so a later one is not left behind by earlier
         // ones with many dependencies.
@@ -375,7 +378,16 @@ impl Resolver {
                     }
                     // Moved with its key and no copy found: its new shard
                     // may not answer for a while, so the grace is longer.
+                    // Its copy may be on a shard that does not answer: the
+                    // lookup passes over such a shard, so while any shard
+                    // of the map cannot be read the grace does not run.
                     None if matches!(found, JobLookup::Moved { .. }) => {
+                        let readable = *all_readable
+                            .get_or_insert_with(|| shards.iter().all(|s| backend.fence(s).is_ok()));
+                        if !readable {
+                            self.missing_since.remove(&(*n, idx));
+                            continue;
+                        }
                         if let Some(f) = self.missing_for(*n, idx, now, FORGOTTEN_MOVED_AFTER_MS) {
                             out.push(f);
                         }
@@ -618,5 +630,87 @@ pub fn run_resolver(
         };
         std::thread::sleep(std::time::Duration::from_millis(WOKEN_GAP_MS));
         wake.wait_ms(wait.saturating_sub(WOKEN_GAP_MS));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{InspectJobs as _, MoveKeys as _, RunJobs as _};
+    use crate::clock::ManualClock;
+    use crate::memory::{MemoryBackend, MemoryMapStore};
+    use crate::workflow::{NewDependent, FORGOTTEN_MOVED_AFTER_MS};
+
+    /// Releases nothing: the dependent here never gets that far.
+    struct Never;
+
+    impl Release for Never {
+        fn release(&mut self, _: &NewJob) -> Result<(String, JobId), String> {
+            Err("not in this test".into())
+        }
+    }
+
+    /// A dependency that moved away with its key and whose copy is found
+    /// nowhere is forgotten only after the grace, and not while a shard
+    /// of the map cannot be read (its copy may be there).
+    #[test]
+    fn a_moved_dependency_is_not_forgotten_while_a_shard_is_unreadable() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let backend = MemoryBackend::new(&["a", "b"], clock.clone());
+        let with_ghost = shardq_route::ShardMap::with_shards(
+            shardq_route::Algorithm::default(),
+            ["a", "b", "ghost"],
+        )
+        .unwrap();
+        let maps = Arc::new(MemoryMapStore::new(with_ghost.clone()));
+        backend
+            .enqueue("a", u64::MAX, &[NewJob::new("k", "p")])
+            .unwrap();
+        let id = backend.key_jobs("a", "k", 1).unwrap()[0].id;
+        assert_eq!(backend.purge_key("a", "k").unwrap(), 1);
+        let shards = ["a".to_string(), "b".to_string()];
+        let mut lookup = |s: &str, id| {
+            let mut finished = |s: &str, id| crate::backend::finished_job(&backend, s, id);
+            find_job(
+                &backend,
+                &shards,
+                &|_| Some("a".to_string()),
+                &mut finished,
+                s,
+                id,
+            )
+        };
+        let n = WaitingStore::add(
+            &*maps,
+            &mut lookup,
+            clock.now_ms(),
+            &[NewDependent {
+                job: NewJob::new("d", "x"),
+                after: vec![DepRef::Job("a".into(), id)],
+                on_failure: OnDependencyFailure::Fail,
+            }],
+        )
+        .unwrap()[0]
+            .0;
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        for _ in 0..3 {
+            let report = r.pass(&backend, &mut Never).unwrap();
+            assert!(report.failed.is_empty(), "{report:?}");
+            clock.advance(FORGOTTEN_MOVED_AFTER_MS + 1);
+        }
+        // The ghost leaves the map: the grace starts, and ends.
+        let mut map = with_ghost;
+        map.shards.retain(|s| s.name != "ghost");
+        map.version = 2;
+        maps.publish(&map, 1).unwrap();
+        let report = r.pass(&backend, &mut Never).unwrap();
+        assert!(report.failed.is_empty(), "{report:?}");
+        clock.advance(FORGOTTEN_MOVED_AFTER_MS + 1);
+        let report = r.pass(&backend, &mut Never).unwrap();
+        assert_eq!(
+            report.failed.iter().map(|f| f.0).collect::<Vec<_>>(),
+            vec![n]
+        );
+        assert!(report.failed[0].1.contains("forgotten"), "{report:?}");
     }
 }

@@ -184,7 +184,16 @@ pub async fn enqueue(
 async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
     let n = jobs_in.len();
     let mut deps = Vec::with_capacity(n);
+    let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, mut j) in jobs_in.into_iter().enumerate() {
+        if let Some(id) = &j.dedup_id {
+            if let Some(first) = seen.insert((j.key.clone(), id.clone()), i) {
+                return Err(ApiError::bad(format!(
+                    "jobs[{i}].dedup_id: {} already used by jobs[{first}] of this request, for the same key",
+                    shown(id)
+                )));
+            }
+        }
         if j.after.is_none() && j.on_dependency_failure.is_some() {
             return Err(ApiError::bad(format!(
                 "jobs[{i}].on_dependency_failure: given without after; it applies to a job with dependencies"
