@@ -146,6 +146,7 @@ mod tests {
             include_str!("contract/inspect.rs"),
             include_str!("contract/moves.rs"),
             include_str!("contract/run.rs"),
+            include_str!("contract/workflow.rs"),
         ]
         .concat();
         let want = format!("h:&dyn{harness}");
