@@ -312,5 +312,11 @@ fn a_stalled_append_lock_holder_makes_no_job_run_twice() {
         during < 600,
         "the lock was taken while jobs were left to run"
     );
-    assert!(err.contains("acking"), "the held acks were reported: {err}");
+    // The stall was seen and said: acks held (a run was in flight when the
+    // lock was taken) or the shard paused for its retry (a claim met the
+    // lock first); which one comes first is a matter of timing.
+    assert!(
+        err.contains("acking") || err.contains("append lock"),
+        "the stall was reported: {err}"
+    );
 }
