@@ -7,6 +7,11 @@ use shardq_core::workflow::{NewDependent, WaitState, Waiting, WaitingStore};
 
 use crate::{DeployError, Deployment, JobLookup};
 
+/// Lookups of a dependency that is not found before it is refused ...
+const UNKNOWN_LOOKUPS: u32 = 6;
+/// ... and the gap between them (50 ms: 250 ms in all).
+const UNKNOWN_LOOKUP_GAP_MS: u64 = 50;
+
 /// A cancel of a job: the shard and id acted on, and the outcome.
 pub type JobCancelled = (String, shardq_core::JobId, shardq_core::CancelOutcome);
 
@@ -17,12 +22,24 @@ impl Deployment {
     /// dependency no shard knows is refused, naming it.
     pub fn add_dependents(&self, deps: &[NewDependent]) -> Result<Vec<(u64, bool)>, DeployError> {
         let mut lookup = |s: &str, id| -> Result<JobLookup, shardq_core::QueueError> {
-            self.find_job(s, id).map_err(|e| match e {
-                DeployError::Queue(q) => q,
-                other => shardq_core::QueueError::Internal {
-                    what: other.to_string(),
-                },
-            })
+            // A job acked a moment ago is neither live nor yet in its
+            // shard's finished jobs (the line follows the ack's record):
+            // an unknown id is looked up again for a short while before it
+            // is refused.
+            let mut tries = 0;
+            loop {
+                let found = self.find_job(s, id).map_err(|e| match e {
+                    DeployError::Queue(q) => q,
+                    other => shardq_core::QueueError::Internal {
+                        what: other.to_string(),
+                    },
+                })?;
+                tries += 1;
+                if !matches!(found, JobLookup::Unknown) || tries >= UNKNOWN_LOOKUPS {
+                    return Ok(found);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(UNKNOWN_LOOKUP_GAP_MS));
+            }
         };
         // A deployment that keeps no finished job could never see a
         // dependency complete: every one would be forgotten.
