@@ -807,9 +807,21 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     pool.handlers = Some(options.concurrency);
     // An idle exit waits for dependents still to be released (a store
     // that cannot be read counts as none: the exit is not held by it).
+    // The pool asks at every idle look (every few ms): the document is
+    // read at most every 100 ms.
     let maps = deployment.maps();
+    let seen: std::sync::Mutex<Option<(std::time::Instant, bool)>> = std::sync::Mutex::new(None);
     pool.pending_elsewhere = Some(Arc::new(move || {
-        shardq_core::workflow::WaitingStore::load(&*maps).is_ok_and(|f| f.waiting() > 0)
+        let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+        match *seen {
+            Some((at, waiting)) if at.elapsed() < std::time::Duration::from_millis(100) => waiting,
+            _ => {
+                let waiting = shardq_core::workflow::WaitingStore::load(&*maps)
+                    .is_ok_and(|f| f.waiting() > 0);
+                *seen = Some((std::time::Instant::now(), waiting));
+                waiting
+            }
+        }
     }));
     // The pool cancels runs past the job timeout, on a lost shard and past
     // the drain timeout; a cancelled handler command is killed and waited

@@ -170,7 +170,6 @@ pub struct Waiting {
     /// Attempts of the job it becomes.
     pub max_attempts: u32,
     /// Delay of the job it becomes, from its release.
-    #[serde(default)]
     pub delay_ms: u64,
     /// What a dependency that did not complete does to it.
     pub on_failure: OnDependencyFailure,
@@ -225,10 +224,8 @@ pub struct WaitingFile {
     /// Dependents by number.
     pub jobs: BTreeMap<u64, Waiting>,
     /// Dependents ever released (grows).
-    #[serde(default)]
     pub released_total: u64,
     /// Dependents ever failed or cancelled before release (grows).
-    #[serde(default)]
     pub failed_total: u64,
 }
 

@@ -158,7 +158,11 @@ impl Resolver {
             })?
         };
         self.decide(backend, release, &stored, &mut report)?;
-        report.waiting = WaitingStore::load(&*self.maps)?.waiting();
+        // What still waits, from the document this pass decided on (not
+        // read again: it sets only how soon the next pass runs).
+        report.waiting = stored
+            .waiting()
+            .saturating_sub(report.released.len() + report.failed.len());
         Ok(report)
     }
 
