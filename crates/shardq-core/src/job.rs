@@ -325,6 +325,16 @@ pub fn refuse_reserved_dedup_id(id: &str) -> Result<(), QueueError> {
             ),
         });
     }
+    if id.starts_with(crate::workflow::BATCH_PREFIX) {
+        return Err(QueueError::InvalidOption {
+            name: "dedup id",
+            value: format!("{id:?}"),
+            allowed: format!(
+                "an id not starting with {:?} (kept for batches' callbacks)",
+                crate::workflow::BATCH_PREFIX
+            ),
+        });
+    }
     if is_keyed_id(id) {
         return Err(QueueError::InvalidOption {
             name: "dedup id",

@@ -79,6 +79,7 @@ macro_rules! __contract_checks {
             finished_jobs_are_kept_newest_first
             a_handlers_result_is_kept_with_its_finished_job
             dependents_run_once_after_their_dependencies
+            a_batch_fires_each_callback_once
             rate_limits_hold_across_every_claim
             a_backed_off_run_keeps_its_attempt_and_holds_its_key
             a_resumed_key_starts_at_once_and_other_waits_stand
@@ -141,6 +142,7 @@ mod tests {
     fn checks_taking(harness: &str) -> Vec<String> {
         let src = [
             include_str!("contract/mod.rs"),
+            include_str!("contract/batch.rs"),
             include_str!("contract/dedup.rs"),
             include_str!("contract/flow.rs"),
             include_str!("contract/inspect.rs"),

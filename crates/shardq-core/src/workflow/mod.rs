@@ -63,8 +63,14 @@
 //! and the dependency says so), ended records kept for
 //! [`ENDED_KEPT_MS`] and at most [`ENDED_KEPT_MAX`] of them.
 
+mod batch;
 mod record;
 mod resolve;
+
+pub use batch::{
+    batch_of_dedup_id, callback_dedup_id, counts as batch_counts, done as batch_done,
+    due as batch_due, Batch, BatchCounts, CallbackKind, NewBatch, BATCH_PREFIX,
+};
 
 pub use record::{
     check_after, parse_dependency, DepOutcome, DepRef, Dependency, DependentTotals, NewDependent,
@@ -76,6 +82,8 @@ pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver,
 pub const SETTING_WAITING: &str = "waiting";
 /// Most dependencies of one job.
 pub const DEPENDENCIES_MAX: usize = 1_000;
+/// Most jobs in one batch.
+pub const BATCH_JOBS_MAX: usize = 10_000;
 /// Most dependents waiting at once in a deployment.
 pub const WAITING_MAX: usize = 10_000;
 /// Largest payload of a dependent (64 KiB): it is kept in the shared
@@ -110,11 +118,18 @@ pub fn release_dedup_id(id: u64) -> String {
     format!("{AFTER_PREFIX}@{id}")
 }
 
-/// The dependent a released job was, from its dedup id (`after:@N`).
+/// The dedup id a dependent is released with, for its record: a job of a
+/// batch says which (`after:@N:batch@B`), so its handler can add to it.
+pub fn release_dedup_id_of(id: u64, w: &Waiting) -> String {
+    match w.member_of {
+        Some(b) => format!("{AFTER_PREFIX}@{id}:batch@{b}"),
+        None => release_dedup_id(id),
+    }
+}
+
+/// The dependent a released job was, from its dedup id (`after:@N`, or
+/// `after:@N:batch@B` for a job of a batch).
 pub fn dependent_of_dedup_id(dedup_id: &str) -> Option<u64> {
-    dedup_id
-        .strip_prefix(AFTER_PREFIX)?
-        .strip_prefix('@')?
-        .parse()
-        .ok()
+    let rest = dedup_id.strip_prefix(AFTER_PREFIX)?.strip_prefix('@')?;
+    rest.split(':').next()?.parse().ok()
 }

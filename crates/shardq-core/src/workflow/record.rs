@@ -6,6 +6,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::batch::Batch;
 use super::{
     COLLECTED_RESULT_BYTES_MAX, DEPENDENCIES_MAX, DEPENDENT_PAYLOAD_BYTES_MAX, ENDED_KEPT_MAX,
     ENDED_KEPT_MS, SETTING_WAITING, WAITING_BYTES_MAX, WAITING_MAX,
@@ -16,7 +17,7 @@ use crate::job::{JobId, JobState, NewJob};
 use crate::reshard::{update_setting, MapStore, ReshardError};
 
 /// The waiting document's format version; another one is refused.
-pub const WAITING_FORMAT: u32 = 1;
+pub const WAITING_FORMAT: u32 = 2;
 
 /// What a dependent does when a dependency did not complete (it was
 /// cancelled, dead-lettered, purged or forgotten, or is a dependent that
@@ -192,6 +193,13 @@ pub struct Waiting {
     /// with the same id answers this dependent while its record is kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dedup_id: Option<String>,
+    /// Set when this record is a batch (`after` lists its jobs): it is
+    /// never released itself; its callbacks are (`batch.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<Batch>,
+    /// The batch this record is a job of (it has no dependencies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub member_of: Option<u64>,
 }
 
 impl Waiting {
@@ -227,6 +235,8 @@ pub struct WaitingFile {
     pub released_total: u64,
     /// Dependents ever failed or cancelled before release (grows).
     pub failed_total: u64,
+    /// Batch callbacks ever fired (grows).
+    pub callbacks_fired_total: u64,
 }
 
 /// The dependents of a deployment in numbers, for `status` and metrics.
@@ -238,6 +248,10 @@ pub struct DependentTotals {
     pub released: u64,
     /// Failed or cancelled before release since it began (grows).
     pub failed: u64,
+    /// Batches not yet complete.
+    pub batches: u64,
+    /// Batch callbacks fired since it began (grows).
+    pub callbacks_fired: u64,
 }
 
 impl Default for WaitingFile {
@@ -248,6 +262,7 @@ impl Default for WaitingFile {
             jobs: BTreeMap::new(),
             released_total: 0,
             failed_total: 0,
+            callbacks_fired_total: 0,
         }
     }
 }
@@ -276,14 +291,21 @@ impl WaitingFile {
 
     /// Its numbers.
     pub fn totals(&self) -> DependentTotals {
+        let batches = self
+            .jobs
+            .values()
+            .filter(|w| w.state == WaitState::Waiting && w.batch.is_some())
+            .count();
         DependentTotals {
-            waiting: self.waiting() as u64,
+            waiting: (self.waiting() - batches) as u64,
             released: self.released_total,
             failed: self.failed_total,
+            batches: batches as u64,
+            callbacks_fired: self.callbacks_fired_total,
         }
     }
 
-    /// Dependents still waiting.
+    /// Records still waiting: dependents, and batches not yet complete.
     pub fn waiting(&self) -> usize {
         self.jobs
             .values()
@@ -460,108 +482,7 @@ impl WaitingStore {
                 }
             }
         }
-        Self::update(
-            maps,
-            |f: &mut WaitingFile| -> Result<Vec<(u64, bool)>, ReshardError> {
-                f.trim(now_ms);
-                // Duplicates by (key, dedup id): their numbers, stored once.
-                let found: Vec<Option<u64>> = deps
-                    .iter()
-                    .map(|d| {
-                        let id = d.job.dedup_id.as_ref()?;
-                        f.jobs
-                            .iter()
-                            .find(|(_, w)| w.key == d.job.key && w.dedup_id.as_ref() == Some(id))
-                            .map(|(n, _)| *n)
-                    })
-                    .collect();
-                if f.waiting() + deps.len() > WAITING_MAX {
-                    return Err(ReshardError::Unavailable(format!(
-                    "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
-                    f.waiting()
-                )));
-                }
-                let base = f.next;
-                let mut next = base;
-                let numbers: Vec<u64> = found
-                    .iter()
-                    .map(|dup| {
-                        dup.unwrap_or_else(|| {
-                            next += 1;
-                            next - 1
-                        })
-                    })
-                    .collect();
-                for d in deps {
-                    for a in &d.after {
-                        if let DepRef::Waiting(n) = a {
-                            if !f.jobs.contains_key(n) {
-                                return Err(QueueError::InvalidOption {
-                                name: "after",
-                                value: a.to_string(),
-                                allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
-                            }
-                            .into());
-                            }
-                        }
-                    }
-                }
-                for ((d, n), dup) in deps.iter().zip(&numbers).zip(&found) {
-                    use base64::Engine as _;
-                    if dup.is_some() {
-                        continue;
-                    }
-                    let after = d
-                        .after
-                        .iter()
-                        .map(|a| {
-                            let id = match a {
-                                DepRef::Node(i) => format!("@{}", numbers[*i]),
-                                other => other.to_string(),
-                            };
-                            Dependency {
-                                id,
-                                outcome: None,
-                                at: None,
-                                result_b64: None,
-                                result_dropped: false,
-                                reason: None,
-                            }
-                        })
-                        .collect();
-                    f.jobs.insert(
-                        *n,
-                        Waiting {
-                            key: d.job.key.clone(),
-                            payload_b64: base64::engine::general_purpose::STANDARD
-                                .encode(&d.job.payload),
-                            max_attempts: d.job.max_attempts,
-                            delay_ms: d.job.delay_ms,
-                            on_failure: d.on_failure,
-                            after,
-                            created_ms: now_ms,
-                            state: WaitState::Waiting,
-                            released: None,
-                            reason: None,
-                            ended_ms: None,
-                            dedup_id: d.job.dedup_id.clone(),
-                        },
-                    );
-                }
-                f.next = next;
-                let size = f.to_text().len();
-                if size > WAITING_BYTES_MAX {
-                    return Err(ReshardError::Unavailable(format!(
-                        "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
-                    )));
-                }
-                Ok(numbers
-                    .into_iter()
-                    .zip(found)
-                    .map(|(n, dup)| (n, dup.is_some()))
-                    .collect())
-            },
-        )
+        Self::update(maps, |f: &mut WaitingFile| insert(f, now_ms, deps, None))
     }
 
     /// Cancels dependent `n` if it still waits: `Some(state)` it had
@@ -575,6 +496,14 @@ impl WaitingStore {
             let Some(w) = f.jobs.get_mut(&n) else {
                 return Ok::<_, ReshardError>(None);
             };
+            if w.batch.is_some() {
+                return Err(QueueError::InvalidOption {
+                    name: "job id",
+                    value: format!("@{n}"),
+                    allowed: "a dependent or a job; this is a batch, which is not cancelled: cancel its jobs (`shardq batch show`)".into(),
+                }
+                .into());
+            }
             let before = w.clone();
             // Every dependency has an outcome: a pass may be releasing it
             // now (its job enqueued, not yet recorded); a cancel here could
@@ -598,6 +527,115 @@ impl WaitingStore {
     pub fn get(maps: &dyn MapStore, n: u64) -> Result<Option<Waiting>, ReshardError> {
         Ok(Self::load(maps)?.jobs.remove(&n))
     }
+}
+
+/// Stores new dependents in `f` (the body of [`WaitingStore::add`]'s
+/// compare-and-set; `member_of` makes them jobs of that batch): their
+/// numbers, each with whether it was a duplicate.
+pub(super) fn insert(
+    f: &mut WaitingFile,
+    now_ms: u64,
+    deps: &[NewDependent],
+    member_of: Option<u64>,
+) -> Result<Vec<(u64, bool)>, ReshardError> {
+    f.trim(now_ms);
+    // Duplicates by (key, dedup id): their numbers, stored once.
+    let found: Vec<Option<u64>> = deps
+        .iter()
+        .map(|d| {
+            let id = d.job.dedup_id.as_ref()?;
+            f.jobs
+                .iter()
+                .find(|(_, w)| w.key == d.job.key && w.dedup_id.as_ref() == Some(id))
+                .map(|(n, _)| *n)
+        })
+        .collect();
+    if f.waiting() + deps.len() > WAITING_MAX {
+        return Err(ReshardError::Unavailable(format!(
+            "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
+            f.waiting()
+        )));
+    }
+    let base = f.next;
+    let mut next = base;
+    let numbers: Vec<u64> = found
+        .iter()
+        .map(|dup| {
+            dup.unwrap_or_else(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect();
+    for d in deps {
+        for a in &d.after {
+            if let DepRef::Waiting(n) = a {
+                if !f.jobs.contains_key(n) {
+                    return Err(QueueError::InvalidOption {
+                        name: "after",
+                        value: a.to_string(),
+                        allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
+                    }
+                    .into());
+                }
+            }
+        }
+    }
+    for ((d, n), dup) in deps.iter().zip(&numbers).zip(&found) {
+        use base64::Engine as _;
+        if dup.is_some() {
+            continue;
+        }
+        let after = d
+            .after
+            .iter()
+            .map(|a| {
+                let id = match a {
+                    DepRef::Node(i) => format!("@{}", numbers[*i]),
+                    other => other.to_string(),
+                };
+                Dependency {
+                    id,
+                    outcome: None,
+                    at: None,
+                    result_b64: None,
+                    result_dropped: false,
+                    reason: None,
+                }
+            })
+            .collect();
+        f.jobs.insert(
+            *n,
+            Waiting {
+                key: d.job.key.clone(),
+                payload_b64: base64::engine::general_purpose::STANDARD.encode(&d.job.payload),
+                max_attempts: d.job.max_attempts,
+                delay_ms: d.job.delay_ms,
+                on_failure: d.on_failure,
+                after,
+                created_ms: now_ms,
+                state: WaitState::Waiting,
+                released: None,
+                reason: None,
+                ended_ms: None,
+                dedup_id: d.job.dedup_id.clone(),
+                batch: None,
+                member_of,
+            },
+        );
+    }
+    f.next = next;
+    let size = f.to_text().len();
+    if size > WAITING_BYTES_MAX {
+        return Err(ReshardError::Unavailable(format!(
+                "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
+            )));
+    }
+    Ok(numbers
+        .into_iter()
+        .zip(found)
+        .map(|(n, dup)| (n, dup.is_some()))
+        .collect())
 }
 
 /// Refuses a graph sent at once whose in-call references loop.
@@ -753,6 +791,8 @@ mod tests {
             reason: None,
             ended_ms: None,
             dedup_id: None,
+            batch: None,
+            member_of: None,
         }
     }
 
@@ -812,6 +852,8 @@ mod tests {
             reason: None,
             ended_ms: ended,
             dedup_id: None,
+            batch: None,
+            member_of: None,
         };
         f.jobs.insert(1, w(Some(0)));
         f.jobs.insert(2, w(None));
@@ -820,8 +862,15 @@ mod tests {
         assert_eq!(f.jobs.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
         let text = f.to_text();
         assert_eq!(WaitingFile::parse(&text).unwrap(), f);
-        let other = text.replace("\"format\":1", "\"format\":2");
+        let other = text.replace(
+            &format!("\"format\":{WAITING_FORMAT}"),
+            &format!("\"format\":{}", WAITING_FORMAT + 1),
+        );
         let e = WaitingFile::parse(&other).unwrap_err().to_string();
-        assert!(e.contains("format 2") && e.contains("format 1"), "{e}");
+        assert!(
+            e.contains(&format!("format {}", WAITING_FORMAT + 1))
+                && e.contains(&format!("format {WAITING_FORMAT}")),
+            "{e}"
+        );
     }
 }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 
+use super::batch::{callback_dedup_id, done as batch_done, due as batch_due, CallbackKind};
 use super::record::{ended, room};
 use super::{
-    parse_dependency, release_dedup_id, DepOutcome, DepRef, OnDependencyFailure, WaitState,
+    parse_dependency, release_dedup_id_of, DepOutcome, DepRef, OnDependencyFailure, WaitState,
     Waiting, WaitingFile, WaitingStore, FORGOTTEN_AFTER_MS, FORGOTTEN_MOVED_AFTER_MS,
     RELEASE_DEDUP_WINDOW_MS, RESOLVE_EVERY_MS,
 };
@@ -47,6 +48,8 @@ pub struct PassReport {
     pub released: Vec<(u64, String)>,
     /// Dependents failed: their number and why.
     pub failed: Vec<(u64, String)>,
+    /// Batch callbacks enqueued: the batch, the kind, the job.
+    pub fired: Vec<(u64, CallbackKind, String)>,
     /// Dependents still waiting after the pass.
     pub waiting: usize,
     /// Lookups or releases that failed (tried again next pass).
@@ -444,11 +447,43 @@ impl Resolver {
     ) -> Result<(), ReshardError> {
         let mut released: BTreeMap<u64, String> = BTreeMap::new();
         let mut failed: BTreeMap<u64, String> = BTreeMap::new();
+        let mut fired: Vec<(u64, CallbackKind, String)> = Vec::new();
+        let mut batch_ends: Vec<u64> = Vec::new();
         for (n, w) in stored
             .jobs
             .iter()
             .filter(|(_, w)| w.state == WaitState::Waiting)
         {
+            if let Some(b) = &w.batch {
+                // A batch: its callbacks due, each enqueued with its own
+                // dedup id; it ends once closed, every job ended and every
+                // callback due fired (checked again on the record).
+                for kind in batch_due(w) {
+                    let payload = b
+                        .callbacks
+                        .get(&kind)
+                        .and_then(|p| base64::engine::general_purpose::STANDARD.decode(p).ok())
+                        .unwrap_or_default();
+                    let job = NewJob {
+                        key: w.key.clone(),
+                        payload,
+                        delay_ms: 0,
+                        max_attempts: w.max_attempts,
+                        dedup_id: Some(callback_dedup_id(*n, kind)),
+                        keyed: None,
+                    };
+                    match release.release(&job) {
+                        Ok((shard, id)) => fired.push((*n, kind, format!("{shard}:{}", id.0))),
+                        Err(e) => report
+                            .errors
+                            .push(format!("batch @{n}'s {} callback: {e}", kind.as_str())),
+                    }
+                }
+                if !b.open && w.after.iter().all(|d| d.outcome.is_some()) {
+                    batch_ends.push(*n);
+                }
+                continue;
+            }
             if w.after.iter().any(|d| d.outcome.is_none()) {
                 continue;
             }
@@ -461,7 +496,7 @@ impl Resolver {
                 payload: w.payload(),
                 delay_ms: w.delay_ms,
                 max_attempts: w.max_attempts,
-                dedup_id: Some(release_dedup_id(*n)),
+                dedup_id: Some(release_dedup_id_of(*n, w)),
                 keyed: None,
             };
             match release.release(&job) {
@@ -471,7 +506,7 @@ impl Resolver {
                 Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
             }
         }
-        if released.is_empty() && failed.is_empty() {
+        if released.is_empty() && failed.is_empty() && fired.is_empty() && batch_ends.is_empty() {
             return Ok(());
         }
         let now = self.clock.now_ms();
@@ -500,6 +535,22 @@ impl Resolver {
                     f.failed_total += 1;
                 }
             }
+            for (n, kind, at) in &fired {
+                if let Some(b) = f.jobs.get_mut(n).and_then(|w| w.batch.as_mut()) {
+                    if !b.fired.contains_key(kind) {
+                        b.fired.insert(*kind, at.clone());
+                        f.callbacks_fired_total += 1;
+                    }
+                }
+            }
+            for n in &batch_ends {
+                if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
+                    if batch_done(w) {
+                        w.state = WaitState::Released;
+                        w.ended_ms = Some(now);
+                    }
+                }
+            }
             f.trim(now);
             Ok::<_, ReshardError>(late)
         })?;
@@ -510,6 +561,7 @@ impl Resolver {
         }
         report.released = released.into_iter().collect();
         report.failed = failed.into_iter().collect();
+        report.fired = fired;
         Ok(())
     }
 }

@@ -14,6 +14,7 @@ use shardq_core::backend::QueueBackend;
 use shardq_core::error::QueueError;
 use shardq_core::job::{CancelOutcome, ClaimedJob, JobId, JobState, KeyCounts, NewJob, Receipt};
 
+mod batch;
 mod dedup;
 mod flow;
 mod inspect;
@@ -21,6 +22,7 @@ mod moves;
 mod run;
 mod workflow;
 
+pub use batch::*;
 pub use dedup::*;
 pub use flow::*;
 pub use inspect::*;
