@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
-use support::{enqueue_lines, init_shards, run, status_json, temp_dir, BIN};
+use support::{enqueue_lines, init_shards, quick_retries, run, status_json, temp_dir, BIN};
 
 /// `work --stdio --exit-when-idle --concurrency C EXTRA -- python3 SCRIPT`.
 fn stdio_command(data: &Path, script: &Path, concurrency: usize, extra: &[&str]) -> Command {
@@ -113,6 +113,8 @@ fn a_stdio_handler_that_dies_fails_its_job_and_is_replaced() {
     let dir = temp_dir("stdio-crash");
     let data = dir.join("data");
     init_shards(&data, 1);
+    // Job 3 runs again at once, not after the default 10 s backoff.
+    quick_retries(&data);
     let lines: String = (0..10).map(|i| format!("k\t{i}\n")).collect();
     enqueue_lines(&data, &lines, &[]);
     let log = dir.join("runs.log");
@@ -305,6 +307,9 @@ fn a_stdio_handler_that_breaks_the_protocol_after_an_answer_is_replaced_not_wedg
         let dir = temp_dir(&format!("stdio-extra-{name}"));
         let data = dir.join("data");
         init_shards(&data, 2);
+        // The failed attempts run again at once, not after the default
+        // 10 s doubling backoff.
+        quick_retries(&data);
         let lines: String = (0..120)
             .map(|i| format!("t-{}\t{}\n", i % 12, i / 12))
             .collect();
@@ -337,6 +342,9 @@ fn jobs_written_ahead_to_a_handler_that_dies_run_again_without_losing_an_attempt
     let dir = temp_dir("stdio-ahead");
     let data = dir.join("data");
     init_shards(&data, 1);
+    // The job the dead handler ran is retried at once, not after the
+    // default 10 s backoff.
+    quick_retries(&data);
     let lines: String = (0..16).map(|i| format!("k-{i}\t0\n")).collect();
     // One attempt each: an attempt charged to a job that never started
     // would dead-letter it.

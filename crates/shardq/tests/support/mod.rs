@@ -212,6 +212,28 @@ pub fn init_shards_with(data: &Path, shards: usize, extra: &[&str]) {
     assert!(ok, "{err}");
 }
 
+/// Failed attempts of `data`'s jobs come back after `RETRY_MS` rather than
+/// the default backoff (10 s doubling): `shardq retry set --backoff fixed
+/// --base-ms RETRY_MS`, for a test whose jobs fail and retry but which
+/// does not measure the backoff. Workers started afterwards use it.
+pub fn quick_retries(data: &Path) {
+    let base = RETRY_MS.to_string();
+    let (ok, _, err) = run(&[
+        "retry",
+        "set",
+        "--data",
+        data.to_str().unwrap(),
+        "--backoff",
+        "fixed",
+        "--base-ms",
+        &base,
+    ]);
+    assert!(ok, "{err}");
+}
+
+/// The backoff [`quick_retries`] sets, in ms.
+pub const RETRY_MS: u64 = 20;
+
 /// `shardq enqueue --data DATA --stdin EXTRA` with `lines`, asserting it
 /// succeeds.
 pub fn enqueue_lines(data: &Path, lines: &str, extra: &[&str]) {
