@@ -27,6 +27,9 @@ printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
 echo "end $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N)" >> "$LOG"
 "#;
 
+/// The workers' shard and job leases, in ms.
+const WORKER_LEASE_MS: &str = "3000";
+
 fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
     let mut args = vec![
         "work",
@@ -36,6 +39,14 @@ fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
         "all",
         "--concurrency",
         "4",
+        // Short leases: the second worker takes the SIGKILLed one's shards
+        // and runs over once these lapse (about 4 s with the clock-skew
+        // margin), not after the default 30 s. Renewed every second, they
+        // outlast a loaded machine's stalls by far.
+        "--lease-ms",
+        WORKER_LEASE_MS,
+        "--job-lease-ms",
+        WORKER_LEASE_MS,
     ];
     if idle_exit {
         args.push("--exit-when-idle");
