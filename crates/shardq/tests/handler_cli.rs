@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 mod support;
 use support::{
-    ok, process_alive, read_pids, run, signal, status_json, temp_dir, wait_until, BIN, WAIT_MAX,
+    ok, process_alive, quick_retries, read_pids, run, signal, status_json, temp_dir, wait_until,
+    BIN, WAIT_MAX,
 };
 
 /// Starts `shardq work --data DATA EXTRA -- sh -c SCRIPT`. Its stderr goes
@@ -170,6 +171,9 @@ fn job_timeout_kills_a_hung_handler_and_fails_the_attempt() {
     let data = dir.join("data");
     let pids = dir.join("pids");
     init_with_job(&data, &["--max-attempts", "2"]);
+    // The second attempt starts at once, not after the default 10 s
+    // backoff.
+    quick_retries(&data);
     let script = format!(
         "echo $$ >> {p}; sleep 30 & echo $! >> {p}; wait",
         p = pids.display()
