@@ -41,18 +41,26 @@ impl Deployment {
                 std::thread::sleep(std::time::Duration::from_millis(UNKNOWN_LOOKUP_GAP_MS));
             }
         };
-        // A deployment that keeps no finished job could never see a
-        // dependency complete: every one would be forgotten.
-        if !deps.is_empty() && self.retention()?.finished_jobs == 0 {
-            return Err(shardq_core::QueueError::InvalidOption {
-                name: "after",
-                value: "a dependent".into(),
-                allowed: "a deployment that keeps finished jobs: its retention keeps none (`shardq retention show`), so no dependency could be seen completing".into(),
-            }
-            .into());
+        if !deps.is_empty() {
+            self.refuse_without_retention("after")?;
         }
         let now = self.clock().now_ms();
         Ok(WaitingStore::add(&*self.maps(), &mut lookup, now, deps)?)
+    }
+
+    /// Refuses a dependent or a batch (`what` names the option) in a
+    /// deployment that keeps no finished job: it could never see a job
+    /// complete, so every one would be forgotten.
+    pub(crate) fn refuse_without_retention(&self, what: &'static str) -> Result<(), DeployError> {
+        if self.retention()?.finished_jobs == 0 {
+            return Err(shardq_core::QueueError::InvalidOption {
+                name: what,
+                value: "a job that waits for others' ends".into(),
+                allowed: "a deployment that keeps finished jobs: its retention keeps none (`shardq retention show`), so no job could be seen completing".into(),
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// Dependent `n`'s record, while it waits and for a day after it

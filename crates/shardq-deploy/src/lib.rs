@@ -22,6 +22,7 @@
 //! route, enqueue or run jobs itself beyond handing out the core types that
 //! do (`Producer`, `WorkerPool`).
 
+mod batches;
 mod dependents;
 mod error;
 pub mod redis_maps;

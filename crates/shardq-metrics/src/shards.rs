@@ -78,7 +78,7 @@ pub(crate) struct ShardGauges {
     read_seconds: Gauge<f64, AtomicU64>,
     /// Schedules: how many, paused, and the ticks fired, skipped, missed.
     schedules: [Gauge; 5],
-    dependents: [Gauge; 3],
+    dependents: [Gauge; 5],
 }
 
 fn int(v: u64) -> i64 {
@@ -200,6 +200,14 @@ impl ShardGauges {
                 "shardq_dependents_failed",
                 "Dependents that ended without running: a dependency did not complete under the fail policy, or cancelled while waiting (grows)",
             ),
+            (
+                "shardq_batches_pending",
+                "Batches not yet complete (open, or closed with a job not ended or a callback not fired)",
+            ),
+            (
+                "shardq_batch_callbacks_fired",
+                "Batch callbacks enqueued (complete, success and death; each once per batch) (grows)",
+            ),
         ];
         for ((name, help), gauge) in dependent_series.into_iter().zip(&g.dependents) {
             r.register(name, help, gauge.clone());
@@ -256,11 +264,13 @@ impl ShardGauges {
             }
         }
         if let Some(t) = snap.report.dependents {
-            for (gauge, v) in self
-                .dependents
-                .iter()
-                .zip([t.waiting, t.released, t.failed])
-            {
+            for (gauge, v) in self.dependents.iter().zip([
+                t.waiting,
+                t.released,
+                t.failed,
+                t.batches,
+                t.callbacks_fired,
+            ]) {
                 gauge.set(int(v));
             }
         }

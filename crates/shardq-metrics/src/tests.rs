@@ -45,6 +45,8 @@ fn fixed() -> StatusSnapshot {
                 waiting: 4,
                 released: 11,
                 failed: 1,
+                batches: 2,
+                callbacks_fired: 7,
             }),
         },
     }
@@ -176,6 +178,8 @@ fn a_fixed_state_renders_as_documented() {
         ("shardq_dependents_waiting", 4),
         ("shardq_dependents_released", 11),
         ("shardq_dependents_failed", 1),
+        ("shardq_batches_pending", 2),
+        ("shardq_batch_callbacks_fired", 7),
     ] {
         expect(
             name,

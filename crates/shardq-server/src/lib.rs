@@ -296,6 +296,18 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
             r("POST", "/v1/keys/{key}/resume", Some(Admin)),
             post(api::key_resume),
         ),
+        (
+            r("POST", "/v1/batches", Some(Produce)),
+            post(api::batch_open),
+        ),
+        (
+            r("POST", "/v1/batches/{id}/close", Some(Produce)),
+            post(api::batch_close),
+        ),
+        (
+            r("GET", "/v1/batches/{id}", Some(Read)),
+            get(api::batch_show),
+        ),
         (r("GET", "/v1/jobs/{id}", Some(Read)), get(api::job_show)),
         (
             r("GET", "/v1/jobs/{id}/result", Some(Read)),

@@ -87,9 +87,12 @@ fn job_fence(job: &ClaimedJob) -> Option<String> {
 /// in ms (`SHARDQ_SCHEDULE_TIME_MS`), `SHARDQ_SCHEDULE_TRIGGERED=1` for
 /// an operator's trigger, and for a released dependent its id
 /// (`SHARDQ_DEPENDENT=@N`: `shardq job show @N --json` lists its
-/// dependencies' outcomes and results). An absent one is removed from the
+/// dependencies' outcomes and results), for a job of a batch or a
+/// callback its batch (`SHARDQ_BATCH=@N`) and a callback's kind
+/// (`SHARDQ_BATCH_CALLBACK`). An absent one is removed from the
 /// environment the worker passes on.
-pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 6] {
+pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 8] {
+    let (batch, callback) = shardq_core::workflow::batch_fields(job.dedup_id.as_deref());
     let tick = job
         .dedup_id
         .as_deref()
@@ -117,6 +120,8 @@ pub fn job_origin_env(job: &ClaimedJob) -> [(&'static str, Option<String>); 6] {
                 .and_then(shardq_core::workflow::dependent_of_dedup_id)
                 .map(|n| format!("@{n}")),
         ),
+        ("SHARDQ_BATCH", batch),
+        ("SHARDQ_BATCH_CALLBACK", callback.map(String::from)),
     ]
 }
 

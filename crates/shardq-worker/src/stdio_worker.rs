@@ -81,11 +81,19 @@ pub struct StdioJob<'a> {
     /// results: `shardq job show @N --json`, `GET /v1/jobs/@N`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dependent: Option<String>,
+    /// The batch of a job of a batch or of a callback, `@N` (add to it
+    /// with `shardq enqueue --batch @N`; read it with `shardq batch show`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<String>,
+    /// A batch callback's kind: `complete`, `success` or `death`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_callback: Option<&'static str>,
 }
 
 impl<'a> StdioJob<'a> {
     /// The line for `job`.
     pub fn of(job: &'a ClaimedJob) -> StdioJob<'a> {
+        let (batch, batch_callback) = shardq_core::workflow::batch_fields(job.dedup_id.as_deref());
         let (payload, payload_b64) = match std::str::from_utf8(&job.payload) {
             Ok(text) => (Some(text), None),
             Err(_) => (
@@ -108,6 +116,8 @@ impl<'a> StdioJob<'a> {
             dependent: (job.dedup_id.as_deref())
                 .and_then(shardq_core::workflow::dependent_of_dedup_id)
                 .map(|n| format!("@{n}")),
+            batch,
+            batch_callback,
         }
     }
 }

@@ -231,6 +231,21 @@ pub struct EnqueueArgs {
     /// --debounce, within 1s and 1d).
     #[arg(long, value_name = "DURATION", requires = "debounce_id")]
     debounce_max: Option<String>,
+    /// A job of a batch (`shardq batch open` printed its @N; a batch
+    /// job's handler finds it in SHARDQ_BATCH, to add more): stored with
+    /// the batch in one step, then enqueued on its key by a worker's next
+    /// pass. Prints the job's id in the batch, @M (`shardq job show @M`).
+    #[arg(
+        long,
+        value_name = "@N",
+        conflicts_with_all = ["stdin", "unique_id", "debounce_id", "after"]
+    )]
+    batch: Option<String>,
+    /// With --batch: a second enqueue of this key with this id into the
+    /// batch stores nothing and prints the first one's @M, so a batch job
+    /// that adds to its batch and runs again adds nothing twice.
+    #[arg(long, value_name = "ID", requires = "batch")]
+    dedup_id: Option<String>,
     /// A dependent: the job waits (state `waiting`, on no shard, not
     /// holding up its key) until every job named here has ended, then is
     /// enqueued on its key; ids are SHARD:ID or a dependent's @N, comma
@@ -500,6 +515,9 @@ fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     if !args.after.is_empty() {
         return enqueue_after(&args, &deployment);
     }
+    if let Some(batch) = &args.batch {
+        return enqueue_in_batch(&args, batch, &deployment);
+    }
     let mut producer = deployment.producer(ProducerOptions::default())?;
     let retry = deployment.retry_settings()?;
     enqueue_with(&args, &retry, &mut |jobs| {
@@ -520,9 +538,9 @@ fn enqueue(args: EnqueueArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// `enqueue --after`: adds one dependent and prints its id, `@N`.
-fn enqueue_after(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<ExitCode> {
-    use shardq_core::workflow::{parse_dependency, NewDependent, OnDependencyFailure};
+/// The job `--key`, `--payload`, `--delay-ms` and `--max-attempts` give
+/// (attempts from the key's retry policy when not given), checked.
+fn one_job(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<NewJob> {
     let key = args.key.clone().unwrap_or_default();
     let retry = deployment.retry_settings()?;
     let job = NewJob {
@@ -531,6 +549,33 @@ fn enqueue_after(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<
         ..NewJob::new(key, args.payload.clone().unwrap_or_default())
     };
     job.validate(shardq_core::job::PAYLOAD_BYTES_MAX_DEFAULT)?;
+    Ok(job)
+}
+
+/// `enqueue --batch @N`: adds one job to the batch and prints its id, `@M`.
+fn enqueue_in_batch(
+    args: &EnqueueArgs,
+    batch: &str,
+    deployment: &Deployment,
+) -> anyhow::Result<ExitCode> {
+    let n = shardq_core::workflow::parse_batch_id(batch)?;
+    let mut job = one_job(args, deployment)?;
+    if let Some(id) = &args.dedup_id {
+        shardq_core::job::refuse_reserved_dedup_id(id)?;
+        job.dedup_id = Some(id.clone());
+        job.validate(shardq_core::job::PAYLOAD_BYTES_MAX_DEFAULT)?;
+    }
+    let m = deployment
+        .add_to_batch(n, &[job])
+        .context("the job was NOT enqueued")?;
+    println!("@{}", m[0].0);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `enqueue --after`: adds one dependent and prints its id, `@N`.
+fn enqueue_after(args: &EnqueueArgs, deployment: &Deployment) -> anyhow::Result<ExitCode> {
+    use shardq_core::workflow::{parse_dependency, NewDependent, OnDependencyFailure};
+    let job = one_job(args, deployment)?;
     let after = args
         .after
         .iter()
@@ -805,7 +850,8 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     pool.result_bytes_max = options.result_bytes_max;
     pool.concurrency = options.pool_concurrency();
     pool.handlers = Some(options.concurrency);
-    // An idle exit waits for dependents still to be released (a store
+    // An idle exit waits for dependents still to be released and closed
+    // batches still to complete (a store
     // that cannot be read counts as none: the exit is not held by it).
     // The pool asks at every idle look (every few ms): the document is
     // read at most every 100 ms.
@@ -816,8 +862,8 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         match *seen {
             Some((at, waiting)) if at.elapsed() < std::time::Duration::from_millis(100) => waiting,
             _ => {
-                let waiting = shardq_core::workflow::WaitingStore::load(&*maps)
-                    .is_ok_and(|f| f.waiting() > 0);
+                let waiting =
+                    shardq_core::workflow::WaitingStore::load(&*maps).is_ok_and(|f| f.work_ahead());
                 *seen = Some((std::time::Instant::now(), waiting));
                 waiting
             }
@@ -1034,6 +1080,12 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
             println!(
                 "dependents: {} waiting; {} released and {} failed so far (`shardq jobs --key KEY` lists a key's waiting ones)",
                 t.waiting, t.released, t.failed
+            );
+        }
+        if let Some(t) = st.dependents.filter(|t| t.batches + t.callbacks_fired > 0) {
+            println!(
+                "batches: {} not yet complete; {} callbacks fired so far (`shardq batch show @N` for one)",
+                t.batches, t.callbacks_fired
             );
         }
         for g in &groups {

@@ -9,6 +9,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
+mod cmd_batch;
 mod cmd_demo;
 mod cmd_engine;
 mod cmd_flow;
@@ -71,6 +72,11 @@ enum Command {
     /// backfill or delete them.
     #[command(subcommand)]
     Schedule(cmd_schedule::ScheduleAction),
+    /// Batches: jobs grouped under one id, with callbacks that run once
+    /// when the batch is complete, succeeded, or at its first dead job:
+    /// open, close or show one (jobs join with `enqueue --batch @N`).
+    #[command(subcommand)]
+    Batch(cmd_batch::BatchAction),
     /// Flow control per key: rate limits, a group, weight and priority,
     /// for a key, a key prefix or the default: show, set or clear them.
     #[command(subcommand)]
@@ -126,6 +132,7 @@ fn main() -> ExitCode {
         Command::Retention(action) => cmd_retention::run(action),
         Command::Pg(action) => cmd_pg::run(action),
         Command::Schedule(action) => cmd_schedule::run(action),
+        Command::Batch(action) => cmd_batch::run(action),
         Command::Policy(action) => cmd_flow::policy(action),
         Command::Group(action) => cmd_flow::group(action),
         Command::Reshard(cmd) => cmd_reshard::run(cmd),

@@ -15,7 +15,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use shardq_testkit::redis::{RedisCluster, RedisServer};
-use support::{init_shards, init_shards_with, ok, run, signal, temp_dir, wait_until, BIN};
+use support::{
+    init_shards, init_shards_with, ok, run, seed, signal, temp_dir, wait_until, Disturb, Lcg, BIN,
+};
+
+/// The keys a `Pin` trial moves.
+const PIN: &[&str] = &["fan-in", "child-3", "link-2"];
 
 /// The handler: logs `start`/`end` lines with a nanosecond clock, fails a
 /// job whose payload is `die`, returns `r-PAYLOAD`.
@@ -114,29 +119,6 @@ fn enqueue_after(d: &str, key: &str, payload: &str, after: &[String], policy: &s
     .to_string()
 }
 
-/// A small deterministic generator for the disturbances' timing.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
-
-/// How keys move during a trial.
-#[derive(Clone, Debug)]
-enum Disturb {
-    /// `add-shard NEW` (on the Redis server named, for a Redis
-    /// deployment) then `rebalance`.
-    Grow(Option<String>),
-    /// `pin` the fan-in's key and a child's key to another shard.
-    Pin,
-}
-
 /// One trial: the workflow, a disturbance at a random moment, the worker
 /// SIGKILLed at another and a second worker to the end; then the
 /// invariants.
@@ -199,38 +181,7 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let mut w = worker(d, log, false);
     // The disturbance after 0-600 ms, the SIGKILL 200-900 ms after it.
     std::thread::sleep(Duration::from_millis(rng.below(600)));
-    match disturb {
-        Disturb::Grow(url) => {
-            let new = format!("grown-{name}");
-            let mut args = vec!["add-shard", "--data", d, &new];
-            if let Some(u) = &url {
-                args.extend(["--url", u]);
-            }
-            ok(&args);
-            ok(&["rebalance", "--data", d]);
-        }
-        Disturb::Pin => {
-            for key in ["fan-in", "child-3", "link-2"] {
-                let v: serde_json::Value = serde_json::from_str(&ok(&[
-                    "jobs",
-                    "--data",
-                    d,
-                    "--key",
-                    key,
-                    "--json",
-                    "--finished",
-                    "0",
-                ]))
-                .unwrap();
-                let to = if v["shard"] == "shard-0" {
-                    "shard-1"
-                } else {
-                    "shard-0"
-                };
-                ok(&["pin", "--data", d, key, to]);
-            }
-        }
-    }
+    support::disturb(d, name, &disturb);
     std::thread::sleep(Duration::from_millis(200 + rng.below(700)));
     signal(w.id(), "-KILL");
     let _ = w.wait();
@@ -331,19 +282,13 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let _ = std::fs::remove_file(log);
 }
 
-fn seed() -> u64 {
-    let s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("seed {s}");
-    s
-}
-
 #[test]
 fn fan_in_and_chain_survive_moves_and_a_killed_worker_on_the_embedded_engine() {
     let dir = temp_dir("wf-embedded");
-    for (i, disturb) in [Disturb::Grow(None), Disturb::Pin].into_iter().enumerate() {
+    for (i, disturb) in [Disturb::Grow(None), Disturb::Pin(PIN)]
+        .into_iter()
+        .enumerate()
+    {
         let data = dir.join(format!("q{i}"));
         init_shards(&data, 2);
         let log = dir.join(format!("log{i}"));
@@ -389,7 +334,7 @@ fn fan_in_and_chain_survive_moves_and_a_killed_worker_on_a_redis_cluster() {
         data.to_str().unwrap(),
         &dir.join("log"),
         seed(),
-        Disturb::Pin,
+        Disturb::Pin(PIN),
     );
 }
 

@@ -184,6 +184,27 @@ pub fn batch_of_dedup_id(dedup_id: &str) -> Option<(u64, Option<CallbackKind>)> 
     Some((batch.parse().ok()?, None))
 }
 
+/// What a handler is told of a job's batch, from its dedup id: the batch
+/// (`@N`) for a job of a batch or a callback, and the callback's kind.
+pub fn batch_fields(dedup_id: Option<&str>) -> (Option<String>, Option<&'static str>) {
+    match dedup_id.and_then(batch_of_dedup_id) {
+        Some((n, kind)) => (Some(format!("@{n}")), kind.map(CallbackKind::as_str)),
+        None => (None, None),
+    }
+}
+
+/// Parses a batch's id, `@N`, naming the value when it is not one.
+pub fn parse_batch_id(s: &str) -> Result<u64, QueueError> {
+    s.trim()
+        .strip_prefix('@')
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| QueueError::InvalidOption {
+            name: "batch",
+            value: format!("{s:?}"),
+            allowed: "a batch's id @N, as `shardq batch open` prints it".into(),
+        })
+}
+
 fn refuse(name: &'static str, value: String, allowed: impl Into<String>) -> ReshardError {
     QueueError::InvalidOption {
         name,

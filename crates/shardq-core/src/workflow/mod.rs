@@ -68,8 +68,8 @@ mod record;
 mod resolve;
 
 pub use batch::{
-    batch_of_dedup_id, callback_dedup_id, counts as batch_counts, done as batch_done,
-    due as batch_due, Batch, BatchCounts, CallbackKind, NewBatch, BATCH_PREFIX,
+    batch_fields, batch_of_dedup_id, callback_dedup_id, counts as batch_counts, done as batch_done,
+    due as batch_due, parse_batch_id, Batch, BatchCounts, CallbackKind, NewBatch, BATCH_PREFIX,
 };
 
 pub use record::{

@@ -305,6 +305,20 @@ impl WaitingFile {
         }
     }
 
+    /// Whether a resolver pass has work ahead: a dependent (or a batch's
+    /// job) waits, a closed batch is not complete, or a batch has a
+    /// callback due. An open batch with nothing due is not work: it waits
+    /// for its producer, not for a pass.
+    pub fn work_ahead(&self) -> bool {
+        self.jobs.values().any(|w| {
+            w.state == WaitState::Waiting
+                && match &w.batch {
+                    None => true,
+                    Some(b) => !b.open || !super::batch::due(w).is_empty(),
+                }
+        })
+    }
+
     /// Records still waiting: dependents, and batches not yet complete.
     pub fn waiting(&self) -> usize {
         self.jobs

@@ -332,6 +332,12 @@ struct ClaimedOut {
     /// dependencies' outcomes and results).
     #[serde(skip_serializing_if = "Option::is_none")]
     dependent: Option<String>,
+    /// The batch of a job of a batch or of a callback, `@N`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<String>,
+    /// A batch callback's kind: `complete`, `success` or `death`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch_callback: Option<&'static str>,
 }
 
 /// `POST /v1/claim`: long-polls the owned shards until something is
@@ -500,6 +506,8 @@ impl App {
                                 ),
                             ),
                         };
+                        let (batch, batch_callback) =
+                            shardq_core::workflow::batch_fields(j.dedup_id.as_deref());
                         out.push(ClaimedOut {
                             id: job_string(&j.shard, j.id),
                             receipt: receipt_string(
@@ -525,6 +533,8 @@ impl App {
                             dependent: (j.dedup_id.as_deref())
                                 .and_then(shardq_core::workflow::dependent_of_dedup_id)
                                 .map(|n| format!("@{n}")),
+                            batch,
+                            batch_callback,
                             dedup_id: j.dedup_id,
                         });
                     }

@@ -78,7 +78,7 @@ pub fn parse_on_failure(i: usize, v: Option<&str>) -> Result<OnDependencyFailure
 }
 
 /// Text or base64 of stored base64 bytes, as `result`/`result_b64`.
-fn text_or_b64(b64: &str) -> (Option<String>, Option<String>) {
+pub(super) fn text_or_b64(b64: &str) -> (Option<String>, Option<String>) {
     match base64::engine::general_purpose::STANDARD.decode(b64) {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(t) => (Some(t), None),
@@ -88,11 +88,10 @@ fn text_or_b64(b64: &str) -> (Option<String>, Option<String>) {
     }
 }
 
-/// Dependent `n` in the wire form of `GET /v1/jobs/@N` (the OpenAPI
-/// document's `Dependent`), for every place that prints one.
-pub fn dependent_value(n: u64, w: &Waiting) -> Value {
-    let after: Vec<Value> = w
-        .after
+/// Dependencies (or a batch's jobs) in their wire form: id, outcome,
+/// where it ended, result (text or base64), reason.
+pub(super) fn dependency_values(after: &[shardq_core::workflow::Dependency]) -> Vec<Value> {
+    after
         .iter()
         .map(|d| {
             let mut v = json!({ "id": d.id, "outcome": d.outcome.map(|o| o.as_str()) });
@@ -116,7 +115,13 @@ pub fn dependent_value(n: u64, w: &Waiting) -> Value {
             }
             v
         })
-        .collect();
+        .collect()
+}
+
+/// Dependent `n` in the wire form of `GET /v1/jobs/@N` (the OpenAPI
+/// document's `Dependent`), for every place that prints one.
+pub fn dependent_value(n: u64, w: &Waiting) -> Value {
+    let after = dependency_values(&w.after);
     let (payload, payload_b64) = text_or_b64(&w.payload_b64);
     let state = match w.state {
         WaitState::Waiting => "waiting",

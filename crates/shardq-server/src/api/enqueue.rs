@@ -18,24 +18,28 @@ pub struct EnqueueRequest {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct JobIn {
-    key: String,
-    payload: Option<String>,
+pub(super) struct JobIn {
+    pub(super) key: String,
+    pub(super) payload: Option<String>,
     payload_b64: Option<String>,
-    delay_ms: Option<u64>,
-    max_attempts: Option<u32>,
-    dedup_id: Option<String>,
-    unique_id: Option<String>,
-    unique_while: Option<String>,
-    debounce_id: Option<String>,
-    debounce_ms: Option<u64>,
-    debounce_max_ms: Option<u64>,
+    pub(super) delay_ms: Option<u64>,
+    pub(super) max_attempts: Option<u32>,
+    pub(super) dedup_id: Option<String>,
+    pub(super) unique_id: Option<String>,
+    pub(super) unique_while: Option<String>,
+    pub(super) debounce_id: Option<String>,
+    pub(super) debounce_ms: Option<u64>,
+    pub(super) debounce_max_ms: Option<u64>,
     /// Dependencies: ids (`SHARD:ID`, `@N`) and indexes of this request's
     /// jobs. A request where any job has it stores every job as a
     /// dependent, in one compare-and-set (jobs without it are released at
     /// the next pass): a graph sent at once.
-    after: Option<Vec<Value>>,
-    on_dependency_failure: Option<String>,
+    pub(super) after: Option<Vec<Value>>,
+    pub(super) on_dependency_failure: Option<String>,
+    /// A batch's id (`@N`, from `POST /v1/batches`): the job joins it. A
+    /// request where any job has it adds every job to that one batch, in
+    /// one compare-and-set.
+    pub(super) batch: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -57,7 +61,7 @@ fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
         .map_err(|e| ApiError::bad(format!("{field}: {e}")))
 }
 
-fn to_new_job(
+pub(super) fn to_new_job(
     i: usize,
     j: JobIn,
     payload_max: usize,
@@ -143,6 +147,9 @@ pub async fn enqueue(
             "jobs: {n} jobs, over the limit of {} per request",
             app.limits.jobs_per_request_max
         )));
+    }
+    if jobs_in.iter().any(|j| j.batch.is_some()) {
+        return super::batches::enqueue_in_batch(app, jobs_in).await;
     }
     if jobs_in.iter().any(|j| j.after.is_some()) {
         return enqueue_graph(app, jobs_in).await;

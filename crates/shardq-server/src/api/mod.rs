@@ -9,6 +9,7 @@
 //! block the async executor or panic on input.
 
 mod admin;
+mod batches;
 mod claims;
 mod dependents;
 mod enqueue;
@@ -19,6 +20,7 @@ mod runs;
 mod schedules;
 
 pub use admin::*;
+pub use batches::{batch_close, batch_open, batch_show, batch_value};
 pub use claims::*;
 pub use dependents::{dependent_value, parse_after};
 pub use enqueue::*;

@@ -246,3 +246,75 @@ pub fn enqueue_lines(data: &Path, lines: &str, extra: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A small deterministic generator for a trial's disturbances (their
+/// timing), seeded by [`seed`].
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    /// A number below `n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// A seed from the clock, printed so a failing trial can be replayed.
+pub fn seed() -> u64 {
+    let s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    eprintln!("seed {s}");
+    s
+}
+
+/// How keys move during a trial.
+#[derive(Clone, Debug)]
+pub enum Disturb {
+    /// `add-shard NEW` (on the Redis server named, for a Redis
+    /// deployment) then `rebalance`.
+    Grow(Option<String>),
+    /// `pin` each of these keys to the other of `shard-0` and `shard-1`.
+    Pin(&'static [&'static str]),
+}
+
+/// Moves keys of the deployment at `d` as `how` says (`name` names the
+/// new shard of a `Grow`).
+pub fn disturb(d: &str, name: &str, how: &Disturb) {
+    match how {
+        Disturb::Grow(url) => {
+            let new = format!("grown-{name}");
+            let mut args = vec!["add-shard", "--data", d, &new];
+            if let Some(u) = url {
+                args.extend(["--url", u]);
+            }
+            ok(&args);
+            ok(&["rebalance", "--data", d]);
+        }
+        Disturb::Pin(keys) => {
+            for key in keys.iter() {
+                let v: serde_json::Value = serde_json::from_str(&ok(&[
+                    "jobs",
+                    "--data",
+                    d,
+                    "--key",
+                    key,
+                    "--json",
+                    "--finished",
+                    "0",
+                ]))
+                .unwrap();
+                let to = if v["shard"] == "shard-0" {
+                    "shard-1"
+                } else {
+                    "shard-0"
+                };
+                ok(&["pin", "--data", d, key, to]);
+            }
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! Batches through the real binary, tried as an attacker would: jobs on
+//! many keys, a job that adds to its batch after the close (and may run
+//! twice), a dead job, while keys move (`add-shard` + `rebalance`, `pin`)
+//! and the worker is SIGKILLed and started again, on the embedded engine
+//! and Redis. The invariants are checked from the handlers' own log: each
+//! callback starts once, and only after every job of its batch ended; the
+//! success callback never starts for a batch with a dead job; the death
+//! callback starts once; jobs added from inside a job are stored once.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use shardq_testkit::redis::RedisServer;
+use support::{init_shards, init_shards_with, ok, run, seed, signal, temp_dir, Disturb, Lcg, BIN};
+
+/// The keys a `Pin` trial moves.
+const PIN: &[&str] = &["cb-a", "a-3", "fan-k1"];
+
+/// The handler: logs `start`/`end` lines with a nanosecond clock; a job
+/// whose payload is `die` fails; `fan` adds four jobs to its batch (with
+/// dedup ids: run again, it adds nothing twice); a result `r-PAYLOAD`.
+const HANDLER: &str = r#"read p
+echo "start $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N)" >> "$LOG"
+[ "$p" = die ] && exit 1
+if [ "$p" = fan ]; then
+  for i in 0 1 2 3; do
+    "$SHARDQ_BIN" enqueue --data "$DATA" --key "fan-k$i" --payload "f$i" --batch "$SHARDQ_BATCH" --dedup-id "fan-$i" > /dev/null || exit 1
+  done
+fi
+sleep 0.01
+printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
+echo "end $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N)" >> "$LOG"
+"#;
+
+fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
+    let mut args = vec![
+        "work",
+        "--data",
+        d,
+        "--max-local-shards",
+        "all",
+        "--concurrency",
+        "4",
+        // Short leases: the second worker takes over the killed one's
+        // shards and runs within seconds, not the default 30.
+        "--lease-ms",
+        "2000",
+        "--job-lease-ms",
+        "2000",
+    ];
+    if idle_exit {
+        args.push("--exit-when-idle");
+    }
+    args.extend(["--", "sh", "-c", HANDLER]);
+    Command::new(BIN)
+        .args(&args)
+        .env("LOG", log)
+        .env("DATA", d)
+        .env("SHARDQ_BIN", BIN)
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log.with_extension("err"))
+                .expect("opens the worker's log"),
+        )
+        .spawn()
+        .expect("starts a worker")
+}
+
+/// One line of the handlers' log.
+#[derive(Debug, Clone)]
+struct Line {
+    start: bool,
+    batch: Option<String>,
+    callback: Option<String>,
+    payload: String,
+    ns: u128,
+}
+
+fn read_log(log: &Path) -> Vec<Line> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.len() == 6).then(|| Line {
+                start: f[0] == "start",
+                batch: (f[2] != "-").then(|| f[2].to_string()),
+                callback: (f[3] != "-").then(|| f[3].to_string()),
+                payload: f[4].to_string(),
+                ns: f[5].parse().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+fn show(d: &str, id: &str) -> serde_json::Value {
+    serde_json::from_str(&ok(&["batch", "show", "--data", d, id, "--json"])).unwrap()
+}
+
+fn add(d: &str, batch: &str, key: &str, payload: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "enqueue",
+        "--data",
+        d,
+        "--key",
+        key,
+        "--payload",
+        payload,
+        "--batch",
+        batch,
+    ];
+    args.extend(extra);
+    ok(&args).trim().to_string()
+}
+
+fn open_batch(d: &str, key: &str) -> String {
+    ok(&[
+        "batch",
+        "open",
+        "--data",
+        d,
+        "--key",
+        key,
+        "--on-complete",
+        "complete",
+        "--on-success",
+        "success",
+        "--on-death",
+        "death",
+    ])
+    .trim()
+    .to_string()
+}
+
+/// One trial: two batches, a disturbance at a random moment, the worker
+/// SIGKILLed at another and a second worker to the end; then the
+/// invariants.
+fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
+    let mut rng = Lcg(seed);
+    // Batch a: 24 jobs over 6 keys and a job that fans out after the
+    // close. Batch b: 3 jobs and one that dies.
+    let a = open_batch(d, "cb-a");
+    for i in 0..24 {
+        add(d, &a, &format!("a-{}", i % 6), &format!("a{i}"), &[]);
+    }
+    add(d, &a, "fanner", "fan", &[]);
+    ok(&["batch", "close", "--data", d, &a]);
+    let b = open_batch(d, "cb-b");
+    for i in 0..3 {
+        add(d, &b, &format!("b-{i}"), &format!("b{i}"), &[]);
+    }
+    add(d, &b, "b-dead", "die", &["--max-attempts", "1"]);
+    ok(&["batch", "close", "--data", d, &b]);
+
+    let mut w = worker(d, log, false);
+    std::thread::sleep(Duration::from_millis(rng.below(600)));
+    support::disturb(d, name, &disturb);
+    std::thread::sleep(Duration::from_millis(200 + rng.below(700)));
+    signal(w.id(), "-KILL");
+    let _ = w.wait();
+    let mut w2 = worker(d, log, true);
+    let status = support::wait_exit(&mut w2, "the second worker", Duration::from_secs(90));
+    assert!(
+        status.success(),
+        "the second worker failed: {status:?}: {}",
+        std::fs::read_to_string(log.with_extension("err")).unwrap_or_default()
+    );
+
+    // The invariants, from the handlers' own log.
+    let lines = read_log(log);
+    let callbacks = |batch: &str, kind: &str| -> Vec<u128> {
+        lines
+            .iter()
+            .filter(|l| {
+                l.start && l.batch.as_deref() == Some(batch) && l.callback.as_deref() == Some(kind)
+            })
+            .map(|l| l.ns)
+            .collect()
+    };
+    let last_end = |p: &str| {
+        lines
+            .iter()
+            .filter(|l| !l.start && l.payload == p && l.callback.is_none())
+            .map(|l| l.ns)
+            .max()
+            .unwrap_or_else(|| panic!("{name}: job {p} never ended"))
+    };
+    let mut a_jobs: Vec<String> = (0..24).map(|i| format!("a{i}")).collect();
+    a_jobs.push("fan".into());
+    a_jobs.extend((0..4).map(|i| format!("f{i}")));
+    let a_end = a_jobs.iter().map(|p| last_end(p)).max().unwrap();
+    for kind in ["complete", "success"] {
+        let s = callbacks(&a, kind);
+        assert_eq!(s.len(), 1, "{name}: {a}'s {kind} callback started {s:?}");
+        assert!(
+            s[0] > a_end,
+            "{name}: {a}'s {kind} callback started before its last job ended"
+        );
+    }
+    assert!(
+        callbacks(&a, "death").is_empty(),
+        "{name}: no job of {a} died"
+    );
+    let v = show(d, &a);
+    assert_eq!(v["state"], "complete", "{v}");
+    assert_eq!(
+        v["counts"]["jobs"], 29,
+        "{name}: the fan-out stored once: {v}"
+    );
+    assert_eq!(v["counts"]["completed"], 29, "{v}");
+    for j in v["jobs"].as_array().unwrap() {
+        let r = j["result"].as_str().unwrap_or("");
+        assert!(r.starts_with("r-"), "{name}: a job's result is kept: {j}");
+    }
+    // Batch b: death once, then complete once all ended; never success.
+    let b_end = (0..3).map(|i| last_end(&format!("b{i}"))).max().unwrap();
+    let died = lines
+        .iter()
+        .filter(|l| l.start && l.payload == "die")
+        .map(|l| l.ns)
+        .max()
+        .expect("the dying job ran");
+    let death = callbacks(&b, "death");
+    assert_eq!(death.len(), 1, "{name}: {b}'s death callback {death:?}");
+    assert!(death[0] > died, "{name}: death before the job died");
+    let complete = callbacks(&b, "complete");
+    assert_eq!(complete.len(), 1, "{name}: {b}'s complete {complete:?}");
+    assert!(complete[0] > b_end.max(died), "{name}: {b} complete early");
+    assert!(
+        callbacks(&b, "success").is_empty(),
+        "{name}: a batch with a dead job succeeded"
+    );
+    let v = show(d, &b);
+    assert_eq!(v["state"], "complete", "{v}");
+    assert_eq!(
+        (
+            v["counts"]["dead"].clone(),
+            v["counts"]["completed"].clone()
+        ),
+        (1.into(), 3.into()),
+        "{v}"
+    );
+    // A complete batch takes no job; nothing waits.
+    let (good, _, err) = run(&["enqueue", "--data", d, "--key", "late", "--batch", &a]);
+    assert!(
+        !good && err.contains(&a) && err.contains("complete"),
+        "{err}"
+    );
+    let st = support::status_json(Path::new(d));
+    assert_eq!(st["dependents"]["waiting"], 0, "{st}");
+    assert_eq!(st["dependents"]["batches"], 0, "{st}");
+    let _ = std::fs::remove_file(log);
+}
+
+#[test]
+fn batches_fire_each_callback_once_through_moves_and_a_killed_worker_on_the_embedded_engine() {
+    let dir = temp_dir("batch-embedded");
+    for (i, disturb) in [Disturb::Grow(None), Disturb::Pin(PIN)]
+        .into_iter()
+        .enumerate()
+    {
+        let data = dir.join(format!("q{i}"));
+        init_shards(&data, 2);
+        trial(
+            &format!("embedded-{i}"),
+            data.to_str().unwrap(),
+            &dir.join(format!("log{i}")),
+            seed(),
+            disturb,
+        );
+    }
+}
+
+#[test]
+fn batches_fire_each_callback_once_through_moves_and_a_killed_worker_on_redis() {
+    let dir = temp_dir("batch-redis");
+    let servers = [RedisServer::start(), RedisServer::start()];
+    let urls = servers
+        .iter()
+        .map(|s| s.url())
+        .collect::<Vec<_>>()
+        .join(",");
+    let data = dir.join("q");
+    init_shards_with(&data, 2, &["--redis", &urls]);
+    trial(
+        "redis",
+        data.to_str().unwrap(),
+        &dir.join("log"),
+        seed(),
+        Disturb::Grow(Some(servers[1].url())),
+    );
+}
+
+#[test]
+fn bad_batches_are_refused_naming_them() {
+    let dir = temp_dir("batch-bad");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    let (good, _, err) = run(&["batch", "open", "--data", d, "--key", "k"]);
+    assert!(!good && err.contains("callbacks"), "{err}");
+    for (batch, says) in [("7", "\"7\""), ("@x", "\"@x\""), ("@99", "@99")] {
+        let (good, _, err) = run(&[
+            "enqueue",
+            "--data",
+            d,
+            "--key",
+            "k",
+            "--payload",
+            "p",
+            "--batch",
+            batch,
+        ]);
+        assert!(!good, "--batch {batch} was taken");
+        assert!(err.contains("batch") && err.contains(says), "{err}");
+    }
+    let a = open_batch(d, "cb");
+    let (good, _, err) = run(&[
+        "enqueue",
+        "--data",
+        d,
+        "--key",
+        "k",
+        "--batch",
+        &a,
+        "--dedup-id",
+        "batch:@1:complete",
+    ]);
+    assert!(!good && err.contains("dedup id"), "{err}");
+    let (good, _, err) = run(&["batch", "show", "--data", d, "@12345"]);
+    assert!(!good && err.contains("@12345"), "{err}");
+    // A dependent is not a batch.
+    let job = ok(&["enqueue", "--data", d, "--key", "x", "--payload", "p"]);
+    let dep = ok(&["enqueue", "--data", d, "--key", "y", "--after", job.trim()]);
+    let (good, _, err) = run(&["batch", "close", "--data", d, dep.trim()]);
+    assert!(!good && err.contains("dependent"), "{err}");
+    let (good, _, err) = run(&["job", "cancel", "--data", d, &a]);
+    assert!(!good && err.contains("batch"), "{err}");
+}
