@@ -544,6 +544,54 @@ def test_a_dependent_shows_as_a_small_graph_of_its_dependencies(browser, deploym
     assert code == 200, v
 
 
+def test_a_batch_shows_its_progress_and_callbacks(browser, deployment, screenshots):
+    """A batch's @N id opens the job panel with its progress as a bar
+    (completed and dead parts with their counts) and its callbacks, the
+    death one fired at the dead job while the batch is open; once it is
+    closed the complete callback shows fired too."""
+    api = deployment["api"]
+    bid = api.post("/v1/batches", {"key": "batch-cb", "on_complete": "sum", "on_death": "alert"})["id"]
+    api.post("/v1/jobs", {"jobs": [
+        {"key": "batch-a", "payload": "a", "batch": bid},
+        {"key": "batch-b", "payload": "b", "batch": bid},
+        {"key": "batch-c", "payload": "die", "batch": bid, "max_attempts": 1},
+    ]})
+    ran = set()
+
+    def run_them():
+        for j in api.post("/v1/claim", {"worker": "batch-test", "max": 16, "wait_ms": 0})["jobs"]:
+            if j["payload"] == "die":
+                api.post("/v1/fail", {"receipt": j["receipt"], "reason": "boom"})
+            else:
+                api.post("/v1/ack", {"receipts": [j["receipt"]]})
+            if j.get("batch") == bid and "batch_callback" not in j:
+                ran.add(j["key"])
+        return ran >= {"batch-a", "batch-b", "batch-c"}
+
+    wait_for("the batch's jobs to run", run_them, timeout_s=20)
+    wait_for("the death callback",
+             lambda: api.get(f"/v1/batches/{bid}")["callbacks"]["death"]["fired"] is not None, timeout_s=20)
+    open_page(browser, deployment, READ_TOKEN)
+    box = browser.find_element(By.ID, "job-input")
+    box.clear()
+    box.send_keys(bid)
+    browser.find_element(By.ID, "job-go").click()
+    part = '#job-graph-svg g[data-part="{}"]'
+    wait(browser, "the bar", lambda d: d.find_elements(By.CSS_SELECTOR, part.format("completed")))
+    assert browser.find_element(By.CSS_SELECTOR, part.format("completed")).get_attribute("data-count") == "2"
+    assert browser.find_element(By.CSS_SELECTOR, part.format("dead")).get_attribute("data-count") == "1"
+    fired = lambda d, k: d.find_element(By.CSS_SELECTOR, f'#job-graph-svg g[data-callback="{k}"]').get_attribute("data-fired")
+    assert (fired(browser, "death"), fired(browser, "complete")) == ("yes", "no")
+    assert "Batch open: 3 jobs, 2 completed, 1 dead" in text(browser, "#job-graph-note")
+    browser.save_screenshot(str(screenshots / "11-batch.png"))
+    api.post(f"/v1/batches/{bid}/close", {})
+    wait_for("the batch to complete", lambda: api.get(f"/v1/batches/{bid}")["state"] == "complete", timeout_s=20)
+    browser.find_element(By.ID, "job-go").click()
+    wait(browser, "the complete callback fired", lambda d: fired(d, "complete") == "yes")
+    assert "Batch complete" in text(browser, "#job-graph-note")
+    wait(browser, "the batches line", lambda d: "callbacks fired" in text(d, "#dependents-line"))
+
+
 def test_the_page_says_when_the_server_is_down(browser, deployment, screenshots):
     open_page(browser, deployment, READ_TOKEN)
     wait(browser, "the page to be live", lambda d: text(d, "#conn") == "live")

@@ -108,6 +108,11 @@ fn a_batch_over_http_fires_its_callbacks_once_each() {
     assert!(v["callbacks"]["death"]["fired"].is_null(), "{v}");
     assert!(v["callbacks"]["complete"]["fired"].is_string(), "{v}");
     assert_eq!(v["jobs"][0]["result"], "x", "{v}");
+    // Its @N as a job id answers the batch; it has no result of its own.
+    assert_eq!(get_ok(&s, "/v1/jobs/@1"), v);
+    let (code, r) = get(&s, "/v1/jobs/@1/result");
+    assert_eq!(code, 400, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("batch"), "{r}");
     // No callback twice, and a complete batch takes no job.
     std::thread::sleep(Duration::from_millis(300)); // negative check: three passes
     assert!(claim(&s, "w", 16, 100, 30_000).is_empty());

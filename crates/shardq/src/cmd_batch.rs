@@ -138,38 +138,43 @@ pub fn run(action: BatchAction) -> anyhow::Result<ExitCode> {
                 eprintln!("shardq: no batch @{n} here: it completed longer ago than batches are kept (a day), or never existed");
                 return Ok(ExitCode::from(1));
             };
-            let v = batch_value(n, &w);
-            if json {
-                println!("{v}");
-                return Ok(ExitCode::SUCCESS);
-            }
-            println!("id\t@{n}");
-            println!("state\t{}", v["state"].as_str().unwrap_or(""));
-            println!("callback key\t{}", shardq_core::job::shown_key(&w.key));
-            let c = &v["counts"];
-            println!(
-                "jobs\t{} ({} pending, {} completed, {} dead, {} other)",
-                c["jobs"], c["pending"], c["completed"], c["dead"], c["other"]
-            );
-            let complete = v["state"] == "complete";
-            for (kind, cb) in v["callbacks"].as_object().into_iter().flatten() {
-                let fired = cb["fired"].as_str().unwrap_or(if complete {
-                    "did not fire"
-                } else {
-                    "not yet"
-                });
-                println!("on {kind}\t{fired}");
-            }
-            println!("JOB\tOUTCOME\tAT");
-            for d in v["jobs"].as_array().into_iter().flatten() {
-                println!(
-                    "{}\t{}\t{}",
-                    d["id"].as_str().unwrap_or(""),
-                    d["outcome"].as_str().unwrap_or("-"),
-                    d.get("at").and_then(|a| a.as_str()).unwrap_or("")
-                );
-            }
+            print_batch(n, &w, json);
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints batch `n` (`--json`: as `GET /v1/batches/@N` answers), for
+/// `batch show` and `job show @N`.
+pub(crate) fn print_batch(n: u64, w: &shardq_core::workflow::Waiting, json: bool) {
+    let v = batch_value(n, w);
+    if json {
+        println!("{v}");
+        return;
+    }
+    println!("id\t@{n}");
+    println!("state\t{}", v["state"].as_str().unwrap_or(""));
+    println!("callback key\t{}", shardq_core::job::shown_key(&w.key));
+    let c = &v["counts"];
+    println!(
+        "jobs\t{} ({} pending, {} completed, {} dead, {} other)",
+        c["jobs"], c["pending"], c["completed"], c["dead"], c["other"]
+    );
+    let complete = v["state"] == "complete";
+    for (kind, cb) in v["callbacks"].as_object().into_iter().flatten() {
+        let fired =
+            cb["fired"]
+                .as_str()
+                .unwrap_or(if complete { "did not fire" } else { "not yet" });
+        println!("on {kind}\t{fired}");
+    }
+    println!("JOB\tOUTCOME\tAT");
+    for d in v["jobs"].as_array().into_iter().flatten() {
+        println!(
+            "{}\t{}\t{}",
+            d["id"].as_str().unwrap_or(""),
+            d["outcome"].as_str().unwrap_or("-"),
+            d.get("at").and_then(|a| a.as_str()).unwrap_or("")
+        );
+    }
 }

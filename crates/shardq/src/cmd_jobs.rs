@@ -198,6 +198,10 @@ fn show_dependent(deployment: &Deployment, n: u64, json: bool) -> anyhow::Result
         eprintln!("shardq: no dependent @{n} here: it ended longer ago than dependents are kept (a day), or never existed");
         return Ok(ExitCode::from(1));
     };
+    if w.batch.is_some() {
+        crate::cmd_batch::print_batch(n, &w, json);
+        return Ok(ExitCode::SUCCESS);
+    }
     let v = dependent_value(n, &w);
     if json {
         println!("{v}");

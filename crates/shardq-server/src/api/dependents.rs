@@ -169,6 +169,11 @@ impl App {
     /// whether it may still change.
     pub(crate) fn show_dependent(&self, n: u64) -> Result<(Value, bool), ApiError> {
         let w = self.deployment.dependent(n)?.ok_or_else(|| unknown(n))?;
+        if w.batch.is_some() {
+            // A batch's id: the batch, as `GET /v1/batches/@N` shows it.
+            let open = w.state == WaitState::Waiting;
+            return Ok((super::batches::batch_value(n, &w), open));
+        }
         let mut v = dependent_value(n, &w);
         let mut open = w.state == WaitState::Waiting;
         if let Some(Ok(DepRef::Job(s, id))) = w.released.as_deref().map(parse_dependency) {
@@ -186,6 +191,11 @@ impl App {
     pub(crate) fn dependent_result(&self, n: u64) -> Result<(Value, bool), ApiError> {
         let (v, open) = self.show_dependent(n)?;
         let id = format!("@{n}");
+        if v.get("counts").is_some() {
+            return Err(ApiError::bad(format!(
+                "id: {id} is a batch, which has no result of its own: GET /v1/batches/{id} lists its jobs' results"
+            )));
+        }
         Ok(match v["state"].as_str() {
             Some("released") => match v.get("job") {
                 Some(job) => {

@@ -799,6 +799,54 @@
       "; on a dependency that did not complete: " + j.on_dependency_failure;
   }
 
+  // A batch (@N): its progress as one bar (completed, dead, other,
+  // pending), then its callbacks, each fired or not.
+  function renderBatch(b) {
+    const box = $("job-graph");
+    const svg = $("job-graph-svg");
+    box.hidden = false;
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    const NS = "http://www.w3.org/2000/svg";
+    const c = b.counts;
+    const kinds = Object.keys(b.callbacks);
+    const height = 34 + kinds.length * 24;
+    svg.setAttribute("viewBox", "0 0 520 " + height);
+    svg.setAttribute("height", String(height));
+    const total = Math.max(c.jobs, 1);
+    let x = 4;
+    for (const [part, n] of [["completed", c.completed], ["dead", c.dead], ["cancelled", c.other], ["pending", c.pending]]) {
+      if (!n) continue;
+      const w = 512 * n / total;
+      const g = document.createElementNS(NS, "g");
+      g.setAttribute("class", "node-" + part);
+      g.setAttribute("data-part", part);
+      g.setAttribute("data-count", String(n));
+      const r = document.createElementNS(NS, "rect");
+      r.setAttribute("x", x); r.setAttribute("y", 4); r.setAttribute("width", w); r.setAttribute("height", 18);
+      g.appendChild(r);
+      svg.appendChild(g);
+      x += w;
+    }
+    kinds.forEach((k, i) => {
+      const cb = b.callbacks[k];
+      const state = cb.fired ? "released" : (b.state === "complete" ? "cancelled" : "waiting");
+      const g = document.createElementNS(NS, "g");
+      g.setAttribute("class", "node-" + state);
+      g.setAttribute("data-callback", k);
+      g.setAttribute("data-fired", cb.fired ? "yes" : "no");
+      const y = 30 + i * 24;
+      const r = document.createElementNS(NS, "rect");
+      r.setAttribute("x", 4); r.setAttribute("y", y); r.setAttribute("width", 512); r.setAttribute("height", 18);
+      const t = document.createElementNS(NS, "text");
+      t.setAttribute("x", 9); t.setAttribute("y", y + 13);
+      t.textContent = "on " + k + ": " + (cb.fired ? "fired as " + cb.fired : (b.state === "complete" ? "did not fire" : "not yet"));
+      g.appendChild(r); g.appendChild(t);
+      svg.appendChild(g);
+    });
+    $("job-graph-note").textContent = "Batch " + b.state + ": " + fmt(c.jobs) + " jobs, " + fmt(c.completed) + " completed, " +
+      fmt(c.dead) + " dead, " + fmt(c.other) + " cancelled or forgotten, " + fmt(c.pending) + " not ended";
+  }
+
   async function showJob(id) {
     const err = $("job-error");
     const out = $("job-result");
@@ -811,6 +859,22 @@
       state.job = j;
       err.hidden = true;
       out.hidden = false;
+      if (j.counts !== undefined) {
+        // A batch: its progress and callbacks.
+        $("job-id").textContent = j.id;
+        $("job-key").textContent = j.key + " (its callbacks' key)";
+        $("job-state").textContent = j.state;
+        $("job-attempts").textContent = "–";
+        $("job-starts").textContent = "–";
+        $("job-created").textContent = ago(j.created_ms);
+        $("job-due").textContent = "–";
+        $("job-run").textContent = "–";
+        $("job-reason").textContent = "–";
+        $("job-payload").textContent = "–";
+        cancel.hidden = true;
+        renderBatch(j);
+        return;
+      }
       if (j.after !== undefined) {
         // A dependent: what it waits for, and the job it became.
         $("job-id").textContent = j.id;
@@ -969,10 +1033,11 @@
   // Dependents of the deployment, when it has had any.
   function renderDependentsLine(t) {
     const p = $("dependents-line");
-    p.hidden = !t || (t.waiting + t.released + t.failed === 0);
+    p.hidden = !t || (t.waiting + t.released + t.failed + (t.batches || 0) + (t.callbacks_fired || 0) === 0);
     if (p.hidden) return;
     p.textContent = "Dependents: " + fmt(t.waiting) + " waiting for their dependencies; " + fmt(t.released) +
-      " released and " + fmt(t.failed) + " failed so far (show one by its @N id under Job).";
+      " released and " + fmt(t.failed) + " failed so far. Batches: " + fmt(t.batches) + " not yet complete; " +
+      fmt(t.callbacks_fired) + " callbacks fired (show one by its @N id under Job).";
   }
 
   // ----------------------------------------------------------------- server
