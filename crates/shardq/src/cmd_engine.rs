@@ -234,11 +234,13 @@ pub struct EnqueueArgs {
     /// A job of a batch (`shardq batch open` printed its @N; a batch
     /// job's handler finds it in SHARDQ_BATCH, to add more): stored with
     /// the batch in one step, then enqueued on its key by a worker's next
-    /// pass. Prints the job's id in the batch, @M (`shardq job show @M`).
+    /// pass. Prints the job's id in the batch, @M (`shardq job show @M`);
+    /// with --stdin, KEY<TAB>@M per line, each chunk of lines added at
+    /// once.
     #[arg(
         long,
         value_name = "@N",
-        conflicts_with_all = ["stdin", "unique_id", "debounce_id", "after"]
+        conflicts_with_all = ["unique_id", "debounce_id", "after"]
     )]
     batch: Option<String>,
     /// With --batch: a second enqueue of this key with this id into the
@@ -559,6 +561,30 @@ fn enqueue_in_batch(
     deployment: &Deployment,
 ) -> anyhow::Result<ExitCode> {
     let n = shardq_core::workflow::parse_batch_id(batch)?;
+    if args.stdin {
+        if args.dedup_id.is_some() {
+            bail!("--dedup-id names one job: it does not go with --stdin");
+        }
+        let retry = deployment.retry_settings()?;
+        return enqueue_with(
+            args,
+            &retry,
+            &mut |jobs| match deployment.add_to_batch(n, jobs) {
+                Ok(ids) => Stored {
+                    placed: ids
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, (m, _))| (i, String::new(), JobId(m)))
+                        .collect(),
+                    error: None,
+                },
+                Err(e) => Stored {
+                    placed: Vec::new(),
+                    error: Some(anyhow::Error::new(e)),
+                },
+            },
+        );
+    }
     let mut job = one_job(args, deployment)?;
     if let Some(id) = &args.dedup_id {
         shardq_core::job::refuse_reserved_dedup_id(id)?;
@@ -706,7 +732,12 @@ fn enqueue_with(
             let stored = place(&jobs);
             let mut done = vec![false; jobs.len()];
             for (i, shard, id) in &stored.placed {
-                writeln!(out, "{}\t{shard}:{id}", jobs[*i].key)?;
+                if shard.is_empty() {
+                    // A job of a batch: its id in the batch, @M.
+                    writeln!(out, "{}\t@{id}", jobs[*i].key)?;
+                } else {
+                    writeln!(out, "{}\t{shard}:{id}", jobs[*i].key)?;
+                }
                 done[*i] = true;
             }
             out.flush()?;

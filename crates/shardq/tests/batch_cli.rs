@@ -343,3 +343,39 @@ fn bad_batches_are_refused_naming_them() {
     let (good, _, err) = run(&["job", "cancel", "--data", d, &a]);
     assert!(!good && err.contains("batch"), "{err}");
 }
+
+#[test]
+fn stdin_lines_join_a_batch_chunk_by_chunk_and_a_bad_line_is_named() {
+    let dir = temp_dir("batch-stdin");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    let a = open_batch(d, "cb");
+    let lines: String = (0..5000).map(|i| format!("k{}\tp{i}\n", i % 50)).collect();
+    let out = support::run_stdin(
+        &["enqueue", "--data", d, "--stdin", "--batch", &a],
+        lines.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let ids: std::collections::BTreeSet<&str> = printed
+        .lines()
+        .map(|l| l.split('\t').nth(1).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 5000, "one @M per line");
+    assert!(ids.iter().all(|i| i.starts_with('@')), "{printed:.200}");
+    assert_eq!(show(d, &a)["counts"]["jobs"], 5000);
+    // A bad line: the lines before it joined, the error names it.
+    let out = support::run_stdin(
+        &["enqueue", "--data", d, "--stdin", "--batch", &a],
+        b"k\tfine\nno tab here\nk\tlater\n",
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line") && err.contains("2"), "{err}");
+    assert_eq!(show(d, &a)["counts"]["jobs"], 5001);
+}
