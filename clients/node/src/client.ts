@@ -14,6 +14,9 @@
  * name jobs of the same request), where every job is a dependent and none
  * carries a dedup id; so it is tried again only when a try surely stored
  * nothing (a refused connection, 425, 429).
+ *
+ * Jobs with `batch` join a batch (`openBatch`): every job of the call names
+ * the same one, and each keeps its dedup id, so a resend joins nothing twice.
  */
 
 import { randomUUID } from "node:crypto";
@@ -47,6 +50,15 @@ export interface EnqueueOptions {
   after?: readonly (string | number)[];
   /** With `after` only: what a dependency that did not complete does (default `"fail"`). */
   onDependencyFailure?: DependencyFailurePolicy;
+  /**
+   * Joins the batch with this id (`"@N"`, as `openBatch` gives it): the job
+   * is stored with the batch (answered `@M` and `waiting`) and enqueued on
+   * its key at the next resolver pass. Every job of a call with `batch`
+   * names the same batch; none takes `after`, a unique or a debounce id;
+   * each keeps its dedup id (given or generated), so a resend joins nothing
+   * twice.
+   */
+  batch?: string;
 }
 
 /**
@@ -75,6 +87,8 @@ export interface EnqueueResult {
   dedupId: string;
   /** A dependent (a job of a request with `after`): its id is `"@N"` and its shard empty until it is released. */
   waiting: boolean;
+  /** A job of a batch (also `waiting`, its id `"@M"`): the batch's id, `"@N"`. */
+  batch?: string;
 }
 
 /** One dependency of a dependent, as `client.dependent(id)` shows it. */
@@ -123,6 +137,68 @@ export interface DependentInfo {
   maxAttempts?: number;
   delayMs: number;
   payload: Buffer;
+}
+
+/** The kinds of a batch's callbacks: every job of the closed batch ended (`complete`), was acked (`success`), the batch's first dead job (`death`). */
+export type BatchCallbackKind = "complete" | "success" | "death";
+
+/** What `openBatch` opens: the callbacks' payloads (at least one; a `Uint8Array` must be UTF-8 text) and more. */
+export interface OpenBatchOptions {
+  /** Payload of the callback run once the closed batch's jobs have all ended, however. */
+  onComplete?: Payload;
+  /** Payload of the callback run once the closed batch's jobs were all acked. */
+  onSuccess?: Payload;
+  /** Payload of the callback run at the batch's first dead job. */
+  onDeath?: Payload;
+  /** Attempts of each callback (default: the key's retry policy). */
+  maxAttempts?: number;
+  /** Names the batch under its key: opening again with it gives the batch already opened. Generated when absent, so a retry opens no second batch. */
+  dedupId?: string;
+}
+
+/** A batch's jobs by how far they got. */
+export interface BatchCounts {
+  jobs: number;
+  /** Not ended yet. */
+  pending: number;
+  completed: number;
+  /** Out of attempts. */
+  dead: number;
+  /** Cancelled or forgotten. */
+  other: number;
+}
+
+/** One callback of a batch, as `client.batch(id)` shows it. */
+export interface BatchCallback {
+  kind: BatchCallbackKind;
+  payload: Buffer;
+  /** The job it was enqueued as (`SHARD:ID`); absent until it fires. */
+  fired?: string;
+}
+
+/** A batch, as `client.batch(id)` shows it. */
+export interface BatchInfo {
+  /** `@N`. */
+  id: string;
+  /** The callbacks' key. */
+  key: string;
+  /**
+   * `open` (it takes jobs), `closed` (only its own jobs add to it, until
+   * every job ended) or `complete` (every job ended and every callback due
+   * fired).
+   */
+  state: "open" | "closed" | "complete";
+  counts: BatchCounts;
+  /** By kind: only the kinds it was opened with. */
+  callbacks: Partial<Record<BatchCallbackKind, BatchCallback>>;
+  /** Each job (`@M`), in the order they joined: its outcome, where it ran (`at`), its result or reason. */
+  jobs: DependencyOutcome[];
+  /** Attempts of each callback. */
+  maxAttempts?: number;
+  /** Ms since the epoch. */
+  createdMs: number;
+  closedMs?: number;
+  endedMs?: number;
 }
 
 export interface ClientOptions extends HttpOptions {
@@ -199,6 +275,7 @@ function encodeJob(job: JobSpec, index: number, graph?: { count: number; edges: 
   const keyed = job.uniqueId !== undefined || job.uniqueWhile !== undefined || job.debounceId !== undefined || job.debounceMs !== undefined || job.debounceMaxMs !== undefined;
   if (!keyed) {
     out["dedup_id"] = job.dedupId ?? randomUUID();
+    if (job.batch !== undefined) out["batch"] = job.batch;
     return out;
   }
   // A keyed job's id is its dedup id: a retry of a unique job is answered as its duplicate, one of a debounced job gives the waiting job the same payload again.
@@ -214,6 +291,32 @@ function encodeJob(job: JobSpec, index: number, graph?: { count: number; edges: 
   if (job.debounceMs !== undefined) out["debounce_ms"] = job.debounceMs;
   if (job.debounceMaxMs !== undefined) out["debounce_max_ms"] = job.debounceMaxMs;
   return out;
+}
+
+/**
+ * The batch every job of `jobs` joins, checked before anything is sent
+ * (each throwing a `TypeError` that names the job): every job names the
+ * same `"@N"`, and none has `after`, `onDependencyFailure`, a unique or a
+ * debounce id; `undefined` when no job names a batch.
+ */
+function batchOf(jobs: readonly JobSpec[]): string | undefined {
+  const at = jobs.findIndex((job) => job !== null && typeof job === "object" && job.batch !== undefined);
+  if (at < 0) return undefined;
+  const batch = jobs[at]!.batch;
+  if (typeof batch !== "string" || !DEPENDENT_ID.test(batch)) {
+    throw new TypeError(`jobs[${at}].batch must be a batch's id "@N", as openBatch gives it, got ${JSON.stringify(batch)}`);
+  }
+  jobs.forEach((job, i) => {
+    const where = `jobs[${i}] (key ${JSON.stringify(job?.key)})`;
+    if (job?.batch !== batch) {
+      throw new TypeError(`${where}: batch ${JSON.stringify(job?.batch)} where the jobs of this call join ${JSON.stringify(batch)}: every job of a call with batch names the same batch (enqueue the others in a call of their own)`);
+    }
+    const named = (["after", "onDependencyFailure", "uniqueId", "uniqueWhile", "debounceId", "debounceMs", "debounceMaxMs"] as const)
+      .filter((f) => job[f] !== undefined)
+      .map((f) => `${f} ${JSON.stringify(job[f])}`);
+    if (named.length > 0) throw new TypeError(`${where}: a job of a batch takes no ${named.join(", ")} (its dedupId makes it safe to send again)`);
+  });
+  return batch;
 }
 
 /** Whether `job` makes its request a graph's (it has `after` or `onDependencyFailure`). */
@@ -315,6 +418,72 @@ function dependencyOutcome(doc: unknown, url: string): DependencyOutcome {
   return out;
 }
 
+function batchInfo(doc: unknown, url: string): BatchInfo {
+  const d = record(doc, url, "a batch");
+  const c = (d["counts"] ?? {}) as Record<string, unknown>;
+  const count = (name: string): number => (typeof c[name] === "number" ? c[name] : 0);
+  const callbacks: Partial<Record<BatchCallbackKind, BatchCallback>> = {};
+  for (const [kind, v] of Object.entries((d["callbacks"] ?? {}) as Record<string, unknown>)) {
+    const cb = (v ?? {}) as Record<string, unknown>;
+    const out: BatchCallback = {
+      kind: kind as BatchCallbackKind,
+      payload: typeof cb["payload_b64"] === "string" ? Buffer.from(cb["payload_b64"], "base64") : Buffer.from(String(cb["payload"] ?? ""), "utf8"),
+    };
+    if (typeof cb["fired"] === "string") out.fired = cb["fired"];
+    callbacks[kind as BatchCallbackKind] = out;
+  }
+  const info: BatchInfo = {
+    id: String(d["id"]),
+    key: String(d["key"]),
+    state: String(d["state"]) as BatchInfo["state"],
+    counts: { jobs: count("jobs"), pending: count("pending"), completed: count("completed"), dead: count("dead"), other: count("other") },
+    callbacks,
+    jobs: Array.isArray(d["jobs"]) ? d["jobs"].map((j) => dependencyOutcome(j, url)) : [],
+    createdMs: typeof d["created_ms"] === "number" ? d["created_ms"] : 0,
+  };
+  if (typeof d["max_attempts"] === "number") info.maxAttempts = d["max_attempts"];
+  if (typeof d["closed_ms"] === "number") info.closedMs = d["closed_ms"];
+  if (typeof d["ended_ms"] === "number") info.endedMs = d["ended_ms"];
+  return info;
+}
+
+/** The `POST /v1/batches` body of `openBatch`, checked (each problem a `TypeError` naming the field). */
+function openBatchBody(key: string, opts: OpenBatchOptions): Record<string, unknown> {
+  if (typeof key !== "string" || key === "") throw new TypeError(`openBatch: key must be a non-empty string (the callbacks' key), got ${JSON.stringify(key)}`);
+  if (opts === null || typeof opts !== "object") throw new TypeError(`openBatch: options must be an object with onComplete, onSuccess or onDeath, got ${JSON.stringify(opts)}`);
+  const body: Record<string, unknown> = { key };
+  for (const [field, name] of [["onComplete", "on_complete"], ["onSuccess", "on_success"], ["onDeath", "on_death"]] as const) {
+    const v: unknown = opts[field];
+    if (v === undefined) continue;
+    if (typeof v === "string") body[name] = v;
+    else if (v instanceof Uint8Array) {
+      try {
+        body[name] = new TextDecoder("utf-8", { fatal: true }).decode(v);
+      } catch {
+        throw new TypeError(`openBatch: ${field} must be UTF-8 text (a callback's payload is a JSON string on the wire)`);
+      }
+    } else throw new TypeError(`openBatch: ${field} must be a string or a Uint8Array, got ${typeof v}`);
+  }
+  if (Object.keys(body).length === 1) throw new TypeError("openBatch: no callbacks: at least one of onComplete, onSuccess, onDeath is needed");
+  if (opts.maxAttempts !== undefined) {
+    if (!Number.isSafeInteger(opts.maxAttempts) || opts.maxAttempts < 1) throw new TypeError(`openBatch: maxAttempts must be a positive integer, got ${String(opts.maxAttempts)}`);
+    body["max_attempts"] = opts.maxAttempts;
+  }
+  if (opts.dedupId !== undefined && (typeof opts.dedupId !== "string" || opts.dedupId === "")) {
+    throw new TypeError(`openBatch: dedupId must be a non-empty string, got ${JSON.stringify(opts.dedupId)}`);
+  }
+  body["dedup_id"] = opts.dedupId ?? `batch-${randomUUID()}`;
+  return body;
+}
+
+/** `/v1/batches/@N[/action]` of a batch's id, checked. */
+function batchPath(id: string, call: string, action = ""): string {
+  if (typeof id !== "string" || !DEPENDENT_ID.test(id)) {
+    throw new TypeError(`${call}: id must be a batch's id "@N", as openBatch gives it (and ClaimedJob.batch carries it), got ${JSON.stringify(id)}`);
+  }
+  return `/v1/batches/${id}${action ? `/${action}` : ""}`;
+}
+
 function dependentInfo(doc: unknown, url: string): DependentInfo {
   const d = record(doc, url, "a dependent");
   const info: DependentInfo = {
@@ -366,6 +535,7 @@ function parseResults(reply: unknown, sent: Record<string, unknown>[], url: stri
       duplicate: r.duplicate === true,
       dedupId: (sent[i]!["dedup_id"] as string | undefined) ?? "",
       waiting: (r as { waiting?: unknown }).waiting === true,
+      ...(typeof (r as { batch?: unknown }).batch === "string" ? { batch: (r as { batch: string }).batch } : {}),
     };
   });
 }
@@ -907,7 +1077,8 @@ export class Client {
    * Enqueues one job. With `after` (ids: `"SHARD:ID"`, `"@N"`) it is a
    * dependent: it runs once every job named has ended, and its result has
    * the id `"@N"` (for `dependent`, `result`, `cancel`), no shard, and
-   * `waiting`.
+   * `waiting`. With `batch` (`"@N"` from `openBatch`) it joins that batch:
+   * its result has the id `"@M"`, no shard, `waiting` and `batch`.
    */
   async enqueue(key: string, payload: Payload, opts: EnqueueOptions = {}): Promise<EnqueueResult> {
     const [result] = await this.enqueueMany([{ ...opts, key, payload }]);
@@ -919,10 +1090,13 @@ export class Client {
    * (`batchJobsMax` jobs, `batchBytesMax` bytes); results in the same order.
    * A failed request stops there: the earlier requests' jobs are stored.
    * When any job has `after`, the jobs go as `enqueueGraph` sends them: in
-   * one request, all dependents.
+   * one request, all dependents. When any job has `batch`, every job must
+   * name that same batch (checked before anything is sent): each request
+   * joins its jobs to it in one write, and their dedup ids make a resend
+   * join nothing twice.
    */
   async enqueueMany(jobs: readonly JobSpec[]): Promise<EnqueueResult[]> {
-    if (jobs.some(isDependent)) return this.sendGraph(jobs);
+    if (batchOf(jobs) === undefined && jobs.some(isDependent)) return this.sendGraph(jobs);
     const encoded: Encoded[] = jobs.map((job, i) => {
       const body = encodeJob(job, i);
       const json = JSON.stringify(body);
@@ -974,6 +1148,53 @@ export class Client {
     }
     const [doc, url] = await this.read("GET", `/v1/jobs/${encodeURIComponent(id)}`, undefined);
     return doc === undefined ? undefined : dependentInfo(doc, url);
+  }
+
+  /**
+   * Opens a batch and resolves to its id (`"@N"`): jobs enqueued with
+   * `batch` set to it join it, on any keys, until it is closed (and, after
+   * `closeBatch`, from its own jobs while one of them has not ended). Its
+   * callbacks are jobs on `key` with the payloads given (UTF-8 text; at
+   * least one), each enqueued once: `onComplete` once the closed batch's
+   * jobs have all ended, however; `onSuccess` once they were all acked;
+   * `onDeath` at its first dead job. `dedupId` names the batch under `key`
+   * (opening again with it gives the batch already opened); without one a
+   * random one is sent, so a retry after a lost answer opens no second
+   * batch. A bad option throws a `TypeError` before any request; the
+   * server's refusal rejects with `BadRequest` naming the field.
+   */
+  async openBatch(key: string, opts: OpenBatchOptions): Promise<string> {
+    const body = openBatchBody(key, opts);
+    const [reply, url] = await this.postRetried("/v1/batches", JSON.stringify(body), "opening a batch");
+    const id = (reply as { id?: unknown } | null)?.id;
+    if (typeof id !== "string" || !DEPENDENT_ID.test(id)) throw new ShardqError(`${url}: /v1/batches answered no batch id: ${JSON.stringify(reply).slice(0, 200)}`, 200, url);
+    return id;
+  }
+
+  /**
+   * Closes the batch `id` (`"@N"`): no job joins it from outside any more,
+   * and its complete and success callbacks fire once its jobs have all
+   * ended. `true` when this call closed it, `false` when it was closed
+   * already (by another call, or by an earlier try of this one whose answer
+   * was lost). An id not of the form `@N` throws a `TypeError` before any
+   * request; a batch the server does not know rejects with `BadRequest`
+   * naming it.
+   */
+  async closeBatch(id: string): Promise<boolean> {
+    const [reply] = await this.postRetried(batchPath(id, "closeBatch", "close"), "{}", "closing a batch");
+    return (reply as { closed?: unknown } | null)?.closed === true;
+  }
+
+  /**
+   * The batch `id` (`"@N"`, as `openBatch` gives it and `ClaimedJob.batch`
+   * carries it): its state, counts, callbacks and each job's outcome and
+   * result; `undefined` when no batch has the id (it completed longer ago
+   * than batches are kept, a day, or never existed). An id not of the form
+   * `@N` throws a `TypeError` before any request.
+   */
+  async batch(id: string): Promise<BatchInfo | undefined> {
+    const [doc, url] = await this.read("GET", batchPath(id, "batch"), undefined);
+    return doc === undefined ? undefined : batchInfo(doc, url);
   }
 
   /** The live job `id` (`SHARD:ID`); `undefined` when no live job has it (finished, cancelled, moved away with its key, or never existed). */
@@ -1386,6 +1607,33 @@ export class Client {
     }
     const error = new ServerUnavailable(
       `enqueue with after failed after ${this.retries + 1} tries over ${this.urls.length} server(s); last: ${last?.message ?? "?"}`,
+      last?.status,
+      last?.url ?? "",
+      last?.serverError,
+      { cause: last },
+    );
+    error.causes = [...causes.values()];
+    throw error;
+  }
+
+  /** A POST safe to send again (it carries a dedup id, or changes nothing twice), retried as an enqueue is: the reply and the server's base URL. */
+  private async postRetried(path: string, text: string, what: string): Promise<[unknown, string]> {
+    const causes = new Map<string, string>();
+    let last: ShardqError | undefined;
+    for (let attempt = 0; attempt <= this.retries; attempt++) {
+      const transport = this.transports[this.next % this.transports.length]!;
+      try {
+        return [await transport.post(path, text, { serverWaitMs: ENQUEUE_SERVER_WAIT_MS }), transport.base];
+      } catch (err) {
+        if (!(err instanceof ShardqError) || !err.retryable) throw err;
+        last = err;
+        causes.set(transport.base, err.message);
+        this.next++;
+        if (attempt < this.retries) await sleep(backoffMs(attempt, this.opts.backoffMs ?? 50, this.opts.maxBackoffMs ?? 2000));
+      }
+    }
+    const error = new ServerUnavailable(
+      `${what} failed after ${this.retries + 1} tries over ${this.urls.length} server(s); last: ${last?.message ?? "?"}`,
       last?.status,
       last?.url ?? "",
       last?.serverError,

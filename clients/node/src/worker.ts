@@ -46,7 +46,7 @@ import {
   Unauthorized,
   type HttpOptions,
 } from "./http.js";
-import { scheduleTickOf, type ScheduleTick } from "./client.js";
+import { scheduleTickOf, type BatchCallbackKind, type ScheduleTick } from "./client.js";
 
 export interface ClaimedJob {
   id: number | string;
@@ -72,6 +72,14 @@ export interface ClaimedJob {
   schedule: ScheduleTick | undefined;
   /** A released dependent's job: the dependent's id (`"@N"`); `client.dependent(id)` gives its dependencies' outcomes and results. */
   dependent: string | undefined;
+  /**
+   * A job of a batch, or a batch's callback: the batch's id (`"@N"`);
+   * `client.batch(id)` shows the batch, and a job of a batch may add more
+   * jobs to it (`enqueue(key, payload, { batch: job.batch })`) while it runs.
+   */
+  batch: string | undefined;
+  /** A batch's callback: its kind (`"complete"`, `"success"` or `"death"`); undefined for any other job. */
+  batchCallback: BatchCallbackKind | undefined;
   /** The server (base URL) that gave the job; its ack goes there. */
   server: string;
 }
@@ -441,6 +449,8 @@ function parseJob(raw: unknown, server: string): ClaimedJob {
     dedupId: typeof j["dedup_id"] === "string" ? j["dedup_id"] : undefined,
     schedule: scheduleTickOf(j["schedule"]),
     dependent: typeof j["dependent"] === "string" ? j["dependent"] : undefined,
+    batch: typeof j["batch"] === "string" ? j["batch"] : undefined,
+    batchCallback: typeof j["batch_callback"] === "string" ? (j["batch_callback"] as BatchCallbackKind) : undefined,
     server,
   };
 }

@@ -37,6 +37,9 @@ from .errors import (
 )
 from .http import (
     BackOff,
+    BatchCallback,
+    BatchCounts,
+    BatchInfo,
     ClaimedJob,
     Client,
     DependencyOutcome,
@@ -96,6 +99,9 @@ __all__ = [
     "AsyncWorker",
     "BackOff",
     "BadRequest",
+    "BatchCallback",
+    "BatchCounts",
+    "BatchInfo",
     "ClaimedJob",
     "Client",
     "ConfigError",

@@ -58,6 +58,7 @@ from .http import (
     REQUEST_TIMEOUT_S,
     RESULT_ATTEMPTS,
     RETRY_ROUNDS_DEFAULT,
+    BatchInfo,
     ClaimedJob,
     DependentInfo,
     Enqueued,
@@ -87,6 +88,8 @@ from .http import (
     _backfill_body,
     _backoff_ms,
     _Batch,
+    _batch_id_of,
+    _batch_path,
     _batch_body,
     _batches,
     _check_batch_limits,
@@ -113,6 +116,7 @@ from .http import (
     _loads,
     _mark_lost,
     _normalise_urls,
+    _open_batch_body,
     _outcome_of,
     _policy_body,
     _policy_shown,
@@ -230,16 +234,18 @@ class AsyncClient:
         debounce_max_ms: Optional[int] = None,
         after: Optional[Sequence[Union[str, int]]] = None,
         on_dependency_failure: Optional[str] = None,
+        batch: Optional[str] = None,
     ) -> Enqueued:
         """Enqueues one job (the fields are :class:`shardq.NewJob`'s), as
         :meth:`shardq.Client.enqueue`."""
         job = NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while, debounce_id,
-                     debounce_ms, debounce_max_ms, after, on_dependency_failure)
+                     debounce_ms, debounce_max_ms, after, on_dependency_failure, batch)
         return (await self.enqueue_many([job]))[0]
 
     async def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` in order, as :meth:`shardq.Client.enqueue_many`
-        (with ``after``: in one request, as :meth:`enqueue_graph`)."""
+        (with ``after``: in one request, as :meth:`enqueue_graph`; with
+        ``batch``: every job joining that one batch)."""
         bodies = _job_bodies(jobs)
         if bodies.graph:
             return await self._send_graph(bodies)
@@ -289,6 +295,44 @@ class AsyncClient:
         """:meth:`shardq.Client.dependent` from asyncio code."""
         status, doc = await self._call("GET", _dependent_path(id), None, "reading a dependent")
         return None if status == 404 else DependentInfo._of(doc)
+
+    async def open_batch(self, key: str, on_complete: Optional[Payload] = None, on_success: Optional[Payload] = None,
+                         on_death: Optional[Payload] = None, max_attempts: Optional[int] = None,
+                         dedup_id: Optional[str] = None) -> str:
+        """:meth:`shardq.Client.open_batch` from asyncio code: the batch's id (``"@N"``)."""
+        body = _open_batch_body(key, {"on_complete": on_complete, "on_success": on_success, "on_death": on_death},
+                                max_attempts, dedup_id)
+        doc = await self._post_retried(_Attempts("/v1/batches", self.retry_rounds, [body["dedup_id"]]), _dumps(body))
+        return _batch_id_of(self.urls[0], doc)
+
+    async def close_batch(self, id: str) -> bool:
+        """:meth:`shardq.Client.close_batch` from asyncio code."""
+        path = _batch_path(id, "close")
+        doc = await self._post_retried(_Attempts(path, self.retry_rounds), b"{}")
+        return bool(doc.get("closed")) if isinstance(doc, dict) else False
+
+    async def batch(self, id: str) -> Optional[BatchInfo]:
+        """:meth:`shardq.Client.batch` from asyncio code."""
+        status, doc = await self._call("GET", _batch_path(id), None, "reading a batch")
+        return None if status == 404 else BatchInfo._of(doc)
+
+    async def _post_retried(self, att: _Attempts, body: bytes) -> Any:
+        """A POST safe to send again (it carries a dedup id, or changes
+        nothing twice), to the first URL that answers 200, in rounds."""
+        while True:
+            for url in self.urls:
+                try:
+                    status, doc = await self._http.post(url, att.path, body, self.timeout_s)
+                except _TRANSPORT_ERRORS as e:
+                    att.failed(url, e)
+                    continue
+                if status == 200:
+                    return doc
+                att.refused(url, status, doc)
+            pause = att.pause()
+            if pause is None:
+                raise att.error()
+            await asyncio.sleep(pause)
 
     async def _send(self, batch: _Batch) -> List[Enqueued]:
         try:

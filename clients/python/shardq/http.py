@@ -24,6 +24,18 @@ token is given):
   job's result (a failed or cancelled dependent as a dead job),
   ``DELETE /v1/jobs/@N`` cancels it (409 once it ended); a claimed job
   that is a released dependent carries ``"dependent": "@N"``
+* batches: ``/v1/batches`` ``{"key", "on_complete"?, "on_success"?,
+  "on_death"?, "max_attempts"?, "dedup_id"?}`` (at least one callback) ->
+  ``{"id": "@N", "duplicate"}``; a job of ``/v1/jobs`` may carry
+  ``"batch": "@N"`` (then every job of the request names that batch, and
+  each joins it in one write, answered ``{"id": "@M", "shard": "", "key",
+  "duplicate", "waiting": true, "batch": "@N"}``; dedup ids allowed);
+  ``/v1/batches/{id}/close`` -> ``{"id", "closed"}``; ``GET
+  /v1/batches/{id}`` -> ``{"id", "key", "state", "counts", "callbacks",
+  "jobs", "max_attempts", "created_ms", "closed_ms", "ended_ms"}`` (404 for
+  an unknown one); a claimed job of a batch, or a batch's callback, carries
+  ``"batch": "@N"``, a callback ``"batch_callback"`` (``complete``,
+  ``success``, ``death``)
 * ``/v1/claim`` ``{"worker", "max", "wait_ms", "lease_ms", "timeout_ms"?}``
   -> ``{"jobs": [{"id", "shard", "key", "payload" | "payload_b64",
   "attempt", "max_attempts", "receipt", "fence", "lease_expires_ms",
@@ -408,6 +420,8 @@ class _Bodies(List[Dict[str, Any]]):
 
     prefix: str = ""
     graph: bool = False
+    #: Every job joins this batch (``@N``; empty: none).
+    batch: str = ""
 
 
 class _Batch(List[Dict[str, Any]]):
@@ -444,7 +458,10 @@ def _job_bodies(jobs: Iterable[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
     keeps the generated one, so sending it again after an error re-sends
     that id."""
     items = jobs if isinstance(jobs, list) else list(jobs)
-    if any(_is_dependent(j) for j in items):
+    if any(_is_dependent(j) or _in_batch(j) for j in items):
+        # One pass for the common case (neither); a batch's checks refuse after.
+        if any(_in_batch(j) for j in items):
+            return _batch_job_bodies(items)
         return _graph_bodies(items)
     out = _Bodies()
     prefix = out.prefix = os.urandom(12).hex()
@@ -491,6 +508,66 @@ def _is_dependent(j: Any) -> bool:
     if isinstance(j, Mapping):
         return j.get("after") is not None or j.get("on_dependency_failure") is not None
     return False
+
+
+def _in_batch(j: Any) -> bool:
+    """Whether job ``j`` (a :class:`NewJob` or a mapping) names a batch."""
+    if isinstance(j, NewJob):
+        return j.batch is not None
+    if isinstance(j, Mapping):
+        return j.get("batch") is not None
+    return False
+
+
+def _batch_job_bodies(items: Sequence[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
+    """The ``/v1/jobs`` objects of a call whose jobs join a batch: every
+    job names the same batch (``@N``), none has ``after``,
+    ``on_dependency_failure``, a unique or a debounce id; each carries a
+    dedup id (generated as for any job when not given, so a resend joins
+    nothing twice). Checked before anything is sent."""
+    out = _Bodies()
+    prefix = out.prefix = os.urandom(12).hex()
+    jobs: List[NewJob] = []
+    for n, j in enumerate(items):
+        if not isinstance(j, NewJob):
+            try:
+                j = NewJob(**dict(j))
+            except TypeError as e:
+                raise InvalidJob(f"job {n}: {e}") from None
+        jobs.append(j)
+    at, first = next((n, j.batch) for n, j in enumerate(jobs) if j.batch is not None)
+    if not isinstance(first, str) or not _DEPENDENT_ID.fullmatch(first):
+        raise InvalidJob(f"job {at} (key {jobs[at].key!r}): invalid batch {first!r}: a batch's id \"@N\" is needed, "
+                         f"as open_batch returns it")
+    out.batch = first
+    for n, j in enumerate(jobs):
+        key = j.key
+        if not isinstance(key, str) or not key:
+            raise InvalidJob(f"invalid job key {key!r}: a non-empty str is needed")
+        where = f"job {n} (key {key!r})"
+        if j.batch != first:
+            raise InvalidJob(f"{where}: batch {j.batch!r} where the jobs of this call join {first!r}: every job of "
+                             f"a call with batch names the same batch (enqueue the others in a call of their own)")
+        named = [f"{name} {getattr(j, name)!r}" for name in ("after", "on_dependency_failure", "unique_id",
+                                                             "unique_while", "debounce_id", "debounce_ms",
+                                                             "debounce_max_ms")
+                 if getattr(j, name) is not None]
+        if named:
+            raise InvalidJob(f"{where}: a job of a batch takes no {', '.join(named)} (its dedup_id makes it safe "
+                             f"to send again)")
+        b: Dict[str, Any] = {"key": key}
+        _encode_payload(j.payload, b, key)
+        if j.delay_ms:
+            b["delay_ms"] = int(j.delay_ms)
+        if j.max_attempts is not None:
+            b["max_attempts"] = int(j.max_attempts)
+        d = j.dedup_id
+        if d is None:
+            d = j.dedup_id = f"{prefix}-{n}"
+        b["dedup_id"] = d
+        b["batch"] = first
+        out.append(b)
+    return out
 
 
 def _graph_bodies(items: Sequence[Union["NewJob", Mapping[str, Any]]]) -> _Bodies:
@@ -721,7 +798,8 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
     if own == "-":
         # No earlier attempt could have stored them: every duplicate is one.
         return [Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])),
-                         bool(g.get("duplicate", False)), b.get("dedup_id", ""), bool(g.get("waiting", False)))
+                         bool(g.get("duplicate", False)), b.get("dedup_id", ""), bool(g.get("waiting", False)),
+                         g.get("batch"))
                 for b, g in zip(chunk, got)]
     out: List[Enqueued] = []
     append = out.append
@@ -731,7 +809,7 @@ def _enqueued_of(url: str, chunk: List[Dict[str, Any]], doc: Any, maybe_stored: 
         if dup and d and d.startswith(own):
             dup = False
         append(Enqueued(str(g["id"]), str(g["shard"]), str(g.get("key", b["key"])), dup, d,
-                        bool(g.get("waiting", False))))
+                        bool(g.get("waiting", False)), g.get("batch")))
     return out
 
 
@@ -809,7 +887,7 @@ def _claimed_of(url: str, doc: Any) -> List["ClaimedJob"]:
             str(j["id"]), str(j["shard"]), str(j["key"]), _decode_payload(j), int(j.get("attempt", 1)),
             str(j["receipt"]), j.get("fence"), j.get("lease_expires_ms"), url, j.get("max_attempts"),
             j.get("timeout_expires_ms"), j.get("dedup_id"), ScheduleTick._of(j.get("schedule")),
-            j.get("dependent"),
+            j.get("dependent"), j.get("batch"), j.get("batch_callback"),
         )
         for j in (doc or {}).get("jobs", [])
     ]
@@ -996,8 +1074,10 @@ class Enqueued(NamedTuple):
     earlier attempt's job is not a duplicate when the id was generated).
     A dependent (a job of a request with ``after``) is ``waiting``: its id
     is ``@N``, its ``shard`` empty (it is on no shard until released) and
-    its ``dedup_id`` empty. Immutable; a named tuple (a frozen dataclass
-    cost more to make than the rest of an enqueue per job)."""
+    its ``dedup_id`` empty. A job of a batch is ``waiting`` too, with the
+    id ``@M`` and its ``dedup_id``, and ``batch`` names its batch
+    (``@N``; ``None`` for other jobs). Immutable; a named tuple (a frozen
+    dataclass cost more to make than the rest of an enqueue per job)."""
 
     id: str
     shard: str
@@ -1005,6 +1085,7 @@ class Enqueued(NamedTuple):
     duplicate: bool
     dedup_id: str
     waiting: bool = False
+    batch: Optional[str] = None
 
 
 @dataclass
@@ -1030,7 +1111,14 @@ class NewJob:
     every outcome). Both are sent only when set. A call with any job with
     ``after`` goes in one request, where every job is a dependent (one
     without ``after`` is released at the next resolver pass, about 100
-    ms) and none takes a dedup, unique or debounce id."""
+    ms) and none takes a dedup, unique or debounce id.
+
+    ``batch`` (``"@N"``, as :meth:`Client.open_batch` returns it) makes it
+    a job of that batch: it is stored with the batch (answered ``@M`` and
+    ``waiting``) and enqueued on its key at the next resolver pass. Every
+    job of a call with ``batch`` names the same batch; none takes
+    ``after``, a unique or a debounce id; each keeps its dedup id (given or
+    generated), so sending the same jobs again joins nothing twice."""
 
     key: str
     payload: Payload = b""
@@ -1044,6 +1132,7 @@ class NewJob:
     debounce_max_ms: Optional[int] = None
     after: Optional[Sequence[Union[str, int]]] = None
     on_dependency_failure: Optional[str] = None
+    batch: Optional[str] = None
 
 
 JobLike = Union[NewJob, Mapping[str, Any]]
@@ -1221,6 +1310,139 @@ def _dependent_path(id: Any) -> str:
 
 def _is_dependent_id(id: str) -> bool:
     return isinstance(id, str) and _DEPENDENT_ID.fullmatch(id) is not None
+
+
+#: The kinds of a batch's callbacks: ``complete`` (every job of the closed
+#: batch ended, however), ``success`` (every job of the closed batch was
+#: acked) and ``death`` (the batch's first dead job).
+BATCH_CALLBACK_KINDS = ("complete", "success", "death")
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """A batch's jobs by how far they got: ``jobs`` in all, ``pending``
+    (not ended), ``completed``, ``dead`` (out of attempts) and ``other``
+    (cancelled or forgotten)."""
+
+    jobs: int
+    pending: int
+    completed: int
+    dead: int
+    other: int
+
+    @staticmethod
+    def _of(doc: Any) -> "BatchCounts":
+        d = doc if isinstance(doc, Mapping) else {}
+        return BatchCounts(*(int(d.get(name) or 0) for name in ("jobs", "pending", "completed", "dead", "other")))
+
+
+@dataclass(frozen=True)
+class BatchCallback:
+    """One callback of a batch, as :meth:`Client.batch` shows it: its
+    ``kind`` (``"complete"``, ``"success"``, ``"death"``), its ``payload``
+    as given to :meth:`Client.open_batch`, and ``fired``: the job it was
+    enqueued as (``SHARD:ID``), ``None`` until it fires."""
+
+    kind: str
+    payload: bytes
+    fired: Optional[str] = None
+
+    @property
+    def payload_text(self) -> str:
+        """The payload as UTF-8 text."""
+        return self.payload.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """A batch as :meth:`Client.batch` shows it: its ``id`` (``@N``) and
+    ``key`` (its callbacks' key); its ``state``: ``"open"`` (it takes
+    jobs), ``"closed"`` (only its own jobs add to it, until every job
+    ended) or ``"complete"`` (every job ended and every callback due
+    fired); ``counts`` (:class:`BatchCounts`); ``callbacks`` by kind
+    (:class:`BatchCallback`, only the kinds it was opened with); ``jobs``
+    each job's :class:`DependencyOutcome` (its ``@M``, outcome, where it
+    ran, its result), in the order they joined; ``max_attempts`` of each
+    callback; ``created_ms``, ``closed_ms`` and ``ended_ms`` (``None``
+    until then), ms since the epoch."""
+
+    id: str
+    key: str
+    state: str
+    counts: BatchCounts
+    callbacks: Mapping[str, BatchCallback]
+    jobs: Tuple[DependencyOutcome, ...]
+    max_attempts: Optional[int] = None
+    created_ms: int = 0
+    closed_ms: Optional[int] = None
+    ended_ms: Optional[int] = None
+
+    @staticmethod
+    def _of(doc: Mapping[str, Any]) -> "BatchInfo":
+        def opt_int(name: str) -> Optional[int]:
+            v = doc.get(name)
+            return None if v is None else int(v)
+
+        callbacks: Dict[str, BatchCallback] = {}
+        for kind, cb in (doc.get("callbacks") or {}).items():
+            c = cb if isinstance(cb, Mapping) else {}
+            fired = c.get("fired")
+            callbacks[str(kind)] = BatchCallback(str(kind), _decode_payload(c), None if fired is None else str(fired))
+        return BatchInfo(
+            id=str(doc["id"]), key=str(doc["key"]), state=str(doc["state"]), counts=BatchCounts._of(doc.get("counts")),
+            callbacks=callbacks, jobs=tuple(DependencyOutcome._of(j) for j in doc.get("jobs") or ()),
+            max_attempts=opt_int("max_attempts"), created_ms=int(doc.get("created_ms") or 0),
+            closed_ms=opt_int("closed_ms"), ended_ms=opt_int("ended_ms"),
+        )
+
+
+def _batch_path(id: Any, action: str = "") -> str:
+    """``/v1/batches/@N[/action]`` of a batch's id, checked."""
+    if not isinstance(id, str) or not _DEPENDENT_ID.fullmatch(id):
+        raise ConfigError(f"invalid batch id {id!r}: \"@N\" is needed, as open_batch returns it and a claimed job "
+                          f"carries it (ClaimedJob.batch)")
+    return f"/v1/batches/{id}" + (f"/{action}" if action else "")
+
+
+def _open_batch_body(key: Any, callbacks: Mapping[str, Optional[Payload]], max_attempts: Optional[int],
+                     dedup_id: Optional[str]) -> Dict[str, Any]:
+    """The ``POST /v1/batches`` body, checked: a key, at least one callback
+    (each payload UTF-8 text: the server takes no bytes for them), and a
+    dedup id (generated when none is given, so a resend opens no second
+    batch)."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"open_batch: invalid key {key!r}: a non-empty str is needed (the callbacks' key)")
+    body: Dict[str, Any] = {"key": key}
+    for name, payload in callbacks.items():
+        if payload is None:
+            continue
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            try:
+                payload = bytes(payload).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"open_batch: invalid {name}: its payload must be UTF-8 text (a callback's "
+                                  f"payload is a JSON string on the wire)") from None
+        if not isinstance(payload, str):
+            raise ConfigError(f"open_batch: invalid {name} {payload!r}: str or bytes is needed")
+        body[name] = payload
+    if len(body) == 1:
+        raise ConfigError(f"open_batch: no callbacks: at least one of {', '.join(callbacks)} is needed")
+    if max_attempts is not None:
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"open_batch: invalid max_attempts {max_attempts!r}: a positive int is needed")
+        body["max_attempts"] = max_attempts
+    if dedup_id is not None and (not isinstance(dedup_id, str) or not dedup_id):
+        raise ConfigError(f"open_batch: invalid dedup_id {dedup_id!r}: a non-empty str is needed")
+    body["dedup_id"] = dedup_id if dedup_id is not None else f"batch-{os.urandom(12).hex()}"
+    return body
+
+
+def _batch_id_of(url: str, doc: Any) -> str:
+    """The id ``@N`` of a ``POST /v1/batches`` answer."""
+    id = doc.get("id") if isinstance(doc, dict) else None
+    if not isinstance(id, str) or not _DEPENDENT_ID.fullmatch(id):
+        raise HttpError(url, 200, f"/v1/batches answered no batch id: {str(doc)[:200]}")
+    return id
 
 
 @dataclass(frozen=True)
@@ -1771,15 +1993,18 @@ class Client:
         debounce_max_ms: Optional[int] = None,
         after: Optional[Sequence[Union[str, int]]] = None,
         on_dependency_failure: Optional[str] = None,
+        batch: Optional[str] = None,
     ) -> Enqueued:
         """Enqueues one job (the fields are :class:`NewJob`'s). With
         ``after`` (ids: ``"SHARD:ID"``, ``"@N"``) it is a dependent: it runs
         once every job named has ended, and its :class:`Enqueued` has the
         id ``"@N"`` (for :meth:`dependent`, :meth:`result`,
-        :meth:`cancel`), no shard, and ``waiting``."""
+        :meth:`cancel`), no shard, and ``waiting``. With ``batch`` (``"@N"``
+        from :meth:`open_batch`) it joins that batch: its :class:`Enqueued`
+        has the id ``"@M"``, no shard, ``waiting`` and ``batch``."""
         return self.enqueue_many([NewJob(key, payload, delay_ms, max_attempts, dedup_id, unique_id, unique_while,
                                          debounce_id, debounce_ms, debounce_max_ms, after,
-                                         on_dependency_failure)])[0]
+                                         on_dependency_failure, batch)])[0]
 
     def enqueue_many(self, jobs: Iterable[JobLike]) -> List[Enqueued]:
         """Enqueues ``jobs`` (``NewJob`` values or dicts with the same
@@ -1787,7 +2012,11 @@ class Client:
         :class:`Enqueued` per job. An error after some requests were stored
         raises :class:`PartialEnqueue` (``placed``: those jobs). When any
         job has ``after``, the jobs go as :meth:`enqueue_graph` sends them:
-        in one request, all dependents."""
+        in one request, all dependents. When any job has ``batch``, every
+        job must name that same batch: each request joins its jobs to it in
+        one write (more than ``batch_max`` jobs go in several requests, as
+        for any jobs), and their dedup ids make a resend join nothing
+        twice."""
         bodies = _job_bodies(jobs)
         if bodies.graph:
             return self._send_graph(bodies)
@@ -1847,6 +2076,50 @@ class Client:
         :class:`ConfigError` before any request."""
         status, doc = self._call("GET", _dependent_path(id), None, "reading a dependent")
         return None if status == 404 else DependentInfo._of(doc)
+
+    def open_batch(self, key: str, on_complete: Optional[Payload] = None, on_success: Optional[Payload] = None,
+                   on_death: Optional[Payload] = None, max_attempts: Optional[int] = None,
+                   dedup_id: Optional[str] = None) -> str:
+        """Opens a batch and returns its id (``"@N"``): jobs enqueued with
+        ``batch=`` that id join it, on any keys, until it is closed (and,
+        after :meth:`close_batch`, from its own jobs while one of them has
+        not ended). Its callbacks are jobs on ``key`` with the payloads
+        given (UTF-8 text; at least one), each enqueued once:
+        ``on_complete`` once the closed batch's jobs have all ended,
+        however; ``on_success`` once they were all acked; ``on_death`` at
+        its first dead job. ``max_attempts`` is each callback's (default:
+        the key's retry policy). ``dedup_id`` names the batch under
+        ``key``: opening again with it returns the batch already opened;
+        without one a random id is sent, so a retry after a lost answer
+        opens no second batch. A bad argument raises :class:`ConfigError`
+        before any request; the server's refusal :class:`BadRequest`
+        naming the field."""
+        body = _open_batch_body(key, {"on_complete": on_complete, "on_success": on_success, "on_death": on_death},
+                                max_attempts, dedup_id)
+        doc = self._post_any(_Attempts("/v1/batches", self.retry_rounds, [body["dedup_id"]]), _dumps(body))
+        return _batch_id_of(self.urls[0], doc)
+
+    def close_batch(self, id: str) -> bool:
+        """Closes the batch ``id`` (``"@N"``): no job joins it from outside
+        any more, and its complete and success callbacks fire once its jobs
+        have all ended. ``True`` when this call closed it, ``False`` when
+        it was closed already (by another call, or by an earlier try of
+        this one whose answer was lost). An id not of the form ``@N``
+        raises :class:`ConfigError` before any request; a batch the server
+        does not know, :class:`BadRequest` naming it."""
+        path = _batch_path(id, "close")
+        doc = self._post_any(_Attempts(path, self.retry_rounds), b"{}")
+        return bool(doc.get("closed")) if isinstance(doc, dict) else False
+
+    def batch(self, id: str) -> Optional[BatchInfo]:
+        """The batch ``id`` (``"@N"``, as :meth:`open_batch` returns it and
+        :attr:`ClaimedJob.batch` carries it): its state, counts, callbacks
+        and each job's outcome and result (:class:`BatchInfo`); ``None``
+        when no batch has the id (it completed longer ago than batches are
+        kept, a day, or never existed). An id not of the form ``@N`` raises
+        :class:`ConfigError` before any request."""
+        status, doc = self._call("GET", _batch_path(id), None, "reading a batch")
+        return None if status == 404 else BatchInfo._of(doc)
 
     def _send(self, batch: _Batch) -> List[Enqueued]:
         try:
@@ -2216,6 +2489,13 @@ class ClaimedJob:
     #: :meth:`Client.dependent` of it gives its dependencies' outcomes and
     #: results.
     dependent: Optional[str] = None
+    #: A job of a batch, or a batch's callback: the batch's id (``"@N"``);
+    #: :meth:`Client.batch` of it shows the batch. A job of a batch may add
+    #: more jobs to it (``enqueue(..., batch=job.batch)``) while it runs.
+    batch: Optional[str] = None
+    #: A batch's callback: its kind (``"complete"``, ``"success"`` or
+    #: ``"death"``); ``None`` for any other job.
+    batch_callback: Optional[str] = None
     _lost: Optional[threading.Event] = field(default=None, repr=False, compare=False)
     #: The run's job timeout in ms, and when it passes as this process
     #: knows it (``time.monotonic()``); ``None`` without one.
