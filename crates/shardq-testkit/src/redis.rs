@@ -45,7 +45,13 @@ impl ServerOptions {
     /// The `redis-server` arguments these options add, with `--replicaof`
     /// for a replica of `primary`.
     fn args(&self, primary: Option<u16>) -> Vec<String> {
-        let mut args: Vec<String> = Vec::new();
+        // A primary starts a replica's full sync at once, not after
+        // redis-server's default 5 s wait for more replicas to share it:
+        // each `start_replica` (and a replica's sync after a failover)
+        // waited those 5 s.
+        let mut args: Vec<String> = ["--repl-diskless-sync-delay", "0"]
+            .map(String::from)
+            .to_vec();
         if self.aof_always {
             args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
         }
@@ -108,14 +114,30 @@ impl RedisServer {
     }
 
     /// A replica of this server (`--replicaof`), returned once its link to
-    /// the primary is up and the initial sync is done.
+    /// the primary is up, the initial sync is done, the primary counts it
+    /// online and a write made on the primary afterwards has reached it
+    /// (the primary streams to it, so `WAIT` may count it).
     pub fn start_replica(&self) -> RedisServer {
         let replica = RedisServer::start_inner(ServerOptions::default(), Some(self.port()));
         let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
-        while !replica
-            .cli(&["info", "replication"])
-            .contains("master_link_status:up")
-        {
+        let online = format!("port={},state=online", replica.port());
+        let marker = format!("shardq-test:replica-{}", replica.port());
+        let mut written = 0u64;
+        let mut streams = || {
+            if !(replica
+                .cli(&["info", "replication"])
+                .contains("master_link_status:up")
+                && self.cli(&["info", "replication"]).contains(&online))
+            {
+                return false;
+            }
+            written += 1;
+            let out = self.cli(&["set", &marker, &written.to_string()]);
+            assert!(out.trim() == "OK", "SET on port {}: {out}", self.port());
+            thread::sleep(Duration::from_millis(POLL_MS));
+            replica.cli(&["get", &marker]).trim() == written.to_string()
+        };
+        while !streams() {
             assert!(
                 Instant::now() < deadline,
                 "replica on port {} did not sync with port {} within {SERVER_START_TIMEOUT_MS} ms",
