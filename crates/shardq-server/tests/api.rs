@@ -14,7 +14,7 @@ mod support;
 
 use support::{
     call, claim, enqueue, enqueue_n, get, get_ok, init_dir, options, owned_shards, post, post_ok,
-    start, totals, wait_until,
+    quick_retries, start, totals, wait_until,
 };
 
 #[test]
@@ -1572,6 +1572,9 @@ fn finished_and_cancelled_jobs_are_shown_by_id() {
 #[test]
 fn a_claims_job_timeout_fails_the_run_whatever_its_extends() {
     let dir = init_dir(1, "rendezvous");
+    // The second attempt is claimable at once, not after the default
+    // 10 s backoff.
+    quick_retries(dir.path());
     let s = start(dir.path(), options());
     let (code, v) = post(&s, "/v1/claim", json!({"worker": "w", "timeout_ms": 0}));
     assert_eq!(code, 400, "{v}");

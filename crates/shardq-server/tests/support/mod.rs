@@ -29,6 +29,22 @@ pub fn init_at(path: &Path, shards: usize, algorithm: &str) {
     shardq_deploy::init_embedded(path, &map).unwrap();
 }
 
+/// Failed attempts in the deployment at `path` come back after 20 ms
+/// rather than the default backoff (10 s doubling, up to 20% jitter), for
+/// a test whose jobs fail and retry but which does not measure the
+/// backoff. Servers started afterwards use it.
+pub fn quick_retries(path: &Path) {
+    let d = shardq_deploy::Deployment::open(path, &Default::default()).unwrap();
+    let mut settings = d.retry_settings().unwrap();
+    settings.default.backoff = shardq_core::Backoff {
+        base_ms: 20,
+        max_ms: 20,
+        kind: shardq_core::BackoffKind::Fixed,
+        jitter_pct: 0,
+    };
+    d.set_retry_settings(&settings).unwrap();
+}
+
 /// Options of a test server: an ephemeral loopback port, 3 s shard leases.
 pub fn options() -> ServerOptions {
     ServerOptions {
