@@ -84,8 +84,9 @@ pub const SETTING_WAITING: &str = "waiting";
 pub const DEPENDENCIES_MAX: usize = 1_000;
 /// Most jobs in one batch.
 pub const BATCH_JOBS_MAX: usize = 10_000;
-/// Most dependents waiting at once in a deployment.
-pub const WAITING_MAX: usize = 10_000;
+/// Most dependents waiting at once in a deployment (a batch's jobs not
+/// yet released count: room for a whole batch and more).
+pub const WAITING_MAX: usize = 20_000;
 /// Largest payload of a dependent (64 KiB): it is kept in the shared
 /// document until released.
 pub const DEPENDENT_PAYLOAD_BYTES_MAX: usize = 64 * 1024;

@@ -21,6 +21,8 @@ use crate::job::{FinishedJob, JobId, NewJob, FINISHED_JOBS_KEPT_MAX};
 use crate::producer::{ProduceError, Producer, ProducerOptions};
 use crate::reshard::{MapStore, ReshardError};
 
+/// Most dependents released in one call of [`Release::release_all`].
+const RELEASE_CHUNK: usize = 1_000;
 /// Most dependencies one pass looks up (the rest wait for the next).
 const LOOKUPS_PER_PASS_MAX: usize = 20_000;
 /// Most dependencies a pass looks up by id (live, or followed through
@@ -73,6 +75,12 @@ struct Finding {
 pub trait Release {
     /// Enqueues `job` (it carries its dedup id `after:@N`).
     fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String>;
+
+    /// Enqueues `jobs`, each answered in order (a batch's many jobs go
+    /// together: one append per shard). By default one at a time.
+    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Result<(String, JobId), String>> {
+        jobs.iter().map(|j| self.release(j)).collect()
+    }
 }
 
 impl Release for Producer<dyn QueueBackend> {
@@ -80,6 +88,33 @@ impl Release for Producer<dyn QueueBackend> {
         self.enqueue(job)
             .map(|p| (p.shard, p.id))
             .map_err(|e| e.to_string())
+    }
+
+    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Result<(String, JobId), String>> {
+        let mut out: Vec<Result<(String, JobId), String>> =
+            vec![Err("not placed".to_string()); jobs.len()];
+        let placed = match self.enqueue_batch(jobs) {
+            Ok(p) => p,
+            Err(ProduceError::Partial { placed, cause }) => {
+                out.iter_mut().for_each(|o| *o = Err(cause.to_string()));
+                placed
+            }
+            Err(ProduceError::PausedTooLong { placed, keys, .. }) => {
+                out.iter_mut()
+                    .for_each(|o| *o = Err(format!("keys {keys:?} stayed paused by a move")));
+                placed
+            }
+            Err(e) => {
+                let e = e.to_string();
+                return jobs.iter().map(|_| Err(e.clone())).collect();
+            }
+        };
+        for p in placed {
+            if let Some(o) = out.get_mut(p.index) {
+                *o = Ok((p.shard, p.id));
+            }
+        }
+        out
     }
 }
 
@@ -449,6 +484,7 @@ impl Resolver {
         let mut failed: BTreeMap<u64, String> = BTreeMap::new();
         let mut fired: Vec<(u64, CallbackKind, String)> = Vec::new();
         let mut batch_ends: Vec<u64> = Vec::new();
+        let mut to_release: Vec<(u64, NewJob)> = Vec::new();
         for (n, w) in stored
             .jobs
             .iter()
@@ -491,19 +527,29 @@ impl Resolver {
                 failed.insert(*n, why);
                 continue;
             }
-            let job = NewJob {
-                key: w.key.clone(),
-                payload: w.payload(),
-                delay_ms: w.delay_ms,
-                max_attempts: w.max_attempts,
-                dedup_id: Some(release_dedup_id_of(*n, w)),
-                keyed: None,
-            };
-            match release.release(&job) {
-                Ok((shard, id)) => {
-                    released.insert(*n, format!("{shard}:{}", id.0));
+            to_release.push((
+                *n,
+                NewJob {
+                    key: w.key.clone(),
+                    payload: w.payload(),
+                    delay_ms: w.delay_ms,
+                    max_attempts: w.max_attempts,
+                    dedup_id: Some(release_dedup_id_of(*n, w)),
+                    keyed: None,
+                },
+            ));
+        }
+        // Released together: a batch's thousand jobs are one append per
+        // shard, not a thousand.
+        for chunk in to_release.chunks(RELEASE_CHUNK) {
+            let jobs: Vec<NewJob> = chunk.iter().map(|(_, j)| j.clone()).collect();
+            for ((n, _), r) in chunk.iter().zip(release.release_all(&jobs)) {
+                match r {
+                    Ok((shard, id)) => {
+                        released.insert(*n, format!("{shard}:{}", id.0));
+                    }
+                    Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
                 }
-                Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
             }
         }
         if released.is_empty() && failed.is_empty() && fired.is_empty() && batch_ends.is_empty() {
@@ -654,11 +700,14 @@ impl Wake {
 /// Shortest gap between two passes woken by this process's acks (10 ms),
 /// so a stream of acks does not run passes back to back.
 const WOKEN_GAP_MS: u64 = 10;
+/// The gap after a pass is at least this many times the pass's own time.
+const PASS_GAP_FACTOR: u64 = 3;
 
 /// Runs resolver passes until `stop` is set: every
 /// [`RESOLVE_EVERY_MS`] while dependents wait (sooner when `wake` is
 /// woken, at most every [`WOKEN_GAP_MS`]), four times as seldom while none
-/// does. Errors go to `on_error`; the loop keeps going.
+/// does, and never sooner after a pass than [`PASS_GAP_FACTOR`] times
+/// what it took. Errors go to `on_error`; the loop keeps going.
 pub fn run_resolver(
     mut resolver: Resolver,
     backend: Arc<dyn QueueBackend>,
@@ -668,6 +717,7 @@ pub fn run_resolver(
     wake: &Wake,
 ) {
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let started = std::time::Instant::now();
         let wait = match resolver.pass(&*backend, &mut release) {
             Ok(r) => {
                 for e in &r.errors {
@@ -684,8 +734,13 @@ pub fn run_resolver(
                 4 * RESOLVE_EVERY_MS
             }
         };
-        std::thread::sleep(std::time::Duration::from_millis(WOKEN_GAP_MS));
-        wake.wait_ms(wait.saturating_sub(WOKEN_GAP_MS));
+        // A pass over a large document (a batch of thousands of jobs)
+        // takes long: the gap after it grows with it, so passes take at
+        // most a quarter of a core however often acks wake them.
+        let took = started.elapsed().as_millis() as u64;
+        let gap = WOKEN_GAP_MS.max(took.saturating_mul(PASS_GAP_FACTOR));
+        std::thread::sleep(std::time::Duration::from_millis(gap));
+        wake.wait_ms(wait.saturating_sub(gap));
     }
 }
 
