@@ -1177,7 +1177,7 @@ export class Client {
    * ended. `true` when this call closed it, `false` when it was closed
    * already (by another call, or by an earlier try of this one whose answer
    * was lost). An id not of the form `@N` throws a `TypeError` before any
-   * request; a batch the server does not know rejects with `BadRequest`
+   * request; a batch the server does not know rejects with `BadRequest` (status 404)
    * naming it.
    */
   async closeBatch(id: string): Promise<boolean> {

@@ -238,7 +238,12 @@ test("bad input is refused naming it; the client's own checks send nothing", { t
     await assert.rejects(client.openBatch("k".repeat(2000), { onComplete: "x" }), refused("key"));
     await assert.rejects(client.openBatch("x-cb", { onComplete: "x", maxAttempts: 5000 }), refused("max attempts 5000"));
     assert.equal(await client.batch("@987654"), undefined);
-    await assert.rejects(client.closeBatch("@987654"), refused("@987654"));
+    await assert.rejects(client.closeBatch("@987654"), (err: unknown) => {
+      assert.ok(err instanceof BadRequest, String(err));
+      assert.equal(err.status, 404);
+      assert.ok(err.message.includes("@987654"), err.message);
+      return true;
+    });
     await assert.rejects(client.enqueue("x-k", "x", { batch: "@987654" }), refused("@987654"));
     await assert.rejects(client.enqueue("x-k", "x", { batch: b, dedupId: `batch:${b}:death` }), refused("dedup_id"));
     await assert.rejects(client.enqueue("x-k", "x".repeat(64 * 1024 + 1), { batch: b }), refused("payload"));

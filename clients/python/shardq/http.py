@@ -2106,7 +2106,7 @@ class Client:
         it was closed already (by another call, or by an earlier try of
         this one whose answer was lost). An id not of the form ``@N``
         raises :class:`ConfigError` before any request; a batch the server
-        does not know, :class:`BadRequest` naming it."""
+        does not know, :class:`HttpError` (404) naming it."""
         path = _batch_path(id, "close")
         doc = self._post_any(_Attempts(path, self.retry_rounds), b"{}")
         return bool(doc.get("closed")) if isinstance(doc, dict) else False

@@ -27,6 +27,7 @@ from shardq import (
     ClaimedJob,
     Client,
     ConfigError,
+    HttpError,
     InvalidJob,
     NewJob,
     Worker,
@@ -232,8 +233,9 @@ def test_bad_input_is_refused_naming_it(serve, fakes):
         c.open_batch("x-cb", on_complete="x", max_attempts=5000)
     for unknown in ("@987654",):
         assert c.batch(unknown) is None
-        with pytest.raises(BadRequest, match=unknown):
+        with pytest.raises(HttpError, match=unknown) as closed:
             c.close_batch(unknown)
+        assert closed.value.status == 404, closed.value
         with pytest.raises(BadRequest, match=unknown):
             c.enqueue("x-k", "x", batch=unknown)
     with pytest.raises(BadRequest, match="dedup_id"):

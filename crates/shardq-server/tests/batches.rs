@@ -130,7 +130,7 @@ fn bad_batches_are_refused_naming_them() {
     let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
     for (body, says) in [
-        (json!({"key": "cb"}), "callbacks"),
+        (json!({"key": "cb"}), "on_complete"),
         (json!({"key": "", "on_complete": "x"}), "key"),
         (
             json!({"key": "cb", "on_complete": "x", "colour": 1}),

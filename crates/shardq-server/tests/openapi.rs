@@ -404,6 +404,57 @@ fn every_answer_fits_its_documented_schema() {
             "{v}"
         );
     }
+    // A batch: opened, a job added, shown (by both of its paths), closed;
+    // an unknown one.
+    let (code, b) = checked(
+        &s,
+        "POST",
+        "/v1/batches",
+        "/v1/batches",
+        Some(json!({"key": "cb", "on_complete": "done", "on_death": "x"})),
+        e,
+    );
+    assert_eq!(code, 200, "{b}");
+    let bid = b["id"].as_str().unwrap().to_string();
+    let body = json!({"jobs": [{"key": "bk", "payload": "p", "batch": bid, "dedup_id": "b1"}]});
+    let (code, v) = checked(&s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
+    assert_eq!(code, 200, "{v}");
+    let at = format!("/v1/batches/{bid}");
+    checked(&s, "GET", "/v1/batches/{id}", &at, None, e);
+    checked(
+        &s,
+        "GET",
+        "/v1/jobs/{id}",
+        &format!("/v1/jobs/{bid}"),
+        None,
+        e,
+    );
+    let close = format!("/v1/batches/{bid}/close");
+    let (code, v) = checked(
+        &s,
+        "POST",
+        "/v1/batches/{id}/close",
+        &close,
+        Some(json!({})),
+        e,
+    );
+    assert_eq!(code, 200, "{v}");
+    for target in ["/v1/batches/@999/close", "/v1/batches/@999"] {
+        let (method, path) = if target.ends_with("close") {
+            ("POST", "/v1/batches/{id}/close")
+        } else {
+            ("GET", "/v1/batches/{id}")
+        };
+        let (code, v) = checked(
+            &s,
+            method,
+            path,
+            target,
+            Some(json!({})).filter(|_| method == "POST"),
+            e,
+        );
+        assert_eq!(code, 404, "{target}: {v}");
+    }
     let bad = json!({"schedules": {"n4": {"key": "k", "every": "500ms"}}});
     let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(bad), e);
     assert_eq!(code, 400, "{v}");

@@ -94,6 +94,11 @@ pub async fn batch_open(
             )));
         }
     }
+    if req.on_complete.is_none() && req.on_success.is_none() && req.on_death.is_none() {
+        return Err(ApiError::bad(
+            "on_complete, on_success, on_death: none given; a batch needs at least one callback",
+        ));
+    }
     let max_attempts = req
         .max_attempts
         .unwrap_or_else(|| app.retry.for_key(&req.key).max_attempts);
@@ -119,7 +124,12 @@ pub async fn batch_open(
 /// it was closed already).
 pub async fn batch_close(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
     let n = batch_ref(&id)?;
-    let before = blocking(move || Ok(app.deployment.close_batch(n)?)).await?;
+    let before = blocking(move || {
+        // An unknown batch is a 404, as for a read of it.
+        app.deployment.batch(n)?.ok_or_else(|| unknown(n))?;
+        Ok(app.deployment.close_batch(n)?)
+    })
+    .await?;
     let was_open = before.batch.as_ref().is_some_and(|b| b.open);
     ok(json!({ "id": format!("@{n}"), "closed": was_open }))
 }
