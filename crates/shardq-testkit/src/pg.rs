@@ -86,24 +86,33 @@ fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
 }
 
-impl PgServer {
-    /// A new server on a free loopback port, accepting connections.
-    pub fn start() -> PgServer {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let bin = bin_dir();
-        let dir = std::env::temp_dir().join(format!(
-            "shardq-pg-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::SeqCst)
-        ));
+/// The directory of [`template`], once made.
+static TEMPLATE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Removes the template's directory when the process exits.
+extern "C" fn remove_template() {
+    if let Some(data) = TEMPLATE.get().and_then(|d| d.parent()) {
+        let _ = std::fs::remove_dir_all(data);
+    }
+}
+
+/// A data dir made by `initdb` once per process (trust authentication,
+/// UTF8, locale C), owned by the user the servers run as: each server
+/// starts from a copy of it (an `initdb` takes about a second). It is
+/// removed when the process exits.
+fn template(bin: &Path) -> &'static Path {
+    TEMPLATE.get_or_init(|| {
+        // SAFETY: registers a function taking and returning nothing.
+        unsafe { libc::atexit(remove_template) };
+        let dir = std::env::temp_dir().join(format!("shardq-pg-{}-template", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("making the server's directory");
+        std::fs::create_dir_all(&dir).expect("making the template's directory");
         if let Some((uid, gid)) = pg_user() {
             std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
                 .unwrap_or_else(|e| panic!("{NEEDED}: chown to the postgres user: {e}"));
         }
         let data = dir.join("data");
-        let out = as_pg_user(&bin, "initdb")
+        let out = as_pg_user(bin, "initdb")
             .args([
                 "-A",
                 "trust",
@@ -121,6 +130,38 @@ impl PgServer {
         assert!(
             out.status.success(),
             "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        data
+    })
+}
+
+impl PgServer {
+    /// A new server on a free loopback port, accepting connections.
+    pub fn start() -> PgServer {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let bin = bin_dir();
+        let dir = std::env::temp_dir().join(format!(
+            "shardq-pg-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("making the server's directory");
+        if let Some((uid, gid)) = pg_user() {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
+                .unwrap_or_else(|e| panic!("{NEEDED}: chown to the postgres user: {e}"));
+        }
+        // A copy of this process's one `initdb`.
+        let out = Command::new("cp")
+            .arg("-a")
+            .arg(template(&bin))
+            .arg(dir.join("data"))
+            .output()
+            .unwrap_or_else(|e| panic!("cp: {e}"));
+        assert!(
+            out.status.success(),
+            "copying the initdb template failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         let mut server = PgServer {
