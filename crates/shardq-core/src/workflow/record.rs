@@ -408,6 +408,48 @@ impl WaitingStore {
         }
     }
 
+    /// As [`WaitingStore::load`], reusing `cache` (the text last read or
+    /// written by its owner, parsed) when the stored text is the same: a
+    /// resolver's passes over a large document parse it only when another
+    /// process changed it.
+    pub fn load_cached(
+        maps: &dyn MapStore,
+        cache: &mut Option<(String, WaitingFile)>,
+    ) -> Result<WaitingFile, ReshardError> {
+        match maps.load_setting(SETTING_WAITING)? {
+            None => Ok(WaitingFile::default()),
+            Some(text) => cached_parse(cache, text),
+        }
+    }
+
+    /// As [`WaitingStore::update`], reusing and refreshing `cache` as
+    /// [`WaitingStore::load_cached`] does. `change` gets the document and
+    /// the length of its stored text.
+    pub fn update_cached<R, E>(
+        maps: &dyn MapStore,
+        cache: &mut Option<(String, WaitingFile)>,
+        mut change: impl FnMut(&mut WaitingFile, usize) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<ReshardError>,
+    {
+        let mut written: Option<(String, WaitingFile)> = None;
+        let out = update_setting(maps, SETTING_WAITING, |current| -> Result<_, E> {
+            let (mut f, len) = match current {
+                None => (WaitingFile::default(), 0),
+                Some(text) => (cached_parse(cache, text.to_string())?, text.len()),
+            };
+            let out = change(&mut f, len)?;
+            let text = f.to_text();
+            written = Some((text.clone(), f));
+            Ok((Some(text), out))
+        })?;
+        if let Some(w) = written {
+            *cache = Some(w);
+        }
+        Ok(out)
+    }
+
     /// Changes the document atomically against every other writer
     /// (`change` may run more than once). An `Ok` means stored.
     pub fn update<R, E>(
@@ -541,6 +583,22 @@ impl WaitingStore {
     pub fn get(maps: &dyn MapStore, n: u64) -> Result<Option<Waiting>, ReshardError> {
         Ok(Self::load(maps)?.jobs.remove(&n))
     }
+}
+
+/// `text` parsed, or the cached document when `cache` holds the same text
+/// (the cache then holds `text`).
+fn cached_parse(
+    cache: &mut Option<(String, WaitingFile)>,
+    text: String,
+) -> Result<WaitingFile, ReshardError> {
+    if let Some((t, f)) = cache.as_ref() {
+        if *t == text {
+            return Ok(f.clone());
+        }
+    }
+    let f = WaitingFile::parse(&text)?;
+    *cache = Some((text, f.clone()));
+    Ok(f)
 }
 
 /// Stores new dependents in `f` (the body of [`WaitingStore::add`]'s

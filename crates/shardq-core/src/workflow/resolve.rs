@@ -56,6 +56,9 @@ pub struct PassReport {
     pub waiting: usize,
     /// Lookups or releases that failed (tried again next pass).
     pub errors: Vec<String>,
+    /// Time spent enqueueing released jobs and callbacks (ms): work done
+    /// for the jobs, not the pass's own cost.
+    pub release_ms: u64,
 }
 
 /// One finding of a pass: dependency `idx` of dependent `n` ended.
@@ -153,6 +156,8 @@ pub struct Resolver {
     /// Where a probe last found a dependency that moved with its key (its
     /// copy), whose shard's lists the fast path then reads.
     located: HashMap<(u64, usize), (String, JobId)>,
+    /// The waiting document as last read or written, parsed.
+    cache: Option<(String, WaitingFile)>,
 }
 
 impl Resolver {
@@ -167,6 +172,7 @@ impl Resolver {
             full_read_at: HashMap::new(),
             probed_at: HashMap::new(),
             located: HashMap::new(),
+            cache: None,
         }
     }
 
@@ -179,7 +185,7 @@ impl Resolver {
         release: &mut dyn Release,
     ) -> Result<PassReport, ReshardError> {
         let mut report = PassReport::default();
-        let file = WaitingStore::load(&*self.maps)?;
+        let file = WaitingStore::load_cached(&*self.maps, &mut self.cache)?;
         if file.waiting() == 0 {
             return Ok(report);
         }
@@ -189,8 +195,8 @@ impl Resolver {
             file
         } else {
             let now = self.clock.now_ms();
-            WaitingStore::update(&*self.maps, |f: &mut WaitingFile| {
-                apply(f, &findings);
+            WaitingStore::update_cached(&*self.maps, &mut self.cache, |f, len| {
+                apply(f, &findings, len);
                 f.trim(now);
                 Ok::<_, ReshardError>(f.clone())
             })?
@@ -230,12 +236,23 @@ impl Resolver {
         // pass is among the newest unless the shard finished more). A
         // shard not read this pass had no dependency to miss.
         let now_read = self.clock.now_ms();
+        // More dependencies unresolved than the recent read holds (a
+        // batch of thousands of jobs): the ends since the last pass may be
+        // past the newest FINISHED_READ_RECENT, so every list is read whole.
+        let unresolved = file
+            .jobs
+            .values()
+            .filter(|w| w.state == WaitState::Waiting)
+            .flat_map(|w| w.after.iter())
+            .filter(|d| d.outcome.is_none())
+            .count();
         let mut full: std::collections::HashSet<String> = std::collections::HashSet::new();
         for s in &shards {
-            let due = self
-                .full_read_at
-                .get(s)
-                .is_none_or(|t| now_read.saturating_sub(*t) >= FULL_READ_EVERY_MS);
+            let due = unresolved > FINISHED_READ_RECENT
+                || self
+                    .full_read_at
+                    .get(s)
+                    .is_none_or(|t| now_read.saturating_sub(*t) >= FULL_READ_EVERY_MS);
             if due {
                 self.full_read_at.insert(s.clone(), now_read);
                 full.insert(s.clone());
@@ -541,6 +558,7 @@ impl Resolver {
         }
         // Released together: a batch's thousand jobs are one append per
         // shard, not a thousand.
+        let releasing = std::time::Instant::now();
         for chunk in to_release.chunks(RELEASE_CHUNK) {
             let jobs: Vec<NewJob> = chunk.iter().map(|(_, j)| j.clone()).collect();
             for ((n, _), r) in chunk.iter().zip(release.release_all(&jobs)) {
@@ -552,12 +570,13 @@ impl Resolver {
                 }
             }
         }
+        report.release_ms += releasing.elapsed().as_millis() as u64;
         if released.is_empty() && failed.is_empty() && fired.is_empty() && batch_ends.is_empty() {
             return Ok(());
         }
         let now = self.clock.now_ms();
         // A dependent cancelled while it was released: its job is cancelled.
-        let late = WaitingStore::update(&*self.maps, |f: &mut WaitingFile| {
+        let late = WaitingStore::update_cached(&*self.maps, &mut self.cache, |f, _| {
             let mut late = Vec::new();
             for (n, at) in &released {
                 match f.jobs.get_mut(n) {
@@ -631,9 +650,10 @@ fn failure(w: &Waiting) -> Option<String> {
 
 /// Records findings in `f`: a dependency's outcome is set once, and a
 /// dependent that no longer waits takes none.
-fn apply(f: &mut WaitingFile, findings: &[Finding]) {
-    // Results are kept while the document stays within its bound.
-    let mut size = f.to_text().len();
+fn apply(f: &mut WaitingFile, findings: &[Finding], stored_len: usize) {
+    // Results are kept while the document stays within its bound (its
+    // stored length, plus what this adds).
+    let mut size = stored_len;
     for x in findings {
         let Some(w) = f
             .jobs
@@ -718,8 +738,10 @@ pub fn run_resolver(
 ) {
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
         let started = std::time::Instant::now();
+        let mut released_ms = 0;
         let wait = match resolver.pass(&*backend, &mut release) {
             Ok(r) => {
+                released_ms = r.release_ms;
                 for e in &r.errors {
                     on_error(format!("dependents: {e}"));
                 }
@@ -737,7 +759,8 @@ pub fn run_resolver(
         // A pass over a large document (a batch of thousands of jobs)
         // takes long: the gap after it grows with it, so passes take at
         // most a quarter of a core however often acks wake them.
-        let took = started.elapsed().as_millis() as u64;
+        // The pass's own cost: what it spent enqueueing is the jobs' work.
+        let took = (started.elapsed().as_millis() as u64).saturating_sub(released_ms);
         let gap = WOKEN_GAP_MS.max(took.saturating_mul(PASS_GAP_FACTOR));
         std::thread::sleep(std::time::Duration::from_millis(gap));
         wake.wait_ms(wait.saturating_sub(gap));
