@@ -721,7 +721,7 @@ impl Wake {
 /// so a stream of acks does not run passes back to back.
 const WOKEN_GAP_MS: u64 = 10;
 /// The gap after a pass is at least this many times the pass's own time.
-const PASS_GAP_FACTOR: u64 = 3;
+const PASS_GAP_FACTOR: u64 = 1;
 
 /// Runs resolver passes until `stop` is set: every
 /// [`RESOLVE_EVERY_MS`] while dependents wait (sooner when `wake` is
@@ -758,7 +758,7 @@ pub fn run_resolver(
         };
         // A pass over a large document (a batch of thousands of jobs)
         // takes long: the gap after it grows with it, so passes take at
-        // most a quarter of a core however often acks wake them.
+        // most half a core however often acks wake them.
         // The pass's own cost: what it spent enqueueing is the jobs' work.
         let took = (started.elapsed().as_millis() as u64).saturating_sub(released_ms);
         let gap = WOKEN_GAP_MS.max(took.saturating_mul(PASS_GAP_FACTOR));
