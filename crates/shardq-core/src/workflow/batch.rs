@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::record::insert;
+use super::record::{insert, Kind};
 use super::{
     DepOutcome, NewDependent, OnDependencyFailure, WaitState, Waiting, WaitingFile, WaitingStore,
     BATCH_JOBS_MAX, DEPENDENT_PAYLOAD_BYTES_MAX,
@@ -259,7 +259,7 @@ impl WaitingStore {
                 after: Vec::new(),
                 on_failure: OnDependencyFailure::Run,
             };
-            let (n, dup) = insert(f, now_ms, std::slice::from_ref(&dep), None)?[0];
+            let (n, dup) = insert(f, now_ms, std::slice::from_ref(&dep), Kind::Batch)?[0];
             if !dup {
                 if let Some(w) = f.jobs.get_mut(&n) {
                     w.batch = Some(Batch {
@@ -332,7 +332,7 @@ impl WaitingStore {
                 ));
             }
             let had = w.after.len();
-            let numbers = insert(f, now_ms, &deps, Some(n))?;
+            let numbers = insert(f, now_ms, &deps, Kind::JobOf(n))?;
             let fresh: Vec<u64> = numbers
                 .iter()
                 .filter(|(_, dup)| !dup)
@@ -547,6 +547,70 @@ mod tests {
             .to_string();
         assert!(e.contains(&BATCH_JOBS_MAX.to_string()), "{e}");
         let _ = Resolver::new;
+    }
+
+    /// What an attacker's read found: a dependent after a batch (nothing
+    /// would record its end), a dependent answered as the duplicate of a
+    /// batch, one dedup id twice in one add, an idle exit before a death
+    /// callback, and a trim that lost a pending batch's ended jobs (and
+    /// with them their dedup ids).
+    #[test]
+    fn mixed_kinds_repeats_exits_and_trims_are_caught() {
+        let m = maps();
+        let mut b = batch(&[CallbackKind::Death]);
+        b.dedup_id = Some("nightly".into());
+        let (n, _) = WaitingStore::open_batch(&m, 1, &b).unwrap();
+        let mut lookup = |_: &str, _| Ok(crate::backend::JobLookup::Unknown);
+        let dep = |after: Vec<crate::workflow::DepRef>, dedup: Option<&str>| NewDependent {
+            job: NewJob {
+                dedup_id: dedup.map(String::from),
+                ..NewJob::new("cb", "p")
+            },
+            after,
+            on_failure: OnDependencyFailure::Fail,
+        };
+        let e = WaitingStore::add(
+            &m,
+            &mut lookup,
+            1,
+            &[dep(vec![crate::workflow::DepRef::Waiting(n)], None)],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(&format!("@{n}")) && e.contains("batch"), "{e}");
+        let e = WaitingStore::add(&m, &mut lookup, 1, &[dep(Vec::new(), Some("nightly"))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nightly") && e.contains("a batch"), "{e}");
+        let twice = NewJob {
+            dedup_id: Some("c".into()),
+            ..NewJob::new("k", "x")
+        };
+        let e = WaitingStore::add_to_batch(&m, 1, n, &[twice.clone(), twice.clone()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("jobs[1]") && e.contains("jobs[0]"), "{e}");
+        // An open batch with a death callback and a job whose end is not
+        // recorded is work ahead; without a death callback it is not.
+        let added = WaitingStore::add_to_batch(&m, 1, n, &[twice]).unwrap();
+        WaitingStore::update(&m, |f: &mut WaitingFile| {
+            f.jobs.get_mut(&added[0].0).unwrap().state = WaitState::Released;
+            f.jobs.get_mut(&added[0].0).unwrap().ended_ms = Some(1);
+            Ok::<_, ReshardError>(())
+        })
+        .unwrap();
+        assert!(WaitingStore::load(&m).unwrap().work_ahead());
+        let (quiet, _) =
+            WaitingStore::open_batch(&m, 1, &batch(&[CallbackKind::Complete])).unwrap();
+        set_outcomes(&m, n, &[Some(DepOutcome::Completed)]);
+        let f = WaitingStore::load(&m).unwrap();
+        assert!(!f.work_ahead(), "open batches with nothing due: {f:?}");
+        let _ = quiet;
+        // Two days on, the pending batch's ended job is still kept: its
+        // dedup id still answers.
+        let mut f = WaitingStore::load(&m).unwrap();
+        f.trim(2 * crate::workflow::ENDED_KEPT_MS + 10);
+        assert!(f.jobs.contains_key(&added[0].0), "{f:?}");
     }
 
     #[test]

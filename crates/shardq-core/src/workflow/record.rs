@@ -314,7 +314,16 @@ impl WaitingFile {
             w.state == WaitState::Waiting
                 && match &w.batch {
                     None => true,
-                    Some(b) => !b.open || !super::batch::due(w).is_empty(),
+                    // An open batch whose death callback may still fire
+                    // waits for its jobs' ends to be seen: a job that just
+                    // died has no recorded outcome yet.
+                    Some(b) => {
+                        !b.open
+                            || !super::batch::due(w).is_empty()
+                            || (b.callbacks.contains_key(&super::CallbackKind::Death)
+                                && !b.fired.contains_key(&super::CallbackKind::Death)
+                                && w.after.iter().any(|d| d.outcome.is_none()))
+                    }
                 }
         })
     }
@@ -333,12 +342,17 @@ impl WaitingFile {
         // A record a waiting dependent still needs (it names it and has
         // not seen it end) stays, however old: dropping it would turn
         // a dependency that has not run yet into a forgotten one.
+        // Every job of a batch not yet complete stays too, ended or not:
+        // its record holds its dedup id, so a job of the batch that runs
+        // again and adds it again adds nothing twice.
         let needed: std::collections::BTreeSet<u64> = self
             .jobs
             .values()
             .filter(|w| w.state == WaitState::Waiting)
-            .flat_map(|w| w.after.iter())
-            .filter(|d| d.outcome.is_none())
+            .flat_map(|w| {
+                let all = w.batch.is_some();
+                w.after.iter().filter(move |d| all || d.outcome.is_none())
+            })
             .filter_map(|d| d.id.strip_prefix('@')?.parse().ok())
             .collect();
         self.jobs.retain(|n, w| {
@@ -538,7 +552,9 @@ impl WaitingStore {
                 }
             }
         }
-        Self::update(maps, |f: &mut WaitingFile| insert(f, now_ms, deps, None))
+        Self::update(maps, |f: &mut WaitingFile| {
+            insert(f, now_ms, deps, Kind::Dependent)
+        })
     }
 
     /// Cancels dependent `n` if it still waits: `Some(state)` it had
@@ -585,6 +601,14 @@ impl WaitingStore {
     }
 }
 
+/// What [`insert`] adds: dependents, a batch, or jobs of batch `N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Dependent,
+    Batch,
+    JobOf(u64),
+}
+
 /// `text` parsed, or the cached document when `cache` holds the same text
 /// (the cache then holds `text`).
 fn cached_parse(
@@ -608,8 +632,12 @@ pub(super) fn insert(
     f: &mut WaitingFile,
     now_ms: u64,
     deps: &[NewDependent],
-    member_of: Option<u64>,
+    kind: Kind,
 ) -> Result<Vec<(u64, bool)>, ReshardError> {
+    let member_of = match kind {
+        Kind::JobOf(b) => Some(b),
+        _ => None,
+    };
     f.trim(now_ms);
     // Duplicates by (key, dedup id): their numbers, stored once.
     let found: Vec<Option<u64>> = deps
@@ -622,6 +650,52 @@ pub(super) fn insert(
                 .map(|(n, _)| *n)
         })
         .collect();
+    // A duplicate is of the same kind as what is added: a dependent's id
+    // does not answer a batch or a batch's job, nor the other way round.
+    for ((d, dup), i) in deps.iter().zip(&found).zip(0..) {
+        let Some(n) = dup else { continue };
+        let w = &f.jobs[n];
+        let same_kind = match kind {
+            Kind::Dependent => w.batch.is_none() && w.member_of.is_none(),
+            Kind::Batch => w.batch.is_some(),
+            Kind::JobOf(b) => w.member_of == Some(b),
+        };
+        if !same_kind {
+            return Err(QueueError::InvalidOption {
+                name: "dedup id",
+                value: format!(
+                    "{:?} (jobs[{i}])",
+                    d.job.dedup_id.clone().unwrap_or_default()
+                ),
+                allowed: format!(
+                    "an id not already used on key {:?} by another kind of record (@{n} is {})",
+                    d.job.key,
+                    if w.batch.is_some() {
+                        "a batch"
+                    } else if w.member_of.is_some() {
+                        "another batch's job"
+                    } else {
+                        "a dependent"
+                    }
+                ),
+            }
+            .into());
+        }
+    }
+    // One (key, dedup id) twice in one call would be stored twice.
+    let mut seen = std::collections::BTreeMap::new();
+    for (i, d) in deps.iter().enumerate() {
+        if let Some(id) = &d.job.dedup_id {
+            if let Some(first) = seen.insert((d.job.key.as_str(), id.as_str()), i) {
+                return Err(QueueError::InvalidOption {
+                    name: "dedup id",
+                    value: format!("{id:?} (jobs[{i}])"),
+                    allowed: format!("an id used once per key in a call (jobs[{first}] has it)"),
+                }
+                .into());
+            }
+        }
+    }
     if f.waiting() + deps.len() > WAITING_MAX {
         return Err(ReshardError::Unavailable(format!(
             "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
@@ -647,6 +721,15 @@ pub(super) fn insert(
                         name: "after",
                         value: a.to_string(),
                         allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
+                    }
+                    .into());
+                }
+                // A batch is not a job: nothing would record its end.
+                if f.jobs[n].batch.is_some() {
+                    return Err(QueueError::InvalidOption {
+                        name: "after",
+                        value: a.to_string(),
+                        allowed: "ids of jobs and dependents; this is a batch: run what follows it as its on-complete or on-success callback".into(),
                     }
                     .into());
                 }
