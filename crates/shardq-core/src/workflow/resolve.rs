@@ -146,9 +146,9 @@ pub struct Resolver {
     clock: Arc<dyn Clock>,
     /// When each (dependent, dependency) was first found nowhere.
     missing_since: HashMap<(u64, usize), u64>,
-    /// The dependent the next pass starts at (where this one ran out of
-    /// lookups or probes; 0: the first).
-    cursor: u64,
+    /// The dependency the next pass starts at, as (dependent, index in
+    /// its `after`): where this one ran out of lookups or probes.
+    cursor: (u64, usize),
     /// When each shard's finished jobs were last read whole.
     full_read_at: HashMap<String, u64>,
     /// When each (dependent, dependency) was last probed.
@@ -168,7 +168,7 @@ impl Resolver {
             maps,
             clock,
             missing_since: HashMap::new(),
-            cursor: 0,
+            cursor: (0, 0),
             full_read_at: HashMap::new(),
             probed_at: HashMap::new(),
             located: HashMap::new(),
@@ -293,24 +293,45 @@ impl Resolver {
         // From where the last pass ran out of its bounds, round the
         // waiting dependents, so a later one is not left behind by earlier
         // ones with many dependencies.
-        let cursor = self.cursor;
-        let waiting: Vec<(&u64, &Waiting)> = file
+        // The cursor is a dependency, not a dependent: a batch of
+        // thousands of queued jobs would otherwise spend every pass's
+        // probes on its first few hundred.
+        let (cursor, cursor_idx) = self.cursor;
+        let waiting: Vec<(&u64, &Waiting, std::ops::Range<usize>)> = file
             .jobs
             .range(cursor..)
-            .chain(file.jobs.range(..cursor))
-            .filter(|(_, w)| w.state == WaitState::Waiting)
+            .map(|(n, w)| {
+                let from = if *n == cursor { cursor_idx } else { 0 };
+                (n, w, from.min(w.after.len())..w.after.len())
+            })
+            .chain(
+                file.jobs
+                    .range(..cursor)
+                    .map(|(n, w)| (n, w, 0..w.after.len())),
+            )
+            .chain(
+                file.jobs
+                    .get_key_value(&cursor)
+                    .filter(|_| cursor_idx > 0)
+                    .map(|(n, w)| (n, w, 0..cursor_idx.min(w.after.len()))),
+            )
+            .filter(|(_, w, _)| w.state == WaitState::Waiting)
             .collect();
-        self.cursor = 0;
-        'dependents: for (n, w) in waiting {
+        self.cursor = (0, 0);
+        let mut cursor_set = false;
+        'dependents: for (n, w, range) in waiting {
             // Ends in the shards' finished and dead lists are seen every
             // pass; probes (a job looked up by id, followed through moves)
             // are bounded per pass and per dependency.
-            for (idx, d) in w.after.iter().enumerate() {
+            for idx in range {
+                let d = &w.after[idx];
                 if d.outcome.is_some() {
                     continue;
                 }
                 if looked >= LOOKUPS_PER_PASS_MAX {
-                    self.cursor = *n;
+                    if !cursor_set {
+                        self.cursor = (*n, idx);
+                    }
                     break 'dependents;
                 }
                 looked += 1;
@@ -390,8 +411,9 @@ impl Resolver {
                         continue;
                     }
                     if probes >= PROBES_PER_PASS {
-                        if self.cursor == 0 {
-                            self.cursor = *n;
+                        if !cursor_set {
+                            self.cursor = (*n, idx);
+                            cursor_set = true;
                         }
                         continue;
                     }
@@ -846,5 +868,59 @@ mod tests {
             vec![n]
         );
         assert!(report.failed[0].1.contains("forgotten"), "{report:?}");
+    }
+
+    /// Enqueues onto shard "a" of a memory backend.
+    struct OnA<'a>(&'a MemoryBackend);
+
+    impl Release for OnA<'_> {
+        fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+            let stored = self
+                .0
+                .enqueue_dedup(
+                    "a",
+                    u64::MAX,
+                    std::slice::from_ref(job),
+                    RELEASE_DEDUP_WINDOW_MS,
+                )
+                .map_err(|e| e.to_string())?;
+            Ok(("a".into(), stored[0].id))
+        }
+    }
+
+    /// A batch of 2,000 queued jobs: the probes (64 a pass, each job at
+    /// most once a second) go round every job, not the first 640 again
+    /// and again.
+    #[test]
+    fn probes_go_round_every_job_of_a_large_batch() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let backend = MemoryBackend::new(&["a"], clock.clone());
+        let maps = Arc::new(MemoryMapStore::new(
+            shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["a"]).unwrap(),
+        ));
+        let (n, _) = WaitingStore::open_batch(
+            &*maps,
+            clock.now_ms(),
+            &crate::workflow::NewBatch {
+                key: "cb".into(),
+                max_attempts: 1,
+                callbacks: [(crate::workflow::CallbackKind::Complete, b"x".to_vec())].into(),
+                dedup_id: None,
+            },
+        )
+        .unwrap();
+        let jobs: Vec<NewJob> = (0..2_000)
+            .map(|i| NewJob::new(format!("k{i}"), "p"))
+            .collect();
+        WaitingStore::add_to_batch(&*maps, clock.now_ms(), n, &jobs).unwrap();
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        for _ in 0..40 {
+            r.pass(&backend, &mut OnA(&backend)).unwrap();
+            clock.advance(RESOLVE_EVERY_MS);
+        }
+        let probed = (0..2_000)
+            .filter(|i| r.probed_at.contains_key(&(n, *i)))
+            .count();
+        assert_eq!(probed, 2_000, "jobs probed at least once in 40 passes");
     }
 }
