@@ -122,7 +122,11 @@ pub async fn batch_open(
 
 /// `POST /v1/batches/{id}/close`: `{"id", "closed"}` (`closed: false`:
 /// it was closed already).
-pub async fn batch_close(State(app): State<Arc<App>>, PathParam(id): PathParam) -> ApiResult {
+pub async fn batch_close(
+    State(app): State<Arc<App>>,
+    PathParam(id): PathParam,
+    JsonBody(_): JsonBody<super::flow::NoFields>,
+) -> ApiResult {
     let n = batch_ref(&id)?;
     let before = blocking(move || {
         // An unknown batch is a 404, as for a read of it.
