@@ -23,7 +23,7 @@ const PIN: &[&str] = &["cb-a", "a-3", "fan-k1"];
 /// whose payload is `die` fails; `fan` adds four jobs to its batch (with
 /// dedup ids: run again, it adds nothing twice); a result `r-PAYLOAD`.
 const HANDLER: &str = r#"read p
-echo "start $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N)" >> "$LOG"
+echo "start $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 [ "$p" = die ] && exit 1
 if [ "$p" = fan ]; then
   for i in 0 1 2 3; do
@@ -32,7 +32,7 @@ if [ "$p" = fan ]; then
 fi
 sleep 0.01
 printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
-echo "end $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N)" >> "$LOG"
+echo "end $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 "#;
 
 fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
@@ -80,6 +80,7 @@ struct Line {
     callback: Option<String>,
     payload: String,
     ns: u128,
+    attempt: u32,
 }
 
 fn read_log(log: &Path) -> Vec<Line> {
@@ -88,12 +89,13 @@ fn read_log(log: &Path) -> Vec<Line> {
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(' ').collect();
-            (f.len() == 6).then(|| Line {
+            (f.len() == 7).then(|| Line {
                 start: f[0] == "start",
                 batch: (f[2] != "-").then(|| f[2].to_string()),
                 callback: (f[3] != "-").then(|| f[3].to_string()),
                 payload: f[4].to_string(),
                 ns: f[5].parse().unwrap_or(0),
+                attempt: f[6].parse().unwrap_or(0),
             })
         })
         .collect()
@@ -174,14 +176,24 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
 
     // The invariants, from the handlers' own log.
     let lines = read_log(log);
+    // A callback's starts: one job, so each start is another attempt of
+    // it (a run killed with the worker, or whose ack the kill lost, runs
+    // again); two jobs would both start at attempt 1. The first start
+    // only, and the attempts seen.
     let callbacks = |batch: &str, kind: &str| -> Vec<u128> {
-        lines
+        let starts: Vec<&Line> = lines
             .iter()
             .filter(|l| {
                 l.start && l.batch.as_deref() == Some(batch) && l.callback.as_deref() == Some(kind)
             })
-            .map(|l| l.ns)
-            .collect()
+            .collect();
+        let attempts: std::collections::BTreeSet<u32> = starts.iter().map(|l| l.attempt).collect();
+        assert_eq!(
+            attempts.len(),
+            starts.len(),
+            "{name}: {batch}'s {kind} callback enqueued more than once: {starts:?}"
+        );
+        starts.iter().map(|l| l.ns).min().into_iter().collect()
     };
     let last_end = |p: &str| {
         lines

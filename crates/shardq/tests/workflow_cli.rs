@@ -25,11 +25,11 @@ const PIN: &[&str] = &["fan-in", "child-3", "link-2"];
 /// The handler: logs `start`/`end` lines with a nanosecond clock, fails a
 /// job whose payload is `die`, returns `r-PAYLOAD`.
 const HANDLER: &str = r#"read p
-echo "start $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N)" >> "$LOG"
+echo "start $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 [ "$p" = die ] && exit 1
 sleep 0.01
 printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
-echo "end $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N)" >> "$LOG"
+echo "end $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 "#;
 
 /// The workers' shard and job leases, in ms.
@@ -79,6 +79,7 @@ struct Line {
     dependent: Option<String>,
     payload: String,
     ns: u128,
+    attempt: u32,
 }
 
 fn read_log(log: &Path) -> Vec<Line> {
@@ -87,11 +88,12 @@ fn read_log(log: &Path) -> Vec<Line> {
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(' ').collect();
-            (f.len() == 6).then(|| Line {
+            (f.len() == 7).then(|| Line {
                 start: f[0] == "start",
                 dependent: (f[3] != "-").then(|| f[3].to_string()),
                 payload: f[4].to_string(),
                 ns: f[5].parse().unwrap_or(0),
+                attempt: f[6].parse().unwrap_or(0),
             })
         })
         .collect()
@@ -202,12 +204,22 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
             .map(|l| l.ns)
             .max()
     };
+    // A dependent's starts: one job, so each start is another attempt of
+    // it (a run killed with the worker, or whose ack the kill lost, runs
+    // again); a second release would start at attempt 1 again. The first
+    // start only.
     let starts = |dep: &str| -> Vec<u128> {
-        log_lines
+        let all: Vec<&Line> = log_lines
             .iter()
             .filter(|l| l.start && l.dependent.as_deref() == Some(dep))
-            .map(|l| l.ns)
-            .collect()
+            .collect();
+        let attempts: BTreeSet<u32> = all.iter().map(|l| l.attempt).collect();
+        assert_eq!(
+            attempts.len(),
+            all.len(),
+            "{name}: {dep} released more than once: {all:?}"
+        );
+        all.iter().map(|l| l.ns).min().into_iter().collect()
     };
     let children_end = (0..40)
         .map(|i| last_end(&format!("c{i}")).unwrap_or_else(|| panic!("child c{i} never ended")))
