@@ -10,11 +10,12 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use shardq_testkit::redis::RedisServer;
-use support::{init_shards, init_shards_with, ok, run, seed, signal, temp_dir, Disturb, Lcg, BIN};
+use support::{
+    init_shards, init_shards_with, ok, run, seed, signal, temp_dir, trial_worker, Disturb, Lcg,
+};
 
 /// The keys a `Pin` trial moves.
 const PIN: &[&str] = &["cb-a", "a-3", "fan-k1"];
@@ -34,43 +35,6 @@ sleep 0.01
 printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
 echo "end $SHARDQ_KEY ${SHARDQ_BATCH:--} ${SHARDQ_BATCH_CALLBACK:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 "#;
-
-fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
-    let mut args = vec![
-        "work",
-        "--data",
-        d,
-        "--max-local-shards",
-        "all",
-        "--concurrency",
-        "4",
-        // Short leases: the second worker takes over the killed one's
-        // shards and runs within seconds, not the default 30.
-        "--lease-ms",
-        "2000",
-        "--job-lease-ms",
-        "2000",
-    ];
-    if idle_exit {
-        args.push("--exit-when-idle");
-    }
-    args.extend(["--", "sh", "-c", HANDLER]);
-    Command::new(BIN)
-        .args(&args)
-        .env("LOG", log)
-        .env("DATA", d)
-        .env("SHARDQ_BIN", BIN)
-        .stdout(Stdio::null())
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(log.with_extension("err"))
-                .expect("opens the worker's log"),
-        )
-        .spawn()
-        .expect("starts a worker")
-}
 
 /// One line of the handlers' log.
 #[derive(Debug, Clone)]
@@ -160,13 +124,13 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     add(d, &b, "b-dead", "die", &["--max-attempts", "1"]);
     ok(&["batch", "close", "--data", d, &b]);
 
-    let mut w = worker(d, log, false);
+    let mut w = trial_worker(d, log, false, HANDLER);
     std::thread::sleep(Duration::from_millis(rng.below(600)));
     support::disturb(d, name, &disturb);
     std::thread::sleep(Duration::from_millis(200 + rng.below(700)));
     signal(w.id(), "-KILL");
     let _ = w.wait();
-    let mut w2 = worker(d, log, true);
+    let mut w2 = trial_worker(d, log, true, HANDLER);
     let status = support::wait_exit(&mut w2, "the second worker", Duration::from_secs(90));
     assert!(
         status.success(),

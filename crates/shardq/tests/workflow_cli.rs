@@ -11,12 +11,12 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use shardq_testkit::redis::{RedisCluster, RedisServer};
 use support::{
-    init_shards, init_shards_with, ok, run, seed, signal, temp_dir, wait_until, Disturb, Lcg, BIN,
+    init_shards, init_shards_with, ok, run, seed, signal, temp_dir, trial_worker, wait_until,
+    Disturb, Lcg,
 };
 
 /// The keys a `Pin` trial moves.
@@ -31,46 +31,6 @@ sleep 0.01
 printf 'r-%s' "$p" > "$SHARDQ_RESULT_FILE"
 echo "end $SHARDQ_SHARD:$SHARDQ_JOB_ID $SHARDQ_KEY ${SHARDQ_DEPENDENT:--} $p $(date +%s%N) $SHARDQ_ATTEMPT" >> "$LOG"
 "#;
-
-/// The workers' shard and job leases, in ms.
-const WORKER_LEASE_MS: &str = "3000";
-
-fn worker(d: &str, log: &Path, idle_exit: bool) -> Child {
-    let mut args = vec![
-        "work",
-        "--data",
-        d,
-        "--max-local-shards",
-        "all",
-        "--concurrency",
-        "4",
-        // Short leases: the second worker takes the SIGKILLed one's shards
-        // and runs over once these lapse (about 4 s with the clock-skew
-        // margin), not after the default 30 s. Renewed every second, they
-        // outlast a loaded machine's stalls by far.
-        "--lease-ms",
-        WORKER_LEASE_MS,
-        "--job-lease-ms",
-        WORKER_LEASE_MS,
-    ];
-    if idle_exit {
-        args.push("--exit-when-idle");
-    }
-    args.extend(["--", "sh", "-c", HANDLER]);
-    Command::new(BIN)
-        .args(&args)
-        .env("LOG", log)
-        .stdout(Stdio::null())
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(log.with_extension("err"))
-                .expect("opens the worker's log"),
-        )
-        .spawn()
-        .expect("starts a worker")
-}
 
 /// One line of the handlers' log.
 #[derive(Debug, Clone)]
@@ -180,14 +140,14 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     // A dependent after a failed one fails too.
     let after_failed = enqueue_after(d, "j", "jnext", std::slice::from_ref(&failing), "fail");
 
-    let mut w = worker(d, log, false);
+    let mut w = trial_worker(d, log, false, HANDLER);
     // The disturbance after 0-600 ms, the SIGKILL 200-900 ms after it.
     std::thread::sleep(Duration::from_millis(rng.below(600)));
     support::disturb(d, name, &disturb);
     std::thread::sleep(Duration::from_millis(200 + rng.below(700)));
     signal(w.id(), "-KILL");
     let _ = w.wait();
-    let mut w2 = worker(d, log, true);
+    let mut w2 = trial_worker(d, log, true, HANDLER);
     let status = support::wait_exit(&mut w2, "the second worker", Duration::from_secs(90));
     assert!(
         status.success(),
@@ -408,7 +368,7 @@ fn bad_dependencies_are_refused_naming_them() {
     let b = enqueue_after(d, "b", "pb", std::slice::from_ref(&a), "fail");
     let out = ok(&["job", "cancel", "--data", d, &a]);
     assert!(out.contains("cancelled"), "{out}");
-    let mut w = worker(d, &dir.join("log"), true);
+    let mut w = trial_worker(d, &dir.join("log"), true, HANDLER);
     let status = support::wait_exit(&mut w, "the worker", Duration::from_secs(60));
     assert!(status.success());
     wait_until(

@@ -6,39 +6,16 @@
 use std::sync::Arc;
 
 use shardq_core::clock::{Clock, ManualClock};
-use shardq_core::job::{JobId, NewJob};
+use shardq_core::job::NewJob;
 use shardq_core::memory::MemoryMapStore;
 use shardq_core::reshard::MapStore;
 use shardq_core::workflow::{
     batch_counts, callback_dedup_id, release_dedup_id_of, CallbackKind, DepOutcome, NewBatch,
-    Release, Resolver, WaitState, WaitingStore, RELEASE_DEDUP_WINDOW_MS,
+    Release, Resolver, WaitState, WaitingStore,
 };
 
+use super::workflow::OnShard;
 use super::{claim, ContractHarness, LONG_LEASE_MS};
-
-/// Releases onto one shard with the backend's own dedup, counting calls.
-struct OnShard<'a> {
-    h: &'a dyn ContractHarness,
-    shard: String,
-    calls: usize,
-}
-
-impl Release for OnShard<'_> {
-    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
-        self.calls += 1;
-        let stored = self
-            .h
-            .backend()
-            .enqueue_dedup(
-                &self.shard,
-                u64::MAX,
-                std::slice::from_ref(job),
-                RELEASE_DEDUP_WINDOW_MS,
-            )
-            .map_err(|e| e.to_string())?;
-        Ok((self.shard.clone(), stored[0].id))
-    }
-}
 
 fn new_batch(kinds: &[CallbackKind], key: &str) -> NewBatch {
     NewBatch {

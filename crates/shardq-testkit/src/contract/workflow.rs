@@ -17,11 +17,12 @@ use shardq_core::workflow::{
 
 use super::{claim, enqueue, ContractHarness, LONG_LEASE_MS};
 
-/// Releases onto one shard with the backend's own dedup, counting calls.
-struct OnShard<'a> {
-    h: &'a dyn ContractHarness,
-    shard: String,
-    calls: usize,
+/// Releases onto one shard with the backend's own dedup, counting calls
+/// (the batches' check uses it too).
+pub(super) struct OnShard<'a> {
+    pub(super) h: &'a dyn ContractHarness,
+    pub(super) shard: String,
+    pub(super) calls: usize,
 }
 
 impl Release for OnShard<'_> {

@@ -318,3 +318,48 @@ pub fn disturb(d: &str, name: &str, how: &Disturb) {
         }
     }
 }
+
+/// Shard and job leases of a trial's workers (3 s): the second worker
+/// takes the SIGKILLed one's shards and runs over once these lapse (about
+/// 4 s with the clock-skew margin), not after the default 30 s. Renewed
+/// every second, they outlast a loaded machine's stalls by far.
+pub const TRIAL_LEASE_MS: &str = "3000";
+
+/// A trial's worker: `work --max-local-shards all --concurrency 4` with
+/// [`TRIAL_LEASE_MS`] leases, running `sh -c HANDLER` with `LOG` (the
+/// handlers' log), `DATA` and `SHARDQ_BIN` set; its stderr appended to
+/// LOG.err.
+pub fn trial_worker(d: &str, log: &Path, idle_exit: bool, handler: &str) -> Child {
+    let mut args = vec![
+        "work",
+        "--data",
+        d,
+        "--max-local-shards",
+        "all",
+        "--concurrency",
+        "4",
+        "--lease-ms",
+        TRIAL_LEASE_MS,
+        "--job-lease-ms",
+        TRIAL_LEASE_MS,
+    ];
+    if idle_exit {
+        args.push("--exit-when-idle");
+    }
+    args.extend(["--", "sh", "-c", handler]);
+    Command::new(BIN)
+        .args(&args)
+        .env("LOG", log)
+        .env("DATA", d)
+        .env("SHARDQ_BIN", BIN)
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log.with_extension("err"))
+                .expect("opens the worker's log"),
+        )
+        .spawn()
+        .expect("starts a worker")
+}
