@@ -577,8 +577,8 @@ impl Deployment {
     }
 
     /// Stores the deployment's flow settings, checked first (the defaults
-    /// clear the setting), replacing whatever is stored; every worker and
-    /// server of the deployment uses them within
+    /// clear the setting), replacing whatever is stored; this process uses
+    /// them at once, every other worker and server of the deployment within
     /// [`shardq_core::flow::FLOW_RECHECK_MS`], without a restart.
     pub fn set_flow_settings(&self, settings: &FlowSettings) -> Result<(), DeployError> {
         let new = settings.clone();
@@ -601,13 +601,24 @@ impl Deployment {
     where
         E: From<DeployError> + From<shardq_core::reshard::ReshardError>,
     {
-        update_json_setting(
+        let stored = update_json_setting(
             &*self.maps,
             shardq_core::reshard::SETTING_FLOW,
             read_flow,
             change,
             |_, after| self.check_flow(after),
-        )
+        )?;
+        self.reread_flow();
+        Ok(stored)
+    }
+
+    /// Puts the stored flow settings in use in this process at once (after
+    /// a change it stored; other processes read them within
+    /// [`shardq_core::flow::FLOW_RECHECK_MS`]).
+    fn reread_flow(&self) {
+        if let Some(f) = &self.flow {
+            f.reread(self.clock.now_ms());
+        }
     }
 
     /// Checks flow settings `after` before they are stored.
@@ -634,6 +645,7 @@ impl Deployment {
     pub fn reset_flow_settings(&self) -> Result<(), DeployError> {
         self.maps
             .store_setting(shardq_core::reshard::SETTING_FLOW, None)?;
+        self.reread_flow();
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 //! deployment's backend and map store.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -18,13 +18,20 @@ pub type OwnedShards = Arc<dyn Fn() -> BTreeSet<String> + Send + Sync>;
 /// their passes finished and recorded) when dropped.
 pub struct ScheduleThread {
     stop: Arc<AtomicBool>,
+    passes: Arc<AtomicU64>,
     handles: Vec<JoinHandle<()>>,
 }
 
 impl ScheduleThread {
+    /// The schedule thread's rounds ended so far: once it moved past a
+    /// value read, every pass in flight at that read is over.
+    pub fn passes(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.passes)
+    }
+
     /// Stops the threads and waits for them.
     pub fn stop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stop.store(true, Ordering::SeqCst);
         for h in self.handles.drain(..) {
             let _ = h.join();
         }
@@ -67,12 +74,15 @@ impl Deployment {
             shardq_core::workflow::release_producer(self.queue(), self.maps(), self.clock())?;
         let (backend, flag2, on_error2) = (self.queue(), Arc::clone(&flag), Arc::clone(&on_error));
         let wake = self.dependents_wake();
+        let passes = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&passes);
         let handle = std::thread::Builder::new()
             .name("shardq-schedules".into())
-            .spawn(move || run_scheduler(scheduler, &*owned, &flag, &*on_error))
+            .spawn(move || run_scheduler(scheduler, &*owned, &flag, &*on_error, &counted))
             .map_err(spawn_err)?;
         let mut thread = ScheduleThread {
             stop,
+            passes,
             handles: vec![handle],
         };
         let resolving = std::thread::Builder::new()

@@ -126,6 +126,8 @@ pub struct App {
     last_empty_poll: Mutex<Option<(Instant, u64)>>,
     /// Each job's back-offs in a row through this server.
     backoffs: shardq_core::backoff::BackOffs,
+    /// Rounds of this server's schedule thread (none for a viewer).
+    schedule_passes: Option<Arc<AtomicU64>>,
 }
 
 impl App {
@@ -251,6 +253,7 @@ impl App {
             work_gen: AtomicU64::new(0),
             last_empty_poll: Mutex::new(None),
             backoffs: shardq_core::backoff::BackOffs::default(),
+            schedule_passes: None,
         })
     }
 }
@@ -598,7 +601,11 @@ impl Server {
             }
             None => None,
         };
-        let app = Arc::new(App::new(&opts, deployment, owned)?);
+        let mut app = App::new(&opts, deployment, owned)?;
+        app.schedule_passes = schedules
+            .as_ref()
+            .map(shardq_deploy::ScheduleThread::passes);
+        let app = Arc::new(app);
         let hosts = Arc::new(edge::Hosts::new(
             listener.local_addr().unwrap_or(opts.listen),
             &opts.allowed_hosts,

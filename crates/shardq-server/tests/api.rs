@@ -1396,6 +1396,10 @@ fn weights_share_claims_across_the_servers_shards() {
         Duration::from_secs(30),
         || owned_shards(&s) == 2,
     );
+    // A claim first, so the server has read the (empty) settings: the
+    // policies below are then in use only because a server puts what it
+    // stored itself in use at once, not because its first read is late.
+    assert!(claim(&s, "w", 1, 0, 30_000).is_empty());
     let put = |path: &str, body: Value| call(&s, "PUT", path, Some(&body.to_string()), None);
     for (p, w) in [("w1:", 1), ("w4:", 4)] {
         let (code, v) = put(
@@ -1411,9 +1415,7 @@ fn weights_share_claims_across_the_servers_shards() {
         .map(|i| format!("w4:{i}"))
         .find(|k| router.route(k) != router.route(light))
         .expect("a key on another shard");
-    // Real time: the server reads the settings again within a second, and
-    // no answer shows which ones it has read.
-    std::thread::sleep(Duration::from_millis(1_100));
+    // No wait: a server puts the settings it stored itself in use at once.
     enqueue_n(&s, light, 60);
     enqueue_n(&s, &heavy, 60);
     let mut light_starts = 0;
@@ -1522,8 +1524,8 @@ fn a_shard_added_live_is_taken_within_a_second_or_so() {
     o.worker.lease_ms = 30_000;
     let s = start(dir.path(), o);
     assert_eq!(owned_shards(&s), 2);
-    // Real time: past the first tick, so the next regular one is ~10 s away.
-    std::thread::sleep(Duration::from_millis(500));
+    // The first tick ran before `start` returned (`OwnerThread::start`),
+    // so the next regular one is ~10 s away.
     let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
     assert_eq!(code, 200, "{v}");
     let t = std::time::Instant::now();

@@ -40,9 +40,20 @@ fn a_schedule_set_over_http_fires_once_per_tick_in_the_owning_servers() {
     });
     let (code, _) = call(&a, "POST", "/v1/schedules/beat/pause", Some("{}"), None);
     assert_eq!(code, 200);
-    // Real time: a pass in flight when the pause was stored may still
-    // record a fire; 1.5 s outlasts a pass of the 1 s schedule.
-    std::thread::sleep(Duration::from_millis(1_500));
+    // A pass in flight when the pause was stored may still record a fire:
+    // wait until each server's schedule thread has ended a round begun
+    // after the pause (two past the count read now).
+    let passes = |s: &shardq_server::Running| {
+        get_ok(s, "/v1/status")["server"]["schedule_passes"]
+            .as_u64()
+            .expect("a server that runs shards counts its schedule passes")
+    };
+    let (pa, pb) = (passes(&a), passes(&b));
+    wait_until(
+        "each server's passes after the pause",
+        Duration::from_secs(10),
+        || passes(&a) >= pa + 2 && passes(&b) >= pb + 2,
+    );
     let view = get_ok(&a, "/v1/schedules/beat");
     let since = view["since_ms"].as_u64().unwrap();
     let decided = view["state"]["decided_ms"].as_u64().unwrap();

@@ -226,6 +226,14 @@ impl FlowControl {
         st.held_groups.retain(|_, at| *at > now_ms);
     }
 
+    /// Reads the settings again now, whatever the time of the last read:
+    /// a change this process stored itself takes effect in it at once (in
+    /// every other process within [`FLOW_RECHECK_MS`]).
+    pub fn reread(&self, now_ms: u64) {
+        self.loaded_ms.store(0, Ordering::Relaxed);
+        self.refresh(now_ms);
+    }
+
     /// Whether any policy sets a weight or a priority: ready keys then
     /// start by [`FairQueue`](super::FairQueue).
     pub fn ranks_keys(&self) -> bool {

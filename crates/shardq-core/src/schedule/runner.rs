@@ -922,12 +922,14 @@ pub fn backfill<B: QueueBackend + ?Sized>(
 /// now, then a sleep until the next fire is due (at most
 /// [`SCHEDULE_RECHECK_MS`] / 4, so a changed schedule is read within
 /// [`SCHEDULE_RECHECK_MS`]). A failed pass is reported to `on_error` and
-/// tried again at the next.
+/// tried again at the next. `passes` counts the rounds that ended (a pass,
+/// when this process owns a shard, and what it recorded).
 pub fn run_scheduler(
     mut scheduler: Scheduler,
     owned: &dyn Fn() -> BTreeSet<String>,
     stop: &std::sync::atomic::AtomicBool,
     on_error: &dyn Fn(String),
+    passes: &std::sync::atomic::AtomicU64,
 ) {
     let clock = Arc::clone(&scheduler.clock);
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -946,6 +948,10 @@ pub fn run_scheduler(
                 Err(e) => on_error(format!("schedules: {e}")),
             }
         }
+        // Counted after the pass recorded what it decided (or failed): a
+        // reader that sees the count move past a pass in flight knows it
+        // is over.
+        passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         clock.sleep_ms(wait.max(1));
     }
 }

@@ -17,6 +17,10 @@ pub async fn status(State(app): State<Arc<App>>) -> ApiResult {
     server["requests_max"] = json!(app.limits.concurrency_max);
     server["polls_max"] = json!(app.limits.polls_max);
     server["body_bytes_max"] = json!(app.limits.body_bytes_in_flight_max);
+    server["schedule_passes"] = json!(app
+        .schedule_passes
+        .as_ref()
+        .map(|p| p.load(std::sync::atomic::Ordering::SeqCst)));
     let (report, flow, outbox) = blocking(move || {
         let outbox = app.outbox.as_ref().map(|read| match read() {
             Ok(s) => serde_json::to_value(s).unwrap_or(Value::Null),
