@@ -357,6 +357,23 @@ pub trait RunJobs: Send + Sync {
         lease_ms: u64,
     ) -> Result<Vec<Receipt>, QueueError>;
 
+    /// Of `receipts`, the runs of `shard` that are no longer current, as of
+    /// now and with every process's writes seen: ended, followed by a newer
+    /// run of their job, or asked to stop by a cancel
+    /// ([`InspectJobs::cancel`], [`CancelOutcome::Stopping`]). Read-only:
+    /// it extends no lease and ends no run, so a pool asks it often (about
+    /// once a second, [`crate::pool::CANCEL_CHECK_MS`]) and stops a
+    /// cancelled run's handler well before its next [`RunJobs::extend`]
+    /// would say so. A run whose job lease lapsed and that no claim ended
+    /// yet is still current. Costs one store call for all the receipts.
+    /// Needs no ownership.
+    fn stale_runs(&self, shard: &str, receipts: &[Receipt]) -> Result<Vec<Receipt>, QueueError> {
+        let _ = (shard, receipts);
+        Err(QueueError::Unsupported {
+            what: "checking runs",
+        })
+    }
+
     /// The earliest time (ms since the epoch) work of `shard` may start: a
     /// pending job becomes claimable, or a run in flight (of any process)
     /// reaches the end of its job lease and would lapse back into work; now

@@ -1105,10 +1105,13 @@ pub enum CancelOutcome {
     /// a run answers [`CancelOutcome::Stopping`] instead.
     Running,
     /// A run of it is in flight and is asked to stop: from now its results
-    /// (ack, fail, extend) are refused as stale, so its worker stops the
-    /// handler at its next extend, and when the run's job lease lapses the
-    /// job is deleted instead of retried. The key's next job starts only
-    /// then, so no two runs of the key overlap.
+    /// (ack, fail, extend) are refused as stale and
+    /// [`crate::RunJobs::stale_runs`] names it, so its worker stops the
+    /// handler within about a second ([`crate::pool::CANCEL_CHECK_MS`]).
+    /// The job is deleted, never retried, when the run ends: the refused
+    /// failure its worker sends once the handler is gone, else its job
+    /// lease lapsing. The key's next job starts only then, so no two runs
+    /// of the key overlap.
     Stopping,
     /// Its key is moving to another shard, which may already hold a copy
     /// of the job; nothing changed. Cancel it again once the move is done

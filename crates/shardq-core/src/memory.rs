@@ -969,6 +969,15 @@ impl RunJobs for MemoryBackend {
         Ok(refused)
     }
 
+    fn stale_runs(&self, shard: &str, receipts: &[Receipt]) -> Result<Vec<Receipt>, QueueError> {
+        self.with_shard(shard, |s| {
+            Ok((receipts.iter())
+                .filter(|r| current_run(s, **r).is_err())
+                .copied()
+                .collect())
+        })
+    }
+
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
         self.with_shard(shard, |s| {
             Ok(s.keys

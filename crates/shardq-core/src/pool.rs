@@ -14,7 +14,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
-use crate::backend::{Coordinator, QueueBackend};
+use crate::backend::{Coordinator, QueueBackend, RunJobs};
 use crate::clock::Clock;
 use crate::error::QueueError;
 use crate::job::{ClaimedJob, FailOutcome, Receipt, JOB_LEASE_MS_DEFAULT};
@@ -37,6 +37,13 @@ pub const CLAIM_AHEAD: usize = 2;
 /// Job leases are extended this many times per lease period, so a run
 /// survives two missed heartbeats.
 pub const HEARTBEATS_PER_LEASE: u64 = 3;
+/// How often the pool asks the store whether its runs are still current
+/// ([`RunJobs::stale_runs`], read-only, one call per shard for all its
+/// runs), between heartbeats: a run a cancel stopped (`job cancel`,
+/// `DELETE /v1/jobs/{id}`) has its handler stopped within about this long,
+/// and once the handler returned its key's next job may start, instead of
+/// at the next heartbeat (a third of the job lease).
+pub const CANCEL_CHECK_MS: u64 = 1_000;
 /// How long acks refused for a transient reason (a shard's append lock
 /// held by a stalled process, an unreachable store) wait before they are
 /// sent again. They are kept until they are stored, their runs turn stale
@@ -495,6 +502,7 @@ impl WorkerPool {
             max_shards: coordinator.max_shards(),
             backoffs: crate::backoff::BackOffs::default(),
             unacked: BTreeMap::new(),
+            checks_runs: true,
         };
         let result = state.run_loop(coordinator, &*clock, stop, &out_rx);
         // Never give a shard up while one of its handlers runs: cancel what
@@ -548,6 +556,9 @@ struct Dispatch<'a> {
     /// Acks refused for a transient reason, by shard, sent again at
     /// [`ACK_RETRY_MS`] intervals ([`Dispatch::retry_acks`]).
     unacked: BTreeMap<String, Unacked>,
+    /// False once the backend said it cannot check runs
+    /// ([`RunJobs::stale_runs`]): the heartbeat alone finds them stale.
+    checks_runs: bool,
 }
 
 /// Finished runs of one shard whose ack waits to be sent again.
@@ -580,6 +591,7 @@ impl Dispatch<'_> {
         let heartbeat_ms = (self.opts.job_lease_ms / HEARTBEATS_PER_LEASE).max(1);
         let mut next_tick_ms = 0u64;
         let mut next_heartbeat_ms = 0u64;
+        let mut next_check_ms = 0u64;
         let mut drain_deadline_ms: Option<u64> = None;
         let mut standby_told = false;
         let mut rotate = 0usize;
@@ -605,6 +617,10 @@ impl Dispatch<'_> {
             if now >= next_heartbeat_ms {
                 self.heartbeat();
                 next_heartbeat_ms = now.saturating_add(heartbeat_ms);
+                next_check_ms = now.saturating_add(CANCEL_CHECK_MS);
+            } else if now >= next_check_ms {
+                self.check_runs();
+                next_check_ms = now.saturating_add(CANCEL_CHECK_MS);
             }
             self.enforce_job_timeout(now);
 
@@ -660,6 +676,9 @@ impl Dispatch<'_> {
             let mut wait_ms = self.opts.idle_poll_ms.max(1);
             wait_ms = wait_ms.min(next_tick_ms.saturating_sub(now).max(1));
             wait_ms = wait_ms.min(next_heartbeat_ms.saturating_sub(now).max(1));
+            if self.checks_runs && !self.running.is_empty() {
+                wait_ms = wait_ms.min(next_check_ms.saturating_sub(now).max(1));
+            }
             if let Some(t) = self.next_timeout_ms() {
                 wait_ms = wait_ms.min(t.saturating_sub(now).max(1));
             }
@@ -1012,6 +1031,42 @@ impl Dispatch<'_> {
                 Err(e) => (self.opts.on_event)(PoolEvent::RecordFailed(format!(
                     "extending job leases on shard {shard:?}: {e}"
                 ))),
+            }
+        }
+    }
+
+    /// Asks the store which running runs are no longer current (a cancel
+    /// stopped them, or they ended elsewhere), without extending anything,
+    /// and tells their handlers to stop. Once such a handler returns, its
+    /// failure is recorded as any other ([`Dispatch::record`]): for a run
+    /// a cancel stopped that ends it at once, so its key's next job may
+    /// start (parked here until the handler is gone).
+    fn check_runs(&mut self) {
+        if !self.checks_runs {
+            return;
+        }
+        let mut per_shard: BTreeMap<&str, Vec<Receipt>> = BTreeMap::new();
+        for ((shard, receipt), run) in &self.running {
+            if !run.signal.cancelled.load(Ordering::SeqCst) {
+                per_shard.entry(shard).or_default().push(*receipt);
+            }
+        }
+        for (shard, receipts) in per_shard {
+            match RunJobs::stale_runs(self.backend, shard, &receipts) {
+                Ok(stale) => {
+                    for r in stale {
+                        if let Some(run) = self.running.get(&(shard.to_string(), r)) {
+                            run.signal
+                                .cancel("the job was cancelled, or its run ended elsewhere");
+                        }
+                    }
+                }
+                Err(QueueError::Unsupported { .. }) => {
+                    self.checks_runs = false;
+                    return;
+                }
+                // The heartbeat reports a store that cannot answer.
+                Err(_) => {}
             }
         }
     }

@@ -185,6 +185,87 @@ fn a_handler_slower_than_its_job_lease_runs_once() {
     assert_eq!((report.acked, report.stale), (3, 0));
 }
 
+/// A running job cancelled by an operator (another thread here) has its
+/// handler stopped within about a second, far before the next heartbeat
+/// (10 s with the default 30 s job lease), and its key's next job starts
+/// as soon as the handler returned, never before: the handler takes a
+/// moment to clean up after it is told to stop.
+#[test]
+fn a_cancelled_runs_key_starts_its_next_job_once_its_handler_returned() {
+    let backend = MemoryBackend::new(&["s0"], Arc::new(SystemClock));
+    let ids = backend
+        .enqueue(
+            "s0",
+            1,
+            &[NewJob::new("k", "long"), NewJob::new("k", "next")],
+        )
+        .unwrap();
+    let stamps: Arc<Mutex<BTreeMap<&'static str, Instant>>> = Arc::default();
+    let handler: Arc<shardq_core::Handler> = {
+        let stamps = stamps.clone();
+        Arc::new(move |job: &ClaimedJob| {
+            let note = |what| stamps.lock().unwrap().insert(what, Instant::now());
+            if job.payload != b"long" {
+                note("next started");
+                return Ok(());
+            }
+            note("long started");
+            let run = current_run().expect("a handler runs inside a run");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !run.is_cancelled() && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(1));
+            }
+            thread::sleep(Duration::from_millis(300));
+            note("long ended");
+            Err(format!("stopped: {}", run.cancel_reason()).into())
+        })
+    };
+    let opts = PoolOptions {
+        concurrency: 2,
+        exit_when_idle: true,
+        ..PoolOptions::default()
+    };
+    assert_eq!(opts.job_lease_ms, 30_000);
+    let pool = run_pool(
+        Arc::new(backend.clone()),
+        backend.clone(),
+        handler,
+        opts,
+        Arc::new(AtomicBool::new(false)),
+    );
+    let stamp = |what| stamps.lock().unwrap().get(what).copied();
+    wait_for(20, "the long job's start", || {
+        stamp("long started").is_some()
+    });
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        backend.cancel("s0", ids[0]).unwrap(),
+        shardq_core::CancelOutcome::Stopping
+    );
+    let cancelled = Instant::now();
+    wait_for(60, "the next job's start", || {
+        stamp("next started").is_some()
+    });
+    let report = pool.join().unwrap().unwrap();
+    let (ended, next) = (stamp("long ended").unwrap(), stamp("next started").unwrap());
+    assert!(
+        ended <= next,
+        "the next job started {:?} before the cancelled run's handler returned",
+        ended - next
+    );
+    let took = next - cancelled;
+    assert!(
+        took < Duration::from_secs(3),
+        "the key's next job started {took:?} after the cancel (the heartbeat is 10 s)"
+    );
+    assert_eq!((report.acked, report.stale, report.retried), (1, 1, 0));
+    assert_eq!(
+        backend.job("s0", ids[0]).unwrap(),
+        None,
+        "the cancelled job is gone"
+    );
+}
+
 /// Past `job_timeout_ms` the run is cancelled; a handler that stops on
 /// cancellation fails the attempt, which retries and then dead-letters.
 /// On a manual clock moved on 5 ms per real ms (the job timeout and the
@@ -432,6 +513,10 @@ impl RunJobs for OneBroken {
             self.extends.fetch_add(1, Ordering::SeqCst);
         }
         out
+    }
+
+    fn stale_runs(&self, s: &str, r: &[Receipt]) -> Result<Vec<Receipt>, QueueError> {
+        self.inner.stale_runs(s, r)
     }
 
     fn next_due_ms(&self, s: &str) -> Result<Option<u64>, QueueError> {

@@ -60,6 +60,9 @@ pub(crate) const GROUP_BUCKET: &str = include_str!("../lua/group_bucket.lua");
 /// `lua/extend.lua`.
 const EXTEND: &str = include_str!("../lua/extend.lua");
 
+/// `lua/runs_stale.lua`.
+const RUNS_STALE: &str = include_str!("../lua/runs_stale.lua");
+
 /// `lua/relimit.lua`.
 const RELIMIT: &str = include_str!("../lua/relimit.lua");
 
@@ -291,6 +294,7 @@ scripts! {
     back_off: Lua::new(BACK_OFF, true, Flags::AllowOom),
     group_bucket: Lua::new(GROUP_BUCKET, false, Flags::AllowOom),
     extend: Lua::new(EXTEND, true, Flags::AllowOom),
+    runs_stale: Lua::new(RUNS_STALE, true, Flags::NoWrites),
     relimit: Lua::new(RELIMIT, true, Flags::AllowOom),
     limits_put: Lua::new(LIMITS_PUT, true, Flags::AllowOom),
     adopt: Lua::new(ADOPT, true, Flags::AllowOom),

@@ -75,6 +75,7 @@ macro_rules! __contract_checks {
             jobs_can_be_read_and_cancelled
             a_running_job_cancelled_ends_with_its_run
             a_cancelled_runs_failure_ends_it_at_once
+            a_cancelled_run_is_stale_to_a_read_at_once
             a_keys_retry_rule_decides_its_wait
             finished_jobs_are_kept_newest_first
             a_handlers_result_is_kept_with_its_finished_job

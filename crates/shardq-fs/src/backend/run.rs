@@ -505,6 +505,18 @@ impl RunJobs for FsBackend {
         Ok(stale)
     }
 
+    fn stale_runs(&self, name: &str, receipts: &[Receipt]) -> Result<Vec<Receipt>, QueueError> {
+        let shard = self.shard(name)?;
+        let mut inner = lock(&shard.inner);
+        // Catches up with the log: a cancel is a record any process appends.
+        self.refresh(&mut inner)?;
+        let r = inner.replica.as_ref().expect("refreshed");
+        Ok((receipts.iter())
+            .filter(|rc| r.current_run(rc.id.0, rc.fence).is_none())
+            .copied()
+            .collect())
+    }
+
     fn next_due_ms(&self, name: &str) -> Result<Option<u64>, QueueError> {
         let shard = self.shard(name)?;
         let mut inner = lock(&shard.inner);

@@ -432,6 +432,40 @@ impl RunJobs for RedisBackend {
         Ok(stale)
     }
 
+    fn stale_runs(&self, shard: &str, receipts: &[Receipt]) -> Result<Vec<Receipt>, QueueError> {
+        let s = self.shard(shard)?;
+        let s = &*s;
+        let mut stale = Vec::new();
+        for chunk in receipts.chunks(EXTEND_BATCH_MAX) {
+            // The keys of the runs this process handed out; the script
+            // reads the others' from their jobs.
+            let list = match s.held().as_ref() {
+                Some(held) => receipt_args(chunk, &held.in_flight),
+                None => receipt_args(chunk, &HashMap::new()),
+            };
+            let v = self.script(s, &self.inner.scripts.runs_stale, "", &|c, _| {
+                c.arg(&list);
+            })?;
+            if reply::status(&v) != "OK" {
+                return Err(
+                    self.protocol(s, format!("runs_stale answered {:?}", reply::status(&v)))
+                );
+            }
+            let items = reply::items(&v).get(1..).unwrap_or(&[]);
+            if items.len() % 2 != 0 {
+                return Err(self.protocol(s, "a stale run in the reply is malformed"));
+            }
+            for t in items.chunks(2) {
+                let bad = || self.protocol(s, "a stale run in the reply is malformed");
+                stale.push(Receipt {
+                    id: JobId(reply::u64(&t[0]).ok_or_else(bad)?),
+                    fence: reply::u64(&t[1]).ok_or_else(bad)?,
+                });
+            }
+        }
+        Ok(stale)
+    }
+
     fn next_due_ms(&self, shard: &str) -> Result<Option<u64>, QueueError> {
         let s = self.shard(shard)?;
         let s = &*s;

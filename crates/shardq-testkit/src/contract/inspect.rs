@@ -273,6 +273,85 @@ pub fn a_cancelled_runs_failure_ends_it_at_once(h: &dyn ContractHarness) {
     ack_one(h, &shard, next[0].receipt());
 }
 
+/// A run a cancel stopped is stale to [`RunJobs::stale_runs`] at once, as
+/// are a receipt of an ended run and one with another fence; a current
+/// run is not. The read changes nothing: it extends no lease (a run it
+/// called current still lapses and runs again) and ends no run (the key's
+/// next job waits for the cancelled run's end as before).
+///
+/// [`RunJobs::stale_runs`]: shardq_core::RunJobs::stale_runs
+pub fn a_cancelled_run_is_stale_to_a_read_at_once(h: &dyn ContractHarness) {
+    let b = h.backend();
+    let shard = h.fresh_shard();
+    let lease = h.short_lease_ms();
+    enqueue(h, &shard, "k", "s1", 5);
+    enqueue(h, &shard, "k", "s2", 5);
+    enqueue(h, &shard, "o", "o1", 5);
+    let runs = claim(h, &shard, 10, lease);
+    let run = runs.iter().find(|r| r.key == "k").expect("k runs").clone();
+    let other = runs.iter().find(|r| r.key == "o").expect("o runs").clone();
+    let both = [run.receipt(), other.receipt()];
+    assert_eq!(
+        b.stale_runs(&shard, &both).expect("stale_runs"),
+        [],
+        "current runs read as stale"
+    );
+    let wrong_fence = Receipt {
+        id: run.id,
+        fence: run.fence + 1,
+    };
+    let unknown = Receipt {
+        id: JobId(run.id.0 + 1_000_000),
+        fence: 1,
+    };
+    assert_eq!(
+        b.stale_runs(&shard, &[wrong_fence, unknown])
+            .expect("stale_runs"),
+        [wrong_fence, unknown],
+        "a receipt of no current run must read as stale"
+    );
+    match b.cancel(&shard, run.id).expect("cancel") {
+        // A backend that cannot stop a run changes nothing.
+        CancelOutcome::Running => return,
+        CancelOutcome::Stopping => {}
+        other => panic!("a running job's cancel answered {other:?}"),
+    }
+    assert_eq!(
+        b.stale_runs(&shard, &both).expect("stale_runs"),
+        [run.receipt()],
+        "the cancelled run must read as stale at once, the other as current"
+    );
+    assert!(
+        claim(h, &shard, 10, lease).is_empty(),
+        "reading the cancelled run as stale ended it before its handler did"
+    );
+    // Read again and again while the leases run out: nothing is extended.
+    h.pass_ms(lease / 2);
+    assert_eq!(
+        b.stale_runs(&shard, &[other.receipt()])
+            .expect("stale_runs"),
+        []
+    );
+    h.pass_ms(lease / 2 + 1);
+    let again = claim(h, &shard, 10, LONG_LEASE_MS);
+    let mut got: Vec<&[u8]> = again.iter().map(|j| &j.payload[..]).collect();
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [&b"o1"[..], b"s2"],
+        "a run read as current lapsed and ran again, and the cancelled job's \
+         key went on with its next job"
+    );
+    assert_eq!(
+        b.stale_runs(&shard, &both).expect("stale_runs"),
+        both,
+        "runs that ended must read as stale"
+    );
+    for j in &again {
+        ack_one(h, &shard, j.receipt());
+    }
+}
+
 /// A store that went back in time (job ids and fences it handed out are
 /// unknown to it again) is refused with [`QueueError::StoreLost`] naming
 /// the shard, by the enqueue and the claim that would otherwise hand out an
