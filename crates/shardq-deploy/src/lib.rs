@@ -954,7 +954,8 @@ impl Deployment {
                 };
                 let mut map = ShardMap::with_shards(shardq_route::Algorithm::Rendezvous, [name])?;
                 map.shards[0].url = Some(u.to_string());
-                let opts = redis_options_for(remote, &RedisOptions::default());
+                // Within the bounds this process opened the deployment with.
+                let opts = redis_options_for(remote, backend.options());
                 // The Redis error names the shard and the URL and keeps its
                 // kind (an unreachable server is "retry later", not bad input).
                 shardq_redis::init_shards(&map, &opts)?;

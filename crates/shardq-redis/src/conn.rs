@@ -46,6 +46,13 @@ pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// are short (batches are bounded), so a reply slower than this means a
 /// stuck server (stopped, swapping, or blocked by a slow command).
 pub const RESPONSE_TIMEOUT_MS: u64 = 2_000;
+/// Shortest connect or reply timeout a process may set, in ms.
+pub const TIMEOUT_MS_MIN: u64 = 10;
+/// Longest connect or reply timeout a process may set, in ms (1 min).
+pub const TIMEOUT_MS_MAX: u64 = 60_000;
+/// Longest retry budget a process may set, in ms (10 min); 0 makes one
+/// attempt only.
+pub const RETRY_BUDGET_MS_MAX: u64 = 600_000;
 /// Idle connections kept per node for reuse.
 pub const IDLE_CONNECTIONS_MAX: usize = 16;
 /// Retries the cluster client makes itself (redirects, TRYAGAIN) before

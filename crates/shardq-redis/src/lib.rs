@@ -41,7 +41,8 @@ pub use backend::{
 };
 pub use conn::{
     CONNECT_TIMEOUT_MS, REQUIRED_MAXMEMORY_POLICY, RESPONSE_TIMEOUT_MS, RETRY_ATTEMPTS_DEFAULT,
-    RETRY_BUDGET_MS_DEFAULT, RETRY_WAIT_MS_MAX, SCHEME_CLUSTER, SCHEME_INSTANCE,
+    RETRY_BUDGET_MS_DEFAULT, RETRY_BUDGET_MS_MAX, RETRY_WAIT_MS_MAX, SCHEME_CLUSTER,
+    SCHEME_INSTANCE, TIMEOUT_MS_MAX, TIMEOUT_MS_MIN,
 };
 pub use coord::{default_owner, CoordinatorOptions, RedisCoordinator, LEASE_MS_DEFAULT};
 pub use deploy::{init_deployment, init_shards, Deployment};

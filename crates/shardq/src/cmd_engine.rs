@@ -394,7 +394,7 @@ pub fn run(cmd: EngineCommand) -> anyhow::Result<ExitCode> {
                     &urls,
                     Some(&namespace),
                     join,
-                    &RedisOptions::default(),
+                    &crate::redis_options(),
                 )?,
             };
             let verb = if done.joined { "joined" } else { "initialised" };
@@ -1042,7 +1042,7 @@ fn redis_options(common: &CommonOpts) -> anyhow::Result<RedisOptions> {
     Ok(RedisOptions {
         payload_bytes_max: common.payload_bytes_max,
         wait_replicas: common.redis_wait_replicas,
-        ..RedisOptions::default()
+        ..crate::redis_options()
     })
 }
 
@@ -1073,7 +1073,7 @@ fn builtin_handler(spec: &str) -> anyhow::Result<Arc<shardq_core::Handler>> {
 }
 
 fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let deployment = Deployment::open(dir, &shardq_deploy::OpenOptions::default())?;
+    let deployment = Deployment::open(dir, &crate::open_options())?;
     let st = deployment.status()?;
     // The running or last rebalance, whoever runs it: a map store that
     // cannot say costs only this line.
@@ -1295,7 +1295,7 @@ fn dead(data: Option<PathBuf>, action: DeadAction) -> anyhow::Result<ExitCode> {
         (None, Some(d)) => d.clone(),
         (None, None) => bail!("--data DIR is required: the data dir of the dead jobs"),
     };
-    let deployment = Deployment::open(&dir, &shardq_deploy::OpenOptions::default())?;
+    let deployment = Deployment::open(&dir, &crate::open_options())?;
     let backend = deployment.queue();
     let all = deployment.shard_names()?;
     let shards = match &pick.shard {

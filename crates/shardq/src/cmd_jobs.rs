@@ -89,7 +89,7 @@ pub enum KeyAction {
 pub fn key(action: KeyAction) -> anyhow::Result<ExitCode> {
     let KeyAction::Resume { data, key, json } = action;
     shardq_core::validate_key(&key).with_context(|| format!("key {key:?}"))?;
-    let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+    let deployment = Deployment::open(&data, &crate::open_options())?;
     let (shard, done) = deployment
         .resume_key(&key)
         .with_context(|| format!("resuming key {key:?}"))?;
@@ -429,7 +429,7 @@ fn moved_text(id: &str, key: &str, now: &str) -> String {
 pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
     match action {
         JobAction::Show { data, id, json } => {
-            let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            let deployment = Deployment::open(&data, &crate::open_options())?;
             if let Some(n) = dependent_id(&id)? {
                 return show_dependent(&deployment, n, json);
             }
@@ -483,7 +483,7 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
             })
         }
         JobAction::Cancel { data, id, json } => {
-            let deployment = Deployment::open(&data, &shardq_deploy::OpenOptions::default())?;
+            let deployment = Deployment::open(&data, &crate::open_options())?;
             if let Some(n) = dependent_id(&id)? {
                 return cancel_dependent(&deployment, n, json);
             }
@@ -552,7 +552,7 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         );
     }
     shardq_core::validate_key(&args.key).with_context(|| format!("--key {:?}", args.key))?;
-    let deployment = Deployment::open(&args.data, &shardq_deploy::OpenOptions::default())?;
+    let deployment = Deployment::open(&args.data, &crate::open_options())?;
     let router = shardq_route::Router::new(deployment.map()?)?;
     let shard = router.route(&args.key).to_string();
     let jobs = deployment

@@ -81,7 +81,7 @@ pub enum PgAction {
 }
 
 fn open(data: &Path) -> anyhow::Result<(Deployment, OpenOptions)> {
-    let opts = OpenOptions::default();
+    let opts = crate::open_options();
     let d = Deployment::open(data, &opts)
         .with_context(|| format!("opening the deployment in {}", data.display()))?;
     Ok((d, opts))

@@ -20,7 +20,7 @@ use shardq_core::reshard::{
     DRAIN_TIMEOUT_MS_DEFAULT,
 };
 use shardq_core::reshard::{MapStore, ReshardBackend};
-use shardq_deploy::{Deployment, OpenOptions};
+use shardq_deploy::Deployment;
 use std::sync::Arc;
 
 /// Most keys `hot` lists per shard.
@@ -165,7 +165,7 @@ struct Env {
 }
 
 fn open(dir: &Path) -> anyhow::Result<Env> {
-    let deployment = Deployment::open(dir, &OpenOptions::default())?;
+    let deployment = Deployment::open(dir, &crate::open_options())?;
     Ok(Env {
         store: deployment.maps(),
         backend: deployment.backend(),

@@ -104,10 +104,7 @@ pub enum RetryAction {
 
 /// Opens the data dir with the default options (shared with `retention`).
 pub(crate) fn open(data: &std::path::Path) -> anyhow::Result<Deployment> {
-    Ok(Deployment::open(
-        data,
-        &shardq_deploy::OpenOptions::default(),
-    )?)
+    Ok(Deployment::open(data, &crate::open_options())?)
 }
 
 /// The waits before attempts 2..=max_attempts (at most the first 9 shown)

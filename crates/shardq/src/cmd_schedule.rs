@@ -234,7 +234,7 @@ pub fn run(action: ScheduleAction) -> anyhow::Result<ExitCode> {
             let s = schedule_of(&a)?;
             let d = open(&a.common.data)?;
             let now = d.clock().now_ms();
-            let max = d.payload_bytes_max(&shardq_deploy::OpenOptions::default());
+            let max = d.payload_bytes_max(&crate::open_options());
             let stored = ScheduleStore::put(&*d.maps(), &a.id, &s, now, max)?;
             if a.common.json {
                 println!("{}", serde_json::json!({"id": a.id, "schedule": stored}));
@@ -390,7 +390,7 @@ fn apply(
         .with_context(|| format!("in {}", file.display()))?;
     let d = open(&common.data)?;
     let now = d.clock().now_ms();
-    let max = d.payload_bytes_max(&shardq_deploy::OpenOptions::default());
+    let max = d.payload_bytes_max(&crate::open_options());
     let applied = ScheduleStore::apply(&*d.maps(), &wanted, prune, dry_run, now, max)?;
     if common.json {
         println!(

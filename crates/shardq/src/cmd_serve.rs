@@ -182,7 +182,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             redis: shardq_redis::RedisOptions {
                 wait_replicas: args.redis_wait_replicas,
                 dead_policy,
-                ..shardq_redis::RedisOptions::default()
+                ..crate::redis_options()
             },
             engine: shardq_fs::EngineOptions {
                 dead_policy,

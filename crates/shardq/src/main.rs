@@ -30,6 +30,77 @@ mod demo;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    redis: RedisBounds,
+}
+
+/// How long a command waits for a Redis server (Redis data dirs only;
+/// the embedded engine ignores them). Global: given to any command, before
+/// or after its name, they bound every Redis call it makes.
+#[derive(Debug, Clone, Copy, clap::Args)]
+struct RedisBounds {
+    /// Redis only: time to open one TCP connection to a server, in ms
+    /// (10 to 60000).
+    #[arg(
+        long,
+        global = true,
+        value_name = "MS",
+        default_value_t = shardq_redis::CONNECT_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64)
+            .range(shardq_redis::TIMEOUT_MS_MIN..=shardq_redis::TIMEOUT_MS_MAX)
+    )]
+    redis_connect_timeout_ms: u64,
+    /// Redis only: longest wait for one reply, in ms (10 to 60000); a
+    /// slower reply counts as a failed attempt, retried within
+    /// --redis-retry-budget-ms. Keep it above the slowest script (a move's
+    /// copy round of 1,024 jobs); `--redis-wait-replicas` waits at most
+    /// three quarters of it.
+    #[arg(
+        long,
+        global = true,
+        value_name = "MS",
+        default_value_t = shardq_redis::RESPONSE_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64)
+            .range(shardq_redis::TIMEOUT_MS_MIN..=shardq_redis::TIMEOUT_MS_MAX)
+    )]
+    redis_reply_timeout_ms: u64,
+    /// Redis only: how long one call keeps retrying an unreachable, hung
+    /// or loading server before it fails as "retry later" (exit 75), in ms
+    /// (0 to 600000; 0 tries once). The attempt in flight at the end still
+    /// gets its own connect and reply timeouts.
+    #[arg(
+        long,
+        global = true,
+        value_name = "MS",
+        default_value_t = shardq_redis::RETRY_BUDGET_MS_DEFAULT,
+        value_parser = clap::value_parser!(u64).range(0..=shardq_redis::RETRY_BUDGET_MS_MAX)
+    )]
+    redis_retry_budget_ms: u64,
+}
+
+/// The global Redis bounds of this run, set once by `main` after parsing.
+static REDIS_BOUNDS: std::sync::OnceLock<RedisBounds> = std::sync::OnceLock::new();
+
+/// Redis options with this run's bounds (`--redis-connect-timeout-ms`,
+/// `--redis-reply-timeout-ms`, `--redis-retry-budget-ms`) and every other
+/// field at its default.
+pub(crate) fn redis_options() -> shardq_redis::RedisOptions {
+    let mut opts = shardq_redis::RedisOptions::default();
+    if let Some(b) = REDIS_BOUNDS.get() {
+        opts.connect_timeout_ms = b.redis_connect_timeout_ms;
+        opts.response_timeout_ms = b.redis_reply_timeout_ms;
+        opts.retry_budget_ms = b.redis_retry_budget_ms;
+    }
+    opts
+}
+
+/// How commands open a data dir: the defaults, with this run's Redis
+/// bounds.
+pub(crate) fn open_options() -> shardq_deploy::OpenOptions {
+    shardq_deploy::OpenOptions {
+        redis: redis_options(),
+        ..shardq_deploy::OpenOptions::default()
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -107,6 +178,7 @@ fn no_huge_pages() {
 fn main() -> ExitCode {
     sigpipe_default(true);
     let cli = Cli::parse();
+    let _ = REDIS_BOUNDS.set(cli.redis);
     if matches!(cli.command, Command::Serve(_)) {
         no_huge_pages();
     }

@@ -30,6 +30,25 @@ const LEASE_MS: &str = "1000";
 const ROUNDS_AFTER: usize = 5;
 /// Interval between producer rounds, in ms.
 const FEED_EVERY_MS: u64 = 100;
+/// Short Redis bounds (`shardq`'s own flags, docs/redis.md) for the
+/// commands run while a server is down or hung: each call gives up within
+/// a fraction of a second instead of the default 5 s of retries.
+const SHORT_BOUNDS: [&str; 6] = [
+    "--redis-connect-timeout-ms",
+    "300",
+    "--redis-reply-timeout-ms",
+    "500",
+    "--redis-retry-budget-ms",
+    "300",
+];
+/// What a command given [`SHORT_BOUNDS`] takes at most against a server
+/// that is down: well below the default retry budget alone (5 s).
+const SHORT_BOUNDED: Duration = Duration::from_secs(4);
+
+/// `args` followed by [`SHORT_BOUNDS`].
+fn bounded<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    args.iter().copied().chain(SHORT_BOUNDS).collect()
+}
 
 fn servers(n: usize) -> Vec<RedisServer> {
     (0..n).map(|_| RedisServer::start()).collect()
@@ -56,6 +75,17 @@ fn init(data: &Path, shards: usize, servers: &[RedisServer]) -> String {
 }
 
 fn worker(data: &Path, out: &Path, max_shards: &str, exit_when_idle: bool) -> Child {
+    worker_with(data, out, max_shards, exit_when_idle, &[])
+}
+
+/// [`worker`] with more flags.
+fn worker_with(
+    data: &Path,
+    out: &Path,
+    max_shards: &str,
+    exit_when_idle: bool,
+    extra: &[&str],
+) -> Child {
     let mut args = vec![
         "work".to_string(),
         "--data".into(),
@@ -72,6 +102,7 @@ fn worker(data: &Path, out: &Path, max_shards: &str, exit_when_idle: bool) -> Ch
     if exit_when_idle {
         args.push("--exit-when-idle".into());
     }
+    args.extend(extra.iter().map(|a| a.to_string()));
     // Its log goes next to its output, for the failure messages.
     let log = std::fs::File::create(out.with_extension("log")).unwrap();
     Command::new(BIN)
@@ -538,16 +569,42 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
     let out = shardq(&["add-shard", "--data", &d, "shard-9", "--url", "file:"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("not supported"));
 
+    // The bounds are checked before anything is opened, naming the flag
+    // and the value.
+    for (flag, value) in [
+        ("--redis-retry-budget-ms", "600001"),
+        ("--redis-reply-timeout-ms", "0"),
+        ("--redis-connect-timeout-ms", "60001"),
+    ] {
+        let out = shardq(&["status", "--data", &d, flag, value]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(flag) && err.contains(value), "{err}");
+    }
+
     // A new shard on a server that does not answer: refused before it joins
-    // the map (after the bounded retries, about 7 s).
+    // the map, after the bounded retries (here the short ones given).
     let spare = RedisServer::start();
     let spare_url = spare.url();
     drop(spare);
-    let add = shardq(&["add-shard", "--data", &d, "shard-9", "--url", &spare_url]);
+    let started = Instant::now();
+    let add = shardq(&bounded(&[
+        "add-shard",
+        "--data",
+        &d,
+        "shard-9",
+        "--url",
+        &spare_url,
+    ]));
+    assert!(
+        started.elapsed() < SHORT_BOUNDED,
+        "add-shard did not keep to --redis-retry-budget-ms: {:?}",
+        started.elapsed()
+    );
     // A shard whose server died: every command names it.
     let dead_url = servers[1].url();
     servers[1].kill();
-    let status = shardq(&["status", "--data", &d]);
+    let status = shardq(&bounded(&["status", "--data", &d]));
     // `status` still shows the table, the dead shard marked (exit 2, as
     // for any shard that cannot be read), naming the shard and its URL.
     let err = String::from_utf8_lossy(&status.stderr);
@@ -572,7 +629,14 @@ fn unreachable_server_is_named_with_its_shard_and_url() {
     // "retry later", naming the map store's URL, not bad input.
     let map_url = servers[0].url();
     servers[0].kill();
-    let out = shardq(&["add-shard", "--data", &d, "shard-8", "--url", &spare_url]);
+    let out = shardq(&bounded(&[
+        "add-shard",
+        "--data",
+        &d,
+        "shard-8",
+        "--url",
+        &spare_url,
+    ]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{err}");
     assert!(err.contains(map_url.as_str()), "{err}");
@@ -702,7 +766,7 @@ fn a_rebalance_past_a_hung_instance_names_it_and_the_rerun_finishes() {
     let (servers, dir, data, d, input) = a_third_instance_added("hung-rebalance", 40, 5);
     servers[1].pause();
     let started = std::time::Instant::now();
-    let out = shardq(&["rebalance", "--data", &d]);
+    let out = shardq(&bounded(&["rebalance", "--data", &d]));
     let took = started.elapsed();
     servers[1].resume();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -754,7 +818,13 @@ fn one_instance_down_costs_only_its_own_shard() {
     }
     servers[1].kill();
 
-    let out = shardq(&["status", "--data", &d, "--json"]);
+    let started = Instant::now();
+    let out = shardq(&bounded(&["status", "--data", &d, "--json"]));
+    assert!(
+        started.elapsed() < SHORT_BOUNDED,
+        "status did not keep to --redis-retry-budget-ms: {:?}",
+        started.elapsed()
+    );
     assert_eq!(out.status.code(), Some(2));
     let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["shards"][0]["ready"], 1, "{st}");
@@ -782,7 +852,7 @@ fn one_instance_down_costs_only_its_own_shard() {
         "an enqueue to the live shard waited on the dead one: {:?}",
         started.elapsed()
     );
-    let out = shardq(&[
+    let out = shardq(&bounded(&[
         "enqueue",
         "--data",
         &d,
@@ -790,7 +860,7 @@ fn one_instance_down_costs_only_its_own_shard() {
         &dead,
         "--payload",
         "after",
-    ]);
+    ]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{err}");
     assert!(
@@ -799,7 +869,7 @@ fn one_instance_down_costs_only_its_own_shard() {
     );
 
     let runs_file = dir.join("runs");
-    let mut w = worker(&data, &runs_file, "all", true);
+    let mut w = worker_with(&data, &runs_file, "all", true, &SHORT_BOUNDS);
     let start = Instant::now();
     while w.try_wait().unwrap().is_none() {
         assert!(

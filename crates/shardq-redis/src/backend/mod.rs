@@ -270,6 +270,12 @@ impl RedisBackend {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The options this backend was opened with (its connection bounds
+    /// among them: a shard added later is checked within the same ones).
+    pub fn options(&self) -> &RedisOptions {
+        &self.inner.opts
+    }
+
     /// The queue name this backend serves.
     pub fn queue(&self) -> &str {
         &self.inner.opts.queue

@@ -14,7 +14,6 @@ use shardq_core::{Clock, Coordinator, SystemClock};
 use shardq_deploy::{Deployment, OpenOptions, WorkerOptions};
 use shardq_fs::{Durability, EngineOptions};
 use shardq_redis::local::{port_free, LocalOptions, LocalServer};
-use shardq_redis::RedisOptions;
 use shardq_route::{Algorithm, ShardMap};
 
 use super::{DemoEnv, DemoError};
@@ -167,9 +166,9 @@ impl DeploymentEnv {
             .iter()
             .map(LocalServer::url)
             .collect();
-        shardq_deploy::init_redis(&dir, map, &urls, None, false, &RedisOptions::default())?;
+        shardq_deploy::init_redis(&dir, map, &urls, None, false, &crate::redis_options())?;
         Ok(DeploymentEnv {
-            deployment: Deployment::open(&dir, &OpenOptions::default())?,
+            deployment: Deployment::open(&dir, &crate::open_options())?,
             dir,
             temp,
             servers,
