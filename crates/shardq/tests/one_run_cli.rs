@@ -178,7 +178,19 @@ fn a_worker_whose_every_renewal_fails_stops_its_handlers() {
     let server = RedisServer::start();
     let dir = temp_dir("stall-redis");
     let data = deployment(&dir, &server, 1, 4);
-    let flags = ["--lease-ms", "3000"];
+    // Redis bounds below the lease (real `shardq` flags, docs/redis.md):
+    // a call to the stopped server gives up within a second, so A sees its
+    // renewals fail and gives its shard up (killing its handlers) within
+    // about its lease, not after each call in flight spent the default
+    // 2 s reply timeouts and 5 s of retries (14 s in all here).
+    let flags = [
+        "--lease-ms",
+        "3000",
+        "--redis-reply-timeout-ms",
+        "500",
+        "--redis-retry-budget-ms",
+        "500",
+    ];
     let mut a = worker(&dir, &data, "a", &flags, "600");
     wait_until("A's 4 handlers to start", WAIT_MAX, || {
         log_lines(&dir).len() >= 4
