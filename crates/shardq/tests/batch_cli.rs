@@ -1,8 +1,8 @@
 //! Batches through the real binary, tried as an attacker would: jobs on
 //! many keys, a job that adds to its batch after the close (and may run
 //! twice), a dead job, while keys move (`add-shard` + `rebalance`, `pin`)
-//! and the worker is SIGKILLed and started again, on the embedded engine
-//! and Redis. The invariants are checked from the handlers' own log: each
+//! and the worker is SIGKILLed and started again, on the embedded engine,
+//! Redis instances and a Redis Cluster. The invariants are checked from the handlers' own log: each
 //! callback starts once, and only after every job of its batch ended; the
 //! success callback never starts for a batch with a dead job; the death
 //! callback starts once; jobs added from inside a job are stored once.
@@ -12,7 +12,7 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use shardq_testkit::redis::RedisServer;
+use shardq_testkit::redis::{RedisCluster, RedisServer};
 use support::{
     init_shards, init_shards_with, ok, run, seed, signal, temp_dir, trial_worker, Disturb, Lcg,
 };
@@ -270,6 +270,21 @@ fn batches_fire_each_callback_once_through_moves_and_a_killed_worker_on_redis() 
         &dir.join("log"),
         seed(),
         Disturb::Grow(Some(servers[1].url())),
+    );
+}
+
+#[test]
+fn batches_fire_each_callback_once_through_moves_and_a_killed_worker_on_a_redis_cluster() {
+    let dir = temp_dir("batch-cluster");
+    let cluster = RedisCluster::start(3);
+    let data = dir.join("q");
+    init_shards_with(&data, 2, &["--redis-cluster", &cluster.url()]);
+    trial(
+        "cluster",
+        data.to_str().unwrap(),
+        &dir.join("log"),
+        seed(),
+        Disturb::Pin(PIN),
     );
 }
 
