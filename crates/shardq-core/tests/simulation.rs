@@ -31,6 +31,14 @@
 //! while a rebalance moving the schedules' keys is killed at seeded writes
 //! and rerun; every decided tick must have stored exactly one job.
 //!
+//! Workflows get one too: dependents (a fan-in, a chain link, a dependent
+//! run whatever its dependencies' outcomes, one failed by a dead
+//! dependency) and two batches, resolved by two resolvers that restart and
+//! are killed before or after enqueueing what they release, while a
+//! rebalance moving their keys is killed at seeded writes and rerun; each
+//! job and dependent starts once and after what it waits for, each due
+//! callback once, and nothing that must not start does.
+//!
 //! `SHARDQ_SIM_SEED=N cargo test -p shardq-core --test simulation` replays
 //! seed N alone; CI runs a fixed set of seeds.
 //!
@@ -1842,5 +1850,350 @@ fn seeded_schedules_fire_each_tick_once_through_a_killed_rebalance() {
     }
     for seed in 1..=16 {
         schedules_through_a_killed_rebalance(seed);
+    }
+}
+
+/// What the workflow scenario's handlers saw, by payload.
+#[derive(Default)]
+struct WorkflowLog {
+    /// Starts of each payload.
+    starts: BTreeMap<String, u32>,
+    /// Payloads whose job ended (acked or dead), and whether it was acked.
+    ended: BTreeMap<String, bool>,
+    /// Starts on the shard the keys moved to.
+    on_new_shard: u32,
+}
+
+/// A release that a seeded share of the time is killed before its enqueue
+/// or after it and before the pass records it (the resolver then learns
+/// nothing of it, as a process killed there would).
+struct Killable<'a> {
+    inner: &'a mut Producer<dyn QueueBackend>,
+    rng: &'a mut Rng,
+}
+
+impl shardq_core::workflow::Release for Killable<'_> {
+    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+        if self.rng.chance(10) {
+            return Err("killed before the enqueue".into());
+        }
+        let r = self.inner.release(job);
+        if self.rng.chance(10) {
+            return Err("killed after the enqueue, before the record".into());
+        }
+        r
+    }
+}
+
+/// Dependents and batches through killed resolvers, a killed rebalance and
+/// moves, on a manual clock: children on many keys, a fan-in after all of
+/// them, a chain link after the fan-in, a dependent that runs whatever its
+/// dependencies' outcomes (one of them dead), a dependent failed by a
+/// dead dependency and its own dependent; a batch with a dead job and one
+/// without, closed at seeded moments. Two resolvers pass at seeded moments,
+/// restart with nothing in memory, and are killed before or after
+/// enqueueing what they release; a rebalance moving the keys (pins) is
+/// killed at seeded writes and rerun. Checked from the handlers' starts:
+/// each job and each released dependent starts once and only after
+/// everything it waits for ended; each due callback starts once, success
+/// never beside a dead job, death once; the failed dependents never start.
+fn workflows_through_killed_resolvers_and_a_killed_rebalance(seed: u64) {
+    use shardq_core::backend::{find_job, finished_job};
+    use shardq_core::workflow::{
+        release_producer, CallbackKind, DepRef, NewBatch, NewDependent, OnDependencyFailure,
+        Resolver, WaitState, WaitingStore,
+    };
+    const T0: u64 = 1_700_000_000_000;
+    const CHILDREN: usize = 8;
+    let clock = Arc::new(SimClock::default());
+    clock.now_ms.store(T0, Ordering::SeqCst);
+    let backend = MemoryBackend::new(&SHARDS, clock.clone());
+    for s in SHARDS {
+        backend.adopt(s).unwrap();
+    }
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, SHARDS).unwrap());
+    let queue: Arc<dyn QueueBackend> = Arc::new(backend.clone());
+    let maps: Arc<dyn MapStore> = Arc::new(store.clone());
+    let mut producer = Producer::new(
+        Arc::clone(&queue),
+        Arc::clone(&maps),
+        ProducerOptions {
+            clock: clock.clone(),
+            ..ProducerOptions::default()
+        },
+    )
+    .unwrap();
+    let mut child = |key: &str, payload: &str, attempts: u32| {
+        let mut j = NewJob::new(key, payload);
+        j.max_attempts = attempts;
+        let p = producer.enqueue(&j).unwrap();
+        DepRef::Job(p.shard, p.id)
+    };
+    let children: Vec<DepRef> = (0..CHILDREN)
+        .map(|i| child(&format!("wf-c{i}"), &format!("c{i}"), 3))
+        .collect();
+    let poison = child("wf-poison", "poison", 1);
+    let shards: Vec<String> = SHARDS.iter().map(|s| s.to_string()).collect();
+    let b2 = backend.clone();
+    let mut lookup = move |s: &str, id: JobId| {
+        let mut finished = |s: &str, id| finished_job(&b2, s, id);
+        find_job(&b2, &shards, &|_: &str| None, &mut finished, s, id)
+    };
+    let dependent = |key: &str, after: Vec<DepRef>, on_failure| NewDependent {
+        job: NewJob::new(key, key.trim_start_matches("wf-")),
+        after,
+        on_failure,
+    };
+    let added = WaitingStore::add(
+        &store,
+        &mut lookup,
+        T0,
+        &[
+            dependent("wf-fanin", children.clone(), OnDependencyFailure::Fail),
+            dependent("wf-tail", vec![DepRef::Node(0)], OnDependencyFailure::Fail),
+            dependent(
+                "wf-anyway",
+                vec![children[0].clone(), poison.clone()],
+                OnDependencyFailure::Run,
+            ),
+            dependent("wf-failed", vec![poison], OnDependencyFailure::Fail),
+            dependent(
+                "wf-after-failed",
+                vec![DepRef::Node(3)],
+                OnDependencyFailure::Fail,
+            ),
+        ],
+    )
+    .unwrap();
+    let numbers: Vec<u64> = added.iter().map(|(n, _)| *n).collect();
+    let all = [
+        CallbackKind::Complete,
+        CallbackKind::Success,
+        CallbackKind::Death,
+    ];
+    let batch = |key: &str| NewBatch {
+        key: key.into(),
+        max_attempts: 3,
+        callbacks: all
+            .iter()
+            .map(|k| (*k, format!("{key}:{}", k.as_str()).into_bytes()))
+            .collect(),
+        dedup_id: None,
+    };
+    // Batch 1 has a job that dies (one attempt); batch 2 has none.
+    let mut batches = Vec::new();
+    for (b, bad) in [("wf-cb1", true), ("wf-cb2", false)] {
+        let (n, _) = WaitingStore::open_batch(&store, T0, &batch(b)).unwrap();
+        let mut jobs: Vec<NewJob> = (0..4)
+            .map(|i| NewJob::new(format!("{b}-j{i}"), format!("{b}-j{i}")))
+            .collect();
+        if bad {
+            let mut j = NewJob::new(format!("{b}-poison"), format!("{b}-poison"));
+            j.max_attempts = 1;
+            jobs.push(j);
+        }
+        WaitingStore::add_to_batch(&store, T0, n, &jobs).unwrap();
+        batches.push((n, b, jobs.iter().map(|j| j.key.clone()).collect::<Vec<_>>()));
+    }
+    let log = Arc::new(Mutex::new(WorkflowLog::default()));
+    let state = Arc::new(Mutex::new((
+        [
+            Resolver::new(Arc::clone(&maps), clock.clone()),
+            Resolver::new(Arc::clone(&maps), clock.clone()),
+        ],
+        release_producer(Arc::clone(&queue), Arc::clone(&maps), clock.clone()).unwrap(),
+        Rng(seed ^ 0x00f1_0a71),
+        false,
+    )));
+    // What a start must find ended first (payload -> payloads), and
+    // whether they must have been acked.
+    let c: Vec<String> = (0..CHILDREN).map(|i| format!("c{i}")).collect();
+    let mut waits: BTreeMap<String, (Vec<String>, bool)> = BTreeMap::new();
+    waits.insert("fanin".into(), (c.clone(), true));
+    waits.insert("tail".into(), (vec!["fanin".into()], true));
+    waits.insert(
+        "anyway".into(),
+        (vec![c[0].clone(), "poison".into()], false),
+    );
+    for (_, b, keys) in &batches {
+        waits.insert(format!("{b}:complete"), (keys.clone(), false));
+        waits.insert(format!("{b}:success"), (keys.clone(), true));
+        waits.insert(format!("{b}:death"), (vec![format!("{b}-poison")], false));
+    }
+    let run_step = {
+        let (state, log, clock, backend, queue, maps) = (
+            Arc::clone(&state),
+            Arc::clone(&log),
+            clock.clone(),
+            backend.clone(),
+            Arc::clone(&queue),
+            Arc::clone(&maps),
+        );
+        let batch_numbers: Vec<u64> = batches.iter().map(|(n, _, _)| *n).collect();
+        move || {
+            let mut g = state.lock().unwrap();
+            let (resolvers, release, rng, closed) = &mut *g;
+            clock.now_ms.fetch_add(1 + rng.below(200), Ordering::SeqCst);
+            // The batches close at a seeded moment.
+            if !*closed && rng.chance(5) {
+                for n in &batch_numbers {
+                    WaitingStore::close_batch(&*maps, *n, clock.now_ms()).unwrap();
+                }
+                *closed = true;
+            }
+            // Now and then a worker claims on one shard and ends what it
+            // got (slowly enough that the work goes on across the move).
+            let names = backend.shard_names();
+            let shard = &names[rng.below(names.len() as u64) as usize];
+            let jobs = if rng.chance(30) {
+                backend.claim(shard, 2, 60_000).unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            let mut l = log.lock().unwrap();
+            for j in jobs {
+                let payload = String::from_utf8(j.payload.clone()).unwrap();
+                *l.starts.entry(payload.clone()).or_default() += 1;
+                l.on_new_shard += u32::from(j.shard == "s3");
+                if let Some((before, acked)) = waits.get(&payload) {
+                    for b in before {
+                        match l.ended.get(b) {
+                            Some(ok) => assert!(
+                                *ok || !*acked,
+                                "seed {seed}: {payload} started though {b} did not complete"
+                            ),
+                            None => panic!("seed {seed}: {payload} started before {b} ended"),
+                        }
+                    }
+                }
+                if payload.ends_with("poison") {
+                    backend
+                        .fail(shard, j.receipt(), "poisoned", Some(0))
+                        .unwrap();
+                    l.ended.insert(payload, false);
+                } else {
+                    let acked = backend
+                        .ack_results(shard, &[j.receipt()], &[Some(payload.clone().into_bytes())])
+                        .unwrap();
+                    assert_eq!(acked.acked, 1, "seed {seed}: {payload} not acked");
+                    l.ended.insert(payload, true);
+                }
+            }
+            drop(l);
+            // A resolver passes, now and then after a restart.
+            let who = rng.below(2) as usize;
+            if rng.chance(10) {
+                resolvers[who] = Resolver::new(Arc::clone(&maps), clock.clone());
+            }
+            let mut killable = Killable {
+                inner: release,
+                rng,
+            };
+            if let Err(e) = resolvers[who].pass(&*queue, &mut killable) {
+                panic!("seed {seed}: a resolver pass failed: {e}");
+            }
+        }
+    };
+    *clock.step.lock().unwrap() = Some(Box::new(run_step.clone()));
+    let mut rng = Rng(seed ^ 0xbee5);
+    for _ in 0..rng.below(20) {
+        let _hook = clock.step.lock().unwrap();
+        run_step();
+    }
+    // Keys move: to a new shard, killed at seeded writes and rerun.
+    reshard::add_shard(&store, "s3", 1, None).unwrap();
+    backend.add_shard("s3");
+    backend.adopt("s3").unwrap();
+    let mut moved: Vec<String> = (0..CHILDREN)
+        .step_by(2)
+        .map(|i| format!("wf-c{i}"))
+        .collect();
+    moved.extend(["wf-fanin", "wf-poison", "wf-cb1", "wf-cb1-j1", "wf-cb2-j2"].map(String::from));
+    for k in &moved {
+        reshard::pin(&store, k, "s3").unwrap();
+    }
+    let opts = RebalanceOptions {
+        batch: 2,
+        drain_timeout_ms: 60_000,
+        poll_ms: 1,
+        clock: clock.clone(),
+        runner: "simulation".into(),
+    };
+    let crashing = Crashing::new(backend.clone(), clock.clone());
+    for attempt in 0.. {
+        crashing.writes.store(0, Ordering::SeqCst);
+        let at = if attempt < 3 { 1 + rng.below(30) } else { 0 };
+        crashing.crash_at.store(at, Ordering::SeqCst);
+        match reshard::rebalance(&crashing, &store, &opts, &mut |_| {}) {
+            Ok(_) => break,
+            Err(_) if at != 0 && crashing.writes.load(Ordering::SeqCst) >= at => {
+                for _ in 0..rng.below(20) {
+                    let _hook = clock.step.lock().unwrap();
+                    run_step();
+                }
+            }
+            Err(e) => panic!("seed {seed}: rebalance: {e}"),
+        }
+    }
+    // Until everything that is due has started (bounded).
+    let expected = |l: &WorkflowLog| {
+        ["fanin", "tail", "anyway", "wf-cb1:complete", "wf-cb1:death"]
+            .iter()
+            .chain(["wf-cb2:complete", "wf-cb2:success"].iter())
+            .all(|p| l.starts.contains_key(*p))
+    };
+    for _ in 0..3_000 {
+        if expected(&log.lock().unwrap()) {
+            break;
+        }
+        let _hook = clock.step.lock().unwrap();
+        run_step();
+    }
+    // A few more steps: nothing may start twice late.
+    for _ in 0..50 {
+        let _hook = clock.step.lock().unwrap();
+        run_step();
+    }
+    *clock.step.lock().unwrap() = None;
+    let l = log.lock().unwrap();
+    assert!(
+        expected(&l),
+        "seed {seed}: not everything due started: {:?}",
+        l.starts
+    );
+    for (payload, n) in &l.starts {
+        assert_eq!(*n, 1, "seed {seed}: {payload} started {n} times");
+    }
+    assert!(
+        l.on_new_shard > 0,
+        "seed {seed}: nothing ran where keys moved"
+    );
+    for never in ["failed", "after-failed", "wf-cb1:success", "wf-cb2:death"] {
+        assert!(
+            !l.starts.contains_key(never),
+            "seed {seed}: {never} started: {:?}",
+            l.starts
+        );
+    }
+    for i in [3, 4] {
+        let w = WaitingStore::get(&store, numbers[i]).unwrap().unwrap();
+        assert!(
+            w.state == WaitState::Failed,
+            "seed {seed}: dependent {i} is {:?}",
+            w.state
+        );
+    }
+}
+
+#[test]
+fn seeded_workflows_release_and_fire_once_through_killed_resolvers_and_a_killed_rebalance() {
+    if let Ok(seed) = std::env::var("SHARDQ_SIM_SEED") {
+        workflows_through_killed_resolvers_and_a_killed_rebalance(
+            seed.parse().expect("SHARDQ_SIM_SEED must be a number"),
+        );
+        return;
+    }
+    for seed in 1..=16 {
+        workflows_through_killed_resolvers_and_a_killed_rebalance(seed);
     }
 }
