@@ -288,6 +288,7 @@ fn table() -> Vec<(RouteInfo, MethodRouter<Arc<App>>)> {
         (r("POST", "/v1/ack", Some(Work)), post(api::ack)),
         (r("POST", "/v1/fail", Some(Work)), post(api::fail)),
         (r("POST", "/v1/extend", Some(Work)), post(api::extend)),
+        (r("POST", "/v1/stale", Some(Work)), post(api::stale)),
         (r("GET", "/v1/status", Some(Read)), get(api::status)),
         (r("GET", "/v1/keys", Some(Read)), get(dashboard::key_search)),
         (r("GET", "/v1/keys/{key}", Some(Read)), get(api::key)),

@@ -449,6 +449,53 @@ fn jobs_are_shown_listed_and_cancelled_by_id() {
     }
 }
 
+/// `POST /v1/stale` names a run a cancel stopped at once, without ending
+/// it (asked again, the key still starts nothing), and names nothing of a
+/// current run; the worker's fail of the stopped run, refused with 409,
+/// ends it, and the key's next job starts at once, long before the 30 s
+/// job lease would lapse.
+#[test]
+fn a_cancelled_run_is_named_stale_at_once_and_its_fail_frees_the_key() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let ids: Vec<String> = support::enqueue_n(&s, "k", 2)
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    let run = claim(&s, "w", 1, 0, 30_000).remove(0);
+    assert_eq!(run["id"], ids[0]);
+    let receipt = run["receipt"].clone();
+    let (code, v) = post(&s, "/v1/stale", json!({ "receipts": [receipt] }));
+    assert_eq!((code, &v["stale"]), (200, &json!([])), "{v}");
+    let (code, v) = call(
+        &s,
+        "DELETE",
+        &format!("/v1/jobs/{}", ids[0]),
+        Some("{}"),
+        None,
+    );
+    assert_eq!((code, &v["stopping"]), (200, &json!(true)), "{v}");
+    for _ in 0..2 {
+        let (code, v) = post(&s, "/v1/stale", json!({ "receipts": [receipt] }));
+        assert_eq!((code, &v["stale"]), (200, &json!([receipt])), "{v}");
+        assert!(
+            claim(&s, "w", 10, 0, 30_000).is_empty(),
+            "the next job started while the stale run's handler may still run"
+        );
+    }
+    let (code, v) = post(
+        &s,
+        "/v1/fail",
+        json!({ "receipt": receipt, "reason": "cancelled" }),
+    );
+    assert_eq!(code, 409, "a cancelled run's fail: {v}");
+    let next = claim(&s, "w", 10, 0, 30_000);
+    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
+    assert_eq!(got, [&json!("1")], "the key's next job, at once");
+    let (code, v) = get(&s, &format!("/v1/jobs/{}", ids[0]));
+    assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
+}
+
 /// `GET /v1/history` counts this server's enqueues, claims, acks and
 /// fails per second, its totals agree, and a bad window is refused.
 #[test]
@@ -701,6 +748,24 @@ fn bad_input_gets_400_naming_the_field_and_value_and_stores_nothing() {
             "/v1/extend",
             json!({"receipts": ["shard-0:1.1"], "lease_ms": 1}).to_string(),
             vec!["lease_ms", "1"],
+        ),
+        (
+            "POST",
+            "/v1/stale",
+            json!({"receipts": []}).to_string(),
+            vec!["receipts", "empty"],
+        ),
+        (
+            "POST",
+            "/v1/stale",
+            json!({"receipts": ["nope:1.2"]}).to_string(),
+            vec!["receipts[0]", "\"nope\""],
+        ),
+        (
+            "POST",
+            "/v1/stale",
+            json!({"receipts": ["shard-0:x"]}).to_string(),
+            vec!["receipts[0]", "shard-0:x"],
         ),
         (
             "GET",

@@ -213,6 +213,9 @@ fn every_answer_fits_its_documented_schema() {
     );
     let ext = json!({"receipts": [running], "lease_ms": 30000});
     checked(&s, "POST", "/v1/extend", "/v1/extend", Some(ext), e);
+    let ask = json!({"receipts": [running, acked]});
+    let (code, v) = checked(&s, "POST", "/v1/stale", "/v1/stale", Some(ask), e);
+    assert_eq!((code, &v["stale"]), (200, &json!([acked])), "{v}");
     let claim_body = json!({"worker": "w2", "max": 1, "wait_ms": 0});
     checked(&s, "POST", "/v1/claim", "/v1/claim", Some(claim_body), e);
     for (path, target) in [

@@ -1,6 +1,6 @@
 //! The request handlers and their wire types, one module per kind of
 //! request: `enqueue` (with dedup), `claims` (long-poll, the book of runs
-//! handed out), `runs` (ack, fail, extend), `reads` (status, keys, dead
+//! handed out), `runs` (ack, fail, extend, stale), `reads` (status, keys, dead
 //! letters), `jobs` (one job: show, a key's jobs, cancel), `dependents` (jobs
 //! that wait for others: `after`, `@N` ids), `flow`
 //! (policies and groups), `schedules` (recurring schedules) and `admin` (resharding); health and the OpenAPI document here.

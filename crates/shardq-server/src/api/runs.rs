@@ -1,6 +1,7 @@
 //! The operations on a run, by its receipt: `POST /v1/ack`, `/v1/fail`
 //! and `/v1/extend`. A receipt that is not its job's current run changes
-//! nothing and is listed in a 409.
+//! nothing and is listed in a 409. `POST /v1/stale` only reads: which runs
+//! are no longer current (a cancel stopped them, or they ended).
 
 use super::claims::book;
 use super::*;
@@ -400,4 +401,45 @@ pub async fn extend(
     })
     .await?;
     refused_or_ok("extend", "extended", extended, stale, not_owned)
+}
+
+/// `POST /v1/stale`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaleRequest {
+    receipts: BoundedVec<String, RECEIPTS_PER_REQUEST_MAX>,
+}
+
+/// `POST /v1/stale`: which of a worker's runs are no longer current
+/// (`RunJobs::stale_runs`, one store read per shard): ended, followed by a
+/// newer run, or asked to stop by a cancel (`DELETE /v1/jobs/{id}`). It
+/// extends nothing and ends nothing, so a worker asks it about once a
+/// second while handlers run and stops the stale runs' handlers long
+/// before its next extend would say so; its `POST /v1/fail` of such a
+/// receipt, once the handler returned, ends a cancelled run (409) and
+/// frees the key. Receipts of shards this server does not own are listed
+/// in `not_owned` and not asked about (their extend says so).
+pub async fn stale(
+    State(app): State<Arc<App>>,
+    JsonBody(req): JsonBody<StaleRequest>,
+) -> ApiResult {
+    check_receipts(&req.receipts.0)?;
+    let (stale, not_owned) = blocking(move || {
+        // A run past its job timeout is failed first, as an extend would.
+        app.fail_timed_out();
+        let (groups, not_owned) = app.group_receipts(&req.receipts.0)?;
+        let mut stale = Vec::new();
+        for (shard, rs) in groups {
+            let receipts: Vec<Receipt> = rs.iter().map(|(r, _)| *r).collect();
+            let found = app.backend.stale_runs(&shard, &receipts)?;
+            stale.extend(
+                (rs.into_iter())
+                    .filter(|(r, _)| found.contains(r))
+                    .map(|(_, s)| s),
+            );
+        }
+        Ok((stale, not_owned))
+    })
+    .await?;
+    ok(json!({ "stale": stale, "not_owned": not_owned }))
 }
