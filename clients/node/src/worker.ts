@@ -12,6 +12,17 @@
  * lapsed and the job went to another run): it is logged, the handler's
  * `signal` is aborted, and nothing is retried.
  *
+ * While jobs are held, the worker also asks every server about once a
+ * second (`STALE_CHECK_MS`) which of its runs are no longer current
+ * (`POST /v1/stale`, one read per server for all its runs, extending
+ * nothing): a run cancelled by `DELETE /v1/jobs/{id}` has its handler's
+ * `signal` aborted within about a second, and once the handler has
+ * returned the worker sends `POST /v1/fail` for it (as after an extend
+ * found the run over). The server refuses it (409) but it ends a cancelled
+ * run at once, so the key's next job may start then, instead of when the
+ * run's job lease lapses. A job claimed ahead whose run is found over is
+ * dropped and failed the same way at once.
+ *
  * `timeoutMs` (or the server's `serve --job-timeout-ms`) is each run's job
  * timeout, sent with every claim: past it the server fails the run itself
  * (an attempt used, with the reason `timed out: ...`), whatever the
@@ -393,6 +404,13 @@ export const WAIT_MS_MAX = 30_000;
  * their leases pass.
  */
 const CLAIM_ANSWER_MS = 100;
+/**
+ * How often the worker asks each server which of its held runs are no
+ * longer current (`POST /v1/stale`), while it holds any.
+ */
+export const STALE_CHECK_MS = 1_000;
+/** The reason sent with the fail that ends a run found over once its handler returned. */
+const STALE_FAIL_REASON = "the run is no longer current (cancelled, or ended elsewhere); its handler has returned";
 /** Timeout of the last acks sent when a stop leaves jobs behind. */
 const LAST_ACKS_TIMEOUT_MS = 2_000;
 
@@ -462,8 +480,14 @@ interface Held {
   result?: Record<string, string>;
   /** `performance.now()` past which the lease may have lapsed (claim answer or last extend's send, plus the lease). */
   leaseUntil: number;
-  /** Set when the server said the run is over (extend refused). */
+  /** Set when the server said the run is over (an extend refused, or `POST /v1/stale` named it). */
   lost: boolean;
+  /**
+   * Set with `lost` when the server said so (not at a job timeout): once the
+   * handler has returned (or at once for a job claimed ahead) a fail of the
+   * receipt is sent, which ends a cancelled run (refused, 409) and frees its key.
+   */
+  stale: boolean;
   /** Set while the handler runs. */
   abort: AbortController | undefined;
   /** The run's job timeout in ms, undefined without one. */
@@ -512,6 +536,10 @@ class Run {
   draining = false;
   abandoned = false;
   fatal: unknown;
+  /** Called for a held run the server said is over (set by `Worker.run`). */
+  found: (held: Held, what: string, err: ShardqError | undefined) => void = () => undefined;
+  /** Servers that do not answer `POST /v1/stale` (older ones): the extends alone find runs over there. */
+  readonly noStale = new Set<string>();
   private waiters: (() => void)[] = [];
 
   /** Resolves at the next change of the counts above. */
@@ -686,7 +714,10 @@ export class Worker {
       if (!run.held.delete(job.receipt)) return;
       run.running--;
       if (held.lost) {
-        // The extend that found the run over logged and counted it.
+        // The extend or stale check that found the run over logged and
+        // counted it; the fail ends a cancelled run (refused with 409) and
+        // so frees its key now rather than when its lease lapses.
+        if (held.stale) sendReport(held, "/v1/fail", { receipt: job.receipt, reason: STALE_FAIL_REASON });
       } else if (pastTimeout(held)) {
         // Ended as its deadline passed, before the timer ran: the server failed the run.
         held.timedOut = true;
@@ -747,6 +778,7 @@ export class Worker {
           clearTimer(held);
           run.held.delete(held.job.receipt);
           stats.lost++;
+          if (held.stale) sendReport(held, "/v1/fail", { receipt: held.job.receipt, reason: STALE_FAIL_REASON });
           log.warn(
             `job ${held.job.id} (key ${JSON.stringify(held.job.key)}, shard ${held.job.shard}) at ${held.job.server}: ${held.lost ? "its run was lost" : "its lease passed"} before a handler was free; not run (the server runs it again)`,
           );
@@ -810,7 +842,7 @@ export class Worker {
           if (ms === undefined && job.timeoutExpiresMs !== undefined && job.leaseExpiresMs !== undefined) {
             ms = Math.max(1, job.timeoutExpiresMs - job.leaseExpiresMs + leaseMs);
           }
-          const held: Held = { job, leaseUntil, lost: false, abort: undefined, timeoutMs: ms, timeoutUntil: undefined, timer: undefined, timedOut: false };
+          const held: Held = { job, leaseUntil, lost: false, stale: false, abort: undefined, timeoutMs: ms, timeoutUntil: undefined, timer: undefined, timedOut: false };
           run.held.set(job.receipt, held);
           if (run.abandoned) {
             // A claim answered after the stop left everything behind.
@@ -829,7 +861,36 @@ export class Worker {
       }
     };
 
+    /**
+     * The server said `held`'s run is over (an extend refused it, or the
+     * stale check named it): a running handler's signal is aborted (its
+     * fail is sent once it returns); a job claimed ahead is dropped and
+     * failed at once. Either frees a cancelled run's key.
+     */
+    run.found = (held: Held, what: string, err: ShardqError | undefined): void => {
+      // Finished meanwhile (acked or failed with that receipt: over, not lost), or already found.
+      if (held.lost || run.held.get(held.job.receipt) !== held) return;
+      // Refused as its job timeout passed: its timer ends the run (counted in `timedOut`).
+      if (pastTimeout(held)) return;
+      held.lost = true;
+      held.stale = true;
+      stats.lost++;
+      if (err !== undefined) this.logLost(held.job, what, err);
+      else log.warn(`${about(held.job)}: the run is no longer current (${what}: cancelled, or ended elsewhere); ${held.abort !== undefined ? "its handler's signal is aborted" : "not run"}`);
+      if (held.abort !== undefined) {
+        held.abort.abort(err ?? new Error("the run is no longer current: cancelled, or ended elsewhere"));
+        return;
+      }
+      const i = run.waiting.indexOf(held);
+      if (i >= 0) run.waiting.splice(i, 1);
+      clearTimer(held);
+      run.held.delete(held.job.receipt);
+      sendReport(held, "/v1/fail", { receipt: held.job.receipt, reason: STALE_FAIL_REASON });
+      run.notify();
+    };
+
     const beat = setInterval(() => this.extendAll(run, leaseMs), Math.max(1, Math.floor(leaseMs / 3)));
+    const check = setInterval(() => this.checkStale(run), STALE_CHECK_MS);
 
     try {
       if (this.stopRequest !== undefined) {
@@ -856,6 +917,7 @@ export class Worker {
       await this.lastAcks(run);
     } finally {
       clearInterval(beat);
+      clearInterval(check);
       if (handleSignals) {
         process.off("SIGTERM", onTerm);
         process.off("SIGINT", onInt);
@@ -994,11 +1056,14 @@ export class Worker {
     for (let attempt = 0; attempt < tries; attempt++) {
       try {
         await transport.post(path, body, { serverWaitMs: REPORT_SERVER_WAIT_MS, signal: run.cutoff.signal });
+        if (held.stale) return; // counted as lost when found
         if (body["backoff_ms"] !== undefined) run.stats.backedOff++;
         else run.stats.failed++;
         return;
       } catch (err) {
         if (err instanceof StaleReceipt) {
+          // Expected for a run found over (counted then): it ended a cancelled run.
+          if (held.stale) return;
           if (this.refusedPastTimeout(held, "fail", err)) run.stats.timedOut++;
           else {
             this.logLost(job, "fail", err);
@@ -1095,18 +1160,61 @@ export class Worker {
           h.leaseUntil = sent + leaseMs;
           continue;
         }
-        // A job that finished meanwhile was acked or failed with that receipt: its run is over, not lost.
-        if (h.lost || run.held.get(h.job.receipt) !== h) continue;
-        // Refused as its job timeout passed: its timer ends the run (counted in `timedOut`).
-        if (pastTimeout(h)) continue;
-        h.lost = true;
-        if (h.abort !== undefined) {
-          run.stats.lost++;
-          this.logLost(h.job, "extend", err);
-          h.abort.abort(err);
-        }
-        // A job claimed ahead is dropped (and counted) when its turn comes.
+        run.found(h, "extend", err);
       }
     }
+  }
+
+  private readonly checking = new Set<string>();
+
+  /**
+   * One `POST /v1/stale` per server for its held runs (not those already
+   * found over), when it holds any and no extend or check of it is under
+   * way: the runs it names are handled as an extend's refusal.
+   */
+  private checkStale(run: Run): void {
+    if (run.abandoned) return;
+    const byServer = new Map<string, Held[]>();
+    for (const h of run.held.values()) {
+      if (h.lost || h.timedOut) continue;
+      let list = byServer.get(h.job.server);
+      if (list === undefined) byServer.set(h.job.server, (list = []));
+      list.push(h);
+    }
+    for (const [server, list] of byServer) {
+      if (run.noStale.has(server) || this.checking.has(server) || this.extending.has(server)) continue;
+      this.checking.add(server);
+      const p: Promise<void> = this.askStale(run, server, list.slice(0, RECEIPTS_MAX))
+        .catch((err: unknown) => this.log.error(`stale check on ${server}: ${String(err)}`))
+        .finally(() => {
+          this.checking.delete(server);
+          run.extends.delete(p);
+        });
+      run.extends.add(p);
+    }
+  }
+
+  private async askStale(run: Run, server: string, list: Held[]): Promise<void> {
+    let reply: unknown;
+    try {
+      reply = await this.transports.get(server)!.post(
+        "/v1/stale",
+        { receipts: list.map((h) => h.job.receipt) },
+        { serverWaitMs: 0, timeoutMs: 5 * STALE_CHECK_MS, signal: run.cutoff.signal },
+      );
+    } catch (err) {
+      if (err instanceof Cancelled) return;
+      if (err instanceof BadRequest && (err.status === 404 || err.status === 405)) {
+        run.noStale.add(server);
+        this.log.info(`${server} does not answer POST /v1/stale (an older server): a cancelled run is found at its next extend`);
+        return;
+      }
+      this.log.warn(`stale check on ${server} failed (will ask again): ${String(err)}`);
+      return;
+    }
+    const stale = (reply as { stale?: unknown } | null)?.stale;
+    if (!Array.isArray(stale) || stale.length === 0) return;
+    const named = new Set(stale.map(String));
+    for (const h of list) if (named.has(h.job.receipt)) run.found(h, "stale check", undefined);
   }
 }

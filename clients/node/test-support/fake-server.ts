@@ -236,6 +236,12 @@ export class FakeServer {
         if (stale.length > 0) return send(409, { error: `${stale.length} stale receipts`, extended, stale, not_owned: [] });
         return after(200, { extended });
       }
+      case "/v1/stale": {
+        if (keysOnly(body, ["receipts"]).length > 0 || !Array.isArray(body["receipts"])) return problem("stale needs receipts");
+        // Read-only: a lapsed run still counts until a claim or extend ends it, as on the server.
+        const stale = (body["receipts"] as string[]).filter((r) => !this.runs.has(r));
+        return after(200, { stale, not_owned: [] });
+      }
       default:
         return send(404, { error: `no route ${path}` });
     }

@@ -152,7 +152,7 @@ test("409 on ack is a lost run: logged, not retried; a 5xx on ack is retried", a
   }
 });
 
-test("409 on extend aborts the handler's signal and skips the ack", async () => {
+test("409 on extend aborts the handler's signal and skips the ack: a fail of the receipt follows once the handler returned", async () => {
   const s = await new FakeServer("s").start();
   try {
     await new Client([s.url]).enqueue("k", "x");
@@ -160,11 +160,14 @@ test("409 on extend aborts the handler's signal and skips the ack", async () => 
     const log = collectingLogger();
     const worker = new Worker([s.url], { logger: log });
     let aborted = false;
+    let lostReceipt: string | undefined;
     const ran = worker.run(
-      async (_job, { signal }) => {
+      async (job, { signal }) => {
+        if (aborted) return; // the job's next run (the fake ended the first with the fail)
         await new Promise<void>((resolve) => {
           signal.addEventListener("abort", () => {
             aborted = true;
+            lostReceipt = job.receipt;
             resolve();
           });
           setTimeout(resolve, 2000);
@@ -172,10 +175,13 @@ test("409 on extend aborts the handler's signal and skips the ack", async () => 
       },
       { concurrency: 1, leaseMs: 150, waitMs: 20, handleSignals: false },
     );
-    await stopWhen(worker, () => aborted);
+    await stopWhen(worker, () => aborted && s.count("/v1/fail") > 0);
     const stats = await ran;
     assert.equal(stats.lost, 1);
-    assert.equal(s.count("/v1/ack"), 0);
+    const acked = s.requests.filter((r) => r.path === "/v1/ack").flatMap((r) => (r.body as { receipts: string[] }).receipts);
+    assert.ok(!acked.includes(lostReceipt!), `the lost run was acked: ${JSON.stringify(acked)}`);
+    const failed = s.requests.filter((r) => r.path === "/v1/fail").map((r) => (r.body as { receipt: string }).receipt);
+    assert.deepEqual(failed, [lostReceipt]);
   } finally {
     await s.close();
   }

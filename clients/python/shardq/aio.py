@@ -58,6 +58,7 @@ from .http import (
     REQUEST_TIMEOUT_S,
     RESULT_ATTEMPTS,
     RETRY_ROUNDS_DEFAULT,
+    STALE_CHECK_S,
     BatchInfo,
     ClaimedJob,
     DependentInfo,
@@ -115,6 +116,8 @@ from .http import (
     _job_bodies,
     _loads,
     _mark_lost,
+    _stale_named,
+    _stale_outcome,
     _normalise_urls,
     _open_batch_body,
     _outcome_of,
@@ -587,6 +590,8 @@ class AsyncWorker(_SignalStops):
         self._slot_free: Optional[asyncio.Event] = None
         self._fatal: Optional[BaseException] = None
         self._signals = 0
+        #: Servers without ``POST /v1/stale`` (older ones).
+        self._no_stale: Set[str] = set()
         self.stats = WorkerStats()
 
     def stop(self, drain: bool = True) -> None:
@@ -802,7 +807,9 @@ class AsyncWorker(_SignalStops):
             return
         self._running.pop(id(job), None)
         self._give_back(lambda: self._book.release(job))
-        outcome = _outcome_of(job, error)
+        # A run the server said is over (a cancel, say): its fail ends a
+        # cancelled run (refused with 409) and frees its key now.
+        outcome = _stale_outcome(job) if job._stale else _outcome_of(job, error)
         if outcome is None:
             self._acks[job.url].append(job)
             self._ack_ready[job.url].set()
@@ -850,6 +857,11 @@ class AsyncWorker(_SignalStops):
                     self.stats.backed_off += 1
                 else:
                     self.stats.failed += 1
+                return
+            if status == 409 and job._stale:
+                log.info("shardq worker: job %s (key %r) at %s: the fail of its run, found over, was refused as "
+                         "expected (%s)", job.id, job.key, job.url, _error_of(doc))
+                self.stats.lost += 1
                 return
             if status == 409:
                 if _refused(job, path, doc):
@@ -904,15 +916,46 @@ class AsyncWorker(_SignalStops):
         log.error("shardq worker: gave up acking %d jobs at %s; their leases decide", len(jobs), url)
 
     async def _heartbeat(self, lease_ms: int) -> None:
+        """Extends the leases of the running handlers every lease/3; between
+        extends, while handlers run, asks each server every
+        :data:`shardq.http.STALE_CHECK_S` which runs are no longer current
+        (``/v1/stale``): ``job.lost`` is set on those (a run cancelled
+        through the API, say) and their fail is sent once they returned."""
         every = lease_ms / 3 / 1000
+        next_beat = time.monotonic() + every
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(max(0.0, min(STALE_CHECK_S, next_beat - time.monotonic())))
+            now = time.monotonic()
+            beat = now >= next_beat
+            if beat:
+                next_beat = now + every
             by_url: Dict[str, List[ClaimedJob]] = {}
             for j in list(self._running.values()):
-                if not j._timed_out:  # the server refuses its extend
+                if j._timed_out:  # the server refuses its extend
+                    continue
+                if beat or (not j._stale and j.url not in self._no_stale):
                     by_url.setdefault(j.url, []).append(j)
             for url, jobs in by_url.items():
-                await self._extend(url, jobs, lease_ms)
+                for i in range(0, len(jobs), ACK_BATCH_MAX):
+                    if beat:
+                        await self._extend(url, jobs[i:i + ACK_BATCH_MAX], lease_ms)
+                    else:
+                        await self._check_stale(url, jobs[i:i + ACK_BATCH_MAX])
+
+    async def _check_stale(self, url: str, jobs: List[ClaimedJob]) -> None:
+        """Asks ``url`` which of ``jobs``' runs are no longer current and sets
+        ``job.lost`` on those still running."""
+        try:
+            status, doc = await self._http.post(url, "/v1/stale", {"receipts": [j.receipt for j in jobs]},
+                                                self.timeout_s)
+        except _TRANSPORT_ERRORS as e:
+            log.warning("shardq worker: stale check at %s failed: %s", url, e)
+            return
+        named = _stale_named(url, status, doc)
+        if named is None:
+            self._no_stale.add(url)
+        elif named:
+            _mark_lost(url, jobs, named, lambda j: id(j) in self._running, "a stale check named it")
 
     async def _extend(self, url: str, jobs: List[ClaimedJob], lease_ms: int) -> None:
         body = {"receipts": [j.receipt for j in jobs], "lease_ms": lease_ms}

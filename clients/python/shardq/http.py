@@ -46,7 +46,11 @@ token is given):
 * ``/v1/ack`` ``{"receipts": [...]}`` -> ``{"acked": n}``, ``/v1/fail``
   ``{"receipt", "reason", "retry_in_ms"?}`` (or, to back off without using
   an attempt, ``{"receipt", "reason", "backoff_ms", "backoff_group"}``),
-  ``/v1/extend`` ``{"receipts": [...], "lease_ms"}`` -> ``{"extended": n}``
+  ``/v1/extend`` ``{"receipts": [...], "lease_ms"}`` -> ``{"extended": n}``,
+  ``/v1/stale`` ``{"receipts": [...]}`` -> ``{"stale": [...], "not_owned":
+  [...]}`` (read-only: the runs no longer current, a cancelled one among
+  them; a fail of such a receipt once its handler returned is refused with
+  409 but ends a cancelled run and frees its key)
 * flow control (``read`` to look, ``admin`` to change; ``GET``, ``PUT``,
   ``DELETE``): ``/v1/policies`` -> ``{"default", "prefixes", "keys",
   "groups"}``; ``/v1/policies/{key}[?scope=prefix|default]`` -> ``{"key",
@@ -100,7 +104,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 from urllib.parse import quote, urlparse
 
 from .errors import (
@@ -175,6 +179,14 @@ ACK_BATCH_MAX = 1000
 #: After a worker is stopped without draining, how long it still tries to
 #: send the acks of the jobs that had finished, in seconds.
 ABANDON_ACK_FLUSH_S = 2.0
+#: While a worker holds runs, how often it asks each server which of them
+#: are no longer current (``POST /v1/stale``, one read for all of them), in
+#: seconds: a run cancelled through the API (``DELETE /v1/jobs/{id}``) has
+#: ``job.lost`` set within about this long, instead of at the next extend.
+STALE_CHECK_S = 1.0
+#: The reason sent with the fail that ends a run the server said is over,
+#: once its handler returned.
+STALE_FAIL_REASON = "the run is no longer current (cancelled, or ended elsewhere); its handler has returned"
 
 Payload = Union[bytes, str]
 
@@ -2513,12 +2525,18 @@ class ClaimedJob:
     _released: bool = field(default=False, repr=False, compare=False)
     #: The handler's result in its ``/v1/ack`` form (see ``_result_field``).
     _result: Optional[Dict[str, str]] = field(default=None, repr=False, compare=False)
+    #: Whether the server said the run is over (an extend refused it, or
+    #: ``/v1/stale`` named it): once its handler returned, a fail of the
+    #: receipt is sent instead of its result (refused with 409, it ends a
+    #: cancelled run and frees the key).
+    _stale: bool = field(default=False, repr=False, compare=False)
 
     @property
     def lost(self) -> threading.Event:
         """Set when this run is over for this worker and its result will not
-        be taken: a heartbeat learned the server no longer counts it (an
-        extend was refused: the lease lapsed, the job runs again), the run
+        be taken: the server no longer counts it (a cancel through the API,
+        found within about a second, :data:`STALE_CHECK_S`; or an extend was
+        refused: the lease lapsed, the job runs again), the run
         passed its job timeout (``timeout_ms``: the server failed it), or the
         worker stopped without draining (a second signal, ``stop(drain=False)``
         or the drain timeout). A long handler checks ``job.lost.is_set()``
@@ -2713,6 +2731,8 @@ class Worker(_SignalStops):
         self._acks: Dict[str, "queue.SimpleQueue[Optional[ClaimedJob]]"] = {}
         self._fatal: Optional[BaseException] = None
         self._signals = 0
+        #: Servers without ``POST /v1/stale`` (older ones).
+        self._no_stale: Set[str] = set()
         self.stats = WorkerStats()
 
     def stop(self, drain: bool = True) -> None:
@@ -3009,6 +3029,15 @@ class Worker(_SignalStops):
         timed_out = job._timed_out or _past_timeout(job, now)
         if not lost and not timed_out and now < job._lease_until:
             return False
+        if job._stale:
+            # The server said the run is over (a cancel, say): its fail ends
+            # a cancelled run now (refused, counted in ``lost``).
+            with self._lock:
+                self._running.pop(id(job), None)
+            log.warning("shardq worker: job %s (key %r, shard %s) at %s: its run was over before a thread was free; "
+                        "not run", job.id, job.key, job.shard, job.url)
+            self._report(job, *_stale_outcome(job))
+            return True
         with self._lock:
             self._running.pop(id(job), None)
             if timed_out:
@@ -3044,9 +3073,13 @@ class Worker(_SignalStops):
             error = e
         if self._abandon.is_set():
             return  # abandoned: the run stays counted in _running; its lease decides
-        outcome = _outcome_of(job, error)
+        outcome = None if job._stale else _outcome_of(job, error)
         with self._lock:
             self._running.pop(id(job), None)
+            # Looked at in the hold that ends the run here: a stale check
+            # marks only the runs still in ``_running``.
+            if job._stale:
+                outcome = _stale_outcome(job)
             if outcome is None:
                 self._free_slot(job)
         if outcome is None:
@@ -3073,6 +3106,14 @@ class Worker(_SignalStops):
                         self.stats.backed_off += 1
                     else:
                         self.stats.failed += 1
+                return
+            if status == 409 and job._stale:
+                # Expected: the fail of a run the server said is over ends a
+                # cancelled one, freeing its key.
+                log.info("shardq worker: job %s (key %r) at %s: the fail of its run, found over, was refused as "
+                         "expected (%s)", job.id, job.key, job.url, _error_of(doc))
+                with self._lock:
+                    self.stats.lost += 1
                 return
             if status == 409:
                 # Not retried: another run of the job is current (or was),
@@ -3145,15 +3186,22 @@ class Worker(_SignalStops):
         """Extends the leases of the running and prefetched jobs every
         lease/3 (not those past their job timeout: the server refuses
         them), and sets ``job.lost`` on the runs past it: looked for every
-        tenth of ``timeout_ms`` (50 ms to lease/3), else at each extend."""
+        tenth of ``timeout_ms`` (50 ms to lease/3), else at each extend.
+        Between extends, while it holds runs, asks each server every
+        :data:`STALE_CHECK_S` which are no longer current (``/v1/stale``)."""
         every = lease_ms / 3 / 1000
-        tick = every if timeout_ms is None else min(every, max(0.05, timeout_ms / 10_000))
+        tick = min(every, STALE_CHECK_S) if timeout_ms is None else min(every, STALE_CHECK_S,
+                                                                         max(0.05, timeout_ms / 10_000))
         next_beat = time.monotonic() + every
-        while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic()))):
+        next_check = time.monotonic() + STALE_CHECK_S
+        while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic(), next_check - time.monotonic()))):
             now = time.monotonic()
             beat = now >= next_beat
             if beat:
                 next_beat = now + every
+            check = not beat and now >= next_check
+            if beat or check:
+                next_check = now + STALE_CHECK_S
             by_url: Dict[str, List[ClaimedJob]] = {}
             timed_out: List[ClaimedJob] = []
             with self._lock:
@@ -3163,7 +3211,7 @@ class Worker(_SignalStops):
                     if j._timeout_until is not None and now >= j._timeout_until:
                         j._timed_out = True
                         timed_out.append(j)
-                    elif beat:
+                    elif beat or (check and not j._stale and j.url not in self._no_stale):
                         by_url.setdefault(j.url, []).append(j)
             for j in timed_out:
                 j.lost.set()
@@ -3171,7 +3219,29 @@ class Worker(_SignalStops):
                             "the server fails it (job.lost is set; a thread running its handler runs on, and its "
                             "result will be refused)", j.id, j.key, j.shard, j.url, j._timeout_ms)
             for url, jobs in by_url.items():
-                self._extend(url, jobs, lease_ms)
+                for i in range(0, len(jobs), ACK_BATCH_MAX):
+                    if beat:
+                        self._extend(url, jobs[i:i + ACK_BATCH_MAX], lease_ms)
+                    else:
+                        self._check_stale(url, jobs[i:i + ACK_BATCH_MAX])
+
+    def _check_stale(self, url: str, jobs: List[ClaimedJob]) -> None:
+        """Asks ``url`` which of ``jobs``' runs are no longer current and
+        sets ``job.lost`` on those still running here (their fail is sent
+        once their handlers returned)."""
+        try:
+            status, doc = self._transports[url].post("/v1/stale", {"receipts": [j.receipt for j in jobs]},
+                                                     self.timeout_s)
+        except (OSError, http.client.HTTPException) as e:
+            log.warning("shardq worker: stale check at %s failed: %s", url, e)
+            return
+        named = _stale_named(url, status, doc)
+        if named is None:
+            self._no_stale.add(url)
+            return
+        if named:
+            with self._lock:
+                _mark_lost(url, jobs, named, lambda j: id(j) in self._running, "a stale check named it")
 
     def _extend(self, url: str, jobs: List[ClaimedJob], lease_ms: int) -> None:
         body = {"receipts": [j.receipt for j in jobs], "lease_ms": lease_ms}
@@ -3191,7 +3261,8 @@ class Worker(_SignalStops):
             for j in jobs:
                 if j.receipt not in refused:
                     j._lease_until = sent + lease_ms / 1000
-        _mark_lost(url, jobs, stale, lambda j: id(j) in self._running)
+        with self._lock:
+            _mark_lost(url, jobs, stale, lambda j: id(j) in self._running)
 
 
 def _stale_of(doc: Any) -> List[str]:
@@ -3252,11 +3323,34 @@ def _extend_refused(url: str, jobs: List["ClaimedJob"], status: int, doc: Any) -
     return []
 
 
-def _mark_lost(url: str, jobs: List["ClaimedJob"], stale: List[str], running: Callable[["ClaimedJob"], bool]) -> None:
+def _mark_lost(url: str, jobs: List["ClaimedJob"], stale: List[str], running: Callable[["ClaimedJob"], bool],
+               what: str = "extend refused") -> None:
     """Sets ``lost`` on the still running jobs whose receipts an extend
-    refused (a job that finished meanwhile was acked or failed with that
-    receipt: its run is over, not lost)."""
+    refused or ``/v1/stale`` named (a job that finished meanwhile was acked
+    or failed with that receipt: its run is over, not lost), and marks them
+    for the fail that ends a cancelled run once their handlers returned."""
     for j in jobs:
         if j.receipt in stale and running(j) and not j.lost.is_set():
+            j._stale = True
             j.lost.set()
-            log.warning("shardq worker: job %s (key %r) at %s: the run was lost (extend refused)", j.id, j.key, url)
+            log.warning("shardq worker: job %s (key %r) at %s: the run is over (%s: cancelled, or its lease "
+                        "lapsed); job.lost is set", j.id, j.key, url, what)
+
+
+def _stale_named(url: str, status: int, doc: Any) -> Optional[List[str]]:
+    """The receipts a ``/v1/stale`` answer names; ``None`` when the server
+    has no such route (an older one: its extends alone say so)."""
+    if status in (404, 405):
+        log.info("shardq worker: %s does not answer POST /v1/stale (an older server): a cancelled run is found at "
+                 "its next extend", url)
+        return None
+    if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("stale"), list):
+        log.warning("shardq worker: stale check at %s answered %s: %s", url, status, _error_of(doc))
+        return []
+    return [str(x) for x in doc["stale"]]
+
+
+def _stale_outcome(job: "ClaimedJob") -> Tuple[str, Dict[str, Any]]:
+    """The fail sent for a run the server said is over, once its handler
+    returned (whatever it returned or raised)."""
+    return ("/v1/fail", {"receipt": job.receipt, "reason": STALE_FAIL_REASON})

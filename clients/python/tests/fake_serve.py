@@ -20,12 +20,14 @@ SHAPES: Dict[str, Dict[str, Tuple[type, ...]]] = {
     "/v1/ack": {"receipts": (list,)},
     "/v1/fail": {"receipt": (str,), "reason": (str,), "retry_in_ms": (int,)},
     "/v1/extend": {"receipts": (list,), "lease_ms": (int,)},
+    "/v1/stale": {"receipts": (list,)},
 }
 REQUIRED = {
     "/v1/claim": {"worker", "max", "wait_ms", "lease_ms"},
     "/v1/ack": {"receipts"},
     "/v1/fail": {"receipt", "reason"},
     "/v1/extend": {"receipts", "lease_ms"},
+    "/v1/stale": {"receipts"},
 }
 JOB_FIELDS = {"key": (str,), "payload": (str,), "payload_b64": (str,), "delay_ms": (int,),
               "max_attempts": (int,), "dedup_id": (str,)}
@@ -142,6 +144,8 @@ class FakeServe:
             return self.ack(doc["receipts"])
         if path == "/v1/fail":
             return self.fail(doc)
+        if path == "/v1/stale":
+            return self.stale(doc)
         return self.extend(doc)
 
     def enqueue(self, jobs: List[Dict[str, Any]]) -> Tuple[int, Any]:
@@ -249,6 +253,21 @@ class FakeServe:
         if retry:
             return 200, {"outcome": "retry", "retry_at_ms": job["not_before"]}
         return 200, {"outcome": "dead"}
+
+    def stale(self, doc: Dict[str, Any]) -> Tuple[int, Any]:
+        """Read-only: the receipts that name no current run (a lapsed run
+        still counts until a claim or extend ends it, as on the server)."""
+        def over(r: Any) -> bool:
+            try:
+                name, rest = str(r).split(":", 1)
+                jid, fence = (int(x) for x in rest.split("."))
+            except ValueError:
+                return True
+            f = self.flying.get(self.jobs[jid]["key"]) if name == self.name and jid in self.jobs else None
+            return f is None or (f[0], f[1]) != (jid, fence)
+
+        with self.lock:
+            return 200, {"stale": [r for r in doc["receipts"] if over(r)], "not_owned": []}
 
     def extend(self, doc: Dict[str, Any]) -> Tuple[int, Any]:
         stale = []
