@@ -237,20 +237,24 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
 #[test]
 fn batches_fire_each_callback_once_through_moves_and_a_killed_worker_on_the_embedded_engine() {
     let dir = temp_dir("batch-embedded");
-    for (i, disturb) in [Disturb::Grow(None), Disturb::Pin(PIN)]
-        .into_iter()
-        .enumerate()
-    {
-        let data = dir.join(format!("q{i}"));
-        init_shards(&data, 2);
-        trial(
-            &format!("embedded-{i}"),
-            data.to_str().unwrap(),
-            &dir.join(format!("log{i}")),
-            seed(),
-            disturb,
-        );
-    }
+    // The two trials share nothing and mostly wait on leases: side by side.
+    support::side_by_side(
+        vec![Disturb::Grow(None), Disturb::Pin(PIN)],
+        |i, disturb| {
+            let data = dir.join(format!("q{i}"));
+            init_shards(&data, 2);
+            let name = format!("embedded-{i}");
+            let seed = seed();
+            eprintln!("{name}: seed {seed}");
+            trial(
+                &name,
+                data.to_str().unwrap(),
+                &dir.join(format!("log{i}")),
+                seed,
+                disturb,
+            );
+        },
+    );
 }
 
 #[test]

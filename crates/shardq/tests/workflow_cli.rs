@@ -257,21 +257,19 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
 #[test]
 fn fan_in_and_chain_survive_moves_and_a_killed_worker_on_the_embedded_engine() {
     let dir = temp_dir("wf-embedded");
-    for (i, disturb) in [Disturb::Grow(None), Disturb::Pin(PIN)]
-        .into_iter()
-        .enumerate()
-    {
-        let data = dir.join(format!("q{i}"));
-        init_shards(&data, 2);
-        let log = dir.join(format!("log{i}"));
-        trial(
-            &format!("embedded-{i}"),
-            data.to_str().unwrap(),
-            &log,
-            seed(),
-            disturb,
-        );
-    }
+    // The two trials share nothing and mostly wait on leases: side by side.
+    support::side_by_side(
+        vec![Disturb::Grow(None), Disturb::Pin(PIN)],
+        |i, disturb| {
+            let data = dir.join(format!("q{i}"));
+            init_shards(&data, 2);
+            let log = dir.join(format!("log{i}"));
+            let name = format!("embedded-{i}");
+            let seed = seed();
+            eprintln!("{name}: seed {seed}");
+            trial(&name, data.to_str().unwrap(), &log, seed, disturb);
+        },
+    );
 }
 
 #[test]

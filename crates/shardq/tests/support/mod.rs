@@ -272,6 +272,31 @@ pub fn seed() -> u64 {
     s
 }
 
+/// Runs `run(i, item)` for each of `items` on a thread of its own, side
+/// by side, and waits for them all; the first panic is raised again once
+/// every one has ended. For trials that share nothing (a data dir and logs
+/// each) and spend their time waiting on leases and handlers rather than
+/// on the CPU.
+pub fn side_by_side<T: Send>(items: Vec<T>, run: impl Fn(usize, T) + Sync) {
+    let run = &run;
+    thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| scope.spawn(move || run(i, item)))
+            .collect();
+        let mut first = None;
+        for h in handles {
+            if let Err(panic) = h.join() {
+                first.get_or_insert(panic);
+            }
+        }
+        if let Some(panic) = first {
+            std::panic::resume_unwind(panic);
+        }
+    });
+}
+
 /// How keys move during a trial.
 #[derive(Clone, Debug)]
 pub enum Disturb {
