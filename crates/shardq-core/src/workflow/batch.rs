@@ -14,7 +14,7 @@
 //!
 //! # Why each callback runs once
 //!
-//! A callback is enqueued with the dedup id `batch:@N:KIND`
+//! A callback is enqueued with the dedup id `batch:@N.NONCE:KIND`
 //! ([`callback_dedup_id`]) and the release's dedup window, then recorded
 //! in the batch's `fired`; a pass decides from the stored record only.
 //! Two passes, or one killed between the enqueue and the record, store
@@ -162,21 +162,25 @@ pub fn done(w: &Waiting) -> bool {
         && due(w).is_empty()
 }
 
-/// The dedup id callback `kind` of batch `n` is enqueued with:
-/// `batch:@N:KIND`.
-pub fn callback_dedup_id(n: u64, kind: CallbackKind) -> String {
-    format!("{BATCH_PREFIX}@{n}:{}", kind.as_str())
+/// The dedup id callback `kind` of batch `n` (its record's nonce `nonce`)
+/// is enqueued with: `batch:@N.NONCE:KIND`.
+pub fn callback_dedup_id(n: u64, nonce: &str, kind: CallbackKind) -> String {
+    format!("{BATCH_PREFIX}@{n}.{nonce}:{}", kind.as_str())
 }
 
 /// The dedup id prefix of a batch's callbacks; refused from producers.
 pub const BATCH_PREFIX: &str = "batch:";
 
 /// The batch a released job belongs to, from its dedup id: a callback
-/// (`batch:@N:KIND`: the batch and the kind) or a job of the batch
-/// (`after:@m:batch@N`: the batch, no kind).
+/// (`batch:@N.NONCE:KIND`: the batch and the kind) or a job of the batch
+/// (`after:@m.NONCE:batch@N`: the batch, no kind).
 pub fn batch_of_dedup_id(dedup_id: &str) -> Option<(u64, Option<CallbackKind>)> {
     if let Some(rest) = dedup_id.strip_prefix(BATCH_PREFIX) {
         let (n, kind) = rest.strip_prefix('@')?.split_once(':')?;
+        let (n, nonce) = n.split_once('.')?;
+        if nonce.is_empty() {
+            return None;
+        }
         return Some((n.parse().ok()?, Some(CallbackKind::parse(kind)?)));
     }
     let rest = dedup_id.strip_prefix(super::AFTER_PREFIX)?;
@@ -616,16 +620,26 @@ mod tests {
     #[test]
     fn dedup_ids_name_the_batch() {
         assert_eq!(
-            batch_of_dedup_id(&callback_dedup_id(7, CallbackKind::Success)),
+            batch_of_dedup_id(&callback_dedup_id(7, "9f", CallbackKind::Success)),
             Some((7, Some(CallbackKind::Success)))
         );
-        assert_eq!(batch_of_dedup_id("after:@3:batch@7"), Some((7, None)));
-        assert_eq!(batch_of_dedup_id("after:@3"), None);
-        assert_eq!(batch_of_dedup_id("batch:@x:complete"), None);
-        assert_eq!(batch_of_dedup_id("batch:@1:later"), None);
+        assert_eq!(batch_of_dedup_id("after:@3.9f:batch@7"), Some((7, None)));
+        assert_eq!(batch_of_dedup_id("after:@3.9f"), None);
+        assert_eq!(batch_of_dedup_id("batch:@x.9f:complete"), None);
+        assert_eq!(batch_of_dedup_id("batch:@1.9f:later"), None);
+        assert_eq!(batch_of_dedup_id("batch:@1:complete"), None, "no nonce");
         assert_eq!(
-            crate::workflow::dependent_of_dedup_id("after:@3:batch@7"),
+            crate::workflow::dependent_of_dedup_id("after:@3.9f:batch@7"),
             Some(3)
+        );
+        assert_eq!(
+            crate::workflow::dependent_of_dedup_id("after:@3.9f"),
+            Some(3)
+        );
+        assert_eq!(
+            crate::workflow::dependent_of_dedup_id("after:@3"),
+            None,
+            "no nonce"
         );
     }
 }

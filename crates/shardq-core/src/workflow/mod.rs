@@ -29,7 +29,7 @@
 //!
 //! # Why each dependent starts once
 //!
-//! The release enqueues the job with the dedup id `after:@N`
+//! The release enqueues the job with the dedup id `after:@N.NONCE`
 //! ([`release_dedup_id`]) and a dedup window of [`RELEASE_DEDUP_WINDOW_MS`],
 //! then records where it landed. Two passes releasing at once (two
 //! processes), or a pass killed between its enqueue and its record, store
@@ -38,6 +38,12 @@
 //! move with their key). A pass that loses the compare-and-set reads the
 //! document again and applies its findings to what it finds; a finding
 //! never overwrites one recorded earlier.
+//!
+//! The `NONCE` is drawn at random when the record is stored
+//! ([`Waiting::nonce`]): a settings store that comes back without
+//! acknowledged writes gives a number out again, and the new record's
+//! release must not be answered as the duplicate of the old one's (of the
+//! same key) within the dedup window.
 //!
 //! # Why nothing waits forever
 //!
@@ -114,23 +120,34 @@ pub const RELEASE_DEDUP_WINDOW_MS: u64 = crate::job::DEDUP_WINDOW_MS_MAX;
 /// The dedup id prefix of a released dependent; refused from producers.
 pub const AFTER_PREFIX: &str = "after:";
 
-/// The dedup id a dependent is released with: `after:@N`.
-pub fn release_dedup_id(id: u64) -> String {
-    format!("{AFTER_PREFIX}@{id}")
+/// The dedup id dependent `id` with nonce `nonce` is released with:
+/// `after:@N.NONCE`.
+pub fn release_dedup_id(id: u64, nonce: &str) -> String {
+    format!("{AFTER_PREFIX}@{id}.{nonce}")
 }
 
 /// The dedup id a dependent is released with, for its record: a job of a
-/// batch says which (`after:@N:batch@B`), so its handler can add to it.
+/// batch says which (`after:@N.NONCE:batch@B`), so its handler can add to
+/// it.
 pub fn release_dedup_id_of(id: u64, w: &Waiting) -> String {
     match w.member_of {
-        Some(b) => format!("{AFTER_PREFIX}@{id}:batch@{b}"),
-        None => release_dedup_id(id),
+        Some(b) => format!("{}:batch@{b}", release_dedup_id(id, &w.nonce)),
+        None => release_dedup_id(id, &w.nonce),
     }
 }
 
-/// The dependent a released job was, from its dedup id (`after:@N`, or
-/// `after:@N:batch@B` for a job of a batch).
+/// A record's number from its part of a dedup id, `N.NONCE`.
+fn number_of(part: &str) -> Option<u64> {
+    let (n, nonce) = part.split_once('.')?;
+    if nonce.is_empty() {
+        return None;
+    }
+    n.parse().ok()
+}
+
+/// The dependent a released job was, from its dedup id (`after:@N.NONCE`,
+/// or `after:@N.NONCE:batch@B` for a job of a batch).
 pub fn dependent_of_dedup_id(dedup_id: &str) -> Option<u64> {
     let rest = dedup_id.strip_prefix(AFTER_PREFIX)?.strip_prefix('@')?;
-    rest.split(':').next()?.parse().ok()
+    number_of(rest.split(':').next()?)
 }

@@ -17,7 +17,7 @@ use crate::job::{JobId, JobState, NewJob};
 use crate::reshard::{update_setting, MapStore, ReshardError};
 
 /// The waiting document's format version; another one is refused.
-pub const WAITING_FORMAT: u32 = 2;
+pub const WAITING_FORMAT: u32 = 3;
 
 /// What a dependent does when a dependency did not complete (it was
 /// cancelled, dead-lettered, purged or forgotten, or is a dependent that
@@ -200,6 +200,12 @@ pub struct Waiting {
     /// The batch this record is a job of (it has no dependencies).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub member_of: Option<u64>,
+    /// Drawn at random when the record is made, and part of every dedup
+    /// id it releases with (`after:@N.NONCE`, `batch:@N.NONCE:KIND`): a
+    /// store that lost acknowledged writes (a failover to a lagging
+    /// replica, a restore) may give its number to a new record, whose
+    /// release must not be taken for the old one's.
+    pub nonce: String,
 }
 
 impl Waiting {
@@ -776,6 +782,7 @@ pub(super) fn insert(
                 dedup_id: d.job.dedup_id.clone(),
                 batch: None,
                 member_of,
+                nonce: nonce()?,
             },
         );
     }
@@ -791,6 +798,13 @@ pub(super) fn insert(
         .zip(found)
         .map(|(n, dup)| (n, dup.is_some()))
         .collect())
+}
+
+/// A record's nonce: 64 random bits, in hex.
+fn nonce() -> Result<String, ReshardError> {
+    getrandom::u64().map(|n| format!("{n:016x}")).map_err(|e| {
+        ReshardError::Unavailable(format!("drawing a random nonce for a waiting record: {e}"))
+    })
 }
 
 /// Refuses a graph sent at once whose in-call references loop.
@@ -948,6 +962,7 @@ mod tests {
             dedup_id: None,
             batch: None,
             member_of: None,
+            nonce: "0123456789abcdef".into(),
         }
     }
 
@@ -1009,6 +1024,7 @@ mod tests {
             dedup_id: None,
             batch: None,
             member_of: None,
+            nonce: "0123456789abcdef".into(),
         };
         f.jobs.insert(1, w(Some(0)));
         f.jobs.insert(2, w(None));

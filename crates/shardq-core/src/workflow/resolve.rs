@@ -76,7 +76,7 @@ struct Finding {
 /// the contract's check. The shard and id stored (a duplicate's: the
 /// first release's).
 pub trait Release {
-    /// Enqueues `job` (it carries its dedup id `after:@N`).
+    /// Enqueues `job` (it carries its dedup id `after:@N.NONCE`).
     fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String>;
 
     /// Enqueues `jobs`, each answered in order (a batch's many jobs go
@@ -544,7 +544,7 @@ impl Resolver {
                         payload,
                         delay_ms: 0,
                         max_attempts: w.max_attempts,
-                        dedup_id: Some(callback_dedup_id(*n, kind)),
+                        dedup_id: Some(callback_dedup_id(*n, &w.nonce, kind)),
                         keyed: None,
                     };
                     match release.release(&job) {
@@ -795,7 +795,7 @@ mod tests {
     use crate::backend::{InspectJobs as _, MoveKeys as _, RunJobs as _};
     use crate::clock::ManualClock;
     use crate::memory::{MemoryBackend, MemoryMapStore};
-    use crate::workflow::{NewDependent, FORGOTTEN_MOVED_AFTER_MS};
+    use crate::workflow::{NewDependent, FORGOTTEN_MOVED_AFTER_MS, SETTING_WAITING};
 
     /// Releases nothing: the dependent here never gets that far.
     struct Never;
@@ -922,5 +922,48 @@ mod tests {
             .filter(|i| r.probed_at.contains_key(&(n, *i)))
             .count();
         assert_eq!(probed, 2_000, "jobs probed at least once in 40 passes");
+    }
+
+    /// A store that lost acknowledged writes (restored to an older
+    /// document) gives a released dependent's number to a new dependent
+    /// of the same key: the new one is released as its own job, not
+    /// answered as a duplicate of the old one's release.
+    #[test]
+    fn a_number_reused_after_a_store_rollback_releases_the_new_dependent() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let backend = MemoryBackend::new(&["a"], clock.clone());
+        let maps = Arc::new(MemoryMapStore::new(
+            shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["a"]).unwrap(),
+        ));
+        let root = |payload: &str| NewDependent {
+            job: NewJob::new("tenant", payload),
+            after: Vec::new(),
+            on_failure: OnDependencyFailure::Fail,
+        };
+        let mut lookup = |_: &str, _| Ok(crate::backend::JobLookup::Unknown);
+        let before = maps.load_setting(SETTING_WAITING).unwrap();
+        let old =
+            WaitingStore::add(&*maps, &mut lookup, clock.now_ms(), &[root("old")]).unwrap()[0].0;
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        assert_eq!(
+            r.pass(&backend, &mut OnA(&backend)).unwrap().released.len(),
+            1
+        );
+        // The store comes back with the document as it was before.
+        maps.store_setting(SETTING_WAITING, before.as_deref())
+            .unwrap();
+        let new =
+            WaitingStore::add(&*maps, &mut lookup, clock.now_ms(), &[root("new")]).unwrap()[0].0;
+        assert_eq!(new, old, "the number is given again");
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        let report = r.pass(&backend, &mut OnA(&backend)).unwrap();
+        assert_eq!(report.released.len(), 1, "{report:?}");
+        let payloads: Vec<Vec<u8>> = backend
+            .key_jobs("a", "tenant", 10)
+            .unwrap()
+            .into_iter()
+            .map(|j| backend.job("a", j.id).unwrap().unwrap().payload)
+            .collect();
+        assert_eq!(payloads, vec![b"old".to_vec(), b"new".to_vec()]);
     }
 }

@@ -158,8 +158,11 @@ pub fn a_batch_fires_each_callback_once(h: &dyn ContractHarness) {
     );
     // A callback enqueued again (a resolver killed before its record)
     // stores nothing twice.
-    let repeat = NewJob::new("bt-cb", "bt-cb on complete")
-        .with_dedup_id(callback_dedup_id(bn, CallbackKind::Complete));
+    let repeat = NewJob::new("bt-cb", "bt-cb on complete").with_dedup_id(callback_dedup_id(
+        bn,
+        &w.nonce,
+        CallbackKind::Complete,
+    ));
     let (_, id) = rel.release(&repeat).expect("repeat");
     let cbs = b.key_jobs(&sb, "bt-cb", 10).expect("key_jobs");
     assert_eq!(cbs.len(), 2, "complete and success, once each: {cbs:?}");
@@ -170,8 +173,8 @@ pub fn a_batch_fires_each_callback_once(h: &dyn ContractHarness) {
     assert_eq!(
         ids,
         vec![
-            callback_dedup_id(bn, CallbackKind::Complete),
-            callback_dedup_id(bn, CallbackKind::Success)
+            callback_dedup_id(bn, &w.nonce, CallbackKind::Complete),
+            callback_dedup_id(bn, &w.nonce, CallbackKind::Success)
         ]
     );
     let e = WaitingStore::add_to_batch(&*maps, now, bn, &[with_attempts("bt-6", 3)])

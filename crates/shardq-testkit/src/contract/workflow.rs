@@ -223,7 +223,8 @@ pub fn dependents_run_once_after_their_dependencies(h: &dyn ContractHarness) {
     );
     // A release repeated after a crash stores nothing twice.
     let calls = rel.calls;
-    let again = NewJob::new("wf-c", "payload of wf-c").with_dedup_id(release_dedup_id(c));
+    let again =
+        NewJob::new("wf-c", "payload of wf-c").with_dedup_id(release_dedup_id(c, &wc.nonce));
     let (_, dup) = rel.release(&again).expect("release again");
     assert_eq!(
         format!("{sb}:{}", dup.0),
@@ -235,7 +236,7 @@ pub fn dependents_run_once_after_their_dependencies(h: &dyn ContractHarness) {
     assert_eq!(cjobs.len(), 1, "c is stored once: {cjobs:?}");
     assert_eq!(
         cjobs[0].dedup_id.as_deref(),
-        Some(release_dedup_id(c).as_str())
+        Some(release_dedup_id(c, &wc.nonce).as_str())
     );
     assert_eq!(cjobs[0].payload, b"payload of wf-c");
     // c runs; then d, the next link, is released.
@@ -281,7 +282,7 @@ pub fn dependents_run_once_after_their_dependencies(h: &dyn ContractHarness) {
         assert_eq!(jobs.len(), 1, "{key}: {jobs:?}");
         assert_eq!(
             jobs[0].dedup_id.as_deref(),
-            Some(release_dedup_id(n).as_str())
+            Some(release_dedup_id(n, &stored.jobs[&n].nonce).as_str())
         );
     }
     assert!(matches!(
