@@ -289,8 +289,11 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis Cluster of masters without replicas, made with
-/// `redis-cli --cluster create`.
+/// Hash slots of a Redis Cluster.
+const CLUSTER_SLOTS: usize = 16_384;
+
+/// A Redis Cluster of masters without replicas, made as `redis-cli
+/// --cluster create` makes one.
 #[derive(Debug)]
 pub struct RedisCluster {
     /// The masters, in creation order.
@@ -309,15 +312,32 @@ impl RedisCluster {
                 })
             })
             .collect();
-        let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
-        args.extend(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())));
-        args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = nodes[0].cli(&argv);
-        assert!(
-            out.contains("All 16384 slots covered"),
-            "redis-cli --cluster create failed:\n{out}"
-        );
+        // What `redis-cli --cluster create` does, without its fixed
+        // one-second waits for the nodes to join (3 s per cluster): a
+        // distinct config epoch per node, an even share of the slots each,
+        // every node met from the first; `wait_consistent` then polls.
+        let said_ok = |n: &RedisServer, args: &[&str]| {
+            let out = n.cli(args);
+            assert_eq!(
+                out.trim(),
+                "OK",
+                "CLUSTER {args:?} on port {}: {out}",
+                n.port()
+            );
+        };
+        for (i, n) in nodes.iter().enumerate() {
+            let epoch = (i + 1).to_string();
+            said_ok(n, &["cluster", "set-config-epoch", &epoch]);
+            let first = (i * CLUSTER_SLOTS / masters).to_string();
+            let last = ((i + 1) * CLUSTER_SLOTS / masters - 1).to_string();
+            said_ok(n, &["cluster", "addslotsrange", &first, &last]);
+        }
+        for n in &nodes[1..] {
+            said_ok(
+                &nodes[0],
+                &["cluster", "meet", "127.0.0.1", &n.port().to_string()],
+            );
+        }
         let cluster = RedisCluster { nodes };
         cluster.wait_consistent();
         cluster
