@@ -802,6 +802,26 @@ pub fn key_finished<B: QueueBackend + ?Sized>(
     (all, failed)
 }
 
+/// [`RunJobs::ack_results`], then a fail of each receipt refused as
+/// stale: a run whose job was cancelled while it ran is refused by the ack
+/// but still holds its key until its job lease lapses, and the fail of its
+/// receipt (refused too) ends it at once, so the key's next job may start
+/// as soon as the handler is gone, whether it then succeeded or failed.
+/// For a run that lapsed or already ended the fail changes nothing.
+pub fn ack_ending_cancelled<B: RunJobs + ?Sized>(
+    backend: &B,
+    shard: &str,
+    receipts: &[Receipt],
+    results: &[Option<Vec<u8>>],
+) -> Result<AckOutcome, QueueError> {
+    let out = backend.ack_results(shard, receipts, results)?;
+    for r in &out.stale {
+        // Refused whatever it finds: only a cancelled run ends by it.
+        let _ = backend.fail(shard, *r, "acked after its job was cancelled", None);
+    }
+    Ok(out)
+}
+
 /// How [`find_job`] reads a shard's finished job by id.
 pub type FinishedLookup<'a> =
     dyn FnMut(&str, JobId) -> Result<Option<crate::job::FinishedJob>, QueueError> + 'a;

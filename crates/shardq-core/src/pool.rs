@@ -1311,7 +1311,7 @@ impl Dispatch<'_> {
         retry: bool,
     ) {
         let receipts: Vec<Receipt> = runs.iter().map(|r| r.0).collect();
-        match self.backend.ack_results(&shard, &receipts, &results) {
+        match crate::backend::ack_ending_cancelled(self.backend, &shard, &receipts, &results) {
             Ok(out) => {
                 self.report.acked += out.acked;
                 self.report.stale += out.stale.len() as u64;

@@ -496,6 +496,35 @@ fn a_cancelled_run_is_named_stale_at_once_and_its_fail_frees_the_key() {
     assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
 }
 
+/// A handler that succeeds after its job was cancelled: the ack is
+/// refused (409, the job stays cancelled) and ends the run, so the key's
+/// next job starts at once, not when the run's job lease lapses.
+#[test]
+fn an_ack_refused_after_a_cancel_frees_the_key_at_once() {
+    let dir = init_dir(1, "rendezvous");
+    let s = start(dir.path(), options());
+    let ids: Vec<String> = support::enqueue_n(&s, "k", 2)
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    let run = claim(&s, "w", 1, 0, 30_000).remove(0);
+    let (code, v) = call(
+        &s,
+        "DELETE",
+        &format!("/v1/jobs/{}", ids[0]),
+        Some("{}"),
+        None,
+    );
+    assert_eq!((code, &v["stopping"]), (200, &json!(true)), "{v}");
+    let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [run["receipt"]] }));
+    assert_eq!(code, 409, "a cancelled run's ack: {v}");
+    let next = claim(&s, "w", 10, 0, 30_000);
+    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
+    assert_eq!(got, [&json!("1")], "the key's next job, at once");
+    let (code, v) = get(&s, &format!("/v1/jobs/{}", ids[0]));
+    assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
+}
+
 /// `GET /v1/history` counts this server's enqueues, claims, acks and
 /// fails per second, its totals agree, and a bad window is refused.
 #[test]

@@ -193,7 +193,12 @@ pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest
                     .map(|(_, s)| by_receipt.get(s.as_str()).cloned())
                     .collect()
             };
-            match a.backend.ack_results(&shard, &receipts, &results) {
+            match shardq_core::backend::ack_ending_cancelled(
+                &*a.backend,
+                &shard,
+                &receipts,
+                &results,
+            ) {
                 Ok(out) => {
                     acked += out.acked;
                     crate::metrics::acked(&a, &shard, &receipts, &out.stale);
