@@ -46,19 +46,19 @@ case "$SHARDQ_KEY" in
   small) printf 'done:%s' "$p" > "$SHARDQ_RESULT_FILE" ;;
   big) head -c 70000 /dev/zero > "$SHARDQ_RESULT_FILE" ;;
 esac"#;
-    let (good, _, err) = run(&[
-        "work",
-        "--data",
-        d,
-        "--max-local-shards",
-        "all",
-        "--exit-when-idle",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]);
-    assert!(good, "{err}");
+    // The worker's temporary directory is this test's own: a worker that
+    // another test SIGKILLed leaves its result files in the shared one,
+    // which the check below must not take for this worker's.
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let out = std::process::Command::new(support::BIN)
+        .args(["work", "--data", d, "--max-local-shards", "all"])
+        .args(["--exit-when-idle", "--", "sh", "-c", script])
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
     let v = show(d, &placed[0]);
     assert_eq!(
         (v["outcome"].as_str(), v["result"].as_str()),
@@ -82,7 +82,7 @@ esac"#;
     let text = ok(&["job", "show", "--data", d, &placed[0]]);
     assert!(text.contains("result\t\"done:p1\""), "{text}");
     // No result file is left behind in the worker's directory.
-    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+    let left: Vec<_> = std::fs::read_dir(&tmp)
         .unwrap()
         .filter_map(Result::ok)
         .filter(|e| {
