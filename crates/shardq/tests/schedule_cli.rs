@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardq_testkit::redis::{RedisCluster, RedisServer};
-use support::{ok, run, temp_dir, wait_until, BIN, WAIT_MAX};
+use support::{ok, run, side_by_side, temp_dir, wait_until, BIN, WAIT_MAX};
 
 /// The handler's line per run: the job, then the schedule and the tick
 /// the job names (`SHARDQ_SCHEDULE`, `SHARDQ_SCHEDULE_TIME_MS`).
@@ -217,68 +217,94 @@ fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child
     assert_eq!(b["stored"], 0, "a decided tick had no job: {b}");
 }
 
-#[test]
-fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_the_embedded_engine() {
-    let dir = temp_dir("schedule-embedded");
-    let data = dir.join("data");
-    ok(&["init", "--data", data.to_str().unwrap(), "--shards", "2"]);
-    ticks_survive_kills_and_stops(&data, &dir);
+/// How one trial of the schedule's ticks is disturbed, and where.
+#[derive(Clone, Copy, Debug)]
+enum TickTrial {
+    /// Workers SIGKILLed and SIGSTOPped on the embedded engine.
+    Embedded,
+    /// The schedule's key pinned to another shard and rebalanced, again
+    /// and again, while two workers fire its ticks: the key, its backlog
+    /// and its ticks' dedup records move under the ticks.
+    Pins,
+    /// Workers SIGKILLed and SIGSTOPped on two Redis instances.
+    Redis,
+    /// The same on a 3-master Redis Cluster.
+    Cluster,
 }
 
-/// The schedule's key pinned to the other shard and rebalanced, again and
-/// again, while two workers fire its ticks: the key, its backlog and its
-/// ticks' dedup records move under the ticks, and every tick still stores
-/// one job.
-#[test]
-fn each_tick_stores_one_job_while_pins_move_its_key_between_shards() {
-    let dir = temp_dir("schedule-pins");
+fn tick_trial(trial: TickTrial) {
+    let dir = temp_dir(&format!("schedule-{trial:?}").to_lowercase());
     let data = dir.join("data");
     let d = data.to_str().unwrap().to_string();
-    ok(&["init", "--data", &d, "--shards", "3"]);
-    let mut to = 0;
-    ticks_survive(&data, &dir, move |_, _, _| {
-        to = (to + 1) % 3;
-        ok(&["pin", "--data", &d, "tenant-42", &format!("shard-{to}")]);
-        ok(&["rebalance", "--data", &d]);
-    });
-    let moved = std::fs::read_to_string(dir.join("data").join("shardmap.yaml")).unwrap();
-    assert!(moved.contains("tenant-42"), "the key was pinned: {moved}");
+    match trial {
+        TickTrial::Embedded => {
+            ok(&["init", "--data", &d, "--shards", "2"]);
+            ticks_survive_kills_and_stops(&data, &dir);
+        }
+        TickTrial::Pins => {
+            ok(&["init", "--data", &d, "--shards", "3"]);
+            let mut to = 0;
+            let pins = d.clone();
+            ticks_survive(&data, &dir, move |_, _, _| {
+                to = (to + 1) % 3;
+                ok(&["pin", "--data", &pins, "tenant-42", &format!("shard-{to}")]);
+                ok(&["rebalance", "--data", &pins]);
+            });
+            let moved = std::fs::read_to_string(data.join("shardmap.yaml")).unwrap();
+            assert!(moved.contains("tenant-42"), "the key was pinned: {moved}");
+        }
+        TickTrial::Redis => {
+            let a = RedisServer::start();
+            let b = RedisServer::start();
+            let urls = format!("{},{}", a.url(), b.url());
+            ok(&["init", "--data", &d, "--shards", "2", "--redis", &urls]);
+            ticks_survive_kills_and_stops(&data, &dir);
+        }
+        TickTrial::Cluster => {
+            let cluster = RedisCluster::start(3);
+            let seeds: Vec<String> = cluster.nodes.iter().map(RedisServer::url).collect();
+            ok(&[
+                "init",
+                "--data",
+                &d,
+                "--shards",
+                "3",
+                "--redis-cluster",
+                &seeds.join(","),
+            ]);
+            ticks_survive_kills_and_stops(&data, &dir);
+        }
+    }
 }
 
+/// Every decided tick stores exactly one job through SIGKILLs and
+/// SIGSTOPs of the workers on the embedded engine, Redis instances and a
+/// Redis Cluster, and while pins move the key between shards. The four
+/// trials wait on real time (12 s of disturbances each), so they run side
+/// by side; a failure names its trial.
 #[test]
-fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_redis() {
-    let dir = temp_dir("schedule-redis");
-    let data = dir.join("data");
-    let a = RedisServer::start();
-    let b = RedisServer::start();
-    ok(&[
-        "init",
-        "--data",
-        data.to_str().unwrap(),
-        "--shards",
-        "2",
-        "--redis",
-        &format!("{},{}", a.url(), b.url()),
-    ]);
-    ticks_survive_kills_and_stops(&data, &dir);
-}
-
-#[test]
-fn each_tick_stores_one_job_through_sigkill_and_sigstop_on_a_redis_cluster() {
-    let dir = temp_dir("schedule-cluster");
-    let data = dir.join("data");
-    let cluster = RedisCluster::start(3);
-    let seeds: Vec<String> = cluster.nodes.iter().map(RedisServer::url).collect();
-    ok(&[
-        "init",
-        "--data",
-        data.to_str().unwrap(),
-        "--shards",
-        "3",
-        "--redis-cluster",
-        &seeds.join(","),
-    ]);
-    ticks_survive_kills_and_stops(&data, &dir);
+fn each_tick_stores_one_job_through_kills_stops_and_moves_on_every_backend() {
+    side_by_side(
+        vec![
+            TickTrial::Embedded,
+            TickTrial::Pins,
+            TickTrial::Redis,
+            TickTrial::Cluster,
+        ],
+        |_, trial| {
+            /// Names the trial when it fails (its thread panics).
+            struct Named(TickTrial);
+            impl Drop for Named {
+                fn drop(&mut self) {
+                    if std::thread::panicking() {
+                        eprintln!("schedule trial {:?} failed", self.0);
+                    }
+                }
+            }
+            let _named = Named(trial);
+            tick_trial(trial);
+        },
+    );
 }
 
 #[test]
