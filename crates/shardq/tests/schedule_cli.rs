@@ -292,16 +292,7 @@ fn each_tick_stores_one_job_through_kills_stops_and_moves_on_every_backend() {
             TickTrial::Cluster,
         ],
         |_, trial| {
-            /// Names the trial when it fails (its thread panics).
-            struct Named(TickTrial);
-            impl Drop for Named {
-                fn drop(&mut self) {
-                    if std::thread::panicking() {
-                        eprintln!("schedule trial {:?} failed", self.0);
-                    }
-                }
-            }
-            let _named = Named(trial);
+            let _named = support::Named(format!("schedule trial {trial:?}"));
             tick_trial(trial);
         },
     );

@@ -297,6 +297,18 @@ pub fn side_by_side<T: Send>(items: Vec<T>, run: impl Fn(usize, T) + Sync) {
     });
 }
 
+/// Says which trial failed when dropped while its thread panics (a trial
+/// run by [`side_by_side`] holds one).
+pub struct Named(pub String);
+
+impl Drop for Named {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!("{} failed", self.0);
+        }
+    }
+}
+
 /// How keys move during a trial.
 #[derive(Clone, Debug)]
 pub enum Disturb {
