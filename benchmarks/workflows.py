@@ -7,6 +7,8 @@ against the same children without it.
     python3 benchmarks/workflows.py [--bin PATH] [--links 1000]
         [--children 1000] [--fan-ins 10] [--keys 100] [--repeat 3]
         [--backends embedded,redis] [--json]
+    python3 benchmarks/workflows.py --tree-children 100000 --tree-width 1000
+        --keys 1000 [--repeat 3] [--backends embedded,redis]
 
 Per backend (a fresh deployment of 4 shards each run; `--redis URL` on one
 local `redis-server` of its own for Redis):
@@ -27,9 +29,21 @@ local `redis-server` of its own for Redis):
   for each fan-in the time from its last child's answer to its arrival
   (p50 and p99 over every fan-in of every repeat).
 
+- tree (`--tree-children N --tree-width W`, in place of the chain and
+  the fan-ins): a fan-in of more children than one dependent may wait
+  for, built as a user would: N children over --keys keys (`enqueue
+  --stdin`), N / W intermediate dependents each after W children (key
+  `mid-J`, `enqueue --after`), and one fan-in after the intermediates,
+  against the same N children alone, alternated per repeat, the
+  retention raised as for the fan-ins. Per fan-in run: the time from the
+  last child's answer to the fan-in's arrival, split into the last
+  child -> its intermediate's arrival and the last intermediate's answer
+  -> the fan-in's arrival; the time the dependents' enqueues took; the
+  worker's wall time against the children alone.
+
 Every run checks the invariants it relies on: each job arrives once,
 each link after the one before it answered, the fan-in after every child
-answered. Every server started is stopped and the directory removed.
+answered, each intermediate after every one of its children answered. Every server started is stopped and the directory removed.
 """
 
 import argparse
@@ -161,6 +175,67 @@ def fan(a: argparse.Namespace, tmp: str, n: int, redis: "Redis | None", handler:
     return out
 
 
+def tree(a: argparse.Namespace, tmp: str, n: int, redis: "Redis | None", handler: str, with_fan_in: bool) -> Dict:
+    data = deployment(a, tmp, f"tree{n}", redis)
+    total, width = a.tree_children, a.tree_width
+    groups = (total + width - 1) // width
+    # As for the fan-ins: the retention keeps every child's finished job
+    # (FINISHED_JOBS_KEPT_MAX is 100,000 per shard).
+    sh(a.bin, "retention", "set", "--data", data, "--finished-jobs", str(min(100_000, max(1000, total))))
+    lines = "".join(f"k{i % a.keys}\tc{i}\n" for i in range(total))
+    t0 = time.perf_counter()
+    ids = [line.split("\t")[1] for line in sh(a.bin, "enqueue", "--data", data, "--stdin", stdin=lines).split("\n")
+           if line]
+    children_s = time.perf_counter() - t0
+    if len(ids) != total:
+        raise SystemExit(f"enqueue --stdin printed {len(ids)} ids for {total} children")
+    deps_s = 0.0
+    if with_fan_in:
+        t0 = time.perf_counter()
+        mids = []
+        for j in range(groups):
+            group = ids[j * width:(j + 1) * width]
+            mids.append(sh(a.bin, "enqueue", "--data", data, "--key", f"mid-{j}", "--payload", f"mid{j}",
+                           "--after", ",".join(group)).strip())
+        sh(a.bin, "enqueue", "--data", data, "--key", "fan-in", "--payload", "fanin", "--after", ",".join(mids))
+        deps_s = time.perf_counter() - t0
+    job_log = os.path.join(tmp, f"tree{n}.log")
+    secs = work(a, data, handler, job_log)
+    seen = read_log(job_log)
+    missing = [i for i in range(total) if f"c{i}" not in seen]
+    if missing:
+        raise SystemExit(f"{len(missing)} children never arrived")
+    out: Dict = {"mode": "tree" if with_fan_in else "children only", "seconds": round(secs, 3),
+                 "children_enqueue_s": round(children_s, 2)}
+    if with_fan_in:
+        mid_lat = []
+        for j in range(groups):
+            last = max(seen[f"c{i}"][1] for i in range(j * width, min(total, (j + 1) * width)))
+            if f"mid{j}" not in seen:
+                shown = sh(a.bin, "jobs", "--data", data, "--key", f"mid-{j}", "--json")
+                raise SystemExit(f"intermediate {j} never ran: {shown[:2000]}")
+            got = seen[f"mid{j}"][0]
+            if got <= last:
+                raise SystemExit(f"intermediate {j} arrived before its last child answered")
+            mid_lat.append((got - last) / 1e6)
+        if "fanin" not in seen:
+            shown = sh(a.bin, "jobs", "--data", data, "--key", "fan-in", "--json")
+            raise SystemExit(f"the fan-in never ran: {shown[:2000]}")
+        got = seen["fanin"][0]
+        last_child = max(seen[f"c{i}"][1] for i in range(total))
+        last_mid = max(seen[f"mid{j}"][1] for j in range(groups))
+        if got <= last_mid or got <= last_child:
+            raise SystemExit("the fan-in arrived before every intermediate and child answered")
+        out |= {"dependents_enqueue_s": round(deps_s, 2),
+                "last_child_to_fan_in_ms": round((got - last_child) / 1e6, 2),
+                "last_intermediate_to_fan_in_ms": round((got - last_mid) / 1e6, 2),
+                "child_to_intermediate_ms_p50": round(pct(mid_lat, 50), 2),
+                "child_to_intermediate_ms_max": round(max(mid_lat), 2)}
+    shutil.rmtree(data, ignore_errors=True)
+    log(f"tree: {json.dumps(out)}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bin", default=os.environ.get("SHARDQ_BIN") or os.path.join(ROOT, "target", "release", "shardq"))
@@ -170,6 +245,9 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=100)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--backends", default="embedded,redis")
+    p.add_argument("--tree-children", type=int, default=0,
+                   help="measure one fan-in over this many children through intermediates instead")
+    p.add_argument("--tree-width", type=int, default=1000, help="children per intermediate")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if not os.path.exists(a.bin):
@@ -186,6 +264,18 @@ def main() -> None:
             if backend == "redis" and redis is None:
                 redis = Redis(tmp)
             r = redis if backend == "redis" else None
+            if a.tree_children:
+                runs: List[Dict] = []
+                for rep in range(a.repeat):
+                    for with_fan_in in ([True, False] if rep % 2 == 0 else [False, True]):
+                        n += 1
+                        runs.append(tree(a, tmp, n, r, handler, with_fan_in) | {"repeat": rep})
+                med = {m: statistics.median(x["seconds"] for x in runs if x["mode"] == m)
+                       for m in ("tree", "children only")}
+                result[backend] = {"runs": runs, "tree_seconds_median": med["tree"],
+                                   "children_only_seconds_median": med["children only"],
+                                   "ratio": round(med["children only"] / med["tree"], 3)}
+                continue
             lat: List[float] = []
             fans: List[Dict] = []
             for rep in range(a.repeat):
@@ -215,6 +305,23 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
         print(json.dumps(result))
+        return
+    if a.tree_children:
+        print(f"one fan-in over {a.tree_children} children on {a.keys} keys through "
+              f"{(a.tree_children + a.tree_width - 1) // a.tree_width} intermediates of {a.tree_width}; "
+              f"4 shards, `work --stdio --concurrency 8`; nproc {os.cpu_count()}\n")
+        print("| backend | last child -> fan-in (each run) | last intermediate -> fan-in | "
+              "child -> intermediate p50 / max | dependents' enqueue s | tree runs / children only "
+              "(median s; throughput ratio) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for b, s in result.items():
+            t = [x for x in s["runs"] if x["mode"] == "tree"]
+            mids = [f"{x['child_to_intermediate_ms_p50']} / {x['child_to_intermediate_ms_max']}" for x in t]
+            print(f"| {b} | {', '.join(str(x['last_child_to_fan_in_ms']) for x in t)} ms | "
+                  f"{', '.join(str(x['last_intermediate_to_fan_in_ms']) for x in t)} ms | "
+                  f"{', '.join(mids)} ms | "
+                  f"{', '.join(str(x['dependents_enqueue_s']) for x in t)} | "
+                  f"{s['tree_seconds_median']} / {s['children_only_seconds_median']} (x{s['ratio']}) |")
         return
     print(f"chain of {a.links} links on {a.links + 1} keys; {a.fan_ins} fan-ins over {a.children} children each "
           f"on {a.keys} keys; "
