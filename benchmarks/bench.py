@@ -376,8 +376,10 @@ def bench_move(a: argparse.Namespace) -> None:
     """`remove-shard` of a shard holding a backlog, with --workers worker
     processes running (the builtin handler, so each worker is as fast as it
     gets) or none: the wall time of the CLI command and the jobs it moved
-    (the workers' runs are not checked). With --baseline-bin, the same data
-    on that binary right after (a build that drains instead of moving)."""
+    (the workers' runs are not checked), and the CPU seconds each
+    redis-server, the workers and the command used meanwhile. With
+    --baseline-bin, the same data on that binary right after (a build that
+    drains instead of moving)."""
     bins = [("this", binary())] + ([("baseline", a.baseline_bin)] if a.baseline_bin else [])
     for rep in range(a.repeat):
         for label, exe in bins:
@@ -413,9 +415,15 @@ def bench_move_one(a: argparse.Namespace, exe: str, label: str, rep: int, tmp: s
                for i in range(a.workers)]
     if workers:
         time.sleep(0.5)
+    # CPU seconds of each redis-server, the workers and remove-shard (a
+    # child reaped by `sh`; the workers are reaped only after) while it runs.
+    cpu0 = ([cpu_s(r.proc.pid) for r in redis], sum(cpu_s(w.pid) for w in workers), children_cpu_s())
     t0 = time.monotonic()
     out = sh(exe, "remove-shard", "--data", data, "shard-1", "--json")
     move_s = time.monotonic() - t0
+    cpu = {"remove_shard": children_cpu_s() - cpu0[2], "workers": sum(cpu_s(w.pid) for w in workers) - cpu0[1]}
+    for i, r in enumerate(redis):
+        cpu[f"redis_shard_{i}"] = cpu_s(r.proc.pid) - cpu0[0][i]
     report = json.loads(out.decode().strip().splitlines()[-1])
     for w in workers:
         stop(w)
@@ -425,10 +433,11 @@ def bench_move_one(a: argparse.Namespace, exe: str, label: str, rep: int, tmp: s
            "on_removed_shard": held.get("shard-1", 0), "workers": a.workers,
            "remove_shard_s": round(move_s, 2), "jobs_moved": moved,
            "moved_per_s": round(moved / move_s) if moved else None,
-           "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2)}
+           "pause_ms_p99": report.get("pause_ms_p99"), "enqueue_s": round(enqueue_s, 2),
+           "cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "load1": round(os.getloadavg()[0], 2)}
     emit(row)
     log(f"move {label} rep {rep}: remove-shard of {row['on_removed_shard']} queued jobs took "
-        f"{row['remove_shard_s']} s ({moved} moved)")
+        f"{row['remove_shard_s']} s ({moved} moved; CPU s {row['cpu_s']}; load {row['load1']})")
 
 
 def bench_move_latency(a: argparse.Namespace) -> None:
