@@ -1278,6 +1278,20 @@ fn one_long_run_holds_up_its_own_key_and_no_other_of_its_batch() {
     );
     assert_eq!(backend.key_counts("s1", &keys[0]).unwrap().in_flight, 1);
     assert_eq!(backend.key_counts("s0", &keys[0]).unwrap().depth, 0);
+    // The rebalance has sealed the long run's key and waits for the run (on
+    // a loaded machine the others can be seen moved before it gets there).
+    while !backend
+        .fence("s1")
+        .unwrap()
+        .sealed_keys
+        .contains_key(&keys[0])
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the long run's key was never sealed"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
     backend.ack("s1", &[long.receipt()]).unwrap();
     let report = rebalance.join().unwrap().unwrap();
     assert_eq!(report.moved.len(), keys.len());
