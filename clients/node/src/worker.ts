@@ -538,8 +538,6 @@ class Run {
   fatal: unknown;
   /** Called for a held run the server said is over (set by `Worker.run`). */
   found: (held: Held, what: string, err: ShardqError | undefined) => void = () => undefined;
-  /** Servers that do not answer `POST /v1/stale` (older ones): the extends alone find runs over there. */
-  readonly noStale = new Set<string>();
   private waiters: (() => void)[] = [];
 
   /** Resolves at the next change of the counts above. */
@@ -1182,7 +1180,7 @@ export class Worker {
       list.push(h);
     }
     for (const [server, list] of byServer) {
-      if (run.noStale.has(server) || this.checking.has(server) || this.extending.has(server)) continue;
+      if (this.checking.has(server) || this.extending.has(server)) continue;
       this.checking.add(server);
       const p: Promise<void> = this.askStale(run, server, list.slice(0, RECEIPTS_MAX))
         .catch((err: unknown) => this.log.error(`stale check on ${server}: ${String(err)}`))
@@ -1204,11 +1202,6 @@ export class Worker {
       );
     } catch (err) {
       if (err instanceof Cancelled) return;
-      if (err instanceof BadRequest && (err.status === 404 || err.status === 405)) {
-        run.noStale.add(server);
-        this.log.info(`${server} does not answer POST /v1/stale (an older server): a cancelled run is found at its next extend`);
-        return;
-      }
       this.log.warn(`stale check on ${server} failed (will ask again): ${String(err)}`);
       return;
     }

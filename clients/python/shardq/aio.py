@@ -590,8 +590,6 @@ class AsyncWorker(_SignalStops):
         self._slot_free: Optional[asyncio.Event] = None
         self._fatal: Optional[BaseException] = None
         self._signals = 0
-        #: Servers without ``POST /v1/stale`` (older ones).
-        self._no_stale: Set[str] = set()
         self.stats = WorkerStats()
 
     def stop(self, drain: bool = True) -> None:
@@ -933,7 +931,7 @@ class AsyncWorker(_SignalStops):
             for j in list(self._running.values()):
                 if j._timed_out:  # the server refuses its extend
                     continue
-                if beat or (not j._stale and j.url not in self._no_stale):
+                if beat or not j._stale:
                     by_url.setdefault(j.url, []).append(j)
             for url, jobs in by_url.items():
                 for i in range(0, len(jobs), ACK_BATCH_MAX):
@@ -952,9 +950,7 @@ class AsyncWorker(_SignalStops):
             log.warning("shardq worker: stale check at %s failed: %s", url, e)
             return
         named = _stale_named(url, status, doc)
-        if named is None:
-            self._no_stale.add(url)
-        elif named:
+        if named:
             _mark_lost(url, jobs, named, lambda j: id(j) in self._running, "a stale check named it")
 
     async def _extend(self, url: str, jobs: List[ClaimedJob], lease_ms: int) -> None:

@@ -2731,8 +2731,6 @@ class Worker(_SignalStops):
         self._acks: Dict[str, "queue.SimpleQueue[Optional[ClaimedJob]]"] = {}
         self._fatal: Optional[BaseException] = None
         self._signals = 0
-        #: Servers without ``POST /v1/stale`` (older ones).
-        self._no_stale: Set[str] = set()
         self.stats = WorkerStats()
 
     def stop(self, drain: bool = True) -> None:
@@ -3211,7 +3209,7 @@ class Worker(_SignalStops):
                     if j._timeout_until is not None and now >= j._timeout_until:
                         j._timed_out = True
                         timed_out.append(j)
-                    elif beat or (check and not j._stale and j.url not in self._no_stale):
+                    elif beat or (check and not j._stale):
                         by_url.setdefault(j.url, []).append(j)
             for j in timed_out:
                 j.lost.set()
@@ -3236,9 +3234,6 @@ class Worker(_SignalStops):
             log.warning("shardq worker: stale check at %s failed: %s", url, e)
             return
         named = _stale_named(url, status, doc)
-        if named is None:
-            self._no_stale.add(url)
-            return
         if named:
             with self._lock:
                 _mark_lost(url, jobs, named, lambda j: id(j) in self._running, "a stale check named it")
@@ -3337,13 +3332,9 @@ def _mark_lost(url: str, jobs: List["ClaimedJob"], stale: List[str], running: Ca
                         "lapsed); job.lost is set", j.id, j.key, url, what)
 
 
-def _stale_named(url: str, status: int, doc: Any) -> Optional[List[str]]:
-    """The receipts a ``/v1/stale`` answer names; ``None`` when the server
-    has no such route (an older one: its extends alone say so)."""
-    if status in (404, 405):
-        log.info("shardq worker: %s does not answer POST /v1/stale (an older server): a cancelled run is found at "
-                 "its next extend", url)
-        return None
+def _stale_named(url: str, status: int, doc: Any) -> List[str]:
+    """The receipts a ``/v1/stale`` answer names (none when it failed: the
+    next check, or the next extend, asks again)."""
     if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("stale"), list):
         log.warning("shardq worker: stale check at %s answered %s: %s", url, status, _error_of(doc))
         return []
