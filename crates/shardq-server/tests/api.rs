@@ -449,6 +449,33 @@ fn jobs_are_shown_listed_and_cancelled_by_id() {
     }
 }
 
+/// Two jobs of key `k`; the first claimed (a 30 s lease): their ids and
+/// the run.
+fn claim_the_first_of_two(s: &shardq_server::Running) -> (Vec<String>, Value) {
+    let ids: Vec<String> = support::enqueue_n(s, "k", 2)
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_string())
+        .collect();
+    let run = claim(s, "w", 1, 0, 30_000).remove(0);
+    assert_eq!(run["id"], ids[0]);
+    (ids, run)
+}
+
+/// Cancels running job `id`: its run is asked to stop.
+fn cancel_running(s: &shardq_server::Running, id: &str) {
+    let (code, v) = call(s, "DELETE", &format!("/v1/jobs/{id}"), Some("{}"), None);
+    assert_eq!((code, &v["stopping"]), (200, &json!(true)), "{v}");
+}
+
+/// The claim `next` got the key's second job at once, and job `first`
+/// ended cancelled.
+fn next_at_once_and_the_first_cancelled(s: &shardq_server::Running, first: &str, next: &[Value]) {
+    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
+    assert_eq!(got, [&json!("1")], "the key's next job, at once");
+    let (code, v) = get(s, &format!("/v1/jobs/{first}"));
+    assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
+}
+
 /// `POST /v1/stale` names a run a cancel stopped at once, without ending
 /// it (asked again, the key still starts nothing), and names nothing of a
 /// current run; the worker's fail of the stopped run, refused with 409,
@@ -458,23 +485,11 @@ fn jobs_are_shown_listed_and_cancelled_by_id() {
 fn a_cancelled_run_is_named_stale_at_once_and_its_fail_frees_the_key() {
     let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
-    let ids: Vec<String> = support::enqueue_n(&s, "k", 2)
-        .iter()
-        .map(|j| j["id"].as_str().unwrap().to_string())
-        .collect();
-    let run = claim(&s, "w", 1, 0, 30_000).remove(0);
-    assert_eq!(run["id"], ids[0]);
+    let (ids, run) = claim_the_first_of_two(&s);
     let receipt = run["receipt"].clone();
     let (code, v) = post(&s, "/v1/stale", json!({ "receipts": [receipt] }));
     assert_eq!((code, &v["stale"]), (200, &json!([])), "{v}");
-    let (code, v) = call(
-        &s,
-        "DELETE",
-        &format!("/v1/jobs/{}", ids[0]),
-        Some("{}"),
-        None,
-    );
-    assert_eq!((code, &v["stopping"]), (200, &json!(true)), "{v}");
+    cancel_running(&s, &ids[0]);
     for _ in 0..2 {
         let (code, v) = post(&s, "/v1/stale", json!({ "receipts": [receipt] }));
         assert_eq!((code, &v["stale"]), (200, &json!([receipt])), "{v}");
@@ -490,10 +505,7 @@ fn a_cancelled_run_is_named_stale_at_once_and_its_fail_frees_the_key() {
     );
     assert_eq!(code, 409, "a cancelled run's fail: {v}");
     let next = claim(&s, "w", 10, 0, 30_000);
-    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
-    assert_eq!(got, [&json!("1")], "the key's next job, at once");
-    let (code, v) = get(&s, &format!("/v1/jobs/{}", ids[0]));
-    assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
+    next_at_once_and_the_first_cancelled(&s, &ids[0], &next);
 }
 
 /// A handler that succeeds after its job was cancelled: the ack is
@@ -503,26 +515,12 @@ fn a_cancelled_run_is_named_stale_at_once_and_its_fail_frees_the_key() {
 fn an_ack_refused_after_a_cancel_frees_the_key_at_once() {
     let dir = init_dir(1, "rendezvous");
     let s = start(dir.path(), options());
-    let ids: Vec<String> = support::enqueue_n(&s, "k", 2)
-        .iter()
-        .map(|j| j["id"].as_str().unwrap().to_string())
-        .collect();
-    let run = claim(&s, "w", 1, 0, 30_000).remove(0);
-    let (code, v) = call(
-        &s,
-        "DELETE",
-        &format!("/v1/jobs/{}", ids[0]),
-        Some("{}"),
-        None,
-    );
-    assert_eq!((code, &v["stopping"]), (200, &json!(true)), "{v}");
+    let (ids, run) = claim_the_first_of_two(&s);
+    cancel_running(&s, &ids[0]);
     let (code, v) = post(&s, "/v1/ack", json!({ "receipts": [run["receipt"]] }));
     assert_eq!(code, 409, "a cancelled run's ack: {v}");
     let next = claim(&s, "w", 10, 0, 30_000);
-    let got: Vec<&Value> = next.iter().map(|j| &j["payload"]).collect();
-    assert_eq!(got, [&json!("1")], "the key's next job, at once");
-    let (code, v) = get(&s, &format!("/v1/jobs/{}", ids[0]));
-    assert_eq!((code, &v["outcome"]), (200, &json!("cancelled")), "{v}");
+    next_at_once_and_the_first_cancelled(&s, &ids[0], &next);
 }
 
 /// `GET /v1/history` counts this server's enqueues, claims, acks and
