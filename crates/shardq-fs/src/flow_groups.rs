@@ -75,14 +75,15 @@ impl FileGroupBuckets {
             *slot = Some(f);
         }
         let f = slot.as_mut().expect("opened above");
-        if !flock_within(f, Duration::from_millis(GROUP_LOCK_WAIT_MS))
+        let shown = self.path.display().to_string();
+        if let Err(holder) = flock_within(f, Duration::from_millis(GROUP_LOCK_WAIT_MS), &shown)
             .map_err(|e| self.io("locking", e))?
         {
             return Err(QueueError::Unavailable {
                 shard: "*".into(),
                 reason: format!(
-                    "the group buckets {} stayed locked by another process for {GROUP_LOCK_WAIT_MS} ms",
-                    self.path.display()
+                    "the group buckets {shown} stayed locked by another process for \
+                     {GROUP_LOCK_WAIT_MS} ms ({holder})"
                 ),
             });
         }

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use shardq_route::ShardMap;
 
 use crate::error::FsError;
+use crate::stalled::{self, Holder};
 use crate::storage::segment_name;
 
 /// Membership file name.
@@ -309,25 +310,57 @@ const LOCK_POLL_US_MIN: u64 = 100;
 /// Longest pause between tries of a held lock.
 const LOCK_POLL_MS_MAX: u64 = 10;
 
-/// Takes the exclusive flock of `f`, waiting at most `bound`: `Ok(true)`
-/// once held, `Ok(false)` if it was still held by another open file after
-/// the bound. flock has no timed wait, so this polls, backing off, never
-/// sleeping past the bound.
-pub fn flock_within(f: &File, bound: Duration) -> io::Result<bool> {
+/// Longest wait for a killed holder's flock to come free (the kernel drops
+/// it as the process exits).
+const KILLED_HOLDER_WAIT_MS: u64 = 2_000;
+/// How often a waiter looks at who holds the lock (a stopped holder is
+/// killed at the first look that finds it stopped).
+const HOLDER_CHECK_MS: u64 = 250;
+
+/// Takes the exclusive flock of `f` (the lock file `what`, for messages),
+/// waiting at most `bound`: `Ok(Ok(()))` once held. flock has no timed
+/// wait, so this polls, backing off, never sleeping past the bound. Every
+/// [`HOLDER_CHECK_MS`] of waiting, and at the bound, it looks at the
+/// holder: one found stopped is killed ([`crate::stalled`]), and the wait
+/// is then extended by up to [`KILLED_HOLDER_WAIT_MS`] for the lock to come
+/// free. Otherwise, past the bound, `Ok(Err(holder))` says who holds it.
+pub fn flock_within(f: &File, bound: Duration, what: &str) -> io::Result<Result<(), Holder>> {
     let start = Instant::now();
+    let mut deadline = bound;
+    let mut extended = false;
+    let mut next_check = Duration::from_millis(HOLDER_CHECK_MS);
     let mut pause = Duration::from_micros(LOCK_POLL_US_MIN);
     loop {
-        match flock(f, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => return Ok(true),
-            Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
+        if try_flock(f)? {
+            return Ok(Ok(()));
         }
         let waited = start.elapsed();
-        if waited >= bound {
-            return Ok(false);
+        if waited >= next_check || waited >= deadline {
+            let holder = stalled::kill_if_stopped(f, what);
+            // A holder killed now, or one gone from view (another waiter
+            // killed it, or it let go meanwhile), frees the lock as it
+            // exits: wait for that, once.
+            if holder.going() && !extended {
+                extended = true;
+                deadline = deadline.max(waited + Duration::from_millis(KILLED_HOLDER_WAIT_MS));
+            }
+            if waited >= deadline {
+                return Ok(Err(holder));
+            }
+            next_check = waited + Duration::from_millis(HOLDER_CHECK_MS);
         }
-        std::thread::sleep(pause.min(bound - waited));
+        let wake = next_check.min(deadline);
+        std::thread::sleep(pause.min(wake.saturating_sub(waited)));
         pause = (pause * 2).min(Duration::from_millis(LOCK_POLL_MS_MAX));
+    }
+}
+
+/// One non-blocking try of `f`'s exclusive flock.
+fn try_flock(f: &File) -> io::Result<bool> {
+    match flock(f, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -353,16 +386,16 @@ impl MembershipLock {
             .open(&path)
             .map_err(|e| FsError::io(format!("opening {}", path.display()), e))?;
         let start = Instant::now();
-        if !flock_within(&f, Duration::from_millis(bound_ms))
-            .map_err(|e| FsError::io(format!("locking {}", path.display()), e))?
+        let what = path.display().to_string();
+        if let Err(holder) = flock_within(&f, Duration::from_millis(bound_ms), &what)
+            .map_err(|e| FsError::io(format!("locking {what}"), e))?
         {
             return Err(FsError::Queue(shardq_core::QueueError::Unavailable {
                 shard: "*".into(),
                 reason: format!(
-                    "the membership lock {} is held by another process (stalled?): not free \
-                     after {} ms (bound {bound_ms} ms); membership changes (lease renewals, \
-                     takeovers, new shards) wait until it is",
-                    path.display(),
+                    "the membership lock {what} is held by another process ({holder}): not \
+                     free after {} ms (bound {bound_ms} ms); membership changes (lease \
+                     renewals, takeovers, new shards) wait until it is",
                     start.elapsed().as_millis()
                 ),
             }));

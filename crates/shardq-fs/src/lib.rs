@@ -53,6 +53,7 @@ pub mod membership;
 pub mod reclaim;
 pub mod record;
 pub mod repair;
+pub mod stalled;
 mod state;
 pub mod storage;
 

@@ -339,22 +339,25 @@ impl ShardLog {
     pub fn lock(&self) -> Result<AppendGuard, QueueError> {
         let path = self.dir.join(APPEND_LOCK_FILE);
         let start = Instant::now();
-        let held =
-            layout::flock_within(&self.append_lock, Duration::from_millis(self.lock_wait_ms))
-                .map_err(io_err(|| format!("locking {}", path.display())))?;
-        if held {
-            return Ok(AppendGuard(Arc::clone(&self.append_lock)));
+        let shown = path.display().to_string();
+        let held = layout::flock_within(
+            &self.append_lock,
+            Duration::from_millis(self.lock_wait_ms),
+            &shown,
+        )
+        .map_err(io_err(|| format!("locking {shown}")))?;
+        match held {
+            Ok(()) => Ok(AppendGuard(Arc::clone(&self.append_lock))),
+            Err(holder) => Err(QueueError::Unavailable {
+                shard: self.name.clone(),
+                reason: format!(
+                    "its append lock {shown} is held by another process ({holder}): not \
+                     free after {} ms (bound {} ms); other shards are not affected",
+                    start.elapsed().as_millis(),
+                    self.lock_wait_ms
+                ),
+            }),
         }
-        Err(QueueError::Unavailable {
-            shard: self.name.clone(),
-            reason: format!(
-                "its append lock {} is held by another process (stalled?): not free \
-                 after {} ms (bound {} ms); other shards are not affected",
-                path.display(),
-                start.elapsed().as_millis(),
-                self.lock_wait_ms
-            ),
-        })
     }
 
     fn current_file(&mut self) -> Result<Arc<dyn LogFile>, QueueError> {

@@ -90,13 +90,17 @@ impl FileMapStore {
     fn lock_within(&self, file: &str, what: &str, done: &str) -> Result<FlockGuard, ReshardError> {
         let lock = self.open_lock(file)?;
         let lock_path = self.dir.join(file);
-        let held = layout::flock_within(&lock, std::time::Duration::from_millis(MAP_LOCK_WAIT_MS))
-            .map_err(|e| ReshardError::io(format!("locking {}", lock_path.display()), e))?;
-        if !held {
+        let shown = lock_path.display().to_string();
+        let held = layout::flock_within(
+            &lock,
+            std::time::Duration::from_millis(MAP_LOCK_WAIT_MS),
+            &shown,
+        )
+        .map_err(|e| ReshardError::io(format!("locking {shown}"), e))?;
+        if let Err(holder) = held {
             return Err(ReshardError::Unavailable(format!(
-                "the {what} lock {} is held by another process (stalled?): not free after \
-                 {MAP_LOCK_WAIT_MS} ms; nothing was {done}",
-                lock_path.display()
+                "the {what} lock {shown} is held by another process ({holder}): not free \
+                 after {MAP_LOCK_WAIT_MS} ms; nothing was {done}"
             )));
         }
         Ok(FlockGuard(lock))

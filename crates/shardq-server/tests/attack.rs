@@ -564,7 +564,11 @@ fn a_stalled_map_lock_is_retry_later_not_a_server_failure() {
         .truncate(false)
         .open(dir.path().join(shardq_fs::map_store::MAP_LOCK_FILE))
         .unwrap();
-    assert!(shardq_fs::layout::flock_within(&lock, Duration::ZERO).unwrap());
+    assert!(
+        shardq_fs::layout::flock_within(&lock, Duration::ZERO, "the lock")
+            .unwrap()
+            .is_ok()
+    );
     let (code, v) = post(&s, "/v1/admin/add-shard", json!({"name": "shard-9"}));
     assert_eq!(code, 503, "{v}");
     assert_eq!(v["kind"], "retryable", "{v}");

@@ -179,6 +179,9 @@ fn main() -> ExitCode {
     sigpipe_default(true);
     let cli = Cli::parse();
     let _ = REDIS_BOUNDS.set(cli.redis);
+    // A process stopped while it held one of the data dir's short locks is
+    // killed by the next that waits for it (see shardq_fs::stalled): say so.
+    shardq_fs::stalled::on_kill(|m| eprintln!("shardq: warning: {m}"));
     if matches!(cli.command, Command::Serve(_)) {
         no_huge_pages();
     }

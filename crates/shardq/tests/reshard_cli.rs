@@ -829,6 +829,24 @@ fn reweighting_a_shard_under_load_moves_keys_only_to_it_in_order() {
     check_runs(&out.acks, &parse_runs(&s.runs));
 }
 
+/// `shardq rebalance --batch 1` in the background (one key per batch, so
+/// it runs long enough to be stopped or killed mid-way); its stderr goes
+/// to `rebalance.err` in the scratch dir (appended, run after run).
+fn spawn_rebalance(s: &Scratch) -> Proc {
+    let err = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(s.dir.join("rebalance.err"))
+        .unwrap();
+    Proc::spawn(
+        Command::new(BIN)
+            .args(["rebalance", "--data", s.d(), "--batch", "1", "--json"])
+            .stdout(Stdio::null())
+            .stderr(err),
+        "rebalance",
+    )
+}
+
 #[test]
 fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering() {
     let s = Scratch::new("kill");
@@ -857,13 +875,7 @@ fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering
 
     run_ok(&["add-shard", "--data", s.d(), "shard-4"]);
     let warming = load_map(&s.data).version;
-    let mut coordinator = Proc::spawn(
-        Command::new(BIN)
-            .args(["rebalance", "--data", s.d(), "--batch", "1", "--json"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-        "rebalance",
-    );
+    let mut coordinator = spawn_rebalance(&s);
     wait_until("the intermediate map", || {
         load_map(&s.data).version > warming
     });
@@ -928,6 +940,110 @@ fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering
     check_moved_fraction(&before, &after, 0.2, &to_new);
     let switched = check_placements(&acks, &before, &after);
     assert!(switched.contains(first) && switched.contains(last));
+    check_runs(&acks, &parse_runs(&s.runs));
+}
+
+/// Whether process `pid` holds (not waits for) the flock of any shard's
+/// `.append.lock` under `data`, by `/proc/locks` and the files' inodes.
+fn holds_an_append_lock(pid: u32, data: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let inodes: HashSet<u64> = std::fs::read_dir(data)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::metadata(e.path().join(".append.lock")).ok())
+        .map(|m| m.ino())
+        .collect();
+    let locks = std::fs::read_to_string("/proc/locks").unwrap();
+    locks.lines().any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE ..."; a waiter has "->".
+        f.len() >= 6
+            && f[1] == "FLOCK"
+            && f[4] == pid.to_string()
+            && f[5]
+                .rsplit(':')
+                .next()
+                .and_then(|i| i.parse().ok())
+                .is_some_and(|i| inodes.contains(&i))
+    })
+}
+
+/// A rebalance stopped (SIGSTOP) while it holds a shard's append lock, as
+/// an operator's Ctrl-Z or a frozen VM would: the producers and the worker
+/// that need the lock wait their bound (1 s), find the holder stopped and
+/// kill it, and go on; the rebalance, rerun, finishes. Twice, at moments
+/// found by stopping the rebalance at random and letting it go on where it
+/// held no append lock. No producer is refused (each exits 0 with every
+/// line stored), and every acknowledged job runs once, in its key's order,
+/// on the shard its key belongs to.
+#[test]
+fn a_rebalance_stopped_holding_an_append_lock_is_killed_and_nothing_else_stops() {
+    let s = Scratch::new("stopped-holder");
+    init(&s, 4);
+    let worker = start_worker(&s, &Handler::Builtin, 4);
+    let producers = start_producers(&s, KEYS_PER_PRODUCER, 20, 2_000);
+    wait_cycles(&producers, &[1, 1]);
+    let before = load_map(&s.data);
+    run_ok(&["add-shard", "--data", s.d(), "shard-4"]);
+    let mut rng = support::seed();
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut killed = 0;
+    let mut tries = 0;
+    loop {
+        let mut coordinator = spawn_rebalance(&s);
+        let pid = coordinator.child.id();
+        while coordinator.running() {
+            thread::sleep(Duration::from_micros(100 + next(3_000)));
+            if killed == 2 {
+                continue;
+            }
+            coordinator.signal("-STOP");
+            tries += 1;
+            if !holds_an_append_lock(pid, &s.data) {
+                coordinator.signal("-CONT");
+                continue;
+            }
+            // Stopped inside an append: someone needs that lock within a
+            // few milliseconds; well within its bound plus the kill, the
+            // stopped rebalance is dead.
+            let status = support::wait_exit(
+                &mut coordinator.child,
+                "the rebalance stopped holding an append lock (to be killed by a process \
+                 waiting for that lock)",
+                Duration::from_secs(10),
+            );
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(status.signal(), Some(9), "the stopped holder was killed");
+            killed += 1;
+        }
+        let status = coordinator.wait_bounded();
+        if status.success() {
+            break;
+        }
+        assert!(
+            killed > 0,
+            "the rebalance failed: {}",
+            std::fs::read_to_string(s.dir.join("rebalance.err")).unwrap_or_default()
+        );
+    }
+    assert_eq!(
+        killed, 2,
+        "the rebalance ended before it was caught holding an append lock twice \
+         ({tries} stops)"
+    );
+    let now: Vec<u64> = producers.iter().map(|p| p.cycles() + 2).collect();
+    wait_cycles(&producers, &now);
+    let acks: Vec<Ack> = producers.into_iter().flat_map(Producer::finish).collect();
+    wait_all_ran(&s, acks.len());
+    worker.stop();
+    let after = check_finished(&s, &["shard-0", "shard-1", "shard-2", "shard-3", "shard-4"]);
+    check_routes_as(&after, &expected_map(5, &[]));
+    check_placements(&acks, &before, &after);
     check_runs(&acks, &parse_runs(&s.runs));
 }
 
