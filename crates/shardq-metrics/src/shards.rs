@@ -78,7 +78,7 @@ pub(crate) struct ShardGauges {
     read_seconds: Gauge<f64, AtomicU64>,
     /// Schedules: how many, paused, and the ticks fired, skipped, missed.
     schedules: [Gauge; 5],
-    dependents: [Gauge; 5],
+    dependents: [Gauge; 7],
 }
 
 fn int(v: u64) -> i64 {
@@ -205,6 +205,14 @@ impl ShardGauges {
                 "Batches not yet complete (open, or closed with a job not ended or a callback not fired)",
             ),
             (
+                "shardq_batch_jobs_waiting",
+                "Jobs added to a batch and not yet released onto their key",
+            ),
+            (
+                "shardq_batch_jobs_released",
+                "Jobs of batches released onto their keys (grows)",
+            ),
+            (
                 "shardq_batch_callbacks_fired",
                 "Batch callbacks enqueued (complete, success and death; each once per batch) (grows)",
             ),
@@ -269,6 +277,8 @@ impl ShardGauges {
                 t.released,
                 t.failed,
                 t.batches,
+                t.batch_jobs_waiting,
+                t.batch_jobs_released,
                 t.callbacks_fired,
             ]) {
                 gauge.set(int(v));

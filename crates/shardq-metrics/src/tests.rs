@@ -46,6 +46,8 @@ fn fixed() -> StatusSnapshot {
                 released: 11,
                 failed: 1,
                 batches: 2,
+                batch_jobs_waiting: 3,
+                batch_jobs_released: 30,
                 callbacks_fired: 7,
             }),
         },
@@ -179,6 +181,8 @@ fn a_fixed_state_renders_as_documented() {
         ("shardq_dependents_released", 11),
         ("shardq_dependents_failed", 1),
         ("shardq_batches_pending", 2),
+        ("shardq_batch_jobs_waiting", 3),
+        ("shardq_batch_jobs_released", 30),
         ("shardq_batch_callbacks_fired", 7),
     ] {
         expect(

@@ -1113,10 +1113,13 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 t.waiting, t.released, t.failed
             );
         }
-        if let Some(t) = st.dependents.filter(|t| t.batches + t.callbacks_fired > 0) {
+        if let Some(t) = st
+            .dependents
+            .filter(|t| t.batches + t.batch_jobs_released + t.callbacks_fired > 0)
+        {
             println!(
-                "batches: {} not yet complete; {} callbacks fired so far (`shardq batch show @N` for one)",
-                t.batches, t.callbacks_fired
+                "batches: {} not yet complete; their jobs: {} waiting for release, {} released so far; {} callbacks fired so far (`shardq batch show @N` for one)",
+                t.batches, t.batch_jobs_waiting, t.batch_jobs_released, t.callbacks_fired
             );
         }
         for g in &groups {

@@ -231,6 +231,11 @@ fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let st = support::status_json(Path::new(d));
     assert_eq!(st["dependents"]["waiting"], 0, "{st}");
     assert_eq!(st["dependents"]["batches"], 0, "{st}");
+    // Batch jobs are counted as batch jobs, not as dependents: 29 of a and
+    // 4 of b, each released once.
+    assert_eq!(st["dependents"]["released"], 0, "{st}");
+    assert_eq!(st["dependents"]["batch_jobs_waiting"], 0, "{st}");
+    assert_eq!(st["dependents"]["batch_jobs_released"], 33, "{st}");
     let _ = std::fs::remove_file(log);
 }
 

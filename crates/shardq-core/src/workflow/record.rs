@@ -17,7 +17,7 @@ use crate::job::{JobId, JobState, NewJob};
 use crate::reshard::{update_setting, MapStore, ReshardError};
 
 /// The waiting document's format version; another one is refused.
-pub const WAITING_FORMAT: u32 = 3;
+pub const WAITING_FORMAT: u32 = 4;
 
 /// What a dependent does when a dependency did not complete (it was
 /// cancelled, dead-lettered, purged or forgotten, or is a dependent that
@@ -237,8 +237,11 @@ pub struct WaitingFile {
     pub next: u64,
     /// Dependents by number.
     pub jobs: BTreeMap<u64, Waiting>,
-    /// Dependents ever released (grows).
+    /// Dependents ever released (grows); a batch's jobs are not dependents
+    /// and are counted in `batch_jobs_released_total`.
     pub released_total: u64,
+    /// Jobs of batches ever released onto their keys (grows).
+    pub batch_jobs_released_total: u64,
     /// Dependents ever failed or cancelled before release (grows).
     pub failed_total: u64,
     /// Batch callbacks ever fired (grows).
@@ -256,6 +259,11 @@ pub struct DependentTotals {
     pub failed: u64,
     /// Batches not yet complete.
     pub batches: u64,
+    /// Jobs added to a batch and not yet on their key (a pass releases
+    /// them).
+    pub batch_jobs_waiting: u64,
+    /// Jobs of batches released onto their keys since it began (grows).
+    pub batch_jobs_released: u64,
     /// Batch callbacks fired since it began (grows).
     pub callbacks_fired: u64,
 }
@@ -267,6 +275,7 @@ impl Default for WaitingFile {
             next: 1,
             jobs: BTreeMap::new(),
             released_total: 0,
+            batch_jobs_released_total: 0,
             failed_total: 0,
             callbacks_fired_total: 0,
         }
@@ -297,16 +306,19 @@ impl WaitingFile {
 
     /// Its numbers.
     pub fn totals(&self) -> DependentTotals {
-        let batches = self
-            .jobs
-            .values()
-            .filter(|w| w.state == WaitState::Waiting && w.batch.is_some())
-            .count();
+        let waiting = |pick: fn(&Waiting) -> bool| {
+            self.jobs
+                .values()
+                .filter(|w| w.state == WaitState::Waiting && pick(w))
+                .count() as u64
+        };
         DependentTotals {
-            waiting: (self.waiting() - batches) as u64,
+            waiting: waiting(|w| w.batch.is_none() && w.member_of.is_none()),
             released: self.released_total,
+            batches: waiting(|w| w.batch.is_some()),
+            batch_jobs_waiting: waiting(|w| w.member_of.is_some()),
+            batch_jobs_released: self.batch_jobs_released_total,
             failed: self.failed_total,
-            batches: batches as u64,
             callbacks_fired: self.callbacks_fired_total,
         }
     }

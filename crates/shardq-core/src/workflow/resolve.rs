@@ -608,7 +608,11 @@ impl Resolver {
                         w.ended_ms = Some(now);
                         // The job carries it now.
                         w.payload_b64 = String::new();
-                        f.released_total += 1;
+                        if w.member_of.is_some() {
+                            f.batch_jobs_released_total += 1;
+                        } else {
+                            f.released_total += 1;
+                        }
                     }
                     Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
                     _ => {}

@@ -1036,7 +1036,8 @@
     p.hidden = !t || (t.waiting + t.released + t.failed + (t.batches || 0) + (t.callbacks_fired || 0) === 0);
     if (p.hidden) return;
     p.textContent = "Dependents: " + fmt(t.waiting) + " waiting for their dependencies; " + fmt(t.released) +
-      " released and " + fmt(t.failed) + " failed so far. Batches: " + fmt(t.batches) + " not yet complete; " +
+      " released and " + fmt(t.failed) + " failed so far. Batches: " + fmt(t.batches) + " not yet complete, " +
+      fmt(t.batch_jobs_released || 0) + " of their jobs released; " +
       fmt(t.callbacks_fired) + " callbacks fired (show one by its @N id under Job).";
   }
 
