@@ -114,30 +114,38 @@ impl ShardGauges {
         if g.source.is_none() {
             return g;
         }
-        let r = registry;
+        g.register_shard_series(registry);
+        g.register_status_series(registry);
+        g.register_schedule_series(registry);
+        g.register_dependent_series(registry);
+        g
+    }
+
+    /// Registers the per-shard series: counts, owner and lease end.
+    fn register_shard_series(&self, r: &mut Registry) {
         let per_shard: [(&str, &str, &PerShard); 7] = [
             (
                 "shardq_shard_up",
                 "1 if the shard could be read at the last status read, else 0",
-                &g.up,
+                &self.up,
             ),
             (
                 "shardq_shard_ready",
                 "Pending jobs whose start time has come",
-                &g.ready,
+                &self.ready,
             ),
             (
                 "shardq_shard_delayed",
                 "Pending jobs waiting for their start time",
-                &g.delayed,
+                &self.delayed,
             ),
-            ("shardq_shard_in_flight", "Runs in flight", &g.in_flight),
-            ("shardq_shard_dead", "Dead letters", &g.dead),
-            ("shardq_shard_keys", "Distinct keys with work", &g.keys),
+            ("shardq_shard_in_flight", "Runs in flight", &self.in_flight),
+            ("shardq_shard_dead", "Dead letters", &self.dead),
+            ("shardq_shard_keys", "Distinct keys with work", &self.keys),
             (
                 "shardq_shard_fence_high",
                 "The largest run fence the shard issued",
-                &g.fence_high,
+                &self.fence_high,
             ),
         ];
         for (name, help, family) in per_shard {
@@ -146,28 +154,36 @@ impl ShardGauges {
         r.register(
             "shardq_shard_owner",
             "1 for the process holding the shard's lease (label owner)",
-            g.owner.clone(),
+            self.owner.clone(),
         );
         r.register(
             "shardq_shard_lease_expires_seconds",
             "When the holder's lease of the shard ends, in seconds since the Unix epoch",
-            g.lease_expires.clone(),
+            self.lease_expires.clone(),
         );
+    }
+
+    /// Registers the series of the status read itself: map version, up, duration.
+    fn register_status_series(&self, r: &mut Registry) {
         r.register(
             "shardq_map_version",
             "Version of the published shard map at the last status read",
-            g.map_version.clone(),
+            self.map_version.clone(),
         );
         r.register(
             "shardq_status_up",
             "1 if the last status read worked (the map could be read), else 0",
-            g.status_up.clone(),
+            self.status_up.clone(),
         );
         r.register(
             "shardq_status_read_duration_seconds",
             "How long the last status read took",
-            g.read_seconds.clone(),
+            self.read_seconds.clone(),
         );
+    }
+
+    /// Registers the recurring schedules' series, in the order of `schedules`.
+    fn register_schedule_series(&self, r: &mut Registry) {
         let schedule_series = [
             ("shardq_schedules", "Recurring schedules of the deployment"),
             ("shardq_schedules_paused", "Schedules paused"),
@@ -184,9 +200,13 @@ impl ShardGauges {
                 "Ticks found past their catch-up window (no worker ran them in time), over every schedule (grows)",
             ),
         ];
-        for ((name, help), gauge) in schedule_series.into_iter().zip(&g.schedules) {
+        for ((name, help), gauge) in schedule_series.into_iter().zip(&self.schedules) {
             r.register(name, help, gauge.clone());
         }
+    }
+
+    /// Registers the dependents' and batches' series, in the order of `dependents`.
+    fn register_dependent_series(&self, r: &mut Registry) {
         let dependent_series = [
             (
                 "shardq_dependents_waiting",
@@ -217,10 +237,9 @@ impl ShardGauges {
                 "Batch callbacks enqueued (complete, success and death; each once per batch) (grows)",
             ),
         ];
-        for ((name, help), gauge) in dependent_series.into_iter().zip(&g.dependents) {
+        for ((name, help), gauge) in dependent_series.into_iter().zip(&self.dependents) {
             r.register(name, help, gauge.clone());
         }
-        g
     }
 
     /// Refreshes from the source when the cache is older than the TTL, then
