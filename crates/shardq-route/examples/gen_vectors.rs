@@ -251,8 +251,34 @@ fn array(out: &mut String, name: &str, rows: &[String], last: bool) {
 
 /// The whole file, byte for byte.
 pub fn generate() -> String {
-    let hash_keys = hash_keys();
-    let hash_rows: Vec<String> = hash_keys
+    let hash_rows = hash_rows();
+    let slot_rows = slot_rows();
+    let jump_rows = jump_rows();
+    let score_rows = score_rows();
+
+    let mut out = String::new();
+    out.push_str("{\n");
+    let _ = writeln!(out, "  \"generated_by\": {},", json(&GENERATED_BY));
+    let _ = writeln!(out, "  \"format_version\": {FORMAT_VERSION},");
+    let _ = writeln!(
+        out,
+        "  \"about\": {},",
+        json(&"Routing vectors every shardq client must reproduce. u64 values are decimal strings. \
+               maps[].owners lists [key, shard] as routed (overrides first). \
+               weighted_scores[].score_bits is the IEEE-754 double of weight / -ln(((x >> 12) + 0.5) / 2^52) in hex.")
+    );
+    array(&mut out, "hashes", &hash_rows, false);
+    array(&mut out, "slots", &slot_rows, false);
+    array(&mut out, "jump", &jump_rows, false);
+    array(&mut out, "weighted_scores", &score_rows, false);
+    write_maps(&mut out, &route_keys());
+    out.push_str("}\n");
+    out
+}
+
+/// The `hashes` rows: every hash function over [`hash_keys`].
+fn hash_rows() -> Vec<String> {
+    hash_keys()
         .iter()
         .map(|k| {
             let b = k.as_bytes();
@@ -266,9 +292,12 @@ pub fn generate() -> String {
                 crc16: HashFn::Crc16.hash(b).to_string(),
             })
         })
-        .collect();
+        .collect()
+}
 
-    let slot_rows: Vec<String> = route_keys()
+/// The `slots` rows: each of [`route_keys`] with its hashtag and Redis Cluster slot.
+fn slot_rows() -> Vec<String> {
+    route_keys()
         .iter()
         .map(|k| {
             let tag = std::str::from_utf8(hashtag(k.as_bytes()))
@@ -279,9 +308,11 @@ pub fn generate() -> String {
                 slot: slot(k.as_bytes()),
             })
         })
-        .collect();
+        .collect()
+}
 
-    // Guava's golden values, then hashed keys over several bucket counts.
+/// The `jump` rows: Guava's golden values, then hashed keys over several bucket counts.
+fn jump_rows() -> Vec<String> {
     let mut jump_cases: Vec<(u64, u32)> = vec![
         (0, 100),
         (1, 100),
@@ -299,7 +330,7 @@ pub fn generate() -> String {
             jump_cases.push((x, buckets));
         }
     }
-    let jump_rows: Vec<String> = jump_cases
+    jump_cases
         .iter()
         .map(|&(key, buckets)| {
             json(&JumpRow {
@@ -308,8 +339,11 @@ pub fn generate() -> String {
                 bucket: jump(key, buckets),
             })
         })
-        .collect();
+        .collect()
+}
 
+/// The `weighted_scores` rows: edge and hashed values of x, each at several weights.
+fn score_rows() -> Vec<String> {
     let mut xs: Vec<u64> = vec![
         0,
         1,
@@ -331,24 +365,11 @@ pub fn generate() -> String {
             }));
         }
     }
+    score_rows
+}
 
-    let keys = route_keys();
-    let mut out = String::new();
-    out.push_str("{\n");
-    let _ = writeln!(out, "  \"generated_by\": {},", json(&GENERATED_BY));
-    let _ = writeln!(out, "  \"format_version\": {FORMAT_VERSION},");
-    let _ = writeln!(
-        out,
-        "  \"about\": {},",
-        json(&"Routing vectors every shardq client must reproduce. u64 values are decimal strings. \
-               maps[].owners lists [key, shard] as routed (overrides first). \
-               weighted_scores[].score_bits is the IEEE-754 double of weight / -ln(((x >> 12) + 0.5) / 2^52) in hex.")
-    );
-    array(&mut out, "hashes", &hash_rows, false);
-    array(&mut out, "slots", &slot_rows, false);
-    array(&mut out, "jump", &jump_rows, false);
-    array(&mut out, "weighted_scores", &score_rows, false);
-
+/// The `maps` array, the file's last member: each of [`map_cases`] with the owner of every key.
+fn write_maps(out: &mut String, keys: &[String]) {
     let cases = map_cases();
     out.push_str("  \"maps\": [\n");
     for (ci, case) in cases.iter().enumerate() {
@@ -385,6 +406,5 @@ pub fn generate() -> String {
         out.push_str("      ]\n");
         let _ = writeln!(out, "    }}{}", if ci + 1 < cases.len() { "," } else { "" });
     }
-    out.push_str("  ]\n}\n");
-    out
+    out.push_str("  ]\n");
 }
