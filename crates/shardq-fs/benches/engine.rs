@@ -8,7 +8,7 @@
 //! pending job. Prints one line per figure and a JSON summary.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -92,6 +92,10 @@ fn run_cycle_with(
     rate
 }
 
+/// The JSON summary printed at the end: one figure per name.
+type Summary = serde_json::Map<String, serde_json::Value>;
+
+/// Runs every group in turn, then prints the JSON summary.
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let jobs: usize = args
@@ -100,9 +104,20 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
-    let mut summary = serde_json::Map::new();
+    let mut summary = Summary::new();
+    let raw = bench_raw_append(jobs, &mut summary);
+    let dir = bench_enqueue(jobs, raw, &mut summary);
+    bench_reopen(&dir, jobs, &mut summary);
+    let cycle_jobs = jobs / 2;
+    bench_lifecycle(cycle_jobs, &mut summary);
+    bench_flow_control(cycle_jobs, &mut summary);
+    bench_durable(jobs, &mut summary);
+    bench_worker_pool(jobs, &mut summary);
+    println!("{}", serde_json::Value::Object(summary));
+}
 
-    // Baseline: the same record bytes appended to a plain file.
+/// Baseline: the same record bytes appended to a plain file; jobs per second.
+fn bench_raw_append(jobs: usize, summary: &mut Summary) -> f64 {
     let dir = fresh("raw");
     let sample = {
         let mut b = Vec::new();
@@ -131,8 +146,11 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     println!("baseline raw append (same bytes):        {raw:>12.0} jobs/s");
     summary.insert("raw_append_jobs_per_s".into(), raw.round().into());
+    raw
+}
 
-    // 1. Batched enqueue, durability none.
+/// 1. Batched enqueue, durability none; returns the data dir, `jobs` pending.
+fn bench_enqueue(jobs: usize, raw: f64, summary: &mut Summary) -> PathBuf {
     let dir = fresh("enqueue");
     let engine = Engine::open(&dir, opts(Durability::None)).unwrap();
     let b = engine.backend();
@@ -150,11 +168,14 @@ fn main() {
     );
     summary.insert("enqueue_none_jobs_per_s".into(), enq.round().into());
     drop(engine);
+    dir
+}
 
-    // 4 + 5. Reopen with `jobs` pending, and memory per pending job.
+/// 4 + 5. Reopen with `jobs` pending, memory per pending job, and reads on that shard.
+fn bench_reopen(dir: &Path, jobs: usize, summary: &mut Summary) {
     let rss0 = rss_bytes();
     let t = Instant::now();
-    let engine = Engine::open(&dir, opts(Durability::None)).unwrap();
+    let engine = Engine::open(dir, opts(Durability::None)).unwrap();
     let st = engine.status().unwrap();
     let reopen = t.elapsed().as_secs_f64();
     assert_eq!(st.totals.ready as usize, jobs);
@@ -203,12 +224,14 @@ fn main() {
     summary.insert("key_jobs_page_us".into(), page.into());
     summary.insert("unknown_job_lookup_us".into(), unknown.into());
     drop(engine);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
 
-    // 2. Full life cycle in one process, with the finished jobs' history
-    // kept (the default retention) and with it off (`finished_jobs: 0`),
-    // alternated three times each so both see the same machine.
-    let cycle_jobs = jobs / 2;
+/// 2. Full life cycle in one process, with and without the finished jobs' history.
+fn bench_lifecycle(cycle_jobs: usize, summary: &mut Summary) {
+    // With the finished jobs' history kept (the default retention) and
+    // with it off (`finished_jobs: 0`), alternated three times each so
+    // both see the same machine.
     let run_cycle = |keep: usize, round: usize| -> f64 {
         run_cycle_with(cycle_jobs, &format!("cycle-{keep}-{round}"), keep, None)
     };
@@ -228,20 +251,34 @@ fn main() {
         "lifecycle_no_history_jobs_per_s".into(),
         cycle_off.round().into(),
     );
+}
 
-    // 2b. The cost of flow control on the same life cycle: no flow control
-    // at all (as before it existed), flow control with no policy (what
-    // every deployment runs now), a rate limit on every key (high enough
-    // never to hold one back: the cost is the buckets), weights on every
-    // key (ready keys ranked by FairQueue), and every key at concurrency 4
-    // (a key's next jobs picked past its running ones). Alternated five
-    // times, medians.
-    let flow = |f: Option<FlowSettings>| {
-        f.map(|s| Arc::new(FlowControl::new(s, Arc::new(LocalGroupBuckets::default()))))
-    };
-    let every_key = |p: FlowPolicy| FlowSettings {
+/// Flow settings whose default policy, `p`, applies to every key.
+fn every_key(p: FlowPolicy) -> FlowSettings {
+    FlowSettings {
         default: p,
         ..FlowSettings::default()
+    }
+}
+
+/// A weight on every key: flow control ranks the ready keys.
+fn weighted() -> FlowSettings {
+    every_key(FlowPolicy {
+        weight: 2,
+        ..FlowPolicy::default()
+    })
+}
+
+/// 2b. The cost of flow control on the same life cycle, per kind of policy.
+fn bench_flow_control(cycle_jobs: usize, summary: &mut Summary) {
+    // No flow control at all (as before it existed), flow control with no
+    // policy (what every deployment runs now), a rate limit on every key
+    // (high enough never to hold one back: the cost is the buckets),
+    // weights on every key (ready keys ranked by FairQueue), and every key
+    // at concurrency 4 (a key's next jobs picked past its running ones).
+    // Alternated five times, medians.
+    let flow = |f: Option<FlowSettings>| {
+        f.map(|s| Arc::new(FlowControl::new(s, Arc::new(LocalGroupBuckets::default()))))
     };
     let rated = every_key(FlowPolicy {
         rate: Some(Rate {
@@ -251,10 +288,7 @@ fn main() {
         burst: Some(1_000_000),
         ..FlowPolicy::default()
     });
-    let weighted = every_key(FlowPolicy {
-        weight: 2,
-        ..FlowPolicy::default()
-    });
+    let weighted = weighted();
     let several = every_key(FlowPolicy {
         concurrency: 4,
         ..FlowPolicy::default()
@@ -305,8 +339,10 @@ fn main() {
     ] {
         summary.insert(name.into(), v.round().into());
     }
+}
 
-    // 3. Durable group commit: 8 producer threads, fsync per call.
+/// 3. Durable group commit: 8 producer threads, fsync per call.
+fn bench_durable(jobs: usize, summary: &mut Summary) {
     let dir = fresh("durable");
     let engine = Arc::new(Engine::open(&dir, opts(Durability::Fsync)).unwrap());
     let per_call = 100;
@@ -342,11 +378,14 @@ fn main() {
     );
     summary.insert("durable_jobs_per_call".into(), per_call.into());
     let _ = std::fs::remove_dir_all(&dir);
+}
 
-    // 6. The worker path: WorkerPool at concurrency 8 over 4 shards, a
-    // no-op handler, on jobs enqueued with fsync; run records fsynced
-    // within `run_record_sync_ms` (the default) against the same run with
-    // every claim and ack fsynced before it returns (the baseline).
+/// 6. The worker path: a WorkerPool with synced and deferred acks, then ranked keys.
+fn bench_worker_pool(jobs: usize, summary: &mut Summary) {
+    // WorkerPool at concurrency 8 over 4 shards, a no-op handler, on jobs
+    // enqueued with fsync; run records fsynced within
+    // `run_record_sync_ms` (the default) against the same run with every
+    // claim and ack fsynced before it returns (the baseline).
     let pool_jobs = (jobs / 5).max(10_000);
     let mut rates = Vec::new();
     for (label, sync_ms) in [("sync acks (baseline)", 0u64), ("acks within 50 ms", 50)] {
@@ -366,7 +405,7 @@ fn main() {
     let (mut plain, mut ranked) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         plain.push(worker_pool_rate_with(pool_jobs, 50, None));
-        ranked.push(worker_pool_rate_with(pool_jobs, 50, Some(weighted.clone())));
+        ranked.push(worker_pool_rate_with(pool_jobs, 50, Some(weighted())));
     }
     let (plain, ranked) = (median(&mut plain), median(&mut ranked));
     println!("WorkerPool c=8, 4 shards, no policy:      {plain:>11.0} jobs/s");
@@ -376,8 +415,6 @@ fn main() {
     );
     summary.insert("pool_ranked_jobs_per_s".into(), ranked.round().into());
     summary.insert("pool_ranked_of_plain".into(), (ranked / plain).into());
-
-    println!("{}", serde_json::Value::Object(summary));
 }
 
 /// Jobs per second of a WorkerPool (concurrency 8, 4 shards, no-op handler)

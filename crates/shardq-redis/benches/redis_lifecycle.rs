@@ -203,6 +203,46 @@ fn shardq_with(
     retention: shardq_core::Retention,
     flow: Option<Flow>,
 ) -> Result {
+    let (names, router, backend) = open_shards(urls, retention, flow);
+    let mut coord = RedisCoordinator::new(
+        &backend,
+        CoordinatorOptions {
+            owner: Some("bench@1".into()),
+            lease_ms: 60_000,
+            shards: None,
+            max_shards: 0,
+        },
+    )
+    .unwrap();
+    for s in coord.tick().unwrap().gained {
+        backend.adopt(&s).unwrap();
+    }
+    let shared = Shared::new();
+    let t0 = Instant::now();
+    let producer = spawn_producer(&shared, &backend, router, jobs);
+    let consumers: Vec<_> = names
+        .iter()
+        .map(|shard| spawn_consumer(&shared, &backend, shard, jobs))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(SCENARIO_TIMEOUT_S);
+    while !shared.done.load(Ordering::Relaxed) {
+        assert!(Instant::now() < deadline, "{name} timed out");
+        thread::sleep(Duration::from_millis(10));
+    }
+    producer.join().unwrap();
+    for c in consumers {
+        c.join().unwrap();
+    }
+    coord.release_all().unwrap();
+    finish(name, jobs, &shared, t0)
+}
+
+/// A fresh deployment of [`SHARDS`] shards over `urls`: their names, its router and its backend.
+fn open_shards(
+    urls: &[String],
+    retention: shardq_core::Retention,
+    flow: Option<Flow>,
+) -> (Vec<String>, Router, RedisBackend) {
     let names: Vec<String> = (0..SHARDS).map(|i| format!("b-{i}")).collect();
     let mut map = ShardMap::with_shards(Algorithm::Rendezvous, names.clone()).unwrap();
     for (i, s) in map.shards.iter_mut().enumerate() {
@@ -238,86 +278,71 @@ fn shardq_with(
         ..RedisOptions::default()
     };
     let backend = RedisBackend::open(&map, opts).unwrap();
-    let mut coord = RedisCoordinator::new(
-        &backend,
-        CoordinatorOptions {
-            owner: Some("bench@1".into()),
-            lease_ms: 60_000,
-            shards: None,
-            max_shards: 0,
-        },
-    )
-    .unwrap();
-    for s in coord.tick().unwrap().gained {
-        backend.adopt(&s).unwrap();
-    }
-    let shared = Shared::new();
-    let t0 = Instant::now();
-    let producer = {
-        let (shared, backend) = (Arc::clone(&shared), backend.clone());
-        thread::spawn(move || {
-            let mut sent = 0u64;
-            let mut per: Vec<Vec<NewJob>> = vec![Vec::new(); SHARDS];
-            while sent < jobs {
-                shared.wait_room();
-                let n = (jobs - sent).min((ENQUEUE_BATCH * SHARDS) as u64);
-                for i in 0..n {
-                    let key = format!("key-{}", (sent + i) % KEYS);
-                    let shard = router.route_index(key.as_bytes());
-                    per[shard].push(NewJob::new(key, shared.stamp().to_vec()));
-                }
-                for (s, batch) in per.iter_mut().enumerate() {
-                    if !batch.is_empty() {
-                        backend.enqueue(&format!("b-{s}"), 1, batch).unwrap();
-                        shared
-                            .enqueued
-                            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-                        batch.clear();
-                    }
-                }
-                sent += n;
+    (names, router, backend)
+}
+
+/// The producer thread: enqueues `jobs` jobs over [`KEYS`] keys, a batch per shard at a time.
+fn spawn_producer(
+    shared: &Arc<Shared>,
+    backend: &RedisBackend,
+    router: Router,
+    jobs: u64,
+) -> thread::JoinHandle<()> {
+    let (shared, backend) = (Arc::clone(shared), backend.clone());
+    thread::spawn(move || {
+        let mut sent = 0u64;
+        let mut per: Vec<Vec<NewJob>> = vec![Vec::new(); SHARDS];
+        while sent < jobs {
+            shared.wait_room();
+            let n = (jobs - sent).min((ENQUEUE_BATCH * SHARDS) as u64);
+            for i in 0..n {
+                let key = format!("key-{}", (sent + i) % KEYS);
+                let shard = router.route_index(key.as_bytes());
+                per[shard].push(NewJob::new(key, shared.stamp().to_vec()));
             }
-        })
-    };
-    let consumers: Vec<_> = names
-        .iter()
-        .map(|shard| {
-            let (shared, backend, shard) = (Arc::clone(&shared), backend.clone(), shard.clone());
-            thread::spawn(move || {
-                let mut lat = Vec::new();
-                while !shared.done.load(Ordering::Relaxed) {
-                    let got = backend
-                        .claim(&shard, CLAIM_BATCH, shardq_core::JOB_LEASE_MS_DEFAULT)
-                        .unwrap();
-                    if got.is_empty() {
-                        thread::sleep(Duration::from_micros(IDLE_US));
-                        continue;
-                    }
-                    shared.started(&mut got.iter().map(|j| &j.payload[..]), &mut lat);
-                    let ids: Vec<Receipt> = got.iter().map(|j| j.receipt()).collect();
-                    backend.ack(&shard, &ids).unwrap();
-                    if shared.acked.fetch_add(ids.len() as u64, Ordering::Relaxed)
-                        + ids.len() as u64
-                        >= jobs
-                    {
-                        shared.done.store(true, Ordering::Relaxed);
-                    }
+            for (s, batch) in per.iter_mut().enumerate() {
+                if !batch.is_empty() {
+                    backend.enqueue(&format!("b-{s}"), 1, batch).unwrap();
+                    shared
+                        .enqueued
+                        .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    batch.clear();
                 }
-                shared.lat_us.lock().unwrap().extend(lat);
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(SCENARIO_TIMEOUT_S);
-    while !shared.done.load(Ordering::Relaxed) {
-        assert!(Instant::now() < deadline, "{name} timed out");
-        thread::sleep(Duration::from_millis(10));
-    }
-    producer.join().unwrap();
-    for c in consumers {
-        c.join().unwrap();
-    }
-    coord.release_all().unwrap();
-    finish(name, jobs, &shared, t0)
+            }
+            sent += n;
+        }
+    })
+}
+
+/// One consumer thread on `shard`: claims and acks until `jobs` jobs are acked in all.
+fn spawn_consumer(
+    shared: &Arc<Shared>,
+    backend: &RedisBackend,
+    shard: &str,
+    jobs: u64,
+) -> thread::JoinHandle<()> {
+    let (shared, backend, shard) = (Arc::clone(shared), backend.clone(), shard.to_string());
+    thread::spawn(move || {
+        let mut lat = Vec::new();
+        while !shared.done.load(Ordering::Relaxed) {
+            let got = backend
+                .claim(&shard, CLAIM_BATCH, shardq_core::JOB_LEASE_MS_DEFAULT)
+                .unwrap();
+            if got.is_empty() {
+                thread::sleep(Duration::from_micros(IDLE_US));
+                continue;
+            }
+            shared.started(&mut got.iter().map(|j| &j.payload[..]), &mut lat);
+            let ids: Vec<Receipt> = got.iter().map(|j| j.receipt()).collect();
+            backend.ack(&shard, &ids).unwrap();
+            if shared.acked.fetch_add(ids.len() as u64, Ordering::Relaxed) + ids.len() as u64
+                >= jobs
+            {
+                shared.done.store(true, Ordering::Relaxed);
+            }
+        }
+        shared.lat_us.lock().unwrap().extend(lat);
+    })
 }
 
 fn main() {
