@@ -808,6 +808,7 @@ fn parse_stdin_line(
     Ok(job)
 }
 
+/// `shardq work`: runs the handler on the owned shards' jobs until stopped or idle.
 fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     let options = WorkOptions {
         concurrency: args.concurrency,
@@ -833,23 +834,7 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         shardq_worker::check_command(&args.cmd).map_err(anyhow::Error::msg)?;
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let handler: Arc<shardq_core::Handler> = match (&args.handler_builtin, args.cmd.is_empty()) {
-        (Some(_), _) if options.job_timeout_ms.is_some() => {
-            bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
-        }
-        (Some(_), _) if args.stdio => {
-            bail!("--stdio applies to a handler command, not --handler-builtin")
-        }
-        (Some(spec), true) => builtin_handler(spec)?,
-        (Some(_), false) => bail!("give either --handler-builtin or a command after --, not both"),
-        (None, true) => bail!(
-            "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
-        ),
-        (None, false) if args.stdio => {
-            shardq_worker::stdio_handler(args.cmd.clone(), options.concurrency)
-        }
-        (None, false) => shardq_worker::command_handler(args.cmd.clone()),
-    };
+    let handler = work_handler(&args, &options)?;
     let metrics_addr = match &args.metrics_listen {
         Some(a) => Some(
             shardq_metrics::serve::parse_listen(a)
@@ -881,6 +866,49 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     pool.result_bytes_max = options.result_bytes_max;
     pool.concurrency = options.pool_concurrency();
     pool.handlers = Some(options.concurrency);
+    wait_for_work_elsewhere(&mut pool, &deployment);
+    // The pool cancels runs past the job timeout, on a lost shard and past
+    // the drain timeout; a cancelled handler command is killed and waited
+    // for, and the pool gives no shard up before its handlers returned.
+    warn_unowned_work(&deployment, max_local_shards, &args.max_local_shards);
+    // Schedules fire beside the pool, for the shards it owns now.
+    let owned = track_owned_shards(&mut pool, &deployment);
+    let mut schedules = deployment.spawn_scheduler(
+        Arc::new(move || owned.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+        Arc::new(|e| eprintln!("shardq: warning: {e}")),
+    )?;
+    let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
+    schedules.stop();
+    print_work_report(&report?, &args.max_local_shards);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The handler `work` runs: a builtin, a handler command, or a stdio worker.
+fn work_handler(
+    args: &WorkArgs,
+    options: &WorkOptions,
+) -> anyhow::Result<Arc<shardq_core::Handler>> {
+    Ok(match (&args.handler_builtin, args.cmd.is_empty()) {
+        (Some(_), _) if options.job_timeout_ms.is_some() => {
+            bail!("--job-timeout-ms applies to a handler command, not --handler-builtin")
+        }
+        (Some(_), _) if args.stdio => {
+            bail!("--stdio applies to a handler command, not --handler-builtin")
+        }
+        (Some(spec), true) => builtin_handler(spec)?,
+        (Some(_), false) => bail!("give either --handler-builtin or a command after --, not both"),
+        (None, true) => bail!(
+            "no handler command: give it after --, e.g. `shardq work --data DIR -- ./handle.sh`"
+        ),
+        (None, false) if args.stdio => {
+            shardq_worker::stdio_handler(args.cmd.clone(), options.concurrency)
+        }
+        (None, false) => shardq_worker::command_handler(args.cmd.clone()),
+    })
+}
+
+/// Holds the pool's idle exit while dependents or closed batches still wait.
+fn wait_for_work_elsewhere(pool: &mut PoolOptions, deployment: &Deployment) {
     // An idle exit waits for dependents still to be released and closed
     // batches still to complete (a store
     // that cannot be read counts as none: the exit is not held by it).
@@ -900,11 +928,13 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }));
-    // The pool cancels runs past the job timeout, on a lost shard and past
-    // the drain timeout; a cancelled handler command is killed and waited
-    // for, and the pool gives no shard up before its handlers returned.
-    warn_unowned_work(&deployment, max_local_shards, &args.max_local_shards);
-    // Schedules fire beside the pool, for the shards it owns now.
+}
+
+/// Wraps the pool's events to wake dependents and keep the set of owned shards.
+fn track_owned_shards(
+    pool: &mut PoolOptions,
+    deployment: &Deployment,
+) -> Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> {
     let owned: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> = Arc::default();
     let inner = Arc::clone(&pool.on_event);
     let seen = Arc::clone(&owned);
@@ -925,14 +955,11 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
         }
         inner(ev)
     });
-    let read = Arc::clone(&owned);
-    let mut schedules = deployment.spawn_scheduler(
-        Arc::new(move || read.lock().unwrap_or_else(|e| e.into_inner()).clone()),
-        Arc::new(|e| eprintln!("shardq: warning: {e}")),
-    )?;
-    let report = run_pool(&args, &deployment, max_local_shards, pool, handler, &stop);
-    schedules.stop();
-    let report = report?;
+    owned
+}
+
+/// The `done:` line at the end of `work`, and the warning about shards left unrun.
+fn print_work_report(report: &shardq_core::PoolReport, max_local_shards: &str) {
     eprintln!(
         "shardq: done: {} acked, {} retried, {} dead, {} stopped at the drain timeout, {} timed out, {} stale results refused",
         report.acked, report.retried, report.dead, report.abandoned, report.timed_out, report.stale
@@ -940,10 +967,9 @@ fn work(args: WorkArgs) -> anyhow::Result<ExitCode> {
     if !report.left_on_other_shards.is_empty() {
         eprintln!(
             "shardq: warning: shards {:?} still have work that this worker did not run: it runs at most {} shard(s) (--max-local-shards); start a worker for each, or give --max-local-shards all",
-            report.left_on_other_shards, args.max_local_shards
+            report.left_on_other_shards, max_local_shards
         );
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// At start: the shards with work that nobody runs, when there are more of

@@ -96,6 +96,7 @@ pub enum WakeArg {
     Poll,
 }
 
+/// `shardq pg`: dispatches to one function per action.
 pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
     match action {
         PgAction::Install {
@@ -103,35 +104,7 @@ pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
             postgres,
             schema,
             wake,
-        } => {
-            let (d, opts) = open(&data)?;
-            let mut client = shardq_pg::connect(&postgres)?;
-            let wake = match wake {
-                Some(WakeArg::Notify) => shardq_pg::schema::Wake::Notify,
-                Some(WakeArg::Poll) => shardq_pg::schema::Wake::Poll,
-                // A new install notifies; an existing one keeps its mode.
-                None => shardq_pg::schema::installed_wake(&mut client, &schema)?
-                    .unwrap_or(shardq_pg::schema::Wake::Notify),
-            };
-            let bounds = Bounds {
-                payload_bytes_max: d.payload_bytes_max(&opts),
-                wake,
-            };
-            let applied = shardq_pg::schema::install(&mut client, &schema, bounds)?;
-            if applied.is_empty() {
-                println!(
-                    "schema {schema}: up to date (migration {}); functions written",
-                    shardq_pg::schema::latest_version()
-                );
-            } else {
-                let list: Vec<String> = applied.iter().map(i32::to_string).collect();
-                println!(
-                    "schema {schema}: applied migration {}; functions written",
-                    list.join(", ")
-                );
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => install(&data, &postgres, &schema, wake),
         PgAction::Relay {
             data,
             postgres,
@@ -140,89 +113,135 @@ pub fn run(action: PgAction) -> anyhow::Result<ExitCode> {
             poll_ms,
             exit_when_empty,
             json,
-        } => {
-            let (d, _) = open(&data)?;
-            let opts = RelayOptions {
+        } => relay(
+            &data,
+            &postgres,
+            RelayOptions {
                 schema,
                 batch,
                 poll_ms,
                 exit_when_empty,
-            };
-            let stop = Arc::new(AtomicBool::new(false));
-            for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-                signal_hook::flag::register(sig, Arc::clone(&stop))
-                    .context("installing signal handlers")?;
-            }
-            let mut on_event = |e: RelayEvent| match (json, e) {
-                (true, RelayEvent::Relayed(_)) => {}
-                (true, e) => println!("{}", event_json(&e)),
-                (false, RelayEvent::Standby) => {
-                    eprintln!("shardq: standby: another relay of this outbox is active")
-                }
-                (false, RelayEvent::Active) => eprintln!("shardq: relaying"),
-                (false, RelayEvent::Relayed(_)) => {}
-                (false, RelayEvent::Failed { why, retry_ms }) => {
-                    eprintln!("shardq: relay: {why}; trying again in {retry_ms} ms")
-                }
-            };
-            let report = shardq_pg::relay::run(&d, &postgres, &opts, &stop, &mut on_event)?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                println!(
-                    "relayed {} rows ({} already stored), {} retries",
-                    report.relayed, report.already_stored, report.retries
-                );
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+            },
+            json,
+        ),
         PgAction::Status {
             postgres,
             schema,
             json,
-        } => {
-            let mut client = shardq_pg::connect(&postgres)?;
-            let s = shardq_pg::status(&mut client, &schema)?;
-            if json {
-                println!("{}", serde_json::to_string(&s)?);
-                return Ok(ExitCode::SUCCESS);
-            }
-            println!(
-                "outbox {}: migration {} of {}",
-                s.schema, s.installed_version, s.latest_version
-            );
-            println!("depth\t{} rows", s.depth);
-            println!(
-                "wake\t{}",
-                if s.wake == "notify" {
-                    "enqueue notifies the relay at commit"
-                } else {
-                    "the relay polls (enqueue does not notify): its --poll-ms bounds the lag"
-                }
-            );
-            match s.oldest_age_ms {
-                Some(ms) => println!("oldest row\t{ms} ms old (the relay's lag)"),
-                None => println!("oldest row\tnone"),
-            }
-            println!(
-                "relay\t{}",
-                if s.relay_active {
-                    "active"
-                } else {
-                    "none active: committed rows wait (run `shardq pg relay`)"
-                }
-            );
-            match s.oldest_open_transaction_ms {
-                Some(ms) if s.open_transactions > 0 => println!(
-                    "open transactions\t{} hold outbox keys, the oldest for {ms} ms: later rows of their keys wait for them",
-                    s.open_transactions
-                ),
-                _ => println!("open transactions\tnone hold outbox keys"),
-            }
-            println!("dead tuples\t{}", s.dead_tuples);
-            Ok(ExitCode::SUCCESS)
-        }
+        } => status(&postgres, &schema, json),
     }
+}
+
+/// `shardq pg install`: creates or migrates the outbox schema and writes its functions.
+fn install(
+    data: &Path,
+    postgres: &str,
+    schema: &str,
+    wake: Option<WakeArg>,
+) -> anyhow::Result<ExitCode> {
+    let (d, opts) = open(data)?;
+    let mut client = shardq_pg::connect(postgres)?;
+    let wake = match wake {
+        Some(WakeArg::Notify) => shardq_pg::schema::Wake::Notify,
+        Some(WakeArg::Poll) => shardq_pg::schema::Wake::Poll,
+        // A new install notifies; an existing one keeps its mode.
+        None => shardq_pg::schema::installed_wake(&mut client, schema)?
+            .unwrap_or(shardq_pg::schema::Wake::Notify),
+    };
+    let bounds = Bounds {
+        payload_bytes_max: d.payload_bytes_max(&opts),
+        wake,
+    };
+    let applied = shardq_pg::schema::install(&mut client, schema, bounds)?;
+    if applied.is_empty() {
+        println!(
+            "schema {schema}: up to date (migration {}); functions written",
+            shardq_pg::schema::latest_version()
+        );
+    } else {
+        let list: Vec<String> = applied.iter().map(i32::to_string).collect();
+        println!(
+            "schema {schema}: applied migration {}; functions written",
+            list.join(", ")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `shardq pg relay`: moves committed outbox rows into the deployment until stopped.
+fn relay(data: &Path, postgres: &str, opts: RelayOptions, json: bool) -> anyhow::Result<ExitCode> {
+    let (d, _) = open(data)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .context("installing signal handlers")?;
+    }
+    let mut on_event = |e: RelayEvent| match (json, e) {
+        (true, RelayEvent::Relayed(_)) => {}
+        (true, e) => println!("{}", event_json(&e)),
+        (false, RelayEvent::Standby) => {
+            eprintln!("shardq: standby: another relay of this outbox is active")
+        }
+        (false, RelayEvent::Active) => eprintln!("shardq: relaying"),
+        (false, RelayEvent::Relayed(_)) => {}
+        (false, RelayEvent::Failed { why, retry_ms }) => {
+            eprintln!("shardq: relay: {why}; trying again in {retry_ms} ms")
+        }
+    };
+    let report = shardq_pg::relay::run(&d, postgres, &opts, &stop, &mut on_event)?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "relayed {} rows ({} already stored), {} retries",
+            report.relayed, report.already_stored, report.retries
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `shardq pg status`: prints the outbox's depth, lag, relay and open transactions.
+fn status(postgres: &str, schema: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let mut client = shardq_pg::connect(postgres)?;
+    let s = shardq_pg::status(&mut client, schema)?;
+    if json {
+        println!("{}", serde_json::to_string(&s)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "outbox {}: migration {} of {}",
+        s.schema, s.installed_version, s.latest_version
+    );
+    println!("depth\t{} rows", s.depth);
+    println!(
+        "wake\t{}",
+        if s.wake == "notify" {
+            "enqueue notifies the relay at commit"
+        } else {
+            "the relay polls (enqueue does not notify): its --poll-ms bounds the lag"
+        }
+    );
+    match s.oldest_age_ms {
+        Some(ms) => println!("oldest row\t{ms} ms old (the relay's lag)"),
+        None => println!("oldest row\tnone"),
+    }
+    println!(
+        "relay\t{}",
+        if s.relay_active {
+            "active"
+        } else {
+            "none active: committed rows wait (run `shardq pg relay`)"
+        }
+    );
+    match s.oldest_open_transaction_ms {
+        Some(ms) if s.open_transactions > 0 => println!(
+            "open transactions\t{} hold outbox keys, the oldest for {ms} ms: later rows of their keys wait for them",
+            s.open_transactions
+        ),
+        _ => println!("open transactions\tnone hold outbox keys"),
+    }
+    println!("dead tuples\t{}", s.dead_tuples);
+    Ok(ExitCode::SUCCESS)
 }
 
 fn event_json(e: &RelayEvent) -> serde_json::Value {
