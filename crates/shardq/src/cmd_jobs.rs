@@ -541,6 +541,7 @@ pub fn job(action: JobAction) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `shardq jobs`: lists one key's jobs, back-off, finished jobs and waiting dependents.
 pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     if args.limit == 0 || args.limit > KEY_JOBS_MAX {
         bail!("--limit {}: out of range 1..={KEY_JOBS_MAX}", args.limit);
@@ -552,6 +553,29 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
         );
     }
     shardq_core::validate_key(&args.key).with_context(|| format!("--key {:?}", args.key))?;
+    let listing = read_key_listing(&args)?;
+    if args.json {
+        print_key_listing_json(&args.key, listing);
+    } else {
+        print_key_listing(&listing, args.finished);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What `shardq jobs` shows of one key.
+struct KeyListing {
+    /// The shard the key routes to now.
+    shard: String,
+    jobs: Vec<JobInfo>,
+    hold: Option<shardq_core::KeyHold>,
+    /// `(shard, job)`, from every shard.
+    finished: Vec<(String, shardq_core::FinishedJob)>,
+    /// `(number, dependent)`: the key's dependents still waiting.
+    waiting: Vec<(u64, shardq_core::workflow::Waiting)>,
+}
+
+/// Reads the key's live jobs and back-off on its shard, its finished jobs and its waiting dependents.
+fn read_key_listing(args: &JobsArgs) -> anyhow::Result<KeyListing> {
     let deployment = Deployment::open(&args.data, &crate::open_options())?;
     let router = shardq_route::Router::new(deployment.map()?)?;
     let shard = router.route(&args.key).to_string();
@@ -585,26 +609,52 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     let waiting = deployment
         .waiting_of_key(&args.key)
         .with_context(|| format!("listing the waiting dependents of key {:?}", args.key))?;
-    if args.json {
-        let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
-        let finished: Vec<serde_json::Value> = finished
-            .into_iter()
-            .map(|(s, f)| finished_value(&s, f))
-            .collect();
-        let back_off = back_off_value(&shard, hold.as_ref());
-        let waiting: Vec<serde_json::Value> = waiting
-            .iter()
-            .map(|(n, w)| dependent_value(*n, w))
-            .collect();
-        println!(
-            "{}",
-            json!({ "key": args.key, "shard": shard, "jobs": list, "back_off": back_off, "finished": finished, "waiting": waiting })
-        );
-        return Ok(ExitCode::SUCCESS);
-    }
+    Ok(KeyListing {
+        shard,
+        jobs,
+        hold,
+        finished,
+        waiting,
+    })
+}
+
+/// `shardq jobs --json`: the listing as one JSON object.
+fn print_key_listing_json(key: &str, listing: KeyListing) {
+    let KeyListing {
+        shard,
+        jobs,
+        hold,
+        finished,
+        waiting,
+    } = listing;
+    let list: Vec<serde_json::Value> = jobs.into_iter().map(|j| job_value(&shard, j)).collect();
+    let finished: Vec<serde_json::Value> = finished
+        .into_iter()
+        .map(|(s, f)| finished_value(&s, f))
+        .collect();
+    let back_off = back_off_value(&shard, hold.as_ref());
+    let waiting: Vec<serde_json::Value> = waiting
+        .iter()
+        .map(|(n, w)| dependent_value(*n, w))
+        .collect();
+    println!(
+        "{}",
+        json!({ "key": key, "shard": shard, "jobs": list, "back_off": back_off, "finished": finished, "waiting": waiting })
+    );
+}
+
+/// `shardq jobs`: the listing as a table, then the back-off and the finished jobs.
+fn print_key_listing(listing: &KeyListing, finished_max: usize) {
+    let KeyListing {
+        shard,
+        jobs,
+        hold,
+        finished,
+        waiting,
+    } = listing;
     let now = now_ms();
     println!("ID\tSTATE\tATTEMPTS\tCREATED\tNOT_BEFORE\tREASON");
-    for (n, w) in &waiting {
+    for (n, w) in waiting {
         let left = w.after.iter().filter(|d| d.outcome.is_none()).count();
         println!(
             "@{n}\twaiting\t0/{}\t{}\t-\tafter {left} of {} dependencies",
@@ -613,7 +663,7 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             w.after.len()
         );
     }
-    for j in &jobs {
+    for j in jobs {
         println!(
             "{shard}:{}\t{}\t{}/{}\t{}\t{}\t{}",
             j.id.0,
@@ -628,7 +678,7 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
                 .unwrap_or_default()
         );
     }
-    if let Some(h) = &hold {
+    if let Some(h) = hold {
         println!();
         let ids: Vec<String> = h
             .jobs
@@ -642,28 +692,32 @@ pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
             relative(h.until_ms, now)
         );
     }
-    if args.finished > 0 {
-        println!();
-        println!("FINISHED\tOUTCOME\tATTEMPTS\tAT\tLAST_FAILURE");
-        if finished.is_empty() {
-            println!("(no shard keeps a finished job of this key: none finished within the retention, see `shardq retention show`)");
-        }
-        for (s, f) in &finished {
-            println!(
-                "{s}:{}\t{}\t{}\t{}\t{}",
-                f.id.0,
-                match f.outcome {
-                    shardq_core::Finish::Completed => "completed",
-                    shardq_core::Finish::Cancelled => "cancelled",
-                },
-                f.attempts,
-                relative(f.finished_ms, now),
-                f.reason
-                    .as_deref()
-                    .map(shardq_core::job::shown_key)
-                    .unwrap_or_default()
-            );
-        }
+    if finished_max > 0 {
+        print_key_finished(finished, now);
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// The `FINISHED` table of `shardq jobs --finished N`.
+fn print_key_finished(finished: &[(String, shardq_core::FinishedJob)], now: u64) {
+    println!();
+    println!("FINISHED\tOUTCOME\tATTEMPTS\tAT\tLAST_FAILURE");
+    if finished.is_empty() {
+        println!("(no shard keeps a finished job of this key: none finished within the retention, see `shardq retention show`)");
+    }
+    for (s, f) in finished {
+        println!(
+            "{s}:{}\t{}\t{}\t{}\t{}",
+            f.id.0,
+            match f.outcome {
+                shardq_core::Finish::Completed => "completed",
+                shardq_core::Finish::Cancelled => "cancelled",
+            },
+            f.attempts,
+            relative(f.finished_ms, now),
+            f.reason
+                .as_deref()
+                .map(shardq_core::job::shown_key)
+                .unwrap_or_default()
+        );
+    }
 }
