@@ -657,7 +657,55 @@ pub(super) fn insert(
         _ => None,
     };
     f.trim(now_ms);
-    // Duplicates by (key, dedup id): their numbers, stored once.
+    let found = duplicates(f, deps, kind)?;
+    if f.waiting() + deps.len() > WAITING_MAX {
+        return Err(ReshardError::Unavailable(format!(
+            "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
+            f.waiting()
+        )));
+    }
+    let base = f.next;
+    let mut next = base;
+    let numbers: Vec<u64> = found
+        .iter()
+        .map(|dup| {
+            dup.unwrap_or_else(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect();
+    check_waiting_refs(f, deps)?;
+    for ((d, n), dup) in deps.iter().zip(&numbers).zip(&found) {
+        if dup.is_none() {
+            let w = new_record(d, &numbers, now_ms, member_of)?;
+            f.jobs.insert(*n, w);
+        }
+    }
+    f.next = next;
+    let size = f.to_text().len();
+    if size > WAITING_BYTES_MAX {
+        return Err(ReshardError::Unavailable(format!(
+                "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
+            )));
+    }
+    Ok(numbers
+        .into_iter()
+        .zip(found)
+        .map(|(n, dup)| (n, dup.is_some()))
+        .collect())
+}
+
+/// Each of `deps` that duplicates a record by (key, dedup id): that
+/// record's number. Refused: a duplicate of another kind of record (a
+/// dependent's id does not answer a batch or a batch's job, nor the other
+/// way round), and one (key, dedup id) twice in one call (it would be
+/// stored twice).
+fn duplicates(
+    f: &WaitingFile,
+    deps: &[NewDependent],
+    kind: Kind,
+) -> Result<Vec<Option<u64>>, ReshardError> {
     let found: Vec<Option<u64>> = deps
         .iter()
         .map(|d| {
@@ -668,8 +716,6 @@ pub(super) fn insert(
                 .map(|(n, _)| *n)
         })
         .collect();
-    // A duplicate is of the same kind as what is added: a dependent's id
-    // does not answer a batch or a batch's job, nor the other way round.
     for ((d, dup), i) in deps.iter().zip(&found).zip(0..) {
         let Some(n) = dup else { continue };
         let w = &f.jobs[n];
@@ -700,7 +746,6 @@ pub(super) fn insert(
             .into());
         }
     }
-    // One (key, dedup id) twice in one call would be stored twice.
     let mut seen = std::collections::BTreeMap::new();
     for (i, d) in deps.iter().enumerate() {
         if let Some(id) = &d.job.dedup_id {
@@ -714,102 +759,78 @@ pub(super) fn insert(
             }
         }
     }
-    if f.waiting() + deps.len() > WAITING_MAX {
-        return Err(ReshardError::Unavailable(format!(
-            "{} dependents wait already; at most {WAITING_MAX} may wait at once: try again once some are released",
-            f.waiting()
-        )));
+    Ok(found)
+}
+
+/// Every `@N` that `deps` wait for names a record that exists and is not
+/// a batch (a batch is not a job: nothing would record its end).
+fn check_waiting_refs(f: &WaitingFile, deps: &[NewDependent]) -> Result<(), ReshardError> {
+    for a in deps.iter().flat_map(|d| &d.after) {
+        let DepRef::Waiting(n) = a else { continue };
+        if !f.jobs.contains_key(n) {
+            return Err(QueueError::InvalidOption {
+                name: "after",
+                value: a.to_string(),
+                allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
+            }
+            .into());
+        }
+        if f.jobs[n].batch.is_some() {
+            return Err(QueueError::InvalidOption {
+                name: "after",
+                value: a.to_string(),
+                allowed: "ids of jobs and dependents; this is a batch: run what follows it as its on-complete or on-success callback".into(),
+            }
+            .into());
+        }
     }
-    let base = f.next;
-    let mut next = base;
-    let numbers: Vec<u64> = found
+    Ok(())
+}
+
+/// The waiting record of `d`, its dependencies on other records of the
+/// same call (`DepRef::Node(i)`) named by their `numbers`.
+fn new_record(
+    d: &NewDependent,
+    numbers: &[u64],
+    now_ms: u64,
+    member_of: Option<u64>,
+) -> Result<Waiting, ReshardError> {
+    use base64::Engine as _;
+    let after = d
+        .after
         .iter()
-        .map(|dup| {
-            dup.unwrap_or_else(|| {
-                next += 1;
-                next - 1
-            })
+        .map(|a| {
+            let id = match a {
+                DepRef::Node(i) => format!("@{}", numbers[*i]),
+                other => other.to_string(),
+            };
+            Dependency {
+                id,
+                outcome: None,
+                at: None,
+                result_b64: None,
+                result_dropped: false,
+                reason: None,
+            }
         })
         .collect();
-    for d in deps {
-        for a in &d.after {
-            if let DepRef::Waiting(n) = a {
-                if !f.jobs.contains_key(n) {
-                    return Err(QueueError::InvalidOption {
-                        name: "after",
-                        value: a.to_string(),
-                        allowed: "ids of dependents that exist (this one is unknown, or ended longer ago than they are kept)".into(),
-                    }
-                    .into());
-                }
-                // A batch is not a job: nothing would record its end.
-                if f.jobs[n].batch.is_some() {
-                    return Err(QueueError::InvalidOption {
-                        name: "after",
-                        value: a.to_string(),
-                        allowed: "ids of jobs and dependents; this is a batch: run what follows it as its on-complete or on-success callback".into(),
-                    }
-                    .into());
-                }
-            }
-        }
-    }
-    for ((d, n), dup) in deps.iter().zip(&numbers).zip(&found) {
-        use base64::Engine as _;
-        if dup.is_some() {
-            continue;
-        }
-        let after = d
-            .after
-            .iter()
-            .map(|a| {
-                let id = match a {
-                    DepRef::Node(i) => format!("@{}", numbers[*i]),
-                    other => other.to_string(),
-                };
-                Dependency {
-                    id,
-                    outcome: None,
-                    at: None,
-                    result_b64: None,
-                    result_dropped: false,
-                    reason: None,
-                }
-            })
-            .collect();
-        f.jobs.insert(
-            *n,
-            Waiting {
-                key: d.job.key.clone(),
-                payload_b64: base64::engine::general_purpose::STANDARD.encode(&d.job.payload),
-                max_attempts: d.job.max_attempts,
-                delay_ms: d.job.delay_ms,
-                on_failure: d.on_failure,
-                after,
-                created_ms: now_ms,
-                state: WaitState::Waiting,
-                released: None,
-                reason: None,
-                ended_ms: None,
-                dedup_id: d.job.dedup_id.clone(),
-                batch: None,
-                member_of,
-                nonce: nonce()?,
-            },
-        );
-    }
-    f.next = next;
-    let size = f.to_text().len();
-    if size > WAITING_BYTES_MAX {
-        return Err(ReshardError::Unavailable(format!(
-                "the waiting dependents would take {size} bytes, over the {WAITING_BYTES_MAX} bytes they may: try again once some are released"
-            )));
-    }
-    Ok(numbers
-        .into_iter()
-        .zip(found)
-        .map(|(n, dup)| (n, dup.is_some()))
-        .collect())
+    Ok(Waiting {
+        key: d.job.key.clone(),
+        payload_b64: base64::engine::general_purpose::STANDARD.encode(&d.job.payload),
+        max_attempts: d.job.max_attempts,
+        delay_ms: d.job.delay_ms,
+        on_failure: d.on_failure,
+        after,
+        created_ms: now_ms,
+        state: WaitState::Waiting,
+        released: None,
+        reason: None,
+        ended_ms: None,
+        dedup_id: d.job.dedup_id.clone(),
+        batch: None,
+        member_of,
+        nonce: nonce()?,
+    })
 }
 
 /// A record's nonce: 64 random bits, in hex.

@@ -2,7 +2,8 @@
 //! ends of dependencies and releases (or fails) the dependents whose
 //! dependencies have all ended. The argument is in `mod.rs`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 
 use base64::Engine as _;
@@ -69,6 +70,82 @@ struct Finding {
     at: Option<String>,
     result: Option<Vec<u8>>,
     reason: Option<String>,
+}
+
+/// What one pass's lookups share: the map it routes by, the lists it has
+/// read, its bounds spent so far and what it found.
+struct LookPass<'a> {
+    backend: &'a dyn QueueBackend,
+    file: &'a WaitingFile,
+    shards: Vec<String>,
+    router: shardq_route::Router,
+    lists: PassLists,
+    now: u64,
+    /// Probes spent ([`PROBES_PER_PASS`]).
+    probes: usize,
+    /// Whether every shard of the map answers, read once a pass when
+    /// needed.
+    all_readable: Option<bool>,
+    /// Whether a lookup ran out of probes and set the next pass's cursor.
+    cursor_set: bool,
+    out: Vec<Finding>,
+    errors: &'a mut Vec<String>,
+}
+
+/// Each shard's finished jobs and dead letters, read at most once a pass:
+/// the finished list whole for the shards in `full`, else its newest
+/// [`FINISHED_READ_RECENT`]; the dead letters up to [`DEAD_READ_MAX`].
+struct PassLists {
+    full: HashSet<String>,
+    finished: HashMap<String, HashMap<JobId, FinishedJob>>,
+    dead: HashMap<String, HashMap<JobId, Option<String>>>,
+}
+
+impl PassLists {
+    fn new(full: HashSet<String>) -> PassLists {
+        PassLists {
+            full,
+            finished: HashMap::new(),
+            dead: HashMap::new(),
+        }
+    }
+
+    /// Job `id` as shard `s` lists it among its finished jobs.
+    fn finished(
+        &mut self,
+        backend: &dyn QueueBackend,
+        s: &str,
+        id: JobId,
+    ) -> Result<Option<FinishedJob>, QueueError> {
+        if !self.finished.contains_key(s) {
+            let max = if self.full.contains(s) {
+                FINISHED_JOBS_KEPT_MAX
+            } else {
+                FINISHED_READ_RECENT
+            };
+            let list = backend.finished(s, None, max)?;
+            self.finished
+                .insert(s.to_string(), list.into_iter().map(|f| (f.id, f)).collect());
+        }
+        Ok(self.finished.get(s).and_then(|m| m.get(&id)).cloned())
+    }
+
+    /// Job `id`'s dead letter on shard `s` (its reason), if it has one.
+    fn dead(
+        &mut self,
+        backend: &dyn QueueBackend,
+        s: &str,
+        id: JobId,
+    ) -> Result<Option<Option<String>>, QueueError> {
+        if !self.dead.contains_key(s) {
+            let list = backend.dead_list(s, DEAD_READ_MAX)?;
+            self.dead.insert(
+                s.to_string(),
+                list.into_iter().map(|d| (d.id, Some(d.reason))).collect(),
+            );
+        }
+        Ok(self.dead.get(s).and_then(|m| m.get(&id)).cloned())
+    }
 }
 
 /// How a pass enqueues a released dependent: a routing producer in a
@@ -210,15 +287,59 @@ impl Resolver {
         Ok(report)
     }
 
-    /// Looks up every unresolved dependency (up to the per-pass bound).
+    /// Looks up every unresolved dependency (up to the per-pass bound),
+    /// from where the last pass ran out of its bounds.
     fn look(
         &mut self,
         backend: &dyn QueueBackend,
         file: &WaitingFile,
         report: &mut PassReport,
     ) -> Result<Vec<Finding>, ReshardError> {
-        // What this resolver remembers of dependents that no longer wait
-        // goes.
+        self.forget_ended(file);
+        let map = self.maps.load()?;
+        let router = shardq_route::Router::new(map.clone())?;
+        let shards: Vec<String> = map.shards.iter().map(|s| s.name.clone()).collect();
+        let full = self.full_reads_due(file, &shards);
+        let mut pass = LookPass {
+            backend,
+            file,
+            shards,
+            router,
+            lists: PassLists::new(full),
+            now: self.clock.now_ms(),
+            probes: 0,
+            all_readable: None,
+            cursor_set: false,
+            out: Vec::new(),
+            errors: &mut report.errors,
+        };
+        let waiting = self.round_from_cursor(file);
+        self.cursor = (0, 0);
+        let mut looked = 0;
+        'dependents: for (n, w, range) in waiting {
+            // Ends in the shards' finished and dead lists are seen every
+            // pass; probes (a job looked up by id, followed through moves)
+            // are bounded per pass and per dependency.
+            for idx in range {
+                if w.after[idx].outcome.is_some() {
+                    continue;
+                }
+                if looked >= LOOKUPS_PER_PASS_MAX {
+                    if !pass.cursor_set {
+                        self.cursor = (n, idx);
+                    }
+                    break 'dependents;
+                }
+                looked += 1;
+                self.look_one(&mut pass, n, w, idx);
+            }
+        }
+        Ok(pass.out)
+    }
+
+    /// What this resolver remembers of dependents that no longer wait
+    /// goes.
+    fn forget_ended(&mut self, file: &WaitingFile) {
         let waits = |n: &u64| {
             file.jobs
                 .get(n)
@@ -227,18 +348,15 @@ impl Resolver {
         self.probed_at.retain(|(n, _), _| waits(n));
         self.located.retain(|(n, _), _| waits(n));
         self.missing_since.retain(|(n, _), _| waits(n));
-        let map = self.maps.load()?;
-        let router = shardq_route::Router::new(map.clone())?;
-        let shards: Vec<String> = map.shards.iter().map(|s| s.name.clone()).collect();
-        let routed = |key: &str| Some(router.route(key).to_string());
-        // Each shard's newest finished jobs, read once a pass; all it
-        // keeps every FULL_READ_EVERY_MS (what finished since the last
-        // pass is among the newest unless the shard finished more). A
-        // shard not read this pass had no dependency to miss.
-        let now_read = self.clock.now_ms();
-        // More dependencies unresolved than the recent read holds (a
-        // batch of thousands of jobs): the ends since the last pass may be
-        // past the newest FINISHED_READ_RECENT, so every list is read whole.
+    }
+
+    /// The shards whose finished lists this pass reads whole: each one
+    /// every [`FULL_READ_EVERY_MS`] (what finished since the last pass is
+    /// among the newest [`FINISHED_READ_RECENT`] unless the shard finished
+    /// more), and all of them while more dependencies are unresolved than
+    /// that recent read holds (a batch of thousands of jobs).
+    fn full_reads_due(&mut self, file: &WaitingFile, shards: &[String]) -> HashSet<String> {
+        let now = self.clock.now_ms();
         let unresolved = file
             .jobs
             .values()
@@ -246,242 +364,231 @@ impl Resolver {
             .flat_map(|w| w.after.iter())
             .filter(|d| d.outcome.is_none())
             .count();
-        let mut full: std::collections::HashSet<String> = std::collections::HashSet::new();
-        for s in &shards {
+        let mut full = HashSet::new();
+        for s in shards {
             let due = unresolved > FINISHED_READ_RECENT
                 || self
                     .full_read_at
                     .get(s)
-                    .is_none_or(|t| now_read.saturating_sub(*t) >= FULL_READ_EVERY_MS);
+                    .is_none_or(|t| now.saturating_sub(*t) >= FULL_READ_EVERY_MS);
             if due {
-                self.full_read_at.insert(s.clone(), now_read);
+                self.full_read_at.insert(s.clone(), now);
                 full.insert(s.clone());
             }
         }
-        let mut lists: HashMap<String, HashMap<JobId, FinishedJob>> = HashMap::new();
-        let mut finished = |s: &str, id: JobId| -> Result<Option<FinishedJob>, QueueError> {
-            if !lists.contains_key(s) {
-                let max = if full.contains(s) {
-                    FINISHED_JOBS_KEPT_MAX
-                } else {
-                    FINISHED_READ_RECENT
-                };
-                let list = backend.finished(s, None, max)?;
-                lists.insert(s.to_string(), list.into_iter().map(|f| (f.id, f)).collect());
-            }
-            Ok(lists.get(s).and_then(|m| m.get(&id)).cloned())
-        };
-        // Each shard's dead letters, read once a pass (bounded).
-        let mut deads: HashMap<String, HashMap<JobId, Option<String>>> = HashMap::new();
-        let mut dead = |s: &str, id: JobId| -> Result<Option<Option<String>>, QueueError> {
-            if !deads.contains_key(s) {
-                let list = backend.dead_list(s, DEAD_READ_MAX)?;
-                deads.insert(
-                    s.to_string(),
-                    list.into_iter().map(|d| (d.id, Some(d.reason))).collect(),
-                );
-            }
-            Ok(deads.get(s).and_then(|m| m.get(&id)).cloned())
-        };
-        let now = self.clock.now_ms();
-        let mut out = Vec::new();
-        let mut looked = 0;
-        let mut probes = 0;
-        // Whether every shard of the map answers, read once a pass when
-        // needed.
-        let mut all_readable: Option<bool> = None;
-        // From where the last pass ran out of its bounds, round the
-        // waiting dependents, so a later one is not left behind by earlier
-        // ones with many dependencies.
-        // The cursor is a dependency, not a dependent: a batch of
-        // thousands of queued jobs would otherwise spend every pass's
-        // probes on its first few hundred.
+        full
+    }
+
+    /// The waiting dependents in the order this pass looks at them, each
+    /// with the range of its dependencies to look at: from the cursor
+    /// round the document and back to it, so a later dependent is not left
+    /// behind by earlier ones with many dependencies. The cursor is a
+    /// dependency, not a dependent: a batch of thousands of queued jobs
+    /// would otherwise spend every pass's probes on its first few hundred.
+    fn round_from_cursor<'f>(
+        &self,
+        file: &'f WaitingFile,
+    ) -> Vec<(u64, &'f Waiting, Range<usize>)> {
         let (cursor, cursor_idx) = self.cursor;
-        let waiting: Vec<(&u64, &Waiting, std::ops::Range<usize>)> = file
-            .jobs
+        file.jobs
             .range(cursor..)
             .map(|(n, w)| {
                 let from = if *n == cursor { cursor_idx } else { 0 };
-                (n, w, from.min(w.after.len())..w.after.len())
+                (*n, w, from.min(w.after.len())..w.after.len())
             })
             .chain(
                 file.jobs
                     .range(..cursor)
-                    .map(|(n, w)| (n, w, 0..w.after.len())),
+                    .map(|(n, w)| (*n, w, 0..w.after.len())),
             )
             .chain(
                 file.jobs
                     .get_key_value(&cursor)
                     .filter(|_| cursor_idx > 0)
-                    .map(|(n, w)| (n, w, 0..cursor_idx.min(w.after.len()))),
+                    .map(|(n, w)| (*n, w, 0..cursor_idx.min(w.after.len()))),
             )
             .filter(|(_, w, _)| w.state == WaitState::Waiting)
-            .collect();
-        self.cursor = (0, 0);
-        let mut cursor_set = false;
-        'dependents: for (n, w, range) in waiting {
-            // Ends in the shards' finished and dead lists are seen every
-            // pass; probes (a job looked up by id, followed through moves)
-            // are bounded per pass and per dependency.
-            for idx in range {
-                let d = &w.after[idx];
-                if d.outcome.is_some() {
-                    continue;
+            .collect()
+    }
+
+    /// Looks up dependency `idx` of dependent `n` (`w`), which has no
+    /// outcome yet, and adds a finding to the pass when it has ended.
+    fn look_one(&mut self, pass: &mut LookPass<'_>, n: u64, w: &Waiting, idx: usize) {
+        let d = &w.after[idx];
+        let Ok(dep) = parse_dependency(&d.id) else {
+            return;
+        };
+        let (shard, id, at) = match dep {
+            DepRef::Job(s, id) => (s, id, None),
+            DepRef::Node(_) => return,
+            DepRef::Waiting(m) => match self.dependent_ran_as(pass, n, idx, m) {
+                Some(place) => place,
+                None => return,
+            },
+        };
+        // The fast path: where it ran (its copy, once a probe found it
+        // moved), as listed once a pass.
+        let (shard, id) = self.located.get(&(n, idx)).cloned().unwrap_or((shard, id));
+        let backend = pass.backend;
+        let listed = match pass.lists.finished(backend, &shard, id) {
+            Ok(Some(f)) => Some(JobLookup::Finished(shard.clone(), f)),
+            Ok(None) => match pass.lists.dead(backend, &shard, id) {
+                Ok(Some(reason)) => {
+                    self.missing_since.remove(&(n, idx));
+                    pass.out.push(Finding {
+                        n,
+                        idx,
+                        outcome: DepOutcome::Dead,
+                        at,
+                        result: None,
+                        reason,
+                    });
+                    return;
                 }
-                if looked >= LOOKUPS_PER_PASS_MAX {
-                    if !cursor_set {
-                        self.cursor = (*n, idx);
-                    }
-                    break 'dependents;
+                _ => None,
+            },
+            Err(e) => {
+                pass.errors
+                    .push(format!("dependency {} of @{n}: {e}", d.id));
+                return;
+            }
+        };
+        if listed.is_none() {
+            let recent = self
+                .probed_at
+                .get(&(n, idx))
+                .is_some_and(|t| pass.now.saturating_sub(*t) < PROBE_GAP_MS);
+            if recent {
+                return;
+            }
+            if pass.probes >= PROBES_PER_PASS {
+                if !pass.cursor_set {
+                    self.cursor = (n, idx);
+                    pass.cursor_set = true;
                 }
-                looked += 1;
-                let Ok(dep) = parse_dependency(&d.id) else {
-                    continue;
-                };
-                // A dependent: ended when it failed, else the job it was
-                // released as.
-                let (shard, id, at) = match dep {
-                    DepRef::Job(s, id) => (s, id, None),
-                    DepRef::Node(_) => continue,
-                    DepRef::Waiting(m) => match file.jobs.get(&m) {
-                        Some(o) => match o.state {
-                            WaitState::Waiting => continue,
-                            WaitState::Failed | WaitState::Cancelled => {
-                                out.push(Finding {
-                                    n: *n,
-                                    idx,
-                                    outcome: DepOutcome::Failed,
-                                    at: None,
-                                    result: None,
-                                    reason: o.reason.clone(),
-                                });
-                                continue;
-                            }
-                            WaitState::Released => {
-                                match o.released.as_deref().map(parse_dependency) {
-                                    Some(Ok(DepRef::Job(s, id))) => {
-                                        let at = format!("{s}:{}", id.0);
-                                        (s, id, Some(at))
-                                    }
-                                    _ => continue,
-                                }
-                            }
-                        },
-                        None => {
-                            if let Some(f) = self.missing(*n, idx, now) {
-                                out.push(f);
-                            }
-                            continue;
-                        }
-                    },
-                };
-                // The fast path: where it ran (its copy, once a probe found
-                // it moved), as listed once a pass.
-                let (shard, id) = self.located.get(&(*n, idx)).cloned().unwrap_or((shard, id));
-                let listed = match finished(&shard, id) {
-                    Ok(Some(f)) => Some(JobLookup::Finished(shard.clone(), f)),
-                    Ok(None) => match dead(&shard, id) {
-                        Ok(Some(reason)) => {
-                            self.missing_since.remove(&(*n, idx));
-                            out.push(Finding {
-                                n: *n,
-                                idx,
-                                outcome: DepOutcome::Dead,
-                                at,
-                                result: None,
-                                reason,
-                            });
-                            continue;
-                        }
-                        _ => None,
-                    },
-                    Err(e) => {
-                        report
-                            .errors
-                            .push(format!("dependency {} of @{n}: {e}", d.id));
-                        continue;
-                    }
-                };
-                if listed.is_none() {
-                    let recent = self
-                        .probed_at
-                        .get(&(*n, idx))
-                        .is_some_and(|t| now.saturating_sub(*t) < PROBE_GAP_MS);
-                    if recent {
-                        continue;
-                    }
-                    if probes >= PROBES_PER_PASS {
-                        if !cursor_set {
-                            self.cursor = (*n, idx);
-                            cursor_set = true;
-                        }
-                        continue;
-                    }
-                    probes += 1;
-                    self.probed_at.insert((*n, idx), now);
+                return;
+            }
+            pass.probes += 1;
+            self.probed_at.insert((n, idx), pass.now);
+        }
+        let found = match listed {
+            Some(l) => Ok(l),
+            None => {
+                let router = &pass.router;
+                let routed = |key: &str| Some(router.route(key).to_string());
+                let lists = &mut pass.lists;
+                let mut finished = |s: &str, id: JobId| lists.finished(backend, s, id);
+                find_job(backend, &pass.shards, &routed, &mut finished, &shard, id)
+            }
+        };
+        let found = match found {
+            Ok(found) => found,
+            Err(e) => {
+                pass.errors
+                    .push(format!("dependency {} of @{n}: {e}", d.id));
+                return;
+            }
+        };
+        self.note_found(pass, n, idx, (&shard, id), at, found);
+    }
+
+    /// Dependency `idx` of dependent `n` is itself a dependent, `@m`: ended
+    /// (a finding added to the pass) when it failed or was cancelled;
+    /// else, once released, the job it was released as, to look up.
+    fn dependent_ran_as(
+        &mut self,
+        pass: &mut LookPass<'_>,
+        n: u64,
+        idx: usize,
+        m: u64,
+    ) -> Option<(String, JobId, Option<String>)> {
+        let Some(o) = pass.file.jobs.get(&m) else {
+            pass.out.extend(self.missing(n, idx, pass.now));
+            return None;
+        };
+        match o.state {
+            WaitState::Waiting => None,
+            WaitState::Failed | WaitState::Cancelled => {
+                pass.out.push(Finding {
+                    n,
+                    idx,
+                    outcome: DepOutcome::Failed,
+                    at: None,
+                    result: None,
+                    reason: o.reason.clone(),
+                });
+                None
+            }
+            WaitState::Released => match o.released.as_deref().map(parse_dependency) {
+                Some(Ok(DepRef::Job(s, id))) => {
+                    let at = format!("{s}:{}", id.0);
+                    Some((s, id, Some(at)))
                 }
-                let found = match listed.map(Ok).unwrap_or_else(|| {
-                    find_job(backend, &shards, &routed, &mut finished, &shard, id)
-                }) {
-                    Ok(found) => found,
-                    Err(e) => {
-                        report
-                            .errors
-                            .push(format!("dependency {} of @{n}: {e}", d.id));
-                        continue;
-                    }
-                };
-                let place = match &found {
-                    JobLookup::Live(s, j) => Some(format!("{s}:{}", j.id.0)),
-                    JobLookup::Finished(s, f) => Some(format!("{s}:{}", f.id.0)),
-                    _ => None,
-                };
-                match ended(&found) {
-                    Some((outcome, result, reason)) => {
-                        self.missing_since.remove(&(*n, idx));
-                        let at = at.or(place).filter(|p| *p != d.id);
-                        out.push(Finding {
-                            n: *n,
-                            idx,
-                            outcome,
-                            at,
-                            result,
-                            reason,
-                        });
-                    }
-                    None if matches!(found, JobLookup::Live(..)) => {
-                        self.missing_since.remove(&(*n, idx));
-                        if let JobLookup::Live(s, j) = &found {
-                            if (s.as_str(), j.id) != (shard.as_str(), id) {
-                                self.located.insert((*n, idx), (s.clone(), j.id));
-                            }
-                        }
-                    }
-                    // Moved with its key and no copy found: its new shard
-                    // may not answer for a while, so the grace is longer.
-                    // Its copy may be on a shard that does not answer: the
-                    // lookup passes over such a shard, so while any shard
-                    // of the map cannot be read the grace does not run.
-                    None if matches!(found, JobLookup::Moved { .. }) => {
-                        let readable = *all_readable
-                            .get_or_insert_with(|| shards.iter().all(|s| backend.fence(s).is_ok()));
-                        if !readable {
-                            self.missing_since.remove(&(*n, idx));
-                            continue;
-                        }
-                        if let Some(f) = self.missing_for(*n, idx, now, FORGOTTEN_MOVED_AFTER_MS) {
-                            out.push(f);
-                        }
-                    }
-                    None => {
-                        if let Some(f) = self.missing(*n, idx, now) {
-                            out.push(f);
-                        }
+                _ => None,
+            },
+        }
+    }
+
+    /// What a lookup of dependency `idx` of dependent `n` (looked for as
+    /// `looked`, first known `at`) found: a finding when it ended; where
+    /// it lives when it moved; the grace before `forgotten` when it is
+    /// nowhere.
+    fn note_found(
+        &mut self,
+        pass: &mut LookPass<'_>,
+        n: u64,
+        idx: usize,
+        looked: (&str, JobId),
+        at: Option<String>,
+        found: JobLookup,
+    ) {
+        let backend = pass.backend;
+        let d = &pass.file.jobs[&n].after[idx];
+        let place = match &found {
+            JobLookup::Live(s, j) => Some(format!("{s}:{}", j.id.0)),
+            JobLookup::Finished(s, f) => Some(format!("{s}:{}", f.id.0)),
+            _ => None,
+        };
+        match ended(&found) {
+            Some((outcome, result, reason)) => {
+                self.missing_since.remove(&(n, idx));
+                let at = at.or(place).filter(|p| *p != d.id);
+                pass.out.push(Finding {
+                    n,
+                    idx,
+                    outcome,
+                    at,
+                    result,
+                    reason,
+                });
+            }
+            None if matches!(found, JobLookup::Live(..)) => {
+                self.missing_since.remove(&(n, idx));
+                if let JobLookup::Live(s, j) = &found {
+                    if (s.as_str(), j.id) != looked {
+                        self.located.insert((n, idx), (s.clone(), j.id));
                     }
                 }
             }
+            // Moved with its key and no copy found: its new shard may not
+            // answer for a while, so the grace is longer. Its copy may be
+            // on a shard that does not answer: the lookup passes over such
+            // a shard, so while any shard of the map cannot be read the
+            // grace does not run.
+            None if matches!(found, JobLookup::Moved { .. }) => {
+                let shards = &pass.shards;
+                let readable = *pass
+                    .all_readable
+                    .get_or_insert_with(|| shards.iter().all(|s| backend.fence(s).is_ok()));
+                if !readable {
+                    self.missing_since.remove(&(n, idx));
+                    return;
+                }
+                pass.out
+                    .extend(self.missing_for(n, idx, pass.now, FORGOTTEN_MOVED_AFTER_MS));
+            }
+            None => pass.out.extend(self.missing(n, idx, pass.now)),
         }
-        Ok(out)
     }
 
     /// A dependency found nowhere: `forgotten` once it has been missing
@@ -511,7 +618,8 @@ impl Resolver {
     }
 
     /// Releases or fails each waiting dependent whose stored dependencies
-    /// all have an outcome, and records it.
+    /// all have an outcome, fires each batch's callbacks due, and records
+    /// it all in one compare-and-set.
     fn decide(
         &mut self,
         backend: &dyn QueueBackend,
@@ -519,51 +627,22 @@ impl Resolver {
         stored: &WaitingFile,
         report: &mut PassReport,
     ) -> Result<(), ReshardError> {
-        let mut released: BTreeMap<u64, String> = BTreeMap::new();
-        let mut failed: BTreeMap<u64, String> = BTreeMap::new();
-        let mut fired: Vec<(u64, CallbackKind, String)> = Vec::new();
-        let mut batch_ends: Vec<u64> = Vec::new();
+        let mut d = Decisions::default();
         let mut to_release: Vec<(u64, NewJob)> = Vec::new();
         for (n, w) in stored
             .jobs
             .iter()
             .filter(|(_, w)| w.state == WaitState::Waiting)
         {
-            if let Some(b) = &w.batch {
-                // A batch: its callbacks due, each enqueued with its own
-                // dedup id; it ends once closed, every job ended and every
-                // callback due fired (checked again on the record).
-                for kind in batch_due(w) {
-                    let payload = b
-                        .callbacks
-                        .get(&kind)
-                        .and_then(|p| base64::engine::general_purpose::STANDARD.decode(p).ok())
-                        .unwrap_or_default();
-                    let job = NewJob {
-                        key: w.key.clone(),
-                        payload,
-                        delay_ms: 0,
-                        max_attempts: w.max_attempts,
-                        dedup_id: Some(callback_dedup_id(*n, &w.nonce, kind)),
-                        keyed: None,
-                    };
-                    match release.release(&job) {
-                        Ok((shard, id)) => fired.push((*n, kind, format!("{shard}:{}", id.0))),
-                        Err(e) => report
-                            .errors
-                            .push(format!("batch @{n}'s {} callback: {e}", kind.as_str())),
-                    }
-                }
-                if !b.open && w.after.iter().all(|d| d.outcome.is_some()) {
-                    batch_ends.push(*n);
-                }
+            if w.batch.is_some() {
+                fire_due(release, *n, w, &mut d, report);
                 continue;
             }
             if w.after.iter().any(|d| d.outcome.is_none()) {
                 continue;
             }
             if let Some(why) = failure(w) {
-                failed.insert(*n, why);
+                d.failed.insert(*n, why);
                 continue;
             }
             to_release.push((
@@ -586,74 +665,141 @@ impl Resolver {
             for ((n, _), r) in chunk.iter().zip(release.release_all(&jobs)) {
                 match r {
                     Ok((shard, id)) => {
-                        released.insert(*n, format!("{shard}:{}", id.0));
+                        d.released.insert(*n, format!("{shard}:{}", id.0));
                     }
                     Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
                 }
             }
         }
         report.release_ms += releasing.elapsed().as_millis() as u64;
-        if released.is_empty() && failed.is_empty() && fired.is_empty() && batch_ends.is_empty() {
+        if d.is_empty() {
             return Ok(());
         }
         let now = self.clock.now_ms();
-        // A dependent cancelled while it was released: its job is cancelled.
         let late = WaitingStore::update_cached(&*self.maps, &mut self.cache, |f, _| {
-            let mut late = Vec::new();
-            for (n, at) in &released {
-                match f.jobs.get_mut(n) {
-                    Some(w) if w.state == WaitState::Waiting => {
-                        w.state = WaitState::Released;
-                        w.released = Some(at.clone());
-                        w.ended_ms = Some(now);
-                        // The job carries it now.
-                        w.payload_b64 = String::new();
-                        if w.member_of.is_some() {
-                            f.batch_jobs_released_total += 1;
-                        } else {
-                            f.released_total += 1;
-                        }
-                    }
-                    Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
-                    _ => {}
-                }
-            }
-            for (n, why) in &failed {
-                if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
-                    w.state = WaitState::Failed;
-                    w.reason = Some(why.clone());
-                    w.ended_ms = Some(now);
-                    f.failed_total += 1;
-                }
-            }
-            for (n, kind, at) in &fired {
-                if let Some(b) = f.jobs.get_mut(n).and_then(|w| w.batch.as_mut()) {
-                    if !b.fired.contains_key(kind) {
-                        b.fired.insert(*kind, at.clone());
-                        f.callbacks_fired_total += 1;
-                    }
-                }
-            }
-            for n in &batch_ends {
-                if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
-                    if batch_done(w) {
-                        w.state = WaitState::Released;
-                        w.ended_ms = Some(now);
-                    }
-                }
-            }
+            let late = d.apply(f, now);
             f.trim(now);
             Ok::<_, ReshardError>(late)
         })?;
+        // A dependent cancelled while it was released: its job is
+        // cancelled.
         for at in late {
             if let Ok(DepRef::Job(s, id)) = parse_dependency(&at) {
                 let _ = backend.cancel(&s, id);
             }
         }
-        report.released = released.into_iter().collect();
-        report.failed = failed.into_iter().collect();
-        report.fired = fired;
+        report.released = d.released.into_iter().collect();
+        report.failed = d.failed.into_iter().collect();
+        report.fired = d.fired;
         Ok(())
+    }
+}
+
+/// What a pass decided, to record: dependents released (where to) and
+/// failed (why), callbacks fired, batches that may have ended.
+#[derive(Default)]
+struct Decisions {
+    released: BTreeMap<u64, String>,
+    failed: BTreeMap<u64, String>,
+    fired: Vec<(u64, CallbackKind, String)>,
+    batch_ends: Vec<u64>,
+}
+
+impl Decisions {
+    fn is_empty(&self) -> bool {
+        self.released.is_empty()
+            && self.failed.is_empty()
+            && self.fired.is_empty()
+            && self.batch_ends.is_empty()
+    }
+
+    /// Records the decisions in `f` (as read for the compare-and-set) where
+    /// they still apply; returns the jobs released for dependents that were
+    /// cancelled meanwhile, to cancel.
+    fn apply(&self, f: &mut WaitingFile, now: u64) -> Vec<String> {
+        let mut late = Vec::new();
+        for (n, at) in &self.released {
+            match f.jobs.get_mut(n) {
+                Some(w) if w.state == WaitState::Waiting => {
+                    w.state = WaitState::Released;
+                    w.released = Some(at.clone());
+                    w.ended_ms = Some(now);
+                    // The job carries it now.
+                    w.payload_b64 = String::new();
+                    if w.member_of.is_some() {
+                        f.batch_jobs_released_total += 1;
+                    } else {
+                        f.released_total += 1;
+                    }
+                }
+                Some(w) if w.state == WaitState::Cancelled => late.push(at.clone()),
+                _ => {}
+            }
+        }
+        for (n, why) in &self.failed {
+            if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
+                w.state = WaitState::Failed;
+                w.reason = Some(why.clone());
+                w.ended_ms = Some(now);
+                f.failed_total += 1;
+            }
+        }
+        for (n, kind, at) in &self.fired {
+            if let Some(b) = f.jobs.get_mut(n).and_then(|w| w.batch.as_mut()) {
+                if !b.fired.contains_key(kind) {
+                    b.fired.insert(*kind, at.clone());
+                    f.callbacks_fired_total += 1;
+                }
+            }
+        }
+        for n in &self.batch_ends {
+            if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
+                if batch_done(w) {
+                    w.state = WaitState::Released;
+                    w.ended_ms = Some(now);
+                }
+            }
+        }
+        late
+    }
+}
+
+/// Batch `n` (`w`): enqueues each callback due, with its own dedup id, and
+/// notes the batch as possibly ended once it is closed and every job ended
+/// (it ends once every callback due has fired, checked on the record).
+fn fire_due(
+    release: &mut dyn Release,
+    n: u64,
+    w: &Waiting,
+    d: &mut Decisions,
+    report: &mut PassReport,
+) {
+    let Some(b) = &w.batch else {
+        return;
+    };
+    for kind in batch_due(w) {
+        let payload = b
+            .callbacks
+            .get(&kind)
+            .and_then(|p| base64::engine::general_purpose::STANDARD.decode(p).ok())
+            .unwrap_or_default();
+        let job = NewJob {
+            key: w.key.clone(),
+            payload,
+            delay_ms: 0,
+            max_attempts: w.max_attempts,
+            dedup_id: Some(callback_dedup_id(n, &w.nonce, kind)),
+            keyed: None,
+        };
+        match release.release(&job) {
+            Ok((shard, id)) => d.fired.push((n, kind, format!("{shard}:{}", id.0))),
+            Err(e) => report
+                .errors
+                .push(format!("batch @{n}'s {} callback: {e}", kind.as_str())),
+        }
+    }
+    if !b.open && w.after.iter().all(|d| d.outcome.is_some()) {
+        d.batch_ends.push(n);
     }
 }
 
