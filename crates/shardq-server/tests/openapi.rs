@@ -154,8 +154,35 @@ fn every_answer_fits_its_documented_schema() {
     let s = start(dir.path(), options());
     let mut errs = Vec::new();
     let e = &mut errs;
+    let ids = place_jobs(&s, e);
+    settle_runs(&s, e);
+    read_every_view(&s, &ids, e);
+    // A key held by a handler's back-off: shown by both key views, lifted.
+    back_off_and_resume(&s, e);
+    cancel_and_clear(&s, &ids[3], e);
+    // Schedules: set, read, pause, resume, trigger, backfill, delete.
+    one_schedule_through_its_life(&s, e);
+    // Many at once: a dry run, a stored apply, a pruning one, a bad one.
+    many_schedules_at_once(&s, e);
+    // A batch: opened, a job added, shown (by both of its paths), closed;
+    // an unknown one.
+    one_batch_through_its_life(&s, e);
+    let bad = json!({"schedules": {"n4": {"key": "k", "every": "500ms"}}});
+    let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(bad), e);
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("\"n4\""), "{v}");
+    assert!(
+        errs.is_empty(),
+        "answers the document does not describe:\n{}",
+        errs.join("\n")
+    );
+}
+
+/// Sets group `g` and policy `k`, places two jobs of `k`, one of `d` that
+/// dies on its first failure and a delayed one of `later`; returns their ids.
+fn place_jobs(s: &shardq_server::Running, e: &mut Vec<String>) -> Vec<String> {
     checked(
-        &s,
+        s,
         "PUT",
         "/v1/groups/{name}",
         "/v1/groups/g",
@@ -164,7 +191,7 @@ fn every_answer_fits_its_documented_schema() {
     );
     let policy = json!({"concurrency": 256, "rate": "10/s", "group": "g"});
     checked(
-        &s,
+        s,
         "PUT",
         "/v1/policies/{key}",
         "/v1/policies/k",
@@ -177,13 +204,18 @@ fn every_answer_fits_its_documented_schema() {
         {"key": "d", "payload": "dead", "max_attempts": 1},
         {"key": "later", "payload": "x", "delay_ms": 600000},
     ]});
-    let (_, placed) = checked(&s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
-    let ids: Vec<String> = (placed["jobs"].as_array().unwrap().iter())
+    let (_, placed) = checked(s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
+    (placed["jobs"].as_array().unwrap().iter())
         .map(|j| j["id"].as_str().unwrap().to_string())
-        .collect();
+        .collect()
+}
+
+/// Claims the three due runs, then kills `d`, acks `k a`, extends `k b`,
+/// asks which are stale and claims once more with nothing due.
+fn settle_runs(s: &shardq_server::Running, e: &mut Vec<String>) {
     let mut runs = Vec::new();
     wait_until("three runs", Duration::from_secs(10), || {
-        runs.extend(claim(&s, "w", 10, 500, 30_000));
+        runs.extend(claim(s, "w", 10, 500, 30_000));
         runs.len() >= 3
     });
     let receipt = |key: &str, payload: &str| {
@@ -196,7 +228,7 @@ fn every_answer_fits_its_documented_schema() {
     let acked = receipt("k", "a");
     let running = receipt("k", "b");
     checked(
-        &s,
+        s,
         "POST",
         "/v1/fail",
         "/v1/fail",
@@ -204,7 +236,7 @@ fn every_answer_fits_its_documented_schema() {
         e,
     );
     checked(
-        &s,
+        s,
         "POST",
         "/v1/ack",
         "/v1/ack",
@@ -212,12 +244,17 @@ fn every_answer_fits_its_documented_schema() {
         e,
     );
     let ext = json!({"receipts": [running], "lease_ms": 30000});
-    checked(&s, "POST", "/v1/extend", "/v1/extend", Some(ext), e);
+    checked(s, "POST", "/v1/extend", "/v1/extend", Some(ext), e);
     let ask = json!({"receipts": [running, acked]});
-    let (code, v) = checked(&s, "POST", "/v1/stale", "/v1/stale", Some(ask), e);
+    let (code, v) = checked(s, "POST", "/v1/stale", "/v1/stale", Some(ask), e);
     assert_eq!((code, &v["stale"]), (200, &json!([acked])), "{v}");
     let claim_body = json!({"worker": "w2", "max": 1, "wait_ms": 0});
-    checked(&s, "POST", "/v1/claim", "/v1/claim", Some(claim_body), e);
+    checked(s, "POST", "/v1/claim", "/v1/claim", Some(claim_body), e);
+}
+
+/// GETs every read-only view (the jobs by the ids `place_jobs` returned):
+/// each answers 200.
+fn read_every_view(s: &shardq_server::Running, ids: &[String], e: &mut Vec<String>) {
     for (path, target) in [
         ("/healthz", "/healthz".to_string()),
         ("/readyz", "/readyz".to_string()),
@@ -242,32 +279,36 @@ fn every_answer_fits_its_documented_schema() {
         ("/v1/groups", "/v1/groups".to_string()),
         ("/v1/groups/{name}", "/v1/groups/g".to_string()),
     ] {
-        let (code, v) = checked(&s, "GET", path, &target, None, e);
+        let (code, v) = checked(s, "GET", path, &target, None, e);
         assert_eq!(code, 200, "GET {target}: {v}");
     }
-    // A key held by a handler's back-off: shown by both key views, lifted.
+}
+
+/// Holds key `bo` by a handler's back-off, checks both key views show it,
+/// then resumes it twice (lifted, then nothing to lift).
+fn back_off_and_resume(s: &shardq_server::Running, e: &mut Vec<String>) {
     post_ok(
-        &s,
+        s,
         "/v1/jobs",
         json!({"jobs": [{"key": "bo", "payload": "h"}]}),
     );
     let mut held = Vec::new();
     wait_until("the run of bo", Duration::from_secs(10), || {
-        held.extend((claim(&s, "w3", 1, 500, 30_000).into_iter()).filter(|j| j["key"] == "bo"));
+        held.extend((claim(s, "w3", 1, 500, 30_000).into_iter()).filter(|j| j["key"] == "bo"));
         !held.is_empty()
     });
     let back_off = json!({"receipt": held[0]["receipt"], "backoff_ms": 600000});
-    checked(&s, "POST", "/v1/fail", "/v1/fail", Some(back_off), e);
+    checked(s, "POST", "/v1/fail", "/v1/fail", Some(back_off), e);
     for (path, target) in [
         ("/v1/keys/{key}", "/v1/keys/bo"),
         ("/v1/keys/{key}/jobs", "/v1/keys/bo/jobs"),
     ] {
-        let (code, v) = checked(&s, "GET", path, target, None, e);
+        let (code, v) = checked(s, "GET", path, target, None, e);
         assert!(code == 200 && !v["back_off"].is_null(), "GET {target}: {v}");
     }
     for resumed in [true, false] {
         let (code, v) = checked(
-            &s,
+            s,
             "POST",
             "/v1/keys/{key}/resume",
             "/v1/keys/bo/resume",
@@ -276,26 +317,31 @@ fn every_answer_fits_its_documented_schema() {
         );
         assert_eq!((code, &v["resumed"]), (200, &json!(resumed)), "{v}");
     }
+}
+
+/// Cancels the delayed job `id` and reads it back, then resumes and deletes
+/// the group, deletes the policy and purges the dead.
+fn cancel_and_clear(s: &shardq_server::Running, id: &str, e: &mut Vec<String>) {
     let (code, v) = checked(
-        &s,
+        s,
         "DELETE",
         "/v1/jobs/{id}",
-        &format!("/v1/jobs/{}", ids[3]),
+        &format!("/v1/jobs/{id}"),
         Some(json!({})),
         e,
     );
     assert_eq!(code, 200, "{v}");
     let (code, v) = checked(
-        &s,
+        s,
         "GET",
         "/v1/jobs/{id}",
-        &format!("/v1/jobs/{}", ids[3]),
+        &format!("/v1/jobs/{id}"),
         None,
         e,
     );
     assert_eq!(code, 200, "a cancelled job is shown: {v}");
     checked(
-        &s,
+        s,
         "POST",
         "/v1/groups/{name}/resume",
         "/v1/groups/g/resume",
@@ -303,7 +349,7 @@ fn every_answer_fits_its_documented_schema() {
         e,
     );
     checked(
-        &s,
+        s,
         "DELETE",
         "/v1/policies/{key}",
         "/v1/policies/k",
@@ -311,7 +357,7 @@ fn every_answer_fits_its_documented_schema() {
         e,
     );
     checked(
-        &s,
+        s,
         "DELETE",
         "/v1/groups/{name}",
         "/v1/groups/g",
@@ -319,18 +365,22 @@ fn every_answer_fits_its_documented_schema() {
         e,
     );
     checked(
-        &s,
+        s,
         "POST",
         "/v1/dead/purge",
         "/v1/dead/purge",
         Some(json!({"all": true})),
         e,
     );
-    // Schedules: set, read, pause, resume, trigger, backfill, delete.
+}
+
+/// Schedule `n1`: set, read, paused, resumed, triggered, backfilled over two
+/// days and deleted; an unknown schedule is a 404.
+fn one_schedule_through_its_life(s: &shardq_server::Running, e: &mut Vec<String>) {
     let spec = json!({"key": "sched-k", "cron": "30 2 * * *", "tz": "Europe/Berlin",
         "payload": "p", "start": 1_700_000_000_000u64});
     checked(
-        &s,
+        s,
         "PUT",
         "/v1/schedules/{id}",
         "/v1/schedules/n1",
@@ -341,12 +391,12 @@ fn every_answer_fits_its_documented_schema() {
         ("/v1/schedules", "/v1/schedules"),
         ("/v1/schedules/{id}", "/v1/schedules/n1"),
     ] {
-        let (code, v) = checked(&s, "GET", path, target, None, e);
+        let (code, v) = checked(s, "GET", path, target, None, e);
         assert_eq!(code, 200, "GET {target}: {v}");
     }
     for action in ["pause", "resume", "trigger"] {
         let (code, v) = checked(
-            &s,
+            s,
             "POST",
             &format!("/v1/schedules/{{id}}/{action}"),
             &format!("/v1/schedules/n1/{action}"),
@@ -357,7 +407,7 @@ fn every_answer_fits_its_documented_schema() {
     }
     let range = json!({"from": "2026-03-28T00:00:00Z", "to": 1_774_828_800_000u64});
     let (code, v) = checked(
-        &s,
+        s,
         "POST",
         "/v1/schedules/{id}/backfill",
         "/v1/schedules/n1/backfill",
@@ -366,7 +416,7 @@ fn every_answer_fits_its_documented_schema() {
     );
     assert_eq!((code, &v["ticks"]), (200, &json!(2)), "{v}");
     let (code, _) = checked(
-        &s,
+        s,
         "GET",
         "/v1/schedules/{id}",
         "/v1/schedules/nope",
@@ -375,14 +425,18 @@ fn every_answer_fits_its_documented_schema() {
     );
     assert_eq!(code, 404);
     checked(
-        &s,
+        s,
         "DELETE",
         "/v1/schedules/{id}",
         "/v1/schedules/n1",
         Some(json!({})),
         e,
     );
-    // Many at once: a dry run, a stored apply, a pruning one, a bad one.
+}
+
+/// A schedules file applied as a dry run, stored, then pruned to one: each
+/// answer counts what it added and removed.
+fn many_schedules_at_once(s: &shardq_server::Running, e: &mut Vec<String>) {
     let file =
         json!({"n2": {"key": "k2", "every": "1m"}, "n3": {"key": "k3", "cron": "0 * * * *"}});
     for (body, added, removed) in [
@@ -394,7 +448,7 @@ fn every_answer_fits_its_documented_schema() {
             1,
         ),
     ] {
-        let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(body), e);
+        let (code, v) = checked(s, "PUT", "/v1/schedules", "/v1/schedules", Some(body), e);
         assert_eq!(code, 200, "{v}");
         assert_eq!(
             v["applied"]["added"].as_array().unwrap().len(),
@@ -407,10 +461,13 @@ fn every_answer_fits_its_documented_schema() {
             "{v}"
         );
     }
-    // A batch: opened, a job added, shown (by both of its paths), closed;
-    // an unknown one.
+}
+
+/// A batch opened, a job added, shown by both of its paths and closed; an
+/// unknown batch is a 404 to both close and read.
+fn one_batch_through_its_life(s: &shardq_server::Running, e: &mut Vec<String>) {
     let (code, b) = checked(
-        &s,
+        s,
         "POST",
         "/v1/batches",
         "/v1/batches",
@@ -420,12 +477,12 @@ fn every_answer_fits_its_documented_schema() {
     assert_eq!(code, 200, "{b}");
     let bid = b["id"].as_str().unwrap().to_string();
     let body = json!({"jobs": [{"key": "bk", "payload": "p", "batch": bid, "dedup_id": "b1"}]});
-    let (code, v) = checked(&s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
+    let (code, v) = checked(s, "POST", "/v1/jobs", "/v1/jobs", Some(body), e);
     assert_eq!(code, 200, "{v}");
     let at = format!("/v1/batches/{bid}");
-    checked(&s, "GET", "/v1/batches/{id}", &at, None, e);
+    checked(s, "GET", "/v1/batches/{id}", &at, None, e);
     checked(
-        &s,
+        s,
         "GET",
         "/v1/jobs/{id}",
         &format!("/v1/jobs/{bid}"),
@@ -434,7 +491,7 @@ fn every_answer_fits_its_documented_schema() {
     );
     let close = format!("/v1/batches/{bid}/close");
     let (code, v) = checked(
-        &s,
+        s,
         "POST",
         "/v1/batches/{id}/close",
         &close,
@@ -449,7 +506,7 @@ fn every_answer_fits_its_documented_schema() {
             ("GET", "/v1/batches/{id}")
         };
         let (code, v) = checked(
-            &s,
+            s,
             method,
             path,
             target,
@@ -458,15 +515,6 @@ fn every_answer_fits_its_documented_schema() {
         );
         assert_eq!(code, 404, "{target}: {v}");
     }
-    let bad = json!({"schedules": {"n4": {"key": "k", "every": "500ms"}}});
-    let (code, v) = checked(&s, "PUT", "/v1/schedules", "/v1/schedules", Some(bad), e);
-    assert_eq!(code, 400, "{v}");
-    assert!(v["error"].as_str().unwrap().contains("\"n4\""), "{v}");
-    assert!(
-        errs.is_empty(),
-        "answers the document does not describe:\n{}",
-        errs.join("\n")
-    );
 }
 
 /// Every integer bound of the policy and group bodies, tried at its edges:

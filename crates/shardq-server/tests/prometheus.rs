@@ -182,8 +182,27 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     init_at(&data, 3, "rendezvous");
+    let s = spawn_holding_every_shard(&data, 3);
+    let (acked_first, dead, retained) = place_and_settle(&s);
+    let st = status(&s);
+    let ready = per_shard(&st, "ready");
+    let dead_per_shard = per_shard(&st, "dead");
+    let total_dead: f64 = dead_per_shard.values().sum();
+    assert_eq!(total_dead, dead as f64, "{st}");
+
+    let mut p = start_prometheus(dir.path(), &s.addr().to_string());
+    first_scrape_matches(&mut p, &ready, &dead_per_shard, acked_first, dead);
+    // Ack every run still held: the counter and the run time histogram move.
+    ack_the_rest_and_scrape(&mut p, &s, retained, acked_first, dead);
+    drop(p);
+    s.stop().unwrap();
+}
+
+/// Spawns a server on `data` and waits (bounded) until it holds all
+/// `shards` shards.
+fn spawn_holding_every_shard(data: &Path, shards: usize) -> Running {
     let s = spawn(
-        &data,
+        data,
         ServerOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             worker: WorkerOptions {
@@ -195,38 +214,42 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
         },
     )
     .unwrap();
-    // Wait (bounded) until this server holds every shard.
     let t = Instant::now();
-    while owned_shards(&s) < 3 {
+    while owned_shards(&s) < shards {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "the server did not take the shards"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    s
+}
 
-    // 30 jobs over 10 keys, and one per key that dies at its first failure.
+/// Places 30 jobs over 10 keys and 4 that die at their first failure, claims
+/// one round, fails the doomed, acks five; returns (acked, dead, receipts
+/// still held).
+fn place_and_settle(s: &Running) -> (usize, usize, Vec<String>) {
     let jobs: Vec<Value> = (0..30)
         .map(|i| json!({"key": format!("tenant-{}", i % 10), "payload": "x"}))
         .collect();
-    post_ok(&s, "/v1/jobs", json!({ "jobs": jobs }));
+    post_ok(s, "/v1/jobs", json!({ "jobs": jobs }));
     let doomed: Vec<Value> = (0..4)
         .map(|i| json!({"key": format!("doomed-{i}"), "payload": "x", "max_attempts": 1}))
         .collect();
-    post_ok(&s, "/v1/jobs", json!({ "jobs": doomed }));
+    post_ok(s, "/v1/jobs", json!({ "jobs": doomed }));
     // One round of claims: the head of each of the 14 keys. Fail the
     // doomed ones (dead at once), ack five, keep the rest in flight.
-    let runs = claim_all(&s, 100);
+    let runs = claim_all(s, 100);
     assert_eq!(runs.len(), 14, "{runs:?}");
     let (mut acked_first, mut dead) = (0usize, 0usize);
     let mut retained = Vec::new();
     for (key, r) in runs {
         if key.starts_with("doomed-") {
-            let v = post_ok(&s, "/v1/fail", json!({"receipt": r, "reason": "boom"}));
+            let v = post_ok(s, "/v1/fail", json!({"receipt": r, "reason": "boom"}));
             assert_eq!(v["outcome"], "dead", "{v}");
             dead += 1;
         } else if acked_first < 5 {
-            let v = post_ok(&s, "/v1/ack", json!({ "receipts": [r] }));
+            let v = post_ok(s, "/v1/ack", json!({ "receipts": [r] }));
             assert_eq!(v["acked"], 1, "{v}");
             acked_first += 1;
         } else {
@@ -234,83 +257,96 @@ fn prometheus_scrapes_the_shard_gauges_and_counters() {
         }
     }
     assert_eq!(dead, 4);
-    let st = status(&s);
-    let ready = per_shard(&st, "ready");
-    let dead_per_shard = per_shard(&st, "dead");
-    let total_dead: f64 = dead_per_shard.values().sum();
-    assert_eq!(total_dead, dead as f64, "{st}");
+    (acked_first, dead, retained)
+}
 
-    let mut p = start_prometheus(dir.path(), &s.addr().to_string());
+/// Waits for the first scrapes to show the status's ready and dead gauges,
+/// every shard up, and the enqueued, acked and dead-lettered counts.
+fn first_scrape_matches(
+    p: &mut Prometheus,
+    ready: &BTreeMap<String, f64>,
+    dead_per_shard: &BTreeMap<String, f64>,
+    acked_first: usize,
+    dead: usize,
+) {
     wait_for_query(
-        &mut p,
+        p,
         "shardq_shard_ready",
         "the ready gauges to equal /v1/status",
-        |v| *v == ready,
+        |v| v == ready,
     );
     wait_for_query(
-        &mut p,
+        p,
         "shardq_shard_dead",
         "the dead gauges to equal /v1/status",
-        |v| *v == dead_per_shard,
+        |v| v == dead_per_shard,
     );
-    wait_for_query(&mut p, "shardq_shard_up", "every shard up", |v| {
+    wait_for_query(p, "shardq_shard_up", "every shard up", |v| {
         v.len() == 3 && v.values().all(|&x| x == 1.0)
     });
-    let sum = |v: &BTreeMap<String, f64>| v.values().sum::<f64>();
-    wait_for_query(
-        &mut p,
-        "shardq_jobs_enqueued_total",
-        "34 jobs enqueued",
-        |v| sum(v) == 34.0,
-    );
-    wait_for_query(&mut p, "shardq_jobs_acked_total", "the first acks", |v| {
+    wait_for_query(p, "shardq_jobs_enqueued_total", "34 jobs enqueued", |v| {
+        sum(v) == 34.0
+    });
+    wait_for_query(p, "shardq_jobs_acked_total", "the first acks", |v| {
         sum(v) == acked_first as f64
     });
     wait_for_query(
-        &mut p,
+        p,
         "sum(shardq_jobs_dead_lettered_total)",
         "the dead-lettered count",
         |v| v.get("") == Some(&(dead as f64)),
     );
+}
 
-    // Ack every run still held: the counter and the run time histogram move.
+/// Acks every run still held, then waits for the acked counter, the run and
+/// wait time histograms, the ready gauges and the idle rebalance phase.
+fn ack_the_rest_and_scrape(
+    p: &mut Prometheus,
+    s: &Running,
+    retained: Vec<String>,
+    acked_first: usize,
+    dead: usize,
+) {
     let more = retained.len();
     assert!(more > 0);
-    let v = post_ok(&s, "/v1/ack", json!({ "receipts": retained }));
+    let v = post_ok(s, "/v1/ack", json!({ "receipts": retained }));
     assert_eq!(v["acked"], more, "{v}");
     let want = (acked_first + more) as f64;
     wait_for_query(
-        &mut p,
+        p,
         "shardq_jobs_acked_total",
         "the counter to move after more acks",
         |v| sum(v) == want,
     );
     wait_for_query(
-        &mut p,
+        p,
         "shardq_job_run_seconds_count",
         "a run time per ack and fail",
         |v| v.get("") == Some(&(want + dead as f64)),
     );
     wait_for_query(
-        &mut p,
+        p,
         "shardq_job_wait_seconds_count",
         "a wait per claim",
         |v| v.get("") == Some(&14.0),
     );
     // The ready gauges still equal the status after the acks.
-    let ready = per_shard(&status(&s), "ready");
+    let ready = per_shard(&status(s), "ready");
     wait_for_query(
-        &mut p,
+        p,
         "shardq_shard_ready",
         "the ready gauges to follow /v1/status",
         |v| *v == ready,
     );
     wait_for_query(
-        &mut p,
+        p,
         "shardq_rebalance_phase{phase=\"idle\"}",
         "the idle rebalance phase",
         |v| v.get("") == Some(&1.0),
     );
-    drop(p);
-    s.stop().unwrap();
+}
+
+/// The sum of a query's values over every series.
+fn sum(v: &BTreeMap<String, f64>) -> f64 {
+    v.values().sum::<f64>()
 }
