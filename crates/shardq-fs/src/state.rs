@@ -19,11 +19,55 @@ use shardq_core::{
     Admit, DeadJob, DeadPolicy, FlowControl, JobId, KeyCounts, KeyHold, ShardStats,
     KEY_HOLD_SCAN_JOBS,
 };
-use xxhash_rust::xxh3::Xxh3Builder;
 
 /// The hasher of maps keyed by text a producer chose (keys, dedup ids):
 /// seeded at random per process, so colliding keys cannot be crafted.
 type TextHash = ahash::RandomState;
+
+/// The hasher of maps keyed by job id: XXH3 of the id's 8 bytes, the value
+/// `xxhash_rust::xxh3::Xxh3Builder` gives (so the maps keep their layout and
+/// order), computed in one call. `Xxh3Builder` makes a streaming hasher per
+/// hash, copying its 192-byte secret and buffering the bytes, which cost
+/// several times the hash itself on the paths that touch these maps once or
+/// more a job (a move's purge of a million jobs, every ack).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IdHash;
+
+impl std::hash::BuildHasher for IdHash {
+    type Hasher = IdHasher;
+
+    #[inline]
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher { hash: None }
+    }
+}
+
+/// See [`IdHash`]. A job id is hashed by one `write_u64`, whose value is the
+/// one XXH3 gives its bytes; any other input (the maps take none) hashes
+/// each write as XXH3 seeded with the hash so far.
+pub(crate) struct IdHasher {
+    hash: Option<u64>,
+}
+
+impl std::hash::Hasher for IdHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        self.hash = Some(match self.hash {
+            None => xxhash_rust::xxh3::xxh3_64(bytes),
+            Some(h) => xxhash_rust::xxh3::xxh3_64_with_seed(bytes, h),
+        });
+    }
+
+    #[inline]
+    fn write_u64(&mut self, id: u64) {
+        self.write(&id.to_ne_bytes());
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.hash.unwrap_or_else(|| xxhash_rust::xxh3::xxh3_64(&[]))
+    }
+}
 
 use crate::log::Replay;
 use crate::reclaim::Reclaimed;
@@ -85,7 +129,7 @@ impl KeyState {
     /// already by the pick going on).
     fn next_slot(
         &self,
-        in_flight: &HashMap<u64, Run, Xxh3Builder>,
+        in_flight: &HashMap<u64, Run, IdHash>,
         picked: u32,
     ) -> Option<(usize, Slot)> {
         if self.running == 0 {
@@ -278,7 +322,7 @@ pub(crate) struct ShardState {
     reclaimed: Reclaimed,
     /// Ranges cut out by repair: references into them are to lost jobs.
     holes: Vec<(u64, u64)>,
-    in_flight_ids: HashMap<u64, Run, Xxh3Builder>,
+    in_flight_ids: HashMap<u64, Run, IdHash>,
     /// The key (slot in `keys`) of every job in a key's queue, so a job is
     /// found by id without a walk of every key ([`ShardState::live_job`]).
     job_keys: crate::id_index::IdIndex,
@@ -299,7 +343,9 @@ pub(crate) struct ShardState {
     /// Per (shard copied from, key), the largest source id imported, from
     /// the Import records replayed (the backend keeps it in a file too, for
     /// when those records' segments are gone).
-    imported: HashMap<(Box<str>, Box<str>), u64, TextHash>,
+    /// By shard, then key: looked up by `&str` without building a key (an
+    /// import replays this for every job it copies).
+    imported: HashMap<Box<str>, HashMap<Box<str>, u64, TextHash>, TextHash>,
     /// Keys a pick passed by because they were sealed for a move; a later
     /// pick schedules them again once they are not.
     parked: Vec<Box<str>>,
@@ -311,17 +357,17 @@ pub(crate) struct ShardState {
     /// Waiting jobs whose wait a handler's back-off set (a BackOff record),
     /// with its end: what `key resume` lifts. A job leaves it when it is
     /// claimed again, resumed, cancelled or purged.
-    backed_off: HashMap<u64, u64, Xxh3Builder>,
+    backed_off: HashMap<u64, u64, IdHash>,
     /// Keyed jobs (unique, debounced) by [`dedup_slot`] of key and id: the
     /// newest job stored with the id and its enqueue time. A keyed enqueue
     /// meets it while it is live; it leaves when the job finishes.
     keyed: HashMap<Box<str>, (u64, u64), TextHash>,
     /// The slot in `keyed` of each keyed job.
-    keyed_of: HashMap<u64, Box<str>, Xxh3Builder>,
+    keyed_of: HashMap<u64, Box<str>, IdHash>,
     /// Debounced jobs whose payload is a Debounce record's: the record's
     /// position. Its segment counts the job as live until the job
     /// finishes or a newer Debounce record takes over.
-    payload_at: HashMap<u64, u64, Xxh3Builder>,
+    payload_at: HashMap<u64, u64, IdHash>,
 }
 
 impl ShardState {
@@ -341,7 +387,7 @@ impl ShardState {
             segs: BTreeMap::new(),
             reclaimed,
             holes: Vec::new(),
-            in_flight_ids: HashMap::with_hasher(Xxh3Builder::new()),
+            in_flight_ids: HashMap::with_hasher(IdHash),
             job_keys: crate::id_index::IdIndex::default(),
             fence_high,
             policy,
@@ -353,10 +399,10 @@ impl ShardState {
             parked: Vec::new(),
             cancel_pending: Vec::new(),
             flow_version: 0,
-            backed_off: HashMap::with_hasher(Xxh3Builder::new()),
+            backed_off: HashMap::with_hasher(IdHash),
             keyed: HashMap::with_hasher(TextHash::new()),
-            keyed_of: HashMap::with_hasher(Xxh3Builder::new()),
-            payload_at: HashMap::with_hasher(Xxh3Builder::new()),
+            keyed_of: HashMap::with_hasher(IdHash),
+            payload_at: HashMap::with_hasher(IdHash),
         }
     }
 
@@ -401,14 +447,15 @@ impl ShardState {
     /// Every (shard copied from, key, largest source id imported), as
     /// replayed.
     pub fn imported(&self) -> impl Iterator<Item = (&str, &str, u64)> + '_ {
-        self.imported
-            .iter()
-            .map(|((from, key), &up_to)| (&**from, &**key, up_to))
+        self.imported.iter().flat_map(|(from, keys)| {
+            keys.iter()
+                .map(move |(key, &up_to)| (&**from, &**key, up_to))
+        })
     }
 
     /// The largest source id imported from `from` for `key`, as replayed.
     pub fn imported_up_to(&self, from: &str, key: &str) -> Option<u64> {
-        self.imported.get(&(from.into(), key.into())).copied()
+        self.imported.get(from)?.get(key).copied()
     }
 
     /// `key`'s jobs not in flight, queued and dead, with an id above
@@ -614,6 +661,11 @@ impl ShardState {
 
     fn slot_removed(&mut self, id: u64) {
         self.job_keys.remove(id);
+        self.slot_left();
+    }
+
+    /// A slot left the queues (its entry in `job_keys` removed apart).
+    fn slot_left(&mut self) {
         self.queued -= 1;
         if self.queued == 0 {
             self.not_before_max_ms = 0;
@@ -712,10 +764,19 @@ impl ShardState {
 
     fn finish(&mut self, id: u64) {
         self.seg_live_at(id, false);
-        if let Some(at) = self.payload_at.remove(&id) {
+        // The maps are looked at only when they hold any job: most shards'
+        // jobs are neither debounced nor keyed, and a purge finishes a
+        // backlog job by job.
+        if let Some(at) = (!self.payload_at.is_empty())
+            .then(|| self.payload_at.remove(&id))
+            .flatten()
+        {
             self.seg_live_at(at, false);
         }
-        if let Some(slot) = self.keyed_of.remove(&id) {
+        if let Some(slot) = (!self.keyed_of.is_empty())
+            .then(|| self.keyed_of.remove(&id))
+            .flatten()
+        {
             if self.keyed.get(&slot).is_some_and(|&(j, _)| j == id) {
                 self.keyed.remove(&slot);
             }
@@ -1094,8 +1155,17 @@ impl ShardState {
         else {
             return Err(format!("record at {pos} is not an Import record"));
         };
-        let cursor = self.imported.entry((from.into(), key.into())).or_insert(0);
-        *cursor = (*cursor).max(source_id);
+        if !self.imported.contains_key(from) {
+            self.imported
+                .insert(from.into(), HashMap::with_hasher(TextHash::new()));
+        }
+        let keys = self.imported.get_mut(from).expect("inserted");
+        match keys.get_mut(key) {
+            Some(cursor) => *cursor = (*cursor).max(source_id),
+            None => {
+                keys.insert(key.into(), source_id);
+            }
+        }
         if self.reclaimed.contains(pos) {
             self.segs.entry(seg_base).or_default();
             return Ok(());
@@ -1146,12 +1216,16 @@ impl ShardState {
         if ks.queue.is_empty() {
             ks.scheduled = false;
         }
+        let backed_off = !self.backed_off.is_empty();
         for id in &removed {
             ks.take_attempts(*id);
-            self.backed_off.remove(id);
+            if backed_off {
+                self.backed_off.remove(id);
+            }
         }
+        self.job_keys.remove_many(&removed);
         for id in &removed {
-            self.slot_removed(*id);
+            self.slot_left();
             self.finish(*id);
             self.note_ref(seg_base, *id);
         }
@@ -1797,6 +1871,30 @@ impl Replay for ShardState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Job ids hash as `Xxh3Builder` hashes them, so the maps keyed by id
+    /// keep the layout and iteration order they had with it.
+    #[test]
+    fn id_hash_gives_what_xxh3_builder_gives() {
+        use std::hash::BuildHasher;
+        let old = xxhash_rust::xxh3::Xxh3Builder::new();
+        let mut id = 0u64;
+        for i in 0..100_000u64 {
+            id = id
+                .wrapping_add(1 + i % 977)
+                .wrapping_mul(if i % 5000 == 0 { 3 } else { 1 });
+            for v in [id, i, u64::MAX - i, id << 32] {
+                assert_eq!(IdHash.hash_one(v), old.hash_one(v), "id {v}");
+            }
+        }
+        let mut a: HashMap<u64, u64, IdHash> = HashMap::with_hasher(IdHash);
+        let mut b: HashMap<u64, u64, xxhash_rust::xxh3::Xxh3Builder> = HashMap::with_hasher(old);
+        for v in (0..50_000u64).map(|v| v * 41 + 7) {
+            a.insert(v, v);
+            b.insert(v, v);
+        }
+        assert!(a.iter().eq(b.iter()), "the same order");
+    }
 
     /// An empty state of a log from its start.
     fn fresh() -> ShardState {

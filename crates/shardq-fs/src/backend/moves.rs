@@ -112,9 +112,13 @@ impl MoveKeys for FsBackend {
             .map(|(s, reason)| (s, reason.map(str::to_string)))
             .collect();
         let replica = inner.replica.as_ref().expect("refreshed");
-        let payload_ats: Vec<Option<u64>> = picked
+        // Debounced jobs whose payload is a later record's: (index in
+        // `picked`, the record's position), in `picked` order; most keys
+        // have none, and then nothing is kept per job.
+        let payload_ats: Vec<(usize, u64)> = picked
             .iter()
-            .map(|(slot, _)| replica.payload_at(slot.id))
+            .enumerate()
+            .filter_map(|(i, (slot, _))| Some((i, replica.payload_at(slot.id)?)))
             .collect();
         let places = picked
             .iter()
@@ -122,10 +126,7 @@ impl MoveKeys for FsBackend {
             .collect::<Result<Vec<_>, _>>()?;
         let payload_places = payload_ats
             .iter()
-            .map(|at| {
-                at.map(|at| inner.log.locate(at).map(|p| (at, p)))
-                    .transpose()
-            })
+            .map(|&(i, at)| inner.log.locate(at).map(|p| (i, at, p)))
             .collect::<Result<Vec<_>, _>>()?;
         // The payloads are read without the shard's lock, so enqueues and
         // claims go on meanwhile: a sealed key's records stay where they
@@ -133,9 +134,10 @@ impl MoveKeys for FsBackend {
         // compaction drops them, and the handles outlive a deleted file).
         drop(inner);
         let mut out = Vec::with_capacity(picked.len());
-        for (((slot, dead), at), payload) in picked.into_iter().zip(places).zip(payload_places) {
+        let mut payloads = payload_places.into_iter().peekable();
+        for (i, ((slot, dead), at)) in picked.into_iter().zip(places).enumerate() {
             let mut r = job_of_record(name, &at.read()?, slot.id, key)?;
-            if let Some((pos, place)) = payload {
+            if let Some((_, pos, place)) = payloads.next_if(|&(at, _, _)| at == i) {
                 r.payload = debounced_payload(name, &place.read()?, pos, slot.id)?;
             }
             out.push(MovedJob {
@@ -225,9 +227,19 @@ impl MoveKeys for FsBackend {
                 let r = inner.replica.as_ref().expect("refreshed");
                 stored.clear();
                 let mut bytes = Vec::new();
+                // An item's jobs are adjacent: its cursor is looked up once
+                // (the replica does not change while this runs).
+                let mut last: Option<(usize, Option<u64>)> = None;
                 for &(i, j) in slice {
                     let key = items[i].0.as_str();
-                    let cursor = r.imported_up_to(from, key).max(cursors[i]);
+                    let cursor = match last {
+                        Some((at, cursor)) if at == i => cursor,
+                        _ => {
+                            let cursor = r.imported_up_to(from, key).max(cursors[i]);
+                            last = Some((i, cursor));
+                            cursor
+                        }
+                    };
                     if cursor.is_some_and(|c| j.id.0 <= c) {
                         continue;
                     }
