@@ -359,7 +359,7 @@ where
     // (key, source id) -> id on the new shard, of every copy this run
     // made: kept across a retry of the batch, whose dedup records must
     // still name the copies made before it.
-    let mut ids: BTreeMap<(String, JobId), JobId> = BTreeMap::new();
+    let mut ids = CopiedIds::default();
     loop {
         if batch.is_empty() {
             return Ok(None);
@@ -443,7 +443,7 @@ fn take_over_sealed<B: QueueBackend + ?Sized>(
                 // old map stored here before the fence is copied, then the
                 // copies here are deleted.
                 let finished = (|| -> Result<(), ReshardError> {
-                    let mut ids = BTreeMap::new();
+                    let mut ids = CopiedIds::default();
                     let mut touched = BTreeSet::new();
                     copy_backlog(
                         backend,
