@@ -233,9 +233,30 @@ struct World {
 }
 
 impl World {
+    /// One simulated millisecond: jobs produced, every worker's turn, an
+    /// operator's cancel, the slot checks and an owner restart, each by the
+    /// seeded rng in that order.
     fn step(&mut self) {
         let now = self.clock.now_ms();
-        // Produce a few jobs.
+        self.produce();
+        for w in 0..self.workers.len() {
+            self.work(w, now);
+        }
+        self.operator_cancels();
+        self.check_slots(now);
+        // Owner restart: every run of one shard ends.
+        if self.rng.chance(1) {
+            let shards = self.backend.shard_names();
+            let shard = &shards[self.rng.below(shards.len() as u64) as usize];
+            self.backend.release(shard).unwrap();
+            self.backend.adopt(shard).unwrap();
+        }
+        self.clock.now_ms.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Produces a few jobs, some that dead-letter at their first failure,
+    /// recording what was stored.
+    fn produce(&mut self) {
         for _ in 0..self.rng.below(3) {
             let key = format!("t-{}", self.rng.below(KEYS));
             let seq = *self.next_seq.entry(key.clone()).or_default();
@@ -263,86 +284,101 @@ impl World {
                 Err(e) => self.checks.violations.push(format!("enqueue failed: {e}")),
             }
         }
-        // Workers.
-        for w in 0..self.workers.len() {
-            match self.rng.below(100) {
-                // Crash: every run this worker holds is forgotten (a run
-                // at its last attempt dead-letters when its lease lapses).
-                0..=1 => {
-                    for h in std::mem::take(&mut self.workers[w]) {
-                        self.may_die(&h.job);
-                    }
-                }
-                // Stop past the lease: its runs report much later.
-                2..=3 => {
-                    for h in &mut self.workers[w] {
-                        h.done_at_ms = now + LEASE_MS * 3;
-                    }
-                }
-                _ => {}
-            }
-            let (due, keep): (Vec<Held>, Vec<Held>) = std::mem::take(&mut self.workers[w])
-                .into_iter()
-                .partition(|h| h.done_at_ms <= now);
-            self.workers[w] = keep;
-            for h in due {
-                if !h.fails && self.rng.chance(4) {
-                    self.back_off(h);
-                } else {
-                    self.finish(h);
+    }
+
+    /// Worker `w`'s turn: maybe a crash or a stop past the lease, then its
+    /// due runs reported, its live runs heartbeated and a claim.
+    fn work(&mut self, w: usize, now: u64) {
+        match self.rng.below(100) {
+            // Crash: every run this worker holds is forgotten (a run
+            // at its last attempt dead-letters when its lease lapses).
+            0..=1 => {
+                for h in std::mem::take(&mut self.workers[w]) {
+                    self.may_die(&h.job);
                 }
             }
-            // Heartbeat runs that are not stalled.
-            let mut per_shard: BTreeMap<String, Vec<_>> = BTreeMap::new();
-            for h in &self.workers[w] {
-                if h.done_at_ms <= now + LEASE_MS {
-                    per_shard
-                        .entry(h.job.shard.clone())
-                        .or_default()
-                        .push(h.job.receipt());
+            // Stop past the lease: its runs report much later.
+            2..=3 => {
+                for h in &mut self.workers[w] {
+                    h.done_at_ms = now + LEASE_MS * 3;
                 }
             }
-            for (shard, receipts) in per_shard {
-                let refused = self
-                    .backend
-                    .extend(&shard, &receipts, LEASE_MS)
-                    .unwrap_or_else(|_| receipts.clone());
-                for r in receipts.iter().filter(|r| !refused.contains(r)) {
-                    if let Some(run) = self.checks.slot_runs.get_mut(&(shard.clone(), r.fence)) {
-                        run.1 = now + LEASE_MS;
-                    }
-                }
-            }
-            // Claim.
-            let shard = SHARDS[self.rng.below(SHARDS.len() as u64) as usize];
-            let shards = self.backend.shard_names();
-            let shard = if self.rng.chance(30) {
-                shards[self.rng.below(shards.len() as u64) as usize].clone()
+            _ => {}
+        }
+        let (due, keep): (Vec<Held>, Vec<Held>) = std::mem::take(&mut self.workers[w])
+            .into_iter()
+            .partition(|h| h.done_at_ms <= now);
+        self.workers[w] = keep;
+        for h in due {
+            if !h.fails && self.rng.chance(4) {
+                self.back_off(h);
             } else {
-                shard.to_string()
-            };
-            let jobs = match self.backend.claim(&shard, 4, LEASE_MS) {
-                Ok(j) => j,
-                Err(e) => {
-                    self.checks
-                        .violations
-                        .push(format!("claim on {shard}: {e}"));
-                    continue;
-                }
-            };
-            for job in jobs {
-                self.started(&job);
-                let fails = self.dead_faults && self.rng.chance(5);
-                let done_at_ms = now + 1 + self.rng.below(LEASE_MS / 2);
-                self.workers[w].push(Held {
-                    job,
-                    done_at_ms,
-                    fails,
-                });
+                self.finish(h);
             }
         }
-        // An operator cancels a live job of some key (queued, delayed, dead
-        // or running), on any shard, also while the key moves.
+        self.heartbeat(w, now);
+        self.claim_for(w, now);
+    }
+
+    /// Heartbeats worker `w`'s runs that are not stalled, moving the lease
+    /// ends the slot checks expect.
+    fn heartbeat(&mut self, w: usize, now: u64) {
+        let mut per_shard: BTreeMap<String, Vec<_>> = BTreeMap::new();
+        for h in &self.workers[w] {
+            if h.done_at_ms <= now + LEASE_MS {
+                per_shard
+                    .entry(h.job.shard.clone())
+                    .or_default()
+                    .push(h.job.receipt());
+            }
+        }
+        for (shard, receipts) in per_shard {
+            let refused = self
+                .backend
+                .extend(&shard, &receipts, LEASE_MS)
+                .unwrap_or_else(|_| receipts.clone());
+            for r in receipts.iter().filter(|r| !refused.contains(r)) {
+                if let Some(run) = self.checks.slot_runs.get_mut(&(shard.clone(), r.fence)) {
+                    run.1 = now + LEASE_MS;
+                }
+            }
+        }
+    }
+
+    /// Worker `w` claims on a seeded shard (now and then one only the
+    /// backend knows) and holds what it got, some runs set to fail.
+    fn claim_for(&mut self, w: usize, now: u64) {
+        let shard = SHARDS[self.rng.below(SHARDS.len() as u64) as usize];
+        let shards = self.backend.shard_names();
+        let shard = if self.rng.chance(30) {
+            shards[self.rng.below(shards.len() as u64) as usize].clone()
+        } else {
+            shard.to_string()
+        };
+        let jobs = match self.backend.claim(&shard, 4, LEASE_MS) {
+            Ok(j) => j,
+            Err(e) => {
+                self.checks
+                    .violations
+                    .push(format!("claim on {shard}: {e}"));
+                return;
+            }
+        };
+        for job in jobs {
+            self.started(&job);
+            let fails = self.dead_faults && self.rng.chance(5);
+            let done_at_ms = now + 1 + self.rng.below(LEASE_MS / 2);
+            self.workers[w].push(Held {
+                job,
+                done_at_ms,
+                fails,
+            });
+        }
+    }
+
+    /// An operator cancels a live job of some key (queued, delayed, dead
+    /// or running), on any shard, also while the key moves.
+    fn operator_cancels(&mut self) {
         if self.rng.chance(3) {
             let shards = self.backend.shard_names();
             let shard = shards[self.rng.below(shards.len() as u64) as usize].clone();
@@ -364,15 +400,6 @@ impl World {
                 }
             }
         }
-        self.check_slots(now);
-        // Owner restart: every run of one shard ends.
-        if self.rng.chance(1) {
-            let shards = self.backend.shard_names();
-            let shard = &shards[self.rng.below(shards.len() as u64) as usize];
-            self.backend.release(shard).unwrap();
-            self.backend.adopt(shard).unwrap();
-        }
-        self.clock.now_ms.fetch_add(1, Ordering::SeqCst);
     }
 
     fn trace(&self, key: &str, what: String) {
@@ -611,41 +638,83 @@ impl World {
             &self.checks.violations[..self.checks.violations.len().min(5)]
         );
     }
+
+    /// Quiesce: no more new jobs or faults; every held run finishes and
+    /// the dead are retried until nothing is left to run (bounded).
+    fn quiesce(&mut self) {
+        for _ in 0..20_000 {
+            let now = self.clock.now_ms();
+            for i in 0..self.workers.len() {
+                let held = std::mem::take(&mut self.workers[i]);
+                for mut h in held {
+                    h.fails = false;
+                    self.finish(h);
+                }
+            }
+            let mut idle = true;
+            self.retry_dead();
+            for s in self.backend.shard_names() {
+                let jobs = self.backend.claim(&s, 64, LEASE_MS).unwrap();
+                idle &= jobs.is_empty() && self.backend.next_due_ms(&s).unwrap().is_none();
+                for job in jobs {
+                    self.started(&job);
+                    self.workers[0].push(Held {
+                        job,
+                        done_at_ms: now,
+                        fails: false,
+                    });
+                }
+            }
+            self.clock.now_ms.fetch_add(10, Ordering::SeqCst);
+            if idle && self.workers.iter().all(Vec::is_empty) {
+                break;
+            }
+        }
+    }
+
+    /// The end checks: the limits held, no violation, every stored job
+    /// acked exactly once (none of the cancelled), and the run saw load,
+    /// cancels and the group `slots` at its limit.
+    fn check_at_the_end(&mut self, seed: u64) {
+        self.check_limits();
+        self.assert_ok(seed, "at the end");
+        // Every stored job ran to its ack exactly once, but the cancelled ones,
+        // which never did.
+        let lost: Vec<_> = self
+            .checks
+            .stored
+            .iter()
+            .filter(|id| {
+                let want = u32::from(!self.checks.cancelled.contains(*id));
+                self.checks.acked.get(*id).copied().unwrap_or(0) != want
+            })
+            .take(5)
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "seed {seed}: stored jobs not acked exactly once: {lost:?} of {} (replay: SHARDQ_SIM_SEED={seed})",
+            self.checks.stored.len()
+        );
+        assert!(
+            self.checks.stored.len() > 100,
+            "seed {seed}: too little load"
+        );
+        assert!(
+            !self.checks.cancelled.is_empty(),
+            "seed {seed}: no job was cancelled"
+        );
+        assert_eq!(
+            self.checks.slots_most, SLOTS as usize,
+            "seed {seed}: the group `slots` never ran at its limit (the check saw nothing)"
+        );
+    }
 }
 
 /// Returns how many jobs the last, finishing, rebalance copied with their
 /// keys, whether a shard was cut off, and how many enqueues a frozen key
 /// sent on.
 fn simulate(seed: u64) -> (u64, u64, u64, u64) {
-    let clock = Arc::new(SimClock::default());
-    clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
-    let backend = MemoryBackend::new(&SHARDS, clock.clone()).with_flow(Arc::new(FlowControl::new(
-        sim_flow(),
-        Arc::new(LocalGroupBuckets::default()),
-    )));
-    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, SHARDS).unwrap());
-    let producer = Producer::new(
-        Arc::new(backend.clone()),
-        Arc::new(store.clone()),
-        ProducerOptions {
-            pause_wait_ms: 20,
-            fence_wait_ms: 1_000,
-            refresh_ms: 50,
-            clock: clock.clone(),
-            ..ProducerOptions::default()
-        },
-    )
-    .unwrap();
-    let world = Arc::new(Mutex::new(World {
-        rng: Rng(seed),
-        clock: clock.clone(),
-        backend: backend.clone(),
-        producer,
-        workers: (0..3).map(|_| Vec::new()).collect(),
-        next_seq: BTreeMap::new(),
-        checks: Checks::default(),
-        dead_faults: true,
-    }));
+    let (clock, backend, store, world) = sim_world(seed);
     {
         let world = world.clone();
         *clock.step.lock().unwrap() = Some(Box::new(move || {
@@ -740,63 +809,51 @@ fn simulate(seed: u64) -> (u64, u64, u64, u64) {
     // Quiesce: no more new jobs or faults, finish everything.
     *clock.step.lock().unwrap() = None;
     let mut w = world.lock().unwrap();
-    for _ in 0..20_000 {
-        let now = w.clock.now_ms();
-        for i in 0..w.workers.len() {
-            let held = std::mem::take(&mut w.workers[i]);
-            for mut h in held {
-                h.fails = false;
-                w.finish(h);
-            }
-        }
-        let mut idle = true;
-        w.retry_dead();
-        for s in w.backend.shard_names() {
-            let jobs = w.backend.claim(&s, 64, LEASE_MS).unwrap();
-            idle &= jobs.is_empty() && w.backend.next_due_ms(&s).unwrap().is_none();
-            for job in jobs {
-                w.started(&job);
-                w.workers[0].push(Held {
-                    job,
-                    done_at_ms: now,
-                    fails: false,
-                });
-            }
-        }
-        w.clock.now_ms.fetch_add(10, Ordering::SeqCst);
-        if idle && w.workers.iter().all(Vec::is_empty) {
-            break;
-        }
-    }
-    w.check_limits();
-    w.assert_ok(seed, "at the end");
-    // Every stored job ran to its ack exactly once, but the cancelled ones,
-    // which never did.
-    let lost: Vec<_> = w
-        .checks
-        .stored
-        .iter()
-        .filter(|id| {
-            let want = u32::from(!w.checks.cancelled.contains(*id));
-            w.checks.acked.get(*id).copied().unwrap_or(0) != want
-        })
-        .take(5)
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "seed {seed}: stored jobs not acked exactly once: {lost:?} of {} (replay: SHARDQ_SIM_SEED={seed})",
-        w.checks.stored.len()
-    );
-    assert!(w.checks.stored.len() > 100, "seed {seed}: too little load");
-    assert!(
-        !w.checks.cancelled.is_empty(),
-        "seed {seed}: no job was cancelled"
-    );
-    assert_eq!(
-        w.checks.slots_most, SLOTS as usize,
-        "seed {seed}: the group `slots` never ran at its limit (the check saw nothing)"
-    );
+    w.quiesce();
+    w.check_at_the_end(seed);
     (moved, cut_offs, w.checks.redirects, w.checks.backed_off)
+}
+
+/// The simulated world for `seed`: a clock, a three-shard backend with
+/// flow control, its map store and three workers with faults on.
+fn sim_world(
+    seed: u64,
+) -> (
+    Arc<SimClock>,
+    MemoryBackend,
+    MemoryMapStore,
+    Arc<Mutex<World>>,
+) {
+    let clock = Arc::new(SimClock::default());
+    clock.now_ms.store(1_700_000_000_000, Ordering::SeqCst);
+    let backend = MemoryBackend::new(&SHARDS, clock.clone()).with_flow(Arc::new(FlowControl::new(
+        sim_flow(),
+        Arc::new(LocalGroupBuckets::default()),
+    )));
+    let store = MemoryMapStore::new(ShardMap::with_shards(Algorithm::Rendezvous, SHARDS).unwrap());
+    let producer = Producer::new(
+        Arc::new(backend.clone()),
+        Arc::new(store.clone()),
+        ProducerOptions {
+            pause_wait_ms: 20,
+            fence_wait_ms: 1_000,
+            refresh_ms: 50,
+            clock: clock.clone(),
+            ..ProducerOptions::default()
+        },
+    )
+    .unwrap();
+    let world = Arc::new(Mutex::new(World {
+        rng: Rng(seed),
+        clock: clock.clone(),
+        backend: backend.clone(),
+        producer,
+        workers: (0..3).map(|_| Vec::new()).collect(),
+        next_seq: BTreeMap::new(),
+        checks: Checks::default(),
+        dead_faults: true,
+    }));
+    (clock, backend, store, world)
 }
 
 /// The rebalance's view of the backend, killed at its `crash_at`-th write
@@ -1148,6 +1205,9 @@ type StartsByKey = BTreeMap<String, Vec<(u64, usize)>>;
 /// checked then that no more of its runs overlap, and that its jobs first
 /// start in enqueue order (by their runs' fences: handlers of one key race
 /// each other to the bookkeeping).
+/// Long on purpose: one seeded scenario, the jobs, the handler that checks
+/// each start against the state it shares with the end checks, the pool's
+/// run and those checks, in the order they happen.
 fn real_pool_with_stalls(seed: u64, concurrency: u32) {
     const KEYS: usize = 12;
     const PER_KEY: usize = 15;
@@ -1680,6 +1740,9 @@ fn a_rerun_moves_its_keys_past_a_shard_that_stopped_answering() {
 /// fired while their key is sealed, copied, frozen and switched. At the
 /// end, for every schedule, the ticks that stored a job are exactly the
 /// ticks it decided, each once.
+/// Long on purpose: one seeded scenario, its set-up, the scheduler passes
+/// the rebalance's writes call, the killed and rerun rebalance and the
+/// checks per schedule, in the order they happen.
 fn schedules_through_a_killed_rebalance(seed: u64) {
     use shardq_core::schedule::{
         tick_dedup_id, Overlap, Schedule, ScheduleStore, Scheduler, SchedulerOptions, When,
@@ -1897,6 +1960,10 @@ impl shardq_core::workflow::Release for Killable<'_> {
 /// each job and each released dependent starts once and only after
 /// everything it waits for ended; each due callback starts once, success
 /// never beside a dead job, death once; the failed dependents never start.
+/// Long on purpose: one seeded scenario; the step the clock calls closes
+/// over the jobs, batches, waits and log it builds, and the checks read
+/// that log, so its set-up, disturbances and checks stay in the order
+/// they happen.
 fn workflows_through_killed_resolvers_and_a_killed_rebalance(seed: u64) {
     use shardq_core::backend::{find_job, finished_job};
     use shardq_core::workflow::{
