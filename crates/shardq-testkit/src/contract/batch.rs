@@ -42,6 +42,9 @@ fn with_attempts(key: &str, attempts: u32) -> NewJob {
 /// callback is enqueued again as after a crash. A batch with a dead job
 /// fires its death callback once while still open, then complete and
 /// never success. A complete batch takes no more jobs.
+/// Long on purpose: one scenario on one harness, the batches opened, the
+/// move, the adds after the close, the resolver passes and the checks in
+/// the order they happen, each on the state the step before left.
 pub fn a_batch_fires_each_callback_once(h: &dyn ContractHarness) {
     let b = h.backend();
     let (sa, sb) = (h.fresh_shard(), h.fresh_shard());

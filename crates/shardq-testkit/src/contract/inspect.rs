@@ -9,6 +9,8 @@ use super::*;
 /// delayed or a dead job so that it never runs, and the key's next job
 /// becomes due at once; a finished, a cancelled or an unknown id is not
 /// found. Other keys are untouched.
+/// Long on purpose: one scenario on one set of keys, each read and cancel
+/// checked on the state the ones before it left.
 pub fn jobs_can_be_read_and_cancelled(h: &dyn ContractHarness) {
     let b = h.backend();
     let shard = h.fresh_shard();

@@ -63,6 +63,9 @@ fn dependent(key: &str, after: Vec<DepRef>, on_failure: OnDependencyFailure) -> 
 /// chain link waits for the dependent before it. A cancelled dependency
 /// fails a `fail` dependent naming it and runs a `run` one; a purged one
 /// is `forgotten` once it has been missing for a while.
+/// Long on purpose: one scenario on one harness, the dependents set up, the
+/// move, the cancel and the purge, the resolver passes and the checks in
+/// the order they happen, each on the state the step before left.
 pub fn dependents_run_once_after_their_dependencies(h: &dyn ContractHarness) {
     let b = h.backend();
     let (sa, sb) = (h.fresh_shard(), h.fresh_shard());
