@@ -36,6 +36,9 @@ struct Outcome {
 }
 
 /// Runs load, applies `change` then rebalances, and checks order and loss.
+/// Long on purpose: one scenario, the producers and the pool started,
+/// `change` and the rebalance under their load, then the drain and the
+/// order and loss checks, in the order they happen.
 fn under_load(
     shards: &[&str],
     algorithm: Algorithm,

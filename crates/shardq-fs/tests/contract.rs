@@ -88,6 +88,9 @@ shardq_testkit::contract_tests!(engine());
 /// was acked and its segments compacted, until the window ends; and two
 /// engines over one data dir enqueueing one `(key, id)` at once store it
 /// once (the check is under the shard's append lock).
+/// Long on purpose: one dedup record followed through compaction, a
+/// restart, two engines and the end of its window, in the order they
+/// happen.
 #[test]
 fn dedup_records_survive_a_restart_and_compaction_for_their_window() {
     let tmp = std::env::temp_dir().join(format!("shardq-fs-dedup-{}", std::process::id()));
