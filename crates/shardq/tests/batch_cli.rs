@@ -107,6 +107,9 @@ fn open_batch(d: &str, key: &str) -> String {
 /// One trial: two batches, a disturbance at a random moment, the worker
 /// SIGKILLed at another and a second worker to the end; then the
 /// invariants.
+/// Long on purpose: one trial, its batches, its disturbance and kill at
+/// seeded moments and the invariants read from the handlers' log, in the
+/// order they happen.
 fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let mut rng = Lcg(seed);
     // Batch a: 24 jobs over 6 keys and a job that fans out after the

@@ -1254,6 +1254,8 @@ fn a_keys_back_off_is_lifted_by_key_resume_on_redis() {
     key_resume_lifts_one_keys_back_off("h-key-resume-redis", &["--redis", &server.url()]);
 }
 
+/// Long on purpose: one scenario against one data dir, each `key resume`
+/// case checked in turn on the state the one before it left.
 fn key_resume_lifts_one_keys_back_off(name: &str, init_extra: &[&str]) {
     let dir = temp_dir(name);
     let data = dir.join("data");

@@ -425,6 +425,9 @@ fn feed(stdin: &mut ChildStdin, tenants: usize, round: usize) {
     stdin.flush().unwrap();
 }
 
+/// Long on purpose: one scenario, the instances and the producer's load,
+/// the rebalance under it, then the map and placement checks, in the order
+/// they happen.
 #[test]
 fn rebalance_from_four_instances_to_five_under_load() {
     let servers = servers(5);

@@ -92,6 +92,9 @@ fn ticks_survive_kills_and_stops(data: &Path, dir: &Path) {
 /// for 12 s while `disturb` (given the workers, a random number and the
 /// handler log) acts every 0.3 to 1.2 s, then checks every decided tick
 /// stored exactly one job.
+/// Long on purpose: one run, its schedule, the workers and the disturbance
+/// loop, the catch-up and the checks from the handler log, in the order
+/// they happen.
 fn ticks_survive(data: &Path, dir: &Path, mut disturb: impl FnMut(&mut Vec<Child>, u64, &Path)) {
     let d = data.to_str().unwrap();
     ok(&[
@@ -298,6 +301,9 @@ fn each_tick_stores_one_job_through_kills_stops_and_moves_on_every_backend() {
     );
 }
 
+/// Long on purpose: a table of bad commands, each refused the same way,
+/// then one schedule managed through its commands, each step on the state
+/// the one before left.
 #[test]
 fn schedule_commands_refuse_bad_input_by_name_and_manage_a_schedule() {
     let dir = temp_dir("schedule-commands");

@@ -84,6 +84,9 @@ fn enqueue_after(d: &str, key: &str, payload: &str, after: &[String], policy: &s
 /// One trial: the workflow, a disturbance at a random moment, the worker
 /// SIGKILLed at another and a second worker to the end; then the
 /// invariants.
+/// Long on purpose: one trial, its workflow, its disturbance and kill at
+/// seeded moments and the invariants read from the handlers' log, in the
+/// order they happen.
 fn trial(name: &str, d: &str, log: &Path, seed: u64, disturb: Disturb) {
     let mut rng = Lcg(seed);
     // 40 children over 8 keys.
