@@ -268,7 +268,7 @@ pub trait RunJobs: Send + Sync {
     /// for the shard's retention. `results` is empty (no results) or as
     /// long as `receipts`; each result is at most
     /// [`crate::job::RESULT_BYTES_MAX`] (larger is refused as
-    /// [`QueueError::InvalidInput`], nothing acked). A stale receipt's
+    /// [`QueueError::InvalidOption`], nothing acked). A stale receipt's
     /// result is dropped with it.
     fn ack_results(
         &self,

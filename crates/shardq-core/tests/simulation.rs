@@ -1936,7 +1936,7 @@ struct Killable<'a> {
 }
 
 impl shardq_core::workflow::Release for Killable<'_> {
-    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+    fn release(&mut self, job: &NewJob) -> shardq_core::workflow::Released {
         if self.rng.chance(10) {
             return Err("killed before the enqueue".into());
         }

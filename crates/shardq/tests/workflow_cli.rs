@@ -11,6 +11,7 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use shardq_testkit::redis::{RedisCluster, RedisServer};
@@ -384,4 +385,62 @@ fn bad_dependencies_are_refused_naming_them() {
         .map(|l| l.payload)
         .collect();
     assert!(!seen.contains("pa") && !seen.contains("pb"), "{seen:?}");
+}
+
+/// A dependent whose release the worker refuses for good (its payload is
+/// over the worker's `--payload-bytes-max`, though not over what `enqueue`
+/// took) ends as failed with a reason naming the payload, and its own
+/// dependent fails by it, while a dependent released beside it runs:
+/// nothing waits forever and one bad release holds up no other.
+#[test]
+fn a_release_the_worker_refuses_for_good_fails_that_dependent_only() {
+    let dir = temp_dir("wf-refused");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    let id = ok(&["enqueue", "--data", d, "--key", "k", "--payload", "p"]);
+    let id = id.trim().to_string();
+    let big = "x".repeat(2_000);
+    let bad = enqueue_after(d, "a", &big, std::slice::from_ref(&id), "fail");
+    let next = enqueue_after(d, "b", "pb", std::slice::from_ref(&bad), "fail");
+    let good = enqueue_after(d, "c", "pc", std::slice::from_ref(&id), "fail");
+    let log = dir.join("log");
+    let mut w = Command::new(support::BIN)
+        .args([
+            "work",
+            "--data",
+            d,
+            "--max-local-shards",
+            "all",
+            "--payload-bytes-max",
+            "1000",
+            "--",
+            "sh",
+            "-c",
+            HANDLER,
+        ])
+        .env("LOG", &log)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(
+        "the refused dependent and its own dependent to fail",
+        Duration::from_secs(20),
+        || show(d, &bad)["state"] == "failed" && show(d, &next)["state"] == "failed",
+    );
+    wait_until("the good dependent to run", Duration::from_secs(20), || {
+        read_log(&log).iter().any(|l| !l.start && l.payload == "pc")
+    });
+    let _ = w.kill();
+    let _ = w.wait();
+    let v = show(d, &bad);
+    let reason = v["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("refused") && reason.contains("1000"),
+        "the reason names the refusal and the limit: {v}"
+    );
+    assert!(show(d, &good)["state"] != "failed", "{}", show(d, &good));
+    let st = support::status_json(&data);
+    assert_eq!(st["dependents"]["waiting"], 0, "{st}");
 }

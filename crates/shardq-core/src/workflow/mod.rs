@@ -53,7 +53,9 @@
 //! finished and forgotten by the retention before a pass saw it) was seen
 //! at enqueue (an id no shard knows is refused), so it has ended: after
 //! it has been missing for [`FORGOTTEN_AFTER_MS`] its outcome is
-//! `forgotten`, which is not a success. The retention keeps the newest
+//! `forgotten`, which is not a success. A release refused for good (bad
+//! input about the job, [`ReleaseError::for_good`]) ends the dependent as
+//! failed; one that may pass is tried again every pass. The retention keeps the newest
 //! [`crate::job::Retention::finished_jobs`] finished jobs per shard; a
 //! shard that finishes more than that between two passes can turn a
 //! completion into `forgotten`, so keep it above a shard's finishes per
@@ -82,7 +84,9 @@ pub use record::{
     check_after, parse_dependency, DepOutcome, DepRef, Dependency, DependentTotals, NewDependent,
     OnDependencyFailure, WaitState, Waiting, WaitingFile, WaitingStore, WAITING_FORMAT,
 };
-pub use resolve::{release_producer, run_resolver, PassReport, Release, Resolver, Wake};
+pub use resolve::{
+    release_producer, run_resolver, PassReport, Release, ReleaseError, Released, Resolver, Wake,
+};
 
 /// The deployment setting that holds the waiting dependents.
 pub const SETTING_WAITING: &str = "waiting";

@@ -148,53 +148,114 @@ impl PassLists {
     }
 }
 
+/// Why a release failed, and whether trying again can help.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseError {
+    /// What went wrong.
+    pub text: String,
+    /// The job itself was refused (bad input, for example a payload over
+    /// the releasing process's `--payload-bytes-max`): the same release
+    /// would be refused again, so the record ends as failed instead of
+    /// waiting forever.
+    pub for_good: bool,
+}
+
+impl ReleaseError {
+    /// A failure that may pass (tried again next pass).
+    pub fn again(text: impl Into<String>) -> ReleaseError {
+        ReleaseError {
+            text: text.into(),
+            for_good: false,
+        }
+    }
+
+    /// A producer's failure: for good when it is bad input about the job,
+    /// not about where it goes (an unknown shard may be one a live
+    /// `add-shard` has not opened here yet).
+    pub fn of(e: &ProduceError) -> ReleaseError {
+        fn for_good(e: &ProduceError) -> bool {
+            match e {
+                ProduceError::Queue(QueueError::UnknownShard { .. }) => false,
+                ProduceError::Partial { cause, .. } => for_good(cause),
+                e => e.kind() == crate::ErrorKind::BadInput,
+            }
+        }
+        ReleaseError {
+            text: e.to_string(),
+            for_good: for_good(e),
+        }
+    }
+}
+
+impl From<&str> for ReleaseError {
+    fn from(text: &str) -> ReleaseError {
+        ReleaseError::again(text)
+    }
+}
+
+impl std::fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// One release's answer: the shard and id stored (a duplicate's: the
+/// first release's).
+pub type Released = Result<(String, JobId), ReleaseError>;
+
 /// How a pass enqueues a released dependent: a routing producer in a
 /// worker ([`Producer`], with the release's dedup window), a fixed shard in
-/// the contract's check. The shard and id stored (a duplicate's: the
-/// first release's).
+/// the contract's check.
 pub trait Release {
     /// Enqueues `job` (it carries its dedup id `after:@N.NONCE`).
-    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String>;
+    fn release(&mut self, job: &NewJob) -> Released;
 
     /// Enqueues `jobs`, each answered in order (a batch's many jobs go
     /// together: one append per shard). By default one at a time.
-    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Result<(String, JobId), String>> {
+    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Released> {
         jobs.iter().map(|j| self.release(j)).collect()
     }
 }
 
 impl Release for Producer<dyn QueueBackend> {
-    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+    fn release(&mut self, job: &NewJob) -> Released {
         self.enqueue(job)
             .map(|p| (p.shard, p.id))
-            .map_err(|e| e.to_string())
+            .map_err(|e| ReleaseError::of(&e))
     }
 
-    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Result<(String, JobId), String>> {
-        let mut out: Vec<Result<(String, JobId), String>> =
-            vec![Err("not placed".to_string()); jobs.len()];
-        let placed = match self.enqueue_batch(jobs) {
-            Ok(p) => p,
-            Err(ProduceError::Partial { placed, cause }) => {
-                out.iter_mut().for_each(|o| *o = Err(cause.to_string()));
-                placed
-            }
+    /// One call for all; when the call is refused for good (one bad job
+    /// refuses the whole call), the jobs it did not place are released
+    /// one at a time, so only the bad one is refused.
+    fn release_all(&mut self, jobs: &[NewJob]) -> Vec<Released> {
+        let (placed, failure) = match self.enqueue_batch(jobs) {
+            Ok(p) => (p, None),
             Err(ProduceError::PausedTooLong { placed, keys, .. }) => {
-                out.iter_mut()
-                    .for_each(|o| *o = Err(format!("keys {keys:?} stayed paused by a move")));
-                placed
+                let e = ReleaseError::again(format!("keys {keys:?} stayed paused by a move"));
+                (placed, Some(e))
             }
-            Err(e) => {
-                let e = e.to_string();
-                return jobs.iter().map(|_| Err(e.clone())).collect();
+            Err(ProduceError::Partial { placed, cause }) => {
+                (placed, Some(ReleaseError::of(&cause)))
             }
+            Err(e) => (Vec::new(), Some(ReleaseError::of(&e))),
         };
+        let mut out: Vec<Option<Released>> = vec![None; jobs.len()];
         for p in placed {
             if let Some(o) = out.get_mut(p.index) {
-                *o = Ok((p.shard, p.id));
+                *o = Some(Ok((p.shard, p.id)));
             }
         }
-        out
+        let one_by_one = jobs.len() > 1 && failure.as_ref().is_some_and(|e| e.for_good);
+        out.into_iter()
+            .zip(jobs)
+            .map(|(o, job)| match o {
+                Some(r) => r,
+                None if one_by_one => self.release(job),
+                None => Err(failure
+                    .clone()
+                    .unwrap_or_else(|| ReleaseError::again("not placed"))),
+            })
+            .collect()
     }
 }
 
@@ -667,6 +728,12 @@ impl Resolver {
                     Ok((shard, id)) => {
                         d.released.insert(*n, format!("{shard}:{}", id.0));
                     }
+                    // Refused for good: it would be refused every pass, so
+                    // it ends as failed (its own dependents then see it
+                    // failed) rather than wait forever.
+                    Err(e) if e.for_good => {
+                        d.failed.insert(*n, format!("its release was refused: {e}"));
+                    }
                     Err(e) => report.errors.push(format!("releasing @{n}: {e}")),
                 }
             }
@@ -951,7 +1018,7 @@ mod tests {
     struct Never;
 
     impl Release for Never {
-        fn release(&mut self, _: &NewJob) -> Result<(String, JobId), String> {
+        fn release(&mut self, _: &NewJob) -> Released {
             Err("not in this test".into())
         }
     }
@@ -1024,7 +1091,7 @@ mod tests {
     struct OnA<'a>(&'a MemoryBackend);
 
     impl Release for OnA<'_> {
-        fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+        fn release(&mut self, job: &NewJob) -> Released {
             let stored = self
                 .0
                 .enqueue_dedup(
@@ -1033,9 +1100,107 @@ mod tests {
                     std::slice::from_ref(job),
                     RELEASE_DEDUP_WINDOW_MS,
                 )
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| ReleaseError::again(e.to_string()))?;
             Ok(("a".into(), stored[0].id))
         }
+    }
+
+    /// Refuses, for good, every job whose payload is `poison`; releases
+    /// the rest onto shard "a".
+    struct RefusesPoison<'a>(&'a MemoryBackend);
+
+    impl Release for RefusesPoison<'_> {
+        fn release(&mut self, job: &NewJob) -> Released {
+            if job.payload == b"poison" {
+                return Err(ReleaseError {
+                    text: "payload refused".into(),
+                    for_good: true,
+                });
+            }
+            OnA(self.0).release(job)
+        }
+    }
+
+    /// A dependent whose release is refused for good (here by the
+    /// releasing process's limits) ends as failed, naming why, and does
+    /// not hold up the others released in the same pass; its own
+    /// dependent fails by it. Nothing waits forever.
+    #[test]
+    fn a_release_refused_for_good_fails_the_dependent_and_spares_the_others() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let backend = MemoryBackend::new(&["a"], clock.clone());
+        let maps = Arc::new(MemoryMapStore::new(
+            shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["a"]).unwrap(),
+        ));
+        let dependent = |payload: &str, after: Vec<DepRef>| NewDependent {
+            job: NewJob::new("tenant", payload),
+            after,
+            on_failure: OnDependencyFailure::Fail,
+        };
+        let mut lookup = |_: &str, _| Ok(crate::backend::JobLookup::Unknown);
+        let roots = WaitingStore::add(
+            &*maps,
+            &mut lookup,
+            clock.now_ms(),
+            &[dependent("ok", Vec::new()), dependent("poison", Vec::new())],
+        )
+        .unwrap();
+        let (ok, poison) = (roots[0].0, roots[1].0);
+        let after_poison = WaitingStore::add(
+            &*maps,
+            &mut lookup,
+            clock.now_ms(),
+            &[dependent("next", vec![DepRef::Waiting(poison)])],
+        )
+        .unwrap()[0]
+            .0;
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        let report = r.pass(&backend, &mut RefusesPoison(&backend)).unwrap();
+        assert_eq!(
+            report.released.iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![ok],
+            "{report:?}"
+        );
+        assert_eq!(report.failed.len(), 1, "{report:?}");
+        assert_eq!(report.failed[0].0, poison);
+        assert!(
+            report.failed[0].1.contains("refused") && report.failed[0].1.contains("payload"),
+            "{report:?}"
+        );
+        clock.advance(RESOLVE_EVERY_MS);
+        let report = r.pass(&backend, &mut RefusesPoison(&backend)).unwrap();
+        assert_eq!(
+            report.failed.iter().map(|f| f.0).collect::<Vec<_>>(),
+            vec![after_poison],
+            "{report:?}"
+        );
+        let f = WaitingStore::load(&*maps).unwrap();
+        assert_eq!(f.waiting(), 0, "nothing waits");
+        assert_eq!(f.jobs[&poison].state, WaitState::Failed);
+    }
+
+    /// A producer's call refused for good because of one job (a payload
+    /// over the backend's limit) is tried again job by job: the others
+    /// are stored and only that one is refused, for good.
+    #[test]
+    fn one_bad_job_does_not_refuse_the_others_of_a_release_call() {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let backend: Arc<dyn QueueBackend> = Arc::new(MemoryBackend::new(&["a"], clock.clone()));
+        let maps = Arc::new(MemoryMapStore::new(
+            shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["a"]).unwrap(),
+        ));
+        let mut producer = release_producer(backend.clone(), maps, clock).unwrap();
+        let big = vec![b'x'; crate::job::PAYLOAD_BYTES_MAX_DEFAULT + 1];
+        let jobs = vec![
+            NewJob::new("k1", "one"),
+            NewJob::new("k2", big),
+            NewJob::new("k3", "three"),
+        ];
+        let out = producer.release_all(&jobs);
+        assert!(out[0].is_ok() && out[2].is_ok(), "{out:?}");
+        let e = out[1].as_ref().unwrap_err();
+        assert!(e.for_good && e.text.contains("payload"), "{e:?}");
+        assert_eq!(backend.key_jobs("a", "k3", 10).unwrap().len(), 1);
     }
 
     /// A batch of 2,000 queued jobs: the probes (64 a pass, each job at

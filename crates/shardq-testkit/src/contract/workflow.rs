@@ -11,8 +11,9 @@ use shardq_core::job::{JobId, NewJob};
 use shardq_core::memory::MemoryMapStore;
 use shardq_core::reshard::MapStore;
 use shardq_core::workflow::{
-    release_dedup_id, DepOutcome, DepRef, NewDependent, OnDependencyFailure, Release, Resolver,
-    WaitState, WaitingStore, FORGOTTEN_AFTER_MS, FORGOTTEN_MOVED_AFTER_MS, RELEASE_DEDUP_WINDOW_MS,
+    release_dedup_id, DepOutcome, DepRef, NewDependent, OnDependencyFailure, Release, ReleaseError,
+    Released, Resolver, WaitState, WaitingStore, FORGOTTEN_AFTER_MS, FORGOTTEN_MOVED_AFTER_MS,
+    RELEASE_DEDUP_WINDOW_MS,
 };
 
 use super::{claim, enqueue, ContractHarness, LONG_LEASE_MS};
@@ -26,7 +27,7 @@ pub(super) struct OnShard<'a> {
 }
 
 impl Release for OnShard<'_> {
-    fn release(&mut self, job: &NewJob) -> Result<(String, JobId), String> {
+    fn release(&mut self, job: &NewJob) -> Released {
         self.calls += 1;
         let stored = self
             .h
@@ -37,7 +38,7 @@ impl Release for OnShard<'_> {
                 std::slice::from_ref(job),
                 RELEASE_DEDUP_WINDOW_MS,
             )
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ReleaseError::again(e.to_string()))?;
         Ok((self.shard.clone(), stored[0].id))
     }
 }
