@@ -357,6 +357,18 @@ fn wait_cycles(producers: &[Producer], cycles: &[u64]) {
     });
 }
 
+/// The end of a load test: every producer writes its keys twice more (so
+/// each key has jobs after the change), stops, and reports what it stored;
+/// the worker runs all of them and is stopped. The jobs acknowledged, and
+/// the worker's stderr.
+fn wind_down(s: &Scratch, producers: Vec<Producer>, worker: Worker) -> (Vec<Ack>, String) {
+    let now: Vec<u64> = producers.iter().map(|p| p.cycles() + 2).collect();
+    wait_cycles(&producers, &now);
+    let acks: Vec<Ack> = producers.into_iter().flat_map(Producer::finish).collect();
+    wait_all_ran(s, acks.len());
+    (acks, worker.stop())
+}
+
 /// A run of the worker: (key, shard, id, payload). The payload is the
 /// key's sequence number as its producer sent it (a job moved with its key
 /// has a new id on its new shard, and the same payload).
@@ -701,11 +713,7 @@ fn reshard_under_load(
     assert!(status.success(), "{command:?}: {}", rebalance.read_stderr());
     let report = json(&stdout);
 
-    let now: Vec<u64> = producers.iter().map(|p| p.cycles() + 2).collect();
-    wait_cycles(&producers, &now);
-    let acks: Vec<Ack> = producers.into_iter().flat_map(Producer::finish).collect();
-    wait_all_ran(s, acks.len());
-    let worker_err = worker.stop();
+    let (acks, worker_err) = wind_down(s, producers, worker);
     Outcome {
         before,
         report,
@@ -929,11 +937,7 @@ fn coordinator_killed_mid_rebalance_finishes_on_rerun_without_loss_or_reordering
     let to_new = |_: &str, to: &str| to == "shard-4";
     assert!(check_report(&report, &to_new) >= 1, "{report}");
 
-    let now: Vec<u64> = producers.iter().map(|p| p.cycles() + 2).collect();
-    wait_cycles(&producers, &now);
-    let acks: Vec<Ack> = producers.into_iter().flat_map(Producer::finish).collect();
-    wait_all_ran(&s, acks.len());
-    worker.stop();
+    let (acks, _) = wind_down(&s, producers, worker);
 
     let after = check_finished(&s, &["shard-0", "shard-1", "shard-2", "shard-3", "shard-4"]);
     check_routes_as(&after, &target);
@@ -1036,11 +1040,7 @@ fn a_rebalance_stopped_holding_an_append_lock_is_killed_and_nothing_else_stops()
         "the rebalance ended before it was caught holding an append lock twice \
          ({tries} stops)"
     );
-    let now: Vec<u64> = producers.iter().map(|p| p.cycles() + 2).collect();
-    wait_cycles(&producers, &now);
-    let acks: Vec<Ack> = producers.into_iter().flat_map(Producer::finish).collect();
-    wait_all_ran(&s, acks.len());
-    worker.stop();
+    let (acks, _) = wind_down(&s, producers, worker);
     let after = check_finished(&s, &["shard-0", "shard-1", "shard-2", "shard-3", "shard-4"]);
     check_routes_as(&after, &expected_map(5, &[]));
     check_placements(&acks, &before, &after);

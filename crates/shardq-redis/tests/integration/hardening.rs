@@ -669,8 +669,8 @@ fn the_keys_hash_stays_a_hash_table_and_its_pin_is_never_a_key() {
     assert!(b.keys_with_work("r0").unwrap().is_empty());
     assert_eq!(encoding(&mut con), "hashtable");
 
-    // A shard written before the pin: its hash is gone once drained (as an
-    // older build leaves it); the next owner's adopt writes the pin again.
+    // A shard whose keys hash is gone (deleted, or lost with the hash):
+    // the next owner's adopt writes the pin again.
     let _: () = redis::cmd("DEL").arg(&hash).query(&mut con).unwrap();
     c.release_all().unwrap();
     let b2 = RedisBackend::open(&map, RedisOptions::default()).unwrap();
