@@ -808,7 +808,11 @@ impl Decisions {
                 w.state = WaitState::Failed;
                 w.reason = Some(why.clone());
                 w.ended_ms = Some(now);
-                f.failed_total += 1;
+                // A batch's job (its release refused for good) is counted
+                // by its batch, not among the dependents.
+                if w.member_of.is_none() {
+                    f.failed_total += 1;
+                }
             }
         }
         for (n, kind, at) in &self.fired {
