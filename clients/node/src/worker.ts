@@ -754,14 +754,19 @@ export class Worker {
         if (i >= 0) run.waiting.splice(i, 1);
         log.warn(`${what} before a handler was free; not run (the server fails the run)`);
       }
-      dispatch();
+      // A timer may run a little before `performance.now()` reaches its
+      // deadline (the loop's clock is cached and whole milliseconds): the
+      // deadline it ran for has passed, so a job claimed ahead with the same
+      // deadline must not take the slot it freed.
+      dispatch(Math.max(performance.now(), held.timeoutUntil ?? 0));
       run.notify();
     };
 
-    const dispatch = (): void => {
+    /** Starts jobs claimed ahead while slots are free; `now` is the time their deadlines are judged at. */
+    const dispatch = (now?: number): void => {
       while (run.running < concurrency && run.waiting.length > 0 && !run.abandoned) {
         const held = run.waiting.shift()!;
-        if (!held.lost && pastTimeout(held)) {
+        if (!held.lost && pastTimeout(held, Math.max(now ?? 0, performance.now()))) {
           // Its timer has not run yet.
           clearTimer(held);
           run.held.delete(held.job.receipt);
