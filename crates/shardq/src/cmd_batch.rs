@@ -162,10 +162,12 @@ pub(crate) fn print_batch(n: u64, w: &shardq_core::workflow::Waiting, json: bool
     );
     let complete = v["state"] == "complete";
     for (kind, cb) in v["callbacks"].as_object().into_iter().flatten() {
-        let fired =
-            cb["fired"]
-                .as_str()
-                .unwrap_or(if complete { "did not fire" } else { "not yet" });
+        let fired = match (cb["fired"].as_str(), cb["refused"].as_str()) {
+            (Some(at), _) => at.to_string(),
+            (None, Some(why)) => format!("refused for good: {why}"),
+            (None, None) if complete => "did not fire".to_string(),
+            (None, None) => "not yet".to_string(),
+        };
         println!("on {kind}\t{fired}");
     }
     println!("JOB\tOUTCOME\tAT");

@@ -382,3 +382,55 @@ fn stdin_lines_join_a_batch_chunk_by_chunk_and_a_bad_line_is_named() {
     assert!(err.contains("line") && err.contains("2"), "{err}");
     assert_eq!(show(d, &a)["counts"]["jobs"], 5001);
 }
+
+/// A callback the worker refuses for good (a complete callback's payload
+/// over the worker's `--payload-bytes-max`, though `batch open` took it)
+/// is recorded as refused, naming the limit, and is not tried again; the
+/// success callback starts once and the batch completes. It waited
+/// forever before.
+#[test]
+fn a_callback_the_worker_refuses_for_good_is_shown_refused_and_the_batch_completes() {
+    let dir = temp_dir("batch-refused");
+    let data = dir.join("q");
+    init_shards(&data, 2);
+    let d = data.to_str().unwrap();
+    let big = "x".repeat(2_000);
+    let b = ok(&[
+        "batch",
+        "open",
+        "--data",
+        d,
+        "--key",
+        "cb",
+        "--on-complete",
+        &big,
+        "--on-success",
+        "success",
+    ])
+    .trim()
+    .to_string();
+    add(d, &b, "k1", "one", &[]);
+    ok(&["batch", "close", "--data", d, &b]);
+    let log = dir.join("log");
+    let mut w = support::worker_with(d, &log, &["--payload-bytes-max", "1000"], HANDLER);
+    support::wait_until("the batch to complete", Duration::from_secs(20), || {
+        show(d, &b)["state"] == "complete"
+    });
+    // A few resolver passes more: nothing else starts.
+    std::thread::sleep(Duration::from_millis(1_500));
+    let _ = w.kill();
+    let _ = w.wait();
+    let v = show(d, &b);
+    let refused = v["callbacks"]["complete"]["refused"].as_str().unwrap_or("");
+    assert!(refused.contains("1000"), "names the limit: {v}");
+    assert!(v["callbacks"]["complete"]["fired"].is_null(), "{v}");
+    assert!(v["callbacks"]["success"]["fired"].is_string(), "{v}");
+    let starts: Vec<Line> = read_log(&log).into_iter().filter(|l| l.start).collect();
+    let callbacks: Vec<&str> = starts
+        .iter()
+        .filter_map(|l| l.callback.as_deref())
+        .collect();
+    assert_eq!(callbacks, vec!["success"], "{starts:?}");
+    let text = ok(&["batch", "show", "--data", d, &b]);
+    assert!(text.contains("refused for good"), "{text}");
+}

@@ -11,7 +11,6 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use shardq_testkit::redis::{RedisCluster, RedisServer};
@@ -405,25 +404,7 @@ fn a_release_the_worker_refuses_for_good_fails_that_dependent_only() {
     let next = enqueue_after(d, "b", "pb", std::slice::from_ref(&bad), "fail");
     let good = enqueue_after(d, "c", "pc", std::slice::from_ref(&id), "fail");
     let log = dir.join("log");
-    let mut w = Command::new(support::BIN)
-        .args([
-            "work",
-            "--data",
-            d,
-            "--max-local-shards",
-            "all",
-            "--payload-bytes-max",
-            "1000",
-            "--",
-            "sh",
-            "-c",
-            HANDLER,
-        ])
-        .env("LOG", &log)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut w = support::worker_with(d, &log, &["--payload-bytes-max", "1000"], HANDLER);
     wait_until(
         "the refused dependent and its own dependent to fail",
         Duration::from_secs(20),

@@ -83,6 +83,11 @@ pub struct Batch {
     pub callbacks: BTreeMap<CallbackKind, String>,
     /// Callbacks enqueued: the job (`SHARD:ID`) by kind.
     pub fired: BTreeMap<CallbackKind, String>,
+    /// Callbacks whose enqueue was refused for good (bad input about the
+    /// job, say a payload over the releasing worker's bound): why, by
+    /// kind. Such a callback never fires; the batch completes without it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub refused: BTreeMap<CallbackKind, String>,
     /// When it was closed (ms since the epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub closed_ms: Option<u64>,
@@ -144,7 +149,7 @@ pub fn due(w: &Waiting) -> Vec<CallbackKind> {
     b.callbacks
         .keys()
         .copied()
-        .filter(|k| !b.fired.contains_key(k))
+        .filter(|k| !b.fired.contains_key(k) && !b.refused.contains_key(k))
         .filter(|k| match k {
             CallbackKind::Death => c.dead > 0,
             CallbackKind::Complete => all_ended,
@@ -154,7 +159,8 @@ pub fn due(w: &Waiting) -> Vec<CallbackKind> {
 }
 
 /// Whether batch record `w` is done: closed, every job ended and every
-/// callback due has fired (a death callback with no dead job never is).
+/// callback due has fired or been refused for good (a death callback with
+/// no dead job never is due).
 pub fn done(w: &Waiting) -> bool {
     w.batch
         .as_ref()
@@ -270,6 +276,7 @@ impl WaitingStore {
                         open: true,
                         callbacks: callbacks.clone(),
                         fired: BTreeMap::new(),
+                        refused: BTreeMap::new(),
                         closed_ms: None,
                     });
                 }

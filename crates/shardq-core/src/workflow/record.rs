@@ -17,7 +17,7 @@ use crate::job::{JobId, JobState, NewJob};
 use crate::reshard::{update_setting, MapStore, ReshardError};
 
 /// The waiting document's format version; another one is refused.
-pub const WAITING_FORMAT: u32 = 4;
+pub const WAITING_FORMAT: u32 = 5;
 
 /// What a dependent does when a dependency did not complete (it was
 /// cancelled, dead-lettered, purged or forgotten, or is a dependent that

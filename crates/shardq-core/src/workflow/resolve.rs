@@ -769,6 +769,8 @@ struct Decisions {
     released: BTreeMap<u64, String>,
     failed: BTreeMap<u64, String>,
     fired: Vec<(u64, CallbackKind, String)>,
+    /// Callbacks refused for good: the batch, the kind, why.
+    refused: Vec<(u64, CallbackKind, String)>,
     batch_ends: Vec<u64>,
 }
 
@@ -777,6 +779,7 @@ impl Decisions {
         self.released.is_empty()
             && self.failed.is_empty()
             && self.fired.is_empty()
+            && self.refused.is_empty()
             && self.batch_ends.is_empty()
     }
 
@@ -823,6 +826,13 @@ impl Decisions {
                 }
             }
         }
+        for (n, kind, why) in &self.refused {
+            if let Some(b) = f.jobs.get_mut(n).and_then(|w| w.batch.as_mut()) {
+                if !b.fired.contains_key(kind) {
+                    b.refused.entry(*kind).or_insert_with(|| why.clone());
+                }
+            }
+        }
         for n in &self.batch_ends {
             if let Some(w) = f.jobs.get_mut(n).filter(|w| w.state == WaitState::Waiting) {
                 if batch_done(w) {
@@ -864,6 +874,16 @@ fn fire_due(
         };
         match release.release(&job) {
             Ok((shard, id)) => d.fired.push((n, kind, format!("{shard}:{}", id.0))),
+            // Refused for good: it would be refused every pass and keep
+            // the batch from completing; recorded as refused, with why.
+            Err(e) if e.for_good => {
+                report.errors.push(format!(
+                    "batch @{n}'s {} callback refused for good: {e}",
+                    kind.as_str()
+                ));
+                d.refused
+                    .push((n, kind, format!("its enqueue was refused: {e}")));
+            }
             Err(e) => report
                 .errors
                 .push(format!("batch @{n}'s {} callback: {e}", kind.as_str())),
@@ -1207,27 +1227,87 @@ mod tests {
         assert_eq!(backend.key_jobs("a", "k3", 10).unwrap().len(), 1);
     }
 
-    /// A batch of 2,000 queued jobs: the probes (64 a pass, each job at
-    /// most once a second) go round every job, not the first 640 again
-    /// and again.
-    #[test]
-    fn probes_go_round_every_job_of_a_large_batch() {
+    /// A manual clock, a memory backend with shard "a", and a map store
+    /// whose map has that shard.
+    fn one_shard() -> (Arc<ManualClock>, MemoryBackend, Arc<MemoryMapStore>) {
         let clock = Arc::new(ManualClock::new(1_700_000_000_000));
         let backend = MemoryBackend::new(&["a"], clock.clone());
         let maps = Arc::new(MemoryMapStore::new(
             shardq_route::ShardMap::with_shards(shardq_route::Algorithm::default(), ["a"]).unwrap(),
         ));
-        let (n, _) = WaitingStore::open_batch(
-            &*maps,
-            clock.now_ms(),
-            &crate::workflow::NewBatch {
-                key: "cb".into(),
-                max_attempts: 1,
-                callbacks: [(crate::workflow::CallbackKind::Complete, b"x".to_vec())].into(),
-                dedup_id: None,
-            },
-        )
-        .unwrap();
+        (clock, backend, maps)
+    }
+
+    /// Opens a batch on key `cb` with these callbacks: its number.
+    fn open_batch(
+        maps: &MemoryMapStore,
+        clock: &ManualClock,
+        callbacks: &[(crate::workflow::CallbackKind, &str)],
+    ) -> u64 {
+        let new = crate::workflow::NewBatch {
+            key: "cb".into(),
+            max_attempts: 1,
+            callbacks: callbacks
+                .iter()
+                .map(|(k, p)| (*k, p.as_bytes().to_vec()))
+                .collect(),
+            dedup_id: None,
+        };
+        WaitingStore::open_batch(maps, clock.now_ms(), &new)
+            .unwrap()
+            .0
+    }
+
+    /// A batch callback whose enqueue is refused for good (a payload the
+    /// releasing process refuses) is recorded as refused, with why, and
+    /// tried no more; the other callback due fires once and the batch
+    /// completes rather than wait forever.
+    #[test]
+    fn a_callback_refused_for_good_is_recorded_and_the_batch_completes() {
+        use crate::workflow::CallbackKind::{Complete, Success};
+        let (clock, backend, maps) = one_shard();
+        let n = open_batch(&maps, &clock, &[(Complete, "poison"), (Success, "done")]);
+        WaitingStore::close_batch(&*maps, n, clock.now_ms()).unwrap();
+        let mut r = Resolver::new(maps.clone(), clock.clone());
+        let report = r.pass(&backend, &mut RefusesPoison(&backend)).unwrap();
+        assert_eq!(
+            report.fired.iter().map(|f| (f.0, f.1)).collect::<Vec<_>>(),
+            vec![(n, Success)],
+            "{report:?}"
+        );
+        let f = WaitingStore::load(&*maps).unwrap();
+        let w = &f.jobs[&n];
+        let b = w.batch.as_ref().unwrap();
+        assert!(
+            b.refused[&Complete].contains("refused") && b.refused[&Complete].contains("payload"),
+            "{b:?}"
+        );
+        assert!(!b.fired.contains_key(&Complete));
+        assert_eq!(w.state, WaitState::Released, "the batch completed");
+        assert!(!f.work_ahead());
+        // Later passes fire nothing more: the success callback ran once.
+        for _ in 0..3 {
+            clock.advance(RESOLVE_EVERY_MS);
+            let report = r.pass(&backend, &mut RefusesPoison(&backend)).unwrap();
+            assert!(
+                report.fired.is_empty() && report.errors.is_empty(),
+                "{report:?}"
+            );
+        }
+        assert_eq!(backend.key_jobs("a", "cb", 10).unwrap().len(), 1);
+    }
+
+    /// A batch of 2,000 queued jobs: the probes (64 a pass, each job at
+    /// most once a second) go round every job, not the first 640 again
+    /// and again.
+    #[test]
+    fn probes_go_round_every_job_of_a_large_batch() {
+        let (clock, backend, maps) = one_shard();
+        let n = open_batch(
+            &maps,
+            &clock,
+            &[(crate::workflow::CallbackKind::Complete, "x")],
+        );
         let jobs: Vec<NewJob> = (0..2_000)
             .map(|i| NewJob::new(format!("k{i}"), "p"))
             .collect();

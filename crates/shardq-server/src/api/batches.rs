@@ -53,6 +53,7 @@ pub fn batch_value(n: u64, w: &Waiting) -> Value {
                             "payload": payload,
                             "payload_b64": payload_b64,
                             "fired": b.fired.get(k),
+                            "refused": b.refused.get(k),
                         }),
                     )
                 })

@@ -367,12 +367,7 @@ pub const TRIAL_LEASE_MS: &str = "3000";
 /// handlers' log), `DATA` and `SHARDQ_BIN` set; its stderr appended to
 /// LOG.err.
 pub fn trial_worker(d: &str, log: &Path, idle_exit: bool, handler: &str) -> Child {
-    let mut args = vec![
-        "work",
-        "--data",
-        d,
-        "--max-local-shards",
-        "all",
+    let mut options = vec![
         "--concurrency",
         "4",
         "--lease-ms",
@@ -381,8 +376,17 @@ pub fn trial_worker(d: &str, log: &Path, idle_exit: bool, handler: &str) -> Chil
         TRIAL_LEASE_MS,
     ];
     if idle_exit {
-        args.push("--exit-when-idle");
+        options.push("--exit-when-idle");
     }
+    worker_with(d, log, &options, handler)
+}
+
+/// A worker: `work --data D --max-local-shards all OPTIONS -- sh -c
+/// HANDLER` with `LOG`, `DATA` and `SHARDQ_BIN` set; its stderr appended
+/// to LOG.err.
+pub fn worker_with(d: &str, log: &Path, options: &[&str], handler: &str) -> Child {
+    let mut args = vec!["work", "--data", d, "--max-local-shards", "all"];
+    args.extend(options);
     args.extend(["--", "sh", "-c", handler]);
     Command::new(BIN)
         .args(&args)

@@ -829,7 +829,7 @@
     }
     kinds.forEach((k, i) => {
       const cb = b.callbacks[k];
-      const state = cb.fired ? "released" : (b.state === "complete" ? "cancelled" : "waiting");
+      const state = cb.fired ? "released" : (cb.refused ? "failed" : (b.state === "complete" ? "cancelled" : "waiting"));
       const g = document.createElementNS(NS, "g");
       g.setAttribute("class", "node-" + state);
       g.setAttribute("data-callback", k);
@@ -839,7 +839,9 @@
       r.setAttribute("x", 4); r.setAttribute("y", y); r.setAttribute("width", 512); r.setAttribute("height", 18);
       const t = document.createElementNS(NS, "text");
       t.setAttribute("x", 9); t.setAttribute("y", y + 13);
-      t.textContent = "on " + k + ": " + (cb.fired ? "fired as " + cb.fired : (b.state === "complete" ? "did not fire" : "not yet"));
+      t.textContent = "on " + k + ": " + (cb.fired ? "fired as " + cb.fired
+        : cb.refused ? "refused for good: " + cb.refused
+        : (b.state === "complete" ? "did not fire" : "not yet"));
       g.appendChild(r); g.appendChild(t);
       svg.appendChild(g);
     });
