@@ -648,46 +648,16 @@ impl Dispatch<'_> {
                 rotate = rotate.wrapping_add(1);
             }
 
-            if self.opts.exit_when_idle
-                && drain_deadline_ms.is_none()
-                && !claimed_any
-                && self.unfinished() == 0
-                && !self.owned.is_empty()
-                && self.all_idle(now)
-                && !self.opts.pending_elsewhere.as_ref().is_some_and(|p| p())
-            {
-                // A shard failed for a moment (a stalled lock holder, the
-                // store restarting) is waited for, within a bound; one that
-                // failed for good ends the run naming it.
-                if self.failed.values().any(|f| now < f.wait_until_ms) {
-                    // Not idle yet: wait for the shard's retry.
-                } else if let Some((shard, _)) = self.failed.iter().next() {
-                    return Err(QueueError::ShardFailed {
-                        shard: shard.clone(),
-                    });
-                } else {
-                    return Ok(());
+            if self.opts.exit_when_idle && drain_deadline_ms.is_none() && !claimed_any {
+                if let Some(end) = self.idle_end(now) {
+                    return end;
                 }
             }
 
             if claimed_any && self.in_flight() < self.opts.concurrency {
                 continue;
             }
-            let mut wait_ms = self.opts.idle_poll_ms.max(1);
-            wait_ms = wait_ms.min(next_tick_ms.saturating_sub(now).max(1));
-            wait_ms = wait_ms.min(next_heartbeat_ms.saturating_sub(now).max(1));
-            if self.checks_runs && !self.running.is_empty() {
-                wait_ms = wait_ms.min(next_check_ms.saturating_sub(now).max(1));
-            }
-            if let Some(t) = self.next_timeout_ms() {
-                wait_ms = wait_ms.min(t.saturating_sub(now).max(1));
-            }
-            if let Some(due) = self.next_due(now) {
-                wait_ms = wait_ms.min(due.saturating_sub(now).max(1));
-            }
-            if let Some(at) = self.unacked.values().map(|u| u.retry_at_ms).min() {
-                wait_ms = wait_ms.min(at.saturating_sub(now).max(1));
-            }
+            let wait_ms = self.wait_ms(now, [next_tick_ms, next_heartbeat_ms, next_check_ms]);
             match out_rx.recv_timeout(clock.event_wait(wait_ms)) {
                 Ok(out) => {
                     let mut batch = vec![out];
@@ -700,6 +670,47 @@ impl Dispatch<'_> {
                 Err(RecvTimeoutError::Disconnected) => return Err(QueueError::WorkersExited),
             }
         }
+    }
+
+    /// How `work --exit-when-idle` ends at `now`, once a round claimed
+    /// nothing: `None` while there is work (a run unfinished, a job due,
+    /// work elsewhere, a shard failed for a moment and waited for, within
+    /// a bound); else `Ok`, or the error naming a shard that failed for
+    /// good.
+    fn idle_end(&mut self, now: u64) -> Option<Result<(), QueueError>> {
+        if self.unfinished() != 0
+            || self.owned.is_empty()
+            || !self.all_idle(now)
+            || self.opts.pending_elsewhere.as_ref().is_some_and(|p| p())
+            || self.failed.values().any(|f| now < f.wait_until_ms)
+        {
+            return None;
+        }
+        Some(match self.failed.keys().next() {
+            Some(shard) => Err(QueueError::ShardFailed {
+                shard: shard.clone(),
+            }),
+            None => Ok(()),
+        })
+    }
+
+    /// How long the loop may wait for a finished run at `now`: until the
+    /// next of its timers (`[tick, heartbeat, run check]`), a job timeout,
+    /// a job due, an ack to send again, or the idle poll.
+    fn wait_ms(&mut self, now: u64, [tick, heartbeat, check]: [u64; 3]) -> u64 {
+        let check = (self.checks_runs && !self.running.is_empty()).then_some(check);
+        [
+            Some(tick),
+            Some(heartbeat),
+            check,
+            self.next_timeout_ms(),
+            self.next_due(now),
+            self.unacked.values().map(|u| u.retry_at_ms).min(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|at| at.saturating_sub(now).max(1))
+        .fold(self.opts.idle_poll_ms.max(1), u64::min)
     }
 
     /// Ticks the coordinator: adopts gained shards, stops the handlers of
