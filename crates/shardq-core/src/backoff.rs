@@ -71,6 +71,17 @@ impl BackOffs {
             counts.remove(&(shard.to_string(), job));
         }
     }
+
+    /// [`BackOffs::ended`] of each of `jobs` on `shard`, under one lock.
+    pub fn ended_all(&self, shard: &str, jobs: impl IntoIterator<Item = JobId>) {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if counts.is_empty() {
+            return;
+        }
+        for job in jobs {
+            counts.remove(&(shard.to_string(), job));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -96,6 +107,18 @@ mod tests {
         }
         b.ended("s", JobId(2));
         b.note("s", JobId(2), 0).unwrap();
+        // Ended together, as an ack ends its runs: each count starts over,
+        // other shards' counts stay.
+        for _ in 0..BACKOFFS_IN_A_ROW_MAX - 1 {
+            b.note("s", JobId(1), 0).unwrap();
+            b.note("t", JobId(1), 0).unwrap();
+        }
+        b.ended_all("s", [JobId(1), JobId(2)]);
+        for _ in 0..BACKOFFS_IN_A_ROW_MAX - 1 {
+            b.note("s", JobId(1), 0).unwrap();
+        }
+        b.note("t", JobId(1), 0).unwrap();
+        assert!(b.note("t", JobId(1), 0).is_err(), "t's count was kept");
         assert_eq!(floored_ms(0), BACKOFF_MS_MIN);
         assert_eq!(floored_ms(5_000), 5_000);
     }

@@ -16,6 +16,34 @@ pub fn receipt_string(shard: &str, r: Receipt) -> String {
     format!("{shard}:{r}")
 }
 
+/// A job id (`SHARD:ID`, no fence) or a receipt (`SHARD:ID.FENCE`) as
+/// [`job_string`] and [`receipt_string`] give it, written straight into
+/// an answer (serialised as that string) without a `String` of its own.
+#[derive(Debug, Clone, Copy)]
+pub struct WireId<'a> {
+    /// The job's shard.
+    pub shard: &'a str,
+    /// The job's id within it.
+    pub id: JobId,
+    /// The run's fence, for a receipt.
+    pub fence: Option<u64>,
+}
+
+impl std::fmt::Display for WireId<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.fence {
+            None => write!(f, "{}:{}", self.shard, self.id.0),
+            Some(fence) => write!(f, "{}:{}.{fence}", self.shard, self.id.0),
+        }
+    }
+}
+
+impl serde::Serialize for WireId<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// Parses `SHARD:ID`; `field` names the input in the error.
 pub fn parse_job(s: &str, field: &str) -> Result<(String, JobId), String> {
     let bad = || format!("{field}: invalid job id {s:?}: expected SHARD:ID, e.g. \"shard-2:17\"");
@@ -28,6 +56,11 @@ pub fn parse_job(s: &str, field: &str) -> Result<(String, JobId), String> {
 
 /// Parses `SHARD:ID.FENCE`; `field` names the input in the error.
 pub fn parse_receipt(s: &str, field: impl Fn() -> String) -> Result<(String, Receipt), String> {
+    split_receipt(s, field).map(|(shard, r)| (shard.to_string(), r))
+}
+
+/// [`parse_receipt`], the shard's name borrowed from `s`.
+pub fn split_receipt(s: &str, field: impl Fn() -> String) -> Result<(&str, Receipt), String> {
     // The field's name is formatted only for an error.
     let bad = || {
         format!(
@@ -40,7 +73,7 @@ pub fn parse_receipt(s: &str, field: impl Fn() -> String) -> Result<(String, Rec
         return Err(bad());
     }
     let r: Receipt = rest.parse().map_err(|_| bad())?;
-    Ok((shard.to_string(), r))
+    Ok((shard, r))
 }
 
 #[cfg(test)]
@@ -71,5 +104,28 @@ mod tests {
             );
         }
         assert!(parse_job("s:1.2", "ids[0]").is_err());
+    }
+
+    #[test]
+    fn wire_ids_are_the_string_forms() {
+        let r = Receipt {
+            id: JobId(17),
+            fence: 1_700_000_000_044_000,
+        };
+        let job = WireId {
+            shard: "shard-2",
+            id: r.id,
+            fence: None,
+        };
+        let receipt = WireId {
+            fence: Some(r.fence),
+            ..job
+        };
+        assert_eq!(job.to_string(), job_string("shard-2", r.id));
+        assert_eq!(receipt.to_string(), receipt_string("shard-2", r));
+        assert_eq!(
+            serde_json::to_string(&[job, receipt]).unwrap(),
+            r#"["shard-2:17","shard-2:17.1700000000044000"]"#
+        );
     }
 }

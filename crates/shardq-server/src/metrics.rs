@@ -21,10 +21,18 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     shardq_metrics::serve::metrics_response(Arc::clone(&app.metrics)).await
 }
 
-/// Jobs a producer placed (not the duplicates of a dedup id).
+/// Jobs a producer placed (the duplicates of a dedup id are not counted),
+/// counted once per shard, not once a job.
 pub(crate) fn enqueued(app: &App, placed: &[Placed]) {
-    for p in placed {
-        app.metrics.enqueued(&p.shard, 1);
+    let mut counts: Vec<(&str, u64)> = Vec::new();
+    for p in placed.iter().filter(|p| !p.duplicate) {
+        match counts.iter_mut().find(|(s, _)| *s == p.shard) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((&p.shard, 1)),
+        }
+    }
+    for (shard, n) in counts {
+        app.metrics.enqueued(shard, n);
     }
 }
 

@@ -4,6 +4,7 @@
 //! runs than the bounds allow, nor walk every run on a claim.
 
 use super::*;
+use crate::ids::{split_receipt, WireId};
 
 // ---------------------------------------------------------------------------
 // Claims and the runs they start.
@@ -305,18 +306,66 @@ pub struct ClaimRequest {
     timeout_ms: Option<u64>,
 }
 
-#[derive(Debug, Serialize)]
+/// A run handed out, as the claim answers it ([`ClaimedWire`]): the
+/// claimed job's own strings, moved, not copied; the id and receipt are
+/// written from them into the answer.
+#[derive(Debug)]
 struct ClaimedOut {
-    id: String,
     shard: String,
+    id: JobId,
     key: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payload: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payload_b64: Option<String>,
+    /// The payload as text, or in base64 when it is not UTF-8.
+    payload: Result<String, String>,
     attempt: u32,
     max_attempts: u32,
-    receipt: String,
+    fence: u64,
+    lease_expires_ms: u64,
+    timeout_expires_ms: Option<u64>,
+    dedup_id: Option<String>,
+    schedule: Option<shardq_core::schedule::ScheduleTick>,
+    /// A released dependent's number.
+    dependent: Option<u64>,
+    /// The batch of a job of a batch or of a callback, and a callback's
+    /// kind.
+    batch: Option<(u64, Option<&'static str>)>,
+}
+
+impl ClaimedOut {
+    /// Bytes of its answer, at a guess (an estimate for the buffer).
+    fn wire_estimate(&self) -> usize {
+        let payload = match &self.payload {
+            Ok(s) | Err(s) => json_str_estimate(s),
+        };
+        256 + 3 * self.shard.len()
+            + json_str_estimate(&self.key)
+            + payload
+            + self.dedup_id.as_deref().map_or(0, json_str_estimate)
+            + self.schedule.as_ref().map_or(0, |t| 64 + t.id.len())
+    }
+}
+
+/// A dependent's or a batch's id, `@N`.
+struct AtId(u64);
+
+impl Serialize for AtId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("@{}", self.0))
+    }
+}
+
+/// One job of a claim's answer, as sent.
+#[derive(Serialize)]
+struct ClaimedWire<'a> {
+    id: WireId<'a>,
+    shard: &'a str,
+    key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload_b64: Option<&'a str>,
+    attempt: u32,
+    max_attempts: u32,
+    receipt: WireId<'a>,
     fence: u64,
     lease_expires_ms: u64,
     /// When the server fails the run if it has not ended (its job timeout).
@@ -324,20 +373,55 @@ struct ClaimedOut {
     timeout_expires_ms: Option<u64>,
     /// The dedup id the job was enqueued with.
     #[serde(skip_serializing_if = "Option::is_none")]
-    dedup_id: Option<String>,
+    dedup_id: Option<&'a str>,
     /// A schedule's job: its schedule and tick.
     #[serde(skip_serializing_if = "Option::is_none")]
-    schedule: Option<shardq_core::schedule::ScheduleTick>,
+    schedule: Option<&'a shardq_core::schedule::ScheduleTick>,
     /// A released dependent: its id, `@N` (`GET /v1/jobs/@N` lists its
     /// dependencies' outcomes and results).
     #[serde(skip_serializing_if = "Option::is_none")]
-    dependent: Option<String>,
+    dependent: Option<AtId>,
     /// The batch of a job of a batch or of a callback, `@N`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    batch: Option<String>,
+    batch: Option<AtId>,
     /// A batch callback's kind: `complete`, `success` or `death`.
     #[serde(skip_serializing_if = "Option::is_none")]
     batch_callback: Option<&'static str>,
+}
+
+impl Serialize for ClaimedOut {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let id = |fence| WireId {
+            shard: &self.shard,
+            id: self.id,
+            fence,
+        };
+        ClaimedWire {
+            id: id(None),
+            shard: &self.shard,
+            key: &self.key,
+            payload: self.payload.as_deref().ok(),
+            payload_b64: self.payload.as_deref().err().map(|s| s.as_str()),
+            attempt: self.attempt,
+            max_attempts: self.max_attempts,
+            receipt: id(Some(self.fence)),
+            fence: self.fence,
+            lease_expires_ms: self.lease_expires_ms,
+            timeout_expires_ms: self.timeout_expires_ms,
+            dedup_id: self.dedup_id.as_deref(),
+            schedule: self.schedule.as_ref(),
+            dependent: self.dependent.map(AtId),
+            batch: self.batch.map(|(n, _)| AtId(n)),
+            batch_callback: self.batch.and_then(|(_, kind)| kind),
+        }
+        .serialize(s)
+    }
+}
+
+/// The claim's answer, written into a buffer sized from its jobs.
+fn ok_claimed(jobs: Vec<ClaimedOut>) -> ApiResult {
+    let estimate = 16 + jobs.iter().map(ClaimedOut::wire_estimate).sum::<usize>();
+    ok_jobs_sized(jobs, estimate)
 }
 
 /// `POST /v1/claim`: long-polls the owned shards until something is
@@ -403,7 +487,7 @@ pub async fn claim(
                 }
             }
             if !jobs.is_empty() {
-                return ok_jobs(jobs);
+                return ok_claimed(jobs);
             }
             app.polled_empty(generation);
         }
@@ -422,6 +506,30 @@ pub async fn claim(
                 interval_ms = (interval_ms * 2).min(CLAIM_POLL_MAX_MS);
             }
         }
+    }
+}
+
+/// A claimed job as the answer gives it; `timeout_expires_ms` is its job
+/// timeout's end, when it has one.
+fn claimed_out(j: shardq_core::ClaimedJob, timeout_expires_ms: Option<u64>) -> ClaimedOut {
+    let payload = String::from_utf8(j.payload)
+        .map_err(|e| base64::engine::general_purpose::STANDARD.encode(e.into_bytes()));
+    let dedup_id = j.dedup_id.as_deref();
+    let batch = dedup_id.and_then(shardq_core::workflow::batch_of_dedup_id);
+    ClaimedOut {
+        schedule: dedup_id.and_then(shardq_core::schedule::ScheduleTick::of_dedup_id),
+        dependent: dedup_id.and_then(shardq_core::workflow::dependent_of_dedup_id),
+        batch: batch.map(|(n, kind)| (n, kind.map(shardq_core::workflow::CallbackKind::as_str))),
+        shard: j.shard,
+        id: j.id,
+        key: j.key,
+        payload,
+        attempt: j.attempt,
+        max_attempts: j.max_attempts,
+        fence: j.fence,
+        lease_expires_ms: j.lease_until_ms,
+        timeout_expires_ms,
+        dedup_id: j.dedup_id,
     }
 }
 
@@ -482,6 +590,7 @@ impl App {
             {
                 Ok(jobs) => {
                     crate::metrics::claimed(self, &jobs, now);
+                    out.reserve(jobs.len());
                     let mut b = book(&self.claims);
                     for j in jobs {
                         want = want.saturating_sub(1);
@@ -496,47 +605,7 @@ impl App {
                                 timeout: timeout_ms.map(|ms| (now.saturating_add(ms), ms)),
                             },
                         );
-                        let (payload, payload_b64) = match String::from_utf8(j.payload) {
-                            Ok(s) => (Some(s), None),
-                            Err(e) => (
-                                None,
-                                Some(
-                                    base64::engine::general_purpose::STANDARD
-                                        .encode(e.into_bytes()),
-                                ),
-                            ),
-                        };
-                        let (batch, batch_callback) =
-                            shardq_core::workflow::batch_fields(j.dedup_id.as_deref());
-                        out.push(ClaimedOut {
-                            id: job_string(&j.shard, j.id),
-                            receipt: receipt_string(
-                                &j.shard,
-                                Receipt {
-                                    id: j.id,
-                                    fence: j.fence,
-                                },
-                            ),
-                            shard: j.shard,
-                            key: j.key,
-                            payload,
-                            payload_b64,
-                            attempt: j.attempt,
-                            max_attempts: j.max_attempts,
-                            fence: j.fence,
-                            lease_expires_ms: j.lease_until_ms,
-                            timeout_expires_ms: timeout_ms.map(|ms| now.saturating_add(ms)),
-                            schedule: j
-                                .dedup_id
-                                .as_deref()
-                                .and_then(shardq_core::schedule::ScheduleTick::of_dedup_id),
-                            dependent: (j.dedup_id.as_deref())
-                                .and_then(shardq_core::workflow::dependent_of_dedup_id)
-                                .map(|n| format!("@{n}")),
-                            batch,
-                            batch_callback,
-                            dedup_id: j.dedup_id,
-                        });
+                        out.push(claimed_out(j, timeout_ms.map(|ms| now.saturating_add(ms))));
                     }
                 }
                 Err(QueueError::NotOwner { .. }) => {}
@@ -554,15 +623,23 @@ impl App {
         let mut map_names: Option<Vec<String>> = None;
         for (i, s) in receipts.iter().enumerate() {
             let (shard, r) =
-                parse_receipt(s, || format!("receipts[{i}]")).map_err(ApiError::bad)?;
-            if self.owned.contains(&shard) {
-                groups.entry(shard).or_default().push((r, s.clone()));
+                split_receipt(s, || format!("receipts[{i}]")).map_err(ApiError::bad)?;
+            // Ownership is looked up once per shard of the request.
+            if let Some(group) = groups.get_mut(shard) {
+                group.push((r, s.clone()));
+                continue;
+            }
+            if self.owned.contains(shard) {
+                groups.insert(shard.to_string(), vec![(r, s.clone())]);
                 continue;
             }
             if map_names.is_none() {
                 map_names = Some(self.deployment.shard_names()?);
             }
-            if !map_names.as_ref().is_some_and(|n| n.contains(&shard)) {
+            if !map_names
+                .as_ref()
+                .is_some_and(|n| n.iter().any(|n| n == shard))
+            {
                 return Err(ApiError::bad(format!(
                     "receipts[{i}]: receipt {s:?} names unknown shard {shard:?}"
                 )));

@@ -42,23 +42,58 @@ pub(super) struct JobIn {
     pub(super) batch: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+/// A job placed by an enqueue (or the job its dedup id names), as the
+/// answer gives it: `{"id", "shard", "key", "duplicate"}`.
+#[derive(Debug)]
 struct Enqueued {
-    id: String,
     shard: String,
+    id: JobId,
     key: String,
     duplicate: bool,
 }
 
-fn check_dedup_id(id: &str, field: &str) -> Result<(), ApiError> {
+impl Enqueued {
+    /// Bytes of its answer, at a guess (an estimate for the buffer).
+    fn wire_estimate(&self) -> usize {
+        64 + 3 * self.shard.len() + json_str_estimate(&self.key)
+    }
+}
+
+impl Serialize for Enqueued {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: crate::ids::WireId<'a>,
+            shard: &'a str,
+            key: &'a str,
+            duplicate: bool,
+        }
+        Wire {
+            id: crate::ids::WireId {
+                shard: &self.shard,
+                id: self.id,
+                fence: None,
+            },
+            shard: &self.shard,
+            key: &self.key,
+            duplicate: self.duplicate,
+        }
+        .serialize(s)
+    }
+}
+
+/// Checks dedup id `id`; `field` names it in the error (formatted only
+/// for one).
+fn check_dedup_id(id: &str, field: impl Fn() -> String) -> Result<(), ApiError> {
     if id.is_empty() || id.len() > DEDUP_ID_BYTES_MAX || shardq_core::job::has_unshowable(id) {
         return Err(ApiError::bad(format!(
-            "{field}: invalid dedup id {}: 1..={DEDUP_ID_BYTES_MAX} bytes without control or invisible formatting characters",
+            "{}: invalid dedup id {}: 1..={DEDUP_ID_BYTES_MAX} bytes without control or invisible formatting characters",
+            field(),
             shown(id)
         )));
     }
     shardq_core::job::refuse_reserved_dedup_id(id)
-        .map_err(|e| ApiError::bad(format!("{field}: {e}")))
+        .map_err(|e| ApiError::bad(format!("{}: {e}", field())))
 }
 
 pub(super) fn to_new_job(
@@ -99,7 +134,7 @@ pub(super) fn to_new_job(
         )));
     }
     if let Some(d) = &j.dedup_id {
-        check_dedup_id(d, &f("dedup_id"))?;
+        check_dedup_id(d, || f("dedup_id"))?;
     }
     let max_attempts = (j.max_attempts).unwrap_or_else(|| retry.for_key(&j.key).max_attempts);
     let keyed = shardq_core::KeyedSpec {
@@ -163,24 +198,40 @@ pub async fn enqueue(
         )));
     }
     let mut jobs = Vec::with_capacity(n);
-    let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for (i, j) in jobs_in.into_iter().enumerate() {
-        let job = to_new_job(i, j, app.limits.payload_bytes_max, &app.retry)?;
-        // A burst of one key's keyed jobs may share an id in one request.
-        if let Some(id) = job.dedup_id.as_ref().filter(|_| job.keyed.is_none()) {
-            if let Some(first) = seen.insert((job.key.clone(), id.clone()), i) {
+        match to_new_job(i, j, app.limits.payload_bytes_max, &app.retry) {
+            Ok(job) => jobs.push(job),
+            Err(e) => {
+                // The first bad job is named: a repeated id before it first.
+                check_repeated_dedup_ids(&jobs)?;
+                return Err(e);
+            }
+        }
+    }
+    check_repeated_dedup_ids(&jobs)?;
+    let a = Arc::clone(&app);
+    let out = blocking(move || a.enqueue_blocking(jobs)).await?;
+    app.work_arrived();
+    let estimate = 16 + out.iter().map(Enqueued::wire_estimate).sum::<usize>();
+    ok_jobs_sized(out, estimate)
+}
+
+/// Refuses jobs of one key that share a dedup id, naming the first such
+/// job (a burst of one key's keyed jobs may share an id in one request).
+fn check_repeated_dedup_ids(jobs: &[NewJob]) -> Result<(), ApiError> {
+    let mut seen: HashMap<(&str, &str), usize, RandomState> =
+        HashMap::with_capacity_and_hasher(jobs.len(), RandomState::new());
+    for (i, job) in jobs.iter().enumerate() {
+        if let Some(id) = job.dedup_id.as_deref().filter(|_| job.keyed.is_none()) {
+            if let Some(first) = seen.insert((&job.key, id), i) {
                 return Err(ApiError::bad(format!(
                     "jobs[{i}].dedup_id: {} already used by jobs[{first}] of this request, for the same key",
                     shown(id)
                 )));
             }
         }
-        jobs.push(job);
     }
-    let a = Arc::clone(&app);
-    let out = blocking(move || a.enqueue_blocking(jobs)).await?;
-    app.work_arrived();
-    ok_jobs(out)
+    Ok(())
 }
 
 /// A request with `after`: every job a dependent, stored at once. Answers
@@ -233,7 +284,7 @@ async fn enqueue_graph(app: Arc<App>, jobs_in: Vec<JobIn>) -> ApiResult {
 }
 
 impl App {
-    fn enqueue_blocking(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>, ApiError> {
+    fn enqueue_blocking(&self, mut jobs: Vec<NewJob>) -> Result<Vec<Enqueued>, ApiError> {
         let mut producer = self.take_producer()?;
         let outcome = producer.enqueue_batch(&jobs);
         self.metrics.refusals(&producer.take_refusals());
@@ -258,14 +309,14 @@ impl App {
             }
             Err(e) => (Vec::new(), Some(ApiError::from(e))),
         };
-        let stored: Vec<_> = placed.iter().filter(|p| !p.duplicate).cloned().collect();
-        crate::metrics::enqueued(self, &stored);
+        crate::metrics::enqueued(self, &placed);
         let mut results: Vec<Option<Enqueued>> = (0..jobs.len()).map(|_| None).collect();
-        for p in &placed {
+        for p in placed {
+            // Each job is placed once: its key moves to its answer.
             results[p.index] = Some(Enqueued {
-                id: job_string(&p.shard, p.id),
-                shard: p.shard.clone(),
-                key: jobs[p.index].key.clone(),
+                key: std::mem::take(&mut jobs[p.index].key),
+                shard: p.shard,
+                id: p.id,
                 duplicate: p.duplicate,
             });
         }
@@ -275,7 +326,7 @@ impl App {
             let placed_json: Vec<Value> = results
                 .iter()
                 .enumerate()
-                .filter_map(|(i, r)| r.as_ref().map(|r| json!({"index": i, "id": r.id, "shard": r.shard, "duplicate": r.duplicate})))
+                .filter_map(|(i, r)| r.as_ref().map(|r| json!({"index": i, "id": job_string(&r.shard, r.id), "shard": r.shard, "duplicate": r.duplicate})))
                 .collect();
             return Err(e.with("placed", Value::Array(placed_json)));
         }

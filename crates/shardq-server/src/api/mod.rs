@@ -76,6 +76,34 @@ fn ok_jobs<T: Serialize>(jobs: T) -> ApiResult {
     Ok(Json(JobsReply { jobs }).into_response())
 }
 
+/// [`ok_jobs`] written once into a buffer of `estimate` bytes: axum's
+/// `Json` starts at 128 bytes and grows by `realloc`, copying what it
+/// wrote at each step, so the long answers (a claim or an enqueue of
+/// hundreds of jobs) are best sized from their jobs first.
+fn ok_jobs_sized<T: Serialize>(jobs: T, estimate: usize) -> ApiResult {
+    let mut buf = Vec::with_capacity(estimate);
+    match serde_json::to_writer(&mut buf, &JobsReply { jobs }) {
+        Ok(()) => Ok((
+            [(
+                axum::http::header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("application/json"),
+            )],
+            axum::body::Body::from(buf),
+        )
+            .into_response()),
+        Err(e) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("writing the answer: {e}"),
+        )),
+    }
+}
+
+/// Bytes a JSON string of `s` takes beyond its own length, at a guess
+/// (its quotes, and some room for escapes), for [`ok_jobs_sized`].
+fn json_str_estimate(s: &str) -> usize {
+    s.len() + s.len() / 16 + 2
+}
+
 /// Runs blocking library work off the async executor.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,

@@ -205,8 +205,9 @@ pub async fn ack(State(app): State<Arc<App>>, JsonBody(req): JsonBody<AckRequest
                     let mut b = book(&a.claims);
                     for r in &receipts {
                         b.finish(&shard, *r);
-                        a.backoffs.ended(&shard, r.id);
                     }
+                    drop(b);
+                    a.backoffs.ended_all(&shard, receipts.iter().map(|r| r.id));
                     stale.extend(out.stale.iter().map(|r| receipt_string(&shard, *r)));
                 }
                 Err(QueueError::NotOwner { .. }) => {
