@@ -69,8 +69,7 @@ pub enum PolicyAction {
         which: PolicyWhich,
         /// Runs of one key at once, 1 to 256 (default 1: one at a time,
         /// strictly in order; more start in order and may finish out of
-        /// it). On Redis shards the first policy above 1 raises the
-        /// deployment's key layout to 3, which older processes refuse.
+        /// it).
         #[arg(long, value_name = "N")]
         concurrency: Option<u32>,
         /// Job starts of each key, counted over every worker: N/s, N/m or
