@@ -8,17 +8,28 @@ use shardq_core::{JobId, Receipt};
 
 /// A job id as clients see it.
 pub fn job_string(shard: &str, id: JobId) -> String {
-    format!("{shard}:{}", id.0)
+    WireId {
+        shard,
+        id,
+        fence: None,
+    }
+    .to_string()
 }
 
 /// A receipt as clients see it.
 pub fn receipt_string(shard: &str, r: Receipt) -> String {
-    format!("{shard}:{r}")
+    WireId {
+        shard,
+        id: r.id,
+        fence: Some(r.fence),
+    }
+    .to_string()
 }
 
-/// A job id (`SHARD:ID`, no fence) or a receipt (`SHARD:ID.FENCE`) as
-/// [`job_string`] and [`receipt_string`] give it, written straight into
-/// an answer (serialised as that string) without a `String` of its own.
+/// A job id (`SHARD:ID`, no fence) or a receipt (`SHARD:ID.FENCE`, the
+/// fence after core's `Receipt` id), the one place their forms are
+/// written: as a `String` ([`job_string`], [`receipt_string`]) or straight
+/// into an answer (serialised as that string) without one.
 #[derive(Debug, Clone, Copy)]
 pub struct WireId<'a> {
     /// The job's shard.
@@ -123,6 +134,8 @@ mod tests {
         };
         assert_eq!(job.to_string(), job_string("shard-2", r.id));
         assert_eq!(receipt.to_string(), receipt_string("shard-2", r));
+        // A receipt's tail is core's `Receipt` form.
+        assert_eq!(receipt_string("shard-2", r), format!("shard-2:{r}"));
         assert_eq!(
             serde_json::to_string(&[job, receipt]).unwrap(),
             r#"["shard-2:17","shard-2:17.1700000000044000"]"#
