@@ -416,8 +416,15 @@ fn a_callback_the_worker_refuses_for_good_is_shown_refused_and_the_batch_complet
     support::wait_until("the batch to complete", Duration::from_secs(20), || {
         show(d, &b)["state"] == "complete"
     });
-    // A few resolver passes more: nothing else starts.
-    std::thread::sleep(Duration::from_millis(1_500));
+    support::wait_until(
+        "the success callback to end",
+        Duration::from_secs(20),
+        || {
+            read_log(&log)
+                .iter()
+                .any(|l| !l.start && l.callback.as_deref() == Some("success"))
+        },
+    );
     let _ = w.kill();
     let _ = w.wait();
     let v = show(d, &b);
